@@ -1,0 +1,25 @@
+# Abseil-style helpers: one static library per component, tests registered with ctest labels.
+#
+# dgserve_cc_library(NAME n SRCS ... [HDRS ...] [DEPS ...])
+# dgserve_cc_test(NAME n SRCS ... [DEPS ...] [LABELS unit] [ENV K=V ...])
+
+function(dgserve_cc_library)
+  cmake_parse_arguments(A "" "NAME" "SRCS;HDRS;DEPS" ${ARGN})
+  add_library(${A_NAME} STATIC ${A_SRCS} ${A_HDRS})
+  target_include_directories(${A_NAME} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_link_libraries(${A_NAME} PUBLIC ${A_DEPS})
+  target_compile_options(${A_NAME} PRIVATE -Wall -Wextra -Wno-unused-parameter)
+endfunction()
+
+function(dgserve_cc_test)
+  cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;LABELS;ENV" ${ARGN})
+  if(NOT A_LABELS)
+    set(A_LABELS unit)
+  endif()
+  add_executable(${A_NAME} ${A_SRCS})
+  target_include_directories(${A_NAME} PRIVATE ${PROJECT_SOURCE_DIR})
+  target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  gtest_discover_tests(${A_NAME}
+    PROPERTIES LABELS "${A_LABELS}" ENVIRONMENT "DGSERVE_SOURCE_DIR=${PROJECT_SOURCE_DIR};${A_ENV}"
+    DISCOVERY_TIMEOUT 60)
+endfunction()
