@@ -1,0 +1,150 @@
+#include "engine/generation/generator.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "engine/denoise/canvas_state.h"
+#include "engine/denoise/finalize.h"
+#include "engine/denoise/rng.h"
+#include "engine/denoise/row_sampler.h"
+#include "engine/model/kv_cache.h"
+
+namespace dgserve {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+GenerationRequest DefaultRequest(const GenerationConfig& g) {
+  GenerationRequest r;
+  r.max_new_tokens = g.max_new_tokens;
+  r.sampler.max_denoising_steps = g.max_denoising_steps;
+  r.sampler.t_min = g.t_min;
+  r.sampler.t_max = g.t_max;
+  r.sampler.entropy_bound = g.entropy_bound;
+  r.sampler.stability_threshold = g.stability_threshold;
+  r.sampler.confidence_threshold = g.confidence_threshold;
+  r.stop_token_ids = g.stop_token_ids;
+  r.pad_token_id = g.pad_token_id;
+  return r;
+}
+
+absl::Status Generator::Validate(const GenerationRequest& r) const {
+  const ModelConfig& c = backend_.config();
+  if (r.prompt.empty()) return absl::InvalidArgumentError("prompt: must not be empty");
+  for (int32_t id : r.prompt) {
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt: token id ", id, " is outside [0, ", c.vocab_size, ")"));
+    }
+  }
+  if (r.max_new_tokens <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_new_tokens: must be > 0, got ", r.max_new_tokens));
+  }
+  const int64_t canvases = (int64_t(r.max_new_tokens) + c.canvas_length - 1) / c.canvas_length;
+  const int64_t total = int64_t(r.prompt.size()) + canvases * c.canvas_length;
+  if (total > c.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_new_tokens: prompt (", r.prompt.size(), " tokens) + ", canvases,
+        " canvases of ", c.canvas_length, " exceed the context limit of ",
+        c.max_position_embeddings, " positions"));
+  }
+  for (int32_t id : r.stop_token_ids) {
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop_token_ids: ", id, " is outside [0, ", c.vocab_size, ")"));
+    }
+  }
+  if (r.pad_token_id < 0 || r.pad_token_id >= c.vocab_size) {
+    return absl::InvalidArgumentError("pad_token_id: outside the vocabulary");
+  }
+  return ValidateSamplerParams(r.sampler);
+}
+
+absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
+                                                     const GenerationObserver& observer) {
+  DGSERVE_RETURN_IF_ERROR(Validate(r));
+  const ModelConfig& c = backend_.config();
+  const int C = c.canvas_length, V = c.vocab_size, D = c.hidden_size;
+  const int num_canvases = (r.max_new_tokens + C - 1) / C;
+
+  GenerationResult result;
+  result.prompt_tokens = r.prompt.size();
+  ContiguousKvCache kv(c, int(r.prompt.size()) + num_canvases * C);
+  auto t0 = std::chrono::steady_clock::now();
+  {
+    EncodeInput in{r.prompt, &kv};
+    DGSERVE_RETURN_IF_ERROR(backend_.Encode({&in, 1}));
+  }
+  result.prefill_seconds = SecondsSince(t0);
+
+  CounterDrawSource draws(r.seed, V);
+  // The one vocabulary-sized buffer: logits of the current step, overwritten in place by their
+  // probabilities, which the next step turns into the self-conditioning soft embedding.
+  std::vector<float> logits(size_t(C) * V);
+  std::vector<float> soft(size_t(C) * D);
+  std::vector<RowResult> rows(C);
+  std::vector<int32_t> committed;
+  result.finish_reason = "length";
+  for (int n = 0; n < num_canvases; ++n) {
+    if (n > 0) {  // commit pass: encode the previous canvas (spec §4.1 step 3a)
+      auto tc = std::chrono::steady_clock::now();
+      EncodeInput in{committed, &kv};
+      DGSERVE_RETURN_IF_ERROR(backend_.Encode({&in, 1}));
+      result.commit_seconds += SecondsSince(tc);
+    }
+    auto td = std::chrono::steady_clock::now();
+    DGSERVE_ASSIGN_OR_RETURN(CanvasDenoiser den,
+                             CanvasDenoiser::Create(r.sampler, C, V, n, &draws));
+    bool have_sc = false;
+    while (!den.done()) {
+      const float temperature = den.temperature();
+      DecodeInput in{den.canvas(), have_sc ? soft.data() : nullptr, &kv, logits.data()};
+      DGSERVE_RETURN_IF_ERROR(backend_.Decode({&in, 1}));
+      SampleRows(logits.data(), C, V, temperature, den.uniforms(), /*write_probs=*/true, rows);
+      DGSERVE_ASSIGN_OR_RETURN(StepOutcome out, den.ApplyStep(rows));
+      ++result.decoder_passes;
+      if (observer.on_step) {
+        StepEvent ev{n, out.step, out.temperature, den.committed(), int(out.accepted.size()),
+                     out.mean_entropy, out.stop};
+        observer.on_step(ev);
+      }
+      if (!den.done()) {  // self-conditioning for the next step (spec §3.5 step 2)
+        backend_.SoftEmbedding(logits.data(), C, soft.data());
+        have_sc = true;
+      }
+    }
+    result.denoise_seconds += SecondsSince(td);
+    committed.assign(den.committed().begin(), den.committed().end());
+    std::vector<int32_t> finalized = committed;
+    const bool found = FinalizeCanvas(finalized, r.stop_token_ids, r.pad_token_id);
+    result.tokens.insert(result.tokens.end(), finalized.begin(), finalized.end());
+    result.steps_per_canvas.push_back(den.step());
+    ++result.canvases;
+    if (observer.on_canvas) {
+      observer.on_canvas(CanvasEvent{n, finalized, den.step(), den.stopped_early(), found});
+    }
+    if (found) {
+      result.finish_reason = "stop";
+      break;
+    }
+  }
+  // The completion: up to (not including) the first stop token, at most max_new_tokens.
+  for (int32_t id : result.tokens) {
+    if (std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), id) !=
+        r.stop_token_ids.end()) {
+      break;
+    }
+    if (int(result.completion.size()) == r.max_new_tokens) break;
+    result.completion.push_back(id);
+  }
+  return result;
+}
+
+}  // namespace dgserve

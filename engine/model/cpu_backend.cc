@@ -1,0 +1,381 @@
+// CPU implementation of ModelBackend: the DiffusionGemma forward pass (spec §3), float32.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/model/backend.h"
+#include "engine/model/cpu_ops.h"
+
+namespace dgserve {
+namespace {
+
+using cpu::MatMulTransB;
+using cpu::RmsNorm;
+
+// Which keys a block of query rows may see, per layer (spec §3.4 / §3.5).
+enum class PassKind { kEncoder, kDecoder };
+
+// One sequence inside a batched pass: its rows in the stacked activations and its positions.
+struct Segment {
+  int row0 = 0;        // first row in the stacked [R, D] activations
+  int rows = 0;        // new tokens (encoder) or canvas length (decoder)
+  int pos0 = 0;        // position of the first row
+  const KvCache* kv = nullptr;
+  KvCache* kv_write = nullptr;  // encoder only
+};
+
+class CpuBackend final : public ModelBackend {
+ public:
+  CpuBackend(const ModelConfig& config, const ModelWeights& weights)
+      : c_(config), w_(weights) {
+    rope_sliding_ = cpu::RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2);
+    rope_full_ = cpu::RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles());
+  }
+
+  const ModelConfig& config() const override { return c_; }
+
+  absl::Status Encode(std::span<const EncodeInput> batch) override;
+  absl::Status Decode(std::span<const DecodeInput> batch) override;
+  void SoftEmbedding(const float* probs, int rows, float* soft) override;
+
+ private:
+  absl::Status CheckTokens(std::span<const int32_t> ids) const;
+  // e[r] = E[ids[r]] · bf16(√D).
+  void Embed(std::span<const int32_t> ids, float* out) const;
+  // Runs layer `l` on h [R, D] in place.
+  void Layer(int l, PassKind kind, std::span<const Segment> segs, int R, float* h) const;
+  void Attention(int l, PassKind kind, std::span<const Segment> segs, const float* q,
+                 const float* k_new, const float* v_new, float* out) const;
+  void Moe(int l, const float* h1, int R, float* m) const;
+  void GatedMlp(const float* x, int R, const float* gate, const float* up, const float* down,
+                int width, float* out) const;
+
+  const ModelConfig& c_;
+  const ModelWeights& w_;
+  std::vector<float> rope_sliding_, rope_full_;
+};
+
+absl::Status CpuBackend::CheckTokens(std::span<const int32_t> ids) const {
+  for (int32_t id : ids) {
+    if (id < 0 || id >= c_.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id ", id, " is outside the vocabulary [0, ", c_.vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void CpuBackend::Embed(std::span<const int32_t> ids, float* out) const {
+  const int D = c_.hidden_size;
+  const float scale = c_.EmbedScale();
+  for (size_t r = 0; r < ids.size(); ++r) {
+    const float* e = w_.embed_tokens.data() + int64_t(ids[r]) * D;
+    for (int i = 0; i < D; ++i) out[r * D + i] = e[i] * scale;
+  }
+}
+
+void CpuBackend::GatedMlp(const float* x, int R, const float* gate, const float* up,
+                          const float* down, int width, float* out) const {
+  const int D = c_.hidden_size;
+  std::vector<float> g(size_t(R) * width), u(size_t(R) * width);
+  MatMulTransB(x, gate, R, width, D, g.data());
+  MatMulTransB(x, up, R, width, D, u.data());
+  cpu::GeluGate(g.data(), u.data(), int64_t(R) * width, g.data());
+  MatMulTransB(g.data(), down, R, D, width, out);
+}
+
+void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R,
+                       float* h) const {
+  const LayerWeights& lw = w_.layers[l];
+  const int D = c_.hidden_size, hd = c_.HeadDim(l), nh = c_.num_heads, nkv = c_.KvHeads(l);
+  const float eps = c_.rms_norm_eps;
+  const bool full = c_.IsFull(l);
+  const std::vector<float>& inv_freq = full ? rope_full_ : rope_sliding_;
+
+  // 1–2. Attention block on a = input_layernorm(h).
+  std::vector<float> a(size_t(R) * D);
+  RmsNorm(h, lw.input_layernorm.data(), R, D, eps, a.data());
+  std::vector<float> q(size_t(R) * nh * hd), k(size_t(R) * nkv * hd), v(size_t(R) * nkv * hd);
+  MatMulTransB(a.data(), lw.q_proj.data(), R, nh * hd, D, q.data());
+  MatMulTransB(a.data(), lw.k_proj.data(), R, nkv * hd, D, k.data());
+  if (full) {
+    v = k;  // V = rms_noscale(raw k projection) on full layers (spec §3.3)
+  } else {
+    MatMulTransB(a.data(), lw.v_proj.data(), R, nkv * hd, D, v.data());
+  }
+  RmsNorm(q.data(), lw.q_norm.data(), R * nh, hd, eps, q.data());
+  RmsNorm(k.data(), lw.k_norm.data(), R * nkv, hd, eps, k.data());
+  RmsNorm(v.data(), nullptr, R * nkv, hd, eps, v.data());
+  for (const Segment& s : segs) {
+#pragma omp parallel for schedule(static) if (s.rows >= 16)
+    for (int r = 0; r < s.rows; ++r) {
+      const int row = s.row0 + r, pos = s.pos0 + r;
+      cpu::ApplyRope(q.data() + size_t(row) * nh * hd, nh, hd, pos, inv_freq);
+      cpu::ApplyRope(k.data() + size_t(row) * nkv * hd, nkv, hd, pos, inv_freq);
+    }
+  }
+  if (kind == PassKind::kEncoder) {
+    // The encoder writes the new K/V rows into the cache; attention then reads them from there.
+    for (const Segment& seg : segs) {
+      for (int r = 0; r < seg.rows; ++r) {
+        const size_t src = size_t(seg.row0 + r) * nkv * hd;
+        std::memcpy(seg.kv_write->MutableKeyRow(l, seg.pos0 + r), &k[src], sizeof(float) * nkv * hd);
+        std::memcpy(seg.kv_write->MutableValueRow(l, seg.pos0 + r), &v[src],
+                    sizeof(float) * nkv * hd);
+      }
+    }
+  }
+  std::vector<float> attn(size_t(R) * nh * hd);
+  Attention(l, kind, segs, q.data(), k.data(), v.data(), attn.data());
+  std::vector<float> o(size_t(R) * D);
+  MatMulTransB(attn.data(), lw.o_proj.data(), R, D, nh * hd, o.data());
+  // 3. h1 = h + post_attention_layernorm(o).
+  RmsNorm(o.data(), lw.post_attention_layernorm.data(), R, D, eps, o.data());
+  for (size_t i = 0; i < size_t(R) * D; ++i) h[i] += o[i];
+  const float* h1 = h;
+
+  // 4. Dense branch.
+  RmsNorm(h1, lw.pre_feedforward_layernorm.data(), R, D, eps, a.data());
+  std::vector<float> dense(size_t(R) * D);
+  GatedMlp(a.data(), R, lw.mlp_gate_proj.data(), lw.mlp_up_proj.data(), lw.mlp_down_proj.data(),
+           c_.intermediate_size, dense.data());
+  RmsNorm(dense.data(), lw.post_feedforward_layernorm_1.data(), R, D, eps, dense.data());
+  // 5. MoE branch.
+  std::vector<float> moe(size_t(R) * D);
+  Moe(l, h1, R, moe.data());
+  RmsNorm(moe.data(), lw.post_feedforward_layernorm_2.data(), R, D, eps, moe.data());
+  // 6. h2 = h1 + post_feedforward_layernorm(d + m); 7. whole stream × layer_scalar.
+  for (size_t i = 0; i < size_t(R) * D; ++i) dense[i] += moe[i];
+  RmsNorm(dense.data(), lw.post_feedforward_layernorm.data(), R, D, eps, dense.data());
+  const float scalar =
+      kind == PassKind::kEncoder ? lw.encoder_layer_scalar : lw.decoder_layer_scalar;
+  for (size_t i = 0; i < size_t(R) * D; ++i) h[i] = (h[i] + dense[i]) * scalar;
+}
+
+void CpuBackend::Moe(int l, const float* h1, int R, float* m) const {
+  const LayerWeights& lw = w_.layers[l];
+  const int D = c_.hidden_size, E = c_.num_experts, K = c_.top_k_experts;
+  const int F = c_.moe_intermediate_size;
+  const float eps = c_.rms_norm_eps;
+  // Router on the un-normalised h1 (spec §3.2 step 5): rms_noscale(h1) ⊙ scale · D^−½.
+  std::vector<float> r(size_t(R) * D);
+  RmsNorm(h1, lw.router_scale.data(), R, D, eps, r.data());
+  const float root = 1.0f / std::sqrt(float(D));
+  for (float& x : r) x *= root;
+  std::vector<float> scores(size_t(R) * E);
+  MatMulTransB(r.data(), lw.router_proj.data(), R, E, D, scores.data());
+  // Softmax over all experts, top-k (ties → lower expert id), renormalise, × per_expert_scale.
+  std::vector<std::vector<std::pair<int, float>>> by_expert(E);  // (row, weight)
+  std::vector<int> idx(E);
+  for (int row = 0; row < R; ++row) {
+    float* s = scores.data() + size_t(row) * E;
+    float mx = *std::max_element(s, s + E);
+    float sum = 0;
+    for (int e = 0; e < E; ++e) sum += (s[e] = std::exp(s[e] - mx));
+    for (int e = 0; e < E; ++e) s[e] /= sum;
+    std::iota(idx.begin(), idx.end(), 0);
+    std::partial_sort(idx.begin(), idx.begin() + K, idx.end(), [&](int a, int b) {
+      return s[a] > s[b] || (s[a] == s[b] && a < b);
+    });
+    float top = 0;
+    for (int j = 0; j < K; ++j) top += s[idx[j]];
+    for (int j = 0; j < K; ++j) {
+      const int e = idx[j];
+      by_expert[e].push_back({row, s[e] / top * lw.router_per_expert_scale[e]});
+    }
+  }
+  // Experts on pre_feedforward_layernorm_2(h1), grouped by expert; accumulate in expert order.
+  std::vector<float> xe(size_t(R) * D);
+  RmsNorm(h1, lw.pre_feedforward_layernorm_2.data(), R, D, eps, xe.data());
+  std::fill(m, m + size_t(R) * D, 0.0f);
+  std::vector<float> xin, gu, act, y;
+  for (int e = 0; e < E; ++e) {
+    const auto& rows = by_expert[e];
+    const int n = rows.size();
+    if (n == 0) continue;
+    xin.resize(size_t(n) * D);
+    for (int i = 0; i < n; ++i) {
+      std::memcpy(&xin[size_t(i) * D], &xe[size_t(rows[i].first) * D], sizeof(float) * D);
+    }
+    gu.resize(size_t(n) * 2 * F);
+    MatMulTransB(xin.data(), lw.experts_gate_up_proj.data() + size_t(e) * 2 * F * D, n, 2 * F, D,
+                 gu.data());
+    act.resize(size_t(n) * F);
+    for (int i = 0; i < n; ++i) {
+      cpu::GeluGate(&gu[size_t(i) * 2 * F], &gu[size_t(i) * 2 * F + F], F, &act[size_t(i) * F]);
+    }
+    y.resize(size_t(n) * D);
+    MatMulTransB(act.data(), lw.experts_down_proj.data() + size_t(e) * D * F, n, D, F, y.data());
+    for (int i = 0; i < n; ++i) {
+      float* dst = m + size_t(rows[i].first) * D;
+      const float wgt = rows[i].second;
+      for (int d = 0; d < D; ++d) dst[d] += wgt * y[size_t(i) * D + d];
+    }
+  }
+}
+
+void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, const float* q,
+                           const float* k_new, const float* v_new, float* out) const {
+  const int hd = c_.HeadDim(l), nh = c_.num_heads, nkv = c_.KvHeads(l);
+  const int group = nh / nkv, kvw = nkv * hd;
+  const bool full = c_.IsFull(l);
+  const int W = c_.sliding_window;
+  for (const Segment& s : segs) {
+    // Key/value rows visible to this segment, in position order, and each query's range.
+    std::vector<const float*> krows, vrows;
+    int first_pos;  // position of krows[0]
+    if (kind == PassKind::kEncoder) {
+      // New rows are already in the cache: keys are cache rows [lo, pos0 + rows).
+      first_pos = full ? 0 : std::max(0, s.pos0 - (W - 1));
+      for (int p = first_pos; p < s.pos0 + s.rows; ++p) {
+        krows.push_back(s.kv->KeyRow(l, p));
+        vrows.push_back(s.kv->ValueRow(l, p));
+      }
+    } else {
+      // Context prefix (fixed window for sliding layers) then the canvas itself.
+      const int P = s.pos0;
+      first_pos = full ? 0 : std::max(0, P - (W - 1));
+      for (int p = first_pos; p < P; ++p) {
+        krows.push_back(s.kv->KeyRow(l, p));
+        vrows.push_back(s.kv->ValueRow(l, p));
+      }
+      for (int r = 0; r < s.rows; ++r) {
+        krows.push_back(k_new + size_t(s.row0 + r) * kvw);
+        vrows.push_back(v_new + size_t(s.row0 + r) * kvw);
+      }
+    }
+    const int nkeys = krows.size();
+#pragma omp parallel
+    {
+      std::vector<float> scores(nkeys);
+#pragma omp for schedule(static) collapse(2)
+      for (int r = 0; r < s.rows; ++r) {
+        for (int hq = 0; hq < nh; ++hq) {
+          int lo = 0, hi = nkeys;  // key index range [lo, hi)
+          if (kind == PassKind::kEncoder) {
+            const int pos = s.pos0 + r;
+            hi = pos - first_pos + 1;
+            if (!full) lo = std::max(0, pos - (W - 1) - first_pos);
+          }
+          const int g = hq / group;
+          const float* qv = q + size_t(s.row0 + r) * nh * hd + size_t(hq) * hd;
+          float mx = -INFINITY;
+          for (int j = lo; j < hi; ++j) {
+            const float* kr = krows[j] + size_t(g) * hd;
+            float dot = 0;
+            for (int d = 0; d < hd; ++d) dot += qv[d] * kr[d];
+            scores[j] = dot;  // scale 1.0 (spec §3.1.5)
+            mx = std::max(mx, dot);
+          }
+          float sum = 0;
+          for (int j = lo; j < hi; ++j) sum += (scores[j] = std::exp(scores[j] - mx));
+          const float inv = 1.0f / sum;
+          float* o = out + size_t(s.row0 + r) * nh * hd + size_t(hq) * hd;
+          std::fill(o, o + hd, 0.0f);
+          for (int j = lo; j < hi; ++j) {
+            const float p = scores[j] * inv;
+            const float* vr = vrows[j] + size_t(g) * hd;
+            for (int d = 0; d < hd; ++d) o[d] += p * vr[d];
+          }
+        }
+      }
+    }
+  }
+}
+
+absl::Status CpuBackend::Encode(std::span<const EncodeInput> batch) {
+  const int D = c_.hidden_size;
+  std::vector<Segment> segs;
+  int R = 0;
+  for (const EncodeInput& in : batch) {
+    if (in.kv == nullptr) return absl::InvalidArgumentError("encoder input without a KV cache");
+    absl::Status st = CheckTokens(in.tokens);
+    if (!st.ok()) return st;
+  }
+  // Reserve every cache first (a failed Reserve leaves its cache unchanged).
+  for (size_t i = 0; i < batch.size(); ++i) {
+    absl::Status st = batch[i].kv->Reserve(batch[i].tokens.size());
+    if (!st.ok()) return st;
+    Segment s;
+    s.row0 = R;
+    s.rows = batch[i].tokens.size();
+    s.pos0 = batch[i].kv->num_tokens();
+    s.kv = batch[i].kv;
+    s.kv_write = batch[i].kv;
+    segs.push_back(s);
+    R += s.rows;
+  }
+  if (R == 0) return absl::OkStatus();
+  std::vector<float> h(size_t(R) * D);
+  for (size_t i = 0; i < batch.size(); ++i) Embed(batch[i].tokens, h.data() + size_t(segs[i].row0) * D);
+  for (int l = 0; l < c_.num_layers; ++l) Layer(l, PassKind::kEncoder, segs, R, h.data());
+  for (size_t i = 0; i < batch.size(); ++i) batch[i].kv->Commit(segs[i].rows);
+  return absl::OkStatus();
+}
+
+
+absl::Status CpuBackend::Decode(std::span<const DecodeInput> batch) {
+  const int D = c_.hidden_size, V = c_.vocab_size, I = c_.intermediate_size;
+  const float eps = c_.rms_norm_eps;
+  std::vector<Segment> segs;
+  int R = 0;
+  for (const DecodeInput& in : batch) {
+    if (in.kv == nullptr || in.logits == nullptr) {
+      return absl::InvalidArgumentError("decoder input without a KV cache or logits buffer");
+    }
+    absl::Status st = CheckTokens(in.canvas);
+    if (!st.ok()) return st;
+    Segment s;
+    s.row0 = R;
+    s.rows = in.canvas.size();
+    s.pos0 = in.kv->num_tokens();
+    s.kv = in.kv;
+    segs.push_back(s);
+    R += s.rows;
+  }
+  if (R == 0) return absl::OkStatus();
+  // Canvas input (spec §3.5 steps 1–3): x0 = rms_noscale(E[c]·s + SC(soft)).
+  std::vector<float> h(size_t(R) * D);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Segment& s = segs[i];
+    float* hs = h.data() + size_t(s.row0) * D;
+    Embed(batch[i].canvas, hs);
+    if (batch[i].sc_soft != nullptr) {
+      std::vector<float> u(size_t(s.rows) * D), sig(size_t(s.rows) * D);
+      RmsNorm(batch[i].sc_soft, w_.sc_pre_norm.data(), s.rows, D, eps, u.data());
+      GatedMlp(u.data(), s.rows, w_.sc_gate_proj.data(), w_.sc_up_proj.data(),
+               w_.sc_down_proj.data(), I, sig.data());
+      for (size_t j = 0; j < sig.size(); ++j) hs[j] += sig[j];
+    }
+  }
+  RmsNorm(h.data(), nullptr, R, D, eps, h.data());
+  for (int l = 0; l < c_.num_layers; ++l) Layer(l, PassKind::kDecoder, segs, R, h.data());
+  RmsNorm(h.data(), w_.final_norm.data(), R, D, eps, h.data());
+  // LM head (tied embedding) and softcap, per canvas into its own logits buffer.
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Segment& s = segs[i];
+    MatMulTransB(h.data() + size_t(s.row0) * D, w_.embed_tokens.data(), s.rows, V, D,
+                 batch[i].logits);
+    cpu::Softcap(batch[i].logits, int64_t(s.rows) * V, c_.final_logit_softcapping);
+  }
+  return absl::OkStatus();
+}
+
+void CpuBackend::SoftEmbedding(const float* probs, int rows, float* soft) {
+  const int D = c_.hidden_size, V = c_.vocab_size;
+  cpu::MatMul(probs, w_.embed_tokens.data(), rows, D, V, soft);
+  const float scale = c_.EmbedScale();
+  for (int64_t i = 0; i < int64_t(rows) * D; ++i) soft[i] *= scale;
+}
+
+}  // namespace
+
+std::unique_ptr<ModelBackend> CreateCpuBackend(const ModelConfig& config,
+                                               const ModelWeights& weights) {
+  return std::make_unique<CpuBackend>(config, weights);
+}
+
+}  // namespace dgserve

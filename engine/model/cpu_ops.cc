@@ -1,0 +1,76 @@
+#include "engine/model/cpu_ops.h"
+
+#include <cblas.h>
+
+#include <cmath>
+
+namespace dgserve::cpu {
+
+void RmsNorm(const float* x, const float* w, int rows, int dim, float eps, float* y) {
+#pragma omp parallel for schedule(static) if (rows >= 16)
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + int64_t(r) * dim;
+    float* yr = y + int64_t(r) * dim;
+    double ss = 0;
+    for (int i = 0; i < dim; ++i) ss += double(xr[i]) * xr[i];
+    const float scale = 1.0f / std::sqrt(float(ss / dim) + eps);
+    if (w) {
+      for (int i = 0; i < dim; ++i) yr[i] = xr[i] * scale * w[i];
+    } else {
+      for (int i = 0; i < dim; ++i) yr[i] = xr[i] * scale;
+    }
+  }
+}
+
+float GeluTanh(float x) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  return 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
+}
+
+void GeluGate(const float* gate, const float* up, int64_t n, float* out) {
+#pragma omp parallel for schedule(static) if (n >= 65536)
+  for (int64_t i = 0; i < n; ++i) out[i] = GeluTanh(gate[i]) * up[i];
+}
+
+void MatMulTransB(const float* a, const float* b, int m, int n, int k, float* c, bool accumulate) {
+  if (m == 0 || n == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, k, b, k,
+              accumulate ? 1.0f : 0.0f, c, n);
+}
+
+void MatMul(const float* a, const float* b, int m, int n, int k, float* c) {
+  if (m == 0 || n == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a, k, b, n, 0.0f, c, n);
+}
+
+std::vector<float> RopeInvFreq(float theta, int head_dim, int rotated_pairs) {
+  std::vector<float> f(head_dim / 2, 0.0f);
+  for (int j = 0; j < rotated_pairs && j < head_dim / 2; ++j) {
+    const float exponent = float(2 * j) / float(head_dim);
+    f[j] = 1.0f / std::pow(theta, exponent);
+  }
+  return f;
+}
+
+void ApplyRope(float* x, int heads, int head_dim, int pos, std::span<const float> inv_freq) {
+  const int half = head_dim / 2;
+  for (int j = 0; j < half; ++j) {
+    if (inv_freq[j] == 0.0f) continue;  // identity pair (proportional RoPE tail)
+    const float angle = float(pos) * inv_freq[j];
+    const float c = std::cos(angle), s = std::sin(angle);
+    for (int h = 0; h < heads; ++h) {
+      float* v = x + int64_t(h) * head_dim;
+      const float a = v[j], b = v[j + half];
+      v[j] = a * c - b * s;
+      v[j + half] = b * c + a * s;
+    }
+  }
+}
+
+void Softcap(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+#pragma omp parallel for schedule(static) if (n >= 65536)
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
+}
+
+}  // namespace dgserve::cpu

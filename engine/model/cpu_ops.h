@@ -1,0 +1,39 @@
+// CPU primitives of the DiffusionGemma forward pass (spec §3.1), float32, row-major.
+// Rows are tokens; every function works on `rows` independent rows of width `dim`.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace dgserve::cpu {
+
+// y[r] = x[r] · (mean(x[r]²) + eps)^(−1/2) · w, per row (spec §3.1.1, Gemma 4: no +1 on w).
+// `w` may be null for the weightless flavour (v_norm, router norm, SC post_norm).
+// x, y: [rows, dim]; may alias. rms(0) = 0.
+void RmsNorm(const float* x, const float* w, int rows, int dim, float eps, float* y);
+
+// tanh-approximate GELU (PyTorch gelu_pytorch_tanh), spec §3.1.2.
+float GeluTanh(float x);
+
+// out[i] = gelu(gate[i]) · up[i] for n elements (the gated MLP's inner product, spec §3.1.3).
+void GeluGate(const float* gate, const float* up, int64_t n, float* out);
+
+// C[m, n] = A[m, k] · B[n, k]ᵀ (+ C if accumulate). B is a PyTorch [out, in] weight. OpenBLAS.
+void MatMulTransB(const float* a, const float* b, int m, int n, int k, float* c,
+                  bool accumulate = false);
+// C[m, n] = A[m, k] · B[k, n] (B row-major, not transposed). OpenBLAS.
+void MatMul(const float* a, const float* b, int m, int n, int k, float* c);
+
+// Inverse frequencies of one RoPE variant (spec §3.1.4): f_j = θ^(−2j/head_dim) in float32 for
+// j < rotated_pairs, 0 (identity) for rotated_pairs ≤ j < head_dim/2.
+std::vector<float> RopeInvFreq(float theta, int head_dim, int rotated_pairs);
+
+// Rotates `heads` head vectors of width head_dim in place at position `pos` (NeoX / rotate-half
+// layout: pairs (j, j + head_dim/2)), angles fp32(pos)·inv_freq[j] in float32.
+void ApplyRope(float* x, int heads, int head_dim, int pos, std::span<const float> inv_freq);
+
+// x ← cap · tanh(x / cap) for n elements (final logit softcap, spec §3.1.6).
+void Softcap(float* x, int64_t n, float cap);
+
+}  // namespace dgserve::cpu

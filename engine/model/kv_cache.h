@@ -1,0 +1,60 @@
+// The KV interface the model reads and writes (spec §3.4–§3.5). The encoder pass appends the
+// K/V rows of new tokens for every layer; the decoder pass only reads. A row is the layer's
+// [kv_heads · head_dim] K (after k_norm + RoPE) or V (after v_norm) of one token position.
+// The paged block pool of kvstore/ implements the same interface.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/model/config.h"
+
+namespace dgserve {
+
+class KvCache {
+ public:
+  virtual ~KvCache() = default;
+
+  // Tokens encoded and committed so far: positions 0 .. num_tokens()−1.
+  virtual int num_tokens() const = 0;
+  // Makes room for `count` more token positions in every layer. RESOURCE_EXHAUSTED when the
+  // cache cannot grow; nothing is changed then.
+  virtual absl::Status Reserve(int count) = 0;
+  // Write access to the rows of reserved positions num_tokens() .. num_tokens()+count−1.
+  virtual float* MutableKeyRow(int layer, int pos) = 0;
+  virtual float* MutableValueRow(int layer, int pos) = 0;
+  // Read access to a committed or reserved position. Sliding layers only guarantee the last
+  // sliding_window−1 committed positions (plus reserved ones); asking for an older one is a bug.
+  virtual const float* KeyRow(int layer, int pos) const = 0;
+  virtual const float* ValueRow(int layer, int pos) const = 0;
+  // Commits `count` reserved positions: num_tokens() += count. Sliding layers may then drop
+  // rows older than num_tokens() − (sliding_window − 1).
+  virtual void Commit(int count) = 0;
+};
+
+// A KvCache in plain per-layer arrays, growing on demand (single request, no paging).
+// Sliding layers keep all rows (retention is a memory optimisation, not a semantic one: the
+// model never reads outside the window).
+class ContiguousKvCache final : public KvCache {
+ public:
+  // max_tokens bounds the growth (RESOURCE_EXHAUSTED beyond it).
+  ContiguousKvCache(const ModelConfig& config, int max_tokens);
+
+  int num_tokens() const override { return num_tokens_; }
+  absl::Status Reserve(int count) override;
+  float* MutableKeyRow(int layer, int pos) override;
+  float* MutableValueRow(int layer, int pos) override;
+  const float* KeyRow(int layer, int pos) const override;
+  const float* ValueRow(int layer, int pos) const override;
+  void Commit(int count) override;
+
+ private:
+  std::vector<int> row_width_;  // per layer: kv_heads · head_dim
+  std::vector<std::vector<float>> keys_, values_;
+  int max_tokens_;
+  int num_tokens_ = 0;
+  int reserved_ = 0;
+};
+
+}  // namespace dgserve

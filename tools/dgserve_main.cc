@@ -1,0 +1,151 @@
+// dgserve: the command-line entry point.
+//
+//   dgserve generate --model DIR --prompt TEXT [--chat] [--thinking] [--max-tokens N] [--seed S]
+//                    [--steps N] [--t-min X] [--t-max X] [--entropy-bound X]
+//                    [--confidence-threshold X] [--stability-threshold N] [--show-steps]
+//
+// Flags may be spelled with dashes or underscores.
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "common/status_macros.h"
+#include "engine/generation/generator.h"
+#include "engine/model/backend.h"
+#include "engine/model/checkpoint.h"
+#include "engine/tokenizer/chat_template.h"
+#include "engine/tokenizer/tokenizer.h"
+
+ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout, with tokenizer.json)");
+ABSL_FLAG(std::string, prompt, "", "prompt text");
+ABSL_FLAG(bool, chat, false, "wrap the prompt as one user turn of the Gemma 4 chat template");
+ABSL_FLAG(bool, thinking, false, "with --chat: the thinking form of the template");
+ABSL_FLAG(int, max_tokens, -1, "maximum new tokens (default: generation_config.json)");
+ABSL_FLAG(uint64_t, seed, 0, "sampler seed");
+ABSL_FLAG(int, steps, -1, "max denoising steps per canvas (default: generation_config.json)");
+ABSL_FLAG(double, t_min, -1, "final temperature (default: generation_config.json)");
+ABSL_FLAG(double, t_max, -1, "initial temperature (default: generation_config.json)");
+ABSL_FLAG(double, entropy_bound, -1, "entropy bound per step (default: generation_config.json)");
+ABSL_FLAG(double, confidence_threshold, -1,
+          "stop when mean entropy is below this (default: generation_config.json)");
+ABSL_FLAG(int, stability_threshold, -1,
+          "steps the argmax canvas must be unchanged to stop (default: generation_config.json)");
+ABSL_FLAG(bool, show_steps, false, "print the argmax canvas after every denoising step");
+
+namespace dgserve {
+namespace {
+
+std::string Escape(std::string s) {
+  return absl::StrReplaceAll(s, {{"\n", "\\n"}, {"\r", "\\r"}, {"\t", "\\t"}});
+}
+
+absl::Status RunGenerate() {
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) return absl::InvalidArgumentError("--model is required");
+  if (absl::GetFlag(FLAGS_prompt).empty()) {
+    return absl::InvalidArgumentError("--prompt is required and must not be empty");
+  }
+  DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
+  DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(dir + "/tokenizer.json"));
+  if (tok.vocab_size() > ckpt.config.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer has ", tok.vocab_size(),
+                                                   " ids but the model's vocab_size is ",
+                                                   ckpt.config.vocab_size));
+  }
+  GenerationRequest req = DefaultRequest(ckpt.generation);
+  if (absl::GetFlag(FLAGS_chat)) {
+    ChatMessage msg{"user", absl::GetFlag(FLAGS_prompt)};
+    ChatTemplateOptions opts;
+    opts.enable_thinking = absl::GetFlag(FLAGS_thinking);
+    DGSERVE_ASSIGN_OR_RETURN(req.prompt, RenderChat(tok, {&msg, 1}, opts));
+  } else {
+    req.prompt = tok.Encode(absl::GetFlag(FLAGS_prompt), /*add_bos=*/true);
+  }
+  if (int v = absl::GetFlag(FLAGS_max_tokens); v != -1) req.max_new_tokens = v;
+  req.seed = absl::GetFlag(FLAGS_seed);
+  if (int v = absl::GetFlag(FLAGS_steps); v != -1) req.sampler.max_denoising_steps = v;
+  if (double v = absl::GetFlag(FLAGS_t_min); v != -1) req.sampler.t_min = v;
+  if (double v = absl::GetFlag(FLAGS_t_max); v != -1) req.sampler.t_max = v;
+  if (double v = absl::GetFlag(FLAGS_entropy_bound); v != -1) req.sampler.entropy_bound = v;
+  if (double v = absl::GetFlag(FLAGS_confidence_threshold); v != -1) {
+    req.sampler.confidence_threshold = v;
+  }
+  if (int v = absl::GetFlag(FLAGS_stability_threshold); v != -1) {
+    req.sampler.stability_threshold = v;
+  }
+
+  auto backend = CreateCpuBackend(ckpt.config, ckpt.weights);
+  Generator gen(*backend);
+  GenerationObserver obs;
+  if (absl::GetFlag(FLAGS_show_steps)) {
+    obs.on_step = [&](const StepEvent& e) {
+      std::printf("[canvas %d step %2d] T=%.4f accepted=%3d H=%.4f%s | %s\n", e.canvas, e.step,
+                  e.temperature, e.accepted, e.mean_entropy, e.stop ? " stop" : "",
+                  Escape(tok.Decode(e.argmax, /*skip_special=*/false)).c_str());
+      std::fflush(stdout);
+    };
+  }
+  DGSERVE_ASSIGN_OR_RETURN(GenerationResult res, gen.Generate(req, obs));
+  std::printf("%s\n", tok.Decode(res.completion, /*skip_special=*/true).c_str());
+  const double step_ms = res.decoder_passes ? 1e3 * res.denoise_seconds / res.decoder_passes : 0;
+  const double positions_per_s =
+      res.denoise_seconds > 0
+          ? double(res.decoder_passes) * ckpt.config.canvas_length / res.denoise_seconds
+          : 0;
+  std::fprintf(stderr,
+               "prompt tokens %d | canvases %d | steps per canvas [%s] | %.1f ms per step | "
+               "%.0f canvas positions/s | prefill %.3f s | finish %s\n",
+               res.prompt_tokens, res.canvases, absl::StrJoin(res.steps_per_canvas, ", ").c_str(),
+               step_ms, positions_per_s, res.prefill_seconds, res.finish_reason.c_str());
+  return absl::OkStatus();
+}
+
+// absl flags are spelled with underscores; accept --max-tokens as well.
+std::vector<char*> NormaliseFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
+  storage.assign(argv, argv + argc);
+  for (size_t i = 1; i < storage.size(); ++i) {
+    std::string& a = storage[i];
+    if (a.rfind("--", 0) != 0) continue;
+    const size_t end = a.find('=');
+    for (size_t j = 2; j < std::min(end, a.size()); ++j) {
+      if (a[j] == '-') a[j] = '_';
+    }
+  }
+  std::vector<char*> out;
+  for (std::string& s : storage) out.push_back(s.data());
+  return out;
+}
+
+}  // namespace
+}  // namespace dgserve
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "dgserve generate --model DIR --prompt TEXT [--chat] [--max-tokens N] [--seed S] "
+      "[--steps N --t-min X --t-max X --entropy-bound X --confidence-threshold X "
+      "--stability-threshold N] [--show-steps]");
+  if (argc < 2 || std::string(argv[1]) != "generate") {
+    std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
+    return 2;
+  }
+  std::vector<std::string> storage;
+  std::vector<char*> args = dgserve::NormaliseFlagNames(argc - 1, argv + 1, storage);
+  std::vector<char*> rest = absl::ParseCommandLine(args.size(), args.data());
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
+    return 2;
+  }
+  absl::Status st = dgserve::RunGenerate();
+  if (!st.ok()) {
+    std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

