@@ -167,25 +167,12 @@ void CpuBackend::Moe(int l, const float* h1, int R, float* m) const {
   for (float& x : r) x *= root;
   std::vector<float> scores(size_t(R) * E);
   MatMulTransB(r.data(), lw.router_proj.data(), R, E, D, scores.data());
-  // Softmax over all experts, top-k (ties → lower expert id), renormalise, × per_expert_scale.
   std::vector<std::vector<std::pair<int, float>>> by_expert(E);  // (row, weight)
-  std::vector<int> idx(E);
+  std::vector<std::pair<int, float>> chosen(K);
   for (int row = 0; row < R; ++row) {
-    float* s = scores.data() + size_t(row) * E;
-    float mx = *std::max_element(s, s + E);
-    float sum = 0;
-    for (int e = 0; e < E; ++e) sum += (s[e] = std::exp(s[e] - mx));
-    for (int e = 0; e < E; ++e) s[e] /= sum;
-    std::iota(idx.begin(), idx.end(), 0);
-    std::partial_sort(idx.begin(), idx.begin() + K, idx.end(), [&](int a, int b) {
-      return s[a] > s[b] || (s[a] == s[b] && a < b);
-    });
-    float top = 0;
-    for (int j = 0; j < K; ++j) top += s[idx[j]];
-    for (int j = 0; j < K; ++j) {
-      const int e = idx[j];
-      by_expert[e].push_back({row, s[e] / top * lw.router_per_expert_scale[e]});
-    }
+    cpu::RouteTopK(scores.data() + size_t(row) * E, E, K, lw.router_per_expert_scale.data(),
+                   chosen.data());
+    for (const auto& [e, weight] : chosen) by_expert[e].push_back({row, weight});
   }
   // Experts on pre_feedforward_layernorm_2(h1), grouped by expert; accumulate in expert order.
   std::vector<float> xe(size_t(R) * D);

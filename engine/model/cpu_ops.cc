@@ -2,7 +2,9 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 namespace dgserve::cpu {
 
@@ -71,6 +73,24 @@ void Softcap(float* x, int64_t n, float cap) {
   const float inv = 1.0f / cap;
 #pragma omp parallel for schedule(static) if (n >= 65536)
   for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
+}
+
+void RouteTopK(float* s, int num_experts, int k, const float* per_expert_scale,
+               std::pair<int, float>* out) {
+  const float mx = *std::max_element(s, s + num_experts);
+  float sum = 0;
+  for (int e = 0; e < num_experts; ++e) sum += (s[e] = std::exp(s[e] - mx));
+  for (int e = 0; e < num_experts; ++e) s[e] /= sum;
+  std::vector<int> order(num_experts);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int a, int b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+  float top = 0;
+  for (int j = 0; j < k; ++j) top += s[order[j]];
+  for (int j = 0; j < k; ++j) {
+    const int e = order[j];
+    out[j] = {e, s[e] / top * per_expert_scale[e]};
+  }
 }
 
 }  // namespace dgserve::cpu

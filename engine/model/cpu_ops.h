@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace dgserve::cpu {
@@ -35,5 +36,12 @@ void ApplyRope(float* x, int heads, int head_dim, int pos, std::span<const float
 
 // x ← cap · tanh(x / cap) for n elements (final logit softcap, spec §3.1.6).
 void Softcap(float* x, int64_t n, float cap);
+
+// Router decision for one token (spec §3.2 step 5): softmax over the E router scores, the top k
+// by probability (ties → lower expert id), weights renormalised to sum 1 over the k, then
+// multiplied by per_expert_scale[e]. Writes k (expert, weight) pairs, highest probability first.
+// `scores` [E] is overwritten with the softmax.
+void RouteTopK(float* scores, int num_experts, int k, const float* per_expert_scale,
+               std::pair<int, float>* out);
 
 }  // namespace dgserve::cpu

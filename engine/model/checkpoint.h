@@ -1,0 +1,38 @@
+// Loading a DiffusionGemma HF checkpoint directory into float32 ModelWeights (spec §2).
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/model/config.h"
+#include "engine/model/safetensors.h"
+#include "engine/model/weights.h"
+
+namespace dgserve {
+
+// A loaded checkpoint. Owns only vectors and strings (no mapping), so moving it is cheap.
+struct Checkpoint {
+  ModelConfig config;
+  GenerationConfig generation;
+  ModelWeights weights;
+  std::string dir;
+};
+
+// Loads `dir`: config.json (required), generation_config.json (absent → defaults), and the weights
+// from model.safetensors or model.safetensors.index.json + shards, converted to float32.
+// Name resolution: backbone tensors under `model.decoder.` (preferred) or
+// `model.encoder.language_model.` (fallback; the encoder layer_scalar is always
+// `model.encoder.language_model.layers.i.layer_scalar`); vision tensors are skipped; a tied
+// `lm_head.weight` of shape [V, D] is ignored.
+// Errors: NOT_FOUND when config.json or the weights file(s) are missing; INVALID_ARGUMENT (naming
+// the file and the tensor, and expected vs actual shape where relevant) for a missing tensor, an
+// unexpected extra tensor, a mis-shaped tensor (including lm_head.weight and the encoder copies),
+// and any safetensors / index / config error (see SafetensorsReader).
+absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& dir);
+
+// Validates `reader`'s tensors against ExpectedTensors(config) with the rules above and converts
+// them to float32. Same errors as LoadCheckpoint, naming reader.source() or the tensor's file.
+absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
+                                              const SafetensorsReader& reader);
+
+}  // namespace dgserve

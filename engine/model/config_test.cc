@@ -1,0 +1,194 @@
+#include "engine/model/config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "common/testing/status_matchers.h"
+#include "engine/model/checkpoint_testing.h"
+
+namespace dgserve {
+namespace {
+
+using ::dgserve::testing::GoldenDir;
+using ::dgserve::testing::IsOk;
+using ::dgserve::testing::StatusIs;
+using nlohmann::json;
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+json GoldenJson(const std::string& model, const std::string& file) {
+  auto text = ReadFileToString(GoldenDir() + "/" + model + "/" + file);
+  EXPECT_THAT(text, IsOk()) << "golden data missing: set DGSERVE_GOLDEN_DIR";
+  return text.ok() ? json::parse(*text) : json::object();
+}
+
+TEST(ModelConfigTest, ParsesGoldenTinyV512) {
+  auto c = LoadModelConfig(GoldenDir() + "/tiny-v512/config.json");
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->vocab_size, 512);
+  EXPECT_EQ(c->hidden_size, 64);
+  EXPECT_EQ(c->num_layers, 6);
+  EXPECT_EQ(c->num_heads, 4);
+  EXPECT_EQ(c->num_kv_heads, 2);
+  EXPECT_EQ(c->num_global_kv_heads, 1);
+  EXPECT_EQ(c->head_dim, 16);
+  EXPECT_EQ(c->global_head_dim, 32);
+  EXPECT_EQ(c->intermediate_size, 48);
+  EXPECT_EQ(c->num_experts, 8);
+  EXPECT_EQ(c->top_k_experts, 2);
+  EXPECT_EQ(c->moe_intermediate_size, 24);
+  EXPECT_EQ(c->sliding_window, 8);
+  EXPECT_EQ(c->canvas_length, 16);
+  EXPECT_EQ(c->max_position_embeddings, 262144);
+  EXPECT_EQ(c->rms_norm_eps, 1e-6f);
+  EXPECT_EQ(c->final_logit_softcapping, 30.0f);
+  EXPECT_EQ(c->rope_theta_sliding, 1e4f);
+  EXPECT_EQ(c->rope_theta_full, 1e6f);
+  EXPECT_EQ(c->partial_rotary_factor_full, 0.25f);
+  EXPECT_EQ(c->pad_token_id, 0);
+  EXPECT_EQ(c->bos_token_id, 2);
+  const LayerType S = LayerType::kSliding, F = LayerType::kFull;
+  EXPECT_THAT(c->layer_types, ElementsAre(S, S, F, S, S, F));
+  EXPECT_EQ(c->HeadDim(2), 32);
+  EXPECT_EQ(c->KvHeads(2), 1);
+  EXPECT_EQ(c->HeadDim(0), 16);
+  EXPECT_EQ(c->EmbedScale(), 8.0f);
+  EXPECT_EQ(c->FullRopeAngles(), 4);
+}
+
+TEST(ModelConfigTest, ParsesGoldenTinyG3) {
+  auto c = LoadModelConfig(GoldenDir() + "/tiny-g3/config.json");
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->vocab_size, 262144);
+  EXPECT_EQ(c->hidden_size, 128);
+  EXPECT_EQ(c->head_dim, 32);
+  EXPECT_EQ(c->global_head_dim, 64);
+  EXPECT_EQ(c->intermediate_size, 96);
+  EXPECT_EQ(c->moe_intermediate_size, 32);
+  EXPECT_EQ(c->sliding_window, 16);
+  EXPECT_EQ(c->canvas_length, 32);
+  EXPECT_EQ(c->EmbedScale(), 11.3125f);  // bf16(sqrt(128)), README §3
+}
+
+TEST(GenerationConfigTest, ParsesGoldenConfigs) {
+  for (const char* model : {"tiny-v512", "tiny-g3"}) {
+    auto g = LoadGenerationConfig(GoldenDir() + "/" + model + "/generation_config.json");
+    ASSERT_THAT(g, IsOk()) << model;
+    EXPECT_EQ(g->max_denoising_steps, 48);
+    EXPECT_EQ(g->t_min, 0.4f);
+    EXPECT_EQ(g->t_max, 0.8f);
+    EXPECT_EQ(g->entropy_bound, 0.1f);
+    EXPECT_EQ(g->stability_threshold, 1);
+    EXPECT_EQ(g->confidence_threshold, 0.005f);
+    EXPECT_THAT(g->stop_token_ids, ElementsAre(1, 106, 50));
+    EXPECT_EQ(g->pad_token_id, 0);
+    EXPECT_EQ(g->max_new_tokens, std::string(model) == "tiny-g3" ? 32 : 16);
+  }
+}
+
+TEST(GenerationConfigTest, EmptyObjectGivesDefaults) {
+  auto g = ParseGenerationConfig("{}", "gen.json");
+  ASSERT_THAT(g, IsOk());
+  EXPECT_EQ(g->max_denoising_steps, 48);
+  EXPECT_THAT(g->stop_token_ids, ElementsAre(1, 106, 50));
+}
+
+TEST(ModelConfigTest, MissingFileIsNotFound) {
+  EXPECT_THAT(LoadModelConfig("/nonexistent/config.json"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/config.json")));
+}
+
+TEST(ModelConfigTest, MalformedJson) {
+  EXPECT_THAT(ParseModelConfig("{\"text_config\": {", "my/config.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("my/config.json"), HasSubstr("malformed JSON"))));
+  EXPECT_THAT(ParseModelConfig("[1, 2]", "my/config.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("my/config.json")));
+}
+
+// Applies `edit` to the golden tiny-v512 config and parses the result.
+absl::StatusOr<ModelConfig> ParseEdited(void (*edit)(json&)) {
+  json j = GoldenJson("tiny-v512", "config.json");
+  edit(j);
+  return ParseModelConfig(j.dump(), "edited/config.json");
+}
+
+TEST(ModelConfigTest, MissingFieldIsNamed) {
+  auto c = ParseEdited([](json& j) { j["text_config"].erase("hidden_size"); });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument,
+                          AllOf(HasSubstr("edited/config.json"), HasSubstr("hidden_size"),
+                                HasSubstr("missing"))));
+  c = ParseEdited([](json& j) { j.erase("canvas_length"); });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("canvas_length")));
+}
+
+TEST(ModelConfigTest, IllTypedFieldIsNamed) {
+  auto c = ParseEdited([](json& j) { j["text_config"]["num_experts"] = "eight"; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_experts")));
+  c = ParseEdited([](json& j) { j["text_config"]["vocab_size"] = 0; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("vocab_size")));
+}
+
+TEST(ModelConfigTest, LayerTypesLengthMismatch) {
+  auto c = ParseEdited([](json& j) { j["text_config"]["num_hidden_layers"] = 5; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument,
+                          AllOf(HasSubstr("layer_types"), HasSubstr("6 entries"))));
+  c = ParseEdited([](json& j) { j["text_config"]["layer_types"][0] = "chunked_attention"; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer_types")));
+}
+
+TEST(ModelConfigTest, KvHeadsMustDivideHeads) {
+  auto c = ParseEdited([](json& j) { j["text_config"]["num_key_value_heads"] = 3; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_key_value_heads")));
+  c = ParseEdited([](json& j) { j["text_config"]["num_global_key_value_heads"] = 3; });
+  EXPECT_THAT(
+      c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_global_key_value_heads")));
+}
+
+TEST(ModelConfigTest, TopKMustNotExceedExperts) {
+  auto c = ParseEdited([](json& j) { j["text_config"]["top_k_experts"] = 9; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument,
+                          AllOf(HasSubstr("top_k_experts"), HasSubstr("9"))));
+}
+
+TEST(ModelConfigTest, RejectsOtherModelsAndActivations) {
+  auto c = ParseEdited([](json& j) { j["text_config"]["model_type"] = "gemma3_text"; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model_type")));
+  c = ParseEdited([](json& j) { j["text_config"]["hidden_activation"] = "relu"; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("hidden_activation")));
+}
+
+TEST(GenerationConfigTest, BadValuesAreNamed) {
+  struct Case {
+    const char* json;
+    const char* field;
+  };
+  const Case cases[] = {
+      {R"({"t_min": 0.9, "t_max": 0.8})", "t_min"},
+      {R"({"t_min": -0.1})", "t_min"},
+      {R"({"t_max": "hot"})", "t_max"},
+      {R"({"max_denoising_steps": 0})", "max_denoising_steps"},
+      {R"({"max_new_tokens": 1.5})", "max_new_tokens"},
+      {R"({"stability_threshold": -1})", "stability_threshold"},
+      {R"({"confidence_threshold": 0})", "confidence_threshold"},
+      {R"({"sampler_config": {"entropy_bound": -1}})", "entropy_bound"},
+      {R"({"sampler_config": {"_cls_name": "TopKSamplerConfig"}})", "_cls_name"},
+      {R"({"eos_token_id": "eos"})", "eos_token_id"},
+      {R"({"eos_token_id": [1, -2]})", "eos_token_id"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_THAT(ParseGenerationConfig(c.json, "gen/generation_config.json"),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("gen/generation_config.json"), HasSubstr(c.field))))
+        << c.json;
+  }
+  EXPECT_THAT(ParseGenerationConfig("{", "g.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("malformed JSON")));
+}
+
+}  // namespace
+}  // namespace dgserve

@@ -1,0 +1,224 @@
+// CPU backend and generation-loop properties on the tiny-v512 golden shape (random weights from
+// the generator): chunked prefill and batching change nothing, bad ids are rejected, a seed fully
+// determines a generation, stop tokens end it with padding.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <numeric>
+
+#include "common/testing/status_matchers.h"
+#include "engine/generation/generator.h"
+#include "engine/model/backend.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/kv_cache.h"
+#include "engine/model/random_checkpoint.h"
+
+namespace dgserve {
+namespace {
+
+namespace fs = std::filesystem;
+using ::dgserve::testing::IsOk;
+using ::dgserve::testing::StatusIs;
+using ::testing::HasSubstr;
+
+class CpuBackendTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const char* src = std::getenv("DGSERVE_SOURCE_DIR");
+    const fs::path golden = fs::path(src ? src : ".") / "tests/testdata/golden/tiny-v512";
+    auto cfgs = LoadConfigsFromModelDir(golden.string());
+    ASSERT_TRUE(cfgs.ok()) << cfgs.status();
+    const fs::path dir = fs::temp_directory_path() /
+                         ("dgserve_backend_test_" + std::to_string(::getpid()));
+    ASSERT_THAT(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, dir.string()), IsOk());
+    auto ckpt = LoadCheckpoint(dir.string());
+    fs::remove_all(dir);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    checkpoint_ = new Checkpoint(std::move(*ckpt));
+  }
+  static void TearDownTestSuite() { delete checkpoint_; }
+
+  const ModelConfig& config() const { return checkpoint_->config; }
+  std::unique_ptr<ModelBackend> Backend() const {
+    return CreateCpuBackend(checkpoint_->config, checkpoint_->weights);
+  }
+  std::vector<int32_t> Prompt(int n) const {
+    std::vector<int32_t> p(n);
+    for (int i = 0; i < n; ++i) p[i] = (i * 37 + 11) % config().vocab_size;
+    return p;
+  }
+  std::vector<float> DecodeLogits(ModelBackend& b, const KvCache& kv,
+                                  const std::vector<int32_t>& canvas) const {
+    std::vector<float> logits(canvas.size() * config().vocab_size);
+    DecodeInput in{canvas, nullptr, &kv, logits.data()};
+    EXPECT_THAT(b.Decode({&in, 1}), IsOk());
+    return logits;
+  }
+
+  static Checkpoint* checkpoint_;
+};
+Checkpoint* CpuBackendTest::checkpoint_ = nullptr;
+
+float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  float m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+TEST_F(CpuBackendTest, ChunkedPrefillEqualsOneShot) {
+  auto b = Backend();
+  // 29 tokens > 3 sliding windows (W = 8); chunks of 5, 1, 13, 10 cross window boundaries.
+  const std::vector<int32_t> prompt = Prompt(29);
+  ContiguousKvCache whole(config(), 256), chunked(config(), 256);
+  EncodeInput in{prompt, &whole};
+  ASSERT_THAT(b->Encode({&in, 1}), IsOk());
+  int at = 0;
+  for (int n : {5, 1, 13, 10}) {
+    EncodeInput c{std::span<const int32_t>(prompt).subspan(at, n), &chunked};
+    ASSERT_THAT(b->Encode({&c, 1}), IsOk());
+    at += n;
+  }
+  ASSERT_EQ(chunked.num_tokens(), 29);
+  for (int l = 0; l < config().num_layers; ++l) {
+    const int w = config().KvHeads(l) * config().HeadDim(l);
+    for (int p = 0; p < 29; ++p) {
+      for (int i = 0; i < w; ++i) {
+        ASSERT_NEAR(whole.KeyRow(l, p)[i], chunked.KeyRow(l, p)[i], 1e-5) << l << " " << p;
+        ASSERT_NEAR(whole.ValueRow(l, p)[i], chunked.ValueRow(l, p)[i], 1e-5) << l << " " << p;
+      }
+    }
+  }
+  const std::vector<int32_t> canvas = Prompt(config().canvas_length);
+  EXPECT_LT(MaxAbsDiff(DecodeLogits(*b, whole, canvas), DecodeLogits(*b, chunked, canvas)), 1e-4);
+}
+
+TEST_F(CpuBackendTest, BatchedPassesEqualSinglePasses) {
+  auto b = Backend();
+  const int C = config().canvas_length, V = config().vocab_size;
+  ContiguousKvCache kv1(config(), 256), kv2(config(), 256), kv1b(config(), 256),
+      kv2b(config(), 256);
+  const std::vector<int32_t> p1 = Prompt(6), p2 = Prompt(21);
+  // Batched encoder pass of two sequences vs one at a time.
+  EncodeInput both[2] = {{p1, &kv1}, {p2, &kv2}};
+  ASSERT_THAT(b->Encode(both), IsOk());
+  EncodeInput one{p1, &kv1b}, two{p2, &kv2b};
+  ASSERT_THAT(b->Encode({&one, 1}), IsOk());
+  ASSERT_THAT(b->Encode({&two, 1}), IsOk());
+  std::vector<int32_t> c1(C), c2(C);
+  for (int i = 0; i < C; ++i) {
+    c1[i] = (i * 101 + 7) % V;
+    c2[i] = (i * 53 + 300) % V;
+  }
+  std::vector<float> soft(size_t(C) * config().hidden_size, 0.25f);
+  std::vector<float> l1(size_t(C) * V), l2(size_t(C) * V);
+  DecodeInput dec[2] = {{c1, nullptr, &kv1, l1.data()}, {c2, soft.data(), &kv2, l2.data()}};
+  ASSERT_THAT(b->Decode(dec), IsOk());
+  std::vector<float> s1(size_t(C) * V), s2(size_t(C) * V);
+  DecodeInput d1{c1, nullptr, &kv1b, s1.data()}, d2{c2, soft.data(), &kv2b, s2.data()};
+  ASSERT_THAT(b->Decode({&d1, 1}), IsOk());
+  ASSERT_THAT(b->Decode({&d2, 1}), IsOk());
+  EXPECT_LT(MaxAbsDiff(l1, s1), 1e-4);
+  EXPECT_LT(MaxAbsDiff(l2, s2), 1e-4);
+  // Self-conditioning changes the result (the SC branch is live).
+  DecodeInput d3{c2, nullptr, &kv2b, s1.data()};
+  ASSERT_THAT(b->Decode({&d3, 1}), IsOk());
+  EXPECT_GT(MaxAbsDiff(s1, s2), 1e-3);
+}
+
+TEST_F(CpuBackendTest, RejectsTokenIdsOutsideTheVocabulary) {
+  auto b = Backend();
+  ContiguousKvCache kv(config(), 64);
+  std::vector<int32_t> bad = {2, config().vocab_size};
+  EncodeInput in{bad, &kv};
+  EXPECT_THAT(b->Encode({&in, 1}), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("outside the vocabulary")));
+  EXPECT_EQ(kv.num_tokens(), 0);
+  std::vector<int32_t> canvas(config().canvas_length, -1);
+  std::vector<float> logits(canvas.size() * config().vocab_size);
+  DecodeInput d{canvas, nullptr, &kv, logits.data()};
+  EXPECT_THAT(b->Decode({&d, 1}), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(CpuBackendTest, KvCacheRefusesToGrowPastItsLimit) {
+  auto b = Backend();
+  ContiguousKvCache kv(config(), 10);
+  const std::vector<int32_t> p = Prompt(11);
+  EncodeInput in{p, &kv};
+  EXPECT_THAT(b->Encode({&in, 1}), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(kv.num_tokens(), 0);
+}
+
+TEST_F(CpuBackendTest, SeedDeterminesTheGeneration) {
+  auto b = Backend();
+  Generator gen(*b);
+  GenerationRequest r = DefaultRequest(checkpoint_->generation);
+  r.prompt = Prompt(6);
+  r.max_new_tokens = 2 * config().canvas_length;
+  r.sampler.max_denoising_steps = 6;
+  r.stop_token_ids = {};
+  r.seed = 7;
+  auto a = gen.Generate(r);
+  auto a2 = gen.Generate(r);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(a2.ok());
+  EXPECT_EQ(a->tokens, a2->tokens);
+  EXPECT_EQ(a->canvases, 2);
+  EXPECT_EQ(a->tokens.size(), size_t(2 * config().canvas_length));
+  EXPECT_EQ(a->steps_per_canvas, (std::vector<int>{6, 6}));
+  EXPECT_EQ(a->decoder_passes, 12);
+  EXPECT_EQ(a->finish_reason, "length");
+  r.seed = 8;
+  auto c = gen.Generate(r);
+  ASSERT_TRUE(c.ok());
+  EXPECT_NE(a->tokens, c->tokens);
+}
+
+TEST_F(CpuBackendTest, StopTokenEndsGenerationAndPadsTheCanvas) {
+  auto b = Backend();
+  Generator gen(*b);
+  GenerationRequest r = DefaultRequest(checkpoint_->generation);
+  r.prompt = Prompt(6);
+  r.max_new_tokens = 3 * config().canvas_length;
+  r.sampler.max_denoising_steps = 3;
+  // Every id is a stop token: the first committed position stops the generation.
+  r.stop_token_ids.resize(config().vocab_size);
+  std::iota(r.stop_token_ids.begin(), r.stop_token_ids.end(), 0);
+  r.pad_token_id = 0;
+  auto res = gen.Generate(r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(res->finish_reason, "stop");
+  EXPECT_EQ(res->canvases, 1);
+  ASSERT_EQ(res->tokens.size(), size_t(config().canvas_length));
+  for (size_t i = 1; i < res->tokens.size(); ++i) EXPECT_EQ(res->tokens[i], 0) << i;
+  EXPECT_TRUE(res->completion.empty());
+}
+
+TEST_F(CpuBackendTest, InvalidRequestsNameTheField) {
+  auto b = Backend();
+  Generator gen(*b);
+  GenerationRequest r = DefaultRequest(checkpoint_->generation);
+  r.prompt = {};
+  EXPECT_THAT(gen.Generate(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("prompt")));
+  r.prompt = Prompt(4);
+  r.max_new_tokens = -3;
+  EXPECT_THAT(gen.Generate(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_new_tokens")));
+  r.max_new_tokens = 1 << 30;
+  EXPECT_THAT(gen.Generate(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                                        HasSubstr("context limit")));
+  r.max_new_tokens = 16;
+  r.sampler.t_min = 0.9f;  // ≥ t_max
+  EXPECT_THAT(gen.Generate(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("t_min")));
+  r.sampler.t_min = 0.4f;
+  r.sampler.entropy_bound = -1;
+  EXPECT_THAT(gen.Generate(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("entropy_bound")));
+  r.sampler.entropy_bound = 0.1f;
+  r.prompt = {config().vocab_size + 5};
+  EXPECT_THAT(gen.Generate(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("prompt")));
+}
+
+}  // namespace
+}  // namespace dgserve

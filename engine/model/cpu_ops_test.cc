@@ -1,0 +1,128 @@
+#include "engine/model/cpu_ops.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+namespace dgserve::cpu {
+namespace {
+
+TEST(RmsNormTest, WithAndWithoutWeight) {
+  // x = [3, 4]: mean(x²) = 12.5, rms = 3.5355339.
+  const float x[2] = {3.0f, 4.0f};
+  const float w[2] = {2.0f, 0.5f};
+  float y[2];
+  RmsNorm(x, nullptr, 1, 2, 0.0f, y);
+  EXPECT_NEAR(y[0], 3.0 / std::sqrt(12.5), 1e-6);
+  EXPECT_NEAR(y[1], 4.0 / std::sqrt(12.5), 1e-6);
+  // Gemma 4 multiplies by the weight directly: no (1 + w).
+  RmsNorm(x, w, 1, 2, 0.0f, y);
+  EXPECT_NEAR(y[0], 2.0 * 3.0 / std::sqrt(12.5), 1e-6);
+  EXPECT_NEAR(y[1], 0.5 * 4.0 / std::sqrt(12.5), 1e-6);
+  // eps enters inside the root; rms(0) = 0, never NaN.
+  RmsNorm(x, nullptr, 1, 2, 1.0f, y);
+  EXPECT_NEAR(y[0], 3.0 / std::sqrt(13.5), 1e-6);
+  const float zero[3] = {0, 0, 0};
+  float z[3];
+  RmsNorm(zero, nullptr, 1, 3, 1e-6f, z);
+  EXPECT_EQ(z[0], 0.0f);
+  EXPECT_EQ(z[2], 0.0f);
+}
+
+TEST(RmsNormTest, RowsAreIndependent) {
+  const std::vector<float> x = {1, 1, 10, 10};
+  std::vector<float> y(4);
+  RmsNorm(x.data(), nullptr, 2, 2, 0.0f, y.data());
+  EXPECT_NEAR(y[0], 1.0f, 1e-6);
+  EXPECT_NEAR(y[2], 1.0f, 1e-6);
+}
+
+TEST(GeluTanhTest, MatchesPyTorchTanhApproximation) {
+  // torch.nn.functional.gelu(x, approximate="tanh") values.
+  EXPECT_NEAR(GeluTanh(0.0f), 0.0f, 1e-7);
+  EXPECT_NEAR(GeluTanh(1.0f), 0.8411919906, 1e-6);
+  EXPECT_NEAR(GeluTanh(-1.0f), -0.1588080094, 1e-6);
+  EXPECT_NEAR(GeluTanh(2.5f), 2.4849157, 1e-5);
+  EXPECT_NEAR(GeluTanh(-3.0f), -0.0036374, 1e-6);
+  // The exact (erf) GELU differs at 1.0: 0.8413447. The tanh form must be used.
+  EXPECT_GT(std::fabs(GeluTanh(1.0f) - 0.8413447f), 1e-4);
+}
+
+TEST(RopeTest, ProportionalTableRotatesOnlyTheFirstPairs) {
+  // Real full layer: head_dim 512, factor 0.25 → 64 rotated pairs, exponent over 512.
+  const std::vector<float> f = RopeInvFreq(1e6f, 512, 64);
+  ASSERT_EQ(f.size(), 256u);
+  EXPECT_EQ(f[0], 1.0f);
+  EXPECT_NEAR(f[1], 0.947464, 1e-6);  // 1e6^(−2/512), not 1e6^(−2/128)
+  EXPECT_NEAR(f[63], std::pow(1e6, -126.0 / 512), 1e-9);
+  for (int j = 64; j < 256; ++j) EXPECT_EQ(f[j], 0.0f) << j;
+}
+
+TEST(RopeTest, RotatesPairsAcrossHalves) {
+  const int hd = 8;
+  const std::vector<float> f = RopeInvFreq(10000.0f, hd, hd / 2);
+  std::vector<float> v = {1, 0, 0, 0, 0, 1, 0, 0};
+  ApplyRope(v.data(), 1, hd, 3, f);
+  // Pair (0, 4): angle 3·1 rad applied to (1, 0).
+  EXPECT_NEAR(v[0], std::cos(3.0), 1e-6);
+  EXPECT_NEAR(v[4], std::sin(3.0), 1e-6);
+  // Pair (1, 5): angle 3·10000^(−2/8) applied to (0, 1).
+  const double a = 3.0 * std::pow(10000.0, -0.25);
+  EXPECT_NEAR(v[1], -std::sin(a), 1e-6);
+  EXPECT_NEAR(v[5], std::cos(a), 1e-6);
+  // Position 0 is the identity.
+  std::vector<float> w = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<float> w0 = w;
+  ApplyRope(w.data(), 1, hd, 0, f);
+  EXPECT_EQ(w, w0);
+}
+
+TEST(RopeTest, IdentitySlotsStayUnchangedAtLargePositions) {
+  const int hd = 16;
+  const std::vector<float> f = RopeInvFreq(1e6f, hd, 2);  // rotate pairs 0 and 1 only
+  std::vector<float> v(hd);
+  for (int i = 0; i < hd; ++i) v[i] = float(i + 1);
+  const std::vector<float> orig = v;
+  ApplyRope(v.data(), 1, hd, 100000, f);
+  for (int j = 2; j < hd / 2; ++j) {
+    EXPECT_EQ(v[j], orig[j]);
+    EXPECT_EQ(v[j + hd / 2], orig[j + hd / 2]);
+  }
+  EXPECT_NE(v[0], orig[0]);
+}
+
+TEST(RouteTopKTest, RenormalisesOverSelectedExpertsAndScales) {
+  // Scores log(1), log(2), log(3), log(4): softmax = [0.1, 0.2, 0.3, 0.4].
+  std::vector<float> s = {0.0f, std::log(2.0f), std::log(3.0f), std::log(4.0f)};
+  const float scale[4] = {1.0f, 1.0f, 0.5f, 2.0f};
+  std::pair<int, float> out[2];
+  RouteTopK(s.data(), 4, 2, scale, out);
+  EXPECT_EQ(out[0].first, 3);
+  EXPECT_EQ(out[1].first, 2);
+  EXPECT_NEAR(out[0].second, 0.4 / 0.7 * 2.0, 1e-6);  // renormalised, × per_expert_scale
+  EXPECT_NEAR(out[1].second, 0.3 / 0.7 * 0.5, 1e-6);
+  EXPECT_NEAR(s[0], 0.1f, 1e-6);  // the full softmax is left in `scores`
+}
+
+TEST(RouteTopKTest, TiesGoToTheLowerExpertId) {
+  std::vector<float> s = {1.0f, 2.0f, 2.0f, 2.0f};
+  const float scale[4] = {1, 1, 1, 1};
+  std::pair<int, float> out[2];
+  RouteTopK(s.data(), 4, 2, scale, out);
+  EXPECT_EQ(out[0].first, 1);
+  EXPECT_EQ(out[1].first, 2);
+  EXPECT_NEAR(out[0].second, 0.5f, 1e-6);
+}
+
+TEST(SoftcapTest, TanhCap) {
+  std::vector<float> x = {0.0f, 30.0f, -60.0f, 1e6f};
+  Softcap(x.data(), 4, 30.0f);
+  EXPECT_EQ(x[0], 0.0f);
+  EXPECT_NEAR(x[1], 30.0 * std::tanh(1.0), 1e-5);
+  EXPECT_NEAR(x[2], -30.0 * std::tanh(2.0), 1e-5);
+  EXPECT_NEAR(x[3], 30.0f, 1e-5);
+}
+
+}  // namespace
+}  // namespace dgserve::cpu
