@@ -54,11 +54,6 @@ absl::Status RunGenerate() {
   }
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(dir + "/tokenizer.json"));
-  if (tok.vocab_size() > ckpt.config.vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat("tokenizer has ", tok.vocab_size(),
-                                                   " ids but the model's vocab_size is ",
-                                                   ckpt.config.vocab_size));
-  }
   GenerationRequest req = DefaultRequest(ckpt.generation);
   if (absl::GetFlag(FLAGS_chat)) {
     ChatMessage msg{"user", absl::GetFlag(FLAGS_prompt)};

@@ -11,7 +11,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 DEB_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git ca-certificates
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
+  prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libopenblas-openmp-dev
   nlohmann-json3-dev libssl-dev nodejs npm
 )
 

@@ -8,7 +8,6 @@
 #include "engine/denoise/canvas_state.h"
 #include "engine/denoise/finalize.h"
 #include "engine/denoise/rng.h"
-#include "engine/denoise/row_sampler.h"
 #include "engine/model/kv_cache.h"
 
 namespace dgserve {
@@ -85,13 +84,11 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
   result.prefill_seconds = SecondsSince(t0);
 
   CounterDrawSource draws(r.seed, V);
-  // The one vocabulary-sized buffer: logits of the current step, overwritten in place by their
-  // probabilities, which the next step turns into the self-conditioning soft embedding.
-  std::vector<float> logits(size_t(C) * V);
-  std::vector<float> soft(size_t(C) * D);
+  // Self-conditioning input of this step and the next; no vocabulary-sized buffer is needed
+  // (the backend's fused step never materialises [C, V] logits).
+  std::vector<float> soft(size_t(C) * D), next_soft(size_t(C) * D);
   std::vector<RowResult> rows(C);
   std::vector<int32_t> committed;
-  result.finish_reason = "length";
   for (int n = 0; n < num_canvases; ++n) {
     if (n > 0) {  // commit pass: encode the previous canvas (spec §4.1 step 3a)
       auto tc = std::chrono::steady_clock::now();
@@ -104,10 +101,16 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
                              CanvasDenoiser::Create(r.sampler, C, V, n, &draws));
     bool have_sc = false;
     while (!den.done()) {
-      const float temperature = den.temperature();
-      DecodeInput in{den.canvas(), have_sc ? soft.data() : nullptr, &kv, logits.data()};
-      DGSERVE_RETURN_IF_ERROR(backend_.Decode({&in, 1}));
-      SampleRows(logits.data(), C, V, temperature, den.uniforms(), /*write_probs=*/true, rows);
+      const bool last = den.step() + 1 == r.sampler.max_denoising_steps;
+      DenoiseStepInput in;
+      in.canvas = den.canvas();
+      in.sc_soft = have_sc ? soft.data() : nullptr;
+      in.kv = &kv;
+      in.temperature = den.temperature();
+      in.uniforms = den.uniforms();
+      in.rows = rows.data();
+      in.next_soft = last ? nullptr : next_soft.data();
+      DGSERVE_RETURN_IF_ERROR(backend_.DenoiseStep({&in, 1}));
       DGSERVE_ASSIGN_OR_RETURN(StepOutcome out, den.ApplyStep(rows));
       ++result.decoder_passes;
       if (observer.on_step) {
@@ -115,10 +118,9 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
                      out.mean_entropy, out.stop};
         observer.on_step(ev);
       }
-      if (!den.done()) {  // self-conditioning for the next step (spec §3.5 step 2)
-        backend_.SoftEmbedding(logits.data(), C, soft.data());
-        have_sc = true;
-      }
+      // This step's tempered probabilities condition the next step (spec §3.5 step 2).
+      std::swap(soft, next_soft);
+      have_sc = true;
     }
     result.denoise_seconds += SecondsSince(td);
     committed.assign(den.committed().begin(), den.committed().end());
@@ -130,18 +132,18 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
     if (observer.on_canvas) {
       observer.on_canvas(CanvasEvent{n, finalized, den.step(), den.stopped_early(), found});
     }
-    if (found) {
+    if (found) break;
+  }
+  // The completion: up to (not including) the first stop token, at most max_new_tokens. A stop
+  // token past max_new_tokens does not count: the request ended on its length.
+  result.finish_reason = "length";
+  for (int32_t id : result.tokens) {
+    if (int(result.completion.size()) == r.max_new_tokens) break;
+    if (std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), id) !=
+        r.stop_token_ids.end()) {
       result.finish_reason = "stop";
       break;
     }
-  }
-  // The completion: up to (not including) the first stop token, at most max_new_tokens.
-  for (int32_t id : result.tokens) {
-    if (std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), id) !=
-        r.stop_token_ids.end()) {
-      break;
-    }
-    if (int(result.completion.size()) == r.max_new_tokens) break;
     result.completion.push_back(id);
   }
   return result;

@@ -8,6 +8,7 @@
 #include <span>
 
 #include "absl/status/status.h"
+#include "engine/denoise/row_sampler.h"
 #include "engine/model/config.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/weights.h"
@@ -32,6 +33,25 @@ struct DecodeInput {
   float* logits = nullptr;  // out: [C, V] float32, softcapped (spec §3.1.6)
 };
 
+// One canvas's denoising step, fused: the decoder pass of DecodeInput followed by the
+// vocabulary-sized work (LM head, softcap, temperature, softmax, entropy, argmax, sampling and
+// the next step's self-conditioning input) without materialising [C, V] logits.
+struct DenoiseStepInput {
+  std::span<const int32_t> canvas;  // [C]
+  const float* sc_soft = nullptr;   // [C, D] or nullptr at step 0 (as DecodeInput)
+  const KvCache* kv = nullptr;
+  float temperature = 1.0f;         // T of this step (spec §4.2 step 1)
+  std::span<const float> uniforms;  // [C] u_j for the inverse-CDF candidate samples
+  RowResult* rows = nullptr;        // out [C]: argmax, sampled, entropy, lse (spec §4.2 step 4)
+  float* next_soft = nullptr;       // out [C, D]: (softmax(ℓ/T)·E)·bf16(√D), or nullptr to skip
+};
+
+// Wall time of the parts of the last Decode() call (for benchmarks and stats).
+struct DecodeTimings {
+  double body_seconds = 0;     // canvas embedding, self-conditioning MLP, layers, final norm
+  double lm_head_seconds = 0;  // LM head GEMM and softcap
+};
+
 class ModelBackend {
  public:
   virtual ~ModelBackend() = default;
@@ -51,6 +71,14 @@ class ModelBackend {
   // Self-conditioning soft embedding: soft[rows, D] = (probs[rows, V] · E) · bf16(√D), with
   // probs the softmax of the previous step's tempered logits (spec §3.5 step 2).
   virtual void SoftEmbedding(const float* probs, int rows, float* soft) = 0;
+
+  // Fused decoder pass + vocabulary work for a batch of canvases (see DenoiseStepInput). Same
+  // errors as Decode, plus INVALID_ARGUMENT for a non-positive temperature or missing uniforms.
+  virtual absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) = 0;
+
+  // Timings of the last Decode or DenoiseStep call (lm_head_seconds covers all vocabulary work
+  // in DenoiseStep).
+  virtual DecodeTimings last_decode_timings() const = 0;
 };
 
 // The CPU backend: float32 compute, OpenBLAS GEMMs, OpenMP over rows/heads. `weights` must

@@ -1,5 +1,6 @@
 // CPU implementation of ModelBackend: the DiffusionGemma forward pass (spec §3), float32.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/model/backend.h"
 #include "engine/model/cpu_ops.h"
+#include "engine/model/cpu_vocab.h"
 
 namespace dgserve {
 namespace {
@@ -39,9 +41,21 @@ class CpuBackend final : public ModelBackend {
 
   absl::Status Encode(std::span<const EncodeInput> batch) override;
   absl::Status Decode(std::span<const DecodeInput> batch) override;
+  absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) override;
   void SoftEmbedding(const float* probs, int rows, float* soft) override;
+  DecodeTimings last_decode_timings() const override { return timings_; }
 
  private:
+  // The canvas part of a decoder input.
+  struct CanvasInput {
+    std::span<const int32_t> canvas;
+    const float* sc_soft;
+    const KvCache* kv;
+  };
+  // Decoder body (spec §3.5 steps 1–4 and the final norm) for a batch of canvases: fills the
+  // segments and the final-normed hidden states [R, D].
+  absl::Status Body(std::span<const CanvasInput> batch, std::vector<Segment>* segs,
+                    std::vector<float>* hidden);
   absl::Status CheckTokens(std::span<const int32_t> ids) const;
   // e[r] = E[ids[r]] · bf16(√D).
   void Embed(std::span<const int32_t> ids, float* out) const;
@@ -56,7 +70,12 @@ class CpuBackend final : public ModelBackend {
   const ModelConfig& c_;
   const ModelWeights& w_;
   std::vector<float> rope_sliding_, rope_full_;
+  DecodeTimings timings_;
 };
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 absl::Status CpuBackend::CheckTokens(std::span<const int32_t> ids) const {
   for (int32_t id : ids) {
@@ -304,15 +323,14 @@ absl::Status CpuBackend::Encode(std::span<const EncodeInput> batch) {
 }
 
 
-absl::Status CpuBackend::Decode(std::span<const DecodeInput> batch) {
-  const int D = c_.hidden_size, V = c_.vocab_size, I = c_.intermediate_size;
+absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Segment>* segs,
+                              std::vector<float>* hidden) {
+  const int D = c_.hidden_size, I = c_.intermediate_size;
   const float eps = c_.rms_norm_eps;
-  std::vector<Segment> segs;
   int R = 0;
-  for (const DecodeInput& in : batch) {
-    if (in.kv == nullptr || in.logits == nullptr) {
-      return absl::InvalidArgumentError("decoder input without a KV cache or logits buffer");
-    }
+  segs->clear();
+  for (const CanvasInput& in : batch) {
+    if (in.kv == nullptr) return absl::InvalidArgumentError("decoder input without a KV cache");
     absl::Status st = CheckTokens(in.canvas);
     if (!st.ok()) return st;
     Segment s;
@@ -320,14 +338,15 @@ absl::Status CpuBackend::Decode(std::span<const DecodeInput> batch) {
     s.rows = in.canvas.size();
     s.pos0 = in.kv->num_tokens();
     s.kv = in.kv;
-    segs.push_back(s);
+    segs->push_back(s);
     R += s.rows;
   }
+  std::vector<float>& h = *hidden;
+  h.assign(size_t(R) * D, 0.0f);
   if (R == 0) return absl::OkStatus();
   // Canvas input (spec §3.5 steps 1–3): x0 = rms_noscale(E[c]·s + SC(soft)).
-  std::vector<float> h(size_t(R) * D);
   for (size_t i = 0; i < batch.size(); ++i) {
-    const Segment& s = segs[i];
+    const Segment& s = (*segs)[i];
     float* hs = h.data() + size_t(s.row0) * D;
     Embed(batch[i].canvas, hs);
     if (batch[i].sc_soft != nullptr) {
@@ -339,8 +358,25 @@ absl::Status CpuBackend::Decode(std::span<const DecodeInput> batch) {
     }
   }
   RmsNorm(h.data(), nullptr, R, D, eps, h.data());
-  for (int l = 0; l < c_.num_layers; ++l) Layer(l, PassKind::kDecoder, segs, R, h.data());
+  for (int l = 0; l < c_.num_layers; ++l) Layer(l, PassKind::kDecoder, *segs, R, h.data());
   RmsNorm(h.data(), w_.final_norm.data(), R, D, eps, h.data());
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Decode(std::span<const DecodeInput> batch) {
+  const int D = c_.hidden_size, V = c_.vocab_size;
+  std::vector<CanvasInput> canvases;
+  for (const DecodeInput& in : batch) {
+    if (in.logits == nullptr) return absl::InvalidArgumentError("decoder input without logits");
+    canvases.push_back({in.canvas, in.sc_soft, in.kv});
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<Segment> segs;
+  std::vector<float> h;
+  absl::Status st = Body(canvases, &segs, &h);
+  if (!st.ok()) return st;
+  timings_.body_seconds = SecondsSince(t0);
+  const auto t1 = std::chrono::steady_clock::now();
   // LM head (tied embedding) and softcap, per canvas into its own logits buffer.
   for (size_t i = 0; i < batch.size(); ++i) {
     const Segment& s = segs[i];
@@ -348,6 +384,47 @@ absl::Status CpuBackend::Decode(std::span<const DecodeInput> batch) {
                  batch[i].logits);
     cpu::Softcap(batch[i].logits, int64_t(s.rows) * V, c_.final_logit_softcapping);
   }
+  timings_.lm_head_seconds = SecondsSince(t1);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
+  const int D = c_.hidden_size;
+  std::vector<CanvasInput> canvases;
+  for (const DenoiseStepInput& in : batch) {
+    if (in.rows == nullptr || in.uniforms.size() < in.canvas.size()) {
+      return absl::InvalidArgumentError("denoise step without row outputs or uniforms");
+    }
+    if (!(in.temperature > 0) || !std::isfinite(in.temperature)) {
+      return absl::InvalidArgumentError("temperature: must be finite and > 0");
+    }
+    canvases.push_back({in.canvas, in.sc_soft, in.kv});
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<Segment> segs;
+  std::vector<float> h;
+  absl::Status st = Body(canvases, &segs, &h);
+  if (!st.ok()) return st;
+  timings_.body_seconds = SecondsSince(t0);
+  const auto t1 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Segment& s = segs[i];
+    std::vector<float> temperature(s.rows, batch[i].temperature);
+    cpu::VocabStepArgs args;
+    args.hidden = h.data() + size_t(s.row0) * D;
+    args.rows = s.rows;
+    args.embed = w_.embed_tokens.data();
+    args.vocab = c_.vocab_size;
+    args.dim = D;
+    args.softcap = c_.final_logit_softcapping;
+    args.temperature = temperature.data();
+    args.uniforms = batch[i].uniforms.data();
+    args.embed_scale = c_.EmbedScale();
+    args.out = batch[i].rows;
+    args.soft = batch[i].next_soft;
+    cpu::FusedVocabStep(args);
+  }
+  timings_.lm_head_seconds = SecondsSince(t1);
   return absl::OkStatus();
 }
 

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "common/testing/status_matchers.h"
+#include "engine/denoise/row_sampler.h"
 #include "engine/generation/generator.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
@@ -125,6 +126,61 @@ TEST_F(CpuBackendTest, BatchedPassesEqualSinglePasses) {
   DecodeInput d3{c2, nullptr, &kv2b, s1.data()};
   ASSERT_THAT(b->Decode({&d3, 1}), IsOk());
   EXPECT_GT(MaxAbsDiff(s1, s2), 1e-3);
+}
+
+// The fused step (no [C, V] logits) equals Decode + SampleRows + SoftEmbedding.
+TEST_F(CpuBackendTest, FusedDenoiseStepEqualsUnfusedPipeline) {
+  auto b = Backend();
+  const int C = config().canvas_length, V = config().vocab_size, D = config().hidden_size;
+  ContiguousKvCache kv(config(), 256);
+  const std::vector<int32_t> p = Prompt(13);
+  EncodeInput enc{p, &kv};
+  ASSERT_THAT(b->Encode({&enc, 1}), IsOk());
+  std::vector<int32_t> canvas(C);
+  for (int i = 0; i < C; ++i) canvas[i] = (i * 131 + 17) % V;
+  std::vector<float> sc(size_t(C) * D);
+  for (size_t i = 0; i < sc.size(); ++i) sc[i] = std::sin(0.37f * float(i));
+  std::vector<float> uniforms(C);
+  for (int i = 0; i < C; ++i) uniforms[i] = float(i) / C + 0.013f;
+  const float t = 0.61f;
+  const std::vector<const float*> sc_inputs = {nullptr, sc.data()};
+  for (const float* soft_in : sc_inputs) {
+    std::vector<float> logits(size_t(C) * V), soft(size_t(C) * D);
+    DecodeInput d{canvas, soft_in, &kv, logits.data()};
+    ASSERT_THAT(b->Decode({&d, 1}), IsOk());
+    std::vector<RowResult> want(C);
+    SampleRows(logits.data(), C, V, t, uniforms, /*write_probs=*/true, want);
+    b->SoftEmbedding(logits.data(), C, soft.data());
+
+    std::vector<RowResult> got(C);
+    std::vector<float> next_soft(size_t(C) * D);
+    DenoiseStepInput in;
+    in.canvas = canvas;
+    in.sc_soft = soft_in;
+    in.kv = &kv;
+    in.temperature = t;
+    in.uniforms = uniforms;
+    in.rows = got.data();
+    in.next_soft = next_soft.data();
+    ASSERT_THAT(b->DenoiseStep({&in, 1}), IsOk());
+    for (int r = 0; r < C; ++r) {
+      EXPECT_EQ(got[r].argmax, want[r].argmax) << r;
+      EXPECT_EQ(got[r].sampled, want[r].sampled) << r;
+      EXPECT_NEAR(got[r].entropy, want[r].entropy, 1e-4) << r;
+      EXPECT_NEAR(got[r].lse, want[r].lse, 1e-4) << r;
+    }
+    EXPECT_LT(MaxAbsDiff(soft, next_soft), 1e-4);
+  }
+  // Bad temperature → INVALID_ARGUMENT.
+  std::vector<RowResult> rows(C);
+  DenoiseStepInput bad;
+  bad.canvas = canvas;
+  bad.kv = &kv;
+  bad.temperature = 0.0f;
+  bad.uniforms = uniforms;
+  bad.rows = rows.data();
+  EXPECT_THAT(b->DenoiseStep({&bad, 1}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("temperature")));
 }
 
 TEST_F(CpuBackendTest, RejectsTokenIdsOutsideTheVocabulary) {

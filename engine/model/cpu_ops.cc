@@ -1,6 +1,7 @@
 #include "engine/model/cpu_ops.h"
 
 #include <cblas.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -69,10 +70,55 @@ void ApplyRope(float* x, int heads, int head_dim, int pos, std::span<const float
   }
 }
 
+namespace {
+
+// cap·tanh(x/cap) = cap·(1 − 2/(1 + e^{2x/cap})) with e^t = 2^(t·log2 e) from a degree-5
+// polynomial on the fraction (Cephes exp2f, relative error ≤ 2e-7): absolute error ≤ 1e-5 at
+// cap = 30. 8 lanes of AVX2.
+[[gnu::target("avx2,fma")]] void SoftcapAvx2(float* x, int64_t n, float cap) {
+  const __m256 k = _mm256_set1_ps(2.0f / cap * 1.44269504088896341f);
+  const __m256 lo = _mm256_set1_ps(-126.0f), hi = _mm256_set1_ps(126.0f);
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+  const __m256 vcap = _mm256_set1_ps(cap);
+  const __m256 q0 = _mm256_set1_ps(1.535336188319500e-4f), q1 = _mm256_set1_ps(1.339887440266574e-3f),
+               q2 = _mm256_set1_ps(9.618437357674640e-3f), q3 = _mm256_set1_ps(5.550332471162809e-2f),
+               q4 = _mm256_set1_ps(2.402264791363012e-1f), q5 = _mm256_set1_ps(6.931472028550421e-1f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 w = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), k), lo), hi);
+    const __m256 r = _mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(w, r);  // in [−0.5, 0.5]
+    __m256 p = _mm256_fmadd_ps(q0, f, q1);
+    p = _mm256_fmadd_ps(p, f, q2);
+    p = _mm256_fmadd_ps(p, f, q3);
+    p = _mm256_fmadd_ps(p, f, q4);
+    p = _mm256_fmadd_ps(p, f, q5);
+    p = _mm256_fmadd_ps(p, f, one);  // 2^f
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r),
+                                                         _mm256_set1_epi32(127)), 23);
+    const __m256 ex = _mm256_mul_ps(p, _mm256_castsi256_ps(e));  // e^{2x/cap}
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, ex)));
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(vcap, t));
+  }
+  for (; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
+}
+
+}  // namespace
+
 void Softcap(float* x, int64_t n, float cap) {
-  const float inv = 1.0f / cap;
-#pragma omp parallel for schedule(static) if (n >= 65536)
-  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    float* p = x + c * kChunk;
+    const int64_t m = std::min(kChunk, n - c * kChunk);
+    if (avx2) {
+      SoftcapAvx2(p, m, cap);
+    } else {
+      for (int64_t i = 0; i < m; ++i) p[i] = cap * std::tanh(p[i] / cap);
+    }
+  }
 }
 
 void RouteTopK(float* s, int num_experts, int k, const float* per_expert_scale,

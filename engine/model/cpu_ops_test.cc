@@ -115,6 +115,17 @@ TEST(RouteTopKTest, TiesGoToTheLowerExpertId) {
   EXPECT_NEAR(out[0].second, 0.5f, 1e-6);
 }
 
+TEST(SoftcapTest, VectorPathMatchesTanhEverywhere) {
+  // 200003 values (not a multiple of 8 or of the chunk) from −200 to 200.
+  std::vector<float> x(200003);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = -200.0f + 400.0f * float(i) / float(x.size());
+  std::vector<float> y = x;
+  Softcap(y.data(), int64_t(y.size()), 30.0f);
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_NEAR(y[i], 30.0 * std::tanh(double(x[i]) / 30.0), 2e-5) << x[i];
+  }
+}
+
 TEST(SoftcapTest, TanhCap) {
   std::vector<float> x = {0.0f, 30.0f, -60.0f, 1e6f};
   Softcap(x.data(), 4, 30.0f);

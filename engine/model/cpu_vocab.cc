@@ -1,0 +1,252 @@
+#include "engine/model/cpu_vocab.h"
+
+#include <cblas.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "engine/model/cpu_ops.h"
+
+namespace dgserve::cpu {
+namespace {
+
+constexpr int kTile = 256;  // vocabulary ids per tile: E tile (256·D floats) stays in L2
+
+// Per-row running state of one thread over its tiles.
+struct RowState {
+  float max_logit = -std::numeric_limits<float>::infinity();  // running max of ℓ (raw softcapped)
+  int32_t argmax = -1;
+  double sum = 0;   // S = Σ exp((ℓ − max)/T)
+  double sum_d = 0;  // Q = Σ exp(d)·d, d = (ℓ − max)/T ≤ 0
+};
+
+// Sums of one tile of one row: exps written to `e`, returns S_t and Q_t (relative to `m`).
+[[gnu::target("avx2,fma")]] void TileExpAvx2(const float* l, int n, float m, float inv_t, float* e,
+                                             double* s_out, double* q_out) {
+  const __m256 vm = _mm256_set1_ps(m), vk = _mm256_set1_ps(inv_t * 1.44269504088896341f);
+  const __m256 lo = _mm256_set1_ps(-126.0f), ln2 = _mm256_set1_ps(0.693147180559945f);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 q0 = _mm256_set1_ps(1.535336188319500e-4f), q1 = _mm256_set1_ps(1.339887440266574e-3f),
+               q2 = _mm256_set1_ps(9.618437357674640e-3f), q3 = _mm256_set1_ps(5.550332471162809e-2f),
+               q4 = _mm256_set1_ps(2.402264791363012e-1f), q5 = _mm256_set1_ps(6.931472028550421e-1f);
+  __m256 s = _mm256_setzero_ps(), q = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 w0 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(l + i), vm), vk);  // log2 e^d
+    const __m256 w = _mm256_max_ps(w0, lo);
+    const __m256 r = _mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(w, r);
+    __m256 p = _mm256_fmadd_ps(q0, f, q1);
+    p = _mm256_fmadd_ps(p, f, q2);
+    p = _mm256_fmadd_ps(p, f, q3);
+    p = _mm256_fmadd_ps(p, f, q4);
+    p = _mm256_fmadd_ps(p, f, q5);
+    p = _mm256_fmadd_ps(p, f, one);
+    const __m256i ex =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
+    // Below 2^−126 the value is flushed to 0 (as the row sampler does).
+    const __m256 keep = _mm256_cmp_ps(w0, lo, _CMP_GE_OQ);
+    const __m256 ev = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(ex)), keep);
+    _mm256_storeu_ps(e + i, ev);
+    s = _mm256_add_ps(s, ev);
+    q = _mm256_fmadd_ps(ev, _mm256_mul_ps(w, ln2), q);
+  }
+  alignas(32) float sl[8], ql[8];
+  _mm256_store_ps(sl, s);
+  _mm256_store_ps(ql, q);
+  double ss = 0, qq = 0;
+  for (int j = 0; j < 8; ++j) {
+    ss += sl[j];
+    qq += ql[j];
+  }
+  for (; i < n; ++i) {
+    const float d = (l[i] - m) * inv_t;
+    const float ev = d < -87.33f ? 0.0f : std::exp(d);
+    e[i] = ev;
+    ss += ev;
+    qq += double(ev) * d;
+  }
+  *s_out = ss;
+  *q_out = qq;
+}
+
+void TileExpScalar(const float* l, int n, float m, float inv_t, float* e, double* s_out,
+                   double* q_out) {
+  double ss = 0, qq = 0;
+  for (int i = 0; i < n; ++i) {
+    const float d = (l[i] - m) * inv_t;
+    const float ev = d < -87.33f ? 0.0f : std::exp(d);
+    e[i] = ev;
+    ss += ev;
+    qq += double(ev) * d;
+  }
+  *s_out = ss;
+  *q_out = qq;
+}
+
+// Rescales a row's state from reference max `from` to `to` ≥ from: S·α, Q → α(Q + δS), acc·α.
+void Rescale(RowState& st, float to, float inv_t, float* acc, int dim) {
+  if (st.sum == 0) {
+    st.max_logit = to;
+    return;
+  }
+  const double delta = double(st.max_logit - to) * inv_t;
+  const double alpha = std::exp(delta);
+  st.sum_d = alpha * (st.sum_d + delta * st.sum);
+  st.sum *= alpha;
+  if (acc) {
+    const float a = float(alpha);
+    for (int i = 0; i < dim; ++i) acc[i] *= a;
+  }
+  st.max_logit = to;
+}
+
+}  // namespace
+
+void FusedVocabStep(const VocabStepArgs& a) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const int M = a.rows, V = a.vocab, D = a.dim;
+  if (M == 0) return;
+  const int num_tiles = (V + kTile - 1) / kTile;
+  const int threads = std::max(1, std::min(omp_get_max_threads(), num_tiles));
+  // Per thread: row states and soft accumulators; per tile and row: the tile's exp sum and the
+  // max it was taken against (for the sampling scan).
+  std::vector<RowState> states(size_t(threads) * M);
+  std::vector<float> accs(a.soft ? size_t(threads) * M * D : 0, 0.0f);
+  std::vector<float> tile_sum(size_t(num_tiles) * M), tile_ref(size_t(num_tiles) * M);
+  std::vector<float> inv_t(M);
+  for (int r = 0; r < M; ++r) inv_t[r] = 1.0f / a.temperature[r];
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    const int tile_begin = int(int64_t(num_tiles) * t / threads);
+    const int tile_end = int(int64_t(num_tiles) * (t + 1) / threads);
+    std::vector<float> lbuf(size_t(M) * kTile), ebuf(size_t(M) * kTile);
+    RowState* st = states.data() + size_t(t) * M;
+    float* acc = a.soft ? accs.data() + size_t(t) * M * D : nullptr;
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      const int v0 = tile * kTile, n = std::min(kTile, V - v0);
+      const float* et = a.embed + size_t(v0) * D;
+      // Logits of the tile: [M, n] = hidden · E_tileᵀ, softcapped.
+      float* l = lbuf.data();
+      int ldl = n;
+      if (a.logits) {
+        l = a.logits + v0;
+        ldl = V;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, D, 1.0f, a.hidden, D, et, D,
+                  0.0f, l, ldl);
+      for (int r = 0; r < M; ++r) {
+        float* lr = l + size_t(r) * ldl;
+        Softcap(lr, n, a.softcap);
+        // Tile max / argmax (first index on ties).
+        int best = 0;
+        for (int i = 1; i < n; ++i) {
+          if (lr[i] > lr[best]) best = i;
+        }
+        RowState& s = st[r];
+        float* acc_r = acc ? acc + size_t(r) * D : nullptr;
+        if (lr[best] > s.max_logit) {
+          s.argmax = v0 + best;
+          Rescale(s, lr[best], inv_t[r], acc_r, D);
+        }
+        double ts, tq;
+        float* e = ebuf.data() + size_t(r) * kTile;
+        if (avx2) {
+          TileExpAvx2(lr, n, s.max_logit, inv_t[r], e, &ts, &tq);
+        } else {
+          TileExpScalar(lr, n, s.max_logit, inv_t[r], e, &ts, &tq);
+        }
+        s.sum += ts;
+        s.sum_d += tq;
+        tile_sum[size_t(tile) * M + r] = float(ts);
+        tile_ref[size_t(tile) * M + r] = s.max_logit;
+      }
+      if (acc) {  // acc[M, D] += e[M, n] · E_tile[n, D]
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, D, n, 1.0f, ebuf.data(), kTile,
+                    et, D, 1.0f, acc, D);
+      }
+    }
+  }
+
+  // Merge the threads' states per row (thread order = vocabulary order), then sample.
+#pragma omp parallel for schedule(static) if (M >= 8)
+  for (int r = 0; r < M; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    int32_t argmax = 0;
+    for (int t = 0; t < threads; ++t) {
+      const RowState& s = states[size_t(t) * M + r];
+      if (s.argmax >= 0 && s.max_logit > m) {
+        m = s.max_logit;
+        argmax = s.argmax;
+      }
+    }
+    double sum = 0, sum_d = 0;
+    float* soft = a.soft ? a.soft + size_t(r) * D : nullptr;
+    if (soft) std::fill(soft, soft + D, 0.0f);
+    for (int t = 0; t < threads; ++t) {
+      RowState s = states[size_t(t) * M + r];
+      if (s.argmax < 0) continue;
+      float* acc_r = a.soft ? accs.data() + (size_t(t) * M + r) * D : nullptr;
+      Rescale(s, m, inv_t[r], acc_r, D);
+      sum += s.sum;
+      sum_d += s.sum_d;
+      if (soft) {
+        for (int i = 0; i < D; ++i) soft[i] += acc_r[i];
+      }
+    }
+    RowResult& out = a.out[r];
+    out.argmax = argmax;
+    out.entropy = float(std::max(0.0, std::log(sum) - sum_d / sum));
+    out.lse = float(double(m) * inv_t[r] + std::log(sum));
+    if (soft) {
+      const float scale = float(a.embed_scale / sum);
+      for (int i = 0; i < D; ++i) soft[i] *= scale;
+    }
+    // Inverse-CDF sample: the first id whose running exp sum exceeds u·S.
+    const double u = std::clamp(double(a.uniforms[r]), 0.0, std::nextafter(1.0, 0.0));
+    const double target = u * sum;
+    double cum = 0;
+    int chosen_tile = -1;
+    int last_nonzero_tile = 0;
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const double ts = double(tile_sum[size_t(tile) * M + r]) *
+                        std::exp(double(tile_ref[size_t(tile) * M + r] - m) * inv_t[r]);
+      if (ts <= 0) continue;
+      last_nonzero_tile = tile;
+      if (cum + ts > target) {
+        chosen_tile = tile;
+        break;
+      }
+      cum += ts;
+    }
+    if (chosen_tile < 0) chosen_tile = last_nonzero_tile;
+    // Recompute the chosen tile's logits for this row and scan it.
+    const int v0 = chosen_tile * kTile, n = std::min(kTile, V - v0);
+    const float* h = a.hidden + size_t(r) * D;
+    int32_t sampled = -1, last_positive = v0;
+    for (int i = 0; i < n; ++i) {
+      const float* ev = a.embed + size_t(v0 + i) * D;
+      float dot = 0;
+      for (int k = 0; k < D; ++k) dot += h[k] * ev[k];
+      const float l = a.softcap * std::tanh(dot / a.softcap);
+      const double e = std::exp(double(l - m) * inv_t[r]);
+      if (e <= 0) continue;
+      last_positive = v0 + i;
+      cum += e;
+      if (cum > target) {
+        sampled = v0 + i;
+        break;
+      }
+    }
+    out.sampled = sampled >= 0 ? sampled : last_positive;
+  }
+}
+
+}  // namespace dgserve::cpu

@@ -1,0 +1,36 @@
+// The fused vocabulary-sized work of one denoising step on the CPU (spec §3.1.6, §3.5 step 2,
+// §4.2 steps 3–4): LM head, softcap, temperature, softmax, entropy, argmax, inverse-CDF sampling
+// and the next step's self-conditioning soft embedding, in one pass over the embedding table in
+// vocabulary tiles. No [rows, V] buffer is needed: each tile's logits live in cache while its
+// probabilities are multiplied into the soft embedding (online softmax with rescaling, as in
+// flash attention); the sample is found from per-tile sums and one recomputed tile.
+#pragma once
+
+#include <cstdint>
+
+#include "engine/denoise/row_sampler.h"
+
+namespace dgserve::cpu {
+
+struct VocabStepArgs {
+  const float* hidden = nullptr;       // [rows, D] final-normed hidden states
+  int rows = 0;
+  const float* embed = nullptr;        // [V, D] tied embedding = LM head
+  int vocab = 0;
+  int dim = 0;
+  float softcap = 30.0f;               // final_logit_softcapping
+  const float* temperature = nullptr;  // [rows] T > 0 per row
+  const float* uniforms = nullptr;     // [rows] u in [0, 1) per row (inverse-CDF draw)
+  float embed_scale = 1.0f;            // bf16(√D), applied to the soft embedding
+  RowResult* out = nullptr;            // [rows] argmax / sampled / entropy / lse (as SampleRow)
+  float* soft = nullptr;               // [rows, D] (softmax(ℓ/T)·E)·embed_scale, or nullptr
+  float* logits = nullptr;             // [rows, V] softcapped logits, or nullptr (tests)
+};
+
+// Runs the fused step. Results agree with Softcap + SampleRows + SoftEmbedding on the same
+// hidden states up to float rounding (the sample can differ only when u·S falls within rounding
+// of a cumulative boundary). Parallel over vocabulary tiles (OpenMP); the result does not depend
+// on the thread count beyond rounding of the per-thread partial sums.
+void FusedVocabStep(const VocabStepArgs& args);
+
+}  // namespace dgserve::cpu

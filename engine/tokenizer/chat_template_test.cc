@@ -1,0 +1,141 @@
+// Chat template structure tests on the tiny tokenizer (ids < 512). The exact ids of real
+// prompts are checked against the real Gemma tokenizer in tokenizer_gemma_test.cc.
+#include "engine/tokenizer/chat_template.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "common/testing/status_matchers.h"
+
+namespace dgserve {
+namespace {
+
+using ::dgserve::testing::IsOk;
+using ::dgserve::testing::StatusIs;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+class ChatTemplateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* dir = std::getenv("DGSERVE_SOURCE_DIR");
+    absl::StatusOr<Tokenizer> tok =
+        Tokenizer::Load(std::string(dir != nullptr ? dir : ".") +
+                        "/engine/tokenizer/testdata/tiny_v512_tokenizer.json");
+    ASSERT_THAT(tok, IsOk());
+    tok_.emplace(*std::move(tok));
+  }
+
+  // Concatenates id lists.
+  static std::vector<int32_t> Cat(std::initializer_list<std::vector<int32_t>> parts) {
+    std::vector<int32_t> out;
+    for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+    return out;
+  }
+  std::vector<int32_t> E(const std::string& text) const { return tok_->Encode(text, false); }
+
+  std::optional<Tokenizer> tok_;
+};
+
+TEST_F(ChatTemplateTest, NonThinkingUserTurn) {
+  const std::vector<ChatMessage> messages = {{"user", "é日"}};
+  absl::StatusOr<std::vector<int32_t>> ids = RenderChat(*tok_, messages);
+  ASSERT_THAT(ids, IsOk());
+  EXPECT_THAT(*ids, ElementsAreArray(Cat({{2, 105},
+                                          E("user"),
+                                          {107},
+                                          E("é日"),
+                                          {106, 107, 105},
+                                          E("model"),
+                                          {107, 100},
+                                          E("thought"),
+                                          {107, 101}})));
+}
+
+TEST_F(ChatTemplateTest, ThinkingPrependsSystemTurnAndEndsAtModel) {
+  const std::vector<ChatMessage> messages = {{"user", "hi"}};
+  absl::StatusOr<std::vector<int32_t>> ids = RenderChat(*tok_, messages, {.enable_thinking = true});
+  ASSERT_THAT(ids, IsOk());
+  EXPECT_THAT(*ids, ElementsAreArray(Cat({{2, 105},
+                                          E("system"),
+                                          {107, 98, 107, 106, 107, 105},
+                                          E("user"),
+                                          {107},
+                                          E("hi"),
+                                          {106, 107, 105},
+                                          E("model"),
+                                          {107}})));
+}
+
+TEST_F(ChatTemplateTest, SystemMessageAndThinkingShareOneTurn) {
+  const std::vector<ChatMessage> messages = {
+      {"system", "  Be brief.\n"}, {"user", "hi"}, {"assistant", "ok "}, {"user", "more"}};
+  absl::StatusOr<std::vector<int32_t>> thinking =
+      RenderChat(*tok_, messages, {.enable_thinking = true});
+  ASSERT_THAT(thinking, IsOk());
+  const std::vector<int32_t> turns = Cat({E("user"),
+                                          {107},
+                                          E("hi"),
+                                          {106, 107, 105},
+                                          E("model"),
+                                          {107},
+                                          E("ok"),
+                                          {106, 107, 105},
+                                          E("user"),
+                                          {107},
+                                          E("more"),
+                                          {106, 107, 105},
+                                          E("model"),
+                                          {107}});
+  EXPECT_THAT(
+      *thinking,
+      ElementsAreArray(
+          Cat({{2, 105}, E("system"), {107, 98, 107}, E("Be brief."), {106, 107, 105}, turns})));
+  absl::StatusOr<std::vector<int32_t>> plain = RenderChat(*tok_, messages);
+  ASSERT_THAT(plain, IsOk());
+  EXPECT_THAT(*plain, ElementsAreArray(Cat({{2, 105},
+                                            E("system"),
+                                            {107},
+                                            E("Be brief."),
+                                            {106, 107, 105},
+                                            turns,
+                                            {100},
+                                            E("thought"),
+                                            {107, 101}})));
+}
+
+TEST_F(ChatTemplateTest, WithoutGenerationPrompt) {
+  const std::vector<ChatMessage> messages = {{"developer", "x"}, {"model", "y"}};
+  absl::StatusOr<std::vector<int32_t>> ids =
+      RenderChat(*tok_, messages, {.add_generation_prompt = false});
+  ASSERT_THAT(ids, IsOk());
+  EXPECT_THAT(*ids, ElementsAreArray(Cat({{2, 105},
+                                          E("system"),
+                                          {107},
+                                          E("x"),
+                                          {106, 107, 105},
+                                          E("model"),
+                                          {107},
+                                          E("y"),
+                                          {106, 107}})));
+}
+
+TEST_F(ChatTemplateTest, Errors) {
+  EXPECT_THAT(RenderChat(*tok_, std::vector<ChatMessage>{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
+  const std::vector<ChatMessage> tool = {{"user", "a"}, {"tool", "b"}};
+  EXPECT_THAT(RenderChat(*tok_, tool), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                HasSubstr("message 1 has unknown role 'tool'")));
+  absl::StatusOr<Tokenizer> small = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})", "small");
+  ASSERT_THAT(small, IsOk());
+  const std::vector<ChatMessage> user = {{"user", "a"}};
+  EXPECT_THAT(RenderChat(*small, user), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+}  // namespace
+}  // namespace dgserve
