@@ -89,6 +89,7 @@ absl::Status RunGenerate() {
   }
   DGSERVE_ASSIGN_OR_RETURN(GenerationResult res, gen.Generate(req, obs));
   std::printf("%s\n", tok.Decode(res.completion, /*skip_special=*/true).c_str());
+  std::fflush(stdout);
   const double step_ms = res.decoder_passes ? 1e3 * res.denoise_seconds / res.decoder_passes : 0;
   const double positions_per_s =
       res.denoise_seconds > 0

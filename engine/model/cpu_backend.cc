@@ -272,6 +272,7 @@ void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, 
           for (int j = lo; j < hi; ++j) {
             const float* kr = krows[j] + size_t(g) * hd;
             float dot = 0;
+#pragma omp simd reduction(+ : dot)
             for (int d = 0; d < hd; ++d) dot += qv[d] * kr[d];
             scores[j] = dot;  // scale 1.0 (spec §3.1.5)
             mx = std::max(mx, dot);

@@ -15,7 +15,7 @@
 namespace dgserve::cpu {
 namespace {
 
-constexpr int kTile = 256;  // vocabulary ids per tile: E tile (256·D floats) stays in L2
+constexpr int kTile = 512;  // vocabulary ids per tile: E tile (256·D floats) stays in L2
 
 // Per-row running state of one thread over its tiles.
 struct RowState {
@@ -145,16 +145,18 @@ void FusedVocabStep(const VocabStepArgs& a) {
       for (int r = 0; r < M; ++r) {
         float* lr = l + size_t(r) * ldl;
         Softcap(lr, n, a.softcap);
-        // Tile max / argmax (first index on ties).
-        int best = 0;
-        for (int i = 1; i < n; ++i) {
-          if (lr[i] > lr[best]) best = i;
-        }
+        // Tile max; the argmax (first index on ties) is only searched for when it beats the
+        // running max, which after the first tiles is rare.
+        float tile_max = lr[0];
+#pragma omp simd reduction(max : tile_max)
+        for (int i = 0; i < n; ++i) tile_max = std::max(tile_max, lr[i]);
         RowState& s = st[r];
         float* acc_r = acc ? acc + size_t(r) * D : nullptr;
-        if (lr[best] > s.max_logit) {
+        if (tile_max > s.max_logit) {
+          int best = 0;
+          while (lr[best] != tile_max) ++best;
           s.argmax = v0 + best;
-          Rescale(s, lr[best], inv_t[r], acc_r, D);
+          Rescale(s, tile_max, inv_t[r], acc_r, D);
         }
         double ts, tq;
         float* e = ebuf.data() + size_t(r) * kTile;

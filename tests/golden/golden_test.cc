@@ -142,7 +142,9 @@ void RunCase(const std::string& model_name, const json& model_entry, const std::
     std::vector<int32_t> last_argmax;
     int executed = 0;
     const json* prev = nullptr;
-    for (const json& step : block["steps"]) {
+    const json& steps = block["steps"];
+    for (size_t si = 0; si < steps.size(); ++si) {
+      const json& step = steps[si];
       const int s = step["step"].get<int>();
       SCOPED_TRACE("step " + std::to_string(s));
       EXPECT_EQ(StepTemperature(params, s), step["t"].get<float>());
@@ -221,6 +223,37 @@ void RunCase(const std::string& model_name, const json& model_entry, const std::
         if (gap[p] >= tol.argmax_gap) EXPECT_EQ(argmax[p], rec_argmax[p]) << "pos " << p;
       }
       const float mean_entropy = MeanEntropy(entropy);
+
+      // The fused step (what generation runs: no [C, V] logits) gives the same per-position
+      // quantities, and its self-conditioning output is the next step's recorded input.
+      std::vector<RowResult> fused(C);
+      std::vector<float> next_soft(size_t(C) * D);
+      DenoiseStepInput fin;
+      fin.canvas = fed;
+      fin.sc_soft = sc;
+      fin.kv = &kv;
+      fin.temperature = step["t"].get<float>();
+      fin.uniforms = uniforms;
+      fin.rows = fused.data();
+      fin.next_soft = next_soft.data();
+      ASSERT_TRUE(model.backend->DenoiseStep({&fin, 1}).ok());
+      for (int p = 0; p < C; ++p) {
+        if (tied[p]) continue;
+        EXPECT_LE(std::fabs(fused[p].entropy - rec_entropy[p]), tol.entropy_max_abs) << p;
+        EXPECT_LE(std::fabs(fused[p].lse - rec_lse[p]), tol.lse_max_abs) << p;
+        if (gap[p] >= tol.argmax_gap) EXPECT_EQ(fused[p].argmax, rec_argmax[p]) << "pos " << p;
+      }
+      if (si + 1 < steps.size() && steps[si + 1]["sc_use"].get<int>() != 0) {
+        const float* want =
+            rec_soft.data() + size_t(steps[si + 1]["logits_index"].get<int>()) * C * D;
+        double worst_soft = 0;
+        for (int i = 0; i < C * D; ++i) {
+          if (tied[i / D]) continue;
+          worst_soft = std::max(worst_soft, double(std::fabs(next_soft[i] - want[i])));
+        }
+        // Relative to the soft embedding's scale (|soft| ≲ embed_scale · max|E|).
+        EXPECT_LE(worst_soft, 2e-3 * cfg.EmbedScale()) << "fused self-conditioning output";
+      }
 
       // Sampler decisions, replaying the recorded draws (sampled and renoise tokens).
       const auto accepted = AcceptPositions(entropy, params.entropy_bound);
