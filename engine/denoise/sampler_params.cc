@@ -1,0 +1,48 @@
+#include "engine/denoise/sampler_params.h"
+
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+
+namespace dgserve {
+
+absl::Status ValidateSamplerParams(const SamplerParams& p) {
+  if (p.max_denoising_steps <= 0 || p.max_denoising_steps > kMaxDenoisingStepsCap) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_denoising_steps must be in [1, %d], got %d", kMaxDenoisingStepsCap,
+                        p.max_denoising_steps));
+  }
+  if (!std::isfinite(p.t_min) || p.t_min < 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("t_min must be finite and >= 0, got %g", p.t_min));
+  }
+  if (!std::isfinite(p.t_max) || !(p.t_min < p.t_max)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("t_max must be finite and > t_min (%g), got %g", p.t_min, p.t_max));
+  }
+  if (!std::isfinite(p.entropy_bound) || !(p.entropy_bound > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("entropy_bound must be finite and > 0, got %g", p.entropy_bound));
+  }
+  if (p.stability_threshold < 0 || p.stability_threshold > kMaxStabilityThresholdCap) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("stability_threshold must be in [0, %d], got %d", kMaxStabilityThresholdCap,
+                        p.stability_threshold));
+  }
+  if (!std::isfinite(p.confidence_threshold) || !(p.confidence_threshold > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "confidence_threshold must be finite and > 0, got %g", p.confidence_threshold));
+  }
+  return absl::OkStatus();
+}
+
+float StepTemperature(const SamplerParams& p, int step) {
+  const float n = static_cast<float>(p.max_denoising_steps);
+  const float frac = static_cast<float>(p.max_denoising_steps - step) / n;
+  // float32 throughout; this file is compiled with -ffp-contract=off (no FMA contraction).
+  const float span = p.t_max - p.t_min;
+  const float scaled = span * frac;
+  return p.t_min + scaled;
+}
+
+}  // namespace dgserve

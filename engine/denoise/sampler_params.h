@@ -1,0 +1,35 @@
+// Sampler settings of the entropy-bound denoising loop and their validation (spec §1.3, §4.2).
+#pragma once
+
+#include "absl/status/status.h"
+
+namespace dgserve {
+
+// The per-request settings of the inner denoising loop. Defaults are the shipped
+// generation_config.json values (spec §1.3). Validate with ValidateSamplerParams() before use.
+struct SamplerParams {
+  int max_denoising_steps = 48;         // N: decoder passes per canvas at most.
+  float t_min = 0.4f;                   // temperature approached at the last step (never reached).
+  float t_max = 0.8f;                   // temperature of step 0.
+  float entropy_bound = 0.1f;           // β: acceptance budget in nats (spec §4.2 step 5).
+  int stability_threshold = 1;          // S: argmax canvases that must repeat (0 = always stable).
+  float confidence_threshold = 0.005f;  // κ: mean entropy must be strictly below it (nats).
+};
+
+// Sanity caps beyond the spec's rules, so a request cannot ask for unbounded work or memory.
+inline constexpr int kMaxDenoisingStepsCap = 1024;
+inline constexpr int kMaxStabilityThresholdCap = 64;
+
+// Checks the validation rules of spec §1.3 (HF `validate`) plus the caps above:
+// 0 < max_denoising_steps ≤ 1024; t_min, t_max finite and 0 ≤ t_min < t_max;
+// 0 ≤ stability_threshold ≤ 64; confidence_threshold finite and > 0; entropy_bound finite and > 0.
+// Returns OK or INVALID_ARGUMENT whose message starts with the offending field's name.
+absl::Status ValidateSamplerParams(const SamplerParams& params);
+
+// Temperature of step `step` (0-based, 0 ≤ step < N), spec §4.2 step 1 and golden README §4:
+// t_min + (t_max − t_min)·((float)(N − step) / (float)N), every operation in float32.
+// Defaults: step 0 → 0.8, step 1 → 0.791667, step 47 → 0.408333 (t_min is never reached).
+// `step` outside [0, N) is not rejected; the formula is simply evaluated.
+float StepTemperature(const SamplerParams& params, int step);
+
+}  // namespace dgserve

@@ -1,0 +1,109 @@
+#include "engine/denoise/sampler_params.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <limits>
+
+#include "common/testing/status_matchers.h"
+
+namespace dgserve {
+namespace {
+
+using ::dgserve::testing::IsOk;
+using ::dgserve::testing::StatusIs;
+using ::testing::HasSubstr;
+
+TEST(SamplerParamsTest, DefaultsAreTheShippedGenerationConfig) {
+  const SamplerParams p;
+  EXPECT_EQ(p.max_denoising_steps, 48);
+  EXPECT_EQ(p.t_min, 0.4f);
+  EXPECT_EQ(p.t_max, 0.8f);
+  EXPECT_EQ(p.entropy_bound, 0.1f);
+  EXPECT_EQ(p.stability_threshold, 1);
+  EXPECT_EQ(p.confidence_threshold, 0.005f);
+  EXPECT_THAT(ValidateSamplerParams(p), IsOk());
+}
+
+TEST(SamplerParamsTest, TemperatureScheduleSpec43) {
+  const SamplerParams p;
+  EXPECT_EQ(StepTemperature(p, 0), 0.8f);
+  EXPECT_NEAR(StepTemperature(p, 1), 0.79167f, 5e-6f);
+  EXPECT_NEAR(StepTemperature(p, 46), 0.41667f, 5e-6f);
+  EXPECT_NEAR(StepTemperature(p, 47), 0.40833f, 5e-6f);
+  // Bit-exact float32 formula of golden README §4 (the golden `t` values are checked in
+  // golden_replay_test).
+  for (int s = 0; s < 48; ++s) {
+    const float frac = static_cast<float>(48 - s) / 48.0f;
+    const float span = 0.8f - 0.4f;
+    const float prod = span * frac;
+    EXPECT_EQ(StepTemperature(p, s), 0.4f + prod) << "step " << s;
+    if (s > 0) EXPECT_LT(StepTemperature(p, s), StepTemperature(p, s - 1));
+  }
+  EXPECT_GT(StepTemperature(p, 47), p.t_min);  // t_min is never reached
+}
+
+TEST(SamplerParamsTest, TemperatureWithOtherStepCounts) {
+  SamplerParams p;
+  p.max_denoising_steps = 1;
+  EXPECT_EQ(StepTemperature(p, 0), 0.8f);
+  p.max_denoising_steps = 4;
+  p.t_min = 0.0f;
+  p.t_max = 1.0f;
+  EXPECT_EQ(StepTemperature(p, 0), 1.0f);
+  EXPECT_EQ(StepTemperature(p, 1), 0.75f);
+  EXPECT_EQ(StepTemperature(p, 3), 0.25f);
+}
+
+struct BadCase {
+  const char* field;
+  SamplerParams params;
+};
+
+SamplerParams With(void (*edit)(SamplerParams&)) {
+  SamplerParams p;
+  edit(p);
+  return p;
+}
+
+TEST(SamplerParamsTest, ValidationNamesTheOffendingField) {
+  const BadCase cases[] = {
+      {"max_denoising_steps", With([](SamplerParams& p) { p.max_denoising_steps = 0; })},
+      {"max_denoising_steps", With([](SamplerParams& p) { p.max_denoising_steps = -3; })},
+      {"max_denoising_steps", With([](SamplerParams& p) { p.max_denoising_steps = 1025; })},
+      {"t_min", With([](SamplerParams& p) { p.t_min = -0.1f; })},
+      {"t_min", With([](SamplerParams& p) { p.t_min = std::numeric_limits<float>::quiet_NaN(); })},
+      {"t_max", With([](SamplerParams& p) { p.t_max = 0.4f; })},  // t_min == t_max
+      {"t_max", With([](SamplerParams& p) { p.t_max = 0.3f; })},
+      {"t_max", With([](SamplerParams& p) { p.t_max = std::numeric_limits<float>::infinity(); })},
+      {"entropy_bound", With([](SamplerParams& p) { p.entropy_bound = 0.0f; })},
+      {"entropy_bound",
+       With([](SamplerParams& p) { p.entropy_bound = std::numeric_limits<float>::infinity(); })},
+      {"stability_threshold", With([](SamplerParams& p) { p.stability_threshold = -1; })},
+      {"stability_threshold", With([](SamplerParams& p) { p.stability_threshold = 65; })},
+      {"confidence_threshold", With([](SamplerParams& p) { p.confidence_threshold = 0.0f; })},
+      {"confidence_threshold", With([](SamplerParams& p) { p.confidence_threshold = -1.0f; })},
+      {"confidence_threshold", With([](SamplerParams& p) {
+         p.confidence_threshold = std::numeric_limits<float>::quiet_NaN();
+       })},
+  };
+  for (const BadCase& c : cases) {
+    EXPECT_THAT(ValidateSamplerParams(c.params),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.field)))
+        << c.field;
+  }
+}
+
+TEST(SamplerParamsTest, EdgeValuesAreValid) {
+  SamplerParams p;
+  p.max_denoising_steps = 1;
+  p.t_min = 0.0f;
+  p.stability_threshold = 0;
+  EXPECT_THAT(ValidateSamplerParams(p), IsOk());
+  p.max_denoising_steps = kMaxDenoisingStepsCap;
+  p.stability_threshold = kMaxStabilityThresholdCap;
+  EXPECT_THAT(ValidateSamplerParams(p), IsOk());
+}
+
+}  // namespace
+}  // namespace dgserve
