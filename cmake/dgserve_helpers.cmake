@@ -20,6 +20,6 @@ function(dgserve_cc_test)
   target_include_directories(${A_NAME} PRIVATE ${PROJECT_SOURCE_DIR})
   target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
   gtest_discover_tests(${A_NAME}
-    PROPERTIES LABELS "${A_LABELS}" ENVIRONMENT "DGSERVE_SOURCE_DIR=${PROJECT_SOURCE_DIR};${A_ENV}"
+    PROPERTIES LABELS "${A_LABELS}" ENVIRONMENT "DGSERVE_SOURCE_DIR=${PROJECT_SOURCE_DIR};OMP_WAIT_POLICY=passive;${A_ENV}"
     DISCOVERY_TIMEOUT 60)
 endfunction()

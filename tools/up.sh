@@ -22,5 +22,4 @@ if [ ! -f "$MODEL_DIR/model.safetensors" ]; then
     --generation_config tools/default_model/generation_config.json --tokenizer "$TOKENIZER"
 fi
 echo "request: $PROMPT"
-OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} \
-  "$BUILD_DIR/tools/dgserve" generate --model "$MODEL_DIR" --chat --prompt "$PROMPT" --seed 1
+"$BUILD_DIR/tools/dgserve" generate --model "$MODEL_DIR" --chat --prompt "$PROMPT" --seed 1
