@@ -7,6 +7,8 @@
 //
 // With --config_json (or --config FILE) the checkpoint is generated with the dgserve-mkmodel
 // generator into a temporary directory first; --layers keeps only the first N layers (a slice).
+#include <omp.h>
+
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -16,7 +18,6 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include <omp.h>
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
@@ -49,11 +50,11 @@ double BodyFlops(const ModelConfig& c, int rows, int ctx) {
     const double hd = c.HeadDim(l), nh = c.num_heads, nkv = c.KvHeads(l);
     const double kv_proj = c.IsFull(l) ? nkv * hd : 2 * nkv * hd;
     const int keys = (c.IsFull(l) ? ctx : std::min(ctx, c.sliding_window - 1)) + rows;
-    f += 2.0 * rows * D * (nh * hd + kv_proj);   // q, k, v projections
-    f += 2.0 * rows * nh * hd * D;               // o projection
-    f += 2.0 * 2 * rows * nh * hd * keys;        // scores and weighted values
-    f += 2.0 * rows * 3 * D * I;                 // dense MLP
-    f += 2.0 * rows * D * c.num_experts;         // router
+    f += 2.0 * rows * D * (nh * hd + kv_proj);      // q, k, v projections
+    f += 2.0 * rows * nh * hd * D;                  // o projection
+    f += 2.0 * 2 * rows * nh * hd * keys;           // scores and weighted values
+    f += 2.0 * rows * 3 * D * I;                    // dense MLP
+    f += 2.0 * rows * D * c.num_experts;            // router
     f += 2.0 * rows * c.top_k_experts * 3 * D * F;  // experts
   }
   return f;
@@ -87,8 +88,8 @@ int Run() {
     }
     tmp = std::filesystem::temp_directory_path() / absl::StrCat("dgserve_bench_", ::getpid());
     auto t0 = Clock::now();
-    absl::Status st = WriteRandomCheckpoint(*cfg, GenerationConfig{}, absl::GetFlag(FLAGS_seed),
-                                            tmp.string());
+    absl::Status st =
+        WriteRandomCheckpoint(*cfg, GenerationConfig{}, absl::GetFlag(FLAGS_seed), tmp.string());
     if (!st.ok()) {
       std::fprintf(stderr, "%s\n", st.ToString().c_str());
       return 1;
@@ -155,9 +156,10 @@ int Run() {
   std::printf("canvas positions per s     %10.0f\n", C / per_step);
   std::printf("  body (layers, SC MLP)    %10.2f ms/step  %8.1f GFLOP/s\n", 1e3 * body / steps,
               body_flops / body / 1e9);
-  std::printf("  vocabulary-sized work    %10.2f ms/step  %8.1f GFLOP/s (LM head + SC GEMMs,\n"
-              "                           fused with softcap/softmax/entropy/sampling)\n",
-              1e3 * vocab / steps, vocab_flops / vocab / 1e9);
+  std::printf(
+      "  vocabulary-sized work    %10.2f ms/step  %8.1f GFLOP/s (LM head + SC GEMMs,\n"
+      "                           fused with softcap/softmax/entropy/sampling)\n",
+      1e3 * vocab / steps, vocab_flops / vocab / 1e9);
   return 0;
 }
 

@@ -9,9 +9,9 @@
 #define DGSERVE_CONCAT_(a, b) DGSERVE_CONCAT_INNER_(a, b)
 
 // Evaluates `expr` (an absl::Status); returns it from the enclosing function if it is not OK.
-#define DGSERVE_RETURN_IF_ERROR(expr)                 \
-  do {                                                \
-    ::absl::Status dgserve_status_ = (expr);          \
+#define DGSERVE_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::absl::Status dgserve_status_ = (expr);           \
     if (!dgserve_status_.ok()) return dgserve_status_; \
   } while (0)
 

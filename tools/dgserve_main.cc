@@ -29,12 +29,17 @@ ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout, with tokeniz
 ABSL_FLAG(std::string, prompt, "", "prompt text");
 ABSL_FLAG(bool, chat, false, "wrap the prompt as one user turn of the Gemma 4 chat template");
 ABSL_FLAG(bool, thinking, false, "with --chat: the thinking form of the template");
-ABSL_FLAG(std::optional<int>, max_tokens, std::nullopt, "maximum new tokens (default: generation_config.json)");
+ABSL_FLAG(std::optional<int>, max_tokens, std::nullopt,
+          "maximum new tokens (default: generation_config.json)");
 ABSL_FLAG(uint64_t, seed, 0, "sampler seed");
-ABSL_FLAG(std::optional<int>, steps, std::nullopt, "max denoising steps per canvas (default: generation_config.json)");
-ABSL_FLAG(std::optional<double>, t_min, std::nullopt, "final temperature (default: generation_config.json)");
-ABSL_FLAG(std::optional<double>, t_max, std::nullopt, "initial temperature (default: generation_config.json)");
-ABSL_FLAG(std::optional<double>, entropy_bound, std::nullopt, "entropy bound per step (default: generation_config.json)");
+ABSL_FLAG(std::optional<int>, steps, std::nullopt,
+          "max denoising steps per canvas (default: generation_config.json)");
+ABSL_FLAG(std::optional<double>, t_min, std::nullopt,
+          "final temperature (default: generation_config.json)");
+ABSL_FLAG(std::optional<double>, t_max, std::nullopt,
+          "initial temperature (default: generation_config.json)");
+ABSL_FLAG(std::optional<double>, entropy_bound, std::nullopt,
+          "entropy bound per step (default: generation_config.json)");
 ABSL_FLAG(std::optional<double>, confidence_threshold, std::nullopt,
           "stop when mean entropy is below this (default: generation_config.json)");
 ABSL_FLAG(std::optional<int>, stability_threshold, std::nullopt,

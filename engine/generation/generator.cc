@@ -50,9 +50,8 @@ absl::Status Generator::Validate(const GenerationRequest& r) const {
   const int64_t total = int64_t(r.prompt.size()) + canvases * c.canvas_length;
   if (total > c.max_position_embeddings) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "max_new_tokens: prompt (", r.prompt.size(), " tokens) + ", canvases,
-        " canvases of ", c.canvas_length, " exceed the context limit of ",
-        c.max_position_embeddings, " positions"));
+        "max_new_tokens: prompt (", r.prompt.size(), " tokens) + ", canvases, " canvases of ",
+        c.canvas_length, " exceed the context limit of ", c.max_position_embeddings, " positions"));
   }
   for (int32_t id : r.stop_token_ids) {
     if (id < 0 || id >= c.vocab_size) {
@@ -114,8 +113,13 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
       DGSERVE_ASSIGN_OR_RETURN(StepOutcome out, den.ApplyStep(rows));
       ++result.decoder_passes;
       if (observer.on_step) {
-        StepEvent ev{n, out.step, out.temperature, den.committed(), int(out.accepted.size()),
-                     out.mean_entropy, out.stop};
+        StepEvent ev{n,
+                     out.step,
+                     out.temperature,
+                     den.committed(),
+                     int(out.accepted.size()),
+                     out.mean_entropy,
+                     out.stop};
         observer.on_step(ev);
       }
       // This step's tempered probabilities condition the next step (spec §3.5 step 2).
@@ -139,8 +143,7 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
   result.finish_reason = "length";
   for (int32_t id : result.tokens) {
     if (int(result.completion.size()) == r.max_new_tokens) break;
-    if (std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), id) !=
-        r.stop_token_ids.end()) {
+    if (std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), id) != r.stop_token_ids.end()) {
       result.finish_reason = "stop";
       break;
     }

@@ -33,22 +33,22 @@ GenerationRequest DefaultRequest(const GenerationConfig& defaults);
 
 // What the loop reports after each denoising step.
 struct StepEvent {
-  int canvas = 0;                       // canvas index (0-based)
-  int step = 0;                         // step index within the canvas (0-based)
+  int canvas = 0;  // canvas index (0-based)
+  int step = 0;    // step index within the canvas (0-based)
   float temperature = 0;
-  std::span<const int32_t> argmax;      // [C] the argmax canvas of this step
-  int accepted = 0;                     // positions accepted by the entropy bound
-  float mean_entropy = 0;               // nats
-  bool stop = false;                    // the stop rule fired after this step
+  std::span<const int32_t> argmax;  // [C] the argmax canvas of this step
+  int accepted = 0;                 // positions accepted by the entropy bound
+  float mean_entropy = 0;           // nats
+  bool stop = false;                // the stop rule fired after this step
 };
 
 // What the loop reports after each committed canvas.
 struct CanvasEvent {
   int canvas = 0;
-  std::span<const int32_t> tokens;      // [C] committed (argmax) canvas, padded after a stop token
-  int steps = 0;                        // decoder passes spent on it
+  std::span<const int32_t> tokens;  // [C] committed (argmax) canvas, padded after a stop token
+  int steps = 0;                    // decoder passes spent on it
   bool stopped_early = false;
-  bool stop_token = false;              // a stop token ended the generation here
+  bool stop_token = false;  // a stop token ended the generation here
 };
 
 struct GenerationObserver {
@@ -57,15 +57,15 @@ struct GenerationObserver {
 };
 
 struct GenerationResult {
-  std::vector<int32_t> tokens;       // all committed canvases (whole canvases, as HF returns)
-  std::vector<int32_t> completion;   // tokens before the first stop token, at most max_new_tokens
-  std::string finish_reason;         // "stop" (a stop token) or "length"
+  std::vector<int32_t> tokens;      // all committed canvases (whole canvases, as HF returns)
+  std::vector<int32_t> completion;  // tokens before the first stop token, at most max_new_tokens
+  std::string finish_reason;        // "stop" (a stop token) or "length"
   int prompt_tokens = 0;
   int canvases = 0;
   std::vector<int> steps_per_canvas;
-  double prefill_seconds = 0;        // prompt encoder pass
-  double denoise_seconds = 0;        // decoder passes + sampling
-  double commit_seconds = 0;         // encoder passes over committed canvases
+  double prefill_seconds = 0;  // prompt encoder pass
+  double denoise_seconds = 0;  // decoder passes + sampling
+  double commit_seconds = 0;   // encoder passes over committed canvases
   int64_t decoder_passes = 0;
 };
 

@@ -43,7 +43,7 @@ struct DenoiseStepInput {
   float temperature = 1.0f;         // T of this step (spec §4.2 step 1)
   std::span<const float> uniforms;  // [C] u_j for the inverse-CDF candidate samples
   RowResult* rows = nullptr;        // out [C]: argmax, sampled, entropy, lse (spec §4.2 step 4)
-  float* next_soft = nullptr;       // out [C, D]: (softmax(ℓ/T)·E)·bf16(√D), or nullptr to skip
+  float* next_soft = nullptr;  // out [C, D]: (softmax(ℓ/T)·E)·bf16(√D), or nullptr to skip
 };
 
 // Wall time of the parts of the last Decode() call (for benchmarks and stats).

@@ -2,9 +2,8 @@
 
 #include <cmath>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
@@ -23,13 +22,14 @@ absl::Status FieldError(const std::string& source, const std::string& field,
 absl::StatusOr<json> ParseJson(const std::string& text, const std::string& source) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(source, ": malformed JSON"));
-  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+  if (!j.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
   return j;
 }
 
 // Reads a required positive integer field.
-absl::Status GetInt(const json& obj, const std::string& source, const std::string& field,
-                    int* out, bool required = true, int min_value = 1) {
+absl::Status GetInt(const json& obj, const std::string& source, const std::string& field, int* out,
+                    bool required = true, int min_value = 1) {
   auto it = obj.find(field);
   if (it == obj.end()) {
     return required ? FieldError(source, field, "is missing") : absl::OkStatus();
@@ -131,9 +131,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   if (auto it = t.find("layer_types"); it != t.end()) {
     if (!it->is_array()) return FieldError(source, "layer_types", "must be an array");
     if (static_cast<int>(it->size()) != c.num_layers) {
-      return FieldError(source, "layer_types",
-                        absl::StrCat("has ", it->size(), " entries but num_hidden_layers is ",
-                                     c.num_layers));
+      return FieldError(
+          source, "layer_types",
+          absl::StrCat("has ", it->size(), " entries but num_hidden_layers is ", c.num_layers));
     }
     for (const json& e : *it) {
       if (e == "sliding_attention") {
@@ -141,8 +141,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       } else if (e == "full_attention") {
         c.layer_types.push_back(LayerType::kFull);
       } else {
-        return FieldError(source, "layer_types",
-                          absl::StrCat("has unknown entry ", e.dump()));
+        return FieldError(source, "layer_types", absl::StrCat("has unknown entry ", e.dump()));
       }
     }
   } else {
@@ -175,9 +174,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 
   // Consistency.
   if (c.num_heads % c.num_kv_heads != 0) {
-    return FieldError(source, "num_key_value_heads",
-                      absl::StrCat("(", c.num_kv_heads, ") must divide num_attention_heads (",
-                                   c.num_heads, ")"));
+    return FieldError(
+        source, "num_key_value_heads",
+        absl::StrCat("(", c.num_kv_heads, ") must divide num_attention_heads (", c.num_heads, ")"));
   }
   if (c.num_heads % c.num_global_kv_heads != 0) {
     return FieldError(source, "num_global_key_value_heads",
@@ -188,9 +187,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     return FieldError(source, "head_dim", "head dims must be even (RoPE pairs)");
   }
   if (c.top_k_experts > c.num_experts) {
-    return FieldError(source, "top_k_experts",
-                      absl::StrCat("(", c.top_k_experts, ") exceeds num_experts (",
-                                   c.num_experts, ")"));
+    return FieldError(
+        source, "top_k_experts",
+        absl::StrCat("(", c.top_k_experts, ") exceeds num_experts (", c.num_experts, ")"));
   }
   if (!(c.rms_norm_eps > 0)) return FieldError(source, "rms_norm_eps", "must be > 0");
   if (!(c.final_logit_softcapping > 0)) {
@@ -229,8 +228,7 @@ absl::StatusOr<GenerationConfig> ParseGenerationConfig(const std::string& json_t
   DGSERVE_RETURN_IF_ERROR(GetInt(j, source, "pad_token_id", &g.pad_token_id, false, 0));
   if (auto it = j.find("sampler_config"); it != j.end()) {
     if (!it->is_object()) return FieldError(source, "sampler_config", "must be an object");
-    if (auto cls = it->find("_cls_name");
-        cls != it->end() && *cls != "EntropyBoundSamplerConfig") {
+    if (auto cls = it->find("_cls_name"); cls != it->end() && *cls != "EntropyBoundSamplerConfig") {
       return FieldError(source, "sampler_config._cls_name",
                         "must be \"EntropyBoundSamplerConfig\"");
     }
@@ -254,7 +252,8 @@ absl::StatusOr<GenerationConfig> ParseGenerationConfig(const std::string& json_t
   if (!(g.t_min >= 0 && g.t_min < g.t_max)) {
     return FieldError(source, "t_min", "must satisfy 0 <= t_min < t_max");
   }
-  if (!(g.entropy_bound > 0)) return FieldError(source, "sampler_config.entropy_bound", "must be > 0");
+  if (!(g.entropy_bound > 0))
+    return FieldError(source, "sampler_config.entropy_bound", "must be > 0");
   if (!(g.confidence_threshold > 0)) {
     return FieldError(source, "confidence_threshold", "must be > 0");
   }

@@ -14,20 +14,20 @@ enum class LayerType { kSliding, kFull };
 
 // The text tower's shape, read from config.json (`text_config`) — never from class defaults.
 struct ModelConfig {
-  int vocab_size = 0;               // V
-  int hidden_size = 0;              // D
-  int num_layers = 0;               // L
-  int num_heads = 0;                // Hq (same for both layer types)
-  int num_kv_heads = 0;             // KV heads in sliding layers
-  int num_global_kv_heads = 0;      // KV heads in full layers (K = V: no v_proj)
-  int head_dim = 0;                 // head dim in sliding layers
-  int global_head_dim = 0;          // head dim in full layers
-  int intermediate_size = 0;        // dense MLP and self-conditioning MLP width
-  int num_experts = 0;              // E
-  int top_k_experts = 0;            // k
-  int moe_intermediate_size = 0;    // per-expert MLP width
-  int sliding_window = 0;           // W (sliding layers see keys q−W < k ≤ q)
-  int canvas_length = 0;            // C, the diffusion block length (outer config)
+  int vocab_size = 0;             // V
+  int hidden_size = 0;            // D
+  int num_layers = 0;             // L
+  int num_heads = 0;              // Hq (same for both layer types)
+  int num_kv_heads = 0;           // KV heads in sliding layers
+  int num_global_kv_heads = 0;    // KV heads in full layers (K = V: no v_proj)
+  int head_dim = 0;               // head dim in sliding layers
+  int global_head_dim = 0;        // head dim in full layers
+  int intermediate_size = 0;      // dense MLP and self-conditioning MLP width
+  int num_experts = 0;            // E
+  int top_k_experts = 0;          // k
+  int moe_intermediate_size = 0;  // per-expert MLP width
+  int sliding_window = 0;         // W (sliding layers see keys q−W < k ≤ q)
+  int canvas_length = 0;          // C, the diffusion block length (outer config)
   int max_position_embeddings = 0;
   float rms_norm_eps = 1e-6f;
   float final_logit_softcapping = 30.0f;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "engine/model/backend.h"
 #include "engine/model/cpu_ops.h"
 #include "engine/model/cpu_vocab.h"
@@ -22,17 +23,16 @@ enum class PassKind { kEncoder, kDecoder };
 
 // One sequence inside a batched pass: its rows in the stacked activations and its positions.
 struct Segment {
-  int row0 = 0;        // first row in the stacked [R, D] activations
-  int rows = 0;        // new tokens (encoder) or canvas length (decoder)
-  int pos0 = 0;        // position of the first row
+  int row0 = 0;  // first row in the stacked [R, D] activations
+  int rows = 0;  // new tokens (encoder) or canvas length (decoder)
+  int pos0 = 0;  // position of the first row
   const KvCache* kv = nullptr;
   KvCache* kv_write = nullptr;  // encoder only
 };
 
 class CpuBackend final : public ModelBackend {
  public:
-  CpuBackend(const ModelConfig& config, const ModelWeights& weights)
-      : c_(config), w_(weights) {
+  CpuBackend(const ModelConfig& config, const ModelWeights& weights) : c_(config), w_(weights) {
     rope_sliding_ = cpu::RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2);
     rope_full_ = cpu::RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles());
   }
@@ -53,7 +53,7 @@ class CpuBackend final : public ModelBackend {
     const KvCache* kv;
   };
   // Decoder body (spec §3.5 steps 1–4 and the final norm) for a batch of canvases: fills the
-  // segments and the final-normed hidden states [R, D].
+  // segments and the final-normed hidden states [R, D]; records timings_.body_seconds.
   absl::Status Body(std::span<const CanvasInput> batch, std::vector<Segment>* segs,
                     std::vector<float>* hidden);
   absl::Status CheckTokens(std::span<const int32_t> ids) const;
@@ -106,8 +106,7 @@ void CpuBackend::GatedMlp(const float* x, int R, const float* gate, const float*
   MatMulTransB(g.data(), down, R, D, width, out);
 }
 
-void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R,
-                       float* h) const {
+void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R, float* h) const {
   const LayerWeights& lw = w_.layers[l];
   const int D = c_.hidden_size, hd = c_.HeadDim(l), nh = c_.num_heads, nkv = c_.KvHeads(l);
   const float eps = c_.rms_norm_eps;
@@ -141,7 +140,8 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
     for (const Segment& seg : segs) {
       for (int r = 0; r < seg.rows; ++r) {
         const size_t src = size_t(seg.row0 + r) * nkv * hd;
-        std::memcpy(seg.kv_write->MutableKeyRow(l, seg.pos0 + r), &k[src], sizeof(float) * nkv * hd);
+        std::memcpy(seg.kv_write->MutableKeyRow(l, seg.pos0 + r), &k[src],
+                    sizeof(float) * nkv * hd);
         std::memcpy(seg.kv_write->MutableValueRow(l, seg.pos0 + r), &v[src],
                     sizeof(float) * nkv * hd);
       }
@@ -299,13 +299,11 @@ absl::Status CpuBackend::Encode(std::span<const EncodeInput> batch) {
   int R = 0;
   for (const EncodeInput& in : batch) {
     if (in.kv == nullptr) return absl::InvalidArgumentError("encoder input without a KV cache");
-    absl::Status st = CheckTokens(in.tokens);
-    if (!st.ok()) return st;
+    DGSERVE_RETURN_IF_ERROR(CheckTokens(in.tokens));
   }
   // Reserve every cache first (a failed Reserve leaves its cache unchanged).
   for (size_t i = 0; i < batch.size(); ++i) {
-    absl::Status st = batch[i].kv->Reserve(batch[i].tokens.size());
-    if (!st.ok()) return st;
+    DGSERVE_RETURN_IF_ERROR(batch[i].kv->Reserve(batch[i].tokens.size()));
     Segment s;
     s.row0 = R;
     s.rows = batch[i].tokens.size();
@@ -317,12 +315,12 @@ absl::Status CpuBackend::Encode(std::span<const EncodeInput> batch) {
   }
   if (R == 0) return absl::OkStatus();
   std::vector<float> h(size_t(R) * D);
-  for (size_t i = 0; i < batch.size(); ++i) Embed(batch[i].tokens, h.data() + size_t(segs[i].row0) * D);
+  for (size_t i = 0; i < batch.size(); ++i)
+    Embed(batch[i].tokens, h.data() + size_t(segs[i].row0) * D);
   for (int l = 0; l < c_.num_layers; ++l) Layer(l, PassKind::kEncoder, segs, R, h.data());
   for (size_t i = 0; i < batch.size(); ++i) batch[i].kv->Commit(segs[i].rows);
   return absl::OkStatus();
 }
-
 
 absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Segment>* segs,
                               std::vector<float>* hidden) {
@@ -332,8 +330,7 @@ absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Se
   segs->clear();
   for (const CanvasInput& in : batch) {
     if (in.kv == nullptr) return absl::InvalidArgumentError("decoder input without a KV cache");
-    absl::Status st = CheckTokens(in.canvas);
-    if (!st.ok()) return st;
+    DGSERVE_RETURN_IF_ERROR(CheckTokens(in.canvas));
     Segment s;
     s.row0 = R;
     s.rows = in.canvas.size();
@@ -342,6 +339,7 @@ absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Se
     segs->push_back(s);
     R += s.rows;
   }
+  const auto t0 = std::chrono::steady_clock::now();
   std::vector<float>& h = *hidden;
   h.assign(size_t(R) * D, 0.0f);
   if (R == 0) return absl::OkStatus();
@@ -361,6 +359,7 @@ absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Se
   RmsNorm(h.data(), nullptr, R, D, eps, h.data());
   for (int l = 0; l < c_.num_layers; ++l) Layer(l, PassKind::kDecoder, *segs, R, h.data());
   RmsNorm(h.data(), w_.final_norm.data(), R, D, eps, h.data());
+  timings_.body_seconds = SecondsSince(t0);
   return absl::OkStatus();
 }
 
@@ -371,12 +370,9 @@ absl::Status CpuBackend::Decode(std::span<const DecodeInput> batch) {
     if (in.logits == nullptr) return absl::InvalidArgumentError("decoder input without logits");
     canvases.push_back({in.canvas, in.sc_soft, in.kv});
   }
-  const auto t0 = std::chrono::steady_clock::now();
   std::vector<Segment> segs;
   std::vector<float> h;
-  absl::Status st = Body(canvases, &segs, &h);
-  if (!st.ok()) return st;
-  timings_.body_seconds = SecondsSince(t0);
+  DGSERVE_RETURN_IF_ERROR(Body(canvases, &segs, &h));
   const auto t1 = std::chrono::steady_clock::now();
   // LM head (tied embedding) and softcap, per canvas into its own logits buffer.
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -401,12 +397,9 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     }
     canvases.push_back({in.canvas, in.sc_soft, in.kv});
   }
-  const auto t0 = std::chrono::steady_clock::now();
   std::vector<Segment> segs;
   std::vector<float> h;
-  absl::Status st = Body(canvases, &segs, &h);
-  if (!st.ok()) return st;
-  timings_.body_seconds = SecondsSince(t0);
+  DGSERVE_RETURN_IF_ERROR(Body(canvases, &segs, &h));
   const auto t1 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < batch.size(); ++i) {
     const Segment& s = segs[i];

@@ -31,8 +31,8 @@ class CpuBackendTest : public ::testing::Test {
     const fs::path golden = fs::path(src ? src : ".") / "tests/testdata/golden/tiny-v512";
     auto cfgs = LoadConfigsFromModelDir(golden.string());
     ASSERT_TRUE(cfgs.ok()) << cfgs.status();
-    const fs::path dir = fs::temp_directory_path() /
-                         ("dgserve_backend_test_" + std::to_string(::getpid()));
+    const fs::path dir =
+        fs::temp_directory_path() / ("dgserve_backend_test_" + std::to_string(::getpid()));
     ASSERT_THAT(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, dir.string()), IsOk());
     auto ckpt = LoadCheckpoint(dir.string());
     fs::remove_all(dir);
@@ -188,8 +188,8 @@ TEST_F(CpuBackendTest, RejectsTokenIdsOutsideTheVocabulary) {
   ContiguousKvCache kv(config(), 64);
   std::vector<int32_t> bad = {2, config().vocab_size};
   EncodeInput in{bad, &kv};
-  EXPECT_THAT(b->Encode({&in, 1}), StatusIs(absl::StatusCode::kInvalidArgument,
-                                            HasSubstr("outside the vocabulary")));
+  EXPECT_THAT(b->Encode({&in, 1}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside the vocabulary")));
   EXPECT_EQ(kv.num_tokens(), 0);
   std::vector<int32_t> canvas(config().canvas_length, -1);
   std::vector<float> logits(canvas.size() * config().vocab_size);
@@ -262,8 +262,8 @@ TEST_F(CpuBackendTest, InvalidRequestsNameTheField) {
   EXPECT_THAT(gen.Generate(r),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_new_tokens")));
   r.max_new_tokens = 1 << 30;
-  EXPECT_THAT(gen.Generate(r), StatusIs(absl::StatusCode::kInvalidArgument,
-                                        HasSubstr("context limit")));
+  EXPECT_THAT(gen.Generate(r),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("context limit")));
   r.max_new_tokens = 16;
   r.sampler.t_min = 0.9f;  // ≥ t_max
   EXPECT_THAT(gen.Generate(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("t_min")));

@@ -80,9 +80,12 @@ namespace {
   const __m256 lo = _mm256_set1_ps(-126.0f), hi = _mm256_set1_ps(126.0f);
   const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
   const __m256 vcap = _mm256_set1_ps(cap);
-  const __m256 q0 = _mm256_set1_ps(1.535336188319500e-4f), q1 = _mm256_set1_ps(1.339887440266574e-3f),
-               q2 = _mm256_set1_ps(9.618437357674640e-3f), q3 = _mm256_set1_ps(5.550332471162809e-2f),
-               q4 = _mm256_set1_ps(2.402264791363012e-1f), q5 = _mm256_set1_ps(6.931472028550421e-1f);
+  const __m256 q0 = _mm256_set1_ps(1.535336188319500e-4f),
+               q1 = _mm256_set1_ps(1.339887440266574e-3f),
+               q2 = _mm256_set1_ps(9.618437357674640e-3f),
+               q3 = _mm256_set1_ps(5.550332471162809e-2f),
+               q4 = _mm256_set1_ps(2.402264791363012e-1f),
+               q5 = _mm256_set1_ps(6.931472028550421e-1f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 w = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), k), lo), hi);
@@ -94,8 +97,8 @@ namespace {
     p = _mm256_fmadd_ps(p, f, q4);
     p = _mm256_fmadd_ps(p, f, q5);
     p = _mm256_fmadd_ps(p, f, one);  // 2^f
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r),
-                                                         _mm256_set1_epi32(127)), 23);
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
     const __m256 ex = _mm256_mul_ps(p, _mm256_castsi256_ps(e));  // e^{2x/cap}
     const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, ex)));
     _mm256_storeu_ps(x + i, _mm256_mul_ps(vcap, t));

@@ -21,7 +21,7 @@ constexpr int kTile = 512;  // vocabulary ids per tile: E tile (256·D floats) s
 struct RowState {
   float max_logit = -std::numeric_limits<float>::infinity();  // running max of ℓ (raw softcapped)
   int32_t argmax = -1;
-  double sum = 0;   // S = Σ exp((ℓ − max)/T)
+  double sum = 0;    // S = Σ exp((ℓ − max)/T)
   double sum_d = 0;  // Q = Σ exp(d)·d, d = (ℓ − max)/T ≤ 0
 };
 
@@ -31,9 +31,12 @@ struct RowState {
   const __m256 vm = _mm256_set1_ps(m), vk = _mm256_set1_ps(inv_t * 1.44269504088896341f);
   const __m256 lo = _mm256_set1_ps(-126.0f), ln2 = _mm256_set1_ps(0.693147180559945f);
   const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 q0 = _mm256_set1_ps(1.535336188319500e-4f), q1 = _mm256_set1_ps(1.339887440266574e-3f),
-               q2 = _mm256_set1_ps(9.618437357674640e-3f), q3 = _mm256_set1_ps(5.550332471162809e-2f),
-               q4 = _mm256_set1_ps(2.402264791363012e-1f), q5 = _mm256_set1_ps(6.931472028550421e-1f);
+  const __m256 q0 = _mm256_set1_ps(1.535336188319500e-4f),
+               q1 = _mm256_set1_ps(1.339887440266574e-3f),
+               q2 = _mm256_set1_ps(9.618437357674640e-3f),
+               q3 = _mm256_set1_ps(5.550332471162809e-2f),
+               q4 = _mm256_set1_ps(2.402264791363012e-1f),
+               q5 = _mm256_set1_ps(6.931472028550421e-1f);
   __m256 s = _mm256_setzero_ps(), q = _mm256_setzero_ps();
   int i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -140,8 +143,8 @@ void FusedVocabStep(const VocabStepArgs& a) {
         l = a.logits + v0;
         ldl = V;
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, D, 1.0f, a.hidden, D, et, D,
-                  0.0f, l, ldl);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, D, 1.0f, a.hidden, D, et, D, 0.0f,
+                  l, ldl);
       for (int r = 0; r < M; ++r) {
         float* lr = l + size_t(r) * ldl;
         Softcap(lr, n, a.softcap);

@@ -13,9 +13,9 @@
 namespace dgserve::cpu {
 
 struct VocabStepArgs {
-  const float* hidden = nullptr;       // [rows, D] final-normed hidden states
+  const float* hidden = nullptr;  // [rows, D] final-normed hidden states
   int rows = 0;
-  const float* embed = nullptr;        // [V, D] tied embedding = LM head
+  const float* embed = nullptr;  // [V, D] tied embedding = LM head
   int vocab = 0;
   int dim = 0;
   float softcap = 30.0f;               // final_logit_softcapping

@@ -19,7 +19,8 @@ class KvCache {
   // Tokens encoded and committed so far: positions 0 .. num_tokens()−1.
   virtual int num_tokens() const = 0;
   // Makes room for `count` more token positions in every layer. RESOURCE_EXHAUSTED when the
-  // cache cannot grow; nothing is changed then.
+  // cache cannot grow; nothing is changed then. A reservation that is never committed is
+  // replaced by the next Reserve.
   virtual absl::Status Reserve(int count) = 0;
   // Write access to the rows of reserved positions num_tokens() .. num_tokens()+count−1.
   virtual float* MutableKeyRow(int layer, int pos) = 0;

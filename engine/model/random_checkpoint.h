@@ -4,14 +4,13 @@
 #pragma once
 
 #include <cstdint>
-
-#include "common/hash.h"
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/hash.h"
 #include "engine/model/config.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/tensor_names.h"

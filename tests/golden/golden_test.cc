@@ -10,10 +10,9 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/denoise/entropy_bound.h"
 #include "engine/denoise/row_sampler.h"
@@ -70,8 +69,8 @@ GoldenModel& GetModel(const std::string& name, const json& entry) {
   if (!gen.ok()) throw std::runtime_error(gen.status().ToString());
   const json model_json = ReadJson(root / entry["model_json"].get<std::string>());
   const uint64_t seed = model_json["generator"]["seed"].get<uint64_t>();
-  const fs::path dir = fs::temp_directory_path() /
-                       ("dgserve_golden_" + name + "_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("dgserve_golden_" + name + "_" + std::to_string(::getpid()));
   absl::Status st = WriteRandomCheckpoint(*config, *gen, seed, dir.string(), WriteOptions{});
   if (!st.ok()) throw std::runtime_error(st.ToString());
   auto ckpt = LoadCheckpoint(dir.string());
@@ -286,10 +285,12 @@ void RunCase(const std::string& model_name, const json& model_entry, const std::
 
 class GoldenCaseTest : public ::testing::Test {
  public:
-  GoldenCaseTest(std::string model, json model_entry, std::string name, json entry,
-                 Tolerances tol)
-      : model_(std::move(model)), model_entry_(std::move(model_entry)), name_(std::move(name)),
-        entry_(std::move(entry)), tol_(tol) {}
+  GoldenCaseTest(std::string model, json model_entry, std::string name, json entry, Tolerances tol)
+      : model_(std::move(model)),
+        model_entry_(std::move(model_entry)),
+        name_(std::move(name)),
+        entry_(std::move(entry)),
+        tol_(tol) {}
   void TestBody() override { RunCase(model_, model_entry_, name_, entry_, tol_); }
 
  private:
