@@ -18,11 +18,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "common/system_resources.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
+#include "engine/model/tensor_names.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory");
 ABSL_FLAG(std::string, config, "", "config.json to generate a random checkpoint from");
@@ -85,6 +87,16 @@ int Run() {
     if (int n = absl::GetFlag(FLAGS_layers); n > 0 && n < cfg->num_layers) {
       cfg->num_layers = n;
       cfg->layer_types.resize(n);
+    }
+    // The backend holds float32 weights: refuse a shape that cannot fit before writing it.
+    int64_t f32_bytes = 0;
+    for (const TensorSpec& spec : ExpectedTensors(*cfg)) f32_bytes += spec.numel() * 4;
+    if (auto avail = AvailableMemoryBytes(); avail && uint64_t(f32_bytes) > *avail) {
+      std::fprintf(stderr,
+                   "this shape needs %.1f GB of float32 weights but only %.1f GB of memory are "
+                   "available; use --layers N for a slice\n",
+                   f32_bytes / 1e9, double(*avail) / 1e9);
+      return 1;
     }
     tmp = std::filesystem::temp_directory_path() / absl::StrCat("dgserve_bench_", ::getpid());
     auto t0 = Clock::now();

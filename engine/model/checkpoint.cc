@@ -8,8 +8,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "common/system_resources.h"
 #include "engine/model/tensor_names.h"
 
 namespace dgserve {
@@ -161,6 +163,14 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& dir) {
   const fs::path gen = fs::path(dir) / "generation_config.json";
   if (fs::exists(gen, ec)) {
     DGSERVE_ASSIGN_OR_RETURN(ckpt.generation, LoadGenerationConfig(gen.string()));
+  }
+  // The CPU backend holds every weight as float32: refuse what memory cannot hold.
+  int64_t f32_bytes = 0;
+  for (const TensorSpec& spec : ExpectedTensors(ckpt.config)) f32_bytes += spec.numel() * 4;
+  if (auto available = AvailableMemoryBytes(); available && uint64_t(f32_bytes) > *available) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "loading %s needs %.2f GB of memory (float32 weights) but only %.2f GB are available", dir,
+        f32_bytes / 1e9, double(*available) / 1e9));
   }
   DGSERVE_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::OpenDir(dir));
   auto weights = LoadModelWeights(ckpt.config, reader);

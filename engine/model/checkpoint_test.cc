@@ -349,3 +349,22 @@ TEST_F(CheckpointTest, AcceptsEncoderPrefixFallback) {
 
 }  // namespace
 }  // namespace dgserve
+
+namespace dgserve {
+namespace {
+
+// A config whose float32 weights cannot fit in this machine's memory is refused before any
+// tensor is read (here the weight files do not even exist).
+TEST(CheckpointResourcesTest, RefusesAModelLargerThanMemory) {
+  const std::string dir = ::dgserve::testing::MakeTempDir("ckpt_huge");
+  ModelConfig c = ::dgserve::testing::TinyConfig();
+  c.vocab_size = 1 << 24;
+  c.hidden_size = 1 << 14;  // 2^38 embedding floats = 1 TiB of float32
+  std::ofstream(dir + "/config.json") << ModelConfigToJson(c);
+  EXPECT_THAT(LoadCheckpoint(dir),
+              StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("GB of memory")));
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace dgserve

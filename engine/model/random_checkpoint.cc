@@ -12,7 +12,9 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "common/system_resources.h"
 
 namespace dgserve {
 namespace {
@@ -198,6 +200,16 @@ absl::Status WriteRandomCheckpoint(const ModelConfig& config, const GenerationCo
     }
     tokenizer_config = tokenizer.parent_path() / "tokenizer_config.json";
     if (!fs::is_regular_file(tokenizer_config, ec)) tokenizer_config.clear();
+  }
+  // Refuse up front what the disk cannot hold, rather than leave a partial checkpoint behind.
+  int64_t total_bytes = 0;
+  for (const TensorSpec& spec : ExpectedTensors(config)) total_bytes += spec.numel() * 2;
+  if (auto free_bytes = FreeDiskBytes(out_dir);
+      free_bytes && uint64_t(total_bytes) + (64u << 20) > *free_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("writing this checkpoint to %s needs %.2f GB of disk (bf16) but only "
+                        "%.2f GB are free",
+                        out_dir, total_bytes / 1e9, double(*free_bytes) / 1e9));
   }
   std::vector<TensorSource> tensors;
   for (TensorSpec& spec : ExpectedTensors(config)) {
