@@ -416,7 +416,7 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     args.embed_scale = c_.EmbedScale();
     args.out = batch[i].rows;
     args.soft = batch[i].next_soft;
-    cpu::FusedVocabStep(args);
+    DGSERVE_RETURN_IF_ERROR(cpu::FusedVocabStep(args));
   }
   timings_.lm_head_seconds = SecondsSince(t1);
   return absl::OkStatus();

@@ -2,6 +2,7 @@
 // the generator): chunked prefill and batching change nothing, bad ids are rejected, a seed fully
 // determines a generation, stop tokens end it with padding.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -274,6 +275,41 @@ TEST_F(CpuBackendTest, InvalidRequestsNameTheField) {
   r.sampler.entropy_bound = 0.1f;
   r.prompt = {config().vocab_size + 5};
   EXPECT_THAT(gen.Generate(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("prompt")));
+}
+
+// A seed determines the result whatever the thread count (fixed GEMM blocks, fixed vocabulary
+// chunks merged in order). The tiny-g3 shape (the full 262,144-id vocabulary) spreads the
+// vocabulary step over many chunks; with OpenBLAS's own threading and per-thread vocabulary
+// partitions, 1, 2 and 3 threads gave three different generations.
+TEST(CpuBackendThreadsTest, ResultDoesNotDependOnTheThreadCount) {
+  const char* src = std::getenv("DGSERVE_SOURCE_DIR");
+  const fs::path golden = fs::path(src ? src : ".") / "tests/testdata/golden/tiny-g3";
+  auto cfgs = LoadConfigsFromModelDir(golden.string());
+  ASSERT_TRUE(cfgs.ok()) << cfgs.status();
+  const fs::path dir = fs::temp_directory_path() /
+                       ("dgserve_threads_test_" + std::to_string(::getpid()));
+  ASSERT_THAT(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 3, dir.string()), IsOk());
+  auto ckpt = LoadCheckpoint(dir.string());
+  fs::remove_all(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto b = CreateCpuBackend(ckpt->config, ckpt->weights);
+  Generator gen(*b);
+  GenerationRequest r = DefaultRequest(ckpt->generation);
+  for (int i = 0; i < 19; ++i) r.prompt.push_back((i * 7919 + 5) % ckpt->config.vocab_size);
+  r.max_new_tokens = 2 * ckpt->config.canvas_length;
+  r.sampler.max_denoising_steps = 5;
+  r.stop_token_ids = {};
+  r.seed = 7;
+  const int saved = omp_get_max_threads();
+  std::vector<std::vector<int32_t>> outputs;
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    auto res = gen.Generate(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    outputs.push_back(res->tokens);
+  }
+  omp_set_num_threads(saved);
+  for (size_t i = 1; i < outputs.size(); ++i) EXPECT_EQ(outputs[i], outputs[0]) << i;
 }
 
 }  // namespace

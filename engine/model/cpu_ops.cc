@@ -35,15 +35,44 @@ void GeluGate(const float* gate, const float* up, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = GeluTanh(gate[i]) * up[i];
 }
 
+namespace {
+
+// GEMMs run as OpenBLAS calls on fixed blocks of output columns inside an OpenMP parallel
+// region, where OpenBLAS stays single-threaded: every output element is computed by the same
+// kernel call whatever the thread count, so results do not depend on it (OpenBLAS's own
+// threading splits by thread count and picks edge kernels accordingly, which changes rounding).
+// Small products form one block; the region is still entered so that OpenBLAS does not thread.
+constexpr int kColumnBlock = 256;
+constexpr int64_t kOneBlockWork = int64_t(1) << 21;  // m·n·k below this: a single block
+
+template <typename Call>
+void ForColumnBlocks(int m, int n, int k, Call call) {
+  const bool one = int64_t(m) * n * k < kOneBlockWork;
+  const int block = one ? n : kColumnBlock;
+  const int blocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int j = 0; j < blocks; ++j) {
+    const int n0 = j * block;
+    call(n0, std::min(block, n - n0));
+  }
+}
+
+}  // namespace
+
 void MatMulTransB(const float* a, const float* b, int m, int n, int k, float* c, bool accumulate) {
   if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, k, b, k,
-              accumulate ? 1.0f : 0.0f, c, n);
+  ForColumnBlocks(m, n, k, [&](int n0, int nn) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nn, k, 1.0f, a, k,
+                b + int64_t(n0) * k, k, accumulate ? 1.0f : 0.0f, c + n0, n);
+  });
 }
 
 void MatMul(const float* a, const float* b, int m, int n, int k, float* c) {
   if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a, k, b, n, 0.0f, c, n);
+  ForColumnBlocks(m, n, k, [&](int n0, int nn) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, nn, k, 1.0f, a, k, b + n0, n, 0.0f,
+                c + n0, n);
+  });
 }
 
 std::vector<float> RopeInvFreq(float theta, int head_dim, int rotated_pairs) {

@@ -20,7 +20,9 @@ float GeluTanh(float x);
 // out[i] = gelu(gate[i]) · up[i] for n elements (the gated MLP's inner product, spec §3.1.3).
 void GeluGate(const float* gate, const float* up, int64_t n, float* out);
 
-// C[m, n] = A[m, k] · B[n, k]ᵀ (+ C if accumulate). B is a PyTorch [out, in] weight. OpenBLAS.
+// C[m, n] = A[m, k] · B[n, k]ᵀ (+ C if accumulate). B is a PyTorch [out, in] weight. OpenBLAS
+// on fixed column blocks over OpenMP threads: the result does not depend on the thread count.
+// Must not be called from inside an OpenMP parallel region.
 void MatMulTransB(const float* a, const float* b, int m, int n, int k, float* c,
                   bool accumulate = false);
 // C[m, n] = A[m, k] · B[k, n] (B row-major, not transposed). OpenBLAS.

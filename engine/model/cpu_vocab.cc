@@ -10,12 +10,14 @@
 #include <limits>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/model/cpu_ops.h"
 
 namespace dgserve::cpu {
 namespace {
 
-constexpr int kTile = 512;  // vocabulary ids per tile: E tile (256·D floats) stays in L2
+constexpr int kTile = 512;    // vocabulary ids per tile: the E tile stays in L2
+constexpr int kChunks = 16;  // vocabulary chunks (≥ the thread count of most CPU hosts)
 
 // Per-row running state of one thread over its tiles.
 struct RowState {
@@ -111,81 +113,86 @@ void Rescale(RowState& st, float to, float inv_t, float* acc, int dim) {
 
 }  // namespace
 
-void FusedVocabStep(const VocabStepArgs& a) {
+absl::Status FusedVocabStep(const VocabStepArgs& a) {
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const int M = a.rows, V = a.vocab, D = a.dim;
-  if (M == 0) return;
+  if (M == 0) return absl::OkStatus();
   const int num_tiles = (V + kTile - 1) / kTile;
-  const int threads = std::max(1, std::min(omp_get_max_threads(), num_tiles));
-  // Per thread: row states and soft accumulators; per tile and row: the tile's exp sum and the
+  // The vocabulary is cut into a fixed number of chunks, whatever the thread count, and the
+  // chunks' partial sums are merged in chunk order: the result does not depend on the thread count.
+  const int chunks = std::max(1, std::min(kChunks, num_tiles));
+  // Per chunk: row states and soft accumulators; per tile and row: the tile's exp sum and the
   // max it was taken against (for the sampling scan).
-  std::vector<RowState> states(size_t(threads) * M);
-  std::vector<float> accs(a.soft ? size_t(threads) * M * D : 0, 0.0f);
+  std::vector<RowState> states(size_t(chunks) * M);
+  std::vector<float> accs(a.soft ? size_t(chunks) * M * D : 0, 0.0f);
   std::vector<float> tile_sum(size_t(num_tiles) * M), tile_ref(size_t(num_tiles) * M);
   std::vector<float> inv_t(M);
   for (int r = 0; r < M; ++r) inv_t[r] = 1.0f / a.temperature[r];
 
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel
   {
-    const int t = omp_get_thread_num();
-    const int tile_begin = int(int64_t(num_tiles) * t / threads);
-    const int tile_end = int(int64_t(num_tiles) * (t + 1) / threads);
     std::vector<float> lbuf(size_t(M) * kTile), ebuf(size_t(M) * kTile);
-    RowState* st = states.data() + size_t(t) * M;
-    float* acc = a.soft ? accs.data() + size_t(t) * M * D : nullptr;
-    for (int tile = tile_begin; tile < tile_end; ++tile) {
-      const int v0 = tile * kTile, n = std::min(kTile, V - v0);
-      const float* et = a.embed + size_t(v0) * D;
-      // Logits of the tile: [M, n] = hidden · E_tileᵀ, softcapped.
-      float* l = lbuf.data();
-      int ldl = n;
-      if (a.logits) {
-        l = a.logits + v0;
-        ldl = V;
-      }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, D, 1.0f, a.hidden, D, et, D, 0.0f,
-                  l, ldl);
-      for (int r = 0; r < M; ++r) {
-        float* lr = l + size_t(r) * ldl;
-        Softcap(lr, n, a.softcap);
-        // Tile max; the argmax (first index on ties) is only searched for when it beats the
-        // running max, which after the first tiles is rare.
-        float tile_max = lr[0];
+#pragma omp for schedule(dynamic, 1)
+    for (int t = 0; t < chunks; ++t) {
+      const int tile_begin = int(int64_t(num_tiles) * t / chunks);
+      const int tile_end = int(int64_t(num_tiles) * (t + 1) / chunks);
+      RowState* st = states.data() + size_t(t) * M;
+      float* acc = a.soft ? accs.data() + size_t(t) * M * D : nullptr;
+      for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int v0 = tile * kTile, n = std::min(kTile, V - v0);
+        const float* et = a.embed + size_t(v0) * D;
+        // Logits of the tile: [M, n] = hidden · E_tileᵀ, softcapped.
+        float* l = lbuf.data();
+        int ldl = n;
+        if (a.logits) {
+          l = a.logits + v0;
+          ldl = V;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, D, 1.0f, a.hidden, D, et, D,
+                    0.0f, l, ldl);
+        for (int r = 0; r < M; ++r) {
+          float* lr = l + size_t(r) * ldl;
+          Softcap(lr, n, a.softcap);
+          // Tile max; the argmax (first index on ties) is only searched for when it beats the
+          // running max, which after the first tiles is rare.
+          float tile_max = lr[0];
 #pragma omp simd reduction(max : tile_max)
-        for (int i = 0; i < n; ++i) tile_max = std::max(tile_max, lr[i]);
-        RowState& s = st[r];
-        float* acc_r = acc ? acc + size_t(r) * D : nullptr;
-        if (tile_max > s.max_logit) {
-          int best = 0;
-          while (lr[best] != tile_max) ++best;
-          s.argmax = v0 + best;
-          Rescale(s, tile_max, inv_t[r], acc_r, D);
+          for (int i = 0; i < n; ++i) tile_max = std::max(tile_max, lr[i]);
+          RowState& s = st[r];
+          float* acc_r = acc ? acc + size_t(r) * D : nullptr;
+          if (tile_max > s.max_logit) {
+            int best = 0;
+            while (lr[best] != tile_max) ++best;
+            s.argmax = v0 + best;
+            Rescale(s, tile_max, inv_t[r], acc_r, D);
+          }
+          double ts, tq;
+          float* e = ebuf.data() + size_t(r) * kTile;
+          if (avx2) {
+            TileExpAvx2(lr, n, s.max_logit, inv_t[r], e, &ts, &tq);
+          } else {
+            TileExpScalar(lr, n, s.max_logit, inv_t[r], e, &ts, &tq);
+          }
+          s.sum += ts;
+          s.sum_d += tq;
+          tile_sum[size_t(tile) * M + r] = float(ts);
+          tile_ref[size_t(tile) * M + r] = s.max_logit;
         }
-        double ts, tq;
-        float* e = ebuf.data() + size_t(r) * kTile;
-        if (avx2) {
-          TileExpAvx2(lr, n, s.max_logit, inv_t[r], e, &ts, &tq);
-        } else {
-          TileExpScalar(lr, n, s.max_logit, inv_t[r], e, &ts, &tq);
+        if (acc) {  // acc[M, D] += e[M, n] · E_tile[n, D]
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, D, n, 1.0f, ebuf.data(), kTile,
+                      et, D, 1.0f, acc, D);
         }
-        s.sum += ts;
-        s.sum_d += tq;
-        tile_sum[size_t(tile) * M + r] = float(ts);
-        tile_ref[size_t(tile) * M + r] = s.max_logit;
-      }
-      if (acc) {  // acc[M, D] += e[M, n] · E_tile[n, D]
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, D, n, 1.0f, ebuf.data(), kTile,
-                    et, D, 1.0f, acc, D);
       }
     }
   }
 
-  // Merge the threads' states per row (thread order = vocabulary order), then sample.
+  // Merge the chunks' states per row (chunk order = vocabulary order), then sample.
+  int bad_row = -1;
 #pragma omp parallel for schedule(static) if (M >= 8)
   for (int r = 0; r < M; ++r) {
     float m = -std::numeric_limits<float>::infinity();
     int32_t argmax = 0;
-    for (int t = 0; t < threads; ++t) {
+    for (int t = 0; t < chunks; ++t) {
       const RowState& s = states[size_t(t) * M + r];
       if (s.argmax >= 0 && s.max_logit > m) {
         m = s.max_logit;
@@ -195,7 +202,7 @@ void FusedVocabStep(const VocabStepArgs& a) {
     double sum = 0, sum_d = 0;
     float* soft = a.soft ? a.soft + size_t(r) * D : nullptr;
     if (soft) std::fill(soft, soft + D, 0.0f);
-    for (int t = 0; t < threads; ++t) {
+    for (int t = 0; t < chunks; ++t) {
       RowState s = states[size_t(t) * M + r];
       if (s.argmax < 0) continue;
       float* acc_r = a.soft ? accs.data() + (size_t(t) * M + r) * D : nullptr;
@@ -205,6 +212,11 @@ void FusedVocabStep(const VocabStepArgs& a) {
       if (soft) {
         for (int i = 0; i < D; ++i) soft[i] += acc_r[i];
       }
+    }
+    if (!(std::isfinite(m) && std::isfinite(sum) && sum > 0)) {
+#pragma omp critical(dgserve_vocab_bad_row)
+      bad_row = bad_row < 0 ? r : std::min(bad_row, r);
+      continue;
     }
     RowResult& out = a.out[r];
     out.argmax = argmax;
@@ -252,6 +264,12 @@ void FusedVocabStep(const VocabStepArgs& a) {
     }
     out.sampled = sampled >= 0 ? sampled : last_positive;
   }
+  if (bad_row >= 0) {
+    return absl::InternalError(
+        absl::StrCat("non-finite logits in canvas row ", bad_row,
+                     " (corrupt weights or numerical overflow); no token can be sampled"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace dgserve::cpu

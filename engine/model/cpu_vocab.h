@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
 #include "engine/denoise/row_sampler.h"
 
 namespace dgserve::cpu {
@@ -29,8 +30,9 @@ struct VocabStepArgs {
 
 // Runs the fused step. Results agree with Softcap + SampleRows + SoftEmbedding on the same
 // hidden states up to float rounding (the sample can differ only when u·S falls within rounding
-// of a cumulative boundary). Parallel over vocabulary tiles (OpenMP); the result does not depend
-// on the thread count beyond rounding of the per-thread partial sums.
-void FusedVocabStep(const VocabStepArgs& args);
+// of a cumulative boundary). Parallel over a fixed number of vocabulary chunks (OpenMP) merged in
+// order, so the result does not depend on the thread count. INTERNAL when a row's logits are not
+// finite (NaN or infinite weights, overflow): nothing can be sampled from them.
+absl::Status FusedVocabStep(const VocabStepArgs& args);
 
 }  // namespace dgserve::cpu

@@ -52,7 +52,7 @@ TEST(FusedVocabStepTest, MatchesTheUnfusedPipeline) {
   a.out = got.data();
   a.soft = soft.data();
   a.logits = got_logits.data();
-  FusedVocabStep(a);
+  ASSERT_TRUE(FusedVocabStep(a).ok());
   for (int r = 0; r < M; ++r) {
     EXPECT_EQ(got[r].argmax, want[r].argmax) << r;
     EXPECT_EQ(got[r].sampled, want[r].sampled) << r;
