@@ -300,16 +300,44 @@ TEST(CpuBackendThreadsTest, ResultDoesNotDependOnTheThreadCount) {
   r.sampler.max_denoising_steps = 5;
   r.stop_token_ids = {};
   r.seed = 7;
+  // One fused step, bit for bit, and whole generations.
+  const int C = ckpt->config.canvas_length, D = ckpt->config.hidden_size;
+  ContiguousKvCache kv(ckpt->config, 64);
+  EncodeInput enc{r.prompt, &kv};
+  ASSERT_THAT(b->Encode({&enc, 1}), IsOk());
+  std::vector<int32_t> canvas(C);
+  for (int i = 0; i < C; ++i) canvas[i] = (i * 104729 + 3) % ckpt->config.vocab_size;
+  std::vector<float> sc(size_t(C) * D), uniforms(C, 0.37f);
+  for (size_t i = 0; i < sc.size(); ++i) sc[i] = std::cos(0.1f * float(i));
   const int saved = omp_get_max_threads();
   std::vector<std::vector<int32_t>> outputs;
+  std::vector<std::vector<float>> entropies, softs;
   for (int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
+    std::vector<RowResult> rows(C);
+    std::vector<float> next(size_t(C) * D);
+    DenoiseStepInput in;
+    in.canvas = canvas;
+    in.sc_soft = sc.data();
+    in.kv = &kv;
+    in.temperature = 0.7f;
+    in.uniforms = uniforms;
+    in.rows = rows.data();
+    in.next_soft = next.data();
+    ASSERT_THAT(b->DenoiseStep({&in, 1}), IsOk());
+    entropies.emplace_back();
+    for (const RowResult& row : rows) entropies.back().push_back(row.entropy);
+    softs.push_back(next);
     auto res = gen.Generate(r);
     ASSERT_TRUE(res.ok()) << res.status();
     outputs.push_back(res->tokens);
   }
   omp_set_num_threads(saved);
-  for (size_t i = 1; i < outputs.size(); ++i) EXPECT_EQ(outputs[i], outputs[0]) << i;
+  for (size_t i = 1; i < outputs.size(); ++i) {
+    EXPECT_EQ(entropies[i], entropies[0]) << i;
+    EXPECT_EQ(softs[i], softs[0]) << i;
+    EXPECT_EQ(outputs[i], outputs[0]) << i;
+  }
 }
 
 }  // namespace
