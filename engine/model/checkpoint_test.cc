@@ -353,6 +353,34 @@ TEST_F(CheckpointTest, AcceptsEncoderPrefixFallback) {
 namespace dgserve {
 namespace {
 
+// A NaN or infinite weight is a load error naming the file and the tensor.
+TEST(CheckpointResourcesTest, RejectsNonFiniteWeights) {
+  const std::string dir = ::dgserve::testing::MakeTempDir("ckpt_nan");
+  const ModelConfig c = ::dgserve::testing::TinyConfig();
+  ASSERT_THAT(WriteRandomCheckpoint(c, GenerationConfig{}, 1, dir), IsOk());
+  // Overwrite the first value of layer 0's input_layernorm with a bf16 NaN (0x7FC0), finding
+  // the tensor's bytes through the header's data offsets.
+  const std::string name = "model.decoder.layers.0.input_layernorm.weight";
+  std::string bytes;
+  {
+    std::ifstream in(dir + "/model.safetensors", std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data(), 8);
+  const auto header = nlohmann::json::parse(bytes.substr(8, header_len));
+  const uint64_t begin = header[name]["data_offsets"][0].get<uint64_t>();
+  bytes[8 + header_len + begin] = char(0xC0);
+  bytes[8 + header_len + begin + 1] = char(0x7F);
+  std::ofstream(dir + "/model.safetensors", std::ios::binary | std::ios::trunc) << bytes;
+  EXPECT_THAT(LoadCheckpoint(dir),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(::testing::HasSubstr("model.safetensors"),
+                             ::testing::HasSubstr("input_layernorm"),
+                             ::testing::HasSubstr("non-finite"))));
+  std::filesystem::remove_all(dir);
+}
+
 // A config whose float32 weights cannot fit in this machine's memory is refused before any
 // tensor is read (here the weight files do not even exist).
 TEST(CheckpointResourcesTest, RefusesAModelLargerThanMemory) {

@@ -1,5 +1,6 @@
 #include "engine/model/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -90,6 +91,19 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                              it->get<std::string>() != "diffusion_gemma")) {
       return FieldError(source, "text_config.model_type",
                         "must be \"diffusion_gemma_text\" (this server runs DiffusionGemma only)");
+    }
+  }
+  // Another architecture's config is refused rather than loaded as DiffusionGemma.
+  if (auto it = root.find("architectures"); it != root.end()) {
+    if (!it->is_array() ||
+        std::find(it->begin(), it->end(), json("DiffusionGemmaForBlockDiffusion")) == it->end()) {
+      return FieldError(source, "architectures",
+                        "must contain \"DiffusionGemmaForBlockDiffusion\" (got " + it->dump() + ")");
+    }
+  }
+  if (auto it = root.find("model_type"); it != root.end() && &root != text) {
+    if (*it != "diffusion_gemma") {
+      return FieldError(source, "model_type", "must be \"diffusion_gemma\" (got " + it->dump() + ")");
     }
   }
   const json& t = *text;
@@ -202,8 +216,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   if (!(c.rope_theta_sliding > 1) || !(c.rope_theta_full > 1)) {
     return FieldError(source, "rope_parameters", "rope_theta must be > 1");
   }
-  if (c.pad_token_id >= c.vocab_size || c.bos_token_id >= c.vocab_size) {
-    return FieldError(source, "pad_token_id", "special token ids must be < vocab_size");
+  if (c.pad_token_id >= c.vocab_size) {
+    return FieldError(source, "pad_token_id", "must be < vocab_size");
+  }
+  if (c.bos_token_id >= c.vocab_size) {
+    return FieldError(source, "bos_token_id", "must be < vocab_size");
   }
   return c;
 }

@@ -160,6 +160,18 @@ TEST(ModelConfigTest, RejectsOtherModelsAndActivations) {
   EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model_type")));
   c = ParseEdited([](json& j) { j["text_config"]["hidden_activation"] = "relu"; });
   EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("hidden_activation")));
+  c = ParseEdited([](json& j) { j["architectures"] = json::array({"LlamaForCausalLM"}); });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument,
+                          AllOf(HasSubstr("architectures"), HasSubstr("LlamaForCausalLM"))));
+  c = ParseEdited([](json& j) { j["model_type"] = "llama"; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model_type")));
+}
+
+TEST(ModelConfigTest, SpecialTokenErrorsNameTheirOwnField) {
+  auto c = ParseEdited([](json& j) { j["text_config"]["bos_token_id"] = 999999; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'bos_token_id'")));
+  c = ParseEdited([](json& j) { j["text_config"]["pad_token_id"] = 999999; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'pad_token_id'")));
 }
 
 TEST(GenerationConfigTest, BadValuesAreNamed) {

@@ -65,5 +65,27 @@ TEST(FusedVocabStepTest, MatchesTheUnfusedPipeline) {
   EXPECT_EQ(got[0].sampled, want[0].sampled);
 }
 
+// Non-finite hidden states (e.g. from corrupt weights) cannot be sampled from: INTERNAL, never
+// a silently empty answer.
+TEST(FusedVocabStepTest, NonFiniteLogitsAreAnError) {
+  const int M = 2, V = 1000, D = 16;
+  std::vector<float> hidden(size_t(M) * D, 0.5f), embed(size_t(V) * D, 0.25f);
+  hidden[D + 3] = std::nanf("");
+  std::vector<float> temperature(M, 0.8f), uniforms(M, 0.5f);
+  std::vector<RowResult> out(M);
+  VocabStepArgs a;
+  a.hidden = hidden.data();
+  a.rows = M;
+  a.embed = embed.data();
+  a.vocab = V;
+  a.dim = D;
+  a.temperature = temperature.data();
+  a.uniforms = uniforms.data();
+  a.out = out.data();
+  const absl::Status st = FusedVocabStep(a);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(st.message().find("row 1"), std::string::npos) << st;
+}
+
 }  // namespace
 }  // namespace dgserve::cpu
