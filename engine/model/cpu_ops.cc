@@ -117,7 +117,8 @@ namespace {
                q5 = _mm256_set1_ps(6.931472028550421e-1f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 w = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), k), lo), hi);
+    // Operand order keeps NaN (max/min return the second operand when either is NaN).
+    __m256 w = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(x + i), k)));
     const __m256 r = _mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(w, r);  // in [−0.5, 0.5]
     __m256 p = _mm256_fmadd_ps(q0, f, q1);

@@ -126,6 +126,16 @@ TEST(SoftcapTest, VectorPathMatchesTanhEverywhere) {
   }
 }
 
+TEST(SoftcapTest, NanStaysNan) {
+  std::vector<float> x(19, 1.0f);
+  x[3] = std::nanf("");
+  x[17] = std::nanf("");
+  Softcap(x.data(), int64_t(x.size()), 30.0f);
+  EXPECT_TRUE(std::isnan(x[3]));
+  EXPECT_TRUE(std::isnan(x[17]));
+  EXPECT_FALSE(std::isnan(x[4]));
+}
+
 TEST(SoftcapTest, TanhCap) {
   std::vector<float> x = {0.0f, 30.0f, -60.0f, 1e6f};
   Softcap(x.data(), 4, 30.0f);

@@ -25,6 +25,7 @@ struct RowState {
   int32_t argmax = -1;
   double sum = 0;    // S = Σ exp((ℓ − max)/T)
   double sum_d = 0;  // Q = Σ exp(d)·d, d = (ℓ − max)/T ≤ 0
+  bool poisoned = false;  // a NaN logit was seen
 };
 
 // Sums of one tile of one row: exps written to `e`, returns S_t and Q_t (relative to `m`).
@@ -156,9 +157,14 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           // Tile max; the argmax (first index on ties) is only searched for when it beats the
           // running max, which after the first tiles is rare.
           float tile_max = lr[0];
-#pragma omp simd reduction(max : tile_max)
-          for (int i = 0; i < n; ++i) tile_max = std::max(tile_max, lr[i]);
+          int nan_count = 0;
+#pragma omp simd reduction(max : tile_max) reduction(+ : nan_count)
+          for (int i = 0; i < n; ++i) {
+            tile_max = std::max(tile_max, lr[i]);
+            nan_count += lr[i] != lr[i];
+          }
           RowState& s = st[r];
+          if (nan_count > 0) s.poisoned = true;  // reported after the merge
           float* acc_r = acc ? acc + size_t(r) * D : nullptr;
           if (tile_max > s.max_logit) {
             int best = 0;
@@ -192,8 +198,10 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
   for (int r = 0; r < M; ++r) {
     float m = -std::numeric_limits<float>::infinity();
     int32_t argmax = 0;
+    bool poisoned = false;
     for (int t = 0; t < chunks; ++t) {
       const RowState& s = states[size_t(t) * M + r];
+      poisoned |= s.poisoned;
       if (s.argmax >= 0 && s.max_logit > m) {
         m = s.max_logit;
         argmax = s.argmax;
@@ -213,7 +221,7 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
         for (int i = 0; i < D; ++i) soft[i] += acc_r[i];
       }
     }
-    if (!(std::isfinite(m) && std::isfinite(sum) && sum > 0)) {
+    if (poisoned || !(std::isfinite(m) && std::isfinite(sum) && sum > 0)) {
 #pragma omp critical(dgserve_vocab_bad_row)
       bad_row = bad_row < 0 ? r : std::min(bad_row, r);
       continue;

@@ -82,9 +82,14 @@ TEST(FusedVocabStepTest, NonFiniteLogitsAreAnError) {
   a.temperature = temperature.data();
   a.uniforms = uniforms.data();
   a.out = out.data();
-  const absl::Status st = FusedVocabStep(a);
+  absl::Status st = FusedVocabStep(a);
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal);
   EXPECT_NE(st.message().find("row 1"), std::string::npos) << st;
+  // A single NaN logit among finite ones (one corrupt embedding row) is caught too.
+  hidden[D + 3] = 0.5f;
+  embed[size_t(700) * D + 5] = std::nanf("");
+  st = FusedVocabStep(a);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
 }
 
 }  // namespace
