@@ -10,6 +10,7 @@
 #include <exception>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,20 +29,22 @@ ABSL_FLAG(std::string, out, "", "output checkpoint directory (required; created 
 ABSL_FLAG(uint64_t, seed, 0, "generator seed (the golden models use 512 and 3)");
 ABSL_FLAG(std::string, config, "", "config.json to take the shape from");
 ABSL_FLAG(std::string, config_json, "", "config as JSON text (same format as config.json)");
-ABSL_FLAG(int32_t, vocab_size, 0, "vocabulary size (0 = from the config / default)");
-ABSL_FLAG(int32_t, hidden_size, 0, "hidden size");
-ABSL_FLAG(int32_t, num_layers, 0, "number of layers (num_hidden_layers)");
-ABSL_FLAG(int32_t, num_heads, 0, "query heads");
-ABSL_FLAG(int32_t, num_kv_heads, 0, "KV heads of sliding layers");
-ABSL_FLAG(int32_t, num_global_kv_heads, 0, "KV heads of full layers");
-ABSL_FLAG(int32_t, head_dim, 0, "head dim of sliding layers");
-ABSL_FLAG(int32_t, global_head_dim, 0, "head dim of full layers");
-ABSL_FLAG(int32_t, intermediate_size, 0, "dense / self-conditioning MLP width");
-ABSL_FLAG(int32_t, num_experts, 0, "MoE experts");
-ABSL_FLAG(int32_t, top_k, 0, "experts per token (top_k_experts)");
-ABSL_FLAG(int32_t, moe_intermediate_size, 0, "per-expert MLP width");
-ABSL_FLAG(int32_t, sliding_window, 0, "sliding window");
-ABSL_FLAG(int32_t, canvas_length, 0, "diffusion canvas length");
+ABSL_FLAG(std::optional<int32_t>, vocab_size, std::nullopt,
+          "vocabulary size (default: from --config, else the tiny-v512 shape)");
+ABSL_FLAG(std::optional<int32_t>, hidden_size, std::nullopt, "hidden size");
+ABSL_FLAG(std::optional<int32_t>, num_layers, std::nullopt, "number of layers (num_hidden_layers)");
+ABSL_FLAG(std::optional<int32_t>, num_heads, std::nullopt, "query heads");
+ABSL_FLAG(std::optional<int32_t>, num_kv_heads, std::nullopt, "KV heads of sliding layers");
+ABSL_FLAG(std::optional<int32_t>, num_global_kv_heads, std::nullopt, "KV heads of full layers");
+ABSL_FLAG(std::optional<int32_t>, head_dim, std::nullopt, "head dim of sliding layers");
+ABSL_FLAG(std::optional<int32_t>, global_head_dim, std::nullopt, "head dim of full layers");
+ABSL_FLAG(std::optional<int32_t>, intermediate_size, std::nullopt,
+          "dense / self-conditioning MLP width");
+ABSL_FLAG(std::optional<int32_t>, num_experts, std::nullopt, "MoE experts");
+ABSL_FLAG(std::optional<int32_t>, top_k, std::nullopt, "experts per token (top_k_experts)");
+ABSL_FLAG(std::optional<int32_t>, moe_intermediate_size, std::nullopt, "per-expert MLP width");
+ABSL_FLAG(std::optional<int32_t>, sliding_window, std::nullopt, "sliding window");
+ABSL_FLAG(std::optional<int32_t>, canvas_length, std::nullopt, "diffusion canvas length");
 ABSL_FLAG(std::string, layer_types, "",
           "one letter per layer, S = sliding_attention, F = full_attention (e.g. SSFSSF); sets "
           "num_layers when that is not given");
@@ -88,29 +91,40 @@ absl::Status ApplyShapeFlags(json* root) {
     return absl::InvalidArgumentError("field 'text_config' must be an object");
   }
   json& text = root->contains("text_config") ? (*root)["text_config"] : *root;
-  const std::pair<const absl::Flag<int32_t>*, const char*> fields[] = {
-      {&FLAGS_vocab_size, "vocab_size"},
-      {&FLAGS_hidden_size, "hidden_size"},
-      {&FLAGS_num_layers, "num_hidden_layers"},
-      {&FLAGS_num_heads, "num_attention_heads"},
-      {&FLAGS_num_kv_heads, "num_key_value_heads"},
-      {&FLAGS_num_global_kv_heads, "num_global_key_value_heads"},
-      {&FLAGS_head_dim, "head_dim"},
-      {&FLAGS_global_head_dim, "global_head_dim"},
-      {&FLAGS_intermediate_size, "intermediate_size"},
-      {&FLAGS_num_experts, "num_experts"},
-      {&FLAGS_top_k, "top_k_experts"},
-      {&FLAGS_moe_intermediate_size, "moe_intermediate_size"},
-      {&FLAGS_sliding_window, "sliding_window"},
+  struct ShapeFlag {
+    const absl::Flag<std::optional<int32_t>>* flag;
+    const char* flag_name;
+    const char* key;  // config.json field
   };
-  for (const auto& [flag, key] : fields) {
-    const int32_t v = absl::GetFlag(*flag);
-    if (v < 0) return absl::InvalidArgumentError(absl::StrCat("--", key, " must be positive"));
-    if (v > 0) text[key] = v;
+  const ShapeFlag fields[] = {
+      {&FLAGS_vocab_size, "vocab_size", "vocab_size"},
+      {&FLAGS_hidden_size, "hidden_size", "hidden_size"},
+      {&FLAGS_num_layers, "num_layers", "num_hidden_layers"},
+      {&FLAGS_num_heads, "num_heads", "num_attention_heads"},
+      {&FLAGS_num_kv_heads, "num_kv_heads", "num_key_value_heads"},
+      {&FLAGS_num_global_kv_heads, "num_global_kv_heads", "num_global_key_value_heads"},
+      {&FLAGS_head_dim, "head_dim", "head_dim"},
+      {&FLAGS_global_head_dim, "global_head_dim", "global_head_dim"},
+      {&FLAGS_intermediate_size, "intermediate_size", "intermediate_size"},
+      {&FLAGS_num_experts, "num_experts", "num_experts"},
+      {&FLAGS_top_k, "top_k", "top_k_experts"},
+      {&FLAGS_moe_intermediate_size, "moe_intermediate_size", "moe_intermediate_size"},
+      {&FLAGS_sliding_window, "sliding_window", "sliding_window"},
+  };
+  for (const ShapeFlag& f : fields) {
+    if (const std::optional<int32_t> v = absl::GetFlag(*f.flag)) {
+      if (*v <= 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", f.flag_name, " must be > 0, got ", *v));
+      }
+      text[f.key] = *v;
+    }
   }
-  if (const int32_t c = absl::GetFlag(FLAGS_canvas_length); c != 0) {
-    if (c < 0) return absl::InvalidArgumentError("--canvas_length must be positive");
-    (*root)["canvas_length"] = c;
+  if (const std::optional<int32_t> c = absl::GetFlag(FLAGS_canvas_length)) {
+    if (*c <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--canvas_length must be > 0, got ", *c));
+    }
+    (*root)["canvas_length"] = *c;
   }
   const std::string letters = absl::GetFlag(FLAGS_layer_types);
   if (!letters.empty()) {
@@ -126,8 +140,8 @@ absl::Status ApplyShapeFlags(json* root) {
       }
     }
     text["layer_types"] = types;
-    if (absl::GetFlag(FLAGS_num_layers) == 0) text["num_hidden_layers"] = types.size();
-  } else if (absl::GetFlag(FLAGS_num_layers) != 0) {
+    if (!absl::GetFlag(FLAGS_num_layers)) text["num_hidden_layers"] = types.size();
+  } else if (absl::GetFlag(FLAGS_num_layers)) {
     text.erase("layer_types");  // the default pattern: every 6th layer and the last are full
   }
   return absl::OkStatus();
