@@ -554,7 +554,9 @@ absl::Status WriteSafetensors(const std::string& dir, std::vector<TensorSource> 
   }
   std::error_code ec;
   fs::create_directories(dir, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create directory ", dir, ": ", ec.message()));
+  if (ec)
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create directory ", dir, ": ", ec.message()));
   // Remove a previous checkpoint's files so the loader cannot pick up a stale one.
   static const std::regex kShard(R"(model-\d{5}-of-\d{5}\.safetensors)");
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
