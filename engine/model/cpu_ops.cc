@@ -7,6 +7,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "engine/model/avx2_exp2.h"
+
 namespace dgserve::cpu {
 
 void RmsNorm(const float* x, const float* w, int rows, int dim, float eps, float* y) {
@@ -62,8 +64,8 @@ void ForColumnBlocks(int m, int n, int k, Call call) {
 void MatMulTransB(const float* a, const float* b, int m, int n, int k, float* c, bool accumulate) {
   if (m == 0 || n == 0) return;
   ForColumnBlocks(m, n, k, [&](int n0, int nn) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nn, k, 1.0f, a, k,
-                b + int64_t(n0) * k, k, accumulate ? 1.0f : 0.0f, c + n0, n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nn, k, 1.0f, a, k, b + int64_t(n0) * k,
+                k, accumulate ? 1.0f : 0.0f, c + n0, n);
   });
 }
 
@@ -101,35 +103,18 @@ void ApplyRope(float* x, int heads, int head_dim, int pos, std::span<const float
 
 namespace {
 
-// cap·tanh(x/cap) = cap·(1 − 2/(1 + e^{2x/cap})) with e^t = 2^(t·log2 e) from a degree-5
-// polynomial on the fraction (Cephes exp2f, relative error ≤ 2e-7): absolute error ≤ 1e-5 at
-// cap = 30. 8 lanes of AVX2.
+// cap·tanh(x/cap) = cap·(1 − 2/(1 + e^{2x/cap})) with e^t = 2^(t·log2 e) (Exp2Avx2):
+// absolute error ≤ 1e-5 at cap = 30. 8 lanes of AVX2.
 [[gnu::target("avx2,fma")]] void SoftcapAvx2(float* x, int64_t n, float cap) {
   const __m256 k = _mm256_set1_ps(2.0f / cap * 1.44269504088896341f);
   const __m256 lo = _mm256_set1_ps(-126.0f), hi = _mm256_set1_ps(126.0f);
   const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
   const __m256 vcap = _mm256_set1_ps(cap);
-  const __m256 q0 = _mm256_set1_ps(1.535336188319500e-4f),
-               q1 = _mm256_set1_ps(1.339887440266574e-3f),
-               q2 = _mm256_set1_ps(9.618437357674640e-3f),
-               q3 = _mm256_set1_ps(5.550332471162809e-2f),
-               q4 = _mm256_set1_ps(2.402264791363012e-1f),
-               q5 = _mm256_set1_ps(6.931472028550421e-1f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     // Operand order keeps NaN (max/min return the second operand when either is NaN).
-    __m256 w = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(x + i), k)));
-    const __m256 r = _mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(w, r);  // in [−0.5, 0.5]
-    __m256 p = _mm256_fmadd_ps(q0, f, q1);
-    p = _mm256_fmadd_ps(p, f, q2);
-    p = _mm256_fmadd_ps(p, f, q3);
-    p = _mm256_fmadd_ps(p, f, q4);
-    p = _mm256_fmadd_ps(p, f, q5);
-    p = _mm256_fmadd_ps(p, f, one);  // 2^f
-    const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
-    const __m256 ex = _mm256_mul_ps(p, _mm256_castsi256_ps(e));  // e^{2x/cap}
+    const __m256 w = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(x + i), k)));
+    const __m256 ex = Exp2Avx2(w);  // e^{2x/cap}
     const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, ex)));
     _mm256_storeu_ps(x + i, _mm256_mul_ps(vcap, t));
   }

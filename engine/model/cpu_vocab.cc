@@ -11,20 +11,21 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "engine/model/avx2_exp2.h"
 #include "engine/model/cpu_ops.h"
 
 namespace dgserve::cpu {
 namespace {
 
-constexpr int kTile = 512;    // vocabulary ids per tile: the E tile stays in L2
+constexpr int kTile = 512;   // vocabulary ids per tile: the E tile stays in L2
 constexpr int kChunks = 16;  // vocabulary chunks (≥ the thread count of most CPU hosts)
 
 // Per-row running state of one thread over its tiles.
 struct RowState {
   float max_logit = -std::numeric_limits<float>::infinity();  // running max of ℓ (raw softcapped)
   int32_t argmax = -1;
-  double sum = 0;    // S = Σ exp((ℓ − max)/T)
-  double sum_d = 0;  // Q = Σ exp(d)·d, d = (ℓ − max)/T ≤ 0
+  double sum = 0;         // S = Σ exp((ℓ − max)/T)
+  double sum_d = 0;       // Q = Σ exp(d)·d, d = (ℓ − max)/T ≤ 0
   bool poisoned = false;  // a NaN logit was seen
 };
 
@@ -33,31 +34,14 @@ struct RowState {
                                              double* s_out, double* q_out) {
   const __m256 vm = _mm256_set1_ps(m), vk = _mm256_set1_ps(inv_t * 1.44269504088896341f);
   const __m256 lo = _mm256_set1_ps(-126.0f), ln2 = _mm256_set1_ps(0.693147180559945f);
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 q0 = _mm256_set1_ps(1.535336188319500e-4f),
-               q1 = _mm256_set1_ps(1.339887440266574e-3f),
-               q2 = _mm256_set1_ps(9.618437357674640e-3f),
-               q3 = _mm256_set1_ps(5.550332471162809e-2f),
-               q4 = _mm256_set1_ps(2.402264791363012e-1f),
-               q5 = _mm256_set1_ps(6.931472028550421e-1f);
   __m256 s = _mm256_setzero_ps(), q = _mm256_setzero_ps();
   int i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 w0 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(l + i), vm), vk);  // log2 e^d
     const __m256 w = _mm256_max_ps(w0, lo);
-    const __m256 r = _mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(w, r);
-    __m256 p = _mm256_fmadd_ps(q0, f, q1);
-    p = _mm256_fmadd_ps(p, f, q2);
-    p = _mm256_fmadd_ps(p, f, q3);
-    p = _mm256_fmadd_ps(p, f, q4);
-    p = _mm256_fmadd_ps(p, f, q5);
-    p = _mm256_fmadd_ps(p, f, one);
-    const __m256i ex =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
     // Below 2^−126 the value is flushed to 0 (as the row sampler does).
     const __m256 keep = _mm256_cmp_ps(w0, lo, _CMP_GE_OQ);
-    const __m256 ev = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(ex)), keep);
+    const __m256 ev = _mm256_and_ps(Exp2Avx2(w), keep);
     _mm256_storeu_ps(e + i, ev);
     s = _mm256_add_ps(s, ev);
     q = _mm256_fmadd_ps(ev, _mm256_mul_ps(w, ln2), q);

@@ -1,0 +1,26 @@
+// 2^w for 8 float lanes with AVX2+FMA (internal to the CPU backend): round w to the nearest
+// integer r, a degree-5 polynomial for 2^(w−r) on [−0.5, 0.5] (Cephes exp2f, relative error
+// ≤ 2e-7) and r added to the exponent field. Valid for w in [−126, 126]; callers clamp.
+// Include only from functions compiled with [[gnu::target("avx2,fma")]].
+#pragma once
+
+#include <immintrin.h>
+
+namespace dgserve::cpu {
+
+[[gnu::target("avx2,fma"), gnu::always_inline]] inline __m256 Exp2Avx2(__m256 w) {
+  const __m256 r = _mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(w, r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.535336188319500e-4f), f,
+                             _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+}  // namespace dgserve::cpu
