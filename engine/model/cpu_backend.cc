@@ -67,7 +67,7 @@ class CpuBackend final : public ModelBackend {
   void GatedMlp(const float* x, int R, const float* gate, const float* up, const float* down,
                 int width, float* out) const;
 
-  const ModelConfig& c_;
+  const ModelConfig c_;  // a copy: small, and callers need not keep theirs alive
   const ModelWeights& w_;
   std::vector<float> rope_sliding_, rope_full_;
   DecodeTimings timings_;
