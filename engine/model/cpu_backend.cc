@@ -1,4 +1,6 @@
 // CPU implementation of ModelBackend: the DiffusionGemma forward pass (spec §3), float32.
+#include <cblas.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -229,64 +231,80 @@ void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, 
   const int group = nh / nkv, kvw = nkv * hd;
   const bool full = c_.IsFull(l);
   const int W = c_.sliding_window;
+  constexpr int kQueryBlock = 128;  // query rows per score GEMM: scores stay [128, keys]
   for (const Segment& s : segs) {
-    // Key/value rows visible to this segment, in position order, and each query's range.
-    std::vector<const float*> krows, vrows;
-    int first_pos;  // position of krows[0]
+    // The keys and values this segment may see, gathered per KV head into contiguous
+    // [nkeys, hd] panels (position order) so that scores and outputs are GEMMs.
+    int first_pos, nkeys;  // position of key 0; number of keys
     if (kind == PassKind::kEncoder) {
-      // New rows are already in the cache: keys are cache rows [lo, pos0 + rows).
+      // New rows are already in the cache: keys are cache rows [first_pos, pos0 + rows).
       first_pos = full ? 0 : std::max(0, s.pos0 - (W - 1));
-      for (int p = first_pos; p < s.pos0 + s.rows; ++p) {
-        krows.push_back(s.kv->KeyRow(l, p));
-        vrows.push_back(s.kv->ValueRow(l, p));
-      }
+      nkeys = s.pos0 + s.rows - first_pos;
     } else {
       // Context prefix (fixed window for sliding layers) then the canvas itself.
-      const int P = s.pos0;
-      first_pos = full ? 0 : std::max(0, P - (W - 1));
-      for (int p = first_pos; p < P; ++p) {
-        krows.push_back(s.kv->KeyRow(l, p));
-        vrows.push_back(s.kv->ValueRow(l, p));
+      first_pos = full ? 0 : std::max(0, s.pos0 - (W - 1));
+      nkeys = s.pos0 - first_pos + s.rows;
+    }
+    std::vector<float> kpanel(size_t(nkv) * nkeys * hd), vpanel(size_t(nkv) * nkeys * hd);
+#pragma omp parallel for schedule(static) if (nkeys >= 64)
+    for (int j = 0; j < nkeys; ++j) {
+      const int p = first_pos + j;
+      const float *kr, *vr;
+      if (kind == PassKind::kDecoder && p >= s.pos0) {
+        kr = k_new + size_t(s.row0 + p - s.pos0) * kvw;
+        vr = v_new + size_t(s.row0 + p - s.pos0) * kvw;
+      } else {
+        kr = s.kv->KeyRow(l, p);
+        vr = s.kv->ValueRow(l, p);
       }
-      for (int r = 0; r < s.rows; ++r) {
-        krows.push_back(k_new + size_t(s.row0 + r) * kvw);
-        vrows.push_back(v_new + size_t(s.row0 + r) * kvw);
+      for (int g = 0; g < nkv; ++g) {
+        std::memcpy(&kpanel[(size_t(g) * nkeys + j) * hd], kr + size_t(g) * hd, sizeof(float) * hd);
+        std::memcpy(&vpanel[(size_t(g) * nkeys + j) * hd], vr + size_t(g) * hd, sizeof(float) * hd);
       }
     }
-    const int nkeys = krows.size();
+    // Query row r sees keys [KeyLo(r), KeyHi(r)): causal (+ window) for the encoder, everything
+    // for the decoder.
+    auto key_lo = [&](int r) {
+      return kind == PassKind::kEncoder && !full ? std::max(0, s.pos0 + r - (W - 1) - first_pos)
+                                                 : 0;
+    };
+    auto key_hi = [&](int r) {
+      return kind == PassKind::kEncoder ? s.pos0 + r - first_pos + 1 : nkeys;
+    };
+    const int blocks = (s.rows + kQueryBlock - 1) / kQueryBlock;
+    // One single-threaded GEMM pair per (query block, head): deterministic, whatever the threads.
 #pragma omp parallel
     {
-      std::vector<float> scores(nkeys);
-#pragma omp for schedule(static) collapse(2)
-      for (int r = 0; r < s.rows; ++r) {
+      std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+      for (int b = 0; b < blocks; ++b) {
         for (int hq = 0; hq < nh; ++hq) {
-          int lo = 0, hi = nkeys;  // key index range [lo, hi)
-          if (kind == PassKind::kEncoder) {
-            const int pos = s.pos0 + r;
-            hi = pos - first_pos + 1;
-            if (!full) lo = std::max(0, pos - (W - 1) - first_pos);
-          }
+          const int r0 = b * kQueryBlock, rows = std::min(kQueryBlock, s.rows - r0);
+          const int klo = key_lo(r0), khi = key_hi(r0 + rows - 1), nk = khi - klo;
           const int g = hq / group;
-          const float* qv = q + size_t(s.row0 + r) * nh * hd + size_t(hq) * hd;
-          float mx = -INFINITY;
-          for (int j = lo; j < hi; ++j) {
-            const float* kr = krows[j] + size_t(g) * hd;
-            float dot = 0;
-#pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < hd; ++d) dot += qv[d] * kr[d];
-            scores[j] = dot;  // scale 1.0 (spec §3.1.5)
-            mx = std::max(mx, dot);
+          const float* qb = q + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd;
+          const float* kp = &kpanel[(size_t(g) * nkeys + klo) * hd];
+          const float* vp = &vpanel[(size_t(g) * nkeys + klo) * hd];
+          scores.resize(size_t(rows) * nk);
+          // Scores = Q·Kᵀ with scale 1.0 (spec §3.1.5).
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nk, hd, 1.0f, qb, nh * hd, kp,
+                      hd, 0.0f, scores.data(), nk);
+          for (int i = 0; i < rows; ++i) {
+            float* sr = scores.data() + size_t(i) * nk;
+            const int lo = key_lo(r0 + i) - klo, hi = key_hi(r0 + i) - klo;
+            float mx = -INFINITY;
+            for (int j = lo; j < hi; ++j) mx = std::max(mx, sr[j]);
+            float sum = 0;
+            for (int j = 0; j < nk; ++j) {
+              sr[j] = (j >= lo && j < hi) ? std::exp(sr[j] - mx) : 0.0f;
+              sum += sr[j];
+            }
+            const float inv = 1.0f / sum;
+            for (int j = lo; j < hi; ++j) sr[j] *= inv;
           }
-          float sum = 0;
-          for (int j = lo; j < hi; ++j) sum += (scores[j] = std::exp(scores[j] - mx));
-          const float inv = 1.0f / sum;
-          float* o = out + size_t(s.row0 + r) * nh * hd + size_t(hq) * hd;
-          std::fill(o, o + hd, 0.0f);
-          for (int j = lo; j < hi; ++j) {
-            const float p = scores[j] * inv;
-            const float* vr = vrows[j] + size_t(g) * hd;
-            for (int d = 0; d < hd; ++d) o[d] += p * vr[d];
-          }
+          float* ob = out + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd;
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nk, 1.0f, scores.data(),
+                      nk, vp, hd, 0.0f, ob, nh * hd);
         }
       }
     }
