@@ -16,6 +16,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -66,12 +67,17 @@ absl::Status RunGenerate() {
     if (!prompt.empty()) {
       return absl::InvalidArgumentError("give --prompt or --prompt-file, not both");
     }
+    // Bounded: a prompt longer than the longest context could not be served anyway.
+    constexpr size_t kMaxPromptBytes = size_t(64) << 20;
     if (file == "-") {
-      std::stringstream ss;
-      ss << std::cin.rdbuf();
-      prompt = ss.str();
+      prompt.resize(kMaxPromptBytes + 1);
+      std::cin.read(prompt.data(), std::streamsize(prompt.size()));
+      prompt.resize(size_t(std::cin.gcount()));
     } else {
-      DGSERVE_ASSIGN_OR_RETURN(prompt, ReadFileToString(file));
+      DGSERVE_ASSIGN_OR_RETURN(prompt, ReadFileToString(file, kMaxPromptBytes + 1));
+    }
+    if (prompt.size() > kMaxPromptBytes) {
+      return absl::InvalidArgumentError("--prompt-file: prompts are limited to 64 MiB");
     }
   }
   if (prompt.empty()) {
@@ -84,6 +90,21 @@ absl::Status RunGenerate() {
   }
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(dir + "/tokenizer.json"));
+  // The tokenizer must cover the model's vocabulary (else generated ids decode to nothing), and
+  // may only add special tokens above it (Gemma's <image_soft_token> is id 262144).
+  const int32_t V = ckpt.config.vocab_size;
+  if (tok.vocab_size() < V) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, "/tokenizer.json covers ids [0, ", tok.vocab_size(),
+                     ") but the model's vocabulary is ", V, ": it is not this model's tokenizer"));
+  }
+  for (int32_t id = V; id < tok.vocab_size(); ++id) {
+    if (!tok.IsSpecial(id) && !tok.IdToPiece(id).empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          dir, "/tokenizer.json has token id ", id, " ('", std::string(tok.IdToPiece(id)),
+          "') beyond the model's vocabulary of ", V, ": it is not this model's tokenizer"));
+    }
+  }
   GenerationRequest req = DefaultRequest(ckpt.generation);
   if (absl::GetFlag(FLAGS_chat)) {
     ChatMessage msg{"user", prompt};
@@ -166,15 +187,21 @@ absl::Status RunGenerate() {
 }
 
 // absl flags are spelled with underscores; accept --max-tokens as well.
+// Only words that name one of our flags are rewritten, so a value such as a file called
+// "--my-prompt.txt" is left alone.
 std::vector<char*> NormaliseFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
   storage.assign(argv, argv + argc);
   for (size_t i = 1; i < storage.size(); ++i) {
     std::string& a = storage[i];
     if (a.rfind("--", 0) != 0) continue;
-    const size_t end = a.find('=');
-    for (size_t j = 2; j < std::min(end, a.size()); ++j) {
-      if (a[j] == '-') a[j] = '_';
+    const size_t end = std::min(a.find('='), a.size());
+    std::string name = a.substr(2, end - 2);
+    std::replace(name.begin(), name.end(), '-', '_');
+    std::string bare = name.rfind("no", 0) == 0 ? name.substr(2) : name;  // --noflag
+    if (absl::FindCommandLineFlag(name) == nullptr && absl::FindCommandLineFlag(bare) == nullptr) {
+      continue;
     }
+    a = "--" + name + a.substr(end);
   }
   std::vector<char*> out;
   for (std::string& s : storage) out.push_back(s.data());
@@ -191,6 +218,12 @@ int main(int argc, char** argv) {
       "[--max-tokens N] [--seed S] [--steps N --t-min X --t-max X --entropy-bound X "
       "--confidence-threshold X --stability-threshold N] [--show-steps]",
       "tools/dgserve_main.cc");
+  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
+                    std::string(argv[1]) == "help")) {
+    std::printf("usage: %s\n\n`dgserve generate --help` lists the flags.\n",
+                absl::ProgramUsageMessage().data());
+    return 0;
+  }
   if (argc < 2 || std::string(argv[1]) != "generate") {
     std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
     return 2;

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
-# Keep in sync with ../shared/spec/design.md §6 and deploy/docker (a later issue checks it).
+# Keep in sync with deploy/docker (a later issue checks it).
 DEB_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git ca-certificates
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler

@@ -108,7 +108,7 @@ class GoldenReplayTest : public ::testing::Test {
     dir_ = GoldenDir();
     ASSERT_TRUE(fs::exists(dir_ / "index.json"))
         << "golden data not found at " << dir_
-        << " (set DGSERVE_GOLDEN_DIR, e.g. to /work/shared/golden)";
+        << " (set DGSERVE_GOLDEN_DIR to a golden data directory)";
     cases_ = ListCases(dir_);
     ASSERT_FALSE(cases_.empty());
   }

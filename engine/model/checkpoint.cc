@@ -150,15 +150,14 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
     DGSERVE_RETURN_IF_ERROR(ToFloat32(*view, data));
     // NaN or infinite weights would only surface as garbage tokens: name the tensor now.
     const int64_t n = view->numel();
-    int64_t bad = -1;
-#pragma omp parallel for reduction(max : bad) if (n >= (1 << 20))
+    int64_t bad = n;  // the first non-finite element, n if none
+#pragma omp parallel for reduction(min : bad) if (n >= (1 << 20))
     for (int64_t i = 0; i < n; ++i) {
-      if (!std::isfinite(data[i])) bad = std::max(bad, i);
+      if (!std::isfinite(data[i])) bad = std::min(bad, i);
     }
-    if (bad >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(view->file, ": tensor '", view->name,
-                                                     "' holds a non-finite value (element ", bad,
-                                                     ")"));
+    if (bad < n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          view->file, ": tensor '", view->name, "' holds a non-finite value (element ", bad, ")"));
     }
   }
   return w;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -67,13 +68,21 @@ int ModelConfig::FullRopeAngles() const {
   return static_cast<int>(partial_rotary_factor_full * global_head_dim) / 2;
 }
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+absl::StatusOr<std::string> ReadFileToString(const std::string& path, size_t max_bytes) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec))
+    return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  std::string text(ec ? 0 : std::min<uintmax_t>(size, max_bytes), '\0');
+  in.read(text.data(), std::streamsize(text.size()));
   if (in.bad()) return absl::InternalError(absl::StrCat("error reading ", path));
-  return ss.str();
+  text.resize(size_t(in.gcount()));
+  return text;
 }
 
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
@@ -97,13 +106,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   if (auto it = root.find("architectures"); it != root.end()) {
     if (!it->is_array() ||
         std::find(it->begin(), it->end(), json("DiffusionGemmaForBlockDiffusion")) == it->end()) {
-      return FieldError(source, "architectures",
-                        "must contain \"DiffusionGemmaForBlockDiffusion\" (got " + it->dump() + ")");
+      return FieldError(
+          source, "architectures",
+          "must contain \"DiffusionGemmaForBlockDiffusion\" (got " + it->dump() + ")");
     }
   }
   if (auto it = root.find("model_type"); it != root.end() && &root != text) {
     if (*it != "diffusion_gemma") {
-      return FieldError(source, "model_type", "must be \"diffusion_gemma\" (got " + it->dump() + ")");
+      return FieldError(source, "model_type",
+                        "must be \"diffusion_gemma\" (got " + it->dump() + ")");
     }
   }
   const json& t = *text;

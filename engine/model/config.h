@@ -75,7 +75,10 @@ absl::StatusOr<GenerationConfig> ParseGenerationConfig(const std::string& json_t
                                                        const std::string& source);
 absl::StatusOr<GenerationConfig> LoadGenerationConfig(const std::string& path);
 
-// Reads a whole file. NOT_FOUND / INTERNAL name the path.
-absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+// Reads a whole regular file of at most `max_bytes` bytes (more: the first max_bytes are
+// returned, so callers can tell). NOT_FOUND for a missing file, INVALID_ARGUMENT for a
+// directory or other non-regular file, INTERNAL for a read error; all name the path.
+absl::StatusOr<std::string> ReadFileToString(const std::string& path,
+                                             size_t max_bytes = size_t(1) << 30);
 
 }  // namespace dgserve

@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -88,6 +89,12 @@ void SplitOnAddedTokens(const AddedTokenMatcher& matcher, const std::vector<Adde
 }  // namespace
 
 absl::StatusOr<Tokenizer> Tokenizer::Load(const std::string& tokenizer_json_path) {
+  std::error_code ec;
+  if (std::filesystem::exists(tokenizer_json_path, ec) &&
+      !std::filesystem::is_regular_file(tokenizer_json_path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tokenizer.json '%s' is not a regular file", tokenizer_json_path));
+  }
   std::ifstream file(tokenizer_json_path, std::ios::binary);
   if (!file) {
     const int err = errno;
