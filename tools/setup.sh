@@ -12,7 +12,7 @@ DEB_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git ca-certificates
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libopenblas-openmp-dev
-  nlohmann-json3-dev libssl-dev
+  nlohmann-json3-dev libssl-dev libcpp-httplib-dev prometheus
 )
 # Node.js and npm (for the npm packages below): Debian's, unless the machine already has them
 # (a newer Node.js from elsewhere conflicts with Debian's npm package).

@@ -1,0 +1,108 @@
+// The KV transfer engine (design §1.4): one sending interface with several transports
+// (in-process, TCP over gRPC streaming, NCCL later), and the receiving side that checks every
+// transfer, holds its blocks under a lease and hands the finished KV to the request waiting for
+// it. A transfer moves a list of blocks per layer kind; a mismatched descriptor, a bad or
+// missing block, or a cut stream fails the transfer, frees its blocks, and fails the request
+// waiting for it with a clear status — never output from partial KV.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "dgserve/v1/worker.pb.h"
+#include "kvstore/block_pool.h"
+#include "kvstore/paged_kv_cache.h"
+
+namespace dgserve::kv {
+
+// What the sender sends for a sequence: its descriptor and the blocks, in order.
+// Descriptor of `kv` (all of its num_tokens() committed positions) for `layout`.
+v1::KvDescriptor DescribeSequence(const KvLayout& layout, const PagedKvCache& kv);
+// OK, or FAILED_PRECONDITION naming the first field of `got` that differs from what `layout`
+// expects (model id, layer count/kinds/shapes, dtype, block size, window) or a block range
+// inconsistent with token_count.
+absl::Status CheckDescriptor(const KvLayout& layout, const v1::KvDescriptor& got);
+
+struct TransferResult {
+  int blocks = 0;
+  int64_t bytes = 0;
+  double seconds = 0;
+};
+
+using TransferCallback = std::function<void(absl::StatusOr<TransferResult>)>;
+
+// Sending side. Send() returns at once; `done` runs exactly once, on any thread, after the
+// receiver acknowledged every block (OK) or the transfer failed. `kv` is kept alive (and its
+// blocks referenced) until then.
+class KvTransport {
+ public:
+  virtual ~KvTransport() = default;
+  virtual std::string name() const = 0;  // "inprocess", "tcp", "nccl"
+  virtual void Send(const std::string& target, const std::string& request_id,
+                    std::shared_ptr<const PagedKvCache> kv, int64_t lease_ms,
+                    TransferCallback done) = 0;
+};
+
+// Receiving side, one per denoise worker. Transports call Begin / WriteBlock / Finish / Abort;
+// the worker calls Expect / Forget. A request's KV may arrive before or after Expect.
+class KvReceiver {
+ public:
+  // `pool` must outlive the receiver; max_tokens bounds the sequences built from transfers.
+  KvReceiver(BlockPool* pool, int max_tokens);
+  ~KvReceiver();
+
+  // Starts an incoming transfer: checks the descriptor, allocates its blocks and starts its
+  // lease. FAILED_PRECONDITION (descriptor), RESOURCE_EXHAUSTED (pool), ALREADY_EXISTS (same
+  // request id in flight), INVALID_ARGUMENT (empty request id / lease ≤ 0).
+  absl::Status Begin(const v1::KvTransferHeader& header);
+  // One block: its kind and logical index must be one the descriptor announced and not yet
+  // written, its size exactly BlockBytes, its checksum right. Any error aborts the transfer.
+  absl::Status WriteBlock(const std::string& request_id, const v1::KvBlockPayload& block);
+  // Completes it: every announced block written and trailer.blocks() equal to their number,
+  // else the transfer is aborted. The KV goes to the request's Expect callback (now or later).
+  absl::Status Finish(const std::string& request_id, const v1::KvTransferTrailer& trailer);
+  // Fails an incoming transfer (stream cut, sender error): frees its blocks and fails the
+  // Expect callback with `why`. No-op for an unknown id.
+  void Abort(const std::string& request_id, const absl::Status& why);
+
+  using KvCallback = std::function<void(absl::StatusOr<std::unique_ptr<PagedKvCache>>)>;
+  // Calls `done` exactly once: with the KV when the transfer completes (at once if it already
+  // has), with the transfer's error if it fails, or DEADLINE_EXCEEDED if nothing complete
+  // arrives by `deadline`. Runs on a transport thread, the reaper, or the caller's thread.
+  void Expect(const std::string& request_id, absl::Time deadline, KvCallback done);
+  // Drops everything about the request (its Expect callback is not called; incoming blocks are
+  // freed and a later transfer for it is refused with CANCELLED).
+  void Forget(const std::string& request_id);
+
+  // Reclaims leases and expectations that are past due (called by a background thread every
+  // 50 ms; tests may call it with their own clock).
+  void ReapExpired(absl::Time now);
+
+  int pending_transfers() const;  // begun, not finished
+  int64_t failed_transfers() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// In-process transport: targets are names registered here, the receiver written directly.
+void RegisterInProcessReceiver(const std::string& name, KvReceiver* receiver);
+void UnregisterInProcessReceiver(const std::string& name);
+std::unique_ptr<KvTransport> CreateInProcessTransport();
+
+// TCP transport: KvTransferService.PushBlocks (gRPC client streaming) to `target`
+// ("host:port"). `cut_after_bytes` > 0 is a fault-injection hook for tests: the stream is cut
+// inside the block where that many payload bytes have been sent.
+struct TcpTransportOptions {
+  int64_t cut_after_bytes = 0;
+  size_t max_message_bytes = 64 << 20;
+};
+std::unique_ptr<KvTransport> CreateTcpTransport(const TcpTransportOptions& options = {});
+
+}  // namespace dgserve::kv

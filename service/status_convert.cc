@@ -1,0 +1,64 @@
+#include "service/status_convert.h"
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/ascii.h"
+
+namespace dgserve {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+int HttpStatusFor(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk: return 200;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange: return 400;
+    case absl::StatusCode::kUnauthenticated: return 401;
+    case absl::StatusCode::kPermissionDenied: return 403;
+    case absl::StatusCode::kNotFound: return 404;
+    case absl::StatusCode::kAlreadyExists: return 409;
+    case absl::StatusCode::kResourceExhausted: return 429;
+    case absl::StatusCode::kCancelled: return 499;
+    case absl::StatusCode::kUnimplemented: return 501;
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kUnavailable: return 503;
+    case absl::StatusCode::kDeadlineExceeded: return 504;
+    default: return 500;
+  }
+}
+
+std::string OpenAiErrorType(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kAlreadyExists: return "invalid_request_error";
+    case absl::StatusCode::kUnauthenticated: return "authentication_error";
+    case absl::StatusCode::kPermissionDenied: return "permission_error";
+    case absl::StatusCode::kNotFound: return "not_found_error";
+    case absl::StatusCode::kResourceExhausted: return "rate_limit_error";
+    case absl::StatusCode::kDeadlineExceeded: return "timeout_error";
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kUnavailable: return "service_unavailable";
+    default: return "server_error";
+  }
+}
+
+std::string OpenAiErrorBody(const absl::Status& status, const std::string& param) {
+  nlohmann::json err = {
+      {"message", std::string(status.message())},
+      {"type", OpenAiErrorType(status.code())},
+      {"param", param.empty() ? nlohmann::json(nullptr) : nlohmann::json(param)},
+      {"code", absl::AsciiStrToLower(absl::StatusCodeToString(status.code()))},
+  };
+  return nlohmann::json{{"error", err}}.dump();
+}
+
+}  // namespace dgserve

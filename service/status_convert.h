@@ -1,0 +1,28 @@
+// The one place where absl::Status meets the edges (design §2): gRPC status codes and HTTP
+// status codes with the OpenAI error body's `type`.
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "grpcpp/support/status.h"
+
+namespace dgserve {
+
+// Same code and message.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// HTTP status for a status code: INVALID_ARGUMENT/OUT_OF_RANGE/FAILED_PRECONDITION(no) → 400,
+// UNAUTHENTICATED 401, PERMISSION_DENIED 403, NOT_FOUND 404, RESOURCE_EXHAUSTED 429,
+// CANCELLED 499, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, FAILED_PRECONDITION 503 (model not
+// loaded), UNIMPLEMENTED 501, anything else 500.
+int HttpStatusFor(absl::StatusCode code);
+// The OpenAI error `type` for a code: "invalid_request_error", "authentication_error",
+// "permission_error", "not_found_error", "rate_limit_error", "server_error", "timeout_error",
+// "service_unavailable".
+std::string OpenAiErrorType(absl::StatusCode code);
+// {"error": {"message", "type", "param" (or null), "code" (the gRPC code name, lower case)}}
+std::string OpenAiErrorBody(const absl::Status& status, const std::string& param = "");
+
+}  // namespace dgserve
