@@ -1,0 +1,43 @@
+// What the gateway's front ends (gRPC GenerationService and the OpenAI HTTP API) call: one
+// request in, a stream of events out. The implementation (gateway.cc) validates, renders the
+// chat template, tokenizes, routes to a prefill and a denoise worker, applies stop sequences and
+// max_tokens, and owns admission, deadlines, cancellation and retries.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "dgserve/v1/generation.pb.h"
+
+namespace dgserve {
+
+class GenerationCore {
+ public:
+  virtual ~GenerationCore() = default;
+
+  // Called with each event in order: CanvasStep (if asked for), BlockCommitted (text already
+  // cut at a stop sequence / max_tokens), then exactly one Finished on success. Return false
+  // from the callback when the client is gone: the request is cancelled on the workers.
+  using EventCallback = std::function<bool(const v1::GenerateEvent&)>;
+
+  // Runs the request to the end. Returns OK after Finished was delivered, or the error
+  // (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED when admission is full, UNAVAILABLE,
+  // DEADLINE_EXCEEDED at `deadline`, CANCELLED when the callback returned false or
+  // `is_cancelled` turned true). A front end that already sent events reports the error in-stream.
+  virtual absl::Status Generate(const v1::GenerateRequest& request, absl::Time deadline,
+                                const std::function<bool()>& is_cancelled,
+                                const EventCallback& on_event) = 0;
+
+  virtual v1::ListModelsResponse ListModels() const = 0;
+  // The served model's id (`model` in requests must be empty or equal to it).
+  virtual std::string model_id() const = 0;
+  // Ready: at least one healthy prefill and one healthy denoise worker, and not draining.
+  virtual bool Ready() const = 0;
+  // OK, or UNAUTHENTICATED when API keys are configured and `bearer` (the token after
+  // "Bearer ") is not one of them.
+  virtual absl::Status CheckApiKey(const std::string& bearer) const = 0;
+};
+
+}  // namespace dgserve
