@@ -3,7 +3,9 @@
 //   dgserve generate --model DIR (--prompt TEXT | --prompt-file FILE) [--chat] [--thinking]
 //                    [--max-tokens N] [--seed S]
 //                    [--steps N] [--t-min X] [--t-max X] [--entropy-bound X]
-//                    [--confidence-threshold X] [--stability-threshold N] [--show-steps]
+//                    [--confidence-threshold X] [--stability-threshold N] [--show-steps] [--json]
+//   dgserve chat --gateway HOST:PORT (--prompt TEXT | --prompt-file FILE) [same sampling flags]
+//                [--api-key KEY] [--show-steps]   (a client of a running cluster)
 //
 // Flags may be spelled with dashes or underscores.
 #include <algorithm>
@@ -13,6 +15,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -29,6 +33,7 @@
 #include "engine/model/checkpoint.h"
 #include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "tools/chat_client.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout, with tokenizer.json)");
 ABSL_FLAG(std::string, prompt, "", "prompt text");
@@ -51,6 +56,10 @@ ABSL_FLAG(std::optional<double>, confidence_threshold, std::nullopt,
 ABSL_FLAG(std::optional<int>, stability_threshold, std::nullopt,
           "steps the argmax canvas must be unchanged to stop (default: generation_config.json)");
 ABSL_FLAG(bool, show_steps, false, "print the argmax canvas after every denoising step");
+ABSL_FLAG(bool, json, false,
+          "generate: print one JSON object (text, token_ids, finish_reason) instead of streaming");
+ABSL_FLAG(std::string, gateway, "127.0.0.1:50051", "chat: the gateway's gRPC address");
+ABSL_FLAG(std::string, api_key, "", "chat: API key (if the gateway requires one)");
 
 namespace dgserve {
 namespace {
@@ -59,9 +68,8 @@ std::string Escape(std::string s) {
   return absl::StrReplaceAll(s, {{"\n", "\\n"}, {"\r", "\\r"}, {"\t", "\\t"}});
 }
 
-absl::Status RunGenerate() {
-  const std::string dir = absl::GetFlag(FLAGS_model);
-  if (dir.empty()) return absl::InvalidArgumentError("--model is required");
+// The prompt from --prompt or --prompt-file (bounded), and the --thinking/--chat check.
+absl::StatusOr<std::string> ReadPrompt() {
   std::string prompt = absl::GetFlag(FLAGS_prompt);
   if (const std::string file = absl::GetFlag(FLAGS_prompt_file); !file.empty()) {
     if (!prompt.empty()) {
@@ -88,6 +96,43 @@ absl::Status RunGenerate() {
     return absl::InvalidArgumentError(
         "--thinking needs --chat (it selects the chat template's thinking form)");
   }
+  return prompt;
+}
+
+// `dgserve chat`: the same prompt and sampling flags, sent to a running gateway.
+absl::Status RunChat() {
+  DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt());
+  v1::GenerateRequest req;
+  {  // the gateway renders the chat template
+    v1::ChatMessage* m = req.mutable_chat()->add_messages();
+    m->set_role("user");
+    m->set_content(prompt);
+    req.mutable_chat()->set_enable_thinking(absl::GetFlag(FLAGS_thinking));
+  }
+  if (auto v = absl::GetFlag(FLAGS_max_tokens)) req.set_max_tokens(*v);
+  req.set_seed(absl::GetFlag(FLAGS_seed));
+  v1::DiffusionControls* d = req.mutable_diffusion();
+  if (auto v = absl::GetFlag(FLAGS_steps)) d->set_max_denoising_steps(*v);
+  if (auto v = absl::GetFlag(FLAGS_t_min)) d->set_t_min(float(*v));
+  if (auto v = absl::GetFlag(FLAGS_t_max)) d->set_t_max(float(*v));
+  if (auto v = absl::GetFlag(FLAGS_entropy_bound)) d->set_entropy_bound(float(*v));
+  if (auto v = absl::GetFlag(FLAGS_confidence_threshold)) d->set_confidence_threshold(float(*v));
+  if (auto v = absl::GetFlag(FLAGS_stability_threshold)) d->set_stability_threshold(*v);
+  ChatClientOptions opts;
+  opts.gateway = absl::GetFlag(FLAGS_gateway);
+  opts.api_key = absl::GetFlag(FLAGS_api_key);
+  opts.show_steps = absl::GetFlag(FLAGS_show_steps);
+  if (opts.show_steps) {
+    req.mutable_stream_options()->set_canvas_step_interval(1);
+    req.mutable_stream_options()->set_canvas_text(true);
+  }
+  return RunChatClient(req, opts);
+}
+
+absl::Status RunGenerate() {
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) return absl::InvalidArgumentError("--model is required");
+  DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt());
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(dir + "/tokenizer.json"));
   // The tokenizer must cover the model's vocabulary (else generated ids decode to nothing), and
@@ -128,6 +173,7 @@ absl::Status RunGenerate() {
   Generator gen(*backend);
   GenerationObserver obs;
   const bool show_steps = absl::GetFlag(FLAGS_show_steps);
+  const bool json_output = absl::GetFlag(FLAGS_json);
   if (show_steps) {
     obs.on_step = [&](const StepEvent& e) {
       std::printf("[canvas %d step %2d] T=%.4f accepted=%3d H=%.4f%s | %s\n", e.canvas, e.step,
@@ -154,6 +200,7 @@ absl::Status RunGenerate() {
       ++emitted;
     }
     const std::string text = stream.Push(take);
+    if (json_output) return;
     if (show_steps) {
       std::printf("[canvas %d committed after %d steps%s] %s\n", e.canvas, e.steps,
                   e.stopped_early ? ", stopped early" : "", Escape(text).c_str());
@@ -164,7 +211,15 @@ absl::Status RunGenerate() {
   };
   DGSERVE_ASSIGN_OR_RETURN(GenerationResult res, gen.Generate(req, obs));
   const std::string tail = stream.Finish();
-  if (show_steps) {
+  if (json_output) {
+    nlohmann::json j = {{"text", tok.Decode(res.completion, /*skip_special=*/true)},
+                        {"token_ids", res.completion},
+                        {"finish_reason", res.finish_reason},
+                        {"prompt_tokens", res.prompt_tokens},
+                        {"canvases", res.canvases},
+                        {"steps_per_canvas", res.steps_per_canvas}};
+    std::printf("%s\n", j.dump().c_str());
+  } else if (show_steps) {
     std::printf("%s\n", tok.Decode(res.completion, /*skip_special=*/true).c_str());
   } else {
     std::printf("%s\n", tail.c_str());
@@ -216,7 +271,9 @@ int main(int argc, char** argv) {
   dgserve::InitCommandLine(
       "dgserve generate --model DIR (--prompt TEXT | --prompt-file FILE) [--chat [--thinking]] "
       "[--max-tokens N] [--seed S] [--steps N --t-min X --t-max X --entropy-bound X "
-      "--confidence-threshold X --stability-threshold N] [--show-steps]",
+      "--confidence-threshold X --stability-threshold N] [--show-steps] [--json]\n"
+      "       dgserve chat --gateway HOST:PORT (--prompt TEXT | --prompt-file FILE) [--thinking] "
+      "[same sampling flags] [--api-key KEY] [--show-steps]",
       "tools/dgserve_main.cc");
   if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
                     std::string(argv[1]) == "help")) {
@@ -224,7 +281,8 @@ int main(int argc, char** argv) {
                 absl::ProgramUsageMessage().data());
     return 0;
   }
-  if (argc < 2 || std::string(argv[1]) != "generate") {
+  const std::string command = argc >= 2 ? argv[1] : "";
+  if (command != "generate" && command != "chat") {
     std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
     return 2;
   }
@@ -237,7 +295,7 @@ int main(int argc, char** argv) {
   }
   absl::Status st;
   try {
-    st = dgserve::RunGenerate();
+    st = command == "chat" ? dgserve::RunChat() : dgserve::RunGenerate();
   } catch (const std::bad_alloc&) {
     st = absl::ResourceExhaustedError("out of memory");
   }

@@ -9,7 +9,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 # Keep in sync with deploy/docker (a later issue checks it).
 DEB_PACKAGES=(
-  build-essential cmake ninja-build ccache pkg-config git ca-certificates
+  build-essential cmake ninja-build ccache pkg-config git ca-certificates curl
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libopenblas-openmp-dev
   nlohmann-json3-dev libssl-dev libcpp-httplib-dev prometheus

@@ -1,0 +1,462 @@
+#include "denoise_worker/denoise_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "engine/denoise/canvas_state.h"
+#include "engine/denoise/finalize.h"
+#include "engine/denoise/rng.h"
+#include "engine/denoise/sampler_params.h"
+
+namespace dgserve {
+
+void DenoiseJob::Push(v1::DenoiseEvent event) {
+  absl::MutexLock lock(&mu_);
+  if (!final_) events_.push_back(std::move(event));
+}
+
+void DenoiseJob::End(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  if (!final_) final_ = std::move(status);
+}
+
+bool DenoiseJob::ended() const {
+  absl::MutexLock lock(&mu_);
+  return final_.has_value();
+}
+
+bool DenoiseJob::Pop(v1::DenoiseEvent* event, std::optional<absl::Status>* final,
+                     absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return !events_.empty() || final_.has_value();
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  if (!events_.empty()) {
+    *event = std::move(events_.front());
+    events_.pop_front();
+    return true;
+  }
+  if (final_) *final = final_;
+  return false;
+}
+
+// A request whose prompt KV has arrived: everything the engine thread needs to run it.
+struct DenoiseEngine::Running {
+  std::shared_ptr<DenoiseJob> job;
+  std::unique_ptr<kv::PagedKvCache> kv;
+  SamplerParams params;
+  std::unique_ptr<CounterDrawSource> draws;
+  std::optional<CanvasDenoiser> den;
+  std::vector<float> soft, next_soft;  // [C, D] self-conditioning input of this / next step
+  std::vector<RowResult> rows;
+  bool have_sc = false;
+  int canvas = 0;
+  int num_canvases = 0;
+  std::vector<int32_t> stop_ids;
+  std::vector<int32_t> to_commit;  // non-empty: a commit pass is due before the next canvas
+  int total_steps = 0;
+  int completion_tokens = 0;  // tokens before the first stop token, capped at max_new_tokens
+  bool stop_found = false;
+  absl::Time kv_ready;
+  absl::Time admitted;
+  absl::Time canvas_start;
+  bool first_step_done = false;
+  double denoise_seconds = 0, commit_seconds = 0;
+};
+
+namespace {
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+SamplerParams ToSamplerParams(const v1::SamplerSettings& s) {
+  SamplerParams p;
+  p.max_denoising_steps = s.max_denoising_steps();
+  p.t_min = s.t_min();
+  p.t_max = s.t_max();
+  p.entropy_bound = s.entropy_bound();
+  p.stability_threshold = s.stability_threshold();
+  p.confidence_threshold = s.confidence_threshold();
+  return p;
+}
+
+absl::Status ValidateRequest(const v1::DenoiseRequest& r, const ModelConfig& c) {
+  if (r.request_id().empty()) return absl::InvalidArgumentError("request_id: must not be empty");
+  if (r.prompt_tokens() <= 0) {
+    return absl::InvalidArgumentError("prompt_tokens: must be > 0");
+  }
+  if (r.max_new_tokens() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_new_tokens: must be > 0, got ", r.max_new_tokens()));
+  }
+  const int64_t canvases =
+      (int64_t(r.max_new_tokens()) + c.canvas_length - 1) / c.canvas_length;
+  if (int64_t(r.prompt_tokens()) + canvases * c.canvas_length > c.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_new_tokens: prompt (", r.prompt_tokens(), " tokens) + ", canvases,
+        " canvases of ", c.canvas_length, " exceed the context limit of ",
+        c.max_position_embeddings, " positions"));
+  }
+  for (int32_t id : r.stop_token_ids()) {
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("stop_token_ids: ", id, " out of range"));
+    }
+  }
+  if (r.pad_token_id() < 0 || r.pad_token_id() >= c.vocab_size) {
+    return absl::InvalidArgumentError("pad_token_id: out of range");
+  }
+  if (r.canvas_step_interval() < 0) {
+    return absl::InvalidArgumentError("canvas_step_interval: must be >= 0");
+  }
+  return ValidateSamplerParams(ToSamplerParams(r.sampler()));
+}
+
+}  // namespace
+
+DenoiseEngine::DenoiseEngine(ModelBackend* backend, kv::BlockPool* pool,
+                             kv::KvReceiver* receiver, DenoiseEngineOptions options,
+                             DenoiseMetrics* metrics)
+    : backend_(backend),
+      pool_(pool),
+      receiver_(receiver),
+      options_(std::move(options)),
+      metrics_(metrics),
+      thread_([this] { Loop(); }) {}
+
+DenoiseEngine::~DenoiseEngine() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    wake_.SignalAll();
+  }
+  thread_.join();
+  std::vector<std::string> forget;
+  std::deque<std::unique_ptr<Running>> ready;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, job] : all_) {
+      job->End(absl::UnavailableError("denoise worker shutting down"));
+      forget.push_back(id);
+    }
+    waiting_.clear();
+    all_.clear();
+    ready.swap(ready_);
+  }
+  for (const std::string& id : forget) receiver_->Forget(id);
+}
+
+absl::Status DenoiseEngine::Submit(std::shared_ptr<DenoiseJob> job) {
+  if (draining_) return absl::UnavailableError("denoise worker is draining");
+  if (absl::Status s = ValidateRequest(job->request(), backend_->config()); !s.ok()) return s;
+  const std::string id = job->id();
+  {
+    absl::MutexLock lock(&mu_);
+    if (int(all_.size()) >= options_.max_queue + options_.max_batch_canvases) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("denoise worker queue is full (", all_.size(), " requests)"));
+    }
+    if (!all_.emplace(id, job).second) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", id, " is already running"));
+    }
+    waiting_.emplace(id, job);
+  }
+  const int64_t wait_ms = job->request().kv_wait_ms() > 0 ? job->request().kv_wait_ms() : 60000;
+  receiver_->Expect(id, absl::Now() + absl::Milliseconds(wait_ms),
+                    [this, id](absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> kv) {
+                      OnKv(id, std::move(kv));
+                    });
+  return absl::OkStatus();
+}
+
+void DenoiseEngine::OnKv(const std::string& id,
+                         absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> kv) {
+  std::unique_ptr<Running> drop;  // destroyed outside the lock
+  absl::MutexLock lock(&mu_);
+  auto it = waiting_.find(id);
+  if (it == waiting_.end()) return;  // cancelled meanwhile; `kv` frees its blocks
+  std::shared_ptr<DenoiseJob> job = it->second;
+  waiting_.erase(it);
+  absl::Status error;
+  if (!kv.ok()) {
+    error = kv.status();
+    if (absl::IsDeadlineExceeded(error)) {
+      error = absl::DeadlineExceededError(absl::StrCat(
+          "prompt KV for request ", id, " did not arrive in time: ", error.message()));
+    }
+  } else if ((*kv)->num_tokens() != job->request().prompt_tokens()) {
+    error = absl::FailedPreconditionError(
+        absl::StrCat("prompt KV for request ", id, " covers ", (*kv)->num_tokens(),
+                     " tokens, the request says ", job->request().prompt_tokens()));
+  }
+  if (!error.ok()) {
+    all_.erase(id);
+    if (metrics_) {
+      metrics_->RequestsWithStatus(absl::StatusCodeToString(error.code())).Increment();
+    }
+    job->End(error);
+    return;
+  }
+  const ModelConfig& c = backend_->config();
+  auto r = std::make_unique<Running>();
+  r->job = job;
+  r->kv = *std::move(kv);
+  r->params = ToSamplerParams(job->request().sampler());
+  r->draws = std::make_unique<CounterDrawSource>(job->request().seed(), c.vocab_size);
+  r->num_canvases = (job->request().max_new_tokens() + c.canvas_length - 1) / c.canvas_length;
+  r->stop_ids.assign(job->request().stop_token_ids().begin(),
+                     job->request().stop_token_ids().end());
+  r->kv_ready = absl::Now();
+  if (metrics_) metrics_->kv_wait_seconds.Observe(Seconds(r->kv_ready - job->created()));
+  ready_.push_back(std::move(r));
+  wake_.Signal();
+}
+
+bool DenoiseEngine::Cancel(const std::string& request_id) {
+  std::unique_ptr<Running> drop;
+  bool forget = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = all_.find(request_id);
+    if (it == all_.end()) return false;
+    std::shared_ptr<DenoiseJob> job = it->second;
+    job->RequestCancel();
+    if (waiting_.erase(request_id) > 0) {
+      forget = true;
+      all_.erase(it);
+      job->End(absl::CancelledError(absl::StrCat("request ", request_id, " cancelled")));
+    } else {
+      for (auto r = ready_.begin(); r != ready_.end(); ++r) {
+        if ((*r)->job->id() == request_id) {
+          drop = std::move(*r);
+          ready_.erase(r);
+          all_.erase(request_id);
+          job->End(absl::CancelledError(absl::StrCat("request ", request_id, " cancelled")));
+          break;
+        }
+      }
+    }
+    if (metrics_ && (forget || drop)) metrics_->RequestsWithStatus("CANCELLED").Increment();
+    wake_.Signal();
+  }
+  if (forget) receiver_->Forget(request_id);
+  return true;
+}
+
+DenoiseEngineStats DenoiseEngine::stats() const {
+  DenoiseEngineStats s;
+  s.active_canvases = active_canvases_;
+  s.active_requests = active_requests_;
+  absl::MutexLock lock(&mu_);
+  s.queued = int(waiting_.size() + ready_.size());
+  return s;
+}
+
+void DenoiseEngine::FinishJob(Running& r, absl::Status status) {
+  if (metrics_) {
+    metrics_->RequestsWithStatus(absl::StatusCodeToString(status.code())).Increment();
+  }
+  r.job->End(std::move(status));
+  absl::MutexLock lock(&mu_);
+  all_.erase(r.job->id());
+}
+
+void DenoiseEngine::Loop() {
+  std::vector<std::unique_ptr<Running>> running;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto has_work = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stop_ || !running.empty() || !ready_.empty();
+      };
+      mu_.Await(absl::Condition(&has_work));
+      if (stop_) break;
+      while (int(running.size()) < options_.max_batch_canvases && !ready_.empty()) {
+        running.push_back(std::move(ready_.front()));
+        ready_.pop_front();
+        running.back()->admitted = absl::Now();
+      }
+      if (metrics_) metrics_->queue_depth.Set(double(waiting_.size() + ready_.size()));
+    }
+    active_requests_ = int(running.size());
+    Iterate(running);
+    active_canvases_ = int(running.size());
+    if (metrics_) metrics_->active_canvases.Set(double(running.size()));
+  }
+  for (auto& r : running) r->job->End(absl::UnavailableError("denoise worker shutting down"));
+  active_canvases_ = 0;
+  active_requests_ = 0;
+}
+
+void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
+  const ModelConfig& c = backend_->config();
+  const int C = c.canvas_length, V = c.vocab_size, D = c.hidden_size;
+
+  // 1. Cancelled requests leave now; their KV blocks go back to the pool.
+  std::erase_if(running, [&](std::unique_ptr<Running>& r) {
+    if (!r->job->cancel_requested()) return false;
+    FinishJob(*r, absl::CancelledError(absl::StrCat("request ", r->job->id(), " cancelled")));
+    return true;
+  });
+
+  // 2. Commit passes due (spec §4.1 step 3a), batched into one encoder call.
+  std::vector<Running*> committing;
+  for (auto& r : running) {
+    if (r->to_commit.empty()) continue;
+    if (absl::Status s = r->kv->Reserve(C); !s.ok()) {
+      FinishJob(*r, absl::ResourceExhaustedError(absl::StrCat(
+                        "KV cache exhausted while committing canvas ", r->canvas - 1,
+                        " of request ", r->job->id(), ": ", s.message())));
+      r->job->RequestCancel();  // removed below
+      continue;
+    }
+    committing.push_back(r.get());
+  }
+  if (!committing.empty()) {
+    std::vector<EncodeInput> batch;
+    for (Running* r : committing) batch.push_back(EncodeInput{r->to_commit, r->kv.get()});
+    const absl::Time t0 = absl::Now();
+    absl::Status s = backend_->Encode(batch);
+    const double secs = Seconds(absl::Now() - t0);
+    if (metrics_) metrics_->commit_seconds.Observe(secs);
+    for (Running* r : committing) {
+      r->to_commit.clear();
+      r->commit_seconds += secs;
+      if (!s.ok()) {
+        FinishJob(*r, absl::InternalError(absl::StrCat("commit pass failed: ", s.message())));
+        r->job->RequestCancel();
+      }
+    }
+  }
+  std::erase_if(running, [](std::unique_ptr<Running>& r) { return r->job->ended(); });
+
+  // 3. Requests starting a canvas get a fresh denoiser (spec §4.2 Init).
+  for (auto& r : running) {
+    if (r->den) continue;
+    auto den = CanvasDenoiser::Create(r->params, C, V, r->canvas, r->draws.get());
+    if (!den.ok()) {
+      FinishJob(*r, den.status());
+      continue;
+    }
+    r->den.emplace(*std::move(den));
+    r->soft.resize(size_t(C) * D);
+    r->next_soft.resize(size_t(C) * D);
+    r->rows.resize(C);
+    r->have_sc = false;
+    r->canvas_start = absl::Now();
+  }
+  std::erase_if(running, [](std::unique_ptr<Running>& r) { return r->job->ended(); });
+  if (running.empty()) return;
+
+  // 4. One batched denoising step over every canvas (each at its own step).
+  std::vector<DenoiseStepInput> batch;
+  batch.reserve(running.size());
+  for (auto& r : running) {
+    CanvasDenoiser& den = *r->den;
+    const bool last = den.step() + 1 == r->params.max_denoising_steps;
+    DenoiseStepInput in;
+    in.canvas = den.canvas();
+    in.sc_soft = r->have_sc ? r->soft.data() : nullptr;
+    in.kv = r->kv.get();
+    in.temperature = den.temperature();
+    in.uniforms = den.uniforms();
+    in.rows = r->rows.data();
+    in.next_soft = last ? nullptr : r->next_soft.data();
+    batch.push_back(in);
+  }
+  const absl::Time t0 = absl::Now();
+  absl::Status step_status = backend_->DenoiseStep(batch);
+  const absl::Time t1 = absl::Now();
+  if (metrics_) {
+    metrics_->step_seconds.Observe(Seconds(t1 - t0));
+    metrics_->batch_canvases.Observe(double(batch.size()));
+    metrics_->decoder_passes.Increment(double(batch.size()));
+  }
+  for (auto& rp : running) {
+    Running& r = *rp;
+    if (!step_status.ok()) {
+      FinishJob(r, absl::InternalError(absl::StrCat("denoising step failed: ",
+                                                    step_status.message())));
+      continue;
+    }
+    r.denoise_seconds += Seconds(t1 - t0);
+    absl::StatusOr<StepOutcome> out = r.den->ApplyStep(r.rows);
+    if (!out.ok()) {
+      FinishJob(r, absl::InternalError(std::string(out.status().message())));
+      continue;
+    }
+    ++r.total_steps;
+    std::swap(r.soft, r.next_soft);
+    r.have_sc = true;
+    if (metrics_) {
+      metrics_->accepted_per_step.Observe(double(out->accepted.size()));
+      if (!r.first_step_done) {
+        metrics_->first_step_seconds.Observe(Seconds(t1 - r.job->created()));
+      }
+    }
+    r.first_step_done = true;
+    const int k = r.job->request().canvas_step_interval();
+    const bool done = r.den->done();
+    if (k > 0 && (out->step % k == 0 || done)) {
+      v1::DenoiseEvent ev;
+      v1::DenoiseStepEvent* st = ev.mutable_step();
+      st->set_canvas(r.canvas);
+      st->set_step(out->step);
+      st->mutable_token_ids()->Assign(r.den->committed().begin(), r.den->committed().end());
+      st->set_accepted(int(out->accepted.size()));
+      st->set_mean_entropy(out->mean_entropy);
+      st->set_temperature(out->temperature);
+      r.job->Push(std::move(ev));
+    }
+    if (!done) continue;
+
+    // The canvas is finished: finalize, report, then either end or commit it.
+    std::vector<int32_t> raw(r.den->committed().begin(), r.den->committed().end());
+    std::vector<int32_t> finalized = raw;
+    const bool found = FinalizeCanvas(finalized, r.stop_ids, r.job->request().pad_token_id());
+    const int steps = r.den->step();
+    if (metrics_) {
+      metrics_->steps_per_canvas.Observe(steps);
+      metrics_->canvas_seconds.Observe(Seconds(t1 - r.canvas_start));
+      metrics_->commit_mean_entropy.Observe(out->mean_entropy);
+      metrics_->canvases.Increment();
+      metrics_->output_tokens.Increment(double(C));
+    }
+    v1::DenoiseEvent ev;
+    v1::DenoiseBlockEvent* b = ev.mutable_block();
+    b->set_index(r.canvas);
+    b->mutable_token_ids()->Assign(finalized.begin(), finalized.end());
+    b->set_steps(steps);
+    b->set_stop_token(found);
+    r.job->Push(std::move(ev));
+    for (int32_t id : finalized) {
+      if (r.stop_found || r.completion_tokens == r.job->request().max_new_tokens()) break;
+      if (std::find(r.stop_ids.begin(), r.stop_ids.end(), id) != r.stop_ids.end()) {
+        r.stop_found = true;
+        break;
+      }
+      ++r.completion_tokens;
+    }
+    r.den.reset();
+    ++r.canvas;
+    if (found || r.canvas == r.num_canvases) {
+      v1::DenoiseEvent fin;
+      v1::DenoiseFinished* f = fin.mutable_finished();
+      f->set_finish_reason(r.stop_found ? "stop" : "length");
+      f->set_canvases(r.canvas);
+      f->set_denoising_steps(r.total_steps);
+      f->set_kv_wait_seconds(Seconds(r.kv_ready - r.job->created()));
+      f->set_queue_seconds(Seconds(r.admitted - r.kv_ready));
+      f->set_denoise_seconds(r.denoise_seconds);
+      f->set_commit_seconds(r.commit_seconds);
+      r.job->Push(std::move(fin));
+      FinishJob(r, absl::OkStatus());
+    } else {
+      r.to_commit = std::move(raw);  // the raw argmax canvas is what the model committed
+    }
+  }
+  std::erase_if(running, [](std::unique_ptr<Running>& r) { return r->job->ended(); });
+}
+
+}  // namespace dgserve

@@ -1,0 +1,123 @@
+// The denoise worker's scheduler (design §1.3, §3 "Scheduler"): one engine thread owns the model
+// and runs continuous batching — the canvases of all admitted requests go through one batched
+// decoder pass per step, each with its own step counter, temperature schedule,
+// self-conditioning input and stop state; a request joins when its prompt KV has arrived and
+// leaves when it finishes or is cancelled; commit passes of several requests run as one batched
+// encoder pass. RPC handlers only enqueue (bounded) and read their request's event queue.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "denoise_worker/denoise_metrics.h"
+#include "dgserve/v1/worker.pb.h"
+#include "engine/model/backend.h"
+#include "kvstore/block_pool.h"
+#include "kvstore/transfer.h"
+
+namespace dgserve {
+
+// One request as the RPC handler and the engine share it. The engine pushes events; the
+// handler pops them and writes them to the stream. Thread-safe.
+class DenoiseJob {
+ public:
+  explicit DenoiseJob(v1::DenoiseRequest request)
+      : request_(std::move(request)), created_(absl::Now()) {}
+
+  const v1::DenoiseRequest& request() const { return request_; }
+  const std::string& id() const { return request_.request_id(); }
+  absl::Time created() const { return created_; }
+
+  // Engine side: an event, or the end (OK after the Finished event, or the error).
+  void Push(v1::DenoiseEvent event);
+  void End(absl::Status status);
+  bool ended() const;
+
+  // Handler side: waits up to `timeout` for the next event. Returns true with `*event` set; or
+  // false with `*final` set when the job ended and no events remain; or false with `*final`
+  // untouched on timeout.
+  bool Pop(v1::DenoiseEvent* event, std::optional<absl::Status>* final, absl::Duration timeout);
+
+  void RequestCancel() { cancelled_ = true; }
+  bool cancel_requested() const { return cancelled_; }
+
+ private:
+  const v1::DenoiseRequest request_;
+  const absl::Time created_;
+  std::atomic<bool> cancelled_{false};
+  mutable absl::Mutex mu_;
+  std::deque<v1::DenoiseEvent> events_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Status> final_ ABSL_GUARDED_BY(mu_);
+};
+
+struct DenoiseEngineOptions {
+  int max_batch_canvases = 16;  // canvases in one decoder pass at most
+  int max_queue = 256;          // requests waiting for KV or a batch slot, at most
+  std::string model_id;
+};
+
+struct DenoiseEngineStats {
+  int active_canvases = 0;
+  int queued = 0;         // waiting for KV or for a batch slot
+  int active_requests = 0;
+};
+
+class DenoiseEngine {
+ public:
+  // backend, pool and receiver must outlive the engine; metrics may be null.
+  DenoiseEngine(ModelBackend* backend, kv::BlockPool* pool, kv::KvReceiver* receiver,
+                DenoiseEngineOptions options, DenoiseMetrics* metrics);
+  ~DenoiseEngine();  // cancels everything and joins the engine thread
+
+  // Validates the request (sampler settings, lengths) and queues it until its prompt KV
+  // arrives through the receiver. INVALID_ARGUMENT for a bad request, RESOURCE_EXHAUSTED when
+  // the queue is full, UNAVAILABLE when draining, ALREADY_EXISTS for a duplicate id.
+  absl::Status Submit(std::shared_ptr<DenoiseJob> job);
+  // Cancels a request wherever it is; its blocks are freed before the next step. Returns
+  // whether it was known.
+  bool Cancel(const std::string& request_id);
+  // Stops admitting (Submit → UNAVAILABLE); running requests continue.
+  void SetDraining(bool draining) { draining_ = draining; }
+  bool draining() const { return draining_; }
+
+  DenoiseEngineStats stats() const;
+
+ private:
+  struct Running;
+  void OnKv(const std::string& id, absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> kv);
+  void Loop();
+  void Iterate(std::vector<std::unique_ptr<Running>>& running);
+  void FinishJob(Running& r, absl::Status status);
+
+  ModelBackend* const backend_;
+  kv::BlockPool* const pool_;
+  kv::KvReceiver* const receiver_;
+  const DenoiseEngineOptions options_;
+  DenoiseMetrics* const metrics_;
+  std::atomic<bool> draining_{false};
+
+  mutable absl::Mutex mu_;
+  absl::CondVar wake_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // Submitted, waiting for KV.
+  std::unordered_map<std::string, std::shared_ptr<DenoiseJob>> waiting_ ABSL_GUARDED_BY(mu_);
+  // KV arrived, waiting for a batch slot.
+  std::deque<std::unique_ptr<Running>> ready_ ABSL_GUARDED_BY(mu_);
+  // All jobs by id (waiting, ready or running), for Cancel.
+  std::unordered_map<std::string, std::shared_ptr<DenoiseJob>> all_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> active_canvases_{0};
+  std::atomic<int> active_requests_{0};
+  std::thread thread_;
+};
+
+}  // namespace dgserve

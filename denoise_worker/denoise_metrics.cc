@@ -1,0 +1,76 @@
+#include "denoise_worker/denoise_metrics.h"
+
+namespace dgserve {
+namespace {
+
+using prometheus::Histogram;
+
+Histogram& MakeHistogram(prometheus::Registry& r, const std::string& name,
+                         const std::string& help, Histogram::BucketBoundaries buckets) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(r).Add({}, buckets);
+}
+
+Histogram::BucketBoundaries Seconds() {
+  return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+}
+
+}  // namespace
+
+DenoiseMetrics::DenoiseMetrics(prometheus::Registry& r)
+    : requests(prometheus::BuildCounter()
+                   .Name("dgserve_denoise_requests_total")
+                   .Help("Denoise requests by final status (gRPC code name)")
+                   .Register(r)),
+      requests_ok(requests.Add({{"status", "OK"}})),
+      steps_per_canvas(MakeHistogram(r, "dgserve_denoise_steps_per_canvas",
+                                     "Denoising steps (decoder passes) spent per canvas",
+                                     {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256})),
+      canvas_seconds(MakeHistogram(r, "dgserve_denoise_canvas_duration_seconds",
+                                   "Wall time of one canvas from its first step to commit",
+                                   Seconds())),
+      accepted_per_step(MakeHistogram(r, "dgserve_denoise_accepted_tokens_per_step",
+                                      "Canvas positions accepted by the entropy bound per step",
+                                      {0, 1, 2, 4, 8, 16, 32, 64, 128, 256})),
+      commit_mean_entropy(MakeHistogram(r, "dgserve_denoise_commit_mean_entropy_nats",
+                                        "Mean per-position entropy of the last step of a canvas",
+                                        {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10})),
+      batch_canvases(MakeHistogram(r, "dgserve_denoise_batch_canvases",
+                                   "Canvases in one batched decoder pass",
+                                   {1, 2, 4, 8, 16, 32, 64})),
+      step_seconds(MakeHistogram(r, "dgserve_denoise_step_duration_seconds",
+                                 "Wall time of one batched denoising step", Seconds())),
+      commit_seconds(MakeHistogram(r, "dgserve_denoise_commit_duration_seconds",
+                                   "Wall time of one batched commit (encoder) pass", Seconds())),
+      first_step_seconds(MakeHistogram(r, "dgserve_denoise_time_to_first_step_seconds",
+                                       "Denoise request arrival to its first canvas step",
+                                       Seconds())),
+      kv_wait_seconds(MakeHistogram(r, "dgserve_denoise_kv_wait_seconds",
+                                    "Denoise request arrival to its prompt KV being complete",
+                                    Seconds())),
+      output_tokens(prometheus::BuildCounter()
+                        .Name("dgserve_denoise_output_tokens_total")
+                        .Help("Committed canvas tokens (whole canvases, before stop handling)")
+                        .Register(r)
+                        .Add({})),
+      canvases(prometheus::BuildCounter()
+                   .Name("dgserve_denoise_canvases_total")
+                   .Help("Canvases committed")
+                   .Register(r)
+                   .Add({})),
+      decoder_passes(prometheus::BuildCounter()
+                         .Name("dgserve_denoise_decoder_passes_total")
+                         .Help("Per-canvas decoder passes (denoising steps)")
+                         .Register(r)
+                         .Add({})),
+      active_canvases(prometheus::BuildGauge()
+                          .Name("dgserve_denoise_active_canvases")
+                          .Help("Canvases in the running batch")
+                          .Register(r)
+                          .Add({})),
+      queue_depth(prometheus::BuildGauge()
+                      .Name("dgserve_denoise_queue_depth")
+                      .Help("Requests waiting for their prompt KV or a batch slot")
+                      .Register(r)
+                      .Add({})) {}
+
+}  // namespace dgserve

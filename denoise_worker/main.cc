@@ -1,0 +1,108 @@
+// dgserve-denoise-worker: receives prompt KV (KvTransferService), runs the canvas denoising
+// loops of many requests with continuous batching (DenoiseService), exports /metrics.
+#include <atomic>
+#include <cstdio>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "common/cli.h"
+#include "common/logging.h"
+#include "common/openmp_env.h"
+#include "denoise_worker/denoise_engine.h"
+#include "denoise_worker/denoise_metrics.h"
+#include "denoise_worker/denoise_service.h"
+#include "kvstore/transfer.h"
+#include "kvstore/transfer_service.h"
+#include "service/kv_metrics.h"
+#include "service/server.h"
+#include "service/worker_model.h"
+
+ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout)");
+ABSL_FLAG(std::string, served_model_name, "", "model id (default: the directory's name)");
+ABSL_FLAG(std::string, device, "cpu", "backend: cpu");
+ABSL_FLAG(std::string, grpc_address, "127.0.0.1:0", "gRPC listen address (port 0: any free)");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:0", "Prometheus /metrics listen address");
+ABSL_FLAG(std::string, ports_file, "", "write the bound ports here as JSON once serving");
+ABSL_FLAG(int64_t, kv_cache_mib, 512, "memory of the KV block pool, MiB");
+ABSL_FLAG(int, kv_block_size, 16, "token positions per KV block");
+ABSL_FLAG(int, max_batch_canvases, 16, "canvases in one batched decoder pass at most");
+ABSL_FLAG(int, max_queue, 256, "requests waiting for KV or a batch slot at most");
+ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
+
+namespace dgserve {
+namespace {
+
+absl::Status Run() {
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) return absl::InvalidArgumentError("--model is required");
+  if (absl::GetFlag(FLAGS_max_batch_canvases) < 1 || absl::GetFlag(FLAGS_max_queue) < 0) {
+    return absl::InvalidArgumentError("--max_batch_canvases must be ≥ 1 and --max_queue ≥ 0");
+  }
+  const std::string model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
+  absl::StatusOr<WorkerModel> model =
+      LoadWorkerModel(dir, model_id, absl::GetFlag(FLAGS_device),
+                      absl::GetFlag(FLAGS_kv_cache_mib), absl::GetFlag(FLAGS_kv_block_size));
+  if (!model.ok()) return model.status();
+  const ModelConfig& config = model->checkpoint->config;
+
+  ServerOptions opts;
+  opts.grpc_address = absl::GetFlag(FLAGS_grpc_address);
+  opts.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  opts.ports_file = absl::GetFlag(FLAGS_ports_file);
+  ServiceRunner runner(opts);
+  DenoiseMetrics metrics(runner.registry());
+  KvMetrics kv_metrics(runner.registry(), "denoise");
+
+  kv::KvReceiver receiver(model->pool.get(), config.max_position_embeddings);
+  DenoiseEngineOptions eopts;
+  eopts.max_batch_canvases = absl::GetFlag(FLAGS_max_batch_canvases);
+  eopts.max_queue = absl::GetFlag(FLAGS_max_queue);
+  eopts.model_id = model_id;
+  DenoiseEngine engine(model->backend.get(), model->pool.get(), &receiver, eopts, &metrics);
+  DenoiseServiceImpl denoise(&engine, model->pool.get(), &receiver, model_id,
+                             eopts.max_batch_canvases);
+  kv::KvTransferServiceImpl transfer(&receiver);
+  if (absl::Status s = runner.Start({&denoise, &transfer}); !s.ok()) return s;
+
+  std::atomic<bool> stop{false};
+  std::thread gauges([&] {
+    while (!stop) {
+      kv_metrics.Update(model->pool->stats());
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+  });
+  if (absl::Status s = runner.WritePortsFile(); !s.ok()) return s;
+  DGSERVE_LOG_INFO("denoise worker serving %s: gRPC port %d, metrics port %d", model_id,
+                   runner.grpc_port(), runner.metrics_port());
+  const int sig = ServiceRunner::WaitForSignal();
+  DGSERVE_LOG_INFO("signal %d: draining", sig);
+  engine.SetDraining(true);
+  runner.SetServing(false);
+  runner.Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_seconds)));
+  stop = true;
+  gauges.join();
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace dgserve
+
+int main(int argc, char** argv) {
+  dgserve::UsePassiveOpenMpWaitUnlessSet(argv);
+  dgserve::ServiceRunner::BlockTerminationSignals();
+  dgserve::InitCommandLine("dgserve-denoise-worker --model DIR [--grpc_address HOST:PORT] ...",
+                           "denoise_worker/main.cc");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
+    return 2;
+  }
+  absl::Status s = dgserve::Run();
+  if (!s.ok()) {
+    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,484 @@
+#include "gateway/gateway.h"
+
+#include <algorithm>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "common/hash.h"
+#include "engine/denoise/sampler_params.h"
+#include "engine/tokenizer/chat_template.h"
+#include "gateway/stop_matcher.h"
+#include "service/status_convert.h"
+
+namespace dgserve {
+namespace {
+
+std::string NewRequestId() {
+  static std::mt19937_64 rng(std::random_device{}());
+  static absl::Mutex mu;
+  absl::MutexLock lock(&mu);
+  return absl::StrFormat("%016x", rng());
+}
+
+uint64_t RandomSeed() {
+  static std::mt19937_64 rng(std::random_device{}());
+  static absl::Mutex mu;
+  absl::MutexLock lock(&mu);
+  return rng() >> 1;
+}
+
+std::chrono::system_clock::time_point ToChrono(absl::Time t) {
+  if (t == absl::InfiniteFuture()) return std::chrono::system_clock::time_point::max();
+  return absl::ToChronoTime(t);
+}
+
+// Calls TryCancel on the current call's context while `is_cancelled` is true, from a small
+// watcher thread (gRPC's blocking reads cannot poll).
+class CancelWatcher {
+ public:
+  explicit CancelWatcher(const std::function<bool()>& is_cancelled)
+      : is_cancelled_(is_cancelled), thread_([this] { Run(); }) {}
+  ~CancelWatcher() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  void Watch(grpc::ClientContext* ctx) {
+    absl::MutexLock lock(&mu_);
+    ctx_ = ctx;
+    if (cancelled_ && ctx_) ctx_->TryCancel();
+  }
+  bool cancelled() const {
+    absl::MutexLock lock(&mu_);
+    return cancelled_;
+  }
+
+ private:
+  void Run() {
+    absl::MutexLock lock(&mu_);
+    while (!stop_) {
+      if (!cancelled_ && is_cancelled_ && is_cancelled_()) {
+        cancelled_ = true;
+        if (ctx_) ctx_->TryCancel();
+      }
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(20));
+    }
+  }
+  const std::function<bool()>& is_cancelled_;
+  mutable absl::Mutex mu_;
+  bool stop_ = false;
+  bool cancelled_ = false;
+  grpc::ClientContext* ctx_ = nullptr;
+  std::thread thread_;
+};
+
+}  // namespace
+
+Gateway::Gateway(ModelConfig config, GenerationConfig generation, Tokenizer tokenizer,
+                 GatewayOptions options, WorkerPool* prefill, WorkerPool* denoise,
+                 GatewayMetrics* metrics)
+    : config_(std::move(config)),
+      generation_(std::move(generation)),
+      tokenizer_(std::move(tokenizer)),
+      options_(std::move(options)),
+      prefill_(prefill),
+      denoise_(denoise),
+      metrics_(metrics) {}
+
+v1::ListModelsResponse Gateway::ListModels() const {
+  v1::ListModelsResponse r;
+  v1::ModelInfo* m = r.add_models();
+  m->set_id(options_.model_id);
+  m->set_context_length(config_.max_position_embeddings);
+  m->set_canvas_length(config_.canvas_length);
+  m->set_vocab_size(config_.vocab_size);
+  return r;
+}
+
+bool Gateway::Ready() const {
+  return !draining_ && prefill_->healthy_count() > 0 && denoise_->healthy_count() > 0;
+}
+
+absl::Status Gateway::CheckApiKey(const std::string& bearer) const {
+  if (options_.api_keys.empty()) return absl::OkStatus();
+  for (const std::string& k : options_.api_keys) {
+    if (!bearer.empty() && bearer == k) return absl::OkStatus();
+  }
+  return absl::UnauthenticatedError(
+      bearer.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
+                     : "invalid API key");
+}
+
+absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& request) const {
+  if (!request.model().empty() && request.model() != options_.model_id) {
+    return absl::NotFoundError(absl::StrCat("model '", request.model(),
+                                            "' does not exist; this gateway serves '",
+                                            options_.model_id, "'"));
+  }
+  PreparedRequest p;
+  switch (request.input_case()) {
+    case v1::GenerateRequest::kText:
+      if (request.text().empty()) return absl::InvalidArgumentError("prompt: must not be empty");
+      p.prompt = tokenizer_.Encode(request.text(), /*add_bos=*/true);
+      break;
+    case v1::GenerateRequest::kChat: {
+      if (request.chat().messages().empty()) {
+        return absl::InvalidArgumentError("messages: must not be empty");
+      }
+      std::vector<ChatMessage> msgs;
+      for (const v1::ChatMessage& m : request.chat().messages()) {
+        msgs.push_back(ChatMessage{m.role(), m.content()});
+      }
+      ChatTemplateOptions o;
+      o.enable_thinking = request.chat().enable_thinking();
+      absl::StatusOr<std::vector<int32_t>> ids = RenderChat(tokenizer_, msgs, o);
+      if (!ids.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("messages: ", ids.status().message()));
+      }
+      p.prompt = *std::move(ids);
+      break;
+    }
+    case v1::GenerateRequest::kTokenIds:
+      if (request.token_ids().ids().empty()) {
+        return absl::InvalidArgumentError("prompt: must not be empty");
+      }
+      for (int32_t id : request.token_ids().ids()) {
+        if (id < 0 || id >= config_.vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat("prompt: token id ", id,
+                                                         " is outside [0, ", config_.vocab_size,
+                                                         ")"));
+        }
+      }
+      p.prompt.assign(request.token_ids().ids().begin(), request.token_ids().ids().end());
+      break;
+    default:
+      return absl::InvalidArgumentError("prompt: give text, chat messages or token ids");
+  }
+  const int64_t limit = config_.max_position_embeddings;
+  if (int64_t(p.prompt.size()) >= limit) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt: ", p.prompt.size(),
+                                                   " tokens exceed the context limit of ",
+                                                   limit, " positions"));
+  }
+  if (request.max_tokens() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens: must be > 0, got ", request.max_tokens()));
+  }
+  p.max_tokens = request.max_tokens() > 0 ? request.max_tokens() : generation_.max_new_tokens;
+  const int C = config_.canvas_length;
+  const int64_t canvases = (int64_t(p.max_tokens) + C - 1) / C;
+  if (int64_t(p.prompt.size()) + canvases * C > limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tokens: the prompt (", p.prompt.size(), " tokens) plus ", canvases,
+        " canvases of ", C, " tokens for max_tokens=", p.max_tokens,
+        " exceed the context limit of ", limit, " positions"));
+  }
+  if (request.stop_size() > options_.max_stop_sequences) {
+    return absl::InvalidArgumentError(absl::StrCat("stop: at most ", options_.max_stop_sequences,
+                                                   " sequences, got ", request.stop_size()));
+  }
+  for (const std::string& s : request.stop()) {
+    if (s.empty()) return absl::InvalidArgumentError("stop: sequences must not be empty");
+    p.stop.push_back(s);
+  }
+  p.seed = request.has_seed() ? request.seed() : RandomSeed();
+  SamplerParams sp;
+  sp.max_denoising_steps = generation_.max_denoising_steps;
+  sp.t_min = generation_.t_min;
+  sp.t_max = generation_.t_max;
+  sp.entropy_bound = generation_.entropy_bound;
+  sp.stability_threshold = generation_.stability_threshold;
+  sp.confidence_threshold = generation_.confidence_threshold;
+  const v1::DiffusionControls& d = request.diffusion();
+  if (d.has_max_denoising_steps()) sp.max_denoising_steps = d.max_denoising_steps();
+  if (d.has_t_min()) sp.t_min = d.t_min();
+  if (d.has_t_max()) sp.t_max = d.t_max();
+  if (d.has_entropy_bound()) sp.entropy_bound = d.entropy_bound();
+  if (d.has_stability_threshold()) sp.stability_threshold = d.stability_threshold();
+  if (d.has_confidence_threshold()) sp.confidence_threshold = d.confidence_threshold();
+  if (absl::Status s = ValidateSamplerParams(sp); !s.ok()) return s;
+  p.sampler.set_max_denoising_steps(sp.max_denoising_steps);
+  p.sampler.set_t_min(sp.t_min);
+  p.sampler.set_t_max(sp.t_max);
+  p.sampler.set_entropy_bound(sp.entropy_bound);
+  p.sampler.set_stability_threshold(sp.stability_threshold);
+  p.sampler.set_confidence_threshold(sp.confidence_threshold);
+  if (request.stream_options().canvas_step_interval() < 0) {
+    return absl::InvalidArgumentError("canvas_step_interval: must be >= 0");
+  }
+  p.canvas_step_interval = request.stream_options().canvas_step_interval();
+  p.canvas_text = request.stream_options().canvas_text();
+  p.request_id = NewRequestId();
+  return p;
+}
+
+absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time deadline,
+                               const std::function<bool()>& is_cancelled,
+                               const EventCallback& on_event) {
+  const absl::Time start = absl::Now();
+  auto count = [&](const absl::Status& s) {
+    if (metrics_) {
+      metrics_->RequestsWithStatus(absl::StatusCodeToString(s.code())).Increment();
+      if (s.ok()) metrics_->request_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    }
+    return s;
+  };
+  if (draining_) return count(absl::UnavailableError("gateway is draining"));
+  absl::StatusOr<PreparedRequest> prepared = Prepare(request);
+  if (!prepared.ok()) return count(prepared.status());
+  if (inflight_.fetch_add(1) >= options_.max_concurrent_requests) {
+    inflight_.fetch_sub(1);
+    return count(absl::ResourceExhaustedError(absl::StrCat(
+        "the gateway is at its limit of ", options_.max_concurrent_requests,
+        " concurrent requests; retry later")));
+  }
+  if (metrics_) metrics_->inflight.Set(inflight_);
+  std::set<std::string> bad_prefill, bad_denoise;
+  bool output_sent = false;
+  absl::Status status;
+  for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
+    if (attempt > 0 && metrics_) metrics_->retries.Increment();
+    status = RunAttempt(*prepared, deadline, is_cancelled, on_event, &bad_prefill, &bad_denoise,
+                        &output_sent, start);
+    if (status.ok() || !absl::IsUnavailable(status) || output_sent) break;
+    if (absl::Now() >= deadline || (is_cancelled && is_cancelled())) break;
+  }
+  inflight_.fetch_sub(1);
+  if (metrics_) metrics_->inflight.Set(inflight_);
+  return count(status);
+}
+
+absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline,
+                                 const std::function<bool()>& is_cancelled,
+                                 const EventCallback& on_event,
+                                 std::set<std::string>* bad_prefill,
+                                 std::set<std::string>* bad_denoise, bool* output_sent,
+                                 absl::Time start) {
+  const std::optional<std::string> d = denoise_->Pick(0, *bad_denoise);
+  if (!d) {
+    return absl::UnavailableError(absl::StrCat("no healthy denoise worker (",
+                                               denoise_->total_count(), " known)"));
+  }
+  const size_t key_len = std::min<size_t>(req.prompt.size(), 64);
+  const uint64_t key = Fnv1a64(std::string_view(reinterpret_cast<const char*>(req.prompt.data()),
+                                                key_len * sizeof(int32_t))) | 1;
+  const std::optional<std::string> p = prefill_->Pick(key, *bad_prefill);
+  if (!p) {
+    return absl::UnavailableError(absl::StrCat("no healthy prefill worker (",
+                                               prefill_->total_count(), " known)"));
+  }
+  const std::string attempt_id =
+      absl::StrCat(req.request_id, "-", bad_prefill->size() + bad_denoise->size());
+  CancelWatcher watcher(is_cancelled);
+
+  // 1. Prefill on P; the KV goes to D (held there under a lease until the denoise call claims
+  //    it).
+  v1::PrefillResponse prefill;
+  {
+    v1::PrefillRequest preq;
+    preq.set_request_id(attempt_id);
+    preq.mutable_tokens()->Assign(req.prompt.begin(), req.prompt.end());
+    preq.set_kv_target(*d);
+    preq.set_lease_ms(options_.kv_lease_ms);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(ToChrono(deadline));
+    watcher.Watch(&ctx);
+    prefill_->Acquire(*p);
+    grpc::Status s = v1::PrefillService::NewStub(prefill_->Channel(*p))->Prefill(&ctx, preq,
+                                                                                 &prefill);
+    prefill_->Release(*p);
+    watcher.Watch(nullptr);
+    if (!s.ok()) {
+      if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
+      absl::Status st = FromGrpcStatus(s);
+      if (absl::IsUnavailable(st)) {
+        // Either the prefill worker or the transfer to the denoise worker failed.
+        if (s.error_message().find("KV transfer to") != std::string::npos) {
+          bad_denoise->insert(*d);
+          denoise_->MarkUnhealthy(*d);
+        } else {
+          bad_prefill->insert(*p);
+          prefill_->MarkUnhealthy(*p);
+        }
+      }
+      return absl::Status(st.code(), absl::StrCat("prefill on ", *p, ": ", st.message()));
+    }
+  }
+  if (metrics_) {
+    metrics_->prefill_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  }
+
+  // 2. Denoise on D, streaming its events to the client.
+  v1::DenoiseRequest dreq;
+  dreq.set_request_id(attempt_id);
+  dreq.set_prompt_tokens(int(req.prompt.size()));
+  dreq.set_max_new_tokens(req.max_tokens);
+  dreq.set_seed(req.seed);
+  *dreq.mutable_sampler() = req.sampler;
+  dreq.mutable_stop_token_ids()->Assign(generation_.stop_token_ids.begin(),
+                                        generation_.stop_token_ids.end());
+  dreq.set_pad_token_id(generation_.pad_token_id);
+  // Step 0 and the last step of every canvas always come back (for the TTFT metrics); more
+  // only when the client asked for canvas steps.
+  dreq.set_canvas_step_interval(req.canvas_step_interval > 0 ? req.canvas_step_interval
+                                                             : (1 << 30));
+  dreq.set_kv_wait_ms(options_.kv_lease_ms);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(ToChrono(deadline));
+  watcher.Watch(&ctx);
+  denoise_->Acquire(*d);
+  auto reader = v1::DenoiseService::NewStub(denoise_->Channel(*d))->Denoise(&ctx, dreq);
+
+  StreamDecoder decoder(tokenizer_);
+  StopMatcher matcher(req.stop);
+  std::vector<int32_t> stop_ids = generation_.stop_token_ids;
+  int completion = 0, canvases = 0, steps = 0, last_index = 0;
+  bool first_step = true, first_block = true, done = false, client_gone = false;
+  std::string finish_reason;
+  v1::DenoiseFinished worker_finished;
+  double first_step_s = 0, first_block_s = 0;
+  auto emit = [&](const v1::GenerateEvent& ev) {
+    *output_sent = true;
+    if (!on_event(ev)) {
+      client_gone = true;
+      ctx.TryCancel();
+      return false;
+    }
+    return true;
+  };
+
+  v1::DenoiseEvent ev;
+  while (!done && !client_gone && reader->Read(&ev)) {
+    if (ev.has_step()) {
+      if (first_step) {
+        first_step = false;
+        first_step_s = absl::ToDoubleSeconds(absl::Now() - start);
+        if (metrics_) metrics_->first_step_seconds.Observe(first_step_s);
+      }
+      if (req.canvas_step_interval <= 0) continue;
+      v1::GenerateEvent out;
+      out.set_request_id(req.request_id);
+      v1::CanvasStep* cs = out.mutable_canvas_step();
+      cs->set_canvas(ev.step().canvas());
+      cs->set_step(ev.step().step());
+      *cs->mutable_token_ids() = ev.step().token_ids();
+      if (req.canvas_text) {
+        cs->set_text(tokenizer_.Decode(
+            std::span<const int32_t>(ev.step().token_ids().data(),
+                                     size_t(ev.step().token_ids_size())),
+            /*skip_special=*/true));
+      }
+      cs->set_accepted(ev.step().accepted());
+      cs->set_mean_entropy(ev.step().mean_entropy());
+      cs->set_temperature(ev.step().temperature());
+      emit(out);
+    } else if (ev.has_block()) {
+      if (first_block) {
+        first_block = false;
+        first_block_s = absl::ToDoubleSeconds(absl::Now() - start);
+        if (metrics_) metrics_->first_block_seconds.Observe(first_block_s);
+      }
+      ++canvases;
+      steps += ev.block().steps();
+      last_index = ev.block().index();
+      if (metrics_) metrics_->steps_per_canvas.Observe(ev.block().steps());
+      v1::GenerateEvent out;
+      out.set_request_id(req.request_id);
+      v1::BlockCommitted* b = out.mutable_block();
+      b->set_index(ev.block().index());
+      b->set_steps(ev.block().steps());
+      std::string text;
+      for (int32_t id : ev.block().token_ids()) {
+        if (completion == req.max_tokens) {
+          finish_reason = "length";
+          break;
+        }
+        if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) {
+          finish_reason = "stop";
+          break;
+        }
+        ++completion;
+        b->add_token_ids(id);
+        StopMatcher::Result r = matcher.Push(decoder.Push({&id, 1}));
+        text += r.emit;
+        if (r.stopped) {
+          finish_reason = "stop";
+          break;
+        }
+      }
+      b->set_text(text);
+      if (!emit(out)) break;
+      if (!finish_reason.empty()) done = true;
+    } else if (ev.has_finished()) {
+      worker_finished = ev.finished();
+      if (finish_reason.empty()) finish_reason = worker_finished.finish_reason();
+      done = true;
+    }
+  }
+  if (client_gone) {
+    denoise_->Release(*d);
+    return absl::CancelledError("the client went away");
+  }
+  if (!done) {
+    grpc::Status s = reader->Finish();
+    denoise_->Release(*d);
+    if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
+    absl::Status st = FromGrpcStatus(s);
+    if (st.ok()) st = absl::InternalError("denoise stream ended without a result");
+    if (absl::IsUnavailable(st)) {
+      bad_denoise->insert(*d);
+      denoise_->MarkUnhealthy(*d);
+    }
+    return absl::Status(st.code(), absl::StrCat("denoise on ", *d, ": ", st.message()));
+  }
+  // Finished (by the worker, a stop token or sequence, or max_tokens): stop the worker if it
+  // is still running, flush held-back text, report usage.
+  ctx.TryCancel();
+  reader->Finish();
+  denoise_->Release(*d);
+  if (!matcher.stopped()) {
+    std::string tail = matcher.Push(decoder.Finish()).emit;
+    if (!matcher.stopped()) tail += matcher.Flush();
+    if (!tail.empty()) {
+      v1::GenerateEvent out;
+      out.set_request_id(req.request_id);
+      out.mutable_block()->set_index(last_index);
+      out.mutable_block()->set_text(tail);
+      if (!emit(out)) return absl::CancelledError("the client went away");
+    }
+  }
+  v1::GenerateEvent out;
+  out.set_request_id(req.request_id);
+  v1::Finished* f = out.mutable_finished();
+  f->set_finish_reason(finish_reason.empty() ? "length" : finish_reason);
+  v1::Usage* u = f->mutable_usage();
+  u->set_prompt_tokens(int(req.prompt.size()));
+  u->set_completion_tokens(completion);
+  u->set_total_tokens(int(req.prompt.size()) + completion);
+  u->set_cached_prompt_tokens(prefill.cached_tokens());
+  u->set_canvases(canvases);
+  u->set_denoising_steps(steps);
+  v1::Timings* t = u->mutable_timings();
+  t->set_queue_seconds(prefill.queue_seconds());
+  t->set_prefill_seconds(prefill.prefill_seconds());
+  t->set_transfer_seconds(prefill.transfer_seconds());
+  t->set_first_step_seconds(first_step_s);
+  t->set_first_block_seconds(first_block_s);
+  t->set_denoise_seconds(worker_finished.denoise_seconds());
+  t->set_commit_seconds(worker_finished.commit_seconds());
+  t->set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  if (metrics_) {
+    metrics_->prompt_tokens.Increment(double(req.prompt.size()));
+    metrics_->completion_tokens.Increment(completion);
+    metrics_->cached_prompt_tokens.Increment(prefill.cached_tokens());
+  }
+  if (!emit(out)) return absl::CancelledError("the client went away");
+  return absl::OkStatus();
+}
+
+}  // namespace dgserve

@@ -1,0 +1,82 @@
+// The gateway's core (design §1.1): request validation, chat template and tokenizer, admission,
+// routing to a prefill and a denoise worker, event conversion with stop sequences and
+// max_tokens across canvas boundaries, usage, deadlines, cancellation and retries.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/model/config.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "gateway/gateway_metrics.h"
+#include "gateway/generation_core.h"
+#include "gateway/worker_pool.h"
+
+namespace dgserve {
+
+struct GatewayOptions {
+  std::string model_id;
+  int max_concurrent_requests = 64;  // admitted at once; beyond → RESOURCE_EXHAUSTED
+  int max_attempts = 3;              // per request, on UNAVAILABLE before any output
+  int64_t kv_lease_ms = 30000;
+  std::vector<std::string> api_keys;  // empty: no authentication
+  int max_stop_sequences = 4;
+};
+
+// A request after validation: what the workers need.
+struct PreparedRequest {
+  std::string request_id;
+  std::vector<int32_t> prompt;
+  int max_tokens = 0;
+  std::vector<std::string> stop;
+  uint64_t seed = 0;
+  v1::SamplerSettings sampler;
+  int canvas_step_interval = 0;
+  bool canvas_text = false;
+};
+
+class Gateway final : public GenerationCore {
+ public:
+  // `tokenizer` must cover config.vocab_size ids. Pools must be started by the caller.
+  Gateway(ModelConfig config, GenerationConfig generation, Tokenizer tokenizer,
+          GatewayOptions options, WorkerPool* prefill, WorkerPool* denoise,
+          GatewayMetrics* metrics);
+
+  absl::Status Generate(const v1::GenerateRequest& request, absl::Time deadline,
+                        const std::function<bool()>& is_cancelled,
+                        const EventCallback& on_event) override;
+  v1::ListModelsResponse ListModels() const override;
+  std::string model_id() const override { return options_.model_id; }
+  bool Ready() const override;
+  absl::Status CheckApiKey(const std::string& bearer) const override;
+  void SetDraining(bool draining) { draining_ = draining; }
+  int inflight() const { return inflight_; }
+
+  // Validation and tokenization only (INVALID_ARGUMENT naming the field, NOT_FOUND for an
+  // unknown model). Public for tests.
+  absl::StatusOr<PreparedRequest> Prepare(const v1::GenerateRequest& request) const;
+
+ private:
+  struct Attempt;
+  absl::Status RunAttempt(const PreparedRequest& req, absl::Time deadline,
+                          const std::function<bool()>& is_cancelled,
+                          const EventCallback& on_event, std::set<std::string>* bad_prefill,
+                          std::set<std::string>* bad_denoise, bool* output_sent,
+                          absl::Time start);
+
+  const ModelConfig config_;
+  const GenerationConfig generation_;
+  const Tokenizer tokenizer_;
+  const GatewayOptions options_;
+  WorkerPool* prefill_;
+  WorkerPool* denoise_;
+  GatewayMetrics* metrics_;
+  std::atomic<int> inflight_{0};
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace dgserve

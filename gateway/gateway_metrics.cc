@@ -1,0 +1,58 @@
+#include "gateway/gateway_metrics.h"
+
+namespace dgserve {
+namespace {
+
+prometheus::Histogram& MakeHistogram(prometheus::Registry& r, const std::string& name,
+                                     const std::string& help,
+                                     prometheus::Histogram::BucketBoundaries b) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(r).Add({}, b);
+}
+
+prometheus::Histogram::BucketBoundaries Seconds() {
+  return {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
+}
+
+prometheus::Counter& MakeCounter(prometheus::Registry& r, const std::string& name,
+                                 const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(r).Add({});
+}
+
+}  // namespace
+
+GatewayMetrics::GatewayMetrics(prometheus::Registry& r)
+    : requests(prometheus::BuildCounter()
+                   .Name("dgserve_gateway_requests_total")
+                   .Help("Generation requests by final status (gRPC code name)")
+                   .Register(r)),
+      prefill_seconds(MakeHistogram(r, "dgserve_gateway_prefill_duration_seconds",
+                                    "Prefill and KV transfer of a request (TTFT, part 1)",
+                                    Seconds())),
+      first_step_seconds(MakeHistogram(r, "dgserve_gateway_time_to_first_step_seconds",
+                                       "Request start to its first canvas step", Seconds())),
+      first_block_seconds(MakeHistogram(r, "dgserve_gateway_time_to_first_block_seconds",
+                                        "Request start to its first committed block (TTFT)",
+                                        Seconds())),
+      request_seconds(MakeHistogram(r, "dgserve_gateway_request_duration_seconds",
+                                    "End-to-end latency of a request", Seconds())),
+      steps_per_canvas(MakeHistogram(r, "dgserve_gateway_steps_per_canvas",
+                                     "Denoising steps per committed canvas",
+                                     {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256})),
+      prompt_tokens(MakeCounter(r, "dgserve_gateway_prompt_tokens_total", "Prompt tokens")),
+      completion_tokens(MakeCounter(r, "dgserve_gateway_completion_tokens_total",
+                                    "Completion tokens returned to clients")),
+      cached_prompt_tokens(MakeCounter(r, "dgserve_gateway_cached_prompt_tokens_total",
+                                       "Prompt tokens served from a prefix cache")),
+      retries(MakeCounter(r, "dgserve_gateway_retries_total",
+                          "Attempts repeated on another worker after UNAVAILABLE")),
+      inflight(prometheus::BuildGauge()
+                   .Name("dgserve_gateway_inflight_requests")
+                   .Help("Requests admitted and not finished")
+                   .Register(r)
+                   .Add({})),
+      workers(prometheus::BuildGauge()
+                  .Name("dgserve_gateway_workers")
+                  .Help("Known workers by role and health")
+                  .Register(r)) {}
+
+}  // namespace dgserve

@@ -1,0 +1,165 @@
+// dgserve-gateway: the public face of the cluster — gRPC GenerationService and the
+// OpenAI-compatible HTTP API — routing to prefill and denoise workers; exports /metrics.
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/cli.h"
+#include "common/logging.h"
+#include "engine/model/random_checkpoint.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "gateway/gateway.h"
+#include "gateway/gateway_metrics.h"
+#include "gateway/grpc_service.h"
+#include "gateway/http_server.h"
+#include "gateway/worker_pool.h"
+#include "service/server.h"
+#include "service/worker_model.h"
+
+ABSL_FLAG(std::string, model, "",
+          "checkpoint directory: config.json, generation_config.json and tokenizer.json are read "
+          "(weights are not)");
+ABSL_FLAG(std::string, served_model_name, "", "model id (default: the directory's name)");
+ABSL_FLAG(std::string, prefill_workers, "",
+          "comma-separated prefill worker addresses: host:port or dns:///name:port");
+ABSL_FLAG(std::string, denoise_workers, "",
+          "comma-separated denoise worker addresses: host:port or dns:///name:port");
+ABSL_FLAG(std::string, grpc_address, "127.0.0.1:0", "gRPC listen address (port 0: any free)");
+ABSL_FLAG(std::string, http_address, "127.0.0.1:0", "OpenAI HTTP listen address");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:0", "Prometheus /metrics listen address");
+ABSL_FLAG(std::string, ports_file, "", "write the bound ports here as JSON once serving");
+ABSL_FLAG(int, max_concurrent_requests, 64, "admitted requests at once; beyond: 429");
+ABSL_FLAG(int, max_attempts, 3, "attempts per request on UNAVAILABLE before any output");
+ABSL_FLAG(std::string, api_keys, "", "comma-separated API keys (empty: no authentication)");
+ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
+ABSL_FLAG(int64_t, max_body_bytes, 4 << 20, "largest HTTP request body");
+ABSL_FLAG(double, request_timeout_seconds, 600, "deadline of a request without its own");
+ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
+
+namespace dgserve {
+namespace {
+
+absl::StatusOr<std::vector<std::string>> ApiKeys() {
+  std::vector<std::string> keys = SplitTargets(absl::GetFlag(FLAGS_api_keys));
+  if (const std::string f = absl::GetFlag(FLAGS_api_key_file); !f.empty()) {
+    absl::StatusOr<std::string> text = ReadFileToString(f, 1 << 20);
+    if (!text.ok()) return text.status();
+    for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+      line = absl::StripAsciiWhitespace(line);
+      if (!line.empty()) keys.emplace_back(line);
+    }
+  }
+  return keys;
+}
+
+absl::Status Run() {
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) return absl::InvalidArgumentError("--model is required");
+  const std::vector<std::string> prefill_targets = SplitTargets(absl::GetFlag(FLAGS_prefill_workers));
+  const std::vector<std::string> denoise_targets = SplitTargets(absl::GetFlag(FLAGS_denoise_workers));
+  if (prefill_targets.empty() || denoise_targets.empty()) {
+    return absl::InvalidArgumentError("--prefill_workers and --denoise_workers are required");
+  }
+  absl::StatusOr<ModelDirConfigs> configs = LoadConfigsFromModelDir(dir);
+  if (!configs.ok()) return configs.status();
+  absl::StatusOr<Tokenizer> tokenizer = Tokenizer::Load(dir + "/tokenizer.json");
+  if (!tokenizer.ok()) return tokenizer.status();
+  if (tokenizer->vocab_size() < configs->config.vocab_size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, "/tokenizer.json covers ", tokenizer->vocab_size(), " ids but the model has ",
+        configs->config.vocab_size, ": it is not this model's tokenizer"));
+  }
+  absl::StatusOr<std::vector<std::string>> keys = ApiKeys();
+  if (!keys.ok()) return keys.status();
+  GatewayOptions gopts;
+  gopts.model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
+  gopts.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
+  gopts.max_attempts = std::max(1, absl::GetFlag(FLAGS_max_attempts));
+  gopts.api_keys = *keys;
+  if (gopts.max_concurrent_requests < 1) {
+    return absl::InvalidArgumentError("--max_concurrent_requests must be ≥ 1");
+  }
+
+  ServerOptions opts;
+  opts.grpc_address = absl::GetFlag(FLAGS_grpc_address);
+  opts.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  opts.ports_file = absl::GetFlag(FLAGS_ports_file);
+  ServiceRunner runner(opts);
+  GatewayMetrics metrics(runner.registry());
+  WorkerPool prefill("prefill", prefill_targets, gopts.model_id);
+  WorkerPool denoise("denoise", denoise_targets, gopts.model_id);
+  prefill.Start();
+  denoise.Start();
+  Gateway gateway(configs->config, configs->generation, *std::move(tokenizer), gopts, &prefill,
+                  &denoise, &metrics);
+  const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_request_timeout_seconds));
+  GenerationServiceImpl grpc_service(&gateway, timeout);
+  if (absl::Status s = runner.Start({&grpc_service}); !s.ok()) return s;
+
+  absl::StatusOr<std::pair<std::string, int>> http_addr =
+      SplitHostPort(absl::GetFlag(FLAGS_http_address));
+  if (!http_addr.ok()) return http_addr.status();
+  HttpServerOptions hopts;
+  hopts.host = http_addr->first;
+  hopts.port = http_addr->second;
+  hopts.max_body_bytes = size_t(absl::GetFlag(FLAGS_max_body_bytes));
+  hopts.default_timeout = timeout;
+  OpenAiHttpServer http(&gateway, hopts, &runner.registry());
+  absl::StatusOr<int> http_port = http.Start();
+  if (!http_port.ok()) return http_port.status();
+
+  std::atomic<bool> stop{false};
+  std::thread gauges([&] {
+    while (!stop) {
+      metrics.workers.Add({{"role", "prefill"}, {"state", "healthy"}}).Set(prefill.healthy_count());
+      metrics.workers.Add({{"role", "prefill"}, {"state", "unhealthy"}})
+          .Set(prefill.total_count() - prefill.healthy_count());
+      metrics.workers.Add({{"role", "denoise"}, {"state", "healthy"}}).Set(denoise.healthy_count());
+      metrics.workers.Add({{"role", "denoise"}, {"state", "unhealthy"}})
+          .Set(denoise.total_count() - denoise.healthy_count());
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+  });
+  if (absl::Status s = runner.WritePortsFile({{"http", *http_port}}); !s.ok()) return s;
+  DGSERVE_LOG_INFO("gateway serving %s: gRPC port %d, HTTP port %d, metrics port %d",
+                   gopts.model_id, runner.grpc_port(), *http_port, runner.metrics_port());
+  const int sig = ServiceRunner::WaitForSignal();
+  DGSERVE_LOG_INFO("signal %d: draining", sig);
+  gateway.SetDraining(true);
+  http.SetDraining(true);
+  runner.SetServing(false);
+  const absl::Time until = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_drain_grace_seconds));
+  while (gateway.inflight() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  http.Stop();
+  runner.Shutdown(absl::Seconds(1));
+  stop = true;
+  gauges.join();
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace dgserve
+
+int main(int argc, char** argv) {
+  dgserve::ServiceRunner::BlockTerminationSignals();
+  dgserve::InitCommandLine(
+      "dgserve-gateway --model DIR --prefill_workers ADDR[,ADDR] --denoise_workers ADDR[,ADDR] "
+      "[--grpc_address HOST:PORT] [--http_address HOST:PORT] ...",
+      "gateway/main.cc");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
+    return 2;
+  }
+  absl::Status s = dgserve::Run();
+  if (!s.ok()) {
+    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

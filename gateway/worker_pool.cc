@@ -1,0 +1,228 @@
+#include "gateway/worker_pool.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/hash.h"
+#include "common/logging.h"
+
+namespace dgserve {
+namespace {
+
+// dns:///host:port → every address host resolves to, as ip:port; anything else → itself.
+std::vector<std::string> Expand(const std::string& target) {
+  absl::string_view t = target;
+  if (!absl::ConsumePrefix(&t, "dns:///")) return {target};
+  const size_t colon = t.rfind(':');
+  if (colon == absl::string_view::npos) return {};
+  const std::string host(t.substr(0, colon)), port(t.substr(colon + 1));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) return {};
+  std::vector<std::string> out;
+  for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
+    char buf[INET6_ADDRSTRLEN] = {0};
+    if (p->ai_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr, buf, sizeof buf);
+      out.push_back(absl::StrCat(buf, ":", port));
+    } else if (p->ai_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(p->ai_addr)->sin6_addr, buf,
+                sizeof buf);
+      out.push_back(absl::StrCat("[", buf, "]:", port));
+    }
+  }
+  freeaddrinfo(res);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+double Load(const WorkerEndpoint& e) {
+  const int slots = std::max(1, e.stats.max_batch_canvases());
+  return double(e.stats.active_canvases() + e.stats.queued_requests() + e.inflight) / slots;
+}
+
+}  // namespace
+
+std::vector<std::string> SplitTargets(const std::string& list) {
+  std::vector<std::string> out;
+  for (absl::string_view p : absl::StrSplit(list, ',')) {
+    p = absl::StripAsciiWhitespace(p);
+    if (!p.empty()) out.emplace_back(p);
+  }
+  return out;
+}
+
+WorkerPool::WorkerPool(std::string role, std::vector<std::string> targets, std::string model_id)
+    : role_(std::move(role)), targets_(std::move(targets)), model_id_(std::move(model_id)) {}
+
+WorkerPool::~WorkerPool() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void WorkerPool::Start(absl::Duration poll_interval) {
+  interval_ = poll_interval;
+  Resolve();
+  Poll();
+  thread_ = std::thread([this] {
+    while (!stop_) {
+      absl::SleepFor(interval_);
+      if (stop_) break;
+      Resolve();
+      Poll();
+    }
+  });
+}
+
+void WorkerPool::Resolve() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Now() - last_resolve_ < absl::Seconds(5)) return;
+    last_resolve_ = absl::Now();
+  }
+  std::vector<std::string> addrs;
+  for (const std::string& t : targets_) {
+    for (std::string& a : Expand(t)) addrs.push_back(std::move(a));
+  }
+  absl::MutexLock lock(&mu_);
+  std::vector<WorkerEndpoint> next;
+  for (const std::string& a : addrs) {
+    auto it = std::find_if(endpoints_.begin(), endpoints_.end(),
+                           [&](const WorkerEndpoint& e) { return e.address == a; });
+    if (it != endpoints_.end()) {
+      next.push_back(std::move(*it));
+      continue;
+    }
+    WorkerEndpoint e;
+    e.address = a;
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    e.channel = grpc::CreateCustomChannel(a, grpc::InsecureChannelCredentials(), args);
+    next.push_back(std::move(e));
+  }
+  endpoints_ = std::move(next);
+}
+
+void WorkerPool::Poll() {
+  std::vector<std::pair<std::string, std::shared_ptr<grpc::Channel>>> todo;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& e : endpoints_) todo.emplace_back(e.address, e.channel);
+  }
+  for (auto& [address, channel] : todo) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    v1::StatsRequest req;
+    v1::StatsResponse resp;
+    grpc::Status s;
+    if (role_ == "prefill") {
+      s = v1::PrefillService::NewStub(channel)->Stats(&ctx, req, &resp);
+    } else {
+      s = v1::DenoiseService::NewStub(channel)->Stats(&ctx, req, &resp);
+    }
+    const bool ok = s.ok() && resp.role() == role_ && !resp.draining() &&
+                    (model_id_.empty() || resp.model_id() == model_id_);
+    absl::MutexLock lock(&mu_);
+    for (auto& e : endpoints_) {
+      if (e.address != address) continue;
+      if (e.healthy != ok) {
+        DGSERVE_LOG_INFO("%s worker %s is %s%s", role_, address, ok ? "healthy" : "unhealthy",
+                         s.ok() ? (resp.model_id() != model_id_
+                                       ? absl::StrCat(" (serves '", resp.model_id(), "')")
+                                       : std::string())
+                                : absl::StrCat(" (", s.error_message(), ")"));
+      }
+      e.healthy = ok;
+      if (s.ok()) e.stats = resp;
+    }
+  }
+}
+
+std::optional<std::string> WorkerPool::Pick(uint64_t affinity_key,
+                                            const std::set<std::string>& exclude) {
+  absl::MutexLock lock(&mu_);
+  const WorkerEndpoint* best = nullptr;
+  double best_load = 0;
+  for (const auto& e : endpoints_) {
+    if (!e.healthy || exclude.count(e.address)) continue;
+    const double load = Load(e);
+    const int64_t free_full = e.stats.kv().full_blocks_total() - e.stats.kv().full_blocks_used();
+    const int64_t best_free =
+        best ? best->stats.kv().full_blocks_total() - best->stats.kv().full_blocks_used() : 0;
+    if (!best || load < best_load || (load == best_load && free_full > best_free)) {
+      best = &e;
+      best_load = load;
+    }
+  }
+  if (!best) return std::nullopt;
+  if (affinity_key != 0) {
+    // Rendezvous hashing: the same prompt prefix goes to the same worker (its prefix cache),
+    // unless that worker is far busier than the least loaded one.
+    const WorkerEndpoint* chosen = nullptr;
+    uint64_t top = 0;
+    for (const auto& e : endpoints_) {
+      if (!e.healthy || exclude.count(e.address)) continue;
+      const uint64_t h = SplitMix64(affinity_key ^ Fnv1a64(e.address));
+      if (!chosen || h > top) {
+        chosen = &e;
+        top = h;
+      }
+    }
+    if (chosen && Load(*chosen) <= best_load + 4.0) return chosen->address;
+  }
+  return best->address;
+}
+
+std::shared_ptr<grpc::Channel> WorkerPool::Channel(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& e : endpoints_) {
+    if (e.address == address) return e.channel;
+  }
+  return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+}
+
+void WorkerPool::Acquire(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  for (auto& e : endpoints_) {
+    if (e.address == address) ++e.inflight;
+  }
+}
+
+void WorkerPool::Release(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  for (auto& e : endpoints_) {
+    if (e.address == address && e.inflight > 0) --e.inflight;
+  }
+}
+
+void WorkerPool::MarkUnhealthy(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  for (auto& e : endpoints_) {
+    if (e.address == address) e.healthy = false;
+  }
+}
+
+int WorkerPool::healthy_count() const {
+  absl::MutexLock lock(&mu_);
+  return int(std::count_if(endpoints_.begin(), endpoints_.end(),
+                           [](const WorkerEndpoint& e) { return e.healthy; }));
+}
+
+int WorkerPool::total_count() const {
+  absl::MutexLock lock(&mu_);
+  return int(endpoints_.size());
+}
+
+}  // namespace dgserve

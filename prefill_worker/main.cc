@@ -1,0 +1,112 @@
+// dgserve-prefill-worker: chunked prefill with a prefix cache (PrefillService), shipping each
+// prompt's KV to the denoise worker named in the request; exports /metrics.
+#include <atomic>
+#include <cstdio>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "common/cli.h"
+#include "common/logging.h"
+#include "common/openmp_env.h"
+#include "kvstore/transfer.h"
+#include "prefill_worker/prefill_engine.h"
+#include "prefill_worker/prefill_metrics.h"
+#include "prefill_worker/prefill_service.h"
+#include "service/kv_metrics.h"
+#include "service/server.h"
+#include "service/worker_model.h"
+
+ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout)");
+ABSL_FLAG(std::string, served_model_name, "", "model id (default: the directory's name)");
+ABSL_FLAG(std::string, device, "cpu", "backend: cpu");
+ABSL_FLAG(std::string, grpc_address, "127.0.0.1:0", "gRPC listen address (port 0: any free)");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:0", "Prometheus /metrics listen address");
+ABSL_FLAG(std::string, ports_file, "", "write the bound ports here as JSON once serving");
+ABSL_FLAG(int64_t, kv_cache_mib, 512, "memory of the KV block pool (and prefix cache), MiB");
+ABSL_FLAG(int, kv_block_size, 16, "token positions per KV block");
+ABSL_FLAG(int, chunk_tokens, 512, "prompt tokens of one request per encoder step at most");
+ABSL_FLAG(int, step_token_budget, 2048, "prompt tokens of all requests per encoder step");
+ABSL_FLAG(int, max_queue, 256, "prompts queued or running at most");
+ABSL_FLAG(std::string, kv_transport, "tcp", "KV transport to the denoise workers: tcp");
+ABSL_FLAG(int64_t, testing_cut_transfer_after_bytes, 0,
+          "fault injection for tests: cut every KV transfer after this many payload bytes");
+ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running prefills");
+
+namespace dgserve {
+namespace {
+
+absl::Status Run() {
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) return absl::InvalidArgumentError("--model is required");
+  PrefillEngineOptions eopts;
+  eopts.chunk_tokens = absl::GetFlag(FLAGS_chunk_tokens);
+  eopts.step_token_budget = absl::GetFlag(FLAGS_step_token_budget);
+  eopts.max_queue = absl::GetFlag(FLAGS_max_queue);
+  if (eopts.chunk_tokens < 1 || eopts.step_token_budget < eopts.chunk_tokens ||
+      eopts.max_queue < 1) {
+    return absl::InvalidArgumentError(
+        "--chunk_tokens ≥ 1, --step_token_budget ≥ --chunk_tokens and --max_queue ≥ 1 needed");
+  }
+  if (absl::GetFlag(FLAGS_kv_transport) != "tcp") {
+    return absl::InvalidArgumentError("--kv_transport: only 'tcp' between processes");
+  }
+  const std::string model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
+  absl::StatusOr<WorkerModel> model =
+      LoadWorkerModel(dir, model_id, absl::GetFlag(FLAGS_device),
+                      absl::GetFlag(FLAGS_kv_cache_mib), absl::GetFlag(FLAGS_kv_block_size));
+  if (!model.ok()) return model.status();
+
+  ServerOptions opts;
+  opts.grpc_address = absl::GetFlag(FLAGS_grpc_address);
+  opts.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  opts.ports_file = absl::GetFlag(FLAGS_ports_file);
+  ServiceRunner runner(opts);
+  PrefillMetrics metrics(runner.registry());
+  KvMetrics kv_metrics(runner.registry(), "prefill");
+  kv::TcpTransportOptions topts;
+  topts.cut_after_bytes = absl::GetFlag(FLAGS_testing_cut_transfer_after_bytes);
+  PrefillEngine engine(model->backend.get(), model->pool.get(), kv::CreateTcpTransport(topts),
+                       eopts, &metrics, &kv_metrics);
+  PrefillServiceImpl service(&engine, model->pool.get(), model_id);
+  if (absl::Status s = runner.Start({&service}); !s.ok()) return s;
+
+  std::atomic<bool> stop{false};
+  std::thread gauges([&] {
+    while (!stop) {
+      kv_metrics.Update(model->pool->stats());
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+  });
+  if (absl::Status s = runner.WritePortsFile(); !s.ok()) return s;
+  DGSERVE_LOG_INFO("prefill worker serving %s: gRPC port %d, metrics port %d", model_id,
+                   runner.grpc_port(), runner.metrics_port());
+  const int sig = ServiceRunner::WaitForSignal();
+  DGSERVE_LOG_INFO("signal %d: draining", sig);
+  engine.SetDraining(true);
+  runner.Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_seconds)));
+  stop = true;
+  gauges.join();
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace dgserve
+
+int main(int argc, char** argv) {
+  dgserve::UsePassiveOpenMpWaitUnlessSet(argv);
+  dgserve::ServiceRunner::BlockTerminationSignals();
+  dgserve::InitCommandLine("dgserve-prefill-worker --model DIR [--grpc_address HOST:PORT] ...",
+                           "prefill_worker/main.cc");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
+    return 2;
+  }
+  absl::Status s = dgserve::Run();
+  if (!s.ok()) {
+    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,274 @@
+#include "prefill_worker/prefill_engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "kvstore/paged_kv_cache.h"
+
+namespace dgserve {
+
+struct PrefillEngine::Job {
+  v1::PrefillRequest request;
+  Callback done;
+  absl::Time created;
+  absl::Time started;  // first encoder step (or ship, when fully cached)
+  std::shared_ptr<kv::PagedKvCache> kv;
+  int cached_tokens = 0;
+  std::atomic<bool> cancelled{false};
+  std::atomic<bool> finished{false};
+  double encode_seconds = 0;
+
+  void Complete(absl::StatusOr<v1::PrefillResponse> r) {
+    if (finished.exchange(true)) return;
+    done(std::move(r));
+  }
+};
+
+PrefillEngine::PrefillEngine(ModelBackend* backend, kv::BlockPool* pool,
+                             std::unique_ptr<kv::KvTransport> transport,
+                             PrefillEngineOptions options, PrefillMetrics* metrics,
+                             KvMetrics* kv_metrics)
+    : backend_(backend),
+      pool_(pool),
+      transport_(std::move(transport)),
+      transport_name_(transport_->name()),
+      options_(options),
+      metrics_(metrics),
+      kv_metrics_(kv_metrics),
+      thread_([this] { Loop(); }) {}
+
+PrefillEngine::~PrefillEngine() {
+  std::vector<std::shared_ptr<Job>> left;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, job] : all_) left.push_back(job);
+    all_.clear();
+    queue_.clear();
+  }
+  for (auto& job : left) job->Complete(absl::UnavailableError("prefill worker shutting down"));
+}
+
+absl::Status PrefillEngine::Submit(const v1::PrefillRequest& request, Callback done) {
+  if (draining_) return absl::UnavailableError("prefill worker is draining");
+  const ModelConfig& c = backend_->config();
+  if (request.request_id().empty()) {
+    return absl::InvalidArgumentError("request_id: must not be empty");
+  }
+  if (request.tokens().empty()) return absl::InvalidArgumentError("tokens: must not be empty");
+  if (request.tokens_size() > c.max_position_embeddings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens: ", request.tokens_size(), " exceed the context limit of ",
+                     c.max_position_embeddings));
+  }
+  for (int32_t id : request.tokens()) {
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens: id ", id, " is outside [0, ", c.vocab_size, ")"));
+    }
+  }
+  if (request.kv_target().empty()) {
+    return absl::InvalidArgumentError("kv_target: must name the denoise worker");
+  }
+  auto job = std::make_shared<Job>();
+  job->request = request;
+  job->done = std::move(done);
+  job->created = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (int(all_.size()) >= options_.max_queue) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("prefill worker queue is full (", all_.size(), " requests)"));
+  }
+  if (!all_.emplace(request.request_id(), job).second) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request ", request.request_id(), " is already being prefilled"));
+  }
+  queue_.push_back(job);
+  if (metrics_) metrics_->queue_depth.Set(double(all_.size()));
+  return absl::OkStatus();
+}
+
+bool PrefillEngine::Cancel(const std::string& request_id) {
+  std::shared_ptr<Job> job;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = all_.find(request_id);
+    if (it == all_.end()) return false;
+    job = it->second;
+  }
+  job->cancelled = true;
+  return true;
+}
+
+PrefillEngineStats PrefillEngine::stats() const {
+  PrefillEngineStats s;
+  s.active = active_;
+  s.transferring = transferring_;
+  absl::MutexLock lock(&mu_);
+  s.queued = int(queue_.size());
+  return s;
+}
+
+void PrefillEngine::Fail(Job& job, absl::Status status) {
+  if (metrics_) {
+    metrics_->RequestsWithStatus(absl::StatusCodeToString(status.code())).Increment();
+  }
+  job.kv.reset();
+  {
+    absl::MutexLock lock(&mu_);
+    all_.erase(job.request.request_id());
+    if (metrics_) metrics_->queue_depth.Set(double(all_.size()));
+  }
+  job.Complete(std::move(status));
+}
+
+void PrefillEngine::Loop() {
+  std::vector<std::shared_ptr<Job>> active;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto has_work = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stop_ || !active.empty() || !queue_.empty();
+      };
+      mu_.Await(absl::Condition(&has_work));
+      if (stop_) break;
+      // Admit in arrival order while the step's token budget is not yet spoken for.
+      int planned = 0;
+      for (auto& j : active) {
+        planned += std::min<int>(options_.chunk_tokens,
+                                 j->request.tokens_size() - j->kv->num_tokens());
+      }
+      while (!queue_.empty() && planned < options_.step_token_budget) {
+        active.push_back(queue_.front());
+        queue_.pop_front();
+        planned += options_.chunk_tokens;
+      }
+    }
+    // New jobs: look up the prefix cache and set up their KV.
+    for (auto& j : active) {
+      if (j->kv) continue;
+      j->started = absl::Now();
+      const auto& t = j->request.tokens();
+      const std::span<const int32_t> tokens(t.data(), size_t(t.size()));
+      kv::PrefixMatch match = pool_->MatchPrefix(tokens);
+      j->cached_tokens = match.num_tokens;
+      j->kv = std::shared_ptr<kv::PagedKvCache>(
+          kv::PagedKvCache::FromPrefix(pool_, std::move(match), int(tokens.size())));
+      if (metrics_) metrics_->cached_tokens.Increment(double(j->cached_tokens));
+    }
+    active_ = int(active.size());
+    Step(active);
+    active_ = int(active.size());
+  }
+}
+
+void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
+  // Cancelled jobs leave; finished ones ship.
+  std::vector<std::shared_ptr<Job>> ship;
+  std::erase_if(active, [&](std::shared_ptr<Job>& j) {
+    if (j->cancelled) {
+      Fail(*j, absl::CancelledError(absl::StrCat("prefill of ", j->request.request_id(),
+                                                 " cancelled")));
+      return true;
+    }
+    if (j->kv->num_tokens() == j->request.tokens_size()) {
+      ship.push_back(j);
+      return true;
+    }
+    return false;
+  });
+  for (auto& j : ship) Ship(j);
+  if (active.empty()) return;
+
+  // One encoder step: a chunk of each running prompt, within the token budget.
+  std::vector<EncodeInput> batch;
+  std::vector<Job*> in_batch;
+  int budget = options_.step_token_budget;
+  for (auto& j : active) {
+    if (budget <= 0) break;
+    const int done = j->kv->num_tokens();
+    const int n = std::min({options_.chunk_tokens, j->request.tokens_size() - done, budget});
+    budget -= n;
+    batch.push_back(EncodeInput{
+        std::span<const int32_t>(j->request.tokens().data() + done, size_t(n)), j->kv.get()});
+    in_batch.push_back(j.get());
+    if (metrics_) metrics_->chunk_tokens.Observe(n);
+  }
+  const int step_tokens = options_.step_token_budget - budget;
+  const absl::Time t0 = absl::Now();
+  absl::Status s = backend_->Encode(batch);
+  const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
+  if (metrics_) {
+    metrics_->step_seconds.Observe(secs);
+    metrics_->step_tokens.Observe(step_tokens);
+    if (s.ok()) metrics_->computed_tokens.Increment(step_tokens);
+    if (secs > 0) metrics_->tokens_per_second.Set(step_tokens / secs);
+  }
+  for (Job* j : in_batch) j->encode_seconds += secs;
+  if (!s.ok()) {
+    // Which caches advanced is not known after an error: every request of the step fails.
+    for (size_t i = 0; i < in_batch.size(); ++i) {
+      Job* j = in_batch[i];
+      if (absl::IsResourceExhausted(s)) {
+        j->cancelled = true;  // leaves at the next step
+        Fail(*j, absl::ResourceExhaustedError(absl::StrCat(
+                     "prefill KV cache exhausted for request ", j->request.request_id(), ": ",
+                     s.message())));
+      } else {
+        j->cancelled = true;
+        Fail(*j, absl::InternalError(absl::StrCat("encoder pass failed: ", s.message())));
+      }
+    }
+    std::erase_if(active, [](std::shared_ptr<Job>& j) { return j->finished.load(); });
+  }
+}
+
+void PrefillEngine::Ship(std::shared_ptr<Job> job) {
+  const auto& t = job->request.tokens();
+  pool_->InsertPrefix(std::span<const int32_t>(t.data(), size_t(t.size())), job->kv->table());
+  const absl::Time t0 = absl::Now();
+  const int64_t lease = job->request.lease_ms() > 0 ? job->request.lease_ms()
+                                                    : options_.default_lease_ms;
+  ++transferring_;
+  std::shared_ptr<const kv::PagedKvCache> kv = job->kv;
+  job->kv.reset();
+  transport_->Send(
+      job->request.kv_target(), job->request.request_id(), std::move(kv), lease,
+      [this, job, t0](absl::StatusOr<kv::TransferResult> result) {
+        --transferring_;
+        if (!result.ok()) {
+          if (kv_metrics_) kv_metrics_->RecordTransferFailure(transport_name_);
+          Fail(*job, absl::Status(result.status().code(),
+                                  absl::StrCat("KV transfer to ", job->request.kv_target(),
+                                               " failed: ", result.status().message())));
+          return;
+        }
+        if (kv_metrics_) {
+          kv_metrics_->RecordTransfer(transport_name_, result->bytes, result->seconds);
+        }
+        v1::PrefillResponse r;
+        r.set_prompt_tokens(job->request.tokens_size());
+        r.set_cached_tokens(job->cached_tokens);
+        r.set_queue_seconds(absl::ToDoubleSeconds(job->started - job->created));
+        r.set_prefill_seconds(job->encode_seconds);
+        r.set_transfer_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
+        r.set_transfer_bytes(result->bytes);
+        r.set_transport(transport_name_);
+        if (metrics_) {
+          metrics_->RequestsWithStatus("OK").Increment();
+          metrics_->request_seconds.Observe(absl::ToDoubleSeconds(t0 - job->created));
+        }
+        {
+          absl::MutexLock lock(&mu_);
+          all_.erase(job->request.request_id());
+          if (metrics_) metrics_->queue_depth.Set(double(all_.size()));
+        }
+        job->Complete(std::move(r));
+      });
+}
+
+}  // namespace dgserve

@@ -1,0 +1,87 @@
+// The prefill worker's scheduler (design §1.2): one engine thread runs chunked prefill — each
+// step is one batched encoder pass over chunks of several requests under a token budget —
+// reusing KV blocks whose token prefix is already cached, then ships each finished prompt's KV
+// to the denoise worker the request names. RPC handlers only enqueue (bounded).
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "dgserve/v1/worker.pb.h"
+#include "engine/model/backend.h"
+#include "kvstore/block_pool.h"
+#include "kvstore/transfer.h"
+#include "prefill_worker/prefill_metrics.h"
+#include "service/kv_metrics.h"
+
+namespace dgserve {
+
+struct PrefillEngineOptions {
+  int chunk_tokens = 512;      // prompt tokens of one request per encoder step at most
+  int step_token_budget = 2048;  // prompt tokens of all requests per encoder step at most
+  int max_queue = 256;         // requests queued or running at most
+  int64_t default_lease_ms = 30000;
+};
+
+struct PrefillEngineStats {
+  int queued = 0;
+  int active = 0;  // being encoded
+  int transferring = 0;
+};
+
+class PrefillEngine {
+ public:
+  using Callback = std::function<void(absl::StatusOr<v1::PrefillResponse>)>;
+
+  // backend and pool must outlive the engine; metrics may be null.
+  PrefillEngine(ModelBackend* backend, kv::BlockPool* pool,
+                std::unique_ptr<kv::KvTransport> transport, PrefillEngineOptions options,
+                PrefillMetrics* metrics, KvMetrics* kv_metrics);
+  ~PrefillEngine();  // fails queued requests with UNAVAILABLE, joins the engine thread
+
+  // Queues a prompt. `done` runs exactly once (on the engine or a transport thread) after the
+  // KV was acknowledged by the target, or with the error. Synchronous errors (nothing queued,
+  // `done` not called): INVALID_ARGUMENT (empty prompt, id out of range, no target),
+  // RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), ALREADY_EXISTS.
+  absl::Status Submit(const v1::PrefillRequest& request, Callback done);
+  // Cancels a queued or running prefill (done gets CANCELLED; blocks are freed). A transfer in
+  // flight finishes or fails on its own.
+  bool Cancel(const std::string& request_id);
+  void SetDraining(bool draining) { draining_ = draining; }
+  bool draining() const { return draining_; }
+  PrefillEngineStats stats() const;
+  const std::string& transport_name() const { return transport_name_; }
+
+ private:
+  struct Job;
+  void Loop();
+  void Step(std::vector<std::shared_ptr<Job>>& active);
+  void Ship(std::shared_ptr<Job> job);
+  void Fail(Job& job, absl::Status status);
+
+  ModelBackend* const backend_;
+  kv::BlockPool* const pool_;
+  std::unique_ptr<kv::KvTransport> transport_;
+  const std::string transport_name_;
+  const PrefillEngineOptions options_;
+  PrefillMetrics* const metrics_;
+  KvMetrics* const kv_metrics_;
+  std::atomic<bool> draining_{false};
+  std::atomic<int> transferring_{0};
+  std::atomic<int> active_{0};
+
+  mutable absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<std::string, std::shared_ptr<Job>> all_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace dgserve

@@ -1,0 +1,49 @@
+#include "prefill_worker/prefill_metrics.h"
+
+namespace dgserve {
+namespace {
+
+prometheus::Histogram& MakeHistogram(prometheus::Registry& r, const std::string& name,
+                                     const std::string& help,
+                                     prometheus::Histogram::BucketBoundaries b) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(r).Add({}, b);
+}
+
+prometheus::Counter& MakeCounter(prometheus::Registry& r, const std::string& name,
+                                 const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(r).Add({});
+}
+
+prometheus::Gauge& MakeGauge(prometheus::Registry& r, const std::string& name,
+                             const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(r).Add({});
+}
+
+}  // namespace
+
+PrefillMetrics::PrefillMetrics(prometheus::Registry& r)
+    : requests(prometheus::BuildCounter()
+                   .Name("dgserve_prefill_requests_total")
+                   .Help("Prefill requests by final status (gRPC code name)")
+                   .Register(r)),
+      computed_tokens(MakeCounter(r, "dgserve_prefill_computed_tokens_total",
+                                  "Prompt tokens run through the encoder")),
+      cached_tokens(MakeCounter(r, "dgserve_prefill_cached_tokens_total",
+                                "Prompt tokens reused from the prefix cache")),
+      chunk_tokens(MakeHistogram(r, "dgserve_prefill_chunk_tokens",
+                                 "Tokens of one request's chunk in an encoder step",
+                                 {16, 32, 64, 128, 256, 512, 1024, 2048, 4096})),
+      step_tokens(MakeHistogram(r, "dgserve_prefill_step_tokens",
+                                "Tokens of one batched encoder step",
+                                {16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192})),
+      step_seconds(MakeHistogram(r, "dgserve_prefill_step_duration_seconds",
+                                 "Wall time of one batched encoder step",
+                                 {0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10})),
+      request_seconds(MakeHistogram(r, "dgserve_prefill_duration_seconds",
+                                    "Queue and encoder time of one prompt",
+                                    {0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30})),
+      queue_depth(MakeGauge(r, "dgserve_prefill_queue_depth", "Prompts queued or running")),
+      tokens_per_second(MakeGauge(r, "dgserve_prefill_tokens_per_second",
+                                  "Encoder throughput of the last step (tokens/s)")) {}
+
+}  // namespace dgserve

@@ -1,0 +1,32 @@
+// The prefill worker's Prometheus metrics (design §4), all named dgserve_prefill_*.
+#pragma once
+
+#include <string>
+
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace dgserve {
+
+struct PrefillMetrics {
+  explicit PrefillMetrics(prometheus::Registry& registry);
+
+  prometheus::Family<prometheus::Counter>& requests;  // {status}
+  prometheus::Counter& computed_tokens;   // prompt tokens run through the encoder
+  prometheus::Counter& cached_tokens;     // prompt tokens reused from the prefix cache
+  prometheus::Histogram& chunk_tokens;    // tokens of one request's chunk
+  prometheus::Histogram& step_tokens;     // tokens of one batched encoder step
+  prometheus::Histogram& step_seconds;
+  prometheus::Histogram& request_seconds;  // queue + encode of one prompt
+  prometheus::Gauge& queue_depth;
+  prometheus::Gauge& tokens_per_second;    // of the last encoder step
+
+  prometheus::Counter& RequestsWithStatus(const std::string& status) {
+    return requests.Add({{"status", status}});
+  }
+};
+
+}  // namespace dgserve

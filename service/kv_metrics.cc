@@ -1,0 +1,75 @@
+#include "service/kv_metrics.h"
+
+namespace dgserve {
+
+KvMetrics::KvMetrics(prometheus::Registry& r, const std::string& c)
+    : blocks_(prometheus::BuildGauge()
+                  .Name("dgserve_" + c + "_kv_blocks")
+                  .Help("KV blocks by layer kind and state (used: referenced; cached: "
+                        "unreferenced prefix-cache blocks; free: not referenced)")
+                  .Register(r)),
+      transfer_bytes_(prometheus::BuildCounter()
+                          .Name("dgserve_" + c + "_kv_transfer_bytes_total")
+                          .Help("KV payload bytes moved, by transport")
+                          .Register(r)),
+      transfer_seconds_(prometheus::BuildHistogram()
+                            .Name("dgserve_" + c + "_kv_transfer_duration_seconds")
+                            .Help("Wall time of one request's KV transfer, by transport")
+                            .Register(r)),
+      transfer_failures_(prometheus::BuildCounter()
+                             .Name("dgserve_" + c + "_kv_transfer_failures_total")
+                             .Help("Failed KV transfers, by transport")
+                             .Register(r)),
+      prefix_queries_(prometheus::BuildCounter()
+                          .Name("dgserve_" + c + "_prefix_cache_queries_total")
+                          .Help("Prefix-cache lookups since start")
+                          .Register(r)
+                          .Add({})),
+      prefix_hits_(prometheus::BuildCounter()
+                       .Name("dgserve_" + c + "_prefix_cache_hits_total")
+                       .Help("Prefix-cache lookups that reused at least one block")
+                       .Register(r)
+                       .Add({})),
+      prefix_hit_tokens_(prometheus::BuildCounter()
+                             .Name("dgserve_" + c + "_prefix_cache_hit_tokens_total")
+                             .Help("Prompt tokens served from the prefix cache since start")
+                             .Register(r)
+                             .Add({})) {
+  for (const char* kind : {"sliding", "full"}) {
+    for (const char* state : {"used", "cached", "free"}) {
+      blocks_.Add({{"kind", kind}, {"state", state}});
+    }
+  }
+  for (const char* t : {"tcp", "inprocess"}) {
+    transfer_bytes_.Add({{"transport", t}});
+    transfer_failures_.Add({{"transport", t}});
+  }
+}
+
+void KvMetrics::Update(const kv::PoolStats& s) {
+  absl::MutexLock lock(&mu_);
+  const char* kinds[] = {"sliding", "full"};
+  for (int k = 0; k < kv::kNumKinds; ++k) {
+    blocks_.Add({{"kind", kinds[k]}, {"state", "used"}}).Set(double(s.used[k]));
+    blocks_.Add({{"kind", kinds[k]}, {"state", "cached"}}).Set(double(s.cached[k]));
+    blocks_.Add({{"kind", kinds[k]}, {"state", "free"}}).Set(double(s.free_blocks[k]));
+  }
+  prefix_queries_.Increment(double(s.prefix_queries - last_.prefix_queries));
+  prefix_hits_.Increment(double(s.prefix_hits - last_.prefix_hits));
+  prefix_hit_tokens_.Increment(double(s.prefix_hit_tokens - last_.prefix_hit_tokens));
+  last_ = s;
+}
+
+void KvMetrics::RecordTransfer(const std::string& transport, int64_t bytes, double seconds) {
+  transfer_bytes_.Add({{"transport", transport}}).Increment(double(bytes));
+  transfer_seconds_
+      .Add({{"transport", transport}},
+           prometheus::Histogram::BucketBoundaries{0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10})
+      .Observe(seconds);
+}
+
+void KvMetrics::RecordTransferFailure(const std::string& transport) {
+  transfer_failures_.Add({{"transport", transport}}).Increment();
+}
+
+}  // namespace dgserve

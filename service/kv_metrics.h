@@ -1,0 +1,39 @@
+// KV metrics both workers export (design §4): pool blocks by kind and state, and transfers by
+// transport (bytes, seconds, failures).
+#pragma once
+
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "kvstore/block_pool.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace dgserve {
+
+class KvMetrics {
+ public:
+  // `component` is "prefill" or "denoise": names are dgserve_<component>_kv_*.
+  KvMetrics(prometheus::Registry& registry, const std::string& component);
+
+  // Sets the block gauges {kind=sliding|full, state=used|cached|free} and the prefix counters.
+  void Update(const kv::PoolStats& stats);  // thread-safe
+  void RecordTransfer(const std::string& transport, int64_t bytes, double seconds);
+  void RecordTransferFailure(const std::string& transport);
+
+ private:
+  prometheus::Family<prometheus::Gauge>& blocks_;
+  prometheus::Family<prometheus::Counter>& transfer_bytes_;
+  prometheus::Family<prometheus::Histogram>& transfer_seconds_;
+  prometheus::Family<prometheus::Counter>& transfer_failures_;
+  prometheus::Counter& prefix_queries_;
+  prometheus::Counter& prefix_hits_;
+  prometheus::Counter& prefix_hit_tokens_;
+  absl::Mutex mu_;
+  kv::PoolStats last_;  // counters advance by the difference between snapshots
+};
+
+}  // namespace dgserve

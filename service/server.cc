@@ -1,0 +1,122 @@
+#include "service/server.h"
+
+#include <signal.h>
+
+#include <atomic>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "nlohmann/json.hpp"
+
+namespace dgserve {
+namespace {
+
+std::atomic<int> g_signal{0};
+
+}  // namespace
+
+absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("address '", address, "': expected host:port with a port in 0..65535"));
+  }
+  std::string host = address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return std::make_pair(host, port);
+}
+
+ServiceRunner::ServiceRunner(ServerOptions options)
+    : options_(std::move(options)), registry_(std::make_shared<prometheus::Registry>()) {}
+
+ServiceRunner::~ServiceRunner() { Shutdown(absl::ZeroDuration()); }
+
+void ServiceRunner::BlockTerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int ServiceRunner::WaitForSignal() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  int sig = 0;
+  sigwait(&set, &sig);
+  g_signal = sig;
+  return sig;
+}
+
+absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services) {
+  if (!options_.metrics_address.empty()) {
+    try {
+      exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_address, 2);
+      exposer_->RegisterCollectable(registry_);
+      const std::vector<int> ports = exposer_->GetListeningPorts();
+      metrics_port_ = ports.empty() ? 0 : ports.front();
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("metrics address ", options_.metrics_address,
+                                                 ": cannot listen (", e.what(), ")"));
+    }
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options_.grpc_address, grpc::InsecureServerCredentials(), &grpc_port_);
+  builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  builder.SetMaxSendMessageSize(options_.max_message_bytes);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  server_ = builder.BuildAndStart();
+  if (!server_ || grpc_port_ == 0) {
+    server_.reset();
+    return absl::UnavailableError(
+        absl::StrCat("gRPC address ", options_.grpc_address, ": cannot listen"));
+  }
+  return absl::OkStatus();
+}
+
+void ServiceRunner::SetServing(bool serving) {
+  if (server_ && server_->GetHealthCheckService()) {
+    server_->GetHealthCheckService()->SetServingStatus(serving);
+  }
+}
+
+absl::Status ServiceRunner::WritePortsFile(
+    const std::vector<std::pair<std::string, int>>& extra) {
+  if (options_.ports_file.empty()) return absl::OkStatus();
+  nlohmann::json j = {{"grpc", grpc_port_}, {"metrics", metrics_port_}, {"pid", ::getpid()}};
+  for (const auto& [k, v] : extra) j[k] = v;
+  const std::string tmp = options_.ports_file + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << j.dump() << "\n";
+    if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
+  }
+  if (std::rename(tmp.c_str(), options_.ports_file.c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot write ", options_.ports_file));
+  }
+  return absl::OkStatus();
+}
+
+void ServiceRunner::Shutdown(absl::Duration grace) {
+  if (server_) {
+    SetServing(false);
+    server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));
+    server_->Wait();
+    server_.reset();
+  }
+  exposer_.reset();
+}
+
+}  // namespace dgserve

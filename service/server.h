@@ -1,0 +1,63 @@
+// What every dgserve service process shares: a gRPC server with the standard health service and
+// server reflection, a Prometheus /metrics endpoint on its own port, a ports file for tests and
+// scripts, and SIGTERM/SIGINT handling.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
+
+namespace dgserve {
+
+struct ServerOptions {
+  std::string grpc_address = "127.0.0.1:0";     // host:port; port 0 = chosen by the kernel
+  std::string metrics_address = "127.0.0.1:0";  // Prometheus /metrics; empty = no exporter
+  std::string ports_file;  // if set: JSON {"grpc": P, "metrics": P, ...} written once serving
+  int max_message_bytes = 64 << 20;
+};
+
+class ServiceRunner {
+ public:
+  explicit ServiceRunner(ServerOptions options);
+  ~ServiceRunner();
+
+  prometheus::Registry& registry() { return *registry_; }
+  // Blocks SIGTERM/SIGINT in this thread (call first thing in main, before any thread starts)
+  // and starts a thread that records them; WaitForSignal() returns on the first.
+  static void BlockTerminationSignals();
+
+  // Starts the metrics exposer and the gRPC server with `services` (plus grpc.health.v1 and
+  // reflection). UNAVAILABLE naming the address when a port cannot be bound.
+  absl::Status Start(const std::vector<grpc::Service*>& services);
+  int grpc_port() const { return grpc_port_; }
+  int metrics_port() const { return metrics_port_; }
+  grpc::Server* server() { return server_.get(); }
+  // Sets the health status of the whole server ("" service) to SERVING or NOT_SERVING.
+  void SetServing(bool serving);
+  // Writes the ports file (if configured) with `extra` fields added (e.g. {"http": 8080}).
+  absl::Status WritePortsFile(const std::vector<std::pair<std::string, int>>& extra = {});
+  // Blocks until SIGTERM or SIGINT arrives (BlockTerminationSignals must have been called).
+  static int WaitForSignal();
+  // Stops the gRPC server, letting in-flight calls finish until `grace` has passed.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  ServerOptions options_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<grpc::Server> server_;
+  int grpc_port_ = 0;
+  int metrics_port_ = 0;
+};
+
+// "host:port" → (host, port) for civetweb/httplib; INVALID_ARGUMENT when malformed.
+absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address);
+
+}  // namespace dgserve

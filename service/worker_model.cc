@@ -1,0 +1,62 @@
+#include "service/worker_model.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace dgserve {
+
+std::string ServedModelId(const std::string& dir, const std::string& flag) {
+  if (!flag.empty()) return flag;
+  std::string d = dir;
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  const size_t slash = d.rfind('/');
+  return slash == std::string::npos ? d : d.substr(slash + 1);
+}
+
+absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
+                                            const std::string& device, int64_t kv_cache_mib,
+                                            int kv_block_size) {
+  if (device != "cpu") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device ", device, ": only 'cpu' is built into this binary"));
+  }
+  if (kv_block_size <= 0 || kv_block_size > 1024) {
+    return absl::InvalidArgumentError("--kv_block_size: must be in 1..1024");
+  }
+  if (kv_cache_mib <= 0) return absl::InvalidArgumentError("--kv_cache_mib: must be > 0");
+  WorkerModel m;
+  m.model_id = model_id;
+  DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
+  m.checkpoint = std::make_unique<Checkpoint>(std::move(ckpt));
+  m.backend = CreateCpuBackend(m.checkpoint->config, m.checkpoint->weights);
+  const kv::KvLayout layout = kv::KvLayout::FromConfig(m.checkpoint->config, kv_block_size,
+                                                       model_id);
+  const size_t per_pair =
+      layout.BlockBytes(kv::LayerKind::kSliding) + layout.BlockBytes(kv::LayerKind::kFull);
+  const int64_t blocks = int64_t((kv_cache_mib << 20) / int64_t(per_pair));
+  const int canvas_blocks = layout.BlocksFor(m.checkpoint->config.canvas_length) + 1;
+  if (blocks < 2 * canvas_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_cache_mib ", kv_cache_mib, " holds ", blocks, " blocks of ", kv_block_size,
+        " tokens; at least ", 2 * canvas_blocks, " are needed for one canvas"));
+  }
+  DGSERVE_ASSIGN_OR_RETURN(m.pool, kv::BlockPool::Create(layout, blocks, blocks));
+  return m;
+}
+
+void FillPoolStats(const kv::BlockPool& pool, v1::StatsResponse* response) {
+  const kv::PoolStats s = pool.stats();
+  const int sl = kv::KindIndex(kv::LayerKind::kSliding), fu = kv::KindIndex(kv::LayerKind::kFull);
+  v1::KvPoolStats* k = response->mutable_kv();
+  k->set_sliding_blocks_total(s.total[sl]);
+  k->set_sliding_blocks_used(s.used[sl]);
+  k->set_sliding_blocks_cached(s.cached[sl]);
+  k->set_full_blocks_total(s.total[fu]);
+  k->set_full_blocks_used(s.used[fu]);
+  k->set_full_blocks_cached(s.cached[fu]);
+  k->set_block_size(pool.layout().block_size);
+  response->set_prefix_cache_hit_tokens(s.prefix_hit_tokens);
+  response->set_prefix_cache_queries(s.prefix_queries);
+}
+
+}  // namespace dgserve

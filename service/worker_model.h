@@ -1,0 +1,36 @@
+// What both workers load: the checkpoint, the CPU backend over it, and the paged KV pool sized
+// from a memory budget.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "dgserve/v1/worker.pb.h"
+#include "engine/model/backend.h"
+#include "engine/model/checkpoint.h"
+#include "kvstore/block_pool.h"
+
+namespace dgserve {
+
+struct WorkerModel {
+  std::unique_ptr<Checkpoint> checkpoint;  // weights the backend reads (stable address)
+  std::unique_ptr<ModelBackend> backend;
+  std::unique_ptr<kv::BlockPool> pool;
+  std::string model_id;
+};
+
+// Loads `dir` and builds the backend ("cpu"; anything else is INVALID_ARGUMENT until the CUDA
+// backend exists) and a block pool of `kv_cache_mib` MiB split evenly in blocks of both kinds
+// (INVALID_ARGUMENT when it holds fewer blocks than one canvas needs).
+absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
+                                            const std::string& device, int64_t kv_cache_mib,
+                                            int kv_block_size);
+
+// The served model's id: `flag` if set, else the last component of `dir`.
+std::string ServedModelId(const std::string& dir, const std::string& flag);
+
+// Fills the KV pool part of a Stats reply (blocks by kind and state, prefix-cache counters).
+void FillPoolStats(const kv::BlockPool& pool, v1::StatsResponse* response);
+
+}  // namespace dgserve

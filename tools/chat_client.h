@@ -1,0 +1,24 @@
+// `dgserve chat`: a streaming client of a running cluster's gateway (gRPC GenerateStream).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "dgserve/v1/generation.pb.h"
+
+namespace dgserve {
+
+struct ChatClientOptions {
+  std::string gateway = "127.0.0.1:50051";  // gRPC address
+  std::string api_key;
+  bool show_steps = false;  // print canvas steps as they stream
+  double timeout_seconds = 600;
+};
+
+// Sends `request` and prints the streamed text to stdout as blocks commit (canvas steps to
+// stderr with show_steps), then a usage line to stderr. The gRPC status (UNAVAILABLE when the
+// gateway cannot be reached) comes back as the error.
+absl::Status RunChatClient(const v1::GenerateRequest& request, const ChatClientOptions& options);
+
+}  // namespace dgserve

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Starts or stops a local dgserve cluster on loopback: one gateway, prefill and denoise workers.
+#
+#   tools/cluster.sh start [--run-dir DIR] [--model DIR] [--build DIR] [--denoise N] [--prefill N]
+#                          [--http-port P] [--grpc-port P] [-- extra gateway flags]
+#   tools/cluster.sh stop  [--run-dir DIR]
+#
+# `start` waits until the gateway's /ready says the cluster can serve, then writes
+# DIR/cluster.env (GATEWAY_HTTP, GATEWAY_GRPC, *_METRICS ports) and DIR/pids. Logs go to
+# DIR/*.log. Ports default to 0 (any free port); `stop` ends exactly the PIDs it started.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cmd=${1:-}; shift || true
+RUN_DIR=${RUN_DIR:-run/cluster}
+MODEL_DIR=${MODEL_DIR:-models/default}
+BUILD_DIR=${BUILD_DIR:-build}
+DENOISE=1
+PREFILL=1
+HTTP_PORT=0
+GRPC_PORT=0
+EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --run-dir) RUN_DIR=$2; shift 2 ;;
+    --model) MODEL_DIR=$2; shift 2 ;;
+    --build) BUILD_DIR=$2; shift 2 ;;
+    --denoise) DENOISE=$2; shift 2 ;;
+    --prefill) PREFILL=$2; shift 2 ;;
+    --http-port) HTTP_PORT=$2; shift 2 ;;
+    --grpc-port) GRPC_PORT=$2; shift 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+
+stop_cluster() {
+  [ -f "$RUN_DIR/pids" ] || { echo "cluster.sh: no cluster recorded in $RUN_DIR"; return 0; }
+  while read -r pid name; do
+    if kill -0 "$pid" 2>/dev/null; then kill -TERM "$pid" 2>/dev/null || true; fi
+  done < "$RUN_DIR/pids"
+  for _ in $(seq 1 100); do
+    alive=0
+    while read -r pid name; do kill -0 "$pid" 2>/dev/null && alive=1; done < "$RUN_DIR/pids"
+    [ $alive -eq 0 ] && break
+    sleep 0.1
+  done
+  while read -r pid name; do kill -KILL "$pid" 2>/dev/null || true; done < "$RUN_DIR/pids"
+  rm -f "$RUN_DIR/pids"
+  echo "cluster.sh: stopped the cluster of $RUN_DIR"
+}
+
+# Waits for a ports file (the process writes it once serving); fails if the process died.
+wait_ports() {
+  local file=$1 pid=$2 log=$3
+  for _ in $(seq 1 1200); do
+    [ -s "$file" ] && return 0
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "cluster.sh: process $pid exited; its log ($log):" >&2
+      tail -20 "$log" >&2
+      return 1
+    fi
+    sleep 0.1
+  done
+  echo "cluster.sh: timed out waiting for $file" >&2
+  return 1
+}
+
+port_of() { sed -E "s/.*\"$2\":([0-9]+).*/\1/" "$1"; }
+
+start_cluster() {
+  mkdir -p "$RUN_DIR"
+  if [ -f "$RUN_DIR/pids" ]; then stop_cluster; fi
+  rm -f "$RUN_DIR"/*.ports "$RUN_DIR/cluster.env"
+  : > "$RUN_DIR/pids"
+  trap 'echo "cluster.sh: start failed; stopping what started" >&2; stop_cluster' ERR
+  local denoise_addrs="" prefill_addrs=""
+  for i in $(seq 0 $((DENOISE - 1))); do
+    "$BUILD_DIR/denoise_worker/dgserve-denoise-worker" --model "$MODEL_DIR" \
+      --ports_file "$RUN_DIR/denoise$i.ports" > "$RUN_DIR/denoise$i.log" 2>&1 &
+    echo "$! denoise$i" >> "$RUN_DIR/pids"
+  done
+  for i in $(seq 0 $((PREFILL - 1))); do
+    "$BUILD_DIR/prefill_worker/dgserve-prefill-worker" --model "$MODEL_DIR" \
+      --ports_file "$RUN_DIR/prefill$i.ports" > "$RUN_DIR/prefill$i.log" 2>&1 &
+    echo "$! prefill$i" >> "$RUN_DIR/pids"
+  done
+  while read -r pid name; do
+    wait_ports "$RUN_DIR/$name.ports" "$pid" "$RUN_DIR/$name.log"
+    case $name in
+      denoise*) denoise_addrs+="${denoise_addrs:+,}127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)" ;;
+      prefill*) prefill_addrs+="${prefill_addrs:+,}127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)" ;;
+    esac
+  done < "$RUN_DIR/pids"
+  "$BUILD_DIR/gateway/dgserve-gateway" --model "$MODEL_DIR" \
+    --prefill_workers "$prefill_addrs" --denoise_workers "$denoise_addrs" \
+    --grpc_address "127.0.0.1:$GRPC_PORT" --http_address "127.0.0.1:$HTTP_PORT" \
+    --ports_file "$RUN_DIR/gateway.ports" ${EXTRA[@]+"${EXTRA[@]}"} > "$RUN_DIR/gateway.log" 2>&1 &
+  local gw=$!
+  echo "$gw gateway" >> "$RUN_DIR/pids"
+  wait_ports "$RUN_DIR/gateway.ports" "$gw" "$RUN_DIR/gateway.log"
+  local http grpc
+  http=$(port_of "$RUN_DIR/gateway.ports" http)
+  grpc=$(port_of "$RUN_DIR/gateway.ports" grpc)
+  for _ in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$http/ready" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  curl -sf "http://127.0.0.1:$http/ready" >/dev/null || { echo "cluster.sh: gateway not ready" >&2; false; }
+  {
+    echo "GATEWAY_HTTP=127.0.0.1:$http"
+    echo "GATEWAY_GRPC=127.0.0.1:$grpc"
+    echo "GATEWAY_METRICS=127.0.0.1:$(port_of "$RUN_DIR/gateway.ports" metrics)"
+    while read -r pid name; do
+      [ "$name" = gateway ] && continue
+      echo "$(echo "$name" | tr a-z A-Z)_GRPC=127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)"
+      echo "$(echo "$name" | tr a-z A-Z)_METRICS=127.0.0.1:$(port_of "$RUN_DIR/$name.ports" metrics)"
+    done < "$RUN_DIR/pids"
+  } > "$RUN_DIR/cluster.env"
+  trap - ERR
+}
+
+case "$cmd" in
+  start) start_cluster ;;
+  stop) stop_cluster ;;
+  *) echo "usage: tools/cluster.sh start|stop [options]" >&2; exit 2 ;;
+esac
