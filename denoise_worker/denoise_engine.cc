@@ -282,6 +282,7 @@ void DenoiseEngine::Loop() {
     active_requests_ = int(running.size());
     Iterate(running);
     active_canvases_ = int(running.size());
+    active_requests_ = int(running.size());
     if (metrics_) metrics_->active_canvases.Set(double(running.size()));
   }
   for (auto& r : running) r->job->End(absl::UnavailableError("denoise worker shutting down"));

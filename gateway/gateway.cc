@@ -392,7 +392,10 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
       v1::BlockCommitted* b = out.mutable_block();
       b->set_index(ev.block().index());
       b->set_steps(ev.block().steps());
-      std::string text;
+      // Completion tokens of this block: up to the first stop token, at most max_tokens in
+      // all. Decoded as one piece (as `dgserve generate` streams it), then through the stop
+      // sequences; a stop sequence cuts the text, the block's ids stay whole.
+      std::vector<int32_t> take;
       for (int32_t id : ev.block().token_ids()) {
         if (completion == req.max_tokens) {
           finish_reason = "length";
@@ -403,14 +406,12 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
           break;
         }
         ++completion;
+        take.push_back(id);
         b->add_token_ids(id);
-        StopMatcher::Result r = matcher.Push(decoder.Push({&id, 1}));
-        text += r.emit;
-        if (r.stopped) {
-          finish_reason = "stop";
-          break;
-        }
       }
+      StopMatcher::Result r = matcher.Push(decoder.Push(take));
+      std::string text = std::move(r.emit);
+      if (r.stopped) finish_reason = "stop";
       b->set_text(text);
       if (!emit(out)) break;
       if (!finish_reason.empty()) done = true;

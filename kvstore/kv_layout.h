@@ -24,6 +24,10 @@ struct KvLayout {
   int layers[kNumKinds] = {0, 0};        // number of layers of each kind
   int row_width[kNumKinds] = {0, 0};     // floats per K (or V) row: kv_heads · head_dim
   std::string model_id;                  // checked on every transfer
+  // Shape of the rows of each kind (row_width = kv_heads · head_dim), for the transfer
+  // descriptor. 0 when the layout was built by hand without them.
+  int kv_heads[kNumKinds] = {0, 0};
+  int head_dim[kNumKinds] = {0, 0};
 
   // From a validated ModelConfig; block_size > 0.
   static KvLayout FromConfig(const ModelConfig& config, int block_size, std::string model_id);

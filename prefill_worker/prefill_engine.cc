@@ -155,6 +155,14 @@ void PrefillEngine::Loop() {
       const auto& t = j->request.tokens();
       const std::span<const int32_t> tokens(t.data(), size_t(t.size()));
       kv::PrefixMatch match = pool_->MatchPrefix(tokens);
+      // Prefill runs in chunks aligned to absolute multiples of chunk_tokens, and a prefix hit
+      // is only used when it ends on such a boundary: a cached prompt then goes through exactly
+      // the encoder passes a fresh one does, so its KV — and the request's tokens — are
+      // bit-identical (the BLAS kernels round differently for other shapes).
+      if (match.num_tokens % options_.chunk_tokens != 0) {
+        pool_->Release(match.table);
+        match = kv::PrefixMatch{};
+      }
       j->cached_tokens = match.num_tokens;
       j->kv = std::shared_ptr<kv::PagedKvCache>(
           kv::PagedKvCache::FromPrefix(pool_, std::move(match), int(tokens.size())));
@@ -189,9 +197,11 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
   std::vector<Job*> in_batch;
   int budget = options_.step_token_budget;
   for (auto& j : active) {
-    if (budget <= 0) break;
     const int done = j->kv->num_tokens();
-    const int n = std::min({options_.chunk_tokens, j->request.tokens_size() - done, budget});
+    // The rest of this request's current aligned chunk, if the step still has room for it.
+    const int n = std::min(options_.chunk_tokens - done % options_.chunk_tokens,
+                           j->request.tokens_size() - done);
+    if (n > budget) continue;
     budget -= n;
     batch.push_back(EncodeInput{
         std::span<const int32_t>(j->request.tokens().data() + done, size_t(n)), j->kv.get()});

@@ -8,6 +8,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "nlohmann/json.hpp"
@@ -70,6 +71,8 @@ absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services) {
                                                  ": cannot listen (", e.what(), ")"));
     }
   }
+  // Links the health proto's descriptor into the pool reflection serves.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -117,6 +120,14 @@ void ServiceRunner::Shutdown(absl::Duration grace) {
     server_.reset();
   }
   exposer_.reset();
+}
+
+std::string ServedModelId(const std::string& dir, const std::string& flag) {
+  if (!flag.empty()) return flag;
+  std::string d = dir;
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  const size_t slash = d.rfind('/');
+  return slash == std::string::npos ? d : d.substr(slash + 1);
 }
 
 }  // namespace dgserve

@@ -60,4 +60,7 @@ class ServiceRunner {
 // "host:port" → (host, port) for civetweb/httplib; INVALID_ARGUMENT when malformed.
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address);
 
+// The served model's id: `flag` if set, else the last component of `dir`.
+std::string ServedModelId(const std::string& dir, const std::string& flag);
+
 }  // namespace dgserve

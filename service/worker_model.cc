@@ -5,14 +5,6 @@
 
 namespace dgserve {
 
-std::string ServedModelId(const std::string& dir, const std::string& flag) {
-  if (!flag.empty()) return flag;
-  std::string d = dir;
-  while (d.size() > 1 && d.back() == '/') d.pop_back();
-  const size_t slash = d.rfind('/');
-  return slash == std::string::npos ? d : d.substr(slash + 1);
-}
-
 absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
                                             const std::string& device, int64_t kv_cache_mib,
                                             int kv_block_size) {

@@ -10,6 +10,7 @@
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
 #include "kvstore/block_pool.h"
+#include "service/server.h"
 
 namespace dgserve {
 
@@ -26,9 +27,6 @@ struct WorkerModel {
 absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
                                             const std::string& device, int64_t kv_cache_mib,
                                             int kv_block_size);
-
-// The served model's id: `flag` if set, else the last component of `dir`.
-std::string ServedModelId(const std::string& dir, const std::string& flag);
 
 // Fills the KV pool part of a Stats reply (blocks by kind and state, prefix-cache counters).
 void FillPoolStats(const kv::BlockPool& pool, v1::StatsResponse* response);

@@ -185,6 +185,7 @@ absl::Status RunGenerate() {
   // Stream the text canvas by canvas; the decoder holds back a multi-byte character split across
   // two canvases until it is complete. Stops at the first stop token or at --max-tokens.
   StreamDecoder stream(tok, /*skip_special=*/true);
+  std::string streamed;  // the text as streamed, canvas by canvas
   int emitted = 0;
   bool ended = false;
   obs.on_canvas = [&](const CanvasEvent& e) {
@@ -200,6 +201,7 @@ absl::Status RunGenerate() {
       ++emitted;
     }
     const std::string text = stream.Push(take);
+    streamed += text;
     if (json_output) return;
     if (show_steps) {
       std::printf("[canvas %d committed after %d steps%s] %s\n", e.canvas, e.steps,
@@ -212,7 +214,7 @@ absl::Status RunGenerate() {
   DGSERVE_ASSIGN_OR_RETURN(GenerationResult res, gen.Generate(req, obs));
   const std::string tail = stream.Finish();
   if (json_output) {
-    nlohmann::json j = {{"text", tok.Decode(res.completion, /*skip_special=*/true)},
+    nlohmann::json j = {{"text", streamed + tail},
                         {"token_ids", res.completion},
                         {"finish_reason", res.finish_reason},
                         {"prompt_tokens", res.prompt_tokens},

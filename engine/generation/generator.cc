@@ -76,8 +76,11 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
   result.prompt_tokens = r.prompt.size();
   ContiguousKvCache kv(c, int(r.prompt.size()) + num_canvases * C);
   auto t0 = std::chrono::steady_clock::now();
-  {
-    EncodeInput in{r.prompt, &kv};
+  // Prompt prefill in chunks of kPrefillChunkTokens, as the prefill worker runs it, so that
+  // both give bit-identical KV.
+  for (size_t pos = 0; pos < r.prompt.size(); pos += kPrefillChunkTokens) {
+    const size_t n = std::min<size_t>(kPrefillChunkTokens, r.prompt.size() - pos);
+    EncodeInput in{std::span<const int32_t>(r.prompt).subspan(pos, n), &kv};
     DGSERVE_RETURN_IF_ERROR(backend_.Encode({&in, 1}));
   }
   result.prefill_seconds = SecondsSince(t0);

@@ -17,6 +17,10 @@
 
 namespace dgserve {
 
+// Prompt tokens per encoder pass of the prefill (the prefill worker's default --chunk_tokens):
+// BLAS kernels round differently for different shapes, so the same chunking gives the same KV.
+inline constexpr int kPrefillChunkTokens = 512;
+
 // A generation request in token ids. Build one with DefaultRequest() so that every parameter
 // left alone takes the checkpoint's generation_config.json value.
 struct GenerationRequest {

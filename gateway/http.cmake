@@ -1,0 +1,40 @@
+# The OpenAI-compatible HTTP front end of the gateway (included from gateway/CMakeLists.txt).
+dgserve_cc_library(NAME dgserve_stop_matcher
+  SRCS ${CMAKE_CURRENT_LIST_DIR}/stop_matcher.cc
+  DEPS absl::strings)
+
+dgserve_cc_library(NAME dgserve_openai_api
+  SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api.cc
+  DEPS dgserve_common dgserve_proto dgserve_status_convert nlohmann_json::nlohmann_json
+       absl::status absl::statusor absl::strings)
+
+dgserve_cc_library(NAME dgserve_http_server
+  SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server.cc
+  DEPS dgserve_openai_api dgserve_status_convert PkgConfig::HTTPLIB prometheus-cpp::core
+       absl::status absl::statusor absl::strings absl::time absl::synchronization Threads::Threads)
+
+if(DGSERVE_BUILD_TESTS)
+  # dgserve_cc_test, plus TEST_PREFIX "<name>." so that the ctest names carry the target name
+  # (gtest_discover_tests otherwise names tests Suite.Case only, and
+  # `ctest -R 'openai|stop_matcher'` would find none of them).
+  function(dgserve_http_cc_test)
+    cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;LABELS" ${ARGN})
+    add_executable(${A_NAME} ${A_SRCS})
+    target_include_directories(${A_NAME} PRIVATE ${PROJECT_SOURCE_DIR})
+    target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+    target_compile_options(${A_NAME} PRIVATE -Wall -Wextra -Wno-unused-parameter)
+    gtest_discover_tests(${A_NAME} TEST_PREFIX "${A_NAME}."
+      PROPERTIES LABELS "${A_LABELS}"
+        ENVIRONMENT "DGSERVE_SOURCE_DIR=${PROJECT_SOURCE_DIR};OMP_WAIT_POLICY=passive"
+      DISCOVERY_TIMEOUT 60)
+  endfunction()
+  dgserve_http_cc_test(NAME stop_matcher_test
+    SRCS ${CMAKE_CURRENT_LIST_DIR}/stop_matcher_test.cc
+    DEPS dgserve_stop_matcher LABELS unit)
+  dgserve_http_cc_test(NAME openai_api_test
+    SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api_test.cc
+    DEPS dgserve_openai_api LABELS unit)
+  dgserve_http_cc_test(NAME openai_http_server_test
+    SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server_test.cc
+    DEPS dgserve_http_server PkgConfig::HTTPLIB LABELS unit)
+endif()

@@ -1,0 +1,526 @@
+// The HTTP stack of OpenAiHttpServer against a real httplib::Client on 127.0.0.1, with a fake
+// GenerationCore (the real core is tested end to end by the gateway's own tests).
+#include "gateway/http_server.h"
+
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <prometheus/registry.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/testing/status_matchers.h"
+
+namespace dgserve {
+namespace {
+
+using ::dgserve::testing::StatusIs;
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+class FakeCore : public GenerationCore {
+ public:
+  using GenerateFn = std::function<absl::Status(
+      const v1::GenerateRequest&, absl::Time, const std::function<bool()>&, const EventCallback&)>;
+  GenerateFn generate;  // unset → INVALID_ARGUMENT("prompt: must not be empty")
+  std::atomic<bool> ready{true};
+  std::string api_key;  // "" = no keys configured
+
+  absl::Status Generate(const v1::GenerateRequest& request, absl::Time deadline,
+                        const std::function<bool()>& is_cancelled,
+                        const EventCallback& on_event) override {
+    if (generate) return generate(request, deadline, is_cancelled, on_event);
+    return absl::InvalidArgumentError("prompt: must not be empty");
+  }
+  v1::ListModelsResponse ListModels() const override {
+    v1::ListModelsResponse r;
+    v1::ModelInfo* m = r.add_models();
+    m->set_id("dg-tiny");
+    m->set_context_length(4096);
+    m->set_canvas_length(256);
+    m->set_vocab_size(512);
+    return r;
+  }
+  std::string model_id() const override { return "dg-tiny"; }
+  bool Ready() const override { return ready; }
+  absl::Status CheckApiKey(const std::string& bearer) const override {
+    if (api_key.empty() || bearer == api_key) return absl::OkStatus();
+    return absl::UnauthenticatedError("invalid API key");
+  }
+};
+
+v1::GenerateEvent Block(const std::string& text) {
+  v1::GenerateEvent e;
+  e.set_request_id("req-7");
+  e.mutable_block()->set_text(text);
+  return e;
+}
+
+v1::GenerateEvent Finished() {
+  v1::GenerateEvent e;
+  e.set_request_id("req-7");
+  e.mutable_finished()->set_finish_reason("stop");
+  e.mutable_finished()->mutable_usage()->set_prompt_tokens(3);
+  e.mutable_finished()->mutable_usage()->set_completion_tokens(2);
+  e.mutable_finished()->mutable_usage()->set_total_tokens(5);
+  return e;
+}
+
+class HttpServerTest : public ::testing::Test {
+ protected:
+  void StartServer(HttpServerOptions options = {}) {
+    server_ = std::make_unique<OpenAiHttpServer>(&core_, options, &registry_);
+    absl::StatusOr<int> port = server_->Start();
+    ASSERT_TRUE(port.ok()) << port.status();
+    port_ = *port;
+    ASSERT_GT(port_, 0);
+    EXPECT_EQ(server_->port(), port_);
+  }
+  void TearDown() override {
+    if (server_) server_->Stop();
+  }
+  httplib::Client Client() {
+    httplib::Client cli("127.0.0.1", port_);
+    cli.set_read_timeout(10, 0);
+    return cli;
+  }
+  static void ExpectErrorBody(const httplib::Result& res, int status, const std::string& type,
+                              const std::string& message_part) {
+    ASSERT_TRUE(res) << "no response";
+    EXPECT_EQ(res->status, status);
+    EXPECT_THAT(res->get_header_value("Content-Type"), HasSubstr("application/json"));
+    json j = json::parse(res->body, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << res->body;
+    ASSERT_TRUE(j.contains("error")) << res->body;
+    EXPECT_EQ(j["error"]["type"], type) << res->body;
+    EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr(message_part));
+    EXPECT_TRUE(j["error"].contains("param"));
+    EXPECT_TRUE(j["error"].contains("code"));
+  }
+
+  FakeCore core_;
+  prometheus::Registry registry_;
+  std::unique_ptr<OpenAiHttpServer> server_;
+  int port_ = 0;
+};
+
+// Payloads of the `data:` lines of an SSE body.
+std::vector<std::string> SseData(const std::string& body) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos < body.size()) {
+    size_t end = body.find("\n\n", pos);
+    if (end == std::string::npos) break;
+    std::string frame = body.substr(pos, end - pos);
+    if (frame.rfind("data: ", 0) == 0) out.push_back(frame.substr(6));
+    pos = end + 2;
+  }
+  return out;
+}
+
+TEST_F(HttpServerTest, HealthAndReady) {
+  StartServer();
+  httplib::Client cli = Client();
+  auto health = cli.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(json::parse(health->body)["status"], "ok");
+  auto ready = cli.Get("/ready");
+  ASSERT_TRUE(ready);
+  EXPECT_EQ(ready->status, 200);
+  core_.ready = false;
+  auto not_ready = cli.Get("/ready");
+  ASSERT_TRUE(not_ready);
+  EXPECT_EQ(not_ready->status, 503);
+  EXPECT_EQ(json::parse(not_ready->body)["status"], "not_ready");
+  core_.ready = true;
+  server_->SetDraining(true);
+  auto draining = cli.Get("/ready");
+  ASSERT_TRUE(draining);
+  EXPECT_EQ(draining->status, 503);
+  EXPECT_EQ(json::parse(draining->body)["status"], "draining");
+  EXPECT_EQ(cli.Get("/health")->status, 200);
+  server_->SetDraining(false);
+  EXPECT_EQ(cli.Get("/ready")->status, 200);
+}
+
+TEST_F(HttpServerTest, BadRequestBodyShape) {
+  StartServer();
+  httplib::Client cli = Client();
+  // The fake core answers INVALID_ARGUMENT("prompt: must not be empty").
+  auto res = cli.Post("/v1/completions", R"({"prompt": "hi"})", "application/json");
+  ExpectErrorBody(res, 400, "invalid_request_error", "prompt: must not be empty");
+  EXPECT_FALSE(res->get_header_value("X-Request-Id").empty());
+  // Parse errors name the field in `param`.
+  auto bad = cli.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": "x"})", "text/plain");
+  ExpectErrorBody(bad, 400, "invalid_request_error", "max_tokens: must be an integer");
+  EXPECT_EQ(json::parse(bad->body)["error"]["param"], "max_tokens");
+  auto unsupported = cli.Post(
+      "/v1/chat/completions",
+      R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true})", "application/json");
+  ExpectErrorBody(unsupported, 400, "invalid_request_error", "unsupported field: logprobs");
+  EXPECT_EQ(json::parse(unsupported->body)["error"]["param"], "logprobs");
+  ExpectErrorBody(cli.Post("/v1/completions", "{bad", "application/json"), 400,
+                  "invalid_request_error", "malformed JSON");
+  ExpectErrorBody(cli.Post("/v1/completions", "", "application/json"), 400, "invalid_request_error",
+                  "malformed JSON");
+}
+
+TEST_F(HttpServerTest, Auth) {
+  core_.api_key = "sk-1";
+  StartServer();
+  httplib::Client cli = Client();
+  auto none = cli.Post("/v1/completions", R"({"prompt": "hi"})", "application/json");
+  ExpectErrorBody(none, 401, "authentication_error", "invalid API key");
+  EXPECT_EQ(none->get_header_value("WWW-Authenticate"), "Bearer");
+  // The connection stays usable after an early answer (the body was drained).
+  EXPECT_EQ(cli.Get("/health")->status, 200);
+  EXPECT_EQ(cli.Get("/ready")->status, 200);
+  ExpectErrorBody(cli.Get("/v1/models"), 401, "authentication_error", "invalid API key");
+  ExpectErrorBody(cli.Get("/v1/models", {{"Authorization", "Bearer sk-2"}}), 401,
+                  "authentication_error", "invalid API key");
+  auto ok = cli.Get("/v1/models", {{"Authorization", "bearer  sk-1 "}});
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+  auto passed = cli.Post("/v1/completions", {{"Authorization", "Bearer sk-1"}},
+                         R"({"prompt": "hi"})", "application/json");
+  ExpectErrorBody(passed, 400, "invalid_request_error", "prompt: must not be empty");
+}
+
+TEST_F(HttpServerTest, NotFoundAndMethodNotAllowed) {
+  StartServer();
+  httplib::Client cli = Client();
+  ExpectErrorBody(cli.Get("/v2/nothing"), 404, "not_found_error", "unknown path: /v2/nothing");
+  ExpectErrorBody(cli.Post("/nothing", "{}", "application/json"), 404, "not_found_error",
+                  "unknown path");
+  auto get = cli.Get("/v1/completions");
+  ExpectErrorBody(get, 405, "invalid_request_error", "method GET not allowed");
+  EXPECT_EQ(get->get_header_value("Allow"), "POST");
+  auto post = cli.Post("/v1/models", "{}", "application/json");
+  ExpectErrorBody(post, 405, "invalid_request_error", "method POST not allowed");
+  EXPECT_EQ(post->get_header_value("Allow"), "GET, HEAD");
+  ExpectErrorBody(cli.Delete("/v1/chat/completions"), 405, "invalid_request_error", "not allowed");
+  EXPECT_EQ(cli.Get("/health")->status, 200);
+}
+
+TEST_F(HttpServerTest, BodyTooLarge) {
+  HttpServerOptions options;
+  options.max_body_bytes = 1024;
+  StartServer(options);
+  httplib::Client cli = Client();
+  const std::string big = R"({"prompt": ")" + std::string(2000, 'a') + R"("})";
+  ExpectErrorBody(cli.Post("/v1/completions", big, "application/json"), 413,
+                  "invalid_request_error", "larger than 1024 bytes");
+  // Chunked transfer encoding (no Content-Length) is capped too.
+  auto chunked = cli.Post(
+      "/v1/completions",
+      [&](size_t offset, httplib::DataSink& sink) {
+        sink.write(big.data(), big.size());
+        sink.done();
+        return true;
+      },
+      "application/json");
+  ExpectErrorBody(chunked, 413, "invalid_request_error", "larger than 1024 bytes");
+  // A small body still reaches the core.
+  ExpectErrorBody(cli.Post("/v1/completions", R"({"prompt": "x"})", "application/json"), 400,
+                  "invalid_request_error", "prompt: must not be empty");
+}
+
+// Sends raw bytes (with "Connection: close") and returns everything the server answers.
+std::string RawRequest(int port, const std::string& request) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return out;
+}
+
+TEST_F(HttpServerTest, PostWithoutBodyDoesNotHang) {
+  StartServer();
+  const std::string out =
+      RawRequest(port_, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_THAT(out, HasSubstr("HTTP/1.1 400"));
+  EXPECT_THAT(out, HasSubstr("malformed JSON"));
+  // A garbage request line gets an OpenAI error body from httplib's error path.
+  const std::string garbage = RawRequest(port_, "NONSENSE\r\n\r\n");
+  EXPECT_THAT(garbage, HasSubstr("HTTP/1.1 400"));
+  EXPECT_THAT(garbage, HasSubstr("\"error\""));
+}
+
+TEST_F(HttpServerTest, Models) {
+  StartServer();
+  httplib::Client cli = Client();
+  auto list = cli.Get("/v1/models");
+  ASSERT_TRUE(list);
+  EXPECT_EQ(list->status, 200);
+  json j = json::parse(list->body);
+  EXPECT_EQ(j["object"], "list");
+  ASSERT_EQ(j["data"].size(), 1u);
+  EXPECT_EQ(j["data"][0]["id"], "dg-tiny");
+  EXPECT_EQ(j["data"][0]["context_length"], 4096);
+  auto one = cli.Get("/v1/models/dg-tiny");
+  ASSERT_TRUE(one);
+  EXPECT_EQ(one->status, 200);
+  EXPECT_EQ(json::parse(one->body)["id"], "dg-tiny");
+  ExpectErrorBody(cli.Get("/v1/models/other"), 404, "not_found_error", "model 'other'");
+}
+
+TEST_F(HttpServerTest, NonStreamingSuccessAndRateLimit) {
+  core_.generate = [](const v1::GenerateRequest& req, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback& cb) {
+    if (req.max_tokens() == 99) return absl::ResourceExhaustedError("queue full");
+    cb(Block("Hel"));
+    cb(Block("lo"));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  httplib::Client cli = Client();
+  auto res = cli.Post("/v1/chat/completions",
+                      R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})",
+                      "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->get_header_value("X-Request-Id"), "req-7");
+  EXPECT_EQ(res->get_header_value_count("X-Request-Id"), 1u);
+  json j = json::parse(res->body);
+  EXPECT_EQ(j["id"], "chatcmpl-req-7");
+  EXPECT_EQ(j["model"], "dg-tiny");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "Hello");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["usage"]["total_tokens"], 5);
+
+  auto limited =
+      cli.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 99})", "application/json");
+  ExpectErrorBody(limited, 429, "rate_limit_error", "queue full");
+  EXPECT_EQ(limited->get_header_value("Retry-After"), "1");
+}
+
+TEST_F(HttpServerTest, RequestTimeoutHeader) {
+  std::atomic<double> seen_timeout{0};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time deadline,
+                       const std::function<bool()>&, const GenerationCore::EventCallback& cb) {
+    seen_timeout = absl::ToDoubleSeconds(deadline - absl::Now());
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  httplib::Client cli = Client();
+  auto ok = cli.Post("/v1/completions", {{"X-Request-Timeout", "2.5"}}, R"({"prompt": "x"})",
+                     "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+  EXPECT_GT(seen_timeout.load(), 1.5);
+  EXPECT_LE(seen_timeout.load(), 2.5);
+  auto dflt = cli.Post("/v1/completions", R"({"prompt": "x"})", "application/json");
+  ASSERT_TRUE(dflt);
+  EXPECT_GT(seen_timeout.load(), 500);  // the 10-minute default
+  ExpectErrorBody(cli.Post("/v1/completions", {{"X-Request-Timeout", "soon"}}, R"({"prompt": "x"})",
+                           "application/json"),
+                  400, "invalid_request_error", "X-Request-Timeout");
+  ExpectErrorBody(cli.Post("/v1/completions", {{"X-Request-Timeout", "-1"}}, R"({"prompt": "x"})",
+                           "application/json"),
+                  400, "invalid_request_error", "X-Request-Timeout");
+}
+
+TEST_F(HttpServerTest, StreamingSuccess) {
+  core_.generate = [](const v1::GenerateRequest& req, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback& cb) {
+    EXPECT_EQ(req.stream_options().canvas_step_interval(), 2);
+    v1::GenerateEvent step;
+    step.set_request_id("req-7");
+    step.mutable_canvas_step()->set_step(1);
+    if (!cb(step)) return absl::CancelledError("client gone");
+    for (int i = 0; i < 200; ++i) {  // more than the queue holds: exercises back-pressure
+      if (!cb(Block("x"))) return absl::CancelledError("client gone");
+    }
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  httplib::Client cli = Client();
+  auto res = cli.Post("/v1/chat/completions",
+                      R"({"messages": [{"role": "user", "content": "hi"}], "stream": true,
+                          "stream_options": {"include_usage": true}, "canvas_step_interval": 2})",
+                      "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_THAT(res->get_header_value("Content-Type"), HasSubstr("text/event-stream"));
+  EXPECT_EQ(res->get_header_value("Cache-Control"), "no-cache");
+  EXPECT_EQ(res->get_header_value("X-Request-Id"), "req-7");
+  std::vector<std::string> frames = SseData(res->body);
+  ASSERT_EQ(frames.size(), 1u + 200u + 1u + 1u + 1u);
+  json step = json::parse(frames[0]);
+  EXPECT_EQ(step["dgserve"]["canvas_step"]["step"], 1);
+  json first = json::parse(frames[1]);
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  std::string text;
+  for (size_t i = 1; i <= 200; ++i) {
+    text += json::parse(frames[i])["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  EXPECT_EQ(text, std::string(200, 'x'));
+  EXPECT_EQ(json::parse(frames[201])["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(json::parse(frames[202])["usage"]["total_tokens"], 5);
+  EXPECT_EQ(frames[203], "[DONE]");
+}
+
+TEST_F(HttpServerTest, StreamingErrorBeforeFirstEventIsAnHttpError) {
+  core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback&) {
+    return absl::ResourceExhaustedError("KV cache exhausted");
+  };
+  StartServer();
+  httplib::Client cli = Client();
+  auto res = cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})", "application/json");
+  ExpectErrorBody(res, 429, "rate_limit_error", "KV cache exhausted");
+  EXPECT_EQ(res->get_header_value("Retry-After"), "1");
+}
+
+TEST_F(HttpServerTest, StreamingErrorAfterFirstEventIsAnSseError) {
+  core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback& cb) {
+    cb(Block("partial"));
+    return absl::UnavailableError("denoise worker lost");
+  };
+  StartServer();
+  httplib::Client cli = Client();
+  auto res = cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  std::vector<std::string> frames = SseData(res->body);
+  ASSERT_EQ(frames.size(), 2u);
+  EXPECT_EQ(json::parse(frames[0])["choices"][0]["text"], "partial");
+  json err = json::parse(frames[1]);
+  EXPECT_EQ(err["error"]["message"], "denoise worker lost");
+  EXPECT_EQ(err["error"]["type"], "service_unavailable");
+  EXPECT_EQ(res->body.find("[DONE]"), std::string::npos);
+}
+
+TEST_F(HttpServerTest, StreamingClientDisconnectCancels) {
+  std::atomic<bool> cancelled{false};
+  std::atomic<int> sent{0};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>& c,
+                       const GenerationCore::EventCallback& cb) {
+    const std::string big(4096, 'y');
+    for (int i = 0; i < 100000; ++i) {
+      if (c() || !cb(Block(big))) {
+        cancelled = true;
+        return absl::CancelledError("client gone");
+      }
+      ++sent;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  // A raw client: send the request, read a little, close the socket.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port_));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string body = R"({"prompt": "x", "stream": true})";
+  const std::string request =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+      "Content-Type: application/json\r\nContent-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(write(fd, request.data(), request.size()), static_cast<ssize_t>(request.size()));
+  char buf[8192];
+  ssize_t n = read(fd, buf, sizeof(buf));
+  ASSERT_GT(n, 0);
+  EXPECT_THAT(std::string(buf, n), HasSubstr("200"));
+  close(fd);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!cancelled && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(cancelled.load());
+  EXPECT_LT(sent.load(), 100000);
+  // The server still serves.
+  EXPECT_EQ(Client().Get("/health")->status, 200);
+}
+
+TEST_F(HttpServerTest, StopCancelsInFlightStream) {
+  std::atomic<bool> in_generate{false};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>& c,
+                       const GenerationCore::EventCallback& cb) {
+    cb(Block("a"));
+    in_generate = true;
+    while (!c()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return absl::CancelledError("stopping");
+  };
+  StartServer();
+  std::thread client([&] {
+    httplib::Client cli = Client();
+    cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})", "application/json");
+  });
+  while (!in_generate) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  server_->Stop();  // must return: the core sees is_cancelled
+  client.join();
+  server_->Stop();  // idempotent
+}
+
+TEST_F(HttpServerTest, PortInUseAndDoubleStart) {
+  StartServer();
+  HttpServerOptions options;
+  options.port = port_;
+  OpenAiHttpServer second(&core_, options, nullptr);
+  EXPECT_THAT(second.Start(), StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_THAT(server_->Start(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  server_->Stop();
+  EXPECT_THAT(server_->Start(), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST_F(HttpServerTest, Metrics) {
+  StartServer();
+  httplib::Client cli = Client();
+  cli.Get("/health");
+  cli.Get("/health");
+  cli.Get("/nope");
+  bool found_health = false, found_other = false, found_hist = false;
+  for (const prometheus::MetricFamily& f : registry_.Collect()) {
+    if (f.name == "dgserve_gateway_http_requests_total") {
+      for (const prometheus::ClientMetric& m : f.metric) {
+        std::map<std::string, std::string> labels;
+        for (const auto& l : m.label) labels[l.name] = l.value;
+        if (labels["route"] == "/health" && labels["code"] == "200") {
+          found_health = true;
+          EXPECT_EQ(m.counter.value, 2);
+        }
+        if (labels["route"] == "other" && labels["code"] == "404") found_other = true;
+      }
+    }
+    if (f.name == "dgserve_gateway_http_request_duration_seconds") found_hist = true;
+  }
+  EXPECT_TRUE(found_health);
+  EXPECT_TRUE(found_other);
+  EXPECT_TRUE(found_hist);
+}
+
+}  // namespace
+}  // namespace dgserve

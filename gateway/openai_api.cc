@@ -1,0 +1,630 @@
+#include "gateway/openai_api.h"
+
+#include <cfloat>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "service/status_convert.h"
+
+namespace dgserve {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr int64_t kMaxTokensLimit = 1'000'000;
+constexpr size_t kMaxStops = 4;
+
+absl::Status Invalid(std::string_view field, std::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": ", std::string(what)));
+}
+
+absl::Status Unsupported(std::string_view field, std::string_view hint = {}) {
+  std::string msg = absl::StrCat("unsupported field: ", std::string(field));
+  if (!hint.empty()) absl::StrAppend(&msg, " (", std::string(hint), ")");
+  return absl::InvalidArgumentError(msg);
+}
+
+// The harmless defaults of the file comment: accepted and ignored.
+bool IsToleratedDefault(const std::string& key, const json& v) {
+  if (v.is_null()) return true;
+  if ((key == "logprobs" || key == "echo") && v.is_boolean()) return !v.get<bool>();
+  if ((key == "best_of") && v.is_number_integer()) return v.get<int64_t>() == 1;
+  if ((key == "presence_penalty" || key == "frequency_penalty") && v.is_number()) {
+    return v.get<double>() == 0.0;
+  }
+  if (key == "logit_bias" && v.is_object()) return v.empty();
+  return false;
+}
+
+absl::StatusOr<int64_t> GetInt(const json& v, std::string_view field) {
+  if (!v.is_number_integer()) return Invalid(field, "must be an integer");
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return Invalid(field, "out of range");
+    }
+    return static_cast<int64_t>(u);
+  }
+  return v.get<int64_t>();
+}
+
+absl::StatusOr<int32_t> GetInt32(const json& v, std::string_view field) {
+  absl::StatusOr<int64_t> i = GetInt(v, field);
+  if (!i.ok()) return i.status();
+  if (*i < std::numeric_limits<int32_t>::min() || *i > std::numeric_limits<int32_t>::max()) {
+    return Invalid(field, "out of range");
+  }
+  return static_cast<int32_t>(*i);
+}
+
+absl::StatusOr<float> GetFloat(const json& v, std::string_view field) {
+  if (!v.is_number()) return Invalid(field, "must be a number");
+  const double d = v.get<double>();
+  if (!std::isfinite(d) || std::fabs(d) > FLT_MAX) return Invalid(field, "out of range");
+  return static_cast<float>(d);
+}
+
+absl::StatusOr<bool> GetBool(const json& v, std::string_view field) {
+  if (!v.is_boolean()) return Invalid(field, "must be a boolean");
+  return v.get<bool>();
+}
+
+absl::StatusOr<std::string> GetString(const json& v, std::string_view field) {
+  if (!v.is_string()) return Invalid(field, "must be a string");
+  return v.get<std::string>();
+}
+
+absl::Status ParseStop(const json& v, v1::GenerateRequest* req) {
+  if (v.is_string()) {
+    if (v.get<std::string>().empty()) return Invalid("stop", "must not be empty");
+    req->add_stop(v.get<std::string>());
+    return absl::OkStatus();
+  }
+  if (!v.is_array()) return Invalid("stop", "must be a string or an array of strings");
+  if (v.size() > kMaxStops) {
+    return Invalid("stop", absl::StrCat("at most ", kMaxStops, " stop sequences are supported"));
+  }
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string field = absl::StrCat("stop[", i, "]");
+    if (!v[i].is_string()) return Invalid(field, "must be a string");
+    if (v[i].get<std::string>().empty()) return Invalid(field, "must not be empty");
+    req->add_stop(v[i].get<std::string>());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseTokenIds(const json& arr, std::string_view field, v1::GenerateRequest* req) {
+  v1::TokenIds* ids = req->mutable_token_ids();
+  for (size_t i = 0; i < arr.size(); ++i) {
+    const std::string name = absl::StrCat(std::string(field), "[", i, "]");
+    if (!arr[i].is_number_integer()) {
+      return Invalid(name,
+                     "must be an integer token id (an array prompt is one string or "
+                     "token ids)");
+    }
+    if (!arr[i].is_number_unsigned() ||
+        arr[i].get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+      return Invalid(name, "must be a token id (an integer >= 0)");
+    }
+    ids->add_ids(static_cast<int32_t>(arr[i].get<uint64_t>()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParsePrompt(const json& v, v1::GenerateRequest* req) {
+  constexpr std::string_view kSeveral =
+      "several prompts in one request are not supported (n > 1 batching is not); send one "
+      "request per prompt";
+  if (v.is_string()) {
+    if (v.get<std::string>().empty()) return Invalid("prompt", "must not be empty");
+    req->set_text(v.get<std::string>());
+    return absl::OkStatus();
+  }
+  if (!v.is_array()) {
+    return Invalid("prompt", "must be a string, an array of one string, or an array of token ids");
+  }
+  if (v.empty()) return Invalid("prompt", "must not be empty");
+  if (v[0].is_string()) {
+    if (v.size() > 1) return Invalid("prompt", kSeveral);
+    if (v[0].get<std::string>().empty()) return Invalid("prompt", "must not be empty");
+    req->set_text(v[0].get<std::string>());
+    return absl::OkStatus();
+  }
+  if (v[0].is_array()) {
+    if (v.size() > 1) return Invalid("prompt", kSeveral);
+    if (v[0].empty()) return Invalid("prompt", "must not be empty");
+    return ParseTokenIds(v[0], "prompt[0]", req);
+  }
+  return ParseTokenIds(v, "prompt", req);
+}
+
+absl::StatusOr<std::string> ParseContent(const json& v, const std::string& field) {
+  if (v.is_string()) return v.get<std::string>();
+  if (!v.is_array()) return Invalid(field, "must be a string or an array of text parts");
+  std::vector<std::string> texts;
+  for (size_t j = 0; j < v.size(); ++j) {
+    const std::string part = absl::StrCat(field, "[", j, "]");
+    const json& p = v[j];
+    if (!p.is_object()) return Invalid(part, "must be an object");
+    auto type = p.find("type");
+    if (type == p.end() || type->is_null()) return Invalid(part + ".type", "required");
+    if (!type->is_string()) return Invalid(part + ".type", "must be a string");
+    if (type->get<std::string>() != "text") {
+      return Invalid(part + ".type",
+                     absl::StrCat("unsupported content part type '", type->get<std::string>(),
+                                  "' (only \"text\" parts are supported)"));
+    }
+    std::string text;
+    bool has_text = false;
+    for (auto it = p.begin(); it != p.end(); ++it) {
+      if (it.key() == "type") continue;
+      if (it.key() == "text") {
+        DGSERVE_ASSIGN_OR_RETURN(text, GetString(it.value(), part + ".text"));
+        has_text = true;
+      } else if (!it.value().is_null()) {
+        return Unsupported(absl::StrCat(part, ".", it.key()));
+      }
+    }
+    if (!has_text) return Invalid(part + ".text", "required");
+    texts.push_back(std::move(text));
+  }
+  return absl::StrJoin(texts, "\n");
+}
+
+absl::Status ParseMessages(const json& v, v1::GenerateRequest* req) {
+  if (!v.is_array()) return Invalid("messages", "must be an array");
+  if (v.empty()) return Invalid("messages", "must not be empty");
+  v1::ChatInput* chat = req->mutable_chat();
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string field = absl::StrCat("messages[", i, "]");
+    const json& m = v[i];
+    if (!m.is_object()) return Invalid(field, "must be an object");
+    std::string role, content;
+    bool has_role = false, has_content = false;
+    for (auto it = m.begin(); it != m.end(); ++it) {
+      const std::string& key = it.key();
+      if (key == "role") {
+        if (it.value().is_null()) continue;
+        DGSERVE_ASSIGN_OR_RETURN(role, GetString(it.value(), field + ".role"));
+        has_role = true;
+      } else if (key == "content") {
+        if (it.value().is_null()) continue;
+        DGSERVE_ASSIGN_OR_RETURN(content, ParseContent(it.value(), field + ".content"));
+        has_content = true;
+      } else if (!it.value().is_null()) {
+        return Unsupported(absl::StrCat(field, ".", key));
+      }
+    }
+    if (!has_role) return Invalid(field + ".role", "required");
+    if (role == "developer") role = "system";
+    if (role != "system" && role != "user" && role != "assistant") {
+      return Invalid(field + ".role",
+                     absl::StrCat("unsupported role '", role,
+                                  "' (supported: system, developer, user, assistant)"));
+    }
+    if (!has_content) return Invalid(field + ".content", "required");
+    v1::ChatMessage* msg = chat->add_messages();
+    msg->set_role(role);
+    msg->set_content(std::move(content));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseStreamOptions(const json& v, OpenAiRequest* out) {
+  if (!v.is_object()) return Invalid("stream_options", "must be an object");
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (it.value().is_null()) continue;
+    if (it.key() == "include_usage") {
+      DGSERVE_ASSIGN_OR_RETURN(out->include_usage,
+                               GetBool(it.value(), "stream_options.include_usage"));
+    } else {
+      return Unsupported(absl::StrCat("stream_options.", it.key()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseChatTemplateKwargs(const json& v, bool* enable_thinking) {
+  if (!v.is_object()) return Invalid("chat_template_kwargs", "must be an object");
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (it.value().is_null()) continue;
+    if (it.key() == "enable_thinking") {
+      DGSERVE_ASSIGN_OR_RETURN(*enable_thinking,
+                               GetBool(it.value(), "chat_template_kwargs.enable_thinking"));
+    } else {
+      return Unsupported(absl::StrCat("chat_template_kwargs.", it.key()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<OpenAiRequest> Parse(std::string_view body, bool chat) {
+  json root;
+  try {
+    root = json::parse(body.begin(), body.end());
+  } catch (const json::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError("request body must be a JSON object");
+  }
+  OpenAiRequest out;
+  out.chat = chat;
+  v1::GenerateRequest& req = out.request;
+  v1::DiffusionControls* dc = req.mutable_diffusion();
+  bool has_input = false;
+  bool has_stream_options = false;
+  bool canvas_text = false;
+  int64_t canvas_interval = 0;
+  int64_t max_tokens = 0, max_completion_tokens = 0;
+  // enable_thinking arrives before or after messages; keep it and apply at the end.
+  bool enable_thinking = false;
+
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    const std::string& key = it.key();
+    const json& v = it.value();
+    if (v.is_null()) continue;  // null = absent, for every key
+    if (key == "model") {
+      DGSERVE_ASSIGN_OR_RETURN(out.model, GetString(v, key));
+    } else if (key == "prompt" && !chat) {
+      DGSERVE_RETURN_IF_ERROR(ParsePrompt(v, &req));
+      has_input = true;
+    } else if (key == "messages" && chat) {
+      DGSERVE_RETURN_IF_ERROR(ParseMessages(v, &req));
+      has_input = true;
+    } else if (key == "chat_template_kwargs" && chat) {
+      DGSERVE_RETURN_IF_ERROR(ParseChatTemplateKwargs(v, &enable_thinking));
+    } else if (key == "max_tokens" || key == "max_completion_tokens") {
+      int64_t n = 0;
+      DGSERVE_ASSIGN_OR_RETURN(n, GetInt(v, key));
+      if (n < 1 || n > kMaxTokensLimit) {
+        return Invalid(key, absl::StrCat("must be between 1 and ", kMaxTokensLimit));
+      }
+      (key == "max_tokens" ? max_tokens : max_completion_tokens) = n;
+    } else if (key == "stream") {
+      DGSERVE_ASSIGN_OR_RETURN(out.stream, GetBool(v, key));
+    } else if (key == "stream_options") {
+      DGSERVE_RETURN_IF_ERROR(ParseStreamOptions(v, &out));
+      has_stream_options = true;
+    } else if (key == "stop") {
+      DGSERVE_RETURN_IF_ERROR(ParseStop(v, &req));
+    } else if (key == "seed") {
+      if (!v.is_number_integer()) return Invalid(key, "must be an integer in [0, 2^64)");
+      if (!v.is_number_unsigned()) return Invalid(key, "must be >= 0");
+      req.set_seed(v.get<uint64_t>());
+    } else if (key == "temperature" || key == "top_p") {
+      if (!v.is_number()) return Invalid(key, "must be a number");
+      if (v.get<double>() != 1.0) {
+        return Invalid(key,
+                       "not supported (only null or 1): the diffusion sampler has its own "
+                       "temperature schedule; set t_min and t_max instead");
+      }
+    } else if (key == "n") {
+      int64_t n = 0;
+      DGSERVE_ASSIGN_OR_RETURN(n, GetInt(v, key));
+      if (n != 1) return Invalid(key, "only n = 1 is supported");
+    } else if (key == "user") {
+      std::string ignored;
+      DGSERVE_ASSIGN_OR_RETURN(ignored, GetString(v, key));
+    } else if (key == "max_denoising_steps") {
+      int32_t i = 0;
+      DGSERVE_ASSIGN_OR_RETURN(i, GetInt32(v, key));
+      dc->set_max_denoising_steps(i);
+    } else if (key == "stability_threshold") {
+      int32_t i = 0;
+      DGSERVE_ASSIGN_OR_RETURN(i, GetInt32(v, key));
+      dc->set_stability_threshold(i);
+    } else if (key == "entropy_bound") {
+      float f = 0;
+      DGSERVE_ASSIGN_OR_RETURN(f, GetFloat(v, key));
+      dc->set_entropy_bound(f);
+    } else if (key == "t_min") {
+      float f = 0;
+      DGSERVE_ASSIGN_OR_RETURN(f, GetFloat(v, key));
+      dc->set_t_min(f);
+    } else if (key == "t_max") {
+      float f = 0;
+      DGSERVE_ASSIGN_OR_RETURN(f, GetFloat(v, key));
+      dc->set_t_max(f);
+    } else if (key == "confidence_threshold") {
+      float f = 0;
+      DGSERVE_ASSIGN_OR_RETURN(f, GetFloat(v, key));
+      dc->set_confidence_threshold(f);
+    } else if (key == "canvas_step_interval") {
+      DGSERVE_ASSIGN_OR_RETURN(canvas_interval, GetInt32(v, key));
+      if (canvas_interval < 0) return Invalid(key, "must be >= 0");
+    } else if (key == "canvas_text") {
+      DGSERVE_ASSIGN_OR_RETURN(canvas_text, GetBool(v, key));
+    } else if (IsToleratedDefault(key, v)) {
+      continue;
+    } else if (key == "messages") {
+      return Unsupported(key, "this endpoint takes a prompt; use /v1/chat/completions");
+    } else if (key == "prompt") {
+      return Unsupported(key, "this endpoint takes messages; use /v1/completions");
+    } else {
+      return Unsupported(key);
+    }
+  }
+
+  if (!has_input) return Invalid(chat ? "messages" : "prompt", "required");
+  if (chat && enable_thinking) req.mutable_chat()->set_enable_thinking(true);
+  if (max_tokens != 0 && max_completion_tokens != 0 && max_tokens != max_completion_tokens) {
+    return Invalid("max_completion_tokens", "differs from max_tokens; set only one of them");
+  }
+  req.set_max_tokens(static_cast<int32_t>(max_tokens != 0 ? max_tokens : max_completion_tokens));
+  if (has_stream_options && !out.stream) {
+    return Invalid("stream_options", "only allowed when stream is true");
+  }
+  if (canvas_interval > 0 && !out.stream) {
+    return Invalid("canvas_step_interval", "canvas steps are only sent when stream is true");
+  }
+  if (canvas_text && canvas_interval == 0) {
+    return Invalid("canvas_text", "requires canvas_step_interval > 0");
+  }
+  req.mutable_stream_options()->set_canvas_step_interval(static_cast<int32_t>(canvas_interval));
+  req.mutable_stream_options()->set_canvas_text(canvas_text);
+  req.set_model(out.model);
+  return out;
+}
+
+// The shortest decimal that reads back as `f`, as a double (0.1f → 0.1, not 0.100000001…).
+double ShortFloat(float f) {
+  if (!std::isfinite(f)) return static_cast<double>(f);
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf) - 1, f);
+  if (ec != std::errc()) return static_cast<double>(f);
+  *end = '\0';
+  return std::strtod(buf, nullptr);
+}
+
+std::string Dump(const json& j) {
+  // Replace invalid UTF-8 (a canvas text can end inside a character) instead of throwing.
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+json UsageObject(const v1::Usage& u) {
+  const v1::Timings& t = u.timings();
+  return json{
+      {"prompt_tokens", u.prompt_tokens()},
+      {"completion_tokens", u.completion_tokens()},
+      {"total_tokens", u.total_tokens()},
+      {"prompt_tokens_details", {{"cached_tokens", u.cached_prompt_tokens()}}},
+      {"dgserve",
+       {{"cached_prompt_tokens", u.cached_prompt_tokens()},
+        {"canvases", u.canvases()},
+        {"denoising_steps", u.denoising_steps()},
+        {"timings",
+         {{"queue_seconds", t.queue_seconds()},
+          {"prefill_seconds", t.prefill_seconds()},
+          {"transfer_seconds", t.transfer_seconds()},
+          {"first_step_seconds", t.first_step_seconds()},
+          {"first_block_seconds", t.first_block_seconds()},
+          {"denoise_seconds", t.denoise_seconds()},
+          {"commit_seconds", t.commit_seconds()},
+          {"total_seconds", t.total_seconds()}}}}},
+  };
+}
+
+json NullOr(std::string_view s) { return s.empty() ? json(nullptr) : json(std::string(s)); }
+
+json Envelope(const ResponseContext& ctx, bool chunk) {
+  const char* object =
+      ctx.chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion";
+  return json{{"id", absl::StrCat(ctx.chat ? "chatcmpl-" : "cmpl-", ctx.request_id)},
+              {"object", object},
+              {"created", ctx.created},
+              {"model", ctx.model}};
+}
+
+}  // namespace
+
+absl::StatusOr<OpenAiRequest> ParseCompletionsRequest(std::string_view body) {
+  return Parse(body, /*chat=*/false);
+}
+
+absl::StatusOr<OpenAiRequest> ParseChatCompletionsRequest(std::string_view body) {
+  return Parse(body, /*chat=*/true);
+}
+
+std::string ErrorParam(const absl::Status& status) {
+  const std::string message(status.message());
+  std::string_view msg = message;
+  constexpr std::string_view kUnsupported = "unsupported field: ";
+  if (msg.substr(0, kUnsupported.size()) == kUnsupported) {
+    std::string_view rest = msg.substr(kUnsupported.size());
+    return std::string(rest.substr(0, rest.find(' ')));
+  }
+  const size_t colon = msg.find(": ");
+  if (colon == std::string_view::npos || colon == 0) return "";
+  std::string_view head = msg.substr(0, colon);
+  if (head.find(' ') != std::string_view::npos) return "";
+  return std::string(head);
+}
+
+std::string CompletionResponseJson(const ResponseContext& ctx, std::string_view text,
+                                   std::string_view finish_reason, const v1::Usage& usage) {
+  ResponseContext c = ctx;
+  c.chat = false;
+  json j = Envelope(c, /*chunk=*/false);
+  j["choices"] = json::array({json{{"index", 0},
+                                   {"text", std::string(text)},
+                                   {"logprobs", nullptr},
+                                   {"finish_reason", NullOr(finish_reason)}}});
+  j["usage"] = UsageObject(usage);
+  return Dump(j);
+}
+
+std::string ChatCompletionResponseJson(const ResponseContext& ctx, std::string_view content,
+                                       std::string_view finish_reason, const v1::Usage& usage) {
+  ResponseContext c = ctx;
+  c.chat = true;
+  json j = Envelope(c, /*chunk=*/false);
+  j["choices"] =
+      json::array({json{{"index", 0},
+                        {"message", {{"role", "assistant"}, {"content", std::string(content)}}},
+                        {"logprobs", nullptr},
+                        {"finish_reason", NullOr(finish_reason)}}});
+  j["usage"] = UsageObject(usage);
+  return Dump(j);
+}
+
+std::string CompletionChunkJson(const ResponseContext& ctx, std::string_view text,
+                                std::string_view finish_reason) {
+  ResponseContext c = ctx;
+  c.chat = false;
+  json j = Envelope(c, /*chunk=*/true);
+  j["choices"] = json::array({json{{"index", 0},
+                                   {"text", std::string(text)},
+                                   {"logprobs", nullptr},
+                                   {"finish_reason", NullOr(finish_reason)}}});
+  return Dump(j);
+}
+
+std::string ChatChunkJson(const ResponseContext& ctx, std::string_view content, bool with_role,
+                          std::string_view finish_reason) {
+  ResponseContext c = ctx;
+  c.chat = true;
+  json j = Envelope(c, /*chunk=*/true);
+  json delta = json::object();
+  if (with_role) delta["role"] = "assistant";
+  if (with_role || !content.empty()) delta["content"] = std::string(content);
+  j["choices"] = json::array({json{{"index", 0},
+                                   {"delta", std::move(delta)},
+                                   {"logprobs", nullptr},
+                                   {"finish_reason", NullOr(finish_reason)}}});
+  return Dump(j);
+}
+
+std::string UsageChunkJson(const ResponseContext& ctx, const v1::Usage& usage) {
+  json j = Envelope(ctx, /*chunk=*/true);
+  j["choices"] = json::array();
+  j["usage"] = UsageObject(usage);
+  return Dump(j);
+}
+
+std::string CanvasStepChunkJson(const ResponseContext& ctx, const v1::CanvasStep& step) {
+  json j = Envelope(ctx, /*chunk=*/true);
+  json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  if (ctx.chat) {
+    choice["delta"] = json::object();
+  } else {
+    choice["text"] = "";
+  }
+  j["choices"] = json::array({std::move(choice)});
+  json ids = json::array();
+  for (int32_t id : step.token_ids()) ids.push_back(id);
+  j["dgserve"] = {{"canvas_step",
+                   {{"canvas", step.canvas()},
+                    {"step", step.step()},
+                    {"token_ids", std::move(ids)},
+                    {"text", step.text()},
+                    {"accepted", step.accepted()},
+                    {"mean_entropy", ShortFloat(step.mean_entropy())},
+                    {"temperature", ShortFloat(step.temperature())}}}};
+  return Dump(j);
+}
+
+namespace {
+json ModelObject(const v1::ModelInfo& m, int64_t created) {
+  return json{{"id", m.id()},
+              {"object", "model"},
+              {"created", created},
+              {"owned_by", "dgserve"},
+              {"context_length", m.context_length()},
+              {"dgserve", {{"canvas_length", m.canvas_length()}, {"vocab_size", m.vocab_size()}}}};
+}
+}  // namespace
+
+std::string ModelsListJson(const v1::ListModelsResponse& models, int64_t created) {
+  json data = json::array();
+  for (const v1::ModelInfo& m : models.models()) data.push_back(ModelObject(m, created));
+  return Dump(json{{"object", "list"}, {"data", std::move(data)}});
+}
+
+std::string ModelJson(const v1::ModelInfo& model, int64_t created) {
+  return Dump(ModelObject(model, created));
+}
+
+std::string SseEvent(std::string_view json_text) {
+  return absl::StrCat("data: ", std::string(json_text), "\n\n");
+}
+
+std::string SseDone() { return "data: [DONE]\n\n"; }
+
+void ResponseAccumulator::OnEvent(const v1::GenerateEvent& event) {
+  if (request_id_.empty() && !event.request_id().empty()) request_id_ = event.request_id();
+  switch (event.event_case()) {
+    case v1::GenerateEvent::kBlock:
+      text_ += event.block().text();
+      break;
+    case v1::GenerateEvent::kFinished:
+      finished_ = true;
+      finish_reason_ = event.finished().finish_reason();
+      usage_ = event.finished().usage();
+      break;
+    default:
+      break;
+  }
+}
+
+std::string ResponseAccumulator::Json(ResponseContext ctx) const {
+  if (!request_id_.empty()) ctx.request_id = request_id_;
+  return ctx.chat ? ChatCompletionResponseJson(ctx, text_, finish_reason_, usage_)
+                  : CompletionResponseJson(ctx, text_, finish_reason_, usage_);
+}
+
+StreamFormatter::StreamFormatter(ResponseContext ctx, bool include_usage)
+    : ctx_(std::move(ctx)), include_usage_(include_usage) {}
+
+std::string StreamFormatter::OnEvent(const v1::GenerateEvent& event) {
+  if (!event.request_id().empty() && !id_adopted_) {
+    ctx_.request_id = event.request_id();
+    id_adopted_ = true;
+  }
+  switch (event.event_case()) {
+    case v1::GenerateEvent::kCanvasStep:
+      return SseEvent(CanvasStepChunkJson(ctx_, event.canvas_step()));
+    case v1::GenerateEvent::kBlock: {
+      const std::string& text = event.block().text();
+      if (text.empty()) return "";
+      if (!ctx_.chat) return SseEvent(CompletionChunkJson(ctx_, text));
+      const bool with_role = !role_sent_;
+      role_sent_ = true;
+      return SseEvent(ChatChunkJson(ctx_, text, with_role));
+    }
+    case v1::GenerateEvent::kFinished: {
+      finished_ = true;
+      const std::string& reason = event.finished().finish_reason();
+      std::string out;
+      if (ctx_.chat) {
+        const bool with_role = !role_sent_;
+        role_sent_ = true;
+        out = SseEvent(ChatChunkJson(ctx_, "", with_role, reason.empty() ? "stop" : reason));
+      } else {
+        out = SseEvent(CompletionChunkJson(ctx_, "", reason.empty() ? "stop" : reason));
+      }
+      if (include_usage_) out += SseEvent(UsageChunkJson(ctx_, event.finished().usage()));
+      return out;
+    }
+    default:
+      return "";
+  }
+}
+
+std::string StreamFormatter::OnEnd(const absl::Status& status) {
+  if (status.ok() && finished_) return SseDone();
+  absl::Status error = status.ok() ? absl::InternalError(
+                                         "the stream ended without a finish "
+                                         "event")
+                                   : status;
+  return SseEvent(OpenAiErrorBody(error, ErrorParam(error)));
+}
+
+}  // namespace dgserve

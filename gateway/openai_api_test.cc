@@ -1,0 +1,630 @@
+#include "gateway/openai_api.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/testing/status_matchers.h"
+
+namespace dgserve {
+namespace {
+
+using ::dgserve::testing::IsOk;
+using ::dgserve::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+using json = nlohmann::json;
+
+OpenAiRequest ParseOk(const std::string& body, bool chat = false) {
+  absl::StatusOr<OpenAiRequest> r =
+      chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
+  EXPECT_THAT(r, IsOk()) << body;
+  return r.ok() ? *r : OpenAiRequest{};
+}
+
+// Expects INVALID_ARGUMENT whose message starts with `prefix` (the field name).
+void ExpectError(const std::string& body, const std::string& prefix, bool chat = false) {
+  absl::StatusOr<OpenAiRequest> r =
+      chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
+  EXPECT_THAT(r, StatusIs(absl::StatusCode::kInvalidArgument, StartsWith(prefix))) << body;
+}
+
+// ---------------------------------------------------------------- completions: accepted forms
+
+TEST(ParseCompletionsTest, MinimalStringPrompt) {
+  OpenAiRequest r = ParseOk(R"({"prompt": "Hello"})");
+  EXPECT_EQ(r.request.text(), "Hello");
+  EXPECT_EQ(r.model, "");
+  EXPECT_EQ(r.request.model(), "");
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.include_usage);
+  EXPECT_FALSE(r.chat);
+  EXPECT_EQ(r.request.max_tokens(), 0);
+  EXPECT_FALSE(r.request.has_seed());
+  EXPECT_EQ(r.request.stop_size(), 0);
+  EXPECT_FALSE(r.request.diffusion().has_t_min());
+  EXPECT_EQ(r.request.stream_options().canvas_step_interval(), 0);
+}
+
+TEST(ParseCompletionsTest, ArrayOfOneString) {
+  EXPECT_EQ(ParseOk(R"({"prompt": ["Hi there"]})").request.text(), "Hi there");
+}
+
+TEST(ParseCompletionsTest, TokenIdsPrompt) {
+  OpenAiRequest r = ParseOk(R"({"prompt": [2, 100, 2147483647]})");
+  ASSERT_TRUE(r.request.has_token_ids());
+  EXPECT_THAT(r.request.token_ids().ids(), ElementsAre(2, 100, 2147483647));
+  OpenAiRequest r2 = ParseOk(R"({"prompt": [[5, 6]]})");
+  EXPECT_THAT(r2.request.token_ids().ids(), ElementsAre(5, 6));
+}
+
+TEST(ParseCompletionsTest, AllSupportedFields) {
+  OpenAiRequest r = ParseOk(R"({
+    "model": "diffusiongemma", "prompt": "x", "max_tokens": 64, "stream": true,
+    "stream_options": {"include_usage": true}, "stop": ["END", "\n\n"], "seed": 18446744073709551615,
+    "temperature": 1, "top_p": 1.0, "n": 1, "user": "u1",
+    "max_denoising_steps": 32, "entropy_bound": 0.5, "t_min": 0.1, "t_max": 2,
+    "confidence_threshold": 1.25, "stability_threshold": 3, "canvas_step_interval": 4,
+    "canvas_text": true})");
+  EXPECT_EQ(r.model, "diffusiongemma");
+  EXPECT_EQ(r.request.model(), "diffusiongemma");
+  EXPECT_EQ(r.request.max_tokens(), 64);
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage);
+  EXPECT_THAT(r.request.stop(), ElementsAre("END", "\n\n"));
+  ASSERT_TRUE(r.request.has_seed());
+  EXPECT_EQ(r.request.seed(), 18446744073709551615ull);
+  const v1::DiffusionControls& d = r.request.diffusion();
+  EXPECT_EQ(d.max_denoising_steps(), 32);
+  EXPECT_FLOAT_EQ(d.entropy_bound(), 0.5f);
+  EXPECT_FLOAT_EQ(d.t_min(), 0.1f);
+  EXPECT_FLOAT_EQ(d.t_max(), 2.0f);
+  EXPECT_FLOAT_EQ(d.confidence_threshold(), 1.25f);
+  EXPECT_EQ(d.stability_threshold(), 3);
+  EXPECT_EQ(r.request.stream_options().canvas_step_interval(), 4);
+  EXPECT_TRUE(r.request.stream_options().canvas_text());
+}
+
+TEST(ParseCompletionsTest, StopAsString) {
+  EXPECT_THAT(ParseOk(R"({"prompt": "x", "stop": "###"})").request.stop(), ElementsAre("###"));
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "stop": []})").request.stop_size(), 0);
+}
+
+TEST(ParseCompletionsTest, SeedZeroAndMaxCompletionTokens) {
+  OpenAiRequest r = ParseOk(R"({"prompt": "x", "seed": 0, "max_completion_tokens": 1000000})");
+  ASSERT_TRUE(r.request.has_seed());
+  EXPECT_EQ(r.request.seed(), 0u);
+  EXPECT_EQ(r.request.max_tokens(), 1000000);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "max_tokens": 7, "max_completion_tokens": 7})")
+                .request.max_tokens(),
+            7);
+}
+
+TEST(ParseCompletionsTest, NullsAndToleratedDefaults) {
+  OpenAiRequest r = ParseOk(R"({
+    "prompt": "x", "model": null, "max_tokens": null, "stop": null, "seed": null,
+    "temperature": null, "top_p": null, "stream_options": null, "suffix": null,
+    "logprobs": false, "echo": false, "n": 1, "best_of": 1, "presence_penalty": 0,
+    "frequency_penalty": 0.0, "logit_bias": {}, "response_format": null, "user": null})");
+  EXPECT_EQ(r.request.text(), "x");
+  EXPECT_EQ(r.request.max_tokens(), 0);
+  EXPECT_FALSE(r.request.has_seed());
+}
+
+TEST(ParseCompletionsTest, StreamFalseWithoutOptions) {
+  OpenAiRequest r = ParseOk(R"({"prompt": "x", "stream": false})");
+  EXPECT_FALSE(r.stream);
+}
+
+// ---------------------------------------------------------------- completions: rejections
+
+TEST(ParseCompletionsTest, MalformedJson) {
+  ExpectError(R"({"prompt": )", "malformed JSON: ");
+  ExpectError("", "malformed JSON: ");
+  ExpectError(R"({"prompt": "x"} trailing)", "malformed JSON: ");
+}
+
+TEST(ParseCompletionsTest, NotAnObject) {
+  ExpectError(R"(["prompt"])", "request body must be a JSON object");
+  ExpectError(R"("x")", "request body must be a JSON object");
+}
+
+TEST(ParseCompletionsTest, PromptRejections) {
+  ExpectError(R"({})", "prompt: required");
+  ExpectError(R"({"prompt": null})", "prompt: required");
+  ExpectError(R"({"prompt": ""})", "prompt: must not be empty");
+  ExpectError(R"({"prompt": []})", "prompt: must not be empty");
+  ExpectError(R"({"prompt": [""]})", "prompt: must not be empty");
+  ExpectError(R"({"prompt": [[]]})", "prompt: must not be empty");
+  ExpectError(R"({"prompt": ["a", "b"]})", "prompt: several prompts");
+  ExpectError(R"({"prompt": [[1], [2]]})", "prompt: several prompts");
+  ExpectError(R"({"prompt": [1, "a"]})", "prompt[1]: must be an integer token id");
+  ExpectError(R"({"prompt": [1, -2]})", "prompt[1]: must be a token id");
+  ExpectError(R"({"prompt": [1, 2.5]})", "prompt[1]: must be an integer");
+  ExpectError(R"({"prompt": [4294967296]})", "prompt[0]: must be a token id");
+  ExpectError(R"({"prompt": [[1, "x"]]})", "prompt[0][1]: must be an integer");
+  ExpectError(R"({"prompt": 5})", "prompt: must be a string");
+  ExpectError(R"({"prompt": {"text": "x"}})", "prompt: must be a string");
+}
+
+TEST(ParseCompletionsTest, MaxTokensRejections) {
+  ExpectError(R"({"prompt": "x", "max_tokens": "5"})", "max_tokens: must be an integer");
+  ExpectError(R"({"prompt": "x", "max_tokens": 5.5})", "max_tokens: must be an integer");
+  ExpectError(R"({"prompt": "x", "max_tokens": 0})", "max_tokens: must be between 1 and");
+  ExpectError(R"({"prompt": "x", "max_tokens": -3})", "max_tokens: must be between 1 and");
+  ExpectError(R"({"prompt": "x", "max_tokens": 1000001})", "max_tokens: must be between");
+  ExpectError(R"({"prompt": "x", "max_tokens": 99999999999999999999})",
+              "max_tokens: must be an integer");
+  ExpectError(R"({"prompt": "x", "max_tokens": 18446744073709551615})", "max_tokens: out of");
+  ExpectError(R"({"prompt": "x", "max_completion_tokens": 0})", "max_completion_tokens: must");
+  ExpectError(R"({"prompt": "x", "max_tokens": 5, "max_completion_tokens": 6})",
+              "max_completion_tokens: differs");
+}
+
+TEST(ParseCompletionsTest, StreamRejections) {
+  ExpectError(R"({"prompt": "x", "stream": "true"})", "stream: must be a boolean");
+  ExpectError(R"({"prompt": "x", "stream": 1})", "stream: must be a boolean");
+  ExpectError(R"({"prompt": "x", "stream_options": {"include_usage": true}})",
+              "stream_options: only allowed when stream is true");
+  ExpectError(R"({"prompt": "x", "stream": true, "stream_options": []})",
+              "stream_options: must be an object");
+  ExpectError(R"({"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}})",
+              "stream_options.include_usage: must be a boolean");
+  ExpectError(
+      R"({"prompt": "x", "stream": true, "stream_options": {"continuous_usage_stats": true}})",
+      "unsupported field: stream_options.continuous_usage_stats");
+}
+
+TEST(ParseCompletionsTest, StopRejections) {
+  ExpectError(R"({"prompt": "x", "stop": ""})", "stop: must not be empty");
+  ExpectError(R"({"prompt": "x", "stop": ["a", ""]})", "stop[1]: must not be empty");
+  ExpectError(R"({"prompt": "x", "stop": ["a", 3]})", "stop[1]: must be a string");
+  ExpectError(R"({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]})", "stop: at most 4");
+  ExpectError(R"({"prompt": "x", "stop": 7})", "stop: must be a string or an array");
+}
+
+TEST(ParseCompletionsTest, SeedRejections) {
+  ExpectError(R"({"prompt": "x", "seed": -1})", "seed: must be >= 0");
+  ExpectError(R"({"prompt": "x", "seed": 1.5})", "seed: must be an integer");
+  ExpectError(R"({"prompt": "x", "seed": "42"})", "seed: must be an integer");
+  ExpectError(R"({"prompt": "x", "seed": 18446744073709551616})", "seed: must be an integer");
+}
+
+TEST(ParseCompletionsTest, SamplingRejections) {
+  ExpectError(R"({"prompt": "x", "temperature": 0.7})", "temperature: not supported");
+  ExpectError(R"({"prompt": "x", "temperature": 0})", "temperature: not supported");
+  ExpectError(R"({"prompt": "x", "temperature": "hot"})", "temperature: must be a number");
+  ExpectError(R"({"prompt": "x", "top_p": 0.9})", "top_p: not supported");
+  absl::StatusOr<OpenAiRequest> r = ParseCompletionsRequest(R"({"prompt": "x", "temperature": 2})");
+  EXPECT_THAT(r, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("t_min and t_max")));
+  ExpectError(R"({"prompt": "x", "n": 2})", "n: only n = 1");
+  ExpectError(R"({"prompt": "x", "n": "1"})", "n: must be an integer");
+  ExpectError(R"({"prompt": "x", "user": 5})", "user: must be a string");
+  ExpectError(R"({"prompt": "x", "model": 5})", "model: must be a string");
+}
+
+TEST(ParseCompletionsTest, UnsupportedFields) {
+  for (const char* field :
+       {R"("logprobs": 5)", R"("logprobs": true)", R"("logprobs": 0)", R"("top_logprobs": 2)",
+        R"("echo": true)", R"("best_of": 3)", R"("suffix": "s")", R"("presence_penalty": 0.5)",
+        R"("frequency_penalty": -1)", R"("logit_bias": {"50256": -100})",
+        R"("response_format": {"type": "json_object"})", R"("tools": [])",
+        R"("tool_choice": "auto")", R"("functions": [])", R"("whatever": 1)",
+        R"("chat_template_kwargs": {"enable_thinking": true})"}) {
+    const std::string body = std::string(R"({"prompt": "x", )") + field + "}";
+    const std::string name = json::parse(std::string("{") + field + "}").begin().key();
+    ExpectError(body, "unsupported field: " + name);
+  }
+  ExpectError(R"({"prompt": "x", "messages": []})", "unsupported field: messages (this endpoint");
+}
+
+TEST(ParseCompletionsTest, DiffusionControlTypeChecks) {
+  ExpectError(R"({"prompt": "x", "max_denoising_steps": 1.5})",
+              "max_denoising_steps: must be an integer");
+  ExpectError(R"({"prompt": "x", "max_denoising_steps": 3000000000})",
+              "max_denoising_steps: out of range");
+  ExpectError(R"({"prompt": "x", "stability_threshold": "3"})",
+              "stability_threshold: must be an integer");
+  ExpectError(R"({"prompt": "x", "entropy_bound": "0.5"})", "entropy_bound: must be a number");
+  ExpectError(R"({"prompt": "x", "t_min": true})", "t_min: must be a number");
+  ExpectError(R"({"prompt": "x", "t_max": [1]})", "t_max: must be a number");
+  ExpectError(R"({"prompt": "x", "t_max": 1e300})", "t_max: out of range");
+  ExpectError(R"({"prompt": "x", "confidence_threshold": {}})",
+              "confidence_threshold: must be a number");
+  ExpectError(R"({"prompt": "x", "stream": true, "canvas_step_interval": -1})",
+              "canvas_step_interval: must be >= 0");
+  ExpectError(R"({"prompt": "x", "stream": true, "canvas_step_interval": 1.0})",
+              "canvas_step_interval: must be an integer");
+  ExpectError(R"({"prompt": "x", "canvas_step_interval": 2})",
+              "canvas_step_interval: canvas steps are only sent when stream is true");
+  ExpectError(R"({"prompt": "x", "stream": true, "canvas_text": true})",
+              "canvas_text: requires canvas_step_interval > 0");
+  ExpectError(R"({"prompt": "x", "stream": true, "canvas_text": 1})",
+              "canvas_text: must be a boolean");
+  // Range checks are the core's: a negative entropy bound passes the type check here.
+  EXPECT_FLOAT_EQ(
+      ParseOk(R"({"prompt": "x", "entropy_bound": -1})").request.diffusion().entropy_bound(),
+      -1.0f);
+}
+
+// ---------------------------------------------------------------- chat
+
+TEST(ParseChatTest, StringAndPartsContent) {
+  OpenAiRequest r = ParseOk(R"({"model": "m", "messages": [
+      {"role": "developer", "content": "Be brief."},
+      {"role": "system", "content": [{"type": "text", "text": "Really."}]},
+      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+      {"role": "assistant", "content": "ok", "name": null},
+      {"role": "user", "content": []}]})",
+                            /*chat=*/true);
+  EXPECT_TRUE(r.chat);
+  ASSERT_TRUE(r.request.has_chat());
+  const v1::ChatInput& c = r.request.chat();
+  ASSERT_EQ(c.messages_size(), 5);
+  EXPECT_EQ(c.messages(0).role(), "system");
+  EXPECT_EQ(c.messages(0).content(), "Be brief.");
+  EXPECT_EQ(c.messages(1).role(), "system");
+  EXPECT_EQ(c.messages(1).content(), "Really.");
+  EXPECT_EQ(c.messages(2).role(), "user");
+  EXPECT_EQ(c.messages(2).content(), "a\nb");
+  EXPECT_EQ(c.messages(3).role(), "assistant");
+  EXPECT_EQ(c.messages(4).content(), "");
+  EXPECT_FALSE(c.enable_thinking());
+}
+
+TEST(ParseChatTest, EnableThinkingInEitherOrder) {
+  OpenAiRequest a = ParseOk(
+      R"({"chat_template_kwargs": {"enable_thinking": true},
+          "messages": [{"role": "user", "content": "hi"}]})",
+      true);
+  EXPECT_TRUE(a.request.chat().enable_thinking());
+  OpenAiRequest b = ParseOk(
+      R"({"messages": [{"role": "user", "content": "hi"}],
+          "chat_template_kwargs": {"enable_thinking": false}, "max_completion_tokens": 9,
+          "stream": true, "stream_options": {"include_usage": false}})",
+      true);
+  EXPECT_FALSE(b.request.chat().enable_thinking());
+  EXPECT_EQ(b.request.max_tokens(), 9);
+  EXPECT_TRUE(b.stream);
+  EXPECT_FALSE(b.include_usage);
+}
+
+TEST(ParseChatTest, Rejections) {
+  ExpectError(R"({})", "messages: required", true);
+  ExpectError(R"({"messages": []})", "messages: must not be empty", true);
+  ExpectError(R"({"messages": {}})", "messages: must be an array", true);
+  ExpectError(R"({"messages": ["hi"]})", "messages[0]: must be an object", true);
+  ExpectError(R"({"messages": [{"content": "hi"}]})", "messages[0].role: required", true);
+  ExpectError(R"({"messages": [{"role": "user"}]})", "messages[0].content: required", true);
+  ExpectError(R"({"messages": [{"role": 1, "content": "x"}]})",
+              "messages[0].role: must be a string", true);
+  ExpectError(
+      R"({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]})",
+      "messages[1].role: unsupported role 'tool'", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": 5}]})",
+              "messages[0].content: must be a string or an array", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": [
+                  {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}]})",
+              "messages[0].content[1].type: unsupported content part type 'image_url'", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": [{"text": "a"}]}]})",
+              "messages[0].content[0].type: required", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": [{"type": "text"}]}]})",
+              "messages[0].content[0].text: required", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]})",
+              "messages[0].content[0].text: must be a string", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": ["a"]}]})",
+              "messages[0].content[0]: must be an object", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": "x", "name": "bob"}]})",
+              "unsupported field: messages[0].name", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": "x"}], "prompt": "p"})",
+              "unsupported field: prompt (this endpoint takes messages", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": "x"}], "tools": [{}]})",
+              "unsupported field: tools", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": "x"}],
+                  "chat_template_kwargs": {"enable_thinking": "yes"}})",
+              "chat_template_kwargs.enable_thinking: must be a boolean", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": "x"}],
+                  "chat_template_kwargs": {"add_generation_prompt": false}})",
+              "unsupported field: chat_template_kwargs.add_generation_prompt", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 1})",
+              "chat_template_kwargs: must be an object", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})",
+              "max_tokens: must be between", true);
+}
+
+TEST(ErrorParamTest, ExtractsFieldNames) {
+  auto param = [](const std::string& body, bool chat = false) {
+    absl::StatusOr<OpenAiRequest> r =
+        chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
+    return r.ok() ? std::string("<ok>") : ErrorParam(r.status());
+  };
+  EXPECT_EQ(param(R"({"prompt": "x", "max_tokens": "a"})"), "max_tokens");
+  EXPECT_EQ(param(R"({"prompt": "x", "logprobs": 3})"), "logprobs");
+  EXPECT_EQ(param(R"({"prompt": "x", "messages": 3})"), "messages");
+  EXPECT_EQ(param(R"({"messages": [{"role": "user", "content": [{"type": "audio"}]}]})", true),
+            "messages[0].content[0].type");
+  EXPECT_EQ(param(R"({"prompt": )"), "");
+  EXPECT_EQ(param(R"([])"), "");
+  EXPECT_EQ(ErrorParam(absl::UnavailableError("no healthy worker")), "");
+}
+
+// ---------------------------------------------------------------- formatting
+
+v1::Usage SampleUsage() {
+  v1::Usage u;
+  u.set_prompt_tokens(10);
+  u.set_completion_tokens(5);
+  u.set_total_tokens(15);
+  u.set_cached_prompt_tokens(4);
+  u.set_canvases(2);
+  u.set_denoising_steps(17);
+  u.mutable_timings()->set_queue_seconds(0.25);
+  u.mutable_timings()->set_total_seconds(1.5);
+  return u;
+}
+
+void ExpectUsage(const json& u) {
+  EXPECT_EQ(u["prompt_tokens"], 10);
+  EXPECT_EQ(u["completion_tokens"], 5);
+  EXPECT_EQ(u["total_tokens"], 15);
+  EXPECT_EQ(u["prompt_tokens_details"]["cached_tokens"], 4);
+  EXPECT_EQ(u["dgserve"]["cached_prompt_tokens"], 4);
+  EXPECT_EQ(u["dgserve"]["canvases"], 2);
+  EXPECT_EQ(u["dgserve"]["denoising_steps"], 17);
+  EXPECT_DOUBLE_EQ(u["dgserve"]["timings"]["queue_seconds"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(u["dgserve"]["timings"]["total_seconds"].get<double>(), 1.5);
+  EXPECT_TRUE(u["dgserve"]["timings"].contains("prefill_seconds"));
+  EXPECT_TRUE(u["dgserve"]["timings"].contains("first_block_seconds"));
+}
+
+ResponseContext Ctx(bool chat) { return ResponseContext{"r42", "dg-tiny", 1700000000, chat}; }
+
+TEST(FormatTest, CompletionResponse) {
+  json j = json::parse(CompletionResponseJson(Ctx(false), "Hello", "length", SampleUsage()));
+  EXPECT_EQ(j["id"], "cmpl-r42");
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["created"], 1700000000);
+  EXPECT_EQ(j["model"], "dg-tiny");
+  ASSERT_EQ(j["choices"].size(), 1u);
+  EXPECT_EQ(j["choices"][0]["index"], 0);
+  EXPECT_EQ(j["choices"][0]["text"], "Hello");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(j["choices"][0]["logprobs"].is_null());
+  ExpectUsage(j["usage"]);
+}
+
+TEST(FormatTest, ChatResponse) {
+  json j = json::parse(ChatCompletionResponseJson(Ctx(true), "Hi \xC3\xA9", "stop", SampleUsage()));
+  EXPECT_EQ(j["id"], "chatcmpl-r42");
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "Hi \xC3\xA9");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(j["choices"][0]["logprobs"].is_null());
+  ExpectUsage(j["usage"]);
+}
+
+TEST(FormatTest, CompletionChunks) {
+  json delta = json::parse(CompletionChunkJson(Ctx(false), "abc"));
+  EXPECT_EQ(delta["id"], "cmpl-r42");
+  EXPECT_EQ(delta["object"], "text_completion");
+  EXPECT_EQ(delta["choices"][0]["text"], "abc");
+  EXPECT_TRUE(delta["choices"][0]["finish_reason"].is_null());
+  json last = json::parse(CompletionChunkJson(Ctx(false), "", "stop"));
+  EXPECT_EQ(last["choices"][0]["text"], "");
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "stop");
+}
+
+TEST(FormatTest, ChatChunks) {
+  json first = json::parse(ChatChunkJson(Ctx(true), "He", /*with_role=*/true));
+  EXPECT_EQ(first["id"], "chatcmpl-r42");
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(first["choices"][0]["delta"]["content"], "He");
+  EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
+  json next = json::parse(ChatChunkJson(Ctx(true), "llo", false));
+  EXPECT_FALSE(next["choices"][0]["delta"].contains("role"));
+  EXPECT_EQ(next["choices"][0]["delta"]["content"], "llo");
+  json last = json::parse(ChatChunkJson(Ctx(true), "", false, "length"));
+  EXPECT_TRUE(last["choices"][0]["delta"].is_object());
+  EXPECT_TRUE(last["choices"][0]["delta"].empty());
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+}
+
+TEST(FormatTest, UsageChunk) {
+  json c = json::parse(UsageChunkJson(Ctx(true), SampleUsage()));
+  EXPECT_EQ(c["object"], "chat.completion.chunk");
+  EXPECT_TRUE(c["choices"].is_array());
+  EXPECT_TRUE(c["choices"].empty());
+  ExpectUsage(c["usage"]);
+  EXPECT_EQ(json::parse(UsageChunkJson(Ctx(false), SampleUsage()))["object"], "text_completion");
+}
+
+TEST(FormatTest, CanvasStepChunk) {
+  v1::CanvasStep s;
+  s.set_canvas(1);
+  s.set_step(3);
+  s.add_token_ids(7);
+  s.add_token_ids(8);
+  s.set_text("ab\xC3");  // ends inside a character: replaced, never throws
+  s.set_accepted(12);
+  s.set_mean_entropy(0.1f);
+  s.set_temperature(0.75f);
+  json chat = json::parse(CanvasStepChunkJson(Ctx(true), s));
+  EXPECT_EQ(chat["object"], "chat.completion.chunk");
+  EXPECT_TRUE(chat["choices"][0]["delta"].is_object());
+  EXPECT_TRUE(chat["choices"][0]["delta"].empty());
+  EXPECT_TRUE(chat["choices"][0]["finish_reason"].is_null());
+  const json& cs = chat["dgserve"]["canvas_step"];
+  EXPECT_EQ(cs["canvas"], 1);
+  EXPECT_EQ(cs["step"], 3);
+  EXPECT_EQ(cs["token_ids"], json::array({7, 8}));
+  EXPECT_EQ(cs["text"].get<std::string>().substr(0, 2), "ab");
+  EXPECT_EQ(cs["accepted"], 12);
+  EXPECT_EQ(cs["mean_entropy"].get<double>(), 0.1);  // shortest float repr, not 0.10000000149
+  EXPECT_EQ(cs["temperature"].get<double>(), 0.75);
+  json comp = json::parse(CanvasStepChunkJson(Ctx(false), s));
+  EXPECT_EQ(comp["object"], "text_completion");
+  EXPECT_EQ(comp["choices"][0]["text"], "");
+  EXPECT_EQ(comp["dgserve"]["canvas_step"]["step"], 3);
+}
+
+TEST(FormatTest, ModelsList) {
+  v1::ListModelsResponse models;
+  v1::ModelInfo* m = models.add_models();
+  m->set_id("dg-tiny");
+  m->set_context_length(8192);
+  m->set_canvas_length(256);
+  m->set_vocab_size(1000);
+  json j = json::parse(ModelsListJson(models, 1700000001));
+  EXPECT_EQ(j["object"], "list");
+  ASSERT_EQ(j["data"].size(), 1u);
+  EXPECT_EQ(j["data"][0]["id"], "dg-tiny");
+  EXPECT_EQ(j["data"][0]["object"], "model");
+  EXPECT_EQ(j["data"][0]["created"], 1700000001);
+  EXPECT_EQ(j["data"][0]["owned_by"], "dgserve");
+  EXPECT_EQ(j["data"][0]["context_length"], 8192);
+  EXPECT_EQ(j["data"][0]["dgserve"]["canvas_length"], 256);
+  EXPECT_EQ(json::parse(ModelJson(*m, 5))["id"], "dg-tiny");
+  EXPECT_TRUE(json::parse(ModelsListJson({}, 0))["data"].empty());
+}
+
+TEST(FormatTest, Sse) {
+  EXPECT_EQ(SseEvent(R"({"a":1})"), "data: {\"a\":1}\n\n");
+  EXPECT_EQ(SseDone(), "data: [DONE]\n\n");
+}
+
+// ---------------------------------------------------------------- accumulator and stream
+
+v1::GenerateEvent Block(const std::string& text, const std::string& id = "req-1") {
+  v1::GenerateEvent e;
+  e.set_request_id(id);
+  e.mutable_block()->set_text(text);
+  return e;
+}
+
+v1::GenerateEvent Finished(const std::string& reason) {
+  v1::GenerateEvent e;
+  e.set_request_id("req-1");
+  e.mutable_finished()->set_finish_reason(reason);
+  *e.mutable_finished()->mutable_usage() = SampleUsage();
+  return e;
+}
+
+v1::GenerateEvent Step(int step) {
+  v1::GenerateEvent e;
+  e.set_request_id("req-1");
+  e.mutable_canvas_step()->set_step(step);
+  return e;
+}
+
+// Splits SSE text into the JSON payloads ("[DONE]" kept as a string).
+std::vector<std::string> Frames(const std::string& sse) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos < sse.size()) {
+    size_t end = sse.find("\n\n", pos);
+    EXPECT_NE(end, std::string::npos);
+    if (end == std::string::npos) break;
+    std::string frame = sse.substr(pos, end - pos);
+    EXPECT_EQ(frame.substr(0, 6), "data: ");
+    out.push_back(frame.substr(6));
+    pos = end + 2;
+  }
+  return out;
+}
+
+TEST(ResponseAccumulatorTest, CollectsBlocks) {
+  ResponseAccumulator acc;
+  acc.OnEvent(Step(0));
+  acc.OnEvent(Block("Hel"));
+  acc.OnEvent(Block("lo"));
+  EXPECT_FALSE(acc.finished());
+  acc.OnEvent(Finished("stop"));
+  EXPECT_TRUE(acc.finished());
+  EXPECT_EQ(acc.request_id(), "req-1");
+  json j = json::parse(acc.Json(ResponseContext{"fallback", "m", 1, false}));
+  EXPECT_EQ(j["id"], "cmpl-req-1");
+  EXPECT_EQ(j["choices"][0]["text"], "Hello");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  ExpectUsage(j["usage"]);
+  json c = json::parse(acc.Json(ResponseContext{"fallback", "m", 1, true}));
+  EXPECT_EQ(c["choices"][0]["message"]["content"], "Hello");
+}
+
+TEST(StreamFormatterTest, ChatStreamWithUsage) {
+  StreamFormatter f(ResponseContext{"local", "m", 9, true}, /*include_usage=*/true);
+  std::string sse;
+  sse += f.OnEvent(Step(0));
+  sse += f.OnEvent(Block("Hi"));
+  EXPECT_EQ(f.OnEvent(Block("")), "");
+  sse += f.OnEvent(Block(" there"));
+  sse += f.OnEvent(Finished("length"));
+  sse += f.OnEnd(absl::OkStatus());
+  std::vector<std::string> frames = Frames(sse);
+  ASSERT_EQ(frames.size(), 6u);
+  json step = json::parse(frames[0]);
+  EXPECT_EQ(step["id"], "chatcmpl-req-1");
+  EXPECT_TRUE(step["choices"][0]["delta"].empty());
+  json first = json::parse(frames[1]);
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(first["choices"][0]["delta"]["content"], "Hi");
+  json second = json::parse(frames[2]);
+  EXPECT_FALSE(second["choices"][0]["delta"].contains("role"));
+  EXPECT_EQ(second["choices"][0]["delta"]["content"], " there");
+  json last = json::parse(frames[3]);
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(last["choices"][0]["delta"].empty());
+  json usage = json::parse(frames[4]);
+  EXPECT_TRUE(usage["choices"].empty());
+  ExpectUsage(usage["usage"]);
+  EXPECT_EQ(frames[5], "[DONE]");
+}
+
+TEST(StreamFormatterTest, ChatRoleOnFinalChunkWhenNoText) {
+  StreamFormatter f(ResponseContext{"local", "m", 9, true}, false);
+  std::string sse = f.OnEvent(Finished("stop"));
+  sse += f.OnEnd(absl::OkStatus());
+  std::vector<std::string> frames = Frames(sse);
+  ASSERT_EQ(frames.size(), 2u);
+  json last = json::parse(frames[0]);
+  EXPECT_EQ(last["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(frames[1], "[DONE]");
+}
+
+TEST(StreamFormatterTest, CompletionStreamWithoutUsage) {
+  StreamFormatter f(ResponseContext{"local", "m", 9, false}, false);
+  std::string sse = f.OnEvent(Block("a"));
+  sse += f.OnEvent(Finished("stop"));
+  sse += f.OnEnd(absl::OkStatus());
+  std::vector<std::string> frames = Frames(sse);
+  ASSERT_EQ(frames.size(), 3u);
+  EXPECT_EQ(json::parse(frames[0])["id"], "cmpl-req-1");
+  EXPECT_EQ(json::parse(frames[0])["choices"][0]["text"], "a");
+  EXPECT_EQ(json::parse(frames[1])["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(frames[2], "[DONE]");
+}
+
+TEST(StreamFormatterTest, ErrorAfterEventsHasNoDone) {
+  StreamFormatter f(ResponseContext{"local", "m", 9, false}, true);
+  std::string sse = f.OnEvent(Block("a"));
+  sse += f.OnEnd(absl::UnavailableError("worker lost"));
+  std::vector<std::string> frames = Frames(sse);
+  ASSERT_EQ(frames.size(), 2u);
+  json err = json::parse(frames[1]);
+  EXPECT_EQ(err["error"]["message"], "worker lost");
+  EXPECT_EQ(err["error"]["type"], "service_unavailable");
+  // OK without a Finished event is an internal error, not [DONE].
+  StreamFormatter g(ResponseContext{"local", "m", 9, false}, false);
+  std::vector<std::string> g_frames = Frames(g.OnEnd(absl::OkStatus()));
+  ASSERT_EQ(g_frames.size(), 1u);
+  EXPECT_EQ(json::parse(g_frames[0])["error"]["type"], "server_error");
+}
+
+}  // namespace
+}  // namespace dgserve

@@ -1,0 +1,67 @@
+// A real local cluster for integration tests: the three service binaries started as child
+// processes on loopback ports chosen at run time (--ports_file), stopped by PID.
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "dgserve/v1/generation.grpc.pb.h"
+#include "dgserve/v1/worker.grpc.pb.h"
+
+namespace dgserve::testing {
+
+struct ClusterOptions {
+  std::string model_dir;
+  int denoise_workers = 1;
+  std::vector<std::string> prefill_flags;
+  std::vector<std::string> denoise_flags;
+  std::vector<std::string> gateway_flags;
+};
+
+struct Service {
+  std::string name;
+  pid_t pid = -1;
+  int grpc_port = 0;
+  int metrics_port = 0;
+  int http_port = 0;  // gateway only
+  std::string log;
+};
+
+class TestCluster {
+ public:
+  // Starts denoise workers, a prefill worker and the gateway, and waits (bounded) until the
+  // gateway's /ready answers 200.
+  static absl::StatusOr<std::unique_ptr<TestCluster>> Start(const ClusterOptions& options);
+  ~TestCluster();  // SIGTERM, then SIGKILL after 10 s, to the PIDs it started
+
+  const Service& gateway() const { return services_.back(); }
+  const Service& prefill() const { return services_[services_.size() - 2]; }
+  const Service& denoise(int i) const { return services_[i]; }
+  int denoise_count() const { return int(services_.size()) - 2; }
+  // SIGKILL one denoise worker.
+  void KillDenoise(int i);
+
+  std::unique_ptr<v1::GenerationService::Stub> GatewayStub() const;
+  absl::StatusOr<v1::StatsResponse> DenoiseStats(int i) const;
+  absl::StatusOr<v1::StatsResponse> PrefillStats() const;
+  // GET http://127.0.0.1:<metrics_port>/metrics of a service.
+  static absl::StatusOr<std::string> ScrapeMetrics(const Service& s);
+  // The value of a metric line `name{...} value` (first match of name + labels prefix), or -1.
+  static double MetricValue(const std::string& text, const std::string& series);
+
+ private:
+  std::vector<Service> services_;
+  std::string dir_;
+};
+
+// The build directory's binaries and a test model made once per process with dgserve-mkmodel
+// (tiny-v512 shape, its cut-down Gemma tokenizer, at most 8 denoising steps).
+std::string BinaryPath(const std::string& relative);
+absl::StatusOr<std::string> TestModelDir();
+
+}  // namespace dgserve::testing
