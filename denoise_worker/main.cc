@@ -32,7 +32,6 @@ ABSL_FLAG(int, max_queue, 256, "requests waiting for KV or a batch slot at most"
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
 
 namespace dgserve {
-namespace {
 
 absl::Status Run() {
   const std::string dir = absl::GetFlag(FLAGS_model);
@@ -86,23 +85,10 @@ absl::Status Run() {
   return absl::OkStatus();
 }
 
-}  // namespace
 }  // namespace dgserve
 
 int main(int argc, char** argv) {
-  dgserve::UsePassiveOpenMpWaitUnlessSet(argv);
-  dgserve::ServiceRunner::BlockTerminationSignals();
-  dgserve::InitCommandLine("dgserve-denoise-worker --model DIR [--grpc_address HOST:PORT] ...",
-                           "denoise_worker/main.cc");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
-  if (rest.size() > 1) {
-    std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
-    return 2;
-  }
-  absl::Status s = dgserve::Run();
-  if (!s.ok()) {
-    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  return 0;
+  return dgserve::ServiceMain(argc, argv,
+                              "dgserve-denoise-worker --model DIR [--grpc_address HOST:PORT] ...",
+                              "denoise_worker/main.cc", dgserve::Run);
 }

@@ -146,20 +146,8 @@ absl::Status Run() {
 }  // namespace dgserve
 
 int main(int argc, char** argv) {
-  dgserve::ServiceRunner::BlockTerminationSignals();
-  dgserve::InitCommandLine(
-      "dgserve-gateway --model DIR --prefill_workers ADDR[,ADDR] --denoise_workers ADDR[,ADDR] "
+  return dgserve::ServiceMain(argc, argv,
+                              "dgserve-gateway --model DIR --prefill_workers ADDR[,ADDR] --denoise_workers ADDR[,ADDR] "
       "[--grpc_address HOST:PORT] [--http_address HOST:PORT] ...",
-      "gateway/main.cc");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
-  if (rest.size() > 1) {
-    std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
-    return 2;
-  }
-  absl::Status s = dgserve::Run();
-  if (!s.ok()) {
-    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  return 0;
+                              "gateway/main.cc", dgserve::Run);
 }

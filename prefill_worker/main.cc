@@ -36,7 +36,6 @@ ABSL_FLAG(int64_t, testing_cut_transfer_after_bytes, 0,
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running prefills");
 
 namespace dgserve {
-namespace {
 
 absl::Status Run() {
   const std::string dir = absl::GetFlag(FLAGS_model);
@@ -92,23 +91,10 @@ absl::Status Run() {
   return absl::OkStatus();
 }
 
-}  // namespace
 }  // namespace dgserve
 
 int main(int argc, char** argv) {
-  dgserve::UsePassiveOpenMpWaitUnlessSet(argv);
-  dgserve::ServiceRunner::BlockTerminationSignals();
-  dgserve::InitCommandLine("dgserve-prefill-worker --model DIR [--grpc_address HOST:PORT] ...",
-                           "prefill_worker/main.cc");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
-  if (rest.size() > 1) {
-    std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
-    return 2;
-  }
-  absl::Status s = dgserve::Run();
-  if (!s.ok()) {
-    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  return 0;
+  return dgserve::ServiceMain(argc, argv,
+                              "dgserve-prefill-worker --model DIR [--grpc_address HOST:PORT] ...",
+                              "prefill_worker/main.cc", dgserve::Run);
 }

@@ -3,10 +3,14 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cstdio>
 #include <fstream>
 #include <thread>
 
+#include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
+#include "common/cli.h"
+#include "common/openmp_env.h"
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -120,6 +124,24 @@ void ServiceRunner::Shutdown(absl::Duration grace) {
     server_.reset();
   }
   exposer_.reset();
+}
+
+int ServiceMain(int argc, char** argv, const char* usage, const char* flags_file,
+                absl::Status (*run)()) {
+  UsePassiveOpenMpWaitUnlessSet(argv);
+  ServiceRunner::BlockTerminationSignals();
+  InitCommandLine(usage, flags_file);
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
+    return 2;
+  }
+  absl::Status s = run();
+  if (!s.ok()) {
+    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
 }
 
 std::string ServedModelId(const std::string& dir, const std::string& flag) {

@@ -60,6 +60,12 @@ class ServiceRunner {
 // "host:port" → (host, port) for civetweb/httplib; INVALID_ARGUMENT when malformed.
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address);
 
+// The main() of a service binary: OpenMP passive wait policy, SIGTERM/SIGINT blocked for
+// WaitForSignal, --help listing the flags of `flags_file`, flags parsed (a stray argument exits
+// 2), then `run`; an error is printed and exits 1.
+int ServiceMain(int argc, char** argv, const char* usage, const char* flags_file,
+                absl::Status (*run)());
+
 // The served model's id: `flag` if set, else the last component of `dir`.
 std::string ServedModelId(const std::string& dir, const std::string& flag);
 

@@ -15,7 +15,8 @@ const RPC_TIMEOUT_MS = 60_000;
 const loadOptions = { keepCase: true, longs: String, enums: String, defaults: true, oneofs: true };
 const api = grpc.loadPackageDefinition(protoLoader.loadSync('dgserve/v1/generation.proto',
   { ...loadOptions, includeDirs: [path.join(ROOT, 'proto')] }));
-const health = grpc.loadPackageDefinition(protoLoader.loadSync(path.join(HERE, 'health.proto'), loadOptions));
+const health = grpc.loadPackageDefinition(protoLoader.loadSync('grpc/health/v1/health.proto',
+  { ...loadOptions, includeDirs: [path.join(ROOT, 'proto')] }));
 
 const client = new api.dgserve.v1.GenerationService(env('GATEWAY_GRPC'), grpc.credentials.createInsecure());
 const deadline = () => new Date(Date.now() + RPC_TIMEOUT_MS);
