@@ -1,6 +1,7 @@
 #include "gateway/gateway.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <thread>
 
@@ -201,6 +202,10 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   if (d.has_entropy_bound()) sp.entropy_bound = d.entropy_bound();
   if (d.has_stability_threshold()) sp.stability_threshold = d.stability_threshold();
   if (d.has_confidence_threshold()) sp.confidence_threshold = d.confidence_threshold();
+  if (d.has_t_min() && !d.has_t_max() && std::isfinite(sp.t_min) && sp.t_min >= sp.t_max) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "t_min: must be < t_max (%g, the model's default), got %g", sp.t_max, sp.t_min));
+  }
   if (absl::Status s = ValidateSamplerParams(sp); !s.ok()) return s;
   p.sampler.set_max_denoising_steps(sp.max_denoising_steps);
   p.sampler.set_t_min(sp.t_min);
@@ -409,9 +414,25 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
         take.push_back(id);
         b->add_token_ids(id);
       }
+      const size_t held_before = matcher.held_bytes();
       StopMatcher::Result r = matcher.Push(decoder.Push(take));
       std::string text = std::move(r.emit);
-      if (r.stopped) finish_reason = "stop";
+      if (r.stopped) {
+        finish_reason = "stop";
+        // A stop sequence ends the completion: count (and return) this block's tokens only up to
+        // the one in which the stop sequence begins (none if it began in held-back text).
+        const int64_t start = int64_t(text.size()) - int64_t(held_before);
+        size_t keep = 0;
+        if (start >= 0) {
+          while (keep < take.size() &&
+                 tokenizer_.Decode(std::span<const int32_t>(take.data(), keep), true).size() <=
+                     size_t(start)) {
+            ++keep;
+          }
+        }
+        completion -= int(take.size() - keep);
+        b->mutable_token_ids()->Truncate(int(keep));
+      }
       b->set_text(text);
       if (!emit(out)) break;
       if (!finish_reason.empty()) done = true;

@@ -441,6 +441,14 @@ std::string ErrorParam(const absl::Status& status) {
     std::string_view rest = msg.substr(kUnsupported.size());
     return std::string(rest.substr(0, rest.find(' ')));
   }
+  // Sampler range errors start with the field's name ("t_max must be ...").
+  for (std::string_view field : {"max_denoising_steps", "entropy_bound", "t_min", "t_max",
+                                 "confidence_threshold", "stability_threshold"}) {
+    if (msg.size() > field.size() && msg.substr(0, field.size()) == field &&
+        (msg[field.size()] == ' ' || msg[field.size()] == ':')) {
+      return std::string(field);
+    }
+  }
   const size_t colon = msg.find(": ");
   if (colon == std::string_view::npos || colon == 0) return "";
   std::string_view head = msg.substr(0, colon);

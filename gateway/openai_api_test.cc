@@ -350,6 +350,13 @@ TEST(ErrorParamTest, ExtractsFieldNames) {
   EXPECT_EQ(param(R"({"prompt": )"), "");
   EXPECT_EQ(param(R"([])"), "");
   EXPECT_EQ(ErrorParam(absl::UnavailableError("no healthy worker")), "");
+  // The sampler's range errors (engine/denoise/sampler_params.cc) name the field first.
+  EXPECT_EQ(ErrorParam(absl::InvalidArgumentError(
+                "max_denoising_steps must be in [1, 1024], got 0")),
+            "max_denoising_steps");
+  EXPECT_EQ(ErrorParam(absl::InvalidArgumentError("t_max must be finite and > t_min (2), got 1")),
+            "t_max");
+  EXPECT_EQ(ErrorParam(absl::InvalidArgumentError("t_min: must be < t_max")), "t_min");
 }
 
 // ---------------------------------------------------------------- formatting

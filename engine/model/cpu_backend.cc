@@ -24,8 +24,11 @@ using cpu::RmsNorm;
 enum class PassKind { kEncoder, kDecoder };
 
 // One sequence inside a batched pass: its rows in the stacked activations and its positions.
+// Every segment starts at a multiple of cpu::RowGranule() and the stacked rows are padded to
+// one (padding rows are zeros, computed and ignored): each GEMM then rounds a segment's rows
+// exactly as when it runs alone, so a request's tokens do not depend on what it is batched with.
 struct Segment {
-  int row0 = 0;  // first row in the stacked [R, D] activations
+  int row0 = 0;  // first row in the stacked [R, D] activations, a multiple of RowGranule()
   int rows = 0;  // new tokens (encoder) or canvas length (decoder)
   int pos0 = 0;  // position of the first row
   const KvCache* kv = nullptr;
@@ -65,7 +68,7 @@ class CpuBackend final : public ModelBackend {
   void Layer(int l, PassKind kind, std::span<const Segment> segs, int R, float* h) const;
   void Attention(int l, PassKind kind, std::span<const Segment> segs, const float* q,
                  const float* k_new, const float* v_new, float* out) const;
-  void Moe(int l, const float* h1, int R, float* m) const;
+  void Moe(int l, std::span<const Segment> segs, const float* h1, int R, float* m) const;
   void GatedMlp(const float* x, int R, const float* gate, const float* up, const float* down,
                 int width, float* out) const;
 
@@ -166,7 +169,7 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   RmsNorm(dense.data(), lw.post_feedforward_layernorm_1.data(), R, D, eps, dense.data());
   // 5. MoE branch.
   std::vector<float> moe(size_t(R) * D);
-  Moe(l, h1, R, moe.data());
+  Moe(l, segs, h1, R, moe.data());
   RmsNorm(moe.data(), lw.post_feedforward_layernorm_2.data(), R, D, eps, moe.data());
   // 6. h2 = h1 + post_feedforward_layernorm(d + m); 7. whole stream × layer_scalar.
   for (size_t i = 0; i < size_t(R) * D; ++i) dense[i] += moe[i];
@@ -176,7 +179,8 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   for (size_t i = 0; i < size_t(R) * D; ++i) h[i] = (h[i] + dense[i]) * scalar;
 }
 
-void CpuBackend::Moe(int l, const float* h1, int R, float* m) const {
+void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int R,
+                     float* m) const {
   const LayerWeights& lw = w_.layers[l];
   const int D = c_.hidden_size, E = c_.num_experts, K = c_.top_k_experts;
   const int F = c_.moe_intermediate_size;
@@ -188,12 +192,17 @@ void CpuBackend::Moe(int l, const float* h1, int R, float* m) const {
   for (float& x : r) x *= root;
   std::vector<float> scores(size_t(R) * E);
   MatMulTransB(r.data(), lw.router_proj.data(), R, E, D, scores.data());
-  std::vector<std::vector<std::pair<int, float>>> by_expert(E);  // (row, weight)
+  // Rows routed to each expert, grouped per segment, each group padded to a multiple of the row
+  // granule (row −1): an expert GEMM then rounds a segment's rows as when it runs alone.
+  std::vector<std::vector<std::pair<int, float>>> by_expert(E);  // (row or −1, weight)
   std::vector<std::pair<int, float>> chosen(K);
-  for (int row = 0; row < R; ++row) {
-    cpu::RouteTopK(scores.data() + size_t(row) * E, E, K, lw.router_per_expert_scale.data(),
-                   chosen.data());
-    for (const auto& [e, weight] : chosen) by_expert[e].push_back({row, weight});
+  for (const Segment& s : segs) {
+    for (int row = s.row0; row < s.row0 + s.rows; ++row) {
+      cpu::RouteTopK(scores.data() + size_t(row) * E, E, K, lw.router_per_expert_scale.data(),
+                     chosen.data());
+      for (const auto& [e, weight] : chosen) by_expert[e].push_back({row, weight});
+    }
+    for (auto& rows : by_expert) rows.resize(cpu::AlignRows(int(rows.size())), {-1, 0.0f});
   }
   // Experts on pre_feedforward_layernorm_2(h1), grouped by expert; accumulate in expert order.
   std::vector<float> xe(size_t(R) * D);
@@ -204,8 +213,9 @@ void CpuBackend::Moe(int l, const float* h1, int R, float* m) const {
     const auto& rows = by_expert[e];
     const int n = rows.size();
     if (n == 0) continue;
-    xin.resize(size_t(n) * D);
+    xin.assign(size_t(n) * D, 0.0f);
     for (int i = 0; i < n; ++i) {
+      if (rows[i].first < 0) continue;
       std::memcpy(&xin[size_t(i) * D], &xe[size_t(rows[i].first) * D], sizeof(float) * D);
     }
     gu.resize(size_t(n) * 2 * F);
@@ -218,6 +228,7 @@ void CpuBackend::Moe(int l, const float* h1, int R, float* m) const {
     y.resize(size_t(n) * D);
     MatMulTransB(act.data(), lw.experts_down_proj.data() + size_t(e) * D * F, n, D, F, y.data());
     for (int i = 0; i < n; ++i) {
+      if (rows[i].first < 0) continue;
       float* dst = m + size_t(rows[i].first) * D;
       const float wgt = rows[i].second;
       for (int d = 0; d < D; ++d) dst[d] += wgt * y[size_t(i) * D + d];
@@ -329,7 +340,7 @@ absl::Status CpuBackend::Encode(std::span<const EncodeInput> batch) {
     s.kv = batch[i].kv;
     s.kv_write = batch[i].kv;
     segs.push_back(s);
-    R += s.rows;
+    R += cpu::AlignRows(s.rows);  // see Segment::row0
   }
   if (R == 0) return absl::OkStatus();
   std::vector<float> h(size_t(R) * D);
@@ -355,7 +366,7 @@ absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Se
     s.pos0 = in.kv->num_tokens();
     s.kv = in.kv;
     segs->push_back(s);
-    R += s.rows;
+    R += cpu::AlignRows(s.rows);  // see Segment::row0
   }
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<float>& h = *hidden;

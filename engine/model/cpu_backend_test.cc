@@ -121,8 +121,11 @@ TEST_F(CpuBackendTest, BatchedPassesEqualSinglePasses) {
   DecodeInput d1{c1, nullptr, &kv1b, s1.data()}, d2{c2, soft.data(), &kv2b, s2.data()};
   ASSERT_THAT(b->Decode({&d1, 1}), IsOk());
   ASSERT_THAT(b->Decode({&d2, 1}), IsOk());
-  EXPECT_LT(MaxAbsDiff(l1, s1), 1e-4);
-  EXPECT_LT(MaxAbsDiff(l2, s2), 1e-4);
+  // Bit for bit: a canvas batched with another is computed exactly as alone (row-granule
+  // alignment of segments and MoE groups), so a seed gives the same tokens in any batch.
+  EXPECT_EQ(MaxAbsDiff(l1, s1), 0.0f);
+  EXPECT_EQ(MaxAbsDiff(l2, s2), 0.0f);
+  EXPECT_TRUE(l1 == s1 && l2 == s2);
   // Self-conditioning changes the result (the SC branch is live).
   DecodeInput d3{c2, nullptr, &kv2b, s1.data()};
   ASSERT_THAT(b->Decode({&d3, 1}), IsOk());
