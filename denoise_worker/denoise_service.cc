@@ -30,6 +30,10 @@ grpc::Status DenoiseServiceImpl::Denoise(grpc::ServerContext* context,
 grpc::Status DenoiseServiceImpl::Cancel(grpc::ServerContext*, const v1::CancelRequest* request,
                                         v1::CancelResponse* response) {
   response->set_found(engine_->Cancel(request->request_id()));
+  // Prompt KV that arrived (or is arriving) for a request that will never be denoised — e.g.
+  // the gateway's prefill call failed or timed out after the transfer — is freed now rather
+  // than at the end of its lease.
+  receiver_->Forget(request->request_id());
   return grpc::Status::OK;
 }
 

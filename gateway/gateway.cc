@@ -299,6 +299,16 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
     prefill_->Release(*p);
     watcher.Watch(nullptr);
     if (!s.ok()) {
+      // The KV may already sit on the denoise worker (the transfer can finish after this call
+      // gave up): tell it to drop it now instead of at the end of its lease.
+      {
+        grpc::ClientContext cctx;
+        cctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+        v1::CancelRequest creq;
+        creq.set_request_id(attempt_id);
+        v1::CancelResponse cresp;
+        v1::DenoiseService::NewStub(denoise_->Channel(*d))->Cancel(&cctx, creq, &cresp);
+      }
       if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
       absl::Status st = FromGrpcStatus(s);
       if (absl::IsUnavailable(st)) {

@@ -272,6 +272,24 @@ TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
   })) << c().DenoiseStats(0)->DebugString();
 }
 
+// A request whose deadline ends during prefill or the KV transfer leaves no KV on the denoise
+// worker (the gateway tells it to drop the request; no waiting for the 30 s lease).
+TEST_F(ClusterTest, DeadlineDuringPrefillLeavesNoKv) {
+  for (int ms : {1, 2, 5, 10, 20, 40}) {
+    const std::string prompt = absl::StrCat("a short prompt ", ms);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
+    v1::GenerateResponse resp;
+    grpc::Status st = c().GatewayStub()->Generate(&ctx, Chat(prompt, 1, 16), &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ms << " ms";
+  }
+  EXPECT_TRUE(Eventually([&] {
+    auto s = c().DenoiseStats(0);
+    return s.ok() && s->kv().full_blocks_used() == 0 && s->pending_transfers() == 0 &&
+           s->active_requests() == 0;
+  })) << c().DenoiseStats(0)->DebugString();
+}
+
 TEST_F(ClusterTest, RepeatedPromptHitsThePrefixCache) {
   std::string prompt;
   for (int i = 0; i < 12; ++i) absl::StrAppend(&prompt, "The river runs to the sea, ", i, ". ");
