@@ -5,6 +5,28 @@
 
 namespace dgserve {
 
+absl::StatusOr<std::unique_ptr<kv::BlockPool>> CreateKvPool(const ModelConfig& config,
+                                                          const std::string& model_id,
+                                                          int64_t kv_cache_mib,
+                                                          int kv_block_size) {
+  if (kv_block_size <= 0 || kv_block_size > 1024) {
+    return absl::InvalidArgumentError("--kv_block_size: must be in 1..1024");
+  }
+  if (kv_cache_mib <= 0) return absl::InvalidArgumentError("--kv_cache_mib: must be > 0");
+  const kv::KvLayout layout = kv::KvLayout::FromConfig(config, kv_block_size,
+                                                       model_id);
+  const size_t per_pair =
+      layout.BlockBytes(kv::LayerKind::kSliding) + layout.BlockBytes(kv::LayerKind::kFull);
+  const int64_t blocks = int64_t((kv_cache_mib << 20) / int64_t(per_pair));
+  const int canvas_blocks = layout.BlocksFor(config.canvas_length) + 1;
+  if (blocks < 2 * canvas_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_cache_mib ", kv_cache_mib, " holds ", blocks, " blocks of ", kv_block_size,
+        " tokens; at least ", 2 * canvas_blocks, " are needed for one canvas"));
+  }
+  return kv::BlockPool::Create(layout, blocks, blocks);
+}
+
 absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
                                             const std::string& device, int64_t kv_cache_mib,
                                             int kv_block_size) {
@@ -21,18 +43,8 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::s
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   m.checkpoint = std::make_unique<Checkpoint>(std::move(ckpt));
   m.backend = CreateCpuBackend(m.checkpoint->config, m.checkpoint->weights);
-  const kv::KvLayout layout = kv::KvLayout::FromConfig(m.checkpoint->config, kv_block_size,
-                                                       model_id);
-  const size_t per_pair =
-      layout.BlockBytes(kv::LayerKind::kSliding) + layout.BlockBytes(kv::LayerKind::kFull);
-  const int64_t blocks = int64_t((kv_cache_mib << 20) / int64_t(per_pair));
-  const int canvas_blocks = layout.BlocksFor(m.checkpoint->config.canvas_length) + 1;
-  if (blocks < 2 * canvas_blocks) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv_cache_mib ", kv_cache_mib, " holds ", blocks, " blocks of ", kv_block_size,
-        " tokens; at least ", 2 * canvas_blocks, " are needed for one canvas"));
-  }
-  DGSERVE_ASSIGN_OR_RETURN(m.pool, kv::BlockPool::Create(layout, blocks, blocks));
+  DGSERVE_ASSIGN_OR_RETURN(m.pool, CreateKvPool(m.checkpoint->config, model_id, kv_cache_mib,
+                                                kv_block_size));
   return m;
 }
 

@@ -28,6 +28,13 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::s
                                             const std::string& device, int64_t kv_cache_mib,
                                             int kv_block_size);
 
+// A block pool of `kv_cache_mib` MiB split evenly in blocks of both kinds. INVALID_ARGUMENT for
+// a block size outside 1..1024, a budget ≤ 0, or one that holds fewer blocks than a canvas needs.
+absl::StatusOr<std::unique_ptr<kv::BlockPool>> CreateKvPool(const ModelConfig& config,
+                                                          const std::string& model_id,
+                                                          int64_t kv_cache_mib,
+                                                          int kv_block_size);
+
 // Fills the KV pool part of a Stats reply (blocks by kind and state, prefix-cache counters).
 void FillPoolStats(const kv::BlockPool& pool, v1::StatsResponse* response);
 

@@ -4,6 +4,7 @@
 
 #include <cctype>
 #include <cstdio>
+#include <fstream>
 #include <thread>
 
 #include <httplib.h>
@@ -354,6 +355,63 @@ TEST_F(ClusterTest, BadInputGetsA4xxAndTheServiceKeepsServing) {
                       "application/json");
   ASSERT_TRUE(ok);
   EXPECT_EQ(ok->status, 200) << ok->body;
+}
+
+// The single-process mode (dgserve-server: all roles, in-process KV transport) gives the same
+// tokens as `dgserve generate` and as the multi-process cluster.
+TEST(SingleProcessTest, ServesTheSameTokensAsGenerate) {
+  const std::string dir = *TestModelDir();
+  const std::string ports = dir + "/../single.ports";
+  std::remove(ports.c_str());
+  const std::string cmd = absl::StrCat(BinaryPath("tools/dgserve-server"), " --model ", dir,
+                                       " --ports_file ", ports, " > ", dir,
+                                       "/../single.log 2>&1 & echo $!");
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  int pid = 0;
+  ASSERT_EQ(fscanf(p, "%d", &pid), 1);
+  pclose(p);
+  struct Stop {  // ends the server we started, however the test ends
+    int pid;
+    ~Stop() {
+      kill(pid, SIGTERM);
+      for (int i = 0; i < 100 && kill(pid, 0) == 0; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      kill(pid, SIGKILL);
+    }
+  } stop{pid};
+  int grpc_port = 0;
+  for (int i = 0; i < 600 && grpc_port == 0; ++i) {
+    std::ifstream in(ports);
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_object()) grpc_port = j.value("grpc", 0);
+    if (grpc_port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_GT(grpc_port, 0);
+  auto stub = v1::GenerationService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", grpc_port), grpc::InsecureChannelCredentials()));
+  v1::GenerateResponse resp;
+  grpc::Status st;
+  for (int i = 0; i < 100; ++i) {  // until the gateway has polled its in-process workers
+    grpc::ClientContext ctx;
+    resp.Clear();
+    st = stub->Generate(&ctx, Chat("Name three rivers.", 11, 40), &resp);
+    if (st.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  const std::string gen = absl::StrCat(
+      BinaryPath("tools/dgserve"), " generate --json --model ", dir,
+      " --chat --prompt 'Name three rivers.' --seed 11 --max-tokens 40 2>/dev/null");
+  FILE* g = popen(gen.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, g)) out.append(buf, n);
+  ASSERT_EQ(pclose(g), 0);
+  nlohmann::json j = nlohmann::json::parse(out);
+  EXPECT_EQ(Ids(resp), j["token_ids"].get<std::vector<int32_t>>());
+  EXPECT_EQ(resp.text(), j["text"].get<std::string>());
 }
 
 // A denoise worker killed mid-stream: the client gets a clear error or a complete answer
