@@ -414,6 +414,39 @@ TEST(SingleProcessTest, ServesTheSameTokensAsGenerate) {
   EXPECT_EQ(resp.text(), j["text"].get<std::string>());
 }
 
+// With --api_keys, requests without a valid key are refused over HTTP (401) and gRPC
+// (UNAUTHENTICATED); /health stays open; a valid key is served.
+TEST(ClusterAuthTest, ApiKeysAreEnforced) {
+  ClusterOptions o;
+  o.model_dir = *TestModelDir();
+  o.gateway_flags = {"--api_keys=key-one,key-two"};
+  auto c = TestCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  httplib::Client http("127.0.0.1", (*c)->gateway().http_port);
+  const std::string body = R"({"prompt": "hi", "max_tokens": 4, "seed": 1})";
+  auto none = http.Post("/v1/completions", body, "application/json");
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->status, 401) << none->body;
+  auto wrong = http.Post("/v1/completions", {{"Authorization", "Bearer nope"}}, body,
+                         "application/json");
+  ASSERT_TRUE(wrong);
+  EXPECT_EQ(wrong->status, 401);
+  auto good = http.Post("/v1/completions", {{"Authorization", "Bearer key-two"}}, body,
+                        "application/json");
+  ASSERT_TRUE(good);
+  EXPECT_EQ(good->status, 200) << good->body;
+  auto health = http.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  EXPECT_EQ((*c)->GatewayStub()->Generate(&ctx, Chat("hi", 1, 4), &resp).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  grpc::ClientContext ctx2;
+  ctx2.AddMetadata("authorization", "Bearer key-one");
+  EXPECT_TRUE((*c)->GatewayStub()->Generate(&ctx2, Chat("hi", 1, 4), &resp).ok());
+}
+
 // A denoise worker killed mid-stream: the client gets a clear error or a complete answer
 // (equal to the same request run again), never a truncated success.
 TEST(ClusterFailureTest, DenoiseWorkerKilledMidStream) {
