@@ -217,6 +217,9 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
     return absl::InvalidArgumentError("canvas_step_interval: must be >= 0");
   }
   p.canvas_step_interval = request.stream_options().canvas_step_interval();
+  if (request.stream_options().canvas_text() && p.canvas_step_interval == 0) {
+    return absl::InvalidArgumentError("canvas_text: requires canvas_step_interval > 0");
+  }
   p.canvas_text = request.stream_options().canvas_text();
   p.request_id = NewRequestId();
   return p;
@@ -353,6 +356,8 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
   StopMatcher matcher(req.stop);
   std::vector<int32_t> stop_ids = generation_.stop_token_ids;
   int completion = 0, canvases = 0, steps = 0, last_index = 0;
+  std::vector<int32_t> all_ids;  // completion tokens so far
+  size_t emitted_bytes = 0;      // completion text emitted so far
   bool first_step = true, first_block = true, done = false, client_gone = false;
   std::string finish_reason;
   v1::DenoiseFinished worker_finished;
@@ -424,24 +429,30 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
         take.push_back(id);
         b->add_token_ids(id);
       }
-      const size_t held_before = matcher.held_bytes();
+      all_ids.insert(all_ids.end(), take.begin(), take.end());
       StopMatcher::Result r = matcher.Push(decoder.Push(take));
       std::string text = std::move(r.emit);
+      emitted_bytes += text.size();
       if (r.stopped) {
         finish_reason = "stop";
-        // A stop sequence ends the completion: count (and return) this block's tokens only up to
-        // the one in which the stop sequence begins (none if it began in held-back text).
-        const int64_t start = int64_t(text.size()) - int64_t(held_before);
-        size_t keep = 0;
-        if (start >= 0) {
-          while (keep < take.size() &&
-                 tokenizer_.Decode(std::span<const int32_t>(take.data(), keep), true).size() <=
-                     size_t(start)) {
-            ++keep;
+        // A stop sequence ends the completion at the token in which it begins (possibly in an
+        // earlier canvas): the smallest prefix of the completion whose text reaches past the
+        // emitted text. Ids already streamed in earlier blocks cannot be taken back; usage and
+        // the unary response's ids are cut to this count.
+        size_t lo = 0, hi = all_ids.size();
+        while (lo < hi) {
+          const size_t mid = (lo + hi) / 2;
+          if (tokenizer_.Decode(std::span<const int32_t>(all_ids.data(), mid), true).size() >
+              emitted_bytes) {
+            hi = mid;
+          } else {
+            lo = mid + 1;
           }
         }
-        completion -= int(take.size() - keep);
-        b->mutable_token_ids()->Truncate(int(keep));
+        const int keep_total = int(std::min(lo, all_ids.size()));
+        const int before_block = completion - int(take.size());
+        b->mutable_token_ids()->Truncate(std::max(0, keep_total - before_block));
+        completion = keep_total;
       }
       b->set_text(text);
       if (!emit(out)) break;

@@ -39,6 +39,10 @@ grpc::Status GenerationServiceImpl::Generate(grpc::ServerContext* context,
         }
         return true;
       });
+  // Ids streamed before a stop sequence was found may run past it; the usage count is exact.
+  if (s.ok() && response->token_ids_size() > response->usage().completion_tokens()) {
+    response->mutable_token_ids()->Truncate(response->usage().completion_tokens());
+  }
   return ToGrpcStatus(s);
 }
 

@@ -71,6 +71,9 @@ absl::Status PrefillEngine::Submit(const v1::PrefillRequest& request, Callback d
           absl::StrCat("tokens: id ", id, " is outside [0, ", c.vocab_size, ")"));
     }
   }
+  if (request.lease_ms() < 0) {
+    return absl::InvalidArgumentError("lease_ms: must be >= 0 (0: the worker's default)");
+  }
   if (request.kv_target().empty()) {
     return absl::InvalidArgumentError("kv_target: must name the denoise worker");
   }

@@ -69,7 +69,7 @@ std::string Escape(std::string s) {
 }
 
 // The prompt from --prompt or --prompt-file (bounded), and the --thinking/--chat check.
-absl::StatusOr<std::string> ReadPrompt() {
+absl::StatusOr<std::string> ReadPrompt(bool always_chat = false) {
   std::string prompt = absl::GetFlag(FLAGS_prompt);
   if (const std::string file = absl::GetFlag(FLAGS_prompt_file); !file.empty()) {
     if (!prompt.empty()) {
@@ -92,7 +92,7 @@ absl::StatusOr<std::string> ReadPrompt() {
     return absl::InvalidArgumentError(
         "--prompt (or --prompt-file) is required and must not be empty");
   }
-  if (absl::GetFlag(FLAGS_thinking) && !absl::GetFlag(FLAGS_chat)) {
+  if (absl::GetFlag(FLAGS_thinking) && !absl::GetFlag(FLAGS_chat) && !always_chat) {
     return absl::InvalidArgumentError(
         "--thinking needs --chat (it selects the chat template's thinking form)");
   }
@@ -101,7 +101,7 @@ absl::StatusOr<std::string> ReadPrompt() {
 
 // `dgserve chat`: the same prompt and sampling flags, sent to a running gateway.
 absl::Status RunChat() {
-  DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt());
+  DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt(/*always_chat=*/true));
   v1::GenerateRequest req;
   {  // the gateway renders the chat template
     v1::ChatMessage* m = req.mutable_chat()->add_messages();

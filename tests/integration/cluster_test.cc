@@ -252,6 +252,49 @@ TEST_F(ClusterTest, StopSequenceCutsTextAndUsage) {
   EXPECT_TRUE(std::equal(cut_ids.begin(), cut_ids.end(), full_ids.begin()));
 }
 
+// Whole UTF-8 characters of `s` from character index `from` (negative: from the end), `count`
+// characters long.
+std::string Chars(const std::string& s, int from, int count) {
+  std::vector<size_t> starts;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if ((static_cast<unsigned char>(s[i]) & 0xC0) != 0x80) starts.push_back(i);
+  }
+  starts.push_back(s.size());
+  const int n = int(starts.size()) - 1;
+  const int a = std::max(0, from < 0 ? n + from : from), b = std::min(n, a + count);
+  return a < b ? s.substr(starts[a], starts[b] - starts[a]) : std::string();
+}
+
+// A stop sequence that crosses a canvas boundary ends the completion where it begins, exactly
+// as the part of it inside the first canvas does: same text, same token count.
+TEST_F(ClusterTest, StopSequenceAcrossCanvasesCountsLikeWithinOne) {
+  v1::GenerateRequest req = Chat("Describe the weather.", 31, 32);  // 2 canvases of 16
+  grpc::ClientContext ctx;
+  auto reader = c().GatewayStub()->GenerateStream(&ctx, req);
+  std::vector<std::string> blocks;
+  v1::GenerateEvent ev;
+  while (reader->Read(&ev)) {
+    if (ev.has_block()) blocks.push_back(ev.block().text());
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_GE(blocks.size(), 2u);
+  // Starts 12 characters before the boundary (in an earlier token than the canvas's last).
+  const std::string head = Chars(blocks[0], -12, 3);
+  const std::string crossing = Chars(blocks[0], -12, 12) + Chars(blocks[1], 0, 3);
+  if (head.empty() || Chars(blocks[1], 0, 3).empty()) GTEST_SKIP() << "canvas text too short";
+  v1::GenerateRequest a = req, b = req;
+  a.add_stop(crossing);
+  b.add_stop(head);
+  Result ra = Generate(c(), a), rb = Generate(c(), b);
+  ASSERT_TRUE(ra.status.ok() && rb.status.ok());
+  if (rb.response.usage().completion_tokens() >= 16) GTEST_SKIP() << "stop in the last token";
+  EXPECT_EQ(ra.response.finish_reason(), "stop");
+  EXPECT_EQ(ra.response.text(), rb.response.text());
+  EXPECT_EQ(ra.response.usage().completion_tokens(), rb.response.usage().completion_tokens());
+  EXPECT_EQ(ra.response.token_ids_size(), ra.response.usage().completion_tokens());
+  EXPECT_EQ(Ids(ra.response), Ids(rb.response));
+}
+
 TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
   v1::GenerateRequest req = Chat("Count to a thousand.", 5, 480);  // 30 canvases
   grpc::ClientContext ctx;
@@ -350,6 +393,30 @@ TEST_F(ClusterTest, BadInputGetsA4xxAndTheServiceKeepsServing) {
     nlohmann::json j = nlohmann::json::parse(r->body, nullptr, false);
     ASSERT_TRUE(j.is_object() && j.contains("error")) << k.name << ": " << r->body;
     EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr(k.message)) << k.name;
+  }
+  // The same rules over gRPC, and on the workers' own APIs.
+  {
+    v1::GenerateRequest req = Chat("hi", 1, 8);
+    req.mutable_stream_options()->set_canvas_text(true);  // without canvas_step_interval
+    grpc::ClientContext ctx;
+    v1::GenerateResponse resp;
+    grpc::Status st = c().GatewayStub()->Generate(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("canvas_text"));
+  }
+  {
+    auto stub = v1::PrefillService::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", c().prefill().grpc_port), grpc::InsecureChannelCredentials()));
+    v1::PrefillRequest req;
+    req.set_request_id("bad-lease");
+    req.add_tokens(2);
+    req.set_kv_target(absl::StrCat("127.0.0.1:", c().denoise(0).grpc_port));
+    req.set_lease_ms(-5);
+    grpc::ClientContext ctx;
+    v1::PrefillResponse resp;
+    grpc::Status st = stub->Prefill(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("lease_ms"));
   }
   auto ok = http.Post("/v1/completions", R"({"prompt": "hello", "max_tokens": 8, "seed": 1})",
                       "application/json");
