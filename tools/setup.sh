@@ -12,12 +12,15 @@ DEB_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git ca-certificates curl
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libopenblas-openmp-dev
-  nlohmann-json3-dev libssl-dev libcpp-httplib-dev prometheus
+  nlohmann-json3-dev libssl-dev libcpp-httplib-dev prometheus yamllint
 )
 # Node.js and npm (for the npm packages below): Debian's, unless the machine already has them
 # (a newer Node.js from elsewhere conflicts with Debian's npm package).
 command -v node >/dev/null 2>&1 || DEB_PACKAGES+=(nodejs)
 command -v npm >/dev/null 2>&1 || DEB_PACKAGES+=(npm)
+# kubectl (for `kubectl kustomize` of deploy/k8s): Debian's kubernetes-client unless a kubectl is
+# already installed (another kubectl package owns /usr/bin/kubectl).
+command -v kubectl >/dev/null 2>&1 || DEB_PACKAGES+=(kubernetes-client)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
