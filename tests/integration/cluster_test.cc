@@ -2,6 +2,7 @@
 // ports chosen at run time, driven over gRPC and HTTP (label `integration`).
 #include <signal.h>
 
+#include <atomic>
 #include <cctype>
 #include <cstdio>
 #include <fstream>
@@ -558,6 +559,53 @@ TEST(ClusterFailureTest, DenoiseWorkerKilledMidStream) {
   // The surviving worker serves the next request.
   Result next = Generate(**c, Chat("hello", 1, 16));
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+}
+
+// Graceful drain: a denoise worker restarted (SIGTERM, then started again) while requests run
+// loses none of them and truncates none: every request completes with exactly the tokens it
+// gets alone, and the restarted worker serves again.
+TEST(ClusterDrainTest, RestartingADenoiseWorkerUnderLoadLosesNothing) {
+  ClusterOptions o;
+  o.model_dir = *TestModelDir();
+  o.denoise_workers = 2;
+  o.prefill_flags = kPrefillFlags;
+  auto c = TestCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  constexpr int kRequests = 16;
+  std::vector<Result> results(kRequests);
+  std::vector<std::thread> threads;
+  std::atomic<int> started{0};
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      // Staggered: some requests start before the restart, some during, some after.
+      std::this_thread::sleep_for(std::chrono::milliseconds(150 * i));
+      ++started;
+      results[i] = Generate(**c, Chat("Tell me a story.", 500 + i, 64));
+    });
+  }
+  // Restart worker 0 once it is busy.
+  ASSERT_TRUE(Eventually([&] {
+    auto s = (*c)->DenoiseStats(0);
+    return s.ok() && s->active_requests() > 0;
+  }));
+  EXPECT_TRUE((*c)->StopDenoiseGracefully(0)) << "the worker did not exit cleanly on SIGTERM";
+  ASSERT_TRUE((*c)->RestartDenoise(0).ok());
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(results[i].status.ok())
+        << "request " << i << ": " << results[i].status.error_message();
+    Result alone = Generate(**c, Chat("Tell me a story.", 500 + i, 64));
+    ASSERT_TRUE(alone.status.ok());
+    EXPECT_EQ(Ids(results[i].response), Ids(alone.response)) << "request " << i;
+    EXPECT_EQ(results[i].response.finish_reason(), alone.response.finish_reason());
+  }
+  // The restarted worker is back in rotation.
+  EXPECT_TRUE(Eventually([&] {
+    Generate(**c, Chat("ping", 1, 8));
+    auto s = TestCluster::ScrapeMetrics((*c)->denoise(0));
+    return s.ok() &&
+           TestCluster::MetricValue(*s, "dgserve_denoise_requests_total{status=\"OK\"}") >= 1;
+  }));
 }
 
 // A KV transfer cut in the middle of a block fails the request clearly and leaks no blocks.

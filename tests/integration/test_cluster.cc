@@ -100,6 +100,7 @@ absl::StatusOr<std::string> TestModelDir() {
 absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(const ClusterOptions& o) {
   auto c = std::unique_ptr<TestCluster>(new TestCluster());
   c->dir_ = TempDir();
+  c->options_ = o;
   auto launch = [&](const std::string& name, const std::string& bin,
                     std::vector<std::string> args) -> absl::Status {
     Service s;
@@ -174,6 +175,37 @@ void TestCluster::KillDenoise(int i) {
   int status = 0;
   waitpid(services_[i].pid, &status, 0);
   services_[i].pid = -1;
+}
+
+bool TestCluster::StopDenoiseGracefully(int i) {
+  Service& s = services_[i];
+  if (s.pid <= 0) return false;
+  kill(s.pid, SIGTERM);
+  int status = 0;
+  for (int t = 0; t < 600; ++t) {
+    if (waitpid(s.pid, &status, WNOHANG) == s.pid) {
+      s.pid = -1;
+      return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  kill(s.pid, SIGKILL);
+  waitpid(s.pid, &status, 0);
+  s.pid = -1;
+  return false;
+}
+
+absl::Status TestCluster::RestartDenoise(int i) {
+  Service& s = services_[i];
+  const std::string ports = absl::StrCat(dir_, "/", s.name, ".restart.ports");
+  std::vector<std::string> argv = {BinaryPath("denoise_worker/dgserve-denoise-worker"),
+                                   "--model", options_.model_dir, "--ports_file", ports,
+                                   "--grpc_address", absl::StrCat("127.0.0.1:", s.grpc_port)};
+  argv.insert(argv.end(), options_.denoise_flags.begin(), options_.denoise_flags.end());
+  absl::StatusOr<pid_t> pid = Spawn(argv, s.log + ".restart");
+  if (!pid.ok()) return pid.status();
+  s.pid = *pid;
+  return WaitPorts(s, ports);
 }
 
 std::unique_ptr<v1::GenerationService::Stub> TestCluster::GatewayStub() const {

@@ -45,6 +45,11 @@ class TestCluster {
   int denoise_count() const { return int(services_.size()) - 2; }
   // SIGKILL one denoise worker.
   void KillDenoise(int i);
+  // SIGTERM one denoise worker and wait (bounded: 60 s) until it has exited; false if it had
+  // to be killed or exited with a non-zero status.
+  bool StopDenoiseGracefully(int i);
+  // Starts denoise worker i again on the same gRPC port (the gateway's address for it).
+  absl::Status RestartDenoise(int i);
 
   std::unique_ptr<v1::GenerationService::Stub> GatewayStub() const;
   absl::StatusOr<v1::StatsResponse> DenoiseStats(int i) const;
@@ -57,6 +62,7 @@ class TestCluster {
  private:
   std::vector<Service> services_;
   std::string dir_;
+  ClusterOptions options_;
 };
 
 // The build directory's binaries and a test model made once per process with dgserve-mkmodel
