@@ -574,27 +574,26 @@ TEST(ClusterDrainTest, RestartingADenoiseWorkerUnderLoadLosesNothing) {
   constexpr int kRequests = 16;
   std::vector<Result> results(kRequests);
   std::vector<std::thread> threads;
-  std::atomic<int> started{0};
+  // 10 requests of 10 canvases at once (both workers busy), 6 more while worker 0 restarts.
   for (int i = 0; i < kRequests; ++i) {
     threads.emplace_back([&, i] {
-      // Staggered: some requests start before the restart, some during, some after.
-      std::this_thread::sleep_for(std::chrono::milliseconds(150 * i));
-      ++started;
-      results[i] = Generate(**c, Chat("Tell me a story.", 500 + i, 64));
+      if (i >= 10) std::this_thread::sleep_for(std::chrono::milliseconds(100 * (i - 9)));
+      results[i] = Generate(**c, Chat("Tell me a story.", 500 + i, 160));
     });
   }
-  // Restart worker 0 once it is busy.
+  // Stop worker 0 while it runs at least two requests that have already streamed blocks.
   ASSERT_TRUE(Eventually([&] {
     auto s = (*c)->DenoiseStats(0);
-    return s.ok() && s->active_requests() > 0;
+    return s.ok() && s->active_requests() >= 2;
   }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_TRUE((*c)->StopDenoiseGracefully(0)) << "the worker did not exit cleanly on SIGTERM";
   ASSERT_TRUE((*c)->RestartDenoise(0).ok());
   for (auto& t : threads) t.join();
   for (int i = 0; i < kRequests; ++i) {
     ASSERT_TRUE(results[i].status.ok())
         << "request " << i << ": " << results[i].status.error_message();
-    Result alone = Generate(**c, Chat("Tell me a story.", 500 + i, 64));
+    Result alone = Generate(**c, Chat("Tell me a story.", 500 + i, 160));
     ASSERT_TRUE(alone.status.ok());
     EXPECT_EQ(Ids(results[i].response), Ids(alone.response)) << "request " << i;
     EXPECT_EQ(results[i].response.finish_reason(), alone.response.finish_reason());
