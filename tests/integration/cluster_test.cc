@@ -607,6 +607,29 @@ TEST(ClusterDrainTest, RestartingADenoiseWorkerUnderLoadLosesNothing) {
   }));
 }
 
+// The gateway drains on SIGTERM: a stream in flight runs to its Finished event, and the process
+// then exits cleanly.
+TEST(ClusterDrainTest, GatewayFinishesInFlightStreamsOnSigterm) {
+  ClusterOptions o;
+  o.model_dir = *TestModelDir();
+  auto c = TestCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  grpc::ClientContext ctx;
+  auto reader = (*c)->GatewayStub()->GenerateStream(&ctx, Chat("Tell me a story.", 3, 320));
+  v1::GenerateEvent ev;
+  ASSERT_TRUE(reader->Read(&ev));  // the first block is out
+  std::thread stopper([&] { EXPECT_TRUE((*c)->StopGatewayGracefully()); });
+  int blocks = 1, finished = 0;
+  while (reader->Read(&ev)) {
+    blocks += ev.has_block();
+    finished += ev.has_finished();
+  }
+  stopper.join();
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(finished, 1);
+  EXPECT_GE(blocks, 2);
+}
+
 // A KV transfer cut in the middle of a block fails the request clearly and leaks no blocks.
 TEST(ClusterFailureTest, TransferCutMidBlockFailsCleanly) {
   ClusterOptions o;

@@ -177,7 +177,7 @@ void TestCluster::KillDenoise(int i) {
   services_[i].pid = -1;
 }
 
-bool TestCluster::StopDenoiseGracefully(int i) {
+bool TestCluster::StopGracefully(int i) {
   Service& s = services_[i];
   if (s.pid <= 0) return false;
   kill(s.pid, SIGTERM);

@@ -47,7 +47,8 @@ class TestCluster {
   void KillDenoise(int i);
   // SIGTERM one denoise worker and wait (bounded: 60 s) until it has exited; false if it had
   // to be killed or exited with a non-zero status.
-  bool StopDenoiseGracefully(int i);
+  bool StopDenoiseGracefully(int i) { return StopGracefully(i); }
+  bool StopGatewayGracefully() { return StopGracefully(int(services_.size()) - 1); }
   // Starts denoise worker i again on the same gRPC port (the gateway's address for it).
   absl::Status RestartDenoise(int i);
 
@@ -60,6 +61,8 @@ class TestCluster {
   static double MetricValue(const std::string& text, const std::string& series);
 
  private:
+  bool StopGracefully(int index);
+
   std::vector<Service> services_;
   std::string dir_;
   ClusterOptions options_;
