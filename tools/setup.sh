@@ -7,13 +7,21 @@ cd "$(dirname "$0")/.."
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
-# Keep in sync with deploy/docker (a later issue checks it).
-DEB_PACKAGES=(
-  build-essential cmake ninja-build ccache pkg-config git ca-certificates curl
+# What building the binaries needs: exactly the package list of the builder stage of
+# deploy/docker/Dockerfile (deploy/checks/docker_packages_check.sh compares the two).
+BUILD_PACKAGES=(
+  build-essential cmake ninja-build pkg-config
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libopenblas-openmp-dev
-  nlohmann-json3-dev libssl-dev libcpp-httplib-dev prometheus yamllint
+  prometheus-cpp-dev libopenblas-dev libopenblas-openmp-dev
+  nlohmann-json3-dev libssl-dev libcpp-httplib-dev
 )
+# What the tests, the benchmarks and development add (not in the image): compiler cache, git,
+# curl and certificates, GoogleTest, Google Benchmark, promtool, yamllint (+ python3-yaml).
+TEST_PACKAGES=(
+  ccache git ca-certificates curl
+  libgtest-dev libgmock-dev libbenchmark-dev prometheus yamllint python3-yaml
+)
+DEB_PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}")
 # Node.js and npm (for the npm packages below): Debian's, unless the machine already has them
 # (a newer Node.js from elsewhere conflicts with Debian's npm package).
 command -v node >/dev/null 2>&1 || DEB_PACKAGES+=(nodejs)

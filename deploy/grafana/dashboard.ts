@@ -1,0 +1,749 @@
+// The dgserve Grafana dashboard, typed with @grafana/schema (third_party/npm).
+//
+// `tsc --noEmit -p deploy/grafana` type-checks it; `node deploy/grafana/build.mjs` writes
+// deploy/grafana/dashboard.json from it (the committed JSON must match: see
+// deploy/checks/obs_static.sh). README.md describes every row and the metrics each panel reads.
+//
+// Every query is filtered by the `job` and `instance` template variables, and goes to the
+// Prometheus data source picked by the `datasource` variable.
+import {
+  type AnnotationQuery,
+  type Dashboard,
+  type DataQuery,
+  type DataSourceRef,
+  type FieldConfigSource,
+  type Panel,
+  type RowPanel,
+  type ThresholdsConfig,
+  type VariableModel,
+  AxisPlacement,
+  BigValueColorMode,
+  BigValueGraphMode,
+  BigValueJustifyMode,
+  BigValueTextMode,
+  DashboardCursorSync,
+  GraphDrawStyle,
+  GraphThresholdsStyleMode,
+  HeatmapCellLayout,
+  LegendDisplayMode,
+  PercentChangeColorMode,
+  ScaleDistribution,
+  SortOrder,
+  ThresholdsMode,
+  TooltipDisplayMode,
+  VariableHide,
+  VariableRefresh,
+  VariableSort,
+  VisibilityMode,
+  VizOrientation,
+} from '@grafana/schema';
+import type {
+  FieldConfig as TimeSeriesFieldConfig,
+  Options as TimeSeriesOptions,
+} from '@grafana/schema/dist/esm/raw/composable/timeseries/panelcfg/x/TimeSeriesPanelCfg_types.gen';
+import {
+  type FieldConfig as HeatmapFieldConfig,
+  type Options as HeatmapOptions,
+  HeatmapColorMode,
+  HeatmapColorScale,
+} from '@grafana/schema/dist/esm/raw/composable/heatmap/panelcfg/x/HeatmapPanelCfg_types.gen';
+import type { Options as StatOptions } from '@grafana/schema/dist/esm/raw/composable/stat/panelcfg/x/StatPanelCfg_types.gen';
+
+// ---- queries ----
+
+const DS: DataSourceRef = { type: 'prometheus', uid: '${datasource}' };
+
+/** A Prometheus query target (the Prometheus data source's query model). */
+type PromQuery = Pick<DataQuery, 'refId' | 'datasource' | 'hide'> & {
+  expr: string;
+  legendFormat?: string;
+  format?: 'time_series' | 'heatmap' | 'table';
+  range?: boolean;
+  instant?: boolean;
+};
+
+/** The job/instance filter every selector carries. */
+const FILTER = 'job=~"$job", instance=~"$instance"';
+/** `name{job=~"$job", instance=~"$instance", <extra>}` */
+const sel = (name: string, extra = ''): string => `${name}{${FILTER}${extra ? `, ${extra}` : ''}}`;
+/** Per-second rate of a counter (or histogram series) over Grafana's rate interval. */
+const rate = (name: string, extra = ''): string => `rate(${sel(name, extra)}[$__rate_interval])`;
+/** Quantile q of a histogram (base name without _bucket), aggregated over the `by` labels. */
+const quantile = (q: number, hist: string, by: string[] = [], extra = ''): string =>
+  `histogram_quantile(${q}, sum by (${[...by, 'le'].join(', ')}) (${rate(`${hist}_bucket`, extra)}))`;
+/** Mean of a histogram's observations over the rate interval: sum / count. */
+const mean = (hist: string): string => `sum(${rate(`${hist}_sum`)}) / sum(${rate(`${hist}_count`)})`;
+
+type Q = { expr: string; legend: string; format?: PromQuery['format'] };
+const toTargets = (qs: Q[]): PromQuery[] =>
+  qs.map((q, i) => ({
+    refId: String.fromCharCode(65 + i),
+    datasource: DS,
+    expr: q.expr,
+    legendFormat: q.legend,
+    range: true,
+    ...(q.format ? { format: q.format } : {}),
+  }));
+
+// ---- panels ----
+//
+// The schema types a panel's `options` and `fieldConfig.defaults.custom` as
+// Record<string, unknown>; each helper builds them as the panel plugin's own typed Options /
+// FieldConfig (from @grafana/schema's panelcfg modules) and spreads them in.
+
+interface PanelSpec {
+  title: string;
+  description: string;
+  queries: Q[];
+  unit?: string;
+  min?: number;
+  max?: number;
+  decimals?: number;
+  /** A red threshold (drawn as a dashed line on time series). */
+  redAbove?: number;
+  overrides?: FieldConfigSource['overrides'];
+}
+
+const thresholds = (redAbove?: number): ThresholdsConfig => ({
+  mode: ThresholdsMode.Absolute,
+  steps: [
+    { color: 'green', value: null },
+    ...(redAbove === undefined ? [] : [{ color: 'red', value: redAbove }]),
+  ],
+});
+
+const timeSeriesOptions: TimeSeriesOptions = {
+  legend: { calcs: ['mean', 'max', 'lastNotNull'], displayMode: LegendDisplayMode.Table, placement: 'bottom', showLegend: true },
+  tooltip: { mode: TooltipDisplayMode.Multi, sort: SortOrder.Descending },
+};
+
+function timeseries(s: PanelSpec): Panel {
+  const custom: TimeSeriesFieldConfig = {
+    drawStyle: GraphDrawStyle.Line,
+    lineWidth: 1,
+    fillOpacity: 10,
+    showPoints: VisibilityMode.Never,
+    spanNulls: false,
+    axisPlacement: AxisPlacement.Auto,
+    thresholdsStyle: {
+      mode: s.redAbove === undefined ? GraphThresholdsStyleMode.Off : GraphThresholdsStyleMode.Dashed,
+    },
+  };
+  return {
+    type: 'timeseries',
+    title: s.title,
+    description: s.description,
+    datasource: DS,
+    targets: toTargets(s.queries),
+    fieldConfig: {
+      defaults: {
+        unit: s.unit ?? 'short',
+        ...(s.min !== undefined ? { min: s.min } : {}),
+        ...(s.max !== undefined ? { max: s.max } : {}),
+        ...(s.decimals !== undefined ? { decimals: s.decimals } : {}),
+        thresholds: thresholds(s.redAbove),
+        custom: { ...custom },
+      },
+      overrides: s.overrides ?? [],
+    },
+    options: { ...timeSeriesOptions },
+  };
+}
+
+function stat(s: PanelSpec): Panel {
+  const options: StatOptions = {
+    colorMode: BigValueColorMode.Value,
+    graphMode: BigValueGraphMode.Area,
+    justifyMode: BigValueJustifyMode.Auto,
+    orientation: VizOrientation.Auto,
+    percentChangeColorMode: PercentChangeColorMode.Standard,
+    reduceOptions: { calcs: ['lastNotNull'], fields: '', values: false },
+    showPercentChange: false,
+    textMode: BigValueTextMode.ValueAndName,
+    wideLayout: true,
+  };
+  return {
+    type: 'stat',
+    title: s.title,
+    description: s.description,
+    datasource: DS,
+    targets: toTargets(s.queries),
+    fieldConfig: {
+      defaults: { unit: s.unit ?? 'short', thresholds: thresholds(s.redAbove) },
+      overrides: s.overrides ?? [],
+    },
+    options: { ...options },
+  };
+}
+
+/** A heatmap of a Prometheus histogram: one cell row per bucket (`le`), counts per interval. */
+function heatmap(s: PanelSpec & { yUnit?: string }): Panel {
+  const options: HeatmapOptions = {
+    calculate: false,
+    cellGap: 1,
+    color: {
+      mode: HeatmapColorMode.Scheme,
+      scheme: 'Oranges',
+      scale: HeatmapColorScale.Exponential,
+      exponent: 0.5,
+      fill: 'dark-orange',
+      reverse: false,
+      steps: 64,
+    },
+    exemplars: { color: 'rgba(255,0,255,0.7)' },
+    filterValues: { le: 1e-9 },
+    legend: { show: true },
+    rowsFrame: { layout: HeatmapCellLayout.le },
+    showValue: VisibilityMode.Auto,
+    tooltip: { mode: TooltipDisplayMode.Single, yHistogram: true, showColorScale: false },
+    yAxis: { axisPlacement: AxisPlacement.Left, reverse: false, unit: s.yUnit ?? 'short' },
+  };
+  const custom: HeatmapFieldConfig = {
+    hideFrom: { legend: false, tooltip: false, viz: false },
+    scaleDistribution: { type: ScaleDistribution.Linear },
+  };
+  return {
+    type: 'heatmap',
+    title: s.title,
+    description: s.description,
+    datasource: DS,
+    targets: toTargets(s.queries),
+    maxDataPoints: 100,
+    fieldConfig: { defaults: { custom: { ...custom } }, overrides: [] },
+    options: { ...options },
+  };
+}
+
+/** Overrides that move the series named `name` to a right-hand axis with its own unit. */
+const rightAxis = (name: string, unit: string): FieldConfigSource['overrides'] => [
+  {
+    matcher: { id: 'byName', options: name },
+    properties: [
+      { id: 'custom.axisPlacement', value: AxisPlacement.Right },
+      { id: 'unit', value: unit },
+    ],
+  },
+];
+
+// ---- layout: rows of panels, placed left to right on Grafana's 24-column grid ----
+
+type Sized = { panel: Panel; w: number; h?: number };
+
+function layout(rows: Array<{ title: string; panels: Sized[] }>): Array<Panel | RowPanel> {
+  const out: Array<Panel | RowPanel> = [];
+  let id = 1;
+  let y = 0;
+  for (const row of rows) {
+    const rowPanel: RowPanel = {
+      type: 'row',
+      id: id++,
+      title: row.title,
+      collapsed: false,
+      gridPos: { h: 1, w: 24, x: 0, y },
+      panels: [],
+    };
+    out.push(rowPanel);
+    y += 1;
+    let x = 0;
+    let lineHeight = 0;
+    for (const { panel, w, h = 8 } of row.panels) {
+      if (x + w > 24) {
+        y += lineHeight;
+        x = 0;
+        lineHeight = 0;
+      }
+      out.push({ ...panel, id: id++, gridPos: { h, w, x, y } });
+      x += w;
+      lineHeight = Math.max(lineHeight, h);
+    }
+    y += lineHeight;
+  }
+  return out;
+}
+
+// ---- the rows ----
+
+const GW = 'dgserve_gateway';
+const PF = 'dgserve_prefill';
+const DN = 'dgserve_denoise';
+
+/** non-OK / all, over the rate interval, for one `*_requests_total{status}` counter: 0 (not
+ *  "no data") while there is traffic but no non-OK status series yet. */
+const errorRatio = (counter: string): string =>
+  `(sum(${rate(counter, 'status!="OK"')}) or vector(0)) / sum(${rate(counter)})`;
+
+const requests: Sized[] = [
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Requests by status',
+      description:
+        'Generation requests per second finished by the gateway, by final status (gRPC code name: OK, INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ...).',
+      unit: 'reqps',
+      queries: [{ expr: `sum by (status) (${rate(`${GW}_requests_total`)})`, legend: '{{status}}' }],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Error ratio (non-OK / all)',
+      description:
+        'Share of requests that did not finish OK, at the gateway and on each worker role. The dashed line is the DgserveHighErrorRate alert threshold (5 %, over 5 m).',
+      unit: 'percentunit',
+      min: 0,
+      redAbove: 0.05,
+      queries: [
+        { expr: errorRatio(`${GW}_requests_total`), legend: 'gateway' },
+        { expr: errorRatio(`${PF}_requests_total`), legend: 'prefill workers' },
+        { expr: errorRatio(`${DN}_requests_total`), legend: 'denoise workers' },
+      ],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'HTTP requests by route and code',
+      description: 'OpenAI-compatible HTTP front end: requests per second by route and HTTP status code.',
+      unit: 'reqps',
+      queries: [
+        { expr: `sum by (route, code) (${rate(`${GW}_http_requests_total`)})`, legend: '{{route}} {{code}}' },
+      ],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'In-flight requests and retries',
+      description:
+        'Requests admitted by the gateway and not finished (left axis), and attempts repeated on another worker after UNAVAILABLE (right axis, per second).',
+      queries: [
+        { expr: `sum(${sel(`${GW}_inflight_requests`)})`, legend: 'in flight' },
+        { expr: `sum(${rate(`${GW}_retries_total`)})`, legend: 'retries/s' },
+      ],
+      overrides: rightAxis('retries/s', 'reqps'),
+    }),
+  },
+  {
+    w: 8,
+    panel: stat({
+      title: 'Workers seen by the gateway',
+      description:
+        'Prefill and denoise workers the gateway knows, by role and health state. Any unhealthy worker is red; DgserveWorkerUnhealthy fires after 2 m.',
+      queries: [
+        { expr: `sum by (role) (${sel(`${GW}_workers`, 'state="healthy"')})`, legend: '{{role}} healthy' },
+        { expr: `sum by (role) (${sel(`${GW}_workers`, 'state="unhealthy"')})`, legend: '{{role}} unhealthy' },
+      ],
+      overrides: [
+        {
+          matcher: { id: 'byRegexp', options: '.*unhealthy' },
+          properties: [{ id: 'thresholds', value: thresholds(1) }],
+        },
+      ],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'HTTP latency p95 by route',
+      description: '95th percentile of the HTTP handling time per route (streaming responses count until the last event).',
+      unit: 's',
+      queries: [{ expr: quantile(0.95, `${GW}_http_request_duration_seconds`, ['route']), legend: '{{route}}' }],
+    }),
+  },
+];
+
+const ttftStages = (q: number): Q[] => [
+  { expr: quantile(q, `${GW}_prefill_duration_seconds`), legend: 'prefill + KV transfer' },
+  { expr: quantile(q, `${GW}_time_to_first_step_seconds`), legend: 'first canvas step' },
+  { expr: quantile(q, `${GW}_time_to_first_block_seconds`), legend: 'first committed block (TTFT)' },
+];
+
+const ttft: Sized[] = [
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Time to first token, by stage (p50)',
+      description:
+        'Median time from request start to: the end of prefill and its KV transfer; the first denoising step of the first canvas; the first committed block (the first tokens a client can see). The stages are cumulative.',
+      unit: 's',
+      min: 0,
+      queries: ttftStages(0.5),
+    }),
+  },
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Time to first token, by stage (p95)',
+      description:
+        '95th percentile of the same three stages. The dashed line is the DgserveSlowTimeToFirstBlock objective (p95 of the first committed block over 5 m above 10 s).',
+      unit: 's',
+      min: 0,
+      redAbove: 10,
+      queries: ttftStages(0.95),
+    }),
+  },
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Request latency (end to end)',
+      description: 'Percentiles of the whole request at the gateway, from arrival to the last token.',
+      unit: 's',
+      min: 0,
+      queries: [0.5, 0.95, 0.99].map((q) => ({
+        expr: quantile(q, `${GW}_request_duration_seconds`),
+        legend: `p${Math.round(q * 100)}`,
+      })),
+    }),
+  },
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Worker-side waits (p95)',
+      description:
+        'Where the TTFT goes on the workers: queue + encoder time of a prompt and one encoder step on the prefill workers; on the denoise workers, arrival to complete prompt KV and arrival to the first canvas step.',
+      unit: 's',
+      min: 0,
+      queries: [
+        { expr: quantile(0.95, `${PF}_duration_seconds`), legend: 'prefill: prompt (queue + encoder)' },
+        { expr: quantile(0.95, `${PF}_step_duration_seconds`), legend: 'prefill: encoder step' },
+        { expr: quantile(0.95, `${DN}_kv_wait_seconds`), legend: 'denoise: wait for prompt KV' },
+        { expr: quantile(0.95, `${DN}_time_to_first_step_seconds`), legend: 'denoise: first canvas step' },
+      ],
+    }),
+  },
+];
+
+const denoising: Sized[] = [
+  {
+    w: 12,
+    panel: heatmap({
+      title: 'Steps per canvas',
+      description:
+        'Distribution of denoising steps (decoder passes) a canvas needed before commit, on the denoise workers: canvases per bucket per interval. Fewer steps = the entropy bound accepts more tokens per step.',
+      queries: [
+        {
+          expr: `sum by (le) (increase(${sel(`${DN}_steps_per_canvas_bucket`)}[$__rate_interval]))`,
+          legend: '{{le}}',
+          format: 'heatmap',
+        },
+      ],
+    }),
+  },
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Canvas latency',
+      description: 'Wall time of one canvas on a denoise worker, from its first step to its commit.',
+      unit: 's',
+      min: 0,
+      queries: [0.5, 0.95, 0.99].map((q) => ({
+        expr: quantile(q, `${DN}_canvas_duration_seconds`),
+        legend: `p${Math.round(q * 100)}`,
+      })),
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Output tokens/s',
+      description:
+        'Committed canvas tokens per second on each denoise worker (whole canvases, before stop handling), and completion tokens the gateway returned to clients.',
+      unit: 'short',
+      min: 0,
+      queries: [
+        { expr: `sum by (instance) (${rate(`${DN}_output_tokens_total`)})`, legend: 'committed {{instance}}' },
+        { expr: `sum(${rate(`${GW}_completion_tokens_total`)})`, legend: 'returned to clients' },
+      ],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Active canvases',
+      description:
+        'Canvases in the running batch of each denoise worker (left axis), and the mean number of canvases per batched decoder pass (right axis).',
+      min: 0,
+      queries: [
+        { expr: `sum by (instance) (${sel(`${DN}_active_canvases`)})`, legend: '{{instance}}' },
+        { expr: mean(`${DN}_batch_canvases`), legend: 'mean batch' },
+      ],
+      overrides: rightAxis('mean batch', 'short'),
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Denoising step and commit time (p95)',
+      description: 'One batched denoising step (decoder pass) and one batched commit (encoder pass) on the denoise workers.',
+      unit: 's',
+      min: 0,
+      queries: [
+        { expr: quantile(0.95, `${DN}_step_duration_seconds`), legend: 'step' },
+        { expr: quantile(0.95, `${DN}_commit_duration_seconds`), legend: 'commit' },
+      ],
+    }),
+  },
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Tokens accepted per step and steps per canvas (mean)',
+      description:
+        'Mean canvas positions the entropy bound accepted per step, and mean decoder passes per committed canvas (decoder passes / canvases).',
+      min: 0,
+      queries: [
+        { expr: mean(`${DN}_accepted_tokens_per_step`), legend: 'accepted tokens per step' },
+        {
+          expr: `sum(${rate(`${DN}_decoder_passes_total`)}) / sum(${rate(`${DN}_canvases_total`)})`,
+          legend: 'steps per canvas',
+        },
+      ],
+    }),
+  },
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Commit entropy (nats)',
+      description: 'Mean per-position entropy of the last step of a canvas (p50 and p95 across canvases).',
+      min: 0,
+      queries: [0.5, 0.95].map((q) => ({
+        expr: quantile(q, `${DN}_commit_mean_entropy_nats`),
+        legend: `p${Math.round(q * 100)}`,
+      })),
+    }),
+  },
+];
+
+const queues: Sized[] = [
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Queue depth',
+      description:
+        'Prompts queued or running on each prefill worker; requests waiting for their prompt KV or a batch slot on each denoise worker.',
+      min: 0,
+      queries: [
+        { expr: `sum by (instance) (${sel(`${PF}_queue_depth`)})`, legend: 'prefill {{instance}}' },
+        { expr: `sum by (instance) (${sel(`${DN}_queue_depth`)})`, legend: 'denoise {{instance}}' },
+      ],
+    }),
+  },
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Prefill throughput',
+      description:
+        'Prompt tokens per second run through the encoder on each prefill worker, and the encoder throughput of its last step (a gauge).',
+      min: 0,
+      queries: [
+        { expr: `sum by (instance) (${rate(`${PF}_computed_tokens_total`)})`, legend: 'computed {{instance}}' },
+        { expr: `sum by (instance) (${sel(`${PF}_tokens_per_second`)})`, legend: 'last step {{instance}}' },
+      ],
+    }),
+  },
+];
+
+/** Free share of one role's KV pool per worker and layer kind. free counts cached blocks too. */
+const kvFree = (metric: string): string =>
+  `sum by (instance, kind) (${sel(metric, 'state="free"')}) / sum by (instance, kind) (${sel(metric, 'state=~"used|free"')})`;
+
+const kv: Sized[] = [
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Denoise KV blocks (full-attention layers)',
+      description:
+        'KV blocks of the denoise workers\' pools: used (referenced), free (not referenced; total = used + free) and cached (the part of free that holds evictable prefix-cache blocks).',
+      min: 0,
+      queries: [
+        {
+          expr: `sum by (instance, state) (${sel(`${DN}_kv_blocks`, 'kind="full"')})`,
+          legend: '{{instance}} {{state}}',
+        },
+      ],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Prefill KV blocks (full-attention layers)',
+      description: 'The same for the prefill workers\' pools (their cached blocks are the prefix cache).',
+      min: 0,
+      queries: [
+        {
+          expr: `sum by (instance, state) (${sel(`${PF}_kv_blocks`, 'kind="full"')})`,
+          legend: '{{instance}} {{state}}',
+        },
+      ],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'KV free share',
+      description:
+        'free / (used + free) per worker and layer kind (full, sliding). The dashed line is the DgserveKvCacheExhausted threshold (5 % of the full-layer blocks of a denoise worker, for 5 m).',
+      unit: 'percentunit',
+      min: 0,
+      max: 1,
+      redAbove: 0.05,
+      queries: [
+        { expr: kvFree(`${DN}_kv_blocks`), legend: 'denoise {{instance}} {{kind}}' },
+        { expr: kvFree(`${PF}_kv_blocks`), legend: 'prefill {{instance}} {{kind}}' },
+      ],
+    }),
+  },
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Prefix-cache hit rate',
+      description:
+        'Prefill prefix cache: share of lookups that matched at least one block; share of prompt tokens matched; share of prompt tokens actually reused (a hit is used only up to a prefill-chunk boundary, so reused <= matched).',
+      unit: 'percentunit',
+      min: 0,
+      max: 1,
+      queries: [
+        {
+          expr: `sum(${rate(`${PF}_prefix_cache_hits_total`)}) / sum(${rate(`${PF}_prefix_cache_queries_total`)})`,
+          legend: 'lookups with a hit',
+        },
+        {
+          expr: `sum(${rate(`${PF}_prefix_cache_hit_tokens_total`)}) / (sum(${rate(`${PF}_cached_tokens_total`)}) + sum(${rate(`${PF}_computed_tokens_total`)}))`,
+          legend: 'prompt tokens matched',
+        },
+        {
+          expr: `sum(${rate(`${PF}_cached_tokens_total`)}) / (sum(${rate(`${PF}_cached_tokens_total`)}) + sum(${rate(`${PF}_computed_tokens_total`)}))`,
+          legend: 'prompt tokens reused',
+        },
+      ],
+    }),
+  },
+  {
+    w: 12,
+    panel: timeseries({
+      title: 'Prompt tokens/s (all vs. from a prefix cache)',
+      description: 'Prompt tokens of the requests the gateway finished, per second, and those of them served from a prefix cache (the usage the API reports as cached_tokens).',
+      min: 0,
+      queries: [
+        { expr: `sum(${rate(`${GW}_prompt_tokens_total`)})`, legend: 'prompt' },
+        { expr: `sum(${rate(`${GW}_cached_prompt_tokens_total`)})`, legend: 'cached prompt' },
+      ],
+    }),
+  },
+];
+
+const transfer: Sized[] = [
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'KV transfer bytes/s by transport',
+      description: 'KV payload bytes per second the prefill workers send to denoise workers, by transport (tcp, inprocess).',
+      unit: 'Bps',
+      min: 0,
+      queries: [{ expr: `sum by (transport) (${rate(`${PF}_kv_transfer_bytes_total`)})`, legend: '{{transport}}' }],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'KV transfer failures/s by transport',
+      description: 'Failed KV transfers per second, by transport: on the sending (prefill) and receiving (denoise) side.',
+      unit: 'short',
+      min: 0,
+      queries: [
+        { expr: `sum by (transport) (${rate(`${PF}_kv_transfer_failures_total`)})`, legend: 'send {{transport}}' },
+        { expr: `sum by (transport) (${rate(`${DN}_kv_transfer_failures_total`)})`, legend: 'receive {{transport}}' },
+      ],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'KV transfer time p95 by transport',
+      description: 'Wall time of one request\'s KV transfer from a prefill worker, by transport.',
+      unit: 's',
+      min: 0,
+      queries: [
+        { expr: quantile(0.95, `${PF}_kv_transfer_duration_seconds`, ['transport']), legend: '{{transport}}' },
+      ],
+    }),
+  },
+];
+
+// ---- variables and the dashboard ----
+
+const promVariable = (name: string, label: string, query: string): VariableModel => ({
+  type: 'query',
+  name,
+  label,
+  datasource: DS,
+  query,
+  refresh: VariableRefresh.onTimeRangeChanged,
+  includeAll: true,
+  multi: true,
+  allValue: '.*',
+  current: { text: ['All'], value: ['$__all'], selected: true },
+  sort: VariableSort.alphabeticalAsc,
+  hide: VariableHide.dontHide,
+  regex: '',
+  options: [],
+});
+
+const annotations: AnnotationQuery[] = [
+  {
+    builtIn: 1,
+    datasource: { type: 'grafana', uid: '-- Grafana --' },
+    enable: true,
+    hide: true,
+    iconColor: 'rgba(0, 211, 255, 1)',
+    name: 'Annotations & Alerts',
+    type: 'dashboard',
+  },
+];
+
+const dashboard: Dashboard = {
+  uid: 'dgserve-overview',
+  title: 'dgserve: DiffusionGemma serving',
+  description:
+    'Requests, time to first token by stage, block-diffusion denoising, queues, KV cache and KV transfer of a dgserve cluster (gateway, prefill and denoise workers).',
+  tags: ['dgserve', 'llm', 'diffusion'],
+  editable: true,
+  graphTooltip: DashboardCursorSync.Crosshair,
+  schemaVersion: 42,
+  version: 1,
+  time: { from: 'now-1h', to: 'now' },
+  timepicker: {},
+  timezone: 'browser',
+  refresh: '30s',
+  fiscalYearStartMonth: 0,
+  liveNow: false,
+  links: [],
+  annotations: { list: annotations },
+  templating: {
+    list: [
+      {
+        type: 'datasource',
+        name: 'datasource',
+        label: 'Data source',
+        query: 'prometheus',
+        refresh: VariableRefresh.onDashboardLoad,
+        hide: VariableHide.dontHide,
+        includeAll: false,
+        multi: false,
+        regex: '',
+        options: [],
+      },
+      promVariable('job', 'Job', 'label_values({__name__=~"dgserve_.+_requests_total"}, job)'),
+      promVariable('instance', 'Instance', 'label_values({__name__=~"dgserve_.+_requests_total", job=~"$job"}, instance)'),
+    ],
+  },
+  panels: layout([
+    { title: 'Requests and errors', panels: requests },
+    { title: 'Time to first token', panels: ttft },
+    { title: 'Denoising', panels: denoising },
+    { title: 'Queues and prefill', panels: queues },
+    { title: 'KV cache', panels: kv },
+    { title: 'KV transfer', panels: transfer },
+  ]),
+};
+
+export default dashboard;
