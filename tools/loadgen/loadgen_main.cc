@@ -2,6 +2,7 @@
 // OpenAI HTTP API) in an open loop (Poisson arrivals) or a closed loop (N back-to-back workers)
 // and reports throughput, TTFT and end-to-end latency percentiles, diffusion steps and errors.
 // See tools/loadgen/README.md.
+#include <optional>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -33,7 +34,7 @@ ABSL_FLAG(int32_t, grpc_channels, 1, "gRPC connections to spread the requests ov
 ABSL_FLAG(std::string, mode, "closed", "open (Poisson arrivals at --rate) or closed "
           "(--concurrency workers back to back)");
 ABSL_FLAG(double, rate, 0, "open loop: mean arrivals per second");
-ABSL_FLAG(int32_t, concurrency, 0, "closed loop: workers (default 1)");
+ABSL_FLAG(std::optional<int32_t>, concurrency, std::nullopt, "closed loop: workers (default 1)");
 ABSL_FLAG(int32_t, max_inflight, 256, "open loop: requests in flight at most; arrivals beyond "
           "are dropped (counted, not queued)");
 ABSL_FLAG(std::string, prompts, "", "JSONL file: {\"prompt\": ...} or {\"messages\": [...]} "
@@ -351,8 +352,10 @@ Options OptionsFromFlags() {
     Usage(absl::StrCat("--mode must be open or closed, not '", mode, "'"));
   }
   o.rate = absl::GetFlag(FLAGS_rate);
-  o.concurrency = absl::GetFlag(FLAGS_concurrency);
-  if (o.mode == Mode::kClosed && o.concurrency == 0) o.concurrency = 1;
+  // Unset: 1 in closed mode, "not given" (0) in open mode; an explicit value is checked as is.
+  const std::optional<int32_t> concurrency = absl::GetFlag(FLAGS_concurrency);
+  o.concurrency = concurrency.value_or(o.mode == Mode::kClosed ? 1 : 0);
+  if (o.mode == Mode::kOpen && concurrency.has_value()) o.concurrency = std::max(1, *concurrency);
   o.max_inflight = absl::GetFlag(FLAGS_max_inflight);
   o.prompts_file = absl::GetFlag(FLAGS_prompts);
   o.prompt_tokens_mean = absl::GetFlag(FLAGS_prompt_tokens_mean);
