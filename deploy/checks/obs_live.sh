@@ -52,60 +52,10 @@ PROM_PID=""
 RESULTS=()
 FAILED=0
 DEADLINE=$((SECONDS + ${OBS_BUDGET_S:-240}))
-budget() {  # budget N: N seconds, or what is left of the run's budget if less (at least 1)
-  local left=$((DEADLINE - SECONDS))
-  [ $left -lt 1 ] && left=1
-  if [ "$1" -lt $left ]; then echo "$1"; else echo $left; fi
-}
-
-stop_pid() {  # stops one process this script started: TERM, up to 10 s, then KILL
-  local pid=$1
-  kill -0 "$pid" 2>/dev/null || return 0
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-}
-
-cleanup() {
-  local rc=$?
-  trap - EXIT INT TERM
-  if [ -n "$PROM_PID" ]; then stop_pid "$PROM_PID"; PROM_PID=""; fi
-  if [ -f "$RUN_DIR/pids" ]; then
-    RUN_DIR="$RUN_DIR" timeout 60 bash "$ROOT/tools/cluster.sh" stop >/dev/null 2>&1 ||
-      echo "obs_live: WARNING: tools/cluster.sh stop failed; PIDs in $RUN_DIR/pids" >&2
-  fi
-  if [ ${#RESULTS[@]} -gt 0 ]; then
-    echo "obs_live: summary"
-    printf '  %s\n' "${RESULTS[@]}"
-  fi
-  if [ $rc -ne 0 ] || [ $FAILED -ne 0 ]; then
-    for f in "$RUN_DIR"/*.log "$WORK/prometheus.log"; do
-      [ -s "$f" ] || continue
-      echo "---- last lines of $f ----"
-      tail -n 20 "$f"
-    done
-    echo "obs_live: FAILED ($FAILED check(s)); logs kept in $WORK" >&2
-    [ $rc -ne 0 ] || rc=1
-  elif [ $KEEP -eq 1 ]; then
-    echo "obs_live: PASSED; kept $WORK"
-  else
-    rm -rf "$WORK"
-    echo "obs_live: PASSED"
-  fi
-  exit $rc
-}
-trap cleanup EXIT
-trap 'echo "obs_live: interrupted" >&2; exit 130' INT TERM
-
-run_check() {  # run_check NAME COMMAND...: records ok/FAIL, never aborts
-  local name=$1; shift
-  log "---- $name"
-  if [ $SECONDS -ge $DEADLINE ]; then
-    RESULTS+=("FAIL  $name (not run: the time budget is spent)"); FAILED=$((FAILED + 1)); return
-  fi
-  if "$@"; then RESULTS+=("ok    $name"); else RESULTS+=("FAIL  $name"); FAILED=$((FAILED + 1)); fi
-}
+CHECKS_NAME=obs_live
+# budget, stop_pid, run_check and the exit trap.
+# shellcheck source=../../tests/lib/checks.sh
+. "$ROOT/tests/lib/checks.sh"
 
 # ---- the model and the cluster ----
 MODEL="$WORK/obs-tiny-v512"

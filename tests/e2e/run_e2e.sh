@@ -59,69 +59,10 @@ FAILED=0
 export BUF_CACHE_DIR="$WORK/buf-cache"
 # The whole run is bounded: every command's timeout is capped by what is left of this budget.
 DEADLINE=$((SECONDS + ${E2E_BUDGET_S:-270}))
-budget() {  # budget N: N seconds, or what is left of the run's budget if less (at least 1)
-  local left=$((DEADLINE - SECONDS))
-  [ $left -lt 1 ] && left=1
-  if [ "$1" -lt $left ]; then echo "$1"; else echo $left; fi
-}
-
-stop_pid() {  # stops one process this script started: TERM, up to 10 s, then KILL
-  local pid=$1
-  kill -0 "$pid" 2>/dev/null || return 0
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-}
-
-cleanup() {
-  local rc=$?
-  trap - EXIT INT TERM
-  if [ -n "$PROM_PID" ]; then stop_pid "$PROM_PID"; PROM_PID=""; fi
-  if [ -f "$RUN_DIR/pids" ]; then
-    RUN_DIR="$RUN_DIR" timeout 60 bash "$ROOT/tools/cluster.sh" stop >/dev/null 2>&1 ||
-      echo "e2e: WARNING: tools/cluster.sh stop failed; PIDs in $RUN_DIR/pids" >&2
-  fi
-  if [ ${#RESULTS[@]} -gt 0 ]; then
-    echo "e2e: summary"
-    printf '  %s\n' "${RESULTS[@]}"
-  fi
-  if [ $rc -ne 0 ] || [ $FAILED -ne 0 ]; then
-    for f in "$RUN_DIR"/*.log "$WORK/prometheus.log"; do
-      [ -s "$f" ] || continue
-      echo "---- last lines of $f ----"
-      tail -n 25 "$f"
-    done
-    echo "e2e: FAILED ($FAILED check(s) failed, exit $([ $rc -ne 0 ] && echo $rc || echo 1)); logs kept in $WORK" >&2
-    [ $rc -ne 0 ] || rc=1
-  elif [ $KEEP -eq 1 ]; then
-    echo "e2e: PASSED; kept $WORK"
-  else
-    rm -rf "$WORK"
-    echo "e2e: PASSED"
-  fi
-  exit $rc
-}
-trap cleanup EXIT
-trap 'echo "e2e: interrupted" >&2; exit 130' INT TERM
-
-# Runs one named check (a command or shell function); records ok/FAIL; never aborts the script.
-run_check() {
-  local name=$1; shift
-  log "---- $name"
-  if [ $SECONDS -ge $DEADLINE ]; then
-    RESULTS+=("FAIL  $name (not run: the run's time budget is spent)")
-    FAILED=$((FAILED + 1))
-    return
-  fi
-  if "$@"; then
-    RESULTS+=("ok    $name")
-  else
-    RESULTS+=("FAIL  $name")
-    FAILED=$((FAILED + 1))
-    echo "e2e: FAIL: $name" >&2
-  fi
-}
+CHECKS_NAME=e2e
+# budget, stop_pid, run_check and the exit trap.
+# shellcheck source=../../tests/lib/checks.sh
+. "$ROOT/tests/lib/checks.sh"
 
 # ---- the model ----
 if [ -z "$MODEL" ]; then
