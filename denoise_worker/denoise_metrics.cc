@@ -1,14 +1,11 @@
 #include "denoise_worker/denoise_metrics.h"
 
+#include "service/metric_builders.h"
+
 namespace dgserve {
 namespace {
 
 using prometheus::Histogram;
-
-Histogram& MakeHistogram(prometheus::Registry& r, const std::string& name,
-                         const std::string& help, Histogram::BucketBoundaries buckets) {
-  return prometheus::BuildHistogram().Name(name).Help(help).Register(r).Add({}, buckets);
-}
 
 Histogram::BucketBoundaries Seconds() {
   return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
@@ -47,30 +44,14 @@ DenoiseMetrics::DenoiseMetrics(prometheus::Registry& r)
       kv_wait_seconds(MakeHistogram(r, "dgserve_denoise_kv_wait_seconds",
                                     "Denoise request arrival to its prompt KV being complete",
                                     Seconds())),
-      output_tokens(prometheus::BuildCounter()
-                        .Name("dgserve_denoise_output_tokens_total")
-                        .Help("Committed canvas tokens (whole canvases, before stop handling)")
-                        .Register(r)
-                        .Add({})),
-      canvases(prometheus::BuildCounter()
-                   .Name("dgserve_denoise_canvases_total")
-                   .Help("Canvases committed")
-                   .Register(r)
-                   .Add({})),
-      decoder_passes(prometheus::BuildCounter()
-                         .Name("dgserve_denoise_decoder_passes_total")
-                         .Help("Per-canvas decoder passes (denoising steps)")
-                         .Register(r)
-                         .Add({})),
-      active_canvases(prometheus::BuildGauge()
-                          .Name("dgserve_denoise_active_canvases")
-                          .Help("Canvases in the running batch")
-                          .Register(r)
-                          .Add({})),
-      queue_depth(prometheus::BuildGauge()
-                      .Name("dgserve_denoise_queue_depth")
-                      .Help("Requests waiting for their prompt KV or a batch slot")
-                      .Register(r)
-                      .Add({})) {}
+      output_tokens(MakeCounter(r, "dgserve_denoise_output_tokens_total",
+                                "Committed canvas tokens (whole canvases, before stop handling)")),
+      canvases(MakeCounter(r, "dgserve_denoise_canvases_total", "Canvases committed")),
+      decoder_passes(MakeCounter(r, "dgserve_denoise_decoder_passes_total",
+                                 "Per-canvas decoder passes (denoising steps)")),
+      active_canvases(
+          MakeGauge(r, "dgserve_denoise_active_canvases", "Canvases in the running batch")),
+      queue_depth(MakeGauge(r, "dgserve_denoise_queue_depth",
+                            "Requests waiting for their prompt KV or a batch slot")) {}
 
 }  // namespace dgserve

@@ -1,8 +1,6 @@
 // dgserve-denoise-worker: receives prompt KV (KvTransferService), runs the canvas denoising
 // loops of many requests with continuous batching (DenoiseService), exports /metrics.
-#include <atomic>
 #include <cstdio>
-#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -41,8 +39,8 @@ absl::Status Run() {
   }
   const std::string model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
   absl::StatusOr<WorkerModel> model =
-      LoadWorkerModel(dir, model_id, absl::GetFlag(FLAGS_device),
-                      absl::GetFlag(FLAGS_kv_cache_mib), absl::GetFlag(FLAGS_kv_block_size));
+      LoadWorkerModel(dir, model_id, absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_kv_cache_mib),
+                      absl::GetFlag(FLAGS_kv_block_size));
   if (!model.ok()) return model.status();
   const ModelConfig& config = model->checkpoint->config;
 
@@ -65,13 +63,7 @@ absl::Status Run() {
   kv::KvTransferServiceImpl transfer(&receiver);
   if (absl::Status s = runner.Start({&denoise, &transfer}); !s.ok()) return s;
 
-  std::atomic<bool> stop{false};
-  std::thread gauges([&] {
-    while (!stop) {
-      kv_metrics.Update(model->pool->stats());
-      std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    }
-  });
+  PeriodicTask gauges(absl::Milliseconds(250), [&] { kv_metrics.Update(model->pool->stats()); });
   if (absl::Status s = runner.WritePortsFile(); !s.ok()) return s;
   DGSERVE_LOG_INFO("denoise worker serving %s: gRPC port %d, metrics port %d", model_id,
                    runner.grpc_port(), runner.metrics_port());
@@ -80,8 +72,6 @@ absl::Status Run() {
   engine.SetDraining(true);
   runner.SetServing(false);
   runner.Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_seconds)));
-  stop = true;
-  gauges.join();
   return absl::OkStatus();
 }
 

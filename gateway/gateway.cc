@@ -101,6 +101,22 @@ v1::ListModelsResponse Gateway::ListModels() const {
   return r;
 }
 
+void Gateway::Drain(absl::Duration grace) {
+  SetDraining(true);
+  const absl::Time until = absl::Now() + grace;
+  while (inflight_ > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+}
+
+void Gateway::UpdateWorkerGauges() {
+  if (!metrics_) return;
+  for (WorkerPool* pool : {prefill_, denoise_}) {
+    const int healthy = pool->healthy_count();
+    metrics_->workers.Add({{"role", pool->role()}, {"state", "healthy"}}).Set(healthy);
+    metrics_->workers.Add({{"role", pool->role()}, {"state", "unhealthy"}})
+        .Set(pool->total_count() - healthy);
+  }
+}
+
 bool Gateway::Ready() const {
   return !draining_ && prefill_->healthy_count() > 0 && denoise_->healthy_count() > 0;
 }
@@ -111,8 +127,7 @@ absl::Status Gateway::CheckApiKey(const std::string& bearer) const {
     if (!bearer.empty() && bearer == k) return absl::OkStatus();
   }
   return absl::UnauthenticatedError(
-      bearer.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
-                     : "invalid API key");
+      bearer.empty() ? "missing API key: send 'Authorization: Bearer <key>'" : "invalid API key");
 }
 
 absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& request) const {
@@ -150,9 +165,8 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
       }
       for (int32_t id : request.token_ids().ids()) {
         if (id < 0 || id >= config_.vocab_size) {
-          return absl::InvalidArgumentError(absl::StrCat("prompt: token id ", id,
-                                                         " is outside [0, ", config_.vocab_size,
-                                                         ")"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("prompt: token id ", id, " is outside [0, ", config_.vocab_size, ")"));
         }
       }
       p.prompt.assign(request.token_ids().ids().begin(), request.token_ids().ids().end());
@@ -162,9 +176,8 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   }
   const int64_t limit = config_.max_position_embeddings;
   if (int64_t(p.prompt.size()) >= limit) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt: ", p.prompt.size(),
-                                                   " tokens exceed the context limit of ",
-                                                   limit, " positions"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt: ", p.prompt.size(), " tokens exceed the context limit of ", limit, " positions"));
   }
   if (request.max_tokens() < 0) {
     return absl::InvalidArgumentError(
@@ -174,10 +187,10 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   const int C = config_.canvas_length;
   const int64_t canvases = (int64_t(p.max_tokens) + C - 1) / C;
   if (int64_t(p.prompt.size()) + canvases * C > limit) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_tokens: the prompt (", p.prompt.size(), " tokens) plus ", canvases,
-        " canvases of ", C, " tokens for max_tokens=", p.max_tokens,
-        " exceed the context limit of ", limit, " positions"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens: the prompt (", p.prompt.size(), " tokens) plus ", canvases,
+                     " canvases of ", C, " tokens for max_tokens=", p.max_tokens,
+                     " exceed the context limit of ", limit, " positions"));
   }
   if (request.stop_size() > options_.max_stop_sequences) {
     return absl::InvalidArgumentError(absl::StrCat("stop: at most ", options_.max_stop_sequences,
@@ -241,9 +254,9 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
   if (!prepared.ok()) return count(prepared.status());
   if (inflight_.fetch_add(1) >= options_.max_concurrent_requests) {
     inflight_.fetch_sub(1);
-    return count(absl::ResourceExhaustedError(absl::StrCat(
-        "the gateway is at its limit of ", options_.max_concurrent_requests,
-        " concurrent requests; retry later")));
+    return count(absl::ResourceExhaustedError(absl::StrCat("the gateway is at its limit of ",
+                                                           options_.max_concurrent_requests,
+                                                           " concurrent requests; retry later")));
   }
   if (metrics_) metrics_->inflight.Set(inflight_);
   std::set<std::string> bad_prefill, bad_denoise;
@@ -263,22 +276,22 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
 
 absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline,
                                  const std::function<bool()>& is_cancelled,
-                                 const EventCallback& on_event,
-                                 std::set<std::string>* bad_prefill,
+                                 const EventCallback& on_event, std::set<std::string>* bad_prefill,
                                  std::set<std::string>* bad_denoise, bool* output_sent,
                                  absl::Time start) {
   const std::optional<std::string> d = denoise_->Pick(0, *bad_denoise);
   if (!d) {
-    return absl::UnavailableError(absl::StrCat("no healthy denoise worker (",
-                                               denoise_->total_count(), " known)"));
+    return absl::UnavailableError(
+        absl::StrCat("no healthy denoise worker (", denoise_->total_count(), " known)"));
   }
   const size_t key_len = std::min<size_t>(req.prompt.size(), 64);
   const uint64_t key = Fnv1a64(std::string_view(reinterpret_cast<const char*>(req.prompt.data()),
-                                                key_len * sizeof(int32_t))) | 1;
+                                                key_len * sizeof(int32_t))) |
+                       1;
   const std::optional<std::string> p = prefill_->Pick(key, *bad_prefill);
   if (!p) {
-    return absl::UnavailableError(absl::StrCat("no healthy prefill worker (",
-                                               prefill_->total_count(), " known)"));
+    return absl::UnavailableError(
+        absl::StrCat("no healthy prefill worker (", prefill_->total_count(), " known)"));
   }
   const std::string attempt_id =
       absl::StrCat(req.request_id, "-", bad_prefill->size() + bad_denoise->size());
@@ -297,8 +310,8 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
     ctx.set_deadline(ToChrono(deadline));
     watcher.Watch(&ctx);
     prefill_->Acquire(*p);
-    grpc::Status s = v1::PrefillService::NewStub(prefill_->Channel(*p))->Prefill(&ctx, preq,
-                                                                                 &prefill);
+    grpc::Status s =
+        v1::PrefillService::NewStub(prefill_->Channel(*p))->Prefill(&ctx, preq, &prefill);
     prefill_->Release(*p);
     watcher.Watch(nullptr);
     if (!s.ok()) {
@@ -388,10 +401,9 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
       cs->set_step(ev.step().step());
       *cs->mutable_token_ids() = ev.step().token_ids();
       if (req.canvas_text) {
-        cs->set_text(tokenizer_.Decode(
-            std::span<const int32_t>(ev.step().token_ids().data(),
-                                     size_t(ev.step().token_ids_size())),
-            /*skip_special=*/true));
+        cs->set_text(tokenizer_.Decode(std::span<const int32_t>(ev.step().token_ids().data(),
+                                                                size_t(ev.step().token_ids_size())),
+                                       /*skip_special=*/true));
       }
       cs->set_accepted(ev.step().accepted());
       cs->set_mean_entropy(ev.step().mean_entropy());

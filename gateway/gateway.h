@@ -54,6 +54,10 @@ class Gateway final : public GenerationCore {
   bool Ready() const override;
   absl::Status CheckApiKey(const std::string& bearer) const override;
   void SetDraining(bool draining) { draining_ = draining; }
+  // Stops admitting (UNAVAILABLE) and waits until no request is in flight or `grace` has passed.
+  void Drain(absl::Duration grace);
+  // Sets the dgserve_gateway_workers{role, state} gauges from the worker pools.
+  void UpdateWorkerGauges();
   int inflight() const { return inflight_; }
 
   // Validation and tokenization only (INVALID_ARGUMENT naming the field, NOT_FOUND for an
@@ -63,10 +67,9 @@ class Gateway final : public GenerationCore {
  private:
   struct Attempt;
   absl::Status RunAttempt(const PreparedRequest& req, absl::Time deadline,
-                          const std::function<bool()>& is_cancelled,
-                          const EventCallback& on_event, std::set<std::string>* bad_prefill,
-                          std::set<std::string>* bad_denoise, bool* output_sent,
-                          absl::Time start);
+                          const std::function<bool()>& is_cancelled, const EventCallback& on_event,
+                          std::set<std::string>* bad_prefill, std::set<std::string>* bad_denoise,
+                          bool* output_sent, absl::Time start);
 
   const ModelConfig config_;
   const GenerationConfig generation_;

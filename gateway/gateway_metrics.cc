@@ -1,21 +1,12 @@
 #include "gateway/gateway_metrics.h"
 
+#include "service/metric_builders.h"
+
 namespace dgserve {
 namespace {
 
-prometheus::Histogram& MakeHistogram(prometheus::Registry& r, const std::string& name,
-                                     const std::string& help,
-                                     prometheus::Histogram::BucketBoundaries b) {
-  return prometheus::BuildHistogram().Name(name).Help(help).Register(r).Add({}, b);
-}
-
 prometheus::Histogram::BucketBoundaries Seconds() {
   return {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
-}
-
-prometheus::Counter& MakeCounter(prometheus::Registry& r, const std::string& name,
-                                 const std::string& help) {
-  return prometheus::BuildCounter().Name(name).Help(help).Register(r).Add({});
 }
 
 }  // namespace
@@ -45,11 +36,8 @@ GatewayMetrics::GatewayMetrics(prometheus::Registry& r)
                                        "Prompt tokens served from a prefix cache")),
       retries(MakeCounter(r, "dgserve_gateway_retries_total",
                           "Attempts repeated on another worker after UNAVAILABLE")),
-      inflight(prometheus::BuildGauge()
-                   .Name("dgserve_gateway_inflight_requests")
-                   .Help("Requests admitted and not finished")
-                   .Register(r)
-                   .Add({})),
+      inflight(
+          MakeGauge(r, "dgserve_gateway_inflight_requests", "Requests admitted and not finished")),
       workers(prometheus::BuildGauge()
                   .Name("dgserve_gateway_workers")
                   .Help("Known workers by role and health")

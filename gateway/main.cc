@@ -2,7 +2,6 @@
 // OpenAI-compatible HTTP API — routing to prefill and denoise workers; exports /metrics.
 #include <cstdio>
 #include <fstream>
-#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -60,8 +59,10 @@ absl::StatusOr<std::vector<std::string>> ApiKeys() {
 absl::Status Run() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
-  const std::vector<std::string> prefill_targets = SplitTargets(absl::GetFlag(FLAGS_prefill_workers));
-  const std::vector<std::string> denoise_targets = SplitTargets(absl::GetFlag(FLAGS_denoise_workers));
+  const std::vector<std::string> prefill_targets =
+      SplitTargets(absl::GetFlag(FLAGS_prefill_workers));
+  const std::vector<std::string> denoise_targets =
+      SplitTargets(absl::GetFlag(FLAGS_denoise_workers));
   if (prefill_targets.empty() || denoise_targets.empty()) {
     return absl::InvalidArgumentError("--prefill_workers and --denoise_workers are required");
   }
@@ -113,32 +114,17 @@ absl::Status Run() {
   absl::StatusOr<int> http_port = http.Start();
   if (!http_port.ok()) return http_port.status();
 
-  std::atomic<bool> stop{false};
-  std::thread gauges([&] {
-    while (!stop) {
-      metrics.workers.Add({{"role", "prefill"}, {"state", "healthy"}}).Set(prefill.healthy_count());
-      metrics.workers.Add({{"role", "prefill"}, {"state", "unhealthy"}})
-          .Set(prefill.total_count() - prefill.healthy_count());
-      metrics.workers.Add({{"role", "denoise"}, {"state", "healthy"}}).Set(denoise.healthy_count());
-      metrics.workers.Add({{"role", "denoise"}, {"state", "unhealthy"}})
-          .Set(denoise.total_count() - denoise.healthy_count());
-      std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    }
-  });
+  PeriodicTask gauges(absl::Milliseconds(250), [&] { gateway.UpdateWorkerGauges(); });
   if (absl::Status s = runner.WritePortsFile({{"http", *http_port}}); !s.ok()) return s;
   DGSERVE_LOG_INFO("gateway serving %s: gRPC port %d, HTTP port %d, metrics port %d",
                    gopts.model_id, runner.grpc_port(), *http_port, runner.metrics_port());
   const int sig = ServiceRunner::WaitForSignal();
   DGSERVE_LOG_INFO("signal %d: draining", sig);
-  gateway.SetDraining(true);
   http.SetDraining(true);
   runner.SetServing(false);
-  const absl::Time until = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_drain_grace_seconds));
-  while (gateway.inflight() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  gateway.Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_seconds)));
   http.Stop();
   runner.Shutdown(absl::Seconds(1));
-  stop = true;
-  gauges.join();
   return absl::OkStatus();
 }
 
@@ -146,8 +132,9 @@ absl::Status Run() {
 }  // namespace dgserve
 
 int main(int argc, char** argv) {
-  return dgserve::ServiceMain(argc, argv,
-                              "dgserve-gateway --model DIR --prefill_workers ADDR[,ADDR] --denoise_workers ADDR[,ADDR] "
+  return dgserve::ServiceMain(
+      argc, argv,
+      "dgserve-gateway --model DIR --prefill_workers ADDR[,ADDR] --denoise_workers ADDR[,ADDR] "
       "[--grpc_address HOST:PORT] [--http_address HOST:PORT] ...",
-                              "gateway/main.cc", dgserve::Run);
+      "gateway/main.cc", dgserve::Run);
 }

@@ -1,8 +1,6 @@
 // dgserve-prefill-worker: chunked prefill with a prefix cache (PrefillService), shipping each
 // prompt's KV to the denoise worker named in the request; exports /metrics.
-#include <atomic>
 #include <cstdio>
-#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -54,8 +52,8 @@ absl::Status Run() {
   }
   const std::string model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
   absl::StatusOr<WorkerModel> model =
-      LoadWorkerModel(dir, model_id, absl::GetFlag(FLAGS_device),
-                      absl::GetFlag(FLAGS_kv_cache_mib), absl::GetFlag(FLAGS_kv_block_size));
+      LoadWorkerModel(dir, model_id, absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_kv_cache_mib),
+                      absl::GetFlag(FLAGS_kv_block_size));
   if (!model.ok()) return model.status();
 
   ServerOptions opts;
@@ -72,13 +70,7 @@ absl::Status Run() {
   PrefillServiceImpl service(&engine, model->pool.get(), model_id);
   if (absl::Status s = runner.Start({&service}); !s.ok()) return s;
 
-  std::atomic<bool> stop{false};
-  std::thread gauges([&] {
-    while (!stop) {
-      kv_metrics.Update(model->pool->stats());
-      std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    }
-  });
+  PeriodicTask gauges(absl::Milliseconds(250), [&] { kv_metrics.Update(model->pool->stats()); });
   if (absl::Status s = runner.WritePortsFile(); !s.ok()) return s;
   DGSERVE_LOG_INFO("prefill worker serving %s: gRPC port %d, metrics port %d", model_id,
                    runner.grpc_port(), runner.metrics_port());
@@ -86,8 +78,6 @@ absl::Status Run() {
   DGSERVE_LOG_INFO("signal %d: draining", sig);
   engine.SetDraining(true);
   runner.Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_seconds)));
-  stop = true;
-  gauges.join();
   return absl::OkStatus();
 }
 

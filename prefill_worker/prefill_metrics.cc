@@ -1,25 +1,8 @@
 #include "prefill_worker/prefill_metrics.h"
 
+#include "service/metric_builders.h"
+
 namespace dgserve {
-namespace {
-
-prometheus::Histogram& MakeHistogram(prometheus::Registry& r, const std::string& name,
-                                     const std::string& help,
-                                     prometheus::Histogram::BucketBoundaries b) {
-  return prometheus::BuildHistogram().Name(name).Help(help).Register(r).Add({}, b);
-}
-
-prometheus::Counter& MakeCounter(prometheus::Registry& r, const std::string& name,
-                                 const std::string& help) {
-  return prometheus::BuildCounter().Name(name).Help(help).Register(r).Add({});
-}
-
-prometheus::Gauge& MakeGauge(prometheus::Registry& r, const std::string& name,
-                             const std::string& help) {
-  return prometheus::BuildGauge().Name(name).Help(help).Register(r).Add({});
-}
-
-}  // namespace
 
 PrefillMetrics::PrefillMetrics(prometheus::Registry& r)
     : requests(prometheus::BuildCounter()

@@ -9,9 +9,9 @@
 
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/openmp_env.h"
-#include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -23,6 +23,25 @@ namespace {
 std::atomic<int> g_signal{0};
 
 }  // namespace
+
+PeriodicTask::PeriodicTask(absl::Duration period, std::function<void()> fn)
+    : thread_([this, period, fn = std::move(fn)] {
+        absl::MutexLock lock(&mu_);
+        while (!stop_) {
+          mu_.Unlock();
+          fn();
+          mu_.Lock();
+          mu_.AwaitWithTimeout(absl::Condition(&stop_), period);
+        }
+      }) {}
+
+PeriodicTask::~PeriodicTask() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
 
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -99,8 +118,7 @@ void ServiceRunner::SetServing(bool serving) {
   }
 }
 
-absl::Status ServiceRunner::WritePortsFile(
-    const std::vector<std::pair<std::string, int>>& extra) {
+absl::Status ServiceRunner::WritePortsFile(const std::vector<std::pair<std::string, int>>& extra) {
   if (options_.ports_file.empty()) return absl::OkStatus();
   nlohmann::json j = {{"grpc", grpc_port_}, {"metrics", metrics_port_}, {"pid", ::getpid()}};
   for (const auto& [k, v] : extra) j[k] = v;

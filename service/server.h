@@ -3,12 +3,15 @@
 // scripts, and SIGTERM/SIGINT handling.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/exposer.h"
@@ -55,6 +58,21 @@ class ServiceRunner {
   std::unique_ptr<grpc::Server> server_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;
+};
+
+// Calls `fn` every `period` on its own thread (first call at once) until destroyed; the
+// destructor stops and joins it. For gauges sampled from state (KV pool, worker health).
+class PeriodicTask {
+ public:
+  PeriodicTask(absl::Duration period, std::function<void()> fn);
+  ~PeriodicTask();
+  PeriodicTask(const PeriodicTask&) = delete;
+  PeriodicTask& operator=(const PeriodicTask&) = delete;
+
+ private:
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
 };
 
 // "host:port" → (host, port) for civetweb/httplib; INVALID_ARGUMENT when malformed.

@@ -1,8 +1,6 @@
 // dgserve-server: the single-process mode (design §1) — gateway, prefill worker and denoise
 // worker in one process, the prompt KV moving through the in-process transport. For a laptop and
 // for tests; the multi-process cluster (tools/cluster.sh) is what the README demo starts.
-#include <atomic>
-#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -121,13 +119,10 @@ absl::Status Run() {
   absl::StatusOr<int> http_port = http.Start();
   if (!http_port.ok()) return http_port.status();
 
-  std::atomic<bool> stop{false};
-  std::thread gauges([&] {
-    while (!stop) {
-      prefill_kv.Update(prefill_model->pool->stats());
-      denoise_kv.Update(denoise_model->pool->stats());
-      std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    }
+  PeriodicTask gauges(absl::Milliseconds(250), [&] {
+    prefill_kv.Update(prefill_model->pool->stats());
+    denoise_kv.Update(denoise_model->pool->stats());
+    gateway.UpdateWorkerGauges();
   });
   if (absl::Status s = front.WritePortsFile({{"http", *http_port},
                                              {"metrics", workers.metrics_port()},
@@ -139,16 +134,12 @@ absl::Status Run() {
                    model_id, front.grpc_port(), *http_port, workers.metrics_port());
   const int sig = ServiceRunner::WaitForSignal();
   DGSERVE_LOG_INFO("signal %d: draining", sig);
-  gateway.SetDraining(true);
   http.SetDraining(true);
-  const absl::Time until = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_drain_grace_seconds));
-  while (gateway.inflight() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  gateway.Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_seconds)));
   http.Stop();
   front.Shutdown(absl::Seconds(1));
   workers.Shutdown(absl::Seconds(1));
   kv::UnregisterInProcessReceiver(worker_address);
-  stop = true;
-  gauges.join();
   return absl::OkStatus();
 }
 

@@ -62,6 +62,18 @@ bool Eventually(Pred pred) {
   return pred();
 }
 
+// `requests` unary requests at once from as many threads; request i has seed 100 + i.
+std::vector<Result> GenerateConcurrently(const TestCluster& c, int requests) {
+  std::vector<Result> results(requests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < requests; ++i) {
+    threads.emplace_back(
+        [&, i] { results[i] = Generate(c, Chat("Write a short poem.", 100 + i, 48)); });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
 class ClusterTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -178,14 +190,7 @@ TEST_F(ClusterTest, EqualsSingleProcessGenerate) {
 // CPU backend aligns every sequence to the BLAS row granule).
 TEST_F(ClusterTest, ConcurrentRequestsEqualTheirResultsAlone) {
   constexpr int kRequests = 8;
-  std::vector<Result> together(kRequests);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kRequests; ++i) {
-    threads.emplace_back([&, i] {
-      together[i] = Generate(c(), Chat("Write a short poem.", 100 + i, 48));
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<Result> together = GenerateConcurrently(c(), kRequests);
   for (int i = 0; i < kRequests; ++i) {
     ASSERT_TRUE(together[i].status.ok()) << together[i].status.error_message();
     Result alone = Generate(c(), Chat("Write a short poem.", 100 + i, 48));
@@ -199,14 +204,7 @@ TEST_F(ClusterTest, ConcurrentRequestsEqualTheirResultsAlone) {
 // Concurrent requests all complete, each with its own seed's output.
 TEST_F(ClusterTest, ConcurrentRequestsAllComplete) {
   constexpr int kRequests = 8;
-  std::vector<Result> together(kRequests);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kRequests; ++i) {
-    threads.emplace_back([&, i] {
-      together[i] = Generate(c(), Chat("Write a short poem.", 100 + i, 48));
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<Result> together = GenerateConcurrently(c(), kRequests);
   for (int i = 0; i < kRequests; ++i) {
     ASSERT_TRUE(together[i].status.ok()) << together[i].status.error_message();
     EXPECT_GE(together[i].response.usage().canvases(), 1);

@@ -1,0 +1,29 @@
+// One-line builders of unlabelled Prometheus metrics, shared by every service's metrics struct.
+#pragma once
+
+#include <string>
+
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace dgserve {
+
+inline prometheus::Histogram& MakeHistogram(prometheus::Registry& r, const std::string& name,
+                                            const std::string& help,
+                                            prometheus::Histogram::BucketBoundaries buckets) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(r).Add({}, buckets);
+}
+
+inline prometheus::Counter& MakeCounter(prometheus::Registry& r, const std::string& name,
+                                        const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(r).Add({});
+}
+
+inline prometheus::Gauge& MakeGauge(prometheus::Registry& r, const std::string& name,
+                                    const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(r).Add({});
+}
+
+}  // namespace dgserve
