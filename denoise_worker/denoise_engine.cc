@@ -50,7 +50,8 @@ struct DenoiseEngine::Running {
   SamplerParams params;
   std::unique_ptr<CounterDrawSource> draws;
   std::optional<CanvasDenoiser> den;
-  std::vector<float> soft, next_soft;  // [C, D] self-conditioning input of this / next step
+  // [C, D] self-conditioning input of this / next step; empty with self-conditioning off.
+  std::vector<float> soft, next_soft;
   std::vector<RowResult> rows;
   bool have_sc = false;
   int canvas = 0;
@@ -79,6 +80,7 @@ SamplerParams ToSamplerParams(const v1::SamplerSettings& s) {
   p.entropy_bound = s.entropy_bound();
   p.stability_threshold = s.stability_threshold();
   p.confidence_threshold = s.confidence_threshold();
+  p.self_conditioning = !s.zero_self_conditioning();
   return p;
 }
 
@@ -341,8 +343,10 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
       continue;
     }
     r->den.emplace(*std::move(den));
-    r->soft.resize(size_t(C) * D);
-    r->next_soft.resize(size_t(C) * D);
+    if (r->params.self_conditioning) {
+      r->soft.resize(size_t(C) * D);
+      r->next_soft.resize(size_t(C) * D);
+    }
     r->rows.resize(C);
     r->have_sc = false;
     r->canvas_start = absl::Now();
@@ -363,7 +367,9 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
     in.temperature = den.temperature();
     in.uniforms = den.uniforms();
     in.rows = r->rows.data();
-    in.next_soft = last ? nullptr : r->next_soft.data();
+    // Self-conditioning off (ablation): every step takes the step-0 path (no SC input, none
+    // computed), so the SC input is zero at every step.
+    in.next_soft = (last || !r->params.self_conditioning) ? nullptr : r->next_soft.data();
     batch.push_back(in);
   }
   const absl::Time t0 = absl::Now();
@@ -389,7 +395,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
     }
     ++r.total_steps;
     std::swap(r.soft, r.next_soft);
-    r.have_sc = true;
+    r.have_sc = r.params.self_conditioning;
     if (metrics_) {
       metrics_->accepted_per_step.Observe(double(out->accepted.size()));
       if (!r.first_step_done) {

@@ -337,6 +337,10 @@ absl::StatusOr<OpenAiRequest> Parse(std::string_view body, bool chat) {
       float f = 0;
       DGSERVE_ASSIGN_OR_RETURN(f, GetFloat(v, key));
       dc->set_confidence_threshold(f);
+    } else if (key == "self_conditioning") {
+      bool on = true;
+      DGSERVE_ASSIGN_OR_RETURN(on, GetBool(v, key));
+      dc->set_self_conditioning(on);
     } else if (key == "canvas_step_interval") {
       DGSERVE_ASSIGN_OR_RETURN(canvas_interval, GetInt32(v, key));
       if (canvas_interval < 0) return Invalid(key, "must be >= 0");

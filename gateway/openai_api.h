@@ -19,6 +19,8 @@
 //   diffusion extensions (top level; type-checked here, range-checked by the core):
 //     max_denoising_steps, stability_threshold   integer (int32)
 //     entropy_bound, t_min, t_max, confidence_threshold   number (float)
+//     self_conditioning  bool; false = the self-conditioning input is zero at every denoising
+//                        step (ablation); absent or true = on
 //     canvas_step_interval   integer >= 0 → stream_options.canvas_step_interval; > 0 requires
 //                            "stream": true (canvas steps exist only in a stream)
 //     canvas_text            bool → stream_options.canvas_text; true requires

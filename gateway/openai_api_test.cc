@@ -47,6 +47,7 @@ TEST(ParseCompletionsTest, MinimalStringPrompt) {
   EXPECT_FALSE(r.request.has_seed());
   EXPECT_EQ(r.request.stop_size(), 0);
   EXPECT_FALSE(r.request.diffusion().has_t_min());
+  EXPECT_FALSE(r.request.diffusion().has_self_conditioning());  // unset: on
   EXPECT_EQ(r.request.stream_options().canvas_step_interval(), 0);
 }
 
@@ -69,7 +70,7 @@ TEST(ParseCompletionsTest, AllSupportedFields) {
     "temperature": 1, "top_p": 1.0, "n": 1, "user": "u1",
     "max_denoising_steps": 32, "entropy_bound": 0.5, "t_min": 0.1, "t_max": 2,
     "confidence_threshold": 1.25, "stability_threshold": 3, "canvas_step_interval": 4,
-    "canvas_text": true})");
+    "canvas_text": true, "self_conditioning": false})");
   EXPECT_EQ(r.model, "diffusiongemma");
   EXPECT_EQ(r.request.model(), "diffusiongemma");
   EXPECT_EQ(r.request.max_tokens(), 64);
@@ -85,6 +86,8 @@ TEST(ParseCompletionsTest, AllSupportedFields) {
   EXPECT_FLOAT_EQ(d.t_max(), 2.0f);
   EXPECT_FLOAT_EQ(d.confidence_threshold(), 1.25f);
   EXPECT_EQ(d.stability_threshold(), 3);
+  ASSERT_TRUE(d.has_self_conditioning());
+  EXPECT_FALSE(d.self_conditioning());
   EXPECT_EQ(r.request.stream_options().canvas_step_interval(), 4);
   EXPECT_TRUE(r.request.stream_options().canvas_text());
 }
@@ -245,6 +248,21 @@ TEST(ParseCompletionsTest, DiffusionControlTypeChecks) {
               "canvas_text: requires canvas_step_interval > 0");
   ExpectError(R"({"prompt": "x", "stream": true, "canvas_text": 1})",
               "canvas_text: must be a boolean");
+  ExpectError(R"({"prompt": "x", "self_conditioning": "no"})",
+              "self_conditioning: must be a boolean");
+  ExpectError(R"({"prompt": "x", "self_conditioning": 0})", "self_conditioning: must be a boolean");
+  ExpectError(R"({"messages": [{"role": "user", "content": "x"}], "self_conditioning": [false]})",
+              "self_conditioning: must be a boolean", /*chat=*/true);
+  // true is accepted and kept (explicitly on); null is absent.
+  const v1::DiffusionControls on =
+      ParseOk(R"({"messages": [{"role": "user", "content": "x"}], "self_conditioning": true})",
+              /*chat=*/true)
+          .request.diffusion();
+  ASSERT_TRUE(on.has_self_conditioning());
+  EXPECT_TRUE(on.self_conditioning());
+  EXPECT_FALSE(ParseOk(R"({"prompt": "x", "self_conditioning": null})")
+                   .request.diffusion()
+                   .has_self_conditioning());
   // Range checks are the core's: a negative entropy bound passes the type check here.
   EXPECT_FLOAT_EQ(
       ParseOk(R"({"prompt": "x", "entropy_bound": -1})").request.diffusion().entropy_bound(),
@@ -344,6 +362,7 @@ TEST(ErrorParamTest, ExtractsFieldNames) {
   };
   EXPECT_EQ(param(R"({"prompt": "x", "max_tokens": "a"})"), "max_tokens");
   EXPECT_EQ(param(R"({"prompt": "x", "logprobs": 3})"), "logprobs");
+  EXPECT_EQ(param(R"({"prompt": "x", "self_conditioning": "no"})"), "self_conditioning");
   EXPECT_EQ(param(R"({"prompt": "x", "messages": 3})"), "messages");
   EXPECT_EQ(param(R"({"messages": [{"role": "user", "content": [{"type": "audio"}]}]})", true),
             "messages[0].content[0].type");

@@ -14,6 +14,11 @@ struct SamplerParams {
   float entropy_bound = 0.1f;           // β: acceptance budget in nats (spec §4.2 step 5).
   int stability_threshold = 1;          // S: argmax canvases that must repeat (0 = always stable).
   float confidence_threshold = 0.005f;  // κ: mean entropy must be strictly below it (nats).
+  // Self-conditioning (spec §3.5 steps 2–3). false is an ablation: the decoder's
+  // self-conditioning input is zero at every step, exactly as at step 0 (soft = 0; the SC block
+  // then adds sig(0) = 0 and the canvas input is rms_noscale(e)). Temperatures, acceptance and
+  // the stop rule are unchanged. Always valid.
+  bool self_conditioning = true;
 };
 
 // Sanity caps beyond the spec's rules, so a request cannot ask for unbounded work or memory.

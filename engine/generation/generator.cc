@@ -87,8 +87,14 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
 
   CounterDrawSource draws(r.seed, V);
   // Self-conditioning input of this step and the next; no vocabulary-sized buffer is needed
-  // (the backend's fused step never materialises [C, V] logits).
-  std::vector<float> soft(size_t(C) * D), next_soft(size_t(C) * D);
+  // (the backend's fused step never materialises [C, V] logits). With self-conditioning off
+  // (ablation) every step takes the step-0 path: no SC input, and none is computed.
+  const bool self_conditioning = r.sampler.self_conditioning;
+  std::vector<float> soft, next_soft;
+  if (self_conditioning) {
+    soft.resize(size_t(C) * D);
+    next_soft.resize(size_t(C) * D);
+  }
   std::vector<RowResult> rows(C);
   std::vector<int32_t> committed;
   for (int n = 0; n < num_canvases; ++n) {
@@ -111,7 +117,7 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
       in.temperature = den.temperature();
       in.uniforms = den.uniforms();
       in.rows = rows.data();
-      in.next_soft = last ? nullptr : next_soft.data();
+      in.next_soft = (last || !self_conditioning) ? nullptr : next_soft.data();
       DGSERVE_RETURN_IF_ERROR(backend_.DenoiseStep({&in, 1}));
       DGSERVE_ASSIGN_OR_RETURN(StepOutcome out, den.ApplyStep(rows));
       ++result.decoder_passes;
@@ -125,9 +131,10 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
                      out.stop};
         observer.on_step(ev);
       }
-      // This step's tempered probabilities condition the next step (spec §3.5 step 2).
+      // This step's tempered probabilities condition the next step (spec §3.5 step 2), unless
+      // self-conditioning is off: then the next step's SC input stays zero, as at step 0.
       std::swap(soft, next_soft);
-      have_sc = true;
+      have_sc = self_conditioning;
     }
     result.denoise_seconds += SecondsSince(td);
     committed.assign(den.committed().begin(), den.committed().end());

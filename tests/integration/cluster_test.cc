@@ -6,6 +6,8 @@
 #include <cctype>
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include <httplib.h>
@@ -184,6 +186,114 @@ TEST_F(ClusterTest, EqualsSingleProcessGenerate) {
   EXPECT_EQ(Ids(r.response), j["token_ids"].get<std::vector<int32_t>>());
   EXPECT_EQ(r.response.text(), j["text"].get<std::string>());
   EXPECT_EQ(r.response.finish_reason(), j["finish_reason"].get<std::string>());
+}
+
+// `dgserve generate --json <args>` on the test model: its JSON answer (text, token_ids, ...).
+absl::StatusOr<nlohmann::json> GenerateJson(const std::string& args) {
+  const std::string cmd = absl::StrCat(BinaryPath("tools/dgserve"), " generate --json --model ",
+                                       *TestModelDir(), " ", args, " 2>/dev/null");
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return absl::InternalError("popen failed");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  if (pclose(p) != 0) return absl::InternalError(absl::StrCat("dgserve generate failed: ", out));
+  nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+  if (!j.is_object()) return absl::InternalError(absl::StrCat("not JSON: ", out));
+  return j;
+}
+
+// A streamed HTTP chat completion with a canvas step after every denoising step: the completion
+// token ids (the last step of each canvas is its committed argmax canvas; cut at the test model's
+// first stop token, {1, 106, 50}, and at max_tokens) and the streamed text.
+struct HttpCompletion {
+  int status = 0;
+  std::string body;  // the raw body (an error's JSON when status != 200)
+  std::vector<int32_t> ids;
+  std::string text;
+};
+HttpCompletion HttpChatWithCanvasIds(const TestCluster& c, nlohmann::json body, int max_tokens) {
+  body["stream"] = true;
+  body["canvas_step_interval"] = 1;
+  body["max_tokens"] = max_tokens;
+  httplib::Client http("127.0.0.1", c.gateway().http_port);
+  http.set_read_timeout(120, 0);
+  HttpCompletion out;
+  auto res = http.Post("/v1/chat/completions", body.dump(), "application/json");
+  if (!res) return out;
+  out.status = res->status;
+  out.body = res->body;
+  if (res->status != 200) return out;
+  std::map<int, std::vector<int32_t>> canvases;  // canvas → its latest step's argmax canvas
+  std::istringstream in(res->body);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("data: ", 0) != 0 || line == "data: [DONE]") continue;
+    nlohmann::json j = nlohmann::json::parse(line.substr(6));
+    if (j.contains("dgserve") && j["dgserve"].contains("canvas_step")) {
+      const nlohmann::json& st = j["dgserve"]["canvas_step"];
+      canvases[st["canvas"].get<int>()] = st["token_ids"].get<std::vector<int32_t>>();
+    } else if (!j["choices"].empty() && j["choices"][0]["delta"].contains("content")) {
+      out.text += j["choices"][0]["delta"]["content"].get<std::string>();
+    }
+  }
+  for (const auto& [index, ids] : canvases) {
+    for (int32_t id : ids) {
+      if (id == 1 || id == 106 || id == 50 || int(out.ids.size()) == max_tokens) return out;
+      out.ids.push_back(id);
+    }
+  }
+  return out;
+}
+
+// The self-conditioning ablation end to end: `self_conditioning: false` over HTTP and gRPC gives
+// the tokens of `dgserve generate --no-self-conditioning`, which differ from the default run's;
+// an explicit true is the default; a non-boolean gets 400 naming the field.
+TEST_F(ClusterTest, SelfConditioningOffEqualsGenerateAndDiffersFromDefault) {
+  const std::string prompt = "Name three rivers.";
+  const std::string args = absl::StrCat("--chat --prompt '", prompt, "' --seed 11 --max-tokens 40");
+  absl::StatusOr<nlohmann::json> gen_off = GenerateJson(args + " --no-self-conditioning");
+  absl::StatusOr<nlohmann::json> gen_on = GenerateJson(args);
+  ASSERT_TRUE(gen_off.ok()) << gen_off.status();
+  ASSERT_TRUE(gen_on.ok()) << gen_on.status();
+  const auto off_ids = (*gen_off)["token_ids"].get<std::vector<int32_t>>();
+  const auto on_ids = (*gen_on)["token_ids"].get<std::vector<int32_t>>();
+  ASSERT_FALSE(off_ids.empty());
+  ASSERT_NE(off_ids, on_ids) << "self-conditioning changed nothing on this prompt and seed";
+
+  // gRPC (GenerationService.Generate).
+  v1::GenerateRequest req = Chat(prompt, 11, 40);
+  req.mutable_diffusion()->set_self_conditioning(false);
+  Result grpc_off = Generate(c(), req);
+  ASSERT_TRUE(grpc_off.status.ok()) << grpc_off.status.error_message();
+  EXPECT_EQ(Ids(grpc_off.response), off_ids);
+  EXPECT_EQ(grpc_off.response.text(), (*gen_off)["text"].get<std::string>());
+  req.mutable_diffusion()->set_self_conditioning(true);
+  Result grpc_on = Generate(c(), req);
+  ASSERT_TRUE(grpc_on.status.ok()) << grpc_on.status.error_message();
+  EXPECT_EQ(Ids(grpc_on.response), on_ids);
+
+  // HTTP (/v1/chat/completions, streamed with canvas steps to see the ids).
+  const nlohmann::json base = {{"messages", {{{"role", "user"}, {"content", prompt}}}},
+                               {"seed", 11}};
+  nlohmann::json body = base;
+  body["self_conditioning"] = false;
+  HttpCompletion http_off = HttpChatWithCanvasIds(c(), body, 40);
+  ASSERT_EQ(http_off.status, 200) << http_off.body;
+  EXPECT_EQ(http_off.ids, off_ids);
+  EXPECT_EQ(http_off.text, (*gen_off)["text"].get<std::string>());
+  HttpCompletion http_on = HttpChatWithCanvasIds(c(), base, 40);
+  ASSERT_EQ(http_on.status, 200) << http_on.body;
+  EXPECT_EQ(http_on.ids, on_ids);
+  EXPECT_NE(http_off.ids, http_on.ids);
+
+  // A non-boolean value: 400 with the OpenAI error body naming the field.
+  body["self_conditioning"] = "no";
+  HttpCompletion bad = HttpChatWithCanvasIds(c(), body, 40);
+  EXPECT_EQ(bad.status, 400) << bad.body;
+  nlohmann::json err = nlohmann::json::parse(bad.body, nullptr, false);
+  ASSERT_TRUE(err.is_object() && err.contains("error")) << bad.body;
+  EXPECT_EQ(err["error"]["param"], "self_conditioning") << bad.body;
+  EXPECT_THAT(err["error"]["message"].get<std::string>(), HasSubstr("self_conditioning"));
 }
 
 // The design's promise: a seed gives the same tokens whatever the request is batched with (the
