@@ -9,7 +9,9 @@
 
 namespace dgserve {
 
-absl::Status RunChatClient(const v1::GenerateRequest& request, const ChatClientOptions& options) {
+absl::StatusOr<v1::Finished> StreamGeneration(
+    const v1::GenerateRequest& request, const ChatClientOptions& options,
+    const std::function<void(const v1::GenerateEvent&)>& on_event) {
   auto channel = grpc::CreateChannel(options.gateway, grpc::InsecureChannelCredentials());
   auto stub = v1::GenerationService::NewStub(channel);
   grpc::ClientContext ctx;
@@ -20,25 +22,34 @@ absl::Status RunChatClient(const v1::GenerateRequest& request, const ChatClientO
   v1::GenerateEvent ev;
   v1::Finished finished;
   while (reader->Read(&ev)) {
-    if (ev.has_canvas_step() && options.show_steps) {
-      const v1::CanvasStep& s = ev.canvas_step();
-      std::fprintf(stderr, "[canvas %d step %2d] T=%.3f accepted=%3d H=%.4f | %s\n", s.canvas(),
-                   s.step(), s.temperature(), s.accepted(), s.mean_entropy(),
-                   absl::StrReplaceAll(s.text(), {{"\n", "\\n"}}).c_str());
-    } else if (ev.has_block()) {
-      std::fputs(ev.block().text().c_str(), stdout);
-      std::fflush(stdout);
-    } else if (ev.has_finished()) {
-      finished = ev.finished();
-    }
+    if (ev.has_finished()) finished = ev.finished();
+    on_event(ev);
   }
   grpc::Status s = reader->Finish();
-  std::fputs("\n", stdout);
-  std::fflush(stdout);
   if (!s.ok()) {
     return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
                         absl::StrCat("gateway ", options.gateway, ": ", s.error_message()));
   }
+  return finished;
+}
+
+absl::Status RunChatClient(const v1::GenerateRequest& request, const ChatClientOptions& options) {
+  absl::StatusOr<v1::Finished> result =
+      StreamGeneration(request, options, [&](const v1::GenerateEvent& ev) {
+        if (ev.has_canvas_step() && options.show_steps) {
+          const v1::CanvasStep& s = ev.canvas_step();
+          std::fprintf(stderr, "[canvas %d step %2d] T=%.3f accepted=%3d H=%.4f | %s\n",
+                       s.canvas(), s.step(), s.temperature(), s.accepted(), s.mean_entropy(),
+                       absl::StrReplaceAll(s.text(), {{"\n", "\\n"}}).c_str());
+        } else if (ev.has_block()) {
+          std::fputs(ev.block().text().c_str(), stdout);
+          std::fflush(stdout);
+        }
+      });
+  std::fputs("\n", stdout);
+  std::fflush(stdout);
+  if (!result.ok()) return result.status();
+  const v1::Finished& finished = *result;
   const v1::Usage& u = finished.usage();
   std::fprintf(stderr,
                "finish %s | prompt tokens %d (%d cached) | completion tokens %d | canvases %d | "

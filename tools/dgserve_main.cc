@@ -3,11 +3,16 @@
 //   dgserve generate --model DIR (--prompt TEXT | --prompt-file FILE) [--chat] [--thinking]
 //                    [--max-tokens N] [--seed S]
 //                    [--steps N] [--t-min X] [--t-max X] [--entropy-bound X]
-//                    [--confidence-threshold X] [--stability-threshold N] [--show-steps] [--json]
+//                    [--confidence-threshold X] [--stability-threshold N]
+//                    [--no-self-conditioning] [--show-steps] [--json]
 //   dgserve chat --gateway HOST:PORT (--prompt TEXT | --prompt-file FILE) [same sampling flags]
 //                [--api-key KEY] [--show-steps]   (a client of a running cluster)
+//   dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--model DIR] [--seed S]
+//                  [--steps N] [--no-self-conditioning]  (tools/sudoku/sudoku_cli.h)
 //
 // Flags may be spelled with dashes or underscores.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
@@ -34,8 +39,10 @@
 #include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "tools/chat_client.h"
+#include "tools/sudoku/sudoku_cli.h"
 
-ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout, with tokenizer.json)");
+ABSL_FLAG(std::string, model, "",
+          "checkpoint directory (HF layout, with tokenizer.json); sudoku: default models/sudoku");
 ABSL_FLAG(std::string, prompt, "", "prompt text");
 ABSL_FLAG(std::string, prompt_file, "", "read the prompt from this file ('-' for standard input)");
 ABSL_FLAG(bool, chat, false, "wrap the prompt as one user turn of the Gemma 4 chat template");
@@ -55,11 +62,15 @@ ABSL_FLAG(std::optional<double>, confidence_threshold, std::nullopt,
           "stop when mean entropy is below this (default: generation_config.json)");
 ABSL_FLAG(std::optional<int>, stability_threshold, std::nullopt,
           "steps the argmax canvas must be unchanged to stop (default: generation_config.json)");
+ABSL_FLAG(bool, no_self_conditioning, false,
+          "ablation: the decoder's self-conditioning input is zero at every denoising step (as at "
+          "step 0); default: self-conditioning on");
 ABSL_FLAG(bool, show_steps, false, "print the argmax canvas after every denoising step");
 ABSL_FLAG(bool, json, false,
           "generate: print one JSON object (text, token_ids, finish_reason) instead of streaming");
-ABSL_FLAG(std::string, gateway, "127.0.0.1:50051", "chat: the gateway's gRPC address");
-ABSL_FLAG(std::string, api_key, "", "chat: API key (if the gateway requires one)");
+ABSL_FLAG(std::string, gateway, "127.0.0.1:50051", "chat, sudoku: the gateway's gRPC address");
+ABSL_FLAG(std::string, api_key, "", "chat, sudoku: API key (if the gateway requires one)");
+ABSL_FLAG(std::string, puzzle_file, "", "sudoku: read the puzzle from this file");
 
 namespace dgserve {
 namespace {
@@ -99,6 +110,18 @@ absl::StatusOr<std::string> ReadPrompt(bool always_chat = false) {
   return prompt;
 }
 
+// The diffusion control flags (--steps ... --no-self-conditioning) into `d`; unset flags stay
+// unset (the served model's defaults). Shared by `dgserve chat` and `dgserve sudoku`.
+void SetDiffusionControls(v1::DiffusionControls* d) {
+  if (auto v = absl::GetFlag(FLAGS_steps)) d->set_max_denoising_steps(*v);
+  if (auto v = absl::GetFlag(FLAGS_t_min)) d->set_t_min(float(*v));
+  if (auto v = absl::GetFlag(FLAGS_t_max)) d->set_t_max(float(*v));
+  if (auto v = absl::GetFlag(FLAGS_entropy_bound)) d->set_entropy_bound(float(*v));
+  if (auto v = absl::GetFlag(FLAGS_confidence_threshold)) d->set_confidence_threshold(float(*v));
+  if (auto v = absl::GetFlag(FLAGS_stability_threshold)) d->set_stability_threshold(*v);
+  if (absl::GetFlag(FLAGS_no_self_conditioning)) d->set_self_conditioning(false);
+}
+
 // `dgserve chat`: the same prompt and sampling flags, sent to a running gateway.
 absl::Status RunChat() {
   DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt(/*always_chat=*/true));
@@ -111,13 +134,7 @@ absl::Status RunChat() {
   }
   if (auto v = absl::GetFlag(FLAGS_max_tokens)) req.set_max_tokens(*v);
   req.set_seed(absl::GetFlag(FLAGS_seed));
-  v1::DiffusionControls* d = req.mutable_diffusion();
-  if (auto v = absl::GetFlag(FLAGS_steps)) d->set_max_denoising_steps(*v);
-  if (auto v = absl::GetFlag(FLAGS_t_min)) d->set_t_min(float(*v));
-  if (auto v = absl::GetFlag(FLAGS_t_max)) d->set_t_max(float(*v));
-  if (auto v = absl::GetFlag(FLAGS_entropy_bound)) d->set_entropy_bound(float(*v));
-  if (auto v = absl::GetFlag(FLAGS_confidence_threshold)) d->set_confidence_threshold(float(*v));
-  if (auto v = absl::GetFlag(FLAGS_stability_threshold)) d->set_stability_threshold(*v);
+  SetDiffusionControls(req.mutable_diffusion());
   ChatClientOptions opts;
   opts.gateway = absl::GetFlag(FLAGS_gateway);
   opts.api_key = absl::GetFlag(FLAGS_api_key);
@@ -127,6 +144,21 @@ absl::Status RunChat() {
     req.mutable_stream_options()->set_canvas_text(true);
   }
   return RunChatClient(req, opts);
+}
+
+// `dgserve sudoku PUZZLE`: the puzzle (the arguments, joined) to a gateway serving the sudoku
+// model. True when the answer solves it.
+absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
+  sudoku::SudokuCliOptions o;
+  o.puzzle = absl::StrJoin(args, " ");
+  o.puzzle_file = absl::GetFlag(FLAGS_puzzle_file);
+  if (std::string m = absl::GetFlag(FLAGS_model); !m.empty()) o.model_dir = m;
+  o.seed = absl::GetFlag(FLAGS_seed);
+  SetDiffusionControls(&o.diffusion);
+  o.client.gateway = absl::GetFlag(FLAGS_gateway);
+  o.client.api_key = absl::GetFlag(FLAGS_api_key);
+  o.tty = isatty(fileno(stdout)) != 0;
+  return sudoku::RunSudokuCli(o);
 }
 
 absl::Status RunGenerate() {
@@ -169,6 +201,7 @@ absl::Status RunGenerate() {
     req.sampler.confidence_threshold = float(*v);
   }
   if (auto v = absl::GetFlag(FLAGS_stability_threshold)) req.sampler.stability_threshold = *v;
+  req.sampler.self_conditioning = !absl::GetFlag(FLAGS_no_self_conditioning);
   auto backend = CreateCpuBackend(ckpt.config, ckpt.weights);
   Generator gen(*backend);
   GenerationObserver obs;
@@ -273,9 +306,14 @@ int main(int argc, char** argv) {
   dgserve::InitCommandLine(
       "dgserve generate --model DIR (--prompt TEXT | --prompt-file FILE) [--chat [--thinking]] "
       "[--max-tokens N] [--seed S] [--steps N --t-min X --t-max X --entropy-bound X "
-      "--confidence-threshold X --stability-threshold N] [--show-steps] [--json]\n"
+      "--confidence-threshold X --stability-threshold N] [--no-self-conditioning] "
+      "[--show-steps] [--json]\n"
       "       dgserve chat --gateway HOST:PORT (--prompt TEXT | --prompt-file FILE) [--thinking] "
-      "[same sampling flags] [--api-key KEY] [--show-steps]",
+      "[same sampling flags] [--api-key KEY] [--show-steps]\n"
+      "       dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--api-key KEY] "
+      "[--model DIR (default models/sudoku)] [--seed S] [--steps N] [--no-self-conditioning]\n"
+      "         (PUZZLE: 81 cells, 1-9 and '.' or '0' for blanks; exit 0 solved, 2 wrong answer, "
+      "1 error)",
       "tools/dgserve_main.cc");
   if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
                     std::string(argv[1]) == "help")) {
@@ -284,20 +322,27 @@ int main(int argc, char** argv) {
     return 0;
   }
   const std::string command = argc >= 2 ? argv[1] : "";
-  if (command != "generate" && command != "chat") {
+  if (command != "generate" && command != "chat" && command != "sudoku") {
     std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
     return 2;
   }
   std::vector<std::string> storage;
   std::vector<char*> args = dgserve::NormaliseFlagNames(argc - 1, argv + 1, storage);
   std::vector<char*> rest = absl::ParseCommandLine(args.size(), args.data());
-  if (rest.size() > 1) {
+  if (rest.size() > 1 && command != "sudoku") {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;
   }
   absl::Status st;
   try {
-    st = command == "chat" ? dgserve::RunChat() : dgserve::RunGenerate();
+    if (command == "sudoku") {  // exit 0: solved, 2: a wrong answer, 1: an error
+      absl::StatusOr<bool> solved =
+          dgserve::RunSudoku(std::vector<std::string>(rest.begin() + 1, rest.end()));
+      st = solved.status();
+      if (st.ok()) return *solved ? 0 : 2;
+    } else {
+      st = command == "chat" ? dgserve::RunChat() : dgserve::RunGenerate();
+    }
   } catch (const std::bad_alloc&) {
     st = absl::ResourceExhaustedError("out of memory");
   }

@@ -1,0 +1,378 @@
+// dgserve-sudoku-eval: measures a cluster serving the sudoku model on a JSONL file of puzzles
+// (as written by dgserve-sudoku-gen: {"id", "puzzle", "solution", "givens"} per line).
+//
+//   dgserve-sudoku-eval --gateway 127.0.0.1:50051 --puzzles tools/sudoku/data/test.jsonl
+//       [--limit N] [--concurrency C] [--steps N] [--self_conditioning=false] [--seed S]
+//       [--min_givens G] [--json_out FILE] [--api_key KEY] [--timeout_s T]
+//
+// Request i (0-based, after the --min_givens filter and --limit) is a unary Generate with the
+// prompt ToRows(puzzle), max_tokens 91 and seed S+i; C requests are in flight at a time over one
+// gRPC channel. Each answer text is read with sudoku::ParseAnswer, checked with sudoku::Verify
+// and scored with sudoku::CorrectBlanks against the file's solution.
+//
+// Report (stdout table; JSON with --json_out), overall and by givens bucket (<30, 30-34, 35-39,
+// >=40): puzzles, solved, solve rate (solved / puzzles; a failed request counts as unsolved),
+// cell accuracy over the blank cells of the answered puzzles, mean denoising steps per canvas
+// (Usage.denoising_steps / Usage.canvases), mean and p50 client-measured seconds per answered
+// puzzle, and RPC errors. Exit status: 1 when a flag or the puzzle file is bad or any request
+// failed, else 0.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/cli.h"
+#include "common/status_macros.h"
+#include "dgserve/v1/generation.grpc.pb.h"
+#include "engine/model/config.h"
+#include "grpcpp/grpcpp.h"
+#include "tools/sudoku/sudoku.h"
+#include "tools/sudoku/sudoku_cli.h"
+
+ABSL_FLAG(std::string, gateway, "127.0.0.1:50051", "the gateway's gRPC address");
+ABSL_FLAG(std::string, api_key, "", "API key (if the gateway requires one)");
+ABSL_FLAG(std::string, puzzles, "", "JSONL puzzle file (required), as dgserve-sudoku-gen writes");
+ABSL_FLAG(int64_t, limit, 0, "evaluate at most this many puzzles (0 = all)");
+ABSL_FLAG(int32_t, concurrency, 8, "requests in flight at a time (>= 1)");
+ABSL_FLAG(int32_t, steps, 0, "max denoising steps per canvas (0 = the model's default)");
+ABSL_FLAG(bool, self_conditioning, true,
+          "false: send the ablation control (self-conditioning input zero at every step)");
+ABSL_FLAG(uint64_t, seed, 0, "request i uses seed S+i");
+ABSL_FLAG(int32_t, min_givens, 0, "only puzzles with at least this many givens");
+ABSL_FLAG(std::string, json_out, "", "also write the report as JSON to this file");
+ABSL_FLAG(double, timeout_s, 600, "deadline of each request in seconds (> 0)");
+
+namespace dgserve::sudoku {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+struct Item {
+  std::string id;
+  Grid puzzle{};
+  Grid solution{};
+  int givens = 0;
+};
+
+struct Result {
+  bool ok = false;     // the RPC succeeded
+  std::string error;   // the gRPC status when it did not
+  std::string answer;  // the answer text
+  bool solved = false;
+  std::string verdict;  // Verify's message when not solved
+  int blanks = 0, correct = 0, steps = 0, canvases = 0;
+  double seconds = 0;
+};
+
+// Reads the JSONL puzzle file. Blank lines are skipped; any other line must be an object with
+// "puzzle" and "solution" (81-cell strings, the solution solving the puzzle), optional "id"
+// (string or number; default "line N") and "givens" (must match the puzzle). Errors name
+// FILE:LINE.
+absl::StatusOr<std::vector<Item>> LoadPuzzles(const std::string& path) {
+  DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  std::vector<Item> items;
+  size_t start = 0;
+  for (int line_no = 1; start < text.size(); ++line_no) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    start = end + 1;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto bad = [&](const std::string& why) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_no, ": ", why));
+    };
+    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
+    Item item;
+    if (!j.contains("id")) {
+      item.id = absl::StrCat("line ", line_no);
+    } else if (j["id"].is_string()) {
+      item.id = j["id"].get<std::string>();
+    } else if (j["id"].is_number()) {
+      item.id = j["id"].dump();
+    } else {
+      return bad("\"id\" is not a string or number");
+    }
+    for (const char* key : {"puzzle", "solution"}) {
+      if (!j.contains(key) || !j[key].is_string()) {
+        return bad(absl::StrCat("\"", key, "\" is missing or not a string"));
+      }
+      absl::StatusOr<Grid> g = ParseGrid(j[key].get<std::string>());
+      if (!g.ok()) return bad(absl::StrCat("\"", key, "\": ", g.status().message()));
+      (std::string(key) == "puzzle" ? item.puzzle : item.solution) = *g;
+    }
+    if (absl::Status v = Verify(item.puzzle, item.solution); !v.ok()) {
+      return bad(absl::StrCat("\"solution\" does not solve \"puzzle\": ", v.message()));
+    }
+    item.givens = CountGivens(item.puzzle);
+    if (j.contains("givens") &&
+        (!j["givens"].is_number_integer() || j["givens"].get<int64_t>() != item.givens)) {
+      return bad(absl::StrCat("\"givens\" is ", j["givens"].dump(), " but the puzzle has ",
+                              item.givens));
+    }
+    items.push_back(std::move(item));
+  }
+  return items;
+}
+
+// Aggregates over a subset of the puzzles.
+struct Stats {
+  int puzzles = 0, solved = 0, errors = 0;
+  long blanks = 0, correct = 0, steps = 0, canvases = 0;
+  std::vector<double> seconds;  // answered puzzles only
+
+  void Add(const Result& r) {
+    ++puzzles;
+    if (!r.ok) {
+      ++errors;
+      return;
+    }
+    solved += r.solved;
+    blanks += r.blanks;
+    correct += r.correct;
+    steps += r.steps;
+    canvases += r.canvases;
+    seconds.push_back(r.seconds);
+  }
+  double SolveRate() const { return puzzles ? double(solved) / puzzles : 0; }
+  double CellAccuracy() const { return blanks ? double(correct) / double(blanks) : 0; }
+  double StepsPerCanvas() const { return canvases ? double(steps) / double(canvases) : 0; }
+  double MeanSeconds() const {
+    double sum = 0;
+    for (double s : seconds) sum += s;
+    return seconds.empty() ? 0 : sum / double(seconds.size());
+  }
+  double P50Seconds() const {
+    if (seconds.empty()) return 0;
+    std::vector<double> v = seconds;
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+  }
+  json ToJson() const {
+    return {{"puzzles", puzzles},
+            {"solved", solved},
+            {"solve_rate", SolveRate()},
+            {"cell_accuracy", CellAccuracy()},
+            {"blank_cells", blanks},
+            {"correct_blank_cells", correct},
+            {"mean_steps_per_canvas", StepsPerCanvas()},
+            {"mean_seconds", MeanSeconds()},
+            {"p50_seconds", P50Seconds()},
+            {"errors", errors}};
+  }
+};
+
+constexpr const char* kBuckets[] = {"<30", "30-34", "35-39", ">=40"};
+int BucketOf(int givens) { return givens < 30 ? 0 : givens < 35 ? 1 : givens < 40 ? 2 : 3; }
+
+std::string TableRow(const std::string& name, const Stats& s) {
+  return absl::StrFormat("%-8s %7d %7d %7.1f%% %8.1f%% %13.2f %8.3f %8.3f %7d\n", name,
+                         s.puzzles, s.solved, 100 * s.SolveRate(), 100 * s.CellAccuracy(),
+                         s.StepsPerCanvas(), s.MeanSeconds(), s.P50Seconds(), s.errors);
+}
+
+// Sends one puzzle and scores the answer.
+Result Solve(v1::GenerationService::Stub& stub, const Item& item, uint64_t seed,
+             const v1::DiffusionControls& diffusion) {
+  Result r;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(int64_t(absl::GetFlag(FLAGS_timeout_s) * 1000)));
+  if (const std::string key = absl::GetFlag(FLAGS_api_key); !key.empty()) {
+    ctx.AddMetadata("authorization", "Bearer " + key);
+  }
+  v1::GenerateResponse resp;
+  const auto start = std::chrono::steady_clock::now();
+  const grpc::Status s = stub.Generate(&ctx, SudokuRequest(item.puzzle, seed, diffusion), &resp);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!s.ok()) {
+    r.error = absl::StrCat("gRPC status ", int(s.error_code()), ": ", s.error_message());
+    return r;
+  }
+  r.ok = true;
+  r.answer = resp.text();
+  const Grid answer = ParseAnswer(resp.text());
+  const absl::Status v = Verify(item.puzzle, answer);
+  r.solved = v.ok();
+  r.verdict = std::string(v.message());
+  r.blanks = 81 - item.givens;
+  r.correct = CorrectBlanks(item.puzzle, item.solution, answer);
+  r.steps = resp.usage().denoising_steps();
+  r.canvases = resp.usage().canvases();
+  return r;
+}
+
+absl::Status Run() {
+  const std::string path = absl::GetFlag(FLAGS_puzzles);
+  const int64_t limit = absl::GetFlag(FLAGS_limit);
+  const int concurrency = absl::GetFlag(FLAGS_concurrency);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const int min_givens = absl::GetFlag(FLAGS_min_givens);
+  const double timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  const std::string json_out = absl::GetFlag(FLAGS_json_out);
+  if (path.empty()) return absl::InvalidArgumentError("--puzzles FILE is required");
+  if (limit < 0) return absl::InvalidArgumentError(absl::StrCat("--limit must be >= 0, got ", limit));
+  if (concurrency < 1 || concurrency > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--concurrency must be in [1, 1024], got ", concurrency));
+  }
+  if (steps < 0) return absl::InvalidArgumentError(absl::StrCat("--steps must be >= 0, got ", steps));
+  if (min_givens < 0 || min_givens > 81) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--min_givens must be in [0, 81], got ", min_givens));
+  }
+  if (!(timeout_s > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("--timeout_s must be > 0, got ", timeout_s));
+  }
+
+  DGSERVE_ASSIGN_OR_RETURN(std::vector<Item> all, LoadPuzzles(path));
+  std::vector<Item> items;
+  for (Item& item : all) {
+    if (item.givens < min_givens) continue;
+    if (limit > 0 && int64_t(items.size()) == limit) break;
+    items.push_back(std::move(item));
+  }
+  if (items.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, " has no puzzle with at least ", min_givens, " givens (", all.size(), " in all)"));
+  }
+
+  v1::DiffusionControls diffusion;
+  if (steps > 0) diffusion.set_max_denoising_steps(steps);
+  if (!absl::GetFlag(FLAGS_self_conditioning)) diffusion.set_self_conditioning(false);
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  auto channel =
+      grpc::CreateChannel(absl::GetFlag(FLAGS_gateway), grpc::InsecureChannelCredentials());
+  auto stub = v1::GenerationService::NewStub(channel);
+
+  std::vector<Result> results(items.size());
+  std::atomic<size_t> next{0};
+  std::mutex mu;  // guards `done` and stderr progress lines
+  size_t done = 0;
+  const size_t report_every = std::max<size_t>(1, items.size() / 10);
+  const auto start = std::chrono::steady_clock::now();
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < items.size();) {
+      results[i] = Solve(*stub, items[i], seed + i, diffusion);
+      std::lock_guard<std::mutex> lock(mu);
+      ++done;
+      if (!results[i].ok) {
+        std::fprintf(stderr, "dgserve-sudoku-eval: puzzle %s: %s\n", items[i].id.c_str(),
+                     results[i].error.c_str());
+      }
+      if (done % report_every == 0 || done == items.size()) {
+        std::fprintf(stderr, "dgserve-sudoku-eval: %zu/%zu done\n", done, items.size());
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < std::min<int>(concurrency, int(items.size())); ++t) {
+    threads.emplace_back(worker);
+  }
+  for (std::thread& t : threads) t.join();
+  const double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  Stats total, buckets[4];
+  json per_puzzle = json::array();
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& item = items[i];
+    const Result& r = results[i];
+    total.Add(r);
+    buckets[BucketOf(item.givens)].Add(r);
+    json p = {{"id", item.id}, {"givens", item.givens}, {"seed", seed + i}, {"ok", r.ok}};
+    if (r.ok) {
+      p["solved"] = r.solved;
+      if (!r.solved) p["verdict"] = r.verdict;
+      p["correct_blank_cells"] = r.correct;
+      p["blank_cells"] = r.blanks;
+      p["denoising_steps"] = r.steps;
+      p["canvases"] = r.canvases;
+      p["answer"] = r.answer;
+    } else {
+      p["error"] = r.error;
+    }
+    p["seconds"] = r.seconds;
+    per_puzzle.push_back(std::move(p));
+  }
+
+  std::string table = absl::StrFormat("%-8s %7s %7s %8s %9s %13s %8s %8s %7s\n", "givens",
+                                      "puzzles", "solved", "rate", "cell acc", "steps/canvas",
+                                      "mean s", "p50 s", "errors");
+  table += TableRow("all", total);
+  for (int b = 0; b < 4; ++b) {
+    if (buckets[b].puzzles > 0) table += TableRow(kBuckets[b], buckets[b]);
+  }
+  std::printf("%s", table.c_str());
+  std::printf("%d puzzles from %s, concurrency %d, %.2f s wall\n", total.puzzles, path.c_str(),
+              concurrency, wall);
+  std::fflush(stdout);
+
+  if (!json_out.empty()) {
+    json report = total.ToJson();
+    report["settings"] = {{"gateway", absl::GetFlag(FLAGS_gateway)},
+                          {"puzzles_file", path},
+                          {"limit", limit},
+                          {"min_givens", min_givens},
+                          {"concurrency", concurrency},
+                          {"steps", steps},
+                          {"self_conditioning", absl::GetFlag(FLAGS_self_conditioning)},
+                          {"seed", seed}};
+    report["wall_seconds"] = wall;
+    json by = json::object();
+    for (int b = 0; b < 4; ++b) by[kBuckets[b]] = buckets[b].ToJson();
+    report["by_givens"] = std::move(by);
+    report["results"] = std::move(per_puzzle);
+    std::ofstream f(json_out, std::ios::out | std::ios::trunc);
+    f << report.dump(2) << '\n';
+    f.close();
+    if (!f) return absl::UnavailableError(absl::StrCat("cannot write --json_out ", json_out));
+  }
+  if (total.errors > 0) {
+    return absl::UnavailableError(absl::StrCat(total.errors, " of ", total.puzzles,
+                                               " requests failed (see above)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace dgserve::sudoku
+
+int main(int argc, char** argv) {
+  dgserve::InitCommandLine(
+      "Measures a cluster serving the sudoku model on a JSONL puzzle file.\n"
+      "  dgserve-sudoku-eval --gateway HOST:PORT --puzzles FILE [--limit N] [--concurrency C] "
+      "[--steps N] [--self_conditioning=false] [--seed S] [--min_givens G] [--json_out FILE]",
+      "tools/sudoku/eval_main.cc");
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    std::fprintf(stderr, "dgserve-sudoku-eval: unexpected argument '%s' (flags only; see --help)\n",
+                 positional[1]);
+    return 1;
+  }
+  absl::Status status;
+  try {
+    status = dgserve::sudoku::Run();
+  } catch (const std::exception& e) {
+    status = absl::InternalError(e.what());
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "dgserve-sudoku-eval: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
