@@ -1,8 +1,9 @@
 // First CUDA kernels of the GPU backend (issue #5): the elementwise and per-row operations of
 // the forward pass, float32 on the device. Every function takes device pointers, runs on
 // `stream` (0 = the default stream) and returns cudaGetLastError() as a Status (INTERNAL naming
-// the kernel). The CUDA backend (GEMMs, attention, MoE, the fused vocabulary step) is not
-// written yet; these are compile-checked everywhere and tested against the CPU ops on a GPU
+// the kernel). The projections (cuda_gemm.h), attention (cuda_attention.h) and the fused
+// vocabulary step (cuda_vocab.h) live next to these; the CUDA backend that chains them is not
+// written yet. All are compile-checked everywhere and tested against the CPU code on a GPU
 // (label `gpu`).
 #pragma once
 

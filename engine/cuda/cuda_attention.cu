@@ -1,0 +1,282 @@
+#include "engine/cuda/cuda_attention.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace dgserve::cuda {
+namespace {
+
+// Layout of one launch:
+//   grid  = (ceil(rows · group / kWarps), kv_heads), block = kWarps warps (256 threads);
+//   block (x, g) serves KV head g and kWarps consecutive (row, query head of g's group) pairs,
+//   pair p = row · group + (h − g · group), one warp per pair. The block walks its key range in
+//   tiles of kTileKeys keys: the tile's K and V rows (of KV head g) are staged in shared memory
+//   once and used by all its warps. Within a warp, lane j scores key j of the tile (a full
+//   head_dim dot product against the warp's query, kept in shared memory), the warp updates its
+//   running max m and sum l (online softmax), and lane j accumulates output dims j, j+32, … in
+//   registers (kPerLane of them: head_dim ≤ 32·kPerLane).
+// Dynamic shared memory (floats): K tile kTileKeys·(head_dim+1) (the +1 pad makes lane j's row
+// start in bank j·(head_dim+1) mod 32, distinct for even head_dim, so the per-lane dot products
+// are conflict-free), V tile kTileKeys·head_dim, queries kWarps·head_dim; head_dim 512:
+// 147,584 bytes (above the 48 KiB default: opted in with cudaFuncSetAttribute; H100/H200 allow
+// 227 KiB per block).
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileKeys = 32;  // one key per lane
+constexpr unsigned kFull = 0xffffffffu;
+
+enum Mode : int { kPrefill = 0, kCanvas = 1 };
+
+struct Keys {
+  const float* ctx_k;
+  const float* ctx_v;
+  int ctx_tokens;
+  const int32_t* block_table;
+  int block_size;
+  int first_slot;
+  const float* new_k;
+  const float* new_v;
+  int rows;  // new tokens (= query rows)
+  int kv_heads;
+  int head_dim;
+};
+
+size_t SharedBytes(int head_dim) {
+  return sizeof(float) * (size_t(kTileKeys) * (head_dim + 1) + size_t(kTileKeys) * head_dim +
+                          size_t(kWarps) * head_dim);
+}
+
+struct Range {
+  int lo, hi;
+};
+
+// Keys [lo, hi) (indices into [context ++ new]) visible to query row r.
+__device__ __forceinline__ Range KeyRange(int mode, int r, int ctx, int rows, int window) {
+  if (mode == kPrefill) {
+    const int hi = ctx + r + 1;
+    return {window > 0 ? max(0, hi - window) : 0, hi};
+  }
+  return {window > 0 ? max(0, ctx - (window - 1)) : 0, ctx + rows};
+}
+
+// Element offset of key j's row for KV head g: into the context arrays when j < ctx_tokens,
+// else into the new arrays.
+__device__ __forceinline__ int64_t KeyRowOffset(const Keys& s, int j, int g) {
+  int64_t row;
+  if (j < s.ctx_tokens) {
+    if (s.block_table != nullptr) {
+      const int slot = s.first_slot + j;
+      row = int64_t(s.block_table[slot / s.block_size]) * s.block_size + slot % s.block_size;
+    } else {
+      row = j;
+    }
+  } else {
+    row = j - s.ctx_tokens;
+  }
+  return (row * s.kv_heads + g) * s.head_dim;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+template <int kPerLane>
+__global__ void __launch_bounds__(kThreads)
+    AttentionKernel(const float* __restrict__ q, Keys keys, int num_heads, int group, int mode,
+                    int window, float* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int hd = keys.head_dim, kstride = hd + 1;
+  float* k_s = smem;                          // [kTileKeys][hd + 1]
+  float* v_s = k_s + kTileKeys * kstride;     // [kTileKeys][hd]
+  float* q_s = v_s + kTileKeys * hd;          // [kWarps][hd]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = blockIdx.y;
+  const int64_t pairs = int64_t(keys.rows) * group;
+  const int64_t p0 = int64_t(blockIdx.x) * kWarps;
+  const int64_t p = p0 + warp;
+  const bool active = p < pairs;  // warp-uniform
+  const int row = active ? int(p / group) : 0;
+  const int head = g * group + (active ? int(p % group) : 0);
+
+  // The block's key range: the union over its rows (lo and hi are non-decreasing in r).
+  const int block_lo = KeyRange(mode, int(p0 / group), keys.ctx_tokens, keys.rows, window).lo;
+  const int block_hi = KeyRange(mode, int((min(p0 + kWarps, pairs) - 1) / group),
+                                keys.ctx_tokens, keys.rows, window).hi;
+  const Range own = KeyRange(mode, row, keys.ctx_tokens, keys.rows, window);
+  const int lo = own.lo, hi = own.hi;
+
+  float* qw = q_s + warp * hd;
+  const float* qrow = q + (int64_t(row) * num_heads + head) * hd;
+  for (int d = lane; d < hd; d += 32) qw[d] = active ? qrow[d] : 0.0f;
+  // (made visible to the warp by the __syncthreads() after the first tile load)
+
+  float acc[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+
+  for (int kb = block_lo; kb < block_hi; kb += kTileKeys) {
+    const int nk = min(kTileKeys, block_hi - kb);
+    __syncthreads();  // every warp is done with the previous tile
+    for (int idx = threadIdx.x; idx < nk * hd; idx += kThreads) {
+      const int jj = idx / hd, d = idx - jj * hd;
+      const bool from_ctx = kb + jj < keys.ctx_tokens;
+      const int64_t off = KeyRowOffset(keys, kb + jj, g);
+      k_s[jj * kstride + d] = (from_ctx ? keys.ctx_k : keys.new_k)[off + d];
+      v_s[jj * hd + d] = (from_ctx ? keys.ctx_v : keys.new_v)[off + d];
+    }
+    __syncthreads();
+    // Warp-uniform skip of tiles entirely outside this warp's own range.
+    if (!active || kb >= hi || kb + nk <= lo) continue;
+
+    const int j = kb + lane;
+    float s = -INFINITY;
+    if (lane < nk && j >= lo && j < hi) {
+      const float* kr = k_s + lane * kstride;
+      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+      int d = 0;
+      for (; d + 4 <= hd; d += 4) {
+        s0 = fmaf(qw[d], kr[d], s0);
+        s1 = fmaf(qw[d + 1], kr[d + 1], s1);
+        s2 = fmaf(qw[d + 2], kr[d + 2], s2);
+        s3 = fmaf(qw[d + 3], kr[d + 3], s3);
+      }
+      for (; d < hd; ++d) s0 = fmaf(qw[d], kr[d], s0);
+      s = (s0 + s1) + (s2 + s3);  // scale 1.0 (spec §3.1.5)
+    }
+    const float tile_max = WarpMax(s);
+    if (tile_max == -INFINITY) continue;  // no visible key in this tile (warp-uniform)
+    const float new_m = fmaxf(m, tile_max);
+    const float alpha = expf(m - new_m);  // m = −inf before the first visible key: alpha = 0
+    const float pj = s == -INFINITY ? 0.0f : expf(s - new_m);
+    l = l * alpha + WarpSum(pj);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] *= alpha;
+    for (int jj = 0; jj < nk; ++jj) {
+      const float pk = __shfl_sync(kFull, pj, jj);
+      if (pk == 0.0f) continue;  // masked (or underflowed) key: warp-uniform
+      const float* vr = v_s + jj * hd;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int d = lane + 32 * i;
+        if (d < hd) acc[i] = fmaf(pk, vr[d], acc[i]);
+      }
+    }
+    m = new_m;
+  }
+
+  if (!active) return;  // after the last __syncthreads()
+  float* orow = out + (int64_t(row) * num_heads + head) * hd;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // l = 0 only without any visible key
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int d = lane + 32 * i;
+    if (d < hd) orow[d] = acc[i] * inv;
+  }
+}
+
+template <int kPerLane>
+absl::Status Launch(const float* q, const Keys& keys, int num_heads, int group, int mode,
+                    int window, float* out, void* stream, const char* name) {
+  const size_t bytes = SharedBytes(keys.head_dim);
+  if (bytes > 48 * 1024) {
+    int device = 0, optin = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+            cudaSuccess) {
+      const cudaError_t e = cudaGetLastError();
+      return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
+    }
+    if (size_t(optin) < bytes) {
+      return absl::InternalError(std::string(name) + ": needs " + std::to_string(bytes) +
+                                 " bytes of shared memory per block, the device allows " +
+                                 std::to_string(optin));
+    }
+    if (cudaFuncSetAttribute(AttentionKernel<kPerLane>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(bytes)) != cudaSuccess) {
+      const cudaError_t e = cudaGetLastError();
+      return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
+    }
+  }
+  const int64_t pairs = int64_t(keys.rows) * group;
+  const dim3 grid(unsigned((pairs + kWarps - 1) / kWarps), unsigned(keys.kv_heads));
+  AttentionKernel<kPerLane><<<grid, kThreads, bytes, static_cast<cudaStream_t>(stream)>>>(
+      q, keys, num_heads, group, mode, window, out);
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
+}
+
+absl::Status Attention(int mode, const char* name, const float* q, const float* k_new,
+                       const float* v_new, int rows, const KvContext& ctx, int num_heads,
+                       int kv_heads, int head_dim, int window, float* out, void* stream) {
+  const std::string n = name;
+  if (rows < 0 || num_heads <= 0 || kv_heads <= 0 || num_heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(n + ": need rows ≥ 0 and num_heads a multiple of kv_heads");
+  }
+  if (head_dim <= 0 || head_dim > kMaxAttentionHeadDim) {
+    return absl::InvalidArgumentError(n + ": head_dim must be in [1, 512]");
+  }
+  if (ctx.tokens < 0 || (ctx.tokens > 0 && (ctx.k == nullptr || ctx.v == nullptr)) ||
+      (ctx.tokens > 0 && ctx.block_table != nullptr &&
+       (ctx.block_size <= 0 || ctx.first_slot < 0))) {
+    return absl::InvalidArgumentError(n + ": bad context K/V");
+  }
+  if (rows == 0) return absl::OkStatus();
+  if (q == nullptr || k_new == nullptr || v_new == nullptr || out == nullptr) {
+    return absl::InvalidArgumentError(n + ": null pointer");
+  }
+  if (int64_t(rows) * (num_heads / kv_heads) > int64_t(INT32_MAX) * kWarps / 2) {
+    return absl::InvalidArgumentError(n + ": too many rows");
+  }
+  Keys keys;
+  keys.ctx_k = ctx.k;
+  keys.ctx_v = ctx.v;
+  keys.ctx_tokens = ctx.tokens;
+  keys.block_table = ctx.tokens > 0 ? ctx.block_table : nullptr;
+  keys.block_size = ctx.block_size;
+  keys.first_slot = ctx.first_slot;
+  keys.new_k = k_new;
+  keys.new_v = v_new;
+  keys.rows = rows;
+  keys.kv_heads = kv_heads;
+  keys.head_dim = head_dim;
+  const int group = num_heads / kv_heads;
+  if (head_dim <= 32) return Launch<1>(q, keys, num_heads, group, mode, window, out, stream, name);
+  if (head_dim <= 64) return Launch<2>(q, keys, num_heads, group, mode, window, out, stream, name);
+  if (head_dim <= 128) {
+    return Launch<4>(q, keys, num_heads, group, mode, window, out, stream, name);
+  }
+  if (head_dim <= 256) {
+    return Launch<8>(q, keys, num_heads, group, mode, window, out, stream, name);
+  }
+  return Launch<16>(q, keys, num_heads, group, mode, window, out, stream, name);
+}
+
+}  // namespace
+
+absl::Status PrefillAttention(const float* q, const float* k_new, const float* v_new, int rows,
+                              const KvContext& context, int num_heads, int kv_heads,
+                              int head_dim, int window, float* out, void* stream) {
+  return Attention(kPrefill, "PrefillAttention", q, k_new, v_new, rows, context, num_heads,
+                   kv_heads, head_dim, window, out, stream);
+}
+
+absl::Status CanvasAttention(const float* q, const float* k_new, const float* v_new, int rows,
+                             const KvContext& context, int num_heads, int kv_heads, int head_dim,
+                             int window, float* out, void* stream) {
+  return Attention(kCanvas, "CanvasAttention", q, k_new, v_new, rows, context, num_heads,
+                   kv_heads, head_dim, window, out, stream);
+}
+
+}  // namespace dgserve::cuda

@@ -1,0 +1,56 @@
+// Flash-attention-style attention cores of the forward pass (spec §3.1.5, §3.4, §3.5), float32 on
+// the device: scores = Q·Kᵀ with scale 1.0 (QK-norm replaces 1/√d), softmax over keys in float32
+// with an online (running max / running sum) rescaling over key tiles, out = P·V. The [q, k]
+// score matrix never exists in global memory. GQA: query head h reads KV head
+// h / (num_heads / kv_heads). head_dim ≤ 512 (the model: 256 sliding, 512 full).
+//
+// Keys and values of one call are the concatenation [context ++ new]: `context.tokens` cached
+// tokens immediately preceding the new tokens (positions P − context.tokens … P − 1, P = first new
+// position) followed by the `rows` new tokens (positions P … P + rows − 1). Attention needs only
+// relative positions, so P itself is not an argument.
+//
+// Every function takes device pointers, runs on `stream` (0 = the default stream) and returns
+// INTERNAL naming the kernel on a CUDA error (INVALID_ARGUMENT for bad shapes).
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace dgserve::cuda {
+
+// The cached context K/V of one layer. Either contiguous [tokens, kv_heads, head_dim] arrays
+// (block_table == nullptr; context token j is row j), or a paged pool
+// [num_blocks, block_size, kv_heads, head_dim] where context token j lives in slot
+// s = first_slot + j: block block_table[s / block_size], row s % block_size of that block.
+// tokens = 0 (no context) needs no pointers.
+struct KvContext {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int tokens = 0;
+  const int32_t* block_table = nullptr;  // device int32, or nullptr for contiguous K/V
+  int block_size = 0;                    // tokens per block (paged only)
+  int first_slot = 0;                    // slot of context token 0 (paged only)
+};
+
+// Largest head_dim the kernels support.
+inline constexpr int kMaxAttentionHeadDim = 512;
+
+// Encoder / prefill (spec §3.4): causal over [context ++ new]. New row r (position P + r) sees
+// context and new keys with key_pos ≤ P + r and, when window > 0, P + r − key_pos < window (the
+// sliding layers' W keys including itself); window ≤ 0 means no window (full layers).
+// q: [rows, num_heads, head_dim]; k_new, v_new: [rows, kv_heads, head_dim];
+// out: [rows, num_heads, head_dim] (must not overlap the inputs).
+absl::Status PrefillAttention(const float* q, const float* k_new, const float* v_new, int rows,
+                              const KvContext& context, int num_heads, int kv_heads,
+                              int head_dim, int window, float* out, void* stream = nullptr);
+
+// Decoder / canvas (spec §3.5 step 5): bidirectional, every canvas row sees all `rows` canvas
+// keys plus a context prefix that is the same for every row: all context tokens when window ≤ 0
+// (full layers), else the last min(context.tokens, window − 1) of them (sliding layers).
+// Shapes as PrefillAttention.
+absl::Status CanvasAttention(const float* q, const float* k_new, const float* v_new, int rows,
+                             const KvContext& context, int num_heads, int kv_heads, int head_dim,
+                             int window, float* out, void* stream = nullptr);
+
+}  // namespace dgserve::cuda

@@ -1,0 +1,63 @@
+// cuBLAS GEMMs for the model's projections (issue #5): y = x·Wᵀ with the weight in PyTorch Linear
+// layout (spec §3: W stored [out, in]) kept as bf16 on the device, float32 activations in and out.
+// x is rounded to bf16 (round-to-nearest-even, a small kernel) into a scratch buffer, then one
+// cublasGemmEx runs with bf16 inputs, float32 accumulation (CUBLAS_COMPUTE_32F) and float32
+// output. Every pointer is a device pointer except where marked host; calls run on `stream`
+// (0 = the default stream) and return INTERNAL naming the kernel or cuBLAS call on an error.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace dgserve::cuda {
+
+// Owns a cuBLAS handle (created lazily on the first GEMM, on the device current then; a failure,
+// e.g. no GPU, is returned as INTERNAL) and a cached bf16 scratch buffer for the converted
+// activations. Not thread-safe. The cached scratch is shared by every call on this context:
+// calls that use it on different streams must not run concurrently on the device (give each
+// stream its own context, or pass a caller-owned scratch buffer). Growing the cached scratch
+// frees the old buffer with cudaFree, which waits for the work already queued on the device.
+class CublasContext {
+ public:
+  CublasContext() = default;
+  ~CublasContext();
+  CublasContext(const CublasContext&) = delete;
+  CublasContext& operator=(const CublasContext&) = delete;
+
+  // y[rows, out] = bf16(x)[rows, in] · w[out, in]ᵀ, float32 accumulation and result.
+  // x: [rows, in] float32; w: [out, in] bf16 bits (uint16); y: [rows, out] float32 (must not
+  // overlap x). x_bf16: caller-provided scratch of rows·in bf16 values, or nullptr to use the
+  // context's cached scratch. rows = 0 is a no-op; rows < 0, in ≤ 0 or out ≤ 0: INVALID_ARGUMENT.
+  absl::Status Linear(const float* x, const uint16_t* w, int rows, int in, int out, float* y,
+                      void* stream = nullptr, uint16_t* x_bf16 = nullptr);
+
+  // MoE expert groups: for g in [0, groups), rows [row_offsets[g], row_offsets[g+1]) of x and y
+  // form group g, computed with expert e = expert_of_group ? expert_of_group[g] : g:
+  //   y[rows of g, out] = bf16(x)[rows of g, in] · w[e]ᵀ,   w: [num_experts, out, in] bf16.
+  // row_offsets (host, [groups + 1], non-decreasing) index rows of x and y directly (so
+  // row_offsets[0] need not be 0); expert_of_group (host, [groups]) or nullptr. Empty groups
+  // are skipped. x is converted once for rows [row_offsets[0], row_offsets[groups]); x_bf16 then
+  // needs (row_offsets[groups] − row_offsets[0])·in values. One cublasGemmEx per non-empty group
+  // (cublasGemmGroupedBatchedEx would need device pointer arrays per call; the loop is enough
+  // for the ≤ 128 experts of the model).
+  absl::Status GroupedLinear(const float* x, const uint16_t* w, int groups,
+                             const int32_t* row_offsets, const int32_t* expert_of_group, int in,
+                             int out, float* y, void* stream = nullptr,
+                             uint16_t* x_bf16 = nullptr);
+
+ private:
+  absl::Status EnsureHandle();
+  absl::Status EnsureScratch(size_t elements);
+
+  void* handle_ = nullptr;      // cublasHandle_t
+  uint16_t* scratch_ = nullptr;  // cached bf16 scratch (device)
+  size_t scratch_elements_ = 0;
+};
+
+// Rounds n float32 values to bf16 bits (round-to-nearest-even, NaN stays NaN), as
+// dgserve::FloatToBf16. x: [n] float32, y: [n] bf16 bits.
+absl::Status FloatToBf16(const float* x, int64_t n, uint16_t* y, void* stream = nullptr);
+
+}  // namespace dgserve::cuda

@@ -1,0 +1,204 @@
+// The fused vocabulary step against the CPU path it mirrors (cpu::Softcap + SampleRow), label
+// `gpu`; skipped without a GPU.
+#include "engine/cuda/cuda_vocab.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/testing/status_matchers.h"
+#include "engine/cuda/cuda_test_util.h"
+#include "engine/denoise/row_sampler.h"
+#include "engine/model/cpu_ops.h"
+#include "gtest/gtest.h"
+
+namespace dgserve::cuda {
+namespace {
+
+using ::dgserve::testing::IsOk;
+using ::dgserve::testing::StatusIs;
+
+static_assert(sizeof(VocabRowResult) == sizeof(RowResult));
+static_assert(offsetof(VocabRowResult, argmax) == offsetof(RowResult, argmax));
+static_assert(offsetof(VocabRowResult, sampled) == offsetof(RowResult, sampled));
+static_assert(offsetof(VocabRowResult, entropy) == offsetof(RowResult, entropy));
+static_assert(offsetof(VocabRowResult, lse) == offsetof(RowResult, lse));
+
+constexpr float kCap = 30.0f;
+
+class CudaVocabTest : public CudaTest {
+ protected:
+  struct Output {
+    std::vector<VocabRowResult> rows;
+    std::vector<uint16_t> z;
+  };
+  // Runs the kernel twice (with and without the bf16 output; the results must not differ).
+  Output Run(const std::vector<float>& raw, int rows, int vocab, const std::vector<float>& t,
+             const std::vector<float>& u) {
+    const float* dl = Upload(raw);
+    const float* dt = Upload(t);
+    const float* du = Upload(u);
+    VocabRowResult* out = Alloc<VocabRowResult>(rows, 0xFF);
+    VocabRowResult* out2 = Alloc<VocabRowResult>(rows, 0xFF);
+    uint16_t* z = Alloc<uint16_t>(size_t(rows) * vocab, 0xFF);
+    EXPECT_THAT(VocabStep(dl, rows, vocab, kCap, dt, du, out, z), IsOk());
+    EXPECT_THAT(VocabStep(dl, rows, vocab, kCap, dt, du, out2), IsOk());
+    Output o;
+    o.rows = Download(out, rows);
+    o.z = Download(z, size_t(rows) * vocab);
+    const std::vector<VocabRowResult> again = Download(out2, rows);
+    for (int r = 0; r < rows; ++r) {
+      EXPECT_EQ(again[r].argmax, o.rows[r].argmax) << r;
+      EXPECT_EQ(again[r].sampled, o.rows[r].sampled) << r;
+    }
+    return o;
+  }
+
+  // Compares row r with the CPU path on the CPU-softcapped logits `capped`.
+  // argmax: equal, or (tanh rounding) a logit within 2e-5 of the CPU's maximum. sampled: equal,
+  // or the CPU's cumulative distribution (float64) puts u within 1e-6 of the boundary between
+  // the two choices. entropy / lse: 2e-5 relative. z: bf16(ℓ/T) within one bf16 ulp (bit-equal
+  // when the CPU softcap ran its AVX2 path, which the kernel mirrors).
+  void Compare(const std::vector<float>& capped, int r, int vocab, float t, float u,
+               const Output& got) {
+    const float* l = capped.data() + size_t(r) * vocab;
+    const RowResult want = SampleRow(l, vocab, t, u);
+    const VocabRowResult& g = got.rows[r];
+    SCOPED_TRACE(::testing::Message() << "vocab " << vocab << " row " << r << " T " << t << " u "
+                                      << u);
+    if (g.argmax != want.argmax) {
+      ASSERT_GE(g.argmax, 0);
+      ASSERT_LT(g.argmax, vocab);
+      EXPECT_GE(l[g.argmax], l[want.argmax] - 2e-5f) << "argmax " << g.argmax << " vs "
+                                                     << want.argmax;
+      ++near_ties_;
+    }
+    if (g.sampled != want.sampled) {
+      ASSERT_GE(g.sampled, 0);
+      ASSERT_LT(g.sampled, vocab);
+      double m = -INFINITY;
+      for (int i = 0; i < vocab; ++i) m = std::max(m, double(l[i]));
+      std::vector<double> cum(vocab + 1, 0.0);
+      for (int i = 0; i < vocab; ++i) cum[i + 1] = cum[i] + std::exp((double(l[i]) - m) / t);
+      const double uu = std::min(std::max(double(u), 0.0), 1.0) * cum[vocab];
+      const double slack = 1e-6 * cum[vocab];
+      const int a = std::min(g.sampled, want.sampled), b = std::max(g.sampled, want.sampled);
+      // Every id between the two choices must carry (almost) no mass and u·S must sit at the
+      // boundary they share.
+      EXPECT_LE(cum[b] - cum[a + 1], slack) << "sampled " << g.sampled << " vs " << want.sampled;
+      EXPECT_NEAR(uu, cum[a + 1], slack) << "sampled " << g.sampled << " vs " << want.sampled;
+      ++boundary_samples_;
+    }
+    EXPECT_NEAR(g.entropy, want.entropy, 2e-5 * (1 + want.entropy));
+    EXPECT_NEAR(g.lse, want.lse, 2e-5 * (1 + std::fabs(want.lse)));
+    int z_bad = 0;
+    for (int i = 0; i < vocab; ++i) {
+      const uint16_t want_z = FloatToBf16(l[i] / t), got_z = got.z[size_t(r) * vocab + i];
+      if (std::abs(int(want_z) - int(got_z)) > 1 && ++z_bad <= 3) {
+        ADD_FAILURE() << "z[" << i << "] = " << got_z << ", want " << want_z;
+      }
+    }
+    EXPECT_EQ(z_bad, 0);
+  }
+
+  int near_ties_ = 0;
+  int boundary_samples_ = 0;
+};
+
+std::vector<float> Capped(std::vector<float> raw) {
+  cpu::Softcap(raw.data(), int64_t(raw.size()), kCap);
+  return raw;
+}
+
+// Random Gaussian logits of several spreads (inside and far beyond the softcap), temperatures
+// from 0.4 to 2 and uniforms over [0, 1), on a small, an odd-sized and the real vocabulary.
+TEST_F(CudaVocabTest, MatchesCpuSamplerOnRandomLogits) {
+  const std::vector<float> sigma = {0.5f, 3.0f, 10.0f, 30.0f, 100.0f, 3.0f, 10.0f, 1.0f};
+  const std::vector<float> temps = {0.8f, 0.4f, 1.3f, 0.41f, 2.0f, 0.5f, 0.8f, 1.0f};
+  const std::vector<float> us = {0.0f, 0.999999f, 0.5f, 0.25f, 0.75f, 0.1f, 0.9f, 0.33f};
+  const int rows = int(sigma.size());
+  for (const int vocab : {512, 5003, 262144}) {
+    std::mt19937 gen(vocab);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> raw(size_t(rows) * vocab);
+    for (int r = 0; r < rows; ++r) {
+      for (int i = 0; i < vocab; ++i) raw[size_t(r) * vocab + i] = sigma[r] * normal(gen);
+    }
+    raw[size_t(5) * vocab + vocab / 3] = -INFINITY;  // a masked id: softcapped to −30
+    const std::vector<float> capped = Capped(raw);
+    const Output got = Run(raw, rows, vocab, temps, us);
+    for (int r = 0; r < rows; ++r) Compare(capped, r, vocab, temps[r], us[r], got);
+  }
+  // Near ties and boundary samples are possible, but rare: more would point to a bug.
+  EXPECT_LE(near_ties_, 1);
+  EXPECT_LE(boundary_samples_, 1);
+}
+
+// Hand-made rows with known answers, on V = 512 and the real vocabulary.
+TEST_F(CudaVocabTest, EdgeRowsHaveKnownAnswers) {
+  for (const int vocab : {512, 262144}) {
+    const int rows = 8;
+    std::vector<float> raw(size_t(rows) * vocab, 0.0f);
+    std::vector<float> temps(rows, 0.8f), us(rows, 0.5f);
+    auto row = [&](int r) { return raw.data() + size_t(r) * vocab; };
+    // Row 0: all equal (uniform p), u = 0.5: the running sum first exceeds V/2 at id V/2.
+    // Row 1: one spike (capped to 22.8), the rest capped to −30, T = 0.4: every other
+    // w = (−30 − 22.8)·log2(e)/0.4 < −127, so e is exactly 0 and the entropy exactly 0.
+    for (int i = 0; i < vocab; ++i) row(1)[i] = -1e4f;
+    row(1)[777 % vocab] = 30.0f;
+    temps[1] = 0.4f;
+    us[1] = 0.9f;
+    // Row 2: the maximum reached twice: the first index wins; u = 0.25 falls in its mass.
+    for (int i = 0; i < vocab; ++i) row(2)[i] = float(i % 13) - 6.0f;
+    row(2)[3] = row(2)[100] = 50.0f;
+    us[2] = 0.25f;
+    // Row 3: a NaN logit. Row 4: temperature 0. Both are reported as bad rows.
+    row(3)[vocab - 1] = NAN;
+    temps[4] = 0.0f;
+    // Row 5: u ≥ 1 is clamped below 1 (the last id); row 6: NaN u is 0 (the first id).
+    us[5] = 1.5f;
+    us[6] = NAN;
+    // Row 7: uniform with u = 0 — the first id.
+    us[7] = 0.0f;
+    const Output got = Run(raw, rows, vocab, temps, us);
+    const std::vector<VocabRowResult>& g = got.rows;
+    SCOPED_TRACE(::testing::Message() << "vocab " << vocab);
+    EXPECT_EQ(g[0].argmax, 0);
+    EXPECT_EQ(g[0].sampled, vocab / 2);
+    EXPECT_NEAR(g[0].entropy, std::log(double(vocab)), 1e-5 * std::log(double(vocab)));
+    EXPECT_NEAR(g[0].lse, std::log(double(vocab)), 1e-5 * std::log(double(vocab)));
+    EXPECT_EQ(g[1].argmax, 777 % vocab);
+    EXPECT_EQ(g[1].sampled, 777 % vocab);
+    EXPECT_EQ(g[1].entropy, 0.0f);
+    EXPECT_EQ(g[2].argmax, 3);
+    EXPECT_EQ(g[2].sampled, 3);
+    for (int r : {3, 4}) {
+      EXPECT_EQ(g[r].argmax, -1) << r;
+      EXPECT_EQ(g[r].sampled, -1) << r;
+      EXPECT_TRUE(std::isnan(g[r].entropy)) << r;
+    }
+    EXPECT_EQ(g[5].sampled, vocab - 1);
+    EXPECT_EQ(g[6].sampled, 0);
+    EXPECT_EQ(g[7].sampled, 0);
+    const std::vector<float> capped = Capped(raw);
+    for (int r : {0, 1, 2, 5, 6, 7}) Compare(capped, r, vocab, temps[r], us[r], got);
+  }
+}
+
+// Argument checks return before touching the device: these run without a GPU too.
+TEST(CudaVocabArgsTest, BadShapesAreInvalidArgument) {
+  EXPECT_THAT(VocabStep(nullptr, 0, 512, kCap, nullptr, nullptr, nullptr), IsOk());
+  EXPECT_THAT(VocabStep(nullptr, 2, 0, kCap, nullptr, nullptr, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(VocabStep(nullptr, 2, 512, kCap, nullptr, nullptr, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace dgserve::cuda
