@@ -48,6 +48,8 @@ ABSL_FLAG(std::string, puzzles, "", "JSONL puzzle file (required), as dgserve-su
 ABSL_FLAG(int64_t, limit, 0, "evaluate at most this many puzzles (0 = all)");
 ABSL_FLAG(int32_t, concurrency, 8, "requests in flight at a time (>= 1)");
 ABSL_FLAG(int32_t, steps, 0, "max denoising steps per canvas (0 = the model's default)");
+ABSL_FLAG(double, entropy_bound, 0,
+          "entropy bound of the sampler in nats (0 = the model's default; else > 0)");
 ABSL_FLAG(bool, self_conditioning, true,
           "false: send the ablation control (self-conditioning input zero at every step)");
 ABSL_FLAG(uint64_t, seed, 0, "request i uses seed S+i");
@@ -253,6 +255,12 @@ absl::Status Run() {
 
   v1::DiffusionControls diffusion;
   if (steps > 0) diffusion.set_max_denoising_steps(steps);
+  if (const double beta = absl::GetFlag(FLAGS_entropy_bound); beta != 0) {
+    if (!(beta > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("--entropy_bound must be > 0, got ", beta));
+    }
+    diffusion.set_entropy_bound(static_cast<float>(beta));
+  }
   if (!absl::GetFlag(FLAGS_self_conditioning)) diffusion.set_self_conditioning(false);
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   auto channel =
@@ -331,6 +339,7 @@ absl::Status Run() {
                           {"concurrency", concurrency},
                           {"steps", steps},
                           {"self_conditioning", absl::GetFlag(FLAGS_self_conditioning)},
+                          {"entropy_bound", absl::GetFlag(FLAGS_entropy_bound)},
                           {"seed", seed}};
     report["wall_seconds"] = wall;
     json by = json::object();
@@ -356,7 +365,7 @@ int main(int argc, char** argv) {
   dgserve::InitCommandLine(
       "Measures a cluster serving the sudoku model on a JSONL puzzle file.\n"
       "  dgserve-sudoku-eval --gateway HOST:PORT --puzzles FILE [--limit N] [--concurrency C] "
-      "[--steps N] [--self_conditioning=false] [--seed S] [--min_givens G] [--json_out FILE]",
+      "[--steps N] [--entropy_bound X] [--self_conditioning=false] [--seed S] [--min_givens G] [--json_out FILE]",
       "tools/sudoku/eval_main.cc");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {
