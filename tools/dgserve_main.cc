@@ -4,7 +4,7 @@
 //                    [--max-tokens N] [--seed S]
 //                    [--steps N] [--t-min X] [--t-max X] [--entropy-bound X]
 //                    [--confidence-threshold X] [--stability-threshold N]
-//                    [--no-self-conditioning] [--show-steps] [--json]
+//                    [--no-self-conditioning] [--show-steps] [--json] [--device cpu|cuda]
 //   dgserve chat --gateway HOST:PORT (--prompt TEXT | --prompt-file FILE) [same sampling flags]
 //                [--api-key KEY] [--show-steps]   (a client of a running cluster)
 //   dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--model DIR] [--seed S]
@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -37,6 +38,9 @@
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
 #include "engine/tokenizer/chat_template.h"
+#ifdef DGSERVE_HAVE_CUDA
+#include "engine/cuda/cuda_backend.h"
+#endif
 #include "engine/tokenizer/tokenizer.h"
 #include "tools/chat_client.h"
 #include "tools/sudoku/sudoku_cli.h"
@@ -65,6 +69,8 @@ ABSL_FLAG(std::optional<int>, stability_threshold, std::nullopt,
 ABSL_FLAG(bool, no_self_conditioning, false,
           "ablation: the decoder's self-conditioning input is zero at every denoising step (as at "
           "step 0); default: self-conditioning on");
+ABSL_FLAG(std::string, device, "cpu",
+          "generate: where the model runs: 'cpu', or 'cuda' (binaries built with CUDA, on a GPU)");
 ABSL_FLAG(bool, show_steps, false, "print the argmax canvas after every denoising step");
 ABSL_FLAG(bool, json, false,
           "generate: print one JSON object (text, token_ids, finish_reason) instead of streaming");
@@ -161,9 +167,35 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
   return sudoku::RunSudokuCli(o);
 }
 
+// The backend named by --device ("cpu" or "cuda"). The only place that knows whether this
+// binary was built with CUDA.
+absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const std::string& device,
+                                                            const Checkpoint& ckpt) {
+  if (device == "cpu") return CreateCpuBackend(ckpt.config, ckpt.weights);
+  if (device == "cuda") {
+#ifdef DGSERVE_HAVE_CUDA
+    auto backend = CreateCudaBackend(ckpt.config, ckpt.weights);
+    if (!backend.ok()) {
+      return absl::Status(backend.status().code(),
+                          absl::StrCat("--device cuda: ", backend.status().message()));
+    }
+    return backend;
+#else
+    return absl::FailedPreconditionError("--device cuda: this binary was built without CUDA");
+#endif
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--device ", device, ": must be 'cpu' or 'cuda'"));
+}
+
 absl::Status RunGenerate() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device != "cpu" && device != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device ", device, ": must be 'cpu' or 'cuda'"));
+  }
   DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt());
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(dir + "/tokenizer.json"));
@@ -202,7 +234,7 @@ absl::Status RunGenerate() {
   }
   if (auto v = absl::GetFlag(FLAGS_stability_threshold)) req.sampler.stability_threshold = *v;
   req.sampler.self_conditioning = !absl::GetFlag(FLAGS_no_self_conditioning);
-  auto backend = CreateCpuBackend(ckpt.config, ckpt.weights);
+  DGSERVE_ASSIGN_OR_RETURN(std::unique_ptr<ModelBackend> backend, CreateBackend(device, ckpt));
   Generator gen(*backend);
   GenerationObserver obs;
   const bool show_steps = absl::GetFlag(FLAGS_show_steps);
@@ -307,7 +339,7 @@ int main(int argc, char** argv) {
       "dgserve generate --model DIR (--prompt TEXT | --prompt-file FILE) [--chat [--thinking]] "
       "[--max-tokens N] [--seed S] [--steps N --t-min X --t-max X --entropy-bound X "
       "--confidence-threshold X --stability-threshold N] [--no-self-conditioning] "
-      "[--show-steps] [--json]\n"
+      "[--show-steps] [--json] [--device cpu|cuda]\n"
       "       dgserve chat --gateway HOST:PORT (--prompt TEXT | --prompt-file FILE) [--thinking] "
       "[same sampling flags] [--api-key KEY] [--show-steps]\n"
       "       dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--api-key KEY] "

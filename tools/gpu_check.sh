@@ -9,13 +9,15 @@
 #
 # Kernels (engine/cuda): RMSNorm, softcap, gated GELU, RoPE (cuda_ops), the bf16 cuBLAS
 # projections (cuda_gemm), flash-style prefill/canvas attention (cuda_attention) and the fused
-# vocabulary step of the sampler (cuda_vocab). The CUDA backend, the cluster on one GPU over
-# CUDA IPC and the benchmarks of issue #5 are not written.
+# vocabulary step of the sampler (cuda_vocab), and the whole CUDA ModelBackend against the CPU
+# backend on a tiny random checkpoint (cuda_backend). The cluster on one GPU over CUDA IPC and
+# the benchmarks of issue #5 are not written.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_check_out}
 BUILD_DIR=${BUILD_DIR:-build-gpu}
-TESTS="cuda_ops_test cuda_gemm_test cuda_attention_test cuda_vocab_test"
+TESTS="cuda_ops_test cuda_gemm_test cuda_attention_test cuda_vocab_test cuda_backend_test"
+NUM_TESTS=$(echo $TESTS | wc -w)
 PER_TEST_S=${PER_TEST_S:-45}          # per test binary (each needs a few seconds on an H100)
 DEADLINE=$((SECONDS + 470))           # 7 min 50 s for everything
 # Seconds a step may take: at most $1, leaving $2 for the steps after it (never below 1).
@@ -32,7 +34,7 @@ report "dgserve gpu_check $(date -u +%FT%TZ)"
 timeout 20 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 && report "nvidia-smi: $(head -n 12 "$OUT/nvidia-smi.txt" | grep -m1 -E 'NVIDIA|Driver' || true)" \
   || report "nvidia-smi: not available"
 
-reserve=$((PER_TEST_S * 4))
+reserve=$((PER_TEST_S * NUM_TESTS))
 missing=0
 for t in $TESTS; do [ -x "$BUILD_DIR/engine/cuda/$t" ] || missing=1; done
 if [ "$missing" = 1 ]; then
@@ -51,7 +53,7 @@ ldd "$BUILD_DIR/engine/cuda/cuda_ops_test" | grep "not found" > "$OUT/missing_li
   && report "missing shared libraries: $(tr '\n' ' ' < "$OUT/missing_libraries.txt")"
 
 rc=0
-left_tests=4
+left_tests=$NUM_TESTS
 for t in $TESTS; do
   left_tests=$((left_tests - 1))
   log="$OUT/$t.log"

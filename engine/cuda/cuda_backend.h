@@ -1,0 +1,46 @@
+// The CUDA implementation of ModelBackend (issue #5): the DiffusionGemma forward pass of spec §3
+// and the fused vocabulary step of §4.2 on one GPU, mirroring engine/model/cpu_backend.cc pass by
+// pass. Weights are uploaded once as bf16 (the projections, the tied embedding / LM head and the
+// expert stacks; norms, the router projection and scalars stay float32); activations are float32
+// and are rounded to bf16 in front of every cuBLAS projection (CublasContext::Linear), so results
+// agree with the CPU backend to bf16 accuracy, not bit for bit.
+//
+// KV cache: the ModelBackend interface hands the backend host-side KvCache objects (contiguous or
+// the paged pool of kvstore/). The backend keeps a device mirror per KvCache — contiguous
+// [capacity, kv_heads·head_dim] float32 K and V per layer, indexed by position — and keeps the
+// host cache authoritative: Encode writes the new K/V rows into the device mirror (device to
+// device) and into the host cache (one device→host copy per layer), so every other user of the
+// cache (prefix reuse, transfers, the CPU backend) sees the same rows. A pass uploads only the
+// rows the mirror lacks (all visible ones for a cache it has not seen; none in the steady state
+// of encode → denoise steps). A mirror is recognised by the cache's address, its token count
+// and copies of the key rows at positions 0 and n−1 of the first full layer (a cache freed and
+// another allocated at the same address is re-uploaded unless both rows match bit for bit);
+// at most `max_kv_mirrors` mirrors are kept, least recently used dropped first.
+//
+// Only this header is seen by code outside engine/cuda; it needs no CUDA headers.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "engine/model/backend.h"
+#include "engine/model/config.h"
+#include "engine/model/weights.h"
+
+namespace dgserve {
+
+struct CudaBackendOptions {
+  int device = 0;           // CUDA device ordinal
+  // Device KV mirrors kept (each holds its sequence's K/V for every layer; one per live
+  // sequence is ideal, more cost device memory, fewer cost re-uploads from the host cache).
+  int max_kv_mirrors = 16;
+};
+
+// Uploads `weights` to the device and returns the backend. FAILED_PRECONDITION "no CUDA device
+// found" without a usable GPU; INTERNAL on a CUDA or cuBLAS error (e.g. out of device memory).
+// `weights` need not outlive the backend (everything the passes need is on the device), but the
+// KvCaches passed to Encode/Decode/DenoiseStep must be alive during each call.
+absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackend(
+    const ModelConfig& config, const ModelWeights& weights, const CudaBackendOptions& options = {});
+
+}  // namespace dgserve

@@ -1,0 +1,180 @@
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "engine/cuda/cuda_backend_kernels.h"
+
+namespace dgserve::cuda {
+namespace {
+
+absl::Status Check(const char* kernel) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(std::string(kernel) + ": " + cudaGetErrorString(e));
+}
+
+cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+int Blocks(int64_t n, int threads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return int(b < 65535 * 16 ? (b < 1 ? 1 : b) : 65535 * 16);
+}
+
+__device__ __forceinline__ float Bf16Bits(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+
+// Round-to-nearest-even float → bf16 bits, NaN kept NaN (as dgserve::FloatToBf16).
+__device__ __forceinline__ uint16_t ToBf16(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+__global__ void EmbedRowsKernel(const int32_t* ids, const uint16_t* table, int rows, int dim,
+                                float scale, float* out) {
+  const int64_t n = int64_t(rows) * dim;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / dim, d = i % dim;
+    out[i] = Bf16Bits(table[int64_t(ids[r]) * dim + d]) * scale;
+  }
+}
+
+__global__ void AddInPlaceKernel(float* h, const float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    h[i] += x[i];
+  }
+}
+
+__global__ void AddScaleKernel(float* h, const float* x, float scalar, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    h[i] = (h[i] + x[i]) * scalar;
+  }
+}
+
+__global__ void ScaleKernel(float* x, int64_t n, float s) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    x[i] *= s;
+  }
+}
+
+__global__ void GeluGateRowsKernel(const float* gu, int rows, int width, float* out) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  const int64_t n = int64_t(rows) * width;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, c = i % width;
+    const float g = gu[r * 2 * width + c], u = gu[r * 2 * width + width + c];
+    out[i] = 0.5f * g * (1.0f + tanhf(kSqrt2OverPi * (g + 0.044715f * g * g * g))) * u;
+  }
+}
+
+__global__ void GatherRowsKernel(const float* src, const int32_t* idx, int rows, int dim,
+                                 float* dst) {
+  const int64_t n = int64_t(rows) * dim;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / dim, d = i % dim;
+    const int32_t s = idx[r];
+    dst[i] = s < 0 ? 0.0f : src[int64_t(s) * dim + d];
+  }
+}
+
+__global__ void MoeCombineKernel(const float* y, const int32_t* slot, const float* weight, int rows,
+                                 int k, int dim, float* out) {
+  const int64_t n = int64_t(rows) * dim;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / dim, d = i % dim;
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      const int32_t s = slot[r * k + j];
+      if (s >= 0) acc += weight[r * k + j] * y[int64_t(s) * dim + d];
+    }
+    out[i] = acc;
+  }
+}
+
+__global__ void SoftmaxProbsBf16Kernel(const float* raw, int rows, int vocab, float softcap,
+                                       const float* temperature, const VocabRowResult* res,
+                                       uint16_t* probs) {
+  const int r = blockIdx.x;
+  if (r >= rows) return;
+  const float lse = res[r].lse;
+  const float inv_t = 1.0f / temperature[r];
+  const bool ok = isfinite(lse);
+  const float* row = raw + int64_t(r) * vocab;
+  uint16_t* out = probs + int64_t(r) * vocab;
+  for (int v = blockIdx.y * blockDim.x + threadIdx.x; v < vocab; v += gridDim.y * blockDim.x) {
+    float l = row[v];
+    if (softcap > 0) l = softcap * tanhf(l / softcap);
+    out[v] = ok ? ToBf16(expf(l * inv_t - lse)) : uint16_t(0);
+  }
+}
+
+}  // namespace
+
+absl::Status EmbedRows(const int32_t* ids, const uint16_t* table, int rows, int dim, float scale,
+                       float* out, void* stream) {
+  if (rows <= 0) return absl::OkStatus();
+  EmbedRowsKernel<<<Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream)>>>(ids, table, rows, dim,
+                                                                           scale, out);
+  return Check("EmbedRows");
+}
+
+absl::Status AddInPlace(float* h, const float* x, int64_t n, void* stream) {
+  if (n <= 0) return absl::OkStatus();
+  AddInPlaceKernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(h, x, n);
+  return Check("AddInPlace");
+}
+
+absl::Status AddScale(float* h, const float* x, float scalar, int64_t n, void* stream) {
+  if (n <= 0) return absl::OkStatus();
+  AddScaleKernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(h, x, scalar, n);
+  return Check("AddScale");
+}
+
+absl::Status Scale(float* x, int64_t n, float s, void* stream) {
+  if (n <= 0) return absl::OkStatus();
+  ScaleKernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(x, n, s);
+  return Check("Scale");
+}
+
+absl::Status GeluGateRows(const float* gu, int rows, int width, float* out, void* stream) {
+  if (rows <= 0) return absl::OkStatus();
+  GeluGateRowsKernel<<<Blocks(int64_t(rows) * width, 256), 256, 0, S(stream)>>>(gu, rows, width,
+                                                                                out);
+  return Check("GeluGateRows");
+}
+
+absl::Status GatherRows(const float* src, const int32_t* idx, int rows, int dim, float* dst,
+                        void* stream) {
+  if (rows <= 0) return absl::OkStatus();
+  GatherRowsKernel<<<Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream)>>>(src, idx, rows, dim,
+                                                                            dst);
+  return Check("GatherRows");
+}
+
+absl::Status MoeCombine(const float* y, const int32_t* slot, const float* weight, int rows, int k,
+                        int dim, float* out, void* stream) {
+  if (rows <= 0) return absl::OkStatus();
+  MoeCombineKernel<<<Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream)>>>(y, slot, weight, rows,
+                                                                            k, dim, out);
+  return Check("MoeCombine");
+}
+
+absl::Status SoftmaxProbsBf16(const float* raw, int rows, int vocab, float softcap,
+                              const float* temperature, const VocabRowResult* res, uint16_t* probs,
+                              void* stream) {
+  if (rows <= 0) return absl::OkStatus();
+  int chunks = (vocab + 255) / 256;  // grid: rows × vocabulary chunks (≤ 1024)
+  if (chunks > 1024) chunks = 1024;
+  SoftmaxProbsBf16Kernel<<<dim3(rows, chunks), 256, 0, S(stream)>>>(raw, rows, vocab, softcap,
+                                                                    temperature, res, probs);
+  return Check("SoftmaxProbsBf16");
+}
+
+}  // namespace dgserve::cuda
