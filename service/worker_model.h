@@ -22,7 +22,7 @@ struct WorkerModel {
 };
 
 // Loads `dir` and builds the backend ("cpu", or "cuda": FAILED_PRECONDITION when the binary was
-// built without CUDA or no GPU is present; anything else is INVALID_ARGUMENT) and a block pool of `kv_cache_mib` MiB split evenly in blocks of both kinds
+// built without the CUDA backend or no GPU is present; anything else is INVALID_ARGUMENT) and a block pool of `kv_cache_mib` MiB split evenly in blocks of both kinds
 // (INVALID_ARGUMENT when it holds fewer blocks than one canvas needs).
 absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
                                             const std::string& device, int64_t kv_cache_mib,

@@ -181,7 +181,9 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const std::string& d
     }
     return backend;
 #else
-    return absl::FailedPreconditionError("--device cuda: this binary was built without CUDA");
+    return absl::FailedPreconditionError(
+        "--device cuda: this binary was built without the CUDA backend (configure with "
+        "-DDGSERVE_CUDA_BACKEND=ON)");
 #endif
   }
   return absl::InvalidArgumentError(

@@ -42,6 +42,7 @@ if [ "$missing" = 1 ]; then
   if [ ! -f "$BUILD_DIR/build.ninja" ] && [ ! -f "$BUILD_DIR/Makefile" ]; then
     timeout "$(budget 120 $((reserve + 120)))" cmake -S . -B "$BUILD_DIR" -G Ninja \
       -DCMAKE_BUILD_TYPE=Release -DDGSERVE_BUILD_BENCH=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DDGSERVE_CUDA_BACKEND=ON \
       > "$OUT/configure.log" 2>&1 || { report "configure failed (see configure.log)"; exit 1; }
   fi
   # shellcheck disable=SC2086
