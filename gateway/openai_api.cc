@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "engine/tokenizer/utf8.h"
 #include "service/status_convert.h"
 
 namespace dgserve {
@@ -246,6 +247,14 @@ absl::Status ParseChatTemplateKwargs(const json& v, bool* enable_thinking) {
 }
 
 absl::StatusOr<OpenAiRequest> Parse(std::string_view body, bool chat) {
+  // JSON text is UTF-8 (RFC 8259 §8.1); nlohmann::json accepts other bytes inside strings and
+  // only fails when the value is serialized again, deep inside the request.
+  if (!tokenizer_internal::IsValidUtf8(body)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request body is not valid UTF-8 (first bad byte at offset ",
+        tokenizer_internal::ValidUtf8PrefixLength(body),
+        ")"));
+  }
   json root;
   try {
     root = json::parse(body.begin(), body.end());

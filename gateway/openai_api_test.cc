@@ -125,6 +125,15 @@ TEST(ParseCompletionsTest, StreamFalseWithoutOptions) {
 
 // ---------------------------------------------------------------- completions: rejections
 
+// Bytes that are not UTF-8 inside a JSON string used to pass the parser and fail later, when
+// the request was serialized again, as an HTTP 500.
+TEST(ParseCompletionsTest, InvalidUtf8IsInvalidArgument) {
+  ExpectError("{\"prompt\": \"\xff\xfe\", \"max_tokens\": 3}",
+              "request body is not valid UTF-8 (first bad byte at offset 12)");
+  ExpectError("{\"messages\": [{\"role\": \"user\", \"content\": \"\xc3(\"}]}",
+              "request body is not valid UTF-8", /*chat=*/true);
+}
+
 TEST(ParseCompletionsTest, MalformedJson) {
   ExpectError(R"({"prompt": )", "malformed JSON: ");
   ExpectError("", "malformed JSON: ");

