@@ -18,8 +18,10 @@ if [ "$MODE" = chat ]; then MODEL_DIR=${MODEL_DIR:-models/default}; else MODEL_D
 RUN_DIR=${RUN_DIR:-run/cluster}
 HTTP_PORT=${DGSERVE_HTTP_PORT:-8000}
 GRPC_PORT=${DGSERVE_GRPC_PORT:-50051}
-# A held-out test puzzle (tools/sudoku/data/test.jsonl, id 3-7, 33 givens).
-PUZZLE_DEFAULT=$(sed -n 1p tools/sudoku/data/e2e20.jsonl | sed -E "s/.*\"puzzle\": *\"([^\"]+)\".*/\1/")
+# A held-out test puzzle (tools/sudoku/data/test.jsonl id 3-2, 36 givens) that the shipped model
+# solves (in 5 denoising steps with seeds 1-3; see models/sudoku/README.md for how often it
+# solves others).
+PUZZLE_DEFAULT=.84561.3.65.7...2...7...15.7.8...3..39..5.2.....37..48.7.6.541..2.4.36...6..87...
 ARG=${1:-}
 
 bash tools/setup.sh  # quick when everything is installed
