@@ -221,27 +221,12 @@ absl::Status Run() {
 }  // namespace dgserve
 
 int main(int argc, char** argv) {
-  dgserve::InitCommandLine(
+  // Nothing in Run should throw; a bad_alloc on an absurd shape must not crash the tool.
+  return dgserve::RunFlagsOnlyTool(
+      argc, argv, "dgserve-mkmodel",
       "Writes a deterministic random DiffusionGemma checkpoint (golden README §2.3).\n"
       "  dgserve-mkmodel --out DIR [--seed N] [--config FILE | --config_json TEXT] [shape flags]\n"
       "                  [--generation_config FILE] [--tokenizer tokenizer.json] "
       "[--max_shard_bytes N]",
-      "tools/mkmodel_main.cc");
-  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
-  if (positional.size() > 1) {
-    std::fprintf(stderr, "dgserve-mkmodel: unexpected argument '%s' (flags only; see --help)\n",
-                 positional[1]);
-    return 1;
-  }
-  absl::Status status;
-  try {  // nothing below should throw; a bad_alloc on an absurd shape must not crash the tool
-    status = dgserve::Run();
-  } catch (const std::exception& e) {
-    status = absl::InternalError(e.what());
-  }
-  if (!status.ok()) {
-    std::fprintf(stderr, "dgserve-mkmodel: %s\n", status.ToString().c_str());
-    return 1;
-  }
-  return 0;
+      "tools/mkmodel_main.cc", dgserve::Run);
 }

@@ -362,26 +362,11 @@ absl::Status Run() {
 }  // namespace dgserve::sudoku
 
 int main(int argc, char** argv) {
-  dgserve::InitCommandLine(
+  return dgserve::RunFlagsOnlyTool(
+      argc, argv, "dgserve-sudoku-eval",
       "Measures a cluster serving the sudoku model on a JSONL puzzle file.\n"
       "  dgserve-sudoku-eval --gateway HOST:PORT --puzzles FILE [--limit N] [--concurrency C] "
-      "[--steps N] [--entropy_bound X] [--self_conditioning=false] [--seed S] [--min_givens G] [--json_out FILE]",
-      "tools/sudoku/eval_main.cc");
-  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
-  if (positional.size() > 1) {
-    std::fprintf(stderr, "dgserve-sudoku-eval: unexpected argument '%s' (flags only; see --help)\n",
-                 positional[1]);
-    return 1;
-  }
-  absl::Status status;
-  try {
-    status = dgserve::sudoku::Run();
-  } catch (const std::exception& e) {
-    status = absl::InternalError(e.what());
-  }
-  if (!status.ok()) {
-    std::fprintf(stderr, "dgserve-sudoku-eval: %s\n", status.ToString().c_str());
-    return 1;
-  }
-  return 0;
+      "[--steps N] [--entropy_bound X] [--self_conditioning=false] [--seed S] [--min_givens G] "
+      "[--json_out FILE]",
+      "tools/sudoku/eval_main.cc", dgserve::sudoku::Run);
 }

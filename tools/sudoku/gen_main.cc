@@ -114,25 +114,9 @@ absl::Status Run() {
 }  // namespace dgserve::sudoku
 
 int main(int argc, char** argv) {
-  dgserve::InitCommandLine(
+  return dgserve::RunFlagsOnlyTool(
+      argc, argv, "dgserve-sudoku-gen",
       "Writes seeded unique-solution Sudoku puzzles as JSONL.\n"
       "  dgserve-sudoku-gen --out FILE --count N --seed S --min_givens A --max_givens B",
-      "tools/sudoku/gen_main.cc");
-  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
-  if (positional.size() > 1) {
-    std::fprintf(stderr, "dgserve-sudoku-gen: unexpected argument '%s' (flags only; see --help)\n",
-                 positional[1]);
-    return 1;
-  }
-  absl::Status status;
-  try {
-    status = dgserve::sudoku::Run();
-  } catch (const std::exception& e) {
-    status = absl::InternalError(e.what());
-  }
-  if (!status.ok()) {
-    std::fprintf(stderr, "dgserve-sudoku-gen: %s\n", status.ToString().c_str());
-    return 1;
-  }
-  return 0;
+      "tools/sudoku/gen_main.cc", dgserve::sudoku::Run);
 }
