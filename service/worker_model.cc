@@ -2,9 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#ifdef DGSERVE_HAVE_CUDA
-#include "engine/cuda/cuda_backend.h"
-#endif
+#include "engine/model/backend_select.h"
 
 namespace dgserve {
 
@@ -30,33 +28,10 @@ absl::StatusOr<std::unique_ptr<kv::BlockPool>> CreateKvPool(const ModelConfig& c
   return kv::BlockPool::Create(layout, blocks, blocks);
 }
 
-namespace {
-
-// The backend named by `device`. The only place in the workers that knows whether this binary
-// was built with CUDA (DGSERVE_HAVE_CUDA: set on targets that link the CUDA backend).
-absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const std::string& device,
-                                                            const Checkpoint& ckpt) {
-  if (device == "cpu") return CreateCpuBackend(ckpt.config, ckpt.weights);
-#ifdef DGSERVE_HAVE_CUDA
-  auto backend = CreateCudaBackend(ckpt.config, ckpt.weights);
-  if (!backend.ok()) {
-    return absl::Status(backend.status().code(),
-                        absl::StrCat("--device cuda: ", backend.status().message()));
-  }
-  return backend;
-#else
-  return absl::FailedPreconditionError(
-      "--device cuda: this binary was built without the CUDA backend (configure with "
-      "-DDGSERVE_CUDA_BACKEND=ON)");
-#endif
-}
-
-}  // namespace
-
 absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
                                             const std::string& device, int64_t kv_cache_mib,
                                             int kv_block_size) {
-  if (device != "cpu" && device != "cuda") {
+  if (device != "cpu" && device != "cuda") {  // before the (slow) checkpoint load
     return absl::InvalidArgumentError(
         absl::StrCat("--device ", device, ": must be 'cpu' or 'cuda'"));
   }
@@ -68,7 +43,8 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::s
   m.model_id = model_id;
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   m.checkpoint = std::make_unique<Checkpoint>(std::move(ckpt));
-  DGSERVE_ASSIGN_OR_RETURN(m.backend, CreateBackend(device, *m.checkpoint));
+  DGSERVE_ASSIGN_OR_RETURN(m.backend, CreateBackendForDevice(device, m.checkpoint->config,
+                                                              m.checkpoint->weights));
   DGSERVE_ASSIGN_OR_RETURN(m.pool, CreateKvPool(m.checkpoint->config, model_id, kv_cache_mib,
                                                 kv_block_size));
   return m;

@@ -36,11 +36,9 @@
 #include "common/status_macros.h"
 #include "engine/generation/generator.h"
 #include "engine/model/backend.h"
+#include "engine/model/backend_select.h"
 #include "engine/model/checkpoint.h"
 #include "engine/tokenizer/chat_template.h"
-#ifdef DGSERVE_HAVE_CUDA
-#include "engine/cuda/cuda_backend.h"
-#endif
 #include "engine/tokenizer/tokenizer.h"
 #include "tools/chat_client.h"
 #include "tools/sudoku/sudoku_cli.h"
@@ -167,29 +165,6 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
   return sudoku::RunSudokuCli(o);
 }
 
-// The backend named by --device ("cpu" or "cuda"). The only place that knows whether this
-// binary was built with CUDA.
-absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const std::string& device,
-                                                            const Checkpoint& ckpt) {
-  if (device == "cpu") return CreateCpuBackend(ckpt.config, ckpt.weights);
-  if (device == "cuda") {
-#ifdef DGSERVE_HAVE_CUDA
-    auto backend = CreateCudaBackend(ckpt.config, ckpt.weights);
-    if (!backend.ok()) {
-      return absl::Status(backend.status().code(),
-                          absl::StrCat("--device cuda: ", backend.status().message()));
-    }
-    return backend;
-#else
-    return absl::FailedPreconditionError(
-        "--device cuda: this binary was built without the CUDA backend (configure with "
-        "-DDGSERVE_CUDA_BACKEND=ON)");
-#endif
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--device ", device, ": must be 'cpu' or 'cuda'"));
-}
-
 absl::Status RunGenerate() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
@@ -236,7 +211,8 @@ absl::Status RunGenerate() {
   }
   if (auto v = absl::GetFlag(FLAGS_stability_threshold)) req.sampler.stability_threshold = *v;
   req.sampler.self_conditioning = !absl::GetFlag(FLAGS_no_self_conditioning);
-  DGSERVE_ASSIGN_OR_RETURN(std::unique_ptr<ModelBackend> backend, CreateBackend(device, ckpt));
+  DGSERVE_ASSIGN_OR_RETURN(std::unique_ptr<ModelBackend> backend,
+                           CreateBackendForDevice(device, ckpt.config, ckpt.weights));
   Generator gen(*backend);
   GenerationObserver obs;
   const bool show_steps = absl::GetFlag(FLAGS_show_steps);

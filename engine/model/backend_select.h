@@ -1,0 +1,23 @@
+// The backend named by a `--device` flag ("cpu" or "cuda"): the one place in dgserve that knows
+// whether the CUDA backend is linked into the binary (DGSERVE_HAVE_CUDA, set on this library
+// only when CMake is configured with -DDGSERVE_CUDA_BACKEND=ON and a CUDA toolkit is found).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/model/backend.h"
+#include "engine/model/config.h"
+#include "engine/model/weights.h"
+
+namespace dgserve {
+
+// "cpu": CreateCpuBackend. "cuda": the CUDA backend; FAILED_PRECONDITION when this binary was
+// built without it or no GPU is present (message prefixed "--device cuda: "). Anything else:
+// INVALID_ARGUMENT. `weights` must outlive the CPU backend (the CUDA one copies them).
+absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::string& device,
+                                                                     const ModelConfig& config,
+                                                                     const ModelWeights& weights);
+
+}  // namespace dgserve
