@@ -6,12 +6,10 @@
 #include "engine/cuda/cuda_backend.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -19,29 +17,19 @@
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 
 namespace dgserve {
 namespace {
 
-namespace fs = std::filesystem;
 
 class CudaBackendTest : public cuda::CudaTest {
  protected:
   static void SetUpTestSuite() {
     if (cuda::DeviceCount() == 0) return;  // every test skips
-    const char* src = std::getenv("DGSERVE_SOURCE_DIR");
-    const fs::path golden = fs::path(src ? src : ".") / "tests/testdata/golden/tiny-v512";
-    auto cfgs = LoadConfigsFromModelDir(golden.string());
-    ASSERT_TRUE(cfgs.ok()) << cfgs.status();
-    const fs::path dir =
-        fs::temp_directory_path() / ("dgserve_cuda_backend_test_" + std::to_string(::getpid()));
-    const absl::Status st =
-        WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, dir.string());
-    ASSERT_TRUE(st.ok()) << st;
-    auto ckpt = LoadCheckpoint(dir.string());
-    fs::remove_all(dir);
+    auto ckpt = ::dgserve::testing::LoadRandomTinyV512("cuda_backend_test");
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
     checkpoint_ = new Checkpoint(std::move(*ckpt));
   }

@@ -6,11 +6,9 @@
 #include "engine/generation/generator.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,13 +16,13 @@
 #include "common/testing/status_matchers.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 
 namespace dgserve {
 namespace {
 
-namespace fs = std::filesystem;
 using ::dgserve::testing::IsOk;
 
 // What the generator fed one fused denoising step, and the logits of that decoder pass.
@@ -83,15 +81,7 @@ class RecordingBackend final : public ModelBackend {
 class SelfConditioningTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const char* src = std::getenv("DGSERVE_SOURCE_DIR");
-    const fs::path golden = fs::path(src ? src : ".") / "tests/testdata/golden/tiny-v512";
-    auto cfgs = LoadConfigsFromModelDir(golden.string());
-    ASSERT_TRUE(cfgs.ok()) << cfgs.status();
-    const fs::path dir =
-        fs::temp_directory_path() / ("dgserve_generator_test_" + std::to_string(::getpid()));
-    ASSERT_THAT(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, dir.string()), IsOk());
-    auto ckpt = LoadCheckpoint(dir.string());
-    fs::remove_all(dir);
+    auto ckpt = ::dgserve::testing::LoadRandomTinyV512("generator_test");
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
     checkpoint_ = new Checkpoint(std::move(*ckpt));
   }

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -10,7 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/random_checkpoint.h"
 #include "engine/model/config.h"
 #include "engine/model/weights.h"
 
@@ -21,6 +25,21 @@ inline std::string GoldenDir() {
   if (const char* d = std::getenv("DGSERVE_GOLDEN_DIR"); d != nullptr && *d != '\0') return d;
   const char* src = std::getenv("DGSERVE_SOURCE_DIR");
   return absl::StrCat(src != nullptr ? src : ".", "/tests/testdata/golden");
+}
+
+// The golden tiny-v512 shape with random weights (generator seed 512): written to a temporary
+// directory named after `tag`, loaded back, and the directory removed.
+inline absl::StatusOr<Checkpoint> LoadRandomTinyV512(const std::string& tag) {
+  const std::filesystem::path golden = std::filesystem::path(GoldenDir()) / "tiny-v512";
+  absl::StatusOr<ModelDirConfigs> cfgs = LoadConfigsFromModelDir(golden.string());
+  if (!cfgs.ok()) return cfgs.status();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    absl::StrCat("dgserve_", tag, "_", ::getpid());
+  absl::Status st = WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, dir.string());
+  absl::StatusOr<Checkpoint> ckpt =
+      st.ok() ? LoadCheckpoint(dir.string()) : absl::StatusOr<Checkpoint>(st);
+  std::filesystem::remove_all(dir);
+  return ckpt;
 }
 
 // A fresh empty directory under the test temp dir.

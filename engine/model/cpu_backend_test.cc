@@ -14,6 +14,7 @@
 #include "engine/generation/generator.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 
@@ -28,15 +29,7 @@ using ::testing::HasSubstr;
 class CpuBackendTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const char* src = std::getenv("DGSERVE_SOURCE_DIR");
-    const fs::path golden = fs::path(src ? src : ".") / "tests/testdata/golden/tiny-v512";
-    auto cfgs = LoadConfigsFromModelDir(golden.string());
-    ASSERT_TRUE(cfgs.ok()) << cfgs.status();
-    const fs::path dir =
-        fs::temp_directory_path() / ("dgserve_backend_test_" + std::to_string(::getpid()));
-    ASSERT_THAT(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, dir.string()), IsOk());
-    auto ckpt = LoadCheckpoint(dir.string());
-    fs::remove_all(dir);
+    auto ckpt = ::dgserve::testing::LoadRandomTinyV512("backend_test");
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
     checkpoint_ = new Checkpoint(std::move(*ckpt));
   }
