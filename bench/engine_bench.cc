@@ -103,14 +103,14 @@ int Run() {
       cfg->layer_types.resize(n);
       cfg->layer_types.back() = LayerType::kFull;  // as the loader does (HF forces it)
     }
-    // The backend holds float32 weights: refuse a shape that cannot fit before writing it.
-    int64_t f32_bytes = 0;
-    for (const TensorSpec& spec : ExpectedTensors(*cfg)) f32_bytes += spec.numel() * 4;
-    if (auto avail = AvailableMemoryBytes(); avail && uint64_t(f32_bytes) > *avail) {
+    // Refuse a shape whose weights (bf16, see WeightBytes) cannot fit before writing it.
+    const int64_t bytes = WeightBytes(*cfg);
+    std::printf("weights in memory: %.2f GB (bf16 matrices, embedding twice)\n", bytes / 1e9);
+    if (auto avail = AvailableMemoryBytes(); avail && uint64_t(bytes) > *avail) {
       std::fprintf(stderr,
-                   "this shape needs %.1f GB of float32 weights but only %.1f GB of memory are "
+                   "this shape needs %.1f GB of weights but only %.1f GB of memory are "
                    "available; use --layers N for a slice\n",
-                   f32_bytes / 1e9, double(*avail) / 1e9);
+                   bytes / 1e9, double(*avail) / 1e9);
       return 1;
     }
     tmp = std::filesystem::temp_directory_path() / absl::StrCat("dgserve_bench_", ::getpid());

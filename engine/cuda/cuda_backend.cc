@@ -105,11 +105,29 @@ absl::Status Download(void* host, const void* device, size_t bytes) {
   return CudaCheck(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
 }
 
-// float32 host weights → bf16 device (round to nearest even; exact for a bf16 checkpoint).
-absl::Status UploadBf16(const std::vector<float>& w, DeviceArray<uint16_t>* out) {
-  std::vector<uint16_t> bits(w.size());
-  for (size_t i = 0; i < w.size(); ++i) bits[i] = FloatToBf16(w[i]);
+// Host bf16 weights (row-major bits, or unpacked from the CPU GEMM's panels) → bf16 device.
+absl::Status UploadBf16(const std::vector<uint16_t>& bits, DeviceArray<uint16_t>* out) {
   return out->Upload(bits);
+}
+absl::Status UploadBf16(const cpu::PackedMatrix& w, DeviceArray<uint16_t>* out) {
+  return out->Upload(w.UnpackBf16());
+}
+// E × [rows, cols] packed experts → one [E, rows, cols] device tensor.
+absl::Status UploadBf16(const std::vector<cpu::PackedMatrix>& experts,
+                        DeviceArray<uint16_t>* out) {
+  std::vector<uint16_t> bits;
+  for (const cpu::PackedMatrix& e : experts) {
+    const std::vector<uint16_t> one = e.UnpackBf16();
+    bits.insert(bits.end(), one.begin(), one.end());
+  }
+  return out->Upload(bits);
+}
+// A packed matrix → float32 device (exact widening).
+absl::Status UploadFloat(const cpu::PackedMatrix& w, DeviceArray<float>* out) {
+  const std::vector<uint16_t> bits = w.UnpackBf16();
+  std::vector<float> f(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) f[i] = Bf16ToFloat(bits[i]);
+  return out->Upload(f);
 }
 
 enum class PassKind { kEncoder, kDecoder };
@@ -251,7 +269,7 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_down_proj, &d.mlp_down_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_gate_up_proj, &d.experts_gate_up_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
-    DGSERVE_RETURN_IF_ERROR(d.router_proj.Upload(s.router_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
     d.per_expert_scale = s.router_per_expert_scale;
     d.decoder_layer_scalar = s.decoder_layer_scalar;
     d.encoder_layer_scalar = s.encoder_layer_scalar;

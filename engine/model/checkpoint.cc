@@ -1,6 +1,8 @@
 #include "engine/model/checkpoint.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <set>
 #include <unordered_map>
@@ -11,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/bf16.h"
 #include "common/status_macros.h"
 #include "common/system_resources.h"
 #include "engine/model/tensor_names.h"
@@ -25,44 +28,49 @@ constexpr char kEncoderPrefix[] = "model.encoder.language_model.";
 constexpr char kLmHead[] = "lm_head.weight";
 constexpr size_t kMaxReportedProblems = 8;
 
-// Where a checkpoint tensor goes in ModelWeights: a vector (resized to numel) or a scalar.
+// Where a checkpoint tensor goes in ModelWeights: a float32 vector (resized to numel), a scalar,
+// a bf16 matrix packed for the GEMM, one packed matrix per expert ([E, rows, cols] tensors), or
+// the embedding (row-major bf16 and packed for the LM head).
 struct Destination {
   std::vector<float>* vec = nullptr;
   float* scalar = nullptr;
+  cpu::PackedMatrix* matrix = nullptr;
+  std::vector<cpu::PackedMatrix>* experts = nullptr;
+  ModelWeights* embedding = nullptr;
 };
 
 std::unordered_map<std::string, Destination> Destinations(const ModelConfig& c, ModelWeights* w) {
   std::unordered_map<std::string, Destination> d;
   const std::string p = kDecoderPrefix;
-  d[p + "embed_tokens.weight"].vec = &w->embed_tokens;
+  d[p + "embed_tokens.weight"].embedding = w;
   d[p + "norm.weight"].vec = &w->final_norm;
   d[p + "self_conditioning.pre_norm.weight"].vec = &w->sc_pre_norm;
-  d[p + "self_conditioning.gate_proj.weight"].vec = &w->sc_gate_proj;
-  d[p + "self_conditioning.up_proj.weight"].vec = &w->sc_up_proj;
-  d[p + "self_conditioning.down_proj.weight"].vec = &w->sc_down_proj;
+  d[p + "self_conditioning.gate_proj.weight"].matrix = &w->sc_gate_proj;
+  d[p + "self_conditioning.up_proj.weight"].matrix = &w->sc_up_proj;
+  d[p + "self_conditioning.down_proj.weight"].matrix = &w->sc_down_proj;
   w->layers.resize(c.num_layers);
   for (int i = 0; i < c.num_layers; ++i) {
     LayerWeights& l = w->layers[i];
     const std::string q = absl::StrCat(p, "layers.", i, ".");
     d[q + "input_layernorm.weight"].vec = &l.input_layernorm;
-    d[q + "self_attn.q_proj.weight"].vec = &l.q_proj;
-    d[q + "self_attn.k_proj.weight"].vec = &l.k_proj;
-    d[q + "self_attn.v_proj.weight"].vec = &l.v_proj;
-    d[q + "self_attn.o_proj.weight"].vec = &l.o_proj;
+    d[q + "self_attn.q_proj.weight"].matrix = &l.q_proj;
+    d[q + "self_attn.k_proj.weight"].matrix = &l.k_proj;
+    d[q + "self_attn.v_proj.weight"].matrix = &l.v_proj;
+    d[q + "self_attn.o_proj.weight"].matrix = &l.o_proj;
     d[q + "self_attn.q_norm.weight"].vec = &l.q_norm;
     d[q + "self_attn.k_norm.weight"].vec = &l.k_norm;
     d[q + "post_attention_layernorm.weight"].vec = &l.post_attention_layernorm;
     d[q + "pre_feedforward_layernorm.weight"].vec = &l.pre_feedforward_layernorm;
-    d[q + "mlp.gate_proj.weight"].vec = &l.mlp_gate_proj;
-    d[q + "mlp.up_proj.weight"].vec = &l.mlp_up_proj;
-    d[q + "mlp.down_proj.weight"].vec = &l.mlp_down_proj;
+    d[q + "mlp.gate_proj.weight"].matrix = &l.mlp_gate_proj;
+    d[q + "mlp.up_proj.weight"].matrix = &l.mlp_up_proj;
+    d[q + "mlp.down_proj.weight"].matrix = &l.mlp_down_proj;
     d[q + "post_feedforward_layernorm_1.weight"].vec = &l.post_feedforward_layernorm_1;
-    d[q + "router.proj.weight"].vec = &l.router_proj;
+    d[q + "router.proj.weight"].matrix = &l.router_proj;
     d[q + "router.scale"].vec = &l.router_scale;
     d[q + "router.per_expert_scale"].vec = &l.router_per_expert_scale;
     d[q + "pre_feedforward_layernorm_2.weight"].vec = &l.pre_feedforward_layernorm_2;
-    d[q + "experts.gate_up_proj"].vec = &l.experts_gate_up_proj;
-    d[q + "experts.down_proj"].vec = &l.experts_down_proj;
+    d[q + "experts.gate_up_proj"].experts = &l.experts_gate_up_proj;
+    d[q + "experts.down_proj"].experts = &l.experts_down_proj;
     d[q + "post_feedforward_layernorm_2.weight"].vec = &l.post_feedforward_layernorm_2;
     d[q + "post_feedforward_layernorm.weight"].vec = &l.post_feedforward_layernorm;
     d[q + "layer_scalar"].scalar = &l.decoder_layer_scalar;
@@ -80,6 +88,71 @@ std::string EncoderAlias(const std::string& name) {
 std::string ShapeProblem(const TensorView& v, const std::vector<int64_t>& expected) {
   return absl::StrCat(v.file, ": tensor '", v.name, "' has shape ", ShapeToString(v.shape),
                       " but the config expects ", ShapeToString(expected));
+}
+
+
+// NaN or infinite weights would only surface as garbage tokens: name the tensor now.
+absl::Status NonFiniteError(const TensorView& v, int64_t element) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      v.file, ": tensor '", v.name, "' holds a non-finite value (element ", element, ")"));
+}
+
+// A norm, scale or scalar: float32 (exact for all three dtypes).
+absl::Status LoadFloat32(const TensorView& view, const Destination& d) {
+  float* data = d.scalar;
+  if (data == nullptr) {
+    d.vec->resize(static_cast<size_t>(view.numel()));
+    data = d.vec->data();
+  }
+  DGSERVE_RETURN_IF_ERROR(ToFloat32(view, data));
+  const int64_t n = view.numel();
+  int64_t bad = n;  // the first non-finite element, n if none
+#pragma omp parallel for reduction(min : bad) if (n >= (1 << 20))
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(data[i])) bad = std::min(bad, i);
+  }
+  return bad < n ? NonFiniteError(view, bad) : absl::OkStatus();
+}
+
+// A matrix: its bf16 bits (a BF16 tensor's own; F16/F32 rounded to nearest even), checked for
+// non-finite values, then packed for the GEMM (per expert for [E, rows, cols] tensors).
+absl::Status LoadMatrix(const TensorView& view, const Destination& d) {
+  const int64_t n = view.numel();
+  std::vector<uint16_t> bits(static_cast<size_t>(n));
+  if (view.dtype == DType::kBF16) {
+    if (view.nbytes != size_t(n) * 2 || (n > 0 && view.data == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(view.file, ": tensor '", view.name, "' has inconsistent data size"));
+    }
+    if (n > 0) std::memcpy(bits.data(), view.data, size_t(n) * 2);
+  } else {
+    DGSERVE_ASSIGN_OR_RETURN(std::vector<float> f, ToFloat32(view));
+    for (int64_t i = 0; i < n; ++i) bits[i] = FloatToBf16(f[i]);
+  }
+  int64_t bad = n;
+#pragma omp parallel for reduction(min : bad) if (n >= (1 << 20))
+  for (int64_t i = 0; i < n; ++i) {
+    if ((bits[i] & 0x7f80u) == 0x7f80u) bad = std::min(bad, i);
+  }
+  if (bad < n) return NonFiniteError(view, bad);
+  const std::vector<int64_t>& shape = view.shape;
+  if (d.experts != nullptr) {
+    const int experts = int(shape[0]), rows = int(shape[1]), cols = int(shape[2]);
+    d.experts->clear();
+    for (int e = 0; e < experts; ++e) {
+      d.experts->push_back(
+          cpu::PackedMatrix::FromBf16(bits.data() + size_t(e) * rows * cols, rows, cols));
+    }
+    return absl::OkStatus();
+  }
+  const int rows = int(shape[0]), cols = int(shape[1]);
+  if (d.embedding != nullptr) {
+    d.embedding->lm_head = cpu::PackedMatrix::FromBf16(bits.data(), rows, cols);
+    d.embedding->embed_tokens = std::move(bits);
+    return absl::OkStatus();
+  }
+  *d.matrix = cpu::PackedMatrix::FromBf16(bits.data(), rows, cols);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -142,25 +215,23 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
     return absl::InvalidArgumentError(absl::StrJoin(problems, "; "));
   }
   for (auto& [view, d] : jobs) {
-    float* data = d.scalar;
-    if (data == nullptr) {
-      d.vec->resize(static_cast<size_t>(view->numel()));
-      data = d.vec->data();
-    }
-    DGSERVE_RETURN_IF_ERROR(ToFloat32(*view, data));
-    // NaN or infinite weights would only surface as garbage tokens: name the tensor now.
-    const int64_t n = view->numel();
-    int64_t bad = n;  // the first non-finite element, n if none
-#pragma omp parallel for reduction(min : bad) if (n >= (1 << 20))
-    for (int64_t i = 0; i < n; ++i) {
-      if (!std::isfinite(data[i])) bad = std::min(bad, i);
-    }
-    if (bad < n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          view->file, ": tensor '", view->name, "' holds a non-finite value (element ", bad, ")"));
+    if (d.vec != nullptr || d.scalar != nullptr) {
+      DGSERVE_RETURN_IF_ERROR(LoadFloat32(*view, d));
+    } else {
+      DGSERVE_RETURN_IF_ERROR(LoadMatrix(*view, d));
     }
   }
   return w;
+}
+
+int64_t WeightBytes(const ModelConfig& config) {
+  int64_t bytes = 0;
+  for (const TensorSpec& spec : ExpectedTensors(config)) {
+    // Matrices (rank ≥ 2) in bf16; the embedding is held twice (row-major and packed).
+    const int64_t each = spec.shape.size() >= 2 ? 2 : 4;
+    bytes += spec.numel() * each;
+  }
+  return bytes + int64_t(config.vocab_size) * config.hidden_size * 2;
 }
 
 absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& dir) {
@@ -176,13 +247,12 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& dir) {
   if (fs::exists(gen, ec)) {
     DGSERVE_ASSIGN_OR_RETURN(ckpt.generation, LoadGenerationConfig(gen.string()));
   }
-  // The CPU backend holds every weight as float32: refuse what memory cannot hold.
-  int64_t f32_bytes = 0;
-  for (const TensorSpec& spec : ExpectedTensors(ckpt.config)) f32_bytes += spec.numel() * 4;
-  if (auto available = AvailableMemoryBytes(); available && uint64_t(f32_bytes) > *available) {
+  // Refuse what memory cannot hold: bf16 matrices (the embedding twice) and float32 vectors.
+  const int64_t bytes = WeightBytes(ckpt.config);
+  if (auto available = AvailableMemoryBytes(); available && uint64_t(bytes) > *available) {
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "loading %s needs %.2f GB of memory (float32 weights) but only %.2f GB are available", dir,
-        f32_bytes / 1e9, double(*available) / 1e9));
+        "loading %s needs %.2f GB of memory (bf16 weights) but only %.2f GB are available", dir,
+        bytes / 1e9, double(*available) / 1e9));
   }
   DGSERVE_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::OpenDir(dir));
   auto weights = LoadModelWeights(ckpt.config, reader);

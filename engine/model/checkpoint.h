@@ -1,4 +1,5 @@
-// Loading a DiffusionGemma HF checkpoint directory into float32 ModelWeights (spec §2).
+// Loading a DiffusionGemma HF checkpoint directory into ModelWeights (spec §2): matrices in bf16
+// packed for the CPU GEMM, norms and scalars in float32.
 #pragma once
 
 #include <string>
@@ -19,7 +20,8 @@ struct Checkpoint {
 };
 
 // Loads `dir`: config.json (required), generation_config.json (absent → defaults), and the weights
-// from model.safetensors or model.safetensors.index.json + shards, converted to float32.
+// from model.safetensors or model.safetensors.index.json + shards: matrices as bf16 (BF16 tensors
+// bit for bit; F16/F32 rounded to nearest even) packed for the GEMM, vectors as float32.
 // Name resolution: backbone tensors under `model.decoder.` (preferred) or
 // `model.encoder.language_model.` (fallback; the encoder layer_scalar is always
 // `model.encoder.language_model.layers.i.layer_scalar`); vision tensors are skipped; a tied
@@ -31,7 +33,11 @@ struct Checkpoint {
 absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& dir);
 
 // Validates `reader`'s tensors against ExpectedTensors(config) with the rules above and converts
-// them to float32. Same errors as LoadCheckpoint, naming reader.source() or the tensor's file.
+// them (see LoadCheckpoint). Same errors as LoadCheckpoint, naming reader.source() or the tensor's file.
+// Bytes of memory the loaded weights of `config` take (bf16 matrices, the embedding twice,
+// float32 vectors).
+int64_t WeightBytes(const ModelConfig& config);
+
 absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
                                               const SafetensorsReader& reader);
 

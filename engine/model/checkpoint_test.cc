@@ -274,7 +274,7 @@ TEST_F(CheckpointTest, SkipsVisionAndTiedLmHead) {
   });
   auto c = LoadCheckpoint(dir_);
   ASSERT_THAT(c, IsOk());
-  EXPECT_EQ(c->weights.embed_tokens[1],
+  EXPECT_EQ(Bf16ToFloat(c->weights.embed_tokens[1]),
             Bf16ToFloat(RandomBf16(
                 {"model.decoder.embed_tokens.weight", {64, 16}, InitFamily::kEmbed}, kSeed, 1)));
   Edit([&](std::vector<OwnedTensor>& t) { Find(t, "lm_head.weight")->shape = {32, 32}; });
@@ -381,13 +381,13 @@ TEST(CheckpointResourcesTest, RejectsNonFiniteWeights) {
   std::filesystem::remove_all(dir);
 }
 
-// A config whose float32 weights cannot fit in this machine's memory is refused before any
+// A config whose weights cannot fit in this machine's memory is refused before any
 // tensor is read (here the weight files do not even exist).
 TEST(CheckpointResourcesTest, RefusesAModelLargerThanMemory) {
   const std::string dir = ::dgserve::testing::MakeTempDir("ckpt_huge");
   ModelConfig c = ::dgserve::testing::TinyConfig();
   c.vocab_size = 1 << 24;
-  c.hidden_size = 1 << 14;  // 2^38 embedding floats = 1 TiB of float32
+  c.hidden_size = 1 << 14;  // 2^38 embedding values: 1 TiB in bf16, twice
   std::ofstream(dir + "/config.json") << ModelConfigToJson(c);
   EXPECT_THAT(LoadCheckpoint(dir),
               StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("GB of memory")));

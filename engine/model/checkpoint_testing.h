@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "common/bf16.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/model/config.h"
@@ -73,40 +74,55 @@ inline ModelConfig TinyConfig() {
   return c;
 }
 
-// HF tensor name → loaded vector, restated independently of checkpoint.cc's own table.
-inline std::map<std::string, const std::vector<float>*> WeightVectors(const ModelWeights& w) {
-  std::map<std::string, const std::vector<float>*> m;
+// HF tensor name → loaded values (flattened, float32), restated independently of checkpoint.cc's
+// own table. Matrices are unpacked from their bf16 panels.
+inline std::map<std::string, std::vector<float>> WeightVectors(const ModelWeights& w) {
+  std::map<std::string, std::vector<float>> m;
+  auto bits = [](const std::vector<uint16_t>& b) {
+    std::vector<float> f(b.size());
+    for (size_t i = 0; i < b.size(); ++i) f[i] = Bf16ToFloat(b[i]);
+    return f;
+  };
+  auto mat = [&](const cpu::PackedMatrix& p) { return bits(p.UnpackBf16()); };
+  auto experts = [&](const std::vector<cpu::PackedMatrix>& e) {
+    std::vector<float> f;
+    for (const cpu::PackedMatrix& p : e) {
+      const std::vector<float> one = mat(p);
+      f.insert(f.end(), one.begin(), one.end());
+    }
+    return f;
+  };
   const std::string p = "model.decoder.";
-  m[p + "embed_tokens.weight"] = &w.embed_tokens;
-  m[p + "norm.weight"] = &w.final_norm;
-  m[p + "self_conditioning.pre_norm.weight"] = &w.sc_pre_norm;
-  m[p + "self_conditioning.gate_proj.weight"] = &w.sc_gate_proj;
-  m[p + "self_conditioning.up_proj.weight"] = &w.sc_up_proj;
-  m[p + "self_conditioning.down_proj.weight"] = &w.sc_down_proj;
+  m[p + "embed_tokens.weight"] = bits(w.embed_tokens);
+  m[p + "norm.weight"] = w.final_norm;
+  m[p + "self_conditioning.pre_norm.weight"] = w.sc_pre_norm;
+  m[p + "self_conditioning.gate_proj.weight"] = mat(w.sc_gate_proj);
+  m[p + "self_conditioning.up_proj.weight"] = mat(w.sc_up_proj);
+  m[p + "self_conditioning.down_proj.weight"] = mat(w.sc_down_proj);
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LayerWeights& l = w.layers[i];
     const std::string q = absl::StrCat(p, "layers.", i, ".");
-    m[q + "input_layernorm.weight"] = &l.input_layernorm;
-    m[q + "self_attn.q_proj.weight"] = &l.q_proj;
-    m[q + "self_attn.k_proj.weight"] = &l.k_proj;
-    if (!l.v_proj.empty()) m[q + "self_attn.v_proj.weight"] = &l.v_proj;
-    m[q + "self_attn.o_proj.weight"] = &l.o_proj;
-    m[q + "self_attn.q_norm.weight"] = &l.q_norm;
-    m[q + "self_attn.k_norm.weight"] = &l.k_norm;
-    m[q + "post_attention_layernorm.weight"] = &l.post_attention_layernorm;
-    m[q + "pre_feedforward_layernorm.weight"] = &l.pre_feedforward_layernorm;
-    m[q + "mlp.gate_proj.weight"] = &l.mlp_gate_proj;
-    m[q + "mlp.up_proj.weight"] = &l.mlp_up_proj;
-    m[q + "mlp.down_proj.weight"] = &l.mlp_down_proj;
-    m[q + "post_feedforward_layernorm_1.weight"] = &l.post_feedforward_layernorm_1;
-    m[q + "router.proj.weight"] = &l.router_proj;
-    m[q + "router.scale"] = &l.router_scale;
-    m[q + "router.per_expert_scale"] = &l.router_per_expert_scale;
-    m[q + "pre_feedforward_layernorm_2.weight"] = &l.pre_feedforward_layernorm_2;
-    m[q + "experts.gate_up_proj"] = &l.experts_gate_up_proj;
-    m[q + "experts.down_proj"] = &l.experts_down_proj;
-    m[q + "post_feedforward_layernorm_2.weight"] = &l.post_feedforward_layernorm_2;
-    m[q + "post_feedforward_layernorm.weight"] = &l.post_feedforward_layernorm;
+    m[q + "input_layernorm.weight"] = l.input_layernorm;
+    m[q + "self_attn.q_proj.weight"] = mat(l.q_proj);
+    m[q + "self_attn.k_proj.weight"] = mat(l.k_proj);
+    if (!l.v_proj.empty()) m[q + "self_attn.v_proj.weight"] = mat(l.v_proj);
+    m[q + "self_attn.o_proj.weight"] = mat(l.o_proj);
+    m[q + "self_attn.q_norm.weight"] = l.q_norm;
+    m[q + "self_attn.k_norm.weight"] = l.k_norm;
+    m[q + "post_attention_layernorm.weight"] = l.post_attention_layernorm;
+    m[q + "pre_feedforward_layernorm.weight"] = l.pre_feedforward_layernorm;
+    m[q + "mlp.gate_proj.weight"] = mat(l.mlp_gate_proj);
+    m[q + "mlp.up_proj.weight"] = mat(l.mlp_up_proj);
+    m[q + "mlp.down_proj.weight"] = mat(l.mlp_down_proj);
+    m[q + "post_feedforward_layernorm_1.weight"] = l.post_feedforward_layernorm_1;
+    m[q + "router.proj.weight"] = mat(l.router_proj);
+    m[q + "router.scale"] = l.router_scale;
+    m[q + "router.per_expert_scale"] = l.router_per_expert_scale;
+    m[q + "pre_feedforward_layernorm_2.weight"] = l.pre_feedforward_layernorm_2;
+    m[q + "experts.gate_up_proj"] = experts(l.experts_gate_up_proj);
+    m[q + "experts.down_proj"] = experts(l.experts_down_proj);
+    m[q + "post_feedforward_layernorm_2.weight"] = l.post_feedforward_layernorm_2;
+    m[q + "post_feedforward_layernorm.weight"] = l.post_feedforward_layernorm;
   }
   return m;
 }
@@ -125,7 +141,7 @@ inline std::map<std::string, float> WeightScalars(const ModelWeights& w) {
 // The value of tensor `name` (flattened) as loaded, or empty if unknown.
 inline std::vector<float> LoadedValues(const ModelWeights& w, const std::string& name) {
   auto vecs = WeightVectors(w);
-  if (auto it = vecs.find(name); it != vecs.end()) return *it->second;
+  if (auto it = vecs.find(name); it != vecs.end()) return it->second;
   auto scalars = WeightScalars(w);
   if (auto it = scalars.find(name); it != scalars.end()) return {it->second};
   return {};

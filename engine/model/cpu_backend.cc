@@ -1,6 +1,11 @@
-// CPU implementation of ModelBackend: the DiffusionGemma forward pass (spec §3), float32.
-#include <cblas.h>
-
+// CPU implementation of ModelBackend: the DiffusionGemma forward pass (spec §3), float32
+// activations, bf16 weights (widened exactly inside the GEMM).
+//
+// Same seed, same tokens, by construction: every GEMM output is one fma chain over k in ascending
+// order (engine/model/cpu/gemm.h), and every other reduction (RMSNorm, softmaxes, the MoE combine)
+// runs in a fixed order over one row. A row's result therefore depends only on that row's inputs,
+// never on what it is batched with, where it sits in the batch, the chunking of a prompt, the
+// thread count or the instruction set.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -9,26 +14,33 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/bf16.h"
 #include "common/status_macros.h"
 #include "engine/model/backend.h"
+#include "engine/model/cpu/gemm.h"
+#include "engine/model/cpu/packed_matrix.h"
 #include "engine/model/cpu_ops.h"
 #include "engine/model/cpu_vocab.h"
 
 namespace dgserve {
 namespace {
 
-using cpu::MatMulTransB;
+using cpu::Gemm;
+using cpu::GemmArgs;
+using cpu::GemmB;
+using cpu::GemmThreads;
+using cpu::kGemmPanel;
+using cpu::Linear;
+using cpu::PackedMatrix;
 using cpu::RmsNorm;
 
 // Which keys a block of query rows may see, per layer (spec §3.4 / §3.5).
 enum class PassKind { kEncoder, kDecoder };
 
 // One sequence inside a batched pass: its rows in the stacked activations and its positions.
-// Every segment starts at a multiple of cpu::RowGranule() and the stacked rows are padded to
-// one (padding rows are zeros, computed and ignored): each GEMM then rounds a segment's rows
-// exactly as when it runs alone, so a request's tokens do not depend on what it is batched with.
+// Segments are stacked back to back (no padding: a row computes the same bits wherever it is).
 struct Segment {
-  int row0 = 0;  // first row in the stacked [R, D] activations, a multiple of RowGranule()
+  int row0 = 0;  // first row in the stacked [R, D] activations
   int rows = 0;  // new tokens (encoder) or canvas length (decoder)
   int pos0 = 0;  // position of the first row
   const KvCache* kv = nullptr;
@@ -69,8 +81,8 @@ class CpuBackend final : public ModelBackend {
   void Attention(int l, PassKind kind, std::span<const Segment> segs, const float* q,
                  const float* k_new, const float* v_new, float* out) const;
   void Moe(int l, std::span<const Segment> segs, const float* h1, int R, float* m) const;
-  void GatedMlp(const float* x, int R, const float* gate, const float* up, const float* down,
-                int width, float* out) const;
+  void GatedMlp(const float* x, int R, const PackedMatrix& gate, const PackedMatrix& up,
+                const PackedMatrix& down, float* out) const;
 
   const ModelConfig c_;  // a copy: small, and callers need not keep theirs alive
   const ModelWeights& w_;
@@ -96,19 +108,19 @@ void CpuBackend::Embed(std::span<const int32_t> ids, float* out) const {
   const int D = c_.hidden_size;
   const float scale = c_.EmbedScale();
   for (size_t r = 0; r < ids.size(); ++r) {
-    const float* e = w_.embed_tokens.data() + int64_t(ids[r]) * D;
-    for (int i = 0; i < D; ++i) out[r * D + i] = e[i] * scale;
+    const uint16_t* e = w_.embed_tokens.data() + int64_t(ids[r]) * D;
+    for (int i = 0; i < D; ++i) out[r * D + i] = Bf16ToFloat(e[i]) * scale;
   }
 }
 
-void CpuBackend::GatedMlp(const float* x, int R, const float* gate, const float* up,
-                          const float* down, int width, float* out) const {
-  const int D = c_.hidden_size;
+void CpuBackend::GatedMlp(const float* x, int R, const PackedMatrix& gate, const PackedMatrix& up,
+                          const PackedMatrix& down, float* out) const {
+  const int width = gate.rows();
   std::vector<float> g(size_t(R) * width), u(size_t(R) * width);
-  MatMulTransB(x, gate, R, width, D, g.data());
-  MatMulTransB(x, up, R, width, D, u.data());
+  Linear(x, R, gate, g.data());
+  Linear(x, R, up, u.data());
   cpu::GeluGate(g.data(), u.data(), int64_t(R) * width, g.data());
-  MatMulTransB(g.data(), down, R, D, width, out);
+  Linear(g.data(), R, down, out);
 }
 
 void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R, float* h) const {
@@ -122,12 +134,12 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   std::vector<float> a(size_t(R) * D);
   RmsNorm(h, lw.input_layernorm.data(), R, D, eps, a.data());
   std::vector<float> q(size_t(R) * nh * hd), k(size_t(R) * nkv * hd), v(size_t(R) * nkv * hd);
-  MatMulTransB(a.data(), lw.q_proj.data(), R, nh * hd, D, q.data());
-  MatMulTransB(a.data(), lw.k_proj.data(), R, nkv * hd, D, k.data());
+  Linear(a.data(), R, lw.q_proj, q.data());
+  Linear(a.data(), R, lw.k_proj, k.data());
   if (full) {
     v = k;  // V = rms_noscale(raw k projection) on full layers (spec §3.3)
   } else {
-    MatMulTransB(a.data(), lw.v_proj.data(), R, nkv * hd, D, v.data());
+    Linear(a.data(), R, lw.v_proj, v.data());
   }
   RmsNorm(q.data(), lw.q_norm.data(), R * nh, hd, eps, q.data());
   RmsNorm(k.data(), lw.k_norm.data(), R * nkv, hd, eps, k.data());
@@ -155,7 +167,7 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   std::vector<float> attn(size_t(R) * nh * hd);
   Attention(l, kind, segs, q.data(), k.data(), v.data(), attn.data());
   std::vector<float> o(size_t(R) * D);
-  MatMulTransB(attn.data(), lw.o_proj.data(), R, D, nh * hd, o.data());
+  Linear(attn.data(), R, lw.o_proj, o.data());
   // 3. h1 = h + post_attention_layernorm(o).
   RmsNorm(o.data(), lw.post_attention_layernorm.data(), R, D, eps, o.data());
   for (size_t i = 0; i < size_t(R) * D; ++i) h[i] += o[i];
@@ -164,8 +176,7 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   // 4. Dense branch.
   RmsNorm(h1, lw.pre_feedforward_layernorm.data(), R, D, eps, a.data());
   std::vector<float> dense(size_t(R) * D);
-  GatedMlp(a.data(), R, lw.mlp_gate_proj.data(), lw.mlp_up_proj.data(), lw.mlp_down_proj.data(),
-           c_.intermediate_size, dense.data());
+  GatedMlp(a.data(), R, lw.mlp_gate_proj, lw.mlp_up_proj, lw.mlp_down_proj, dense.data());
   RmsNorm(dense.data(), lw.post_feedforward_layernorm_1.data(), R, D, eps, dense.data());
   // 5. MoE branch.
   std::vector<float> moe(size_t(R) * D);
@@ -191,10 +202,10 @@ void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int 
   const float root = 1.0f / std::sqrt(float(D));
   for (float& x : r) x *= root;
   std::vector<float> scores(size_t(R) * E);
-  MatMulTransB(r.data(), lw.router_proj.data(), R, E, D, scores.data());
-  // Rows routed to each expert, grouped per segment, each group padded to a multiple of the row
-  // granule (row −1): an expert GEMM then rounds a segment's rows as when it runs alone.
-  std::vector<std::vector<std::pair<int, float>>> by_expert(E);  // (row or −1, weight)
+  Linear(r.data(), R, lw.router_proj, scores.data());
+  // Rows routed to each expert (row, weight). An expert's GEMM computes each of its rows as that
+  // row alone would be, so groups need no padding and the batch does not change any row.
+  std::vector<std::vector<std::pair<int, float>>> by_expert(E);
   std::vector<std::pair<int, float>> chosen(K);
   for (const Segment& s : segs) {
     for (int row = s.row0; row < s.row0 + s.rows; ++row) {
@@ -202,9 +213,9 @@ void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int 
                      chosen.data());
       for (const auto& [e, weight] : chosen) by_expert[e].push_back({row, weight});
     }
-    for (auto& rows : by_expert) rows.resize(cpu::AlignRows(int(rows.size())), {-1, 0.0f});
   }
-  // Experts on pre_feedforward_layernorm_2(h1), grouped by expert; accumulate in expert order.
+  // Experts on pre_feedforward_layernorm_2(h1), grouped by expert; each row accumulates its
+  // experts' outputs in ascending expert id (a fixed order per row).
   std::vector<float> xe(size_t(R) * D);
   RmsNorm(h1, lw.pre_feedforward_layernorm_2.data(), R, D, eps, xe.data());
   std::fill(m, m + size_t(R) * D, 0.0f);
@@ -213,22 +224,19 @@ void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int 
     const auto& rows = by_expert[e];
     const int n = rows.size();
     if (n == 0) continue;
-    xin.assign(size_t(n) * D, 0.0f);
+    xin.resize(size_t(n) * D);
     for (int i = 0; i < n; ++i) {
-      if (rows[i].first < 0) continue;
       std::memcpy(&xin[size_t(i) * D], &xe[size_t(rows[i].first) * D], sizeof(float) * D);
     }
     gu.resize(size_t(n) * 2 * F);
-    MatMulTransB(xin.data(), lw.experts_gate_up_proj.data() + size_t(e) * 2 * F * D, n, 2 * F, D,
-                 gu.data());
+    Linear(xin.data(), n, lw.experts_gate_up_proj[e], gu.data());
     act.resize(size_t(n) * F);
     for (int i = 0; i < n; ++i) {
       cpu::GeluGate(&gu[size_t(i) * 2 * F], &gu[size_t(i) * 2 * F + F], F, &act[size_t(i) * F]);
     }
     y.resize(size_t(n) * D);
-    MatMulTransB(act.data(), lw.experts_down_proj.data() + size_t(e) * D * F, n, D, F, y.data());
+    Linear(act.data(), n, lw.experts_down_proj[e], y.data());
     for (int i = 0; i < n; ++i) {
-      if (rows[i].first < 0) continue;
       float* dst = m + size_t(rows[i].first) * D;
       const float wgt = rows[i].second;
       for (int d = 0; d < D; ++d) dst[d] += wgt * y[size_t(i) * D + d];
@@ -256,7 +264,11 @@ void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, 
       first_pos = full ? 0 : std::max(0, s.pos0 - (W - 1));
       nkeys = s.pos0 - first_pos + s.rows;
     }
-    std::vector<float> kpanel(size_t(nkv) * nkeys * hd), vpanel(size_t(nkv) * nkeys * hd);
+    // K per KV head in the GEMM's panel layout (16 keys × hd, key-minor; keys past nkeys zero):
+    // key j, dim d at kpanel[g·kpstride + ((j / 16)·hd + d)·16 + j % 16]. V per KV head row-major
+    // [nkeys, hd].
+    const int64_t kpstride = int64_t((nkeys + kGemmPanel - 1) / kGemmPanel) * kGemmPanel * hd;
+    std::vector<float> kpanel(size_t(nkv) * kpstride, 0.0f), vpanel(size_t(nkv) * nkeys * hd);
 #pragma omp parallel for schedule(static) if (nkeys >= 64)
     for (int j = 0; j < nkeys; ++j) {
       const int p = first_pos + j;
@@ -269,7 +281,9 @@ void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, 
         vr = s.kv->ValueRow(l, p);
       }
       for (int g = 0; g < nkv; ++g) {
-        std::memcpy(&kpanel[(size_t(g) * nkeys + j) * hd], kr + size_t(g) * hd, sizeof(float) * hd);
+        float* kp = &kpanel[size_t(g) * kpstride + size_t(j / kGemmPanel) * kGemmPanel * hd +
+                            j % kGemmPanel];
+        for (int d = 0; d < hd; ++d) kp[size_t(d) * kGemmPanel] = kr[size_t(g) * hd + d];
         std::memcpy(&vpanel[(size_t(g) * nkeys + j) * hd], vr + size_t(g) * hd, sizeof(float) * hd);
       }
     }
@@ -283,7 +297,11 @@ void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, 
       return kind == PassKind::kEncoder ? s.pos0 + r - first_pos + 1 : nkeys;
     };
     const int blocks = (s.rows + kQueryBlock - 1) / kQueryBlock;
-    // One single-threaded GEMM pair per (query block, head): deterministic, whatever the threads.
+    // One single-threaded GEMM pair per (query block, head). A block computes the scores of keys
+    // [klo, khi) for all its rows and masks each row to its own keys with exact zeros, so every
+    // row's softmax sum and P·V chain run over its keys in ascending position order with zero
+    // terms that change nothing: a row's output does not depend on the block or the chunk of the
+    // prompt it falls in.
 #pragma omp parallel
     {
       std::vector<float> scores;
@@ -291,15 +309,22 @@ void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, 
       for (int b = 0; b < blocks; ++b) {
         for (int hq = 0; hq < nh; ++hq) {
           const int r0 = b * kQueryBlock, rows = std::min(kQueryBlock, s.rows - r0);
-          const int klo = key_lo(r0), khi = key_hi(r0 + rows - 1), nk = khi - klo;
+          const int klo = key_lo(r0) / kGemmPanel * kGemmPanel;  // a panel boundary
+          const int khi = key_hi(r0 + rows - 1), nk = khi - klo;
           const int g = hq / group;
           const float* qb = q + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd;
-          const float* kp = &kpanel[(size_t(g) * nkeys + klo) * hd];
-          const float* vp = &vpanel[(size_t(g) * nkeys + klo) * hd];
           scores.resize(size_t(rows) * nk);
           // Scores = Q·Kᵀ with scale 1.0 (spec §3.1.5).
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nk, hd, 1.0f, qb, nh * hd, kp,
-                      hd, 0.0f, scores.data(), nk);
+          GemmArgs sg;
+          sg.m = rows;
+          sg.n = nk;
+          sg.k = hd;
+          sg.a = qb;
+          sg.lda = nh * hd;
+          sg.b = GemmB::Panels(&kpanel[size_t(g) * kpstride + size_t(klo) * hd], hd);
+          sg.c = scores.data();
+          sg.ldc = nk;
+          Gemm(sg, GemmThreads::kCallerOnly);
           for (int i = 0; i < rows; ++i) {
             float* sr = scores.data() + size_t(i) * nk;
             const int lo = key_lo(r0 + i) - klo, hi = key_hi(r0 + i) - klo;
@@ -313,9 +338,16 @@ void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, 
             const float inv = 1.0f / sum;
             for (int j = lo; j < hi; ++j) sr[j] *= inv;
           }
-          float* ob = out + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd;
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nk, 1.0f, scores.data(),
-                      nk, vp, hd, 0.0f, ob, nh * hd);
+          GemmArgs og;
+          og.m = rows;
+          og.n = hd;
+          og.k = nk;
+          og.a = scores.data();
+          og.lda = nk;
+          og.b = GemmB::RowMajor(&vpanel[(size_t(g) * nkeys + klo) * hd], hd);
+          og.c = out + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd;
+          og.ldc = nh * hd;
+          Gemm(og, GemmThreads::kCallerOnly);
         }
       }
     }
@@ -340,7 +372,7 @@ absl::Status CpuBackend::Encode(std::span<const EncodeInput> batch) {
     s.kv = batch[i].kv;
     s.kv_write = batch[i].kv;
     segs.push_back(s);
-    R += cpu::AlignRows(s.rows);  // see Segment::row0
+    R += s.rows;
   }
   if (R == 0) return absl::OkStatus();
   std::vector<float> h(size_t(R) * D);
@@ -353,7 +385,7 @@ absl::Status CpuBackend::Encode(std::span<const EncodeInput> batch) {
 
 absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Segment>* segs,
                               std::vector<float>* hidden) {
-  const int D = c_.hidden_size, I = c_.intermediate_size;
+  const int D = c_.hidden_size;
   const float eps = c_.rms_norm_eps;
   int R = 0;
   segs->clear();
@@ -366,7 +398,7 @@ absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Se
     s.pos0 = in.kv->num_tokens();
     s.kv = in.kv;
     segs->push_back(s);
-    R += cpu::AlignRows(s.rows);  // see Segment::row0
+    R += s.rows;
   }
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<float>& h = *hidden;
@@ -380,8 +412,7 @@ absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Se
     if (batch[i].sc_soft != nullptr) {
       std::vector<float> u(size_t(s.rows) * D), sig(size_t(s.rows) * D);
       RmsNorm(batch[i].sc_soft, w_.sc_pre_norm.data(), s.rows, D, eps, u.data());
-      GatedMlp(u.data(), s.rows, w_.sc_gate_proj.data(), w_.sc_up_proj.data(),
-               w_.sc_down_proj.data(), I, sig.data());
+      GatedMlp(u.data(), s.rows, w_.sc_gate_proj, w_.sc_up_proj, w_.sc_down_proj, sig.data());
       for (size_t j = 0; j < sig.size(); ++j) hs[j] += sig[j];
     }
   }
@@ -406,8 +437,7 @@ absl::Status CpuBackend::Decode(std::span<const DecodeInput> batch) {
   // LM head (tied embedding) and softcap, per canvas into its own logits buffer.
   for (size_t i = 0; i < batch.size(); ++i) {
     const Segment& s = segs[i];
-    MatMulTransB(h.data() + size_t(s.row0) * D, w_.embed_tokens.data(), s.rows, V, D,
-                 batch[i].logits);
+    Linear(h.data() + size_t(s.row0) * D, s.rows, w_.lm_head, batch[i].logits);
     cpu::Softcap(batch[i].logits, int64_t(s.rows) * V, c_.final_logit_softcapping);
   }
   timings_.lm_head_seconds = SecondsSince(t1);
@@ -436,6 +466,7 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     cpu::VocabStepArgs args;
     args.hidden = h.data() + size_t(s.row0) * D;
     args.rows = s.rows;
+    args.lm_head = &w_.lm_head;
     args.embed = w_.embed_tokens.data();
     args.vocab = c_.vocab_size;
     args.dim = D;
@@ -453,7 +484,16 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
 
 void CpuBackend::SoftEmbedding(const float* probs, int rows, float* soft) {
   const int D = c_.hidden_size, V = c_.vocab_size;
-  cpu::MatMul(probs, w_.embed_tokens.data(), rows, D, V, soft);
+  GemmArgs g;  // soft[rows, D] = probs[rows, V] · E[V, D]
+  g.m = rows;
+  g.n = D;
+  g.k = V;
+  g.a = probs;
+  g.lda = V;
+  g.b = GemmB::RowMajor(w_.embed_tokens.data(), D);
+  g.c = soft;
+  g.ldc = D;
+  Gemm(g);
   const float scale = c_.EmbedScale();
   for (int64_t i = 0; i < int64_t(rows) * D; ++i) soft[i] *= scale;
 }

@@ -1,6 +1,5 @@
 #include "engine/model/cpu_ops.h"
 
-#include <cblas.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -36,92 +35,6 @@ float GeluTanh(float x) {
 void GeluGate(const float* gate, const float* up, int64_t n, float* out) {
 #pragma omp parallel for schedule(static) if (n >= 65536)
   for (int64_t i = 0; i < n; ++i) out[i] = GeluTanh(gate[i]) * up[i];
-}
-
-namespace {
-
-// GEMMs run as OpenBLAS calls on fixed blocks of output columns inside an OpenMP parallel
-// region, where OpenBLAS stays single-threaded: every output element is computed by the same
-// kernel call whatever the thread count, so results do not depend on it (OpenBLAS's own
-// threading splits by thread count and picks edge kernels accordingly, which changes rounding).
-// The blocks do not depend on m either (OpenBLAS rounds a column differently when the call's
-// column count changes), so a row's result depends only on the row (see RowGranule()).
-constexpr int kColumnBlock = 256;
-
-template <typename Call>
-void ForColumnBlocks(int m, int n, int k, Call call) {
-  const int block = kColumnBlock;
-  const int blocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int j = 0; j < blocks; ++j) {
-    const int n0 = j * block;
-    call(n0, std::min(block, n - n0));
-  }
-}
-
-}  // namespace
-
-namespace {
-
-// True when rows computed alone (a call of m = g rows) equal the same rows placed at g-aligned
-// offsets in calls of 3g and 5g rows, for a few (n, k) shapes, bit for bit.
-bool RowsInvariantAt(int g) {
-  const int shapes[][2] = {{64, 96}, {200, 128}, {256, 32}, {16, 704}};
-  uint32_t seed = 12345;
-  auto next = [&seed] {
-    seed = seed * 1664525u + 1013904223u;
-    return float(int(seed >> 9) - (1 << 22)) / float(1 << 22);
-  };
-  for (const auto& [n, k] : shapes) {
-    std::vector<float> b(size_t(n) * k);
-    for (float& x : b) x = next();
-    std::vector<float> a(size_t(5) * g * k), alone(size_t(g) * n), c(size_t(5) * g * n);
-    for (float& x : a) x = next();
-    for (const int m : {3 * g, 5 * g}) {
-      for (int off = g; off < m; off += 2 * g) {
-        bool same = true;
-#pragma omp parallel
-#pragma omp single
-        {
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g, n, k, 1.0f,
-                      a.data() + size_t(off) * k, k, b.data(), k, 0.0f, alone.data(), n);
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k,
-                      b.data(), k, 0.0f, c.data(), n);
-          same = std::equal(alone.begin(), alone.end(), c.begin() + size_t(off) * n);
-        }
-        if (!same) return false;
-      }
-    }
-  }
-  return true;
-}
-
-}  // namespace
-
-int RowGranule() {
-  static const int granule = [] {
-    for (int g : {4, 8, 12, 16, 24, 48}) {
-      if (RowsInvariantAt(g)) return g;
-    }
-    return 96;
-  }();
-  return granule;
-}
-
-void MatMulTransB(const float* a, const float* b, int m, int n, int k, float* c, bool accumulate) {
-  if (m == 0 || n == 0) return;
-  ForColumnBlocks(m, n, k, [&](int n0, int nn) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nn, k, 1.0f, a, k, b + int64_t(n0) * k,
-                k, accumulate ? 1.0f : 0.0f, c + n0, n);
-  });
-}
-
-void MatMul(const float* a, const float* b, int m, int n, int k, float* c) {
-  if (m == 0 || n == 0) return;
-  ForColumnBlocks(m, n, k, [&](int n0, int nn) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, nn, k, 1.0f, a, k, b + n0, n, 0.0f,
-                c + n0, n);
-  });
 }
 
 std::vector<float> RopeInvFreq(float theta, int head_dim, int rotated_pairs) {

@@ -20,25 +20,6 @@ float GeluTanh(float x);
 // out[i] = gelu(gate[i]) · up[i] for n elements (the gated MLP's inner product, spec §3.1.3).
 void GeluGate(const float* gate, const float* up, int64_t n, float* out);
 
-// C[m, n] = A[m, k] · B[n, k]ᵀ (+ C if accumulate). B is a PyTorch [out, in] weight. OpenBLAS
-// on fixed column blocks over OpenMP threads: the result does not depend on the thread count.
-// Must not be called from inside an OpenMP parallel region.
-// Row granule of the BLAS: GEMM rows come out bit-identical whatever the call's row count and
-// the row's position, as long as calls have a multiple of RowGranule() rows and the row sits at
-// a multiple of it (tail rows go through other kernels that round differently). Found once per
-// process by probing the BLAS with a few shapes (12 on OpenBLAS's Zen/Haswell kernels).
-int RowGranule();
-// Rows rounded up to a multiple of RowGranule().
-inline int AlignRows(int rows) {
-  const int g = RowGranule();
-  return (rows + g - 1) / g * g;
-}
-
-void MatMulTransB(const float* a, const float* b, int m, int n, int k, float* c,
-                  bool accumulate = false);
-// C[m, n] = A[m, k] · B[k, n] (B row-major, not transposed). OpenBLAS.
-void MatMul(const float* a, const float* b, int m, int n, int k, float* c);
-
 // Inverse frequencies of one RoPE variant (spec §3.1.4): f_j = θ^(−2j/head_dim) in float32 for
 // j < rotated_pairs, 0 (identity) for rotated_pairs ≤ j < head_dim/2.
 std::vector<float> RopeInvFreq(float theta, int head_dim, int rotated_pairs);

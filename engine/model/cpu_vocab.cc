@@ -1,6 +1,5 @@
 #include "engine/model/cpu_vocab.h"
 
-#include <cblas.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -12,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/model/avx2_exp2.h"
+#include "engine/model/cpu/gemm.h"
 #include "engine/model/cpu_ops.h"
 
 namespace dgserve::cpu {
@@ -125,7 +125,7 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
       float* acc = a.soft ? accs.data() + size_t(t) * M * D : nullptr;
       for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int v0 = tile * kTile, n = std::min(kTile, V - v0);
-        const float* et = a.embed + size_t(v0) * D;
+        const uint16_t* et = a.embed + size_t(v0) * D;
         // Logits of the tile: [M, n] = hidden · E_tileᵀ, softcapped.
         float* l = lbuf.data();
         int ldl = n;
@@ -133,8 +133,16 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           l = a.logits + v0;
           ldl = V;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, D, 1.0f, a.hidden, D, et, D,
-                    0.0f, l, ldl);
+        GemmArgs lg;  // l[M, n] = hidden[M, D] · E[v0 : v0 + n]ᵀ
+        lg.m = M;
+        lg.n = n;
+        lg.k = D;
+        lg.a = a.hidden;
+        lg.lda = D;
+        lg.b = a.lm_head->AsGemmB(v0);
+        lg.c = l;
+        lg.ldc = ldl;
+        Gemm(lg, GemmThreads::kCallerOnly);
         for (int r = 0; r < M; ++r) {
           float* lr = l + size_t(r) * ldl;
           Softcap(lr, n, a.softcap);
@@ -169,8 +177,17 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           tile_ref[size_t(tile) * M + r] = s.max_logit;
         }
         if (acc) {  // acc[M, D] += e[M, n] · E_tile[n, D]
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, D, n, 1.0f, ebuf.data(), kTile,
-                      et, D, 1.0f, acc, D);
+          GemmArgs sg;
+          sg.m = M;
+          sg.n = D;
+          sg.k = n;
+          sg.a = ebuf.data();
+          sg.lda = kTile;
+          sg.b = GemmB::RowMajor(et, D);
+          sg.c = acc;
+          sg.ldc = D;
+          sg.accumulate = true;
+          Gemm(sg, GemmThreads::kCallerOnly);
         }
       }
     }
@@ -236,15 +253,24 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
       cum += ts;
     }
     if (chosen_tile < 0) chosen_tile = last_nonzero_tile;
-    // Recompute the chosen tile's logits for this row and scan it.
+    // Recompute the chosen tile's logits for this row (the same GEMM and softcap as the tile
+    // pass, so the same bits) and scan it.
     const int v0 = chosen_tile * kTile, n = std::min(kTile, V - v0);
-    const float* h = a.hidden + size_t(r) * D;
+    float lrow[kTile];
+    GemmArgs rg;
+    rg.m = 1;
+    rg.n = n;
+    rg.k = D;
+    rg.a = a.hidden + size_t(r) * D;
+    rg.lda = D;
+    rg.b = a.lm_head->AsGemmB(v0);
+    rg.c = lrow;
+    rg.ldc = n;
+    Gemm(rg, GemmThreads::kCallerOnly);
+    Softcap(lrow, n, a.softcap);
     int32_t sampled = -1, last_positive = v0;
     for (int i = 0; i < n; ++i) {
-      const float* ev = a.embed + size_t(v0 + i) * D;
-      float dot = 0;
-      for (int k = 0; k < D; ++k) dot += h[k] * ev[k];
-      const float l = a.softcap * std::tanh(dot / a.softcap);
+      const float l = lrow[i];
       const double e = std::exp(double(l - m) * inv_t[r]);
       if (e <= 0) continue;
       last_positive = v0 + i;

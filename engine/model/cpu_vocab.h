@@ -10,13 +10,15 @@
 
 #include "absl/status/status.h"
 #include "engine/denoise/row_sampler.h"
+#include "engine/model/cpu/packed_matrix.h"
 
 namespace dgserve::cpu {
 
 struct VocabStepArgs {
   const float* hidden = nullptr;  // [rows, D] final-normed hidden states
   int rows = 0;
-  const float* embed = nullptr;  // [V, D] tied embedding = LM head
+  const PackedMatrix* lm_head = nullptr;  // [V, D] tied embedding packed for the LM head
+  const uint16_t* embed = nullptr;        // [V, D] the same table row-major (bf16 bits)
   int vocab = 0;
   int dim = 0;
   float softcap = 30.0f;               // final_logit_softcapping
@@ -31,7 +33,8 @@ struct VocabStepArgs {
 // Runs the fused step. Results agree with Softcap + SampleRows + SoftEmbedding on the same
 // hidden states up to float rounding (the sample can differ only when u·S falls within rounding
 // of a cumulative boundary). Parallel over a fixed number of vocabulary chunks (OpenMP) merged in
-// order, so the result does not depend on the thread count. INTERNAL when a row's logits are not
+// order, and every row's arithmetic is its own (GEMMs with the property of cpu/gemm.h), so a
+// row's result depends neither on the thread count nor on the other rows. INTERNAL when a row's logits are not
 // finite (NaN or infinite weights, overflow): nothing can be sampled from them.
 absl::Status FusedVocabStep(const VocabStepArgs& args);
 

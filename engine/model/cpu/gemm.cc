@@ -1,0 +1,222 @@
+// The GEMM driver: cache blocking, output tiles shared among threads, partial panels, and the
+// choice of microkernel (see gemm.h for the property every path keeps).
+#include "engine/model/cpu/gemm.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/model/cpu/gemm_kernels.h"
+
+namespace dgserve::cpu {
+namespace {
+
+using gemm_internal::KernelSet;
+using gemm_internal::Tile;
+
+// Block sizes. None of them changes a result (THE PROPERTY); they only place work in caches:
+// a k block of one two-panel B strip (kKc × 32 bf16 = 16 KB) stays in L1 while the row groups
+// of a tile stream past it, and a tile's A block (kMc × kKc floats = 128 KB) stays in L2.
+constexpr int kKc = 256;  // k per block
+constexpr int kMc = 128;  // rows per output tile
+constexpr int kNc = 256;  // columns per output tile (a multiple of 2 panels)
+
+bool CpuHas(GemmIsa isa) {
+  switch (isa) {
+    case GemmIsa::kPortable:
+      return true;
+    case GemmIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case GemmIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f");
+  }
+  return false;
+}
+
+GemmIsa BestIsa() {
+  if (CpuHas(GemmIsa::kAvx512)) return GemmIsa::kAvx512;
+  if (CpuHas(GemmIsa::kAvx2)) return GemmIsa::kAvx2;
+  return GemmIsa::kPortable;
+}
+
+GemmIsa InitialIsa() {
+  const char* env = std::getenv("DGSERVE_GEMM_ISA");
+  if (env == nullptr || *env == '\0') return BestIsa();
+  const std::string_view v(env);
+  for (GemmIsa isa : {GemmIsa::kAvx512, GemmIsa::kAvx2, GemmIsa::kPortable}) {
+    if (v != GemmIsaName(isa)) continue;
+    if (CpuHas(isa)) return isa;
+    std::fprintf(stderr, "DGSERVE_GEMM_ISA=%s: this CPU lacks it; using %s\n", env,
+                 GemmIsaName(BestIsa()));
+    return BestIsa();
+  }
+  std::fprintf(stderr, "DGSERVE_GEMM_ISA=%s: not one of avx512, avx2, portable; using %s\n", env,
+               GemmIsaName(BestIsa()));
+  return BestIsa();
+}
+
+std::atomic<GemmIsa>& Active() {
+  static std::atomic<GemmIsa> isa{InitialIsa()};
+  return isa;
+}
+
+KernelSet Kernels(GemmIsa isa) {
+  switch (isa) {
+    case GemmIsa::kAvx512:
+      return gemm_internal::Avx512Kernels();
+    case GemmIsa::kAvx2:
+      return gemm_internal::Avx2Kernels();
+    case GemmIsa::kPortable:
+      break;
+  }
+  return gemm_internal::PortableKernels();
+}
+
+size_t ElementSize(const GemmB& b) { return b.type == GemmB::Type::kBf16 ? 2 : 4; }
+
+// Address of B element (kk, j) for j a multiple of 16.
+const void* BAt(const GemmB& b, int64_t kk, int64_t j) {
+  const int64_t e = (j / kGemmPanel) * b.panel_stride + kk * b.k_stride;
+  return static_cast<const char*>(b.data) + e * int64_t(ElementSize(b));
+}
+
+// Per-thread buffers for a partial last panel: its B strip padded to 16 columns, and C rows.
+struct Scratch {
+  std::vector<float> b;   // [kKc][16] floats (or half of it as bf16)
+  std::vector<float> c;   // [max_rows][16]
+};
+
+// Columns [j, j + cols) with cols < 16 (the partial last panel) for rows [m0, m1), k block k0.
+void PartialPanel(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int j, int cols, int k0,
+                  int kc, bool load_c, Scratch& s) {
+  const bool bf16 = g.b.type == GemmB::Type::kBf16;
+  s.b.assign(size_t(kKc) * kGemmPanel, 0.0f);
+  const char* src = static_cast<const char*>(BAt(g.b, k0, j));
+  const size_t es = ElementSize(g.b);
+  char* dst = reinterpret_cast<char*>(s.b.data());
+  for (int kk = 0; kk < kc; ++kk) {
+    std::memcpy(dst + size_t(kk) * kGemmPanel * es, src + size_t(kk) * g.b.k_stride * es,
+                size_t(cols) * es);
+  }
+  s.c.assign(size_t(ks.max_rows) * kGemmPanel, 0.0f);
+  for (int i = m0; i < m1; i += ks.max_rows) {
+    const int rows = std::min(ks.max_rows, m1 - i);
+    if (load_c) {
+      for (int r = 0; r < rows; ++r) {
+        std::memcpy(&s.c[size_t(r) * kGemmPanel], g.c + (i + r) * g.ldc + j, sizeof(float) * cols);
+      }
+    }
+    Tile t;
+    t.kc = kc;
+    t.a = g.a + i * g.lda + k0;
+    t.lda = g.lda;
+    t.b0 = s.b.data();
+    t.b_kstride = kGemmPanel;
+    t.c = s.c.data();
+    t.ldc = kGemmPanel;
+    t.load_c = load_c;
+    ks.run(rows, 1, bf16, t);
+    for (int r = 0; r < rows; ++r) {
+      std::memcpy(g.c + (i + r) * g.ldc + j, &s.c[size_t(r) * kGemmPanel], sizeof(float) * cols);
+    }
+  }
+}
+
+// One output tile: rows [m0, m1), columns [n0, n1), all of k.
+void RunTile(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int n0, int n1, Scratch& s) {
+  const bool bf16 = g.b.type == GemmB::Type::kBf16;
+  for (int k0 = 0; k0 < g.k; k0 += kKc) {
+    const int kc = std::min(kKc, g.k - k0);
+    const bool load_c = g.accumulate || k0 > 0;  // later k blocks continue the chains
+    for (int j = n0; j < n1;) {
+      const int full = (n1 - j) / kGemmPanel;
+      if (full == 0) {
+        PartialPanel(g, ks, m0, m1, j, n1 - j, k0, kc, load_c, s);
+        break;
+      }
+      const int panels = std::min(ks.max_panels, full);
+      Tile t;
+      t.kc = kc;
+      t.lda = g.lda;
+      t.b0 = BAt(g.b, k0, j);
+      t.b1 = panels > 1 ? BAt(g.b, k0, j + kGemmPanel) : nullptr;
+      t.b_kstride = g.b.k_stride;
+      t.ldc = g.ldc;
+      t.load_c = load_c;
+      for (int i = m0; i < m1; i += ks.max_rows) {
+        t.a = g.a + i * g.lda + k0;
+        t.c = g.c + i * g.ldc + j;
+        ks.run(std::min(ks.max_rows, m1 - i), panels, bf16, t);
+      }
+      j += panels * kGemmPanel;
+    }
+  }
+}
+
+}  // namespace
+
+const char* GemmIsaName(GemmIsa isa) {
+  switch (isa) {
+    case GemmIsa::kAvx512:
+      return "avx512";
+    case GemmIsa::kAvx2:
+      return "avx2";
+    case GemmIsa::kPortable:
+      break;
+  }
+  return "portable";
+}
+
+bool GemmIsaSupported(GemmIsa isa) { return CpuHas(isa); }
+
+GemmIsa ActiveGemmIsa() { return Active().load(std::memory_order_relaxed); }
+
+absl::Status SetGemmIsa(GemmIsa isa) {
+  if (!CpuHas(isa)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GEMM path ", GemmIsaName(isa), " is not supported by this CPU"));
+  }
+  Active().store(isa, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+void Gemm(const GemmArgs& args, GemmThreads threads) { Gemm(args, ActiveGemmIsa(), threads); }
+
+void Gemm(const GemmArgs& g, GemmIsa isa, GemmThreads threads) {
+  if (g.m <= 0 || g.n <= 0) return;
+  if (g.k <= 0) {
+    if (!g.accumulate) {
+      for (int i = 0; i < g.m; ++i) std::fill(g.c + i * g.ldc, g.c + i * g.ldc + g.n, 0.0f);
+    }
+    return;
+  }
+  const KernelSet ks = Kernels(isa);
+  const int row_tiles = (g.m + kMc - 1) / kMc, col_tiles = (g.n + kNc - 1) / kNc;
+  const int tiles = row_tiles * col_tiles;
+  auto run = [&](int t, Scratch& s) {
+    const int ti = t / col_tiles, tj = t % col_tiles;
+    RunTile(g, ks, ti * kMc, std::min(g.m, (ti + 1) * kMc), tj * kNc,
+            std::min(g.n, (tj + 1) * kNc), s);
+  };
+  if (threads == GemmThreads::kOpenMp && tiles > 1 && !omp_in_parallel() &&
+      omp_get_max_threads() > 1) {
+#pragma omp parallel
+    {
+      Scratch s;
+#pragma omp for schedule(dynamic, 1)
+      for (int t = 0; t < tiles; ++t) run(t, s);
+    }
+    return;
+  }
+  Scratch s;
+  for (int t = 0; t < tiles; ++t) run(t, s);
+}
+
+}  // namespace dgserve::cpu

@@ -1,0 +1,74 @@
+// AVX2+FMA microkernels of the GEMM: up to 6 rows × 1 panel (16 columns, two ymm registers) of
+// float32 accumulators; bf16 widened exactly (zero-extend, shift by 16); one vfmadd231ps per
+// (row, half panel, k), k ascending.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "engine/model/cpu/gemm_kernels.h"
+
+// Compiled for AVX2+FMA; called only when the CPU has them. No standard library template here.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+namespace dgserve::cpu::gemm_internal {
+namespace {
+
+inline __attribute__((always_inline)) __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __attribute__((always_inline)) __m256 Load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int R, typename BT>
+void Kernel(const Tile& t) {
+  __m256 lo[R], hi[R];
+  for (int i = 0; i < R; ++i) {
+    lo[i] = t.load_c ? _mm256_loadu_ps(t.c + i * t.ldc) : _mm256_setzero_ps();
+    hi[i] = t.load_c ? _mm256_loadu_ps(t.c + i * t.ldc + 8) : _mm256_setzero_ps();
+  }
+  const BT* b = static_cast<const BT*>(t.b0);
+  const float* a = t.a;
+  const int64_t lda = t.lda, ks = t.b_kstride;
+  for (int kk = 0; kk < t.kc; ++kk) {
+    const __m256 b_lo = Load8(b + kk * ks), b_hi = Load8(b + kk * ks + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + i * lda + kk);
+      lo[i] = _mm256_fmadd_ps(av, b_lo, lo[i]);
+      hi[i] = _mm256_fmadd_ps(av, b_hi, hi[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(t.c + i * t.ldc, lo[i]);
+    _mm256_storeu_ps(t.c + i * t.ldc + 8, hi[i]);
+  }
+}
+
+template <typename BT>
+void ByRows(int rows, const Tile& t) {
+  switch (rows) {
+    case 1: return Kernel<1, BT>(t);
+    case 2: return Kernel<2, BT>(t);
+    case 3: return Kernel<3, BT>(t);
+    case 4: return Kernel<4, BT>(t);
+    case 5: return Kernel<5, BT>(t);
+    default: return Kernel<6, BT>(t);
+  }
+}
+
+void Run(int rows, int /*panels*/, bool bf16, const Tile& t) {
+  if (bf16) {
+    ByRows<uint16_t>(rows, t);
+  } else {
+    ByRows<float>(rows, t);
+  }
+}
+
+}  // namespace
+
+KernelSet Avx2Kernels() { return {6, 1, &Run}; }
+
+}  // namespace dgserve::cpu::gemm_internal
+
+#pragma GCC pop_options

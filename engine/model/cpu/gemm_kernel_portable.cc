@@ -1,0 +1,63 @@
+// Portable microkernels of the GEMM: std::fma on scalars, up to 4 rows × 16 columns, k ascending.
+// The reference for the vector paths (same chains, so the same bits), and the path for CPUs
+// without AVX2.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "engine/model/cpu/gemm_kernels.h"
+
+namespace dgserve::cpu::gemm_internal {
+namespace {
+
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <int R, typename BT>
+void Kernel(const Tile& t) {
+  float acc[R][16];
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < 16; ++j) acc[i][j] = t.load_c ? t.c[i * t.ldc + j] : 0.0f;
+  }
+  const BT* b = static_cast<const BT*>(t.b0);
+  for (int kk = 0; kk < t.kc; ++kk) {
+    float bv[16];
+    for (int j = 0; j < 16; ++j) bv[j] = Widen(b[kk * t.b_kstride + j]);
+    for (int i = 0; i < R; ++i) {
+      const float av = t.a[i * t.lda + kk];
+      for (int j = 0; j < 16; ++j) acc[i][j] = std::fma(av, bv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < 16; ++j) t.c[i * t.ldc + j] = acc[i][j];
+  }
+}
+
+template <typename BT>
+void ByRows(int rows, const Tile& t) {
+  switch (rows) {
+    case 1: return Kernel<1, BT>(t);
+    case 2: return Kernel<2, BT>(t);
+    case 3: return Kernel<3, BT>(t);
+    default: return Kernel<4, BT>(t);
+  }
+}
+
+void Run(int rows, int /*panels*/, bool bf16, const Tile& t) {
+  if (bf16) {
+    ByRows<uint16_t>(rows, t);
+  } else {
+    ByRows<float>(rows, t);
+  }
+}
+
+}  // namespace
+
+KernelSet PortableKernels() { return {4, 1, &Run}; }
+
+}  // namespace dgserve::cpu::gemm_internal

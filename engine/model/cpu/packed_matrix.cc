@@ -1,0 +1,57 @@
+#include "engine/model/cpu/packed_matrix.h"
+
+#include "common/bf16.h"
+
+namespace dgserve::cpu {
+
+PackedMatrix::PackedMatrix(int n, int k)
+    : n_(n), k_(k), data_(size_t((n + kGemmPanel - 1) / kGemmPanel) * kGemmPanel * k, 0) {}
+
+PackedMatrix PackedMatrix::FromBf16(const uint16_t* w, int n, int k) {
+  PackedMatrix p(n, k);
+#pragma omp parallel for schedule(static) if (int64_t(n) * k >= (1 << 20))
+  for (int r = 0; r < n; ++r) {
+    for (int c = 0; c < k; ++c) p.Set(r, c, w[size_t(r) * k + c]);
+  }
+  return p;
+}
+
+PackedMatrix PackedMatrix::FromFloat(const float* w, int n, int k) {
+  PackedMatrix p(n, k);
+#pragma omp parallel for schedule(static) if (int64_t(n) * k >= (1 << 20))
+  for (int r = 0; r < n; ++r) {
+    for (int c = 0; c < k; ++c) p.Set(r, c, FloatToBf16(w[size_t(r) * k + c]));
+  }
+  return p;
+}
+
+float PackedMatrix::At(int r, int c) const {
+  return Bf16ToFloat(data_[(size_t(r / kGemmPanel) * k_ + c) * kGemmPanel + r % kGemmPanel]);
+}
+
+std::vector<uint16_t> PackedMatrix::UnpackBf16() const {
+  std::vector<uint16_t> out(size_t(n_) * k_);
+  for (int r = 0; r < n_; ++r) {
+    for (int c = 0; c < k_; ++c) {
+      out[size_t(r) * k_ + c] = data_[(size_t(r / kGemmPanel) * k_ + c) * kGemmPanel + r % kGemmPanel];
+    }
+  }
+  return out;
+}
+
+void Linear(const float* x, int m, const PackedMatrix& w, float* y, bool accumulate,
+            GemmThreads threads) {
+  GemmArgs g;
+  g.m = m;
+  g.n = w.rows();
+  g.k = w.cols();
+  g.a = x;
+  g.lda = w.cols();
+  g.b = w.AsGemmB();
+  g.c = y;
+  g.ldc = w.rows();
+  g.accumulate = accumulate;
+  Gemm(g, threads);
+}
+
+}  // namespace dgserve::cpu

@@ -1,0 +1,54 @@
+// A weight matrix W [n, k] (PyTorch [out, in]: y = x·Wᵀ) kept in bfloat16, as in the checkpoint,
+// packed once into the GEMM's panel layout: panel p holds rows (output features) 16p … 16p+15,
+// stored k-major — element (r, kk) at data[(r / 16)·16k + kk·16 + r % 16]; rows past n are zero.
+// As the B operand of Gemm (B = Wᵀ, [k, n]) each k step of a panel is 32 contiguous bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "engine/model/cpu/gemm.h"
+
+namespace dgserve::cpu {
+
+class PackedMatrix {
+ public:
+  PackedMatrix() = default;
+  // Packs the row-major bf16 matrix w [n, k].
+  static PackedMatrix FromBf16(const uint16_t* w, int n, int k);
+  // Packs the row-major float32 matrix w [n, k], rounding each value to bf16 (nearest even;
+  // exact for values that came from bf16).
+  static PackedMatrix FromFloat(const float* w, int n, int k);
+
+  int rows() const { return n_; }  // n: output features
+  int cols() const { return k_; }  // k: input features
+  bool empty() const { return n_ == 0; }
+  size_t bytes() const { return data_.size() * sizeof(uint16_t); }
+
+  // Gemm's B operand for output features [row0, n) (row0 a multiple of 16).
+  GemmB AsGemmB(int row0 = 0) const {
+    return GemmB::Panels(data_.data() + size_t(row0 / kGemmPanel) * kGemmPanel * k_, k_);
+  }
+  // W[r, c] as float32.
+  float At(int r, int c) const;
+  // The bf16 bits of W, row-major [n, k] (for uploads to other devices).
+  std::vector<uint16_t> UnpackBf16() const;
+
+ private:
+  // An all-zero matrix of the given shape; `Set` fills it.
+  PackedMatrix(int n, int k);
+  void Set(int r, int c, uint16_t bits) {
+    data_[(size_t(r / kGemmPanel) * k_ + c) * kGemmPanel + r % kGemmPanel] = bits;
+  }
+
+  int n_ = 0, k_ = 0;
+  std::vector<uint16_t> data_;  // [ceil(n/16)][k][16]
+};
+
+// y[m, n] = x[m, k] · Wᵀ (+ y with accumulate), x and y row-major with leading dimensions k and n.
+// THE PROPERTY of gemm.h holds. `threads` as Gemm.
+void Linear(const float* x, int m, const PackedMatrix& w, float* y, bool accumulate = false,
+            GemmThreads threads = GemmThreads::kOpenMp);
+
+}  // namespace dgserve::cpu
