@@ -26,7 +26,7 @@ ABSL_FLAG(std::string, ports_file, "", "write the bound ports here as JSON once 
 ABSL_FLAG(int64_t, kv_cache_mib, 512, "memory of the KV block pool (and prefix cache), MiB");
 ABSL_FLAG(int, kv_block_size, 16, "token positions per KV block");
 ABSL_FLAG(int, chunk_tokens, dgserve::kPrefillChunkTokens,
-          "prompt tokens per encoder pass of one request (chunks aligned to multiples of it)");
+          "prompt tokens per encoder pass of one request");
 ABSL_FLAG(int, step_token_budget, 2048, "prompt tokens of all requests per encoder step");
 ABSL_FLAG(int, max_queue, 256, "prompts queued or running at most");
 ABSL_FLAG(std::string, kv_transport, "tcp", "KV transport to the denoise workers: tcp");

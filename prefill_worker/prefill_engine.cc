@@ -157,15 +157,10 @@ void PrefillEngine::Loop() {
       j->started = absl::Now();
       const auto& t = j->request.tokens();
       const std::span<const int32_t> tokens(t.data(), size_t(t.size()));
+      // A hit is used at any KV block boundary: the encoder computes every prompt row's KV bit for
+      // bit whatever the chunks and the batch (engine/model/cpu_backend.cc), so a cached prompt
+      // gets the tokens of a cold one.
       kv::PrefixMatch match = pool_->MatchPrefix(tokens);
-      // Prefill runs in chunks aligned to absolute multiples of chunk_tokens, and a prefix hit
-      // is only used when it ends on such a boundary: a cached prompt then goes through exactly
-      // the encoder passes a fresh one does, so its KV — and the request's tokens — are
-      // bit-identical (the BLAS kernels round differently for other shapes).
-      if (match.num_tokens % options_.chunk_tokens != 0) {
-        pool_->Release(match.table);
-        match = kv::PrefixMatch{};
-      }
       j->cached_tokens = match.num_tokens;
       j->kv = std::shared_ptr<kv::PagedKvCache>(
           kv::PagedKvCache::FromPrefix(pool_, std::move(match), int(tokens.size())));
@@ -201,9 +196,8 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
   int budget = options_.step_token_budget;
   for (auto& j : active) {
     const int done = j->kv->num_tokens();
-    // The rest of this request's current aligned chunk, if the step still has room for it.
-    const int n = std::min(options_.chunk_tokens - done % options_.chunk_tokens,
-                           j->request.tokens_size() - done);
+    // The next chunk of this request, if the step still has room for it.
+    const int n = std::min(options_.chunk_tokens, j->request.tokens_size() - done);
     if (n > budget) continue;
     budget -= n;
     batch.push_back(EncodeInput{

@@ -76,8 +76,7 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
   result.prompt_tokens = r.prompt.size();
   ContiguousKvCache kv(c, int(r.prompt.size()) + num_canvases * C);
   auto t0 = std::chrono::steady_clock::now();
-  // Prompt prefill in chunks of kPrefillChunkTokens, as the prefill worker runs it, so that
-  // both give bit-identical KV.
+  // Prompt prefill in chunks of kPrefillChunkTokens (the chunking changes no bit of the KV).
   for (size_t pos = 0; pos < r.prompt.size(); pos += kPrefillChunkTokens) {
     const size_t n = std::min<size_t>(kPrefillChunkTokens, r.prompt.size() - pos);
     EncodeInput in{std::span<const int32_t>(r.prompt).subspan(pos, n), &kv};

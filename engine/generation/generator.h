@@ -17,8 +17,8 @@
 
 namespace dgserve {
 
-// Prompt tokens per encoder pass of the prefill (the prefill worker's default --chunk_tokens):
-// BLAS kernels round differently for different shapes, so the same chunking gives the same KV.
+// Prompt tokens per encoder pass of the prefill (the prefill worker's default --chunk_tokens).
+// Any chunking gives the same KV bits; this only bounds the activations of one pass.
 inline constexpr int kPrefillChunkTokens = 512;
 
 // A generation request in token ids. Build one with DefaultRequest() so that every parameter

@@ -81,8 +81,9 @@ class ModelBackend {
   virtual DecodeTimings last_decode_timings() const = 0;
 };
 
-// The CPU backend: float32 compute, OpenBLAS GEMMs, OpenMP over rows/heads. `weights` must
-// outlive the backend.
+// The CPU backend: float32 activations, bf16 weights, our GEMM (engine/model/cpu/gemm.h),
+// OpenMP over output tiles, rows and heads. A row's result depends only on its own inputs (not
+// the batch, the chunking, the thread count or the ISA). `weights` must outlive the backend.
 std::unique_ptr<ModelBackend> CreateCpuBackend(const ModelConfig& config,
                                                const ModelWeights& weights);
 

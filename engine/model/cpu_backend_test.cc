@@ -114,8 +114,9 @@ TEST_F(CpuBackendTest, BatchedPassesEqualSinglePasses) {
   DecodeInput d1{c1, nullptr, &kv1b, s1.data()}, d2{c2, soft.data(), &kv2b, s2.data()};
   ASSERT_THAT(b->Decode({&d1, 1}), IsOk());
   ASSERT_THAT(b->Decode({&d2, 1}), IsOk());
-  // Bit for bit: a canvas batched with another is computed exactly as alone (row-granule
-  // alignment of segments and MoE groups), so a seed gives the same tokens in any batch.
+  // Bit for bit: a canvas batched with another is computed exactly as alone (every GEMM row is
+  // its own fma chain; segments and MoE groups unpadded), so a seed gives the same tokens in any
+  // batch.
   EXPECT_EQ(MaxAbsDiff(l1, s1), 0.0f);
   EXPECT_EQ(MaxAbsDiff(l2, s2), 0.0f);
   EXPECT_TRUE(l1 == s1 && l2 == s2);
@@ -273,10 +274,10 @@ TEST_F(CpuBackendTest, InvalidRequestsNameTheField) {
   EXPECT_THAT(gen.Generate(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("prompt")));
 }
 
-// A seed determines the result whatever the thread count (fixed GEMM blocks, fixed vocabulary
-// chunks merged in order). The tiny-g3 shape (the full 262,144-id vocabulary) spreads the
-// vocabulary step over many chunks; with OpenBLAS's own threading and per-thread vocabulary
-// partitions, 1, 2 and 3 threads gave three different generations.
+// A seed determines the result whatever the thread count (GEMMs share out output tiles, never k;
+// fixed vocabulary chunks merged in order). The tiny-g3 shape (the full 262,144-id vocabulary)
+// spreads the vocabulary step over many chunks; with OpenBLAS's own threading and per-thread
+// vocabulary partitions, 1, 2 and 3 threads once gave three different generations.
 TEST(CpuBackendThreadsTest, ResultDoesNotDependOnTheThreadCount) {
   const char* src = std::getenv("DGSERVE_SOURCE_DIR");
   const fs::path golden = fs::path(src ? src : ".") / "tests/testdata/golden/tiny-g3";

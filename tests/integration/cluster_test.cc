@@ -24,7 +24,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Chunks of 32 prompt tokens so that a prompt of ~100 tokens has whole cached chunks.
+// Chunks of 32 prompt tokens (twice the KV block): prefix hits fall on and off the chunk grid.
 const std::vector<std::string> kPrefillFlags = {"--chunk_tokens=32", "--step_token_budget=256"};
 
 v1::GenerateRequest Chat(const std::string& text, uint64_t seed, int max_tokens) {
@@ -296,8 +296,8 @@ TEST_F(ClusterTest, SelfConditioningOffEqualsGenerateAndDiffersFromDefault) {
   EXPECT_THAT(err["error"]["message"].get<std::string>(), HasSubstr("self_conditioning"));
 }
 
-// The design's promise: a seed gives the same tokens whatever the request is batched with (the
-// CPU backend aligns every sequence to the BLAS row granule).
+// The design's promise: a seed gives the same tokens whatever the request is batched with (every
+// GEMM row of the CPU backend is its own fma chain, engine/model/cpu/gemm.h).
 TEST_F(ClusterTest, ConcurrentRequestsEqualTheirResultsAlone) {
   constexpr int kRequests = 8;
   const std::vector<Result> together = GenerateConcurrently(c(), kRequests);
@@ -453,13 +453,39 @@ TEST_F(ClusterTest, RepeatedPromptHitsThePrefixCache) {
   Result second = Generate(c(), Chat(prompt, 21, 32));
   ASSERT_TRUE(second.status.ok());
   EXPECT_GE(second.response.usage().cached_prompt_tokens(), 64);
-  EXPECT_EQ(second.response.usage().cached_prompt_tokens() % 32, 0);
+  EXPECT_EQ(second.response.usage().cached_prompt_tokens() % 16, 0);  // whole KV blocks
   EXPECT_EQ(Ids(second.response), Ids(first.response));
   EXPECT_TRUE(Eventually([&] {
     const double after = TestCluster::MetricValue(
         *TestCluster::ScrapeMetrics(c().prefill()), "dgserve_prefill_prefix_cache_hit_tokens_total");
     return after >= before + 64;
   }));
+}
+
+// Prefix-cache hits are used at every 16-token KV block, and a hit gives the cold run's tokens
+// exactly: the encoder computes a prompt's KV bit for bit however it is split (row-invariant
+// GEMMs, attention over keys in a fixed order). Prompts of 16k + r token ids, run cold and then
+// again: the second run reuses k blocks and computes the r-token remainder in chunks that start
+// off the 32-token chunk grid (r = 1: cached blocks + one token; r = 0: the whole prompt cached).
+TEST_F(ClusterTest, PrefixHitsAtAnyBlockBoundaryGiveTheColdTokens) {
+  int trial = 0;
+  for (const int length : {49, 17, 41, 80, 113}) {
+    v1::GenerateRequest req;
+    for (int i = 0; i < length; ++i) {
+      req.mutable_token_ids()->add_ids(3 + (97 * trial + 31 * i + i * i) % 480);  // test vocab: 512
+    }
+    req.set_seed(300 + trial);
+    req.set_max_tokens(24);
+    ++trial;
+    Result cold = Generate(c(), req);
+    ASSERT_TRUE(cold.status.ok()) << length << ": " << cold.status.error_message();
+    EXPECT_EQ(cold.response.usage().cached_prompt_tokens(), 0) << length;
+    Result warm = Generate(c(), req);
+    ASSERT_TRUE(warm.status.ok()) << length << ": " << warm.status.error_message();
+    EXPECT_EQ(warm.response.usage().cached_prompt_tokens(), length / 16 * 16) << length;
+    EXPECT_EQ(Ids(warm.response), Ids(cold.response)) << length;
+    EXPECT_EQ(warm.response.text(), cold.response.text()) << length;
+  }
 }
 
 TEST_F(ClusterTest, BadInputGetsA4xxAndTheServiceKeepsServing) {
