@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <numeric>
@@ -15,6 +16,7 @@
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/checkpoint_testing.h"
+#include "engine/model/cpu/gemm.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 
@@ -247,6 +249,69 @@ TEST_F(CpuBackendTest, StopTokenEndsGenerationAndPadsTheCanvas) {
   ASSERT_EQ(res->tokens.size(), size_t(config().canvas_length));
   for (size_t i = 1; i < res->tokens.size(); ++i) EXPECT_EQ(res->tokens[i], 0) << i;
   EXPECT_TRUE(res->completion.empty());
+}
+
+// The same seed gives the same bits on every GEMM path the CPU has (AVX-512F, AVX2+FMA, portable
+// std::fma): prefill KV, decoder logits of a canvas batched with another, and a whole generation
+// of several canvases. This is how an AVX-512 machine checks that an AVX2-only one (or one with
+// neither) answers with the same tokens.
+TEST_F(CpuBackendTest, EveryGemmPathGivesTheSameBits) {
+  const cpu::GemmIsa saved = cpu::ActiveGemmIsa();
+  const int C = config().canvas_length;
+  std::vector<int32_t> c1(C), c2(C);
+  for (int i = 0; i < C; ++i) {
+    c1[i] = (i * 13 + 1) % config().vocab_size;
+    c2[i] = (i * 29 + 7) % config().vocab_size;
+  }
+  struct Run {
+    std::string isa;
+    std::vector<float> keys, logits;
+    std::vector<int32_t> tokens;
+  };
+  std::vector<Run> runs;
+  for (cpu::GemmIsa isa : {cpu::GemmIsa::kAvx512, cpu::GemmIsa::kAvx2, cpu::GemmIsa::kPortable}) {
+    if (!cpu::GemmIsaSupported(isa)) {
+      std::printf("GEMM path %s: not on this CPU, not compared\n", cpu::GemmIsaName(isa));
+      continue;
+    }
+    ASSERT_TRUE(cpu::SetGemmIsa(isa).ok());
+    auto b = Backend();
+    Run run;
+    run.isa = cpu::GemmIsaName(isa);
+    ContiguousKvCache kv1(config(), 256), kv2(config(), 256);
+    const std::vector<int32_t> p1 = Prompt(21), p2 = Prompt(9);
+    EncodeInput enc[2] = {{p1, &kv1}, {p2, &kv2}};
+    ASSERT_THAT(b->Encode(enc), IsOk());
+    for (int l = 0; l < config().num_layers; ++l) {
+      const int w = config().KvHeads(l) * config().HeadDim(l);
+      for (int pos = 0; pos < 21; ++pos) {
+        run.keys.insert(run.keys.end(), kv1.KeyRow(l, pos), kv1.KeyRow(l, pos) + w);
+      }
+    }
+    std::vector<float> l1(size_t(C) * config().vocab_size), l2(l1.size());
+    DecodeInput dec[2] = {{c1, nullptr, &kv1, l1.data()}, {c2, nullptr, &kv2, l2.data()}};
+    ASSERT_THAT(b->Decode(dec), IsOk());
+    run.logits = l1;
+    run.logits.insert(run.logits.end(), l2.begin(), l2.end());
+    Generator gen(*b);
+    GenerationRequest r = DefaultRequest(checkpoint_->generation);
+    r.prompt = Prompt(40);
+    r.max_new_tokens = 2 * C;
+    r.sampler.max_denoising_steps = 8;
+    r.stop_token_ids = {};
+    r.seed = 5;
+    auto res = gen.Generate(r);
+    ASSERT_TRUE(res.ok()) << res.status();
+    run.tokens = res->tokens;
+    runs.push_back(std::move(run));
+  }
+  ASSERT_TRUE(cpu::SetGemmIsa(saved).ok());
+  ASSERT_GE(runs.size(), 2u) << "fewer than two GEMM paths: nothing compared";
+  for (size_t i = 1; i < runs.size(); ++i) {
+    EXPECT_TRUE(runs[i].keys == runs[0].keys) << runs[i].isa << " vs " << runs[0].isa;
+    EXPECT_TRUE(runs[i].logits == runs[0].logits) << runs[i].isa << " vs " << runs[0].isa;
+    EXPECT_EQ(runs[i].tokens, runs[0].tokens) << runs[i].isa << " vs " << runs[0].isa;
+  }
 }
 
 TEST_F(CpuBackendTest, InvalidRequestsNameTheField) {

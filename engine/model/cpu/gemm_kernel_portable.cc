@@ -48,6 +48,10 @@ void ByRows(int rows, const Tile& t) {
   }
 }
 
+// Cloned for CPUs with and without FMA instructions (an ifunc picks one at load): with them
+// std::fma is one instruction, without them glibc's correctly rounded fma(); both give the IEEE
+// fused result, so the clone changes speed, not bits. `flatten` inlines the kernels into each clone.
+__attribute__((target_clones("fma", "default"), flatten))
 void Run(int rows, int /*panels*/, bool bf16, const Tile& t) {
   if (bf16) {
     ByRows<uint16_t>(rows, t);
