@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "engine/model/avx2_exp2.h"
+#include "engine/model/cpu/gemm.h"
 
 namespace dgserve::cpu {
 
@@ -78,13 +79,27 @@ namespace {
     const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, ex)));
     _mm256_storeu_ps(x + i, _mm256_mul_ps(vcap, t));
   }
-  for (; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
+  for (; i < n; ++i) x[i] = SoftcapOne(x[i], cap);
 }
 
 }  // namespace
 
-void Softcap(float* x, int64_t n, float cap) {
+float SoftcapOne(float x, float cap) {
+  const float k = 2.0f / cap * 1.44269504088896341f;
+  float w = x * k;
+  if (!(w >= -126.0f)) w = std::isnan(w) ? w : -126.0f;  // max(lo, w) keeping NaN
+  if (!(w <= 126.0f)) w = std::isnan(w) ? w : 126.0f;
+  const float t = 1.0f - 2.0f / (1.0f + Exp2Scalar(w));
+  return cap * t;
+}
+
+bool UseAvx2Elementwise() {
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2 && ActiveGemmIsa() != GemmIsa::kPortable;
+}
+
+void Softcap(float* x, int64_t n, float cap) {
+  const bool avx2 = UseAvx2Elementwise();
   constexpr int64_t kChunk = 1 << 16;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (chunks > 1)
@@ -94,7 +109,7 @@ void Softcap(float* x, int64_t n, float cap) {
     if (avx2) {
       SoftcapAvx2(p, m, cap);
     } else {
-      for (int64_t i = 0; i < m; ++i) p[i] = cap * std::tanh(p[i] / cap);
+      for (int64_t i = 0; i < m; ++i) p[i] = SoftcapOne(p[i], cap);
     }
   }
 }

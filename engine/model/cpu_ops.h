@@ -28,8 +28,16 @@ std::vector<float> RopeInvFreq(float theta, int head_dim, int rotated_pairs);
 // layout: pairs (j, j + head_dim/2)), angles fp32(pos)·inv_freq[j] in float32.
 void ApplyRope(float* x, int heads, int head_dim, int pos, std::span<const float> inv_freq);
 
-// x ← cap · tanh(x / cap) for n elements (final logit softcap, spec §3.1.6).
+// x ← cap · tanh(x / cap) for n elements (final logit softcap, spec §3.1.6), computed as
+// cap·(1 − 2/(1 + 2^(2x·log2e/cap))) with a degree-6 exp2 polynomial: absolute error ≤ 1e-5 at
+// cap = 30. Every element gets the same bits whatever its position and the path (AVX2 lanes or
+// SoftcapOne).
 void Softcap(float* x, int64_t n, float cap);
+float SoftcapOne(float x, float cap);
+// True when element-wise vocabulary math (softcap, the vocabulary step's exp) runs on AVX2 lanes:
+// the CPU has AVX2+FMA and the GEMM path is not forced to portable. Both give the same bits; the
+// switch only lets one machine test both.
+bool UseAvx2Elementwise();
 
 // Router decision for one token (spec §3.2 step 5): softmax over the E router scores, the top k
 // by probability (ties → lower expert id), weights renormalised to sum 1 over the k, then

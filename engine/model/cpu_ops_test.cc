@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace dgserve::cpu {
@@ -143,6 +144,36 @@ TEST(SoftcapTest, TanhCap) {
   EXPECT_NEAR(x[1], 30.0 * std::tanh(1.0), 1e-5);
   EXPECT_NEAR(x[2], -30.0 * std::tanh(2.0), 1e-5);
   EXPECT_NEAR(x[3], 30.0f, 1e-5);
+}
+
+// Every element gets the same bits on the AVX2 lanes, in the scalar tail and on a CPU without
+// AVX2 (SoftcapOne), so a logit does not depend on its position or the machine.
+TEST(SoftcapTest, EveryPathGivesTheSameBits) {
+  std::vector<float> x(1003);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * float(i)) * 90.0f - 3.0f * (i % 5);
+  x[5] = std::nanf("");
+  x[6] = 1e30f;
+  x[7] = -1e30f;
+  std::vector<float> y = x;
+  Softcap(y.data(), int64_t(y.size()), 30.0f);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float one = SoftcapOne(x[i], 30.0f);
+    if (std::isnan(one)) {
+      EXPECT_TRUE(std::isnan(y[i])) << i;
+      continue;
+    }
+    uint32_t a, b;
+    std::memcpy(&a, &one, 4);
+    std::memcpy(&b, &y[i], 4);
+    ASSERT_EQ(a, b) << "element " << i << " (" << x[i] << "): " << one << " vs " << y[i]
+                    << (UseAvx2Elementwise() ? " (AVX2 lanes)" : " (scalar)");
+  }
+  // Starting the same values one element later moves every lane: still the same bits.
+  std::vector<float> z(x.begin() + 1, x.end());
+  Softcap(z.data(), int64_t(z.size()), 30.0f);
+  for (size_t i = 0; i < z.size(); ++i) {
+    if (!std::isnan(z[i])) ASSERT_EQ(z[i], y[i + 1]) << i;
+  }
 }
 
 }  // namespace

@@ -65,10 +65,29 @@ struct RowState {
   *q_out = qq;
 }
 
+// TileExpAvx2's arithmetic lane by lane (8 float accumulators, the same exp2, fma and order),
+// then the same scalar tail: the same bits on any CPU.
 void TileExpScalar(const float* l, int n, float m, float inv_t, float* e, double* s_out,
                    double* q_out) {
+  const float k = inv_t * 1.44269504088896341f, ln2 = 0.693147180559945f;
+  float s[8] = {}, q[8] = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float w0 = (l[i + j] - m) * k;
+      const float w = std::isnan(w0) ? -126.0f : std::max(w0, -126.0f);  // _mm256_max_ps(w0, lo)
+      const float ev = w0 >= -126.0f ? Exp2Scalar(w) : 0.0f;
+      e[i + j] = ev;
+      s[j] = s[j] + ev;
+      q[j] = std::fma(ev, w * ln2, q[j]);
+    }
+  }
   double ss = 0, qq = 0;
-  for (int i = 0; i < n; ++i) {
+  for (int j = 0; j < 8; ++j) {
+    ss += s[j];
+    qq += q[j];
+  }
+  for (; i < n; ++i) {
     const float d = (l[i] - m) * inv_t;
     const float ev = d < -87.33f ? 0.0f : std::exp(d);
     e[i] = ev;
@@ -99,7 +118,7 @@ void Rescale(RowState& st, float to, float inv_t, float* acc, int dim) {
 }  // namespace
 
 absl::Status FusedVocabStep(const VocabStepArgs& a) {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = UseAvx2Elementwise();
   const int M = a.rows, V = a.vocab, D = a.dim;
   if (M == 0) return absl::OkStatus();
   const int num_tiles = (V + kTile - 1) / kTile;
