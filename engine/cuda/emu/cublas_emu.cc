@@ -18,9 +18,9 @@ float Element(const void* p, cudaDataType_t type, int64_t i) {
   return f;
 }
 
-cublasStatus_t Gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m,
-                    int n, int k, float alpha, const void* A, cudaDataType_t at, int lda,
-                    const void* B, cudaDataType_t bt, int ldb, float beta, float* C, int ldc) {
+cublasStatus_t Gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                    int k, float alpha, const void* A, cudaDataType_t at, int lda, const void* B,
+                    cudaDataType_t bt, int ldb, float beta, float* C, int ldc) {
   if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
   // cuBLAS's argument checks: A is lda × (k or m) with lda ≥ its row count, likewise B and C.
   if (m < 0 || n < 0 || k < 0 || lda < (ta == CUBLAS_OP_N ? m : k) || lda < 1 ||
@@ -57,10 +57,14 @@ cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t) {
 }
 const char* cublasGetStatusString(cublasStatus_t status) {
   switch (status) {
-    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS (emulated)";
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED (emulated)";
-    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE (emulated)";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED (emulated)";
+    case CUBLAS_STATUS_SUCCESS:
+      return "CUBLAS_STATUS_SUCCESS (emulated)";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      return "CUBLAS_STATUS_NOT_INITIALIZED (emulated)";
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return "CUBLAS_STATUS_INVALID_VALUE (emulated)";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return "CUBLAS_STATUS_NOT_SUPPORTED (emulated)";
   }
   return "unknown cuBLAS status (emulated)";
 }
@@ -82,6 +86,6 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
       (Btype != CUDA_R_32F && Btype != CUDA_R_16BF)) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
-  return Gemm(handle, transa, transb, m, n, k, *static_cast<const float*>(alpha), A, Atype, lda,
-              B, Btype, ldb, *static_cast<const float*>(beta), static_cast<float*>(C), ldc);
+  return Gemm(handle, transa, transb, m, n, k, *static_cast<const float*>(alpha), A, Atype, lda, B,
+              Btype, ldb, *static_cast<const float*>(beta), static_cast<float*>(C), ldc);
 }

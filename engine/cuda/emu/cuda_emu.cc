@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#if !defined(__x86_64__)
+#if !defined(__x86_64__) || defined(DGSERVE_EMU_FORCE_UCONTEXT)
 #include <ucontext.h>
 #endif
 
@@ -26,7 +26,9 @@ constexpr int kOptInSharedBytes = 232448;  // H100/H200: 227 KiB per block
 constexpr size_t kStackBytes = 128 * 1024;
 
 // ---- Execution contexts --------------------------------------------------------------------
-#if defined(__x86_64__)
+// x86-64: a hand-written switch (swapcontext makes a system call per switch, about 10x slower).
+// Elsewhere, or with -DDGSERVE_EMU_FORCE_UCONTEXT (to test that path on x86-64): ucontext.
+#if defined(__x86_64__) && !defined(DGSERVE_EMU_FORCE_UCONTEXT)
 // A minimal System V x86-64 switch: push the callee-saved registers, swap stack pointers, pop.
 struct Context {
   void* sp = nullptr;
@@ -59,12 +61,12 @@ void Switch(Context& from, Context& to) { dgserve_emu_switch(&from.sp, to.sp); }
 void InitContext(Context& c, char* stack, size_t bytes, void (*entry)()) {
   auto top = reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t(15);
   auto* frame = reinterpret_cast<void**>(top);
-  frame[-1] = nullptr;                          // entry()'s return address: never used
-  frame[-2] = reinterpret_cast<void*>(entry);  // popped by `ret`
+  frame[-1] = nullptr;                               // entry()'s return address: never used
+  frame[-2] = reinterpret_cast<void*>(entry);        // popped by `ret`
   for (int i = 3; i <= 8; ++i) frame[-i] = nullptr;  // the six callee-saved registers
   c.sp = frame - 8;
 }
-#else
+#else  // ucontext
 struct Context {
   ucontext_t uc;
 };
@@ -177,14 +179,22 @@ void Fail(Block& b, const std::string& what) {
 
 const char* OpName(WarpOp op) {
   switch (op) {
-    case WarpOp::kShflIdx: return "__shfl_sync";
-    case WarpOp::kShflXor: return "__shfl_xor_sync";
-    case WarpOp::kShflUp: return "__shfl_up_sync";
-    case WarpOp::kShflDown: return "__shfl_down_sync";
-    case WarpOp::kBallot: return "__ballot_sync";
-    case WarpOp::kAny: return "__any_sync";
-    case WarpOp::kAll: return "__all_sync";
-    case WarpOp::kSync: return "__syncwarp";
+    case WarpOp::kShflIdx:
+      return "__shfl_sync";
+    case WarpOp::kShflXor:
+      return "__shfl_xor_sync";
+    case WarpOp::kShflUp:
+      return "__shfl_up_sync";
+    case WarpOp::kShflDown:
+      return "__shfl_down_sync";
+    case WarpOp::kBallot:
+      return "__ballot_sync";
+    case WarpOp::kAny:
+      return "__any_sync";
+    case WarpOp::kAll:
+      return "__all_sync";
+    case WarpOp::kSync:
+      return "__syncwarp";
   }
   return "?";
 }
@@ -198,14 +208,7 @@ void CompleteWarp(Block& b, int warp) {
   }
   for (int l = 0; l < 32; ++l) {
     if (!(w.mask >> l & 1u)) continue;
-    int src = l;
-    switch (w.op) {
-      case WarpOp::kShflIdx: src = w.arg[l]; break;
-      case WarpOp::kShflXor: src = l ^ w.arg[l]; break;
-      case WarpOp::kShflUp: src = l - w.arg[l] >= 0 ? l - w.arg[l] : l; break;
-      case WarpOp::kShflDown: src = l + w.arg[l] < 32 ? l + w.arg[l] : l; break;
-      default: break;
-    }
+    const int src = w.arg[l];  // ShflSource's lane (the caller's own for the votes)
     if (src < 0 || src > 31 || !(w.mask >> src & 1u)) {
       Fail(b, std::string(OpName(w.op)) + " of lane " + std::to_string(l) + " reads lane " +
                   std::to_string(src) + ", outside the mask");
@@ -215,11 +218,20 @@ void CompleteWarp(Block& b, int warp) {
       case WarpOp::kShflIdx:
       case WarpOp::kShflXor:
       case WarpOp::kShflUp:
-      case WarpOp::kShflDown: r = w.in[src]; break;
-      case WarpOp::kBallot: r = pred_bits; break;
-      case WarpOp::kAny: r = pred_bits != 0; break;
-      case WarpOp::kAll: r = pred_bits == w.mask; break;
-      case WarpOp::kSync: break;
+      case WarpOp::kShflDown:
+        r = w.in[src];
+        break;
+      case WarpOp::kBallot:
+        r = pred_bits;
+        break;
+      case WarpOp::kAny:
+        r = pred_bits != 0;
+        break;
+      case WarpOp::kAll:
+        r = pred_bits == w.mask;
+        break;
+      case WarpOp::kSync:
+        break;
     }
     Fiber& f = b.fibers[warp * 32 + l];
     f.result = r;
@@ -228,11 +240,15 @@ void CompleteWarp(Block& b, int warp) {
   w.arrived = 0;
 }
 
+// Every live thread has arrived (the running one included, still kRunnable): wakes the others;
+// each thread's result holds the count (low 32 bits) and the number of participants.
 void CompleteBlock(Block& b) {
+  const uint64_t r = uint64_t(b.count) | uint64_t(b.arrived) << 32;
+  b.fibers[b.current].result = r;
   for (Fiber& f : b.fibers) {
     if (f.state == State::kWaitBlock) {
       f.state = State::kRunnable;
-      f.result = uint64_t(b.count);
+      f.result = r;
     }
   }
   b.arrived = 0;
@@ -249,8 +265,7 @@ void FiberMain() {
   Warp& w = b.warps[self / 32];
   w.live &= ~(1u << (self % 32));
   if (w.arrived != 0 && (w.mask >> (self % 32) & 1u)) {
-    Fail(b, std::string("thread exited while lanes of its warp wait for it at ") +
-                OpName(w.op));
+    Fail(b, std::string("thread exited while lanes of its warp wait for it at ") + OpName(w.op));
   }
   --b.live;
   if (b.arrived > 0 && b.arrived == b.live) CompleteBlock(b);
@@ -267,7 +282,7 @@ void SetMaxDynamicShared(const void* kernel, int bytes) {
 
 void* DynamicSharedBase() { return g_block->shared.data(); }
 
-uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int arg) {
+uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane) {
   Block& b = *g_block;
   const int self = b.current, lane = self % 32;
   Warp& w = b.warps[self / 32];
@@ -282,7 +297,10 @@ uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int arg) {
   w.op = op;
   w.mask = mask;
   w.in[lane] = value;
-  w.arg[lane] = arg;
+  w.arg[lane] = op == WarpOp::kShflIdx || op == WarpOp::kShflXor || op == WarpOp::kShflUp ||
+                        op == WarpOp::kShflDown
+                    ? src_lane
+                    : lane;
   w.arrived |= 1u << lane;
   if ((w.arrived & mask) == mask) {
     CompleteWarp(b, self / 32);
@@ -293,27 +311,27 @@ uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int arg) {
   return b.fibers[self].result;
 }
 
-int BlockCollective(int pred) {
+BlockVote BlockCollective(int pred) {
   Block& b = *g_block;
   const int self = b.current;
   ++b.arrived;
   b.count += pred != 0;
-  if (b.arrived == b.live) {
-    const int count = b.count;
+  if (b.arrived == b.live)
     CompleteBlock(b);
-    return count;
+  else {
+    b.fibers[self].state = State::kWaitBlock;
+    SwitchAway(b);
   }
-  b.fibers[self].state = State::kWaitBlock;
-  SwitchAway(b);
-  return int(b.fibers[self].result);
+  const uint64_t r = b.fibers[self].result;
+  return BlockVote{int(r & 0xffffffffu), int(r >> 32)};
 }
 
 void Launch(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
             const std::function<void()>& thread_body) {
   std::lock_guard<std::mutex> launch_lock(g_launch_mu);
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
-  if (threads == 0 || threads > kMaxThreadsPerBlock || grid.x == 0 || grid.y == 0 ||
-      grid.z == 0 || grid.y > 65535 || grid.z > 65535) {
+  if (threads == 0 || threads > kMaxThreadsPerBlock || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+      grid.y > 65535 || grid.z > 65535) {
     std::fprintf(stderr, "cuda_emu: invalid launch configuration (grid %u,%u,%u block %u,%u,%u)\n",
                  grid.x, grid.y, grid.z, block.x, block.y, block.z);
     SetLastError(cudaErrorInvalidConfiguration);
@@ -389,7 +407,8 @@ void Launch(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
 
 }  // namespace dgserve::cuda::emu
 
-// ---- Runtime API ---------------------------------------------------------------------------------
+// ---- Runtime API
+// ---------------------------------------------------------------------------------
 
 namespace {
 cudaError_t Sticky() {
@@ -447,9 +466,7 @@ cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int device) {
-  return device == 0 ? cudaSuccess : cudaErrorInvalidDevice;
-}
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
   if (device != 0) return cudaErrorInvalidDevice;
   if (attr != cudaDevAttrMaxSharedMemoryPerBlockOptin) return cudaErrorInvalidValue;
@@ -466,13 +483,20 @@ cudaError_t cudaPeekAtLastError() {
 }
 const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
-    case cudaSuccess: return "no error (emulated)";
-    case cudaErrorInvalidValue: return "invalid argument (emulated)";
-    case cudaErrorMemoryAllocation: return "out of memory (emulated)";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument (emulated)";
-    case cudaErrorInvalidDevice: return "invalid device ordinal (emulated)";
-    case cudaErrorNoDevice: return "no CUDA-capable device is detected (emulated)";
-    case cudaErrorLaunchFailure: return "unspecified launch failure (emulated; see stderr)";
+    case cudaSuccess:
+      return "no error (emulated)";
+    case cudaErrorInvalidValue:
+      return "invalid argument (emulated)";
+    case cudaErrorMemoryAllocation:
+      return "out of memory (emulated)";
+    case cudaErrorInvalidConfiguration:
+      return "invalid configuration argument (emulated)";
+    case cudaErrorInvalidDevice:
+      return "invalid device ordinal (emulated)";
+    case cudaErrorNoDevice:
+      return "no CUDA-capable device is detected (emulated)";
+    case cudaErrorLaunchFailure:
+      return "unspecified launch failure (emulated; see stderr)";
   }
   return "unknown error (emulated)";
 }

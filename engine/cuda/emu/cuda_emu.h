@@ -128,12 +128,42 @@ void Launch(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
 // The running block's dynamic shared memory.
 void* DynamicSharedBase();
 
-// Warp collective: every lane in `mask` calls it with the same `op`; returns the lane's result.
+// Warp collective: every lane in `mask` calls it with the same `op`; returns the lane's result:
+// for the shuffles the value of lane `src_lane` (which must be in the mask), for the votes the
+// ballot of value != 0 over the mask.
 enum class WarpOp { kShflIdx, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSync };
-uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int arg);
+uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane);
 
-// Block collective over the live threads: returns the count of threads with pred != 0.
-int BlockCollective(int pred);
+// Block collective over the live (not yet exited) threads.
+struct BlockVote {
+  int count;         // threads with pred != 0
+  int participants;  // threads that took part
+};
+BlockVote BlockCollective(int pred);
+
+// The running thread's lane (its linear index in the block, mod 32).
+inline int LaneId() {
+  return int((threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32);
+}
+
+// The lane a shuffle of `width` (a power of two ≤ 32) reads, as CUDA defines it: within the
+// caller's group of `width` lanes; up/down past the group's edge and xor into a later group
+// read the caller's own value.
+inline int ShflSource(WarpOp op, int lane, int arg, int width) {
+  const int base = lane & ~(width - 1);
+  switch (op) {
+    case WarpOp::kShflIdx:
+      return base + (arg & (width - 1));
+    case WarpOp::kShflXor:
+      return (lane ^ arg) < base + width ? lane ^ arg : lane;
+    case WarpOp::kShflUp:
+      return lane - base >= arg ? lane - arg : lane;
+    case WarpOp::kShflDown:
+      return lane - base + arg < width ? lane + arg : lane;
+    default:
+      return lane;
+  }
+}
 
 template <typename T>
 uint64_t ToBits(T v) {
@@ -162,11 +192,14 @@ cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute attr, int value) {
 // ---- Synchronisation and warp intrinsics -------------------------------------------------------
 
 inline void __syncthreads() { dgserve::cuda::emu::BlockCollective(0); }
-inline int __syncthreads_or(int pred) { return dgserve::cuda::emu::BlockCollective(pred) > 0; }
-inline int __syncthreads_and(int pred) {
-  return dgserve::cuda::emu::BlockCollective(pred) == int(blockDim.x * blockDim.y * blockDim.z);
+inline int __syncthreads_or(int pred) {
+  return dgserve::cuda::emu::BlockCollective(pred).count > 0;
 }
-inline int __syncthreads_count(int pred) { return dgserve::cuda::emu::BlockCollective(pred); }
+inline int __syncthreads_and(int pred) {
+  const dgserve::cuda::emu::BlockVote v = dgserve::cuda::emu::BlockCollective(pred);
+  return v.count == v.participants;
+}
+inline int __syncthreads_count(int pred) { return dgserve::cuda::emu::BlockCollective(pred).count; }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   dgserve::cuda::emu::WarpCollective(dgserve::cuda::emu::WarpOp::kSync, mask, 0, 0);
 }
@@ -174,22 +207,26 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 template <typename T>
 T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
   using namespace dgserve::cuda::emu;
-  return FromBits<T>(WarpCollective(WarpOp::kShflIdx, mask, ToBits(v), src_lane & (width - 1)));
+  const int src = ShflSource(WarpOp::kShflIdx, LaneId(), src_lane, width);
+  return FromBits<T>(WarpCollective(WarpOp::kShflIdx, mask, ToBits(v), src));
 }
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   using namespace dgserve::cuda::emu;
-  return FromBits<T>(WarpCollective(WarpOp::kShflXor, mask, ToBits(v), lane_mask));
+  const int src = ShflSource(WarpOp::kShflXor, LaneId(), lane_mask, width);
+  return FromBits<T>(WarpCollective(WarpOp::kShflXor, mask, ToBits(v), src));
 }
 template <typename T>
 T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   using namespace dgserve::cuda::emu;
-  return FromBits<T>(WarpCollective(WarpOp::kShflUp, mask, ToBits(v), int(delta)));
+  const int src = ShflSource(WarpOp::kShflUp, LaneId(), int(delta), width);
+  return FromBits<T>(WarpCollective(WarpOp::kShflUp, mask, ToBits(v), src));
 }
 template <typename T>
 T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   using namespace dgserve::cuda::emu;
-  return FromBits<T>(WarpCollective(WarpOp::kShflDown, mask, ToBits(v), int(delta)));
+  const int src = ShflSource(WarpOp::kShflDown, LaneId(), int(delta), width);
+  return FromBits<T>(WarpCollective(WarpOp::kShflDown, mask, ToBits(v), src));
 }
 inline unsigned __ballot_sync(unsigned mask, int pred) {
   using namespace dgserve::cuda::emu;
@@ -265,7 +302,7 @@ inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 
 // CUDA's integer min/max overloads (device code calls them unqualified).
-#define DGSERVE_EMU_MINMAX(T)                         \
+#define DGSERVE_EMU_MINMAX(T)                      \
   inline T min(T a, T b) { return b < a ? b : a; } \
   inline T max(T a, T b) { return a < b ? b : a; }
 DGSERVE_EMU_MINMAX(int)

@@ -53,6 +53,48 @@ TEST(CudaEmuTest, WarpCollectivesMatchCuda) {
   }
 }
 
+// Shuffles over groups of 16 lanes (width 16).
+__global__ void Width16Kernel(int* out) {
+  const int t = threadIdx.x;
+  out[t * 4] = __shfl_sync(0xffffffffu, t, 3, 16);
+  out[t * 4 + 1] = __shfl_up_sync(0xffffffffu, t, 2, 16);
+  out[t * 4 + 2] = __shfl_down_sync(0xffffffffu, t, 2, 16);
+  out[t * 4 + 3] = __shfl_xor_sync(0xffffffffu, t, 16, 16);
+}
+
+TEST(CudaEmuTest, ShufflesOfWidth16StayInTheirGroup) {
+  std::vector<int> out(32 * 4, -1);
+  LaunchKernel(Width16Kernel, 1, 32, 0, nullptr, out.data());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (int t = 0; t < 32; ++t) {
+    const int base = t / 16 * 16, in_group = t % 16;
+    EXPECT_EQ(out[t * 4], base + 3) << t;
+    EXPECT_EQ(out[t * 4 + 1], in_group >= 2 ? t - 2 : t) << t;
+    EXPECT_EQ(out[t * 4 + 2], in_group + 2 < 16 ? t + 2 : t) << t;
+    // xor 16 reads the other group: allowed into an earlier group only.
+    EXPECT_EQ(out[t * 4 + 3], t >= 16 ? t - 16 : t) << t;
+  }
+}
+
+// Block votes after whole warps have exited count only the threads still running.
+__global__ void VotesAfterExitKernel(int* out) {
+  if (threadIdx.x >= 64) return;
+  const int all = __syncthreads_and(1);
+  const int count = __syncthreads_count(threadIdx.x % 4 == 0);
+  if (threadIdx.x == 0) {
+    out[0] = all;
+    out[1] = count;
+  }
+}
+
+TEST(CudaEmuTest, BlockVotesIgnoreExitedThreads) {
+  std::vector<int> out(2, -1);
+  LaunchKernel(VotesAfterExitKernel, 1, 128, 0, nullptr, out.data());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(out[0], 1);
+  EXPECT_EQ(out[1], 16);
+}
+
 // A shared-memory tree reduction and the block votes, over a 2-D block and a 2-D grid.
 __global__ void BlockKernel(const int* in, int* sums, int* votes) {
   __shared__ int partial[256];
@@ -112,8 +154,10 @@ __global__ void ExitedLaneKernel(int* out) {
 
 __global__ void MixedCollectivesKernel(int* out) {
   int v = threadIdx.x;
-  if (threadIdx.x % 2 == 0) v = __shfl_xor_sync(0xffffffffu, v, 1);
-  else v = int(__ballot_sync(0xffffffffu, v > 3));
+  if (threadIdx.x % 2 == 0)
+    v = __shfl_xor_sync(0xffffffffu, v, 1);
+  else
+    v = int(__ballot_sync(0xffffffffu, v > 3));
   out[threadIdx.x] = v;
 }
 
