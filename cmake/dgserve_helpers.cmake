@@ -1,7 +1,9 @@
 # Abseil-style helpers: one static library per component, tests registered with ctest labels.
 #
 # dgserve_cc_library(NAME n SRCS ... [HDRS ...] [DEPS ...])
-# dgserve_cc_test(NAME n SRCS ... [DEPS ...] [LABELS unit] [ENV K=V ...])
+# dgserve_cc_test(NAME n SRCS ... [DEPS ...] [LABELS unit] [ENV K=V ...] [TEST_PREFIX p.])
+#   TEST_PREFIX: prepended to every discovered test name (a test file built twice, as the
+#   gpu-emu copies of the gpu tests, must not register the same names twice).
 
 function(dgserve_cc_library)
   cmake_parse_arguments(A "" "NAME" "SRCS;HDRS;DEPS" ${ARGN})
@@ -12,14 +14,14 @@ function(dgserve_cc_library)
 endfunction()
 
 function(dgserve_cc_test)
-  cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;LABELS;ENV" ${ARGN})
+  cmake_parse_arguments(A "" "NAME;TEST_PREFIX" "SRCS;DEPS;LABELS;ENV" ${ARGN})
   if(NOT A_LABELS)
     set(A_LABELS unit)
   endif()
   add_executable(${A_NAME} ${A_SRCS})
   target_include_directories(${A_NAME} PRIVATE ${PROJECT_SOURCE_DIR})
   target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
-  gtest_discover_tests(${A_NAME}
+  gtest_discover_tests(${A_NAME} TEST_PREFIX "${A_TEST_PREFIX}"
     PROPERTIES LABELS "${A_LABELS}" ENVIRONMENT "DGSERVE_SOURCE_DIR=${PROJECT_SOURCE_DIR};OMP_WAIT_POLICY=passive;${A_ENV}"
     DISCOVERY_TIMEOUT 60)
 endfunction()

@@ -8,15 +8,18 @@
 # 8 minutes.
 #
 # Kernels (engine/cuda): RMSNorm, softcap, gated GELU, RoPE (cuda_ops), the bf16 cuBLAS
-# projections (cuda_gemm), flash-style prefill/canvas attention (cuda_attention) and the fused
-# vocabulary step of the sampler (cuda_vocab), and the whole CUDA ModelBackend against the CPU
-# backend on a tiny random checkpoint (cuda_backend). The cluster on one GPU over CUDA IPC and
+# projections (cuda_gemm), flash-style prefill/canvas attention (cuda_attention), the fused
+# vocabulary step of the sampler (cuda_vocab), the backend's small kernels (embedding gather,
+# residual ops, MoE gather/combine, self-conditioning probabilities: cuda_backend_kernels), and
+# the whole CUDA ModelBackend against the CPU backend on a tiny random checkpoint
+# (cuda_backend). The cluster on one GPU over CUDA IPC and
 # the benchmarks of issue #5 are not written.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_check_out}
 BUILD_DIR=${BUILD_DIR:-build-gpu}
-TESTS="cuda_ops_test cuda_gemm_test cuda_attention_test cuda_vocab_test cuda_backend_test"
+TESTS="cuda_ops_test cuda_gemm_test cuda_attention_test cuda_vocab_test cuda_backend_kernels_test
+  cuda_backend_test"
 NUM_TESTS=$(echo $TESTS | wc -w)
 PER_TEST_S=${PER_TEST_S:-45}          # per test binary (each needs a few seconds on an H100)
 DEADLINE=$((SECONDS + 470))           # 7 min 50 s for everything

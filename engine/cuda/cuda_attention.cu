@@ -1,10 +1,10 @@
 #include "engine/cuda/cuda_attention.h"
 
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cmath>
 #include <string>
+
+#include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -93,7 +93,7 @@ template <int kPerLane>
 __global__ void __launch_bounds__(kThreads)
     AttentionKernel(const float* __restrict__ q, Keys keys, int num_heads, int group, int mode,
                     int window, float* __restrict__ out) {
-  extern __shared__ float smem[];
+  float* smem = DynamicShared<float>();
   const int hd = keys.head_dim, kstride = hd + 1;
   float* k_s = smem;                          // [kTileKeys][hd + 1]
   float* v_s = k_s + kTileKeys * kstride;     // [kTileKeys][hd]
@@ -210,8 +210,8 @@ absl::Status Launch(const float* q, const Keys& keys, int num_heads, int group, 
   }
   const int64_t pairs = int64_t(keys.rows) * group;
   const dim3 grid(unsigned((pairs + kWarps - 1) / kWarps), unsigned(keys.kv_heads));
-  AttentionKernel<kPerLane><<<grid, kThreads, bytes, static_cast<cudaStream_t>(stream)>>>(
-      q, keys, num_heads, group, mode, window, out);
+  LaunchKernel(AttentionKernel<kPerLane>, grid, kThreads, bytes, static_cast<cudaStream_t>(stream),
+               q, keys, num_heads, group, mode, window, out);
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));

@@ -157,6 +157,7 @@ class CudaAttentionTest : public CudaTest {
 // Random small shapes: heads 4 with kv heads 2 and 1 (and the model's 16/8 and 16/2), every
 // head_dim template (16, 32, 64, 256, 512; 48 and 80 leave lanes partly idle), context 0..70
 // (inside and beyond the window), 16..48 query rows (partial last blocks), window 8 or none.
+// Emulated (gpu-emu): every third case, the same spread of shapes.
 TEST_F(CudaAttentionTest, MatchesDoubleReference) {
   uint32_t seed = 100;
   int cases = 0;
@@ -165,6 +166,10 @@ TEST_F(CudaAttentionTest, MatchesDoubleReference) {
       for (const int kvh : {2, 1}) {
         for (const int ctx : {0, 5, 37, 70}) {
           for (const int window : {0, 8}) {
+            if (kEmulated && seed % 3 != 0) {
+              ++seed;
+              continue;
+            }
             const int rows = 16 + (seed * 7) % 33;  // 16..48
             // uniform(±a) q and k: q·k has standard deviation √hd·a²/3 = 2 for a² = 6/√hd.
             const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));
@@ -188,7 +193,7 @@ TEST_F(CudaAttentionTest, MatchesDoubleReference) {
     Expect(c, Run(c, d), Reference(c, d), 2e-5f);
     ++cases;
   }
-  EXPECT_GT(cases, 200);
+  EXPECT_GT(cases, kEmulated ? 70 : 200);
 }
 
 // Large scores (standard deviation 30, a² = 90/√hd; maxima near 100): the running max must keep

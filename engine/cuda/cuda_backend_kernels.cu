@@ -1,9 +1,8 @@
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
+#include "engine/cuda/cuda_backend_kernels.h"
 
 #include <string>
 
-#include "engine/cuda/cuda_backend_kernels.h"
+#include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -120,49 +119,49 @@ __global__ void SoftmaxProbsBf16Kernel(const float* raw, int rows, int vocab, fl
 absl::Status EmbedRows(const int32_t* ids, const uint16_t* table, int rows, int dim, float scale,
                        float* out, void* stream) {
   if (rows <= 0) return absl::OkStatus();
-  EmbedRowsKernel<<<Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream)>>>(ids, table, rows, dim,
-                                                                           scale, out);
+  LaunchKernel(EmbedRowsKernel, Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream), ids, table,
+               rows, dim, scale, out);
   return Check("EmbedRows");
 }
 
 absl::Status AddInPlace(float* h, const float* x, int64_t n, void* stream) {
   if (n <= 0) return absl::OkStatus();
-  AddInPlaceKernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(h, x, n);
+  LaunchKernel(AddInPlaceKernel, Blocks(n, 256), 256, 0, S(stream), h, x, n);
   return Check("AddInPlace");
 }
 
 absl::Status AddScale(float* h, const float* x, float scalar, int64_t n, void* stream) {
   if (n <= 0) return absl::OkStatus();
-  AddScaleKernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(h, x, scalar, n);
+  LaunchKernel(AddScaleKernel, Blocks(n, 256), 256, 0, S(stream), h, x, scalar, n);
   return Check("AddScale");
 }
 
 absl::Status Scale(float* x, int64_t n, float s, void* stream) {
   if (n <= 0) return absl::OkStatus();
-  ScaleKernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(x, n, s);
+  LaunchKernel(ScaleKernel, Blocks(n, 256), 256, 0, S(stream), x, n, s);
   return Check("Scale");
 }
 
 absl::Status GeluGateRows(const float* gu, int rows, int width, float* out, void* stream) {
   if (rows <= 0) return absl::OkStatus();
-  GeluGateRowsKernel<<<Blocks(int64_t(rows) * width, 256), 256, 0, S(stream)>>>(gu, rows, width,
-                                                                                out);
+  LaunchKernel(GeluGateRowsKernel, Blocks(int64_t(rows) * width, 256), 256, 0, S(stream), gu, rows,
+               width, out);
   return Check("GeluGateRows");
 }
 
 absl::Status GatherRows(const float* src, const int32_t* idx, int rows, int dim, float* dst,
                         void* stream) {
   if (rows <= 0) return absl::OkStatus();
-  GatherRowsKernel<<<Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream)>>>(src, idx, rows, dim,
-                                                                            dst);
+  LaunchKernel(GatherRowsKernel, Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream), src, idx,
+               rows, dim, dst);
   return Check("GatherRows");
 }
 
 absl::Status MoeCombine(const float* y, const int32_t* slot, const float* weight, int rows, int k,
                         int dim, float* out, void* stream) {
   if (rows <= 0) return absl::OkStatus();
-  MoeCombineKernel<<<Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream)>>>(y, slot, weight, rows,
-                                                                            k, dim, out);
+  LaunchKernel(MoeCombineKernel, Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream), y, slot,
+               weight, rows, k, dim, out);
   return Check("MoeCombine");
 }
 
@@ -172,8 +171,8 @@ absl::Status SoftmaxProbsBf16(const float* raw, int rows, int vocab, float softc
   if (rows <= 0) return absl::OkStatus();
   int chunks = (vocab + 255) / 256;  // grid: rows × vocabulary chunks (≤ 1024)
   if (chunks > 1024) chunks = 1024;
-  SoftmaxProbsBf16Kernel<<<dim3(rows, chunks), 256, 0, S(stream)>>>(raw, rows, vocab, softcap,
-                                                                    temperature, res, probs);
+  LaunchKernel(SoftmaxProbsBf16Kernel, dim3(rows, chunks), 256, 0, S(stream), raw, rows, vocab,
+               softcap, temperature, res, probs);
   return Check("SoftmaxProbsBf16");
 }
 

@@ -1,9 +1,10 @@
 #include "engine/cuda/cuda_gemm.h"
 
 #include <cublas_v2.h>
-#include <cuda_runtime.h>
 
 #include <string>
+
+#include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -58,7 +59,7 @@ absl::Status Gemm(cublasHandle_t h, const uint16_t* xb, const uint16_t* w, int m
 
 absl::Status FloatToBf16(const float* x, int64_t n, uint16_t* y, void* stream) {
   if (n <= 0) return absl::OkStatus();
-  ToBf16Kernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(x, n, y);
+  LaunchKernel(ToBf16Kernel, Blocks(n, 256), 256, 0, S(stream), x, n, y);
   return Check("FloatToBf16");
 }
 
@@ -116,7 +117,7 @@ absl::Status CublasContext::Linear(const float* x, const uint16_t* w, int rows, 
       !st.ok()) {
     return st;
   }
-  ToBf16Kernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(x, n, xb);
+  LaunchKernel(ToBf16Kernel, Blocks(n, 256), 256, 0, S(stream), x, n, xb);
   if (absl::Status st = Check("Linear (bf16 conversion)"); !st.ok()) return st;
   return Gemm(h, xb, w, rows, in, out, y);
 }
@@ -155,7 +156,7 @@ absl::Status CublasContext::GroupedLinear(const float* x, const uint16_t* w, int
       !st.ok()) {
     return st;
   }
-  ToBf16Kernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(x + int64_t(first) * in, n, xb);
+  LaunchKernel(ToBf16Kernel, Blocks(n, 256), 256, 0, S(stream), x + int64_t(first) * in, n, xb);
   if (absl::Status st = Check("GroupedLinear (bf16 conversion)"); !st.ok()) return st;
   for (int g = 0; g < groups; ++g) {
     const int r0 = row_offsets[g], m = row_offsets[g + 1] - r0;

@@ -1,8 +1,8 @@
 #include "engine/cuda/cuda_ops.h"
 
-#include <cuda_runtime.h>
-
 #include <string>
+
+#include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -17,7 +17,7 @@ cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 // One block per row; a double sum of squares reduced in shared memory.
 __global__ void RmsNormKernel(const float* x, const float* w, int dim, float eps, float* y) {
-  extern __shared__ double partial[];
+  double* partial = DynamicShared<double>();
   const int64_t row = blockIdx.x;
   const float* xr = x + row * dim;
   float* yr = y + row * dim;
@@ -89,26 +89,28 @@ absl::Status RmsNorm(const float* x, const float* w, int rows, int dim, float ep
                      void* stream) {
   if (rows == 0) return absl::OkStatus();
   constexpr int kThreads = 256;
-  RmsNormKernel<<<rows, kThreads, kThreads * sizeof(double), S(stream)>>>(x, w, dim, eps, y);
+  LaunchKernel(RmsNormKernel, rows, kThreads, kThreads * sizeof(double), S(stream), x, w, dim, eps,
+               y);
   return Check("RmsNorm");
 }
 
 absl::Status Softcap(float* x, int64_t n, float cap, void* stream) {
   if (n == 0) return absl::OkStatus();
-  SoftcapKernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(x, n, cap);
+  LaunchKernel(SoftcapKernel, Blocks(n, 256), 256, 0, S(stream), x, n, cap);
   return Check("Softcap");
 }
 
 absl::Status GeluGate(const float* gate, const float* up, int64_t n, float* out, void* stream) {
   if (n == 0) return absl::OkStatus();
-  GeluGateKernel<<<Blocks(n, 256), 256, 0, S(stream)>>>(gate, up, n, out);
+  LaunchKernel(GeluGateKernel, Blocks(n, 256), 256, 0, S(stream), gate, up, n, out);
   return Check("GeluGate");
 }
 
 absl::Status ApplyRope(float* x, int rows, int heads, int head_dim, const int32_t* positions,
                        const float* inv_freq, void* stream) {
   if (rows == 0 || heads == 0) return absl::OkStatus();
-  RopeKernel<<<rows * heads, 128, 0, S(stream)>>>(x, heads, head_dim, positions, inv_freq);
+  LaunchKernel(RopeKernel, rows * heads, 128, 0, S(stream), x, heads, head_dim, positions,
+               inv_freq);
   return Check("ApplyRope");
 }
 

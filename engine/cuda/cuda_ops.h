@@ -2,9 +2,9 @@
 // the forward pass, float32 on the device. Every function takes device pointers, runs on
 // `stream` (0 = the default stream) and returns cudaGetLastError() as a Status (INTERNAL naming
 // the kernel). The projections (cuda_gemm.h), attention (cuda_attention.h) and the fused
-// vocabulary step (cuda_vocab.h) live next to these; the CUDA backend that chains them is not
-// written yet. All are compile-checked everywhere and tested against the CPU code on a GPU
-// (label `gpu`).
+// vocabulary step (cuda_vocab.h) live next to these; the CUDA backend (cuda_backend.h) chains
+// them. All are compile-checked everywhere and tested against the CPU code on a GPU
+// (label `gpu`) and, for their logic only, under the host emulation of emu/ (label `gpu-emu`).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,7 @@
 // Test fixture of the CUDA kernel tests (label `gpu`): skips every test when no CUDA device is
-// present, and owns the device buffers a test uploads or allocates.
+// present, and owns the device buffers a test uploads or allocates. The same tests also build
+// against the host emulation of engine/cuda/emu/ (label `gpu-emu`), where kEmulated is true and
+// the largest shapes are left out.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +13,13 @@
 #include "gtest/gtest.h"
 
 namespace dgserve::cuda {
+
+// True in the gpu-emu build (device code run on the host: keep shapes small there).
+#if defined(DGSERVE_CUDA_EMULATION)
+inline constexpr bool kEmulated = true;
+#else
+inline constexpr bool kEmulated = false;
+#endif
 
 class CudaTest : public ::testing::Test {
  protected:

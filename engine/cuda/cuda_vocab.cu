@@ -1,9 +1,9 @@
 #include "engine/cuda/cuda_vocab.h"
 
-#include <cuda_runtime.h>
-
 #include <climits>
 #include <string>
+
+#include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -269,8 +269,8 @@ absl::Status VocabStep(const float* logits, int rows, int vocab, float softcap,
   }
   const int per = (vocab + kSegments - 1) / kSegments;
   const int seg_len = (per + 31) / 32 * 32;
-  VocabStepKernel<<<rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      logits, vocab, seg_len, softcap, temperature, uniforms, out, z_bf16);
+  LaunchKernel(VocabStepKernel, rows, kThreads, 0, static_cast<cudaStream_t>(stream), logits, vocab,
+               seg_len, softcap, temperature, uniforms, out, z_bf16);
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(std::string("VocabStep: ") + cudaGetErrorString(e));

@@ -1,0 +1,161 @@
+// The small kernels of cuda_backend_kernels.h against host references written here (label
+// `gpu`, skipped without a GPU; and `gpu-emu`, under the host emulation).
+#include "engine/cuda/cuda_backend_kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/testing/status_matchers.h"
+#include "engine/cuda/cuda_test_util.h"
+#include "gtest/gtest.h"
+
+namespace dgserve::cuda {
+namespace {
+
+using ::dgserve::testing::IsOk;
+
+std::vector<float> RandomFloats(size_t n, float scale, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+class CudaBackendKernelsTest : public CudaTest {};
+
+TEST_F(CudaBackendKernelsTest, EmbedRowsGathersScaledBf16Rows) {
+  const int vocab = 37, dim = 70, rows = 9;
+  std::vector<uint16_t> table(size_t(vocab) * dim);
+  const std::vector<float> f = RandomFloats(table.size(), 2.0f, 1);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = FloatToBf16(f[i]);
+  const std::vector<int32_t> ids = {0, 36, 5, 5, 17, 2, 36, 30, 1};
+  const float scale = 8.0f;  // √64, exact
+  float* out = Alloc<float>(size_t(rows) * dim, 0xFF);
+  ASSERT_THAT(EmbedRows(Upload(ids), Upload(table), rows, dim, scale, out), IsOk());
+  const std::vector<float> got = Download(out, size_t(rows) * dim);
+  for (int r = 0; r < rows; ++r) {
+    for (int d = 0; d < dim; ++d) {
+      ASSERT_EQ(got[size_t(r) * dim + d], Bf16ToFloat(table[size_t(ids[r]) * dim + d]) * scale)
+          << r << " " << d;
+    }
+  }
+}
+
+TEST_F(CudaBackendKernelsTest, ElementwiseResidualOps) {
+  const int64_t n = 1000;
+  const std::vector<float> h = RandomFloats(n, 3.0f, 2), x = RandomFloats(n, 1.0f, 3);
+  float* dh = Upload(h);
+  ASSERT_THAT(AddInPlace(dh, Upload(x), n), IsOk());
+  std::vector<float> got = Download(dh, n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], h[i] + x[i]) << i;
+
+  dh = Upload(h);
+  ASSERT_THAT(AddScale(dh, Upload(x), 0.75f, n), IsOk());
+  got = Download(dh, n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], (h[i] + x[i]) * 0.75f) << i;
+
+  dh = Upload(h);
+  ASSERT_THAT(Scale(dh, n, -2.5f), IsOk());
+  got = Download(dh, n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], h[i] * -2.5f) << i;
+}
+
+// out[r, i] = gelu_tanh(gate) · up on the packed [rows, 2·width] input, against float64.
+TEST_F(CudaBackendKernelsTest, GeluGateRowsSplitsThePackedInput) {
+  const int rows = 7, width = 45;
+  const std::vector<float> gu = RandomFloats(size_t(rows) * 2 * width, 4.0f, 4);
+  float* out = Alloc<float>(size_t(rows) * width, 0xFF);
+  ASSERT_THAT(GeluGateRows(Upload(gu), rows, width, out), IsOk());
+  const std::vector<float> got = Download(out, size_t(rows) * width);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < width; ++i) {
+      const double g = gu[size_t(r) * 2 * width + i], u = gu[size_t(r) * 2 * width + width + i];
+      const double want =
+          0.5 * g * (1.0 + std::tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u;
+      ASSERT_NEAR(got[size_t(r) * width + i], want, 1e-5 * (1.0 + std::fabs(want)))
+          << r << " " << i;
+    }
+  }
+}
+
+// GatherRows (negative index: a zero row), then MoeCombine (k = 3 slots per row, −1 skipped).
+TEST_F(CudaBackendKernelsTest, GatherRowsAndMoeCombine) {
+  const int src_rows = 6, dim = 33;
+  const std::vector<float> src = RandomFloats(size_t(src_rows) * dim, 2.0f, 5);
+  const std::vector<int32_t> idx = {5, -1, 0, 3, 3};
+  const int rows = int(idx.size());
+  float* dst = Alloc<float>(size_t(rows) * dim, 0xFF);
+  ASSERT_THAT(GatherRows(Upload(src), Upload(idx), rows, dim, dst), IsOk());
+  const std::vector<float> gathered = Download(dst, size_t(rows) * dim);
+  for (int r = 0; r < rows; ++r) {
+    for (int d = 0; d < dim; ++d) {
+      ASSERT_EQ(gathered[size_t(r) * dim + d], idx[r] < 0 ? 0.0f : src[size_t(idx[r]) * dim + d])
+          << r << " " << d;
+    }
+  }
+
+  const int k = 3, out_rows = 4;
+  const std::vector<int32_t> slot = {0, 2, -1, 5, 1, 4, -1, -1, -1, 3, 3, 0};
+  const std::vector<float> weight = {0.5f, 0.25f, 9.0f, 1.0f, -2.0f, 0.125f,
+                                     7.0f, 7.0f,  7.0f, 0.3f, 0.7f,  0.01f};
+  float* out = Alloc<float>(size_t(out_rows) * dim, 0xFF);
+  ASSERT_THAT(MoeCombine(Upload(src), Upload(slot), Upload(weight), out_rows, k, dim, out), IsOk());
+  const std::vector<float> got = Download(out, size_t(out_rows) * dim);
+  for (int r = 0; r < out_rows; ++r) {
+    for (int d = 0; d < dim; ++d) {
+      double want = 0, mag = 0;
+      for (int j = 0; j < k; ++j) {
+        const int s = slot[r * k + j];
+        if (s < 0) continue;
+        want += double(weight[r * k + j]) * src[size_t(s) * dim + d];
+        mag += std::fabs(double(weight[r * k + j]) * src[size_t(s) * dim + d]);
+      }
+      ASSERT_NEAR(got[size_t(r) * dim + d], want, 1e-6 * (1.0 + mag)) << r << " " << d;
+    }
+  }
+}
+
+// probs = bf16(exp(cap·tanh(raw/cap)/T − lse)) with VocabStep's lse; a row with a non-finite lse
+// is all zeros. Within one bf16 ulp of a float64 reference.
+TEST_F(CudaBackendKernelsTest, SoftmaxProbsBf16UsesTheRowsLse) {
+  const int rows = 3, vocab = 300;  // two vocabulary chunks of 256
+  const float cap = 30.0f;
+  const std::vector<float> raw = RandomFloats(size_t(rows) * vocab, 50.0f, 6);
+  const std::vector<float> temps = {0.8f, 1.5f, 1.0f};
+  std::vector<VocabRowResult> res(rows);
+  for (int r = 0; r < rows; ++r) {
+    double m = -INFINITY;
+    for (int v = 0; v < vocab; ++v) {
+      m = std::max(m, cap * std::tanh(double(raw[size_t(r) * vocab + v]) / cap) / temps[r]);
+    }
+    double s = 0;
+    for (int v = 0; v < vocab; ++v) {
+      s += std::exp(cap * std::tanh(double(raw[size_t(r) * vocab + v]) / cap) / temps[r] - m);
+    }
+    res[r] = VocabRowResult{0, 0, 0.0f, float(m + std::log(s))};
+  }
+  res[2].lse = NAN;
+  uint16_t* probs = Alloc<uint16_t>(size_t(rows) * vocab, 0xFF);
+  ASSERT_THAT(SoftmaxProbsBf16(Upload(raw), rows, vocab, cap, Upload(temps), Upload(res), probs),
+              IsOk());
+  const std::vector<uint16_t> got = Download(probs, size_t(rows) * vocab);
+  for (int r = 0; r < 2; ++r) {
+    double total = 0;
+    for (int v = 0; v < vocab; ++v) {
+      const double l = cap * std::tanh(double(raw[size_t(r) * vocab + v]) / cap);
+      const uint16_t want = FloatToBf16(float(std::exp(l / temps[r] - res[r].lse)));
+      const uint16_t g = got[size_t(r) * vocab + v];
+      ASSERT_LE(std::abs(int(g) - int(want)), 1) << r << " " << v;
+      total += Bf16ToFloat(g);
+    }
+    EXPECT_NEAR(total, 1.0, 2e-2) << r;  // a distribution, to bf16 rounding
+  }
+  for (int v = 0; v < vocab; ++v) ASSERT_EQ(got[size_t(2) * vocab + v], 0) << v;
+}
+
+}  // namespace
+}  // namespace dgserve::cuda

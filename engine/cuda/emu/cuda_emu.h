@@ -1,0 +1,341 @@
+// Host emulation of the CUDA subset our kernels use, so that their device code compiles with g++
+// and runs on a machine without a GPU or a CUDA toolkit (label `gpu-emu`). It checks kernel
+// LOGIC only: indexing, masking, reductions, barriers and warp collectives against the CPU
+// code. It says nothing about speed, occupancy, memory coalescing, real data races or the
+// device's floating-point details (g++ host math, no FMA contraction). See
+// engine/cuda/README.md.
+//
+// Execution model. Launches run synchronously on the calling thread, one at a time (a global
+// lock), blocks one after another. Each CUDA thread of a block is its own host execution
+// context — a fiber with its own stack — so every CUDA thread has private registers and locals;
+// fibers switch only at collectives, so a run is deterministic. `__shared__` variables are
+// function statics (shared by the block's threads; blocks never overlap), the dynamic shared
+// memory is a per-launch buffer filled with 0xFF before every block. Collectives:
+//   __syncthreads / __syncthreads_or|and|count   wait for every live thread of the block
+//   __shfl*_sync, __ballot_sync, __any/__all_sync, __syncwarp   wait for every lane in the mask;
+//                                                 values are exchanged through per-warp slots
+// A lane of the mask that exited, lanes of one warp at different collectives, or a block that
+// can make no progress (a __syncthreads some threads never reach) fail the launch with
+// cudaErrorLaunchFailure and a message on stderr. Atomics go through std::atomic_ref.
+#pragma once
+
+#include <limits.h>
+#include <math.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+// ---- Qualifiers and types --------------------------------------------------------------------
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) alignas(n)
+
+struct uint3 {
+  unsigned int x = 0, y = 0, z = 0;
+};
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
+      : x(vx), y(vy), z(vz) {}
+};
+
+// The builtin index variables of the running CUDA thread (set by the scheduler before it
+// resumes each fiber; all fibers of a launch run on the launching OS thread).
+inline thread_local uint3 threadIdx, blockIdx;
+inline thread_local dim3 blockDim, gridDim;
+inline constexpr int warpSize = 32;
+
+// ---- Runtime API subset ------------------------------------------------------------------------
+
+enum cudaError {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorNoDevice = 100,
+  cudaErrorLaunchFailure = 719,
+};
+typedef enum cudaError cudaError_t;
+
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+
+struct CUstream_st;
+typedef struct CUstream_st* cudaStream_t;
+
+// Memory is host memory (256-byte aligned); every copy kind is a memcpy.
+cudaError_t cudaMalloc(void** p, size_t bytes);
+template <typename T>
+cudaError_t cudaMalloc(T** p, size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(p), bytes);
+}
+cudaError_t cudaFree(void* p);
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream = nullptr);
+cudaError_t cudaMemset(void* p, int value, size_t bytes);
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream = nullptr);
+// Streams exist only as handles: every launch and copy is synchronous, so these only report
+// the sticky error of a failed kernel.
+cudaError_t cudaStreamCreate(cudaStream_t* stream);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaDeviceSynchronize();
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+// Clears the sticky error of a failed kernel (memory is kept, unlike on a device).
+cudaError_t cudaDeviceReset();
+// One emulated device (an H200's limits: 227 KiB opt-in shared memory per block).
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
+// The last launch error (cleared by the call), as the CUDA runtime.
+cudaError_t cudaGetLastError();
+cudaError_t cudaPeekAtLastError();
+const char* cudaGetErrorString(cudaError_t e);
+
+namespace dgserve::cuda::emu {
+
+// Records a kernel's opt-in dynamic shared memory size (checked at launch, as on a device:
+// more than 48 KiB needs it).
+void SetMaxDynamicShared(const void* kernel, int bytes);
+
+// Runs `thread_body` once per CUDA thread of every block of the grid (see the file comment).
+// `kernel` identifies the kernel for its shared memory attribute.
+void Launch(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
+            const std::function<void()>& thread_body);
+
+// The running block's dynamic shared memory.
+void* DynamicSharedBase();
+
+// Warp collective: every lane in `mask` calls it with the same `op`; returns the lane's result:
+// for the shuffles the value of lane `src_lane` (which must be in the mask), for the votes the
+// ballot of value != 0 over the mask.
+enum class WarpOp { kShflIdx, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSync };
+uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane);
+
+// Block collective over the live (not yet exited) threads.
+struct BlockVote {
+  int count;         // threads with pred != 0
+  int participants;  // threads that took part
+};
+BlockVote BlockCollective(int pred);
+
+// The running thread's lane (its linear index in the block, mod 32).
+inline int LaneId() {
+  return int((threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32);
+}
+
+// The lane a shuffle of `width` (a power of two ≤ 32) reads, as CUDA defines it: within the
+// caller's group of `width` lanes; up/down past the group's edge and xor into a later group
+// read the caller's own value.
+inline int ShflSource(WarpOp op, int lane, int arg, int width) {
+  const int base = lane & ~(width - 1);
+  switch (op) {
+    case WarpOp::kShflIdx:
+      return base + (arg & (width - 1));
+    case WarpOp::kShflXor:
+      return (lane ^ arg) < base + width ? lane ^ arg : lane;
+    case WarpOp::kShflUp:
+      return lane - base >= arg ? lane - arg : lane;
+    case WarpOp::kShflDown:
+      return lane - base + arg < width ? lane + arg : lane;
+    default:
+      return lane;
+  }
+}
+
+template <typename T>
+uint64_t ToBits(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+  uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <typename T>
+T FromBits(uint64_t b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(T));
+  return v;
+}
+
+}  // namespace dgserve::cuda::emu
+
+template <typename F>
+cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute attr, int value) {
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+    dgserve::cuda::emu::SetMaxDynamicShared(reinterpret_cast<const void*>(kernel), value);
+  }
+  return cudaSuccess;
+}
+
+// ---- Synchronisation and warp intrinsics -------------------------------------------------------
+
+inline void __syncthreads() { dgserve::cuda::emu::BlockCollective(0); }
+inline int __syncthreads_or(int pred) {
+  return dgserve::cuda::emu::BlockCollective(pred).count > 0;
+}
+inline int __syncthreads_and(int pred) {
+  const dgserve::cuda::emu::BlockVote v = dgserve::cuda::emu::BlockCollective(pred);
+  return v.count == v.participants;
+}
+inline int __syncthreads_count(int pred) { return dgserve::cuda::emu::BlockCollective(pred).count; }
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  dgserve::cuda::emu::WarpCollective(dgserve::cuda::emu::WarpOp::kSync, mask, 0, 0);
+}
+
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+  using namespace dgserve::cuda::emu;
+  const int src = ShflSource(WarpOp::kShflIdx, LaneId(), src_lane, width);
+  return FromBits<T>(WarpCollective(WarpOp::kShflIdx, mask, ToBits(v), src));
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  using namespace dgserve::cuda::emu;
+  const int src = ShflSource(WarpOp::kShflXor, LaneId(), lane_mask, width);
+  return FromBits<T>(WarpCollective(WarpOp::kShflXor, mask, ToBits(v), src));
+}
+template <typename T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  using namespace dgserve::cuda::emu;
+  const int src = ShflSource(WarpOp::kShflUp, LaneId(), int(delta), width);
+  return FromBits<T>(WarpCollective(WarpOp::kShflUp, mask, ToBits(v), src));
+}
+template <typename T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  using namespace dgserve::cuda::emu;
+  const int src = ShflSource(WarpOp::kShflDown, LaneId(), int(delta), width);
+  return FromBits<T>(WarpCollective(WarpOp::kShflDown, mask, ToBits(v), src));
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  using namespace dgserve::cuda::emu;
+  return unsigned(WarpCollective(WarpOp::kBallot, mask, pred != 0, 0));
+}
+inline int __any_sync(unsigned mask, int pred) {
+  using namespace dgserve::cuda::emu;
+  return int(WarpCollective(WarpOp::kAny, mask, pred != 0, 0));
+}
+inline int __all_sync(unsigned mask, int pred) {
+  using namespace dgserve::cuda::emu;
+  return int(WarpCollective(WarpOp::kAll, mask, pred != 0, 0));
+}
+
+// ---- Atomics ------------------------------------------------------------------------------------
+
+template <typename T>
+T atomicAdd(T* p, T v) {
+  return std::atomic_ref<T>(*p).fetch_add(v);
+}
+template <typename T>
+T atomicMax(T* p, T v) {
+  std::atomic_ref<T> a(*p);
+  T old = a.load();
+  while (old < v && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+template <typename T>
+T atomicMin(T* p, T v) {
+  std::atomic_ref<T> a(*p);
+  T old = a.load();
+  while (v < old && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+template <typename T>
+T atomicExch(T* p, T v) {
+  return std::atomic_ref<T>(*p).exchange(v);
+}
+template <typename T>
+T atomicCAS(T* p, T expected, T desired) {
+  std::atomic_ref<T>(*p).compare_exchange_strong(expected, desired);
+  return expected;
+}
+
+// ---- Math and bit intrinsics --------------------------------------------------------------------
+// The _rn arithmetic is plain IEEE float arithmetic (the emulation builds with
+// -ffp-contract=off, so nothing is fused behind the code's back); fmaf is the C library's.
+
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline float __int_as_float(int i) { return dgserve::cuda::emu::FromBits<float>(uint32_t(i)); }
+inline float __uint_as_float(unsigned u) { return dgserve::cuda::emu::FromBits<float>(u); }
+inline int __float_as_int(float f) { return int(uint32_t(dgserve::cuda::emu::ToBits(f))); }
+inline unsigned __float_as_uint(float f) { return unsigned(dgserve::cuda::emu::ToBits(f)); }
+inline double __longlong_as_double(long long i) {
+  return dgserve::cuda::emu::FromBits<double>(uint64_t(i));
+}
+inline long long __double_as_longlong(double d) {
+  return (long long)(dgserve::cuda::emu::ToBits(d));
+}
+inline int __float2int_rn(float f) { return int(std::nearbyint(f)); }  // default mode: even
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+
+// CUDA's integer min/max overloads (device code calls them unqualified).
+#define DGSERVE_EMU_MINMAX(T)                      \
+  inline T min(T a, T b) { return b < a ? b : a; } \
+  inline T max(T a, T b) { return a < b ? b : a; }
+DGSERVE_EMU_MINMAX(int)
+DGSERVE_EMU_MINMAX(unsigned int)
+DGSERVE_EMU_MINMAX(long)
+DGSERVE_EMU_MINMAX(unsigned long)
+DGSERVE_EMU_MINMAX(long long)
+DGSERVE_EMU_MINMAX(unsigned long long)
+#undef DGSERVE_EMU_MINMAX
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
+
+// ---- What engine/cuda/cuda_device.cuh provides under nvcc ---------------------------------------
+
+namespace dgserve::cuda {
+
+// The emulated kernel<<<grid, block, shared_bytes, stream>>>(args...): runs the whole grid
+// before returning; errors show in cudaGetLastError(). Each CUDA thread gets its own copy of
+// the arguments, converted to the kernel's parameter types.
+template <typename... Params, typename... Args>
+void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                  cudaStream_t stream, Args&&... args) {
+  const std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
+  emu::Launch(reinterpret_cast<const void*>(kernel), grid, block, shared_bytes,
+              [&] { std::apply(kernel, params); });
+}
+
+// The running block's dynamic shared memory (16-byte aligned).
+template <typename T>
+T* DynamicShared() {
+  return static_cast<T*>(emu::DynamicSharedBase());
+}
+
+}  // namespace dgserve::cuda
