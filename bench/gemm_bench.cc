@@ -72,19 +72,22 @@ int main(int argc, char** argv) {
   // Real width (bench/configs/real-width-2-layers.json): D 2816, 16 heads of 256 (full: 512),
   // 8 KV heads sliding, dense 2112, experts 704.
   const std::vector<Shape> shapes = {
-      {"q_proj, canvas 256", 256, 4096, 2816},    {"k_proj, canvas 256", 256, 2048, 2816},
-      {"o_proj, canvas 256", 256, 2816, 4096},    {"mlp gate, canvas 256", 256, 2112, 2816},
-      {"mlp down, canvas 256", 256, 2816, 2112},  {"q_proj, prefill 512", 512, 4096, 2816},
-      {"expert gate_up, 1 row", 1, 1408, 2816},   {"expert gate_up, 4 rows", 4, 1408, 2816},
-      {"expert gate_up, 8 rows", 8, 1408, 2816},  {"expert gate_up, 16 rows", 16, 1408, 2816},
-      {"expert down, 16 rows", 16, 2816, 704},    {"expert gate_up, 32 rows", 32, 1408, 2816},
+      {"q_proj, canvas 256", 256, 4096, 2816},     {"k_proj, canvas 256", 256, 2048, 2816},
+      {"o_proj, canvas 256", 256, 2816, 4096},     {"mlp gate, canvas 256", 256, 2112, 2816},
+      {"mlp down, canvas 256", 256, 2816, 2112},   {"q_proj, prefill 512", 512, 4096, 2816},
+      {"expert gate_up, 1 row", 1, 1408, 2816},    {"expert gate_up, 4 rows", 4, 1408, 2816},
+      {"expert gate_up, 8 rows", 8, 1408, 2816},   {"expert gate_up, 16 rows", 16, 1408, 2816},
+      {"expert down, 16 rows", 16, 2816, 704},     {"expert gate_up, 32 rows", 32, 1408, 2816},
       {"expert gate_up, 64 rows", 64, 1408, 2816}, {"LM head, canvas 32", 32, V, 2816},
       {"LM head, canvas 256", 256, V, 2816},
   };
+  // The soft embedding's product p[m, 512] · E[512, D] with E row-major (a vocabulary tile).
+  const std::vector<Shape> row_major_shapes = {{"soft emb. tile, canvas 32", 32, 2816, 512},
+                                               {"soft emb. tile, canvas 256", 256, 2816, 512}};
   std::printf("GEMM path %s, %d threads; OpenBLAS sgemm on float32 copies of the weights\n",
               GemmIsaName(ActiveGemmIsa()), omp_get_max_threads());
-  std::printf("%-26s %5s %6s %5s %10s %10s %7s\n", "shape", "m", "n", "k", "ours GF/s",
-              "BLAS GF/s", "ratio");
+  std::printf("%-26s %5s %6s %5s %10s %10s %7s\n", "shape", "m", "n", "k", "ours GF/s", "BLAS GF/s",
+              "ratio");
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 0.05f);
   for (const Shape& s : shapes) {
@@ -96,6 +99,23 @@ int main(int argc, char** argv) {
     const double blas = TimePerCall([&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.m, s.n, s.k, 1.0f, a.data(), s.k,
                   w.data(), s.k, 0.0f, c.data(), s.n);
+    });
+    const double flop = 2.0 * s.m * s.n * s.k;
+    std::printf("%-26s %5d %6d %5d %10.1f %10.1f %6.2fx\n", s.name, s.m, s.n, s.k,
+                flop / ours / 1e9, flop / blas / 1e9, blas / ours);
+  }
+  for (const Shape& s : row_major_shapes) {  // C = A · B, B [k, n] row-major in bf16
+    std::vector<float> a(size_t(s.m) * s.k), b(size_t(s.k) * s.n), c(size_t(s.m) * s.n);
+    for (float& x : a) x = dist(rng);
+    for (float& x : b) x = dgserve::RoundToBf16(dist(rng));
+    std::vector<uint16_t> b16(b.size());
+    for (size_t i = 0; i < b.size(); ++i) b16[i] = dgserve::FloatToBf16(b[i]);
+    const GemmArgs g =
+        GemmArgs::Of(s.m, s.n, s.k, a.data(), s.k, GemmB::RowMajor(b16.data(), s.n), c.data(), s.n);
+    const double ours = TimePerCall([&] { Gemm(g); });
+    const double blas = TimePerCall([&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s.m, s.n, s.k, 1.0f, a.data(), s.k,
+                  b.data(), s.n, 0.0f, c.data(), s.n);
     });
     const double flop = 2.0 * s.m * s.n * s.k;
     std::printf("%-26s %5d %6d %5d %10.1f %10.1f %6.2fx\n", s.name, s.m, s.n, s.k,

@@ -90,7 +90,6 @@ std::string ShapeProblem(const TensorView& v, const std::vector<int64_t>& expect
                       " but the config expects ", ShapeToString(expected));
 }
 
-
 // NaN or infinite weights would only surface as garbage tokens: name the tensor now.
 absl::Status NonFiniteError(const TensorView& v, int64_t element) {
   return absl::InvalidArgumentError(absl::StrCat(

@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
 #include "engine/model/checkpoint.h"
-#include "engine/model/random_checkpoint.h"
 #include "engine/model/config.h"
+#include "engine/model/random_checkpoint.h"
 #include "engine/model/weights.h"
 
 namespace dgserve::testing {
@@ -34,8 +34,8 @@ inline absl::StatusOr<Checkpoint> LoadRandomTinyV512(const std::string& tag) {
   const std::filesystem::path golden = std::filesystem::path(GoldenDir()) / "tiny-v512";
   absl::StatusOr<ModelDirConfigs> cfgs = LoadConfigsFromModelDir(golden.string());
   if (!cfgs.ok()) return cfgs.status();
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    absl::StrCat("dgserve_", tag, "_", ::getpid());
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / absl::StrCat("dgserve_", tag, "_", ::getpid());
   absl::Status st = WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, dir.string());
   absl::StatusOr<Checkpoint> ckpt =
       st.ok() ? LoadCheckpoint(dir.string()) : absl::StatusOr<Checkpoint>(st);

@@ -190,8 +190,7 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   for (size_t i = 0; i < size_t(R) * D; ++i) h[i] = (h[i] + dense[i]) * scalar;
 }
 
-void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int R,
-                     float* m) const {
+void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int R, float* m) const {
   const LayerWeights& lw = w_.layers[l];
   const int D = c_.hidden_size, E = c_.num_experts, K = c_.top_k_experts;
   const int F = c_.moe_intermediate_size;
@@ -315,15 +314,10 @@ void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, 
           const float* qb = q + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd;
           scores.resize(size_t(rows) * nk);
           // Scores = Q·Kᵀ with scale 1.0 (spec §3.1.5).
-          GemmArgs sg;
-          sg.m = rows;
-          sg.n = nk;
-          sg.k = hd;
-          sg.a = qb;
-          sg.lda = nh * hd;
-          sg.b = GemmB::Panels(&kpanel[size_t(g) * kpstride + size_t(klo) * hd], hd);
-          sg.c = scores.data();
-          sg.ldc = nk;
+          const GemmArgs sg =
+              GemmArgs::Of(rows, nk, hd, qb, nh * hd,
+                           GemmB::Panels(&kpanel[size_t(g) * kpstride + size_t(klo) * hd], hd),
+                           scores.data(), nk);
           Gemm(sg, GemmThreads::kCallerOnly);
           for (int i = 0; i < rows; ++i) {
             float* sr = scores.data() + size_t(i) * nk;
@@ -338,15 +332,10 @@ void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, 
             const float inv = 1.0f / sum;
             for (int j = lo; j < hi; ++j) sr[j] *= inv;
           }
-          GemmArgs og;
-          og.m = rows;
-          og.n = hd;
-          og.k = nk;
-          og.a = scores.data();
-          og.lda = nk;
-          og.b = GemmB::RowMajor(&vpanel[(size_t(g) * nkeys + klo) * hd], hd);
-          og.c = out + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd;
-          og.ldc = nh * hd;
+          const GemmArgs og =
+              GemmArgs::Of(rows, hd, nk, scores.data(), nk,
+                           GemmB::RowMajor(&vpanel[(size_t(g) * nkeys + klo) * hd], hd),
+                           out + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd, nh * hd);
           Gemm(og, GemmThreads::kCallerOnly);
         }
       }
@@ -484,15 +473,8 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
 
 void CpuBackend::SoftEmbedding(const float* probs, int rows, float* soft) {
   const int D = c_.hidden_size, V = c_.vocab_size;
-  GemmArgs g;  // soft[rows, D] = probs[rows, V] · E[V, D]
-  g.m = rows;
-  g.n = D;
-  g.k = V;
-  g.a = probs;
-  g.lda = V;
-  g.b = GemmB::RowMajor(w_.embed_tokens.data(), D);
-  g.c = soft;
-  g.ldc = D;
+  const GemmArgs g = GemmArgs::Of(rows, D, V, probs, V, GemmB::RowMajor(w_.embed_tokens.data(), D),
+                                  soft, D);  // soft[rows, D] = probs[rows, V] · E[V, D]
   Gemm(g);
   const float scale = c_.EmbedScale();
   for (int64_t i = 0; i < int64_t(rows) * D; ++i) soft[i] *= scale;

@@ -152,15 +152,8 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           l = a.logits + v0;
           ldl = V;
         }
-        GemmArgs lg;  // l[M, n] = hidden[M, D] · E[v0 : v0 + n]ᵀ
-        lg.m = M;
-        lg.n = n;
-        lg.k = D;
-        lg.a = a.hidden;
-        lg.lda = D;
-        lg.b = a.lm_head->AsGemmB(v0);
-        lg.c = l;
-        lg.ldc = ldl;
+        const GemmArgs lg = GemmArgs::Of(M, n, D, a.hidden, D, a.lm_head->AsGemmB(v0), l,
+                                         ldl);  // l[M, n] = hidden[M, D] · E[v0 : v0 + n]ᵀ
         Gemm(lg, GemmThreads::kCallerOnly);
         for (int r = 0; r < M; ++r) {
           float* lr = l + size_t(r) * ldl;
@@ -196,16 +189,8 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           tile_ref[size_t(tile) * M + r] = s.max_logit;
         }
         if (acc) {  // acc[M, D] += e[M, n] · E_tile[n, D]
-          GemmArgs sg;
-          sg.m = M;
-          sg.n = D;
-          sg.k = n;
-          sg.a = ebuf.data();
-          sg.lda = kTile;
-          sg.b = GemmB::RowMajor(et, D);
-          sg.c = acc;
-          sg.ldc = D;
-          sg.accumulate = true;
+          const GemmArgs sg =
+              GemmArgs::Of(M, D, n, ebuf.data(), kTile, GemmB::RowMajor(et, D), acc, D, true);
           Gemm(sg, GemmThreads::kCallerOnly);
         }
       }
@@ -276,15 +261,8 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
     // pass, so the same bits) and scan it.
     const int v0 = chosen_tile * kTile, n = std::min(kTile, V - v0);
     float lrow[kTile];
-    GemmArgs rg;
-    rg.m = 1;
-    rg.n = n;
-    rg.k = D;
-    rg.a = a.hidden + size_t(r) * D;
-    rg.lda = D;
-    rg.b = a.lm_head->AsGemmB(v0);
-    rg.c = lrow;
-    rg.ldc = n;
+    const GemmArgs rg =
+        GemmArgs::Of(1, n, D, a.hidden + size_t(r) * D, D, a.lm_head->AsGemmB(v0), lrow, n);
     Gemm(rg, GemmThreads::kCallerOnly);
     Softcap(lrow, n, a.softcap);
     int32_t sampled = -1, last_positive = v0;

@@ -34,8 +34,8 @@ struct VocabStepArgs {
 // hidden states up to float rounding (the sample can differ only when u·S falls within rounding
 // of a cumulative boundary). Parallel over a fixed number of vocabulary chunks (OpenMP) merged in
 // order, and every row's arithmetic is its own (GEMMs with the property of cpu/gemm.h), so a
-// row's result depends neither on the thread count nor on the other rows. INTERNAL when a row's logits are not
-// finite (NaN or infinite weights, overflow): nothing can be sampled from them.
+// row's result depends neither on the thread count nor on the other rows. INTERNAL when a row's
+// logits are not finite (NaN or infinite weights, overflow): nothing can be sampled from them.
 absl::Status FusedVocabStep(const VocabStepArgs& args);
 
 }  // namespace dgserve::cpu

@@ -187,8 +187,7 @@ TEST(FusedVocabStepTest, RowsDoNotDependOnTheBatchOrTheGemmPath) {
       EXPECT_EQ(one[0].sampled, all[r].sampled) << GemmIsaName(isa) << " row " << r;
       EXPECT_EQ(one[0].entropy, all[r].entropy) << GemmIsaName(isa) << " row " << r;
       EXPECT_EQ(one[0].lse, all[r].lse) << GemmIsaName(isa) << " row " << r;
-      EXPECT_EQ(0, std::memcmp(one_soft.data(), all_soft.data() + size_t(r) * D,
-                               sizeof(float) * D))
+      EXPECT_EQ(0, std::memcmp(one_soft.data(), all_soft.data() + size_t(r) * D, sizeof(float) * D))
           << GemmIsaName(isa) << " row " << r;
     }
   }

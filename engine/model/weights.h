@@ -15,26 +15,26 @@ namespace dgserve {
 // heads, nh query heads, I dense width, E experts, F expert width.
 struct LayerWeights {
   std::vector<float> input_layernorm;            // [D]
-  cpu::PackedMatrix q_proj;                     // [nh·hd, D]
-  cpu::PackedMatrix k_proj;                     // [nkv·hd, D]
-  cpu::PackedMatrix v_proj;                     // [nkv·hd, D]; empty on full layers (V = rms(k))
-  cpu::PackedMatrix o_proj;                     // [D, nh·hd]
+  cpu::PackedMatrix q_proj;                      // [nh·hd, D]
+  cpu::PackedMatrix k_proj;                      // [nkv·hd, D]
+  cpu::PackedMatrix v_proj;                      // [nkv·hd, D]; empty on full layers (V = rms(k))
+  cpu::PackedMatrix o_proj;                      // [D, nh·hd]
   std::vector<float> q_norm;                     // [hd]
   std::vector<float> k_norm;                     // [hd]
   std::vector<float> post_attention_layernorm;   // [D]
   std::vector<float> pre_feedforward_layernorm;  // [D]
-  cpu::PackedMatrix mlp_gate_proj;              // [I, D]
-  cpu::PackedMatrix mlp_up_proj;                // [I, D]
-  cpu::PackedMatrix mlp_down_proj;              // [D, I]
-  std::vector<float> post_feedforward_layernorm_1;  // [D]
-  cpu::PackedMatrix router_proj;                   // [E, D]
-  std::vector<float> router_scale;                  // [D]
-  std::vector<float> router_per_expert_scale;       // [E]
-  std::vector<float> pre_feedforward_layernorm_2;   // [D]
+  cpu::PackedMatrix mlp_gate_proj;               // [I, D]
+  cpu::PackedMatrix mlp_up_proj;                 // [I, D]
+  cpu::PackedMatrix mlp_down_proj;               // [D, I]
+  std::vector<float> post_feedforward_layernorm_1;      // [D]
+  cpu::PackedMatrix router_proj;                        // [E, D]
+  std::vector<float> router_scale;                      // [D]
+  std::vector<float> router_per_expert_scale;           // [E]
+  std::vector<float> pre_feedforward_layernorm_2;       // [D]
   std::vector<cpu::PackedMatrix> experts_gate_up_proj;  // E × [2F, D]: rows 0..F-1 gate, F..2F-1 up
   std::vector<cpu::PackedMatrix> experts_down_proj;     // E × [D, F]
-  std::vector<float> post_feedforward_layernorm_2;  // [D]
-  std::vector<float> post_feedforward_layernorm;    // [D]
+  std::vector<float> post_feedforward_layernorm_2;      // [D]
+  std::vector<float> post_feedforward_layernorm;        // [D]
   float decoder_layer_scalar = 1.0f;  // model.decoder.layers.i.layer_scalar (decoder passes)
   float encoder_layer_scalar = 1.0f;  // model.encoder.language_model.layers.i.layer_scalar
 };
@@ -44,12 +44,12 @@ struct LayerWeights {
 struct ModelWeights {
   std::vector<uint16_t> embed_tokens;  // [V, D] bf16 bits, row-major (lookups, soft embedding)
   cpu::PackedMatrix lm_head;           // the same table packed for the LM head GEMM (tied)
-  std::vector<float> final_norm;     // [D]
-  std::vector<float> sc_pre_norm;    // [D]
-  cpu::PackedMatrix sc_gate_proj;   // [I, D]
-  cpu::PackedMatrix sc_up_proj;     // [I, D]
-  cpu::PackedMatrix sc_down_proj;   // [D, I]
-  std::vector<LayerWeights> layers;  // [L]
+  std::vector<float> final_norm;       // [D]
+  std::vector<float> sc_pre_norm;      // [D]
+  cpu::PackedMatrix sc_gate_proj;      // [I, D]
+  cpu::PackedMatrix sc_up_proj;        // [I, D]
+  cpu::PackedMatrix sc_down_proj;      // [D, I]
+  std::vector<LayerWeights> layers;    // [L]
 };
 
 }  // namespace dgserve

@@ -22,10 +22,10 @@ using gemm_internal::KernelSet;
 using gemm_internal::Tile;
 
 // Block sizes. None of them changes a result (THE PROPERTY); they only place work in caches:
-// a k block of one two-panel B strip (kKc × 32 bf16 = 16 KB) stays in L1 while the row groups
-// of a tile stream past it, and a tile's A block (kMc × kKc floats = 128 KB) stays in L2.
+// a k block of one two-panel B strip (kKc × 32 bf16 = 16 KB) and a tile's A block (kMc × kKc
+// floats = 32 KB) stay in L1/L2 while the row groups stream past the strip.
 constexpr int kKc = 256;  // k per block
-constexpr int kMc = 128;  // rows per output tile
+constexpr int kMc = 32;   // rows per output tile
 constexpr int kNc = 256;  // columns per output tile (a multiple of 2 panels)
 
 bool CpuHas(GemmIsa isa) {
@@ -89,8 +89,9 @@ const void* BAt(const GemmB& b, int64_t kk, int64_t j) {
 
 // Per-thread buffers for a partial last panel: its B strip padded to 16 columns, and C rows.
 struct Scratch {
-  std::vector<float> b;   // [kKc][16] floats (or half of it as bf16)
-  std::vector<float> c;   // [max_rows][16]
+  std::vector<float> b;      // [kKc][16] floats (or half of it as bf16)
+  std::vector<float> c;      // [max_rows][16]
+  std::vector<float> strip;  // a strided B strip copied contiguous: two panels × [kKc][16]
 };
 
 // Columns [j, j + cols) with cols < 16 (the partial last panel) for rows [m0, m1), k block k0.
@@ -148,6 +149,24 @@ void RunTile(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int n0, int
       t.b0 = BAt(g.b, k0, j);
       t.b1 = panels > 1 ? BAt(g.b, k0, j + kGemmPanel) : nullptr;
       t.b_kstride = g.b.k_stride;
+      if (g.b.k_stride != kGemmPanel && m1 - m0 > ks.max_rows) {
+        // A row-major B walks k with a large stride (a row of B per k), which maps a strip's
+        // lines onto few cache sets; copied contiguous once, it serves every row group from L1.
+        // Copies are exact: the chains are unchanged.
+        const size_t es = ElementSize(g.b), row_bytes = kGemmPanel * es;
+        s.strip.resize(size_t(2) * kKc * kGemmPanel);
+        char* dst = reinterpret_cast<char*>(s.strip.data());
+        for (int p = 0; p < panels; ++p) {
+          const char* src = static_cast<const char*>(p == 0 ? t.b0 : t.b1);
+          char* d = dst + size_t(p) * kKc * row_bytes;
+          for (int kk = 0; kk < kc; ++kk) {
+            std::memcpy(d + kk * row_bytes, src + size_t(kk) * g.b.k_stride * es, row_bytes);
+          }
+        }
+        t.b0 = dst;
+        t.b1 = panels > 1 ? dst + size_t(kKc) * row_bytes : nullptr;
+        t.b_kstride = kGemmPanel;
+      }
       t.ldc = g.ldc;
       t.load_c = load_c;
       for (int i = m0; i < m1; i += ks.max_rows) {
@@ -202,8 +221,8 @@ void Gemm(const GemmArgs& g, GemmIsa isa, GemmThreads threads) {
   const int tiles = row_tiles * col_tiles;
   auto run = [&](int t, Scratch& s) {
     const int ti = t / col_tiles, tj = t % col_tiles;
-    RunTile(g, ks, ti * kMc, std::min(g.m, (ti + 1) * kMc), tj * kNc,
-            std::min(g.n, (tj + 1) * kNc), s);
+    RunTile(g, ks, ti * kMc, std::min(g.m, (ti + 1) * kMc), tj * kNc, std::min(g.n, (tj + 1) * kNc),
+            s);
   };
   if (threads == GemmThreads::kOpenMp && tiles > 1 && !omp_in_parallel() &&
       omp_get_max_threads() > 1) {

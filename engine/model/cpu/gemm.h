@@ -68,6 +68,22 @@ struct GemmArgs {
   float* c = nullptr;  // [m, n], row i at c + i·ldc
   int64_t ldc = 0;
   bool accumulate = false;  // C += A·B instead of C = A·B
+
+  // C[m, n] (+)= A[m, k] · B with the leading dimensions lda and ldc.
+  static GemmArgs Of(int m, int n, int k, const float* a, int64_t lda, GemmB b, float* c,
+                     int64_t ldc, bool accumulate = false) {
+    GemmArgs g;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.a = a;
+    g.lda = lda;
+    g.b = b;
+    g.c = c;
+    g.ldc = ldc;
+    g.accumulate = accumulate;
+    return g;
+  }
 };
 
 enum class GemmThreads {

@@ -61,14 +61,22 @@ void ByPanels(int panels, const Tile& t) {
 template <typename BT>
 void ByRows(int rows, int panels, const Tile& t) {
   switch (rows) {
-    case 1: return ByPanels<1, BT>(panels, t);
-    case 2: return ByPanels<2, BT>(panels, t);
-    case 3: return ByPanels<3, BT>(panels, t);
-    case 4: return ByPanels<4, BT>(panels, t);
-    case 5: return ByPanels<5, BT>(panels, t);
-    case 6: return ByPanels<6, BT>(panels, t);
-    case 7: return ByPanels<7, BT>(panels, t);
-    default: return ByPanels<8, BT>(panels, t);
+    case 1:
+      return ByPanels<1, BT>(panels, t);
+    case 2:
+      return ByPanels<2, BT>(panels, t);
+    case 3:
+      return ByPanels<3, BT>(panels, t);
+    case 4:
+      return ByPanels<4, BT>(panels, t);
+    case 5:
+      return ByPanels<5, BT>(panels, t);
+    case 6:
+      return ByPanels<6, BT>(panels, t);
+    case 7:
+      return ByPanels<7, BT>(panels, t);
+    default:
+      return ByPanels<8, BT>(panels, t);
   }
 }
 

@@ -41,18 +41,23 @@ void Kernel(const Tile& t) {
 template <typename BT>
 void ByRows(int rows, const Tile& t) {
   switch (rows) {
-    case 1: return Kernel<1, BT>(t);
-    case 2: return Kernel<2, BT>(t);
-    case 3: return Kernel<3, BT>(t);
-    default: return Kernel<4, BT>(t);
+    case 1:
+      return Kernel<1, BT>(t);
+    case 2:
+      return Kernel<2, BT>(t);
+    case 3:
+      return Kernel<3, BT>(t);
+    default:
+      return Kernel<4, BT>(t);
   }
 }
 
 // Cloned for CPUs with and without FMA instructions (an ifunc picks one at load): with them
 // std::fma is one instruction, without them glibc's correctly rounded fma(); both give the IEEE
-// fused result, so the clone changes speed, not bits. `flatten` inlines the kernels into each clone.
-__attribute__((target_clones("fma", "default"), flatten))
-void Run(int rows, int /*panels*/, bool bf16, const Tile& t) {
+// fused result, so the clone changes speed, not bits. `flatten` inlines the kernels into each
+// clone.
+__attribute__((target_clones("fma", "default"), flatten)) void Run(int rows, int /*panels*/,
+                                                                   bool bf16, const Tile& t) {
   if (bf16) {
     ByRows<uint16_t>(rows, t);
   } else {

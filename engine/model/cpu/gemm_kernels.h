@@ -8,15 +8,15 @@
 namespace dgserve::cpu::gemm_internal {
 
 struct Tile {
-  int kc = 0;                  // k steps of this block
-  const float* a = nullptr;    // A at (first row, first k of the block)
+  int kc = 0;                // k steps of this block
+  const float* a = nullptr;  // A at (first row, first k of the block)
   int64_t lda = 0;
-  const void* b0 = nullptr;    // panel 0 at the block's first k (float or bf16 elements)
-  const void* b1 = nullptr;    // panel 1 (two-panel tiles) or null
-  int64_t b_kstride = 0;       // elements between k and k+1 in a panel
-  float* c = nullptr;          // C at (first row, first column)
+  const void* b0 = nullptr;  // panel 0 at the block's first k (float or bf16 elements)
+  const void* b1 = nullptr;  // panel 1 (two-panel tiles) or null
+  int64_t b_kstride = 0;     // elements between k and k+1 in a panel
+  float* c = nullptr;        // C at (first row, first column)
   int64_t ldc = 0;
-  bool load_c = false;         // continue the chains from C (else start from 0)
+  bool load_c = false;  // continue the chains from C (else start from 0)
 };
 
 // One instruction set's microkernels.

@@ -92,16 +92,7 @@ TEST_P(GemmIsaTest, EveryElementIsTheAscendingFmaChain) {
       for (bool acc : {false, true}) {
         std::vector<float> c0 = RandomFloats(size_t(m) * ldc, rng);
         std::vector<float> c = c0;
-        GemmArgs g;
-        g.m = m;
-        g.n = n;
-        g.k = k;
-        g.a = a.data();
-        g.lda = lda;
-        g.b = layouts[li];
-        g.c = c.data();
-        g.ldc = ldc;
-        g.accumulate = acc;
+        const GemmArgs g = GemmArgs::Of(m, n, k, a.data(), lda, layouts[li], c.data(), ldc, acc);
         Gemm(g, GetParam(), GemmThreads::kOpenMp);
         int bad = 0;
         for (int i = 0; i < m && bad < 3; ++i) {
@@ -111,9 +102,8 @@ TEST_P(GemmIsaTest, EveryElementIsTheAscendingFmaChain) {
             const float got = c[size_t(i) * ldc + j];
             if (Bits(got) != Bits(want)) {
               ++bad;
-              ADD_FAILURE() << names[li] << " m=" << m << " n=" << n << " k=" << k
-                            << " acc=" << acc << " C[" << i << "," << j << "] = " << got
-                            << ", chain gives " << want;
+              ADD_FAILURE() << names[li] << " m=" << m << " n=" << n << " k=" << k << " acc=" << acc
+                            << " C[" << i << "," << j << "] = " << got << ", chain gives " << want;
             }
           }
         }
@@ -147,20 +137,13 @@ TEST_P(GemmIsaTest, RowsDoNotDependOnBatchOffsetOrThreads) {
       for (int rows : {1, 5, 8, 13, 40}) {
         if (off + rows > m) continue;
         std::vector<float> part(size_t(rows) * n);
-        GemmArgs g;
-        g.m = rows;
-        g.n = n;
-        g.k = k;
-        g.a = a.data() + size_t(off) * k;
-        g.lda = k;
-        g.b = packed.AsGemmB();
-        g.c = part.data();
-        g.ldc = n;
+        const GemmArgs g = GemmArgs::Of(rows, n, k, a.data() + size_t(off) * k, k, packed.AsGemmB(),
+                                        part.data(), n);
         Gemm(g, GetParam(), GemmThreads::kOpenMp);
-        ASSERT_EQ(0, std::memcmp(part.data(), full.data() + size_t(off) * n,
-                                 sizeof(float) * part.size()))
-            << GemmIsaName(GetParam()) << " vs " << GemmIsaName(ActiveGemmIsa())
-            << ": rows [" << off << ", " << off + rows << ") with " << threads << " threads";
+        ASSERT_EQ(
+            0, std::memcmp(part.data(), full.data() + size_t(off) * n, sizeof(float) * part.size()))
+            << GemmIsaName(GetParam()) << " vs " << GemmIsaName(ActiveGemmIsa()) << ": rows ["
+            << off << ", " << off + rows << ") with " << threads << " threads";
       }
     }
   }
@@ -176,15 +159,7 @@ TEST_P(GemmIsaTest, Bf16WeightsEqualTheirFloatCopy) {
   std::vector<uint16_t> b16(b.size());
   for (size_t i = 0; i < b.size(); ++i) b16[i] = FloatToBf16(b[i]);
   std::vector<float> c1(size_t(m) * n), c2(size_t(m) * n);
-  GemmArgs g;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  g.a = a.data();
-  g.lda = k;
-  g.ldc = n;
-  g.b = GemmB::RowMajor(b.data(), n);
-  g.c = c1.data();
+  GemmArgs g = GemmArgs::Of(m, n, k, a.data(), k, GemmB::RowMajor(b.data(), n), c1.data(), n);
   Gemm(g, GetParam(), GemmThreads::kCallerOnly);
   g.b = GemmB::RowMajor(b16.data(), n);
   g.c = c2.data();
@@ -199,16 +174,7 @@ INSTANTIATE_TEST_SUITE_P(AllPaths, GemmIsaTest, ::testing::ValuesIn(AllIsas()),
 TEST(GemmTest, EmptyDimensions) {
   std::vector<float> c(6, 5.0f);
   std::vector<float> a(6, 1.0f), b(6, 1.0f);
-  GemmArgs g;
-  g.m = 2;
-  g.n = 3;
-  g.k = 0;
-  g.a = a.data();
-  g.lda = 1;
-  g.b = GemmB::RowMajor(b.data(), 3);
-  g.c = c.data();
-  g.ldc = 3;
-  g.accumulate = true;
+  GemmArgs g = GemmArgs::Of(2, 3, 0, a.data(), 1, GemmB::RowMajor(b.data(), 3), c.data(), 3, true);
   Gemm(g);
   EXPECT_EQ(c, std::vector<float>(6, 5.0f));
   g.accumulate = false;

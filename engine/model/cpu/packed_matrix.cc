@@ -33,7 +33,8 @@ std::vector<uint16_t> PackedMatrix::UnpackBf16() const {
   std::vector<uint16_t> out(size_t(n_) * k_);
   for (int r = 0; r < n_; ++r) {
     for (int c = 0; c < k_; ++c) {
-      out[size_t(r) * k_ + c] = data_[(size_t(r / kGemmPanel) * k_ + c) * kGemmPanel + r % kGemmPanel];
+      out[size_t(r) * k_ + c] =
+          data_[(size_t(r / kGemmPanel) * k_ + c) * kGemmPanel + r % kGemmPanel];
     }
   }
   return out;
@@ -41,16 +42,8 @@ std::vector<uint16_t> PackedMatrix::UnpackBf16() const {
 
 void Linear(const float* x, int m, const PackedMatrix& w, float* y, bool accumulate,
             GemmThreads threads) {
-  GemmArgs g;
-  g.m = m;
-  g.n = w.rows();
-  g.k = w.cols();
-  g.a = x;
-  g.lda = w.cols();
-  g.b = w.AsGemmB();
-  g.c = y;
-  g.ldc = w.rows();
-  g.accumulate = accumulate;
+  const GemmArgs g =
+      GemmArgs::Of(m, w.rows(), w.cols(), x, w.cols(), w.AsGemmB(), y, w.rows(), accumulate);
   Gemm(g, threads);
 }
 
