@@ -89,7 +89,25 @@ Gateway::Gateway(ModelConfig config, GenerationConfig generation, Tokenizer toke
       options_(std::move(options)),
       prefill_(prefill),
       denoise_(denoise),
-      metrics_(metrics) {}
+      metrics_(metrics),
+      admission_(options_.max_concurrent_requests, options_.max_queued_requests,
+                 [metrics](int running, int queued) {
+                   if (metrics == nullptr) return;
+                   metrics->inflight.Set(running);
+                   metrics->queued.Set(queued);
+                 }) {}
+
+absl::Status Gateway::CheckAdmission() {
+  if (!admission_.Saturated()) return absl::OkStatus();
+  absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
+      "the gateway is at its limit of ", options_.max_concurrent_requests, " concurrent requests",
+      options_.max_queued_requests > 0
+          ? absl::StrCat(" and ", options_.max_queued_requests, " queued")
+          : std::string(),
+      "; retry later"));
+  if (metrics_) metrics_->RequestsWithStatus(absl::StatusCodeToString(s.code())).Increment();
+  return s;
+}
 
 v1::ListModelsResponse Gateway::ListModels() const {
   v1::ListModelsResponse r;
@@ -104,7 +122,7 @@ v1::ListModelsResponse Gateway::ListModels() const {
 void Gateway::Drain(absl::Duration grace) {
   SetDraining(true);
   const absl::Time until = absl::Now() + grace;
-  while (inflight_ > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  while (admission_.running() + admission_.queued() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
 }
 
 void Gateway::UpdateWorkerGauges() {
@@ -255,13 +273,15 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
   if (draining_) return count(absl::UnavailableError("gateway is draining"));
   absl::StatusOr<PreparedRequest> prepared = Prepare(request);
   if (!prepared.ok()) return count(prepared.status());
-  if (inflight_.fetch_add(1) >= options_.max_concurrent_requests) {
-    inflight_.fetch_sub(1);
-    return count(absl::ResourceExhaustedError(absl::StrCat("the gateway is at its limit of ",
-                                                           options_.max_concurrent_requests,
-                                                           " concurrent requests; retry later")));
+  absl::Duration waited;
+  if (absl::Status admitted = admission_.Acquire(deadline, is_cancelled, &waited);
+      !admitted.ok()) {
+    if (metrics_ && !absl::IsResourceExhausted(admitted)) {
+      metrics_->queue_seconds.Observe(absl::ToDoubleSeconds(waited));
+    }
+    return count(admitted);
   }
-  if (metrics_) metrics_->inflight.Set(inflight_);
+  if (metrics_) metrics_->queue_seconds.Observe(absl::ToDoubleSeconds(waited));
   std::set<std::string> bad_prefill, bad_denoise;
   bool output_sent = false;
   absl::Status status;
@@ -272,8 +292,7 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
     if (status.ok() || !absl::IsUnavailable(status) || output_sent) break;
     if (absl::Now() >= deadline || (is_cancelled && is_cancelled())) break;
   }
-  inflight_.fetch_sub(1);
-  if (metrics_) metrics_->inflight.Set(inflight_);
+  admission_.Release();
   return count(status);
 }
 

@@ -38,6 +38,12 @@ GatewayMetrics::GatewayMetrics(prometheus::Registry& r)
                           "Attempts repeated on another worker after UNAVAILABLE")),
       inflight(
           MakeGauge(r, "dgserve_gateway_inflight_requests", "Requests admitted and not finished")),
+      queued(MakeGauge(r, "dgserve_gateway_queued_requests",
+                       "Requests waiting for admission (--max_queued_requests)")),
+      queue_seconds(MakeHistogram(r, "dgserve_gateway_queue_duration_seconds",
+                                  "Time a request waited for admission",
+                                  {0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                                   60})),
       workers(prometheus::BuildGauge()
                   .Name("dgserve_gateway_workers")
                   .Help("Known workers by role and health")

@@ -10,7 +10,7 @@ dgserve_cc_library(NAME dgserve_openai_api
 
 dgserve_cc_library(NAME dgserve_http_server
   SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server.cc
-  DEPS dgserve_openai_api dgserve_status_convert PkgConfig::HTTPLIB prometheus-cpp::core
+  DEPS dgserve_openai_api dgserve_status_convert dgserve_common Boost::headers prometheus-cpp::core
        absl::status absl::statusor absl::strings absl::time absl::synchronization Threads::Threads)
 
 if(DGSERVE_BUILD_TESTS)

@@ -32,7 +32,9 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:0", "Prometheus /metrics (all
 ABSL_FLAG(std::string, ports_file, "", "write the bound ports here as JSON once serving");
 ABSL_FLAG(int64_t, kv_cache_mib, 512, "memory of each role's KV block pool, MiB");
 ABSL_FLAG(int, max_batch_canvases, 16, "canvases in one batched decoder pass at most");
-ABSL_FLAG(int, max_concurrent_requests, 64, "admitted requests at once; beyond: 429");
+ABSL_FLAG(int, max_concurrent_requests, 64,
+          "requests running at once (gRPC and HTTP); beyond: queued, then 429 / RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_queued_requests, 0, "requests waiting for a slot; beyond: 429 at once");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
 
 namespace dgserve {
@@ -104,7 +106,8 @@ absl::Status Run() {
   denoise_pool.Start();
   GatewayOptions gopts;
   gopts.model_id = model_id;
-  gopts.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
+  gopts.max_concurrent_requests = std::max(1, absl::GetFlag(FLAGS_max_concurrent_requests));
+  gopts.max_queued_requests = std::max(0, absl::GetFlag(FLAGS_max_queued_requests));
   Gateway gateway(config, denoise_model->checkpoint->generation, *std::move(tokenizer), gopts,
                   &prefill_pool, &denoise_pool, &gateway_metrics);
   GenerationServiceImpl generation(&gateway, absl::Minutes(10));
