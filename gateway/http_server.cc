@@ -303,8 +303,8 @@ class OpenAiHttpServer::Impl::Session : public std::enable_shared_from_this<Sess
   // An answer that is not a stream; the connection then goes on to the next request.
   void Respond(const Response& r, const std::string& route, absl::Time start) {
     if (state_ == State::kClosed) return;
+    impl_->Record(route, r.status, absl::Now() - start);  // before the client can see the answer
     Write(Serialize(r, keep_alive_ && !impl_->stopping, head_), false);
-    impl_->Record(route, r.status, absl::Now() - start);
     EndExchange();
   }
 
@@ -327,9 +327,9 @@ class OpenAiHttpServer::Impl::Session : public std::enable_shared_from_this<Sess
   // A stream's last bytes (final frames and the last chunk).
   void EndStream(std::string bytes, const std::string& route, absl::Time start) {
     if (state_ == State::kClosed) return;
+    impl_->Record(route, 200, absl::Now() - start);
     Write(std::move(bytes), false);
     keepalive_timer_.cancel();
-    impl_->Record(route, 200, absl::Now() - start);
     EndExchange();
   }
 
