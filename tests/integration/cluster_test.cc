@@ -1,6 +1,10 @@
 // Integration tests of the cluster: real gateway, prefill and denoise processes on loopback
 // ports chosen at run time, driven over gRPC and HTTP (label `integration`).
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cctype>
@@ -758,6 +762,128 @@ TEST(ClusterFailureTest, TransferCutMidBlockFailsCleanly) {
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->kv().full_blocks_used(), 0);
   EXPECT_EQ(p->kv().sliding_blocks_used(), 0);
+}
+
+
+// A raw HTTP client socket on 127.0.0.1 that sent `body` to `path` (-1 on failure).
+int SendHttpPost(int port, const std::string& path, const std::string& body) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval tv{60, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  const std::string req = absl::StrCat("POST ", path,
+                                       " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                       "application/json\r\nContent-Length: ",
+                                       body.size(), "\r\n\r\n", body);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Reads from `fd` until `needle` is seen (or EOF / the 60 s receive timeout).
+std::string ReadUntil(int fd, const std::string& needle) {
+  std::string out;
+  char buf[4096];
+  while (out.find(needle) == std::string::npos) {
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// --max_concurrent_requests counts gRPC and HTTP requests together: with 2 running (one of
+// each) and 1 queued, the next ones get 429 + Retry-After (HTTP) and RESOURCE_EXHAUSTED (gRPC)
+// at once; /health and /ready still answer; closing an HTTP connection cancels its request at
+// once (streaming or not) and frees its KV, which lets the queued request in.
+TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
+  ClusterOptions o;
+  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
+  ASSERT_TRUE(model.ok()) << model.status();
+  o.model_dir = *model;
+  o.gateway_flags = {"--max_concurrent_requests=2", "--max_queued_requests=1"};
+  auto c = TestCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const TestCluster& cl = **c;
+  const int http_port = cl.gateway().http_port;
+  auto denoise_idle = [&] {
+    auto s = cl.DenoiseStats(0);
+    return s.ok() && s->active_requests() == 0 && s->queued_requests() == 0 &&
+           s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0;
+  };
+
+  // Two long requests hold the two slots: one gRPC stream, one HTTP SSE stream.
+  grpc::ClientContext held_ctx;
+  auto held = cl.GatewayStub()->GenerateStream(&held_ctx, Chat("Count to a million.", 1, 16000));
+  v1::GenerateEvent ev;
+  ASSERT_TRUE(held->Read(&ev));
+  int sse = SendHttpPost(http_port, "/v1/completions",
+                         R"({"prompt": "Count on.", "max_tokens": 16000, "stream": true})");
+  ASSERT_GE(sse, 0);
+  ASSERT_THAT(ReadUntil(sse, "data: "), HasSubstr("HTTP/1.1 200"));
+
+  // A third waits in the queue.
+  Result queued;
+  std::thread queued_thread([&] { queued = Generate(cl, Chat("hi", 2, 4)); });
+  ASSERT_TRUE(Eventually([&] {
+    return TestCluster::MetricValue(*TestCluster::ScrapeMetrics(cl.gateway()),
+                                    "dgserve_gateway_queued_requests") == 1;
+  }));
+
+  // Beyond: refused at once on both protocols.
+  httplib::Client http("127.0.0.1", http_port);
+  http.set_read_timeout(60, 0);
+  for (int i = 0; i < 3; ++i) {
+    auto res = http.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": 4})",
+                         "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 429) << res->body;
+    EXPECT_EQ(res->get_header_value("Retry-After"), "1");
+    EXPECT_THAT(res->body, HasSubstr("rate_limit_error"));
+    Result refused = Generate(cl, Chat("hi", 3, 4));
+    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << refused.status.error_message();
+    EXPECT_EQ(http.Get("/health")->status, 200);
+    EXPECT_EQ(http.Get("/ready")->status, 200);
+  }
+  EXPECT_EQ(TestCluster::MetricValue(*TestCluster::ScrapeMetrics(cl.gateway()),
+                                     "dgserve_gateway_inflight_requests"),
+            2);
+
+  // Closing the SSE connection cancels that request: the queued one gets its slot.
+  close(sse);
+  queued_thread.join();
+  EXPECT_TRUE(queued.status.ok()) << queued.status.error_message();
+  held_ctx.TryCancel();
+  while (held->Read(&ev)) {
+  }
+  EXPECT_EQ(held->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(Eventually(denoise_idle)) << cl.DenoiseStats(0)->DebugString();
+
+  // A non-streaming HTTP request whose client leaves is cancelled too, and its KV freed.
+  int unary = SendHttpPost(http_port, "/v1/completions",
+                           R"({"prompt": "Count on.", "max_tokens": 16000})");
+  ASSERT_GE(unary, 0);
+  ASSERT_TRUE(Eventually([&] {
+    auto s = cl.DenoiseStats(0);
+    return s.ok() && s->active_requests() == 1 && s->kv().full_blocks_used() > 0;
+  }));
+  close(unary);
+  EXPECT_TRUE(Eventually(denoise_idle)) << cl.DenoiseStats(0)->DebugString();
+
+  const std::string metrics = *TestCluster::ScrapeMetrics(cl.gateway());
+  EXPECT_GE(TestCluster::MetricValue(metrics,
+                                     "dgserve_gateway_requests_total{status=\"RESOURCE_EXHAUSTED\"}"),
+            6);
+  EXPECT_GE(TestCluster::MetricValue(metrics, "dgserve_gateway_queue_duration_seconds_count"), 1);
+  EXPECT_EQ(TestCluster::MetricValue(metrics, "dgserve_gateway_queued_requests"), 0);
 }
 
 }  // namespace
