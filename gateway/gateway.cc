@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "common/logging.h"
 #include "absl/synchronization/mutex.h"
 #include "common/hash.h"
 #include "engine/denoise/sampler_params.h"
@@ -78,6 +80,13 @@ class CancelWatcher {
   std::thread thread_;
 };
 
+// `message` with the addresses of the request's workers replaced by their roles.
+std::string HideWorkers(absl::string_view message, const std::string& prefill,
+                        const std::string& denoise) {
+  return absl::StrReplaceAll(message,
+                             {{prefill, "the prefill worker"}, {denoise, "the denoise worker"}});
+}
+
 }  // namespace
 
 Gateway::Gateway(ModelConfig config, GenerationConfig generation, Tokenizer tokenizer,
@@ -96,6 +105,10 @@ Gateway::Gateway(ModelConfig config, GenerationConfig generation, Tokenizer toke
                    metrics->inflight.Set(running);
                    metrics->queued.Set(queued);
                  }) {}
+
+void Gateway::CountRefused(const absl::Status& status) {
+  if (metrics_) metrics_->RequestsWithStatus(absl::StatusCodeToString(status.code())).Increment();
+}
 
 absl::Status Gateway::CheckAdmission() {
   if (!admission_.Saturated()) return absl::OkStatus();
@@ -359,7 +372,10 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
           prefill_->MarkUnhealthy(*p);
         }
       }
-      return absl::Status(st.code(), absl::StrCat("prefill on ", *p, ": ", st.message()));
+      // Worker addresses are for the log, not for clients.
+      DGSERVE_LOG_WARNING("request %s: prefill on %s (KV to %s): %s", attempt_id, *p, *d,
+                          st.message());
+      return absl::Status(st.code(), absl::StrCat("prefill: ", HideWorkers(st.message(), *p, *d)));
     }
   }
   if (metrics_) {
@@ -511,7 +527,8 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
       bad_denoise->insert(*d);
       denoise_->MarkUnhealthy(*d);
     }
-    return absl::Status(st.code(), absl::StrCat("denoise on ", *d, ": ", st.message()));
+    DGSERVE_LOG_WARNING("request %s: denoise on %s: %s", attempt_id, *d, st.message());
+    return absl::Status(st.code(), absl::StrCat("denoise: ", HideWorkers(st.message(), *p, *d)));
   }
   // Finished (by the worker, a stop token or sequence, or max_tokens): stop the worker if it
   // is still running, flush held-back text, report usage.

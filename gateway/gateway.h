@@ -54,6 +54,7 @@ class Gateway final : public GenerationCore {
                         const std::function<bool()>& is_cancelled,
                         const EventCallback& on_event) override;
   absl::Status CheckAdmission() override;
+  void CountRefused(const absl::Status& status) override;
   v1::ListModelsResponse ListModels() const override;
   std::string model_id() const override { return options_.model_id; }
   bool Ready() const override;

@@ -35,6 +35,11 @@ class GenerationCore {
   // without starting any work. Advisory: Generate decides.
   virtual absl::Status CheckAdmission() { return absl::OkStatus(); }
 
+  // Counts a generation request that a front end refused before calling Generate (bad HTTP
+  // method, failed authentication, unparsable or too large body…) in the core's request
+  // metrics, so that every refusal shows with its status.
+  virtual void CountRefused(const absl::Status& status) {}
+
   virtual v1::ListModelsResponse ListModels() const = 0;
   // The served model's id (`model` in requests must be empty or equal to it).
   virtual std::string model_id() const = 0;

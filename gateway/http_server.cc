@@ -496,7 +496,18 @@ class OpenAiHttpServer::Impl::Session : public std::enable_shared_from_this<Sess
                                  absl::StrCat("malformed HTTP request: ", ec.message())));
     }
     r.Set("X-Request-Id", LocalRequestId());
-    Respond(r, "other", now);
+    // A too large request to a generation route is a refused generation request.
+    std::string route = "other";
+    // (The request line is parsed even when a header field, e.g. Content-Length, failed.)
+    if (parser_ && !parser_->get().target().empty()) {
+      std::string path(parser_->get().target());
+      path.resize(std::min(path.size(), path.find('?')));
+      if (IsPostRoute(RouteOf(path))) {
+        route = RouteOf(path);
+        impl_->core_->CountRefused(absl::InvalidArgumentError(r.body));
+      }
+    }
+    Respond(r, route, now);
   }
 
   void OnRequest() {
@@ -671,14 +682,16 @@ void OpenAiHttpServer::Impl::HandleRequest(const std::shared_ptr<Session>& s, Re
     r = ErrorResponse(404, absl::NotFoundError(absl::StrCat("unknown path: ", path)));
   } else if (IsPostRoute(route) ? method != "POST" : (method != "GET" && method != "HEAD")) {
     const char* allow = IsPostRoute(route) ? "POST" : "GET, HEAD";
-    r = ErrorResponse(405, absl::InvalidArgumentError(absl::StrCat(
-                               "method ", method, " not allowed on ", route, " (allowed: ", allow,
-                               ")")));
+    const absl::Status status = absl::InvalidArgumentError(absl::StrCat(
+        "method ", method, " not allowed on ", route, " (allowed: ", allow, ")"));
+    if (IsPostRoute(route)) core_->CountRefused(status);
+    r = ErrorResponse(405, status);
     r.Set("Allow", allow);
   } else if (absl::Status auth = (route == "/health" || route == "/ready")
                                      ? absl::OkStatus()
                                      : core_->CheckApiKey(BearerToken(req));
              !auth.ok()) {
+    if (IsPostRoute(route)) core_->CountRefused(auth);
     r = ErrorResponse(401, auth);
     r.Set("WWW-Authenticate", "Bearer");
   } else if (IsPostRoute(route)) {
@@ -725,28 +738,35 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<Session>& s, co
                                            const std::string& route, absl::Time start,
                                            const std::string& local_id) {
   const bool chat = route == "/v1/chat/completions";
-  auto refuse = [&](Response r) {
+  // A refusal before the core runs the request (counted in the core's request metrics).
+  auto refuse = [&](const absl::Status& status, Response r) {
+    core_->CountRefused(status);
     r.Set("X-Request-Id", local_id);
     s->Respond(r, route, start);
   };
   absl::StatusOr<OpenAiRequest> parsed =
       chat ? ParseChatCompletionsRequest(req.body()) : ParseCompletionsRequest(req.body());
-  if (!parsed.ok()) return refuse(ErrorResponse(400, parsed.status(), ErrorParam(parsed.status())));
+  if (!parsed.ok()) {
+    return refuse(parsed.status(),
+                  ErrorResponse(400, parsed.status(), ErrorParam(parsed.status())));
+  }
   absl::Duration timeout = options_.default_timeout;
   if (auto it = req.find("X-Request-Timeout"); it != req.end()) {
     double seconds = 0;
     if (!absl::SimpleAtod(std::string(it->value()), &seconds) || !std::isfinite(seconds) ||
         seconds <= 0 || seconds > kMaxTimeoutSeconds) {
-      return refuse(ErrorResponse(
-          400, absl::InvalidArgumentError(absl::StrCat(
-                   "X-Request-Timeout: must be a number of seconds in (0, ", kMaxTimeoutSeconds,
-                   "]"))));
+      const absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
+          "X-Request-Timeout: must be a number of seconds in (0, ", kMaxTimeoutSeconds, "]"));
+      return refuse(bad, ErrorResponse(400, bad));
     }
     // A client may shorten its deadline, never extend it past the server's.
     timeout = std::min(timeout, absl::Seconds(seconds));
   }
   if (absl::Status admit = core_->CheckAdmission(); !admit.ok()) {
-    return refuse(ErrorResponse(admit));
+    // Already counted by the core.
+    Response r = ErrorResponse(admit);
+    r.Set("X-Request-Id", local_id);
+    return s->Respond(r, route, start);
   }
   const absl::Time deadline = absl::Now() + timeout;
   ResponseContext ctx{local_id, parsed->model.empty() ? core_->model_id() : parsed->model,
@@ -759,7 +779,10 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<Session>& s, co
   ex->start = start;
   {
     std::lock_guard<std::mutex> lock(jobs_mu_);
-    if (stopping) return refuse(ErrorResponse(absl::UnavailableError("the server is stopping")));
+    if (stopping) {
+      const absl::Status st = absl::UnavailableError("the server is stopping");
+      return refuse(st, ErrorResponse(st));
+    }
     jobs_.insert(ex);
   }
   s->BeginExchange(ex);
@@ -776,8 +799,9 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<Session>& s, co
       std::lock_guard<std::mutex> lock(jobs_mu_);
       jobs_.erase(ex);
     }
-    refuse(ErrorResponse(absl::ResourceExhaustedError(
-        absl::StrCat("cannot start a generation thread: ", e.what()))));
+    const absl::Status st = absl::ResourceExhaustedError(
+        absl::StrCat("cannot start a generation thread: ", e.what()));
+    refuse(st, ErrorResponse(st));
   }
 }
 
@@ -806,7 +830,7 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<Exchange> ex, v1::Gener
     });
     Response r;
     if (!status.ok()) {
-      r = ErrorResponse(status);
+      r = ErrorResponse(status, CoreErrorParam(status, ctx.chat));
     } else if (!acc.finished()) {
       r = ErrorResponse(absl::InternalError("generation ended without a finish event"));
     } else {
@@ -835,7 +859,7 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<Exchange> ex, v1::Gener
   if (!started) {
     // Nothing was produced: an ordinary HTTP response.
     if (status.ok()) status = absl::InternalError("generation ended without any event");
-    Response r = ErrorResponse(status);
+    Response r = ErrorResponse(status, CoreErrorParam(status, ctx.chat));
     r.Set("X-Request-Id", local_id);
     ex->Post([r = std::move(r), route, start](Session& s) { s.Respond(r, route, start); });
     return;

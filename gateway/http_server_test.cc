@@ -37,6 +37,17 @@ class FakeCore : public GenerationCore {
   std::atomic<bool> ready{true};
   std::string api_key;  // "" = no keys configured
   Admission* admission = nullptr;  // set: CheckAdmission refuses while it is saturated
+  absl::Mutex refused_mu;
+  std::vector<absl::StatusCode> refused;  // what CountRefused was given
+
+  void CountRefused(const absl::Status& status) override {
+    absl::MutexLock lock(&refused_mu);
+    refused.push_back(status.code());
+  }
+  std::vector<absl::StatusCode> Refused() {
+    absl::MutexLock lock(&refused_mu);
+    return refused;
+  }
 
   absl::Status CheckAdmission() override {
     if (admission != nullptr && admission->Saturated()) {
@@ -786,6 +797,68 @@ TEST_F(HttpServerTest, StreamBackPressureAndWriteTimeout) {
   EXPECT_LT(sent.load(), 2000);
   close(fd);
   EXPECT_EQ(Client().Get("/health")->status, 200);
+}
+
+
+// Generation requests refused before the core runs them (405, 401, 400, 413) are counted in the
+// core's request metrics (they used to be left out of dgserve_gateway_requests_total).
+TEST_F(HttpServerTest, RefusalsAreCountedByTheCore) {
+  core_.api_key = "sk-1";
+  HttpServerOptions options;
+  options.max_body_bytes = 1024;
+  StartServer(options);
+  httplib::Client cli = Client();
+  const httplib::Headers auth = {{"Authorization", "Bearer sk-1"}};
+  EXPECT_EQ(cli.Get("/v1/completions", auth)->status, 405);
+  EXPECT_EQ(cli.Post("/v1/completions", R"({"prompt": "x"})", "application/json")->status, 401);
+  EXPECT_EQ(cli.Post("/v1/chat/completions", auth, "{bad", "application/json")->status, 400);
+  EXPECT_EQ(cli.Post("/v1/completions", auth, R"({"prompt": ")" + std::string(2000, 'a') + "\"}",
+                     "application/json")
+                ->status,
+            413);
+  // Not generation requests: not counted.
+  EXPECT_EQ(cli.Get("/health")->status, 200);
+  EXPECT_EQ(cli.Get("/nothing", auth)->status, 404);
+  EXPECT_EQ(core_.Refused(),
+            (std::vector<absl::StatusCode>{
+                absl::StatusCode::kInvalidArgument, absl::StatusCode::kUnauthenticated,
+                absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument}));
+}
+
+// Context-limit and token-range errors from the core name their field in `param` ("messages"
+// for a chat request) and carry OpenAI's code "context_length_exceeded" where it applies.
+TEST_F(HttpServerTest, CoreErrorsNameTheirField) {
+  core_.generate = [](const v1::GenerateRequest& req, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback&) {
+    if (req.max_tokens() == 1) {
+      return absl::InvalidArgumentError(
+          "max_tokens: the prompt (3 tokens) plus 2 canvases of 256 tokens for max_tokens=1 "
+          "exceed the context limit of 4096 positions");
+    }
+    if (req.max_tokens() == 2) {
+      return absl::InvalidArgumentError("prompt: token id 999 is outside [0, 512)");
+    }
+    return absl::InvalidArgumentError(
+        "prompt: 5000 tokens exceed the context limit of 4096 positions");
+  };
+  StartServer();
+  httplib::Client cli = Client();
+  auto length = cli.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 1})",
+                         "application/json");
+  ExpectErrorBody(length, 400, "invalid_request_error", "exceed the context limit");
+  EXPECT_EQ(json::parse(length->body)["error"]["param"], "max_tokens");
+  EXPECT_EQ(json::parse(length->body)["error"]["code"], "context_length_exceeded");
+  auto range = cli.Post("/v1/completions", R"({"prompt": [999], "max_tokens": 2})",
+                        "application/json");
+  ExpectErrorBody(range, 400, "invalid_request_error", "outside [0, 512)");
+  EXPECT_EQ(json::parse(range->body)["error"]["param"], "prompt");
+  EXPECT_EQ(json::parse(range->body)["error"]["code"], "invalid_argument");
+  auto chat = cli.Post("/v1/chat/completions",
+                       R"({"messages": [{"role": "user", "content": "x"}], "stream": true})",
+                       "application/json");
+  ExpectErrorBody(chat, 400, "invalid_request_error", "exceed the context limit");
+  EXPECT_EQ(json::parse(chat->body)["error"]["param"], "messages");
+  EXPECT_EQ(json::parse(chat->body)["error"]["code"], "context_length_exceeded");
 }
 
 }  // namespace

@@ -625,6 +625,12 @@ TEST(ClusterAuthTest, ApiKeysAreEnforced) {
   grpc::ClientContext ctx2;
   ctx2.AddMetadata("authorization", "Bearer key-one");
   EXPECT_TRUE((*c)->GatewayStub()->Generate(&ctx2, Chat("hi", 1, 4), &resp).ok());
+  // Every refusal is in the request counter (two over HTTP, one over gRPC), like the successes.
+  const std::string metrics = *TestCluster::ScrapeMetrics((*c)->gateway());
+  EXPECT_EQ(TestCluster::MetricValue(metrics,
+                                     "dgserve_gateway_requests_total{status=\"UNAUTHENTICATED\"}"),
+            3);
+  EXPECT_EQ(TestCluster::MetricValue(metrics, "dgserve_gateway_requests_total{status=\"OK\"}"), 2);
 }
 
 // A denoise worker killed mid-stream: the client gets a clear error or a complete answer
@@ -753,6 +759,8 @@ TEST(ClusterFailureTest, TransferCutMidBlockFailsCleanly) {
   Result r = Generate(**c, Chat("hello there", 1, 16));
   ASSERT_FALSE(r.status.ok());
   EXPECT_THAT(r.status.error_message(), HasSubstr("transfer"));
+  // Worker addresses go to the gateway's log, not to clients.
+  EXPECT_THAT(r.status.error_message(), ::testing::Not(HasSubstr("127.0.0.1")));
   EXPECT_TRUE(Eventually([&] {
     auto s = (*c)->DenoiseStats(0);
     return s.ok() && s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0 &&
