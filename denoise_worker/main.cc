@@ -62,7 +62,8 @@ absl::Status Run() {
   DenoiseServiceImpl denoise(&engine, model->pool.get(), &receiver, model_id,
                              eopts.max_batch_canvases);
   kv::KvTransferServiceImpl transfer(&receiver);
-  if (absl::Status s = runner.Start({&denoise, &transfer}); !s.ok()) return s;
+  if (absl::Status s = runner.Start({&denoise, &transfer}, {v1::DenoiseService::service_full_name(),
+                                                      v1::KvTransferService::service_full_name()}); !s.ok()) return s;
 
   PeriodicTask gauges(absl::Milliseconds(250), [&] { kv_metrics.Update(model->pool->stats()); });
   if (absl::Status s = runner.WritePortsFile(); !s.ok()) return s;

@@ -107,7 +107,7 @@ absl::Status Run() {
                   &denoise, &metrics);
   const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_request_timeout_seconds));
   GenerationServiceImpl grpc_service(&gateway, timeout);
-  if (absl::Status s = runner.Start({&grpc_service}); !s.ok()) return s;
+  if (absl::Status s = runner.Start({&grpc_service}, {v1::GenerationService::service_full_name()}); !s.ok()) return s;
 
   absl::StatusOr<std::pair<std::string, int>> http_addr =
       SplitHostPort(absl::GetFlag(FLAGS_http_address));

@@ -85,7 +85,10 @@ absl::Status Run() {
                         kv::CreateInProcessTransport(), PrefillEngineOptions{}, &prefill_metrics,
                         &prefill_kv);
   PrefillServiceImpl prefill_service(&prefill, prefill_model->pool.get(), model_id);
-  if (absl::Status s = workers.Start({&denoise_service, &transfer_service, &prefill_service});
+  if (absl::Status s = workers.Start({&denoise_service, &transfer_service, &prefill_service},
+                                       {v1::DenoiseService::service_full_name(),
+                                        v1::KvTransferService::service_full_name(),
+                                        v1::PrefillService::service_full_name()});
       !s.ok()) {
     return s;
   }
@@ -111,7 +114,7 @@ absl::Status Run() {
   Gateway gateway(config, denoise_model->checkpoint->generation, *std::move(tokenizer), gopts,
                   &prefill_pool, &denoise_pool, &gateway_metrics);
   GenerationServiceImpl generation(&gateway, absl::Minutes(10));
-  if (absl::Status s = front.Start({&generation}); !s.ok()) return s;
+  if (absl::Status s = front.Start({&generation}, {v1::GenerationService::service_full_name()}); !s.ok()) return s;
   absl::StatusOr<std::pair<std::string, int>> http_addr =
       SplitHostPort(absl::GetFlag(FLAGS_http_address));
   if (!http_addr.ok()) return http_addr.status();

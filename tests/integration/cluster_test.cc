@@ -19,6 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
+#include "grpc/health/v1/health.pb.h"
+#include "grpcpp/impl/codegen/client_unary_call.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/test_cluster.h"
@@ -406,6 +408,45 @@ TEST_F(ClusterTest, StopSequenceAcrossCanvasesCountsLikeWithinOne) {
   EXPECT_EQ(ra.response.usage().completion_tokens(), rb.response.usage().completion_tokens());
   EXPECT_EQ(ra.response.token_ids_size(), ra.response.usage().completion_tokens());
   EXPECT_EQ(Ids(ra.response), Ids(rb.response));
+}
+
+// grpc.health.v1 Check on `port` for `service` (the client stub is not generated: the
+// standard method is called by name).
+grpc::Status HealthCheck(int port, const std::string& service,
+                         grpc::health::v1::HealthCheckResponse* resp) {
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  return grpc::internal::BlockingUnaryCall(
+      channel.get(),
+      grpc::internal::RpcMethod("/grpc.health.v1.Health/Check",
+                                grpc::internal::RpcMethod::NORMAL_RPC),
+      &ctx, req, resp);
+}
+
+// Health answers for the whole server ("") and for each service a process serves by name;
+// another name is NOT_FOUND.
+TEST_F(ClusterTest, HealthAnswersForEachServedService) {
+  using grpc::health::v1::HealthCheckResponse;
+  const std::vector<std::pair<int, std::vector<std::string>>> cases = {
+      {c().gateway().grpc_port, {"", "dgserve.v1.GenerationService"}},
+      {c().prefill().grpc_port, {"", "dgserve.v1.PrefillService"}},
+      {c().denoise(0).grpc_port, {"", "dgserve.v1.DenoiseService", "dgserve.v1.KvTransferService"}},
+  };
+  for (const auto& [port, names] : cases) {
+    for (const std::string& name : names) {
+      HealthCheckResponse resp;
+      grpc::Status st = HealthCheck(port, name, &resp);
+      ASSERT_TRUE(st.ok()) << port << " '" << name << "': " << st.error_message();
+      EXPECT_EQ(resp.status(), HealthCheckResponse::SERVING) << port << " '" << name << "'";
+    }
+    HealthCheckResponse resp;
+    EXPECT_EQ(HealthCheck(port, "dgserve.v1.NoSuchService", &resp).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
 }
 
 TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
