@@ -410,6 +410,9 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
   std::vector<int32_t> all_ids;  // completion tokens so far
   size_t emitted_bytes = 0;      // completion text emitted so far
   bool first_step = true, first_block = true, done = false, client_gone = false;
+  // The completion ended at a block by max_tokens or a stop token: the worker ends there too
+  // and its Finished (with the denoise and commit timings) comes next.
+  bool awaiting_worker_finish = false, worker_done = false;
   std::string finish_reason;
   v1::DenoiseFinished worker_finished;
   double first_step_s = 0, first_block_s = 0;
@@ -425,6 +428,10 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
 
   v1::DenoiseEvent ev;
   while (!done && !client_gone && reader->Read(&ev)) {
+    if (awaiting_worker_finish && !ev.has_finished()) {
+      done = true;  // the worker went on (it should not): stop it below
+      break;
+    }
     if (ev.has_step()) {
       if (first_step) {
         first_step = false;
@@ -506,13 +513,23 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
       }
       b->set_text(text);
       if (!emit(out)) break;
-      if (!finish_reason.empty()) done = true;
+      if (!finish_reason.empty()) {
+        // A stop sequence is the gateway's own: the worker would go on, stop it now.
+        if (r.stopped) {
+          done = true;
+        } else {
+          awaiting_worker_finish = true;
+        }
+      }
     } else if (ev.has_finished()) {
       worker_finished = ev.finished();
+      worker_done = true;
       if (finish_reason.empty()) finish_reason = worker_finished.finish_reason();
       done = true;
     }
   }
+  // The stream ended right after the completion's last block: nothing is missing.
+  if (awaiting_worker_finish && !client_gone) done = true;
   if (client_gone) {
     denoise_->Release(*d);
     return absl::CancelledError("the client went away");
@@ -532,7 +549,7 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
   }
   // Finished (by the worker, a stop token or sequence, or max_tokens): stop the worker if it
   // is still running, flush held-back text, report usage.
-  ctx.TryCancel();
+  if (!worker_done) ctx.TryCancel();  // a worker that sent Finished ends its stream itself
   reader->Finish();
   denoise_->Release(*d);
   if (!matcher.stopped()) {

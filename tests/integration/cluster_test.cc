@@ -449,6 +449,29 @@ TEST_F(ClusterTest, HealthAnswersForEachServedService) {
   }
 }
 
+// The worker's denoise and commit timings reach the usage when the last canvas is cut by
+// max_tokens (they were 0: the gateway stopped reading before the worker's Finished).
+TEST_F(ClusterTest, UsageTimingsWhenTheLastCanvasIsCut) {
+  for (uint64_t seed : {1, 2, 3}) {
+    v1::GenerateRequest req;
+    req.set_text("Hi");
+    req.set_max_tokens(33);  // 3 canvases of 16, the last one cut after 1 token
+    req.set_seed(seed);
+    req.mutable_diffusion()->set_max_denoising_steps(4);
+    Result r = Generate(c(), req);
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    const v1::Usage& u = r.response.usage();
+    EXPECT_GT(u.timings().denoise_seconds(), 0) << u.DebugString();
+    if (u.canvases() > 1) EXPECT_GT(u.timings().commit_seconds(), 0) << u.DebugString();
+    if (r.response.finish_reason() == "length") EXPECT_EQ(u.completion_tokens(), 33);
+  }
+  // The worker counted them as finished, not cancelled.
+  EXPECT_TRUE(Eventually([&] {
+    auto s = c().DenoiseStats(0);
+    return s.ok() && s->active_requests() == 0;
+  }));
+}
+
 TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
   v1::GenerateRequest req = Chat("Count to a thousand.", 5, 480);  // 30 canvases
   grpc::ClientContext ctx;
