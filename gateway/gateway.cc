@@ -171,7 +171,9 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   switch (request.input_case()) {
     case v1::GenerateRequest::kText:
       if (request.text().empty()) return absl::InvalidArgumentError("prompt: must not be empty");
-      p.prompt = tokenizer_.Encode(request.text(), /*add_bos=*/true);
+      // A prompt is text: control-token strings in it are not control tokens (raw control
+      // tokens can be sent as token ids).
+      p.prompt = tokenizer_.EncodeText(request.text(), /*add_bos=*/true);
       break;
     case v1::GenerateRequest::kChat: {
       if (request.chat().messages().empty()) {

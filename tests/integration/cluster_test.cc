@@ -472,6 +472,26 @@ TEST_F(ClusterTest, UsageTimingsWhenTheLastCanvasIsCut) {
   }));
 }
 
+// A control-token string in a prompt is text: "<eos>" is encoded as its characters (more than
+// <bos> plus one token), so a prompt cannot end itself or forge turns.
+TEST_F(ClusterTest, ControlTokenStringsInAPromptAreText) {
+  v1::GenerateRequest req;
+  req.set_text("<eos>");
+  req.set_max_tokens(4);
+  req.set_seed(1);
+  Result r = Generate(c(), req);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_GT(r.response.usage().prompt_tokens(), 2);
+  // Raw control tokens can still be sent as token ids.
+  v1::GenerateRequest ids;
+  ids.mutable_token_ids()->add_ids(2);
+  ids.mutable_token_ids()->add_ids(1);
+  ids.set_max_tokens(4);
+  Result raw = Generate(c(), ids);
+  ASSERT_TRUE(raw.status.ok()) << raw.status.error_message();
+  EXPECT_EQ(raw.response.usage().prompt_tokens(), 2);
+}
+
 TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
   v1::GenerateRequest req = Chat("Count to a thousand.", 5, 480);  // 30 canvases
   grpc::ClientContext ctx;
