@@ -128,6 +128,7 @@ absl::Status Run() {
   PeriodicTask gauges(absl::Milliseconds(250), [&] {
     prefill_kv.Update(prefill_model->pool->stats());
     denoise_kv.Update(denoise_model->pool->stats());
+    denoise_kv.UpdateReceived("inprocess", receiver.received_bytes());
     gateway.UpdateWorkerGauges();
   });
   if (absl::Status s = front.WritePortsFile({{"http", *http_port},

@@ -516,6 +516,9 @@ TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
 // A request whose deadline ends during prefill or the KV transfer leaves no KV on the denoise
 // worker (the gateway tells it to drop the request; no waiting for the 30 s lease).
 TEST_F(ClusterTest, DeadlineDuringPrefillLeavesNoKv) {
+  const std::string failures = "dgserve_prefill_kv_transfer_failures_total{transport=\"tcp\"}";
+  const double failures_before =
+      TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()), failures);
   for (int ms : {1, 2, 5, 10, 20, 40}) {
     const std::string prompt = absl::StrCat("a short prompt ", ms);
     grpc::ClientContext ctx;
@@ -529,6 +532,23 @@ TEST_F(ClusterTest, DeadlineDuringPrefillLeavesNoKv) {
     return s.ok() && s->kv().full_blocks_used() == 0 && s->pending_transfers() == 0 &&
            s->active_requests() == 0;
   })) << c().DenoiseStats(0)->DebugString();
+  // Deadlines are the client's, not transfer failures.
+  EXPECT_EQ(TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()), failures),
+            failures_before);
+}
+
+// The denoise worker counts the KV bytes it receives (its kv_transfer_bytes_total never moved),
+// at least as many as the prefill worker completed.
+TEST_F(ClusterTest, KvTransferBytesCountedOnBothSides) {
+  Result r = Generate(c(), Chat("Bytes on the wire, please.", 4, 16));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  const std::string series = "dgserve_prefill_kv_transfer_bytes_total{transport=\"tcp\"}";
+  const std::string received = "dgserve_denoise_kv_transfer_bytes_total{transport=\"tcp\"}";
+  EXPECT_TRUE(Eventually([&] {
+    const double sent = TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()), series);
+    const double got = TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().denoise(0)), received);
+    return sent > 0 && got >= sent;  // aborted transfers count on the receiving side only
+  })) << TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().denoise(0)), received);
 }
 
 TEST_F(ClusterTest, RepeatedPromptHitsThePrefixCache) {
