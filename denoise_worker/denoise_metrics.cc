@@ -11,6 +11,11 @@ Histogram::BucketBoundaries Seconds() {
   return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
 }
 
+// A canvas can take up to 1,024 steps of a large batch: minutes on a CPU.
+Histogram::BucketBoundaries LongSeconds() {
+  return {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800};
+}
+
 }  // namespace
 
 DenoiseMetrics::DenoiseMetrics(prometheus::Registry& r)
@@ -21,10 +26,10 @@ DenoiseMetrics::DenoiseMetrics(prometheus::Registry& r)
       requests_ok(requests.Add({{"status", "OK"}})),
       steps_per_canvas(MakeHistogram(r, "dgserve_denoise_steps_per_canvas",
                                      "Denoising steps (decoder passes) spent per canvas",
-                                     {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256})),
+                                     StepsPerCanvasBuckets())),
       canvas_seconds(MakeHistogram(r, "dgserve_denoise_canvas_duration_seconds",
                                    "Wall time of one canvas from its first step to commit",
-                                   Seconds())),
+                                   LongSeconds())),
       accepted_per_step(MakeHistogram(r, "dgserve_denoise_accepted_tokens_per_step",
                                       "Canvas positions accepted by the entropy bound per step",
                                       {0, 1, 2, 4, 8, 16, 32, 64, 128, 256})),

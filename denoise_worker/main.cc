@@ -62,9 +62,13 @@ absl::Status Run() {
   DenoiseServiceImpl denoise(&engine, model->pool.get(), &receiver, model_id,
                              eopts.max_batch_canvases);
   kv::KvTransferServiceImpl transfer(&receiver);
-  if (absl::Status s = runner.Start({&denoise, &transfer}); !s.ok()) return s;
+  if (absl::Status s = runner.Start({&denoise, &transfer}, {v1::DenoiseService::service_full_name(),
+                                                      v1::KvTransferService::service_full_name()}); !s.ok()) return s;
 
-  PeriodicTask gauges(absl::Milliseconds(250), [&] { kv_metrics.Update(model->pool->stats()); });
+  PeriodicTask gauges(absl::Milliseconds(250), [&] {
+    kv_metrics.Update(model->pool->stats());
+    kv_metrics.UpdateReceived("tcp", receiver.received_bytes());  // KvTransferService is TCP
+  });
   if (absl::Status s = runner.WritePortsFile(); !s.ok()) return s;
   DGSERVE_LOG_INFO("denoise worker serving %s: gRPC port %d, metrics port %d", model_id,
                    runner.grpc_port(), runner.metrics_port());

@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "common/logging.h"
 #include "absl/synchronization/mutex.h"
 #include "common/hash.h"
 #include "engine/denoise/sampler_params.h"
@@ -78,6 +80,13 @@ class CancelWatcher {
   std::thread thread_;
 };
 
+// `message` with the addresses of the request's workers replaced by their roles.
+std::string HideWorkers(absl::string_view message, const std::string& prefill,
+                        const std::string& denoise) {
+  return absl::StrReplaceAll(message,
+                             {{prefill, "the prefill worker"}, {denoise, "the denoise worker"}});
+}
+
 }  // namespace
 
 Gateway::Gateway(ModelConfig config, GenerationConfig generation, Tokenizer tokenizer,
@@ -89,7 +98,29 @@ Gateway::Gateway(ModelConfig config, GenerationConfig generation, Tokenizer toke
       options_(std::move(options)),
       prefill_(prefill),
       denoise_(denoise),
-      metrics_(metrics) {}
+      metrics_(metrics),
+      admission_(options_.max_concurrent_requests, options_.max_queued_requests,
+                 [metrics](int running, int queued) {
+                   if (metrics == nullptr) return;
+                   metrics->inflight.Set(running);
+                   metrics->queued.Set(queued);
+                 }) {}
+
+void Gateway::CountRefused(const absl::Status& status) {
+  if (metrics_) metrics_->RequestsWithStatus(absl::StatusCodeToString(status.code())).Increment();
+}
+
+absl::Status Gateway::CheckAdmission() {
+  if (!admission_.Saturated()) return absl::OkStatus();
+  absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
+      "the gateway is at its limit of ", options_.max_concurrent_requests, " concurrent requests",
+      options_.max_queued_requests > 0
+          ? absl::StrCat(" and ", options_.max_queued_requests, " queued")
+          : std::string(),
+      "; retry later"));
+  if (metrics_) metrics_->RequestsWithStatus(absl::StatusCodeToString(s.code())).Increment();
+  return s;
+}
 
 v1::ListModelsResponse Gateway::ListModels() const {
   v1::ListModelsResponse r;
@@ -104,7 +135,7 @@ v1::ListModelsResponse Gateway::ListModels() const {
 void Gateway::Drain(absl::Duration grace) {
   SetDraining(true);
   const absl::Time until = absl::Now() + grace;
-  while (inflight_ > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  while (admission_.running() + admission_.queued() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
 }
 
 void Gateway::UpdateWorkerGauges() {
@@ -140,7 +171,9 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   switch (request.input_case()) {
     case v1::GenerateRequest::kText:
       if (request.text().empty()) return absl::InvalidArgumentError("prompt: must not be empty");
-      p.prompt = tokenizer_.Encode(request.text(), /*add_bos=*/true);
+      // A prompt is text: control-token strings in it are not control tokens (raw control
+      // tokens can be sent as token ids).
+      p.prompt = tokenizer_.EncodeText(request.text(), /*add_bos=*/true);
       break;
     case v1::GenerateRequest::kChat: {
       if (request.chat().messages().empty()) {
@@ -255,13 +288,15 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
   if (draining_) return count(absl::UnavailableError("gateway is draining"));
   absl::StatusOr<PreparedRequest> prepared = Prepare(request);
   if (!prepared.ok()) return count(prepared.status());
-  if (inflight_.fetch_add(1) >= options_.max_concurrent_requests) {
-    inflight_.fetch_sub(1);
-    return count(absl::ResourceExhaustedError(absl::StrCat("the gateway is at its limit of ",
-                                                           options_.max_concurrent_requests,
-                                                           " concurrent requests; retry later")));
+  absl::Duration waited;
+  if (absl::Status admitted = admission_.Acquire(deadline, is_cancelled, &waited);
+      !admitted.ok()) {
+    if (metrics_ && !absl::IsResourceExhausted(admitted)) {
+      metrics_->queue_seconds.Observe(absl::ToDoubleSeconds(waited));
+    }
+    return count(admitted);
   }
-  if (metrics_) metrics_->inflight.Set(inflight_);
+  if (metrics_) metrics_->queue_seconds.Observe(absl::ToDoubleSeconds(waited));
   std::set<std::string> bad_prefill, bad_denoise;
   bool output_sent = false;
   absl::Status status;
@@ -272,8 +307,7 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
     if (status.ok() || !absl::IsUnavailable(status) || output_sent) break;
     if (absl::Now() >= deadline || (is_cancelled && is_cancelled())) break;
   }
-  inflight_.fetch_sub(1);
-  if (metrics_) metrics_->inflight.Set(inflight_);
+  admission_.Release();
   return count(status);
 }
 
@@ -340,7 +374,10 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
           prefill_->MarkUnhealthy(*p);
         }
       }
-      return absl::Status(st.code(), absl::StrCat("prefill on ", *p, ": ", st.message()));
+      // Worker addresses are for the log, not for clients.
+      DGSERVE_LOG_WARNING("request %s: prefill on %s (KV to %s): %s", attempt_id, *p, *d,
+                          st.message());
+      return absl::Status(st.code(), absl::StrCat("prefill: ", HideWorkers(st.message(), *p, *d)));
     }
   }
   if (metrics_) {
@@ -375,6 +412,9 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
   std::vector<int32_t> all_ids;  // completion tokens so far
   size_t emitted_bytes = 0;      // completion text emitted so far
   bool first_step = true, first_block = true, done = false, client_gone = false;
+  // The completion ended at a block by max_tokens or a stop token: the worker ends there too
+  // and its Finished (with the denoise and commit timings) comes next.
+  bool awaiting_worker_finish = false, worker_done = false;
   std::string finish_reason;
   v1::DenoiseFinished worker_finished;
   double first_step_s = 0, first_block_s = 0;
@@ -390,6 +430,10 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
 
   v1::DenoiseEvent ev;
   while (!done && !client_gone && reader->Read(&ev)) {
+    if (awaiting_worker_finish && !ev.has_finished()) {
+      done = true;  // the worker went on (it should not): stop it below
+      break;
+    }
     if (ev.has_step()) {
       if (first_step) {
         first_step = false;
@@ -471,13 +515,23 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
       }
       b->set_text(text);
       if (!emit(out)) break;
-      if (!finish_reason.empty()) done = true;
+      if (!finish_reason.empty()) {
+        // A stop sequence is the gateway's own: the worker would go on, stop it now.
+        if (r.stopped) {
+          done = true;
+        } else {
+          awaiting_worker_finish = true;
+        }
+      }
     } else if (ev.has_finished()) {
       worker_finished = ev.finished();
+      worker_done = true;
       if (finish_reason.empty()) finish_reason = worker_finished.finish_reason();
       done = true;
     }
   }
+  // The stream ended right after the completion's last block: nothing is missing.
+  if (awaiting_worker_finish && !client_gone) done = true;
   if (client_gone) {
     denoise_->Release(*d);
     return absl::CancelledError("the client went away");
@@ -492,11 +546,12 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
       bad_denoise->insert(*d);
       denoise_->MarkUnhealthy(*d);
     }
-    return absl::Status(st.code(), absl::StrCat("denoise on ", *d, ": ", st.message()));
+    DGSERVE_LOG_WARNING("request %s: denoise on %s: %s", attempt_id, *d, st.message());
+    return absl::Status(st.code(), absl::StrCat("denoise: ", HideWorkers(st.message(), *p, *d)));
   }
   // Finished (by the worker, a stop token or sequence, or max_tokens): stop the worker if it
   // is still running, flush held-back text, report usage.
-  ctx.TryCancel();
+  if (!worker_done) ctx.TryCancel();  // a worker that sent Finished ends its stream itself
   reader->Finish();
   denoise_->Release(*d);
   if (!matcher.stopped()) {

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "engine/model/config.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "gateway/admission.h"
 #include "gateway/gateway_metrics.h"
 #include "gateway/generation_core.h"
 #include "gateway/worker_pool.h"
@@ -20,7 +21,8 @@ namespace dgserve {
 
 struct GatewayOptions {
   std::string model_id;
-  int max_concurrent_requests = 64;  // admitted at once; beyond → RESOURCE_EXHAUSTED
+  int max_concurrent_requests = 64;  // running at once (gRPC and HTTP together)
+  int max_queued_requests = 0;       // waiting for a slot; beyond → RESOURCE_EXHAUSTED at once
   int max_attempts = 3;              // per request, on UNAVAILABLE before any output
   int64_t kv_lease_ms = 30000;
   std::vector<std::string> api_keys;  // empty: no authentication
@@ -46,9 +48,13 @@ class Gateway final : public GenerationCore {
           GatewayOptions options, WorkerPool* prefill, WorkerPool* denoise,
           GatewayMetrics* metrics);
 
+  // Admission: at most max_concurrent_requests run, max_queued_requests more wait (FIFO, until
+  // their deadline or cancellation); beyond, RESOURCE_EXHAUSTED at once.
   absl::Status Generate(const v1::GenerateRequest& request, absl::Time deadline,
                         const std::function<bool()>& is_cancelled,
                         const EventCallback& on_event) override;
+  absl::Status CheckAdmission() override;
+  void CountRefused(const absl::Status& status) override;
   v1::ListModelsResponse ListModels() const override;
   std::string model_id() const override { return options_.model_id; }
   bool Ready() const override;
@@ -58,7 +64,7 @@ class Gateway final : public GenerationCore {
   void Drain(absl::Duration grace);
   // Sets the dgserve_gateway_workers{role, state} gauges from the worker pools.
   void UpdateWorkerGauges();
-  int inflight() const { return inflight_; }
+  int inflight() const { return admission_.running(); }
 
   // Validation and tokenization only (INVALID_ARGUMENT naming the field, NOT_FOUND for an
   // unknown model). Public for tests.
@@ -78,7 +84,7 @@ class Gateway final : public GenerationCore {
   WorkerPool* prefill_;
   WorkerPool* denoise_;
   GatewayMetrics* metrics_;
-  std::atomic<int> inflight_{0};
+  Admission admission_;
   std::atomic<bool> draining_{false};
 };
 

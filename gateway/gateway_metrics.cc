@@ -6,7 +6,7 @@ namespace dgserve {
 namespace {
 
 prometheus::Histogram::BucketBoundaries Seconds() {
-  return {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
+  return {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800};
 }
 
 }  // namespace
@@ -28,7 +28,7 @@ GatewayMetrics::GatewayMetrics(prometheus::Registry& r)
                                     "End-to-end latency of a request", Seconds())),
       steps_per_canvas(MakeHistogram(r, "dgserve_gateway_steps_per_canvas",
                                      "Denoising steps per committed canvas",
-                                     {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256})),
+                                     StepsPerCanvasBuckets())),
       prompt_tokens(MakeCounter(r, "dgserve_gateway_prompt_tokens_total", "Prompt tokens")),
       completion_tokens(MakeCounter(r, "dgserve_gateway_completion_tokens_total",
                                     "Completion tokens returned to clients")),
@@ -38,6 +38,12 @@ GatewayMetrics::GatewayMetrics(prometheus::Registry& r)
                           "Attempts repeated on another worker after UNAVAILABLE")),
       inflight(
           MakeGauge(r, "dgserve_gateway_inflight_requests", "Requests admitted and not finished")),
+      queued(MakeGauge(r, "dgserve_gateway_queued_requests",
+                       "Requests waiting for admission (--max_queued_requests)")),
+      queue_seconds(MakeHistogram(r, "dgserve_gateway_queue_duration_seconds",
+                                  "Time a request waited for admission",
+                                  {0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                                   60})),
       workers(prometheus::BuildGauge()
                   .Name("dgserve_gateway_workers")
                   .Help("Known workers by role and health")

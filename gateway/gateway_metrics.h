@@ -25,6 +25,8 @@ struct GatewayMetrics {
   prometheus::Counter& cached_prompt_tokens;
   prometheus::Counter& retries;
   prometheus::Gauge& inflight;
+  prometheus::Gauge& queued;                // waiting for admission
+  prometheus::Histogram& queue_seconds;     // time waited for admission (0 when not queued)
   prometheus::Family<prometheus::Gauge>& workers;  // {role, state}
 
   prometheus::Counter& RequestsWithStatus(const std::string& status) {

@@ -30,6 +30,16 @@ class GenerationCore {
                                 const std::function<bool()>& is_cancelled,
                                 const EventCallback& on_event) = 0;
 
+  // OK when a new request could start (or queue) now; RESOURCE_EXHAUSTED (counted as a refused
+  // request) when every slot and queue place is taken, so that a front end can answer 429
+  // without starting any work. Advisory: Generate decides.
+  virtual absl::Status CheckAdmission() { return absl::OkStatus(); }
+
+  // Counts a generation request that a front end refused before calling Generate (bad HTTP
+  // method, failed authentication, unparsable or too large body…) in the core's request
+  // metrics, so that every refusal shows with its status.
+  virtual void CountRefused(const absl::Status& status) {}
+
   virtual v1::ListModelsResponse ListModels() const = 0;
   // The served model's id (`model` in requests must be empty or equal to it).
   virtual std::string model_id() const = 0;

@@ -15,6 +15,12 @@ absl::Status GenerationServiceImpl::Authenticate(grpc::ServerContext* context) c
   return core_->CheckApiKey(bearer);
 }
 
+absl::Status GenerationServiceImpl::AuthenticateGeneration(grpc::ServerContext* context) const {
+  absl::Status s = Authenticate(context);
+  if (!s.ok()) core_->CountRefused(s);
+  return s;
+}
+
 absl::Time GenerationServiceImpl::Deadline(grpc::ServerContext* context) const {
   const absl::Time fallback = absl::Now() + default_timeout_;
   const auto d = context->deadline();
@@ -25,7 +31,7 @@ absl::Time GenerationServiceImpl::Deadline(grpc::ServerContext* context) const {
 grpc::Status GenerationServiceImpl::Generate(grpc::ServerContext* context,
                                              const v1::GenerateRequest* request,
                                              v1::GenerateResponse* response) {
-  if (absl::Status s = Authenticate(context); !s.ok()) return ToGrpcStatus(s);
+  if (absl::Status s = AuthenticateGeneration(context); !s.ok()) return ToGrpcStatus(s);
   absl::Status s = core_->Generate(
       *request, Deadline(context), [context] { return context->IsCancelled(); },
       [response](const v1::GenerateEvent& ev) {
@@ -49,7 +55,7 @@ grpc::Status GenerationServiceImpl::Generate(grpc::ServerContext* context,
 grpc::Status GenerationServiceImpl::GenerateStream(grpc::ServerContext* context,
                                                    const v1::GenerateRequest* request,
                                                    grpc::ServerWriter<v1::GenerateEvent>* writer) {
-  if (absl::Status s = Authenticate(context); !s.ok()) return ToGrpcStatus(s);
+  if (absl::Status s = AuthenticateGeneration(context); !s.ok()) return ToGrpcStatus(s);
   absl::Status s = core_->Generate(
       *request, Deadline(context), [context] { return context->IsCancelled(); },
       [writer](const v1::GenerateEvent& ev) { return writer->Write(ev); });

@@ -23,6 +23,8 @@ class GenerationServiceImpl final : public v1::GenerationService::Service {
 
  private:
   absl::Status Authenticate(grpc::ServerContext* context) const;
+  // Authenticate, counting a refusal in the core's request metrics.
+  absl::Status AuthenticateGeneration(grpc::ServerContext* context) const;
   absl::Time Deadline(grpc::ServerContext* context) const;
 
   GenerationCore* core_;

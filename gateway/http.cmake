@@ -10,7 +10,7 @@ dgserve_cc_library(NAME dgserve_openai_api
 
 dgserve_cc_library(NAME dgserve_http_server
   SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server.cc
-  DEPS dgserve_openai_api dgserve_status_convert PkgConfig::HTTPLIB prometheus-cpp::core
+  DEPS dgserve_openai_api dgserve_status_convert dgserve_common Boost::headers prometheus-cpp::core
        absl::status absl::statusor absl::strings absl::time absl::synchronization Threads::Threads)
 
 if(DGSERVE_BUILD_TESTS)
@@ -36,5 +36,5 @@ if(DGSERVE_BUILD_TESTS)
     DEPS dgserve_openai_api LABELS unit)
   dgserve_http_cc_test(NAME openai_http_server_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server_test.cc
-    DEPS dgserve_http_server PkgConfig::HTTPLIB LABELS unit)
+    DEPS dgserve_http_server dgserve_admission PkgConfig::HTTPLIB LABELS unit)
 endif()

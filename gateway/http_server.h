@@ -1,13 +1,26 @@
 // The gateway's OpenAI-compatible HTTP server (design §2): POST /v1/completions,
 // POST /v1/chat/completions (JSON or SSE with "stream": true), GET /v1/models,
-// GET /v1/models/{id}, GET /health, GET /ready, on cpp-httplib. Request parsing and response
-// formatting live in openai_api.h; every request is served by a GenerationCore.
+// GET /v1/models/{id}, GET /health, GET /ready. Request parsing and response formatting live in
+// openai_api.h; every request is served by a GenerationCore.
+//
+// Event-driven, on Boost.Asio with Boost.Beast's HTTP/1.1 parser (Debian's header-only
+// libboost-dev). Chosen over libevent's evhttp because Asio gives each connection an explicit
+// state machine we own: a read stays posted on the socket while a request generates, so a client
+// that closes is noticed at once (evhttp 2.1 does not watch a connection while its request is
+// being answered), pipelined requests are buffered and answered in order, and every write is
+// ours to pace (per-connection back-pressure on the generating thread) and to time out. Beast's
+// parser is strict (RFC 7230), with header and body limits, and is one of the most used C++
+// HTTP stacks; both are header-only, so the image gains no runtime package.
+//
+// Threads: `io_threads` event-loop threads own every socket (a connection costs a socket and a
+// few KiB, no thread). A generation request runs core->Generate on a thread of its own, started
+// only once the core has a slot for it (core->CheckAdmission), so generation threads are bounded
+// by the core's admission limit; its events are posted to the connection's strand.
 #pragma once
 
 #include <cstddef>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -22,9 +35,21 @@ namespace dgserve {
 struct HttpServerOptions {
   std::string host = "127.0.0.1";
   int port = 0;                     // 0 = any free port (Start returns it)
-  size_t max_body_bytes = 4 << 20;  // larger request bodies get 413
-  int threads = 16;                 // HTTP worker threads (one per open connection)
+  size_t max_body_bytes = 4 << 20;  // larger request bodies get 413 (and the connection closes)
+  size_t max_header_bytes = 16 << 10;  // larger request heads get 431 (and the connection closes)
+  int io_threads = 2;                  // event-loop threads
   absl::Duration default_timeout = absl::Minutes(10);  // request deadline without a header
+  // A request must arrive whole (head and body) within this time of its first byte; a slower
+  // client is disconnected.
+  absl::Duration read_timeout = absl::Seconds(30);
+  // A keep-alive connection with no request in progress is closed after this long.
+  absl::Duration idle_timeout = absl::Seconds(120);
+  // A write that makes no progress for this long (a client that stopped reading) closes the
+  // connection and cancels its request.
+  absl::Duration write_timeout = absl::Seconds(60);
+  // A stream's bytes waiting to be written; beyond it the generating thread waits (back-pressure).
+  size_t max_pending_stream_bytes = 256 << 10;
+  absl::Duration sse_keepalive_interval = absl::Seconds(15);  // `: keep-alive` after this silence
 };
 
 // Serves the OpenAI API for one GenerationCore.
@@ -34,29 +59,39 @@ struct HttpServerOptions {
 //     token ("" when absent) to core->CheckApiKey; a failure is 401 with an OpenAI error body
 //     and `WWW-Authenticate: Bearer`.
 //   - Unknown path → 404, known path with the wrong method → 405 (with `Allow`), body larger
-//     than max_body_bytes → 413; all with OpenAI error bodies. The Content-Type is not checked:
-//     a body that parses as JSON is accepted.
+//     than max_body_bytes → 413, head larger than max_header_bytes → 431, a malformed request
+//     → 400; all with OpenAI error bodies (413, 431 and 400 close the connection). The
+//     Content-Type is not checked: a body that parses as JSON is accepted. `Expect:
+//     100-continue` is answered.
+//   - HTTP/1.1 keep-alive and pipelining: requests on a connection are answered in order; the
+//     next one is read once the previous answer is written. `Connection: close` (or HTTP/1.0
+//     without keep-alive) closes after the answer.
+//   - Timeouts: read_timeout for a whole request, idle_timeout between requests, write_timeout
+//     for a stalled write; each closes the connection (cancelling its request, if any).
 //   - Deadline: now + default_timeout, or the `X-Request-Timeout` header (seconds, a number in
-//     (0, 86400]; anything else is 400).
-//   - Non-streaming: core->Generate runs on the HTTP worker thread; one JSON response, or the
-//     error's HttpStatusFor code with an OpenAI error body (429 adds `Retry-After: 1`). A client
-//     that disconnects is not noticed until the request ends (its deadline bounds it).
-//   - Streaming: Generate runs on its own thread feeding a bounded queue (a slow client
-//     back-pressures the core's event callback). The HTTP status is chosen when the first
-//     event or the final status arrives: an error before any event is an ordinary error
-//     response; otherwise `text/event-stream` with `Cache-Control: no-cache`, one `data:` frame
-//     per chunk, `: keep-alive` comments every 15 s of silence, and `data: [DONE]` at the end.
-//     An error after the first event is sent as `data: {"error": {…}}` with no [DONE]. A write
-//     failure (client gone) cancels the request on the core. The generating thread is always
-//     joined before the HTTP response is destroyed.
+//     (0, 86400]; anything else is 400), which may only shorten it: the deadline is the earlier.
+//   - Admission: core->CheckAdmission is asked before a generation starts; RESOURCE_EXHAUSTED
+//     is answered at once (429 with `Retry-After: 1`) without starting a thread.
+//   - Non-streaming: core->Generate runs on its own thread; one JSON response, or the error's
+//     HttpStatusFor code with an OpenAI error body (429 adds `Retry-After: 1`). A client that
+//     closes its connection cancels the request at once (a read stays posted on the socket).
+//   - Streaming: the same, and each event's frames are written as they come; the generating
+//     thread waits while more than max_pending_stream_bytes are unwritten (back-pressure). The
+//     HTTP status is chosen when the first event or the final status arrives: an error before
+//     any event is an ordinary error response; otherwise `text/event-stream` (chunked) with
+//     `Cache-Control: no-cache`, one `data:` frame per chunk, `: keep-alive` comments after
+//     sse_keepalive_interval of silence, and `data: [DONE]` at the end. An error after the
+//     first event is sent as `data: {"error": {…}}` with no [DONE]. A closed connection or a
+//     write failure cancels the request on the core.
 //   - Every response carries `X-Request-Id` (the core's request id when it sent events, else a
 //     gateway-local id).
 //   - /health: 200 {"status": "ok"} while the process runs. /ready: 200 {"status": "ready"}
 //     when core->Ready() and not draining, else 503 {"status": "not_ready" | "draining"}.
 //     Draining does not refuse requests: it only fails readiness, so that load balancers
 //     stop sending new ones.
-//   - Metrics (when a registry is given): dgserve_gateway_http_requests_total{route,code}
-//     and dgserve_gateway_http_request_duration_seconds{route} (for a stream: until its end).
+//   - Metrics (when a registry is given): dgserve_gateway_http_requests_total{route,code},
+//     dgserve_gateway_http_request_duration_seconds{route} (for a stream: until its end),
+//     dgserve_gateway_http_open_connections and dgserve_gateway_http_open_streams.
 //
 // Thread-safe: SetDraining may be called from any thread; Start and Stop from one owner.
 class OpenAiHttpServer {
@@ -69,13 +104,14 @@ class OpenAiHttpServer {
   OpenAiHttpServer(const OpenAiHttpServer&) = delete;
   OpenAiHttpServer& operator=(const OpenAiHttpServer&) = delete;
 
-  // Binds host:port (port 0 → a free port), starts the listening thread and returns the bound
+  // Binds host:port (port 0 → a free port), starts the event-loop threads and returns the bound
   // port once the server accepts connections. Errors: UNAVAILABLE when the address cannot be
   // bound (port taken, bad host); FAILED_PRECONDITION when already started.
   absl::StatusOr<int> Start();
 
   // Stops listening, cancels in-flight requests on the core (their is_cancelled turns true),
-  // waits for the HTTP worker threads and the streaming threads to finish. Idempotent.
+  // waits for their generating threads, stops the event loop and closes every connection.
+  // Idempotent.
   void Stop();
 
   // While draining, /ready answers 503.
@@ -87,9 +123,9 @@ class OpenAiHttpServer {
  private:
   class Impl;
   std::unique_ptr<Impl> impl_;
-  std::thread listen_thread_;
   int port_ = 0;
   bool started_ = false;
+  bool stopped_ = false;
 };
 
 }  // namespace dgserve

@@ -32,7 +32,10 @@ ABSL_FLAG(std::string, grpc_address, "127.0.0.1:0", "gRPC listen address (port 0
 ABSL_FLAG(std::string, http_address, "127.0.0.1:0", "OpenAI HTTP listen address");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:0", "Prometheus /metrics listen address");
 ABSL_FLAG(std::string, ports_file, "", "write the bound ports here as JSON once serving");
-ABSL_FLAG(int, max_concurrent_requests, 64, "admitted requests at once; beyond: 429");
+ABSL_FLAG(int, max_concurrent_requests, 64,
+          "requests running at once (gRPC and HTTP); beyond: queued, then 429 / RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_queued_requests, 0,
+          "requests waiting for a slot (FIFO, within their deadline); beyond: 429 at once");
 ABSL_FLAG(int, max_attempts, 3, "attempts per request on UNAVAILABLE before any output");
 ABSL_FLAG(std::string, api_keys, "", "comma-separated API keys (empty: no authentication)");
 ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
@@ -80,10 +83,14 @@ absl::Status Run() {
   GatewayOptions gopts;
   gopts.model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
   gopts.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
+  gopts.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   gopts.max_attempts = std::max(1, absl::GetFlag(FLAGS_max_attempts));
   gopts.api_keys = *keys;
   if (gopts.max_concurrent_requests < 1) {
     return absl::InvalidArgumentError("--max_concurrent_requests must be ≥ 1");
+  }
+  if (gopts.max_queued_requests < 0) {
+    return absl::InvalidArgumentError("--max_queued_requests must be ≥ 0");
   }
 
   ServerOptions opts;
@@ -100,7 +107,7 @@ absl::Status Run() {
                   &denoise, &metrics);
   const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_request_timeout_seconds));
   GenerationServiceImpl grpc_service(&gateway, timeout);
-  if (absl::Status s = runner.Start({&grpc_service}); !s.ok()) return s;
+  if (absl::Status s = runner.Start({&grpc_service}, {v1::GenerationService::service_full_name()}); !s.ok()) return s;
 
   absl::StatusOr<std::pair<std::string, int>> http_addr =
       SplitHostPort(absl::GetFlag(FLAGS_http_address));

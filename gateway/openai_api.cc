@@ -149,6 +149,7 @@ absl::Status ParsePrompt(const json& v, v1::GenerateRequest* req) {
 absl::StatusOr<std::string> ParseContent(const json& v, const std::string& field) {
   if (v.is_string()) return v.get<std::string>();
   if (!v.is_array()) return Invalid(field, "must be a string or an array of text parts");
+  if (v.empty()) return Invalid(field, "must not be an empty array");
   std::vector<std::string> texts;
   for (size_t j = 0; j < v.size(); ++j) {
     const std::string part = absl::StrCat(field, "[", j, "]");
@@ -467,6 +468,13 @@ std::string ErrorParam(const absl::Status& status) {
   std::string_view head = msg.substr(0, colon);
   if (head.find(' ') != std::string_view::npos) return "";
   return std::string(head);
+}
+
+std::string CoreErrorParam(const absl::Status& status, bool chat) {
+  if (!absl::IsInvalidArgument(status)) return "";
+  std::string param = ErrorParam(status);
+  if (chat && param == "prompt") param = "messages";
+  return param;
 }
 
 std::string CompletionResponseJson(const ResponseContext& ctx, std::string_view text,

@@ -78,6 +78,10 @@ absl::StatusOr<OpenAiRequest> ParseChatCompletionsRequest(std::string_view body)
 // The field a parse error names ("max_tokens" for "max_tokens: must be an integer", "logprobs"
 // for "unsupported field: logprobs"), or "" when it names none.
 std::string ErrorParam(const absl::Status& status);
+// `param` of an error from the core (GenerationCore::Generate): ErrorParam of an
+// INVALID_ARGUMENT ("max_tokens", "prompt", a sampler field…), with "prompt" named "messages"
+// for a chat request; "" for other codes.
+std::string CoreErrorParam(const absl::Status& status, bool chat);
 
 // What every response object of one request carries.
 struct ResponseContext {

@@ -286,7 +286,7 @@ TEST(ParseChatTest, StringAndPartsContent) {
       {"role": "system", "content": [{"type": "text", "text": "Really."}]},
       {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
       {"role": "assistant", "content": "ok", "name": null},
-      {"role": "user", "content": []}]})",
+      {"role": "user", "content": ""}]})",
                             /*chat=*/true);
   EXPECT_TRUE(r.chat);
   ASSERT_TRUE(r.request.has_chat());
@@ -299,7 +299,7 @@ TEST(ParseChatTest, StringAndPartsContent) {
   EXPECT_EQ(c.messages(2).role(), "user");
   EXPECT_EQ(c.messages(2).content(), "a\nb");
   EXPECT_EQ(c.messages(3).role(), "assistant");
-  EXPECT_EQ(c.messages(4).content(), "");
+  EXPECT_EQ(c.messages(4).content(), "");  // an empty string is allowed
   EXPECT_FALSE(c.enable_thinking());
 }
 
@@ -345,6 +345,9 @@ TEST(ParseChatTest, Rejections) {
               "messages[0].content[0].text: must be a string", true);
   ExpectError(R"({"messages": [{"role": "user", "content": ["a"]}]})",
               "messages[0].content[0]: must be an object", true);
+  // An empty array of parts is no content (it used to generate from an empty turn).
+  ExpectError(R"({"messages": [{"role": "user", "content": []}]})",
+              "messages[0].content: must not be an empty array", true);
   ExpectError(R"({"messages": [{"role": "user", "content": "x", "name": "bob"}]})",
               "unsupported field: messages[0].name", true);
   ExpectError(R"({"messages": [{"role": "user", "content": "x"}], "prompt": "p"})",

@@ -258,6 +258,7 @@ struct KvReceiver::State {
   std::unordered_set<std::string> forgotten ABSL_GUARDED_BY(mu);
   std::deque<std::string> forgotten_order ABSL_GUARDED_BY(mu);
   int64_t failed ABSL_GUARDED_BY(mu) = 0;
+  int64_t received_bytes ABSL_GUARDED_BY(mu) = 0;
   absl::Notification stop;
   std::thread reaper;
 };
@@ -401,6 +402,7 @@ absl::Status KvReceiver::WriteBlock(const std::string& request_id,
       std::memcpy(s.pool->BlockData(kind, blocks[slot]), block.data().data(), want);
       in.written[k][slot] = 1;
       ++in.written_count;
+      s.received_bytes += int64_t(want);
     }
   }
   State::Deliver(out);
@@ -557,6 +559,11 @@ void KvReceiver::ReapExpired(absl::Time now) {
 int KvReceiver::pending_transfers() const {
   absl::MutexLock lock(&state_->mu);
   return int(state_->incoming.size());
+}
+
+int64_t KvReceiver::received_bytes() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->received_bytes;
 }
 
 int64_t KvReceiver::failed_transfers() const {

@@ -85,6 +85,8 @@ class KvReceiver {
 
   int pending_transfers() const;  // begun, not finished
   int64_t failed_transfers() const;
+  // Bytes of KV block payload written so far (every transfer, whatever its end).
+  int64_t received_bytes() const;
 
  private:
   struct State;

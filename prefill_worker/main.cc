@@ -69,7 +69,7 @@ absl::Status Run() {
   PrefillEngine engine(model->backend.get(), model->pool.get(), kv::CreateTcpTransport(topts),
                        eopts, &metrics, &kv_metrics);
   PrefillServiceImpl service(&engine, model->pool.get(), model_id);
-  if (absl::Status s = runner.Start({&service}); !s.ok()) return s;
+  if (absl::Status s = runner.Start({&service}, {v1::PrefillService::service_full_name()}); !s.ok()) return s;
 
   PeriodicTask gauges(absl::Milliseconds(250), [&] { kv_metrics.Update(model->pool->stats()); });
   if (absl::Status s = runner.WritePortsFile(); !s.ok()) return s;

@@ -248,7 +248,11 @@ void PrefillEngine::Ship(std::shared_ptr<Job> job) {
       [this, job, t0](absl::StatusOr<kv::TransferResult> result) {
         --transferring_;
         if (!result.ok()) {
-          if (kv_metrics_) kv_metrics_->RecordTransferFailure(transport_name_);
+          // A request the client cancelled or let expire is not a transfer failure.
+          const absl::Status& st = result.status();
+          const bool client_ended =
+              job->cancelled || absl::IsCancelled(st) || absl::IsDeadlineExceeded(st);
+          if (kv_metrics_ && !client_ended) kv_metrics_->RecordTransferFailure(transport_name_);
           Fail(*job, absl::Status(result.status().code(),
                                   absl::StrCat("KV transfer to ", job->request.kv_target(),
                                                " failed: ", result.status().message())));

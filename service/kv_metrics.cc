@@ -68,6 +68,14 @@ void KvMetrics::RecordTransfer(const std::string& transport, int64_t bytes, doub
       .Observe(seconds);
 }
 
+void KvMetrics::UpdateReceived(const std::string& transport, int64_t total_bytes) {
+  absl::MutexLock lock(&mu_);
+  if (total_bytes > last_received_) {
+    transfer_bytes_.Add({{"transport", transport}}).Increment(double(total_bytes - last_received_));
+    last_received_ = total_bytes;
+  }
+}
+
 void KvMetrics::RecordTransferFailure(const std::string& transport) {
   transfer_failures_.Add({{"transport", transport}}).Increment();
 }

@@ -23,6 +23,9 @@ class KvMetrics {
   void Update(const kv::PoolStats& stats);  // thread-safe
   void RecordTransfer(const std::string& transport, int64_t bytes, double seconds);
   void RecordTransferFailure(const std::string& transport);
+  // The receiving side: advances kv_transfer_bytes_total{transport} to `total_bytes` (the
+  // receiver's running total, KvReceiver::received_bytes). Thread-safe.
+  void UpdateReceived(const std::string& transport, int64_t total_bytes);
 
  private:
   prometheus::Family<prometheus::Gauge>& blocks_;
@@ -34,6 +37,7 @@ class KvMetrics {
   prometheus::Counter& prefix_hit_tokens_;
   absl::Mutex mu_;
   kv::PoolStats last_;  // counters advance by the difference between snapshots
+  int64_t last_received_ = 0;
 };
 
 }  // namespace dgserve

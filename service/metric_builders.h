@@ -16,6 +16,12 @@ inline prometheus::Histogram& MakeHistogram(prometheus::Registry& r, const std::
   return prometheus::BuildHistogram().Name(name).Help(help).Register(r).Add({}, buckets);
 }
 
+// Buckets of a steps-per-canvas histogram: up to 1,024, the most steps a request may ask for
+// (kMaxDenoisingStepsCap in engine/denoise/sampler_params.h).
+inline prometheus::Histogram::BucketBoundaries StepsPerCanvasBuckets() {
+  return {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024};
+}
+
 inline prometheus::Counter& MakeCounter(prometheus::Registry& r, const std::string& name,
                                         const std::string& help) {
   return prometheus::BuildCounter().Name(name).Help(help).Register(r).Add({});

@@ -82,7 +82,9 @@ int ServiceRunner::WaitForSignal() {
   return sig;
 }
 
-absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services) {
+absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services,
+                                  const std::vector<std::string>& service_names) {
+  service_names_ = service_names;
   if (!options_.metrics_address.empty()) {
     try {
       exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_address, 2);
@@ -109,12 +111,18 @@ absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services) {
     return absl::UnavailableError(
         absl::StrCat("gRPC address ", options_.grpc_address, ": cannot listen"));
   }
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+    for (const std::string& name : service_names_) health->SetServingStatus(name, true);
+  }
   return absl::OkStatus();
 }
 
 void ServiceRunner::SetServing(bool serving) {
   if (server_ && server_->GetHealthCheckService()) {
     server_->GetHealthCheckService()->SetServingStatus(serving);
+    for (const std::string& name : service_names_) {
+      server_->GetHealthCheckService()->SetServingStatus(name, serving);
+    }
   }
 }
 

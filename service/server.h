@@ -37,12 +37,17 @@ class ServiceRunner {
   static void BlockTerminationSignals();
 
   // Starts the metrics exposer and the gRPC server with `services` (plus grpc.health.v1 and
-  // reflection). UNAVAILABLE naming the address when a port cannot be bound.
-  absl::Status Start(const std::vector<grpc::Service*>& services);
+  // reflection). `service_names` are the full names of the services (e.g.
+  // v1::GenerationService::service_full_name()): grpc.health.v1 answers for each of them, as
+  // for "" (the whole server); any other name is NOT_FOUND. UNAVAILABLE naming the address when
+  // a port cannot be bound.
+  absl::Status Start(const std::vector<grpc::Service*>& services,
+                     const std::vector<std::string>& service_names = {});
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
   grpc::Server* server() { return server_.get(); }
-  // Sets the health status of the whole server ("" service) to SERVING or NOT_SERVING.
+  // Sets the health status of the whole server ("" service) and of every served service name
+  // to SERVING or NOT_SERVING.
   void SetServing(bool serving);
   // Writes the ports file (if configured) with `extra` fields added (e.g. {"http": 8080}).
   absl::Status WritePortsFile(const std::vector<std::pair<std::string, int>>& extra = {});
@@ -56,6 +61,7 @@ class ServiceRunner {
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<grpc::Server> server_;
+  std::vector<std::string> service_names_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;
 };

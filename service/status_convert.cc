@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 
 namespace dgserve {
 
@@ -56,7 +57,10 @@ std::string OpenAiErrorBody(const absl::Status& status, const std::string& param
       {"message", std::string(status.message())},
       {"type", OpenAiErrorType(status.code())},
       {"param", param.empty() ? nlohmann::json(nullptr) : nlohmann::json(param)},
-      {"code", absl::AsciiStrToLower(absl::StatusCodeToString(status.code()))},
+      {"code", absl::IsInvalidArgument(status) &&
+                       absl::StrContains(status.message(), "exceed the context limit")
+                   ? std::string("context_length_exceeded")
+                   : absl::AsciiStrToLower(absl::StatusCodeToString(status.code()))},
   };
   return nlohmann::json{{"error", err}}.dump();
 }

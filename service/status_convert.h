@@ -22,7 +22,9 @@ int HttpStatusFor(absl::StatusCode code);
 // "permission_error", "not_found_error", "rate_limit_error", "server_error", "timeout_error",
 // "service_unavailable".
 std::string OpenAiErrorType(absl::StatusCode code);
-// {"error": {"message", "type", "param" (or null), "code" (the gRPC code name, lower case)}}
+// {"error": {"message", "type", "param" (or null), "code"}}: `code` is OpenAI's
+// "context_length_exceeded" for an INVALID_ARGUMENT whose message says the context limit is
+// exceeded, else the gRPC code name in lower case.
 std::string OpenAiErrorBody(const absl::Status& status, const std::string& param = "");
 
 }  // namespace dgserve

@@ -198,7 +198,7 @@ absl::Status RunGenerate() {
     opts.enable_thinking = absl::GetFlag(FLAGS_thinking);
     DGSERVE_ASSIGN_OR_RETURN(req.prompt, RenderChat(tok, {&msg, 1}, opts));
   } else {
-    req.prompt = tok.Encode(prompt, /*add_bos=*/true);
+    req.prompt = tok.EncodeText(prompt, /*add_bos=*/true);  // as the gateway encodes a prompt
   }
   if (auto v = absl::GetFlag(FLAGS_max_tokens)) req.max_new_tokens = *v;
   req.seed = absl::GetFlag(FLAGS_seed);

@@ -32,7 +32,9 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:0", "Prometheus /metrics (all
 ABSL_FLAG(std::string, ports_file, "", "write the bound ports here as JSON once serving");
 ABSL_FLAG(int64_t, kv_cache_mib, 512, "memory of each role's KV block pool, MiB");
 ABSL_FLAG(int, max_batch_canvases, 16, "canvases in one batched decoder pass at most");
-ABSL_FLAG(int, max_concurrent_requests, 64, "admitted requests at once; beyond: 429");
+ABSL_FLAG(int, max_concurrent_requests, 64,
+          "requests running at once (gRPC and HTTP); beyond: queued, then 429 / RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_queued_requests, 0, "requests waiting for a slot; beyond: 429 at once");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
 
 namespace dgserve {
@@ -83,7 +85,10 @@ absl::Status Run() {
                         kv::CreateInProcessTransport(), PrefillEngineOptions{}, &prefill_metrics,
                         &prefill_kv);
   PrefillServiceImpl prefill_service(&prefill, prefill_model->pool.get(), model_id);
-  if (absl::Status s = workers.Start({&denoise_service, &transfer_service, &prefill_service});
+  if (absl::Status s = workers.Start({&denoise_service, &transfer_service, &prefill_service},
+                                       {v1::DenoiseService::service_full_name(),
+                                        v1::KvTransferService::service_full_name(),
+                                        v1::PrefillService::service_full_name()});
       !s.ok()) {
     return s;
   }
@@ -104,11 +109,12 @@ absl::Status Run() {
   denoise_pool.Start();
   GatewayOptions gopts;
   gopts.model_id = model_id;
-  gopts.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
+  gopts.max_concurrent_requests = std::max(1, absl::GetFlag(FLAGS_max_concurrent_requests));
+  gopts.max_queued_requests = std::max(0, absl::GetFlag(FLAGS_max_queued_requests));
   Gateway gateway(config, denoise_model->checkpoint->generation, *std::move(tokenizer), gopts,
                   &prefill_pool, &denoise_pool, &gateway_metrics);
   GenerationServiceImpl generation(&gateway, absl::Minutes(10));
-  if (absl::Status s = front.Start({&generation}); !s.ok()) return s;
+  if (absl::Status s = front.Start({&generation}, {v1::GenerationService::service_full_name()}); !s.ok()) return s;
   absl::StatusOr<std::pair<std::string, int>> http_addr =
       SplitHostPort(absl::GetFlag(FLAGS_http_address));
   if (!http_addr.ok()) return http_addr.status();
@@ -122,6 +128,7 @@ absl::Status Run() {
   PeriodicTask gauges(absl::Milliseconds(250), [&] {
     prefill_kv.Update(prefill_model->pool->stats());
     denoise_kv.Update(denoise_model->pool->stats());
+    denoise_kv.UpdateReceived("inprocess", receiver.received_bytes());
     gateway.UpdateWorkerGauges();
   });
   if (absl::Status s = front.WritePortsFile({{"http", *http_port},

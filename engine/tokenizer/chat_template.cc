@@ -22,8 +22,9 @@ void OpenTurn(const Tokenizer& tokenizer, std::string_view role, std::vector<int
 
 // Appends the trimmed content and `<turn|>\n`.
 void CloseTurn(const Tokenizer& tokenizer, std::string_view content, std::vector<int32_t>* out) {
-  Append(out, tokenizer.Encode(tokenizer_internal::TrimPythonWhitespace(content),
-                               /*add_bos=*/false));
+  // Message content is text: control-token strings in it stay text (no forged turns).
+  Append(out, tokenizer.EncodeText(tokenizer_internal::TrimPythonWhitespace(content),
+                                   /*add_bos=*/false));
   out->push_back(kGemmaTurnEndId);
   out->push_back(kGemmaNewlineId);
 }

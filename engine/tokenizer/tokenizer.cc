@@ -123,7 +123,8 @@ absl::StatusOr<Tokenizer> Tokenizer::FromJson(std::string_view json_text,
   return Tokenizer(std::move(data));
 }
 
-void Tokenizer::EncodeSection(std::string_view raw, std::vector<int32_t>* out) const {
+void Tokenizer::EncodeSection(std::string_view raw, bool text_only,
+                              std::vector<int32_t>* out) const {
   const TokenizerData& d = *data_;
   std::string normalized_storage;
   std::string_view normalized = raw;
@@ -133,7 +134,7 @@ void Tokenizer::EncodeSection(std::string_view raw, std::vector<int32_t>* out) c
   }
   std::vector<std::string_view> words;
   SplitOnAddedTokens(
-      d.normalized_matcher, d.added_tokens, normalized,
+      text_only ? d.text_normalized_matcher : d.normalized_matcher, d.added_tokens, normalized,
       [&](std::string_view section) {
         words.clear();
         d.pre_tokenizer.Split(section, &words);
@@ -143,13 +144,22 @@ void Tokenizer::EncodeSection(std::string_view raw, std::vector<int32_t>* out) c
 }
 
 std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos) const {
+  return EncodeImpl(text, add_bos, /*text_only=*/false);
+}
+
+std::vector<int32_t> Tokenizer::EncodeText(std::string_view text, bool add_bos) const {
+  return EncodeImpl(text, add_bos, /*text_only=*/true);
+}
+
+std::vector<int32_t> Tokenizer::EncodeImpl(std::string_view text, bool add_bos,
+                                           bool text_only) const {
   const TokenizerData& d = *data_;
   std::vector<int32_t> ids;
   ids.reserve(text.size() / 3 + 4);
   if (add_bos) ids.insert(ids.end(), d.template_prefix.begin(), d.template_prefix.end());
   SplitOnAddedTokens(
-      d.raw_matcher, d.added_tokens, text,
-      [&](std::string_view section) { EncodeSection(section, &ids); },
+      text_only ? d.text_raw_matcher : d.raw_matcher, d.added_tokens, text,
+      [&](std::string_view section) { EncodeSection(section, text_only, &ids); },
       [&](int32_t id) { ids.push_back(id); });
   if (add_bos) ids.insert(ids.end(), d.template_suffix.begin(), d.template_suffix.end());
   return ids;

@@ -37,6 +37,12 @@ class Tokenizer {
   // `add_bos` applies the post-processor template (for Gemma: a leading <bos>).
   std::vector<int32_t> Encode(std::string_view text, bool add_bos) const;
 
+  // Encodes user text: like Encode, but special (control) tokens are not split off, so a string
+  // such as "<eos>" or "<start_of_turn>" in the text is encoded as the characters it is, never
+  // as the control token (HF `split_special_tokens=True`). Non-special added tokens still match.
+  // Only templates (RenderChat, `add_bos`) emit control tokens.
+  std::vector<int32_t> EncodeText(std::string_view text, bool add_bos) const;
+
   // Decodes ids like HF `tokenizer.decode(ids, skip_special_tokens=skip_special)`: byte-fallback
   // runs are joined into UTF-8 (a run that is not valid UTF-8 becomes one U+FFFD per byte, as in
   // HF), "▁" becomes a space. Ids without a piece are skipped.
@@ -60,7 +66,9 @@ class Tokenizer {
   std::string DecodeChunk(std::span<const int32_t> ids, bool skip_special,
                           tokenizer_internal::ByteRunState* state, bool final) const;
   // Normalizes, pre-tokenizes and BPE-encodes one raw-text section without added tokens.
-  void EncodeSection(std::string_view raw, std::vector<int32_t>* out) const;
+  // `text_only`: special added tokens are not matched (EncodeText).
+  void EncodeSection(std::string_view raw, bool text_only, std::vector<int32_t>* out) const;
+  std::vector<int32_t> EncodeImpl(std::string_view text, bool add_bos, bool text_only) const;
 
   std::shared_ptr<const tokenizer_internal::TokenizerData> data_;
 };

@@ -35,6 +35,9 @@ struct TokenizerData {
   std::vector<AddedToken> added_tokens;
   AddedTokenMatcher raw_matcher;  // added tokens with normalized=false (index into added_tokens)
   AddedTokenMatcher normalized_matcher;  // added tokens with normalized=true, patterns normalized
+  // The same two without the special (control) tokens: what EncodeText matches.
+  AddedTokenMatcher text_raw_matcher;
+  AddedTokenMatcher text_normalized_matcher;
   absl::flat_hash_map<std::string_view, int32_t> added_by_content;  // views into added_tokens
   std::vector<int32_t> template_prefix;  // post-processor ids before the sequence (<bos>)
   std::vector<int32_t> template_suffix;  // and after it

@@ -546,8 +546,13 @@ absl::StatusOr<std::shared_ptr<const TokenizerData>> ParseTokenizerJson(std::str
     data->added_by_content[t.content] = t.id;
     if (t.normalized) {
       data->normalized_matcher.Add(data->normalizer.Normalize(t.content), static_cast<int32_t>(i));
+      if (!t.special) {
+        data->text_normalized_matcher.Add(data->normalizer.Normalize(t.content),
+                                          static_cast<int32_t>(i));
+      }
     } else {
       data->raw_matcher.Add(t.content, static_cast<int32_t>(i));
+      if (!t.special) data->text_raw_matcher.Add(t.content, static_cast<int32_t>(i));
     }
   }
   for (int32_t id : data->template_prefix) {

@@ -1,6 +1,10 @@
 // Integration tests of the cluster: real gateway, prefill and denoise processes on loopback
 // ports chosen at run time, driven over gRPC and HTTP (label `integration`).
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cctype>
@@ -15,6 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
+#include "grpc/health/v1/health.pb.h"
+#include "grpcpp/impl/codegen/client_unary_call.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/test_cluster.h"
@@ -404,6 +410,88 @@ TEST_F(ClusterTest, StopSequenceAcrossCanvasesCountsLikeWithinOne) {
   EXPECT_EQ(Ids(ra.response), Ids(rb.response));
 }
 
+// grpc.health.v1 Check on `port` for `service` (the client stub is not generated: the
+// standard method is called by name).
+grpc::Status HealthCheck(int port, const std::string& service,
+                         grpc::health::v1::HealthCheckResponse* resp) {
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  return grpc::internal::BlockingUnaryCall(
+      channel.get(),
+      grpc::internal::RpcMethod("/grpc.health.v1.Health/Check",
+                                grpc::internal::RpcMethod::NORMAL_RPC),
+      &ctx, req, resp);
+}
+
+// Health answers for the whole server ("") and for each service a process serves by name;
+// another name is NOT_FOUND.
+TEST_F(ClusterTest, HealthAnswersForEachServedService) {
+  using grpc::health::v1::HealthCheckResponse;
+  const std::vector<std::pair<int, std::vector<std::string>>> cases = {
+      {c().gateway().grpc_port, {"", "dgserve.v1.GenerationService"}},
+      {c().prefill().grpc_port, {"", "dgserve.v1.PrefillService"}},
+      {c().denoise(0).grpc_port, {"", "dgserve.v1.DenoiseService", "dgserve.v1.KvTransferService"}},
+  };
+  for (const auto& [port, names] : cases) {
+    for (const std::string& name : names) {
+      HealthCheckResponse resp;
+      grpc::Status st = HealthCheck(port, name, &resp);
+      ASSERT_TRUE(st.ok()) << port << " '" << name << "': " << st.error_message();
+      EXPECT_EQ(resp.status(), HealthCheckResponse::SERVING) << port << " '" << name << "'";
+    }
+    HealthCheckResponse resp;
+    EXPECT_EQ(HealthCheck(port, "dgserve.v1.NoSuchService", &resp).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+}
+
+// The worker's denoise and commit timings reach the usage when the last canvas is cut by
+// max_tokens (they were 0: the gateway stopped reading before the worker's Finished).
+TEST_F(ClusterTest, UsageTimingsWhenTheLastCanvasIsCut) {
+  for (uint64_t seed : {1, 2, 3}) {
+    v1::GenerateRequest req;
+    req.set_text("Hi");
+    req.set_max_tokens(33);  // 3 canvases of 16, the last one cut after 1 token
+    req.set_seed(seed);
+    req.mutable_diffusion()->set_max_denoising_steps(4);
+    Result r = Generate(c(), req);
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    const v1::Usage& u = r.response.usage();
+    EXPECT_GT(u.timings().denoise_seconds(), 0) << u.DebugString();
+    if (u.canvases() > 1) EXPECT_GT(u.timings().commit_seconds(), 0) << u.DebugString();
+    if (r.response.finish_reason() == "length") EXPECT_EQ(u.completion_tokens(), 33);
+  }
+  // The worker counted them as finished, not cancelled.
+  EXPECT_TRUE(Eventually([&] {
+    auto s = c().DenoiseStats(0);
+    return s.ok() && s->active_requests() == 0;
+  }));
+}
+
+// A control-token string in a prompt is text: "<eos>" is encoded as its characters (more than
+// <bos> plus one token), so a prompt cannot end itself or forge turns.
+TEST_F(ClusterTest, ControlTokenStringsInAPromptAreText) {
+  v1::GenerateRequest req;
+  req.set_text("<eos>");
+  req.set_max_tokens(4);
+  req.set_seed(1);
+  Result r = Generate(c(), req);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_GT(r.response.usage().prompt_tokens(), 2);
+  // Raw control tokens can still be sent as token ids.
+  v1::GenerateRequest ids;
+  ids.mutable_token_ids()->add_ids(2);
+  ids.mutable_token_ids()->add_ids(1);
+  ids.set_max_tokens(4);
+  Result raw = Generate(c(), ids);
+  ASSERT_TRUE(raw.status.ok()) << raw.status.error_message();
+  EXPECT_EQ(raw.response.usage().prompt_tokens(), 2);
+}
+
 TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
   v1::GenerateRequest req = Chat("Count to a thousand.", 5, 480);  // 30 canvases
   grpc::ClientContext ctx;
@@ -428,6 +516,9 @@ TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
 // A request whose deadline ends during prefill or the KV transfer leaves no KV on the denoise
 // worker (the gateway tells it to drop the request; no waiting for the 30 s lease).
 TEST_F(ClusterTest, DeadlineDuringPrefillLeavesNoKv) {
+  const std::string failures = "dgserve_prefill_kv_transfer_failures_total{transport=\"tcp\"}";
+  const double failures_before =
+      TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()), failures);
   for (int ms : {1, 2, 5, 10, 20, 40}) {
     const std::string prompt = absl::StrCat("a short prompt ", ms);
     grpc::ClientContext ctx;
@@ -441,6 +532,23 @@ TEST_F(ClusterTest, DeadlineDuringPrefillLeavesNoKv) {
     return s.ok() && s->kv().full_blocks_used() == 0 && s->pending_transfers() == 0 &&
            s->active_requests() == 0;
   })) << c().DenoiseStats(0)->DebugString();
+  // Deadlines are the client's, not transfer failures.
+  EXPECT_EQ(TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()), failures),
+            failures_before);
+}
+
+// The denoise worker counts the KV bytes it receives (its kv_transfer_bytes_total never moved),
+// at least as many as the prefill worker completed.
+TEST_F(ClusterTest, KvTransferBytesCountedOnBothSides) {
+  Result r = Generate(c(), Chat("Bytes on the wire, please.", 4, 16));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  const std::string series = "dgserve_prefill_kv_transfer_bytes_total{transport=\"tcp\"}";
+  const std::string received = "dgserve_denoise_kv_transfer_bytes_total{transport=\"tcp\"}";
+  EXPECT_TRUE(Eventually([&] {
+    const double sent = TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()), series);
+    const double got = TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().denoise(0)), received);
+    return sent > 0 && got >= sent;  // aborted transfers count on the receiving side only
+  })) << TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().denoise(0)), received);
 }
 
 TEST_F(ClusterTest, RepeatedPromptHitsThePrefixCache) {
@@ -647,6 +755,12 @@ TEST(ClusterAuthTest, ApiKeysAreEnforced) {
   grpc::ClientContext ctx2;
   ctx2.AddMetadata("authorization", "Bearer key-one");
   EXPECT_TRUE((*c)->GatewayStub()->Generate(&ctx2, Chat("hi", 1, 4), &resp).ok());
+  // Every refusal is in the request counter (two over HTTP, one over gRPC), like the successes.
+  const std::string metrics = *TestCluster::ScrapeMetrics((*c)->gateway());
+  EXPECT_EQ(TestCluster::MetricValue(metrics,
+                                     "dgserve_gateway_requests_total{status=\"UNAUTHENTICATED\"}"),
+            3);
+  EXPECT_EQ(TestCluster::MetricValue(metrics, "dgserve_gateway_requests_total{status=\"OK\"}"), 2);
 }
 
 // A denoise worker killed mid-stream: the client gets a clear error or a complete answer
@@ -775,6 +889,8 @@ TEST(ClusterFailureTest, TransferCutMidBlockFailsCleanly) {
   Result r = Generate(**c, Chat("hello there", 1, 16));
   ASSERT_FALSE(r.status.ok());
   EXPECT_THAT(r.status.error_message(), HasSubstr("transfer"));
+  // Worker addresses go to the gateway's log, not to clients.
+  EXPECT_THAT(r.status.error_message(), ::testing::Not(HasSubstr("127.0.0.1")));
   EXPECT_TRUE(Eventually([&] {
     auto s = (*c)->DenoiseStats(0);
     return s.ok() && s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0 &&
@@ -784,6 +900,128 @@ TEST(ClusterFailureTest, TransferCutMidBlockFailsCleanly) {
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->kv().full_blocks_used(), 0);
   EXPECT_EQ(p->kv().sliding_blocks_used(), 0);
+}
+
+
+// A raw HTTP client socket on 127.0.0.1 that sent `body` to `path` (-1 on failure).
+int SendHttpPost(int port, const std::string& path, const std::string& body) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval tv{60, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  const std::string req = absl::StrCat("POST ", path,
+                                       " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                       "application/json\r\nContent-Length: ",
+                                       body.size(), "\r\n\r\n", body);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Reads from `fd` until `needle` is seen (or EOF / the 60 s receive timeout).
+std::string ReadUntil(int fd, const std::string& needle) {
+  std::string out;
+  char buf[4096];
+  while (out.find(needle) == std::string::npos) {
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// --max_concurrent_requests counts gRPC and HTTP requests together: with 2 running (one of
+// each) and 1 queued, the next ones get 429 + Retry-After (HTTP) and RESOURCE_EXHAUSTED (gRPC)
+// at once; /health and /ready still answer; closing an HTTP connection cancels its request at
+// once (streaming or not) and frees its KV, which lets the queued request in.
+TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
+  ClusterOptions o;
+  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
+  ASSERT_TRUE(model.ok()) << model.status();
+  o.model_dir = *model;
+  o.gateway_flags = {"--max_concurrent_requests=2", "--max_queued_requests=1"};
+  auto c = TestCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const TestCluster& cl = **c;
+  const int http_port = cl.gateway().http_port;
+  auto denoise_idle = [&] {
+    auto s = cl.DenoiseStats(0);
+    return s.ok() && s->active_requests() == 0 && s->queued_requests() == 0 &&
+           s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0;
+  };
+
+  // Two long requests hold the two slots: one gRPC stream, one HTTP SSE stream.
+  grpc::ClientContext held_ctx;
+  auto held = cl.GatewayStub()->GenerateStream(&held_ctx, Chat("Count to a million.", 1, 16000));
+  v1::GenerateEvent ev;
+  ASSERT_TRUE(held->Read(&ev));
+  int sse = SendHttpPost(http_port, "/v1/completions",
+                         R"({"prompt": "Count on.", "max_tokens": 16000, "stream": true})");
+  ASSERT_GE(sse, 0);
+  ASSERT_THAT(ReadUntil(sse, "data: "), HasSubstr("HTTP/1.1 200"));
+
+  // A third waits in the queue.
+  Result queued;
+  std::thread queued_thread([&] { queued = Generate(cl, Chat("hi", 2, 4)); });
+  ASSERT_TRUE(Eventually([&] {
+    return TestCluster::MetricValue(*TestCluster::ScrapeMetrics(cl.gateway()),
+                                    "dgserve_gateway_queued_requests") == 1;
+  }));
+
+  // Beyond: refused at once on both protocols.
+  httplib::Client http("127.0.0.1", http_port);
+  http.set_read_timeout(60, 0);
+  for (int i = 0; i < 3; ++i) {
+    auto res = http.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": 4})",
+                         "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 429) << res->body;
+    EXPECT_EQ(res->get_header_value("Retry-After"), "1");
+    EXPECT_THAT(res->body, HasSubstr("rate_limit_error"));
+    Result refused = Generate(cl, Chat("hi", 3, 4));
+    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << refused.status.error_message();
+    EXPECT_EQ(http.Get("/health")->status, 200);
+    EXPECT_EQ(http.Get("/ready")->status, 200);
+  }
+  EXPECT_EQ(TestCluster::MetricValue(*TestCluster::ScrapeMetrics(cl.gateway()),
+                                     "dgserve_gateway_inflight_requests"),
+            2);
+
+  // Closing the SSE connection cancels that request: the queued one gets its slot.
+  close(sse);
+  queued_thread.join();
+  EXPECT_TRUE(queued.status.ok()) << queued.status.error_message();
+  held_ctx.TryCancel();
+  while (held->Read(&ev)) {
+  }
+  EXPECT_EQ(held->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(Eventually(denoise_idle)) << cl.DenoiseStats(0)->DebugString();
+
+  // A non-streaming HTTP request whose client leaves is cancelled too, and its KV freed.
+  int unary = SendHttpPost(http_port, "/v1/completions",
+                           R"({"prompt": "Count on.", "max_tokens": 16000})");
+  ASSERT_GE(unary, 0);
+  ASSERT_TRUE(Eventually([&] {
+    auto s = cl.DenoiseStats(0);
+    return s.ok() && s->active_requests() == 1 && s->kv().full_blocks_used() > 0;
+  }));
+  close(unary);
+  EXPECT_TRUE(Eventually(denoise_idle)) << cl.DenoiseStats(0)->DebugString();
+
+  const std::string metrics = *TestCluster::ScrapeMetrics(cl.gateway());
+  EXPECT_GE(TestCluster::MetricValue(metrics,
+                                     "dgserve_gateway_requests_total{status=\"RESOURCE_EXHAUSTED\"}"),
+            6);
+  EXPECT_GE(TestCluster::MetricValue(metrics, "dgserve_gateway_queue_duration_seconds_count"), 1);
+  EXPECT_EQ(TestCluster::MetricValue(metrics, "dgserve_gateway_queued_requests"), 0);
 }
 
 }  // namespace

@@ -79,21 +79,41 @@ std::string BinaryPath(const std::string& relative) {
   return absl::StrCat(DGSERVE_BINARY_DIR, "/", relative);
 }
 
-absl::StatusOr<std::string> TestModelDir() {
-  static std::string dir;
-  if (!dir.empty()) return dir;
-  const std::string d = TempDir() + "/it-model";
+namespace {
+
+// The tiny-v512 test model with the given `eos_token_id` JSON.
+absl::StatusOr<std::string> MakeTestModel(const std::string& name, const std::string& eos_json) {
+  const std::string d = TempDir() + "/" + name;
   const std::string src = absl::StrCat(DGSERVE_SOURCE_DIR_PATH, "/tests/testdata/golden/tiny-v512");
   const std::string gen = TempDir() + "/generation_config.json";
   std::ofstream(gen) << R"({"max_denoising_steps": 8, "max_new_tokens": 32, "t_min": 0.4,
     "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005, "pad_token_id": 0,
-    "eos_token_id": [1, 106, 50], "sampler_config": {"entropy_bound": 0.1}})";
+    "eos_token_id": )" << eos_json << R"(, "sampler_config": {"entropy_bound": 0.1}})";
   const std::string cmd = absl::StrCat(BinaryPath("tools/dgserve-mkmodel"), " --out ", d,
                                        " --seed 512 --config ", src, "/config.json --tokenizer ",
                                        src, "/tokenizer.json --generation_config ", gen,
                                        " > /dev/null 2>&1");
   if (std::system(cmd.c_str()) != 0) return absl::InternalError("dgserve-mkmodel failed");
-  dir = d;
+  return d;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> TestModelDir() {
+  static std::string dir;
+  if (!dir.empty()) return dir;
+  absl::StatusOr<std::string> d = MakeTestModel("it-model", "[1, 106, 50]");
+  if (!d.ok()) return d.status();
+  dir = *d;
+  return dir;
+}
+
+absl::StatusOr<std::string> TestModelDirWithoutStopTokens() {
+  static std::string dir;
+  if (!dir.empty()) return dir;
+  absl::StatusOr<std::string> d = MakeTestModel("it-model-no-eos", "[]");
+  if (!d.ok()) return d.status();
+  dir = *d;
   return dir;
 }
 

@@ -72,5 +72,7 @@ class TestCluster {
 // (tiny-v512 shape, its cut-down Gemma tokenizer, at most 8 denoising steps).
 std::string BinaryPath(const std::string& relative);
 absl::StatusOr<std::string> TestModelDir();
+// The same model without stop tokens: a request runs until max_tokens or cancelled.
+absl::StatusOr<std::string> TestModelDirWithoutStopTokens();
 
 }  // namespace dgserve::testing
