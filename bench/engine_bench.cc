@@ -132,6 +132,10 @@ int Run() {
     return 1;
   }
   std::printf("loaded checkpoint in %.1f s\n", Since(t0));
+  if (auto rss = ResidentBytes(), peak = PeakResidentBytes(); rss && peak) {
+    std::printf("resident memory after load %.2f GB (peak so far %.2f GB)\n", *rss / 1e9,
+                *peak / 1e9);
+  }
   const ModelConfig& c = ckpt->config;
   const int C = absl::GetFlag(FLAGS_canvas) != 0 ? absl::GetFlag(FLAGS_canvas) : c.canvas_length;
   const int steps = absl::GetFlag(FLAGS_steps);

@@ -23,6 +23,19 @@ inline std::optional<uint64_t> AvailableMemoryBytes() {
   return std::nullopt;
 }
 
+// This process's resident memory (VmRSS) and its peak (VmHWM) from /proc/self/status, in bytes;
+// nullopt where they cannot be read.
+inline std::optional<uint64_t> ProcStatusBytes(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(field + ":", 0) != 0) continue;
+    return std::stoull(line.substr(field.size() + 1)) * 1024;
+  }
+  return std::nullopt;
+}
+inline std::optional<uint64_t> ResidentBytes() { return ProcStatusBytes("VmRSS"); }
+inline std::optional<uint64_t> PeakResidentBytes() { return ProcStatusBytes("VmHWM"); }
+
 // Free bytes (for an unprivileged writer) on the file system holding `path`, or its nearest
 // existing ancestor; nullopt where it cannot be read.
 inline std::optional<uint64_t> FreeDiskBytes(const std::string& path) {

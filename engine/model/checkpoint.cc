@@ -1,5 +1,8 @@
 #include "engine/model/checkpoint.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -113,6 +116,17 @@ absl::Status LoadFloat32(const TensorView& view, const Destination& d) {
   return bad < n ? NonFiniteError(view, bad) : absl::OkStatus();
 }
 
+// Drops the mapped file pages of `view` from this process's resident memory once they are
+// copied (they stay in the page cache; a later read faults them in again). Without it a load
+// holds the whole checkpoint file and the converted weights at once.
+void DropMappedPages(const TensorView& view) {
+  if (view.data == nullptr || view.nbytes == 0) return;
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(view.data) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(view.data) + view.nbytes;
+  madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 // A matrix: its bf16 bits (a BF16 tensor's own; F16/F32 rounded to nearest even), checked for
 // non-finite values, then packed for the GEMM (per expert for [E, rows, cols] tensors).
 absl::Status LoadMatrix(const TensorView& view, const Destination& d) {
@@ -128,6 +142,7 @@ absl::Status LoadMatrix(const TensorView& view, const Destination& d) {
     DGSERVE_ASSIGN_OR_RETURN(std::vector<float> f, ToFloat32(view));
     for (int64_t i = 0; i < n; ++i) bits[i] = FloatToBf16(f[i]);
   }
+  DropMappedPages(view);
   int64_t bad = n;
 #pragma omp parallel for reduction(min : bad) if (n >= (1 << 20))
   for (int64_t i = 0; i < n; ++i) {

@@ -217,11 +217,15 @@ void Gemm(const GemmArgs& g, GemmIsa isa, GemmThreads threads) {
     return;
   }
   const KernelSet ks = Kernels(isa);
-  const int row_tiles = (g.m + kMc - 1) / kMc, col_tiles = (g.n + kNc - 1) / kNc;
+  // A strided B is copied strip by strip inside a tile: one tile takes all the rows, so each
+  // strip is copied once per k block.
+  const int mc = g.b.k_stride != kGemmPanel ? g.m : kMc;
+  const int row_tiles = (g.m + mc - 1) / mc, col_tiles = (g.n + kNc - 1) / kNc;
   const int tiles = row_tiles * col_tiles;
   auto run = [&](int t, Scratch& s) {
-    const int ti = t / col_tiles, tj = t % col_tiles;
-    RunTile(g, ks, ti * kMc, std::min(g.m, (ti + 1) * kMc), tj * kNc, std::min(g.n, (tj + 1) * kNc),
+    // Column-tile major: consecutive tiles share their B block (kNc columns × k) in cache.
+    const int tj = t / row_tiles, ti = t % row_tiles;
+    RunTile(g, ks, ti * mc, std::min(g.m, (ti + 1) * mc), tj * kNc, std::min(g.n, (tj + 1) * kNc),
             s);
   };
   if (threads == GemmThreads::kOpenMp && tiles > 1 && !omp_in_parallel() &&
