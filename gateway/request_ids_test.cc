@@ -11,11 +11,17 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/testing/status_matchers.h"
+#include "dgserve/v1/worker.grpc.pb.h"
 #include "engine/model/config.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "gateway/gateway.h"
+#include "gateway/worker_pool.h"
 
 namespace dgserve {
 namespace {
@@ -105,6 +111,98 @@ TEST(RequestIdTest, IdsFromPrepareAreNotPredictable) {
   const uint64_t actual = observed.back();
   observed.pop_back();
   EXPECT_NE(PredictNextMt19937_64(observed), actual);
+}
+
+// A prefill and a denoise worker on one loopback server: both answer Stats (healthy), the
+// prefill side records the request id of every Prefill and fails it with UNAVAILABLE, so that
+// the gateway retries on another prefill worker.
+class RecordingPrefill final : public v1::PrefillService::Service {
+ public:
+  grpc::Status Prefill(grpc::ServerContext*, const v1::PrefillRequest* r,
+                       v1::PrefillResponse*) override {
+    absl::MutexLock lock(&mu);
+    ids.push_back(r->request_id());
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "recording worker");
+  }
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*,
+                     v1::StatsResponse* out) override {
+    out->set_role("prefill");
+    out->set_model_id("m");
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu;
+  std::vector<std::string> ids;
+};
+
+class IdleDenoise final : public v1::DenoiseService::Service {
+ public:
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*,
+                     v1::StatsResponse* out) override {
+    out->set_role("denoise");
+    out->set_model_id("m");
+    out->set_max_batch_canvases(8);
+    return grpc::Status::OK;
+  }
+  grpc::Status Cancel(grpc::ServerContext*, const v1::CancelRequest*,
+                      v1::CancelResponse*) override {
+    return grpc::Status::OK;
+  }
+};
+
+struct FakeWorker {
+  FakeWorker() {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&prefill);
+    b.RegisterService(&denoise);
+    server = b.BuildAndStart();
+  }
+  ~FakeWorker() { server->Shutdown(); }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port); }
+  RecordingPrefill prefill;
+  IdleDenoise denoise;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
+// The ids the workers see are fresh CSPRNG draws per attempt ("att-" + 128 bits), not the public
+// id with an attempt number appended.
+TEST(RequestIdTest, AttemptsUseTheirOwnIds) {
+  absl::StatusOr<ModelConfig> config =
+      LoadModelConfig(SourceDir() + "/tests/testdata/golden/tiny-v512/config.json");
+  ASSERT_THAT(config, IsOk());
+  absl::StatusOr<Tokenizer> tokenizer =
+      Tokenizer::Load(SourceDir() + "/engine/tokenizer/testdata/tiny_v512_tokenizer.json");
+  ASSERT_THAT(tokenizer, IsOk());
+  FakeWorker a, b;
+  ASSERT_GT(a.port, 0);
+  ASSERT_GT(b.port, 0);
+  WorkerPool prefill("prefill", {a.address(), b.address()}, "m");
+  WorkerPool denoise("denoise", {a.address()}, "m");
+  prefill.Start();
+  denoise.Start();
+  ASSERT_EQ(prefill.healthy_count(), 2);
+  ASSERT_EQ(denoise.healthy_count(), 1);
+  GatewayOptions options;
+  options.model_id = "m";
+  options.max_attempts = 2;
+  Gateway gateway(*config, GenerationConfig{}, *tokenizer, options, &prefill, &denoise, nullptr);
+  v1::GenerateRequest request;
+  request.mutable_token_ids()->add_ids(2);
+  request.set_max_tokens(1);
+  const absl::Status s = gateway.Generate(
+      request, absl::Now() + absl::Seconds(30), [] { return false; },
+      [](const v1::GenerateEvent&) { return true; });
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  std::vector<std::string> ids;
+  for (FakeWorker* w : {&a, &b}) {
+    absl::MutexLock lock(&w->prefill.mu);
+    ids.insert(ids.end(), w->prefill.ids.begin(), w->prefill.ids.end());
+  }
+  ASSERT_EQ(ids.size(), 2u);  // one attempt on each prefill worker
+  for (const std::string& id : ids) EXPECT_THAT(id, MatchesRegex("att-[0-9a-f]{32}"));
+  EXPECT_NE(ids[0], ids[1]);
+  EXPECT_NE(ids[0].substr(4, 16), ids[1].substr(4, 16));  // not one id with a counter
 }
 
 TEST(RequestIdTest, InternalIdsAreSeparateDraws) {
