@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -13,25 +12,12 @@
 #include "common/hash.h"
 #include "engine/denoise/sampler_params.h"
 #include "engine/tokenizer/chat_template.h"
+#include "gateway/request_ids.h"
 #include "gateway/stop_matcher.h"
 #include "service/status_convert.h"
 
 namespace dgserve {
 namespace {
-
-std::string NewRequestId() {
-  static std::mt19937_64 rng(std::random_device{}());
-  static absl::Mutex mu;
-  absl::MutexLock lock(&mu);
-  return absl::StrFormat("%016x", rng());
-}
-
-uint64_t RandomSeed() {
-  static std::mt19937_64 rng(std::random_device{}());
-  static absl::Mutex mu;
-  absl::MutexLock lock(&mu);
-  return rng() >> 1;
-}
 
 std::chrono::system_clock::time_point ToChrono(absl::Time t) {
   if (t == absl::InfiniteFuture()) return std::chrono::system_clock::time_point::max();
@@ -233,7 +219,13 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
     if (s.empty()) return absl::InvalidArgumentError("stop: sequences must not be empty");
     p.stop.push_back(s);
   }
-  p.seed = request.has_seed() ? request.seed() : RandomSeed();
+  if (request.has_seed()) {
+    p.seed = request.seed();
+  } else {
+    absl::StatusOr<uint64_t> seed = NewRandomSeed();
+    if (!seed.ok()) return seed.status();
+    p.seed = *seed;
+  }
   SamplerParams sp;
   sp.max_denoising_steps = generation_.max_denoising_steps;
   sp.t_min = generation_.t_min;
@@ -270,7 +262,9 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
     return absl::InvalidArgumentError("canvas_text: requires canvas_step_interval > 0");
   }
   p.canvas_text = request.stream_options().canvas_text();
-  p.request_id = NewRequestId();
+  absl::StatusOr<std::string> id = NewRequestId();
+  if (!id.ok()) return id.status();
+  p.request_id = *std::move(id);
   return p;
 }
 
@@ -330,8 +324,12 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
     return absl::UnavailableError(
         absl::StrCat("no healthy prefill worker (", prefill_->total_count(), " known)"));
   }
-  const std::string attempt_id =
-      absl::StrCat(req.request_id, "-", bad_prefill->size() + bad_denoise->size());
+  // The workers know an attempt by an id of its own, not derived from the public request id (a
+  // client that knows its id, or guesses another's, cannot address the request inside the
+  // cluster), and fresh for every attempt.
+  absl::StatusOr<std::string> internal_id = NewInternalId();
+  if (!internal_id.ok()) return internal_id.status();
+  const std::string attempt_id = *std::move(internal_id);
   CancelWatcher watcher(is_cancelled);
 
   // 1. Prefill on P; the KV goes to D (held there under a lease until the denoise call claims

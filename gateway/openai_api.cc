@@ -247,7 +247,7 @@ absl::Status ParseChatTemplateKwargs(const json& v, bool* enable_thinking) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<OpenAiRequest> Parse(std::string_view body, bool chat) {
+absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
   // JSON text is UTF-8 (RFC 8259 §8.1); nlohmann::json accepts other bytes inside strings and
   // only fails when the value is serialized again, deep inside the request.
   if (!tokenizer_internal::IsValidUtf8(body)) {
@@ -259,7 +259,8 @@ absl::StatusOr<OpenAiRequest> Parse(std::string_view body, bool chat) {
   json root;
   try {
     root = json::parse(body.begin(), body.end());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for a number that does not fit a double (1e400).
     return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
   }
   if (!root.is_object()) {
@@ -386,6 +387,17 @@ absl::StatusOr<OpenAiRequest> Parse(std::string_view body, bool chat) {
   req.mutable_stream_options()->set_canvas_text(canvas_text);
   req.set_model(out.model);
   return out;
+}
+
+// Every JSON exception is a client error: the request is malformed (a value of a type or size
+// the checks above did not foresee), never a 500 and never an exception escaping to the HTTP
+// server.
+absl::StatusOr<OpenAiRequest> Parse(std::string_view body, bool chat) {
+  try {
+    return ParseUnguarded(body, chat);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
+  }
 }
 
 // The shortest decimal that reads back as `f`, as a double (0.1f → 0.1, not 0.100000001…).

@@ -140,6 +140,16 @@ TEST(ParseCompletionsTest, MalformedJson) {
   ExpectError(R"({"prompt": "x"} trailing)", "malformed JSON: ");
 }
 
+// Issue #15 item 5: a number beyond a double made nlohmann::json throw out_of_range, which was
+// not caught (HTTP 500). Every JSON exception is a 400 now, in any field and on both endpoints.
+TEST(ParseCompletionsTest, NumberOverflowIsInvalidArgumentNotAnException) {
+  ExpectError(R"({"prompt":"x","seed":1e400})", "malformed JSON: ");
+  ExpectError(R"({"prompt":"x","max_tokens":-1e400})", "malformed JSON: ");
+  ExpectError(R"({"prompt":"x","t_min":1e99999})", "malformed JSON: ");
+  ExpectError(R"({"messages":[{"role":"user","content":"x"}],"entropy_bound":1e400})",
+              "malformed JSON: ", /*chat=*/true);
+}
+
 TEST(ParseCompletionsTest, NotAnObject) {
   ExpectError(R"(["prompt"])", "request body must be a JSON object");
   ExpectError(R"("x")", "request body must be a JSON object");

@@ -50,7 +50,11 @@ struct KvLayout {
     const int from = num_tokens - (sliding_window - 1);
     return from > 0 ? from : 0;
   }
-  int BlocksFor(int num_tokens) const { return (num_tokens + block_size - 1) / block_size; }
+  // Blocks covering `num_tokens` positions (≥ 0; block_size > 0), for any int: computed in 64
+  // bits, so num_tokens near INT_MAX (a peer's descriptor) does not overflow.
+  int BlocksFor(int num_tokens) const {
+    return static_cast<int>((int64_t(num_tokens) + block_size - 1) / block_size);
+  }
 };
 
 }  // namespace dgserve::kv

@@ -51,6 +51,16 @@ TEST(KvLayoutTest, WindowAndBlockArithmetic) {
   EXPECT_EQ(l.BlocksFor(5), 2);
 }
 
+// Issue #15 item 8: (num_tokens + block_size - 1) overflowed int for a peer's token_count of
+// 2147483647 (UBSan: signed overflow; in practice a negative block count).
+TEST(KvLayoutTest, BlocksForDoesNotOverflowNearIntMax) {
+  const KvLayout l4 = KvLayout::FromConfig(testing::MixedConfig(), 4, "m");
+  EXPECT_EQ(l4.BlocksFor(2147483647), 536870912);
+  EXPECT_EQ(l4.BlocksFor(2147483644), 536870911);
+  const KvLayout l16 = KvLayout::FromConfig(testing::MixedConfig(), 16, "m");
+  EXPECT_EQ(l16.BlocksFor(2147483647), 134217728);
+}
+
 TEST(KvLayoutTest, AllFullModelHasNoSlidingLayers) {
   ModelConfig c = testing::MixedConfig();
   c.layer_types.assign(c.num_layers, LayerType::kFull);

@@ -314,15 +314,17 @@ absl::Status KvReceiver::Begin(const v1::KvTransferHeader& header) {
     s.failures.erase(id);  // a new attempt
     const v1::KvDescriptor& d = header.kv_descriptor();
     const KvLayout& layout = s.pool->layout();
+    // Range checks first: the descriptor's block arithmetic runs only on a token count this
+    // worker could hold.
     if (header.lease_ms() <= 0) {
       result = absl::InvalidArgumentError(absl::StrCat("lease_ms must be positive, got ",
                                                        header.lease_ms()));
+    } else if (d.token_count() > s.max_tokens) {
+      result = absl::ResourceExhaustedError(absl::StrCat(
+          "token_count ", d.token_count(), " exceeds this worker's limit of ", s.max_tokens,
+          " tokens"));
     } else {
       result = CheckDescriptor(layout, d);
-    }
-    if (result.ok() && d.token_count() > s.max_tokens) {
-      result = absl::ResourceExhaustedError(absl::StrCat(
-          d.token_count(), " tokens exceed this worker's limit of ", s.max_tokens));
     }
     State::Incoming in;
     if (result.ok()) {

@@ -15,54 +15,63 @@ grpc::Status ToGrpc(const absl::Status& s) {
 
 }  // namespace
 
-grpc::Status KvTransferServiceImpl::PushBlocks(grpc::ServerContext* context,
-                                               grpc::ServerReader<v1::KvChunk>* reader,
-                                               v1::KvAck* ack) {
+absl::StatusOr<v1::KvAck> ReceiveKvStream(KvReceiver* receiver,
+                                          const std::function<bool(v1::KvChunk*)>& read,
+                                          const std::function<bool()>& cancelled) {
   v1::KvChunk chunk;
-  if (!reader->Read(&chunk)) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "KV transfer stream without a header");
-  }
+  if (!read(&chunk)) return absl::InvalidArgumentError("KV transfer stream without a header");
   if (!chunk.has_header()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "KV transfer stream must start with its header");
+    return absl::InvalidArgumentError("KV transfer stream must start with its header");
   }
   const std::string id = chunk.header().request_id();
   const v1::KvDescriptor& d = chunk.header().kv_descriptor();
-  const int announced = d.full_block_count() + d.sliding_block_count();
+  const int64_t announced = int64_t(d.full_block_count()) + d.sliding_block_count();
   // Begin cleans up after itself (and must not abort another transfer in flight for the id).
-  if (absl::Status s = receiver_->Begin(chunk.header()); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = receiver->Begin(chunk.header()); !s.ok()) return s;
 
   int blocks = 0;
   int64_t bytes = 0;
-  while (reader->Read(&chunk)) {
+  while (read(&chunk)) {
     absl::Status s;
     if (chunk.has_block()) {
       const int64_t size = int64_t(chunk.block().data().size());
-      s = receiver_->WriteBlock(id, chunk.block());
+      s = receiver->WriteBlock(id, chunk.block());
       if (s.ok()) {
         ++blocks;
         bytes += size;
         continue;
       }
     } else if (chunk.has_trailer()) {
-      s = receiver_->Finish(id, chunk.trailer());
+      s = receiver->Finish(id, chunk.trailer());
       if (s.ok()) {
-        ack->set_blocks(blocks);
-        ack->set_bytes(bytes);
-        return grpc::Status::OK;
+        v1::KvAck ack;
+        ack.set_blocks(blocks);
+        ack.set_bytes(bytes);
+        return ack;
       }
     } else {
       s = absl::InvalidArgumentError(
           absl::StrCat("KV transfer for ", id, ": unexpected chunk after block ", blocks));
     }
-    receiver_->Abort(id, s);  // no-op when the receiver already failed the transfer
-    return ToGrpc(s);
+    receiver->Abort(id, s);  // no-op when the receiver already failed the transfer
+    return s;
   }
   const absl::Status cut = absl::UnavailableError(
       absl::StrCat("KV transfer for ", id, " ended after ", blocks, " of ", announced, " blocks",
-                   context->IsCancelled() ? " (cancelled by the sender)" : ""));
-  receiver_->Abort(id, cut);
-  return ToGrpc(cut);
+                   cancelled() ? " (cancelled by the sender)" : ""));
+  receiver->Abort(id, cut);
+  return cut;
+}
+
+grpc::Status KvTransferServiceImpl::PushBlocks(grpc::ServerContext* context,
+                                               grpc::ServerReader<v1::KvChunk>* reader,
+                                               v1::KvAck* ack) {
+  absl::StatusOr<v1::KvAck> result = ReceiveKvStream(
+      receiver_, [reader](v1::KvChunk* chunk) { return reader->Read(chunk); },
+      [context] { return context->IsCancelled(); });
+  if (!result.ok()) return ToGrpc(result.status());
+  *ack = *std::move(result);
+  return grpc::Status::OK;
 }
 
 grpc::Status KvTransferServiceImpl::NcclBootstrap(grpc::ServerContext* context,

@@ -186,6 +186,24 @@ TEST_F(KvTransferTest, DescriptorMismatchFailsTheRequest) {
   EXPECT_EQ(receiver_->failed_transfers(), int64_t(cases.size()));
 }
 
+// Issue #15 item 8: a PushBlocks header with token_count 2147483647 reached the block
+// arithmetic (signed overflow). The token count is range-checked first now, and the descriptor
+// check computes the right block counts for any int.
+TEST_F(KvTransferTest, HugeTokenCountIsRefusedBeforeBlockArithmetic) {
+  v1::KvTransferHeader h = Header("huge");
+  h.mutable_kv_descriptor()->set_token_count(2147483647);
+  auto got = KvWaiter::Make();
+  receiver_->Expect("huge", Later(), got->Callback());
+  EXPECT_THAT(receiver_->Begin(h), StatusIs(absl::StatusCode::kResourceExhausted,
+                                            HasSubstr("token_count 2147483647 exceeds")));
+  ASSERT_TRUE(got->Wait());
+  EXPECT_THAT(got->result, StatusIs(absl::StatusCode::kResourceExhausted));
+  ExpectNothingHeld();
+  EXPECT_THAT(CheckDescriptor(layout_, h.kv_descriptor()),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("full_block_count is 6, expected 536870912")));
+}
+
 TEST_F(KvTransferTest, BadBlocksAbortWithoutLeaks) {
   const auto payloads = Payloads();
   ASSERT_EQ(payloads.size(), 8u);

@@ -16,10 +16,13 @@ BUILD_PACKAGES=(
   nlohmann-json3-dev libssl-dev libboost-dev libcpp-httplib-dev
 )
 # What the tests, the benchmarks and development add (not in the image): compiler cache, git,
-# curl and certificates, GoogleTest, Google Benchmark, promtool, yamllint (+ python3-yaml).
+# curl and certificates, GoogleTest, Google Benchmark, promtool, yamllint (+ python3-yaml), and
+# for the libFuzzer harnesses (tests/fuzz/run_fuzz.sh) clang 14 with its sanitizer and fuzzer
+# runtimes, its OpenMP runtime, and llvm-symbolizer for readable sanitizer reports.
 TEST_PACKAGES=(
   ccache git ca-certificates curl
   libgtest-dev libgmock-dev libbenchmark-dev prometheus yamllint python3-yaml
+  clang libclang-rt-14-dev libomp-dev llvm
 )
 DEB_PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}")
 # Node.js and npm (for the npm packages below): Debian's, unless the machine already has them

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -54,6 +55,10 @@ absl::Status GetFloat(const json& obj, const std::string& source, const std::str
   if (!it->is_number()) return FieldError(source, field, "must be a number");
   double v = it->get<double>();
   if (!std::isfinite(v)) return FieldError(source, field, "must be finite");
+  // A double beyond float's range would become inf (and pass every "> 0" check after it).
+  if (std::fabs(v) > std::numeric_limits<float>::max()) {
+    return FieldError(source, field, absl::StrCat("is out of range for a float: ", v));
+  }
   *out = static_cast<float>(v);
   return absl::OkStatus();
 }
@@ -264,14 +269,24 @@ absl::StatusOr<GenerationConfig> ParseGenerationConfig(const std::string& json_t
   }
   if (auto it = j.find("eos_token_id"); it != j.end()) {
     g.stop_token_ids.clear();
+    // A token id: an integer in [0, 2^31) (non-negative JSON integers are stored unsigned).
+    auto is_id = [](const json& e) {
+      return e.is_number_unsigned() &&
+             e.get<uint64_t>() <= uint64_t(std::numeric_limits<int32_t>::max());
+    };
     if (it->is_number_integer()) {
-      g.stop_token_ids.push_back(it->get<int32_t>());
+      if (!is_id(*it)) {
+        return FieldError(source, "eos_token_id",
+                          "must be a token id in [0, 2^31), got " + it->dump());
+      }
+      g.stop_token_ids.push_back(static_cast<int32_t>(it->get<uint64_t>()));
     } else if (it->is_array()) {
       for (const json& e : *it) {
-        if (!e.is_number_integer() || e.get<int64_t>() < 0) {
-          return FieldError(source, "eos_token_id", "must hold non-negative integers");
+        if (!is_id(e)) {
+          return FieldError(source, "eos_token_id",
+                            "must hold token ids in [0, 2^31), got " + e.dump());
         }
-        g.stop_token_ids.push_back(e.get<int32_t>());
+        g.stop_token_ids.push_back(static_cast<int32_t>(e.get<uint64_t>()));
       }
     } else {
       return FieldError(source, "eos_token_id", "must be an integer or an array of integers");

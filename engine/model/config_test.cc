@@ -174,6 +174,18 @@ TEST(ModelConfigTest, SpecialTokenErrorsNameTheirOwnField) {
   EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'pad_token_id'")));
 }
 
+// Issue #15: a float field beyond float's range became inf and passed the "> 1" check.
+TEST(ModelConfigTest, FloatBeyondFloatRangeIsNamed) {
+  auto c = ParseEdited([](json& j) {
+    j["text_config"]["rope_parameters"]["full_attention"]["rope_theta"] = 1e300;
+  });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument,
+                          AllOf(HasSubstr("rope_theta"), HasSubstr("out of range"))));
+  c = ParseEdited([](json& j) { j["text_config"]["final_logit_softcapping"] = -1e300; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument,
+                          HasSubstr("final_logit_softcapping")));
+}
+
 TEST(GenerationConfigTest, BadValuesAreNamed) {
   struct Case {
     const char* json;
@@ -191,6 +203,13 @@ TEST(GenerationConfigTest, BadValuesAreNamed) {
       {R"({"sampler_config": {"_cls_name": "TopKSamplerConfig"}})", "_cls_name"},
       {R"({"eos_token_id": "eos"})", "eos_token_id"},
       {R"({"eos_token_id": [1, -2]})", "eos_token_id"},
+      // Issue #15: ids beyond int32 were truncated (4294967297 became 1), a negative single id
+      // was accepted, and doubles beyond float became inf (t_max 1e300 passed t_min < t_max).
+      {R"({"eos_token_id": [1, 4294967297]})", "eos_token_id"},
+      {R"({"eos_token_id": -5})", "eos_token_id"},
+      {R"({"eos_token_id": 2147483648})", "eos_token_id"},
+      {R"({"t_max": 1e300})", "t_max"},
+      {R"({"sampler_config": {"entropy_bound": 1e39}})", "entropy_bound"},
   };
   for (const Case& c : cases) {
     EXPECT_THAT(ParseGenerationConfig(c.json, "gen/generation_config.json"),

@@ -385,31 +385,45 @@ class Interpreter {
     if (single == j.end() || !single->is_array()) {
       return Error("TemplateProcessing: 'single' must be an array");
     }
+    if (specials != j.end() && !specials->is_null() && !specials->is_object()) {
+      return Error("post_processor.special_tokens must be an object");
+    }
     bool seen_sequence = false;
-    for (const Json& item : *single) {
+    for (size_t i = 0; i < single->size(); ++i) {
+      const Json& item = (*single)[i];
+      const std::string where = absl::StrFormat("post_processor.single[%d]", i);
+      if (!item.is_object()) return Error(where + " must be an object");
       if (item.contains("Sequence")) {
         if (seen_sequence) return Error("TemplateProcessing: 'single' has two sequences");
         seen_sequence = true;
         continue;
       }
       auto special = item.find("SpecialToken");
-      if (special == item.end()) {
-        return Error("TemplateProcessing: 'single' items must be SpecialToken or Sequence");
+      if (special == item.end() || !special->is_object()) {
+        return Error(where + ": items must be SpecialToken or Sequence objects");
       }
-      DGSERVE_ASSIGN_OR_RETURN(std::string name, String(*special, "id", "TemplateProcessing"));
-      if (specials == j.end() || !specials->contains(name)) {
+      DGSERVE_ASSIGN_OR_RETURN(std::string name, String(*special, "id", where + ".SpecialToken"));
+      const auto token = specials == j.end() || !specials->is_object() ? Json::const_iterator()
+                                                                        : specials->find(name);
+      if (specials == j.end() || !specials->is_object() || token == specials->end()) {
         return Error(absl::StrFormat("TemplateProcessing: special token '%s' not defined", name));
       }
-      const Json& ids = (*specials)[name]["ids"];
-      if (!ids.is_array()) {
-        return Error(absl::StrFormat("TemplateProcessing: '%s' has no 'ids' array", name));
+      const std::string field = absl::StrFormat("post_processor.special_tokens['%s']", name);
+      if (!token->is_object()) return Error(field + " must be an object");
+      auto ids = token->find("ids");
+      if (ids == token->end() || !ids->is_array()) {
+        return Error(absl::StrFormat("%s: 'ids' must be an array (TemplateProcessing '%s')",
+                                     field, name));
       }
-      for (const Json& id : ids) {
-        if (!id.is_number_integer() || id.get<int64_t>() < 0) {
-          return Error(absl::StrFormat("TemplateProcessing: bad id for '%s'", name));
+      for (const Json& id : *ids) {
+        // Non-negative integers are stored unsigned; anything else is not an id.
+        if (!id.is_number_unsigned() ||
+            id.get<uint64_t>() >= uint64_t(std::numeric_limits<int32_t>::max())) {
+          return Error(absl::StrFormat("%s.ids: bad id %s (an integer in [0, 2^31-1))", field,
+                                       id.dump(-1, ' ', false, Json::error_handler_t::replace)));
         }
         (seen_sequence ? data->template_suffix : data->template_prefix)
-            .push_back(static_cast<int32_t>(id.get<int64_t>()));
+            .push_back(static_cast<int32_t>(id.get<uint64_t>()));
       }
     }
     if (!seen_sequence) return Error("TemplateProcessing: 'single' has no Sequence");
@@ -484,8 +498,8 @@ const Json& Member(const Json& j, std::string_view key) {
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<const TokenizerData>> ParseTokenizerJson(std::string_view json_text,
-                                                                        std::string_view source) {
+static absl::StatusOr<std::shared_ptr<const TokenizerData>> ParseTokenizerJsonUnguarded(
+    std::string_view json_text, std::string_view source) {
   const Interpreter in(source);
   Handler handler;
   const bool ok = Json::sax_parse(json_text.begin(), json_text.end(), &handler);
@@ -562,6 +576,17 @@ absl::StatusOr<std::shared_ptr<const TokenizerData>> ParseTokenizerJson(std::str
     if (id >= size) return in.Error(absl::StrFormat("post_processor id %d is out of range", id));
   }
   return std::shared_ptr<const TokenizerData>(std::move(data));
+}
+
+// A JSON exception (a value of a type the interpreter did not check) is a malformed file, named
+// as every other error is, never an abort.
+absl::StatusOr<std::shared_ptr<const TokenizerData>> ParseTokenizerJson(std::string_view json_text,
+                                                                        std::string_view source) {
+  try {
+    return ParseTokenizerJsonUnguarded(json_text, source);
+  } catch (const Json::exception& e) {
+    return Interpreter(source).Error(absl::StrFormat("malformed: %s", e.what()));
+  }
 }
 
 }  // namespace dgserve::tokenizer_internal

@@ -22,6 +22,7 @@ namespace {
 
 using ::dgserve::testing::IsOk;
 using ::dgserve::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
@@ -401,6 +402,39 @@ TEST(TokenizerLoadTest, RejectsInconsistentModel) {
   j = SyntheticJson();
   j["model"]["unk_token"] = "<nope>";
   EXPECT_THAT(FromJson(j), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("<nope>")));
+}
+
+// Issue #15 item 6: a special token that is not an object threw json::type_error (the gateway
+// aborted at start), and one without "ids" dereferenced an end iterator. Every malformed
+// post_processor is an error naming the file and the field now.
+TEST(TokenizerLoadTest, MalformedPostProcessorNamesFileAndField) {
+  auto expect = [](const Json& j, const std::string& field) {
+    absl::StatusOr<Tokenizer> t = Tokenizer::FromJson(j.dump(), "dir/tokenizer.json");
+    EXPECT_THAT(t, StatusIs(absl::StatusCode::kInvalidArgument,
+                            AllOf(HasSubstr("dir/tokenizer.json"), HasSubstr(field))))
+        << j["post_processor"].dump();
+  };
+  Json j = SyntheticJson();
+  j["post_processor"]["special_tokens"]["<s>"] = "<s>";
+  expect(j, "special_tokens['<s>'] must be an object");
+  j = SyntheticJson();
+  j["post_processor"]["special_tokens"]["<s>"].erase("ids");
+  expect(j, "special_tokens['<s>']: 'ids' must be an array");
+  j = SyntheticJson();
+  j["post_processor"]["special_tokens"]["<s>"]["ids"] = Json::array({-1});
+  expect(j, "special_tokens['<s>'].ids: bad id -1");
+  j = SyntheticJson();
+  j["post_processor"]["special_tokens"]["<s>"]["ids"] = Json::array({4294967297ull});
+  expect(j, "special_tokens['<s>'].ids: bad id 4294967297");
+  j = SyntheticJson();
+  j["post_processor"]["special_tokens"] = Json::array({1});
+  expect(j, "post_processor.special_tokens must be an object");
+  j = SyntheticJson();
+  j["post_processor"]["single"] = Json::array({7});
+  expect(j, "post_processor.single[0] must be an object");
+  j = SyntheticJson();
+  j["post_processor"]["single"][0]["SpecialToken"] = "<s>";
+  expect(j, "post_processor.single[0]");
 }
 
 }  // namespace

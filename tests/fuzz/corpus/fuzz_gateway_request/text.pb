@@ -1,0 +1,1 @@
+"Write a long essay about Portugal.(@8

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer harnesses of tests/fuzz/ with clang under ASan + UBSan in their own build
+# directory and runs each for a bounded time over its seed corpus; fails on any finding (a crash,
+# a sanitizer report, a broken invariant, a leak, an out-of-memory or a timeout).
+#
+#   bash tests/fuzz/run_fuzz.sh                 # every harness, FUZZ_SECONDS (60) each
+#   FUZZ_SECONDS=600 bash tests/fuzz/run_fuzz.sh fuzz_kv_receiver
+#
+# Environment: FUZZ_SECONDS (per harness, default 60), FUZZ_BUILD_DIR (default build-fuzz),
+# FUZZ_JOBS (build parallelism, default nproc), FUZZ_RSS_MB (libFuzzer -rss_limit_mb, 2048).
+# New inputs found during a run go to $FUZZ_BUILD_DIR/corpus/<harness> (the seed corpus in the
+# tree is read only); crash inputs to $FUZZ_BUILD_DIR/findings/<harness>/.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+SECONDS_EACH=${FUZZ_SECONDS:-60}
+BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
+JOBS=${FUZZ_JOBS:-$(nproc)}
+RSS_MB=${FUZZ_RSS_MB:-2048}
+SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DDGSERVE_BUILD_FUZZERS=ON -DDGSERVE_BUILD_TESTS=OFF -DDGSERVE_BUILD_BENCH=OFF \
+    -DDGSERVE_ENABLE_CUDA=OFF \
+    -DCMAKE_C_FLAGS="$SAN -fsanitize=fuzzer-no-link" \
+    -DCMAKE_CXX_FLAGS="$SAN -fsanitize=fuzzer-no-link" \
+    -DCMAKE_EXE_LINKER_FLAGS="$SAN" >/dev/null
+fi
+cmake --build "$BUILD_DIR" -j"$JOBS" --target dgserve_fuzzers
+
+ALL=(fuzz_openai_completions fuzz_openai_chat fuzz_tokenizer_json fuzz_tokenizer_encode
+     fuzz_chat_template fuzz_safetensors_file fuzz_safetensors_index fuzz_model_config
+     fuzz_gateway_request fuzz_kv_receiver)
+if [ $# -gt 0 ]; then FUZZERS=("$@"); else FUZZERS=("${ALL[@]}"); fi
+
+export DGSERVE_SOURCE_DIR="$PWD"
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:${ASAN_OPTIONS:-}"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
+export OMP_NUM_THREADS=1
+failed=()
+for f in "${FUZZERS[@]}"; do
+  seeds="tests/fuzz/corpus/$f"
+  work="$BUILD_DIR/corpus/$f"
+  findings="$BUILD_DIR/findings/$f"
+  mkdir -p "$work" "$findings"
+  dict=()
+  [ -f "tests/fuzz/dict/$f.dict" ] && dict=(-dict="tests/fuzz/dict/$f.dict")
+  echo "fuzz: $f for ${SECONDS_EACH}s"
+  log="$BUILD_DIR/findings/$f.log"
+  if "$BUILD_DIR/tests/fuzz/$f" "$work" "$seeds" "${dict[@]}" -max_total_time="$SECONDS_EACH" \
+       -rss_limit_mb="$RSS_MB" -timeout=25 -max_len=16384 -print_final_stats=1 \
+       -artifact_prefix="$findings/" >"$log" 2>&1; then
+    grep -E '^stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)' "$log" |
+      tr '\n' ' ' | sed "s/^/fuzz: $f: /"
+    echo
+  else
+    echo "fuzz: $f FAILED (log $log, inputs in $findings/):"
+    tail -n 60 "$log"
+    failed+=("$f")
+  fi
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz: findings in ${failed[*]}"
+  exit 1
+fi
+echo "fuzz: no findings in ${#FUZZERS[@]} harnesses"
