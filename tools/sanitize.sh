@@ -9,8 +9,7 @@
 #
 # Skipped under it, on purpose: docker_runtime_libraries (it compares the ldd closure of the
 # binaries with the image's runtime packages; sanitized binaries also need libasan/libubsan,
-# which the image rightly does not ship), and GemmaTokenizerTest.LoadsQuickly (a wall-clock
-# bound of 10 s on loading tokenizer.json; under ASan at -O1 the load takes ~12 s).
+# which the image rightly does not ship).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${ASAN_BUILD_DIR:-build-asan}
@@ -27,8 +26,7 @@ export DGSERVE_GEMMA_TOKENIZER=${DGSERVE_GEMMA_TOKENIZER:-$PWD/third_party/npm/n
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 echo "sanitize: skipping docker_runtime_libraries (ldd of sanitized binaries lists libasan and libubsan, which the image does not ship)"
-echo "sanitize: skipping GemmaTokenizerTest.LoadsQuickly (a wall-clock bound, not meaningful under ASan)"
 cd "$BUILD_DIR"
 ctest --output-on-failure -L 'unit|integration' \
-  -E '^(docker_runtime_libraries|GemmaTokenizerTest\.LoadsQuickly)$' \
+  -E '^docker_runtime_libraries$' \
   -j"$JOBS" --timeout 1800 "$@"

@@ -5,7 +5,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -37,9 +36,7 @@ class GemmaTokenizerTest : public ::testing::Test {
   static void SetUpTestSuite() {
     const std::string path = GemmaTokenizerPath();
     if (!std::filesystem::exists(path)) return;  // every test then fails in SetUp()
-    const auto start = std::chrono::steady_clock::now();
     absl::StatusOr<Tokenizer> tok = Tokenizer::Load(path);
-    load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (tok.ok()) {
       tokenizer_ = new Tokenizer(*std::move(tok));
     } else {
@@ -63,17 +60,9 @@ class GemmaTokenizerTest : public ::testing::Test {
 
   static Tokenizer* tokenizer_;
   static std::string* load_error_;
-  static double load_seconds_;
 };
 Tokenizer* GemmaTokenizerTest::tokenizer_ = nullptr;
 std::string* GemmaTokenizerTest::load_error_ = nullptr;
-double GemmaTokenizerTest::load_seconds_ = 0;
-
-TEST_F(GemmaTokenizerTest, LoadsQuickly) {
-  std::cout << "Gemma tokenizer.json loaded in " << load_seconds_ << " s\n";
-  RecordProperty("load_seconds", std::to_string(load_seconds_));
-  EXPECT_LT(load_seconds_, 10.0);  // ~1 s on a loaded 2-core machine; generous for CI
-}
 
 TEST_F(GemmaTokenizerTest, Vocabulary) {
   EXPECT_EQ(tok().vocab_size(), 262145);  // 262144 pieces + <image_soft_token> (added, 262144)
@@ -175,20 +164,14 @@ TEST_F(GemmaTokenizerTest, DecodeEncodeRoundTrip) {
   EXPECT_EQ(tok().Decode(tok().Encode("a\u2581b", false), false), "a b");
 }
 
-TEST_F(GemmaTokenizerTest, LongTextIsFastAndRoundTrips) {
+TEST_F(GemmaTokenizerTest, LongTextRoundTrips) {
   std::string text;
   while (text.size() < 400000) {
     text +=
         "Portugal é um país soberano unitário localizado no sudoeste da Europa, cuja "
         "capital é Lisboa. 🇵🇹 The quick brown fox jumps over the lazy dog. ";
   }
-  const auto start = std::chrono::steady_clock::now();
   const std::vector<int32_t> ids = tok().Encode(text, false);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::cout << "encoded " << text.size() << " bytes into " << ids.size() << " ids in " << seconds
-            << " s\n";
-  EXPECT_LT(seconds, 5.0);
   EXPECT_LT(ids.size(), text.size() / 3);
   EXPECT_EQ(tok().Decode(ids, false), text);
 }
