@@ -8,8 +8,12 @@
 #include "engine/model/cpu/gemm_kernels.h"
 
 // Compiled for AVX2+FMA; called only when the CPU has them. No standard library template here.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
 
 namespace dgserve::cpu::gemm_internal {
 namespace {
@@ -77,4 +81,8 @@ KernelSet Avx2Kernels() { return {6, 1, &Run}; }
 
 }  // namespace dgserve::cpu::gemm_internal
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif

@@ -9,8 +9,12 @@
 
 // Everything below is compiled for AVX-512F; it is called only when the CPU has it. No standard
 // library template is instantiated here (it could be merged with the generic copy at link time).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma")
+#endif
 
 namespace dgserve::cpu::gemm_internal {
 namespace {
@@ -94,4 +98,8 @@ KernelSet Avx512Kernels() { return {8, 2, &Run}; }
 
 }  // namespace dgserve::cpu::gemm_internal
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif

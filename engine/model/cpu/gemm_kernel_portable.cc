@@ -56,8 +56,14 @@ void ByRows(int rows, const Tile& t) {
 // std::fma is one instruction, without them glibc's correctly rounded fma(); both give the IEEE
 // fused result, so the clone changes speed, not bits. `flatten` inlines the kernels into each
 // clone.
-__attribute__((target_clones("fma", "default"), flatten)) void Run(int rows, int /*panels*/,
-                                                                   bool bf16, const Tile& t) {
+#if defined(__clang__)
+// (clang cannot combine the clones with `flatten`: one plain copy there.)
+#define DGSERVE_GEMM_PORTABLE_CLONES
+#else
+#define DGSERVE_GEMM_PORTABLE_CLONES __attribute__((target_clones("fma", "default"), flatten))
+#endif
+DGSERVE_GEMM_PORTABLE_CLONES
+void Run(int rows, int /*panels*/, bool bf16, const Tile& t) {
   if (bf16) {
     ByRows<uint16_t>(rows, t);
   } else {
