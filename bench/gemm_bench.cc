@@ -48,6 +48,13 @@ struct Shape {
   int m, n, k;  // C[m, n] = A[m, k] · W[n, k]ᵀ
 };
 
+// One table row: GFLOP/s of both and the ratio (OpenBLAS time / ours).
+void PrintRow(const Shape& s, double ours, double blas) {
+  const double flop = 2.0 * s.m * s.n * s.k;
+  std::printf("%-26s %5d %6d %5d %10.1f %10.1f %6.2fx\n", s.name, s.m, s.n, s.k,
+              flop / ours / 1e9, flop / blas / 1e9, blas / ours);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -100,9 +107,7 @@ int main(int argc, char** argv) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.m, s.n, s.k, 1.0f, a.data(), s.k,
                   w.data(), s.k, 0.0f, c.data(), s.n);
     });
-    const double flop = 2.0 * s.m * s.n * s.k;
-    std::printf("%-26s %5d %6d %5d %10.1f %10.1f %6.2fx\n", s.name, s.m, s.n, s.k,
-                flop / ours / 1e9, flop / blas / 1e9, blas / ours);
+    PrintRow(s, ours, blas);
   }
   for (const Shape& s : row_major_shapes) {  // C = A · B, B [k, n] row-major in bf16
     std::vector<float> a(size_t(s.m) * s.k), b(size_t(s.k) * s.n), c(size_t(s.m) * s.n);
@@ -117,9 +122,7 @@ int main(int argc, char** argv) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s.m, s.n, s.k, 1.0f, a.data(), s.k,
                   b.data(), s.n, 0.0f, c.data(), s.n);
     });
-    const double flop = 2.0 * s.m * s.n * s.k;
-    std::printf("%-26s %5d %6d %5d %10.1f %10.1f %6.2fx\n", s.name, s.m, s.n, s.k,
-                flop / ours / 1e9, flop / blas / 1e9, blas / ours);
+    PrintRow(s, ours, blas);
   }
   return 0;
 }
