@@ -26,6 +26,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "common/testing/loopback_socket.h"
 #include "gateway/http_server.h"
 
 ABSL_FLAG(int, idle, 10000, "idle keep-alive connections to open");
@@ -35,6 +36,9 @@ ABSL_FLAG(int, io_threads, 2, "the server's event-loop threads");
 
 namespace dgserve {
 namespace {
+
+using ::dgserve::testing::ConnectLoopback;
+using ::dgserve::testing::SendAll;
 
 class StreamingCore : public GenerationCore {
  public:
@@ -94,26 +98,6 @@ long TcpMemPages() {
   return -1;
 }
 
-int Connect(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  timeval tv{30, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-bool SendAll(int fd, const std::string& s) {
-  return write(fd, s.data(), s.size()) == static_cast<ssize_t>(s.size());
-}
-
 // Reads until `needle` appears (or EOF/timeout).
 bool ReadUntil(int fd, const std::string& needle) {
   std::string got;
@@ -130,7 +114,7 @@ const char kHealth[] = "GET /health HTTP/1.1\r\nHost: bench\r\n\r\n";
 
 // One /health on a fresh connection.
 bool HealthOk(int port) {
-  int fd = Connect(port);
+  int fd = ConnectLoopback(port, 30);
   if (fd < 0) return false;
   bool ok = SendAll(fd, kHealth) && ReadUntil(fd, R"({"status":"ok"})");
   close(fd);
@@ -183,7 +167,7 @@ int Run() {
   const int want_idle = absl::GetFlag(FLAGS_idle);
   std::vector<int> idle;
   for (int i = 0; i < want_idle; ++i) {
-    int fd = Connect(port);
+    int fd = ConnectLoopback(port, 30);
     if (fd < 0 || !SendAll(fd, kHealth) || !ReadUntil(fd, R"({"status":"ok"})")) {
       std::printf("idle connection %d failed: %s\n", i, std::strerror(errno));
       if (fd >= 0) close(fd);
@@ -211,7 +195,7 @@ int Run() {
       body.size(), "\r\n\r\n", body);
   std::vector<int> streams;
   for (int i = 0; i < want_streams; ++i) {
-    int fd = Connect(port);
+    int fd = ConnectLoopback(port, 30);
     if (fd < 0 || !SendAll(fd, post)) {
       std::printf("stream %d failed: %s\n", i, std::strerror(errno));
       if (fd >= 0) close(fd);

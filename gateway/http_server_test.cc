@@ -19,12 +19,15 @@
 #include <thread>
 #include <vector>
 
+#include "common/testing/loopback_socket.h"
 #include "common/testing/status_matchers.h"
 #include "gateway/admission.h"
 
 namespace dgserve {
 namespace {
 
+using ::dgserve::testing::ConnectLoopback;
+using ::dgserve::testing::SendAll;
 using ::dgserve::testing::StatusIs;
 using ::testing::HasSubstr;
 using json = nlohmann::json;
@@ -543,33 +546,6 @@ TEST_F(HttpServerTest, Metrics) {
 }
 
 
-// A connected raw client socket on 127.0.0.1 (-1 on failure), with a 10 s receive timeout.
-int Connect(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  timeval tv{10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-bool SendAll(int fd, const std::string& data) {
-  size_t off = 0;
-  while (off < data.size()) {
-    ssize_t n = write(fd, data.data() + off, data.size() - off);
-    if (n <= 0) return false;
-    off += static_cast<size_t>(n);
-  }
-  return true;
-}
-
 std::string PostRequest(const std::string& path, const std::string& body,
                         const std::string& extra_headers = "") {
   return "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" +
@@ -613,7 +589,7 @@ TEST_F(HttpServerTest, NonStreamingClientDisconnectCancels) {
     return absl::CancelledError("client gone");
   };
   StartServer();
-  int fd = Connect(port_);
+  int fd = ConnectLoopback(port_, 10);
   ASSERT_GE(fd, 0);
   ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", R"({"prompt": "x"})")));
   ASSERT_TRUE(Eventually([&] { return started.load(); }));
@@ -631,7 +607,7 @@ TEST_F(HttpServerTest, KeepAliveAndPipelining) {
     return absl::OkStatus();
   };
   StartServer();
-  int fd = Connect(port_);
+  int fd = ConnectLoopback(port_, 10);
   ASSERT_GE(fd, 0);
   // Three requests in one write: answered in order on the same connection.
   const std::string three = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n" +
@@ -710,7 +686,7 @@ TEST_F(HttpServerTest, AdmissionLimitRefusesAtOnceAndHealthStaysUp) {
   StartServer();
   std::vector<int> held;
   for (int i = 0; i < kLimit; ++i) {
-    int fd = Connect(port_);
+    int fd = ConnectLoopback(port_, 10);
     ASSERT_GE(fd, 0);
     ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", R"({"prompt": "x"})")));
     held.push_back(fd);
@@ -744,7 +720,7 @@ TEST_F(HttpServerTest, SlowClientsAreCutOffAndDoNotBlockHealth) {
   constexpr int kSlow = 64;
   std::vector<int> slow;
   for (int i = 0; i < kSlow; ++i) {
-    int fd = Connect(port_);
+    int fd = ConnectLoopback(port_, 10);
     ASSERT_GE(fd, 0);
     ASSERT_TRUE(SendAll(fd, "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n"));
     slow.push_back(fd);
@@ -786,7 +762,7 @@ TEST_F(HttpServerTest, StreamBackPressureAndWriteTimeout) {
   options.max_pending_stream_bytes = 64 << 10;
   options.write_timeout = absl::Milliseconds(500);
   StartServer(options);
-  int fd = Connect(port_);
+  int fd = ConnectLoopback(port_, 10);
   ASSERT_GE(fd, 0);
   int rcvbuf = 16 << 10;
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));

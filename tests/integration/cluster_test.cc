@@ -23,6 +23,7 @@
 #include "grpcpp/impl/codegen/client_unary_call.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "common/testing/loopback_socket.h"
 #include "tests/integration/test_cluster.h"
 
 namespace dgserve::testing {
@@ -911,20 +912,13 @@ TEST(ClusterFailureTest, TransferCutMidBlockFailsCleanly) {
 
 // A raw HTTP client socket on 127.0.0.1 that sent `body` to `path` (-1 on failure).
 int SendHttpPost(int port, const std::string& path, const std::string& body) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const int fd = ConnectLoopback(port, 60);
   if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  timeval tv{60, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   const std::string req = absl::StrCat("POST ", path,
                                        " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                                        "application/json\r\nContent-Length: ",
                                        body.size(), "\r\n\r\n", body);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+  if (!SendAll(fd, req)) {
     close(fd);
     return -1;
   }
