@@ -9,6 +9,7 @@
 #include "engine/denoise/finalize.h"
 #include "engine/denoise/rng.h"
 #include "engine/denoise/sampler_params.h"
+#include "service/canvas_template_proto.h"
 
 namespace dgserve {
 
@@ -49,6 +50,8 @@ struct DenoiseEngine::Running {
   std::unique_ptr<kv::PagedKvCache> kv;
   SamplerParams params;
   std::unique_ptr<CounterDrawSource> draws;
+  std::shared_ptr<const CanvasTemplate> canvas_template;  // null: none
+  bool template_every_canvas = false;
   std::optional<CanvasDenoiser> den;
   // [C, D] self-conditioning input of this / next step; empty with self-conditioning off.
   std::vector<float> soft, next_soft;
@@ -111,6 +114,11 @@ absl::Status ValidateRequest(const v1::DenoiseRequest& r, const ModelConfig& c) 
   }
   if (r.canvas_step_interval() < 0) {
     return absl::InvalidArgumentError("canvas_step_interval: must be >= 0");
+  }
+  if (HasCanvasTemplate(r.canvas_template())) {
+    absl::StatusOr<std::shared_ptr<const CanvasTemplate>> t =
+        CanvasTemplateFromProto(r.canvas_template(), c.canvas_length, c.vocab_size);
+    if (!t.ok()) return t.status();
   }
   return ValidateSamplerParams(ToSamplerParams(r.sampler()));
 }
@@ -206,6 +214,12 @@ void DenoiseEngine::OnKv(const std::string& id,
   r->kv = *std::move(kv);
   r->params = ToSamplerParams(job->request().sampler());
   r->draws = std::make_unique<CounterDrawSource>(job->request().seed(), c.vocab_size);
+  if (HasCanvasTemplate(job->request().canvas_template())) {
+    // Validated by Submit, so this cannot fail.
+    r->canvas_template =
+        *CanvasTemplateFromProto(job->request().canvas_template(), c.canvas_length, c.vocab_size);
+    r->template_every_canvas = job->request().canvas_template().every_canvas();
+  }
   r->num_canvases = (job->request().max_new_tokens() + c.canvas_length - 1) / c.canvas_length;
   r->stop_ids.assign(job->request().stop_token_ids().begin(),
                      job->request().stop_token_ids().end());
@@ -337,7 +351,10 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
   // 3. Requests starting a canvas get a fresh denoiser (spec §4.2 Init).
   for (auto& r : running) {
     if (r->den) continue;
-    auto den = CanvasDenoiser::Create(r->params, C, V, r->canvas, r->draws.get());
+    const bool clamped = r->canvas_template && (r->canvas == 0 || r->template_every_canvas);
+    auto den = clamped ? CanvasDenoiser::CreateWithTemplate(r->params, r->canvas_template,
+                                                            r->canvas, r->draws.get())
+                       : CanvasDenoiser::Create(r->params, C, V, r->canvas, r->draws.get());
     if (!den.ok()) {
       FinishJob(*r, den.status());
       continue;
@@ -354,11 +371,13 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
   std::erase_if(running, [](std::unique_ptr<Running>& r) { return r->job->ended(); });
   if (running.empty()) return;
 
-  // 4. One batched denoising step over every canvas (each at its own step).
+  // 4. One batched denoising step over every canvas (each at its own step). A canvas whose
+  // template has no holes is done at Init: it takes no pass and is finished below.
   std::vector<DenoiseStepInput> batch;
   batch.reserve(running.size());
   for (auto& r : running) {
     CanvasDenoiser& den = *r->den;
+    if (den.done()) continue;
     const bool last = den.step() + 1 == r->params.max_denoising_steps;
     DenoiseStepInput in;
     in.canvas = den.canvas();
@@ -370,53 +389,60 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
     // Self-conditioning off (ablation): every step takes the step-0 path (no SC input, none
     // computed), so the SC input is zero at every step.
     in.next_soft = (last || !r->params.self_conditioning) ? nullptr : r->next_soft.data();
+    in.row_masks = den.row_masks();
     batch.push_back(in);
   }
   const absl::Time t0 = absl::Now();
-  absl::Status step_status = backend_->DenoiseStep(batch);
+  absl::Status step_status = batch.empty() ? absl::OkStatus() : backend_->DenoiseStep(batch);
   const absl::Time t1 = absl::Now();
-  if (metrics_) {
+  if (metrics_ && !batch.empty()) {
     metrics_->step_seconds.Observe(Seconds(t1 - t0));
     metrics_->batch_canvases.Observe(double(batch.size()));
     metrics_->decoder_passes.Increment(double(batch.size()));
   }
   for (auto& rp : running) {
     Running& r = *rp;
-    if (!step_status.ok()) {
+    const bool no_pass = r.den->done();  // a template without holes (see above)
+    if (!step_status.ok() && !no_pass) {
       FinishJob(r, absl::InternalError(absl::StrCat("denoising step failed: ",
                                                     step_status.message())));
       continue;
     }
-    r.denoise_seconds += Seconds(t1 - t0);
-    absl::StatusOr<StepOutcome> out = r.den->ApplyStep(r.rows);
+    absl::StatusOr<StepOutcome> out = StepOutcome{};
+    if (!no_pass) {
+      r.denoise_seconds += Seconds(t1 - t0);
+      out = r.den->ApplyStep(r.rows);
+    }
     if (!out.ok()) {
       FinishJob(r, absl::InternalError(std::string(out.status().message())));
       continue;
     }
-    ++r.total_steps;
-    std::swap(r.soft, r.next_soft);
-    r.have_sc = r.params.self_conditioning;
-    if (metrics_) {
-      metrics_->accepted_per_step.Observe(double(out->accepted.size()));
-      if (!r.first_step_done) {
-        metrics_->first_step_seconds.Observe(Seconds(t1 - r.job->created()));
+    if (!no_pass) {
+      ++r.total_steps;
+      std::swap(r.soft, r.next_soft);
+      r.have_sc = r.params.self_conditioning;
+      if (metrics_) {
+        metrics_->accepted_per_step.Observe(double(out->accepted.size()));
+        if (!r.first_step_done) {
+          metrics_->first_step_seconds.Observe(Seconds(t1 - r.job->created()));
+        }
       }
+      r.first_step_done = true;
+      const int k = r.job->request().canvas_step_interval();
+      const bool done = r.den->done();
+      if (k > 0 && (out->step % k == 0 || done)) {
+        v1::DenoiseEvent ev;
+        v1::DenoiseStepEvent* st = ev.mutable_step();
+        st->set_canvas(r.canvas);
+        st->set_step(out->step);
+        st->mutable_token_ids()->Assign(r.den->committed().begin(), r.den->committed().end());
+        st->set_accepted(int(out->accepted.size()));
+        st->set_mean_entropy(out->mean_entropy);
+        st->set_temperature(out->temperature);
+        r.job->Push(std::move(ev));
+      }
+      if (!done) continue;
     }
-    r.first_step_done = true;
-    const int k = r.job->request().canvas_step_interval();
-    const bool done = r.den->done();
-    if (k > 0 && (out->step % k == 0 || done)) {
-      v1::DenoiseEvent ev;
-      v1::DenoiseStepEvent* st = ev.mutable_step();
-      st->set_canvas(r.canvas);
-      st->set_step(out->step);
-      st->mutable_token_ids()->Assign(r.den->committed().begin(), r.den->committed().end());
-      st->set_accepted(int(out->accepted.size()));
-      st->set_mean_entropy(out->mean_entropy);
-      st->set_temperature(out->temperature);
-      r.job->Push(std::move(ev));
-    }
-    if (!done) continue;
 
     // The canvas is finished: finalize, report, then either end or commit it.
     std::vector<int32_t> raw(r.den->committed().begin(), r.den->committed().end());

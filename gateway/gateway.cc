@@ -14,6 +14,7 @@
 #include "engine/tokenizer/chat_template.h"
 #include "gateway/request_ids.h"
 #include "gateway/stop_matcher.h"
+#include "service/canvas_template_proto.h"
 #include "service/status_convert.h"
 
 namespace dgserve {
@@ -262,10 +263,72 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
     return absl::InvalidArgumentError("canvas_text: requires canvas_step_interval > 0");
   }
   p.canvas_text = request.stream_options().canvas_text();
+  if (HasCanvasTemplate(request.canvas_template())) {
+    absl::StatusOr<v1::CanvasTemplate> t = ResolveTemplate(request.canvas_template());
+    if (!t.ok()) return t.status();
+    p.canvas_template = *std::move(t);
+  }
   absl::StatusOr<std::string> id = NewRequestId();
   if (!id.ok()) return id.status();
   p.request_id = *std::move(id);
   return p;
+}
+
+absl::StatusOr<v1::CanvasTemplate> Gateway::ResolveTemplate(const v1::CanvasTemplate& t) const {
+  v1::CanvasTemplate out;
+  const bool text_form = !t.text().empty() || !t.hole().empty() || t.allowed_size() > 0;
+  if (text_form) {
+    if (t.token_ids_size() > 0 || t.holes_size() > 0) {
+      return absl::InvalidArgumentError(
+          "canvas_template: give either text (with hole, allowed) or token_ids (with holes)");
+    }
+    if (t.text().empty()) return absl::InvalidArgumentError("canvas_template.text: is empty");
+    const std::string marker = t.hole().empty() ? "_" : t.hole();
+    std::vector<int32_t> allowed;
+    for (int i = 0; i < t.allowed_size(); ++i) {
+      const std::vector<int32_t> ids = tokenizer_.Encode(t.allowed(i), /*add_bos=*/false);
+      if (ids.size() != 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "canvas_template.allowed[", i, "]: \"", t.allowed(i), "\" is ", ids.size(),
+            " tokens; each allowed entry must be exactly one token"));
+      }
+      allowed.push_back(ids[0]);
+    }
+    std::vector<int> hole_positions;
+    std::string_view rest = t.text();
+    for (;;) {
+      const size_t at = rest.find(marker);
+      const std::string_view piece = rest.substr(0, at);
+      if (!piece.empty()) {
+        for (int32_t id : tokenizer_.Encode(piece, /*add_bos=*/false)) out.add_token_ids(id);
+      }
+      if (at == std::string_view::npos) break;
+      hole_positions.push_back(out.token_ids_size());
+      out.add_token_ids(-1);
+      rest.remove_prefix(at + marker.size());
+    }
+    if (out.token_ids_size() > config_.canvas_length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "canvas_template.text: ", out.token_ids_size(),
+          " canvas positions (tokens and holes) are longer than the canvas (",
+          config_.canvas_length, " tokens)"));
+    }
+    if (!allowed.empty()) {
+      for (int pos : hole_positions) {
+        v1::TemplateHole* h = out.add_holes();
+        h->set_position(pos);
+        h->mutable_allowed_token_ids()->Assign(allowed.begin(), allowed.end());
+      }
+    }
+  } else {
+    *out.mutable_token_ids() = t.token_ids();
+    *out.mutable_holes() = t.holes();
+  }
+  out.set_every_canvas(t.every_canvas());
+  absl::StatusOr<std::shared_ptr<const CanvasTemplate>> checked =
+      CanvasTemplateFromProto(out, config_.canvas_length, config_.vocab_size);
+  if (!checked.ok()) return checked.status();
+  return out;
 }
 
 absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time deadline,
@@ -397,6 +460,7 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
   dreq.set_canvas_step_interval(req.canvas_step_interval > 0 ? req.canvas_step_interval
                                                              : (1 << 30));
   dreq.set_kv_wait_ms(options_.kv_lease_ms);
+  if (req.canvas_template) *dreq.mutable_canvas_template() = *req.canvas_template;
   grpc::ClientContext ctx;
   ctx.set_deadline(ToChrono(deadline));
   watcher.Watch(&ctx);

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -39,6 +40,8 @@ struct PreparedRequest {
   v1::SamplerSettings sampler;
   int canvas_step_interval = 0;
   bool canvas_text = false;
+  // Infilling, in the token-id form (validated); unset when the request has no template.
+  std::optional<v1::CanvasTemplate> canvas_template;
 };
 
 class Gateway final : public GenerationCore {
@@ -71,6 +74,9 @@ class Gateway final : public GenerationCore {
   absl::StatusOr<PreparedRequest> Prepare(const v1::GenerateRequest& request) const;
 
  private:
+  // The request's template in the token-id form, validated against the model (text form
+  // tokenized piece by piece). INVALID_ARGUMENT naming the field.
+  absl::StatusOr<v1::CanvasTemplate> ResolveTemplate(const v1::CanvasTemplate& t) const;
   struct Attempt;
   absl::Status RunAttempt(const PreparedRequest& req, absl::Time deadline,
                           const std::function<bool()>& is_cancelled, const EventCallback& on_event,

@@ -247,6 +247,78 @@ absl::Status ParseChatTemplateKwargs(const json& v, bool* enable_thinking) {
   return absl::OkStatus();
 }
 
+// The infilling extension "canvas_template" (README "Infilling"): the text form {"text",
+// "hole", "allowed"} or the token form {"token_ids", "holes": [{"position",
+// "allowed_token_ids"}]}, plus "every_canvas". The gateway tokenizes and validates it.
+absl::Status ParseCanvasTemplate(const json& v, v1::GenerateRequest* req) {
+  const std::string kField = "canvas_template";
+  if (!v.is_object()) return Invalid(kField, "must be an object");
+  v1::CanvasTemplate* t = req->mutable_canvas_template();
+  auto int_array = [](const json& a, const std::string& field,
+                      google::protobuf::RepeatedField<int32_t>* out) -> absl::Status {
+    if (!a.is_array()) return Invalid(field, "must be an array of integers");
+    for (size_t i = 0; i < a.size(); ++i) {
+      absl::StatusOr<int32_t> id = GetInt32(a[i], absl::StrCat(field, "[", i, "]"));
+      if (!id.ok()) return id.status();
+      out->Add(*id);
+    }
+    return absl::OkStatus();
+  };
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    const std::string field = absl::StrCat(kField, ".", std::string(it.key()));
+    const json& x = it.value();
+    if (x.is_null()) continue;
+    if (it.key() == "text") {
+      DGSERVE_ASSIGN_OR_RETURN(*t->mutable_text(), GetString(x, field));
+    } else if (it.key() == "hole") {
+      DGSERVE_ASSIGN_OR_RETURN(*t->mutable_hole(), GetString(x, field));
+      if (t->hole().empty()) return Invalid(field, "must not be empty");
+    } else if (it.key() == "allowed") {
+      if (!x.is_array() || x.empty()) return Invalid(field, "must be a non-empty array of strings");
+      for (size_t i = 0; i < x.size(); ++i) {
+        DGSERVE_ASSIGN_OR_RETURN(*t->add_allowed(), GetString(x[i], absl::StrCat(field, "[", i, "]")));
+      }
+    } else if (it.key() == "token_ids") {
+      DGSERVE_RETURN_IF_ERROR(int_array(x, field, t->mutable_token_ids()));
+    } else if (it.key() == "holes") {
+      if (!x.is_array()) return Invalid(field, "must be an array of objects");
+      for (size_t i = 0; i < x.size(); ++i) {
+        const std::string hf = absl::StrCat(field, "[", i, "]");
+        if (!x[i].is_object()) return Invalid(hf, "must be an object");
+        v1::TemplateHole* h = t->add_holes();
+        bool has_position = false;
+        for (auto hit = x[i].begin(); hit != x[i].end(); ++hit) {
+          const std::string f = absl::StrCat(hf, ".", std::string(hit.key()));
+          if (hit.key() == "position") {
+            int32_t pos = 0;
+            DGSERVE_ASSIGN_OR_RETURN(pos, GetInt32(hit.value(), f));
+            h->set_position(pos);
+            has_position = true;
+          } else if (hit.key() == "allowed_token_ids") {
+            DGSERVE_RETURN_IF_ERROR(int_array(hit.value(), f, h->mutable_allowed_token_ids()));
+          } else {
+            return Unsupported(f);
+          }
+        }
+        if (!has_position) return Invalid(hf + ".position", "required");
+        if (h->allowed_token_ids_size() == 0) {
+          return Invalid(hf + ".allowed_token_ids", "required (a non-empty array)");
+        }
+      }
+    } else if (it.key() == "every_canvas") {
+      bool every = false;
+      DGSERVE_ASSIGN_OR_RETURN(every, GetBool(x, field));
+      t->set_every_canvas(every);
+    } else {
+      return Unsupported(field);
+    }
+  }
+  if (t->text().empty() && t->token_ids_size() == 0 && t->holes_size() == 0) {
+    return Invalid(kField, "give \"text\" (with \"hole\", \"allowed\") or \"token_ids\"");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
   // JSON text is UTF-8 (RFC 8259 §8.1); nlohmann::json accepts other bytes inside strings and
   // only fails when the value is serialized again, deep inside the request.
@@ -357,6 +429,8 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
       if (canvas_interval < 0) return Invalid(key, "must be >= 0");
     } else if (key == "canvas_text") {
       DGSERVE_ASSIGN_OR_RETURN(canvas_text, GetBool(v, key));
+    } else if (key == "canvas_template") {
+      DGSERVE_RETURN_IF_ERROR(ParseCanvasTemplate(v, &req));
     } else if (IsToleratedDefault(key, v)) {
       continue;
     } else if (key == "messages") {

@@ -8,7 +8,8 @@
 //   dgserve chat --gateway HOST:PORT (--prompt TEXT | --prompt-file FILE) [same sampling flags]
 //                [--api-key KEY] [--show-steps]   (a client of a running cluster)
 //   dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--model DIR] [--seed S]
-//                  [--steps N] [--no-self-conditioning]  (tools/sudoku/sudoku_cli.h)
+//                  [--steps N] [--no-self-conditioning] [--template=false] [--samples N]
+//                  (tools/sudoku/sudoku_cli.h)
 //
 // Flags may be spelled with dashes or underscores.
 #include <unistd.h>
@@ -75,6 +76,10 @@ ABSL_FLAG(bool, json, false,
 ABSL_FLAG(std::string, gateway, "127.0.0.1:50051", "chat, sudoku: the gateway's gRPC address");
 ABSL_FLAG(std::string, api_key, "", "chat, sudoku: API key (if the gateway requires one)");
 ABSL_FLAG(std::string, puzzle_file, "", "sudoku: read the puzzle from this file");
+ABSL_FLAG(bool, template, true,
+          "sudoku: send the givens as a canvas template (digits fixed, blanks restricted to 1-9); "
+          "--template=false sends the plain prompt only");
+ABSL_FLAG(int, samples, 1, "sudoku: parallel samples from one prefill; the first that solves wins");
 
 namespace dgserve {
 namespace {
@@ -162,6 +167,12 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
   o.client.gateway = absl::GetFlag(FLAGS_gateway);
   o.client.api_key = absl::GetFlag(FLAGS_api_key);
   o.tty = isatty(fileno(stdout)) != 0;
+  o.mode.use_template = absl::GetFlag(FLAGS_template);
+  o.mode.samples = absl::GetFlag(FLAGS_samples);
+  if (o.mode.samples < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--samples must be >= 1, got ", o.mode.samples));
+  }
   return sudoku::RunSudokuCli(o);
 }
 
@@ -321,7 +332,8 @@ int main(int argc, char** argv) {
       "       dgserve chat --gateway HOST:PORT (--prompt TEXT | --prompt-file FILE) [--thinking] "
       "[same sampling flags] [--api-key KEY] [--show-steps]\n"
       "       dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--api-key KEY] "
-      "[--model DIR (default models/sudoku)] [--seed S] [--steps N] [--no-self-conditioning]\n"
+      "[--model DIR (default models/sudoku)] [--seed S] [--steps N] [--no-self-conditioning] "
+      "[--template=false] [--samples N]\n"
       "         (PUZZLE: 81 cells, 1-9 and '.' or '0' for blanks; exit 0 solved, 2 wrong answer, "
       "1 error)",
       "tools/dgserve_main.cc");

@@ -709,6 +709,12 @@ absl::Status CudaBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     if (!(in.temperature > 0) || !std::isfinite(in.temperature)) {
       return absl::InvalidArgumentError("temperature: must be finite and > 0");
     }
+    for (const uint64_t* mask : in.row_masks) {
+      if (mask != nullptr) {
+        return absl::UnimplementedError(
+            "canvas templates (row masks) are not supported by the CUDA backend yet");
+      }
+    }
     canvases.push_back({in.canvas, in.sc_soft, in.kv});
   }
   std::vector<Segment> segs;

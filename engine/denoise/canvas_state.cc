@@ -66,6 +66,36 @@ absl::StatusOr<CanvasDenoiser> CanvasDenoiser::Create(const SamplerParams& param
   return denoiser;
 }
 
+absl::StatusOr<CanvasDenoiser> CanvasDenoiser::CreateWithTemplate(
+    const SamplerParams& params, std::shared_ptr<const CanvasTemplate> canvas_template,
+    int canvas_index, DrawSource* draws) {
+  if (canvas_template == nullptr) return absl::InvalidArgumentError("canvas_template is null");
+  const int C = canvas_template->canvas_length();
+  DGSERVE_ASSIGN_OR_RETURN(CanvasDenoiser d,
+                           Create(params, C, canvas_template->vocab(), canvas_index, draws));
+  const CanvasTemplate& t = *canvas_template;
+  for (int j = 0; j < C; ++j) {
+    if (!t.is_hole(j)) {
+      d.canvas_[j] = t.fixed(j);
+    } else if (std::span<const int32_t> allowed = t.allowed(j); !allowed.empty()) {
+      const int32_t k = draws->InitIndex(canvas_index, j, int32_t(allowed.size()));
+      if (k < 0 || k >= int32_t(allowed.size())) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "draws->InitIndex returned %d, outside [0, %d)", k, allowed.size()));
+      }
+      d.canvas_[j] = allowed[k];
+    }
+  }
+  d.argmax_ = d.canvas_;
+  d.template_ = std::move(canvas_template);
+  if (t.holes().empty()) {  // nothing to denoise: the template is the canvas
+    d.done_ = true;
+    d.stopped_early_ = true;
+    d.uniforms_.clear();
+  }
+  return d;
+}
+
 absl::StatusOr<CanvasDenoiser> CanvasDenoiser::CreateWithInitialCanvas(
     const SamplerParams& params, std::span<const int32_t> initial_canvas, int32_t vocab,
     int canvas_index, DrawSource* draws) {
@@ -129,17 +159,60 @@ absl::StatusOr<StepOutcome> CanvasDenoiser::Apply(std::span<const RowResult> row
   StepOutcome outcome;
   outcome.step = step_;
   outcome.temperature = temperature();
-  std::vector<float> entropy(n);
-  for (int j = 0; j < n; ++j) entropy[j] = rows[j].entropy;
+  if (template_) {
+    for (int j = 0; j < n; ++j) {
+      if (!template_->Allows(j, rows[j].argmax) || !template_->Allows(j, rows[j].sampled)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "rows[%d] has argmax %d / sampled %d outside the canvas template's allowed set at "
+            "position %d (the backend did not apply the row masks)",
+            j, rows[j].argmax, rows[j].sampled, j));
+      }
+    }
+  }
+  // Without a template every position takes part; with one, only the holes (fixed positions
+  // have entropy 0 by construction and would only dilute the stop rule's mean).
+  std::vector<int> all_positions;
+  std::span<const int> positions;
+  if (template_) {
+    positions = template_->holes();
+  } else {
+    all_positions.resize(n);
+    for (int j = 0; j < n; ++j) all_positions[j] = j;
+    positions = all_positions;
+  }
+  std::vector<float> entropy(positions.size());
+  for (size_t i = 0; i < positions.size(); ++i) entropy[i] = rows[positions[i]].entropy;
   outcome.accepted = AcceptPositions(entropy, static_cast<double>(params_.entropy_bound));
+  for (int& i : outcome.accepted) i = positions[i];
   outcome.mean_entropy = MeanEntropy(entropy);
 
   std::vector<char> is_accepted(n, 0);
   for (int pos : outcome.accepted) is_accepted[pos] = 1;
   std::vector<int32_t> next(n);
   for (int j = 0; j < n; ++j) {
-    if (is_accepted[j]) {
+    if (template_ && !template_->is_hole(j)) {
+      next[j] = template_->fixed(j);
+    } else if (is_accepted[j]) {
       next[j] = rows[j].sampled;
+    } else if (std::span<const int32_t> allowed =
+                   template_ ? template_->allowed(j) : std::span<const int32_t>();
+               !allowed.empty()) {
+      if (!renoise_tokens.empty()) {
+        next[j] = renoise_tokens[j];
+        if (!template_->Allows(j, next[j])) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "renoise token %d at position %d is outside its allowed set", next[j], j));
+        }
+      } else {
+        const int32_t k =
+            draws_->RenoiseIndex(canvas_index_, step_, j, int32_t(allowed.size()));
+        if (k < 0 || k >= int32_t(allowed.size())) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "renoise index %d at position %d outside the allowed set of %d ids", k, j,
+              allowed.size()));
+        }
+        next[j] = allowed[k];
+      }
     } else {
       next[j] = renoise_tokens.empty() ? draws_->RenoiseToken(canvas_index_, step_, j)
                                        : renoise_tokens[j];

@@ -11,6 +11,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include <memory>
+
+#include "engine/denoise/canvas_template.h"
 #include "engine/denoise/rng.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/denoise/sampler_params.h"
@@ -50,6 +53,17 @@ class CanvasDenoiser {
   // initial tokens outside [0, vocab), or a null `draws` in the first form.
   static absl::StatusOr<CanvasDenoiser> Create(const SamplerParams& params, int canvas_length,
                                                int32_t vocab, int canvas_index, DrawSource* draws);
+  // A fresh canvas clamped by `canvas_template` (canvas_template.h; its length and vocabulary
+  // are the canvas's): fixed positions hold their token from Init on; a restricted hole starts
+  // at allowed[draws->InitIndex(canvas_index, j, |allowed|)], an unrestricted one at InitToken.
+  // The backend must mask each row with row_masks(); ApplyStep then checks that every argmax and
+  // sample is allowed, accepts among the holes only (entropy bound over the holes' entropies),
+  // renoises a restricted hole from its set (RenoiseIndex), keeps fixed positions, and the stop
+  // rule's mean entropy is over the holes. A template without holes is done() at once, with
+  // committed() = the template and no step. Same errors as Create.
+  static absl::StatusOr<CanvasDenoiser> CreateWithTemplate(
+      const SamplerParams& params, std::shared_ptr<const CanvasTemplate> canvas_template,
+      int canvas_index, DrawSource* draws);
   static absl::StatusOr<CanvasDenoiser> CreateWithInitialCanvas(
       const SamplerParams& params, std::span<const int32_t> initial_canvas, int32_t vocab,
       int canvas_index, DrawSource* draws);
@@ -77,6 +91,13 @@ class CanvasDenoiser {
   absl::StatusOr<StepOutcome> ApplyStepWithDraws(std::span<const RowResult> rows,
                                                  std::span<const int32_t> renoise_tokens);
 
+  // Per row, the vocabulary mask the backend must apply (CanvasTemplate::row_masks), or an empty
+  // span without a template.
+  std::span<const uint64_t* const> row_masks() const {
+    return template_ ? template_->row_masks() : std::span<const uint64_t* const>();
+  }
+  const CanvasTemplate* canvas_template() const { return template_.get(); }
+
   // True once the stop rule fired or max_denoising_steps steps were applied.
   bool done() const { return done_; }
   // True if the stop rule fired (at any step).
@@ -96,6 +117,7 @@ class CanvasDenoiser {
   void RefillUniforms();
 
   SamplerParams params_;
+  std::shared_ptr<const CanvasTemplate> template_;  // null: no template
   int32_t vocab_;
   int canvas_index_;
   DrawSource* draws_;

@@ -28,6 +28,11 @@ class FakeDraws : public DrawSource {
     ++renoise_calls;
     return 200 + 10 * step + pos;
   }
+  int32_t InitIndex(int canvas, int pos, int32_t n) override { return (pos + canvas) % n; }
+  int32_t RenoiseIndex(int canvas, int step, int pos, int32_t n) override {
+    ++renoise_calls;
+    return (step + pos) % n;
+  }
   int renoise_calls = 0;
 };
 

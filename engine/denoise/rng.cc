@@ -26,10 +26,12 @@ int32_t UniformToken(const DrawKey& key, int32_t vocab) {
   return UniformIndex(CounterBits(key), vocab);
 }
 
-int32_t CounterDrawSource::InitToken(int canvas, int pos) {
+int32_t CounterDrawSource::InitToken(int canvas, int pos) { return InitIndex(canvas, pos, vocab_); }
+
+int32_t CounterDrawSource::InitIndex(int canvas, int pos, int32_t n) {
   return UniformToken({seed_, DrawStream::kInitToken, static_cast<uint32_t>(canvas), 0u,
                        static_cast<uint32_t>(pos)},
-                      vocab_);
+                      n);
 }
 
 float CounterDrawSource::SampleUniform(int canvas, int step, int pos) {
@@ -38,9 +40,13 @@ float CounterDrawSource::SampleUniform(int canvas, int step, int pos) {
 }
 
 int32_t CounterDrawSource::RenoiseToken(int canvas, int step, int pos) {
+  return RenoiseIndex(canvas, step, pos, vocab_);
+}
+
+int32_t CounterDrawSource::RenoiseIndex(int canvas, int step, int pos, int32_t n) {
   return UniformToken({seed_, DrawStream::kRenoiseToken, static_cast<uint32_t>(canvas),
                        static_cast<uint32_t>(step), static_cast<uint32_t>(pos)},
-                      vocab_);
+                      n);
 }
 
 }  // namespace dgserve

@@ -62,6 +62,10 @@ class DrawSource {
   virtual float SampleUniform(int canvas, int step, int pos) = 0;
   // Fresh uniform token in [0, vocab) for a non-accepted position (spec §4.2 step 6).
   virtual int32_t RenoiseToken(int canvas, int step, int pos) = 0;
+  // The same two draws for a hole restricted to n ≥ 1 allowed ids (canvas templates): an index
+  // in [0, n) into the allowed set. With n = vocab they equal InitToken / RenoiseToken.
+  virtual int32_t InitIndex(int canvas, int pos, int32_t n) = 0;
+  virtual int32_t RenoiseIndex(int canvas, int step, int pos, int32_t n) = 0;
 };
 
 // The production DrawSource: CounterBits() with streams kInitToken / kSampleUniform /
@@ -73,6 +77,8 @@ class CounterDrawSource final : public DrawSource {
   int32_t InitToken(int canvas, int pos) override;
   float SampleUniform(int canvas, int step, int pos) override;
   int32_t RenoiseToken(int canvas, int step, int pos) override;
+  int32_t InitIndex(int canvas, int pos, int32_t n) override;
+  int32_t RenoiseIndex(int canvas, int step, int pos, int32_t n) override;
 
   uint64_t seed() const { return seed_; }
   int32_t vocab() const { return vocab_; }

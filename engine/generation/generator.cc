@@ -62,6 +62,13 @@ absl::Status Generator::Validate(const GenerationRequest& r) const {
   if (r.pad_token_id < 0 || r.pad_token_id >= c.vocab_size) {
     return absl::InvalidArgumentError("pad_token_id: outside the vocabulary");
   }
+  if (r.canvas_template && (r.canvas_template->canvas_length() != c.canvas_length ||
+                            r.canvas_template->vocab() != c.vocab_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "canvas_template: built for canvas length ", r.canvas_template->canvas_length(),
+        " and vocabulary ", r.canvas_template->vocab(), ", the model has ", c.canvas_length,
+        " and ", c.vocab_size));
+  }
   return ValidateSamplerParams(r.sampler);
 }
 
@@ -104,8 +111,11 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
       result.commit_seconds += SecondsSince(tc);
     }
     auto td = std::chrono::steady_clock::now();
-    DGSERVE_ASSIGN_OR_RETURN(CanvasDenoiser den,
-                             CanvasDenoiser::Create(r.sampler, C, V, n, &draws));
+    const bool clamped = r.canvas_template && (n == 0 || r.template_every_canvas);
+    DGSERVE_ASSIGN_OR_RETURN(
+        CanvasDenoiser den,
+        clamped ? CanvasDenoiser::CreateWithTemplate(r.sampler, r.canvas_template, n, &draws)
+                : CanvasDenoiser::Create(r.sampler, C, V, n, &draws));
     bool have_sc = false;
     while (!den.done()) {
       const bool last = den.step() + 1 == r.sampler.max_denoising_steps;
@@ -117,6 +127,7 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
       in.uniforms = den.uniforms();
       in.rows = rows.data();
       in.next_soft = (last || !self_conditioning) ? nullptr : next_soft.data();
+      in.row_masks = den.row_masks();
       DGSERVE_RETURN_IF_ERROR(backend_.DenoiseStep({&in, 1}));
       DGSERVE_ASSIGN_OR_RETURN(StepOutcome out, den.ApplyStep(rows));
       ++result.decoder_passes;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/denoise/canvas_template.h"
 #include "engine/denoise/sampler_params.h"
 #include "engine/model/backend.h"
 #include "engine/model/config.h"
@@ -30,6 +31,10 @@ struct GenerationRequest {
   SamplerParams sampler;                // per-request diffusion controls
   std::vector<int32_t> stop_token_ids;  // a committed canvas is cut after the first of these
   int32_t pad_token_id = 0;
+  // Infilling: the first canvas (every canvas with template_every_canvas) is clamped by this
+  // template (canvas_template.h); null = none. Its length and vocabulary must be the model's.
+  std::shared_ptr<const CanvasTemplate> canvas_template;
+  bool template_every_canvas = false;
 };
 
 // A request whose parameters are the checkpoint's defaults.
@@ -79,8 +84,8 @@ class Generator {
   explicit Generator(ModelBackend& backend) : backend_(backend) {}
 
   // INVALID_ARGUMENT, naming the field, for an empty prompt, an id outside [0, V), a
-  // max_new_tokens ≤ 0, a prompt + generation longer than max_position_embeddings, or any
-  // out-of-range sampler parameter.
+  // max_new_tokens ≤ 0, a prompt + generation longer than max_position_embeddings, any
+  // out-of-range sampler parameter, or a canvas template of another canvas length or vocabulary.
   absl::Status Validate(const GenerationRequest& request) const;
 
   // Runs the request to completion, calling the observer's hooks as it goes.

@@ -44,6 +44,11 @@ struct DenoiseStepInput {
   std::span<const float> uniforms;  // [C] u_j for the inverse-CDF candidate samples
   RowResult* rows = nullptr;        // out [C]: argmax, sampled, entropy, lse (spec §4.2 step 4)
   float* next_soft = nullptr;  // out [C, D]: (softmax(ℓ/T)·E)·bf16(√D), or nullptr to skip
+  // Canvas template (engine/denoise/canvas_template.h): empty, or [C] per-row vocabulary bit
+  // masks (nullptr = every id allowed). Ids outside a row's mask get logit −inf before
+  // temperature, softmax, entropy, argmax, sampling and the soft embedding. A backend that cannot
+  // mask returns UNIMPLEMENTED.
+  std::span<const uint64_t* const> row_masks;
 };
 
 // Wall time of the parts of the last Decode() call (for benchmarks and stats).

@@ -465,6 +465,12 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     args.embed_scale = c_.EmbedScale();
     args.out = batch[i].rows;
     args.soft = batch[i].next_soft;
+    if (!batch[i].row_masks.empty()) {
+      if (int(batch[i].row_masks.size()) != s.rows) {
+        return absl::InvalidArgumentError("row_masks: must have one entry per canvas position");
+      }
+      args.masks = batch[i].row_masks.data();
+    }
     DGSERVE_RETURN_IF_ERROR(cpu::FusedVocabStep(args));
   }
   timings_.lm_head_seconds = SecondsSince(t1);

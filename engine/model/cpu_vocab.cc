@@ -115,6 +115,15 @@ void Rescale(RowState& st, float to, float inv_t, float* acc, int dim) {
   st.max_logit = to;
 }
 
+// Sets the logits of the ids of [v0, v0 + n) outside `mask` to −inf.
+void ApplyMask(const uint64_t* mask, int v0, int n, float* l) {
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < n; ++i) {
+    const int v = v0 + i;
+    if (((mask[v >> 6] >> (v & 63)) & 1) == 0) l[i] = kMasked;
+  }
+}
+
 }  // namespace
 
 absl::Status FusedVocabStep(const VocabStepArgs& a) {
@@ -158,6 +167,8 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
         for (int r = 0; r < M; ++r) {
           float* lr = l + size_t(r) * ldl;
           Softcap(lr, n, a.softcap);
+          const uint64_t* mask = a.masks ? a.masks[r] : nullptr;
+          if (mask) ApplyMask(mask, v0, n, lr);
           // Tile max; the argmax (first index on ties) is only searched for when it beats the
           // running max, which after the first tiles is rare.
           float tile_max = lr[0];
@@ -178,7 +189,11 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           }
           double ts, tq;
           float* e = ebuf.data() + size_t(r) * kTile;
-          if (avx2) {
+          if (s.max_logit == -std::numeric_limits<float>::infinity()) {
+            // Every id so far is masked: nothing to add (and ℓ − max would be NaN).
+            std::fill(e, e + n, 0.0f);
+            ts = tq = 0;
+          } else if (avx2) {
             TileExpAvx2(lr, n, s.max_logit, inv_t[r], e, &ts, &tq);
           } else {
             TileExpScalar(lr, n, s.max_logit, inv_t[r], e, &ts, &tq);
@@ -265,6 +280,7 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
         GemmArgs::Of(1, n, D, a.hidden + size_t(r) * D, D, a.lm_head->AsGemmB(v0), lrow, n);
     Gemm(rg, GemmThreads::kCallerOnly);
     Softcap(lrow, n, a.softcap);
+    if (a.masks && a.masks[r]) ApplyMask(a.masks[r], v0, n, lrow);
     int32_t sampled = -1, last_positive = v0;
     for (int i = 0; i < n; ++i) {
       const float l = lrow[i];

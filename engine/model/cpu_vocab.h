@@ -28,6 +28,9 @@ struct VocabStepArgs {
   RowResult* out = nullptr;            // [rows] argmax / sampled / entropy / lse (as SampleRow)
   float* soft = nullptr;               // [rows, D] (softmax(ℓ/T)·E)·embed_scale, or nullptr
   float* logits = nullptr;             // [rows, V] softcapped logits, or nullptr (tests)
+  // [rows] per-row vocabulary bit masks (bit v of word v/64 ⇔ id v allowed; nullptr = all), or
+  // nullptr for none. Masked ids get logit −inf (also in `logits`); a row needs ≥ 1 allowed id.
+  const uint64_t* const* masks = nullptr;
 };
 
 // Runs the fused step. Results agree with Softcap + SampleRows + SoftEmbedding on the same

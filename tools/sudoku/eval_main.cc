@@ -56,6 +56,11 @@ ABSL_FLAG(uint64_t, seed, 0, "request i uses seed S+i");
 ABSL_FLAG(int32_t, min_givens, 0, "only puzzles with at least this many givens");
 ABSL_FLAG(std::string, json_out, "", "also write the report as JSON to this file");
 ABSL_FLAG(double, timeout_s, 600, "deadline of each request in seconds (> 0)");
+ABSL_FLAG(bool, template, true,
+          "send the givens as a canvas template (digits fixed, blanks restricted to 1-9); false: "
+          "the plain prompt only");
+ABSL_FLAG(int32_t, samples, 1,
+          "parallel samples per puzzle (n, one prefill); solved when any sample solves it");
 
 namespace dgserve::sudoku {
 namespace {
@@ -199,15 +204,26 @@ Result Solve(v1::GenerationService::Stub& stub, const Item& item, uint64_t seed,
   }
   v1::GenerateResponse resp;
   const auto start = std::chrono::steady_clock::now();
-  const grpc::Status s = stub.Generate(&ctx, SudokuRequest(item.puzzle, seed, diffusion), &resp);
+  SudokuMode mode;
+  mode.use_template = absl::GetFlag(FLAGS_template);
+  mode.samples = absl::GetFlag(FLAGS_samples);
+  const grpc::Status s =
+      stub.Generate(&ctx, SudokuRequest(item.puzzle, seed, diffusion, mode), &resp);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!s.ok()) {
     r.error = absl::StrCat("gRPC status ", int(s.error_code()), ": ", s.error_message());
     return r;
   }
   r.ok = true;
+  // The first sample (by index) that solves the puzzle, else sample 0.
   r.answer = resp.text();
-  const Grid answer = ParseAnswer(resp.text());
+  for (const v1::Choice& c : resp.choices()) {
+    if (Verify(item.puzzle, ParseAnswer(c.text())).ok()) {
+      r.answer = c.text();
+      break;
+    }
+  }
+  const Grid answer = ParseAnswer(r.answer);
   const absl::Status v = Verify(item.puzzle, answer);
   r.solved = v.ok();
   r.verdict = std::string(v.message());
@@ -236,6 +252,10 @@ absl::Status Run() {
   if (min_givens < 0 || min_givens > 81) {
     return absl::InvalidArgumentError(
         absl::StrCat("--min_givens must be in [0, 81], got ", min_givens));
+  }
+  if (absl::GetFlag(FLAGS_samples) < 1 || absl::GetFlag(FLAGS_samples) > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--samples must be in [1, 64], got ", absl::GetFlag(FLAGS_samples)));
   }
   if (!(timeout_s > 0)) {
     return absl::InvalidArgumentError(absl::StrCat("--timeout_s must be > 0, got ", timeout_s));
@@ -326,8 +346,10 @@ absl::Status Run() {
     if (buckets[b].puzzles > 0) table += TableRow(kBuckets[b], buckets[b]);
   }
   std::printf("%s", table.c_str());
-  std::printf("%d puzzles from %s, concurrency %d, %.2f s wall\n", total.puzzles, path.c_str(),
-              concurrency, wall);
+  std::printf("%d puzzles from %s, %s, %d sample(s) each, concurrency %d, %.2f s wall\n",
+              total.puzzles, path.c_str(),
+              absl::GetFlag(FLAGS_template) ? "template" : "plain prompt",
+              absl::GetFlag(FLAGS_samples), concurrency, wall);
   std::fflush(stdout);
 
   if (!json_out.empty()) {
@@ -340,7 +362,9 @@ absl::Status Run() {
                           {"steps", steps},
                           {"self_conditioning", absl::GetFlag(FLAGS_self_conditioning)},
                           {"entropy_bound", absl::GetFlag(FLAGS_entropy_bound)},
-                          {"seed", seed}};
+                          {"seed", seed},
+                          {"template", absl::GetFlag(FLAGS_template)},
+                          {"samples", absl::GetFlag(FLAGS_samples)}};
     report["wall_seconds"] = wall;
     json by = json::object();
     for (int b = 0; b < 4; ++b) by[kBuckets[b]] = buckets[b].ToJson();
@@ -367,6 +391,6 @@ int main(int argc, char** argv) {
       "Measures a cluster serving the sudoku model on a JSONL puzzle file.\n"
       "  dgserve-sudoku-eval --gateway HOST:PORT --puzzles FILE [--limit N] [--concurrency C] "
       "[--steps N] [--entropy_bound X] [--self_conditioning=false] [--seed S] [--min_givens G] "
-      "[--json_out FILE]",
+      "[--json_out FILE] [--template=false] [--samples N]",
       "tools/sudoku/eval_main.cc", dgserve::sudoku::Run);
 }

@@ -1,6 +1,7 @@
 // `dgserve sudoku` (see sudoku_cli.h).
 #include "tools/sudoku/sudoku_cli.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -219,14 +220,16 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
     return it->second;
   };
 
-  v1::GenerateRequest req = SudokuRequest(puzzle, options.seed, options.diffusion);
+  const int samples = std::max(1, options.mode.samples);
+  v1::GenerateRequest req = SudokuRequest(puzzle, options.seed, options.diffusion, options.mode);
   req.mutable_stream_options()->set_canvas_step_interval(1);
-  std::string answer_text;
+  std::vector<std::string> answer_texts(samples);
   int block_steps = 0;
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<v1::Finished> finished =
       StreamGeneration(req, options.client, [&](const v1::GenerateEvent& ev) {
-        if (ev.has_canvas_step() && ev.canvas_step().canvas() == 0) {
+        if (ev.index() < 0 || ev.index() >= samples) return;
+        if (ev.has_canvas_step() && ev.canvas_step().canvas() == 0 && ev.index() == 0) {
           const v1::CanvasStep& s = ev.canvas_step();
           Grid cells{};
           for (int r = 0; r < 9; ++r) {
@@ -243,7 +246,7 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
             std::fflush(stdout);
           }
         } else if (ev.has_block()) {
-          answer_text += ev.block().text();
+          answer_texts[ev.index()] += ev.block().text();
           block_steps += ev.block().steps();
         }
       });
@@ -251,10 +254,21 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!finished.ok()) return finished.status();
 
-  const Grid answer = ParseAnswer(answer_text);
+  // The first sample that solves the puzzle, else sample 0.
+  int chosen = 0;
+  for (int i = 0; i < samples; ++i) {
+    if (Verify(puzzle, ParseAnswer(answer_texts[i])).ok()) {
+      chosen = i;
+      break;
+    }
+  }
+  const Grid answer = ParseAnswer(answer_texts[chosen]);
   const int steps = finished->usage().denoising_steps() > 0 ? finished->usage().denoising_steps()
                                                             : block_steps;
-  const std::string answer_line = absl::StrCat("answer after ", steps, " denoising steps");
+  const std::string answer_line =
+      samples > 1 ? absl::StrCat("answer of sample ", chosen, " of ", samples, " after ", steps,
+                                 " denoising steps (all samples)")
+                  : absl::StrCat("answer after ", steps, " denoising steps");
   if (options.tty) {
     display.Draw(answer, answer_line);
   } else {

@@ -21,6 +21,14 @@ namespace dgserve::sudoku {
 // Completion tokens of one answer: one canvas (81 digits, 9 '\n', <eos>).
 inline constexpr int kAnswerTokens = 91;
 
+// How a puzzle is sent.
+struct SudokuMode {
+  // The givens as a canvas template (infilling): the canvas is ToRows(puzzle) + "<eos>" with
+  // every '.' a hole restricted to the digits "1".."9"; given digits, line ends and <eos> fixed.
+  bool use_template = true;
+  int samples = 1;  // n parallel samples from one prefill (seeds seed .. seed + n − 1)
+};
+
 struct SudokuCliOptions {
   std::string puzzle;       // the PUZZLE argument(s), joined; empty when --puzzle_file is used
   std::string puzzle_file;  // read the puzzle from this file instead
@@ -29,6 +37,7 @@ struct SudokuCliOptions {
   v1::DiffusionControls diffusion;  // sent as is (unset fields: the model's defaults)
   ChatClientOptions client;         // gateway address, API key, deadline
   bool tty = false;                 // stdout is a terminal: ANSI bold givens, redraw in place
+  SudokuMode mode;                  // template (default) or plain prompt; samples
 };
 
 // Reads the puzzle of `options` (the argument or --puzzle_file, exactly one of them) and checks
@@ -39,8 +48,8 @@ absl::StatusOr<Grid> LoadPuzzle(const SudokuCliOptions& options, bool* several_s
 
 // Runs the command: validates the puzzle (LoadPuzzle), loads the tokenizer of
 // options.model_dir, streams the request (GenerateStream, a CanvasStep every step), renders the
-// grid per step (redrawn in place on a TTY, one line per step otherwise) and verifies the
-// committed answer, printing "solved in N denoising steps (X.XX s)" or "not solved: <why>".
+// grid per step of sample 0 (redrawn in place on a TTY, one line per step otherwise) and verifies
+// the committed answers, taking the first sample (by index) that solves the puzzle, printing "solved in N denoising steps (X.XX s)" or "not solved: <why>".
 // Returns whether the answer solves the puzzle; an error for bad input, a missing tokenizer or
 // a failed RPC (the gRPC status message, prefixed "gateway HOST:PORT: ").
 absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options);
@@ -50,15 +59,27 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options);
 // one that holds another digit red.
 std::string RenderGrid(const Grid& puzzle, const Grid& cells, bool ansi);
 
+
+// The canvas template of `puzzle` in the API's text form (see SudokuMode::use_template).
+inline void SetSudokuTemplate(const Grid& puzzle, v1::CanvasTemplate* t) {
+  t->set_text(ToRows(puzzle) + "<eos>");
+  t->set_hole(".");
+  for (char d = '1'; d <= '9'; ++d) t->add_allowed(std::string(1, d));
+}
+
 // The request for `puzzle`: text prompt ToRows(puzzle) (the gateway adds <bos>), max_tokens 91,
-// `seed`, and the diffusion controls. Shared by `dgserve sudoku` and dgserve-sudoku-eval.
+// `seed`, the diffusion controls, and the mode's template and sample count. Shared by
+// `dgserve sudoku` and dgserve-sudoku-eval.
 inline v1::GenerateRequest SudokuRequest(const Grid& puzzle, uint64_t seed,
-                                         const v1::DiffusionControls& diffusion) {
+                                         const v1::DiffusionControls& diffusion,
+                                         const SudokuMode& mode = {}) {
   v1::GenerateRequest req;
   req.set_text(ToRows(puzzle));
   req.set_max_tokens(kAnswerTokens);
   req.set_seed(seed);
   *req.mutable_diffusion() = diffusion;
+  if (mode.use_template) SetSudokuTemplate(puzzle, req.mutable_canvas_template());
+  if (mode.samples > 1) req.set_n(mode.samples);
   return req;
 }
 
