@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <optional>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "engine/denoise/canvas_state.h"
@@ -44,9 +45,14 @@ bool DenoiseJob::Pop(v1::DenoiseEvent* event, std::optional<absl::Status>* final
   return false;
 }
 
-// A request whose prompt KV has arrived: everything the engine thread needs to run it.
+// One sample of a request whose prompt KV has arrived: everything the engine thread needs to
+// run it. A request with num_samples = n has n of these, sharing the job and the prompt KV.
 struct DenoiseEngine::Running {
   std::shared_ptr<DenoiseJob> job;
+  int sample = 0;  // 0 .. num_samples − 1; its draws use seed + sample
+  // Samples of the job not yet finished (shared by its Running objects; engine thread only).
+  std::shared_ptr<int> samples_left;
+  bool finished = false;  // this sample sent its Finished (the job may still run others)
   std::unique_ptr<kv::PagedKvCache> kv;
   SamplerParams params;
   std::unique_ptr<CounterDrawSource> draws;
@@ -74,6 +80,23 @@ struct DenoiseEngine::Running {
 namespace {
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+// A sample that finished, or whose job ended (error, cancellation): it leaves the batch.
+template <typename R>
+bool Gone(const std::unique_ptr<R>& r) {
+  return r->finished || r->job->ended();
+}
+
+// Distinct requests among the running samples.
+template <typename R>
+int CountJobs(const std::vector<std::unique_ptr<R>>& running) {
+  std::unordered_set<const DenoiseJob*> jobs;
+  for (const auto& r : running) jobs.insert(r->job.get());
+  return int(jobs.size());
+}
+
+// num_samples 0 means 1.
+int NumSamples(const v1::DenoiseRequest& r) { return std::max(1, r.num_samples()); }
 
 SamplerParams ToSamplerParams(const v1::SamplerSettings& s) {
   SamplerParams p;
@@ -119,6 +142,11 @@ absl::Status ValidateRequest(const v1::DenoiseRequest& r, const ModelConfig& c) 
     absl::StatusOr<std::shared_ptr<const CanvasTemplate>> t =
         CanvasTemplateFromProto(r.canvas_template(), c.canvas_length, c.vocab_size);
     if (!t.ok()) return t.status();
+  }
+  if (r.num_samples() < 0 || r.num_samples() > kMaxDenoiseSamples) {
+    return absl::InvalidArgumentError(absl::StrCat("num_samples: must be in [0, ",
+                                                   kMaxDenoiseSamples, "], got ",
+                                                   r.num_samples()));
   }
   return ValidateSamplerParams(ToSamplerParams(r.sampler()));
 }
@@ -208,29 +236,58 @@ void DenoiseEngine::OnKv(const std::string& id,
     job->End(error);
     return;
   }
+  // Samples 1 .. n−1 share the prompt's whole blocks with sample 0 (copy-on-write of the
+  // partial last block only).
+  const int n = NumSamples(job->request());
+  std::vector<std::unique_ptr<kv::PagedKvCache>> kvs;
+  kvs.push_back(*std::move(kv));
+  for (int i = 1; i < n; ++i) {
+    absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> fork = kvs.front()->Fork();
+    if (!fork.ok()) {
+      all_.erase(id);
+      if (metrics_) metrics_->RequestsWithStatus("RESOURCE_EXHAUSTED").Increment();
+      job->End(absl::ResourceExhaustedError(absl::StrCat(
+          "no KV blocks for sample ", i, " of request ", id, ": ", fork.status().message())));
+      return;  // `kvs` frees the blocks
+    }
+    kvs.push_back(*std::move(fork));
+  }
   const ModelConfig& c = backend_->config();
-  auto r = std::make_unique<Running>();
-  r->job = job;
-  r->kv = *std::move(kv);
-  r->params = ToSamplerParams(job->request().sampler());
-  r->draws = std::make_unique<CounterDrawSource>(job->request().seed(), c.vocab_size);
+  const absl::Time kv_ready = absl::Now();
+  std::shared_ptr<const CanvasTemplate> canvas_template;  // shared by the samples
   if (HasCanvasTemplate(job->request().canvas_template())) {
     // Validated by Submit, so this cannot fail.
-    r->canvas_template =
+    canvas_template =
         *CanvasTemplateFromProto(job->request().canvas_template(), c.canvas_length, c.vocab_size);
-    r->template_every_canvas = job->request().canvas_template().every_canvas();
   }
-  r->num_canvases = (job->request().max_new_tokens() + c.canvas_length - 1) / c.canvas_length;
-  r->stop_ids.assign(job->request().stop_token_ids().begin(),
-                     job->request().stop_token_ids().end());
-  r->kv_ready = absl::Now();
-  if (metrics_) metrics_->kv_wait_seconds.Observe(Seconds(r->kv_ready - job->created()));
-  ready_.push_back(std::move(r));
+  auto samples_left = std::make_shared<int>(n);
+  for (int i = 0; i < n; ++i) {
+    auto r = std::make_unique<Running>();
+    r->job = job;
+    r->sample = i;
+    r->samples_left = samples_left;
+    r->kv = std::move(kvs[i]);
+    r->params = ToSamplerParams(job->request().sampler());
+    r->draws = std::make_unique<CounterDrawSource>(job->request().seed() + uint64_t(i),
+                                                   c.vocab_size);
+    r->canvas_template = canvas_template;
+    r->template_every_canvas = job->request().canvas_template().every_canvas();
+    r->num_canvases =
+        (job->request().max_new_tokens() + c.canvas_length - 1) / c.canvas_length;
+    r->stop_ids.assign(job->request().stop_token_ids().begin(),
+                       job->request().stop_token_ids().end());
+    r->kv_ready = kv_ready;
+    ready_.push_back(std::move(r));
+  }
+  if (metrics_) {
+    metrics_->kv_wait_seconds.Observe(Seconds(kv_ready - job->created()));
+    metrics_->samples.Increment(n);
+  }
   wake_.Signal();
 }
 
 bool DenoiseEngine::Cancel(const std::string& request_id) {
-  std::unique_ptr<Running> drop;
+  std::vector<std::unique_ptr<Running>> drop;  // every sample of the job still in ready_
   bool forget = false;
   {
     absl::MutexLock lock(&mu_);
@@ -243,17 +300,23 @@ bool DenoiseEngine::Cancel(const std::string& request_id) {
       all_.erase(it);
       job->End(absl::CancelledError(absl::StrCat("request ", request_id, " cancelled")));
     } else {
-      for (auto r = ready_.begin(); r != ready_.end(); ++r) {
-        if ((*r)->job->id() == request_id) {
-          drop = std::move(*r);
-          ready_.erase(r);
-          all_.erase(request_id);
-          job->End(absl::CancelledError(absl::StrCat("request ", request_id, " cancelled")));
-          break;
+      // Samples already running leave at the next step (cancel_requested); waiting ones now.
+      for (auto r = ready_.begin(); r != ready_.end();) {
+        if ((*r)->job == job) {
+          drop.push_back(std::move(*r));
+          r = ready_.erase(r);
+        } else {
+          ++r;
         }
       }
+      if (!drop.empty()) {
+        all_.erase(request_id);
+        job->End(absl::CancelledError(absl::StrCat("request ", request_id, " cancelled")));
+      }
     }
-    if (metrics_ && (forget || drop)) metrics_->RequestsWithStatus("CANCELLED").Increment();
+    if (metrics_ && (forget || !drop.empty())) {
+      metrics_->RequestsWithStatus("CANCELLED").Increment();
+    }
     wake_.Signal();
   }
   if (forget) receiver_->Forget(request_id);
@@ -270,12 +333,26 @@ DenoiseEngineStats DenoiseEngine::stats() const {
 }
 
 void DenoiseEngine::FinishJob(Running& r, absl::Status status) {
+  r.finished = true;
+  if (status.ok() && --*r.samples_left > 0) return;  // the job ends with its last sample
+  std::vector<std::unique_ptr<Running>> drop;  // destroyed outside the lock
+  absl::MutexLock lock(&mu_);
+  auto it = all_.find(r.job->id());
+  if (it == all_.end() || it->second != r.job) return;  // already ended (error or Cancel)
   if (metrics_) {
     metrics_->RequestsWithStatus(absl::StatusCodeToString(status.code())).Increment();
   }
   r.job->End(std::move(status));
-  absl::MutexLock lock(&mu_);
-  all_.erase(r.job->id());
+  all_.erase(it);
+  // Samples of a failed job that still wait for a batch slot go now.
+  for (auto q = ready_.begin(); q != ready_.end();) {
+    if ((*q)->job == r.job) {
+      drop.push_back(std::move(*q));
+      q = ready_.erase(q);
+    } else {
+      ++q;
+    }
+  }
 }
 
 void DenoiseEngine::Loop() {
@@ -295,10 +372,10 @@ void DenoiseEngine::Loop() {
       }
       if (metrics_) metrics_->queue_depth.Set(double(waiting_.size() + ready_.size()));
     }
-    active_requests_ = int(running.size());
+    active_requests_ = CountJobs(running);
     Iterate(running);
     active_canvases_ = int(running.size());
-    active_requests_ = int(running.size());
+    active_requests_ = CountJobs(running);
     if (metrics_) metrics_->active_canvases.Set(double(running.size()));
   }
   for (auto& r : running) r->job->End(absl::UnavailableError("denoise worker shutting down"));
@@ -346,7 +423,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
       }
     }
   }
-  std::erase_if(running, [](std::unique_ptr<Running>& r) { return r->job->ended(); });
+  std::erase_if(running, Gone<Running>);
 
   // 3. Requests starting a canvas get a fresh denoiser (spec §4.2 Init).
   for (auto& r : running) {
@@ -368,7 +445,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
     r->have_sc = false;
     r->canvas_start = absl::Now();
   }
-  std::erase_if(running, [](std::unique_ptr<Running>& r) { return r->job->ended(); });
+  std::erase_if(running, Gone<Running>);
   if (running.empty()) return;
 
   // 4. One batched denoising step over every canvas (each at its own step). A canvas whose
@@ -432,6 +509,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
       const bool done = r.den->done();
       if (k > 0 && (out->step % k == 0 || done)) {
         v1::DenoiseEvent ev;
+        ev.set_sample(r.sample);
         v1::DenoiseStepEvent* st = ev.mutable_step();
         st->set_canvas(r.canvas);
         st->set_step(out->step);
@@ -457,6 +535,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
       metrics_->output_tokens.Increment(double(C));
     }
     v1::DenoiseEvent ev;
+    ev.set_sample(r.sample);
     v1::DenoiseBlockEvent* b = ev.mutable_block();
     b->set_index(r.canvas);
     b->mutable_token_ids()->Assign(finalized.begin(), finalized.end());
@@ -475,6 +554,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
     ++r.canvas;
     if (found || r.canvas == r.num_canvases) {
       v1::DenoiseEvent fin;
+      fin.set_sample(r.sample);
       v1::DenoiseFinished* f = fin.mutable_finished();
       f->set_finish_reason(r.stop_found ? "stop" : "length");
       f->set_canvases(r.canvas);
@@ -489,7 +569,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
       r.to_commit = std::move(raw);  // the raw argmax canvas is what the model committed
     }
   }
-  std::erase_if(running, [](std::unique_ptr<Running>& r) { return r->job->ended(); });
+  std::erase_if(running, Gone<Running>);
 }
 
 }  // namespace dgserve

@@ -60,8 +60,15 @@ class DenoiseJob {
   std::optional<absl::Status> final_ ABSL_GUARDED_BY(mu_);
 };
 
+// The most samples (DenoiseRequest.num_samples) one request may ask for.
+inline constexpr int kMaxDenoiseSamples = 64;
+
 struct DenoiseEngineOptions {
-  int max_batch_canvases = 16;  // canvases in one decoder pass at most
+  // Canvases in one decoder pass at most. Every sample of a request is one canvas: a request
+  // with more samples than free slots is scheduled in parts (its samples join the batch as
+  // slots free up, each independent of the others), so it neither exceeds the batch nor waits
+  // for the whole batch to empty.
+  int max_batch_canvases = 16;
   int max_queue = 256;          // requests waiting for KV or a batch slot, at most
   std::string model_id;
 };
@@ -69,7 +76,7 @@ struct DenoiseEngineOptions {
 struct DenoiseEngineStats {
   int active_canvases = 0;
   int queued = 0;         // waiting for KV or for a batch slot
-  int active_requests = 0;
+  int active_requests = 0;  // distinct requests among the running canvases
 };
 
 class DenoiseEngine {
@@ -79,11 +86,15 @@ class DenoiseEngine {
                 DenoiseEngineOptions options, DenoiseMetrics* metrics);
   ~DenoiseEngine();  // cancels everything and joins the engine thread
 
-  // Validates the request (sampler settings, lengths) and queues it until its prompt KV
-  // arrives through the receiver. INVALID_ARGUMENT for a bad request, RESOURCE_EXHAUSTED when
-  // the queue is full, UNAVAILABLE when draining, ALREADY_EXISTS for a duplicate id.
+  // Validates the request (sampler settings, lengths, num_samples in [0, kMaxDenoiseSamples])
+  // and queues it until its prompt KV arrives through the receiver; then its num_samples
+  // samples (sample i drawing with seed + i) run on forks of that KV that share its whole
+  // blocks. Every event names its sample; each sample ends with its own Finished and the job
+  // ends after the last. INVALID_ARGUMENT for a bad request, RESOURCE_EXHAUSTED when the queue
+  // is full, UNAVAILABLE when draining, ALREADY_EXISTS for a duplicate id.
   absl::Status Submit(std::shared_ptr<DenoiseJob> job);
-  // Cancels a request wherever it is; its blocks are freed before the next step. Returns
+  // Cancels a request (all its samples) wherever it is; its blocks are freed before the next
+  // step. Returns
   // whether it was known.
   bool Cancel(const std::string& request_id);
   // Stops admitting (Submit → UNAVAILABLE); running requests continue.
@@ -97,6 +108,8 @@ class DenoiseEngine {
   void OnKv(const std::string& id, absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> kv);
   void Loop();
   void Iterate(std::vector<std::unique_ptr<Running>>& running);
+  // Ends sample `r`: OK ends the job once its last sample is done; an error ends the job (and
+  // so its other samples) at once. A job already ended is left as it is.
   void FinishJob(Running& r, absl::Status status);
 
   ModelBackend* const backend_;

@@ -52,6 +52,8 @@ DenoiseMetrics::DenoiseMetrics(prometheus::Registry& r)
       output_tokens(MakeCounter(r, "dgserve_denoise_output_tokens_total",
                                 "Committed canvas tokens (whole canvases, before stop handling)")),
       canvases(MakeCounter(r, "dgserve_denoise_canvases_total", "Canvases committed")),
+      samples(MakeCounter(r, "dgserve_denoise_samples_total",
+                          "Samples started (a request with num_samples = n counts n)")),
       decoder_passes(MakeCounter(r, "dgserve_denoise_decoder_passes_total",
                                  "Per-canvas decoder passes (denoising steps)")),
       active_canvases(

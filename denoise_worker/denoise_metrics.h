@@ -25,6 +25,7 @@ struct DenoiseMetrics {
   prometheus::Histogram& kv_wait_seconds;
   prometheus::Counter& output_tokens;
   prometheus::Counter& canvases;
+  prometheus::Counter& samples;  // samples started (num_samples of each request)
   prometheus::Counter& decoder_passes;
   prometheus::Gauge& active_canvases;
   prometheus::Gauge& queue_depth;

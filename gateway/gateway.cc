@@ -74,6 +74,24 @@ std::string HideWorkers(absl::string_view message, const std::string& prefill,
                              {{prefill, "the prefill worker"}, {denoise, "the denoise worker"}});
 }
 
+// The stream state of one sample of a request: stop sequences and max_tokens apply per sample.
+struct SampleStream {
+  SampleStream(const Tokenizer& tokenizer, const std::vector<std::string>& stop)
+      : decoder(tokenizer), matcher(stop) {}
+  StreamDecoder decoder;
+  StopMatcher matcher;
+  int completion = 0, canvases = 0, steps = 0, last_index = 0;
+  std::vector<int32_t> all_ids;  // completion tokens so far
+  size_t emitted_bytes = 0;      // completion text emitted so far
+  // The completion ended at a block by max_tokens or a stop token: the worker ends this
+  // sample there too and its Finished (with the denoise and commit timings) comes next.
+  bool awaiting_worker_finish = false;
+  bool worker_done = false;  // the worker's Finished of this sample arrived
+  bool done = false;         // the completion has ended
+  std::string finish_reason;
+  v1::DenoiseFinished worker_finished;
+};
+
 }  // namespace
 
 Gateway::Gateway(ModelConfig config, GenerationConfig generation, Tokenizer tokenizer,
@@ -220,6 +238,12 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
     if (s.empty()) return absl::InvalidArgumentError("stop: sequences must not be empty");
     p.stop.push_back(s);
   }
+  if (request.n() < 0 || request.n() > options_.max_n) {
+    return absl::InvalidArgumentError(absl::StrCat("n: must be between 1 and ", options_.max_n,
+                                                   " (the gateway's --max_n), got ",
+                                                   request.n()));
+  }
+  p.n = std::max(1, request.n());
   if (request.has_seed()) {
     p.seed = request.seed();
   } else {
@@ -461,25 +485,23 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
                                                              : (1 << 30));
   dreq.set_kv_wait_ms(options_.kv_lease_ms);
   if (req.canvas_template) *dreq.mutable_canvas_template() = *req.canvas_template;
+  dreq.set_num_samples(req.n);
   grpc::ClientContext ctx;
   ctx.set_deadline(ToChrono(deadline));
   watcher.Watch(&ctx);
   denoise_->Acquire(*d);
   auto reader = v1::DenoiseService::NewStub(denoise_->Channel(*d))->Denoise(&ctx, dreq);
 
-  StreamDecoder decoder(tokenizer_);
-  StopMatcher matcher(req.stop);
-  std::vector<int32_t> stop_ids = generation_.stop_token_ids;
-  int completion = 0, canvases = 0, steps = 0, last_index = 0;
-  std::vector<int32_t> all_ids;  // completion tokens so far
-  size_t emitted_bytes = 0;      // completion text emitted so far
-  bool first_step = true, first_block = true, done = false, client_gone = false;
-  // The completion ended at a block by max_tokens or a stop token: the worker ends there too
-  // and its Finished (with the denoise and commit timings) comes next.
-  bool awaiting_worker_finish = false, worker_done = false;
-  std::string finish_reason;
-  v1::DenoiseFinished worker_finished;
+  const int n = req.n;
+  std::vector<std::unique_ptr<SampleStream>> samples;
+  for (int i = 0; i < n; ++i) {
+    samples.push_back(std::make_unique<SampleStream>(tokenizer_, req.stop));
+  }
+  const std::vector<int32_t>& stop_ids = generation_.stop_token_ids;
+  int open = n;  // samples whose completion has not ended yet
+  bool first_step = true, first_block = true, client_gone = false;
   double first_step_s = 0, first_block_s = 0;
+  absl::Status bad_event;  // the worker named a sample the request does not have
   auto emit = [&](const v1::GenerateEvent& ev) {
     *output_sent = true;
     if (!on_event(ev)) {
@@ -489,12 +511,25 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
     }
     return true;
   };
+  auto end_sample = [&](SampleStream& s) {
+    if (s.done) return;
+    s.done = true;
+    --open;
+  };
 
   v1::DenoiseEvent ev;
-  while (!done && !client_gone && reader->Read(&ev)) {
-    if (awaiting_worker_finish && !ev.has_finished()) {
-      done = true;  // the worker went on (it should not): stop it below
+  while (open > 0 && !client_gone && reader->Read(&ev)) {
+    if (ev.sample() < 0 || ev.sample() >= n) {
+      bad_event = absl::InternalError(absl::StrCat("the denoise worker sent an event of sample ",
+                                                   ev.sample(), " for a request of ", n));
       break;
+    }
+    const int index = ev.sample();
+    SampleStream& s = *samples[index];
+    if (s.done) continue;  // ended here by a stop sequence; the worker runs the others on
+    if (s.awaiting_worker_finish && !ev.has_finished()) {
+      end_sample(s);  // the worker went on with this sample (it should not): stopped below
+      continue;
     }
     if (ev.has_step()) {
       if (first_step) {
@@ -505,6 +540,7 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
       if (req.canvas_step_interval <= 0) continue;
       v1::GenerateEvent out;
       out.set_request_id(req.request_id);
+      out.set_index(index);
       v1::CanvasStep* cs = out.mutable_canvas_step();
       cs->set_canvas(ev.step().canvas());
       cs->set_step(ev.step().step());
@@ -524,85 +560,92 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
         first_block_s = absl::ToDoubleSeconds(absl::Now() - start);
         if (metrics_) metrics_->first_block_seconds.Observe(first_block_s);
       }
-      ++canvases;
-      steps += ev.block().steps();
-      last_index = ev.block().index();
+      ++s.canvases;
+      s.steps += ev.block().steps();
+      s.last_index = ev.block().index();
       if (metrics_) metrics_->steps_per_canvas.Observe(ev.block().steps());
       v1::GenerateEvent out;
       out.set_request_id(req.request_id);
+      out.set_index(index);
       v1::BlockCommitted* b = out.mutable_block();
       b->set_index(ev.block().index());
       b->set_steps(ev.block().steps());
       // Completion tokens of this block: up to the first stop token, at most max_tokens in
-      // all. Decoded as one piece (as `dgserve generate` streams it), then through the stop
-      // sequences; a stop sequence cuts the text, the block's ids stay whole.
+      // all (per sample). Decoded as one piece (as `dgserve generate` streams it), then through
+      // the stop sequences; a stop sequence cuts the text, the block's ids stay whole.
       std::vector<int32_t> take;
       for (int32_t id : ev.block().token_ids()) {
-        if (completion == req.max_tokens) {
-          finish_reason = "length";
+        if (s.completion == req.max_tokens) {
+          s.finish_reason = "length";
           break;
         }
         if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) {
-          finish_reason = "stop";
+          s.finish_reason = "stop";
           break;
         }
-        ++completion;
+        ++s.completion;
         take.push_back(id);
         b->add_token_ids(id);
       }
-      all_ids.insert(all_ids.end(), take.begin(), take.end());
-      StopMatcher::Result r = matcher.Push(decoder.Push(take));
+      s.all_ids.insert(s.all_ids.end(), take.begin(), take.end());
+      StopMatcher::Result r = s.matcher.Push(s.decoder.Push(take));
       std::string text = std::move(r.emit);
-      emitted_bytes += text.size();
+      s.emitted_bytes += text.size();
       if (r.stopped) {
-        finish_reason = "stop";
+        s.finish_reason = "stop";
         // A stop sequence ends the completion at the token in which it begins (possibly in an
         // earlier canvas): the smallest prefix of the completion whose text reaches past the
         // emitted text. Ids already streamed in earlier blocks cannot be taken back; usage and
         // the unary response's ids are cut to this count.
-        size_t lo = 0, hi = all_ids.size();
+        size_t lo = 0, hi = s.all_ids.size();
         while (lo < hi) {
           const size_t mid = (lo + hi) / 2;
-          if (tokenizer_.Decode(std::span<const int32_t>(all_ids.data(), mid), true).size() >
-              emitted_bytes) {
+          if (tokenizer_.Decode(std::span<const int32_t>(s.all_ids.data(), mid), true).size() >
+              s.emitted_bytes) {
             hi = mid;
           } else {
             lo = mid + 1;
           }
         }
-        const int keep_total = int(std::min(lo, all_ids.size()));
-        const int before_block = completion - int(take.size());
+        const int keep_total = int(std::min(lo, s.all_ids.size()));
+        const int before_block = s.completion - int(take.size());
         b->mutable_token_ids()->Truncate(std::max(0, keep_total - before_block));
-        completion = keep_total;
+        s.completion = keep_total;
       }
       b->set_text(text);
       if (!emit(out)) break;
-      if (!finish_reason.empty()) {
-        // A stop sequence is the gateway's own: the worker would go on, stop it now.
+      if (!s.finish_reason.empty()) {
+        // A stop sequence is the gateway's own: the worker would go on with this sample (it
+        // is stopped once every sample has ended); otherwise its Finished comes next.
         if (r.stopped) {
-          done = true;
+          end_sample(s);
         } else {
-          awaiting_worker_finish = true;
+          s.awaiting_worker_finish = true;
         }
       }
     } else if (ev.has_finished()) {
-      worker_finished = ev.finished();
-      worker_done = true;
-      if (finish_reason.empty()) finish_reason = worker_finished.finish_reason();
-      done = true;
+      s.worker_finished = ev.finished();
+      s.worker_done = true;
+      if (s.finish_reason.empty()) s.finish_reason = s.worker_finished.finish_reason();
+      end_sample(s);
     }
   }
-  // The stream ended right after the completion's last block: nothing is missing.
-  if (awaiting_worker_finish && !client_gone) done = true;
+  // The stream ended right after a completion's last block: nothing is missing.
+  if (!client_gone && bad_event.ok()) {
+    for (auto& s : samples) {
+      if (s->awaiting_worker_finish) end_sample(*s);
+    }
+  }
   if (client_gone) {
     denoise_->Release(*d);
     return absl::CancelledError("the client went away");
   }
-  if (!done) {
+  if (open > 0 || !bad_event.ok()) {
+    if (!bad_event.ok()) ctx.TryCancel();
     grpc::Status s = reader->Finish();
     denoise_->Release(*d);
     if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
-    absl::Status st = FromGrpcStatus(s);
+    absl::Status st = bad_event.ok() ? FromGrpcStatus(s) : bad_event;
     if (st.ok()) st = absl::InternalError("denoise stream ended without a result");
     if (absl::IsUnavailable(st)) {
       bad_denoise->insert(*d);
@@ -611,48 +654,62 @@ absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline
     DGSERVE_LOG_WARNING("request %s: denoise on %s: %s", attempt_id, *d, st.message());
     return absl::Status(st.code(), absl::StrCat("denoise: ", HideWorkers(st.message(), *p, *d)));
   }
-  // Finished (by the worker, a stop token or sequence, or max_tokens): stop the worker if it
-  // is still running, flush held-back text, report usage.
-  if (!worker_done) ctx.TryCancel();  // a worker that sent Finished ends its stream itself
+  // Every sample finished (by the worker, a stop token or sequence, or max_tokens): stop the
+  // worker if it is still running, then per sample (by index) flush held-back text and report
+  // its usage; the Finished events come last.
+  const bool worker_done = std::all_of(samples.begin(), samples.end(),
+                                       [](const auto& s) { return s->worker_done; });
+  if (!worker_done) ctx.TryCancel();  // a worker that sent every Finished ends its stream itself
   reader->Finish();
   denoise_->Release(*d);
-  if (!matcher.stopped()) {
-    std::string tail = matcher.Push(decoder.Finish()).emit;
-    if (!matcher.stopped()) tail += matcher.Flush();
-    if (!tail.empty()) {
-      v1::GenerateEvent out;
-      out.set_request_id(req.request_id);
-      out.mutable_block()->set_index(last_index);
-      out.mutable_block()->set_text(tail);
-      if (!emit(out)) return absl::CancelledError("the client went away");
-    }
-  }
-  v1::GenerateEvent out;
-  out.set_request_id(req.request_id);
-  v1::Finished* f = out.mutable_finished();
-  f->set_finish_reason(finish_reason.empty() ? "length" : finish_reason);
-  v1::Usage* u = f->mutable_usage();
-  u->set_prompt_tokens(int(req.prompt.size()));
-  u->set_completion_tokens(completion);
-  u->set_total_tokens(int(req.prompt.size()) + completion);
-  u->set_cached_prompt_tokens(prefill.cached_tokens());
-  u->set_canvases(canvases);
-  u->set_denoising_steps(steps);
-  v1::Timings* t = u->mutable_timings();
-  t->set_queue_seconds(prefill.queue_seconds());
-  t->set_prefill_seconds(prefill.prefill_seconds());
-  t->set_transfer_seconds(prefill.transfer_seconds());
-  t->set_first_step_seconds(first_step_s);
-  t->set_first_block_seconds(first_block_s);
-  t->set_denoise_seconds(worker_finished.denoise_seconds());
-  t->set_commit_seconds(worker_finished.commit_seconds());
-  t->set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   if (metrics_) {
     metrics_->prompt_tokens.Increment(double(req.prompt.size()));
-    metrics_->completion_tokens.Increment(completion);
     metrics_->cached_prompt_tokens.Increment(prefill.cached_tokens());
   }
-  if (!emit(out)) return absl::CancelledError("the client went away");
+  for (int i = 0; i < n; ++i) {
+    SampleStream& s = *samples[i];
+    if (!s.matcher.stopped()) {
+      std::string tail = s.matcher.Push(s.decoder.Finish()).emit;
+      if (!s.matcher.stopped()) tail += s.matcher.Flush();
+      if (!tail.empty()) {
+        v1::GenerateEvent out;
+        out.set_request_id(req.request_id);
+        out.set_index(i);
+        out.mutable_block()->set_index(s.last_index);
+        out.mutable_block()->set_text(tail);
+        if (!emit(out)) return absl::CancelledError("the client went away");
+      }
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    const SampleStream& s = *samples[i];
+    v1::GenerateEvent out;
+    out.set_request_id(req.request_id);
+    out.set_index(i);
+    v1::Finished* f = out.mutable_finished();
+    f->set_finish_reason(s.finish_reason.empty() ? "length" : s.finish_reason);
+    v1::Usage* u = f->mutable_usage();
+    u->set_prompt_tokens(int(req.prompt.size()));
+    u->set_completion_tokens(s.completion);
+    u->set_total_tokens(int(req.prompt.size()) + s.completion);
+    u->set_cached_prompt_tokens(prefill.cached_tokens());
+    u->set_canvases(s.canvases);
+    u->set_denoising_steps(s.steps);
+    v1::Timings* t = u->mutable_timings();
+    t->set_queue_seconds(prefill.queue_seconds());
+    t->set_prefill_seconds(prefill.prefill_seconds());
+    t->set_transfer_seconds(prefill.transfer_seconds());
+    t->set_first_step_seconds(first_step_s);
+    t->set_first_block_seconds(first_block_s);
+    t->set_denoise_seconds(s.worker_finished.denoise_seconds());
+    t->set_commit_seconds(s.worker_finished.commit_seconds());
+    t->set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+    if (metrics_) {
+      metrics_->completion_tokens.Increment(s.completion);
+      metrics_->samples.Increment();
+    }
+    if (!emit(out)) return absl::CancelledError("the client went away");
+  }
   return absl::OkStatus();
 }
 

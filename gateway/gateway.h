@@ -28,13 +28,15 @@ struct GatewayOptions {
   int64_t kv_lease_ms = 30000;
   std::vector<std::string> api_keys;  // empty: no authentication
   int max_stop_sequences = 4;
+  int max_n = 16;  // samples per request (GenerateRequest.n) at most
 };
 
 // A request after validation: what the workers need.
 struct PreparedRequest {
   std::string request_id;
   std::vector<int32_t> prompt;
-  int max_tokens = 0;
+  int max_tokens = 0;  // per sample
+  int n = 1;           // samples sharing the prefill (sample i uses seed + i)
   std::vector<std::string> stop;
   uint64_t seed = 0;
   v1::SamplerSettings sampler;

@@ -32,6 +32,8 @@ GatewayMetrics::GatewayMetrics(prometheus::Registry& r)
       prompt_tokens(MakeCounter(r, "dgserve_gateway_prompt_tokens_total", "Prompt tokens")),
       completion_tokens(MakeCounter(r, "dgserve_gateway_completion_tokens_total",
                                     "Completion tokens returned to clients")),
+      samples(MakeCounter(r, "dgserve_gateway_samples_total",
+                          "Samples (choices) completed; a request with n = 3 counts 3")),
       cached_prompt_tokens(MakeCounter(r, "dgserve_gateway_cached_prompt_tokens_total",
                                        "Prompt tokens served from a prefix cache")),
       retries(MakeCounter(r, "dgserve_gateway_retries_total",

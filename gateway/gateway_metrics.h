@@ -22,6 +22,7 @@ struct GatewayMetrics {
   prometheus::Histogram& steps_per_canvas;
   prometheus::Counter& prompt_tokens;
   prometheus::Counter& completion_tokens;
+  prometheus::Counter& samples;  // completed samples (a request with n = 3 counts 3)
   prometheus::Counter& cached_prompt_tokens;
   prometheus::Counter& retries;
   prometheus::Gauge& inflight;

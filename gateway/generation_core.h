@@ -13,13 +13,27 @@
 
 namespace dgserve {
 
+// Adds the usage of one more sample (not the first) to `total`, which starts as the first
+// sample's: completion tokens, canvases and denoising steps are summed, the prompt counts once,
+// timings are the later sample's.
+inline void AddSampleUsage(const v1::Usage& sample, v1::Usage* total) {
+  total->set_completion_tokens(total->completion_tokens() + sample.completion_tokens());
+  total->set_total_tokens(total->prompt_tokens() + total->completion_tokens());
+  total->set_canvases(total->canvases() + sample.canvases());
+  total->set_denoising_steps(total->denoising_steps() + sample.denoising_steps());
+  *total->mutable_timings() = sample.timings();
+}
+
 class GenerationCore {
  public:
   virtual ~GenerationCore() = default;
 
   // Called with each event in order: CanvasStep (if asked for), BlockCommitted (text already
-  // cut at a stop sequence / max_tokens), then exactly one Finished on success. Return false
-  // from the callback when the client is gone: the request is cancelled on the workers.
+  // cut at a stop sequence / max_tokens), then exactly one Finished on success. With n > 1
+  // samples every event carries its sample's index; the samples' events interleave, and their
+  // Finished events (one per sample, in index order, each with that sample's usage) come last.
+  // Return false from the callback when the client is gone: the request is cancelled on the
+  // workers.
   using EventCallback = std::function<bool(const v1::GenerateEvent&)>;
 
   // Runs the request to the end. Returns OK after Finished was delivered, or the error

@@ -1,5 +1,7 @@
 #include "gateway/grpc_service.h"
 
+#include <vector>
+
 #include "absl/strings/match.h"
 #include "service/status_convert.h"
 
@@ -32,22 +34,45 @@ grpc::Status GenerationServiceImpl::Generate(grpc::ServerContext* context,
                                              const v1::GenerateRequest* request,
                                              v1::GenerateResponse* response) {
   if (absl::Status s = AuthenticateGeneration(context); !s.ok()) return ToGrpcStatus(s);
+  // choices[i] collects sample i; the top-level fields are sample 0's.
+  std::vector<v1::Usage> usages;
   absl::Status s = core_->Generate(
       *request, Deadline(context), [context] { return context->IsCancelled(); },
-      [response](const v1::GenerateEvent& ev) {
+      [response, &usages](const v1::GenerateEvent& ev) {
         response->set_request_id(ev.request_id());
+        while (response->choices_size() <= ev.index()) {
+          response->add_choices()->set_index(response->choices_size() - 1);
+        }
+        v1::Choice* choice = response->mutable_choices(ev.index());
         if (ev.has_block()) {
-          response->mutable_text()->append(ev.block().text());
-          response->mutable_token_ids()->MergeFrom(ev.block().token_ids());
+          choice->mutable_text()->append(ev.block().text());
+          choice->mutable_token_ids()->MergeFrom(ev.block().token_ids());
         } else if (ev.has_finished()) {
-          response->set_finish_reason(ev.finished().finish_reason());
-          *response->mutable_usage() = ev.finished().usage();
+          choice->set_finish_reason(ev.finished().finish_reason());
+          if (usages.size() <= size_t(ev.index())) usages.resize(ev.index() + 1);
+          usages[ev.index()] = ev.finished().usage();
         }
         return true;
       });
-  // Ids streamed before a stop sequence was found may run past it; the usage count is exact.
-  if (s.ok() && response->token_ids_size() > response->usage().completion_tokens()) {
-    response->mutable_token_ids()->Truncate(response->usage().completion_tokens());
+  if (s.ok()) {
+    for (int i = 0; i < response->choices_size(); ++i) {
+      // Ids streamed before a stop sequence was found may run past it; the usage count is
+      // exact.
+      v1::Choice* choice = response->mutable_choices(i);
+      const int keep = size_t(i) < usages.size() ? usages[i].completion_tokens() : 0;
+      if (choice->token_ids_size() > keep) choice->mutable_token_ids()->Truncate(keep);
+      if (i == 0) {
+        *response->mutable_usage() = usages.empty() ? v1::Usage() : usages[0];
+      } else if (size_t(i) < usages.size()) {
+        AddSampleUsage(usages[i], response->mutable_usage());
+      }
+    }
+    if (response->choices_size() > 0) {
+      const v1::Choice& first = response->choices(0);
+      response->set_text(first.text());
+      *response->mutable_token_ids() = first.token_ids();
+      response->set_finish_reason(first.finish_reason());
+    }
   }
   return ToGrpcStatus(s);
 }

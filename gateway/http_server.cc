@@ -841,7 +841,7 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<Exchange> ex, v1::Gener
     return;
   }
 
-  StreamFormatter formatter(ctx, include_usage);
+  StreamFormatter formatter(ctx, include_usage, request.n());
   bool started = false;
   const size_t limit = std::max<size_t>(1, options_.max_pending_stream_bytes);
   absl::Status status = run([&](const v1::GenerateEvent& event) {

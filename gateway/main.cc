@@ -37,6 +37,7 @@ ABSL_FLAG(int, max_concurrent_requests, 64,
 ABSL_FLAG(int, max_queued_requests, 0,
           "requests waiting for a slot (FIFO, within their deadline); beyond: 429 at once");
 ABSL_FLAG(int, max_attempts, 3, "attempts per request on UNAVAILABLE before any output");
+ABSL_FLAG(int, max_n, 16, "samples per request (n) at most; larger n is INVALID_ARGUMENT");
 ABSL_FLAG(std::string, api_keys, "", "comma-separated API keys (empty: no authentication)");
 ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
 ABSL_FLAG(int64_t, max_body_bytes, 4 << 20, "largest HTTP request body");
@@ -86,6 +87,8 @@ absl::Status Run() {
   gopts.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   gopts.max_attempts = std::max(1, absl::GetFlag(FLAGS_max_attempts));
   gopts.api_keys = *keys;
+  gopts.max_n = absl::GetFlag(FLAGS_max_n);
+  if (gopts.max_n < 1) return absl::InvalidArgumentError("--max_n must be ≥ 1");
   if (gopts.max_concurrent_requests < 1) {
     return absl::InvalidArgumentError("--max_concurrent_requests must be ≥ 1");
   }

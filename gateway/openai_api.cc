@@ -1,5 +1,6 @@
 #include "gateway/openai_api.h"
 
+#include <algorithm>
 #include <cfloat>
 #include <charconv>
 #include <cmath>
@@ -7,11 +8,13 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "engine/tokenizer/utf8.h"
+#include "gateway/generation_core.h"
 #include "service/status_convert.h"
 
 namespace dgserve {
@@ -121,8 +124,8 @@ absl::Status ParseTokenIds(const json& arr, std::string_view field, v1::Generate
 
 absl::Status ParsePrompt(const json& v, v1::GenerateRequest* req) {
   constexpr std::string_view kSeveral =
-      "several prompts in one request are not supported (n > 1 batching is not); send one "
-      "request per prompt";
+      "several prompts in one request are not supported; send one request per prompt (n asks "
+      "for several choices of one prompt)";
   if (v.is_string()) {
     if (v.get<std::string>().empty()) return Invalid("prompt", "must not be empty");
     req->set_text(v.get<std::string>());
@@ -392,7 +395,10 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
     } else if (key == "n") {
       int64_t n = 0;
       DGSERVE_ASSIGN_OR_RETURN(n, GetInt(v, key));
-      if (n != 1) return Invalid(key, "only n = 1 is supported");
+      if (n < 0 || n > std::numeric_limits<int32_t>::max()) {
+        return Invalid(key, "must be >= 1 (the number of choices)");
+      }
+      req.set_n(int32_t(n));  // 0 = 1; the upper bound (--max_n) is the core's
     } else if (key == "user") {
       std::string ignored;
       DGSERVE_ASSIGN_OR_RETURN(ignored, GetString(v, key));
@@ -563,39 +569,50 @@ std::string CoreErrorParam(const absl::Status& status, bool chat) {
   return param;
 }
 
+namespace {
+// A non-streaming response with choices[i] = {"index": i, "text" or "message", …}.
+std::string ResponseJson(const ResponseContext& ctx, const std::vector<ChoiceResult>& choices,
+                         const v1::Usage& usage) {
+  json j = Envelope(ctx, /*chunk=*/false);
+  json list = json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    json c = {{"index", int(i)}};
+    if (ctx.chat) {
+      c["message"] = {{"role", "assistant"}, {"content", choices[i].text}};
+    } else {
+      c["text"] = choices[i].text;
+    }
+    c["logprobs"] = nullptr;
+    c["finish_reason"] = NullOr(choices[i].finish_reason);
+    list.push_back(std::move(c));
+  }
+  j["choices"] = std::move(list);
+  j["usage"] = UsageObject(usage);
+  return Dump(j);
+}
+}  // namespace
+
 std::string CompletionResponseJson(const ResponseContext& ctx, std::string_view text,
                                    std::string_view finish_reason, const v1::Usage& usage) {
   ResponseContext c = ctx;
   c.chat = false;
-  json j = Envelope(c, /*chunk=*/false);
-  j["choices"] = json::array({json{{"index", 0},
-                                   {"text", std::string(text)},
-                                   {"logprobs", nullptr},
-                                   {"finish_reason", NullOr(finish_reason)}}});
-  j["usage"] = UsageObject(usage);
-  return Dump(j);
+  return ResponseJson(c, {ChoiceResult{std::string(text), std::string(finish_reason)}}, usage);
 }
 
 std::string ChatCompletionResponseJson(const ResponseContext& ctx, std::string_view content,
                                        std::string_view finish_reason, const v1::Usage& usage) {
   ResponseContext c = ctx;
   c.chat = true;
-  json j = Envelope(c, /*chunk=*/false);
-  j["choices"] =
-      json::array({json{{"index", 0},
-                        {"message", {{"role", "assistant"}, {"content", std::string(content)}}},
-                        {"logprobs", nullptr},
-                        {"finish_reason", NullOr(finish_reason)}}});
-  j["usage"] = UsageObject(usage);
-  return Dump(j);
+  return ResponseJson(c, {ChoiceResult{std::string(content), std::string(finish_reason)}},
+                      usage);
 }
 
 std::string CompletionChunkJson(const ResponseContext& ctx, std::string_view text,
-                                std::string_view finish_reason) {
+                                std::string_view finish_reason, int index) {
   ResponseContext c = ctx;
   c.chat = false;
   json j = Envelope(c, /*chunk=*/true);
-  j["choices"] = json::array({json{{"index", 0},
+  j["choices"] = json::array({json{{"index", index},
                                    {"text", std::string(text)},
                                    {"logprobs", nullptr},
                                    {"finish_reason", NullOr(finish_reason)}}});
@@ -603,14 +620,14 @@ std::string CompletionChunkJson(const ResponseContext& ctx, std::string_view tex
 }
 
 std::string ChatChunkJson(const ResponseContext& ctx, std::string_view content, bool with_role,
-                          std::string_view finish_reason) {
+                          std::string_view finish_reason, int index) {
   ResponseContext c = ctx;
   c.chat = true;
   json j = Envelope(c, /*chunk=*/true);
   json delta = json::object();
   if (with_role) delta["role"] = "assistant";
   if (with_role || !content.empty()) delta["content"] = std::string(content);
-  j["choices"] = json::array({json{{"index", 0},
+  j["choices"] = json::array({json{{"index", index},
                                    {"delta", std::move(delta)},
                                    {"logprobs", nullptr},
                                    {"finish_reason", NullOr(finish_reason)}}});
@@ -624,9 +641,10 @@ std::string UsageChunkJson(const ResponseContext& ctx, const v1::Usage& usage) {
   return Dump(j);
 }
 
-std::string CanvasStepChunkJson(const ResponseContext& ctx, const v1::CanvasStep& step) {
+std::string CanvasStepChunkJson(const ResponseContext& ctx, const v1::CanvasStep& step,
+                                int index) {
   json j = Envelope(ctx, /*chunk=*/true);
-  json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
   if (ctx.chat) {
     choice["delta"] = json::object();
   } else {
@@ -675,14 +693,23 @@ std::string SseDone() { return "data: [DONE]\n\n"; }
 
 void ResponseAccumulator::OnEvent(const v1::GenerateEvent& event) {
   if (request_id_.empty() && !event.request_id().empty()) request_id_ = event.request_id();
+  const size_t index = size_t(std::max(0, event.index()));
+  if (event.event_case() == v1::GenerateEvent::kBlock ||
+      event.event_case() == v1::GenerateEvent::kFinished) {
+    if (choices_.size() <= index) choices_.resize(index + 1);
+  }
   switch (event.event_case()) {
     case v1::GenerateEvent::kBlock:
-      text_ += event.block().text();
+      choices_[index].text += event.block().text();
       break;
     case v1::GenerateEvent::kFinished:
+      choices_[index].finish_reason = event.finished().finish_reason();
+      if (finished_) {
+        AddSampleUsage(event.finished().usage(), &usage_);
+      } else {
+        usage_ = event.finished().usage();
+      }
       finished_ = true;
-      finish_reason_ = event.finished().finish_reason();
-      usage_ = event.finished().usage();
       break;
     default:
       break;
@@ -691,41 +718,55 @@ void ResponseAccumulator::OnEvent(const v1::GenerateEvent& event) {
 
 std::string ResponseAccumulator::Json(ResponseContext ctx) const {
   if (!request_id_.empty()) ctx.request_id = request_id_;
-  return ctx.chat ? ChatCompletionResponseJson(ctx, text_, finish_reason_, usage_)
-                  : CompletionResponseJson(ctx, text_, finish_reason_, usage_);
+  if (choices_.empty()) return ResponseJson(ctx, {ChoiceResult{}}, usage_);
+  return ResponseJson(ctx, choices_, usage_);
 }
 
-StreamFormatter::StreamFormatter(ResponseContext ctx, bool include_usage)
-    : ctx_(std::move(ctx)), include_usage_(include_usage) {}
+StreamFormatter::StreamFormatter(ResponseContext ctx, bool include_usage, int n)
+    : ctx_(std::move(ctx)),
+      include_usage_(include_usage),
+      n_(std::max(1, n)),
+      role_sent_(size_t(n_), false) {}
 
 std::string StreamFormatter::OnEvent(const v1::GenerateEvent& event) {
   if (!event.request_id().empty() && !id_adopted_) {
     ctx_.request_id = event.request_id();
     id_adopted_ = true;
   }
+  const int index = event.index();
+  if (index < 0 || index >= n_) return "";  // not a choice of this request
   switch (event.event_case()) {
     case v1::GenerateEvent::kCanvasStep:
-      return SseEvent(CanvasStepChunkJson(ctx_, event.canvas_step()));
+      return SseEvent(CanvasStepChunkJson(ctx_, event.canvas_step(), index));
     case v1::GenerateEvent::kBlock: {
       const std::string& text = event.block().text();
       if (text.empty()) return "";
-      if (!ctx_.chat) return SseEvent(CompletionChunkJson(ctx_, text));
-      const bool with_role = !role_sent_;
-      role_sent_ = true;
-      return SseEvent(ChatChunkJson(ctx_, text, with_role));
+      if (!ctx_.chat) return SseEvent(CompletionChunkJson(ctx_, text, {}, index));
+      const bool with_role = !role_sent_[index];
+      role_sent_[index] = true;
+      return SseEvent(ChatChunkJson(ctx_, text, with_role, {}, index));
     }
     case v1::GenerateEvent::kFinished: {
-      finished_ = true;
       const std::string& reason = event.finished().finish_reason();
       std::string out;
       if (ctx_.chat) {
-        const bool with_role = !role_sent_;
-        role_sent_ = true;
-        out = SseEvent(ChatChunkJson(ctx_, "", with_role, reason.empty() ? "stop" : reason));
+        const bool with_role = !role_sent_[index];
+        role_sent_[index] = true;
+        out = SseEvent(
+            ChatChunkJson(ctx_, "", with_role, reason.empty() ? "stop" : reason, index));
       } else {
-        out = SseEvent(CompletionChunkJson(ctx_, "", reason.empty() ? "stop" : reason));
+        out = SseEvent(CompletionChunkJson(ctx_, "", reason.empty() ? "stop" : reason, index));
       }
-      if (include_usage_) out += SseEvent(UsageChunkJson(ctx_, event.finished().usage()));
+      if (finished_samples_ == 0) {
+        usage_ = event.finished().usage();
+      } else {
+        AddSampleUsage(event.finished().usage(), &usage_);
+      }
+      // The usage chunk (all samples together) follows the last choice's finish chunk.
+      if (++finished_samples_ == n_) {
+        finished_ = true;
+        if (include_usage_) out += SseEvent(UsageChunkJson(ctx_, usage_));
+      }
       return out;
     }
     default:

@@ -14,7 +14,8 @@
 //     seed               integer in [0, 2^64)
 //     temperature, top_p only null or 1: the diffusion sampler has its own temperature
 //                        schedule, controlled by t_min / t_max; any other value is rejected
-//     n                  only null or 1 (no batching of several choices)
+//     n                  integer >= 0 → request.n (0 = 1): n choices from one prefill, choice
+//                        i with seed + i; at most the gateway's --max_n (checked by the core)
 //     user               string (accepted and ignored)
 //   diffusion extensions (top level; type-checked here, range-checked by the core):
 //     max_denoising_steps, stability_threshold   integer (int32)
@@ -28,7 +29,7 @@
 //   /v1/completions only:
 //     prompt             a non-empty string; an array of exactly one non-empty string; an array
 //                        of token ids (integers >= 0); or an array of exactly one such array.
-//                        Several prompts → error (n > 1 batching is unsupported).
+//                        Several prompts → error (use n for several choices of one prompt).
 //   /v1/chat/completions only:
 //     messages           non-empty array of {"role", "content"}; role is system, developer
 //                        (→ system), user or assistant; content is a string or an array of
@@ -38,7 +39,7 @@
 //
 // Tolerated defaults: a key whose value is null is treated as absent (for any key, known or
 // not), and these harmless defaults that some client libraries always send are accepted and
-// ignored: "logprobs": false, "echo": false, "n": 1, "best_of": 1, "presence_penalty": 0,
+// ignored: "logprobs": false, "echo": false, "best_of": 1, "presence_penalty": 0,
 // "frequency_penalty": 0, "logit_bias": {}.
 //
 // Every error is INVALID_ARGUMENT with a message that starts with the field's name
@@ -50,6 +51,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -104,16 +106,16 @@ std::string CompletionResponseJson(const ResponseContext& ctx, std::string_view 
 std::string ChatCompletionResponseJson(const ResponseContext& ctx, std::string_view content,
                                        std::string_view finish_reason, const v1::Usage& usage);
 
-// A /v1/completions stream chunk: object "text_completion", choices[0] = {"index": 0, "text",
-// "logprobs": null, "finish_reason": null or `finish_reason` when non-empty}.
+// A /v1/completions stream chunk: object "text_completion", choices[0] = {"index": `index`,
+// "text", "logprobs": null, "finish_reason": null or `finish_reason` when non-empty}.
 std::string CompletionChunkJson(const ResponseContext& ctx, std::string_view text,
-                                std::string_view finish_reason = {});
+                                std::string_view finish_reason = {}, int index = 0);
 
-// A /v1/chat/completions stream chunk: object "chat.completion.chunk", choices[0] = {"index": 0,
-// "delta", "logprobs": null, "finish_reason"}. delta holds "role": "assistant" when `with_role`
-// and "content" when `content` is non-empty or `with_role`; {} otherwise.
+// A /v1/chat/completions stream chunk: object "chat.completion.chunk", choices[0] = {"index":
+// `index`, "delta", "logprobs": null, "finish_reason"}. delta holds "role": "assistant" when
+// `with_role` and "content" when `content` is non-empty or `with_role`; {} otherwise.
 std::string ChatChunkJson(const ResponseContext& ctx, std::string_view content, bool with_role,
-                          std::string_view finish_reason = {});
+                          std::string_view finish_reason = {}, int index = 0);
 
 // The usage chunk sent before [DONE] with stream_options.include_usage: "choices": [] and
 // "usage" (shape as in CompletionResponseJson). Object type follows ctx.chat.
@@ -123,7 +125,8 @@ std::string UsageChunkJson(const ResponseContext& ctx, const v1::Usage& usage);
 // "delta": {}; completions: "text": "") so that OpenAI clients ignore it, plus
 // "dgserve": {"canvas_step": {"canvas", "step", "token_ids", "text", "accepted",
 // "mean_entropy", "temperature"}}.
-std::string CanvasStepChunkJson(const ResponseContext& ctx, const v1::CanvasStep& step);
+std::string CanvasStepChunkJson(const ResponseContext& ctx, const v1::CanvasStep& step,
+                                int index = 0);
 
 // GET /v1/models: {"object": "list", "data": [ModelJson…]}.
 std::string ModelsListJson(const v1::ListModelsResponse& models, int64_t created);
@@ -136,43 +139,57 @@ std::string SseEvent(std::string_view json);
 // "data: [DONE]\n\n".
 std::string SseDone();
 
+// One choice of a non-streaming response.
+struct ChoiceResult {
+  std::string text;
+  std::string finish_reason;
+};
+
 // Collects the events of a non-streaming request and renders the response.
 class ResponseAccumulator {
  public:
-  // Records the request id (first non-empty), appends committed block text, keeps Finished.
+  // Records the request id (first non-empty), appends committed block text to the choice of
+  // the event's index, keeps each Finished (usage summed over the choices: AddSampleUsage).
   // Canvas steps are ignored.
   void OnEvent(const v1::GenerateEvent& event);
 
-  bool finished() const { return finished_; }
+  bool finished() const { return finished_; }  // a Finished was seen
   const std::string& request_id() const { return request_id_; }
-  const std::string& text() const { return text_; }
-  const std::string& finish_reason() const { return finish_reason_; }
+  // Choice 0's text and finish reason.
+  const std::string& text() const { return Choice0().text; }
+  const std::string& finish_reason() const { return Choice0().finish_reason; }
 
-  // The response JSON (chat or completion by ctx.chat). ctx.request_id is replaced by the
-  // events' request id when they carried one.
+  // The response JSON (chat or completion by ctx.chat), choices[i] with "index": i.
+  // ctx.request_id is replaced by the events' request id when they carried one.
   std::string Json(ResponseContext ctx) const;
 
  private:
+  const ChoiceResult& Choice0() const {
+    static const ChoiceResult kNone;
+    return choices_.empty() ? kNone : choices_[0];
+  }
   std::string request_id_;
-  std::string text_;
-  std::string finish_reason_;
+  std::vector<ChoiceResult> choices_;
   v1::Usage usage_;
   bool finished_ = false;
 };
 
 // Turns the events of a streaming request into SSE frames: canvas-step chunks, one text chunk
-// per non-empty committed block (chat: the first chunk carries delta.role), a final chunk with
-// finish_reason, the usage chunk when include_usage, then [DONE] — or an error event.
+// per non-empty committed block (chat: each choice's first chunk carries delta.role), a final
+// chunk with finish_reason per choice, the usage chunk (summed over the choices) when
+// include_usage after the last choice's, then [DONE] — or an error event. With n > 1 the
+// chunks of the choices interleave, each naming its choice's "index".
 class StreamFormatter {
  public:
-  StreamFormatter(ResponseContext ctx, bool include_usage);
+  // `n`: the request's choices (GenerateRequest.n; 0 = 1).
+  StreamFormatter(ResponseContext ctx, bool include_usage, int n = 1);
 
   // SSE frames for one event; "" when the event produces none (an empty block). The first
   // non-empty event request id replaces ctx.request_id.
   std::string OnEvent(const v1::GenerateEvent& event);
 
   // The frames that close the stream after Generate returned `status`: "data: [DONE]\n\n" when
-  // it is OK and Finished was seen; otherwise one error event `data: {"error": {…}}` (the
+  // it is OK and every choice's Finished was seen; otherwise one error event `data: {"error": {…}}` (the
   // OpenAI error body) and no [DONE]. OK without Finished is reported as INTERNAL.
   std::string OnEnd(const absl::Status& status);
 
@@ -182,8 +199,11 @@ class StreamFormatter {
  private:
   ResponseContext ctx_;
   bool include_usage_;
+  int n_;
   bool id_adopted_ = false;
-  bool role_sent_ = false;
+  std::vector<bool> role_sent_;  // per choice
+  int finished_samples_ = 0;
+  v1::Usage usage_;  // of the choices finished so far
   bool finished_ = false;
 };
 

@@ -92,6 +92,12 @@ TEST(ParseCompletionsTest, AllSupportedFields) {
   EXPECT_TRUE(r.request.stream_options().canvas_text());
 }
 
+TEST(ParseCompletionsTest, NChoices) {
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "n": 3})").request.n(), 3);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "n": 0})").request.n(), 0);  // the core reads 0 as 1
+  EXPECT_EQ(ParseOk(R"({"prompt": "x"})").request.n(), 0);
+}
+
 TEST(ParseCompletionsTest, StopAsString) {
   EXPECT_THAT(ParseOk(R"({"prompt": "x", "stop": "###"})").request.stop(), ElementsAre("###"));
   EXPECT_EQ(ParseOk(R"({"prompt": "x", "stop": []})").request.stop_size(), 0);
@@ -223,7 +229,7 @@ TEST(ParseCompletionsTest, SamplingRejections) {
   ExpectError(R"({"prompt": "x", "top_p": 0.9})", "top_p: not supported");
   absl::StatusOr<OpenAiRequest> r = ParseCompletionsRequest(R"({"prompt": "x", "temperature": 2})");
   EXPECT_THAT(r, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("t_min and t_max")));
-  ExpectError(R"({"prompt": "x", "n": 2})", "n: only n = 1");
+  ExpectError(R"({"prompt": "x", "n": -1})", "n: must be >= 1");
   ExpectError(R"({"prompt": "x", "n": "1"})", "n: must be an integer");
   ExpectError(R"({"prompt": "x", "user": 5})", "user: must be a string");
   ExpectError(R"({"prompt": "x", "model": 5})", "model: must be a string");
@@ -672,6 +678,63 @@ TEST(StreamFormatterTest, ErrorAfterEventsHasNoDone) {
   std::vector<std::string> g_frames = Frames(g.OnEnd(absl::OkStatus()));
   ASSERT_EQ(g_frames.size(), 1u);
   EXPECT_EQ(json::parse(g_frames[0])["error"]["type"], "server_error");
+}
+
+v1::GenerateEvent WithIndex(v1::GenerateEvent e, int index) {
+  e.set_index(index);
+  return e;
+}
+
+TEST(ResponseAccumulatorTest, OneChoicePerIndexAndSummedUsage) {
+  ResponseAccumulator acc;
+  acc.OnEvent(WithIndex(Block("a0"), 0));
+  acc.OnEvent(WithIndex(Block("b1"), 1));
+  acc.OnEvent(WithIndex(Block("c0"), 0));
+  acc.OnEvent(WithIndex(Finished("stop"), 0));
+  acc.OnEvent(WithIndex(Finished("length"), 1));
+  json j = json::parse(acc.Json(ResponseContext{"fallback", "m", 1, true}));
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][0]["index"], 0);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "a0c0");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["choices"][1]["index"], 1);
+  EXPECT_EQ(j["choices"][1]["message"]["content"], "b1");
+  EXPECT_EQ(j["choices"][1]["finish_reason"], "length");
+  const v1::Usage u = SampleUsage();
+  EXPECT_EQ(j["usage"]["prompt_tokens"], u.prompt_tokens());  // the prompt counts once
+  EXPECT_EQ(j["usage"]["completion_tokens"], 2 * u.completion_tokens());
+  EXPECT_EQ(j["usage"]["total_tokens"], u.prompt_tokens() + 2 * u.completion_tokens());
+}
+
+TEST(StreamFormatterTest, TwoChoicesInterleaveEachWithItsFinishThenOneUsageAndDone) {
+  StreamFormatter f(ResponseContext{"local", "m", 9, true}, /*include_usage=*/true, 2);
+  std::string sse;
+  sse += f.OnEvent(WithIndex(Block("x"), 1));
+  sse += f.OnEvent(WithIndex(Block("y"), 0));
+  sse += f.OnEvent(WithIndex(Block("z"), 1));
+  sse += f.OnEvent(WithIndex(Finished("stop"), 0));
+  EXPECT_FALSE(f.finished());
+  sse += f.OnEvent(WithIndex(Finished("length"), 1));
+  EXPECT_TRUE(f.finished());
+  sse += f.OnEnd(absl::OkStatus());
+  std::vector<std::string> frames = Frames(sse);
+  ASSERT_EQ(frames.size(), 7u);
+  const std::vector<std::pair<int, std::string>> want = {{1, "x"}, {0, "y"}, {1, "z"}};
+  for (size_t i = 0; i < want.size(); ++i) {
+    json c = json::parse(frames[i])["choices"][0];
+    EXPECT_EQ(c["index"], want[i].first) << i;
+    EXPECT_EQ(c["delta"]["content"], want[i].second) << i;
+    EXPECT_EQ(c["delta"].contains("role"), i < 2) << i;  // the first chunk of each choice
+  }
+  json f0 = json::parse(frames[3])["choices"][0], f1 = json::parse(frames[4])["choices"][0];
+  EXPECT_EQ(f0["index"], 0);
+  EXPECT_EQ(f0["finish_reason"], "stop");
+  EXPECT_EQ(f1["index"], 1);
+  EXPECT_EQ(f1["finish_reason"], "length");
+  json usage = json::parse(frames[5]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 2 * SampleUsage().completion_tokens());
+  EXPECT_EQ(frames[6], "[DONE]");
 }
 
 }  // namespace

@@ -56,6 +56,7 @@ struct KindState {
   std::vector<std::list<int32_t>::iterator> lru_pos;
   std::vector<uint8_t> in_lru;
   int64_t used = 0;
+  int64_t shared = 0;  // blocks with refs > 1
 };
 
 class BlockPoolImpl final : public BlockPool {
@@ -150,6 +151,7 @@ class BlockPoolImpl final : public BlockPool {
                           b);
         continue;
       }
+      if (s.refs[b] == 2) --s.shared;
       if (--s.refs[b] > 0) continue;
       --s.used;
       if (s.indexed[b]) {
@@ -288,6 +290,7 @@ class BlockPoolImpl final : public BlockPool {
       st.total[k] = s.total;
       st.used[k] = s.used;
       st.cached[k] = int64_t(s.lru.size());
+      st.shared[k] = s.shared;
       st.free_blocks[k] = s.total - s.used;
     }
     st.prefix_queries = prefix_queries_;
@@ -304,6 +307,7 @@ class BlockPoolImpl final : public BlockPool {
       DGSERVE_LOG_ERROR("KV pool: reference to free %s block %d (ignored)", KindName(k), b);
       return;
     }
+    if (s.refs[b] == 1) ++s.shared;
     if (s.refs[b]++ == 0) {
       ++s.used;
       s.lru.erase(s.lru_pos[b]);

@@ -33,6 +33,7 @@ struct PoolStats {
   int64_t total[kNumKinds] = {0, 0};
   int64_t used[kNumKinds] = {0, 0};    // referenced (by a sequence or a transfer)
   int64_t cached[kNumKinds] = {0, 0};  // unreferenced but indexed (evictable)
+  int64_t shared[kNumKinds] = {0, 0};  // referenced more than once (e.g. by forked sequences)
   int64_t free_blocks[kNumKinds] = {0, 0};  // total − used (cached blocks count as free)
   int64_t prefix_queries = 0;          // MatchPrefix calls
   int64_t prefix_hit_tokens = 0;       // tokens matched in total

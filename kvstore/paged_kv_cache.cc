@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -58,6 +59,57 @@ std::unique_ptr<PagedKvCache> PagedKvCache::Adopt(BlockPool* pool, BlockTable ta
   kv->table_ = std::move(table);
   kv->num_tokens_ = num_tokens;
   DropOldSliding(pool, &kv->table_, kv->num_tokens_);
+  return kv;
+}
+
+absl::StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Fork() const {
+  const KvLayout& layout = pool_->layout();
+  const int whole = num_tokens_ / layout.block_size;  // blocks no commit writes to again
+  const int blocks = layout.BlocksFor(num_tokens_);   // whole + the partial one, if any
+  BlockTable t;
+  t.first_sliding_block = table_.first_sliding_block;
+  // Per kind: the shared prefix of the table and the partial block to copy (-1: none).
+  const std::vector<int32_t>* lists[kNumKinds];
+  lists[kSlidingIndex] = &table_.sliding;
+  lists[kFullIndex] = &table_.full;
+  std::vector<int32_t>* out[kNumKinds];
+  out[kSlidingIndex] = &t.sliding;
+  out[kFullIndex] = &t.full;
+  const int first[kNumKinds] = {table_.first_sliding_block, 0};
+  int32_t partial[kNumKinds] = {-1, -1};
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (layout.layers[k] == 0) continue;
+    const std::vector<int32_t>& list = *lists[k];
+    const size_t shared = size_t(std::clamp(whole - first[k], 0, int(list.size())));
+    out[k]->assign(list.begin(), list.begin() + shared);
+    const int last = blocks - 1 - first[k];  // the partial block's index in the list
+    if (blocks > whole && last >= 0 && size_t(last) < list.size()) partial[k] = list[last];
+  }
+  int32_t copy[kNumKinds] = {-1, -1};
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (partial[k] < 0) continue;
+    const LayerKind kind = static_cast<LayerKind>(k);
+    absl::StatusOr<std::vector<int32_t>> got = pool_->Allocate(kind, 1);
+    if (!got.ok()) {
+      for (int j = 0; j < k; ++j) {
+        if (copy[j] >= 0) {
+          pool_->Release(static_cast<LayerKind>(j), std::span<const int32_t>(&copy[j], 1));
+        }
+      }
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "KV cache cannot fork a sequence of ", num_tokens_, " tokens: ", got.status().message()));
+    }
+    copy[k] = (*got)[0];
+    std::memcpy(pool_->BlockData(kind, copy[k]), pool_->BlockData(kind, partial[k]),
+                layout.BlockBytes(kind));
+  }
+  for (int k = 0; k < kNumKinds; ++k) {
+    pool_->Ref(static_cast<LayerKind>(k), *out[k]);
+    if (copy[k] >= 0) out[k]->push_back(copy[k]);
+  }
+  auto kv = std::make_unique<PagedKvCache>(pool_, max_tokens_);
+  kv->table_ = std::move(t);
+  kv->num_tokens_ = num_tokens_;
   return kv;
 }
 

@@ -22,6 +22,12 @@ class PagedKvCache final : public KvCache {
   // layout needs (all full blocks, sliding blocks from SlidingKeepFrom(num_tokens)).
   static std::unique_ptr<PagedKvCache> Adopt(BlockPool* pool, BlockTable table, int num_tokens,
                                              int max_tokens);
+  // A second sequence with the same committed positions, for parallel samples of one prompt:
+  // every whole block is shared by reference (one more reference each, no copy); the partially
+  // filled last block of each kind, which later commits append to, is copied into a new block
+  // (copy-on-write at fork time). A reservation in flight is not part of the fork.
+  // RESOURCE_EXHAUSTED (nothing taken) when the pool cannot supply the copies.
+  absl::StatusOr<std::unique_ptr<PagedKvCache>> Fork() const;
   ~PagedKvCache() override;  // releases every block
   PagedKvCache(const PagedKvCache&) = delete;
   PagedKvCache& operator=(const PagedKvCache&) = delete;

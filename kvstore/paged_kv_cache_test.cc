@@ -265,5 +265,79 @@ TEST_F(KvPagedCacheTest, AdoptTakesOverTheTable) {
   EXPECT_EQ(pool_->stats().used[S], int64_t(src.table().sliding.size()));
 }
 
+// Parallel samples of one prompt: a fork shares every whole block by reference and copies only
+// the partial last block, so appending to one sequence never changes the other's rows.
+TEST_F(KvPagedCacheTest, ForkSharesWholeBlocksAndCopiesThePartialOne) {
+  const int C = config().canvas_length;
+  const std::vector<int32_t> prompt = Prompt(29);  // 7 whole blocks of 4 + 1 token
+  std::vector<int32_t> a(C), b(C);
+  for (int i = 0; i < C; ++i) {
+    a[i] = (i * 131 + 17) % config().vocab_size;
+    b[i] = (i * 71 + 5) % config().vocab_size;
+  }
+  ContiguousKvCache want_a(config(), 256), want_b(config(), 256);
+  Encode(want_a, prompt);
+  Encode(want_a, a);
+  Encode(want_b, prompt);
+  Encode(want_b, b);
+  {
+    PagedKvCache parent(pool_.get(), 256);
+    Encode(parent, prompt);
+    // Full blocks 0..7; sliding blocks 5, 6, 7 (SlidingKeepFrom(29) = 24, one spare).
+    ASSERT_EQ(pool_->stats().used[F], 8);
+    ASSERT_EQ(pool_->stats().used[S], 3);
+    auto child = parent.Fork();
+    ASSERT_THAT(child, IsOk());
+    PoolStats st = pool_->stats();
+    EXPECT_EQ(st.used[F], 8 + 1);  // the 7 whole blocks once, the partial block twice
+    EXPECT_EQ(st.shared[F], 7);
+    EXPECT_EQ(st.used[S], 3 + 1);
+    EXPECT_EQ(st.shared[S], 2);
+    EXPECT_EQ((*child)->num_tokens(), 29);
+    EXPECT_EQ((*child)->table().first_sliding_block, 5);
+    for (int i = 0; i < 7; ++i) EXPECT_EQ((*child)->table().full[i], parent.table().full[i]);
+    EXPECT_NE((*child)->table().full[7], parent.table().full[7]);
+    // Different canvases appended to each: each equals its own sequence computed alone.
+    Encode(**child, a);
+    Encode(parent, b);
+    ExpectSameRows(want_a, **child);
+    ExpectSameRows(want_b, parent);
+    child->reset();
+    st = pool_->stats();
+    EXPECT_EQ(st.shared[F], 0);
+    EXPECT_EQ(st.shared[S], 0);
+    EXPECT_EQ(st.used[F], layout_.BlocksFor(29 + C));
+  }
+  EXPECT_EQ(pool_->stats().used[F], 0);
+  EXPECT_EQ(pool_->stats().used[S], 0);
+
+  // A prompt of whole blocks is forked without any copy.
+  PagedKvCache whole(pool_.get(), 256);
+  Encode(whole, std::span<const int32_t>(prompt).first(28));
+  const PoolStats before = pool_->stats();
+  auto f1 = whole.Fork(), f2 = whole.Fork();
+  ASSERT_THAT(f1, IsOk());
+  ASSERT_THAT(f2, IsOk());
+  EXPECT_EQ(pool_->stats().used[F], before.used[F]);
+  EXPECT_EQ(pool_->stats().used[S], before.used[S]);
+  EXPECT_EQ(pool_->stats().shared[F], 7);
+}
+
+TEST_F(KvPagedCacheTest, ForkWithoutRoomForTheCopyTakesNothing) {
+  auto small = BlockPool::Create(layout_, 8, 3);
+  ASSERT_THAT(small, IsOk());
+  BlockPool& pool = **small;
+  PagedKvCache kv(&pool, 1000);
+  testing::AppendPattern(kv, layout_, 9, 1);  // 3 full blocks, the last one partial
+  const PoolStats before = pool.stats();
+  EXPECT_THAT(kv.Fork(), StatusIs(absl::StatusCode::kResourceExhausted));
+  const PoolStats after = pool.stats();
+  for (int k : {S, F}) {
+    EXPECT_EQ(after.used[k], before.used[k]) << k;
+    EXPECT_EQ(after.shared[k], 0) << k;
+  }
+  testing::ExpectPattern(kv, layout_, 1);
+}
+
 }  // namespace
 }  // namespace dgserve::kv

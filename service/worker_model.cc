@@ -60,6 +60,8 @@ void FillPoolStats(const kv::BlockPool& pool, v1::StatsResponse* response) {
   k->set_full_blocks_total(s.total[fu]);
   k->set_full_blocks_used(s.used[fu]);
   k->set_full_blocks_cached(s.cached[fu]);
+  k->set_sliding_blocks_shared(s.shared[sl]);
+  k->set_full_blocks_shared(s.shared[fu]);
   k->set_block_size(pool.layout().block_size);
   response->set_prefix_cache_hit_tokens(s.prefix_hit_tokens);
   response->set_prefix_cache_queries(s.prefix_queries);

@@ -278,9 +278,12 @@ const requests: Sized[] = [
     panel: timeseries({
       title: 'Requests by status',
       description:
-        'Generation requests per second finished by the gateway, by final status (gRPC code name: OK, INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ...).',
+        'Generation requests per second finished by the gateway, by final status (gRPC code name: OK, INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ...), and the samples (choices) per second they completed: a request with n = 3 completes 3.',
       unit: 'reqps',
-      queries: [{ expr: `sum by (status) (${rate(`${GW}_requests_total`)})`, legend: '{{status}}' }],
+      queries: [
+        { expr: `sum by (status) (${rate(`${GW}_requests_total`)})`, legend: '{{status}}' },
+        { expr: `sum(${rate(`${GW}_samples_total`)})`, legend: 'samples (n per request)' },
+      ],
     }),
   },
   {
