@@ -11,6 +11,7 @@
 
 #include "engine/model/config.h"
 #include "gateway/gateway.h"
+#include "service/canvas_template_proto.h"
 #include "tests/fuzz/tokenizer_fixture.h"
 
 namespace {
@@ -61,5 +62,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Check(std::isfinite(s.t_min()) && std::isfinite(s.t_max()) && s.t_min() < s.t_max(), "t range");
   Check(std::isfinite(s.entropy_bound()) && std::isfinite(s.confidence_threshold()), "bounds");
   Check(p->canvas_step_interval >= 0, "canvas_step_interval");
+  Check(p->n >= 1 && p->n <= 16, "n outside [1, --max_n]");
+  if (p->canvas_template) {
+    // Resolved to the token-id form, and valid for the model (what the denoise worker runs).
+    Check(p->canvas_template->text().empty() && p->canvas_template->allowed_size() == 0,
+          "template text form not resolved");
+    Check(dgserve::CanvasTemplateFromProto(*p->canvas_template, 32, vocab).ok(),
+          "prepared template invalid");
+  }
   return 0;
 }
