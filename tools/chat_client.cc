@@ -9,6 +9,21 @@
 
 namespace dgserve {
 
+absl::StatusOr<v1::ListModelsResponse> ListServedModels(const ChatClientOptions& options) {
+  auto channel = grpc::CreateChannel(options.gateway, grpc::InsecureChannelCredentials());
+  auto stub = v1::GenerationService::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  if (!options.api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + options.api_key);
+  v1::ListModelsResponse resp;
+  const grpc::Status s = stub->ListModels(&ctx, v1::ListModelsRequest(), &resp);
+  if (!s.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                        absl::StrCat("gateway ", options.gateway, ": ", s.error_message()));
+  }
+  return resp;
+}
+
 absl::StatusOr<v1::Finished> StreamGeneration(
     const v1::GenerateRequest& request, const ChatClientOptions& options,
     const std::function<void(const v1::GenerateEvent&)>& on_event) {

@@ -18,6 +18,9 @@ struct ChatClientOptions {
   double timeout_seconds = 600;
 };
 
+// The gateway's ListModels, or the gRPC status as the error (message "gateway HOST:PORT: ...").
+absl::StatusOr<v1::ListModelsResponse> ListServedModels(const ChatClientOptions& options);
+
 // Sends `request` to the gateway's GenerateStream and calls `on_event` for every event as it
 // arrives. Returns the Finished event (a default one when the stream ended without it), or the
 // gRPC status as the error (UNAVAILABLE when the gateway cannot be reached), with a message

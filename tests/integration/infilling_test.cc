@@ -5,6 +5,9 @@
 // a templated request equal their solo requests; bad templates get INVALID_ARGUMENT / 400
 // naming the field (label `integration`).
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <sys/wait.h>
 #include <string>
 
 #include <httplib.h>
@@ -214,6 +217,33 @@ TEST_F(InfillingTest, BadTemplatesAreRejectedNamingTheField) {
   Result r = Generate(req);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(r.status.error_message(), HasSubstr("longer than the canvas"));
+}
+
+// `dgserve sudoku` checks the served model's shape against its --model before sending (issue
+// 12 defect 13): a local model of another shape is a clear error (exit 1), not "not solved".
+TEST_F(InfillingTest, DgserveSudokuRefusesAGatewayOfAnotherModelShape) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / absl::StrCat("infilling_test_", getpid());
+  fs::create_directories(dir);
+  const std::string src = DGSERVE_SOURCE_DIR_PATH;
+  fs::copy_file(src + "/tests/testdata/golden/tiny-v512/config.json", dir / "config.json",
+                fs::copy_options::overwrite_existing);
+  fs::copy_file(src + "/models/sudoku/tokenizer.json", dir / "tokenizer.json",
+                fs::copy_options::overwrite_existing);
+  const std::string cmd = absl::StrCat(BinaryPath("tools/dgserve"), " sudoku --gateway 127.0.0.1:",
+                                       cluster_->gateway().grpc_port, " --model ", dir.string(),
+                                       " ", kPuzzle, " 2>&1");
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[512];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  const int status = pclose(p);
+  fs::remove_all(dir);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_EQ(WEXITSTATUS(status), 1) << out;
+  EXPECT_THAT(out, HasSubstr("serves model 'sudoku' (canvas 91, vocabulary 128)"));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("not solved")));
 }
 
 }  // namespace

@@ -196,6 +196,22 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
     total_steps = gen->max_denoising_steps;
   }
 
+  // The gateway must serve a model of the Sudoku shape (the canvas is one answer).
+  absl::StatusOr<ModelConfig> local = LoadModelConfig(options.model_dir + "/config.json");
+  if (!local.ok()) return local.status();
+  DGSERVE_ASSIGN_OR_RETURN(const v1::ListModelsResponse served, ListServedModels(options.client));
+  if (served.models_size() == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("gateway ", options.client.gateway, " lists no served model"));
+  }
+  const v1::ModelInfo& m = served.models(0);
+  if (m.canvas_length() != local->canvas_length || m.vocab_size() != local->vocab_size) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "gateway %s serves model '%s' (canvas %d, vocabulary %d), not the Sudoku model of %s "
+        "(canvas %d, vocabulary %d): start the cluster with --model %s",
+        options.client.gateway, m.id(), m.canvas_length(), m.vocab_size(), options.model_dir,
+        local->canvas_length, local->vocab_size, options.model_dir));
+  }
   if (several) {
     std::printf("note: this puzzle has more than one solution; any valid one counts\n");
   }
