@@ -308,9 +308,19 @@ absl::StatusOr<v1::CanvasTemplate> Gateway::ResolveTemplate(const v1::CanvasTemp
     }
     if (t.text().empty()) return absl::InvalidArgumentError("canvas_template.text: is empty");
     const std::string marker = t.hole().empty() ? "_" : t.hole();
+    // Text outside the vocabulary encodes to <unk>: a template of it would silently lose it.
+    const std::optional<int32_t> unk = tokenizer_.PieceToId("<unk>");
+    auto has_unk = [&](const std::vector<int32_t>& ids) {
+      return unk && std::find(ids.begin(), ids.end(), *unk) != ids.end();
+    };
     std::vector<int32_t> allowed;
     for (int i = 0; i < t.allowed_size(); ++i) {
       const std::vector<int32_t> ids = tokenizer_.Encode(t.allowed(i), /*add_bos=*/false);
+      if (has_unk(ids)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "canvas_template.allowed[", i, "]: \"", t.allowed(i),
+            "\" is not in the model's vocabulary (it encodes to <unk>)"));
+      }
       if (ids.size() != 1) {
         return absl::InvalidArgumentError(absl::StrCat(
             "canvas_template.allowed[", i, "]: \"", t.allowed(i), "\" is ", ids.size(),
@@ -324,7 +334,13 @@ absl::StatusOr<v1::CanvasTemplate> Gateway::ResolveTemplate(const v1::CanvasTemp
       const size_t at = rest.find(marker);
       const std::string_view piece = rest.substr(0, at);
       if (!piece.empty()) {
-        for (int32_t id : tokenizer_.Encode(piece, /*add_bos=*/false)) out.add_token_ids(id);
+        const std::vector<int32_t> ids = tokenizer_.Encode(piece, /*add_bos=*/false);
+        if (has_unk(ids)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "canvas_template.text: \"", std::string(piece),
+              "\" holds characters outside the model's vocabulary (they encode to <unk>)"));
+        }
+        for (int32_t id : ids) out.add_token_ids(id);
       }
       if (at == std::string_view::npos) break;
       hole_positions.push_back(out.token_ids_size());
@@ -345,6 +361,10 @@ absl::StatusOr<v1::CanvasTemplate> Gateway::ResolveTemplate(const v1::CanvasTemp
       }
     }
   } else {
+    if (t.token_ids_size() == 0 && t.holes_size() == 0) {
+      return absl::InvalidArgumentError(
+          "canvas_template: give text (with hole, allowed) or token_ids (with holes)");
+    }
     *out.mutable_token_ids() = t.token_ids();
     *out.mutable_holes() = t.holes();
   }

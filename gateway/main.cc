@@ -88,7 +88,11 @@ absl::Status Run() {
   gopts.max_attempts = std::max(1, absl::GetFlag(FLAGS_max_attempts));
   gopts.api_keys = *keys;
   gopts.max_n = absl::GetFlag(FLAGS_max_n);
-  if (gopts.max_n < 1) return absl::InvalidArgumentError("--max_n must be ≥ 1");
+  // A denoise worker runs at most 64 samples of one request (kMaxDenoiseSamples).
+  if (gopts.max_n < 1 || gopts.max_n > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_n must be in [1, 64] (the denoise worker's limit), got ", gopts.max_n));
+  }
   if (gopts.max_concurrent_requests < 1) {
     return absl::InvalidArgumentError("--max_concurrent_requests must be ≥ 1");
   }

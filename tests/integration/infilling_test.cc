@@ -203,6 +203,9 @@ TEST_F(InfillingTest, BadTemplatesAreRejectedNamingTheField) {
       {"both forms", {{"text", "1.2"}, {"token_ids", {110}}}, "either text"},
       {"unknown key", {{"text", "1"}, {"fill", true}}, "canvas_template.fill"},
       {"not an object", "1.2", "must be an object"},
+      {"allowed entry outside the vocabulary", {{"text", "1_"}, {"allowed", {"\u00e9"}}},
+       "not in the model's vocabulary"},
+      {"text outside the vocabulary", {{"text", "a_b"}}, "outside the model's vocabulary"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -217,6 +220,12 @@ TEST_F(InfillingTest, BadTemplatesAreRejectedNamingTheField) {
   Result r = Generate(req);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(r.status.error_message(), HasSubstr("longer than the canvas"));
+  // A template that sets only every_canvas is not silently an empty one.
+  req.mutable_canvas_template()->Clear();
+  req.mutable_canvas_template()->set_every_canvas(true);
+  r = Generate(req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("give text"));
 }
 
 // `dgserve sudoku` checks the served model's shape against its --model before sending (issue
