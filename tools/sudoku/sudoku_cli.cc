@@ -196,6 +196,10 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
     total_steps = gen->max_denoising_steps;
   }
 
+  if (several) {
+    std::printf("note: this puzzle has more than one solution; any valid one counts\n");
+    std::fflush(stdout);
+  }
   // The gateway must serve a model of the Sudoku shape (the canvas is one answer).
   absl::StatusOr<ModelConfig> local = LoadModelConfig(options.model_dir + "/config.json");
   if (!local.ok()) return local.status();
@@ -211,9 +215,6 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
         "(canvas %d, vocabulary %d): start the cluster with --model %s",
         options.client.gateway, m.id(), m.canvas_length(), m.vocab_size(), options.model_dir,
         local->canvas_length, local->vocab_size, options.model_dir));
-  }
-  if (several) {
-    std::printf("note: this puzzle has more than one solution; any valid one counts\n");
   }
   Display display(puzzle, options.tty);
   const std::string intro = absl::StrCat("puzzle: ", CountGivens(puzzle), " givens");
