@@ -79,11 +79,8 @@ class Gateway final : public GenerationCore {
   // The request's template in the token-id form, validated against the model (text form
   // tokenized piece by piece). INVALID_ARGUMENT naming the field.
   absl::StatusOr<v1::CanvasTemplate> ResolveTemplate(const v1::CanvasTemplate& t) const;
-  struct Attempt;
-  absl::Status RunAttempt(const PreparedRequest& req, absl::Time deadline,
-                          const std::function<bool()>& is_cancelled, const EventCallback& on_event,
-                          std::set<std::string>* bad_prefill, std::set<std::string>* bad_denoise,
-                          bool* output_sent, absl::Time start);
+  // One request's attempts and client-facing stream (gateway.cc).
+  class RequestRun;
 
   const ModelConfig config_;
   const GenerationConfig generation_;
