@@ -82,6 +82,12 @@ struct SampleStream {
   StopMatcher matcher;
   int completion = 0, canvases = 0, steps = 0, last_index = 0;
   std::vector<int32_t> all_ids;  // completion tokens so far
+  // Every block's token ids, whole. While the completion runs on, these are the raw canvases the
+  // worker committed (a block is padded only after a stop token, which ends the completion):
+  // what a resume prefills after the prompt.
+  std::vector<int32_t> block_ids;
+  // The last CanvasStep sent: a resumed canvas's steps up to it are not sent again.
+  int sent_step_canvas = -1, sent_step = -1;
   size_t emitted_bytes = 0;      // completion text emitted so far
   // The completion ended at a block by max_tokens or a stop token: the worker ends this
   // sample there too and its Finished (with the denoise and commit timings) comes next.
@@ -371,8 +377,11 @@ class Gateway::RequestRun {
         on_event_(on_event),
         start_(start) {}
 
-  // Runs attempts until one succeeds or fails for good: on UNAVAILABLE before any output the
-  // request is tried again (at most max_attempts in all), on other workers.
+  // Runs attempts until one succeeds or fails for good. On UNAVAILABLE before any output the
+  // request starts again (at most max_attempts in all) on other workers. On UNAVAILABLE after
+  // output (n = 1 only) it resumes (at most max_resumes times): prefill of the prompt and the
+  // committed canvases on healthy workers, then denoising from the next canvas with the same
+  // seed; what the client already has is not sent again.
   absl::Status Run();
 
  private:
@@ -382,6 +391,11 @@ class Gateway::RequestRun {
   };
 
   absl::Status RunAttempt();
+  // A fresh client-facing stream (before any output).
+  void ResetStream();
+  // The committed canvases' raw tokens that a resume prefills after the prompt (empty unless
+  // n = 1 and blocks arrived).
+  const std::vector<int32_t>& Committed() const;
   // A healthy denoise worker, then a healthy prefill worker (by prompt prefix, for its cache),
   // neither of them failed earlier in this request; and a fresh internal id.
   absl::StatusOr<Workers> PickWorkers() const;
@@ -415,7 +429,8 @@ class Gateway::RequestRun {
   const absl::Time start_;
   std::set<std::string> bad_prefill_, bad_denoise_;  // failed in this request
   bool output_sent_ = false;
-  v1::PrefillResponse prefill_;
+  int resumes_ = 0;
+  v1::PrefillResponse prefill_;  // the prompt's (the first attempt that reached the client)
   // The client-facing stream of each sample, and how many have not ended yet.
   std::vector<std::unique_ptr<SampleStream>> samples_;
   int open_ = 0;
@@ -455,14 +470,61 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
 }
 
 absl::Status Gateway::RequestRun::Run() {
-  absl::Status status;
-  for (int attempt = 0; attempt < gw_.options_.max_attempts; ++attempt) {
-    if (attempt > 0 && gw_.metrics_) gw_.metrics_->retries.Increment();
-    status = RunAttempt();
-    if (status.ok() || !absl::IsUnavailable(status) || output_sent_) break;
-    if (absl::Now() >= deadline_ || (is_cancelled_ && is_cancelled_())) break;
+  int attempts = 0;  // started before any output
+  for (;;) {
+    if (!output_sent_) {
+      ResetStream();
+      ++attempts;
+    }
+    const absl::Status status = RunAttempt();
+    if (status.ok() || !absl::IsUnavailable(status)) return status;
+    if (absl::Now() >= deadline_ || (is_cancelled_ && is_cancelled_())) return status;
+    if (!output_sent_) {
+      if (attempts >= gw_.options_.max_attempts) return status;
+      if (gw_.metrics_) gw_.metrics_->retries.Increment();
+      continue;
+    }
+    // Output was sent. Parallel samples (n > 1) do not resume: the client gets the error.
+    if (req_.n != 1 || open_ == 0) return status;
+    SampleStream& s = *samples_[0];
+    const int C = gw_.config_.canvas_length;
+    if (s.done || s.awaiting_worker_finish || s.completion != int(s.block_ids.size()) ||
+        s.block_ids.size() != size_t(s.canvases) * C) {
+      return status;  // not a run of whole raw canvases (cannot happen while it runs on)
+    }
+    if (s.completion >= req_.max_tokens) {
+      // The last block arrived, only the worker's Finished is missing.
+      s.finish_reason = "length";
+      EndSample(s);
+      return FinishSamples();
+    }
+    if (resumes_ >= gw_.options_.max_resumes) {
+      if (gw_.options_.max_resumes == 0) return status;
+      return absl::UnavailableError(absl::StrCat(status.message(), "; gave up after ", resumes_,
+                                                 " resumes (the gateway's --max_resumes)"));
+    }
+    ++resumes_;
+    if (gw_.metrics_) gw_.metrics_->resumes.Increment();
+    DGSERVE_LOG_WARNING("request %s: resuming at canvas %d (resume %d of %d) after: %s",
+                        req_.request_id, s.canvases, resumes_, gw_.options_.max_resumes,
+                        status.message());
   }
-  return status;
+}
+
+void Gateway::RequestRun::ResetStream() {
+  samples_.clear();
+  for (int i = 0; i < req_.n; ++i) {
+    samples_.push_back(std::make_unique<SampleStream>(gw_.tokenizer_, req_.stop));
+  }
+  open_ = req_.n;
+  first_step_ = first_block_ = true;
+  first_step_s_ = first_block_s_ = 0;
+  client_gone_ = false;
+}
+
+const std::vector<int32_t>& Gateway::RequestRun::Committed() const {
+  static const std::vector<int32_t> kNone;
+  return req_.n == 1 ? samples_[0]->block_ids : kNone;
 }
 
 absl::StatusOr<Gateway::RequestRun::Workers> Gateway::RequestRun::PickWorkers() const {
@@ -495,15 +557,6 @@ absl::StatusOr<Gateway::RequestRun::Workers> Gateway::RequestRun::PickWorkers() 
 absl::Status Gateway::RequestRun::RunAttempt() {
   absl::StatusOr<Workers> w = PickWorkers();
   if (!w.ok()) return w.status();
-  // A fresh client-facing stream: an attempt after output is never made (see Run).
-  samples_.clear();
-  for (int i = 0; i < req_.n; ++i) {
-    samples_.push_back(std::make_unique<SampleStream>(gw_.tokenizer_, req_.stop));
-  }
-  open_ = req_.n;
-  first_step_ = first_block_ = true;
-  first_step_s_ = first_block_s_ = 0;
-  client_gone_ = false;
   CancelWatcher watcher(is_cancelled_);
   if (absl::Status s = Prefill(*w, watcher); !s.ok()) return s;
   if (gw_.metrics_) {
@@ -517,17 +570,23 @@ absl::Status Gateway::RequestRun::Prefill(const Workers& w, CancelWatcher& watch
   v1::PrefillRequest preq;
   preq.set_request_id(w.attempt_id);
   preq.mutable_tokens()->Assign(req_.prompt.begin(), req_.prompt.end());
+  const std::vector<int32_t>& committed = Committed();
+  preq.mutable_tokens()->Add(committed.begin(), committed.end());
   preq.set_kv_target(w.denoise);
   preq.set_lease_ms(gw_.options_.kv_lease_ms);
   grpc::ClientContext ctx;
   ctx.set_deadline(ToChrono(deadline_));
   watcher.Watch(&ctx);
   gw_.prefill_->Acquire(w.prefill);
+  v1::PrefillResponse response;
   grpc::Status s = v1::PrefillService::NewStub(gw_.prefill_->Channel(w.prefill))
-                       ->Prefill(&ctx, preq, &prefill_);
+                       ->Prefill(&ctx, preq, &response);
   gw_.prefill_->Release(w.prefill);
   watcher.Watch(nullptr);
-  if (s.ok()) return absl::OkStatus();
+  if (s.ok()) {
+    if (!output_sent_) prefill_ = response;  // a resume's prefill is not the prompt's usage
+    return absl::OkStatus();
+  }
   // The KV may already sit on the denoise worker (the transfer can finish after this call
   // gave up): tell it to drop it now instead of at the end of its lease.
   {
@@ -560,8 +619,11 @@ absl::Status Gateway::RequestRun::Prefill(const Workers& w, CancelWatcher& watch
 v1::DenoiseRequest Gateway::RequestRun::MakeDenoiseRequest(const std::string& attempt_id) const {
   v1::DenoiseRequest dreq;
   dreq.set_request_id(attempt_id);
-  dreq.set_prompt_tokens(int(req_.prompt.size()));
-  dreq.set_max_new_tokens(req_.max_tokens);
+  // A resume continues after the committed canvases, which are part of its prompt KV.
+  const int committed = int(Committed().size());
+  dreq.set_prompt_tokens(int(req_.prompt.size()) + committed);
+  dreq.set_max_new_tokens(req_.max_tokens - committed);
+  dreq.set_first_canvas(committed / gw_.config_.canvas_length);
   dreq.set_seed(req_.seed);
   *dreq.mutable_sampler() = req_.sampler;
   dreq.mutable_stop_token_ids()->Assign(gw_.generation_.stop_token_ids.begin(),
@@ -675,6 +737,13 @@ bool Gateway::RequestRun::OnStep(int index, const v1::DenoiseStepEvent& step) {
     if (gw_.metrics_) gw_.metrics_->first_step_seconds.Observe(first_step_s_);
   }
   if (req_.canvas_step_interval <= 0) return true;
+  SampleStream& s = *samples_[index];
+  if (step.canvas() < s.sent_step_canvas ||
+      (step.canvas() == s.sent_step_canvas && step.step() <= s.sent_step)) {
+    return true;  // sent before a resume
+  }
+  s.sent_step_canvas = step.canvas();
+  s.sent_step = step.step();
   v1::GenerateEvent out;
   out.set_request_id(req_.request_id);
   out.set_index(index);
@@ -701,6 +770,7 @@ bool Gateway::RequestRun::OnBlock(int index, const v1::DenoiseBlockEvent& block)
     if (gw_.metrics_) gw_.metrics_->first_block_seconds.Observe(first_block_s_);
   }
   ++s.canvases;
+  s.block_ids.insert(s.block_ids.end(), block.token_ids().begin(), block.token_ids().end());
   s.steps += block.steps();
   s.last_index = block.index();
   if (gw_.metrics_) gw_.metrics_->steps_per_canvas.Observe(block.steps());

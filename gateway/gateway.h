@@ -1,6 +1,6 @@
 // The gateway's core (design §1.1): request validation, chat template and tokenizer, admission,
 // routing to a prefill and a denoise worker, event conversion with stop sequences and
-// max_tokens across canvas boundaries, usage, deadlines, cancellation and retries.
+// max_tokens across canvas boundaries, usage, deadlines, cancellation, retries and resumes.
 #pragma once
 
 #include <atomic>
@@ -25,6 +25,9 @@ struct GatewayOptions {
   int max_concurrent_requests = 64;  // running at once (gRPC and HTTP together)
   int max_queued_requests = 0;       // waiting for a slot; beyond → RESOURCE_EXHAUSTED at once
   int max_attempts = 3;              // per request, on UNAVAILABLE before any output
+  // Per request (n = 1), after output: the denoise call failed with UNAVAILABLE (the worker
+  // died, its stream broke) and the request continues from its next canvas on other workers.
+  int max_resumes = 2;
   int64_t kv_lease_ms = 30000;
   std::vector<std::string> api_keys;  // empty: no authentication
   int max_stop_sequences = 4;
