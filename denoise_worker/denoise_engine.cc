@@ -63,7 +63,7 @@ struct DenoiseEngine::Running {
   std::vector<float> soft, next_soft;
   std::vector<RowResult> rows;
   bool have_sc = false;
-  int canvas = 0;
+  int canvas = 0;  // the canvas being denoised (from the request's first_canvas)
   int num_canvases = 0;
   std::vector<int32_t> stop_ids;
   std::vector<int32_t> to_commit;  // non-empty: a commit pass is due before the next canvas
@@ -137,6 +137,15 @@ absl::Status ValidateRequest(const v1::DenoiseRequest& r, const ModelConfig& c) 
   }
   if (r.canvas_step_interval() < 0) {
     return absl::InvalidArgumentError("canvas_step_interval: must be >= 0");
+  }
+  if (r.first_canvas() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_canvas: must be >= 0, got ", r.first_canvas()));
+  }
+  if (int64_t(r.first_canvas()) * c.canvas_length >= r.prompt_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first_canvas: ", r.first_canvas(), " committed canvases of ", c.canvas_length,
+        " tokens do not fit in prompt_tokens=", r.prompt_tokens()));
   }
   if (HasCanvasTemplate(r.canvas_template())) {
     absl::StatusOr<std::shared_ptr<const CanvasTemplate>> t =
@@ -272,8 +281,11 @@ void DenoiseEngine::OnKv(const std::string& id,
                                                    c.vocab_size);
     r->canvas_template = canvas_template;
     r->template_every_canvas = job->request().canvas_template().every_canvas();
-    r->num_canvases =
-        (job->request().max_new_tokens() + c.canvas_length - 1) / c.canvas_length;
+    // Canvas indices (draws, block indices, template) continue after the committed canvases
+    // of a resumed request.
+    r->canvas = job->request().first_canvas();
+    r->num_canvases = r->canvas + (job->request().max_new_tokens() + c.canvas_length - 1) /
+                                      c.canvas_length;
     r->stop_ids.assign(job->request().stop_token_ids().begin(),
                        job->request().stop_token_ids().end());
     r->kv_ready = kv_ready;

@@ -82,6 +82,12 @@ struct SampleStream {
   StopMatcher matcher;
   int completion = 0, canvases = 0, steps = 0, last_index = 0;
   std::vector<int32_t> all_ids;  // completion tokens so far
+  // Every block's token ids, whole. While the completion runs on, these are the raw canvases the
+  // worker committed (a block is padded only after a stop token, which ends the completion):
+  // what a resume prefills after the prompt.
+  std::vector<int32_t> block_ids;
+  // The last CanvasStep sent: a resumed canvas's steps up to it are not sent again.
+  int sent_step_canvas = -1, sent_step = -1;
   size_t emitted_bytes = 0;      // completion text emitted so far
   // The completion ended at a block by max_tokens or a stop token: the worker ends this
   // sample there too and its Finished (with the denoise and commit timings) comes next.
@@ -375,6 +381,85 @@ absl::StatusOr<v1::CanvasTemplate> Gateway::ResolveTemplate(const v1::CanvasTemp
   return out;
 }
 
+// One request from its first attempt to its Finished events. An attempt has three phases —
+// picking the workers and prefilling (the KV goes to the denoise worker), the denoise call, and
+// the relay of the denoise stream to the client (stop matching, max_tokens, usage) — followed,
+// once every sample has ended, by the flush of held-back text and the Finished events.
+class Gateway::RequestRun {
+ public:
+  RequestRun(Gateway& gateway, const PreparedRequest& req, absl::Time deadline,
+             const std::function<bool()>& is_cancelled, const EventCallback& on_event,
+             absl::Time start)
+      : gw_(gateway),
+        req_(req),
+        deadline_(deadline),
+        is_cancelled_(is_cancelled),
+        on_event_(on_event),
+        start_(start) {}
+
+  // Runs attempts until one succeeds or fails for good. On UNAVAILABLE before any output the
+  // request starts again (at most max_attempts in all) on other workers. On UNAVAILABLE after
+  // output (n = 1 only) it resumes (at most max_resumes times): prefill of the prompt and the
+  // committed canvases on healthy workers, then denoising from the next canvas with the same
+  // seed; what the client already has is not sent again.
+  absl::Status Run();
+
+ private:
+  // The workers of one attempt, and the id they know it by.
+  struct Workers {
+    std::string prefill, denoise, attempt_id;
+  };
+
+  absl::Status RunAttempt();
+  // A fresh client-facing stream (before any output).
+  void ResetStream();
+  // The committed canvases' raw tokens that a resume prefills after the prompt (empty unless
+  // n = 1 and blocks arrived).
+  const std::vector<int32_t>& Committed() const;
+  // A healthy denoise worker, then a healthy prefill worker (by prompt prefix, for its cache),
+  // neither of them failed earlier in this request; and a fresh internal id.
+  absl::StatusOr<Workers> PickWorkers() const;
+  // Phase 1: prefill on the prefill worker, the KV sent to the denoise worker (held there under
+  // a lease until the denoise call claims it). Sets prefill_.
+  absl::Status Prefill(const Workers& w, CancelWatcher& watcher);
+  // Phase 2: the denoise call's request.
+  v1::DenoiseRequest MakeDenoiseRequest(const std::string& attempt_id) const;
+  // Phases 2–3: calls Denoise and relays its events until every sample has ended (OK), the
+  // client went away (CANCELLED), or the call failed.
+  absl::Status Denoise(const Workers& w, CancelWatcher& watcher);
+  // Relays one step / block event of sample `index`; false when the client went away.
+  bool OnStep(int index, const v1::DenoiseStepEvent& step);
+  bool OnBlock(int index, const v1::DenoiseBlockEvent& block);
+  // Every sample has ended: per sample (by index) flushes held-back text, then sends the
+  // Finished events with the usage.
+  absl::Status FinishSamples();
+  // Sends one event to the client; false (and the denoise call cancelled) when it went away.
+  bool Emit(const v1::GenerateEvent& ev);
+  void EndSample(SampleStream& s) {
+    if (s.done) return;
+    s.done = true;
+    --open_;
+  }
+
+  Gateway& gw_;
+  const PreparedRequest& req_;
+  const absl::Time deadline_;
+  const std::function<bool()>& is_cancelled_;
+  const EventCallback& on_event_;
+  const absl::Time start_;
+  std::set<std::string> bad_prefill_, bad_denoise_;  // failed in this request
+  bool output_sent_ = false;
+  int resumes_ = 0;
+  v1::PrefillResponse prefill_;  // the prompt's (the first attempt that reached the client)
+  // The client-facing stream of each sample, and how many have not ended yet.
+  std::vector<std::unique_ptr<SampleStream>> samples_;
+  int open_ = 0;
+  bool first_step_ = true, first_block_ = true;
+  double first_step_s_ = 0, first_block_s_ = 0;
+  bool client_gone_ = false;
+  grpc::ClientContext* denoise_ctx_ = nullptr;  // the denoise call in flight, if any
+};
+
 absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time deadline,
                                const std::function<bool()>& is_cancelled,
                                const EventCallback& on_event) {
@@ -398,337 +483,430 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
     return count(admitted);
   }
   if (metrics_) metrics_->queue_seconds.Observe(absl::ToDoubleSeconds(waited));
-  std::set<std::string> bad_prefill, bad_denoise;
-  bool output_sent = false;
-  absl::Status status;
-  for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
-    if (attempt > 0 && metrics_) metrics_->retries.Increment();
-    status = RunAttempt(*prepared, deadline, is_cancelled, on_event, &bad_prefill, &bad_denoise,
-                        &output_sent, start);
-    if (status.ok() || !absl::IsUnavailable(status) || output_sent) break;
-    if (absl::Now() >= deadline || (is_cancelled && is_cancelled())) break;
-  }
+  RequestRun run(*this, *prepared, deadline, is_cancelled, on_event, start);
+  const absl::Status status = run.Run();
   admission_.Release();
   return count(status);
 }
 
-absl::Status Gateway::RunAttempt(const PreparedRequest& req, absl::Time deadline,
-                                 const std::function<bool()>& is_cancelled,
-                                 const EventCallback& on_event, std::set<std::string>* bad_prefill,
-                                 std::set<std::string>* bad_denoise, bool* output_sent,
-                                 absl::Time start) {
-  const std::optional<std::string> d = denoise_->Pick(0, *bad_denoise);
+absl::Status Gateway::RequestRun::Run() {
+  int attempts = 0;  // started before any output
+  for (;;) {
+    if (!output_sent_) {
+      ResetStream();
+      ++attempts;
+    }
+    const absl::Status status = RunAttempt();
+    if (status.ok() || !absl::IsUnavailable(status)) return status;
+    if (absl::Now() >= deadline_ || (is_cancelled_ && is_cancelled_())) return status;
+    if (!output_sent_) {
+      if (attempts >= gw_.options_.max_attempts) return status;
+      if (gw_.metrics_) gw_.metrics_->retries.Increment();
+      continue;
+    }
+    // Output was sent. Parallel samples (n > 1) do not resume: the client gets the error.
+    if (req_.n != 1 || open_ == 0) return status;
+    SampleStream& s = *samples_[0];
+    const int C = gw_.config_.canvas_length;
+    if (s.done || s.awaiting_worker_finish || s.completion != int(s.block_ids.size()) ||
+        s.block_ids.size() != size_t(s.canvases) * C) {
+      return status;  // not a run of whole raw canvases (cannot happen while it runs on)
+    }
+    if (s.completion >= req_.max_tokens) {
+      // The last block arrived, only the worker's Finished is missing.
+      s.finish_reason = "length";
+      EndSample(s);
+      return FinishSamples();
+    }
+    if (resumes_ >= gw_.options_.max_resumes) {
+      if (gw_.options_.max_resumes == 0) return status;
+      return absl::UnavailableError(absl::StrCat(status.message(), "; gave up after ", resumes_,
+                                                 " resumes (the gateway's --max_resumes)"));
+    }
+    ++resumes_;
+    if (gw_.metrics_) gw_.metrics_->resumes.Increment();
+    DGSERVE_LOG_WARNING("request %s: resuming at canvas %d (resume %d of %d) after: %s",
+                        req_.request_id, s.canvases, resumes_, gw_.options_.max_resumes,
+                        status.message());
+  }
+}
+
+void Gateway::RequestRun::ResetStream() {
+  samples_.clear();
+  for (int i = 0; i < req_.n; ++i) {
+    samples_.push_back(std::make_unique<SampleStream>(gw_.tokenizer_, req_.stop));
+  }
+  open_ = req_.n;
+  first_step_ = first_block_ = true;
+  first_step_s_ = first_block_s_ = 0;
+  client_gone_ = false;
+}
+
+const std::vector<int32_t>& Gateway::RequestRun::Committed() const {
+  static const std::vector<int32_t> kNone;
+  return req_.n == 1 ? samples_[0]->block_ids : kNone;
+}
+
+absl::StatusOr<Gateway::RequestRun::Workers> Gateway::RequestRun::PickWorkers() const {
+  Workers w;
+  const std::optional<std::string> d = gw_.denoise_->Pick(0, bad_denoise_);
   if (!d) {
     return absl::UnavailableError(
-        absl::StrCat("no healthy denoise worker (", denoise_->total_count(), " known)"));
+        absl::StrCat("no healthy denoise worker (", gw_.denoise_->total_count(), " known)"));
   }
-  const size_t key_len = std::min<size_t>(req.prompt.size(), 64);
-  const uint64_t key = Fnv1a64(std::string_view(reinterpret_cast<const char*>(req.prompt.data()),
+  w.denoise = *d;
+  const size_t key_len = std::min<size_t>(req_.prompt.size(), 64);
+  const uint64_t key = Fnv1a64(std::string_view(reinterpret_cast<const char*>(req_.prompt.data()),
                                                 key_len * sizeof(int32_t))) |
                        1;
-  const std::optional<std::string> p = prefill_->Pick(key, *bad_prefill);
+  const std::optional<std::string> p = gw_.prefill_->Pick(key, bad_prefill_);
   if (!p) {
     return absl::UnavailableError(
-        absl::StrCat("no healthy prefill worker (", prefill_->total_count(), " known)"));
+        absl::StrCat("no healthy prefill worker (", gw_.prefill_->total_count(), " known)"));
   }
+  w.prefill = *p;
   // The workers know an attempt by an id of its own, not derived from the public request id (a
   // client that knows its id, or guesses another's, cannot address the request inside the
   // cluster), and fresh for every attempt.
   absl::StatusOr<std::string> internal_id = NewInternalId();
   if (!internal_id.ok()) return internal_id.status();
-  const std::string attempt_id = *std::move(internal_id);
-  CancelWatcher watcher(is_cancelled);
+  w.attempt_id = *std::move(internal_id);
+  return w;
+}
 
-  // 1. Prefill on P; the KV goes to D (held there under a lease until the denoise call claims
-  //    it).
-  v1::PrefillResponse prefill;
+absl::Status Gateway::RequestRun::RunAttempt() {
+  absl::StatusOr<Workers> w = PickWorkers();
+  if (!w.ok()) return w.status();
+  CancelWatcher watcher(is_cancelled_);
+  if (absl::Status s = Prefill(*w, watcher); !s.ok()) return s;
+  if (gw_.metrics_) {
+    gw_.metrics_->prefill_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start_));
+  }
+  if (absl::Status s = Denoise(*w, watcher); !s.ok()) return s;
+  return FinishSamples();
+}
+
+absl::Status Gateway::RequestRun::Prefill(const Workers& w, CancelWatcher& watcher) {
+  v1::PrefillRequest preq;
+  preq.set_request_id(w.attempt_id);
+  preq.mutable_tokens()->Assign(req_.prompt.begin(), req_.prompt.end());
+  const std::vector<int32_t>& committed = Committed();
+  preq.mutable_tokens()->Add(committed.begin(), committed.end());
+  preq.set_kv_target(w.denoise);
+  preq.set_lease_ms(gw_.options_.kv_lease_ms);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(ToChrono(deadline_));
+  watcher.Watch(&ctx);
+  gw_.prefill_->Acquire(w.prefill);
+  v1::PrefillResponse response;
+  grpc::Status s = v1::PrefillService::NewStub(gw_.prefill_->Channel(w.prefill))
+                       ->Prefill(&ctx, preq, &response);
+  gw_.prefill_->Release(w.prefill);
+  watcher.Watch(nullptr);
+  if (s.ok()) {
+    if (!output_sent_) prefill_ = response;  // a resume's prefill is not the prompt's usage
+    return absl::OkStatus();
+  }
+  // The KV may already sit on the denoise worker (the transfer can finish after this call
+  // gave up): tell it to drop it now instead of at the end of its lease.
   {
-    v1::PrefillRequest preq;
-    preq.set_request_id(attempt_id);
-    preq.mutable_tokens()->Assign(req.prompt.begin(), req.prompt.end());
-    preq.set_kv_target(*d);
-    preq.set_lease_ms(options_.kv_lease_ms);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(ToChrono(deadline));
-    watcher.Watch(&ctx);
-    prefill_->Acquire(*p);
-    grpc::Status s =
-        v1::PrefillService::NewStub(prefill_->Channel(*p))->Prefill(&ctx, preq, &prefill);
-    prefill_->Release(*p);
-    watcher.Watch(nullptr);
-    if (!s.ok()) {
-      // The KV may already sit on the denoise worker (the transfer can finish after this call
-      // gave up): tell it to drop it now instead of at the end of its lease.
-      {
-        grpc::ClientContext cctx;
-        cctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-        v1::CancelRequest creq;
-        creq.set_request_id(attempt_id);
-        v1::CancelResponse cresp;
-        v1::DenoiseService::NewStub(denoise_->Channel(*d))->Cancel(&cctx, creq, &cresp);
-      }
-      if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
-      absl::Status st = FromGrpcStatus(s);
-      if (absl::IsUnavailable(st)) {
-        // Either the prefill worker or the transfer to the denoise worker failed.
-        if (s.error_message().find("KV transfer to") != std::string::npos) {
-          bad_denoise->insert(*d);
-          denoise_->MarkUnhealthy(*d);
-        } else {
-          bad_prefill->insert(*p);
-          prefill_->MarkUnhealthy(*p);
-        }
-      }
-      // Worker addresses are for the log, not for clients.
-      DGSERVE_LOG_WARNING("request %s: prefill on %s (KV to %s): %s", attempt_id, *p, *d,
-                          st.message());
-      return absl::Status(st.code(), absl::StrCat("prefill: ", HideWorkers(st.message(), *p, *d)));
+    grpc::ClientContext cctx;
+    cctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    v1::CancelRequest creq;
+    creq.set_request_id(w.attempt_id);
+    v1::CancelResponse cresp;
+    v1::DenoiseService::NewStub(gw_.denoise_->Channel(w.denoise))->Cancel(&cctx, creq, &cresp);
+  }
+  if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
+  absl::Status st = FromGrpcStatus(s);
+  if (absl::IsUnavailable(st)) {
+    // Either the prefill worker or the transfer to the denoise worker failed.
+    if (s.error_message().find("KV transfer to") != std::string::npos) {
+      bad_denoise_.insert(w.denoise);
+      gw_.denoise_->MarkUnhealthy(w.denoise);
+    } else {
+      bad_prefill_.insert(w.prefill);
+      gw_.prefill_->MarkUnhealthy(w.prefill);
     }
   }
-  if (metrics_) {
-    metrics_->prefill_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start));
-  }
+  // Worker addresses are for the log, not for clients.
+  DGSERVE_LOG_WARNING("request %s: prefill on %s (KV to %s): %s", w.attempt_id, w.prefill,
+                      w.denoise, st.message());
+  return absl::Status(st.code(),
+                      absl::StrCat("prefill: ", HideWorkers(st.message(), w.prefill, w.denoise)));
+}
 
-  // 2. Denoise on D, streaming its events to the client.
+v1::DenoiseRequest Gateway::RequestRun::MakeDenoiseRequest(const std::string& attempt_id) const {
   v1::DenoiseRequest dreq;
   dreq.set_request_id(attempt_id);
-  dreq.set_prompt_tokens(int(req.prompt.size()));
-  dreq.set_max_new_tokens(req.max_tokens);
-  dreq.set_seed(req.seed);
-  *dreq.mutable_sampler() = req.sampler;
-  dreq.mutable_stop_token_ids()->Assign(generation_.stop_token_ids.begin(),
-                                        generation_.stop_token_ids.end());
-  dreq.set_pad_token_id(generation_.pad_token_id);
+  // A resume continues after the committed canvases, which are part of its prompt KV.
+  const int committed = int(Committed().size());
+  dreq.set_prompt_tokens(int(req_.prompt.size()) + committed);
+  dreq.set_max_new_tokens(req_.max_tokens - committed);
+  dreq.set_first_canvas(committed / gw_.config_.canvas_length);
+  dreq.set_seed(req_.seed);
+  *dreq.mutable_sampler() = req_.sampler;
+  dreq.mutable_stop_token_ids()->Assign(gw_.generation_.stop_token_ids.begin(),
+                                        gw_.generation_.stop_token_ids.end());
+  dreq.set_pad_token_id(gw_.generation_.pad_token_id);
   // Step 0 and the last step of every canvas always come back (for the TTFT metrics); more
   // only when the client asked for canvas steps.
-  dreq.set_canvas_step_interval(req.canvas_step_interval > 0 ? req.canvas_step_interval
-                                                             : (1 << 30));
-  dreq.set_kv_wait_ms(options_.kv_lease_ms);
-  if (req.canvas_template) *dreq.mutable_canvas_template() = *req.canvas_template;
-  dreq.set_num_samples(req.n);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(ToChrono(deadline));
-  watcher.Watch(&ctx);
-  denoise_->Acquire(*d);
-  auto reader = v1::DenoiseService::NewStub(denoise_->Channel(*d))->Denoise(&ctx, dreq);
+  dreq.set_canvas_step_interval(req_.canvas_step_interval > 0 ? req_.canvas_step_interval
+                                                              : (1 << 30));
+  dreq.set_kv_wait_ms(gw_.options_.kv_lease_ms);
+  if (req_.canvas_template) *dreq.mutable_canvas_template() = *req_.canvas_template;
+  dreq.set_num_samples(req_.n);
+  return dreq;
+}
 
-  const int n = req.n;
-  std::vector<std::unique_ptr<SampleStream>> samples;
-  for (int i = 0; i < n; ++i) {
-    samples.push_back(std::make_unique<SampleStream>(tokenizer_, req.stop));
+bool Gateway::RequestRun::Emit(const v1::GenerateEvent& ev) {
+  output_sent_ = true;
+  if (!on_event_(ev)) {
+    client_gone_ = true;
+    if (denoise_ctx_) denoise_ctx_->TryCancel();
+    return false;
   }
-  const std::vector<int32_t>& stop_ids = generation_.stop_token_ids;
-  int open = n;  // samples whose completion has not ended yet
-  bool first_step = true, first_block = true, client_gone = false;
-  double first_step_s = 0, first_block_s = 0;
-  absl::Status bad_event;  // the worker named a sample the request does not have
-  auto emit = [&](const v1::GenerateEvent& ev) {
-    *output_sent = true;
-    if (!on_event(ev)) {
-      client_gone = true;
-      ctx.TryCancel();
-      return false;
-    }
-    return true;
-  };
-  auto end_sample = [&](SampleStream& s) {
-    if (s.done) return;
-    s.done = true;
-    --open;
-  };
+  return true;
+}
 
+absl::Status Gateway::RequestRun::Denoise(const Workers& w, CancelWatcher& watcher) {
+  const v1::DenoiseRequest dreq = MakeDenoiseRequest(w.attempt_id);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(ToChrono(deadline_));
+  // The context goes with this scope: neither the watcher (its thread cancels on the client's
+  // behalf) nor Emit may reach it after.
+  struct Forget {
+    CancelWatcher& watcher;
+    grpc::ClientContext*& ctx;
+    ~Forget() {
+      watcher.Watch(nullptr);
+      ctx = nullptr;
+    }
+  } forget{watcher, denoise_ctx_};
+  watcher.Watch(&ctx);
+  denoise_ctx_ = &ctx;
+  gw_.denoise_->Acquire(w.denoise);
+  auto reader = v1::DenoiseService::NewStub(gw_.denoise_->Channel(w.denoise))->Denoise(&ctx, dreq);
+
+  const int n = req_.n;
+  absl::Status bad_event;  // the worker named a sample the request does not have
   v1::DenoiseEvent ev;
-  while (open > 0 && !client_gone && reader->Read(&ev)) {
+  while (open_ > 0 && !client_gone_ && reader->Read(&ev)) {
     if (ev.sample() < 0 || ev.sample() >= n) {
       bad_event = absl::InternalError(absl::StrCat("the denoise worker sent an event of sample ",
                                                    ev.sample(), " for a request of ", n));
       break;
     }
     const int index = ev.sample();
-    SampleStream& s = *samples[index];
+    SampleStream& s = *samples_[index];
     if (s.done) continue;  // ended here by a stop sequence; the worker runs the others on
     if (s.awaiting_worker_finish && !ev.has_finished()) {
-      end_sample(s);  // the worker went on with this sample (it should not): stopped below
+      EndSample(s);  // the worker went on with this sample (it should not): stopped below
       continue;
     }
     if (ev.has_step()) {
-      if (first_step) {
-        first_step = false;
-        first_step_s = absl::ToDoubleSeconds(absl::Now() - start);
-        if (metrics_) metrics_->first_step_seconds.Observe(first_step_s);
-      }
-      if (req.canvas_step_interval <= 0) continue;
-      v1::GenerateEvent out;
-      out.set_request_id(req.request_id);
-      out.set_index(index);
-      v1::CanvasStep* cs = out.mutable_canvas_step();
-      cs->set_canvas(ev.step().canvas());
-      cs->set_step(ev.step().step());
-      *cs->mutable_token_ids() = ev.step().token_ids();
-      if (req.canvas_text) {
-        cs->set_text(tokenizer_.Decode(std::span<const int32_t>(ev.step().token_ids().data(),
-                                                                size_t(ev.step().token_ids_size())),
-                                       /*skip_special=*/true));
-      }
-      cs->set_accepted(ev.step().accepted());
-      cs->set_mean_entropy(ev.step().mean_entropy());
-      cs->set_temperature(ev.step().temperature());
-      emit(out);
+      OnStep(index, ev.step());
     } else if (ev.has_block()) {
-      if (first_block) {
-        first_block = false;
-        first_block_s = absl::ToDoubleSeconds(absl::Now() - start);
-        if (metrics_) metrics_->first_block_seconds.Observe(first_block_s);
-      }
-      ++s.canvases;
-      s.steps += ev.block().steps();
-      s.last_index = ev.block().index();
-      if (metrics_) metrics_->steps_per_canvas.Observe(ev.block().steps());
-      v1::GenerateEvent out;
-      out.set_request_id(req.request_id);
-      out.set_index(index);
-      v1::BlockCommitted* b = out.mutable_block();
-      b->set_index(ev.block().index());
-      b->set_steps(ev.block().steps());
-      // Completion tokens of this block: up to the first stop token, at most max_tokens in
-      // all (per sample). Decoded as one piece (as `dgserve generate` streams it), then through
-      // the stop sequences; a stop sequence cuts the text, the block's ids stay whole.
-      std::vector<int32_t> take;
-      for (int32_t id : ev.block().token_ids()) {
-        if (s.completion == req.max_tokens) {
-          s.finish_reason = "length";
-          break;
-        }
-        if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) {
-          s.finish_reason = "stop";
-          break;
-        }
-        ++s.completion;
-        take.push_back(id);
-        b->add_token_ids(id);
-      }
-      s.all_ids.insert(s.all_ids.end(), take.begin(), take.end());
-      StopMatcher::Result r = s.matcher.Push(s.decoder.Push(take));
-      std::string text = std::move(r.emit);
-      s.emitted_bytes += text.size();
-      if (r.stopped) {
-        s.finish_reason = "stop";
-        // A stop sequence ends the completion at the token in which it begins (possibly in an
-        // earlier canvas): the smallest prefix of the completion whose text reaches past the
-        // emitted text. Ids already streamed in earlier blocks cannot be taken back; usage and
-        // the unary response's ids are cut to this count.
-        size_t lo = 0, hi = s.all_ids.size();
-        while (lo < hi) {
-          const size_t mid = (lo + hi) / 2;
-          if (tokenizer_.Decode(std::span<const int32_t>(s.all_ids.data(), mid), true).size() >
-              s.emitted_bytes) {
-            hi = mid;
-          } else {
-            lo = mid + 1;
-          }
-        }
-        const int keep_total = int(std::min(lo, s.all_ids.size()));
-        const int before_block = s.completion - int(take.size());
-        b->mutable_token_ids()->Truncate(std::max(0, keep_total - before_block));
-        s.completion = keep_total;
-      }
-      b->set_text(text);
-      if (!emit(out)) break;
-      if (!s.finish_reason.empty()) {
-        // A stop sequence is the gateway's own: the worker would go on with this sample (it
-        // is stopped once every sample has ended); otherwise its Finished comes next.
-        if (r.stopped) {
-          end_sample(s);
-        } else {
-          s.awaiting_worker_finish = true;
-        }
-      }
+      if (!OnBlock(index, ev.block())) break;
     } else if (ev.has_finished()) {
       s.worker_finished = ev.finished();
       s.worker_done = true;
       if (s.finish_reason.empty()) s.finish_reason = s.worker_finished.finish_reason();
-      end_sample(s);
+      EndSample(s);
     }
   }
   // The stream ended right after a completion's last block: nothing is missing.
-  if (!client_gone && bad_event.ok()) {
-    for (auto& s : samples) {
-      if (s->awaiting_worker_finish) end_sample(*s);
+  if (!client_gone_ && bad_event.ok()) {
+    for (auto& s : samples_) {
+      if (s->awaiting_worker_finish) EndSample(*s);
     }
   }
-  if (client_gone) {
-    denoise_->Release(*d);
+  if (client_gone_) {
+    gw_.denoise_->Release(w.denoise);
     return absl::CancelledError("the client went away");
   }
-  if (open > 0 || !bad_event.ok()) {
+  if (open_ > 0 || !bad_event.ok()) {
     if (!bad_event.ok()) ctx.TryCancel();
     grpc::Status s = reader->Finish();
-    denoise_->Release(*d);
+    gw_.denoise_->Release(w.denoise);
     if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
     absl::Status st = bad_event.ok() ? FromGrpcStatus(s) : bad_event;
     if (st.ok()) st = absl::InternalError("denoise stream ended without a result");
     if (absl::IsUnavailable(st)) {
-      bad_denoise->insert(*d);
-      denoise_->MarkUnhealthy(*d);
+      bad_denoise_.insert(w.denoise);
+      gw_.denoise_->MarkUnhealthy(w.denoise);
     }
-    DGSERVE_LOG_WARNING("request %s: denoise on %s: %s", attempt_id, *d, st.message());
-    return absl::Status(st.code(), absl::StrCat("denoise: ", HideWorkers(st.message(), *p, *d)));
+    DGSERVE_LOG_WARNING("request %s: denoise on %s: %s", w.attempt_id, w.denoise, st.message());
+    return absl::Status(
+        st.code(), absl::StrCat("denoise: ", HideWorkers(st.message(), w.prefill, w.denoise)));
   }
   // Every sample finished (by the worker, a stop token or sequence, or max_tokens): stop the
-  // worker if it is still running, then per sample (by index) flush held-back text and report
-  // its usage; the Finished events come last.
-  const bool worker_done = std::all_of(samples.begin(), samples.end(),
+  // worker if it is still running.
+  const bool worker_done = std::all_of(samples_.begin(), samples_.end(),
                                        [](const auto& s) { return s->worker_done; });
   if (!worker_done) ctx.TryCancel();  // a worker that sent every Finished ends its stream itself
   reader->Finish();
-  denoise_->Release(*d);
-  if (metrics_) {
-    metrics_->prompt_tokens.Increment(double(req.prompt.size()));
-    metrics_->cached_prompt_tokens.Increment(prefill.cached_tokens());
+  gw_.denoise_->Release(w.denoise);
+  return absl::OkStatus();
+}
+
+bool Gateway::RequestRun::OnStep(int index, const v1::DenoiseStepEvent& step) {
+  if (first_step_) {
+    first_step_ = false;
+    first_step_s_ = absl::ToDoubleSeconds(absl::Now() - start_);
+    if (gw_.metrics_) gw_.metrics_->first_step_seconds.Observe(first_step_s_);
   }
+  if (req_.canvas_step_interval <= 0) return true;
+  SampleStream& s = *samples_[index];
+  if (step.canvas() < s.sent_step_canvas ||
+      (step.canvas() == s.sent_step_canvas && step.step() <= s.sent_step)) {
+    return true;  // sent before a resume
+  }
+  s.sent_step_canvas = step.canvas();
+  s.sent_step = step.step();
+  v1::GenerateEvent out;
+  out.set_request_id(req_.request_id);
+  out.set_index(index);
+  v1::CanvasStep* cs = out.mutable_canvas_step();
+  cs->set_canvas(step.canvas());
+  cs->set_step(step.step());
+  *cs->mutable_token_ids() = step.token_ids();
+  if (req_.canvas_text) {
+    cs->set_text(gw_.tokenizer_.Decode(
+        std::span<const int32_t>(step.token_ids().data(), size_t(step.token_ids_size())),
+        /*skip_special=*/true));
+  }
+  cs->set_accepted(step.accepted());
+  cs->set_mean_entropy(step.mean_entropy());
+  cs->set_temperature(step.temperature());
+  return Emit(out);
+}
+
+bool Gateway::RequestRun::OnBlock(int index, const v1::DenoiseBlockEvent& block) {
+  SampleStream& s = *samples_[index];
+  if (first_block_) {
+    first_block_ = false;
+    first_block_s_ = absl::ToDoubleSeconds(absl::Now() - start_);
+    if (gw_.metrics_) gw_.metrics_->first_block_seconds.Observe(first_block_s_);
+  }
+  ++s.canvases;
+  s.block_ids.insert(s.block_ids.end(), block.token_ids().begin(), block.token_ids().end());
+  s.steps += block.steps();
+  s.last_index = block.index();
+  if (gw_.metrics_) gw_.metrics_->steps_per_canvas.Observe(block.steps());
+  v1::GenerateEvent out;
+  out.set_request_id(req_.request_id);
+  out.set_index(index);
+  v1::BlockCommitted* b = out.mutable_block();
+  b->set_index(block.index());
+  b->set_steps(block.steps());
+  // Completion tokens of this block: up to the first stop token, at most max_tokens in
+  // all (per sample). Decoded as one piece (as `dgserve generate` streams it), then through
+  // the stop sequences; a stop sequence cuts the text, the block's ids stay whole.
+  const std::vector<int32_t>& stop_ids = gw_.generation_.stop_token_ids;
+  std::vector<int32_t> take;
+  for (int32_t id : block.token_ids()) {
+    if (s.completion == req_.max_tokens) {
+      s.finish_reason = "length";
+      break;
+    }
+    if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) {
+      s.finish_reason = "stop";
+      break;
+    }
+    ++s.completion;
+    take.push_back(id);
+    b->add_token_ids(id);
+  }
+  s.all_ids.insert(s.all_ids.end(), take.begin(), take.end());
+  StopMatcher::Result r = s.matcher.Push(s.decoder.Push(take));
+  std::string text = std::move(r.emit);
+  s.emitted_bytes += text.size();
+  if (r.stopped) {
+    s.finish_reason = "stop";
+    // A stop sequence ends the completion at the token in which it begins (possibly in an
+    // earlier canvas): the smallest prefix of the completion whose text reaches past the
+    // emitted text. Ids already streamed in earlier blocks cannot be taken back; usage and
+    // the unary response's ids are cut to this count.
+    size_t lo = 0, hi = s.all_ids.size();
+    while (lo < hi) {
+      const size_t mid = (lo + hi) / 2;
+      if (gw_.tokenizer_.Decode(std::span<const int32_t>(s.all_ids.data(), mid), true).size() >
+          s.emitted_bytes) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    const int keep_total = int(std::min(lo, s.all_ids.size()));
+    const int before_block = s.completion - int(take.size());
+    b->mutable_token_ids()->Truncate(std::max(0, keep_total - before_block));
+    s.completion = keep_total;
+  }
+  b->set_text(text);
+  if (!Emit(out)) return false;
+  if (!s.finish_reason.empty()) {
+    // A stop sequence is the gateway's own: the worker would go on with this sample (it
+    // is stopped once every sample has ended); otherwise its Finished comes next.
+    if (r.stopped) {
+      EndSample(s);
+    } else {
+      s.awaiting_worker_finish = true;
+    }
+  }
+  return true;
+}
+
+absl::Status Gateway::RequestRun::FinishSamples() {
+  GatewayMetrics* metrics = gw_.metrics_;
+  if (metrics) {
+    metrics->prompt_tokens.Increment(double(req_.prompt.size()));
+    metrics->cached_prompt_tokens.Increment(prefill_.cached_tokens());
+  }
+  const int n = req_.n;
   for (int i = 0; i < n; ++i) {
-    SampleStream& s = *samples[i];
+    SampleStream& s = *samples_[i];
     if (!s.matcher.stopped()) {
       std::string tail = s.matcher.Push(s.decoder.Finish()).emit;
       if (!s.matcher.stopped()) tail += s.matcher.Flush();
       if (!tail.empty()) {
         v1::GenerateEvent out;
-        out.set_request_id(req.request_id);
+        out.set_request_id(req_.request_id);
         out.set_index(i);
         out.mutable_block()->set_index(s.last_index);
         out.mutable_block()->set_text(tail);
-        if (!emit(out)) return absl::CancelledError("the client went away");
+        if (!Emit(out)) return absl::CancelledError("the client went away");
       }
     }
   }
   for (int i = 0; i < n; ++i) {
-    const SampleStream& s = *samples[i];
+    const SampleStream& s = *samples_[i];
     v1::GenerateEvent out;
-    out.set_request_id(req.request_id);
+    out.set_request_id(req_.request_id);
     out.set_index(i);
     v1::Finished* f = out.mutable_finished();
     f->set_finish_reason(s.finish_reason.empty() ? "length" : s.finish_reason);
     v1::Usage* u = f->mutable_usage();
-    u->set_prompt_tokens(int(req.prompt.size()));
+    u->set_prompt_tokens(int(req_.prompt.size()));
     u->set_completion_tokens(s.completion);
-    u->set_total_tokens(int(req.prompt.size()) + s.completion);
-    u->set_cached_prompt_tokens(prefill.cached_tokens());
+    u->set_total_tokens(int(req_.prompt.size()) + s.completion);
+    u->set_cached_prompt_tokens(prefill_.cached_tokens());
     u->set_canvases(s.canvases);
     u->set_denoising_steps(s.steps);
     v1::Timings* t = u->mutable_timings();
-    t->set_queue_seconds(prefill.queue_seconds());
-    t->set_prefill_seconds(prefill.prefill_seconds());
-    t->set_transfer_seconds(prefill.transfer_seconds());
-    t->set_first_step_seconds(first_step_s);
-    t->set_first_block_seconds(first_block_s);
+    t->set_queue_seconds(prefill_.queue_seconds());
+    t->set_prefill_seconds(prefill_.prefill_seconds());
+    t->set_transfer_seconds(prefill_.transfer_seconds());
+    t->set_first_step_seconds(first_step_s_);
+    t->set_first_block_seconds(first_block_s_);
     t->set_denoise_seconds(s.worker_finished.denoise_seconds());
     t->set_commit_seconds(s.worker_finished.commit_seconds());
-    t->set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start));
-    if (metrics_) {
-      metrics_->completion_tokens.Increment(s.completion);
-      metrics_->samples.Increment();
+    t->set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
+    if (metrics) {
+      metrics->completion_tokens.Increment(s.completion);
+      metrics->samples.Increment();
     }
-    if (!emit(out)) return absl::CancelledError("the client went away");
+    if (!Emit(out)) return absl::CancelledError("the client went away");
   }
   return absl::OkStatus();
 }

@@ -1,6 +1,6 @@
 // The gateway's core (design §1.1): request validation, chat template and tokenizer, admission,
 // routing to a prefill and a denoise worker, event conversion with stop sequences and
-// max_tokens across canvas boundaries, usage, deadlines, cancellation and retries.
+// max_tokens across canvas boundaries, usage, deadlines, cancellation, retries and resumes.
 #pragma once
 
 #include <atomic>
@@ -25,6 +25,9 @@ struct GatewayOptions {
   int max_concurrent_requests = 64;  // running at once (gRPC and HTTP together)
   int max_queued_requests = 0;       // waiting for a slot; beyond → RESOURCE_EXHAUSTED at once
   int max_attempts = 3;              // per request, on UNAVAILABLE before any output
+  // Per request (n = 1), after output: the denoise call failed with UNAVAILABLE (the worker
+  // died, its stream broke) and the request continues from its next canvas on other workers.
+  int max_resumes = 2;
   int64_t kv_lease_ms = 30000;
   std::vector<std::string> api_keys;  // empty: no authentication
   int max_stop_sequences = 4;
@@ -79,11 +82,8 @@ class Gateway final : public GenerationCore {
   // The request's template in the token-id form, validated against the model (text form
   // tokenized piece by piece). INVALID_ARGUMENT naming the field.
   absl::StatusOr<v1::CanvasTemplate> ResolveTemplate(const v1::CanvasTemplate& t) const;
-  struct Attempt;
-  absl::Status RunAttempt(const PreparedRequest& req, absl::Time deadline,
-                          const std::function<bool()>& is_cancelled, const EventCallback& on_event,
-                          std::set<std::string>* bad_prefill, std::set<std::string>* bad_denoise,
-                          bool* output_sent, absl::Time start);
+  // One request's attempts and client-facing stream (gateway.cc).
+  class RequestRun;
 
   const ModelConfig config_;
   const GenerationConfig generation_;

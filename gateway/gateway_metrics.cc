@@ -38,6 +38,9 @@ GatewayMetrics::GatewayMetrics(prometheus::Registry& r)
                                        "Prompt tokens served from a prefix cache")),
       retries(MakeCounter(r, "dgserve_gateway_retries_total",
                           "Attempts repeated on another worker after UNAVAILABLE")),
+      resumes(MakeCounter(r, "dgserve_gateway_resumes_total",
+                          "Requests continued from their next canvas on other workers after "
+                          "the denoise worker failed mid-request")),
       inflight(
           MakeGauge(r, "dgserve_gateway_inflight_requests", "Requests admitted and not finished")),
       queued(MakeGauge(r, "dgserve_gateway_queued_requests",

@@ -25,6 +25,7 @@ struct GatewayMetrics {
   prometheus::Counter& samples;  // completed samples (a request with n = 3 counts 3)
   prometheus::Counter& cached_prompt_tokens;
   prometheus::Counter& retries;
+  prometheus::Counter& resumes;  // requests continued from their next canvas (--max_resumes)
   prometheus::Gauge& inflight;
   prometheus::Gauge& queued;                // waiting for admission
   prometheus::Histogram& queue_seconds;     // time waited for admission (0 when not queued)

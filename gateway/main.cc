@@ -37,6 +37,9 @@ ABSL_FLAG(int, max_concurrent_requests, 64,
 ABSL_FLAG(int, max_queued_requests, 0,
           "requests waiting for a slot (FIFO, within their deadline); beyond: 429 at once");
 ABSL_FLAG(int, max_attempts, 3, "attempts per request on UNAVAILABLE before any output");
+ABSL_FLAG(int, max_resumes, 2,
+          "per request (n = 1): times a request whose denoise worker failed after output is "
+          "continued from its next committed canvas on other workers; then UNAVAILABLE");
 ABSL_FLAG(int, max_n, 16, "samples per request (n) at most; larger n is INVALID_ARGUMENT");
 ABSL_FLAG(std::string, api_keys, "", "comma-separated API keys (empty: no authentication)");
 ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
@@ -86,6 +89,8 @@ absl::Status Run() {
   gopts.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
   gopts.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   gopts.max_attempts = std::max(1, absl::GetFlag(FLAGS_max_attempts));
+  gopts.max_resumes = absl::GetFlag(FLAGS_max_resumes);
+  if (gopts.max_resumes < 0) return absl::InvalidArgumentError("--max_resumes must be ≥ 0");
   gopts.api_keys = *keys;
   gopts.max_n = absl::GetFlag(FLAGS_max_n);
   // A denoise worker runs at most 64 samples of one request (kMaxDenoiseSamples).
