@@ -25,6 +25,7 @@
 #include "nlohmann/json.hpp"
 #include "common/testing/loopback_socket.h"
 #include "tests/integration/test_cluster.h"
+#include "tests/integration/test_helpers.h"
 
 namespace dgserve::testing {
 namespace {
@@ -34,41 +35,8 @@ using ::testing::HasSubstr;
 // Chunks of 32 prompt tokens (twice the KV block): prefix hits fall on and off the chunk grid.
 const std::vector<std::string> kPrefillFlags = {"--chunk_tokens=32", "--step_token_budget=256"};
 
-v1::GenerateRequest Chat(const std::string& text, uint64_t seed, int max_tokens) {
-  v1::GenerateRequest r;
-  v1::ChatMessage* m = r.mutable_chat()->add_messages();
-  m->set_role("user");
-  m->set_content(text);
-  r.set_seed(seed);
-  r.set_max_tokens(max_tokens);
-  return r;
-}
-
-struct Result {
-  grpc::Status status;
-  v1::GenerateResponse response;
-};
-
-Result Generate(const TestCluster& c, const v1::GenerateRequest& req) {
-  Result r;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-  r.status = c.GatewayStub()->Generate(&ctx, req, &r.response);
-  return r;
-}
-
 std::vector<int32_t> Ids(const v1::GenerateResponse& r) {
   return {r.token_ids().begin(), r.token_ids().end()};
-}
-
-// Polls `pred` every 50 ms for at most 20 s.
-template <typename Pred>
-bool Eventually(Pred pred) {
-  for (int i = 0; i < 400; ++i) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return pred();
 }
 
 // `requests` unary requests at once from as many threads; request i has seed 100 + i.

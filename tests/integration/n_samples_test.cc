@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/test_cluster.h"
+#include "tests/integration/test_helpers.h"
 
 namespace dgserve::testing {
 namespace {
@@ -25,42 +26,8 @@ using ::testing::HasSubstr;
 
 constexpr int kMaxN = 4;
 
-v1::GenerateRequest Chat(const std::string& text, uint64_t seed, int max_tokens, int n = 0) {
-  v1::GenerateRequest r;
-  v1::ChatMessage* m = r.mutable_chat()->add_messages();
-  m->set_role("user");
-  m->set_content(text);
-  r.set_seed(seed);
-  r.set_max_tokens(max_tokens);
-  r.set_n(n);
-  return r;
-}
-
-struct Result {
-  grpc::Status status;
-  v1::GenerateResponse response;
-};
-
-Result Generate(const TestCluster& c, const v1::GenerateRequest& req) {
-  Result r;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-  r.status = c.GatewayStub()->Generate(&ctx, req, &r.response);
-  return r;
-}
-
 std::vector<int32_t> Ids(const google::protobuf::RepeatedField<int32_t>& ids) {
   return {ids.begin(), ids.end()};
-}
-
-// Polls `pred` every 50 ms for at most 20 s.
-template <typename Pred>
-bool Eventually(Pred pred) {
-  for (int i = 0; i < 400; ++i) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return pred();
 }
 
 // One denoise worker with a batch of a single canvas, so that a request with n > 1 is

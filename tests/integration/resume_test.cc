@@ -21,25 +21,21 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/test_cluster.h"
+#include "tests/integration/test_helpers.h"
 
 namespace dgserve::testing {
 namespace {
+
+template <typename Pred>
+bool EventuallyWithin60s(Pred pred) {
+  return Eventually(pred, 60);
+}
 
 using ::testing::HasSubstr;
 
 // 20 canvases of 16 tokens: the request still runs when the worker is killed.
 constexpr int kMaxTokens = 320;
 const char kPrompt[] = "Tell a long story about the sea.";
-
-// Polls `pred` every 50 ms for at most 60 s.
-template <typename Pred>
-bool Eventually(Pred pred) {
-  for (int i = 0; i < 1200; ++i) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return pred();
-}
 
 v1::GenerateRequest Chat(uint64_t seed, int canvas_step_interval) {
   v1::GenerateRequest r;
@@ -260,7 +256,7 @@ TEST(ResumeTest, RequestsSurviveADenoiseWorkerKilledMidRequest) {
     });
   }
   // Every request has received at least one block; then the busier worker dies.
-  const bool all_started = Eventually([&] {
+  const bool all_started = EventuallyWithin60s([&] {
     for (auto& b : blocks) {
       if (b.load() == 0) return false;
     }
@@ -367,7 +363,7 @@ TEST(ResumeTest, GivesUpAfterMaxResumes) {
   for (int round = 0; round < 2; ++round) {
     ASSERT_TRUE(read_block()) << "round " << round;
     int victim = -1;
-    ASSERT_TRUE(Eventually([&] { return (victim = BusiestDenoise(c)) >= 0; }));
+    ASSERT_TRUE(EventuallyWithin60s([&] { return (victim = BusiestDenoise(c)) >= 0; }));
     c.KillDenoise(victim);
     killed.push_back(victim);
     if (round == 0) {

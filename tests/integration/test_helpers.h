@@ -1,0 +1,51 @@
+// Small helpers shared by the integration tests: a chat request, a unary Generate with its
+// status, and a bounded poll.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "grpcpp/grpcpp.h"
+#include "tests/integration/test_cluster.h"
+
+namespace dgserve::testing {
+
+// One user turn `text`, with a seed, max_tokens and n (0 = one sample).
+inline v1::GenerateRequest Chat(const std::string& text, uint64_t seed, int max_tokens,
+                                int n = 0) {
+  v1::GenerateRequest r;
+  v1::ChatMessage* m = r.mutable_chat()->add_messages();
+  m->set_role("user");
+  m->set_content(text);
+  r.set_seed(seed);
+  r.set_max_tokens(max_tokens);
+  r.set_n(n);
+  return r;
+}
+
+struct Result {
+  grpc::Status status;
+  v1::GenerateResponse response;
+};
+
+// The gateway's unary Generate with a 120 s deadline.
+inline Result Generate(const TestCluster& c, const v1::GenerateRequest& req) {
+  Result r;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  r.status = c.GatewayStub()->Generate(&ctx, req, &r.response);
+  return r;
+}
+
+// Polls `pred` every 50 ms for at most `seconds`; returns its last value.
+template <typename Pred>
+bool Eventually(Pred pred, int seconds = 20) {
+  for (int i = 0; i < seconds * 20; ++i) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return pred();
+}
+
+}  // namespace dgserve::testing
