@@ -9,8 +9,9 @@
 #   --model DIR  the sudoku checkpoint (default: <repo>/models/sudoku)
 #   --keep       keep the temporary directory (logs, reports) even when everything passes
 #
-# Environment: SUDOKU_E2E_MIN_SOLVED (default 6; the shipped model solves 9 here, with seeds 0-19; the margin
-# allows for other CPUs rounding differently): the eval must solve at least this many of the
+# Environment: SUDOKU_E2E_MIN_SOLVED (default 12; the shipped model solves 14 here with the
+# givens as a canvas template, dgserve-sudoku-eval's default, with seeds 1-20; the margin allows
+# for a libm that rounds exp differently): the eval must solve at least this many of the
 # 20 puzzles; SUDOKU_E2E_BUDGET_S (default 420): the whole run's time budget in seconds (every
 # command's timeout is capped by what is left of it). Nothing is asserted on time. Everything
 # listens on 127.0.0.1; the cluster this script starts is stopped on every exit path
@@ -26,7 +27,7 @@ while [ $# -gt 0 ]; do
     --build) BUILD=$2; shift 2 ;;
     --model) MODEL=$2; shift 2 ;;
     --keep) KEEP=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "sudoku_e2e.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -34,7 +35,7 @@ abspath() { case "$1" in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 BUILD=$(abspath "$BUILD")
 MODEL=$(abspath "$MODEL")
 PUZZLES="$ROOT/tools/sudoku/data/e2e20.jsonl"
-MIN_SOLVED=${SUDOKU_E2E_MIN_SOLVED:-6}
+MIN_SOLVED=${SUDOKU_E2E_MIN_SOLVED:-12}
 
 log() { echo "sudoku-e2e: $*"; }
 die() { echo "sudoku-e2e: ERROR: $*" >&2; exit 1; }
