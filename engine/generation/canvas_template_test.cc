@@ -18,6 +18,7 @@
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/checkpoint_testing.h"
+#include "engine/model/forwarding_backend_testing.h"
 
 namespace dgserve {
 namespace {
@@ -32,15 +33,10 @@ struct Step {
 // Forwards to `inner`; before each DenoiseStep it computes the reference rows with the unfused
 // path: Decode() logits, ids outside each row's mask set to −inf, then SampleRow with the same
 // temperature and uniform.
-class CheckingBackend final : public ModelBackend {
+class CheckingBackend final : public ::dgserve::testing::ForwardingBackend {
  public:
-  explicit CheckingBackend(ModelBackend& inner) : inner_(inner) {}
-  const ModelConfig& config() const override { return inner_.config(); }
-  absl::Status Encode(std::span<const EncodeInput> batch) override { return inner_.Encode(batch); }
-  absl::Status Decode(std::span<const DecodeInput> batch) override { return inner_.Decode(batch); }
-  void SoftEmbedding(const float* probs, int rows, float* soft) override {
-    inner_.SoftEmbedding(probs, rows, soft);
-  }
+  explicit CheckingBackend(ModelBackend& inner) : ForwardingBackend(inner) {}
+
   absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) override {
     const int V = config().vocab_size;
     for (const DenoiseStepInput& in : batch) {
@@ -48,7 +44,7 @@ class CheckingBackend final : public ModelBackend {
       s.canvas.assign(in.canvas.begin(), in.canvas.end());
       std::vector<float> logits(in.canvas.size() * size_t(V));
       DecodeInput d{in.canvas, in.sc_soft, in.kv, logits.data()};
-      if (absl::Status st = inner_.Decode({&d, 1}); !st.ok()) return st;
+      if (absl::Status st = inner().Decode({&d, 1}); !st.ok()) return st;
       for (size_t j = 0; j < in.canvas.size(); ++j) {
         float* row = logits.data() + j * size_t(V);
         const uint64_t* mask = in.row_masks.empty() ? nullptr : in.row_masks[j];
@@ -59,19 +55,15 @@ class CheckingBackend final : public ModelBackend {
       }
       steps.push_back(std::move(s));
     }
-    if (absl::Status st = inner_.DenoiseStep(batch); !st.ok()) return st;
+    if (absl::Status st = inner().DenoiseStep(batch); !st.ok()) return st;
     size_t first = steps.size() - batch.size();
     for (size_t i = 0; i < batch.size(); ++i) {
       steps[first + i].fused.assign(batch[i].rows, batch[i].rows + batch[i].canvas.size());
     }
     return absl::OkStatus();
   }
-  DecodeTimings last_decode_timings() const override { return inner_.last_decode_timings(); }
 
   std::vector<Step> steps;
-
- private:
-  ModelBackend& inner_;
 };
 
 class CanvasTemplateGenerationTest : public ::testing::Test {

@@ -17,6 +17,7 @@
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/checkpoint_testing.h"
+#include "engine/model/forwarding_backend_testing.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 
@@ -36,20 +37,10 @@ struct RecordedStep {
 
 // Forwards everything to `inner`; each DenoiseStep call is recorded, including the logits of an
 // unfused Decode() over the very same inputs (canvas, SC input, KV), run just before it.
-class RecordingBackend final : public ModelBackend {
+class RecordingBackend final : public ::dgserve::testing::ForwardingBackend {
  public:
-  explicit RecordingBackend(ModelBackend& inner) : inner_(inner) {}
+  explicit RecordingBackend(ModelBackend& inner) : ForwardingBackend(inner) {}
 
-  const ModelConfig& config() const override { return inner_.config(); }
-  absl::Status Encode(std::span<const EncodeInput> batch) override {
-    return inner_.Encode(batch);
-  }
-  absl::Status Decode(std::span<const DecodeInput> batch) override {
-    return inner_.Decode(batch);
-  }
-  void SoftEmbedding(const float* probs, int rows, float* soft) override {
-    inner_.SoftEmbedding(probs, rows, soft);
-  }
   absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) override {
     const size_t first = steps.size();
     for (const DenoiseStepInput& in : batch) {
@@ -59,10 +50,10 @@ class RecordingBackend final : public ModelBackend {
       s.computes_next_sc = in.next_soft != nullptr;
       s.logits.resize(in.canvas.size() * size_t(config().vocab_size));
       DecodeInput d{in.canvas, in.sc_soft, in.kv, s.logits.data()};
-      if (absl::Status st = inner_.Decode({&d, 1}); !st.ok()) return st;
+      if (absl::Status st = inner().Decode({&d, 1}); !st.ok()) return st;
       steps.push_back(std::move(s));
     }
-    if (absl::Status st = inner_.DenoiseStep(batch); !st.ok()) return st;
+    if (absl::Status st = inner().DenoiseStep(batch); !st.ok()) return st;
     for (size_t i = 0; i < batch.size(); ++i) {
       for (size_t j = 0; j < batch[i].canvas.size(); ++j) {
         steps[first + i].argmax.push_back(batch[i].rows[j].argmax);
@@ -70,12 +61,8 @@ class RecordingBackend final : public ModelBackend {
     }
     return absl::OkStatus();
   }
-  DecodeTimings last_decode_timings() const override { return inner_.last_decode_timings(); }
 
   std::vector<RecordedStep> steps;
-
- private:
-  ModelBackend& inner_;
 };
 
 class SelfConditioningTest : public ::testing::Test {
