@@ -792,6 +792,10 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<Session>& s, co
       RunGenerate(ex, std::move(request), deadline, std::move(ctx), stream, include_usage);
       std::lock_guard<std::mutex> lock(jobs_mu_);
       jobs_.erase(ex);
+      // This may be the last reference to the exchange, which holds the connection's strand:
+      // drop it while Stop() still waits, not after the io_context (and its strand service) is
+      // gone (ASan: heap-use-after-free in ~strand_impl at shutdown).
+      ex.reset();
       jobs_cv_.notify_all();
     }).detach();
   } catch (const std::system_error& e) {
