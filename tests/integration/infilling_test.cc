@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/test_cluster.h"
+#include "tests/integration/test_helpers.h"
 
 namespace dgserve::testing {
 namespace {
@@ -51,11 +52,6 @@ v1::GenerateRequest SudokuRequest(uint64_t seed) {
   return r;
 }
 
-struct Result {
-  grpc::Status status;
-  v1::GenerateResponse response;
-};
-
 // The answer keeps every given and the layout, and every blank is a digit 1-9.
 void ExpectTemplateKept(const std::string& text) {
   ASSERT_EQ(text.size(), 90u) << text;
@@ -72,34 +68,22 @@ void ExpectTemplateKept(const std::string& text) {
   }
 }
 
-class InfillingTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
+class InfillingTest : public SharedClusterTest<InfillingTest> {
+ public:
+  static absl::StatusOr<ClusterOptions> Options() {
     ClusterOptions o;
     o.model_dir = std::string(DGSERVE_SOURCE_DIR_PATH) + "/models/sudoku";
-    auto c = TestCluster::Start(o);
-    ASSERT_TRUE(c.ok()) << c.status();
-    cluster_ = c->release();
+    return o;
   }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
-  Result Generate(const v1::GenerateRequest& req) {
-    Result r;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-    r.status = cluster_->GatewayStub()->Generate(&ctx, req, &r.response);
-    return r;
-  }
+
+ protected:
+  Result Generate(const v1::GenerateRequest& req) { return testing::Generate(c(), req); }
   httplib::Result Post(const std::string& path, const json& body) {
     httplib::Client http("127.0.0.1", cluster_->gateway().http_port);
     http.set_read_timeout(120, 0);
     return http.Post(path, body.dump(), "application/json");
   }
-  static TestCluster* cluster_;
 };
-TestCluster* InfillingTest::cluster_ = nullptr;
 
 TEST_F(InfillingTest, GivensStayFixedAndBlanksBecomeDigitsOverGrpc) {
   for (uint64_t seed : {1u, 2u, 3u}) {

@@ -33,33 +33,26 @@ std::vector<int32_t> Ids(const google::protobuf::RepeatedField<int32_t>& ids) {
 // One denoise worker with a batch of a single canvas, so that a request with n > 1 is
 // scheduled in parts and its samples wait (holding their KV) behind a running request; the
 // test model without stop tokens, so that max_tokens alone ends a completion.
-class NSamplesTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
+class NSamplesTest : public SharedClusterTest<NSamplesTest> {
+ public:
+  static absl::StatusOr<ClusterOptions> Options() {
     absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-    ASSERT_TRUE(model.ok()) << model.status();
+    if (!model.ok()) return model.status();
     ClusterOptions o;
     o.model_dir = *model;
     o.denoise_flags = {"--max_batch_canvases=1"};
     o.gateway_flags = {absl::StrCat("--max_n=", kMaxN)};
-    auto c = TestCluster::Start(o);
-    ASSERT_TRUE(c.ok()) << c.status();
-    cluster_ = c->release();
+    return o;
   }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
-  const TestCluster& c() { return *cluster_; }
+
+ protected:
   bool DenoiseIdle() {
     auto s = c().DenoiseStats(0);
     return s.ok() && s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0 &&
            s->kv().full_blocks_shared() == 0 && s->active_requests() == 0 &&
            s->queued_requests() == 0;
   }
-  static TestCluster* cluster_;
 };
-TestCluster* NSamplesTest::cluster_ = nullptr;
 
 TEST_F(NSamplesTest, EachSampleEqualsTheSoloRequestWithSeedPlusIndex) {
   constexpr uint64_t kSeed = 40;
@@ -269,25 +262,16 @@ TEST_F(NSamplesTest, OpenAiChoicesPerSampleUnaryAndStreamed) {
 
 // With room in the batch the samples run in the same decoder passes: their events interleave
 // in the stream, and each still equals its solo request.
-class NSamplesBatchedTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
+class NSamplesBatchedTest : public SharedClusterTest<NSamplesBatchedTest> {
+ public:
+  static absl::StatusOr<ClusterOptions> Options() {
     absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-    ASSERT_TRUE(model.ok()) << model.status();
+    if (!model.ok()) return model.status();
     ClusterOptions o;
     o.model_dir = *model;
-    auto c = TestCluster::Start(o);
-    ASSERT_TRUE(c.ok()) << c.status();
-    cluster_ = c->release();
+    return o;
   }
-  static void TearDownTestSuite() {
-    delete cluster_;
-    cluster_ = nullptr;
-  }
-  const TestCluster& c() { return *cluster_; }
-  static TestCluster* cluster_;
 };
-TestCluster* NSamplesBatchedTest::cluster_ = nullptr;
 
 TEST_F(NSamplesBatchedTest, SamplesInterleaveAndEqualTheirSoloRequests) {
   constexpr int kN = 3;

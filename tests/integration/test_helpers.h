@@ -6,7 +6,9 @@
 #include <string>
 #include <thread>
 
+#include "absl/status/statusor.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 #include "tests/integration/test_cluster.h"
 
 namespace dgserve::testing {
@@ -47,5 +49,25 @@ bool Eventually(Pred pred, int seconds = 20) {
   }
   return pred();
 }
+
+// A fixture whose test suite shares one cluster, started once from Derived::Options()
+// (a static function returning absl::StatusOr<ClusterOptions>) and stopped after the suite.
+template <typename Derived>
+class SharedClusterTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<ClusterOptions> options = Derived::Options();
+    ASSERT_TRUE(options.ok()) << options.status();
+    auto c = TestCluster::Start(*options);
+    ASSERT_TRUE(c.ok()) << c.status();
+    cluster_ = c->release();
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  static const TestCluster& c() { return *cluster_; }
+  static inline TestCluster* cluster_ = nullptr;
+};
 
 }  // namespace dgserve::testing
