@@ -197,6 +197,10 @@ REQUIRED = [
     ("prefix-cache hit rate", lambda p, e: "dgserve_prefill_prefix_cache_hits_total" in e and "dgserve_prefill_prefix_cache_queries_total" in e),
     ("KV transfer bytes/s by transport", lambda p, e: "dgserve_prefill_kv_transfer_bytes_total" in e and "by (transport)" in e),
     ("KV transfer failures by transport", lambda p, e: "dgserve_prefill_kv_transfer_failures_total" in e and "by (transport)" in e),
+    ("HTTP open connections and streams", lambda p, e: "dgserve_gateway_http_open_connections" in e and "dgserve_gateway_http_open_streams" in e),
+    ("admission queue depth", lambda p, e: "dgserve_gateway_queued_requests" in e),
+    ("admission queue time p95", lambda p, e: "dgserve_gateway_queue_duration_seconds_bucket" in e and "histogram_quantile(0.95" in e),
+    ("resumes", lambda p, e: "dgserve_gateway_resumes_total" in e),
 ]
 
 

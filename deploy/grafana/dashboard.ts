@@ -355,6 +355,59 @@ const requests: Sized[] = [
   },
 ];
 
+const frontEnd: Sized[] = [
+  {
+    w: 6,
+    panel: timeseries({
+      title: 'HTTP connections and SSE streams',
+      description:
+        'Open HTTP connections of the gateway (idle keep-alive ones included) and the SSE streams being written, per gateway.',
+      min: 0,
+      queries: [
+        { expr: `sum by (instance) (${sel(`${GW}_http_open_connections`)})`, legend: 'connections {{instance}}' },
+        { expr: `sum by (instance) (${sel(`${GW}_http_open_streams`)})`, legend: 'streams {{instance}}' },
+      ],
+    }),
+  },
+  {
+    w: 6,
+    panel: timeseries({
+      title: 'Requests waiting for admission',
+      description:
+        'Requests in the gateway\'s admission queue (--max_queued_requests; always 0 when it is 0), next to those admitted (--max_concurrent_requests bounds them). Beyond both, requests get 429 / RESOURCE_EXHAUSTED at once.',
+      min: 0,
+      queries: [
+        { expr: `sum(${sel(`${GW}_queued_requests`)})`, legend: 'queued' },
+        { expr: `sum(${sel(`${GW}_inflight_requests`)})`, legend: 'in flight' },
+      ],
+    }),
+  },
+  {
+    w: 6,
+    panel: timeseries({
+      title: 'Admission wait p50 / p95',
+      description: 'Time a request waited in the admission queue before it ran (requests admitted at once count as ~0).',
+      unit: 's',
+      min: 0,
+      queries: [0.5, 0.95].map((q) => ({
+        expr: quantile(q, `${GW}_queue_duration_seconds`),
+        legend: `p${Math.round(q * 100)}`,
+      })),
+    }),
+  },
+  {
+    w: 6,
+    panel: timeseries({
+      title: 'Resumes after a denoise worker failure',
+      description:
+        'Requests per second continued from their next canvas on other workers after their denoise worker failed mid-request.',
+      unit: 'reqps',
+      min: 0,
+      queries: [{ expr: `sum(${rate(`${GW}_resumes_total`)})`, legend: 'resumes/s' }],
+    }),
+  },
+];
+
 const ttftStages = (q: number): Q[] => [
   { expr: quantile(q, `${GW}_prefill_duration_seconds`), legend: 'prefill + KV transfer' },
   { expr: quantile(q, `${GW}_time_to_first_step_seconds`), legend: 'first canvas step' },
@@ -707,7 +760,7 @@ const dashboard: Dashboard = {
   uid: 'dgserve-overview',
   title: 'dgserve: DiffusionGemma serving',
   description:
-    'Requests, time to first token by stage, block-diffusion denoising, queues, KV cache and KV transfer of a dgserve cluster (gateway, prefill and denoise workers).',
+    'Requests, the HTTP front end and admission, time to first token by stage, block-diffusion denoising, queues, KV cache and KV transfer of a dgserve cluster (gateway, prefill and denoise workers).',
   tags: ['dgserve', 'llm', 'diffusion'],
   editable: true,
   graphTooltip: DashboardCursorSync.Crosshair,
@@ -741,6 +794,7 @@ const dashboard: Dashboard = {
   },
   panels: layout([
     { title: 'Requests and errors', panels: requests },
+    { title: 'HTTP front end and admission', panels: frontEnd },
     { title: 'Time to first token', panels: ttft },
     { title: 'Denoising', panels: denoising },
     { title: 'Queues and prefill', panels: queues },
