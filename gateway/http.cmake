@@ -36,5 +36,5 @@ if(DGSERVE_BUILD_TESTS)
     DEPS dgserve_openai_api LABELS unit)
   dgserve_http_cc_test(NAME openai_http_server_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server_test.cc
-    DEPS dgserve_http_server dgserve_admission PkgConfig::HTTPLIB LABELS unit)
+    DEPS dgserve_http_server dgserve_admission dgserve_http_client LABELS unit)
 endif()

@@ -1,11 +1,11 @@
-// The HTTP stack of OpenAiHttpServer against a real httplib::Client on 127.0.0.1, with a fake
-// GenerationCore (the real core is tested end to end by the gateway's own tests).
+// The HTTP stack of OpenAiHttpServer against a real HTTP client (libcurl, common/http_client.h) on
+// 127.0.0.1, with a fake GenerationCore (the real core is tested end to end by the gateway's own
+// tests).
 #include "gateway/http_server.h"
 
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <httplib.h>
 #include <netinet/in.h>
 #include <prometheus/registry.h>
 #include <sys/socket.h>
@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/http_client.h"
 #include "common/testing/loopback_socket.h"
 #include "common/testing/status_matchers.h"
 #include "gateway/admission.h"
@@ -112,20 +113,20 @@ class HttpServerTest : public ::testing::Test {
   void TearDown() override {
     if (server_) server_->Stop();
   }
-  httplib::Client Client() {
-    httplib::Client cli("127.0.0.1", port_);
-    cli.set_read_timeout(10, 0);
+  HttpClient Client() {
+    HttpClient cli("127.0.0.1", port_);
+    cli.set_idle_timeout(absl::Seconds(10));
     return cli;
   }
-  static void ExpectErrorBody(const httplib::Result& res, int status, const std::string& type,
+  static void ExpectErrorBody(const HttpResponse& res, int status, const std::string& type,
                               const std::string& message_part) {
-    ASSERT_TRUE(res) << "no response";
-    EXPECT_EQ(res->status, status);
-    EXPECT_THAT(res->get_header_value("Content-Type"), HasSubstr("application/json"));
-    json j = json::parse(res->body, nullptr, false);
-    ASSERT_FALSE(j.is_discarded()) << res->body;
-    ASSERT_TRUE(j.contains("error")) << res->body;
-    EXPECT_EQ(j["error"]["type"], type) << res->body;
+    ASSERT_TRUE(res) << res.error;
+    EXPECT_EQ(res.status, status);
+    EXPECT_THAT(res.Header("Content-Type"), HasSubstr("application/json"));
+    json j = json::parse(res.body, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << res.body;
+    ASSERT_TRUE(j.contains("error")) << res.body;
+    EXPECT_EQ(j["error"]["type"], type) << res.body;
     EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr(message_part));
     EXPECT_TRUE(j["error"].contains("param"));
     EXPECT_TRUE(j["error"].contains("code"));
@@ -153,110 +154,111 @@ std::vector<std::string> SseData(const std::string& body) {
 
 TEST_F(HttpServerTest, HealthAndReady) {
   StartServer();
-  httplib::Client cli = Client();
+  HttpClient cli = Client();
   auto health = cli.Get("/health");
   ASSERT_TRUE(health);
-  EXPECT_EQ(health->status, 200);
-  EXPECT_EQ(json::parse(health->body)["status"], "ok");
+  EXPECT_EQ(health.status, 200);
+  EXPECT_EQ(json::parse(health.body)["status"], "ok");
   auto ready = cli.Get("/ready");
   ASSERT_TRUE(ready);
-  EXPECT_EQ(ready->status, 200);
+  EXPECT_EQ(ready.status, 200);
   core_.ready = false;
   auto not_ready = cli.Get("/ready");
   ASSERT_TRUE(not_ready);
-  EXPECT_EQ(not_ready->status, 503);
-  EXPECT_EQ(json::parse(not_ready->body)["status"], "not_ready");
+  EXPECT_EQ(not_ready.status, 503);
+  EXPECT_EQ(json::parse(not_ready.body)["status"], "not_ready");
   core_.ready = true;
   server_->SetDraining(true);
   auto draining = cli.Get("/ready");
   ASSERT_TRUE(draining);
-  EXPECT_EQ(draining->status, 503);
-  EXPECT_EQ(json::parse(draining->body)["status"], "draining");
-  EXPECT_EQ(cli.Get("/health")->status, 200);
+  EXPECT_EQ(draining.status, 503);
+  EXPECT_EQ(json::parse(draining.body)["status"], "draining");
+  EXPECT_EQ(cli.Get("/health").status, 200);
   server_->SetDraining(false);
-  EXPECT_EQ(cli.Get("/ready")->status, 200);
+  EXPECT_EQ(cli.Get("/ready").status, 200);
 }
 
 TEST_F(HttpServerTest, BadRequestBodyShape) {
   StartServer();
-  httplib::Client cli = Client();
+  HttpClient cli = Client();
   // The fake core answers INVALID_ARGUMENT("prompt: must not be empty").
-  auto res = cli.Post("/v1/completions", R"({"prompt": "hi"})", "application/json");
+  auto res = cli.Post("/v1/completions", R"({"prompt": "hi"})");
   ExpectErrorBody(res, 400, "invalid_request_error", "prompt: must not be empty");
-  EXPECT_FALSE(res->get_header_value("X-Request-Id").empty());
+  EXPECT_FALSE(res.Header("X-Request-Id").empty());
   // Parse errors name the field in `param`.
-  auto bad = cli.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": "x"})", "text/plain");
+  auto bad =
+      cli.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": "x"})", {}, "text/plain");
   ExpectErrorBody(bad, 400, "invalid_request_error", "max_tokens: must be an integer");
-  EXPECT_EQ(json::parse(bad->body)["error"]["param"], "max_tokens");
-  auto unsupported = cli.Post(
-      "/v1/chat/completions",
-      R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true})", "application/json");
+  EXPECT_EQ(json::parse(bad.body)["error"]["param"], "max_tokens");
+  auto unsupported =
+      cli.Post("/v1/chat/completions",
+               R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true})");
   ExpectErrorBody(unsupported, 400, "invalid_request_error", "unsupported field: logprobs");
-  EXPECT_EQ(json::parse(unsupported->body)["error"]["param"], "logprobs");
-  ExpectErrorBody(cli.Post("/v1/completions", "{bad", "application/json"), 400,
-                  "invalid_request_error", "malformed JSON");
-  ExpectErrorBody(cli.Post("/v1/completions", "", "application/json"), 400, "invalid_request_error",
+  EXPECT_EQ(json::parse(unsupported.body)["error"]["param"], "logprobs");
+  ExpectErrorBody(cli.Post("/v1/completions", "{bad"), 400, "invalid_request_error",
                   "malformed JSON");
+  ExpectErrorBody(cli.Post("/v1/completions", ""), 400, "invalid_request_error", "malformed JSON");
 }
 
 TEST_F(HttpServerTest, Auth) {
   core_.api_key = "sk-1";
   StartServer();
-  httplib::Client cli = Client();
-  auto none = cli.Post("/v1/completions", R"({"prompt": "hi"})", "application/json");
+  HttpClient cli = Client();
+  auto none = cli.Post("/v1/completions", R"({"prompt": "hi"})");
   ExpectErrorBody(none, 401, "authentication_error", "invalid API key");
-  EXPECT_EQ(none->get_header_value("WWW-Authenticate"), "Bearer");
-  // The connection stays usable after an early answer (the body was drained).
-  EXPECT_EQ(cli.Get("/health")->status, 200);
-  EXPECT_EQ(cli.Get("/ready")->status, 200);
+  EXPECT_EQ(none.Header("WWW-Authenticate"), "Bearer");
+  // The connection stays usable after an early answer (the body was drained): the client's
+  // next request goes over the same connection.
+  auto after = cli.Get("/health");
+  EXPECT_EQ(after.status, 200);
+  EXPECT_EQ(after.new_connections, 0);
+  EXPECT_EQ(cli.Get("/ready").status, 200);
   ExpectErrorBody(cli.Get("/v1/models"), 401, "authentication_error", "invalid API key");
   ExpectErrorBody(cli.Get("/v1/models", {{"Authorization", "Bearer sk-2"}}), 401,
                   "authentication_error", "invalid API key");
   auto ok = cli.Get("/v1/models", {{"Authorization", "bearer  sk-1 "}});
   ASSERT_TRUE(ok);
-  EXPECT_EQ(ok->status, 200);
-  auto passed = cli.Post("/v1/completions", {{"Authorization", "Bearer sk-1"}},
-                         R"({"prompt": "hi"})", "application/json");
+  EXPECT_EQ(ok.status, 200);
+  auto passed =
+      cli.Post("/v1/completions", R"({"prompt": "hi"})", {{"Authorization", "Bearer sk-1"}});
   ExpectErrorBody(passed, 400, "invalid_request_error", "prompt: must not be empty");
 }
 
 TEST_F(HttpServerTest, NotFoundAndMethodNotAllowed) {
   StartServer();
-  httplib::Client cli = Client();
+  HttpClient cli = Client();
   ExpectErrorBody(cli.Get("/v2/nothing"), 404, "not_found_error", "unknown path: /v2/nothing");
-  ExpectErrorBody(cli.Post("/nothing", "{}", "application/json"), 404, "not_found_error",
-                  "unknown path");
+  ExpectErrorBody(cli.Post("/nothing", "{}"), 404, "not_found_error", "unknown path");
   auto get = cli.Get("/v1/completions");
   ExpectErrorBody(get, 405, "invalid_request_error", "method GET not allowed");
-  EXPECT_EQ(get->get_header_value("Allow"), "POST");
-  auto post = cli.Post("/v1/models", "{}", "application/json");
+  EXPECT_EQ(get.Header("Allow"), "POST");
+  auto post = cli.Post("/v1/models", "{}");
   ExpectErrorBody(post, 405, "invalid_request_error", "method POST not allowed");
-  EXPECT_EQ(post->get_header_value("Allow"), "GET, HEAD");
+  EXPECT_EQ(post.Header("Allow"), "GET, HEAD");
   ExpectErrorBody(cli.Delete("/v1/chat/completions"), 405, "invalid_request_error", "not allowed");
-  EXPECT_EQ(cli.Get("/health")->status, 200);
+  EXPECT_EQ(cli.Get("/health").status, 200);
 }
 
 TEST_F(HttpServerTest, BodyTooLarge) {
   HttpServerOptions options;
   options.max_body_bytes = 1024;
   StartServer(options);
-  httplib::Client cli = Client();
+  HttpClient cli = Client();
   const std::string big = R"({"prompt": ")" + std::string(2000, 'a') + R"("})";
-  ExpectErrorBody(cli.Post("/v1/completions", big, "application/json"), 413,
-                  "invalid_request_error", "larger than 1024 bytes");
+  ExpectErrorBody(cli.Post("/v1/completions", big), 413, "invalid_request_error",
+                  "larger than 1024 bytes");
   // Chunked transfer encoding (no Content-Length) is capped too.
-  auto chunked = cli.Post(
-      "/v1/completions",
-      [&](size_t offset, httplib::DataSink& sink) {
-        sink.write(big.data(), big.size());
-        sink.done();
-        return true;
-      },
-      "application/json");
+  HttpRequest chunked_request;
+  chunked_request.method = "POST";
+  chunked_request.path = "/v1/completions";
+  chunked_request.headers = {{"Content-Type", "application/json"}};
+  chunked_request.body = big;
+  chunked_request.chunked_body = true;
+  auto chunked = cli.Send(chunked_request);
   ExpectErrorBody(chunked, 413, "invalid_request_error", "larger than 1024 bytes");
   // A small body still reaches the core.
-  ExpectErrorBody(cli.Post("/v1/completions", R"({"prompt": "x"})", "application/json"), 400,
-                  "invalid_request_error", "prompt: must not be empty");
+  ExpectErrorBody(cli.Post("/v1/completions", R"({"prompt": "x"})"), 400, "invalid_request_error",
+                  "prompt: must not be empty");
 }
 
 // Sends raw bytes (with "Connection: close") and returns everything the server answers.
@@ -286,7 +288,7 @@ TEST_F(HttpServerTest, PostWithoutBodyDoesNotHang) {
       RawRequest(port_, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   EXPECT_THAT(out, HasSubstr("HTTP/1.1 400"));
   EXPECT_THAT(out, HasSubstr("malformed JSON"));
-  // A garbage request line gets an OpenAI error body from httplib's error path.
+  // A garbage request line gets an OpenAI error body from the server's error path.
   const std::string garbage = RawRequest(port_, "NONSENSE\r\n\r\n");
   EXPECT_THAT(garbage, HasSubstr("HTTP/1.1 400"));
   EXPECT_THAT(garbage, HasSubstr("\"error\""));
@@ -294,19 +296,19 @@ TEST_F(HttpServerTest, PostWithoutBodyDoesNotHang) {
 
 TEST_F(HttpServerTest, Models) {
   StartServer();
-  httplib::Client cli = Client();
+  HttpClient cli = Client();
   auto list = cli.Get("/v1/models");
   ASSERT_TRUE(list);
-  EXPECT_EQ(list->status, 200);
-  json j = json::parse(list->body);
+  EXPECT_EQ(list.status, 200);
+  json j = json::parse(list.body);
   EXPECT_EQ(j["object"], "list");
   ASSERT_EQ(j["data"].size(), 1u);
   EXPECT_EQ(j["data"][0]["id"], "dg-tiny");
   EXPECT_EQ(j["data"][0]["context_length"], 4096);
   auto one = cli.Get("/v1/models/dg-tiny");
   ASSERT_TRUE(one);
-  EXPECT_EQ(one->status, 200);
-  EXPECT_EQ(json::parse(one->body)["id"], "dg-tiny");
+  EXPECT_EQ(one.status, 200);
+  EXPECT_EQ(json::parse(one.body)["id"], "dg-tiny");
   ExpectErrorBody(cli.Get("/v1/models/other"), 404, "not_found_error", "model 'other'");
 }
 
@@ -320,25 +322,23 @@ TEST_F(HttpServerTest, NonStreamingSuccessAndRateLimit) {
     return absl::OkStatus();
   };
   StartServer();
-  httplib::Client cli = Client();
+  HttpClient cli = Client();
   auto res = cli.Post("/v1/chat/completions",
-                      R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})",
-                      "application/json");
+                      R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})");
   ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 200);
-  EXPECT_EQ(res->get_header_value("X-Request-Id"), "req-7");
-  EXPECT_EQ(res->get_header_value_count("X-Request-Id"), 1u);
-  json j = json::parse(res->body);
+  EXPECT_EQ(res.status, 200);
+  EXPECT_EQ(res.Header("X-Request-Id"), "req-7");
+  EXPECT_EQ(res.HeaderCount("X-Request-Id"), 1u);
+  json j = json::parse(res.body);
   EXPECT_EQ(j["id"], "chatcmpl-req-7");
   EXPECT_EQ(j["model"], "dg-tiny");
   EXPECT_EQ(j["choices"][0]["message"]["content"], "Hello");
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(j["usage"]["total_tokens"], 5);
 
-  auto limited =
-      cli.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 99})", "application/json");
+  auto limited = cli.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 99})");
   ExpectErrorBody(limited, 429, "rate_limit_error", "queue full");
-  EXPECT_EQ(limited->get_header_value("Retry-After"), "1");
+  EXPECT_EQ(limited.Header("Retry-After"), "1");
 }
 
 TEST_F(HttpServerTest, RequestTimeoutHeader) {
@@ -350,21 +350,19 @@ TEST_F(HttpServerTest, RequestTimeoutHeader) {
     return absl::OkStatus();
   };
   StartServer();
-  httplib::Client cli = Client();
-  auto ok = cli.Post("/v1/completions", {{"X-Request-Timeout", "2.5"}}, R"({"prompt": "x"})",
-                     "application/json");
+  HttpClient cli = Client();
+  auto ok = cli.Post("/v1/completions", R"({"prompt": "x"})", {{"X-Request-Timeout", "2.5"}});
   ASSERT_TRUE(ok);
-  EXPECT_EQ(ok->status, 200);
+  EXPECT_EQ(ok.status, 200);
   EXPECT_GT(seen_timeout.load(), 1.5);
   EXPECT_LE(seen_timeout.load(), 2.5);
-  auto dflt = cli.Post("/v1/completions", R"({"prompt": "x"})", "application/json");
+  auto dflt = cli.Post("/v1/completions", R"({"prompt": "x"})");
   ASSERT_TRUE(dflt);
   EXPECT_GT(seen_timeout.load(), 500);  // the 10-minute default
-  ExpectErrorBody(cli.Post("/v1/completions", {{"X-Request-Timeout", "soon"}}, R"({"prompt": "x"})",
-                           "application/json"),
-                  400, "invalid_request_error", "X-Request-Timeout");
-  ExpectErrorBody(cli.Post("/v1/completions", {{"X-Request-Timeout", "-1"}}, R"({"prompt": "x"})",
-                           "application/json"),
+  ExpectErrorBody(
+      cli.Post("/v1/completions", R"({"prompt": "x"})", {{"X-Request-Timeout", "soon"}}), 400,
+      "invalid_request_error", "X-Request-Timeout");
+  ExpectErrorBody(cli.Post("/v1/completions", R"({"prompt": "x"})", {{"X-Request-Timeout", "-1"}}),
                   400, "invalid_request_error", "X-Request-Timeout");
 }
 
@@ -383,17 +381,16 @@ TEST_F(HttpServerTest, StreamingSuccess) {
     return absl::OkStatus();
   };
   StartServer();
-  httplib::Client cli = Client();
+  HttpClient cli = Client();
   auto res = cli.Post("/v1/chat/completions",
                       R"({"messages": [{"role": "user", "content": "hi"}], "stream": true,
-                          "stream_options": {"include_usage": true}, "canvas_step_interval": 2})",
-                      "application/json");
+                          "stream_options": {"include_usage": true}, "canvas_step_interval": 2})");
   ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 200);
-  EXPECT_THAT(res->get_header_value("Content-Type"), HasSubstr("text/event-stream"));
-  EXPECT_EQ(res->get_header_value("Cache-Control"), "no-cache");
-  EXPECT_EQ(res->get_header_value("X-Request-Id"), "req-7");
-  std::vector<std::string> frames = SseData(res->body);
+  EXPECT_EQ(res.status, 200);
+  EXPECT_THAT(res.Header("Content-Type"), HasSubstr("text/event-stream"));
+  EXPECT_EQ(res.Header("Cache-Control"), "no-cache");
+  EXPECT_EQ(res.Header("X-Request-Id"), "req-7");
+  std::vector<std::string> frames = SseData(res.body);
   ASSERT_EQ(frames.size(), 1u + 200u + 1u + 1u + 1u);
   json step = json::parse(frames[0]);
   EXPECT_EQ(step["dgserve"]["canvas_step"]["step"], 1);
@@ -415,10 +412,10 @@ TEST_F(HttpServerTest, StreamingErrorBeforeFirstEventIsAnHttpError) {
     return absl::ResourceExhaustedError("KV cache exhausted");
   };
   StartServer();
-  httplib::Client cli = Client();
-  auto res = cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})", "application/json");
+  HttpClient cli = Client();
+  auto res = cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})");
   ExpectErrorBody(res, 429, "rate_limit_error", "KV cache exhausted");
-  EXPECT_EQ(res->get_header_value("Retry-After"), "1");
+  EXPECT_EQ(res.Header("Retry-After"), "1");
 }
 
 TEST_F(HttpServerTest, StreamingErrorAfterFirstEventIsAnSseError) {
@@ -428,17 +425,17 @@ TEST_F(HttpServerTest, StreamingErrorAfterFirstEventIsAnSseError) {
     return absl::UnavailableError("denoise worker lost");
   };
   StartServer();
-  httplib::Client cli = Client();
-  auto res = cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})", "application/json");
+  HttpClient cli = Client();
+  auto res = cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})");
   ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 200);
-  std::vector<std::string> frames = SseData(res->body);
+  EXPECT_EQ(res.status, 200);
+  std::vector<std::string> frames = SseData(res.body);
   ASSERT_EQ(frames.size(), 2u);
   EXPECT_EQ(json::parse(frames[0])["choices"][0]["text"], "partial");
   json err = json::parse(frames[1]);
   EXPECT_EQ(err["error"]["message"], "denoise worker lost");
   EXPECT_EQ(err["error"]["type"], "service_unavailable");
-  EXPECT_EQ(res->body.find("[DONE]"), std::string::npos);
+  EXPECT_EQ(res.body.find("[DONE]"), std::string::npos);
 }
 
 TEST_F(HttpServerTest, StreamingClientDisconnectCancels) {
@@ -485,7 +482,7 @@ TEST_F(HttpServerTest, StreamingClientDisconnectCancels) {
   EXPECT_TRUE(cancelled.load());
   EXPECT_LT(sent.load(), 100000);
   // The server still serves.
-  EXPECT_EQ(Client().Get("/health")->status, 200);
+  EXPECT_EQ(Client().Get("/health").status, 200);
 }
 
 TEST_F(HttpServerTest, StopCancelsInFlightStream) {
@@ -499,8 +496,8 @@ TEST_F(HttpServerTest, StopCancelsInFlightStream) {
   };
   StartServer();
   std::thread client([&] {
-    httplib::Client cli = Client();
-    cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})", "application/json");
+    HttpClient cli = Client();
+    cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})");
   });
   while (!in_generate) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   server_->Stop();  // must return: the core sees is_cancelled
@@ -521,7 +518,7 @@ TEST_F(HttpServerTest, PortInUseAndDoubleStart) {
 
 TEST_F(HttpServerTest, Metrics) {
   StartServer();
-  httplib::Client cli = Client();
+  HttpClient cli = Client();
   cli.Get("/health");
   cli.Get("/health");
   cli.Get("/nope");
@@ -544,7 +541,6 @@ TEST_F(HttpServerTest, Metrics) {
   EXPECT_TRUE(found_other);
   EXPECT_TRUE(found_hist);
 }
-
 
 std::string PostRequest(const std::string& path, const std::string& body,
                         const std::string& extra_headers = "") {
@@ -596,7 +592,7 @@ TEST_F(HttpServerTest, NonStreamingClientDisconnectCancels) {
   close(fd);  // before any byte of the answer
   ASSERT_TRUE(Eventually([&] { return cancelled.load(); }));
   EXPECT_TRUE(cancelled.load());
-  EXPECT_EQ(Client().Get("/health")->status, 200);
+  EXPECT_EQ(Client().Get("/health").status, 200);
 }
 
 TEST_F(HttpServerTest, KeepAliveAndPipelining) {
@@ -653,12 +649,11 @@ TEST_F(HttpServerTest, RequestTimeoutHeaderOnlyShortens) {
   HttpServerOptions options;
   options.default_timeout = absl::Seconds(20);
   StartServer(options);
-  httplib::Client cli = Client();
+  HttpClient cli = Client();
   // Longer than the server's limit: the server's limit holds.
-  auto res = cli.Post("/v1/completions", {{"X-Request-Timeout", "3600"}}, R"({"prompt": "x"})",
-                      "application/json");
+  auto res = cli.Post("/v1/completions", R"({"prompt": "x"})", {{"X-Request-Timeout", "3600"}});
   ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res.status, 200);
   EXPECT_LE(seen_timeout.load(), 20);
   EXPECT_GT(seen_timeout.load(), 10);
 }
@@ -694,12 +689,12 @@ TEST_F(HttpServerTest, AdmissionLimitRefusesAtOnceAndHealthStaysUp) {
   ASSERT_TRUE(Eventually([&] { return admission.running() == kLimit; }));
   // The others: 429 with Retry-After, answered while the first ones still run.
   for (int i = kLimit; i < kClients; ++i) {
-    httplib::Client cli = Client();
-    auto res = cli.Post("/v1/completions", R"({"prompt": "x"})", "application/json");
+    HttpClient cli = Client();
+    auto res = cli.Post("/v1/completions", R"({"prompt": "x"})");
     ExpectErrorBody(res, 429, "rate_limit_error", "limit of concurrent requests");
-    EXPECT_EQ(res->get_header_value("Retry-After"), "1");
-    EXPECT_EQ(cli.Get("/health")->status, 200);
-    EXPECT_EQ(cli.Get("/ready")->status, 200);
+    EXPECT_EQ(res.Header("Retry-After"), "1");
+    EXPECT_EQ(cli.Get("/health").status, 200);
+    EXPECT_EQ(cli.Get("/ready").status, 200);
   }
   EXPECT_EQ(admission.running(), kLimit);
   release = true;
@@ -725,8 +720,8 @@ TEST_F(HttpServerTest, SlowClientsAreCutOffAndDoNotBlockHealth) {
     ASSERT_TRUE(SendAll(fd, "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n"));
     slow.push_back(fd);
   }
-  httplib::Client cli = Client();
-  for (int i = 0; i < 10; ++i) EXPECT_EQ(cli.Get("/health")->status, 200);
+  HttpClient cli = Client();
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(cli.Get("/health").status, 200);
   // Each slow connection is closed by the server: read returns 0 (EOF), not the 10 s timeout.
   int closed = 0;
   for (int fd : slow) {
@@ -772,9 +767,8 @@ TEST_F(HttpServerTest, StreamBackPressureAndWriteTimeout) {
   // Bounded by the socket buffers plus max_pending_stream_bytes, far from all 100,000 events.
   EXPECT_LT(sent.load(), 2000);
   close(fd);
-  EXPECT_EQ(Client().Get("/health")->status, 200);
+  EXPECT_EQ(Client().Get("/health").status, 200);
 }
-
 
 // Generation requests refused before the core runs them (405, 401, 400, 413) are counted in the
 // core's request metrics (they used to be left out of dgserve_gateway_requests_total).
@@ -783,18 +777,17 @@ TEST_F(HttpServerTest, RefusalsAreCountedByTheCore) {
   HttpServerOptions options;
   options.max_body_bytes = 1024;
   StartServer(options);
-  httplib::Client cli = Client();
-  const httplib::Headers auth = {{"Authorization", "Bearer sk-1"}};
-  EXPECT_EQ(cli.Get("/v1/completions", auth)->status, 405);
-  EXPECT_EQ(cli.Post("/v1/completions", R"({"prompt": "x"})", "application/json")->status, 401);
-  EXPECT_EQ(cli.Post("/v1/chat/completions", auth, "{bad", "application/json")->status, 400);
-  EXPECT_EQ(cli.Post("/v1/completions", auth, R"({"prompt": ")" + std::string(2000, 'a') + "\"}",
-                     "application/json")
-                ->status,
-            413);
+  HttpClient cli = Client();
+  const HttpHeaders auth = {{"Authorization", "Bearer sk-1"}};
+  EXPECT_EQ(cli.Get("/v1/completions", auth).status, 405);
+  EXPECT_EQ(cli.Post("/v1/completions", R"({"prompt": "x"})").status, 401);
+  EXPECT_EQ(cli.Post("/v1/chat/completions", "{bad", auth).status, 400);
+  EXPECT_EQ(
+      cli.Post("/v1/completions", R"({"prompt": ")" + std::string(2000, 'a') + "\"}", auth).status,
+      413);
   // Not generation requests: not counted.
-  EXPECT_EQ(cli.Get("/health")->status, 200);
-  EXPECT_EQ(cli.Get("/nothing", auth)->status, 404);
+  EXPECT_EQ(cli.Get("/health").status, 200);
+  EXPECT_EQ(cli.Get("/nothing", auth).status, 404);
   EXPECT_EQ(core_.Refused(),
             (std::vector<absl::StatusCode>{
                 absl::StatusCode::kInvalidArgument, absl::StatusCode::kUnauthenticated,
@@ -818,23 +811,20 @@ TEST_F(HttpServerTest, CoreErrorsNameTheirField) {
         "prompt: 5000 tokens exceed the context limit of 4096 positions");
   };
   StartServer();
-  httplib::Client cli = Client();
-  auto length = cli.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 1})",
-                         "application/json");
+  HttpClient cli = Client();
+  auto length = cli.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 1})");
   ExpectErrorBody(length, 400, "invalid_request_error", "exceed the context limit");
-  EXPECT_EQ(json::parse(length->body)["error"]["param"], "max_tokens");
-  EXPECT_EQ(json::parse(length->body)["error"]["code"], "context_length_exceeded");
-  auto range = cli.Post("/v1/completions", R"({"prompt": [999], "max_tokens": 2})",
-                        "application/json");
+  EXPECT_EQ(json::parse(length.body)["error"]["param"], "max_tokens");
+  EXPECT_EQ(json::parse(length.body)["error"]["code"], "context_length_exceeded");
+  auto range = cli.Post("/v1/completions", R"({"prompt": [999], "max_tokens": 2})");
   ExpectErrorBody(range, 400, "invalid_request_error", "outside [0, 512)");
-  EXPECT_EQ(json::parse(range->body)["error"]["param"], "prompt");
-  EXPECT_EQ(json::parse(range->body)["error"]["code"], "invalid_argument");
+  EXPECT_EQ(json::parse(range.body)["error"]["param"], "prompt");
+  EXPECT_EQ(json::parse(range.body)["error"]["code"], "invalid_argument");
   auto chat = cli.Post("/v1/chat/completions",
-                       R"({"messages": [{"role": "user", "content": "x"}], "stream": true})",
-                       "application/json");
+                       R"({"messages": [{"role": "user", "content": "x"}], "stream": true})");
   ExpectErrorBody(chat, 400, "invalid_request_error", "exceed the context limit");
-  EXPECT_EQ(json::parse(chat->body)["error"]["param"], "messages");
-  EXPECT_EQ(json::parse(chat->body)["error"]["code"], "context_length_exceeded");
+  EXPECT_EQ(json::parse(chat.body)["error"]["param"], "messages");
+  EXPECT_EQ(json::parse(chat.body)["error"]["code"], "context_length_exceeded");
 }
 
 }  // namespace

@@ -81,7 +81,8 @@ class PeriodicTask {
   std::thread thread_;
 };
 
-// "host:port" → (host, port) for civetweb/httplib; INVALID_ARGUMENT when malformed.
+// "host:port" → (host, port) for the listeners (civetweb, the HTTP server); INVALID_ARGUMENT when
+// malformed.
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address);
 
 // The main() of a service binary: OpenMP passive wait policy, SIGTERM/SIGINT blocked for

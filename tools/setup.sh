@@ -13,7 +13,7 @@ BUILD_PACKAGES=(
   build-essential cmake ninja-build pkg-config
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libopenblas-dev libopenblas-openmp-dev
-  nlohmann-json3-dev libssl-dev libboost-dev libcpp-httplib-dev
+  nlohmann-json3-dev libssl-dev libboost-dev libcurl4-openssl-dev
 )
 # What the tests, the benchmarks and development add (not in the image): compiler cache, git,
 # curl and certificates, GoogleTest, Google Benchmark, promtool, yamllint (+ python3-yaml), and

@@ -14,7 +14,6 @@
 #include <sstream>
 #include <thread>
 
-#include <httplib.h>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -23,6 +22,7 @@
 #include "grpcpp/impl/codegen/client_unary_call.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "common/http_client.h"
 #include "common/testing/loopback_socket.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/integration/test_helpers.h"
@@ -110,19 +110,19 @@ TEST_F(ClusterTest, StreamedChatOverGrpc) {
 }
 
 TEST_F(ClusterTest, StreamedChatOverHttp) {
-  httplib::Client http("127.0.0.1", c().gateway().http_port);
-  http.set_read_timeout(120, 0);
+  HttpClient http("127.0.0.1", c().gateway().http_port);
+  http.set_idle_timeout(absl::Seconds(120));
   const std::string body = R"({"model": "it-model", "messages": [{"role": "user",
       "content": "Tell me about the sea."}], "stream": true, "seed": 3, "max_tokens": 40})";
   std::string sse;
-  auto res = http.Post("/v1/chat/completions", httplib::Headers{}, body, "application/json");
+  auto res = http.Post("/v1/chat/completions", body);
   ASSERT_TRUE(res);
-  ASSERT_EQ(res->status, 200) << res->body;
-  EXPECT_THAT(res->get_header_value("Content-Type"), HasSubstr("text/event-stream"));
+  ASSERT_EQ(res.status, 200) << res.body;
+  EXPECT_THAT(res.Header("Content-Type"), HasSubstr("text/event-stream"));
   std::string text, finish;
   int chunks = 0;
   bool done = false;
-  std::istringstream in(res->body);
+  std::istringstream in(res.body);
   for (std::string line; std::getline(in, line);) {
     if (line.rfind("data: ", 0) != 0) continue;
     const std::string data = line.substr(6);
@@ -191,16 +191,16 @@ HttpCompletion HttpChatWithCanvasIds(const TestCluster& c, nlohmann::json body, 
   body["stream"] = true;
   body["canvas_step_interval"] = 1;
   body["max_tokens"] = max_tokens;
-  httplib::Client http("127.0.0.1", c.gateway().http_port);
-  http.set_read_timeout(120, 0);
+  HttpClient http("127.0.0.1", c.gateway().http_port);
+  http.set_idle_timeout(absl::Seconds(120));
   HttpCompletion out;
-  auto res = http.Post("/v1/chat/completions", body.dump(), "application/json");
+  auto res = http.Post("/v1/chat/completions", body.dump());
   if (!res) return out;
-  out.status = res->status;
-  out.body = res->body;
-  if (res->status != 200) return out;
+  out.status = res.status;
+  out.body = res.body;
+  if (res.status != 200) return out;
   std::map<int, std::vector<int32_t>> canvases;  // canvas → its latest step's argmax canvas
-  std::istringstream in(res->body);
+  std::istringstream in(res.body);
   for (std::string line; std::getline(in, line);) {
     if (line.rfind("data: ", 0) != 0 || line == "data: [DONE]") continue;
     nlohmann::json j = nlohmann::json::parse(line.substr(6));
@@ -572,8 +572,8 @@ TEST_F(ClusterTest, PrefixHitsAtAnyBlockBoundaryGiveTheColdTokens) {
 }
 
 TEST_F(ClusterTest, BadInputGetsA4xxAndTheServiceKeepsServing) {
-  httplib::Client http("127.0.0.1", c().gateway().http_port);
-  http.set_read_timeout(60, 0);
+  HttpClient http("127.0.0.1", c().gateway().http_port);
+  http.set_idle_timeout(absl::Seconds(60));
   std::string huge_prompt = "[";
   for (int i = 0; i < 262145; ++i) absl::StrAppend(&huge_prompt, i ? "," : "", 5);
   huge_prompt += "]";
@@ -605,11 +605,11 @@ TEST_F(ClusterTest, BadInputGetsA4xxAndTheServiceKeepsServing) {
        absl::StrCat(R"({"prompt": ")", std::string(5 << 20, 'a'), "\"}"), 413, ""},
   };
   for (const Case& k : cases) {
-    auto r = http.Post(k.path, k.body, "application/json");
+    auto r = http.Post(k.path, k.body);
     ASSERT_TRUE(r) << k.name;
-    EXPECT_EQ(r->status, k.status) << k.name << ": " << r->body;
-    nlohmann::json j = nlohmann::json::parse(r->body, nullptr, false);
-    ASSERT_TRUE(j.is_object() && j.contains("error")) << k.name << ": " << r->body;
+    EXPECT_EQ(r.status, k.status) << k.name << ": " << r.body;
+    nlohmann::json j = nlohmann::json::parse(r.body, nullptr, false);
+    ASSERT_TRUE(j.is_object() && j.contains("error")) << k.name << ": " << r.body;
     EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr(k.message)) << k.name;
   }
   // The same rules over gRPC, and on the workers' own APIs.
@@ -636,10 +636,9 @@ TEST_F(ClusterTest, BadInputGetsA4xxAndTheServiceKeepsServing) {
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(st.error_message(), HasSubstr("lease_ms"));
   }
-  auto ok = http.Post("/v1/completions", R"({"prompt": "hello", "max_tokens": 8, "seed": 1})",
-                      "application/json");
+  auto ok = http.Post("/v1/completions", R"({"prompt": "hello", "max_tokens": 8, "seed": 1})");
   ASSERT_TRUE(ok);
-  EXPECT_EQ(ok->status, 200) << ok->body;
+  EXPECT_EQ(ok.status, 200) << ok.body;
 }
 
 // The single-process mode (dgserve-server: all roles, in-process KV transport) gives the same
@@ -707,22 +706,20 @@ TEST(ClusterAuthTest, ApiKeysAreEnforced) {
   o.gateway_flags = {"--api_keys=key-one,key-two"};
   auto c = TestCluster::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();
-  httplib::Client http("127.0.0.1", (*c)->gateway().http_port);
+  HttpClient http("127.0.0.1", (*c)->gateway().http_port);
   const std::string body = R"({"prompt": "hi", "max_tokens": 4, "seed": 1})";
-  auto none = http.Post("/v1/completions", body, "application/json");
+  auto none = http.Post("/v1/completions", body);
   ASSERT_TRUE(none);
-  EXPECT_EQ(none->status, 401) << none->body;
-  auto wrong = http.Post("/v1/completions", {{"Authorization", "Bearer nope"}}, body,
-                         "application/json");
+  EXPECT_EQ(none.status, 401) << none.body;
+  auto wrong = http.Post("/v1/completions", body, {{"Authorization", "Bearer nope"}});
   ASSERT_TRUE(wrong);
-  EXPECT_EQ(wrong->status, 401);
-  auto good = http.Post("/v1/completions", {{"Authorization", "Bearer key-two"}}, body,
-                        "application/json");
+  EXPECT_EQ(wrong.status, 401);
+  auto good = http.Post("/v1/completions", body, {{"Authorization", "Bearer key-two"}});
   ASSERT_TRUE(good);
-  EXPECT_EQ(good->status, 200) << good->body;
+  EXPECT_EQ(good.status, 200) << good.body;
   auto health = http.Get("/health");
   ASSERT_TRUE(health);
-  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(health.status, 200);
   grpc::ClientContext ctx;
   v1::GenerateResponse resp;
   EXPECT_EQ((*c)->GatewayStub()->Generate(&ctx, Chat("hi", 1, 4), &resp).error_code(),
@@ -940,20 +937,19 @@ TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
   }));
 
   // Beyond: refused at once on both protocols.
-  httplib::Client http("127.0.0.1", http_port);
-  http.set_read_timeout(60, 0);
+  HttpClient http("127.0.0.1", http_port);
+  http.set_idle_timeout(absl::Seconds(60));
   for (int i = 0; i < 3; ++i) {
-    auto res = http.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": 4})",
-                         "application/json");
+    auto res = http.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": 4})");
     ASSERT_TRUE(res);
-    EXPECT_EQ(res->status, 429) << res->body;
-    EXPECT_EQ(res->get_header_value("Retry-After"), "1");
-    EXPECT_THAT(res->body, HasSubstr("rate_limit_error"));
+    EXPECT_EQ(res.status, 429) << res.body;
+    EXPECT_EQ(res.Header("Retry-After"), "1");
+    EXPECT_THAT(res.body, HasSubstr("rate_limit_error"));
     Result refused = Generate(cl, Chat("hi", 3, 4));
     EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
         << refused.status.error_message();
-    EXPECT_EQ(http.Get("/health")->status, 200);
-    EXPECT_EQ(http.Get("/ready")->status, 200);
+    EXPECT_EQ(http.Get("/health").status, 200);
+    EXPECT_EQ(http.Get("/ready").status, 200);
   }
   EXPECT_EQ(TestCluster::MetricValue(*TestCluster::ScrapeMetrics(cl.gateway()),
                                      "dgserve_gateway_inflight_requests"),

@@ -10,9 +10,9 @@
 #include <sys/wait.h>
 #include <string>
 
-#include <httplib.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/http_client.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -78,10 +78,10 @@ class InfillingTest : public SharedClusterTest<InfillingTest> {
 
  protected:
   Result Generate(const v1::GenerateRequest& req) { return testing::Generate(c(), req); }
-  httplib::Result Post(const std::string& path, const json& body) {
-    httplib::Client http("127.0.0.1", cluster_->gateway().http_port);
-    http.set_read_timeout(120, 0);
-    return http.Post(path, body.dump(), "application/json");
+  HttpResponse Post(const std::string& path, const json& body) {
+    HttpClient http("127.0.0.1", cluster_->gateway().http_port);
+    http.set_idle_timeout(absl::Seconds(120));
+    return http.Post(path, body.dump());
   }
 };
 
@@ -157,9 +157,9 @@ TEST_F(InfillingTest, OpenAiCompletionsTakeTheTemplate) {
                        {"hole", "."},
                        {"allowed", {"1", "2", "3", "4", "5", "6", "7", "8", "9"}}}}};
   auto res = Post("/v1/completions", body);
-  ASSERT_TRUE(res) << httplib::to_string(res.error());
-  ASSERT_EQ(res->status, 200) << res->body;
-  const json j = json::parse(res->body);
+  ASSERT_TRUE(res) << res.error;
+  ASSERT_EQ(res.status, 200) << res.body;
+  const json j = json::parse(res.body);
   const std::string text = j["choices"][0]["text"].get<std::string>();
   ExpectTemplateKept(text);
   // The same request over gRPC gives the same answer.
@@ -195,8 +195,8 @@ TEST_F(InfillingTest, BadTemplatesAreRejectedNamingTheField) {
     SCOPED_TRACE(c.what);
     auto res = Post("/v1/completions", {{"prompt", Rows(kPuzzle)}, {"canvas_template", c.tmpl}});
     ASSERT_TRUE(res);
-    EXPECT_EQ(res->status, 400) << res->body;
-    EXPECT_THAT(res->body, HasSubstr(c.message));
+    EXPECT_EQ(res.status, 400) << res.body;
+    EXPECT_THAT(res.body, HasSubstr(c.message));
   }
   // gRPC: INVALID_ARGUMENT with the same message.
   v1::GenerateRequest req = SudokuRequest(1);

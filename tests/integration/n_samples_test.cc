@@ -9,9 +9,9 @@
 #include <sstream>
 #include <thread>
 
-#include <httplib.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/http_client.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -175,17 +175,17 @@ TEST_F(NSamplesTest, NAboveMaxNOrNegativeIsInvalidArgument) {
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << n;
     EXPECT_THAT(r.status.error_message(), HasSubstr("n: ")) << n;
   }
-  httplib::Client http("127.0.0.1", c().gateway().http_port);
-  http.set_read_timeout(120, 0);
+  HttpClient http("127.0.0.1", c().gateway().http_port);
+  http.set_idle_timeout(absl::Seconds(120));
   for (int n : {kMaxN + 1, -1}) {
     const std::string body = absl::StrCat(
         R"({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 16, "n": )", n, "}");
-    auto res = http.Post("/v1/chat/completions", body, "application/json");
+    auto res = http.Post("/v1/chat/completions", body);
     ASSERT_TRUE(res);
-    EXPECT_EQ(res->status, 400) << res->body;
-    nlohmann::json err = nlohmann::json::parse(res->body, nullptr, false);
-    ASSERT_TRUE(err.is_object() && err.contains("error")) << res->body;
-    EXPECT_EQ(err["error"]["param"], "n") << res->body;
+    EXPECT_EQ(res.status, 400) << res.body;
+    nlohmann::json err = nlohmann::json::parse(res.body, nullptr, false);
+    ASSERT_TRUE(err.is_object() && err.contains("error")) << res.body;
+    EXPECT_EQ(err["error"]["param"], "n") << res.body;
   }
   // n = max_n is served.
   Result ok = Generate(c(), Chat("Hi.", 1, 16, kMaxN));
@@ -194,26 +194,25 @@ TEST_F(NSamplesTest, NAboveMaxNOrNegativeIsInvalidArgument) {
 }
 
 TEST_F(NSamplesTest, OpenAiChoicesPerSampleUnaryAndStreamed) {
-  httplib::Client http("127.0.0.1", c().gateway().http_port);
-  http.set_read_timeout(120, 0);
+  HttpClient http("127.0.0.1", c().gateway().http_port);
+  http.set_idle_timeout(absl::Seconds(120));
   const std::string body =
       R"({"prompt": "Tell me about the sea.", "seed": 3, "max_tokens": 24, "n": 2)";
-  auto res = http.Post("/v1/completions", body + "}", "application/json");
+  auto res = http.Post("/v1/completions", body + "}");
   ASSERT_TRUE(res);
-  ASSERT_EQ(res->status, 200) << res->body;
-  nlohmann::json j = nlohmann::json::parse(res->body);
-  ASSERT_EQ(j["choices"].size(), 2u) << res->body;
+  ASSERT_EQ(res.status, 200) << res.body;
+  nlohmann::json j = nlohmann::json::parse(res.body);
+  ASSERT_EQ(j["choices"].size(), 2u) << res.body;
   int completion = 0;
   for (int i = 0; i < 2; ++i) {
     EXPECT_EQ(j["choices"][i]["index"], i);
     EXPECT_EQ(j["choices"][i]["finish_reason"], "length");
     auto solo = http.Post("/v1/completions",
                           absl::StrCat(R"({"prompt": "Tell me about the sea.", "seed": )", 3 + i,
-                                       R"(, "max_tokens": 24})"),
-                          "application/json");
+                                       R"(, "max_tokens": 24})"));
     ASSERT_TRUE(solo);
-    ASSERT_EQ(solo->status, 200) << solo->body;
-    nlohmann::json s = nlohmann::json::parse(solo->body);
+    ASSERT_EQ(solo.status, 200) << solo.body;
+    nlohmann::json s = nlohmann::json::parse(solo.body);
     EXPECT_EQ(j["choices"][i]["text"], s["choices"][0]["text"]) << i;
     completion += s["usage"]["completion_tokens"].get<int>();
   }
@@ -222,14 +221,13 @@ TEST_F(NSamplesTest, OpenAiChoicesPerSampleUnaryAndStreamed) {
   // Streamed: chunks of both choices, each choice ending with its finish_reason, one usage
   // chunk, then [DONE].
   auto stream = http.Post("/v1/completions",
-                          body + R"(, "stream": true, "stream_options": {"include_usage": true}})",
-                          "application/json");
+                          body + R"(, "stream": true, "stream_options": {"include_usage": true}})");
   ASSERT_TRUE(stream);
-  ASSERT_EQ(stream->status, 200) << stream->body;
+  ASSERT_EQ(stream.status, 200) << stream.body;
   std::map<int, std::string> text, finish;
   int usage_chunks = 0;
   bool done = false;
-  std::istringstream in(stream->body);
+  std::istringstream in(stream.body);
   for (std::string line; std::getline(in, line);) {
     if (line.rfind("data: ", 0) != 0) continue;
     const std::string data = line.substr(6);

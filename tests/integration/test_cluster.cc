@@ -1,5 +1,6 @@
 #include "tests/integration/test_cluster.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -10,11 +11,11 @@
 #include <sstream>
 #include <thread>
 
-#include <httplib.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/http_client.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 
@@ -163,10 +164,11 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(const ClusterOpt
   gw.insert(gw.end(), o.gateway_flags.begin(), o.gateway_flags.end());
   if (auto s = launch("gateway", "gateway/dgserve-gateway", gw); !s.ok()) return s;
   if (auto s = WaitPorts(c->services_.back(), c->dir_ + "/gateway.ports"); !s.ok()) return s;
-  httplib::Client http("127.0.0.1", c->gateway().http_port);
+  HttpClient http("127.0.0.1", c->gateway().http_port);
+  http.set_timeout(absl::Seconds(5));
   for (int i = 0; i < 600; ++i) {
     auto r = http.Get("/ready");
-    if (r && r->status == 200) return c;
+    if (r && r.status == 200) return c;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return absl::DeadlineExceededError("gateway never became ready");
@@ -254,10 +256,10 @@ absl::StatusOr<v1::StatsResponse> TestCluster::PrefillStats() const {
 }
 
 absl::StatusOr<std::string> TestCluster::ScrapeMetrics(const Service& s) {
-  httplib::Client http("127.0.0.1", s.metrics_port);
+  HttpClient http("127.0.0.1", s.metrics_port);
   auto r = http.Get("/metrics");
-  if (!r || r->status != 200) return absl::UnavailableError("metrics scrape failed");
-  return r->body;
+  if (!r || r.status != 200) return absl::UnavailableError("metrics scrape failed");
+  return r.body;
 }
 
 double TestCluster::MetricValue(const std::string& text, const std::string& series) {

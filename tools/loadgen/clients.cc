@@ -1,12 +1,11 @@
 #include "tools/loadgen/clients.h"
 
-#include <httplib.h>
-
 #include <algorithm>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/http_client.h"
 #include "dgserve/v1/generation.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -153,9 +152,9 @@ class GrpcClient : public Client {
   std::atomic<uint64_t> next_{0};
 };
 
-class HttpClient : public Client {
+class HttpLoadClient : public Client {
  public:
-  HttpClient(const Options& o, Canceller* canceller) : options_(o), canceller_(canceller) {}
+  HttpLoadClient(const Options& o, Canceller* canceller) : options_(o), canceller_(canceller) {}
 
   RequestResult Run(const Prompt& prompt, int64_t max_tokens,
                     Clock::time_point run_start) override {
@@ -170,22 +169,21 @@ class HttpClient : public Client {
       r.e2e_s = 0;
       return r;
     }
-    httplib::Client cli(options_.host, options_.port);
-    cli.set_connection_timeout(10, 0);
-    cli.set_write_timeout(30, 0);
-    // Inactivity limit between two chunks (cpp-httplib has no whole-request deadline).
-    const auto timeout_us = static_cast<int64_t>(options_.timeout_s * 1e6);
-    cli.set_read_timeout(static_cast<time_t>(timeout_us / 1000000),
-                         static_cast<time_t>(timeout_us % 1000000));
-    httplib::Request req;
+    // A new connection per request (libcurl; common/http_client.h).
+    dgserve::HttpClient cli(options_.host, options_.port);
+    cli.set_connect_timeout(absl::Seconds(10));
+    // --timeout_s: the deadline of the whole request (as for gRPC), which also bounds the wait
+    // between two chunks.
+    cli.set_timeout(absl::Seconds(options_.timeout_s));
+    HttpRequest req;
     req.method = "POST";
     req.path = chat ? "/v1/chat/completions" : "/v1/completions";
     req.body = *std::move(body);
-    req.set_header("Content-Type", "application/json");
-    req.set_header("Accept", "text/event-stream");
-    if (!options_.api_key.empty()) req.set_header("Authorization", "Bearer " + options_.api_key);
+    req.headers = {{"Content-Type", "application/json"}, {"Accept", "text/event-stream"}};
+    if (!options_.api_key.empty())
+      req.headers.emplace_back("Authorization", "Bearer " + options_.api_key);
+    req.is_cancelled = [this] { return canceller_->cancelled(); };
 
-    int http_status = -1;
     std::string error_body;
     SseParser parser;
     bool done = false, usage_seen = false;
@@ -216,27 +214,22 @@ class HttpClient : public Client {
         case StreamChunk::kOther: break;
       }
     };
-    req.response_handler = [&](const httplib::Response& res) {
-      http_status = res.status;
-      return true;
-    };
-    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
-      if (canceller_->cancelled()) return false;
-      if (http_status != 200) {
-        if (error_body.size() < 4096) error_body.append(data, std::min<size_t>(n, 4096));
+    HttpResponse res = cli.Stream(req, [&](const HttpResponse& head, std::string_view chunk) {
+      if (head.status != 200) {
+        if (error_body.size() < 4096) error_body.append(chunk.substr(0, 4096));
         return true;
       }
-      parser.Feed(std::string_view(data, n), on_data);
+      parser.Feed(chunk, on_data);
       return true;
-    };
-    httplib::Result res = cli.send(req);
+    });
     r.e2e_s = Since(t0);
+    const int http_status = res.status == 0 ? -1 : res.status;
     if (canceller_->cancelled() && !done) {
       r.cancelled = true;
-    } else if (res.error() != httplib::Error::Success && http_status == -1) {
-      r.error = absl::StrCat("http:", httplib::to_string(res.error()));
+    } else if (!res && http_status == -1) {
+      r.error = absl::StrCat("http:", res.error_kind);
       r.error_message = absl::StrCat("POST http://", options_.host, ":", options_.port, req.path,
-                                     ": ", httplib::to_string(res.error()), " error");
+                                     ": ", res.error);
     } else if (http_status != 200) {
       r.error = absl::StrCat("HTTP ", http_status);
       nlohmann::json j = nlohmann::json::parse(error_body, nullptr, false);
@@ -246,9 +239,9 @@ class HttpClient : public Client {
     } else if (stream_error.kind != StreamChunk::kOther) {
       r.error = absl::StrCat("stream:", stream_error.error_code);
       r.error_message = stream_error.error_message;
-    } else if (res.error() != httplib::Error::Success) {
-      r.error = absl::StrCat("http:", httplib::to_string(res.error()));
-      r.error_message = "the stream broke off";
+    } else if (!res) {
+      r.error = absl::StrCat("http:", res.error_kind);
+      r.error_message = absl::StrCat("the stream broke off: ", res.error);
     } else if (!done) {
       r.error = "stream:incomplete";
       r.error_message = "the stream ended without data: [DONE]";
@@ -273,7 +266,7 @@ std::unique_ptr<Client> MakeGrpcClient(const Options& o, int channels, Canceller
 }
 
 std::unique_ptr<Client> MakeHttpClient(const Options& o, Canceller* canceller) {
-  return std::make_unique<HttpClient>(o, canceller);
+  return std::make_unique<HttpLoadClient>(o, canceller);
 }
 
 }  // namespace dgserve::loadgen

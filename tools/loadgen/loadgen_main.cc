@@ -51,7 +51,7 @@ ABSL_FLAG(double, duration_s, 0, "stop issuing requests after this many seconds 
 ABSL_FLAG(int64_t, requests, 0, "stop issuing after this many requests (0: no limit)");
 ABSL_FLAG(double, drain_s, 30, "after issuing stops, wait this long for requests in flight, "
           "then cancel them (reported as unfinished)");
-ABSL_FLAG(double, timeout_s, 300, "per-request deadline (gRPC) / inactivity limit (HTTP)");
+ABSL_FLAG(double, timeout_s, 300, "deadline of each request, gRPC or HTTP (seconds)");
 ABSL_FLAG(bool, progress, true, "print live progress to stderr every second");
 ABSL_FLAG(bool, json, false, "print the report as one JSON object instead of text");
 ABSL_FLAG(bool, fail_on_error, false, "exit with status 1 if any request failed");
