@@ -566,7 +566,7 @@ absl::Status Gateway::RequestRun::Run() {
 }
 
 absl::Status Gateway::RequestRun::Fail(const absl::Status& last) {
-  if (failures_.size() <= 1) return last;  // its one cause is already in the log
+  if (failures_.size() <= 1) return last;  // a worker's failure is logged where it happens
   std::string log, earlier;
   for (size_t i = 0; i < failures_.size(); ++i) {
     absl::StrAppend(&log, i > 0 ? "; " : "", "attempt ", i + 1, ": ", failures_[i].log);
