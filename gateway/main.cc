@@ -45,7 +45,7 @@ ABSL_FLAG(std::string, api_keys, "", "comma-separated API keys (empty: no authen
 ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
 ABSL_FLAG(int64_t, max_body_bytes, 4 << 20,
           "largest HTTP request body and gRPC request message (larger: 413 / RESOURCE_EXHAUSTED, "
-          "refused before it is read whole)");
+          "refused before it is parsed)");
 ABSL_FLAG(double, request_timeout_seconds, 600, "deadline of a request without its own");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
 
