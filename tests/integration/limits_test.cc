@@ -1,8 +1,8 @@
 // Integration tests of the gateway's limits on the real cluster (label `integration`): a gRPC
-// message over --max_body_bytes is refused unread; admission comes before tokenization, so a
-// request beyond --max_concurrent_requests costs no tokenizer work; tokenizing stops at the
-// context limit; a worker's death is logged once with its cause and a failed request's log line
-// lists every attempt's cause.
+// message over --max_body_bytes is refused before it is parsed; admission comes before
+// tokenization, so a request beyond --max_concurrent_requests costs no tokenizer work;
+// tokenizing stops at the context limit; a worker's death is logged once with its cause and a
+// failed request's log line lists every attempt's cause.
 #include <unistd.h>
 
 #include <atomic>
