@@ -179,12 +179,17 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
                                             options_.model_id, "'"));
   }
   PreparedRequest p;
+  const int64_t limit = config_.max_position_embeddings;
+  // A prompt must leave at least one position: tokenizing (and the chat template) stop as soon
+  // as the prompt has more ids than that, so a huge request costs at most about `limit` tokens
+  // of work.
+  const size_t budget = size_t(std::max<int64_t>(limit - 1, 0));
   switch (request.input_case()) {
     case v1::GenerateRequest::kText:
       if (request.text().empty()) return absl::InvalidArgumentError("prompt: must not be empty");
       // A prompt is text: control-token strings in it are not control tokens (raw control
       // tokens can be sent as token ids).
-      p.prompt = tokenizer_.EncodeText(request.text(), /*add_bos=*/true);
+      p.prompt = tokenizer_.EncodeText(request.text(), /*add_bos=*/true, budget);
       break;
     case v1::GenerateRequest::kChat: {
       if (request.chat().messages().empty()) {
@@ -196,6 +201,7 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
       }
       ChatTemplateOptions o;
       o.enable_thinking = request.chat().enable_thinking();
+      o.max_tokens = budget;
       absl::StatusOr<std::vector<int32_t>> ids = RenderChat(tokenizer_, msgs, o);
       if (!ids.ok()) {
         return absl::InvalidArgumentError(absl::StrCat("messages: ", ids.status().message()));
@@ -218,7 +224,14 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
     default:
       return absl::InvalidArgumentError("prompt: give text, chat messages or token ids");
   }
-  const int64_t limit = config_.max_position_embeddings;
+  if (metrics_ && request.input_case() != v1::GenerateRequest::kTokenIds) {
+    metrics_->tokenized_tokens.Increment(double(p.prompt.size()));
+  }
+  if (request.input_case() != v1::GenerateRequest::kTokenIds && p.prompt.size() > budget) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt: more than ", budget,
+                                                   " tokens exceed the context limit of ", limit,
+                                                   " positions"));
+  }
   if (int64_t(p.prompt.size()) >= limit) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt: ", p.prompt.size(), " tokens exceed the context limit of ", limit, " positions"));
@@ -411,6 +424,10 @@ class Gateway::RequestRun {
   };
 
   absl::Status RunAttempt();
+  // The request's final error after `failures_.size()` failed attempts (the last is `last`):
+  // with more than one, logged in one line with every attempt's cause (worker addresses
+  // included) and returned with the earlier attempts' causes appended (without them).
+  absl::Status Fail(const absl::Status& last);
   // A fresh client-facing stream (before any output).
   void ResetStream();
   // The committed canvases' raw tokens that a resume prefills after the prompt (empty unless
@@ -448,6 +465,13 @@ class Gateway::RequestRun {
   const EventCallback& on_event_;
   const absl::Time start_;
   std::set<std::string> bad_prefill_, bad_denoise_;  // failed in this request
+  // Why each failed attempt (or resume) failed, for the client (no worker addresses) and for
+  // the log (naming the workers); log_cause_ is the current attempt's, set where it fails.
+  struct Failure {
+    std::string client, log;
+  };
+  std::vector<Failure> failures_;
+  std::string log_cause_;
   bool output_sent_ = false;
   int resumes_ = 0;
   v1::PrefillResponse prefill_;  // the prompt's (the first attempt that reached the client)
@@ -472,8 +496,8 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
     return s;
   };
   if (draining_) return count(absl::UnavailableError("gateway is draining"));
-  absl::StatusOr<PreparedRequest> prepared = Prepare(request);
-  if (!prepared.ok()) return count(prepared.status());
+  // Admission comes first: a request beyond the limit is refused before its prompt is
+  // tokenized or its chat template rendered (that work is what the limit bounds).
   absl::Duration waited;
   if (absl::Status admitted = admission_.Acquire(deadline, is_cancelled, &waited);
       !admitted.ok()) {
@@ -483,6 +507,11 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
     return count(admitted);
   }
   if (metrics_) metrics_->queue_seconds.Observe(absl::ToDoubleSeconds(waited));
+  absl::StatusOr<PreparedRequest> prepared = Prepare(request);
+  if (!prepared.ok()) {
+    admission_.Release();
+    return count(prepared.status());
+  }
   RequestRun run(*this, *prepared, deadline, is_cancelled, on_event, start);
   const absl::Status status = run.Run();
   admission_.Release();
@@ -496,21 +525,26 @@ absl::Status Gateway::RequestRun::Run() {
       ResetStream();
       ++attempts;
     }
+    log_cause_.clear();
     const absl::Status status = RunAttempt();
-    if (status.ok() || !absl::IsUnavailable(status)) return status;
-    if (absl::Now() >= deadline_ || (is_cancelled_ && is_cancelled_())) return status;
+    if (status.ok()) return status;
+    failures_.push_back(
+        {std::string(status.message()),
+         log_cause_.empty() ? std::string(status.message()) : std::move(log_cause_)});
+    if (!absl::IsUnavailable(status)) return Fail(status);
+    if (absl::Now() >= deadline_ || (is_cancelled_ && is_cancelled_())) return Fail(status);
     if (!output_sent_) {
-      if (attempts >= gw_.options_.max_attempts) return status;
+      if (attempts >= gw_.options_.max_attempts) return Fail(status);
       if (gw_.metrics_) gw_.metrics_->retries.Increment();
       continue;
     }
     // Output was sent. Parallel samples (n > 1) do not resume: the client gets the error.
-    if (req_.n != 1 || open_ == 0) return status;
+    if (req_.n != 1 || open_ == 0) return Fail(status);
     SampleStream& s = *samples_[0];
     const int C = gw_.config_.canvas_length;
     if (s.done || s.awaiting_worker_finish || s.completion != int(s.block_ids.size()) ||
         s.block_ids.size() != size_t(s.canvases) * C) {
-      return status;  // not a run of whole raw canvases (cannot happen while it runs on)
+      return Fail(status);  // not a run of whole raw canvases (cannot happen while it runs on)
     }
     if (s.completion >= req_.max_tokens) {
       // The last block arrived, only the worker's Finished is missing.
@@ -519,9 +553,9 @@ absl::Status Gateway::RequestRun::Run() {
       return FinishSamples();
     }
     if (resumes_ >= gw_.options_.max_resumes) {
-      if (gw_.options_.max_resumes == 0) return status;
-      return absl::UnavailableError(absl::StrCat(status.message(), "; gave up after ", resumes_,
-                                                 " resumes (the gateway's --max_resumes)"));
+      if (gw_.options_.max_resumes == 0) return Fail(status);
+      return Fail(absl::UnavailableError(absl::StrCat(
+          status.message(), "; gave up after ", resumes_, " resumes (the gateway's --max_resumes)")));
     }
     ++resumes_;
     if (gw_.metrics_) gw_.metrics_->resumes.Increment();
@@ -529,6 +563,21 @@ absl::Status Gateway::RequestRun::Run() {
                         req_.request_id, s.canvases, resumes_, gw_.options_.max_resumes,
                         status.message());
   }
+}
+
+absl::Status Gateway::RequestRun::Fail(const absl::Status& last) {
+  if (failures_.size() <= 1) return last;  // a worker's failure is logged where it happens
+  std::string log, earlier;
+  for (size_t i = 0; i < failures_.size(); ++i) {
+    absl::StrAppend(&log, i > 0 ? "; " : "", "attempt ", i + 1, ": ", failures_[i].log);
+    if (i + 1 < failures_.size()) {
+      absl::StrAppend(&earlier, i > 0 ? "; " : "", i + 1, ": ", failures_[i].client);
+    }
+  }
+  DGSERVE_LOG_WARNING("request %s failed after %d attempts (%d resumes): %s", req_.request_id,
+                      int(failures_.size()), resumes_, log);
+  return absl::Status(last.code(), absl::StrCat(last.message(), " (attempt ", failures_.size(),
+                                                "; earlier attempts: ", earlier, ")"));
 }
 
 void Gateway::RequestRun::ResetStream() {
@@ -623,15 +672,15 @@ absl::Status Gateway::RequestRun::Prefill(const Workers& w, CancelWatcher& watch
     // Either the prefill worker or the transfer to the denoise worker failed.
     if (s.error_message().find("KV transfer to") != std::string::npos) {
       bad_denoise_.insert(w.denoise);
-      gw_.denoise_->MarkUnhealthy(w.denoise);
+      gw_.denoise_->MarkUnhealthy(w.denoise, std::string(st.message()));
     } else {
       bad_prefill_.insert(w.prefill);
-      gw_.prefill_->MarkUnhealthy(w.prefill);
+      gw_.prefill_->MarkUnhealthy(w.prefill, std::string(st.message()));
     }
   }
   // Worker addresses are for the log, not for clients.
-  DGSERVE_LOG_WARNING("request %s: prefill on %s (KV to %s): %s", w.attempt_id, w.prefill,
-                      w.denoise, st.message());
+  log_cause_ = absl::StrCat("prefill on ", w.prefill, " (KV to ", w.denoise, "): ", st.message());
+  DGSERVE_LOG_WARNING("request %s: %s", w.attempt_id, log_cause_);
   return absl::Status(st.code(),
                       absl::StrCat("prefill: ", HideWorkers(st.message(), w.prefill, w.denoise)));
 }
@@ -734,9 +783,10 @@ absl::Status Gateway::RequestRun::Denoise(const Workers& w, CancelWatcher& watch
     if (st.ok()) st = absl::InternalError("denoise stream ended without a result");
     if (absl::IsUnavailable(st)) {
       bad_denoise_.insert(w.denoise);
-      gw_.denoise_->MarkUnhealthy(w.denoise);
+      gw_.denoise_->MarkUnhealthy(w.denoise, std::string(st.message()));
     }
-    DGSERVE_LOG_WARNING("request %s: denoise on %s: %s", w.attempt_id, w.denoise, st.message());
+    log_cause_ = absl::StrCat("denoise on ", w.denoise, ": ", st.message());
+    DGSERVE_LOG_WARNING("request %s: %s", w.attempt_id, log_cause_);
     return absl::Status(
         st.code(), absl::StrCat("denoise: ", HideWorkers(st.message(), w.prefill, w.denoise)));
   }

@@ -30,6 +30,10 @@ GatewayMetrics::GatewayMetrics(prometheus::Registry& r)
                                      "Denoising steps per committed canvas",
                                      StepsPerCanvasBuckets())),
       prompt_tokens(MakeCounter(r, "dgserve_gateway_prompt_tokens_total", "Prompt tokens")),
+      tokenized_tokens(MakeCounter(
+          r, "dgserve_gateway_tokenized_tokens_total",
+          "Token ids produced by the tokenizer and chat template for prompts, also for requests "
+          "refused afterwards (tokenizing stops at the context limit)")),
       completion_tokens(MakeCounter(r, "dgserve_gateway_completion_tokens_total",
                                     "Completion tokens returned to clients")),
       samples(MakeCounter(r, "dgserve_gateway_samples_total",

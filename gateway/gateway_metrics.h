@@ -21,6 +21,9 @@ struct GatewayMetrics {
   prometheus::Histogram& request_seconds;        // end to end
   prometheus::Histogram& steps_per_canvas;
   prometheus::Counter& prompt_tokens;
+  // Ids the tokenizer and the chat template produced for prompts (text and chat), counted as
+  // they are made: also for requests refused afterwards (over the context limit).
+  prometheus::Counter& tokenized_tokens;
   prometheus::Counter& completion_tokens;
   prometheus::Counter& samples;  // completed samples (a request with n = 3 counts 3)
   prometheus::Counter& cached_prompt_tokens;

@@ -43,7 +43,9 @@ ABSL_FLAG(int, max_resumes, 2,
 ABSL_FLAG(int, max_n, 16, "samples per request (n) at most; larger n is INVALID_ARGUMENT");
 ABSL_FLAG(std::string, api_keys, "", "comma-separated API keys (empty: no authentication)");
 ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
-ABSL_FLAG(int64_t, max_body_bytes, 4 << 20, "largest HTTP request body");
+ABSL_FLAG(int64_t, max_body_bytes, 4 << 20,
+          "largest HTTP request body and gRPC request message (larger: 413 / RESOURCE_EXHAUSTED, "
+          "refused before it is parsed)");
 ABSL_FLAG(double, request_timeout_seconds, 600, "deadline of a request without its own");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
 
@@ -105,7 +107,13 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--max_queued_requests must be ≥ 0");
   }
 
+  const int64_t max_body_bytes = absl::GetFlag(FLAGS_max_body_bytes);
+  if (max_body_bytes < 1 || max_body_bytes > (int64_t(1) << 30)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_body_bytes must be in [1, 2^30], got ", max_body_bytes));
+  }
   ServerOptions opts;
+  opts.max_receive_message_bytes = int(max_body_bytes);
   opts.grpc_address = absl::GetFlag(FLAGS_grpc_address);
   opts.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   opts.ports_file = absl::GetFlag(FLAGS_ports_file);
@@ -127,7 +135,7 @@ absl::Status Run() {
   HttpServerOptions hopts;
   hopts.host = http_addr->first;
   hopts.port = http_addr->second;
-  hopts.max_body_bytes = size_t(absl::GetFlag(FLAGS_max_body_bytes));
+  hopts.max_body_bytes = size_t(max_body_bytes);
   hopts.default_timeout = timeout;
   OpenAiHttpServer http(&gateway, hopts, &runner.registry());
   absl::StatusOr<int> http_port = http.Start();

@@ -207,10 +207,12 @@ void WorkerPool::Release(const std::string& address) {
   }
 }
 
-void WorkerPool::MarkUnhealthy(const std::string& address) {
+void WorkerPool::MarkUnhealthy(const std::string& address, const std::string& cause) {
   absl::MutexLock lock(&mu_);
   for (auto& e : endpoints_) {
-    if (e.address == address) e.healthy = false;
+    if (e.address != address || !e.healthy) continue;
+    e.healthy = false;
+    DGSERVE_LOG_WARNING("%s worker %s is unhealthy (a call failed: %s)", role_, address, cause);
   }
 }
 

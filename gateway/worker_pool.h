@@ -47,8 +47,10 @@ class WorkerPool {
   // Book-keeping of this gateway's in-flight requests per endpoint (for load between polls).
   void Acquire(const std::string& address);
   void Release(const std::string& address);
-  // Marks an endpoint unhealthy at once (a call to it failed with UNAVAILABLE).
-  void MarkUnhealthy(const std::string& address);
+  // Marks an endpoint unhealthy at once (a call to it failed with UNAVAILABLE: `cause`). The
+  // change is logged once, naming the worker and the cause, as the polls log theirs: a worker
+  // already unhealthy is not logged again.
+  void MarkUnhealthy(const std::string& address, const std::string& cause);
 
   int healthy_count() const;
   int total_count() const;

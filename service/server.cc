@@ -102,7 +102,9 @@ absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services,
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.grpc_address, grpc::InsecureServerCredentials(), &grpc_port_);
-  builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  builder.SetMaxReceiveMessageSize(options_.max_receive_message_bytes > 0
+                                       ? options_.max_receive_message_bytes
+                                       : options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
   for (grpc::Service* s : services) builder.RegisterService(s);
   server_ = builder.BuildAndStart();

@@ -24,6 +24,9 @@ struct ServerOptions {
   std::string metrics_address = "127.0.0.1:0";  // Prometheus /metrics; empty = no exporter
   std::string ports_file;  // if set: JSON {"grpc": P, "metrics": P, ...} written once serving
   int max_message_bytes = 64 << 20;
+  // Largest message the server accepts (gRPC refuses a larger one with RESOURCE_EXHAUSTED
+  // before allocating it); 0: max_message_bytes. The gateway's public port uses --max_body_bytes.
+  int max_receive_message_bytes = 0;
 };
 
 class ServiceRunner {

@@ -120,7 +120,8 @@ absl::StatusOr<BpeModel> BpeModel::Create(
   return model;
 }
 
-void BpeModel::Tokenize(std::string_view word, std::vector<int32_t>* out) const {
+void BpeModel::Tokenize(std::string_view word, std::vector<int32_t>* out,
+                        size_t max_tokens) const {
   if (!split_at_marker_) {
     TokenizeSegment(word, out);
     return;
@@ -132,6 +133,7 @@ void BpeModel::Tokenize(std::string_view word, std::vector<int32_t>* out) const 
     if (pos > start && PreviousChar(word, pos, &cp) && !joins_marker_.contains(cp)) {
       TokenizeSegment(word.substr(start, pos - start), out);
       start = pos;
+      if (out->size() > max_tokens) return;
     }
   }
   TokenizeSegment(word.substr(start), out);

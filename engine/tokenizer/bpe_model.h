@@ -90,8 +90,10 @@ class BpeModel {
 
   // Appends the ids of one pre-tokenized word to `out`. Long words (Gemma's pre-tokenizer leaves
   // the whole text as one word) are cut before "▁" wherever no vocabulary piece can span the
-  // cut, which gives the same ids as merging the whole word, with small merge heaps.
-  void Tokenize(std::string_view word, std::vector<int32_t>* out) const;
+  // cut, which gives the same ids as merging the whole word, with small merge heaps. Stops
+  // after the piece where `out` first holds more than `max_tokens` ids (the caller's budget).
+  void Tokenize(std::string_view word, std::vector<int32_t>* out,
+                size_t max_tokens = SIZE_MAX) const;
 
   // The model's vocabulary.
   const PieceVocab& vocab() const { return vocab_; }

@@ -20,11 +20,14 @@ void OpenTurn(const Tokenizer& tokenizer, std::string_view role, std::vector<int
   out->push_back(kGemmaNewlineId);
 }
 
-// Appends the trimmed content and `<turn|>\n`.
-void CloseTurn(const Tokenizer& tokenizer, std::string_view content, std::vector<int32_t>* out) {
+// Appends the trimmed content and `<turn|>\n`; the content is encoded within what is left of
+// `max_tokens` (`out` may end up longer than max_tokens: the caller checks).
+void CloseTurn(const Tokenizer& tokenizer, std::string_view content, size_t max_tokens,
+               std::vector<int32_t>* out) {
+  if (out->size() > max_tokens) return;
   // Message content is text: control-token strings in it stay text (no forged turns).
   Append(out, tokenizer.EncodeText(tokenizer_internal::TrimPythonWhitespace(content),
-                                   /*add_bos=*/false));
+                                   /*add_bos=*/false, max_tokens - out->size()));
   out->push_back(kGemmaTurnEndId);
   out->push_back(kGemmaNewlineId);
 }
@@ -68,13 +71,16 @@ absl::StatusOr<std::vector<int32_t>> RenderChat(const Tokenizer& tokenizer,
       ids.push_back(kGemmaThinkId);
       ids.push_back(kGemmaNewlineId);
     }
-    CloseTurn(tokenizer, leading_system ? std::string_view(messages[0].content) : "", &ids);
+    CloseTurn(tokenizer, leading_system ? std::string_view(messages[0].content) : "",
+              options.max_tokens, &ids);
     if (leading_system) first = 1;
   }
   for (size_t i = first; i < messages.size(); ++i) {
+    if (ids.size() > options.max_tokens) return ids;  // over budget: the caller refuses it
     OpenTurn(tokenizer, TemplateRole(messages[i].role), &ids);
-    CloseTurn(tokenizer, messages[i].content, &ids);
+    CloseTurn(tokenizer, messages[i].content, options.max_tokens, &ids);
   }
+  if (ids.size() > options.max_tokens) return ids;
   if (options.add_generation_prompt) {
     OpenTurn(tokenizer, "model", &ids);
     if (!options.enable_thinking) {

@@ -3,6 +3,7 @@
 // dgserve loads names those ids differently (<unused92>, <start_of_turn>, ...).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -36,6 +37,9 @@ struct ChatTemplateOptions {
   bool enable_thinking = false;
   // End with the `<|turn>model\n` generation prompt.
   bool add_generation_prompt = true;
+  // Token budget: rendering stops as soon as more than this many ids have been produced (see
+  // RenderChat).
+  size_t max_tokens = SIZE_MAX;
 };
 
 // Renders `messages` with the Gemma 4 template:
@@ -47,6 +51,10 @@ struct ChatTemplateOptions {
 // tokenizer.Encode(content, /*add_bos=*/false). INVALID_ARGUMENT for an empty message list or an
 // unknown role (naming it and its index); FAILED_PRECONDITION when the tokenizer's vocabulary
 // is too small to hold the control ids.
+// With `options.max_tokens` set, rendering stops as soon as more than that many ids have been
+// produced (contents are encoded within the budget left): the result is then a prefix of the
+// full rendering with more than max_tokens ids, and callers test `size() > max_tokens`. A huge
+// message list thus costs about max_tokens tokens of work, not its whole length.
 // Not rendered: tool calls/responses, multimodal parts, and the template's stripping of thought
 // channels from earlier model turns (contents are used verbatim).
 absl::StatusOr<std::vector<int32_t>> RenderChat(const Tokenizer& tokenizer,

@@ -165,5 +165,44 @@ TEST_F(ChatTemplateTest, ControlTokenStringsInContentStayText) {
   EXPECT_THAT(tok_->Decode(*ids, /*skip_special=*/true), HasSubstr(forged));
 }
 
+// EncodeText with a budget: the whole encoding within it; past it, encoding stops a little
+// after the budget (a prefix of the whole encoding with more ids than the budget).
+TEST_F(ChatTemplateTest, EncodeTextStopsPastItsBudget) {
+  std::string text;
+  for (int i = 0; i < 20000; ++i) text += "the sea and the sky ";
+  const std::vector<int32_t> full = tok_->EncodeText(text, /*add_bos=*/true);
+  ASSERT_GT(full.size(), 20000u);
+  EXPECT_EQ(tok_->EncodeText(text, true, full.size()), full);
+  const std::vector<int32_t> cut = tok_->EncodeText(text, true, 1000);
+  EXPECT_GT(cut.size(), 1000u);
+  EXPECT_LE(cut.size(), 1010u);
+  EXPECT_TRUE(std::equal(cut.begin(), cut.end(), full.begin()));
+}
+
+// RenderChat with max_tokens: a list of 200,000 messages is rendered only until the budget is
+// passed (a prefix of the whole rendering); within the budget the rendering is unchanged.
+TEST_F(ChatTemplateTest, RenderChatStopsPastItsBudget) {
+  const std::vector<ChatMessage> few = {{"system", "be brief"}, {"user", "hi there"}};
+  absl::StatusOr<std::vector<int32_t>> whole = RenderChat(*tok_, few);
+  ASSERT_THAT(whole, IsOk());
+  ChatTemplateOptions o;
+  o.max_tokens = whole->size();
+  EXPECT_THAT(RenderChat(*tok_, few, o), IsOk());
+  EXPECT_EQ(*RenderChat(*tok_, few, o), *whole);
+  o.max_tokens = whole->size() - 1;
+  EXPECT_GT(RenderChat(*tok_, few, o)->size(), o.max_tokens);
+
+  const std::vector<ChatMessage> many(200000, ChatMessage{"user", "hello world"});
+  absl::StatusOr<std::vector<int32_t>> full = RenderChat(*tok_, many);
+  ASSERT_THAT(full, IsOk());
+  ASSERT_GT(full->size(), 1000000u);
+  o.max_tokens = 5000;
+  absl::StatusOr<std::vector<int32_t>> cut = RenderChat(*tok_, many, o);
+  ASSERT_THAT(cut, IsOk());
+  EXPECT_GT(cut->size(), 5000u);
+  EXPECT_LE(cut->size(), 5020u);
+  EXPECT_TRUE(std::equal(cut->begin(), cut->end(), full->begin()));
+}
+
 }  // namespace
 }  // namespace dgserve

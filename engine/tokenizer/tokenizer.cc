@@ -1,6 +1,8 @@
 #include "engine/tokenizer/tokenizer.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -123,7 +125,7 @@ absl::StatusOr<Tokenizer> Tokenizer::FromJson(std::string_view json_text,
   return Tokenizer(std::move(data));
 }
 
-void Tokenizer::EncodeSection(std::string_view raw, bool text_only,
+void Tokenizer::EncodeSection(std::string_view raw, bool text_only, size_t max_tokens,
                               std::vector<int32_t>* out) const {
   const TokenizerData& d = *data_;
   std::string normalized_storage;
@@ -136,31 +138,47 @@ void Tokenizer::EncodeSection(std::string_view raw, bool text_only,
   SplitOnAddedTokens(
       text_only ? d.text_normalized_matcher : d.normalized_matcher, d.added_tokens, normalized,
       [&](std::string_view section) {
+        if (out->size() > max_tokens) return;
         words.clear();
         d.pre_tokenizer.Split(section, &words);
-        for (std::string_view word : words) d.model.Tokenize(word, out);
+        for (std::string_view word : words) {
+          if (out->size() > max_tokens) return;
+          d.model.Tokenize(word, out, max_tokens);
+        }
       },
-      [&](int32_t id) { out->push_back(id); });
+      [&](int32_t id) {
+        if (out->size() <= max_tokens) out->push_back(id);
+      });
 }
 
 std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos) const {
-  return EncodeImpl(text, add_bos, /*text_only=*/false);
+  return EncodeImpl(text, add_bos, /*text_only=*/false, SIZE_MAX);
 }
 
 std::vector<int32_t> Tokenizer::EncodeText(std::string_view text, bool add_bos) const {
-  return EncodeImpl(text, add_bos, /*text_only=*/true);
+  return EncodeImpl(text, add_bos, /*text_only=*/true, SIZE_MAX);
 }
 
-std::vector<int32_t> Tokenizer::EncodeImpl(std::string_view text, bool add_bos,
-                                           bool text_only) const {
+std::vector<int32_t> Tokenizer::EncodeText(std::string_view text, bool add_bos,
+                                           size_t max_tokens) const {
+  return EncodeImpl(text, add_bos, /*text_only=*/true, max_tokens);
+}
+
+std::vector<int32_t> Tokenizer::EncodeImpl(std::string_view text, bool add_bos, bool text_only,
+                                           size_t max_tokens) const {
   const TokenizerData& d = *data_;
   std::vector<int32_t> ids;
-  ids.reserve(text.size() / 3 + 4);
+  ids.reserve(std::min(text.size(), max_tokens) / 3 + 4);
   if (add_bos) ids.insert(ids.end(), d.template_prefix.begin(), d.template_prefix.end());
   SplitOnAddedTokens(
       text_only ? d.text_raw_matcher : d.raw_matcher, d.added_tokens, text,
-      [&](std::string_view section) { EncodeSection(section, text_only, &ids); },
-      [&](int32_t id) { ids.push_back(id); });
+      [&](std::string_view section) {
+        if (ids.size() <= max_tokens) EncodeSection(section, text_only, max_tokens, &ids);
+      },
+      [&](int32_t id) {
+        if (ids.size() <= max_tokens) ids.push_back(id);
+      });
+  if (ids.size() > max_tokens) return ids;  // over budget: the caller refuses it
   if (add_bos) ids.insert(ids.end(), d.template_suffix.begin(), d.template_suffix.end());
   return ids;
 }

@@ -42,6 +42,13 @@ class Tokenizer {
   // as the control token (HF `split_special_tokens=True`). Non-special added tokens still match.
   // Only templates (RenderChat, `add_bos`) emit control tokens.
   std::vector<int32_t> EncodeText(std::string_view text, bool add_bos) const;
+  // EncodeText with a budget: stops encoding as soon as more than `max_tokens` ids have been
+  // produced (checked after every pre-tokenized word, every piece of a long word the BPE model
+  // merges on its own, and every added token), so that a huge text costs about `max_tokens`
+  // tokens of work. The result is the full encoding when it has at most `max_tokens` ids;
+  // otherwise a prefix of it with more than `max_tokens` ids (at most one piece's ids past the
+  // budget, the post-processor's suffix left out): callers test `size() > max_tokens`.
+  std::vector<int32_t> EncodeText(std::string_view text, bool add_bos, size_t max_tokens) const;
 
   // Decodes ids like HF `tokenizer.decode(ids, skip_special_tokens=skip_special)`: byte-fallback
   // runs are joined into UTF-8 (a run that is not valid UTF-8 becomes one U+FFFD per byte, as in
@@ -67,8 +74,11 @@ class Tokenizer {
                           tokenizer_internal::ByteRunState* state, bool final) const;
   // Normalizes, pre-tokenizes and BPE-encodes one raw-text section without added tokens.
   // `text_only`: special added tokens are not matched (EncodeText).
-  void EncodeSection(std::string_view raw, bool text_only, std::vector<int32_t>* out) const;
-  std::vector<int32_t> EncodeImpl(std::string_view text, bool add_bos, bool text_only) const;
+  // Stops once `out` holds more than `max_tokens` ids.
+  void EncodeSection(std::string_view raw, bool text_only, size_t max_tokens,
+                     std::vector<int32_t>* out) const;
+  std::vector<int32_t> EncodeImpl(std::string_view text, bool add_bos, bool text_only,
+                                  size_t max_tokens) const;
 
   std::shared_ptr<const tokenizer_internal::TokenizerData> data_;
 };

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -174,6 +175,21 @@ TEST_F(GemmaTokenizerTest, LongTextRoundTrips) {
   const std::vector<int32_t> ids = tok().Encode(text, false);
   EXPECT_LT(ids.size(), text.size() / 3);
   EXPECT_EQ(tok().Decode(ids, false), text);
+}
+
+// With a budget, encoding a long text stops within a few ids past it (Gemma leaves the whole
+// text one word: the budget is checked between the BPE model's pieces), and what it made is the
+// start of the whole encoding.
+TEST_F(GemmaTokenizerTest, BudgetStopsEncodingALongText) {
+  std::string text;
+  while (text.size() < 400000) text += "The quick brown fox jumps over the lazy dog. ";
+  const std::vector<int32_t> full = tok().EncodeText(text, true);
+  ASSERT_GT(full.size(), 50000u);
+  EXPECT_EQ(tok().EncodeText(text, true, full.size()), full);
+  const std::vector<int32_t> cut = tok().EncodeText(text, true, 1000);
+  EXPECT_GT(cut.size(), 1000u);
+  EXPECT_LE(cut.size(), 1004u);
+  EXPECT_TRUE(std::equal(cut.begin(), cut.end(), full.begin()));
 }
 
 TEST_F(GemmaTokenizerTest, CutsBeforeMarkerKeepPiecesThatSpanThem) {

@@ -2,12 +2,17 @@
 // worker is SIGKILLed after blocks reached the client continue from their next canvas on the
 // surviving worker and end with exactly the output of an undisturbed run, over gRPC streams and
 // OpenAI HTTP SSE, without a block sent twice and with usage counted once; past --max_resumes
-// the client gets UNAVAILABLE.
+// the client gets UNAVAILABLE. A worker that dies after only canvas steps (no block yet) resumes
+// from canvas 0; a worker stopped (SIGSTOP) past the deadline gives a clean DEADLINE_EXCEEDED /
+// 504 and no resume.
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <iostream>
 #include <chrono>
+#include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -278,6 +283,20 @@ TEST(ResumeTest, RequestsSurviveADenoiseWorkerKilledMidRequest) {
   EXPECT_LE(resumes, kGrpc + kHttp) << *metrics;
   std::cout << "killed denoise worker " << victim << " running " << victim_requests
             << " requests; resumes: " << resumes << "\n";
+  // The gateway logged the death once, not once per request.
+  {
+    std::ifstream log_file(c.gateway().log);
+    std::stringstream log;
+    log << log_file.rdbuf();
+    const std::string death =
+        absl::StrCat("denoise worker 127.0.0.1:", c.denoise(victim).grpc_port, " is unhealthy");
+    int deaths = 0;
+    for (size_t at = log.str().find(death); at != std::string::npos;
+         at = log.str().find(death, at + 1)) {
+      ++deaths;
+    }
+    EXPECT_EQ(deaths, 1) << log.str();
+  }
 
   // The undisturbed runs, on the surviving worker.
   for (int i = 0; i < kGrpc; ++i) {
@@ -381,6 +400,211 @@ TEST(ResumeTest, GivesUpAfterMaxResumes) {
   EXPECT_THAT(s.error_message(), ::testing::Not(HasSubstr("127.0.0.1")));
   EXPECT_EQ(finished, 0);
   EXPECT_LT(blocks, kMaxTokens / 16);
+}
+
+double MetricOf(const Service& s, const std::string& series) {
+  absl::StatusOr<std::string> m = TestCluster::ScrapeMetrics(s);
+  return m.ok() ? TestCluster::MetricValue(*m, series) : -1;
+}
+
+// The denoise worker dies after the client has received canvas steps of canvas 0 but no block:
+// the request resumes from canvas 0 (nothing committed) on the other worker. The client gets
+// every block once, canvas steps strictly in order (none repeated), one Finished, and exactly
+// the tokens of an undisturbed run. Worker 0 runs the request (worker 1 is stopped until then);
+// worker 0 is SIGSTOPped at the first step event the client receives and, once nothing more
+// can arrive from it, checked to have sent no block (else the try is cancelled and repeated
+// with another seed); then worker 1 comes back and worker 0 is SIGKILLed.
+TEST(ResumeTest, ResumesFromCanvasZeroAfterOnlyStepEvents) {
+  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
+  ASSERT_TRUE(model.ok()) << model.status();
+  ClusterOptions o;
+  o.model_dir = *model;
+  o.denoise_workers = 2;
+  auto started = TestCluster::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  TestCluster& c = **started;
+  const std::string healthy_denoise = R"(dgserve_gateway_workers{role="denoise",state="healthy"})";
+  ASSERT_TRUE(c.StopDenoiseGracefully(1));
+  const pid_t victim = c.denoise(0).pid;
+
+  constexpr int kTries = 20;
+  uint64_t seed = 0;
+  GrpcStream g;
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::thread reader;
+  int tries = 0, steps_before_kill = 0;
+  std::atomic<int> steps{0}, blocks{0};  // of the current try (the reader outlives the loop)
+  for (; tries < kTries; ++tries) {
+    ASSERT_TRUE(EventuallyWithin60s([&] { return MetricOf(c.gateway(), healthy_denoise) == 1; }));
+    seed = 1234 + tries;
+    g = GrpcStream();
+    steps = 0;
+    blocks = 0;
+    ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+    reader = std::thread([&, seed] {
+      auto r = c.GatewayStub()->GenerateStream(ctx.get(), Chat(seed, 1));
+      v1::GenerateEvent ev;
+      while (r->Read(&ev)) {
+        if (g.finished > 0) g.events_after_finished = true;
+        if (ev.has_canvas_step()) {
+          if (steps.fetch_add(1) == 0) kill(victim, SIGSTOP);  // at once, on the first step
+          g.steps.emplace_back(ev.canvas_step().canvas(), ev.canvas_step().step());
+        } else if (ev.has_block()) {
+          g.ids.insert(g.ids.end(), ev.block().token_ids().begin(), ev.block().token_ids().end());
+          if (ev.block().token_ids_size() > 0) g.block_indices.push_back(ev.block().index());
+          ++blocks;
+        } else if (ev.has_finished()) {
+          ++g.finished;
+          g.last_finished = ev.finished();
+        }
+      }
+      g.status = r->Finish();
+    });
+    // What the stopped worker sent before it stopped reaches the client meanwhile, and the
+    // gateway's polls time out on it.
+    const bool stopped =
+        EventuallyWithin60s([&] { return steps.load() > 0; }) &&
+        EventuallyWithin60s([&] { return MetricOf(c.gateway(), healthy_denoise) == 0; });
+    if (!stopped) {
+      ctx->TryCancel();
+      kill(victim, SIGCONT);
+      reader.join();
+      FAIL() << "no canvas step, or the gateway never saw the worker stop answering";
+    }
+    if (blocks.load() == 0) {
+      steps_before_kill = steps.load();
+      break;
+    }
+    // Canvas 0 was committed before the worker stopped: not the case under test.
+    ctx->TryCancel();
+    kill(victim, SIGCONT);
+    reader.join();
+  }
+  ASSERT_LT(tries, kTries) << "canvas 0 was committed before the worker stopped in every try";
+  absl::Status restarted = c.RestartDenoise(1);
+  const bool back = restarted.ok() && EventuallyWithin60s([&] {
+    return MetricOf(c.gateway(), healthy_denoise) == 1;
+  });
+  c.KillDenoise(0);
+  reader.join();
+  ASSERT_TRUE(restarted.ok()) << restarted;
+  ASSERT_TRUE(back) << "worker 1 never became healthy again";
+  std::cout << "resumed at canvas 0 in try " << tries + 1 << " after " << steps_before_kill
+            << " step events\n";
+
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_EQ(MetricOf(c.gateway(), "dgserve_gateway_resumes_total"), 1);
+  std::ifstream log_file(c.gateway().log);
+  std::stringstream log;
+  log << log_file.rdbuf();
+  EXPECT_THAT(log.str(), HasSubstr("resuming at canvas 0 (resume 1 of"));
+
+  grpc::ClientContext solo_ctx;
+  solo_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+  v1::GenerateResponse solo;
+  ASSERT_TRUE(c.GatewayStub()->Generate(&solo_ctx, Chat(seed, 0), &solo).ok());
+  EXPECT_EQ(g.ids, std::vector<int32_t>(solo.token_ids().begin(), solo.token_ids().end()));
+  std::vector<int> expected_indices(kMaxTokens / 16);
+  for (size_t k = 0; k < expected_indices.size(); ++k) expected_indices[k] = int(k);
+  EXPECT_EQ(g.block_indices, expected_indices);
+  EXPECT_EQ(g.finished, 1);
+  EXPECT_FALSE(g.events_after_finished);
+  ASSERT_FALSE(g.steps.empty());
+  EXPECT_EQ(g.steps.front(), std::make_pair(0, 0));
+  for (size_t k = 1; k < g.steps.size(); ++k) {
+    EXPECT_LT(g.steps[k - 1], g.steps[k]) << "step event " << k;
+  }
+  const v1::Usage& u = g.last_finished.usage();
+  EXPECT_EQ(u.prompt_tokens(), solo.usage().prompt_tokens());
+  EXPECT_EQ(u.completion_tokens(), kMaxTokens);
+  EXPECT_EQ(u.canvases(), solo.usage().canvases());
+  EXPECT_EQ(u.denoising_steps(), solo.usage().denoising_steps());
+}
+
+// Both denoise workers are SIGSTOPped while a gRPC stream and an HTTP request (X-Request-Timeout)
+// run on them, past the requests' deadlines: the gRPC client gets DEADLINE_EXCEEDED, the HTTP
+// client a 504, and the gateway does not resume (a stopped worker is not a failed one). After
+// SIGCONT the workers' KV gauges return to zero.
+TEST(ResumeTest, StoppedWorkerPastTheDeadlineIsACleanTimeout) {
+  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
+  ASSERT_TRUE(model.ok()) << model.status();
+  ClusterOptions o;
+  o.model_dir = *model;
+  o.denoise_workers = 2;
+  auto started = TestCluster::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  TestCluster& c = **started;
+  constexpr int kDeadlineSeconds = 8;
+  constexpr int kLongMaxTokens = 16384;  // 1,024 canvases: neither request ends on its own
+
+  std::atomic<int> blocks{0};
+  grpc::Status grpc_status;
+  std::thread grpc_client([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(kDeadlineSeconds));
+    v1::GenerateRequest req = Chat(555, 0);
+    req.set_max_tokens(kLongMaxTokens);
+    auto r = c.GatewayStub()->GenerateStream(&ctx, req);
+    v1::GenerateEvent ev;
+    while (r->Read(&ev)) blocks += ev.has_block();
+    grpc_status = r->Finish();
+  });
+  std::string http_raw;
+  std::thread http_client([&] {
+    const int fd = ConnectLoopback(c.gateway().http_port, 120);
+    if (fd < 0) return;
+    const std::string body = absl::StrCat(R"({"prompt": ")", kPrompt,
+                                          R"(", "seed": 556, "max_tokens": )", kLongMaxTokens, "}");
+    SendAll(fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                             "Content-Type: application/json\r\nConnection: close\r\n"
+                             "X-Request-Timeout: ", kDeadlineSeconds, "\r\nContent-Length: ",
+                             body.size(), "\r\n\r\n", body));
+    char buf[4096];
+    for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) http_raw.append(buf, size_t(n));
+    close(fd);
+  });
+  // Both requests run on the workers (the gRPC one has streamed a block): stop both workers.
+  auto active = [&] {
+    int sum = 0;
+    for (int i = 0; i < c.denoise_count(); ++i) {
+      auto s = c.DenoiseStats(i);
+      if (s.ok()) sum += s->active_requests();
+    }
+    return sum;
+  };
+  const bool running = Eventually([&] { return blocks.load() > 0 && active() == 2; },
+                                  kDeadlineSeconds);
+  for (int i = 0; i < c.denoise_count(); ++i) kill(c.denoise(i).pid, SIGSTOP);
+  grpc_client.join();
+  http_client.join();
+  for (int i = 0; i < c.denoise_count(); ++i) kill(c.denoise(i).pid, SIGCONT);
+  ASSERT_TRUE(running) << "the requests were not both running on the workers";
+
+  EXPECT_EQ(grpc_status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+      << grpc_status.error_message();
+  ASSERT_EQ(http_raw.rfind("HTTP/1.1 504", 0), 0u) << http_raw;
+  EXPECT_THAT(http_raw, HasSubstr("timeout_error"));
+  EXPECT_THAT(http_raw, ::testing::Not(HasSubstr("127.0.0.1")));
+  EXPECT_EQ(MetricOf(c.gateway(), "dgserve_gateway_resumes_total"), 0);
+  // The HTTP request at least (the gRPC one may count as CANCELLED: its client's deadline
+  // cancels the call at the same moment).
+  EXPECT_GE(MetricOf(c.gateway(), R"(dgserve_gateway_requests_total{status="DEADLINE_EXCEEDED"})"),
+            1);
+
+  const std::string used_full = R"(dgserve_denoise_kv_blocks{kind="full",state="used"})";
+  const std::string used_sliding = R"(dgserve_denoise_kv_blocks{kind="sliding",state="used"})";
+  for (int i = 0; i < c.denoise_count(); ++i) {
+    SCOPED_TRACE(absl::StrCat("denoise worker ", i));
+    EXPECT_TRUE(EventuallyWithin60s([&] {
+      auto s = c.DenoiseStats(i);
+      return s.ok() && s->active_requests() == 0 && s->kv().full_blocks_used() == 0 &&
+             s->kv().sliding_blocks_used() == 0 && MetricOf(c.denoise(i), used_full) == 0 &&
+             MetricOf(c.denoise(i), used_sliding) == 0;
+    })) << c.DenoiseStats(i)->DebugString();
+  }
+  EXPECT_TRUE(EventuallyWithin60s(
+      [&] { return MetricOf(c.gateway(), "dgserve_gateway_inflight_requests") == 0; }));
 }
 
 }  // namespace
