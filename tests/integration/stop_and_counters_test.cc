@@ -248,8 +248,8 @@ std::vector<std::string> DataLines(const std::string& raw) {
 }
 
 // A stream cut by its deadline after output ends well-formed for every n: its last event is an
-// error event naming the deadline, and the chunked body is terminated (reviewer finding: an
-// n > 1 stream ended without either).
+// error event naming the deadline (with the error body an HTTP 504 would have: no `param`), and
+// the chunked body is terminated (reviewer finding: an n > 1 stream ended without either).
 TEST_F(StopAndCountersTest, StreamsCutByTheirDeadlineEndWellFormedForEveryN) {
   for (const bool chat : {false, true}) {
   for (int n : {1, 2, 3}) {
@@ -268,6 +268,9 @@ TEST_F(StopAndCountersTest, StreamsCutByTheirDeadlineEndWellFormedForEveryN) {
     ASSERT_FALSE(last.is_discarded()) << data.back();
     ASSERT_TRUE(last.contains("error")) << data.back();
     EXPECT_EQ(last["error"]["code"], "deadline_exceeded") << data.back();
+    EXPECT_EQ(last["error"]["type"], "timeout_error") << data.back();
+    // Names no request field (it said "denoise", from the message's "denoise: …").
+    EXPECT_TRUE(last["error"]["param"].is_null()) << data.back();
     EXPECT_EQ(raw.substr(raw.size() - 5), "0\r\n\r\n") << raw.substr(raw.size() - 200);
   }
   }
