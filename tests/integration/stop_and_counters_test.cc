@@ -39,6 +39,7 @@ class StopAndCountersTest : public SharedClusterTest<StopAndCountersTest> {
     std::vector<v1::BlockCommitted> blocks;  // sample 0's
     std::string text;
     v1::Finished finished;
+    std::vector<v1::Finished> all_finished;  // every sample's, in arrival order
   };
   static Streamed Stream(const v1::GenerateRequest& req) {
     Streamed out;
@@ -47,6 +48,7 @@ class StopAndCountersTest : public SharedClusterTest<StopAndCountersTest> {
     auto reader = c().GatewayStub()->GenerateStream(&ctx, req);
     v1::GenerateEvent ev;
     while (reader->Read(&ev)) {
+      if (ev.has_finished()) out.all_finished.push_back(ev.finished());
       if (ev.index() != 0) continue;
       if (ev.has_block()) {
         out.blocks.push_back(ev.block());
@@ -163,6 +165,39 @@ TEST_F(StopAndCountersTest, StopSequenceEndsTheSampleOnTheWorkerAtOnce) {
       tok->Decode(std::span<const int32_t>(ids.data(), size_t(n) + 1), true);
   EXPECT_EQ(cut.text.substr(0, counted.size()), counted) << "counted tokens' text: " << counted;
   EXPECT_GT(one_more.size(), cut.text.size()) << "one token more still fits: " << one_more;
+}
+
+// With n = 2 each sample ends on the worker where its own completion ends: the decoder passes
+// are exactly the samples' reported denoising steps (a stopped sample runs no step more), and
+// the request is recorded OK, not CANCELLED.
+TEST_F(StopAndCountersTest, StopSequenceEndsEachSampleOnTheWorker) {
+  const int C = CanvasLength();
+  for (uint64_t seed = 21; seed <= 30; ++seed) {
+    v1::GenerateRequest req;
+    req.set_text("Tell me about mountains.");
+    req.set_seed(seed);
+    req.set_max_tokens(3 * C);
+    const Streamed full = Stream(req);
+    ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+    const std::string stop = AsciiPiece(full.blocks[0].text());
+    if (stop.empty()) continue;
+    req.add_stop(stop);
+    req.set_n(2);
+    const DenoiseCounts before = Denoise();
+    const Streamed cut = Stream(req);
+    ASSERT_TRUE(cut.status.ok()) << cut.status.error_message();
+    const DenoiseCounts after = DenoiseAfter(before);
+    ASSERT_EQ(cut.all_finished.size(), 2u);
+    EXPECT_EQ(cut.finished.finish_reason(), "stop");
+    EXPECT_EQ(cut.finished.usage().canvases(), 1);
+    double steps = 0;
+    for (const v1::Finished& f : cut.all_finished) steps += f.usage().denoising_steps();
+    EXPECT_EQ(after.decoder_passes - before.decoder_passes, steps);
+    EXPECT_EQ(after.ok - before.ok, 1);
+    EXPECT_EQ(after.cancelled - before.cancelled, 0);
+    return;
+  }
+  GTEST_SKIP() << "no canvas-0 text with three ASCII letters in ten seeds";
 }
 
 // The prefill worker's prefix_cache_hits_total / hit_tokens_total (and cached_tokens_total)
