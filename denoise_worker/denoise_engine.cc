@@ -10,6 +10,7 @@
 #include "engine/denoise/finalize.h"
 #include "engine/denoise/rng.h"
 #include "engine/denoise/sampler_params.h"
+#include "gateway/stop_matcher.h"
 #include "service/canvas_template_proto.h"
 
 namespace dgserve {
@@ -70,6 +71,9 @@ struct DenoiseEngine::Running {
   int total_steps = 0;
   int completion_tokens = 0;  // tokens before the first stop token, capped at max_new_tokens
   bool stop_found = false;
+  // The request's stop sequences over the completion's text (null: none, or no tokenizer).
+  std::optional<StreamDecoder> decoder;
+  std::optional<StopMatcher> stop_matcher;
   absl::Time kv_ready;
   absl::Time admitted;
   absl::Time canvas_start;
@@ -288,6 +292,15 @@ void DenoiseEngine::OnKv(const std::string& id,
                                       c.canvas_length;
     r->stop_ids.assign(job->request().stop_token_ids().begin(),
                        job->request().stop_token_ids().end());
+    const v1::DenoiseRequest& req = job->request();
+    if (options_.tokenizer && req.stop_sequences_size() > 0) {
+      r->decoder.emplace(*options_.tokenizer);
+      r->stop_matcher.emplace(
+          std::vector<std::string>(req.stop_sequences().begin(), req.stop_sequences().end()));
+      // A resume: the completion before first_canvas, as the gateway matched it.
+      r->stop_matcher->Push(r->decoder->Push(std::span<const int32_t>(
+          req.completion_token_ids().data(), size_t(req.completion_token_ids_size()))));
+    }
     r->kv_ready = kv_ready;
     ready_.push_back(std::move(r));
   }
@@ -554,6 +567,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
     b->set_steps(steps);
     b->set_stop_token(found);
     r.job->Push(std::move(ev));
+    std::vector<int32_t> completion;  // this canvas's completion tokens
     for (int32_t id : finalized) {
       if (r.stop_found || r.completion_tokens == r.job->request().max_new_tokens()) break;
       if (std::find(r.stop_ids.begin(), r.stop_ids.end(), id) != r.stop_ids.end()) {
@@ -561,10 +575,18 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
         break;
       }
       ++r.completion_tokens;
+      completion.push_back(id);
+    }
+    // A stop sequence in the completion's text ends the sample here, as the gateway ends it:
+    // the canvas is not committed and no further step runs.
+    bool stop_sequence = false;
+    if (r.stop_matcher && !completion.empty()) {
+      stop_sequence = r.stop_matcher->Push(r.decoder->Push(completion)).stopped;
+      if (stop_sequence) r.stop_found = true;
     }
     r.den.reset();
     ++r.canvas;
-    if (found || r.canvas == r.num_canvases) {
+    if (found || stop_sequence || r.canvas == r.num_canvases) {
       v1::DenoiseEvent fin;
       fin.set_sample(r.sample);
       v1::DenoiseFinished* f = fin.mutable_finished();

@@ -22,6 +22,7 @@
 #include "denoise_worker/denoise_metrics.h"
 #include "dgserve/v1/worker.pb.h"
 #include "engine/model/backend.h"
+#include "engine/tokenizer/tokenizer.h"
 #include "kvstore/block_pool.h"
 #include "kvstore/transfer.h"
 
@@ -71,6 +72,10 @@ struct DenoiseEngineOptions {
   int max_batch_canvases = 16;
   int max_queue = 256;          // requests waiting for KV or a batch slot, at most
   std::string model_id;
+  // The model's tokenizer: with it the worker matches a request's stop_sequences itself and
+  // ends a sample at the canvas whose text holds one (finished OK, "stop", no further step or
+  // commit). Without it stop sequences are ignored here (the gateway cancels the sample).
+  std::optional<Tokenizer> tokenizer;
 };
 
 struct DenoiseEngineStats {

@@ -58,6 +58,14 @@ absl::Status Run() {
   eopts.max_batch_canvases = absl::GetFlag(FLAGS_max_batch_canvases);
   eopts.max_queue = absl::GetFlag(FLAGS_max_queue);
   eopts.model_id = model_id;
+  // The gateway reads the same directory's tokenizer.json; with it the worker ends a sample at
+  // a stop sequence itself (see DenoiseEngineOptions::tokenizer).
+  if (absl::StatusOr<Tokenizer> t = Tokenizer::Load(dir + "/tokenizer.json"); t.ok()) {
+    eopts.tokenizer = *std::move(t);
+  } else {
+    DGSERVE_LOG_WARNING("no tokenizer (%s): stop sequences end samples by cancellation only",
+                        t.status().message());
+  }
   DenoiseEngine engine(model->backend.get(), model->pool.get(), &receiver, eopts, &metrics);
   DenoiseServiceImpl denoise(&engine, model->pool.get(), &receiver, model_id,
                              eopts.max_batch_canvases);

@@ -89,8 +89,9 @@ struct SampleStream {
   // The last CanvasStep sent: a resumed canvas's steps up to it are not sent again.
   int sent_step_canvas = -1, sent_step = -1;
   size_t emitted_bytes = 0;      // completion text emitted so far
-  // The completion ended at a block by max_tokens or a stop token: the worker ends this
-  // sample there too and its Finished (with the denoise and commit timings) comes next.
+  // The completion ended at a block by max_tokens, a stop token or a stop sequence: the worker
+  // ends this sample there too and its Finished (with the denoise and commit timings) comes
+  // next.
   bool awaiting_worker_finish = false;
   bool worker_done = false;  // the worker's Finished of this sample arrived
   bool done = false;         // the completion has ended
@@ -705,6 +706,13 @@ v1::DenoiseRequest Gateway::RequestRun::MakeDenoiseRequest(const std::string& at
   dreq.set_kv_wait_ms(gw_.options_.kv_lease_ms);
   if (req_.canvas_template) *dreq.mutable_canvas_template() = *req_.canvas_template;
   dreq.set_num_samples(req_.n);
+  // The worker ends a sample at a stop sequence itself (no further step or commit, finished
+  // OK); on a resume it needs the completion so far for a stop sequence spanning the canvases.
+  dreq.mutable_stop_sequences()->Assign(req_.stop.begin(), req_.stop.end());
+  if (committed > 0) {
+    const std::vector<int32_t>& ids = samples_[0]->all_ids;
+    dreq.mutable_completion_token_ids()->Assign(ids.begin(), ids.end());
+  }
   return dreq;
 }
 
@@ -748,7 +756,7 @@ absl::Status Gateway::RequestRun::Denoise(const Workers& w, CancelWatcher& watch
     }
     const int index = ev.sample();
     SampleStream& s = *samples_[index];
-    if (s.done) continue;  // ended here by a stop sequence; the worker runs the others on
+    if (s.done) continue;  // ended; the worker runs the others on
     if (s.awaiting_worker_finish && !ev.has_finished()) {
       EndSample(s);  // the worker went on with this sample (it should not): stopped below
       continue;
@@ -874,10 +882,11 @@ bool Gateway::RequestRun::OnBlock(int index, const v1::DenoiseBlockEvent& block)
   s.emitted_bytes += text.size();
   if (r.stopped) {
     s.finish_reason = "stop";
-    // A stop sequence ends the completion at the token in which it begins (possibly in an
-    // earlier canvas): the smallest prefix of the completion whose text reaches past the
-    // emitted text. Ids already streamed in earlier blocks cannot be taken back; usage and
-    // the unary response's ids are cut to this count.
+    // The completion ends before the token in which the stop sequence begins (possibly in an
+    // earlier canvas): the stop text is not counted, as with OpenAI. The completion's tokens
+    // are the longest prefix whose text lies within the emitted text (the largest count whose
+    // decoded text is no longer than it). Ids already streamed in earlier blocks cannot be
+    // taken back; usage and the unary response's ids are cut to this count.
     size_t lo = 0, hi = s.all_ids.size();
     while (lo < hi) {
       const size_t mid = (lo + hi) / 2;
@@ -888,22 +897,22 @@ bool Gateway::RequestRun::OnBlock(int index, const v1::DenoiseBlockEvent& block)
         lo = mid + 1;
       }
     }
-    const int keep_total = int(std::min(lo, s.all_ids.size()));
+    // `lo`: the smallest count whose text reaches past the emitted text (its last token
+    // holds the start of the stop sequence), or all of them.
+    const bool past = lo < s.all_ids.size() ||
+                      gw_.tokenizer_.Decode(std::span<const int32_t>(s.all_ids), true).size() >
+                          s.emitted_bytes;
+    const int keep_total = int(past && lo > 0 ? lo - 1 : std::min(lo, s.all_ids.size()));
     const int before_block = s.completion - int(take.size());
     b->mutable_token_ids()->Truncate(std::max(0, keep_total - before_block));
     s.completion = keep_total;
   }
   b->set_text(text);
   if (!Emit(out)) return false;
-  if (!s.finish_reason.empty()) {
-    // A stop sequence is the gateway's own: the worker would go on with this sample (it
-    // is stopped once every sample has ended); otherwise its Finished comes next.
-    if (r.stopped) {
-      EndSample(s);
-    } else {
-      s.awaiting_worker_finish = true;
-    }
-  }
+  // The worker ends the sample at this block too (a stop token, max_tokens, or the stop
+  // sequence it matches itself): its Finished, with the denoise and commit timings, comes next.
+  // A worker that goes on instead is stopped in Denoise().
+  if (!s.finish_reason.empty()) s.awaiting_worker_finish = true;
   return true;
 }
 

@@ -115,10 +115,15 @@ struct Response {
   }
 };
 
+// An OpenAI error body whose code matches `http_status`: a status no status code maps to (405,
+// 413, 431) names itself, any other follows the status code.
 Response ErrorResponse(int http_status, const absl::Status& status, const std::string& param = "") {
   Response r;
   r.status = http_status;
-  r.body = OpenAiErrorBody(status, param);
+  r.body = OpenAiErrorBody(status, param,
+                           http_status == HttpStatusFor(status.code())
+                               ? std::string()
+                               : OpenAiErrorCodeForHttp(http_status));
   if (http_status == 429) r.Set("Retry-After", "1");
   return r;
 }

@@ -13,12 +13,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/http_client.h"
 #include "common/testing/loopback_socket.h"
 #include "common/testing/status_matchers.h"
@@ -825,6 +827,72 @@ TEST_F(HttpServerTest, CoreErrorsNameTheirField) {
   ExpectErrorBody(chat, 400, "invalid_request_error", "exceed the context limit");
   EXPECT_EQ(json::parse(chat.body)["error"]["param"], "messages");
   EXPECT_EQ(json::parse(chat.body)["error"]["code"], "context_length_exceeded");
+}
+
+// The HTTP status and the error body's type and code of a raw response ("" when absent).
+struct RawError {
+  int status = 0;
+  std::string type, code;
+};
+RawError ParseRawError(const std::string& raw) {
+  RawError e;
+  if (raw.rfind("HTTP/1.1 ", 0) == 0) e.status = std::atoi(raw.c_str() + 9);
+  const size_t body = raw.find("\r\n\r\n");
+  if (body == std::string::npos) return e;
+  json j = json::parse(raw.substr(body + 4), nullptr, false);
+  if (j.is_discarded() || !j.contains("error")) return e;
+  e.type = j["error"].value("type", "");
+  e.code = j["error"].value("code", "");
+  return e;
+}
+
+// Every error status's body names that status: 405, 413 and 431 (which no status code maps to)
+// have codes of their own, not the "invalid_argument" of the status they were built from; the
+// others follow their status code (reviewer finding: a 413 said "invalid_argument").
+TEST_F(HttpServerTest, EveryErrorStatusHasItsOwnCode) {
+  HttpServerOptions options;
+  options.max_body_bytes = 1024;
+  options.max_header_bytes = 2048;
+  StartServer(options);
+  core_.generate = [](const v1::GenerateRequest& r, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback&) -> absl::Status {
+    if (r.text() == "busy") return absl::ResourceExhaustedError("busy");
+    if (r.text() == "down") return absl::UnavailableError("down");
+    if (r.text() == "late") return absl::DeadlineExceededError("late");
+    return absl::InvalidArgumentError("max_tokens: bad");
+  };
+  auto post = [&](const std::string& body, const std::string& extra = "") {
+    return ParseRawError(RawRequest(
+        port_, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n",
+                            extra, "Content-Type: application/json\r\nContent-Length: ",
+                            body.size(), "\r\n\r\n", body)));
+  };
+  struct Case {
+    RawError got;
+    int status;
+    std::string type, code;
+  };
+  const std::vector<Case> cases = {
+      {post(R"({"prompt": ")" + std::string(2000, 'a') + R"("})"), 413, "invalid_request_error",
+       "request_too_large"},
+      {post("{}", "X-Big: " + std::string(4000, 'h') + "\r\n"), 431, "invalid_request_error",
+       "request_header_fields_too_large"},
+      {ParseRawError(RawRequest(
+           port_, "GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")),
+       405, "invalid_request_error", "method_not_allowed"},
+      {ParseRawError(
+           RawRequest(port_, "GET /v2/none HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")),
+       404, "not_found_error", "not_found"},
+      {post(R"({"prompt": "x"})"), 400, "invalid_request_error", "invalid_argument"},
+      {post(R"({"prompt": "busy"})"), 429, "rate_limit_error", "resource_exhausted"},
+      {post(R"({"prompt": "down"})"), 503, "service_unavailable", "unavailable"},
+      {post(R"({"prompt": "late"})"), 504, "timeout_error", "deadline_exceeded"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.got.status, c.status);
+    EXPECT_EQ(c.got.type, c.type) << c.status;
+    EXPECT_EQ(c.got.code, c.code) << c.status;
+  }
 }
 
 }  // namespace

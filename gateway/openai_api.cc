@@ -781,7 +781,9 @@ std::string StreamFormatter::OnEnd(const absl::Status& status) {
                                          "the stream ended without a finish "
                                          "event")
                                    : status;
-  return SseEvent(OpenAiErrorBody(error, ErrorParam(error)));
+  // As an HTTP error response would name it: a request field for INVALID_ARGUMENT only (a
+  // deadline's "denoise: …" names no field).
+  return SseEvent(OpenAiErrorBody(error, CoreErrorParam(error, ctx_.chat)));
 }
 
 }  // namespace dgserve

@@ -685,6 +685,32 @@ v1::GenerateEvent WithIndex(v1::GenerateEvent e, int index) {
   return e;
 }
 
+// A stream's error event has the error body the same error would have as an HTTP response:
+// `param` names a request field for INVALID_ARGUMENT only ("messages" for a chat's prompt),
+// never a worker role taken from the message (a deadline said "param": "denoise").
+TEST(StreamFormatterTest, ErrorEventParamIsTheHttpResponses) {
+  const absl::Status deadline = absl::DeadlineExceededError("denoise: Deadline Exceeded");
+  const absl::Status bad = absl::InvalidArgumentError("prompt: too long");
+  for (const bool chat : {false, true}) {
+    for (const absl::Status& st : {deadline, bad}) {
+      StreamFormatter f(ResponseContext{"local", "m", 9, chat}, false, 2);
+      std::string sse = f.OnEvent(WithIndex(Block("a"), 1));
+      sse += f.OnEnd(st);
+      std::vector<std::string> frames = Frames(sse);
+      ASSERT_EQ(frames.size(), 2u);
+      const json err = json::parse(frames[1])["error"];
+      const std::string param = CoreErrorParam(st, chat);
+      if (param.empty()) {
+        EXPECT_TRUE(err["param"].is_null()) << frames[1];
+      } else {
+        EXPECT_EQ(err["param"], param) << frames[1];
+      }
+    }
+  }
+  EXPECT_EQ(CoreErrorParam(bad, true), "messages");
+  EXPECT_EQ(CoreErrorParam(deadline, false), "");
+}
+
 TEST(ResponseAccumulatorTest, OneChoicePerIndexAndSummedUsage) {
   ResponseAccumulator acc;
   acc.OnEvent(WithIndex(Block("a0"), 0));

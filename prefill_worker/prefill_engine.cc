@@ -164,7 +164,6 @@ void PrefillEngine::Loop() {
       j->cached_tokens = match.num_tokens;
       j->kv = std::shared_ptr<kv::PagedKvCache>(
           kv::PagedKvCache::FromPrefix(pool_, std::move(match), int(tokens.size())));
-      if (metrics_) metrics_->cached_tokens.Increment(double(j->cached_tokens));
     }
     active_ = int(active.size());
     Step(active);
@@ -269,7 +268,11 @@ void PrefillEngine::Ship(std::shared_ptr<Job> job) {
         r.set_transfer_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
         r.set_transfer_bytes(result->bytes);
         r.set_transport(transport_name_);
+        // Cached tokens count once the prefill that reused them is served (a failed or
+        // cancelled one reused nothing for anyone).
+        if (kv_metrics_) kv_metrics_->RecordPrefixHit(job->cached_tokens);
         if (metrics_) {
+          metrics_->cached_tokens.Increment(double(job->cached_tokens));
           metrics_->RequestsWithStatus("OK").Increment();
           metrics_->request_seconds.Observe(absl::ToDoubleSeconds(t0 - job->created));
         }

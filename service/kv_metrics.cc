@@ -27,12 +27,12 @@ KvMetrics::KvMetrics(prometheus::Registry& r, const std::string& c)
                           .Add({})),
       prefix_hits_(prometheus::BuildCounter()
                        .Name("dgserve_" + c + "_prefix_cache_hits_total")
-                       .Help("Prefix-cache lookups that reused at least one block")
+                       .Help("Served prefills that reused at least one prefix-cache block")
                        .Register(r)
                        .Add({})),
       prefix_hit_tokens_(prometheus::BuildCounter()
                              .Name("dgserve_" + c + "_prefix_cache_hit_tokens_total")
-                             .Help("Prompt tokens served from the prefix cache since start")
+                             .Help("Prompt tokens of served prefills reused from the prefix cache")
                              .Register(r)
                              .Add({})) {
   for (const char* kind : {"sliding", "full"}) {
@@ -55,9 +55,13 @@ void KvMetrics::Update(const kv::PoolStats& s) {
     blocks_.Add({{"kind", kinds[k]}, {"state", "free"}}).Set(double(s.free_blocks[k]));
   }
   prefix_queries_.Increment(double(s.prefix_queries - last_.prefix_queries));
-  prefix_hits_.Increment(double(s.prefix_hits - last_.prefix_hits));
-  prefix_hit_tokens_.Increment(double(s.prefix_hit_tokens - last_.prefix_hit_tokens));
   last_ = s;
+}
+
+void KvMetrics::RecordPrefixHit(int64_t tokens) {
+  if (tokens <= 0) return;
+  prefix_hits_.Increment();
+  prefix_hit_tokens_.Increment(double(tokens));
 }
 
 void KvMetrics::RecordTransfer(const std::string& transport, int64_t bytes, double seconds) {

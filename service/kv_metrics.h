@@ -19,8 +19,14 @@ class KvMetrics {
   // `component` is "prefill" or "denoise": names are dgserve_<component>_kv_*.
   KvMetrics(prometheus::Registry& registry, const std::string& component);
 
-  // Sets the block gauges {kind=sliding|full, state=used|cached|free} and the prefix counters.
+  // Sets the block gauges {kind=sliding|full, state=used|cached|free} and advances the prefix
+  // lookup counter (prefix_cache_queries_total).
   void Update(const kv::PoolStats& stats);  // thread-safe
+  // A served prefill that reused `tokens` > 0 prompt tokens from the prefix cache (the
+  // response's cached_tokens): prefix_cache_hits_total +1, prefix_cache_hit_tokens_total
+  // +tokens. A lookup whose blocks no response reused (the prefill failed or was cancelled)
+  // is not a hit. Thread-safe.
+  void RecordPrefixHit(int64_t tokens);
   void RecordTransfer(const std::string& transport, int64_t bytes, double seconds);
   void RecordTransferFailure(const std::string& transport);
   // The receiving side: advances kv_transfer_bytes_total{transport} to `total_bytes` (the

@@ -52,12 +52,23 @@ std::string OpenAiErrorType(absl::StatusCode code) {
   }
 }
 
-std::string OpenAiErrorBody(const absl::Status& status, const std::string& param) {
+std::string OpenAiErrorCodeForHttp(int http_status) {
+  switch (http_status) {
+    case 405: return "method_not_allowed";
+    case 413: return "request_too_large";
+    case 431: return "request_header_fields_too_large";
+    default: return "";
+  }
+}
+
+std::string OpenAiErrorBody(const absl::Status& status, const std::string& param,
+                            const std::string& code) {
   nlohmann::json err = {
       {"message", std::string(status.message())},
       {"type", OpenAiErrorType(status.code())},
       {"param", param.empty() ? nlohmann::json(nullptr) : nlohmann::json(param)},
-      {"code", absl::IsInvalidArgument(status) &&
+      {"code", !code.empty() ? code
+               : absl::IsInvalidArgument(status) &&
                        absl::StrContains(status.message(), "exceed the context limit")
                    ? std::string("context_length_exceeded")
                    : absl::AsciiStrToLower(absl::StatusCodeToString(status.code()))},

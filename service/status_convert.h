@@ -22,9 +22,14 @@ int HttpStatusFor(absl::StatusCode code);
 // "permission_error", "not_found_error", "rate_limit_error", "server_error", "timeout_error",
 // "service_unavailable".
 std::string OpenAiErrorType(absl::StatusCode code);
-// {"error": {"message", "type", "param" (or null), "code"}}: `code` is OpenAI's
-// "context_length_exceeded" for an INVALID_ARGUMENT whose message says the context limit is
-// exceeded, else the gRPC code name in lower case.
-std::string OpenAiErrorBody(const absl::Status& status, const std::string& param = "");
+// {"error": {"message", "type", "param" (or null), "code"}}: `code` is `code` when given, else
+// OpenAI's "context_length_exceeded" for an INVALID_ARGUMENT whose message says the context
+// limit is exceeded, else the gRPC code name in lower case.
+std::string OpenAiErrorBody(const absl::Status& status, const std::string& param = "",
+                            const std::string& code = "");
+// The error `code` of an HTTP status that no status code maps to (HttpStatusFor): 405
+// "method_not_allowed", 413 "request_too_large", 431 "request_header_fields_too_large"; ""
+// for any other status (the body's code then follows the status code).
+std::string OpenAiErrorCodeForHttp(int http_status);
 
 }  // namespace dgserve

@@ -76,6 +76,7 @@ absl::Status Run() {
   DenoiseEngineOptions dopts;
   dopts.max_batch_canvases = absl::GetFlag(FLAGS_max_batch_canvases);
   dopts.model_id = model_id;
+  dopts.tokenizer = *tokenizer;  // stop sequences end samples on the denoise engine itself
   DenoiseEngine denoise(denoise_model->backend.get(), denoise_model->pool.get(), &receiver, dopts,
                         &denoise_metrics);
   DenoiseServiceImpl denoise_service(&denoise, denoise_model->pool.get(), &receiver, model_id,

@@ -6,9 +6,12 @@
 // naming the field (label `integration`).
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <sys/wait.h>
+#include <sstream>
 #include <string>
+#include <vector>
 
 
 #include "absl/strings/str_cat.h"
@@ -237,6 +240,38 @@ TEST_F(InfillingTest, DgserveSudokuRefusesAGatewayOfAnotherModelShape) {
   EXPECT_EQ(WEXITSTATUS(status), 1) << out;
   EXPECT_THAT(out, HasSubstr("serves model 'sudoku' (canvas 91, vocabulary 128)"));
   EXPECT_THAT(out, ::testing::Not(HasSubstr("not solved")));
+}
+
+// `dgserve sudoku --samples N` shows the steps of the sample whose answer it shows (reviewer
+// finding: the step lines were sample 0's whatever sample won): every step line names the
+// chosen sample, and there is one per denoising step of its canvas.
+TEST_F(InfillingTest, DgserveSudokuWithSamplesShowsTheChosenSamplesSteps) {
+  const std::string src = DGSERVE_SOURCE_DIR_PATH;
+  const std::string cmd = absl::StrCat(BinaryPath("tools/dgserve"), " sudoku --gateway 127.0.0.1:",
+                                       cluster_->gateway().grpc_port, " --model ", src,
+                                       "/models/sudoku --samples 3 --seed 11 ", kPuzzle, " 2>&1");
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[512];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  const int status = pclose(p);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  ASSERT_NE(WEXITSTATUS(status), 1) << out;  // 0 solved, 2 not solved; 1 is an error
+  const size_t at = out.find("answer of sample ");
+  ASSERT_NE(at, std::string::npos) << out;
+  const int chosen = std::atoi(out.c_str() + at + 17);
+  std::vector<std::string> step_lines;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("step ") != std::string::npos && line.find("givens kept") != std::string::npos) {
+      step_lines.push_back(line);
+    }
+  }
+  ASSERT_FALSE(step_lines.empty()) << out;
+  for (const std::string& line : step_lines) {
+    EXPECT_EQ(line.rfind(absl::StrCat("sample ", chosen, ": step "), 0), 0u) << line;
+  }
 }
 
 }  // namespace

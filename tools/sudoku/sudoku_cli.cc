@@ -241,12 +241,16 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
   v1::GenerateRequest req = SudokuRequest(puzzle, options.seed, options.diffusion, options.mode);
   req.mutable_stream_options()->set_canvas_step_interval(1);
   std::vector<std::string> answer_texts(samples);
+  // With several samples the winner is known only at the end: each sample's step lines are
+  // kept and the chosen sample's are printed then, labelled with it (a terminal shows sample 0
+  // live, labelled so).
+  std::vector<std::vector<std::string>> step_lines(samples);
   int block_steps = 0;
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<v1::Finished> finished =
       StreamGeneration(req, options.client, [&](const v1::GenerateEvent& ev) {
         if (ev.index() < 0 || ev.index() >= samples) return;
-        if (ev.has_canvas_step() && ev.canvas_step().canvas() == 0 && ev.index() == 0) {
+        if (ev.has_canvas_step() && ev.canvas_step().canvas() == 0) {
           const v1::CanvasStep& s = ev.canvas_step();
           Grid cells{};
           for (int r = 0; r < 9; ++r) {
@@ -255,10 +259,14 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
               if (pos < s.token_ids_size()) cells[r * 9 + c] = digit_of(s.token_ids(pos));
             }
           }
-          const std::string line = StepLine(s.step() + 1, total_steps, Stats(puzzle, cells));
+          std::string line = StepLine(s.step() + 1, total_steps, Stats(puzzle, cells));
+          if (samples > 1) {
+            line = absl::StrCat("sample ", ev.index(), ": ", line);
+            step_lines[ev.index()].push_back(line);
+          }
           if (options.tty) {
-            display.Draw(cells, line);
-          } else {
+            if (ev.index() == 0) display.Draw(cells, line);
+          } else if (samples == 1) {
             std::printf("%s\n", line.c_str());
             std::fflush(stdout);
           }
@@ -278,6 +286,9 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
       chosen = i;
       break;
     }
+  }
+  if (samples > 1 && !options.tty) {
+    for (const std::string& line : step_lines[chosen]) std::printf("%s\n", line.c_str());
   }
   const Grid answer = ParseAnswer(answer_texts[chosen]);
   const int steps = finished->usage().denoising_steps() > 0 ? finished->usage().denoising_steps()

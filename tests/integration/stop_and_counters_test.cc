@@ -1,0 +1,315 @@
+// Integration tests of how a request ends and what the workers count for it, on the real
+// three-process cluster (label `integration`): a stop sequence ends a sample on the denoise
+// worker at once (no further decoder step or commit, recorded OK, with its denoise timings and
+// without counting the stop text), and the prefill worker's prefix-cache hit counters count
+// exactly the cached tokens that served prefills reused (issue 12 defects 6 and 9, and the
+// reviewer's findings on usage after a stop).
+#include <chrono>
+#include <cctype>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/testing/loopback_socket.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "nlohmann/json.hpp"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/integration/test_cluster.h"
+#include "tests/integration/test_helpers.h"
+
+namespace dgserve::testing {
+namespace {
+
+// The test model without stop tokens: only max_tokens or a stop sequence ends a completion.
+class StopAndCountersTest : public SharedClusterTest<StopAndCountersTest> {
+ public:
+  static absl::StatusOr<ClusterOptions> Options() {
+    absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
+    if (!model.ok()) return model.status();
+    ClusterOptions o;
+    o.model_dir = *model;
+    return o;
+  }
+
+ protected:
+  struct Streamed {
+    grpc::Status status;
+    std::vector<v1::BlockCommitted> blocks;  // sample 0's
+    std::string text;
+    v1::Finished finished;
+    std::vector<v1::Finished> all_finished;  // every sample's, in arrival order
+  };
+  static Streamed Stream(const v1::GenerateRequest& req) {
+    Streamed out;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    auto reader = c().GatewayStub()->GenerateStream(&ctx, req);
+    v1::GenerateEvent ev;
+    while (reader->Read(&ev)) {
+      if (ev.has_finished()) out.all_finished.push_back(ev.finished());
+      if (ev.index() != 0) continue;
+      if (ev.has_block()) {
+        out.blocks.push_back(ev.block());
+        out.text += ev.block().text();
+      } else if (ev.has_finished()) {
+        out.finished = ev.finished();
+      }
+    }
+    out.status = reader->Finish();
+    return out;
+  }
+  // The denoise worker's counters that a request's end shows in.
+  struct DenoiseCounts {
+    double decoder_passes = 0, commits = 0, ok = 0, cancelled = 0;
+  };
+  static DenoiseCounts Denoise() {
+    const std::string m = *TestCluster::ScrapeMetrics(c().denoise(0));
+    DenoiseCounts d;
+    d.decoder_passes = TestCluster::MetricValue(m, "dgserve_denoise_decoder_passes_total");
+    d.commits = TestCluster::MetricValue(m, "dgserve_denoise_commit_duration_seconds_count");
+    d.ok = std::max(0.0, TestCluster::MetricValue(m, "dgserve_denoise_requests_total{status=\"OK\"}"));
+    d.cancelled = std::max(
+        0.0, TestCluster::MetricValue(m, "dgserve_denoise_requests_total{status=\"CANCELLED\"}"));
+    return d;
+  }
+  // The counters after one more request has ended on the denoise worker (its outcome recorded).
+  static DenoiseCounts DenoiseAfter(const DenoiseCounts& before) {
+    DenoiseCounts now;
+    Eventually([&] {
+      now = Denoise();
+      return now.ok + now.cancelled >= before.ok + before.cancelled + 1;
+    });
+    return now;
+  }
+  static int CanvasLength() {
+    grpc::ClientContext ctx;
+    v1::ListModelsResponse models;
+    EXPECT_TRUE(c().GatewayStub()->ListModels(&ctx, {}, &models).ok());
+    return models.models(0).canvas_length();
+  }
+};
+
+// Three ASCII letters or digits in a row of `text`, or "".
+std::string AsciiPiece(const std::string& text) {
+  for (size_t i = 0; i + 3 <= text.size(); ++i) {
+    if (std::isalnum(static_cast<unsigned char>(text[i])) &&
+        std::isalnum(static_cast<unsigned char>(text[i + 1])) &&
+        std::isalnum(static_cast<unsigned char>(text[i + 2]))) {
+      return text.substr(i, 3);
+    }
+  }
+  return "";
+}
+
+// A stop sequence found in the first canvas ends the request there on the denoise worker: the
+// decoder passes are exactly that canvas's steps (the run without the stop goes on), no commit
+// pass runs, the worker records it OK (not CANCELLED), the usage has the worker's denoise time,
+// and completion_tokens does not count the token that holds the stop text.
+TEST_F(StopAndCountersTest, StopSequenceEndsTheSampleOnTheWorkerAtOnce) {
+  const int C = CanvasLength();
+  v1::GenerateRequest req;
+  Streamed full;
+  std::string stop;
+  for (uint64_t seed = 1; seed <= 10 && stop.empty(); ++seed) {
+    req.set_text("Tell me about rivers and the sea.");
+    req.set_seed(seed);
+    req.set_max_tokens(3 * C);
+    req.clear_stop();
+    const DenoiseCounts before = Denoise();
+    full = Stream(req);
+    ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+    ASSERT_EQ(full.blocks.size(), 3u);
+    ASSERT_EQ(full.finished.finish_reason(), "length");
+    const DenoiseCounts after = DenoiseAfter(before);
+    // Without a stop: every canvas's steps, a commit after each canvas but the last.
+    EXPECT_EQ(after.decoder_passes - before.decoder_passes, full.finished.usage().denoising_steps());
+    EXPECT_EQ(after.commits - before.commits, 2);
+    EXPECT_EQ(after.ok - before.ok, 1);
+    stop = AsciiPiece(full.blocks[0].text());
+  }
+  ASSERT_FALSE(stop.empty()) << "no canvas-0 text with three ASCII letters in ten seeds";
+
+  req.add_stop(stop);
+  const DenoiseCounts before = Denoise();
+  const Streamed cut = Stream(req);
+  ASSERT_TRUE(cut.status.ok()) << cut.status.error_message();
+  const DenoiseCounts after = DenoiseAfter(before);
+  EXPECT_EQ(cut.finished.finish_reason(), "stop");
+  ASSERT_EQ(cut.blocks.size(), 1u);
+  const v1::Usage& u = cut.finished.usage();
+  EXPECT_EQ(u.canvases(), 1);
+  EXPECT_EQ(u.denoising_steps(), full.blocks[0].steps());
+  // The worker stopped at once: canvas 0's steps only, no commit, finished OK.
+  EXPECT_EQ(after.decoder_passes - before.decoder_passes, full.blocks[0].steps());
+  EXPECT_EQ(after.commits - before.commits, 0);
+  EXPECT_EQ(after.ok - before.ok, 1);
+  EXPECT_EQ(after.cancelled - before.cancelled, 0);
+  // The worker's Finished reached the usage (it was 0 on the stop path).
+  EXPECT_GT(u.timings().denoise_seconds(), 0);
+  // The returned text ends before the stop text; the completion tokens are the longest prefix
+  // of the canvas whose text lies within it (the token holding the stop's start not counted).
+  const size_t at = full.blocks[0].text().find(stop);
+  EXPECT_EQ(cut.text, full.text.substr(0, at));
+  absl::StatusOr<Tokenizer> tok =
+      Tokenizer::Load(*TestModelDirWithoutStopTokens() + "/tokenizer.json");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::vector<int32_t> ids(full.blocks[0].token_ids().begin(),
+                                 full.blocks[0].token_ids().end());
+  const int n = u.completion_tokens();
+  ASSERT_LT(n, int(ids.size()));
+  EXPECT_EQ(cut.blocks[0].token_ids_size(), n);
+  const std::string counted = tok->Decode(std::span<const int32_t>(ids.data(), size_t(n)), true);
+  const std::string one_more =
+      tok->Decode(std::span<const int32_t>(ids.data(), size_t(n) + 1), true);
+  EXPECT_EQ(cut.text.substr(0, counted.size()), counted) << "counted tokens' text: " << counted;
+  EXPECT_GT(one_more.size(), cut.text.size()) << "one token more still fits: " << one_more;
+}
+
+// With n = 2 each sample ends on the worker where its own completion ends: the decoder passes
+// are exactly the samples' reported denoising steps (a stopped sample runs no step more), and
+// the request is recorded OK, not CANCELLED.
+TEST_F(StopAndCountersTest, StopSequenceEndsEachSampleOnTheWorker) {
+  const int C = CanvasLength();
+  for (uint64_t seed = 21; seed <= 30; ++seed) {
+    v1::GenerateRequest req;
+    req.set_text("Tell me about mountains.");
+    req.set_seed(seed);
+    req.set_max_tokens(3 * C);
+    const Streamed full = Stream(req);
+    ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+    const std::string stop = AsciiPiece(full.blocks[0].text());
+    if (stop.empty()) continue;
+    req.add_stop(stop);
+    req.set_n(2);
+    const DenoiseCounts before = Denoise();
+    const Streamed cut = Stream(req);
+    ASSERT_TRUE(cut.status.ok()) << cut.status.error_message();
+    const DenoiseCounts after = DenoiseAfter(before);
+    ASSERT_EQ(cut.all_finished.size(), 2u);
+    EXPECT_EQ(cut.finished.finish_reason(), "stop");
+    EXPECT_EQ(cut.finished.usage().canvases(), 1);
+    double steps = 0;
+    for (const v1::Finished& f : cut.all_finished) steps += f.usage().denoising_steps();
+    EXPECT_EQ(after.decoder_passes - before.decoder_passes, steps);
+    EXPECT_EQ(after.ok - before.ok, 1);
+    EXPECT_EQ(after.cancelled - before.cancelled, 0);
+    return;
+  }
+  GTEST_SKIP() << "no canvas-0 text with three ASCII letters in ten seeds";
+}
+
+// The prefill worker's prefix_cache_hits_total / hit_tokens_total (and cached_tokens_total)
+// move by exactly the cached tokens a served prefill reports; a lookup whose blocks serve no
+// prefill (its KV transfer fails) counts nothing.
+TEST_F(StopAndCountersTest, PrefixCacheCountersCountReusedTokensOnly) {
+  auto value = [](const std::string& series) {
+    return std::max(0.0, TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()),
+                                                  series));
+  };
+  const std::string hits = "dgserve_prefill_prefix_cache_hits_total";
+  const std::string hit_tokens = "dgserve_prefill_prefix_cache_hit_tokens_total";
+  const std::string cached = "dgserve_prefill_cached_tokens_total";
+  const std::string queries = "dgserve_prefill_prefix_cache_queries_total";
+  v1::GenerateRequest req;
+  for (int i = 0; i < 70; ++i) req.mutable_token_ids()->add_ids(5 + (13 * i + i * i) % 470);
+  req.set_seed(7);
+  req.set_max_tokens(8);
+  Result cold = Generate(c(), req);
+  ASSERT_TRUE(cold.status.ok()) << cold.status.error_message();
+  EXPECT_EQ(cold.response.usage().cached_prompt_tokens(), 0);
+  // Every lookup so far is in the counters (they advance every 250 ms).
+  double q = 0;
+  ASSERT_TRUE(Eventually([&] { return (q = value(queries)) >= 1; }));
+  const double hits0 = value(hits), tokens0 = value(hit_tokens), cached0 = value(cached);
+
+  Result warm = Generate(c(), req);
+  ASSERT_TRUE(warm.status.ok()) << warm.status.error_message();
+  const int reused = warm.response.usage().cached_prompt_tokens();
+  EXPECT_EQ(reused, 64);  // four whole 16-token blocks of the 70
+  EXPECT_TRUE(Eventually([&] { return value(queries) >= q + 1; }));
+  EXPECT_EQ(value(hits), hits0 + 1);
+  EXPECT_EQ(value(hit_tokens), tokens0 + reused);
+  EXPECT_EQ(value(cached), cached0 + reused);
+
+  // The same prompt straight to the prefill worker, its KV sent where nobody listens: the
+  // lookup finds the blocks, the prefill fails, nothing was reused.
+  q = value(queries);
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", c().prefill().grpc_port),
+                                     grpc::InsecureChannelCredentials());
+  v1::PrefillRequest preq;
+  preq.set_request_id("unused-hit-1");
+  *preq.mutable_tokens() = req.token_ids().ids();
+  preq.set_kv_target("127.0.0.1:1");
+  preq.set_lease_ms(2000);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::PrefillResponse presp;
+  const grpc::Status st = v1::PrefillService::NewStub(channel)->Prefill(&ctx, preq, &presp);
+  EXPECT_FALSE(st.ok());
+  ASSERT_TRUE(Eventually([&] { return value(queries) >= q + 1; }));  // the lookup is counted
+  EXPECT_EQ(value(hits), hits0 + 1);
+  EXPECT_EQ(value(hit_tokens), tokens0 + reused);
+  EXPECT_EQ(value(cached), cached0 + reused);
+}
+
+// A streaming completion over raw HTTP/1.1 (Connection: close): everything the gateway sent.
+std::string RawStream(int port, const std::string& path, const std::string& body,
+                      const std::string& timeout_s) {
+  const int fd = ConnectLoopback(port, 60);
+  if (fd < 0) return "";
+  SendAll(fd, absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                           "Content-Type: application/json\r\nX-Request-Timeout: ",
+                           timeout_s, "\r\nContent-Length: ", body.size(), "\r\n\r\n", body));
+  std::string out;
+  char buf[16384];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, size_t(n));
+  close(fd);
+  return out;
+}
+
+// The payloads of the `data: ` lines of a (chunked) SSE response, in order.
+std::vector<std::string> DataLines(const std::string& raw) {
+  std::vector<std::string> out;
+  for (size_t at = raw.find("data: "); at != std::string::npos; at = raw.find("data: ", at)) {
+    const size_t end = raw.find("\n\n", at);
+    if (end == std::string::npos) break;
+    out.push_back(raw.substr(at + 6, end - at - 6));
+    at = end;
+  }
+  return out;
+}
+
+// A stream cut by its deadline after output ends well-formed for every n: its last event is an
+// error event naming the deadline (with the error body an HTTP 504 would have: no `param`), and
+// the chunked body is terminated (reviewer finding: an n > 1 stream ended without either).
+TEST_F(StopAndCountersTest, StreamsCutByTheirDeadlineEndWellFormedForEveryN) {
+  for (const bool chat : {false, true}) {
+  for (int n : {1, 2, 3}) {
+    SCOPED_TRACE(absl::StrCat(chat ? "chat" : "completions", ", n = ", n));
+    const std::string body = absl::StrCat(
+        chat ? R"({"messages": [{"role": "user", "content": "A very long story, please."}], )"
+               R"("stream_options": {"include_usage": true}, )"
+             : R"({"prompt": "A very long story, please.", )",
+        R"("stream": true, "max_tokens": 60000, "n": )", n, R"(, "seed": 5})");
+    const std::string raw = RawStream(c().gateway().http_port,
+                                      chat ? "/v1/chat/completions" : "/v1/completions", body, "1");
+    ASSERT_EQ(raw.rfind("HTTP/1.1 200", 0), 0u) << raw.substr(0, 300);
+    const std::vector<std::string> data = DataLines(raw);
+    ASSERT_GE(data.size(), 2u) << raw.substr(0, 300);
+    nlohmann::json last = nlohmann::json::parse(data.back(), nullptr, false);
+    ASSERT_FALSE(last.is_discarded()) << data.back();
+    ASSERT_TRUE(last.contains("error")) << data.back();
+    EXPECT_EQ(last["error"]["code"], "deadline_exceeded") << data.back();
+    EXPECT_EQ(last["error"]["type"], "timeout_error") << data.back();
+    // Names no request field (it said "denoise", from the message's "denoise: …").
+    EXPECT_TRUE(last["error"]["param"].is_null()) << data.back();
+    EXPECT_EQ(raw.substr(raw.size() - 5), "0\r\n\r\n") << raw.substr(raw.size() - 200);
+  }
+  }
+}
+
+}  // namespace
+}  // namespace dgserve::testing
