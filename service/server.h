@@ -24,6 +24,12 @@ struct ServerOptions {
   std::string metrics_address = "127.0.0.1:0";  // Prometheus /metrics; empty = no exporter
   std::string ports_file;  // if set: JSON {"grpc": P, "metrics": P, ...} written once serving
   int max_message_bytes = 64 << 20;
+  // Credentials of the gRPC port (InternalAuth::ServerCredentials() on a worker, the API-key
+  // check on the gateway's public port); null: plaintext without any check (tests only).
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // If set: a second, plaintext port serving only grpc.health.v1.Health (for kubelet probes,
+  // which cannot present a client certificate); every other method there is UNAUTHENTICATED.
+  std::string health_address;
 };
 
 class ServiceRunner {
@@ -45,6 +51,7 @@ class ServiceRunner {
                      const std::vector<std::string>& service_names = {});
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
+  int health_port() const { return health_port_; }  // 0 without a health_address
   grpc::Server* server() { return server_.get(); }
   // Sets the health status of the whole server ("" service) and of every served service name
   // to SERVING or NOT_SERVING.
@@ -64,6 +71,7 @@ class ServiceRunner {
   std::vector<std::string> service_names_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;
+  int health_port_ = 0;
 };
 
 // Calls `fn` every `period` on its own thread (first call at once) until destroyed; the
