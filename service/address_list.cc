@@ -7,9 +7,21 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
 namespace dgserve {
+
+std::vector<std::string> SplitTargets(const std::string& list) {
+  std::vector<std::string> out;
+  for (absl::string_view p : absl::StrSplit(list, ',')) {
+    p = absl::StripAsciiWhitespace(p);
+    if (!p.empty()) out.emplace_back(p);
+  }
+  return out;
+}
 
 std::vector<std::string> ExpandTarget(const std::string& target) {
   absl::string_view t = target;
@@ -38,6 +50,33 @@ std::vector<std::string> ExpandTarget(const std::string& target) {
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
+}
+
+TargetAllowList::TargetAllowList(std::vector<std::string> entries)
+    : entries_(std::move(entries)) {
+  absl::MutexLock lock(&mu_);
+  ResolveLocked();
+}
+
+void TargetAllowList::ResolveLocked() {
+  last_resolve_ = absl::Now();
+  std::set<std::string> next(entries_.begin(), entries_.end());
+  for (const std::string& e : entries_) {
+    for (std::string& a : ExpandTarget(e)) next.insert(std::move(a));
+  }
+  allowed_ = std::move(next);
+}
+
+absl::Status TargetAllowList::Check(const std::string& target) {
+  absl::MutexLock lock(&mu_);
+  if (allowed_.contains(target)) return absl::OkStatus();
+  if (absl::Now() - last_resolve_ >= absl::Seconds(1)) {
+    ResolveLocked();
+    if (allowed_.contains(target)) return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "kv_target '", target, "' is not one of this worker's denoise workers (--denoise_workers: ",
+      absl::StrJoin(entries_, ","), ")"));
 }
 
 }  // namespace dgserve

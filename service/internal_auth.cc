@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "grpc/grpc.h"
 #include "grpc/grpc_security.h"
 #include "grpc/slice.h"
@@ -254,6 +255,19 @@ absl::StatusOr<std::shared_ptr<const InternalAuth>> InternalAuth::Create(
   return std::shared_ptr<const InternalAuth>(std::move(auth));
 }
 
+std::shared_ptr<const InternalAuth> InternalAuth::WithRandomToken() {
+  std::shared_ptr<InternalAuth> auth(new InternalAuth(InternalAuthOptions()));
+  unsigned char bytes[32] = {0};
+  std::ifstream in("/dev/urandom", std::ios::binary);
+  in.read(reinterpret_cast<char*>(bytes), sizeof bytes);
+  static constexpr char kHex[] = "0123456789abcdef";
+  for (unsigned char b : bytes) {
+    auth->token_.push_back(kHex[b >> 4]);
+    auth->token_.push_back(kHex[b & 15]);
+  }
+  return auth;
+}
+
 std::string InternalAuth::Describe() const {
   if (tls() && token()) return "mutual TLS + token";
   if (tls()) return "mutual TLS";
@@ -312,6 +326,22 @@ std::shared_ptr<grpc::Channel> InternalAuth::MakeChannel(const std::string& targ
   f.push_back(std::make_unique<TokenInterceptorFactory>(header));
   return grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args,
                                                                  std::move(f));
+}
+
+absl::StatusOr<std::shared_ptr<const InternalAuth>> InternalAuthFromFlags() {
+  absl::StatusOr<std::shared_ptr<const InternalAuth>> auth =
+      InternalAuth::Create(InternalAuthOptionsFromFlags());
+  if (!auth.ok()) return auth.status();
+  if ((*auth)->insecure()) {
+    DGSERVE_LOG_WARNING(
+        "*** --internal_insecure: internal gRPC is PLAINTEXT WITHOUT AUTHENTICATION; anyone who "
+        "can reach this process's gRPC port can call every internal method (run prefill and "
+        "denoise directly, pin KV memory). Use --internal_tls_* and/or --internal_token_file "
+        "outside a trusted host. ***");
+  } else {
+    DGSERVE_LOG_INFO("internal gRPC: %s", (*auth)->Describe());
+  }
+  return auth;
 }
 
 std::shared_ptr<grpc::ServerCredentials> HealthOnlyServerCredentials() {

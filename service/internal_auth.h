@@ -74,6 +74,10 @@ class InternalAuth {
   static absl::StatusOr<std::shared_ptr<const InternalAuth>> Create(
       const InternalAuthOptions& options);
 
+  // Token mode with a random token of this process (for workers and clients in one process,
+  // e.g. dgserve-server's loopback worker port).
+  static std::shared_ptr<const InternalAuth> WithRandomToken();
+
   bool tls() const { return !options_.tls_cert.empty(); }
   bool token() const { return !token_.empty(); }
   bool insecure() const { return options_.insecure; }
@@ -96,6 +100,10 @@ class InternalAuth {
   InternalAuthOptions options_;
   std::string token_;
 };
+
+// InternalAuth::Create from the flags, logging the mode; plaintext is logged as a warning
+// that anyone reaching the ports can call them.
+absl::StatusOr<std::shared_ptr<const InternalAuth>> InternalAuthFromFlags();
 
 // Plaintext server credentials that serve only the health service (every other method is
 // UNAUTHENTICATED): a probe port for kubelet, which cannot present a client certificate.

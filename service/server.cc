@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "absl/flags/parse.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
@@ -172,6 +174,13 @@ int ServiceMain(int argc, char** argv, const char* usage, const char* flags_file
   UsePassiveOpenMpWaitUnlessSet(argv);
   ServiceRunner::BlockTerminationSignals();
   InitCommandLine(usage, flags_file);
+  // --help lists the binary's own flags and the shared --internal_* ones.
+  absl::FlagsUsageConfig config;
+  config.contains_helpshort_flags = [flags_file](absl::string_view f) {
+    return absl::StrContains(f, flags_file) || absl::StrContains(f, "service/internal_auth.cc");
+  };
+  config.contains_help_flags = config.contains_helpshort_flags;
+  absl::SetFlagsUsageConfig(config);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
