@@ -68,6 +68,7 @@ class TestCluster {
   std::shared_ptr<grpc::Channel> InternalChannel(int grpc_port) const;
   // The cluster's internal credentials (token / certificate files under its directory).
   const InternalAuthOptions& internal_auth_options() const { return auth_options_; }
+  const ClusterOptions& options() const { return options_; }
   absl::StatusOr<v1::StatsResponse> DenoiseStats(int i) const;
   absl::StatusOr<v1::StatsResponse> PrefillStats() const;
   // GET http://127.0.0.1:<metrics_port>/metrics of a service.
