@@ -128,7 +128,7 @@ buf_list_models() {
 # cluster's internal token: the workers' reflection is behind it; the gateway ignores it).
 buf_lists() {
   local flag=$1 addr=$2 out w; shift 2
-  out=$(buf_curl -H "authorization: Bearer $(cat "$INTERNAL_CERT_DIR/token")" "$flag" "http://$addr" 2>&1) || { echo "buf curl $flag http://$addr failed: $out" >&2; return 1; }
+  out=$(buf_curl --reflect-header "authorization: Bearer $(cat "$INTERNAL_CERT_DIR/token")" "$flag" "http://$addr" 2>&1) || { echo "buf curl $flag http://$addr failed: $out" >&2; return 1; }
   for w in "$@"; do
     grep -qxF "$w" <<<"$out" || { echo "buf curl $flag http://$addr does not list $w; it printed:" >&2; echo "$out" >&2; return 1; }
   done
