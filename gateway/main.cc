@@ -1,5 +1,6 @@
 // dgserve-gateway: the public face of the cluster — gRPC GenerationService and the
 // OpenAI-compatible HTTP API — routing to prefill and denoise workers; exports /metrics.
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 
@@ -117,12 +118,13 @@ absl::Status Run() {
   // The public port: with API keys, a call without a valid one is refused on its headers, before
   // its message is read (the handlers check again). The metrics object is made below; the
   // refusal counter reaches it through this pointer.
-  GatewayMetrics* metrics_for_refusals = nullptr;
+  std::atomic<GatewayMetrics*> metrics_for_refusals{nullptr};
   if (!gopts.api_keys.empty()) {
     opts.credentials = InsecureServerCredentialsWithProcessor(MakeMetadataProcessor(ApiKeyCheck(
         gopts.api_keys, [&metrics_for_refusals](const std::string& path) {
-          if (metrics_for_refusals != nullptr && absl::StartsWith(path, "/dgserve.v1.GenerationService/Generate")) {
-            metrics_for_refusals->RequestsWithStatus("UNAUTHENTICATED").Increment();
+          GatewayMetrics* m = metrics_for_refusals.load();
+          if (m != nullptr && absl::StartsWith(path, "/dgserve.v1.GenerationService/Generate")) {
+            m->RequestsWithStatus("UNAUTHENTICATED").Increment();
           }
         })));
   } else {
@@ -131,6 +133,10 @@ absl::Status Run() {
   ServiceRunner runner(opts);
   GatewayMetrics metrics(runner.registry());
   metrics_for_refusals = &metrics;
+  struct Unset {  // before `metrics` goes (the server may still be up on an error return)
+    std::atomic<GatewayMetrics*>* p;
+    ~Unset() { *p = nullptr; }
+  } unset{&metrics_for_refusals};
   const ChannelFactory dial = [auth = *auth](const std::string& target,
                                              const grpc::ChannelArguments& args) {
     return auth->MakeChannel(target, args);
