@@ -13,6 +13,7 @@
 #include "denoise_worker/denoise_service.h"
 #include "kvstore/transfer.h"
 #include "kvstore/transfer_service.h"
+#include "service/internal_auth.h"
 #include "service/kv_metrics.h"
 #include "service/server.h"
 #include "service/worker_model.h"
@@ -29,6 +30,13 @@ ABSL_FLAG(int, kv_block_size, 16, "token positions per KV block");
 ABSL_FLAG(int, max_batch_canvases, 16, "canvases in one batched decoder pass at most");
 ABSL_FLAG(int, max_queue, 256, "requests waiting for KV or a batch slot at most");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
+ABSL_FLAG(int64_t, max_kv_lease_ms, 60000,
+          "a KV transfer's lease_ms above this is clamped: the time its blocks may stay pinned "
+          "while it arrives, then while its KV waits to be claimed");
+ABSL_FLAG(int, max_kv_transfers_per_peer, 64,
+          "KV transfer streams open at once from one peer address; beyond: RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, health_address, "",
+          "if set: a plaintext port serving only grpc.health.v1.Health (kubelet probes)");
 
 namespace dgserve {
 
@@ -45,15 +53,24 @@ absl::Status Run() {
   if (!model.ok()) return model.status();
   const ModelConfig& config = model->checkpoint->config;
 
+  const int64_t max_lease_ms = absl::GetFlag(FLAGS_max_kv_lease_ms);
+  if (max_lease_ms < 1 || absl::GetFlag(FLAGS_max_kv_transfers_per_peer) < 1) {
+    return absl::InvalidArgumentError("--max_kv_lease_ms and --max_kv_transfers_per_peer ≥ 1");
+  }
+  absl::StatusOr<std::shared_ptr<const InternalAuth>> auth = InternalAuthFromFlags();
+  if (!auth.ok()) return auth.status();
+
   ServerOptions opts;
   opts.grpc_address = absl::GetFlag(FLAGS_grpc_address);
   opts.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   opts.ports_file = absl::GetFlag(FLAGS_ports_file);
+  opts.credentials = (*auth)->ServerCredentials();
+  opts.health_address = absl::GetFlag(FLAGS_health_address);
   ServiceRunner runner(opts);
   DenoiseMetrics metrics(runner.registry());
   KvMetrics kv_metrics(runner.registry(), "denoise");
 
-  kv::KvReceiver receiver(model->pool.get(), config.max_position_embeddings);
+  kv::KvReceiver receiver(model->pool.get(), config.max_position_embeddings, max_lease_ms);
   DenoiseEngineOptions eopts;
   eopts.max_batch_canvases = absl::GetFlag(FLAGS_max_batch_canvases);
   eopts.max_queue = absl::GetFlag(FLAGS_max_queue);
@@ -69,7 +86,11 @@ absl::Status Run() {
   DenoiseEngine engine(model->backend.get(), model->pool.get(), &receiver, eopts, &metrics);
   DenoiseServiceImpl denoise(&engine, model->pool.get(), &receiver, model_id,
                              eopts.max_batch_canvases);
-  kv::KvTransferServiceImpl transfer(&receiver);
+  kv::KvTransferServiceOptions topts;
+  topts.max_transfers_per_peer = absl::GetFlag(FLAGS_max_kv_transfers_per_peer);
+  // A stream outlives its lease by a little at most (the lease starts when its header is read).
+  topts.max_stream_time = absl::Milliseconds(max_lease_ms) + absl::Seconds(5);
+  kv::KvTransferServiceImpl transfer(&receiver, topts);
   if (absl::Status s = runner.Start({&denoise, &transfer}, {v1::DenoiseService::service_full_name(),
                                                       v1::KvTransferService::service_full_name()}); !s.ok()) return s;
 

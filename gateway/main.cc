@@ -1,10 +1,12 @@
 // dgserve-gateway: the public face of the cluster — gRPC GenerationService and the
 // OpenAI-compatible HTTP API — routing to prefill and denoise workers; exports /metrics.
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -17,6 +19,7 @@
 #include "gateway/grpc_service.h"
 #include "gateway/http_server.h"
 #include "gateway/worker_pool.h"
+#include "service/internal_auth.h"
 #include "service/server.h"
 #include "service/worker_model.h"
 
@@ -112,15 +115,42 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_body_bytes must be in [1, 2^30], got ", max_body_bytes));
   }
+  absl::StatusOr<std::shared_ptr<const InternalAuth>> auth = InternalAuthFromFlags();
+  if (!auth.ok()) return auth.status();
+
   ServerOptions opts;
   opts.max_receive_message_bytes = int(max_body_bytes);
   opts.grpc_address = absl::GetFlag(FLAGS_grpc_address);
   opts.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   opts.ports_file = absl::GetFlag(FLAGS_ports_file);
+  // The public port: with API keys, a call without a valid one is refused on its headers, before
+  // its message is read (the handlers check again). The metrics object is made below; the
+  // refusal counter reaches it through this pointer.
+  std::atomic<GatewayMetrics*> metrics_for_refusals{nullptr};
+  if (!gopts.api_keys.empty()) {
+    opts.credentials = InsecureServerCredentialsWithProcessor(MakeMetadataProcessor(ApiKeyCheck(
+        gopts.api_keys, [&metrics_for_refusals](const std::string& path) {
+          GatewayMetrics* m = metrics_for_refusals.load();
+          if (m != nullptr && absl::StartsWith(path, "/dgserve.v1.GenerationService/Generate")) {
+            m->RequestsWithStatus("UNAUTHENTICATED").Increment();
+          }
+        })));
+  } else {
+    opts.credentials = grpc::InsecureServerCredentials();
+  }
   ServiceRunner runner(opts);
   GatewayMetrics metrics(runner.registry());
-  WorkerPool prefill("prefill", prefill_targets, gopts.model_id);
-  WorkerPool denoise("denoise", denoise_targets, gopts.model_id);
+  metrics_for_refusals = &metrics;
+  struct Unset {  // before `metrics` goes (the server may still be up on an error return)
+    std::atomic<GatewayMetrics*>* p;
+    ~Unset() { *p = nullptr; }
+  } unset{&metrics_for_refusals};
+  const ChannelFactory dial = [auth = *auth](const std::string& target,
+                                             const grpc::ChannelArguments& args) {
+    return auth->MakeChannel(target, args);
+  };
+  WorkerPool prefill("prefill", prefill_targets, gopts.model_id, dial);
+  WorkerPool denoise("denoise", denoise_targets, gopts.model_id, dial);
   prefill.Start();
   denoise.Start();
   Gateway gateway(configs->config, configs->generation, *std::move(tokenizer), gopts, &prefill,

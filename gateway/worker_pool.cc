@@ -1,9 +1,5 @@
 #include "gateway/worker_pool.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
-
 #include <algorithm>
 
 #include "absl/strings/match.h"
@@ -12,39 +8,10 @@
 #include "absl/strings/strip.h"
 #include "common/hash.h"
 #include "common/logging.h"
+#include "service/address_list.h"
 
 namespace dgserve {
 namespace {
-
-// dns:///host:port → every address host resolves to, as ip:port; anything else → itself.
-std::vector<std::string> Expand(const std::string& target) {
-  absl::string_view t = target;
-  if (!absl::ConsumePrefix(&t, "dns:///")) return {target};
-  const size_t colon = t.rfind(':');
-  if (colon == absl::string_view::npos) return {};
-  const std::string host(t.substr(0, colon)), port(t.substr(colon + 1));
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) return {};
-  std::vector<std::string> out;
-  for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
-    char buf[INET6_ADDRSTRLEN] = {0};
-    if (p->ai_family == AF_INET) {
-      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr, buf, sizeof buf);
-      out.push_back(absl::StrCat(buf, ":", port));
-    } else if (p->ai_family == AF_INET6) {
-      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(p->ai_addr)->sin6_addr, buf,
-                sizeof buf);
-      out.push_back(absl::StrCat("[", buf, "]:", port));
-    }
-  }
-  freeaddrinfo(res);
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
-  return out;
-}
 
 double Load(const WorkerEndpoint& e) {
   const int slots = std::max(1, e.stats.max_batch_canvases());
@@ -53,17 +20,16 @@ double Load(const WorkerEndpoint& e) {
 
 }  // namespace
 
-std::vector<std::string> SplitTargets(const std::string& list) {
-  std::vector<std::string> out;
-  for (absl::string_view p : absl::StrSplit(list, ',')) {
-    p = absl::StripAsciiWhitespace(p);
-    if (!p.empty()) out.emplace_back(p);
-  }
-  return out;
-}
-
-WorkerPool::WorkerPool(std::string role, std::vector<std::string> targets, std::string model_id)
-    : role_(std::move(role)), targets_(std::move(targets)), model_id_(std::move(model_id)) {}
+WorkerPool::WorkerPool(std::string role, std::vector<std::string> targets, std::string model_id,
+                       ChannelFactory make_channel)
+    : role_(std::move(role)),
+      targets_(std::move(targets)),
+      model_id_(std::move(model_id)),
+      make_channel_(make_channel ? std::move(make_channel)
+                                 : [](const std::string& target, const grpc::ChannelArguments& a) {
+                                     return grpc::CreateCustomChannel(
+                                         target, grpc::InsecureChannelCredentials(), a);
+                                   }) {}
 
 WorkerPool::~WorkerPool() {
   stop_ = true;
@@ -92,7 +58,7 @@ void WorkerPool::Resolve() {
   }
   std::vector<std::string> addrs;
   for (const std::string& t : targets_) {
-    for (std::string& a : Expand(t)) addrs.push_back(std::move(a));
+    for (std::string& a : ExpandTarget(t)) addrs.push_back(std::move(a));
   }
   absl::MutexLock lock(&mu_);
   std::vector<WorkerEndpoint> next;
@@ -109,7 +75,7 @@ void WorkerPool::Resolve() {
     args.SetMaxReceiveMessageSize(64 << 20);
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    e.channel = grpc::CreateCustomChannel(a, grpc::InsecureChannelCredentials(), args);
+    e.channel = make_channel_(a, args);
     next.push_back(std::move(e));
   }
   endpoints_ = std::move(next);
@@ -190,7 +156,7 @@ std::shared_ptr<grpc::Channel> WorkerPool::Channel(const std::string& address) {
   for (const auto& e : endpoints_) {
     if (e.address == address) return e.channel;
   }
-  return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  return make_channel_(address, grpc::ChannelArguments());
 }
 
 void WorkerPool::Acquire(const std::string& address) {

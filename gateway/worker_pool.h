@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -16,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "dgserve/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "service/address_list.h"  // SplitTargets
 
 namespace dgserve {
 
@@ -27,11 +29,17 @@ struct WorkerEndpoint {
   int inflight = 0;  // requests this gateway has sent and not finished
 };
 
+// Makes the channel to one worker (with the internal credentials: InternalAuth::MakeChannel).
+using ChannelFactory = std::function<std::shared_ptr<grpc::Channel>(
+    const std::string& target, const grpc::ChannelArguments& args)>;
+
 class WorkerPool {
  public:
   // `targets`: comma-separated host:port or dns:///host:port entries. `role`: "prefill" or
-  // "denoise" (checked against Stats.role; a mismatch is unhealthy).
-  WorkerPool(std::string role, std::vector<std::string> targets, std::string model_id);
+  // "denoise" (checked against Stats.role; a mismatch is unhealthy). `make_channel` dials a
+  // worker; empty: plaintext without credentials (tests).
+  WorkerPool(std::string role, std::vector<std::string> targets, std::string model_id,
+             ChannelFactory make_channel = {});
   ~WorkerPool();
 
   // Starts polling (Stats every poll_interval, DNS every 5 s). The first poll runs before
@@ -63,6 +71,7 @@ class WorkerPool {
   const std::string role_;
   const std::vector<std::string> targets_;
   const std::string model_id_;
+  const ChannelFactory make_channel_;
   mutable absl::Mutex mu_;
   std::vector<WorkerEndpoint> endpoints_ ABSL_GUARDED_BY(mu_);
   absl::Time last_resolve_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
@@ -70,8 +79,5 @@ class WorkerPool {
   absl::Duration interval_;
   std::thread thread_;
 };
-
-// Splits "a,b , c" into trimmed non-empty entries.
-std::vector<std::string> SplitTargets(const std::string& list);
 
 }  // namespace dgserve

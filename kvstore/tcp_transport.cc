@@ -107,14 +107,33 @@ class TcpTransport final : public KvTransport {
   void Send(const std::string& target, const std::string& request_id,
             std::shared_ptr<const PagedKvCache> kv, int64_t lease_ms,
             TransferCallback done) override {
+    bool full = false;
+    {
+      absl::MutexLock lock(&outstanding_->mu);
+      int& n = outstanding_->per_target[target];
+      full = n >= options_.max_outstanding_per_target;
+      if (!full) ++n;
+    }
+    if (full) {
+      done(absl::ResourceExhaustedError(absl::StrCat(
+          "KV transfer for ", request_id, " to ", target, ": ",
+          options_.max_outstanding_per_target,
+          " transfers to that target are already outstanding")));
+      return;
+    }
     std::shared_ptr<grpc::Channel> channel = Channel(target);
-    std::thread([channel = std::move(channel), options = options_, target, request_id,
+    std::thread([outstanding = outstanding_, channel = std::move(channel), options = options_,
+                 target, request_id,
                  kv = std::move(kv), lease_ms, done = std::move(done)]() mutable {
       absl::StatusOr<TransferResult> result =
           kv == nullptr ? absl::InvalidArgumentError(absl::StrCat(
                               "KV transfer for ", request_id, ": no KV to send"))
                         : RunTransfer(channel, options, target, request_id, *kv, lease_ms);
       kv.reset();  // the sender's blocks are released before `done` runs
+      {
+        absl::MutexLock lock(&outstanding->mu);
+        if (--outstanding->per_target[target] == 0) outstanding->per_target.erase(target);
+      }
       TransferCallback callback = std::move(done);
       callback(std::move(result));
     }).detach();
@@ -127,7 +146,9 @@ class TcpTransport final : public KvTransport {
     if (channel == nullptr) {
       grpc::ChannelArguments args;
       args.SetMaxSendMessageSize(int(std::min<size_t>(options_.max_message_bytes, INT32_MAX)));
-      channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+      channel = options_.make_channel
+                    ? options_.make_channel(target, args)
+                    : grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
     }
     return channel;
   }
@@ -135,6 +156,12 @@ class TcpTransport final : public KvTransport {
   const TcpTransportOptions options_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  // Transfers running per target; shared with their threads, which may outlive the transport.
+  struct Outstanding {
+    absl::Mutex mu;
+    std::map<std::string, int> per_target ABSL_GUARDED_BY(mu);
+  };
+  const std::shared_ptr<Outstanding> outstanding_ = std::make_shared<Outstanding>();
 };
 
 }  // namespace

@@ -4,6 +4,11 @@
 #include <atomic>
 #include <functional>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "absl/synchronization/notification.h"
 #include "common/testing/status_matchers.h"
 #include "grpcpp/grpcpp.h"
@@ -212,6 +217,115 @@ TEST_F(KvTcpTransportTest, NcclBootstrapIsUnimplemented) {
   v1::NcclBootstrapResponse response;
   EXPECT_EQ(stub->NcclBootstrap(&context, request, &response).error_code(),
             grpc::StatusCode::UNIMPLEMENTED);
+}
+
+}  // namespace
+}  // namespace dgserve::kv
+
+namespace dgserve::kv {
+namespace {
+
+// One sender can hold at most max_transfers_per_peer streams open, each at most
+// max_stream_time: a header left open is cancelled and its blocks freed.
+TEST(KvTransferServiceLimitsTest, StreamsPerPeerAndStreamTimeAreBounded) {
+  const KvLayout layout = KvLayout::FromConfig(testing::MixedConfig(), 4, "mixed");
+  auto sender_pool = std::move(*BlockPool::Create(layout, 32, 32));
+  auto pool = std::move(*BlockPool::Create(layout, 32, 32));
+  // The lease is long: only the stream bound ends the open transfers.
+  KvReceiver receiver(pool.get(), 256, /*max_lease_ms=*/3600000);
+  KvTransferServiceOptions options;
+  options.max_transfers_per_peer = 2;
+  options.max_stream_time = absl::Seconds(1);
+  KvTransferServiceImpl service(&receiver, options);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto channel =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
+  auto stub = v1::KvTransferService::NewStub(channel);
+  auto kv = std::make_shared<PagedKvCache>(sender_pool.get(), 256);
+  testing::AppendPattern(*kv, layout, kTokens, 4);
+
+  struct Open {
+    grpc::ClientContext ctx;
+    v1::KvAck ack;
+    std::unique_ptr<grpc::ClientWriter<v1::KvChunk>> writer;
+  };
+  std::vector<std::unique_ptr<Open>> open;
+  for (int i = 0; i < 2; ++i) {
+    auto o = std::make_unique<Open>();
+    o->writer = stub->PushBlocks(&o->ctx, &o->ack);
+    v1::KvChunk chunk;
+    *chunk.mutable_header() = internal::MakeHeader("held" + std::to_string(i), *kv, 3600000);
+    ASSERT_TRUE(o->writer->Write(chunk));
+    open.push_back(std::move(o));
+  }
+  ASSERT_TRUE(Eventually([&] { return receiver.pending_transfers() == 2; }));
+  EXPECT_EQ(service.open_streams("ipv4:127.0.0.1"), 2);
+  {
+    grpc::ClientContext ctx;
+    v1::KvAck ack;
+    auto w = stub->PushBlocks(&ctx, &ack);
+    v1::KvChunk chunk;
+    *chunk.mutable_header() = internal::MakeHeader("third", *kv, 1000);
+    w->Write(chunk);
+    const grpc::Status s = w->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  }
+  EXPECT_EQ(service.refused_streams(), 1);
+  // The two held streams end at max_stream_time; their blocks are freed.
+  for (auto& o : open) EXPECT_FALSE(o->writer->Finish().ok());
+  EXPECT_TRUE(Eventually([&] {
+    return receiver.pending_transfers() == 0 && pool->stats().used[F] == 0 &&
+           pool->stats().used[S] == 0;
+  }));
+  EXPECT_EQ(service.cancelled_streams(), 2);
+  EXPECT_EQ(service.open_streams("ipv4:127.0.0.1"), 0);
+  server->Shutdown();
+}
+
+TEST(KvTransferServiceLimitsTest, PeerAddressDropsThePort) {
+  EXPECT_EQ(PeerAddress("ipv4:127.0.0.1:5555"), "ipv4:127.0.0.1");
+  EXPECT_EQ(PeerAddress("ipv6:[::1]:5555"), "ipv6:[::1]");
+  EXPECT_EQ(PeerAddress("unix:"), "unix:");
+}
+
+// An unresponsive target holds at most max_outstanding_per_target pushes; more fail at once.
+TEST(KvTcpTransportLimitsTest, OutstandingPushesPerTargetAreBounded) {
+  const KvLayout layout = KvLayout::FromConfig(testing::MixedConfig(), 4, "mixed");
+  auto sender_pool = std::move(*BlockPool::Create(layout, 32, 32));
+  auto kv = std::make_shared<PagedKvCache>(sender_pool.get(), 256);
+  testing::AppendPattern(*kv, layout, kTokens, 4);
+  // A listener that accepts TCP and never answers HTTP/2.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(fd, 16), 0);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string target = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  TcpTransportOptions options;
+  options.max_outstanding_per_target = 2;
+  auto transport = CreateTcpTransport(options);
+  std::vector<std::shared_ptr<SendWaiter>> waiters;
+  for (int i = 0; i < 3; ++i) {
+    waiters.push_back(SendWaiter::Make());
+    transport->Send(target, "r" + std::to_string(i), kv, /*lease_ms=*/1500,
+                    waiters.back()->Callback());
+  }
+  ASSERT_TRUE(waiters[2]->Wait());  // at once: the third is refused
+  EXPECT_THAT(waiters[2]->result, StatusIs(absl::StatusCode::kResourceExhausted));
+  // The two others end at their lease deadline.
+  ASSERT_TRUE(waiters[0]->Wait());
+  ASSERT_TRUE(waiters[1]->Wait());
+  EXPECT_FALSE(waiters[0]->result.ok());
+  close(fd);
 }
 
 }  // namespace

@@ -203,7 +203,7 @@ struct KvReceiver::State {
   };
   using Outbox = std::vector<Delivery>;
 
-  State(BlockPool* p, int m) : pool(p), max_tokens(m) {}
+  State(BlockPool* p, int m, int64_t l) : pool(p), max_tokens(m), max_lease_ms(l) {}
 
   static void Deliver(Outbox& out) {
     for (Delivery& d : out) d.done(std::move(d.value));
@@ -250,6 +250,8 @@ struct KvReceiver::State {
 
   BlockPool* const pool;
   const int max_tokens;
+  const int64_t max_lease_ms;
+  int64_t clamped_leases ABSL_GUARDED_BY(mu) = 0;
   mutable absl::Mutex mu;
   std::map<std::string, Incoming> incoming ABSL_GUARDED_BY(mu);
   std::map<std::string, Completed> completed ABSL_GUARDED_BY(mu);
@@ -263,8 +265,8 @@ struct KvReceiver::State {
   std::thread reaper;
 };
 
-KvReceiver::KvReceiver(BlockPool* pool, int max_tokens)
-    : state_(std::make_unique<State>(pool, max_tokens)) {
+KvReceiver::KvReceiver(BlockPool* pool, int max_tokens, int64_t max_lease_ms)
+    : state_(std::make_unique<State>(pool, max_tokens, std::max<int64_t>(1, max_lease_ms))) {
   State* s = state_.get();
   s->reaper = std::thread([this, s] {
     while (!s->stop.WaitForNotificationWithTimeout(kReapPeriod)) ReapExpired(absl::Now());
@@ -353,8 +355,10 @@ absl::Status KvReceiver::Begin(const v1::KvTransferHeader& header) {
       in.written[KindIndex(LayerKind::kFull)].assign(in.table.full.size(), 0);
       in.written[KindIndex(LayerKind::kSliding)].assign(in.table.sliding.size(), 0);
       in.expected = int(in.table.full.size() + in.table.sliding.size());
-      in.lease_ms = header.lease_ms();
-      in.lease_deadline = now + absl::Milliseconds(header.lease_ms());
+      // A sender's lease is a request, not trusted: at most max_lease_ms.
+      in.lease_ms = std::min(header.lease_ms(), s.max_lease_ms);
+      if (in.lease_ms < header.lease_ms()) ++s.clamped_leases;
+      in.lease_deadline = now + absl::Milliseconds(in.lease_ms);
       s.incoming.emplace(id, std::move(in));
     }
   }
@@ -561,6 +565,11 @@ void KvReceiver::ReapExpired(absl::Time now) {
 int KvReceiver::pending_transfers() const {
   absl::MutexLock lock(&state_->mu);
   return int(state_->incoming.size());
+}
+
+int64_t KvReceiver::clamped_leases() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->clamped_leases;
 }
 
 int64_t KvReceiver::received_bytes() const {

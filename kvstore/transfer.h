@@ -18,6 +18,11 @@
 #include "kvstore/block_pool.h"
 #include "kvstore/paged_kv_cache.h"
 
+namespace grpc {
+class Channel;
+class ChannelArguments;
+}  // namespace grpc
+
 namespace dgserve::kv {
 
 // What the sender sends for a sequence: its descriptor and the blocks, in order.
@@ -53,7 +58,9 @@ class KvTransport {
 class KvReceiver {
  public:
   // `pool` must outlive the receiver; max_tokens bounds the sequences built from transfers.
-  KvReceiver(BlockPool* pool, int max_tokens);
+  // A transfer's lease (its deadline to complete, then the completed KV's time to be claimed)
+  // is the sender's lease_ms clamped to `max_lease_ms`.
+  KvReceiver(BlockPool* pool, int max_tokens, int64_t max_lease_ms = 60000);
   ~KvReceiver();
 
   // Starts an incoming transfer: checks the descriptor, allocates its blocks and starts its
@@ -84,6 +91,7 @@ class KvReceiver {
   void ReapExpired(absl::Time now);
 
   int pending_transfers() const;  // begun, not finished
+  int64_t clamped_leases() const;  // transfers whose lease_ms was above max_lease_ms
   int64_t failed_transfers() const;
   // Bytes of KV block payload written so far (every transfer, whatever its end).
   int64_t received_bytes() const;
@@ -101,9 +109,17 @@ std::unique_ptr<KvTransport> CreateInProcessTransport();
 // TCP transport: KvTransferService.PushBlocks (gRPC client streaming) to `target`
 // ("host:port"). `cut_after_bytes` > 0 is a fault-injection hook for tests: the stream is cut
 // inside the block where that many payload bytes have been sent.
+// `make_channel` dials a target (with the internal credentials: InternalAuth::MakeChannel);
+// empty: plaintext without credentials (tests). At most `max_outstanding_per_target` transfers
+// to one target run at once: beyond, Send fails at once with RESOURCE_EXHAUSTED (a target that
+// never answers holds at most that many, each until its lease deadline).
 struct TcpTransportOptions {
   int64_t cut_after_bytes = 0;
   size_t max_message_bytes = 64 << 20;
+  std::function<std::shared_ptr<grpc::Channel>(const std::string& target,
+                                               const grpc::ChannelArguments& args)>
+      make_channel;
+  int max_outstanding_per_target = 64;
 };
 std::unique_ptr<KvTransport> CreateTcpTransport(const TcpTransportOptions& options = {});
 

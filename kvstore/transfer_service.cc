@@ -63,12 +63,76 @@ absl::StatusOr<v1::KvAck> ReceiveKvStream(KvReceiver* receiver,
   return cut;
 }
 
+std::string PeerAddress(const std::string& peer) {
+  const size_t colon = peer.rfind(':');
+  const size_t scheme = peer.find(':');
+  if (colon == std::string::npos || colon == scheme) return peer;
+  return peer.substr(0, colon);
+}
+
+KvTransferServiceImpl::KvTransferServiceImpl(KvReceiver* receiver,
+                                             KvTransferServiceOptions options)
+    : receiver_(receiver), options_(options) {
+  watchdog_ = std::thread([this] {
+    while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+      const absl::Time now = absl::Now();
+      absl::MutexLock lock(&mu_);
+      for (auto& [context, deadline] : deadlines_) {
+        if (deadline <= now) {
+          context->TryCancel();
+          deadline = absl::InfiniteFuture();  // once
+          ++cancelled_;
+        }
+      }
+    }
+  });
+}
+
+KvTransferServiceImpl::~KvTransferServiceImpl() {
+  stop_.Notify();
+  watchdog_.join();
+}
+
+int KvTransferServiceImpl::open_streams(const std::string& peer_address) const {
+  absl::MutexLock lock(&mu_);
+  auto it = per_peer_.find(peer_address);
+  return it == per_peer_.end() ? 0 : it->second;
+}
+
+int64_t KvTransferServiceImpl::refused_streams() const {
+  absl::MutexLock lock(&mu_);
+  return refused_;
+}
+
+int64_t KvTransferServiceImpl::cancelled_streams() const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_;
+}
+
 grpc::Status KvTransferServiceImpl::PushBlocks(grpc::ServerContext* context,
                                                grpc::ServerReader<v1::KvChunk>* reader,
                                                v1::KvAck* ack) {
+  const std::string peer = PeerAddress(context->peer());
+  {
+    absl::MutexLock lock(&mu_);
+    int& n = per_peer_[peer];
+    if (n >= options_.max_transfers_per_peer) {
+      ++refused_;
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat(n, " KV transfers from ", peer,
+                                       " are already open (the limit per peer)"));
+    }
+    ++n;
+    deadlines_[context] = absl::Now() + options_.max_stream_time;
+  }
   absl::StatusOr<v1::KvAck> result = ReceiveKvStream(
       receiver_, [reader](v1::KvChunk* chunk) { return reader->Read(chunk); },
       [context] { return context->IsCancelled(); });
+  {
+    absl::MutexLock lock(&mu_);
+    deadlines_.erase(context);
+    if (--per_peer_[peer] == 0) per_peer_.erase(peer);
+  }
   if (!result.ok()) return ToGrpc(result.status());
   *ack = *std::move(result);
   return grpc::Status::OK;

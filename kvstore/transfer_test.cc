@@ -394,3 +394,44 @@ TEST_F(KvTransferTest, ShutdownCancelsWaiters) {
 
 }  // namespace
 }  // namespace dgserve::kv
+
+namespace dgserve::kv {
+namespace {
+
+using ::dgserve::testing::IsOk;
+
+// A sender's lease_ms is clamped to the receiver's maximum (issue 15: a forged 1e12 ms lease
+// kept blocks pinned for over an hour).
+TEST(KvReceiverLeaseTest, ForgedLeaseIsClampedToTheMaximum) {
+  const KvLayout layout = KvLayout::FromConfig(testing::MixedConfig(), 4, "mixed");
+  auto sender_pool = std::move(*BlockPool::Create(layout, 32, 32));
+  auto pool = std::move(*BlockPool::Create(layout, 32, 32));
+  KvReceiver receiver(pool.get(), 256, /*max_lease_ms=*/1000);
+  auto kv = std::make_shared<PagedKvCache>(sender_pool.get(), 256);
+  testing::AppendPattern(*kv, layout, kTokens, 9);
+  const int64_t forged = 1000000000000;  // 1e12 ms
+  // Incomplete: the header only.
+  ASSERT_THAT(receiver.Begin(internal::MakeHeader("open", *kv, forged)), IsOk());
+  // Complete and never claimed.
+  const v1::KvTransferHeader h = internal::MakeHeader("done", *kv, forged);
+  ASSERT_THAT(receiver.Begin(h), IsOk());
+  int blocks = 0;
+  for (const auto& b : internal::BlocksToSend(h.kv_descriptor(), *kv)) {
+    v1::KvBlockPayload p;
+    internal::FillPayload(*kv, b, &p);
+    ASSERT_THAT(receiver.WriteBlock("done", p), IsOk());
+    ++blocks;
+  }
+  v1::KvTransferTrailer trailer;
+  trailer.set_blocks(blocks);
+  ASSERT_THAT(receiver.Finish("done", trailer), IsOk());
+  EXPECT_EQ(receiver.clamped_leases(), 2);
+  EXPECT_GT(pool->stats().used[F], 0);
+  receiver.ReapExpired(absl::Now() + absl::Seconds(2));  // past the clamped lease, not 1e12 ms
+  EXPECT_EQ(pool->stats().used[S], 0);
+  EXPECT_EQ(pool->stats().used[F], 0);
+  EXPECT_EQ(receiver.pending_transfers(), 0);
+}
+
+}  // namespace
+}  // namespace dgserve::kv

@@ -1,5 +1,6 @@
 // dgserve-prefill-worker: chunked prefill with a prefix cache (PrefillService), shipping each
 // prompt's KV to the denoise worker named in the request; exports /metrics.
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/flags/flag.h"
@@ -12,6 +13,8 @@
 #include "prefill_worker/prefill_engine.h"
 #include "prefill_worker/prefill_metrics.h"
 #include "prefill_worker/prefill_service.h"
+#include "service/address_list.h"
+#include "service/internal_auth.h"
 #include "service/kv_metrics.h"
 #include "service/server.h"
 #include "service/worker_model.h"
@@ -33,6 +36,16 @@ ABSL_FLAG(std::string, kv_transport, "tcp", "KV transport to the denoise workers
 ABSL_FLAG(int64_t, testing_cut_transfer_after_bytes, 0,
           "fault injection for tests: cut every KV transfer after this many payload bytes");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running prefills");
+ABSL_FLAG(std::string, denoise_workers, "",
+          "required: comma-separated denoise worker addresses (host:port or dns:///name:port, "
+          "as the gateway's): a request's kv_target must be one of them or an address they "
+          "resolve to, else PERMISSION_DENIED");
+ABSL_FLAG(int64_t, max_kv_lease_ms, 60000,
+          "a request's lease_ms above this is clamped (it bounds each KV push's deadline)");
+ABSL_FLAG(int, max_kv_pushes_per_target, 64,
+          "KV pushes outstanding to one denoise worker at most; beyond: RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, health_address, "",
+          "if set: a plaintext port serving only grpc.health.v1.Health (kubelet probes)");
 
 namespace dgserve {
 
@@ -57,15 +70,38 @@ absl::Status Run() {
                       absl::GetFlag(FLAGS_kv_block_size));
   if (!model.ok()) return model.status();
 
+  const std::vector<std::string> denoise_targets =
+      SplitTargets(absl::GetFlag(FLAGS_denoise_workers));
+  if (denoise_targets.empty()) {
+    return absl::InvalidArgumentError(
+        "--denoise_workers is required: the denoise workers a kv_target may name");
+  }
+  eopts.max_lease_ms = absl::GetFlag(FLAGS_max_kv_lease_ms);
+  if (eopts.max_lease_ms < 1 || absl::GetFlag(FLAGS_max_kv_pushes_per_target) < 1) {
+    return absl::InvalidArgumentError("--max_kv_lease_ms and --max_kv_pushes_per_target ≥ 1");
+  }
+  eopts.default_lease_ms = std::min(eopts.default_lease_ms, eopts.max_lease_ms);
+  TargetAllowList allowed(denoise_targets);
+  eopts.check_kv_target = [&allowed](const std::string& t) { return allowed.Check(t); };
+  absl::StatusOr<std::shared_ptr<const InternalAuth>> auth = InternalAuthFromFlags();
+  if (!auth.ok()) return auth.status();
+
   ServerOptions opts;
   opts.grpc_address = absl::GetFlag(FLAGS_grpc_address);
   opts.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   opts.ports_file = absl::GetFlag(FLAGS_ports_file);
+  opts.credentials = (*auth)->ServerCredentials();
+  opts.health_address = absl::GetFlag(FLAGS_health_address);
   ServiceRunner runner(opts);
   PrefillMetrics metrics(runner.registry());
   KvMetrics kv_metrics(runner.registry(), "prefill");
   kv::TcpTransportOptions topts;
   topts.cut_after_bytes = absl::GetFlag(FLAGS_testing_cut_transfer_after_bytes);
+  topts.max_outstanding_per_target = absl::GetFlag(FLAGS_max_kv_pushes_per_target);
+  topts.make_channel = [auth = *auth](const std::string& target,
+                                      const grpc::ChannelArguments& args) {
+    return auth->MakeChannel(target, args);
+  };
   PrefillEngine engine(model->backend.get(), model->pool.get(), kv::CreateTcpTransport(topts),
                        eopts, &metrics, &kv_metrics);
   PrefillServiceImpl service(&engine, model->pool.get(), model_id);

@@ -77,6 +77,9 @@ absl::Status PrefillEngine::Submit(const v1::PrefillRequest& request, Callback d
   if (request.kv_target().empty()) {
     return absl::InvalidArgumentError("kv_target: must name the denoise worker");
   }
+  if (options_.check_kv_target) {
+    if (absl::Status s = options_.check_kv_target(request.kv_target()); !s.ok()) return s;
+  }
   auto job = std::make_shared<Job>();
   job->request = request;
   job->done = std::move(done);
@@ -237,8 +240,9 @@ void PrefillEngine::Ship(std::shared_ptr<Job> job) {
   const auto& t = job->request.tokens();
   pool_->InsertPrefix(std::span<const int32_t>(t.data(), size_t(t.size())), job->kv->table());
   const absl::Time t0 = absl::Now();
-  const int64_t lease = job->request.lease_ms() > 0 ? job->request.lease_ms()
-                                                    : options_.default_lease_ms;
+  const int64_t lease =
+      std::min(job->request.lease_ms() > 0 ? job->request.lease_ms() : options_.default_lease_ms,
+               options_.max_lease_ms);
   ++transferring_;
   std::shared_ptr<const kv::PagedKvCache> kv = job->kv;
   job->kv.reset();

@@ -28,6 +28,10 @@ struct PrefillEngineOptions {
   int step_token_budget = 2048;  // prompt tokens of all requests per encoder step at most
   int max_queue = 256;         // requests queued or running at most
   int64_t default_lease_ms = 30000;
+  int64_t max_lease_ms = 60000;  // a request's lease_ms above this is clamped to it
+  // Checks a request's kv_target before it is queued (the allow-list of denoise workers): an
+  // error is returned from Submit and nothing is dialled. Empty: every target is accepted.
+  std::function<absl::Status(const std::string& target)> check_kv_target;
 };
 
 struct PrefillEngineStats {

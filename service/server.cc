@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "absl/flags/parse.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
@@ -16,6 +18,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "nlohmann/json.hpp"
+#include "service/internal_auth.h"
 
 namespace dgserve {
 namespace {
@@ -101,13 +104,26 @@ absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services,
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options_.grpc_address, grpc::InsecureServerCredentials(), &grpc_port_);
+  builder.AddListeningPort(options_.grpc_address,
+                           options_.credentials ? options_.credentials
+                                                : grpc::InsecureServerCredentials(),
+                           &grpc_port_);
+  if (!options_.health_address.empty()) {
+    builder.AddListeningPort(options_.health_address, HealthOnlyServerCredentials(),
+                             &health_port_);
+  }
   builder.SetMaxReceiveMessageSize(options_.max_receive_message_bytes > 0
                                        ? options_.max_receive_message_bytes
                                        : options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
   for (grpc::Service* s : services) builder.RegisterService(s);
   server_ = builder.BuildAndStart();
+  if (server_ && !options_.health_address.empty() && health_port_ == 0) {
+    server_->Shutdown();
+    server_.reset();
+    return absl::UnavailableError(
+        absl::StrCat("health address ", options_.health_address, ": cannot listen"));
+  }
   if (!server_ || grpc_port_ == 0) {
     server_.reset();
     return absl::UnavailableError(
@@ -131,6 +147,7 @@ void ServiceRunner::SetServing(bool serving) {
 absl::Status ServiceRunner::WritePortsFile(const std::vector<std::pair<std::string, int>>& extra) {
   if (options_.ports_file.empty()) return absl::OkStatus();
   nlohmann::json j = {{"grpc", grpc_port_}, {"metrics", metrics_port_}, {"pid", ::getpid()}};
+  if (health_port_ != 0) j["health"] = health_port_;
   for (const auto& [k, v] : extra) j[k] = v;
   const std::string tmp = options_.ports_file + ".tmp";
   {
@@ -159,6 +176,13 @@ int ServiceMain(int argc, char** argv, const char* usage, const char* flags_file
   UsePassiveOpenMpWaitUnlessSet(argv);
   ServiceRunner::BlockTerminationSignals();
   InitCommandLine(usage, flags_file);
+  // --help lists the binary's own flags and the shared --internal_* ones.
+  absl::FlagsUsageConfig config;
+  config.contains_helpshort_flags = [flags_file](absl::string_view f) {
+    return absl::StrContains(f, flags_file) || absl::StrContains(f, "service/internal_auth.cc");
+  };
+  config.contains_help_flags = config.contains_helpshort_flags;
+  absl::SetFlagsUsageConfig(config);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);

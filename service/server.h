@@ -27,6 +27,12 @@ struct ServerOptions {
   // Largest message the server accepts (gRPC refuses a larger one with RESOURCE_EXHAUSTED
   // before allocating it); 0: max_message_bytes. The gateway's public port uses --max_body_bytes.
   int max_receive_message_bytes = 0;
+  // Credentials of the gRPC port (InternalAuth::ServerCredentials() on a worker, the API-key
+  // check on the gateway's public port); null: plaintext without any check (tests only).
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // If set: a second, plaintext port serving only grpc.health.v1.Health (for kubelet probes,
+  // which cannot present a client certificate); every other method there is UNAUTHENTICATED.
+  std::string health_address;
 };
 
 class ServiceRunner {
@@ -48,6 +54,7 @@ class ServiceRunner {
                      const std::vector<std::string>& service_names = {});
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
+  int health_port() const { return health_port_; }  // 0 without a health_address
   grpc::Server* server() { return server_.get(); }
   // Sets the health status of the whole server ("" service) and of every served service name
   // to SERVING or NOT_SERVING.
@@ -67,6 +74,7 @@ class ServiceRunner {
   std::vector<std::string> service_names_;
   int grpc_port_ = 0;
   int metrics_port_ = 0;
+  int health_port_ = 0;
 };
 
 // Calls `fn` every `period` on its own thread (first call at once) until destroyed; the

@@ -2,13 +2,18 @@
 # Starts or stops a local dgserve cluster on loopback: one gateway, prefill and denoise workers.
 #
 #   tools/cluster.sh start [--run-dir DIR] [--model DIR] [--build DIR] [--denoise N] [--prefill N]
-#                          [--http-port P] [--grpc-port P] [-- extra gateway flags]
+#                          [--http-port P] [--grpc-port P] [--auth MODE] [-- extra gateway flags]
 #   tools/cluster.sh stop  [--run-dir DIR]
 #
 # `start` waits until the gateway's /ready says the cluster can serve, then writes
 # DIR/cluster.env (GATEWAY_HTTP, GATEWAY_GRPC, *_METRICS ports) and DIR/pids. Logs go to
 # DIR/*.log. Ports default to 0 (any free port); `stop` ends exactly the PIDs it started. The
 # default --model, models/default, is generated on first use.
+#
+# Internal calls (gateway → workers, prefill → denoise) are authenticated: --auth tls+token
+# (default: mutual TLS and a shared token), tls, token, or insecure (plaintext, no token; the
+# processes log a warning). The CA, certificates and token are made on first use by
+# tools/make_internal_certs.sh in CERT_DIR (default run/internal-certs, git-ignored).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}; shift || true
@@ -19,6 +24,8 @@ DENOISE=1
 PREFILL=1
 HTTP_PORT=0
 GRPC_PORT=0
+AUTH=${DGSERVE_INTERNAL_AUTH:-tls+token}
+CERT_DIR=${CERT_DIR:-run/internal-certs}
 EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,6 +36,7 @@ while [ $# -gt 0 ]; do
     --prefill) PREFILL=$2; shift 2 ;;
     --http-port) HTTP_PORT=$2; shift 2 ;;
     --grpc-port) GRPC_PORT=$2; shift 2 ;;
+    --auth) AUTH=$2; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -81,8 +89,28 @@ ensure_default_model() {
     --generation_config tools/default_model/generation_config.json --tokenizer "$tok"
 }
 
+# The --internal_* flags of every process for $AUTH.
+AUTH_FLAGS=()
+auth_flags() {
+  case "$AUTH" in
+    insecure) AUTH_FLAGS=(--internal_insecure); return 0 ;;
+    tls|token|tls+token) ;;
+    *) echo "cluster.sh: --auth must be tls+token, tls, token or insecure" >&2; return 2 ;;
+  esac
+  bash tools/make_internal_certs.sh "$CERT_DIR" >/dev/null
+  AUTH_FLAGS=()
+  case "$AUTH" in
+    tls|tls+token) AUTH_FLAGS+=(--internal_tls_cert "$CERT_DIR/tls.crt"
+                     --internal_tls_key "$CERT_DIR/tls.key" --internal_tls_ca "$CERT_DIR/ca.crt") ;;
+  esac
+  case "$AUTH" in
+    token|tls+token) AUTH_FLAGS+=(--internal_token_file "$CERT_DIR/token") ;;
+  esac
+}
+
 start_cluster() {
   ensure_default_model
+  auth_flags
   mkdir -p "$RUN_DIR"
   if [ -f "$RUN_DIR/pids" ]; then stop_cluster; fi
   rm -f "$RUN_DIR"/*.ports "$RUN_DIR/cluster.env"
@@ -90,23 +118,29 @@ start_cluster() {
   trap 'echo "cluster.sh: start failed; stopping what started" >&2; stop_cluster' ERR
   local denoise_addrs="" prefill_addrs=""
   for i in $(seq 0 $((DENOISE - 1))); do
-    "$BUILD_DIR/denoise_worker/dgserve-denoise-worker" --model "$MODEL_DIR" \
+    "$BUILD_DIR/denoise_worker/dgserve-denoise-worker" --model "$MODEL_DIR" "${AUTH_FLAGS[@]}" \
       --ports_file "$RUN_DIR/denoise$i.ports" > "$RUN_DIR/denoise$i.log" 2>&1 &
     echo "$! denoise$i" >> "$RUN_DIR/pids"
   done
+  while read -r pid name; do
+    wait_ports "$RUN_DIR/$name.ports" "$pid" "$RUN_DIR/$name.log"
+    denoise_addrs+="${denoise_addrs:+,}127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)"
+  done < "$RUN_DIR/pids"
+  # A prefill worker sends KV only to the denoise workers it is given.
   for i in $(seq 0 $((PREFILL - 1))); do
-    "$BUILD_DIR/prefill_worker/dgserve-prefill-worker" --model "$MODEL_DIR" \
+    "$BUILD_DIR/prefill_worker/dgserve-prefill-worker" --model "$MODEL_DIR" "${AUTH_FLAGS[@]}" \
+      --denoise_workers "$denoise_addrs" \
       --ports_file "$RUN_DIR/prefill$i.ports" > "$RUN_DIR/prefill$i.log" 2>&1 &
     echo "$! prefill$i" >> "$RUN_DIR/pids"
   done
   while read -r pid name; do
-    wait_ports "$RUN_DIR/$name.ports" "$pid" "$RUN_DIR/$name.log"
     case $name in
-      denoise*) denoise_addrs+="${denoise_addrs:+,}127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)" ;;
-      prefill*) prefill_addrs+="${prefill_addrs:+,}127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)" ;;
+      prefill*)
+        wait_ports "$RUN_DIR/$name.ports" "$pid" "$RUN_DIR/$name.log"
+        prefill_addrs+="${prefill_addrs:+,}127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)" ;;
     esac
   done < "$RUN_DIR/pids"
-  "$BUILD_DIR/gateway/dgserve-gateway" --model "$MODEL_DIR" \
+  "$BUILD_DIR/gateway/dgserve-gateway" --model "$MODEL_DIR" "${AUTH_FLAGS[@]}" \
     --prefill_workers "$prefill_addrs" --denoise_workers "$denoise_addrs" \
     --grpc_address "127.0.0.1:$GRPC_PORT" --http_address "127.0.0.1:$HTTP_PORT" \
     --ports_file "$RUN_DIR/gateway.ports" ${EXTRA[@]+"${EXTRA[@]}"} > "$RUN_DIR/gateway.log" 2>&1 &
@@ -125,6 +159,8 @@ start_cluster() {
     echo "GATEWAY_HTTP=127.0.0.1:$http"
     echo "GATEWAY_GRPC=127.0.0.1:$grpc"
     echo "GATEWAY_METRICS=127.0.0.1:$(port_of "$RUN_DIR/gateway.ports" metrics)"
+    echo "INTERNAL_AUTH=$AUTH"
+    echo "INTERNAL_CERT_DIR=$(cd "$CERT_DIR" && pwd)"
     while read -r pid name; do
       [ "$name" = gateway ] && continue
       echo "$(echo "$name" | tr a-z A-Z)_GRPC=127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)"

@@ -21,6 +21,7 @@
 #include "prefill_worker/prefill_metrics.h"
 #include "prefill_worker/prefill_service.h"
 #include "service/kv_metrics.h"
+#include "service/internal_auth.h"
 #include "service/server.h"
 #include "service/worker_model.h"
 
@@ -64,8 +65,11 @@ absl::Status Run() {
   }
 
   // The workers' gRPC server (loopback, any port); it also exports every role's metrics.
+  // Its calls carry a token made for this process (no other process can call the workers).
+  const std::shared_ptr<const InternalAuth> internal = InternalAuth::WithRandomToken();
   ServerOptions wopts;
   wopts.grpc_address = "127.0.0.1:0";
+  wopts.credentials = internal->ServerCredentials();
   wopts.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   ServiceRunner workers(wopts);
   prometheus::Registry& registry = workers.registry();
@@ -104,8 +108,12 @@ absl::Status Run() {
   gopts_server.ports_file = absl::GetFlag(FLAGS_ports_file);
   ServiceRunner front(gopts_server);
   GatewayMetrics gateway_metrics(registry);
-  WorkerPool prefill_pool("prefill", {worker_address}, model_id);
-  WorkerPool denoise_pool("denoise", {worker_address}, model_id);
+  const ChannelFactory dial = [internal](const std::string& target,
+                                         const grpc::ChannelArguments& args) {
+    return internal->MakeChannel(target, args);
+  };
+  WorkerPool prefill_pool("prefill", {worker_address}, model_id, dial);
+  WorkerPool denoise_pool("denoise", {worker_address}, model_id, dial);
   prefill_pool.Start();
   denoise_pool.Start();
   GatewayOptions gopts;

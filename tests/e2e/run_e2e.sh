@@ -80,7 +80,9 @@ MODEL_ID=$(basename "$MODEL")
 
 # ---- the cluster ----
 log "starting the cluster (RUN_DIR=$RUN_DIR)"
-RUN_DIR="$RUN_DIR" MODEL_DIR="$MODEL" BUILD_DIR="$BUILD" timeout "$(budget 150)" bash "$ROOT/tools/cluster.sh" start \
+# Token mode (not the default mutual TLS): buf curl and the Node client reach the workers'
+# reflection with the token header, and their health service in plaintext.
+RUN_DIR="$RUN_DIR" MODEL_DIR="$MODEL" BUILD_DIR="$BUILD" timeout "$(budget 150)" bash "$ROOT/tools/cluster.sh" start --auth token \
   > "$WORK/cluster-start.log" 2>&1 || { cat "$WORK/cluster-start.log" >&2; die "tools/cluster.sh start failed"; }
 [ -f "$RUN_DIR/cluster.env" ] || die "tools/cluster.sh start wrote no $RUN_DIR/cluster.env"
 set -a
@@ -122,10 +124,11 @@ buf_list_models() {
       console.log(`  ok   buf curl ListModels: ${JSON.stringify(ids)}`);
     });'
 }
-# buf_lists FLAG ADDR WANT...: `buf curl FLAG http://ADDR` prints each WANT as a line.
+# buf_lists FLAG ADDR WANT...: `buf curl FLAG http://ADDR` prints each WANT as a line (with the
+# cluster's internal token: the workers' reflection is behind it; the gateway ignores it).
 buf_lists() {
   local flag=$1 addr=$2 out w; shift 2
-  out=$(buf_curl "$flag" "http://$addr" 2>&1) || { echo "buf curl $flag http://$addr failed: $out" >&2; return 1; }
+  out=$(buf_curl --reflect-header "authorization: Bearer $(cat "$INTERNAL_CERT_DIR/token")" "$flag" "http://$addr" 2>&1) || { echo "buf curl $flag http://$addr failed: $out" >&2; return 1; }
   for w in "$@"; do
     grep -qxF "$w" <<<"$out" || { echo "buf curl $flag http://$addr does not list $w; it printed:" >&2; echo "$out" >&2; return 1; }
   done

@@ -623,8 +623,7 @@ TEST_F(ClusterTest, BadInputGetsA4xxAndTheServiceKeepsServing) {
     EXPECT_THAT(st.error_message(), HasSubstr("canvas_text"));
   }
   {
-    auto stub = v1::PrefillService::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", c().prefill().grpc_port), grpc::InsecureChannelCredentials()));
+    auto stub = v1::PrefillService::NewStub(c().InternalChannel(c().prefill().grpc_port));
     v1::PrefillRequest req;
     req.set_request_id("bad-lease");
     req.add_tokens(2);

@@ -4,6 +4,7 @@
 // without counting the stop text), and the prefill worker's prefix-cache hit counters count
 // exactly the cached tokens that served prefills reused (issue 12 defects 6 and 9, and the
 // reviewer's findings on usage after a stop).
+#include <signal.h>
 #include <chrono>
 #include <cctype>
 #include <string>
@@ -233,20 +234,23 @@ TEST_F(StopAndCountersTest, PrefixCacheCountersCountReusedTokensOnly) {
   EXPECT_EQ(value(hit_tokens), tokens0 + reused);
   EXPECT_EQ(value(cached), cached0 + reused);
 
-  // The same prompt straight to the prefill worker, its KV sent where nobody listens: the
-  // lookup finds the blocks, the prefill fails, nothing was reused.
+  // The same prompt straight to the prefill worker while the denoise worker is stopped
+  // (SIGSTOP): the lookup finds the blocks, the KV push runs past its 2 s lease, the prefill
+  // fails, nothing was reused. (The target must be a known denoise worker: the prefill worker
+  // refuses any other kv_target before the lookup.)
   q = value(queries);
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", c().prefill().grpc_port),
-                                     grpc::InsecureChannelCredentials());
+  auto channel = c().InternalChannel(c().prefill().grpc_port);
   v1::PrefillRequest preq;
   preq.set_request_id("unused-hit-1");
   *preq.mutable_tokens() = req.token_ids().ids();
-  preq.set_kv_target("127.0.0.1:1");
+  preq.set_kv_target(absl::StrCat("127.0.0.1:", c().denoise(0).grpc_port));
   preq.set_lease_ms(2000);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::PrefillResponse presp;
+  ASSERT_EQ(kill(c().denoise(0).pid, SIGSTOP), 0);
   const grpc::Status st = v1::PrefillService::NewStub(channel)->Prefill(&ctx, preq, &presp);
+  ASSERT_EQ(kill(c().denoise(0).pid, SIGCONT), 0);
   EXPECT_FALSE(st.ok());
   ASSERT_TRUE(Eventually([&] { return value(queries) >= q + 1; }));  // the lookup is counted
   EXPECT_EQ(value(hits), hits0 + 1);

@@ -13,6 +13,7 @@
 
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/http_client.h"
@@ -122,6 +123,7 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(const ClusterOpt
   auto c = std::unique_ptr<TestCluster>(new TestCluster());
   c->dir_ = TempDir();
   c->options_ = o;
+  if (auto s = c->SetUpAuth(); !s.ok()) return s;
   auto launch = [&](const std::string& name, const std::string& bin,
                     std::vector<std::string> args) -> absl::Status {
     Service s;
@@ -130,6 +132,8 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(const ClusterOpt
     const std::string ports = c->dir_ + "/" + name + ".ports";
     std::vector<std::string> argv = {BinaryPath(bin), "--model", o.model_dir, "--ports_file",
                                      ports};
+    const std::vector<std::string> auth = c->AuthFlags();
+    argv.insert(argv.end(), auth.begin(), auth.end());
     argv.insert(argv.end(), args.begin(), args.end());
     absl::StatusOr<pid_t> pid = Spawn(argv, s.log);
     if (!pid.ok()) return pid.status();
@@ -144,21 +148,20 @@ absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(const ClusterOpt
       return s;
     }
   }
-  if (auto s = launch("prefill", "prefill_worker/dgserve-prefill-worker", o.prefill_flags);
+  std::vector<std::string> denoise_addrs;
+  for (Service& s : c->services_) {
+    if (auto st = WaitPorts(s, c->dir_ + "/" + s.name + ".ports"); !st.ok()) return st;
+    denoise_addrs.push_back(absl::StrCat("127.0.0.1:", s.grpc_port));
+  }
+  // The prefill worker accepts KV targets among the denoise workers only.
+  std::vector<std::string> prefill_args = {"--denoise_workers", absl::StrJoin(denoise_addrs, ",")};
+  prefill_args.insert(prefill_args.end(), o.prefill_flags.begin(), o.prefill_flags.end());
+  if (auto s = launch("prefill", "prefill_worker/dgserve-prefill-worker", prefill_args);
       !s.ok()) {
     return s;
   }
-  std::vector<std::string> denoise_addrs;
-  std::string prefill_addr;
-  for (Service& s : c->services_) {
-    if (auto st = WaitPorts(s, c->dir_ + "/" + s.name + ".ports"); !st.ok()) return st;
-    const std::string addr = absl::StrCat("127.0.0.1:", s.grpc_port);
-    if (s.name == "prefill") {
-      prefill_addr = addr;
-    } else {
-      denoise_addrs.push_back(addr);
-    }
-  }
+  if (auto st = WaitPorts(c->services_.back(), c->dir_ + "/prefill.ports"); !st.ok()) return st;
+  const std::string prefill_addr = absl::StrCat("127.0.0.1:", c->services_.back().grpc_port);
   std::vector<std::string> gw = {"--prefill_workers", prefill_addr, "--denoise_workers",
                                  absl::StrJoin(denoise_addrs, ",")};
   gw.insert(gw.end(), o.gateway_flags.begin(), o.gateway_flags.end());
@@ -223,6 +226,8 @@ absl::Status TestCluster::RestartDenoise(int i) {
   std::vector<std::string> argv = {BinaryPath("denoise_worker/dgserve-denoise-worker"),
                                    "--model", options_.model_dir, "--ports_file", ports,
                                    "--grpc_address", absl::StrCat("127.0.0.1:", s.grpc_port)};
+  const std::vector<std::string> auth = AuthFlags();
+  argv.insert(argv.end(), auth.begin(), auth.end());
   argv.insert(argv.end(), options_.denoise_flags.begin(), options_.denoise_flags.end());
   absl::StatusOr<pid_t> pid = Spawn(argv, s.log + ".restart");
   if (!pid.ok()) return pid.status();
@@ -235,9 +240,54 @@ std::unique_ptr<v1::GenerationService::Stub> TestCluster::GatewayStub() const {
       absl::StrCat("127.0.0.1:", gateway().grpc_port), grpc::InsecureChannelCredentials()));
 }
 
+absl::Status TestCluster::SetUpAuth() {
+  const InternalAuthMode mode = options_.internal_auth;
+  if (mode == InternalAuthMode::kInsecure) {
+    auth_options_.insecure = true;
+  } else if (mode == InternalAuthMode::kToken) {
+    std::ifstream urandom("/dev/urandom", std::ios::binary);
+    unsigned char bytes[24];
+    urandom.read(reinterpret_cast<char*>(bytes), sizeof bytes);
+    std::string token;
+    for (unsigned char b : bytes) token += absl::StrCat(absl::Hex(b, absl::kZeroPad2));
+    auth_options_.token_file = dir_ + "/internal.token";
+    std::ofstream(auth_options_.token_file) << token << "\n";
+  } else {
+    const std::string certs = dir_ + "/certs";
+    const std::string cmd = absl::StrCat(DGSERVE_SOURCE_DIR_PATH, "/tools/make_internal_certs.sh ",
+                                         certs, " >/dev/null");
+    if (std::system(cmd.c_str()) != 0) return absl::InternalError(absl::StrCat("failed: ", cmd));
+    auth_options_.tls_cert = certs + "/tls.crt";
+    auth_options_.tls_key = certs + "/tls.key";
+    auth_options_.tls_ca = certs + "/ca.crt";
+    if (mode == InternalAuthMode::kMutualTlsAndToken) auth_options_.token_file = certs + "/token";
+  }
+  absl::StatusOr<std::shared_ptr<const InternalAuth>> auth = InternalAuth::Create(auth_options_);
+  if (!auth.ok()) return auth.status();
+  auth_ = *auth;
+  return absl::OkStatus();
+}
+
+std::vector<std::string> TestCluster::AuthFlags() const {
+  std::vector<std::string> f;
+  if (auth_options_.insecure) f.push_back("--internal_insecure");
+  if (!auth_options_.token_file.empty()) {
+    f.push_back(absl::StrCat("--internal_token_file=", auth_options_.token_file));
+  }
+  if (!auth_options_.tls_cert.empty()) {
+    f.push_back(absl::StrCat("--internal_tls_cert=", auth_options_.tls_cert));
+    f.push_back(absl::StrCat("--internal_tls_key=", auth_options_.tls_key));
+    f.push_back(absl::StrCat("--internal_tls_ca=", auth_options_.tls_ca));
+  }
+  return f;
+}
+
+std::shared_ptr<grpc::Channel> TestCluster::InternalChannel(int grpc_port) const {
+  return auth_->MakeChannel(absl::StrCat("127.0.0.1:", grpc_port));
+}
+
 absl::StatusOr<v1::StatsResponse> TestCluster::DenoiseStats(int i) const {
-  auto stub = v1::DenoiseService::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", denoise(i).grpc_port), grpc::InsecureChannelCredentials()));
+  auto stub = v1::DenoiseService::NewStub(InternalChannel(denoise(i).grpc_port));
   grpc::ClientContext ctx;
   v1::StatsResponse r;
   grpc::Status s = stub->Stats(&ctx, v1::StatsRequest(), &r);
@@ -246,8 +296,7 @@ absl::StatusOr<v1::StatsResponse> TestCluster::DenoiseStats(int i) const {
 }
 
 absl::StatusOr<v1::StatsResponse> TestCluster::PrefillStats() const {
-  auto stub = v1::PrefillService::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", prefill().grpc_port), grpc::InsecureChannelCredentials()));
+  auto stub = v1::PrefillService::NewStub(InternalChannel(prefill().grpc_port));
   grpc::ClientContext ctx;
   v1::StatsResponse r;
   grpc::Status s = stub->Stats(&ctx, v1::StatsRequest(), &r);

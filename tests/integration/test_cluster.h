@@ -1,5 +1,6 @@
 // A real local cluster for integration tests: the three service binaries started as child
-// processes on loopback ports chosen at run time (--ports_file), stopped by PID.
+// processes on loopback ports chosen at run time (--ports_file), stopped by PID. Their internal
+// calls are authenticated (a token by default; ClusterOptions::internal_auth).
 #pragma once
 
 #include <sys/types.h>
@@ -12,11 +13,21 @@
 #include "absl/status/statusor.h"
 #include "dgserve/v1/generation.grpc.pb.h"
 #include "dgserve/v1/worker.grpc.pb.h"
+#include "service/internal_auth.h"
 
 namespace dgserve::testing {
 
+// How the cluster's processes authenticate their internal calls (the --internal_* flags).
+enum class InternalAuthMode {
+  kToken,             // a token file made for the cluster (the default: quick to set up)
+  kMutualTls,         // certificates from tools/make_internal_certs.sh
+  kMutualTlsAndToken,
+  kInsecure,          // --internal_insecure
+};
+
 struct ClusterOptions {
   std::string model_dir;
+  InternalAuthMode internal_auth = InternalAuthMode::kToken;
   int denoise_workers = 1;
   std::vector<std::string> prefill_flags;
   std::vector<std::string> denoise_flags;
@@ -53,6 +64,11 @@ class TestCluster {
   absl::Status RestartDenoise(int i);
 
   std::unique_ptr<v1::GenerationService::Stub> GatewayStub() const;
+  // A channel to one of the cluster's internal gRPC ports with the cluster's credentials.
+  std::shared_ptr<grpc::Channel> InternalChannel(int grpc_port) const;
+  // The cluster's internal credentials (token / certificate files under its directory).
+  const InternalAuthOptions& internal_auth_options() const { return auth_options_; }
+  const ClusterOptions& options() const { return options_; }
   absl::StatusOr<v1::StatsResponse> DenoiseStats(int i) const;
   absl::StatusOr<v1::StatsResponse> PrefillStats() const;
   // GET http://127.0.0.1:<metrics_port>/metrics of a service.
@@ -63,8 +79,14 @@ class TestCluster {
  private:
   bool StopGracefully(int index);
 
+  absl::Status SetUpAuth();  // writes the token / certificates into dir_
+  // The --internal_* flags of every process.
+  std::vector<std::string> AuthFlags() const;
+
   std::vector<Service> services_;
   std::string dir_;
+  InternalAuthOptions auth_options_;
+  std::shared_ptr<const InternalAuth> auth_;
   ClusterOptions options_;
 };
 

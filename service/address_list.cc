@@ -1,0 +1,82 @@
+#include "service/address_list.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace dgserve {
+
+std::vector<std::string> SplitTargets(const std::string& list) {
+  std::vector<std::string> out;
+  for (absl::string_view p : absl::StrSplit(list, ',')) {
+    p = absl::StripAsciiWhitespace(p);
+    if (!p.empty()) out.emplace_back(p);
+  }
+  return out;
+}
+
+std::vector<std::string> ExpandTarget(const std::string& target) {
+  absl::string_view t = target;
+  if (!absl::ConsumePrefix(&t, "dns:///")) return {target};
+  const size_t colon = t.rfind(':');
+  if (colon == absl::string_view::npos) return {};
+  const std::string host(t.substr(0, colon)), port(t.substr(colon + 1));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) return {};
+  std::vector<std::string> out;
+  for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
+    char buf[INET6_ADDRSTRLEN] = {0};
+    if (p->ai_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr, buf, sizeof buf);
+      out.push_back(absl::StrCat(buf, ":", port));
+    } else if (p->ai_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(p->ai_addr)->sin6_addr, buf,
+                sizeof buf);
+      out.push_back(absl::StrCat("[", buf, "]:", port));
+    }
+  }
+  freeaddrinfo(res);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+TargetAllowList::TargetAllowList(std::vector<std::string> entries)
+    : entries_(std::move(entries)) {
+  absl::MutexLock lock(&mu_);
+  ResolveLocked();
+}
+
+void TargetAllowList::ResolveLocked() {
+  last_resolve_ = absl::Now();
+  std::set<std::string> next(entries_.begin(), entries_.end());
+  for (const std::string& e : entries_) {
+    for (std::string& a : ExpandTarget(e)) next.insert(std::move(a));
+  }
+  allowed_ = std::move(next);
+}
+
+absl::Status TargetAllowList::Check(const std::string& target) {
+  absl::MutexLock lock(&mu_);
+  if (allowed_.contains(target)) return absl::OkStatus();
+  if (absl::Now() - last_resolve_ >= absl::Seconds(1)) {
+    ResolveLocked();
+    if (allowed_.contains(target)) return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "kv_target '", target, "' is not one of this worker's denoise workers (--denoise_workers: ",
+      absl::StrJoin(entries_, ","), ")"));
+}
+
+}  // namespace dgserve

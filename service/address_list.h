@@ -1,0 +1,41 @@
+// Worker addresses as the flags give them: host:port or dns:///name:port.
+#pragma once
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace dgserve {
+
+// Splits "a,b , c" into trimmed non-empty entries.
+std::vector<std::string> SplitTargets(const std::string& list);
+
+// dns:///host:port → every address host resolves to now, as ip:port ([v6]:port), sorted and
+// unique (empty when it does not resolve); anything else → itself.
+std::vector<std::string> ExpandTarget(const std::string& target);
+
+// The addresses a process may dial on a caller's behalf (the prefill worker's kv_target): the
+// entries as given and every address their dns:/// names resolve to. Thread-safe.
+class TargetAllowList {
+ public:
+  explicit TargetAllowList(std::vector<std::string> entries);
+  // OK when `target` is an entry or an address an entry resolves to (names are resolved again,
+  // at most once a second, when a target is not found); PERMISSION_DENIED naming the target
+  // otherwise. Nothing is dialled.
+  absl::Status Check(const std::string& target);
+  const std::vector<std::string>& entries() const { return entries_; }
+
+ private:
+  void ResolveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::vector<std::string> entries_;
+  absl::Mutex mu_;
+  std::set<std::string> allowed_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_resolve_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
+
+}  // namespace dgserve

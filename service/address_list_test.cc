@@ -1,0 +1,37 @@
+#include "service/address_list.h"
+
+#include "gtest/gtest.h"
+
+namespace dgserve {
+namespace {
+
+TEST(AddressListTest, SplitTargetsTrims) {
+  EXPECT_EQ(SplitTargets(" a:1, b:2 ,,c:3 "), (std::vector<std::string>{"a:1", "b:2", "c:3"}));
+  EXPECT_TRUE(SplitTargets("").empty());
+}
+
+TEST(AddressListTest, ExpandResolvesDnsTargetsOnly) {
+  EXPECT_EQ(ExpandTarget("10.0.0.1:5"), (std::vector<std::string>{"10.0.0.1:5"}));
+  const std::vector<std::string> local = ExpandTarget("dns:///localhost:7001");
+  ASSERT_FALSE(local.empty());
+  bool v4 = false;
+  for (const std::string& a : local) v4 |= a == "127.0.0.1:7001";
+  EXPECT_TRUE(v4);
+  EXPECT_TRUE(ExpandTarget("dns:///no-port").empty());
+}
+
+TEST(AddressListTest, AllowListAcceptsEntriesAndTheirAddressesOnly) {
+  TargetAllowList allowed({"127.0.0.1:7000", "dns:///localhost:7001"});
+  EXPECT_TRUE(allowed.Check("127.0.0.1:7000").ok());
+  EXPECT_TRUE(allowed.Check("dns:///localhost:7001").ok());
+  EXPECT_TRUE(allowed.Check("127.0.0.1:7001").ok());  // what the name resolves to
+  for (const char* bad : {"127.0.0.1:7002", "localhost:7000", "unix:/tmp/kv.sock",
+                          "dns:///localhost:7000", "10.0.0.1:7000", ""}) {
+    const absl::Status s = allowed.Check(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << bad;
+    EXPECT_NE(s.message().find("--denoise_workers"), absl::string_view::npos);
+  }
+}
+
+}  // namespace
+}  // namespace dgserve
