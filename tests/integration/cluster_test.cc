@@ -902,10 +902,9 @@ std::string ReadUntil(int fd, const std::string& needle) {
 // at once; /health and /ready still answer; closing an HTTP connection cancels its request at
 // once (streaming or not) and frees its KV, which lets the queued request in.
 TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
-  ClusterOptions o;
-  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-  ASSERT_TRUE(model.ok()) << model.status();
-  o.model_dir = *model;
+  absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
+  ASSERT_TRUE(options.ok()) << options.status();
+  ClusterOptions o = *options;
   o.gateway_flags = {"--max_concurrent_requests=2", "--max_queued_requests=1"};
   auto c = TestCluster::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();

@@ -121,10 +121,9 @@ double Tokenized(const TestCluster& c) {
 class LimitsTest : public SharedClusterTest<LimitsTest> {
  public:
   static absl::StatusOr<ClusterOptions> Options() {
-    absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-    if (!model.ok()) return model.status();
-    ClusterOptions o;
-    o.model_dir = *model;
+    absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
+    if (!options.ok()) return options.status();
+    ClusterOptions o = *options;
     o.gateway_flags = {"--max_concurrent_requests=1", "--max_body_bytes=4194304"};
     return o;
   }
@@ -235,10 +234,9 @@ TEST_F(LimitsTest, AdmissionComesBeforeTokenization) {
 // listing every attempt's cause, and the client's error lists the earlier attempts without
 // worker addresses.
 TEST(WorkerDeathTest, LoggedOnceAndEveryAttemptsCauseKept) {
-  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-  ASSERT_TRUE(model.ok()) << model.status();
-  ClusterOptions o;
-  o.model_dir = *model;
+  absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
+  ASSERT_TRUE(options.ok()) << options.status();
+  ClusterOptions o = *options;
   o.gateway_flags = {"--max_resumes=2"};
   auto started = TestCluster::Start(o);
   ASSERT_TRUE(started.ok()) << started.status();

@@ -36,10 +36,9 @@ std::vector<int32_t> Ids(const google::protobuf::RepeatedField<int32_t>& ids) {
 class NSamplesTest : public SharedClusterTest<NSamplesTest> {
  public:
   static absl::StatusOr<ClusterOptions> Options() {
-    absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-    if (!model.ok()) return model.status();
-    ClusterOptions o;
-    o.model_dir = *model;
+    absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
+    if (!options.ok()) return options.status();
+    ClusterOptions o = *options;
     o.denoise_flags = {"--max_batch_canvases=1"};
     o.gateway_flags = {absl::StrCat("--max_n=", kMaxN)};
     return o;
@@ -263,10 +262,9 @@ TEST_F(NSamplesTest, OpenAiChoicesPerSampleUnaryAndStreamed) {
 class NSamplesBatchedTest : public SharedClusterTest<NSamplesBatchedTest> {
  public:
   static absl::StatusOr<ClusterOptions> Options() {
-    absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-    if (!model.ok()) return model.status();
-    ClusterOptions o;
-    o.model_dir = *model;
+    absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
+    if (!options.ok()) return options.status();
+    ClusterOptions o = *options;
     return o;
   }
 };

@@ -235,11 +235,9 @@ int BusiestDenoise(const TestCluster& c, int* active = nullptr) {
 // completes with the tokens and text of its undisturbed run, no block or canvas step arrives
 // twice, and usage (one Finished / one usage chunk) counts the whole completion once.
 TEST(ResumeTest, RequestsSurviveADenoiseWorkerKilledMidRequest) {
-  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-  ASSERT_TRUE(model.ok()) << model.status();
-  ClusterOptions o;
-  o.model_dir = *model;
-  o.denoise_workers = 2;
+  absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens(2);
+  ASSERT_TRUE(options.ok()) << options.status();
+  ClusterOptions o = *options;
   auto started = TestCluster::Start(o);
   ASSERT_TRUE(started.ok()) << started.status();
   TestCluster& c = **started;
@@ -351,11 +349,9 @@ TEST(ResumeTest, RequestsSurviveADenoiseWorkerKilledMidRequest) {
 // had already streamed and without a Finished: with --max_resumes=1, both denoise workers are
 // killed in turn under one request.
 TEST(ResumeTest, GivesUpAfterMaxResumes) {
-  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-  ASSERT_TRUE(model.ok()) << model.status();
-  ClusterOptions o;
-  o.model_dir = *model;
-  o.denoise_workers = 2;
+  absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens(2);
+  ASSERT_TRUE(options.ok()) << options.status();
+  ClusterOptions o = *options;
   o.gateway_flags = {"--max_resumes=1"};
   auto started = TestCluster::Start(o);
   ASSERT_TRUE(started.ok()) << started.status();
@@ -415,11 +411,9 @@ double MetricOf(const Service& s, const std::string& series) {
 // can arrive from it, checked to have sent no block (else the try is cancelled and repeated
 // with another seed); then worker 1 comes back and worker 0 is SIGKILLed.
 TEST(ResumeTest, ResumesFromCanvasZeroAfterOnlyStepEvents) {
-  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-  ASSERT_TRUE(model.ok()) << model.status();
-  ClusterOptions o;
-  o.model_dir = *model;
-  o.denoise_workers = 2;
+  absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens(2);
+  ASSERT_TRUE(options.ok()) << options.status();
+  ClusterOptions o = *options;
   auto started = TestCluster::Start(o);
   ASSERT_TRUE(started.ok()) << started.status();
   TestCluster& c = **started;
@@ -527,11 +521,9 @@ TEST(ResumeTest, ResumesFromCanvasZeroAfterOnlyStepEvents) {
 // client a 504, and the gateway does not resume (a stopped worker is not a failed one). After
 // SIGCONT the workers' KV gauges return to zero.
 TEST(ResumeTest, StoppedWorkerPastTheDeadlineIsACleanTimeout) {
-  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-  ASSERT_TRUE(model.ok()) << model.status();
-  ClusterOptions o;
-  o.model_dir = *model;
-  o.denoise_workers = 2;
+  absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens(2);
+  ASSERT_TRUE(options.ok()) << options.status();
+  ClusterOptions o = *options;
   auto started = TestCluster::Start(o);
   ASSERT_TRUE(started.ok()) << started.status();
   TestCluster& c = **started;

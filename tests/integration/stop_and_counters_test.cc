@@ -27,10 +27,9 @@ namespace {
 class StopAndCountersTest : public SharedClusterTest<StopAndCountersTest> {
  public:
   static absl::StatusOr<ClusterOptions> Options() {
-    absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
-    if (!model.ok()) return model.status();
-    ClusterOptions o;
-    o.model_dir = *model;
+    absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
+    if (!options.ok()) return options.status();
+    ClusterOptions o = *options;
     return o;
   }
 

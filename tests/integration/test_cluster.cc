@@ -119,6 +119,15 @@ absl::StatusOr<std::string> TestModelDirWithoutStopTokens() {
   return dir;
 }
 
+absl::StatusOr<ClusterOptions> OptionsWithoutStopTokens(int denoise_workers) {
+  absl::StatusOr<std::string> model = TestModelDirWithoutStopTokens();
+  if (!model.ok()) return model.status();
+  ClusterOptions o;
+  o.model_dir = *model;
+  o.denoise_workers = denoise_workers;
+  return o;
+}
+
 absl::StatusOr<std::unique_ptr<TestCluster>> TestCluster::Start(const ClusterOptions& o) {
   auto c = std::unique_ptr<TestCluster>(new TestCluster());
   c->dir_ = TempDir();

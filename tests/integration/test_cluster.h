@@ -96,5 +96,8 @@ std::string BinaryPath(const std::string& relative);
 absl::StatusOr<std::string> TestModelDir();
 // The same model without stop tokens: a request runs until max_tokens or cancelled.
 absl::StatusOr<std::string> TestModelDirWithoutStopTokens();
+// Options of a cluster serving TestModelDirWithoutStopTokens() with `denoise_workers` workers
+// (the other fields at their defaults); the model's error when it cannot be made.
+absl::StatusOr<ClusterOptions> OptionsWithoutStopTokens(int denoise_workers = 1);
 
 }  // namespace dgserve::testing
