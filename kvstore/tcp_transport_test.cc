@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "absl/synchronization/notification.h"
+#include "common/testing/loopback_socket.h"
 #include "common/testing/status_matchers.h"
 #include "grpcpp/grpcpp.h"
 #include "kvstore/test_util.h"
@@ -300,16 +301,10 @@ TEST(KvTcpTransportLimitsTest, OutstandingPushesPerTargetAreBounded) {
   auto kv = std::make_shared<PagedKvCache>(sender_pool.get(), 256);
   testing::AppendPattern(*kv, layout, kTokens, 4);
   // A listener that accepts TCP and never answers HTTP/2.
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int port = 0;
+  const int fd = dgserve::testing::ListenLoopback(&port);
   ASSERT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(listen(fd, 16), 0);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const std::string target = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  const std::string target = "127.0.0.1:" + std::to_string(port);
   TcpTransportOptions options;
   options.max_outstanding_per_target = 2;
   auto transport = CreateTcpTransport(options);

@@ -31,6 +31,24 @@ inline int ConnectLoopback(int port, int recv_timeout_s) {
   return fd;
 }
 
+// A socket listening on 127.0.0.1 at a port the kernel chooses (written to `*port`) that
+// accepts TCP and never answers (a peer that does not speak), or -1 when it cannot listen.
+inline int ListenLoopback(int* port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(fd, 16) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    return -1;
+  }
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
+
 // Writes all of `data` to `fd`; false on a write error.
 inline bool SendAll(int fd, std::string_view data) {
   size_t off = 0;

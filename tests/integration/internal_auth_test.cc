@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/testing/loopback_socket.h"
 #include "dgserve/v1/generation.grpc.pb.h"
 #include "dgserve/v1/worker.grpc.pb.h"
 #include "engine/model/config.h"
@@ -185,16 +186,9 @@ TEST_F(InternalAuthClusterTest, ForgedLeaseWithValidCredentialsIsClamped) {
 
 // A kv_target outside --denoise_workers is PERMISSION_DENIED before anything is dialled.
 TEST_F(InternalAuthClusterTest, KvTargetOutsideTheDenoiseWorkersIsRefused) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int port = 0;
+  const int fd = ListenLoopback(&port);
   ASSERT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(listen(fd, 16), 0);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int port = ntohs(addr.sin_port);
   auto stub = v1::PrefillService::NewStub(c().InternalChannel(c().prefill().grpc_port));
   for (const std::string& target :
        {absl::StrCat("127.0.0.1:", port), absl::StrCat("dns:///localhost:", port),
