@@ -882,27 +882,23 @@ bool Gateway::RequestRun::OnBlock(int index, const v1::DenoiseBlockEvent& block)
   s.emitted_bytes += text.size();
   if (r.stopped) {
     s.finish_reason = "stop";
-    // The completion ends before the token in which the stop sequence begins (possibly in an
-    // earlier canvas): the stop text is not counted, as with OpenAI. The completion's tokens
-    // are the longest prefix whose text lies within the emitted text (the largest count whose
-    // decoded text is no longer than it). Ids already streamed in earlier blocks cannot be
-    // taken back; usage and the unary response's ids are cut to this count.
+    // The completion is the shortest prefix of the generated ids whose text covers the emitted
+    // text (which ends where the stop sequence begins, possibly in an earlier canvas): a token
+    // that holds both returned text and the start of the stop sequence is counted and kept,
+    // so usage and ids account for every returned byte; tokens wholly inside or past the stop
+    // text are not (as with OpenAI, the stop text is not returned). Ids already streamed in
+    // earlier blocks cannot be taken back; usage and the unary response's ids are cut to it.
     size_t lo = 0, hi = s.all_ids.size();
     while (lo < hi) {
       const size_t mid = (lo + hi) / 2;
-      if (gw_.tokenizer_.Decode(std::span<const int32_t>(s.all_ids.data(), mid), true).size() >
+      if (gw_.tokenizer_.Decode(std::span<const int32_t>(s.all_ids.data(), mid), true).size() >=
           s.emitted_bytes) {
         hi = mid;
       } else {
         lo = mid + 1;
       }
     }
-    // `lo`: the smallest count whose text reaches past the emitted text (its last token
-    // holds the start of the stop sequence), or all of them.
-    const bool past = lo < s.all_ids.size() ||
-                      gw_.tokenizer_.Decode(std::span<const int32_t>(s.all_ids), true).size() >
-                          s.emitted_bytes;
-    const int keep_total = int(past && lo > 0 ? lo - 1 : std::min(lo, s.all_ids.size()));
+    const int keep_total = int(lo);
     const int before_block = s.completion - int(take.size());
     b->mutable_token_ids()->Truncate(std::max(0, keep_total - before_block));
     s.completion = keep_total;

@@ -55,15 +55,36 @@ ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running re
 namespace dgserve {
 namespace {
 
+// The public API's keys from --api_keys and --api_key_file (one key per line; blank lines and
+// lines starting with '#' are skipped). A flag that is given but names no key is an error
+// (FAILED_PRECONDITION): an empty or unmounted key file must not turn authentication off.
+// With neither flag the API is open, and a warning says so.
 absl::StatusOr<std::vector<std::string>> ApiKeys() {
-  std::vector<std::string> keys = SplitTargets(absl::GetFlag(FLAGS_api_keys));
+  const std::string list = absl::GetFlag(FLAGS_api_keys);
+  std::vector<std::string> keys = SplitTargets(list);
+  if (!list.empty() && keys.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--api_keys='", list, "' names no key; give keys, or leave the flag out to serve "
+        "without authentication"));
+  }
   if (const std::string f = absl::GetFlag(FLAGS_api_key_file); !f.empty()) {
     absl::StatusOr<std::string> text = ReadFileToString(f, 1 << 20);
     if (!text.ok()) return text.status();
+    size_t from_file = 0;
     for (absl::string_view line : absl::StrSplit(*text, '\n')) {
       line = absl::StripAsciiWhitespace(line);
-      if (!line.empty()) keys.emplace_back(line);
+      if (line.empty() || line.front() == '#') continue;
+      keys.emplace_back(line);
+      ++from_file;
     }
+    if (from_file == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--api_key_file ", f, " has no API key (only blank or '#' lines); refusing to serve "
+          "without authentication — leave the flag out to do that on purpose"));
+    }
+  }
+  if (keys.empty()) {
+    DGSERVE_LOG_WARNING("no --api_keys / --api_key_file: the public API accepts every caller");
   }
   return keys;
 }

@@ -104,6 +104,9 @@ absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services,
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // No SO_REUSEPORT: a second process given a port in use must fail to start, not share the
+  // port and take some of the connections (gRPC enables it by default on Linux).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options_.grpc_address,
                            options_.credentials ? options_.credentials
                                                 : grpc::InsecureServerCredentials(),

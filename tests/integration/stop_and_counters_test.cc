@@ -148,8 +148,9 @@ TEST_F(StopAndCountersTest, StopSequenceEndsTheSampleOnTheWorkerAtOnce) {
   EXPECT_EQ(after.cancelled - before.cancelled, 0);
   // The worker's Finished reached the usage (it was 0 on the stop path).
   EXPECT_GT(u.timings().denoise_seconds(), 0);
-  // The returned text ends before the stop text; the completion tokens are the longest prefix
-  // of the canvas whose text lies within it (the token holding the stop's start not counted).
+  // The returned text ends before the stop text; the completion tokens are the shortest
+  // prefix of the canvas whose text covers it (a token holding both returned text and the
+  // stop's start is counted: every returned byte is in a counted token).
   const size_t at = full.blocks[0].text().find(stop);
   EXPECT_EQ(cut.text, full.text.substr(0, at));
   absl::StatusOr<Tokenizer> tok =
@@ -160,11 +161,14 @@ TEST_F(StopAndCountersTest, StopSequenceEndsTheSampleOnTheWorkerAtOnce) {
   const int n = u.completion_tokens();
   ASSERT_LT(n, int(ids.size()));
   EXPECT_EQ(cut.blocks[0].token_ids_size(), n);
+  if (!cut.text.empty()) EXPECT_GE(n, 1);
   const std::string counted = tok->Decode(std::span<const int32_t>(ids.data(), size_t(n)), true);
-  const std::string one_more =
-      tok->Decode(std::span<const int32_t>(ids.data(), size_t(n) + 1), true);
-  EXPECT_EQ(cut.text.substr(0, counted.size()), counted) << "counted tokens' text: " << counted;
-  EXPECT_GT(one_more.size(), cut.text.size()) << "one token more still fits: " << one_more;
+  EXPECT_EQ(counted.substr(0, cut.text.size()), cut.text) << "counted tokens' text: " << counted;
+  if (n > 0) {
+    const std::string one_fewer =
+        tok->Decode(std::span<const int32_t>(ids.data(), size_t(n) - 1), true);
+    EXPECT_LT(one_fewer.size(), cut.text.size()) << "one token fewer still covers: " << one_fewer;
+  }
 }
 
 // With n = 2 each sample ends on the worker where its own completion ends: the decoder passes
