@@ -483,8 +483,8 @@ TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
 }
 
 // A request whose deadline ends during prefill or the KV transfer leaves no KV on the denoise
-// worker (the gateway cancels its Denoise call, which drops the KV at once; in the window
-// noted below, the lease frees it).
+// worker once the request has ended (KV pushed in full just as the deadline passes waits for
+// its lease: noted below).
 TEST_F(ClusterTest, DeadlineDuringPrefillLeavesNoKv) {
   const std::string failures = "dgserve_prefill_kv_transfer_failures_total{transport=\"tcp\"}";
   const double failures_before =
