@@ -27,10 +27,7 @@ namespace {
 class StopAndCountersTest : public SharedClusterTest<StopAndCountersTest> {
  public:
   static absl::StatusOr<ClusterOptions> Options() {
-    absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
-    if (!options.ok()) return options.status();
-    ClusterOptions o = *options;
-    return o;
+    return OptionsWithoutStopTokens();
   }
 
  protected:
