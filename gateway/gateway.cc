@@ -9,6 +9,7 @@
 #include "absl/strings/str_replace.h"
 #include "common/logging.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/hash.h"
 #include "engine/denoise/sampler_params.h"
 #include "engine/tokenizer/chat_template.h"
@@ -440,6 +441,9 @@ class Gateway::RequestRun {
   // Phase 1: prefill on the prefill worker, the KV sent to the denoise worker (held there under
   // a lease until the denoise call claims it). Sets prefill_.
   absl::Status Prefill(const Workers& w, CancelWatcher& watcher);
+  // Tells the attempt's denoise worker to drop it (best effort, at most 1 s): KV it holds or
+  // is still receiving for the attempt is freed now instead of at the end of its lease.
+  void CancelOnDenoiseWorker(const Workers& w) const;
   // Phase 2: the denoise call's request.
   v1::DenoiseRequest MakeDenoiseRequest(const std::string& attempt_id) const;
   // Phases 2–3: calls Denoise and relays its events until every sample has ended (OK), the
@@ -632,7 +636,16 @@ absl::Status Gateway::RequestRun::RunAttempt() {
   if (gw_.metrics_) {
     gw_.metrics_->prefill_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start_));
   }
-  if (absl::Status s = Denoise(*w, watcher); !s.ok()) return s;
+  if (gw_.options_.testing_delay_before_denoise > absl::ZeroDuration()) {
+    absl::SleepFor(gw_.options_.testing_delay_before_denoise);
+  }
+  if (absl::Status s = Denoise(*w, watcher); !s.ok()) {
+    // A denoise call that ended by the deadline or the client may never have reached the
+    // worker (a deadline that passed as the prefill returned fails the call at once), and then
+    // nothing claims the KV the prefill sent: drop it.
+    if (absl::IsDeadlineExceeded(s) || absl::IsCancelled(s)) CancelOnDenoiseWorker(*w);
+    return s;
+  }
   return FinishSamples();
 }
 
@@ -658,15 +671,8 @@ absl::Status Gateway::RequestRun::Prefill(const Workers& w, CancelWatcher& watch
     return absl::OkStatus();
   }
   // The KV may already sit on the denoise worker (the transfer can finish after this call
-  // gave up): tell it to drop it now instead of at the end of its lease.
-  {
-    grpc::ClientContext cctx;
-    cctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    v1::CancelRequest creq;
-    creq.set_request_id(w.attempt_id);
-    v1::CancelResponse cresp;
-    v1::DenoiseService::NewStub(gw_.denoise_->Channel(w.denoise))->Cancel(&cctx, creq, &cresp);
-  }
+  // gave up).
+  CancelOnDenoiseWorker(w);
   if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
   absl::Status st = FromGrpcStatus(s);
   if (absl::IsUnavailable(st)) {
@@ -684,6 +690,15 @@ absl::Status Gateway::RequestRun::Prefill(const Workers& w, CancelWatcher& watch
   DGSERVE_LOG_WARNING("request %s: %s", w.attempt_id, log_cause_);
   return absl::Status(st.code(),
                       absl::StrCat("prefill: ", HideWorkers(st.message(), w.prefill, w.denoise)));
+}
+
+void Gateway::RequestRun::CancelOnDenoiseWorker(const Workers& w) const {
+  grpc::ClientContext cctx;
+  cctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  v1::CancelRequest creq;
+  creq.set_request_id(w.attempt_id);
+  v1::CancelResponse cresp;
+  v1::DenoiseService::NewStub(gw_.denoise_->Channel(w.denoise))->Cancel(&cctx, creq, &cresp);
 }
 
 v1::DenoiseRequest Gateway::RequestRun::MakeDenoiseRequest(const std::string& attempt_id) const {

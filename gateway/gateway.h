@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "engine/model/config.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "gateway/admission.h"
@@ -32,6 +33,8 @@ struct GatewayOptions {
   std::vector<std::string> api_keys;  // empty: no authentication
   int max_stop_sequences = 4;
   int max_n = 16;  // samples per request (GenerateRequest.n) at most
+  // Fault injection for tests: a pause between an attempt's prefill and its denoise call.
+  absl::Duration testing_delay_before_denoise = absl::ZeroDuration();
 };
 
 // A request after validation: what the workers need.

@@ -51,6 +51,8 @@ ABSL_FLAG(int64_t, max_body_bytes, 4 << 20,
           "refused before it is parsed)");
 ABSL_FLAG(double, request_timeout_seconds, 600, "deadline of a request without its own");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
+ABSL_FLAG(int64_t, testing_delay_before_denoise_ms, 0,
+          "fault injection for tests: pause this long between a prefill and its denoise call");
 
 namespace dgserve {
 namespace {
@@ -119,6 +121,8 @@ absl::Status Run() {
   if (gopts.max_resumes < 0) return absl::InvalidArgumentError("--max_resumes must be ≥ 0");
   gopts.api_keys = *keys;
   gopts.max_n = absl::GetFlag(FLAGS_max_n);
+  gopts.testing_delay_before_denoise =
+      absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_before_denoise_ms));
   // A denoise worker runs at most 64 samples of one request (kMaxDenoiseSamples).
   if (gopts.max_n < 1 || gopts.max_n > 64) {
     return absl::InvalidArgumentError(

@@ -325,5 +325,40 @@ TEST_F(StopAndCountersTest, StreamsCutByTheirDeadlineEndWellFormedForEveryN) {
   }
 }
 
+// A deadline that passes between an attempt's prefill and its denoise call (the gateway pauses
+// 8 s there, a fault-injection flag) fails the denoise call before it reaches the worker, so
+// nothing claims the KV the prefill sent: the gateway tells the denoise worker to drop it, and
+// the blocks are freed long before their 30 s lease ends (before, they were held for all of it).
+class DeadlineBeforeDenoiseTest : public SharedClusterTest<DeadlineBeforeDenoiseTest> {
+ public:
+  static absl::StatusOr<ClusterOptions> Options() {
+    absl::StatusOr<ClusterOptions> o = OptionsWithoutStopTokens();
+    if (o.ok()) o->gateway_flags.push_back("--testing_delay_before_denoise_ms=8000");
+    return o;
+  }
+};
+
+TEST_F(DeadlineBeforeDenoiseTest, KvOfAnAttemptThatNeverReachedDenoiseIsFreed) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(4));
+  v1::GenerateResponse resp;
+  const grpc::Status st = c().GatewayStub()->Generate(&ctx, Chat("Never denoised.", 1, 16), &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  // The prefill finished and its KV waits on the denoise worker (the gateway is still paused).
+  absl::StatusOr<v1::StatsResponse> held = c().DenoiseStats(0);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_GT(held->kv().full_blocks_used(), 0) << held->DebugString();
+  // Freed once the gateway's pause ends (4 s after the deadline), well before the lease (30 s
+  // from the push, 26 s from now).
+  EXPECT_TRUE(Eventually(
+      [&] {
+        auto s = c().DenoiseStats(0);
+        return s.ok() && s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0 &&
+               s->pending_transfers() == 0;
+      },
+      16))
+      << c().DenoiseStats(0)->DebugString();
+}
+
 }  // namespace
 }  // namespace dgserve::testing
