@@ -514,7 +514,7 @@ TEST_F(ClusterTest, DeadlineDuringPrefillLeavesNoKv) {
         return s.ok() && s->kv().full_blocks_used() == 0 && s->pending_transfers() == 0 &&
                s->active_requests() == 0;
       },
-      15))
+      25))
       << c().DenoiseStats(0)->DebugString();
   // Deadlines are the client's, not transfer failures.
   EXPECT_EQ(TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()), failures),
