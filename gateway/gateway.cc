@@ -248,7 +248,8 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   if (int64_t(p.prompt.size()) + canvases * C > limit) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_tokens: the prompt (", p.prompt.size(), " tokens) plus ", canvases,
-                     " canvases of ", C, " tokens for max_tokens=", p.max_tokens,
+                     canvases == 1 ? " canvas of " : " canvases of ", C,
+                     " tokens for max_tokens=", p.max_tokens,
                      " exceed the context limit of ", limit, " positions"));
   }
   if (request.stop_size() > options_.max_stop_sequences) {

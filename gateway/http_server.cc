@@ -756,6 +756,12 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<Session>& s, co
                   ErrorResponse(400, parsed.status(), ErrorParam(parsed.status())));
   }
   absl::Duration timeout = options_.default_timeout;
+  if (req.count("X-Request-Timeout") > 1) {
+    // Which one the client meant is unknowable (a proxy may have added one): refused.
+    const absl::Status bad =
+        absl::InvalidArgumentError("X-Request-Timeout: given more than once");
+    return refuse(bad, ErrorResponse(400, bad));
+  }
   if (auto it = req.find("X-Request-Timeout"); it != req.end()) {
     double seconds = 0;
     if (!absl::SimpleAtod(std::string(it->value()), &seconds) || !std::isfinite(seconds) ||

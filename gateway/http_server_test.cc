@@ -658,6 +658,15 @@ TEST_F(HttpServerTest, RequestTimeoutHeaderOnlyShortens) {
   EXPECT_EQ(res.status, 200);
   EXPECT_LE(seen_timeout.load(), 20);
   EXPECT_GT(seen_timeout.load(), 10);
+  // Given twice: refused, whichever comes first (the first used to win, so a proxy's longer
+  // value before the client's shorter one lengthened the deadline).
+  seen_timeout = 0;
+  res = cli.Post("/v1/completions", R"({"prompt": "x"})",
+                 {{"X-Request-Timeout", "5"}, {"X-Request-Timeout", "1"}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res.status, 400);
+  EXPECT_THAT(res.body, HasSubstr("X-Request-Timeout: given more than once"));
+  EXPECT_EQ(seen_timeout.load(), 0);  // the core never ran
 }
 
 // More concurrent clients than the limit: those beyond it get 429 at once while the others

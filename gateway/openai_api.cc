@@ -395,9 +395,12 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
     } else if (key == "n") {
       int64_t n = 0;
       DGSERVE_ASSIGN_OR_RETURN(n, GetInt(v, key));
-      if (n < 0 || n > std::numeric_limits<int32_t>::max()) {
-        return Invalid(key, "must be >= 1 (the number of choices; 0 or null = 1), at most the "
-                            "gateway's --max_n");
+      if (n < 0) {
+        return Invalid(key, "must be >= 1 (the number of choices; 0 or null = 1)");
+      }
+      if (n > std::numeric_limits<int32_t>::max()) {
+        return Invalid(key, absl::StrCat("too large (", n,
+                                         "): at most the gateway's --max_n choices"));
       }
       req.set_n(int32_t(n));  // 0 = 1; the upper bound (--max_n) is the core's
     } else if (key == "user") {

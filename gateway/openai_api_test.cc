@@ -230,6 +230,8 @@ TEST(ParseCompletionsTest, SamplingRejections) {
   absl::StatusOr<OpenAiRequest> r = ParseCompletionsRequest(R"({"prompt": "x", "temperature": 2})");
   EXPECT_THAT(r, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("t_min and t_max")));
   ExpectError(R"({"prompt": "x", "n": -1})", "n: must be >= 1");
+  // Beyond int32: named as too large, not as below 1 (it said "must be >= 1").
+  ExpectError(R"({"prompt": "x", "n": 4294967297})", "n: too large (4294967297)");
   ExpectError(R"({"prompt": "x", "n": "1"})", "n: must be an integer");
   ExpectError(R"({"prompt": "x", "user": 5})", "user: must be a string");
   ExpectError(R"({"prompt": "x", "model": 5})", "model: must be a string");

@@ -198,6 +198,18 @@ TEST_F(LimitsTest, TokenizingStopsAtTheContextLimit) {
   EXPECT_LE(tokenized, kContextLimit + 64);
 }
 
+// A prompt that leaves less than one canvas before the context limit: the error counts the
+// canvases in the singular ("plus 1 canvas of 16 tokens"; it said "1 canvases").
+TEST_F(LimitsTest, ContextLimitErrorCountsOneCanvas) {
+  v1::GenerateRequest req;
+  for (int64_t i = 0; i < kContextLimit - 4; ++i) req.mutable_token_ids()->add_ids(2);
+  req.set_max_tokens(1);
+  const Result r = Generate(c(), req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.status.error_message(),
+              HasSubstr("max_tokens: the prompt (262140 tokens) plus 1 canvas of 16 tokens"));
+}
+
 // With the one slot taken by a running request, a huge chat request is refused at once
 // (RESOURCE_EXHAUSTED over gRPC, 429 over HTTP) before the gateway tokenizes any of it.
 TEST_F(LimitsTest, AdmissionComesBeforeTokenization) {
