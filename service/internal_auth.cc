@@ -338,6 +338,12 @@ absl::StatusOr<std::shared_ptr<const InternalAuth>> InternalAuthFromFlags() {
         "can reach this process's gRPC port can call every internal method (run prefill and "
         "denoise directly, pin KV memory). Use --internal_tls_* and/or --internal_token_file "
         "outside a trusted host. ***");
+  } else if (!(*auth)->tls()) {
+    // The token travels in clear text: anyone who can watch the pod network can replay it.
+    DGSERVE_LOG_WARNING(
+        "internal gRPC: %s; without --internal_tls_* the token and all KV travel in clear "
+        "text (fine on a trusted host or an encrypted pod network)",
+        (*auth)->Describe());
   } else {
     DGSERVE_LOG_INFO("internal gRPC: %s", (*auth)->Describe());
   }
