@@ -96,6 +96,7 @@ struct SampleStream {
   bool awaiting_worker_finish = false;
   bool worker_done = false;  // the worker's Finished of this sample arrived
   bool done = false;         // the completion has ended
+  bool finished_sent = false;  // its Finished event went to the client
   std::string finish_reason;
   v1::DenoiseFinished worker_finished;
 };
@@ -453,9 +454,13 @@ class Gateway::RequestRun {
   // Relays one step / block event of sample `index`; false when the client went away.
   bool OnStep(int index, const v1::DenoiseStepEvent& step);
   bool OnBlock(int index, const v1::DenoiseBlockEvent& block);
-  // Every sample has ended: per sample (by index) flushes held-back text, then sends the
-  // Finished events with the usage.
+  // Every sample has ended: the prompt's usage counted, and FinishSample for each sample (by
+  // index) whose Finished has not been sent.
   absl::Status FinishSamples();
+  // Sample `index` has ended: flushes its held-back text, then sends its Finished event with
+  // its usage (once), so a choice that ends early is reported when it ends, not when the last
+  // one does. False when the client went away.
+  bool FinishSample(int index);
   // Sends one event to the client; false (and the denoise call cancelled) when it went away.
   bool Emit(const v1::GenerateEvent& ev);
   void EndSample(SampleStream& s) {
@@ -786,6 +791,9 @@ absl::Status Gateway::RequestRun::Denoise(const Workers& w, CancelWatcher& watch
       s.worker_done = true;
       if (s.finish_reason.empty()) s.finish_reason = s.worker_finished.finish_reason();
       EndSample(s);
+      // Reported now: the other samples may run for many more canvases (or be cut by the
+      // deadline).
+      if (!FinishSample(index)) break;
     }
   }
   // The stream ended right after a completion's last block: nothing is missing.
@@ -929,57 +937,58 @@ bool Gateway::RequestRun::OnBlock(int index, const v1::DenoiseBlockEvent& block)
 }
 
 absl::Status Gateway::RequestRun::FinishSamples() {
-  GatewayMetrics* metrics = gw_.metrics_;
-  if (metrics) {
+  if (GatewayMetrics* metrics = gw_.metrics_) {
     metrics->prompt_tokens.Increment(double(req_.prompt.size()));
     metrics->cached_prompt_tokens.Increment(prefill_.cached_tokens());
   }
-  const int n = req_.n;
-  for (int i = 0; i < n; ++i) {
-    SampleStream& s = *samples_[i];
-    if (!s.matcher.stopped()) {
-      std::string tail = s.matcher.Push(s.decoder.Finish()).emit;
-      if (!s.matcher.stopped()) tail += s.matcher.Flush();
-      if (!tail.empty()) {
-        v1::GenerateEvent out;
-        out.set_request_id(req_.request_id);
-        out.set_index(i);
-        out.mutable_block()->set_index(s.last_index);
-        out.mutable_block()->set_text(tail);
-        if (!Emit(out)) return absl::CancelledError("the client went away");
-      }
-    }
-  }
-  for (int i = 0; i < n; ++i) {
-    const SampleStream& s = *samples_[i];
-    v1::GenerateEvent out;
-    out.set_request_id(req_.request_id);
-    out.set_index(i);
-    v1::Finished* f = out.mutable_finished();
-    f->set_finish_reason(s.finish_reason.empty() ? "length" : s.finish_reason);
-    v1::Usage* u = f->mutable_usage();
-    u->set_prompt_tokens(int(req_.prompt.size()));
-    u->set_completion_tokens(s.completion);
-    u->set_total_tokens(int(req_.prompt.size()) + s.completion);
-    u->set_cached_prompt_tokens(prefill_.cached_tokens());
-    u->set_canvases(s.canvases);
-    u->set_denoising_steps(s.steps);
-    v1::Timings* t = u->mutable_timings();
-    t->set_queue_seconds(prefill_.queue_seconds());
-    t->set_prefill_seconds(prefill_.prefill_seconds());
-    t->set_transfer_seconds(prefill_.transfer_seconds());
-    t->set_first_step_seconds(first_step_s_);
-    t->set_first_block_seconds(first_block_s_);
-    t->set_denoise_seconds(s.worker_finished.denoise_seconds());
-    t->set_commit_seconds(s.worker_finished.commit_seconds());
-    t->set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
-    if (metrics) {
-      metrics->completion_tokens.Increment(s.completion);
-      metrics->samples.Increment();
-    }
-    if (!Emit(out)) return absl::CancelledError("the client went away");
+  for (int i = 0; i < req_.n; ++i) {
+    if (!FinishSample(i)) return absl::CancelledError("the client went away");
   }
   return absl::OkStatus();
+}
+
+bool Gateway::RequestRun::FinishSample(int index) {
+  SampleStream& s = *samples_[index];
+  if (s.finished_sent) return true;
+  s.finished_sent = true;
+  if (!s.matcher.stopped()) {
+    std::string tail = s.matcher.Push(s.decoder.Finish()).emit;
+    if (!s.matcher.stopped()) tail += s.matcher.Flush();
+    if (!tail.empty()) {
+      v1::GenerateEvent out;
+      out.set_request_id(req_.request_id);
+      out.set_index(index);
+      out.mutable_block()->set_index(s.last_index);
+      out.mutable_block()->set_text(tail);
+      if (!Emit(out)) return false;
+    }
+  }
+  v1::GenerateEvent out;
+  out.set_request_id(req_.request_id);
+  out.set_index(index);
+  v1::Finished* f = out.mutable_finished();
+  f->set_finish_reason(s.finish_reason.empty() ? "length" : s.finish_reason);
+  v1::Usage* u = f->mutable_usage();
+  u->set_prompt_tokens(int(req_.prompt.size()));
+  u->set_completion_tokens(s.completion);
+  u->set_total_tokens(int(req_.prompt.size()) + s.completion);
+  u->set_cached_prompt_tokens(prefill_.cached_tokens());
+  u->set_canvases(s.canvases);
+  u->set_denoising_steps(s.steps);
+  v1::Timings* t = u->mutable_timings();
+  t->set_queue_seconds(prefill_.queue_seconds());
+  t->set_prefill_seconds(prefill_.prefill_seconds());
+  t->set_transfer_seconds(prefill_.transfer_seconds());
+  t->set_first_step_seconds(first_step_s_);
+  t->set_first_block_seconds(first_block_s_);
+  t->set_denoise_seconds(s.worker_finished.denoise_seconds());
+  t->set_commit_seconds(s.worker_finished.commit_seconds());
+  t->set_total_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
+  if (GatewayMetrics* metrics = gw_.metrics_) {
+    metrics->completion_tokens.Increment(s.completion);
+    metrics->samples.Increment();
+  }
+  return Emit(out);
 }
 
 }  // namespace dgserve

@@ -11,6 +11,7 @@
 
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/http_client.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -80,26 +81,23 @@ TEST_F(NSamplesTest, EachSampleEqualsTheSoloRequestWithSeedPlusIndex) {
   EXPECT_EQ(r.response.usage().canvases(), kN * 3);  // 40 tokens = 3 canvases of 16 each
   EXPECT_NE(Ids(r.response.choices(0).token_ids()), Ids(r.response.choices(1).token_ids()));
 
-  // The stream carries every sample's events by index, each sample ending with one Finished;
-  // the Finished events come last.
+  // The stream carries every sample's events by index, each sample ending with one Finished,
+  // its last event.
   grpc::ClientContext ctx;
   auto reader =
       c().GatewayStub()->GenerateStream(&ctx, Chat("Write a short poem.", kSeed, 40, kN));
   std::map<int, std::string> text;
   std::map<int, int> finished;
-  std::vector<bool> is_finished;
   v1::GenerateEvent ev;
   while (reader->Read(&ev)) {
-    is_finished.push_back(ev.has_finished());
+    EXPECT_EQ(finished[ev.index()], 0) << "an event of sample " << ev.index() << " after its end";
     if (ev.has_block()) text[ev.index()] += ev.block().text();
     if (ev.has_finished()) ++finished[ev.index()];
   }
   ASSERT_TRUE(reader->Finish().ok());
-  ASSERT_GE(is_finished.size(), size_t(kN));
   for (int i = 0; i < kN; ++i) {
     EXPECT_EQ(text[i], r.response.choices(i).text()) << "sample " << i;
     EXPECT_EQ(finished[i], 1) << "sample " << i;
-    EXPECT_TRUE(is_finished[is_finished.size() - kN + i]);
   }
   EXPECT_EQ(text.size(), size_t(kN));
 
@@ -255,6 +253,45 @@ TEST_F(NSamplesTest, OpenAiChoicesPerSampleUnaryAndStreamed) {
     EXPECT_EQ(text[i], j["choices"][i]["text"]) << i;
     EXPECT_EQ(finish[i], "length") << i;
   }
+}
+
+// A sample that ends before the others is reported when it ends: with a batch of one canvas
+// the worker runs the samples one after another, and sample 0's Finished (with its usage)
+// comes before sample 1's first block, over gRPC and as the SSE finish chunk of choice 0 (it
+// used to come only when the last sample had ended).
+TEST_F(NSamplesTest, ASampleThatEndsFirstIsFinishedFirst) {
+  v1::GenerateRequest req = Chat("Count to ten.", 3, 40, 2);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto reader = c().GatewayStub()->GenerateStream(&ctx, req);
+  std::vector<std::string> order;  // "block 0", "finished 1", ... in stream order
+  v1::GenerateEvent ev;
+  while (reader->Read(&ev)) {
+    if (ev.has_block()) order.push_back(absl::StrCat("block ", ev.index()));
+    if (ev.has_finished()) {
+      order.push_back(absl::StrCat("finished ", ev.index()));
+      EXPECT_EQ(ev.finished().usage().completion_tokens(), 40) << ev.index();
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  const auto at = [&](const std::string& e) {
+    return std::find(order.begin(), order.end(), e) - order.begin();
+  };
+  ASSERT_LT(at("finished 0"), int64_t(order.size())) << absl::StrJoin(order, ", ");
+  ASSERT_LT(at("block 1"), int64_t(order.size())) << absl::StrJoin(order, ", ");
+  EXPECT_LT(at("finished 0"), at("block 1")) << absl::StrJoin(order, ", ");
+  EXPECT_EQ(order.back(), "finished 1");
+
+  const HttpResponse res = HttpClient("127.0.0.1", c().gateway().http_port).Post(
+      "/v1/completions",
+      R"({"prompt": "Count to ten.", "max_tokens": 40, "n": 2, "seed": 3, "stream": true})");
+  ASSERT_EQ(res.status, 200) << res.body;
+  const size_t finish0 = res.body.find(R"("finish_reason":"length","index":0)");
+  const size_t first1 = res.body.find(R"("index":1)");
+  ASSERT_NE(finish0, std::string::npos) << res.body;
+  ASSERT_NE(first1, std::string::npos) << res.body;
+  EXPECT_LT(finish0, first1) << res.body;
+  EXPECT_TRUE(Eventually([&] { return DenoiseIdle(); }));
 }
 
 // With room in the batch the samples run in the same decoder passes: their events interleave
