@@ -37,4 +37,7 @@ if(DGSERVE_BUILD_TESTS)
   dgserve_http_cc_test(NAME openai_http_server_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server_test.cc
     DEPS dgserve_http_server dgserve_admission dgserve_http_client LABELS unit)
+  dgserve_http_cc_test(NAME openai_http_connection_test
+    SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server_connection_test.cc
+    DEPS dgserve_http_server dgserve_admission dgserve_http_client LABELS unit)
 endif()

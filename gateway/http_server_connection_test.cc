@@ -1,0 +1,277 @@
+// The HTTP server's connection handling against raw sockets and a real HTTP client on 127.0.0.1,
+// with a fake GenerationCore: disconnects cancel, keep-alive and pipelining, header limits,
+// deadlines, admission, slow clients, back-pressure and write timeouts, refusals counted.
+#include "gateway/http_server_test_util.h"
+
+namespace dgserve {
+namespace {
+
+using namespace ::dgserve::http_testing;  // NOLINT: the shared fixture and helpers
+using ::dgserve::testing::StatusIs;
+
+TEST_F(HttpServerTest, NonStreamingClientDisconnectCancels) {
+  std::atomic<bool> started{false}, cancelled{false};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>& c,
+                       const GenerationCore::EventCallback&) {
+    started = true;
+    // Runs until cancelled (bounded: 20 s).
+    for (int i = 0; i < 4000 && !c(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    cancelled = c();
+    return absl::CancelledError("client gone");
+  };
+  StartServer();
+  int fd = ConnectLoopback(port_, 10);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", R"({"prompt": "x"})")));
+  ASSERT_TRUE(Eventually([&] { return started.load(); }));
+  close(fd);  // before any byte of the answer
+  ASSERT_TRUE(Eventually([&] { return cancelled.load(); }));
+  EXPECT_TRUE(cancelled.load());
+  EXPECT_EQ(Client().Get("/health").status, 200);
+}
+
+TEST_F(HttpServerTest, KeepAliveAndPipelining) {
+  core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback& cb) {
+    cb(Block("pipe"));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  int fd = ConnectLoopback(port_, 10);
+  ASSERT_GE(fd, 0);
+  // Three requests in one write: answered in order on the same connection.
+  const std::string three = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n" +
+                            PostRequest("/v1/completions", R"({"prompt": "x"})") +
+                            "GET /v1/models/dg-tiny HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_TRUE(SendAll(fd, three));
+  const std::string out = ReadUntil(fd, "HTTP/1.1 200", 3);
+  const size_t a = out.find(R"({"status":"ok"})");
+  const size_t b = out.find(R"("text":"pipe")");
+  const size_t c = out.find(R"("id":"dg-tiny")");
+  ASSERT_NE(a, std::string::npos) << out;
+  ASSERT_NE(b, std::string::npos) << out;
+  ASSERT_NE(c, std::string::npos) << out;
+  EXPECT_LT(a, b);
+  EXPECT_LT(b, c);
+  // Still open: one more request, then Connection: close ends it.
+  ASSERT_TRUE(SendAll(fd, "GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+  const std::string last = ReadUntil(fd, "\x01");  // until EOF
+  EXPECT_THAT(last, HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(last, HasSubstr("Connection: close"));
+  EXPECT_THAT(last, HasSubstr(R"({"status":"ready"})"));
+  close(fd);
+}
+
+TEST_F(HttpServerTest, HeaderTooLargeIs431) {
+  HttpServerOptions options;
+  options.max_header_bytes = 1024;
+  StartServer(options);
+  const std::string out = RawRequest(
+      port_, "GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(4000, 'a') + "\r\n\r\n");
+  EXPECT_THAT(out, HasSubstr("HTTP/1.1 431"));
+  EXPECT_THAT(out, HasSubstr("request head larger than 1024 bytes"));
+}
+
+TEST_F(HttpServerTest, RequestTimeoutHeaderOnlyShortens) {
+  std::atomic<double> seen_timeout{0};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time deadline,
+                       const std::function<bool()>&, const GenerationCore::EventCallback& cb) {
+    seen_timeout = absl::ToDoubleSeconds(deadline - absl::Now());
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  HttpServerOptions options;
+  options.default_timeout = absl::Seconds(20);
+  StartServer(options);
+  HttpClient cli = Client();
+  // Longer than the server's limit: the server's limit holds.
+  auto res = cli.Post("/v1/completions", R"({"prompt": "x"})", {{"X-Request-Timeout", "3600"}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res.status, 200);
+  EXPECT_LE(seen_timeout.load(), 20);
+  EXPECT_GT(seen_timeout.load(), 10);
+  // Given twice: refused, whichever comes first (the first used to win, so a proxy's longer
+  // value before the client's shorter one lengthened the deadline).
+  seen_timeout = 0;
+  res = cli.Post("/v1/completions", R"({"prompt": "x"})",
+                 {{"X-Request-Timeout", "5"}, {"X-Request-Timeout", "1"}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res.status, 400);
+  EXPECT_THAT(res.body, HasSubstr("X-Request-Timeout: given more than once"));
+  EXPECT_EQ(seen_timeout.load(), 0);  // the core never ran
+}
+
+// More concurrent clients than the limit: those beyond it get 429 at once while the others
+// run, and /health and /ready answer all along.
+TEST_F(HttpServerTest, AdmissionLimitRefusesAtOnceAndHealthStaysUp) {
+  constexpr int kLimit = 4;
+  constexpr int kClients = 12;
+  Admission admission(kLimit, 0);
+  core_.admission = &admission;
+  std::atomic<bool> release{false};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time deadline,
+                       const std::function<bool()>& c, const GenerationCore::EventCallback& cb) {
+    absl::Status s = admission.Acquire(deadline, c, nullptr);
+    if (!s.ok()) return s;
+    for (int i = 0; i < 4000 && !release && !c(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    admission.Release();
+    cb(Block("done"));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  std::vector<int> held;
+  for (int i = 0; i < kLimit; ++i) {
+    int fd = ConnectLoopback(port_, 10);
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", R"({"prompt": "x"})")));
+    held.push_back(fd);
+  }
+  ASSERT_TRUE(Eventually([&] { return admission.running() == kLimit; }));
+  // The others: 429 with Retry-After, answered while the first ones still run.
+  for (int i = kLimit; i < kClients; ++i) {
+    HttpClient cli = Client();
+    auto res = cli.Post("/v1/completions", R"({"prompt": "x"})");
+    ExpectErrorBody(res, 429, "rate_limit_error", "limit of concurrent requests");
+    EXPECT_EQ(res.Header("Retry-After"), "1");
+    EXPECT_EQ(cli.Get("/health").status, 200);
+    EXPECT_EQ(cli.Get("/ready").status, 200);
+  }
+  EXPECT_EQ(admission.running(), kLimit);
+  release = true;
+  for (int fd : held) {
+    EXPECT_THAT(ReadUntil(fd, R"("text":"done")"), HasSubstr("HTTP/1.1 200"));
+    close(fd);
+  }
+  ASSERT_TRUE(Eventually([&] { return admission.running() == 0; }));
+}
+
+// Slow clients (slowloris: a partial request head, never finished) hold no thread: /health
+// answers while they are connected, and the read timeout cuts them off.
+TEST_F(HttpServerTest, SlowClientsAreCutOffAndDoNotBlockHealth) {
+  HttpServerOptions options;
+  options.read_timeout = absl::Milliseconds(300);
+  options.io_threads = 1;
+  StartServer(options);
+  constexpr int kSlow = 64;
+  std::vector<int> slow;
+  for (int i = 0; i < kSlow; ++i) {
+    int fd = ConnectLoopback(port_, 10);
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(SendAll(fd, "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n"));
+    slow.push_back(fd);
+  }
+  HttpClient cli = Client();
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(cli.Get("/health").status, 200);
+  // Each slow connection is closed by the server: read returns 0 (EOF), not the 10 s timeout.
+  int closed = 0;
+  for (int fd : slow) {
+    char buf[256];
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n == 0) ++closed;
+    close(fd);
+  }
+  EXPECT_EQ(closed, kSlow);
+}
+
+// A client that stops reading a stream: the generating thread is held back (it does not run
+// ahead and buffer everything), and the write timeout then closes the connection and cancels
+// the request.
+TEST_F(HttpServerTest, StreamBackPressureAndWriteTimeout) {
+  constexpr int kEvents = 100000;
+  const std::string big(16 << 10, 'z');  // 16 KiB of text per event (about 1.6 GB in all)
+  std::atomic<int> sent{0};
+  std::atomic<bool> cancelled{false};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>& c,
+                       const GenerationCore::EventCallback& cb) {
+    for (int i = 0; i < kEvents; ++i) {
+      if (c() || !cb(Block(big))) {
+        cancelled = true;
+        return absl::CancelledError("client gone");
+      }
+      ++sent;
+    }
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  HttpServerOptions options;
+  options.max_pending_stream_bytes = 64 << 10;
+  options.write_timeout = absl::Milliseconds(500);
+  StartServer(options);
+  int fd = ConnectLoopback(port_, 10);
+  ASSERT_GE(fd, 0);
+  int rcvbuf = 16 << 10;
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));
+  ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", R"({"prompt": "x", "stream": true})")));
+  // Never read: the server's write stalls, the write timeout fires and cancels the request.
+  ASSERT_TRUE(Eventually([&] { return cancelled.load(); }));
+  // Bounded by the socket buffers plus max_pending_stream_bytes, far from all 100,000 events.
+  EXPECT_LT(sent.load(), 2000);
+  close(fd);
+  EXPECT_EQ(Client().Get("/health").status, 200);
+}
+
+// Generation requests refused before the core runs them (405, 401, 400, 413) are counted in the
+// core's request metrics (they used to be left out of dgserve_gateway_requests_total).
+TEST_F(HttpServerTest, RefusalsAreCountedByTheCore) {
+  core_.api_key = "sk-1";
+  HttpServerOptions options;
+  options.max_body_bytes = 1024;
+  StartServer(options);
+  HttpClient cli = Client();
+  const HttpHeaders auth = {{"Authorization", "Bearer sk-1"}};
+  EXPECT_EQ(cli.Get("/v1/completions", auth).status, 405);
+  EXPECT_EQ(cli.Post("/v1/completions", R"({"prompt": "x"})").status, 401);
+  EXPECT_EQ(cli.Post("/v1/chat/completions", "{bad", auth).status, 400);
+  EXPECT_EQ(
+      cli.Post("/v1/completions", R"({"prompt": ")" + std::string(2000, 'a') + "\"}", auth).status,
+      413);
+  // Not generation requests: not counted.
+  EXPECT_EQ(cli.Get("/health").status, 200);
+  EXPECT_EQ(cli.Get("/nothing", auth).status, 404);
+  EXPECT_EQ(core_.Refused(),
+            (std::vector<absl::StatusCode>{
+                absl::StatusCode::kInvalidArgument, absl::StatusCode::kUnauthenticated,
+                absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument}));
+}
+
+// Context-limit and token-range errors from the core name their field in `param` ("messages"
+// for a chat request) and carry OpenAI's code "context_length_exceeded" where it applies.
+TEST_F(HttpServerTest, CoreErrorsNameTheirField) {
+  core_.generate = [](const v1::GenerateRequest& req, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback&) {
+    if (req.max_tokens() == 1) {
+      return absl::InvalidArgumentError(
+          "max_tokens: the prompt (3 tokens) plus 2 canvases of 256 tokens for max_tokens=1 "
+          "exceed the context limit of 4096 positions");
+    }
+    if (req.max_tokens() == 2) {
+      return absl::InvalidArgumentError("prompt: token id 999 is outside [0, 512)");
+    }
+    return absl::InvalidArgumentError(
+        "prompt: 5000 tokens exceed the context limit of 4096 positions");
+  };
+  StartServer();
+  HttpClient cli = Client();
+  auto length = cli.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 1})");
+  ExpectErrorBody(length, 400, "invalid_request_error", "exceed the context limit");
+  EXPECT_EQ(json::parse(length.body)["error"]["param"], "max_tokens");
+  EXPECT_EQ(json::parse(length.body)["error"]["code"], "context_length_exceeded");
+  auto range = cli.Post("/v1/completions", R"({"prompt": [999], "max_tokens": 2})");
+  ExpectErrorBody(range, 400, "invalid_request_error", "outside [0, 512)");
+  EXPECT_EQ(json::parse(range.body)["error"]["param"], "prompt");
+  EXPECT_EQ(json::parse(range.body)["error"]["code"], "invalid_argument");
+  auto chat = cli.Post("/v1/chat/completions",
+                       R"({"messages": [{"role": "user", "content": "x"}], "stream": true})");
+  ExpectErrorBody(chat, 400, "invalid_request_error", "exceed the context limit");
+  EXPECT_EQ(json::parse(chat.body)["error"]["param"], "messages");
+  EXPECT_EQ(json::parse(chat.body)["error"]["code"], "context_length_exceeded");
+}
+
+}  // namespace
+}  // namespace dgserve
