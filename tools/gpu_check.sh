@@ -15,14 +15,16 @@
 #     BUILD_DIR carried from elsewhere with everything in it skips this. GPU_CHECK_BUILD_ONLY=1
 #     stops after it (a first call that builds, a second that checks).
 #  2. the `gpu` tests (`PASSED/FAILED/SKIPPED/CRASHED/TIMEOUT <binary> <test>`): each CUDA kernel
-#     against the CPU code it mirrors (cuda_ops, cuda_gemm, cuda_attention, cuda_vocab,
-#     cuda_backend_kernels), the whole CUDA backend against the CPU backend (cuda_backend), and
+#     against the CPU code it mirrors (cuda_ops, cuda_gemm, cuda_attention, cuda_vocab with the
+#     canvas-template masks, cuda_backend_kernels), the whole CUDA backend against the CPU
+#     backend (cuda_backend, masked steps included), and
 #     NCCL: with one GPU the 1-rank self-send test (kvstore_nccl_self_send_test; NCCL refuses two
 #     ranks of one communicator on one device).
 #  3. the cluster (`cluster:`): a gateway, a prefill and a denoise worker as three processes on the
 #     tiny-v512 test model; one seeded /v1/completions request on the CPU cluster (the reference),
-#     then on the GPU cluster (--device cuda on both workers) once per KV transport: cuda_ipc, tcp,
-#     and nccl across two GPUs where two exist. Same device, different transport: the text must
+#     then on the GPU cluster (--device cuda on both workers) once per KV transport (the prefill
+#     worker's --kv_transport; GPU_CHECK_TRANSPORTS, default "cuda_ipc auto tcp", the log line
+#     naming the transport it chose reported), and nccl across two GPUs where two exist. Same device, different transport: the text must
 #     be identical (the KV bytes are the same). GPU against CPU: reported MATCH or DIFFERS with the
 #     first differing character: the CUDA backend rounds activations to bf16 before its GEMMs and
 #     the CPU backend does not (engine/cuda/README.md), so on a random checkpoint near-tied
@@ -94,7 +96,8 @@ trap cleanup EXIT
 trap 'report "interrupted"; exit 130' INT TERM
 
 : > "$REPORT"
-report "dgserve gpu_check $(date -u +%FT%TZ), budget ${TOTAL_S}s, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')
+report "dgserve gpu_check $(date -u +%FT%TZ), budget ${TOTAL_S}s, commit $commit"
 
 # --- the machine ---------------------------------------------------------------------------------
 NGPU=0
@@ -102,7 +105,8 @@ GPU_NAME=""
 if timeout 20 nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1; then
   NGPU=$(timeout 10 nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
   GPU_NAME=$(timeout 10 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
-  report "nvidia-smi: $NGPU GPU(s): $GPU_NAME; $(grep -m1 -o 'Driver Version: [0-9.]*' "$LOGS/nvidia-smi.txt")"
+  driver=$(grep -m1 -o 'Driver Version: [0-9.]*' "$LOGS/nvidia-smi.txt")
+  report "nvidia-smi: $NGPU GPU(s): $GPU_NAME; $driver"
 else
   report "nvidia-smi: not available"
 fi
@@ -147,8 +151,15 @@ missing_of() {  # the binaries of "$@" not in BUILD_DIR, as target names
   for b in "$@"; do [ -x "$BUILD_DIR/$b" ] || basename "$b"; done
 }
 build_targets() {  # $1: what, $2: seconds, rest: target names
-  local what=$1 limit=$2
+  local what=$1 limit=$2 t known=() unknown=()
   shift 2
+  # Only targets this configuration has (kvstore_nccl_self_send_test needs NCCL; the cuda_*
+  # tests need nvcc): one unknown target would fail the whole build command.
+  for t in "$@"; do
+    if grep -q -E "(^|[ /.])$t(:| |$)" "$WORK/targets.txt"; then known+=("$t"); else unknown+=("$t"); fi
+  done
+  ((${#unknown[@]} > 0)) && fail "build: no target ${unknown[*]} in $BUILD_DIR (see configure.log)"
+  set -- "${known[@]}"
   [ $# -eq 0 ] && return 0
   local start=$SECONDS
   # shellcheck disable=SC2068
@@ -177,9 +188,11 @@ if [ -n "$need_tests$need_cluster$need_bench" ]; then
       || { fail "build: configure failed (see configure.log)"; configured=0; }
   fi
   if [ "$configured" = 1 ]; then
+    timeout 60 cmake --build "$BUILD_DIR" --target help > "$WORK/targets.txt" 2>&1
     [ "$DRY" = 1 ] && need_tests=""  # the dry run runs the gpu tests that exist, builds none
     # shellcheck disable=SC2086
-    build_targets "the gpu tests" "$(budget 300 $((RESERVE_TESTS + RESERVE_CLUSTER + RESERVE_BENCH)))" $need_tests
+    build_targets "the gpu tests" \
+      "$(budget 300 $((RESERVE_TESTS + RESERVE_CLUSTER + RESERVE_BENCH)))" $need_tests
     # shellcheck disable=SC2086
     build_targets "the cluster" "$(budget 240 $((RESERVE_TESTS + RESERVE_CLUSTER)))" $need_cluster
     # shellcheck disable=SC2086
@@ -235,7 +248,9 @@ for rel in $tests_to_run; do
   num_left=$((num_left - 1))
   run_gtest "$rel" "$(budget "$PER_TEST_S" $((num_left * 10 + RESERVE_CLUSTER + RESERVE_BENCH)))"
 done
-report "gpu tests: $(grep -c '^PASSED' "$REPORT") passed, $(grep -c '^FAILED' "$REPORT") failed, $(grep -c '^SKIPPED' "$REPORT") skipped, $(grep -c -E '^(CRASHED|TIMEOUT|MISSING)' "$REPORT") crashed/timed out/missing$TAG"
+count() { grep -c -E "$1" "$REPORT"; }
+report "gpu tests: $(count '^PASSED') passed, $(count '^FAILED') failed, $(count '^SKIPPED') skipped," \
+  "$(count '^(CRASHED|TIMEOUT|MISSING)') crashed/timed out/missing$TAG"
 
 # --- 3. the cluster ------------------------------------------------------------------------------
 # Waits (at most $4 s) for the ports file $1 of process $2 (log $3); prints its gRPC port.
@@ -339,14 +354,15 @@ cluster_step() {
   else
     fail "cluster: cpu/tcp reference: FAILED: $err"
   fi
-  local transports=${GPU_CHECK_TRANSPORTS:-cuda_ipc tcp}
+  local transports=${GPU_CHECK_TRANSPORTS:-cuda_ipc auto tcp}
   [ "$DRY" = 1 ] && transports=${GPU_CHECK_TRANSPORTS:-tcp}
   local tr name first=""
   for tr in $transports; do
     name="${DEVICE}_$tr"
     if ((SECONDS + 10 > step_end)); then fail "cluster: $name: SKIPPED, no time left"; continue; fi
     if err=$(run_cluster "$name" "$DEVICE" "$tr" "" "" "$(budget 60 $((DEADLINE - step_end)))" 2>&1); then
-      report "cluster: $name$TAG: PASS, text \"$(show "$name")\"; vs cpu: $(compare_texts cpu "$name"); $(transport_line "$name")"
+      report "cluster: $name$TAG: PASS, text \"$(show "$name")\";" \
+        "vs cpu: $(compare_texts cpu "$name"); $(transport_line "$name")"
       if [ -z "$first" ]; then
         first=$name
       else  # the same device, another transport: the KV bytes and so the text must be identical
@@ -361,7 +377,8 @@ cluster_step() {
     name=cuda_nccl_2gpu
     if err=$(run_cluster "$name" cuda nccl "CUDA_VISIBLE_DEVICES=0" "CUDA_VISIBLE_DEVICES=1" \
         "$(budget 60 $((DEADLINE - step_end)))" 2>&1); then
-      report "cluster: $name: PASS, text \"$(show "$name")\"; vs cpu: $(compare_texts cpu "$name"); $(transport_line "$name")"
+      report "cluster: $name: PASS, text \"$(show "$name")\";" \
+        "vs cpu: $(compare_texts cpu "$name"); $(transport_line "$name")"
       if [ -n "$first" ]; then
         compare_texts "$first" "$name" > /dev/null \
           || fail "cluster: $name: FAILED: text differs from $first (other transport)"
@@ -406,16 +423,19 @@ bench_step() {
     read -r c b s <<< "$r"
     i=$((i + 1))
     left=$(( (n - i) * 10 + 5))
-    if (($(time_left) < left + 5)); then fail "bench: context $c batch $b steps $s: SKIPPED, no time left"; continue; fi
+    if (($(time_left) < left + 5)); then
+      fail "bench: context $c batch $b steps $s: SKIPPED, no time left"
+      continue
+    fi
     local limit
     limit=$(budget 120 "$left")
     out="$LOGS/bench.log"
     echo "=== context $c batch $b steps $s (limit ${limit}s)" >> "$out"
     start=$SECONDS
     timeout "$limit" "$bin" --model "$model" --device "$DEVICE" --context "$c" --batch "$b" \
-      --steps "$s" --mem_bandwidth_gbs "$BW" > "$WORK/bench.one" 2>&1
+      --steps "$s" --mem_bandwidth_gbs "$BW" > "$WORK/bench.one" 2> "$WORK/bench.err"
     local status=$?
-    cat "$WORK/bench.one" >> "$out"
+    cat "$WORK/bench.one" "$WORK/bench.err" >> "$out"
     local line
     line=$(grep -m1 '^RESULT ' "$WORK/bench.one" | sed 's/^RESULT //')
     if [ "$status" = 0 ] && [ -n "$line" ]; then
@@ -423,7 +443,14 @@ bench_step() {
     elif [ "$status" = 124 ]; then
       fail "bench: context $c batch $b steps $s: TIMEOUT after ${limit}s"
     else
-      fail "bench: context $c batch $b steps $s: FAILED (exit $status): $(tail -n 1 "$WORK/bench.one")"
+      fail "bench: context $c batch $b steps $s: FAILED (exit $status after" \
+        "$((SECONDS - start))s): $(tail -n 2 "$WORK/bench.err" | cut -c1-300)"
+      # The backend cannot start at all (no device, a build without it): the other runs would
+      # only fail the same way.
+      if grep -q -- '--device cuda:' "$WORK/bench.err"; then
+        fail "bench: the remaining runs SKIPPED: --device $DEVICE cannot start"
+        break
+      fi
     fi
   done
   if [ "${GPU_CHECK_FULL_SHAPE:-0}" = 1 ]; then
@@ -433,12 +460,16 @@ bench_step() {
       start=$SECONDS
       timeout "$(budget 600 5)" "$bin" --config bench/configs/diffusiongemma-26b-a4b.json \
         --device "$DEVICE" --context 2048 --batch 1 --steps 16 --mem_bandwidth_gbs "$BW" \
-        > "$WORK/bench.one" 2>&1
+        > "$WORK/bench.one" 2> "$WORK/bench.err"
       local status=$?
-      cat "$WORK/bench.one" >> "$LOGS/bench.log"
+      cat "$WORK/bench.one" "$WORK/bench.err" >> "$LOGS/bench.log"
       line=$(grep -m1 '^RESULT ' "$WORK/bench.one" | sed 's/^RESULT //')
-      if [ "$status" = 0 ] && [ -n "$line" ]; then report "bench: full shape:$TAG $line"
-      else fail "bench: full 30-layer shape: FAILED (exit $status after $((SECONDS - start))s): $(tail -n 1 "$WORK/bench.one")"; fi
+      if [ "$status" = 0 ] && [ -n "$line" ]; then
+        report "bench: full shape:$TAG $line"
+      else
+        fail "bench: full 30-layer shape: FAILED (exit $status after $((SECONDS - start))s):" \
+          "$(tail -n 2 "$WORK/bench.err" | cut -c1-300)"
+      fi
     fi
   fi
   if [ -n "$smi_pid" ]; then
@@ -450,5 +481,6 @@ bench_step() {
 }
 bench_step
 
-report "gpu_check: done in ${SECONDS}s of ${TOTAL_S}s; $((FAILS + $(grep -c -E '^(FAILED|CRASHED|TIMEOUT)' "$REPORT"))) failures; exit $rc$TAG"
+report "gpu_check: done in ${SECONDS}s of ${TOTAL_S}s;" \
+  "$((FAILS + $(count '^(FAILED|CRASHED|TIMEOUT)'))) failures; exit $rc$TAG"
 exit $rc
