@@ -21,14 +21,16 @@
 #     NCCL: with one GPU the 1-rank self-send test (kvstore_nccl_self_send_test; NCCL refuses two
 #     ranks of one communicator on one device).
 #  3. the cluster (`cluster:`): a gateway, a prefill and a denoise worker as three processes on the
-#     tiny-v512 test model; one seeded /v1/completions request on the CPU cluster (the reference),
-#     then on the GPU cluster (--device cuda on both workers) once per KV transport (the prefill
-#     worker's --kv_transport; GPU_CHECK_TRANSPORTS, default "cuda_ipc auto tcp", the log line
-#     naming the transport it chose reported), and nccl across two GPUs where two exist. Same device, different transport: the text must
-#     be identical (the KV bytes are the same). GPU against CPU: reported MATCH or DIFFERS with the
-#     first differing character: the CUDA backend rounds activations to bf16 before its GEMMs and
-#     the CPU backend does not (engine/cuda/README.md), so on a random checkpoint near-tied
-#     logits can pick other tokens; a difference there is a finding to look at, not a failure.
+#     tiny-v512 test model; one /v1/completions request, seeded and nearly greedy (t_min 0.01,
+#     t_max 0.02), on the CPU cluster (the reference), then on the GPU cluster (--device cuda on
+#     both workers) once per KV transport (the prefill worker's --kv_transport;
+#     GPU_CHECK_TRANSPORTS, default "cuda_ipc auto tcp"; the log line naming the transport it
+#     chose is reported), and nccl across two GPUs where two exist. Same device, different
+#     transport: the text must be identical (the KV bytes are the same). GPU against CPU:
+#     reported MATCH or DIFFERS with the first differing byte: the CUDA backend rounds
+#     activations to bf16 before its GEMMs and the CPU backend does not (engine/cuda/README.md),
+#     so on a random checkpoint near-tied logits can pick other tokens; a difference there is a
+#     finding to look at, not a failure.
 #  4. the real-shape benchmarks (`bench:`): engine_bench on bench/configs/real-width-2-layers.json
 #     (the real widths, 2 layers), prefill 2k and 32k tokens × batch 1 and 16 × 16 and 48 steps
 #     per canvas: prefill time, step and canvas time, peak device memory (cudaMemGetInfo in
@@ -274,10 +276,16 @@ make_model() {
   timeout 60 "$BUILD_DIR/tools/dgserve-mkmodel" --out "$MODEL" --seed 512 --config "$src/config.json" \
     --tokenizer "$src/tokenizer.json" --generation_config "$WORK/gen.json" > "$LOGS/mkmodel.log" 2>&1
 }
-REQUEST='{"prompt": "The capital of France is", "max_tokens": 24, "seed": 11}'
+# Seeded and nearly greedy (the API has no greedy mode: temperature is the sampler's schedule,
+# here 0.02 → 0.01, so each position's sample is its argmax unless two logits are within a few
+# hundredths of each other).
+# Streamed with every denoising step's canvas (canvas_step_interval 1), so that the comparison
+# is of token ids at every step, not only of the decoded text.
+REQUEST='{"prompt": "The capital of France is", "max_tokens": 24, "seed": 11, "t_min": 0.01,
+  "t_max": 0.02, "stream": true, "canvas_step_interval": 1}'
 # Starts a cluster (name $1, device $2, kv transport $3, then env assignments for the prefill
-# and denoise workers in $4 and $5), sends REQUEST, writes the completion text to $WORK/$1.text,
-# stops the cluster. Bounded by $6 seconds. Returns non-zero (with a reason on stderr) on failure.
+# and denoise workers in $4 and $5), sends REQUEST, writes the token ids of every canvas step
+# (one line each) to $WORK/$1.text, stops the cluster. Bounded by $6 seconds. Returns non-zero (with a reason on stderr) on failure.
 run_cluster() {
   local name=$1 device=$2 transport=$3 penv=$4 denv=$5 limit=$6
   local end=$((SECONDS + limit)) dir=$WORK/$name mine=() dport pport http
@@ -316,29 +324,29 @@ run_cluster() {
     stop_pids "${mine[@]}"
     return 1
   fi
-  cp "$dir/response.json" "$LOGS/$name.response.json"
+  cp "$dir/response.json" "$LOGS/$name.response.sse"
   stop_pids "${mine[@]}"
-  # The completion text: choices[0].text (python3 where present, else a sed for a plain string).
-  if command -v python3 > /dev/null; then
-    python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["choices"][0]["text"], end="")' \
-      "$dir/response.json" > "$WORK/$name.text" 2> "$dir/parse.err" \
-      || { echo "no completion in the response: $(head -c 300 "$dir/response.json")" >&2; return 1; }
-  else
-    grep -o '"text":"[^"]*"' "$dir/response.json" | head -n 1 | sed -E 's/^"text":"(.*)"$/\1/' \
-      > "$WORK/$name.text"
-    [ -s "$WORK/$name.text" ] || { echo "no completion in the response" >&2; return 1; }
+  grep -o '"token_ids":\[[-0-9,]*\]' "$dir/response.json" > "$WORK/$name.text"
+  if [ ! -s "$WORK/$name.text" ] || ! grep -q '^data: \[DONE\]' "$dir/response.json"; then
+    echo "no canvas steps or no end of stream: $(head -c 300 "$dir/response.json")" >&2
+    return 1
   fi
   return 0
 }
-# "MATCH" or "DIFFERS at character N", texts of clusters $1 and $2.
+# "MATCH (N canvas steps)" or "DIFFERS from canvas step N on": the token ids of clusters $1, $2.
 compare_texts() {
-  if cmp -s "$WORK/$1.text" "$WORK/$2.text"; then echo "MATCH"; return 0; fi
+  if cmp -s "$WORK/$1.text" "$WORK/$2.text"; then
+    echo "MATCH ($(wc -l < "$WORK/$1.text") canvas steps)"
+    return 0
+  fi
   local n
-  n=$(cmp "$WORK/$1.text" "$WORK/$2.text" 2>/dev/null | sed -E 's/.*byte ([0-9]+).*/\1/')
-  echo "DIFFERS at byte ${n:-?}"
+  n=$(cmp "$WORK/$1.text" "$WORK/$2.text" 2>&1 | sed -n -E 's/.*line ([0-9]+).*/\1/p')
+  echo "DIFFERS from canvas step ${n:-? (one stream is a prefix of the other)} on" \
+    "($(wc -l < "$WORK/$1.text") and $(wc -l < "$WORK/$2.text") steps)"
   return 1
 }
-show() { head -c 80 "$WORK/$1.text" | tr '\n' ' ' | cat -v; }
+# The last canvas step's token ids (the end of the stream), shortened.
+show() { tail -n 1 "$WORK/$1.text" | cut -c1-90; }
 transport_line() {  # the prefill worker's log line naming its KV transport, if it logs one
   grep -m1 -i 'transport' "$LOGS/$1.prefill.log" | cut -c1-160
 }
@@ -350,7 +358,7 @@ cluster_step() {
   make_model || { fail "cluster: dgserve-mkmodel failed (see mkmodel.log)"; return; }
   local err
   if err=$(run_cluster cpu cpu tcp "" "" "$(budget 40 $((DEADLINE - step_end + 60)))" 2>&1); then
-    report "cluster: cpu/tcp reference: PASS, text \"$(show cpu)\""
+    report "cluster: cpu/tcp reference: PASS, last step $(show cpu)"
   else
     fail "cluster: cpu/tcp reference: FAILED: $err"
   fi
@@ -361,13 +369,14 @@ cluster_step() {
     name="${DEVICE}_$tr"
     if ((SECONDS + 10 > step_end)); then fail "cluster: $name: SKIPPED, no time left"; continue; fi
     if err=$(run_cluster "$name" "$DEVICE" "$tr" "" "" "$(budget 60 $((DEADLINE - step_end)))" 2>&1); then
-      report "cluster: $name$TAG: PASS, text \"$(show "$name")\";" \
+      report "cluster: $name$TAG: PASS, last step $(show "$name");" \
         "vs cpu: $(compare_texts cpu "$name"); $(transport_line "$name")"
       if [ -z "$first" ]; then
         first=$name
       else  # the same device, another transport: the KV bytes and so the text must be identical
         compare_texts "$first" "$name" > /dev/null \
-          || fail "cluster: $name$TAG: FAILED: text differs from $first (same device, other transport)"
+          || fail "cluster: $name$TAG: FAILED: tokens differ from $first (same device, other" \
+            "transport)"
       fi
     else
       fail "cluster: $name$TAG: FAILED: $err"
@@ -377,11 +386,11 @@ cluster_step() {
     name=cuda_nccl_2gpu
     if err=$(run_cluster "$name" cuda nccl "CUDA_VISIBLE_DEVICES=0" "CUDA_VISIBLE_DEVICES=1" \
         "$(budget 60 $((DEADLINE - step_end)))" 2>&1); then
-      report "cluster: $name: PASS, text \"$(show "$name")\";" \
+      report "cluster: $name: PASS, last step $(show "$name");" \
         "vs cpu: $(compare_texts cpu "$name"); $(transport_line "$name")"
       if [ -n "$first" ]; then
         compare_texts "$first" "$name" > /dev/null \
-          || fail "cluster: $name: FAILED: text differs from $first (other transport)"
+          || fail "cluster: $name: FAILED: tokens differ from $first (other transport)"
       fi
     else
       fail "cluster: $name: FAILED: $err"
