@@ -355,6 +355,7 @@ cluster_step() {
   local step_end=$((DEADLINE - RESERVE_BENCH))
   # shellcheck disable=SC2086
   if [ -n "$(missing_of $CLUSTER_BINS)" ]; then fail "cluster: binaries missing in $BUILD_DIR"; return; fi
+  command -v curl > /dev/null || { fail "cluster: SKIPPED, curl not found"; return; }
   make_model || { fail "cluster: dgserve-mkmodel failed (see mkmodel.log)"; return; }
   local err
   if err=$(run_cluster cpu cpu tcp "" "" "$(budget 40 $((DEADLINE - step_end + 60)))" 2>&1); then
