@@ -10,13 +10,13 @@
 // With --config_json (or --config FILE) the checkpoint is generated with the dgserve-mkmodel
 // generator into a temporary directory first; --layers keeps only the first N layers (a slice).
 // --batch B denoises B canvases per step, each with its own copy of the encoded prompt's KV
-// cache (one prefill, in --prefill_chunk token passes, is timed). The last line, "RESULT key=value ...", is for scripts
-// (tools/gpu_check.sh); it includes the share of the bf16 bound: the bf16 weight bytes one step
-// reads (every matrix once, the embedding twice: LM head and self-conditioning product; all
-// experts, which holds once canvas · top-k ≥ experts) ÷ the step's wall time ÷ the memory
-// bandwidth given by --mem_bandwidth_gbs (0: not computed). With --device cuda the device
-// memory in use (cudaMemGetInfo: total − free, the most seen after prefill and after each step)
-// is reported as well.
+// cache (one prefill, in --prefill_chunk token passes, is timed). The last line, "RESULT
+// key=value ...", is for scripts (tools/gpu_check.sh). It includes the share of the bf16 bound:
+// the bf16 weight bytes one step reads (every matrix once, the embedding twice: LM head and
+// self-conditioning product; all experts, which holds once canvas · top-k ≥ experts) ÷ the
+// step's wall time ÷ the memory bandwidth given by --mem_bandwidth_gbs (0: not computed). With
+// --device cuda the device memory in use (cudaMemGetInfo: total − free, the most seen after
+// prefill and after each step) is reported as well.
 #include <omp.h>
 
 #include <algorithm>
