@@ -1,17 +1,29 @@
-// engine_bench: time per denoise step and canvas positions per second of the CPU engine at
-// fixed work (a fixed number of steps, no early stop), split into the transformer body and the
-// vocabulary-sized work (LM head, self-conditioning product, softmax/entropy/sampling).
+// engine_bench: time per denoise step and canvas positions per second of the engine at fixed
+// work (a fixed number of steps, no early stop), split into the transformer body and the
+// vocabulary-sized work (LM head, self-conditioning product, softmax/entropy/sampling), and the
+// time of the prompt's encoder pass (prefill).
 //
-//   engine_bench --model DIR [--canvas N] [--steps N] [--context P]
+//   engine_bench --model DIR [--device cpu|cuda] [--canvas N] [--steps N] [--context P]
+//                [--batch B] [--mem_bandwidth_gbs GB/s]
 //   engine_bench --config_json '{...config.json...}' [--layers N] [--canvas N] ...
 //
 // With --config_json (or --config FILE) the checkpoint is generated with the dgserve-mkmodel
 // generator into a temporary directory first; --layers keeps only the first N layers (a slice).
+// --batch B denoises B canvases per step, each with its own copy of the encoded prompt's KV
+// cache (one prefill, in --prefill_chunk token passes, is timed). The last line, "RESULT
+// key=value ...", is for scripts (tools/gpu_check.sh). It includes the share of the bf16 bound:
+// the bf16 weight bytes one step reads (every matrix once, the embedding twice: LM head and
+// self-conditioning product; all experts, which holds once canvas · top-k ≥ experts) ÷ the
+// step's wall time ÷ the memory bandwidth given by --mem_bandwidth_gbs (0: not computed). With
+// --device cuda the device memory in use (cudaMemGetInfo: total − free, the most seen after
+// prefill and after each step) is reported as well.
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,9 +35,13 @@
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
+#include "engine/model/backend_select.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/model/tensor_names.h"
+#ifdef DGSERVE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory");
 ABSL_FLAG(std::string, config, "", "config.json to generate a random checkpoint from");
@@ -35,6 +51,12 @@ ABSL_FLAG(uint64_t, seed, 3, "generator seed");
 ABSL_FLAG(int, canvas, 0, "canvas length (default: the checkpoint's canvas_length)");
 ABSL_FLAG(int, steps, 8, "denoising steps to time (after one warm-up step)");
 ABSL_FLAG(int, context, 64, "prompt tokens encoded before the canvas");
+ABSL_FLAG(std::string, device, "cpu", "backend: cpu or cuda (cuda: built with the CUDA backend)");
+ABSL_FLAG(int, prefill_chunk, 512,
+          "prompt tokens per encoder pass (the workers' kPrefillChunkTokens is 512)");
+ABSL_FLAG(int, batch, 1, "canvases denoised together per step, each with its own KV cache copy");
+ABSL_FLAG(double, mem_bandwidth_gbs, 0,
+          "device memory bandwidth in GB/s for the share of the bf16 bound (0: not reported)");
 
 namespace dgserve {
 namespace {
@@ -63,6 +85,27 @@ double BodyFlops(const ModelConfig& c, int rows, int ctx) {
   return f;
 }
 
+// Bytes of bf16 weights one denoising step reads: every matrix (rank ≥ 2) once, plus the
+// embedding a second time (LM head and self-conditioning product both read it).
+double Bf16BytesPerStep(const ModelConfig& c) {
+  double bytes = 0;
+  for (const TensorSpec& spec : ExpectedTensors(c)) {
+    if (spec.shape.size() >= 2) bytes += 2.0 * double(spec.numel());
+  }
+  return bytes + 2.0 * double(c.vocab_size) * c.hidden_size;
+}
+
+// Device memory in use (total − free) in bytes; 0 on the CPU or when it cannot be read.
+double DeviceMemoryUsedBytes() {
+#ifdef DGSERVE_HAVE_CUDA
+  if (absl::GetFlag(FLAGS_device) == "cuda") {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) return double(total_b - free_b);
+  }
+#endif
+  return 0;
+}
+
 int Run() {
   std::string dir = absl::GetFlag(FLAGS_model);
   if (!dir.empty() && absl::GetFlag(FLAGS_layers) != 0) {
@@ -72,6 +115,11 @@ int Run() {
   if (absl::GetFlag(FLAGS_canvas) < 0 || absl::GetFlag(FLAGS_steps) < 1 ||
       absl::GetFlag(FLAGS_context) < 1) {
     std::fprintf(stderr, "--canvas must be ≥ 0 (0: the checkpoint's), --steps and --context ≥ 1\n");
+    return 2;
+  }
+  const int B = absl::GetFlag(FLAGS_batch);
+  if (B < 1 || B > 256) {
+    std::fprintf(stderr, "--batch must be in [1, 256], got %d\n", B);
     return 2;
   }
   std::filesystem::path tmp;
@@ -155,56 +203,108 @@ int Run() {
     return 2;
   }
   const int V = c.vocab_size, D = c.hidden_size;
-  auto backend = CreateCpuBackend(c, ckpt->weights);
-
-  ContiguousKvCache kv(c, P);
-  std::vector<int32_t> prompt(P), canvas(C);
-  for (int i = 0; i < P; ++i) prompt[i] = (i * 7919 + 13) % V;
-  for (int i = 0; i < C; ++i) canvas[i] = (i * 104729 + 5) % V;
-  EncodeInput enc{prompt, &kv};
-  if (absl::Status st = backend->Encode({&enc, 1}); !st.ok()) {
-    std::fprintf(stderr, "%s\n", st.ToString().c_str());
+  const std::string device = absl::GetFlag(FLAGS_device);
+  auto created = CreateBackendForDevice(device, c, ckpt->weights);
+  if (!created.ok()) {
+    std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
     return 1;
   }
-  std::vector<float> soft(size_t(C) * D), next_soft(size_t(C) * D);
-  std::vector<float> uniforms(C);
-  std::vector<RowResult> rows(C);
-  double body = 0, vocab = 0;
-  for (int s = 0; s <= steps; ++s) {  // step 0 is a warm-up, not timed
-    for (int i = 0; i < C; ++i) uniforms[i] = float((i * 37 + s * 11) % 1000) / 1000.0f;
-    DenoiseStepInput in;
-    in.canvas = canvas;
-    in.sc_soft = s > 0 ? soft.data() : nullptr;
-    in.kv = &kv;
-    in.temperature = 0.8f - 0.4f * float(s) / float(steps + 1);
-    in.uniforms = uniforms;
-    in.rows = rows.data();
-    in.next_soft = next_soft.data();
-    if (absl::Status st = backend->DenoiseStep({&in, 1}); !st.ok()) {
+  std::unique_ptr<ModelBackend> backend = *std::move(created);
+  double device_peak = DeviceMemoryUsedBytes();
+
+  std::vector<ContiguousKvCache> kvs;
+  kvs.reserve(B);
+  kvs.emplace_back(c, P);
+  std::vector<int32_t> prompt(P);
+  for (int i = 0; i < P; ++i) prompt[i] = (i * 7919 + 13) % V;
+  const int chunk = std::max(1, absl::GetFlag(FLAGS_prefill_chunk));
+  auto t_enc = Clock::now();
+  for (int at = 0; at < P; at += chunk) {  // in chunks, as the prefill worker encodes
+    EncodeInput enc{std::span<const int32_t>(prompt).subspan(at, std::min(chunk, P - at)),
+                    &kvs[0]};
+    if (absl::Status st = backend->Encode({&enc, 1}); !st.ok()) {
       std::fprintf(stderr, "%s\n", st.ToString().c_str());
       return 1;
     }
-    std::swap(soft, next_soft);
-    for (int i = 0; i < C; ++i) canvas[i] = rows[i].sampled;  // keep the canvas moving
+  }
+  const double prefill_s = Since(t_enc);
+  for (int b = 1; b < B; ++b) kvs.push_back(kvs[0]);  // the same prompt, a cache per canvas
+  device_peak = std::max(device_peak, DeviceMemoryUsedBytes());
+
+  std::vector<std::vector<int32_t>> canvas(B, std::vector<int32_t>(C));
+  for (int b = 0; b < B; ++b) {
+    for (int i = 0; i < C; ++i) canvas[b][i] = (i * 104729 + 5 + b * 31) % V;
+  }
+  std::vector<std::vector<float>> soft(B, std::vector<float>(size_t(C) * D));
+  std::vector<std::vector<float>> next_soft(B, std::vector<float>(size_t(C) * D));
+  std::vector<std::vector<float>> uniforms(B, std::vector<float>(C));
+  std::vector<std::vector<RowResult>> rows(B, std::vector<RowResult>(C));
+  double body = 0, vocab = 0, wall = 0;
+  for (int s = 0; s <= steps; ++s) {  // step 0 is a warm-up, not timed
+    std::vector<DenoiseStepInput> in(B);
+    for (int b = 0; b < B; ++b) {
+      for (int i = 0; i < C; ++i) {
+        uniforms[b][i] = float((i * 37 + s * 11 + b * 7) % 1000) / 1000.0f;
+      }
+      in[b].canvas = canvas[b];
+      in[b].sc_soft = s > 0 ? soft[b].data() : nullptr;
+      in[b].kv = &kvs[b];
+      in[b].temperature = 0.8f - 0.4f * float(s) / float(steps + 1);
+      in[b].uniforms = uniforms[b];
+      in[b].rows = rows[b].data();
+      in[b].next_soft = next_soft[b].data();
+    }
+    auto t_step = Clock::now();
+    if (absl::Status st = backend->DenoiseStep(in); !st.ok()) {
+      std::fprintf(stderr, "%s\n", st.ToString().c_str());
+      return 1;
+    }
+    const double step_wall = Since(t_step);  // rows are on the host: the step has finished
+    device_peak = std::max(device_peak, DeviceMemoryUsedBytes());
+    for (int b = 0; b < B; ++b) {
+      std::swap(soft[b], next_soft[b]);
+      for (int i = 0; i < C; ++i) canvas[b][i] = rows[b][i].sampled;  // keep the canvas moving
+    }
     if (s == 0) continue;
+    wall += step_wall;
     body += backend->last_decode_timings().body_seconds;
     vocab += backend->last_decode_timings().lm_head_seconds;
   }
-  const double per_step = (body + vocab) / steps;
-  const double body_flops = BodyFlops(c, C, P) * steps;
-  const double vocab_flops = 2 * 2.0 * C * double(V) * D * steps;  // LM head + SC product
+  const double per_step = wall / steps;
+  const double body_flops = BodyFlops(c, C, P) * steps * B;
+  const double vocab_flops = 2 * 2.0 * C * double(V) * D * steps * B;  // LM head + SC product
+  const double bf16_bytes = Bf16BytesPerStep(c);
+  const double bw = absl::GetFlag(FLAGS_mem_bandwidth_gbs) * 1e9;
+  const double bound_share = bw > 0 ? bf16_bytes / per_step / bw : 0;
   std::printf(
-      "shape: vocab %d hidden %d layers %d experts %d top-k %d | canvas %d | context %d | %d "
-      "steps | %d threads\n",
-      V, D, c.num_layers, c.num_experts, c.top_k_experts, C, P, steps, omp_get_max_threads());
-  std::printf("time per denoise step      %10.2f ms\n", 1e3 * per_step);
-  std::printf("canvas positions per s     %10.0f\n", C / per_step);
+      "shape: vocab %d hidden %d layers %d experts %d top-k %d | canvas %d × batch %d | context "
+      "%d | %d steps | device %s | %d threads\n",
+      V, D, c.num_layers, c.num_experts, c.top_k_experts, C, B, P, steps, device.c_str(),
+      omp_get_max_threads());
+  std::printf("prefill (encoder pass)     %10.2f ms  %10.0f tokens/s\n", 1e3 * prefill_s,
+              P / prefill_s);
+  std::printf("time per denoise step      %10.2f ms (wall, all %d canvases)\n", 1e3 * per_step, B);
+  std::printf("time per canvas of %3d st. %10.2f ms\n", steps, 1e3 * per_step * steps);
+  std::printf("canvas positions per s     %10.0f\n", double(C) * B / per_step);
   std::printf("  body (layers, SC MLP)    %10.2f ms/step  %8.1f GFLOP/s\n", 1e3 * body / steps,
-              body_flops / body / 1e9);
+              body > 0 ? body_flops / body / 1e9 : 0.0);
   std::printf(
       "  vocabulary-sized work    %10.2f ms/step  %8.1f GFLOP/s (LM head + SC GEMMs,\n"
       "                           fused with softcap/softmax/entropy/sampling)\n",
-      1e3 * vocab / steps, vocab_flops / vocab / 1e9);
+      1e3 * vocab / steps, vocab > 0 ? vocab_flops / vocab / 1e9 : 0.0);
+  std::printf("bf16 weights read per step %10.3f GB", bf16_bytes / 1e9);
+  if (bw > 0) {
+    std::printf(" → %.1f %% of the bf16 bound at %.0f GB/s", 100 * bound_share, bw / 1e9);
+  }
+  std::printf("\n");
+  const auto peak_rss = PeakResidentBytes();
+  std::printf(
+      "RESULT device=%s layers=%d canvas=%d batch=%d context=%d steps=%d prefill_ms=%.2f "
+      "step_ms=%.3f canvas_ms=%.2f positions_per_s=%.0f bf16_gb_per_step=%.3f "
+      "bf16_bound_share=%.4f device_mem_gb=%.2f peak_rss_gb=%.2f\n",
+      device.c_str(), c.num_layers, C, B, P, steps, 1e3 * prefill_s, 1e3 * per_step,
+      1e3 * per_step * steps, double(C) * B / per_step, bf16_bytes / 1e9, bound_share,
+      device_peak / 1e9, peak_rss ? double(*peak_rss) / 1e9 : 0.0);
   return 0;
 }
 
@@ -214,7 +314,8 @@ int Run() {
 int main(int argc, char** argv) {
   dgserve::InitCommandLine(
       "engine_bench (--model DIR | --config FILE | --config_json TEXT) [--layers N] "
-      "[--canvas N] [--steps N] [--context N] [--seed N]",
+      "[--device cpu|cuda] [--canvas N] [--steps N] [--context N] [--batch N] [--seed N] "
+      "[--mem_bandwidth_gbs GB/s]",
       "bench/engine_bench.cc");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {

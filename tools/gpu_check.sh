@@ -1,28 +1,70 @@
 #!/usr/bin/env bash
-# The prepared device check of issue #5, for a machine with an NVIDIA GPU: builds the CUDA
-# kernels and their `gpu` tests (unless BUILD_DIR already holds all test binaries, e.g. carried
-# from a machine with the packages), runs every `gpu` test binary (each CUDA kernel against the
-# CPU code it mirrors) and writes a short report to $OUT (default gpu_check_out/): one
-# PASSED / FAILED / SKIPPED line per test, plus CRASHED / TIMEOUT lines for a binary that died.
-# Bounded: every step has a timeout taken from one overall deadline; the whole check stays under
-# 8 minutes.
+# The prepared device check (issues #5 and #14) for a machine with an NVIDIA GPU, in one bounded
+# run (default 470 s, GPU_CHECK_SECONDS) that writes its report to $OUT (default gpu_check_out/):
+# report.txt, one line per result, plus the logs of each step. Every step has a timeout taken
+# from one overall deadline; a failed or timed-out step is reported and the next one runs; it
+# kills only the processes it started (by PID). Exit status 0 only when every step that ran
+# passed.
 #
-# Kernels (engine/cuda): RMSNorm, softcap, gated GELU, RoPE (cuda_ops), the bf16 cuBLAS
-# projections (cuda_gemm), flash-style prefill/canvas attention (cuda_attention), the fused
-# vocabulary step of the sampler (cuda_vocab), the backend's small kernels (embedding gather,
-# residual ops, MoE gather/combine, self-conditioning probabilities: cuda_backend_kernels), and
-# the whole CUDA ModelBackend against the CPU backend on a tiny random checkpoint
-# (cuda_backend). The cluster on one GPU over CUDA IPC and
-# the benchmarks of issue #5 are not written.
+#   OUT=/some/dir bash tools/gpu_check.sh              # on the GPU machine
+#   GPU_CHECK_DRY_RUN=1 OUT=/tmp/x bash tools/gpu_check.sh   # anywhere: the CPU-runnable parts
+#
+# Steps (report.txt prefixes):
+#  1. build (`build:`): configures BUILD_DIR (default build-gpu) with -DDGSERVE_CUDA_BACKEND=ON and
+#     builds what is missing: the `gpu` tests first, then the cluster, then engine_bench. A
+#     BUILD_DIR carried from elsewhere with everything in it skips this. GPU_CHECK_BUILD_ONLY=1
+#     stops after it (a first call that builds, a second that checks).
+#  2. the `gpu` tests (`PASSED/FAILED/SKIPPED/CRASHED/TIMEOUT <binary> <test>`): each CUDA kernel
+#     against the CPU code it mirrors (cuda_ops, cuda_gemm, cuda_attention, cuda_vocab with the
+#     canvas-template masks, cuda_backend_kernels), the whole CUDA backend against the CPU
+#     backend (cuda_backend, masked steps included), and
+#     NCCL: with one GPU the 1-rank self-send test (kvstore_nccl_self_send_test; NCCL refuses two
+#     ranks of one communicator on one device).
+#  3. the cluster (`cluster:`): a gateway, a prefill and a denoise worker as three processes on the
+#     tiny-v512 test model; one /v1/completions request, seeded and nearly greedy (t_min 0.01,
+#     t_max 0.02), on the CPU cluster (the reference), then on the GPU cluster (--device cuda on
+#     both workers) once per KV transport (the prefill worker's --kv_transport;
+#     GPU_CHECK_TRANSPORTS, default "cuda_ipc auto tcp"; the log line naming the transport it
+#     chose is reported), and nccl across two GPUs where two exist. Same device, different
+#     transport: the text must be identical (the KV bytes are the same). GPU against CPU:
+#     reported MATCH or DIFFERS with the first differing byte: the CUDA backend rounds
+#     activations to bf16 before its GEMMs and the CPU backend does not (engine/cuda/README.md),
+#     so on a random checkpoint near-tied logits can pick other tokens; a difference there is a
+#     finding to look at, not a failure.
+#  4. the real-shape benchmarks (`bench:`): engine_bench on bench/configs/real-width-2-layers.json
+#     (the real widths, 2 layers), prefill 2k and 32k tokens × batch 1 and 16 × 16 and 48 steps
+#     per canvas: prefill time, step and canvas time, peak device memory (cudaMemGetInfo in
+#     engine_bench and nvidia-smi sampled every 250 ms: gpu_memory.csv), and the share of the
+#     bf16 bound (bf16 weight bytes per step ÷ step time ÷ memory bandwidth: 4800 GB/s on an
+#     H200, 3350 on an H100 SXM, else GPU_MEM_BW_GBS). GPU_CHECK_FULL_SHAPE=1 adds one run of the
+#     full 30-layer shape (bench/configs/diffusiongemma-26b-a4b.json: about 52 GB of random
+#     weights generated, so only when the time and disk allow; off by default).
+#
+# Without a GPU (none found, or GPU_CHECK_DRY_RUN=1) the same steps run on the CPU where they can,
+# each line marked "(dry run, cpu)": no build unless binaries are missing (BUILD_DIR defaults to
+# build), the `gpu` tests that exist (they skip), the cluster with --device cpu over tcp, and the
+# benchmarks on the tiny-v512 shape with small contexts. It checks the script, not the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_check_out}
-BUILD_DIR=${BUILD_DIR:-build-gpu}
-TESTS="cuda_ops_test cuda_gemm_test cuda_attention_test cuda_vocab_test cuda_backend_kernels_test
-  cuda_backend_test"
-NUM_TESTS=$(echo $TESTS | wc -w)
-PER_TEST_S=${PER_TEST_S:-45}          # per test binary (each needs a few seconds on an H100)
-DEADLINE=$((SECONDS + 470))           # 7 min 50 s for everything
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+REPORT=$OUT/report.txt
+# The logs of every step; packed into $OUT/logs.tar.gz at the end (the device tool brings back
+# at most 8 files from $OUT).
+LOGS=$OUT/logs
+rm -rf "$LOGS" "$OUT/logs.tar.gz"
+mkdir -p "$LOGS"
+TOTAL_S=${GPU_CHECK_SECONDS:-470}
+DEADLINE=$((SECONDS + TOTAL_S))
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/dgserve_gpu_check.XXXXXX")
+PID_FILE=$WORK/pids  # every background process this script started (subshells append too)
+: > "$PID_FILE"
+rc=0
+
+report() { printf '%s\n' "$(printf '%s' "$*" | tr '\n' ' ')" | tee -a "$REPORT"; }  # one line each
+FAILS=0
+fail() { report "$*"; rc=1; FAILS=$((FAILS + 1)); }
 # Seconds a step may take: at most $1, leaving $2 for the steps after it (never below 1).
 budget() {
   local want=$1 left=$((DEADLINE - SECONDS - $2))
@@ -30,44 +72,156 @@ budget() {
   ((want < 1)) && want=1
   echo "$want"
 }
-mkdir -p "$OUT"
-report() { echo "$*" | tee -a "$OUT/report.txt"; }
-: > "$OUT/report.txt"
-report "dgserve gpu_check $(date -u +%FT%TZ)"
-timeout 20 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 && report "nvidia-smi: $(head -n 12 "$OUT/nvidia-smi.txt" | grep -m1 -E 'NVIDIA|Driver' || true)" \
-  || report "nvidia-smi: not available"
+time_left() { echo $((DEADLINE - SECONDS)); }
+# Ends the given PIDs (ours only): TERM, up to 5 s, then KILL.
+stop_pids() {
+  local p alive
+  for p in "$@"; do kill -TERM "$p" 2>/dev/null; done
+  for _ in $(seq 1 50); do
+    alive=0
+    for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    ((alive == 0)) && break
+    sleep 0.1
+  done
+  for p in "$@"; do kill -KILL "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+  return 0
+}
+# shellcheck disable=SC2317  # called by the EXIT trap
+cleanup() {
+  local all
+  mapfile -t all < "$PID_FILE"
+  ((${#all[@]} > 0)) && stop_pids "${all[@]}"
+  rm -rf "$WORK"
+  tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"
+}
+trap cleanup EXIT
+trap 'report "interrupted"; exit 130' INT TERM
 
-reserve=$((PER_TEST_S * NUM_TESTS))
-missing=0
-for t in $TESTS; do [ -x "$BUILD_DIR/engine/cuda/$t" ] || missing=1; done
-if [ "$missing" = 1 ]; then
-  report "building the CUDA kernels and gpu tests into $BUILD_DIR"
-  if [ ! -f "$BUILD_DIR/build.ninja" ] && [ ! -f "$BUILD_DIR/Makefile" ]; then
-    timeout "$(budget 120 $((reserve + 120)))" cmake -S . -B "$BUILD_DIR" -G Ninja \
-      -DCMAKE_BUILD_TYPE=Release -DDGSERVE_BUILD_BENCH=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
-      -DDGSERVE_CUDA_BACKEND=ON \
-      > "$OUT/configure.log" 2>&1 || { report "configure failed (see configure.log)"; exit 1; }
-  fi
-  # shellcheck disable=SC2086
-  timeout "$(budget 330 "$reserve")" cmake --build "$BUILD_DIR" -j"$(nproc)" --target $TESTS \
-    > "$OUT/build.log" 2>&1 || { report "build failed or timed out (see build.log)"; exit 1; }
-  report "build: $(grep -c -i 'warning' "$OUT/build.log") warning lines (see build.log)"
+: > "$REPORT"
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')
+report "dgserve gpu_check $(date -u +%FT%TZ), budget ${TOTAL_S}s, commit $commit"
+
+# --- the machine ---------------------------------------------------------------------------------
+NGPU=0
+GPU_NAME=""
+if timeout 20 nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1; then
+  NGPU=$(timeout 10 nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+  GPU_NAME=$(timeout 10 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  driver=$(grep -m1 -o 'Driver Version: [0-9.]*' "$LOGS/nvidia-smi.txt")
+  report "nvidia-smi: $NGPU GPU(s): $GPU_NAME; $driver"
+else
+  report "nvidia-smi: not available"
 fi
-ldd "$BUILD_DIR/engine/cuda/cuda_ops_test" | grep "not found" > "$OUT/missing_libraries.txt" \
-  && report "missing shared libraries: $(tr '\n' ' ' < "$OUT/missing_libraries.txt")"
+DRY=${GPU_CHECK_DRY_RUN:-0}
+if [ "$NGPU" -lt 1 ] && [ "$DRY" != 1 ]; then
+  report "no GPU found: running as a dry run on the CPU"
+  DRY=1
+fi
+if [ "$DRY" = 1 ]; then
+  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}  # a shared CPU machine: no spinning threads
+  DEVICE=cpu
+  TAG=" (dry run, cpu)"
+  BUILD_DIR=${BUILD_DIR:-build}
+else
+  DEVICE=cuda
+  TAG=""
+  BUILD_DIR=${BUILD_DIR:-build-gpu}
+fi
+case "$GPU_NAME" in
+  *H200*) DEFAULT_BW=4800 ;;
+  *H100*NVL*) DEFAULT_BW=3900 ;;
+  *H100*) DEFAULT_BW=3350 ;;
+  *) DEFAULT_BW=0 ;;
+esac
+BW=${GPU_MEM_BW_GBS:-$DEFAULT_BW}
 
-rc=0
-left_tests=$NUM_TESTS
-for t in $TESTS; do
-  left_tests=$((left_tests - 1))
-  log="$OUT/$t.log"
-  bin="$BUILD_DIR/engine/cuda/$t"
-  if [ ! -x "$bin" ]; then
-    report "MISSING $t"
-    rc=1
-    continue
+GPU_TESTS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
+  engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
+  kvstore/kvstore_nccl_self_send_test"
+CLUSTER_BINS="gateway/dgserve-gateway prefill_worker/dgserve-prefill-worker
+  denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel"
+BENCH_BINS="bench/engine_bench"
+PER_TEST_S=${PER_TEST_S:-45}
+# Time kept for the later steps while an earlier one runs.
+RESERVE_TESTS=120
+RESERVE_CLUSTER=90
+RESERVE_BENCH=120
+
+# --- 1. build ------------------------------------------------------------------------------------
+missing_of() {  # the binaries of "$@" not in BUILD_DIR, as target names
+  local b
+  for b in "$@"; do [ -x "$BUILD_DIR/$b" ] || basename "$b"; done
+}
+build_targets() {  # $1: what, $2: seconds, rest: target names
+  local what=$1 limit=$2 t known=() unknown=()
+  shift 2
+  # Only targets this configuration has (kvstore_nccl_self_send_test needs NCCL; the cuda_*
+  # tests need nvcc): one unknown target would fail the whole build command.
+  for t in "$@"; do
+    if grep -q -E "(^|[ /.])$t(:| |$)" "$WORK/targets.txt"; then known+=("$t"); else unknown+=("$t"); fi
+  done
+  ((${#unknown[@]} > 0)) && fail "build: no target ${unknown[*]} in $BUILD_DIR (see configure.log)"
+  set -- "${known[@]}"
+  [ $# -eq 0 ] && return 0
+  local start=$SECONDS
+  # shellcheck disable=SC2068
+  if timeout "$limit" cmake --build "$BUILD_DIR" -j"$(nproc)" --target $@ >> "$LOGS/build.log" 2>&1; then
+    report "build: $what built in $((SECONDS - start))s"
+  else
+    fail "build: $what failed or timed out after $((SECONDS - start))s (see build.log)"
   fi
-  limit=$(budget "$PER_TEST_S" $((left_tests * 10)))
+}
+# shellcheck disable=SC2086
+need_tests=$(missing_of $GPU_TESTS | tr '\n' ' ')
+# shellcheck disable=SC2086
+need_cluster=$(missing_of $CLUSTER_BINS | tr '\n' ' ')
+# shellcheck disable=SC2086
+need_bench=$(missing_of $BENCH_BINS | tr '\n' ' ')
+: > "$LOGS/build.log"
+if [ -n "$need_tests$need_cluster$need_bench" ]; then
+  configured=1
+  if [ ! -f "$BUILD_DIR/build.ninja" ] && [ ! -f "$BUILD_DIR/Makefile" ]; then
+    cuda_flags=()
+    [ "$DRY" = 1 ] || cuda_flags=(-DCMAKE_CUDA_ARCHITECTURES=90 -DDGSERVE_CUDA_BACKEND=ON)
+    gen=()
+    command -v ninja > /dev/null && gen=(-G Ninja)
+    timeout "$(budget 120 300)" cmake -S . -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+      "${cuda_flags[@]}" > "$LOGS/configure.log" 2>&1 \
+      || { fail "build: configure failed (see configure.log)"; configured=0; }
+  fi
+  if [ "$configured" = 1 ]; then
+    timeout 60 cmake --build "$BUILD_DIR" --target help > "$WORK/targets.txt" 2>&1
+    [ "$DRY" = 1 ] && need_tests=""  # the dry run runs the gpu tests that exist, builds none
+    # shellcheck disable=SC2086
+    build_targets "the gpu tests" \
+      "$(budget 300 $((RESERVE_TESTS + RESERVE_CLUSTER + RESERVE_BENCH)))" $need_tests
+    # shellcheck disable=SC2086
+    build_targets "the cluster" "$(budget 240 $((RESERVE_TESTS + RESERVE_CLUSTER)))" $need_cluster
+    # shellcheck disable=SC2086
+    build_targets "engine_bench" "$(budget 120 $((RESERVE_TESTS + RESERVE_CLUSTER)))" $need_bench
+  fi
+  report "build: $(grep -c -i 'warning' "$LOGS/build.log") warning lines (see build.log)"
+else
+  report "build: all binaries present in $BUILD_DIR"
+fi
+if [ "${GPU_CHECK_BUILD_ONLY:-0}" = 1 ]; then
+  report "GPU_CHECK_BUILD_ONLY: stopping after the build; exit $rc"
+  exit $rc
+fi
+if [ -x "$BUILD_DIR/engine/cuda/cuda_ops_test" ]; then
+  ldd "$BUILD_DIR/engine/cuda/cuda_ops_test" | grep "not found" > "$LOGS/missing_libraries.txt" \
+    && report "missing shared libraries: $(tr '\n' ' ' < "$LOGS/missing_libraries.txt")"
+fi
+
+# --- 2. the gpu tests ----------------------------------------------------------------------------
+run_gtest() {  # $1: binary path relative to BUILD_DIR, $2: seconds
+  local rel=$1 limit=$2 t status start last_run
+  t=$(basename "$rel")
+  local log="$LOGS/$t.log" bin="$BUILD_DIR/$rel"
+  if [ ! -x "$bin" ]; then
+    if [ "$DRY" = 1 ]; then report "SKIPPED $t: not built here$TAG"; else fail "MISSING $t"; fi
+    return
+  fi
   start=$SECONDS
   timeout "$limit" "$bin" --gtest_color=no > "$log" 2>&1
   status=$?
@@ -77,7 +231,7 @@ for t in $TESTS; do
     -e "s/^\[       OK \] ([^ ]+) \(([0-9]+ ms)\)$/PASSED  $t \1 (\2)/p" \
     -e "s/^\[  FAILED  \] ([^ ]+) \(([0-9]+ ms)\)$/FAILED  $t \1 (\2)/p" \
     -e "s/^\[  SKIPPED \] ([^ ]+) \(([0-9]+ ms)\)$/SKIPPED $t \1 (\2)/p" "$log" |
-    while read -r line; do report "$line"; done
+    while read -r line; do report "$line$TAG"; done
   # A test that started but never finished: the binary crashed or ran out of time in it.
   last_run=$(grep -E '^\[ RUN      \] ' "$log" | tail -n 1 | sed -E 's/^\[ RUN      \] //')
   if [ -n "$last_run" ] && ! grep -q -E "^\[ *(OK|FAILED|SKIPPED) *\] $last_run( |$)" "$log"; then
@@ -86,6 +240,257 @@ for t in $TESTS; do
   fi
   report "$t: exit $status in $((SECONDS - start))s (log: $t.log)"
   [ "$status" = 0 ] || rc=1
+}
+tests_to_run=$GPU_TESTS
+if [ "$NGPU" -ge 2 ]; then  # two GPUs: NCCL is checked with two ranks in the cluster step
+  tests_to_run=$(echo "$GPU_TESTS" | tr ' ' '\n' | grep -v nccl_self_send | tr '\n' ' ')
+fi
+num_left=$(echo "$tests_to_run" | wc -w)
+for rel in $tests_to_run; do
+  num_left=$((num_left - 1))
+  run_gtest "$rel" "$(budget "$PER_TEST_S" $((num_left * 10 + RESERVE_CLUSTER + RESERVE_BENCH)))"
 done
-report "gpu tests: $(grep -c '^PASSED' "$OUT/report.txt") passed, $(grep -c '^FAILED' "$OUT/report.txt") failed, $(grep -c '^SKIPPED' "$OUT/report.txt") skipped, $(grep -c -E '^(CRASHED|TIMEOUT|MISSING)' "$OUT/report.txt") crashed/timed out/missing; exit $rc"
+count() { grep -c -E "$1" "$REPORT"; }
+report "gpu tests: $(count '^PASSED') passed, $(count '^FAILED') failed, $(count '^SKIPPED') skipped," \
+  "$(count '^(CRASHED|TIMEOUT|MISSING)') crashed/timed out/missing$TAG"
+
+# --- 3. the cluster ------------------------------------------------------------------------------
+# Waits (at most $4 s) for the ports file $1 of process $2 (log $3); prints its gRPC port.
+wait_ports() {
+  local file=$1 pid=$2 log=$3 limit=$4 end=$((SECONDS + $4))
+  while ((SECONDS < end)); do
+    if [ -s "$file" ]; then sed -E 's/.*"grpc":([0-9]+).*/\1/' "$file"; return 0; fi
+    kill -0 "$pid" 2>/dev/null || { echo "process exited: $(tail -n 3 "$log" | tr '\n' ' ')" >&2; return 1; }
+    sleep 0.1
+  done
+  echo "no ports file after ${limit}s" >&2
+  return 1
+}
+MODEL=$WORK/tiny-v512
+make_model() {
+  [ -f "$MODEL/model.safetensors" ] && return 0
+  local src=tests/testdata/golden/tiny-v512
+  printf '%s' '{"max_denoising_steps": 8, "max_new_tokens": 32, "t_min": 0.4, "t_max": 0.8,
+    "stability_threshold": 1, "confidence_threshold": 0.005, "pad_token_id": 0,
+    "eos_token_id": [1, 106, 50], "sampler_config": {"entropy_bound": 0.1}}' > "$WORK/gen.json"
+  timeout 60 "$BUILD_DIR/tools/dgserve-mkmodel" --out "$MODEL" --seed 512 --config "$src/config.json" \
+    --tokenizer "$src/tokenizer.json" --generation_config "$WORK/gen.json" > "$LOGS/mkmodel.log" 2>&1
+}
+# Seeded and nearly greedy (the API has no greedy mode: temperature is the sampler's schedule,
+# here 0.02 → 0.01, so each position's sample is its argmax unless two logits are within a few
+# hundredths of each other).
+# Streamed with every denoising step's canvas (canvas_step_interval 1), so that the comparison
+# is of token ids at every step, not only of the decoded text.
+REQUEST='{"prompt": "The capital of France is", "max_tokens": 24, "seed": 11, "t_min": 0.01,
+  "t_max": 0.02, "stream": true, "canvas_step_interval": 1}'
+# Starts a cluster (name $1, device $2, kv transport $3, then env assignments for the prefill
+# and denoise workers in $4 and $5), sends REQUEST, writes the token ids of every canvas step
+# (one line each) to $WORK/$1.text, stops the cluster. Bounded by $6 seconds. Returns non-zero (with a reason on stderr) on failure.
+run_cluster() {
+  local name=$1 device=$2 transport=$3 penv=$4 denv=$5 limit=$6
+  local end=$((SECONDS + limit)) dir=$WORK/$name mine=() dport pport http
+  mkdir -p "$dir"
+  local common=(--model "$MODEL" --internal_insecure)
+  # --metrics_address= : no Prometheus exposer. prometheus-cpp's civetweb cannot start in a
+  # binary that links cuBLAS 13 (top-level CMakeLists.txt), and the workers here link it.
+  # shellcheck disable=SC2086
+  env $denv "$BUILD_DIR/denoise_worker/dgserve-denoise-worker" "${common[@]}" --device "$device" \
+    --metrics_address= --ports_file "$dir/denoise.ports" > "$LOGS/$name.denoise.log" 2>&1 &
+  mine+=($!); echo $! >> "$PID_FILE"
+  dport=$(wait_ports "$dir/denoise.ports" "${mine[0]}" "$LOGS/$name.denoise.log" $((end - SECONDS))) \
+    || { echo "denoise worker did not start" >&2; stop_pids "${mine[@]}"; return 1; }
+  # shellcheck disable=SC2086
+  env $penv "$BUILD_DIR/prefill_worker/dgserve-prefill-worker" "${common[@]}" --device "$device" \
+    --kv_transport "$transport" --denoise_workers "127.0.0.1:$dport" --metrics_address= \
+    --ports_file "$dir/prefill.ports" > "$LOGS/$name.prefill.log" 2>&1 &
+  mine+=($!); echo $! >> "$PID_FILE"
+  pport=$(wait_ports "$dir/prefill.ports" "${mine[1]}" "$LOGS/$name.prefill.log" $((end - SECONDS))) \
+    || { echo "prefill worker did not start" >&2; stop_pids "${mine[@]}"; return 1; }
+  "$BUILD_DIR/gateway/dgserve-gateway" "${common[@]}" --prefill_workers "127.0.0.1:$pport" \
+    --denoise_workers "127.0.0.1:$dport" --grpc_address 127.0.0.1:0 --http_address 127.0.0.1:0 \
+    --metrics_address= --ports_file "$dir/gateway.ports" > "$LOGS/$name.gateway.log" 2>&1 &
+  mine+=($!); echo $! >> "$PID_FILE"
+  wait_ports "$dir/gateway.ports" "${mine[2]}" "$LOGS/$name.gateway.log" $((end - SECONDS)) > /dev/null \
+    || { echo "gateway did not start" >&2; stop_pids "${mine[@]}"; return 1; }
+  http=$(sed -E 's/.*"http":([0-9]+).*/\1/' "$dir/gateway.ports")
+  while ((SECONDS < end)) && ! curl -sf --max-time 2 "http://127.0.0.1:$http/ready" > /dev/null; do
+    sleep 0.2
+  done
+  local t=$((end - SECONDS))
+  ((t < 1)) && t=1
+  if ! curl -sS --max-time "$t" -H 'Content-Type: application/json' -d "$REQUEST" \
+      "http://127.0.0.1:$http/v1/completions" > "$dir/response.json" 2> "$dir/curl.err"; then
+    echo "request failed: $(cat "$dir/curl.err")" >&2
+    stop_pids "${mine[@]}"
+    return 1
+  fi
+  cp "$dir/response.json" "$LOGS/$name.response.sse"
+  stop_pids "${mine[@]}"
+  grep -o '"token_ids":\[[-0-9,]*\]' "$dir/response.json" > "$WORK/$name.text"
+  if [ ! -s "$WORK/$name.text" ] || ! grep -q '^data: \[DONE\]' "$dir/response.json"; then
+    echo "no canvas steps or no end of stream: $(head -c 300 "$dir/response.json")" >&2
+    return 1
+  fi
+  return 0
+}
+# "MATCH (N canvas steps)" or "DIFFERS from canvas step N on": the token ids of clusters $1, $2.
+compare_texts() {
+  if cmp -s "$WORK/$1.text" "$WORK/$2.text"; then
+    echo "MATCH ($(wc -l < "$WORK/$1.text") canvas steps)"
+    return 0
+  fi
+  local n
+  n=$(cmp "$WORK/$1.text" "$WORK/$2.text" 2>&1 | sed -n -E 's/.*line ([0-9]+).*/\1/p')
+  echo "DIFFERS from canvas step ${n:-? (one stream is a prefix of the other)} on" \
+    "($(wc -l < "$WORK/$1.text") and $(wc -l < "$WORK/$2.text") steps)"
+  return 1
+}
+# The last canvas step's token ids (the end of the stream), shortened.
+show() { tail -n 1 "$WORK/$1.text" | cut -c1-90; }
+transport_line() {  # the prefill worker's log line naming its KV transport, if it logs one
+  grep -m1 -i 'transport' "$LOGS/$1.prefill.log" | cut -c1-160
+}
+
+cluster_step() {
+  local step_end=$((DEADLINE - RESERVE_BENCH))
+  # shellcheck disable=SC2086
+  if [ -n "$(missing_of $CLUSTER_BINS)" ]; then fail "cluster: binaries missing in $BUILD_DIR"; return; fi
+  command -v curl > /dev/null || { fail "cluster: SKIPPED, curl not found"; return; }
+  make_model || { fail "cluster: dgserve-mkmodel failed (see mkmodel.log)"; return; }
+  local err
+  if err=$(run_cluster cpu cpu tcp "" "" "$(budget 40 $((DEADLINE - step_end + 60)))" 2>&1); then
+    report "cluster: cpu/tcp reference: PASS, last step $(show cpu)"
+  else
+    fail "cluster: cpu/tcp reference: FAILED: $err"
+  fi
+  local transports=${GPU_CHECK_TRANSPORTS:-cuda_ipc auto tcp}
+  [ "$DRY" = 1 ] && transports=${GPU_CHECK_TRANSPORTS:-tcp}
+  local tr name first=""
+  for tr in $transports; do
+    name="${DEVICE}_$tr"
+    if ((SECONDS + 10 > step_end)); then fail "cluster: $name: SKIPPED, no time left"; continue; fi
+    if err=$(run_cluster "$name" "$DEVICE" "$tr" "" "" "$(budget 60 $((DEADLINE - step_end)))" 2>&1); then
+      report "cluster: $name$TAG: PASS, last step $(show "$name");" \
+        "vs cpu: $(compare_texts cpu "$name"); $(transport_line "$name")"
+      if [ -z "$first" ]; then
+        first=$name
+      else  # the same device, another transport: the KV bytes and so the text must be identical
+        compare_texts "$first" "$name" > /dev/null \
+          || fail "cluster: $name$TAG: FAILED: tokens differ from $first (same device, other" \
+            "transport)"
+      fi
+    else
+      fail "cluster: $name$TAG: FAILED: $err"
+    fi
+  done
+  if [ "$NGPU" -ge 2 ]; then  # NCCL with two ranks: prefill on GPU 0, denoise on GPU 1
+    name=cuda_nccl_2gpu
+    if err=$(run_cluster "$name" cuda nccl "CUDA_VISIBLE_DEVICES=0" "CUDA_VISIBLE_DEVICES=1" \
+        "$(budget 60 $((DEADLINE - step_end)))" 2>&1); then
+      report "cluster: $name: PASS, last step $(show "$name");" \
+        "vs cpu: $(compare_texts cpu "$name"); $(transport_line "$name")"
+      if [ -n "$first" ]; then
+        compare_texts "$first" "$name" > /dev/null \
+          || fail "cluster: $name: FAILED: tokens differ from $first (other transport)"
+      fi
+    else
+      fail "cluster: $name: FAILED: $err"
+    fi
+  elif [ "$DRY" != 1 ]; then
+    report "cluster: one GPU: NCCL checked by kvstore_nccl_self_send_test above (two ranks need two GPUs)"
+  fi
+}
+cluster_step
+
+# --- 4. the real-shape benchmarks ----------------------------------------------------------------
+bench_step() {
+  local bin=$BUILD_DIR/bench/engine_bench
+  [ -x "$bin" ] || { fail "bench: engine_bench missing in $BUILD_DIR"; return; }
+  [ -x "$BUILD_DIR/tools/dgserve-mkmodel" ] || { fail "bench: dgserve-mkmodel missing"; return; }
+  local config=bench/configs/real-width-2-layers.json contexts="2048 32768" batches="1 16"
+  local steps_list="16 48" model=$WORK/real-width-2
+  if [ "$DRY" = 1 ]; then  # the script's path on the CPU: a tiny shape, small contexts
+    config=tests/testdata/golden/tiny-v512/config.json contexts="64 256" model=$WORK/bench-tiny
+  fi
+  local start=$SECONDS
+  if ! timeout "$(budget 90 60)" "$BUILD_DIR/tools/dgserve-mkmodel" --out "$model" --seed 3 \
+      --config "$config" > "$LOGS/bench_mkmodel.log" 2>&1; then
+    fail "bench: generating $config failed or timed out (see bench_mkmodel.log)"
+    return
+  fi
+  report "bench: generated $config in $((SECONDS - start))s; bandwidth for the bf16 bound: ${BW} GB/s$TAG"
+  local smi_pid=""
+  if [ "$DRY" != 1 ]; then
+    timeout "$(time_left)" nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits \
+      -lms 250 > "$LOGS/gpu_memory.csv" 2>/dev/null &
+    smi_pid=$!
+    echo "$smi_pid" >> "$PID_FILE"
+  fi
+  local runs=() c b s
+  for s in $steps_list; do for c in $contexts; do for b in $batches; do runs+=("$c $b $s"); done; done; done
+  local i=0 n=${#runs[@]} out left
+  for r in "${runs[@]}"; do
+    read -r c b s <<< "$r"
+    i=$((i + 1))
+    left=$(( (n - i) * 10 + 5))
+    if (($(time_left) < left + 5)); then
+      fail "bench: context $c batch $b steps $s: SKIPPED, no time left"
+      continue
+    fi
+    local limit
+    limit=$(budget 120 "$left")
+    out="$LOGS/bench.log"
+    echo "=== context $c batch $b steps $s (limit ${limit}s)" >> "$out"
+    start=$SECONDS
+    timeout "$limit" "$bin" --model "$model" --device "$DEVICE" --context "$c" --batch "$b" \
+      --steps "$s" --mem_bandwidth_gbs "$BW" > "$WORK/bench.one" 2> "$WORK/bench.err"
+    local status=$?
+    cat "$WORK/bench.one" "$WORK/bench.err" >> "$out"
+    local line
+    line=$(grep -m1 '^RESULT ' "$WORK/bench.one" | sed 's/^RESULT //')
+    if [ "$status" = 0 ] && [ -n "$line" ]; then
+      report "bench:$TAG $line"
+    elif [ "$status" = 124 ]; then
+      fail "bench: context $c batch $b steps $s: TIMEOUT after ${limit}s"
+    else
+      fail "bench: context $c batch $b steps $s: FAILED (exit $status after" \
+        "$((SECONDS - start))s): $(tail -n 2 "$WORK/bench.err" | cut -c1-300)"
+      # The backend cannot start at all (no device, a build without it): the other runs would
+      # only fail the same way.
+      if grep -q -- '--device cuda:' "$WORK/bench.err"; then
+        fail "bench: the remaining runs SKIPPED: --device $DEVICE cannot start"
+        break
+      fi
+    fi
+  done
+  if [ "${GPU_CHECK_FULL_SHAPE:-0}" = 1 ]; then
+    if (($(time_left) < 200)); then
+      report "bench: full 30-layer shape: SKIPPED, $(time_left)s left (needs about 200)"
+    else
+      start=$SECONDS
+      timeout "$(budget 600 5)" "$bin" --config bench/configs/diffusiongemma-26b-a4b.json \
+        --device "$DEVICE" --context 2048 --batch 1 --steps 16 --mem_bandwidth_gbs "$BW" \
+        > "$WORK/bench.one" 2> "$WORK/bench.err"
+      local status=$?
+      cat "$WORK/bench.one" "$WORK/bench.err" >> "$LOGS/bench.log"
+      line=$(grep -m1 '^RESULT ' "$WORK/bench.one" | sed 's/^RESULT //')
+      if [ "$status" = 0 ] && [ -n "$line" ]; then
+        report "bench: full shape:$TAG $line"
+      else
+        fail "bench: full 30-layer shape: FAILED (exit $status after $((SECONDS - start))s):" \
+          "$(tail -n 2 "$WORK/bench.err" | cut -c1-300)"
+      fi
+    fi
+  fi
+  if [ -n "$smi_pid" ]; then
+    stop_pids "$smi_pid"
+    local peak
+    peak=$(awk -F', *' '$2 + 0 > m { m = $2 + 0 } END { print m + 0 }' "$LOGS/gpu_memory.csv")
+    report "bench: peak device memory in use (nvidia-smi, every 250 ms): ${peak} MiB"
+  fi
+}
+bench_step
+
+report "gpu_check: done in ${SECONDS}s of ${TOTAL_S}s;" \
+  "$((FAILS + $(count '^(FAILED|CRASHED|TIMEOUT)'))) failures; exit $rc$TAG"
 exit $rc

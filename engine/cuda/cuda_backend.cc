@@ -229,7 +229,8 @@ class CudaBackend final : public ModelBackend {
   // Scratch activations (grown on demand).
   DeviceArray<float> h_, a_, q_, k_, v_, attn_, o_, dense_, moe_, g_, u_, r_, scores_, xe_, xin_,
       gu_, act_, y_, weight_, sc_in_, logits_, temps_, uniforms_, soft_;
-  DeviceArray<int32_t> ids_, positions_, gather_, slot_;
+  DeviceArray<int32_t> ids_, positions_, gather_, slot_, mask_index_;
+  DeviceArray<uint64_t> mask_table_;  // the distinct canvas-template masks of a step
   DeviceArray<uint16_t> probs_bf16_;
   DeviceArray<cuda::VocabRowResult> results_;
   std::vector<float> host_k_, host_v_, host_stage_;
@@ -709,11 +710,8 @@ absl::Status CudaBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     if (!(in.temperature > 0) || !std::isfinite(in.temperature)) {
       return absl::InvalidArgumentError("temperature: must be finite and > 0");
     }
-    for (const uint64_t* mask : in.row_masks) {
-      if (mask != nullptr) {
-        return absl::UnimplementedError(
-            "canvas templates (row masks) are not supported by the CUDA backend yet");
-      }
+    if (!in.row_masks.empty() && in.row_masks.size() != in.canvas.size()) {
+      return absl::InvalidArgumentError("row_masks: must have one entry per canvas position");
     }
     canvases.push_back({in.canvas, in.sc_soft, in.kv});
   }
@@ -733,12 +731,36 @@ absl::Status CudaBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     }
     DGSERVE_RETURN_IF_ERROR(temps_.Upload(temps));
     DGSERVE_RETURN_IF_ERROR(uniforms_.Upload(uniforms));
+    // Canvas templates: each distinct mask uploaded once, rows naming it by index (−1: none).
+    const size_t words = (size_t(V) + 63) / 64;
+    std::vector<int32_t> mask_index(R, -1);
+    std::vector<uint64_t> mask_table;
+    std::unordered_map<const uint64_t*, int32_t> mask_ids;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Segment& s = segs[i];
+      if (batch[i].row_masks.empty()) continue;
+      for (int r = 0; r < s.rows; ++r) {
+        const uint64_t* m = batch[i].row_masks[r];
+        if (m == nullptr) continue;
+        auto [it, added] = mask_ids.try_emplace(m, int32_t(mask_ids.size()));
+        if (added) mask_table.insert(mask_table.end(), m, m + words);
+        mask_index[s.row0 + r] = it->second;
+      }
+    }
+    const bool masked = !mask_ids.empty();
+    if (masked) {
+      DGSERVE_RETURN_IF_ERROR(mask_table_.Upload(mask_table.data(), mask_table.size()));
+      DGSERVE_RETURN_IF_ERROR(mask_index_.Upload(mask_index.data(), mask_index.size()));
+    }
+    const uint64_t* d_mask_table = masked ? mask_table_.get() : nullptr;
+    const int32_t* d_mask_index = masked ? mask_index_.get() : nullptr;
     DGSERVE_RETURN_IF_ERROR(logits_.Ensure(size_t(R) * V));
     DGSERVE_RETURN_IF_ERROR(results_.Ensure(R));
     // Raw LM-head logits; VocabStep applies the softcap itself (spec §3.1.6, §4.2 steps 3–4).
     DGSERVE_RETURN_IF_ERROR(cublas_.Linear(h_.get(), embed_.get(), R, D, V, logits_.get()));
     DGSERVE_RETURN_IF_ERROR(cuda::VocabStep(logits_.get(), R, V, c_.final_logit_softcapping,
-                                            temps_.get(), uniforms_.get(), results_.get()));
+                                            temps_.get(), uniforms_.get(), results_.get(),
+                                            /*z_bf16=*/nullptr, d_mask_table, d_mask_index));
     std::vector<cuda::VocabRowResult> results(R);
     DGSERVE_RETURN_IF_ERROR(
         Download(results.data(), results_.get(), size_t(R) * sizeof(cuda::VocabRowResult)));
@@ -764,7 +786,8 @@ absl::Status CudaBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
       DGSERVE_RETURN_IF_ERROR(soft_.Ensure(size_t(R) * D));
       DGSERVE_RETURN_IF_ERROR(cuda::SoftmaxProbsBf16(logits_.get(), R, V,
                                                      c_.final_logit_softcapping, temps_.get(),
-                                                     results_.get(), probs_bf16_.get()));
+                                                     results_.get(), probs_bf16_.get(),
+                                                     d_mask_table, d_mask_index));
       DGSERVE_RETURN_IF_ERROR(SoftGemm(probs_bf16_.get(), R, soft_.get()));
       for (size_t i = 0; i < batch.size(); ++i) {
         const Segment& s = segs[i];

@@ -99,9 +99,13 @@ __global__ void MoeCombineKernel(const float* y, const int32_t* slot, const floa
 
 __global__ void SoftmaxProbsBf16Kernel(const float* raw, int rows, int vocab, float softcap,
                                        const float* temperature, const VocabRowResult* res,
-                                       uint16_t* probs) {
+                                       uint16_t* probs, const uint64_t* mask_table,
+                                       const int32_t* mask_index) {
   const int r = blockIdx.x;
   if (r >= rows) return;
+  const int mi = mask_index != nullptr ? mask_index[r] : -1;
+  const uint64_t* mask =
+      mi >= 0 ? mask_table + int64_t(mi) * ((int64_t(vocab) + 63) / 64) : nullptr;
   const float lse = res[r].lse;
   const float inv_t = 1.0f / temperature[r];
   const bool ok = isfinite(lse);
@@ -110,7 +114,8 @@ __global__ void SoftmaxProbsBf16Kernel(const float* raw, int rows, int vocab, fl
   for (int v = blockIdx.y * blockDim.x + threadIdx.x; v < vocab; v += gridDim.y * blockDim.x) {
     float l = row[v];
     if (softcap > 0) l = softcap * tanhf(l / softcap);
-    out[v] = ok ? ToBf16(expf(l * inv_t - lse)) : uint16_t(0);
+    const bool allowed = mask == nullptr || ((mask[v >> 6] >> (v & 63)) & 1u) != 0;
+    out[v] = ok && allowed ? ToBf16(expf(l * inv_t - lse)) : uint16_t(0);
   }
 }
 
@@ -167,12 +172,13 @@ absl::Status MoeCombine(const float* y, const int32_t* slot, const float* weight
 
 absl::Status SoftmaxProbsBf16(const float* raw, int rows, int vocab, float softcap,
                               const float* temperature, const VocabRowResult* res, uint16_t* probs,
+                              const uint64_t* mask_table, const int32_t* mask_index,
                               void* stream) {
   if (rows <= 0) return absl::OkStatus();
   int chunks = (vocab + 255) / 256;  // grid: rows × vocabulary chunks (≤ 1024)
   if (chunks > 1024) chunks = 1024;
   LaunchKernel(SoftmaxProbsBf16Kernel, dim3(rows, chunks), 256, 0, S(stream), raw, rows, vocab,
-               softcap, temperature, res, probs);
+               softcap, temperature, res, probs, mask_table, mask_index);
   return Check("SoftmaxProbsBf16");
 }
 

@@ -45,8 +45,11 @@ absl::Status MoeCombine(const float* y, const int32_t* slot, const float* weight
 // cap) and lse = res[r].lse (VocabStep's log Σ exp(ℓ/T)): the self-conditioning softmax of the
 // step (spec §3.5 step 2), ready for the bf16 probabilities × embedding GEMM. A row whose lse
 // is not finite gets zeros. raw: [rows, vocab]; temperature: [rows]; probs: [rows, vocab] bf16.
+// mask_table, mask_index: the canvas-template masks as VocabStep takes them (nullptr: none); a
+// masked-out id gets probability 0.
 absl::Status SoftmaxProbsBf16(const float* raw, int rows, int vocab, float softcap,
                               const float* temperature, const VocabRowResult* res, uint16_t* probs,
-                              void* stream = nullptr);
+                              const uint64_t* mask_table = nullptr,
+                              const int32_t* mask_index = nullptr, void* stream = nullptr);
 
 }  // namespace dgserve::cuda

@@ -155,6 +155,24 @@ TEST_F(CudaBackendKernelsTest, SoftmaxProbsBf16UsesTheRowsLse) {
     EXPECT_NEAR(total, 1.0, 2e-2) << r;  // a distribution, to bf16 rounding
   }
   for (int v = 0; v < vocab; ++v) ASSERT_EQ(got[size_t(2) * vocab + v], 0) << v;
+
+  // With canvas-template masks: row 0 through mask 0 (ids ≡ 0 mod 3 allowed), row 1 without a
+  // mask: masked-out ids are 0, the others unchanged.
+  const int words = (vocab + 63) / 64;
+  std::vector<uint64_t> table(words, 0);
+  for (int v = 0; v < vocab; v += 3) table[v / 64] |= uint64_t(1) << (v % 64);
+  const std::vector<int32_t> index = {0, -1, -1};
+  uint16_t* masked = Alloc<uint16_t>(size_t(rows) * vocab, 0xFF);
+  ASSERT_THAT(SoftmaxProbsBf16(Upload(raw), rows, vocab, cap, Upload(temps), Upload(res), masked,
+                               Upload(table), Upload(index)),
+              IsOk());
+  const std::vector<uint16_t> got_masked = Download(masked, size_t(rows) * vocab);
+  for (int r = 0; r < 2; ++r) {
+    for (int v = 0; v < vocab; ++v) {
+      const size_t i = size_t(r) * vocab + v;
+      ASSERT_EQ(got_masked[i], r == 0 && v % 3 != 0 ? uint16_t(0) : got[i]) << r << " " << v;
+    }
+  }
 }
 
 }  // namespace

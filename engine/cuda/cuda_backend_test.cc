@@ -156,8 +156,8 @@ TEST_F(CudaBackendTest, DenoiseStepsMatchCpu) {
     const float* sc_in = sc.empty() ? nullptr : sc.data();
     std::vector<RowResult> rc(C), rg(C);
     std::vector<float> soft_c(size_t(C) * D), soft_g(size_t(C) * D);
-    DenoiseStepInput ic{canvas, sc_in, &kc, T, uniforms, rc.data(), soft_c.data()};
-    DenoiseStepInput ig{canvas, sc_in, &kg, T, uniforms, rg.data(), soft_g.data()};
+    DenoiseStepInput ic{canvas, sc_in, &kc, T, uniforms, rc.data(), soft_c.data(), {}};
+    DenoiseStepInput ig{canvas, sc_in, &kg, T, uniforms, rg.data(), soft_g.data(), {}};
     ASSERT_TRUE(cpu_->DenoiseStep({&ic, 1}).ok());
     const absl::Status st = gpu_->DenoiseStep({&ig, 1});
     ASSERT_TRUE(st.ok()) << st;
@@ -220,6 +220,96 @@ TEST_F(CudaBackendTest, BatchedCanvasesAndForeignCacheMatchCpu) {
   ExpectLogitsClose(Logits(*cpu_, shared, c, nullptr), Logits(*gpu_, shared, c, nullptr));
 }
 
+// Canvas templates (DenoiseStepInput::row_masks) in a batch of two canvases, the second without
+// masks. Checked independently of the bf16 activation rounding (see the top of this file):
+// fixed positions (a one-id mask) give that id with entropy 0 and the next_soft row of that id's
+// embedding, as the CPU's masked step; restricted positions give only ids of their set, entropy
+// ≤ ln |set|; unrestricted rows, in both canvases, equal those of the same GPU batch without
+// masks (no mask leaks to another row).
+TEST_F(CudaBackendTest, CanvasTemplateMasksMatchCpu) {
+  const int C = config().canvas_length, D = config().hidden_size, V = config().vocab_size;
+  const int words = (V + 63) / 64, set_size = 40;
+  ContiguousKvCache kc(config(), 256), kg(config(), 256), kg2(config(), 256);
+  Encode(*cpu_, kc, Tokens(19, 3));
+  Encode(*gpu_, kg, Tokens(19, 3));
+  Encode(*gpu_, kg2, Tokens(12, 4));
+  // Masks: one id per fixed position, and a set of 40 ids shared by the restricted positions.
+  std::vector<std::vector<uint64_t>> masks;
+  const int fixed = C / 4;
+  for (int j = 0; j < fixed; ++j) {
+    masks.emplace_back(words, 0);
+    const int id = (j * 131 + 17) % V;
+    masks.back()[id / 64] |= uint64_t(1) << (id % 64);
+  }
+  masks.emplace_back(words, 0);
+  for (int k = 0; k < set_size; ++k) {
+    const int id = (k * 61 + 5) % V;
+    masks.back()[id / 64] |= uint64_t(1) << (id % 64);
+  }
+  const std::vector<uint64_t>& set = masks.back();
+  std::vector<const uint64_t*> row_masks(C, nullptr);
+  for (int j = fixed; j < C; j += 2) row_masks[j] = set.data();  // odd j: unrestricted holes
+  for (int j = 0; j < fixed; ++j) row_masks[j] = masks[j].data();
+  auto allowed = [](const uint64_t* m, int id) { return ((m[id / 64] >> (id % 64)) & 1) != 0; };
+  const std::vector<int32_t> canvas = Tokens(C, 12), canvas2 = Tokens(C, 13);
+  std::vector<float> u(C);
+  for (int j = 0; j < C; ++j) u[j] = float((j * 613) % 1000) / 1000.0f;
+  const float T = 0.7f;
+  struct Out {
+    std::vector<RowResult> rows, rows2;
+    std::vector<float> soft, soft2;
+  };
+  auto run = [&](ModelBackend& b, KvCache& k1, bool with_masks, bool two) {
+    Out o{std::vector<RowResult>(C), std::vector<RowResult>(C), std::vector<float>(size_t(C) * D),
+          std::vector<float>(size_t(C) * D)};
+    std::vector<DenoiseStepInput> in;
+    in.push_back({canvas, nullptr, &k1, T, u, o.rows.data(), o.soft.data(), {}});
+    if (with_masks) in.back().row_masks = row_masks;
+    if (two) in.push_back({canvas2, nullptr, &kg2, T, u, o.rows2.data(), o.soft2.data(), {}});
+    const absl::Status st = b.DenoiseStep(in);
+    EXPECT_TRUE(st.ok()) << st;
+    return o;
+  };
+  const Out cpu = run(*cpu_, kc, true, false);
+  const Out masked = run(*gpu_, kg, true, true);
+  const Out plain = run(*gpu_, kg, false, true);
+  auto same = [](const RowResult& a, const RowResult& b) {
+    return a.argmax == b.argmax && a.sampled == b.sampled && a.entropy == b.entropy &&
+           a.lse == b.lse;
+  };
+  for (int j = 0; j < C; ++j) {
+    SCOPED_TRACE(j);
+    const RowResult& g = masked.rows[j];
+    EXPECT_TRUE(same(masked.rows2[j], plain.rows2[j])) << "unmasked canvas changed";
+    if (row_masks[j] == nullptr) {
+      EXPECT_TRUE(same(g, plain.rows[j])) << "unrestricted row changed";
+      continue;
+    }
+    EXPECT_TRUE(allowed(row_masks[j], g.argmax)) << g.argmax;
+    EXPECT_TRUE(allowed(row_masks[j], g.sampled)) << g.sampled;
+    if (j < fixed) {
+      EXPECT_EQ(g.argmax, cpu.rows[j].argmax);
+      EXPECT_EQ(g.sampled, cpu.rows[j].sampled);
+      EXPECT_EQ(g.entropy, 0.0f);
+      std::vector<float> want(cpu.soft.begin() + size_t(j) * D,
+                              cpu.soft.begin() + size_t(j + 1) * D);
+      std::vector<float> got(masked.soft.begin() + size_t(j) * D,
+                             masked.soft.begin() + size_t(j + 1) * D);
+      ExpectVectorsClose(want, got, 1e-3f, "next_soft of a fixed position");
+    } else {
+      EXPECT_LE(g.entropy, std::log(float(set_size)) + 1e-4f);
+    }
+  }
+  for (size_t i = 0; i < masked.soft2.size(); ++i) {
+    ASSERT_EQ(masked.soft2[i], plain.soft2[i]) << "next_soft of the unmasked canvas, " << i;
+  }
+  for (int j = fixed + 1; j < C; j += 2) {
+    for (int d = 0; d < D; ++d) {
+      ASSERT_EQ(masked.soft[size_t(j) * D + d], plain.soft[size_t(j) * D + d]) << j << " " << d;
+    }
+  }
+}
+
 TEST_F(CudaBackendTest, RejectsBadInput) {
   ContiguousKvCache kv(config(), 64);
   const std::vector<int32_t> bad = {1, config().vocab_size};
@@ -229,8 +319,12 @@ TEST_F(CudaBackendTest, RejectsBadInput) {
   const std::vector<int32_t> canvas = Tokens(config().canvas_length, 1);
   std::vector<RowResult> rows(canvas.size());
   std::vector<float> u(canvas.size(), 0.5f);
-  DenoiseStepInput d{canvas, nullptr, &kv, 0.0f, u, rows.data(), nullptr};
+  DenoiseStepInput d{canvas, nullptr, &kv, 0.0f, u, rows.data(), nullptr, {}};
   EXPECT_EQ(gpu_->DenoiseStep({&d, 1}).code(), absl::StatusCode::kInvalidArgument);
+  // row_masks given, but not one per canvas position.
+  const std::vector<const uint64_t*> short_masks(2, nullptr);
+  DenoiseStepInput m{canvas, nullptr, &kv, 0.8f, u, rows.data(), nullptr, short_masks};
+  EXPECT_EQ(gpu_->DenoiseStep({&m, 1}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

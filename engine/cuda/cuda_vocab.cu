@@ -55,7 +55,11 @@ __device__ __forceinline__ float Softcap(float x, float cap, float k2) {
   return __fmul_rn(cap, __fsub_rn(1.0f, __fdiv_rn(2.0f, __fadd_rn(1.0f, ex))));
 }
 
-__device__ __forceinline__ float Logit(const float* row, int i, float cap, float k2) {
+// ℓ_i: the softcapped logit, or −∞ for an id outside the row's mask (`mask`: bit i of word
+// i/64 set ⇔ id i allowed; nullptr = every id), as the CPU step masks after its softcap.
+__device__ __forceinline__ float Logit(const float* row, int i, float cap, float k2,
+                                       const uint64_t* mask) {
+  if (mask != nullptr && ((mask[i >> 6] >> (i & 63)) & 1u) == 0) return -INFINITY;
   const float x = row[i];
   return cap > 0.0f ? Softcap(x, cap, k2) : x;
 }
@@ -119,7 +123,9 @@ __device__ void WriteBadRow(VocabRowResult* out) {
 __global__ void __launch_bounds__(kThreads)
     VocabStepKernel(const float* __restrict__ logits, int vocab, int seg_len, float cap,
                     const float* __restrict__ temperature, const float* __restrict__ uniforms,
-                    VocabRowResult* __restrict__ out, uint16_t* __restrict__ z_bf16) {
+                    VocabRowResult* __restrict__ out, uint16_t* __restrict__ z_bf16,
+                    const uint64_t* __restrict__ mask_table,
+                    const int32_t* __restrict__ mask_index) {
   __shared__ double seg_sum[kSegments];  // Σ e of each segment
   __shared__ double incl[kSegments];     // inclusive prefix sums of seg_sum
   __shared__ double warp_tot[kWarps];
@@ -133,6 +139,9 @@ __global__ void __launch_bounds__(kThreads)
   const float* lr = logits + row * vocab;
   const float T = temperature[row];
   const float k2 = 2.0f / cap * 1.44269504088896341f;
+  const int mi = mask_index != nullptr ? mask_index[row] : -1;
+  const uint64_t* mr =
+      mi >= 0 ? mask_table + int64_t(mi) * ((int64_t(vocab) + 63) / 64) : nullptr;
   if (tid == 0) {
     chosen_seg = -1;
     last_pos_seg = -1;
@@ -144,7 +153,7 @@ __global__ void __launch_bounds__(kThreads)
   bool bad = false;
   uint16_t* zr = z_bf16 != nullptr ? z_bf16 + row * vocab : nullptr;
   for (int i = tid; i < vocab; i += kThreads) {
-    const float l = Logit(lr, i, cap, k2);
+    const float l = Logit(lr, i, cap, k2, mr);
     bad |= l != l;
     if (l > best) {  // ids rise within a thread: strict > keeps the first
       best = l;
@@ -178,7 +187,7 @@ __global__ void __launch_bounds__(kThreads)
     float se = 0.0f, sew = 0.0f;
     for (int i = begin + lane; i < end; i += 32) {
       float w;
-      const float e = Exp2Row(Logit(lr, i, cap, k2), m, k, &w);
+      const float e = Exp2Row(Logit(lr, i, cap, k2, mr), m, k, &w);
       se = __fadd_rn(se, e);
       sew = fmaf(e, w, sew);
     }
@@ -238,7 +247,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int base = begin; base < end; base += 32) {
       const int i = base + lane;
       float e = 0.0f, w;
-      if (i < end) e = Exp2Row(Logit(lr, i, cap, k2), m, k, &w);
+      if (i < end) e = Exp2Row(Logit(lr, i, cap, k2, mr), m, k, &w);
       const double pre = WarpScanD(double(e), lane);
       const unsigned hit = __ballot_sync(kFull, e > 0.0f && !past_end && cum + pre > target);
       if (hit != 0) {
@@ -259,18 +268,20 @@ __global__ void __launch_bounds__(kThreads)
 
 absl::Status VocabStep(const float* logits, int rows, int vocab, float softcap,
                        const float* temperature, const float* uniforms, VocabRowResult* out,
-                       uint16_t* z_bf16, void* stream) {
+                       uint16_t* z_bf16, const uint64_t* mask_table, const int32_t* mask_index,
+                       void* stream) {
   if (rows < 0 || vocab <= 0 || vocab > kMaxVocab) {
     return absl::InvalidArgumentError("VocabStep: need rows ≥ 0 and 1 ≤ vocab ≤ 2^30");
   }
   if (rows == 0) return absl::OkStatus();
-  if (logits == nullptr || temperature == nullptr || uniforms == nullptr || out == nullptr) {
+  if (logits == nullptr || temperature == nullptr || uniforms == nullptr || out == nullptr ||
+      (mask_index != nullptr && mask_table == nullptr)) {
     return absl::InvalidArgumentError("VocabStep: null pointer");
   }
   const int per = (vocab + kSegments - 1) / kSegments;
   const int seg_len = (per + 31) / 32 * 32;
   LaunchKernel(VocabStepKernel, rows, kThreads, 0, static_cast<cudaStream_t>(stream), logits, vocab,
-               seg_len, softcap, temperature, uniforms, out, z_bf16);
+               seg_len, softcap, temperature, uniforms, out, z_bf16, mask_table, mask_index);
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(std::string("VocabStep: ") + cudaGetErrorString(e));

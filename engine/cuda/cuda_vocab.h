@@ -42,10 +42,15 @@ inline constexpr int kMaxVocab = 1 << 30;
 // Runs the fused step for `rows` rows. logits: [rows, vocab] raw float32 LM-head outputs (read
 // only); softcap: the final-logit cap (30; ≤ 0 disables it); temperature, uniforms: [rows] float32
 // (T > 0, u ∈ [0, 1)); out: [rows] results; z_bf16: [rows, vocab] bf16 bits of fl(ℓ/T) rounded to
-// nearest even (as dgserve::FloatToBf16), or nullptr to skip. Launch: grid = rows,
-// block = 1024 threads, 17,160 bytes of static shared memory.
+// nearest even (as dgserve::FloatToBf16), or nullptr to skip. Canvas templates: mask_index
+// [rows] int32 (nullptr: no masks) names each row's mask in mask_table ([n, ⌈vocab/64⌉] uint64,
+// bit v of word v/64 set ⇔ id v allowed), −1 for a row without one; a masked-out id gets
+// ℓ = −∞ after the softcap (so e = 0, never the argmax or the sample, bf16(ℓ/T) = −∞), as the
+// CPU step (engine/model/cpu_vocab.cc). A row with every id masked out is a bad row. Launch:
+// grid = rows, block = 1024 threads, 17,160 bytes of static shared memory.
 absl::Status VocabStep(const float* logits, int rows, int vocab, float softcap,
                        const float* temperature, const float* uniforms, VocabRowResult* out,
-                       uint16_t* z_bf16 = nullptr, void* stream = nullptr);
+                       uint16_t* z_bf16 = nullptr, const uint64_t* mask_table = nullptr,
+                       const int32_t* mask_index = nullptr, void* stream = nullptr);
 
 }  // namespace dgserve::cuda

@@ -39,16 +39,20 @@ class CudaVocabTest : public CudaTest {
     std::vector<uint16_t> z;
   };
   // Runs the kernel twice (with and without the bf16 output; the results must not differ).
+  // mask_table / mask_index: the canvas-template masks as VocabStep takes them (empty: none).
   Output Run(const std::vector<float>& raw, int rows, int vocab, const std::vector<float>& t,
-             const std::vector<float>& u) {
+             const std::vector<float>& u, const std::vector<uint64_t>& mask_table = {},
+             const std::vector<int32_t>& mask_index = {}) {
     const float* dl = Upload(raw);
     const float* dt = Upload(t);
     const float* du = Upload(u);
+    const uint64_t* dm = mask_table.empty() ? nullptr : Upload(mask_table);
+    const int32_t* di = mask_index.empty() ? nullptr : Upload(mask_index);
     VocabRowResult* out = Alloc<VocabRowResult>(rows, 0xFF);
     VocabRowResult* out2 = Alloc<VocabRowResult>(rows, 0xFF);
     uint16_t* z = Alloc<uint16_t>(size_t(rows) * vocab, 0xFF);
-    EXPECT_THAT(VocabStep(dl, rows, vocab, kCap, dt, du, out, z), IsOk());
-    EXPECT_THAT(VocabStep(dl, rows, vocab, kCap, dt, du, out2), IsOk());
+    EXPECT_THAT(VocabStep(dl, rows, vocab, kCap, dt, du, out, z, dm, di), IsOk());
+    EXPECT_THAT(VocabStep(dl, rows, vocab, kCap, dt, du, out2, nullptr, dm, di), IsOk());
     Output o;
     o.rows = Download(out, rows);
     o.z = Download(z, size_t(rows) * vocab);
@@ -194,12 +198,79 @@ TEST_F(CudaVocabTest, EdgeRowsHaveKnownAnswers) {
   }
 }
 
+// Canvas-template masks against the CPU step's rule (engine/model/cpu_vocab.cc): a masked-out id
+// gets ℓ = −∞ after the softcap, then the same sampler. Rows: no mask; a random ~10 % allowed
+// set; one allowed id (a fixed position); a mask without the unmasked row's argmax; the ~10 %
+// set again through the same table entry; every id masked out (a bad row).
+TEST_F(CudaVocabTest, MasksMatchTheCpuMaskedStep) {
+  for (const int vocab : {512, 5003, kEmulated ? 3001 : 262144}) {
+    const int rows = 6, words = (vocab + 63) / 64;
+    std::mt19937 gen(vocab + 1);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::bernoulli_distribution keep(0.1);
+    std::vector<float> raw(size_t(rows) * vocab);
+    for (float& x : raw) x = 8.0f * normal(gen);
+    const std::vector<float> temps = {0.8f, 0.5f, 1.0f, 1.3f, 0.9f, 0.8f};
+    const std::vector<float> us = {0.3f, 0.7f, 0.5f, 0.999f, 0.05f, 0.5f};
+    std::vector<uint64_t> table(size_t(4) * words, 0);
+    auto allow = [&](int m, int id) {
+      table[size_t(m) * words + id / 64] |= uint64_t(1) << (id % 64);
+    };
+    for (int id = 0; id < vocab; ++id) {
+      if (keep(gen)) allow(0, id);  // mask 0: ~10 % of the ids
+    }
+    allow(1, vocab - 7);  // mask 1: one id
+    const std::vector<float> capped_all = Capped(raw);
+    int argmax3 = 0;  // mask 2: everything but row 3's unmasked argmax
+    for (int id = 1; id < vocab; ++id) {
+      if (capped_all[size_t(3) * vocab + id] > capped_all[size_t(3) * vocab + argmax3]) {
+        argmax3 = id;
+      }
+    }
+    for (int id = 0; id < vocab; ++id) {
+      if (id != argmax3) allow(2, id);
+    }
+    // mask 3: empty.
+    const std::vector<int32_t> index = {-1, 0, 1, 2, 0, 3};
+    const Output got = Run(raw, rows, vocab, temps, us, table, index);
+    std::vector<float> capped = capped_all;
+    for (int r = 0; r < rows; ++r) {
+      if (index[r] < 0) continue;
+      const uint64_t* m = table.data() + size_t(index[r]) * words;
+      for (int id = 0; id < vocab; ++id) {
+        if (((m[id / 64] >> (id % 64)) & 1) == 0) capped[size_t(r) * vocab + id] = -INFINITY;
+      }
+    }
+    SCOPED_TRACE(::testing::Message() << "vocab " << vocab);
+    for (int r = 0; r < 5; ++r) Compare(capped, r, vocab, temps[r], us[r], got);
+    for (int r : {1, 4}) {  // only allowed ids come out
+      const uint64_t* m = table.data();
+      EXPECT_TRUE((m[got.rows[r].argmax / 64] >> (got.rows[r].argmax % 64)) & 1) << r;
+      EXPECT_TRUE((m[got.rows[r].sampled / 64] >> (got.rows[r].sampled % 64)) & 1) << r;
+    }
+    EXPECT_EQ(got.rows[2].argmax, vocab - 7);
+    EXPECT_EQ(got.rows[2].sampled, vocab - 7);
+    EXPECT_EQ(got.rows[2].entropy, 0.0f);
+    EXPECT_NE(got.rows[3].argmax, argmax3);
+    EXPECT_NE(got.rows[3].sampled, argmax3);
+    EXPECT_EQ(got.rows[5].argmax, -1);
+    EXPECT_EQ(got.rows[5].sampled, -1);
+    EXPECT_TRUE(std::isnan(got.rows[5].entropy));
+  }
+}
+
 // Argument checks return before touching the device: these run without a GPU too.
 TEST(CudaVocabArgsTest, BadShapesAreInvalidArgument) {
   EXPECT_THAT(VocabStep(nullptr, 0, 512, kCap, nullptr, nullptr, nullptr), IsOk());
   EXPECT_THAT(VocabStep(nullptr, 2, 0, kCap, nullptr, nullptr, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(VocabStep(nullptr, 2, 512, kCap, nullptr, nullptr, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // A mask index without its table.
+  float f = 0;
+  VocabRowResult r;
+  int32_t index = 0;
+  EXPECT_THAT(VocabStep(&f, 1, 512, kCap, &f, &f, &r, nullptr, nullptr, &index),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
