@@ -58,4 +58,12 @@ absl::StatusOr<std::unique_ptr<KvTransport>> CreateNcclTransport(
 absl::StatusOr<std::unique_ptr<KvTransport>> CreateCudaIpcTransport(
     const GpuTransportOptions& options);
 
+class GpuReceiveEndpoint;  // kvstore/transfer_service.h
+// The receiving half of both GPU transports, for KvTransferServiceOptions::gpu: answers
+// NcclBootstrap and CudaIpcOpen and takes out-of-band blocks out of its staging memory. Uses
+// cuda_device, staging_bytes (device memory per sender session) and nccl_init_timeout of
+// `options`. UNAVAILABLE without CUDA/NCCL or a GPU.
+absl::StatusOr<std::shared_ptr<GpuReceiveEndpoint>> CreateGpuReceiveEndpoint(
+    const GpuTransportOptions& options);
+
 }  // namespace dgserve::kv

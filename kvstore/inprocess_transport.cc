@@ -1,6 +1,7 @@
-// The in-process transport: a registry of named receivers, written directly on a worker thread.
+// The in-process transport: the shared protocol (transfer_protocol.h) writing a named receiver
+// of a process-wide registry directly, on the transfer's thread.
 #include <map>
-#include <thread>
+#include <vector>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -9,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "kvstore/transfer.h"
 #include "kvstore/transfer_internal.h"
+#include "kvstore/transfer_protocol.h"
 
 namespace dgserve::kv {
 namespace {
@@ -62,25 +64,41 @@ class Registry {
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
 
-absl::StatusOr<TransferResult> RunTransfer(KvReceiver* receiver, const std::string& request_id,
-                                           const PagedKvCache& kv, int64_t lease_ms) {
-  const absl::Time start = absl::Now();
-  const v1::KvTransferHeader header = internal::MakeHeader(request_id, kv, lease_ms);
-  if (absl::Status s = receiver->Begin(header); !s.ok()) return s;
-  TransferResult result;
-  v1::KvBlockPayload payload;
-  for (const internal::OutgoingBlock& b : internal::BlocksToSend(header.kv_descriptor(), kv)) {
-    internal::FillPayload(kv, b, &payload);
-    if (absl::Status s = receiver->WriteBlock(request_id, payload); !s.ok()) return s;
-    ++result.blocks;
-    result.bytes += int64_t(payload.data().size());
+// Writes the receiver directly; holds the registry entry for as long as it lives.
+class InProcessMover final : public internal::BlockMover {
+ public:
+  InProcessMover(std::string target, KvReceiver* receiver)
+      : target_(std::move(target)), receiver_(receiver) {}
+  ~InProcessMover() override { Registry::Get().Done(target_); }
+
+  absl::Status Open(const v1::KvTransferHeader& header,
+                    const std::vector<internal::OutgoingBlock>& blocks, absl::Time) override {
+    request_id_ = header.request_id();
+    blocks_ = &blocks;
+    return receiver_->Begin(header);
   }
-  v1::KvTransferTrailer trailer;
-  trailer.set_blocks(result.blocks);
-  if (absl::Status s = receiver->Finish(request_id, trailer); !s.ok()) return s;
-  result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  return result;
-}
+  absl::Status MoveBlock(const PagedKvCache& kv, size_t index) override {
+    internal::FillPayload(kv, (*blocks_)[index], &payload_);
+    if (absl::Status s = receiver_->WriteBlock(request_id_, payload_); !s.ok()) return s;
+    ack_.set_blocks(ack_.blocks() + 1);
+    ack_.set_bytes(ack_.bytes() + int64_t(payload_.data().size()));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<v1::KvAck> Close(const v1::KvTransferTrailer& trailer) override {
+    if (absl::Status s = receiver_->Finish(request_id_, trailer); !s.ok()) return s;
+    return ack_;
+  }
+  // A no-op when the receiver already failed the transfer itself.
+  void Cancel(const absl::Status& why) override { receiver_->Abort(request_id_, why); }
+
+ private:
+  const std::string target_;
+  KvReceiver* const receiver_;
+  std::string request_id_;
+  const std::vector<internal::OutgoingBlock>* blocks_ = nullptr;
+  v1::KvBlockPayload payload_;
+  v1::KvAck ack_;
+};
 
 class InProcessTransport final : public KvTransport {
  public:
@@ -89,25 +107,21 @@ class InProcessTransport final : public KvTransport {
   void Send(const std::string& target, const std::string& request_id,
             std::shared_ptr<const PagedKvCache> kv, int64_t lease_ms,
             TransferCallback done) override {
-    std::thread([target, request_id, kv = std::move(kv), lease_ms,
-                 done = std::move(done)]() mutable {
-      absl::StatusOr<TransferResult> result;
-      if (kv == nullptr) {
-        result = absl::InvalidArgumentError(
-            absl::StrCat("KV transfer for ", request_id, ": no KV to send"));
-      } else if (KvReceiver* receiver = Registry::Get().Acquire(target); receiver == nullptr) {
-        result = absl::UnavailableError(absl::StrCat("KV transfer for ", request_id,
-                                                     ": no in-process KV receiver named '",
-                                                     target, "'"));
-      } else {
-        result = RunTransfer(receiver, request_id, *kv, lease_ms);
-        Registry::Get().Done(target);
-      }
-      kv.reset();  // the sender's blocks are released before `done` runs
-      TransferCallback callback = std::move(done);
-      callback(std::move(result));
-    }).detach();
+    sender_.Send(target, request_id, std::move(kv), lease_ms, std::move(done),
+                 [](const std::string& target, const std::string& request_id,
+                    absl::Time) -> absl::StatusOr<std::unique_ptr<internal::BlockMover>> {
+                   KvReceiver* receiver = Registry::Get().Acquire(target);
+                   if (receiver == nullptr) {
+                     return absl::UnavailableError(
+                         absl::StrCat("KV transfer for ", request_id,
+                                      ": no in-process KV receiver named '", target, "'"));
+                   }
+                   return std::make_unique<InProcessMover>(target, receiver);
+                 });
   }
+
+ private:
+  internal::ProtocolSender sender_{"inprocess", 0};
 };
 
 }  // namespace

@@ -210,14 +210,25 @@ TEST_F(KvTcpTransportTest, UnreachableTargetIsUnavailable) {
   EXPECT_THAT(sent->result.status().message(), HasSubstr(dead));
 }
 
-TEST_F(KvTcpTransportTest, NcclBootstrapIsUnimplemented) {
+// A service without a GpuReceiveEndpoint refuses the GPU transports' set-up clearly.
+TEST_F(KvTcpTransportTest, GpuSetUpRefusedWithoutGpu) {
   auto stub = v1::KvTransferService::NewStub(
       grpc::CreateChannel(target_, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext context;
-  v1::NcclBootstrapRequest request;
-  v1::NcclBootstrapResponse response;
-  EXPECT_EQ(stub->NcclBootstrap(&context, request, &response).error_code(),
-            grpc::StatusCode::UNIMPLEMENTED);
+  {
+    grpc::ClientContext context;
+    v1::NcclBootstrapRequest request;
+    v1::NcclBootstrapResponse response;
+    const grpc::Status s = stub->NcclBootstrap(&context, request, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(s.error_message(), HasSubstr("GPU KV transports are off"));
+  }
+  {
+    grpc::ClientContext context;
+    v1::CudaIpcOpenRequest request;
+    v1::CudaIpcOpenResponse response;
+    EXPECT_EQ(stub->CudaIpcOpen(&context, request, &response).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
 }
 
 }  // namespace

@@ -1,6 +1,9 @@
 #include "kvstore/transfer.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -167,6 +170,15 @@ void FillPayload(const PagedKvCache& kv, const OutgoingBlock& b, v1::KvBlockPayl
   out->mutable_data()->assign(reinterpret_cast<const char*>(pool->BlockData(b.kind, b.physical)),
                               bytes);
   out->set_checksum(Fnv1a64(out->data()));
+}
+
+std::string KvNodeName() {
+  if (const char* node = std::getenv("NODE_NAME"); node != nullptr && node[0] != '\0') {
+    return node;
+  }
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) return "";
+  return host;
 }
 
 }  // namespace internal

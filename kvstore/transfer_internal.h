@@ -26,4 +26,7 @@ std::vector<OutgoingBlock> BlocksToSend(const v1::KvDescriptor& descriptor,
 // `block`'s payload: its raw floats (exactly BlockBytes bytes) and their FNV-1a 64 checksum.
 void FillPayload(const PagedKvCache& kv, const OutgoingBlock& block, v1::KvBlockPayload* out);
 
+// The node this process runs on, for KvPeerInfo: env NODE_NAME (Kubernetes), else the host name.
+std::string KvNodeName();
+
 }  // namespace dgserve::kv::internal

@@ -440,24 +440,12 @@ cudaError_t cudaMemset(void* p, int value, size_t bytes) {
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
   return cudaMemset(p, value, bytes);
 }
-struct CUstream_st {
-  int unused = 0;
-};
-cudaError_t cudaStreamCreate(cudaStream_t* stream) {
-  *stream = new CUstream_st;
-  return cudaSuccess;
-}
-cudaError_t cudaStreamDestroy(cudaStream_t stream) {
-  delete stream;
-  return cudaSuccess;
-}
 cudaError_t cudaDeviceReset() {
   std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_state_mu);
   dgserve::cuda::emu::g_last_error = dgserve::cuda::emu::g_sticky_error = cudaSuccess;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() { return Sticky(); }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return Sticky(); }
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = 1;
   return cudaSuccess;
@@ -497,6 +485,10 @@ const char* cudaGetErrorString(cudaError_t e) {
       return "no CUDA-capable device is detected (emulated)";
     case cudaErrorLaunchFailure:
       return "unspecified launch failure (emulated; see stderr)";
+    case cudaErrorNotReady:
+      return "device not ready (emulated)";
+    case cudaErrorInvalidResourceHandle:
+      return "invalid resource handle (emulated)";
   }
   return "unknown error (emulated)";
 }

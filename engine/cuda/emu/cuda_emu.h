@@ -67,6 +67,8 @@ enum cudaError {
   cudaErrorInvalidConfiguration = 9,
   cudaErrorInvalidDevice = 101,
   cudaErrorNoDevice = 100,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
   cudaErrorLaunchFailure = 719,
 };
 typedef enum cudaError cudaError_t;
@@ -96,12 +98,56 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
                             cudaStream_t stream = nullptr);
 cudaError_t cudaMemset(void* p, int value, size_t bytes);
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream = nullptr);
-// Streams exist only as handles: every launch and copy is synchronous, so these only report
-// the sticky error of a failed kernel.
+// Streams: every launch and copy is synchronous; the only work a stream can have outstanding is
+// the emulated NCCL's (nccl_emu.cc: a send or receive not yet matched by its peer), which
+// cudaStreamQuery reports as cudaErrorNotReady and cudaStreamSynchronize waits for. Both also
+// report the sticky error of a failed kernel. (cuda_emu_async.cc)
 cudaError_t cudaStreamCreate(cudaStream_t* stream);
+enum { cudaStreamDefault = 0, cudaStreamNonBlocking = 1 };
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags);
 cudaError_t cudaStreamDestroy(cudaStream_t stream);
 cudaError_t cudaDeviceSynchronize();
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaStreamQuery(cudaStream_t stream);
+// Events: a record completes when the stream's outstanding work (above) has; copies are
+// synchronous, so after cudaMemcpyAsync + cudaEventRecord the event is complete.
+struct CUevent_st;
+typedef struct CUevent_st* cudaEvent_t;
+enum { cudaEventDefault = 0, cudaEventBlockingSync = 1, cudaEventDisableTiming = 2,
+       cudaEventInterprocess = 4 };
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
+cudaError_t cudaEventSynchronize(cudaEvent_t event);
+cudaError_t cudaEventQuery(cudaEvent_t event);
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags = 0);
+// CUDA IPC within one process (both ends of an emulated "interprocess" exchange are in the
+// test's process): a handle carries the pointer itself. Opening an event handle gives a new
+// event object (the opener destroys it); opening a memory handle returns its pointer (cudaIpcCloseMemHandle is then
+// a no-op). A handle of memory that was not allocated by cudaMalloc is refused.
+typedef struct cudaIpcMemHandle_st {
+  char reserved[64];
+} cudaIpcMemHandle_t;
+typedef struct cudaIpcEventHandle_st {
+  char reserved[64];
+} cudaIpcEventHandle_t;
+enum { cudaIpcMemLazyEnablePeerAccess = 1 };
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* device_ptr);
+cudaError_t cudaIpcOpenMemHandle(void** device_ptr, cudaIpcMemHandle_t handle, unsigned flags);
+cudaError_t cudaIpcCloseMemHandle(void* device_ptr);
+cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t* handle, cudaEvent_t event);
+cudaError_t cudaIpcOpenEventHandle(cudaEvent_t* event, cudaIpcEventHandle_t handle);
+// Device properties: name and a fixed UUID of the one emulated device.
+typedef struct CUuuid_st {
+  char bytes[16];
+} cudaUUID_t;
+struct cudaDeviceProp {
+  char name[256];
+  cudaUUID_t uuid;
+  size_t totalGlobalMem;
+  int major, minor;
+};
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
 // Clears the sticky error of a failed kernel (memory is kept, unlike on a device).
 cudaError_t cudaDeviceReset();
 // One emulated device (an H200's limits: 227 KiB opt-in shared memory per block).
@@ -115,6 +161,11 @@ cudaError_t cudaPeekAtLastError();
 const char* cudaGetErrorString(cudaError_t e);
 
 namespace dgserve::cuda::emu {
+
+// Work outstanding on a stream (the emulated NCCL's unmatched sends and receives): Begin before
+// it is queued, End once it completed or was aborted. nullptr is the default stream.
+void StreamWorkBegin(cudaStream_t stream);
+void StreamWorkEnd(cudaStream_t stream);
 
 // Records a kernel's opt-in dynamic shared memory size (checked at launch, as on a device:
 // more than 48 KiB needs it).

@@ -1,0 +1,150 @@
+// Pieces shared by the NCCL and CUDA IPC KV transports (not part of the public interface).
+// Compiled against the CUDA toolkit and NCCL, or against engine/cuda/emu's emulation of both
+// (label gpu-emu): the same code either way.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvstore/gpu_transport.h"
+#include "kvstore/kv_stream_client.h"
+#include "kvstore/transfer_protocol.h"
+#include "kvstore/transfer_service.h"
+
+namespace dgserve::kv::gpu {
+
+// Staging layout: a round's blocks are packed in their order, each at an offset aligned to this.
+inline constexpr int64_t kStagingAlign = 256;
+inline int64_t AlignUp(int64_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
+
+// OK, or INTERNAL "<what>: <CUDA error string>".
+absl::Status CudaStatus(cudaError_t e, const std::string& what);
+
+// This process's identity as a sender: "<host>:<pid>:<serial>", unique per transport instance.
+std::string NewSenderIdentity();
+
+// Calls `poll` every ~200 µs until it returns true or an error; DEADLINE_EXCEEDED naming `what`
+// at `deadline`, CANCELLED once `cancelled` (may be empty) returns true.
+absl::Status PollUntil(const std::function<absl::StatusOr<bool>()>& poll, absl::Time deadline,
+                       const std::function<bool()>& cancelled, const std::string& what);
+
+// The staging round each block belongs to: round_end[i] says block i ends its round. Rounds
+// fill `staging_bytes` (block offsets aligned to kStagingAlign) greedily.
+std::vector<bool> RoundEnds(const std::vector<int64_t>& block_bytes, int64_t staging_bytes);
+
+// Device memory, freed on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer();
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  absl::Status Allocate(int64_t bytes);
+  char* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  char* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+// The sending half common to both GPU transports: per block, the bytes go host → device into
+// staging (StageBlock) and a control message (kind, index, size, checksum, group_end) goes on
+// the PushBlocks stream; at the end of each round EndRound moves the staged bytes.
+class GpuMover : public internal::BlockMover {
+ public:
+  GpuMover(std::shared_ptr<grpc::Channel> channel, const std::string& target,
+           const std::string& request_id, v1::KvDataPath path, std::string session,
+           int64_t staging_bytes);
+
+  absl::Status Open(const v1::KvTransferHeader& header,
+                    const std::vector<internal::OutgoingBlock>& blocks,
+                    absl::Time deadline) override;
+  absl::Status MoveBlock(const PagedKvCache& kv, size_t index) override;
+  absl::StatusOr<v1::KvAck> Close(const v1::KvTransferTrailer& trailer) override;
+  void Cancel(const absl::Status& why) override;
+
+ protected:
+  // Before the first block of round `round` of this transfer.
+  virtual absl::Status BeginRound(int round) { return absl::OkStatus(); }
+  // Copies `bytes` bytes at `host` into staging at `offset`.
+  virtual absl::Status StageBlock(const void* host, int64_t bytes, int64_t offset) = 0;
+  // The round's blocks are staged (`sizes`, at `offsets`); called before its last control
+  // message is written (kBeforeLastMessage) or after (kAfterLastMessage), as the transport
+  // needs: CUDA IPC publishes the data first, NCCL sends after the receiver can match it.
+  enum class When { kBeforeLastMessage, kAfterLastMessage };
+  virtual When end_round_when() const = 0;
+  virtual absl::Status EndRound(const std::vector<int64_t>& offsets,
+                                const std::vector<int64_t>& sizes) = 0;
+  // The transfer failed: the session must not be reused.
+  virtual void Broken(const absl::Status& why) = 0;
+  // The receiver's own status for a transfer that failed on the device side (the stream is
+  // half-closed and its status read, bounded by the lease); `fallback` when it says OK.
+  absl::Status ReceiverStatus(const absl::Status& fallback);
+
+  absl::Time deadline_;
+  const std::string target_, request_id_;
+
+ private:
+  internal::KvStreamClient stream_;
+  const v1::KvDataPath path_;
+  const std::string session_;
+  const int64_t staging_bytes_;
+  const std::vector<internal::OutgoingBlock>* blocks_ = nullptr;
+  std::vector<bool> round_end_;
+  int round_ = 0;
+  std::vector<int64_t> offsets_, sizes_;
+  int64_t next_offset_ = 0;
+  bool failed_ = false;
+};
+
+// Per-target session cache of a GPU transport: one session per target at a time, used by one
+// transfer at a time (a transfer waits for the session until its deadline).
+template <typename Session>
+class SessionSlot {
+ public:
+  // Waits until no transfer uses the slot (DEADLINE_EXCEEDED at `deadline`), then owns it.
+  absl::Status Acquire(absl::Time deadline);
+  void Release();
+  std::unique_ptr<Session> session;  // null: none, or dropped after an error
+
+ private:
+  absl::Mutex mu_;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+template <typename Session>
+absl::Status SessionSlot<Session>::Acquire(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (!mu_.AwaitWithDeadline(absl::Condition(+[](bool* busy) { return !*busy; }, &busy_),
+                             deadline)) {
+    return absl::DeadlineExceededError(
+        "the lease ran out while another transfer to the target used its GPU session");
+  }
+  busy_ = true;
+  return absl::OkStatus();
+}
+
+template <typename Session>
+void SessionSlot<Session>::Release() {
+  absl::MutexLock lock(&mu_);
+  busy_ = false;
+}
+
+// The receiving halves (nccl_transport.cc, cuda_ipc_transport.cc), combined by
+// CreateGpuReceiveEndpoint.
+std::shared_ptr<GpuReceiveEndpoint> MakeNcclReceiveHalf(const GpuTransportOptions& options);
+std::shared_ptr<GpuReceiveEndpoint> MakeCudaIpcReceiveHalf(const GpuTransportOptions& options);
+
+// Dials `target` as GpuTransportOptions::make_channel says.
+std::shared_ptr<grpc::Channel> Dial(const GpuTransportOptions& options, const std::string& target);
+
+}  // namespace dgserve::kv::gpu

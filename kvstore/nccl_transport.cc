@@ -1,0 +1,418 @@
+// The NCCL KV transport (kvstore/gpu_transport.h). Sending side: the shared protocol with a
+// GpuMover whose rounds go out as grouped ncclSend from device staging on the session's own
+// stream; receiving side: the NcclBootstrap answer and an OutOfBandSource whose rounds arrive
+// as grouped ncclRecv into the receiver's staging and are copied into the KvBlockPayloads that
+// KvReceiver checks. One two-rank communicator per (sender, target): the receiver makes the
+// ncclUniqueId and joins as rank 1, the sender joins as rank 0; both non-blocking
+// (config.blocking = 0), their progress and asynchronous errors polled against a deadline. On
+// any error or timeout the communicator is aborted (ncclCommAbort), the transfer fails (the
+// receiver frees its blocks: never a partial KV), and the next transfer makes a new one.
+// Compiled against NCCL or, for the gpu-emu tests, against engine/cuda/emu's emulation.
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "kvstore/gpu_internal.h"
+
+namespace dgserve::kv::gpu {
+namespace {
+
+absl::Status NcclStatus(ncclResult_t r, const std::string& what) {
+  if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", ncclGetErrorString(r)));
+}
+
+// Polls until `comm` has no operation in progress and `stream` is idle (or an error).
+absl::Status WaitComm(ncclComm_t comm, cudaStream_t stream, absl::Time deadline,
+                      const std::function<bool()>& cancelled, const std::string& what) {
+  return PollUntil(
+      [&]() -> absl::StatusOr<bool> {
+        ncclResult_t e = ncclSuccess;
+        if (absl::Status s = NcclStatus(ncclCommGetAsyncError(comm, &e), "async error query");
+            !s.ok()) {
+          return s;
+        }
+        if (e == ncclInProgress) return false;
+        if (absl::Status s = NcclStatus(e, what); !s.ok()) return s;
+        if (stream == nullptr) return true;
+        const cudaError_t q = cudaStreamQuery(stream);
+        if (q == cudaErrorNotReady) return false;
+        if (absl::Status s = CudaStatus(q, what); !s.ok()) return s;
+        return true;
+      },
+      deadline, cancelled, absl::StrCat("NCCL ", what));
+}
+
+ncclConfig_t NonBlocking() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// ---- Sending side ---------------------------------------------------------------------------
+
+struct SendSession {
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  DeviceBuffer staging;
+  std::string id;  // KvTransferHeader.gpu_session
+  ~SendSession() {
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+};
+
+struct SendShared {
+  GpuTransportOptions options;
+  std::string identity = NewSenderIdentity();
+  absl::Mutex mu;
+  std::map<std::string, std::shared_ptr<SessionSlot<SendSession>>> slots ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels ABSL_GUARDED_BY(mu);
+};
+
+// Bootstraps a communicator with `target` (its NcclBootstrap makes the id, joins as rank 1).
+absl::StatusOr<std::unique_ptr<SendSession>> Connect(SendShared& shared,
+                                                     const std::shared_ptr<grpc::Channel>& ch,
+                                                     const std::string& target,
+                                                     const std::string& request_id,
+                                                     absl::Time deadline) {
+  const absl::Time init_deadline =
+      std::min(deadline, absl::Now() + shared.options.nccl_init_timeout);
+  auto stub = v1::KvTransferService::NewStub(ch);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(init_deadline));
+  v1::NcclBootstrapRequest request;
+  request.set_request_id(request_id);
+  request.set_sender(shared.identity);
+  request.set_staging_bytes(shared.options.staging_bytes);
+  v1::NcclBootstrapResponse response;
+  if (grpc::Status s = stub->NcclBootstrap(&context, request, &response); !s.ok()) {
+    return internal::FromGrpc(s, request_id, target);
+  }
+  ncclUniqueId id;
+  if (response.unique_id().size() != sizeof(id.internal)) {
+    return absl::InternalError(absl::StrCat("NcclBootstrap answered a unique id of ",
+                                            response.unique_id().size(), " bytes"));
+  }
+  std::copy(response.unique_id().begin(), response.unique_id().end(), id.internal);
+  auto session = std::make_unique<SendSession>();
+  session->id = response.session();
+  const int64_t staging = std::min(response.staging_bytes(), shared.options.staging_bytes);
+  if (absl::Status s = session->staging.Allocate(staging); !s.ok()) return s;
+  if (absl::Status s = CudaStatus(cudaStreamCreateWithFlags(&session->stream,
+                                                            cudaStreamNonBlocking),
+                                  "cudaStreamCreateWithFlags");
+      !s.ok()) {
+    return s;
+  }
+  ncclConfig_t config = NonBlocking();
+  if (absl::Status s = NcclStatus(ncclCommInitRankConfig(&session->comm, 2, id, 0, &config),
+                                  "ncclCommInitRankConfig (rank 0)");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = WaitComm(session->comm, nullptr, init_deadline, nullptr,
+                                "communicator set-up (both ranks joined)");
+      !s.ok()) {
+    return s;  // ~SendSession aborts the communicator
+  }
+  return session;
+}
+
+class NcclMover final : public GpuMover {
+ public:
+  NcclMover(std::shared_ptr<grpc::Channel> channel, const std::string& target,
+            const std::string& request_id, std::shared_ptr<SessionSlot<SendSession>> slot)
+      : GpuMover(std::move(channel), target, request_id, v1::KV_DATA_NCCL, slot->session->id,
+                 slot->session->staging.size()),
+        slot_(std::move(slot)),
+        session_(slot_->session.get()) {}
+  ~NcclMover() override { slot_->Release(); }
+
+ protected:
+  absl::Status StageBlock(const void* host, int64_t bytes, int64_t offset) override {
+    return CudaStatus(cudaMemcpyAsync(session_->staging.data() + offset, host, size_t(bytes),
+                                      cudaMemcpyHostToDevice, session_->stream),
+                      "cudaMemcpyAsync into NCCL staging");
+  }
+  When end_round_when() const override { return When::kAfterLastMessage; }
+  absl::Status EndRound(const std::vector<int64_t>& offsets,
+                        const std::vector<int64_t>& sizes) override {
+    absl::Status s = NcclStatus(ncclGroupStart(), "ncclGroupStart");
+    for (size_t i = 0; s.ok() && i < offsets.size(); ++i) {
+      s = NcclStatus(ncclSend(session_->staging.data() + offsets[i], size_t(sizes[i]), ncclInt8,
+                              1, session_->comm, session_->stream),
+                     "ncclSend");
+    }
+    if (absl::Status e = NcclStatus(ncclGroupEnd(), "ncclGroupEnd"); s.ok()) s = e;
+    if (s.ok()) {
+      s = WaitComm(session_->comm, session_->stream, deadline_, nullptr,
+                   absl::StrCat("send of ", offsets.size(), " blocks"));
+    }
+    if (!s.ok()) Broken(s);  // aborts now, so that the receiver's side ends too
+    return s;
+  }
+  void Broken(const absl::Status&) override { slot_->session.reset(); }
+
+ private:
+  const std::shared_ptr<SessionSlot<SendSession>> slot_;
+  SendSession* const session_;
+};
+
+class NcclTransport final : public KvTransport {
+ public:
+  explicit NcclTransport(const GpuTransportOptions& options)
+      : shared_(std::make_shared<SendShared>()),
+        sender_("nccl", options.max_outstanding_per_target) {
+    shared_->options = options;
+  }
+  std::string name() const override { return "nccl"; }
+
+  void Send(const std::string& target, const std::string& request_id,
+            std::shared_ptr<const PagedKvCache> kv, int64_t lease_ms,
+            TransferCallback done) override {
+    sender_.Send(
+        target, request_id, std::move(kv), lease_ms, std::move(done),
+        [shared = shared_](const std::string& target, const std::string& request_id,
+                           absl::Time deadline)
+            -> absl::StatusOr<std::unique_ptr<internal::BlockMover>> {
+          if (absl::Status s = CudaStatus(cudaSetDevice(shared->options.cuda_device),
+                                          "cudaSetDevice");
+              !s.ok()) {
+            return s;
+          }
+          std::shared_ptr<SessionSlot<SendSession>> slot;
+          std::shared_ptr<grpc::Channel> channel;
+          {
+            absl::MutexLock lock(&shared->mu);
+            auto& sl = shared->slots[target];
+            if (sl == nullptr) sl = std::make_shared<SessionSlot<SendSession>>();
+            slot = sl;
+            auto& ch = shared->channels[target];
+            if (ch == nullptr) ch = Dial(shared->options, target);
+            channel = ch;
+          }
+          if (absl::Status s = slot->Acquire(deadline); !s.ok()) return s;
+          if (slot->session == nullptr) {
+            auto session = Connect(*shared, channel, target, request_id, deadline);
+            if (!session.ok()) {
+              slot->Release();
+              return session.status();
+            }
+            slot->session = *std::move(session);
+          }
+          return std::make_unique<NcclMover>(channel, target, request_id, slot);
+        });
+  }
+
+ private:
+  const std::shared_ptr<SendShared> shared_;
+  internal::ProtocolSender sender_;
+};
+
+// ---- Receiving side -------------------------------------------------------------------------
+
+struct RecvSession {
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  DeviceBuffer staging;
+  absl::Time init_deadline;
+  std::atomic<bool> replaced{false};
+  std::atomic<bool> busy{false};
+  ~RecvSession() {
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+};
+
+class NcclSource final : public OutOfBandSource {
+ public:
+  NcclSource(std::shared_ptr<RecvSession> session, int device, absl::Time deadline,
+             std::function<bool()> cancelled)
+      : session_(std::move(session)), device_(device), deadline_(deadline),
+        cancelled_(std::move(cancelled)) {}
+  ~NcclSource() override { session_->busy = false; }
+
+  absl::Status Fetch(std::vector<v1::KvBlockPayload>& blocks) override {
+    RecvSession& s = *session_;
+    if (s.comm == nullptr) return absl::UnavailableError("NCCL session already failed");
+    if (absl::Status e = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !e.ok()) return e;
+    std::vector<int64_t> offsets;
+    int64_t end = 0;
+    for (const v1::KvBlockPayload& b : blocks) {
+      const int64_t off = AlignUp(end);
+      if (b.data_bytes() <= 0 || off + b.data_bytes() > s.staging.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "staging round of ", blocks.size(), " blocks does not fit the ", s.staging.size(),
+            " bytes of staging (block ", b.logical_block(), ": ", b.data_bytes(), " bytes)"));
+      }
+      offsets.push_back(off);
+      end = off + b.data_bytes();
+    }
+    auto stop = [this] { return session_->replaced.load() || (cancelled_ && cancelled_()); };
+    // The communicator's set-up (started by NcclBootstrap) must have finished.
+    if (absl::Status e = WaitComm(s.comm, nullptr, std::min(deadline_, s.init_deadline), stop,
+                                  "communicator set-up (both ranks joined)");
+        !e.ok()) {
+      return e;
+    }
+    absl::Status st = NcclStatus(ncclGroupStart(), "ncclGroupStart");
+    for (size_t i = 0; st.ok() && i < blocks.size(); ++i) {
+      st = NcclStatus(ncclRecv(s.staging.data() + offsets[i], size_t(blocks[i].data_bytes()),
+                               ncclInt8, 0, s.comm, s.stream),
+                      "ncclRecv");
+    }
+    if (absl::Status e = NcclStatus(ncclGroupEnd(), "ncclGroupEnd"); st.ok()) st = e;
+    if (st.ok()) {
+      st = WaitComm(s.comm, s.stream, deadline_, stop,
+                    absl::StrCat("receive of ", blocks.size(), " blocks"));
+    }
+    if (!st.ok()) return st;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      std::string* data = blocks[i].mutable_data();
+      data->resize(size_t(blocks[i].data_bytes()));
+      if (absl::Status e = CudaStatus(cudaMemcpy(data->data(), s.staging.data() + offsets[i],
+                                                 data->size(), cudaMemcpyDeviceToHost),
+                                      "cudaMemcpy out of NCCL staging");
+          !e.ok()) {
+        return e;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Aborts the communicator now (the sender's pending sends then fail instead of waiting).
+  void Fail(const absl::Status&) override {
+    if (session_->comm != nullptr) {
+      (void)ncclCommAbort(session_->comm);
+      session_->comm = nullptr;
+    }
+  }
+
+ private:
+  const std::shared_ptr<RecvSession> session_;
+  const int device_;
+  const absl::Time deadline_;
+  const std::function<bool()> cancelled_;
+};
+
+class NcclReceiveHalf final : public GpuReceiveEndpoint {
+ public:
+  explicit NcclReceiveHalf(const GpuTransportOptions& options) : options_(options) {}
+
+  absl::StatusOr<v1::NcclBootstrapResponse> NcclBootstrap(
+      const v1::NcclBootstrapRequest& request) override {
+    if (request.sender().empty()) {
+      return absl::InvalidArgumentError("NcclBootstrap without the sender's identity");
+    }
+    if (absl::Status s = CudaStatus(cudaSetDevice(options_.cuda_device), "cudaSetDevice");
+        !s.ok()) {
+      return s;
+    }
+    auto session = std::make_shared<RecvSession>();
+    const int64_t staging = request.staging_bytes() > 0
+                                ? std::min(request.staging_bytes(), options_.staging_bytes)
+                                : options_.staging_bytes;
+    if (absl::Status s = session->staging.Allocate(staging); !s.ok()) return s;
+    if (absl::Status s = CudaStatus(
+            cudaStreamCreateWithFlags(&session->stream, cudaStreamNonBlocking),
+            "cudaStreamCreateWithFlags");
+        !s.ok()) {
+      return s;
+    }
+    ncclUniqueId id;
+    if (absl::Status s = NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
+    ncclConfig_t config = NonBlocking();
+    session->init_deadline = absl::Now() + options_.nccl_init_timeout;
+    if (absl::Status s = NcclStatus(ncclCommInitRankConfig(&session->comm, 2, id, 1, &config),
+                                    "ncclCommInitRankConfig (rank 1)");
+        !s.ok()) {
+      return s;
+    }
+    v1::NcclBootstrapResponse response;
+    response.set_unique_id(std::string(id.internal, sizeof(id.internal)));
+    response.set_staging_bytes(staging);
+    absl::MutexLock lock(&mu_);
+    const std::string name = absl::StrCat("nccl/", request.sender(), "/", ++serial_);
+    if (auto old = by_sender_.find(request.sender()); old != by_sender_.end()) {
+      if (auto it = sessions_.find(old->second); it != sessions_.end()) {
+        it->second->replaced = true;  // a transfer still on it stops waiting
+        sessions_.erase(it);
+      }
+    }
+    by_sender_[request.sender()] = name;
+    sessions_[name] = std::move(session);
+    response.set_session(name);
+    return response;
+  }
+
+  absl::StatusOr<v1::CudaIpcOpenResponse> CudaIpcOpen(const v1::CudaIpcOpenRequest&) override {
+    return absl::UnimplementedError("not the CUDA IPC half");
+  }
+
+  absl::StatusOr<std::unique_ptr<OutOfBandSource>> OpenSource(
+      const v1::KvTransferHeader& header, absl::Time deadline,
+      std::function<bool()> cancelled) override {
+    std::shared_ptr<RecvSession> session;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = sessions_.find(header.gpu_session());
+      if (it == sessions_.end()) {
+        return absl::NotFoundError(absl::StrCat("unknown NCCL session '", header.gpu_session(),
+                                                "' (replaced, or this worker restarted)"));
+      }
+      session = it->second;
+    }
+    if (session->comm == nullptr) {
+      return absl::UnavailableError("the NCCL session failed earlier; bootstrap a new one");
+    }
+    if (session->busy.exchange(true)) {
+      return absl::UnavailableError("another transfer is using this NCCL session");
+    }
+    return std::make_unique<NcclSource>(std::move(session), options_.cuda_device, deadline,
+                                        std::move(cancelled));
+  }
+
+ private:
+  const GpuTransportOptions options_;
+  absl::Mutex mu_;
+  int64_t serial_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, std::string> by_sender_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<RecvSession>> sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+std::shared_ptr<GpuReceiveEndpoint> MakeNcclReceiveHalf(const GpuTransportOptions& options) {
+  return std::make_shared<NcclReceiveHalf>(options);
+}
+
+}  // namespace dgserve::kv::gpu
+
+namespace dgserve::kv {
+
+absl::StatusOr<std::unique_ptr<KvTransport>> CreateNcclTransport(
+    const GpuTransportOptions& options) {
+  using gpu::kStagingAlign;
+  if (options.cuda_device < 0) {
+    return absl::UnavailableError("NCCL KV transport: no CUDA device (cuda_device < 0)");
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || options.cuda_device >= count) {
+    return absl::UnavailableError(absl::StrCat("NCCL KV transport: CUDA device ",
+                                               options.cuda_device, " is not usable"));
+  }
+  if (options.staging_bytes < kStagingAlign) {
+    return absl::InvalidArgumentError("GpuTransportOptions::staging_bytes too small");
+  }
+  return std::make_unique<gpu::NcclTransport>(options);
+}
+
+}  // namespace dgserve::kv
