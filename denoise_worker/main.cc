@@ -13,6 +13,7 @@
 #include "denoise_worker/denoise_service.h"
 #include "kvstore/transfer.h"
 #include "kvstore/transfer_service.h"
+#include "kvstore/transport_selection.h"
 #include "service/internal_auth.h"
 #include "service/kv_metrics.h"
 #include "service/server.h"
@@ -84,8 +85,13 @@ absl::Status Run() {
                         t.status().message());
   }
   DenoiseEngine engine(model->backend.get(), model->pool.get(), &receiver, eopts, &metrics);
+  // What Stats reports for the prefill workers' --kv_transport auto: the node (env NODE_NAME,
+  // else the host name), the GPU of --device cuda (device 0; cpu: none), the transports.
+  const kv::KvPeerInfo peer_info =
+      kv::LocalKvPeerInfo(absl::GetFlag(FLAGS_device) == "cuda" ? 0 : -1);
+  DGSERVE_LOG_INFO("KV transports: %s", kv::DescribeKvPeer(peer_info));
   DenoiseServiceImpl denoise(&engine, model->pool.get(), &receiver, model_id,
-                             eopts.max_batch_canvases);
+                             eopts.max_batch_canvases, peer_info);
   kv::KvTransferServiceOptions topts;
   topts.max_transfers_per_peer = absl::GetFlag(FLAGS_max_kv_transfers_per_peer);
   // A stream outlives its lease by a little at most (the lease starts when its header is read).
