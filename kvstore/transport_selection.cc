@@ -227,8 +227,8 @@ void RoutingKvTransport::Send(const std::string& target, const std::string& requ
         it->second = State::CachedPeer{*peer, absl::Now()};
       }
       if (changed) {  // the first answer of a target, or a different one
-        DGSERVE_LOG_INFO("kv_transport %s: KV target %s reports %s", KvTransportModeName(options_.mode),
-                         target, DescribeKvPeer(*peer));
+        DGSERVE_LOG_INFO("kv_transport %s: KV target %s reports %s",
+                         KvTransportModeName(options_.mode), target, DescribeKvPeer(*peer));
       }
     }
     Route(target, peer, request_id, std::move(kv), lease_ms, std::move(done));

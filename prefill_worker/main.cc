@@ -135,7 +135,8 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         "--chunk_tokens ≥ 1, --step_token_budget ≥ --chunk_tokens and --max_queue ≥ 1 needed");
   }
-  absl::StatusOr<kv::KvTransportMode> mode = kv::ParseKvTransportMode(absl::GetFlag(FLAGS_kv_transport));
+  absl::StatusOr<kv::KvTransportMode> mode =
+      kv::ParseKvTransportMode(absl::GetFlag(FLAGS_kv_transport));
   if (!mode.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--kv_transport: ", mode.status().message()));
   }

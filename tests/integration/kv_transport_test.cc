@@ -88,7 +88,8 @@ TEST_F(KvTransportClusterTest, AutoMovesKvOverTcpAndLabelsTheMetrics) {
 std::pair<int, std::string> RunPrefill(const std::string& flags) {
   // `timeout`: a worker that wrongly starts serving is ended (status 124), not waited for.
   const std::string cmd = absl::StrCat(
-      "timeout 60 ", BinaryPath("prefill_worker/dgserve-prefill-worker"), " --model ", *TestModelDir(),
+      "timeout 60 ", BinaryPath("prefill_worker/dgserve-prefill-worker"), " --model ",
+      *TestModelDir(),
       " --denoise_workers 127.0.0.1:1 --internal_insecure ", flags,
       " 2>&1");
   FILE* p = popen(cmd.c_str(), "r");
