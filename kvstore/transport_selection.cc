@@ -6,6 +6,7 @@
 #include <optional>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/cord.h"
@@ -140,8 +141,17 @@ struct RoutingKvTransport::State {
     KvPeerInfo info;
     absl::Time fetched;
   };
+  // A Send waiting for the lookup of its target that another Send started.
+  struct Waiting {
+    std::string request_id;
+    std::shared_ptr<const PagedKvCache> kv;
+    int64_t lease_ms;
+    TransferCallback done;
+  };
   absl::Mutex mu;
   std::map<std::string, CachedPeer> peers ABSL_GUARDED_BY(mu);
+  // Targets being looked up, with the Sends that wait for that answer.
+  std::map<std::string, std::vector<Waiting>> looking_up ABSL_GUARDED_BY(mu);
   int64_t lookups ABSL_GUARDED_BY(mu) = 0;
   int running_lookups ABSL_GUARDED_BY(mu) = 0;
 };
@@ -206,7 +216,12 @@ void RoutingKvTransport::Send(const std::string& target, const std::string& requ
     if (it != state_->peers.end() &&
         absl::Now() - it->second.fetched < options_.peer_info_ttl) {
       cached = it->second.info;
+    } else if (auto w = state_->looking_up.find(target); w != state_->looking_up.end()) {
+      // One lookup per target at a time: this Send goes with its answer.
+      w->second.push_back(State::Waiting{request_id, std::move(kv), lease_ms, std::move(done)});
+      return;
     } else {
+      state_->looking_up[target];
       ++state_->lookups;
       ++state_->running_lookups;
     }
@@ -218,20 +233,26 @@ void RoutingKvTransport::Send(const std::string& target, const std::string& requ
   std::thread([this, state = state_, target, request_id, kv = std::move(kv), lease_ms,
                done = std::move(done)]() mutable {
     absl::StatusOr<KvPeerInfo> peer = options_.lookup(target);
-    if (peer.ok()) {
-      bool changed = false;
-      {
-        absl::MutexLock lock(&state->mu);
+    bool changed = false;
+    std::vector<State::Waiting> waiting;
+    {
+      absl::MutexLock lock(&state->mu);
+      if (peer.ok()) {
         auto [it, added] = state->peers.try_emplace(target);
         changed = added || DescribeKvPeer(it->second.info) != DescribeKvPeer(*peer);
         it->second = State::CachedPeer{*peer, absl::Now()};
       }
-      if (changed) {  // the first answer of a target, or a different one
-        DGSERVE_LOG_INFO("kv_transport %s: KV target %s reports %s",
-                         KvTransportModeName(options_.mode), target, DescribeKvPeer(*peer));
-      }
+      waiting = std::move(state->looking_up[target]);
+      state->looking_up.erase(target);
+    }
+    if (changed) {  // the first answer of a target, or a different one
+      DGSERVE_LOG_INFO("kv_transport %s: KV target %s reports %s",
+                       KvTransportModeName(options_.mode), target, DescribeKvPeer(*peer));
     }
     Route(target, peer, request_id, std::move(kv), lease_ms, std::move(done));
+    for (State::Waiting& w : waiting) {
+      Route(target, peer, w.request_id, std::move(w.kv), w.lease_ms, std::move(w.done));
+    }
     absl::MutexLock lock(&state->mu);
     --state->running_lookups;  // `this` may be destroyed from here on
   }).detach();

@@ -75,8 +75,9 @@ struct RoutingKvTransportOptions {
 // FAILED_PRECONDITION. In auto mode a target whose lookup fails is sent over TCP (its own
 // error, if unreachable, is the transfer's); in an explicit GPU mode the lookup error fails the
 // transfer. The result's `transport` names the transport used; a failure carries it as a
-// payload (FailedKvTransport). Send returns at once (a lookup runs on its own thread);
-// destruction waits for running lookups, not for transfers (the transports' own contract).
+// payload (FailedKvTransport). Send returns at once (a lookup runs on its own thread; one per
+// target at a time, the Sends that arrive meanwhile wait for its answer); destruction waits for
+// running lookups, not for transfers (the transports' own contract).
 class RoutingKvTransport final : public KvTransport {
  public:
   RoutingKvTransport(RoutingKvTransportOptions options, std::unique_ptr<KvTransport> tcp,

@@ -304,6 +304,40 @@ TEST_F(RoutingKvTransportTest, AFailedTransferOrAnExpiredAnswerIsLookedUpAgain) 
   EXPECT_EQ(router.lookups(), 2);
 }
 
+TEST_F(RoutingKvTransportTest, SendsThatArriveDuringALookupWaitForItsAnswer) {
+  absl::Notification answer;
+  std::atomic<int> asked{0};
+  RoutingKvTransportOptions o;
+  o.mode = KvTransportMode::kAuto;
+  o.local = LocalKvPeerInfo(-1);
+  o.lookup = [&](const std::string&) -> absl::StatusOr<KvPeerInfo> {
+    ++asked;
+    answer.WaitForNotification();
+    return Peer("node-b", "", {"tcp"});
+  };
+  RoutingKvTransport router(o, CreateTcpTransport(), nullptr, nullptr);
+  std::vector<std::shared_ptr<SendWaiter>> sent;
+  for (int i = 0; i < 3; ++i) {
+    sent.push_back(SendWaiter::Make());
+    router.Send(target_, "wait-" + std::to_string(i), src_, 10000, sent.back()->Callback());
+  }
+  EXPECT_FALSE(sent[2]->done.HasBeenNotified());  // nothing is sent before the answer
+  answer.Notify();
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(sent[i]->Wait());
+    ASSERT_THAT(sent[i]->result, IsOk());
+    EXPECT_EQ(sent[i]->result->transport, "tcp");
+    auto got = KvWaiter::Make();
+    receiver_->Expect("wait-" + std::to_string(i), absl::Now() + absl::Seconds(10),
+                      got->Callback());
+    ASSERT_TRUE(got->Wait());
+    ASSERT_THAT(got->result, IsOk());
+    testing::ExpectPattern(**got->result, layout_, 7);
+  }
+  EXPECT_EQ(asked.load(), 1);
+  EXPECT_EQ(router.lookups(), 1);
+}
+
 TEST_F(RoutingKvTransportTest, AutoFallsBackToTcpWhenTheTargetCannotBeAsked) {
   RoutingKvTransportOptions o;
   o.mode = KvTransportMode::kAuto;
