@@ -1,7 +1,8 @@
 // The choice of KV transport on the real three-process cluster (issue 14, item 4): the denoise
 // worker reports its node and KV transports in Stats, the prefill worker at --kv_transport=auto
 // asks it (DenoiseService.Stats over the internal, token-authenticated channel) and moves the KV
-// over tcp on this machine (no GPU), its transfer metrics labelled transport="tcp"; a GPU
+// over tcp on this machine (no GPU), its transfer metrics (and failures) labelled
+// transport="tcp"; a GPU
 // transport this build or machine cannot use refuses the prefill worker's start.
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -81,6 +82,26 @@ TEST_F(KvTransportClusterTest, AutoMovesKvOverTcpAndLabelsTheMetrics) {
                                           " reports node kv-transport-test-node, no GPU, "
                                           "transports tcp")));
   EXPECT_THAT(log, Not(HasSubstr("sending over tcp")));  // the lookup did not fail
+}
+
+// A failed transfer counts under the transport that failed it (tcp, where the fault-injection
+// hook cuts it), not under the mode's name.
+TEST(KvTransportFailureTest, ACutTransferCountsAsATcpFailure) {
+  ClusterOptions o;
+  o.model_dir = *TestModelDir();
+  o.prefill_flags = {"--kv_transport=auto", "--testing_cut_transfer_after_bytes=1000"};
+  o.gateway_flags = {"--max_attempts=1"};
+  auto c = TestCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Result r = Generate(**c, Chat("cut me", 1, 16));
+  ASSERT_FALSE(r.status.ok());
+  const std::string failures = "dgserve_prefill_kv_transfer_failures_total{transport=\"tcp\"}";
+  std::string metrics;
+  EXPECT_TRUE(Eventually([&] {
+    metrics = *TestCluster::ScrapeMetrics((*c)->prefill());
+    return TestCluster::MetricValue(metrics, failures) >= 1;
+  })) << metrics;
+  EXPECT_THAT(metrics, Not(HasSubstr("transport=\"auto\"")));
 }
 
 // Runs the prefill worker with `flags` (no denoise worker behind it is needed: the flag is
