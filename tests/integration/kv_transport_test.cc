@@ -2,8 +2,8 @@
 // worker reports its node and KV transports in Stats, the prefill worker at --kv_transport=auto
 // asks it (DenoiseService.Stats over the internal, token-authenticated channel) and moves the KV
 // over tcp on this machine (no GPU), its transfer metrics (and failures) labelled
-// transport="tcp"; a GPU
-// transport this build or machine cannot use refuses the prefill worker's start.
+// transport="tcp"; a GPU transport this build or machine cannot use refuses the prefill
+// worker's start.
 #include <stdlib.h>
 #include <sys/wait.h>
 
