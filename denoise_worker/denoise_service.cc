@@ -1,5 +1,6 @@
 #include "denoise_worker/denoise_service.h"
 
+#include "kvstore/transport_selection.h"
 #include "service/status_convert.h"
 
 namespace dgserve {
@@ -49,6 +50,7 @@ grpc::Status DenoiseServiceImpl::Stats(grpc::ServerContext*, const v1::StatsRequ
   response->set_draining(engine_->draining());
   response->set_max_batch_canvases(max_batch_canvases_);
   FillPoolStats(*pool_, response);
+  kv::FillKvPeerInfo(peer_info_, response);
   return grpc::Status::OK;
 }
 

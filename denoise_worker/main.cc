@@ -11,8 +11,10 @@
 #include "denoise_worker/denoise_engine.h"
 #include "denoise_worker/denoise_metrics.h"
 #include "denoise_worker/denoise_service.h"
+#include "kvstore/gpu_transport.h"
 #include "kvstore/transfer.h"
 #include "kvstore/transfer_service.h"
+#include "kvstore/transport_selection.h"
 #include "service/internal_auth.h"
 #include "service/kv_metrics.h"
 #include "service/server.h"
@@ -84,12 +86,34 @@ absl::Status Run() {
                         t.status().message());
   }
   DenoiseEngine engine(model->backend.get(), model->pool.get(), &receiver, eopts, &metrics);
+  // What Stats reports for the prefill workers' --kv_transport auto: the node (env NODE_NAME,
+  // else the host name), the GPU of --device cuda (device 0; cpu: none), the transports.
+  const bool cuda = absl::GetFlag(FLAGS_device) == "cuda";
+  kv::KvPeerInfo peer_info = kv::LocalKvPeerInfo(cuda ? 0 : -1);
+  // With a GPU: the receiving half of the NCCL and CUDA IPC transports (their staging memory on
+  // device 0). Where it cannot be made (a build without them, no usable device), only TCP is
+  // offered.
+  std::shared_ptr<kv::GpuReceiveEndpoint> gpu_endpoint;
+  if (cuda && peer_info.transports.size() > 1) {
+    kv::GpuTransportOptions gopts;
+    gopts.cuda_device = 0;
+    absl::StatusOr<std::shared_ptr<kv::GpuReceiveEndpoint>> ep =
+        kv::CreateGpuReceiveEndpoint(gopts);
+    if (ep.ok()) {
+      gpu_endpoint = *std::move(ep);
+    } else {
+      DGSERVE_LOG_WARNING("GPU KV transports off: %s", ep.status().ToString());
+    }
+  }
+  if (gpu_endpoint == nullptr) peer_info.transports = {"tcp"};
+  DGSERVE_LOG_INFO("KV transports: %s", kv::DescribeKvPeer(peer_info));
   DenoiseServiceImpl denoise(&engine, model->pool.get(), &receiver, model_id,
-                             eopts.max_batch_canvases);
+                             eopts.max_batch_canvases, peer_info);
   kv::KvTransferServiceOptions topts;
   topts.max_transfers_per_peer = absl::GetFlag(FLAGS_max_kv_transfers_per_peer);
   // A stream outlives its lease by a little at most (the lease starts when its header is read).
   topts.max_stream_time = absl::Milliseconds(max_lease_ms) + absl::Seconds(5);
+  topts.gpu = gpu_endpoint;
   kv::KvTransferServiceImpl transfer(&receiver, topts);
   if (absl::Status s = runner.Start({&denoise, &transfer}, {v1::DenoiseService::service_full_name(),
                                                       v1::KvTransferService::service_full_name()}); !s.ok()) return s;

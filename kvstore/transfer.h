@@ -37,6 +37,9 @@ struct TransferResult {
   int blocks = 0;
   int64_t bytes = 0;
   double seconds = 0;
+  // The transport that moved the bytes ("tcp", "cuda_ipc", "nccl", "inprocess"); set by
+  // RoutingKvTransport (kvstore/transport_selection.h); empty from a transport used directly.
+  std::string transport;
 };
 
 using TransferCallback = std::function<void(absl::StatusOr<TransferResult>)>;

@@ -9,7 +9,11 @@
 #include "common/logging.h"
 #include "common/openmp_env.h"
 #include "engine/generation/generator.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kvstore/gpu_transport.h"
 #include "kvstore/transfer.h"
+#include "kvstore/transport_selection.h"
 #include "prefill_worker/prefill_engine.h"
 #include "prefill_worker/prefill_metrics.h"
 #include "prefill_worker/prefill_service.h"
@@ -32,9 +36,13 @@ ABSL_FLAG(int, chunk_tokens, dgserve::kPrefillChunkTokens,
           "prompt tokens per encoder pass of one request");
 ABSL_FLAG(int, step_token_budget, 2048, "prompt tokens of all requests per encoder step");
 ABSL_FLAG(int, max_queue, 256, "prompts queued or running at most");
-ABSL_FLAG(std::string, kv_transport, "tcp", "KV transport to the denoise workers: tcp");
+ABSL_FLAG(std::string, kv_transport, "auto",
+          "KV transport to the denoise workers: auto (per target, from what it reports in Stats: "
+          "cuda_ipc on the same node and GPU, else nccl where both ends can, else tcp), tcp, "
+          "cuda_ipc or nccl (refused at start when this build or machine cannot use it)");
 ABSL_FLAG(int64_t, testing_cut_transfer_after_bytes, 0,
-          "fault injection for tests: cut every KV transfer after this many payload bytes");
+          "fault injection for tests: cut every KV transfer over tcp after this many payload "
+          "bytes");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running prefills");
 ABSL_FLAG(std::string, denoise_workers, "",
           "required: comma-separated denoise worker addresses (host:port or dns:///name:port, "
@@ -49,6 +57,72 @@ ABSL_FLAG(std::string, health_address, "",
 
 namespace dgserve {
 
+using MakeChannelFn = std::function<std::shared_ptr<grpc::Channel>(
+    const std::string& target, const grpc::ChannelArguments& args)>;
+
+// Refuses an explicit --kv_transport cuda_ipc or nccl that this process cannot take part in
+// (checked before the model loads, so a wrong flag fails at once).
+absl::Status CheckExplicitKvTransport(kv::KvTransportMode mode, const kv::KvPeerInfo& local,
+                                      const std::string& device) {
+  if (mode == kv::KvTransportMode::kAuto || mode == kv::KvTransportMode::kTcp) {
+    return absl::OkStatus();
+  }
+  const std::string name = kv::KvTransportModeName(mode);
+  if (std::find(local.transports.begin(), local.transports.end(), name) ==
+      local.transports.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--kv_transport ", name, ": this process cannot use it with --device ", device,
+        " (it reports ", kv::DescribeKvPeer(local),
+        "; cuda_ipc and nccl need the CUDA build with NCCL and --device cuda on a GPU)"));
+  }
+  return absl::OkStatus();
+}
+
+// The routing KV transport of `mode`: TCP always (with the fault-injection hook), and the GPU
+// transports this process reports. In auto mode a GPU transport that cannot be made is left
+// out (logged); in an explicit GPU mode that refuses the start.
+absl::StatusOr<std::unique_ptr<kv::RoutingKvTransport>> MakeKvTransport(
+    kv::KvTransportMode mode, const kv::KvPeerInfo& local, const MakeChannelFn& make_channel,
+    int cuda_device) {
+  kv::TcpTransportOptions topts;
+  topts.cut_after_bytes = absl::GetFlag(FLAGS_testing_cut_transfer_after_bytes);
+  topts.max_outstanding_per_target = absl::GetFlag(FLAGS_max_kv_pushes_per_target);
+  topts.make_channel = make_channel;
+  kv::GpuTransportOptions gopts;
+  gopts.make_channel = make_channel;
+  gopts.cuda_device = cuda_device;
+  gopts.max_outstanding_per_target = topts.max_outstanding_per_target;
+  auto reports = [&local](const std::string& t) {
+    return std::find(local.transports.begin(), local.transports.end(), t) !=
+           local.transports.end();
+  };
+  std::unique_ptr<kv::KvTransport> gpu[2];
+  const std::pair<kv::KvTransportMode, std::string> kinds[2] = {
+      {kv::KvTransportMode::kCudaIpc, "cuda_ipc"}, {kv::KvTransportMode::kNccl, "nccl"}};
+  for (int i = 0; i < 2; ++i) {
+    const bool wanted = mode == kinds[i].first;
+    if (mode != kv::KvTransportMode::kAuto && !wanted) continue;
+    if (!reports(kinds[i].second)) continue;
+    absl::StatusOr<std::unique_ptr<kv::KvTransport>> t =
+        i == 0 ? kv::CreateCudaIpcTransport(gopts) : kv::CreateNcclTransport(gopts);
+    if (t.ok()) {
+      gpu[i] = *std::move(t);
+    } else if (wanted) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--kv_transport ", kinds[i].second, ": ", t.status().message()));
+    } else {
+      DGSERVE_LOG_WARNING("--kv_transport auto: %s is left out: %s", kinds[i].second,
+                          t.status().message());
+    }
+  }
+  kv::RoutingKvTransportOptions ropts;
+  ropts.mode = mode;
+  ropts.local = local;
+  ropts.lookup = kv::StatsKvPeerLookup(make_channel);
+  return std::make_unique<kv::RoutingKvTransport>(std::move(ropts), kv::CreateTcpTransport(topts),
+                                                  std::move(gpu[0]), std::move(gpu[1]));
+}
+
 absl::Status Run() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
@@ -61,9 +135,15 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         "--chunk_tokens ≥ 1, --step_token_budget ≥ --chunk_tokens and --max_queue ≥ 1 needed");
   }
-  if (absl::GetFlag(FLAGS_kv_transport) != "tcp") {
-    return absl::InvalidArgumentError("--kv_transport: only 'tcp' between processes");
+  absl::StatusOr<kv::KvTransportMode> mode =
+      kv::ParseKvTransportMode(absl::GetFlag(FLAGS_kv_transport));
+  if (!mode.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_transport: ", mode.status().message()));
   }
+  // This process's GPU is that of --device cuda (device 0); with --device cpu it has none.
+  const std::string device = absl::GetFlag(FLAGS_device);
+  const kv::KvPeerInfo local = kv::LocalKvPeerInfo(device == "cuda" ? 0 : -1);
+  if (absl::Status s = CheckExplicitKvTransport(*mode, local, device); !s.ok()) return s;
   const std::string model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
   absl::StatusOr<WorkerModel> model =
       LoadWorkerModel(dir, model_id, absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_kv_cache_mib),
@@ -95,15 +175,18 @@ absl::Status Run() {
   ServiceRunner runner(opts);
   PrefillMetrics metrics(runner.registry());
   KvMetrics kv_metrics(runner.registry(), "prefill");
-  kv::TcpTransportOptions topts;
-  topts.cut_after_bytes = absl::GetFlag(FLAGS_testing_cut_transfer_after_bytes);
-  topts.max_outstanding_per_target = absl::GetFlag(FLAGS_max_kv_pushes_per_target);
-  topts.make_channel = [auth = *auth](const std::string& target,
-                                      const grpc::ChannelArguments& args) {
+  auto make_channel = [auth = *auth](const std::string& target,
+                                     const grpc::ChannelArguments& args) {
     return auth->MakeChannel(target, args);
   };
-  PrefillEngine engine(model->backend.get(), model->pool.get(), kv::CreateTcpTransport(topts),
-                       eopts, &metrics, &kv_metrics);
+  absl::StatusOr<std::unique_ptr<kv::RoutingKvTransport>> transport =
+      MakeKvTransport(*mode, local, make_channel, device == "cuda" ? 0 : -1);
+  if (!transport.ok()) return transport.status();
+  DGSERVE_LOG_INFO("--kv_transport %s; this process: %s; usable here: %s",
+                   kv::KvTransportModeName(*mode), kv::DescribeKvPeer(local),
+                   absl::StrJoin((*transport)->available(), ","));
+  PrefillEngine engine(model->backend.get(), model->pool.get(), *std::move(transport), eopts,
+                       &metrics, &kv_metrics);
   PrefillServiceImpl service(&engine, model->pool.get(), model_id);
   if (absl::Status s = runner.Start({&service}, {v1::PrefillService::service_full_name()}); !s.ok()) return s;
 

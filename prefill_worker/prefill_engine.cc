@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/paged_kv_cache.h"
+#include "kvstore/transport_selection.h"
 
 namespace dgserve {
 
@@ -255,15 +256,18 @@ void PrefillEngine::Ship(std::shared_ptr<Job> job) {
           const absl::Status& st = result.status();
           const bool client_ended =
               job->cancelled || absl::IsCancelled(st) || absl::IsDeadlineExceeded(st);
-          if (kv_metrics_ && !client_ended) kv_metrics_->RecordTransferFailure(transport_name_);
+          if (kv_metrics_ && !client_ended) {
+            kv_metrics_->RecordTransferFailure(kv::FailedKvTransport(st, transport_name_));
+          }
           Fail(*job, absl::Status(result.status().code(),
                                   absl::StrCat("KV transfer to ", job->request.kv_target(),
                                                " failed: ", result.status().message())));
           return;
         }
-        if (kv_metrics_) {
-          kv_metrics_->RecordTransfer(transport_name_, result->bytes, result->seconds);
-        }
+        // The transport that moved the bytes (a routing transport names it per transfer).
+        const std::string used =
+            result->transport.empty() ? transport_name_ : result->transport;
+        if (kv_metrics_) kv_metrics_->RecordTransfer(used, result->bytes, result->seconds);
         v1::PrefillResponse r;
         r.set_prompt_tokens(job->request.tokens_size());
         r.set_cached_tokens(job->cached_tokens);
@@ -271,7 +275,7 @@ void PrefillEngine::Ship(std::shared_ptr<Job> job) {
         r.set_prefill_seconds(job->encode_seconds);
         r.set_transfer_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
         r.set_transfer_bytes(result->bytes);
-        r.set_transport(transport_name_);
+        r.set_transport(used);
         // Cached tokens count once the prefill that reused them is served (a failed or
         // cancelled one reused nothing for anyone).
         if (kv_metrics_) kv_metrics_->RecordPrefixHit(job->cached_tokens);
