@@ -54,13 +54,7 @@ struct SendSession {
   }
 };
 
-struct SendShared {
-  GpuTransportOptions options;
-  std::string identity = NewSenderIdentity();
-  absl::Mutex mu;
-  std::map<std::string, std::shared_ptr<SessionSlot<SendSession>>> slots ABSL_GUARDED_BY(mu);
-  std::map<std::string, std::shared_ptr<grpc::Channel>> channels ABSL_GUARDED_BY(mu);
-};
+using SendShared = gpu::SendShared<SendSession>;
 
 absl::StatusOr<std::unique_ptr<SendSession>> Connect(SendShared& shared,
                                                      const std::shared_ptr<grpc::Channel>& ch,
@@ -164,56 +158,7 @@ class IpcMover final : public GpuMover {
   SendSession* const session_;
 };
 
-class CudaIpcTransport final : public KvTransport {
- public:
-  explicit CudaIpcTransport(const GpuTransportOptions& options)
-      : shared_(std::make_shared<SendShared>()),
-        sender_("cuda_ipc", options.max_outstanding_per_target) {
-    shared_->options = options;
-  }
-  std::string name() const override { return "cuda_ipc"; }
-
-  void Send(const std::string& target, const std::string& request_id,
-            std::shared_ptr<const PagedKvCache> kv, int64_t lease_ms,
-            TransferCallback done) override {
-    sender_.Send(
-        target, request_id, std::move(kv), lease_ms, std::move(done),
-        [shared = shared_](const std::string& target, const std::string& request_id,
-                           absl::Time deadline)
-            -> absl::StatusOr<std::unique_ptr<internal::BlockMover>> {
-          if (absl::Status s = CudaStatus(cudaSetDevice(shared->options.cuda_device),
-                                          "cudaSetDevice");
-              !s.ok()) {
-            return s;
-          }
-          std::shared_ptr<SessionSlot<SendSession>> slot;
-          std::shared_ptr<grpc::Channel> channel;
-          {
-            absl::MutexLock lock(&shared->mu);
-            auto& sl = shared->slots[target];
-            if (sl == nullptr) sl = std::make_shared<SessionSlot<SendSession>>();
-            slot = sl;
-            auto& ch = shared->channels[target];
-            if (ch == nullptr) ch = Dial(shared->options, target);
-            channel = ch;
-          }
-          if (absl::Status s = slot->Acquire(deadline); !s.ok()) return s;
-          if (slot->session == nullptr) {
-            auto session = Connect(*shared, channel, target, request_id, deadline);
-            if (!session.ok()) {
-              slot->Release();
-              return session.status();
-            }
-            slot->session = *std::move(session);
-          }
-          return std::make_unique<IpcMover>(channel, target, request_id, slot);
-        });
-  }
-
- private:
-  const std::shared_ptr<SendShared> shared_;
-  internal::ProtocolSender sender_;
-};
+using CudaIpcTransport = SessionTransport<SendSession, IpcMover, &Connect>;
 
 // ---- Receiving side -------------------------------------------------------------------------
 
@@ -411,7 +356,7 @@ absl::StatusOr<std::unique_ptr<KvTransport>> CreateCudaIpcTransport(
   if (options.staging_bytes < gpu::kStagingAlign) {
     return absl::InvalidArgumentError("GpuTransportOptions::staging_bytes too small");
   }
-  return std::make_unique<gpu::CudaIpcTransport>(options);
+  return std::make_unique<gpu::CudaIpcTransport>("cuda_ipc", options);
 }
 
 }  // namespace dgserve::kv

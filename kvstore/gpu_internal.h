@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -146,5 +147,80 @@ std::shared_ptr<GpuReceiveEndpoint> MakeCudaIpcReceiveHalf(const GpuTransportOpt
 
 // Dials `target` as GpuTransportOptions::make_channel says.
 std::shared_ptr<grpc::Channel> Dial(const GpuTransportOptions& options, const std::string& target);
+
+// What the transfers of one GPU transport share: its options, this sender's identity, and per
+// target one session slot and one channel.
+template <typename Session>
+struct SendShared {
+  GpuTransportOptions options;
+  std::string identity = NewSenderIdentity();
+  absl::Mutex mu;
+  std::map<std::string, std::shared_ptr<SessionSlot<Session>>> slots ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels ABSL_GUARDED_BY(mu);
+};
+
+// A GPU transport: the shared sending protocol (internal::ProtocolSender) over a `Mover` per
+// transfer, which uses the target's one session, made by `Connect` (the NCCL bootstrap, the
+// CUDA IPC open) on the first transfer and after an error dropped it, and taken in turn.
+template <typename Session, typename Mover,
+          absl::StatusOr<std::unique_ptr<Session>> (*Connect)(
+              SendShared<Session>&, const std::shared_ptr<grpc::Channel>&, const std::string&,
+              const std::string&, absl::Time)>
+class SessionTransport final : public KvTransport {
+ public:
+  SessionTransport(std::string name, const GpuTransportOptions& options)
+      : name_(std::move(name)),
+        shared_(std::make_shared<SendShared<Session>>()),
+        sender_(name_, options.max_outstanding_per_target) {
+    shared_->options = options;
+  }
+  std::string name() const override { return name_; }
+
+  void Send(const std::string& target, const std::string& request_id,
+            std::shared_ptr<const PagedKvCache> kv, int64_t lease_ms,
+            TransferCallback done) override {
+    sender_.Send(target, request_id, std::move(kv), lease_ms, std::move(done),
+                 [shared = shared_](const std::string& target, const std::string& request_id,
+                                    absl::Time deadline) {
+                   return OpenMover(*shared, target, request_id, deadline);
+                 });
+  }
+
+ private:
+  static absl::StatusOr<std::unique_ptr<internal::BlockMover>> OpenMover(
+      SendShared<Session>& shared, const std::string& target, const std::string& request_id,
+      absl::Time deadline) {
+    if (absl::Status s = CudaStatus(cudaSetDevice(shared.options.cuda_device), "cudaSetDevice");
+        !s.ok()) {
+      return s;
+    }
+    std::shared_ptr<SessionSlot<Session>> slot;
+    std::shared_ptr<grpc::Channel> channel;
+    {
+      absl::MutexLock lock(&shared.mu);
+      auto& sl = shared.slots[target];
+      if (sl == nullptr) sl = std::make_shared<SessionSlot<Session>>();
+      slot = sl;
+      auto& ch = shared.channels[target];
+      if (ch == nullptr) ch = Dial(shared.options, target);
+      channel = ch;
+    }
+    if (absl::Status s = slot->Acquire(deadline); !s.ok()) return s;
+    if (slot->session == nullptr) {
+      absl::StatusOr<std::unique_ptr<Session>> session =
+          Connect(shared, channel, target, request_id, deadline);
+      if (!session.ok()) {
+        slot->Release();
+        return session.status();
+      }
+      slot->session = *std::move(session);
+    }
+    return std::make_unique<Mover>(channel, target, request_id, slot);
+  }
+
+  const std::string name_;
+  const std::shared_ptr<SendShared<Session>> shared_;
+  internal::ProtocolSender sender_;
+};
 
 }  // namespace dgserve::kv::gpu

@@ -69,13 +69,7 @@ struct SendSession {
   }
 };
 
-struct SendShared {
-  GpuTransportOptions options;
-  std::string identity = NewSenderIdentity();
-  absl::Mutex mu;
-  std::map<std::string, std::shared_ptr<SessionSlot<SendSession>>> slots ABSL_GUARDED_BY(mu);
-  std::map<std::string, std::shared_ptr<grpc::Channel>> channels ABSL_GUARDED_BY(mu);
-};
+using SendShared = gpu::SendShared<SendSession>;
 
 // Bootstraps a communicator with `target` (its NcclBootstrap makes the id, joins as rank 1).
 absl::StatusOr<std::unique_ptr<SendSession>> Connect(SendShared& shared,
@@ -166,56 +160,7 @@ class NcclMover final : public GpuMover {
   SendSession* const session_;
 };
 
-class NcclTransport final : public KvTransport {
- public:
-  explicit NcclTransport(const GpuTransportOptions& options)
-      : shared_(std::make_shared<SendShared>()),
-        sender_("nccl", options.max_outstanding_per_target) {
-    shared_->options = options;
-  }
-  std::string name() const override { return "nccl"; }
-
-  void Send(const std::string& target, const std::string& request_id,
-            std::shared_ptr<const PagedKvCache> kv, int64_t lease_ms,
-            TransferCallback done) override {
-    sender_.Send(
-        target, request_id, std::move(kv), lease_ms, std::move(done),
-        [shared = shared_](const std::string& target, const std::string& request_id,
-                           absl::Time deadline)
-            -> absl::StatusOr<std::unique_ptr<internal::BlockMover>> {
-          if (absl::Status s = CudaStatus(cudaSetDevice(shared->options.cuda_device),
-                                          "cudaSetDevice");
-              !s.ok()) {
-            return s;
-          }
-          std::shared_ptr<SessionSlot<SendSession>> slot;
-          std::shared_ptr<grpc::Channel> channel;
-          {
-            absl::MutexLock lock(&shared->mu);
-            auto& sl = shared->slots[target];
-            if (sl == nullptr) sl = std::make_shared<SessionSlot<SendSession>>();
-            slot = sl;
-            auto& ch = shared->channels[target];
-            if (ch == nullptr) ch = Dial(shared->options, target);
-            channel = ch;
-          }
-          if (absl::Status s = slot->Acquire(deadline); !s.ok()) return s;
-          if (slot->session == nullptr) {
-            auto session = Connect(*shared, channel, target, request_id, deadline);
-            if (!session.ok()) {
-              slot->Release();
-              return session.status();
-            }
-            slot->session = *std::move(session);
-          }
-          return std::make_unique<NcclMover>(channel, target, request_id, slot);
-        });
-  }
-
- private:
-  const std::shared_ptr<SendShared> shared_;
-  internal::ProtocolSender sender_;
-};
+using NcclTransport = SessionTransport<SendSession, NcclMover, &Connect>;
 
 // ---- Receiving side -------------------------------------------------------------------------
 
@@ -412,7 +357,7 @@ absl::StatusOr<std::unique_ptr<KvTransport>> CreateNcclTransport(
   if (options.staging_bytes < kStagingAlign) {
     return absl::InvalidArgumentError("GpuTransportOptions::staging_bytes too small");
   }
-  return std::make_unique<gpu::NcclTransport>(options);
+  return std::make_unique<gpu::NcclTransport>("nccl", options);
 }
 
 }  // namespace dgserve::kv
