@@ -3,14 +3,20 @@
 // the dense MLP, MoE expert groups of 1–64 rows, and the LM head at canvas 32 and 256 (over a
 // vocabulary slice: the GFLOP/s of the full 262,144 ids are the same). Prints a table of ratios.
 //
-//   OMP_WAIT_POLICY=passive build/bench/gemm_bench [--min_seconds 0.5] [--isa avx512|avx2|portable]
+// Ours and OpenBLAS are timed in alternation, best of --rounds rounds each.
+//
+//   OMP_WAIT_POLICY=passive build/bench/gemm_bench [--min_seconds 0.5] [--rounds 5]
+//       [--isa avx512|avx2|portable]
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -22,25 +28,51 @@
 ABSL_FLAG(double, min_seconds, 0.5, "time each measurement for at least this long");
 ABSL_FLAG(std::string, isa, "", "GEMM path (default: the best this CPU has)");
 ABSL_FLAG(int, vocab_slice, 16384, "vocabulary ids of the LM head shapes");
+ABSL_FLAG(bool, cpu_time, false,
+          "time by the process's CPU time (all threads) instead of the wall clock: less "
+          "sensitive to other processes on a shared machine, blind to idle threads");
+ABSL_FLAG(std::string, only, "", "run only the shapes whose name contains this");
+ABSL_FLAG(int, rounds, 5, "alternate ours and OpenBLAS this many times per shape (best of all)");
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+// Seconds on the clock --cpu_time selects.
+double Now() {
+  if (absl::GetFlag(FLAGS_cpu_time)) {
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
-// Best seconds per call of `f` over repeated runs lasting at least min_seconds.
+// Best seconds per call of `f` over repeated runs lasting at least `min_s`, lowered into `best`.
 template <typename F>
-double TimePerCall(F f) {
-  f();  // warm up (packs, page faults)
-  const double min_s = absl::GetFlag(FLAGS_min_seconds);
-  double best = 1e30, total = 0;
+void TimePerCall(F f, double min_s, double& best) {
+  double total = 0;
   while (total < min_s) {
-    const auto t0 = Clock::now();
+    const double t0 = Now();
     f();
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double s = Now() - t0;
     best = std::min(best, s);
     total += s;
   }
-  return best;
+}
+
+// Best seconds per call of `ours` and of `blas`, timed in alternation (--rounds rounds of
+// min_seconds / rounds each) so that load from other processes on the machine falls on both.
+template <typename F, typename G>
+std::pair<double, double> TimeBoth(F ours, G blas) {
+  ours();  // warm up (page faults)
+  blas();
+  const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
+  const double min_s = absl::GetFlag(FLAGS_min_seconds) / rounds;
+  double best_ours = 1e30, best_blas = 1e30;
+  for (int r = 0; r < rounds; ++r) {
+    TimePerCall(ours, min_s, best_ours);
+    TimePerCall(blas, min_s, best_blas);
+  }
+  return {best_ours, best_blas};
 }
 
 struct Shape {
@@ -51,8 +83,8 @@ struct Shape {
 // One table row: GFLOP/s of both and the ratio (OpenBLAS time / ours).
 void PrintRow(const Shape& s, double ours, double blas) {
   const double flop = 2.0 * s.m * s.n * s.k;
-  std::printf("%-26s %5d %6d %5d %10.1f %10.1f %6.2fx\n", s.name, s.m, s.n, s.k,
-              flop / ours / 1e9, flop / blas / 1e9, blas / ours);
+  std::printf("%-26s %5d %6d %5d %10.1f %10.1f %6.2fx\n", s.name, s.m, s.n, s.k, flop / ours / 1e9,
+              flop / blas / 1e9, blas / ours);
 }
 
 }  // namespace
@@ -97,19 +129,24 @@ int main(int argc, char** argv) {
               "ratio");
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 0.05f);
+  const std::string only = absl::GetFlag(FLAGS_only);
+  auto skip = [&](const Shape& s) { return std::string(s.name).find(only) == std::string::npos; };
   for (const Shape& s : shapes) {
+    if (skip(s)) continue;
     std::vector<float> a(size_t(s.m) * s.k), w(size_t(s.n) * s.k), c(size_t(s.m) * s.n);
     for (float& x : a) x = dist(rng);
     for (float& x : w) x = dgserve::RoundToBf16(dist(rng));
     const PackedMatrix packed = PackedMatrix::FromFloat(w.data(), s.n, s.k);
-    const double ours = TimePerCall([&] { Linear(a.data(), s.m, packed, c.data()); });
-    const double blas = TimePerCall([&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.m, s.n, s.k, 1.0f, a.data(), s.k,
-                  w.data(), s.k, 0.0f, c.data(), s.n);
-    });
+    const auto [ours, blas] =
+        TimeBoth([&] { Linear(a.data(), s.m, packed, c.data()); },
+                 [&] {
+                   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.m, s.n, s.k, 1.0f,
+                               a.data(), s.k, w.data(), s.k, 0.0f, c.data(), s.n);
+                 });
     PrintRow(s, ours, blas);
   }
   for (const Shape& s : row_major_shapes) {  // C = A · B, B [k, n] row-major in bf16
+    if (skip(s)) continue;
     std::vector<float> a(size_t(s.m) * s.k), b(size_t(s.k) * s.n), c(size_t(s.m) * s.n);
     for (float& x : a) x = dist(rng);
     for (float& x : b) x = dgserve::RoundToBf16(dist(rng));
@@ -117,11 +154,12 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < b.size(); ++i) b16[i] = dgserve::FloatToBf16(b[i]);
     const GemmArgs g =
         GemmArgs::Of(s.m, s.n, s.k, a.data(), s.k, GemmB::RowMajor(b16.data(), s.n), c.data(), s.n);
-    const double ours = TimePerCall([&] { Gemm(g); });
-    const double blas = TimePerCall([&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s.m, s.n, s.k, 1.0f, a.data(), s.k,
-                  b.data(), s.n, 0.0f, c.data(), s.n);
-    });
+    const auto [ours, blas] =
+        TimeBoth([&] { Gemm(g); },
+                 [&] {
+                   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s.m, s.n, s.k, 1.0f,
+                               a.data(), s.k, b.data(), s.n, 0.0f, c.data(), s.n);
+                 });
     PrintRow(s, ours, blas);
   }
   return 0;

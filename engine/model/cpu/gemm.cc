@@ -28,6 +28,18 @@ constexpr int kKc = 256;  // k per block
 constexpr int kMc = 32;   // rows per output tile
 constexpr int kNc = 256;  // columns per output tile (a multiple of 2 panels)
 
+// The widened path (a bf16 or row-major B and at least kWideMinRows rows): per k block, a tile
+// widens its B block (kKcWide × up to kNcWide columns) once into float32 panels, which every row
+// group of the tile (up to kMcWide rows) then reads with the float32 microkernel: the widening
+// is paid once per tile instead of once per row group.
+constexpr int kKcWide = 256;
+constexpr int kNcWide = 256;
+constexpr int kMcWide = 256;
+// Below this many rows the widening is cheaper in registers (B is read by few row groups, and a
+// B block read from memory and packed before any arithmetic would leave the FMA units idle).
+constexpr int kWideMinRows = 64;
+constexpr int kAPad = 16;
+
 bool CpuHas(GemmIsa isa) {
   switch (isa) {
     case GemmIsa::kPortable:
@@ -92,13 +104,21 @@ struct Scratch {
   std::vector<float> b;      // [kKc][16] floats (or half of it as bf16)
   std::vector<float> c;      // [max_rows][16]
   std::vector<float> strip;  // a strided B strip copied contiguous: two panels × [kKc][16]
+  std::vector<float> wide;   // the widened path's B block: [groups][kc][16 · panels per group]
+  std::vector<float> a;      // the widened path's A block: [rows][kc + kAPad]
 };
+
+// Kept across calls (the engine calls the GEMM from long-lived OpenMP threads).
+Scratch& ThreadScratch() {
+  static thread_local Scratch s;
+  return s;
+}
 
 // Columns [j, j + cols) with cols < 16 (the partial last panel) for rows [m0, m1), k block k0.
 void PartialPanel(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int j, int cols, int k0,
                   int kc, bool load_c, Scratch& s) {
   const bool bf16 = g.b.type == GemmB::Type::kBf16;
-  s.b.assign(size_t(kKc) * kGemmPanel, 0.0f);
+  s.b.assign(size_t(kc) * kGemmPanel, 0.0f);
   const char* src = static_cast<const char*>(BAt(g.b, k0, j));
   const size_t es = ElementSize(g.b);
   char* dst = reinterpret_cast<char*>(s.b.data());
@@ -179,6 +199,84 @@ void RunTile(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int n0, int
   }
 }
 
+// One output tile on the widened path: rows [m0, m1), columns [n0, n1), all of k. Per k block the
+// full panels of B are copied as float32 (bf16 widened exactly) into groups of ks.max_panels
+// panels, each group [kc][16 · panels] with its panels side by side, and every row group runs
+// the float32 microkernel on them: the same chains as reading B directly.
+void RunTileWide(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int n0, int n1,
+                 Scratch& s) {
+  const bool bf16 = g.b.type == GemmB::Type::kBf16;
+  const int full = (n1 - n0) / kGemmPanel, tail = (n1 - n0) % kGemmPanel;
+  const int group_width = ks.max_panels * kGemmPanel;
+  const int groups = (full + ks.max_panels - 1) / ks.max_panels;
+  const int row_groups = (m1 - m0 + ks.max_rows - 1) / ks.max_rows;
+  if (s.wide.size() < size_t(kKcWide) * full * kGemmPanel) {
+    s.wide.resize(size_t(kKcWide) * full * kGemmPanel);
+  }
+  const int64_t lda = kKcWide + kAPad;
+  if (s.a.size() < size_t(m1 - m0) * lda) s.a.resize(size_t(m1 - m0) * lda);
+  for (int k0 = 0; k0 < g.k; k0 += kKcWide) {
+    const int kc = std::min(kKcWide, g.k - k0);
+    const bool load_c = g.accumulate || k0 > 0;  // later k blocks continue the chains
+    for (int i = m0; i < m1; ++i) {
+      std::memcpy(&s.a[size_t(i - m0) * lda], g.a + i * g.lda + k0, sizeof(float) * kc);
+    }
+    for (int grp = 0; grp < groups; ++grp) {
+      const int panels = std::min(ks.max_panels, full - grp * ks.max_panels);
+      const int j = n0 + grp * group_width;
+      float* block = s.wide.data() + size_t(grp) * kc * group_width;
+      for (int p = 0; p < panels; ++p) {
+        ks.pack(kc, BAt(g.b, k0, j + p * kGemmPanel), g.b.k_stride, bf16, block + p * kGemmPanel,
+                panels * kGemmPanel);
+      }
+      Tile t;
+      t.kc = kc;
+      t.lda = lda;
+      t.b0 = block;
+      t.b1 = panels > 1 ? block + kGemmPanel : nullptr;
+      t.b_kstride = panels * kGemmPanel;
+      t.ldc = g.ldc;
+      t.load_c = load_c;
+      for (int ig = 0; ig < row_groups; ++ig) {
+        const int i = m0 + ig * ks.max_rows;
+        t.a = s.a.data() + (i - m0) * lda;
+        t.c = g.c + i * g.ldc + j;
+        ks.run(std::min(ks.max_rows, m1 - i), panels, /*bf16=*/false, t);
+      }
+    }
+    if (tail > 0) PartialPanel(g, ks, m0, m1, n0 + full * kGemmPanel, tail, k0, kc, load_c, s);
+  }
+}
+
+// The widened path's tiles: row tiles of at most kMcWide rows; column tiles of whole groups
+// (16 · max_panels columns) of at most kNcWide columns, shared out evenly, their count a multiple
+// of the thread count where there are few.
+void GemmWide(const GemmArgs& g, const KernelSet& ks, int threads) {
+  const int row_tiles = (g.m + kMcWide - 1) / kMcWide;
+  const int mc = ((g.m + row_tiles - 1) / row_tiles + ks.max_rows - 1) / ks.max_rows * ks.max_rows;
+  const int unit = ks.max_panels * kGemmPanel, groups = (g.n + unit - 1) / unit;
+  const int per_tile = kNcWide / unit;
+  int col_tiles = (groups + per_tile - 1) / per_tile;
+  if (threads > 1 && row_tiles * col_tiles < 8 * threads) {
+    while ((row_tiles * col_tiles) % threads != 0 && col_tiles < groups) ++col_tiles;
+  }
+  const int tiles = row_tiles * col_tiles;
+  auto run = [&](int t) {
+    // Row-tile major: consecutive tiles share their A rows in cache.
+    const int ti = t / col_tiles, tj = t % col_tiles;
+    const int g0 = int(int64_t(groups) * tj / col_tiles);
+    const int g1 = int(int64_t(groups) * (tj + 1) / col_tiles);
+    RunTileWide(g, ks, ti * mc, std::min(g.m, (ti + 1) * mc), g0 * unit, std::min(g.n, g1 * unit),
+                ThreadScratch());
+  };
+  if (threads > 1 && tiles > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int t = 0; t < tiles; ++t) run(t);
+    return;
+  }
+  for (int t = 0; t < tiles; ++t) run(t);
+}
+
 }  // namespace
 
 const char* GemmIsaName(GemmIsa isa) {
@@ -217,6 +315,12 @@ void Gemm(const GemmArgs& g, GemmIsa isa, GemmThreads threads) {
     return;
   }
   const KernelSet ks = Kernels(isa);
+  const bool parallel =
+      threads == GemmThreads::kOpenMp && !omp_in_parallel() && omp_get_max_threads() > 1;
+  if ((g.b.type == GemmB::Type::kBf16 || g.b.k_stride != kGemmPanel) && g.m >= kWideMinRows) {
+    GemmWide(g, ks, parallel ? omp_get_max_threads() : 1);
+    return;
+  }
   // A strided B is copied strip by strip inside a tile: one tile takes all the rows, so each
   // strip is copied once per k block.
   const int mc = g.b.k_stride != kGemmPanel ? g.m : kMc;
@@ -228,18 +332,12 @@ void Gemm(const GemmArgs& g, GemmIsa isa, GemmThreads threads) {
     RunTile(g, ks, ti * mc, std::min(g.m, (ti + 1) * mc), tj * kNc, std::min(g.n, (tj + 1) * kNc),
             s);
   };
-  if (threads == GemmThreads::kOpenMp && tiles > 1 && !omp_in_parallel() &&
-      omp_get_max_threads() > 1) {
-#pragma omp parallel
-    {
-      Scratch s;
-#pragma omp for schedule(dynamic, 1)
-      for (int t = 0; t < tiles; ++t) run(t, s);
-    }
+  if (parallel && tiles > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int t = 0; t < tiles; ++t) run(t, ThreadScratch());
     return;
   }
-  Scratch s;
-  for (int t = 0; t < tiles; ++t) run(t, s);
+  for (int t = 0; t < tiles; ++t) run(t, ThreadScratch());
 }
 
 }  // namespace dgserve::cpu

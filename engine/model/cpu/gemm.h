@@ -7,8 +7,9 @@
 //   it, which is exact, so the chain continues unchanged. Hence C[i, j] depends only on row i of A,
 //   column j of B and k — not on m, n, the offset of the row or column inside a tile, the tile
 //   sizes, the thread count or the instruction set (AVX-512F, AVX2+FMA and the portable std::fma
-//   path produce the same bits). bf16 values are widened to float32 exactly (in registers), so a
-//   bf16 B gives the bits of the same GEMM on a float32 copy of B.
+//   path produce the same bits). bf16 values are widened to float32 exactly (in registers, or, for
+//   GEMMs of ≥ 64 rows, once per tile and k block into a float32 copy of the B block that all the
+//   tile's rows read), so a bf16 B gives the bits of the same GEMM on a float32 copy of B.
 //
 // Threads: output tiles only (never k) are shared among OpenMP threads; see GemmThreads.
 #pragma once

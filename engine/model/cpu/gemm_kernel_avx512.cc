@@ -92,9 +92,25 @@ void Run(int rows, int panels, bool bf16, const Tile& t) {
   }
 }
 
+template <typename BT>
+void PackAs(int kc, const BT* src, int64_t src_kstride, float* dst, int64_t dst_kstride) {
+  for (int kk = 0; kk < kc; ++kk) {
+    _mm512_storeu_ps(dst + kk * dst_kstride, Load16(src + kk * src_kstride));
+  }
+}
+
+void Pack(int kc, const void* src, int64_t src_kstride, bool bf16, float* dst,
+          int64_t dst_kstride) {
+  if (bf16) {
+    PackAs(kc, static_cast<const uint16_t*>(src), src_kstride, dst, dst_kstride);
+  } else {
+    PackAs(kc, static_cast<const float*>(src), src_kstride, dst, dst_kstride);
+  }
+}
+
 }  // namespace
 
-KernelSet Avx512Kernels() { return {8, 2, &Run}; }
+KernelSet Avx512Kernels() { return {8, 2, &Run, &Pack}; }
 
 }  // namespace dgserve::cpu::gemm_internal
 

@@ -71,8 +71,24 @@ void Run(int rows, int /*panels*/, bool bf16, const Tile& t) {
   }
 }
 
+template <typename BT>
+void PackAs(int kc, const BT* src, int64_t src_kstride, float* dst, int64_t dst_kstride) {
+  for (int kk = 0; kk < kc; ++kk) {
+    for (int j = 0; j < 16; ++j) dst[kk * dst_kstride + j] = Widen(src[kk * src_kstride + j]);
+  }
+}
+
+void Pack(int kc, const void* src, int64_t src_kstride, bool bf16, float* dst,
+          int64_t dst_kstride) {
+  if (bf16) {
+    PackAs(kc, static_cast<const uint16_t*>(src), src_kstride, dst, dst_kstride);
+  } else {
+    PackAs(kc, static_cast<const float*>(src), src_kstride, dst, dst_kstride);
+  }
+}
+
 }  // namespace
 
-KernelSet PortableKernels() { return {4, 1, &Run}; }
+KernelSet PortableKernels() { return {4, 1, &Run, &Pack}; }
 
 }  // namespace dgserve::cpu::gemm_internal

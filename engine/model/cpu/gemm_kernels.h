@@ -25,6 +25,10 @@ struct KernelSet {
   int max_panels = 1;  // 16-column panels per call at most
   // rows in [1, max_rows], panels in [1, max_panels]; full panels only.
   void (*run)(int rows, int panels, bool bf16, const Tile& tile) = nullptr;
+  // Copies kc k steps of 16 columns of B as float32 (bf16 widened exactly):
+  // dst[kk·dst_kstride + j] = B(src[kk·src_kstride + j]) for kk < kc, j < 16.
+  void (*pack)(int kc, const void* src, int64_t src_kstride, bool bf16, float* dst,
+               int64_t dst_kstride) = nullptr;
 };
 
 KernelSet PortableKernels();

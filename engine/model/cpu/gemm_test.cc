@@ -134,7 +134,7 @@ TEST_P(GemmIsaTest, RowsDoNotDependOnBatchOffsetOrThreads) {
   for (int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
     for (int off : {0, 1, 7, 127, 128, 129, 250, 299}) {
-      for (int rows : {1, 5, 8, 13, 40}) {
+      for (int rows : {1, 5, 8, 13, 40, 64, 100}) {
         if (off + rows > m) continue;
         std::vector<float> part(size_t(rows) * n);
         const GemmArgs g = GemmArgs::Of(rows, n, k, a.data() + size_t(off) * k, k, packed.AsGemmB(),
@@ -153,18 +153,20 @@ TEST_P(GemmIsaTest, RowsDoNotDependOnBatchOffsetOrThreads) {
 // bf16 B gives the bits of the same GEMM on a float32 copy of B.
 TEST_P(GemmIsaTest, Bf16WeightsEqualTheirFloatCopy) {
   std::mt19937 rng(5);
-  const int m = 37, n = 96, k = 520;
-  std::vector<float> a = RandomFloats(size_t(m) * k, rng);
-  std::vector<float> b = RandomBf16Values(size_t(k) * n, rng);
-  std::vector<uint16_t> b16(b.size());
-  for (size_t i = 0; i < b.size(); ++i) b16[i] = FloatToBf16(b[i]);
-  std::vector<float> c1(size_t(m) * n), c2(size_t(m) * n);
-  GemmArgs g = GemmArgs::Of(m, n, k, a.data(), k, GemmB::RowMajor(b.data(), n), c1.data(), n);
-  Gemm(g, GetParam(), GemmThreads::kCallerOnly);
-  g.b = GemmB::RowMajor(b16.data(), n);
-  g.c = c2.data();
-  Gemm(g, GetParam(), GemmThreads::kCallerOnly);
-  EXPECT_EQ(0, std::memcmp(c1.data(), c2.data(), sizeof(float) * c1.size()));
+  for (const int m : {37, 150}) {  // below and above the rows of the widened path
+    const int n = 96, k = 520;
+    std::vector<float> a = RandomFloats(size_t(m) * k, rng);
+    std::vector<float> b = RandomBf16Values(size_t(k) * n, rng);
+    std::vector<uint16_t> b16(b.size());
+    for (size_t i = 0; i < b.size(); ++i) b16[i] = FloatToBf16(b[i]);
+    std::vector<float> c1(size_t(m) * n), c2(size_t(m) * n);
+    GemmArgs g = GemmArgs::Of(m, n, k, a.data(), k, GemmB::RowMajor(b.data(), n), c1.data(), n);
+    Gemm(g, GetParam(), GemmThreads::kCallerOnly);
+    g.b = GemmB::RowMajor(b16.data(), n);
+    g.c = c2.data();
+    Gemm(g, GetParam(), GemmThreads::kCallerOnly);
+    EXPECT_EQ(0, std::memcmp(c1.data(), c2.data(), sizeof(float) * c1.size())) << "m = " << m;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllPaths, GemmIsaTest, ::testing::ValuesIn(AllIsas()),
