@@ -118,7 +118,9 @@ TEST_F(InternalAuthClusterTest, EveryInternalRpcRefusesCallsWithoutTheToken) {
       }
     }
   }
-  EXPECT_EQ(calls, 4 * (3 + 2 + 1 + 3 + 1));
+  // DenoiseService 3, KvTransferService 3 (PushBlocks, NcclBootstrap, CudaIpcOpen), reflection
+  // 1 on the denoise worker; PrefillService 3 and reflection 1 on the prefill worker.
+  EXPECT_EQ(calls, 4 * (3 + 3 + 1 + 3 + 1));
   // A well-formed PushBlocks header without the token pins nothing either.
   {
     auto stub = v1::KvTransferService::NewStub(Plain(c().denoise(0).grpc_port));
