@@ -120,7 +120,13 @@ absl::Status Run() {
 
   PeriodicTask gauges(absl::Milliseconds(250), [&] {
     kv_metrics.Update(model->pool->stats());
-    kv_metrics.UpdateReceived("tcp", receiver.received_bytes());  // KvTransferService is TCP
+    // Inline blocks came over the PushBlocks stream (TCP); the others over NCCL or CUDA IPC.
+    for (const auto& [path, bytes] : receiver.received_bytes_by_path()) {
+      kv_metrics.UpdateReceived(path == v1::KV_DATA_NCCL       ? "nccl"
+                                : path == v1::KV_DATA_CUDA_IPC ? "cuda_ipc"
+                                                               : "tcp",
+                                bytes);
+    }
   });
   if (absl::Status s = runner.WritePortsFile(); !s.ok()) return s;
   DGSERVE_LOG_INFO("denoise worker serving %s: gRPC port %d, metrics port %d", model_id,

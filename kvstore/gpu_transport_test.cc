@@ -178,6 +178,14 @@ TEST_P(GpuTransportTest, DeliversBitIdenticalKvThroughSeveralStagingRounds) {
   testing::ExpectPattern(**o.got, layout_, 4);
   o.got = absl::CancelledError("dropped");
   EXPECT_TRUE(ReceiverHoldsNothing());
+  // The receiver counts the bytes under the path they took (the denoise worker's
+  // kv_transfer_bytes_total{transport} label; it said "tcp" for every path).
+  const std::map<v1::KvDataPath, int64_t> by_path = receiver_->received_bytes_by_path();
+  const v1::KvDataPath path = GetParam() == "nccl" ? v1::KV_DATA_NCCL : v1::KV_DATA_CUDA_IPC;
+  ASSERT_EQ(by_path.size(), 1u);
+  EXPECT_EQ(by_path.begin()->first, path);
+  EXPECT_EQ(by_path.begin()->second, o.sent->bytes);
+  EXPECT_EQ(receiver_->received_bytes(), o.sent->bytes);
 
   // Further transfers over the cached session: a longer sequence (its sliding blocks start
   // later) and a one-block one.

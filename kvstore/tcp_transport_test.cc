@@ -120,6 +120,11 @@ TEST_F(KvTcpTransportTest, TransfersEveryRow) {
   ASSERT_TRUE(got2->Wait());
   ASSERT_THAT(got2->result, IsOk());
   testing::ExpectPattern(**got2->result, layout_, 4);
+  // Both transfers' bytes came inline, over the stream.
+  const std::map<v1::KvDataPath, int64_t> by_path = receiver_->received_bytes_by_path();
+  ASSERT_EQ(by_path.size(), 1u);
+  EXPECT_EQ(by_path.begin()->first, v1::KV_DATA_INLINE);
+  EXPECT_EQ(by_path.begin()->second, 2 * sent->result->bytes);
 }
 
 TEST_F(KvTcpTransportTest, CutStreamFailsBothSidesWithoutLeaks) {

@@ -195,6 +195,7 @@ struct KvReceiver::State {
     int expected = 0;
     int64_t lease_ms = 0;
     absl::Time lease_deadline;
+    v1::KvDataPath data_path = v1::KV_DATA_INLINE;  // how its block bytes travel
   };
   struct Completed {
     std::unique_ptr<PagedKvCache> kv;
@@ -273,6 +274,7 @@ struct KvReceiver::State {
   std::deque<std::string> forgotten_order ABSL_GUARDED_BY(mu);
   int64_t failed ABSL_GUARDED_BY(mu) = 0;
   int64_t received_bytes ABSL_GUARDED_BY(mu) = 0;
+  std::map<v1::KvDataPath, int64_t> received_by_path ABSL_GUARDED_BY(mu);
   absl::Notification stop;
   std::thread reaper;
 };
@@ -341,6 +343,7 @@ absl::Status KvReceiver::Begin(const v1::KvTransferHeader& header) {
       result = CheckDescriptor(layout, d);
     }
     State::Incoming in;
+    in.data_path = header.data_path();
     if (result.ok()) {
       auto full = s.pool->Allocate(LayerKind::kFull, d.full_block_count());
       if (!full.ok()) {
@@ -421,6 +424,7 @@ absl::Status KvReceiver::WriteBlock(const std::string& request_id,
       in.written[k][slot] = 1;
       ++in.written_count;
       s.received_bytes += int64_t(want);
+      s.received_by_path[in.data_path] += int64_t(want);
     }
   }
   State::Deliver(out);
@@ -587,6 +591,11 @@ int64_t KvReceiver::clamped_leases() const {
 int64_t KvReceiver::received_bytes() const {
   absl::MutexLock lock(&state_->mu);
   return state_->received_bytes;
+}
+
+std::map<v1::KvDataPath, int64_t> KvReceiver::received_bytes_by_path() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->received_by_path;
 }
 
 int64_t KvReceiver::failed_transfers() const {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -98,6 +99,9 @@ class KvReceiver {
   int64_t failed_transfers() const;
   // Bytes of KV block payload written so far (every transfer, whatever its end).
   int64_t received_bytes() const;
+  // The same, by how the bytes travelled (the header's data_path: inline over the PushBlocks
+  // stream, NCCL, CUDA IPC).
+  std::map<v1::KvDataPath, int64_t> received_bytes_by_path() const;
 
  private:
   struct State;

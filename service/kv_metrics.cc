@@ -74,9 +74,10 @@ void KvMetrics::RecordTransfer(const std::string& transport, int64_t bytes, doub
 
 void KvMetrics::UpdateReceived(const std::string& transport, int64_t total_bytes) {
   absl::MutexLock lock(&mu_);
-  if (total_bytes > last_received_) {
-    transfer_bytes_.Add({{"transport", transport}}).Increment(double(total_bytes - last_received_));
-    last_received_ = total_bytes;
+  int64_t& last = last_received_[transport];
+  if (total_bytes > last) {
+    transfer_bytes_.Add({{"transport", transport}}).Increment(double(total_bytes - last));
+    last = total_bytes;
   }
 }
 

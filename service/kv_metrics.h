@@ -2,6 +2,7 @@
 // transport (bytes, seconds, failures).
 #pragma once
 
+#include <map>
 #include <string>
 
 #include "absl/synchronization/mutex.h"
@@ -30,7 +31,8 @@ class KvMetrics {
   void RecordTransfer(const std::string& transport, int64_t bytes, double seconds);
   void RecordTransferFailure(const std::string& transport);
   // The receiving side: advances kv_transfer_bytes_total{transport} to `total_bytes` (the
-  // receiver's running total, KvReceiver::received_bytes). Thread-safe.
+  // receiver's running total of that transport, KvReceiver::received_bytes_by_path); each
+  // transport label keeps its own total. Thread-safe.
   void UpdateReceived(const std::string& transport, int64_t total_bytes);
 
  private:
@@ -43,7 +45,7 @@ class KvMetrics {
   prometheus::Counter& prefix_hit_tokens_;
   absl::Mutex mu_;
   kv::PoolStats last_;  // counters advance by the difference between snapshots
-  int64_t last_received_ = 0;
+  std::map<std::string, int64_t> last_received_;  // per transport label
 };
 
 }  // namespace dgserve
