@@ -18,6 +18,7 @@
 #include "kvstore/test_util.h"
 #include "kvstore/transfer.h"
 #include "kvstore/transfer_service.h"
+#include "kvstore/transport_selection.h"
 
 namespace dgserve::kv {
 namespace {
@@ -257,6 +258,50 @@ TEST_P(NcclTransportTest, FaultsFailTheTransferAndTheNextOneRecreatesTheCommunic
     ExpectSameBlocks(**next.got, *src_);
     next.got = absl::CancelledError("dropped");
     EXPECT_EQ(emu::NcclCommunicatorsCreated(), comms + 2);  // both ranks joined a new one
+    EXPECT_TRUE(ReceiverHoldsNothing());
+  }
+}
+
+// --kv_transport auto over a failing NCCL path (a firewall that blocks NCCL's own sockets, say):
+// the failed transfer makes the target's next ones go over TCP for gpu_failure_backoff, with the
+// same KV; once the backoff has passed NCCL is tried again (the reviewer's finding: auto chose
+// NCCL again for every transfer, each failing at its deadline).
+TEST_P(NcclTransportTest, AutoSendsOverTcpAfterAFailedNcclTransfer) {
+  const KvPeerInfo info{"node-a", "GPU-x", {"tcp", "nccl"}};
+  for (const absl::Duration backoff : {absl::Minutes(5), absl::ZeroDuration()}) {
+    SCOPED_TRACE(absl::FormatDuration(backoff));
+    RoutingKvTransportOptions ropts;
+    ropts.mode = KvTransportMode::kAuto;
+    ropts.local = info;
+    ropts.lookup = [&](const std::string&) -> absl::StatusOr<KvPeerInfo> { return info; };
+    ropts.gpu_failure_backoff = backoff;
+    auto nccl = CreateNcclTransport(options_);
+    ASSERT_THAT(nccl, IsOk());
+    RoutingKvTransport routing(ropts, CreateTcpTransport(), nullptr, *std::move(nccl));
+    const auto send = [&](const std::string& id) {
+      auto got = KvWaiter::Make();
+      receiver_->Expect(id, Later(), got->Callback());
+      auto sent = SendWaiter::Make();
+      routing.Send(target_, id, src_, 1500, sent->Callback());
+      EXPECT_TRUE(sent->Wait(kWait));
+      EXPECT_TRUE(got->Wait(kWait));
+      Outcome o{sent->result, std::move(got->result)};
+      return o;
+    };
+    const std::string tag = backoff > absl::ZeroDuration() ? "backoff" : "none";
+    emu::SetNcclFault(emu::NcclFault::kFail, 0);
+    Outcome failed = send("auto-fail-" + tag);
+    EXPECT_FALSE(failed.sent.ok());
+    EXPECT_EQ(FailedKvTransport(failed.sent.status(), "?"), "nccl");
+    emu::SetNcclFault(emu::NcclFault::kNone, 0);
+    EXPECT_TRUE(Eventually([&] { return ReceiverHoldsNothing(); }));
+
+    Outcome next = send("auto-next-" + tag);
+    ASSERT_THAT(next.sent, IsOk());
+    EXPECT_EQ(next.sent->transport, backoff > absl::ZeroDuration() ? "tcp" : "nccl");
+    ASSERT_THAT(next.got, IsOk());
+    ExpectSameBlocks(**next.got, *src_);
+    next.got = absl::CancelledError("dropped");
     EXPECT_TRUE(ReceiverHoldsNothing());
   }
 }

@@ -154,6 +154,9 @@ struct RoutingKvTransport::State {
   std::map<std::string, std::vector<Waiting>> looking_up ABSL_GUARDED_BY(mu);
   int64_t lookups ABSL_GUARDED_BY(mu) = 0;
   int running_lookups ABSL_GUARDED_BY(mu) = 0;
+  // Auto mode: (target, GPU transport) that failed a transfer → until when TCP replaces it.
+  std::map<std::pair<std::string, std::string>, absl::Time> gpu_backoff ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::string> last_chosen ABSL_GUARDED_BY(mu);  // per target, for the log
 };
 
 RoutingKvTransport::RoutingKvTransport(RoutingKvTransportOptions options,
@@ -289,6 +292,26 @@ void RoutingKvTransport::Route(const std::string& target, const absl::StatusOr<K
       chosen = *c;
     }
   }
+  bool log_choice = false;
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (options_.mode == KvTransportMode::kAuto && chosen != "tcp") {
+      auto it = state_->gpu_backoff.find({target, chosen});
+      if (it != state_->gpu_backoff.end()) {
+        if (absl::Now() < it->second) {
+          chosen = "tcp";
+        } else {
+          state_->gpu_backoff.erase(it);  // try the GPU transport again
+        }
+      }
+    }
+    std::string& last = state_->last_chosen[target];
+    log_choice = last != chosen;
+    last = chosen;
+  }
+  if (log_choice) {
+    DGSERVE_LOG_INFO("kv_transport %s: KV to %s over %s", mode, target, chosen);
+  }
   KvTransport* transport = ByName(chosen);
   if (transport == nullptr) {  // ChooseKvTransport saw EffectiveLocal: only tcp_ can be missing
     fail(absl::InternalError("no TCP KV transport"), chosen);
@@ -296,16 +319,26 @@ void RoutingKvTransport::Route(const std::string& target, const absl::StatusOr<K
   }
   transport->Send(
       target, request_id, std::move(kv), lease_ms,
-      [state = state_, target, chosen, done = std::move(done)](absl::StatusOr<TransferResult> r) {
+      [state = state_, target, chosen, auto_mode = options_.mode == KvTransportMode::kAuto,
+       backoff = options_.gpu_failure_backoff,
+       done = std::move(done)](absl::StatusOr<TransferResult> r) {
         if (r.ok()) {
           r->transport = chosen;
           done(std::move(r));
           return;
         }
+        const bool back_off = auto_mode && chosen != "tcp" && !absl::IsCancelled(r.status());
         {  // look the target up again before the next transfer: it may have been replaced
           absl::MutexLock lock(&state->mu);
           auto it = state->peers.find(target);
           if (it != state->peers.end()) it->second.fetched = absl::InfinitePast();
+          if (back_off) state->gpu_backoff[{target, chosen}] = absl::Now() + backoff;
+        }
+        if (back_off) {
+          DGSERVE_LOG_WARNING(
+              "kv_transport auto: a transfer to %s over %s failed (%s); its transfers go over "
+              "tcp for the next %s",
+              target, chosen, r.status().message(), absl::FormatDuration(backoff));
         }
         absl::Status s = r.status();
         s.SetPayload(kTransportPayload, absl::Cord(chosen));

@@ -67,6 +67,10 @@ struct RoutingKvTransportOptions {
   KvPeerLookup lookup;
   // A target's KvPeerInfo is looked up again after this long, and after a failed transfer.
   absl::Duration peer_info_ttl = absl::Seconds(60);
+  // In auto mode, a transfer that failed over cuda_ipc or nccl (for any reason but a cancel:
+  // a firewall that blocks NCCL's own sockets, a communicator that cannot be made) sends that
+  // target's transfers over TCP for this long before the GPU transport is tried again.
+  absl::Duration gpu_failure_backoff = absl::Seconds(300);
 };
 
 // A KvTransport that sends each transfer over the transport ChooseKvTransport picks for its
@@ -75,7 +79,9 @@ struct RoutingKvTransportOptions {
 // FAILED_PRECONDITION. In auto mode a target whose lookup fails is sent over TCP (its own
 // error, if unreachable, is the transfer's); in an explicit GPU mode the lookup error fails the
 // transfer. The result's `transport` names the transport used; a failure carries it as a
-// payload (FailedKvTransport). Send returns at once (a lookup runs on its own thread; one per
+// payload (FailedKvTransport). In auto mode a failed GPU transfer makes the target's next
+// transfers go over TCP for gpu_failure_backoff, and the transport chosen for a target is
+// logged whenever it changes ("KV to T over nccl"). Send returns at once (a lookup runs on its own thread; one per
 // target at a time, the Sends that arrive meanwhile wait for its answer); destruction waits for
 // running lookups, not for transfers (the transports' own contract).
 class RoutingKvTransport final : public KvTransport {

@@ -347,8 +347,10 @@ compare_texts() {
 }
 # The last canvas step's token ids (the end of the stream), shortened.
 show() { tail -n 1 "$WORK/$1.text" | cut -c1-90; }
-transport_line() {  # the prefill worker's log line naming its KV transport, if it logs one
-  grep -m1 -i 'transport' "$LOGS/$1.prefill.log" | cut -c1-160
+transport_line() {  # the transport the prefill worker chose ("KV to T over X"), if it logged one
+  local line
+  line=$(grep -m1 -E 'KV to .* over ' "$LOGS/$1.prefill.log" | sed -E 's/.*(KV to .*)/\1/')
+  echo "${line:-no KV transport logged}" | cut -c1-160
 }
 
 cluster_step() {
