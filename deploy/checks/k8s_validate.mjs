@@ -111,6 +111,9 @@ function knownFlags(buildDir, binary) {
 }
 
 // ---- the checks of one build ----------------------------------------------------------------
+// NCCL's sockets between the GPU workers (overlays/gpu/networkpolicy-nccl.yaml).
+const NCCL_PORTS = 'tcp:50100-50999';
+
 async function validateBuild(profile, objects, buildDir) {
   const byKind = (kind) => objects.filter((o) => o.kind === kind);
   const deployments = byKind('Deployment');
@@ -364,6 +367,14 @@ async function validateBuild(profile, objects, buildDir) {
         }
         if (!check(rule.ports?.length, 'an ingress rule without ports opens every port')) continue;
         for (const p of rule.ports) {
+          // A range (endPort: NCCL's sockets) is named "tcp:<port>-<endPort>"; a single port must
+          // be a container port.
+          if (p.endPort !== undefined) {
+            const pname = `${(p.protocol || 'TCP').toLowerCase()}:${p.port}-${p.endPort}`;
+            allowed[comp][pname] ??= new Set();
+            sources.forEach((s) => allowed[comp][pname].add(s));
+            continue;
+          }
           check(portIn(allPorts(d), p.port), `port ${p.port} is not a container port of ${id(d)}`);
           const pname = typeof p.port === 'number' ? allPorts(d).find((x) => x.containerPort === p.port)?.name : p.port;
           allowed[comp][pname] ??= new Set();
@@ -378,6 +389,10 @@ async function validateBuild(profile, objects, buildDir) {
     prefill: { grpc: ['gateway'], metrics: ['prometheus'] },
     denoise: { grpc: ['gateway', 'prefill'], metrics: ['prometheus'] },
   };
+  if (profile === 'gpu') {  // NCCL between the workers, on the pods' local port range
+    want.prefill[NCCL_PORTS] = ['denoise'];
+    want.denoise[NCCL_PORTS] = ['prefill'];
+  }
   for (const [comp, ports] of Object.entries(want)) {
     const got = allowed[comp] || {};
     for (const [port, sources] of Object.entries(ports)) {
@@ -419,6 +434,10 @@ async function validateBuild(profile, objects, buildDir) {
       }
       const spec = podSpec(d);
       check(spec.nodeSelector?.['nvidia.com/gpu.present'] === 'true', 'no nodeSelector nvidia.com/gpu.present=true');
+      // NCCL binds port 0: the kernel's local port range must be the one the policies open.
+      const range = (spec.securityContext?.sysctls || []).find((x) => x.name === 'net.ipv4.ip_local_port_range');
+      check(range && `tcp:${range.value.trim().split(/\s+/).join('-')}` === NCCL_PORTS,
+        `net.ipv4.ip_local_port_range is ${range?.value}, not the NetworkPolicy's ${NCCL_PORTS}`);
       check((spec.tolerations || []).some((t) => t.key === 'nvidia.com/gpu'), 'no toleration of nvidia.com/gpu');
     }
     current = 'gpu';
