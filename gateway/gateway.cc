@@ -177,6 +177,12 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   }
   for (const std::string& s : request.stop()) {
     if (s.empty()) return absl::InvalidArgumentError("stop: sequences must not be empty");
+    // A stop sequence holds back that much streamed text and is matched on both the gateway
+    // and the denoise worker: bounded, as its count is.
+    if (s.size() > kMaxStopSequenceBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("stop: a sequence of ", s.size(),
+                                                     " bytes; at most ", kMaxStopSequenceBytes));
+    }
     p.stop.push_back(s);
   }
   if (request.n() < 0 || request.n() > options_.max_n) {

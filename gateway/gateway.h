@@ -21,6 +21,9 @@
 
 namespace dgserve {
 
+// The longest stop sequence a request may give, in bytes.
+inline constexpr size_t kMaxStopSequenceBytes = 1024;
+
 struct GatewayOptions {
   std::string model_id;
   int max_concurrent_requests = 64;  // running at once (gRPC and HTTP together)

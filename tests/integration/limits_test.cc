@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/http_client.h"
 #include "common/testing/loopback_socket.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -208,6 +209,23 @@ TEST_F(LimitsTest, ContextLimitErrorCountsOneCanvas) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(r.status.error_message(),
               HasSubstr("max_tokens: the prompt (262140 tokens) plus 1 canvas of 16 tokens"));
+}
+
+// A stop sequence longer than 1024 bytes is refused naming the field (a 1 MB one was accepted:
+// the reviewer's finding), over gRPC and HTTP; 1024 bytes are accepted.
+TEST_F(LimitsTest, StopSequencesAreBounded) {
+  v1::GenerateRequest req = Chat("Stop here.", 1, 16);
+  req.add_stop(std::string(1025, 'a'));
+  const Result r = Generate(c(), req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("stop: a sequence of 1025 bytes; at most 1024"));
+  req.set_stop(0, std::string(1024, 'a'));
+  EXPECT_TRUE(Generate(c(), req).status.ok());
+  const HttpResponse res = HttpClient("127.0.0.1", c().gateway().http_port).Post(
+      "/v1/completions", absl::StrCat(R"({"prompt": "x", "max_tokens": 4, "stop": [")",
+                                      std::string(1000000, 'b'), R"("]})"));
+  EXPECT_EQ(res.status, 400) << res.body;
+  EXPECT_THAT(res.body, HasSubstr("at most 1024"));
 }
 
 // With the one slot taken by a running request, a huge chat request is refused at once
