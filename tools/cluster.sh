@@ -168,6 +168,8 @@ start_cluster() {
     done < "$RUN_DIR/pids"
   } > "$RUN_DIR/cluster.env"
   trap - ERR
+  echo "cluster.sh: serving $MODEL_DIR: OpenAI HTTP http://127.0.0.1:$http, gRPC 127.0.0.1:$grpc" \
+    "(every port: $RUN_DIR/cluster.env; stop: bash tools/cluster.sh stop)"
 }
 
 case "$cmd" in
