@@ -345,16 +345,8 @@ namespace dgserve::kv {
 
 absl::StatusOr<std::unique_ptr<KvTransport>> CreateCudaIpcTransport(
     const GpuTransportOptions& options) {
-  if (options.cuda_device < 0) {
-    return absl::UnavailableError("CUDA IPC KV transport: no CUDA device (cuda_device < 0)");
-  }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || options.cuda_device >= count) {
-    return absl::UnavailableError(absl::StrCat("CUDA IPC KV transport: CUDA device ",
-                                               options.cuda_device, " is not usable"));
-  }
-  if (options.staging_bytes < gpu::kStagingAlign) {
-    return absl::InvalidArgumentError("GpuTransportOptions::staging_bytes too small");
+  if (absl::Status s = gpu::CheckGpuTransportOptions("CUDA IPC KV transport", options); !s.ok()) {
+    return s;
   }
   return std::make_unique<gpu::CudaIpcTransport>("cuda_ipc", options);
 }

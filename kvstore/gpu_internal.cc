@@ -178,4 +178,20 @@ absl::Status GpuMover::ReceiverStatus(const absl::Status& fallback) {
   return fallback;
 }
 
+absl::Status CheckGpuTransportOptions(const std::string& what,
+                                      const GpuTransportOptions& options) {
+  if (options.cuda_device < 0) {
+    return absl::UnavailableError(absl::StrCat(what, ": no CUDA device (cuda_device < 0)"));
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || options.cuda_device >= count) {
+    return absl::UnavailableError(
+        absl::StrCat(what, ": CUDA device ", options.cuda_device, " is not usable"));
+  }
+  if (options.staging_bytes < kStagingAlign) {
+    return absl::InvalidArgumentError("GpuTransportOptions::staging_bytes too small");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace dgserve::kv::gpu

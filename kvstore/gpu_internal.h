@@ -145,6 +145,10 @@ void SessionSlot<Session>::Release() {
 std::shared_ptr<GpuReceiveEndpoint> MakeNcclReceiveHalf(const GpuTransportOptions& options);
 std::shared_ptr<GpuReceiveEndpoint> MakeCudaIpcReceiveHalf(const GpuTransportOptions& options);
 
+// OK when `options` can make a GPU transport named `what` ("NCCL KV transport"): a usable CUDA
+// device (else UNAVAILABLE) and staging of at least kStagingAlign bytes (else INVALID_ARGUMENT).
+absl::Status CheckGpuTransportOptions(const std::string& what, const GpuTransportOptions& options);
+
 // Dials `target` as GpuTransportOptions::make_channel says.
 std::shared_ptr<grpc::Channel> Dial(const GpuTransportOptions& options, const std::string& target);
 

@@ -345,17 +345,8 @@ namespace dgserve::kv {
 
 absl::StatusOr<std::unique_ptr<KvTransport>> CreateNcclTransport(
     const GpuTransportOptions& options) {
-  using gpu::kStagingAlign;
-  if (options.cuda_device < 0) {
-    return absl::UnavailableError("NCCL KV transport: no CUDA device (cuda_device < 0)");
-  }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || options.cuda_device >= count) {
-    return absl::UnavailableError(absl::StrCat("NCCL KV transport: CUDA device ",
-                                               options.cuda_device, " is not usable"));
-  }
-  if (options.staging_bytes < kStagingAlign) {
-    return absl::InvalidArgumentError("GpuTransportOptions::staging_bytes too small");
+  if (absl::Status s = gpu::CheckGpuTransportOptions("NCCL KV transport", options); !s.ok()) {
+    return s;
   }
   return std::make_unique<gpu::NcclTransport>("nccl", options);
 }
