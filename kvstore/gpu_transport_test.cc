@@ -37,14 +37,7 @@ constexpr int kTokens = 23;  // block size 4: full blocks 0..5, sliding blocks 4
 constexpr int64_t kStaging = 3000;
 constexpr absl::Duration kWait = absl::Seconds(20);
 
-bool Eventually(const std::function<bool()>& done) {
-  const absl::Time give_up = absl::Now() + kWait;
-  while (!done()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return true;
-}
+bool Eventually(const std::function<bool()>& done) { return testing::Eventually(done, kWait); }
 
 class GpuTransportTest : public ::testing::TestWithParam<std::string> {
  protected:

@@ -32,15 +32,7 @@ constexpr absl::Duration kWait = absl::Seconds(10);
 using KvWaiter = testing::KvWaiter;
 using SendWaiter = testing::Waiter<TransferResult>;
 
-// Polls `done` until it holds, for at most kWait.
-bool Eventually(const std::function<bool()>& done) {
-  const absl::Time give_up = absl::Now() + kWait;
-  while (!done()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return true;
-}
+bool Eventually(const std::function<bool()>& done) { return testing::Eventually(done, kWait); }
 
 class KvTcpTransportTest : public ::testing::Test {
  protected:

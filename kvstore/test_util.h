@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 #include "engine/model/config.h"
@@ -45,6 +46,16 @@ inline ModelConfig MixedConfig() {
 // position, element).
 inline float PatternValue(int seed, int layer, bool value, int pos, int i) {
   return float(seed * 1000003 + layer * 10007 + (value ? 5003 : 0) + pos * 97 + i) * 0.25f;
+}
+
+// Polls `done` every 5 ms until it holds (true) or `wait` has passed (false).
+inline bool Eventually(const std::function<bool()>& done, absl::Duration wait) {
+  const absl::Time give_up = absl::Now() + wait;
+  while (!done()) {
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
 }
 
 // Appends `count` positions with PatternValue rows to `kv` (Reserve, write, Commit).
