@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -54,6 +55,10 @@ ABSL_FLAG(int, context, 64, "prompt tokens encoded before the canvas");
 ABSL_FLAG(std::string, device, "cpu", "backend: cpu or cuda (cuda: built with the CUDA backend)");
 ABSL_FLAG(int, prefill_chunk, 512,
           "prompt tokens per encoder pass (the workers' kPrefillChunkTokens is 512)");
+ABSL_FLAG(double, logit_scale, 1.0,
+          "multiply the final norm's weight (so every logit) by this factor: a random "
+          "checkpoint's rows are nearly uniform, a trained model's are peaked, which is what the "
+          "sparse self-conditioning product (DGSERVE_DENSE_SC=1 turns it off) gains on");
 ABSL_FLAG(int, batch, 1, "canvases denoised together per step, each with its own KV cache copy");
 ABSL_FLAG(double, mem_bandwidth_gbs, 0,
           "device memory bandwidth in GB/s for the share of the bf16 bound (0: not reported)");
@@ -203,6 +208,12 @@ int Run() {
     return 2;
   }
   const int V = c.vocab_size, D = c.hidden_size;
+  const double logit_scale = absl::GetFlag(FLAGS_logit_scale);
+  if (!(logit_scale > 0) || !std::isfinite(logit_scale)) {
+    std::fprintf(stderr, "--logit_scale must be finite and > 0, got %g\n", logit_scale);
+    return 2;
+  }
+  for (float& w : ckpt->weights.final_norm) w = float(w * logit_scale);
   const std::string device = absl::GetFlag(FLAGS_device);
   auto created = CreateBackendForDevice(device, c, ckpt->weights);
   if (!created.ok()) {
@@ -239,7 +250,8 @@ int Run() {
   std::vector<std::vector<float>> next_soft(B, std::vector<float>(size_t(C) * D));
   std::vector<std::vector<float>> uniforms(B, std::vector<float>(C));
   std::vector<std::vector<RowResult>> rows(B, std::vector<RowResult>(C));
-  double body = 0, vocab = 0, wall = 0;
+  double body = 0, vocab = 0, wall = 0, entropy_sum = 0;
+  int64_t sc_pairs = 0, sc_skipped = 0, sc_recomputed = 0;
   for (int s = 0; s <= steps; ++s) {  // step 0 is a warm-up, not timed
     std::vector<DenoiseStepInput> in(B);
     for (int b = 0; b < B; ++b) {
@@ -269,6 +281,12 @@ int Run() {
     wall += step_wall;
     body += backend->last_decode_timings().body_seconds;
     vocab += backend->last_decode_timings().lm_head_seconds;
+    sc_pairs += backend->last_decode_timings().sc_tile_rows;
+    sc_skipped += backend->last_decode_timings().sc_tile_rows_skipped;
+    sc_recomputed += backend->last_decode_timings().sc_rows_recomputed;
+    for (int b = 0; b < B; ++b) {
+      for (int i = 0; i < C; ++i) entropy_sum += rows[b][i].entropy;
+    }
   }
   const double per_step = wall / steps;
   const double body_flops = BodyFlops(c, C, P) * steps * B;
@@ -292,6 +310,13 @@ int Run() {
       "  vocabulary-sized work    %10.2f ms/step  %8.1f GFLOP/s (LM head + SC GEMMs,\n"
       "                           fused with softcap/softmax/entropy/sampling)\n",
       1e3 * vocab / steps, vocab > 0 ? vocab_flops / vocab / 1e9 : 0.0);
+  std::printf("mean row entropy           %10.3f nats (uniform over the vocabulary: %.3f)\n",
+              entropy_sum / (double(steps) * B * C), std::log(double(V)));
+  if (sc_pairs > 0) {
+    std::printf("sparse SC product: %.1f %% of (row, vocabulary tile) pairs left out, %lld rows "
+                "recomputed dense (DGSERVE_DENSE_SC=1: dense)\n",
+                100.0 * double(sc_skipped) / double(sc_pairs), (long long)sc_recomputed);
+  }
   std::printf("bf16 weights read per step %10.3f GB", bf16_bytes / 1e9);
   if (bw > 0) {
     std::printf(" → %.1f %% of the bf16 bound at %.0f GB/s", 100 * bound_share, bw / 1e9);
@@ -301,10 +326,11 @@ int Run() {
   std::printf(
       "RESULT device=%s layers=%d canvas=%d batch=%d context=%d steps=%d prefill_ms=%.2f "
       "step_ms=%.3f canvas_ms=%.2f positions_per_s=%.0f bf16_gb_per_step=%.3f "
-      "bf16_bound_share=%.4f device_mem_gb=%.2f peak_rss_gb=%.2f\n",
+      "bf16_bound_share=%.4f device_mem_gb=%.2f peak_rss_gb=%.2f sc_skipped_share=%.4f\n",
       device.c_str(), c.num_layers, C, B, P, steps, 1e3 * prefill_s, 1e3 * per_step,
       1e3 * per_step * steps, double(C) * B / per_step, bf16_bytes / 1e9, bound_share,
-      device_peak / 1e9, peak_rss ? double(*peak_rss) / 1e9 : 0.0);
+      device_peak / 1e9, peak_rss ? double(*peak_rss) / 1e9 : 0.0,
+      sc_pairs > 0 ? double(sc_skipped) / double(sc_pairs) : 0.0);
   return 0;
 }
 
@@ -315,7 +341,7 @@ int main(int argc, char** argv) {
   dgserve::InitCommandLine(
       "engine_bench (--model DIR | --config FILE | --config_json TEXT) [--layers N] "
       "[--device cpu|cuda] [--canvas N] [--steps N] [--context N] [--batch N] [--seed N] "
-      "[--mem_bandwidth_gbs GB/s]",
+      "[--mem_bandwidth_gbs GB/s] [--logit_scale X]",
       "bench/engine_bench.cc");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {

@@ -52,6 +52,11 @@ class CpuBackend final : public ModelBackend {
   CpuBackend(const ModelConfig& config, const ModelWeights& weights) : c_(config), w_(weights) {
     rope_sliding_ = cpu::RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2);
     rope_full_ = cpu::RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles());
+    sc_skip_mass_ = cpu::DefaultScSkipMass();
+    if (sc_skip_mass_ > 0) {
+      embed_row_norm_max_ =
+          cpu::EmbeddingRowNormMax(w_.embed_tokens.data(), c_.vocab_size, c_.hidden_size);
+    }
   }
 
   const ModelConfig& config() const override { return c_; }
@@ -87,6 +92,8 @@ class CpuBackend final : public ModelBackend {
   const ModelConfig c_;  // a copy: small, and callers need not keep theirs alive
   const ModelWeights& w_;
   std::vector<float> rope_sliding_, rope_full_;
+  double sc_skip_mass_ = 0;        // sparse self-conditioning budget (cpu_vocab.h); 0 = dense
+  float embed_row_norm_max_ = 0;   // max_v ‖E_v‖₂, for its bound
   DecodeTimings timings_;
 };
 
@@ -449,6 +456,7 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
   std::vector<float> h;
   DGSERVE_RETURN_IF_ERROR(Body(canvases, &segs, &h));
   const auto t1 = std::chrono::steady_clock::now();
+  cpu::VocabStepStats stats;
   for (size_t i = 0; i < batch.size(); ++i) {
     const Segment& s = segs[i];
     std::vector<float> temperature(s.rows, batch[i].temperature);
@@ -465,6 +473,9 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     args.embed_scale = c_.EmbedScale();
     args.out = batch[i].rows;
     args.soft = batch[i].next_soft;
+    args.sc_skip_mass = sc_skip_mass_;
+    args.embed_row_norm_max = embed_row_norm_max_;
+    args.stats = &stats;
     if (!batch[i].row_masks.empty()) {
       if (int(batch[i].row_masks.size()) != s.rows) {
         return absl::InvalidArgumentError("row_masks: must have one entry per canvas position");
@@ -474,6 +485,9 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     DGSERVE_RETURN_IF_ERROR(cpu::FusedVocabStep(args));
   }
   timings_.lm_head_seconds = SecondsSince(t1);
+  timings_.sc_tile_rows = stats.tile_rows;
+  timings_.sc_tile_rows_skipped = stats.tile_rows_skipped;
+  timings_.sc_rows_recomputed = stats.rows_recomputed;
   return absl::OkStatus();
 }
 

@@ -5,11 +5,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <limits>
+#include <memory>
+#include <span>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/bf16.h"
+#include "common/status_macros.h"
 #include "engine/model/avx2_exp2.h"
 #include "engine/model/cpu/gemm.h"
 #include "engine/model/cpu_ops.h"
@@ -28,6 +34,20 @@ struct RowState {
   double sum_d = 0;       // Q = Σ exp(d)·d, d = (ℓ − max)/T ≤ 0
   bool poisoned = false;  // a NaN logit was seen
 };
+
+// Copies rows `rows` of src [·, ld] (width n) to dst [rows.size(), ld_dst], or back (`back`).
+void GatherRows(std::span<const int> rows, float* src, int64_t ld, int n, float* dst,
+                int64_t ld_dst, bool back) {
+  for (size_t j = 0; j < rows.size(); ++j) {
+    float* a = src + size_t(rows[j]) * ld;
+    float* b = dst + j * ld_dst;
+    if (back) {
+      std::memcpy(a, b, sizeof(float) * n);
+    } else {
+      std::memcpy(b, a, sizeof(float) * n);
+    }
+  }
+}
 
 // Sums of one tile of one row: exps written to `e`, returns S_t and Q_t (relative to `m`).
 [[gnu::target("avx2,fma")]] void TileExpAvx2(const float* l, int n, float m, float inv_t, float* e,
@@ -124,7 +144,145 @@ void ApplyMask(const uint64_t* mask, int v0, int n, float* l) {
   }
 }
 
+
+// What the vocabulary pass leaves for the soft-embedding product: every row's exps per id (as
+// the pass computed them, relative to the running max of the row in its chunk at that tile), the
+// per-tile sums and reference maxima, the chunks' final states, and each row's merged max and sum.
+struct ProductInputs {
+  const VocabStepArgs* a = nullptr;
+  int chunks = 0, num_tiles = 0;
+  const float* exps = nullptr;  // [M, V]
+  const std::vector<RowState>* states = nullptr;
+  const std::vector<float>* tile_sum = nullptr;
+  const std::vector<float>* tile_ref = nullptr;
+  const std::vector<float>* inv_t = nullptr;
+  const std::vector<float>* row_max = nullptr;
+  const std::vector<double>* row_sum = nullptr;
+
+  int TileBegin(int chunk) const { return int(int64_t(num_tiles) * chunk / chunks); }
+};
+
+// The soft embeddings s_r = scale · Σ_v q_v E_v of rows `rows` (those with a finite sum), written
+// to a.soft. The accumulation replays the vocabulary pass's order exactly: per chunk, tiles in
+// order, each accumulator rescaled when the pass moved the row's reference max, chunks merged in
+// order — so a row that leaves nothing out gets the bits of the fused dense product. With
+// `skip_mass` > 0 a row leaves a tile out while its exact mass q(tile) keeps the row's total left
+// out ≤ skip_mass; `left_out[j]` receives that total and `skipped_pairs` the count.
+void SoftProduct(const ProductInputs& in, std::span<const int> rows, double skip_mass,
+                 std::vector<double>* left_out, int64_t* skipped_pairs) {
+  const VocabStepArgs& a = *in.a;
+  const int M = a.rows, V = a.vocab, D = a.dim, n = int(rows.size()), chunks = in.chunks;
+  std::vector<float> accs(size_t(chunks) * n * D, 0.0f);
+  std::vector<double> chunk_left(size_t(chunks) * n, 0.0);
+  std::vector<int64_t> chunk_skipped(chunks, 0);
+#pragma omp parallel
+  {
+    std::vector<int> active;                // rows (indices into `rows`) that take this tile
+    std::vector<float> e_rows, acc_rows;    // their exps and accumulators, gathered
+    std::vector<float> ref(n, 0.0f);
+    std::vector<char> any_positive(n);
+#pragma omp for schedule(dynamic, 1)
+    for (int t = 0; t < chunks; ++t) {
+      float* acc = accs.data() + size_t(t) * n * D;
+      double* left = chunk_left.data() + size_t(t) * n;
+      std::fill(ref.begin(), ref.end(), -std::numeric_limits<float>::infinity());
+      std::fill(any_positive.begin(), any_positive.end(), 0);
+      for (int tile = in.TileBegin(t); tile < in.TileBegin(t + 1); ++tile) {
+        const int v0 = tile * kTile, cols = std::min(kTile, V - v0);
+        active.clear();
+        for (int j = 0; j < n; ++j) {
+          const int r = rows[j];
+          const float tref = (*in.tile_ref)[size_t(tile) * M + r];
+          const float ts = (*in.tile_sum)[size_t(tile) * M + r];
+          if (tref != ref[j]) {  // the pass rescaled this row's state (Rescale)
+            if (any_positive[j] != 0) {
+              const float alpha = float(std::exp(double(ref[j] - tref) * (*in.inv_t)[r]));
+              float* acc_r = acc + size_t(j) * D;
+              for (int i = 0; i < D; ++i) acc_r[i] *= alpha;
+            }
+            ref[j] = tref;
+          }
+          if (ts > 0) any_positive[j] = 1;
+          if (skip_mass > 0) {
+            const double q = ts > 0 ? double(ts) *
+                                          std::exp(double(tref - (*in.row_max)[r]) *
+                                                   (*in.inv_t)[r]) /
+                                          (*in.row_sum)[r]
+                                    : 0.0;
+            if (left[j] + q <= skip_mass) {
+              left[j] += q;
+              ++chunk_skipped[t];
+              continue;
+            }
+          }
+          active.push_back(j);
+        }
+        if (active.empty()) continue;
+        // acc[rows] += e[rows, cols] · E_tile[cols, D]; exact copies around the GEMM keep each
+        // row's chain (cpu/gemm.h).
+        const GemmB et = GemmB::RowMajor(a.embed + size_t(v0) * D, D);
+        const int na = int(active.size());
+        e_rows.resize(size_t(na) * kTile);
+        acc_rows.resize(size_t(na) * D);
+        for (int k = 0; k < na; ++k) {
+          std::memcpy(e_rows.data() + size_t(k) * kTile,
+                      in.exps + size_t(rows[active[k]]) * V + v0, sizeof(float) * cols);
+        }
+        GatherRows(active, acc, D, D, acc_rows.data(), D, /*back=*/false);
+        Gemm(GemmArgs::Of(na, D, cols, e_rows.data(), kTile, et, acc_rows.data(), D, true),
+             GemmThreads::kCallerOnly);
+        GatherRows(active, acc, D, D, acc_rows.data(), D, /*back=*/true);
+      }
+    }
+  }
+  // Merge the chunks per row (chunk order = vocabulary order), then normalise.
+#pragma omp parallel for schedule(static) if (n >= 8)
+  for (int j = 0; j < n; ++j) {
+    const int r = rows[j];
+    float* soft = a.soft + size_t(r) * D;
+    std::fill(soft, soft + D, 0.0f);
+    double total_left = 0;
+    for (int t = 0; t < chunks; ++t) {
+      total_left += chunk_left[size_t(t) * n + j];
+      RowState s = (*in.states)[size_t(t) * M + r];
+      if (s.argmax < 0) continue;
+      float* acc_r = accs.data() + (size_t(t) * n + j) * D;
+      Rescale(s, (*in.row_max)[r], (*in.inv_t)[r], acc_r, D);
+      for (int i = 0; i < D; ++i) soft[i] += acc_r[i];
+    }
+    const float scale = float(a.embed_scale / (*in.row_sum)[r]);
+    for (int i = 0; i < D; ++i) soft[i] *= scale;
+    if (left_out) (*left_out)[j] = total_left;
+  }
+  if (skipped_pairs) {
+    for (int64_t k : chunk_skipped) *skipped_pairs += k;
+  }
+}
+
 }  // namespace
+
+double DefaultScSkipMass() {
+  static const double mass = [] {
+    const char* env = std::getenv("DGSERVE_DENSE_SC");
+    return env != nullptr && std::string_view(env) == "1" ? 0.0 : std::ldexp(1.0, -12);
+  }();
+  return mass;
+}
+
+float EmbeddingRowNormMax(const uint16_t* table, int64_t rows, int dim) {
+  double best = 0;
+#pragma omp parallel for schedule(static) reduction(max : best)
+  for (int64_t v = 0; v < rows; ++v) {
+    double ss = 0;
+    for (int i = 0; i < dim; ++i) {
+      const double x = Bf16ToFloat(table[v * dim + i]);
+      ss += x * x;
+    }
+    best = std::max(best, ss);
+  }
+  // Rounded up: float(√best) may be below √best by half an ulp; the factor covers it.
+  return float(std::sqrt(best) * (1.0 + 1e-6));
+}
 
 absl::Status FusedVocabStep(const VocabStepArgs& a) {
   const bool avx2 = UseAvx2Elementwise();
@@ -134,26 +292,32 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
   // The vocabulary is cut into a fixed number of chunks, whatever the thread count, and the
   // chunks' partial sums are merged in chunk order: the result does not depend on the thread count.
   const int chunks = std::max(1, std::min(kChunks, num_tiles));
-  // Per chunk: row states and soft accumulators; per tile and row: the tile's exp sum and the
-  // max it was taken against (for the sampling scan).
+  // Per chunk: row states; per tile and row: the tile's exp sum and the max it was taken against
+  // (for the sampling scan and the soft-embedding product); with a soft embedding to compute,
+  // every exp (the product runs after this pass, when each tile's final mass is known).
   std::vector<RowState> states(size_t(chunks) * M);
-  std::vector<float> accs(a.soft ? size_t(chunks) * M * D : 0, 0.0f);
   std::vector<float> tile_sum(size_t(num_tiles) * M), tile_ref(size_t(num_tiles) * M);
   std::vector<float> inv_t(M);
   for (int r = 0; r < M; ++r) inv_t[r] = 1.0f / a.temperature[r];
+  // Kept across calls: the buffer is [M, V] (268 MB at canvas 256 of the real vocabulary), and
+  // touching fresh pages every step would cost more than the product saves.
+  static thread_local std::vector<float> exps_buffer;
+  float* exps = nullptr;
+  if (a.soft) {
+    if (exps_buffer.size() < size_t(M) * V) exps_buffer.resize(size_t(M) * V);
+    exps = exps_buffer.data();
+  }
 
 #pragma omp parallel
   {
-    std::vector<float> lbuf(size_t(M) * kTile), ebuf(size_t(M) * kTile);
+    std::vector<float> lbuf(size_t(M) * kTile), ebuf(exps ? 0 : size_t(M) * kTile);
 #pragma omp for schedule(dynamic, 1)
     for (int t = 0; t < chunks; ++t) {
       const int tile_begin = int(int64_t(num_tiles) * t / chunks);
       const int tile_end = int(int64_t(num_tiles) * (t + 1) / chunks);
       RowState* st = states.data() + size_t(t) * M;
-      float* acc = a.soft ? accs.data() + size_t(t) * M * D : nullptr;
       for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int v0 = tile * kTile, n = std::min(kTile, V - v0);
-        const uint16_t* et = a.embed + size_t(v0) * D;
         // Logits of the tile: [M, n] = hidden · E_tileᵀ, softcapped.
         float* l = lbuf.data();
         int ldl = n;
@@ -180,15 +344,14 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           }
           RowState& s = st[r];
           if (nan_count > 0) s.poisoned = true;  // reported after the merge
-          float* acc_r = acc ? acc + size_t(r) * D : nullptr;
           if (tile_max > s.max_logit) {
             int best = 0;
             while (lr[best] != tile_max) ++best;
             s.argmax = v0 + best;
-            Rescale(s, tile_max, inv_t[r], acc_r, D);
+            Rescale(s, tile_max, inv_t[r], nullptr, D);
           }
           double ts, tq;
-          float* e = ebuf.data() + size_t(r) * kTile;
+          float* e = exps ? exps + size_t(r) * V + v0 : ebuf.data() + size_t(r) * kTile;
           if (s.max_logit == -std::numeric_limits<float>::infinity()) {
             // Every id so far is masked: nothing to add (and ℓ − max would be NaN).
             std::fill(e, e + n, 0.0f);
@@ -203,17 +366,14 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           tile_sum[size_t(tile) * M + r] = float(ts);
           tile_ref[size_t(tile) * M + r] = s.max_logit;
         }
-        if (acc) {  // acc[M, D] += e[M, n] · E_tile[n, D]
-          const GemmArgs sg =
-              GemmArgs::Of(M, D, n, ebuf.data(), kTile, GemmB::RowMajor(et, D), acc, D, true);
-          Gemm(sg, GemmThreads::kCallerOnly);
-        }
       }
     }
   }
 
   // Merge the chunks' states per row (chunk order = vocabulary order), then sample.
   int bad_row = -1;
+  std::vector<float> row_max(M);
+  std::vector<double> row_sum(M);
 #pragma omp parallel for schedule(static) if (M >= 8)
   for (int r = 0; r < M; ++r) {
     float m = -std::numeric_limits<float>::infinity();
@@ -228,19 +388,15 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
       }
     }
     double sum = 0, sum_d = 0;
-    float* soft = a.soft ? a.soft + size_t(r) * D : nullptr;
-    if (soft) std::fill(soft, soft + D, 0.0f);
     for (int t = 0; t < chunks; ++t) {
       RowState s = states[size_t(t) * M + r];
       if (s.argmax < 0) continue;
-      float* acc_r = a.soft ? accs.data() + (size_t(t) * M + r) * D : nullptr;
-      Rescale(s, m, inv_t[r], acc_r, D);
+      Rescale(s, m, inv_t[r], nullptr, D);
       sum += s.sum;
       sum_d += s.sum_d;
-      if (soft) {
-        for (int i = 0; i < D; ++i) soft[i] += acc_r[i];
-      }
     }
+    row_max[r] = m;
+    row_sum[r] = sum;
     if (poisoned || !(std::isfinite(m) && std::isfinite(sum) && sum > 0)) {
 #pragma omp critical(dgserve_vocab_bad_row)
       bad_row = bad_row < 0 ? r : std::min(bad_row, r);
@@ -250,10 +406,6 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
     out.argmax = argmax;
     out.entropy = float(std::max(0.0, std::log(sum) - sum_d / sum));
     out.lse = float(double(m) * inv_t[r] + std::log(sum));
-    if (soft) {
-      const float scale = float(a.embed_scale / sum);
-      for (int i = 0; i < D; ++i) soft[i] *= scale;
-    }
     // Inverse-CDF sample: the first id whose running exp sum exceeds u·S.
     const double u = std::clamp(double(a.uniforms[r]), 0.0, std::nextafter(1.0, 0.0));
     const double target = u * sum;
@@ -299,6 +451,44 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
     return absl::InternalError(
         absl::StrCat("non-finite logits in canvas row ", bad_row,
                      " (corrupt weights or numerical overflow); no token can be sampled"));
+  }
+  if (!a.soft) return absl::OkStatus();
+
+  // The soft embeddings, sparse where allowed; a row whose bound fails is recomputed dense.
+  ProductInputs in;
+  in.a = &a;
+  in.chunks = chunks;
+  in.num_tiles = num_tiles;
+  in.exps = exps;
+  in.states = &states;
+  in.tile_sum = &tile_sum;
+  in.tile_ref = &tile_ref;
+  in.inv_t = &inv_t;
+  in.row_max = &row_max;
+  in.row_sum = &row_sum;
+  std::vector<int> all(M);
+  for (int r = 0; r < M; ++r) all[r] = r;
+  const double skip_mass = std::max(0.0, a.sc_skip_mass);
+  std::vector<double> left_out(M, 0.0);
+  int64_t skipped_pairs = 0;
+  SoftProduct(in, all, skip_mass, &left_out, &skipped_pairs);
+  std::vector<int> dense_rows;
+  if (skip_mass > 0) {
+    const double quarter_bf16 = std::ldexp(1.0, -10);
+    for (int r = 0; r < M; ++r) {
+      if (left_out[r] == 0) continue;
+      const float* soft = a.soft + size_t(r) * D;
+      double norm2 = 0;
+      for (int i = 0; i < D; ++i) norm2 += double(soft[i]) * soft[i];
+      const double bound = double(a.embed_scale) * left_out[r] * a.embed_row_norm_max;
+      if (!(bound <= quarter_bf16 * (std::sqrt(norm2) - bound))) dense_rows.push_back(r);
+    }
+    if (!dense_rows.empty()) SoftProduct(in, dense_rows, 0.0, nullptr, nullptr);
+  }
+  if (a.stats != nullptr) {
+    a.stats->tile_rows += int64_t(M) * num_tiles;
+    a.stats->tile_rows_skipped += skipped_pairs;
+    a.stats->rows_recomputed += int64_t(dense_rows.size());
   }
   return absl::OkStatus();
 }

@@ -14,6 +14,13 @@
 
 namespace dgserve::cpu {
 
+// What one FusedVocabStep skipped: (row, vocabulary tile) pairs of the soft-embedding product.
+struct VocabStepStats {
+  int64_t tile_rows = 0;          // pairs with a soft embedding to compute (rows × tiles)
+  int64_t tile_rows_skipped = 0;  // of them, left out by the sparse product
+  int64_t rows_recomputed = 0;    // rows whose bound failed and were recomputed dense
+};
+
 struct VocabStepArgs {
   const float* hidden = nullptr;  // [rows, D] final-normed hidden states
   int rows = 0;
@@ -31,7 +38,20 @@ struct VocabStepArgs {
   // [rows] per-row vocabulary bit masks (bit v of word v/64 ⇔ id v allowed; nullptr = all), or
   // nullptr for none. Masked ids get logit −inf (also in `logits`); a row needs ≥ 1 allowed id.
   const uint64_t* const* masks = nullptr;
+  // Sparse self-conditioning (see FusedVocabStep): the most probability mass per row that may be
+  // left out of the soft embedding; 0 = dense. Needs embed_row_norm_max.
+  double sc_skip_mass = 0;
+  float embed_row_norm_max = 0;       // max over ids v of ‖E_v‖₂ (EmbeddingRowNormMax)
+  VocabStepStats* stats = nullptr;  // optional: what the sparse product skipped
 };
+
+// The default of VocabStepArgs::sc_skip_mass in the CPU backend: 2⁻¹² (DGSERVE_DENSE_SC=1 in the
+// environment gives 0, the dense product).
+double DefaultScSkipMass();
+
+// max over the `rows` rows of a row-major bf16 [rows, dim] table of the row's Euclidean norm,
+// rounded up (an upper bound for the sparse product's error bound).
+float EmbeddingRowNormMax(const uint16_t* table, int64_t rows, int dim);
 
 // Runs the fused step. Results agree with Softcap + SampleRows + SoftEmbedding on the same
 // hidden states up to float rounding (the sample can differ only when u·S falls within rounding
@@ -39,6 +59,17 @@ struct VocabStepArgs {
 // order, and every row's arithmetic is its own (GEMMs with the property of cpu/gemm.h), so a
 // row's result depends neither on the thread count nor on the other rows. INTERNAL when a row's
 // logits are not finite (NaN or infinite weights, overflow): nothing can be sampled from them.
+//
+// Sparse self-conditioning (sc_skip_mass = ε > 0; spec §3.5 step 2, issue 11): the soft embedding
+// s = scale · Σ_v q_v E_v is vocabulary-sized work, but most tiles of a peaked row carry almost no
+// probability. A row leaves a tile out of its product when p̂ = S_tile / S_so_far (an upper bound
+// of the tile's final mass: the row's sum only grows) keeps the row's total p̂ of left-out tiles
+// ≤ ε; a tile whose exps are all 0 is left out exactly. The error is then at most
+// B = scale · ε_row · max_v ‖E_v‖₂ in Euclidean norm, and every row is checked after the pass:
+// unless B ≤ 2⁻¹⁰ · (‖s‖₂ − B), i.e. the omission is at most a quarter of the worst change that
+// the reference's own bf16 rounding of this product (unit roundoff 2⁻⁸ per element) can make, the
+// row is recomputed dense. Rows are decided on their own data only, so batch invariance holds;
+// argmax, entropy, lse and the sample never change (they do not use the product).
 absl::Status FusedVocabStep(const VocabStepArgs& args);
 
 }  // namespace dgserve::cpu

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -192,6 +193,125 @@ TEST(FusedVocabStepTest, RowsDoNotDependOnTheBatchOrTheGemmPath) {
     }
   }
   ASSERT_TRUE(SetGemmIsa(saved).ok());
+}
+
+
+// The sparse self-conditioning product (cpu_vocab.h). V = 8192 (16 tiles), D = 32; ids 0–2 carry
+// the signal in dimension 0, every other id is 0 there, so a hidden state along dimension 0 puts
+// all the probability in tile 0 (others are 0 in dimensions 0–2):
+// - row 0: peaked on id 2 (E_2 = (0.02, 0, 1, …)): the 15 other tiles are left out, within the
+//   bound; row 3 the same at temperature 0.4;
+// - row 1: ids 0 and 1 share the mass and their embeddings (0.01, ±1, …) cancel, so ‖s‖ is small
+//   against max ‖E_v‖ and the bound fails: the row is recomputed dense (the same bits as dense);
+// - row 2: a tiny hidden state, nearly uniform: no tile is left out (the same bits as dense).
+struct SparseCase {
+  static constexpr int M = 4, V = 8192, D = 32;
+  std::vector<float> hidden = std::vector<float>(size_t(M) * D, 0.0f);
+  std::vector<float> temperature = {1.0f, 1.0f, 1.0f, 0.4f};
+  std::vector<float> uniforms = {0.3f, 0.6f, 0.5f, 0.9f};
+  Embedding emb;
+  static std::vector<float> Table() {
+    std::vector<float> e(size_t(V) * D, 0.0f);
+    for (int v = 3; v < V; ++v) {
+      for (int i = 3; i < D; ++i) e[size_t(v) * D + i] = 0.2f * std::sin(0.37f * float(v * D + i));
+    }
+    e[0 * D + 0] = 0.01f, e[0 * D + 1] = 1.0f;
+    e[1 * D + 0] = 0.01f, e[1 * D + 1] = -1.0f;
+    e[2 * D + 0] = 0.02f, e[2 * D + 2] = 1.0f;
+    return e;
+  }
+  SparseCase() : emb(Table(), V, D) {
+    hidden[0 * D + 0] = 1000.0f;  // logits: id 2 20 → 17.5 after softcap; ids 0, 1 10; others 0
+    hidden[1 * D + 0] = 2000.0f;  // ids 0, 1: 20; id 2: 40 − 1000 (capped to −30); others 0
+    hidden[1 * D + 2] = -1000.0f;
+    for (int i = 0; i < D; ++i) hidden[2 * D + i] = 0.001f;
+    hidden[3 * D + 0] = 1000.0f;
+  }
+  // Runs rows [r0, r0 + rows) with the given budget.
+  void Run(int r0, int rows, double skip_mass, std::vector<RowResult>* out,
+           std::vector<float>* soft, VocabStepStats* stats) const {
+    out->assign(rows, {});
+    soft->assign(size_t(rows) * D, 0.0f);
+    VocabStepArgs a;
+    a.hidden = hidden.data() + size_t(r0) * D;
+    a.rows = rows;
+    a.lm_head = &emb.packed;
+    a.embed = emb.bits.data();
+    a.vocab = V;
+    a.dim = D;
+    a.temperature = temperature.data() + r0;
+    a.uniforms = uniforms.data() + r0;
+    a.embed_scale = 5.5f;
+    a.out = out->data();
+    a.soft = soft->data();
+    a.sc_skip_mass = skip_mass;
+    a.embed_row_norm_max = EmbeddingRowNormMax(emb.bits.data(), V, D);
+    a.stats = stats;
+    ASSERT_TRUE(FusedVocabStep(a).ok());
+  }
+};
+
+double Norm(const float* x, int n) {
+  double s = 0;
+  for (int i = 0; i < n; ++i) s += double(x[i]) * x[i];
+  return std::sqrt(s);
+}
+
+TEST(FusedVocabStepTest, SparseProductLeavesOutLowMassTilesWithinItsBound) {
+  const SparseCase c;
+  const int M = SparseCase::M, D = SparseCase::D;
+  std::vector<RowResult> dense, sparse;
+  std::vector<float> dense_soft, sparse_soft;
+  VocabStepStats dense_stats, stats;
+  c.Run(0, M, 0.0, &dense, &dense_soft, &dense_stats);
+  c.Run(0, M, DefaultScSkipMass(), &sparse, &sparse_soft, &stats);
+  EXPECT_EQ(dense_stats.tile_rows_skipped, 0);
+  EXPECT_EQ(stats.tile_rows, M * 16);
+  // Rows 0, 1 and 3 leave out their 15 low-mass tiles; row 2 none.
+  EXPECT_EQ(stats.tile_rows_skipped, 3 * 15);
+  EXPECT_EQ(stats.rows_recomputed, 1);  // row 1
+  for (int r = 0; r < M; ++r) {
+    EXPECT_EQ(sparse[r].argmax, dense[r].argmax) << "row " << r;
+    EXPECT_EQ(sparse[r].sampled, dense[r].sampled) << "row " << r;
+    EXPECT_EQ(sparse[r].entropy, dense[r].entropy) << "row " << r;
+    EXPECT_EQ(sparse[r].lse, dense[r].lse) << "row " << r;
+    const float* want = dense_soft.data() + size_t(r) * D;
+    const float* got = sparse_soft.data() + size_t(r) * D;
+    if (r == 1 || r == 2) {
+      EXPECT_EQ(0, std::memcmp(got, want, sizeof(float) * D)) << "row " << r;
+      continue;
+    }
+    std::vector<float> diff(D);
+    for (int i = 0; i < D; ++i) diff[i] = got[i] - want[i];
+    EXPECT_GT(Norm(want, D), 1.0);
+    EXPECT_LE(Norm(diff.data(), D), std::ldexp(Norm(want, D), -10)) << "row " << r;
+  }
+  EXPECT_EQ(dense[0].argmax, 2);
+  EXPECT_LT(dense[1].argmax, 2);
+
+  // Each row alone gives the batch's bits (the decisions are the row's own).
+  for (int r = 0; r < M; ++r) {
+    std::vector<RowResult> one;
+    std::vector<float> one_soft;
+    VocabStepStats one_stats;
+    c.Run(r, 1, DefaultScSkipMass(), &one, &one_soft, &one_stats);
+    EXPECT_EQ(one[0].sampled, sparse[r].sampled) << "row " << r;
+    EXPECT_EQ(0, std::memcmp(one_soft.data(), sparse_soft.data() + size_t(r) * D,
+                             sizeof(float) * D))
+        << "row " << r;
+    EXPECT_EQ(one_stats.rows_recomputed, r == 1 ? 1 : 0) << "row " << r;
+  }
+}
+
+TEST(FusedVocabStepTest, EmbeddingRowNormMaxIsAnUpperBound) {
+  const SparseCase c;
+  const float got = EmbeddingRowNormMax(c.emb.bits.data(), SparseCase::V, SparseCase::D);
+  double want = 0;
+  for (int v = 0; v < SparseCase::V; ++v) {
+    want = std::max(want, Norm(c.emb.values.data() + size_t(v) * SparseCase::D, SparseCase::D));
+  }
+  EXPECT_GE(double(got), want);
+  EXPECT_LE(double(got), want * (1 + 1e-5));
 }
 
 }  // namespace
