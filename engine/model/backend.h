@@ -56,10 +56,10 @@ struct DecodeTimings {
   double body_seconds = 0;     // canvas embedding, self-conditioning MLP, layers, final norm
   double lm_head_seconds = 0;  // LM head GEMM and softcap
   // The sparse self-conditioning product of the last DenoiseStep (CPU; cpu::VocabStepStats):
-  // (canvas row, vocabulary tile) pairs, those left out, rows recomputed dense.
+  // (canvas row, vocabulary tile) pairs, those left out, rows the bound kept dense.
   int64_t sc_tile_rows = 0;
   int64_t sc_tile_rows_skipped = 0;
-  int64_t sc_rows_recomputed = 0;
+  int64_t sc_rows_kept_dense = 0;
 };
 
 class ModelBackend {

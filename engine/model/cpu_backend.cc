@@ -487,7 +487,7 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
   timings_.lm_head_seconds = SecondsSince(t1);
   timings_.sc_tile_rows = stats.tile_rows;
   timings_.sc_tile_rows_skipped = stats.tile_rows_skipped;
-  timings_.sc_rows_recomputed = stats.rows_recomputed;
+  timings_.sc_rows_kept_dense = stats.rows_kept_dense;
   return absl::OkStatus();
 }
 

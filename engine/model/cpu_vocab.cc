@@ -145,6 +145,15 @@ void ApplyMask(const uint64_t* mask, int v0, int n, float* l) {
 }
 
 
+// The sparse product's guarantee: its error B ≤ 2⁻¹⁰ · (‖s‖ − B), so B < 2⁻¹⁰ ‖s_exact‖: a quarter
+// of the worst change the reference's bf16 rounding of the product (unit roundoff 2⁻⁸) makes.
+constexpr double kBoundShare = 0x1.0p-10;
+
+// B = scale · (mass left out) · max_v ‖E_v‖₂: the most the left-out terms can add, in norm.
+double ErrorBound(const VocabStepArgs& a, double left_out) {
+  return double(a.embed_scale) * left_out * double(a.embed_row_norm_max);
+}
+
 // What the vocabulary pass leaves for the soft-embedding product: every row's exps per id (as
 // the pass computed them, relative to the running max of the row in its chunk at that tile), the
 // per-tile sums and reference maxima, the chunks' final states, and each row's merged max and sum.
@@ -165,16 +174,12 @@ struct ProductInputs {
 // The soft embeddings s_r = scale · Σ_v q_v E_v of rows `rows` (those with a finite sum), written
 // to a.soft. The accumulation replays the vocabulary pass's order exactly: per chunk, tiles in
 // order, each accumulator rescaled when the pass moved the row's reference max, chunks merged in
-// order — so a row that leaves nothing out gets the bits of the fused dense product. With
-// `skip_mass` > 0 a row leaves a tile out while its exact mass q(tile) keeps the row's total left
-// out ≤ skip_mass; `left_out[j]` receives that total and `skipped_pairs` the count.
-void SoftProduct(const ProductInputs& in, std::span<const int> rows, double skip_mass,
-                 std::vector<double>* left_out, int64_t* skipped_pairs) {
+// order — so a row that leaves nothing out gets the bits of the fused dense product. Row r leaves
+// tile t out where skip[t·M + r] (nullptr: none).
+void SoftProduct(const ProductInputs& in, std::span<const int> rows, const char* skip) {
   const VocabStepArgs& a = *in.a;
   const int M = a.rows, V = a.vocab, D = a.dim, n = int(rows.size()), chunks = in.chunks;
   std::vector<float> accs(size_t(chunks) * n * D, 0.0f);
-  std::vector<double> chunk_left(size_t(chunks) * n, 0.0);
-  std::vector<int64_t> chunk_skipped(chunks, 0);
 #pragma omp parallel
   {
     std::vector<int> active;                // rows (indices into `rows`) that take this tile
@@ -184,7 +189,6 @@ void SoftProduct(const ProductInputs& in, std::span<const int> rows, double skip
 #pragma omp for schedule(dynamic, 1)
     for (int t = 0; t < chunks; ++t) {
       float* acc = accs.data() + size_t(t) * n * D;
-      double* left = chunk_left.data() + size_t(t) * n;
       std::fill(ref.begin(), ref.end(), -std::numeric_limits<float>::infinity());
       std::fill(any_positive.begin(), any_positive.end(), 0);
       for (int tile = in.TileBegin(t); tile < in.TileBegin(t + 1); ++tile) {
@@ -203,19 +207,7 @@ void SoftProduct(const ProductInputs& in, std::span<const int> rows, double skip
             ref[j] = tref;
           }
           if (ts > 0) any_positive[j] = 1;
-          if (skip_mass > 0) {
-            const double q = ts > 0 ? double(ts) *
-                                          std::exp(double(tref - (*in.row_max)[r]) *
-                                                   (*in.inv_t)[r]) /
-                                          (*in.row_sum)[r]
-                                    : 0.0;
-            if (left[j] + q <= skip_mass) {
-              left[j] += q;
-              ++chunk_skipped[t];
-              continue;
-            }
-          }
-          active.push_back(j);
+          if (skip == nullptr || !skip[size_t(tile) * M + r]) active.push_back(j);
         }
         if (active.empty()) continue;
         // acc[rows] += e[rows, cols] · E_tile[cols, D]; exact copies around the GEMM keep each
@@ -241,9 +233,7 @@ void SoftProduct(const ProductInputs& in, std::span<const int> rows, double skip
     const int r = rows[j];
     float* soft = a.soft + size_t(r) * D;
     std::fill(soft, soft + D, 0.0f);
-    double total_left = 0;
     for (int t = 0; t < chunks; ++t) {
-      total_left += chunk_left[size_t(t) * n + j];
       RowState s = (*in.states)[size_t(t) * M + r];
       if (s.argmax < 0) continue;
       float* acc_r = accs.data() + (size_t(t) * n + j) * D;
@@ -252,11 +242,52 @@ void SoftProduct(const ProductInputs& in, std::span<const int> rows, double skip
     }
     const float scale = float(a.embed_scale / (*in.row_sum)[r]);
     for (int i = 0; i < D; ++i) soft[i] *= scale;
-    if (left_out) (*left_out)[j] = total_left;
   }
-  if (skipped_pairs) {
-    for (int64_t k : chunk_skipped) *skipped_pairs += k;
+}
+
+// The sparse product's plan for row r: tiles in vocabulary order, each left out while the row's
+// total exact mass left out stays ≤ skip_mass (marks skip[t·M + r]; returns the total and adds
+// the count to *pairs). The plan stands only if B ≤ 2⁻¹⁰ · (L − B) for the lower bound
+// L = scale · (q_max·‖E_argmax‖ − (1 − q_max)·max_v ‖E_v‖) ≤ ‖s‖ (triangle inequality); otherwise
+// the row is kept dense (*kept_dense = 1) and 0 is returned.
+double PlanRow(const ProductInputs& in, int r, double skip_mass, char* skip, int64_t* pairs,
+               char* kept_dense) {
+  const VocabStepArgs& a = *in.a;
+  const int M = a.rows, D = a.dim;
+  const double m = (*in.row_max)[r], sum = (*in.row_sum)[r], inv_t = (*in.inv_t)[r];
+  double total = 0;
+  int64_t count = 0;
+  for (int tile = 0; tile < in.num_tiles; ++tile) {
+    const float ts = (*in.tile_sum)[size_t(tile) * M + r];
+    const double q =
+        ts > 0 ? double(ts) * std::exp(double((*in.tile_ref)[size_t(tile) * M + r] - m) * inv_t) /
+                     sum
+               : 0.0;
+    if (total + q > skip_mass) continue;
+    total += q;
+    skip[size_t(tile) * M + r] = 1;
+    ++count;
   }
+  if (total == 0) {
+    *pairs += count;
+    return 0;
+  }
+  const int32_t am = a.out[r].argmax;
+  double am_norm2 = 0;
+  for (int i = 0; i < D; ++i) {
+    const double x = Bf16ToFloat(a.embed[size_t(am) * D + i]);
+    am_norm2 += x * x;
+  }
+  const double q_max = 1.0 / sum;  // the argmax's exp is exp(0) = 1
+  const double lower = a.embed_scale * (q_max * std::sqrt(am_norm2) -
+                                        (1 - q_max) * double(a.embed_row_norm_max));
+  if (!(ErrorBound(a, total) <= kBoundShare * (lower - ErrorBound(a, total)))) {
+    for (int tile = 0; tile < in.num_tiles; ++tile) skip[size_t(tile) * M + r] = 0;
+    *kept_dense = 1;
+    return 0;
+  }
+  *pairs += count;
+  return total;
 }
 
 }  // namespace
@@ -454,7 +485,7 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
   }
   if (!a.soft) return absl::OkStatus();
 
-  // The soft embeddings, sparse where allowed; a row whose bound fails is recomputed dense.
+  // The soft embeddings: each row's plan (sparse where its bound allows), then the product.
   ProductInputs in;
   in.a = &a;
   in.chunks = chunks;
@@ -470,25 +501,25 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
   for (int r = 0; r < M; ++r) all[r] = r;
   const double skip_mass = std::max(0.0, a.sc_skip_mass);
   std::vector<double> left_out(M, 0.0);
-  int64_t skipped_pairs = 0;
-  SoftProduct(in, all, skip_mass, &left_out, &skipped_pairs);
-  std::vector<int> dense_rows;
+  std::vector<char> skip(skip_mass > 0 ? size_t(num_tiles) * M : 0, 0);
+  int64_t skipped_pairs = 0, kept_dense = 0;
   if (skip_mass > 0) {
-    const double quarter_bf16 = std::ldexp(1.0, -10);
+    std::vector<int64_t> pairs(M, 0);
+    std::vector<char> kept(M, 0);
+#pragma omp parallel for schedule(static) if (M >= 8)
     for (int r = 0; r < M; ++r) {
-      if (left_out[r] == 0) continue;
-      const float* soft = a.soft + size_t(r) * D;
-      double norm2 = 0;
-      for (int i = 0; i < D; ++i) norm2 += double(soft[i]) * soft[i];
-      const double bound = double(a.embed_scale) * left_out[r] * a.embed_row_norm_max;
-      if (!(bound <= quarter_bf16 * (std::sqrt(norm2) - bound))) dense_rows.push_back(r);
+      left_out[r] = PlanRow(in, r, skip_mass, skip.data(), &pairs[r], &kept[r]);
     }
-    if (!dense_rows.empty()) SoftProduct(in, dense_rows, 0.0, nullptr, nullptr);
+    for (int r = 0; r < M; ++r) {
+      skipped_pairs += pairs[r];
+      kept_dense += kept[r];
+    }
   }
+  SoftProduct(in, all, skip_mass > 0 ? skip.data() : nullptr);
   if (a.stats != nullptr) {
     a.stats->tile_rows += int64_t(M) * num_tiles;
     a.stats->tile_rows_skipped += skipped_pairs;
-    a.stats->rows_recomputed += int64_t(dense_rows.size());
+    a.stats->rows_kept_dense += kept_dense;
   }
   return absl::OkStatus();
 }

@@ -1,9 +1,10 @@
-// The fused vocabulary-sized work of one denoising step on the CPU (spec §3.1.6, §3.5 step 2,
+// The vocabulary-sized work of one denoising step on the CPU (spec §3.1.6, §3.5 step 2,
 // §4.2 steps 3–4): LM head, softcap, temperature, softmax, entropy, argmax, inverse-CDF sampling
-// and the next step's self-conditioning soft embedding, in one pass over the embedding table in
-// vocabulary tiles. No [rows, V] buffer is needed: each tile's logits live in cache while its
-// probabilities are multiplied into the soft embedding (online softmax with rescaling, as in
-// flash attention); the sample is found from per-tile sums and one recomputed tile.
+// and the next step's self-conditioning soft embedding. One pass over the embedding table in
+// vocabulary tiles computes each tile's logits (in cache, never a [rows, V] logits buffer), their
+// max, exps and sums (online, rescaled as in flash attention); the sample is found from per-tile
+// sums and one recomputed tile. The exps are kept ([rows, V] float32) for the soft-embedding
+// product, which runs after the pass so that it knows each tile's final mass (sparse product).
 #pragma once
 
 #include <cstdint>
@@ -18,7 +19,7 @@ namespace dgserve::cpu {
 struct VocabStepStats {
   int64_t tile_rows = 0;          // pairs with a soft embedding to compute (rows × tiles)
   int64_t tile_rows_skipped = 0;  // of them, left out by the sparse product
-  int64_t rows_recomputed = 0;    // rows whose bound failed and were recomputed dense
+  int64_t rows_kept_dense = 0;    // rows that had tiles to leave out but whose bound kept them dense
 };
 
 struct VocabStepArgs {
@@ -62,14 +63,15 @@ float EmbeddingRowNormMax(const uint16_t* table, int64_t rows, int dim);
 //
 // Sparse self-conditioning (sc_skip_mass = ε > 0; spec §3.5 step 2, issue 11): the soft embedding
 // s = scale · Σ_v q_v E_v is vocabulary-sized work, but most tiles of a peaked row carry almost no
-// probability. A row leaves a tile out of its product when p̂ = S_tile / S_so_far (an upper bound
-// of the tile's final mass: the row's sum only grows) keeps the row's total p̂ of left-out tiles
-// ≤ ε; a tile whose exps are all 0 is left out exactly. The error is then at most
-// B = scale · ε_row · max_v ‖E_v‖₂ in Euclidean norm, and every row is checked after the pass:
-// unless B ≤ 2⁻¹⁰ · (‖s‖₂ − B), i.e. the omission is at most a quarter of the worst change that
-// the reference's own bf16 rounding of this product (unit roundoff 2⁻⁸ per element) can make, the
-// row is recomputed dense. Rows are decided on their own data only, so batch invariance holds;
-// argmax, entropy, lse and the sample never change (they do not use the product).
+// probability. The product runs after the vocabulary pass, when every tile's exact mass q(tile)
+// for the row is known; a row leaves tiles out, in vocabulary order, while their total mass
+// ε_row ≤ ε (a tile whose exps are all 0 costs nothing). The error is then at most
+// B = scale · ε_row · max_v ‖E_v‖₂ in Euclidean norm, and the row keeps its plan only if
+// B ≤ 2⁻¹⁰ · (L − B) for the lower bound L = scale · (q_max ‖E_argmax‖ − (1 − q_max) max_v ‖E_v‖)
+// of ‖s‖: the omission is below a quarter of the worst change the reference's own bf16 rounding
+// of this product (unit roundoff 2⁻⁸ per element) makes. Otherwise the row is computed dense.
+// Rows decide on their own data only, so batch invariance holds; a row that leaves nothing out
+// gets the dense bits; argmax, entropy, lse and the sample never change (they do not use s).
 absl::Status FusedVocabStep(const VocabStepArgs& args);
 
 }  // namespace dgserve::cpu
