@@ -122,7 +122,7 @@ eval_puzzles() {
     echo "solved $solved of 20, want >= $min" >&2
     return 1
   fi
-  echo "  ok   dgserve-sudoku-eval $*: solved $solved of 20 (>= $min)," \
+  echo "  ok   dgserve-sudoku-eval${*:+ $*}: solved $solved of 20 (>= $min)," \
     "cell accuracy $(jq .cell_accuracy "$report"), steps/canvas $(jq .mean_steps_per_canvas "$report")"
 }
 run_check "dgserve-sudoku-eval (e2e20.jsonl, solved >= $MIN_SOLVED)" eval_puzzles eval "$MIN_SOLVED"

@@ -10,9 +10,9 @@
 // prompt ToRows(puzzle), max_tokens 91 and seed S+i (sudoku::SudokuRequest): by default the
 // givens as a canvas template (blanks restricted to 1-9); --candidates: the token-form template
 // whose blanks each allow only the digits CandidateMasks leaves (the ids from DIR/tokenizer.json,
-// --model, default models/sudoku); --template=false: the plain prompt; C requests are in flight at a time over one
-// gRPC channel. Each answer text is read with sudoku::ParseAnswer, checked with sudoku::Verify
-// and scored with sudoku::CorrectBlanks against the file's solution.
+// --model, default models/sudoku); --template=false: the plain prompt. C requests are in flight
+// at a time over one gRPC channel. Each answer text is read with sudoku::ParseAnswer, checked
+// with sudoku::Verify and scored with sudoku::CorrectBlanks against the file's solution.
 //
 // Report (stdout table; JSON with --json_out), overall and by givens bucket (<30, 30-34, 35-39,
 // >=40): puzzles, solved, solve rate (solved / puzzles; a failed request counts as unsolved),
@@ -322,8 +322,8 @@ absl::Status Run() {
     absl::StatusOr<v1::GenerateRequest> req = SudokuRequest(
         items[i].puzzle, seed + i, diffusion, mode, tokens ? &*tokens : nullptr);
     if (!req.ok()) {
-      return absl::Status(req.status().code(),
-                          absl::StrCat(path, ": puzzle ", items[i].id, ": ", req.status().message()));
+      return absl::Status(req.status().code(), absl::StrCat(path, ": puzzle ", items[i].id, ": ",
+                                                            req.status().message()));
     }
     requests.push_back(*std::move(req));
   }

@@ -47,7 +47,8 @@ Grid MustParse(const std::string& text) {
 // The allowed ids of the hole at canvas `position` (empty when there is none).
 std::vector<int32_t> AllowedAt(const v1::CanvasTemplate& t, int position) {
   for (const v1::TemplateHole& h : t.holes()) {
-    if (h.position() == position) return {h.allowed_token_ids().begin(), h.allowed_token_ids().end()};
+    if (h.position() == position)
+      return {h.allowed_token_ids().begin(), h.allowed_token_ids().end()};
   }
   return {};
 }
@@ -112,8 +113,8 @@ TEST(CandidatesTemplateTest, PerHoleSetsAndFixedLayoutOfTheGuidePuzzle) {
     EXPECT_EQ(t->token_ids(r * 10 + 9), kNewline);
   }
   EXPECT_EQ(t->token_ids(90), kEos);
-  EXPECT_EQ(t->token_ids(2), Digit(5));  // r1c3
-  EXPECT_EQ(t->token_ids(3), Digit(3));  // r1c4
+  EXPECT_EQ(t->token_ids(2), Digit(5));   // r1c3
+  EXPECT_EQ(t->token_ids(3), Digit(3));   // r1c4
   EXPECT_EQ(t->token_ids(85), Digit(9));  // r9c6
   EXPECT_EQ(t->token_ids(86), Digit(7));  // r9c7
 
@@ -124,7 +125,8 @@ TEST(CandidatesTemplateTest, PerHoleSetsAndFixedLayoutOfTheGuidePuzzle) {
   size_t start = 0;
   for (;;) {
     const size_t at = text.find('.', start);
-    const std::string piece = text.substr(start, at == std::string::npos ? std::string::npos : at - start);
+    const std::string piece =
+        text.substr(start, at == std::string::npos ? std::string::npos : at - start);
     for (int32_t id : tok.Encode(piece, /*add_bos=*/false)) text_form.push_back(id);
     if (at == std::string::npos) break;
     text_form.push_back(-1);
