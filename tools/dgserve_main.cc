@@ -8,7 +8,8 @@
 //   dgserve chat --gateway HOST:PORT (--prompt TEXT | --prompt-file FILE) [same sampling flags]
 //                [--api-key KEY] [--show-steps]   (a client of a running cluster)
 //   dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--model DIR] [--seed S]
-//                  [--steps N] [--no-self-conditioning] [--template=false] [--samples N]
+//                  [--steps N] [--no-self-conditioning] [--template=false] [--candidates]
+//                  [--samples N]
 //                  (tools/sudoku/sudoku_cli.h)
 //
 // Flags may be spelled with dashes or underscores.
@@ -79,6 +80,10 @@ ABSL_FLAG(std::string, puzzle_file, "", "sudoku: read the puzzle from this file"
 ABSL_FLAG(bool, template, true,
           "sudoku: send the givens as a canvas template (digits fixed, blanks restricted to 1-9); "
           "--template=false sends the plain prompt only");
+ABSL_FLAG(bool, candidates, false,
+          "sudoku: send the givens as a template whose blanks each allow only the digits not "
+          "already given in their row, column and box (one elimination pass, an aid outside the "
+          "model); the token form of the API's canvas template");
 ABSL_FLAG(int, samples, 1, "sudoku: parallel samples from one prefill; the first that solves wins");
 
 namespace dgserve {
@@ -168,7 +173,11 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
   o.client.api_key = absl::GetFlag(FLAGS_api_key);
   o.tty = isatty(fileno(stdout)) != 0;
   o.mode.use_template = absl::GetFlag(FLAGS_template);
+  o.mode.candidates = absl::GetFlag(FLAGS_candidates);
   o.mode.samples = absl::GetFlag(FLAGS_samples);
+  if (o.mode.candidates && !o.mode.use_template) {
+    return absl::InvalidArgumentError("--candidates is a template: not with --template=false");
+  }
   if (o.mode.samples < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--samples must be >= 1, got ", o.mode.samples));
@@ -333,7 +342,7 @@ int main(int argc, char** argv) {
       "[same sampling flags] [--api-key KEY] [--show-steps]\n"
       "       dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--api-key KEY] "
       "[--model DIR (default models/sudoku)] [--seed S] [--steps N] [--no-self-conditioning] "
-      "[--template=false] [--samples N]\n"
+      "[--template=false] [--candidates] [--samples N]\n"
       "         (PUZZLE: 81 cells, 1-9 and '.' or '0' for blanks; exit 0 solved, 2 wrong answer, "
       "1 error)",
       "tools/dgserve_main.cc");

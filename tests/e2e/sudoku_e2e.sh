@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end test of the Sudoku demo (ctest label e2e): a local cluster serving models/sudoku,
 # `dgserve sudoku` on one puzzle, then dgserve-sudoku-eval over tools/sudoku/data/e2e20.jsonl
-# (the first 20 puzzles of test.jsonl with at least 30 givens).
+# (the first 20 puzzles of test.jsonl with at least 30 givens), with the template and with
+# --candidates.
 #
 #   tests/e2e/sudoku_e2e.sh [--build DIR] [--model DIR] [--keep]
 #
@@ -12,7 +13,9 @@
 # Environment: SUDOKU_E2E_MIN_SOLVED (default 12; the shipped model solves 14 here with the
 # givens as a canvas template, dgserve-sudoku-eval's default, with seeds 1-20; the margin allows
 # for a libm that rounds exp differently): the eval must solve at least this many of the
-# 20 puzzles; SUDOKU_E2E_BUDGET_S (default 420): the whole run's time budget in seconds (every
+# 20 puzzles; SUDOKU_E2E_MIN_SOLVED_CANDIDATES (default 11; the shipped model solves
+# 13 with --candidates, seeds 1-20): the same for the eval with --candidates;
+# SUDOKU_E2E_BUDGET_S (default 420): the whole run's time budget in seconds (every
 # command's timeout is capped by what is left of it). Nothing is asserted on time. Everything
 # listens on 127.0.0.1; the cluster this script starts is stopped on every exit path
 # (tools/cluster.sh stop with its run dir). On failure the temporary directory is kept and named.
@@ -36,6 +39,7 @@ BUILD=$(abspath "$BUILD")
 MODEL=$(abspath "$MODEL")
 PUZZLES="$ROOT/tools/sudoku/data/e2e20.jsonl"
 MIN_SOLVED=${SUDOKU_E2E_MIN_SOLVED:-12}
+MIN_SOLVED_CANDIDATES=${SUDOKU_E2E_MIN_SOLVED_CANDIDATES:-11}
 
 log() { echo "sudoku-e2e: $*"; }
 die() { echo "sudoku-e2e: ERROR: $*" >&2; exit 1; }
@@ -52,6 +56,8 @@ done
   die "no config.json / tokenizer.json in the model directory $MODEL"
 [ -s "$PUZZLES" ] || die "missing $PUZZLES"
 case "$MIN_SOLVED" in ''|*[!0-9]*) die "SUDOKU_E2E_MIN_SOLVED must be a whole number, got '$MIN_SOLVED'" ;; esac
+case "$MIN_SOLVED_CANDIDATES" in ''|*[!0-9]*)
+  die "SUDOKU_E2E_MIN_SOLVED_CANDIDATES must be a whole number, got '$MIN_SOLVED_CANDIDATES'" ;; esac
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/dgserve-sudoku-e2e.XXXXXX") || die "mktemp failed"
 RUN_DIR="$WORK/cluster"
@@ -99,24 +105,30 @@ cli_one_puzzle() {
 }
 run_check "dgserve sudoku (one puzzle)" cli_one_puzzle
 
-# dgserve-sudoku-eval over the 20 puzzles: no failed request, solved >= SUDOKU_E2E_MIN_SOLVED.
+# dgserve-sudoku-eval over the 20 puzzles: no failed request, solved >= the minimum ($2); the
+# report is $WORK/$1.json. Extra eval flags follow (--candidates --model DIR).
 eval_puzzles() {
-  local report="$WORK/eval.json" rc solved puzzles errors
+  local report="$WORK/$1.json" min=$2 rc solved puzzles errors
+  shift 2
   timeout "$(budget 240)" "$BUILD/tools/sudoku/dgserve-sudoku-eval" --gateway "$GATEWAY_GRPC" \
-    --puzzles "$PUZZLES" --concurrency 4 --seed 1 --json_out "$report"
+    --puzzles "$PUZZLES" --concurrency 4 --seed 1 --json_out "$report" "$@"
   rc=$?
   [ $rc -eq 0 ] || { echo "dgserve-sudoku-eval exited $rc" >&2; return 1; }
   solved=$(jq -e .solved "$report") && puzzles=$(jq -e .puzzles "$report") &&
     errors=$(jq -e .errors "$report") || { echo "bad report $report" >&2; return 1; }
   [ "$puzzles" -eq 20 ] || { echo "the eval ran $puzzles puzzles, want 20" >&2; return 1; }
   [ "$errors" -eq 0 ] || { echo "$errors requests failed" >&2; return 1; }
-  if [ "$solved" -lt "$MIN_SOLVED" ]; then
-    echo "solved $solved of 20, want >= $MIN_SOLVED (SUDOKU_E2E_MIN_SOLVED)" >&2
+  if [ "$solved" -lt "$min" ]; then
+    echo "solved $solved of 20, want >= $min" >&2
     return 1
   fi
-  echo "  ok   dgserve-sudoku-eval: solved $solved of 20 (>= $MIN_SOLVED)," \
+  echo "  ok   dgserve-sudoku-eval${*:+ $*}: solved $solved of 20 (>= $min)," \
     "cell accuracy $(jq .cell_accuracy "$report"), steps/canvas $(jq .mean_steps_per_canvas "$report")"
 }
-run_check "dgserve-sudoku-eval (e2e20.jsonl, solved >= $MIN_SOLVED)" eval_puzzles
+run_check "dgserve-sudoku-eval (e2e20.jsonl, solved >= $MIN_SOLVED)" eval_puzzles eval "$MIN_SOLVED"
+# The candidates template (each blank restricted to the digits its givens leave): the requests
+# are the token form of the API's canvas template, with per-hole sets.
+run_check "dgserve-sudoku-eval --candidates (e2e20.jsonl, solved >= $MIN_SOLVED_CANDIDATES)" \
+  eval_puzzles eval-candidates "$MIN_SOLVED_CANDIDATES" --candidates --model "$MODEL"
 
 [ $FAILED -eq 0 ]

@@ -4,11 +4,15 @@
 //   dgserve-sudoku-eval --gateway 127.0.0.1:50051 --puzzles tools/sudoku/data/test.jsonl
 //       [--limit N] [--concurrency C] [--steps N] [--self_conditioning=false] [--seed S]
 //       [--min_givens G] [--json_out FILE] [--api_key KEY] [--timeout_s T]
+//       [--template=false] [--candidates [--model DIR]] [--samples N]
 //
 // Request i (0-based, after the --min_givens filter and --limit) is a unary Generate with the
-// prompt ToRows(puzzle), max_tokens 91 and seed S+i; C requests are in flight at a time over one
-// gRPC channel. Each answer text is read with sudoku::ParseAnswer, checked with sudoku::Verify
-// and scored with sudoku::CorrectBlanks against the file's solution.
+// prompt ToRows(puzzle), max_tokens 91 and seed S+i (sudoku::SudokuRequest): by default the
+// givens as a canvas template (blanks restricted to 1-9); --candidates: the token-form template
+// whose blanks each allow only the digits CandidateMasks leaves (the ids from DIR/tokenizer.json,
+// --model, default models/sudoku); --template=false: the plain prompt. C requests are in flight
+// at a time over one gRPC channel. Each answer text is read with sudoku::ParseAnswer, checked
+// with sudoku::Verify and scored with sudoku::CorrectBlanks against the file's solution.
 //
 // Report (stdout table; JSON with --json_out), overall and by givens bucket (<30, 30-34, 35-39,
 // >=40): puzzles, solved, solve rate (solved / puzzles; a failed request counts as unsolved),
@@ -23,6 +27,7 @@
 #include <exception>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -38,6 +43,7 @@
 #include "common/status_macros.h"
 #include "dgserve/v1/generation.grpc.pb.h"
 #include "engine/model/config.h"
+#include "engine/tokenizer/tokenizer.h"
 #include "grpcpp/grpcpp.h"
 #include "tools/sudoku/sudoku.h"
 #include "tools/sudoku/sudoku_cli.h"
@@ -59,6 +65,12 @@ ABSL_FLAG(double, timeout_s, 600, "deadline of each request in seconds (> 0)");
 ABSL_FLAG(bool, template, true,
           "send the givens as a canvas template (digits fixed, blanks restricted to 1-9); false: "
           "the plain prompt only");
+ABSL_FLAG(bool, candidates, false,
+          "send the givens as a template whose blanks each allow only the digits not already "
+          "given in their row, column and box (one elimination pass over the givens; an aid "
+          "outside the model); the digit ids come from --model's tokenizer.json");
+ABSL_FLAG(std::string, model, "models/sudoku",
+          "with --candidates: the sudoku model's directory (its tokenizer.json gives the ids)");
 ABSL_FLAG(int32_t, samples, 1,
           "parallel samples per puzzle (n, one prefill); solved when any sample solves it");
 
@@ -192,9 +204,9 @@ std::string TableRow(const std::string& name, const Stats& s) {
                          s.StepsPerCanvas(), s.MeanSeconds(), s.P50Seconds(), s.errors);
 }
 
-// Sends one puzzle and scores the answer.
-Result Solve(v1::GenerationService::Stub& stub, const Item& item, uint64_t seed,
-             const v1::DiffusionControls& diffusion) {
+// Sends one puzzle's request and scores the answer.
+Result Solve(v1::GenerationService::Stub& stub, const Item& item,
+             const v1::GenerateRequest& request) {
   Result r;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
@@ -204,11 +216,7 @@ Result Solve(v1::GenerationService::Stub& stub, const Item& item, uint64_t seed,
   }
   v1::GenerateResponse resp;
   const auto start = std::chrono::steady_clock::now();
-  SudokuMode mode;
-  mode.use_template = absl::GetFlag(FLAGS_template);
-  mode.samples = absl::GetFlag(FLAGS_samples);
-  const grpc::Status s =
-      stub.Generate(&ctx, SudokuRequest(item.puzzle, seed, diffusion, mode), &resp);
+  const grpc::Status s = stub.Generate(&ctx, request, &resp);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!s.ok()) {
     r.error = absl::StrCat("gRPC status ", int(s.error_code()), ": ", s.error_message());
@@ -283,6 +291,42 @@ absl::Status Run() {
   }
   if (!absl::GetFlag(FLAGS_self_conditioning)) diffusion.set_self_conditioning(false);
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  SudokuMode mode;
+  mode.use_template = absl::GetFlag(FLAGS_template);
+  mode.candidates = absl::GetFlag(FLAGS_candidates);
+  mode.samples = absl::GetFlag(FLAGS_samples);
+  if (mode.candidates && !mode.use_template) {
+    return absl::InvalidArgumentError("--candidates is a template: not with --template=false");
+  }
+  std::optional<SudokuTokens> tokens;
+  if (mode.candidates) {
+    const std::string tokenizer_path = absl::GetFlag(FLAGS_model) + "/tokenizer.json";
+    absl::StatusOr<Tokenizer> tok = Tokenizer::Load(tokenizer_path);
+    if (!tok.ok()) {
+      return absl::Status(tok.status().code(),
+                          absl::StrCat(tok.status().message(),
+                                       " (--model names the sudoku model's directory)"));
+    }
+    absl::StatusOr<SudokuTokens> t = LoadSudokuTokens(*tok);
+    if (!t.ok()) {
+      return absl::Status(t.status().code(),
+                          absl::StrCat(tokenizer_path, ": ", t.status().message()));
+    }
+    tokens = *t;
+  }
+  // Every request is built before any is sent: a puzzle the mode cannot send is an error, not
+  // a request.
+  std::vector<v1::GenerateRequest> requests;
+  requests.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    absl::StatusOr<v1::GenerateRequest> req = SudokuRequest(
+        items[i].puzzle, seed + i, diffusion, mode, tokens ? &*tokens : nullptr);
+    if (!req.ok()) {
+      return absl::Status(req.status().code(), absl::StrCat(path, ": puzzle ", items[i].id, ": ",
+                                                            req.status().message()));
+    }
+    requests.push_back(*std::move(req));
+  }
   auto channel =
       grpc::CreateChannel(absl::GetFlag(FLAGS_gateway), grpc::InsecureChannelCredentials());
   auto stub = v1::GenerationService::NewStub(channel);
@@ -295,7 +339,7 @@ absl::Status Run() {
   const auto start = std::chrono::steady_clock::now();
   auto worker = [&] {
     for (size_t i; (i = next.fetch_add(1)) < items.size();) {
-      results[i] = Solve(*stub, items[i], seed + i, diffusion);
+      results[i] = Solve(*stub, items[i], requests[i]);
       std::lock_guard<std::mutex> lock(mu);
       ++done;
       if (!results[i].ok) {
@@ -348,7 +392,9 @@ absl::Status Run() {
   std::printf("%s", table.c_str());
   std::printf("%d puzzles from %s, %s, %d sample(s) each, concurrency %d, %.2f s wall\n",
               total.puzzles, path.c_str(),
-              absl::GetFlag(FLAGS_template) ? "template" : "plain prompt",
+              mode.candidates    ? "candidates template (per-blank digits from the givens)"
+              : mode.use_template ? "template"
+                                  : "plain prompt",
               absl::GetFlag(FLAGS_samples), concurrency, wall);
   std::fflush(stdout);
 
@@ -364,6 +410,7 @@ absl::Status Run() {
                           {"entropy_bound", absl::GetFlag(FLAGS_entropy_bound)},
                           {"seed", seed},
                           {"template", absl::GetFlag(FLAGS_template)},
+                          {"candidates", mode.candidates},
                           {"samples", absl::GetFlag(FLAGS_samples)}};
     report["wall_seconds"] = wall;
     json by = json::object();
@@ -391,6 +438,6 @@ int main(int argc, char** argv) {
       "Measures a cluster serving the sudoku model on a JSONL puzzle file.\n"
       "  dgserve-sudoku-eval --gateway HOST:PORT --puzzles FILE [--limit N] [--concurrency C] "
       "[--steps N] [--entropy_bound X] [--self_conditioning=false] [--seed S] [--min_givens G] "
-      "[--json_out FILE] [--template=false] [--samples N]",
+      "[--json_out FILE] [--template=false] [--candidates [--model DIR]] [--samples N]",
       "tools/sudoku/eval_main.cc", dgserve::sudoku::Run);
 }

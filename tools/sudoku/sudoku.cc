@@ -236,6 +236,28 @@ bool HasConflict(const Grid& grid) {
   return !solver.Load(grid);
 }
 
+std::array<uint16_t, 81> CandidateMasks(const Grid& puzzle) {
+  uint16_t row[9] = {}, col[9] = {}, box[9] = {};  // digits given in each unit (bit d)
+  for (int cell = 0; cell < 81; ++cell) {
+    const int v = puzzle[cell];
+    if (v < 1 || v > 9) continue;
+    const int r = cell / 9, c = cell % 9;
+    row[r] |= uint16_t(1u << v);
+    col[c] |= uint16_t(1u << v);
+    box[(r / 3) * 3 + c / 3] |= uint16_t(1u << v);
+  }
+  constexpr uint16_t kAll = 0x3FE;  // bits 1..9
+  std::array<uint16_t, 81> masks{};
+  for (int cell = 0; cell < 81; ++cell) {
+    const int v = puzzle[cell];
+    const int r = cell / 9, c = cell % 9;
+    masks[cell] = v >= 1 && v <= 9
+                      ? uint16_t(1u << v)
+                      : uint16_t(kAll & ~(row[r] | col[c] | box[(r / 3) * 3 + c / 3]));
+  }
+  return masks;
+}
+
 int CountSolutions(const Grid& puzzle, int limit, Grid* first) {
   Solver solver;
   if (!solver.Load(puzzle)) return 0;

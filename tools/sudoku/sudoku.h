@@ -37,6 +37,13 @@ int CountGivens(const Grid& grid);
 // Whether the givens already break a rule (two equal digits in a row, column or box).
 bool HasConflict(const Grid& grid);
 
+// The digits each cell may hold after one elimination pass over the givens only: bit d (1..9)
+// of result[cell] is set when d is not a given of the cell's row, column or 3x3 box. A given
+// cell's mask is its own digit alone. No propagation and no search: one blank's mask does not
+// depend on another's. A blank with mask 0 (every digit already in its units) means the puzzle
+// has no solution.
+std::array<uint16_t, 81> CandidateMasks(const Grid& puzzle);
+
 // Counts the solutions of `puzzle`, stopping at `limit` (>= 1). When `first` is non-null and a
 // solution exists, the first one found is stored there. A puzzle whose givens conflict has 0.
 // Exact backtracking search with bitmasks and the most-constrained cell first.

@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -171,6 +173,15 @@ absl::StatusOr<Grid> LoadPuzzle(const SudokuCliOptions& options, bool* several_s
           "bad puzzle: conflicting givens: %s has two %ds", UnitName(u), d));
     }
   }
+  const std::array<uint16_t, 81> candidates = CandidateMasks(*grid);
+  for (int cell = 0; cell < 81; ++cell) {
+    if (candidates[cell] == 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "bad puzzle: it has no solution: cell r%dc%d can hold no digit (each of 1-9 is already "
+          "a given of its row, column or box)",
+          cell / 9 + 1, cell % 9 + 1));
+    }
+  }
   const int solutions = CountSolutions(*grid, 2);
   if (solutions == 0) return absl::InvalidArgumentError("bad puzzle: it has no solution");
   if (several_solutions != nullptr) *several_solutions = solutions > 1;
@@ -217,7 +228,16 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
         local->canvas_length, local->vocab_size, options.model_dir));
   }
   Display display(puzzle, options.tty);
-  const std::string intro = absl::StrCat("puzzle: ", CountGivens(puzzle), " givens");
+  std::string intro = absl::StrCat("puzzle: ", CountGivens(puzzle), " givens");
+  if (options.mode.candidates) {
+    int allowed = 0;
+    for (const uint16_t m : CandidateMasks(puzzle)) allowed += std::popcount(m);
+    const int blanks = 81 - CountGivens(puzzle);
+    // Given cells count one digit each in CandidateMasks.
+    absl::StrAppend(&intro, "; candidates template: ", allowed - CountGivens(puzzle),
+                    " digits allowed over ", blanks, " blanks (", 9 * blanks,
+                    " with 1-9; one elimination pass over the givens)");
+  }
   if (options.tty) {
     display.Draw(puzzle, absl::StrCat(intro, "; waiting for the gateway ", options.client.gateway));
   } else {
@@ -238,7 +258,19 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options) {
   };
 
   const int samples = std::max(1, options.mode.samples);
-  v1::GenerateRequest req = SudokuRequest(puzzle, options.seed, options.diffusion, options.mode);
+  std::optional<SudokuTokens> tokens;
+  if (options.mode.candidates) {
+    absl::StatusOr<SudokuTokens> t = LoadSudokuTokens(*tok);
+    if (!t.ok()) {
+      return absl::Status(t.status().code(),
+                          absl::StrCat(tokenizer_path, ": ", t.status().message()));
+    }
+    tokens = *t;
+  }
+  DGSERVE_ASSIGN_OR_RETURN(
+      v1::GenerateRequest req,
+      SudokuRequest(puzzle, options.seed, options.diffusion, options.mode,
+                    tokens ? &*tokens : nullptr));
   req.mutable_stream_options()->set_canvas_step_interval(1);
   std::vector<std::string> answer_texts(samples);
   // With several samples the winner is known only at the end: each sample's step lines are

@@ -1,9 +1,7 @@
 // `dgserve sudoku PUZZLE`: sends a Sudoku puzzle to a running cluster serving the sudoku model
 // (models/sudoku), shows the canvas as it is denoised, and verifies the committed answer.
 //
-// The model's layout (see sudoku.h): the prompt is ToRows(puzzle) (9 lines of 9 characters,
-// '.' blanks), the answer one canvas of 91 tokens: the solution in the same layout, then <eos>.
-// Canvas position r*10 + c holds cell (r, c); r*10 + 9 is the line's '\n'.
+// The request it sends: SudokuRequest (sudoku_request.h).
 #pragma once
 
 #include <cstdint>
@@ -15,19 +13,9 @@
 #include "dgserve/v1/generation.pb.h"
 #include "tools/chat_client.h"
 #include "tools/sudoku/sudoku.h"
+#include "tools/sudoku/sudoku_request.h"
 
 namespace dgserve::sudoku {
-
-// Completion tokens of one answer: one canvas (81 digits, 9 '\n', <eos>).
-inline constexpr int kAnswerTokens = 91;
-
-// How a puzzle is sent.
-struct SudokuMode {
-  // The givens as a canvas template (infilling): the canvas is ToRows(puzzle) + "<eos>" with
-  // every '.' a hole restricted to the digits "1".."9"; given digits, line ends and <eos> fixed.
-  bool use_template = true;
-  int samples = 1;  // n parallel samples from one prefill (seeds seed .. seed + n − 1)
-};
 
 struct SudokuCliOptions {
   std::string puzzle;       // the PUZZLE argument(s), joined; empty when --puzzle_file is used
@@ -37,7 +25,7 @@ struct SudokuCliOptions {
   v1::DiffusionControls diffusion;  // sent as is (unset fields: the model's defaults)
   ChatClientOptions client;         // gateway address, API key, deadline
   bool tty = false;                 // stdout is a terminal: ANSI bold givens, redraw in place
-  SudokuMode mode;                  // template (default) or plain prompt; samples
+  SudokuMode mode;  // template (default), candidates template or plain prompt; samples
 };
 
 // Reads the puzzle of `options` (the argument or --puzzle_file, exactly one of them) and checks
@@ -59,29 +47,6 @@ absl::StatusOr<bool> RunSudokuCli(const SudokuCliOptions& options);
 // one that holds another digit red.
 std::string RenderGrid(const Grid& puzzle, const Grid& cells, bool ansi);
 
-
-// The canvas template of `puzzle` in the API's text form (see SudokuMode::use_template).
-inline void SetSudokuTemplate(const Grid& puzzle, v1::CanvasTemplate* t) {
-  t->set_text(ToRows(puzzle) + "<eos>");
-  t->set_hole(".");
-  for (char d = '1'; d <= '9'; ++d) t->add_allowed(std::string(1, d));
-}
-
-// The request for `puzzle`: text prompt ToRows(puzzle) (the gateway adds <bos>), max_tokens 91,
-// `seed`, the diffusion controls, and the mode's template and sample count. Shared by
-// `dgserve sudoku` and dgserve-sudoku-eval.
-inline v1::GenerateRequest SudokuRequest(const Grid& puzzle, uint64_t seed,
-                                         const v1::DiffusionControls& diffusion,
-                                         const SudokuMode& mode = {}) {
-  v1::GenerateRequest req;
-  req.set_text(ToRows(puzzle));
-  req.set_max_tokens(kAnswerTokens);
-  req.set_seed(seed);
-  *req.mutable_diffusion() = diffusion;
-  if (mode.use_template) SetSudokuTemplate(puzzle, req.mutable_canvas_template());
-  if (mode.samples > 1) req.set_n(mode.samples);
-  return req;
-}
 
 // Reads the grid of an answer text; never fails. Text that ParseGrid accepts (81 cells of digits
 // or blanks, layout characters ignored) is read as ParseGrid reads it. Anything else is read by
