@@ -81,7 +81,7 @@ int Run() {
     for (int i = 0; i < D; ++i) embed[size_t(v) * D + i] = FloatToBf16(0.02f * rng.Normal());
   }
   const cpu::PackedMatrix lm_head = cpu::PackedMatrix::FromBf16(embed.data(), V, D);
-  const float norm_max = cpu::EmbeddingRowNormMax(embed.data(), V, D);
+  const std::vector<float> tile_norms = cpu::EmbeddingTileNormMax(embed.data(), V, D);
   std::printf("vocab %d, dim %d, %d rows, temperature %.2f, %d threads, best of %d\n", V, D, M,
               absl::GetFlag(FLAGS_temperature), omp_get_max_threads(), rounds);
   std::printf("%6s %12s %10s %10s %11s %11s %8s\n", "alpha", "entropy", "left out", "kept dense",
@@ -122,7 +122,7 @@ int Run() {
     a.embed_scale = std::round(std::sqrt(float(D)));
     a.out = out.data();
     a.soft = soft.data();
-    a.embed_row_norm_max = norm_max;
+    a.embed_tile_norm_max = tile_norms.data();
     double best_dense = 1e30, best_sparse = 1e30, entropy = 0;
     cpu::VocabStepStats stats;
     for (int k = 0; k < rounds; ++k) {

@@ -54,8 +54,8 @@ class CpuBackend final : public ModelBackend {
     rope_full_ = cpu::RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles());
     sc_skip_mass_ = cpu::DefaultScSkipMass();
     if (sc_skip_mass_ > 0) {
-      embed_row_norm_max_ =
-          cpu::EmbeddingRowNormMax(w_.embed_tokens.data(), c_.vocab_size, c_.hidden_size);
+      embed_tile_norm_max_ =
+          cpu::EmbeddingTileNormMax(w_.embed_tokens.data(), c_.vocab_size, c_.hidden_size);
     }
   }
 
@@ -93,7 +93,7 @@ class CpuBackend final : public ModelBackend {
   const ModelWeights& w_;
   std::vector<float> rope_sliding_, rope_full_;
   double sc_skip_mass_ = 0;        // sparse self-conditioning budget (cpu_vocab.h); 0 = dense
-  float embed_row_norm_max_ = 0;   // max_v ‖E_v‖₂, for its bound
+  std::vector<float> embed_tile_norm_max_;  // per 512-id tile, max ‖E_v‖₂, for its bound
   DecodeTimings timings_;
 };
 
@@ -474,7 +474,7 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     args.out = batch[i].rows;
     args.soft = batch[i].next_soft;
     args.sc_skip_mass = sc_skip_mass_;
-    args.embed_row_norm_max = embed_row_norm_max_;
+    if (!embed_tile_norm_max_.empty()) args.embed_tile_norm_max = embed_tile_norm_max_.data();
     args.stats = &stats;
     if (!batch[i].row_masks.empty()) {
       if (int(batch[i].row_masks.size()) != s.rows) {

@@ -9,13 +9,11 @@
 #include <cstring>
 #include <string_view>
 #include <limits>
-#include <memory>
 #include <span>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
-#include "common/status_macros.h"
 #include "engine/model/avx2_exp2.h"
 #include "engine/model/cpu/gemm.h"
 #include "engine/model/cpu_ops.h"
@@ -23,7 +21,7 @@
 namespace dgserve::cpu {
 namespace {
 
-constexpr int kTile = 512;   // vocabulary ids per tile: the E tile stays in L2
+constexpr int kTile = kVocabTile;  // vocabulary ids per tile: the E tile stays in L2
 constexpr int kChunks = 16;  // vocabulary chunks (≥ the thread count of most CPU hosts)
 
 // Per-row running state of one thread over its tiles.
@@ -145,14 +143,10 @@ void ApplyMask(const uint64_t* mask, int v0, int n, float* l) {
 }
 
 
-// The sparse product's guarantee: its error B ≤ 2⁻¹⁰ · (‖s‖ − B), so B < 2⁻¹⁰ ‖s_exact‖: a quarter
-// of the worst change the reference's bf16 rounding of the product (unit roundoff 2⁻⁸) makes.
+// The sparse product's guarantee: its error B ≤ 2⁻¹⁰ · (L − B) with L ≤ ‖s‖, so B < 2⁻¹⁰ ‖s‖ in
+// Euclidean norm: a quarter of the worst change the reference's bf16 rounding of the product
+// (unit roundoff 2⁻⁸ per element) makes.
 constexpr double kBoundShare = 0x1.0p-10;
-
-// B = scale · (mass left out) · max_v ‖E_v‖₂: the most the left-out terms can add, in norm.
-double ErrorBound(const VocabStepArgs& a, double left_out) {
-  return double(a.embed_scale) * left_out * double(a.embed_row_norm_max);
-}
 
 // What the vocabulary pass leaves for the soft-embedding product: every row's exps per id (as
 // the pass computed them, relative to the running max of the row in its chunk at that tile), the
@@ -171,54 +165,57 @@ struct ProductInputs {
   int TileBegin(int chunk) const { return int(int64_t(num_tiles) * chunk / chunks); }
 };
 
-// The soft embeddings s_r = scale · Σ_v q_v E_v of rows `rows` (those with a finite sum), written
-// to a.soft. The accumulation replays the vocabulary pass's order exactly: per chunk, tiles in
-// order, each accumulator rescaled when the pass moved the row's reference max, chunks merged in
-// order — so a row that leaves nothing out gets the bits of the fused dense product. Row r leaves
-// tile t out where skip[t·M + r] (nullptr: none).
-void SoftProduct(const ProductInputs& in, std::span<const int> rows, const char* skip) {
+// The soft embeddings s_r = scale · Σ_v q_v E_v of every row, written to a.soft, from the exps
+// the pass stored. The accumulation replays the fused dense product's order exactly: per chunk,
+// tiles in order, each accumulator rescaled where the pass moved the row's reference max, chunks
+// merged in order — so a row that leaves nothing out gets the fused product's bits. Row r leaves
+// tile t out where skip[t·M + r].
+void SoftProduct(const ProductInputs& in, const char* skip) {
   const VocabStepArgs& a = *in.a;
-  const int M = a.rows, V = a.vocab, D = a.dim, n = int(rows.size()), chunks = in.chunks;
-  std::vector<float> accs(size_t(chunks) * n * D, 0.0f);
+  const int M = a.rows, V = a.vocab, D = a.dim, chunks = in.chunks;
+  std::vector<float> accs(size_t(chunks) * M * D, 0.0f);
 #pragma omp parallel
   {
-    std::vector<int> active;                // rows (indices into `rows`) that take this tile
-    std::vector<float> e_rows, acc_rows;    // their exps and accumulators, gathered
-    std::vector<float> ref(n, 0.0f);
-    std::vector<char> any_positive(n);
+    std::vector<int> active;              // rows that take this tile
+    std::vector<float> e_rows, acc_rows;  // their exps and accumulators, gathered
+    std::vector<float> ref(M);
+    std::vector<char> any_positive(M);
 #pragma omp for schedule(dynamic, 1)
     for (int t = 0; t < chunks; ++t) {
-      float* acc = accs.data() + size_t(t) * n * D;
+      float* acc = accs.data() + size_t(t) * M * D;
       std::fill(ref.begin(), ref.end(), -std::numeric_limits<float>::infinity());
       std::fill(any_positive.begin(), any_positive.end(), 0);
       for (int tile = in.TileBegin(t); tile < in.TileBegin(t + 1); ++tile) {
         const int v0 = tile * kTile, cols = std::min(kTile, V - v0);
         active.clear();
-        for (int j = 0; j < n; ++j) {
-          const int r = rows[j];
+        for (int r = 0; r < M; ++r) {
           const float tref = (*in.tile_ref)[size_t(tile) * M + r];
-          const float ts = (*in.tile_sum)[size_t(tile) * M + r];
-          if (tref != ref[j]) {  // the pass rescaled this row's state (Rescale)
-            if (any_positive[j] != 0) {
-              const float alpha = float(std::exp(double(ref[j] - tref) * (*in.inv_t)[r]));
-              float* acc_r = acc + size_t(j) * D;
+          if (tref != ref[r]) {  // the pass rescaled this row's state here (Rescale)
+            if (any_positive[r] != 0) {  // Rescale returns early while the sum is 0
+              const float alpha = float(std::exp(double(ref[r] - tref) * (*in.inv_t)[r]));
+              float* acc_r = acc + size_t(r) * D;
               for (int i = 0; i < D; ++i) acc_r[i] *= alpha;
             }
-            ref[j] = tref;
+            ref[r] = tref;
           }
-          if (ts > 0) any_positive[j] = 1;
-          if (skip == nullptr || !skip[size_t(tile) * M + r]) active.push_back(j);
+          if ((*in.tile_sum)[size_t(tile) * M + r] > 0) any_positive[r] = 1;
+          if (!skip[size_t(tile) * M + r]) active.push_back(r);
         }
         if (active.empty()) continue;
-        // acc[rows] += e[rows, cols] · E_tile[cols, D]; exact copies around the GEMM keep each
-        // row's chain (cpu/gemm.h).
+        // acc[rows] += e[rows, cols] · E_tile[cols, D]. Rows are gathered (exact copies) when
+        // some are left out; each row's chains are its own either way (cpu/gemm.h).
         const GemmB et = GemmB::RowMajor(a.embed + size_t(v0) * D, D);
         const int na = int(active.size());
+        if (na == M) {
+          Gemm(GemmArgs::Of(M, D, cols, in.exps + v0, V, et, acc, D, true),
+               GemmThreads::kCallerOnly);
+          continue;
+        }
         e_rows.resize(size_t(na) * kTile);
         acc_rows.resize(size_t(na) * D);
         for (int k = 0; k < na; ++k) {
-          std::memcpy(e_rows.data() + size_t(k) * kTile,
-                      in.exps + size_t(rows[active[k]]) * V + v0, sizeof(float) * cols);
+          std::memcpy(e_rows.data() + size_t(k) * kTile, in.exps + size_t(active[k]) * V + v0,
+                      sizeof(float) * cols);
         }
         GatherRows(active, acc, D, D, acc_rows.data(), D, /*back=*/false);
         Gemm(GemmArgs::Of(na, D, cols, e_rows.data(), kTile, et, acc_rows.data(), D, true),
@@ -228,15 +225,14 @@ void SoftProduct(const ProductInputs& in, std::span<const int> rows, const char*
     }
   }
   // Merge the chunks per row (chunk order = vocabulary order), then normalise.
-#pragma omp parallel for schedule(static) if (n >= 8)
-  for (int j = 0; j < n; ++j) {
-    const int r = rows[j];
+#pragma omp parallel for schedule(static) if (M >= 8)
+  for (int r = 0; r < M; ++r) {
     float* soft = a.soft + size_t(r) * D;
     std::fill(soft, soft + D, 0.0f);
     for (int t = 0; t < chunks; ++t) {
       RowState s = (*in.states)[size_t(t) * M + r];
       if (s.argmax < 0) continue;
-      float* acc_r = accs.data() + (size_t(t) * n + j) * D;
+      float* acc_r = accs.data() + (size_t(t) * M + r) * D;
       Rescale(s, (*in.row_max)[r], (*in.inv_t)[r], acc_r, D);
       for (int i = 0; i < D; ++i) soft[i] += acc_r[i];
     }
@@ -245,49 +241,51 @@ void SoftProduct(const ProductInputs& in, std::span<const int> rows, const char*
   }
 }
 
-// The sparse product's plan for row r: tiles in vocabulary order, each left out while the row's
-// total exact mass left out stays ≤ skip_mass (marks skip[t·M + r]; returns the total and adds
-// the count to *pairs). The plan stands only if B ≤ 2⁻¹⁰ · (L − B) for the lower bound
-// L = scale · (q_max·‖E_argmax‖ − (1 − q_max)·max_v ‖E_v‖) ≤ ‖s‖ (triangle inequality); otherwise
-// the row is kept dense (*kept_dense = 1) and 0 is returned.
-double PlanRow(const ProductInputs& in, int r, double skip_mass, char* skip, int64_t* pairs,
-               char* kept_dense) {
+// The sparse product's plan for row r (marks skip[t·M + r]; returns the count of tiles left out):
+// greedily in vocabulary order, each tile whose exact mass q_t still fits the row's budget
+// skip_mass. With N_t the tile's max ‖E_v‖₂, the omission is at most B = scale · Σ_left-out q_t N_t
+// in norm, and L = scale · (q_max ‖E_argmax‖ − Σ_t q'_t N_t) ≤ ‖s‖ (triangle inequality; q'_t = q_t
+// except q_max less in the argmax's tile). The plan stands only if B ≤ 2⁻¹⁰ · (L − B); otherwise
+// — or when it would leave out no mass — nothing is left out (*kept_dense = 1 in the first case).
+int64_t PlanRow(const ProductInputs& in, int r, double skip_mass, char* skip, char* kept_dense) {
   const VocabStepArgs& a = *in.a;
   const int M = a.rows, D = a.dim;
   const double m = (*in.row_max)[r], sum = (*in.row_sum)[r], inv_t = (*in.inv_t)[r];
-  double total = 0;
+  const int32_t am = a.out[r].argmax;
+  const double q_max = 1.0 / sum;  // the argmax's exp is exp(0) = 1
+  double left = 0, bound = 0, spread = 0;  // Σ q_t, Σ q_t N_t (left out), Σ q'_t N_t (all)
   int64_t count = 0;
   for (int tile = 0; tile < in.num_tiles; ++tile) {
     const float ts = (*in.tile_sum)[size_t(tile) * M + r];
-    const double q =
-        ts > 0 ? double(ts) * std::exp(double((*in.tile_ref)[size_t(tile) * M + r] - m) * inv_t) /
-                     sum
-               : 0.0;
-    if (total + q > skip_mass) continue;
-    total += q;
+    double q = 0;
+    if (ts > 0) {
+      q = double(ts) * std::exp(double((*in.tile_ref)[size_t(tile) * M + r] - m) * inv_t) / sum;
+    }
+    const double n_t = a.embed_tile_norm_max[tile];
+    spread += (tile == am / kTile ? std::max(0.0, q - q_max) : q) * n_t;
+    if (left + q > skip_mass) continue;
+    left += q;
+    bound += q * n_t;
     skip[size_t(tile) * M + r] = 1;
     ++count;
   }
-  if (total == 0) {
-    *pairs += count;
-    return 0;
+  bool keep = left > 0;
+  if (keep) {
+    double am_norm2 = 0;
+    for (int i = 0; i < D; ++i) {
+      const double x = Bf16ToFloat(a.embed[size_t(am) * D + i]);
+      am_norm2 += x * x;
+    }
+    const double scale = std::fabs(double(a.embed_scale));
+    const double b = scale * bound, lower = scale * (q_max * std::sqrt(am_norm2) - spread);
+    keep = b <= kBoundShare * (lower - b);
+    if (!keep) *kept_dense = 1;
   }
-  const int32_t am = a.out[r].argmax;
-  double am_norm2 = 0;
-  for (int i = 0; i < D; ++i) {
-    const double x = Bf16ToFloat(a.embed[size_t(am) * D + i]);
-    am_norm2 += x * x;
-  }
-  const double q_max = 1.0 / sum;  // the argmax's exp is exp(0) = 1
-  const double lower = a.embed_scale * (q_max * std::sqrt(am_norm2) -
-                                        (1 - q_max) * double(a.embed_row_norm_max));
-  if (!(ErrorBound(a, total) <= kBoundShare * (lower - ErrorBound(a, total)))) {
+  if (!keep) {
     for (int tile = 0; tile < in.num_tiles; ++tile) skip[size_t(tile) * M + r] = 0;
-    *kept_dense = 1;
     return 0;
   }
-  *pairs += count;
-  return total;
+  return count;
 }
 
 }  // namespace
@@ -300,19 +298,24 @@ double DefaultScSkipMass() {
   return mass;
 }
 
-float EmbeddingRowNormMax(const uint16_t* table, int64_t rows, int dim) {
-  double best = 0;
-#pragma omp parallel for schedule(static) reduction(max : best)
-  for (int64_t v = 0; v < rows; ++v) {
-    double ss = 0;
-    for (int i = 0; i < dim; ++i) {
-      const double x = Bf16ToFloat(table[v * dim + i]);
-      ss += x * x;
+std::vector<float> EmbeddingTileNormMax(const uint16_t* table, int64_t rows, int dim) {
+  const int64_t tiles = (rows + kTile - 1) / kTile;
+  std::vector<float> out(tiles);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    double best = 0;
+    for (int64_t v = t * kTile; v < std::min(rows, (t + 1) * kTile); ++v) {
+      double ss = 0;
+      for (int i = 0; i < dim; ++i) {
+        const double x = Bf16ToFloat(table[v * dim + i]);
+        ss += x * x;
+      }
+      best = std::max(best, ss);
     }
-    best = std::max(best, ss);
+    // Rounded up: float(√best) may be below √best by half an ulp; the factor covers it.
+    out[t] = float(std::sqrt(best) * (1.0 + 1e-6));
   }
-  // Rounded up: float(√best) may be below √best by half an ulp; the factor covers it.
-  return float(std::sqrt(best) * (1.0 + 1e-6));
+  return out;
 }
 
 absl::Status FusedVocabStep(const VocabStepArgs& a) {
@@ -323,10 +326,13 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
   // The vocabulary is cut into a fixed number of chunks, whatever the thread count, and the
   // chunks' partial sums are merged in chunk order: the result does not depend on the thread count.
   const int chunks = std::max(1, std::min(kChunks, num_tiles));
-  // Per chunk: row states; per tile and row: the tile's exp sum and the max it was taken against
-  // (for the sampling scan and the soft-embedding product); with a soft embedding to compute,
-  // every exp (the product runs after this pass, when each tile's final mass is known).
+  // The soft embedding is multiplied tile by tile during the pass (fused, dense), or — sparse —
+  // after it from the stored exps, when every tile's final mass is known.
+  const bool sparse = a.soft != nullptr && a.sc_skip_mass > 0 && a.embed_tile_norm_max != nullptr;
+  // Per chunk: row states and (fused) soft accumulators; per tile and row: the tile's exp sum and
+  // the max it was taken against (for the sampling scan and the sparse product).
   std::vector<RowState> states(size_t(chunks) * M);
+  std::vector<float> accs(a.soft && !sparse ? size_t(chunks) * M * D : 0, 0.0f);
   std::vector<float> tile_sum(size_t(num_tiles) * M), tile_ref(size_t(num_tiles) * M);
   std::vector<float> inv_t(M);
   for (int r = 0; r < M; ++r) inv_t[r] = 1.0f / a.temperature[r];
@@ -334,7 +340,7 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
   // touching fresh pages every step would cost more than the product saves.
   static thread_local std::vector<float> exps_buffer;
   float* exps = nullptr;
-  if (a.soft) {
+  if (sparse) {
     if (exps_buffer.size() < size_t(M) * V) exps_buffer.resize(size_t(M) * V);
     exps = exps_buffer.data();
   }
@@ -347,8 +353,10 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
       const int tile_begin = int(int64_t(num_tiles) * t / chunks);
       const int tile_end = int(int64_t(num_tiles) * (t + 1) / chunks);
       RowState* st = states.data() + size_t(t) * M;
+      float* acc = accs.empty() ? nullptr : accs.data() + size_t(t) * M * D;
       for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int v0 = tile * kTile, n = std::min(kTile, V - v0);
+        const uint16_t* et = a.embed + size_t(v0) * D;
         // Logits of the tile: [M, n] = hidden · E_tileᵀ, softcapped.
         float* l = lbuf.data();
         int ldl = n;
@@ -375,11 +383,12 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           }
           RowState& s = st[r];
           if (nan_count > 0) s.poisoned = true;  // reported after the merge
+          float* acc_r = acc ? acc + size_t(r) * D : nullptr;
           if (tile_max > s.max_logit) {
             int best = 0;
             while (lr[best] != tile_max) ++best;
             s.argmax = v0 + best;
-            Rescale(s, tile_max, inv_t[r], nullptr, D);
+            Rescale(s, tile_max, inv_t[r], acc_r, D);
           }
           double ts, tq;
           float* e = exps ? exps + size_t(r) * V + v0 : ebuf.data() + size_t(r) * kTile;
@@ -396,6 +405,11 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           s.sum_d += tq;
           tile_sum[size_t(tile) * M + r] = float(ts);
           tile_ref[size_t(tile) * M + r] = s.max_logit;
+        }
+        if (acc) {  // acc[M, D] += e[M, n] · E_tile[n, D]
+          const GemmArgs sg =
+              GemmArgs::Of(M, D, n, ebuf.data(), kTile, GemmB::RowMajor(et, D), acc, D, true);
+          Gemm(sg, GemmThreads::kCallerOnly);
         }
       }
     }
@@ -419,12 +433,18 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
       }
     }
     double sum = 0, sum_d = 0;
+    float* soft = a.soft && !sparse ? a.soft + size_t(r) * D : nullptr;
+    if (soft) std::fill(soft, soft + D, 0.0f);
     for (int t = 0; t < chunks; ++t) {
       RowState s = states[size_t(t) * M + r];
       if (s.argmax < 0) continue;
-      Rescale(s, m, inv_t[r], nullptr, D);
+      float* acc_r = soft ? accs.data() + (size_t(t) * M + r) * D : nullptr;
+      Rescale(s, m, inv_t[r], acc_r, D);
       sum += s.sum;
       sum_d += s.sum_d;
+      if (soft) {
+        for (int i = 0; i < D; ++i) soft[i] += acc_r[i];
+      }
     }
     row_max[r] = m;
     row_sum[r] = sum;
@@ -437,6 +457,10 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
     out.argmax = argmax;
     out.entropy = float(std::max(0.0, std::log(sum) - sum_d / sum));
     out.lse = float(double(m) * inv_t[r] + std::log(sum));
+    if (soft) {
+      const float scale = float(a.embed_scale / sum);
+      for (int i = 0; i < D; ++i) soft[i] *= scale;
+    }
     // Inverse-CDF sample: the first id whose running exp sum exceeds u·S.
     const double u = std::clamp(double(a.uniforms[r]), 0.0, std::nextafter(1.0, 0.0));
     const double target = u * sum;
@@ -483,9 +507,10 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
         absl::StrCat("non-finite logits in canvas row ", bad_row,
                      " (corrupt weights or numerical overflow); no token can be sampled"));
   }
-  if (!a.soft) return absl::OkStatus();
+  if (a.soft && a.stats) a.stats->tile_rows += int64_t(M) * num_tiles;
+  if (!sparse) return absl::OkStatus();
 
-  // The soft embeddings: each row's plan (sparse where its bound allows), then the product.
+  // The sparse soft embeddings: each row's plan, then the product.
   ProductInputs in;
   in.a = &a;
   in.chunks = chunks;
@@ -497,29 +522,16 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
   in.inv_t = &inv_t;
   in.row_max = &row_max;
   in.row_sum = &row_sum;
-  std::vector<int> all(M);
-  for (int r = 0; r < M; ++r) all[r] = r;
-  const double skip_mass = std::max(0.0, a.sc_skip_mass);
-  std::vector<double> left_out(M, 0.0);
-  std::vector<char> skip(skip_mass > 0 ? size_t(num_tiles) * M : 0, 0);
-  int64_t skipped_pairs = 0, kept_dense = 0;
-  if (skip_mass > 0) {
-    std::vector<int64_t> pairs(M, 0);
-    std::vector<char> kept(M, 0);
+  std::vector<char> skip(size_t(num_tiles) * M, 0), kept(M, 0);
+  std::vector<int64_t> pairs(M, 0);
 #pragma omp parallel for schedule(static) if (M >= 8)
-    for (int r = 0; r < M; ++r) {
-      left_out[r] = PlanRow(in, r, skip_mass, skip.data(), &pairs[r], &kept[r]);
-    }
-    for (int r = 0; r < M; ++r) {
-      skipped_pairs += pairs[r];
-      kept_dense += kept[r];
-    }
-  }
-  SoftProduct(in, all, skip_mass > 0 ? skip.data() : nullptr);
+  for (int r = 0; r < M; ++r) pairs[r] = PlanRow(in, r, a.sc_skip_mass, skip.data(), &kept[r]);
+  SoftProduct(in, skip.data());
   if (a.stats != nullptr) {
-    a.stats->tile_rows += int64_t(M) * num_tiles;
-    a.stats->tile_rows_skipped += skipped_pairs;
-    a.stats->rows_kept_dense += kept_dense;
+    for (int r = 0; r < M; ++r) {
+      a.stats->tile_rows_skipped += pairs[r];
+      a.stats->rows_kept_dense += kept[r];
+    }
   }
   return absl::OkStatus();
 }

@@ -8,12 +8,16 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/cpu/packed_matrix.h"
 
 namespace dgserve::cpu {
+
+// Vocabulary ids per tile of the pass (and of the sparse product's decisions).
+inline constexpr int kVocabTile = 512;
 
 // What one FusedVocabStep skipped: (row, vocabulary tile) pairs of the soft-embedding product.
 struct VocabStepStats {
@@ -40,38 +44,41 @@ struct VocabStepArgs {
   // nullptr for none. Masked ids get logit −inf (also in `logits`); a row needs ≥ 1 allowed id.
   const uint64_t* const* masks = nullptr;
   // Sparse self-conditioning (see FusedVocabStep): the most probability mass per row that may be
-  // left out of the soft embedding; 0 = dense. Needs embed_row_norm_max.
+  // left out of the soft embedding; 0 = dense. Sparse only with embed_tile_norm_max.
   double sc_skip_mass = 0;
-  float embed_row_norm_max = 0;       // max over ids v of ‖E_v‖₂ (EmbeddingRowNormMax)
-  VocabStepStats* stats = nullptr;  // optional: what the sparse product skipped
+  // [⌈V / kVocabTile⌉] per tile of ids, max_v ‖E_v‖₂ (EmbeddingTileNormMax), or nullptr (dense).
+  const float* embed_tile_norm_max = nullptr;
+  VocabStepStats* stats = nullptr;  // optional: what the sparse product left out
 };
 
 // The default of VocabStepArgs::sc_skip_mass in the CPU backend: 2⁻¹² (DGSERVE_DENSE_SC=1 in the
 // environment gives 0, the dense product).
 double DefaultScSkipMass();
 
-// max over the `rows` rows of a row-major bf16 [rows, dim] table of the row's Euclidean norm,
-// rounded up (an upper bound for the sparse product's error bound).
-float EmbeddingRowNormMax(const uint16_t* table, int64_t rows, int dim);
+// Per tile of kVocabTile rows of a row-major bf16 [rows, dim] table, the largest Euclidean norm of
+// its rows, rounded up (upper bounds for the sparse product's error bound).
+std::vector<float> EmbeddingTileNormMax(const uint16_t* table, int64_t rows, int dim);
 
 // Runs the fused step. Results agree with Softcap + SampleRows + SoftEmbedding on the same
 // hidden states up to float rounding (the sample can differ only when u·S falls within rounding
-// of a cumulative boundary). Parallel over a fixed number of vocabulary chunks (OpenMP) merged in
+// of a cumulative boundary), and the soft embedding, with the sparse product, by less than
+// 2⁻¹⁰ of its norm (below). Parallel over a fixed number of vocabulary chunks (OpenMP) merged in
 // order, and every row's arithmetic is its own (GEMMs with the property of cpu/gemm.h), so a
 // row's result depends neither on the thread count nor on the other rows. INTERNAL when a row's
 // logits are not finite (NaN or infinite weights, overflow): nothing can be sampled from them.
 //
 // Sparse self-conditioning (sc_skip_mass = ε > 0; spec §3.5 step 2, issue 11): the soft embedding
 // s = scale · Σ_v q_v E_v is vocabulary-sized work, but most tiles of a peaked row carry almost no
-// probability. The product runs after the vocabulary pass, when every tile's exact mass q(tile)
-// for the row is known; a row leaves tiles out, in vocabulary order, while their total mass
-// ε_row ≤ ε (a tile whose exps are all 0 costs nothing). The error is then at most
-// B = scale · ε_row · max_v ‖E_v‖₂ in Euclidean norm, and the row keeps its plan only if
-// B ≤ 2⁻¹⁰ · (L − B) for the lower bound L = scale · (q_max ‖E_argmax‖ − (1 − q_max) max_v ‖E_v‖)
-// of ‖s‖: the omission is below a quarter of the worst change the reference's own bf16 rounding
-// of this product (unit roundoff 2⁻⁸ per element) makes. Otherwise the row is computed dense.
-// Rows decide on their own data only, so batch invariance holds; a row that leaves nothing out
-// gets the dense bits; argmax, entropy, lse and the sample never change (they do not use s).
+// probability. The product then runs after the pass from the stored exps ([rows, V] float32, kept
+// per thread), when every tile's exact mass q_t for the row is known: greedily in vocabulary
+// order, each tile whose mass still fits the row's budget ε is left out. With N_t the tile's max
+// ‖E_v‖₂ the omission is at most B = scale · Σ_left-out q_t N_t in Euclidean norm, and a row keeps
+// its plan only if B ≤ 2⁻¹⁰ · (L − B) for the lower bound L = scale · (q_max ‖E_argmax‖ −
+// Σ_v≠argmax q_v N_t(v)) of ‖s‖: so the omission is below a quarter of the worst change (in norm)
+// that the reference's own bf16 rounding of this product (unit roundoff 2⁻⁸) makes. Otherwise,
+// or when it would leave out no mass, the row is computed dense. A row's decisions use its own
+// numbers only, so batch invariance holds; the replayed accumulation gives a row that leaves
+// nothing out the fused dense product's bits; argmax, entropy, lse and the sample never change.
 absl::Status FusedVocabStep(const VocabStepArgs& args);
 
 }  // namespace dgserve::cpu

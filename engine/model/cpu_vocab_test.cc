@@ -51,7 +51,7 @@ void MatMul(const float* a, const float* b, int m, int n, int k, float* c) {
   }
 }
 
-// Many tiles per thread (V = 5003: 20 tiles, the last partial), logits spread over the softcap
+// Several tiles (V = 5003: 10 tiles, the last partial), logits spread over the softcap
 // range so that the running max moves between tiles: the fused kernel must match
 // Softcap + SampleRows + the soft-embedding GEMM.
 TEST(FusedVocabStepTest, MatchesTheUnfusedPipeline) {
@@ -220,7 +220,8 @@ struct SparseCase {
     e[2 * D + 0] = 0.02f, e[2 * D + 2] = 1.0f;
     return e;
   }
-  SparseCase() : emb(Table(), V, D) {
+  std::vector<float> tile_norms;
+  SparseCase() : emb(Table(), V, D), tile_norms(EmbeddingTileNormMax(emb.bits.data(), V, D)) {
     hidden[0 * D + 0] = 1000.0f;  // logits: id 2 20 → 17.5 after softcap; ids 0, 1 10; others 0
     hidden[1 * D + 0] = 2000.0f;  // ids 0, 1: 20; id 2: 40 − 1000 (capped to −30); others 0
     hidden[1 * D + 2] = -1000.0f;
@@ -245,7 +246,7 @@ struct SparseCase {
     a.out = out->data();
     a.soft = soft->data();
     a.sc_skip_mass = skip_mass;
-    a.embed_row_norm_max = EmbeddingRowNormMax(emb.bits.data(), V, D);
+    a.embed_tile_norm_max = tile_norms.data();
     a.stats = stats;
     ASSERT_TRUE(FusedVocabStep(a).ok());
   }
@@ -303,15 +304,88 @@ TEST(FusedVocabStepTest, SparseProductLeavesOutLowMassTilesWithinItsBound) {
   }
 }
 
-TEST(FusedVocabStepTest, EmbeddingRowNormMaxIsAnUpperBound) {
+TEST(FusedVocabStepTest, EmbeddingTileNormMaxIsAnUpperBoundPerTile) {
   const SparseCase c;
-  const float got = EmbeddingRowNormMax(c.emb.bits.data(), SparseCase::V, SparseCase::D);
-  double want = 0;
-  for (int v = 0; v < SparseCase::V; ++v) {
-    want = std::max(want, Norm(c.emb.values.data() + size_t(v) * SparseCase::D, SparseCase::D));
+  ASSERT_EQ(c.tile_norms.size(), size_t(SparseCase::V / kVocabTile));
+  for (int t = 0; t < SparseCase::V / kVocabTile; ++t) {
+    double want = 0;
+    for (int v = t * kVocabTile; v < (t + 1) * kVocabTile; ++v) {
+      want = std::max(want, Norm(c.emb.values.data() + size_t(v) * SparseCase::D, SparseCase::D));
+    }
+    EXPECT_GE(double(c.tile_norms[t]), want) << "tile " << t;
+    EXPECT_LE(double(c.tile_norms[t]), want * (1 + 1e-5)) << "tile " << t;
   }
-  EXPECT_GE(double(got), want);
-  EXPECT_LE(double(got), want * (1 + 1e-5));
+  EXPECT_GT(c.tile_norms[0], 0.99f);  // ids 0–2: norm ≈ 1
+  EXPECT_LT(c.tile_norms[1], 0.99f);  // the others: 0.2 · (≤ 29 dims)^½ ≈ 0.77
+}
+
+// The sparse product's replay of the fused dense accumulation, where it matters: 48 tiles, so 3
+// per chunk, logits rising through the vocabulary so that every tile moves the running max (the
+// replay's in-chunk rescale), a row whose first 5 tiles are masked (running max −inf, then
+// finite), and a mask with a sparse allowed set. Every row is too diffuse to leave a tile out, so
+// the sparse mode must give the fused dense product's bits exactly.
+TEST(FusedVocabStepTest, SparseModeReplaysTheFusedDenseAccumulationBitForBit) {
+  const int M = 5, V = 48 * kVocabTile, D = 16;
+  std::vector<float> e(size_t(V) * D);
+  for (int v = 0; v < V; ++v) {
+    e[size_t(v) * D] = float(v) / V;  // logit of id v ∝ v / V: rising
+    for (int i = 1; i < D; ++i) e[size_t(v) * D + i] = 0.05f * std::sin(0.61f * float(v * D + i));
+  }
+  const Embedding emb(e, V, D);
+  const std::vector<float> tile_norms = EmbeddingTileNormMax(emb.bits.data(), V, D);
+  std::vector<float> hidden(size_t(M) * D, 0.0f);
+  const float slope[M] = {2.0f, 3.0f, 1.0f, 2.5f, 1.5f};
+  for (int r = 0; r < M; ++r) {
+    hidden[size_t(r) * D] = slope[r];
+    for (int i = 1; i < D; ++i) hidden[size_t(r) * D + i] = 0.3f * std::cos(float(r * D + i));
+  }
+  std::vector<float> temperature = {1.0f, 0.9f, 1.3f, 1.1f, 0.8f};
+  std::vector<float> uniforms = {0.1f, 0.5f, 0.9f, 0.3f, 0.7f};
+  const int words = (V + 63) / 64;
+  std::vector<uint64_t> late(words, ~uint64_t(0)), sparse_set(words, 0);
+  for (int v = 0; v < 5 * kVocabTile; ++v) late[v >> 6] &= ~(uint64_t(1) << (v & 63));
+  for (int v = 0; v < V; v += 7) sparse_set[v >> 6] |= uint64_t(1) << (v & 63);
+  const std::vector<const uint64_t*> masks = {nullptr, late.data(), nullptr, sparse_set.data(),
+                                              nullptr};
+  auto run = [&](double skip_mass, std::vector<RowResult>* out, std::vector<float>* soft,
+                 VocabStepStats* stats) {
+    out->assign(M, {});
+    soft->assign(size_t(M) * D, 0.0f);
+    VocabStepArgs a;
+    a.hidden = hidden.data();
+    a.rows = M;
+    a.lm_head = &emb.packed;
+    a.embed = emb.bits.data();
+    a.vocab = V;
+    a.dim = D;
+    a.temperature = temperature.data();
+    a.uniforms = uniforms.data();
+    a.embed_scale = 4.0f;
+    a.out = out->data();
+    a.soft = soft->data();
+    a.masks = masks.data();
+    a.sc_skip_mass = skip_mass;
+    a.embed_tile_norm_max = tile_norms.data();
+    a.stats = stats;
+    ASSERT_TRUE(FusedVocabStep(a).ok());
+  };
+  std::vector<RowResult> dense, sparse;
+  std::vector<float> dense_soft, sparse_soft;
+  VocabStepStats dense_stats, stats;
+  run(0.0, &dense, &dense_soft, &dense_stats);
+  run(DefaultScSkipMass(), &sparse, &sparse_soft, &stats);
+  EXPECT_EQ(stats.tile_rows, int64_t(M) * 48);
+  EXPECT_EQ(stats.tile_rows_skipped, 0);
+  EXPECT_EQ(stats.rows_kept_dense, 0);
+  for (int r = 0; r < M; ++r) {
+    EXPECT_EQ(sparse[r].sampled, dense[r].sampled) << "row " << r;
+    EXPECT_EQ(sparse[r].entropy, dense[r].entropy) << "row " << r;
+    EXPECT_EQ(0, std::memcmp(sparse_soft.data() + size_t(r) * D, dense_soft.data() + size_t(r) * D,
+                             sizeof(float) * D))
+        << "row " << r;
+  }
+  EXPECT_GE(dense[1].argmax, 5 * kVocabTile);  // the masked row's ids start at tile 5
+  EXPECT_EQ(dense[3].argmax % 7, 0);            // the sparse set's ids are multiples of 7
 }
 
 }  // namespace
