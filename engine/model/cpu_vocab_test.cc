@@ -31,6 +31,29 @@ struct Embedding {
   }
 };
 
+// The arguments of rows [r0, r0 + rows) of `hidden` [·, D] against `emb` [V, D], with `out` and
+// `soft` resized for them.
+VocabStepArgs ArgsFor(const Embedding& emb, int V, int D, const std::vector<float>& hidden,
+                      const std::vector<float>& temperature, const std::vector<float>& uniforms,
+                      int r0, int rows, float embed_scale, std::vector<RowResult>* out,
+                      std::vector<float>* soft) {
+  out->assign(rows, {});
+  soft->assign(size_t(rows) * D, 0.0f);
+  VocabStepArgs a;
+  a.hidden = hidden.data() + size_t(r0) * D;
+  a.rows = rows;
+  a.lm_head = &emb.packed;
+  a.embed = emb.bits.data();
+  a.vocab = V;
+  a.dim = D;
+  a.temperature = temperature.data() + r0;
+  a.uniforms = uniforms.data() + r0;
+  a.embed_scale = embed_scale;
+  a.out = out->data();
+  a.soft = soft->data();
+  return a;
+}
+
 void MatMulTransB(const float* a, const float* b, int m, int n, int k, float* c) {
   for (int i = 0; i < m; ++i) {
     for (int j = 0; j < n; ++j) {
@@ -154,20 +177,8 @@ TEST(FusedVocabStepTest, RowsDoNotDependOnTheBatchOrTheGemmPath) {
     uniforms[r] = 0.1f * r;
   }
   auto run = [&](int r0, int rows, std::vector<RowResult>* out, std::vector<float>* soft) {
-    out->assign(rows, {});
-    soft->assign(size_t(rows) * D, 0.0f);
-    VocabStepArgs a;
-    a.hidden = hidden.data() + size_t(r0) * D;
-    a.rows = rows;
-    a.lm_head = &emb.packed;
-    a.embed = emb.bits.data();
-    a.vocab = V;
-    a.dim = D;
-    a.temperature = temperature.data() + r0;
-    a.uniforms = uniforms.data() + r0;
-    a.embed_scale = 1.5f;
-    a.out = out->data();
-    a.soft = soft->data();
+    const VocabStepArgs a = ArgsFor(emb, V, D, hidden, temperature, uniforms, r0, rows, 1.5f, out,
+                                    soft);
     ASSERT_TRUE(FusedVocabStep(a).ok());
   };
   const GemmIsa saved = ActiveGemmIsa();
@@ -231,20 +242,8 @@ struct SparseCase {
   // Runs rows [r0, r0 + rows) with the given budget.
   void Run(int r0, int rows, double skip_mass, std::vector<RowResult>* out,
            std::vector<float>* soft, VocabStepStats* stats) const {
-    out->assign(rows, {});
-    soft->assign(size_t(rows) * D, 0.0f);
-    VocabStepArgs a;
-    a.hidden = hidden.data() + size_t(r0) * D;
-    a.rows = rows;
-    a.lm_head = &emb.packed;
-    a.embed = emb.bits.data();
-    a.vocab = V;
-    a.dim = D;
-    a.temperature = temperature.data() + r0;
-    a.uniforms = uniforms.data() + r0;
-    a.embed_scale = 5.5f;
-    a.out = out->data();
-    a.soft = soft->data();
+    VocabStepArgs a =
+        ArgsFor(emb, V, D, hidden, temperature, uniforms, r0, rows, 5.5f, out, soft);
     a.sc_skip_mass = skip_mass;
     a.embed_tile_norm_max = tile_norms.data();
     a.stats = stats;
@@ -349,20 +348,7 @@ TEST(FusedVocabStepTest, SparseModeReplaysTheFusedDenseAccumulationBitForBit) {
                                               nullptr};
   auto run = [&](double skip_mass, std::vector<RowResult>* out, std::vector<float>* soft,
                  VocabStepStats* stats) {
-    out->assign(M, {});
-    soft->assign(size_t(M) * D, 0.0f);
-    VocabStepArgs a;
-    a.hidden = hidden.data();
-    a.rows = M;
-    a.lm_head = &emb.packed;
-    a.embed = emb.bits.data();
-    a.vocab = V;
-    a.dim = D;
-    a.temperature = temperature.data();
-    a.uniforms = uniforms.data();
-    a.embed_scale = 4.0f;
-    a.out = out->data();
-    a.soft = soft->data();
+    VocabStepArgs a = ArgsFor(emb, V, D, hidden, temperature, uniforms, 0, M, 4.0f, out, soft);
     a.masks = masks.data();
     a.sc_skip_mass = skip_mass;
     a.embed_tile_norm_max = tile_norms.data();
