@@ -49,7 +49,22 @@ struct DenoiseStepInput {
   // temperature, softmax, entropy, argmax, sampling and the soft embedding. A backend that cannot
   // mask returns UNIMPLEMENTED.
   std::span<const uint64_t* const> row_masks;
+  // The canvas may use the sparse self-conditioning product (CPU, cpu_vocab.h): set from the
+  // canvas's own previous step (UseSparseSelfConditioning), so a canvas's result never depends on
+  // the others in the batch. Ignored by backends without it.
+  bool sparse_sc = false;
 };
+
+// Whether a canvas's next step should use the sparse self-conditioning product, from the rows of
+// its previous step (nothing at step 0): when at least half of them had entropy ≤ 0.5 nats. The
+// sparse product pays on peaked rows (it leaves out most of the vocabulary) and costs about 13 %
+// of the vocabulary work on diffuse ones (bench/vocab_bench), so diffuse canvases stay dense.
+inline bool UseSparseSelfConditioning(std::span<const RowResult> previous_step_rows) {
+  if (previous_step_rows.empty()) return false;
+  size_t peaked = 0;
+  for (const RowResult& r : previous_step_rows) peaked += r.entropy <= 0.5f;
+  return 2 * peaked >= previous_step_rows.size();
+}
 
 // Wall time of the parts of the last Decode() call (for benchmarks and stats).
 struct DecodeTimings {

@@ -473,7 +473,7 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     args.embed_scale = c_.EmbedScale();
     args.out = batch[i].rows;
     args.soft = batch[i].next_soft;
-    args.sc_skip_mass = sc_skip_mass_;
+    args.sc_skip_mass = batch[i].sparse_sc ? sc_skip_mass_ : 0.0;
     if (!embed_tile_norm_max_.empty()) args.embed_tile_norm_max = embed_tile_norm_max_.data();
     args.stats = &stats;
     if (!batch[i].row_masks.empty()) {

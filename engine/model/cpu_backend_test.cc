@@ -403,4 +403,18 @@ TEST(CpuBackendThreadsTest, ResultDoesNotDependOnTheThreadCount) {
 }
 
 }  // namespace
+// The canvas's own previous step decides: at least half of its rows at ≤ 0.5 nats.
+TEST(UseSparseSelfConditioningTest, HalfTheRowsPeakedDecides) {
+  std::vector<RowResult> rows(8);
+  EXPECT_FALSE(UseSparseSelfConditioning({}));
+  for (RowResult& r : rows) r.entropy = 3.0f;
+  EXPECT_FALSE(UseSparseSelfConditioning(rows));
+  for (int i = 0; i < 3; ++i) rows[i].entropy = 0.5f;  // 3 of 8
+  EXPECT_FALSE(UseSparseSelfConditioning(rows));
+  rows[3].entropy = 0.0f;  // 4 of 8
+  EXPECT_TRUE(UseSparseSelfConditioning(rows));
+  rows[3].entropy = 0.51f;
+  EXPECT_FALSE(UseSparseSelfConditioning(rows));
+}
+
 }  // namespace dgserve

@@ -51,8 +51,8 @@ struct VocabStepArgs {
   VocabStepStats* stats = nullptr;  // optional: what the sparse product left out
 };
 
-// The default of VocabStepArgs::sc_skip_mass in the CPU backend: 2⁻¹² (DGSERVE_DENSE_SC=1 in the
-// environment gives 0, the dense product).
+// The sc_skip_mass the CPU backend gives a canvas whose DenoiseStepInput::sparse_sc is set:
+// 2⁻¹² (DGSERVE_DENSE_SC=1 in the environment gives 0, the dense product, for every canvas).
 double DefaultScSkipMass();
 
 // Per tile of kVocabTile rows of a row-major bf16 [rows, dim] table, the largest Euclidean norm of
