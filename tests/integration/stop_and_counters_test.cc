@@ -256,6 +256,13 @@ TEST_F(StopAndCountersTest, PrefixCacheCountersCountReusedTokensOnly) {
   EXPECT_EQ(value(hits), hits0 + 1);
   EXPECT_EQ(value(hit_tokens), tokens0 + reused);
   EXPECT_EQ(value(cached), cached0 + reused);
+  // A Stats poll of the gateway's that fell into the stop timed out and marked the worker
+  // unhealthy: the suite's next test needs it back (it got 503 "no healthy denoise worker").
+  EXPECT_TRUE(Eventually([&] {
+    return TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().gateway()),
+                                    R"(dgserve_gateway_workers{role="denoise",state="healthy"})") ==
+           1;
+  }));
 }
 
 // A streaming completion over raw HTTP/1.1 (Connection: close): everything the gateway sent.
