@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -59,8 +60,17 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
 int Run() {
   const int V = absl::GetFlag(FLAGS_vocab), D = absl::GetFlag(FLAGS_dim);
   const int M = absl::GetFlag(FLAGS_rows), rounds = absl::GetFlag(FLAGS_rounds);
-  if (V < 1 || D < 1 || M < 1 || rounds < 1 || int64_t(V) * D > (int64_t(1) << 33)) {
-    std::fprintf(stderr, "--vocab, --dim, --rows, --rounds must be >= 1 (vocab × dim <= 2^33)\n");
+  // The table (vocab × dim bf16, twice) and the sparse product's exps (rows × vocab floats).
+  if (V < 1 || D < 1 || M < 1 || rounds < 1 || int64_t(V) * D > (int64_t(1) << 32) ||
+      int64_t(M) * V > (int64_t(1) << 29)) {
+    std::fprintf(stderr,
+                 "--vocab, --dim, --rows, --rounds must be >= 1, with vocab × dim <= 2^32 and "
+                 "rows × vocab <= 2^29\n");
+    return 2;
+  }
+  const double temperature_flag = absl::GetFlag(FLAGS_temperature);
+  if (!(temperature_flag > 0) || !std::isfinite(temperature_flag)) {
+    std::fprintf(stderr, "--temperature must be finite and > 0, got %g\n", temperature_flag);
     return 2;
   }
   std::vector<double> alphas;
@@ -162,5 +172,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;
   }
-  return dgserve::Run();
+  try {
+    return dgserve::Run();
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "out of memory\n");
+    return 1;
+  }
 }
