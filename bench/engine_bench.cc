@@ -209,8 +209,8 @@ int Run() {
   }
   const int V = c.vocab_size, D = c.hidden_size;
   const double logit_scale = absl::GetFlag(FLAGS_logit_scale);
-  if (!(logit_scale > 0) || !std::isfinite(logit_scale)) {
-    std::fprintf(stderr, "--logit_scale must be finite and > 0, got %g\n", logit_scale);
+  if (!(logit_scale > 0 && logit_scale <= 1e6)) {
+    std::fprintf(stderr, "--logit_scale must be in (0, 1e6], got %g\n", logit_scale);
     return 2;
   }
   for (float& w : ckpt->weights.final_norm) w = float(w * logit_scale);
