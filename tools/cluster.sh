@@ -42,18 +42,24 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+# Whether a recorded PID still runs one of our services (a PID of an exited service may have
+# been reused by another process, which must not be signalled).
+ours_alive() { kill -0 "$1" 2>/dev/null && grep -qa dgserve "/proc/$1/cmdline" 2>/dev/null; }
+
 stop_cluster() {
   [ -f "$RUN_DIR/pids" ] || { echo "cluster.sh: no cluster recorded in $RUN_DIR"; return 0; }
   while read -r pid name; do
-    if kill -0 "$pid" 2>/dev/null; then kill -TERM "$pid" 2>/dev/null || true; fi
+    if ours_alive "$pid"; then kill -TERM "$pid" 2>/dev/null || true; fi
   done < "$RUN_DIR/pids"
   for _ in $(seq 1 100); do
     alive=0
-    while read -r pid name; do kill -0 "$pid" 2>/dev/null && alive=1; done < "$RUN_DIR/pids"
+    while read -r pid name; do ours_alive "$pid" && alive=1; done < "$RUN_DIR/pids"
     [ $alive -eq 0 ] && break
     sleep 0.1
   done
-  while read -r pid name; do kill -KILL "$pid" 2>/dev/null || true; done < "$RUN_DIR/pids"
+  while read -r pid name; do
+    if ours_alive "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
+  done < "$RUN_DIR/pids"
   rm -f "$RUN_DIR/pids"
   echo "cluster.sh: stopped the cluster of $RUN_DIR"
 }
@@ -169,7 +175,7 @@ start_cluster() {
   } > "$RUN_DIR/cluster.env"
   trap - ERR
   echo "cluster.sh: serving $MODEL_DIR: OpenAI HTTP http://127.0.0.1:$http, gRPC 127.0.0.1:$grpc" \
-    "(every port: $RUN_DIR/cluster.env; stop: bash tools/cluster.sh stop)"
+    "(every port: $RUN_DIR/cluster.env; stop: bash tools/cluster.sh stop --run-dir $RUN_DIR)"
 }
 
 case "$cmd" in
