@@ -462,7 +462,9 @@ TEST_F(ClusterTest, ControlTokenStringsInAPromptAreText) {
 }
 
 TEST_F(ClusterTest, CancelMidStreamFreesKvBlocks) {
-  v1::GenerateRequest req = Chat("Count to a thousand.", 5, 480);  // 30 canvases
+  // Up to 240 canvases: the request must still run when the client polls after its first event
+  // (with 30 it failed once in CI, likely a client thread starved for ~0.1 s that found it done).
+  v1::GenerateRequest req = Chat("Count to a thousand.", 5, 480 * 8);
   grpc::ClientContext ctx;
   auto reader = c().GatewayStub()->GenerateStream(&ctx, req);
   v1::GenerateEvent ev;
