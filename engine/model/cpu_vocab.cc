@@ -7,9 +7,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <string_view>
 #include <limits>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -33,17 +33,25 @@ struct RowState {
   bool poisoned = false;  // a NaN logit was seen
 };
 
-// Copies rows `rows` of src [·, ld] (width n) to dst [rows.size(), ld_dst], or back (`back`).
-void GatherRows(std::span<const int> rows, float* src, int64_t ld, int n, float* dst,
-                int64_t ld_dst, bool back) {
+// The first tile of vocabulary chunk `chunk` of `chunks` (chunk = chunks: the end). The pass and
+// the sparse product's replay both cut the tiles here.
+int ChunkTileBegin(int num_tiles, int chunks, int chunk) {
+  return int(int64_t(num_tiles) * chunk / chunks);
+}
+
+// Copies rows `rows` of src [·, ld] (n floats each) to the rows of dst [rows.size(), ld_dst].
+void GatherRows(std::span<const int> rows, const float* src, int64_t ld, int n, float* dst,
+                int64_t ld_dst) {
   for (size_t j = 0; j < rows.size(); ++j) {
-    float* a = src + size_t(rows[j]) * ld;
-    float* b = dst + j * ld_dst;
-    if (back) {
-      std::memcpy(a, b, sizeof(float) * n);
-    } else {
-      std::memcpy(b, a, sizeof(float) * n);
-    }
+    std::memcpy(dst + j * ld_dst, src + size_t(rows[j]) * ld, sizeof(float) * n);
+  }
+}
+
+// The inverse: the rows of src [rows.size(), ld_src] back to rows `rows` of dst [·, ld].
+void ScatterRows(std::span<const int> rows, const float* src, int64_t ld_src, int n, float* dst,
+                 int64_t ld) {
+  for (size_t j = 0; j < rows.size(); ++j) {
+    std::memcpy(dst + size_t(rows[j]) * ld, src + j * ld_src, sizeof(float) * n);
   }
 }
 
@@ -142,7 +150,6 @@ void ApplyMask(const uint64_t* mask, int v0, int n, float* l) {
   }
 }
 
-
 // The sparse product's guarantee: its error B ≤ 2⁻¹⁰ · (L − B) with L ≤ ‖s‖, so B < 2⁻¹⁰ ‖s‖ in
 // Euclidean norm: a quarter of the worst change the reference's bf16 rounding of the product
 // (unit roundoff 2⁻⁸ per element) makes.
@@ -162,7 +169,7 @@ struct ProductInputs {
   const std::vector<float>* row_max = nullptr;
   const std::vector<double>* row_sum = nullptr;
 
-  int TileBegin(int chunk) const { return int(int64_t(num_tiles) * chunk / chunks); }
+  int TileBegin(int chunk) const { return ChunkTileBegin(num_tiles, chunks, chunk); }
 };
 
 // The soft embeddings s_r = scale · Σ_v q_v E_v of every row, written to a.soft, from the exps
@@ -213,14 +220,11 @@ void SoftProduct(const ProductInputs& in, const char* skip) {
         }
         e_rows.resize(size_t(na) * kTile);
         acc_rows.resize(size_t(na) * D);
-        for (int k = 0; k < na; ++k) {
-          std::memcpy(e_rows.data() + size_t(k) * kTile, in.exps + size_t(active[k]) * V + v0,
-                      sizeof(float) * cols);
-        }
-        GatherRows(active, acc, D, D, acc_rows.data(), D, /*back=*/false);
+        GatherRows(active, in.exps + v0, V, cols, e_rows.data(), kTile);
+        GatherRows(active, acc, D, D, acc_rows.data(), D);
         Gemm(GemmArgs::Of(na, D, cols, e_rows.data(), kTile, et, acc_rows.data(), D, true),
              GemmThreads::kCallerOnly);
-        GatherRows(active, acc, D, D, acc_rows.data(), D, /*back=*/true);
+        ScatterRows(active, acc_rows.data(), D, D, acc, D);
       }
     }
   }
@@ -350,8 +354,8 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
     std::vector<float> lbuf(size_t(M) * kTile), ebuf(exps ? 0 : size_t(M) * kTile);
 #pragma omp for schedule(dynamic, 1)
     for (int t = 0; t < chunks; ++t) {
-      const int tile_begin = int(int64_t(num_tiles) * t / chunks);
-      const int tile_end = int(int64_t(num_tiles) * (t + 1) / chunks);
+      const int tile_begin = ChunkTileBegin(num_tiles, chunks, t);
+      const int tile_end = ChunkTileBegin(num_tiles, chunks, t + 1);
       RowState* st = states.data() + size_t(t) * M;
       float* acc = accs.empty() ? nullptr : accs.data() + size_t(t) * M * D;
       for (int tile = tile_begin; tile < tile_end; ++tile) {

@@ -241,19 +241,17 @@ std::array<uint16_t, 81> CandidateMasks(const Grid& puzzle) {
   for (int cell = 0; cell < 81; ++cell) {
     const int v = puzzle[cell];
     if (v < 1 || v > 9) continue;
-    const int r = cell / 9, c = cell % 9;
-    row[r] |= uint16_t(1u << v);
-    col[c] |= uint16_t(1u << v);
-    box[(r / 3) * 3 + c / 3] |= uint16_t(1u << v);
+    row[RowOf(cell)] |= uint16_t(1u << v);
+    col[ColOf(cell)] |= uint16_t(1u << v);
+    box[BoxOf(cell)] |= uint16_t(1u << v);
   }
   constexpr uint16_t kAll = 0x3FE;  // bits 1..9
   std::array<uint16_t, 81> masks{};
   for (int cell = 0; cell < 81; ++cell) {
     const int v = puzzle[cell];
-    const int r = cell / 9, c = cell % 9;
-    masks[cell] = v >= 1 && v <= 9
-                      ? uint16_t(1u << v)
-                      : uint16_t(kAll & ~(row[r] | col[c] | box[(r / 3) * 3 + c / 3]));
+    masks[cell] = v >= 1 && v <= 9 ? uint16_t(1u << v)
+                                   : uint16_t(kAll & ~(row[RowOf(cell)] | col[ColOf(cell)] |
+                                                       box[BoxOf(cell)]));
   }
   return masks;
 }
