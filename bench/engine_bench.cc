@@ -265,7 +265,7 @@ int Run() {
       in[b].uniforms = uniforms[b];
       in[b].rows = rows[b].data();
       in[b].next_soft = next_soft[b].data();
-      in[b].sparse_sc = s > 0 && UseSparseSelfConditioning(rows[b]);  // as the engine decides
+      in[b].sparse_sc = UseSparseSelfConditioning(s, rows[b]);  // as the engine decides
     }
     auto t_step = Clock::now();
     if (absl::Status st = backend->DenoiseStep(in); !st.ok()) {

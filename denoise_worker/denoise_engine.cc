@@ -492,8 +492,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
     // computed), so the SC input is zero at every step.
     in.next_soft = (last || !r->params.self_conditioning) ? nullptr : r->next_soft.data();
     in.row_masks = den.row_masks();
-    // r->rows still hold this canvas's previous step (none at step 0).
-    in.sparse_sc = den.step() > 0 && UseSparseSelfConditioning(r->rows);
+    in.sparse_sc = UseSparseSelfConditioning(den.step(), r->rows);  // the previous step's rows
     batch.push_back(in);
   }
   const absl::Time t0 = absl::Now();

@@ -128,8 +128,7 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
       in.rows = rows.data();
       in.next_soft = (last || !self_conditioning) ? nullptr : next_soft.data();
       in.row_masks = den.row_masks();
-      // rows still hold this canvas's previous step (none at step 0).
-      in.sparse_sc = den.step() > 0 && UseSparseSelfConditioning(rows);
+      in.sparse_sc = UseSparseSelfConditioning(den.step(), rows);  // rows: the previous step's
       DGSERVE_RETURN_IF_ERROR(backend_.DenoiseStep({&in, 1}));
       DGSERVE_ASSIGN_OR_RETURN(StepOutcome out, den.ApplyStep(rows));
       ++result.decoder_passes;

@@ -55,12 +55,13 @@ struct DenoiseStepInput {
   bool sparse_sc = false;
 };
 
-// Whether a canvas's next step should use the sparse self-conditioning product, from the rows of
-// its previous step (nothing at step 0): when at least half of them had entropy ≤ 0.5 nats. The
+// Whether step `step` of a canvas should use the sparse self-conditioning product, from the rows
+// of its previous step (`previous_step_rows`, not read at step 0: never there): when at least half
+// of them had entropy ≤ 0.5 nats. The
 // sparse product pays on peaked rows (it leaves out most of the vocabulary) and costs about 13 %
 // of the vocabulary work on diffuse ones (bench/vocab_bench), so diffuse canvases stay dense.
-inline bool UseSparseSelfConditioning(std::span<const RowResult> previous_step_rows) {
-  if (previous_step_rows.empty()) return false;
+inline bool UseSparseSelfConditioning(int step, std::span<const RowResult> previous_step_rows) {
+  if (step == 0 || previous_step_rows.empty()) return false;
   size_t peaked = 0;
   for (const RowResult& r : previous_step_rows) peaked += r.entropy <= 0.5f;
   return 2 * peaked >= previous_step_rows.size();

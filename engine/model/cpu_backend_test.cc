@@ -406,15 +406,16 @@ TEST(CpuBackendThreadsTest, ResultDoesNotDependOnTheThreadCount) {
 // The canvas's own previous step decides: at least half of its rows at ≤ 0.5 nats.
 TEST(UseSparseSelfConditioningTest, HalfTheRowsPeakedDecides) {
   std::vector<RowResult> rows(8);
-  EXPECT_FALSE(UseSparseSelfConditioning({}));
+  EXPECT_FALSE(UseSparseSelfConditioning(1, {}));
   for (RowResult& r : rows) r.entropy = 3.0f;
-  EXPECT_FALSE(UseSparseSelfConditioning(rows));
+  EXPECT_FALSE(UseSparseSelfConditioning(1, rows));
   for (int i = 0; i < 3; ++i) rows[i].entropy = 0.5f;  // 3 of 8
-  EXPECT_FALSE(UseSparseSelfConditioning(rows));
+  EXPECT_FALSE(UseSparseSelfConditioning(1, rows));
   rows[3].entropy = 0.0f;  // 4 of 8
-  EXPECT_TRUE(UseSparseSelfConditioning(rows));
+  EXPECT_TRUE(UseSparseSelfConditioning(1, rows));
+  EXPECT_FALSE(UseSparseSelfConditioning(0, rows));  // step 0: the rows are another canvas's
   rows[3].entropy = 0.51f;
-  EXPECT_FALSE(UseSparseSelfConditioning(rows));
+  EXPECT_FALSE(UseSparseSelfConditioning(1, rows));
 }
 
 }  // namespace dgserve
