@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -36,6 +37,7 @@
 #include "common/cli.h"
 #include "common/openmp_env.h"
 #include "common/status_macros.h"
+#include "engine/denoise/sampler_params.h"
 #include "engine/generation/generator.h"
 #include "engine/model/backend.h"
 #include "engine/model/backend_select.h"
@@ -124,6 +126,26 @@ absl::StatusOr<std::string> ReadPrompt(bool always_chat = false) {
   return prompt;
 }
 
+// The diffusion control flags that are set, checked by the gateway's own rules
+// (ValidateSamplerParams) before anything is sent, so `dgserve chat` and `dgserve sudoku` report
+// a bad value (e.g. --steps 0) at once instead of after connecting and drawing a grid. Unset flags
+// are the served model's defaults, unknown here: they stand in with values that pass every
+// rule (a t_max just above a lone --t-min, t_min 0 below a lone --t-max), so only the set flags
+// can fail.
+// Returns INVALID_ARGUMENT naming the field.
+absl::Status CheckDiffusionFlags() {
+  SamplerParams p;
+  if (auto v = absl::GetFlag(FLAGS_steps)) p.max_denoising_steps = *v;
+  const std::optional<double> t_min = absl::GetFlag(FLAGS_t_min);
+  const std::optional<double> t_max = absl::GetFlag(FLAGS_t_max);
+  p.t_min = t_min ? float(*t_min) : 0.0f;
+  p.t_max = t_max ? float(*t_max) : std::max(p.t_max, std::nextafter(p.t_min, HUGE_VALF));
+  if (auto v = absl::GetFlag(FLAGS_entropy_bound)) p.entropy_bound = float(*v);
+  if (auto v = absl::GetFlag(FLAGS_confidence_threshold)) p.confidence_threshold = float(*v);
+  if (auto v = absl::GetFlag(FLAGS_stability_threshold)) p.stability_threshold = *v;
+  return ValidateSamplerParams(p);
+}
+
 // The diffusion control flags (--steps ... --no-self-conditioning) into `d`; unset flags stay
 // unset (the served model's defaults). Shared by `dgserve chat` and `dgserve sudoku`.
 void SetDiffusionControls(v1::DiffusionControls* d) {
@@ -139,6 +161,7 @@ void SetDiffusionControls(v1::DiffusionControls* d) {
 // `dgserve chat`: the same prompt and sampling flags, sent to a running gateway.
 absl::Status RunChat() {
   DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt(/*always_chat=*/true));
+  DGSERVE_RETURN_IF_ERROR(CheckDiffusionFlags());
   v1::GenerateRequest req;
   {  // the gateway renders the chat template
     v1::ChatMessage* m = req.mutable_chat()->add_messages();
@@ -178,10 +201,12 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
   if (o.mode.candidates && !o.mode.use_template) {
     return absl::InvalidArgumentError("--candidates is a template: not with --template=false");
   }
-  if (o.mode.samples < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--samples must be >= 1, got ", o.mode.samples));
+  if (o.mode.samples < 1 || o.mode.samples > sudoku::kMaxSamples) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--samples must be in [1, ", sudoku::kMaxSamples,
+        "] (the denoise worker's limit; a gateway's --max_n may be lower), got ", o.mode.samples));
   }
+  DGSERVE_RETURN_IF_ERROR(CheckDiffusionFlags());
   return sudoku::RunSudokuCli(o);
 }
 

@@ -261,9 +261,9 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat("--min_givens must be in [0, 81], got ", min_givens));
   }
-  if (absl::GetFlag(FLAGS_samples) < 1 || absl::GetFlag(FLAGS_samples) > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--samples must be in [1, 64], got ", absl::GetFlag(FLAGS_samples)));
+  if (absl::GetFlag(FLAGS_samples) < 1 || absl::GetFlag(FLAGS_samples) > sudoku::kMaxSamples) {
+    return absl::InvalidArgumentError(absl::StrCat("--samples must be in [1, ", sudoku::kMaxSamples,
+                                                   "], got ", absl::GetFlag(FLAGS_samples)));
   }
   if (!(timeout_s > 0)) {
     return absl::InvalidArgumentError(absl::StrCat("--timeout_s must be > 0, got ", timeout_s));
