@@ -19,8 +19,8 @@ RUN_DIR=${RUN_DIR:-run/cluster}
 HTTP_PORT=${DGSERVE_HTTP_PORT:-8000}
 GRPC_PORT=${DGSERVE_GRPC_PORT:-50051}
 # A held-out test puzzle (tools/sudoku/data/test.jsonl id 3-2, 36 givens) that the shipped model
-# solves with the template (in 6-12 denoising steps with seeds 1-3; see models/sudoku/README.md for how often it
-# solves others).
+# solves with the template (in 27 denoising steps with seeds 1-3; see models/sudoku/README.md for how
+# often it solves others).
 PUZZLE_DEFAULT=.84561.3.65.7...2...7...15.7.8...3..39..5.2.....37..48.7.6.541..2.4.36...6..87...
 ARG=${1:-}
 
