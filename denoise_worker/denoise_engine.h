@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/limits.h"
 #include "denoise_worker/denoise_metrics.h"
 #include "dgserve/v1/worker.pb.h"
 #include "engine/model/backend.h"
@@ -62,7 +63,7 @@ class DenoiseJob {
 };
 
 // The most samples (DenoiseRequest.num_samples) one request may ask for.
-inline constexpr int kMaxDenoiseSamples = 64;
+inline constexpr int kMaxDenoiseSamples = kMaxSamplesPerRequest;
 
 struct DenoiseEngineOptions {
   // Canvases in one decoder pass at most. Every sample of a request is one canvas: a request

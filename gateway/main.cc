@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/cli.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -123,10 +124,11 @@ absl::Status Run() {
   gopts.max_n = absl::GetFlag(FLAGS_max_n);
   gopts.testing_delay_before_denoise =
       absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_before_denoise_ms));
-  // A denoise worker runs at most 64 samples of one request (kMaxDenoiseSamples).
-  if (gopts.max_n < 1 || gopts.max_n > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max_n must be in [1, 64] (the denoise worker's limit), got ", gopts.max_n));
+  // A denoise worker runs at most kMaxSamplesPerRequest samples of one request.
+  if (gopts.max_n < 1 || gopts.max_n > kMaxSamplesPerRequest) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_n must be in [1, ", kMaxSamplesPerRequest,
+                                                   "] (the denoise worker's limit), got ",
+                                                   gopts.max_n));
   }
   if (gopts.max_concurrent_requests < 1) {
     return absl::InvalidArgumentError("--max_concurrent_requests must be ≥ 1");

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "common/limits.h"
 #include "dgserve/v1/generation.pb.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "tools/sudoku/sudoku.h"
@@ -20,9 +21,9 @@ namespace dgserve::sudoku {
 // Completion tokens of one answer: one canvas (81 digits, 9 '\n', <eos>).
 inline constexpr int kAnswerTokens = 91;
 
-// Parallel samples per request at most: the denoise worker's limit (kMaxDenoiseSamples); a
+// Parallel samples per request at most: the denoise worker's limit (kMaxSamplesPerRequest); a
 // gateway's --max_n may be lower, and then it answers INVALID_ARGUMENT.
-inline constexpr int kMaxSamples = 64;
+inline constexpr int kMaxSamples = kMaxSamplesPerRequest;
 
 // How a puzzle is sent.
 struct SudokuMode {
