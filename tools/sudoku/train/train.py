@@ -298,6 +298,10 @@ def main():
                          "the old recipe (plain objective only)")
     ap.add_argument("--hard_power", type=float, default=0.0,
                     help="sample train puzzles with weight (blank cells)^p (0: uniform)")
+    ap.add_argument("--sc_temp_max", type=float, default=0.8,
+                    help="self-conditioning inputs are the first pass's probabilities at a "
+                         "temperature ~ U(0.4, this); 2.0 would match GENERATION_CONFIG's t_max, "
+                         "but made the model worse (models/sudoku/README.md)")
     ap.add_argument("--deadline", type=float, default=0,
                     help="unix time: stop before it (last.pt written) even if --steps is not "
                          "reached; evaluations that would run past it are skipped")
@@ -405,7 +409,7 @@ def main():
         if use_sc:
             with torch.no_grad():
                 first = model.decode(noisy, [(k.detach(), v.detach()) for k, v in cache])
-                temp = 0.4 + 0.4 * torch.rand(args.batch, 1, 1, generator=gen)
+                temp = 0.4 + (args.sc_temp_max - 0.4) * torch.rand(args.batch, 1, 1, generator=gen)
                 sc = sc_probs(first.masked_fill(~allowed, float("-inf")), temp)
         logits = model.decode(noisy, cache, sc).masked_fill(~allowed, float("-inf"))
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V), canvas.reshape(-1),
