@@ -9,8 +9,9 @@ exports the HF checkpoint layout dgserve loads.
 Objective, per example: t ~ U(0, 1); every canvas token is replaced by a uniformly random token
 of the whole vocabulary with probability t; cross-entropy of the decoder's logits against the
 clean canvas at every canvas position. On half the steps self-conditioning is trained: a first
-decoder pass without it, its logits divided by a temperature drawn from [0.4, 0.8] (the real
-model's sampler range; the exported generation config now starts hotter, see GENERATION_CONFIG)
+decoder pass without it, its logits divided by a temperature drawn from [0.4, --sc_temp_max]
+(default 0.8: the real model's sampler range; the exported generation config now starts hotter,
+see GENERATION_CONFIG, but training at its range made the model worse: models/sudoku/README.md)
 and rounded like the sampler does (bf16), softmaxed and detached, feed the second pass.
 
 --template (infilling, the server's clamped canvas): 1 - --plain_frac of each batch are template
@@ -312,6 +313,8 @@ def main():
                     help="initialise the weights from an exported model dir (config.json + "
                          "model.safetensors); its config replaces --hidden/--layers/...")
     args = ap.parse_args()
+    if not args.sc_temp_max >= 0.4:
+        ap.error(f"--sc_temp_max must be >= 0.4 (the lower end of the range), got {args.sc_temp_max}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
