@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/http_client.h"
+#include "common/limits.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -334,6 +335,34 @@ TEST_F(NSamplesBatchedTest, SamplesInterleaveAndEqualTheirSoloRequests) {
   auto s = c().DenoiseStats(0);
   ASSERT_TRUE(s.ok());
   EXPECT_GE(s->max_batch_canvases(), kN);
+}
+
+// The denoise worker enforces the per-request limit itself (common/limits.h), whatever a gateway
+// sends: num_samples above it, or negative, is INVALID_ARGUMENT naming the field, and nothing
+// is queued.
+TEST_F(NSamplesTest, DenoiseWorkerRefusesMoreSamplesThanThePerRequestLimit) {
+  auto stub = v1::DenoiseService::NewStub(c().InternalChannel(c().denoise(0).grpc_port));
+  for (int n : {kMaxSamplesPerRequest + 1, 1000, -1}) {
+    v1::DenoiseRequest req;
+    req.set_request_id(absl::StrCat("too-many-samples-", n));
+    req.set_prompt_tokens(4);
+    req.set_max_new_tokens(4);
+    req.set_num_samples(n);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    auto reader = stub->Denoise(&ctx, req);
+    v1::DenoiseEvent ev;
+    EXPECT_FALSE(reader->Read(&ev)) << n;
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << n << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(absl::StrCat("num_samples: must be in [0, ",
+                                                  kMaxSamplesPerRequest, "], got ", n)),
+              std::string::npos)
+        << s.error_message();
+  }
+  auto stats = c().DenoiseStats(0);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->queued_requests(), 0);
 }
 
 }  // namespace
