@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -107,6 +108,14 @@ struct Scratch {
   std::vector<float> wide;   // the widened path's B block: [groups][kc][16 · panels per group]
   std::vector<float> a;      // the widened path's A block: [rows][kc + kAPad]
 };
+
+// The first 64-byte aligned float of v after growing it to hold n floats from there: panels read
+// from it with full-width loads then never straddle a cache line.
+float* Aligned64(std::vector<float>& v, size_t n) {
+  if (v.size() < n + 16) v.resize(n + 16);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - p % 64) % 64) / sizeof(float);
+}
 
 // Kept across calls (the engine calls the GEMM from long-lived OpenMP threads).
 Scratch& ThreadScratch() {
@@ -210,21 +219,19 @@ void RunTileWide(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int n0,
   const int group_width = ks.max_panels * kGemmPanel;
   const int groups = (full + ks.max_panels - 1) / ks.max_panels;
   const int row_groups = (m1 - m0 + ks.max_rows - 1) / ks.max_rows;
-  if (s.wide.size() < size_t(kKcWide) * full * kGemmPanel) {
-    s.wide.resize(size_t(kKcWide) * full * kGemmPanel);
-  }
+  float* const wide = Aligned64(s.wide, size_t(kKcWide) * full * kGemmPanel);
   const int64_t lda = kKcWide + kAPad;
-  if (s.a.size() < size_t(m1 - m0) * lda) s.a.resize(size_t(m1 - m0) * lda);
+  float* const a_block = Aligned64(s.a, size_t(m1 - m0) * lda);
   for (int k0 = 0; k0 < g.k; k0 += kKcWide) {
     const int kc = std::min(kKcWide, g.k - k0);
     const bool load_c = g.accumulate || k0 > 0;  // later k blocks continue the chains
     for (int i = m0; i < m1; ++i) {
-      std::memcpy(&s.a[size_t(i - m0) * lda], g.a + i * g.lda + k0, sizeof(float) * kc);
+      std::memcpy(a_block + size_t(i - m0) * lda, g.a + i * g.lda + k0, sizeof(float) * kc);
     }
     for (int grp = 0; grp < groups; ++grp) {
       const int panels = std::min(ks.max_panels, full - grp * ks.max_panels);
       const int j = n0 + grp * group_width;
-      float* block = s.wide.data() + size_t(grp) * kc * group_width;
+      float* block = wide + size_t(grp) * kc * group_width;
       for (int p = 0; p < panels; ++p) {
         ks.pack(kc, BAt(g.b, k0, j + p * kGemmPanel), g.b.k_stride, bf16, block + p * kGemmPanel,
                 panels * kGemmPanel);
@@ -239,7 +246,7 @@ void RunTileWide(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int n0,
       t.load_c = load_c;
       for (int ig = 0; ig < row_groups; ++ig) {
         const int i = m0 + ig * ks.max_rows;
-        t.a = s.a.data() + (i - m0) * lda;
+        t.a = a_block + (i - m0) * lda;
         t.c = g.c + i * g.ldc + j;
         ks.run(std::min(ks.max_rows, m1 - i), panels, /*bf16=*/false, t);
       }
