@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include "common/limits.h"
 #include "engine/denoise/canvas_state.h"
 #include "engine/denoise/finalize.h"
 #include "engine/denoise/rng.h"
@@ -156,9 +157,9 @@ absl::Status ValidateRequest(const v1::DenoiseRequest& r, const ModelConfig& c) 
         CanvasTemplateFromProto(r.canvas_template(), c.canvas_length, c.vocab_size);
     if (!t.ok()) return t.status();
   }
-  if (r.num_samples() < 0 || r.num_samples() > kMaxDenoiseSamples) {
+  if (r.num_samples() < 0 || r.num_samples() > kMaxSamplesPerRequest) {
     return absl::InvalidArgumentError(absl::StrCat("num_samples: must be in [0, ",
-                                                   kMaxDenoiseSamples, "], got ",
+                                                   kMaxSamplesPerRequest, "], got ",
                                                    r.num_samples()));
   }
   return ValidateSamplerParams(ToSamplerParams(r.sampler()));

@@ -62,9 +62,6 @@ class DenoiseJob {
   std::optional<absl::Status> final_ ABSL_GUARDED_BY(mu_);
 };
 
-// The most samples (DenoiseRequest.num_samples) one request may ask for.
-inline constexpr int kMaxDenoiseSamples = kMaxSamplesPerRequest;
-
 struct DenoiseEngineOptions {
   // Canvases in one decoder pass at most. Every sample of a request is one canvas: a request
   // with more samples than free slots is scheduled in parts (its samples join the batch as
@@ -92,7 +89,7 @@ class DenoiseEngine {
                 DenoiseEngineOptions options, DenoiseMetrics* metrics);
   ~DenoiseEngine();  // cancels everything and joins the engine thread
 
-  // Validates the request (sampler settings, lengths, num_samples in [0, kMaxDenoiseSamples])
+  // Validates the request (sampler settings, lengths, num_samples in [0, kMaxSamplesPerRequest])
   // and queues it until its prompt KV arrives through the receiver; then its num_samples
   // samples (sample i drawing with seed + i) run on forks of that KV that share its whole
   // blocks. Every event names its sample; each sample ends with its own Finished and the job

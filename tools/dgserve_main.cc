@@ -35,6 +35,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "common/cli.h"
+#include "common/limits.h"
 #include "common/openmp_env.h"
 #include "common/status_macros.h"
 #include "engine/denoise/sampler_params.h"
@@ -201,9 +202,9 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
   if (o.mode.candidates && !o.mode.use_template) {
     return absl::InvalidArgumentError("--candidates is a template: not with --template=false");
   }
-  if (o.mode.samples < 1 || o.mode.samples > sudoku::kMaxSamples) {
+  if (o.mode.samples < 1 || o.mode.samples > kMaxSamplesPerRequest) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--samples must be in [1, ", sudoku::kMaxSamples,
+        "--samples must be in [1, ", kMaxSamplesPerRequest,
         "] (the denoise worker's limit; a gateway's --max_n may be lower), got ", o.mode.samples));
   }
   DGSERVE_RETURN_IF_ERROR(CheckDiffusionFlags());

@@ -40,6 +40,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/cli.h"
+#include "common/limits.h"
 #include "common/status_macros.h"
 #include "dgserve/v1/generation.grpc.pb.h"
 #include "engine/model/config.h"
@@ -261,8 +262,8 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat("--min_givens must be in [0, 81], got ", min_givens));
   }
-  if (absl::GetFlag(FLAGS_samples) < 1 || absl::GetFlag(FLAGS_samples) > sudoku::kMaxSamples) {
-    return absl::InvalidArgumentError(absl::StrCat("--samples must be in [1, ", sudoku::kMaxSamples,
+  if (absl::GetFlag(FLAGS_samples) < 1 || absl::GetFlag(FLAGS_samples) > kMaxSamplesPerRequest) {
+    return absl::InvalidArgumentError(absl::StrCat("--samples must be in [1, ", kMaxSamplesPerRequest,
                                                    "], got ", absl::GetFlag(FLAGS_samples)));
   }
   if (!(timeout_s > 0)) {

@@ -21,10 +21,6 @@ namespace dgserve::sudoku {
 // Completion tokens of one answer: one canvas (81 digits, 9 '\n', <eos>).
 inline constexpr int kAnswerTokens = 91;
 
-// Parallel samples per request at most: the denoise worker's limit (kMaxSamplesPerRequest); a
-// gateway's --max_n may be lower, and then it answers INVALID_ARGUMENT.
-inline constexpr int kMaxSamples = kMaxSamplesPerRequest;
-
 // How a puzzle is sent.
 struct SudokuMode {
   // The givens as a canvas template (infilling): the canvas is ToRows(puzzle) + "<eos>" with
@@ -33,7 +29,8 @@ struct SudokuMode {
   // With use_template: send CandidatesTemplate instead (each hole restricted to the digits not
   // among the givens of its row, column and box). Needs the token ids (SudokuTokens).
   bool candidates = false;
-  // n parallel samples from one prefill (seeds seed .. seed + n − 1), at most kMaxSamples.
+  // n parallel samples from one prefill (seeds seed .. seed + n − 1), at most kMaxSamplesPerRequest
+  // (common/limits.h); a gateway's --max_n may be lower, and then it answers INVALID_ARGUMENT.
   int samples = 1;
 };
 
