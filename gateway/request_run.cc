@@ -25,6 +25,18 @@ using gateway_internal::HideWorkers;
 using gateway_internal::SampleStream;
 using gateway_internal::ToChrono;
 
+namespace gateway_internal {
+
+absl::Status WorkerCallStatus(absl::Status status, bool client_cancelled, absl::Time deadline,
+                              absl::Time now) {
+  if (absl::IsCancelled(status) && !client_cancelled && now < deadline) {
+    return absl::UnavailableError(status.message());
+  }
+  return status;
+}
+
+}  // namespace gateway_internal
+
 absl::Status Gateway::RequestRun::Run() {
   int attempts = 0;  // started before any output
   for (;;) {
@@ -176,7 +188,8 @@ absl::Status Gateway::RequestRun::Prefill(const Workers& w, CancelWatcher& watch
   // gave up).
   CancelOnDenoiseWorker(w);
   if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
-  absl::Status st = FromGrpcStatus(s);
+  absl::Status st = gateway_internal::WorkerCallStatus(FromGrpcStatus(s), /*client_cancelled=*/false,
+                                                       deadline_, absl::Now());
   if (absl::IsUnavailable(st)) {
     // Either the prefill worker or the transfer to the denoise worker failed.
     if (s.error_message().find("KV transfer to") != std::string::npos) {
@@ -307,7 +320,11 @@ absl::Status Gateway::RequestRun::Denoise(const Workers& w, CancelWatcher& watch
     grpc::Status s = reader->Finish();
     gw_.denoise_->Release(w.denoise);
     if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
-    absl::Status st = bad_event.ok() ? FromGrpcStatus(s) : bad_event;
+    absl::Status st = bad_event.ok()
+                          ? gateway_internal::WorkerCallStatus(
+                                FromGrpcStatus(s), /*client_cancelled=*/false, deadline_,
+                                absl::Now())
+                          : bad_event;
     if (st.ok()) st = absl::InternalError("denoise stream ended without a result");
     if (absl::IsUnavailable(st)) {
       bad_denoise_.insert(w.denoise);

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -102,6 +103,16 @@ struct SampleStream {
   std::string finish_reason;
   v1::DenoiseFinished worker_finished;
 };
+
+// The status of a call the gateway made to a worker, as the retry logic sees it. A call that
+// ended CANCELLED though neither the client (`client_cancelled`) nor the request's deadline
+// (`now` >= `deadline`) ended it was ended by the worker's side: a gRPC server that shuts down
+// cancels the calls it still runs or has not started, and a prefill worker reports a KV transfer
+// its draining target cancelled with the transfer's code. The worker failed, not the request, so
+// that is UNAVAILABLE (same message): retried on another worker, or resumed. Any other status is
+// returned as it is.
+absl::Status WorkerCallStatus(absl::Status status, bool client_cancelled, absl::Time deadline,
+                              absl::Time now);
 
 }  // namespace gateway_internal
 

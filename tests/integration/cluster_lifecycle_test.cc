@@ -169,6 +169,48 @@ TEST(ClusterFailureTest, DenoiseWorkerKilledMidStream) {
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
 }
 
+// A worker that ends a call itself (here a denoise worker stopped with no drain grace: its gRPC
+// server cancels the streams it still runs) has failed, not the request: the client never sees
+// the worker's CANCELLED, the gateway resumes the request on the other worker and the client gets
+// the tokens the request gets alone. (A KV transfer the target cancels reaches the gateway through
+// the prefill worker the same way.)
+TEST(ClusterDrainTest, DenoiseWorkerStoppedWithoutGraceResumesItsRequest) {
+  ClusterOptions o;
+  o.model_dir = *TestModelDir();
+  o.denoise_workers = 2;
+  o.prefill_flags = kPrefillFlags;
+  o.denoise_flags = {"--drain_grace_seconds=0"};
+  auto c = TestCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  v1::GenerateRequest req = Chat("Tell a long story.", 9, 320);  // 20 canvases
+  grpc::ClientContext ctx;
+  auto reader = (*c)->GatewayStub()->GenerateStream(&ctx, req);
+  v1::GenerateEvent ev;
+  ASSERT_TRUE(reader->Read(&ev));
+  std::vector<int32_t> ids(ev.block().token_ids().begin(), ev.block().token_ids().end());
+  int victim = -1;
+  ASSERT_TRUE(Eventually([&] {
+    for (int i = 0; i < 2; ++i) {
+      auto s = (*c)->DenoiseStats(i);
+      if (s.ok() && s->active_requests() > 0) victim = i;
+    }
+    return victim >= 0;
+  }));
+  EXPECT_TRUE((*c)->StopDenoiseGracefully(victim)) << "the worker did not exit cleanly on SIGTERM";
+  bool finished = false;
+  while (reader->Read(&ev)) {
+    if (ev.has_block()) ids.insert(ids.end(), ev.block().token_ids().begin(),
+                                   ev.block().token_ids().end());
+    if (ev.has_finished()) finished = true;
+  }
+  grpc::Status s = reader->Finish();
+  ASSERT_TRUE(s.ok()) << s.error_code() << ": " << s.error_message();
+  ASSERT_TRUE(finished);
+  Result again = Generate(**c, req);
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(ids, Ids(again.response));
+}
+
 // Graceful drain: a denoise worker restarted (SIGTERM, then started again) while requests run
 // loses none of them and truncates none: every request completes with exactly the tokens it
 // gets alone, and the restarted worker serves again.
