@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -130,6 +131,47 @@ TEST(ClusterAuthTest, ApiKeysAreEnforced) {
 // A denoise worker killed mid-stream: the gateway resumes the request on the other worker
 // (--max_resumes) and the client gets the complete answer, equal to the same request run
 // again, never a truncated success (tests/integration/resume_test.cc has the details).
+// What a client read from a stream during which a denoise worker was stopped.
+struct StreamedWhileStopping {
+  std::vector<int32_t> ids;  // every block's tokens, in order
+  bool finished = false;     // a Finished event came
+  bool stopped = false;      // a denoise worker ran the request and `stop` was called on it
+  grpc::Status status;
+};
+
+// Streams `req` through the gateway of a 2-denoise-worker cluster; once a denoise worker runs it,
+// calls stop(that worker's index), then reads the stream to its end.
+StreamedWhileStopping StreamWhileStopping(TestCluster& c, const v1::GenerateRequest& req,
+                                          const std::function<void(int)>& stop) {
+  StreamedWhileStopping out;
+  grpc::ClientContext ctx;
+  auto reader = c.GatewayStub()->GenerateStream(&ctx, req);
+  v1::GenerateEvent ev;
+  bool first = true;
+  while (reader->Read(&ev)) {
+    if (ev.has_block()) {
+      out.ids.insert(out.ids.end(), ev.block().token_ids().begin(), ev.block().token_ids().end());
+    }
+    if (ev.has_finished()) out.finished = true;
+    if (!first) continue;
+    first = false;
+    int victim = -1;
+    if (!Eventually([&] {
+          for (int i = 0; i < 2; ++i) {
+            auto s = c.DenoiseStats(i);
+            if (s.ok() && s->active_requests() > 0) victim = i;
+          }
+          return victim >= 0;
+        })) {
+      continue;
+    }
+    stop(victim);
+    out.stopped = true;
+  }
+  out.status = reader->Finish();
+  return out;
+}
+
 TEST(ClusterFailureTest, DenoiseWorkerKilledMidStream) {
   ClusterOptions o;
   o.model_dir = *TestModelDir();
@@ -138,32 +180,13 @@ TEST(ClusterFailureTest, DenoiseWorkerKilledMidStream) {
   auto c = TestCluster::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();
   v1::GenerateRequest req = Chat("Tell a long story.", 9, 320);  // 20 canvases
-  grpc::ClientContext ctx;
-  auto reader = (*c)->GatewayStub()->GenerateStream(&ctx, req);
-  v1::GenerateEvent ev;
-  ASSERT_TRUE(reader->Read(&ev));
-  std::vector<int32_t> ids(ev.block().token_ids().begin(), ev.block().token_ids().end());
-  int victim = -1;
-  ASSERT_TRUE(Eventually([&] {
-    for (int i = 0; i < 2; ++i) {
-      auto s = (*c)->DenoiseStats(i);
-      if (s.ok() && s->active_requests() > 0) victim = i;
-    }
-    return victim >= 0;
-  }));
-  (*c)->KillDenoise(victim);
-  bool finished = false;
-  while (reader->Read(&ev)) {
-    if (ev.has_block()) ids.insert(ids.end(), ev.block().token_ids().begin(),
-                                   ev.block().token_ids().end());
-    if (ev.has_finished()) finished = true;
-  }
-  grpc::Status s = reader->Finish();
-  ASSERT_TRUE(s.ok()) << s.error_message();
-  ASSERT_TRUE(finished);
+  StreamedWhileStopping r = StreamWhileStopping(**c, req, [&](int i) { (*c)->KillDenoise(i); });
+  ASSERT_TRUE(r.stopped) << "no denoise worker reported the request as active";
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_TRUE(r.finished);
   Result again = Generate(**c, req);
   ASSERT_TRUE(again.status.ok());
-  EXPECT_EQ(ids, Ids(again.response));
+  EXPECT_EQ(r.ids, Ids(again.response));
   // The surviving worker serves the next request.
   Result next = Generate(**c, Chat("hello", 1, 16));
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
@@ -183,32 +206,15 @@ TEST(ClusterDrainTest, DenoiseWorkerStoppedWithoutGraceResumesItsRequest) {
   auto c = TestCluster::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();
   v1::GenerateRequest req = Chat("Tell a long story.", 9, 320);  // 20 canvases
-  grpc::ClientContext ctx;
-  auto reader = (*c)->GatewayStub()->GenerateStream(&ctx, req);
-  v1::GenerateEvent ev;
-  ASSERT_TRUE(reader->Read(&ev));
-  std::vector<int32_t> ids(ev.block().token_ids().begin(), ev.block().token_ids().end());
-  int victim = -1;
-  ASSERT_TRUE(Eventually([&] {
-    for (int i = 0; i < 2; ++i) {
-      auto s = (*c)->DenoiseStats(i);
-      if (s.ok() && s->active_requests() > 0) victim = i;
-    }
-    return victim >= 0;
-  }));
-  EXPECT_TRUE((*c)->StopDenoiseGracefully(victim)) << "the worker did not exit cleanly on SIGTERM";
-  bool finished = false;
-  while (reader->Read(&ev)) {
-    if (ev.has_block()) ids.insert(ids.end(), ev.block().token_ids().begin(),
-                                   ev.block().token_ids().end());
-    if (ev.has_finished()) finished = true;
-  }
-  grpc::Status s = reader->Finish();
-  ASSERT_TRUE(s.ok()) << s.error_code() << ": " << s.error_message();
-  ASSERT_TRUE(finished);
+  StreamedWhileStopping r = StreamWhileStopping(**c, req, [&](int i) {
+    EXPECT_TRUE((*c)->StopDenoiseGracefully(i)) << "the worker did not exit cleanly on SIGTERM";
+  });
+  ASSERT_TRUE(r.stopped) << "no denoise worker reported the request as active";
+  ASSERT_TRUE(r.status.ok()) << r.status.error_code() << ": " << r.status.error_message();
+  ASSERT_TRUE(r.finished);
   Result again = Generate(**c, req);
   ASSERT_TRUE(again.status.ok()) << again.status.error_message();
-  EXPECT_EQ(ids, Ids(again.response));
+  EXPECT_EQ(r.ids, Ids(again.response));
 }
 
 // Graceful drain: a denoise worker restarted (SIGTERM, then started again) while requests run
