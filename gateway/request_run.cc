@@ -24,6 +24,7 @@ using gateway_internal::CancelWatcher;
 using gateway_internal::HideWorkers;
 using gateway_internal::SampleStream;
 using gateway_internal::ToChrono;
+using gateway_internal::WorkerCallStatus;
 
 namespace gateway_internal {
 
@@ -188,8 +189,8 @@ absl::Status Gateway::RequestRun::Prefill(const Workers& w, CancelWatcher& watch
   // gave up).
   CancelOnDenoiseWorker(w);
   if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
-  absl::Status st = gateway_internal::WorkerCallStatus(FromGrpcStatus(s), /*client_cancelled=*/false,
-                                                       deadline_, absl::Now());
+  absl::Status st =
+      WorkerCallStatus(FromGrpcStatus(s), watcher.cancelled(), deadline_, absl::Now());
   if (absl::IsUnavailable(st)) {
     // Either the prefill worker or the transfer to the denoise worker failed.
     if (s.error_message().find("KV transfer to") != std::string::npos) {
@@ -320,11 +321,9 @@ absl::Status Gateway::RequestRun::Denoise(const Workers& w, CancelWatcher& watch
     grpc::Status s = reader->Finish();
     gw_.denoise_->Release(w.denoise);
     if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
-    absl::Status st = bad_event.ok()
-                          ? gateway_internal::WorkerCallStatus(
-                                FromGrpcStatus(s), /*client_cancelled=*/false, deadline_,
-                                absl::Now())
-                          : bad_event;
+    absl::Status st = bad_event.ok() ? WorkerCallStatus(FromGrpcStatus(s), watcher.cancelled(),
+                                                        deadline_, absl::Now())
+                                     : bad_event;
     if (st.ok()) st = absl::InternalError("denoise stream ended without a result");
     if (absl::IsUnavailable(st)) {
       bad_denoise_.insert(w.denoise);

@@ -128,9 +128,6 @@ TEST(ClusterAuthTest, ApiKeysAreEnforced) {
   EXPECT_EQ(TestCluster::MetricValue(metrics, "dgserve_gateway_requests_total{status=\"OK\"}"), 2);
 }
 
-// A denoise worker killed mid-stream: the gateway resumes the request on the other worker
-// (--max_resumes) and the client gets the complete answer, equal to the same request run
-// again, never a truncated success (tests/integration/resume_test.cc has the details).
 // What a client read from a stream during which a denoise worker was stopped.
 struct StreamedWhileStopping {
   std::vector<int32_t> ids;  // every block's tokens, in order
@@ -172,6 +169,9 @@ StreamedWhileStopping StreamWhileStopping(TestCluster& c, const v1::GenerateRequ
   return out;
 }
 
+// A denoise worker killed mid-stream: the gateway resumes the request on the other worker
+// (--max_resumes) and the client gets the complete answer, equal to the same request run
+// again, never a truncated success (tests/integration/resume_test.cc has the details).
 TEST(ClusterFailureTest, DenoiseWorkerKilledMidStream) {
   ClusterOptions o;
   o.model_dir = *TestModelDir();
