@@ -9,7 +9,7 @@ dgserve_cc_library(NAME dgserve_openai_api
        absl::status absl::statusor absl::strings)
 
 dgserve_cc_library(NAME dgserve_http_server
-  SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server.cc
+  SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server.cc ${CMAKE_CURRENT_LIST_DIR}/http_connection.cc
   DEPS dgserve_openai_api dgserve_status_convert dgserve_common Boost::headers prometheus-cpp::core
        absl::status absl::statusor absl::strings absl::time absl::synchronization Threads::Threads)
 

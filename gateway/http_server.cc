@@ -1,3 +1,5 @@
+// The OpenAI HTTP server: accepting connections, routing each request, and running generations
+// on threads of their own. One connection's HTTP/1.1 state machine is in http_connection.cc.
 #include "gateway/http_server.h"
 
 #include <prometheus/counter.h>
@@ -6,18 +8,12 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
-#include <atomic>
 #include <boost/asio.hpp>
-#include <boost/beast/core.hpp>
-#include <boost/beast/http.hpp>
 #include <cmath>
 #include <condition_variable>
-#include <deque>
-#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <random>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -25,10 +21,10 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "gateway/http_connection.h"
 #include "gateway/openai_api.h"
 #include "service/status_convert.h"
 
@@ -36,31 +32,19 @@ namespace dgserve {
 namespace {
 
 namespace asio = boost::asio;
-namespace beast = boost::beast;
-namespace http = beast::http;
+namespace http = boost::beast::http;
 using tcp = asio::ip::tcp;
 using boost::system::error_code;
+using http_internal::Chunk;
+using http_internal::ErrorResponse;
+using http_internal::HeaderValue;
+using http_internal::LocalRequestId;
+using HttpConnection = http_internal::HttpConnection;
+using HttpExchange = http_internal::HttpExchange;
+using HttpRequest = http_internal::HttpRequest;
+using HttpResponse = http_internal::HttpResponse;
 
-constexpr const char* kJson = "application/json";
 constexpr double kMaxTimeoutSeconds = 86400;
-// Bytes of pipelined requests read ahead while a request is answered (the read that notices a
-// closed connection); beyond it reading pauses until the answer is written.
-constexpr size_t kMaxReadAheadBytes = 64 << 10;
-// After the last answer on a closing connection: read and drop what the client still sends for
-// this long (at most this much), so that the answer is not lost to a TCP reset.
-constexpr auto kLingerTime = std::chrono::seconds(2);
-constexpr size_t kLingerBytes = 8 << 20;
-
-std::chrono::steady_clock::duration ToSteady(absl::Duration d) {
-  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(absl::ToChronoNanoseconds(d));
-}
-
-// A gateway-local request id: used in X-Request-Id until (or unless) the core reports its own.
-std::string LocalRequestId() {
-  static std::atomic<uint64_t> counter{0};
-  thread_local std::mt19937_64 rng(std::random_device{}());
-  return absl::StrCat("gw-", absl::Hex(rng(), absl::kZeroPad16), "-", counter.fetch_add(1));
-}
 
 // The route label of a path; "" for an unknown path.
 std::string RouteOf(const std::string& path) {
@@ -80,15 +64,8 @@ bool IsPostRoute(const std::string& route) {
   return route == "/v1/completions" || route == "/v1/chat/completions";
 }
 
-using Request = http::request<http::string_body>;
-
-std::string Header(const Request& req, http::field f) {
-  auto it = req.find(f);
-  return it == req.end() ? std::string() : std::string(it->value());
-}
-
-std::string BearerToken(const Request& req) {
-  std::string value(absl::StripAsciiWhitespace(Header(req, http::field::authorization)));
+std::string BearerToken(const HttpRequest& req) {
+  std::string value(absl::StripAsciiWhitespace(HeaderValue(req, http::field::authorization)));
   constexpr std::string_view kBearer = "bearer ";
   if (value.size() < kBearer.size() ||
       absl::AsciiStrToLower(value.substr(0, kBearer.size())) != kBearer) {
@@ -97,72 +74,10 @@ std::string BearerToken(const Request& req) {
   return std::string(absl::StripAsciiWhitespace(value.substr(kBearer.size())));
 }
 
-// One answer that is not a stream.
-struct Response {
-  int status = 200;
-  std::string content_type = kJson;
-  std::string body;
-  std::vector<std::pair<std::string, std::string>> headers;
-
-  void Set(const std::string& name, const std::string& value) {
-    for (auto& [n, v] : headers) {
-      if (n == name) {
-        v = value;
-        return;
-      }
-    }
-    headers.emplace_back(name, value);
-  }
-};
-
-// An OpenAI error body whose code matches `http_status`: a status no status code maps to (405,
-// 413, 431) names itself, any other follows the status code.
-Response ErrorResponse(int http_status, const absl::Status& status, const std::string& param = "") {
-  Response r;
-  r.status = http_status;
-  r.body = OpenAiErrorBody(status, param,
-                           http_status == HttpStatusFor(status.code())
-                               ? std::string()
-                               : OpenAiErrorCodeForHttp(http_status));
-  if (http_status == 429) r.Set("Retry-After", "1");
-  return r;
-}
-
-Response ErrorResponse(const absl::Status& status, const std::string& param = "") {
-  return ErrorResponse(HttpStatusFor(status.code()), status, param);
-}
-
-std::string StatusLine(int status) {
-  return absl::StrCat("HTTP/1.1 ", status, " ",
-                      std::string(http::obsolete_reason(static_cast<http::status>(status))),
-                      "\r\n");
-}
-
-// The bytes of `r` on the wire (no body for HEAD).
-std::string Serialize(const Response& r, bool keep_alive, bool head) {
-  std::string out = StatusLine(r.status);
-  absl::StrAppend(&out, "Content-Type: ", r.content_type, "\r\nContent-Length: ", r.body.size(),
-                  "\r\n");
-  for (const auto& [name, value] : r.headers) absl::StrAppend(&out, name, ": ", value, "\r\n");
-  if (!keep_alive) out += "Connection: close\r\n";
-  out += "\r\n";
-  if (!head) out += r.body;
-  return out;
-}
-
-// One chunk of a chunked body.
-std::string Chunk(const std::string& data) {
-  if (data.empty()) return "";
-  return absl::StrCat(absl::Hex(data.size()), "\r\n", data, "\r\n");
-}
-
 }  // namespace
 
-class OpenAiHttpServer::Impl {
+class OpenAiHttpServer::Impl : public http_internal::ConnectionHost {
  public:
-  class Session;
-  struct Exchange;
-
   Impl(GenerationCore* core, HttpServerOptions options, prometheus::Registry* registry)
       : core_(core), options_(std::move(options)), created_(absl::ToUnixSeconds(absl::Now())) {
     if (registry != nullptr) {
@@ -190,22 +105,32 @@ class OpenAiHttpServer::Impl {
   absl::StatusOr<int> Start();
   void Stop();
 
-  std::atomic<bool> stopping{false};
+  std::atomic<bool> stopping_flag{false};
   std::atomic<bool> draining{false};
+
+  // ConnectionHost.
+  const HttpServerOptions& options() const override { return options_; }
+  bool stopping() const override { return stopping_flag.load(); }
+  // On the connection's strand: answers `req` (or starts its generation).
+  void OnRequest(const std::shared_ptr<HttpConnection>& c, HttpRequest req) override;
+  std::string OnUnreadableRequest(const std::string& path, const absl::Status& status) override;
+  void Record(const std::string& route, int code, absl::Duration elapsed) override;
+  void CountConnections(int delta) override {
+    if (open_connections_ != nullptr) open_connections_->Increment(delta);
+  }
+  void CountStreams(int delta) override {
+    if (open_streams_ != nullptr) open_streams_->Increment(delta);
+  }
+  void OnClosed(uint64_t id) override;
 
  private:
   void DoAccept();
-  // On the session's strand: answers `req` (or starts its generation).
-  void HandleRequest(const std::shared_ptr<Session>& s, Request req);
-  void StartGenerate(const std::shared_ptr<Session>& s, const Request& req,
+  void StartGenerate(const std::shared_ptr<HttpConnection>& c, const HttpRequest& req,
                      const std::string& route, absl::Time start, const std::string& local_id);
   // The generating thread's body.
-  void RunGenerate(std::shared_ptr<Exchange> ex, v1::GenerateRequest request, absl::Time deadline,
-                   ResponseContext ctx, bool stream, bool include_usage);
-  Response Dispatch(const Request& req, const std::string& path, const std::string& route);
-  void Record(const std::string& route, int code, absl::Duration elapsed);
-  void Register(uint64_t id, std::weak_ptr<Session> s);
-  void Unregister(uint64_t id);
+  void RunGenerate(std::shared_ptr<HttpExchange> ex, v1::GenerateRequest request,
+                   absl::Time deadline, ResponseContext ctx, bool stream, bool include_usage);
+  HttpResponse Dispatch(const std::string& path, const std::string& route);
 
   GenerationCore* core_;
   const HttpServerOptions options_;
@@ -215,419 +140,20 @@ class OpenAiHttpServer::Impl {
   prometheus::Gauge* open_connections_ = nullptr;
   prometheus::Gauge* open_streams_ = nullptr;
 
-  std::mutex sessions_mu_;
-  std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions_;
-  uint64_t next_session_id_ = 0;
+  std::mutex connections_mu_;
+  std::unordered_map<uint64_t, std::weak_ptr<HttpConnection>> connections_;
+  uint64_t next_connection_id_ = 0;
 
   std::mutex jobs_mu_;
   std::condition_variable jobs_cv_;
-  std::set<std::shared_ptr<Exchange>> jobs_;  // generations whose thread runs
+  std::set<std::shared_ptr<HttpExchange>> jobs_;  // generations whose thread runs
 
-  // Declared last: destroyed first, with the handlers (and sessions) it still holds.
+  // Declared last: destroyed first, with the handlers (and connections) it still holds.
   asio::io_context ioc_;
   std::optional<tcp::acceptor> acceptor_;
   std::optional<asio::steady_timer> accept_retry_;
   std::vector<std::thread> io_threads_;
 };
-
-// What a generating thread shares with its connection. The thread never touches the Session:
-// it posts to the connection's strand, and waits here while too many bytes are unwritten.
-struct OpenAiHttpServer::Impl::Exchange {
-  std::weak_ptr<Session> session;
-  asio::any_io_executor executor;  // the connection's strand
-  std::string route;
-  absl::Time start;
-
-  std::mutex mu;
-  std::condition_variable cv;
-  size_t pending = 0;  // stream bytes posted and not yet written
-  std::atomic<bool> cancelled{false};
-
-  void Cancel() {
-    std::lock_guard<std::mutex> lock(mu);
-    cancelled = true;
-    cv.notify_all();
-  }
-  bool IsCancelled() const { return cancelled.load(); }
-  void Written(size_t n) {
-    std::lock_guard<std::mutex> lock(mu);
-    pending -= std::min(pending, n);
-    cv.notify_all();
-  }
-  // Runs `fn` on the connection's strand if the connection still exists.
-  void Post(std::function<void(Session&)> fn) {
-    asio::post(executor, [weak = session, fn = std::move(fn)] {
-      if (std::shared_ptr<Session> s = weak.lock()) fn(*s);
-    });
-  }
-  // Producer side: waits while more than `limit` bytes are unwritten; false when cancelled.
-  bool Send(std::string bytes, size_t limit);
-};
-
-// One connection. Everything runs on its strand.
-class OpenAiHttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
- public:
-  Session(Impl* impl, tcp::socket socket, uint64_t id)
-      : impl_(impl),
-        socket_(std::move(socket)),
-        id_(id),
-        idle_timer_(socket_.get_executor()),
-        read_timer_(socket_.get_executor()),
-        write_timer_(socket_.get_executor()),
-        keepalive_timer_(socket_.get_executor()) {
-    if (impl_->open_connections_) impl_->open_connections_->Increment();
-  }
-  ~Session() {
-    if (exchange_) exchange_->Cancel();
-    if (streaming_ && impl_->open_streams_) impl_->open_streams_->Decrement();
-    if (impl_->open_connections_) impl_->open_connections_->Decrement();
-    impl_->Unregister(id_);
-  }
-
-  void Start() {
-    asio::dispatch(socket_.get_executor(), [self = shared_from_this()] { self->ReadNext(); });
-  }
-  asio::any_io_executor executor() { return socket_.get_executor(); }
-  bool head() const { return head_; }
-
-  // Closes the socket at once; cancels the request in progress. Only from the strand, or once
-  // the event loop has stopped.
-  void Close() {
-    if (state_ == State::kClosed) return;
-    state_ = State::kClosed;
-    if (exchange_) exchange_->Cancel();
-    error_code ignored;
-    socket_.shutdown(tcp::socket::shutdown_both, ignored);
-    socket_.close(ignored);
-    idle_timer_.cancel();
-    read_timer_.cancel();
-    write_timer_.cancel();
-    keepalive_timer_.cancel();
-  }
-
-  // An answer that is not a stream; the connection then goes on to the next request.
-  void Respond(const Response& r, const std::string& route, absl::Time start) {
-    if (state_ == State::kClosed) return;
-    impl_->Record(route, r.status, absl::Now() - start);  // before the client can see the answer
-    Write(Serialize(r, keep_alive_ && !impl_->stopping, head_), false);
-    EndExchange();
-  }
-
-  // The head of an SSE stream (chunked).
-  void StartStream(const std::string& request_id) {
-    if (state_ == State::kClosed) return;
-    std::string head = StatusLine(200);
-    absl::StrAppend(&head,
-                    "Content-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                    "X-Accel-Buffering: no\r\nX-Request-Id: ",
-                    request_id, "\r\nTransfer-Encoding: chunked\r\n");
-    if (!keep_alive_) head += "Connection: close\r\n";
-    head += "\r\n";
-    Write(std::move(head), false);
-    streaming_ = true;
-    if (impl_->open_streams_) impl_->open_streams_->Increment();
-    ArmKeepAlive();
-  }
-
-  // A stream's last bytes (final frames and the last chunk).
-  void EndStream(std::string bytes, const std::string& route, absl::Time start) {
-    if (state_ == State::kClosed) return;
-    impl_->Record(route, 200, absl::Now() - start);
-    Write(std::move(bytes), false);
-    keepalive_timer_.cancel();
-    EndExchange();
-  }
-
-  // Queues bytes; `counted` ones are a stream's and are reported to its exchange once written.
-  void Write(std::string bytes, bool counted) {
-    if (state_ == State::kClosed || bytes.empty()) return;
-    wrote_since_tick_ = true;
-    out_.push_back({std::move(bytes), counted});
-    if (!writing_) DoWrite();
-  }
-
-  // Starts a generation on this connection: keeps a read posted to notice the client leaving.
-  void BeginExchange(std::shared_ptr<Exchange> ex) {
-    exchange_ = std::move(ex);
-    if (!reading_ && buffer_.size() < kMaxReadAheadBytes) ReadSome();
-  }
-
- private:
-  enum class State {
-    kIdle,      // waiting for the first byte of a request
-    kReading,   // reading a request
-    kBusy,      // answering a request
-    kClosing,   // last answer written; dropping what still arrives, then close
-    kClosed,
-  };
-  struct OutBuf {
-    std::string data;
-    bool counted;
-  };
-
-  void Arm(asio::steady_timer& timer, absl::Duration d, void (Session::*on_expiry)()) {
-    timer.expires_after(ToSteady(d));
-    timer.async_wait([self = shared_from_this(), on_expiry](error_code ec) {
-      if (!ec) ((*self).*on_expiry)();
-    });
-  }
-
-  void ReadNext() {
-    if (state_ == State::kClosed) return;
-    state_ = State::kIdle;
-    head_ = false;
-    if (impl_->stopping) {
-      Close();
-      return;
-    }
-    if (buffer_.size() > 0) {
-      ReadRequest();
-      return;
-    }
-    Arm(idle_timer_, impl_->options_.idle_timeout, &Session::Close);
-    if (!reading_) ReadSome();
-  }
-
-  void ReadSome() {
-    reading_ = true;
-    socket_.async_read_some(buffer_.prepare(4096),
-                            [self = shared_from_this()](error_code ec, size_t n) {
-                              self->OnReadSome(ec, n);
-                            });
-  }
-
-  void OnReadSome(error_code ec, size_t n) {
-    reading_ = false;
-    if (state_ == State::kClosed) return;
-    const bool was_cancel = cancelling_read_;
-    cancelling_read_ = false;
-    if (ec && !(was_cancel && ec == asio::error::operation_aborted)) {
-      // EOF or reset: the client is gone (cancels the request in progress, if any).
-      Close();
-      return;
-    }
-    buffer_.commit(n);
-    switch (state_) {
-      case State::kIdle:
-        if (buffer_.size() > 0) {
-          idle_timer_.cancel();
-          ReadRequest();
-        } else {
-          ReadSome();
-        }
-        break;
-      case State::kBusy:
-        if (buffer_.size() < kMaxReadAheadBytes) ReadSome();
-        break;
-      case State::kClosing:
-        lingered_ += buffer_.size();
-        buffer_.consume(buffer_.size());
-        if (lingered_ < kLingerBytes) {
-          ReadSome();
-        } else {
-          Close();
-        }
-        break;
-      case State::kReading:
-      case State::kClosed:
-        break;
-    }
-  }
-
-  void ReadRequest() {
-    state_ = State::kReading;
-    parser_.emplace();
-    parser_->header_limit(static_cast<std::uint32_t>(impl_->options_.max_header_bytes));
-    parser_->body_limit(impl_->options_.max_body_bytes);
-    Arm(read_timer_, impl_->options_.read_timeout, &Session::Close);
-    reading_ = true;
-    http::async_read_header(socket_, buffer_, *parser_,
-                            [self = shared_from_this()](error_code ec, size_t) {
-                              self->OnHeader(ec);
-                            });
-  }
-
-  void OnHeader(error_code ec) {
-    reading_ = false;
-    if (state_ == State::kClosed) return;
-    if (ec) {
-      OnReadError(ec);
-      return;
-    }
-    const Request& req = parser_->get();
-    if (absl::EqualsIgnoreCase(Header(req, http::field::expect), "100-continue") &&
-        !parser_->is_done()) {
-      Write("HTTP/1.1 100 Continue\r\n\r\n", false);
-    }
-    if (parser_->is_done()) {
-      OnRequest();
-      return;
-    }
-    reading_ = true;
-    http::async_read(socket_, buffer_, *parser_,
-                     [self = shared_from_this()](error_code ec, size_t) {
-                       self->reading_ = false;
-                       if (self->state_ == State::kClosed) return;
-                       if (ec) {
-                         self->OnReadError(ec);
-                       } else {
-                         self->OnRequest();
-                       }
-                     });
-  }
-
-  void OnReadError(error_code ec) {
-    read_timer_.cancel();
-    if (ec == http::error::end_of_stream || ec == asio::error::eof ||
-        ec == asio::error::operation_aborted || ec == asio::error::connection_reset) {
-      Close();
-      return;
-    }
-    // The request cannot be read further: answer and close.
-    state_ = State::kBusy;
-    keep_alive_ = false;
-    const absl::Time now = absl::Now();
-    Response r;
-    if (ec == http::error::body_limit) {
-      r = ErrorResponse(413, absl::InvalidArgumentError(absl::StrCat(
-                                 "request body larger than ", impl_->options_.max_body_bytes,
-                                 " bytes")));
-    } else if (ec == http::error::header_limit) {
-      r = ErrorResponse(431, absl::InvalidArgumentError(absl::StrCat(
-                                 "request head larger than ", impl_->options_.max_header_bytes,
-                                 " bytes")));
-    } else {
-      r = ErrorResponse(400, absl::InvalidArgumentError(
-                                 absl::StrCat("malformed HTTP request: ", ec.message())));
-    }
-    r.Set("X-Request-Id", LocalRequestId());
-    // A too large request to a generation route is a refused generation request.
-    std::string route = "other";
-    // (The request line is parsed even when a header field, e.g. Content-Length, failed.)
-    if (parser_ && !parser_->get().target().empty()) {
-      std::string path(parser_->get().target());
-      path.resize(std::min(path.size(), path.find('?')));
-      if (IsPostRoute(RouteOf(path))) {
-        route = RouteOf(path);
-        impl_->core_->CountRefused(absl::InvalidArgumentError(r.body));
-      }
-    }
-    Respond(r, route, now);
-  }
-
-  void OnRequest() {
-    read_timer_.cancel();
-    state_ = State::kBusy;
-    Request req = parser_->release();
-    parser_.reset();
-    keep_alive_ = req.keep_alive();
-    head_ = req.method() == http::verb::head;
-    impl_->HandleRequest(shared_from_this(), std::move(req));
-  }
-
-  // The answer in progress is entirely queued: once written, go on to the next request.
-  void EndExchange() {
-    if (exchange_) exchange_.reset();
-    if (streaming_) {
-      streaming_ = false;
-      if (impl_->open_streams_) impl_->open_streams_->Decrement();
-    }
-    answer_queued_ = true;
-    if (!writing_) AfterAnswer();
-  }
-
-  void AfterAnswer() {
-    answer_queued_ = false;
-    if (state_ == State::kClosed) return;
-    if (!keep_alive_ || impl_->stopping) {
-      // Graceful close: no more sends, drop what still arrives for a while.
-      state_ = State::kClosing;
-      error_code ignored;
-      socket_.shutdown(tcp::socket::shutdown_send, ignored);
-      Arm(idle_timer_, absl::FromChrono(kLingerTime), &Session::Close);
-      buffer_.consume(buffer_.size());
-      if (!reading_) ReadSome();
-      return;
-    }
-    if (reading_) {
-      // The read that watched the connection during the answer: cancel it so that the next
-      // request is parsed from what it has read ahead (it may hold a whole pipelined request).
-      state_ = State::kIdle;
-      head_ = false;
-      cancelling_read_ = true;
-      Arm(idle_timer_, impl_->options_.idle_timeout, &Session::Close);
-      error_code ignored;
-      socket_.cancel(ignored);
-      return;
-    }
-    ReadNext();
-  }
-
-  void DoWrite() {
-    writing_ = true;
-    Arm(write_timer_, impl_->options_.write_timeout, &Session::Close);
-    asio::async_write(socket_, asio::buffer(out_.front().data),
-                      [self = shared_from_this()](error_code ec, size_t) { self->OnWrite(ec); });
-  }
-
-  void OnWrite(error_code ec) {
-    writing_ = false;
-    write_timer_.cancel();
-    if (state_ == State::kClosed) return;
-    if (ec) {
-      Close();
-      return;
-    }
-    OutBuf done = std::move(out_.front());
-    out_.pop_front();
-    if (done.counted && exchange_) exchange_->Written(done.data.size());
-    if (!out_.empty()) {
-      DoWrite();
-    } else if (answer_queued_) {
-      AfterAnswer();
-    }
-  }
-
-  void ArmKeepAlive() {
-    wrote_since_tick_ = false;
-    Arm(keepalive_timer_, impl_->options_.sse_keepalive_interval, &Session::OnKeepAliveTick);
-  }
-  void OnKeepAliveTick() {
-    if (state_ != State::kBusy || !streaming_) return;
-    if (!wrote_since_tick_) Write(Chunk(": keep-alive\n\n"), false);
-    ArmKeepAlive();
-  }
-
-  Impl* impl_;
-  tcp::socket socket_;
-  const uint64_t id_;
-  beast::flat_buffer buffer_;
-  std::optional<http::request_parser<http::string_body>> parser_;
-  asio::steady_timer idle_timer_, read_timer_, write_timer_, keepalive_timer_;
-  std::deque<OutBuf> out_;
-  std::shared_ptr<Exchange> exchange_;
-  State state_ = State::kIdle;
-  bool reading_ = false;           // a read is posted on the socket
-  bool cancelling_read_ = false;   // ...and is being cancelled to parse the next request
-  bool writing_ = false;
-  bool answer_queued_ = false;     // the whole answer is in out_: go on once it is written
-  bool keep_alive_ = true;
-  bool head_ = false;
-  bool streaming_ = false;
-  bool wrote_since_tick_ = false;
-  size_t lingered_ = 0;
-};
-
-bool OpenAiHttpServer::Impl::Exchange::Send(std::string bytes, size_t limit) {
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return cancelled.load() || pending < limit; });
-    if (cancelled) return false;
-    pending += bytes.size();
-  }
-  Post([bytes = std::move(bytes)](Session& s) mutable { s.Write(std::move(bytes), true); });
-  return true;
-}
 
 void OpenAiHttpServer::Impl::Record(const std::string& route, int code, absl::Duration elapsed) {
   if (requests_ == nullptr) return;
@@ -638,43 +164,44 @@ void OpenAiHttpServer::Impl::Record(const std::string& route, int code, absl::Du
   duration_->Add({{"route", label}}, kBuckets).Observe(absl::ToDoubleSeconds(elapsed));
 }
 
-void OpenAiHttpServer::Impl::Register(uint64_t id, std::weak_ptr<Session> s) {
-  std::lock_guard<std::mutex> lock(sessions_mu_);
-  sessions_.emplace(id, std::move(s));
+void OpenAiHttpServer::Impl::OnClosed(uint64_t id) {
+  std::lock_guard<std::mutex> lock(connections_mu_);
+  connections_.erase(id);
 }
 
-void OpenAiHttpServer::Impl::Unregister(uint64_t id) {
-  std::lock_guard<std::mutex> lock(sessions_mu_);
-  sessions_.erase(id);
+std::string OpenAiHttpServer::Impl::OnUnreadableRequest(const std::string& path,
+                                                        const absl::Status& status) {
+  // A request to a generation route that cannot be read is a refused generation request.
+  const std::string route = RouteOf(path);
+  if (!IsPostRoute(route)) return "other";
+  core_->CountRefused(status);
+  return route;
 }
 
 void OpenAiHttpServer::Impl::DoAccept() {
   acceptor_->async_accept(asio::make_strand(ioc_), [this](error_code ec, tcp::socket socket) {
-    if (!acceptor_->is_open() || stopping) return;
+    if (!acceptor_->is_open() || stopping_flag) return;
     if (ec) {
       // Out of file descriptors (or a transient error): try again shortly, not in a busy loop.
       DGSERVE_LOG_WARNING("HTTP accept: %s", ec.message());
       accept_retry_->expires_after(std::chrono::milliseconds(50));
       accept_retry_->async_wait([this](error_code e) {
-        if (!e && !stopping) DoAccept();
+        if (!e && !stopping_flag) DoAccept();
       });
       return;
     }
     error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
-    uint64_t id;
+    auto connection = std::make_shared<HttpConnection>(this, std::move(socket), 0);
     {
-      std::lock_guard<std::mutex> lock(sessions_mu_);
-      id = next_session_id_++;
+      std::lock_guard<std::mutex> lock(connections_mu_);
     }
-    auto session = std::make_shared<Session>(this, std::move(socket), id);
-    Register(id, session);
-    session->Start();
+    connection->Start();
     DoAccept();
   });
 }
 
-void OpenAiHttpServer::Impl::HandleRequest(const std::shared_ptr<Session>& s, Request req) {
+void OpenAiHttpServer::Impl::OnRequest(const std::shared_ptr<HttpConnection>& c, HttpRequest req) {
   const absl::Time start = absl::Now();
   std::string path(req.target());
   if (size_t q = path.find('?'); q != std::string::npos) path.resize(q);
@@ -682,7 +209,7 @@ void OpenAiHttpServer::Impl::HandleRequest(const std::shared_ptr<Session>& s, Re
   const std::string local_id = LocalRequestId();
   const std::string method(req.method_string());
 
-  Response r;
+  HttpResponse r;
   if (route.empty()) {
     r = ErrorResponse(404, absl::NotFoundError(absl::StrCat("unknown path: ", path)));
   } else if (IsPostRoute(route) ? method != "POST" : (method != "GET" && method != "HEAD")) {
@@ -700,18 +227,17 @@ void OpenAiHttpServer::Impl::HandleRequest(const std::shared_ptr<Session>& s, Re
     r = ErrorResponse(401, auth);
     r.Set("WWW-Authenticate", "Bearer");
   } else if (IsPostRoute(route)) {
-    StartGenerate(s, req, route, start, local_id);
+    StartGenerate(c, req, route, start, local_id);
     return;
   } else {
-    r = Dispatch(req, path, route);
+    r = Dispatch(path, route);
   }
   r.Set("X-Request-Id", local_id);
-  s->Respond(r, route, start);
+  c->Respond(r, route, start);
 }
 
-Response OpenAiHttpServer::Impl::Dispatch(const Request& req, const std::string& path,
-                                          const std::string& route) {
-  Response r;
+HttpResponse OpenAiHttpServer::Impl::Dispatch(const std::string& path, const std::string& route) {
+  HttpResponse r;
   if (route == "/health") {
     r.body = R"({"status":"ok"})";
   } else if (route == "/ready") {
@@ -739,15 +265,15 @@ Response OpenAiHttpServer::Impl::Dispatch(const Request& req, const std::string&
   return r;
 }
 
-void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<Session>& s, const Request& req,
-                                           const std::string& route, absl::Time start,
-                                           const std::string& local_id) {
+void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>& c,
+                                           const HttpRequest& req, const std::string& route,
+                                           absl::Time start, const std::string& local_id) {
   const bool chat = route == "/v1/chat/completions";
   // A refusal before the core runs the request (counted in the core's request metrics).
-  auto refuse = [&](const absl::Status& status, Response r) {
+  auto refuse = [&](const absl::Status& status, HttpResponse r) {
     core_->CountRefused(status);
     r.Set("X-Request-Id", local_id);
-    s->Respond(r, route, start);
+    c->Respond(r, route, start);
   };
   absl::StatusOr<OpenAiRequest> parsed =
       chat ? ParseChatCompletionsRequest(req.body()) : ParseCompletionsRequest(req.body());
@@ -775,28 +301,28 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<Session>& s, co
   }
   if (absl::Status admit = core_->CheckAdmission(); !admit.ok()) {
     // Already counted by the core.
-    Response r = ErrorResponse(admit);
+    HttpResponse r = ErrorResponse(admit);
     r.Set("X-Request-Id", local_id);
-    return s->Respond(r, route, start);
+    return c->Respond(r, route, start);
   }
   const absl::Time deadline = absl::Now() + timeout;
   ResponseContext ctx{local_id, parsed->model.empty() ? core_->model_id() : parsed->model,
                       absl::ToUnixSeconds(absl::Now()), chat};
 
-  auto ex = std::make_shared<Exchange>();
-  ex->session = s;
-  ex->executor = s->executor();
+  auto ex = std::make_shared<HttpExchange>();
+  ex->connection = c;
+  ex->executor = c->executor();
   ex->route = route;
   ex->start = start;
   {
     std::lock_guard<std::mutex> lock(jobs_mu_);
-    if (stopping) {
+    if (stopping_flag) {
       const absl::Status st = absl::UnavailableError("the server is stopping");
       return refuse(st, ErrorResponse(st));
     }
     jobs_.insert(ex);
   }
-  s->BeginExchange(ex);
+  c->BeginExchange(ex);
   try {
     std::thread([this, ex, request = std::move(parsed->request), deadline, ctx,
                  stream = parsed->stream, include_usage = parsed->include_usage]() mutable {
@@ -820,10 +346,10 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<Session>& s, co
   }
 }
 
-void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<Exchange> ex, v1::GenerateRequest request,
-                                         absl::Time deadline, ResponseContext ctx, bool stream,
-                                         bool include_usage) {
-  auto gone = [this, &ex] { return stopping.load() || ex->IsCancelled(); };
+void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<HttpExchange> ex,
+                                         v1::GenerateRequest request, absl::Time deadline,
+                                         ResponseContext ctx, bool stream, bool include_usage) {
+  auto gone = [this, &ex] { return stopping_flag.load() || ex->IsCancelled(); };
   const std::string route = ex->route;
   const absl::Time start = ex->start;
   const std::string local_id = ctx.request_id;
@@ -843,7 +369,7 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<Exchange> ex, v1::Gener
       acc.OnEvent(event);
       return !gone();
     });
-    Response r;
+    HttpResponse r;
     if (!status.ok()) {
       r = ErrorResponse(status, CoreErrorParam(status, ctx.chat));
     } else if (!acc.finished()) {
@@ -852,7 +378,7 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<Exchange> ex, v1::Gener
       r.body = acc.Json(ctx);
     }
     r.Set("X-Request-Id", acc.request_id().empty() ? local_id : acc.request_id());
-    ex->Post([r = std::move(r), route, start](Session& s) { s.Respond(r, route, start); });
+    ex->Post([r = std::move(r), route, start](HttpConnection& s) { s.Respond(r, route, start); });
     return;
   }
 
@@ -866,21 +392,21 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<Exchange> ex, v1::Gener
       started = true;
       const std::string id =
           formatter.context().request_id.empty() ? local_id : formatter.context().request_id;
-      ex->Post([id](Session& s) { s.StartStream(id); });
+      ex->Post([id](HttpConnection& s) { s.StartStream(id); });
     }
-    if (stopping) return false;
+    if (stopping_flag) return false;
     return ex->Send(Chunk(frames), limit);
   });
   if (!started) {
     // Nothing was produced: an ordinary HTTP response.
     if (status.ok()) status = absl::InternalError("generation ended without any event");
-    Response r = ErrorResponse(status, CoreErrorParam(status, ctx.chat));
+    HttpResponse r = ErrorResponse(status, CoreErrorParam(status, ctx.chat));
     r.Set("X-Request-Id", local_id);
-    ex->Post([r = std::move(r), route, start](Session& s) { s.Respond(r, route, start); });
+    ex->Post([r = std::move(r), route, start](HttpConnection& s) { s.Respond(r, route, start); });
     return;
   }
   std::string tail = Chunk(formatter.OnEnd(status)) + "0\r\n\r\n";
-  ex->Post([tail = std::move(tail), route, start](Session& s) mutable {
+  ex->Post([tail = std::move(tail), route, start](HttpConnection& s) mutable {
     s.EndStream(std::move(tail), route, start);
   });
 }
@@ -916,7 +442,7 @@ absl::StatusOr<int> OpenAiHttpServer::Impl::Start() {
 }
 
 void OpenAiHttpServer::Impl::Stop() {
-  stopping = true;
+  stopping_flag = true;
   if (acceptor_) {
     asio::post(acceptor_->get_executor(), [this] {
       error_code ignored;
@@ -927,21 +453,21 @@ void OpenAiHttpServer::Impl::Stop() {
   // Cancel the generations and wait for their threads (the core sees is_cancelled).
   {
     std::unique_lock<std::mutex> lock(jobs_mu_);
-    for (const std::shared_ptr<Exchange>& ex : jobs_) ex->Cancel();
+    for (const std::shared_ptr<HttpExchange>& ex : jobs_) ex->Cancel();
     jobs_cv_.wait(lock, [&] { return jobs_.empty(); });
   }
   ioc_.stop();
   for (std::thread& t : io_threads_) t.join();
   io_threads_.clear();
-  // The loop has stopped: nothing else touches the sessions now.
-  std::vector<std::shared_ptr<Session>> open;
+  // The loop has stopped: nothing else touches the connections now.
+  std::vector<std::shared_ptr<HttpConnection>> open;
   {
-    std::lock_guard<std::mutex> lock(sessions_mu_);
-    for (auto& [id, weak] : sessions_) {
-      if (std::shared_ptr<Session> s = weak.lock()) open.push_back(std::move(s));
+    std::lock_guard<std::mutex> lock(connections_mu_);
+    for (auto& [id, weak] : connections_) {
+      if (std::shared_ptr<HttpConnection> c = weak.lock()) open.push_back(std::move(c));
     }
   }
-  for (const std::shared_ptr<Session>& s : open) s->Close();
+  for (const std::shared_ptr<HttpConnection>& c : open) c->Close();
 }
 
 OpenAiHttpServer::OpenAiHttpServer(GenerationCore* core, HttpServerOptions options,
@@ -951,7 +477,7 @@ OpenAiHttpServer::OpenAiHttpServer(GenerationCore* core, HttpServerOptions optio
 OpenAiHttpServer::~OpenAiHttpServer() { Stop(); }
 
 absl::StatusOr<int> OpenAiHttpServer::Start() {
-  if (started_ || impl_->stopping) {
+  if (started_ || impl_->stopping_flag) {
     return absl::FailedPreconditionError("the HTTP server was already started or stopped");
   }
   absl::StatusOr<int> port = impl_->Start();
@@ -963,7 +489,7 @@ absl::StatusOr<int> OpenAiHttpServer::Start() {
 
 void OpenAiHttpServer::Stop() {
   if (!started_) {
-    impl_->stopping = true;
+    impl_->stopping_flag = true;
     return;
   }
   if (stopped_) return;

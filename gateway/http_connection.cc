@@ -1,0 +1,429 @@
+#include "gateway/http_connection.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gateway/openai_api.h"
+#include "service/status_convert.h"
+
+namespace dgserve::http_internal {
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using boost::system::error_code;
+
+// Bytes of pipelined requests read ahead while a request is answered (the read that notices a
+// closed connection); beyond it reading pauses until the answer is written.
+constexpr size_t kMaxReadAheadBytes = 64 << 10;
+// After the last answer on a closing connection: read and drop what the client still sends for
+// this long (at most this much), so that the answer is not lost to a TCP reset.
+constexpr auto kLingerTime = std::chrono::seconds(2);
+constexpr size_t kLingerBytes = 8 << 20;
+
+std::chrono::steady_clock::duration ToSteady(absl::Duration d) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(absl::ToChronoNanoseconds(d));
+}
+
+std::string StatusLine(int status) {
+  return absl::StrCat("HTTP/1.1 ", status, " ",
+                      std::string(http::obsolete_reason(static_cast<http::status>(status))),
+                      "\r\n");
+}
+
+// The bytes of `r` on the wire (no body for HEAD).
+std::string Serialize(const HttpResponse& r, bool keep_alive, bool head) {
+  std::string out = StatusLine(r.status);
+  absl::StrAppend(&out, "Content-Type: ", r.content_type, "\r\nContent-Length: ", r.body.size(),
+                  "\r\n");
+  for (const auto& [name, value] : r.headers) absl::StrAppend(&out, name, ": ", value, "\r\n");
+  if (!keep_alive) out += "Connection: close\r\n";
+  out += "\r\n";
+  if (!head) out += r.body;
+  return out;
+}
+
+}  // namespace
+
+void HttpResponse::Set(const std::string& name, const std::string& value) {
+  for (auto& [n, v] : headers) {
+    if (n == name) {
+      v = value;
+      return;
+    }
+  }
+  headers.emplace_back(name, value);
+}
+
+HttpResponse ErrorResponse(int http_status, const absl::Status& status, const std::string& param) {
+  HttpResponse r;
+  r.status = http_status;
+  r.body = OpenAiErrorBody(status, param,
+                           http_status == HttpStatusFor(status.code())
+                               ? std::string()
+                               : OpenAiErrorCodeForHttp(http_status));
+  if (http_status == 429) r.Set("Retry-After", "1");
+  return r;
+}
+
+HttpResponse ErrorResponse(const absl::Status& status, const std::string& param) {
+  return ErrorResponse(HttpStatusFor(status.code()), status, param);
+}
+
+std::string HeaderValue(const HttpRequest& req, http::field f) {
+  auto it = req.find(f);
+  return it == req.end() ? std::string() : std::string(it->value());
+}
+
+std::string LocalRequestId() {
+  static std::atomic<uint64_t> counter{0};
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  return absl::StrCat("gw-", absl::Hex(rng(), absl::kZeroPad16), "-", counter.fetch_add(1));
+}
+
+std::string Chunk(const std::string& data) {
+  if (data.empty()) return "";
+  return absl::StrCat(absl::Hex(data.size()), "\r\n", data, "\r\n");
+}
+
+void HttpExchange::Cancel() {
+  std::lock_guard<std::mutex> lock(mu);
+  cancelled = true;
+  cv.notify_all();
+}
+
+void HttpExchange::Written(size_t n) {
+  std::lock_guard<std::mutex> lock(mu);
+  pending -= std::min(pending, n);
+  cv.notify_all();
+}
+
+void HttpExchange::Post(std::function<void(HttpConnection&)> fn) {
+  asio::post(executor, [weak = connection, fn = std::move(fn)] {
+    if (std::shared_ptr<HttpConnection> c = weak.lock()) fn(*c);
+  });
+}
+
+bool HttpExchange::Send(std::string bytes, size_t limit) {
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return cancelled.load() || pending < limit; });
+    if (cancelled) return false;
+    pending += bytes.size();
+  }
+  Post([bytes = std::move(bytes)](HttpConnection& c) mutable { c.Write(std::move(bytes), true); });
+  return true;
+}
+
+HttpConnection::HttpConnection(ConnectionHost* host, tcp::socket socket, uint64_t id)
+    : host_(host),
+      socket_(std::move(socket)),
+      id_(id),
+      idle_timer_(socket_.get_executor()),
+      read_timer_(socket_.get_executor()),
+      write_timer_(socket_.get_executor()),
+      keepalive_timer_(socket_.get_executor()) {
+  host_->CountConnections(1);
+}
+
+HttpConnection::~HttpConnection() {
+  if (exchange_) exchange_->Cancel();
+  if (streaming_) host_->CountStreams(-1);
+  host_->CountConnections(-1);
+  host_->OnClosed(id_);
+}
+
+void HttpConnection::Start() {
+  asio::dispatch(socket_.get_executor(), [self = shared_from_this()] { self->ReadNext(); });
+}
+
+void HttpConnection::Close() {
+  if (state_ == State::kClosed) return;
+  state_ = State::kClosed;
+  if (exchange_) exchange_->Cancel();
+  error_code ignored;
+  socket_.shutdown(tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
+  idle_timer_.cancel();
+  read_timer_.cancel();
+  write_timer_.cancel();
+  keepalive_timer_.cancel();
+}
+
+void HttpConnection::Respond(const HttpResponse& r, const std::string& route, absl::Time start) {
+  if (state_ == State::kClosed) return;
+  host_->Record(route, r.status, absl::Now() - start);  // before the client can see the answer
+  Write(Serialize(r, keep_alive_ && !host_->stopping(), head_), false);
+  EndExchange();
+}
+
+void HttpConnection::StartStream(const std::string& request_id) {
+  if (state_ == State::kClosed) return;
+  std::string head = StatusLine(200);
+  absl::StrAppend(&head,
+                  "Content-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                  "X-Accel-Buffering: no\r\nX-Request-Id: ",
+                  request_id, "\r\nTransfer-Encoding: chunked\r\n");
+  if (!keep_alive_) head += "Connection: close\r\n";
+  head += "\r\n";
+  Write(std::move(head), false);
+  streaming_ = true;
+  host_->CountStreams(1);
+  ArmKeepAlive();
+}
+
+void HttpConnection::EndStream(std::string bytes, const std::string& route, absl::Time start) {
+  if (state_ == State::kClosed) return;
+  host_->Record(route, 200, absl::Now() - start);
+  Write(std::move(bytes), false);
+  keepalive_timer_.cancel();
+  EndExchange();
+}
+
+void HttpConnection::Write(std::string bytes, bool counted) {
+  if (state_ == State::kClosed || bytes.empty()) return;
+  wrote_since_tick_ = true;
+  out_.push_back({std::move(bytes), counted});
+  if (!writing_) DoWrite();
+}
+
+void HttpConnection::BeginExchange(std::shared_ptr<HttpExchange> ex) {
+  exchange_ = std::move(ex);
+  if (!reading_ && buffer_.size() < kMaxReadAheadBytes) ReadSome();
+}
+
+void HttpConnection::Arm(asio::steady_timer& timer, absl::Duration d,
+                         void (HttpConnection::*on_expiry)()) {
+  timer.expires_after(ToSteady(d));
+  timer.async_wait([self = shared_from_this(), on_expiry](error_code ec) {
+    if (!ec) ((*self).*on_expiry)();
+  });
+}
+
+void HttpConnection::ReadNext() {
+  if (state_ == State::kClosed) return;
+  state_ = State::kIdle;
+  head_ = false;
+  if (host_->stopping()) {
+    Close();
+    return;
+  }
+  if (buffer_.size() > 0) {
+    ReadRequest();
+    return;
+  }
+  Arm(idle_timer_, host_->options().idle_timeout, &HttpConnection::Close);
+  if (!reading_) ReadSome();
+}
+
+void HttpConnection::ReadSome() {
+  reading_ = true;
+  socket_.async_read_some(buffer_.prepare(4096),
+                          [self = shared_from_this()](error_code ec, size_t n) {
+                            self->OnReadSome(ec, n);
+                          });
+}
+
+void HttpConnection::OnReadSome(error_code ec, size_t n) {
+  reading_ = false;
+  if (state_ == State::kClosed) return;
+  const bool was_cancel = cancelling_read_;
+  cancelling_read_ = false;
+  if (ec && !(was_cancel && ec == asio::error::operation_aborted)) {
+    // EOF or reset: the client is gone (cancels the request in progress, if any).
+    Close();
+    return;
+  }
+  buffer_.commit(n);
+  switch (state_) {
+    case State::kIdle:
+      if (buffer_.size() > 0) {
+        idle_timer_.cancel();
+        ReadRequest();
+      } else {
+        ReadSome();
+      }
+      break;
+    case State::kBusy:
+      if (buffer_.size() < kMaxReadAheadBytes) ReadSome();
+      break;
+    case State::kClosing:
+      lingered_ += buffer_.size();
+      buffer_.consume(buffer_.size());
+      if (lingered_ < kLingerBytes) {
+        ReadSome();
+      } else {
+        Close();
+      }
+      break;
+    case State::kReading:
+    case State::kClosed:
+      break;
+  }
+}
+
+void HttpConnection::ReadRequest() {
+  state_ = State::kReading;
+  parser_.emplace();
+  parser_->header_limit(static_cast<std::uint32_t>(host_->options().max_header_bytes));
+  parser_->body_limit(host_->options().max_body_bytes);
+  Arm(read_timer_, host_->options().read_timeout, &HttpConnection::Close);
+  reading_ = true;
+  http::async_read_header(socket_, buffer_, *parser_,
+                          [self = shared_from_this()](error_code ec, size_t) {
+                            self->OnHeader(ec);
+                          });
+}
+
+void HttpConnection::OnHeader(error_code ec) {
+  reading_ = false;
+  if (state_ == State::kClosed) return;
+  if (ec) {
+    OnReadError(ec);
+    return;
+  }
+  const HttpRequest& req = parser_->get();
+  if (absl::EqualsIgnoreCase(HeaderValue(req, http::field::expect), "100-continue") &&
+      !parser_->is_done()) {
+    Write("HTTP/1.1 100 Continue\r\n\r\n", false);
+  }
+  if (parser_->is_done()) {
+    OnRequest();
+    return;
+  }
+  reading_ = true;
+  http::async_read(socket_, buffer_, *parser_, [self = shared_from_this()](error_code ec, size_t) {
+    self->reading_ = false;
+    if (self->state_ == State::kClosed) return;
+    if (ec) {
+      self->OnReadError(ec);
+    } else {
+      self->OnRequest();
+    }
+  });
+}
+
+void HttpConnection::OnReadError(error_code ec) {
+  read_timer_.cancel();
+  if (ec == http::error::end_of_stream || ec == asio::error::eof ||
+      ec == asio::error::operation_aborted || ec == asio::error::connection_reset) {
+    Close();
+    return;
+  }
+  // The request cannot be read further: answer and close.
+  state_ = State::kBusy;
+  keep_alive_ = false;
+  const absl::Time now = absl::Now();
+  int code = 400;
+  absl::Status status;
+  if (ec == http::error::body_limit) {
+    code = 413;
+    status = absl::InvalidArgumentError(absl::StrCat(
+        "request body larger than ", host_->options().max_body_bytes, " bytes"));
+  } else if (ec == http::error::header_limit) {
+    code = 431;
+    status = absl::InvalidArgumentError(absl::StrCat(
+        "request head larger than ", host_->options().max_header_bytes, " bytes"));
+  } else {
+    status = absl::InvalidArgumentError(absl::StrCat("malformed HTTP request: ", ec.message()));
+  }
+  HttpResponse r = ErrorResponse(code, status);
+  r.Set("X-Request-Id", LocalRequestId());
+  // (The request line is parsed even when a header field, e.g. Content-Length, failed.)
+  std::string path;
+  if (parser_) {
+    path = std::string(parser_->get().target());
+    path.resize(std::min(path.size(), path.find('?')));
+  }
+  Respond(r, host_->OnUnreadableRequest(path, status), now);
+}
+
+void HttpConnection::OnRequest() {
+  read_timer_.cancel();
+  state_ = State::kBusy;
+  HttpRequest req = parser_->release();
+  parser_.reset();
+  keep_alive_ = req.keep_alive();
+  head_ = req.method() == http::verb::head;
+  host_->OnRequest(shared_from_this(), std::move(req));
+}
+
+void HttpConnection::EndExchange() {
+  if (exchange_) exchange_.reset();
+  if (streaming_) {
+    streaming_ = false;
+    host_->CountStreams(-1);
+  }
+  answer_queued_ = true;
+  if (!writing_) AfterAnswer();
+}
+
+void HttpConnection::AfterAnswer() {
+  answer_queued_ = false;
+  if (state_ == State::kClosed) return;
+  if (!keep_alive_ || host_->stopping()) {
+    // Graceful close: no more sends, drop what still arrives for a while.
+    state_ = State::kClosing;
+    error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    Arm(idle_timer_, absl::FromChrono(kLingerTime), &HttpConnection::Close);
+    buffer_.consume(buffer_.size());
+    if (!reading_) ReadSome();
+    return;
+  }
+  if (reading_) {
+    // The read that watched the connection during the answer: cancel it so that the next
+    // request is parsed from what it has read ahead (it may hold a whole pipelined request).
+    state_ = State::kIdle;
+    head_ = false;
+    cancelling_read_ = true;
+    Arm(idle_timer_, host_->options().idle_timeout, &HttpConnection::Close);
+    error_code ignored;
+    socket_.cancel(ignored);
+    return;
+  }
+  ReadNext();
+}
+
+void HttpConnection::DoWrite() {
+  writing_ = true;
+  Arm(write_timer_, host_->options().write_timeout, &HttpConnection::Close);
+  asio::async_write(socket_, asio::buffer(out_.front().data),
+                    [self = shared_from_this()](error_code ec, size_t) { self->OnWrite(ec); });
+}
+
+void HttpConnection::OnWrite(error_code ec) {
+  writing_ = false;
+  write_timer_.cancel();
+  if (state_ == State::kClosed) return;
+  if (ec) {
+    Close();
+    return;
+  }
+  OutBuf done = std::move(out_.front());
+  out_.pop_front();
+  if (done.counted && exchange_) exchange_->Written(done.data.size());
+  if (!out_.empty()) {
+    DoWrite();
+  } else if (answer_queued_) {
+    AfterAnswer();
+  }
+}
+
+void HttpConnection::ArmKeepAlive() {
+  wrote_since_tick_ = false;
+  Arm(keepalive_timer_, host_->options().sse_keepalive_interval, &HttpConnection::OnKeepAliveTick);
+}
+
+void HttpConnection::OnKeepAliveTick() {
+  if (state_ != State::kBusy || !streaming_) return;
+  if (!wrote_since_tick_) Write(Chunk(": keep-alive\n\n"), false);
+  ArmKeepAlive();
+}
+
+}  // namespace dgserve::http_internal

@@ -1,0 +1,194 @@
+// One HTTP/1.1 connection of the OpenAI HTTP server (http_server.h), and the wire helpers it
+// shares with the server. Internal to the HTTP server: its interface speaks Boost.Beast types, so
+// only http_server.cc and http_connection.cc include it.
+//
+// A connection is an explicit state machine on its own strand: it reads one request at a time
+// (pipelined ones are buffered and answered in order) under the header and body limits and the
+// read timeout; while a request is answered it keeps a read posted on the socket, so that a
+// client that closes cancels its generation at once; it writes answers and SSE streams in order
+// under the write timeout, reports a stream's written bytes to its generating thread
+// (back-pressure), sends `: keep-alive` comments on a silent stream, and after its last answer
+// closes gracefully (stops sending, then reads and drops what still arrives for a while, so that
+// the answer is not lost to a TCP reset).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "gateway/http_server.h"
+
+namespace dgserve::http_internal {
+
+using HttpRequest = boost::beast::http::request<boost::beast::http::string_body>;
+
+// One answer that is not a stream.
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;
+
+  // Sets header `name` (replacing an earlier value).
+  void Set(const std::string& name, const std::string& value);
+};
+
+// An OpenAI error body whose code matches `http_status`: a status no status code maps to (405,
+// 413, 431) names itself, any other follows the status code. 429 adds Retry-After.
+HttpResponse ErrorResponse(int http_status, const absl::Status& status,
+                           const std::string& param = "");
+// The same, with the HTTP status that `status`'s code maps to.
+HttpResponse ErrorResponse(const absl::Status& status, const std::string& param = "");
+
+// The value of header `f` in `req`; "" when absent.
+std::string HeaderValue(const HttpRequest& req, boost::beast::http::field f);
+
+// A gateway-local request id ("gw-<16 hex>-<counter>"): used in X-Request-Id until (or unless)
+// the core reports its own.
+std::string LocalRequestId();
+
+// One chunk of a chunked body ("" for empty data: an empty chunk would end the body).
+std::string Chunk(const std::string& data);
+
+class HttpConnection;
+
+// What a connection needs from its server. Every call but OnClosed comes on the connection's
+// strand.
+class ConnectionHost {
+ public:
+  virtual const HttpServerOptions& options() const = 0;
+  // True once the server stops: connections close after their answer in progress.
+  virtual bool stopping() const = 0;
+  // A whole request was read: answer it (HttpConnection::Respond, or a stream).
+  virtual void OnRequest(const std::shared_ptr<HttpConnection>& connection, HttpRequest req) = 0;
+  // A request that could not be read whole (too large, malformed) is answered with `status`;
+  // `path` is its request line's path ("" if none). Returns the route label to record it under.
+  virtual std::string OnUnreadableRequest(const std::string& path, const absl::Status& status) = 0;
+  // An answer on `route` with HTTP status `code`, `elapsed` after the request was read.
+  virtual void Record(const std::string& route, int code, absl::Duration elapsed) = 0;
+  // Open connections and streams went up or down by `delta`.
+  virtual void CountConnections(int delta) = 0;
+  virtual void CountStreams(int delta) = 0;
+  // Connection `id` is being destroyed (from any thread).
+  virtual void OnClosed(uint64_t id) = 0;
+
+ protected:
+  ~ConnectionHost() = default;
+};
+
+// What a generating thread shares with its connection. The thread never touches the connection:
+// it posts to the connection's strand, and waits here while too many bytes are unwritten.
+struct HttpExchange {
+  std::weak_ptr<HttpConnection> connection;
+  boost::asio::any_io_executor executor;  // the connection's strand
+  std::string route;
+  absl::Time start;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t pending = 0;  // stream bytes posted and not yet written
+  std::atomic<bool> cancelled{false};
+
+  void Cancel();
+  bool IsCancelled() const { return cancelled.load(); }
+  // `n` stream bytes were written (from the strand).
+  void Written(size_t n);
+  // Runs `fn` on the connection's strand if the connection still exists.
+  void Post(std::function<void(HttpConnection&)> fn);
+  // Producer side: waits while more than `limit` bytes are unwritten, then posts `bytes` as
+  // stream bytes; false when cancelled.
+  bool Send(std::string bytes, size_t limit);
+};
+
+// One connection. Everything but construction runs on its strand.
+class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
+ public:
+  // `host` outlives the connection; `socket` runs on a strand.
+  HttpConnection(ConnectionHost* host, boost::asio::ip::tcp::socket socket, uint64_t id);
+  ~HttpConnection();
+
+  // Starts reading the first request.
+  void Start();
+  boost::asio::any_io_executor executor() { return socket_.get_executor(); }
+
+  // Closes the socket at once; cancels the request in progress. Only from the strand, or once
+  // the event loop has stopped.
+  void Close();
+  // An answer that is not a stream; the connection then goes on to the next request.
+  void Respond(const HttpResponse& r, const std::string& route, absl::Time start);
+  // The head of an SSE stream (chunked).
+  void StartStream(const std::string& request_id);
+  // A stream's last bytes (final frames and the last chunk).
+  void EndStream(std::string bytes, const std::string& route, absl::Time start);
+  // Queues bytes; `counted` ones are a stream's and are reported to its exchange once written.
+  void Write(std::string bytes, bool counted);
+  // Starts a generation on this connection: keeps a read posted to notice the client leaving.
+  void BeginExchange(std::shared_ptr<HttpExchange> ex);
+
+ private:
+  enum class State {
+    kIdle,     // waiting for the first byte of a request
+    kReading,  // reading a request
+    kBusy,     // answering a request
+    kClosing,  // last answer written; dropping what still arrives, then close
+    kClosed,
+  };
+  struct OutBuf {
+    std::string data;
+    bool counted;
+  };
+
+  void Arm(boost::asio::steady_timer& timer, absl::Duration d,
+           void (HttpConnection::*on_expiry)());
+  void ReadNext();
+  void ReadSome();
+  void OnReadSome(boost::system::error_code ec, size_t n);
+  void ReadRequest();
+  void OnHeader(boost::system::error_code ec);
+  void OnReadError(boost::system::error_code ec);
+  void OnRequest();
+  // The answer in progress is entirely queued: once written, go on to the next request.
+  void EndExchange();
+  void AfterAnswer();
+  void DoWrite();
+  void OnWrite(boost::system::error_code ec);
+  void ArmKeepAlive();
+  void OnKeepAliveTick();
+
+  ConnectionHost* const host_;
+  boost::asio::ip::tcp::socket socket_;
+  const uint64_t id_;
+  boost::beast::flat_buffer buffer_;
+  std::optional<boost::beast::http::request_parser<boost::beast::http::string_body>> parser_;
+  boost::asio::steady_timer idle_timer_, read_timer_, write_timer_, keepalive_timer_;
+  std::deque<OutBuf> out_;
+  std::shared_ptr<HttpExchange> exchange_;
+  State state_ = State::kIdle;
+  bool reading_ = false;          // a read is posted on the socket
+  bool cancelling_read_ = false;  // ...and is being cancelled to parse the next request
+  bool writing_ = false;
+  bool answer_queued_ = false;  // the whole answer is in out_: go on once it is written
+  bool keep_alive_ = true;
+  bool head_ = false;
+  bool streaming_ = false;
+  bool wrote_since_tick_ = false;
+  size_t lingered_ = 0;
+};
+
+}  // namespace dgserve::http_internal
