@@ -22,6 +22,7 @@
 #include "engine/cuda/cuda_attention.h"
 #include "engine/cuda/cuda_backend_kernels.h"
 #include "engine/cuda/cuda_gemm.h"
+#include "engine/cuda/cuda_memory.h"
 #include "engine/cuda/cuda_ops.h"
 #include "engine/cuda/cuda_vocab.h"
 #include "engine/model/cpu_ops.h"
@@ -29,106 +30,16 @@
 namespace dgserve {
 namespace {
 
-absl::Status CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-absl::Status CublasCheck(cublasStatus_t s, const char* what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": cuBLAS status ", int(s)));
-}
-
 double SecondsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// An owned device array of T. Reserve() keeps the contents only when asked (Grow).
-template <typename T>
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  ~DeviceArray() {
-    if (p_ != nullptr) cudaFree(p_);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  DeviceArray(DeviceArray&& o) noexcept
-      : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
-
-  T* get() const { return p_; }
-  size_t size() const { return n_; }
-
-  // At least n elements; the old contents are dropped when it has to grow.
-  absl::Status Ensure(size_t n) {
-    if (n <= n_) return absl::OkStatus();
-    if (p_ != nullptr) cudaFree(p_);
-    p_ = nullptr;
-    n_ = 0;
-    DGSERVE_RETURN_IF_ERROR(
-        CudaCheck(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc"));
-    n_ = n;
-    return absl::OkStatus();
-  }
-  // At least n elements, keeping the first `keep` elements.
-  absl::Status Grow(size_t n, size_t keep) {
-    if (n <= n_) return absl::OkStatus();
-    T* q = nullptr;
-    DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&q, n * sizeof(T)), "cudaMalloc"));
-    if (p_ != nullptr && keep > 0) {
-      const cudaError_t e =
-          cudaMemcpy(q, p_, std::min(keep, n_) * sizeof(T), cudaMemcpyDeviceToDevice);
-      if (e != cudaSuccess) {
-        cudaFree(q);
-        return CudaCheck(e, "cudaMemcpy (grow)");
-      }
-    }
-    if (p_ != nullptr) cudaFree(p_);
-    p_ = q;
-    n_ = n;
-    return absl::OkStatus();
-  }
-  absl::Status Upload(const T* host, size_t n) {
-    DGSERVE_RETURN_IF_ERROR(Ensure(n));
-    if (n == 0) return absl::OkStatus();
-    return CudaCheck(cudaMemcpy(p_, host, n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
-  }
-  absl::Status Upload(const std::vector<T>& host) { return Upload(host.data(), host.size()); }
-
- private:
-  T* p_ = nullptr;
-  size_t n_ = 0;
-};
-
-absl::Status Download(void* host, const void* device, size_t bytes) {
-  if (bytes == 0) return absl::OkStatus();
-  return CudaCheck(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-}
-
-// Host bf16 weights (row-major bits, or unpacked from the CPU GEMM's panels) → bf16 device.
-absl::Status UploadBf16(const std::vector<uint16_t>& bits, DeviceArray<uint16_t>* out) {
-  return out->Upload(bits);
-}
-absl::Status UploadBf16(const cpu::PackedMatrix& w, DeviceArray<uint16_t>* out) {
-  return out->Upload(w.UnpackBf16());
-}
-// E × [rows, cols] packed experts → one [E, rows, cols] device tensor.
-absl::Status UploadBf16(const std::vector<cpu::PackedMatrix>& experts,
-                        DeviceArray<uint16_t>* out) {
-  std::vector<uint16_t> bits;
-  for (const cpu::PackedMatrix& e : experts) {
-    const std::vector<uint16_t> one = e.UnpackBf16();
-    bits.insert(bits.end(), one.begin(), one.end());
-  }
-  return out->Upload(bits);
-}
-// A packed matrix → float32 device (exact widening).
-absl::Status UploadFloat(const cpu::PackedMatrix& w, DeviceArray<float>* out) {
-  const std::vector<uint16_t> bits = w.UnpackBf16();
-  std::vector<float> f(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) f[i] = Bf16ToFloat(bits[i]);
-  return out->Upload(f);
-}
+using cuda::CublasCheck;
+using cuda::CudaCheck;
+using cuda::DeviceArray;
+using cuda::Download;
+using cuda::UploadBf16;
+using cuda::UploadFloat;
 
 enum class PassKind { kEncoder, kDecoder };
 

@@ -1,0 +1,95 @@
+// Device memory for the CUDA backend (cuda_backend.cc): an owned device array, CUDA and cuBLAS
+// error checks as absl::Status, and the uploads of the model's weights (bf16 bits, or widened to
+// float32). Host code; every error is INTERNAL with the CUDA error string or cuBLAS status.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/status_macros.h"
+#include "engine/model/cpu/packed_matrix.h"
+
+namespace dgserve::cuda {
+
+// OK for cudaSuccess, else INTERNAL "what: <CUDA error string>".
+absl::Status CudaCheck(cudaError_t e, const char* what);
+// OK for CUBLAS_STATUS_SUCCESS, else INTERNAL "what: cuBLAS status N".
+absl::Status CublasCheck(cublasStatus_t s, const char* what);
+
+// An owned device array of T (cudaMalloc / cudaFree). Ensure() drops the old contents when it has
+// to grow; Grow() keeps a prefix. Errors: INTERNAL with the CUDA error string.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  ~DeviceArray() {
+    if (p_ != nullptr) cudaFree(p_);
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept
+      : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+
+  T* get() const { return p_; }
+  size_t size() const { return n_; }
+
+  // At least n elements; the old contents are dropped when it has to grow.
+  absl::Status Ensure(size_t n) {
+    if (n <= n_) return absl::OkStatus();
+    if (p_ != nullptr) cudaFree(p_);
+    p_ = nullptr;
+    n_ = 0;
+    DGSERVE_RETURN_IF_ERROR(
+        CudaCheck(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc"));
+    n_ = n;
+    return absl::OkStatus();
+  }
+  // At least n elements, keeping the first `keep` elements.
+  absl::Status Grow(size_t n, size_t keep) {
+    if (n <= n_) return absl::OkStatus();
+    T* q = nullptr;
+    DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&q, n * sizeof(T)), "cudaMalloc"));
+    if (p_ != nullptr && keep > 0) {
+      const cudaError_t e =
+          cudaMemcpy(q, p_, std::min(keep, n_) * sizeof(T), cudaMemcpyDeviceToDevice);
+      if (e != cudaSuccess) {
+        cudaFree(q);
+        return CudaCheck(e, "cudaMemcpy (grow)");
+      }
+    }
+    if (p_ != nullptr) cudaFree(p_);
+    p_ = q;
+    n_ = n;
+    return absl::OkStatus();
+  }
+  absl::Status Upload(const T* host, size_t n) {
+    DGSERVE_RETURN_IF_ERROR(Ensure(n));
+    if (n == 0) return absl::OkStatus();
+    return CudaCheck(cudaMemcpy(p_, host, n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  }
+  absl::Status Upload(const std::vector<T>& host) { return Upload(host.data(), host.size()); }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// Copies `bytes` from the device to the host (synchronous).
+absl::Status Download(void* host, const void* device, size_t bytes);
+
+// Host bf16 weights (row-major bits, or unpacked from the CPU GEMM's panels) → bf16 device.
+absl::Status UploadBf16(const std::vector<uint16_t>& bits, DeviceArray<uint16_t>* out);
+absl::Status UploadBf16(const cpu::PackedMatrix& w, DeviceArray<uint16_t>* out);
+// E × [rows, cols] packed experts → one [E, rows, cols] device tensor.
+absl::Status UploadBf16(const std::vector<cpu::PackedMatrix>& experts, DeviceArray<uint16_t>* out);
+// A packed matrix [rows, cols] → float32 device (exact widening).
+absl::Status UploadFloat(const cpu::PackedMatrix& w, DeviceArray<float>* out);
+
+}  // namespace dgserve::cuda
