@@ -68,8 +68,10 @@ std::string Chunk(const std::string& data);
 
 class HttpConnection;
 
-// What a connection needs from its server. Every call but OnClosed comes on the connection's
-// strand.
+// What a connection needs from its server. OnRequest, OnUnreadableRequest, Record and
+// stopping() are called on the connection's strand; the counts and OnClosed also come from its
+// constructor (the acceptor's strand) and destructor (any thread, also while the server's event
+// loop is destroyed), so they must only touch what outlives the connections.
 class ConnectionHost {
  public:
   virtual const HttpServerOptions& options() const = 0;
@@ -85,7 +87,7 @@ class ConnectionHost {
   // Open connections and streams went up or down by `delta`.
   virtual void CountConnections(int delta) = 0;
   virtual void CountStreams(int delta) = 0;
-  // Connection `id` is being destroyed (from any thread).
+  // Connection `id` is being destroyed.
   virtual void OnClosed(uint64_t id) = 0;
 
  protected:
@@ -116,7 +118,8 @@ struct HttpExchange {
   bool Send(std::string bytes, size_t limit);
 };
 
-// One connection. Everything but construction runs on its strand.
+// One connection. Everything runs on its strand, except construction, destruction, and Close()
+// once the event loop has stopped.
 class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
  public:
   // `host` outlives the connection; `socket` runs on a strand.

@@ -76,7 +76,7 @@ std::string BearerToken(const HttpRequest& req) {
 
 }  // namespace
 
-class OpenAiHttpServer::Impl : public http_internal::ConnectionHost {
+class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
  public:
   Impl(GenerationCore* core, HttpServerOptions options, prometheus::Registry* registry)
       : core_(core), options_(std::move(options)), created_(absl::ToUnixSeconds(absl::Now())) {
@@ -115,15 +115,21 @@ class OpenAiHttpServer::Impl : public http_internal::ConnectionHost {
   void OnRequest(const std::shared_ptr<HttpConnection>& c, HttpRequest req) override;
   std::string OnUnreadableRequest(const std::string& path, const absl::Status& status) override;
   void Record(const std::string& route, int code, absl::Duration elapsed) override;
-  void CountConnections(int delta) override {
-    if (open_connections_ != nullptr) open_connections_->Increment(delta);
-  }
-  void CountStreams(int delta) override {
-    if (open_streams_ != nullptr) open_streams_->Increment(delta);
-  }
+  void CountConnections(int delta) override { Add(open_connections_, delta); }
+  void CountStreams(int delta) override { Add(open_streams_, delta); }
   void OnClosed(uint64_t id) override;
 
  private:
+  // Decrement() for a negative delta: not every prometheus-cpp release takes a negative
+  // Increment().
+  static void Add(prometheus::Gauge* gauge, int delta) {
+    if (gauge == nullptr) return;
+    if (delta >= 0) {
+      gauge->Increment(delta);
+    } else {
+      gauge->Decrement(-delta);
+    }
+  }
   void DoAccept();
   void StartGenerate(const std::shared_ptr<HttpConnection>& c, const HttpRequest& req,
                      const std::string& route, absl::Time start, const std::string& local_id);
@@ -192,9 +198,16 @@ void OpenAiHttpServer::Impl::DoAccept() {
     }
     error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
-    auto connection = std::make_shared<HttpConnection>(this, std::move(socket), 0);
+    uint64_t id;
     {
       std::lock_guard<std::mutex> lock(connections_mu_);
+      id = next_connection_id_++;
+    }
+    auto connection = std::make_shared<HttpConnection>(this, std::move(socket), id);
+    {
+      // Registered so that Stop() can close it.
+      std::lock_guard<std::mutex> lock(connections_mu_);
+      connections_.emplace(id, connection);
     }
     connection->Start();
     DoAccept();

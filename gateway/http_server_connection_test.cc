@@ -273,5 +273,24 @@ TEST_F(HttpServerTest, CoreErrorsNameTheirField) {
   EXPECT_EQ(json::parse(chat.body)["error"]["code"], "context_length_exceeded");
 }
 
+// Stop() closes every open connection at once: an idle keep-alive client sees EOF while the
+// server object still exists, not its idle timeout. (A connection the server lost track of
+// stayed open until the server was destroyed: this read then timed out after 10 s.)
+TEST_F(HttpServerTest, StopClosesIdleKeepAliveConnections) {
+  HttpServerOptions options;
+  options.idle_timeout = absl::Minutes(10);
+  StartServer(options);
+  int fd = ConnectLoopback(port_, 10);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"));
+  const std::string answer = ReadUntil(fd, R"({"status":"ok"})");
+  EXPECT_THAT(answer, HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(answer, ::testing::Not(HasSubstr("Connection: close")));
+  server_->Stop();
+  char c;
+  EXPECT_EQ(read(fd, &c, 1), 0) << "Stop() left the keep-alive connection open";
+  close(fd);
+}
+
 }  // namespace
 }  // namespace dgserve

@@ -378,6 +378,45 @@ TEST_F(HttpServerTest, Metrics) {
   EXPECT_TRUE(found_hist);
 }
 
+// The value of the unlabelled gauge `name` in `registry`; -1 when absent.
+double GaugeValue(prometheus::Registry& registry, const std::string& name) {
+  for (const prometheus::MetricFamily& f : registry.Collect()) {
+    if (f.name == name && f.metric.size() == 1) return f.metric[0].gauge.value;
+  }
+  return -1;
+}
+
+// The open-connection and open-stream gauges go up while a connection or a stream is open and
+// back to 0 once it ends (a gauge that only went up would report every connection ever made).
+TEST_F(HttpServerTest, OpenConnectionAndStreamGaugesReturnToZero) {
+  std::atomic<bool> release{false};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                       const GenerationCore::EventCallback& cb) {
+    cb(Block("a"));
+    Eventually([&] { return release.load(); });
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  const std::string kConnections = "dgserve_gateway_http_open_connections";
+  const std::string kStreams = "dgserve_gateway_http_open_streams";
+  EXPECT_EQ(GaugeValue(registry_, kConnections), 0);
+  int fd = ConnectLoopback(port_, 10);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", R"({"prompt": "x", "stream": true})")));
+  EXPECT_THAT(ReadUntil(fd, "data: "), HasSubstr("text/event-stream"));
+  EXPECT_TRUE(Eventually([&] { return GaugeValue(registry_, kStreams) == 1; }));
+  EXPECT_EQ(GaugeValue(registry_, kConnections), 1);
+  release = true;
+  EXPECT_THAT(ReadUntil(fd, "data: [DONE]"), HasSubstr("data: [DONE]"));
+  EXPECT_TRUE(Eventually([&] { return GaugeValue(registry_, kStreams) == 0; }))
+      << GaugeValue(registry_, kStreams);
+  EXPECT_EQ(GaugeValue(registry_, kConnections), 1);  // keep-alive: still open
+  close(fd);
+  EXPECT_TRUE(Eventually([&] { return GaugeValue(registry_, kConnections) == 0; }))
+      << GaugeValue(registry_, kConnections);
+}
+
 // The HTTP status and the error body's type and code of a raw response ("" when absent).
 struct RawError {
   int status = 0;
