@@ -4,6 +4,7 @@
 #include <chrono>
 #include <random>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gateway/openai_api.h"
@@ -48,7 +49,30 @@ std::string Serialize(const HttpResponse& r, bool keep_alive, bool head) {
   return out;
 }
 
+// True when the request has one Transfer-Encoding field and it is "chunked" alone.
+bool OnlyChunked(const HttpRequest& req) {
+  if (req.count(http::field::transfer_encoding) != 1) return false;
+  const std::string value = HeaderValue(req, http::field::transfer_encoding);
+  return absl::AsciiStrToLower(absl::StripAsciiWhitespace(value)) == "chunked";
+}
+
 }  // namespace
+
+std::string RequestPath(std::string_view target) {
+  std::string path(target);
+  // Absolute form (RFC 9112 §3.2.2): "http://host[:port]/path"; the authority is dropped.
+  for (const std::string scheme : {"http://", "https://"}) {
+    if (path.size() >= scheme.size() &&
+        absl::EqualsIgnoreCase(path.substr(0, scheme.size()), scheme)) {
+      const size_t slash = path.find_first_of("/?", scheme.size());
+      if (slash == std::string::npos || path[slash] == '?') return "/";
+      path.erase(0, slash);
+      break;
+    }
+  }
+  path.resize(std::min(path.size(), path.find('?')));
+  return path;
+}
 
 void HttpResponse::Set(const std::string& name, const std::string& value) {
   for (auto& [n, v] : headers) {
@@ -288,6 +312,17 @@ void HttpConnection::OnHeader(error_code ec) {
     return;
   }
   const HttpRequest& req = parser_->get();
+  if (req.find(http::field::transfer_encoding) != req.end() && !OnlyChunked(req)) {
+    // Any other coding leaves the body's length unknown (RFC 9112 §6.3): reading on would take
+    // the body for the next request. Answered once, then the connection closes.
+    read_timer_.cancel();
+    Refuse(501,
+           absl::UnimplementedError(absl::StrCat(
+               "Transfer-Encoding: only \"chunked\" is supported, got \"",
+               HeaderValue(req, http::field::transfer_encoding), "\"")),
+           absl::Now());
+    return;
+  }
   if (absl::EqualsIgnoreCase(HeaderValue(req, http::field::expect), "100-continue") &&
       !parser_->is_done()) {
     Write("HTTP/1.1 100 Continue\r\n\r\n", false);
@@ -316,8 +351,6 @@ void HttpConnection::OnReadError(error_code ec) {
     return;
   }
   // The request cannot be read further: answer and close.
-  state_ = State::kBusy;
-  keep_alive_ = false;
   const absl::Time now = absl::Now();
   int code = 400;
   absl::Status status;
@@ -332,15 +365,21 @@ void HttpConnection::OnReadError(error_code ec) {
   } else {
     status = absl::InvalidArgumentError(absl::StrCat("malformed HTTP request: ", ec.message()));
   }
+  Refuse(code, status, now);
+}
+
+void HttpConnection::Refuse(int code, const absl::Status& status, absl::Time start) {
+  state_ = State::kBusy;
+  keep_alive_ = false;
   HttpResponse r = ErrorResponse(code, status);
   r.Set("X-Request-Id", LocalRequestId());
   // (The request line is parsed even when a header field, e.g. Content-Length, failed.)
   std::string path;
   if (parser_) {
-    path = std::string(parser_->get().target());
-    path.resize(std::min(path.size(), path.find('?')));
+    const auto target = parser_->get().target();
+    path = RequestPath(std::string_view(target.data(), target.size()));
   }
-  Respond(r, host_->OnUnreadableRequest(path, status), now);
+  Respond(r, host_->OnUnreadableRequest(path, status), start);
 }
 
 void HttpConnection::OnRequest() {

@@ -59,6 +59,10 @@ HttpResponse ErrorResponse(const absl::Status& status, const std::string& param 
 // The value of header `f` in `req`; "" when absent.
 std::string HeaderValue(const HttpRequest& req, boost::beast::http::field f);
 
+// The path of a request target: the query is dropped, and so are the scheme and authority of an
+// absolute-form target ("http://host/v1/models" → "/v1/models", "http://host" → "/").
+std::string RequestPath(std::string_view target);
+
 // A gateway-local request id ("gw-<16 hex>-<counter>"): used in X-Request-Id until (or unless)
 // the core reports its own.
 std::string LocalRequestId();
@@ -165,6 +169,8 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   void ReadRequest();
   void OnHeader(boost::system::error_code ec);
   void OnReadError(boost::system::error_code ec);
+  // Answers a request that cannot be read whole with HTTP status `code` and closes.
+  void Refuse(int code, const absl::Status& status, absl::Time start);
   void OnRequest();
   // The answer in progress is entirely queued: once written, go on to the next request.
   void EndExchange();

@@ -216,8 +216,8 @@ void OpenAiHttpServer::Impl::DoAccept() {
 
 void OpenAiHttpServer::Impl::OnRequest(const std::shared_ptr<HttpConnection>& c, HttpRequest req) {
   const absl::Time start = absl::Now();
-  std::string path(req.target());
-  if (size_t q = path.find('?'); q != std::string::npos) path.resize(q);
+  const std::string path =
+      http_internal::RequestPath(std::string_view(req.target().data(), req.target().size()));
   const std::string route = RouteOf(path);
   const std::string local_id = LocalRequestId();
   const std::string method(req.method_string());

@@ -8,6 +8,7 @@ namespace {
 
 using namespace ::dgserve::http_testing;  // NOLINT: the shared fixture and helpers
 using ::dgserve::testing::StatusIs;
+using ::testing::StartsWith;
 
 TEST_F(HttpServerTest, NonStreamingClientDisconnectCancels) {
   std::atomic<bool> started{false}, cancelled{false};
@@ -290,6 +291,54 @@ TEST_F(HttpServerTest, StopClosesIdleKeepAliveConnections) {
   char c;
   EXPECT_EQ(read(fd, &c, 1), 0) << "Stop() left the keep-alive connection open";
   close(fd);
+}
+
+// A Transfer-Encoding other than "chunked" alone leaves the body's length unknown: one 501,
+// then the connection closes (the body was read as a second request, "bad method").
+TEST_F(HttpServerTest, TransferEncodingOtherThanChunkedIsRefusedOnce) {
+  core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback& cb) {
+    cb(Block("ok"));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  const std::string body = R"({"prompt": "1"})";
+  for (const std::string coding : {"gzip", "chunked, gzip", "gzip, chunked", "identity"}) {
+    SCOPED_TRACE(coding);
+    const std::string raw = RawRequest(
+        port_, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: " + coding +
+                   "\r\n\r\n" + body);
+    EXPECT_THAT(raw, StartsWith("HTTP/1.1 501 ")) << raw;
+    EXPECT_THAT(raw, HasSubstr("only \\\"chunked\\\" is supported")) << raw;
+    EXPECT_EQ(raw.find("HTTP/1.1 ", 1), std::string::npos) << "a second answer: " << raw;
+  }
+  EXPECT_EQ(core_.Refused().size(), 4u);
+  // "chunked" alone is read as before.
+  const std::string chunked =
+      RawRequest(port_, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                        "Transfer-Encoding: chunked\r\n\r\n" +
+                            absl::StrCat(absl::Hex(body.size())) + "\r\n" + body + "\r\n0\r\n\r\n");
+  EXPECT_THAT(chunked, StartsWith("HTTP/1.1 200 ")) << chunked;
+  EXPECT_THAT(chunked, HasSubstr(R"("text":"ok")")) << chunked;
+}
+
+// A request target in absolute form ("http://host/path", RFC 9112 §3.2.2) is served as its path
+// (it was a 404 "unknown path: http://x/health").
+TEST_F(HttpServerTest, AbsoluteFormTargetIsServedAsItsPath) {
+  StartServer();
+  const std::string health =
+      RawRequest(port_, "GET http://x/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_THAT(health, StartsWith("HTTP/1.1 200 ")) << health;
+  EXPECT_THAT(health, HasSubstr(R"({"status":"ok"})"));
+  const std::string model = RawRequest(
+      port_, "GET HTTPS://x:8000/v1/models/dg-tiny?a=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_THAT(model, StartsWith("HTTP/1.1 200 ")) << model;
+  EXPECT_THAT(model, HasSubstr(R"("id":"dg-tiny")"));
+  const std::string root =
+      RawRequest(port_, "GET http://x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_THAT(root, StartsWith("HTTP/1.1 404 ")) << root;
+  EXPECT_THAT(root, HasSubstr("unknown path: /"));
 }
 
 }  // namespace

@@ -273,6 +273,7 @@ absl::Status ParseCanvasTemplate(const json& v, v1::GenerateRequest* req) {
     if (x.is_null()) continue;
     if (it.key() == "text") {
       DGSERVE_ASSIGN_OR_RETURN(*t->mutable_text(), GetString(x, field));
+      if (t->text().empty()) return Invalid(field, "must not be empty");
     } else if (it.key() == "hole") {
       DGSERVE_ASSIGN_OR_RETURN(*t->mutable_hole(), GetString(x, field));
       if (t->hole().empty()) return Invalid(field, "must not be empty");
@@ -282,6 +283,7 @@ absl::Status ParseCanvasTemplate(const json& v, v1::GenerateRequest* req) {
         DGSERVE_ASSIGN_OR_RETURN(*t->add_allowed(), GetString(x[i], absl::StrCat(field, "[", i, "]")));
       }
     } else if (it.key() == "token_ids") {
+      if (x.is_array() && x.empty()) return Invalid(field, "must not be empty");
       DGSERVE_RETURN_IF_ERROR(int_array(x, field, t->mutable_token_ids()));
     } else if (it.key() == "holes") {
       if (!x.is_array()) return Invalid(field, "must be an array of objects");

@@ -296,6 +296,16 @@ TEST(ParseCompletionsTest, DiffusionControlTypeChecks) {
       -1.0f);
 }
 
+// An empty form of the canvas template is named as empty (it said "give text or token_ids" to a
+// request that gave token_ids: []).
+TEST(ParseCompletionsTest, EmptyCanvasTemplateFormsAreNamedEmpty) {
+  ExpectError(R"({"prompt": "1", "canvas_template": {"token_ids": []}})",
+              "canvas_template.token_ids: must not be empty");
+  ExpectError(R"({"prompt": "1", "canvas_template": {"text": ""}})",
+              "canvas_template.text: must not be empty");
+  ExpectError(R"({"prompt": "1", "canvas_template": {}})", "canvas_template: give");
+}
+
 // ---------------------------------------------------------------- chat
 
 TEST(ParseChatTest, StringAndPartsContent) {
