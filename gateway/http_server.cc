@@ -198,15 +198,12 @@ void OpenAiHttpServer::Impl::DoAccept() {
     }
     error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
-    uint64_t id;
-    {
-      std::lock_guard<std::mutex> lock(connections_mu_);
-      id = next_connection_id_++;
-    }
-    auto connection = std::make_shared<HttpConnection>(this, std::move(socket), id);
+    std::shared_ptr<HttpConnection> connection;
     {
       // Registered so that Stop() can close it.
       std::lock_guard<std::mutex> lock(connections_mu_);
+      const uint64_t id = next_connection_id_++;
+      connection = std::make_shared<HttpConnection>(this, std::move(socket), id);
       connections_.emplace(id, connection);
     }
     connection->Start();

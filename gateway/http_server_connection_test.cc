@@ -34,12 +34,7 @@ TEST_F(HttpServerTest, NonStreamingClientDisconnectCancels) {
 }
 
 TEST_F(HttpServerTest, KeepAliveAndPipelining) {
-  core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
-                      const GenerationCore::EventCallback& cb) {
-    cb(Block("pipe"));
-    cb(Finished());
-    return absl::OkStatus();
-  };
+  core_.generate = AnswerWith("pipe");
   StartServer();
   int fd = ConnectLoopback(port_, 10);
   ASSERT_GE(fd, 0);
@@ -296,12 +291,7 @@ TEST_F(HttpServerTest, StopClosesIdleKeepAliveConnections) {
 // A Transfer-Encoding other than "chunked" alone leaves the body's length unknown: one 501,
 // then the connection closes (the body was read as a second request, "bad method").
 TEST_F(HttpServerTest, TransferEncodingOtherThanChunkedIsRefusedOnce) {
-  core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
-                      const GenerationCore::EventCallback& cb) {
-    cb(Block("ok"));
-    cb(Finished());
-    return absl::OkStatus();
-  };
+  core_.generate = AnswerWith("ok");
   StartServer();
   const std::string body = R"({"prompt": "1"})";
   for (const std::string coding : {"gzip", "chunked, gzip", "gzip, chunked", "identity"}) {

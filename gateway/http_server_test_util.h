@@ -101,6 +101,17 @@ inline v1::GenerateEvent Finished() {
   return e;
 }
 
+// A generation that answers `text` as one block, then finishes.
+inline FakeCore::GenerateFn AnswerWith(std::string text) {
+  return [text = std::move(text)](const v1::GenerateRequest&, absl::Time,
+                                  const std::function<bool()>&,
+                                  const GenerationCore::EventCallback& cb) {
+    cb(Block(text));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+}
+
 class HttpServerTest : public ::testing::Test {
  protected:
   void StartServer(HttpServerOptions options = {}) {
