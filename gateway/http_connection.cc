@@ -158,6 +158,7 @@ HttpConnection::HttpConnection(ConnectionHost* host, tcp::socket socket, uint64_
 HttpConnection::~HttpConnection() {
   if (exchange_) exchange_->Cancel();
   if (streaming_) host_->CountStreams(-1);
+  if (answering_) host_->CountAnswering(-1);
   host_->CountConnections(-1);
   host_->OnClosed(id_);
 }
@@ -169,6 +170,7 @@ void HttpConnection::Start() {
 void HttpConnection::Close() {
   if (state_ == State::kClosed) return;
   state_ = State::kClosed;
+  SetAnswering(false);
   if (exchange_) exchange_->Cancel();
   error_code ignored;
   socket_.shutdown(tcp::socket::shutdown_both, ignored);
@@ -232,6 +234,7 @@ void HttpConnection::Arm(asio::steady_timer& timer, absl::Duration d,
 void HttpConnection::ReadNext() {
   if (state_ == State::kClosed) return;
   state_ = State::kIdle;
+  SetAnswering(false);
   head_ = false;
   if (host_->stopping()) {
     Close();
@@ -370,6 +373,7 @@ void HttpConnection::OnReadError(error_code ec) {
 
 void HttpConnection::Refuse(int code, const absl::Status& status, absl::Time start) {
   state_ = State::kBusy;
+  SetAnswering(true);
   keep_alive_ = false;
   HttpResponse r = ErrorResponse(code, status);
   r.Set("X-Request-Id", LocalRequestId());
@@ -385,6 +389,7 @@ void HttpConnection::Refuse(int code, const absl::Status& status, absl::Time sta
 void HttpConnection::OnRequest() {
   read_timer_.cancel();
   state_ = State::kBusy;
+  SetAnswering(true);
   HttpRequest req = parser_->release();
   parser_.reset();
   keep_alive_ = req.keep_alive();
@@ -419,6 +424,7 @@ void HttpConnection::AfterAnswer() {
     // The read that watched the connection during the answer: cancel it so that the next
     // request is parsed from what it has read ahead (it may hold a whole pipelined request).
     state_ = State::kIdle;
+    SetAnswering(false);
     head_ = false;
     cancelling_read_ = true;
     Arm(idle_timer_, host_->options().idle_timeout, &HttpConnection::Close);
@@ -463,6 +469,12 @@ void HttpConnection::OnKeepAliveTick() {
   if (state_ != State::kBusy || !streaming_) return;
   if (!wrote_since_tick_) Write(Chunk(": keep-alive\n\n"), false);
   ArmKeepAlive();
+}
+
+void HttpConnection::SetAnswering(bool answering) {
+  if (answering_ == answering) return;
+  answering_ = answering;
+  host_->CountAnswering(answering ? 1 : -1);
 }
 
 }  // namespace dgserve::http_internal

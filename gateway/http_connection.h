@@ -91,6 +91,10 @@ class ConnectionHost {
   // Open connections and streams went up or down by `delta`.
   virtual void CountConnections(int delta) = 0;
   virtual void CountStreams(int delta) = 0;
+  // Connections answering a request went up or down by `delta`: from the request (or the
+  // refusal of an unreadable one) until the connection is idle again or closed (a connection
+  // closing gracefully after its answer still counts).
+  virtual void CountAnswering(int delta) = 0;
   // Connection `id` is being destroyed.
   virtual void OnClosed(uint64_t id) = 0;
 
@@ -179,6 +183,8 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   void OnWrite(boost::system::error_code ec);
   void ArmKeepAlive();
   void OnKeepAliveTick();
+  // Enters or leaves the answering state (counted by the host).
+  void SetAnswering(bool answering);
 
   ConnectionHost* const host_;
   boost::asio::ip::tcp::socket socket_;
@@ -197,6 +203,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   bool head_ = false;
   bool streaming_ = false;
   bool wrote_since_tick_ = false;
+  bool answering_ = false;
   size_t lingered_ = 0;
 };
 

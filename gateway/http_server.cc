@@ -117,6 +117,7 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
   void Record(const std::string& route, int code, absl::Duration elapsed) override;
   void CountConnections(int delta) override { Add(open_connections_, delta); }
   void CountStreams(int delta) override { Add(open_streams_, delta); }
+  void CountAnswering(int delta) override { answering_ += delta; }
   void OnClosed(uint64_t id) override;
 
  private:
@@ -145,6 +146,7 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
   prometheus::Family<prometheus::Histogram>* duration_ = nullptr;
   prometheus::Gauge* open_connections_ = nullptr;
   prometheus::Gauge* open_streams_ = nullptr;
+  std::atomic<int> answering_{0};  // connections answering a request (CountAnswering)
 
   std::mutex connections_mu_;
   std::unordered_map<uint64_t, std::weak_ptr<HttpConnection>> connections_;
@@ -466,6 +468,11 @@ void OpenAiHttpServer::Impl::Stop() {
     for (const std::shared_ptr<HttpExchange>& ex : jobs_) ex->Cancel();
     jobs_cv_.wait(lock, [&] { return jobs_.empty(); });
   }
+  // The answers in progress are written before the loop stops: a generation's last frames (they
+  // are posted to the connection as its thread ends) and what a slow client has not read yet.
+  // Each connection closes after its answer (stopping()), or at its write timeout.
+  const absl::Time until = absl::Now() + options_.stop_grace;
+  while (answering_.load() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
   ioc_.stop();
   for (std::thread& t : io_threads_) t.join();
   io_threads_.clear();

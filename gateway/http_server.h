@@ -50,6 +50,8 @@ struct HttpServerOptions {
   // A stream's bytes waiting to be written; beyond it the generating thread waits (back-pressure).
   size_t max_pending_stream_bytes = 256 << 10;
   absl::Duration sse_keepalive_interval = absl::Seconds(15);  // `: keep-alive` after this silence
+  // Stop() waits at most this long for the answers in progress to be written.
+  absl::Duration stop_grace = absl::Seconds(10);
 };
 
 // Serves the OpenAI API for one GenerationCore.
@@ -110,8 +112,10 @@ class OpenAiHttpServer {
   absl::StatusOr<int> Start();
 
   // Stops listening, cancels in-flight requests on the core (their is_cancelled turns true),
-  // waits for their generating threads, stops the event loop and closes every connection.
-  // Idempotent.
+  // waits for their generating threads, then for the answers in progress to be written (each
+  // connection closes after its answer; at most options.stop_grace), stops the event loop and
+  // closes every connection. A request still generating is cancelled, so call it after the
+  // core has drained (the gateway's SIGTERM handling) for nothing to be cut. Idempotent.
   void Stop();
 
   // While draining, /ready answers 503.

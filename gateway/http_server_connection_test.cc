@@ -1,6 +1,7 @@
 // The HTTP server's connection handling against raw sockets and a real HTTP client on 127.0.0.1,
 // with a fake GenerationCore: disconnects cancel, keep-alive and pipelining, header limits,
 // deadlines, admission, slow clients, back-pressure and write timeouts, refusals counted.
+#include "absl/strings/match.h"
 #include "gateway/http_server_test_util.h"
 
 namespace dgserve {
@@ -286,6 +287,57 @@ TEST_F(HttpServerTest, StopClosesIdleKeepAliveConnections) {
   char c;
   EXPECT_EQ(read(fd, &c, 1), 0) << "Stop() left the keep-alive connection open";
   close(fd);
+}
+
+// Stop() after the generations have ended (the gateway's drain) lets the answers in progress
+// be written: a stream whose client reads slowly gets all of its frames and [DONE], and a
+// non-streaming answer all of its body, before the connections close. (Stop() stopped the event
+// loop as soon as the generating threads returned: the unwritten bytes were dropped.)
+TEST_F(HttpServerTest, StopWritesTheAnswersInProgressFirst) {
+  constexpr int kBlocks = 256;
+  const std::string text(64 << 10, 'x');  // 16 MiB of frames: more than the socket buffers hold
+  std::atomic<int> ended{0};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                       const GenerationCore::EventCallback& cb) {
+    for (int i = 0; i < kBlocks; ++i) cb(Block(text));
+    cb(Finished());
+    ++ended;
+    return absl::OkStatus();
+  };
+  HttpServerOptions options;
+  options.max_pending_stream_bytes = 64 << 20;  // the generation never waits for the client
+  StartServer(options);
+  const int stream = ConnectLoopback(port_, 10);
+  const int unary = ConnectLoopback(port_, 10);
+  ASSERT_GE(stream, 0);
+  ASSERT_GE(unary, 0);
+  ASSERT_TRUE(SendAll(stream, PostRequest("/v1/completions", R"({"prompt": "1", "stream": true})")));
+  ASSERT_TRUE(SendAll(unary, PostRequest("/v1/completions", R"({"prompt": "1"})")));
+  std::string stream_out = ReadUntil(stream, "data: ");
+  for (int i = 0; i < 1000 && ended < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(ended, 2);
+  // Neither client has read its answer yet: most of it is still queued in the server.
+  std::thread stopper([&] { server_->Stop(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  stream_out += ReadToEnd(stream);
+  const std::string unary_out = ReadToEnd(unary);
+  close(stream);
+  close(unary);
+  stopper.join();
+  size_t frames = 0;
+  for (size_t p = stream_out.find("data: "); p != std::string::npos;
+       p = stream_out.find("data: ", p + 1)) {
+    ++frames;
+  }
+  EXPECT_EQ(frames, size_t(kBlocks) + 2);  // the blocks, the finish reason, [DONE]
+  EXPECT_TRUE(absl::EndsWith(stream_out, "data: [DONE]\n\n\r\n0\r\n\r\n"))
+      << "the stream was cut after " << stream_out.size() << " bytes";
+  const size_t body = unary_out.find("\r\n\r\n");
+  ASSERT_NE(body, std::string::npos);
+  EXPECT_THAT(unary_out.substr(0, body), HasSubstr("HTTP/1.1 200"));
+  const json answer = json::parse(unary_out.substr(body + 4), nullptr, false);
+  ASSERT_FALSE(answer.is_discarded()) << "the answer was cut after " << unary_out.size() << " bytes";
+  EXPECT_EQ(answer["choices"][0]["text"].get<std::string>().size(), size_t(kBlocks) * text.size());
 }
 
 // A Transfer-Encoding other than "chunked" alone leaves the body's length unknown: one 501,

@@ -206,6 +206,15 @@ inline std::string ReadUntil(int fd, const std::string& needle, int count = 1) {
   return out;
 }
 
+// Reads until EOF or the receive timeout.
+inline std::string ReadToEnd(int fd) {
+  std::string out;
+  char buf[1 << 16];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
+  return out;
+}
+
 // Waits (bounded) until `pred` holds.
 template <typename Pred>
 bool Eventually(Pred pred) {

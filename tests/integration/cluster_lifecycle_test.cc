@@ -338,6 +338,46 @@ std::string ReadUntil(int fd, const std::string& needle) {
   return out;
 }
 
+// The gateway drains HTTP requests on SIGTERM as it does gRPC streams: an SSE stream in flight
+// runs to its last chunk and "data: [DONE]", and a non-streaming request in flight gets its
+// whole 200 answer, before the connections close and the process exits cleanly.
+TEST(ClusterDrainTest, GatewayFinishesInFlightHttpRequestsOnSigterm) {
+  absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
+  ASSERT_TRUE(options.ok()) << options.status();
+  auto c = TestCluster::Start(*options);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int http_port = (*c)->gateway().http_port;
+  const int sse = SendHttpPost(http_port, "/v1/completions",
+                               R"({"prompt": "Tell me a story.", "max_tokens": 320,
+                                   "stream": true, "seed": 3})");
+  ASSERT_GE(sse, 0);
+  std::string sse_out = ReadUntil(sse, "data: ");  // the first chunk is out
+  ASSERT_THAT(sse_out, HasSubstr("HTTP/1.1 200"));
+  const int unary = SendHttpPost(http_port, "/v1/completions",
+                                 R"({"prompt": "Tell me more.", "max_tokens": 320, "seed": 4})");
+  ASSERT_GE(unary, 0);
+  ASSERT_TRUE(Eventually([&] {
+    auto s = (*c)->DenoiseStats(0);
+    return s.ok() && s->active_requests() + s->queued_requests() == 2;
+  })) << "both requests should be running before the gateway is stopped";
+
+  std::thread stopper([&] { EXPECT_TRUE((*c)->StopGatewayGracefully()); });
+  sse_out += ReadUntil(sse, "no such text: read to the end");
+  const std::string unary_out = ReadUntil(unary, "no such text: read to the end");
+  close(sse);
+  close(unary);
+  stopper.join();
+  EXPECT_THAT(sse_out, HasSubstr("data: [DONE]"));
+  EXPECT_THAT(sse_out, HasSubstr(R"("finish_reason":"length")"));
+  EXPECT_THAT(unary_out, HasSubstr("HTTP/1.1 200"));
+  const size_t body = unary_out.find("\r\n\r\n");
+  ASSERT_NE(body, std::string::npos) << unary_out;
+  const nlohmann::json answer = nlohmann::json::parse(unary_out.substr(body + 4), nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(answer.is_discarded()) << "the answer was cut: " << unary_out;
+  EXPECT_EQ(answer["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(answer["usage"]["completion_tokens"], 320);
+}
+
 // --max_concurrent_requests counts gRPC and HTTP requests together: with 2 running (one of
 // each) and 1 queued, the next ones get 429 + Retry-After (HTTP) and RESOURCE_EXHAUSTED (gRPC)
 // at once; /health and /ready still answer; closing an HTTP connection cancels its request at
