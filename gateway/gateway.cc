@@ -187,7 +187,7 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   }
   if (request.n() < 0 || request.n() > options_.max_n) {
     return absl::InvalidArgumentError(absl::StrCat("n: must be between 1 and ", options_.max_n,
-                                                   " (the gateway's --max_n), got ",
+                                                   " (the gateway's --max_n; 0 means 1), got ",
                                                    request.n()));
   }
   p.n = std::max(1, request.n());

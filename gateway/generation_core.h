@@ -30,8 +30,9 @@ class GenerationCore {
 
   // Called with each event in order: CanvasStep (if asked for), BlockCommitted (text already
   // cut at a stop sequence / max_tokens), then exactly one Finished on success. With n > 1
-  // samples every event carries its sample's index; the samples' events interleave, and their
-  // Finished events (one per sample, in index order, each with that sample's usage) come last.
+  // samples every event carries its sample's index and the samples' events interleave; each
+  // sample's Finished (one per sample, with that sample's usage) comes when that sample ends,
+  // possibly before other samples' last blocks.
   // Return false from the callback when the client is gone: the request is cancelled on the
   // workers.
   using EventCallback = std::function<bool(const v1::GenerateEvent&)>;

@@ -20,6 +20,7 @@
 #include "gateway/grpc_service.h"
 #include "gateway/http_server.h"
 #include "gateway/worker_pool.h"
+#include "service/address_list.h"
 #include "service/internal_auth.h"
 #include "service/server.h"
 #include "service/worker_model.h"
@@ -101,6 +102,12 @@ absl::Status Run() {
       SplitTargets(absl::GetFlag(FLAGS_denoise_workers));
   if (prefill_targets.empty() || denoise_targets.empty()) {
     return absl::InvalidArgumentError("--prefill_workers and --denoise_workers are required");
+  }
+  for (const std::string& t : prefill_targets) {
+    if (absl::Status s = ValidateTarget("--prefill_workers", t); !s.ok()) return s;
+  }
+  for (const std::string& t : denoise_targets) {
+    if (absl::Status s = ValidateTarget("--denoise_workers", t); !s.ok()) return s;
   }
   absl::StatusOr<ModelDirConfigs> configs = LoadConfigsFromModelDir(dir);
   if (!configs.ok()) return configs.status();

@@ -156,6 +156,9 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         "--denoise_workers is required: the denoise workers a kv_target may name");
   }
+  for (const std::string& t : denoise_targets) {
+    if (absl::Status s = ValidateTarget("--denoise_workers", t); !s.ok()) return s;
+  }
   eopts.max_lease_ms = absl::GetFlag(FLAGS_max_kv_lease_ms);
   if (eopts.max_lease_ms < 1 || absl::GetFlag(FLAGS_max_kv_pushes_per_target) < 1) {
     return absl::InvalidArgumentError("--max_kv_lease_ms and --max_kv_pushes_per_target ≥ 1");

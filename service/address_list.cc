@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/ascii.h"
@@ -13,6 +14,31 @@
 #include "absl/strings/strip.h"
 
 namespace dgserve {
+
+absl::Status ValidateTarget(const std::string& flag, const std::string& target) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, ": '", target, "' ", why, " (expected host:port, [v6]:port or dns:///host:port)"));
+  };
+  absl::string_view t = target;
+  if (t.empty()) return bad("is empty");
+  absl::ConsumePrefix(&t, "dns:///");
+  const size_t colon = t.rfind(':');
+  if (colon == absl::string_view::npos) return bad("has no port");
+  const absl::string_view host = t.substr(0, colon), port = t.substr(colon + 1);
+  if (host.empty() || host == "[]") return bad("has no host");
+  if (host.find(':') != absl::string_view::npos &&
+      !(host.size() > 2 && host.front() == '[' && host.back() == ']')) {
+    return bad("has an IPv6 host outside brackets");
+  }
+  int value = 0;
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      !absl::SimpleAtoi(port, &value) || value < 1 || value > 65535) {
+    return bad("has a port outside 1..65535");
+  }
+  return absl::OkStatus();
+}
 
 std::vector<std::string> SplitTargets(const std::string& list) {
   std::vector<std::string> out;

@@ -10,6 +10,25 @@ TEST(AddressListTest, SplitTargetsTrims) {
   EXPECT_TRUE(SplitTargets("").empty());
 }
 
+TEST(AddressListTest, ValidateTargetAcceptsTheDocumentedForms) {
+  for (const char* good : {"127.0.0.1:50051", "localhost:1", "[::1]:65535", "dns:///gw:50051",
+                           "dns:///[::1]:7000", "denoise-0.denoise.default.svc:50061"}) {
+    EXPECT_TRUE(ValidateTarget("--gateway", good).ok()) << good;
+  }
+}
+
+// gRPC would dial 127.0.0.1:18051 for 127.0.0.1:83587 (the port taken modulo 65536).
+TEST(AddressListTest, ValidateTargetRefusesWhatGrpcWouldMisread) {
+  for (const char* bad : {"", "127.0.0.1", "127.0.0.1:", ":50051", "127.0.0.1:0",
+                          "127.0.0.1:83587", "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.1:+80",
+                          "127.0.0.1:0x50", "127.0.0.1:123456", "::1:50051", "[]:1", "dns:///",
+                          "dns:///:50051", "host:50051 "}) {
+    const absl::Status s = ValidateTarget("--gateway", bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
+    EXPECT_NE(s.message().find("--gateway: '"), std::string::npos) << s.message();
+  }
+}
+
 TEST(AddressListTest, ExpandResolvesDnsTargetsOnly) {
   EXPECT_EQ(ExpandTarget("10.0.0.1:5"), (std::vector<std::string>{"10.0.0.1:5"}));
   const std::vector<std::string> local = ExpandTarget("dns:///localhost:7001");

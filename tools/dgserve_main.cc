@@ -45,13 +45,14 @@
 #include "engine/model/checkpoint.h"
 #include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "service/address_list.h"
 #include "tools/chat_client.h"
 #include "tools/sudoku/sudoku_cli.h"
 
 ABSL_FLAG(std::string, model, "",
           "checkpoint directory (HF layout, with tokenizer.json); sudoku: default models/sudoku");
 ABSL_FLAG(std::string, prompt, "", "prompt text");
-ABSL_FLAG(std::string, prompt_file, "", "read the prompt from this file ('-' for standard input)");
+ABSL_FLAG(std::string, prompt_file, "", "read the prompt from this file (--prompt-file=- for standard input)");
 ABSL_FLAG(bool, chat, false, "wrap the prompt as one user turn of the Gemma 4 chat template");
 ABSL_FLAG(bool, thinking, false, "with --chat: the thinking form of the template");
 ABSL_FLAG(std::optional<int>, max_tokens, std::nullopt,
@@ -175,6 +176,7 @@ absl::Status RunChat() {
   SetDiffusionControls(req.mutable_diffusion());
   ChatClientOptions opts;
   opts.gateway = absl::GetFlag(FLAGS_gateway);
+  DGSERVE_RETURN_IF_ERROR(ValidateTarget("--gateway", opts.gateway));
   opts.api_key = absl::GetFlag(FLAGS_api_key);
   opts.show_steps = absl::GetFlag(FLAGS_show_steps);
   if (opts.show_steps) {
@@ -187,6 +189,7 @@ absl::Status RunChat() {
 // `dgserve sudoku PUZZLE`: the puzzle (the arguments, joined) to a gateway serving the sudoku
 // model. True when the answer solves it.
 absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
+  DGSERVE_RETURN_IF_ERROR(ValidateTarget("--gateway", absl::GetFlag(FLAGS_gateway)));
   sudoku::SudokuCliOptions o;
   o.puzzle = absl::StrJoin(args, " ");
   o.puzzle_file = absl::GetFlag(FLAGS_puzzle_file);

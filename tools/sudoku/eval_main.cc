@@ -21,6 +21,9 @@
 // puzzle, and RPC errors. Exit status: 1 when a flag or the puzzle file is bad or any request
 // failed, else 0.
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -46,6 +49,7 @@
 #include "engine/model/config.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "grpcpp/grpcpp.h"
+#include "service/address_list.h"
 #include "tools/sudoku/sudoku.h"
 #include "tools/sudoku/sudoku_cli.h"
 
@@ -90,6 +94,7 @@ struct Item {
 struct Result {
   bool ok = false;     // the RPC succeeded
   std::string error;   // the gRPC status when it did not
+  absl::StatusCode code = absl::StatusCode::kOk;  // ...and its code
   std::string answer;  // the answer text
   bool solved = false;
   std::string verdict;  // Verify's message when not solved
@@ -168,7 +173,10 @@ struct Stats {
     seconds.push_back(r.seconds);
   }
   double SolveRate() const { return puzzles ? double(solved) / puzzles : 0; }
-  double CellAccuracy() const { return blanks ? double(correct) / double(blanks) : 0; }
+  // Over the blank cells; undefined (NaN, "n/a", JSON null) when the puzzles had none.
+  double CellAccuracy() const {
+    return blanks ? double(correct) / double(blanks) : std::numeric_limits<double>::quiet_NaN();
+  }
   double StepsPerCanvas() const { return canvases ? double(steps) / double(canvases) : 0; }
   double MeanSeconds() const {
     double sum = 0;
@@ -186,7 +194,7 @@ struct Stats {
     return {{"puzzles", puzzles},
             {"solved", solved},
             {"solve_rate", SolveRate()},
-            {"cell_accuracy", CellAccuracy()},
+            {"cell_accuracy", blanks ? json(CellAccuracy()) : json(nullptr)},
             {"blank_cells", blanks},
             {"correct_blank_cells", correct},
             {"mean_steps_per_canvas", StepsPerCanvas()},
@@ -200,9 +208,11 @@ constexpr const char* kBuckets[] = {"<30", "30-34", "35-39", ">=40"};
 int BucketOf(int givens) { return givens < 30 ? 0 : givens < 35 ? 1 : givens < 40 ? 2 : 3; }
 
 std::string TableRow(const std::string& name, const Stats& s) {
-  return absl::StrFormat("%-8s %7d %7d %7.1f%% %8.1f%% %13.2f %8.3f %8.3f %7d\n", name,
-                         s.puzzles, s.solved, 100 * s.SolveRate(), 100 * s.CellAccuracy(),
-                         s.StepsPerCanvas(), s.MeanSeconds(), s.P50Seconds(), s.errors);
+  const std::string cells =
+      s.blanks ? absl::StrFormat("%.1f%%", 100 * s.CellAccuracy()) : std::string("n/a");
+  return absl::StrFormat("%-8s %7d %7d %7.1f%% %9s %13.2f %8.3f %8.3f %7d\n", name, s.puzzles,
+                         s.solved, 100 * s.SolveRate(), cells, s.StepsPerCanvas(),
+                         s.MeanSeconds(), s.P50Seconds(), s.errors);
 }
 
 // Sends one puzzle's request and scores the answer.
@@ -221,6 +231,7 @@ Result Solve(v1::GenerationService::Stub& stub, const Item& item,
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!s.ok()) {
     r.error = absl::StrCat("gRPC status ", int(s.error_code()), ": ", s.error_message());
+    r.code = static_cast<absl::StatusCode>(s.error_code());
     return r;
   }
   r.ok = true;
@@ -251,6 +262,12 @@ absl::Status Run() {
   const int min_givens = absl::GetFlag(FLAGS_min_givens);
   const double timeout_s = absl::GetFlag(FLAGS_timeout_s);
   const std::string json_out = absl::GetFlag(FLAGS_json_out);
+  if (absl::Status s = ValidateTarget("--gateway", absl::GetFlag(FLAGS_gateway)); !s.ok()) return s;
+  if (!json_out.empty() && !std::ofstream(json_out, std::ios::app)) {
+    // Checked before any request (written at the end).
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot write --json_out ", json_out, ": ", std::strerror(errno)));
+  }
   if (path.empty()) return absl::InvalidArgumentError("--puzzles FILE is required");
   if (limit < 0) return absl::InvalidArgumentError(absl::StrCat("--limit must be >= 0, got ", limit));
   if (concurrency < 1 || concurrency > 1024) {
@@ -424,8 +441,17 @@ absl::Status Run() {
     if (!f) return absl::UnavailableError(absl::StrCat("cannot write --json_out ", json_out));
   }
   if (total.errors > 0) {
-    return absl::UnavailableError(absl::StrCat(total.errors, " of ", total.puzzles,
-                                               " requests failed (see above)"));
+    // The first failure's code: a request the gateway refuses (INVALID_ARGUMENT, e.g. --samples
+    // above its --max_n) is not reported as an unreachable gateway.
+    absl::StatusCode code = absl::StatusCode::kUnavailable;
+    for (const Result& r : results) {
+      if (!r.ok) {
+        code = r.code;
+        break;
+      }
+    }
+    return absl::Status(code, absl::StrCat(total.errors, " of ", total.puzzles,
+                                           " requests failed (see above)"));
   }
   return absl::OkStatus();
 }

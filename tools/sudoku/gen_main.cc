@@ -8,7 +8,9 @@
 // its target givens min_givens + (SplitMix64(that seed) mod (max_givens - min_givens + 1)).
 // A puzzle that cannot be cleared down to its target keeps more givens (see sudoku::Generate).
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -61,7 +63,10 @@ absl::Status Run() {
   const auto start = std::chrono::steady_clock::now();
   const std::string tmp = out + ".tmp";
   std::ofstream file(tmp, std::ios::out | std::ios::trunc);
-  if (!file) return absl::UnavailableError(absl::StrCat("cannot open ", tmp, " for writing"));
+  if (!file) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--out: cannot open ", tmp, " for writing: ", std::strerror(errno)));
+  }
 
   const uint64_t span = static_cast<uint64_t>(max_givens - min_givens + 1);
   std::vector<int64_t> histogram(82, 0);
@@ -88,8 +93,8 @@ absl::Status Run() {
   if (ec) {
     std::error_code ignored;
     std::filesystem::remove(tmp, ignored);
-    return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " to ", out, ": ",
-                                               ec.message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--out: cannot rename ", tmp, " to ", out, ": ", ec.message()));
   }
 
   const double seconds =
