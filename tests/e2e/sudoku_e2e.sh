@@ -131,4 +131,19 @@ run_check "dgserve-sudoku-eval (e2e20.jsonl, solved >= $MIN_SOLVED)" eval_puzzle
 run_check "dgserve-sudoku-eval --candidates (e2e20.jsonl, solved >= $MIN_SOLVED_CANDIDATES)" \
   eval_puzzles eval-candidates "$MIN_SOLVED_CANDIDATES" --candidates --model "$MODEL"
 
+# --samples above the gateway's --max_n (16): every request is refused, and the eval says so with
+# the refusal's code (it named an unreachable gateway's, UNAVAILABLE, before).
+eval_refused() {
+  local out="$WORK/eval-refused.txt" rc
+  timeout "$(budget 60)" "$BUILD/tools/sudoku/dgserve-sudoku-eval" --gateway "$GATEWAY_GRPC" \
+    --puzzles "$PUZZLES" --limit 2 --samples 17 > "$out" 2>&1
+  rc=$?
+  [ $rc -eq 1 ] || { echo "dgserve-sudoku-eval exited $rc, want 1" >&2; cat "$out" >&2; return 1; }
+  grep -q 'n: must be between 1 and 16' "$out" &&
+    grep -q 'INVALID_ARGUMENT: 2 of 2 requests failed' "$out" ||
+    { echo "no INVALID_ARGUMENT summary:" >&2; cat "$out" >&2; return 1; }
+  echo "  ok   dgserve-sudoku-eval --samples 17: INVALID_ARGUMENT"
+}
+run_check "dgserve-sudoku-eval --samples above --max_n" eval_refused
+
 [ $FAILED -eq 0 ]
