@@ -470,7 +470,8 @@ void OpenAiHttpServer::Impl::Stop() {
   }
   // The answers in progress are written before the loop stops: a generation's last frames (they
   // are posted to the connection as its thread ends) and what a slow client has not read yet.
-  // Each connection closes after its answer (stopping()), or at its write timeout.
+  // Each connection closes after its answer (stopping()): when the client closes too, after
+  // its graceful-close linger (2 s), or at its write timeout.
   const absl::Time until = absl::Now() + options_.stop_grace;
   while (answering_.load() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
   ioc_.stop();

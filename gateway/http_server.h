@@ -50,8 +50,10 @@ struct HttpServerOptions {
   // A stream's bytes waiting to be written; beyond it the generating thread waits (back-pressure).
   size_t max_pending_stream_bytes = 256 << 10;
   absl::Duration sse_keepalive_interval = absl::Seconds(15);  // `: keep-alive` after this silence
-  // Stop() waits at most this long for the answers in progress to be written.
-  absl::Duration stop_grace = absl::Seconds(10);
+  // Stop() waits at most this long for the answers in progress to be written (and for their
+  // connections' graceful close: a client that keeps the connection open after the answer holds
+  // it up to 2 s). The gateway's exit budget in deploy/k8s counts it.
+  absl::Duration stop_grace = absl::Seconds(5);
 };
 
 // Serves the OpenAI API for one GenerationCore.

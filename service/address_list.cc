@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -22,7 +23,16 @@ absl::Status ValidateTarget(const std::string& flag, const std::string& target) 
   };
   absl::string_view t = target;
   if (t.empty()) return bad("is empty");
-  absl::ConsumePrefix(&t, "dns:///");
+  // A Unix socket has no port to misread.
+  for (absl::string_view unix_scheme : {"unix:", "unix-abstract:"}) {
+    if (absl::ConsumePrefix(&t, unix_scheme)) {
+      return t.empty() ? bad("has no socket path") : absl::OkStatus();
+    }
+  }
+  if (!absl::ConsumePrefix(&t, "dns:///") && !absl::ConsumePrefix(&t, "ipv4:") &&
+      !absl::ConsumePrefix(&t, "ipv6:") && absl::StrContains(t, "://")) {
+    return bad("uses a scheme these flags do not take");
+  }
   const size_t colon = t.rfind(':');
   if (colon == absl::string_view::npos) return bad("has no port");
   const absl::string_view host = t.substr(0, colon), port = t.substr(colon + 1);
@@ -54,7 +64,11 @@ std::vector<std::string> ExpandTarget(const std::string& target) {
   if (!absl::ConsumePrefix(&t, "dns:///")) return {target};
   const size_t colon = t.rfind(':');
   if (colon == absl::string_view::npos) return {};
-  const std::string host(t.substr(0, colon)), port(t.substr(colon + 1));
+  std::string host(t.substr(0, colon));
+  const std::string port(t.substr(colon + 1));
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);  // getaddrinfo takes an IPv6 literal bare
+  }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

@@ -11,10 +11,10 @@
 
 namespace dgserve {
 
-// OK when `target` is a gRPC address of a form these flags take: host:port, [v6]:port or
-// dns:///host:port, with a non-empty host and a decimal port in 1..65535. INVALID_ARGUMENT naming
-// `flag` otherwise (gRPC itself would take a port of 65536 + p as p, and an empty target as a
-// failed channel).
+// OK when `target` is a gRPC address of a form these flags take: host:port, [v6]:port,
+// dns:///host:port (also ipv4:/ipv6: before host:port), with a non-empty host and a decimal port
+// in 1..65535; or unix:PATH / unix-abstract:NAME. INVALID_ARGUMENT naming `flag` otherwise (gRPC
+// itself would take a port of 65536 + p as p, and an empty target as a failed channel).
 absl::Status ValidateTarget(const std::string& flag, const std::string& target);
 
 // Splits "a,b , c" into trimmed non-empty entries.

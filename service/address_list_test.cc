@@ -12,7 +12,9 @@ TEST(AddressListTest, SplitTargetsTrims) {
 
 TEST(AddressListTest, ValidateTargetAcceptsTheDocumentedForms) {
   for (const char* good : {"127.0.0.1:50051", "localhost:1", "[::1]:65535", "dns:///gw:50051",
-                           "dns:///[::1]:7000", "denoise-0.denoise.default.svc:50061"}) {
+                           "dns:///[::1]:7000", "denoise-0.denoise.default.svc:50061",
+                           "ipv4:127.0.0.1:5", "ipv6:[::1]:5", "unix:/tmp/gw.sock",
+                           "unix-abstract:gw"}) {
     EXPECT_TRUE(ValidateTarget("--gateway", good).ok()) << good;
   }
 }
@@ -22,7 +24,8 @@ TEST(AddressListTest, ValidateTargetRefusesWhatGrpcWouldMisread) {
   for (const char* bad : {"", "127.0.0.1", "127.0.0.1:", ":50051", "127.0.0.1:0",
                           "127.0.0.1:83587", "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.1:+80",
                           "127.0.0.1:0x50", "127.0.0.1:123456", "::1:50051", "[]:1", "dns:///",
-                          "dns:///:50051", "host:50051 "}) {
+                          "dns:///:50051", "host:50051 ", "unix:", "dns://8.8.8.8/host:5",
+                          "http://127.0.0.1:8000", "ipv4:127.0.0.1:70000"}) {
     const absl::Status s = ValidateTarget("--gateway", bad);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
     EXPECT_NE(s.message().find("--gateway: '"), std::string::npos) << s.message();
@@ -37,6 +40,8 @@ TEST(AddressListTest, ExpandResolvesDnsTargetsOnly) {
   for (const std::string& a : local) v4 |= a == "127.0.0.1:7001";
   EXPECT_TRUE(v4);
   EXPECT_TRUE(ExpandTarget("dns:///no-port").empty());
+  // A bracketed IPv6 literal (which ValidateTarget accepts) resolves to itself.
+  EXPECT_EQ(ExpandTarget("dns:///[::1]:7002"), (std::vector<std::string>{"[::1]:7002"}));
 }
 
 TEST(AddressListTest, AllowListAcceptsEntriesAndTheirAddressesOnly) {

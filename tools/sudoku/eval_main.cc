@@ -16,19 +16,24 @@
 //
 // Report (stdout table; JSON with --json_out), overall and by givens bucket (<30, 30-34, 35-39,
 // >=40): puzzles, solved, solve rate (solved / puzzles; a failed request counts as unsolved),
-// cell accuracy over the blank cells of the answered puzzles, mean denoising steps per canvas
+// cell accuracy over the blank cells of the answered puzzles ("n/a", JSON null, when they have
+// none), mean denoising steps per canvas
 // (Usage.denoising_steps / Usage.canvases), mean and p50 client-measured seconds per answered
-// puzzle, and RPC errors. Exit status: 1 when a flag or the puzzle file is bad or any request
-// failed, else 0.
+// puzzle, and RPC errors. Exit status: 1 when a flag or the puzzle file is bad (an unwritable
+// --json_out too, before any request) or any request failed (the status: the first failed
+// puzzle's code), else 0.
+#include <unistd.h>
+
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <limits>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -263,11 +268,6 @@ absl::Status Run() {
   const double timeout_s = absl::GetFlag(FLAGS_timeout_s);
   const std::string json_out = absl::GetFlag(FLAGS_json_out);
   if (absl::Status s = ValidateTarget("--gateway", absl::GetFlag(FLAGS_gateway)); !s.ok()) return s;
-  if (!json_out.empty() && !std::ofstream(json_out, std::ios::app)) {
-    // Checked before any request (written at the end).
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot write --json_out ", json_out, ": ", std::strerror(errno)));
-  }
   if (path.empty()) return absl::InvalidArgumentError("--puzzles FILE is required");
   if (limit < 0) return absl::InvalidArgumentError(absl::StrCat("--limit must be >= 0, got ", limit));
   if (concurrency < 1 || concurrency > 1024) {
@@ -285,6 +285,16 @@ absl::Status Run() {
   }
   if (!(timeout_s > 0)) {
     return absl::InvalidArgumentError(absl::StrCat("--timeout_s must be > 0, got ", timeout_s));
+  }
+  if (!json_out.empty()) {
+    // Written at the end; checked (without creating it) before any request.
+    const std::filesystem::path out(json_out);
+    const std::filesystem::path dir = out.has_parent_path() ? out.parent_path() : ".";
+    const bool exists = access(json_out.c_str(), F_OK) == 0;
+    if (exists ? access(json_out.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot write --json_out ", json_out, ": ", std::strerror(errno)));
+    }
   }
 
   DGSERVE_ASSIGN_OR_RETURN(std::vector<Item> all, LoadPuzzles(path));
