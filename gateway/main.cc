@@ -13,6 +13,7 @@
 #include "common/cli.h"
 #include "common/limits.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "gateway/gateway.h"
@@ -96,18 +97,12 @@ absl::StatusOr<std::vector<std::string>> ApiKeys() {
 absl::Status Run() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
-  const std::vector<std::string> prefill_targets =
-      SplitTargets(absl::GetFlag(FLAGS_prefill_workers));
-  const std::vector<std::string> denoise_targets =
-      SplitTargets(absl::GetFlag(FLAGS_denoise_workers));
+  DGSERVE_ASSIGN_OR_RETURN(const std::vector<std::string> prefill_targets,
+                           ParseTargets("--prefill_workers", absl::GetFlag(FLAGS_prefill_workers)));
+  DGSERVE_ASSIGN_OR_RETURN(const std::vector<std::string> denoise_targets,
+                           ParseTargets("--denoise_workers", absl::GetFlag(FLAGS_denoise_workers)));
   if (prefill_targets.empty() || denoise_targets.empty()) {
     return absl::InvalidArgumentError("--prefill_workers and --denoise_workers are required");
-  }
-  for (const std::string& t : prefill_targets) {
-    if (absl::Status s = ValidateTarget("--prefill_workers", t); !s.ok()) return s;
-  }
-  for (const std::string& t : denoise_targets) {
-    if (absl::Status s = ValidateTarget("--denoise_workers", t); !s.ok()) return s;
   }
   absl::StatusOr<ModelDirConfigs> configs = LoadConfigsFromModelDir(dir);
   if (!configs.ok()) return configs.status();

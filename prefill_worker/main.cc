@@ -8,6 +8,7 @@
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/openmp_env.h"
+#include "common/status_macros.h"
 #include "engine/generation/generator.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -126,6 +127,13 @@ absl::StatusOr<std::unique_ptr<kv::RoutingKvTransport>> MakeKvTransport(
 absl::Status Run() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
+  // Checked before the model loads.
+  DGSERVE_ASSIGN_OR_RETURN(const std::vector<std::string> denoise_targets,
+                           ParseTargets("--denoise_workers", absl::GetFlag(FLAGS_denoise_workers)));
+  if (denoise_targets.empty()) {
+    return absl::InvalidArgumentError(
+        "--denoise_workers is required: the denoise workers a kv_target may name");
+  }
   PrefillEngineOptions eopts;
   eopts.chunk_tokens = absl::GetFlag(FLAGS_chunk_tokens);
   eopts.step_token_budget = absl::GetFlag(FLAGS_step_token_budget);
@@ -150,15 +158,6 @@ absl::Status Run() {
                       absl::GetFlag(FLAGS_kv_block_size));
   if (!model.ok()) return model.status();
 
-  const std::vector<std::string> denoise_targets =
-      SplitTargets(absl::GetFlag(FLAGS_denoise_workers));
-  if (denoise_targets.empty()) {
-    return absl::InvalidArgumentError(
-        "--denoise_workers is required: the denoise workers a kv_target may name");
-  }
-  for (const std::string& t : denoise_targets) {
-    if (absl::Status s = ValidateTarget("--denoise_workers", t); !s.ok()) return s;
-  }
   eopts.max_lease_ms = absl::GetFlag(FLAGS_max_kv_lease_ms);
   if (eopts.max_lease_ms < 1 || absl::GetFlag(FLAGS_max_kv_pushes_per_target) < 1) {
     return absl::InvalidArgumentError("--max_kv_lease_ms and --max_kv_pushes_per_target ≥ 1");

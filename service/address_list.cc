@@ -50,6 +50,15 @@ absl::Status ValidateTarget(const std::string& flag, const std::string& target) 
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<std::string>> ParseTargets(const std::string& flag,
+                                                     const std::string& list) {
+  std::vector<std::string> targets = SplitTargets(list);
+  for (const std::string& t : targets) {
+    if (absl::Status s = ValidateTarget(flag, t); !s.ok()) return s;
+  }
+  return targets;
+}
+
 std::vector<std::string> SplitTargets(const std::string& list) {
   std::vector<std::string> out;
   for (absl::string_view p : absl::StrSplit(list, ',')) {

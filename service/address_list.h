@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
@@ -16,6 +17,12 @@ namespace dgserve {
 // in 1..65535; or unix:PATH / unix-abstract:NAME. INVALID_ARGUMENT naming `flag` otherwise (gRPC
 // itself would take a port of 65536 + p as p, and an empty target as a failed channel).
 absl::Status ValidateTarget(const std::string& flag, const std::string& target);
+
+// The entries of a comma-separated address flag (SplitTargets), each checked by ValidateTarget;
+// the first bad one's error otherwise. An empty list is returned as such (callers that need an
+// address say so).
+absl::StatusOr<std::vector<std::string>> ParseTargets(const std::string& flag,
+                                                     const std::string& list);
 
 // Splits "a,b , c" into trimmed non-empty entries.
 std::vector<std::string> SplitTargets(const std::string& list);

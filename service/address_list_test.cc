@@ -32,6 +32,17 @@ TEST(AddressListTest, ValidateTargetRefusesWhatGrpcWouldMisread) {
   }
 }
 
+TEST(AddressListTest, ParseTargetsSplitsAndChecksEachEntry) {
+  absl::StatusOr<std::vector<std::string>> ok = ParseTargets("--denoise_workers", " a:1, dns:///b:2 ");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(*ok, (std::vector<std::string>{"a:1", "dns:///b:2"}));
+  const absl::StatusOr<std::vector<std::string>> bad =
+      ParseTargets("--denoise_workers", "a:1,127.0.0.1:83587");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--denoise_workers: '127.0.0.1:83587'"), std::string::npos);
+  EXPECT_TRUE(ParseTargets("--denoise_workers", "").value().empty());
+}
+
 TEST(AddressListTest, ExpandResolvesDnsTargetsOnly) {
   EXPECT_EQ(ExpandTarget("10.0.0.1:5"), (std::vector<std::string>{"10.0.0.1:5"}));
   const std::vector<std::string> local = ExpandTarget("dns:///localhost:7001");

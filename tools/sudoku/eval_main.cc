@@ -33,7 +33,6 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 #include <mutex>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -178,9 +177,10 @@ struct Stats {
     seconds.push_back(r.seconds);
   }
   double SolveRate() const { return puzzles ? double(solved) / puzzles : 0; }
-  // Over the blank cells; undefined (NaN, "n/a", JSON null) when the puzzles had none.
-  double CellAccuracy() const {
-    return blanks ? double(correct) / double(blanks) : std::numeric_limits<double>::quiet_NaN();
+  // Over the blank cells; none ("n/a", JSON null) when the puzzles had none.
+  std::optional<double> CellAccuracy() const {
+    if (blanks == 0) return std::nullopt;
+    return double(correct) / double(blanks);
   }
   double StepsPerCanvas() const { return canvases ? double(steps) / double(canvases) : 0; }
   double MeanSeconds() const {
@@ -199,7 +199,7 @@ struct Stats {
     return {{"puzzles", puzzles},
             {"solved", solved},
             {"solve_rate", SolveRate()},
-            {"cell_accuracy", blanks ? json(CellAccuracy()) : json(nullptr)},
+            {"cell_accuracy", CellAccuracy() ? json(*CellAccuracy()) : json(nullptr)},
             {"blank_cells", blanks},
             {"correct_blank_cells", correct},
             {"mean_steps_per_canvas", StepsPerCanvas()},
@@ -214,7 +214,7 @@ int BucketOf(int givens) { return givens < 30 ? 0 : givens < 35 ? 1 : givens < 4
 
 std::string TableRow(const std::string& name, const Stats& s) {
   const std::string cells =
-      s.blanks ? absl::StrFormat("%.1f%%", 100 * s.CellAccuracy()) : std::string("n/a");
+      s.CellAccuracy() ? absl::StrFormat("%.1f%%", 100 * *s.CellAccuracy()) : std::string("n/a");
   return absl::StrFormat("%-8s %7d %7d %7.1f%% %9s %13.2f %8.3f %8.3f %7d\n", name, s.puzzles,
                          s.solved, 100 * s.SolveRate(), cells, s.StepsPerCanvas(),
                          s.MeanSeconds(), s.P50Seconds(), s.errors);
