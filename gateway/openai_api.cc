@@ -47,12 +47,28 @@ bool IsToleratedDefault(const std::string& key, const json& v) {
   return false;
 }
 
+// True for a JSON number written as a whole number that no 64-bit integer holds (the parser keeps
+// such a literal, e.g. 18446744073709551616 or 1e30, as a double).
+bool IsWholeBeyondInt64(const json& v) {
+  if (!v.is_number_float()) return false;
+  const double d = v.get<double>();
+  return std::isfinite(d) && d == std::trunc(d) && std::fabs(d) >= 0x1p63;
+}
+
+// "out of range (VALUE): must be RANGE", VALUE as the client wrote it (re-serialized).
+absl::Status OutOfRange(const json& v, std::string_view field, std::string_view range) {
+  return Invalid(field,
+                 absl::StrCat("out of range (", v.dump(), "): must be ", std::string(range)));
+}
+
 absl::StatusOr<int64_t> GetInt(const json& v, std::string_view field) {
+  constexpr std::string_view kRange = "an integer in [-2^63, 2^63)";
+  if (IsWholeBeyondInt64(v)) return OutOfRange(v, field, kRange);
   if (!v.is_number_integer()) return Invalid(field, "must be an integer");
   if (v.is_number_unsigned()) {
     const uint64_t u = v.get<uint64_t>();
     if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return Invalid(field, "out of range");
+      return OutOfRange(v, field, kRange);
     }
     return static_cast<int64_t>(u);
   }
@@ -60,10 +76,12 @@ absl::StatusOr<int64_t> GetInt(const json& v, std::string_view field) {
 }
 
 absl::StatusOr<int32_t> GetInt32(const json& v, std::string_view field) {
+  constexpr std::string_view kRange = "an integer in [-2^31, 2^31)";
+  if (IsWholeBeyondInt64(v)) return OutOfRange(v, field, kRange);
   absl::StatusOr<int64_t> i = GetInt(v, field);
   if (!i.ok()) return i.status();
   if (*i < std::numeric_limits<int32_t>::min() || *i > std::numeric_limits<int32_t>::max()) {
-    return Invalid(field, "out of range");
+    return OutOfRange(v, field, kRange);
   }
   return static_cast<int32_t>(*i);
 }
@@ -71,7 +89,9 @@ absl::StatusOr<int32_t> GetInt32(const json& v, std::string_view field) {
 absl::StatusOr<float> GetFloat(const json& v, std::string_view field) {
   if (!v.is_number()) return Invalid(field, "must be a number");
   const double d = v.get<double>();
-  if (!std::isfinite(d) || std::fabs(d) > FLT_MAX) return Invalid(field, "out of range");
+  if (!std::isfinite(d) || std::fabs(d) > FLT_MAX) {
+    return OutOfRange(v, field, "a finite float32 (magnitude at most 3.4e38)");
+  }
   return static_cast<float>(d);
 }
 
@@ -108,6 +128,10 @@ absl::Status ParseTokenIds(const json& arr, std::string_view field, v1::Generate
   v1::TokenIds* ids = req->mutable_token_ids();
   for (size_t i = 0; i < arr.size(); ++i) {
     const std::string name = absl::StrCat(std::string(field), "[", i, "]");
+    if (IsWholeBeyondInt64(arr[i])) {
+      return Invalid(name,
+                     absl::StrCat("must be a token id (an integer >= 0), got ", arr[i].dump()));
+    }
     if (!arr[i].is_number_integer()) {
       return Invalid(name,
                      "must be an integer token id (an array prompt is one string or "
@@ -370,10 +394,16 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
     } else if (key == "chat_template_kwargs" && chat) {
       DGSERVE_RETURN_IF_ERROR(ParseChatTemplateKwargs(v, &enable_thinking));
     } else if (key == "max_tokens" || key == "max_completion_tokens") {
+      // Any whole number outside [1, limit], however large, gets the same answer.
+      const bool beyond = IsWholeBeyondInt64(v) || (v.is_number_unsigned() &&
+                                                    v.get<uint64_t>() > uint64_t(kMaxTokensLimit));
       int64_t n = 0;
-      DGSERVE_ASSIGN_OR_RETURN(n, GetInt(v, key));
-      if (n < 1 || n > kMaxTokensLimit) {
-        return Invalid(key, absl::StrCat("must be between 1 and ", kMaxTokensLimit));
+      if (!beyond) {
+        DGSERVE_ASSIGN_OR_RETURN(n, GetInt(v, key));
+      }
+      if (beyond || n < 1 || n > kMaxTokensLimit) {
+        return Invalid(key, absl::StrCat("must be between 1 and ", kMaxTokensLimit, " (got ",
+                                         v.dump(), ")"));
       }
       (key == "max_tokens" ? max_tokens : max_completion_tokens) = n;
     } else if (key == "stream") {
@@ -395,15 +425,17 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
                        "temperature schedule; set t_min and t_max instead");
       }
     } else if (key == "n") {
+      // Any whole number, however large or small, is named by its side of [0, 2^31).
+      if (v.is_number_integer() || IsWholeBeyondInt64(v)) {
+        const double d = v.get<double>();  // only the sign and magnitude are used
+        if (d < 0) return Invalid(key, "must be >= 1 (the number of choices; 0 or null = 1)");
+        if (d > std::numeric_limits<int32_t>::max()) {
+          return Invalid(key, absl::StrCat("too large (", v.dump(),
+                                           "): at most the gateway's --max_n choices"));
+        }
+      }
       int64_t n = 0;
       DGSERVE_ASSIGN_OR_RETURN(n, GetInt(v, key));
-      if (n < 0) {
-        return Invalid(key, "must be >= 1 (the number of choices; 0 or null = 1)");
-      }
-      if (n > std::numeric_limits<int32_t>::max()) {
-        return Invalid(key, absl::StrCat("too large (", n,
-                                         "): at most the gateway's --max_n choices"));
-      }
       req.set_n(int32_t(n));  // 0 = 1; the upper bound (--max_n) is the core's
     } else if (key == "user") {
       std::string ignored;

@@ -174,6 +174,10 @@ TEST(ParseCompletionsTest, PromptRejections) {
   ExpectError(R"({"prompt": [1, -2]})", "prompt[1]: must be a token id");
   ExpectError(R"({"prompt": [1, 2.5]})", "prompt[1]: must be an integer");
   ExpectError(R"({"prompt": [4294967296]})", "prompt[0]: must be a token id");
+  // Whole numbers no 64-bit integer holds are named as token ids out of range, not as non-integers.
+  ExpectError(R"({"prompt": [18446744073709551616]})", "prompt[0]: must be a token id");
+  ExpectError(R"({"prompt": [1e30]})",
+              "prompt[0]: must be a token id (an integer >= 0), got 1e+30");
   ExpectError(R"({"prompt": [[1, "x"]]})", "prompt[0][1]: must be an integer");
   ExpectError(R"({"prompt": 5})", "prompt: must be a string");
   ExpectError(R"({"prompt": {"text": "x"}})", "prompt: must be a string");
@@ -184,10 +188,14 @@ TEST(ParseCompletionsTest, MaxTokensRejections) {
   ExpectError(R"({"prompt": "x", "max_tokens": 5.5})", "max_tokens: must be an integer");
   ExpectError(R"({"prompt": "x", "max_tokens": 0})", "max_tokens: must be between 1 and");
   ExpectError(R"({"prompt": "x", "max_tokens": -3})", "max_tokens: must be between 1 and");
-  ExpectError(R"({"prompt": "x", "max_tokens": 1000001})", "max_tokens: must be between");
+  ExpectError(R"({"prompt": "x", "max_tokens": 1000001})",
+              "max_tokens: must be between 1 and 1000000 (got 1000001)");
+  // However large, a whole number gets the range (it said "must be an integer" beyond 2^64).
   ExpectError(R"({"prompt": "x", "max_tokens": 99999999999999999999})",
-              "max_tokens: must be an integer");
-  ExpectError(R"({"prompt": "x", "max_tokens": 18446744073709551615})", "max_tokens: out of");
+              "max_tokens: must be between 1 and 1000000 (got 1e+20)");
+  ExpectError(R"({"prompt": "x", "max_tokens": 18446744073709551615})",
+              "max_tokens: must be between 1 and 1000000 (got 18446744073709551615)");
+  ExpectError(R"({"prompt": "x", "max_tokens": 1e3})", "max_tokens: must be an integer");
   ExpectError(R"({"prompt": "x", "max_completion_tokens": 0})", "max_completion_tokens: must");
   ExpectError(R"({"prompt": "x", "max_tokens": 5, "max_completion_tokens": 6})",
               "max_completion_tokens: differs");
@@ -233,6 +241,14 @@ TEST(ParseCompletionsTest, SamplingRejections) {
   // Beyond int32: named as too large, not as below 1 (it said "must be >= 1").
   ExpectError(R"({"prompt": "x", "n": 4294967297})", "n: too large (4294967297)");
   ExpectError(R"({"prompt": "x", "n": "1"})", "n: must be an integer");
+  ExpectError(R"({"prompt": "x", "n": 18446744073709551616})",
+              "n: too large (1.8446744073709552e+19)");
+  ExpectError(R"({"prompt": "x", "n": 1e30})", "n: too large (1e+30)");
+  ExpectError(R"({"prompt": "x", "n": -1e30})", "n: must be >= 1");
+  ExpectError(R"({"prompt": "x", "n": 18446744073709551615})",
+              "n: too large (18446744073709551615)");
+  ExpectError(R"({"prompt": "x", "n": -9223372036854775808})", "n: must be >= 1");
+  ExpectError(R"({"prompt": "x", "n": 2.5})", "n: must be an integer");
   ExpectError(R"({"prompt": "x", "user": 5})", "user: must be a string");
   ExpectError(R"({"prompt": "x", "model": 5})", "model: must be a string");
 }
@@ -256,13 +272,18 @@ TEST(ParseCompletionsTest, DiffusionControlTypeChecks) {
   ExpectError(R"({"prompt": "x", "max_denoising_steps": 1.5})",
               "max_denoising_steps: must be an integer");
   ExpectError(R"({"prompt": "x", "max_denoising_steps": 3000000000})",
-              "max_denoising_steps: out of range");
+              "max_denoising_steps: out of range (3000000000): must be an integer in "
+              "[-2^31, 2^31)");
+  ExpectError(R"({"prompt": "x", "stability_threshold": 1e19})",
+              "stability_threshold: out of range (1e+19): must be an integer in [-2^31, 2^31)");
   ExpectError(R"({"prompt": "x", "stability_threshold": "3"})",
               "stability_threshold: must be an integer");
   ExpectError(R"({"prompt": "x", "entropy_bound": "0.5"})", "entropy_bound: must be a number");
   ExpectError(R"({"prompt": "x", "t_min": true})", "t_min: must be a number");
   ExpectError(R"({"prompt": "x", "t_max": [1]})", "t_max: must be a number");
-  ExpectError(R"({"prompt": "x", "t_max": 1e300})", "t_max: out of range");
+  ExpectError(R"({"prompt": "x", "t_max": 1e300})",
+              "t_max: out of range (1e+300): must be a finite float32 (magnitude at most 3.4e38)");
+  ExpectError(R"({"prompt": "x", "entropy_bound": -1e39})", "entropy_bound: out of range (-1e+39)");
   ExpectError(R"({"prompt": "x", "confidence_threshold": {}})",
               "confidence_threshold: must be a number");
   ExpectError(R"({"prompt": "x", "stream": true, "canvas_step_interval": -1})",
