@@ -101,10 +101,17 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   }
   PreparedRequest p;
   const int64_t limit = config_.max_position_embeddings;
-  // A prompt must leave at least one position: tokenizing (and the chat template) stop as soon
-  // as the prompt has more ids than that, so a huge request costs at most about `limit` tokens
-  // of work.
-  const size_t budget = size_t(std::max<int64_t>(limit - 1, 0));
+  // A prompt must leave room for one canvas: tokenizing (and the chat template) stop as soon as
+  // the prompt has more ids than that, so a huge request costs at most about `limit` tokens of
+  // work.
+  const int C = config_.canvas_length;
+  const size_t budget = size_t(std::max<int64_t>(limit - C, 0));
+  auto too_long = [&](std::string_view size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt: ", std::string(size), " tokens and one canvas of ", C,
+        " tokens exceed the context limit of ", limit, " positions (a prompt may have at most ",
+        budget, " tokens)"));
+  };
   switch (request.input_case()) {
     case v1::GenerateRequest::kText:
       if (request.text().empty()) return absl::InvalidArgumentError("prompt: must not be empty");
@@ -148,26 +155,22 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   if (metrics_ && request.input_case() != v1::GenerateRequest::kTokenIds) {
     metrics_->tokenized_tokens.Increment(double(p.prompt.size()));
   }
-  if (request.input_case() != v1::GenerateRequest::kTokenIds && p.prompt.size() > budget) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt: more than ", budget,
-                                                   " tokens exceed the context limit of ", limit,
-                                                   " positions"));
-  }
-  if (int64_t(p.prompt.size()) >= limit) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt: ", p.prompt.size(), " tokens exceed the context limit of ", limit, " positions"));
+  if (p.prompt.size() > budget) {
+    // Text and chat prompts were tokenized only up to budget + 1 ids.
+    return too_long(request.input_case() == v1::GenerateRequest::kTokenIds
+                        ? absl::StrCat(p.prompt.size())
+                        : absl::StrCat("more than ", budget));
   }
   if (request.max_tokens() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_tokens: must be > 0, got ", request.max_tokens()));
   }
   p.max_tokens = request.max_tokens() > 0 ? request.max_tokens() : generation_.max_new_tokens;
-  const int C = config_.canvas_length;
   const int64_t canvases = (int64_t(p.max_tokens) + C - 1) / C;
   if (int64_t(p.prompt.size()) + canvases * C > limit) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_tokens: the prompt (", p.prompt.size(), " tokens) plus ", canvases,
-                     canvases == 1 ? " canvas of " : " canvases of ", C,
+                     " canvases of ", C,  // ≥ 2: one canvas fits (checked above)
                      " tokens for max_tokens=", p.max_tokens,
                      " exceed the context limit of ", limit, " positions"));
   }

@@ -35,11 +35,37 @@ absl::Status Unsupported(std::string_view field, std::string_view hint = {}) {
   return absl::InvalidArgumentError(msg);
 }
 
+// A JSON number read as a whole number whatever its notation: the parser keeps 5 as an int64,
+// 18446744073709551615 as a uint64, and 5.0, 1e3 or 18446744073709551616 as a double. Whole
+// doubles are accepted as integers (as vLLM's request models do: 5.0 is 5, 5.5 is refused).
+struct WholeNumber {
+  enum Kind { kValue, kBelowInt64, kAboveInt64, kNotWhole } kind = kNotWhole;
+  int64_t value = 0;  // with kValue
+};
+
+WholeNumber ReadWhole(const json& v) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > uint64_t(std::numeric_limits<int64_t>::max())) return {WholeNumber::kAboveInt64};
+    return {WholeNumber::kValue, int64_t(u)};
+  }
+  if (v.is_number_integer()) return {WholeNumber::kValue, v.get<int64_t>()};
+  if (!v.is_number_float()) return {};
+  const double d = v.get<double>();  // finite: the parser refuses 1e400
+  if (!std::isfinite(d) || d != std::trunc(d)) return {};
+  if (d >= 0x1p63) return {WholeNumber::kAboveInt64};
+  if (d < -0x1p63) return {WholeNumber::kBelowInt64};
+  return {WholeNumber::kValue, int64_t(d)};
+}
+
 // The harmless defaults of the file comment: accepted and ignored.
 bool IsToleratedDefault(const std::string& key, const json& v) {
   if (v.is_null()) return true;
   if ((key == "logprobs" || key == "echo") && v.is_boolean()) return !v.get<bool>();
-  if ((key == "best_of") && v.is_number_integer()) return v.get<int64_t>() == 1;
+  if (key == "best_of") {
+    const WholeNumber w = ReadWhole(v);
+    return w.kind == WholeNumber::kValue && w.value == 1;
+  }
   if ((key == "presence_penalty" || key == "frequency_penalty") && v.is_number()) {
     return v.get<double>() == 0.0;
   }
@@ -47,50 +73,39 @@ bool IsToleratedDefault(const std::string& key, const json& v) {
   return false;
 }
 
-// True for a JSON number written as a whole number that no 64-bit integer holds (the parser keeps
-// such a literal, e.g. 18446744073709551616 or 1e30, as a double).
-bool IsWholeBeyondInt64(const json& v) {
-  if (!v.is_number_float()) return false;
-  const double d = v.get<double>();
-  return std::isfinite(d) && d == std::trunc(d) && std::fabs(d) >= 0x1p63;
-}
-
-// "out of range (VALUE): must be RANGE", VALUE as the client wrote it (re-serialized).
+// "FIELD: must be RANGE (got VALUE)", VALUE as parsed and re-serialized (1e3 prints as 1000.0).
 absl::Status OutOfRange(const json& v, std::string_view field, std::string_view range) {
-  return Invalid(field,
-                 absl::StrCat("out of range (", v.dump(), "): must be ", std::string(range)));
+  return Invalid(field, absl::StrCat("must be ", std::string(range), " (got ", v.dump(), ")"));
 }
 
-absl::StatusOr<int64_t> GetInt(const json& v, std::string_view field) {
-  constexpr std::string_view kRange = "an integer in [-2^63, 2^63)";
-  if (IsWholeBeyondInt64(v)) return OutOfRange(v, field, kRange);
-  if (!v.is_number_integer()) return Invalid(field, "must be an integer");
-  if (v.is_number_unsigned()) {
-    const uint64_t u = v.get<uint64_t>();
-    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return OutOfRange(v, field, kRange);
-    }
-    return static_cast<int64_t>(u);
+// A whole number in [lo, hi]: "must be an integer" for anything else that is not a whole number,
+// OutOfRange(range) for a whole number outside [lo, hi], however large.
+absl::StatusOr<int64_t> GetIntIn(const json& v, std::string_view field, int64_t lo, int64_t hi,
+                                 std::string_view range) {
+  const WholeNumber w = ReadWhole(v);
+  if (w.kind == WholeNumber::kNotWhole) return Invalid(field, "must be an integer");
+  if (w.kind != WholeNumber::kValue || w.value < lo || w.value > hi) {
+    return OutOfRange(v, field, range);
   }
-  return v.get<int64_t>();
+  return w.value;
 }
 
 absl::StatusOr<int32_t> GetInt32(const json& v, std::string_view field) {
-  constexpr std::string_view kRange = "an integer in [-2^31, 2^31)";
-  if (IsWholeBeyondInt64(v)) return OutOfRange(v, field, kRange);
-  absl::StatusOr<int64_t> i = GetInt(v, field);
+  absl::StatusOr<int64_t> i =
+      GetIntIn(v, field, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(),
+               "an integer in [-2^31, 2^31)");
   if (!i.ok()) return i.status();
-  if (*i < std::numeric_limits<int32_t>::min() || *i > std::numeric_limits<int32_t>::max()) {
-    return OutOfRange(v, field, kRange);
-  }
-  return static_cast<int32_t>(*i);
+  return int32_t(*i);
 }
 
 absl::StatusOr<float> GetFloat(const json& v, std::string_view field) {
   if (!v.is_number()) return Invalid(field, "must be a number");
   const double d = v.get<double>();
   if (!std::isfinite(d) || std::fabs(d) > FLT_MAX) {
-    return OutOfRange(v, field, "a finite float32 (magnitude at most 3.4e38)");
+    return OutOfRange(v, field, "a finite float32 (magnitude at most FLT_MAX, 3.4028235e38)");
+  }
+  if (d != 0.0 && static_cast<float>(d) == 0.0f) {  // it would reach the sampler as 0
+    return OutOfRange(v, field, "0 or of magnitude at least 1.4e-45 (float32 rounds it to 0)");
   }
   return static_cast<float>(d);
 }
@@ -128,20 +143,15 @@ absl::Status ParseTokenIds(const json& arr, std::string_view field, v1::Generate
   v1::TokenIds* ids = req->mutable_token_ids();
   for (size_t i = 0; i < arr.size(); ++i) {
     const std::string name = absl::StrCat(std::string(field), "[", i, "]");
-    if (IsWholeBeyondInt64(arr[i])) {
-      return Invalid(name,
-                     absl::StrCat("must be a token id (an integer >= 0), got ", arr[i].dump()));
-    }
-    if (!arr[i].is_number_integer()) {
+    if (ReadWhole(arr[i]).kind == WholeNumber::kNotWhole) {
       return Invalid(name,
                      "must be an integer token id (an array prompt is one string or "
                      "token ids)");
     }
-    if (!arr[i].is_number_unsigned() ||
-        arr[i].get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
-      return Invalid(name, "must be a token id (an integer >= 0)");
-    }
-    ids->add_ids(static_cast<int32_t>(arr[i].get<uint64_t>()));
+    absl::StatusOr<int64_t> id =
+        GetIntIn(arr[i], name, 0, std::numeric_limits<int32_t>::max(), "a token id in [0, 2^31)");
+    if (!id.ok()) return id.status();
+    ids->add_ids(int32_t(*id));
   }
   return absl::OkStatus();
 }
@@ -394,17 +404,9 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
     } else if (key == "chat_template_kwargs" && chat) {
       DGSERVE_RETURN_IF_ERROR(ParseChatTemplateKwargs(v, &enable_thinking));
     } else if (key == "max_tokens" || key == "max_completion_tokens") {
-      // Any whole number outside [1, limit], however large, gets the same answer.
-      const bool beyond = IsWholeBeyondInt64(v) || (v.is_number_unsigned() &&
-                                                    v.get<uint64_t>() > uint64_t(kMaxTokensLimit));
       int64_t n = 0;
-      if (!beyond) {
-        DGSERVE_ASSIGN_OR_RETURN(n, GetInt(v, key));
-      }
-      if (beyond || n < 1 || n > kMaxTokensLimit) {
-        return Invalid(key, absl::StrCat("must be between 1 and ", kMaxTokensLimit, " (got ",
-                                         v.dump(), ")"));
-      }
+      DGSERVE_ASSIGN_OR_RETURN(
+          n, GetIntIn(v, key, 1, kMaxTokensLimit, absl::StrCat("between 1 and ", kMaxTokensLimit)));
       (key == "max_tokens" ? max_tokens : max_completion_tokens) = n;
     } else if (key == "stream") {
       DGSERVE_ASSIGN_OR_RETURN(out.stream, GetBool(v, key));
@@ -414,9 +416,21 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
     } else if (key == "stop") {
       DGSERVE_RETURN_IF_ERROR(ParseStop(v, &req));
     } else if (key == "seed") {
-      if (!v.is_number_integer()) return Invalid(key, "must be an integer in [0, 2^64)");
-      if (!v.is_number_unsigned()) return Invalid(key, "must be >= 0");
-      req.set_seed(v.get<uint64_t>());
+      // [0, 2^64): beyond int64, so read apart from ReadWhole.
+      constexpr std::string_view kRange = "an integer in [0, 2^64)";
+      const WholeNumber w = ReadWhole(v);
+      if (v.is_number_unsigned()) {
+        req.set_seed(v.get<uint64_t>());
+      } else if (w.kind == WholeNumber::kNotWhole) {
+        return Invalid(key, "must be an integer");
+      } else if (w.kind == WholeNumber::kValue && w.value >= 0) {  // -0, or a whole double
+        req.set_seed(uint64_t(w.value));
+      } else if (w.kind == WholeNumber::kAboveInt64 && v.is_number_float() &&
+                 v.get<double>() < 0x1p64) {
+        req.set_seed(uint64_t(v.get<double>()));
+      } else {
+        return OutOfRange(v, key, kRange);
+      }
     } else if (key == "temperature" || key == "top_p") {
       if (!v.is_number()) return Invalid(key, "must be a number");
       if (v.get<double>() != 1.0) {
@@ -425,18 +439,17 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
                        "temperature schedule; set t_min and t_max instead");
       }
     } else if (key == "n") {
-      // Any whole number, however large or small, is named by its side of [0, 2^31).
-      if (v.is_number_integer() || IsWholeBeyondInt64(v)) {
-        const double d = v.get<double>();  // only the sign and magnitude are used
-        if (d < 0) return Invalid(key, "must be >= 1 (the number of choices; 0 or null = 1)");
-        if (d > std::numeric_limits<int32_t>::max()) {
-          return Invalid(key, absl::StrCat("too large (", v.dump(),
-                                           "): at most the gateway's --max_n choices"));
-        }
+      const WholeNumber w = ReadWhole(v);
+      if (w.kind == WholeNumber::kNotWhole) return Invalid(key, "must be an integer");
+      if (w.kind == WholeNumber::kBelowInt64 || (w.kind == WholeNumber::kValue && w.value < 0)) {
+        return Invalid(key, absl::StrCat("must be >= 1 (the number of choices; 0 or null = 1; got ",
+                                         v.dump(), ")"));
       }
-      int64_t n = 0;
-      DGSERVE_ASSIGN_OR_RETURN(n, GetInt(v, key));
-      req.set_n(int32_t(n));  // 0 = 1; the upper bound (--max_n) is the core's
+      if (w.kind == WholeNumber::kAboveInt64 || w.value > std::numeric_limits<int32_t>::max()) {
+        return Invalid(key, absl::StrCat("too large (", v.dump(),
+                                         "): at most the gateway's --max_n choices"));
+      }
+      req.set_n(int32_t(w.value));  // 0 = 1; the upper bound (--max_n) is the core's
     } else if (key == "user") {
       std::string ignored;
       DGSERVE_ASSIGN_OR_RETURN(ignored, GetString(v, key));
@@ -469,8 +482,9 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
       DGSERVE_ASSIGN_OR_RETURN(on, GetBool(v, key));
       dc->set_self_conditioning(on);
     } else if (key == "canvas_step_interval") {
-      DGSERVE_ASSIGN_OR_RETURN(canvas_interval, GetInt32(v, key));
-      if (canvas_interval < 0) return Invalid(key, "must be >= 0");
+      DGSERVE_ASSIGN_OR_RETURN(canvas_interval,
+                               GetIntIn(v, key, 0, std::numeric_limits<int32_t>::max(),
+                                        "an integer in [0, 2^31)"));
     } else if (key == "canvas_text") {
       DGSERVE_ASSIGN_OR_RETURN(canvas_text, GetBool(v, key));
     } else if (key == "canvas_template") {

@@ -176,11 +176,29 @@ TEST(ParseCompletionsTest, PromptRejections) {
   ExpectError(R"({"prompt": [4294967296]})", "prompt[0]: must be a token id");
   // Whole numbers no 64-bit integer holds are named as token ids out of range, not as non-integers.
   ExpectError(R"({"prompt": [18446744073709551616]})", "prompt[0]: must be a token id");
-  ExpectError(R"({"prompt": [1e30]})",
-              "prompt[0]: must be a token id (an integer >= 0), got 1e+30");
+  ExpectError(R"({"prompt": [1e30]})", "prompt[0]: must be a token id in [0, 2^31) (got 1e+30)");
+  ExpectError(R"({"prompt": [2147483648]})",
+              "prompt[0]: must be a token id in [0, 2^31) (got 2147483648)");
   ExpectError(R"({"prompt": [[1, "x"]]})", "prompt[0][1]: must be an integer");
   ExpectError(R"({"prompt": 5})", "prompt: must be a string");
   ExpectError(R"({"prompt": {"text": "x"}})", "prompt: must be a string");
+}
+
+// Integer fields take a whole number in any JSON notation, as vLLM's request models do (5.0 and 5e0
+// are 5); -0 is 0. The parser keeps these as doubles or signed integers.
+TEST(ParseCompletionsTest, WholeNumbersInAnyNotation) {
+  const OpenAiRequest r = ParseOk(
+      R"({"prompt": [1.0, 2e0, -0], "max_tokens": 5.0, "n": 3e0, "seed": 1e19, "best_of": 1.0,
+          "max_denoising_steps": 4e1, "stream": true, "canvas_step_interval": 2.0})");
+  EXPECT_THAT(r.request.token_ids().ids(), ElementsAre(1, 2, 0));
+  EXPECT_EQ(r.request.max_tokens(), 5);
+  EXPECT_EQ(r.request.n(), 3);
+  EXPECT_EQ(r.request.seed(), 10000000000000000000ull);
+  EXPECT_EQ(r.request.diffusion().max_denoising_steps(), 40);
+  EXPECT_EQ(r.request.stream_options().canvas_step_interval(), 2);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "seed": -0})").request.seed(), 0u);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "seed": 18446744073709551615})").request.seed(),
+            18446744073709551615ull);
 }
 
 TEST(ParseCompletionsTest, MaxTokensRejections) {
@@ -195,7 +213,10 @@ TEST(ParseCompletionsTest, MaxTokensRejections) {
               "max_tokens: must be between 1 and 1000000 (got 1e+20)");
   ExpectError(R"({"prompt": "x", "max_tokens": 18446744073709551615})",
               "max_tokens: must be between 1 and 1000000 (got 18446744073709551615)");
-  ExpectError(R"({"prompt": "x", "max_tokens": 1e3})", "max_tokens: must be an integer");
+  // Whatever the notation: 2e6 is out of range like 2000000, 5.5 is not a whole number.
+  ExpectError(R"({"prompt": "x", "max_tokens": 2e6})",
+              "max_tokens: must be between 1 and 1000000 (got 2000000.0)");
+  ExpectError(R"({"prompt": "x", "max_tokens": -1e10})", "max_tokens: must be between 1 and");
   ExpectError(R"({"prompt": "x", "max_completion_tokens": 0})", "max_completion_tokens: must");
   ExpectError(R"({"prompt": "x", "max_tokens": 5, "max_completion_tokens": 6})",
               "max_completion_tokens: differs");
@@ -224,10 +245,13 @@ TEST(ParseCompletionsTest, StopRejections) {
 }
 
 TEST(ParseCompletionsTest, SeedRejections) {
-  ExpectError(R"({"prompt": "x", "seed": -1})", "seed: must be >= 0");
+  ExpectError(R"({"prompt": "x", "seed": -1})", "seed: must be an integer in [0, 2^64) (got -1)");
+  ExpectError(R"({"prompt": "x", "seed": -1e30})", "seed: must be an integer in [0, 2^64)");
+  ExpectError(R"({"prompt": "x", "seed": 2e19})", "seed: must be an integer in [0, 2^64)");
   ExpectError(R"({"prompt": "x", "seed": 1.5})", "seed: must be an integer");
   ExpectError(R"({"prompt": "x", "seed": "42"})", "seed: must be an integer");
-  ExpectError(R"({"prompt": "x", "seed": 18446744073709551616})", "seed: must be an integer");
+  ExpectError(R"({"prompt": "x", "seed": 18446744073709551616})",
+              "seed: must be an integer in [0, 2^64) (got 1.8446744073709552e+19)");
 }
 
 TEST(ParseCompletionsTest, SamplingRejections) {
@@ -272,23 +296,32 @@ TEST(ParseCompletionsTest, DiffusionControlTypeChecks) {
   ExpectError(R"({"prompt": "x", "max_denoising_steps": 1.5})",
               "max_denoising_steps: must be an integer");
   ExpectError(R"({"prompt": "x", "max_denoising_steps": 3000000000})",
-              "max_denoising_steps: out of range (3000000000): must be an integer in "
-              "[-2^31, 2^31)");
+              "max_denoising_steps: must be an integer in [-2^31, 2^31) (got 3000000000)");
+  ExpectError(R"({"prompt": "x", "max_denoising_steps": 9223372036854775808})",
+              "max_denoising_steps: must be an integer in [-2^31, 2^31) (got 9223372036854775808)");
   ExpectError(R"({"prompt": "x", "stability_threshold": 1e19})",
-              "stability_threshold: out of range (1e+19): must be an integer in [-2^31, 2^31)");
+              "stability_threshold: must be an integer in [-2^31, 2^31) (got 1e+19)");
+  ExpectError(R"({"prompt": "x", "stability_threshold": 3e9})",
+              "stability_threshold: must be an integer in [-2^31, 2^31) (got 3000000000.0)");
   ExpectError(R"({"prompt": "x", "stability_threshold": "3"})",
               "stability_threshold: must be an integer");
   ExpectError(R"({"prompt": "x", "entropy_bound": "0.5"})", "entropy_bound: must be a number");
   ExpectError(R"({"prompt": "x", "t_min": true})", "t_min: must be a number");
   ExpectError(R"({"prompt": "x", "t_max": [1]})", "t_max: must be a number");
   ExpectError(R"({"prompt": "x", "t_max": 1e300})",
-              "t_max: out of range (1e+300): must be a finite float32 (magnitude at most 3.4e38)");
-  ExpectError(R"({"prompt": "x", "entropy_bound": -1e39})", "entropy_bound: out of range (-1e+39)");
+              "t_max: must be a finite float32 (magnitude at most FLT_MAX, 3.4028235e38) (got "
+              "1e+300)");
+  ExpectError(R"({"prompt": "x", "entropy_bound": -1e39})",
+              "entropy_bound: must be a finite float32");
+  // A nonzero value float32 rounds to 0 is named as such (it said "must be > 0, got 0").
+  ExpectError(R"({"prompt": "x", "entropy_bound": 1e-50})",
+              "entropy_bound: must be 0 or of magnitude at least 1.4e-45 (float32 rounds it to 0) "
+              "(got 1e-50)");
   ExpectError(R"({"prompt": "x", "confidence_threshold": {}})",
               "confidence_threshold: must be a number");
   ExpectError(R"({"prompt": "x", "stream": true, "canvas_step_interval": -1})",
-              "canvas_step_interval: must be >= 0");
-  ExpectError(R"({"prompt": "x", "stream": true, "canvas_step_interval": 1.0})",
+              "canvas_step_interval: must be an integer in [0, 2^31) (got -1)");
+  ExpectError(R"({"prompt": "x", "stream": true, "canvas_step_interval": 1.5})",
               "canvas_step_interval: must be an integer");
   ExpectError(R"({"prompt": "x", "canvas_step_interval": 2})",
               "canvas_step_interval: canvas steps are only sent when stream is true");

@@ -20,6 +20,15 @@ absl::Status ValidateSamplerParams(const SamplerParams& p) {
     return absl::InvalidArgumentError(
         absl::StrFormat("t_max must be finite and > t_min (%g), got %g", p.t_min, p.t_max));
   }
+  // The schedule falls from t_max (step 0) to its lowest value at the last step.
+  if (const float lowest = StepTemperature(p, p.max_denoising_steps - 1);
+      !(lowest >= kMinStepTemperature)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "t_max and t_min give a last-step temperature t_min + (t_max - t_min) / N = %g (N = %d "
+        "steps), below the minimum %g (smaller temperatures overflow the processed logits); "
+        "raise t_max or t_min",
+        lowest, p.max_denoising_steps, kMinStepTemperature));
+  }
   if (!std::isfinite(p.entropy_bound) || !(p.entropy_bound > 0.0f)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("entropy_bound must be finite and > 0, got %g", p.entropy_bound));

@@ -24,10 +24,16 @@ struct SamplerParams {
 // Sanity caps beyond the spec's rules, so a request cannot ask for unbounded work or memory.
 inline constexpr int kMaxDenoisingStepsCap = 1024;
 inline constexpr int kMaxStabilityThresholdCap = 64;
+// The lowest temperature a schedule may reach (at step N − 1). Processed logits are ℓ / T with
+// |ℓ| ≤ 30 after the softcap (spec §2, §4.2 step 3), so |ℓ / T| ≤ 3·10⁷ here: far from float32's
+// and bf16's overflow (3.4·10³⁸), which T below 30 / 3.4·10³⁸ ≈ 9·10⁻³⁸ reaches and which turns a
+// whole batched denoising step into an error. At 10⁻⁶ sampling is already argmax in practice.
+inline constexpr float kMinStepTemperature = 1e-6f;
 
 // Checks the validation rules of spec §1.3 (HF `validate`) plus the caps above:
 // 0 < max_denoising_steps ≤ 1024; t_min, t_max finite and 0 ≤ t_min < t_max;
-// 0 ≤ stability_threshold ≤ 64; confidence_threshold finite and > 0; entropy_bound finite and > 0.
+// 0 ≤ stability_threshold ≤ 64; confidence_threshold finite and > 0; entropy_bound finite and > 0;
+// and every step's temperature ≥ kMinStepTemperature (the lowest is StepTemperature(N − 1)).
 // Returns OK or INVALID_ARGUMENT whose message starts with the offending field's name.
 absl::Status ValidateSamplerParams(const SamplerParams& params);
 

@@ -76,6 +76,16 @@ TEST(SamplerParamsTest, ValidationNamesTheOffendingField) {
       {"t_max", With([](SamplerParams& p) { p.t_max = 0.4f; })},  // t_min == t_max
       {"t_max", With([](SamplerParams& p) { p.t_max = 0.3f; })},
       {"t_max", With([](SamplerParams& p) { p.t_max = std::numeric_limits<float>::infinity(); })},
+      // A last-step temperature below kMinStepTemperature (1e-40 overflowed the logits of the
+      // whole batch: a 500 for every request denoised with it).
+      {"t_max", With([](SamplerParams& p) {
+         p.t_min = 0.0f;
+         p.t_max = 1e-40f;
+       })},
+      {"t_max", With([](SamplerParams& p) {
+         p.t_min = 0.0f;
+         p.t_max = 4e-5f;  // 4e-5 / 48 ≈ 8.3e-7 at the last step
+       })},
       {"entropy_bound", With([](SamplerParams& p) { p.entropy_bound = 0.0f; })},
       {"entropy_bound",
        With([](SamplerParams& p) { p.entropy_bound = std::numeric_limits<float>::infinity(); })},
@@ -92,6 +102,24 @@ TEST(SamplerParamsTest, ValidationNamesTheOffendingField) {
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.field)))
         << c.field;
   }
+}
+
+TEST(SamplerParamsTest, LowestTemperatureIsTheLastStepsAndHasAFloor) {
+  SamplerParams p;
+  p.t_min = 0.0f;
+  p.t_max = 48e-6f;  // the last step's temperature: 48e-6 · 1/48 = 1e-6 (float32 rounding aside)
+  EXPECT_NEAR(StepTemperature(p, p.max_denoising_steps - 1), kMinStepTemperature, 1e-12f);
+  p.t_max = 47e-6f;  // ≈ 0.98e-6 at the last step, though 47e-6 at step 0
+  EXPECT_THAT(ValidateSamplerParams(p), StatusIs(absl::StatusCode::kInvalidArgument));
+  p.t_max = 49e-6f;
+  EXPECT_THAT(ValidateSamplerParams(p), IsOk());
+  p.t_min = kMinStepTemperature;  // t_min alone keeps every step at or above the floor
+  p.t_max = 2 * kMinStepTemperature;
+  EXPECT_THAT(ValidateSamplerParams(p), IsOk());
+  p.t_min = 0.0f;
+  p.t_max = 1e-40f;
+  EXPECT_THAT(ValidateSamplerParams(p),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("below the minimum 1e-06")));
 }
 
 TEST(SamplerParamsTest, EdgeValuesAreValid) {

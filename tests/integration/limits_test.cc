@@ -33,6 +33,8 @@ using ::testing::Not;
 
 // The test model's context limit (tiny-v512: max_position_embeddings).
 constexpr int64_t kContextLimit = 262144;
+// Its canvas length: a prompt may have at most kContextLimit − kCanvasLength tokens.
+constexpr int64_t kCanvasLength = 16;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -171,7 +173,7 @@ TEST_F(LimitsTest, TokenizingStopsAtTheContextLimit) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(r.status.error_message(), HasSubstr("exceed the context limit"));
   double tokenized = Tokenized(c()) - before;
-  EXPECT_GE(tokenized, kContextLimit);
+  EXPECT_GE(tokenized, kContextLimit - kCanvasLength);
   EXPECT_LE(tokenized, kContextLimit + 64);
 
   before = Tokenized(c());
@@ -181,7 +183,7 @@ TEST_F(LimitsTest, TokenizingStopsAtTheContextLimit) {
   EXPECT_EQ(h.body["error"]["code"], "context_length_exceeded") << h.body.dump();
   EXPECT_EQ(h.body["error"]["param"], "messages") << h.body.dump();
   tokenized = Tokenized(c()) - before;
-  EXPECT_GE(tokenized, kContextLimit);
+  EXPECT_GE(tokenized, kContextLimit - kCanvasLength);
   EXPECT_LE(tokenized, kContextLimit + 64);
 
   // A text prompt of 2 M words: the same, through the tokenizer's budget.
@@ -195,20 +197,31 @@ TEST_F(LimitsTest, TokenizingStopsAtTheContextLimit) {
   EXPECT_EQ(t.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(t.status.error_message(), HasSubstr("exceed the context limit"));
   tokenized = Tokenized(c()) - before;
-  EXPECT_GE(tokenized, kContextLimit);
+  EXPECT_GE(tokenized, kContextLimit - kCanvasLength);
   EXPECT_LE(tokenized, kContextLimit + 64);
 }
 
-// A prompt that leaves less than one canvas before the context limit: the error counts the
-// canvases in the singular ("plus 1 canvas of 16 tokens"; it said "1 canvases").
-TEST_F(LimitsTest, ContextLimitErrorCountsOneCanvas) {
+// A prompt that leaves less than one canvas before the context limit is the prompt's fault, not
+// max_tokens' (no max_tokens could fix it; it was blamed on max_tokens); a prompt that leaves one
+// canvas but not the canvases max_tokens needs is max_tokens'.
+TEST_F(LimitsTest, ContextLimitErrorNamesTheFieldThatCanFixIt) {
   v1::GenerateRequest req;
   for (int64_t i = 0; i < kContextLimit - 4; ++i) req.mutable_token_ids()->add_ids(2);
   req.set_max_tokens(1);
-  const Result r = Generate(c(), req);
+  Result r = Generate(c(), req);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(r.status.error_message(),
-              HasSubstr("max_tokens: the prompt (262140 tokens) plus 1 canvas of 16 tokens"));
+              HasSubstr(absl::StrCat("prompt: 262140 tokens and one canvas of ", kCanvasLength,
+                                     " tokens exceed the context limit of 262144 positions (a "
+                                     "prompt may have at most 262128 tokens)")));
+
+  req.mutable_token_ids()->clear_ids();
+  for (int64_t i = 0; i < kContextLimit - 20; ++i) req.mutable_token_ids()->add_ids(2);
+  req.set_max_tokens(17);
+  r = Generate(c(), req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.status.error_message(),
+              HasSubstr("max_tokens: the prompt (262124 tokens) plus 2 canvases of 16 tokens"));
 }
 
 // A stop sequence longer than 1024 bytes is refused naming the field (a 1 MB one was accepted:
