@@ -7,9 +7,11 @@
 #include <cstdlib>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -169,6 +171,20 @@ absl::Status ParsePrompt(const json& v, v1::GenerateRequest* req) {
     return Invalid("prompt", "must be a string, an array of one string, or an array of token ids");
   }
   if (v.empty()) return Invalid("prompt", "must not be empty");
+  // Every element has the first one's type (strings, token-id arrays, or token ids; a first
+  // element of another type is named by ParseTokenIds below).
+  const bool known_kind = v[0].is_string() || v[0].is_array() || v[0].is_number();
+  for (size_t i = 1; known_kind && i < v.size(); ++i) {
+    if (v[i].type() != v[0].type() && !(v[i].is_number() && v[0].is_number())) {
+      return Invalid(absl::StrCat("prompt[", i, "]"),
+                     absl::StrCat("must be ",
+                                  v[0].is_string()  ? "a string, as prompt[0] is"
+                                  : v[0].is_array() ? "an array of token ids, as prompt[0] is"
+                                                    : "a token id, as prompt[0] is",
+                                  " (an array prompt is one string, one array of token ids, or "
+                                  "token ids)"));
+    }
+  }
   if (v[0].is_string()) {
     if (v.size() > 1) return Invalid("prompt", kSeveral);
     if (v[0].get<std::string>().empty()) return Invalid("prompt", "must not be empty");
@@ -314,7 +330,8 @@ absl::Status ParseCanvasTemplate(const json& v, v1::GenerateRequest* req) {
     } else if (it.key() == "allowed") {
       if (!x.is_array() || x.empty()) return Invalid(field, "must be a non-empty array of strings");
       for (size_t i = 0; i < x.size(); ++i) {
-        DGSERVE_ASSIGN_OR_RETURN(*t->add_allowed(), GetString(x[i], absl::StrCat(field, "[", i, "]")));
+        DGSERVE_ASSIGN_OR_RETURN(*t->add_allowed(),
+                                 GetString(x[i], absl::StrCat(field, "[", i, "]")));
       }
     } else if (it.key() == "token_ids") {
       if (x.is_array() && x.empty()) return Invalid(field, "must not be empty");
@@ -328,6 +345,7 @@ absl::Status ParseCanvasTemplate(const json& v, v1::GenerateRequest* req) {
         bool has_position = false;
         for (auto hit = x[i].begin(); hit != x[i].end(); ++hit) {
           const std::string f = absl::StrCat(hf, ".", std::string(hit.key()));
+          if (hit.value().is_null()) continue;  // null = absent, as everywhere else
           if (hit.key() == "position") {
             int32_t pos = 0;
             DGSERVE_ASSIGN_OR_RETURN(pos, GetInt32(hit.value(), f));
@@ -368,11 +386,41 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
         ")"));
   }
   json root;
+  // Keys repeated within one object are refused (RFC 8259 §4: names SHOULD be unique): the parser
+  // would keep the last, and a proxy or client library that reads the first would see another
+  // request than the one served. One set of (object number, key) pairs for the whole body, so the
+  // check is linear in its size.
+  std::vector<uint64_t> open_objects;
+  uint64_t objects = 0;
+  absl::flat_hash_set<std::pair<uint64_t, std::string>> seen_keys;
+  std::optional<std::string> duplicate;
+  auto on_event = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+        open_objects.push_back(objects++);
+        break;
+      case json::parse_event_t::object_end:
+        open_objects.pop_back();
+        break;
+      case json::parse_event_t::key:
+        if (!duplicate &&
+            !seen_keys.emplace(open_objects.back(), parsed.get<std::string>()).second) {
+          duplicate = parsed.get<std::string>();
+        }
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
   try {
-    root = json::parse(body.begin(), body.end());
+    root = json::parse(body.begin(), body.end(), on_event);
   } catch (const json::exception& e) {
     // parse_error, and out_of_range for a number that does not fit a double (1e400).
     return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
+  }
+  if (duplicate) {
+    return Invalid(*duplicate, "appears more than once in one JSON object (keys must be unique)");
   }
   if (!root.is_object()) {
     return absl::InvalidArgumentError("request body must be a JSON object");

@@ -170,7 +170,7 @@ TEST(ParseCompletionsTest, PromptRejections) {
   ExpectError(R"({"prompt": [[]]})", "prompt: must not be empty");
   ExpectError(R"({"prompt": ["a", "b"]})", "prompt: several prompts");
   ExpectError(R"({"prompt": [[1], [2]]})", "prompt: several prompts");
-  ExpectError(R"({"prompt": [1, "a"]})", "prompt[1]: must be an integer token id");
+  ExpectError(R"({"prompt": [1, "a"]})", "prompt[1]: must be a token id, as prompt[0] is");
   ExpectError(R"({"prompt": [1, -2]})", "prompt[1]: must be a token id");
   ExpectError(R"({"prompt": [1, 2.5]})", "prompt[1]: must be an integer");
   ExpectError(R"({"prompt": [4294967296]})", "prompt[0]: must be a token id");
@@ -199,6 +199,37 @@ TEST(ParseCompletionsTest, WholeNumbersInAnyNotation) {
   EXPECT_EQ(ParseOk(R"({"prompt": "x", "seed": -0})").request.seed(), 0u);
   EXPECT_EQ(ParseOk(R"({"prompt": "x", "seed": 18446744073709551615})").request.seed(),
             18446744073709551615ull);
+}
+
+// A key repeated within one object is refused, at any depth (the parser kept the last, so
+// {"max_tokens": 2, "max_tokens": -5} and the reverse order were answered differently, and a
+// proxy reading the first value saw another request). The same key in different objects is fine.
+TEST(ParseCompletionsTest, DuplicateKeysAreRefused) {
+  ExpectError(R"({"prompt": "x", "max_tokens": 2, "max_tokens": -5})",
+              "max_tokens: appears more than once in one JSON object");
+  ExpectError(R"({"prompt": "x", "stream": true, "stream": false})", "stream: appears more");
+  ExpectError(R"({"prompt": "x", "canvas_template": {"token_ids": [1], "token_ids": [2]}})",
+              "token_ids: appears more than once");
+  ExpectError(R"({"messages": [{"role": "user", "content": "a", "role": "system"}]})",
+              "role: appears more than once", /*chat=*/true);
+  const OpenAiRequest r = ParseOk(
+      R"({"prompt": "x", "max_tokens": 3,
+          "canvas_template": {"token_ids": [1, -1], "holes": [{"position": 1,
+            "allowed_token_ids": [5]}, {"position": 0, "allowed_token_ids": [6]}]}})");
+  EXPECT_EQ(r.request.max_tokens(), 3);
+  EXPECT_EQ(r.request.canvas_template().holes_size(), 2);
+}
+
+// An array prompt holds one kind of element; a mixed one names the first element of another kind
+// (["a", 5] was answered "several prompts in one request are not supported").
+TEST(ParseCompletionsTest, MixedArrayPromptNamesTheOddElement) {
+  ExpectError(R"({"prompt": ["a", 5]})", "prompt[1]: must be a string, as prompt[0] is");
+  ExpectError(R"({"prompt": [5, "a"]})", "prompt[1]: must be a token id, as prompt[0] is");
+  ExpectError(R"({"prompt": [[5], 6]})",
+              "prompt[1]: must be an array of token ids, as prompt[0] is");
+  ExpectError(R"({"prompt": [true, 5]})", "prompt[0]: must be an integer token id");
+  EXPECT_THAT(ParseOk(R"({"prompt": [5, 6.0, 7]})").request.token_ids().ids(),
+              ElementsAre(5, 6, 7));
 }
 
 TEST(ParseCompletionsTest, MaxTokensRejections) {

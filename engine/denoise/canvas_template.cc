@@ -62,10 +62,11 @@ absl::StatusOr<std::shared_ptr<const CanvasTemplate>> CanvasTemplate::Create(
       return absl::InvalidArgumentError(absl::StrCat(where, ".allowed_token_ids: is empty"));
     }
     std::vector<int32_t> ids = spec.allowed_token_ids;
-    for (int32_t id : ids) {
-      if (id < 0 || id >= vocab) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ".allowed_token_ids: ", id, " is outside the vocabulary [0, ", vocab, ")"));
+    for (size_t j = 0; j < ids.size(); ++j) {
+      if (ids[j] < 0 || ids[j] >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".allowed_token_ids[", j, "]: ",
+                                                       ids[j], " is outside the vocabulary [0, ",
+                                                       vocab, ")"));
       }
     }
     std::sort(ids.begin(), ids.end());

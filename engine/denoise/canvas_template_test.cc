@@ -66,8 +66,9 @@ TEST(CanvasTemplateTest, BadTemplatesAreRejectedNamingTheEntry) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside the canvas")));
   EXPECT_THAT(err({}, {{2, {}}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("allowed_token_ids: is empty")));
-  EXPECT_THAT(err({}, {{2, {kV}}}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside the vocabulary")));
+  EXPECT_THAT(err({}, {{2, {3, kV}}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("holes[0].allowed_token_ids[1]: 130 is outside the vocabulary")));
   EXPECT_THAT(err({}, {{2, {1}}, {2, {1}}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("listed twice")));
 }

@@ -193,6 +193,13 @@ TEST_F(InfillingTest, BadTemplatesAreRejectedNamingTheField) {
       {"allowed entry outside the vocabulary", {{"text", "1_"}, {"allowed", {"\u00e9"}}},
        "not in the model's vocabulary"},
       {"text outside the vocabulary", {{"text", "a_b"}}, "outside the model's vocabulary"},
+      // null is absent inside a hole too (it was "must be an integer").
+      {"null position", {{"token_ids", {-1}}, {"holes", {{{"position", nullptr},
+                                                           {"allowed_token_ids", {110}}}}}},
+       "canvas_template.holes[0].position: required"},
+      {"allowed id outside the vocabulary",
+       {{"token_ids", {-1}}, {"holes", {{{"position", 0}, {"allowed_token_ids", {110, 1000000}}}}}},
+       "holes[0].allowed_token_ids[1]: 1000000 is outside the vocabulary"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
