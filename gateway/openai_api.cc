@@ -37,9 +37,9 @@ absl::Status Unsupported(std::string_view field, std::string_view hint = {}) {
   return absl::InvalidArgumentError(msg);
 }
 
-// A JSON number read as a whole number whatever its notation: the parser keeps 5 as an int64,
-// 18446744073709551615 as a uint64, and 5.0, 1e3 or 18446744073709551616 as a double. Whole
-// doubles are accepted as integers (as vLLM's request models do: 5.0 is 5, 5.5 is refused).
+// A JSON number read as a whole number whatever its notation: the parser keeps 5 and
+// 18446744073709551615 as uint64, -5 as int64, and 5.0, 1e3 or 18446744073709551616 as double.
+// Whole doubles are accepted as integers (as vLLM's request models do: 5.0 is 5, 5.5 is refused).
 struct WholeNumber {
   enum Kind { kValue, kBelowInt64, kAboveInt64, kNotWhole } kind = kNotWhole;
   int64_t value = 0;  // with kValue
@@ -107,7 +107,8 @@ absl::StatusOr<float> GetFloat(const json& v, std::string_view field) {
     return OutOfRange(v, field, "a finite float32 (magnitude at most FLT_MAX, 3.4028235e38)");
   }
   if (d != 0.0 && static_cast<float>(d) == 0.0f) {  // it would reach the sampler as 0
-    return OutOfRange(v, field, "0 or of magnitude at least 1.4e-45 (float32 rounds it to 0)");
+    return Invalid(field, absl::StrCat(v.dump(), " rounds to 0 in float32; give 0 or a magnitude "
+                                                 "of about 1e-45 or more"));
   }
   return static_cast<float>(d);
 }
@@ -147,8 +148,8 @@ absl::Status ParseTokenIds(const json& arr, std::string_view field, v1::Generate
     const std::string name = absl::StrCat(std::string(field), "[", i, "]");
     if (ReadWhole(arr[i]).kind == WholeNumber::kNotWhole) {
       return Invalid(name,
-                     "must be an integer token id (an array prompt is one string or "
-                     "token ids)");
+                     "must be an integer token id (an array prompt is one string, one array of "
+                     "token ids, or token ids)");
     }
     absl::StatusOr<int64_t> id =
         GetIntIn(arr[i], name, 0, std::numeric_limits<int32_t>::max(), "a token id in [0, 2^31)");
@@ -376,6 +377,88 @@ absl::Status ParseCanvasTemplate(const json& v, v1::GenerateRequest* req) {
   return absl::OkStatus();
 }
 
+// A SAX pass that finds the first key repeated within one JSON object (RFC 8259 §4: names SHOULD
+// be unique). nlohmann::json keeps the last of them, so {"max_tokens": 2, "max_tokens": -5} and the
+// reverse order were different requests, and a proxy or client library that reads the first value
+// saw another request than the one served. One key set per open object: linear in the body
+// (a parser callback would do it too, but nlohmann's callback parser rescans the parent container
+// at every object's end, which is quadratic in the number of objects).
+class DuplicateKeyFinder : public nlohmann::json_sax<json> {
+ public:
+  // The repeated key's path, e.g. "messages[0].role", once found.
+  const std::optional<std::string>& duplicate() const { return duplicate_; }
+
+  bool null() override { return Value(); }
+  bool boolean(bool) override { return Value(); }
+  bool number_integer(number_integer_t) override { return Value(); }
+  bool number_unsigned(number_unsigned_t) override { return Value(); }
+  bool number_float(number_float_t, const string_t&) override { return Value(); }
+  bool string(string_t&) override { return Value(); }
+  bool binary(binary_t&) override { return Value(); }
+  bool start_object(std::size_t) override {
+    Value();
+    frames_.push_back(Frame{true});
+    return true;
+  }
+  bool key(string_t& k) override {
+    Frame& f = frames_.back();
+    if (!f.keys.insert(k).second) {
+      const std::string path = Path();
+      duplicate_ = absl::StrCat(path, path.empty() ? "" : ".", k);
+      return false;  // stop: the request is refused
+    }
+    f.key = k;
+    return true;
+  }
+  bool end_object() override {
+    frames_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    Value();
+    frames_.push_back(Frame{false});
+    return true;
+  }
+  bool end_array() override {
+    frames_.pop_back();
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+    return false;  // the DOM parse that follows reports it
+  }
+
+ private:
+  struct Frame {
+    bool object = false;
+    absl::flat_hash_set<std::string> keys;  // an object's keys so far
+    std::string key;                        // an object's current key
+    int64_t index = -1;                     // an array's current element
+  };
+
+  // A value starts: in an array, the next element.
+  bool Value() {
+    if (!frames_.empty() && !frames_.back().object) ++frames_.back().index;
+    return true;
+  }
+
+  // The path of the innermost open object, e.g. "messages[0]" ("" at the top level).
+  std::string Path() const {
+    std::string path;
+    for (size_t i = 0; i + 1 < frames_.size(); ++i) {
+      const Frame& f = frames_[i];
+      if (f.object) {
+        absl::StrAppend(&path, path.empty() ? "" : ".", f.key);
+      } else {
+        absl::StrAppend(&path, "[", f.index, "]");
+      }
+    }
+    return path;
+  }
+
+  std::vector<Frame> frames_;
+  std::optional<std::string> duplicate_;
+};
+
 absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
   // JSON text is UTF-8 (RFC 8259 §8.1); nlohmann::json accepts other bytes inside strings and
   // only fails when the value is serialized again, deep inside the request.
@@ -385,42 +468,20 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
         tokenizer_internal::ValidUtf8PrefixLength(body),
         ")"));
   }
+  // Keys repeated within one object are refused (DuplicateKeyFinder) before the document is
+  // built.
+  DuplicateKeyFinder finder;
+  json::sax_parse(body.begin(), body.end(), &finder);  // stops at the first duplicate or error
+  if (finder.duplicate()) {
+    return Invalid(*finder.duplicate(),
+                   "appears more than once in its JSON object (keys must be unique)");
+  }
   json root;
-  // Keys repeated within one object are refused (RFC 8259 §4: names SHOULD be unique): the parser
-  // would keep the last, and a proxy or client library that reads the first would see another
-  // request than the one served. One set of (object number, key) pairs for the whole body, so the
-  // check is linear in its size.
-  std::vector<uint64_t> open_objects;
-  uint64_t objects = 0;
-  absl::flat_hash_set<std::pair<uint64_t, std::string>> seen_keys;
-  std::optional<std::string> duplicate;
-  auto on_event = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start:
-        open_objects.push_back(objects++);
-        break;
-      case json::parse_event_t::object_end:
-        open_objects.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!duplicate &&
-            !seen_keys.emplace(open_objects.back(), parsed.get<std::string>()).second) {
-          duplicate = parsed.get<std::string>();
-        }
-        break;
-      default:
-        break;
-    }
-    return true;
-  };
   try {
-    root = json::parse(body.begin(), body.end(), on_event);
+    root = json::parse(body.begin(), body.end());
   } catch (const json::exception& e) {
     // parse_error, and out_of_range for a number that does not fit a double (1e400).
     return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
-  }
-  if (duplicate) {
-    return Invalid(*duplicate, "appears more than once in one JSON object (keys must be unique)");
   }
   if (!root.is_object()) {
     return absl::InvalidArgumentError("request body must be a JSON object");

@@ -132,12 +132,12 @@ absl::StatusOr<std::string> ReadPrompt(bool always_chat = false) {
 // (ValidateSamplerParams) before anything is sent, so `dgserve chat` and `dgserve sudoku` report
 // a bad value (e.g. --steps 0) at once instead of after connecting and drawing a grid. Unset flags
 // are the served model's defaults, unknown here: they stand in with values that pass every
-// rule (a t_max just above a lone --t-min, t_min 0 below a lone --t-max), so only the set flags
-// can fail.
+// rule (a t_max just above a lone --t-min, t_min 0 below a lone --t-max, and 1 step, the most
+// lenient for the last-step temperature floor), so only the set flags can fail.
 // Returns INVALID_ARGUMENT naming the field.
 absl::Status CheckDiffusionFlags() {
   SamplerParams p;
-  if (auto v = absl::GetFlag(FLAGS_steps)) p.max_denoising_steps = *v;
+  p.max_denoising_steps = absl::GetFlag(FLAGS_steps).value_or(1);
   const std::optional<double> t_min = absl::GetFlag(FLAGS_t_min);
   const std::optional<double> t_max = absl::GetFlag(FLAGS_t_max);
   p.t_min = t_min ? float(*t_min) : 0.0f;

@@ -25,8 +25,8 @@ absl::Status ValidateSamplerParams(const SamplerParams& p) {
       !(lowest >= kMinStepTemperature)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "t_max and t_min give a last-step temperature t_min + (t_max - t_min) / N = %g (N = %d "
-        "steps), below the minimum %g (smaller temperatures overflow the processed logits); "
-        "raise t_max or t_min",
+        "steps), below the minimum %g (a safety floor: far smaller temperatures overflow the "
+        "processed logits); raise t_max or t_min, or lower max_denoising_steps",
         lowest, p.max_denoising_steps, kMinStepTemperature));
   }
   if (!std::isfinite(p.entropy_bound) || !(p.entropy_bound > 0.0f)) {

@@ -78,11 +78,11 @@ TEST(SamplerParamsTest, ValidationNamesTheOffendingField) {
       {"t_max", With([](SamplerParams& p) { p.t_max = std::numeric_limits<float>::infinity(); })},
       // A last-step temperature below kMinStepTemperature (1e-40 overflowed the logits of the
       // whole batch: a 500 for every request denoised with it).
-      {"t_max", With([](SamplerParams& p) {
+      {"t_max and t_min give a last-step temperature", With([](SamplerParams& p) {
          p.t_min = 0.0f;
          p.t_max = 1e-40f;
        })},
-      {"t_max", With([](SamplerParams& p) {
+      {"t_max and t_min give a last-step temperature", With([](SamplerParams& p) {
          p.t_min = 0.0f;
          p.t_max = 4e-5f;  // 4e-5 / 48 ≈ 8.3e-7 at the last step
        })},

@@ -174,7 +174,7 @@ TEST_F(LimitsTest, TokenizingStopsAtTheContextLimit) {
   EXPECT_THAT(r.status.error_message(), HasSubstr("exceed the context limit"));
   double tokenized = Tokenized(c()) - before;
   EXPECT_GE(tokenized, kContextLimit - kCanvasLength);
-  EXPECT_LE(tokenized, kContextLimit + 64);
+  EXPECT_LE(tokenized, kContextLimit - kCanvasLength + 14);  // < the old budget, limit − 1
 
   before = Tokenized(c());
   const HttpResult h =
@@ -184,7 +184,7 @@ TEST_F(LimitsTest, TokenizingStopsAtTheContextLimit) {
   EXPECT_EQ(h.body["error"]["param"], "messages") << h.body.dump();
   tokenized = Tokenized(c()) - before;
   EXPECT_GE(tokenized, kContextLimit - kCanvasLength);
-  EXPECT_LE(tokenized, kContextLimit + 64);
+  EXPECT_LE(tokenized, kContextLimit - kCanvasLength + 14);  // < the old budget, limit − 1
 
   // A text prompt of 2 M words: the same, through the tokenizer's budget.
   before = Tokenized(c());
@@ -198,7 +198,7 @@ TEST_F(LimitsTest, TokenizingStopsAtTheContextLimit) {
   EXPECT_THAT(t.status.error_message(), HasSubstr("exceed the context limit"));
   tokenized = Tokenized(c()) - before;
   EXPECT_GE(tokenized, kContextLimit - kCanvasLength);
-  EXPECT_LE(tokenized, kContextLimit + 64);
+  EXPECT_LE(tokenized, kContextLimit - kCanvasLength + 14);  // < the old budget, limit − 1
 }
 
 // A prompt that leaves less than one canvas before the context limit is the prompt's fault, not
