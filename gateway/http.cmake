@@ -4,7 +4,7 @@ dgserve_cc_library(NAME dgserve_stop_matcher
   DEPS absl::strings)
 
 dgserve_cc_library(NAME dgserve_openai_api
-  SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api.cc
+  SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api.cc ${CMAKE_CURRENT_LIST_DIR}/json_fields.cc
   DEPS dgserve_common dgserve_proto dgserve_status_convert dgserve_tokenizer nlohmann_json::nlohmann_json
        absl::flat_hash_set absl::status absl::statusor absl::strings)
 
@@ -33,6 +33,9 @@ if(DGSERVE_BUILD_TESTS)
     DEPS dgserve_stop_matcher LABELS unit)
   dgserve_http_cc_test(NAME openai_api_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api_test.cc
+    DEPS dgserve_openai_api LABELS unit)
+  dgserve_http_cc_test(NAME json_fields_test
+    SRCS ${CMAKE_CURRENT_LIST_DIR}/json_fields_test.cc
     DEPS dgserve_openai_api LABELS unit)
   dgserve_http_cc_test(NAME openai_http_server_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server_test.cc

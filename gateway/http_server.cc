@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -72,6 +73,48 @@ std::string BearerToken(const HttpRequest& req) {
     return "";
   }
   return std::string(absl::StripAsciiWhitespace(value.substr(kBearer.size())));
+}
+
+// A generation request's body must be JSON, as FastAPI (vLLM) reads it: no Content-Type, or
+// application/json or application/*+json, parameters (charset) ignored. Anything else is 415, so
+// that a browser cannot send a cross-site form or text post (text/plain,
+// application/x-www-form-urlencoded and multipart/form-data need no CORS preflight) that the
+// server runs as a request. A browser can also post an untyped body (fetch of a Blob, sendBeacon)
+// without a preflight; browsers send `Origin` with every POST and API clients (curl, the OpenAI
+// SDKs) do not, so a request with an Origin must say application/json. Two Content-Type fields
+// are 400 (returns INVALID_ARGUMENT; `*http_status` is set to 415 or 400).
+absl::Status CheckJsonContentType(const HttpRequest& req, int* http_status) {
+  *http_status = 400;
+  if (req.count(http::field::content_type) > 1) {
+    return absl::InvalidArgumentError("Content-Type: given more than once");
+  }
+  *http_status = 415;
+  const std::string value = HeaderValue(req, http::field::content_type);
+  if (absl::StripAsciiWhitespace(value).empty()) {
+    if (req.find(http::field::origin) == req.end()) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "Content-Type: missing on a request with an Origin (from a browser); send the body as "
+        "application/json");
+  }
+  const std::string media = absl::AsciiStrToLower(
+      absl::StripAsciiWhitespace(absl::string_view(value).substr(0, value.find(';'))));
+  const std::string application = "application/";
+  const std::string json_suffix = "+json";
+  if (media.compare(0, application.size(), application) == 0) {
+    const std::string subtype = media.substr(application.size());
+    // A subtype is a token (RFC 9110 §5.6.2): no '/', no whitespace.
+    if (subtype.find_first_of("/ \t") == std::string::npos &&
+        (subtype == "json" ||
+         (subtype.size() >= json_suffix.size() &&
+          subtype.compare(subtype.size() - json_suffix.size(), json_suffix.size(), json_suffix) ==
+              0))) {
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("Content-Type: \"", absl::CHexEscape(value),
+                   "\" is not JSON; send the body as application/json (curl: -H "
+                   "'Content-Type: application/json')"));
 }
 
 }  // namespace
@@ -287,6 +330,10 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>
     r.Set("X-Request-Id", local_id);
     c->Respond(r, route, start);
   };
+  int type_status = 0;
+  if (absl::Status type = CheckJsonContentType(req, &type_status); !type.ok()) {
+    return refuse(type, ErrorResponse(type_status, type));
+  }
   absl::StatusOr<OpenAiRequest> parsed =
       chat ? ParseChatCompletionsRequest(req.body()) : ParseCompletionsRequest(req.body());
   if (!parsed.ok()) {

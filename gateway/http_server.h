@@ -64,9 +64,12 @@ struct HttpServerOptions {
 //     and `WWW-Authenticate: Bearer`.
 //   - Unknown path → 404, known path with the wrong method → 405 (with `Allow`), body larger
 //     than max_body_bytes → 413, head larger than max_header_bytes → 431, a malformed request
-//     → 400; all with OpenAI error bodies (413, 431 and 400 close the connection). The
-//     Content-Type is not checked: a body that parses as JSON is accepted. `Expect:
+//     → 400; all with OpenAI error bodies (413, 431 and 400 close the connection). `Expect:
 //     100-continue` is answered.
+//   - A generation body is read as JSON when it has no Content-Type (and no `Origin`: a
+//     browser's untyped post must say application/json), application/json or
+//     application/*+json (parameters ignored); any other type is 415 (code
+//     "unsupported_media_type") before the body is parsed, two Content-Type fields are 400.
 //   - HTTP/1.1 keep-alive and pipelining: requests on a connection are answered in order; the
 //     next one is read once the previous answer is written. `Connection: close` (or HTTP/1.0
 //     without keep-alive) closes after the answer.

@@ -43,8 +43,7 @@ TEST_F(HttpServerTest, BadRequestBodyShape) {
   ExpectErrorBody(res, 400, "invalid_request_error", "prompt: must not be empty");
   EXPECT_FALSE(res.Header("X-Request-Id").empty());
   // Parse errors name the field in `param`.
-  auto bad =
-      cli.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": "x"})", {}, "text/plain");
+  auto bad = cli.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": "x"})");
   ExpectErrorBody(bad, 400, "invalid_request_error", "max_tokens: must be an integer");
   EXPECT_EQ(json::parse(bad.body)["error"]["param"], "max_tokens");
   auto unsupported =
@@ -116,6 +115,81 @@ TEST_F(HttpServerTest, BodyTooLarge) {
   // A small body still reaches the core.
   ExpectErrorBody(cli.Post("/v1/completions", R"({"prompt": "x"})"), 400, "invalid_request_error",
                   "prompt: must not be empty");
+}
+
+// A generation's body is JSON: a form or text body (what a cross-site page can send without a
+// CORS preflight, and what `curl -d` sends by default) is refused before it is parsed or run, on
+// both routes.
+TEST_F(HttpServerTest, GenerationBodiesMustBeJson) {
+  std::atomic<int> runs{0};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                       const GenerationCore::EventCallback&) {
+    ++runs;
+    return absl::InvalidArgumentError("prompt: must not be empty");
+  };
+  StartServer();
+  HttpClient cli = Client();
+  const std::string completion = R"({"prompt": "hi"})";
+  const std::string chat = R"({"messages": [{"role": "user", "content": "x"}]})";
+  const std::vector<std::pair<std::string, std::string>> routes = {
+      {"/v1/completions", completion}, {"/v1/chat/completions", chat}};
+  int refused = 0;
+  for (const auto& [path, body] : routes) {
+    for (const std::string type :
+         {"text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+          "text/json", "application/jsonx", "application/x/+json", "json", ";charset=utf-8",
+          "application/js on"}) {
+      SCOPED_TRACE(path + " " + type);
+      auto res = cli.Post(path, body, {}, type);
+      ExpectErrorBody(res, 415, "invalid_request_error",
+                      "Content-Type: \"" + type + "\" is not JSON");
+      EXPECT_EQ(json::parse(res.body)["error"]["code"], "unsupported_media_type");
+      ++refused;
+    }
+  }
+  EXPECT_EQ(runs, 0);
+  // JSON types with parameters, in any case, are run, over the same connection.
+  const int connections_before = cli.Get("/health").new_connections;
+  int accepted = 0;
+  for (const auto& [path, body] : routes) {
+    for (const std::string type :
+         {"application/json", "Application/JSON; charset=utf-8", " application/json ;charset=UTF-8",
+          "application/vnd.api+json", "application/+json"}) {
+      SCOPED_TRACE(path + " " + type);
+      auto res = cli.Post(path, body, {}, type);
+      ExpectErrorBody(res, 400, "invalid_request_error", "prompt: must not be empty");
+      EXPECT_EQ(res.new_connections, 0);
+      ++accepted;
+    }
+  }
+  EXPECT_EQ(connections_before, 0);
+  EXPECT_EQ(runs, accepted);
+  // No Content-Type is read as JSON (as vLLM does), except from a browser (an Origin: an untyped
+  // fetch or sendBeacon needs no preflight either); two are refused.
+  auto raw = [&](const std::string& headers) {
+    return RawRequest(port_, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                          "Connection: close\r\n", headers, "Content-Length: ",
+                                          completion.size(), "\r\n\r\n", completion));
+  };
+  const std::string untyped = raw("");
+  EXPECT_THAT(untyped, HasSubstr("HTTP/1.1 400"));
+  EXPECT_THAT(untyped, HasSubstr("prompt: must not be empty"));
+  EXPECT_EQ(runs, accepted + 1);
+  const std::string from_browser = raw("Origin: https://elsewhere.example\r\n");
+  EXPECT_THAT(from_browser, HasSubstr("HTTP/1.1 415"));
+  EXPECT_THAT(from_browser, HasSubstr("Content-Type: missing on a request with an Origin"));
+  const std::string typed_from_browser =
+      raw("Origin: https://elsewhere.example\r\nContent-Type: application/json\r\n");
+  EXPECT_THAT(typed_from_browser, HasSubstr("HTTP/1.1 400"));
+  EXPECT_THAT(typed_from_browser, HasSubstr("prompt: must not be empty"));
+  EXPECT_EQ(runs, accepted + 2);
+  const std::string twice =
+      raw("Content-Type: application/json\r\nContent-Type: text/plain\r\n");
+  EXPECT_THAT(twice, HasSubstr("HTTP/1.1 400"));
+  EXPECT_THAT(twice, HasSubstr("Content-Type: given more than once"));
+  EXPECT_EQ(runs, accepted + 2);
+  // Refusals are counted as such.
+  EXPECT_EQ(core_.Refused().size(), size_t(refused + 2));
 }
 
 TEST_F(HttpServerTest, PostWithoutBodyDoesNotHang) {

@@ -1,64 +1,37 @@
 #include "gateway/openai_api.h"
 
 #include <algorithm>
-#include <cfloat>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "engine/tokenizer/utf8.h"
 #include "gateway/generation_core.h"
+#include "gateway/json_fields.h"
 #include "service/status_convert.h"
 
 namespace dgserve {
 namespace {
 
 using json = nlohmann::json;
+using json_fields::GetBool;
+using json_fields::GetFloat;
+using json_fields::GetInt32;
+using json_fields::GetIntIn;
+using json_fields::GetString;
+using json_fields::Invalid;
+using json_fields::ReadWhole;
+using json_fields::Unsupported;
+using json_fields::WholeNumber;
 
 constexpr int64_t kMaxTokensLimit = 1'000'000;
 constexpr size_t kMaxStops = 4;
-
-absl::Status Invalid(std::string_view field, std::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": ", std::string(what)));
-}
-
-absl::Status Unsupported(std::string_view field, std::string_view hint = {}) {
-  std::string msg = absl::StrCat("unsupported field: ", std::string(field));
-  if (!hint.empty()) absl::StrAppend(&msg, " (", std::string(hint), ")");
-  return absl::InvalidArgumentError(msg);
-}
-
-// A JSON number read as a whole number whatever its notation: the parser keeps 5 and
-// 18446744073709551615 as uint64, -5 as int64, and 5.0, 1e3 or 18446744073709551616 as double.
-// Whole doubles are accepted as integers (as vLLM's request models do: 5.0 is 5, 5.5 is refused).
-struct WholeNumber {
-  enum Kind { kValue, kBelowInt64, kAboveInt64, kNotWhole } kind = kNotWhole;
-  int64_t value = 0;  // with kValue
-};
-
-WholeNumber ReadWhole(const json& v) {
-  if (v.is_number_unsigned()) {
-    const uint64_t u = v.get<uint64_t>();
-    if (u > uint64_t(std::numeric_limits<int64_t>::max())) return {WholeNumber::kAboveInt64};
-    return {WholeNumber::kValue, int64_t(u)};
-  }
-  if (v.is_number_integer()) return {WholeNumber::kValue, v.get<int64_t>()};
-  if (!v.is_number_float()) return {};
-  const double d = v.get<double>();  // finite: the parser refuses 1e400
-  if (!std::isfinite(d) || d != std::trunc(d)) return {};
-  if (d >= 0x1p63) return {WholeNumber::kAboveInt64};
-  if (d < -0x1p63) return {WholeNumber::kBelowInt64};
-  return {WholeNumber::kValue, int64_t(d)};
-}
 
 // The harmless defaults of the file comment: accepted and ignored.
 bool IsToleratedDefault(const std::string& key, const json& v) {
@@ -73,54 +46,6 @@ bool IsToleratedDefault(const std::string& key, const json& v) {
   }
   if (key == "logit_bias" && v.is_object()) return v.empty();
   return false;
-}
-
-// "FIELD: must be RANGE (got VALUE)", VALUE as parsed and re-serialized (1e3 prints as 1000.0).
-absl::Status OutOfRange(const json& v, std::string_view field, std::string_view range) {
-  return Invalid(field, absl::StrCat("must be ", std::string(range), " (got ", v.dump(), ")"));
-}
-
-// A whole number in [lo, hi]: "must be an integer" for anything else that is not a whole number,
-// OutOfRange(range) for a whole number outside [lo, hi], however large.
-absl::StatusOr<int64_t> GetIntIn(const json& v, std::string_view field, int64_t lo, int64_t hi,
-                                 std::string_view range) {
-  const WholeNumber w = ReadWhole(v);
-  if (w.kind == WholeNumber::kNotWhole) return Invalid(field, "must be an integer");
-  if (w.kind != WholeNumber::kValue || w.value < lo || w.value > hi) {
-    return OutOfRange(v, field, range);
-  }
-  return w.value;
-}
-
-absl::StatusOr<int32_t> GetInt32(const json& v, std::string_view field) {
-  absl::StatusOr<int64_t> i =
-      GetIntIn(v, field, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(),
-               "an integer in [-2^31, 2^31)");
-  if (!i.ok()) return i.status();
-  return int32_t(*i);
-}
-
-absl::StatusOr<float> GetFloat(const json& v, std::string_view field) {
-  if (!v.is_number()) return Invalid(field, "must be a number");
-  const double d = v.get<double>();
-  if (!std::isfinite(d) || std::fabs(d) > FLT_MAX) {
-    return OutOfRange(v, field, "a finite float32 (magnitude at most FLT_MAX, 3.4028235e38)");
-  }
-  if (d != 0.0 && static_cast<float>(d) == 0.0f) {  // it would reach the sampler as 0
-    return Invalid(field, absl::StrCat(v.dump(), " rounds to 0 in float32; give 0 or a magnitude "
-                                                 "of about 1e-45 or more"));
-  }
-  return static_cast<float>(d);
-}
-
-absl::StatusOr<bool> GetBool(const json& v, std::string_view field) {
-  if (!v.is_boolean()) return Invalid(field, "must be a boolean");
-  return v.get<bool>();
-}
-
-absl::StatusOr<std::string> GetString(const json& v, std::string_view field) {
-  if (!v.is_string()) return Invalid(field, "must be a string");
-  return v.get<std::string>();
 }
 
 absl::Status ParseStop(const json& v, v1::GenerateRequest* req) {
@@ -377,115 +302,9 @@ absl::Status ParseCanvasTemplate(const json& v, v1::GenerateRequest* req) {
   return absl::OkStatus();
 }
 
-// A SAX pass that finds the first key repeated within one JSON object (RFC 8259 §4: names SHOULD
-// be unique). nlohmann::json keeps the last of them, so {"max_tokens": 2, "max_tokens": -5} and the
-// reverse order were different requests, and a proxy or client library that reads the first value
-// saw another request than the one served. One key set per open object: linear in the body
-// (a parser callback would do it too, but nlohmann's callback parser rescans the parent container
-// at every object's end, which is quadratic in the number of objects).
-class DuplicateKeyFinder : public nlohmann::json_sax<json> {
- public:
-  // The repeated key's path, e.g. "messages[0].role", once found.
-  const std::optional<std::string>& duplicate() const { return duplicate_; }
-
-  bool null() override { return Value(); }
-  bool boolean(bool) override { return Value(); }
-  bool number_integer(number_integer_t) override { return Value(); }
-  bool number_unsigned(number_unsigned_t) override { return Value(); }
-  bool number_float(number_float_t, const string_t&) override { return Value(); }
-  bool string(string_t&) override { return Value(); }
-  bool binary(binary_t&) override { return Value(); }
-  bool start_object(std::size_t) override {
-    Value();
-    frames_.push_back(Frame{true});
-    return true;
-  }
-  bool key(string_t& k) override {
-    Frame& f = frames_.back();
-    if (!f.keys.insert(k).second) {
-      const std::string path = Path();
-      duplicate_ = absl::StrCat(path, path.empty() ? "" : ".", k);
-      return false;  // stop: the request is refused
-    }
-    f.key = k;
-    return true;
-  }
-  bool end_object() override {
-    frames_.pop_back();
-    return true;
-  }
-  bool start_array(std::size_t) override {
-    Value();
-    frames_.push_back(Frame{false});
-    return true;
-  }
-  bool end_array() override {
-    frames_.pop_back();
-    return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
-    return false;  // the DOM parse that follows reports it
-  }
-
- private:
-  struct Frame {
-    bool object = false;
-    absl::flat_hash_set<std::string> keys;  // an object's keys so far
-    std::string key;                        // an object's current key
-    int64_t index = -1;                     // an array's current element
-  };
-
-  // A value starts: in an array, the next element.
-  bool Value() {
-    if (!frames_.empty() && !frames_.back().object) ++frames_.back().index;
-    return true;
-  }
-
-  // The path of the innermost open object, e.g. "messages[0]" ("" at the top level).
-  std::string Path() const {
-    std::string path;
-    for (size_t i = 0; i + 1 < frames_.size(); ++i) {
-      const Frame& f = frames_[i];
-      if (f.object) {
-        absl::StrAppend(&path, path.empty() ? "" : ".", f.key);
-      } else {
-        absl::StrAppend(&path, "[", f.index, "]");
-      }
-    }
-    return path;
-  }
-
-  std::vector<Frame> frames_;
-  std::optional<std::string> duplicate_;
-};
-
 absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
-  // JSON text is UTF-8 (RFC 8259 §8.1); nlohmann::json accepts other bytes inside strings and
-  // only fails when the value is serialized again, deep inside the request.
-  if (!tokenizer_internal::IsValidUtf8(body)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "request body is not valid UTF-8 (first bad byte at offset ",
-        tokenizer_internal::ValidUtf8PrefixLength(body),
-        ")"));
-  }
-  // Keys repeated within one object are refused (DuplicateKeyFinder) before the document is
-  // built.
-  DuplicateKeyFinder finder;
-  json::sax_parse(body.begin(), body.end(), &finder);  // stops at the first duplicate or error
-  if (finder.duplicate()) {
-    return Invalid(*finder.duplicate(),
-                   "appears more than once in its JSON object (keys must be unique)");
-  }
   json root;
-  try {
-    root = json::parse(body.begin(), body.end());
-  } catch (const json::exception& e) {
-    // parse_error, and out_of_range for a number that does not fit a double (1e400).
-    return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
-  }
-  if (!root.is_object()) {
-    return absl::InvalidArgumentError("request body must be a JSON object");
-  }
+  DGSERVE_RETURN_IF_ERROR(json_fields::ParseJsonObject(body, &root));
   OpenAiRequest out;
   out.chat = chat;
   v1::GenerateRequest& req = out.request;
@@ -525,21 +344,9 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
     } else if (key == "stop") {
       DGSERVE_RETURN_IF_ERROR(ParseStop(v, &req));
     } else if (key == "seed") {
-      // [0, 2^64): beyond int64, so read apart from ReadWhole.
-      constexpr std::string_view kRange = "an integer in [0, 2^64)";
-      const WholeNumber w = ReadWhole(v);
-      if (v.is_number_unsigned()) {
-        req.set_seed(v.get<uint64_t>());
-      } else if (w.kind == WholeNumber::kNotWhole) {
-        return Invalid(key, "must be an integer");
-      } else if (w.kind == WholeNumber::kValue && w.value >= 0) {  // -0, or a whole double
-        req.set_seed(uint64_t(w.value));
-      } else if (w.kind == WholeNumber::kAboveInt64 && v.is_number_float() &&
-                 v.get<double>() < 0x1p64) {
-        req.set_seed(uint64_t(v.get<double>()));
-      } else {
-        return OutOfRange(v, key, kRange);
-      }
+      uint64_t seed = 0;
+      DGSERVE_ASSIGN_OR_RETURN(seed, json_fields::GetUint64(v, key));
+      req.set_seed(seed);
     } else if (key == "temperature" || key == "top_p") {
       if (!v.is_number()) return Invalid(key, "must be a number");
       if (v.get<double>() != 1.0) {

@@ -140,12 +140,6 @@ TEST(ParseCompletionsTest, InvalidUtf8IsInvalidArgument) {
               "request body is not valid UTF-8", /*chat=*/true);
 }
 
-TEST(ParseCompletionsTest, MalformedJson) {
-  ExpectError(R"({"prompt": )", "malformed JSON: ");
-  ExpectError("", "malformed JSON: ");
-  ExpectError(R"({"prompt": "x"} trailing)", "malformed JSON: ");
-}
-
 // Issue #15 item 5: a number beyond a double made nlohmann::json throw out_of_range, which was
 // not caught (HTTP 500). Every JSON exception is a 400 now, in any field and on both endpoints.
 TEST(ParseCompletionsTest, NumberOverflowIsInvalidArgumentNotAnException) {
@@ -154,11 +148,6 @@ TEST(ParseCompletionsTest, NumberOverflowIsInvalidArgumentNotAnException) {
   ExpectError(R"({"prompt":"x","t_min":1e99999})", "malformed JSON: ");
   ExpectError(R"({"messages":[{"role":"user","content":"x"}],"entropy_bound":1e400})",
               "malformed JSON: ", /*chat=*/true);
-}
-
-TEST(ParseCompletionsTest, NotAnObject) {
-  ExpectError(R"(["prompt"])", "request body must be a JSON object");
-  ExpectError(R"("x")", "request body must be a JSON object");
 }
 
 TEST(ParseCompletionsTest, PromptRejections) {
@@ -222,16 +211,6 @@ TEST(ParseCompletionsTest, DuplicateKeysAreRefused) {
             "allowed_token_ids": [5]}, {"position": 0, "allowed_token_ids": [6]}]}})");
   EXPECT_EQ(r.request.max_tokens(), 3);
   EXPECT_EQ(r.request.canvas_template().holes_size(), 2);
-}
-
-// Many objects in one body are checked in linear time: 700,000 empty objects (about 3 MB) are
-// parsed and the request is answered for its first wrong field. (A parser callback made this
-// quadratic: about 10^11 steps, a stalled I/O thread, before the first field was looked at.)
-TEST(ParseCompletionsTest, ManyObjectsParseInLinearTime) {
-  std::string body = R"({"prompt": "x", "stop": [)";
-  for (int i = 0; i < 700000; ++i) body += i == 0 ? "{}" : ",{}";
-  body += "]}";
-  ExpectError(body, "stop: at most 4");
 }
 
 // An array prompt holds one kind of element; a mixed one names the first element of another kind

@@ -56,6 +56,7 @@ std::string OpenAiErrorCodeForHttp(int http_status) {
   switch (http_status) {
     case 405: return "method_not_allowed";
     case 413: return "request_too_large";
+    case 415: return "unsupported_media_type";
     case 431: return "request_header_fields_too_large";
     default: return "";
   }
