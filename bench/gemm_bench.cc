@@ -121,7 +121,9 @@ int main(int argc, char** argv) {
       {"LM head, canvas 256", 256, V, 2816},
   };
   // The soft embedding's product p[m, 512] · E[512, D] with E row-major (a vocabulary tile).
-  const std::vector<Shape> row_major_shapes = {{"soft emb. tile, canvas 32", 32, 2816, 512},
+  const std::vector<Shape> row_major_shapes = {{"soft emb. tile, 8 rows", 8, 2816, 512},
+                                               {"soft emb. tile, 16 rows", 16, 2816, 512},
+                                               {"soft emb. tile, canvas 32", 32, 2816, 512},
                                                {"soft emb. tile, canvas 256", 256, 2816, 512}};
   std::printf("GEMM path %s, %d threads; OpenBLAS sgemm on float32 copies of the weights\n",
               GemmIsaName(ActiveGemmIsa()), omp_get_max_threads());

@@ -29,16 +29,26 @@ constexpr int kKc = 256;  // k per block
 constexpr int kMc = 32;   // rows per output tile
 constexpr int kNc = 256;  // columns per output tile (a multiple of 2 panels)
 
-// The widened path (a bf16 or row-major B and at least kWideMinRows rows): per k block, a tile
+// The widened path (a bf16 B and at least kWideMinRows rows, or a row-major B and more rows than
+// one microkernel call takes): per k block, a tile
 // widens its B block (kKcWide × up to kNcWide columns) once into float32 panels, which every row
 // group of the tile (up to kMcWide rows) then reads with the float32 microkernel: the widening
 // is paid once per tile instead of once per row group.
 constexpr int kKcWide = 256;
 constexpr int kNcWide = 256;
 constexpr int kMcWide = 256;
-// Below this many rows the widening is cheaper in registers (B is read by few row groups, and a
-// B block read from memory and packed before any arithmetic would leave the FMA units idle).
+// Below this many rows a packed bf16 B is cheaper widened in registers (B is read by few row
+// groups, and a B block read from memory and packed before any arithmetic would leave the FMA
+// units idle). A row-major B (k stride n) is read far better from a packed copy as soon as two
+// row groups read it: soft-embedding tile, 2816 columns, k 512, measured on Zen 5, 2 threads,
+// AVX-512: 16 rows 118 -> 248 GFLOP/s, 32 rows 182 -> 311; AVX2: 8 rows 56 -> 119, 32 rows 124 ->
+// 181; with one row group it stays in registers (AVX-512, 8 rows: 346 in registers, 174 packed).
 constexpr int kWideMinRows = 64;
+
+bool UseWidePath(const GemmArgs& g, const KernelSet& ks) {
+  if (g.b.k_stride != kGemmPanel) return g.m > ks.max_rows;
+  return g.b.type == GemmB::Type::kBf16 && g.m >= kWideMinRows;
+}
 constexpr int kAPad = 16;
 
 bool CpuHas(GemmIsa isa) {
@@ -104,7 +114,6 @@ const void* BAt(const GemmB& b, int64_t kk, int64_t j) {
 struct Scratch {
   std::vector<float> b;      // [kKc][16] floats (or half of it as bf16)
   std::vector<float> c;      // [max_rows][16]
-  std::vector<float> strip;  // a strided B strip copied contiguous: two panels × [kKc][16]
   std::vector<float> wide;   // the widened path's B block: [groups][kc][16 · panels per group]
   std::vector<float> a;      // the widened path's A block: [rows][kc + kAPad]
 };
@@ -178,24 +187,6 @@ void RunTile(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int n0, int
       t.b0 = BAt(g.b, k0, j);
       t.b1 = panels > 1 ? BAt(g.b, k0, j + kGemmPanel) : nullptr;
       t.b_kstride = g.b.k_stride;
-      if (g.b.k_stride != kGemmPanel && m1 - m0 > ks.max_rows) {
-        // A row-major B walks k with a large stride (a row of B per k), which maps a strip's
-        // lines onto few cache sets; copied contiguous once, it serves every row group from L1.
-        // Copies are exact: the chains are unchanged.
-        const size_t es = ElementSize(g.b), row_bytes = kGemmPanel * es;
-        s.strip.resize(size_t(2) * kKc * kGemmPanel);
-        char* dst = reinterpret_cast<char*>(s.strip.data());
-        for (int p = 0; p < panels; ++p) {
-          const char* src = static_cast<const char*>(p == 0 ? t.b0 : t.b1);
-          char* d = dst + size_t(p) * kKc * row_bytes;
-          for (int kk = 0; kk < kc; ++kk) {
-            std::memcpy(d + kk * row_bytes, src + size_t(kk) * g.b.k_stride * es, row_bytes);
-          }
-        }
-        t.b0 = dst;
-        t.b1 = panels > 1 ? dst + size_t(kKc) * row_bytes : nullptr;
-        t.b_kstride = kGemmPanel;
-      }
       t.ldc = g.ldc;
       t.load_c = load_c;
       for (int i = m0; i < m1; i += ks.max_rows) {
@@ -324,13 +315,11 @@ void Gemm(const GemmArgs& g, GemmIsa isa, GemmThreads threads) {
   const KernelSet ks = Kernels(isa);
   const bool parallel =
       threads == GemmThreads::kOpenMp && !omp_in_parallel() && omp_get_max_threads() > 1;
-  if ((g.b.type == GemmB::Type::kBf16 || g.b.k_stride != kGemmPanel) && g.m >= kWideMinRows) {
+  if (UseWidePath(g, ks)) {
     GemmWide(g, ks, parallel ? omp_get_max_threads() : 1);
     return;
   }
-  // A strided B is copied strip by strip inside a tile: one tile takes all the rows, so each
-  // strip is copied once per k block.
-  const int mc = g.b.k_stride != kGemmPanel ? g.m : kMc;
+  const int mc = kMc;
   const int row_tiles = (g.m + mc - 1) / mc, col_tiles = (g.n + kNc - 1) / kNc;
   const int tiles = row_tiles * col_tiles;
   auto run = [&](int t, Scratch& s) {
