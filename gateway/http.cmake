@@ -6,7 +6,7 @@ dgserve_cc_library(NAME dgserve_stop_matcher
 dgserve_cc_library(NAME dgserve_openai_api
   SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api.cc ${CMAKE_CURRENT_LIST_DIR}/json_fields.cc
   DEPS dgserve_common dgserve_proto dgserve_status_convert dgserve_tokenizer nlohmann_json::nlohmann_json
-       absl::flat_hash_set absl::status absl::statusor absl::strings)
+       absl::flat_hash_set absl::cord absl::status absl::statusor absl::strings)
 
 dgserve_cc_library(NAME dgserve_http_server
   SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server.cc ${CMAKE_CURRENT_LIST_DIR}/http_connection.cc

@@ -37,13 +37,18 @@ std::string StatusLine(int status) {
                       "\r\n");
 }
 
-// The bytes of `r` on the wire (no body for HEAD).
-std::string Serialize(const HttpResponse& r, bool keep_alive, bool head) {
+// The bytes of `r` on the wire (no body for HEAD). An HTTP/1.0 connection kept alive is told so
+// (RFC 9112 §9.3: a 1.0 client closes otherwise).
+std::string Serialize(const HttpResponse& r, bool keep_alive, bool head, bool http10) {
   std::string out = StatusLine(r.status);
   absl::StrAppend(&out, "Content-Type: ", r.content_type, "\r\nContent-Length: ", r.body.size(),
                   "\r\n");
   for (const auto& [name, value] : r.headers) absl::StrAppend(&out, name, ": ", value, "\r\n");
-  if (!keep_alive) out += "Connection: close\r\n";
+  if (!keep_alive) {
+    out += "Connection: close\r\n";
+  } else if (http10) {
+    out += "Connection: keep-alive\r\n";
+  }
   out += "\r\n";
   if (!head) out += r.body;
   return out;
@@ -140,7 +145,9 @@ bool HttpExchange::Send(std::string bytes, size_t limit) {
     if (cancelled) return false;
     pending += bytes.size();
   }
-  Post([bytes = std::move(bytes)](HttpConnection& c) mutable { c.Write(std::move(bytes), true); });
+  Post([bytes = std::move(bytes)](HttpConnection& c) mutable {
+    c.WriteStreamData(std::move(bytes), /*counted=*/true);
+  });
   return true;
 }
 
@@ -184,7 +191,7 @@ void HttpConnection::Close() {
 void HttpConnection::Respond(const HttpResponse& r, const std::string& route, absl::Time start) {
   if (state_ == State::kClosed) return;
   host_->Record(route, r.status, absl::Now() - start);  // before the client can see the answer
-  Write(Serialize(r, keep_alive_ && !host_->stopping(), head_), false);
+  Write(Serialize(r, keep_alive_ && !host_->stopping(), head_, http10_));
   EndExchange();
 }
 
@@ -194,27 +201,42 @@ void HttpConnection::StartStream(const std::string& request_id) {
   absl::StrAppend(&head,
                   "Content-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                   "X-Accel-Buffering: no\r\nX-Request-Id: ",
-                  request_id, "\r\nTransfer-Encoding: chunked\r\n");
+                  request_id, "\r\n");
+  if (http10_) {
+    keep_alive_ = false;  // the end of the body is the end of the connection
+  } else {
+    head += "Transfer-Encoding: chunked\r\n";
+  }
   if (!keep_alive_) head += "Connection: close\r\n";
   head += "\r\n";
-  Write(std::move(head), false);
+  Write(std::move(head));
   streaming_ = true;
   host_->CountStreams(1);
   ArmKeepAlive();
 }
 
-void HttpConnection::EndStream(std::string bytes, const std::string& route, absl::Time start) {
+void HttpConnection::EndStream(std::string last_frames, const std::string& route,
+                               absl::Time start) {
   if (state_ == State::kClosed) return;
   host_->Record(route, 200, absl::Now() - start);
-  Write(std::move(bytes), false);
+  WriteStreamData(std::move(last_frames), /*counted=*/false);
+  if (!http10_) Write("0\r\n\r\n");  // the last chunk
   keepalive_timer_.cancel();
   EndExchange();
 }
 
-void HttpConnection::Write(std::string bytes, bool counted) {
-  if (state_ == State::kClosed || bytes.empty()) return;
+void HttpConnection::WriteStreamData(std::string data, bool counted) {
+  if (data.empty()) return;
+  const size_t n = data.size();
+  Queue({http10_ ? std::move(data) : Chunk(data), counted ? n : 0});
+}
+
+void HttpConnection::Write(std::string bytes) { Queue({std::move(bytes), 0}); }
+
+void HttpConnection::Queue(OutBuf buf) {
+  if (state_ == State::kClosed || buf.data.empty()) return;
   wrote_since_tick_ = true;
-  out_.push_back({std::move(bytes), counted});
+  out_.push_back(std::move(buf));
   if (!writing_) DoWrite();
 }
 
@@ -328,7 +350,7 @@ void HttpConnection::OnHeader(error_code ec) {
   }
   if (absl::EqualsIgnoreCase(HeaderValue(req, http::field::expect), "100-continue") &&
       !parser_->is_done()) {
-    Write("HTTP/1.1 100 Continue\r\n\r\n", false);
+    Write("HTTP/1.1 100 Continue\r\n\r\n");
   }
   if (parser_->is_done()) {
     OnRequest();
@@ -394,6 +416,7 @@ void HttpConnection::OnRequest() {
   parser_.reset();
   keep_alive_ = req.keep_alive();
   head_ = req.method() == http::verb::head;
+  http10_ = req.version() < 11;
   host_->OnRequest(shared_from_this(), std::move(req));
 }
 
@@ -452,7 +475,7 @@ void HttpConnection::OnWrite(error_code ec) {
   }
   OutBuf done = std::move(out_.front());
   out_.pop_front();
-  if (done.counted && exchange_) exchange_->Written(done.data.size());
+  if (done.counted_bytes > 0 && exchange_) exchange_->Written(done.counted_bytes);
   if (!out_.empty()) {
     DoWrite();
   } else if (answer_queued_) {
@@ -467,7 +490,7 @@ void HttpConnection::ArmKeepAlive() {
 
 void HttpConnection::OnKeepAliveTick() {
   if (state_ != State::kBusy || !streaming_) return;
-  if (!wrote_since_tick_) Write(Chunk(": keep-alive\n\n"), false);
+  if (!wrote_since_tick_) WriteStreamData(": keep-alive\n\n", /*counted=*/false);
   ArmKeepAlive();
 }
 

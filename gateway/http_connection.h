@@ -121,8 +121,9 @@ struct HttpExchange {
   void Written(size_t n);
   // Runs `fn` on the connection's strand if the connection still exists.
   void Post(std::function<void(HttpConnection&)> fn);
-  // Producer side: waits while more than `limit` bytes are unwritten, then posts `bytes` as
-  // stream bytes; false when cancelled.
+  // Producer side: waits while more than `limit` bytes are unwritten, then posts `bytes` (SSE
+  // frames, unframed: HttpConnection::WriteStreamData frames them) as stream bytes; false when
+  // cancelled.
   bool Send(std::string bytes, size_t limit);
 };
 
@@ -143,12 +144,16 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   void Close();
   // An answer that is not a stream; the connection then goes on to the next request.
   void Respond(const HttpResponse& r, const std::string& route, absl::Time start);
-  // The head of an SSE stream (chunked).
+  // The head of an SSE stream: chunked for an HTTP/1.1 request; for HTTP/1.0 (which has no
+  // chunked coding, RFC 9112 §6.1) the body is sent as it is and ended by closing the connection.
   void StartStream(const std::string& request_id);
-  // A stream's last bytes (final frames and the last chunk).
-  void EndStream(std::string bytes, const std::string& route, absl::Time start);
-  // Queues bytes; `counted` ones are a stream's and are reported to its exchange once written.
-  void Write(std::string bytes, bool counted);
+  // Stream bytes (SSE frames, unframed): queued as one chunk, or as they are for HTTP/1.0;
+  // `counted` ones (the exchange's Send) are reported to the exchange once written.
+  void WriteStreamData(std::string data, bool counted);
+  // A stream's last frames (unframed), then the end of the body.
+  void EndStream(std::string last_frames, const std::string& route, absl::Time start);
+  // Queues bytes as they are.
+  void Write(std::string bytes);
   // Starts a generation on this connection: keeps a read posted to notice the client leaving.
   void BeginExchange(std::shared_ptr<HttpExchange> ex);
 
@@ -162,8 +167,9 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   };
   struct OutBuf {
     std::string data;
-    bool counted;
+    size_t counted_bytes = 0;  // reported to the exchange once written
   };
+  void Queue(OutBuf buf);
 
   void Arm(boost::asio::steady_timer& timer, absl::Duration d,
            void (HttpConnection::*on_expiry)());
@@ -201,6 +207,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   bool answer_queued_ = false;  // the whole answer is in out_: go on once it is written
   bool keep_alive_ = true;
   bool head_ = false;
+  bool http10_ = false;  // the request being answered is HTTP/1.0
   bool streaming_ = false;
   bool wrote_since_tick_ = false;
   bool answering_ = false;

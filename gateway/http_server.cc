@@ -36,7 +36,6 @@ namespace asio = boost::asio;
 namespace http = boost::beast::http;
 using tcp = asio::ip::tcp;
 using boost::system::error_code;
-using http_internal::Chunk;
 using http_internal::ErrorResponse;
 using http_internal::HeaderValue;
 using http_internal::LocalRequestId;
@@ -454,7 +453,7 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<HttpExchange> ex,
       ex->Post([id](HttpConnection& s) { s.StartStream(id); });
     }
     if (stopping_flag) return false;
-    return ex->Send(Chunk(frames), limit);
+    return ex->Send(std::move(frames), limit);
   });
   if (!started) {
     // Nothing was produced: an ordinary HTTP response.
@@ -464,8 +463,7 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<HttpExchange> ex,
     ex->Post([r = std::move(r), route, start](HttpConnection& s) { s.Respond(r, route, start); });
     return;
   }
-  std::string tail = Chunk(formatter.OnEnd(status)) + "0\r\n\r\n";
-  ex->Post([tail = std::move(tail), route, start](HttpConnection& s) mutable {
+  ex->Post([tail = formatter.OnEnd(status), route, start](HttpConnection& s) mutable {
     s.EndStream(std::move(tail), route, start);
   });
 }

@@ -6,6 +6,10 @@
 namespace dgserve {
 namespace {
 
+using ::testing::EndsWith;
+using ::testing::Not;
+using ::testing::StartsWith;
+
 using namespace ::dgserve::http_testing;  // NOLINT: the shared fixture and helpers
 using ::dgserve::testing::StatusIs;
 
@@ -314,6 +318,52 @@ TEST_F(HttpServerTest, StreamingSuccess) {
   EXPECT_EQ(json::parse(frames[201])["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(json::parse(frames[202])["usage"]["total_tokens"], 5);
   EXPECT_EQ(frames[203], "[DONE]");
+}
+
+// HTTP/1.0 has no chunked coding (RFC 9112 §6.1): a stream to a 1.0 client is the SSE bytes as
+// they are, ended by closing the connection (the chunk sizes were read as part of the events);
+// an HTTP/1.1 stream is chunked. A 1.0 connection kept alive is told so.
+TEST_F(HttpServerTest, StreamsToHttp10ClientsAreNotChunked) {
+  core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback& cb) {
+    cb(Block("ab"));
+    cb(Block("c"));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  const std::string body = R"({"prompt": "x", "stream": true})";
+  auto post = [&](const std::string& version) {
+    return RawRequest(port_, absl::StrCat("POST /v1/completions ", version,
+                                          "\r\nHost: x\r\nConnection: close\r\n"
+                                          "Content-Type: application/json\r\nContent-Length: ",
+                                          body.size(), "\r\n\r\n", body));
+  };
+  const std::string out10 = post("HTTP/1.0");
+  const size_t split = out10.find("\r\n\r\n");
+  ASSERT_NE(split, std::string::npos) << out10;
+  const std::string head = out10.substr(0, split), sse = out10.substr(split + 4);
+  EXPECT_THAT(head, HasSubstr("200 OK"));
+  EXPECT_THAT(head, Not(HasSubstr("Transfer-Encoding")));
+  EXPECT_THAT(head, HasSubstr("Connection: close"));
+  ASSERT_THAT(sse, StartsWith("data: {"));  // no chunk size before the first frame
+  EXPECT_THAT(sse, EndsWith("data: [DONE]\n\n"));
+  const std::vector<std::string> frames = SseData(sse);
+  ASSERT_EQ(frames.size(), 4u) << sse;
+  EXPECT_EQ(json::parse(frames[0])["choices"][0]["text"], "ab");
+  EXPECT_EQ(json::parse(frames[1])["choices"][0]["text"], "c");
+  const std::string out11 = post("HTTP/1.1");
+  EXPECT_THAT(out11, HasSubstr("Transfer-Encoding: chunked"));
+  EXPECT_THAT(out11, EndsWith("0\r\n\r\n"));
+  // Keep-alive on 1.0 is confirmed; a 1.0 request without it is closed after the answer.
+  const std::string kept = RawRequest(
+      port_, "GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /health HTTP/1.0\r\n\r\n");
+  EXPECT_THAT(kept, HasSubstr("Connection: keep-alive"));
+  size_t answers = 0;
+  for (size_t p = kept.find("200 OK"); p != std::string::npos; p = kept.find("200 OK", p + 1)) {
+    ++answers;
+  }
+  EXPECT_EQ(answers, 2u) << kept;
 }
 
 TEST_F(HttpServerTest, StreamingErrorBeforeFirstEventIsAnHttpError) {

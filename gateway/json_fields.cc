@@ -1,6 +1,5 @@
 #include "gateway/json_fields.h"
 
-#include <cfloat>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -9,6 +8,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "engine/tokenizer/utf8.h"
 
@@ -27,6 +27,8 @@ class DuplicateKeyFinder : public nlohmann::json_sax<json> {
  public:
   // The repeated key's path, e.g. "messages[0].role", once found.
   const std::optional<std::string>& duplicate() const { return duplicate_; }
+  // The path of the value that opened one level too many, once found.
+  const std::optional<std::string>& too_deep() const { return too_deep_; }
 
   bool null() override { return Value(); }
   bool boolean(bool) override { return Value(); }
@@ -37,6 +39,7 @@ class DuplicateKeyFinder : public nlohmann::json_sax<json> {
   bool binary(binary_t&) override { return Value(); }
   bool start_object(std::size_t) override {
     Value();
+    if (TooDeep()) return false;
     frames_.emplace_back().object = true;
     return true;
   }
@@ -56,6 +59,7 @@ class DuplicateKeyFinder : public nlohmann::json_sax<json> {
   }
   bool start_array(std::size_t) override {
     Value();
+    if (TooDeep()) return false;
     frames_.emplace_back().object = false;
     return true;
   }
@@ -74,6 +78,15 @@ class DuplicateKeyFinder : public nlohmann::json_sax<json> {
     std::string key;                        // an object's current key
     int64_t index = -1;                     // an array's current element
   };
+
+  // A new array or object would be nesting level kMaxJsonDepth + 1: stop (the path includes the
+  // innermost open container's current key or index).
+  bool TooDeep() {
+    if (frames_.size() < size_t(kMaxJsonDepth)) return false;
+    frames_.emplace_back();  // so that Path() covers the innermost open container
+    too_deep_ = Path();
+    return true;
+  }
 
   // A value starts: in an array, the next element.
   bool Value() {
@@ -97,6 +110,7 @@ class DuplicateKeyFinder : public nlohmann::json_sax<json> {
 
   std::vector<Frame> frames_;
   std::optional<std::string> duplicate_;
+  std::optional<std::string> too_deep_;
 };
 
 }  // namespace
@@ -115,6 +129,11 @@ absl::Status ParseJsonObject(std::string_view body, json* out) {
     return Invalid(*finder.duplicate(),
                    "appears more than once in its JSON object (keys must be unique)");
   }
+  if (finder.too_deep()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request body: arrays and objects nested deeper than ", kMaxJsonDepth,
+                     " levels (at ", *finder.too_deep(), ")"));
+  }
   try {
     *out = json::parse(body.begin(), body.end());
   } catch (const json::exception& e) {
@@ -125,14 +144,28 @@ absl::Status ParseJsonObject(std::string_view body, json* out) {
   return absl::OkStatus();
 }
 
+namespace {
+absl::Status WithField(absl::Status status, std::string_view field) {
+  status.SetPayload(std::string(kFieldPayload), absl::Cord(std::string(field)));
+  return status;
+}
+}  // namespace
+
 absl::Status Invalid(std::string_view field, std::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": ", std::string(what)));
+  return WithField(
+      absl::InvalidArgumentError(absl::StrCat(std::string(field), ": ", std::string(what))),
+      field);
 }
 
 absl::Status Unsupported(std::string_view field, std::string_view hint) {
   std::string msg = absl::StrCat("unsupported field: ", std::string(field));
   if (!hint.empty()) absl::StrAppend(&msg, " (", std::string(hint), ")");
-  return absl::InvalidArgumentError(msg);
+  return WithField(absl::InvalidArgumentError(msg), field);
+}
+
+std::string FieldOf(const absl::Status& status) {
+  const auto field = status.GetPayload(std::string(kFieldPayload));
+  return field ? std::string(*field) : std::string();
 }
 
 absl::Status OutOfRange(const json& v, std::string_view field, std::string_view range) {
@@ -186,7 +219,9 @@ absl::StatusOr<uint64_t> GetUint64(const json& v, std::string_view field) {
 absl::StatusOr<float> GetFloat(const json& v, std::string_view field) {
   if (!v.is_number()) return Invalid(field, "must be a number");
   const double d = v.get<double>();
-  if (!std::isfinite(d) || std::fabs(d) > FLT_MAX) {
+  // 2^128 - 2^103, half an ulp above FLT_MAX: from there float32 rounds to infinity.
+  constexpr double kFloatOverflow = 0x1.ffffffp127;
+  if (!std::isfinite(d) || std::fabs(d) >= kFloatOverflow) {
     return OutOfRange(v, field, "a finite float32 (magnitude at most FLT_MAX, 3.4028235e38)");
   }
   if (d != 0.0 && static_cast<float>(d) == 0.0f) {  // it would reach the sampler as 0

@@ -19,13 +19,25 @@ namespace dgserve::json_fields {
 // repeated within one object, at any depth, K its path (e.g. messages[0].role; RFC 8259 §4 —
 // nlohmann::json would keep the last, so a proxy reading the first would see another request);
 // "malformed JSON: …" (syntax, or a number beyond a double such as 1e400); "request body must be a
-// JSON object". Linear in the body's size.
+// JSON object"; "request body: arrays and objects nested deeper than kMaxJsonDepth levels (at
+// PATH)", found before any document is built. Linear in the body's size.
 absl::Status ParseJsonObject(std::string_view body, nlohmann::json* out);
 
-// "FIELD: WHAT".
+// The status payload (absl::Status::GetPayload) that carries the field an error names, whatever
+// characters the field holds (a client's key may hold spaces or ": "); see FieldOf.
+inline constexpr std::string_view kFieldPayload = "dgserve.openai/field";
+
+// "FIELD: WHAT", with FIELD in the kFieldPayload payload.
 absl::Status Invalid(std::string_view field, std::string_view what);
-// "unsupported field: FIELD" (+ " (HINT)").
+// "unsupported field: FIELD" (+ " (HINT)"), with FIELD in the kFieldPayload payload.
 absl::Status Unsupported(std::string_view field, std::string_view hint = {});
+// The field set by Invalid or Unsupported, or "" when `status` carries none.
+std::string FieldOf(const absl::Status& status);
+
+// How deeply arrays and objects may nest in a request body: a request needs 5 levels
+// (messages[i].content[j], canvas_template.holes[i].allowed_token_ids); 4 MB of '[' nested a
+// million deep cost a second of an I/O thread and hundreds of MB to parse.
+inline constexpr int kMaxJsonDepth = 32;
 // "FIELD: must be RANGE (got VALUE)", VALUE as parsed and re-serialized (1e3 prints as 1000.0).
 absl::Status OutOfRange(const nlohmann::json& v, std::string_view field, std::string_view range);
 
@@ -46,8 +58,9 @@ absl::StatusOr<int64_t> GetIntIn(const nlohmann::json& v, std::string_view field
 absl::StatusOr<int32_t> GetInt32(const nlohmann::json& v, std::string_view field);
 // A whole number in [0, 2^64) (a seed): beyond int64, so read apart from GetIntIn.
 absl::StatusOr<uint64_t> GetUint64(const nlohmann::json& v, std::string_view field);
-// A finite number of float32 magnitude; a nonzero value float32 rounds to 0 is refused (it would
-// reach the sampler as 0).
+// A number that float32 holds: one that rounds to a finite float32 (magnitude at most FLT_MAX
+// once rounded to nearest, so 3.4028235e38, FLT_MAX's shortest decimal, is accepted), and not a
+// nonzero value that rounds to 0 (it would reach the sampler as 0).
 absl::StatusOr<float> GetFloat(const nlohmann::json& v, std::string_view field);
 absl::StatusOr<bool> GetBool(const nlohmann::json& v, std::string_view field);
 absl::StatusOr<std::string> GetString(const nlohmann::json& v, std::string_view field);

@@ -145,11 +145,11 @@ absl::StatusOr<std::string> ParseContent(const json& v, const std::string& field
     std::string text;
     bool has_text = false;
     for (auto it = p.begin(); it != p.end(); ++it) {
-      if (it.key() == "type") continue;
+      if (it.key() == "type" || it.value().is_null()) continue;  // null = absent
       if (it.key() == "text") {
         DGSERVE_ASSIGN_OR_RETURN(text, GetString(it.value(), part + ".text"));
         has_text = true;
-      } else if (!it.value().is_null()) {
+      } else {
         return Unsupported(absl::StrCat(part, ".", it.key()));
       }
     }
@@ -508,6 +508,7 @@ absl::StatusOr<OpenAiRequest> ParseChatCompletionsRequest(std::string_view body)
 }
 
 std::string ErrorParam(const absl::Status& status) {
+  if (std::string field = json_fields::FieldOf(status); !field.empty()) return field;
   const std::string message(status.message());
   std::string_view msg = message;
   constexpr std::string_view kUnsupported = "unsupported field: ";

@@ -483,6 +483,20 @@ TEST(ErrorParamTest, ExtractsFieldNames) {
   EXPECT_EQ(param(R"({"prompt": "x", "messages": 3})"), "messages");
   EXPECT_EQ(param(R"({"messages": [{"role": "user", "content": [{"type": "audio"}]}]})", true),
             "messages[0].content[0].type");
+  // Keys are named whole, whatever they hold (the message is not cut at a space or ": ").
+  EXPECT_EQ(param(R"({"prompt": "x", "foo bar": 1})"), "foo bar");
+  EXPECT_EQ(param(R"({"prompt": "x", "a: b": 1})"), "a: b");
+  EXPECT_EQ(param(R"({"prompt": "x", "a b": 1, "a b": 2})"), "a b");
+  EXPECT_EQ(param(R"({"messages": [{"role": "user", "content": [{"type": "text", "text": 1,
+                                                                "x y": 2}]}]})", true),
+            "messages[0].content[0].text");
+  // A null text part is absent, as every null is.
+  EXPECT_EQ(param(R"({"messages": [{"role": "user", "content": [{"type": "text",
+                                                                "text": null}]}]})", true),
+            "messages[0].content[0].text");
+  EXPECT_THAT(ParseChatCompletionsRequest(
+                  R"({"messages": [{"role": "user", "content": [{"type": "text", "text": null}]}]})"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "messages[0].content[0].text: required"));
   EXPECT_EQ(param(R"({"prompt": )"), "");
   EXPECT_EQ(param(R"([])"), "");
   EXPECT_EQ(ErrorParam(absl::UnavailableError("no healthy worker")), "");
