@@ -348,7 +348,9 @@ void HttpConnection::OnHeader(error_code ec) {
            absl::Now());
     return;
   }
-  if (absl::EqualsIgnoreCase(HeaderValue(req, http::field::expect), "100-continue") &&
+  // (An HTTP/1.0 client has no interim responses: its Expect is ignored, RFC 9110 §10.1.1.)
+  if (req.version() >= 11 &&
+      absl::EqualsIgnoreCase(HeaderValue(req, http::field::expect), "100-continue") &&
       !parser_->is_done()) {
     Write("HTTP/1.1 100 Continue\r\n\r\n");
   }

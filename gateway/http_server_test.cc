@@ -324,37 +324,83 @@ TEST_F(HttpServerTest, StreamingSuccess) {
 // they are, ended by closing the connection (the chunk sizes were read as part of the events);
 // an HTTP/1.1 stream is chunked. A 1.0 connection kept alive is told so.
 TEST_F(HttpServerTest, StreamsToHttp10ClientsAreNotChunked) {
+  // Two blocks with a silence between them long enough for keep-alive comments.
   core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
                       const GenerationCore::EventCallback& cb) {
     cb(Block("ab"));
+    absl::SleepFor(absl::Milliseconds(300));
     cb(Block("c"));
     cb(Finished());
     return absl::OkStatus();
   };
-  StartServer();
+  HttpServerOptions options;
+  options.sse_keepalive_interval = absl::Milliseconds(40);
+  StartServer(options);
   const std::string body = R"({"prompt": "x", "stream": true})";
-  auto post = [&](const std::string& version) {
+  auto post = [&](const std::string& version, const std::string& connection) {
     return RawRequest(port_, absl::StrCat("POST /v1/completions ", version,
-                                          "\r\nHost: x\r\nConnection: close\r\n"
-                                          "Content-Type: application/json\r\nContent-Length: ",
+                                          "\r\nHost: x\r\nConnection: ", connection,
+                                          "\r\nContent-Type: application/json\r\nContent-Length: ",
                                           body.size(), "\r\n\r\n", body));
   };
-  const std::string out10 = post("HTTP/1.0");
-  const size_t split = out10.find("\r\n\r\n");
-  ASSERT_NE(split, std::string::npos) << out10;
-  const std::string head = out10.substr(0, split), sse = out10.substr(split + 4);
-  EXPECT_THAT(head, HasSubstr("200 OK"));
-  EXPECT_THAT(head, Not(HasSubstr("Transfer-Encoding")));
-  EXPECT_THAT(head, HasSubstr("Connection: close"));
-  ASSERT_THAT(sse, StartsWith("data: {"));  // no chunk size before the first frame
-  EXPECT_THAT(sse, EndsWith("data: [DONE]\n\n"));
-  const std::vector<std::string> frames = SseData(sse);
-  ASSERT_EQ(frames.size(), 4u) << sse;
-  EXPECT_EQ(json::parse(frames[0])["choices"][0]["text"], "ab");
-  EXPECT_EQ(json::parse(frames[1])["choices"][0]["text"], "c");
-  const std::string out11 = post("HTTP/1.1");
+  // Kept alive or not, a 1.0 stream ends with the connection (RawRequest reads until EOF).
+  for (const std::string connection : {"close", "keep-alive"}) {
+    SCOPED_TRACE(connection);
+    const std::string out10 = post("HTTP/1.0", connection);
+    const size_t split = out10.find("\r\n\r\n");
+    ASSERT_NE(split, std::string::npos) << out10;
+    const std::string head = out10.substr(0, split), sse = out10.substr(split + 4);
+    EXPECT_THAT(head, HasSubstr("200 OK"));
+    EXPECT_THAT(head, Not(HasSubstr("Transfer-Encoding")));
+    EXPECT_THAT(head, HasSubstr("Connection: close"));
+    EXPECT_THAT(head, Not(HasSubstr("keep-alive")));
+    ASSERT_THAT(sse, StartsWith("data: {"));  // no chunk size before the first frame
+    EXPECT_THAT(sse, EndsWith("data: [DONE]\n\n"));
+    EXPECT_THAT(sse, HasSubstr("\n\n: keep-alive\n\n"));  // the comments unframed too
+    const std::vector<std::string> frames = SseData(sse);
+    ASSERT_EQ(frames.size(), 4u) << sse;
+    EXPECT_EQ(json::parse(frames[0])["choices"][0]["text"], "ab");
+    EXPECT_EQ(json::parse(frames[1])["choices"][0]["text"], "c");
+  }
+  const std::string out11 = post("HTTP/1.1", "close");
   EXPECT_THAT(out11, HasSubstr("Transfer-Encoding: chunked"));
-  EXPECT_THAT(out11, EndsWith("0\r\n\r\n"));
+  EXPECT_THAT(out11, HasSubstr("\r\ne\r\n: keep-alive\n\n\r\n"));  // one chunk of 14 bytes
+  EXPECT_THAT(out11, EndsWith("\r\n0\r\n\r\n"));
+}
+
+// Expect: 100-continue is answered with an interim 100 for HTTP/1.1, and ignored for HTTP/1.0,
+// which has no interim responses (RFC 9110 §10.1.1: a 1.0 client took the 100 as the answer).
+TEST_F(HttpServerTest, ExpectContinueOnlyForHttp11) {
+  core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback& cb) {
+    cb(Block("ab"));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  const std::string body = R"({"prompt": "x"})";
+  for (const std::string version : {"HTTP/1.1", "HTTP/1.0"}) {
+    SCOPED_TRACE(version);
+    const int fd = ConnectLoopback(port_, 10);
+    ASSERT_GE(fd, 0);
+    SendAll(fd, absl::StrCat("POST /v1/completions ", version,
+                             "\r\nHost: x\r\nConnection: close\r\nExpect: 100-continue\r\n"
+                             "Content-Type: application/json\r\nContent-Length: ",
+                             body.size(), "\r\n\r\n"));
+    std::string head;
+    if (version == "HTTP/1.1") {
+      head = ReadUntil(fd, "\r\n\r\n");
+      EXPECT_EQ(head, "HTTP/1.1 100 Continue\r\n\r\n");
+    } else {
+      // Time for the server to read the head (and, before the fix, to answer 100 to it).
+      absl::SleepFor(absl::Milliseconds(300));
+    }
+    SendAll(fd, body);
+    const std::string answer = ReadToEnd(fd);  // Connection: close
+    close(fd);
+    EXPECT_THAT(answer, StartsWith("HTTP/1.1 200 OK"));
+    EXPECT_THAT(answer, Not(HasSubstr("100 Continue")));
+  }
   // Keep-alive on 1.0 is confirmed; a 1.0 request without it is closed after the answer.
   const std::string kept = RawRequest(
       port_, "GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /health HTTP/1.0\r\n\r\n");
