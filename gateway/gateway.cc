@@ -106,9 +106,12 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   // work.
   const int C = config_.canvas_length;
   const size_t budget = size_t(std::max<int64_t>(limit - C, 0));
+  // A chat's prompt is its messages (the HTTP param is "messages" too).
+  const char* const input =
+      request.input_case() == v1::GenerateRequest::kChat ? "messages" : "prompt";
   auto too_long = [&](std::string_view size) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prompt: ", std::string(size), " tokens and one canvas of ", C,
+        input, ": ", std::string(size), " tokens and one canvas of ", C,
         " tokens exceed the context limit of ", limit, " positions (a prompt may have at most ",
         budget, " tokens)"));
   };

@@ -30,6 +30,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+using ::testing::StartsWith;
 
 // The test model's context limit (tiny-v512: max_position_embeddings).
 constexpr int64_t kContextLimit = 262144;
@@ -172,6 +173,8 @@ TEST_F(LimitsTest, TokenizingStopsAtTheContextLimit) {
   const Result r = Generate(c(), ManyMessages(150000));
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(r.status.error_message(), HasSubstr("exceed the context limit"));
+  // A chat's message names the messages, as its HTTP param does (it said "prompt:").
+  EXPECT_THAT(r.status.error_message(), StartsWith("messages: "));
   double tokenized = Tokenized(c()) - before;
   EXPECT_GE(tokenized, kContextLimit - kCanvasLength);
   EXPECT_LE(tokenized, kContextLimit - kCanvasLength + 14);  // < the old budget, limit − 1
@@ -182,6 +185,7 @@ TEST_F(LimitsTest, TokenizingStopsAtTheContextLimit) {
   ASSERT_EQ(h.status, 400) << h.body.dump();
   EXPECT_EQ(h.body["error"]["code"], "context_length_exceeded") << h.body.dump();
   EXPECT_EQ(h.body["error"]["param"], "messages") << h.body.dump();
+  EXPECT_THAT(h.body["error"]["message"].get<std::string>(), StartsWith("messages: "));
   tokenized = Tokenized(c()) - before;
   EXPECT_GE(tokenized, kContextLimit - kCanvasLength);
   EXPECT_LE(tokenized, kContextLimit - kCanvasLength + 14);  // < the old budget, limit − 1
