@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
+#include "common/excerpt.h"
 #include "common/logging.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -95,9 +96,9 @@ absl::Status Gateway::CheckApiKey(const std::string& bearer) const {
 
 absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& request) const {
   if (!request.model().empty() && request.model() != options_.model_id) {
-    return absl::NotFoundError(absl::StrCat("model '", request.model(),
-                                            "' does not exist; this gateway serves '",
-                                            options_.model_id, "'"));
+    return absl::NotFoundError(absl::StrCat("model ", QuotedExcerpt(request.model()),
+                                            " does not exist; this gateway serves \"",
+                                            options_.model_id, "\""));
   }
   PreparedRequest p;
   const int64_t limit = config_.max_position_embeddings;
@@ -268,16 +269,18 @@ absl::StatusOr<v1::CanvasTemplate> Gateway::ResolveTemplate(const v1::CanvasTemp
     };
     std::vector<int32_t> allowed;
     for (int i = 0; i < t.allowed_size(); ++i) {
-      const std::vector<int32_t> ids = tokenizer_.Encode(t.allowed(i), /*add_bos=*/false);
+      // Budget 1: a huge entry costs two ids of work.
+      const std::vector<int32_t> ids = tokenizer_.Encode(t.allowed(i), /*add_bos=*/false, 1);
       if (has_unk(ids)) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "canvas_template.allowed[", i, "]: \"", t.allowed(i),
-            "\" is not in the model's vocabulary (it encodes to <unk>)"));
+            "canvas_template.allowed[", i, "]: ", QuotedExcerpt(t.allowed(i)),
+            " is not in the model's vocabulary (it encodes to <unk>)"));
       }
       if (ids.size() != 1) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "canvas_template.allowed[", i, "]: \"", t.allowed(i), "\" is ", ids.size(),
-            " tokens; each allowed entry must be exactly one token"));
+            "canvas_template.allowed[", i, "]: ", QuotedExcerpt(t.allowed(i)), " is ",
+            ids.empty() ? "no token" : "more than one token",
+            "; each allowed entry must be exactly one token"));
       }
       allowed.push_back(ids[0]);
     }
@@ -287,22 +290,24 @@ absl::StatusOr<v1::CanvasTemplate> Gateway::ResolveTemplate(const v1::CanvasTemp
       const size_t at = rest.find(marker);
       const std::string_view piece = rest.substr(0, at);
       if (!piece.empty()) {
-        const std::vector<int32_t> ids = tokenizer_.Encode(piece, /*add_bos=*/false);
+        // Within the canvas and one position more: a huge text costs about a canvas of work.
+        const size_t room = size_t(std::max(config_.canvas_length + 1 - out.token_ids_size(), 0));
+        const std::vector<int32_t> ids = tokenizer_.Encode(piece, /*add_bos=*/false, room);
         if (has_unk(ids)) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "canvas_template.text: \"", std::string(piece),
-              "\" holds characters outside the model's vocabulary (they encode to <unk>)"));
+              "canvas_template.text: ", QuotedExcerpt(piece),
+              " holds characters outside the model's vocabulary (they encode to <unk>)"));
         }
         for (int32_t id : ids) out.add_token_ids(id);
       }
-      if (at == std::string_view::npos) break;
+      if (at == std::string_view::npos || out.token_ids_size() > config_.canvas_length) break;
       hole_positions.push_back(out.token_ids_size());
       out.add_token_ids(-1);
       rest.remove_prefix(at + marker.size());
     }
     if (out.token_ids_size() > config_.canvas_length) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "canvas_template.text: ", out.token_ids_size(),
+          "canvas_template.text: more than ", config_.canvas_length,
           " canvas positions (tokens and holes) are longer than the canvas (",
           config_.canvas_length, " tokens)"));
     }

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/excerpt.h"
 #include "common/status_macros.h"
 #include "gateway/generation_core.h"
 #include "gateway/json_fields.h"
@@ -187,8 +188,8 @@ absl::Status ParseMessages(const json& v, v1::GenerateRequest* req) {
     if (role == "developer") role = "system";
     if (role != "system" && role != "user" && role != "assistant") {
       return Invalid(field + ".role",
-                     absl::StrCat("unsupported role '", role,
-                                  "' (supported: system, developer, user, assistant)"));
+                     absl::StrCat("unsupported role ", QuotedExcerpt(role),
+                                  " (supported: system, developer, user, assistant)"));
     }
     if (!has_content) return Invalid(field + ".content", "required");
     v1::ChatMessage* msg = chat->add_messages();

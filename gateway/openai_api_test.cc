@@ -436,7 +436,7 @@ TEST(ParseChatTest, Rejections) {
               "messages[0].role: must be a string", true);
   ExpectError(
       R"({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]})",
-      "messages[1].role: unsupported role 'tool'", true);
+      "messages[1].role: unsupported role \"tool\"", true);
   ExpectError(R"({"messages": [{"role": "user", "content": 5}]})",
               "messages[0].content: must be a string or an array", true);
   ExpectError(R"({"messages": [{"role": "user", "content": [

@@ -7,14 +7,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "service/status_convert.h"
 
 namespace dgserve::kv {
 namespace {
 
-grpc::Status ToGrpc(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
+grpc::Status ToGrpc(const absl::Status& s) { return ToGrpcStatus(s); }
 
 }  // namespace
 

@@ -4,12 +4,24 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 
 namespace dgserve {
 
+std::string BoundedMessage(std::string message) {
+  if (message.size() <= kMaxErrorMessageBytes) return message;
+  const size_t total = message.size();
+  size_t cut = kMaxErrorMessageBytes;
+  while (cut > 0 && (static_cast<uint8_t>(message[cut]) & 0xC0) == 0x80) --cut;
+  message.resize(cut);
+  absl::StrAppend(&message, " … (cut: ", total, " bytes in all)");
+  return message;
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      BoundedMessage(std::string(status.message())));
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -65,9 +77,9 @@ std::string OpenAiErrorCodeForHttp(int http_status) {
 std::string OpenAiErrorBody(const absl::Status& status, const std::string& param,
                             const std::string& code) {
   nlohmann::json err = {
-      {"message", std::string(status.message())},
+      {"message", BoundedMessage(std::string(status.message()))},
       {"type", OpenAiErrorType(status.code())},
-      {"param", param.empty() ? nlohmann::json(nullptr) : nlohmann::json(param)},
+      {"param", param.empty() ? nlohmann::json(nullptr) : nlohmann::json(BoundedMessage(param))},
       {"code", !code.empty() ? code
                : absl::IsInvalidArgument(status) &&
                        absl::StrContains(status.message(), "exceed the context limit")

@@ -9,7 +9,15 @@
 
 namespace dgserve {
 
-// Same code and message.
+// The most bytes of an error message (or param) sent to a client: messages quote what the
+// client sent (a model name, a role, a template piece, a JSON key), and a 4 MB echo in a gRPC
+// trailer stalled a grpc-js channel until its deadline.
+inline constexpr size_t kMaxErrorMessageBytes = 1024;
+// `message` when it has at most kMaxErrorMessageBytes bytes; else its start, cut at a UTF-8
+// character boundary, and " … (cut: N bytes in all)".
+std::string BoundedMessage(std::string message);
+
+// Same code; the message bounded (BoundedMessage).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

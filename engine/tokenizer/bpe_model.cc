@@ -117,13 +117,60 @@ absl::StatusOr<BpeModel> BpeModel::Create(
       }
     }
   }
+  // An id of a merged word is a character's piece or <unk> (one character, at most 4 bytes), a
+  // byte token (1 byte), or a merge's result; with ignore_merges a whole word may be any piece.
+  // (A fused <unk> covers a run of unknown characters: those are not counted, see
+  // TokenizeWithin.)
+  size_t longest = 4;
+  if (model.options_.ignore_merges) {
+    for (int32_t id = 0; id < v.id_limit(); ++id) longest = std::max(longest, v.Piece(id).size());
+  }
+  for (const auto& [pair, merge] : model.merges_) {
+    longest = std::max(longest, v.Piece(merge.new_id).size());
+  }
+  model.max_bytes_per_id_ = longest;
   return model;
+}
+
+void BpeModel::TokenizeWithin(std::string_view word, std::vector<int32_t>* out,
+                              size_t max_tokens) const {
+  const size_t room = max_tokens > out->size() ? max_tokens - out->size() : 0;
+  // Bytes that ids of at most max_bytes_per_id_ bytes each can only cover with more than `room`
+  // ids, however they merge.
+  const size_t enough = max_tokens == SIZE_MAX ? SIZE_MAX : (room + 1) * max_bytes_per_id_;
+  if (word.size() <= enough) {
+    TokenizeSegment(word, out);
+    return;
+  }
+  size_t cut = 0;
+  if (!(unk_id_ && options_.fuse_unk)) {
+    // Every byte is covered by ids of at most max_bytes_per_id_ bytes: cut at a character
+    // boundary past `enough`.
+    cut = enough + 1;
+    while (cut < word.size() && (static_cast<uint8_t>(word[cut]) & 0xC0) == 0x80) ++cut;
+  } else {
+    // A fused <unk> covers any run of unknown characters: count only the bytes of characters
+    // with a piece (or byte tokens), which ids of at most max_bytes_per_id_ bytes cover.
+    size_t known = 0;
+    while (cut < word.size() && known <= enough) {
+      const size_t len = Utf8CharLength(word, cut);
+      const std::string_view ch = word.substr(cut, len);
+      bool has_ids = vocab_.Find(ch).has_value();
+      if (!has_ids && options_.byte_fallback) {
+        has_ids = true;
+        for (char c : ch) has_ids = has_ids && byte_ids_[static_cast<uint8_t>(c)] >= 0;
+      }
+      if (has_ids) known += len;
+      cut += len;
+    }
+  }
+  TokenizeSegment(word.substr(0, cut), out);
 }
 
 void BpeModel::Tokenize(std::string_view word, std::vector<int32_t>* out,
                         size_t max_tokens) const {
   if (!split_at_marker_) {
-    TokenizeSegment(word, out);
+    TokenizeWithin(word, out, max_tokens);
     return;
   }
   size_t start = 0;
@@ -131,12 +178,12 @@ void BpeModel::Tokenize(std::string_view word, std::vector<int32_t>* out,
        pos = word.find(kMarker, pos + kMarker.size())) {
     char32_t cp;
     if (pos > start && PreviousChar(word, pos, &cp) && !joins_marker_.contains(cp)) {
-      TokenizeSegment(word.substr(start, pos - start), out);
+      TokenizeWithin(word.substr(start, pos - start), out, max_tokens);
       start = pos;
       if (out->size() > max_tokens) return;
     }
   }
-  TokenizeSegment(word.substr(start), out);
+  TokenizeWithin(word.substr(start), out, max_tokens);
 }
 
 void BpeModel::TokenizeSegment(std::string_view word, std::vector<int32_t>* out) const {

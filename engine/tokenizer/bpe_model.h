@@ -92,6 +92,9 @@ class BpeModel {
   // the whole text as one word) are cut before "▁" wherever no vocabulary piece can span the
   // cut, which gives the same ids as merging the whole word, with small merge heaps. Stops
   // after the piece where `out` first holds more than `max_tokens` ids (the caller's budget).
+  // A piece so long that its ids must pass the budget (each id covers at most
+  // max_bytes_per_id() bytes) is merged only as far as a prefix that passes it: past the
+  // budget, `out` holds more than `max_tokens` ids that need not be the word's first ones.
   void Tokenize(std::string_view word, std::vector<int32_t>* out,
                 size_t max_tokens = SIZE_MAX) const;
 
@@ -99,6 +102,9 @@ class BpeModel {
   const PieceVocab& vocab() const { return vocab_; }
   // Number of merge rules.
   size_t num_merges() const { return merges_.size(); }
+  // The most bytes of a word one id can cover: the longest merge result, or 4 (one character);
+  // with ignore_merges the longest piece. (A fused <unk> covers any run of unknown characters.)
+  size_t max_bytes_per_id() const { return max_bytes_per_id_; }
 
  private:
   struct MergeInfo {
@@ -114,6 +120,9 @@ class BpeModel {
   }
 
   void TokenizeSegment(std::string_view word, std::vector<int32_t>* out) const;
+  // TokenizeSegment of `word`, or of a prefix of it just long enough to make more ids than
+  // `max_tokens` allows when the whole word certainly would.
+  void TokenizeWithin(std::string_view word, std::vector<int32_t>* out, size_t max_tokens) const;
 
   PieceVocab vocab_;
   absl::flat_hash_map<uint64_t, MergeInfo> merges_;
@@ -121,6 +130,7 @@ class BpeModel {
   // merge involves a byte-fallback token, and merges are not bypassed (ignore_merges). The cut is
   // then skipped only after the characters that some piece has right before a "▁".
   bool split_at_marker_ = false;
+  size_t max_bytes_per_id_ = 4;
   absl::flat_hash_set<char32_t> joins_marker_;
   BpeOptions options_;
   std::optional<int32_t> unk_id_;

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "common/excerpt.h"
 #include "engine/tokenizer/utf8.h"
 
 namespace dgserve {
@@ -56,9 +57,9 @@ absl::StatusOr<std::vector<int32_t>> RenderChat(const Tokenizer& tokenizer,
   for (size_t i = 0; i < messages.size(); ++i) {
     if (TemplateRole(messages[i].role).empty()) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "chat template: message %d has unknown role '%s' (expected system, developer, user, "
+          "chat template: message %d has unknown role %s (expected system, developer, user, "
           "model or assistant)",
-          i, messages[i].role));
+          i, QuotedExcerpt(messages[i].role)));
     }
   }
 

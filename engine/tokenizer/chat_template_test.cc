@@ -130,7 +130,7 @@ TEST_F(ChatTemplateTest, Errors) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
   const std::vector<ChatMessage> tool = {{"user", "a"}, {"tool", "b"}};
   EXPECT_THAT(RenderChat(*tok_, tool), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                HasSubstr("message 1 has unknown role 'tool'")));
+                                                HasSubstr("message 1 has unknown role \"tool\"")));
   absl::StatusOr<Tokenizer> small = Tokenizer::FromJson(
       R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})", "small");
   ASSERT_THAT(small, IsOk());

@@ -155,6 +155,11 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos) cons
   return EncodeImpl(text, add_bos, /*text_only=*/false, SIZE_MAX);
 }
 
+std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos,
+                                       size_t max_tokens) const {
+  return EncodeImpl(text, add_bos, /*text_only=*/false, max_tokens);
+}
+
 std::vector<int32_t> Tokenizer::EncodeText(std::string_view text, bool add_bos) const {
   return EncodeImpl(text, add_bos, /*text_only=*/true, SIZE_MAX);
 }

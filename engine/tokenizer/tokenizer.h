@@ -36,6 +36,8 @@ class Tokenizer {
   // BPE-encoded (characters missing from the vocabulary fall back to <0xXX> byte tokens).
   // `add_bos` applies the post-processor template (for Gemma: a leading <bos>).
   std::vector<int32_t> Encode(std::string_view text, bool add_bos) const;
+  // Encode with a budget, as EncodeText with a budget below.
+  std::vector<int32_t> Encode(std::string_view text, bool add_bos, size_t max_tokens) const;
 
   // Encodes user text: like Encode, but special (control) tokens are not split off, so a string
   // such as "<eos>" or "<start_of_turn>" in the text is encoded as the characters it is, never
@@ -46,8 +48,9 @@ class Tokenizer {
   // produced (checked after every pre-tokenized word, every piece of a long word the BPE model
   // merges on its own, and every added token), so that a huge text costs about `max_tokens`
   // tokens of work. The result is the full encoding when it has at most `max_tokens` ids;
-  // otherwise a prefix of it with more than `max_tokens` ids (at most one piece's ids past the
-  // budget, the post-processor's suffix left out): callers test `size() > max_tokens`.
+  // otherwise more than `max_tokens` ids, usually a prefix of it (at most one piece's ids past
+  // the budget, the post-processor's suffix left out; a piece whose ids must pass the budget is
+  // merged only in part, see BpeModel::Tokenize): callers test `size() > max_tokens`.
   std::vector<int32_t> EncodeText(std::string_view text, bool add_bos, size_t max_tokens) const;
 
   // Decodes ids like HF `tokenizer.decode(ids, skip_special_tokens=skip_special)`: byte-fallback

@@ -437,5 +437,30 @@ TEST(TokenizerLoadTest, MalformedPostProcessorNamesFileAndField) {
   expect(j, "post_processor.single[0]");
 }
 
+// A budget bounds the work on one long piece too: the Sudoku model's tokenizer keeps a whole
+// text as one BPE piece (it cannot cut before "▁"), and 1,000,000 digits were merged in full
+// (1,000,001 ids counted) for a budget of a few thousand. Now only a prefix whose ids must pass
+// the budget is merged; within the budget the encoding is unchanged.
+TEST(TokenizerBudgetTest, OneLongPieceIsMergedOnlyPastTheBudget) {
+  const char* dir = std::getenv("DGSERVE_SOURCE_DIR");
+  absl::StatusOr<Tokenizer> tok = Tokenizer::Load(
+      std::string(dir != nullptr ? dir : ".") + "/models/sudoku/tokenizer.json");
+  ASSERT_THAT(tok, IsOk());
+  std::string digits;
+  for (int i = 0; i < 1000000; ++i) digits += char('1' + i % 9);
+  for (const bool text_only : {true, false}) {
+    SCOPED_TRACE(text_only);
+    auto encode = [&](std::string_view text, size_t budget) {
+      return text_only ? tok->EncodeText(text, false, budget) : tok->Encode(text, false, budget);
+    };
+    const std::vector<int32_t> cut = encode(digits, 4000);
+    EXPECT_GT(cut.size(), 4000u);
+    EXPECT_LE(cut.size(), 4000u * 4 + 8);  // (budget + 1) pieces of at most 4 bytes, and a char
+    const std::string_view part = std::string_view(digits).substr(0, 3000);
+    const std::vector<int32_t> whole = tok->EncodeText(part, false);
+    EXPECT_EQ(encode(part, whole.size()), whole);
+  }
+}
+
 }  // namespace
 }  // namespace dgserve

@@ -20,6 +20,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "service/status_convert.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/integration/test_helpers.h"
 
@@ -220,6 +221,54 @@ TEST_F(InfillingTest, BadTemplatesAreRejectedNamingTheField) {
   r = Generate(req);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(r.status.error_message(), HasSubstr("give text"));
+}
+
+// Huge inputs on this model, whose tokenizer keeps a whole text as one BPE piece: a prompt of
+// 1,000,000 digits is tokenized only until it passes the context budget (all 1,000,001 ids were
+// made), a template text of 4,000,000 characters until it passes the canvas, an allowed entry
+// of 200,000 characters until its second id; and what the errors quote of them is bounded
+// (a 4 MB model name was echoed whole in the gRPC trailer, which stalled a grpc-js channel).
+TEST_F(InfillingTest, HugeInputsCostTheirBudgetAndAreQuotedBounded) {
+  auto tokenized = [&] {
+    absl::StatusOr<std::string> m = TestCluster::ScrapeMetrics(c().gateway());
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? TestCluster::MetricValue(*m, "dgserve_gateway_tokenized_tokens_total") : -1;
+  };
+  const size_t bound = kMaxErrorMessageBytes + 64;
+  const double before = tokenized();
+  v1::GenerateRequest req = SudokuRequest(1);
+  req.set_text(std::string(1000000, '5'));
+  Result r = Generate(req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("exceed the context limit"));
+  EXPECT_LE(tokenized() - before, 4 * 4096 + 8);  // (budget + 1) ids of at most 4 bytes
+
+  req = SudokuRequest(1);
+  req.mutable_canvas_template()->set_text(std::string(4000000, '5'));
+  r = Generate(req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("canvas_template.text: more than "));
+
+  req = SudokuRequest(1);
+  req.mutable_canvas_template()->set_allowed(0, std::string(200000, '5'));
+  r = Generate(req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("is more than one token"));
+  EXPECT_LE(r.status.error_message().size(), bound);
+
+  req = SudokuRequest(1);
+  req.set_model(std::string(4000000, 'm'));
+  r = Generate(req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_LE(r.status.error_message().size(), bound);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("…\" (4000000 bytes) does not exist"));
+  // The HTTP error body is bounded too (message and param).
+  auto res = Post("/v1/completions", {{"prompt", "1"}, {std::string(3000000, 'k'), 1}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res.status, 400);
+  EXPECT_LE(res.body.size(), 3 * bound);
+  // The channel still serves a request.
+  EXPECT_TRUE(Generate(SudokuRequest(1)).status.ok());
 }
 
 // `dgserve sudoku` checks the served model's shape against its --model before sending (issue

@@ -1,0 +1,22 @@
+// Quoting what a client sent inside an error message, bounded: a message that quoted a 4 MB
+// model name whole was 4 MB (and the edge's cut, service/status_convert.h, would then drop what
+// the message says after the quote).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace dgserve {
+
+// `s` in double quotes when it has at most `max_bytes` bytes; else its first `max_bytes` bytes
+// (cut back to a UTF-8 character boundary), "…" and its size: "\"abc…\" (4000000 bytes)".
+inline std::string QuotedExcerpt(std::string_view s, size_t max_bytes = 64) {
+  if (s.size() <= max_bytes) return "\"" + std::string(s) + "\"";
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<uint8_t>(s[cut]) & 0xC0) == 0x80) --cut;
+  return "\"" + std::string(s.substr(0, cut)) + "…\" (" + std::to_string(s.size()) + " bytes)";
+}
+
+}  // namespace dgserve
