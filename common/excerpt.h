@@ -10,12 +10,20 @@
 
 namespace dgserve {
 
+// The length of the longest prefix of `s` of at most `max_bytes` bytes that does not end inside
+// a UTF-8 character (for valid UTF-8 `s`).
+inline size_t Utf8PrefixWithin(std::string_view s, size_t max_bytes) {
+  if (s.size() <= max_bytes) return s.size();
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<uint8_t>(s[cut]) & 0xC0) == 0x80) --cut;
+  return cut;
+}
+
 // `s` in double quotes when it has at most `max_bytes` bytes; else its first `max_bytes` bytes
 // (cut back to a UTF-8 character boundary), "…" and its size: "\"abc…\" (4000000 bytes)".
 inline std::string QuotedExcerpt(std::string_view s, size_t max_bytes = 64) {
   if (s.size() <= max_bytes) return "\"" + std::string(s) + "\"";
-  size_t cut = max_bytes;
-  while (cut > 0 && (static_cast<uint8_t>(s[cut]) & 0xC0) == 0x80) --cut;
+  const size_t cut = Utf8PrefixWithin(s, max_bytes);
   return "\"" + std::string(s.substr(0, cut)) + "…\" (" + std::to_string(s.size()) + " bytes)";
 }
 

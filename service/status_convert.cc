@@ -5,15 +5,14 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/excerpt.h"
 
 namespace dgserve {
 
 std::string BoundedMessage(std::string message) {
   if (message.size() <= kMaxErrorMessageBytes) return message;
   const size_t total = message.size();
-  size_t cut = kMaxErrorMessageBytes;
-  while (cut > 0 && (static_cast<uint8_t>(message[cut]) & 0xC0) == 0x80) --cut;
-  message.resize(cut);
+  message.resize(Utf8PrefixWithin(message, kMaxErrorMessageBytes));
   absl::StrAppend(&message, " … (cut: ", total, " bytes in all)");
   return message;
 }
