@@ -135,34 +135,28 @@ absl::StatusOr<BpeModel> BpeModel::Create(
 void BpeModel::TokenizeWithin(std::string_view word, std::vector<int32_t>* out,
                               size_t max_tokens) const {
   const size_t room = max_tokens > out->size() ? max_tokens - out->size() : 0;
-  // Bytes that ids of at most max_bytes_per_id_ bytes each can only cover with more than `room`
-  // ids, however they merge.
-  const size_t enough = max_tokens == SIZE_MAX ? SIZE_MAX : (room + 1) * max_bytes_per_id_;
+  // Bytes of characters with a piece (or byte tokens) that ids of at most max_bytes_per_id_
+  // bytes each can only cover with more than `room` ids, however they merge. Other characters
+  // are not counted: they become an <unk> (fused over a run when fuse_unk) or, without an unk
+  // token, nothing; a merge that takes an <unk> counts "<unk>"'s piece, not what it covers.
+  const size_t enough = max_tokens == SIZE_MAX || room >= SIZE_MAX / max_bytes_per_id_ - 1
+                            ? SIZE_MAX
+                            : (room + 1) * max_bytes_per_id_;
   if (word.size() <= enough) {
     TokenizeSegment(word, out);
     return;
   }
-  size_t cut = 0;
-  if (!(unk_id_ && options_.fuse_unk)) {
-    // Every byte is covered by ids of at most max_bytes_per_id_ bytes: cut at a character
-    // boundary past `enough`.
-    cut = enough + 1;
-    while (cut < word.size() && (static_cast<uint8_t>(word[cut]) & 0xC0) == 0x80) ++cut;
-  } else {
-    // A fused <unk> covers any run of unknown characters: count only the bytes of characters
-    // with a piece (or byte tokens), which ids of at most max_bytes_per_id_ bytes cover.
-    size_t known = 0;
-    while (cut < word.size() && known <= enough) {
-      const size_t len = Utf8CharLength(word, cut);
-      const std::string_view ch = word.substr(cut, len);
-      bool has_ids = vocab_.Find(ch).has_value();
-      if (!has_ids && options_.byte_fallback) {
-        has_ids = true;
-        for (char c : ch) has_ids = has_ids && byte_ids_[static_cast<uint8_t>(c)] >= 0;
-      }
-      if (has_ids) known += len;
-      cut += len;
+  size_t cut = 0, known = 0;
+  while (cut < word.size() && known <= enough) {
+    const size_t len = Utf8CharLength(word, cut);
+    const std::string_view ch = word.substr(cut, len);
+    bool has_ids = vocab_.Find(ch).has_value();
+    if (!has_ids && options_.byte_fallback) {
+      has_ids = true;
+      for (char c : ch) has_ids = has_ids && byte_ids_[static_cast<uint8_t>(c)] >= 0;
     }
+    if (has_ids) known += len;
+    cut += len;
   }
   TokenizeSegment(word.substr(0, cut), out);
 }

@@ -93,8 +93,9 @@ class BpeModel {
   // cut, which gives the same ids as merging the whole word, with small merge heaps. Stops
   // after the piece where `out` first holds more than `max_tokens` ids (the caller's budget).
   // A piece so long that its ids must pass the budget (each id covers at most
-  // max_bytes_per_id() bytes) is merged only as far as a prefix that passes it: past the
-  // budget, `out` holds more than `max_tokens` ids that need not be the word's first ones.
+  // max_bytes_per_id() bytes of characters that have a piece or byte tokens) is merged only as
+  // far as a prefix that passes it: past the budget, `out` holds more than `max_tokens` ids that
+  // need not be the word's first ones.
   void Tokenize(std::string_view word, std::vector<int32_t>* out,
                 size_t max_tokens = SIZE_MAX) const;
 
@@ -102,8 +103,9 @@ class BpeModel {
   const PieceVocab& vocab() const { return vocab_; }
   // Number of merge rules.
   size_t num_merges() const { return merges_.size(); }
-  // The most bytes of a word one id can cover: the longest merge result, or 4 (one character);
-  // with ignore_merges the longest piece. (A fused <unk> covers any run of unknown characters.)
+  // The most bytes of characters with a piece (or byte tokens) one id can cover: the longest
+  // merge result, or 4 (one character); with ignore_merges the longest piece. (An <unk> covers
+  // unknown characters, a fused one any run of them; without an unk token they make no id.)
   size_t max_bytes_per_id() const { return max_bytes_per_id_; }
 
  private:

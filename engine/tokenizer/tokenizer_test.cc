@@ -459,7 +459,28 @@ TEST(TokenizerBudgetTest, OneLongPieceIsMergedOnlyPastTheBudget) {
     const std::string_view part = std::string_view(digits).substr(0, 3000);
     const std::vector<int32_t> whole = tok->EncodeText(part, false);
     EXPECT_EQ(encode(part, whole.size()), whole);
+    // A long piece whose ids fit: 10,000 characters outside the vocabulary fuse into one <unk>.
+    std::string unknown;
+    for (int i = 0; i < 10000; ++i) unknown += "\xc3\xa9";
+    unknown += "5";
+    const std::vector<int32_t> two = tok->EncodeText(unknown, false);
+    ASSERT_EQ(two.size(), 2u);
+    EXPECT_EQ(encode(unknown, 2), two);
   }
+}
+
+// Without an unk token a character outside the vocabulary makes no id (as in HF), so it does not
+// count toward the budget: 100 such characters and one known one fit a budget of 5, and with
+// ten known ones the budget is passed.
+TEST(TokenizerBudgetTest, CharactersThatMakeNoIdDoNotCount) {
+  absl::StatusOr<Tokenizer> tok = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})", "no-unk");
+  ASSERT_THAT(tok, IsOk());
+  std::string euros;
+  for (int i = 0; i < 100; ++i) euros += "\xe2\x82\xac";
+  EXPECT_THAT(tok->EncodeText(euros + "a", false, 5), ElementsAre(0));
+  const std::vector<int32_t> ten = tok->EncodeText(euros + std::string(10, 'a'), false, 5);
+  EXPECT_GT(ten.size(), 5u);
 }
 
 }  // namespace
