@@ -26,6 +26,13 @@ void DenoiseJob::End(absl::Status status) {
   if (!final_) final_ = std::move(status);
 }
 
+absl::Status DenoiseJob::CancelStatus() const {
+  if (cancel_code_ == absl::StatusCode::kDeadlineExceeded) {
+    return absl::DeadlineExceededError(absl::StrCat("request ", id(), ": deadline exceeded"));
+  }
+  return absl::CancelledError(absl::StrCat("request ", id(), " cancelled"));
+}
+
 bool DenoiseJob::ended() const {
   absl::MutexLock lock(&mu_);
   return final_.has_value();
@@ -312,7 +319,7 @@ void DenoiseEngine::OnKv(const std::string& id,
   wake_.Signal();
 }
 
-bool DenoiseEngine::Cancel(const std::string& request_id) {
+bool DenoiseEngine::Cancel(const std::string& request_id, absl::StatusCode code) {
   std::vector<std::unique_ptr<Running>> drop;  // every sample of the job still in ready_
   bool forget = false;
   {
@@ -320,11 +327,11 @@ bool DenoiseEngine::Cancel(const std::string& request_id) {
     auto it = all_.find(request_id);
     if (it == all_.end()) return false;
     std::shared_ptr<DenoiseJob> job = it->second;
-    job->RequestCancel();
+    job->RequestCancel(code);
     if (waiting_.erase(request_id) > 0) {
       forget = true;
       all_.erase(it);
-      job->End(absl::CancelledError(absl::StrCat("request ", request_id, " cancelled")));
+      job->End(job->CancelStatus());
     } else {
       // Samples already running leave at the next step (cancel_requested); waiting ones now.
       for (auto r = ready_.begin(); r != ready_.end();) {
@@ -337,15 +344,15 @@ bool DenoiseEngine::Cancel(const std::string& request_id) {
       }
       if (!drop.empty()) {
         all_.erase(request_id);
-        job->End(absl::CancelledError(absl::StrCat("request ", request_id, " cancelled")));
+        job->End(job->CancelStatus());
       }
     }
     if (metrics_ && (forget || !drop.empty())) {
-      metrics_->RequestsWithStatus("CANCELLED").Increment();
+      metrics_->RequestsWithStatus(absl::StatusCodeToString(job->CancelStatus().code())).Increment();
     }
     wake_.Signal();
   }
-  if (forget) receiver_->Forget(request_id);
+  if (forget) receiver_->Forget(request_id, code);
   return true;
 }
 
@@ -416,7 +423,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
   // 1. Cancelled requests leave now; their KV blocks go back to the pool.
   std::erase_if(running, [&](std::unique_ptr<Running>& r) {
     if (!r->job->cancel_requested()) return false;
-    FinishJob(*r, absl::CancelledError(absl::StrCat("request ", r->job->id(), " cancelled")));
+    FinishJob(*r, r->job->CancelStatus());
     return true;
   });
 

@@ -50,13 +50,21 @@ class DenoiseJob {
   // untouched on timeout.
   bool Pop(v1::DenoiseEvent* event, std::optional<absl::Status>* final, absl::Duration timeout);
 
-  void RequestCancel() { cancelled_ = true; }
-  bool cancel_requested() const { return cancelled_; }
+  // Asks the engine to end the job with `code` (CANCELLED, or DEADLINE_EXCEEDED when its
+  // caller's deadline passed); the first request's code stays.
+  void RequestCancel(absl::StatusCode code = absl::StatusCode::kCancelled) {
+    absl::StatusCode none = absl::StatusCode::kOk;
+    cancel_code_.compare_exchange_strong(none, code);
+  }
+  bool cancel_requested() const { return cancel_code_ != absl::StatusCode::kOk; }
+  // The status a cancelled job ends with: "request ID cancelled" or "request ID: deadline
+  // exceeded", with the code given to RequestCancel.
+  absl::Status CancelStatus() const;
 
  private:
   const v1::DenoiseRequest request_;
   const absl::Time created_;
-  std::atomic<bool> cancelled_{false};
+  std::atomic<absl::StatusCode> cancel_code_{absl::StatusCode::kOk};
   mutable absl::Mutex mu_;
   std::deque<v1::DenoiseEvent> events_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Status> final_ ABSL_GUARDED_BY(mu_);
@@ -97,9 +105,10 @@ class DenoiseEngine {
   // is full, UNAVAILABLE when draining, ALREADY_EXISTS for a duplicate id.
   absl::Status Submit(std::shared_ptr<DenoiseJob> job);
   // Cancels a request (all its samples) wherever it is; its blocks are freed before the next
-  // step. Returns
-  // whether it was known.
-  bool Cancel(const std::string& request_id);
+  // step, and it is recorded with `code` (CANCELLED, or DEADLINE_EXCEEDED when the caller's
+  // deadline passed). Returns whether it was known.
+  bool Cancel(const std::string& request_id,
+              absl::StatusCode code = absl::StatusCode::kCancelled);
   // Stops admitting (Submit → UNAVAILABLE); running requests continue.
   void SetDraining(bool draining) { draining_ = draining; }
   bool draining() const { return draining_; }

@@ -15,14 +15,14 @@ grpc::Status DenoiseServiceImpl::Denoise(grpc::ServerContext* context,
     std::optional<absl::Status> final;
     if (job->Pop(&event, &final, absl::Milliseconds(50))) {
       if (!writer->Write(event)) {
-        engine_->Cancel(job->id());
+        engine_->Cancel(job->id(), CallerEndCode(*context));
         return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
       }
       continue;
     }
     if (final) return ToGrpcStatus(*final);
     if (context->IsCancelled()) {
-      engine_->Cancel(job->id());
+      engine_->Cancel(job->id(), CallerEndCode(*context));
       return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
     }
   }
@@ -30,11 +30,13 @@ grpc::Status DenoiseServiceImpl::Denoise(grpc::ServerContext* context,
 
 grpc::Status DenoiseServiceImpl::Cancel(grpc::ServerContext*, const v1::CancelRequest* request,
                                         v1::CancelResponse* response) {
-  response->set_found(engine_->Cancel(request->request_id()));
+  const absl::StatusCode why = request->deadline_exceeded() ? absl::StatusCode::kDeadlineExceeded
+                                                            : absl::StatusCode::kCancelled;
+  response->set_found(engine_->Cancel(request->request_id(), why));
   // Prompt KV that arrived (or is arriving) for a request that will never be denoised — e.g.
   // the gateway's prefill call failed or timed out after the transfer — is freed now rather
   // than at the end of its lease.
-  receiver_->Forget(request->request_id());
+  receiver_->Forget(request->request_id(), why);
   return grpc::Status::OK;
 }
 

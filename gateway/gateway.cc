@@ -339,7 +339,9 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
   const absl::Time start = absl::Now();
   auto count = [&](const absl::Status& s) {
     if (metrics_) {
-      metrics_->RequestsWithStatus(absl::StatusCodeToString(s.code())).Increment();
+      // A gRPC client whose deadline passed ends the call, which reads here as a cancellation.
+      const absl::StatusCode code = CancelledAtDeadline(s, deadline, absl::Now()).code();
+      metrics_->RequestsWithStatus(absl::StatusCodeToString(code)).Increment();
       if (s.ok()) metrics_->request_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start));
     }
     return s;

@@ -213,6 +213,7 @@ void Gateway::RequestRun::CancelOnDenoiseWorker(const Workers& w) const {
   cctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
   v1::CancelRequest creq;
   creq.set_request_id(w.attempt_id);
+  creq.set_deadline_exceeded(EndedByDeadline(deadline_, absl::Now()));
   v1::CancelResponse cresp;
   v1::DenoiseService::NewStub(gw_.denoise_->Channel(w.denoise))->Cancel(&cctx, creq, &cresp);
 }

@@ -8,7 +8,7 @@
 #include <deque>
 #include <map>
 #include <thread>
-#include <unordered_set>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -246,14 +246,25 @@ struct KvReceiver::State {
   // Status for a WriteBlock/Finish on an id with no transfer in flight.
   absl::Status NotInFlightLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (auto f = failures.find(id); f != failures.end()) return f->second.status;
-    if (forgotten.contains(id)) {
-      return absl::CancelledError(absl::StrCat("KV transfer for ", id, ": request forgotten"));
+    if (auto f = forgotten.find(id); f != forgotten.end()) {
+      return ForgottenStatus(id, f->second, "KV transfer for ", ": request ");
     }
     return absl::NotFoundError(absl::StrCat("no KV transfer in flight for ", id));
   }
 
-  void RememberForgotten(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    if (!forgotten.insert(id).second) return;
+  // CANCELLED "<prefix>ID<infix>forgotten", or DEADLINE_EXCEEDED "<prefix>ID<infix>forgotten
+  // (its deadline passed)", as the request was forgotten.
+  static absl::Status ForgottenStatus(const std::string& id, absl::StatusCode why,
+                                      absl::string_view prefix, absl::string_view infix) {
+    const bool expired = why == absl::StatusCode::kDeadlineExceeded;
+    return absl::Status(expired ? why : absl::StatusCode::kCancelled,
+                        absl::StrCat(prefix, id, infix, "forgotten",
+                                     expired ? " (its deadline passed)" : ""));
+  }
+
+  void RememberForgotten(const std::string& id, absl::StatusCode why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!forgotten.emplace(id, why).second) return;
     forgotten_order.push_back(id);
     while (forgotten_order.size() > kForgottenCapacity) {
       forgotten.erase(forgotten_order.front());
@@ -270,7 +281,8 @@ struct KvReceiver::State {
   std::map<std::string, Completed> completed ABSL_GUARDED_BY(mu);
   std::map<std::string, Expectation> expectations ABSL_GUARDED_BY(mu);
   std::map<std::string, Failure> failures ABSL_GUARDED_BY(mu);
-  std::unordered_set<std::string> forgotten ABSL_GUARDED_BY(mu);
+  // Forgotten request ids, with why (CANCELLED or DEADLINE_EXCEEDED).
+  std::unordered_map<std::string, absl::StatusCode> forgotten ABSL_GUARDED_BY(mu);
   std::deque<std::string> forgotten_order ABSL_GUARDED_BY(mu);
   int64_t failed ABSL_GUARDED_BY(mu) = 0;
   int64_t received_bytes ABSL_GUARDED_BY(mu) = 0;
@@ -317,9 +329,9 @@ absl::Status KvReceiver::Begin(const v1::KvTransferHeader& header) {
   absl::Status result;
   {
     absl::MutexLock lock(&s.mu);
-    if (s.forgotten.contains(id)) {
-      return absl::CancelledError(
-          absl::StrCat("KV transfer for ", id, " refused: the request was forgotten"));
+    if (auto f = s.forgotten.find(id); f != s.forgotten.end()) {
+      return State::ForgottenStatus(id, f->second, "KV transfer for ",
+                                    " refused: the request was ");
     }
     if (s.incoming.contains(id)) {
       return absl::AlreadyExistsError(absl::StrCat("KV transfer for ", id, " already in flight"));
@@ -495,9 +507,9 @@ void KvReceiver::Expect(const std::string& request_id, absl::Time deadline, KvCa
     } else if (auto f = s.failures.find(request_id); f != s.failures.end()) {
       out.push_back({std::move(done), f->second.status});
       s.failures.erase(f);
-    } else if (s.forgotten.contains(request_id)) {
-      out.push_back({std::move(done), absl::CancelledError(absl::StrCat(
-                                          "KV for ", request_id, ": request forgotten"))});
+    } else if (auto f = s.forgotten.find(request_id); f != s.forgotten.end()) {
+      out.push_back({std::move(done),
+                     State::ForgottenStatus(request_id, f->second, "KV for ", ": request ")});
     } else if (s.expectations.contains(request_id)) {
       out.push_back({std::move(done), absl::AlreadyExistsError(absl::StrCat(
                                           "KV for ", request_id, " is already expected"))});
@@ -511,7 +523,7 @@ void KvReceiver::Expect(const std::string& request_id, absl::Time deadline, KvCa
   State::Deliver(out);
 }
 
-void KvReceiver::Forget(const std::string& request_id) {
+void KvReceiver::Forget(const std::string& request_id, absl::StatusCode why) {
   State& s = *state_;
   std::unique_ptr<PagedKvCache> drop;
   KvCallback dropped_callback;  // destroyed outside the lock, never called
@@ -530,7 +542,7 @@ void KvReceiver::Forget(const std::string& request_id) {
       s.completed.erase(c);
     }
     s.failures.erase(request_id);
-    s.RememberForgotten(request_id);
+    s.RememberForgotten(request_id, why);
   }
 }
 

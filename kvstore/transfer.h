@@ -87,8 +87,10 @@ class KvReceiver {
   // arrives by `deadline`. Runs on a transport thread, the reaper, or the caller's thread.
   void Expect(const std::string& request_id, absl::Time deadline, KvCallback done);
   // Drops everything about the request (its Expect callback is not called; incoming blocks are
-  // freed and a later transfer for it is refused with CANCELLED).
-  void Forget(const std::string& request_id);
+  // freed and a later transfer for it is refused with `why`: CANCELLED, or DEADLINE_EXCEEDED
+  // when the request's deadline passed).
+  void Forget(const std::string& request_id,
+              absl::StatusCode why = absl::StatusCode::kCancelled);
 
   // Reclaims leases and expectations that are past due (called by a background thread every
   // 50 ms; tests may call it with their own clock).

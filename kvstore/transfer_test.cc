@@ -367,6 +367,28 @@ TEST_F(KvTransferTest, ForgetDropsEverything) {
   ExpectNothingHeld();
 }
 
+// A request forgotten because its deadline passed refuses its KV with DEADLINE_EXCEEDED (so the
+// prefill worker records the request as the deadline's, not as cancelled); everything else
+// about Forget is the same.
+TEST_F(KvTransferTest, ForgetForTheDeadlineRefusesWithDeadlineExceeded) {
+  ASSERT_THAT(receiver_->Begin(Header("late")), IsOk());
+  ASSERT_THAT(receiver_->WriteBlock("late", Payloads()[0]), IsOk());
+  receiver_->Forget("late", absl::StatusCode::kDeadlineExceeded);
+  ExpectNothingHeld();
+  EXPECT_THAT(receiver_->WriteBlock("late", Payloads()[1]),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("deadline passed")));
+  EXPECT_THAT(receiver_->Begin(Header("late")),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("deadline passed")));
+  auto got = KvWaiter::Make();
+  receiver_->Expect("late", Later(), got->Callback());
+  ASSERT_TRUE(got->Wait());
+  EXPECT_THAT(got->result, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("late")));
+  // The first reason stays.
+  receiver_->Forget("late");
+  EXPECT_THAT(receiver_->Begin(Header("late")),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+}
+
 TEST_F(KvTransferTest, ExpectDeadline) {
   auto got = KvWaiter::Make();
   receiver_->Expect("late", Later(), got->Callback());

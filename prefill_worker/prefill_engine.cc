@@ -16,6 +16,8 @@ struct PrefillEngine::Job {
   std::shared_ptr<kv::PagedKvCache> kv;
   int cached_tokens = 0;
   std::atomic<bool> cancelled{false};
+  // Why it was cancelled (Cancel's code); CANCELLED for the engine's own cancellations.
+  std::atomic<absl::StatusCode> cancel_code{absl::StatusCode::kCancelled};
   std::atomic<bool> finished{false};
   double encode_seconds = 0;
 
@@ -99,7 +101,7 @@ absl::Status PrefillEngine::Submit(const v1::PrefillRequest& request, Callback d
   return absl::OkStatus();
 }
 
-bool PrefillEngine::Cancel(const std::string& request_id) {
+bool PrefillEngine::Cancel(const std::string& request_id, absl::StatusCode code) {
   std::shared_ptr<Job> job;
   {
     absl::MutexLock lock(&mu_);
@@ -107,6 +109,7 @@ bool PrefillEngine::Cancel(const std::string& request_id) {
     if (it == all_.end()) return false;
     job = it->second;
   }
+  if (!job->cancelled) job->cancel_code = code;
   job->cancelled = true;
   return true;
 }
@@ -180,8 +183,11 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
   std::vector<std::shared_ptr<Job>> ship;
   std::erase_if(active, [&](std::shared_ptr<Job>& j) {
     if (j->cancelled) {
-      Fail(*j, absl::CancelledError(absl::StrCat("prefill of ", j->request.request_id(),
-                                                 " cancelled")));
+      Fail(*j, j->cancel_code == absl::StatusCode::kDeadlineExceeded
+                   ? absl::DeadlineExceededError(absl::StrCat(
+                         "prefill of ", j->request.request_id(), ": deadline exceeded"))
+                   : absl::CancelledError(
+                         absl::StrCat("prefill of ", j->request.request_id(), " cancelled")));
       return true;
     }
     if (j->kv->num_tokens() == j->request.tokens_size()) {
@@ -259,7 +265,9 @@ void PrefillEngine::Ship(std::shared_ptr<Job> job) {
           if (kv_metrics_ && !client_ended) {
             kv_metrics_->RecordTransferFailure(kv::FailedKvTransport(st, transport_name_));
           }
-          Fail(*job, absl::Status(result.status().code(),
+          // Recorded as the client's end when the client ended it (the transfer may have been
+          // cut for that reason before this worker's own call noticed).
+          Fail(*job, absl::Status(job->cancelled ? job->cancel_code.load() : st.code(),
                                   absl::StrCat("KV transfer to ", job->request.kv_target(),
                                                " failed: ", result.status().message())));
           return;

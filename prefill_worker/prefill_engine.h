@@ -55,9 +55,11 @@ class PrefillEngine {
   // `done` not called): INVALID_ARGUMENT (empty prompt, id out of range, no target),
   // RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), ALREADY_EXISTS.
   absl::Status Submit(const v1::PrefillRequest& request, Callback done);
-  // Cancels a queued or running prefill (done gets CANCELLED; blocks are freed). A transfer in
-  // flight finishes or fails on its own.
-  bool Cancel(const std::string& request_id);
+  // Cancels a queued or running prefill (done gets `code`: CANCELLED, or DEADLINE_EXCEEDED
+  // when the caller's deadline passed, and the request is recorded so; blocks are freed). A
+  // transfer in flight finishes or fails on its own.
+  bool Cancel(const std::string& request_id,
+              absl::StatusCode code = absl::StatusCode::kCancelled);
   void SetDraining(bool draining) { draining_ = draining; }
   bool draining() const { return draining_; }
   PrefillEngineStats stats() const;

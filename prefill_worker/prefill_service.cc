@@ -21,7 +21,7 @@ grpc::Status PrefillServiceImpl::Prefill(grpc::ServerContext* context,
   bool cancel_sent = false;
   while (!result->done.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
     if (!cancel_sent && context->IsCancelled()) {
-      engine_->Cancel(request->request_id());
+      engine_->Cancel(request->request_id(), CallerEndCode(*context));
       cancel_sent = true;
     }
   }
@@ -32,7 +32,10 @@ grpc::Status PrefillServiceImpl::Prefill(grpc::ServerContext* context,
 
 grpc::Status PrefillServiceImpl::Cancel(grpc::ServerContext*, const v1::CancelRequest* request,
                                         v1::CancelResponse* response) {
-  response->set_found(engine_->Cancel(request->request_id()));
+  response->set_found(engine_->Cancel(request->request_id(),
+                                      request->deadline_exceeded()
+                                          ? absl::StatusCode::kDeadlineExceeded
+                                          : absl::StatusCode::kCancelled));
   return grpc::Status::OK;
 }
 

@@ -1,11 +1,15 @@
 #include "service/status_convert.h"
 
+#include <chrono>
+
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/excerpt.h"
+#include "grpcpp/server_context.h"
 
 namespace dgserve {
 
@@ -21,6 +25,23 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
                       BoundedMessage(std::string(status.message())));
+}
+
+bool EndedByDeadline(absl::Time deadline, absl::Time now) {
+  return now >= deadline - kDeadlineSlack;
+}
+
+absl::Status CancelledAtDeadline(absl::Status status, absl::Time deadline, absl::Time now) {
+  if (!absl::IsCancelled(status) || !EndedByDeadline(deadline, now)) return status;
+  return absl::DeadlineExceededError(
+      absl::StrCat("deadline exceeded (was: ", status.message(), ")"));
+}
+
+absl::StatusCode CallerEndCode(const grpc::ServerContext& context) {
+  const auto d = context.deadline();
+  const bool expired = d != std::chrono::system_clock::time_point::max() &&
+                       EndedByDeadline(absl::FromChrono(d), absl::Now());
+  return expired ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kCancelled;
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {

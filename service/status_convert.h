@@ -5,7 +5,12 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "grpcpp/support/status.h"
+
+namespace grpc {
+class ServerContext;
+}  // namespace grpc
 
 namespace dgserve {
 
@@ -20,6 +25,22 @@ std::string BoundedMessage(std::string message);
 // Same code; the message bounded (BoundedMessage).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// How long before a call's deadline a cancellation still counts as the deadline's. gRPC cancels
+// a server call when its deadline passes, and a caller's own deadline (or the RST_STREAM its
+// library sends then) reaches a server a transit time away from the server's copy of it.
+inline constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(50);
+// Whether a call cancelled at `now` ended by its deadline: now >= deadline - kDeadlineSlack.
+bool EndedByDeadline(absl::Time deadline, absl::Time now);
+// The status to record for a call that ended with `status`: a CANCELLED that EndedByDeadline
+// becomes DEADLINE_EXCEEDED ("deadline exceeded (was: MESSAGE)"); anything else is returned as
+// it is. For metrics and logs: a client whose deadline passed was told DEADLINE_EXCEEDED by its
+// own library, and the server sees the same end as a cancellation.
+absl::Status CancelledAtDeadline(absl::Status status, absl::Time deadline, absl::Time now);
+
+// Why a server call's caller ended it (IsCancelled or a failed write): DEADLINE_EXCEEDED when
+// the call's deadline passed (EndedByDeadline), else CANCELLED.
+absl::StatusCode CallerEndCode(const grpc::ServerContext& context);
 
 // HTTP status for a status code: INVALID_ARGUMENT/OUT_OF_RANGE/FAILED_PRECONDITION(no) → 400,
 // UNAUTHENTICATED 401, PERMISSION_DENIED 403, NOT_FOUND 404, RESOURCE_EXHAUSTED 429,

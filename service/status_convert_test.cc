@@ -51,5 +51,31 @@ TEST(StatusConvertTest, ContextLimitCodeSurvivesALongMessage) {
   EXPECT_THAT(body["error"]["message"].get<std::string>(), HasSubstr("(cut: "));
 }
 
+// A cancellation at the deadline (or within kDeadlineSlack before it: the caller's copy of the
+// deadline reaches a server a transit time apart) is recorded as the deadline; one before it
+// stays a cancellation, and no other status changes.
+TEST(StatusConvertTest, CancelledAtTheDeadlineIsRecordedAsTheDeadline) {
+  const absl::Time deadline = absl::FromUnixSeconds(1000);
+  const absl::Status cancelled = absl::CancelledError("request cancelled by the client");
+  for (absl::Duration at : {absl::ZeroDuration(), absl::Seconds(3), -kDeadlineSlack / 2,
+                            -kDeadlineSlack}) {
+    SCOPED_TRACE(absl::FormatDuration(at));
+    EXPECT_TRUE(EndedByDeadline(deadline, deadline + at));
+    const absl::Status s = CancelledAtDeadline(cancelled, deadline, deadline + at);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("request cancelled by the client"));
+  }
+  for (absl::Duration at : {-kDeadlineSlack - absl::Milliseconds(1), -absl::Seconds(5)}) {
+    SCOPED_TRACE(absl::FormatDuration(at));
+    EXPECT_FALSE(EndedByDeadline(deadline, deadline + at));
+    EXPECT_EQ(CancelledAtDeadline(cancelled, deadline, deadline + at), cancelled);
+  }
+  const absl::Time late = deadline + absl::Seconds(1);
+  for (const absl::Status& s : {absl::OkStatus(), absl::UnavailableError("x"),
+                                absl::DeadlineExceededError("y"), absl::InternalError("z")}) {
+    EXPECT_EQ(CancelledAtDeadline(s, deadline, late), s);
+  }
+}
+
 }  // namespace
 }  // namespace dgserve

@@ -491,6 +491,17 @@ TEST_F(ClusterTest, DeadlineDuringPrefillLeavesNoKv) {
   const std::string failures = "dgserve_prefill_kv_transfer_failures_total{transport=\"tcp\"}";
   const double failures_before =
       TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()), failures);
+  // Requests by status on each service (0 for a series not yet exported).
+  auto counted = [](const Service& p, const std::string& service, const std::string& status) {
+    return std::max(0.0, TestCluster::MetricValue(
+                             *TestCluster::ScrapeMetrics(p),
+                             absl::StrCat("dgserve_", service, "_requests_total{status=\"",
+                                          status, "\"}")));
+  };
+  const double gateway_cancelled = counted(c().gateway(), "gateway", "CANCELLED");
+  const double gateway_expired = counted(c().gateway(), "gateway", "DEADLINE_EXCEEDED");
+  const double prefill_cancelled = counted(c().prefill(), "prefill", "CANCELLED");
+  const double denoise_cancelled = counted(c().denoise(0), "denoise", "CANCELLED");
   // A fast engine may finish a request within the longer deadlines (a stop token can end it at
   // the first canvas): each request ends either way, and the short ones end by their deadline.
   // Deadlines 1..60 ms step through the prefill: some pass while it runs, some just as its
@@ -521,6 +532,19 @@ TEST_F(ClusterTest, DeadlineDuringPrefillLeavesNoKv) {
   // Deadlines are the client's, not transfer failures.
   EXPECT_EQ(TestCluster::MetricValue(*TestCluster::ScrapeMetrics(c().prefill()), failures),
             failures_before);
+  // And they are counted as deadlines, on every service: the gateway's call was cancelled by
+  // gRPC at the client's deadline, and so were the workers' calls (before, the gateway counted
+  // some of them CANCELLED and the workers all of them).
+  // (A call whose deadline passes before it reaches the gateway is not counted there, and one
+  // the gateway finished just as the client's deadline passed is counted OK.)
+  EXPECT_TRUE(Eventually([&] {
+    return counted(c().gateway(), "gateway", "DEADLINE_EXCEEDED") - gateway_expired >=
+           deadlines / 2;
+  })) << counted(c().gateway(), "gateway", "DEADLINE_EXCEEDED") - gateway_expired << " of "
+      << deadlines;
+  EXPECT_EQ(counted(c().gateway(), "gateway", "CANCELLED"), gateway_cancelled);
+  EXPECT_EQ(counted(c().prefill(), "prefill", "CANCELLED"), prefill_cancelled);
+  EXPECT_EQ(counted(c().denoise(0), "denoise", "CANCELLED"), denoise_cancelled);
 }
 
 // The denoise worker counts the KV bytes it receives (its kv_transfer_bytes_total never moved),
