@@ -13,9 +13,11 @@
 // HTTP stacks; both are header-only, so the image gains no runtime package.
 //
 // Threads: `io_threads` event-loop threads own every socket (a connection costs a socket and a
-// few KiB, no thread). A generation request runs core->Generate on a thread of its own, started
-// only once the core has a slot for it (core->CheckAdmission), so generation threads are bounded
-// by the core's admission limit; its events are posted to the connection's strand.
+// few KiB, no thread). A generation request runs on a thread of its own, started only once the
+// core has a slot for it (core->CheckAdmission), so generation threads are bounded by the core's
+// admission limit: that thread parses the JSON body (up to max_body_bytes: about half a second
+// for 4 MiB, which on an event-loop thread held all of its connections) and runs
+// core->Generate; its events are posted to the connection's strand.
 #pragma once
 
 #include <cstddef>
@@ -77,8 +79,9 @@ struct HttpServerOptions {
 //     for a stalled write; each closes the connection (cancelling its request, if any).
 //   - Deadline: now + default_timeout, or the `X-Request-Timeout` header (seconds, a number in
 //     (0, 86400]; anything else is 400), which may only shorten it: the deadline is the earlier.
-//   - Admission: core->CheckAdmission is asked before a generation starts; RESOURCE_EXHAUSTED
-//     is answered at once (429 with `Retry-After: 1`) without starting a thread.
+//   - Admission: core->CheckAdmission is asked before a generation starts, after the head's
+//     checks (Content-Type, X-Request-Timeout) and before the body is parsed; RESOURCE_EXHAUSTED
+//     is answered at once (429 with `Retry-After: 1`) without starting a thread or parsing.
 //   - Non-streaming: core->Generate runs on its own thread; one JSON response, or the error's
 //     HttpStatusFor code with an OpenAI error body (429 adds `Retry-After: 1`). A client that
 //     closes its connection cancels the request at once (a read stays posted on the socket).

@@ -1,7 +1,9 @@
 // The HTTP server's connection handling against raw sockets and a real HTTP client on 127.0.0.1,
 // with a fake GenerationCore: disconnects cancel, keep-alive and pipelining, header limits,
 // deadlines, admission, slow clients, back-pressure and write timeouts, refusals counted.
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "gateway/http_server_test_util.h"
 
 namespace dgserve {
@@ -235,6 +237,53 @@ TEST_F(HttpServerTest, RefusalsAreCountedByTheCore) {
             (std::vector<absl::StatusCode>{
                 absl::StatusCode::kInvalidArgument, absl::StatusCode::kUnauthenticated,
                 absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument}));
+}
+
+// A generation body is parsed, checked and refused on the request's own thread, never on the
+// event loop: a 4 MiB body takes about half a second to parse, and on the loop it held every
+// connection of that thread (/health included). Here the refusal of a bad body is held on the
+// thread that parsed it (a stand-in for a slow parse, without timing anything): with one
+// event-loop thread, /health and other requests are still answered, and the held request gets
+// its 400 once released.
+TEST_F(HttpServerTest, BodiesAreParsedOffTheEventLoop) {
+  absl::Notification release;
+  // Released on every way out (a failed assertion must not leave a thread held).
+  absl::Cleanup release_on_exit = [&] {
+    if (!release.HasBeenNotified()) release.Notify();
+  };
+  std::atomic<int> held{0};
+  core_.on_refused = [&](const absl::Status& status) {
+    if (absl::StrContains(status.message(), "unsupported field: hold_me")) {
+      ++held;
+      release.WaitForNotificationWithTimeout(absl::Seconds(60));
+    }
+  };
+  core_.generate = AnswerWith("fine");
+  HttpServerOptions options;
+  options.io_threads = 1;
+  StartServer(options);
+  constexpr int kHeld = 3;
+  std::vector<int> fds;
+  for (int i = 0; i < kHeld; ++i) {
+    const int fd = ConnectLoopback(port_, 30);
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", R"({"prompt": "x", "hold_me": 1})")));
+    fds.push_back(fd);
+  }
+  ASSERT_TRUE(Eventually([&] { return held.load() == kHeld; }));
+  // Every held refusal sits on a thread of its own; the loop serves the rest.
+  HttpClient cli = Client();
+  EXPECT_EQ(cli.Get("/health").status, 200);
+  auto res = cli.Post("/v1/completions", R"({"prompt": "y"})");
+  ASSERT_TRUE(res) << res.error;
+  EXPECT_EQ(res.status, 200);
+  EXPECT_THAT(res.body, HasSubstr("fine"));
+  release.Notify();
+  for (int fd : fds) {
+    const std::string raw = ReadUntil(fd, "hold_me");
+    EXPECT_EQ(raw.rfind("HTTP/1.1 400", 0), 0u) << raw;
+    close(fd);
+  }
 }
 
 // Context-limit and token-range errors from the core name their field in `param` ("messages"

@@ -45,7 +45,11 @@ class FakeCore : public GenerationCore {
   absl::Mutex refused_mu;
   std::vector<absl::StatusCode> refused;  // what CountRefused was given
 
+  // Set: called first by CountRefused, on the thread that counts (a test may hold it there).
+  std::function<void(const absl::Status&)> on_refused;
+
   void CountRefused(const absl::Status& status) override {
+    if (on_refused) on_refused(status);
     absl::MutexLock lock(&refused_mu);
     refused.push_back(status.code());
   }
