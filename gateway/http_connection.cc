@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "engine/tokenizer/utf8.h"
 #include "gateway/openai_api.h"
 #include "service/status_convert.h"
 
@@ -63,6 +64,16 @@ bool OnlyChunked(const HttpRequest& req) {
 
 }  // namespace
 
+namespace {
+// The value of a hexadecimal digit, or -1.
+int HexDigit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+}  // namespace
+
 std::string RequestPath(std::string_view target) {
   std::string path(target);
   // Absolute form (RFC 9112 §3.2.2): "http://host[:port]/path"; the authority is dropped.
@@ -76,7 +87,26 @@ std::string RequestPath(std::string_view target) {
     }
   }
   path.resize(std::min(path.size(), path.find('?')));
-  return path;
+  // Percent-decoded (RFC 3986 §2.1), as Starlette (under vLLM) matches routes.
+  std::string decoded;
+  decoded.reserve(path.size());
+  for (size_t i = 0; i < path.size(); ++i) {
+    int hi = 0, lo = 0;
+    if (path[i] == '%' && i + 2 < path.size() && (hi = HexDigit(path[i + 1])) >= 0 &&
+        (lo = HexDigit(path[i + 2])) >= 0) {
+      decoded.push_back(char(hi * 16 + lo));
+      i += 2;
+    } else {
+      decoded.push_back(path[i]);
+    }
+  }
+  // Kept as sent when the bytes it stands for are not text: such a path matches no route, and
+  // the 404 quotes it as sent.
+  if (!tokenizer_internal::IsValidUtf8(decoded)) return path;
+  for (unsigned char ch : decoded) {
+    if (ch < 0x20 || ch == 0x7f) return path;
+  }
+  return decoded;
 }
 
 void HttpResponse::Set(const std::string& name, const std::string& value) {

@@ -60,7 +60,9 @@ HttpResponse ErrorResponse(const absl::Status& status, const std::string& param 
 std::string HeaderValue(const HttpRequest& req, boost::beast::http::field f);
 
 // The path of a request target: the query is dropped, and so are the scheme and authority of an
-// absolute-form target ("http://host/v1/models" → "/v1/models", "http://host" → "/").
+// absolute-form target ("http://host/v1/models" → "/v1/models", "http://host" → "/"); then
+// percent-decoded ("/v1/models/%73udoku" → "/v1/models/sudoku"), unless the decoded bytes are
+// not UTF-8 or hold a control character (then as sent).
 std::string RequestPath(std::string_view target);
 
 // A gateway-local request id ("gw-<16 hex>-<counter>"): used in X-Request-Id until (or unless)

@@ -432,5 +432,38 @@ TEST_F(HttpServerTest, AbsoluteFormTargetIsServedAsItsPath) {
   EXPECT_THAT(root, HasSubstr("unknown path: /"));
 }
 
+// Paths are percent-decoded before routing, as Starlette (under vLLM) does: "/v1/models/%64g-tiny"
+// is the model "dg-tiny" (it was a 404). Bytes that are not text stay as sent, and the 404 that
+// quotes them is valid JSON.
+TEST_F(HttpServerTest, PathsArePercentDecoded) {
+  StartServer();
+  auto get = [&](const std::string& target) {
+    return RawRequest(port_, "GET " + target + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  };
+  for (const std::string target : {"/v1/models/%64g-tiny", "/v1/models/dg%2dtiny?x=%41",
+                                   "/v1/%6Dodels/dg-tiny", "/v1/models/%64%67%2D%74iny"}) {
+    const std::string model = get(target);
+    EXPECT_THAT(model, StartsWith("HTTP/1.1 200 ")) << target << "\n" << model;
+    EXPECT_THAT(model, HasSubstr(R"("id":"dg-tiny")")) << target;
+  }
+  EXPECT_THAT(get("/%68ealth"), StartsWith("HTTP/1.1 200 "));
+  // Decoded, a model id may hold a slash (as Hugging Face names do).
+  const std::string slash = get("/v1/models/google%2Fdg-tiny");
+  EXPECT_THAT(slash, StartsWith("HTTP/1.1 404 ")) << slash;
+  EXPECT_THAT(slash, HasSubstr("model 'google/dg-tiny' not found"));
+  for (const std::string target : {"/v1/models/%FF", "/v1/models/a%00b", "/v1/models/%zz",
+                                   "/v1/models/%4", "/v1/models/%0a"}) {
+    const std::string raw = get(target);
+    EXPECT_THAT(raw, StartsWith("HTTP/1.1 404 ")) << target << "\n" << raw;
+    const size_t body_at = raw.find("\r\n\r\n");
+    ASSERT_NE(body_at, std::string::npos) << raw;
+    const json body = json::parse(raw.substr(body_at + 4), nullptr, false);
+    ASSERT_FALSE(body.is_discarded()) << raw;
+    EXPECT_THAT(body["error"]["message"].get<std::string>(),
+                HasSubstr(target.substr(std::string("/v1/models/").size())))
+        << target;
+  }
+}
+
 }  // namespace
 }  // namespace dgserve
