@@ -23,27 +23,33 @@ using json = nlohmann::json;
 // saw another request than the one served. One key set per open object: linear in the body
 // (a parser callback would do it too, but nlohmann's callback parser rescans the parent container
 // at every object's end, which is quadratic in the number of objects).
-class DuplicateKeyFinder : public nlohmann::json_sax<json> {
+class DuplicateKeyFinder {
  public:
+  using number_integer_t = json::number_integer_t;
+  using number_unsigned_t = json::number_unsigned_t;
+  using number_float_t = json::number_float_t;
+  using string_t = json::string_t;
+  using binary_t = json::binary_t;
+
   // The repeated key's path, e.g. "messages[0].role", once found.
   const std::optional<std::string>& duplicate() const { return duplicate_; }
   // The path of the value that opened one level too many, once found.
   const std::optional<std::string>& too_deep() const { return too_deep_; }
 
-  bool null() override { return Value(); }
-  bool boolean(bool) override { return Value(); }
-  bool number_integer(number_integer_t) override { return Value(); }
-  bool number_unsigned(number_unsigned_t) override { return Value(); }
-  bool number_float(number_float_t, const string_t&) override { return Value(); }
-  bool string(string_t&) override { return Value(); }
-  bool binary(binary_t&) override { return Value(); }
-  bool start_object(std::size_t) override {
+  bool null() { return Value(); }
+  bool boolean(bool) { return Value(); }
+  bool number_integer(number_integer_t) { return Value(); }
+  bool number_unsigned(number_unsigned_t) { return Value(); }
+  bool number_float(number_float_t, const string_t&) { return Value(); }
+  bool string(string_t&) { return Value(); }
+  bool binary(binary_t&) { return Value(); }
+  bool start_object(std::size_t) {
     Value();
     if (TooDeep()) return false;
     frames_.emplace_back().object = true;
     return true;
   }
-  bool key(string_t& k) override {
+  bool key(string_t& k) {
     Frame& f = frames_.back();
     if (!f.keys.insert(k).second) {
       const std::string path = Path();
@@ -53,22 +59,33 @@ class DuplicateKeyFinder : public nlohmann::json_sax<json> {
     f.key = k;
     return true;
   }
-  bool end_object() override {
+  bool end_object() {
     frames_.pop_back();
     return true;
   }
-  bool start_array(std::size_t) override {
+  bool start_array(std::size_t) {
     Value();
     if (TooDeep()) return false;
     frames_.emplace_back().object = false;
     return true;
   }
-  bool end_array() override {
+  bool end_array() {
     frames_.pop_back();
     return true;
   }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
-    return false;  // the DOM parse that follows reports it
+  // The path of the value being read, e.g. "messages[0].content" or "prompt[3]" (for an error
+  // in a value: the innermost open container's current key, or its next element).
+  std::string ValuePath() const {
+    std::string path;
+    for (size_t i = 0; i < frames_.size(); ++i) {
+      const Frame& f = frames_[i];
+      if (f.object) {
+        absl::StrAppend(&path, path.empty() ? "" : ".", f.key);
+      } else {
+        absl::StrAppend(&path, "[", f.index + (i + 1 == frames_.size() ? 1 : 0), "]");
+      }
+    }
+    return path;
   }
 
  private:
@@ -113,6 +130,61 @@ class DuplicateKeyFinder : public nlohmann::json_sax<json> {
   std::optional<std::string> too_deep_;
 };
 
+// One pass over the body: each event is checked (DuplicateKeyFinder) and, unless it stops the
+// parse, handed to nlohmann's own document builder. (Two passes, a check then json::parse,
+// cost twice the parsing.) Errors are kept, not thrown.
+class CheckedDocumentBuilder {
+ public:
+  using number_integer_t = json::number_integer_t;
+  using number_unsigned_t = json::number_unsigned_t;
+  using number_float_t = json::number_float_t;
+  using string_t = json::string_t;
+  using binary_t = json::binary_t;
+
+  explicit CheckedDocumentBuilder(json* out) : dom_(*out, /*allow_exceptions=*/false) {}
+
+  const DuplicateKeyFinder& checks() const { return checks_; }
+  // The syntax error or number overflow that stopped the parse, once found.
+  const std::optional<absl::Status>& error() const { return error_; }
+
+  bool null() { return checks_.null() && dom_.null(); }
+  bool boolean(bool v) { return checks_.boolean(v) && dom_.boolean(v); }
+  bool number_integer(number_integer_t v) {
+    return checks_.number_integer(v) && dom_.number_integer(v);
+  }
+  bool number_unsigned(number_unsigned_t v) {
+    return checks_.number_unsigned(v) && dom_.number_unsigned(v);
+  }
+  bool number_float(number_float_t v, const string_t& s) {
+    return checks_.number_float(v, s) && dom_.number_float(v, s);
+  }
+  bool string(string_t& v) { return checks_.string(v) && dom_.string(v); }
+  bool binary(binary_t& v) { return checks_.binary(v) && dom_.binary(v); }
+  bool start_object(std::size_t n) { return checks_.start_object(n) && dom_.start_object(n); }
+  bool key(string_t& k) { return checks_.key(k) && dom_.key(k); }
+  bool end_object() { return checks_.end_object() && dom_.end_object(); }
+  bool start_array(std::size_t n) { return checks_.start_array(n) && dom_.start_array(n); }
+  bool end_array() { return checks_.end_array() && dom_.end_array(); }
+  template <class Exception>
+  bool parse_error(std::size_t, const std::string& token, const Exception& e) {
+    if (e.id == 406) {
+      // A number beyond a double (1e400): named by its field, as other bad values are.
+      const std::string path = checks_.ValuePath();
+      error_ = Invalid(path.empty() ? "request body" : path,
+                       absl::StrCat("number ", token.substr(0, 64),
+                                    token.size() > 64 ? "…" : "", " is beyond a double"));
+    } else {
+      error_ = absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
+    }
+    return false;
+  }
+
+ private:
+  DuplicateKeyFinder checks_;
+  nlohmann::detail::json_sax_dom_parser<json> dom_;
+  std::optional<absl::Status> error_;
+};
+
 }  // namespace
 
 absl::Status ParseJsonObject(std::string_view body, json* out) {
@@ -123,8 +195,11 @@ absl::Status ParseJsonObject(std::string_view body, json* out) {
         absl::StrCat("request body is not valid UTF-8 (first bad byte at offset ",
                      tokenizer_internal::ValidUtf8PrefixLength(body), ")"));
   }
-  DuplicateKeyFinder finder;
-  json::sax_parse(body.begin(), body.end(), &finder);  // stops at the first duplicate or error
+  *out = json();
+  CheckedDocumentBuilder builder(out);
+  // Stops at the first duplicate, level too deep, or error.
+  const bool whole = json::sax_parse(body.begin(), body.end(), &builder);
+  const DuplicateKeyFinder& finder = builder.checks();
   if (finder.duplicate()) {
     return Invalid(*finder.duplicate(),
                    "appears more than once in its JSON object (keys must be unique)");
@@ -134,12 +209,8 @@ absl::Status ParseJsonObject(std::string_view body, json* out) {
         absl::StrCat("request body: arrays and objects nested deeper than ", kMaxJsonDepth,
                      " levels (at ", *finder.too_deep(), ")"));
   }
-  try {
-    *out = json::parse(body.begin(), body.end());
-  } catch (const json::exception& e) {
-    // parse_error, and out_of_range for a number that does not fit a double (1e400).
-    return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
-  }
+  if (builder.error()) return *builder.error();
+  if (!whole) return absl::InternalError("request body: the JSON parse stopped for no reason given");
   if (!out->is_object()) return absl::InvalidArgumentError("request body must be a JSON object");
   return absl::OkStatus();
 }

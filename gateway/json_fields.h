@@ -18,9 +18,11 @@ namespace dgserve::json_fields {
 // byte at offset N)" (RFC 8259 §8.1); "K: appears more than once in its JSON object" for a key
 // repeated within one object, at any depth, K its path (e.g. messages[0].role; RFC 8259 §4 —
 // nlohmann::json would keep the last, so a proxy reading the first would see another request);
-// "malformed JSON: …" (syntax, or a number beyond a double such as 1e400); "request body must be a
-// JSON object"; "request body: arrays and objects nested deeper than kMaxJsonDepth levels (at
-// PATH)", found before any document is built. Linear in the body's size.
+// "PATH: number N is beyond a double" (1e400, named by where it stands, e.g. prompt[2]);
+// "malformed JSON: …" (syntax); "request body must be a JSON object"; "request body: arrays and
+// objects nested deeper than kMaxJsonDepth levels (at PATH)". One pass: each event is checked,
+// then handed to nlohmann's document builder, so a refused key or level stops the parse where it
+// stands. Linear in the body's size.
 absl::Status ParseJsonObject(std::string_view body, nlohmann::json* out);
 
 // The status payload (absl::Status::GetPayload) that carries the field an error names, whatever

@@ -27,6 +27,27 @@ void ExpectRefused(const std::string& body, const std::string& prefix) {
       << body;
 }
 
+// A number beyond a double is named by where it stands, in one pass with the document's build
+// (it was "malformed JSON: … number overflow" with no field); a long one is quoted cut.
+TEST(ParseJsonObjectTest, NumberBeyondADoubleNamesItsPath) {
+  ExpectRefused(R"({"prompt": [1, 2, 1e400]})", "prompt[2]: number 1e400 is beyond a double");
+  ExpectRefused(R"({"messages": [{"role": "user"}, {"x": -1e999}]})",
+                "messages[1].x: number -1e999 is beyond a double");
+  ExpectRefused(R"({"a": {"b": [[0], [0, 1e400]]}})", "a.b[1][1]: number 1e400");
+  ExpectRefused("1e400", "request body: number 1e400 is beyond a double");
+  const std::string huge = "1" + std::string(400, '0') + ".5";
+  json out;
+  const absl::Status s = ParseJsonObject(R"({"t_max": )" + huge + "}", &out);
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
+                          StartsWith("t_max: number " + huge.substr(0, 64) + "… is beyond")));
+  EXPECT_EQ(FieldOf(s), "t_max");
+  // Syntax errors after such checks are still reported as such; a clean body parses whole.
+  ExpectRefused(R"({"a": [1, 2 3]})", "malformed JSON: ");
+  ASSERT_TRUE(ParseJsonObject(R"({"a": [1e308, -1e308, {"b": null}], "c": "d"})", &out).ok());
+  EXPECT_EQ(out["a"][2]["b"], nullptr);
+  EXPECT_EQ(out["c"], "d");
+}
+
 TEST(ParseJsonObjectTest, AcceptsAnObject) {
   json out;
   ASSERT_THAT(ParseJsonObject(R"({"a": [1, {"b": 2}], "b": {"a": 3}})", &out), IsOk());
@@ -38,7 +59,7 @@ TEST(ParseJsonObjectTest, MalformedOrNotAnObject) {
   ExpectRefused(R"({"prompt": )", "malformed JSON: ");
   ExpectRefused("", "malformed JSON: ");
   ExpectRefused(R"({"prompt": "x"} trailing)", "malformed JSON: ");
-  ExpectRefused(R"({"seed": 1e400})", "malformed JSON: ");  // beyond a double
+  ExpectRefused(R"({"seed": 1e400})", "seed: number 1e400 is beyond a double");
   ExpectRefused(R"(["prompt"])", "request body must be a JSON object");
   ExpectRefused(R"("x")", "request body must be a JSON object");
   ExpectRefused("{\"a\": \"\xff\"}", "request body is not valid UTF-8 (first bad byte at offset 7)");

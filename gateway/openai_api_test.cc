@@ -142,12 +142,16 @@ TEST(ParseCompletionsTest, InvalidUtf8IsInvalidArgument) {
 
 // Issue #15 item 5: a number beyond a double made nlohmann::json throw out_of_range, which was
 // not caught (HTTP 500). Every JSON exception is a 400 now, in any field and on both endpoints.
+// A number beyond a double is refused naming its field (it was "malformed JSON" with no param).
 TEST(ParseCompletionsTest, NumberOverflowIsInvalidArgumentNotAnException) {
-  ExpectError(R"({"prompt":"x","seed":1e400})", "malformed JSON: ");
-  ExpectError(R"({"prompt":"x","max_tokens":-1e400})", "malformed JSON: ");
-  ExpectError(R"({"prompt":"x","t_min":1e99999})", "malformed JSON: ");
+  ExpectError(R"({"prompt":"x","seed":1e400})", "seed: number 1e400 is beyond a double");
+  ExpectError(R"({"prompt":"x","max_tokens":-1e400})", "max_tokens: number -1e400 is beyond");
+  ExpectError(R"({"prompt":"x","t_min":1e99999})", "t_min: number 1e99999 is beyond a double");
   ExpectError(R"({"messages":[{"role":"user","content":"x"}],"entropy_bound":1e400})",
-              "malformed JSON: ", /*chat=*/true);
+              "entropy_bound: number 1e400 is beyond a double", /*chat=*/true);
+  const absl::StatusOr<OpenAiRequest> r = ParseCompletionsRequest(R"({"prompt":[1,2,3e999]})");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(ErrorParam(r.status()), "prompt[2]");
 }
 
 TEST(ParseCompletionsTest, PromptRejections) {
