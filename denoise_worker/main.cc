@@ -70,7 +70,7 @@ absl::Status Run() {
   opts.health_address = absl::GetFlag(FLAGS_health_address);
   ServiceRunner runner(opts);
   DenoiseMetrics metrics(runner.registry());
-  KvMetrics kv_metrics(runner.registry(), "denoise");
+  KvMetrics kv_metrics(runner.registry(), "denoise", /*prefix_cache=*/false);
 
   kv::KvReceiver receiver(model->pool.get(), config.max_position_embeddings, max_lease_ms);
   DenoiseEngineOptions eopts;

@@ -176,7 +176,7 @@ absl::Status Run() {
   opts.health_address = absl::GetFlag(FLAGS_health_address);
   ServiceRunner runner(opts);
   PrefillMetrics metrics(runner.registry());
-  KvMetrics kv_metrics(runner.registry(), "prefill");
+  KvMetrics kv_metrics(runner.registry(), "prefill", /*prefix_cache=*/true);
   auto make_channel = [auth = *auth](const std::string& target,
                                      const grpc::ChannelArguments& args) {
     return auth->MakeChannel(target, args);

@@ -17,17 +17,22 @@ namespace dgserve {
 
 class KvMetrics {
  public:
-  // `component` is "prefill" or "denoise": names are dgserve_<component>_kv_*.
-  KvMetrics(prometheus::Registry& registry, const std::string& component);
+  // `component` is "prefill" or "denoise": names are dgserve_<component>_kv_*. With
+  // `prefix_cache` (the prefill worker: its pool indexes prompts) it also exports
+  // dgserve_<component>_prefix_cache_{queries,hits,hit_tokens}_total and the kv_blocks state
+  // "cached"; without (the denoise worker, which has no prefix cache) neither exists, rather
+  // than series that never move.
+  KvMetrics(prometheus::Registry& registry, const std::string& component, bool prefix_cache);
 
-  // Sets the block gauges {kind=sliding|full, state=used|cached|free} and advances the prefix
+  // Sets the block gauges {kind=sliding|full, state=used|cached|free} (free: not referenced, so
+  // it includes the evictable cached blocks; used + free = the pool) and advances the prefix
   // lookup counter (prefix_cache_queries_total).
   void Update(const kv::PoolStats& stats);  // thread-safe
   // A served prefill that reused `tokens` > 0 prompt tokens from the prefix cache (the
   // response's cached_tokens): prefix_cache_hits_total +1, prefix_cache_hit_tokens_total
   // +tokens. A lookup whose blocks no response reused (the prefill failed or was cancelled)
   // is not a hit. Thread-safe.
-  void RecordPrefixHit(int64_t tokens);
+  void RecordPrefixHit(int64_t tokens);  // no-op without a prefix cache
   void RecordTransfer(const std::string& transport, int64_t bytes, double seconds);
   void RecordTransferFailure(const std::string& transport);
   // The receiving side: advances kv_transfer_bytes_total{transport} to `total_bytes` (the
@@ -40,9 +45,10 @@ class KvMetrics {
   prometheus::Family<prometheus::Counter>& transfer_bytes_;
   prometheus::Family<prometheus::Histogram>& transfer_seconds_;
   prometheus::Family<prometheus::Counter>& transfer_failures_;
-  prometheus::Counter& prefix_queries_;
-  prometheus::Counter& prefix_hits_;
-  prometheus::Counter& prefix_hit_tokens_;
+  // Null without a prefix cache.
+  prometheus::Counter* prefix_queries_ = nullptr;
+  prometheus::Counter* prefix_hits_ = nullptr;
+  prometheus::Counter* prefix_hit_tokens_ = nullptr;
   absl::Mutex mu_;
   kv::PoolStats last_;  // counters advance by the difference between snapshots
   std::map<std::string, int64_t> last_received_;  // per transport label

@@ -75,7 +75,8 @@ absl::Status Run() {
   prometheus::Registry& registry = workers.registry();
   DenoiseMetrics denoise_metrics(registry);
   PrefillMetrics prefill_metrics(registry);
-  KvMetrics prefill_kv(registry, "prefill"), denoise_kv(registry, "denoise");
+  KvMetrics prefill_kv(registry, "prefill", /*prefix_cache=*/true),
+      denoise_kv(registry, "denoise", /*prefix_cache=*/false);
   kv::KvReceiver receiver(denoise_model->pool.get(), config.max_position_embeddings);
   DenoiseEngineOptions dopts;
   dopts.max_batch_canvases = absl::GetFlag(FLAGS_max_batch_canvases);

@@ -653,7 +653,7 @@ const kv: Sized[] = [
     panel: timeseries({
       title: 'Prefix-cache hit rate',
       description:
-        'Prefill prefix cache: share of lookups that matched at least one block; share of prompt tokens matched; share of prompt tokens actually reused (a hit is used only up to a prefill-chunk boundary, so reused <= matched).',
+        'Prefill prefix cache: share of lookups whose served prefill reused at least one block; share of prompt tokens reused from the cache (a hit is used at any 16-token KV block boundary, so every matched token is reused).',
       unit: 'percentunit',
       min: 0,
       max: 1,
@@ -661,10 +661,6 @@ const kv: Sized[] = [
         {
           expr: `sum(${rate(`${PF}_prefix_cache_hits_total`)}) / sum(${rate(`${PF}_prefix_cache_queries_total`)})`,
           legend: 'lookups with a hit',
-        },
-        {
-          expr: `sum(${rate(`${PF}_prefix_cache_hit_tokens_total`)}) / (sum(${rate(`${PF}_cached_tokens_total`)}) + sum(${rate(`${PF}_computed_tokens_total`)}))`,
-          legend: 'prompt tokens matched',
         },
         {
           expr: `sum(${rate(`${PF}_cached_tokens_total`)}) / (sum(${rate(`${PF}_cached_tokens_total`)}) + sum(${rate(`${PF}_computed_tokens_total`)}))`,

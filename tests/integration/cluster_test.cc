@@ -578,6 +578,16 @@ TEST_F(ClusterTest, RepeatedPromptHitsThePrefixCache) {
         *TestCluster::ScrapeMetrics(c().prefill()), "dgserve_prefill_prefix_cache_hit_tokens_total");
     return after >= before + 64;
   }));
+
+  // Only the prefill worker has a prefix cache: the denoise worker exports no prefix-cache
+  // series and no "cached" block state (they were there and never moved).
+  const std::string denoise = *TestCluster::ScrapeMetrics(c().denoise(0));
+  EXPECT_THAT(denoise, ::testing::Not(HasSubstr("dgserve_denoise_prefix_cache")));
+  EXPECT_THAT(denoise, ::testing::Not(HasSubstr("state=\"cached\"")));
+  EXPECT_THAT(denoise, HasSubstr("dgserve_denoise_kv_blocks{kind=\"full\",state=\"free\"}"));
+  const std::string prefill = *TestCluster::ScrapeMetrics(c().prefill());
+  EXPECT_THAT(prefill, HasSubstr("dgserve_prefill_prefix_cache_queries_total"));
+  EXPECT_THAT(prefill, HasSubstr("dgserve_prefill_kv_blocks{kind=\"full\",state=\"cached\"}"));
 }
 
 // Prefix-cache hits are used at every 16-token KV block, and a hit gives the cold run's tokens
