@@ -17,19 +17,23 @@ namespace {
 
 using json = nlohmann::json;
 
+// The value types a SAX handler of json::sax_parse names.
+struct JsonSaxTypes {
+  using number_integer_t = json::number_integer_t;
+  using number_unsigned_t = json::number_unsigned_t;
+  using number_float_t = json::number_float_t;
+  using string_t = json::string_t;
+  using binary_t = json::binary_t;
+};
+
 // A SAX pass that finds the first key repeated within one JSON object (RFC 8259 §4: names SHOULD
 // be unique). nlohmann::json keeps the last of them, so {"max_tokens": 2, "max_tokens": -5} and the
 // reverse order were different requests, and a proxy or client library that reads the first value
 // saw another request than the one served. One key set per open object: linear in the body
 // (a parser callback would do it too, but nlohmann's callback parser rescans the parent container
 // at every object's end, which is quadratic in the number of objects).
-class DuplicateKeyFinder {
+class DuplicateKeyFinder : public JsonSaxTypes {
  public:
-  using number_integer_t = json::number_integer_t;
-  using number_unsigned_t = json::number_unsigned_t;
-  using number_float_t = json::number_float_t;
-  using string_t = json::string_t;
-  using binary_t = json::binary_t;
 
   // The repeated key's path, e.g. "messages[0].role", once found.
   const std::optional<std::string>& duplicate() const { return duplicate_; }
@@ -133,13 +137,8 @@ class DuplicateKeyFinder {
 // One pass over the body: each event is checked (DuplicateKeyFinder) and, unless it stops the
 // parse, handed to nlohmann's own document builder. (Two passes, a check then json::parse,
 // cost twice the parsing.) Errors are kept, not thrown.
-class CheckedDocumentBuilder {
+class CheckedDocumentBuilder : public JsonSaxTypes {
  public:
-  using number_integer_t = json::number_integer_t;
-  using number_unsigned_t = json::number_unsigned_t;
-  using number_float_t = json::number_float_t;
-  using string_t = json::string_t;
-  using binary_t = json::binary_t;
 
   explicit CheckedDocumentBuilder(json* out) : dom_(*out, /*allow_exceptions=*/false) {}
 
