@@ -34,7 +34,6 @@ struct JsonSaxTypes {
 // at every object's end, which is quadratic in the number of objects).
 class DuplicateKeyFinder : public JsonSaxTypes {
  public:
-
   // The repeated key's path, e.g. "messages[0].role", once found.
   const std::optional<std::string>& duplicate() const { return duplicate_; }
   // The path of the value that opened one level too many, once found.
@@ -139,7 +138,6 @@ class DuplicateKeyFinder : public JsonSaxTypes {
 // cost twice the parsing.) Errors are kept, not thrown.
 class CheckedDocumentBuilder : public JsonSaxTypes {
  public:
-
   explicit CheckedDocumentBuilder(json* out) : dom_(*out, /*allow_exceptions=*/false) {}
 
   const DuplicateKeyFinder& checks() const { return checks_; }
