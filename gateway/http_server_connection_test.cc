@@ -286,6 +286,37 @@ TEST_F(HttpServerTest, BodiesAreParsedOffTheEventLoop) {
   }
 }
 
+// Bytes that are not UTF-8 in the request line or a header value that an error quotes: the
+// error body is still JSON (U+FFFD for such bytes) and the server lives on (the strict JSON
+// dump threw on the event-loop thread and ended the process; found by a hostile probe).
+TEST_F(HttpServerTest, BytesThatAreNotUtf8InTheHeadGetAJsonError) {
+  core_.api_key = "sk-1";  // unknown paths and bad heads are answered before the key check
+  StartServer();
+  struct Case {
+    std::string request;
+    std::string status;
+  };
+  const std::vector<Case> cases = {
+      {"GET /v1/models/\xff HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-1\r\n"
+       "Connection: close\r\n\r\n",
+       "HTTP/1.1 404 "},
+      {"GET /\xc3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", "HTTP/1.1 404 "},
+      {"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\xff\r\n"
+       "Connection: close\r\n\r\n",
+       "HTTP/1.1 501 "},
+  };
+  for (const Case& c : cases) {
+    const std::string raw = RawRequest(port_, c.request);
+    EXPECT_THAT(raw, StartsWith(c.status)) << raw;
+    const size_t body_at = raw.find("\r\n\r\n");
+    ASSERT_NE(body_at, std::string::npos) << raw;
+    const json body = json::parse(raw.substr(body_at + 4), nullptr, false);
+    ASSERT_FALSE(body.is_discarded()) << raw;
+    EXPECT_THAT(body["error"]["message"].get<std::string>(), HasSubstr("\xef\xbf\xbd"));
+    EXPECT_EQ(Client().Get("/health").status, 200);
+  }
+}
+
 // Context-limit and token-range errors from the core name their field in `param` ("messages"
 // for a chat request) and carry OpenAI's code "context_length_exceeded" where it applies.
 TEST_F(HttpServerTest, CoreErrorsNameTheirField) {

@@ -106,7 +106,11 @@ std::string OpenAiErrorBody(const absl::Status& status, const std::string& param
                    ? std::string("context_length_exceeded")
                    : absl::AsciiStrToLower(absl::StatusCodeToString(status.code()))},
   };
-  return nlohmann::json{{"error", err}}.dump();
+  // Messages quote what clients sent, which need not be UTF-8 (a raw byte in a request path or
+  // a header value): such bytes become U+FFFD instead of an exception (the strict dump threw
+  // on the event-loop thread and ended the process).
+  return nlohmann::json{{"error", err}}.dump(-1, ' ', false,
+                                             nlohmann::json::error_handler_t::replace);
 }
 
 }  // namespace dgserve

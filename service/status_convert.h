@@ -53,7 +53,8 @@ int HttpStatusFor(absl::StatusCode code);
 std::string OpenAiErrorType(absl::StatusCode code);
 // {"error": {"message", "type", "param" (or null), "code"}}: `code` is `code` when given, else
 // OpenAI's "context_length_exceeded" for an INVALID_ARGUMENT whose message says the context
-// limit is exceeded, else the gRPC code name in lower case.
+// limit is exceeded, else the gRPC code name in lower case. Never throws: bytes of `status`'s
+// message or `param` that are not UTF-8 are written as U+FFFD.
 std::string OpenAiErrorBody(const absl::Status& status, const std::string& param = "",
                             const std::string& code = "");
 // The error `code` of an HTTP status that no status code maps to (HttpStatusFor): 405

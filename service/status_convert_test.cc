@@ -41,6 +41,19 @@ TEST(StatusConvertTest, MessagesSentToClientsAreBounded) {
   EXPECT_EQ(body["error"]["code"], "invalid_argument");
 }
 
+// Error messages quote client bytes that need not be UTF-8 (a raw 0xFF in a request path, a
+// header value): the body is still JSON, with U+FFFD for such bytes (it threw, and the gateway
+// died on its event-loop thread).
+TEST(StatusConvertTest, ErrorBodyWithBytesThatAreNotUtf8IsStillJson) {
+  const std::string body = OpenAiErrorBody(
+      absl::NotFoundError("unknown path: /v1/models/\xff\xc3"), /*param=*/"a\xe2\x82");
+  const nlohmann::json j = nlohmann::json::parse(body, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << body;
+  EXPECT_EQ(j["error"]["message"], "unknown path: /v1/models/\xef\xbf\xbd\xef\xbf\xbd");
+  EXPECT_EQ(j["error"]["param"], "a\xef\xbf\xbd");
+  EXPECT_EQ(j["error"]["code"], "not_found");
+}
+
 // The context-limit code is read from the whole message, not the bounded one.
 TEST(StatusConvertTest, ContextLimitCodeSurvivesALongMessage) {
   const std::string message =
