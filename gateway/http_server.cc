@@ -176,6 +176,12 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
   void DoAccept();
   void StartGenerate(const std::shared_ptr<HttpConnection>& c, const HttpRequest& req,
                      const std::string& route, absl::Time start, const std::string& local_id);
+  // On the parse pool: parses a generation body, then answers its error or starts the
+  // generation's thread.
+  void ParseAndStart(std::shared_ptr<HttpExchange> ex, std::string body, bool chat,
+                     absl::Time deadline, const std::string& local_id);
+  // Removes a finished job (Stop() waits until none is left) and drops `ex`.
+  void EndJob(std::shared_ptr<HttpExchange>& ex);
   // The generating thread's body.
   void RunGenerate(std::shared_ptr<HttpExchange> ex, v1::GenerateRequest request,
                    absl::Time deadline, ResponseContext ctx, bool stream, bool include_usage);
@@ -203,6 +209,9 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
   std::optional<tcp::acceptor> acceptor_;
   std::optional<asio::steady_timer> accept_retry_;
   std::vector<std::thread> io_threads_;
+  // Parses generation bodies (declared after ioc_: destroyed before it, with any handler still
+  // holding an exchange). Stop() joins it once no job is left.
+  asio::thread_pool parse_pool_{size_t(std::max(1, options_.parse_threads))};
 };
 
 void OpenAiHttpServer::Impl::Record(const std::string& route, int code, absl::Duration elapsed) {
@@ -378,42 +387,67 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>
     jobs_.insert(ex);
   }
   c->BeginExchange(ex);
+  // Parsed on the parse pool (HttpServerOptions::parse_threads at once), never on this thread.
+  asio::post(parse_pool_, [this, ex, body = std::string(req.body()), chat, deadline,
+                           local_id]() mutable {
+    ParseAndStart(std::move(ex), std::move(body), chat, deadline, local_id);
+  });
+}
+
+void OpenAiHttpServer::Impl::ParseAndStart(std::shared_ptr<HttpExchange> ex, std::string body,
+                                           bool chat, absl::Time deadline,
+                                           const std::string& local_id) {
+  absl::StatusOr<OpenAiRequest> parsed =
+      chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
+  std::string().swap(body);
+  // Answers without a generation thread, and ends the job.
+  auto answer = [&](HttpResponse r) {
+    r.Set("X-Request-Id", local_id);
+    ex->Post([r = std::move(r), route = ex->route, start = ex->start](HttpConnection& s) {
+      s.Respond(r, route, start);
+    });
+    parsed = absl::UnknownError("answered");  // the request's memory goes on this thread
+    EndJob(ex);
+  };
+  if (!parsed.ok()) {
+    core_->CountRefused(parsed.status());
+    return answer(ErrorResponse(400, parsed.status(), ErrorParam(parsed.status())));
+  }
+  if (stopping_flag) {
+    const absl::Status st = absl::UnavailableError("the server is stopping");
+    core_->CountRefused(st);
+    return answer(ErrorResponse(st));
+  }
+  // The core may have filled up while the body waited or was parsed: a generation thread starts
+  // only while it has room (already counted by the core when it has none).
+  if (absl::Status admit = core_->CheckAdmission(); !admit.ok()) {
+    return answer(ErrorResponse(admit));
+  }
   try {
-    std::thread([this, ex, body = std::string(req.body()), chat, deadline, local_id]() mutable {
-      absl::StatusOr<OpenAiRequest> parsed =
-          chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
-      std::string().swap(body);
-      if (parsed.ok()) {
-        ResponseContext ctx{local_id, parsed->model.empty() ? core_->model_id() : parsed->model,
-                            absl::ToUnixSeconds(absl::Now()), chat};
-        RunGenerate(ex, std::move(parsed->request), deadline, std::move(ctx), parsed->stream,
-                    parsed->include_usage);
-      } else {
-        core_->CountRefused(parsed.status());
-        HttpResponse r = ErrorResponse(400, parsed.status(), ErrorParam(parsed.status()));
-        r.Set("X-Request-Id", local_id);
-        ex->Post([r = std::move(r), route = ex->route, start = ex->start](HttpConnection& s) {
-          s.Respond(r, route, start);
-        });
-      }
-      parsed = absl::UnknownError("done");  // the request's memory goes on this thread
-      std::lock_guard<std::mutex> lock(jobs_mu_);
-      jobs_.erase(ex);
-      // This may be the last reference to the exchange, which holds the connection's strand:
-      // drop it while Stop() still waits, not after the io_context (and its strand service) is
-      // gone (ASan: heap-use-after-free in ~strand_impl at shutdown).
-      ex.reset();
-      jobs_cv_.notify_all();
+    std::thread([this, ex, request = std::move(*parsed), deadline, local_id, chat]() mutable {
+      ResponseContext ctx{local_id, request.model.empty() ? core_->model_id() : request.model,
+                          absl::ToUnixSeconds(absl::Now()), chat};
+      RunGenerate(ex, std::move(request.request), deadline, std::move(ctx), request.stream,
+                  request.include_usage);
+      EndJob(ex);
     }).detach();
+    ex.reset();  // the job (jobs_) and the generation thread hold it on
   } catch (const std::system_error& e) {
-    {
-      std::lock_guard<std::mutex> lock(jobs_mu_);
-      jobs_.erase(ex);
-    }
     const absl::Status st = absl::ResourceExhaustedError(
         absl::StrCat("cannot start a generation thread: ", e.what()));
-    refuse(st, ErrorResponse(st));
+    core_->CountRefused(st);
+    answer(ErrorResponse(st));
   }
+}
+
+void OpenAiHttpServer::Impl::EndJob(std::shared_ptr<HttpExchange>& ex) {
+  std::lock_guard<std::mutex> lock(jobs_mu_);
+  jobs_.erase(ex);
+  // This may be the last reference to the exchange, which holds the connection's strand: drop
+  // it while Stop() still waits, not after the io_context (and its strand service) is gone
+  // (ASan: heap-use-after-free in ~strand_impl at shutdown).
+  ex.reset();
+  jobs_cv_.notify_all();
 }
 
 void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<HttpExchange> ex,
@@ -525,6 +559,7 @@ void OpenAiHttpServer::Impl::Stop() {
     for (const std::shared_ptr<HttpExchange>& ex : jobs_) ex->Cancel();
     jobs_cv_.wait(lock, [&] { return jobs_.empty(); });
   }
+  parse_pool_.join();  // idle: every parse ended its job or started a generation
   // The answers in progress are written before the loop stops: a generation's last frames (they
   // are posted to the connection as its thread ends) and what a slow client has not read yet.
   // Each connection closes after its answer (stopping()): when the client closes too, after

@@ -13,11 +13,12 @@
 // HTTP stacks; both are header-only, so the image gains no runtime package.
 //
 // Threads: `io_threads` event-loop threads own every socket (a connection costs a socket and a
-// few KiB, no thread). A generation request runs on a thread of its own, started only once the
-// core has a slot for it (core->CheckAdmission), so generation threads are bounded by the core's
-// admission limit: that thread parses the JSON body (up to max_body_bytes: about half a second
-// for 4 MiB, which on an event-loop thread held all of its connections) and runs
-// core->Generate; its events are posted to the connection's strand.
+// few KiB, no thread). A generation body is parsed by one of `parse_threads` threads (never on an
+// event-loop thread, where a 4 MiB body held all of that thread's connections for half a second;
+// parsing memory is bounded by parse_threads bodies). A request whose body parses then runs
+// core->Generate on a thread of its own, started only while the core has room for it
+// (core->CheckAdmission, asked before the parse and again after it), so generation threads stay
+// near the core's admission limit; its events are posted to the connection's strand.
 #pragma once
 
 #include <cstddef>
@@ -40,6 +41,9 @@ struct HttpServerOptions {
   size_t max_body_bytes = 4 << 20;  // larger request bodies get 413 (and the connection closes)
   size_t max_header_bytes = 16 << 10;  // larger request heads get 431 (and the connection closes)
   int io_threads = 2;                  // event-loop threads
+  // Threads that parse generation bodies: at most this many at once (a 4 MiB body of small
+  // values takes about 0.2-0.5 s and about 80 MB while parsed); the others wait their turn.
+  int parse_threads = 2;
   absl::Duration default_timeout = absl::Minutes(10);  // request deadline without a header
   // A request must arrive whole (head and body) within this time of its first byte; a slower
   // client is disconnected.
@@ -79,9 +83,9 @@ struct HttpServerOptions {
 //     for a stalled write; each closes the connection (cancelling its request, if any).
 //   - Deadline: now + default_timeout, or the `X-Request-Timeout` header (seconds, a number in
 //     (0, 86400]; anything else is 400), which may only shorten it: the deadline is the earlier.
-//   - Admission: core->CheckAdmission is asked before a generation starts, after the head's
-//     checks (Content-Type, X-Request-Timeout) and before the body is parsed; RESOURCE_EXHAUSTED
-//     is answered at once (429 with `Retry-After: 1`) without starting a thread or parsing.
+//   - Admission: core->CheckAdmission is asked after the head's checks (Content-Type,
+//     X-Request-Timeout), before the body is parsed, and again after; RESOURCE_EXHAUSTED is
+//     answered at once (429 with `Retry-After: 1`) without starting a thread.
 //   - Non-streaming: core->Generate runs on its own thread; one JSON response, or the error's
 //     HttpStatusFor code with an OpenAI error body (429 adds `Retry-After: 1`). A client that
 //     closes its connection cancels the request at once (a read stays posted on the socket).

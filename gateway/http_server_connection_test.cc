@@ -239,51 +239,59 @@ TEST_F(HttpServerTest, RefusalsAreCountedByTheCore) {
                 absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument}));
 }
 
-// A generation body is parsed, checked and refused on the request's own thread, never on the
-// event loop: a 4 MiB body takes about half a second to parse, and on the loop it held every
-// connection of that thread (/health included). Here the refusal of a bad body is held on the
-// thread that parsed it (a stand-in for a slow parse, without timing anything): with one
-// event-loop thread, /health and other requests are still answered, and the held request gets
-// its 400 once released.
-TEST_F(HttpServerTest, BodiesAreParsedOffTheEventLoop) {
-  absl::Notification release;
-  // Released on every way out (a failed assertion must not leave a thread held).
-  absl::Cleanup release_on_exit = [&] {
-    if (!release.HasBeenNotified()) release.Notify();
+// A generation body is parsed, checked and refused on a parse thread, never on the event loop
+// (a 4 MiB body takes about half a second to parse, and on the loop it held every connection of
+// that thread, /health included), and at most parse_threads bodies are parsed at once (each
+// costs about 20 times its size while parsed; a hostile probe had 16 parsed at once, 1.4 GB).
+// Here the refusal of a bad body is held on the thread that parsed it (a stand-in for a slow
+// parse, without timing anything): with one event-loop thread and two parse threads, /health is
+// answered while two are held, the third body waits its turn (it cannot be parsed while both
+// parse threads are held), and all three get their 400 once released.
+TEST_F(HttpServerTest, BodiesAreParsedOffTheEventLoopTwoAtATime) {
+  struct Hold {
+    absl::Notification release;
+    std::atomic<int> held{0};
   };
-  std::atomic<int> held{0};
-  core_.on_refused = [&](const absl::Status& status) {
+  // Shared with the server's threads: a failed assertion must not leave them a dangling one.
+  auto hold = std::make_shared<Hold>();
+  absl::Cleanup release_on_exit = [hold] {
+    if (!hold->release.HasBeenNotified()) hold->release.Notify();
+  };
+  core_.on_refused = [hold](const absl::Status& status) {
     if (absl::StrContains(status.message(), "unsupported field: hold_me")) {
-      ++held;
-      release.WaitForNotificationWithTimeout(absl::Seconds(60));
+      ++hold->held;
+      hold->release.WaitForNotificationWithTimeout(absl::Seconds(60));
     }
   };
   core_.generate = AnswerWith("fine");
   HttpServerOptions options;
   options.io_threads = 1;
+  options.parse_threads = 2;
   StartServer(options);
-  constexpr int kHeld = 3;
+  constexpr int kBodies = 3;
   std::vector<int> fds;
-  for (int i = 0; i < kHeld; ++i) {
+  for (int i = 0; i < kBodies; ++i) {
     const int fd = ConnectLoopback(port_, 30);
     ASSERT_GE(fd, 0);
     ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", R"({"prompt": "x", "hold_me": 1})")));
     fds.push_back(fd);
   }
-  ASSERT_TRUE(Eventually([&] { return held.load() == kHeld; }));
-  // Every held refusal sits on a thread of its own; the loop serves the rest.
+  ASSERT_TRUE(Eventually([&] { return hold->held.load() == options.parse_threads; }));
   HttpClient cli = Client();
   EXPECT_EQ(cli.Get("/health").status, 200);
-  auto res = cli.Post("/v1/completions", R"({"prompt": "y"})");
-  ASSERT_TRUE(res) << res.error;
-  EXPECT_EQ(res.status, 200);
-  EXPECT_THAT(res.body, HasSubstr("fine"));
-  release.Notify();
+  EXPECT_EQ(cli.Get("/v1/models").status, 200);
+  EXPECT_EQ(hold->held.load(), options.parse_threads);  // the third waits for a parse thread
+  hold->release.Notify();
   for (int fd : fds) {
     const std::string raw = ReadUntil(fd, "hold_me");
     EXPECT_EQ(raw.rfind("HTTP/1.1 400", 0), 0u) << raw;
     close(fd);
   }
+  EXPECT_EQ(hold->held.load(), kBodies);
+  auto res = cli.Post("/v1/completions", R"({"prompt": "y"})");
+  ASSERT_TRUE(res) << res.error;
+  EXPECT_EQ(res.status, 200);
+  EXPECT_THAT(res.body, HasSubstr("fine"));
 }
 
 // Bytes that are not UTF-8 in the request line or a header value that an error quotes: the
