@@ -23,6 +23,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "gateway/http_connection.h"
@@ -354,7 +355,12 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>
   }
   if (auto it = req.find("X-Request-Timeout"); it != req.end()) {
     double seconds = 0;
-    if (!absl::SimpleAtod(std::string(it->value()), &seconds) || !std::isfinite(seconds) ||
+    const std::string value(it->value());
+    // A decimal number (strtod also reads hexadecimal, "inf" and "nan").
+    const bool decimal =
+        !value.empty() && value.find_first_not_of("0123456789.eE+-") == std::string::npos &&
+        absl::c_any_of(value, [](char ch) { return ch >= '0' && ch <= '9'; });
+    if (!decimal || !absl::SimpleAtod(value, &seconds) || !std::isfinite(seconds) ||
         seconds <= 0 || seconds > kMaxTimeoutSeconds) {
       const absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
           "X-Request-Timeout: must be a number of seconds in (0, ", kMaxTimeoutSeconds, "]"));

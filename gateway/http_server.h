@@ -81,7 +81,7 @@ struct HttpServerOptions {
 //     without keep-alive) closes after the answer.
 //   - Timeouts: read_timeout for a whole request, idle_timeout between requests, write_timeout
 //     for a stalled write; each closes the connection (cancelling its request, if any).
-//   - Deadline: now + default_timeout, or the `X-Request-Timeout` header (seconds, a number in
+//   - Deadline: now + default_timeout, or the `X-Request-Timeout` header (seconds, a decimal number in
 //     (0, 86400]; anything else is 400), which may only shorten it: the deadline is the earlier.
 //   - Admission: core->CheckAdmission is asked after the head's checks (Content-Type,
 //     X-Request-Timeout), before the body is parsed, and again after; RESOURCE_EXHAUSTED is

@@ -278,6 +278,16 @@ TEST_F(HttpServerTest, RequestTimeoutHeader) {
       "invalid_request_error", "X-Request-Timeout");
   ExpectErrorBody(cli.Post("/v1/completions", R"({"prompt": "x"})", {{"X-Request-Timeout", "-1"}}),
                   400, "invalid_request_error", "X-Request-Timeout");
+  // Decimal only: hexadecimal (0x10 was read as 16 s) and the other spellings strtod takes are
+  // refused; an exponent is a decimal number.
+  for (const char* bad : {"0x10", "0X1p3", "infinity", "nan", "1_0", "+", "."}) {
+    ExpectErrorBody(cli.Post("/v1/completions", R"({"prompt": "x"})", {{"X-Request-Timeout", bad}}),
+                    400, "invalid_request_error", "X-Request-Timeout");
+  }
+  auto exp = cli.Post("/v1/completions", R"({"prompt": "x"})", {{"X-Request-Timeout", "2e0"}});
+  ASSERT_TRUE(exp);
+  EXPECT_EQ(exp.status, 200);
+  EXPECT_LE(seen_timeout.load(), 2.5);
 }
 
 TEST_F(HttpServerTest, StreamingSuccess) {

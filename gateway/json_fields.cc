@@ -202,9 +202,12 @@ absl::Status ParseJsonObject(std::string_view body, json* out) {
                    "appears more than once in its JSON object (keys must be unique)");
   }
   if (finder.too_deep()) {
-    return absl::InvalidArgumentError(
+    absl::Status s = absl::InvalidArgumentError(
         absl::StrCat("request body: arrays and objects nested deeper than ", kMaxJsonDepth,
                      " levels (at ", *finder.too_deep(), ")"));
+    // Named as the field where the level too many opened (its param), as other errors are.
+    s.SetPayload(std::string(kFieldPayload), absl::Cord(*finder.too_deep()));
+    return s;
   }
   if (builder.error()) return *builder.error();
   if (!whole) return absl::InternalError("request body: the JSON parse stopped for no reason given");

@@ -85,6 +85,14 @@ TEST(ParseJsonObjectTest, DeepNestingIsRefusedBeforeParsing) {
                 absl::StrCat("request body: arrays and objects nested deeper than ",
                              kMaxJsonDepth, " levels (at a[0].b"));
   ExpectRefused(nested(2000000), "request body: arrays and objects nested deeper than");
+  // The param names where the level too many opened (it was null): the path in the message.
+  const absl::Status s = ParseJsonObject(R"({"m": )" + std::string(40, '[') + "]}", &out);
+  ASSERT_FALSE(s.ok());
+  const std::string message(s.message());
+  const size_t at = message.find("(at ");
+  ASSERT_NE(at, std::string::npos) << message;
+  EXPECT_EQ(FieldOf(s), message.substr(at + 4, message.size() - at - 5));
+  EXPECT_THAT(FieldOf(s), StartsWith("m[0][0]"));
 }
 
 // Many objects in one body are checked in linear time: 700,000 empty objects (about 3 MB) in a
