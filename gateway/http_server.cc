@@ -46,6 +46,9 @@ using HttpRequest = http_internal::HttpRequest;
 using HttpResponse = http_internal::HttpResponse;
 
 constexpr double kMaxTimeoutSeconds = 86400;
+// Generation bodies up to this size are parsed on the event-loop thread that read them (a few
+// milliseconds at most); larger ones on the parse pool.
+constexpr size_t kInlineParseBytes = 64 << 10;
 
 // The route label of a path; "" for an unknown path.
 std::string RouteOf(const std::string& path) {
@@ -175,7 +178,7 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
     }
   }
   void DoAccept();
-  void StartGenerate(const std::shared_ptr<HttpConnection>& c, const HttpRequest& req,
+  void StartGenerate(const std::shared_ptr<HttpConnection>& c, HttpRequest req,
                      const std::string& route, absl::Time start, const std::string& local_id);
   // On the parse pool: parses a generation body, then answers its error or starts the
   // generation's thread.
@@ -203,9 +206,11 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
 
   std::mutex jobs_mu_;
   std::condition_variable jobs_cv_;
-  std::set<std::shared_ptr<HttpExchange>> jobs_;  // generations whose thread runs
+  // Generations from the head's checks on: waiting for or in a parse, or on their thread.
+  std::set<std::shared_ptr<HttpExchange>> jobs_;
 
-  // Declared last: destroyed first, with the handlers (and connections) it still holds.
+  // Destroyed after parse_pool_ (declared below it) and before everything above, with the
+  // handlers (and connections) it still holds.
   asio::io_context ioc_;
   std::optional<tcp::acceptor> acceptor_;
   std::optional<asio::steady_timer> accept_retry_;
@@ -291,7 +296,7 @@ void OpenAiHttpServer::Impl::OnRequest(const std::shared_ptr<HttpConnection>& c,
     r = ErrorResponse(401, auth);
     r.Set("WWW-Authenticate", "Bearer");
   } else if (IsPostRoute(route)) {
-    StartGenerate(c, req, route, start, local_id);
+    StartGenerate(c, std::move(req), route, start, local_id);
     return;
   } else {
     r = Dispatch(path, route);
@@ -330,7 +335,7 @@ HttpResponse OpenAiHttpServer::Impl::Dispatch(const std::string& path, const std
 }
 
 void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>& c,
-                                           const HttpRequest& req, const std::string& route,
+                                           HttpRequest req, const std::string& route,
                                            absl::Time start, const std::string& local_id) {
   const bool chat = route == "/v1/chat/completions";
   // A refusal before the core runs the request (counted in the core's request metrics).
@@ -393,19 +398,23 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>
     jobs_.insert(ex);
   }
   c->BeginExchange(ex);
-  // Parsed on the parse pool (HttpServerOptions::parse_threads at once), never on this thread.
-  asio::post(parse_pool_, [this, ex, body = std::string(req.body()), chat, deadline,
-                           local_id]() mutable {
-    ParseAndStart(std::move(ex), std::move(body), chat, deadline, local_id);
-  });
+  std::string body = std::move(req.body());
+  // A small body is parsed here, at once (at most kInlineParseBytes: a few milliseconds), so
+  // that it does not wait behind big ones; a bigger one on the parse pool
+  // (HttpServerOptions::parse_threads at once), never on this thread.
+  if (body.size() <= kInlineParseBytes) {
+    return ParseAndStart(std::move(ex), std::move(body), chat, deadline, local_id);
+  }
+  asio::post(parse_pool_,
+             [this, ex, body = std::move(body), chat, deadline, local_id]() mutable {
+               ParseAndStart(std::move(ex), std::move(body), chat, deadline, local_id);
+             });
 }
 
 void OpenAiHttpServer::Impl::ParseAndStart(std::shared_ptr<HttpExchange> ex, std::string body,
                                            bool chat, absl::Time deadline,
                                            const std::string& local_id) {
-  absl::StatusOr<OpenAiRequest> parsed =
-      chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
-  std::string().swap(body);
+  absl::StatusOr<OpenAiRequest> parsed = absl::UnknownError("not parsed");
   // Answers without a generation thread, and ends the job.
   auto answer = [&](HttpResponse r) {
     r.Set("X-Request-Id", local_id);
@@ -415,6 +424,21 @@ void OpenAiHttpServer::Impl::ParseAndStart(std::shared_ptr<HttpExchange> ex, std
     parsed = absl::UnknownError("answered");  // the request's memory goes on this thread
     EndJob(ex);
   };
+  // A body that waited for a parse thread may no longer be wanted: not parsed then.
+  absl::Status gone;
+  if (stopping_flag) {
+    gone = absl::UnavailableError("the server is stopping");
+  } else if (ex->IsCancelled()) {
+    gone = absl::CancelledError("the client went away before its request was read");
+  } else if (absl::Now() >= deadline) {
+    gone = absl::DeadlineExceededError("deadline exceeded before the request was read");
+  }
+  if (!gone.ok()) {
+    core_->CountRefused(gone);
+    return answer(ErrorResponse(gone));
+  }
+  parsed = chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
+  std::string().swap(body);
   if (!parsed.ok()) {
     core_->CountRefused(parsed.status());
     return answer(ErrorResponse(400, parsed.status(), ErrorParam(parsed.status())));

@@ -13,9 +13,14 @@
 // HTTP stacks; both are header-only, so the image gains no runtime package.
 //
 // Threads: `io_threads` event-loop threads own every socket (a connection costs a socket and a
-// few KiB, no thread). A generation body is parsed by one of `parse_threads` threads (never on an
-// event-loop thread, where a 4 MiB body held all of that thread's connections for half a second;
-// parsing memory is bounded by parse_threads bodies). A request whose body parses then runs
+// few KiB, no thread). A generation body over 64 KiB is parsed by one of `parse_threads`
+// threads, never on an event-loop thread (where a 4 MiB body held all of that thread's
+// connections for half a second; the memory of parsing is bounded by parse_threads bodies); a
+// smaller one on the event-loop thread that read it (a few milliseconds at most), so that it
+// does not wait behind big ones. A body that waited for a parse thread and is no longer wanted
+// (its client went away, its deadline passed, the server stops) is answered without being
+// parsed. Waiting bodies are held in memory, as they were in their connections' buffers before
+// (one per connection, each at most max_body_bytes). A request whose body parses then runs
 // core->Generate on a thread of its own, started only while the core has room for it
 // (core->CheckAdmission, asked before the parse and again after it), so generation threads stay
 // near the core's admission limit; its events are posted to the connection's strand.

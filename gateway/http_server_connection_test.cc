@@ -239,9 +239,9 @@ TEST_F(HttpServerTest, RefusalsAreCountedByTheCore) {
                 absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument}));
 }
 
-// A generation body is parsed, checked and refused on a parse thread, never on the event loop
-// (a 4 MiB body takes about half a second to parse, and on the loop it held every connection of
-// that thread, /health included), and at most parse_threads bodies are parsed at once (each
+// A generation body over 64 KiB is parsed, checked and refused on a parse thread, never on the
+// event loop (a 4 MiB body takes about half a second to parse, and on the loop it held every
+// connection of that thread, /health included), and at most parse_threads at once (each
 // costs about 20 times its size while parsed; a hostile probe had 16 parsed at once, 1.4 GB).
 // Here the refusal of a bad body is held on the thread that parsed it (a stand-in for a slow
 // parse, without timing anything): with one event-loop thread and two parse threads, /health is
@@ -269,11 +269,14 @@ TEST_F(HttpServerTest, BodiesAreParsedOffTheEventLoopTwoAtATime) {
   options.parse_threads = 2;
   StartServer(options);
   constexpr int kBodies = 3;
+  // Over the size parsed inline on the event loop (64 KiB): these go to the parse pool.
+  const std::string body =
+      absl::StrCat(R"({"prompt": ")", std::string(100 << 10, 'x'), R"(", "hold_me": 1})");
   std::vector<int> fds;
   for (int i = 0; i < kBodies; ++i) {
     const int fd = ConnectLoopback(port_, 30);
     ASSERT_GE(fd, 0);
-    ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", R"({"prompt": "x", "hold_me": 1})")));
+    ASSERT_TRUE(SendAll(fd, PostRequest("/v1/completions", body)));
     fds.push_back(fd);
   }
   ASSERT_TRUE(Eventually([&] { return hold->held.load() == options.parse_threads; }));
@@ -292,6 +295,62 @@ TEST_F(HttpServerTest, BodiesAreParsedOffTheEventLoopTwoAtATime) {
   ASSERT_TRUE(res) << res.error;
   EXPECT_EQ(res.status, 200);
   EXPECT_THAT(res.body, HasSubstr("fine"));
+}
+
+// A body that waited for a parse thread past its deadline is not parsed: it gets 504 at once
+// (it was parsed, and a generation started after its deadline). One parse thread, held by a
+// refusal (a body over the inline-parse size, so it goes to the pool); a second big body with a
+// 50 ms X-Request-Timeout waits behind it past its deadline.
+TEST_F(HttpServerTest, ABodyPastItsDeadlineIsNotParsed) {
+  struct Hold {
+    absl::Notification release;
+    std::atomic<int> held{0};
+    absl::Mutex mu;
+    std::vector<std::string> refused;  // messages, in order
+  };
+  auto hold = std::make_shared<Hold>();
+  absl::Cleanup release_on_exit = [hold] {
+    if (!hold->release.HasBeenNotified()) hold->release.Notify();
+  };
+  core_.on_refused = [hold](const absl::Status& status) {
+    {
+      absl::MutexLock lock(&hold->mu);
+      hold->refused.push_back(status.ToString());
+    }
+    if (absl::StrContains(status.message(), "unsupported field: hold_me")) {
+      ++hold->held;
+      hold->release.WaitForNotificationWithTimeout(absl::Seconds(60));
+    }
+  };
+  HttpServerOptions options;
+  options.io_threads = 1;
+  options.parse_threads = 1;
+  StartServer(options);
+  const std::string big_prompt(100 << 10, 'x');  // over the inline-parse size
+  const int held_fd = ConnectLoopback(port_, 30);
+  ASSERT_GE(held_fd, 0);
+  ASSERT_TRUE(SendAll(held_fd, PostRequest("/v1/completions", absl::StrCat(R"({"prompt": ")",
+                                                                           big_prompt,
+                                                                           R"(", "hold_me": 1})"))));
+  ASSERT_TRUE(Eventually([&] { return hold->held.load() == 1; }));
+  const int late_fd = ConnectLoopback(port_, 30);
+  ASSERT_GE(late_fd, 0);
+  ASSERT_TRUE(SendAll(late_fd, PostRequest("/v1/completions",
+                                           absl::StrCat(R"({"prompt": ")", big_prompt,
+                                                        R"(", "never_parsed": 1})"),
+                                           "X-Request-Timeout: 0.05\r\n")));
+  absl::SleepFor(absl::Milliseconds(300));  // past the 50 ms deadline (a wait, not a check)
+  hold->release.Notify();
+  const std::string late = ReadUntil(late_fd, "\"error\"");
+  EXPECT_EQ(late.rfind("HTTP/1.1 504", 0), 0u) << late;
+  EXPECT_THAT(late, HasSubstr("deadline exceeded before the request was read"));
+  const std::string held = ReadUntil(held_fd, "hold_me");
+  EXPECT_EQ(held.rfind("HTTP/1.1 400", 0), 0u) << held;
+  close(late_fd);
+  close(held_fd);
+  absl::MutexLock lock(&hold->mu);
+  ASSERT_EQ(hold->refused.size(), 2u);
+  EXPECT_THAT(hold->refused[1], StartsWith("DEADLINE_EXCEEDED"));  // never "never_parsed"
 }
 
 // Bytes that are not UTF-8 in the request line or a header value that an error quotes: the

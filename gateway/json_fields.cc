@@ -12,6 +12,13 @@
 #include "absl/strings/str_cat.h"
 #include "engine/tokenizer/utf8.h"
 
+// CheckedDocumentBuilder hands events to nlohmann::detail::json_sax_dom_parser<json>, an
+// internal class whose template parameters changed in nlohmann 3.12; this is the 3.11 form
+// (Debian 12 ships 3.11.2).
+#if NLOHMANN_JSON_VERSION_MAJOR != 3 || NLOHMANN_JSON_VERSION_MINOR != 11
+#error "gateway/json_fields.cc is written against nlohmann::json 3.11 (json_sax_dom_parser<json>)"
+#endif
+
 namespace dgserve::json_fields {
 namespace {
 

@@ -16,8 +16,16 @@ struct PrefillEngine::Job {
   std::shared_ptr<kv::PagedKvCache> kv;
   int cached_tokens = 0;
   std::atomic<bool> cancelled{false};
-  // Why it was cancelled (Cancel's code); CANCELLED for the engine's own cancellations.
-  std::atomic<absl::StatusCode> cancel_code{absl::StatusCode::kCancelled};
+  // Why Cancel cancelled it (the first Cancel's code); OK until then, and for the engine's own
+  // cancellations.
+  std::atomic<absl::StatusCode> cancel_code{absl::StatusCode::kOk};
+  // The status a job cancelled by Cancel ends with.
+  absl::Status CancelStatus() const {
+    const std::string& id = request.request_id();
+    return cancel_code == absl::StatusCode::kDeadlineExceeded
+               ? absl::DeadlineExceededError(absl::StrCat("prefill of ", id, ": deadline exceeded"))
+               : absl::CancelledError(absl::StrCat("prefill of ", id, " cancelled"));
+  }
   std::atomic<bool> finished{false};
   double encode_seconds = 0;
 
@@ -109,7 +117,8 @@ bool PrefillEngine::Cancel(const std::string& request_id, absl::StatusCode code)
     if (it == all_.end()) return false;
     job = it->second;
   }
-  if (!job->cancelled) job->cancel_code = code;
+  absl::StatusCode none = absl::StatusCode::kOk;
+  job->cancel_code.compare_exchange_strong(none, code);  // the first reason stays
   job->cancelled = true;
   return true;
 }
@@ -183,11 +192,7 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
   std::vector<std::shared_ptr<Job>> ship;
   std::erase_if(active, [&](std::shared_ptr<Job>& j) {
     if (j->cancelled) {
-      Fail(*j, j->cancel_code == absl::StatusCode::kDeadlineExceeded
-                   ? absl::DeadlineExceededError(absl::StrCat(
-                         "prefill of ", j->request.request_id(), ": deadline exceeded"))
-                   : absl::CancelledError(
-                         absl::StrCat("prefill of ", j->request.request_id(), " cancelled")));
+      Fail(*j, j->CancelStatus());
       return true;
     }
     if (j->kv->num_tokens() == j->request.tokens_size()) {
@@ -267,7 +272,7 @@ void PrefillEngine::Ship(std::shared_ptr<Job> job) {
           }
           // Recorded as the client's end when the client ended it (the transfer may have been
           // cut for that reason before this worker's own call noticed).
-          Fail(*job, absl::Status(job->cancelled ? job->cancel_code.load() : st.code(),
+          Fail(*job, absl::Status(job->cancelled ? job->CancelStatus().code() : st.code(),
                                   absl::StrCat("KV transfer to ", job->request.kv_target(),
                                                " failed: ", result.status().message())));
           return;

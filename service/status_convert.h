@@ -28,8 +28,11 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 
 // How long before a call's deadline a cancellation still counts as the deadline's. gRPC cancels
 // a server call when its deadline passes, and a caller's own deadline (or the RST_STREAM its
-// library sends then) reaches a server a transit time away from the server's copy of it.
-inline constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(50);
+// library sends then) reaches a server a transit time away from the server's copy of it (which
+// gRPC sends as a relative timeout: the copy is later by the request's own transit, more on a
+// loaded machine). A client that gives up within this time of its deadline is counted as the
+// deadline.
+inline constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(250);
 // Whether a call cancelled at `now` ended by its deadline: now >= deadline - kDeadlineSlack.
 bool EndedByDeadline(absl::Time deadline, absl::Time now);
 // The status to record for a call that ended with `status`: a CANCELLED that EndedByDeadline
