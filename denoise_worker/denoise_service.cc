@@ -30,8 +30,7 @@ grpc::Status DenoiseServiceImpl::Denoise(grpc::ServerContext* context,
 
 grpc::Status DenoiseServiceImpl::Cancel(grpc::ServerContext*, const v1::CancelRequest* request,
                                         v1::CancelResponse* response) {
-  const absl::StatusCode why = request->deadline_exceeded() ? absl::StatusCode::kDeadlineExceeded
-                                                            : absl::StatusCode::kCancelled;
+  const absl::StatusCode why = CancelCode(request->deadline_exceeded());
   response->set_found(engine_->Cancel(request->request_id(), why));
   // Prompt KV that arrived (or is arriving) for a request that will never be denoised — e.g.
   // the gateway's prefill call failed or timed out after the transfer — is freed now rather

@@ -424,18 +424,18 @@ void OpenAiHttpServer::Impl::ParseAndStart(std::shared_ptr<HttpExchange> ex, std
     parsed = absl::UnknownError("answered");  // the request's memory goes on this thread
     EndJob(ex);
   };
+  // A refusal the core has not counted.
+  auto refuse = [&](const absl::Status& status) {
+    core_->CountRefused(status);
+    answer(ErrorResponse(status));
+  };
   // A body that waited for a parse thread may no longer be wanted: not parsed then.
-  absl::Status gone;
-  if (stopping_flag) {
-    gone = absl::UnavailableError("the server is stopping");
-  } else if (ex->IsCancelled()) {
-    gone = absl::CancelledError("the client went away before its request was read");
-  } else if (absl::Now() >= deadline) {
-    gone = absl::DeadlineExceededError("deadline exceeded before the request was read");
+  if (stopping_flag) return refuse(absl::UnavailableError("the server is stopping"));
+  if (ex->IsCancelled()) {
+    return refuse(absl::CancelledError("the client went away before its request was read"));
   }
-  if (!gone.ok()) {
-    core_->CountRefused(gone);
-    return answer(ErrorResponse(gone));
+  if (absl::Now() >= deadline) {
+    return refuse(absl::DeadlineExceededError("deadline exceeded before the request was read"));
   }
   parsed = chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
   std::string().swap(body);
@@ -443,11 +443,7 @@ void OpenAiHttpServer::Impl::ParseAndStart(std::shared_ptr<HttpExchange> ex, std
     core_->CountRefused(parsed.status());
     return answer(ErrorResponse(400, parsed.status(), ErrorParam(parsed.status())));
   }
-  if (stopping_flag) {
-    const absl::Status st = absl::UnavailableError("the server is stopping");
-    core_->CountRefused(st);
-    return answer(ErrorResponse(st));
-  }
+  if (stopping_flag) return refuse(absl::UnavailableError("the server is stopping"));
   // The core may have filled up while the body waited or was parsed: a generation thread starts
   // only while it has room (already counted by the core when it has none).
   if (absl::Status admit = core_->CheckAdmission(); !admit.ok()) {
@@ -463,10 +459,8 @@ void OpenAiHttpServer::Impl::ParseAndStart(std::shared_ptr<HttpExchange> ex, std
     }).detach();
     ex.reset();  // the job (jobs_) and the generation thread hold it on
   } catch (const std::system_error& e) {
-    const absl::Status st = absl::ResourceExhaustedError(
-        absl::StrCat("cannot start a generation thread: ", e.what()));
-    core_->CountRefused(st);
-    answer(ErrorResponse(st));
+    refuse(absl::ResourceExhaustedError(
+        absl::StrCat("cannot start a generation thread: ", e.what())));
   }
 }
 

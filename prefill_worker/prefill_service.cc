@@ -32,10 +32,8 @@ grpc::Status PrefillServiceImpl::Prefill(grpc::ServerContext* context,
 
 grpc::Status PrefillServiceImpl::Cancel(grpc::ServerContext*, const v1::CancelRequest* request,
                                         v1::CancelResponse* response) {
-  response->set_found(engine_->Cancel(request->request_id(),
-                                      request->deadline_exceeded()
-                                          ? absl::StatusCode::kDeadlineExceeded
-                                          : absl::StatusCode::kCancelled));
+  response->set_found(
+      engine_->Cancel(request->request_id(), CancelCode(request->deadline_exceeded())));
   return grpc::Status::OK;
 }
 

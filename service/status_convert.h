@@ -44,6 +44,11 @@ absl::Status CancelledAtDeadline(absl::Status status, absl::Time deadline, absl:
 // Why a server call's caller ended it (IsCancelled or a failed write): DEADLINE_EXCEEDED when
 // the call's deadline passed (EndedByDeadline), else CANCELLED.
 absl::StatusCode CallerEndCode(const grpc::ServerContext& context);
+// The code a worker's Cancel RPC records (CancelRequest.deadline_exceeded): DEADLINE_EXCEEDED
+// when the caller cancels because the request's deadline passed, else CANCELLED.
+inline absl::StatusCode CancelCode(bool deadline_exceeded) {
+  return deadline_exceeded ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kCancelled;
+}
 
 // HTTP status for a status code: INVALID_ARGUMENT/OUT_OF_RANGE/FAILED_PRECONDITION(no) → 400,
 // UNAUTHENTICATED 401, PERMISSION_DENIED 403, NOT_FOUND 404, RESOURCE_EXHAUSTED 429,
