@@ -8,6 +8,9 @@
 #
 #   OUT=/some/dir bash tools/gpu_check.sh              # on the GPU machine
 #   GPU_CHECK_DRY_RUN=1 OUT=/tmp/x bash tools/gpu_check.sh   # anywhere: the CPU-runnable parts
+#   source gpubundle/env.sh; BUILD_DIR=gpubundle/build-gpu bash tools/gpu_check.sh
+#                                  # binaries built elsewhere (tools/gpu_bundle.sh, for a GPU
+#                                  # machine without dgserve's build dependencies)
 #
 # Steps (report.txt prefixes):
 #  1. build (`build:`): configures BUILD_DIR (default build-gpu) with -DDGSERVE_CUDA_BACKEND=ON and
@@ -27,13 +30,17 @@
 #     GPU_CHECK_TRANSPORTS, default "cuda_ipc auto tcp"; the log line naming the transport it
 #     chose is reported), and nccl across two GPUs where two exist. Same device, different
 #     transport: the text must be identical (the KV bytes are the same). GPU against CPU:
-#     reported MATCH or DIFFERS with the first differing byte: the CUDA backend rounds
-#     activations to bf16 before its GEMMs and the CPU backend does not (engine/cuda/README.md),
-#     so on a random checkpoint near-tied logits can pick other tokens; a difference there is a
-#     finding to look at, not a failure.
+#     reported MATCH or DIFFERS with the first differing canvas step. With the default float32
+#     GEMM input (engine/cuda/README.md) the GPU differs from the CPU in float32 rounding only
+#     (addition order in the GEMMs, the kernels' own reductions), which could still flip a sample at a near tie on a random checkpoint,
+#     so a difference is a finding to look at, not a failure (--cuda_gemm_input=bf16 differs
+#     from step 2 on).
+#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer memcheck on the five kernel test binaries
+#     (`sanitizer:`), one error summary each.
 #  4. the real-shape benchmarks (`bench:`): engine_bench on bench/configs/real-width-2-layers.json
 #     (the real widths, 2 layers), prefill 2k and 32k tokens × batch 1 and 16 × 16 and 48 steps
-#     per canvas: prefill time, step and canvas time, peak device memory (cudaMemGetInfo in
+#     per canvas (GPU_CHECK_BENCH_STEPS), each with --cuda_gemm_input float32 and bf16
+#     (GPU_CHECK_GEMM_INPUTS): prefill time, step and canvas time, peak device memory (cudaMemGetInfo in
 #     engine_bench and nvidia-smi sampled every 250 ms: gpu_memory.csv), and the share of the
 #     bf16 bound (bf16 weight bytes per step ÷ step time ÷ memory bandwidth: 4800 GB/s on an
 #     H200, 3350 on an H100 SXM, else GPU_MEM_BW_GBS). GPU_CHECK_FULL_SHAPE=1 adds one run of the
@@ -404,13 +411,37 @@ cluster_step() {
 }
 cluster_step
 
+# --- 3b. compute-sanitizer (GPU_CHECK_SANITIZER=1) -------------------------------------------------
+# memcheck on the kernel tests: out-of-bounds and misaligned device accesses, which neither the
+# emulation nor a comparison with the CPU can see. One line per binary: its error summary.
+sanitizer_step() {
+  local san t rel limit summary
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2> /dev/null)
+  [ -n "$san" ] || { report "sanitizer: compute-sanitizer not found"; return; }
+  for rel in engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test \
+      engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test; do
+    t=$(basename "$rel")
+    [ -x "$BUILD_DIR/$rel" ] || continue
+    if (($(time_left) < RESERVE_BENCH + 15)); then report "sanitizer: $t: SKIPPED, no time left"; continue; fi
+    limit=$(budget 30 "$RESERVE_BENCH")
+    timeout "$limit" "$san" --tool memcheck "$BUILD_DIR/$rel" --gtest_color=no \
+      > "$LOGS/$t.memcheck.log" 2>&1
+    local status=$?
+    summary=$(grep -m1 'ERROR SUMMARY' "$LOGS/$t.memcheck.log" | sed 's/^=* *//')
+    if [ "$status" = 124 ]; then report "sanitizer: $t: TIMEOUT after ${limit}s"
+    elif [ "$summary" = "ERROR SUMMARY: 0 errors" ]; then report "sanitizer: $t: memcheck $summary"
+    else fail "sanitizer: $t: memcheck exit $status: ${summary:-no summary} (see $t.memcheck.log)"; fi
+  done
+}
+[ "${GPU_CHECK_SANITIZER:-0}" = 1 ] && [ "$DRY" != 1 ] && sanitizer_step
+
 # --- 4. the real-shape benchmarks ----------------------------------------------------------------
 bench_step() {
   local bin=$BUILD_DIR/bench/engine_bench
   [ -x "$bin" ] || { fail "bench: engine_bench missing in $BUILD_DIR"; return; }
   [ -x "$BUILD_DIR/tools/dgserve-mkmodel" ] || { fail "bench: dgserve-mkmodel missing"; return; }
   local config=bench/configs/real-width-2-layers.json contexts="2048 32768" batches="1 16"
-  local steps_list="16 48" model=$WORK/real-width-2
+  local steps_list=${GPU_CHECK_BENCH_STEPS:-16 48} model=$WORK/real-width-2
   if [ "$DRY" = 1 ]; then  # the script's path on the CPU: a tiny shape, small contexts
     config=tests/testdata/golden/tiny-v512/config.json contexts="64 256" model=$WORK/bench-tiny
   fi
@@ -428,34 +459,41 @@ bench_step() {
     smi_pid=$!
     echo "$smi_pid" >> "$PID_FILE"
   fi
-  local runs=() c b s
-  for s in $steps_list; do for c in $contexts; do for b in $batches; do runs+=("$c $b $s"); done; done; done
+  # On the GPU, each shape with both GEMM inputs (--cuda_gemm_input, engine/cuda/cuda_gemm.h):
+  # float32 (the exact three-term split, the default) and bf16 (one rounding, a third of the work).
+  local inputs=${GPU_CHECK_GEMM_INPUTS:-float32 bf16}
+  [ "$DRY" = 1 ] && inputs=float32
+  local runs=() c b s g
+  for s in $steps_list; do for c in $contexts; do for b in $batches; do for g in $inputs; do
+    runs+=("$c $b $s $g")
+  done; done; done; done
   local i=0 n=${#runs[@]} out left
   for r in "${runs[@]}"; do
-    read -r c b s <<< "$r"
+    read -r c b s g <<< "$r"
     i=$((i + 1))
     left=$(( (n - i) * 10 + 5))
     if (($(time_left) < left + 5)); then
-      fail "bench: context $c batch $b steps $s: SKIPPED, no time left"
+      fail "bench: context $c batch $b steps $s gemm_input $g: SKIPPED, no time left"
       continue
     fi
     local limit
     limit=$(budget 120 "$left")
     out="$LOGS/bench.log"
-    echo "=== context $c batch $b steps $s (limit ${limit}s)" >> "$out"
+    echo "=== context $c batch $b steps $s gemm_input $g (limit ${limit}s)" >> "$out"
     start=$SECONDS
     timeout "$limit" "$bin" --model "$model" --device "$DEVICE" --context "$c" --batch "$b" \
-      --steps "$s" --mem_bandwidth_gbs "$BW" > "$WORK/bench.one" 2> "$WORK/bench.err"
+      --steps "$s" --mem_bandwidth_gbs "$BW" --cuda_gemm_input "$g" > "$WORK/bench.one" \
+      2> "$WORK/bench.err"
     local status=$?
     cat "$WORK/bench.one" "$WORK/bench.err" >> "$out"
     local line
     line=$(grep -m1 '^RESULT ' "$WORK/bench.one" | sed 's/^RESULT //')
     if [ "$status" = 0 ] && [ -n "$line" ]; then
-      report "bench:$TAG $line"
+      report "bench:$TAG gemm_input=$g $line"
     elif [ "$status" = 124 ]; then
-      fail "bench: context $c batch $b steps $s: TIMEOUT after ${limit}s"
+      fail "bench: context $c batch $b steps $s gemm_input $g: TIMEOUT after ${limit}s"
     else
-      fail "bench: context $c batch $b steps $s: FAILED (exit $status after" \
+      fail "bench: context $c batch $b steps $s gemm_input $g: FAILED (exit $status after" \
         "$((SECONDS - start))s): $(tail -n 2 "$WORK/bench.err" | cut -c1-300)"
       # The backend cannot start at all (no device, a build without it): the other runs would
       # only fail the same way.

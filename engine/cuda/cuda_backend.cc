@@ -76,7 +76,7 @@ struct Segment {
 class CudaBackend final : public ModelBackend {
  public:
   CudaBackend(const ModelConfig& config, const CudaBackendOptions& options)
-      : c_(config), options_(options) {}
+      : c_(config), options_(options), cublas_(options.gemm_input) {}
   ~CudaBackend() override {
     mirrors_.clear();
     if (handle_ != nullptr) cublasDestroy(handle_);

@@ -23,6 +23,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "engine/cuda/cuda_gemm.h"
 #include "engine/model/backend.h"
 #include "engine/model/config.h"
 #include "engine/model/weights.h"
@@ -34,6 +35,10 @@ struct CudaBackendOptions {
   // Device KV mirrors kept (each holds its sequence's K/V for every layer; one per live
   // sequence is ideal, more cost device memory, fewer cost re-uploads from the host cache).
   int max_kv_mirrors = 16;
+  // How the projections and the LM head take float32 activations (engine/cuda/cuda_gemm.h):
+  // kFloat32 (exact split, the CPU backend's results up to float32 addition order) or kBf16
+  // (one rounding to bf16, a third of the GEMM work).
+  cuda::GemmInput gemm_input = cuda::GemmInput::kFloat32;
 };
 
 // Uploads `weights` to the device and returns the backend. FAILED_PRECONDITION "no CUDA device

@@ -1,8 +1,10 @@
 // The CUDA backend against the CPU backend (label `gpu`; skipped without a GPU): the same tiny
 // random checkpoint (tiny-v512 golden shape), the same inputs, Encode + Decode + several
-// DenoiseSteps. Weights are bf16 on both sides but the GPU rounds activations to bf16 before
-// every cuBLAS GEMM, so the comparison is to bf16 accuracy: logits within 1e-2 of the largest
-// |logit|, argmax only where the CPU's top-2 gap exceeds 0.05.
+// DenoiseSteps. Weights are bf16 on both sides; the GPU's GEMMs take float32 activations as an
+// exact sum of three bf16 terms (cuda::GemmInput::kFloat32, the default), so logits, keys and
+// values agree to float32 accumulation order (within 1e-3 of the largest |value|). What is
+// rounded to bf16 on purpose (the self-conditioning probabilities, spec §5.3) is compared to
+// bf16 accuracy (2e-2); argmax only where the CPU's top-2 gap exceeds 0.05.
 #include "engine/cuda/cuda_backend.h"
 
 #include <gtest/gtest.h>
@@ -66,8 +68,11 @@ class CudaBackendTest : public cuda::CudaTest {
     EXPECT_TRUE(st.ok()) << st;
     return logits;
   }
-  // GPU logits within 1e-2 of the largest |CPU logit| (at least 1e-2), argmax equal on rows
-  // whose CPU top-2 gap exceeds 0.05.
+  // GPU logits within 1e-3 of the largest |CPU logit| (at least 1e-3), argmax equal on rows
+  // whose CPU top-2 gap exceeds 0.05. The backend's default GEMM input (GemmInput::kFloat32)
+  // differs from the CPU's float32 GEMMs only in the order of additions: about 4e-6 of the
+  // scale under the emulation. With bf16 activations (kBf16) near-tied expert choices on this
+  // random checkpoint moved logits by up to 0.4 of the scale on an H200.
   void ExpectLogitsClose(const std::vector<float>& cpu, const std::vector<float>& gpu) const {
     ASSERT_EQ(cpu.size(), gpu.size());
     const int V = config().vocab_size, rows = int(cpu.size()) / V;
@@ -77,7 +82,7 @@ class CudaBackendTest : public cuda::CudaTest {
       ASSERT_TRUE(std::isfinite(gpu[i])) << "logit " << i;
       worst = std::max(worst, std::fabs(cpu[i] - gpu[i]));
     }
-    EXPECT_LE(worst, 1e-2f * scale) << "max |Δlogit| " << worst << " (max |logit| " << scale << ")";
+    EXPECT_LE(worst, 1e-3f * scale) << "max |Δlogit| " << worst << " (max |logit| " << scale << ")";
     for (int r = 0; r < rows; ++r) {
       if (Top2Gap(cpu, r) <= 0.05f) continue;
       EXPECT_EQ(Argmax(cpu, r), Argmax(gpu, r)) << "row " << r;
@@ -130,10 +135,10 @@ TEST_F(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
       if (!config().IsFull(l) && p < 29 - (config().sliding_window - 1)) continue;
       std::vector<float> c(kc.KeyRow(l, p), kc.KeyRow(l, p) + w),
           g(kg.KeyRow(l, p), kg.KeyRow(l, p) + w);
-      ExpectVectorsClose(c, g, 2e-2f, "key row");
+      ExpectVectorsClose(c, g, 1e-3f, "key row");
       std::vector<float> cv(kc.ValueRow(l, p), kc.ValueRow(l, p) + w),
           gv(kg.ValueRow(l, p), kg.ValueRow(l, p) + w);
-      ExpectVectorsClose(cv, gv, 2e-2f, "value row");
+      ExpectVectorsClose(cv, gv, 1e-3f, "value row");
     }
   }
   const std::vector<int32_t> canvas = Tokens(config().canvas_length, 3);

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "common/status_macros.h"
 #include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
@@ -22,6 +23,7 @@ absl::Status CublasCheck(const char* call, cublasStatus_t s) {
 
 cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
+
 // The bit-exact float → bf16 rounding of common/bf16.h (round-to-nearest-even on the bit
 // pattern; NaN keeps its sign and payload top bits, quieted).
 __device__ __forceinline__ uint16_t ToBf16Bits(float f) {
@@ -30,6 +32,29 @@ __device__ __forceinline__ uint16_t ToBf16Bits(float f) {
     return uint16_t((b >> 16) | 0x40u);
   }
   return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float Bf16BitsToFloat(uint16_t b) {
+  return __uint_as_float(uint32_t(b) << 16);
+}
+
+// Term `term` of the exact split x = hi + mid + lo (GemmInput::kFloat32): each subtraction of a
+// bf16 rounding of f from f is exact in float32, and what is left after two fits bf16.
+__device__ __forceinline__ uint16_t SplitTermBits(float f, int term) {
+  uint16_t t = ToBf16Bits(f);
+  if ((__float_as_uint(f) & 0x7F800000u) == 0x7F800000u) return term == 0 ? t : uint16_t(0);
+  for (int j = 0; j < term; ++j) {
+    f = __fsub_rn(f, Bf16BitsToFloat(t));
+    t = ToBf16Bits(f);
+  }
+  return t;
+}
+
+__global__ void SplitTermKernel(const float* x, int64_t n, int term, uint16_t* y) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] = SplitTermBits(x[i], term);
+  }
 }
 
 __global__ void ToBf16Kernel(const float* x, int64_t n, uint16_t* y) {
@@ -46,9 +71,10 @@ int Blocks(int64_t n, int threads) {
 
 // Row-major y[m, n] = xb[m, k] · w[n, k]ᵀ as the column-major product yᵀ[n, m] = w·xbᵀ:
 // A = w viewed column-major [k, n] (ld k), transposed; B = xb viewed column-major [k, m] (ld k).
+// beta = 1 adds the product to y (the split's later terms).
 absl::Status Gemm(cublasHandle_t h, const uint16_t* xb, const uint16_t* w, int m, int k, int n,
-                  float* y) {
-  const float alpha = 1.0f, beta = 0.0f;
+                  float* y, float beta = 0.0f) {
+  const float alpha = 1.0f;
   return CublasCheck("cublasGemmEx",
                      cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, w, CUDA_R_16BF,
                                   k, xb, CUDA_R_16BF, k, &beta, y, CUDA_R_32F, n,
@@ -62,6 +88,32 @@ absl::Status FloatToBf16(const float* x, int64_t n, uint16_t* y, void* stream) {
   LaunchKernel(ToBf16Kernel, Blocks(n, 256), 256, 0, S(stream), x, n, y);
   return Check("FloatToBf16");
 }
+
+absl::Status SplitToBf16(const float* x, int64_t n, int term, uint16_t* y, void* stream) {
+  if (term < 0 || term > 2) {
+    return absl::InvalidArgumentError("SplitToBf16: term must be 0 (hi), 1 (mid) or 2 (lo)");
+  }
+  if (n <= 0) return absl::OkStatus();
+  LaunchKernel(SplitTermKernel, Blocks(n, 256), 256, 0, S(stream), x, n, term, y);
+  return Check("SplitToBf16");
+}
+
+namespace {
+
+// The terms GEMMed for an input mode, smallest first (each later one accumulates with β = 1).
+int Terms(GemmInput input) { return input == GemmInput::kFloat32 ? 3 : 1; }
+
+absl::Status ConvertTerm(GemmInput input, int term, const float* x, int64_t n, uint16_t* xb,
+                         cudaStream_t stream) {
+  if (input == GemmInput::kBf16) {
+    LaunchKernel(ToBf16Kernel, Blocks(n, 256), 256, 0, stream, x, n, xb);
+  } else {
+    LaunchKernel(SplitTermKernel, Blocks(n, 256), 256, 0, stream, x, n, term, xb);
+  }
+  return Check("Linear (bf16 conversion)");
+}
+
+}  // namespace
 
 CublasContext::~CublasContext() {
   if (handle_ != nullptr) cublasDestroy(static_cast<cublasHandle_t>(handle_));
@@ -117,9 +169,14 @@ absl::Status CublasContext::Linear(const float* x, const uint16_t* w, int rows, 
       !st.ok()) {
     return st;
   }
-  LaunchKernel(ToBf16Kernel, Blocks(n, 256), 256, 0, S(stream), x, n, xb);
-  if (absl::Status st = Check("Linear (bf16 conversion)"); !st.ok()) return st;
-  return Gemm(h, xb, w, rows, in, out, y);
+  // One scratch buffer serves every term: the stream orders each conversion after the GEMM
+  // that read the previous one.
+  for (int term = Terms(input_) - 1; term >= 0; --term) {
+    DGSERVE_RETURN_IF_ERROR(ConvertTerm(input_, term, x, n, xb, S(stream)));
+    const float beta = term == Terms(input_) - 1 ? 0.0f : 1.0f;
+    DGSERVE_RETURN_IF_ERROR(Gemm(h, xb, w, rows, in, out, y, beta));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CublasContext::GroupedLinear(const float* x, const uint16_t* w, int groups,
@@ -156,16 +213,17 @@ absl::Status CublasContext::GroupedLinear(const float* x, const uint16_t* w, int
       !st.ok()) {
     return st;
   }
-  LaunchKernel(ToBf16Kernel, Blocks(n, 256), 256, 0, S(stream), x + int64_t(first) * in, n, xb);
-  if (absl::Status st = Check("GroupedLinear (bf16 conversion)"); !st.ok()) return st;
-  for (int g = 0; g < groups; ++g) {
-    const int r0 = row_offsets[g], m = row_offsets[g + 1] - r0;
-    if (m == 0) continue;
-    const int64_t e = expert_of_group != nullptr ? expert_of_group[g] : g;
-    if (absl::Status st = Gemm(h, xb + int64_t(r0 - first) * in, w + e * out * in, m, in, out,
-                               y + int64_t(r0) * out);
-        !st.ok()) {
-      return st;
+  for (int term = Terms(input_) - 1; term >= 0; --term) {
+    DGSERVE_RETURN_IF_ERROR(
+        ConvertTerm(input_, term, x + int64_t(first) * in, n, xb, S(stream)));
+    const float beta = term == Terms(input_) - 1 ? 0.0f : 1.0f;
+    for (int g = 0; g < groups; ++g) {
+      const int r0 = row_offsets[g], m = row_offsets[g + 1] - r0;
+      if (m == 0) continue;
+      const int64_t e = expert_of_group != nullptr ? expert_of_group[g] : g;
+      DGSERVE_RETURN_IF_ERROR(Gemm(h, xb + int64_t(r0 - first) * in,
+                                        w + e * int64_t(out) * in, m, in, out,
+                                        y + int64_t(r0) * out, beta));
     }
   }
   return absl::OkStatus();

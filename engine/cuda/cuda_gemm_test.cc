@@ -1,5 +1,6 @@
-// The cuBLAS projections against a float64 reference on bf16-rounded activations (label `gpu`;
-// skipped without a GPU).
+// The cuBLAS projections against a float64 reference (label `gpu`; skipped without a GPU): on
+// bf16-rounded activations for GemmInput::kBf16, on the float32 activations themselves for
+// GemmInput::kFloat32.
 #include "engine/cuda/cuda_gemm.h"
 
 #include <cmath>
@@ -59,7 +60,109 @@ void ExpectLinear(const std::vector<float>& x, const uint16_t* w, int rows, int 
   EXPECT_EQ(bad, 0) << what;
 }
 
+// The elements of y[rows, out] farther than 2e-5·Σ|x·w| from Σ_i x[r, i]·w[o, i] in double (x
+// not rounded): float32 accumulation in any order stays well inside (about 4e-6 at in = 2816
+// even with truncating additions); one bf16 rounding of x misses it by about 1e-4·Σ|x·w| at
+// in = 96.
+int CountFloat32Misses(const std::vector<float>& x, const uint16_t* w, int rows, int in, int out,
+                       const float* y) {
+  int misses = 0;
+  for (int r = 0; r < rows; ++r) {
+    for (int o = 0; o < out; ++o) {
+      double sum = 0, abs_sum = 0;
+      for (int i = 0; i < in; ++i) {
+        const double t = double(x[size_t(r) * in + i]) * double(Bf16ToFloat(w[size_t(o) * in + i]));
+        sum += t;
+        abs_sum += std::fabs(t);
+      }
+      if (!(std::fabs(double(y[size_t(r) * out + o]) - sum) <= 2e-5 * abs_sum + 1e-30)) ++misses;
+    }
+  }
+  return misses;
+}
+
 class CudaGemmTest : public CudaTest {};
+
+TEST_F(CudaGemmTest, SplitTermsSumToTheInputExactly) {
+  // Magnitudes from 1e-25 to 1e30 (inside float32's normal range for all three terms), both
+  // signs, bf16-representable values (mid = lo = 0) and non-finite ones (hi alone).
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f), exponent(-83.0f, 99.0f);
+  std::vector<float> x;
+  for (int i = 0; i < 20000; ++i) {
+    x.push_back((i % 2 ? -1.0f : 1.0f) * mantissa(gen) * std::exp2(std::floor(exponent(gen))));
+  }
+  for (float f : {0.0f, -0.0f, 1.0f, -3.5f, 1.00390625f, 65504.0f,
+                  std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN()}) {
+    x.push_back(f);
+  }
+  float* dx = Upload(x);
+  std::vector<std::vector<uint16_t>> terms;
+  for (int term = 0; term < 3; ++term) {
+    uint16_t* dy = Alloc<uint16_t>(x.size(), 0xFF);
+    ASSERT_THAT(SplitToBf16(dx, int64_t(x.size()), term, dy), IsOk());
+    terms.push_back(Download(dy, x.size()));
+  }
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(terms[0][i], ::dgserve::FloatToBf16(x[i])) << "hi of " << x[i];
+    if (!std::isfinite(x[i])) {
+      ASSERT_EQ(terms[1][i] | terms[2][i], 0) << "mid and lo of " << x[i];
+      continue;
+    }
+    // The sum in double is exact (three values within 2⁴⁸ of each other's magnitude).
+    const double sum = double(Bf16ToFloat(terms[0][i])) + double(Bf16ToFloat(terms[1][i])) +
+                       double(Bf16ToFloat(terms[2][i]));
+    ASSERT_EQ(sum, double(x[i])) << "x = " << x[i] << " (element " << i << ")";
+  }
+  EXPECT_THAT(SplitToBf16(dx, 1, 3, nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(CudaGemmTest, Float32InputMatchesTheUnroundedProduct) {
+  CublasContext exact(GemmInput::kFloat32), rounded(GemmInput::kBf16);
+  struct Shape {
+    int rows, in, out;
+  };
+  const Shape shapes[] = {{37, 96, 130}, {5, 7, 3}, {300, 2816, 64}, {64, 704, 2816}};
+  uint32_t seed = 40;
+  for (const Shape& s : shapes) {
+    if (kEmulated && s.in * s.out > 96 * 130) continue;
+    const std::vector<float> x = RandomFloats(size_t(s.rows) * s.in, 2.0f, seed++);
+    const std::vector<uint16_t> w = RandomBf16(size_t(s.out) * s.in, 0.5f, seed++);
+    float* dx = Upload(x);
+    uint16_t* dw = Upload(w);
+    float* dy = Alloc<float>(size_t(s.rows) * s.out, 0xFF);
+    ASSERT_THAT(exact.Linear(dx, dw, s.rows, s.in, s.out, dy), IsOk());
+    std::vector<float> y = Download(dy, size_t(s.rows) * s.out);
+    EXPECT_EQ(CountFloat32Misses(x, w.data(), s.rows, s.in, s.out, y.data()), 0)
+        << s.rows << "x" << s.in << "x" << s.out;
+    if (s.rows * s.out >= 1000) {  // the check tells the modes apart
+      ASSERT_THAT(rounded.Linear(dx, dw, s.rows, s.in, s.out, dy), IsOk());
+      y = Download(dy, size_t(s.rows) * s.out);
+      EXPECT_GT(CountFloat32Misses(x, w.data(), s.rows, s.in, s.out, y.data()), 0)
+          << "bf16 input " << s.rows << "x" << s.in << "x" << s.out;
+    }
+  }
+  // Expert groups: every group (offsets not starting at 0, an empty group, mapped experts).
+  const int experts = 3, in = 96, out = 40;
+  const std::vector<int32_t> offsets = {3, 20, 20, 33};
+  const std::vector<int32_t> expert_of_group = {2, 0, 1};
+  const std::vector<float> x = RandomFloats(size_t(33) * in, 1.5f, 50);
+  const std::vector<uint16_t> w = RandomBf16(size_t(experts) * out * in, 0.5f, 51);
+  float* dy = Alloc<float>(size_t(33) * out, 0xFF);
+  ASSERT_THAT(exact.GroupedLinear(Upload(x), Upload(w), experts, offsets.data(),
+                                  expert_of_group.data(), in, out, dy),
+              IsOk());
+  const std::vector<float> y = Download(dy, size_t(33) * out);
+  for (int g = 0; g < experts; ++g) {
+    const int r0 = offsets[g], n = offsets[g + 1] - r0;
+    const std::vector<float> xg(x.begin() + size_t(r0) * in, x.begin() + size_t(r0 + n) * in);
+    EXPECT_EQ(CountFloat32Misses(xg, w.data() + size_t(expert_of_group[g]) * out * in, n, in, out,
+                                 y.data() + size_t(r0) * out),
+              0)
+        << "group " << g;
+  }
+}
 
 TEST_F(CudaGemmTest, FloatToBf16MatchesTheHostConversionBitForBit) {
   std::vector<float> x = RandomFloats(10007, 1e3f, 1);

@@ -1,23 +1,39 @@
 #include "engine/model/backend_select.h"
 
+#include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #ifdef DGSERVE_HAVE_CUDA
 #include "engine/cuda/cuda_backend.h"
 #endif
 
+// Every binary that selects a backend by --device takes this flag (defined here, once).
+ABSL_FLAG(std::string, cuda_gemm_input, "float32",
+          "--device cuda: how the projections' GEMMs take float32 activations. float32 (default): "
+          "split exactly into three bf16 terms, so results equal the CPU backend's up to the "
+          "order of float32 additions, at three times the tensor-core work; bf16: rounded to "
+          "bf16 once (HF's bf16 activations), one GEMM, bf16 noise in the results");
+
 namespace dgserve {
 
 absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::string& device,
                                                                      const ModelConfig& config,
                                                                      const ModelWeights& weights) {
+  const std::string gemm_input = absl::GetFlag(FLAGS_cuda_gemm_input);
+  if (gemm_input != "float32" && gemm_input != "bf16") {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_gemm_input ", gemm_input,
+                                                   ": must be 'float32' or 'bf16'"));
+  }
   if (device == "cpu") return CreateCpuBackend(config, weights);
   if (device != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--device ", device, ": must be 'cpu' or 'cuda'"));
   }
 #ifdef DGSERVE_HAVE_CUDA
-  auto backend = CreateCudaBackend(config, weights);
+  CudaBackendOptions options;
+  options.gemm_input =
+      gemm_input == "bf16" ? cuda::GemmInput::kBf16 : cuda::GemmInput::kFloat32;
+  auto backend = CreateCudaBackend(config, weights, options);
   if (!backend.ok()) {
     return absl::Status(backend.status().code(),
                         absl::StrCat("--device cuda: ", backend.status().message()));

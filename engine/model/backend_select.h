@@ -16,6 +16,9 @@ namespace dgserve {
 // "cpu": CreateCpuBackend. "cuda": the CUDA backend; FAILED_PRECONDITION when this binary was
 // built without it or no GPU is present (message prefixed "--device cuda: "). Anything else:
 // INVALID_ARGUMENT. `weights` must outlive the CPU backend (the CUDA one copies them).
+// The CUDA backend's GEMM input (cuda::GemmInput) is the flag --cuda_gemm_input ("float32", the
+// default, or "bf16"; anything else: INVALID_ARGUMENT, whatever the device), defined in
+// backend_select.cc for every binary that links this library.
 absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::string& device,
                                                                      const ModelConfig& config,
                                                                      const ModelWeights& weights);
