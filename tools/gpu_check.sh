@@ -35,8 +35,10 @@
 #     (addition order in the GEMMs, the kernels' own reductions), which could still flip a sample at a near tie on a random checkpoint,
 #     so a difference is a finding to look at, not a failure (--cuda_gemm_input=bf16 differs
 #     from step 2 on).
-#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer memcheck on the five kernel test binaries
-#     (`sanitizer:`), one error summary each.
+#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the five kernel test binaries
+#     (`sanitizer:`), one error summary per binary and tool (GPU_CHECK_SANITIZER_TOOLS, default
+#     memcheck; also racecheck, synccheck, initcheck).
+# GPU_CHECK_STEPS picks the steps after the build (default "tests cluster sanitizer bench").
 #  4. the real-shape benchmarks (`bench:`): engine_bench on bench/configs/real-width-2-layers.json
 #     (the real widths, 2 layers), prefill 2k and 32k tokens × batch 1 and 16 × 16 and 48 steps
 #     per canvas (GPU_CHECK_BENCH_STEPS), each with --cuda_gemm_input float32 and bf16
@@ -248,8 +250,12 @@ run_gtest() {  # $1: binary path relative to BUILD_DIR, $2: seconds
   report "$t: exit $status in $((SECONDS - start))s (log: $t.log)"
   [ "$status" = 0 ] || rc=1
 }
+# The steps after the build (GPU_CHECK_STEPS, default all: "tests cluster sanitizer bench").
+STEPS=" ${GPU_CHECK_STEPS:-tests cluster sanitizer bench} "
+wants() { [[ $STEPS == *" $1 "* ]]; }
 tests_to_run=$GPU_TESTS
-if [ "$NGPU" -ge 2 ]; then  # two GPUs: NCCL is checked with two ranks in the cluster step
+wants tests || tests_to_run=""
+if [ "$NGPU" -ge 2 ] && wants tests; then  # two GPUs: NCCL is checked with two ranks in the cluster step
   tests_to_run=$(echo "$GPU_TESTS" | tr ' ' '\n' | grep -v nccl_self_send | tr '\n' ' ')
 fi
 num_left=$(echo "$tests_to_run" | wc -w)
@@ -258,7 +264,7 @@ for rel in $tests_to_run; do
   run_gtest "$rel" "$(budget "$PER_TEST_S" $((num_left * 10 + RESERVE_CLUSTER + RESERVE_BENCH)))"
 done
 count() { grep -c -E "$1" "$REPORT"; }
-report "gpu tests: $(count '^PASSED') passed, $(count '^FAILED') failed, $(count '^SKIPPED') skipped," \
+wants tests && report "gpu tests: $(count '^PASSED') passed, $(count '^FAILED') failed, $(count '^SKIPPED') skipped," \
   "$(count '^(CRASHED|TIMEOUT|MISSING)') crashed/timed out/missing$TAG"
 
 # --- 3. the cluster ------------------------------------------------------------------------------
@@ -409,13 +415,13 @@ cluster_step() {
     report "cluster: one GPU: NCCL checked by kvstore_nccl_self_send_test above (two ranks need two GPUs)"
   fi
 }
-cluster_step
+wants cluster && cluster_step
 
 # --- 3b. compute-sanitizer (GPU_CHECK_SANITIZER=1) -------------------------------------------------
 # memcheck on the kernel tests: out-of-bounds and misaligned device accesses, which neither the
 # emulation nor a comparison with the CPU can see. One line per binary: its error summary.
 sanitizer_step() {
-  local san t rel limit summary
+  local san t rel limit summary tool
   san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2> /dev/null)
   [ -n "$san" ] || { report "sanitizer: compute-sanitizer not found"; return; }
   for rel in engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test \
@@ -423,17 +429,19 @@ sanitizer_step() {
     t=$(basename "$rel")
     [ -x "$BUILD_DIR/$rel" ] || continue
     if (($(time_left) < RESERVE_BENCH + 15)); then report "sanitizer: $t: SKIPPED, no time left"; continue; fi
-    limit=$(budget 30 "$RESERVE_BENCH")
-    timeout "$limit" "$san" --tool memcheck "$BUILD_DIR/$rel" --gtest_color=no \
-      > "$LOGS/$t.memcheck.log" 2>&1
-    local status=$?
-    summary=$(grep -m1 'ERROR SUMMARY' "$LOGS/$t.memcheck.log" | sed 's/^=* *//')
-    if [ "$status" = 124 ]; then report "sanitizer: $t: TIMEOUT after ${limit}s"
-    elif [ "$summary" = "ERROR SUMMARY: 0 errors" ]; then report "sanitizer: $t: memcheck $summary"
-    else fail "sanitizer: $t: memcheck exit $status: ${summary:-no summary} (see $t.memcheck.log)"; fi
+    for tool in ${GPU_CHECK_SANITIZER_TOOLS:-memcheck}; do
+      limit=$(budget 30 "$RESERVE_BENCH")
+      timeout "$limit" "$san" --tool "$tool" "$BUILD_DIR/$rel" --gtest_color=no \
+        > "$LOGS/$t.$tool.log" 2>&1
+      local status=$?
+      summary=$(grep -m1 'ERROR SUMMARY' "$LOGS/$t.$tool.log" | sed 's/^=* *//')
+      if [ "$status" = 124 ]; then report "sanitizer: $t: $tool TIMEOUT after ${limit}s"
+      elif [ "$summary" = "ERROR SUMMARY: 0 errors" ]; then report "sanitizer: $t: $tool $summary"
+      else fail "sanitizer: $t: $tool exit $status: ${summary:-no summary} (see $t.$tool.log)"; fi
+    done
   done
 }
-[ "${GPU_CHECK_SANITIZER:-0}" = 1 ] && [ "$DRY" != 1 ] && sanitizer_step
+[ "${GPU_CHECK_SANITIZER:-0}" = 1 ] && [ "$DRY" != 1 ] && wants sanitizer && sanitizer_step
 
 # --- 4. the real-shape benchmarks ----------------------------------------------------------------
 bench_step() {
@@ -529,7 +537,7 @@ bench_step() {
     report "bench: peak device memory in use (nvidia-smi, every 250 ms): ${peak} MiB"
   fi
 }
-bench_step
+wants bench && bench_step
 
 report "gpu_check: done in ${SECONDS}s of ${TOTAL_S}s;" \
   "$((FAILS + $(count '^(FAILED|CRASHED|TIMEOUT)'))) failures; exit $rc$TAG"
