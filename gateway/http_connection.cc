@@ -382,6 +382,20 @@ void HttpConnection::OnHeader(error_code ec) {
   if (req.version() >= 11 &&
       absl::EqualsIgnoreCase(HeaderValue(req, http::field::expect), "100-continue") &&
       !parser_->is_done()) {
+    // A head refused on its own gets its final answer instead of 100 Continue: the client need
+    // not send a body that would only be refused. Its body is then never read, so the
+    // connection closes after the answer.
+    std::string route;
+    if (std::optional<HttpResponse> refusal = host_->CheckHead(req, &route)) {
+      read_timer_.cancel();
+      state_ = State::kBusy;
+      SetAnswering(true);
+      keep_alive_ = false;
+      head_ = req.method() == http::verb::head;
+      http10_ = false;
+      Respond(*refusal, route, absl::Now());
+      return;
+    }
     Write("HTTP/1.1 100 Continue\r\n\r\n");
   }
   if (parser_->is_done()) {

@@ -85,6 +85,11 @@ class ConnectionHost {
   virtual bool stopping() const = 0;
   // A whole request was read: answer it (HttpConnection::Respond, or a stream).
   virtual void OnRequest(const std::shared_ptr<HttpConnection>& connection, HttpRequest req) = 0;
+  // The head of a request whose client waits for "100 Continue" before sending its body
+  // (Expect: 100-continue, RFC 9110 §10.1.1): the final answer it gets instead when the head
+  // alone refuses it (counted as OnRequest would; the route to record it under in *route), or
+  // nullopt to let the body come. The connection closes after such a refusal.
+  virtual std::optional<HttpResponse> CheckHead(const HttpRequest& head, std::string* route) = 0;
   // A request that could not be read whole (too large, malformed) is answered with `status`;
   // `path` is its request line's path ("" if none). Returns the route label to record it under.
   virtual std::string OnUnreadableRequest(const std::string& path, const absl::Status& status) = 0;

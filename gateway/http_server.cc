@@ -46,6 +46,7 @@ using HttpRequest = http_internal::HttpRequest;
 using HttpResponse = http_internal::HttpResponse;
 
 constexpr double kMaxTimeoutSeconds = 86400;
+
 // Generation bodies up to this size are parsed on the event-loop thread that read them (a few
 // milliseconds at most); larger ones on the parse pool.
 constexpr size_t kInlineParseBytes = 64 << 10;
@@ -120,6 +121,41 @@ absl::Status CheckJsonContentType(const HttpRequest& req, int* http_status) {
                    "'Content-Type: application/json')"));
 }
 
+// X-Request-Timeout: a decimal number of seconds in (0, kMaxTimeoutSeconds] (strtod alone would
+// also read hexadecimal, "inf" and "nan"). A client may shorten its deadline, never extend it
+// past the server's: *timeout becomes the smaller of the two. False if the value is not one.
+bool ParseTimeoutHeader(const std::string& value, absl::Duration* timeout) {
+  double seconds = 0;
+  const bool decimal =
+      !value.empty() && value.find_first_not_of("0123456789.eE+-") == std::string::npos &&
+      absl::c_any_of(value, [](char ch) { return ch >= '0' && ch <= '9'; });
+  if (!decimal || !absl::SimpleAtod(value, &seconds) || !std::isfinite(seconds) ||
+      seconds <= 0 || seconds > kMaxTimeoutSeconds) {
+    return false;
+  }
+  *timeout = std::min(*timeout, absl::Seconds(seconds));
+  return true;
+}
+
+// The head checks of a generation request (POST, authorised): its Content-Type (415, or 400)
+// and X-Request-Timeout (400; *timeout shortened to it). INVALID_ARGUMENT with the HTTP status
+// in *http_status, or OK.
+absl::Status GenerationHeadRefusal(const HttpRequest& req, absl::Duration* timeout,
+                                   int* http_status) {
+  if (absl::Status type = CheckJsonContentType(req, http_status); !type.ok()) return type;
+  *http_status = 400;
+  if (req.count("X-Request-Timeout") > 1) {
+    // Which one the client meant is unknowable (a proxy may have added one): refused.
+    return absl::InvalidArgumentError("X-Request-Timeout: given more than once");
+  }
+  if (auto it = req.find("X-Request-Timeout");
+      it != req.end() && !ParseTimeoutHeader(std::string(it->value()), timeout)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "X-Request-Timeout: must be a number of seconds in (0, ", kMaxTimeoutSeconds, "]"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
@@ -159,6 +195,7 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
   bool stopping() const override { return stopping_flag.load(); }
   // On the connection's strand: answers `req` (or starts its generation).
   void OnRequest(const std::shared_ptr<HttpConnection>& c, HttpRequest req) override;
+  std::optional<HttpResponse> CheckHead(const HttpRequest& head, std::string* route) override;
   std::string OnUnreadableRequest(const std::string& path, const absl::Status& status) override;
   void Record(const std::string& route, int code, absl::Duration elapsed) override;
   void CountConnections(int delta) override { Add(open_connections_, delta); }
@@ -178,8 +215,15 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
     }
   }
   void DoAccept();
+  // What the head alone decides (404, 405, 401; for a generation route also 415, a bad
+  // X-Request-Timeout 400, and admission 429/503): the refusal, counted, with X-Request-Id
+  // `local_id`; or nullopt with the request's timeout in *timeout (generation routes).
+  std::optional<HttpResponse> HeadRefusal(const HttpRequest& req, const std::string& path,
+                                          const std::string& route, const std::string& local_id,
+                                          absl::Duration* timeout);
   void StartGenerate(const std::shared_ptr<HttpConnection>& c, HttpRequest req,
-                     const std::string& route, absl::Time start, const std::string& local_id);
+                     const std::string& route, absl::Time start, const std::string& local_id,
+                     absl::Duration timeout);
   // On the parse pool: parses a generation body, then answers its error or starts the
   // generation's thread.
   void ParseAndStart(std::shared_ptr<HttpExchange> ex, std::string body, bool chat,
@@ -276,33 +320,65 @@ void OpenAiHttpServer::Impl::OnRequest(const std::shared_ptr<HttpConnection>& c,
       http_internal::RequestPath(std::string_view(req.target().data(), req.target().size()));
   const std::string route = RouteOf(path);
   const std::string local_id = LocalRequestId();
-  const std::string method(req.method_string());
+  absl::Duration timeout = options_.default_timeout;
+  if (std::optional<HttpResponse> refusal = HeadRefusal(req, path, route, local_id, &timeout)) {
+    return c->Respond(*refusal, route, start);
+  }
+  if (IsPostRoute(route)) return StartGenerate(c, std::move(req), route, start, local_id, timeout);
+  HttpResponse r = Dispatch(path, route);
+  r.Set("X-Request-Id", local_id);
+  c->Respond(r, route, start);
+}
 
+std::optional<HttpResponse> OpenAiHttpServer::Impl::CheckHead(const HttpRequest& head,
+                                                              std::string* route) {
+  const std::string path =
+      http_internal::RequestPath(std::string_view(head.target().data(), head.target().size()));
+  *route = RouteOf(path);
+  absl::Duration timeout;
+  return HeadRefusal(head, path, *route, LocalRequestId(), &timeout);
+}
+
+std::optional<HttpResponse> OpenAiHttpServer::Impl::HeadRefusal(const HttpRequest& req,
+                                                                const std::string& path,
+                                                                const std::string& route,
+                                                                const std::string& local_id,
+                                                                absl::Duration* timeout) {
+  const std::string method(req.method_string());
+  const bool post = IsPostRoute(route);
   HttpResponse r;
+  int code = 400;
+  // A refusal of a generation request is counted in the core's request metrics.
+  auto refuse = [&](int code, const absl::Status& status) {
+    if (post) core_->CountRefused(status);
+    r = ErrorResponse(code, status);
+  };
   if (route.empty()) {
     r = ErrorResponse(404, absl::NotFoundError(absl::StrCat("unknown path: ", path)));
-  } else if (IsPostRoute(route) ? method != "POST" : (method != "GET" && method != "HEAD")) {
-    const char* allow = IsPostRoute(route) ? "POST" : "GET, HEAD";
-    const absl::Status status = absl::InvalidArgumentError(absl::StrCat(
-        "method ", method, " not allowed on ", route, " (allowed: ", allow, ")"));
-    if (IsPostRoute(route)) core_->CountRefused(status);
-    r = ErrorResponse(405, status);
+  } else if (post ? method != "POST" : (method != "GET" && method != "HEAD")) {
+    const char* allow = post ? "POST" : "GET, HEAD";
+    refuse(405, absl::InvalidArgumentError(absl::StrCat("method ", method, " not allowed on ",
+                                                        route, " (allowed: ", allow, ")")));
     r.Set("Allow", allow);
   } else if (absl::Status auth = (route == "/health" || route == "/ready")
                                      ? absl::OkStatus()
                                      : core_->CheckApiKey(BearerToken(req));
              !auth.ok()) {
-    if (IsPostRoute(route)) core_->CountRefused(auth);
-    r = ErrorResponse(401, auth);
+    refuse(401, auth);
     r.Set("WWW-Authenticate", "Bearer");
-  } else if (IsPostRoute(route)) {
-    StartGenerate(c, std::move(req), route, start, local_id);
-    return;
+  } else if (!post) {
+    return std::nullopt;
+  } else if (absl::Status refusal = GenerationHeadRefusal(req, timeout, &code); !refusal.ok()) {
+    refuse(code, refusal);
+  } else if (absl::Status admit = core_->CheckAdmission(); !admit.ok()) {
+    // Before a thread is started (and the body parsed): generation threads stay bounded by the
+    // core's admission limit. Already counted by the core.
+    r = ErrorResponse(admit);
   } else {
-    r = Dispatch(path, route);
+    return std::nullopt;
   }
   r.Set("X-Request-Id", local_id);
-  c->Respond(r, route, start);
+  return r;
 }
 
 HttpResponse OpenAiHttpServer::Impl::Dispatch(const std::string& path, const std::string& route) {
@@ -336,7 +412,8 @@ HttpResponse OpenAiHttpServer::Impl::Dispatch(const std::string& path, const std
 
 void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>& c,
                                            HttpRequest req, const std::string& route,
-                                           absl::Time start, const std::string& local_id) {
+                                           absl::Time start, const std::string& local_id,
+                                           absl::Duration timeout) {
   const bool chat = route == "/v1/chat/completions";
   // A refusal before the core runs the request (counted in the core's request metrics).
   auto refuse = [&](const absl::Status& status, HttpResponse r) {
@@ -344,44 +421,9 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>
     r.Set("X-Request-Id", local_id);
     c->Respond(r, route, start);
   };
-  // On the event loop: only what the head says. The body is parsed on the request's own thread
-  // (below): a 4 MiB body takes about half a second to parse, which held every connection of
-  // this loop thread (their reads, writes, /health) for as long.
-  int type_status = 0;
-  if (absl::Status type = CheckJsonContentType(req, &type_status); !type.ok()) {
-    return refuse(type, ErrorResponse(type_status, type));
-  }
-  absl::Duration timeout = options_.default_timeout;
-  if (req.count("X-Request-Timeout") > 1) {
-    // Which one the client meant is unknowable (a proxy may have added one): refused.
-    const absl::Status bad =
-        absl::InvalidArgumentError("X-Request-Timeout: given more than once");
-    return refuse(bad, ErrorResponse(400, bad));
-  }
-  if (auto it = req.find("X-Request-Timeout"); it != req.end()) {
-    double seconds = 0;
-    const std::string value(it->value());
-    // A decimal number (strtod also reads hexadecimal, "inf" and "nan").
-    const bool decimal =
-        !value.empty() && value.find_first_not_of("0123456789.eE+-") == std::string::npos &&
-        absl::c_any_of(value, [](char ch) { return ch >= '0' && ch <= '9'; });
-    if (!decimal || !absl::SimpleAtod(value, &seconds) || !std::isfinite(seconds) ||
-        seconds <= 0 || seconds > kMaxTimeoutSeconds) {
-      const absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
-          "X-Request-Timeout: must be a number of seconds in (0, ", kMaxTimeoutSeconds, "]"));
-      return refuse(bad, ErrorResponse(400, bad));
-    }
-    // A client may shorten its deadline, never extend it past the server's.
-    timeout = std::min(timeout, absl::Seconds(seconds));
-  }
-  // Before a thread is started (and the body parsed): generation threads stay bounded by the
-  // core's admission limit.
-  if (absl::Status admit = core_->CheckAdmission(); !admit.ok()) {
-    // Already counted by the core.
-    HttpResponse r = ErrorResponse(admit);
-    r.Set("X-Request-Id", local_id);
-    return c->Respond(r, route, start);
-  }
+  // On the event loop only the head was checked (HeadRefusal). The body is parsed on the
+  // request's own thread (below): a 4 MiB body takes about half a second to parse, which held
+  // every connection of this loop thread (their reads, writes, /health) for as long.
   const absl::Time deadline = absl::Now() + timeout;
 
   auto ex = std::make_shared<HttpExchange>();

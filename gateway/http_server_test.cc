@@ -422,6 +422,65 @@ TEST_F(HttpServerTest, ExpectContinueOnlyForHttp11) {
   EXPECT_EQ(answers, 2u) << kept;
 }
 
+// A head that is refused on its own gets its final answer instead of "100 Continue" (RFC 9110
+// §10.1.1): the client need not send the body. Counted once; the connection closes.
+TEST_F(HttpServerTest, ExpectContinueRefusedByItsHeadGetsTheFinalAnswer) {
+  std::atomic<int> generated{0};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                       const GenerationCore::EventCallback& cb) {
+    ++generated;
+    cb(Block("ab"));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  core_.api_key = "secret";
+  StartServer();
+  struct Case {
+    std::string head;  // header lines after the request line, each ending in \r\n
+    std::string route;
+    std::string want;  // the status line
+  };
+  const std::string json = "Content-Type: application/json\r\n";
+  const std::string auth = "Authorization: Bearer secret\r\n";
+  const Case cases[] = {
+      {"POST /v1/completions HTTP/1.1\r\n" + json, "/v1/completions", "HTTP/1.1 401 "},
+      {"POST /v1/completions HTTP/1.1\r\n" + auth + "Content-Type: text/plain\r\n",
+       "/v1/completions", "HTTP/1.1 415 "},
+      {"POST /v1/chat/completions HTTP/1.1\r\n" + auth + json + "X-Request-Timeout: 0x10\r\n",
+       "/v1/chat/completions", "HTTP/1.1 400 "},
+      {"PUT /v1/completions HTTP/1.1\r\n" + auth + json, "/v1/completions", "HTTP/1.1 405 "},
+      {"POST /v1/nothing HTTP/1.1\r\n" + auth + json, "", "HTTP/1.1 404 "},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.head);
+    const int fd = ConnectLoopback(port_, 10);
+    ASSERT_GE(fd, 0);
+    // The body is never sent: the answer must come without it.
+    SendAll(fd, c.head + "Host: x\r\nExpect: 100-continue\r\nContent-Length: 15\r\n\r\n");
+    const std::string answer = ReadToEnd(fd);  // the server closes after the refusal
+    close(fd);
+    EXPECT_THAT(answer, StartsWith(c.want));
+    EXPECT_THAT(answer, Not(HasSubstr("100 Continue")));
+    EXPECT_THAT(answer, HasSubstr("X-Request-Id: "));
+    EXPECT_THAT(answer, HasSubstr("\"error\""));
+  }
+  EXPECT_EQ(generated.load(), 0);
+  // The four refusals on generation routes were counted once each (the 404 is not a
+  // generation request).
+  EXPECT_EQ(core_.Refused().size(), 4u);
+  // A head that passes still gets 100 Continue, and its request runs.
+  const int fd = ConnectLoopback(port_, 10);
+  ASSERT_GE(fd, 0);
+  SendAll(fd, "POST /v1/completions HTTP/1.1\r\n" + auth + json +
+                  "Host: x\r\nConnection: close\r\nExpect: 100-continue\r\n"
+                  "Content-Length: 15\r\n\r\n");
+  EXPECT_EQ(ReadUntil(fd, "\r\n\r\n"), "HTTP/1.1 100 Continue\r\n\r\n");
+  SendAll(fd, R"({"prompt": "x"})");
+  EXPECT_THAT(ReadToEnd(fd), StartsWith("HTTP/1.1 200 OK"));
+  close(fd);
+  EXPECT_EQ(generated.load(), 1);
+}
+
 TEST_F(HttpServerTest, StreamingErrorBeforeFirstEventIsAnHttpError) {
   core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
                       const GenerationCore::EventCallback&) {
