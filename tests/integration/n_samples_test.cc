@@ -4,6 +4,7 @@
 // and the OpenAI HTTP API returns one choice per sample (label `integration`).
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -106,6 +107,24 @@ TEST_F(NSamplesTest, EachSampleEqualsTheSoloRequestWithSeedPlusIndex) {
   EXPECT_GE(TestCluster::MetricValue(metrics, "dgserve_gateway_samples_total"), 2 * kN + kN);
   const std::string dmetrics = *TestCluster::ScrapeMetrics(c().denoise(0));
   EXPECT_GE(TestCluster::MetricValue(dmetrics, "dgserve_denoise_samples_total"), 2 * kN + kN);
+}
+
+// Sample seeds are seed + i modulo 2^64: after the largest seed comes 0 (documented; a
+// uint64 wraps the same way in every client language that has one).
+TEST_F(NSamplesTest, SampleSeedsWrapAroundAfterTheLargestSeed) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  Result r = Generate(c(), Chat("Name a colour.", kMax, 16, 2));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(r.response.choices_size(), 2);
+  const uint64_t seeds[] = {kMax, 0};
+  for (int i = 0; i < 2; ++i) {
+    Result solo = Generate(c(), Chat("Name a colour.", seeds[i], 16));
+    ASSERT_TRUE(solo.status.ok()) << solo.status.error_message();
+    EXPECT_EQ(Ids(r.response.choices(i).token_ids()), Ids(solo.response.token_ids()))
+        << "sample " << i << " (seed " << seeds[i] << ")";
+  }
+  // The seeds give different samples here, so the check above tells them apart.
+  EXPECT_NE(Ids(r.response.choices(0).token_ids()), Ids(r.response.choices(1).token_ids()));
 }
 
 // The samples of one request share the prompt's KV blocks by reference: while they wait behind
