@@ -167,6 +167,14 @@ absl::Status Run() {
   } else {
     opts.credentials = grpc::InsecureServerCredentials();
   }
+  // A request message that cannot be parsed never reaches a handler: counted here.
+  opts.on_unparsable_request = [&metrics_for_refusals](const std::string& method,
+                                                       const absl::Status&) {
+    GatewayMetrics* m = metrics_for_refusals.load();
+    if (m != nullptr && absl::StartsWith(method, "/dgserve.v1.GenerationService/Generate")) {
+      m->RequestsWithStatus("INVALID_ARGUMENT").Increment();
+    }
+  };
   ServiceRunner runner(opts);
   GatewayMetrics metrics(runner.registry());
   metrics_for_refusals = &metrics;

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <mutex>
 #include <thread>
 
 #include "absl/flags/parse.h"
@@ -120,6 +121,11 @@ absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services,
                                        : options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
   for (grpc::Service* s : services) builder.RegisterService(s);
+  static std::once_flag quiet_once;
+  std::call_once(quiet_once, QuietProtobufParseErrors);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(MakeUnparsableRequestInterceptorFactory(options_.on_unparsable_request));
+  builder.experimental().SetInterceptorCreators(std::move(creators));
   server_ = builder.BuildAndStart();
   if (server_ && !options_.health_address.empty() && health_port_ == 0) {
     server_->Shutdown();

@@ -16,6 +16,7 @@
 #include "grpcpp/grpcpp.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
+#include "service/unparsable_request.h"
 
 namespace dgserve {
 
@@ -33,6 +34,9 @@ struct ServerOptions {
   // If set: a second, plaintext port serving only grpc.health.v1.Health (for kubelet probes,
   // which cannot present a client certificate); every other method there is UNAUTHENTICATED.
   std::string health_address;
+  // Told of each call whose request message could not be parsed (a string field that is not
+  // UTF-8, a garbled message); the call ends INVALID_ARGUMENT (service/unparsable_request.h).
+  UnparsableRequestCallback on_unparsable_request;
 };
 
 class ServiceRunner {

@@ -5,6 +5,7 @@
 // failed request's log line lists every attempt's cause.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -162,6 +163,42 @@ TEST_F(LimitsTest, GrpcMessageOverMaxBodyBytesIsRefusedUnread) {
   ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
   const grpc::Status s2 = c().GatewayStub()->Generate(&ctx2, req, &resp);
   EXPECT_NE(s2.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s2.error_message();
+}
+
+// A string field holding bytes that are not UTF-8 cannot be parsed as proto3: gRPC answered
+// INTERNAL with an empty message, counted nowhere, and protobuf logged a line per call. Now:
+// INVALID_ARGUMENT naming the method and the cause, counted, on both generation methods.
+TEST_F(LimitsTest, GrpcRequestWithAStringThatIsNotUtf8IsInvalidArgument) {
+  const std::string series = "dgserve_gateway_requests_total{status=\"INVALID_ARGUMENT\"}";
+  const double before = std::max(0.0, GatewayMetric(c(), series));
+  v1::GenerateRequest req;
+  req.set_text("caf\xc3 \xff");  // a truncated é, then a byte UTF-8 never uses
+  req.set_max_tokens(16);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::GenerateResponse resp;
+  const grpc::Status s = c().GatewayStub()->Generate(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("/dgserve.v1.GenerationService/Generate"));
+  EXPECT_THAT(s.error_message(), HasSubstr("not UTF-8"));
+
+  grpc::ClientContext ctx2;
+  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = c().GatewayStub()->GenerateStream(&ctx2, req);
+  v1::GenerateEvent ev;
+  EXPECT_FALSE(reader->Read(&ev));
+  const grpc::Status s2 = reader->Finish();
+  EXPECT_EQ(s2.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s2.error_message();
+  EXPECT_THAT(s2.error_message(), HasSubstr("GenerateStream"));
+
+  EXPECT_EQ(GatewayMetric(c(), series), before + 2);
+  // The client's status says it; the gateway's log does not repeat it per call.
+  EXPECT_THAT(ReadFile(c().gateway().log), Not(HasSubstr("invalid UTF-8")));
+  // The gateway still serves a valid request.
+  req.set_text("caf\xc3\xa9");
+  grpc::ClientContext ctx3;
+  ctx3.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  EXPECT_TRUE(c().GatewayStub()->Generate(&ctx3, req, &resp).ok());
 }
 
 // 150,000 chat messages (about 1 M tokens rendered) over gRPC and 80,000 over HTTP: the
