@@ -141,11 +141,12 @@ TEST(InternalAuthTest, TokenIsCheckedBeforeTheMessageIsReadAndTheHandlerNeverRun
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << header;
   }
   // A 16 MB body that is no message at all: refused on its headers, never parsed (with the
-  // token the same body reaches the parser and fails there, without reaching the handler).
+  // token the same body reaches the parser and fails there, INVALID_ARGUMENT, without reaching
+  // the handler).
   s = RawUnaryCall(plain, kStats, GarbageMessage(16 << 20));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
   s = RawUnaryCall(plain, kStats, GarbageMessage(1024), {{"authorization", "Bearer " + token}});
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL) << s.error_message();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
   EXPECT_EQ(server.service.calls.load(), 0);
 
   // The health service stays open (probes), reflection does not.
