@@ -25,9 +25,10 @@ class UnparsableRequestInterceptor final : public grpc::experimental::Intercepto
       unparsable_ = true;
     }
     if (unparsable_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
-      const grpc::Status sent = methods->GetSendStatus();
-      // gRPC's own answer to a message it could not parse (a handler's INTERNAL has a message).
-      if (sent.error_code() == grpc::StatusCode::INTERNAL && sent.error_message().empty()) {
+      // No handler ran (it needs the message): an INTERNAL here is gRPC's own answer, with an
+      // empty message for a protobuf parse failure, "Couldn't initialize byte buffer reader"
+      // for a missing or cut-off message.
+      if (methods->GetSendStatus().error_code() == grpc::StatusCode::INTERNAL) {
         const absl::Status status = UnparsableRequestStatus(method_);
         methods->ModifySendStatus(
             grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(status.message())));
@@ -78,7 +79,7 @@ absl::Status UnparsableRequestStatus(const std::string& method) {
   return absl::InvalidArgumentError(absl::StrCat(
       "the request message of ", method,
       " could not be parsed: a string field holds bytes that are not UTF-8, or the message is "
-      "truncated or not of the method's request type"));
+      "missing, truncated or not of the method's request type"));
 }
 
 void QuietProtobufParseErrors() { google::protobuf::SetLogHandler(&LogHandler); }

@@ -1,8 +1,9 @@
 // Server interceptor for requests whose message cannot be parsed.
 //
-// gRPC answers a request message that protobuf cannot parse with INTERNAL and an empty message
-// before any handler runs: a proto3 `string` field holding bytes that are not UTF-8, a truncated
-// or garbled message. That is the client's fault, so such a call ends INVALID_ARGUMENT instead,
+// gRPC answers a request message that it cannot parse with INTERNAL before any handler runs: a
+// proto3 `string` field holding bytes that are not UTF-8, a truncated or garbled message (empty
+// status message), no message at all or a gRPC frame cut short ("Couldn't initialize byte
+// buffer reader"). That is the client's fault, so such a call ends INVALID_ARGUMENT instead,
 // with a message naming the method and the likely cause, and `on_unparsable` is told (for the
 // request metrics: no handler sees the call).
 #pragma once

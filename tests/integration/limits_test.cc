@@ -20,6 +20,7 @@
 #include "common/http_client.h"
 #include "common/testing/loopback_socket.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -167,7 +168,8 @@ TEST_F(LimitsTest, GrpcMessageOverMaxBodyBytesIsRefusedUnread) {
 
 // A string field holding bytes that are not UTF-8 cannot be parsed as proto3: gRPC answered
 // INTERNAL with an empty message, counted nowhere, and protobuf logged a line per call. Now:
-// INVALID_ARGUMENT naming the method and the cause, counted, on both generation methods.
+// INVALID_ARGUMENT naming the method and the cause, counted, on both generation methods; so is
+// a call that sends no message at all.
 TEST_F(LimitsTest, GrpcRequestWithAStringThatIsNotUtf8IsInvalidArgument) {
   const std::string series = "dgserve_gateway_requests_total{status=\"INVALID_ARGUMENT\"}";
   const double before = std::max(0.0, GatewayMetric(c(), series));
@@ -191,14 +193,46 @@ TEST_F(LimitsTest, GrpcRequestWithAStringThatIsNotUtf8IsInvalidArgument) {
   EXPECT_EQ(s2.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s2.error_message();
   EXPECT_THAT(s2.error_message(), HasSubstr("GenerateStream"));
 
-  EXPECT_EQ(GatewayMetric(c(), series), before + 2);
+  // No message at all (the call half-closed before sending one): gRPC's own INTERNAL
+  // ("Couldn't initialize byte buffer reader") became INVALID_ARGUMENT as well.
+  {
+    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", c().gateway().grpc_port),
+                                       grpc::InsecureChannelCredentials());
+    grpc::GenericStub stub(channel);
+    grpc::CompletionQueue cq;
+    grpc::ClientContext ctx3;
+    ctx3.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto call = stub.PrepareCall(&ctx3, "/dgserve.v1.GenerationService/Generate", &cq);
+    auto step = [&cq](auto&& op, intptr_t tag) {  // runs one op and waits for its completion
+      op(reinterpret_cast<void*>(tag));
+      void* got = nullptr;
+      bool ok = false;
+      EXPECT_TRUE(cq.Next(&got, &ok));
+      EXPECT_EQ(got, reinterpret_cast<void*>(tag));
+    };
+    step([&](void* t) { call->StartCall(t); }, 1);
+    step([&](void* t) { call->WritesDone(t); }, 2);
+    grpc::ByteBuffer response;
+    step([&](void* t) { call->Read(&response, t); }, 3);
+    grpc::Status s3;
+    step([&](void* t) { call->Finish(&s3, t); }, 4);
+    EXPECT_EQ(s3.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s3.error_message();
+    EXPECT_THAT(s3.error_message(), HasSubstr("missing"));
+    cq.Shutdown();
+    void* ignored_tag = nullptr;
+    bool ignored_ok = false;
+    while (cq.Next(&ignored_tag, &ignored_ok)) {
+    }
+  }
+
+  EXPECT_EQ(GatewayMetric(c(), series), before + 3);
   // The client's status says it; the gateway's log does not repeat it per call.
   EXPECT_THAT(ReadFile(c().gateway().log), Not(HasSubstr("invalid UTF-8")));
   // The gateway still serves a valid request.
   req.set_text("caf\xc3\xa9");
-  grpc::ClientContext ctx3;
-  ctx3.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  EXPECT_TRUE(c().GatewayStub()->Generate(&ctx3, req, &resp).ok());
+  grpc::ClientContext ctx4;
+  ctx4.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  EXPECT_TRUE(c().GatewayStub()->Generate(&ctx4, req, &resp).ok());
 }
 
 // 150,000 chat messages (about 1 M tokens rendered) over gRPC and 80,000 over HTTP: the
