@@ -52,7 +52,8 @@ ABSL_FLAG(uint64_t, seed, 3, "generator seed");
 ABSL_FLAG(int, canvas, 0, "canvas length (default: the checkpoint's canvas_length)");
 ABSL_FLAG(int, steps, 8, "denoising steps to time (after one warm-up step)");
 ABSL_FLAG(int, context, 64, "prompt tokens encoded before the canvas");
-ABSL_FLAG(std::string, device, "cpu", "backend: cpu or cuda (cuda: built with the CUDA backend)");
+ABSL_FLAG(std::string, device, "cpu",
+          "backend: cpu or cuda (cuda: built with the CUDA backend; see --cuda_gemm_input)");
 ABSL_FLAG(int, prefill_chunk, 512,
           "prompt tokens per encoder pass (the workers' kPrefillChunkTokens is 512)");
 ABSL_FLAG(double, logit_scale, 1.0,
@@ -347,6 +348,11 @@ int main(int argc, char** argv) {
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
+    return 2;
+  }
+  // Before a checkpoint is generated or loaded.
+  if (absl::Status st = dgserve::CheckDeviceFlags(absl::GetFlag(FLAGS_device)); !st.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
     return 2;
   }
   try {

@@ -185,10 +185,11 @@ int ServiceMain(int argc, char** argv, const char* usage, const char* flags_file
   UsePassiveOpenMpWaitUnlessSet(argv);
   ServiceRunner::BlockTerminationSignals();
   InitCommandLine(usage, flags_file);
-  // --help lists the binary's own flags and the shared --internal_* ones.
+  // --help lists the binary's own flags, the shared --internal_* ones and the backend's.
   absl::FlagsUsageConfig config;
   config.contains_helpshort_flags = [flags_file](absl::string_view f) {
-    return absl::StrContains(f, flags_file) || absl::StrContains(f, "service/internal_auth.cc");
+    return absl::StrContains(f, flags_file) || absl::StrContains(f, "service/internal_auth.cc") ||
+           absl::StrContains(f, "engine/model/backend_select.cc");
   };
   config.contains_help_flags = config.contains_helpshort_flags;
   absl::SetFlagsUsageConfig(config);

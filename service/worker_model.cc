@@ -31,10 +31,8 @@ absl::StatusOr<std::unique_ptr<kv::BlockPool>> CreateKvPool(const ModelConfig& c
 absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
                                             const std::string& device, int64_t kv_cache_mib,
                                             int kv_block_size) {
-  if (device != "cpu" && device != "cuda") {  // before the (slow) checkpoint load
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device ", device, ": must be 'cpu' or 'cuda'"));
-  }
+  // Before the (slow) checkpoint load.
+  if (absl::Status st = CheckDeviceFlags(device); !st.ok()) return st;
   if (kv_block_size <= 0 || kv_block_size > 1024) {
     return absl::InvalidArgumentError("--kv_block_size: must be in 1..1024");
   }

@@ -74,7 +74,8 @@ ABSL_FLAG(bool, no_self_conditioning, false,
           "ablation: the decoder's self-conditioning input is zero at every denoising step (as at "
           "step 0); default: self-conditioning on");
 ABSL_FLAG(std::string, device, "cpu",
-          "generate: where the model runs: 'cpu', or 'cuda' (binaries built with CUDA, on a GPU)");
+          "generate: where the model runs: 'cpu', or 'cuda' (binaries built with CUDA, on a GPU; "
+          "see --cuda_gemm_input)");
 ABSL_FLAG(bool, show_steps, false, "print the argmax canvas after every denoising step");
 ABSL_FLAG(bool, json, false,
           "generate: print one JSON object (text, token_ids, finish_reason) instead of streaming");
@@ -218,10 +219,7 @@ absl::Status RunGenerate() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
   const std::string device = absl::GetFlag(FLAGS_device);
-  if (device != "cpu" && device != "cuda") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device ", device, ": must be 'cpu' or 'cuda'"));
-  }
+  if (absl::Status st = CheckDeviceFlags(device); !st.ok()) return st;
   DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt());
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(dir + "/tokenizer.json"));

@@ -16,19 +16,25 @@ ABSL_FLAG(std::string, cuda_gemm_input, "float32",
 
 namespace dgserve {
 
-absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::string& device,
-                                                                     const ModelConfig& config,
-                                                                     const ModelWeights& weights) {
+absl::Status CheckDeviceFlags(const std::string& device) {
   const std::string gemm_input = absl::GetFlag(FLAGS_cuda_gemm_input);
   if (gemm_input != "float32" && gemm_input != "bf16") {
-    return absl::InvalidArgumentError(absl::StrCat("--cuda_gemm_input ", gemm_input,
-                                                   ": must be 'float32' or 'bf16'"));
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_gemm_input '", gemm_input,
+                                                   "': must be 'float32' or 'bf16'"));
   }
-  if (device == "cpu") return CreateCpuBackend(config, weights);
-  if (device != "cuda") {
+  if (device != "cpu" && device != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--device ", device, ": must be 'cpu' or 'cuda'"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::string& device,
+                                                                     const ModelConfig& config,
+                                                                     const ModelWeights& weights) {
+  if (absl::Status st = CheckDeviceFlags(device); !st.ok()) return st;
+  const std::string gemm_input = absl::GetFlag(FLAGS_cuda_gemm_input);
+  if (device == "cpu") return CreateCpuBackend(config, weights);
 #ifdef DGSERVE_HAVE_CUDA
   CudaBackendOptions options;
   options.gemm_input =

@@ -19,6 +19,11 @@ namespace dgserve {
 // The CUDA backend's GEMM input (cuda::GemmInput) is the flag --cuda_gemm_input ("float32", the
 // default, or "bf16"; anything else: INVALID_ARGUMENT, whatever the device), defined in
 // backend_select.cc for every binary that links this library.
+// The --device value and the --cuda_gemm_input flag, checked without loading anything (call it
+// before a checkpoint load, so that a typo does not cost the load): INVALID_ARGUMENT naming the
+// flag. CreateBackendForDevice checks the same.
+absl::Status CheckDeviceFlags(const std::string& device);
+
 absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::string& device,
                                                                      const ModelConfig& config,
                                                                      const ModelWeights& weights);
