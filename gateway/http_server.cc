@@ -335,7 +335,7 @@ std::optional<HttpResponse> OpenAiHttpServer::Impl::CheckHead(const HttpRequest&
   const std::string path =
       http_internal::RequestPath(std::string_view(head.target().data(), head.target().size()));
   *route = RouteOf(path);
-  absl::Duration timeout;
+  absl::Duration timeout = options_.default_timeout;  // (not needed before the body comes)
   return HeadRefusal(head, path, *route, LocalRequestId(), &timeout);
 }
 
@@ -349,9 +349,9 @@ std::optional<HttpResponse> OpenAiHttpServer::Impl::HeadRefusal(const HttpReques
   HttpResponse r;
   int code = 400;
   // A refusal of a generation request is counted in the core's request metrics.
-  auto refuse = [&](int code, const absl::Status& status) {
+  auto refuse = [&](int http_status, const absl::Status& status) {
     if (post) core_->CountRefused(status);
-    r = ErrorResponse(code, status);
+    r = ErrorResponse(http_status, status);
   };
   if (route.empty()) {
     r = ErrorResponse(404, absl::NotFoundError(absl::StrCat("unknown path: ", path)));

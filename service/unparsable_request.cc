@@ -24,7 +24,8 @@ class UnparsableRequestInterceptor final : public grpc::experimental::Intercepto
         methods->GetRecvMessage() == nullptr) {
       unparsable_ = true;
     }
-    if (unparsable_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+    if (unparsable_ &&
+        methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       // No handler ran (it needs the message): an INTERNAL here is gRPC's own answer, with an
       // empty message for a protobuf parse failure, "Couldn't initialize byte buffer reader"
       // for a missing or cut-off message.
@@ -61,8 +62,9 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
 
 void LogHandler(google::protobuf::LogLevel level, const char* filename, int line,
                 const std::string& message) {
-  // protobuf's wire-format parser reports a string field that is not UTF-8 this way.
-  if (absl::StrContains(message, "invalid UTF-8 data")) return;
+  // protobuf's wire-format parser reports a received string field that is not UTF-8 this way
+  // (the same report when serializing, a fault of ours, is still printed).
+  if (absl::StrContains(message, "invalid UTF-8 data when parsing")) return;
   static const char* const kNames[] = {"INFO", "WARNING", "ERROR", "FATAL"};
   std::fprintf(stderr, "[libprotobuf %s %s:%d] %s\n",
                kNames[level >= 0 && level <= 3 ? level : 2], filename, line, message.c_str());

@@ -31,8 +31,9 @@ MakeUnparsableRequestInterceptorFactory(UnparsableRequestCallback on_unparsable)
 absl::Status UnparsableRequestStatus(const std::string& method);
 
 // Stops protobuf from logging one line per such request ("String field ... contains invalid
-// UTF-8 data"): an unauthenticated client could fill the log with them. The call's status says
-// it instead. Other protobuf log lines still go to stderr. Once per process.
+// UTF-8 data when parsing"): an unauthenticated client could fill the log with them. The call's
+// status says it instead. Other protobuf log lines (also the same report when serializing, which
+// would be our fault) still go to stderr. Once per process.
 void QuietProtobufParseErrors();
 
 }  // namespace dgserve
