@@ -48,6 +48,8 @@ CANVAS = 91
 
 def model_config(args) -> dict:
     H = args.hidden
+    if not args.layers.endswith("F"):
+        sys.exit(f"--layers: the last layer must be full (F; spec §1.1), got {args.layers!r}")
     layer_types = ["full_attention" if c == "F" else "sliding_attention" for c in args.layers]
     return {
         "architectures": ["DiffusionGemmaForBlockDiffusion"],
@@ -252,6 +254,47 @@ def export(model, cfg_dict, out):
     vocab.write(out)
 
 
+def grow(model, cfg_dict, layers: str):
+    """Appends layers (a string of S/F) to `model`. The new layers' post-attention and
+    post-feedforward norm gains start at 0, so each adds nothing to the residual stream (its layer
+    scalars are 1): the grown model's logits equal the old ones until training moves the gains.
+    The new layers' other weights are initialised as a fresh model's. → (model, config dict)."""
+    if not layers or any(c not in "SF" for c in layers):
+        sys.exit(f"--grow: expected a string of S and F, got {layers!r}")
+    if layers[-1] != "F":
+        # Spec §1.1 (layer_types): HF forces the last layer to be full, and so does our engine,
+        # so a model whose last layer trained as sliding would be served as another function.
+        sys.exit(f"--grow: the last layer must be full (F), got {layers!r}")
+    cfg_dict = json.loads(json.dumps(cfg_dict))
+    t = cfg_dict["text_config"]
+    t["layer_types"] = t["layer_types"] + [
+        "full_attention" if c == "F" else "sliding_attention" for c in layers]
+    t["num_hidden_layers"] = len(t["layer_types"])
+    old = model
+    model = dgmodel.DiffusionGemma(dgmodel.Config(cfg_dict))
+    n_old = old.cfg.num_layers
+    with torch.no_grad():
+        own = dict(model.named_parameters())
+        for name, p in old.named_parameters():
+            if name in ("dec_scalar", "enc_scalar"):
+                own[name][:n_old] = p
+                own[name][n_old:] = 1.0
+            else:
+                own[name].copy_(p)
+        for layer in model.layers[n_old:]:
+            layer.post_attention_layernorm.weight.zero_()
+            layer.post_feedforward_layernorm.weight.zero_()
+        # The claim above, checked on random ids: the same logits, bit for bit.
+        g = torch.Generator().manual_seed(0)
+        V = old.cfg.vocab_size
+        prompt = torch.randint(0, V, (2, CANVAS), generator=g)
+        canvas = torch.randint(0, V, (2, CANVAS), generator=g)
+        if not torch.equal(old.decode(canvas, old.encode(prompt)),
+                           model.decode(canvas, model.encode(prompt))):
+            sys.exit("--grow: the grown model's logits differ from the loaded model's")
+    return model, cfg_dict
+
+
 def load_exported(model_dir):
     """An exported model directory (config.json + model.safetensors) → (model, config dict).
     The inverse of export(): bf16 values load exactly into the float32 parameters."""
@@ -312,9 +355,16 @@ def main():
     ap.add_argument("--init", default="",
                     help="initialise the weights from an exported model dir (config.json + "
                          "model.safetensors); its config replaces --hidden/--layers/...")
+    ap.add_argument("--grow", default="",
+                    help="with --init: append these layers (S/F, e.g. SF) after the loaded ones, "
+                         "their residual branches starting at zero (post-attention and "
+                         "post-feedforward norm gains 0), so the grown model computes exactly "
+                         "the loaded model's function at the first step")
     args = ap.parse_args()
     if not args.sc_temp_max >= 0.4:
         ap.error(f"--sc_temp_max must be >= 0.4 (the lower end of the range), got {args.sc_temp_max}")
+    if args.grow and not args.init:
+        ap.error("--grow needs --init (the model to grow)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
@@ -330,6 +380,9 @@ def main():
     if args.init:
         model, cfg_dict = load_exported(args.init)
         print(f"initialised from {args.init}", flush=True)
+        if args.grow:
+            model, cfg_dict = grow(model, cfg_dict, args.grow)
+            print(f"grown by {args.grow}: {cfg_dict['text_config']['layer_types']}", flush=True)
     else:
         cfg_dict = model_config(args)
         model = dgmodel.DiffusionGemma(dgmodel.Config(cfg_dict))
