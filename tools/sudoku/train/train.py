@@ -46,11 +46,21 @@ import sudoku_vocab as vocab  # noqa: E402
 CANVAS = 91
 
 
+def layer_types(flag: str, letters: str) -> list:
+    """A string of S (sliding) and F (full) → config.json's layer_types; exits naming `flag` on
+    other letters or a last layer that is not full (spec §1.1 layer_types: HF forces the last layer
+    to be full, and so does our engine, so a last layer trained as sliding would be served as
+    another function)."""
+    if not letters or any(c not in "SF" for c in letters):
+        sys.exit(f"{flag}: expected a string of S and F, got {letters!r}")
+    if letters[-1] != "F":
+        sys.exit(f"{flag}: the last layer must be full (F; spec §1.1), got {letters!r}")
+    return ["full_attention" if c == "F" else "sliding_attention" for c in letters]
+
+
 def model_config(args) -> dict:
     H = args.hidden
-    if not args.layers.endswith("F"):
-        sys.exit(f"--layers: the last layer must be full (F; spec §1.1), got {args.layers!r}")
-    layer_types = ["full_attention" if c == "F" else "sliding_attention" for c in args.layers]
+    types = layer_types("--layers", args.layers)
     return {
         "architectures": ["DiffusionGemmaForBlockDiffusion"],
         "model_type": "diffusion_gemma",
@@ -60,10 +70,10 @@ def model_config(args) -> dict:
         "tie_word_embeddings": True,
         "text_config": {
             "model_type": "diffusion_gemma_text", "vocab_size": vocab.VOCAB_SIZE,
-            "hidden_size": H, "num_hidden_layers": len(layer_types),
+            "hidden_size": H, "num_hidden_layers": len(types),
             "num_attention_heads": args.heads, "num_key_value_heads": args.heads // 2,
             "num_global_key_value_heads": 1, "head_dim": args.head_dim,
-            "global_head_dim": 2 * args.head_dim, "layer_types": layer_types,
+            "global_head_dim": 2 * args.head_dim, "layer_types": types,
             "sliding_window": 128,
             "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -259,16 +269,9 @@ def grow(model, cfg_dict, layers: str):
     post-feedforward norm gains start at 0, so each adds nothing to the residual stream (its layer
     scalars are 1): the grown model's logits equal the old ones until training moves the gains.
     The new layers' other weights are initialised as a fresh model's. → (model, config dict)."""
-    if not layers or any(c not in "SF" for c in layers):
-        sys.exit(f"--grow: expected a string of S and F, got {layers!r}")
-    if layers[-1] != "F":
-        # Spec §1.1 (layer_types): HF forces the last layer to be full, and so does our engine,
-        # so a model whose last layer trained as sliding would be served as another function.
-        sys.exit(f"--grow: the last layer must be full (F), got {layers!r}")
     cfg_dict = json.loads(json.dumps(cfg_dict))
     t = cfg_dict["text_config"]
-    t["layer_types"] = t["layer_types"] + [
-        "full_attention" if c == "F" else "sliding_attention" for c in layers]
+    t["layer_types"] = t["layer_types"] + layer_types("--grow", layers)
     t["num_hidden_layers"] = len(t["layer_types"])
     old = model
     model = dgmodel.DiffusionGemma(dgmodel.Config(cfg_dict))
@@ -276,9 +279,8 @@ def grow(model, cfg_dict, layers: str):
     with torch.no_grad():
         own = dict(model.named_parameters())
         for name, p in old.named_parameters():
-            if name in ("dec_scalar", "enc_scalar"):
+            if name in ("dec_scalar", "enc_scalar"):  # the new layers' stay at their 1
                 own[name][:n_old] = p
-                own[name][n_old:] = 1.0
             else:
                 own[name].copy_(p)
         for layer in model.layers[n_old:]:
