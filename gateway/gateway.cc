@@ -307,8 +307,7 @@ absl::StatusOr<v1::CanvasTemplate> Gateway::ResolveTemplate(const v1::CanvasTemp
     }
     if (out.token_ids_size() > config_.canvas_length) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "canvas_template.text: more than ", config_.canvas_length,
-          " canvas positions (tokens and holes) are longer than the canvas (",
+          "canvas_template.text: its tokens and holes are longer than the canvas (",
           config_.canvas_length, " tokens)"));
     }
     if (!allowed.empty()) {

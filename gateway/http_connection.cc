@@ -351,7 +351,8 @@ void HttpConnection::ReadRequest() {
   parser_.emplace();
   parser_->header_limit(static_cast<std::uint32_t>(host_->options().max_header_bytes));
   parser_->body_limit(host_->options().max_body_bytes);
-  Arm(read_timer_, host_->options().read_timeout, &HttpConnection::Close);
+  read_timed_out_ = false;
+  Arm(read_timer_, host_->options().read_timeout, &HttpConnection::OnReadTimeout);
   reading_ = true;
   http::async_read_header(socket_, buffer_, *parser_,
                           [self = shared_from_this()](error_code ec, size_t) {
@@ -414,8 +415,33 @@ void HttpConnection::OnHeader(error_code ec) {
   });
 }
 
+void HttpConnection::OnReadTimeout() {
+  if (state_ != State::kReading) return;
+  if (writing_) {
+    // A "100 Continue" not yet written: the client is not reading either.
+    Close();
+    return;
+  }
+  read_timed_out_ = true;
+  if (reading_) {
+    error_code ignored;
+    socket_.cancel(ignored);  // the read completes with operation_aborted: OnReadError answers
+    return;
+  }
+  OnReadError(asio::error::operation_aborted);
+}
+
 void HttpConnection::OnReadError(error_code ec) {
   read_timer_.cancel();
+  if (read_timed_out_ && ec == asio::error::operation_aborted) {
+    // Some of a request came, not all of it in time: it gets an answer, not a bare close.
+    Refuse(408,
+           absl::DeadlineExceededError(absl::StrCat(
+               "the request was not received in full within ",
+               absl::FormatDuration(host_->options().read_timeout), " of its first byte")),
+           absl::Now());
+    return;
+  }
   if (ec == http::error::end_of_stream || ec == asio::error::eof ||
       ec == asio::error::operation_aborted || ec == asio::error::connection_reset) {
     Close();

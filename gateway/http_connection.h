@@ -50,7 +50,7 @@ struct HttpResponse {
 };
 
 // An OpenAI error body whose code matches `http_status`: a status no status code maps to (405,
-// 413, 415, 431) names itself, any other follows the status code. 429 adds Retry-After.
+// 408, 413, 415, 431) names itself, any other follows the status code. 429 adds Retry-After.
 HttpResponse ErrorResponse(int http_status, const absl::Status& status,
                            const std::string& param = "");
 // The same, with the HTTP status that `status`'s code maps to.
@@ -186,6 +186,9 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   void ReadRequest();
   void OnHeader(boost::system::error_code ec);
   void OnReadError(boost::system::error_code ec);
+  // The read timeout fired while a request was being read: cancels the read, whose completion
+  // then answers 408 (RFC 9110 §15.5.9) and closes.
+  void OnReadTimeout();
   // Answers a request that cannot be read whole with HTTP status `code` and closes.
   void Refuse(int code, const absl::Status& status, absl::Time start);
   void OnRequest();
@@ -210,6 +213,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   State state_ = State::kIdle;
   bool reading_ = false;          // a read is posted on the socket
   bool cancelling_read_ = false;  // ...and is being cancelled to parse the next request
+  bool read_timed_out_ = false;   // the request being read ran past read_timeout
   bool writing_ = false;
   bool answer_queued_ = false;  // the whole answer is in out_: go on once it is written
   bool keep_alive_ = true;

@@ -51,7 +51,7 @@ struct HttpServerOptions {
   int parse_threads = 2;
   absl::Duration default_timeout = absl::Minutes(10);  // request deadline without a header
   // A request must arrive whole (head and body) within this time of its first byte; a slower
-  // client is disconnected.
+  // client gets 408 (code "request_timeout") and the connection closes.
   absl::Duration read_timeout = absl::Seconds(30);
   // A keep-alive connection with no request in progress is closed after this long.
   absl::Duration idle_timeout = absl::Seconds(120);
@@ -84,8 +84,10 @@ struct HttpServerOptions {
 //   - HTTP/1.1 keep-alive and pipelining: requests on a connection are answered in order; the
 //     next one is read once the previous answer is written. `Connection: close` (or HTTP/1.0
 //     without keep-alive) closes after the answer.
-//   - Timeouts: read_timeout for a whole request, idle_timeout between requests, write_timeout
-//     for a stalled write; each closes the connection (cancelling its request, if any).
+//   - Timeouts: read_timeout for a whole request (a request begun and not finished in time is
+//     answered 408, counted like an unreadable request, and the connection closes),
+//     idle_timeout between requests and write_timeout for a stalled write (each closes the
+//     connection, cancelling its request, if any).
 //   - Deadline: now + default_timeout, or the `X-Request-Timeout` header (seconds, a decimal number in
 //     (0, 86400]; anything else is 400), which may only shorten it: the deadline is the earlier.
 //   - Admission: core->CheckAdmission is asked after the head's checks (Content-Type,
@@ -100,7 +102,7 @@ struct HttpServerOptions {
 //     any event is an ordinary error response; otherwise `text/event-stream` (chunked) with
 //     `Cache-Control: no-cache`, one `data:` frame per chunk, `: keep-alive` comments after
 //     sse_keepalive_interval of silence, and `data: [DONE]` at the end. An error after the
-//     first event is sent as `data: {"error": {…}}` with no [DONE]. A closed connection or a
+//     first event is sent as `data: {"error": {…}}`, then [DONE]. A closed connection or a
 //     write failure cancels the request on the core.
 //   - Every response carries `X-Request-Id` (the core's request id when it sent events, else a
 //     gateway-local id).

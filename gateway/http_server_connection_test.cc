@@ -151,7 +151,8 @@ TEST_F(HttpServerTest, AdmissionLimitRefusesAtOnceAndHealthStaysUp) {
 }
 
 // Slow clients (slowloris: a partial request head, never finished) hold no thread: /health
-// answers while they are connected, and the read timeout cuts them off.
+// answers while they are connected, and the read timeout cuts them off with a 408 (they used to
+// be closed without an answer).
 TEST_F(HttpServerTest, SlowClientsAreCutOffAndDoNotBlockHealth) {
   HttpServerOptions options;
   options.read_timeout = absl::Milliseconds(300);
@@ -167,15 +168,51 @@ TEST_F(HttpServerTest, SlowClientsAreCutOffAndDoNotBlockHealth) {
   }
   HttpClient cli = Client();
   for (int i = 0; i < 10; ++i) EXPECT_EQ(cli.Get("/health").status, 200);
-  // Each slow connection is closed by the server: read returns 0 (EOF), not the 10 s timeout.
-  int closed = 0;
+  // Each slow connection gets a 408 and then EOF, not the 10 s receive timeout.
+  int timed_out = 0;
   for (int fd : slow) {
-    char buf[256];
-    ssize_t n = read(fd, buf, sizeof(buf));
-    if (n == 0) ++closed;
+    const std::string answer = ReadToEnd(fd);
+    if (answer.rfind("HTTP/1.1 408 ", 0) == 0 &&
+        answer.find("Connection: close\r\n") != std::string::npos &&
+        answer.find("\"code\":\"request_timeout\"") != std::string::npos) {
+      ++timed_out;
+    }
     close(fd);
   }
-  EXPECT_EQ(closed, kSlow);
+  EXPECT_EQ(timed_out, kSlow);
+}
+
+// A generation request whose head came but whose body stops short: 408 when the read timeout
+// fires, counted as a refused generation request (DEADLINE_EXCEEDED); the core never sees it,
+// and the bytes the client sends afterwards are not read as a request.
+TEST_F(HttpServerTest, ABodyCutShortIsAnswered408) {
+  std::atomic<int> generated{0};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                       const GenerationCore::EventCallback& cb) {
+    ++generated;
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  HttpServerOptions options;
+  options.read_timeout = absl::Milliseconds(300);
+  StartServer(options);
+  const std::string body = R"({"prompt": "x"})";
+  const std::string request = PostRequest("/v1/completions", body);
+  int fd = ConnectLoopback(port_, 10);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, request.substr(0, request.size() - 4)));  // all but 4 body bytes
+  const std::string answer = ReadUntil(fd, "}}");
+  EXPECT_EQ(answer.rfind("HTTP/1.1 408 ", 0), 0u) << answer;
+  EXPECT_THAT(answer, HasSubstr("\"type\":\"timeout_error\""));
+  EXPECT_THAT(answer, HasSubstr("not received in full within 300ms"));
+  // The rest of the body and a whole second request, sent late: neither is served.
+  SendAll(fd, request.substr(request.size() - 4) + request);
+  EXPECT_EQ(ReadToEnd(fd).find("HTTP/1.1"), std::string::npos);
+  close(fd);
+  EXPECT_EQ(core_.Refused(), std::vector<absl::StatusCode>{absl::StatusCode::kDeadlineExceeded});
+  EXPECT_EQ(generated.load(), 0);
+  EXPECT_EQ(Client().Post("/v1/completions", body).status, 200);
+  EXPECT_EQ(generated.load(), 1);
 }
 
 // A client that stops reading a stream: the generating thread is held back (it does not run

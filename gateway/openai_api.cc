@@ -752,7 +752,8 @@ std::string StreamFormatter::OnEnd(const absl::Status& status) {
                                    : status;
   // As an HTTP error response would name it: a request field for INVALID_ARGUMENT only (a
   // deadline's "denoise: …" names no field).
-  return SseEvent(OpenAiErrorBody(error, CoreErrorParam(error, ctx_.chat)));
+  // Then [DONE], as vLLM ends every stream: a client that waits for it is not left waiting.
+  return SseEvent(OpenAiErrorBody(error, CoreErrorParam(error, ctx_.chat))) + SseDone();
 }
 
 }  // namespace dgserve

@@ -190,7 +190,7 @@ class StreamFormatter {
 
   // The frames that close the stream after Generate returned `status`: "data: [DONE]\n\n" when
   // it is OK and every choice's Finished was seen; otherwise one error event `data: {"error": {…}}` (the
-  // OpenAI error body) and no [DONE]. OK without Finished is reported as INTERNAL.
+  // OpenAI error body), then [DONE] (as vLLM). OK without Finished is reported as INTERNAL.
   std::string OnEnd(const absl::Status& status);
 
   const ResponseContext& context() const { return ctx_; }

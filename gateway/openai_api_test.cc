@@ -771,19 +771,23 @@ TEST(StreamFormatterTest, CompletionStreamWithoutUsage) {
   EXPECT_EQ(frames[2], "[DONE]");
 }
 
-TEST(StreamFormatterTest, ErrorAfterEventsHasNoDone) {
+// An error event ends the stream with [DONE] after it, as vLLM does (a client waiting for
+// [DONE] used to wait for the connection to close instead).
+TEST(StreamFormatterTest, ErrorAfterEventsIsFollowedByDone) {
   StreamFormatter f(ResponseContext{"local", "m", 9, false}, true);
   std::string sse = f.OnEvent(Block("a"));
   sse += f.OnEnd(absl::UnavailableError("worker lost"));
   std::vector<std::string> frames = Frames(sse);
-  ASSERT_EQ(frames.size(), 2u);
+  ASSERT_EQ(frames.size(), 3u);
+  EXPECT_EQ(frames[2], "[DONE]");
   json err = json::parse(frames[1]);
   EXPECT_EQ(err["error"]["message"], "worker lost");
   EXPECT_EQ(err["error"]["type"], "service_unavailable");
-  // OK without a Finished event is an internal error, not [DONE].
+  // OK without a Finished event is an internal error (then [DONE]).
   StreamFormatter g(ResponseContext{"local", "m", 9, false}, false);
   std::vector<std::string> g_frames = Frames(g.OnEnd(absl::OkStatus()));
-  ASSERT_EQ(g_frames.size(), 1u);
+  ASSERT_EQ(g_frames.size(), 2u);
+  EXPECT_EQ(g_frames[1], "[DONE]");
   EXPECT_EQ(json::parse(g_frames[0])["error"]["type"], "server_error");
 }
 
@@ -804,7 +808,7 @@ TEST(StreamFormatterTest, ErrorEventParamIsTheHttpResponses) {
       std::string sse = f.OnEvent(WithIndex(Block("a"), 1));
       sse += f.OnEnd(st);
       std::vector<std::string> frames = Frames(sse);
-      ASSERT_EQ(frames.size(), 2u);
+      ASSERT_EQ(frames.size(), 3u);
       const json err = json::parse(frames[1])["error"];
       const std::string param = CoreErrorParam(st, chat);
       if (param.empty()) {

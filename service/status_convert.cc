@@ -87,6 +87,7 @@ std::string OpenAiErrorType(absl::StatusCode code) {
 std::string OpenAiErrorCodeForHttp(int http_status) {
   switch (http_status) {
     case 405: return "method_not_allowed";
+    case 408: return "request_timeout";
     case 413: return "request_too_large";
     case 415: return "unsupported_media_type";
     case 431: return "request_header_fields_too_large";

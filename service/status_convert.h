@@ -66,9 +66,9 @@ std::string OpenAiErrorType(absl::StatusCode code);
 std::string OpenAiErrorBody(const absl::Status& status, const std::string& param = "",
                             const std::string& code = "");
 // The error `code` of an HTTP status that no status code maps to (HttpStatusFor): 405
-// "method_not_allowed", 413 "request_too_large", 415 "unsupported_media_type",
-// 431 "request_header_fields_too_large"; ""
-// for any other status (the body's code then follows the status code).
+// "method_not_allowed", 408 "request_timeout", 413 "request_too_large", 415
+// "unsupported_media_type", 431 "request_header_fields_too_large"; "" for any other status (the
+// body's code then follows the status code).
 std::string OpenAiErrorCodeForHttp(int http_status);
 
 }  // namespace dgserve

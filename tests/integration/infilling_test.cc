@@ -247,7 +247,7 @@ TEST_F(InfillingTest, HugeInputsCostTheirBudgetAndAreQuotedBounded) {
   req.mutable_canvas_template()->set_text(std::string(4000000, '5'));
   r = Generate(req);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(r.status.error_message(), HasSubstr("canvas_template.text: more than "));
+  EXPECT_THAT(r.status.error_message(), HasSubstr("canvas_template.text: its tokens and holes are longer than the canvas"));
 
   req = SudokuRequest(1);
   req.mutable_canvas_template()->set_allowed(0, std::string(200000, '5'));

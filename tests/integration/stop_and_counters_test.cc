@@ -293,9 +293,9 @@ std::vector<std::string> DataLines(const std::string& raw) {
   return out;
 }
 
-// A stream cut by its deadline after output ends well-formed for every n: its last event is an
-// error event naming the deadline (with the error body an HTTP 504 would have: no `param`), and
-// the chunked body is terminated (reviewer finding: an n > 1 stream ended without either).
+// A stream cut by its deadline after output ends well-formed for every n: its last events are an
+// error event naming the deadline (with the error body an HTTP 504 would have: no `param`) and
+// [DONE], and the chunked body is terminated (reviewer finding: an n > 1 stream ended without either).
 TEST_F(StopAndCountersTest, StreamsCutByTheirDeadlineEndWellFormedForEveryN) {
   for (const bool chat : {false, true}) {
   for (int n : {1, 2, 3}) {
@@ -319,14 +319,17 @@ TEST_F(StopAndCountersTest, StreamsCutByTheirDeadlineEndWellFormedForEveryN) {
     }
     ASSERT_EQ(raw.rfind("HTTP/1.1 200", 0), 0u) << raw.substr(0, 300);
     const std::vector<std::string> data = DataLines(raw);
-    ASSERT_GE(data.size(), 2u) << raw.substr(0, 300);
-    nlohmann::json last = nlohmann::json::parse(data.back(), nullptr, false);
-    ASSERT_FALSE(last.is_discarded()) << data.back();
-    ASSERT_TRUE(last.contains("error")) << data.back();
-    EXPECT_EQ(last["error"]["code"], "deadline_exceeded") << data.back();
-    EXPECT_EQ(last["error"]["type"], "timeout_error") << data.back();
+    ASSERT_GE(data.size(), 3u) << raw.substr(0, 300);
+    // The error event, then [DONE] (as vLLM ends a stream).
+    EXPECT_EQ(data.back(), "[DONE]");
+    const std::string& error_event = data[data.size() - 2];
+    nlohmann::json last = nlohmann::json::parse(error_event, nullptr, false);
+    ASSERT_FALSE(last.is_discarded()) << error_event;
+    ASSERT_TRUE(last.contains("error")) << error_event;
+    EXPECT_EQ(last["error"]["code"], "deadline_exceeded") << error_event;
+    EXPECT_EQ(last["error"]["type"], "timeout_error") << error_event;
     // Names no request field (it said "denoise", from the message's "denoise: …").
-    EXPECT_TRUE(last["error"]["param"].is_null()) << data.back();
+    EXPECT_TRUE(last["error"]["param"].is_null()) << error_event;
     EXPECT_EQ(raw.substr(raw.size() - 5), "0\r\n\r\n") << raw.substr(raw.size() - 200);
   }
   }

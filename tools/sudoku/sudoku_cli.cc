@@ -149,19 +149,19 @@ absl::StatusOr<Grid> LoadPuzzle(const SudokuCliOptions& options, bool* several_s
   std::string text = options.puzzle;
   if (!options.puzzle_file.empty()) {
     if (!text.empty()) {
-      return absl::InvalidArgumentError("give the puzzle as an argument or --puzzle_file, not both");
+      return absl::InvalidArgumentError("give the puzzle as an argument or --puzzle-file, not both");
     }
     constexpr size_t kMaxBytes = 64 << 10;  // a grid is 81 cells; allow drawings and comments
     DGSERVE_ASSIGN_OR_RETURN(text, ReadFileToString(options.puzzle_file, kMaxBytes + 1));
     if (text.size() > kMaxBytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--puzzle_file ", options.puzzle_file, " is over 64 KiB: not a puzzle"));
+          absl::StrCat("--puzzle-file ", options.puzzle_file, " is over 64 KiB: not a puzzle"));
     }
   }
   if (text.empty()) {
     return absl::InvalidArgumentError(
         "no puzzle: give 81 cells (1-9, '.' or '0' for blanks) as the argument, or "
-        "--puzzle_file FILE");
+        "--puzzle-file FILE");
   }
   absl::StatusOr<Grid> grid = ParseGrid(text);
   if (!grid.ok()) {
