@@ -1,5 +1,5 @@
 // Quoting what a client sent inside an error message, bounded: a message that quoted a 4 MB
-// model name whole was 4 MB (and the edge's cut, service/status_convert.h, would then drop what
+// model name whole was 4 MB (and the edge's cut, common/status_convert.h, would then drop what
 // the message says after the quote).
 #pragma once
 

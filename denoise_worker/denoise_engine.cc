@@ -11,7 +11,7 @@
 #include "engine/denoise/finalize.h"
 #include "engine/denoise/rng.h"
 #include "engine/denoise/sampler_params.h"
-#include "gateway/stop_matcher.h"
+#include "engine/generation/stop_matcher.h"
 #include "service/canvas_template_proto.h"
 
 namespace dgserve {

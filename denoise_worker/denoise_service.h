@@ -6,7 +6,7 @@
 #include "kvstore/block_pool.h"
 #include "kvstore/gpu_transport.h"
 #include "kvstore/transfer.h"
-#include "service/worker_model.h"
+#include "worker/worker_model.h"
 
 namespace dgserve {
 

@@ -16,9 +16,9 @@
 #include "kvstore/transfer_service.h"
 #include "kvstore/transport_selection.h"
 #include "service/internal_auth.h"
-#include "service/kv_metrics.h"
+#include "worker/kv_metrics.h"
 #include "service/server.h"
-#include "service/worker_model.h"
+#include "worker/worker_model.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout)");
 ABSL_FLAG(std::string, served_model_name, "", "model id (default: the directory's name)");

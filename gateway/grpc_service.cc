@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "service/status_convert.h"
+#include "common/status_convert.h"
 
 namespace dgserve {
 

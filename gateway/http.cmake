@@ -1,8 +1,4 @@
 # The OpenAI-compatible HTTP front end of the gateway (included from gateway/CMakeLists.txt).
-dgserve_cc_library(NAME dgserve_stop_matcher
-  SRCS ${CMAKE_CURRENT_LIST_DIR}/stop_matcher.cc
-  DEPS absl::strings)
-
 dgserve_cc_library(NAME dgserve_openai_api
   SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api.cc ${CMAKE_CURRENT_LIST_DIR}/json_fields.cc
   DEPS dgserve_common dgserve_proto dgserve_status_convert dgserve_tokenizer nlohmann_json::nlohmann_json
@@ -16,7 +12,7 @@ dgserve_cc_library(NAME dgserve_http_server
 if(DGSERVE_BUILD_TESTS)
   # dgserve_cc_test, plus TEST_PREFIX "<name>." so that the ctest names carry the target name
   # (gtest_discover_tests otherwise names tests Suite.Case only, and
-  # `ctest -R 'openai|stop_matcher'` would find none of them).
+  # `ctest -R 'openai|json_fields'` would find none of them).
   function(dgserve_http_cc_test)
     cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;LABELS" ${ARGN})
     add_executable(${A_NAME} ${A_SRCS})
@@ -28,9 +24,6 @@ if(DGSERVE_BUILD_TESTS)
         ENVIRONMENT "DGSERVE_SOURCE_DIR=${PROJECT_SOURCE_DIR};OMP_WAIT_POLICY=passive"
       DISCOVERY_TIMEOUT 60)
   endfunction()
-  dgserve_http_cc_test(NAME stop_matcher_test
-    SRCS ${CMAKE_CURRENT_LIST_DIR}/stop_matcher_test.cc
-    DEPS dgserve_stop_matcher LABELS unit)
   dgserve_http_cc_test(NAME openai_api_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api_test.cc
     DEPS dgserve_openai_api LABELS unit)

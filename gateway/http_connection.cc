@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/tokenizer/utf8.h"
 #include "gateway/openai_api.h"
-#include "service/status_convert.h"
+#include "common/status_convert.h"
 
 namespace dgserve::http_internal {
 namespace {

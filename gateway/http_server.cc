@@ -28,7 +28,7 @@
 #include "common/logging.h"
 #include "gateway/http_connection.h"
 #include "gateway/openai_api.h"
-#include "service/status_convert.h"
+#include "common/status_convert.h"
 
 namespace dgserve {
 namespace {

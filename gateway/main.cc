@@ -24,7 +24,7 @@
 #include "service/address_list.h"
 #include "service/internal_auth.h"
 #include "service/server.h"
-#include "service/worker_model.h"
+#include "worker/worker_model.h"
 
 ABSL_FLAG(std::string, model, "",
           "checkpoint directory: config.json, generation_config.json and tokenizer.json are read "

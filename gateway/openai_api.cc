@@ -15,7 +15,7 @@
 #include "common/status_macros.h"
 #include "gateway/generation_core.h"
 #include "gateway/json_fields.h"
-#include "service/status_convert.h"
+#include "common/status_convert.h"
 
 namespace dgserve {
 namespace {

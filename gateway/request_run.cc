@@ -14,9 +14,9 @@
 #include "engine/denoise/sampler_params.h"
 #include "engine/tokenizer/chat_template.h"
 #include "gateway/request_ids.h"
-#include "gateway/stop_matcher.h"
+#include "engine/generation/stop_matcher.h"
 #include "service/canvas_template_proto.h"
-#include "service/status_convert.h"
+#include "common/status_convert.h"
 
 namespace dgserve {
 

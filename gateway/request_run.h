@@ -18,7 +18,7 @@
 #include "dgserve/v1/worker.grpc.pb.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "gateway/gateway.h"
-#include "gateway/stop_matcher.h"
+#include "engine/generation/stop_matcher.h"
 #include "grpcpp/grpcpp.h"
 
 namespace dgserve {

@@ -7,7 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "service/status_convert.h"
+#include "common/status_convert.h"
 
 namespace dgserve::kv {
 namespace {

@@ -19,7 +19,7 @@
 #include "kvstore/block_pool.h"
 #include "kvstore/transfer.h"
 #include "prefill_worker/prefill_metrics.h"
-#include "service/kv_metrics.h"
+#include "worker/kv_metrics.h"
 
 namespace dgserve {
 

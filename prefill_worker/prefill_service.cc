@@ -1,7 +1,7 @@
 #include "prefill_worker/prefill_service.h"
 
 #include "absl/synchronization/notification.h"
-#include "service/status_convert.h"
+#include "common/status_convert.h"
 
 namespace dgserve {
 

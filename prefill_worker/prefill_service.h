@@ -4,7 +4,7 @@
 #include "dgserve/v1/worker.grpc.pb.h"
 #include "kvstore/block_pool.h"
 #include "prefill_worker/prefill_engine.h"
-#include "service/worker_model.h"
+#include "worker/worker_model.h"
 
 namespace dgserve {
 

@@ -20,10 +20,10 @@
 #include "prefill_worker/prefill_engine.h"
 #include "prefill_worker/prefill_metrics.h"
 #include "prefill_worker/prefill_service.h"
-#include "service/kv_metrics.h"
+#include "worker/kv_metrics.h"
 #include "service/internal_auth.h"
 #include "service/server.h"
-#include "service/worker_model.h"
+#include "worker/worker_model.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout, with tokenizer.json)");
 ABSL_FLAG(std::string, served_model_name, "", "model id (default: the directory's name)");

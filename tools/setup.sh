@@ -16,12 +16,13 @@ BUILD_PACKAGES=(
   nlohmann-json3-dev libssl-dev libboost-dev libcurl4-openssl-dev
 )
 # What the tests, the benchmarks and development add (not in the image): compiler cache, git,
+# clang-format (the format check of changed lines, tools/check_format.sh),
 # curl and certificates, GoogleTest, Google Benchmark, promtool, yamllint (+ python3-yaml), jq
 # (the Sudoku end-to-end and evaluation tests read its JSON reports with it), and
 # for the libFuzzer harnesses (tests/fuzz/run_fuzz.sh) clang 14 with its sanitizer and fuzzer
 # runtimes, its OpenMP runtime, and llvm-symbolizer for readable sanitizer reports.
 TEST_PACKAGES=(
-  ccache git ca-certificates curl
+  ccache git ca-certificates curl clang-format
   libgtest-dev libgmock-dev libbenchmark-dev prometheus yamllint python3-yaml jq
   clang libclang-rt-14-dev libomp-dev llvm
 )

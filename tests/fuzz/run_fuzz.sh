@@ -7,7 +7,8 @@
 #   FUZZ_SECONDS=600 bash tests/fuzz/run_fuzz.sh fuzz_kv_receiver
 #
 # Environment: FUZZ_SECONDS (per harness, default 60), FUZZ_BUILD_DIR (default build-fuzz),
-# FUZZ_JOBS (build parallelism, default nproc), FUZZ_RSS_MB (libFuzzer -rss_limit_mb, 2048).
+# FUZZ_JOBS (build parallelism, default nproc), FUZZ_PARALLEL (harnesses run at once, default
+# nproc), FUZZ_RSS_MB (libFuzzer -rss_limit_mb, 2048).
 # New inputs found during a run go to $FUZZ_BUILD_DIR/corpus/<harness> (the seed corpus in the
 # tree is read only); crash inputs to $FUZZ_BUILD_DIR/findings/<harness>/.
 set -euo pipefail
@@ -37,28 +38,48 @@ export DGSERVE_SOURCE_DIR="$PWD"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 export OMP_NUM_THREADS=1
-failed=()
-for f in "${FUZZERS[@]}"; do
-  seeds="tests/fuzz/corpus/$f"
-  work="$BUILD_DIR/corpus/$f"
-  findings="$BUILD_DIR/findings/$f"
+# One harness per core at a time (FUZZ_PARALLEL, default nproc): each is single-threaded, so two
+# on two cores give every harness its full FUZZ_SECONDS in half the wall time.
+PARALLEL=${FUZZ_PARALLEL:-$(nproc)}
+# run_one HARNESS: runs it, then writes its result line(s) to $BUILD_DIR/findings/HARNESS.result
+# (exit status: 0 no finding).
+run_one() {
+  local f=$1
+  local seeds="tests/fuzz/corpus/$f" work="$BUILD_DIR/corpus/$f" findings="$BUILD_DIR/findings/$f"
+  local log="$BUILD_DIR/findings/$f.log" result="$BUILD_DIR/findings/$f.result"
   mkdir -p "$work" "$findings"
-  dict=()
+  local dict=()
   [ -f "tests/fuzz/dict/$f.dict" ] && dict=(-dict="tests/fuzz/dict/$f.dict")
-  echo "fuzz: $f for ${SECONDS_EACH}s"
-  log="$BUILD_DIR/findings/$f.log"
   if "$BUILD_DIR/tests/fuzz/$f" "$work" "$seeds" "${dict[@]}" -max_total_time="$SECONDS_EACH" \
        -rss_limit_mb="$RSS_MB" -timeout=25 -max_len=16384 -print_final_stats=1 \
        -artifact_prefix="$findings/" >"$log" 2>&1; then
-    grep -E '^stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)' "$log" |
-      tr '\n' ' ' | sed "s/^/fuzz: $f: /"
-    echo
-  else
-    echo "fuzz: $f FAILED (log $log, inputs in $findings/):"
-    tail -n 60 "$log"
-    failed+=("$f")
+    { grep -E '^stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)' "$log" |
+        tr '\n' ' ' | sed "s/^/fuzz: $f: /"; echo; } >"$result"
+    return 0
   fi
+  { echo "fuzz: $f FAILED (log $log, inputs in $findings/):"; tail -n 60 "$log"; } >"$result"
+  return 1
+}
+failed=()
+pids=()
+names=()
+# report_oldest: waits for the oldest running harness and prints its result.
+report_oldest() {
+  local f=${names[0]} pid=${pids[0]}
+  if ! wait "$pid"; then failed+=("$f"); fi
+  cat "$BUILD_DIR/findings/$f.result"
+  pids=("${pids[@]:1}")
+  names=("${names[@]:1}")
+}
+mkdir -p "$BUILD_DIR/findings"
+for f in "${FUZZERS[@]}"; do
+  [ ${#pids[@]} -ge "$PARALLEL" ] && report_oldest
+  echo "fuzz: $f for ${SECONDS_EACH}s"
+  run_one "$f" &
+  pids+=($!)
+  names+=("$f")
 done
+while [ ${#pids[@]} -gt 0 ]; do report_oldest; done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "fuzz: findings in ${failed[*]}"
   exit 1

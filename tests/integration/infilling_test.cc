@@ -20,7 +20,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "service/status_convert.h"
+#include "common/status_convert.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/integration/test_helpers.h"
 

@@ -1,4 +1,4 @@
-#include "gateway/stop_matcher.h"
+#include "engine/generation/stop_matcher.h"
 
 #include <gtest/gtest.h>
 

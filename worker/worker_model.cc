@@ -1,4 +1,4 @@
-#include "service/worker_model.h"
+#include "worker/worker_model.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"

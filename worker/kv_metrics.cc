@@ -1,4 +1,4 @@
-#include "service/kv_metrics.h"
+#include "worker/kv_metrics.h"
 
 #include <string_view>
 

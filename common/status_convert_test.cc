@@ -1,4 +1,4 @@
-#include "service/status_convert.h"
+#include "common/status_convert.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
