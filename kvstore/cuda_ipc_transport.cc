@@ -183,34 +183,18 @@ class IpcSource final : public OutOfBandSource {
   absl::Status Fetch(std::vector<v1::KvBlockPayload>& blocks) override {
     RecvSession& s = *session_;
     if (absl::Status e = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !e.ok()) return e;
-    std::vector<int64_t> offsets;
-    int64_t end = 0;
-    for (const v1::KvBlockPayload& b : blocks) {
-      const int64_t off = AlignUp(end);
-      if (b.data_bytes() <= 0 || off + b.data_bytes() > s.staging_bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "staging round of ", blocks.size(), " blocks does not fit the ", s.staging_bytes,
-            " bytes of staging (block ", b.logical_block(), ": ", b.data_bytes(), " bytes)"));
-      }
-      offsets.push_back(off);
-      end = off + b.data_bytes();
-    }
+    absl::StatusOr<std::vector<int64_t>> offsets = RoundOffsets(blocks, s.staging_bytes);
+    if (!offsets.ok()) return offsets.status();
     // The sender recorded the event after its copies, before the round's last message.
     if (absl::Status e = CudaStatus(cudaEventSynchronize(s.event),
                                     "cudaEventSynchronize on the CUDA IPC event");
         !e.ok()) {
       return e;
     }
-    const char* data = s.buffer.data() + kStagingAlign;
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      std::string* out = blocks[i].mutable_data();
-      out->resize(size_t(blocks[i].data_bytes()));
-      if (absl::Status e = CudaStatus(cudaMemcpy(out->data(), data + offsets[i], out->size(),
-                                                 cudaMemcpyDeviceToHost),
+    if (absl::Status e = CopyRoundOut(blocks, s.buffer.data() + kStagingAlign, *offsets,
                                       "cudaMemcpy out of CUDA IPC staging");
-          !e.ok()) {
-        return e;
-      }
+        !e.ok()) {
+      return e;
     }
     ++s.rounds;
     return CudaStatus(cudaMemcpy(s.buffer.data(), &s.rounds, sizeof(s.rounds),
@@ -256,9 +240,7 @@ class IpcReceiveHalf final : public GpuReceiveEndpoint {
           absl::BytesToHexString(*uuid)));
     }
     auto session = std::make_shared<RecvSession>();
-    session->staging_bytes = request.staging_bytes() > 0
-                                 ? std::min(request.staging_bytes(), options_.staging_bytes)
-                                 : options_.staging_bytes;
+    session->staging_bytes = GrantedStaging(request.staging_bytes(), options_.staging_bytes);
     if (absl::Status s = session->buffer.Allocate(kStagingAlign + session->staging_bytes);
         !s.ok()) {
       return s;
@@ -292,45 +274,26 @@ class IpcReceiveHalf final : public GpuReceiveEndpoint {
     response.set_event_handle(
         std::string(reinterpret_cast<const char*>(&event), sizeof(event)));
     response.set_staging_bytes(session->staging_bytes);
-    absl::MutexLock lock(&mu_);
-    const std::string name = absl::StrCat("cuda_ipc/", request.sender(), "/", ++serial_);
-    if (auto old = by_sender_.find(request.sender()); old != by_sender_.end()) {
-      sessions_.erase(old->second);  // a transfer still on it keeps it alive until it ends
-    }
-    by_sender_[request.sender()] = name;
-    sessions_[name] = std::move(session);
+    // A transfer still on a replaced session keeps it alive until it ends.
+    const std::string name = sessions_.Add(request.sender(), std::move(session)).first;
     response.set_session(name);
     return response;
   }
 
   absl::StatusOr<std::unique_ptr<OutOfBandSource>> OpenSource(
       const v1::KvTransferHeader& header, absl::Time, std::function<bool()>) override {
-    std::shared_ptr<RecvSession> session;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = sessions_.find(header.gpu_session());
-      if (it == sessions_.end()) {
-        return absl::NotFoundError(absl::StrCat("unknown CUDA IPC session '",
-                                                header.gpu_session(),
-                                                "' (replaced, or this worker restarted)"));
-      }
-      session = it->second;
-    }
-    if (session->failed) {
+    absl::StatusOr<std::shared_ptr<RecvSession>> session = sessions_.Find(header.gpu_session());
+    if (!session.ok()) return session.status();
+    if ((*session)->failed) {
       return absl::UnavailableError("the CUDA IPC session failed earlier; open a new one");
     }
-    if (session->busy.exchange(true)) {
-      return absl::UnavailableError("another transfer is using this CUDA IPC session");
-    }
-    return std::make_unique<IpcSource>(std::move(session), options_.cuda_device);
+    if (absl::Status s = sessions_.Claim(**session); !s.ok()) return s;
+    return std::make_unique<IpcSource>(*std::move(session), options_.cuda_device);
   }
 
  private:
   const GpuTransportOptions options_;
-  absl::Mutex mu_;
-  int64_t serial_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, std::string> by_sender_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<RecvSession>> sessions_ ABSL_GUARDED_BY(mu_);
+  ReceiveSessions<RecvSession> sessions_{"cuda_ipc"};
 };
 
 }  // namespace

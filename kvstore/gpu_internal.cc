@@ -178,6 +178,39 @@ absl::Status GpuMover::ReceiverStatus(const absl::Status& fallback) {
   return fallback;
 }
 
+absl::StatusOr<std::vector<int64_t>> RoundOffsets(const std::vector<v1::KvBlockPayload>& blocks,
+                                                  int64_t staging_bytes) {
+  std::vector<int64_t> offsets;
+  offsets.reserve(blocks.size());
+  int64_t end = 0;
+  for (const v1::KvBlockPayload& b : blocks) {
+    const int64_t off = AlignUp(end);
+    if (b.data_bytes() <= 0 || off + b.data_bytes() > staging_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "staging round of ", blocks.size(), " blocks does not fit the ", staging_bytes,
+          " bytes of staging (block ", b.logical_block(), ": ", b.data_bytes(), " bytes)"));
+    }
+    offsets.push_back(off);
+    end = off + b.data_bytes();
+  }
+  return offsets;
+}
+
+absl::Status CopyRoundOut(std::vector<v1::KvBlockPayload>& blocks, const char* staging,
+                          const std::vector<int64_t>& offsets, const std::string& what) {
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    std::string* data = blocks[i].mutable_data();
+    data->resize(size_t(blocks[i].data_bytes()));
+    if (absl::Status e = CudaStatus(cudaMemcpy(data->data(), staging + offsets[i], data->size(),
+                                               cudaMemcpyDeviceToHost),
+                                    what);
+        !e.ok()) {
+      return e;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckGpuTransportOptions(const std::string& what,
                                       const GpuTransportOptions& options) {
   if (options.cuda_device < 0) {

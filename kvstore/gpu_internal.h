@@ -5,14 +5,17 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvstore/gpu_transport.h"
@@ -139,6 +142,79 @@ void SessionSlot<Session>::Release() {
   absl::MutexLock lock(&mu_);
   busy_ = false;
 }
+
+// ---- Receiving side, shared by both halves ----------------------------------------------------
+
+// The offset of each of a round's blocks in staging of `staging_bytes` (packed in order, aligned
+// to kStagingAlign); INVALID_ARGUMENT naming the block when the round does not fit.
+absl::StatusOr<std::vector<int64_t>> RoundOffsets(const std::vector<v1::KvBlockPayload>& blocks,
+                                                  int64_t staging_bytes);
+
+// Copies each block's data_bytes() out of device staging (`staging` + its offset) into its data
+// field; INTERNAL "<what>: ..." on a CUDA error.
+absl::Status CopyRoundOut(std::vector<v1::KvBlockPayload>& blocks, const char* staging,
+                          const std::vector<int64_t>& offsets, const std::string& what);
+
+// The staging bytes a receiver grants: what the sender asked for (if > 0) up to the receiver's own.
+inline int64_t GrantedStaging(int64_t requested, int64_t own) {
+  return requested > 0 ? std::min(requested, own) : own;
+}
+
+// A receive half's sessions by name, at most one per sender (a sender's new session replaces
+// its old one). `Session` needs an `std::atomic<bool> busy`.
+template <typename Session>
+class ReceiveSessions {
+ public:
+  // `label` names the transport in errors and session names ("nccl", "cuda_ipc").
+  explicit ReceiveSessions(std::string label) : label_(std::move(label)) {}
+
+  // Registers `session` for `sender` under a new name "<label>/<sender>/<serial>"; returns the
+  // name and the sender's session it replaced (null if none), which the caller may stop.
+  std::pair<std::string, std::shared_ptr<Session>> Add(const std::string& sender,
+                                                       std::shared_ptr<Session> session) {
+    absl::MutexLock lock(&mu_);
+    std::string name = absl::StrCat(label_, "/", sender, "/", ++serial_);
+    std::shared_ptr<Session> replaced;
+    if (auto old = by_sender_.find(sender); old != by_sender_.end()) {
+      if (auto it = sessions_.find(old->second); it != sessions_.end()) {
+        replaced = std::move(it->second);  // a transfer still on it keeps it alive
+        sessions_.erase(it);
+      }
+    }
+    by_sender_[sender] = name;
+    sessions_[name] = std::move(session);
+    return {std::move(name), std::move(replaced)};
+  }
+
+  // The session named `name`: NOT_FOUND when unknown (replaced, or this worker restarted).
+  absl::StatusOr<std::shared_ptr<Session>> Find(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(name);
+    if (it == sessions_.end()) {
+      return absl::NotFoundError(absl::StrCat("unknown ", Describe(), " session '", name,
+                                              "' (replaced, or this worker restarted)"));
+    }
+    return it->second;
+  }
+
+  // Marks `session` busy for one transfer: UNAVAILABLE when another transfer uses it.
+  absl::Status Claim(Session& session) const {
+    if (session.busy.exchange(true)) {
+      return absl::UnavailableError(
+          absl::StrCat("another transfer is using this ", Describe(), " session"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string Describe() const { return label_ == "nccl" ? "NCCL" : "CUDA IPC"; }
+
+  const std::string label_;
+  absl::Mutex mu_;
+  int64_t serial_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, std::string> by_sender_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+};
 
 // The receiving halves (nccl_transport.cc, cuda_ipc_transport.cc), combined by
 // CreateGpuReceiveEndpoint.

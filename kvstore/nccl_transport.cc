@@ -189,18 +189,8 @@ class NcclSource final : public OutOfBandSource {
     RecvSession& s = *session_;
     if (s.comm == nullptr) return absl::UnavailableError("NCCL session already failed");
     if (absl::Status e = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !e.ok()) return e;
-    std::vector<int64_t> offsets;
-    int64_t end = 0;
-    for (const v1::KvBlockPayload& b : blocks) {
-      const int64_t off = AlignUp(end);
-      if (b.data_bytes() <= 0 || off + b.data_bytes() > s.staging.size()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "staging round of ", blocks.size(), " blocks does not fit the ", s.staging.size(),
-            " bytes of staging (block ", b.logical_block(), ": ", b.data_bytes(), " bytes)"));
-      }
-      offsets.push_back(off);
-      end = off + b.data_bytes();
-    }
+    absl::StatusOr<std::vector<int64_t>> offsets = RoundOffsets(blocks, s.staging.size());
+    if (!offsets.ok()) return offsets.status();
     auto stop = [this] { return session_->replaced.load() || (cancelled_ && cancelled_()); };
     // The communicator's set-up (started by NcclBootstrap) must have finished.
     if (absl::Status e = WaitComm(s.comm, nullptr, std::min(deadline_, s.init_deadline), stop,
@@ -210,7 +200,7 @@ class NcclSource final : public OutOfBandSource {
     }
     absl::Status st = NcclStatus(ncclGroupStart(), "ncclGroupStart");
     for (size_t i = 0; st.ok() && i < blocks.size(); ++i) {
-      st = NcclStatus(ncclRecv(s.staging.data() + offsets[i], size_t(blocks[i].data_bytes()),
+      st = NcclStatus(ncclRecv(s.staging.data() + (*offsets)[i], size_t(blocks[i].data_bytes()),
                                ncclInt8, 0, s.comm, s.stream),
                       "ncclRecv");
     }
@@ -220,17 +210,7 @@ class NcclSource final : public OutOfBandSource {
                     absl::StrCat("receive of ", blocks.size(), " blocks"));
     }
     if (!st.ok()) return st;
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      std::string* data = blocks[i].mutable_data();
-      data->resize(size_t(blocks[i].data_bytes()));
-      if (absl::Status e = CudaStatus(cudaMemcpy(data->data(), s.staging.data() + offsets[i],
-                                                 data->size(), cudaMemcpyDeviceToHost),
-                                      "cudaMemcpy out of NCCL staging");
-          !e.ok()) {
-        return e;
-      }
-    }
-    return absl::OkStatus();
+    return CopyRoundOut(blocks, s.staging.data(), *offsets, "cudaMemcpy out of NCCL staging");
   }
 
   // Aborts the communicator now (the sender's pending sends then fail instead of waiting).
@@ -262,9 +242,7 @@ class NcclReceiveHalf final : public GpuReceiveEndpoint {
       return s;
     }
     auto session = std::make_shared<RecvSession>();
-    const int64_t staging = request.staging_bytes() > 0
-                                ? std::min(request.staging_bytes(), options_.staging_bytes)
-                                : options_.staging_bytes;
+    const int64_t staging = GrantedStaging(request.staging_bytes(), options_.staging_bytes);
     if (absl::Status s = session->staging.Allocate(staging); !s.ok()) return s;
     if (absl::Status s = CudaStatus(
             cudaStreamCreateWithFlags(&session->stream, cudaStreamNonBlocking),
@@ -284,16 +262,8 @@ class NcclReceiveHalf final : public GpuReceiveEndpoint {
     v1::NcclBootstrapResponse response;
     response.set_unique_id(std::string(id.internal, sizeof(id.internal)));
     response.set_staging_bytes(staging);
-    absl::MutexLock lock(&mu_);
-    const std::string name = absl::StrCat("nccl/", request.sender(), "/", ++serial_);
-    if (auto old = by_sender_.find(request.sender()); old != by_sender_.end()) {
-      if (auto it = sessions_.find(old->second); it != sessions_.end()) {
-        it->second->replaced = true;  // a transfer still on it stops waiting
-        sessions_.erase(it);
-      }
-    }
-    by_sender_[request.sender()] = name;
-    sessions_[name] = std::move(session);
+    auto [name, replaced] = sessions_.Add(request.sender(), std::move(session));
+    if (replaced != nullptr) replaced->replaced = true;  // a transfer still on it stops waiting
     response.set_session(name);
     return response;
   }
@@ -305,32 +275,19 @@ class NcclReceiveHalf final : public GpuReceiveEndpoint {
   absl::StatusOr<std::unique_ptr<OutOfBandSource>> OpenSource(
       const v1::KvTransferHeader& header, absl::Time deadline,
       std::function<bool()> cancelled) override {
-    std::shared_ptr<RecvSession> session;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = sessions_.find(header.gpu_session());
-      if (it == sessions_.end()) {
-        return absl::NotFoundError(absl::StrCat("unknown NCCL session '", header.gpu_session(),
-                                                "' (replaced, or this worker restarted)"));
-      }
-      session = it->second;
-    }
-    if (session->comm == nullptr) {
+    absl::StatusOr<std::shared_ptr<RecvSession>> session = sessions_.Find(header.gpu_session());
+    if (!session.ok()) return session.status();
+    if ((*session)->comm == nullptr) {
       return absl::UnavailableError("the NCCL session failed earlier; bootstrap a new one");
     }
-    if (session->busy.exchange(true)) {
-      return absl::UnavailableError("another transfer is using this NCCL session");
-    }
-    return std::make_unique<NcclSource>(std::move(session), options_.cuda_device, deadline,
+    if (absl::Status s = sessions_.Claim(**session); !s.ok()) return s;
+    return std::make_unique<NcclSource>(*std::move(session), options_.cuda_device, deadline,
                                         std::move(cancelled));
   }
 
  private:
   const GpuTransportOptions options_;
-  absl::Mutex mu_;
-  int64_t serial_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, std::string> by_sender_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<RecvSession>> sessions_ ABSL_GUARDED_BY(mu_);
+  ReceiveSessions<RecvSession> sessions_{"nccl"};
 };
 
 }  // namespace

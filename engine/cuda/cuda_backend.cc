@@ -8,9 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
-#include <limits>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -88,7 +86,7 @@ class CudaBackend final : public ModelBackend {
   absl::Status Encode(std::span<const EncodeInput> batch) override;
   absl::Status Decode(std::span<const DecodeInput> batch) override;
   absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) override;
-  void SoftEmbedding(const float* probs, int rows, float* soft) override;
+  absl::Status SoftEmbedding(const float* probs, int rows, float* soft) override;
   DecodeTimings last_decode_timings() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return timings_;
@@ -712,24 +710,16 @@ absl::Status CudaBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
   return absl::OkStatus();
 }
 
-void CudaBackend::SoftEmbedding(const float* probs, int rows, float* soft) {
+absl::Status CudaBackend::SoftEmbedding(const float* probs, int rows, float* soft) {
   const auto lock = Lock();
   const int D = c_.hidden_size, V = c_.vocab_size;
-  if (rows <= 0) return;
-  absl::Status st = [&]() -> absl::Status {
-    DGSERVE_RETURN_IF_ERROR(logits_.Upload(probs, size_t(rows) * V));
-    DGSERVE_RETURN_IF_ERROR(probs_bf16_.Ensure(size_t(rows) * V));
-    DGSERVE_RETURN_IF_ERROR(soft_.Ensure(size_t(rows) * D));
-    DGSERVE_RETURN_IF_ERROR(cuda::FloatToBf16(logits_.get(), int64_t(rows) * V, probs_bf16_.get()));
-    DGSERVE_RETURN_IF_ERROR(SoftGemm(probs_bf16_.get(), rows, soft_.get()));
-    return Download(soft, soft_.get(), size_t(rows) * D * sizeof(float));
-  }();
-  if (!st.ok()) {
-    // The interface has no status here: report and poison the output (NaN) so that the next
-    // step fails loudly instead of silently conditioning on garbage.
-    std::fprintf(stderr, "CudaBackend::SoftEmbedding: %s\n", st.ToString().c_str());
-    std::fill(soft, soft + size_t(rows) * D, std::numeric_limits<float>::quiet_NaN());
-  }
+  if (rows <= 0) return absl::OkStatus();
+  DGSERVE_RETURN_IF_ERROR(logits_.Upload(probs, size_t(rows) * V));
+  DGSERVE_RETURN_IF_ERROR(probs_bf16_.Ensure(size_t(rows) * V));
+  DGSERVE_RETURN_IF_ERROR(soft_.Ensure(size_t(rows) * D));
+  DGSERVE_RETURN_IF_ERROR(cuda::FloatToBf16(logits_.get(), int64_t(rows) * V, probs_bf16_.get()));
+  DGSERVE_RETURN_IF_ERROR(SoftGemm(probs_bf16_.get(), rows, soft_.get()));
+  return Download(soft, soft_.get(), size_t(rows) * D * sizeof(float));
 }
 
 }  // namespace

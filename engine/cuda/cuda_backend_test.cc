@@ -194,8 +194,9 @@ TEST_F(CudaBackendTest, SoftEmbeddingMatchesCpu) {
     for (int v = 0; v < V; ++v) probs[size_t(r) * V + v] /= float(sum);
   }
   std::vector<float> c(size_t(rows) * D), g(size_t(rows) * D);
-  cpu_->SoftEmbedding(probs.data(), rows, c.data());
-  gpu_->SoftEmbedding(probs.data(), rows, g.data());
+  ASSERT_TRUE(cpu_->SoftEmbedding(probs.data(), rows, c.data()).ok());
+  const absl::Status st = gpu_->SoftEmbedding(probs.data(), rows, g.data());
+  ASSERT_TRUE(st.ok()) << st;
   ExpectVectorsClose(c, g, 2e-2f, "soft embedding");
 }
 

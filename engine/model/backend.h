@@ -95,8 +95,9 @@ class ModelBackend {
   virtual absl::Status Decode(std::span<const DecodeInput> batch) = 0;
 
   // Self-conditioning soft embedding: soft[rows, D] = (probs[rows, V] · E) · bf16(√D), with
-  // probs the softmax of the previous step's tempered logits (spec §3.5 step 2).
-  virtual void SoftEmbedding(const float* probs, int rows, float* soft) = 0;
+  // probs the softmax of the previous step's tempered logits (spec §3.5 step 2). INTERNAL on a
+  // device fault (soft is then unspecified); rows ≤ 0 is a no-op.
+  virtual absl::Status SoftEmbedding(const float* probs, int rows, float* soft) = 0;
 
   // Fused decoder pass + vocabulary work for a batch of canvases (see DenoiseStepInput). Same
   // errors as Decode, plus INVALID_ARGUMENT for a non-positive temperature or missing uniforms.

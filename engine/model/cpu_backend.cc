@@ -64,7 +64,7 @@ class CpuBackend final : public ModelBackend {
   absl::Status Encode(std::span<const EncodeInput> batch) override;
   absl::Status Decode(std::span<const DecodeInput> batch) override;
   absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) override;
-  void SoftEmbedding(const float* probs, int rows, float* soft) override;
+  absl::Status SoftEmbedding(const float* probs, int rows, float* soft) override;
   DecodeTimings last_decode_timings() const override { return timings_; }
 
  private:
@@ -491,13 +491,15 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
   return absl::OkStatus();
 }
 
-void CpuBackend::SoftEmbedding(const float* probs, int rows, float* soft) {
+absl::Status CpuBackend::SoftEmbedding(const float* probs, int rows, float* soft) {
   const int D = c_.hidden_size, V = c_.vocab_size;
+  if (rows <= 0) return absl::OkStatus();
   const GemmArgs g = GemmArgs::Of(rows, D, V, probs, V, GemmB::RowMajor(w_.embed_tokens.data(), D),
                                   soft, D);  // soft[rows, D] = probs[rows, V] · E[V, D]
   Gemm(g);
   const float scale = c_.EmbedScale();
   for (int64_t i = 0; i < int64_t(rows) * D; ++i) soft[i] *= scale;
+  return absl::OkStatus();
 }
 
 }  // namespace

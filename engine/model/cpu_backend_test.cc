@@ -150,7 +150,7 @@ TEST_F(CpuBackendTest, FusedDenoiseStepEqualsUnfusedPipeline) {
     ASSERT_THAT(b->Decode({&d, 1}), IsOk());
     std::vector<RowResult> want(C);
     SampleRows(logits.data(), C, V, t, uniforms, /*write_probs=*/true, want);
-    b->SoftEmbedding(logits.data(), C, soft.data());
+    ASSERT_THAT(b->SoftEmbedding(logits.data(), C, soft.data()), IsOk());
 
     std::vector<RowResult> got(C);
     std::vector<float> next_soft(size_t(C) * D);

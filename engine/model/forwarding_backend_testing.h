@@ -13,8 +13,8 @@ class ForwardingBackend : public ModelBackend {
   const ModelConfig& config() const override { return inner_.config(); }
   absl::Status Encode(std::span<const EncodeInput> batch) override { return inner_.Encode(batch); }
   absl::Status Decode(std::span<const DecodeInput> batch) override { return inner_.Decode(batch); }
-  void SoftEmbedding(const float* probs, int rows, float* soft) override {
-    inner_.SoftEmbedding(probs, rows, soft);
+  absl::Status SoftEmbedding(const float* probs, int rows, float* soft) override {
+    return inner_.SoftEmbedding(probs, rows, soft);
   }
   absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) override {
     return inner_.DenoiseStep(batch);

@@ -165,7 +165,7 @@ void RunCase(const std::string& model_name, const json& model_entry, const std::
           std::copy_n(rec_logits.data() + size_t(pli) * C * V, size_t(C) * V, work.data());
           SampleRows(work.data(), C, V, step["sc_temperature"].get<float>(), uniforms,
                      /*write_probs=*/true, rows);
-          model.backend->SoftEmbedding(work.data(), C, soft.data());
+          ASSERT_TRUE(model.backend->SoftEmbedding(work.data(), C, soft.data()).ok());
           double worst_soft = 0;
           for (size_t i = 0; i < soft.size(); ++i) {
             worst_soft = std::max(worst_soft, double(std::fabs(soft[i] - recorded[i])));
