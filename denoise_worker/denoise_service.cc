@@ -1,7 +1,7 @@
 #include "denoise_worker/denoise_service.h"
 
-#include "kvstore/transport_selection.h"
 #include "common/status_convert.h"
+#include "kvstore/transport_selection.h"
 
 namespace dgserve {
 

@@ -16,8 +16,8 @@
 #include "kvstore/transfer_service.h"
 #include "kvstore/transport_selection.h"
 #include "service/internal_auth.h"
-#include "worker/kv_metrics.h"
 #include "service/server.h"
+#include "worker/kv_metrics.h"
 #include "worker/worker_model.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout)");

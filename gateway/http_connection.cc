@@ -7,9 +7,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_convert.h"
 #include "engine/tokenizer/utf8.h"
 #include "gateway/openai_api.h"
-#include "common/status_convert.h"
 
 namespace dgserve::http_internal {
 namespace {

@@ -20,15 +20,15 @@
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
-#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_convert.h"
 #include "gateway/http_connection.h"
 #include "gateway/openai_api.h"
-#include "common/status_convert.h"
 
 namespace dgserve {
 namespace {

@@ -12,10 +12,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/excerpt.h"
+#include "common/status_convert.h"
 #include "common/status_macros.h"
 #include "gateway/generation_core.h"
 #include "gateway/json_fields.h"
-#include "common/status_convert.h"
 
 namespace dgserve {
 namespace {
@@ -46,6 +46,16 @@ bool IsToleratedDefault(const std::string& key, const json& v) {
     return v.get<double>() == 0.0;
   }
   if (key == "logit_bias" && v.is_object()) return v.empty();
+  // OpenAI's own defaults, which ask for nothing: plain text output, no alternatives per token,
+  // not stored.
+  if (key == "response_format" && v.is_object()) {
+    return v.size() == 1 && v.contains("type") && v["type"] == "text";
+  }
+  if (key == "top_logprobs") {
+    const WholeNumber w = ReadWhole(v);
+    return w.kind == WholeNumber::kValue && w.value == 0;
+  }
+  if (key == "store" && v.is_boolean()) return !v.get<bool>();
   return false;
 }
 

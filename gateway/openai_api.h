@@ -40,7 +40,8 @@
 // Tolerated defaults: a key whose value is null is treated as absent (for any key, known or
 // not), and these harmless defaults that some client libraries always send are accepted and
 // ignored: "logprobs": false, "echo": false, "best_of": 1, "presence_penalty": 0,
-// "frequency_penalty": 0, "logit_bias": {}.
+// "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
+// "top_logprobs": 0, "store": false.
 //
 // Every error is INVALID_ARGUMENT with a message that starts with the field's name
 // ("max_tokens: must be an integer", "messages[2].content[0].type: ...") or reads

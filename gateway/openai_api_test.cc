@@ -122,6 +122,12 @@ TEST(ParseCompletionsTest, NullsAndToleratedDefaults) {
   EXPECT_EQ(r.request.text(), "x");
   EXPECT_EQ(r.request.max_tokens(), 0);
   EXPECT_FALSE(r.request.has_seed());
+  // OpenAI's defaults that ask for nothing (clients that always send them): accepted.
+  r = ParseOk(R"({"prompt": "x", "response_format": {"type": "text"}, "top_logprobs": 0,
+    "store": false})");
+  EXPECT_EQ(r.request.text(), "x");
+  EXPECT_EQ(r.request.max_tokens(), 0);
+  EXPECT_FALSE(r.request.has_seed());
 }
 
 TEST(ParseCompletionsTest, StreamFalseWithoutOptions) {
@@ -310,7 +316,9 @@ TEST(ParseCompletionsTest, UnsupportedFields) {
        {R"("logprobs": 5)", R"("logprobs": true)", R"("logprobs": 0)", R"("top_logprobs": 2)",
         R"("echo": true)", R"("best_of": 3)", R"("suffix": "s")", R"("presence_penalty": 0.5)",
         R"("frequency_penalty": -1)", R"("logit_bias": {"50256": -100})",
-        R"("response_format": {"type": "json_object"})", R"("tools": [])",
+        R"("response_format": {"type": "json_object"})",
+        R"("response_format": {"type": "text", "schema": {}})", R"("response_format": "text")",
+        R"("top_logprobs": 1)", R"("top_logprobs": 0.5)", R"("store": true)", R"("tools": [])",
         R"("tool_choice": "auto")", R"("functions": [])", R"("whatever": 1)",
         R"("chat_template_kwargs": {"enable_thinking": true})"}) {
     const std::string body = std::string(R"({"prompt": "x", )") + field + "}";

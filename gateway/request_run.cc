@@ -7,16 +7,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
-#include "common/logging.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/hash.h"
+#include "common/logging.h"
+#include "common/status_convert.h"
 #include "engine/denoise/sampler_params.h"
+#include "engine/generation/stop_matcher.h"
 #include "engine/tokenizer/chat_template.h"
 #include "gateway/request_ids.h"
-#include "engine/generation/stop_matcher.h"
 #include "service/canvas_template_proto.h"
-#include "common/status_convert.h"
 
 namespace dgserve {
 

@@ -16,9 +16,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "dgserve/v1/worker.grpc.pb.h"
+#include "engine/generation/stop_matcher.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "gateway/gateway.h"
-#include "engine/generation/stop_matcher.h"
 #include "grpcpp/grpcpp.h"
 
 namespace dgserve {

@@ -5,13 +5,13 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/openmp_env.h"
 #include "common/status_macros.h"
 #include "engine/generation/generator.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "kvstore/gpu_transport.h"
 #include "kvstore/transfer.h"
 #include "kvstore/transport_selection.h"
@@ -20,8 +20,8 @@
 #include "prefill_worker/prefill_service.h"
 #include "service/address_list.h"
 #include "service/internal_auth.h"
-#include "worker/kv_metrics.h"
 #include "service/server.h"
+#include "worker/kv_metrics.h"
 #include "worker/worker_model.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout)");

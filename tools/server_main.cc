@@ -20,9 +20,9 @@
 #include "prefill_worker/prefill_engine.h"
 #include "prefill_worker/prefill_metrics.h"
 #include "prefill_worker/prefill_service.h"
-#include "worker/kv_metrics.h"
 #include "service/internal_auth.h"
 #include "service/server.h"
+#include "worker/kv_metrics.h"
 #include "worker/worker_model.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout, with tokenizer.json)");

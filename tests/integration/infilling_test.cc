@@ -16,11 +16,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/http_client.h"
+#include "common/status_convert.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "common/status_convert.h"
 #include "tests/integration/test_cluster.h"
 #include "tests/integration/test_helpers.h"
 
