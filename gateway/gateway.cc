@@ -106,11 +106,20 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   // the prompt has more ids than that, so a huge request costs at most about `limit` tokens of
   // work.
   const int C = config_.canvas_length;
-  const size_t budget = size_t(std::max<int64_t>(limit - C, 0));
+  const int64_t context_budget = std::max<int64_t>(limit - C, 0);
+  // --max_prompt_tokens, when it binds before the context limit does.
+  const bool gateway_bound =
+      options_.max_prompt_tokens > 0 && options_.max_prompt_tokens < context_budget;
+  const size_t budget = size_t(gateway_bound ? options_.max_prompt_tokens : context_budget);
   // A chat's prompt is its messages (the HTTP param is "messages" too).
   const char* const input =
       request.input_case() == v1::GenerateRequest::kChat ? "messages" : "prompt";
   auto too_long = [&](std::string_view size) {
+    if (gateway_bound) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          input, ": ", std::string(size), " tokens exceed the context limit of this gateway: ",
+          "a prompt may have at most ", budget, " tokens (--max_prompt_tokens)"));
+    }
     return absl::InvalidArgumentError(absl::StrCat(
         input, ": ", std::string(size), " tokens and one canvas of ", C,
         " tokens exceed the context limit of ", limit, " positions (a prompt may have at most ",

@@ -24,6 +24,10 @@ namespace dgserve {
 // The longest stop sequence a request may give, in bytes.
 inline constexpr size_t kMaxStopSequenceBytes = 1024;
 
+// --max_prompt_tokens' default: 32,768 tokens (a few seconds of prefill on one GPU, minutes on a
+// CPU); a long-context deployment raises it, up to the model's context limit.
+inline constexpr int64_t kDefaultMaxPromptTokens = 32768;
+
 struct GatewayOptions {
   std::string model_id;
   int max_concurrent_requests = 64;  // running at once (gRPC and HTTP together)
@@ -36,6 +40,9 @@ struct GatewayOptions {
   std::vector<std::string> api_keys;  // empty: no authentication
   int max_stop_sequences = 4;
   int max_n = 16;  // samples per request (GenerateRequest.n) at most
+  // Prompt tokens per request at most (after the chat template); 0: only the model's context
+  // limit. Bounds how long one request can hold a prefill worker.
+  int64_t max_prompt_tokens = kDefaultMaxPromptTokens;
   // Fault injection for tests: a pause between an attempt's prefill and its denoise call.
   absl::Duration testing_delay_before_denoise = absl::ZeroDuration();
 };

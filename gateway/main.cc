@@ -46,6 +46,10 @@ ABSL_FLAG(int, max_attempts, 3, "attempts per request on UNAVAILABLE before any 
 ABSL_FLAG(int, max_resumes, 2,
           "per request (n = 1): times a request whose denoise worker failed after output is "
           "continued from its next committed canvas on other workers; then UNAVAILABLE");
+ABSL_FLAG(int64_t, max_prompt_tokens, dgserve::kDefaultMaxPromptTokens,
+          "prompt tokens per request at most (after the chat template); longer prompts get "
+          "INVALID_ARGUMENT (HTTP 400) naming prompt or messages. 0: only the model's context "
+          "limit");
 ABSL_FLAG(int, max_n, 16, "samples per request (n) at most; larger n is INVALID_ARGUMENT");
 ABSL_FLAG(std::string, api_keys, "", "comma-separated API keys (empty: no authentication)");
 ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
@@ -124,6 +128,11 @@ absl::Status Run() {
   if (gopts.max_resumes < 0) return absl::InvalidArgumentError("--max_resumes must be ≥ 0");
   gopts.api_keys = *keys;
   gopts.max_n = absl::GetFlag(FLAGS_max_n);
+  gopts.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
+  if (gopts.max_prompt_tokens < 0) {
+    return absl::InvalidArgumentError(
+        "--max_prompt_tokens must be ≥ 0 (0: no limit but the context)");
+  }
   gopts.testing_delay_before_denoise =
       absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_before_denoise_ms));
   // A denoise worker runs at most kMaxSamplesPerRequest samples of one request.

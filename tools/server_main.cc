@@ -36,6 +36,9 @@ ABSL_FLAG(int, max_batch_canvases, 16, "canvases in one batched decoder pass at 
 ABSL_FLAG(int, max_concurrent_requests, 64,
           "requests running at once (gRPC and HTTP); beyond: queued, then 429 / RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_queued_requests, 0, "requests waiting for a slot; beyond: 429 at once");
+ABSL_FLAG(int64_t, max_prompt_tokens, dgserve::kDefaultMaxPromptTokens,
+          "prompt tokens per request at most (after the chat template); 0: only the model's "
+          "context limit");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
 
 namespace dgserve {
@@ -121,6 +124,7 @@ absl::Status Run() {
   gopts.model_id = model_id;
   gopts.max_concurrent_requests = std::max(1, absl::GetFlag(FLAGS_max_concurrent_requests));
   gopts.max_queued_requests = std::max(0, absl::GetFlag(FLAGS_max_queued_requests));
+  gopts.max_prompt_tokens = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_prompt_tokens));
   Gateway gateway(config, denoise_model->checkpoint->generation, *std::move(tokenizer), gopts,
                   &prefill_pool, &denoise_pool, &gateway_metrics);
   GenerationServiceImpl generation(&gateway, absl::Minutes(10));

@@ -123,14 +123,17 @@ double Tokenized(const TestCluster& c) {
   return GatewayMetric(c, "dgserve_gateway_tokenized_tokens_total");
 }
 
-// One gateway admitting one request at a time, with the default --max_body_bytes (4 MiB).
+// One gateway admitting one request at a time, with the default --max_body_bytes (4 MiB), and
+// prompts bounded by the model's context limit alone (--max_prompt_tokens=0: these tests are
+// about that limit; gateway/prepare_test.cc covers the gateway's own).
 class LimitsTest : public SharedClusterTest<LimitsTest> {
  public:
   static absl::StatusOr<ClusterOptions> Options() {
     absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
     if (!options.ok()) return options.status();
     ClusterOptions o = *options;
-    o.gateway_flags = {"--max_concurrent_requests=1", "--max_body_bytes=4194304"};
+    o.gateway_flags = {"--max_concurrent_requests=1", "--max_body_bytes=4194304",
+                       "--max_prompt_tokens=0"};
     return o;
   }
 };

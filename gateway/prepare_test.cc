@@ -1,0 +1,103 @@
+// Gateway::Prepare's prompt bound (--max_prompt_tokens, issue 36 item 6): a prompt longer than
+// the gateway's limit is INVALID_ARGUMENT naming its field, before any worker is involved.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "common/status_convert.h"
+#include "common/testing/status_matchers.h"
+#include "engine/model/config.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "gateway/gateway.h"
+
+namespace dgserve {
+namespace {
+
+using ::dgserve::testing::IsOk;
+using ::testing::HasSubstr;
+
+std::string SourceDir() {
+  const char* d = std::getenv("DGSERVE_SOURCE_DIR");
+  return d != nullptr ? d : ".";
+}
+
+class PrepareTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<ModelConfig> config =
+        LoadModelConfig(SourceDir() + "/tests/testdata/golden/tiny-v512/config.json");
+    ASSERT_THAT(config, IsOk());
+    config_ = *config;
+    absl::StatusOr<Tokenizer> tokenizer =
+        Tokenizer::Load(SourceDir() + "/engine/tokenizer/testdata/tiny_v512_tokenizer.json");
+    ASSERT_THAT(tokenizer, IsOk());
+    tokenizer_ = *std::move(tokenizer);
+  }
+
+  absl::StatusOr<PreparedRequest> Prepare(int64_t max_prompt_tokens,
+                                          const v1::GenerateRequest& request) {
+    GatewayOptions options;
+    options.model_id = "m";
+    options.max_prompt_tokens = max_prompt_tokens;
+    const Gateway gateway(config_, GenerationConfig{}, tokenizer_, options, nullptr, nullptr,
+                          nullptr);
+    return gateway.Prepare(request);
+  }
+
+  static v1::GenerateRequest Ids(int n) {
+    v1::GenerateRequest r;
+    for (int i = 0; i < n; ++i) r.mutable_token_ids()->add_ids(2 + i % 50);
+    r.set_max_tokens(1);
+    return r;
+  }
+
+  ModelConfig config_;
+  Tokenizer tokenizer_;
+};
+
+TEST_F(PrepareTest, DefaultIsDocumented) {
+  EXPECT_EQ(GatewayOptions{}.max_prompt_tokens, 32768);
+  EXPECT_EQ(kDefaultMaxPromptTokens, 32768);
+}
+
+TEST_F(PrepareTest, TokenIdsBeyondTheLimitAreRefusedNamingPrompt) {
+  absl::StatusOr<PreparedRequest> ok = Prepare(10, Ids(10));
+  ASSERT_THAT(ok, IsOk());
+  EXPECT_EQ(ok->prompt.size(), 10u);
+  absl::StatusOr<PreparedRequest> refused = Prepare(10, Ids(11));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("prompt: 11 tokens exceed"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("at most 10 tokens (--max_prompt_tokens)"));
+  // OpenAI's code for a prompt that is too long.
+  EXPECT_THAT(OpenAiErrorBody(refused.status()), HasSubstr("\"context_length_exceeded\""));
+  // 0: only the context limit binds.
+  EXPECT_THAT(Prepare(0, Ids(11)), IsOk());
+}
+
+TEST_F(PrepareTest, TextAndChatPromptsAreCutAtTheLimitAndRefused) {
+  v1::GenerateRequest text;
+  std::string words;
+  for (int i = 0; i < 200; ++i) words += "hello world ";
+  text.set_text(words);
+  text.set_max_tokens(1);
+  absl::StatusOr<PreparedRequest> refused = Prepare(16, text);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("prompt: more than 16 tokens exceed"));
+  ASSERT_THAT(Prepare(0, text), IsOk());
+  EXPECT_GT(Prepare(0, text)->prompt.size(), 16u);
+
+  v1::GenerateRequest chat;
+  v1::ChatMessage* m = chat.mutable_chat()->add_messages();
+  m->set_role("user");
+  m->set_content(words);
+  chat.set_max_tokens(1);
+  refused = Prepare(16, chat);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("messages: more than 16 tokens exceed"));
+}
+
+}  // namespace
+}  // namespace dgserve
