@@ -194,6 +194,10 @@ TEST(RequestIdTest, AttemptsUseTheirOwnIds) {
       request, absl::Now() + absl::Seconds(30), [] { return false; },
       [](const v1::GenerateEvent&) { return true; });
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  // Every attempt's picks were counted and released (WorkerHold), failed prefills included.
+  EXPECT_EQ(prefill.inflight(a.address()), 0);
+  EXPECT_EQ(prefill.inflight(b.address()), 0);
+  EXPECT_EQ(denoise.inflight(a.address()), 0);
   std::vector<std::string> ids;
   for (FakeWorker* w : {&a, &b}) {
     absl::MutexLock lock(&w->prefill.mu);

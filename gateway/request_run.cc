@@ -124,6 +124,7 @@ absl::StatusOr<Gateway::RequestRun::Workers> Gateway::RequestRun::PickWorkers() 
         absl::StrCat("no healthy denoise worker (", gw_.denoise_->total_count(), " known)"));
   }
   w.denoise = *d;
+  w.denoise_hold = WorkerHold(gw_.denoise_, *d);
   const size_t key_len = std::min<size_t>(req_.prompt.size(), 64);
   const uint64_t key = Fnv1a64(std::string_view(reinterpret_cast<const char*>(req_.prompt.data()),
                                                 key_len * sizeof(int32_t))) |
@@ -134,6 +135,7 @@ absl::StatusOr<Gateway::RequestRun::Workers> Gateway::RequestRun::PickWorkers() 
         absl::StrCat("no healthy prefill worker (", gw_.prefill_->total_count(), " known)"));
   }
   w.prefill = *p;
+  w.prefill_hold = WorkerHold(gw_.prefill_, *p);
   // The workers know an attempt by an id of its own, not derived from the public request id (a
   // client that knows its id, or guesses another's, cannot address the request inside the
   // cluster), and fresh for every attempt.
@@ -147,7 +149,9 @@ absl::Status Gateway::RequestRun::RunAttempt() {
   absl::StatusOr<Workers> w = PickWorkers();
   if (!w.ok()) return w.status();
   CancelWatcher watcher(is_cancelled_);
-  if (absl::Status s = Prefill(*w, watcher); !s.ok()) return s;
+  absl::Status prefilled = Prefill(*w, watcher);
+  w->prefill_hold.Release();
+  if (!prefilled.ok()) return prefilled;
   if (gw_.metrics_) {
     gw_.metrics_->prefill_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - start_));
   }
@@ -175,11 +179,9 @@ absl::Status Gateway::RequestRun::Prefill(const Workers& w, CancelWatcher& watch
   grpc::ClientContext ctx;
   ctx.set_deadline(ToChrono(deadline_));
   watcher.Watch(&ctx);
-  gw_.prefill_->Acquire(w.prefill);
   v1::PrefillResponse response;
   grpc::Status s = v1::PrefillService::NewStub(gw_.prefill_->Channel(w.prefill))
                        ->Prefill(&ctx, preq, &response);
-  gw_.prefill_->Release(w.prefill);
   watcher.Watch(nullptr);
   if (s.ok()) {
     if (!output_sent_) prefill_ = response;  // a resume's prefill is not the prompt's usage
@@ -274,7 +276,6 @@ absl::Status Gateway::RequestRun::Denoise(const Workers& w, CancelWatcher& watch
   } forget{watcher, denoise_ctx_};
   watcher.Watch(&ctx);
   denoise_ctx_ = &ctx;
-  gw_.denoise_->Acquire(w.denoise);
   auto reader = v1::DenoiseService::NewStub(gw_.denoise_->Channel(w.denoise))->Denoise(&ctx, dreq);
 
   const int n = req_.n;
@@ -314,13 +315,11 @@ absl::Status Gateway::RequestRun::Denoise(const Workers& w, CancelWatcher& watch
     }
   }
   if (client_gone_) {
-    gw_.denoise_->Release(w.denoise);
     return absl::CancelledError("the client went away");
   }
   if (open_ > 0 || !bad_event.ok()) {
     if (!bad_event.ok()) ctx.TryCancel();
     grpc::Status s = reader->Finish();
-    gw_.denoise_->Release(w.denoise);
     if (watcher.cancelled()) return absl::CancelledError("request cancelled by the client");
     absl::Status st = bad_event.ok() ? WorkerCallStatus(FromGrpcStatus(s), watcher.cancelled(),
                                                         deadline_, absl::Now())
@@ -341,7 +340,6 @@ absl::Status Gateway::RequestRun::Denoise(const Workers& w, CancelWatcher& watch
                                        [](const auto& s) { return s->worker_done; });
   if (!worker_done) ctx.TryCancel();  // a worker that sent every Finished ends its stream itself
   reader->Finish();
-  gw_.denoise_->Release(w.denoise);
   return absl::OkStatus();
 }
 

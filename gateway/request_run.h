@@ -141,8 +141,12 @@ class Gateway::RequestRun {
 
  private:
   // The workers of one attempt, and the id they know it by.
+  // An attempt's workers, each counted against its pool from the pick (WorkerPool::Pick) until
+  // its hold is released: the prefill worker's after the prefill, the denoise worker's when the
+  // attempt ends.
   struct Workers {
     std::string prefill, denoise, attempt_id;
+    WorkerHold prefill_hold, denoise_hold;
   };
 
   absl::Status RunAttempt();

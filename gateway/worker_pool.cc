@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/random/distributions.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -98,17 +99,27 @@ void WorkerPool::Poll() {
     } else {
       s = v1::DenoiseService::NewStub(channel)->Stats(&ctx, req, &resp);
     }
-    const bool ok = s.ok() && resp.role() == role_ && !resp.draining() &&
-                    (model_id_.empty() || resp.model_id() == model_id_);
+    // A worker that answered is judged by its answer; one that refused the connection (or is
+    // otherwise unreachable) is out at once; one whose answer was late is out only after
+    // kMaxMissedPolls late answers in a row (a busy worker answers slowly).
+    const bool answered_well = s.ok() && resp.role() == role_ && !resp.draining() &&
+                               (model_id_.empty() || resp.model_id() == model_id_);
+    const bool late = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
     absl::MutexLock lock(&mu_);
     for (auto& e : endpoints_) {
       if (e.address != address) continue;
+      e.missed_polls = late ? e.missed_polls + 1 : 0;
+      const bool ok = answered_well || (late && e.healthy && e.missed_polls < kMaxMissedPolls);
       if (e.healthy != ok) {
         DGSERVE_LOG_INFO("%s worker %s is %s%s", role_, address, ok ? "healthy" : "unhealthy",
                          s.ok() ? (resp.model_id() != model_id_
                                        ? absl::StrCat(" (serves '", resp.model_id(), "')")
                                        : std::string())
-                                : absl::StrCat(" (", s.error_message(), ")"));
+                                : absl::StrCat(" (", s.error_message(),
+                                               late ? absl::StrCat(", ", e.missed_polls,
+                                                                   " polls in a row")
+                                                    : std::string(),
+                                               ")"));
       }
       e.healthy = ok;
       if (s.ok()) e.stats = resp;
@@ -119,26 +130,32 @@ void WorkerPool::Poll() {
 std::optional<std::string> WorkerPool::Pick(uint64_t affinity_key,
                                             const std::set<std::string>& exclude) {
   absl::MutexLock lock(&mu_);
-  const WorkerEndpoint* best = nullptr;
+  auto free_full = [](const WorkerEndpoint& e) {
+    return e.stats.kv().full_blocks_total() - e.stats.kv().full_blocks_used();
+  };
+  WorkerEndpoint* best = nullptr;
   double best_load = 0;
-  for (const auto& e : endpoints_) {
+  int ties = 0;  // endpoints equal to `best` so far: each replaces it with probability 1/ties
+  for (auto& e : endpoints_) {
     if (!e.healthy || exclude.count(e.address)) continue;
     const double load = Load(e);
-    const int64_t free_full = e.stats.kv().full_blocks_total() - e.stats.kv().full_blocks_used();
-    const int64_t best_free =
-        best ? best->stats.kv().full_blocks_total() - best->stats.kv().full_blocks_used() : 0;
-    if (!best || load < best_load || (load == best_load && free_full > best_free)) {
+    if (!best || load < best_load || (load == best_load && free_full(e) > free_full(*best))) {
       best = &e;
       best_load = load;
+      ties = 1;
+    } else if (load == best_load && free_full(e) == free_full(*best)) {
+      ++ties;
+      if (absl::Uniform(tie_breaker_, 0, ties) == 0) best = &e;
     }
   }
   if (!best) return std::nullopt;
+  WorkerEndpoint* pick = best;
   if (affinity_key != 0) {
     // Rendezvous hashing: the same prompt prefix goes to the same worker (its prefix cache),
     // unless that worker is far busier than the least loaded one.
-    const WorkerEndpoint* chosen = nullptr;
+    WorkerEndpoint* chosen = nullptr;
     uint64_t top = 0;
-    for (const auto& e : endpoints_) {
+    for (auto& e : endpoints_) {
       if (!e.healthy || exclude.count(e.address)) continue;
       const uint64_t h = SplitMix64(affinity_key ^ Fnv1a64(e.address));
       if (!chosen || h > top) {
@@ -146,9 +163,10 @@ std::optional<std::string> WorkerPool::Pick(uint64_t affinity_key,
         top = h;
       }
     }
-    if (chosen && Load(*chosen) <= best_load + 4.0) return chosen->address;
+    if (chosen && Load(*chosen) <= best_load + 4.0) pick = chosen;
   }
-  return best->address;
+  ++pick->inflight;  // counted from the pick, not from the call (a burst sees it)
+  return pick->address;
 }
 
 std::shared_ptr<grpc::Channel> WorkerPool::Channel(const std::string& address) {
@@ -157,13 +175,6 @@ std::shared_ptr<grpc::Channel> WorkerPool::Channel(const std::string& address) {
     if (e.address == address) return e.channel;
   }
   return make_channel_(address, grpc::ChannelArguments());
-}
-
-void WorkerPool::Acquire(const std::string& address) {
-  absl::MutexLock lock(&mu_);
-  for (auto& e : endpoints_) {
-    if (e.address == address) ++e.inflight;
-  }
 }
 
 void WorkerPool::Release(const std::string& address) {
@@ -186,6 +197,18 @@ int WorkerPool::healthy_count() const {
   absl::MutexLock lock(&mu_);
   return int(std::count_if(endpoints_.begin(), endpoints_.end(),
                            [](const WorkerEndpoint& e) { return e.healthy; }));
+}
+
+int WorkerPool::inflight(const std::string& address) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& e : endpoints_) {
+    if (e.address == address) return e.inflight;
+  }
+  return 0;
+}
+
+void WorkerHold::Release() {
+  if (pool_ != nullptr) std::exchange(pool_, nullptr)->Release(address_);
 }
 
 int WorkerPool::total_count() const {

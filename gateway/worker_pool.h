@@ -12,8 +12,10 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "absl/random/random.h"
 #include "absl/synchronization/mutex.h"
 #include "dgserve/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -26,7 +28,38 @@ struct WorkerEndpoint {
   std::shared_ptr<grpc::Channel> channel;
   bool healthy = false;
   v1::StatsResponse stats;
-  int inflight = 0;  // requests this gateway has sent and not finished
+  int inflight = 0;       // requests this gateway has given this worker and not finished
+  int missed_polls = 0;   // consecutive Stats polls that timed out
+};
+
+// Stats polls in a row that may time out before a worker counts as unhealthy: a busy worker's
+// slow answer is not a dead worker. A refused connection or a wrong answer counts at once.
+inline constexpr int kMaxMissedPolls = 3;
+
+class WorkerPool;
+
+// One in-flight request counted against a worker by WorkerPool::Pick, released once: by
+// Release() or at destruction. Movable.
+class WorkerHold {
+ public:
+  WorkerHold() = default;
+  WorkerHold(WorkerPool* pool, std::string address) : pool_(pool), address_(std::move(address)) {}
+  WorkerHold(WorkerHold&& o) noexcept : pool_(std::exchange(o.pool_, nullptr)),
+                                        address_(std::move(o.address_)) {}
+  WorkerHold& operator=(WorkerHold&& o) noexcept {
+    if (this != &o) {
+      Release();
+      pool_ = std::exchange(o.pool_, nullptr);
+      address_ = std::move(o.address_);
+    }
+    return *this;
+  }
+  ~WorkerHold() { Release(); }
+  void Release();
+
+ private:
+  WorkerPool* pool_ = nullptr;
+  std::string address_;
 };
 
 // Makes the channel to one worker (with the internal credentials: InternalAuth::MakeChannel).
@@ -46,14 +79,16 @@ class WorkerPool {
   // Start returns.
   void Start(absl::Duration poll_interval = absl::Milliseconds(250));
 
-  // Chooses an endpoint among the healthy, not excluded ones; nullopt when there is none.
-  // Prefill: rendezvous hash of `affinity_key` (the first block of prompt tokens) unless that
-  // endpoint's queue is much longer than the shortest; denoise (`affinity_key` 0): fewest
-  // (active canvases + queued + in-flight) per batch slot, then most free full KV blocks.
+  // Chooses an endpoint among the healthy, not excluded ones and counts one in-flight request
+  // against it at once (the caller calls Release(address) once when the request is done with
+  // it), so that a burst of picks between two polls spreads over the workers; nullopt when there
+  // is none. Prefill: rendezvous hash of `affinity_key` (the first block of prompt tokens)
+  // unless that endpoint's queue is much longer than the shortest; denoise (`affinity_key` 0):
+  // fewest (active canvases + queued + in-flight) per batch slot, then most free full KV
+  // blocks, then a random one of the equals.
   std::optional<std::string> Pick(uint64_t affinity_key, const std::set<std::string>& exclude);
   std::shared_ptr<grpc::Channel> Channel(const std::string& address);
-  // Book-keeping of this gateway's in-flight requests per endpoint (for load between polls).
-  void Acquire(const std::string& address);
+  // Ends one in-flight request counted by Pick.
   void Release(const std::string& address);
   // Marks an endpoint unhealthy at once (a call to it failed with UNAVAILABLE: `cause`). The
   // change is logged once, naming the worker and the cause, as the polls log theirs: a worker
@@ -62,6 +97,13 @@ class WorkerPool {
 
   int healthy_count() const;
   int total_count() const;
+  // One round of Stats polls now (Start's thread runs them every poll interval; tests call it).
+  void PollNow() {
+    Resolve();
+    Poll();
+  }
+  // This gateway's in-flight requests on `address` (tests, metrics).
+  int inflight(const std::string& address) const;
   const std::string& role() const { return role_; }
 
  private:
@@ -74,6 +116,7 @@ class WorkerPool {
   const ChannelFactory make_channel_;
   mutable absl::Mutex mu_;
   std::vector<WorkerEndpoint> endpoints_ ABSL_GUARDED_BY(mu_);
+  absl::BitGen tie_breaker_ ABSL_GUARDED_BY(mu_);
   absl::Time last_resolve_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::atomic<bool> stop_{false};
   absl::Duration interval_;

@@ -1,0 +1,166 @@
+// WorkerPool against fake workers on loopback (issue 36 items 1 and 4): a burst of requests
+// spreads over equal workers because each pick counts at once; a slow Stats answer is not a dead
+// worker, a refused connection is.
+#include "gateway/worker_pool.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "dgserve/v1/worker.grpc.pb.h"
+
+namespace dgserve {
+namespace {
+
+class FakePrefill final : public v1::PrefillService::Service {
+ public:
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*,
+                     v1::StatsResponse* out) override {
+    out->set_role("prefill");
+    out->set_model_id("m");
+    return grpc::Status::OK;
+  }
+};
+
+// Idle, 8 batch slots; answers Stats after `delay` (a busy worker).
+class FakeDenoise final : public v1::DenoiseService::Service {
+ public:
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*,
+                     v1::StatsResponse* out) override {
+    if (slow) absl::SleepFor(absl::Milliseconds(1500));
+    out->set_role("denoise");
+    out->set_model_id("m");
+    out->set_max_batch_canvases(8);
+    return grpc::Status::OK;
+  }
+  std::atomic<bool> slow{false};
+};
+
+struct FakeWorker {
+  FakeWorker() {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&prefill);
+    b.RegisterService(&denoise);
+    server = b.BuildAndStart();
+  }
+  ~FakeWorker() { Stop(); }
+  void Stop() {
+    if (server) server->Shutdown(absl::ToChronoTime(absl::Now()));
+    server.reset();
+  }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port); }
+  FakePrefill prefill;
+  FakeDenoise denoise;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
+// Picks `n` times without releasing (a burst arriving between two Stats polls) and returns
+// the picks per address.
+std::map<std::string, int> Burst(WorkerPool& pool, int n, uint64_t key, bool vary_key = false) {
+  std::map<std::string, int> count;
+  for (int i = 0; i < n; ++i) {
+    const std::optional<std::string> a = pool.Pick(vary_key ? key + 2 * i : key, {});
+    EXPECT_TRUE(a.has_value());
+    if (a) ++count[*a];
+  }
+  return count;
+}
+
+// All 64 streams of a burst went to the first denoise worker: the pick was counted only after
+// prefill, and ties went to the first worker.
+TEST(WorkerPoolTest, ABurstSpreadsOverEqualDenoiseWorkers) {
+  FakeWorker a, b;
+  WorkerPool pool("denoise", {a.address(), b.address()}, "m");
+  pool.PollNow();
+  ASSERT_EQ(pool.healthy_count(), 2);
+  std::map<std::string, int> count = Burst(pool, 32, 0);
+  EXPECT_GE(count[a.address()], 13) << "of 32 (40 %)";
+  EXPECT_GE(count[b.address()], 13) << "of 32 (40 %)";
+  EXPECT_EQ(pool.inflight(a.address()), count[a.address()]);
+  for (int i = 0; i < count[a.address()]; ++i) pool.Release(a.address());
+  for (int i = 0; i < count[b.address()]; ++i) pool.Release(b.address());
+  EXPECT_EQ(pool.inflight(a.address()), 0);
+  EXPECT_EQ(pool.inflight(b.address()), 0);
+}
+
+// Prefill keeps its prefix-cache affinity, but a burst of one prompt spills over once the
+// preferred worker is 4 requests ahead; a burst of different prompts spreads by the hash.
+TEST(WorkerPoolTest, ABurstSpreadsOverPrefillWorkers) {
+  FakeWorker a, b;
+  WorkerPool pool("prefill", {a.address(), b.address()}, "m");
+  pool.PollNow();
+  ASSERT_EQ(pool.healthy_count(), 2);
+  std::map<std::string, int> same = Burst(pool, 32, 12345);
+  EXPECT_GE(same[a.address()], 13);
+  EXPECT_GE(same[b.address()], 13);
+  EXPECT_LE(std::abs(same[a.address()] - same[b.address()]), 5);
+}
+
+TEST(WorkerPoolTest, WorkerHoldReleasesOnce) {
+  FakeWorker a;
+  WorkerPool pool("denoise", {a.address()}, "m");
+  pool.PollNow();
+  std::optional<std::string> addr = pool.Pick(0, {});
+  ASSERT_TRUE(addr.has_value());
+  {
+    WorkerHold hold(&pool, *addr);
+    EXPECT_EQ(pool.inflight(*addr), 1);
+    WorkerHold moved = std::move(hold);
+    hold.Release();  // moved from: no effect
+    EXPECT_EQ(pool.inflight(*addr), 1);
+    moved.Release();
+    EXPECT_EQ(pool.inflight(*addr), 0);
+    ASSERT_TRUE(pool.Pick(0, {}).has_value());
+    WorkerHold last(&pool, *addr);
+  }
+  EXPECT_EQ(pool.inflight(*addr), 0);
+}
+
+// A busy worker answering Stats late stays healthy for kMaxMissedPolls − 1 late answers in a
+// row (one late answer made it unhealthy: 503 "no healthy denoise worker" while it served).
+TEST(WorkerPoolTest, LateStatsAnswersAreNotADeadWorker) {
+  FakeWorker a;
+  WorkerPool pool("denoise", {a.address()}, "m");
+  pool.PollNow();
+  ASSERT_EQ(pool.healthy_count(), 1);
+  a.denoise.slow = true;
+  for (int miss = 1; miss < kMaxMissedPolls; ++miss) {
+    pool.PollNow();
+    EXPECT_EQ(pool.healthy_count(), 1) << "after " << miss << " late answers";
+  }
+  pool.PollNow();
+  EXPECT_EQ(pool.healthy_count(), 0) << "after " << kMaxMissedPolls << " late answers";
+  a.denoise.slow = false;
+  pool.PollNow();
+  EXPECT_EQ(pool.healthy_count(), 1);
+}
+
+// A worker that is gone (connection refused) is out at the next poll.
+TEST(WorkerPoolTest, ADeadWorkerIsOutAtTheNextPoll) {
+  FakeWorker a, b;
+  WorkerPool pool("denoise", {a.address(), b.address()}, "m");
+  pool.PollNow();
+  ASSERT_EQ(pool.healthy_count(), 2);
+  const std::string dead = a.address();
+  a.Stop();
+  pool.PollNow();
+  EXPECT_EQ(pool.healthy_count(), 1);
+  for (int i = 0; i < 4; ++i) {
+    const std::optional<std::string> p = pool.Pick(0, {});
+    ASSERT_TRUE(p.has_value());
+    EXPECT_NE(*p, dead);
+  }
+}
+
+}  // namespace
+}  // namespace dgserve
