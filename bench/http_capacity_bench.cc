@@ -44,7 +44,7 @@ class StreamingCore : public GenerationCore {
  public:
   explicit StreamingCore(int interval_ms) : interval_ms_(interval_ms) {}
   absl::Status Generate(const v1::GenerateRequest&, absl::Time, const std::function<bool()>& c,
-                        const EventCallback& cb) override {
+                        const EventCallback& cb, const AcceptedCallback&) override {
     v1::GenerateEvent ev;
     ev.set_request_id("bench");
     ev.mutable_block()->set_text("tick");

@@ -343,7 +343,8 @@ absl::StatusOr<v1::CanvasTemplate> Gateway::ResolveTemplate(const v1::CanvasTemp
 
 absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time deadline,
                                const std::function<bool()>& is_cancelled,
-                               const EventCallback& on_event) {
+                               const EventCallback& on_event,
+                               const AcceptedCallback& on_accepted) {
   const absl::Time start = absl::Now();
   auto count = [&](const absl::Status& s) {
     if (metrics_) {
@@ -371,6 +372,7 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
     admission_.Release();
     return count(prepared.status());
   }
+  if (on_accepted) on_accepted(prepared->request_id);
   RequestRun run(*this, *prepared, deadline, is_cancelled, on_event, start);
   const absl::Status status = run.Run();
   admission_.Release();

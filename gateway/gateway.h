@@ -72,8 +72,8 @@ class Gateway final : public GenerationCore {
   // Admission: at most max_concurrent_requests run, max_queued_requests more wait (FIFO, until
   // their deadline or cancellation); beyond, RESOURCE_EXHAUSTED at once.
   absl::Status Generate(const v1::GenerateRequest& request, absl::Time deadline,
-                        const std::function<bool()>& is_cancelled,
-                        const EventCallback& on_event) override;
+                        const std::function<bool()>& is_cancelled, const EventCallback& on_event,
+                        const AcceptedCallback& on_accepted = {}) override;
   absl::Status CheckAdmission() override;
   void CountRefused(const absl::Status& status) override;
   v1::ListModelsResponse ListModels() const override;

@@ -36,6 +36,12 @@ class GenerationCore {
   // Return false from the callback when the client is gone: the request is cancelled on the
   // workers.
   using EventCallback = std::function<bool(const v1::GenerateEvent&)>;
+  // Called at most once, with the request's id, when the request has passed validation and
+  // starts on the workers, before its first event (which may come minutes later, behind other
+  // requests' canvases): a front end sends its response head then (HTTP status, headers and
+  // SSE keep-alives; gRPC initial metadata), so that a waiting stream is visibly alive. Not
+  // called for a request refused before that (its front end answers with the error's status).
+  using AcceptedCallback = std::function<void(const std::string& request_id)>;
 
   // Runs the request to the end. Returns OK after Finished was delivered, or the error
   // (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED when admission is full, UNAVAILABLE,
@@ -43,7 +49,8 @@ class GenerationCore {
   // `is_cancelled` turned true). A front end that already sent events reports the error in-stream.
   virtual absl::Status Generate(const v1::GenerateRequest& request, absl::Time deadline,
                                 const std::function<bool()>& is_cancelled,
-                                const EventCallback& on_event) = 0;
+                                const EventCallback& on_event,
+                                const AcceptedCallback& on_accepted = {}) = 0;
 
   // OK when a new request could start (or queue) now; RESOURCE_EXHAUSTED (counted as a refused
   // request) when every slot and queue place is taken, so that a front end can answer 429

@@ -81,9 +81,15 @@ grpc::Status GenerationServiceImpl::GenerateStream(grpc::ServerContext* context,
                                                    const v1::GenerateRequest* request,
                                                    grpc::ServerWriter<v1::GenerateEvent>* writer) {
   if (absl::Status s = AuthenticateGeneration(context); !s.ok()) return ToGrpcStatus(s);
+  // Initial metadata (with the request id) as soon as the request is accepted: a client
+  // waiting behind other requests' canvases sees the call is alive before its first event.
   absl::Status s = core_->Generate(
       *request, Deadline(context), [context] { return context->IsCancelled(); },
-      [writer](const v1::GenerateEvent& ev) { return writer->Write(ev); });
+      [writer](const v1::GenerateEvent& ev) { return writer->Write(ev); },
+      [context, writer](const std::string& request_id) {
+        context->AddInitialMetadata("x-request-id", request_id);
+        writer->SendInitialMetadata();
+      });
   return ToGrpcStatus(s);
 }
 

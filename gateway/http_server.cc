@@ -523,9 +523,10 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<HttpExchange> ex,
   const std::string route = ex->route;
   const absl::Time start = ex->start;
   const std::string local_id = ctx.request_id;
-  auto run = [&](const GenerationCore::EventCallback& on_event) {
+  auto run = [&](const GenerationCore::EventCallback& on_event,
+                 const GenerationCore::AcceptedCallback& on_accepted) {
     try {
-      return core_->Generate(request, deadline, gone, on_event);
+      return core_->Generate(request, deadline, gone, on_event, on_accepted);
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("internal error: ", e.what()));
     } catch (...) {
@@ -535,10 +536,12 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<HttpExchange> ex,
 
   if (!stream) {
     ResponseAccumulator acc;
-    absl::Status status = run([&](const v1::GenerateEvent& event) {
-      acc.OnEvent(event);
-      return !gone();
-    });
+    absl::Status status = run(
+        [&](const v1::GenerateEvent& event) {
+          acc.OnEvent(event);
+          return !gone();
+        },
+        {});
     HttpResponse r;
     if (!status.ok()) {
       r = ErrorResponse(status, CoreErrorParam(status, ctx.chat));
@@ -553,20 +556,28 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<HttpExchange> ex,
   }
 
   StreamFormatter formatter(ctx, include_usage, request.n());
+  // The response head goes out when the core accepts the request (or, failing that, with the
+  // first frames): from then on the connection carries SSE keep-alive comments while the
+  // request waits for a worker, and an error comes in-stream.
   bool started = false;
+  auto start_stream = [&](const std::string& id) {
+    if (started) return;
+    started = true;
+    ex->Post([id](HttpConnection& s) { s.StartStream(id); });
+  };
   const size_t limit = std::max<size_t>(1, options_.max_pending_stream_bytes);
-  absl::Status status = run([&](const v1::GenerateEvent& event) {
-    std::string frames = formatter.OnEvent(event);
-    if (frames.empty()) return !gone();
-    if (!started) {
-      started = true;
-      const std::string id =
-          formatter.context().request_id.empty() ? local_id : formatter.context().request_id;
-      ex->Post([id](HttpConnection& s) { s.StartStream(id); });
-    }
-    if (stopping_flag) return false;
-    return ex->Send(std::move(frames), limit);
-  });
+  absl::Status status = run(
+      [&](const v1::GenerateEvent& event) {
+        std::string frames = formatter.OnEvent(event);
+        if (frames.empty()) return !gone();
+        start_stream(formatter.context().request_id.empty() ? local_id
+                                                            : formatter.context().request_id);
+        if (stopping_flag) return false;
+        return ex->Send(std::move(frames), limit);
+      },
+      [&](const std::string& request_id) {
+        start_stream(request_id.empty() ? local_id : request_id);
+      });
   if (!started) {
     // Nothing was produced: an ordinary HTTP response.
     if (status.ok()) status = absl::InternalError("generation ended without any event");

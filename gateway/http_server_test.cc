@@ -3,6 +3,10 @@
 // tests).
 #include "gateway/http_server_test_util.h"
 
+#include <sys/time.h>
+
+#include "absl/synchronization/notification.h"
+
 namespace dgserve {
 namespace {
 
@@ -328,6 +332,82 @@ TEST_F(HttpServerTest, StreamingSuccess) {
   EXPECT_EQ(json::parse(frames[201])["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(json::parse(frames[202])["usage"]["total_tokens"], 5);
   EXPECT_EQ(frames[203], "[DONE]");
+}
+
+// A stream the core has accepted but that waits for its first event (behind other requests'
+// canvases) gets its status, headers and SSE keep-alive comments at once (it sent nothing for
+// minutes: clients and proxies could not tell it from a dead one); an error found after that
+// comes in-stream.
+TEST_F(HttpServerTest, AnAcceptedStreamSendsItsHeadAndKeepAlivesBeforeItsFirstEvent) {
+  absl::Notification head_seen;
+  core_.accept_as = "req-7";
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                       const GenerationCore::EventCallback& cb) {
+    head_seen.WaitForNotificationWithTimeout(absl::Seconds(30));  // queued, no event yet
+    cb(Block("late"));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  HttpServerOptions options;
+  options.sse_keepalive_interval = absl::Milliseconds(40);
+  StartServer(options);
+  const int fd = ConnectLoopback(port_);
+  ASSERT_GE(fd, 0);
+  const std::string body = R"({"prompt": "x", "stream": true})";
+  SendAll(fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                           "Content-Type: application/json\r\nContent-Length: ",
+                           body.size(), "\r\n\r\n", body));
+  // Read until the head and two keep-alive comments have arrived, while no event exists
+  // (each read bounded by a 10 s receive timeout).
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string got;
+  char buf[4096];
+  auto keepalives = [&got] {
+    int n = 0;
+    for (size_t p = got.find(": keep-alive\n\n"); p != std::string::npos;
+         p = got.find(": keep-alive\n\n", p + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  for (int i = 0; i < 500 && keepalives() < 2; ++i) {
+    const ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    got.append(buf, size_t(n));
+  }
+  EXPECT_THAT(got, HasSubstr("HTTP/1.1 200 OK"));
+  EXPECT_THAT(got, HasSubstr("Content-Type: text/event-stream"));
+  EXPECT_THAT(got, HasSubstr("X-Request-Id: req-7"));
+  EXPECT_GE(keepalives(), 2) << got;
+  EXPECT_THAT(got, Not(HasSubstr("data:"))) << "no event was produced yet";
+  head_seen.Notify();
+  while (true) {
+    const ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    got.append(buf, size_t(n));
+  }
+  close(fd);
+  EXPECT_THAT(got, HasSubstr("\"late\""));
+  EXPECT_THAT(got, HasSubstr("data: [DONE]"));
+}
+
+// An accepted stream whose request then fails ends with an SSE error and [DONE] (its head, 200,
+// is already out).
+TEST_F(HttpServerTest, AnAcceptedStreamReportsALaterErrorInStream) {
+  core_.accept_as = "req-7";
+  core_.generate = [](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                      const GenerationCore::EventCallback&) {
+    return absl::UnavailableError("no healthy denoise worker");
+  };
+  StartServer();
+  HttpClient cli = Client();
+  auto res = cli.Post("/v1/completions", R"({"prompt": "x", "stream": true})");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res.status, 200);
+  EXPECT_EQ(res.Header("X-Request-Id"), "req-7");
+  EXPECT_THAT(res.body, HasSubstr("no healthy denoise worker"));
+  EXPECT_THAT(res.body, HasSubstr("data: [DONE]"));
 }
 
 // HTTP/1.0 has no chunked coding (RFC 9112 §6.1): a stream to a 1.0 client is the SSE bytes as

@@ -39,6 +39,7 @@ class FakeCore : public GenerationCore {
   using GenerateFn = std::function<absl::Status(
       const v1::GenerateRequest&, absl::Time, const std::function<bool()>&, const EventCallback&)>;
   GenerateFn generate;  // unset → INVALID_ARGUMENT("prompt: must not be empty")
+  std::string accept_as;  // set: Generate first calls on_accepted with it (the request's id)
   std::atomic<bool> ready{true};
   std::string api_key;  // "" = no keys configured
   Admission* admission = nullptr;  // set: CheckAdmission refuses while it is saturated
@@ -66,8 +67,9 @@ class FakeCore : public GenerationCore {
   }
 
   absl::Status Generate(const v1::GenerateRequest& request, absl::Time deadline,
-                        const std::function<bool()>& is_cancelled,
-                        const EventCallback& on_event) override {
+                        const std::function<bool()>& is_cancelled, const EventCallback& on_event,
+                        const AcceptedCallback& on_accepted) override {
+    if (!accept_as.empty() && on_accepted) on_accepted(accept_as);
     if (generate) return generate(request, deadline, is_cancelled, on_event);
     return absl::InvalidArgumentError("prompt: must not be empty");
   }
