@@ -98,12 +98,14 @@ struct HttpServerOptions {
 //     closes its connection cancels the request at once (a read stays posted on the socket).
 //   - Streaming: the same, and each event's frames are written as they come; the generating
 //     thread waits while more than max_pending_stream_bytes are unwritten (back-pressure). The
-//     HTTP status is chosen when the first event or the final status arrives: an error before
-//     any event is an ordinary error response; otherwise `text/event-stream` (chunked) with
-//     `Cache-Control: no-cache`, one `data:` frame per chunk, `: keep-alive` comments after
-//     sse_keepalive_interval of silence, and `data: [DONE]` at the end. An error after the
-//     first event is sent as `data: {"error": {…}}`, then [DONE]. A closed connection or a
-//     write failure cancels the request on the core.
+//     HTTP status is chosen when the core accepts the request (GenerationCore::AcceptedCallback:
+//     validated and started, possibly to wait minutes for a worker), or at the first event or
+//     the final status if that comes first: an error before then is an ordinary error
+//     response; otherwise `text/event-stream` (chunked) with `Cache-Control: no-cache`, sent at
+//     once, one `data:` frame per chunk, `: keep-alive` comments after sse_keepalive_interval
+//     of silence (also while the request waits for its first event), and `data: [DONE]` at the
+//     end. An error after the head is sent as `data: {"error": {…}}`, then [DONE]. A closed
+//     connection or a write failure cancels the request on the core.
 //   - Every response carries `X-Request-Id` (the core's request id when it sent events, else a
 //     gateway-local id).
 //   - /health: 200 {"status": "ok"} while the process runs. /ready: 200 {"status": "ready"}

@@ -50,6 +50,9 @@ ABSL_FLAG(int64_t, max_prompt_tokens, dgserve::kDefaultMaxPromptTokens,
           "prompt tokens per request at most (after the chat template); longer prompts get "
           "INVALID_ARGUMENT (HTTP 400) naming prompt or messages. 0: only the model's context "
           "limit");
+ABSL_FLAG(double, sse_keepalive_seconds, 15,
+          "silence after which an HTTP stream gets an SSE comment (': keep-alive'), from the "
+          "moment its request is accepted (set it below your proxies' idle timeout)");
 ABSL_FLAG(int, max_n, 16, "samples per request (n) at most; larger n is INVALID_ARGUMENT");
 ABSL_FLAG(std::string, api_keys, "", "comma-separated API keys (empty: no authentication)");
 ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
@@ -213,6 +216,10 @@ absl::Status Run() {
   hopts.port = http_addr->second;
   hopts.max_body_bytes = size_t(max_body_bytes);
   hopts.default_timeout = timeout;
+  if (absl::GetFlag(FLAGS_sse_keepalive_seconds) <= 0) {
+    return absl::InvalidArgumentError("--sse_keepalive_seconds must be > 0");
+  }
+  hopts.sse_keepalive_interval = absl::Seconds(absl::GetFlag(FLAGS_sse_keepalive_seconds));
   OpenAiHttpServer http(&gateway, hopts, &runner.registry());
   absl::StatusOr<int> http_port = http.Start();
   if (!http_port.ok()) return http_port.status();

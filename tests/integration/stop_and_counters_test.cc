@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/http_client.h"
 #include "common/testing/loopback_socket.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
@@ -22,6 +23,9 @@
 
 namespace dgserve::testing {
 namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 // The test model without stop tokens: only max_tokens or a stop sequence ends a completion.
 class StopAndCountersTest : public SharedClusterTest<StopAndCountersTest> {
@@ -343,7 +347,10 @@ class DeadlineBeforeDenoiseTest : public SharedClusterTest<DeadlineBeforeDenoise
  public:
   static absl::StatusOr<ClusterOptions> Options() {
     absl::StatusOr<ClusterOptions> o = OptionsWithoutStopTokens();
-    if (o.ok()) o->gateway_flags.push_back("--testing_delay_before_denoise_ms=8000");
+    if (o.ok()) {
+      o->gateway_flags.push_back("--testing_delay_before_denoise_ms=8000");
+      o->gateway_flags.push_back("--sse_keepalive_seconds=1");
+    }
     return o;
   }
 };
@@ -368,6 +375,51 @@ TEST_F(DeadlineBeforeDenoiseTest, KvOfAnAttemptThatNeverReachedDenoiseIsFreed) {
       },
       16))
       << c().DenoiseStats(0)->DebugString();
+}
+
+// A stream whose request is accepted but waits (here: the gateway's 8 s pause before the denoise
+// call; in production, other requests' canvases) is visibly alive before its first event: the
+// HTTP client gets 200, the SSE headers and keep-alive comments first, the gRPC client initial
+// metadata naming the request (before, nothing at all was sent until the first event).
+TEST_F(DeadlineBeforeDenoiseTest, AWaitingStreamIsAliveBeforeItsFirstEvent) {
+  HttpClient http("127.0.0.1", c().gateway().http_port);
+  HttpRequest post;
+  post.method = "POST";
+  post.path = "/v1/chat/completions";
+  post.headers = {{"Content-Type", "application/json"}};
+  post.body = R"({"messages": [{"role": "user", "content": "Wait."}], "max_tokens": 16,
+                  "seed": 1, "stream": true})";
+  post.timeout = absl::Seconds(60);
+  std::string first_chunk;
+  int status_at_first_chunk = 0;
+  std::string all;
+  const HttpResponse r = http.Stream(post, [&](const HttpResponse& head, std::string_view chunk) {
+    if (first_chunk.empty()) {
+      first_chunk = std::string(chunk);
+      status_at_first_chunk = head.status;
+    }
+    all += chunk;
+    return true;
+  });
+  ASSERT_TRUE(r) << r.error;
+  EXPECT_EQ(status_at_first_chunk, 200);
+  EXPECT_THAT(r.Header("Content-Type"), HasSubstr("text/event-stream"));
+  EXPECT_THAT(first_chunk, StartsWith(": keep-alive")) << "the first bytes were an event";
+  EXPECT_THAT(all, HasSubstr("data: [DONE]"));
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = c().GatewayStub()->GenerateStream(&ctx, Chat("Wait.", 1, 16));
+  reader->WaitForInitialMetadata();
+  const auto& md = ctx.GetServerInitialMetadata();
+  const auto id = md.find("x-request-id");
+  ASSERT_NE(id, md.end()) << "no initial metadata before the first event";
+  v1::GenerateEvent ev;
+  ASSERT_TRUE(reader->Read(&ev));
+  EXPECT_EQ(ev.request_id(), std::string(id->second.data(), id->second.size()));
+  while (reader->Read(&ev)) {
+  }
+  EXPECT_TRUE(reader->Finish().ok());
 }
 
 }  // namespace
