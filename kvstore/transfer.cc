@@ -22,6 +22,10 @@
 namespace dgserve::kv {
 namespace {
 
+// An incoming transfer's table entry whose block has not arrived yet (no storage taken).
+constexpr int32_t kNoBlock = -1;
+
+
 constexpr int kFull = 1;
 constexpr int kSliding = 0;
 // How many forgotten request ids are remembered (a later transfer for one is refused).
@@ -236,11 +240,23 @@ struct KvReceiver::State {
 
   void AbortLocked(std::map<std::string, Incoming>::iterator it, const absl::Status& status,
                    absl::Time now, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    pool->Release(it->second.table);
+    ReleaseTaken(it->second.table);
     const std::string id = it->first;
     incoming.erase(it);
     ++failed;
     FailLocked(id, status, now, out);
+  }
+
+  // Releases the blocks of an incoming transfer's table that were taken (kNoBlock: not yet).
+  void ReleaseTaken(const BlockTable& table) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const auto& [kind, blocks] : {std::pair{LayerKind::kFull, &table.full},
+                                       std::pair{LayerKind::kSliding, &table.sliding}}) {
+      std::vector<int32_t> taken;
+      for (int32_t b : *blocks) {
+        if (b != kNoBlock) taken.push_back(b);
+      }
+      pool->Release(kind, taken);
+    }
   }
 
   // Status for a WriteBlock/Finish on an id with no transfer in flight.
@@ -306,7 +322,7 @@ KvReceiver::~KvReceiver() {
   std::vector<std::unique_ptr<PagedKvCache>> graveyard;
   {
     absl::MutexLock lock(&state_->mu);
-    for (auto& [id, in] : state_->incoming) state_->pool->Release(in.table);
+    for (auto& [id, in] : state_->incoming) state_->ReleaseTaken(in.table);
     state_->incoming.clear();
     for (auto& [id, c] : state_->completed) graveyard.push_back(std::move(c.kv));
     state_->completed.clear();
@@ -357,20 +373,22 @@ absl::Status KvReceiver::Begin(const v1::KvTransferHeader& header) {
     State::Incoming in;
     in.data_path = header.data_path();
     if (result.ok()) {
-      auto full = s.pool->Allocate(LayerKind::kFull, d.full_block_count());
-      if (!full.ok()) {
-        result = full.status();
-      } else {
-        auto sliding = s.pool->Allocate(LayerKind::kSliding, d.sliding_block_count());
-        if (!sliding.ok()) {
-          s.pool->Release(LayerKind::kFull, *full);
-          result = sliding.status();
-        } else {
-          in.table.full = std::move(*full);
-          in.table.first_sliding_block = d.first_sliding_block();
-          in.table.sliding = std::move(*sliding);
+      // Blocks are taken as their data arrives (WriteBlock), not for the header: a header that
+      // announces a whole pool and sends nothing holds nothing. A transfer that could never fit
+      // is refused now.
+      const PoolStats pool = s.pool->stats();
+      for (const auto& [kind, count] :
+           {std::pair{LayerKind::kFull, int64_t(d.full_block_count())},
+            std::pair{LayerKind::kSliding, int64_t(d.sliding_block_count())}}) {
+        if (result.ok() && count > pool.total[KindIndex(kind)]) {
+          result = absl::ResourceExhaustedError(absl::StrCat(
+              count, " ", kind == LayerKind::kFull ? "full" : "sliding",
+              " blocks announced; this worker's pool has ", pool.total[KindIndex(kind)]));
         }
       }
+      in.table.full.assign(size_t(d.full_block_count()), kNoBlock);
+      in.table.first_sliding_block = d.first_sliding_block();
+      in.table.sliding.assign(size_t(d.sliding_block_count()), kNoBlock);
     }
     const absl::Time now = absl::Now();
     if (!result.ok()) {
@@ -408,7 +426,7 @@ absl::Status KvReceiver::WriteBlock(const std::string& request_id,
     const int k = KindIndex(kind);
     const char* kind_name = block.sliding() ? "sliding" : "full";
     const int first = block.sliding() ? in.table.first_sliding_block : 0;
-    const std::vector<int32_t>& blocks = block.sliding() ? in.table.sliding : in.table.full;
+    std::vector<int32_t>& blocks = block.sliding() ? in.table.sliding : in.table.full;
     const int64_t slot = int64_t(block.logical_block()) - first;
     const size_t want = s.pool->layout().BlockBytes(kind);
     if (slot < 0 || slot >= int64_t(blocks.size())) {
@@ -427,6 +445,16 @@ absl::Status KvReceiver::WriteBlock(const std::string& request_id,
     } else if (checksum != block.checksum()) {
       result = absl::DataLossError(
           absl::StrCat("checksum mismatch in ", kind_name, " block ", block.logical_block()));
+    } else if (blocks[slot] == kNoBlock) {
+      // The block's storage, taken now that its data is here.
+      absl::StatusOr<std::vector<int32_t>> got = s.pool->Allocate(kind, 1);
+      if (got.ok()) {
+        blocks[slot] = got->front();
+      } else {
+        result = absl::ResourceExhaustedError(absl::StrCat(
+            "no free ", kind_name, " block for block ", block.logical_block(), ": ",
+            got.status().message()));
+      }
     }
     if (!result.ok()) {
       result = WithId(request_id, result);
@@ -534,7 +562,7 @@ void KvReceiver::Forget(const std::string& request_id, absl::StatusCode why) {
       s.expectations.erase(e);
     }
     if (auto it = s.incoming.find(request_id); it != s.incoming.end()) {
-      s.pool->Release(it->second.table);
+      s.ReleaseTaken(it->second.table);
       s.incoming.erase(it);
     }
     if (auto c = s.completed.find(request_id); c != s.completed.end()) {

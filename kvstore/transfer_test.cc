@@ -316,6 +316,60 @@ TEST_F(KvTransferTest, TooSmallPoolIsResourceExhausted) {
   EXPECT_EQ(tiny->stats().used[F], 0);
 }
 
+// Issue 36 item 2: one header announcing a whole pool and sending no data pinned the pool for
+// its lease (renewable): blocks are taken only as their data arrives now, so the header holds
+// nothing and public requests are served beside it.
+TEST_F(KvTransferTest, AHeaderWithoutDataHoldsNoBlocks) {
+  ASSERT_THAT(receiver_->Begin(Header("pin")), IsOk());
+  ExpectNothingHeld();
+  // Other transfers use the whole pool meanwhile (one after another, each adopted and freed).
+  for (int i = 0; i < 3; ++i) {
+    const std::string id = "public-" + std::to_string(i);
+    auto got = KvWaiter::Make();
+    receiver_->Expect(id, Later(), got->Callback());
+    Deliver(id);
+    ASSERT_TRUE(got->Wait());
+    ASSERT_THAT(got->result, IsOk());
+  }
+  // A block that arrives takes exactly one block of its kind.
+  const std::vector<v1::KvBlockPayload> payloads = Payloads();
+  ASSERT_THAT(receiver_->WriteBlock("pin", payloads[0]), IsOk());
+  const PoolStats st = receiver_pool_->stats();
+  EXPECT_EQ(st.used[S] + st.used[F], 1);
+  receiver_->Forget("pin");
+  ExpectNothingHeld();
+}
+
+// Blocks that cannot be had when their data arrives fail the transfer with RESOURCE_EXHAUSTED
+// and free what it took; a transfer larger than the whole pool is refused at its header.
+TEST_F(KvTransferTest, ABlockWithoutRoomFailsTheTransferAndFreesItsBlocks) {
+  const std::vector<v1::KvBlockPayload> payloads = Payloads();
+  ASSERT_GE(payloads.size(), 2u);
+  int full = 0, sliding = 0;
+  for (const auto& p : payloads) (p.sliding() ? sliding : full)++;
+  // Room for every block but one of the transfer's kinds: its last block finds none.
+  auto pool = std::move(*BlockPool::Create(layout_, 32, 32));
+  KvReceiver receiver(pool.get(), 256);
+  const LayerKind kind = full > 0 ? LayerKind::kFull : LayerKind::kSliding;
+  const int need = full > 0 ? full : sliding;
+  auto hog = pool->Allocate(kind, int(pool->stats().total[KindIndex(kind)]) - (need - 1));
+  ASSERT_THAT(hog, IsOk());
+  auto got = KvWaiter::Make();
+  receiver.Expect("tight", Later(), got->Callback());
+  ASSERT_THAT(receiver.Begin(Header("tight")), IsOk());
+  absl::Status last;
+  for (const auto& p : payloads) {
+    last = receiver.WriteBlock("tight", p);
+    if (!last.ok()) break;
+  }
+  EXPECT_THAT(last, StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("no free")));
+  ASSERT_TRUE(got->Wait());
+  EXPECT_THAT(got->result, StatusIs(absl::StatusCode::kResourceExhausted));
+  const PoolStats st = pool->stats();
+  EXPECT_EQ(st.used[KindIndex(kind)], int64_t(hog->size())) << "the transfer freed its blocks";
+  pool->Release(kind, *hog);
+}
+
 TEST_F(KvTransferTest, LeaseExpiryReclaimsBlocks) {
   // An incomplete transfer.
   auto got = KvWaiter::Make();
