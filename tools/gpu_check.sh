@@ -146,7 +146,7 @@ BW=${GPU_MEM_BW_GBS:-$DEFAULT_BW}
 
 GPU_TESTS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
   engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
-  engine/cuda/cuda_mma_test kvstore/kvstore_nccl_self_send_test"
+  engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test kvstore/kvstore_nccl_self_send_test"
 CLUSTER_BINS="gateway/dgserve-gateway prefill_worker/dgserve-prefill-worker
   denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel"
 BENCH_BINS="bench/engine_bench"

@@ -489,47 +489,175 @@ void Launch(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
   }
 }
 
+void LaunchOn(cudaStream_t stream, const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
+              std::function<void()> thread_body) {
+  const cudaError_t e = Enqueue(stream, [=, body = std::move(thread_body)] {
+    Launch(kernel, grid, block, shared_bytes, body);
+  });
+  if (e != cudaSuccess) SetLastError(e);
+}
+
+cudaError_t StickyError() {
+  std::lock_guard<std::mutex> l(g_state_mu);
+  return g_sticky_error;
+}
+
+namespace {
+// Device allocations and pinned host ranges: start → bytes. Never destroyed: cudaFree may run
+// in static destructors.
+std::mutex g_alloc_mu;
+std::map<uintptr_t, size_t>& DeviceAllocs() {
+  static auto& m = *new std::map<uintptr_t, size_t>;
+  return m;
+}
+std::map<uintptr_t, size_t>& Pinned() {
+  static auto& m = *new std::map<uintptr_t, size_t>;
+  return m;
+}
+
+void Remember(std::map<uintptr_t, size_t>& m, const void* p, size_t bytes) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  m[reinterpret_cast<uintptr_t>(p)] = bytes;
+}
+bool Forget(std::map<uintptr_t, size_t>& m, const void* p) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  return m.erase(reinterpret_cast<uintptr_t>(p)) > 0;
+}
+bool Within(const std::map<uintptr_t, size_t>& m, const void* p, size_t bytes) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = m.upper_bound(a);
+  if (it == m.begin()) return false;
+  --it;
+  return a + bytes <= it->first + std::max<size_t>(it->second, 1);
+}
+}  // namespace
+
+bool IsPinnedHost(const void* p, size_t bytes) { return Within(Pinned(), p, bytes); }
+bool IsDeviceMemory(const void* p, size_t bytes) { return Within(DeviceAllocs(), p, bytes); }
+
 }  // namespace dgserve::cuda::emu
 
 // ---- Runtime API
 // ---------------------------------------------------------------------------------
 
 namespace {
-cudaError_t Sticky() {
-  std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_state_mu);
-  return dgserve::cuda::emu::g_sticky_error;
+using dgserve::cuda::emu::CaptureForbids;
+using dgserve::cuda::emu::Enqueue;
+using dgserve::cuda::emu::StickyError;
+
+void* AlignedAlloc(size_t bytes) {
+  return std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+}
+
+// Whether a copy of `kind` touches pageable host memory (the host side of a host↔device copy
+// that is neither pinned nor a device allocation).
+bool Pageable(const void* p, size_t bytes) {
+  return !dgserve::cuda::emu::IsPinnedHost(p, bytes) &&
+         !dgserve::cuda::emu::IsDeviceMemory(p, bytes);
+}
+bool TouchesPageable(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  switch (kind) {
+    case cudaMemcpyHostToDevice:
+      return Pageable(src, bytes);
+    case cudaMemcpyDeviceToHost:
+      return Pageable(dst, bytes);
+    case cudaMemcpyHostToHost:
+    case cudaMemcpyDefault:
+      return Pageable(src, bytes) || Pageable(dst, bytes);
+    case cudaMemcpyDeviceToDevice:
+      return false;
+  }
+  return false;
 }
 }  // namespace
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
-  *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
-  return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
+  if (const cudaError_t e = CaptureForbids("cudaMalloc"); e != cudaSuccess) return e;
+  *p = AlignedAlloc(bytes);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  dgserve::cuda::emu::Remember(dgserve::cuda::emu::DeviceAllocs(), *p, bytes);
+  return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
+  if (const cudaError_t e = CaptureForbids("cudaFree"); e != cudaSuccess) return e;
+  if (p != nullptr) dgserve::cuda::emu::Forget(dgserve::cuda::emu::DeviceAllocs(), p);
   std::free(p);
   return cudaSuccess;
 }
+cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  if (const cudaError_t e = CaptureForbids("cudaMallocHost"); e != cudaSuccess) return e;
+  *p = AlignedAlloc(bytes);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  dgserve::cuda::emu::Remember(dgserve::cuda::emu::Pinned(), *p, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return cudaMallocHost(p, bytes); }
+cudaError_t cudaFreeHost(void* p) {
+  if (const cudaError_t e = CaptureForbids("cudaFreeHost"); e != cudaSuccess) return e;
+  if (p != nullptr && !dgserve::cuda::emu::Forget(dgserve::cuda::emu::Pinned(), p)) {
+    return cudaErrorInvalidValue;
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
+  if (const cudaError_t e = CaptureForbids("cudaHostRegister"); e != cudaSuccess) return e;
+  if (p == nullptr || bytes == 0) return cudaErrorInvalidValue;
+  dgserve::cuda::emu::Remember(dgserve::cuda::emu::Pinned(), p, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaHostUnregister(void* p) {
+  if (const cudaError_t e = CaptureForbids("cudaHostUnregister"); e != cudaSuccess) return e;
+  return dgserve::cuda::emu::Forget(dgserve::cuda::emu::Pinned(), p) ? cudaSuccess
+                                                                     : cudaErrorInvalidValue;
+}
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+  if (const cudaError_t e = CaptureForbids("cudaMemcpy"); e != cudaSuccess) return e;
   if (bytes > 0) std::memmove(dst, src, bytes);
-  return Sticky();
+  return StickyError();
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                            cudaStream_t) {
-  return cudaMemcpy(dst, src, bytes, kind);
+                            cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (stream != nullptr && bytes > 0 && TouchesPageable(dst, src, bytes, kind) &&
+      cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+      status != cudaStreamCaptureStatusNone) {
+    return dgserve::cuda::emu::RefuseInCapture(stream, "cudaMemcpyAsync of pageable host memory");
+  }
+  if (const cudaError_t e = Enqueue(stream,
+                                    [=] {
+                                      if (bytes > 0) std::memmove(dst, src, bytes);
+                                    });
+      e != cudaSuccess) {
+    return e;
+  }
+  return StickyError();
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  if (const cudaError_t e = CaptureForbids("cudaMemset"); e != cudaSuccess) return e;
   if (bytes > 0) std::memset(p, value, bytes);
-  return Sticky();
+  return StickyError();
 }
-cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
-  return cudaMemset(p, value, bytes);
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream) {
+  if (const cudaError_t e = Enqueue(stream,
+                                    [=] {
+                                      if (bytes > 0) std::memset(p, value, bytes);
+                                    });
+      e != cudaSuccess) {
+    return e;
+  }
+  return StickyError();
 }
 cudaError_t cudaDeviceReset() {
   std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_state_mu);
   dgserve::cuda::emu::g_last_error = dgserve::cuda::emu::g_sticky_error = cudaSuccess;
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize() { return Sticky(); }
+cudaError_t cudaDeviceSynchronize() {
+  if (const cudaError_t e = CaptureForbids("cudaDeviceSynchronize"); e != cudaSuccess) return e;
+  return StickyError();
+}
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = 1;
   return cudaSuccess;
@@ -573,6 +701,15 @@ const char* cudaGetErrorString(cudaError_t e) {
       return "device not ready (emulated)";
     case cudaErrorInvalidResourceHandle:
       return "invalid resource handle (emulated)";
+    case cudaErrorIllegalState:
+      return "the operation cannot be performed in the present state (emulated)";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing (emulated)";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture (emulated)";
+    case cudaErrorStreamCaptureImplicit:
+      return "operation would make the legacy stream depend on a capturing blocking stream "
+             "(emulated)";
   }
   return "unknown error (emulated)";
 }
