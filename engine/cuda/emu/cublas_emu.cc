@@ -5,7 +5,7 @@
 #include <cstring>
 
 struct cublasContext {
-  int unused = 0;
+  cudaStream_t stream = nullptr;
 };
 
 namespace {
@@ -27,19 +27,23 @@ cublasStatus_t Gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation
       ldb < (tb == CUBLAS_OP_N ? k : n) || ldb < 1 || ldc < m || ldc < 1) {
     return CUBLAS_STATUS_INVALID_VALUE;
   }
-  for (int j = 0; j < n; ++j) {
-    for (int i = 0; i < m; ++i) {
-      double acc = 0;
-      for (int l = 0; l < k; ++l) {
-        const int64_t ai = ta == CUBLAS_OP_N ? i + int64_t(l) * lda : l + int64_t(i) * lda;
-        const int64_t bi = tb == CUBLAS_OP_N ? l + int64_t(j) * ldb : j + int64_t(l) * ldb;
-        acc += double(Element(A, at, ai)) * Element(B, bt, bi);
+  // Runs now, or at the replay of a capture of the handle's stream (alpha and beta are read
+  // now, as cuBLAS's host pointer mode does).
+  const cudaError_t e = dgserve::cuda::emu::Enqueue(handle->stream, [=] {
+    for (int j = 0; j < n; ++j) {
+      for (int i = 0; i < m; ++i) {
+        double acc = 0;
+        for (int l = 0; l < k; ++l) {
+          const int64_t ai = ta == CUBLAS_OP_N ? i + int64_t(l) * lda : l + int64_t(i) * lda;
+          const int64_t bi = tb == CUBLAS_OP_N ? l + int64_t(j) * ldb : j + int64_t(l) * ldb;
+          acc += double(Element(A, at, ai)) * Element(B, bt, bi);
+        }
+        float& c = C[i + int64_t(j) * ldc];
+        c = float(alpha * acc + (beta == 0.0f ? 0.0 : double(beta) * c));
       }
-      float& c = C[i + int64_t(j) * ldc];
-      c = float(alpha * acc + (beta == 0.0f ? 0.0 : double(beta) * c));
     }
-  }
-  return CUBLAS_STATUS_SUCCESS;
+  });
+  return e == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
 }
 
 }  // namespace
@@ -52,8 +56,10 @@ cublasStatus_t cublasDestroy(cublasHandle_t handle) {
   delete handle;
   return CUBLAS_STATUS_SUCCESS;
 }
-cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t) {
-  return handle != nullptr ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED;
+cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t stream) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  handle->stream = stream;
+  return CUBLAS_STATUS_SUCCESS;
 }
 const char* cublasGetStatusString(cublasStatus_t status) {
   switch (status) {
@@ -65,6 +71,8 @@ const char* cublasGetStatusString(cublasStatus_t status) {
       return "CUBLAS_STATUS_INVALID_VALUE (emulated)";
     case CUBLAS_STATUS_NOT_SUPPORTED:
       return "CUBLAS_STATUS_NOT_SUPPORTED (emulated)";
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+      return "CUBLAS_STATUS_EXECUTION_FAILED (emulated)";
   }
   return "unknown cuBLAS status (emulated)";
 }

@@ -84,12 +84,21 @@ void InitContext(Context& c, char* stack, size_t bytes, void (*entry)()) {
 
 enum class State { kRunnable, kWaitWarp, kWaitBlock, kDone };
 
+// A cp.async issued and not yet completed by a wait (CpAsync below).
+struct PendingCopy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
 struct Fiber {
   Context ctx;
   char* stack = nullptr;
   uint3 tid;
   State state = State::kRunnable;
   uint64_t result = 0;
+  std::vector<PendingCopy> copies;  // issued cp.async, oldest first
+  std::vector<size_t> groups;       // committed groups: each one's end in `copies`
 };
 
 struct Warp {
@@ -99,6 +108,11 @@ struct Warp {
   WarpOp op = WarpOp::kSync;
   uint64_t in[32] = {};
   int arg[32] = {};
+  // kExchange: the instruction, its function and every lane's operands.
+  const char* name = nullptr;
+  WarpExchangeFn fn = nullptr;
+  const void* xin[32] = {};
+  void* xout[32] = {};
 };
 
 struct Block {
@@ -195,6 +209,8 @@ const char* OpName(WarpOp op) {
       return "__all_sync";
     case WarpOp::kSync:
       return "__syncwarp";
+    case WarpOp::kExchange:
+      return "a matrix-core instruction (mma.sync / ldmatrix)";
   }
   return "?";
 }
@@ -202,6 +218,12 @@ const char* OpName(WarpOp op) {
 // Every lane of w.mask has arrived: computes each lane's result and wakes the waiting lanes.
 void CompleteWarp(Block& b, int warp) {
   Warp& w = b.warps[warp];
+  if (w.op == WarpOp::kExchange) {
+    for (int l = 0; l < 32; ++l) {
+      if (!(w.mask >> l & 1u)) w.xin[l] = w.xout[l] = nullptr;
+    }
+    w.fn(w.xin, w.xout);  // may fail the launch (KernelFailure): never returns then
+  }
   unsigned pred_bits = 0;
   for (int l = 0; l < 32; ++l) {
     if ((w.mask >> l & 1u) && w.in[l] != 0) pred_bits |= 1u << l;
@@ -231,6 +253,7 @@ void CompleteWarp(Block& b, int warp) {
         r = pred_bits == w.mask;
         break;
       case WarpOp::kSync:
+      case WarpOp::kExchange:
         break;
     }
     Fiber& f = b.fibers[warp * 32 + l];
@@ -261,11 +284,13 @@ void FiberMain() {
   (*b.body)();
   const int self = b.current;
   Fiber& f = b.fibers[self];
+  CpAsyncWait(-1);  // copies the thread never waited for still land (nobody may rely on them)
   f.state = State::kDone;
   Warp& w = b.warps[self / 32];
   w.live &= ~(1u << (self % 32));
   if (w.arrived != 0 && (w.mask >> (self % 32) & 1u)) {
-    Fail(b, std::string("thread exited while lanes of its warp wait for it at ") + OpName(w.op));
+    Fail(b, std::string("thread exited while lanes of its warp wait for it at ") +
+                (w.op == WarpOp::kExchange ? w.name : OpName(w.op)));
   }
   --b.live;
   if (b.arrived > 0 && b.arrived == b.live) CompleteBlock(b);
@@ -282,20 +307,29 @@ void SetMaxDynamicShared(const void* kernel, int bytes) {
 
 void* DynamicSharedBase() { return g_block->shared.data(); }
 
-uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane) {
+namespace {
+
+// The collective of WarpCollective and WarpExchange (name, fn, in, out: kExchange only).
+uint64_t ArriveAtWarp(WarpOp op, unsigned mask, uint64_t value, int src_lane, const char* name,
+                      WarpExchangeFn fn, const void* in, void* out) {
   Block& b = *g_block;
   const int self = b.current, lane = self % 32;
   Warp& w = b.warps[self / 32];
-  if (!(mask >> lane & 1u)) Fail(b, std::string(OpName(op)) + " by a lane outside its mask");
+  const std::string what = op == WarpOp::kExchange ? std::string(name) : OpName(op);
+  if (!(mask >> lane & 1u)) Fail(b, what + " by a lane outside its mask");
   if ((mask & ~w.live) != 0) {
-    Fail(b, std::string(OpName(op)) + ": the mask names lanes that have exited or do not exist");
+    Fail(b, what + ": the mask names lanes that have exited or do not exist");
   }
-  if (w.arrived != 0 && (w.op != op || w.mask != mask)) {
-    Fail(b, std::string("lanes of one warp at different collectives: ") + OpName(op) +
-                " while others wait at " + OpName(w.op));
+  if (w.arrived != 0 && (w.op != op || w.mask != mask || w.fn != fn)) {
+    Fail(b, "lanes of one warp at different collectives: " + what + " while others wait at " +
+                (w.op == WarpOp::kExchange ? std::string(w.name) : OpName(w.op)));
   }
   w.op = op;
   w.mask = mask;
+  w.name = name;
+  w.fn = fn;
+  w.xin[lane] = in;
+  w.xout[lane] = out;
   w.in[lane] = value;
   w.arg[lane] = op == WarpOp::kShflIdx || op == WarpOp::kShflXor || op == WarpOp::kShflUp ||
                         op == WarpOp::kShflDown
@@ -309,6 +343,54 @@ uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane) 
   b.fibers[self].state = State::kWaitWarp;
   SwitchAway(b);
   return b.fibers[self].result;
+}
+
+}  // namespace
+
+uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane) {
+  return ArriveAtWarp(op, mask, value, src_lane, nullptr, nullptr, nullptr, nullptr);
+}
+
+void WarpExchange(const char* name, unsigned mask, WarpExchangeFn fn, const void* in, void* out) {
+  ArriveAtWarp(WarpOp::kExchange, mask, 0, 0, name, fn, in, out);
+}
+
+void KernelFailure(const std::string& what) {
+  Fail(*g_block, what);
+  std::abort();  // Fail never returns
+}
+
+void CpAsync(void* dst, const void* src, size_t bytes) {
+  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 ||
+      reinterpret_cast<uintptr_t>(src) % bytes != 0) {
+    Fail(*g_block, "cp.async of " + std::to_string(bytes) + " bytes: an address not aligned to " +
+                       std::to_string(bytes));
+  }
+  Fiber& f = g_block->fibers[g_block->current];
+  f.copies.push_back(PendingCopy{dst, src, bytes});
+}
+
+void CpAsyncCommit() {
+  Fiber& f = g_block->fibers[g_block->current];
+  f.groups.push_back(f.copies.size());
+}
+
+void CpAsyncWait(int pending_groups) {
+  Fiber& f = g_block->fibers[g_block->current];
+  size_t done = f.copies.size();  // wait_all: everything, committed or not
+  if (pending_groups >= 0) {
+    if (f.groups.size() <= size_t(pending_groups)) return;
+    done = f.groups[f.groups.size() - 1 - size_t(pending_groups)];
+  }
+  for (size_t i = 0; i < done; ++i) {
+    std::memcpy(f.copies[i].dst, f.copies[i].src, f.copies[i].bytes);
+  }
+  f.copies.erase(f.copies.begin(), f.copies.begin() + ptrdiff_t(done));
+  std::vector<size_t> left;
+  for (size_t end : f.groups) {
+    if (end > done) left.push_back(end - done);
+  }
+  f.groups = std::move(left);
 }
 
 BlockVote BlockCollective(int pred) {
@@ -370,6 +452,8 @@ void Launch(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
           f.tid = uint3{unsigned(i % block.x), unsigned(i / block.x % block.y),
                         unsigned(i / (uint64_t(block.x) * block.y))};
           f.state = State::kRunnable;
+          f.copies.clear();
+          f.groups.clear();
           InitContext(f.ctx, f.stack, kStackBytes, &FiberMain);
         }
         for (size_t w = 0; w < b.warps.size(); ++w) {
@@ -405,47 +489,175 @@ void Launch(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
   }
 }
 
+void LaunchOn(cudaStream_t stream, const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
+              std::function<void()> thread_body) {
+  const cudaError_t e = Enqueue(stream, [=, body = std::move(thread_body)] {
+    Launch(kernel, grid, block, shared_bytes, body);
+  });
+  if (e != cudaSuccess) SetLastError(e);
+}
+
+cudaError_t StickyError() {
+  std::lock_guard<std::mutex> l(g_state_mu);
+  return g_sticky_error;
+}
+
+namespace {
+// Device allocations and pinned host ranges: start → bytes. Never destroyed: cudaFree may run
+// in static destructors.
+std::mutex g_alloc_mu;
+std::map<uintptr_t, size_t>& DeviceAllocs() {
+  static auto& m = *new std::map<uintptr_t, size_t>;
+  return m;
+}
+std::map<uintptr_t, size_t>& Pinned() {
+  static auto& m = *new std::map<uintptr_t, size_t>;
+  return m;
+}
+
+void Remember(std::map<uintptr_t, size_t>& m, const void* p, size_t bytes) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  m[reinterpret_cast<uintptr_t>(p)] = bytes;
+}
+bool Forget(std::map<uintptr_t, size_t>& m, const void* p) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  return m.erase(reinterpret_cast<uintptr_t>(p)) > 0;
+}
+bool Within(const std::map<uintptr_t, size_t>& m, const void* p, size_t bytes) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = m.upper_bound(a);
+  if (it == m.begin()) return false;
+  --it;
+  return a + bytes <= it->first + std::max<size_t>(it->second, 1);
+}
+}  // namespace
+
+bool IsPinnedHost(const void* p, size_t bytes) { return Within(Pinned(), p, bytes); }
+bool IsDeviceMemory(const void* p, size_t bytes) { return Within(DeviceAllocs(), p, bytes); }
+
 }  // namespace dgserve::cuda::emu
 
 // ---- Runtime API
 // ---------------------------------------------------------------------------------
 
 namespace {
-cudaError_t Sticky() {
-  std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_state_mu);
-  return dgserve::cuda::emu::g_sticky_error;
+using dgserve::cuda::emu::CaptureForbids;
+using dgserve::cuda::emu::Enqueue;
+using dgserve::cuda::emu::StickyError;
+
+void* AlignedAlloc(size_t bytes) {
+  return std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+}
+
+// Whether a copy of `kind` touches pageable host memory (the host side of a host↔device copy
+// that is neither pinned nor a device allocation).
+bool Pageable(const void* p, size_t bytes) {
+  return !dgserve::cuda::emu::IsPinnedHost(p, bytes) &&
+         !dgserve::cuda::emu::IsDeviceMemory(p, bytes);
+}
+bool TouchesPageable(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  switch (kind) {
+    case cudaMemcpyHostToDevice:
+      return Pageable(src, bytes);
+    case cudaMemcpyDeviceToHost:
+      return Pageable(dst, bytes);
+    case cudaMemcpyHostToHost:
+    case cudaMemcpyDefault:
+      return Pageable(src, bytes) || Pageable(dst, bytes);
+    case cudaMemcpyDeviceToDevice:
+      return false;
+  }
+  return false;
 }
 }  // namespace
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
-  *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
-  return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
+  if (const cudaError_t e = CaptureForbids("cudaMalloc"); e != cudaSuccess) return e;
+  *p = AlignedAlloc(bytes);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  dgserve::cuda::emu::Remember(dgserve::cuda::emu::DeviceAllocs(), *p, bytes);
+  return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
+  if (const cudaError_t e = CaptureForbids("cudaFree"); e != cudaSuccess) return e;
+  if (p != nullptr) dgserve::cuda::emu::Forget(dgserve::cuda::emu::DeviceAllocs(), p);
   std::free(p);
   return cudaSuccess;
 }
+cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  if (const cudaError_t e = CaptureForbids("cudaMallocHost"); e != cudaSuccess) return e;
+  *p = AlignedAlloc(bytes);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  dgserve::cuda::emu::Remember(dgserve::cuda::emu::Pinned(), *p, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return cudaMallocHost(p, bytes); }
+cudaError_t cudaFreeHost(void* p) {
+  if (const cudaError_t e = CaptureForbids("cudaFreeHost"); e != cudaSuccess) return e;
+  if (p != nullptr && !dgserve::cuda::emu::Forget(dgserve::cuda::emu::Pinned(), p)) {
+    return cudaErrorInvalidValue;
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
+  if (const cudaError_t e = CaptureForbids("cudaHostRegister"); e != cudaSuccess) return e;
+  if (p == nullptr || bytes == 0) return cudaErrorInvalidValue;
+  dgserve::cuda::emu::Remember(dgserve::cuda::emu::Pinned(), p, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaHostUnregister(void* p) {
+  if (const cudaError_t e = CaptureForbids("cudaHostUnregister"); e != cudaSuccess) return e;
+  return dgserve::cuda::emu::Forget(dgserve::cuda::emu::Pinned(), p) ? cudaSuccess
+                                                                     : cudaErrorInvalidValue;
+}
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+  if (const cudaError_t e = CaptureForbids("cudaMemcpy"); e != cudaSuccess) return e;
   if (bytes > 0) std::memmove(dst, src, bytes);
-  return Sticky();
+  return StickyError();
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                            cudaStream_t) {
-  return cudaMemcpy(dst, src, bytes, kind);
+                            cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (stream != nullptr && bytes > 0 && TouchesPageable(dst, src, bytes, kind) &&
+      cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+      status != cudaStreamCaptureStatusNone) {
+    return dgserve::cuda::emu::RefuseInCapture(stream, "cudaMemcpyAsync of pageable host memory");
+  }
+  if (const cudaError_t e = Enqueue(stream,
+                                    [=] {
+                                      if (bytes > 0) std::memmove(dst, src, bytes);
+                                    });
+      e != cudaSuccess) {
+    return e;
+  }
+  return StickyError();
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  if (const cudaError_t e = CaptureForbids("cudaMemset"); e != cudaSuccess) return e;
   if (bytes > 0) std::memset(p, value, bytes);
-  return Sticky();
+  return StickyError();
 }
-cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
-  return cudaMemset(p, value, bytes);
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream) {
+  if (const cudaError_t e = Enqueue(stream,
+                                    [=] {
+                                      if (bytes > 0) std::memset(p, value, bytes);
+                                    });
+      e != cudaSuccess) {
+    return e;
+  }
+  return StickyError();
 }
 cudaError_t cudaDeviceReset() {
   std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_state_mu);
   dgserve::cuda::emu::g_last_error = dgserve::cuda::emu::g_sticky_error = cudaSuccess;
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize() { return Sticky(); }
+cudaError_t cudaDeviceSynchronize() {
+  if (const cudaError_t e = CaptureForbids("cudaDeviceSynchronize"); e != cudaSuccess) return e;
+  return StickyError();
+}
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = 1;
   return cudaSuccess;
@@ -489,6 +701,15 @@ const char* cudaGetErrorString(cudaError_t e) {
       return "device not ready (emulated)";
     case cudaErrorInvalidResourceHandle:
       return "invalid resource handle (emulated)";
+    case cudaErrorIllegalState:
+      return "the operation cannot be performed in the present state (emulated)";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing (emulated)";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture (emulated)";
+    case cudaErrorStreamCaptureImplicit:
+      return "operation would make the legacy stream depend on a capturing blocking stream "
+             "(emulated)";
   }
   return "unknown error (emulated)";
 }

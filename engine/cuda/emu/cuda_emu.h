@@ -6,14 +6,16 @@
 // engine/cuda/README.md.
 //
 // Execution model. Launches run synchronously on the calling thread, one at a time (a global
-// lock), blocks one after another. Each CUDA thread of a block is its own host execution
-// context — a fiber with its own stack — so every CUDA thread has private registers and locals;
-// fibers switch only at collectives, so a run is deterministic. `__shared__` variables are
+// lock), blocks one after another (a launch into a stream capture runs when the graph is
+// launched; see cudaStreamBeginCapture below). Each CUDA thread of a block is its own host
+// execution context — a fiber with its own stack — so every CUDA thread has private registers and
+// locals; fibers switch only at collectives, so a run is deterministic. `__shared__` variables are
 // function statics (shared by the block's threads; blocks never overlap), the dynamic shared
 // memory is a per-launch buffer filled with 0xFF before every block. Collectives:
 //   __syncthreads / __syncthreads_or|and|count   wait for every live thread of the block
 //   __shfl*_sync, __ballot_sync, __any/__all_sync, __syncwarp   wait for every lane in the mask;
 //                                                 values are exchanged through per-warp slots
+//   mma.sync, ldmatrix (engine/cuda/cuda_mma.cuh)   wait for the whole warp; WarpExchange
 // A lane of the mask that exited, lanes of one warp at different collectives, or a block that
 // can make no progress (a __syncthreads some threads never reach) fail the launch with
 // cudaErrorLaunchFailure and a message on stderr. Atomics go through std::atomic_ref.
@@ -28,6 +30,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -68,8 +72,12 @@ enum cudaError {
   cudaErrorInvalidDevice = 101,
   cudaErrorNoDevice = 100,
   cudaErrorInvalidResourceHandle = 400,
+  cudaErrorIllegalState = 401,
   cudaErrorNotReady = 600,
   cudaErrorLaunchFailure = 719,
+  cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorStreamCaptureInvalidated = 901,
+  cudaErrorStreamCaptureImplicit = 906,
 };
 typedef enum cudaError cudaError_t;
 
@@ -86,7 +94,9 @@ enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 struct CUstream_st;
 typedef struct CUstream_st* cudaStream_t;
 
-// Memory is host memory (256-byte aligned); every copy kind is a memcpy.
+// Memory is host memory (256-byte aligned); every copy kind is a memcpy. Device allocations and
+// pinned host memory (cudaMallocHost, cudaHostAlloc, cudaHostRegister) are remembered, so that
+// stream capture can refuse a copy from or to pageable host memory, as CUDA does.
 cudaError_t cudaMalloc(void** p, size_t bytes);
 template <typename T>
 cudaError_t cudaMalloc(T** p, size_t bytes) {
@@ -98,6 +108,18 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
                             cudaStream_t stream = nullptr);
 cudaError_t cudaMemset(void* p, int value, size_t bytes);
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream = nullptr);
+enum {
+  cudaHostAllocDefault = 0,
+  cudaHostAllocPortable = 1,
+  cudaHostAllocMapped = 2,
+  cudaHostAllocWriteCombined = 4
+};
+enum { cudaHostRegisterDefault = 0, cudaHostRegisterPortable = 1 };
+cudaError_t cudaMallocHost(void** p, size_t bytes);
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned flags);
+cudaError_t cudaFreeHost(void* p);
+cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned flags);
+cudaError_t cudaHostUnregister(void* p);
 // Streams: every launch and copy is synchronous; the only work a stream can have outstanding is
 // the emulated NCCL's (nccl_emu.cc: a send or receive not yet matched by its peer), which
 // cudaStreamQuery reports as cudaErrorNotReady and cudaStreamSynchronize waits for. Both also
@@ -113,18 +135,65 @@ cudaError_t cudaStreamQuery(cudaStream_t stream);
 // synchronous, so after cudaMemcpyAsync + cudaEventRecord the event is complete.
 struct CUevent_st;
 typedef struct CUevent_st* cudaEvent_t;
-enum { cudaEventDefault = 0, cudaEventBlockingSync = 1, cudaEventDisableTiming = 2,
-       cudaEventInterprocess = 4 };
+enum {
+  cudaEventDefault = 0,
+  cudaEventBlockingSync = 1,
+  cudaEventDisableTiming = 2,
+  cudaEventInterprocess = 4
+};
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
 cudaError_t cudaEventSynchronize(cudaEvent_t event);
 cudaError_t cudaEventQuery(cudaEvent_t event);
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags = 0);
+// Stream capture and graphs (cuda_emu_async.cc). Between cudaStreamBeginCapture and
+// cudaStreamEndCapture the kernels, cuBLAS GEMMs, cudaMemcpyAsync and cudaMemsetAsync queued on
+// the stream are recorded, not run (kernel arguments copied then, copies reading their source
+// at replay); cudaGraphLaunch replays them in order, synchronously. As CUDA does, capture
+// refuses with cudaErrorStreamCaptureUnsupported, and invalidates the capture (EndCapture then
+// answers cudaErrorStreamCaptureInvalidated and no graph):
+//   - the "potentially unsafe" calls, unless the capture's mode is relaxed: cudaMalloc,
+//     cudaFree, cudaMallocHost, cudaHostAlloc, cudaFreeHost, cudaHostRegister / Unregister,
+//     cudaMemcpy, cudaMemset, cudaDeviceSynchronize, cudaStreamSynchronize of the legacy stream
+//     (from any thread for a global-mode capture, from the capturing thread for thread-local);
+//   - cudaStreamSynchronize or cudaStreamQuery of the capturing stream (any mode);
+//   - cudaMemcpyAsync between the device and pageable host memory onto the capturing stream;
+// and work queued on the legacy stream (nullptr) while a stream created without
+// cudaStreamNonBlocking captures is refused with cudaErrorStreamCaptureImplicit (for a kernel:
+// the launch error), invalidating that capture. Not emulated: event fork/join across streams
+// (an event record on a capturing stream is an empty node; a wait on it does nothing), graph
+// nodes, updates and memory nodes, launch-configuration errors at capture time (they show at
+// replay).
+struct CUgraph_st;
+typedef struct CUgraph_st* cudaGraph_t;
+struct CUgraphExec_st;
+typedef struct CUgraphExec_st* cudaGraphExec_t;
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal = 0,
+  cudaStreamCaptureModeThreadLocal = 1,
+  cudaStreamCaptureModeRelaxed = 2,
+};
+enum cudaStreamCaptureStatus {
+  cudaStreamCaptureStatusNone = 0,
+  cudaStreamCaptureStatusActive = 1,
+  cudaStreamCaptureStatusInvalidated = 2,
+};
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph);
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                 unsigned long long flags = 0);
+cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                          unsigned long long flags = 0);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
 // CUDA IPC within one process (both ends of an emulated "interprocess" exchange are in the
 // test's process): a handle carries the pointer itself. Opening an event handle gives a new
-// event object (the opener destroys it); opening a memory handle returns its pointer (cudaIpcCloseMemHandle is then
-// a no-op). A handle of memory that was not allocated by cudaMalloc is refused.
+// event object (the opener destroys it); opening a memory handle returns its pointer
+// (cudaIpcCloseMemHandle is then a no-op). A handle of memory that was not allocated by cudaMalloc
+// is refused.
 typedef struct cudaIpcMemHandle_st {
   char reserved[64];
 } cudaIpcMemHandle_t;
@@ -167,6 +236,26 @@ namespace dgserve::cuda::emu {
 void StreamWorkBegin(cudaStream_t stream);
 void StreamWorkEnd(cudaStream_t stream);
 
+// Queues `work` on `stream`: runs it now, or records it into the stream's capture (see
+// cudaStreamBeginCapture above). Returns what capture refuses (the work is then dropped).
+cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work);
+
+// cudaSuccess, or cudaErrorStreamCaptureUnsupported (invalidating the captures concerned) when
+// an ongoing capture forbids the potentially unsafe call `call` (message on stderr).
+cudaError_t CaptureForbids(const char* call);
+
+// Refuses `what` on the capturing `stream`: invalidates its capture and returns
+// cudaErrorStreamCaptureUnsupported (message on stderr).
+cudaError_t RefuseInCapture(cudaStream_t stream, const char* what);
+
+// Whether [p, p + bytes) lies in pinned host memory, or in a device allocation.
+bool IsPinnedHost(const void* p, size_t bytes);
+bool IsDeviceMemory(const void* p, size_t bytes);
+
+// The error of a failed kernel, reported by every later synchronisation (cleared by
+// cudaDeviceReset).
+cudaError_t StickyError();
+
 // Records a kernel's opt-in dynamic shared memory size (checked at launch, as on a device:
 // more than 48 KiB needs it).
 void SetMaxDynamicShared(const void* kernel, int bytes);
@@ -175,6 +264,10 @@ void SetMaxDynamicShared(const void* kernel, int bytes);
 // `kernel` identifies the kernel for its shared memory attribute.
 void Launch(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
             const std::function<void()>& thread_body);
+// Launch queued on `stream` (Enqueue): now, or at the replay of the captured graph. A launch
+// that capture refuses sets the last error.
+void LaunchOn(cudaStream_t stream, const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
+              std::function<void()> thread_body);
 
 // The running block's dynamic shared memory.
 void* DynamicSharedBase();
@@ -182,8 +275,30 @@ void* DynamicSharedBase();
 // Warp collective: every lane in `mask` calls it with the same `op`; returns the lane's result:
 // for the shuffles the value of lane `src_lane` (which must be in the mask), for the votes the
 // ballot of value != 0 over the mask.
-enum class WarpOp { kShflIdx, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSync };
+enum class WarpOp { kShflIdx, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSync, kExchange };
 uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane);
+
+// Warp-wide exchange, the collective behind the matrix-core instructions (engine/cuda/cuda_mma.cuh,
+// cuda_emu_mma.cc): every lane of `mask` calls it with the same `fn`; once all have, `fn` runs
+// once, on the last lane to arrive, with each lane's `in` and `out` pointers indexed by lane
+// (nullptr for lanes outside the mask; they point into the callers' stacks, which stay put while
+// the lanes wait), then every lane goes on. As for the shuffles, a lane of the mask that exited
+// or that waits at another collective fails the launch. `name` names the instruction in messages.
+using WarpExchangeFn = void (*)(const void* const in[32], void* const out[32]);
+void WarpExchange(const char* name, unsigned mask, WarpExchangeFn fn, const void* in, void* out);
+
+// Fails the running launch with `what` (cudaErrorLaunchFailure, message on stderr); never
+// returns. For the instruction emulations' own checks (misaligned addresses and the like).
+[[noreturn]] void KernelFailure(const std::string& what);
+
+// The matrix-core instructions of cuda_mma.cuh (cuda_emu_mma.cc; see there and cuda_mma.cuh).
+void MmaBf16M16N8K16(float d[4], const uint32_t a[4], const uint32_t b[2]);
+void LdMatrix(int matrices, bool trans, uint32_t* r, const void* smem_row);
+// cp.async of the running CUDA thread: the copy is recorded and done when a wait completes its
+// group (so a read of the destination before the wait sees the old contents, as a device may).
+void CpAsync(void* dst, const void* src, size_t bytes);
+void CpAsyncCommit();
+void CpAsyncWait(int pending_groups);  // < 0: every copy, committed or not (cp.async.wait_all)
 
 // Block collective over the live (not yet exited) threads.
 struct BlockVote {
@@ -373,14 +488,16 @@ inline double max(double a, double b) { return fmax(a, b); }
 namespace dgserve::cuda {
 
 // The emulated kernel<<<grid, block, shared_bytes, stream>>>(args...): runs the whole grid
-// before returning; errors show in cudaGetLastError(). Each CUDA thread gets its own copy of
-// the arguments, converted to the kernel's parameter types.
+// before returning (or, on a capturing stream, records it with a copy of the arguments);
+// errors show in cudaGetLastError(). Each CUDA thread gets its own copy of the arguments,
+// converted to the kernel's parameter types.
 template <typename... Params, typename... Args>
 void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
                   cudaStream_t stream, Args&&... args) {
-  const std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-  emu::Launch(reinterpret_cast<const void*>(kernel), grid, block, shared_bytes,
-              [&] { std::apply(kernel, params); });
+  auto params =
+      std::make_shared<const std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
+  emu::LaunchOn(stream, reinterpret_cast<const void*>(kernel), grid, block, shared_bytes,
+                [kernel, params] { std::apply(kernel, *params); });
 }
 
 // The running block's dynamic shared memory (16-byte aligned).

@@ -1,9 +1,16 @@
-// The emulated runtime's streams, events, CUDA IPC and device properties (see cuda_emu.h). An
-// emulation: the real runtime needs a GPU; here streams only count outstanding emulated NCCL
-// work and IPC handles carry pointers within the one process.
+// The emulated runtime's streams, stream capture and graphs, events, CUDA IPC and device
+// properties (see cuda_emu.h). An emulation: the real runtime needs a GPU; here streams count
+// outstanding emulated NCCL work and record captured work, and IPC handles carry pointers within
+// the one process.
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <mutex>
+#include <set>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "engine/cuda/emu/cuda_emu.h"
 
@@ -11,10 +18,24 @@ struct CUstream_st {
   std::mutex mu;
   std::condition_variable idle;
   int pending = 0;
+  bool non_blocking = false;
+  // Stream capture (guarded by g_capture_mu below).
+  bool capturing = false, invalidated = false;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::thread::id capture_thread;
+  std::vector<std::function<void()>> nodes;
 };
 
 struct CUevent_st {
   int unused = 0;
+};
+
+struct CUgraph_st {
+  std::vector<std::function<void()>> nodes;
+};
+
+struct CUgraphExec_st {
+  std::vector<std::function<void()>> nodes;
 };
 
 namespace dgserve::cuda::emu {
@@ -25,8 +46,70 @@ CUstream_st& Resolve(cudaStream_t s) {
   return s == nullptr ? *default_stream : *s;
 }
 
+// The streams capturing now (never destroyed: cudaFree, which asks, may run in static
+// destructors). Captured work runs later on the calling thread (cudaGraphLaunch), so recording
+// takes this lock only, never a launch.
+std::mutex g_capture_mu;
+std::set<CUstream_st*>& Capturing() {
+  static std::set<CUstream_st*>& capturing = *new std::set<CUstream_st*>;
+  return capturing;
+}
+
+void Invalidate(CUstream_st* s, const char* what, cudaError_t e) {
+  if (!s->invalidated) {
+    std::fprintf(stderr, "cuda_emu: %s during stream capture: %s; the capture is invalidated\n",
+                 what, cudaGetErrorString(e));
+  }
+  s->invalidated = true;
+  s->nodes.clear();
+}
 
 }  // namespace
+
+cudaError_t CaptureForbids(const char* call) {
+  std::lock_guard<std::mutex> l(g_capture_mu);
+  const std::thread::id self = std::this_thread::get_id();
+  cudaError_t e = cudaSuccess;
+  for (CUstream_st* s : Capturing()) {
+    // The calling thread's mode is the default (global): its own non-relaxed captures and every
+    // other thread's global-mode captures forbid potentially unsafe calls.
+    const bool forbids = s->capture_thread == self ? s->mode != cudaStreamCaptureModeRelaxed
+                                                   : s->mode == cudaStreamCaptureModeGlobal;
+    if (!forbids) continue;
+    e = cudaErrorStreamCaptureUnsupported;
+    Invalidate(s, call, e);
+  }
+  return e;
+}
+
+cudaError_t RefuseInCapture(cudaStream_t stream, const char* what) {
+  std::lock_guard<std::mutex> l(g_capture_mu);
+  Invalidate(&Resolve(stream), what, cudaErrorStreamCaptureUnsupported);
+  return cudaErrorStreamCaptureUnsupported;
+}
+
+cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work) {
+  {
+    std::lock_guard<std::mutex> l(g_capture_mu);
+    if (stream == nullptr) {
+      // The legacy stream waits for, and is waited for by, every blocking stream: work on it
+      // would depend on a capture.
+      cudaError_t e = cudaSuccess;
+      for (CUstream_st* s : Capturing()) {
+        if (s->non_blocking) continue;
+        e = cudaErrorStreamCaptureImplicit;
+        Invalidate(s, "work on the legacy stream (nullptr)", e);
+      }
+      if (e != cudaSuccess) return e;
+    } else if (stream->capturing) {
+      if (stream->invalidated) return cudaErrorStreamCaptureInvalidated;
+      stream->nodes.push_back(std::move(work));
+      return cudaSuccess;
+    }
+  }
+  work();
+  return cudaSuccess;
+}
 
 void StreamWorkBegin(cudaStream_t stream) {
   CUstream_st& s = Resolve(stream);
@@ -46,28 +129,113 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
   *stream = new CUstream_st;
   return cudaSuccess;
 }
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned) {
-  return cudaStreamCreate(stream);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
+  *stream = new CUstream_st;
+  (*stream)->non_blocking = (flags & cudaStreamNonBlocking) != 0;
+  return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  {
+    std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_capture_mu);
+    dgserve::cuda::emu::Capturing().erase(stream);
+  }
   delete stream;
   return cudaSuccess;
 }
+
+namespace {
+// A synchronisation with `stream` (or the device, for nullptr) refused by an ongoing capture.
+cudaError_t SyncForbidden(cudaStream_t stream, const char* call) {
+  if (stream == nullptr) return dgserve::cuda::emu::CaptureForbids(call);
+  bool capturing;
+  {
+    std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_capture_mu);
+    capturing = stream->capturing;
+  }
+  return capturing ? dgserve::cuda::emu::RefuseInCapture(stream, call) : cudaSuccess;
+}
+}  // namespace
+
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  if (const cudaError_t e = SyncForbidden(stream, "cudaStreamSynchronize"); e != cudaSuccess) {
+    return e;
+  }
   CUstream_st& s = dgserve::cuda::emu::Resolve(stream);
   {
     std::unique_lock<std::mutex> l(s.mu);
     s.idle.wait(l, [&] { return s.pending == 0; });
   }
-  return cudaDeviceSynchronize();
+  return dgserve::cuda::emu::StickyError();
 }
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  if (const cudaError_t e = SyncForbidden(stream, "cudaStreamQuery"); e != cudaSuccess) return e;
   CUstream_st& s = dgserve::cuda::emu::Resolve(stream);
   {
     std::lock_guard<std::mutex> l(s.mu);
     if (s.pending > 0) return cudaErrorNotReady;
   }
-  return cudaDeviceSynchronize();
+  return dgserve::cuda::emu::StickyError();
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
+  if (stream == nullptr) return cudaErrorStreamCaptureUnsupported;  // the legacy stream
+  std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_capture_mu);
+  if (stream->capturing) return cudaErrorIllegalState;
+  stream->capturing = true;
+  stream->invalidated = false;
+  stream->mode = mode;
+  stream->capture_thread = std::this_thread::get_id();
+  stream->nodes.clear();
+  dgserve::cuda::emu::Capturing().insert(stream);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  if (stream == nullptr || graph == nullptr) return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_capture_mu);
+  if (!stream->capturing) return cudaErrorIllegalState;
+  stream->capturing = false;
+  dgserve::cuda::emu::Capturing().erase(stream);
+  *graph = nullptr;
+  if (stream->invalidated) {
+    stream->invalidated = false;
+    return cudaErrorStreamCaptureInvalidated;
+  }
+  *graph = new CUgraph_st{std::move(stream->nodes)};
+  stream->nodes.clear();
+  return cudaSuccess;
+}
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
+  if (status == nullptr) return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> l(dgserve::cuda::emu::g_capture_mu);
+  const CUstream_st& s = dgserve::cuda::emu::Resolve(stream);
+  *status = !s.capturing    ? cudaStreamCaptureStatusNone
+            : s.invalidated ? cudaStreamCaptureStatusInvalidated
+                            : cudaStreamCaptureStatusActive;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  if (exec == nullptr || graph == nullptr) return cudaErrorInvalidValue;
+  *exec = new CUgraphExec_st{graph->nodes};
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                          unsigned long long flags) {
+  return cudaGraphInstantiate(exec, graph, flags);
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  if (exec == nullptr) return cudaErrorInvalidValue;
+  // A graph launched into a capture becomes one node of it (a child graph, on a device).
+  return dgserve::cuda::emu::Enqueue(stream, [nodes = exec->nodes] {
+    for (const std::function<void()>& node : nodes) node();
+  });
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete exec;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete graph;
+  return cudaSuccess;
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
@@ -80,12 +248,17 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (event == nullptr) return cudaErrorInvalidResourceHandle;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (stream != nullptr && cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+      status != cudaStreamCaptureStatusNone) {
+    return dgserve::cuda::emu::Enqueue(stream, [] {});  // an empty node (see cuda_emu.h)
+  }
   // The copies before it are synchronous; outstanding NCCL work completes it later on a GPU,
   // here the record waits for it (nothing in this project records after NCCL work).
   return cudaStreamSynchronize(stream);
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
-  return event == nullptr ? cudaErrorInvalidResourceHandle : cudaDeviceSynchronize();
+  return event == nullptr ? cudaErrorInvalidResourceHandle : dgserve::cuda::emu::StickyError();
 }
 cudaError_t cudaEventQuery(cudaEvent_t event) { return cudaEventSynchronize(event); }
 cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t event, unsigned) {
