@@ -3,8 +3,6 @@
 // tests).
 #include "gateway/http_server_test_util.h"
 
-#include <sys/time.h>
-
 #include "absl/synchronization/notification.h"
 
 namespace dgserve {
@@ -351,16 +349,13 @@ TEST_F(HttpServerTest, AnAcceptedStreamSendsItsHeadAndKeepAlivesBeforeItsFirstEv
   HttpServerOptions options;
   options.sse_keepalive_interval = absl::Milliseconds(40);
   StartServer(options);
-  const int fd = ConnectLoopback(port_);
+  const int fd = ConnectLoopback(port_, 10);  // each read bounded by a 10 s receive timeout
   ASSERT_GE(fd, 0);
   const std::string body = R"({"prompt": "x", "stream": true})";
   SendAll(fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                            "Content-Type: application/json\r\nContent-Length: ",
                            body.size(), "\r\n\r\n", body));
-  // Read until the head and two keep-alive comments have arrived, while no event exists
-  // (each read bounded by a 10 s receive timeout).
-  timeval tv{10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  // Read until the head and two keep-alive comments have arrived, while no event exists.
   std::string got;
   char buf[4096];
   auto keepalives = [&got] {
