@@ -425,7 +425,18 @@ cudaError_t cudaFree(void* p) {
   std::free(p);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+namespace dgserve::cuda::emu {
+namespace {
+std::atomic<uint64_t> g_gemms{0}, g_h2d{0}, g_d2h{0}, g_d2d{0};
+}  // namespace
+CallCounts ReadCallCounts() { return {g_gemms.load(), g_h2d.load(), g_d2h.load(), g_d2d.load()}; }
+void CountGemmCall() { ++g_gemms; }
+}  // namespace dgserve::cuda::emu
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  if (kind == cudaMemcpyHostToDevice) ++dgserve::cuda::emu::g_h2d;
+  if (kind == cudaMemcpyDeviceToHost) ++dgserve::cuda::emu::g_d2h;
+  if (kind == cudaMemcpyDeviceToDevice) ++dgserve::cuda::emu::g_d2d;
   if (bytes > 0) std::memmove(dst, src, bytes);
   return Sticky();
 }

@@ -30,6 +30,8 @@
 #include <functional>
 #include <tuple>
 #include <type_traits>
+
+#include "engine/cuda/cuda_profile.h"
 #include <utility>
 
 // ---- Qualifiers and types --------------------------------------------------------------------
@@ -121,6 +123,10 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
 cudaError_t cudaEventSynchronize(cudaEvent_t event);
 cudaError_t cudaEventQuery(cudaEvent_t event);
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags = 0);
+// Host time between the two records (every launch is synchronous, so a record is taken when the
+// work before it has finished). cudaMemGetInfo: free = total (allocations are not tracked).
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end);
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
 // CUDA IPC within one process (both ends of an emulated "interprocess" exchange are in the
 // test's process): a handle carries the pointer itself. Opening an event handle gives a new
 // event object (the opener destroys it); opening a memory handle returns its pointer (cudaIpcCloseMemHandle is then
@@ -368,6 +374,17 @@ inline float max(float a, float b) { return fmaxf(a, b); }
 inline double min(double a, double b) { return fmin(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
 
+// ---- Calls the emulated runtime saw (independent of engine/cuda/cuda_profile.h's counters) -----
+
+namespace dgserve::cuda::emu {
+struct CallCounts {
+  uint64_t gemms = 0;                    // cublasSgemm + cublasGemmEx
+  uint64_t h2d = 0, d2h = 0, d2d = 0;    // cudaMemcpy / cudaMemcpyAsync by kind
+};
+CallCounts ReadCallCounts();
+void CountGemmCall();
+}  // namespace dgserve::cuda::emu
+
 // ---- What engine/cuda/cuda_device.cuh provides under nvcc ---------------------------------------
 
 namespace dgserve::cuda {
@@ -378,6 +395,7 @@ namespace dgserve::cuda {
 template <typename... Params, typename... Args>
 void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
                   cudaStream_t stream, Args&&... args) {
+  NoteKernelLaunch();  // engine/cuda/cuda_profile.h, as cuda_device.cuh counts under nvcc
   const std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
   emu::Launch(reinterpret_cast<const void*>(kernel), grid, block, shared_bytes,
               [&] { std::apply(kernel, params); });
