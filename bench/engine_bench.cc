@@ -66,6 +66,7 @@
 
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_calibrate.h"
+#include "engine/cuda/cuda_ops.h"
 #include "engine/cuda/cuda_profile.h"
 #endif
 
