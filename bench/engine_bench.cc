@@ -424,7 +424,7 @@ int Run() {
   }
   std::printf("backend ready in %.1f s%s\n", Since(t0),
               synthetic && cuda ? " (weights generated on the device)" : "");
-  ckpt->weights = ModelWeights{};  // the CUDA backend copied them; the CPU one needs them
+  if (cuda) ckpt->weights = ModelWeights{};  // copied to the device (the CPU backend keeps using them)
   double device_peak = DeviceMemoryUsedBytes();
 
   std::vector<ContiguousKvCache> kvs;
@@ -475,6 +475,7 @@ int Run() {
   const double budget = absl::GetFlag(FLAGS_step_budget_s);
   const double kv_seq = KvBytesPerSequence(c, P);
   int status = 0;
+  int mirrors = 1;  // device KV mirrors made so far (one per canvas of the largest batch run)
 
   for (const int B : batches) {
     // Room for this batch's KV copies and scratch (device and host), else reported as skipped.
@@ -486,7 +487,7 @@ int Run() {
       if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && free_b < total_b) {
         device_free = double(free_b);
         // Mirrors already made are reused; every sequence beyond needs one, and the rows' scratch.
-        device_need = (B - 1) * kv_seq + double(B) * C * DeviceBytesPerRow(c);
+        device_need = std::max(0, B - mirrors) * kv_seq + double(B) * C * DeviceBytesPerRow(c);
       }
     }
 #endif
@@ -505,6 +506,7 @@ int Run() {
       continue;
     }
     while (int(kvs.size()) < B) kvs.push_back(kvs[0]);  // the same prompt, a cache per canvas
+    mirrors = std::max(mirrors, B);
 
     std::vector<std::vector<int32_t>> canvas(B, std::vector<int32_t>(C));
     for (int b = 0; b < B; ++b) {

@@ -184,7 +184,7 @@ TEST_F(CudaTest, CountsGemmWrapperLaunches) {
   float* x = Alloc<float>(size_t(rows) * in);
   uint16_t* w = Alloc<uint16_t>(size_t(3) * out * in);
   float* y = Alloc<float>(size_t(rows) * out);
-  for (const auto [input, terms] :
+  for (const auto& [input, terms] :
        {std::pair{cuda::GemmInput::kBf16, 1}, std::pair{cuda::GemmInput::kFloat32, 3}}) {
     cuda::CublasContext ctx(input);
     ASSERT_TRUE(ctx.Linear(x, w, rows, in, out, y).ok());  // the first call allocates scratch
