@@ -224,7 +224,48 @@ std::string Fmt(double v, const char* f = "%.3f") {
   return b;
 }
 
+#ifdef DGSERVE_HAVE_CUDA
+// The two ceilings on the current device (--calibrate_copy_mb, --calibrate_gemm_n), printed as
+// the CEILINGS line; the card's name with spaces as '_' (a key=value token) into *gpu_name.
+absl::Status Calibrate(std::string* gpu_name, double* copy_gbs, double* gemm_tflops) {
+  *gpu_name = cuda::CurrentDeviceName();
+  for (char& ch : *gpu_name) {
+    if (ch == ' ' || ch == '=') ch = '_';
+  }
+  auto ceil = cuda::MeasureCeilings(size_t(absl::GetFlag(FLAGS_calibrate_copy_mb)) << 20,
+                                    absl::GetFlag(FLAGS_calibrate_gemm_n));
+  if (!ceil.ok()) return ceil.status();
+  *copy_gbs = ceil->copy_gbs;
+  *gemm_tflops = ceil->gemm_tflops;
+  std::printf(
+      "CEILINGS gpu=%s copy_mb=%.0f copy_gbs=%.1f gemm_n=%d gemm_tflops=%.1f (bf16 in, fp32 "
+      "accumulate and out)\n",
+      gpu_name->c_str(), ceil->copy_bytes / 1048576.0, *copy_gbs, ceil->gemm_n, *gemm_tflops);
+  std::fflush(stdout);
+  return absl::OkStatus();
+}
+#endif
+
 int Run() {
+  if (absl::GetFlag(FLAGS_calibrate_only)) {
+#ifdef DGSERVE_HAVE_CUDA
+    if (absl::GetFlag(FLAGS_device) == "cuda") {
+      if (cuda::DeviceCount() == 0) {
+        std::fprintf(stderr, "--calibrate_only: no CUDA device found\n");
+        return 1;
+      }
+      std::string name;
+      double copy = 0, gemm = 0;
+      if (absl::Status st = Calibrate(&name, &copy, &gemm); !st.ok()) {
+        std::fprintf(stderr, "calibration: %s\n", st.ToString().c_str());
+        return 1;
+      }
+      return 0;
+    }
+#endif
+    std::fprintf(stderr, "--calibrate_only needs --device cuda in a build with the CUDA backend\n");
+    return 2;
+  }
   const double logit_scale = absl::GetFlag(FLAGS_logit_scale);
   if (!(logit_scale > 0 && logit_scale <= 1e6)) {
     std::fprintf(stderr, "--logit_scale must be in (0, 1e6], got %g\n", logit_scale);
@@ -390,25 +431,11 @@ int Run() {
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     // The ceilings first, while the device is empty.
     if (cuda::DeviceCount() > 0) {
-      gpu_name = cuda::CurrentDeviceName();
-      for (char& ch : gpu_name) {
-        if (ch == ' ' || ch == '=') ch = '_';
-      }
-      auto ceil = cuda::MeasureCeilings(size_t(absl::GetFlag(FLAGS_calibrate_copy_mb)) << 20,
-                                        absl::GetFlag(FLAGS_calibrate_gemm_n));
-      if (!ceil.ok()) {
-        std::fprintf(stderr, "calibration: %s\n", ceil.status().ToString().c_str());
+      if (absl::Status st = Calibrate(&gpu_name, &copy_gbs, &gemm_tflops); !st.ok()) {
+        std::fprintf(stderr, "calibration: %s\n", st.ToString().c_str());
         return 1;
       }
-      copy_gbs = ceil->copy_gbs;
-      gemm_tflops = ceil->gemm_tflops;
-      std::printf(
-          "CEILINGS gpu=%s copy_mb=%.0f copy_gbs=%.1f gemm_n=%d gemm_tflops=%.1f (bf16 in, fp32 "
-          "accumulate and out)\n",
-          gpu_name.c_str(), ceil->copy_bytes / 1048576.0, copy_gbs, ceil->gemm_n, gemm_tflops);
-      std::fflush(stdout);
     }
-    if (absl::GetFlag(FLAGS_calibrate_only)) return 0;
     auto created = synthetic
                        ? CreateCudaBackendSynthetic(c, absl::GetFlag(FLAGS_seed), options)
                        : CreateCudaBackend(c, ckpt->weights, options);

@@ -493,7 +493,7 @@ sanitizer_step() {
 [ "${GPU_CHECK_SANITIZER:-0}" = 1 ] && [ "$DRY" != 1 ] && wants sanitizer && sanitizer_step
 
 # --- 4. the real-shape benchmarks ----------------------------------------------------------------
-# Runs engine_bench once ($1: a label, $2: seconds, then its arguments): every RESULT line is
+# Runs engine_bench once ($1: a label without spaces, $2: seconds, then its arguments): every RESULT line is
 # reported, every PHASE line goes to the kernel table ($WORK/phases.txt); a failure is reported
 # with the last lines of its standard error.
 bench_run() {
@@ -544,12 +544,12 @@ bench_step() {
       fail "bench: 2-layer slice gemm_input $g: SKIPPED, $(time_left)s left"
     else
       if [ "$DRY" = 1 ]; then
-        bench_run "tiny ${ctx_short}" "$(budget 120 30)" "$bin" "${dev[@]}" --config "$slice" \
+        bench_run "tiny-${ctx_short}" "$(budget 120 30)" "$bin" "${dev[@]}" --config "$slice" \
           --context "$ctx_short" --batches 1,16 "${common[@]}"
       else
-        bench_run "2-layer 2k $g" "$(budget 60 30)" "$bin" "${dev[@]}" --config "$slice" \
+        bench_run "slice-2k-$g" "$(budget 60 30)" "$bin" "${dev[@]}" --config "$slice" \
           --context "$ctx_short" --batches 1,16 --cuda_gemm_input "$g" "${common[@]}"
-        bench_run "2-layer 32k $g" "$(budget 60 30)" "$bin" "${dev[@]}" --config "$slice" \
+        bench_run "slice-32k-$g" "$(budget 60 30)" "$bin" "${dev[@]}" --config "$slice" \
           --context "$ctx_long" --batches 1,16 --synthetic_kv --cuda_gemm_input "$g" "${common[@]}"
       fi
     fi
@@ -560,14 +560,14 @@ bench_step() {
     elif (($(time_left) < 90)); then
       fail "bench: full 30-layer shape gemm_input $g: SKIPPED, $(time_left)s left (needs about 150)"
     elif [ "$DRY" = 1 ]; then  # the CPU cannot hold 30 layers: the sweep's path on the tiny shape
-      bench_run "tiny sweep ${ctx_long}" "$(budget 200 10)" "$bin" "${dev[@]}" \
+      bench_run "tiny-sweep-${ctx_long}" "$(budget 200 10)" "$bin" "${dev[@]}" \
         --config "$slice" --context "$ctx_long" --batches "$sweep" --step_budget_s 2 \
         "${common[@]}"
     else
-      bench_run "30 layers 2k $g" "$(budget 150 40)" "$bin" "${dev[@]}" --config "$full" \
+      bench_run "full-2k-$g" "$(budget 150 40)" "$bin" "${dev[@]}" --config "$full" \
         --context "$ctx_short" --batches "$sweep" --step_budget_s 6 --cuda_gemm_input "$g" \
         "${common[@]}"
-      bench_run "30 layers 32k $g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \
+      bench_run "full-32k-$g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \
         --context "$ctx_long" --batches "$long_batches" --steps 4 --step_budget_s 8 \
         --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" --phase_timing
     fi
@@ -576,7 +576,7 @@ bench_step() {
   # shape: the synthetic device weights, the counters, the phase timer, the ceilings.
   if [ "$DRY" = 1 ]; then
     if [ -x "$BUILD_DIR/bench/engine_bench_emu" ]; then
-      bench_run "emulated cuda tiny" "$(budget 120 5)" "$BUILD_DIR/bench/engine_bench_emu" \
+      bench_run "emu-cuda-tiny" "$(budget 120 5)" "$BUILD_DIR/bench/engine_bench_emu" \
         --device cuda --config tests/testdata/golden/tiny-v512/config.json --synthetic \
         --context 64 --batches 1,2 --steps 2 --phase_timing --calibrate_copy_mb 1 \
         --calibrate_gemm_n 32 --cuda_gemm_input bf16
