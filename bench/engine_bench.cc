@@ -451,7 +451,7 @@ int Run() {
   }
   std::printf("backend ready in %.1f s%s\n", Since(t0),
               synthetic && cuda ? " (weights generated on the device)" : "");
-  if (cuda) ckpt->weights = ModelWeights{};  // copied to the device (the CPU backend keeps using them)
+  if (cuda) ckpt->weights = ModelWeights{};  // on the device now (the CPU backend uses them)
   double device_peak = DeviceMemoryUsedBytes();
 
   std::vector<ContiguousKvCache> kvs;

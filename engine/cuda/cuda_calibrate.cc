@@ -76,11 +76,11 @@ absl::StatusOr<Ceilings> MeasureCeilings(size_t copy_bytes, int gemm_n, int repe
     for (int r = 0; r <= repetitions && st.ok(); ++r) {
       st = CudaCheck(cudaEventRecord(ev.start), "cudaEventRecord");
       if (!st.ok()) break;
-      st = CublasCheck(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, gemm_n, gemm_n, gemm_n, &alpha,
-                                    a.get(), CUDA_R_16BF, gemm_n, b.get(), CUDA_R_16BF, gemm_n,
-                                    &beta, c.get(), CUDA_R_32F, gemm_n, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT),
-                       "cublasGemmEx (calibration)");
+      st = CublasCheck(
+          cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, gemm_n, gemm_n, gemm_n, &alpha, a.get(),
+                       CUDA_R_16BF, gemm_n, b.get(), CUDA_R_16BF, gemm_n, &beta, c.get(),
+                       CUDA_R_32F, gemm_n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmEx (calibration)");
       if (!st.ok()) break;
       st = CudaCheck(cudaEventRecord(ev.stop), "cudaEventRecord");
       if (!st.ok()) break;

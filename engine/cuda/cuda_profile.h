@@ -30,7 +30,7 @@ struct LaunchCounts {
   // Host round trips: every copy to or from pageable host memory and every explicit sync.
   uint64_t blocking() const { return h2d + d2h + syncs; }
   LaunchCounts operator-(const LaunchCounts& o) const {
-    return {kernels - o.kernels, cublas - o.cublas, d2d - o.d2d, h2d - o.h2d,
+    return {kernels - o.kernels, cublas - o.cublas, d2d - o.d2d,      h2d - o.h2d,
             d2h - o.d2h,         syncs - o.syncs,   allocs - o.allocs};
   }
 };
@@ -71,7 +71,7 @@ inline void NoteAlloc() { profile_detail::Blocking(profile_detail::allocs); }
 inline LaunchCounts ReadLaunchCounts() {
   using namespace profile_detail;
   constexpr auto r = std::memory_order_relaxed;
-  return {kernels.load(r), cublas.load(r), d2d.load(r), h2d.load(r),
+  return {kernels.load(r), cublas.load(r), d2d.load(r),   h2d.load(r),
           d2h.load(r),     syncs.load(r),  allocs.load(r)};
 }
 

@@ -94,8 +94,7 @@ ModelWeights SyntheticModelWeights(const ModelConfig& config, uint64_t seed, boo
     if (!matrices) continue;
     std::vector<uint16_t> bits = RandomTensorBf16(spec, seed);
     if (d.experts != nullptr) {
-      const int experts = int(spec.shape[0]), rows = int(spec.shape[1]),
-                cols = int(spec.shape[2]);
+      const int experts = int(spec.shape[0]), rows = int(spec.shape[1]), cols = int(spec.shape[2]);
       d.experts->clear();
       for (int e = 0; e < experts; ++e) {
         d.experts->push_back(
@@ -105,8 +104,7 @@ ModelWeights SyntheticModelWeights(const ModelConfig& config, uint64_t seed, boo
       w.lm_head = cpu::PackedMatrix::FromBf16(bits.data(), int(spec.shape[0]), int(spec.shape[1]));
       w.embed_tokens = std::move(bits);
     } else {
-      *d.matrix =
-          cpu::PackedMatrix::FromBf16(bits.data(), int(spec.shape[0]), int(spec.shape[1]));
+      *d.matrix = cpu::PackedMatrix::FromBf16(bits.data(), int(spec.shape[0]), int(spec.shape[1]));
     }
   }
   return w;

@@ -61,15 +61,16 @@ TEST(SyntheticWeightsTest, VectorsOnlyLeavesTheMatricesEmpty) {
   // The matrices SyntheticMatrixSpecs lists are every rank-≥2 tensor.
   int64_t elements = 0;
   for (const TensorSpec& s : SyntheticMatrixSpecs(c)) elements += s.numel();
-  EXPECT_EQ(elements * 2 + int64_t(c.vocab_size) * c.hidden_size * 2 +
-                [&] {
-                  int64_t v = 0;
-                  for (const TensorSpec& s : ExpectedTensors(c)) {
-                    if (s.shape.size() < 2) v += s.numel() * 4;
-                  }
-                  return v;
-                }(),
-            WeightBytes(c));
+  EXPECT_EQ(
+      elements * 2 + int64_t(c.vocab_size) * c.hidden_size * 2 +
+          [&] {
+            int64_t v = 0;
+            for (const TensorSpec& s : ExpectedTensors(c)) {
+              if (s.shape.size() < 2) v += s.numel() * 4;
+            }
+            return v;
+          }(),
+      WeightBytes(c));
 }
 
 }  // namespace
