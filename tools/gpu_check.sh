@@ -35,7 +35,8 @@
 #     (addition order in the GEMMs, the kernels' own reductions), which could still flip a sample at a near tie on a random checkpoint,
 #     so a difference is a finding to look at, not a failure (--cuda_gemm_input=bf16 differs
 #     from step 2 on).
-#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the five kernel test binaries
+#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the five kernel test binaries and the
+#     synthetic-weight fill kernels (cuda_synthetic_test's CudaTest.Fill*)
 #     (`sanitizer:`), one error summary per binary and tool (GPU_CHECK_SANITIZER_TOOLS, default
 #     memcheck; also racecheck, synccheck, initcheck).
 # GPU_CHECK_STEPS picks the steps after the build (default "calibrate tests cluster sanitizer
@@ -181,7 +182,7 @@ PER_TEST_S=${PER_TEST_S:-45}
 # Time kept for the later steps while an earlier one runs.
 RESERVE_TESTS=120
 RESERVE_CLUSTER=90
-RESERVE_BENCH=120
+RESERVE_BENCH=190  # the 2-layer slice and the full shape (see the budget above)
 
 # --- 1. build ------------------------------------------------------------------------------------
 missing_of() {  # the binaries of "$@" not in BUILD_DIR, as target names
@@ -473,15 +474,19 @@ sanitizer_step() {
   local san t rel limit summary tool
   san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2> /dev/null)
   [ -n "$san" ] || { report "sanitizer: compute-sanitizer not found"; return; }
+  local filter
   for rel in engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test \
-      engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test; do
+      engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test \
+      engine/cuda/cuda_synthetic_test; do
     t=$(basename "$rel")
+    filter='*'
+    [ "$t" = cuda_synthetic_test ] && filter='CudaTest.Fill*'  # the weight-fill kernels
     [ -x "$BUILD_DIR/$rel" ] || continue
     if (($(time_left) < RESERVE_BENCH + 15)); then report "sanitizer: $t: SKIPPED, no time left"; continue; fi
     for tool in ${GPU_CHECK_SANITIZER_TOOLS:-memcheck}; do
       limit=$(budget 30 "$RESERVE_BENCH")
       timeout "$limit" "$san" --tool "$tool" "$BUILD_DIR/$rel" --gtest_color=no \
-        > "$LOGS/$t.$tool.log" 2>&1
+        --gtest_filter="$filter" > "$LOGS/$t.$tool.log" 2>&1
       local status=$?
       summary=$(grep -m1 'ERROR SUMMARY' "$LOGS/$t.$tool.log" | sed 's/^=* *//')
       if [ "$status" = 124 ]; then report "sanitizer: $t: $tool TIMEOUT after ${limit}s"
