@@ -42,7 +42,8 @@ struct CudaBackendOptions {
   // (one rounding to bf16, a third of the GEMM work).
   cuda::GemmInput gemm_input = cuda::GemmInput::kFloat32;
   // Time the phases of every DenoiseStep with CUDA events (LastCudaPhaseTimes). Off by default:
-  // each bracket costs two event records.
+  // each bracket costs two event records. For one backend at a time (engine_bench): the timer
+  // sees launches through the process-wide observer of cuda_profile.h while its step runs.
   bool phase_timing = false;
 };
 
