@@ -17,6 +17,21 @@
 // step's wall time ÷ the memory bandwidth given by --mem_bandwidth_gbs (0: not computed). With
 // --device cuda the device memory in use (cudaMemGetInfo: total − free, the most seen after
 // prefill and after each step) is reported as well.
+//
+// The real shape on a device (issue 33): --synthetic with --config makes the weights of the
+// random checkpoint in memory instead of writing one (dgserve-mkmodel's values for --seed, bit
+// for bit): on the CPU in host memory, with --device cuda generated on the device by a kernel
+// (no host copy of the matrices), so all 30 layers of the 26B shape run on one GPU without a
+// 52 GB checkpoint. --device cuda also measures the two ceilings first (a device-to-device copy
+// and a bf16 cuBLAS GEMM, --calibrate_copy_mb / --calibrate_gemm_n; 0 skips) and adds per step:
+// launches (our kernels + cuBLAS calls + device copies), blocking host round trips (host↔device
+// copies and syncs), allocations, and with --phase_timing the CUDA-event time of the attention,
+// MoE, dense and vocabulary phases and the host gap (step wall time − their sum).
+// --batches 1,2,4 runs a batch sweep in one process (one weight init, one prefill, a RESULT line
+// per batch; a batch whose KV copies and scratch would not fit in free device or host memory is
+// reported as skipped); --step_budget_s bounds the timed steps per batch; --synthetic_kv fills
+// the prompt's KV cache with deterministic values instead of running the encoder (the 32k-token
+// prefill of 30 layers would take minutes of device time; prefill_ms=na).
 #include <omp.h>
 
 #include <algorithm>
@@ -25,13 +40,18 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/cli.h"
+#include "common/hash.h"
 #include "common/system_resources.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/backend.h"
@@ -39,9 +59,15 @@
 #include "engine/model/backend_select.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
+#include "engine/model/synthetic_weights.h"
 #include "engine/model/tensor_names.h"
 #ifdef DGSERVE_HAVE_CUDA
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>
+
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_calibrate.h"
+#include "engine/cuda/cuda_ops.h"
+#include "engine/cuda/cuda_profile.h"
 #endif
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory");
@@ -63,6 +89,29 @@ ABSL_FLAG(double, logit_scale, 1.0,
 ABSL_FLAG(int, batch, 1, "canvases denoised together per step, each with its own KV cache copy");
 ABSL_FLAG(double, mem_bandwidth_gbs, 0,
           "device memory bandwidth in GB/s for the share of the bf16 bound (0: not reported)");
+ABSL_FLAG(bool, synthetic, false,
+          "with --config/--config_json: make the random checkpoint's weights in memory (on the "
+          "device with --device cuda) instead of writing and loading a checkpoint");
+ABSL_FLAG(bool, synthetic_kv, false,
+          "fill the prompt's KV cache with deterministic values instead of encoding the prompt "
+          "(no prefill timed)");
+ABSL_FLAG(std::string, batches, "",
+          "comma-separated batch sizes to run in turn in this process (overrides --batch)");
+ABSL_FLAG(double, step_budget_s, 0,
+          "per batch: stop timing steps once this many seconds of steps have run (at least one "
+          "timed step; 0: run all --steps)");
+ABSL_FLAG(bool, phase_timing, false,
+          "--device cuda: time the attention, MoE, dense and vocabulary phases of every step "
+          "with CUDA events (costs a little)");
+ABSL_FLAG(int, calibrate_copy_mb, 1024,
+          "--device cuda: MiB of the device-to-device copy that measures the bandwidth ceiling "
+          "(0: skip)");
+ABSL_FLAG(int, calibrate_gemm_n, 8192,
+          "--device cuda: n of the n×n×n bf16 GEMM that measures the tensor-core ceiling (0: "
+          "skip)");
+ABSL_FLAG(bool, calibrate_only, false,
+          "--device cuda: measure the two ceilings, print the CEILINGS line and exit");
+ABSL_DECLARE_FLAG(std::string, cuda_gemm_input);
 
 namespace dgserve {
 namespace {
@@ -112,15 +161,124 @@ double DeviceMemoryUsedBytes() {
   return 0;
 }
 
+// Bytes of one sequence's KV cache (float32 K and V of every layer for `positions` positions):
+// the host ContiguousKvCache and the CUDA backend's device mirror each hold this much.
+double KvBytesPerSequence(const ModelConfig& c, int positions) {
+  double b = 0;
+  for (int l = 0; l < c.num_layers; ++l) b += 2.0 * 4 * double(c.KvHeads(l)) * c.HeadDim(l);
+  return b * positions;
+}
+
+// Device scratch per stacked canvas row (the CUDA backend's activations, MoE buffers, bf16 GEMM
+// input, fp32 logits and bf16 probabilities), an upper estimate.
+double DeviceBytesPerRow(const ModelConfig& c) {
+  int qw = 0, kw = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    qw = std::max(qw, c.num_heads * c.HeadDim(l));
+    kw = std::max(kw, c.KvHeads(l) * c.HeadDim(l));
+  }
+  const double D = c.hidden_size, K = c.top_k_experts, F = c.moe_intermediate_size;
+  const double floats = 7 * D + 2.0 * qw + 2.0 * kw + c.num_experts + 2.0 * c.intermediate_size +
+                        K * (2 * D + 3 * F);
+  return 4 * floats + 2 * K * D + 6.0 * c.vocab_size;
+}
+
+// What one step's phases read and compute, for the table of % of ceiling (PHASE lines).
+struct PhaseWork {
+  double dense_bytes = 0, moe_bytes = 0, vocab_bytes = 0, attn_bytes = 0;
+  double dense_flops = 0, moe_flops = 0, vocab_flops = 0, attn_flops = 0;
+};
+PhaseWork StepWork(const ModelConfig& c, int rows_per_canvas, int batch, int ctx) {
+  PhaseWork w;
+  const double R = double(rows_per_canvas) * batch;
+  for (const TensorSpec& s : ExpectedTensors(c)) {
+    if (s.shape.size() < 2) continue;
+    const double n = double(s.numel());
+    if (s.name.find("embed_tokens") != std::string::npos) {
+      w.vocab_bytes += 2 * 2 * n;  // LM head and self-conditioning product
+      w.vocab_flops += 2 * 2 * R * n;
+    } else if (s.name.find(".experts.") != std::string::npos) {
+      w.moe_bytes += 2 * n;  // every expert read (canvas · top-k ≥ experts)
+    } else if (s.name.find(".router.") != std::string::npos) {
+      w.moe_bytes += 4 * n;  // float32 on the device
+      w.moe_flops += 2 * R * n;
+    } else {
+      w.dense_bytes += 2 * n;
+      w.dense_flops += 2 * R * n;
+    }
+  }
+  const double D = c.hidden_size, F = c.moe_intermediate_size;
+  w.moe_flops += 2 * R * c.top_k_experts * 3 * D * F;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const int keys = (c.IsFull(l) ? ctx : std::min(ctx, c.sliding_window - 1)) + rows_per_canvas;
+    const double hd = c.HeadDim(l), kvw = double(c.KvHeads(l)) * hd;
+    w.attn_bytes += double(batch) * keys * kvw * 4 * 2;  // float32 K and V of every canvas
+    w.attn_flops += 2.0 * 2 * R * c.num_heads * hd * keys;
+  }
+  return w;
+}
+
+std::string Fmt(double v, const char* f = "%.3f") {
+  char b[64];
+  std::snprintf(b, sizeof(b), f, v);
+  return b;
+}
+
+#ifdef DGSERVE_HAVE_CUDA
+// The two ceilings on the current device (--calibrate_copy_mb, --calibrate_gemm_n), printed as
+// the CEILINGS line; the card's name with spaces as '_' (a key=value token) into *gpu_name.
+absl::Status Calibrate(std::string* gpu_name, double* copy_gbs, double* gemm_tflops) {
+  *gpu_name = cuda::CurrentDeviceName();
+  for (char& ch : *gpu_name) {
+    if (ch == ' ' || ch == '=') ch = '_';
+  }
+  auto ceil = cuda::MeasureCeilings(size_t(absl::GetFlag(FLAGS_calibrate_copy_mb)) << 20,
+                                    absl::GetFlag(FLAGS_calibrate_gemm_n));
+  if (!ceil.ok()) return ceil.status();
+  *copy_gbs = ceil->copy_gbs;
+  *gemm_tflops = ceil->gemm_tflops;
+  std::printf(
+      "CEILINGS gpu=%s copy_mb=%.0f copy_gbs=%.1f gemm_n=%d gemm_tflops=%.1f (bf16 in, fp32 "
+      "accumulate and out)\n",
+      gpu_name->c_str(), ceil->copy_bytes / 1048576.0, *copy_gbs, ceil->gemm_n, *gemm_tflops);
+  std::fflush(stdout);
+  return absl::OkStatus();
+}
+#endif
+
 int Run() {
+  if (absl::GetFlag(FLAGS_calibrate_only)) {
+#ifdef DGSERVE_HAVE_CUDA
+    if (absl::GetFlag(FLAGS_device) == "cuda") {
+      if (cuda::DeviceCount() == 0) {
+        std::fprintf(stderr, "--calibrate_only: no CUDA device found\n");
+        return 1;
+      }
+      std::string name;
+      double copy = 0, gemm = 0;
+      if (absl::Status st = Calibrate(&name, &copy, &gemm); !st.ok()) {
+        std::fprintf(stderr, "calibration: %s\n", st.ToString().c_str());
+        return 1;
+      }
+      return 0;
+    }
+#endif
+    std::fprintf(stderr, "--calibrate_only needs --device cuda in a build with the CUDA backend\n");
+    return 2;
+  }
   const double logit_scale = absl::GetFlag(FLAGS_logit_scale);
   if (!(logit_scale > 0 && logit_scale <= 1e6)) {
     std::fprintf(stderr, "--logit_scale must be in (0, 1e6], got %g\n", logit_scale);
     return 2;
   }
   std::string dir = absl::GetFlag(FLAGS_model);
+  const bool synthetic = absl::GetFlag(FLAGS_synthetic);
   if (!dir.empty() && absl::GetFlag(FLAGS_layers) != 0) {
     std::fprintf(stderr, "--layers applies to --config/--config_json, not to --model\n");
+    return 2;
+  }
+  if (!dir.empty() && synthetic) {
+    std::fprintf(stderr, "--synthetic applies to --config/--config_json, not to --model\n");
     return 2;
   }
   if (absl::GetFlag(FLAGS_canvas) < 0 || absl::GetFlag(FLAGS_steps) < 1 ||
@@ -128,12 +286,32 @@ int Run() {
     std::fprintf(stderr, "--canvas must be ≥ 0 (0: the checkpoint's), --steps and --context ≥ 1\n");
     return 2;
   }
-  const int B = absl::GetFlag(FLAGS_batch);
-  if (B < 1 || B > 256) {
-    std::fprintf(stderr, "--batch must be in [1, 256], got %d\n", B);
-    return 2;
+  std::vector<int> batches;
+  if (const std::string list = absl::GetFlag(FLAGS_batches); !list.empty()) {
+    for (absl::string_view part : absl::StrSplit(list, ',')) {
+      int b = 0;
+      if (!absl::SimpleAtoi(part, &b)) {
+        std::fprintf(stderr, "--batches: '%s' is not a number\n", std::string(part).c_str());
+        return 2;
+      }
+      batches.push_back(b);
+    }
+  } else {
+    batches.push_back(absl::GetFlag(FLAGS_batch));
   }
+  for (int b : batches) {
+    if (b < 1 || b > 256) {
+      std::fprintf(stderr, "--batch must be in [1, 256], got %d\n", b);
+      return 2;
+    }
+  }
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+  const std::string device = absl::GetFlag(FLAGS_device);
+  const bool cuda = device == "cuda";
   std::filesystem::path tmp;
+  std::optional<Checkpoint> ckpt;
+  ModelConfig c;
+  auto t0 = Clock::now();
   if (dir.empty()) {
     std::string text = absl::GetFlag(FLAGS_config_json);
     if (text.empty() && !absl::GetFlag(FLAGS_config).empty()) {
@@ -162,40 +340,57 @@ int Run() {
       cfg->layer_types.resize(n);
       cfg->layer_types.back() = LayerType::kFull;  // as the loader does (HF forces it)
     }
-    // Refuse a shape whose weights (bf16, see WeightBytes) cannot fit before writing it.
+    // Refuse a shape whose weights (bf16, see WeightBytes) cannot fit before writing it (host
+    // memory; with --synthetic on the device the host holds only the norms and scalars).
     const int64_t bytes = WeightBytes(*cfg);
-    std::printf("weights in memory: %.2f GB (bf16 matrices, embedding twice)\n", bytes / 1e9);
-    if (auto avail = AvailableMemoryBytes(); avail && uint64_t(bytes) > *avail) {
-      std::fprintf(stderr,
-                   "this shape needs %.1f GB of weights but only %.1f GB of memory are "
-                   "available; use --layers N for a slice\n",
-                   bytes / 1e9, double(*avail) / 1e9);
+    std::printf("weights in memory: %.2f GB (bf16 matrices, embedding twice)%s\n", bytes / 1e9,
+                synthetic && cuda ? " (on the device, generated there)" : "");
+    if (!(synthetic && cuda)) {
+      if (auto avail = AvailableMemoryBytes(); avail && uint64_t(bytes) > *avail) {
+        std::fprintf(stderr,
+                     "this shape needs %.1f GB of weights but only %.1f GB of memory are "
+                     "available; use --layers N for a slice%s\n",
+                     bytes / 1e9, double(*avail) / 1e9,
+                     cuda ? " or --synthetic (weights made on the device)" : "");
+        return 1;
+      }
+    }
+    c = *cfg;
+    if (synthetic) {
+      ckpt.emplace();
+      ckpt->config = c;
+      if (!cuda) {
+        ckpt->weights = SyntheticModelWeights(c, absl::GetFlag(FLAGS_seed));
+        std::printf("generated synthetic weights in host memory in %.1f s\n", Since(t0));
+      }
+    } else {
+      tmp = std::filesystem::temp_directory_path() / absl::StrCat("dgserve_bench_", ::getpid());
+      absl::Status st =
+          WriteRandomCheckpoint(*cfg, GenerationConfig{}, absl::GetFlag(FLAGS_seed), tmp.string());
+      if (!st.ok()) {
+        std::fprintf(stderr, "%s\n", st.ToString().c_str());
+        return 1;
+      }
+      std::printf("generated checkpoint in %.1f s\n", Since(t0));
+      dir = tmp.string();
+    }
+  }
+  if (!ckpt.has_value()) {
+    t0 = Clock::now();
+    auto loaded = LoadCheckpoint(dir);
+    if (!tmp.empty()) std::filesystem::remove_all(tmp);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str());
       return 1;
     }
-    tmp = std::filesystem::temp_directory_path() / absl::StrCat("dgserve_bench_", ::getpid());
-    auto t0 = Clock::now();
-    absl::Status st =
-        WriteRandomCheckpoint(*cfg, GenerationConfig{}, absl::GetFlag(FLAGS_seed), tmp.string());
-    if (!st.ok()) {
-      std::fprintf(stderr, "%s\n", st.ToString().c_str());
-      return 1;
-    }
-    std::printf("generated checkpoint in %.1f s\n", Since(t0));
-    dir = tmp.string();
+    ckpt.emplace(*std::move(loaded));
+    c = ckpt->config;
+    std::printf("loaded checkpoint in %.1f s\n", Since(t0));
   }
-  auto t0 = Clock::now();
-  auto ckpt = LoadCheckpoint(dir);
-  if (!tmp.empty()) std::filesystem::remove_all(tmp);
-  if (!ckpt.ok()) {
-    std::fprintf(stderr, "%s\n", ckpt.status().ToString().c_str());
-    return 1;
-  }
-  std::printf("loaded checkpoint in %.1f s\n", Since(t0));
   if (auto rss = ResidentBytes(), peak = PeakResidentBytes(); rss && peak) {
     std::printf("resident memory after load %.2f GB (peak so far %.2f GB)\n", *rss / 1e9,
                 *peak / 1e9);
   }
-  const ModelConfig& c = ckpt->config;
   const int C = absl::GetFlag(FLAGS_canvas) != 0 ? absl::GetFlag(FLAGS_canvas) : c.canvas_length;
   const int steps = absl::GetFlag(FLAGS_steps);
   const int P = absl::GetFlag(FLAGS_context);
@@ -215,125 +410,339 @@ int Run() {
   }
   const int V = c.vocab_size, D = c.hidden_size;
   for (float& w : ckpt->weights.final_norm) w = float(w * logit_scale);
-  const std::string device = absl::GetFlag(FLAGS_device);
-  auto created = CreateBackendForDevice(device, c, ckpt->weights);
-  if (!created.ok()) {
-    std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
+  std::string gemm_input = "na";
+  std::unique_ptr<ModelBackend> backend;
+  std::string gpu_name = "cpu";
+  double copy_gbs = 0, gemm_tflops = 0;
+  t0 = Clock::now();
+  if (!cuda) {
+    auto created = CreateBackendForDevice(device, c, ckpt->weights);
+    if (!created.ok()) {
+      std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
+      return 1;
+    }
+    backend = *std::move(created);
+  } else {
+#ifdef DGSERVE_HAVE_CUDA
+    gemm_input = absl::GetFlag(FLAGS_cuda_gemm_input);
+    CudaBackendOptions options;
+    options.gemm_input = gemm_input == "bf16" ? cuda::GemmInput::kBf16 : cuda::GemmInput::kFloat32;
+    options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
+    options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
+    // The ceilings first, while the device is empty.
+    if (cuda::DeviceCount() > 0) {
+      if (absl::Status st = Calibrate(&gpu_name, &copy_gbs, &gemm_tflops); !st.ok()) {
+        std::fprintf(stderr, "calibration: %s\n", st.ToString().c_str());
+        return 1;
+      }
+    }
+    auto created = synthetic
+                       ? CreateCudaBackendSynthetic(c, absl::GetFlag(FLAGS_seed), options)
+                       : CreateCudaBackend(c, ckpt->weights, options);
+    if (!created.ok()) {
+      std::fprintf(stderr, "--device cuda: %s\n", created.status().ToString().c_str());
+      return 1;
+    }
+    backend = *std::move(created);
+#else
+    std::fprintf(stderr, "--device cuda: this binary was built without the CUDA backend\n");
     return 1;
+#endif
   }
-  std::unique_ptr<ModelBackend> backend = *std::move(created);
+  std::printf("backend ready in %.1f s%s\n", Since(t0),
+              synthetic && cuda ? " (weights generated on the device)" : "");
+  if (cuda) ckpt->weights = ModelWeights{};  // on the device now (the CPU backend uses them)
   double device_peak = DeviceMemoryUsedBytes();
 
   std::vector<ContiguousKvCache> kvs;
-  kvs.reserve(B);
+  kvs.reserve(max_batch);
   kvs.emplace_back(c, P);
   std::vector<int32_t> prompt(P);
   for (int i = 0; i < P; ++i) prompt[i] = (i * 7919 + 13) % V;
   const int chunk = std::max(1, absl::GetFlag(FLAGS_prefill_chunk));
+  const bool synthetic_kv = absl::GetFlag(FLAGS_synthetic_kv);
+  double prefill_s = 0;
   auto t_enc = Clock::now();
-  for (int at = 0; at < P; at += chunk) {  // in chunks, as the prefill worker encodes
-    EncodeInput enc{std::span<const int32_t>(prompt).subspan(at, std::min(chunk, P - at)),
-                    &kvs[0]};
-    if (absl::Status st = backend->Encode({&enc, 1}); !st.ok()) {
+  if (synthetic_kv) {
+    // Values of a normalised key or value's size, deterministic in (layer, position, index).
+    if (absl::Status st = kvs[0].Reserve(P); !st.ok()) {
       std::fprintf(stderr, "%s\n", st.ToString().c_str());
       return 1;
     }
-  }
-  const double prefill_s = Since(t_enc);
-  for (int b = 1; b < B; ++b) kvs.push_back(kvs[0]);  // the same prompt, a cache per canvas
-  device_peak = std::max(device_peak, DeviceMemoryUsedBytes());
-
-  std::vector<std::vector<int32_t>> canvas(B, std::vector<int32_t>(C));
-  for (int b = 0; b < B; ++b) {
-    for (int i = 0; i < C; ++i) canvas[b][i] = (i * 104729 + 5 + b * 31) % V;
-  }
-  std::vector<std::vector<float>> soft(B, std::vector<float>(size_t(C) * D));
-  std::vector<std::vector<float>> next_soft(B, std::vector<float>(size_t(C) * D));
-  std::vector<std::vector<float>> uniforms(B, std::vector<float>(C));
-  std::vector<std::vector<RowResult>> rows(B, std::vector<RowResult>(C));
-  double body = 0, vocab = 0, wall = 0, entropy_sum = 0;
-  int64_t sc_pairs = 0, sc_skipped = 0, sc_kept_dense = 0;
-  for (int s = 0; s <= steps; ++s) {  // step 0 is a warm-up, not timed
-    std::vector<DenoiseStepInput> in(B);
-    for (int b = 0; b < B; ++b) {
-      for (int i = 0; i < C; ++i) {
-        uniforms[b][i] = float((i * 37 + s * 11 + b * 7) % 1000) / 1000.0f;
+    for (int l = 0; l < c.num_layers; ++l) {
+      const int w = c.KvHeads(l) * c.HeadDim(l);
+#pragma omp parallel for
+      for (int p = 0; p < P; ++p) {
+        float* k = kvs[0].MutableKeyRow(l, p);
+        float* v = kvs[0].MutableValueRow(l, p);
+        for (int i = 0; i < w; ++i) {
+          const uint64_t x = SplitMix64((uint64_t(l) << 48) ^ (uint64_t(p) << 20) ^ uint64_t(i));
+          k[i] = float(int32_t(x >> 40) - 8388608) * 0x1p-23f;
+          v[i] = float(int32_t(x & 0xFFFFFF) - 8388608) * 0x1p-23f;
+        }
       }
-      in[b].canvas = canvas[b];
-      in[b].sc_soft = s > 0 ? soft[b].data() : nullptr;
-      in[b].kv = &kvs[b];
-      in[b].temperature = 0.8f - 0.4f * float(s) / float(steps + 1);
-      in[b].uniforms = uniforms[b];
-      in[b].rows = rows[b].data();
-      in[b].next_soft = next_soft[b].data();
-      in[b].sparse_sc = UseSparseSelfConditioning(s, rows[b]);  // as the engine decides
     }
-    auto t_step = Clock::now();
-    if (absl::Status st = backend->DenoiseStep(in); !st.ok()) {
-      std::fprintf(stderr, "%s\n", st.ToString().c_str());
-      return 1;
+    kvs[0].Commit(P);
+    std::printf("synthetic KV cache of %d positions in %.1f s (no prefill timed)\n", P,
+                Since(t_enc));
+  } else {
+    for (int at = 0; at < P; at += chunk) {  // in chunks, as the prefill worker encodes
+      EncodeInput enc{std::span<const int32_t>(prompt).subspan(at, std::min(chunk, P - at)),
+                      &kvs[0]};
+      if (absl::Status st = backend->Encode({&enc, 1}); !st.ok()) {
+        std::fprintf(stderr, "%s\n", st.ToString().c_str());
+        return 1;
+      }
     }
-    const double step_wall = Since(t_step);  // rows are on the host: the step has finished
-    device_peak = std::max(device_peak, DeviceMemoryUsedBytes());
-    for (int b = 0; b < B; ++b) {
-      std::swap(soft[b], next_soft[b]);
-      for (int i = 0; i < C; ++i) canvas[b][i] = rows[b][i].sampled;  // keep the canvas moving
-    }
-    if (s == 0) continue;
-    wall += step_wall;
-    body += backend->last_decode_timings().body_seconds;
-    vocab += backend->last_decode_timings().lm_head_seconds;
-    sc_pairs += backend->last_decode_timings().sc_tile_rows;
-    sc_skipped += backend->last_decode_timings().sc_tile_rows_skipped;
-    sc_kept_dense += backend->last_decode_timings().sc_rows_kept_dense;
-    for (int b = 0; b < B; ++b) {
-      for (int i = 0; i < C; ++i) entropy_sum += rows[b][i].entropy;
-    }
+    prefill_s = Since(t_enc);
   }
-  const double per_step = wall / steps;
-  const double body_flops = BodyFlops(c, C, P) * steps * B;
-  const double vocab_flops = 2 * 2.0 * C * double(V) * D * steps * B;  // LM head + SC product
+  device_peak = std::max(device_peak, DeviceMemoryUsedBytes());
   const double bf16_bytes = Bf16BytesPerStep(c);
   const double bw = absl::GetFlag(FLAGS_mem_bandwidth_gbs) * 1e9;
-  const double bound_share = bw > 0 ? bf16_bytes / per_step / bw : 0;
-  std::printf(
-      "shape: vocab %d hidden %d layers %d experts %d top-k %d | canvas %d × batch %d | context "
-      "%d | %d steps | device %s | %d threads\n",
-      V, D, c.num_layers, c.num_experts, c.top_k_experts, C, B, P, steps, device.c_str(),
-      omp_get_max_threads());
-  std::printf("prefill (encoder pass)     %10.2f ms  %10.0f tokens/s\n", 1e3 * prefill_s,
-              P / prefill_s);
-  std::printf("time per denoise step      %10.2f ms (wall, all %d canvases)\n", 1e3 * per_step, B);
-  std::printf("time per canvas of %3d st. %10.2f ms\n", steps, 1e3 * per_step * steps);
-  std::printf("canvas positions per s     %10.0f\n", double(C) * B / per_step);
-  std::printf("  body (layers, SC MLP)    %10.2f ms/step  %8.1f GFLOP/s\n", 1e3 * body / steps,
-              body > 0 ? body_flops / body / 1e9 : 0.0);
-  std::printf(
-      "  vocabulary-sized work    %10.2f ms/step  %8.1f GFLOP/s (LM head + SC GEMMs,\n"
-      "                           fused with softcap/softmax/entropy/sampling)\n",
-      1e3 * vocab / steps, vocab > 0 ? vocab_flops / vocab / 1e9 : 0.0);
-  std::printf("mean row entropy           %10.3f nats (uniform over the vocabulary: %.3f)\n",
-              entropy_sum / (double(steps) * B * C), std::log(double(V)));
-  if (sc_pairs > 0) {
-    std::printf("sparse SC product: %.1f %% of (row, vocabulary tile) pairs left out, %lld rows "
-                "kept dense by the bound (DGSERVE_DENSE_SC=1: dense)\n",
-                100.0 * double(sc_skipped) / double(sc_pairs), (long long)sc_kept_dense);
+  const double budget = absl::GetFlag(FLAGS_step_budget_s);
+  const double kv_seq = KvBytesPerSequence(c, P);
+  int status = 0;
+  int mirrors = 1;  // device KV mirrors made so far (one per canvas of the largest batch run)
+
+  for (const int B : batches) {
+    // Room for this batch's KV copies and scratch (device and host), else reported as skipped.
+    const double host_need = (B - int(kvs.size())) * kv_seq;
+    double device_need = 0, device_free = 0;
+#ifdef DGSERVE_HAVE_CUDA
+    if (cuda) {
+      size_t free_b = 0, total_b = 0;
+      if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && free_b < total_b) {
+        device_free = double(free_b);
+        // Mirrors already made are reused; every sequence beyond needs one, and the rows' scratch.
+        device_need = std::max(0, B - mirrors) * kv_seq + double(B) * C * DeviceBytesPerRow(c);
+      }
+    }
+#endif
+    const auto host_avail = AvailableMemoryBytes();
+    const bool no_device_room = device_free > 0 && device_need > 0.95 * device_free;
+    const bool no_host_room = host_avail && host_need > 0.9 * double(*host_avail);
+    if (no_device_room || no_host_room) {
+      std::printf(
+          "RESULT device=%s gpu=%s layers=%d canvas=%d batch=%d context=%d gemm_input=%s "
+          "status=skipped reason=%s need_gb=%.1f free_gb=%.1f\n",
+          device.c_str(), gpu_name.c_str(), c.num_layers, C, B, P, gemm_input.c_str(),
+          no_device_room ? "device_memory" : "host_memory",
+          (no_device_room ? device_need : host_need) / 1e9,
+          (no_device_room ? device_free : double(*host_avail)) / 1e9);
+      std::fflush(stdout);
+      continue;
+    }
+    while (int(kvs.size()) < B) kvs.push_back(kvs[0]);  // the same prompt, a cache per canvas
+    mirrors = std::max(mirrors, B);
+
+    std::vector<std::vector<int32_t>> canvas(B, std::vector<int32_t>(C));
+    for (int b = 0; b < B; ++b) {
+      for (int i = 0; i < C; ++i) canvas[b][i] = (i * 104729 + 5 + b * 31) % V;
+    }
+    std::vector<std::vector<float>> soft(B, std::vector<float>(size_t(C) * D));
+    std::vector<std::vector<float>> next_soft(B, std::vector<float>(size_t(C) * D));
+    std::vector<std::vector<float>> uniforms(B, std::vector<float>(C));
+    std::vector<std::vector<RowResult>> rows(B, std::vector<RowResult>(C));
+    double body = 0, vocab = 0, wall = 0, entropy_sum = 0;
+    double ph_attn = 0, ph_moe = 0, ph_dense = 0, ph_vocab = 0;
+    bool have_phases = false;
+#ifdef DGSERVE_HAVE_CUDA
+    cuda::LaunchCounts counts;
+#endif
+    int64_t sc_pairs = 0, sc_skipped = 0, sc_kept_dense = 0;
+    int timed = 0;
+    bool failed = false;
+    for (int s = 0; s <= steps; ++s) {  // step 0 is a warm-up, not timed
+      std::vector<DenoiseStepInput> in(B);
+      for (int b = 0; b < B; ++b) {
+        for (int i = 0; i < C; ++i) {
+          uniforms[b][i] = float((i * 37 + s * 11 + b * 7) % 1000) / 1000.0f;
+        }
+        in[b].canvas = canvas[b];
+        in[b].sc_soft = s > 0 ? soft[b].data() : nullptr;
+        in[b].kv = &kvs[b];
+        in[b].temperature = 0.8f - 0.4f * float(s) / float(steps + 1);
+        in[b].uniforms = uniforms[b];
+        in[b].rows = rows[b].data();
+        in[b].next_soft = next_soft[b].data();
+        in[b].sparse_sc = UseSparseSelfConditioning(s, rows[b]);  // as the engine decides
+      }
+#ifdef DGSERVE_HAVE_CUDA
+      const cuda::LaunchCounts before = cuda::ReadLaunchCounts();
+#endif
+      auto t_step = Clock::now();
+      if (absl::Status st = backend->DenoiseStep(in); !st.ok()) {
+        std::fprintf(stderr, "batch %d: %s\n", B, st.ToString().c_str());
+        failed = true;
+        break;
+      }
+      const double step_wall = Since(t_step);  // rows are on the host: the step has finished
+#ifdef DGSERVE_HAVE_CUDA
+      const cuda::LaunchCounts step_counts = cuda::ReadLaunchCounts() - before;
+#endif
+      device_peak = std::max(device_peak, DeviceMemoryUsedBytes());
+      for (int b = 0; b < B; ++b) {
+        std::swap(soft[b], next_soft[b]);
+        for (int i = 0; i < C; ++i) canvas[b][i] = rows[b][i].sampled;  // keep the canvas moving
+      }
+      if (s == 0) continue;
+      ++timed;
+      wall += step_wall;
+      body += backend->last_decode_timings().body_seconds;
+      vocab += backend->last_decode_timings().lm_head_seconds;
+      sc_pairs += backend->last_decode_timings().sc_tile_rows;
+      sc_skipped += backend->last_decode_timings().sc_tile_rows_skipped;
+      sc_kept_dense += backend->last_decode_timings().sc_rows_kept_dense;
+#ifdef DGSERVE_HAVE_CUDA
+      counts.kernels += step_counts.kernels;
+      counts.cublas += step_counts.cublas;
+      counts.d2d += step_counts.d2d;
+      counts.h2d += step_counts.h2d;
+      counts.d2h += step_counts.d2h;
+      counts.syncs += step_counts.syncs;
+      counts.allocs += step_counts.allocs;
+      if (cuda) {
+        if (auto t = LastCudaPhaseTimes(*backend)) {
+          have_phases = true;
+          ph_attn += t->attention_ms;
+          ph_moe += t->moe_ms;
+          ph_dense += t->dense_ms;
+          ph_vocab += t->vocab_ms;
+        }
+      }
+#endif
+      for (int b = 0; b < B; ++b) {
+        for (int i = 0; i < C; ++i) entropy_sum += rows[b][i].entropy;
+      }
+      if (budget > 0 && wall >= budget) break;
+    }
+    if (failed) {
+      std::printf(
+          "RESULT device=%s gpu=%s layers=%d canvas=%d batch=%d context=%d gemm_input=%s "
+          "status=failed\n",
+          device.c_str(), gpu_name.c_str(), c.num_layers, C, B, P, gemm_input.c_str());
+      std::fflush(stdout);
+      status = 1;
+      continue;
+    }
+    const double per_step = wall / timed;
+    const double body_flops = BodyFlops(c, C, P) * timed * B;
+    const double vocab_flops = 2 * 2.0 * C * double(V) * D * timed * B;  // LM head + SC product
+    const double bound_share = bw > 0 ? bf16_bytes / per_step / bw : 0;
+    const double copy_share = copy_gbs > 0 ? bf16_bytes / per_step / (copy_gbs * 1e9) : 0;
+    std::printf(
+        "shape: vocab %d hidden %d layers %d experts %d top-k %d | canvas %d × batch %d | "
+        "context %d | %d steps | device %s | %d threads\n",
+        V, D, c.num_layers, c.num_experts, c.top_k_experts, C, B, P, timed, device.c_str(),
+        omp_get_max_threads());
+    if (synthetic_kv) {
+      std::printf("prefill (encoder pass)     not run (--synthetic_kv)\n");
+    } else {
+      std::printf("prefill (encoder pass)     %10.2f ms  %10.0f tokens/s\n", 1e3 * prefill_s,
+                  P / prefill_s);
+    }
+    std::printf("time per denoise step      %10.2f ms (wall, all %d canvases)\n", 1e3 * per_step,
+                B);
+    std::printf("time per canvas of %3d st. %10.2f ms\n", steps, 1e3 * per_step * steps);
+    std::printf("canvas positions per s     %10.0f (%.0f tokens/s at 16 steps per canvas)\n",
+                double(C) * B / per_step, double(C) * B / (16 * per_step));
+    std::printf("  body (layers, SC MLP)    %10.2f ms/step  %8.1f GFLOP/s\n", 1e3 * body / timed,
+                body > 0 ? body_flops / body / 1e9 : 0.0);
+    std::printf(
+        "  vocabulary-sized work    %10.2f ms/step  %8.1f GFLOP/s (LM head + SC GEMMs,\n"
+        "                           fused with softcap/softmax/entropy/sampling)\n",
+        1e3 * vocab / timed, vocab > 0 ? vocab_flops / vocab / 1e9 : 0.0);
+    if (have_phases) {
+      const double sum = (ph_attn + ph_moe + ph_dense + ph_vocab) / timed;
+      std::printf(
+          "  phases (CUDA events)     attention %.2f  moe %.2f  dense %.2f  vocabulary %.2f  "
+          "host gaps %.2f ms/step\n",
+          ph_attn / timed, ph_moe / timed, ph_dense / timed, ph_vocab / timed,
+          1e3 * per_step - sum);
+    }
+    std::printf("mean row entropy           %10.3f nats (uniform over the vocabulary: %.3f)\n",
+                entropy_sum / (double(timed) * B * C), std::log(double(V)));
+    if (sc_pairs > 0) {
+      std::printf("sparse SC product: %.1f %% of (row, vocabulary tile) pairs left out, %lld rows "
+                  "kept dense by the bound (DGSERVE_DENSE_SC=1: dense)\n",
+                  100.0 * double(sc_skipped) / double(sc_pairs), (long long)sc_kept_dense);
+    }
+    std::printf("bf16 weights read per step %10.3f GB", bf16_bytes / 1e9);
+    if (bw > 0) {
+      std::printf(" → %.1f %% of the bf16 bound at %.0f GB/s", 100 * bound_share, bw / 1e9);
+    }
+    if (copy_gbs > 0) {
+      std::printf(" → %.1f %% of the measured copy bandwidth (%.0f GB/s)", 100 * copy_share,
+                  copy_gbs);
+    }
+    std::printf("\n");
+    std::string extra;
+#ifdef DGSERVE_HAVE_CUDA
+    if (cuda) {
+      const double n = timed;
+      absl::StrAppend(&extra, " launches_per_step=", Fmt(counts.launches() / n, "%.1f"),
+                      " kernels_per_step=", Fmt(counts.kernels / n, "%.1f"),
+                      " cublas_per_step=", Fmt(counts.cublas / n, "%.1f"),
+                      " syncs_per_step=", Fmt(counts.blocking() / n, "%.1f"),
+                      " h2d_per_step=", Fmt(counts.h2d / n, "%.1f"),
+                      " d2h_per_step=", Fmt(counts.d2h / n, "%.1f"),
+                      " allocs_per_step=", Fmt(counts.allocs / n, "%.1f"));
+      std::printf("per step: %.1f launches (%.1f kernels, %.1f cuBLAS calls, %.1f device copies), "
+                  "%.1f blocking host round trips (%.1f uploads, %.1f downloads, %.1f syncs), "
+                  "%.1f allocations\n",
+                  counts.launches() / n, counts.kernels / n, counts.cublas / n, counts.d2d / n,
+                  counts.blocking() / n, counts.h2d / n, counts.d2h / n, counts.syncs / n,
+                  counts.allocs / n);
+    }
+#endif
+    if (have_phases) {
+      // The table of % of ceiling: each phase's bytes and FLOPs over its CUDA-event time,
+      // against the measured copy bandwidth and GEMM throughput.
+      const PhaseWork w = StepWork(c, C, B, P);
+      const struct {
+        const char* name;
+        double ms, bytes, flops;
+      } table[] = {{"attention", ph_attn / timed, w.attn_bytes, w.attn_flops},
+                   {"moe", ph_moe / timed, w.moe_bytes, w.moe_flops},
+                   {"dense", ph_dense / timed, w.dense_bytes, w.dense_flops},
+                   {"vocab", ph_vocab / timed, w.vocab_bytes, w.vocab_flops}};
+      for (const auto& t : table) {
+        const double s = t.ms * 1e-3;
+        const double gbs = s > 0 ? t.bytes / s / 1e9 : 0, tflops = s > 0 ? t.flops / s / 1e12 : 0;
+        std::printf(
+            "PHASE batch=%d context=%d phase=%s ms=%.3f gb=%.3f gbs=%.1f pct_copy=%.1f "
+            "tflops=%.2f pct_gemm=%.1f\n",
+            B, P, t.name, t.ms, t.bytes / 1e9, gbs, copy_gbs > 0 ? 100 * gbs / copy_gbs : 0.0,
+            tflops, gemm_tflops > 0 ? 100 * tflops / gemm_tflops : 0.0);
+      }
+      const double sum = (ph_attn + ph_moe + ph_dense + ph_vocab) / timed;
+      absl::StrAppend(&extra, " phase_attn_ms=", Fmt(ph_attn / timed),
+                      " phase_moe_ms=", Fmt(ph_moe / timed),
+                      " phase_dense_ms=", Fmt(ph_dense / timed),
+                      " phase_vocab_ms=", Fmt(ph_vocab / timed),
+                      " host_gap_ms=", Fmt(1e3 * per_step - sum));
+    }
+    if (cuda) {
+      absl::StrAppend(&extra, " copy_gbs=", Fmt(copy_gbs, "%.1f"),
+                      " gemm_tflops=", Fmt(gemm_tflops, "%.1f"),
+                      " weight_bw_share=", Fmt(copy_share, "%.4f"));
+    }
+    const auto peak_rss = PeakResidentBytes();
+    std::printf(
+        "RESULT device=%s gpu=%s layers=%d canvas=%d batch=%d context=%d steps=%d gemm_input=%s "
+        "weights=%s status=ok prefill_ms=%s step_ms=%.3f body_ms=%.3f vocab_ms=%.3f "
+        "canvas_ms=%.2f positions_per_s=%.0f tokens_per_s_16=%.1f bf16_gb_per_step=%.3f "
+        "bf16_bound_share=%.4f device_mem_gb=%.2f peak_rss_gb=%.2f sc_skipped_share=%.4f%s\n",
+        device.c_str(), gpu_name.c_str(), c.num_layers, C, B, P, timed, gemm_input.c_str(),
+        synthetic ? (cuda ? "synthetic_device" : "synthetic_host") : "checkpoint",
+        synthetic_kv ? "na" : Fmt(1e3 * prefill_s, "%.2f").c_str(), 1e3 * per_step,
+        1e3 * body / timed, 1e3 * vocab / timed, 1e3 * per_step * steps,
+        double(C) * B / per_step, double(C) * B / (16 * per_step), bf16_bytes / 1e9, bound_share,
+        device_peak / 1e9, peak_rss ? double(*peak_rss) / 1e9 : 0.0,
+        sc_pairs > 0 ? double(sc_skipped) / double(sc_pairs) : 0.0, extra.c_str());
+    std::fflush(stdout);
   }
-  std::printf("bf16 weights read per step %10.3f GB", bf16_bytes / 1e9);
-  if (bw > 0) {
-    std::printf(" → %.1f %% of the bf16 bound at %.0f GB/s", 100 * bound_share, bw / 1e9);
-  }
-  std::printf("\n");
-  const auto peak_rss = PeakResidentBytes();
-  std::printf(
-      "RESULT device=%s layers=%d canvas=%d batch=%d context=%d steps=%d prefill_ms=%.2f "
-      "step_ms=%.3f canvas_ms=%.2f positions_per_s=%.0f bf16_gb_per_step=%.3f "
-      "bf16_bound_share=%.4f device_mem_gb=%.2f peak_rss_gb=%.2f sc_skipped_share=%.4f\n",
-      device.c_str(), c.num_layers, C, B, P, steps, 1e3 * prefill_s, 1e3 * per_step,
-      1e3 * per_step * steps, double(C) * B / per_step, bf16_bytes / 1e9, bound_share,
-      device_peak / 1e9, peak_rss ? double(*peak_rss) / 1e9 : 0.0,
-      sc_pairs > 0 ? double(sc_skipped) / double(sc_pairs) : 0.0);
-  return 0;
+  return status;
 }
 
 }  // namespace
@@ -343,7 +752,9 @@ int main(int argc, char** argv) {
   dgserve::InitCommandLine(
       "engine_bench (--model DIR | --config FILE | --config_json TEXT) [--layers N] "
       "[--device cpu|cuda] [--canvas N] [--steps N] [--context N] [--batch N] [--seed N] "
-      "[--mem_bandwidth_gbs GB/s] [--logit_scale X]",
+      "[--mem_bandwidth_gbs GB/s] [--logit_scale X] [--synthetic] [--synthetic_kv] "
+      "[--batches 1,2,4] [--step_budget_s S] [--phase_timing] [--calibrate_copy_mb MB] "
+      "[--calibrate_gemm_n N]",
       "bench/engine_bench.cc");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The prepared device check (issues #5 and #14) for a machine with an NVIDIA GPU, in one bounded
-# run (default 470 s, GPU_CHECK_SECONDS) that writes its report to $OUT (default gpu_check_out/):
+# The prepared device check (issues #5, #14 and #33) for a machine with an NVIDIA GPU, in one
+# bounded run (default 400 s, GPU_CHECK_SECONDS) that writes its report to $OUT (default gpu_check_out/):
 # report.txt, one line per result, plus the logs of each step. Every step has a timeout taken
 # from one overall deadline; a failed or timed-out step is reported and the next one runs; it
 # kills only the processes it started (by PID). Exit status 0 only when every step that ran
@@ -35,19 +35,47 @@
 #     (addition order in the GEMMs, the kernels' own reductions), which could still flip a sample at a near tie on a random checkpoint,
 #     so a difference is a finding to look at, not a failure (--cuda_gemm_input=bf16 differs
 #     from step 2 on).
-#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the six kernel test binaries
+#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the six kernel test binaries and the
+#     synthetic-weight fill kernels (cuda_synthetic_test's CudaTest.Fill*)
 #     (`sanitizer:`), one error summary per binary and tool (GPU_CHECK_SANITIZER_TOOLS, default
 #     memcheck; also racecheck, synccheck, initcheck).
-# GPU_CHECK_STEPS picks the steps after the build (default "tests cluster sanitizer bench").
-#  4. the real-shape benchmarks (`bench:`): engine_bench on bench/configs/real-width-2-layers.json
-#     (the real widths, 2 layers), prefill 2k and 32k tokens × batch 1 and 16 × 16 and 48 steps
-#     per canvas (GPU_CHECK_BENCH_STEPS), each with --cuda_gemm_input float32 and bf16
-#     (GPU_CHECK_GEMM_INPUTS): prefill time, step and canvas time, peak device memory (cudaMemGetInfo in
-#     engine_bench and nvidia-smi sampled every 250 ms: gpu_memory.csv), and the share of the
-#     bf16 bound (bf16 weight bytes per step ÷ step time ÷ memory bandwidth: 4800 GB/s on an
-#     H200, 3350 on an H100 SXM, else GPU_MEM_BW_GBS). GPU_CHECK_FULL_SHAPE=1 adds one run of the
-#     full 30-layer shape (bench/configs/diffusiongemma-26b-a4b.json: about 52 GB of random
-#     weights generated, so only when the time and disk allow; off by default).
+# GPU_CHECK_STEPS picks the steps after the build (default "calibrate tests cluster sanitizer
+# bench").
+#  1b. calibrate (`calibrate:`, before the tests): the two ceilings, engine_bench --calibrate_only
+#     (a 1 GiB device-to-device copy in GB/s, read + write; an 8192³ bf16 cuBLAS GEMM in TFLOP/s)
+#     and the card's name.
+#  4. the benchmarks (`bench:`, `table:`), all with weights generated on the device
+#     (engine_bench --synthetic: no checkpoint written), --phase_timing, 16 steps per canvas
+#     (GPU_CHECK_BENCH_STEPS), --cuda_gemm_input bf16 (GPU_CHECK_GEMM_INPUTS, e.g. "float32
+#     bf16"): the real-width 2-layer slice (bench/configs/real-width-2-layers.json) at 2k and
+#     32k context × batch 1 and 16; then the full 30-layer shape (bench/configs/
+#     diffusiongemma-26b-a4b.json, about 52 GB of device memory; GPU_CHECK_FULL_SHAPE=0 leaves
+#     it out) as a batch sweep 1, 2, 4, 8, 16, 32 at 2k context (one process: one weight fill,
+#     one real 2k prefill, at most 6 s of timed steps per batch) and batch 1 and 16 at 32k (a
+#     synthetic KV cache instead of the minutes-long 32k prefill; 4 steps) — a batch whose KV
+#     copies and scratch do not fit in free device memory is reported skipped by engine_bench.
+#     Each RESULT line: step, body and vocabulary times, per-phase CUDA-event times and host
+#     gaps, launches and blocking host round trips per step, tokens/s at 16 steps, the weight
+#     bytes per step ÷ step time as a share of the measured copy bandwidth (and of
+#     GPU_MEM_BW_GBS: 4800 GB/s on an H200, 3350 on an H100 SXM), peak device memory
+#     (cudaMemGetInfo; nvidia-smi sampled every 250 ms: gpu_memory.csv). The `table:` lines are
+#     the kernel table: each phase's time, bytes, GB/s and TFLOP/s as % of the two ceilings.
+#
+# Device-time budget (at most 7 minutes of a device session; the binaries come prebuilt in the
+# bundle of tools/gpu_bundle.sh, so no build runs on the device; GPU_CHECK_SECONDS=400 bounds
+# the whole script, each step's timeout is taken from that one deadline):
+#    5 s  nvidia-smi, the machine
+#   10 s  calibrate (1 GiB copy ×6, 8192³ GEMM ×6, cuBLAS start)
+#   80 s  the gpu tests (about 50 s on the H200 on 2026-12-04, plus cuda_synthetic_test)
+#   50 s  the cluster (CPU reference + three transports)
+#   50 s  compute-sanitizer memcheck on the kernel tests (GPU_CHECK_SANITIZER=1)
+#   35 s  bench: the 2-layer slice (2 processes, 2k with its prefill, 32k with a synthetic KV)
+#  120 s  bench: 30 layers, 2k sweep (≈ 5 s start and fill, ≈ 7 s prefill, ≤ 6 s of steps plus a
+#         warm-up step per batch: at today's ≈ 0.2 s/step at batch 1 and ≈ 6 s at batch 32)
+#   35 s  bench: 30 layers, 32k (≈ 10 s host KV fill and upload, ≈ 2 s per step at batch 1;
+#         batch 16 needs ≈ 230 GB of KV copies: reported skipped)
+#  ≈ 385 s in all (400 s deadline), inside 7 minutes; the steps left when the deadline comes are reported
+#  SKIPPED, never overrun.
 #
 # Without a GPU (none found, or GPU_CHECK_DRY_RUN=1) the same steps run on the CPU where they can,
 # each line marked "(dry run, cpu)": no build unless binaries are missing (BUILD_DIR defaults to
@@ -64,7 +92,7 @@ REPORT=$OUT/report.txt
 LOGS=$OUT/logs
 rm -rf "$LOGS" "$OUT/logs.tar.gz"
 mkdir -p "$LOGS"
-TOTAL_S=${GPU_CHECK_SECONDS:-470}
+TOTAL_S=${GPU_CHECK_SECONDS:-400}
 DEADLINE=$((SECONDS + TOTAL_S))
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/dgserve_gpu_check.XXXXXX")
 PID_FILE=$WORK/pids  # every background process this script started (subshells append too)
@@ -146,7 +174,8 @@ BW=${GPU_MEM_BW_GBS:-$DEFAULT_BW}
 
 GPU_TESTS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
   engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
-  engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test kvstore/kvstore_nccl_self_send_test"
+  engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
+  kvstore/kvstore_nccl_self_send_test"
 CLUSTER_BINS="gateway/dgserve-gateway prefill_worker/dgserve-prefill-worker
   denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel"
 BENCH_BINS="bench/engine_bench"
@@ -154,7 +183,7 @@ PER_TEST_S=${PER_TEST_S:-45}
 # Time kept for the later steps while an earlier one runs.
 RESERVE_TESTS=120
 RESERVE_CLUSTER=90
-RESERVE_BENCH=120
+RESERVE_BENCH=190  # the 2-layer slice and the full shape (see the budget above)
 
 # --- 1. build ------------------------------------------------------------------------------------
 missing_of() {  # the binaries of "$@" not in BUILD_DIR, as target names
@@ -222,6 +251,26 @@ if [ -x "$BUILD_DIR/engine/cuda/cuda_ops_test" ]; then
     && report "missing shared libraries: $(tr '\n' ' ' < "$LOGS/missing_libraries.txt")"
 fi
 
+# --- 1b. calibrate: the two ceilings every later figure is judged against -------------------------
+# engine_bench --calibrate_only: a 1 GiB device-to-device copy (GB/s, read + write) and an
+# 8192³ bf16 cuBLAS GEMM (TFLOP/s); every full-shape run measures them again in its own process.
+# The dry run calibrates the emulated device (engine_bench_emu, tiny sizes: no meaning).
+calibrate_step() {
+  local bin=$BUILD_DIR/bench/engine_bench args=(--device cuda --calibrate_only) line note=""
+  if [ "$DRY" = 1 ]; then
+    note=" (emulated device)"
+    bin=$BUILD_DIR/bench/engine_bench_emu
+    args+=(--calibrate_copy_mb 1 --calibrate_gemm_n 32)
+  fi
+  [ -x "$bin" ] || { report "calibrate: $(basename "$bin") missing in $BUILD_DIR: skipped$TAG"; return; }
+  if timeout "$(budget 60 300)" "$bin" "${args[@]}" > "$LOGS/calibrate.log" 2>&1; then
+    line=$(grep -m1 '^CEILINGS ' "$LOGS/calibrate.log")
+    report "calibrate:$TAG ${line#CEILINGS }$note"
+  else
+    fail "calibrate: failed (see calibrate.log): $(tail -n 2 "$LOGS/calibrate.log" | cut -c1-300)"
+  fi
+}
+
 # --- 2. the gpu tests ----------------------------------------------------------------------------
 run_gtest() {  # $1: binary path relative to BUILD_DIR, $2: seconds
   local rel=$1 limit=$2 t status start last_run
@@ -250,9 +299,11 @@ run_gtest() {  # $1: binary path relative to BUILD_DIR, $2: seconds
   report "$t: exit $status in $((SECONDS - start))s (log: $t.log)"
   [ "$status" = 0 ] || rc=1
 }
-# The steps after the build (GPU_CHECK_STEPS, default all: "tests cluster sanitizer bench").
-STEPS=" ${GPU_CHECK_STEPS:-tests cluster sanitizer bench} "
+# The steps after the build (GPU_CHECK_STEPS, default all: "calibrate tests cluster sanitizer
+# bench").
+STEPS=" ${GPU_CHECK_STEPS:-calibrate tests cluster sanitizer bench} "
 wants() { [[ $STEPS == *" $1 "* ]]; }
+wants calibrate && calibrate_step
 tests_to_run=$GPU_TESTS
 wants tests || tests_to_run=""
 if [ "$NGPU" -ge 2 ] && wants tests; then  # two GPUs: NCCL is checked with two ranks in the cluster step
@@ -424,15 +475,19 @@ sanitizer_step() {
   local san t rel limit summary tool
   san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2> /dev/null)
   [ -n "$san" ] || { report "sanitizer: compute-sanitizer not found"; return; }
+  local filter
   for rel in engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test \
-      engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_mma_test; do
+      engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_mma_test \
+      engine/cuda/cuda_synthetic_test; do
     t=$(basename "$rel")
+    filter='*'
+    [ "$t" = cuda_synthetic_test ] && filter='CudaTest.Fill*'  # the weight-fill kernels
     [ -x "$BUILD_DIR/$rel" ] || continue
     if (($(time_left) < RESERVE_BENCH + 15)); then report "sanitizer: $t: SKIPPED, no time left"; continue; fi
     for tool in ${GPU_CHECK_SANITIZER_TOOLS:-memcheck}; do
       limit=$(budget 30 "$RESERVE_BENCH")
       timeout "$limit" "$san" --tool "$tool" "$BUILD_DIR/$rel" --gtest_color=no \
-        > "$LOGS/$t.$tool.log" 2>&1
+        --gtest_filter="$filter" > "$LOGS/$t.$tool.log" 2>&1
       local status=$?
       summary=$(grep -m1 'ERROR SUMMARY' "$LOGS/$t.$tool.log" | sed 's/^=* *//')
       if [ "$status" = 124 ]; then report "sanitizer: $t: $tool TIMEOUT after ${limit}s"
@@ -444,22 +499,32 @@ sanitizer_step() {
 [ "${GPU_CHECK_SANITIZER:-0}" = 1 ] && [ "$DRY" != 1 ] && wants sanitizer && sanitizer_step
 
 # --- 4. the real-shape benchmarks ----------------------------------------------------------------
+# Runs engine_bench once ($1: a label without spaces, $2: seconds, then its arguments): every RESULT line is
+# reported, every PHASE line goes to the kernel table ($WORK/phases.txt); a failure is reported
+# with the last lines of its standard error.
+bench_run() {
+  local label=$1 limit=$2 start=$SECONDS status line
+  shift 2
+  echo "=== $label (limit ${limit}s): $*" >> "$LOGS/bench.log"
+  timeout "$limit" "$@" > "$WORK/bench.one" 2> "$WORK/bench.err"
+  status=$?
+  cat "$WORK/bench.one" "$WORK/bench.err" >> "$LOGS/bench.log"
+  while read -r line; do
+    report "bench: $label:$TAG ${line#RESULT }"
+  done < <(grep '^RESULT ' "$WORK/bench.one")
+  grep '^PHASE ' "$WORK/bench.one" | sed "s/^PHASE /$label /" >> "$WORK/phases.txt"
+  if [ "$status" = 124 ]; then
+    fail "bench: $label: TIMEOUT after ${limit}s"
+  elif [ "$status" != 0 ]; then
+    fail "bench: $label: FAILED (exit $status after $((SECONDS - start))s):" \
+      "$(tail -n 2 "$WORK/bench.err" | cut -c1-300)"
+  fi
+  return "$status"
+}
 bench_step() {
   local bin=$BUILD_DIR/bench/engine_bench
   [ -x "$bin" ] || { fail "bench: engine_bench missing in $BUILD_DIR"; return; }
-  [ -x "$BUILD_DIR/tools/dgserve-mkmodel" ] || { fail "bench: dgserve-mkmodel missing"; return; }
-  local config=bench/configs/real-width-2-layers.json contexts="2048 32768" batches="1 16"
-  local steps_list=${GPU_CHECK_BENCH_STEPS:-16 48} model=$WORK/real-width-2
-  if [ "$DRY" = 1 ]; then  # the script's path on the CPU: a tiny shape, small contexts
-    config=tests/testdata/golden/tiny-v512/config.json contexts="64 256" model=$WORK/bench-tiny
-  fi
-  local start=$SECONDS
-  if ! timeout "$(budget 90 60)" "$BUILD_DIR/tools/dgserve-mkmodel" --out "$model" --seed 3 \
-      --config "$config" > "$LOGS/bench_mkmodel.log" 2>&1; then
-    fail "bench: generating $config failed or timed out (see bench_mkmodel.log)"
-    return
-  fi
-  report "bench: generated $config in $((SECONDS - start))s; bandwidth for the bf16 bound: ${BW} GB/s$TAG"
+  : > "$WORK/phases.txt"
   local smi_pid=""
   if [ "$DRY" != 1 ]; then
     timeout "$(time_left)" nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits \
@@ -467,68 +532,71 @@ bench_step() {
     smi_pid=$!
     echo "$smi_pid" >> "$PID_FILE"
   fi
-  # On the GPU, each shape with both GEMM inputs (--cuda_gemm_input, engine/cuda/cuda_gemm.h):
-  # float32 (the exact three-term split, the default) and bf16 (one rounding, a third of the work).
-  local inputs=${GPU_CHECK_GEMM_INPUTS:-float32 bf16}
-  [ "$DRY" = 1 ] && inputs=float32
-  local runs=() c b s g
-  for s in $steps_list; do for c in $contexts; do for b in $batches; do for g in $inputs; do
-    runs+=("$c $b $s $g")
-  done; done; done; done
-  local i=0 n=${#runs[@]} out left
-  for r in "${runs[@]}"; do
-    read -r c b s g <<< "$r"
-    i=$((i + 1))
-    left=$(( (n - i) * 10 + 5))
-    if (($(time_left) < left + 5)); then
-      fail "bench: context $c batch $b steps $s gemm_input $g: SKIPPED, no time left"
-      continue
-    fi
-    local limit
-    limit=$(budget 120 "$left")
-    out="$LOGS/bench.log"
-    echo "=== context $c batch $b steps $s gemm_input $g (limit ${limit}s)" >> "$out"
-    start=$SECONDS
-    timeout "$limit" "$bin" --model "$model" --device "$DEVICE" --context "$c" --batch "$b" \
-      --steps "$s" --mem_bandwidth_gbs "$BW" --cuda_gemm_input "$g" > "$WORK/bench.one" \
-      2> "$WORK/bench.err"
-    local status=$?
-    cat "$WORK/bench.one" "$WORK/bench.err" >> "$out"
-    local line
-    line=$(grep -m1 '^RESULT ' "$WORK/bench.one" | sed 's/^RESULT //')
-    if [ "$status" = 0 ] && [ -n "$line" ]; then
-      report "bench:$TAG gemm_input=$g $line"
-    elif [ "$status" = 124 ]; then
-      fail "bench: context $c batch $b steps $s gemm_input $g: TIMEOUT after ${limit}s"
+  # The GEMM input of the runs (--cuda_gemm_input; the issue-33 targets are for bf16
+  # activations, float32 is the check mode): GPU_CHECK_GEMM_INPUTS, default bf16.
+  local inputs=${GPU_CHECK_GEMM_INPUTS:-bf16} g steps=${GPU_CHECK_BENCH_STEPS:-16}
+  local common=(--synthetic --steps "$steps" --mem_bandwidth_gbs "$BW" --phase_timing)
+  local slice=bench/configs/real-width-2-layers.json full=bench/configs/diffusiongemma-26b-a4b.json
+  local ctx_short=2048 ctx_long=32768 sweep=1,2,4,8,16,32 long_batches=1,16 dev=(--device "$DEVICE")
+  if [ "$DRY" = 1 ]; then  # the script's path on the CPU: a tiny shape, small contexts
+    slice=tests/testdata/golden/tiny-v512/config.json
+    ctx_short=64 ctx_long=256 steps=2
+    common=(--synthetic --steps 2 --mem_bandwidth_gbs "$BW")
+    inputs=float32
+  fi
+  for g in $inputs; do
+    # The real-width 2-layer slice (issue 5's reference runs), a batch 1 and 16 per context.
+    if (($(time_left) < 60)); then
+      fail "bench: 2-layer slice gemm_input $g: SKIPPED, $(time_left)s left"
     else
-      fail "bench: context $c batch $b steps $s gemm_input $g: FAILED (exit $status after" \
-        "$((SECONDS - start))s): $(tail -n 2 "$WORK/bench.err" | cut -c1-300)"
-      # The backend cannot start at all (no device, a build without it): the other runs would
-      # only fail the same way.
-      if grep -q -- '--device cuda:' "$WORK/bench.err"; then
-        fail "bench: the remaining runs SKIPPED: --device $DEVICE cannot start"
-        break
+      if [ "$DRY" = 1 ]; then
+        bench_run "tiny-${ctx_short}" "$(budget 120 30)" "$bin" "${dev[@]}" --config "$slice" \
+          --context "$ctx_short" --batches 1,16 "${common[@]}"
+      else
+        bench_run "slice-2k-$g" "$(budget 60 30)" "$bin" "${dev[@]}" --config "$slice" \
+          --context "$ctx_short" --batches 1,16 --cuda_gemm_input "$g" "${common[@]}"
+        bench_run "slice-32k-$g" "$(budget 60 30)" "$bin" "${dev[@]}" --config "$slice" \
+          --context "$ctx_long" --batches 1,16 --synthetic_kv --cuda_gemm_input "$g" "${common[@]}"
       fi
+    fi
+    # The full 30-layer shape, weights generated on the device (no checkpoint): the batch sweep
+    # at 2k (real prefill) and batch 1 and 16 at 32k (synthetic KV cache) where memory allows.
+    if [ "${GPU_CHECK_FULL_SHAPE:-1}" != 1 ]; then
+      report "bench: full 30-layer shape: not run (GPU_CHECK_FULL_SHAPE=0)"
+    elif (($(time_left) < 90)); then
+      fail "bench: full 30-layer shape gemm_input $g: SKIPPED, $(time_left)s left (needs about 150)"
+    elif [ "$DRY" = 1 ]; then  # the CPU cannot hold 30 layers: the sweep's path on the tiny shape
+      bench_run "tiny-sweep-${ctx_long}" "$(budget 200 10)" "$bin" "${dev[@]}" \
+        --config "$slice" --context "$ctx_long" --batches "$sweep" --step_budget_s 2 \
+        "${common[@]}"
+    else
+      bench_run "full-2k-$g" "$(budget 150 40)" "$bin" "${dev[@]}" --config "$full" \
+        --context "$ctx_short" --batches "$sweep" --step_budget_s 6 --cuda_gemm_input "$g" \
+        "${common[@]}"
+      bench_run "full-32k-$g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \
+        --context "$ctx_long" --batches "$long_batches" --steps 4 --step_budget_s 8 \
+        --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" --phase_timing
     fi
   done
-  if [ "${GPU_CHECK_FULL_SHAPE:-0}" = 1 ]; then
-    if (($(time_left) < 200)); then
-      report "bench: full 30-layer shape: SKIPPED, $(time_left)s left (needs about 200)"
+  # The emulated CUDA backend on the CPU (dry run only): --device cuda end to end on the tiny
+  # shape: the synthetic device weights, the counters, the phase timer, the ceilings.
+  if [ "$DRY" = 1 ]; then
+    if [ -x "$BUILD_DIR/bench/engine_bench_emu" ]; then
+      bench_run "emu-cuda-tiny" "$(budget 120 5)" "$BUILD_DIR/bench/engine_bench_emu" \
+        --device cuda --config tests/testdata/golden/tiny-v512/config.json --synthetic \
+        --context 64 --batches 1,2 --steps 2 --phase_timing --calibrate_copy_mb 1 \
+        --calibrate_gemm_n 32 --cuda_gemm_input bf16
     else
-      start=$SECONDS
-      timeout "$(budget 600 5)" "$bin" --config bench/configs/diffusiongemma-26b-a4b.json \
-        --device "$DEVICE" --context 2048 --batch 1 --steps 16 --mem_bandwidth_gbs "$BW" \
-        > "$WORK/bench.one" 2> "$WORK/bench.err"
-      local status=$?
-      cat "$WORK/bench.one" "$WORK/bench.err" >> "$LOGS/bench.log"
-      line=$(grep -m1 '^RESULT ' "$WORK/bench.one" | sed 's/^RESULT //')
-      if [ "$status" = 0 ] && [ -n "$line" ]; then
-        report "bench: full shape:$TAG $line"
-      else
-        fail "bench: full 30-layer shape: FAILED (exit $status after $((SECONDS - start))s):" \
-          "$(tail -n 2 "$WORK/bench.err" | cut -c1-300)"
-      fi
+      report "bench: engine_bench_emu not built in $BUILD_DIR: the emulated --device cuda run skipped$TAG"
     fi
+  fi
+  # The kernel table: each phase's CUDA-event time, what it reads and computes, and the share
+  # of the measured ceilings (copy bandwidth, bf16 GEMM).
+  if [ -s "$WORK/phases.txt" ]; then
+    report "table: run | batch context phase ms GB GB/s %copy TFLOP/s %gemm$TAG"
+    while read -r line; do
+      report "table: $(echo "$line" | sed -E 's/ (batch|context|phase|ms|gb|gbs|pct_copy|tflops|pct_gemm)=/ /g')"
+    done < "$WORK/phases.txt"
   fi
   if [ -n "$smi_pid" ]; then
     stop_pids "$smi_pid"

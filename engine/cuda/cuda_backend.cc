@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -22,8 +24,12 @@
 #include "engine/cuda/cuda_gemm.h"
 #include "engine/cuda/cuda_memory.h"
 #include "engine/cuda/cuda_ops.h"
+#include "engine/cuda/cuda_profile.h"
+#include "engine/cuda/cuda_synthetic.h"
 #include "engine/cuda/cuda_vocab.h"
 #include "engine/model/cpu_ops.h"
+#include "engine/model/random_checkpoint.h"
+#include "engine/model/synthetic_weights.h"
 
 namespace dgserve {
 namespace {
@@ -40,6 +46,122 @@ using cuda::UploadBf16;
 using cuda::UploadFloat;
 
 enum class PassKind { kEncoder, kDecoder };
+
+// The phases of CudaPhaseTimes (cuda_backend.h).
+enum class Phase { kNone, kAttention, kMoe, kDense, kVocab };
+
+// CUDA-event brackets per phase for one DenoiseStep (CudaBackendOptions::phase_timing). As the
+// launch observer of cuda_profile.h it opens a bracket lazily at the phase's first launch and
+// closes it before a blocking call, so host time between launches of a phase that waits on the
+// host (today's router round trip) is not counted in the phase.
+class PhaseTimer final : public cuda::LaunchObserver {
+ public:
+  PhaseTimer() = default;
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+  ~PhaseTimer() override {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  void Start() {
+    active_ = true;
+    used_ = 0;
+    brackets_.clear();
+    phase_ = Phase::kNone;
+    open_ = false;
+    error_ = absl::OkStatus();
+    cuda::SetLaunchObserver(this);
+  }
+  void Enter(Phase p) {
+    if (!active_) return;
+    Close();
+    phase_ = p;
+  }
+  void Leave() {
+    if (!active_) return;
+    Close();
+    phase_ = Phase::kNone;
+  }
+  // Stops observing; the sums of the brackets once the last event has completed.
+  absl::StatusOr<CudaPhaseTimes> Finish() {
+    Close();
+    cuda::SetLaunchObserver(nullptr);
+    active_ = false;
+    DGSERVE_RETURN_IF_ERROR(error_);
+    CudaPhaseTimes t;
+    if (used_ > 0) {
+      DGSERVE_RETURN_IF_ERROR(
+          CudaCheck(cudaEventSynchronize(events_[used_ - 1]), "cudaEventSynchronize (phases)"));
+    }
+    for (const Bracket& b : brackets_) {
+      float ms = 0;
+      DGSERVE_RETURN_IF_ERROR(CudaCheck(
+          cudaEventElapsedTime(&ms, events_[b.start], events_[b.end]), "cudaEventElapsedTime"));
+      double* sum = b.phase == Phase::kAttention ? &t.attention_ms
+                    : b.phase == Phase::kMoe     ? &t.moe_ms
+                    : b.phase == Phase::kDense   ? &t.dense_ms
+                                                 : &t.vocab_ms;
+      *sum += ms;
+    }
+    t.brackets = int(brackets_.size());
+    return t;
+  }
+  // Stops observing without reading the events (a failed step).
+  void Abort() {
+    cuda::SetLaunchObserver(nullptr);
+    active_ = false;
+  }
+
+  void BeforeLaunch() override {
+    if (phase_ == Phase::kNone || open_) return;
+    if (Record(&start_)) open_ = true;
+  }
+  void BeforeBlocking() override { Close(); }
+
+ private:
+  struct Bracket {
+    Phase phase;
+    int start, end;
+  };
+  void Close() {
+    if (!open_) return;
+    open_ = false;
+    int end = 0;
+    if (Record(&end)) brackets_.push_back({phase_, start_, end});
+  }
+  bool Record(int* index) {
+    if (!error_.ok()) return false;
+    if (used_ == int(events_.size())) {
+      cudaEvent_t e = nullptr;
+      error_ =
+          CudaCheck(cudaEventCreateWithFlags(&e, cudaEventDefault), "cudaEventCreate (phases)");
+      if (!error_.ok()) return false;
+      events_.push_back(e);
+    }
+    error_ = CudaCheck(cudaEventRecord(events_[used_], nullptr), "cudaEventRecord (phases)");
+    if (!error_.ok()) return false;
+    *index = used_++;
+    return true;
+  }
+
+  bool active_ = false, open_ = false;
+  Phase phase_ = Phase::kNone;
+  int start_ = 0, used_ = 0;
+  std::vector<cudaEvent_t> events_;  // reused across steps
+  std::vector<Bracket> brackets_;
+  absl::Status error_;
+};
+
+// Enters a phase for the scope (no-op when the timer is not running).
+class PhaseScope {
+ public:
+  PhaseScope(PhaseTimer& t, Phase p) : t_(t) { t_.Enter(p); }
+  ~PhaseScope() { t_.Leave(); }
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  PhaseTimer& t_;
+};
 
 // One layer's weights on the device (see LayerWeights for shapes).
 struct DeviceLayer {
@@ -81,11 +203,19 @@ class CudaBackend final : public ModelBackend {
   }
 
   absl::Status Init(const ModelWeights& w);
+  // Allocates every matrix of the model on the device and fills it with the synthetic weights
+  // of `seed` (after Init with SyntheticModelWeights(c, seed, /*matrices=*/false)).
+  absl::Status InitSyntheticMatrices(uint64_t seed);
+  std::optional<CudaPhaseTimes> last_phase_times() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_phases_;
+  }
 
   const ModelConfig& config() const override { return c_; }
   absl::Status Encode(std::span<const EncodeInput> batch) override;
   absl::Status Decode(std::span<const DecodeInput> batch) override;
   absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) override;
+  absl::Status DenoiseStepLocked(std::span<const DenoiseStepInput> batch);
   absl::Status SoftEmbedding(const float* probs, int rows, float* soft) override;
   DecodeTimings last_decode_timings() const override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -144,6 +274,8 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<cuda::VocabRowResult> results_;
   std::vector<float> host_k_, host_v_, host_stage_;
   DecodeTimings timings_;
+  PhaseTimer phases_;
+  std::optional<CudaPhaseTimes> last_phases_;
 };
 
 absl::Status CudaBackend::Init(const ModelWeights& w) {
@@ -194,8 +326,51 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
       break;
     }
   }
+  cuda::NoteSync();
   return CudaCheck(cudaDeviceSynchronize(), "upload weights");
 }
+
+absl::Status CudaBackend::InitSyntheticMatrices(uint64_t seed) {
+  std::unordered_map<std::string, DeviceArray<uint16_t>*> bf16;
+  std::unordered_map<std::string, DeviceArray<float>*> f32;
+  const std::string p = "model.decoder.";
+  bf16[p + "embed_tokens.weight"] = &embed_;
+  bf16[p + "self_conditioning.gate_proj.weight"] = &sc_gate_;
+  bf16[p + "self_conditioning.up_proj.weight"] = &sc_up_;
+  bf16[p + "self_conditioning.down_proj.weight"] = &sc_down_;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    DeviceLayer& d = layers_[l];
+    const std::string q = absl::StrCat(p, "layers.", l, ".");
+    bf16[q + "self_attn.q_proj.weight"] = &d.q_proj;
+    bf16[q + "self_attn.k_proj.weight"] = &d.k_proj;
+    bf16[q + "self_attn.v_proj.weight"] = &d.v_proj;
+    bf16[q + "self_attn.o_proj.weight"] = &d.o_proj;
+    bf16[q + "mlp.gate_proj.weight"] = &d.mlp_gate_proj;
+    bf16[q + "mlp.up_proj.weight"] = &d.mlp_up_proj;
+    bf16[q + "mlp.down_proj.weight"] = &d.mlp_down_proj;
+    bf16[q + "experts.gate_up_proj"] = &d.experts_gate_up_proj;
+    bf16[q + "experts.down_proj"] = &d.experts_down_proj;
+    f32[q + "router.proj.weight"] = &d.router_proj;  // float32 on the device (exact widening)
+  }
+  for (const TensorSpec& spec : SyntheticMatrixSpecs(c_)) {
+    const InitConstants k = FamilyConstants(spec);
+    const cuda::SyntheticTensor t{TensorKey(spec.name, seed), k.a, k.c, k.has_offset};
+    const int64_t n = spec.numel();
+    if (auto it = bf16.find(spec.name); it != bf16.end()) {
+      DGSERVE_RETURN_IF_ERROR(it->second->Ensure(size_t(n)));
+      DGSERVE_RETURN_IF_ERROR(cuda::FillSyntheticBf16(t, n, it->second->get()));
+    } else if (auto jt = f32.find(spec.name); jt != f32.end()) {
+      DGSERVE_RETURN_IF_ERROR(jt->second->Ensure(size_t(n)));
+      DGSERVE_RETURN_IF_ERROR(cuda::FillSyntheticFloat(t, n, jt->second->get()));
+    } else {
+      return absl::InternalError(
+          absl::StrCat("synthetic weights: no device tensor for ", spec.name));
+    }
+  }
+  cuda::NoteSync();
+  return CudaCheck(cudaDeviceSynchronize(), "synthetic weights");
+}
+
 
 absl::Status CudaBackend::CheckTokens(std::span<const int32_t> ids) const {
   for (int32_t id : ids) {
@@ -273,6 +448,7 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
           std::memcpy(&host_stage_[size_t(p - from) * w], row, w * sizeof(float));
         }
         float* dst = (which == 0 ? m->k[l] : m->v[l]).get() + size_t(from) * w;
+        cuda::NoteUpload();
         DGSERVE_RETURN_IF_ERROR(
             CudaCheck(cudaMemcpy(dst, host_stage_.data(), host_stage_.size() * sizeof(float),
                                  cudaMemcpyHostToDevice),
@@ -306,16 +482,19 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   float *a = a_.get(), *q = q_.get(), *k = k_.get(), *v = v_.get();
 
   // 1–2. Attention block on a = input_layernorm(h) (spec §3.2 steps 1–2, §3.3).
+  phases_.Enter(Phase::kDense);
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, lw.input_layernorm.get(), R, D, eps, a));
   DGSERVE_RETURN_IF_ERROR(cublas_.Linear(a, lw.q_proj.get(), R, D, nh * hd, q));
   DGSERVE_RETURN_IF_ERROR(cublas_.Linear(a, lw.k_proj.get(), R, D, kvw, k));
   if (full) {
     // V = rms_noscale(raw k projection) on full layers (spec §3.3).
+    cuda::NoteDeviceCopy();
     DGSERVE_RETURN_IF_ERROR(CudaCheck(
         cudaMemcpy(v, k, size_t(R) * kvw * sizeof(float), cudaMemcpyDeviceToDevice), "copy k→v"));
   } else {
     DGSERVE_RETURN_IF_ERROR(cublas_.Linear(a, lw.v_proj.get(), R, D, kvw, v));
   }
+  phases_.Enter(Phase::kAttention);
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(q, lw.q_norm.get(), R * nh, hd, eps, q));
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(k, lw.k_norm.get(), R * nkv, hd, eps, k));
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(v, nullptr, R * nkv, hd, eps, v));
@@ -331,10 +510,12 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
     DGSERVE_RETURN_IF_ERROR(Download(host_v_.data(), v, host_v_.size() * sizeof(float)));
     for (const Segment& s : segs) {
       const size_t bytes = size_t(s.rows) * kvw * sizeof(float);
+      cuda::NoteDeviceCopy();
       DGSERVE_RETURN_IF_ERROR(
           CudaCheck(cudaMemcpy(s.mirror->k[l].get() + size_t(s.pos0) * kvw,
                                k + size_t(s.row0) * kvw, bytes, cudaMemcpyDeviceToDevice),
                     "cudaMemcpy (KV append)"));
+      cuda::NoteDeviceCopy();
       DGSERVE_RETURN_IF_ERROR(
           CudaCheck(cudaMemcpy(s.mirror->v[l].get() + size_t(s.pos0) * kvw,
                                v + size_t(s.row0) * kvw, bytes, cudaMemcpyDeviceToDevice),
@@ -367,6 +548,7 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
                                                     hd, window, attn_.get() + qo));
     }
   }
+  phases_.Enter(Phase::kDense);
   float* o = o_.get();
   DGSERVE_RETURN_IF_ERROR(cublas_.Linear(attn_.get(), lw.o_proj.get(), R, nh * hd, D, o));
   // 3. h1 = h + post_attention_layernorm(o).
@@ -381,11 +563,13 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(dense, lw.post_feedforward_layernorm_1.get(), R, D, eps, dense));
   // 5. MoE branch.
+  phases_.Enter(Phase::kMoe);
   float* moe = moe_.get();
   DGSERVE_RETURN_IF_ERROR(Moe(l, h1, R, moe));
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(moe, lw.post_feedforward_layernorm_2.get(), R, D, eps, moe));
   // 6. h2 = h1 + post_feedforward_layernorm(d + m); 7. whole stream × layer_scalar.
+  phases_.Enter(Phase::kDense);
   DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(dense, moe, int64_t(R) * D));
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(dense, lw.post_feedforward_layernorm.get(), R, D, eps, dense));
@@ -406,6 +590,7 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h1, lw.router_scale.get(), R, D, eps, r_.get()));
   DGSERVE_RETURN_IF_ERROR(cuda::Scale(r_.get(), int64_t(R) * D, 1.0f / std::sqrt(float(D))));
   const float one = 1.0f, zero = 0.0f;
+  cuda::NoteCublas();
   DGSERVE_RETURN_IF_ERROR(
       CublasCheck(cublasSgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, E, R, D, &one,
                               lw.router_proj.get(), D, r_.get(), D, &zero, scores_.get(), E),
@@ -509,6 +694,7 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   for (int l = 0; l < c_.num_layers; ++l) {
     DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kEncoder, segs, R));
   }
+  cuda::NoteSync();
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaDeviceSynchronize(), "Encode"));
   for (size_t i = 0; i < batch.size(); ++i) {
     batch[i].kv->Commit(segs[i].rows);
@@ -549,6 +735,7 @@ absl::StatusOr<int> CudaBackend::Body(std::span<const CanvasInput> batch,
   DGSERVE_RETURN_IF_ERROR(positions_.Upload(positions));
   float* h = h_.get();
   // Canvas input (spec §3.5 steps 1–3): x0 = rms_noscale(E[c]·s + SC(soft)).
+  phases_.Enter(Phase::kDense);
   DGSERVE_RETURN_IF_ERROR(cuda::EmbedRows(ids_.get(), embed_.get(), R, D, c_.EmbedScale(), h));
   for (size_t i = 0; i < batch.size(); ++i) {
     const Segment& s = (*segs)[i];
@@ -566,7 +753,9 @@ absl::StatusOr<int> CudaBackend::Body(std::span<const CanvasInput> batch,
     DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kDecoder, *segs, R));
   }
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, final_norm_.get(), R, D, eps, h));
+  cuda::NoteSync();
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaDeviceSynchronize(), "decoder body"));
+  phases_.Leave();
   timings_.body_seconds = SecondsSince(t0);
   return R;
 }
@@ -602,6 +791,7 @@ absl::Status CudaBackend::SoftGemm(const uint16_t* probs_bf16, int rows, float* 
   const int D = c_.hidden_size, V = c_.vocab_size;
   const float alpha = c_.EmbedScale(), beta = 0.0f;
   // Row-major soft[rows, D] = P[rows, V] · E[V, D] is column-major softᵀ = Eᵀ · Pᵀ.
+  cuda::NoteCublas();
   return CublasCheck(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, D, rows, V, &alpha,
                                   embed_.get(), CUDA_R_16BF, D, probs_bf16, CUDA_R_16BF, V, &beta,
                                   soft, CUDA_R_32F, D, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -610,6 +800,18 @@ absl::Status CudaBackend::SoftGemm(const uint16_t* probs_bf16, int rows, float* 
 
 absl::Status CudaBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
   const auto lock = Lock();
+  if (!options_.phase_timing) return DenoiseStepLocked(batch);
+  phases_.Start();
+  const absl::Status st = DenoiseStepLocked(batch);
+  if (!st.ok()) {
+    phases_.Abort();
+    return st;
+  }
+  DGSERVE_ASSIGN_OR_RETURN(last_phases_, phases_.Finish());
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::DenoiseStepLocked(std::span<const DenoiseStepInput> batch) {
   const int D = c_.hidden_size, V = c_.vocab_size;
   std::vector<CanvasInput> canvases;
   for (const DenoiseStepInput& in : batch) {
@@ -628,6 +830,7 @@ absl::Status CudaBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
   DGSERVE_ASSIGN_OR_RETURN(const int R, Body(canvases, &segs));
   const auto t1 = std::chrono::steady_clock::now();
   if (R > 0) {
+    phases_.Enter(Phase::kVocab);
     std::vector<float> temps(R), uniforms(R);
     bool want_soft = false;
     for (size_t i = 0; i < batch.size(); ++i) {
@@ -737,6 +940,28 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackend(const ModelConfi
   auto backend = std::make_unique<CudaBackend>(config, options);
   DGSERVE_RETURN_IF_ERROR(backend->Init(weights));
   return std::unique_ptr<ModelBackend>(std::move(backend));
+}
+
+absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackendSynthetic(
+    const ModelConfig& config, uint64_t seed, const CudaBackendOptions& options) {
+  const int devices = cuda::DeviceCount();
+  if (devices == 0) return absl::FailedPreconditionError("no CUDA device found");
+  if (options.device < 0 || options.device >= devices) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device ", options.device, " does not exist (", devices, " found)"));
+  }
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(options.device), "cudaSetDevice"));
+  auto backend = std::make_unique<CudaBackend>(config, options);
+  // Norms, scales and scalars from the host (small); the matrices are made on the device.
+  DGSERVE_RETURN_IF_ERROR(backend->Init(SyntheticModelWeights(config, seed, /*matrices=*/false)));
+  DGSERVE_RETURN_IF_ERROR(backend->InitSyntheticMatrices(seed));
+  return std::unique_ptr<ModelBackend>(std::move(backend));
+}
+
+std::optional<CudaPhaseTimes> LastCudaPhaseTimes(const ModelBackend& backend) {
+  const auto* b = dynamic_cast<const CudaBackend*>(&backend);
+  if (b == nullptr) return std::nullopt;
+  return b->last_phase_times();
 }
 
 }  // namespace dgserve

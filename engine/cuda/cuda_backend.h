@@ -20,7 +20,9 @@
 // Only this header is seen by code outside engine/cuda; it needs no CUDA headers.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "absl/status/statusor.h"
 #include "engine/cuda/cuda_gemm.h"
@@ -39,7 +41,31 @@ struct CudaBackendOptions {
   // kFloat32 (exact split, the CPU backend's results up to float32 addition order) or kBf16
   // (one rounding to bf16, a third of the GEMM work).
   cuda::GemmInput gemm_input = cuda::GemmInput::kFloat32;
+  // Time the phases of every DenoiseStep with CUDA events (LastCudaPhaseTimes). Off by default:
+  // each bracket costs two event records. For one backend at a time (engine_bench): the timer
+  // sees launches through the process-wide observer of cuda_profile.h while its step runs.
+  bool phase_timing = false;
 };
+
+// Device time of the last DenoiseStep's phases (options.phase_timing), in milliseconds: the sum
+// over the CUDA-event brackets of each phase. A bracket opens at the phase's first launch and
+// closes at the phase's end or before any blocking call (a host↔device copy or a sync), and the
+// next launch reopens it, so the host's own time between is in no phase: the step's wall time
+// minus the sum of the phases is the host gap.
+//   attention  q/k/v norms, RoPE, the KV appends and the attention kernels
+//   moe        router, expert grouping, the expert GEMMs, the combine and its norm
+//   dense      the embedding and SC input, the q/k/v/o projections, the dense MLP and the SC MLP
+//              with the norms and residual adds between them, the final norm
+//   vocab      the LM head, the vocabulary step, the self-conditioning softmax and GEMM
+struct CudaPhaseTimes {
+  double attention_ms = 0, moe_ms = 0, dense_ms = 0, vocab_ms = 0;
+  int brackets = 0;  // event pairs read
+  double sum_ms() const { return attention_ms + moe_ms + dense_ms + vocab_ms; }
+};
+// The last DenoiseStep's phase times of a backend made by CreateCudaBackend or
+// CreateCudaBackendSynthetic with phase_timing; nullopt for any other backend, without
+// phase_timing or before the first step.
+std::optional<CudaPhaseTimes> LastCudaPhaseTimes(const ModelBackend& backend);
 
 // Uploads `weights` to the device and returns the backend. FAILED_PRECONDITION "no CUDA device
 // found" without a usable GPU; INTERNAL on a CUDA or cuBLAS error (e.g. out of device memory).
@@ -47,5 +73,14 @@ struct CudaBackendOptions {
 // KvCaches passed to Encode/Decode/DenoiseStep must be alive during each call.
 absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackend(
     const ModelConfig& config, const ModelWeights& weights, const CudaBackendOptions& options = {});
+
+// The backend with the weights of dgserve-mkmodel's random checkpoint for `seed`
+// (engine/model/synthetic_weights.h) generated on the device by a kernel (cuda_synthetic.h):
+// the norms and scalars are made on the host (a few MB), every matrix is allocated on the
+// device and filled there, so no checkpoint and no host copy of the matrices exists (the real
+// 26B shape: about 52 GB of device memory, none on the host). Bit for bit the backend that
+// CreateCudaBackend makes from SyntheticModelWeights(config, seed). Errors as CreateCudaBackend.
+absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackendSynthetic(
+    const ModelConfig& config, uint64_t seed, const CudaBackendOptions& options = {});
 
 }  // namespace dgserve

@@ -14,12 +14,15 @@
 #include <cstddef>
 #include <utility>
 
+#include "engine/cuda/cuda_profile.h"
+
 namespace dgserve::cuda {
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...); errors show in cudaGetLastError().
 template <typename... Params, typename... Args>
 void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
                   cudaStream_t stream, Args&&... args) {
+  NoteKernelLaunch();
   kernel<<<grid, block, shared_bytes, stream>>>(std::forward<Args>(args)...);
 }
 

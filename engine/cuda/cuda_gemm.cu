@@ -75,6 +75,7 @@ int Blocks(int64_t n, int threads) {
 absl::Status Gemm(cublasHandle_t h, const uint16_t* xb, const uint16_t* w, int m, int k, int n,
                   float* y, float beta = 0.0f) {
   const float alpha = 1.0f;
+  NoteCublas();
   return CublasCheck("cublasGemmEx",
                      cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, w, CUDA_R_16BF,
                                   k, xb, CUDA_R_16BF, k, &beta, y, CUDA_R_32F, n,
@@ -135,11 +136,13 @@ absl::Status CublasContext::EnsureHandle() {
 absl::Status CublasContext::EnsureScratch(size_t elements) {
   if (elements <= scratch_elements_) return absl::OkStatus();
   if (scratch_ != nullptr) {
+    NoteAlloc();
     cudaFree(scratch_);  // waits for queued work that may still read it
     scratch_ = nullptr;
     scratch_elements_ = 0;
   }
   void* p = nullptr;
+  NoteAlloc();
   const cudaError_t e = cudaMalloc(&p, elements * sizeof(uint16_t));
   if (e != cudaSuccess) {
     cudaGetLastError();

@@ -17,6 +17,7 @@ absl::Status CublasCheck(cublasStatus_t s, const char* what) {
 
 absl::Status Download(void* host, const void* device, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
+  NoteDownload();
   return CudaCheck(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
 }
 

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "common/status_macros.h"
+#include "engine/cuda/cuda_profile.h"
 #include "engine/model/cpu/packed_matrix.h"
 
 namespace dgserve::cuda {
@@ -30,7 +31,10 @@ class DeviceArray {
  public:
   DeviceArray() = default;
   ~DeviceArray() {
-    if (p_ != nullptr) cudaFree(p_);
+    if (p_ != nullptr) {
+      NoteAlloc();
+      cudaFree(p_);
+    }
   }
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
@@ -43,9 +47,13 @@ class DeviceArray {
   // At least n elements; the old contents are dropped when it has to grow.
   absl::Status Ensure(size_t n) {
     if (n <= n_) return absl::OkStatus();
-    if (p_ != nullptr) cudaFree(p_);
+    if (p_ != nullptr) {
+      NoteAlloc();
+      cudaFree(p_);
+    }
     p_ = nullptr;
     n_ = 0;
+    NoteAlloc();
     DGSERVE_RETURN_IF_ERROR(
         CudaCheck(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc"));
     n_ = n;
@@ -55,8 +63,10 @@ class DeviceArray {
   absl::Status Grow(size_t n, size_t keep) {
     if (n <= n_) return absl::OkStatus();
     T* q = nullptr;
+    NoteAlloc();
     DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&q, n * sizeof(T)), "cudaMalloc"));
     if (p_ != nullptr && keep > 0) {
+      NoteDeviceCopy();
       const cudaError_t e =
           cudaMemcpy(q, p_, std::min(keep, n_) * sizeof(T), cudaMemcpyDeviceToDevice);
       if (e != cudaSuccess) {
@@ -64,7 +74,10 @@ class DeviceArray {
         return CudaCheck(e, "cudaMemcpy (grow)");
       }
     }
-    if (p_ != nullptr) cudaFree(p_);
+    if (p_ != nullptr) {
+      NoteAlloc();
+      cudaFree(p_);
+    }
     p_ = q;
     n_ = n;
     return absl::OkStatus();
@@ -72,6 +85,7 @@ class DeviceArray {
   absl::Status Upload(const T* host, size_t n) {
     DGSERVE_RETURN_IF_ERROR(Ensure(n));
     if (n == 0) return absl::OkStatus();
+    NoteUpload();
     return CudaCheck(cudaMemcpy(p_, host, n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
   }
   absl::Status Upload(const std::vector<T>& host) { return Upload(host.data(), host.size()); }

@@ -22,6 +22,7 @@ cublasStatus_t Gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation
                     int k, float alpha, const void* A, cudaDataType_t at, int lda, const void* B,
                     cudaDataType_t bt, int ldb, float beta, float* C, int ldc) {
   if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  dgserve::cuda::emu::CountGemmCall();
   // cuBLAS's argument checks: A is lda × (k or m) with lda ≥ its row count, likewise B and C.
   if (m < 0 || n < 0 || k < 0 || lda < (ta == CUBLAS_OP_N ? m : k) || lda < 1 ||
       ldb < (tb == CUBLAS_OP_N ? k : n) || ldb < 1 || ldc < m || ldc < 1) {

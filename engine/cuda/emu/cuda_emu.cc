@@ -612,13 +612,27 @@ cudaError_t cudaHostUnregister(void* p) {
   return dgserve::cuda::emu::Forget(dgserve::cuda::emu::Pinned(), p) ? cudaSuccess
                                                                      : cudaErrorInvalidValue;
 }
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+namespace dgserve::cuda::emu {
+namespace {
+std::atomic<uint64_t> g_gemms{0}, g_h2d{0}, g_d2h{0}, g_d2d{0};
+}  // namespace
+CallCounts ReadCallCounts() { return {g_gemms.load(), g_h2d.load(), g_d2h.load(), g_d2d.load()}; }
+void CountGemmCall() { ++g_gemms; }
+}  // namespace dgserve::cuda::emu
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   if (const cudaError_t e = CaptureForbids("cudaMemcpy"); e != cudaSuccess) return e;
+  if (kind == cudaMemcpyHostToDevice) ++dgserve::cuda::emu::g_h2d;
+  if (kind == cudaMemcpyDeviceToHost) ++dgserve::cuda::emu::g_d2h;
+  if (kind == cudaMemcpyDeviceToDevice) ++dgserve::cuda::emu::g_d2d;
   if (bytes > 0) std::memmove(dst, src, bytes);
   return StickyError();
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t stream) {
+  if (kind == cudaMemcpyHostToDevice) ++dgserve::cuda::emu::g_h2d;
+  if (kind == cudaMemcpyDeviceToHost) ++dgserve::cuda::emu::g_d2h;
+  if (kind == cudaMemcpyDeviceToDevice) ++dgserve::cuda::emu::g_d2d;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (stream != nullptr && bytes > 0 && TouchesPageable(dst, src, bytes, kind) &&
       cudaStreamIsCapturing(stream, &status) == cudaSuccess &&

@@ -36,6 +36,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "engine/cuda/cuda_profile.h"
+
 // ---- Qualifiers and types --------------------------------------------------------------------
 
 #define __global__
@@ -189,6 +191,10 @@ cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cudaGraph_t gra
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream);
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
 cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+// Host time between the two records (every launch is synchronous, so a record is taken when the
+// work before it has finished). cudaMemGetInfo: free = total (allocations are not tracked).
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end);
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
 // CUDA IPC within one process (both ends of an emulated "interprocess" exchange are in the
 // test's process): a handle carries the pointer itself. Opening an event handle gives a new
 // event object (the opener destroys it); opening a memory handle returns its pointer
@@ -483,6 +489,17 @@ inline float max(float a, float b) { return fmaxf(a, b); }
 inline double min(double a, double b) { return fmin(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
 
+// ---- Calls the emulated runtime saw (independent of engine/cuda/cuda_profile.h's counters) -----
+
+namespace dgserve::cuda::emu {
+struct CallCounts {
+  uint64_t gemms = 0;                    // cublasSgemm + cublasGemmEx
+  uint64_t h2d = 0, d2h = 0, d2d = 0;    // cudaMemcpy / cudaMemcpyAsync by kind
+};
+CallCounts ReadCallCounts();
+void CountGemmCall();
+}  // namespace dgserve::cuda::emu
+
 // ---- What engine/cuda/cuda_device.cuh provides under nvcc ---------------------------------------
 
 namespace dgserve::cuda {
@@ -494,6 +511,7 @@ namespace dgserve::cuda {
 template <typename... Params, typename... Args>
 void LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
                   cudaStream_t stream, Args&&... args) {
+  NoteKernelLaunch();  // engine/cuda/cuda_profile.h, as cuda_device.cuh counts under nvcc
   auto params =
       std::make_shared<const std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
   emu::LaunchOn(stream, reinterpret_cast<const void*>(kernel), grid, block, shared_bytes,

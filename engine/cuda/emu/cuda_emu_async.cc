@@ -2,6 +2,7 @@
 // properties (see cuda_emu.h). An emulation: the real runtime needs a GPU; here streams count
 // outstanding emulated NCCL work and record captured work, and IPC handles carry pointers within
 // the one process.
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -27,7 +28,8 @@ struct CUstream_st {
 };
 
 struct CUevent_st {
-  int unused = 0;
+  std::chrono::steady_clock::time_point at{};  // the host time of the last record
+  bool recorded = false;
 };
 
 struct CUgraph_st {
@@ -255,7 +257,21 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   }
   // The copies before it are synchronous; outstanding NCCL work completes it later on a GPU,
   // here the record waits for it (nothing in this project records after NCCL work).
-  return cudaStreamSynchronize(stream);
+  const cudaError_t e = cudaStreamSynchronize(stream);
+  event->at = std::chrono::steady_clock::now();  // every launch before it has finished
+  event->recorded = true;
+  return e;
+}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  if (start == nullptr || end == nullptr) return cudaErrorInvalidResourceHandle;
+  if (!start->recorded || !end->recorded) return cudaErrorInvalidResourceHandle;
+  *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
+  return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  *total_bytes = size_t(141) << 30;  // as cudaGetDeviceProperties; allocations are not tracked
+  *free_bytes = *total_bytes;
+  return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   return event == nullptr ? cudaErrorInvalidResourceHandle : dgserve::cuda::emu::StickyError();
