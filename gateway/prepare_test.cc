@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "common/status_convert.h"
@@ -33,7 +34,7 @@ class PrepareTest : public ::testing::Test {
     absl::StatusOr<Tokenizer> tokenizer =
         Tokenizer::Load(SourceDir() + "/engine/tokenizer/testdata/tiny_v512_tokenizer.json");
     ASSERT_THAT(tokenizer, IsOk());
-    tokenizer_ = *std::move(tokenizer);
+    tokenizer_.emplace(*std::move(tokenizer));
   }
 
   absl::StatusOr<PreparedRequest> Prepare(int64_t max_prompt_tokens,
@@ -41,7 +42,7 @@ class PrepareTest : public ::testing::Test {
     GatewayOptions options;
     options.model_id = "m";
     options.max_prompt_tokens = max_prompt_tokens;
-    const Gateway gateway(config_, GenerationConfig{}, tokenizer_, options, nullptr, nullptr,
+    const Gateway gateway(config_, GenerationConfig{}, *tokenizer_, options, nullptr, nullptr,
                           nullptr);
     return gateway.Prepare(request);
   }
@@ -54,7 +55,7 @@ class PrepareTest : public ::testing::Test {
   }
 
   ModelConfig config_;
-  Tokenizer tokenizer_;
+  std::optional<Tokenizer> tokenizer_;
 };
 
 TEST_F(PrepareTest, DefaultIsDocumented) {
