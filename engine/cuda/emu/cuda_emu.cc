@@ -84,12 +84,21 @@ void InitContext(Context& c, char* stack, size_t bytes, void (*entry)()) {
 
 enum class State { kRunnable, kWaitWarp, kWaitBlock, kDone };
 
+// A cp.async issued and not yet completed by a wait (CpAsync below).
+struct PendingCopy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
 struct Fiber {
   Context ctx;
   char* stack = nullptr;
   uint3 tid;
   State state = State::kRunnable;
   uint64_t result = 0;
+  std::vector<PendingCopy> copies;  // issued cp.async, oldest first
+  std::vector<size_t> groups;       // committed groups: each one's end in `copies`
 };
 
 struct Warp {
@@ -99,6 +108,11 @@ struct Warp {
   WarpOp op = WarpOp::kSync;
   uint64_t in[32] = {};
   int arg[32] = {};
+  // kExchange: the instruction, its function and every lane's operands.
+  const char* name = nullptr;
+  WarpExchangeFn fn = nullptr;
+  const void* xin[32] = {};
+  void* xout[32] = {};
 };
 
 struct Block {
@@ -195,6 +209,8 @@ const char* OpName(WarpOp op) {
       return "__all_sync";
     case WarpOp::kSync:
       return "__syncwarp";
+    case WarpOp::kExchange:
+      return "a matrix-core instruction (mma.sync / ldmatrix)";
   }
   return "?";
 }
@@ -202,6 +218,12 @@ const char* OpName(WarpOp op) {
 // Every lane of w.mask has arrived: computes each lane's result and wakes the waiting lanes.
 void CompleteWarp(Block& b, int warp) {
   Warp& w = b.warps[warp];
+  if (w.op == WarpOp::kExchange) {
+    for (int l = 0; l < 32; ++l) {
+      if (!(w.mask >> l & 1u)) w.xin[l] = w.xout[l] = nullptr;
+    }
+    w.fn(w.xin, w.xout);  // may fail the launch (KernelFailure): never returns then
+  }
   unsigned pred_bits = 0;
   for (int l = 0; l < 32; ++l) {
     if ((w.mask >> l & 1u) && w.in[l] != 0) pred_bits |= 1u << l;
@@ -231,6 +253,7 @@ void CompleteWarp(Block& b, int warp) {
         r = pred_bits == w.mask;
         break;
       case WarpOp::kSync:
+      case WarpOp::kExchange:
         break;
     }
     Fiber& f = b.fibers[warp * 32 + l];
@@ -261,11 +284,13 @@ void FiberMain() {
   (*b.body)();
   const int self = b.current;
   Fiber& f = b.fibers[self];
+  CpAsyncWait(-1);  // copies the thread never waited for still land (nobody may rely on them)
   f.state = State::kDone;
   Warp& w = b.warps[self / 32];
   w.live &= ~(1u << (self % 32));
   if (w.arrived != 0 && (w.mask >> (self % 32) & 1u)) {
-    Fail(b, std::string("thread exited while lanes of its warp wait for it at ") + OpName(w.op));
+    Fail(b, std::string("thread exited while lanes of its warp wait for it at ") +
+                (w.op == WarpOp::kExchange ? w.name : OpName(w.op)));
   }
   --b.live;
   if (b.arrived > 0 && b.arrived == b.live) CompleteBlock(b);
@@ -282,20 +307,29 @@ void SetMaxDynamicShared(const void* kernel, int bytes) {
 
 void* DynamicSharedBase() { return g_block->shared.data(); }
 
-uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane) {
+namespace {
+
+// The collective of WarpCollective and WarpExchange (name, fn, in, out: kExchange only).
+uint64_t ArriveAtWarp(WarpOp op, unsigned mask, uint64_t value, int src_lane, const char* name,
+                      WarpExchangeFn fn, const void* in, void* out) {
   Block& b = *g_block;
   const int self = b.current, lane = self % 32;
   Warp& w = b.warps[self / 32];
-  if (!(mask >> lane & 1u)) Fail(b, std::string(OpName(op)) + " by a lane outside its mask");
+  const std::string what = op == WarpOp::kExchange ? std::string(name) : OpName(op);
+  if (!(mask >> lane & 1u)) Fail(b, what + " by a lane outside its mask");
   if ((mask & ~w.live) != 0) {
-    Fail(b, std::string(OpName(op)) + ": the mask names lanes that have exited or do not exist");
+    Fail(b, what + ": the mask names lanes that have exited or do not exist");
   }
-  if (w.arrived != 0 && (w.op != op || w.mask != mask)) {
-    Fail(b, std::string("lanes of one warp at different collectives: ") + OpName(op) +
-                " while others wait at " + OpName(w.op));
+  if (w.arrived != 0 && (w.op != op || w.mask != mask || w.fn != fn)) {
+    Fail(b, "lanes of one warp at different collectives: " + what + " while others wait at " +
+                (w.op == WarpOp::kExchange ? std::string(w.name) : OpName(w.op)));
   }
   w.op = op;
   w.mask = mask;
+  w.name = name;
+  w.fn = fn;
+  w.xin[lane] = in;
+  w.xout[lane] = out;
   w.in[lane] = value;
   w.arg[lane] = op == WarpOp::kShflIdx || op == WarpOp::kShflXor || op == WarpOp::kShflUp ||
                         op == WarpOp::kShflDown
@@ -309,6 +343,54 @@ uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane) 
   b.fibers[self].state = State::kWaitWarp;
   SwitchAway(b);
   return b.fibers[self].result;
+}
+
+}  // namespace
+
+uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane) {
+  return ArriveAtWarp(op, mask, value, src_lane, nullptr, nullptr, nullptr, nullptr);
+}
+
+void WarpExchange(const char* name, unsigned mask, WarpExchangeFn fn, const void* in, void* out) {
+  ArriveAtWarp(WarpOp::kExchange, mask, 0, 0, name, fn, in, out);
+}
+
+void KernelFailure(const std::string& what) {
+  Fail(*g_block, what);
+  std::abort();  // Fail never returns
+}
+
+void CpAsync(void* dst, const void* src, size_t bytes) {
+  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 ||
+      reinterpret_cast<uintptr_t>(src) % bytes != 0) {
+    Fail(*g_block, "cp.async of " + std::to_string(bytes) + " bytes: an address not aligned to " +
+                       std::to_string(bytes));
+  }
+  Fiber& f = g_block->fibers[g_block->current];
+  f.copies.push_back(PendingCopy{dst, src, bytes});
+}
+
+void CpAsyncCommit() {
+  Fiber& f = g_block->fibers[g_block->current];
+  f.groups.push_back(f.copies.size());
+}
+
+void CpAsyncWait(int pending_groups) {
+  Fiber& f = g_block->fibers[g_block->current];
+  size_t done = f.copies.size();  // wait_all: everything, committed or not
+  if (pending_groups >= 0) {
+    if (f.groups.size() <= size_t(pending_groups)) return;
+    done = f.groups[f.groups.size() - 1 - size_t(pending_groups)];
+  }
+  for (size_t i = 0; i < done; ++i) {
+    std::memcpy(f.copies[i].dst, f.copies[i].src, f.copies[i].bytes);
+  }
+  f.copies.erase(f.copies.begin(), f.copies.begin() + ptrdiff_t(done));
+  std::vector<size_t> left;
+  for (size_t end : f.groups) {
+    if (end > done) left.push_back(end - done);
+  }
+  f.groups = std::move(left);
 }
 
 BlockVote BlockCollective(int pred) {
@@ -370,6 +452,8 @@ void Launch(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
           f.tid = uint3{unsigned(i % block.x), unsigned(i / block.x % block.y),
                         unsigned(i / (uint64_t(block.x) * block.y))};
           f.state = State::kRunnable;
+          f.copies.clear();
+          f.groups.clear();
           InitContext(f.ctx, f.stack, kStackBytes, &FiberMain);
         }
         for (size_t w = 0; w < b.warps.size(); ++w) {

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -113,8 +114,12 @@ cudaError_t cudaStreamQuery(cudaStream_t stream);
 // synchronous, so after cudaMemcpyAsync + cudaEventRecord the event is complete.
 struct CUevent_st;
 typedef struct CUevent_st* cudaEvent_t;
-enum { cudaEventDefault = 0, cudaEventBlockingSync = 1, cudaEventDisableTiming = 2,
-       cudaEventInterprocess = 4 };
+enum {
+  cudaEventDefault = 0,
+  cudaEventBlockingSync = 1,
+  cudaEventDisableTiming = 2,
+  cudaEventInterprocess = 4
+};
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
@@ -123,8 +128,9 @@ cudaError_t cudaEventQuery(cudaEvent_t event);
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags = 0);
 // CUDA IPC within one process (both ends of an emulated "interprocess" exchange are in the
 // test's process): a handle carries the pointer itself. Opening an event handle gives a new
-// event object (the opener destroys it); opening a memory handle returns its pointer (cudaIpcCloseMemHandle is then
-// a no-op). A handle of memory that was not allocated by cudaMalloc is refused.
+// event object (the opener destroys it); opening a memory handle returns its pointer
+// (cudaIpcCloseMemHandle is then a no-op). A handle of memory that was not allocated by cudaMalloc
+// is refused.
 typedef struct cudaIpcMemHandle_st {
   char reserved[64];
 } cudaIpcMemHandle_t;
@@ -182,8 +188,30 @@ void* DynamicSharedBase();
 // Warp collective: every lane in `mask` calls it with the same `op`; returns the lane's result:
 // for the shuffles the value of lane `src_lane` (which must be in the mask), for the votes the
 // ballot of value != 0 over the mask.
-enum class WarpOp { kShflIdx, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSync };
+enum class WarpOp { kShflIdx, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSync, kExchange };
 uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int src_lane);
+
+// Warp-wide exchange, the collective behind the matrix-core instructions (engine/cuda/cuda_mma.cuh,
+// cuda_emu_mma.cc): every lane of `mask` calls it with the same `fn`; once all have, `fn` runs
+// once, on the last lane to arrive, with each lane's `in` and `out` pointers indexed by lane
+// (nullptr for lanes outside the mask; they point into the callers' stacks, which stay put while
+// the lanes wait), then every lane goes on. As for the shuffles, a lane of the mask that exited
+// or that waits at another collective fails the launch. `name` names the instruction in messages.
+using WarpExchangeFn = void (*)(const void* const in[32], void* const out[32]);
+void WarpExchange(const char* name, unsigned mask, WarpExchangeFn fn, const void* in, void* out);
+
+// Fails the running launch with `what` (cudaErrorLaunchFailure, message on stderr); never
+// returns. For the instruction emulations' own checks (misaligned addresses and the like).
+[[noreturn]] void KernelFailure(const std::string& what);
+
+// The matrix-core instructions of cuda_mma.cuh (cuda_emu_mma.cc; see there and cuda_mma.cuh).
+void MmaBf16M16N8K16(float d[4], const uint32_t a[4], const uint32_t b[2]);
+void LdMatrix(int matrices, bool trans, uint32_t* r, const void* smem_row);
+// cp.async of the running CUDA thread: the copy is recorded and done when a wait completes its
+// group (so a read of the destination before the wait sees the old contents, as a device may).
+void CpAsync(void* dst, const void* src, size_t bytes);
+void CpAsyncCommit();
+void CpAsyncWait(int pending_groups);  // < 0: every copy, committed or not (cp.async.wait_all)
 
 // Block collective over the live (not yet exited) threads.
 struct BlockVote {

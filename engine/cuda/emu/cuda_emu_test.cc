@@ -3,9 +3,11 @@
 #include "engine/cuda/emu/cuda_emu.h"
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_mma.cuh"
 #include "gtest/gtest.h"
 
 namespace dgserve::cuda {
@@ -213,6 +215,118 @@ TEST_F(CudaEmuFaultTest, TooManyThreadsPerBlockIsAConfigurationError) {
   LaunchKernel(DynamicSharedKernel, 1, 2048, 0, nullptr, out.data());
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // not sticky: nothing ran
+}
+
+// The matrix-core instructions (cuda_mma.cuh): their fragment layouts are tested in
+// cuda_mma_test.cc; here what the emulation promises to report.
+__global__ void MmaExitedLaneKernel(float* out) {
+  if (threadIdx.x == 31) return;  // mma.sync.aligned needs the whole warp
+  uint32_t a[4] = {}, b[2] = {};
+  float d[4] = {};
+  mma::MmaBf16M16N8K16(d, a, b);
+  out[threadIdx.x] = d[0];
+}
+
+__global__ void MmaAndShuffleKernel(float* out) {
+  uint32_t a[4] = {}, b[2] = {};
+  float d[4] = {};
+  if (threadIdx.x < 16)
+    mma::MmaBf16M16N8K16(d, a, b);
+  else
+    d[0] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+  out[threadIdx.x] = d[0];
+}
+
+__global__ void LdMatrixMisalignedKernel(uint32_t* out) {
+  __shared__ uint16_t rows[40 * 8 + 8];
+  uint32_t r[4];
+  // Rows 16-byte aligned except lane 9's, 2 bytes off.
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(rows) + 15) & ~uintptr_t(15);
+  const uint16_t* row =
+      reinterpret_cast<const uint16_t*>(base) + threadIdx.x * 8 + (threadIdx.x == 9 ? 1 : 0);
+  mma::LdMatrixX4(r, row);
+  out[threadIdx.x] = r[0];
+}
+
+// Thread t copies 16 bytes to shared row t; out[t] = row t's first word read before the wait
+// and row (t + 1) % n's read after the thread's wait and a barrier.
+__global__ void CpAsyncKernel(const uint32_t* src, uint32_t* before, uint32_t* after) {
+  uint32_t* s = DynamicShared<uint32_t>();
+  const int t = threadIdx.x, n = blockDim.x;
+  mma::CpAsync16(s + 4 * t, src + 4 * t);
+  mma::CpAsyncCommit();
+  before[t] = s[4 * t];  // not landed yet: 0xFFFFFFFF from fresh dynamic shared memory
+  mma::CpAsyncWaitGroup<0>();
+  __syncthreads();
+  after[t] = s[4 * ((t + 1) % n)];
+}
+
+// Two groups: wait_group 1 completes the older one only; wait_all the rest.
+__global__ void CpAsyncGroupsKernel(const uint32_t* src, uint32_t* out) {
+  uint32_t* s = DynamicShared<uint32_t>();
+  mma::CpAsync16(s, src);
+  mma::CpAsyncCommit();
+  mma::CpAsync16(s + 4, src + 4);
+  mma::CpAsyncCommit();
+  mma::CpAsync16(s + 8, src + 8);  // never committed: only wait_all covers it
+  mma::CpAsyncWaitGroup<1>();
+  out[0] = s[0];
+  out[1] = s[4];
+  out[2] = s[8];
+  mma::CpAsyncWaitAll();
+  out[3] = s[4];
+  out[4] = s[8];
+}
+
+TEST(CudaEmuMmaTest, CpAsyncLandsAtItsWait) {
+  const int n = 64;
+  std::vector<uint32_t> src(4 * n), before(n, 0), after(n, 0);
+  for (int i = 0; i < 4 * n; ++i) src[i] = uint32_t(1000 + i);
+  // 16-byte aligned source: vector storage of uint32 is only 4-byte aligned by contract.
+  void* dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&dev, src.size() * 4), cudaSuccess);
+  std::memcpy(dev, src.data(), src.size() * 4);
+  LaunchKernel(CpAsyncKernel, 1, n, n * 16, nullptr, static_cast<const uint32_t*>(dev),
+               before.data(), after.data());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (int t = 0; t < n; ++t) {
+    EXPECT_EQ(before[t], 0xFFFFFFFFu) << t;
+    EXPECT_EQ(after[t], src[4 * ((t + 1) % n)]) << t;
+  }
+  std::vector<uint32_t> out(5, 0);
+  LaunchKernel(CpAsyncGroupsKernel, 1, 1, 64, nullptr, static_cast<const uint32_t*>(dev),
+               out.data());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(out[0], src[0]);
+  EXPECT_EQ(out[1], 0xFFFFFFFFu);
+  EXPECT_EQ(out[2], 0xFFFFFFFFu);
+  EXPECT_EQ(out[3], src[4]);
+  EXPECT_EQ(out[4], src[8]);
+  cudaFree(dev);
+}
+
+TEST_F(CudaEmuFaultTest, MmaWithAnExitedLaneFails) {
+  std::vector<float> out(32, 0);
+  LaunchKernel(MmaExitedLaneKernel, 1, 32, 0, nullptr, out.data());
+  ExpectLaunchFailure();
+}
+
+TEST_F(CudaEmuFaultTest, MmaInAWarpOfFewerThan32ThreadsFails) {
+  std::vector<float> out(32, 0);
+  LaunchKernel(MmaAndShuffleKernel, 1, 16, 0, nullptr, out.data());
+  ExpectLaunchFailure();
+}
+
+TEST_F(CudaEmuFaultTest, MmaAndAShuffleInOneWarpFail) {
+  std::vector<float> out(32, 0);
+  LaunchKernel(MmaAndShuffleKernel, 1, 32, 0, nullptr, out.data());
+  ExpectLaunchFailure();
+}
+
+TEST_F(CudaEmuFaultTest, LdMatrixRowNotAlignedTo16BytesFails) {
+  std::vector<uint32_t> out(32, 0);
+  LaunchKernel(LdMatrixMisalignedKernel, 1, 32, 0, nullptr, out.data());
+  ExpectLaunchFailure();
 }
 
 }  // namespace
