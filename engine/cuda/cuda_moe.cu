@@ -5,6 +5,7 @@
 #include <string>
 
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_mma.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -351,6 +352,176 @@ __global__ void __launch_bounds__(kGemmThreads)
   }
 }
 
+// ---- Tensor-core path (mma.sync m16n8k16 bf16, cuda_mma.cuh) -----------------------------------
+// Block: 4 warps, 32 gathered rows × 64 weight rows, reduction in chunks of 64 (4 k16 steps).
+// The weight chunk is streamed with cp.async (two stages: the next chunk is in flight while this
+// one is multiplied); the A chunk is read as float32, gathered, and converted in the load: bf16
+// mode rounds it, float32 mode splits it exactly into three bf16 terms (hi + mid + lo) kept as
+// three A tiles, each multiplied with the same weight fragments (products exact in float32, the
+// weights read once). Warp w owns weight rows 16w … 16w+15 of the tile (two n8 fragments) for
+// all 32 rows (two m16 fragments). Gated: its fragment 0 holds gate columns col0 + 8w + j and
+// fragment 1 the up columns of the same j, so gelu(g)·u is formed in registers. Every output
+// is accumulated over the k16 steps in ascending order (terms lo, mid, hi within a step): a
+// fixed order that does not depend on the other rows.
+constexpr int kMmaRows = 32;
+constexpr int kMmaW = 64;
+constexpr int kMmaK = 64;
+constexpr int kMmaLd = kMmaK + 8;  // bf16 per shared row: 144 bytes, ldmatrix rows on distinct banks
+constexpr int kMmaThreads = 128;
+
+__device__ __forceinline__ uint16_t ToBf16Bits(float f) {
+  const uint32_t b = __float_as_uint(f);
+  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0) return uint16_t((b >> 16) | 0x40u);
+  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+template <int kTerms>
+size_t MmaSharedBytes() {
+  return size_t(kTerms * kMmaRows + 2 * kMmaW) * kMmaLd * sizeof(uint16_t);
+}
+
+int MmaRowTiles(int rows, int k, int E) {
+  const int64_t n = int64_t(rows) * k;
+  const int64_t a = (n + kMmaRows - 1) / kMmaRows + E;
+  const int64_t b = int64_t(E) * ((rows + kMmaRows - 1) / kMmaRows);
+  return int(a < b ? a : b);
+}
+
+template <bool kGated, int kTerms>
+__global__ void __launch_bounds__(kMmaThreads)
+    MoeMmaKernel(const float* x, const int32_t* gather, const int32_t* offsets, int E,
+                 const uint16_t* w, int in, int out, const float* row_scale, float* y) {
+  __shared__ int tile[3];
+  if (threadIdx.x == 0) {
+    int t = blockIdx.x, found = -1, r0 = 0, n = 0;
+    for (int e = 0; e < E; ++e) {
+      const int lo = offsets[e], count = offsets[e + 1] - lo;
+      const int tiles = (count + kMmaRows - 1) / kMmaRows;
+      if (t < tiles) {
+        found = e;
+        r0 = lo + t * kMmaRows;
+        n = min(kMmaRows, count - t * kMmaRows);
+        break;
+      }
+      t -= tiles;
+    }
+    tile[0] = found;
+    tile[1] = r0;
+    tile[2] = n;
+  }
+  __syncthreads();
+  const int e = tile[0], r0 = tile[1], nrows = tile[2];
+  if (e < 0) return;
+  uint16_t* As = DynamicShared<uint16_t>();          // [kTerms][kMmaRows][kMmaLd]
+  uint16_t* Ws = As + kTerms * kMmaRows * kMmaLd;    // [2][kMmaW][kMmaLd]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kCols = kGated ? kMmaW / 2 : kMmaW;
+  const int col0 = blockIdx.y * kCols;
+  const int64_t w_rows = kGated ? 2 * int64_t(out) : int64_t(out);
+  const uint16_t* we = w + int64_t(e) * w_rows * in;
+  const bool vec = in % 8 == 0;
+  // Weight chunks this thread stages: tile rows c = threadIdx.x / 8 + 16 i, 8 bf16 at
+  // (threadIdx.x % 8) · 8.
+  int64_t w_src[4];
+  for (int i = 0; i < 4; ++i) {
+    const int c = threadIdx.x / 8 + 16 * i;
+    if (kGated) {
+      const int f = col0 + 8 * (c / 16) + (c % 8);
+      w_src[i] = f < out ? ((c % 16) < 8 ? f : out + f) : -1;
+    } else {
+      w_src[i] = col0 + c < out ? col0 + c : -1;
+    }
+  }
+  const int wk = (threadIdx.x % 8) * 8;
+  auto load_w = [&](int stage, int k0) {
+    for (int i = 0; i < 4; ++i) {
+      const int c = threadIdx.x / 8 + 16 * i;
+      uint16_t* dst = Ws + (stage * kMmaW + c) * kMmaLd + wk;
+      const int kk = k0 + wk;
+      if (w_src[i] >= 0 && vec && kk + 8 <= in) {
+        mma::CpAsync16(dst, we + w_src[i] * in + kk);
+      } else {
+        for (int q = 0; q < 8; ++q) {
+          dst[q] = w_src[i] >= 0 && kk + q < in ? we[w_src[i] * in + kk + q] : uint16_t(0);
+        }
+      }
+    }
+  };
+  // A: row threadIdx.x / 4, 16 floats at (threadIdx.x % 4) · 16.
+  const int ar = threadIdx.x / 4, ak = (threadIdx.x % 4) * 16;
+  const int64_t a_src = ar < nrows ? (gather != nullptr ? gather[r0 + ar] : r0 + ar) : -1;
+  auto load_a = [&](int k0) {
+    for (int q = 0; q < 16; ++q) {
+      const int kk = k0 + ak + q;
+      float v = a_src >= 0 && kk < in ? x[a_src * in + kk] : 0.0f;
+      for (int term = 0; term < kTerms; ++term) {
+        const uint16_t h = ToBf16Bits(v);
+        As[(term * kMmaRows + ar) * kMmaLd + ak + q] = h;
+        if (term + 1 < kTerms) {
+          v = (__float_as_uint(v) & 0x7F800000u) == 0x7F800000u
+                  ? 0.0f
+                  : __fsub_rn(v, __uint_as_float(uint32_t(h) << 16));
+        }
+      }
+    }
+  };
+  float acc[2][2][4];
+  for (int a = 0; a < 2; ++a)
+    for (int b = 0; b < 2; ++b)
+      for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.0f;
+  load_w(0, 0);
+  mma::CpAsyncCommit();
+  int stage = 0;
+  for (int k0 = 0; k0 < in; k0 += kMmaK, stage ^= 1) {
+    load_a(k0);
+    if (k0 + kMmaK < in) load_w(stage ^ 1, k0 + kMmaK);
+    mma::CpAsyncCommit();
+    mma::CpAsyncWaitGroup<1>();  // this chunk's weights have landed
+    __syncthreads();
+    const int steps = (min(kMmaK, in - k0) + 15) / 16;
+    for (int s = 0; s < steps; ++s) {
+      uint32_t b[4];  // b[0..1]: weight rows 16w … 16w+7, b[2..3]: 16w+8 … 16w+15
+      mma::LdMatrixX4(b, Ws + (stage * kMmaW + warp * 16 + (lane / 16) * 8 + lane % 8) * kMmaLd +
+                             s * 16 + ((lane / 8) % 2) * 8);
+      for (int term = kTerms - 1; term >= 0; --term) {  // lo, mid, hi
+        for (int mf = 0; mf < 2; ++mf) {
+          uint32_t a[4];
+          mma::LdMatrixX4(a, As + (term * kMmaRows + mf * 16 + lane % 16) * kMmaLd + s * 16 +
+                                 (lane / 16) * 8);
+          mma::MmaBf16M16N8K16(acc[mf][0], a, b);
+          mma::MmaBf16M16N8K16(acc[mf][1], a, b + 2);
+        }
+      }
+    }
+    __syncthreads();  // As and this stage are rewritten next
+  }
+  mma::CpAsyncWaitAll();
+  const int g = lane >> 2, t = lane & 3;
+  for (int mf = 0; mf < 2; ++mf) {
+    for (int i = 0; i < 4; ++i) {
+      const int m = mf * 16 + g + (i >= 2 ? 8 : 0);
+      if (m >= nrows) continue;
+      const int64_t n = r0 + m;
+      const int j = 2 * t + (i % 2);
+      if (kGated) {
+        const int f = col0 + 8 * warp + j;
+        if (f < out) {
+          constexpr float kSqrt2OverPi = 0.7978845608028654f;
+          const float gv = acc[mf][0][i], u = acc[mf][1][i];
+          y[n * out + f] =
+              0.5f * gv * (1.0f + tanhf(kSqrt2OverPi * (gv + 0.044715f * gv * gv * gv))) * u;
+        }
+      } else {
+        const float scale = row_scale != nullptr ? row_scale[n] : 1.0f;
+        for (int nb = 0; nb < 2; ++nb) {
+          const int d = col0 + 16 * warp + 8 * nb + j;
+          if (d < out) y[n * out + d] = __fmul_rn(scale, acc[mf][nb][i]);
+        }
+      }
+    }
+  }
+}
+
 __global__ void MoeSumKernel(const float* y, const int32_t* slot, int rows, int k, int dim,
                              float* out) {
   const int64_t n = int64_t(rows) * dim;
@@ -402,27 +573,51 @@ absl::Status MoeGroup(const int32_t* expert, const float* weight, int rows, int 
 
 absl::Status MoeGateUp(const float* x, const int32_t* gather, const int32_t* offsets,
                        const uint16_t* w, int rows, int k, int num_experts, int dim, int width,
-                       GemmInput input, float* act, void* stream) {
+                       GemmInput input, float* act, void* stream, MoeKernel kernel) {
   if (absl::Status st = CheckMoeShape("MoeGateUp", rows, k, num_experts); !st.ok()) return st;
   if (dim <= 0 || width <= 0) return absl::InvalidArgumentError("MoeGateUp: dim, width > 0");
   if (rows == 0) return absl::OkStatus();
-  const dim3 grid(RowTiles(rows, k, num_experts), (width + kTileW / 2 - 1) / (kTileW / 2));
-  LaunchKernel(MoeGemmKernel<true>, grid, kGemmThreads, 0, S(stream), x, gather, offsets,
-               num_experts, w, dim, width, int(input == GemmInput::kBf16),
-               static_cast<const float*>(nullptr), act);
+  if (kernel == MoeKernel::kSimt) {
+    const dim3 grid(RowTiles(rows, k, num_experts), (width + kTileW / 2 - 1) / (kTileW / 2));
+    LaunchKernel(MoeGemmKernel<true>, grid, kGemmThreads, 0, S(stream), x, gather, offsets,
+                 num_experts, w, dim, width, int(input == GemmInput::kBf16),
+                 static_cast<const float*>(nullptr), act);
+    return Check("MoeGateUp (SIMT)");
+  }
+  const dim3 grid(MmaRowTiles(rows, k, num_experts), (width + kMmaW / 2 - 1) / (kMmaW / 2));
+  if (input == GemmInput::kBf16) {
+    LaunchKernel(MoeMmaKernel<true, 1>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), x,
+                 gather, offsets, num_experts, w, dim, width, static_cast<const float*>(nullptr),
+                 act);
+  } else {
+    LaunchKernel(MoeMmaKernel<true, 3>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x,
+                 gather, offsets, num_experts, w, dim, width, static_cast<const float*>(nullptr),
+                 act);
+  }
   return Check("MoeGateUp");
 }
 
 absl::Status MoeDown(const float* act, const int32_t* offsets, const float* slot_weight,
                      const uint16_t* w, int rows, int k, int num_experts, int width, int dim,
-                     GemmInput input, float* y, void* stream) {
+                     GemmInput input, float* y, void* stream, MoeKernel kernel) {
   if (absl::Status st = CheckMoeShape("MoeDown", rows, k, num_experts); !st.ok()) return st;
   if (dim <= 0 || width <= 0) return absl::InvalidArgumentError("MoeDown: dim, width > 0");
   if (rows == 0) return absl::OkStatus();
-  const dim3 grid(RowTiles(rows, k, num_experts), (dim + kTileW - 1) / kTileW);
-  LaunchKernel(MoeGemmKernel<false>, grid, kGemmThreads, 0, S(stream), act,
-               static_cast<const int32_t*>(nullptr), offsets, num_experts, w, width, dim,
-               int(input == GemmInput::kBf16), slot_weight, y);
+  const int32_t* no_gather = nullptr;
+  if (kernel == MoeKernel::kSimt) {
+    const dim3 grid(RowTiles(rows, k, num_experts), (dim + kTileW - 1) / kTileW);
+    LaunchKernel(MoeGemmKernel<false>, grid, kGemmThreads, 0, S(stream), act, no_gather, offsets,
+                 num_experts, w, width, dim, int(input == GemmInput::kBf16), slot_weight, y);
+    return Check("MoeDown (SIMT)");
+  }
+  const dim3 grid(MmaRowTiles(rows, k, num_experts), (dim + kMmaW - 1) / kMmaW);
+  if (input == GemmInput::kBf16) {
+    LaunchKernel(MoeMmaKernel<false, 1>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), act,
+                 no_gather, offsets, num_experts, w, width, dim, slot_weight, y);
+  } else {
+    LaunchKernel(MoeMmaKernel<false, 3>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), act,
+                 no_gather, offsets, num_experts, w, width, dim, slot_weight, y);
+  }
   return Check("MoeDown");
 }
 

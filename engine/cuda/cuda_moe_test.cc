@@ -147,7 +147,7 @@ class CudaMoeTest : public CudaTest {
   std::vector<float> DeviceMoe(const std::vector<float>& scores, const std::vector<float>& x,
                                int R, int E, int K, int D, int F, const std::vector<float>& scale,
                                const uint16_t* w_gate_up, const uint16_t* w_down,
-                               GemmInput input) {
+                               GemmInput input, MoeKernel kernel) {
     const size_t n = size_t(R) * K;
     int32_t* expert = Alloc<int32_t>(n, 0xFF);
     float* weight = Alloc<float>(n, 0xFF);
@@ -160,9 +160,12 @@ class CudaMoeTest : public CudaTest {
     float* out = Alloc<float>(size_t(R) * D, 0xFF);
     EXPECT_THAT(MoeRoute(Upload(scores), R, E, K, Upload(scale), expert, weight), IsOk());
     EXPECT_THAT(MoeGroup(expert, weight, R, E, K, offsets, gather, slot, slot_weight), IsOk());
-    EXPECT_THAT(MoeGateUp(Upload(x), gather, offsets, w_gate_up, R, K, E, D, F, input, act),
-                IsOk());
-    EXPECT_THAT(MoeDown(act, offsets, slot_weight, w_down, R, K, E, F, D, input, y), IsOk());
+    EXPECT_THAT(
+        MoeGateUp(Upload(x), gather, offsets, w_gate_up, R, K, E, D, F, input, act, nullptr, kernel),
+        IsOk());
+    EXPECT_THAT(
+        MoeDown(act, offsets, slot_weight, w_down, R, K, E, F, D, input, y, nullptr, kernel),
+        IsOk());
     EXPECT_THAT(MoeSum(y, slot, R, K, D, out), IsOk());
     return Download(out, size_t(R) * D);
   }
@@ -268,14 +271,16 @@ TEST_F(CudaMoeTest, GroupingKeepsAscendingRowOrderInLargeGroups) {
   ExpectRoutingMatchesCpu(scores, R, E, K, RandomFloats(E, 0.5f, 1.5f, 4), "large groups");
 }
 
-// The grouped GEMMs stage by stage against float64, in both input modes; MoeSum exactly.
+// The grouped GEMMs stage by stage against float64, in both input modes and with both kernels
+// (tensor cores, SIMT); MoeSum exactly.
 TEST_F(CudaMoeTest, GroupedGemmsMatchDoubleReference) {
   struct Shape {
     int R, E, K, D, F;
   };
   const std::vector<Shape> shapes =
-      kEmulated ? std::vector<Shape>{{37, 8, 2, 80, 45}, {5, 16, 4, 33, 70}}
-                : std::vector<Shape>{{37, 8, 2, 80, 45}, {256, 128, 8, 512, 128}};
+      kEmulated ? std::vector<Shape>{{37, 8, 2, 80, 45}, {5, 16, 4, 33, 70}, {100, 4, 2, 136, 48}}
+                : std::vector<Shape>{{37, 8, 2, 80, 45}, {5, 16, 4, 33, 70}, {100, 4, 2, 136, 48},
+                                     {256, 128, 8, 512, 128}};
   uint32_t seed = 100;
   for (const Shape& s : shapes) {
     const int R = s.R, E = s.E, K = s.K, D = s.D, F = s.F;
@@ -291,11 +296,19 @@ TEST_F(CudaMoeTest, GroupedGemmsMatchDoubleReference) {
     const int32_t* offsets = Upload(h.offsets);
     const int32_t* gather = Upload(h.gather);
     const float* d_x = Upload(x);
-    for (GemmInput input : {GemmInput::kFloat32, GemmInput::kBf16}) {
+    for (const auto& [input, kernel] :
+         std::vector<std::pair<GemmInput, MoeKernel>>{{GemmInput::kFloat32, MoeKernel::kMma},
+                                                       {GemmInput::kBf16, MoeKernel::kMma},
+                                                       {GemmInput::kFloat32, MoeKernel::kSimt},
+                                                       {GemmInput::kBf16, MoeKernel::kSimt}}) {
+      SCOPED_TRACE(::testing::Message() << "R " << R << " E " << E << " D " << D << " F " << F
+                                        << " input " << int(input) << " kernel " << int(kernel));
       const bool bf16 = input == GemmInput::kBf16;
       auto in = [&](float v) { return bf16 ? double(RoundToBf16(v)) : double(v); };
       float* act = Alloc<float>(n * F, 0xFF);
-      ASSERT_THAT(MoeGateUp(d_x, gather, offsets, d_wgu, R, K, E, D, F, input, act), IsOk());
+      ASSERT_THAT(
+          MoeGateUp(d_x, gather, offsets, d_wgu, R, K, E, D, F, input, act, nullptr, kernel),
+          IsOk());
       const std::vector<float> got_act = Download(act, n * F);
       int bad = 0;
       for (int e = 0; e < E; ++e) {
@@ -324,7 +337,8 @@ TEST_F(CudaMoeTest, GroupedGemmsMatchDoubleReference) {
       }
       EXPECT_EQ(bad, 0);
       float* y = Alloc<float>(n * D, 0xFF);
-      ASSERT_THAT(MoeDown(act, offsets, Upload(h.slot_weight), d_wd, R, K, E, F, D, input, y),
+      ASSERT_THAT(MoeDown(act, offsets, Upload(h.slot_weight), d_wd, R, K, E, F, D, input, y,
+                          nullptr, kernel),
                   IsOk());
       const std::vector<float> got_y = Download(y, n * D);
       for (int e = 0; e < E; ++e) {
@@ -371,16 +385,23 @@ TEST_F(CudaMoeTest, RowAloneEqualsRowInBatch) {
   const std::vector<float> scale = RandomFloats(E, 0.5f, 1.5f, 202);
   const uint16_t* wgu = Upload(RandomBf16(size_t(E) * 2 * F * D, 0.3f, 203));
   const uint16_t* wd = Upload(RandomBf16(size_t(E) * D * F, 0.3f, 204));
-  for (GemmInput input : {GemmInput::kFloat32, GemmInput::kBf16}) {
-    const std::vector<float> batch = DeviceMoe(scores, x, R, E, K, D, F, scale, wgu, wd, input);
+  for (const auto& [input, kernel] :
+       std::vector<std::pair<GemmInput, MoeKernel>>{{GemmInput::kFloat32, MoeKernel::kMma},
+                                                     {GemmInput::kBf16, MoeKernel::kMma},
+                                                     {GemmInput::kFloat32, MoeKernel::kSimt},
+                                                     {GemmInput::kBf16, MoeKernel::kSimt}}) {
+    const std::vector<float> batch =
+        DeviceMoe(scores, x, R, E, K, D, F, scale, wgu, wd, input, kernel);
     for (int r : {0, 1, R / 2, R - 1}) {
       const std::vector<float> s1(scores.begin() + size_t(r) * E,
                                   scores.begin() + size_t(r + 1) * E);
       const std::vector<float> x1(x.begin() + size_t(r) * D, x.begin() + size_t(r + 1) * D);
-      const std::vector<float> alone = DeviceMoe(s1, x1, 1, E, K, D, F, scale, wgu, wd, input);
+      const std::vector<float> alone =
+          DeviceMoe(s1, x1, 1, E, K, D, F, scale, wgu, wd, input, kernel);
       for (int d = 0; d < D; ++d) {
         ASSERT_EQ(Bits(alone[d]), Bits(batch[size_t(r) * D + d]))
-            << "row " << r << " column " << d << " input " << int(input);
+            << "row " << r << " column " << d << " input " << int(input) << " kernel "
+            << int(kernel);
       }
       // And not trivially: the output is finite and not all zero.
       EXPECT_TRUE(std::any_of(alone.begin(), alone.end(), [](float v) { return v != 0.0f; }));
