@@ -35,7 +35,7 @@
 #     (addition order in the GEMMs, the kernels' own reductions), which could still flip a sample at a near tie on a random checkpoint,
 #     so a difference is a finding to look at, not a failure (--cuda_gemm_input=bf16 differs
 #     from step 2 on).
-#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the six kernel test binaries
+#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the seven kernel test binaries
 #     (`sanitizer:`), one error summary per binary and tool (GPU_CHECK_SANITIZER_TOOLS, default
 #     memcheck; also racecheck, synccheck, initcheck).
 # GPU_CHECK_STEPS picks the steps after the build (default "tests cluster sanitizer bench").
@@ -146,7 +146,7 @@ BW=${GPU_MEM_BW_GBS:-$DEFAULT_BW}
 
 GPU_TESTS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
   engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
-  engine/cuda/cuda_mma_test kvstore/kvstore_nccl_self_send_test"
+  engine/cuda/cuda_mma_test engine/cuda/cuda_moe_test kvstore/kvstore_nccl_self_send_test"
 CLUSTER_BINS="gateway/dgserve-gateway prefill_worker/dgserve-prefill-worker
   denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel"
 BENCH_BINS="bench/engine_bench"
@@ -425,7 +425,8 @@ sanitizer_step() {
   san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2> /dev/null)
   [ -n "$san" ] || { report "sanitizer: compute-sanitizer not found"; return; }
   for rel in engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test \
-      engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_mma_test; do
+      engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_mma_test \
+      engine/cuda/cuda_moe_test; do
     t=$(basename "$rel")
     [ -x "$BUILD_DIR/$rel" ] || continue
     if (($(time_left) < RESERVE_BENCH + 15)); then report "sanitizer: $t: SKIPPED, no time left"; continue; fi
