@@ -235,6 +235,39 @@ __device__ __forceinline__ float RoundToBf16(float f) {
 
 __device__ __forceinline__ float Bf16ToFloat(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
 
+// Which row tile block t works on (run by warp 0): the experts' groups cut into tiles of bm
+// rows, numbered in expert order; tile[0] = the expert (−1: t is past the last tile), tile[1]
+// = the tile's first gathered row, tile[2] = its rows. Lanes take 32 experts at a time and a
+// warp scan of their tile counts finds t.
+__device__ void FindTile(const int32_t* offsets, int E, int bm, int t, int* tile) {
+  const int lane = threadIdx.x % 32;
+  int base = 0;  // tiles of the experts before this group of 32
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane;
+    int lo = 0, count = 0;
+    if (e < E) {
+      lo = offsets[e];
+      count = offsets[e + 1] - lo;
+    }
+    const int tiles = (count + bm - 1) / bm;
+    int incl = tiles;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int first = base + incl - tiles;  // this expert's first tile
+    const bool mine = t >= first && t < base + incl;
+    if (mine) {
+      tile[0] = e;
+      tile[1] = lo + (t - first) * bm;
+      tile[2] = min(bm, count - (t - first) * bm);
+    }
+    if (__any_sync(0xffffffffu, mine)) return;
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) tile[0] = -1;
+}
+
 constexpr int kTileRows = 32;     // gathered rows per block
 constexpr int kTileK = 32;        // reduction chunk staged in shared memory
 constexpr int kTileW = 64;        // weight rows per block (gated: 32 gate + 32 up)
@@ -249,8 +282,8 @@ int RowTiles(int rows, int k, int E) {
   return int(a < b ? a : b);
 }
 
-// Block (blockIdx.x = row tile t, blockIdx.y = column tile). Row tile t is found by walking the
-// experts' tile counts from offsets; a block past the last tile exits. Each thread owns rows
+// Block (blockIdx.x = row tile t, blockIdx.y = column tile). Row tile t is found from offsets
+// (FindTile); a block past the last tile exits. Each thread owns rows
 // 4·ty … 4·ty+3 of its tile and two weight rows: gated, gate column c and up column c
 // (c = col0 + tx, the output y[n, c] = gelu(g)·u); plain, output columns col0 + tx and
 // col0 + 32 + tx. Each output is a float32 fused multiply-add chain over the reduction index in
@@ -263,23 +296,7 @@ __global__ void __launch_bounds__(kGemmThreads)
   __shared__ float As[kTileK][kTileRows + 1];
   __shared__ float Ws[kTileK][kTileW + 1];
   __shared__ int tile[3];
-  if (threadIdx.x == 0) {
-    int t = blockIdx.x, found = -1, r0 = 0, n = 0;
-    for (int e = 0; e < E; ++e) {
-      const int lo = offsets[e], count = offsets[e + 1] - lo;
-      const int tiles = (count + kTileRows - 1) / kTileRows;
-      if (t < tiles) {
-        found = e;
-        r0 = lo + t * kTileRows;
-        n = min(kTileRows, count - t * kTileRows);
-        break;
-      }
-      t -= tiles;
-    }
-    tile[0] = found;
-    tile[1] = r0;
-    tile[2] = n;
-  }
+  if (threadIdx.x < 32) FindTile(offsets, E, kTileRows, blockIdx.x, tile);
   __syncthreads();
   const int e = tile[0], r0 = tile[1], nrows = tile[2];
   if (e < 0) return;  // uniform: no work for this block
@@ -392,23 +409,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     MoeMmaKernel(const float* x, const int32_t* gather, const int32_t* offsets, int E,
                  const uint16_t* w, int in, int out, const float* row_scale, float* y) {
   __shared__ int tile[3];
-  if (threadIdx.x == 0) {
-    int t = blockIdx.x, found = -1, r0 = 0, n = 0;
-    for (int e = 0; e < E; ++e) {
-      const int lo = offsets[e], count = offsets[e + 1] - lo;
-      const int tiles = (count + kMmaRows - 1) / kMmaRows;
-      if (t < tiles) {
-        found = e;
-        r0 = lo + t * kMmaRows;
-        n = min(kMmaRows, count - t * kMmaRows);
-        break;
-      }
-      t -= tiles;
-    }
-    tile[0] = found;
-    tile[1] = r0;
-    tile[2] = n;
-  }
+  if (threadIdx.x < 32) FindTile(offsets, E, kMmaRows, blockIdx.x, tile);
   __syncthreads();
   const int e = tile[0], r0 = tile[1], nrows = tile[2];
   if (e < 0) return;

@@ -274,13 +274,14 @@ TEST_F(CudaMoeTest, GroupingKeepsAscendingRowOrderInLargeGroups) {
 // The grouped GEMMs stage by stage against float64, in both input modes and with both kernels
 // (tensor cores, SIMT); MoeSum exactly.
 TEST_F(CudaMoeTest, GroupedGemmsMatchDoubleReference) {
-  struct Shape {
+  struct Shape {  // E > 32 and > 64: the tile search crosses groups of 32 experts
     int R, E, K, D, F;
   };
   const std::vector<Shape> shapes =
-      kEmulated ? std::vector<Shape>{{37, 8, 2, 80, 45}, {5, 16, 4, 33, 70}, {100, 4, 2, 136, 48}}
+      kEmulated ? std::vector<Shape>{{37, 8, 2, 80, 45}, {5, 16, 4, 33, 70}, {100, 4, 2, 136, 48},
+                                     {60, 70, 3, 24, 16}}
                 : std::vector<Shape>{{37, 8, 2, 80, 45}, {5, 16, 4, 33, 70}, {100, 4, 2, 136, 48},
-                                     {256, 128, 8, 512, 128}};
+                                     {60, 70, 3, 24, 16}, {256, 128, 8, 512, 128}};
   uint32_t seed = 100;
   for (const Shape& s : shapes) {
     const int R = s.R, E = s.E, K = s.K, D = s.D, F = s.F;
