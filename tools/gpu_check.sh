@@ -241,6 +241,8 @@ run_gtest() {  # $1: binary path relative to BUILD_DIR, $2: seconds
     -e "s/^\[  FAILED  \] ([^ ]+) \(([0-9]+ ms)\)$/FAILED  $t \1 (\2)/p" \
     -e "s/^\[  SKIPPED \] ([^ ]+) \(([0-9]+ ms)\)$/SKIPPED $t \1 (\2)/p" "$log" |
     while read -r line; do report "$line$TAG"; done
+  # Measurements a test prints (cuda_moe_test's "moe_bandwidth: key=value ...") go to the report.
+  grep -E '^moe_bandwidth: ' "$log" | while read -r line; do report "$line$TAG"; done
   # A test that started but never finished: the binary crashed or ran out of time in it.
   last_run=$(grep -E '^\[ RUN      \] ' "$log" | tail -n 1 | sed -E 's/^\[ RUN      \] //')
   if [ -n "$last_run" ] && ! grep -q -E "^\[ *(OK|FAILED|SKIPPED) *\] $last_run( |$)" "$log"; then
