@@ -49,11 +49,11 @@ __device__ __forceinline__ float ExpF(float x) {
   constexpr double kC2 = 0x1.62e42ff0c52d6p-1 / 32;
   const uint32_t ux = __float_as_uint(x);
   const uint32_t abstop = (ux >> 20) & 0x7ffu;
-  if (abstop >= 0x42bu) {                   // |x| ≥ 88 or NaN
-    if (ux == 0xff800000u) return 0.0f;     // −∞
-    if (abstop >= 0x7f8u) return x + x;     // +∞, NaN
+  if (abstop >= 0x42bu) {                                        // |x| ≥ 88 or NaN
+    if (ux == 0xff800000u) return 0.0f;                          // −∞
+    if (abstop >= 0x7f8u) return x + x;                          // +∞, NaN
     if (x > 0x1.62e42ep6f) return __uint_as_float(0x7f800000u);  // overflow
-    if (x < -0x1.9fe368p6f) return 0.0f;                          // underflow
+    if (x < -0x1.9fe368p6f) return 0.0f;                         // underflow
   }
   const double z = __dmul_rn(kInvLn2N, double(x));
   double kd = __dadd_rn(z, kShift);  // round to integer, ties to even
@@ -233,7 +233,9 @@ __device__ __forceinline__ float RoundToBf16(float f) {
   return __uint_as_float((h & 0xFFFFu) << 16);
 }
 
-__device__ __forceinline__ float Bf16ToFloat(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+__device__ __forceinline__ float Bf16ToFloat(uint16_t b) {
+  return __uint_as_float(uint32_t(b) << 16);
+}
 
 // Which row tile block t works on (run by warp 0): the experts' groups cut into tiles of bm
 // rows, numbered in expert order; tile[0] = the expert (−1: t is past the last tile), tile[1]
@@ -268,9 +270,9 @@ __device__ void FindTile(const int32_t* offsets, int E, int bm, int t, int* tile
   if (lane == 0) tile[0] = -1;
 }
 
-constexpr int kTileRows = 32;     // gathered rows per block
-constexpr int kTileK = 32;        // reduction chunk staged in shared memory
-constexpr int kTileW = 64;        // weight rows per block (gated: 32 gate + 32 up)
+constexpr int kTileRows = 32;      // gathered rows per block
+constexpr int kTileK = 32;         // reduction chunk staged in shared memory
+constexpr int kTileW = 64;         // weight rows per block (gated: 32 gate + 32 up)
 constexpr int kGemmThreads = 256;  // 8 × 32: each thread 4 rows × 2 weight rows
 
 // Upper bound of the row tiles of the grouped GEMMs: Σ_e ⌈n_e / 32⌉ with Σ n_e = rows·k and
@@ -383,12 +385,14 @@ __global__ void __launch_bounds__(kGemmThreads)
 constexpr int kMmaRows = 32;
 constexpr int kMmaW = 64;
 constexpr int kMmaK = 64;
-constexpr int kMmaLd = kMmaK + 8;  // bf16 per shared row: 144 bytes, ldmatrix rows on distinct banks
+constexpr int kMmaLd =
+    kMmaK + 8;  // bf16 per shared row: 144 bytes, ldmatrix rows on distinct banks
 constexpr int kMmaThreads = 128;
 
 __device__ __forceinline__ uint16_t ToBf16Bits(float f) {
   const uint32_t b = __float_as_uint(f);
-  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0) return uint16_t((b >> 16) | 0x40u);
+  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0)
+    return uint16_t((b >> 16) | 0x40u);
   return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
@@ -413,8 +417,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   __syncthreads();
   const int e = tile[0], r0 = tile[1], nrows = tile[2];
   if (e < 0) return;
-  uint16_t* As = DynamicShared<uint16_t>();          // [kTerms][kMmaRows][kMmaLd]
-  uint16_t* Ws = As + kTerms * kMmaRows * kMmaLd;    // [2][kMmaW][kMmaLd]
+  uint16_t* As = DynamicShared<uint16_t>();        // [kTerms][kMmaRows][kMmaLd]
+  uint16_t* Ws = As + kTerms * kMmaRows * kMmaLd;  // [2][kMmaW][kMmaLd]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int kCols = kGated ? kMmaW / 2 : kMmaW;
   const int col0 = blockIdx.y * kCols;
@@ -487,8 +491,8 @@ __global__ void __launch_bounds__(kMmaThreads)
       for (int term = kTerms - 1; term >= 0; --term) {  // lo, mid, hi
         for (int mf = 0; mf < 2; ++mf) {
           uint32_t a[4];
-          mma::LdMatrixX4(a, As + (term * kMmaRows + mf * 16 + lane % 16) * kMmaLd + s * 16 +
-                                 (lane / 16) * 8);
+          mma::LdMatrixX4(
+              a, As + (term * kMmaRows + mf * 16 + lane % 16) * kMmaLd + s * 16 + (lane / 16) * 8);
           mma::MmaBf16M16N8K16(acc[mf][0], a, b);
           mma::MmaBf16M16N8K16(acc[mf][1], a, b + 2);
         }
@@ -552,8 +556,7 @@ absl::Status MoeExp(const float* x, int64_t n, float* y, void* stream) {
 }
 
 absl::Status MoeRoute(const float* scores, int rows, int num_experts, int k,
-                      const float* per_expert_scale, int32_t* expert, float* weight,
-                      void* stream) {
+                      const float* per_expert_scale, int32_t* expert, float* weight, void* stream) {
   if (absl::Status st = CheckMoeShape("MoeRoute", rows, k, num_experts); !st.ok()) return st;
   if (rows == 0) return absl::OkStatus();
   const size_t shared = size_t(kRouteWarps) * num_experts * (sizeof(float) + sizeof(int));
@@ -562,13 +565,13 @@ absl::Status MoeRoute(const float* scores, int rows, int num_experts, int k,
   return Check("MoeRoute");
 }
 
-absl::Status MoeGroup(const int32_t* expert, const float* weight, int rows, int num_experts,
-                      int k, int32_t* offsets, int32_t* gather, int32_t* slot,
-                      float* slot_weight, void* stream) {
+absl::Status MoeGroup(const int32_t* expert, const float* weight, int rows, int num_experts, int k,
+                      int32_t* offsets, int32_t* gather, int32_t* slot, float* slot_weight,
+                      void* stream) {
   if (absl::Status st = CheckMoeShape("MoeGroup", rows, k, num_experts); !st.ok()) return st;
   if (rows == 0) return absl::OkStatus();
-  LaunchKernel(MoeGroupKernel, num_experts, 256, 0, S(stream), expert, weight, rows, num_experts,
-               k, offsets, gather, slot, slot_weight);
+  LaunchKernel(MoeGroupKernel, num_experts, 256, 0, S(stream), expert, weight, rows, num_experts, k,
+               offsets, gather, slot, slot_weight);
   return Check("MoeGroup");
 }
 
@@ -628,8 +631,8 @@ absl::Status MoeSum(const float* y, const int32_t* slot, int rows, int k, int di
     return absl::InvalidArgumentError("MoeSum: rows ≥ 0, k ≥ 1, dim > 0");
   }
   if (rows == 0) return absl::OkStatus();
-  LaunchKernel(MoeSumKernel, Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream), y, slot, rows,
-               k, dim, out);
+  LaunchKernel(MoeSumKernel, Blocks(int64_t(rows) * dim, 256), 256, 0, S(stream), y, slot, rows, k,
+               dim, out);
   return Check("MoeSum");
 }
 

@@ -47,9 +47,9 @@ absl::Status MoeRoute(const float* scores, int rows, int num_experts, int k,
 // rows·k); gather, slot_weight: [rows·k]; slot: [rows, k]. One block per expert: each counts the
 // choices of lower experts (its offset: the exclusive scan of the per-expert counts) and scatters
 // its rows with a block-wide prefix sum (stable, no atomics). expert/weight as MoeRoute gives.
-absl::Status MoeGroup(const int32_t* expert, const float* weight, int rows, int num_experts,
-                      int k, int32_t* offsets, int32_t* gather, int32_t* slot,
-                      float* slot_weight, void* stream = nullptr);
+absl::Status MoeGroup(const int32_t* expert, const float* weight, int rows, int num_experts, int k,
+                      int32_t* offsets, int32_t* gather, int32_t* slot, float* slot_weight,
+                      void* stream = nullptr);
 
 // How the grouped GEMMs multiply. kMma (default): tensor cores, mma.sync m16n8k16 bf16 with
 // float32 accumulation (cuda_mma.cuh), 32 rows × 64 weight rows per block, the weights streamed

@@ -129,8 +129,8 @@ class CudaMoeTest : public CudaTest {
         if (d.expert[i] != h.expert[i] || Bits(d.weight[i]) != Bits(h.weight[i])) {
           ++bad;
           ADD_FAILURE() << what << ": row " << r << " choice " << j << ": device (" << d.expert[i]
-                        << ", " << d.weight[i] << "), cpu (" << h.expert[i] << ", "
-                        << h.weight[i] << ")";
+                        << ", " << d.weight[i] << "), cpu (" << h.expert[i] << ", " << h.weight[i]
+                        << ")";
           break;
         }
       }
@@ -146,10 +146,10 @@ class CudaMoeTest : public CudaTest {
   }
 
   // The whole MoE on the device: out[R, D] from scores [R, E] and x [R, D].
-  std::vector<float> DeviceMoe(const std::vector<float>& scores, const std::vector<float>& x,
-                               int R, int E, int K, int D, int F, const std::vector<float>& scale,
-                               const uint16_t* w_gate_up, const uint16_t* w_down,
-                               GemmInput input, MoeKernel kernel) {
+  std::vector<float> DeviceMoe(const std::vector<float>& scores, const std::vector<float>& x, int R,
+                               int E, int K, int D, int F, const std::vector<float>& scale,
+                               const uint16_t* w_gate_up, const uint16_t* w_down, GemmInput input,
+                               MoeKernel kernel) {
     const size_t n = size_t(R) * K;
     int32_t* expert = Alloc<int32_t>(n, 0xFF);
     float* weight = Alloc<float>(n, 0xFF);
@@ -162,9 +162,9 @@ class CudaMoeTest : public CudaTest {
     float* out = Alloc<float>(size_t(R) * D, 0xFF);
     EXPECT_THAT(MoeRoute(Upload(scores), R, E, K, Upload(scale), expert, weight), IsOk());
     EXPECT_THAT(MoeGroup(expert, weight, R, E, K, offsets, gather, slot, slot_weight), IsOk());
-    EXPECT_THAT(
-        MoeGateUp(Upload(x), gather, offsets, w_gate_up, R, K, E, D, F, input, act, nullptr, kernel),
-        IsOk());
+    EXPECT_THAT(MoeGateUp(Upload(x), gather, offsets, w_gate_up, R, K, E, D, F, input, act, nullptr,
+                          kernel),
+                IsOk());
     EXPECT_THAT(
         MoeDown(act, offsets, slot_weight, w_down, R, K, E, F, D, input, y, nullptr, kernel),
         IsOk());
@@ -179,10 +179,26 @@ TEST_F(CudaMoeTest, ExpMatchesTheHostExpf) {
   const std::vector<float> small = RandomFloats(kEmulated ? 4096 : 65536, -1.0f, 1.0f, 2);
   x.insert(x.end(), small.begin(), small.end());
   const float inf = std::numeric_limits<float>::infinity();
-  for (float v : {0.0f, -0.0f, inf, -inf, std::numeric_limits<float>::quiet_NaN(), 88.0f,
-                  88.72f, 88.73f, -87.33f, -87.34f, -103.97f, -103.98f, -104.0f, -150.0f,
-                  1e-30f, -1e-30f, 1e-45f, std::numeric_limits<float>::denorm_min(),
-                  std::numeric_limits<float>::max(), -std::numeric_limits<float>::max()}) {
+  for (float v : {0.0f,
+                  -0.0f,
+                  inf,
+                  -inf,
+                  std::numeric_limits<float>::quiet_NaN(),
+                  88.0f,
+                  88.72f,
+                  88.73f,
+                  -87.33f,
+                  -87.34f,
+                  -103.97f,
+                  -103.98f,
+                  -104.0f,
+                  -150.0f,
+                  1e-30f,
+                  -1e-30f,
+                  1e-45f,
+                  std::numeric_limits<float>::denorm_min(),
+                  std::numeric_limits<float>::max(),
+                  -std::numeric_limits<float>::max()}) {
     x.push_back(v);
   }
   float* y = Alloc<float>(x.size(), 0xFF);
@@ -203,9 +219,9 @@ TEST_F(CudaMoeTest, RoutingMatchesCpuOnRandomScores) {
   struct Shape {
     int R, E, K;
   };
-  const std::vector<Shape> shapes = kEmulated
-                                        ? std::vector<Shape>{{70, 128, 8}, {300, 8, 2}, {33, 40, 5}}
-                                        : std::vector<Shape>{{2048, 128, 8}, {600, 8, 2}, {333, 40, 5}};
+  const std::vector<Shape> shapes =
+      kEmulated ? std::vector<Shape>{{70, 128, 8}, {300, 8, 2}, {33, 40, 5}}
+                : std::vector<Shape>{{2048, 128, 8}, {600, 8, 2}, {333, 40, 5}};
   uint32_t seed = 10;
   for (const Shape& s : shapes) {
     std::mt19937 gen(seed++);
@@ -279,11 +295,15 @@ TEST_F(CudaMoeTest, GroupedGemmsMatchDoubleReference) {
   struct Shape {  // E > 32 and > 64: the tile search crosses groups of 32 experts
     int R, E, K, D, F;
   };
-  const std::vector<Shape> shapes =
-      kEmulated ? std::vector<Shape>{{37, 8, 2, 80, 45}, {5, 16, 4, 33, 70}, {100, 4, 2, 136, 48},
-                                     {60, 70, 3, 24, 16}}
-                : std::vector<Shape>{{37, 8, 2, 80, 45}, {5, 16, 4, 33, 70}, {100, 4, 2, 136, 48},
-                                     {60, 70, 3, 24, 16}, {256, 128, 8, 512, 128}};
+  const std::vector<Shape> shapes = kEmulated ? std::vector<Shape>{{37, 8, 2, 80, 45},
+                                                                   {5, 16, 4, 33, 70},
+                                                                   {100, 4, 2, 136, 48},
+                                                                   {60, 70, 3, 24, 16}}
+                                              : std::vector<Shape>{{37, 8, 2, 80, 45},
+                                                                   {5, 16, 4, 33, 70},
+                                                                   {100, 4, 2, 136, 48},
+                                                                   {60, 70, 3, 24, 16},
+                                                                   {256, 128, 8, 512, 128}};
   uint32_t seed = 100;
   for (const Shape& s : shapes) {
     const int R = s.R, E = s.E, K = s.K, D = s.D, F = s.F;
@@ -301,9 +321,9 @@ TEST_F(CudaMoeTest, GroupedGemmsMatchDoubleReference) {
     const float* d_x = Upload(x);
     for (const auto& [input, kernel] :
          std::vector<std::pair<GemmInput, MoeKernel>>{{GemmInput::kFloat32, MoeKernel::kMma},
-                                                       {GemmInput::kBf16, MoeKernel::kMma},
-                                                       {GemmInput::kFloat32, MoeKernel::kSimt},
-                                                       {GemmInput::kBf16, MoeKernel::kSimt}}) {
+                                                      {GemmInput::kBf16, MoeKernel::kMma},
+                                                      {GemmInput::kFloat32, MoeKernel::kSimt},
+                                                      {GemmInput::kBf16, MoeKernel::kSimt}}) {
       SCOPED_TRACE(::testing::Message() << "R " << R << " E " << E << " D " << D << " F " << F
                                         << " input " << int(input) << " kernel " << int(kernel));
       const bool bf16 = input == GemmInput::kBf16;
@@ -390,9 +410,9 @@ TEST_F(CudaMoeTest, RowAloneEqualsRowInBatch) {
   const uint16_t* wd = Upload(RandomBf16(size_t(E) * D * F, 0.3f, 204));
   for (const auto& [input, kernel] :
        std::vector<std::pair<GemmInput, MoeKernel>>{{GemmInput::kFloat32, MoeKernel::kMma},
-                                                     {GemmInput::kBf16, MoeKernel::kMma},
-                                                     {GemmInput::kFloat32, MoeKernel::kSimt},
-                                                     {GemmInput::kBf16, MoeKernel::kSimt}}) {
+                                                    {GemmInput::kBf16, MoeKernel::kMma},
+                                                    {GemmInput::kFloat32, MoeKernel::kSimt},
+                                                    {GemmInput::kBf16, MoeKernel::kSimt}}) {
     const std::vector<float> batch =
         DeviceMoe(scores, x, R, E, K, D, F, scale, wgu, wd, input, kernel);
     for (int r : {0, 1, R / 2, R - 1}) {
@@ -494,12 +514,12 @@ TEST_F(CudaMoeTest, BadShapesAreInvalidArgument) {
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(MoeGroup(nullptr, nullptr, -1, 8, 2, nullptr, nullptr, nullptr, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(MoeGateUp(nullptr, nullptr, nullptr, nullptr, 4, 2, 8, 0, 16, GemmInput::kBf16,
-                        nullptr),
-              StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(MoeDown(nullptr, nullptr, nullptr, nullptr, 4, 0, 8, 16, 16, GemmInput::kBf16,
-                      nullptr),
-              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      MoeGateUp(nullptr, nullptr, nullptr, nullptr, 4, 2, 8, 0, 16, GemmInput::kBf16, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      MoeDown(nullptr, nullptr, nullptr, nullptr, 4, 0, 8, 16, 16, GemmInput::kBf16, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(MoeSum(nullptr, nullptr, 4, 2, 0, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(MoeRoute(nullptr, 0, 8, 2, nullptr, nullptr, nullptr), IsOk());
