@@ -35,7 +35,7 @@
 #     (addition order in the GEMMs, the kernels' own reductions), which could still flip a sample at a near tie on a random checkpoint,
 #     so a difference is a finding to look at, not a failure (--cuda_gemm_input=bf16 differs
 #     from step 2 on).
-#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the six kernel test binaries and the
+#  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the seven kernel test binaries and the
 #     synthetic-weight fill kernels (cuda_synthetic_test's CudaTest.Fill*)
 #     (`sanitizer:`), one error summary per binary and tool (GPU_CHECK_SANITIZER_TOOLS, default
 #     memcheck; also racecheck, synccheck, initcheck).
@@ -175,7 +175,7 @@ BW=${GPU_MEM_BW_GBS:-$DEFAULT_BW}
 GPU_TESTS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
   engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
   engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
-  kvstore/kvstore_nccl_self_send_test"
+  engine/cuda/cuda_moe_test kvstore/kvstore_nccl_self_send_test"
 CLUSTER_BINS="gateway/dgserve-gateway prefill_worker/dgserve-prefill-worker
   denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel"
 BENCH_BINS="bench/engine_bench"
@@ -290,6 +290,8 @@ run_gtest() {  # $1: binary path relative to BUILD_DIR, $2: seconds
     -e "s/^\[  FAILED  \] ([^ ]+) \(([0-9]+ ms)\)$/FAILED  $t \1 (\2)/p" \
     -e "s/^\[  SKIPPED \] ([^ ]+) \(([0-9]+ ms)\)$/SKIPPED $t \1 (\2)/p" "$log" |
     while read -r line; do report "$line$TAG"; done
+  # Measurements a test prints (cuda_moe_test's "moe_bandwidth: key=value ...") go to the report.
+  grep -E '^moe_bandwidth: ' "$log" | while read -r line; do report "$line$TAG"; done
   # A test that started but never finished: the binary crashed or ran out of time in it.
   last_run=$(grep -E '^\[ RUN      \] ' "$log" | tail -n 1 | sed -E 's/^\[ RUN      \] //')
   if [ -n "$last_run" ] && ! grep -q -E "^\[ *(OK|FAILED|SKIPPED) *\] $last_run( |$)" "$log"; then
@@ -478,7 +480,7 @@ sanitizer_step() {
   local filter
   for rel in engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test \
       engine/cuda/cuda_vocab_test engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_mma_test \
-      engine/cuda/cuda_synthetic_test; do
+      engine/cuda/cuda_moe_test engine/cuda/cuda_synthetic_test; do
     t=$(basename "$rel")
     filter='*'
     [ "$t" = cuda_synthetic_test ] && filter='CudaTest.Fill*'  # the weight-fill kernels

@@ -23,6 +23,7 @@
 #include "engine/cuda/cuda_backend_kernels.h"
 #include "engine/cuda/cuda_gemm.h"
 #include "engine/cuda/cuda_memory.h"
+#include "engine/cuda/cuda_moe.h"
 #include "engine/cuda/cuda_ops.h"
 #include "engine/cuda/cuda_profile.h"
 #include "engine/cuda/cuda_synthetic.h"
@@ -171,7 +172,7 @@ struct DeviceLayer {
   DeviceArray<uint16_t> q_proj, k_proj, v_proj, o_proj, mlp_gate_proj, mlp_up_proj, mlp_down_proj,
       experts_gate_up_proj, experts_down_proj;
   DeviceArray<float> router_proj;       // [E, D] float32 (the top-k choice is sensitive)
-  std::vector<float> per_expert_scale;  // host [E]
+  DeviceArray<float> per_expert_scale;  // [E]
   float decoder_layer_scalar = 1, encoder_layer_scalar = 1;
 };
 
@@ -266,9 +267,9 @@ class CudaBackend final : public ModelBackend {
   uint64_t pass_start_ = 0;  // use_clock_ value of the first mirror use of the current pass
 
   // Scratch activations (grown on demand).
-  DeviceArray<float> h_, a_, q_, k_, v_, attn_, o_, dense_, moe_, g_, u_, r_, scores_, xe_, xin_,
-      gu_, act_, y_, weight_, sc_in_, logits_, temps_, uniforms_, soft_;
-  DeviceArray<int32_t> ids_, positions_, gather_, slot_, mask_index_;
+  DeviceArray<float> h_, a_, q_, k_, v_, attn_, o_, dense_, moe_, g_, u_, r_, scores_, xe_, act_,
+      y_, weight_, slot_weight_, sc_in_, logits_, temps_, uniforms_, soft_;
+  DeviceArray<int32_t> ids_, positions_, expert_, offsets_, gather_, slot_, mask_index_;
   DeviceArray<uint64_t> mask_table_;  // the distinct canvas-template masks of a step
   DeviceArray<uint16_t> probs_bf16_;
   DeviceArray<cuda::VocabRowResult> results_;
@@ -312,7 +313,7 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_gate_up_proj, &d.experts_gate_up_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
-    d.per_expert_scale = s.router_per_expert_scale;
+    DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));
     d.decoder_layer_scalar = s.decoder_layer_scalar;
     d.encoder_layer_scalar = s.encoder_layer_scalar;
   }
@@ -595,49 +596,37 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
       CublasCheck(cublasSgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, E, R, D, &one,
                               lw.router_proj.get(), D, r_.get(), D, &zero, scores_.get(), E),
                   "cublasSgemm (router)"));
-  // Softmax / top-k / renormalise / per_expert_scale on the host (cpu::RouteTopK), then rows
-  // grouped by expert: gathered row i of group e is token row gather[i].
-  std::vector<float> scores(size_t(R) * E);
-  DGSERVE_RETURN_IF_ERROR(Download(scores.data(), scores_.get(), scores.size() * sizeof(float)));
-  std::vector<std::vector<std::pair<int, float>>> by_expert(E);  // (row, weight)
-  std::vector<std::pair<int, float>> chosen(K);
-  for (int row = 0; row < R; ++row) {
-    cpu::RouteTopK(scores.data() + size_t(row) * E, E, K, lw.per_expert_scale.data(),
-                   chosen.data());
-    for (const auto& [e, weight] : chosen) by_expert[e].push_back({row, weight});
-  }
-  std::vector<int32_t> gather, offsets(E + 1, 0);
-  std::vector<int32_t> slot(size_t(R) * K, -1);
-  std::vector<float> weight(size_t(R) * K, 0.0f);
-  std::vector<int> filled(R, 0);
-  for (int e = 0; e < E; ++e) {  // expert order = the CPU's accumulation order
-    for (const auto& [row, wgt] : by_expert[e]) {
-      const int j = filled[row]++;
-      slot[size_t(row) * K + j] = int32_t(gather.size());
-      weight[size_t(row) * K + j] = wgt;
-      gather.push_back(row);
-    }
-    offsets[e + 1] = int32_t(gather.size());
-  }
-  const int N = int(gather.size());
-  DGSERVE_RETURN_IF_ERROR(gather_.Upload(gather));
-  DGSERVE_RETURN_IF_ERROR(slot_.Upload(slot));
-  DGSERVE_RETURN_IF_ERROR(weight_.Upload(weight));
+  // Routing and grouping on the device (cuda_moe.h): the experts of each row (cpu::RouteTopK's
+  // choice and weights, bit for bit), then rows grouped by expert in ascending row order. Every
+  // row picks K distinct experts, so N = R·K gathered rows: every size is known here and the
+  // host never waits for the device.
+  const size_t N = size_t(R) * K;
+  DGSERVE_RETURN_IF_ERROR(expert_.Ensure(N));
+  DGSERVE_RETURN_IF_ERROR(weight_.Ensure(N));
+  DGSERVE_RETURN_IF_ERROR(offsets_.Ensure(size_t(E) + 1));
+  DGSERVE_RETURN_IF_ERROR(gather_.Ensure(N));
+  DGSERVE_RETURN_IF_ERROR(slot_.Ensure(N));
+  DGSERVE_RETURN_IF_ERROR(slot_weight_.Ensure(N));
   DGSERVE_RETURN_IF_ERROR(xe_.Ensure(size_t(R) * D));
-  DGSERVE_RETURN_IF_ERROR(xin_.Ensure(size_t(std::max(N, 1)) * D));
-  DGSERVE_RETURN_IF_ERROR(gu_.Ensure(size_t(std::max(N, 1)) * 2 * F));
-  DGSERVE_RETURN_IF_ERROR(act_.Ensure(size_t(std::max(N, 1)) * F));
-  DGSERVE_RETURN_IF_ERROR(y_.Ensure(size_t(std::max(N, 1)) * D));
-  // Experts on pre_feedforward_layernorm_2(h1).
+  DGSERVE_RETURN_IF_ERROR(act_.Ensure(N * F));
+  DGSERVE_RETURN_IF_ERROR(y_.Ensure(N * D));
+  DGSERVE_RETURN_IF_ERROR(cuda::MoeRoute(scores_.get(), R, E, K, lw.per_expert_scale.get(),
+                                         expert_.get(), weight_.get()));
+  DGSERVE_RETURN_IF_ERROR(cuda::MoeGroup(expert_.get(), weight_.get(), R, E, K, offsets_.get(),
+                                         gather_.get(), slot_.get(), slot_weight_.get()));
+  // Experts on pre_feedforward_layernorm_2(h1): one grouped GEMM per projection (gather in the
+  // A load, gelu(g)·u and the routing weight in the epilogues), then the per-row sum in
+  // ascending expert order (the CPU's order).
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(h1, lw.pre_feedforward_layernorm_2.get(), R, D, eps, xe_.get()));
-  DGSERVE_RETURN_IF_ERROR(cuda::GatherRows(xe_.get(), gather_.get(), N, D, xin_.get()));
-  DGSERVE_RETURN_IF_ERROR(cublas_.GroupedLinear(xin_.get(), lw.experts_gate_up_proj.get(), E,
-                                                offsets.data(), nullptr, D, 2 * F, gu_.get()));
-  DGSERVE_RETURN_IF_ERROR(cuda::GeluGateRows(gu_.get(), N, F, act_.get()));
-  DGSERVE_RETURN_IF_ERROR(cublas_.GroupedLinear(act_.get(), lw.experts_down_proj.get(), E,
-                                                offsets.data(), nullptr, F, D, y_.get()));
-  return cuda::MoeCombine(y_.get(), slot_.get(), weight_.get(), R, K, D, m);
+  const cuda::GemmInput input = cublas_.input();
+  DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUp(xe_.get(), gather_.get(), offsets_.get(),
+                                          lw.experts_gate_up_proj.get(), R, K, E, D, F, input,
+                                          act_.get()));
+  DGSERVE_RETURN_IF_ERROR(cuda::MoeDown(act_.get(), offsets_.get(), slot_weight_.get(),
+                                        lw.experts_down_proj.get(), R, K, E, F, D, input,
+                                        y_.get()));
+  return cuda::MoeSum(y_.get(), slot_.get(), R, K, D, m);
 }
 
 // Sizes every per-pass scratch buffer for R stacked rows.

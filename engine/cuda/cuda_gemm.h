@@ -61,8 +61,8 @@ class CublasContext {
   // row_offsets[0] need not be 0); expert_of_group (host, [groups]) or nullptr. Empty groups
   // are skipped. x is converted once for rows [row_offsets[0], row_offsets[groups]); x_bf16 then
   // needs (row_offsets[groups] − row_offsets[0])·in values. One cublasGemmEx per non-empty group
-  // (cublasGemmGroupedBatchedEx would need device pointer arrays per call; the loop is enough
-  // for the ≤ 128 experts of the model).
+  // (cublasGemmGroupedBatchedEx would need device pointer arrays per call). The backend's MoE no
+  // longer uses it: cuda_moe.h's grouped GEMMs read the groups from device memory.
   absl::Status GroupedLinear(const float* x, const uint16_t* w, int groups,
                              const int32_t* row_offsets, const int32_t* expert_of_group, int in,
                              int out, float* y, void* stream = nullptr,

@@ -266,26 +266,24 @@ TEST_F(SyntheticBackendTest, TinyStepLaunchCounts) {
   std::vector<cuda::LaunchCounts> steps;
   Run(**b, &steps);
   ASSERT_EQ(steps.size(), 2u);
-  const uint64_t E = c.num_experts;
   // Per layer: input norm; q, k (and v on sliding layers) projections; q/k/v norms; 2 RoPE;
   // attention; o projection; post-attention norm and add; pre-FF norm, gated MLP (3 conversions
-  // + gelu), post-FF norm; MoE (router norm and scale, expert norm, gather, 2 conversions, gelu,
-  // combine), its norm; the final add, norm and scaled add.
+  // + gelu), post-FF norm; MoE (router norm and scale, routing, grouping, expert norm, grouped
+  // gate_up and down, per-row sum: cuda_moe), its norm; the final add, norm and scaled add.
   const uint64_t layer_kernels_sliding = 1 + 3 + 3 + 2 + 1 + 1 + 2 + 1 + 4 + 1 + 8 + 1 + 3;
   const uint64_t layer_kernels_full = layer_kernels_sliding - 1;  // V = rms(K): a device copy
-  // q, k, (v), o, gate, up, down, the router's float32 GEMM, one per expert and projection.
-  const uint64_t layer_cublas_sliding = 3 + 1 + 3 + 1 + 2 * E,
-                 layer_cublas_full = 2 + 1 + 3 + 1 + 2 * E;
+  // q, k, (v), o, gate, up, down, the router's float32 GEMM (the experts are our kernels).
+  const uint64_t layer_cublas_sliding = 3 + 1 + 3 + 1, layer_cublas_full = 2 + 1 + 3 + 1;
   // Embedding, input norm, the layers, final norm; vocabulary: LM head conversion, vocabulary
   // step, softmax to bf16 probabilities; cuBLAS: LM head and soft-embedding GEMM.
   const uint64_t kernels = 1 + 1 + layer_kernels_sliding + layer_kernels_full + 1 + 3;
   const uint64_t cublas = layer_cublas_sliding + layer_cublas_full + 2;
   // The self-conditioning MLP of the second step: norm, 3 conversions + gelu, add; 3 GEMMs.
   const uint64_t sc_kernels = 1 + 4 + 1, sc_cublas = 3;
-  // Uploads: ids, positions, temperatures, uniforms, the MoE's gather/slot/weight per layer
-  // (+ the soft embedding with self-conditioning); downloads: the router scores per layer, the
-  // row results, the next soft embedding; one sync at the end of the body.
-  const uint64_t h2d = 2 + 2 + 3 * c.num_layers, d2h = c.num_layers + 2;
+  // Uploads: ids, positions, temperatures, uniforms (+ the soft embedding with
+  // self-conditioning); downloads: the row results, the next soft embedding (the MoE's routing
+  // stays on the device); one sync at the end of the body.
+  const uint64_t h2d = 2 + 2, d2h = 2;
   for (int s = 0; s < 2; ++s) {
     SCOPED_TRACE(s == 0 ? "step without self-conditioning" : "step with self-conditioning");
     EXPECT_EQ(steps[s].kernels, kernels + (s == 1 ? sc_kernels : 0));
