@@ -294,7 +294,7 @@ TEST_F(SyntheticBackendTest, TinyStepLaunchCounts) {
     EXPECT_EQ(steps[s].syncs, 1u);
     EXPECT_EQ(steps[s].allocs, 0u);
   }
-  EXPECT_EQ(steps[0].launches(), 67u + 33u + 1u);  // the table above, summed by hand
+  EXPECT_EQ(steps[0].launches(), 67u + 17u + 1u);  // the table above, summed by hand
 }
 
 // The ceilings measure something on small sizes (the real sizes are engine_bench's defaults).
