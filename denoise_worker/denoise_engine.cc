@@ -490,9 +490,9 @@ void DenoiseEngine::CommitCanvases(std::vector<std::unique_ptr<Running>>& runnin
   if (metrics_) metrics_->commit_seconds.Observe(secs);
   for (Running* r : committing) {
     r->commit_seconds += secs;
-    if (s.ok()) s = r->run->CommitDone();
-    if (!s.ok()) {
-      FinishJob(*r, absl::InternalError(absl::StrCat("commit pass failed: ", s.message())));
+    const absl::Status done = s.ok() ? r->run->CommitDone() : s;
+    if (!done.ok()) {
+      FinishJob(*r, absl::InternalError(absl::StrCat("commit pass failed: ", done.message())));
       r->job->RequestCancel();
     }
   }

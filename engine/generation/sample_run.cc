@@ -75,7 +75,8 @@ SampleRun::SampleRun(const ModelConfig& c, SampleSpec spec)
     // A resume: the completion before first_canvas, as the gateway matched it.
     stop_matcher_->Push(decoder_->Push(spec_.completion_before));
   }
-  spec_.tokenizer = nullptr;  // not kept
+  spec_.tokenizer = nullptr;  // neither is kept
+  spec_.completion_before = {};
 }
 
 SampleRun::SampleRun(SampleRun&&) noexcept = default;
