@@ -165,8 +165,7 @@ SampleSpec MakeSampleSpec(const v1::DenoiseRequest& r, int sample,
   spec.template_every_canvas = r.canvas_template().every_canvas();
   spec.tokenizer = tokenizer;
   spec.stop_sequences.assign(r.stop_sequences().begin(), r.stop_sequences().end());
-  spec.completion_before.assign(r.completion_token_ids().begin(),
-                                r.completion_token_ids().end());
+  spec.completion_before.assign(r.completion_token_ids().begin(), r.completion_token_ids().end());
   return spec;
 }
 
@@ -434,8 +433,11 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
   for (auto& r : running) {
     if (r->run->phase() != Phase::kDenoising) continue;
     absl::StatusOr<DenoiseStepInput> in = r->run->StepInput(*r->kv);
-    if (in.ok()) batch.push_back(*in);
-    else FinishJob(*r, in.status());
+    if (!in.ok()) {
+      FinishJob(*r, in.status());
+      continue;
+    }
+    batch.push_back(*in);
   }
   const absl::Time t0 = absl::Now();
   absl::Status step_status = batch.empty() ? absl::OkStatus() : backend_->DenoiseStep(batch);
@@ -447,11 +449,11 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
   }
   for (auto& rp : running) {
     Running& r = *rp;
-    if (r.finished) continue;  // its StepInput failed
+    if (r.finished) continue;                   // its StepInput failed
     if (r.run->phase() == Phase::kDenoising) {  // it took this pass
       if (!step_status.ok()) {
-        FinishJob(r, absl::InternalError(absl::StrCat("denoising step failed: ",
-                                                      step_status.message())));
+        FinishJob(
+            r, absl::InternalError(absl::StrCat("denoising step failed: ", step_status.message())));
         continue;
       }
       r.denoise_seconds += Seconds(t1 - t0);

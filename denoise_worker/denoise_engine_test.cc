@@ -1,9 +1,9 @@
 // DenoiseEngine in one process, no gRPC: the real CPU backend on random tiny-v512 weights, a
 // block pool and a KvReceiver fed by the in-process transport (the prompt KV encoded here, as
-// the prefill worker would). Checked: the tokens equal Generator's (one sample, n samples
-// scheduled in parts, a resume from a committed canvas, a stop token), admission (validation,
-// duplicates, draining, a full queue), cancellation while waiting for KV and while running,
-// the KV wait deadline, and KV of the wrong length.
+// the prefill worker would). Checked: the tokens equal Generator's (one sample, two requests
+// in one batch, n samples scheduled in parts, a resume from a committed canvas, a stop token),
+// admission (validation, duplicates, draining, a full queue), cancellation while waiting for KV
+// and while running, the KV wait deadline, and KV of the wrong length.
 #include "denoise_worker/denoise_engine.h"
 
 #include <gtest/gtest.h>
@@ -16,6 +16,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/testing/status_matchers.h"
+#include "denoise_worker/denoise_metrics.h"
 #include "engine/generation/generator.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/checkpoint_testing.h"
@@ -58,8 +59,8 @@ class DenoiseEngineTest : public ::testing::Test {
     ASSERT_THAT(sender_pool.status(), IsOk());
     sender_pool_ = *std::move(sender_pool);
     receiver_ = std::make_unique<kv::KvReceiver>(pool_.get(), config().max_position_embeddings);
-    target_ = "denoise-engine-test-" + std::string(
-        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    target_ = "denoise-engine-test-" +
+              std::string(::testing::UnitTest::GetInstance()->current_test_info()->name());
     kv::RegisterInProcessReceiver(target_, receiver_.get());
     transport_ = kv::CreateInProcessTransport();
   }
@@ -234,6 +235,58 @@ TEST_F(DenoiseEngineTest, SamplesScheduledInPartsGiveTheirSeedsTokens) {
     EXPECT_EQ(got.finished[i]->denoising_steps(), want.decoder_passes);
   }
   EXPECT_NE(Ids(got.blocks[0][0]), Ids(got.blocks[1][0]));
+}
+
+TEST_F(DenoiseEngineTest, RequestsBatchedTogetherGiveTheirTokensAlone) {
+  prometheus::Registry registry;
+  DenoiseMetrics metrics(registry);
+  DenoiseEngineOptions o;
+  o.model_id = "tiny";
+  engine_ = std::make_unique<DenoiseEngine>(backend_.get(), pool_.get(), receiver_.get(),
+                                            std::move(o), &metrics);
+  const std::vector<int32_t> prompt = Prompt();
+  std::vector<int32_t> other = prompt;
+  other.resize(13);
+  // A long request (every step of every canvas) and a short one that joins while it runs.
+  v1::DenoiseRequest a = Request("long", int(prompt.size()), 3 * C());
+  a.mutable_sampler()->set_max_denoising_steps(24);
+  a.mutable_sampler()->set_confidence_threshold(1e-30f);
+  v1::DenoiseRequest b = Request("short", int(other.size()), C());
+  b.set_seed(77);
+  // Both KVs wait in the receiver, so both requests are ready as soon as they are submitted.
+  SendKv("long", prompt);
+  SendKv("short", other);
+  auto ja = std::make_shared<DenoiseJob>(a), jb = std::make_shared<DenoiseJob>(b);
+  ASSERT_THAT(engine_->Submit(ja), IsOk());
+  ASSERT_THAT(engine_->Submit(jb), IsOk());
+  const JobEvents ga = Collect(*ja), gb = Collect(*jb);
+  ASSERT_THAT(ga.final, IsOk());
+  ASSERT_THAT(gb.final, IsOk());
+
+  GenerationRequest g = DefaultRequest(checkpoint_->generation);
+  g.prompt = prompt;
+  g.max_new_tokens = a.max_new_tokens();
+  g.seed = a.seed();
+  g.sampler.max_denoising_steps = 24;
+  g.sampler.confidence_threshold = 1e-30f;
+  g.stop_token_ids = {};
+  Generator gen(*test_backend_);
+  absl::StatusOr<GenerationResult> want_a = gen.Generate(g);
+  ASSERT_THAT(want_a.status(), IsOk());
+  const GenerationResult want_b = Generate(other, b, b.seed());
+  std::vector<int32_t> ta, tb;
+  for (const auto& x : ga.blocks[0])
+    ta.insert(ta.end(), x.token_ids().begin(), x.token_ids().end());
+  for (const auto& x : gb.blocks[0])
+    tb.insert(tb.end(), x.token_ids().begin(), x.token_ids().end());
+  EXPECT_EQ(ta, want_a->tokens);
+  EXPECT_EQ(tb, want_b.tokens);
+  EXPECT_EQ(want_a->decoder_passes, 72);
+  // Every pass is counted once; some steps carried both canvases.
+  const auto batches = metrics.batch_canvases.Collect().histogram;
+  EXPECT_EQ(batches.sample_sum, double(want_a->decoder_passes + want_b.decoder_passes));
+  EXPECT_LT(batches.sample_count, uint64_t(want_a->decoder_passes + want_b.decoder_passes));
+  EXPECT_EQ(metrics.canvases.Value(), 4);
 }
 
 TEST_F(DenoiseEngineTest, ResumeFromACommittedCanvasGivesTheSameLaterCanvases) {

@@ -55,10 +55,10 @@ class PrefillEngineTest : public ::testing::Test {
     auto receiver_pool = CreateKvPool(config(), "tiny", 32, 16);
     ASSERT_THAT(receiver_pool.status(), IsOk());
     receiver_pool_ = *std::move(receiver_pool);
-    receiver_ = std::make_unique<kv::KvReceiver>(receiver_pool_.get(),
-                                                 config().max_position_embeddings);
-    target_ = "prefill-engine-test-" + std::string(
-        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    receiver_ =
+        std::make_unique<kv::KvReceiver>(receiver_pool_.get(), config().max_position_embeddings);
+    target_ = "prefill-engine-test-" +
+              std::string(::testing::UnitTest::GetInstance()->current_test_info()->name());
     kv::RegisterInProcessReceiver(target_, receiver_.get());
   }
   void TearDown() override {
@@ -69,9 +69,9 @@ class PrefillEngineTest : public ::testing::Test {
   const ModelConfig& config() const { return checkpoint_->config; }
 
   void StartEngine(PrefillEngineOptions o = {}) {
-    engine_ = std::make_unique<PrefillEngine>(backend_.get(), pool_.get(),
-                                              kv::CreateInProcessTransport(), std::move(o),
-                                              nullptr, nullptr);
+    engine_ =
+        std::make_unique<PrefillEngine>(backend_.get(), pool_.get(), kv::CreateInProcessTransport(),
+                                        std::move(o), nullptr, nullptr);
   }
 
   std::vector<int32_t> Prompt(int n, int salt) const {
@@ -218,7 +218,8 @@ TEST_F(PrefillEngineTest, Admission) {
   Pending big;
   ASSERT_THAT(Submit(Request("big", Prompt(2000, 4)), &big), IsOk());
   Pending dup, more;
-  EXPECT_EQ(Submit(Request("big", Prompt(5, 1)), &dup).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Submit(Request("big", Prompt(5, 1)), &dup).code(),
+            absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(Submit(Request("more", Prompt(5, 1)), &more).code(),
             absl::StatusCode::kResourceExhausted);
   engine_->SetDraining(true);
@@ -272,8 +273,7 @@ TEST_F(PrefillEngineTest, TransferToAnUnknownTargetFails) {
   ASSERT_THAT(Submit(r, &p), IsOk());
   ASSERT_TRUE(p.Wait());
   EXPECT_EQ(p.result.status().code(), absl::StatusCode::kUnavailable) << p.result.status();
-  EXPECT_NE(p.result.status().message().find("no in-process KV receiver"),
-            absl::string_view::npos)
+  EXPECT_NE(p.result.status().message().find("no in-process KV receiver"), absl::string_view::npos)
       << p.result.status();
 }
 

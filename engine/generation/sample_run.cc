@@ -10,11 +10,16 @@ namespace {
 
 const char* PhaseName(SampleRun::Phase p) {
   switch (p) {
-    case SampleRun::Phase::kStartCanvas: return "start-canvas";
-    case SampleRun::Phase::kDenoising: return "denoising";
-    case SampleRun::Phase::kCanvasDone: return "canvas-done";
-    case SampleRun::Phase::kCommit: return "commit";
-    case SampleRun::Phase::kFinished: return "finished";
+    case SampleRun::Phase::kStartCanvas:
+      return "start-canvas";
+    case SampleRun::Phase::kDenoising:
+      return "denoising";
+    case SampleRun::Phase::kCanvasDone:
+      return "canvas-done";
+    case SampleRun::Phase::kCommit:
+      return "commit";
+    case SampleRun::Phase::kFinished:
+      return "finished";
   }
   return "?";
 }
@@ -87,10 +92,10 @@ absl::Status SampleRun::StartCanvas() {
   if (phase_ != Phase::kStartCanvas) return WrongPhase("StartCanvas", phase_);
   const bool clamped = spec_.canvas_template && (canvas_ == 0 || spec_.template_every_canvas);
   absl::StatusOr<CanvasDenoiser> den =
-      clamped ? CanvasDenoiser::CreateWithTemplate(spec_.sampler, spec_.canvas_template, canvas_,
-                                                   draws_.get())
-              : CanvasDenoiser::Create(spec_.sampler, canvas_length_, vocab_, canvas_,
-                                       draws_.get());
+      clamped
+          ? CanvasDenoiser::CreateWithTemplate(spec_.sampler, spec_.canvas_template, canvas_,
+                                               draws_.get())
+          : CanvasDenoiser::Create(spec_.sampler, canvas_length_, vocab_, canvas_, draws_.get());
   if (!den.ok()) return den.status();
   den_.emplace(*std::move(den));
   have_sc_ = false;  // step 0 of a canvas has no self-conditioning input

@@ -43,7 +43,7 @@ struct SampleSpec {
   // Canvases already committed before this run (a resumed request): canvas indices — and with
   // them draws, block indices and the template's first canvas — continue from here.
   int first_canvas = 0;
-  int max_new_tokens = 0;  // > 0: completion tokens from first_canvas on, at most
+  int max_new_tokens = 0;               // > 0: completion tokens from first_canvas on, at most
   std::vector<int32_t> stop_token_ids;  // a canvas is cut after the first of these
   int32_t pad_token_id = 0;
   // Infilling: canvas 0 (every canvas with template_every_canvas) is clamped by this template;
