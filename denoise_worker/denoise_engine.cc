@@ -7,11 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/limits.h"
-#include "engine/denoise/canvas_state.h"
-#include "engine/denoise/finalize.h"
-#include "engine/denoise/rng.h"
 #include "engine/denoise/sampler_params.h"
-#include "engine/generation/stop_matcher.h"
+#include "engine/generation/sample_run.h"
 #include "service/canvas_template_proto.h"
 
 namespace dgserve {
@@ -54,8 +51,9 @@ bool DenoiseJob::Pop(v1::DenoiseEvent* event, std::optional<absl::Status>* final
   return false;
 }
 
-// One sample of a request whose prompt KV has arrived: everything the engine thread needs to
-// run it. A request with num_samples = n has n of these, sharing the job and the prompt KV.
+// One sample of a request whose prompt KV has arrived: what the scheduler needs besides the
+// sample's canvases (`run`). A request with num_samples = n has n of these, sharing the job and
+// the prompt KV's whole blocks.
 struct DenoiseEngine::Running {
   std::shared_ptr<DenoiseJob> job;
   int sample = 0;  // 0 .. num_samples − 1; its draws use seed + sample
@@ -63,29 +61,8 @@ struct DenoiseEngine::Running {
   std::shared_ptr<int> samples_left;
   bool finished = false;  // this sample sent its Finished (the job may still run others)
   std::unique_ptr<kv::PagedKvCache> kv;
-  SamplerParams params;
-  std::unique_ptr<CounterDrawSource> draws;
-  std::shared_ptr<const CanvasTemplate> canvas_template;  // null: none
-  bool template_every_canvas = false;
-  std::optional<CanvasDenoiser> den;
-  // [C, D] self-conditioning input of this / next step; empty with self-conditioning off.
-  std::vector<float> soft, next_soft;
-  std::vector<RowResult> rows;
-  bool have_sc = false;
-  int canvas = 0;  // the canvas being denoised (from the request's first_canvas)
-  int num_canvases = 0;
-  std::vector<int32_t> stop_ids;
-  std::vector<int32_t> to_commit;  // non-empty: a commit pass is due before the next canvas
-  int total_steps = 0;
-  int completion_tokens = 0;  // tokens before the first stop token, capped at max_new_tokens
-  bool stop_found = false;
-  // The request's stop sequences over the completion's text (null: none, or no tokenizer).
-  std::optional<StreamDecoder> decoder;
-  std::optional<StopMatcher> stop_matcher;
-  absl::Time kv_ready;
-  absl::Time admitted;
-  absl::Time canvas_start;
-  bool first_step_done = false;
+  std::optional<SampleRun> run;  // set in OnKv
+  absl::Time kv_ready, admitted, canvas_start;
   double denoise_seconds = 0, commit_seconds = 0;
 };
 
@@ -170,6 +147,26 @@ absl::Status ValidateRequest(const v1::DenoiseRequest& r, const ModelConfig& c) 
                                                    r.num_samples()));
   }
   return ValidateSamplerParams(ToSamplerParams(r.sampler()));
+}
+
+// Sample `sample` of request `r` (validated): canvas indices (draws, block indices, template)
+// continue after the committed canvases of a resumed request (first_canvas).
+SampleSpec MakeSampleSpec(const v1::DenoiseRequest& r, int sample,
+                          std::shared_ptr<const CanvasTemplate> canvas_template,
+                          const Tokenizer* tokenizer) {
+  SampleSpec spec;
+  spec.sampler = ToSamplerParams(r.sampler());
+  spec.seed = r.seed() + uint64_t(sample);
+  spec.first_canvas = r.first_canvas();
+  spec.max_new_tokens = r.max_new_tokens();
+  spec.stop_token_ids.assign(r.stop_token_ids().begin(), r.stop_token_ids().end());
+  spec.pad_token_id = r.pad_token_id();
+  spec.canvas_template = std::move(canvas_template);
+  spec.template_every_canvas = r.canvas_template().every_canvas();
+  spec.tokenizer = tokenizer;
+  spec.stop_sequences.assign(r.stop_sequences().begin(), r.stop_sequences().end());
+  spec.completion_before.assign(r.completion_token_ids().begin(), r.completion_token_ids().end());
+  return spec;
 }
 
 }  // namespace
@@ -282,36 +279,29 @@ void DenoiseEngine::OnKv(const std::string& id,
         *CanvasTemplateFromProto(job->request().canvas_template(), c.canvas_length, c.vocab_size);
   }
   auto samples_left = std::make_shared<int>(n);
+  std::vector<std::unique_ptr<Running>> samples;
   for (int i = 0; i < n; ++i) {
+    absl::StatusOr<SampleRun> run =
+        SampleRun::Create(c, MakeSampleSpec(job->request(), i, canvas_template,
+                                            options_.tokenizer ? &*options_.tokenizer : nullptr));
+    if (!run.ok()) {  // validated by Submit: cannot happen
+      all_.erase(id);
+      if (metrics_) {
+        metrics_->RequestsWithStatus(absl::StatusCodeToString(run.status().code())).Increment();
+      }
+      job->End(run.status());
+      return;  // `kvs` frees the blocks
+    }
     auto r = std::make_unique<Running>();
     r->job = job;
     r->sample = i;
     r->samples_left = samples_left;
     r->kv = std::move(kvs[i]);
-    r->params = ToSamplerParams(job->request().sampler());
-    r->draws = std::make_unique<CounterDrawSource>(job->request().seed() + uint64_t(i),
-                                                   c.vocab_size);
-    r->canvas_template = canvas_template;
-    r->template_every_canvas = job->request().canvas_template().every_canvas();
-    // Canvas indices (draws, block indices, template) continue after the committed canvases
-    // of a resumed request.
-    r->canvas = job->request().first_canvas();
-    r->num_canvases = r->canvas + (job->request().max_new_tokens() + c.canvas_length - 1) /
-                                      c.canvas_length;
-    r->stop_ids.assign(job->request().stop_token_ids().begin(),
-                       job->request().stop_token_ids().end());
-    const v1::DenoiseRequest& req = job->request();
-    if (options_.tokenizer && req.stop_sequences_size() > 0) {
-      r->decoder.emplace(*options_.tokenizer);
-      r->stop_matcher.emplace(
-          std::vector<std::string>(req.stop_sequences().begin(), req.stop_sequences().end()));
-      // A resume: the completion before first_canvas, as the gateway matched it.
-      r->stop_matcher->Push(r->decoder->Push(std::span<const int32_t>(
-          req.completion_token_ids().data(), size_t(req.completion_token_ids_size()))));
-    }
+    r->run.emplace(*std::move(run));
     r->kv_ready = kv_ready;
-    ready_.push_back(std::move(r));
+    samples.push_back(std::move(r));
   }
+  for (auto& r : samples) ready_.push_back(std::move(r));
   if (metrics_) {
     metrics_->kv_wait_seconds.Observe(Seconds(kv_ready - job->created()));
     metrics_->samples.Increment(n);
@@ -417,65 +407,20 @@ void DenoiseEngine::Loop() {
 }
 
 void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
-  const ModelConfig& c = backend_->config();
-  const int C = c.canvas_length, V = c.vocab_size, D = c.hidden_size;
-
+  using Phase = SampleRun::Phase;
   // 1. Cancelled requests leave now; their KV blocks go back to the pool.
   std::erase_if(running, [&](std::unique_ptr<Running>& r) {
     if (!r->job->cancel_requested()) return false;
     FinishJob(*r, r->job->CancelStatus());
     return true;
   });
-
   // 2. Commit passes due (spec §4.1 step 3a), batched into one encoder call.
-  std::vector<Running*> committing;
-  for (auto& r : running) {
-    if (r->to_commit.empty()) continue;
-    if (absl::Status s = r->kv->Reserve(C); !s.ok()) {
-      FinishJob(*r, absl::ResourceExhaustedError(absl::StrCat(
-                        "KV cache exhausted while committing canvas ", r->canvas - 1,
-                        " of request ", r->job->id(), ": ", s.message())));
-      r->job->RequestCancel();  // removed below
-      continue;
-    }
-    committing.push_back(r.get());
-  }
-  if (!committing.empty()) {
-    std::vector<EncodeInput> batch;
-    for (Running* r : committing) batch.push_back(EncodeInput{r->to_commit, r->kv.get()});
-    const absl::Time t0 = absl::Now();
-    absl::Status s = backend_->Encode(batch);
-    const double secs = Seconds(absl::Now() - t0);
-    if (metrics_) metrics_->commit_seconds.Observe(secs);
-    for (Running* r : committing) {
-      r->to_commit.clear();
-      r->commit_seconds += secs;
-      if (!s.ok()) {
-        FinishJob(*r, absl::InternalError(absl::StrCat("commit pass failed: ", s.message())));
-        r->job->RequestCancel();
-      }
-    }
-  }
+  CommitCanvases(running);
   std::erase_if(running, Gone<Running>);
-
-  // 3. Requests starting a canvas get a fresh denoiser (spec §4.2 Init).
+  // 3. Samples starting a canvas get a fresh denoiser (spec §4.2 Init).
   for (auto& r : running) {
-    if (r->den) continue;
-    const bool clamped = r->canvas_template && (r->canvas == 0 || r->template_every_canvas);
-    auto den = clamped ? CanvasDenoiser::CreateWithTemplate(r->params, r->canvas_template,
-                                                            r->canvas, r->draws.get())
-                       : CanvasDenoiser::Create(r->params, C, V, r->canvas, r->draws.get());
-    if (!den.ok()) {
-      FinishJob(*r, den.status());
-      continue;
-    }
-    r->den.emplace(*std::move(den));
-    if (r->params.self_conditioning) {
-      r->soft.resize(size_t(C) * D);
-      r->next_soft.resize(size_t(C) * D);
-    }
-    r->rows.resize(C);
-    r->have_sc = false;
+    if (r->run->phase() != Phase::kStartCanvas) continue;
+    if (absl::Status s = r->run->StartCanvas(); !s.ok()) FinishJob(*r, s);
     r->canvas_start = absl::Now();
   }
   std::erase_if(running, Gone<Running>);
@@ -486,22 +431,13 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
   std::vector<DenoiseStepInput> batch;
   batch.reserve(running.size());
   for (auto& r : running) {
-    CanvasDenoiser& den = *r->den;
-    if (den.done()) continue;
-    const bool last = den.step() + 1 == r->params.max_denoising_steps;
-    DenoiseStepInput in;
-    in.canvas = den.canvas();
-    in.sc_soft = r->have_sc ? r->soft.data() : nullptr;
-    in.kv = r->kv.get();
-    in.temperature = den.temperature();
-    in.uniforms = den.uniforms();
-    in.rows = r->rows.data();
-    // Self-conditioning off (ablation): every step takes the step-0 path (no SC input, none
-    // computed), so the SC input is zero at every step.
-    in.next_soft = (last || !r->params.self_conditioning) ? nullptr : r->next_soft.data();
-    in.row_masks = den.row_masks();
-    in.sparse_sc = UseSparseSelfConditioning(den.step(), r->rows);  // the previous step's rows
-    batch.push_back(in);
+    if (r->run->phase() != Phase::kDenoising) continue;
+    absl::StatusOr<DenoiseStepInput> in = r->run->StepInput(*r->kv);
+    if (!in.ok()) {
+      FinishJob(*r, in.status());
+      continue;
+    }
+    batch.push_back(*in);
   }
   const absl::Time t0 = absl::Now();
   absl::Status step_status = batch.empty() ? absl::OkStatus() : backend_->DenoiseStep(batch);
@@ -513,106 +449,113 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
   }
   for (auto& rp : running) {
     Running& r = *rp;
-    const bool no_pass = r.den->done();  // a template without holes (see above)
-    if (!step_status.ok() && !no_pass) {
-      FinishJob(r, absl::InternalError(absl::StrCat("denoising step failed: ",
-                                                    step_status.message())));
-      continue;
-    }
-    absl::StatusOr<StepOutcome> out = StepOutcome{};
-    if (!no_pass) {
+    if (r.finished) continue;                   // its StepInput failed
+    if (r.run->phase() == Phase::kDenoising) {  // it took this pass
+      if (!step_status.ok()) {
+        FinishJob(
+            r, absl::InternalError(absl::StrCat("denoising step failed: ", step_status.message())));
+        continue;
+      }
       r.denoise_seconds += Seconds(t1 - t0);
-      out = r.den->ApplyStep(r.rows);
-    }
-    if (!out.ok()) {
-      FinishJob(r, absl::InternalError(std::string(out.status().message())));
-      continue;
-    }
-    if (!no_pass) {
-      ++r.total_steps;
-      std::swap(r.soft, r.next_soft);
-      r.have_sc = r.params.self_conditioning;
-      if (metrics_) {
-        metrics_->accepted_per_step.Observe(double(out->accepted.size()));
-        if (!r.first_step_done) {
-          metrics_->first_step_seconds.Observe(Seconds(t1 - r.job->created()));
-        }
+      absl::StatusOr<StepOutcome> out = r.run->ApplyStep();
+      if (!out.ok()) {
+        FinishJob(r, absl::InternalError(std::string(out.status().message())));
+        continue;
       }
-      r.first_step_done = true;
-      const int k = r.job->request().canvas_step_interval();
-      const bool done = r.den->done();
-      if (k > 0 && (out->step % k == 0 || done)) {
-        v1::DenoiseEvent ev;
-        ev.set_sample(r.sample);
-        v1::DenoiseStepEvent* st = ev.mutable_step();
-        st->set_canvas(r.canvas);
-        st->set_step(out->step);
-        st->mutable_token_ids()->Assign(r.den->committed().begin(), r.den->committed().end());
-        st->set_accepted(int(out->accepted.size()));
-        st->set_mean_entropy(out->mean_entropy);
-        st->set_temperature(out->temperature);
-        r.job->Push(std::move(ev));
-      }
-      if (!done) continue;
+      ReportStep(r, *out, t1);
     }
-
-    // The canvas is finished: finalize, report, then either end or commit it.
-    std::vector<int32_t> raw(r.den->committed().begin(), r.den->committed().end());
-    std::vector<int32_t> finalized = raw;
-    const bool found = FinalizeCanvas(finalized, r.stop_ids, r.job->request().pad_token_id());
-    const int steps = r.den->step();
-    if (metrics_) {
-      metrics_->steps_per_canvas.Observe(steps);
-      metrics_->canvas_seconds.Observe(Seconds(t1 - r.canvas_start));
-      metrics_->commit_mean_entropy.Observe(out->mean_entropy);
-      metrics_->canvases.Increment();
-      metrics_->output_tokens.Increment(double(C));
-    }
-    v1::DenoiseEvent ev;
-    ev.set_sample(r.sample);
-    v1::DenoiseBlockEvent* b = ev.mutable_block();
-    b->set_index(r.canvas);
-    b->mutable_token_ids()->Assign(finalized.begin(), finalized.end());
-    b->set_steps(steps);
-    b->set_stop_token(found);
-    r.job->Push(std::move(ev));
-    std::vector<int32_t> completion;  // this canvas's completion tokens
-    for (int32_t id : finalized) {
-      if (r.stop_found || r.completion_tokens == r.job->request().max_new_tokens()) break;
-      if (std::find(r.stop_ids.begin(), r.stop_ids.end(), id) != r.stop_ids.end()) {
-        r.stop_found = true;
-        break;
-      }
-      ++r.completion_tokens;
-      completion.push_back(id);
-    }
-    // A stop sequence in the completion's text ends the sample here, as the gateway ends it:
-    // the canvas is not committed and no further step runs.
-    bool stop_sequence = false;
-    if (r.stop_matcher && !completion.empty()) {
-      stop_sequence = r.stop_matcher->Push(r.decoder->Push(completion)).stopped;
-      if (stop_sequence) r.stop_found = true;
-    }
-    r.den.reset();
-    ++r.canvas;
-    if (found || stop_sequence || r.canvas == r.num_canvases) {
-      v1::DenoiseEvent fin;
-      fin.set_sample(r.sample);
-      v1::DenoiseFinished* f = fin.mutable_finished();
-      f->set_finish_reason(r.stop_found ? "stop" : "length");
-      f->set_canvases(r.canvas);
-      f->set_denoising_steps(r.total_steps);
-      f->set_kv_wait_seconds(Seconds(r.kv_ready - r.job->created()));
-      f->set_queue_seconds(Seconds(r.admitted - r.kv_ready));
-      f->set_denoise_seconds(r.denoise_seconds);
-      f->set_commit_seconds(r.commit_seconds);
-      r.job->Push(std::move(fin));
-      FinishJob(r, absl::OkStatus());
-    } else {
-      r.to_commit = std::move(raw);  // the raw argmax canvas is what the model committed
-    }
+    if (r.run->phase() == Phase::kCanvasDone) EndCanvas(r, t1);
   }
   std::erase_if(running, Gone<Running>);
+}
+
+void DenoiseEngine::CommitCanvases(std::vector<std::unique_ptr<Running>>& running) {
+  const int C = backend_->config().canvas_length;
+  std::vector<Running*> committing;
+  std::vector<EncodeInput> batch;
+  for (auto& r : running) {
+    if (r->run->phase() != SampleRun::Phase::kCommit) continue;
+    if (absl::Status s = r->kv->Reserve(C); !s.ok()) {
+      FinishJob(*r, absl::ResourceExhaustedError(absl::StrCat(
+                        "KV cache exhausted while committing canvas ", r->run->canvas() - 1,
+                        " of request ", r->job->id(), ": ", s.message())));
+      r->job->RequestCancel();  // removed by the caller
+      continue;
+    }
+    committing.push_back(r.get());
+    batch.push_back(EncodeInput{r->run->to_commit(), r->kv.get()});
+  }
+  if (batch.empty()) return;
+  const absl::Time t0 = absl::Now();
+  absl::Status s = backend_->Encode(batch);
+  const double secs = Seconds(absl::Now() - t0);
+  if (metrics_) metrics_->commit_seconds.Observe(secs);
+  for (Running* r : committing) {
+    r->commit_seconds += secs;
+    const absl::Status done = s.ok() ? r->run->CommitDone() : s;
+    if (!done.ok()) {
+      FinishJob(*r, absl::InternalError(absl::StrCat("commit pass failed: ", done.message())));
+      r->job->RequestCancel();
+    }
+  }
+}
+
+void DenoiseEngine::ReportStep(Running& r, const StepOutcome& out, absl::Time now) {
+  if (metrics_) {
+    metrics_->accepted_per_step.Observe(double(out.accepted.size()));
+    if (r.run->total_steps() == 1) {
+      metrics_->first_step_seconds.Observe(Seconds(now - r.job->created()));
+    }
+  }
+  const int k = r.job->request().canvas_step_interval();
+  const bool done = r.run->phase() != SampleRun::Phase::kDenoising;
+  if (k <= 0 || (out.step % k != 0 && !done)) return;
+  v1::DenoiseEvent ev;
+  ev.set_sample(r.sample);
+  v1::DenoiseStepEvent* st = ev.mutable_step();
+  st->set_canvas(r.run->canvas());
+  st->set_step(out.step);
+  st->mutable_token_ids()->Assign(r.run->argmax().begin(), r.run->argmax().end());
+  st->set_accepted(int(out.accepted.size()));
+  st->set_mean_entropy(out.mean_entropy);
+  st->set_temperature(out.temperature);
+  r.job->Push(std::move(ev));
+}
+
+void DenoiseEngine::EndCanvas(Running& r, absl::Time now) {
+  absl::StatusOr<FinishedCanvas> f = r.run->FinishCanvas();
+  if (!f.ok()) {
+    FinishJob(r, absl::InternalError(std::string(f.status().message())));
+    return;
+  }
+  if (metrics_) {
+    metrics_->steps_per_canvas.Observe(f->steps);
+    metrics_->canvas_seconds.Observe(Seconds(now - r.canvas_start));
+    metrics_->commit_mean_entropy.Observe(f->mean_entropy);
+    metrics_->canvases.Increment();
+    metrics_->output_tokens.Increment(double(f->tokens.size()));
+  }
+  v1::DenoiseEvent ev;
+  ev.set_sample(r.sample);
+  v1::DenoiseBlockEvent* b = ev.mutable_block();
+  b->set_index(f->index);
+  b->mutable_token_ids()->Assign(f->tokens.begin(), f->tokens.end());
+  b->set_steps(f->steps);
+  b->set_stop_token(f->stop_token);
+  r.job->Push(std::move(ev));
+  if (!f->last) return;  // the raw canvas is committed at the next iteration
+  v1::DenoiseEvent fin;
+  fin.set_sample(r.sample);
+  v1::DenoiseFinished* d = fin.mutable_finished();
+  d->set_finish_reason(std::string(r.run->finish_reason()));
+  d->set_canvases(r.run->canvas());
+  d->set_denoising_steps(r.run->total_steps());
+  d->set_kv_wait_seconds(Seconds(r.kv_ready - r.job->created()));
+  d->set_queue_seconds(Seconds(r.admitted - r.kv_ready));
+  d->set_denoise_seconds(r.denoise_seconds);
+  d->set_commit_seconds(r.commit_seconds);
+  r.job->Push(std::move(fin));
+  FinishJob(r, absl::OkStatus());
 }
 
 }  // namespace dgserve

@@ -22,6 +22,7 @@
 #include "common/limits.h"
 #include "denoise_worker/denoise_metrics.h"
 #include "dgserve/v1/worker.pb.h"
+#include "engine/denoise/canvas_state.h"
 #include "engine/model/backend.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "kvstore/block_pool.h"
@@ -119,7 +120,15 @@ class DenoiseEngine {
   struct Running;
   void OnKv(const std::string& id, absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> kv);
   void Loop();
+  // One scheduling iteration over the admitted samples: cancellations, the batched commit
+  // pass, canvas starts, one batched denoising step, then events and ended samples.
   void Iterate(std::vector<std::unique_ptr<Running>>& running);
+  // The commit passes due (spec §4.1 step 3a) as one batched encoder pass.
+  void CommitCanvases(std::vector<std::unique_ptr<Running>>& running);
+  // After a sample's step: metrics and, every canvas_step_interval steps, its step event.
+  void ReportStep(Running& r, const StepOutcome& out, absl::Time now);
+  // A sample's canvas is done: its block event, then its Finished when it was the last.
+  void EndCanvas(Running& r, absl::Time now);
   // Ends sample `r`: OK ends the job once its last sample is done; an error ends the job (and
   // so its other samples) at once. A job already ended is left as it is.
   void FinishJob(Running& r, absl::Status status);

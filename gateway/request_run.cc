@@ -12,6 +12,7 @@
 #include "common/hash.h"
 #include "common/logging.h"
 #include "common/status_convert.h"
+#include "engine/denoise/finalize.h"
 #include "engine/denoise/sampler_params.h"
 #include "engine/generation/stop_matcher.h"
 #include "engine/tokenizer/chat_template.h"
@@ -396,21 +397,14 @@ bool Gateway::RequestRun::OnBlock(int index, const v1::DenoiseBlockEvent& block)
   // Completion tokens of this block: up to the first stop token, at most max_tokens in
   // all (per sample). Decoded as one piece (as `dgserve generate` streams it), then through
   // the stop sequences; a stop sequence cuts the text, the block's ids stay whole.
-  const std::vector<int32_t>& stop_ids = gw_.generation_.stop_token_ids;
-  std::vector<int32_t> take;
-  for (int32_t id : block.token_ids()) {
-    if (s.completion == req_.max_tokens) {
-      s.finish_reason = "length";
-      break;
-    }
-    if (std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) {
-      s.finish_reason = "stop";
-      break;
-    }
-    ++s.completion;
-    take.push_back(id);
-    b->add_token_ids(id);
-  }
+  const std::span<const int32_t> ids(block.token_ids().data(), size_t(block.token_ids_size()));
+  const CompletionCut cut =
+      CutCompletion(ids, gw_.generation_.stop_token_ids, s.completion, req_.max_tokens);
+  if (cut.length) s.finish_reason = "length";
+  if (cut.stop_token) s.finish_reason = "stop";
+  const std::vector<int32_t> take(ids.begin(), ids.begin() + cut.take);
+  s.completion += cut.take;
+  b->mutable_token_ids()->Assign(take.begin(), take.end());
   s.all_ids.insert(s.all_ids.end(), take.begin(), take.end());
   StopMatcher::Result r = s.matcher.Push(s.decoder.Push(take));
   std::string text = std::move(r.emit);

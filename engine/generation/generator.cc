@@ -5,9 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "engine/denoise/canvas_state.h"
-#include "engine/denoise/finalize.h"
-#include "engine/denoise/rng.h"
+#include "engine/generation/sample_run.h"
 #include "engine/model/kv_cache.h"
 
 namespace dgserve {
@@ -76,8 +74,17 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
                                                      const GenerationObserver& observer) {
   DGSERVE_RETURN_IF_ERROR(Validate(r));
   const ModelConfig& c = backend_.config();
-  const int C = c.canvas_length, V = c.vocab_size, D = c.hidden_size;
+  const int C = c.canvas_length;
   const int num_canvases = (r.max_new_tokens + C - 1) / C;
+  SampleSpec spec;
+  spec.sampler = r.sampler;
+  spec.seed = r.seed;
+  spec.max_new_tokens = r.max_new_tokens;
+  spec.stop_token_ids = r.stop_token_ids;
+  spec.pad_token_id = r.pad_token_id;
+  spec.canvas_template = r.canvas_template;
+  spec.template_every_canvas = r.template_every_canvas;
+  DGSERVE_ASSIGN_OR_RETURN(SampleRun run, SampleRun::Create(c, std::move(spec)));
 
   GenerationResult result;
   result.prompt_tokens = r.prompt.size();
@@ -91,85 +98,39 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
   }
   result.prefill_seconds = SecondsSince(t0);
 
-  CounterDrawSource draws(r.seed, V);
-  // Self-conditioning input of this step and the next; no vocabulary-sized buffer is needed
-  // (the backend's fused step never materialises [C, V] logits). With self-conditioning off
-  // (ablation) every step takes the step-0 path: no SC input, and none is computed.
-  const bool self_conditioning = r.sampler.self_conditioning;
-  std::vector<float> soft, next_soft;
-  if (self_conditioning) {
-    soft.resize(size_t(C) * D);
-    next_soft.resize(size_t(C) * D);
-  }
-  std::vector<RowResult> rows(C);
-  std::vector<int32_t> committed;
-  for (int n = 0; n < num_canvases; ++n) {
-    if (n > 0) {  // commit pass: encode the previous canvas (spec §4.1 step 3a)
+  while (run.phase() != SampleRun::Phase::kFinished) {
+    if (run.phase() == SampleRun::Phase::kCommit) {  // spec §4.1 step 3a
       auto tc = std::chrono::steady_clock::now();
-      EncodeInput in{committed, &kv};
+      EncodeInput in{run.to_commit(), &kv};
       DGSERVE_RETURN_IF_ERROR(backend_.Encode({&in, 1}));
+      DGSERVE_RETURN_IF_ERROR(run.CommitDone());
       result.commit_seconds += SecondsSince(tc);
     }
     auto td = std::chrono::steady_clock::now();
-    const bool clamped = r.canvas_template && (n == 0 || r.template_every_canvas);
-    DGSERVE_ASSIGN_OR_RETURN(
-        CanvasDenoiser den,
-        clamped ? CanvasDenoiser::CreateWithTemplate(r.sampler, r.canvas_template, n, &draws)
-                : CanvasDenoiser::Create(r.sampler, C, V, n, &draws));
-    bool have_sc = false;
-    while (!den.done()) {
-      const bool last = den.step() + 1 == r.sampler.max_denoising_steps;
-      DenoiseStepInput in;
-      in.canvas = den.canvas();
-      in.sc_soft = have_sc ? soft.data() : nullptr;
-      in.kv = &kv;
-      in.temperature = den.temperature();
-      in.uniforms = den.uniforms();
-      in.rows = rows.data();
-      in.next_soft = (last || !self_conditioning) ? nullptr : next_soft.data();
-      in.row_masks = den.row_masks();
-      in.sparse_sc = UseSparseSelfConditioning(den.step(), rows);  // rows: the previous step's
+    DGSERVE_RETURN_IF_ERROR(run.StartCanvas());
+    while (run.phase() == SampleRun::Phase::kDenoising) {
+      DGSERVE_ASSIGN_OR_RETURN(DenoiseStepInput in, run.StepInput(kv));
       DGSERVE_RETURN_IF_ERROR(backend_.DenoiseStep({&in, 1}));
-      DGSERVE_ASSIGN_OR_RETURN(StepOutcome out, den.ApplyStep(rows));
+      DGSERVE_ASSIGN_OR_RETURN(StepOutcome out, run.ApplyStep());
       ++result.decoder_passes;
       if (observer.on_step) {
-        StepEvent ev{n,
-                     out.step,
-                     out.temperature,
-                     den.committed(),
-                     int(out.accepted.size()),
-                     out.mean_entropy,
-                     out.stop};
-        observer.on_step(ev);
+        observer.on_step(StepEvent{run.canvas(), out.step, out.temperature, run.argmax(),
+                                   int(out.accepted.size()), out.mean_entropy, out.stop});
       }
-      // This step's tempered probabilities condition the next step (spec §3.5 step 2), unless
-      // self-conditioning is off: then the next step's SC input stays zero, as at step 0.
-      std::swap(soft, next_soft);
-      have_sc = self_conditioning;
     }
     result.denoise_seconds += SecondsSince(td);
-    committed.assign(den.committed().begin(), den.committed().end());
-    std::vector<int32_t> finalized = committed;
-    const bool found = FinalizeCanvas(finalized, r.stop_token_ids, r.pad_token_id);
-    result.tokens.insert(result.tokens.end(), finalized.begin(), finalized.end());
-    result.steps_per_canvas.push_back(den.step());
+    DGSERVE_ASSIGN_OR_RETURN(FinishedCanvas f, run.FinishCanvas());
+    result.tokens.insert(result.tokens.end(), f.tokens.begin(), f.tokens.end());
+    result.steps_per_canvas.push_back(f.steps);
     ++result.canvases;
     if (observer.on_canvas) {
-      observer.on_canvas(CanvasEvent{n, finalized, den.step(), den.stopped_early(), found});
+      observer.on_canvas(CanvasEvent{f.index, f.tokens, f.steps, f.stopped_early, f.stop_token});
     }
-    if (found) break;
   }
-  // The completion: up to (not including) the first stop token, at most max_new_tokens. A stop
-  // token past max_new_tokens does not count: the request ended on its length.
-  result.finish_reason = "length";
-  for (int32_t id : result.tokens) {
-    if (int(result.completion.size()) == r.max_new_tokens) break;
-    if (std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), id) != r.stop_token_ids.end()) {
-      result.finish_reason = "stop";
-      break;
-    }
-    result.completion.push_back(id);
-  }
+  // The completion: up to (not including) the first stop token, at most max_new_tokens
+  // (CutCompletion). A stop token past max_new_tokens does not count: it ended on its length.
+  result.completion = run.completion();
+  result.finish_reason = std::string(run.finish_reason());
   return result;
 }
 

@@ -1,0 +1,453 @@
+// DenoiseEngine in one process, no gRPC: the real CPU backend on random tiny-v512 weights, a
+// block pool and a KvReceiver fed by the in-process transport (the prompt KV encoded here, as
+// the prefill worker would). Checked: the tokens equal Generator's (one sample, two requests
+// in one batch, n samples scheduled in parts, a resume from a committed canvas, a stop token),
+// admission (validation, duplicates, draining, a full queue), cancellation while waiting for KV
+// and while running, the KV wait deadline, and KV of the wrong length.
+#include "denoise_worker/denoise_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "common/testing/status_matchers.h"
+#include "denoise_worker/denoise_metrics.h"
+#include "engine/generation/generator.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
+#include "kvstore/paged_kv_cache.h"
+#include "kvstore/transfer.h"
+#include "service/worker_model.h"
+
+namespace dgserve {
+namespace {
+
+using ::dgserve::testing::IsOk;
+
+// Everything one job sent, by sample.
+struct JobEvents {
+  std::vector<std::vector<v1::DenoiseBlockEvent>> blocks;  // [sample]
+  std::vector<int> step_events;                            // [sample]
+  std::vector<std::optional<v1::DenoiseFinished>> finished;
+  absl::Status final;
+};
+
+class DenoiseEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto ckpt = ::dgserve::testing::LoadRandomTinyV512("denoise_engine_test");
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    checkpoint_ = new Checkpoint(std::move(*ckpt));
+  }
+  static void TearDownTestSuite() {
+    delete checkpoint_;
+    checkpoint_ = nullptr;
+  }
+
+  void SetUp() override {
+    backend_ = CreateCpuBackend(config(), checkpoint_->weights);
+    test_backend_ = CreateCpuBackend(config(), checkpoint_->weights);
+    auto pool = CreateKvPool(config(), "tiny", 32, 16);
+    ASSERT_THAT(pool.status(), IsOk());
+    pool_ = *std::move(pool);
+    auto sender_pool = CreateKvPool(config(), "tiny", 32, 16);
+    ASSERT_THAT(sender_pool.status(), IsOk());
+    sender_pool_ = *std::move(sender_pool);
+    receiver_ = std::make_unique<kv::KvReceiver>(pool_.get(), config().max_position_embeddings);
+    target_ = "denoise-engine-test-" +
+              std::string(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    kv::RegisterInProcessReceiver(target_, receiver_.get());
+    transport_ = kv::CreateInProcessTransport();
+  }
+  void TearDown() override {
+    engine_.reset();
+    kv::UnregisterInProcessReceiver(target_);
+  }
+
+  const ModelConfig& config() const { return checkpoint_->config; }
+  int C() const { return config().canvas_length; }
+
+  void StartEngine(int max_batch_canvases = 16, int max_queue = 256) {
+    DenoiseEngineOptions o;
+    o.max_batch_canvases = max_batch_canvases;
+    o.max_queue = max_queue;
+    o.model_id = "tiny";
+    engine_ = std::make_unique<DenoiseEngine>(backend_.get(), pool_.get(), receiver_.get(),
+                                              std::move(o), nullptr);
+  }
+
+  std::vector<int32_t> Prompt() const {
+    std::vector<int32_t> p;
+    for (int i = 0; i < 21; ++i) p.push_back((i * 67 + 9) % config().vocab_size);
+    return p;
+  }
+
+  v1::DenoiseRequest Request(const std::string& id, int prompt_tokens, int max_new_tokens) const {
+    v1::DenoiseRequest r;
+    r.set_request_id(id);
+    r.set_prompt_tokens(prompt_tokens);
+    r.set_max_new_tokens(max_new_tokens);
+    r.set_seed(5);
+    const GenerationConfig& g = checkpoint_->generation;
+    v1::SamplerSettings* s = r.mutable_sampler();
+    s->set_max_denoising_steps(6);
+    s->set_t_min(g.t_min);
+    s->set_t_max(g.t_max);
+    s->set_entropy_bound(g.entropy_bound);
+    s->set_stability_threshold(g.stability_threshold);
+    s->set_confidence_threshold(g.confidence_threshold);
+    r.set_pad_token_id(0);
+    r.set_canvas_step_interval(1);
+    return r;
+  }
+
+  // The same request through Generator, with seed `seed`.
+  GenerationResult Generate(const std::vector<int32_t>& prompt, const v1::DenoiseRequest& r,
+                            uint64_t seed) {
+    GenerationRequest g = DefaultRequest(checkpoint_->generation);
+    g.prompt = prompt;
+    g.max_new_tokens = r.max_new_tokens();
+    g.seed = seed;
+    g.sampler.max_denoising_steps = r.sampler().max_denoising_steps();
+    g.stop_token_ids.assign(r.stop_token_ids().begin(), r.stop_token_ids().end());
+    g.pad_token_id = r.pad_token_id();
+    Generator gen(*test_backend_);
+    absl::StatusOr<GenerationResult> res = gen.Generate(g);
+    EXPECT_THAT(res.status(), IsOk());
+    return res.ok() ? *std::move(res) : GenerationResult{};
+  }
+
+  // Encodes `prompt` into a paged KV and sends it to the receiver as request `id`.
+  void SendKv(const std::string& id, const std::vector<int32_t>& prompt) {
+    auto kv = std::make_shared<kv::PagedKvCache>(sender_pool_.get(), int(prompt.size()));
+    EncodeInput in{prompt, kv.get()};
+    ASSERT_THAT(test_backend_->Encode({&in, 1}), IsOk());
+    absl::Notification sent;
+    absl::Status status;
+    transport_->Send(target_, id, kv, 10000, [&](absl::StatusOr<kv::TransferResult> r) {
+      status = r.status();
+      sent.Notify();
+    });
+    sent.WaitForNotification();
+    ASSERT_THAT(status, IsOk());
+  }
+
+  // Pops the job's events until it ends (at most 120 s).
+  JobEvents Collect(DenoiseJob& job, int samples = 1) {
+    JobEvents e;
+    e.blocks.resize(samples);
+    e.step_events.resize(samples);
+    e.finished.resize(samples);
+    const absl::Time deadline = absl::Now() + absl::Seconds(120);
+    for (;;) {
+      v1::DenoiseEvent ev;
+      std::optional<absl::Status> final;
+      if (job.Pop(&ev, &final, absl::Milliseconds(100))) {
+        const int s = ev.sample();
+        EXPECT_LT(s, samples);
+        if (s >= samples) continue;
+        if (ev.has_block()) e.blocks[s].push_back(ev.block());
+        if (ev.has_step()) ++e.step_events[s];
+        if (ev.has_finished()) e.finished[s] = ev.finished();
+        continue;
+      }
+      if (final) {
+        e.final = *final;
+        return e;
+      }
+      if (absl::Now() > deadline) {
+        ADD_FAILURE() << "job " << job.id() << " did not end";
+        return e;
+      }
+    }
+  }
+
+  static std::vector<int32_t> Ids(const v1::DenoiseBlockEvent& b) {
+    return std::vector<int32_t>(b.token_ids().begin(), b.token_ids().end());
+  }
+
+  static Checkpoint* checkpoint_;
+  std::unique_ptr<ModelBackend> backend_;       // the engine thread's
+  std::unique_ptr<ModelBackend> test_backend_;  // this thread's (KV, Generator)
+  std::unique_ptr<kv::BlockPool> pool_, sender_pool_;
+  std::unique_ptr<kv::KvReceiver> receiver_;
+  std::unique_ptr<kv::KvTransport> transport_;
+  std::string target_;
+  std::unique_ptr<DenoiseEngine> engine_;
+};
+Checkpoint* DenoiseEngineTest::checkpoint_ = nullptr;
+
+TEST_F(DenoiseEngineTest, OneSampleGivesTheGeneratorsTokensAndEvents) {
+  StartEngine();
+  const std::vector<int32_t> prompt = Prompt();
+  v1::DenoiseRequest r = Request("one", int(prompt.size()), 3 * C() - 4);
+  const GenerationResult want = Generate(prompt, r, r.seed());
+  auto job = std::make_shared<DenoiseJob>(r);
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  SendKv("one", prompt);
+  const JobEvents got = Collect(*job);
+  ASSERT_THAT(got.final, IsOk());
+  ASSERT_EQ(got.blocks[0].size(), 3u);
+  std::vector<int32_t> tokens;
+  for (int n = 0; n < 3; ++n) {
+    const v1::DenoiseBlockEvent& b = got.blocks[0][n];
+    EXPECT_EQ(b.index(), n);
+    EXPECT_EQ(b.steps(), want.steps_per_canvas[n]);
+    EXPECT_FALSE(b.stop_token());
+    tokens.insert(tokens.end(), b.token_ids().begin(), b.token_ids().end());
+  }
+  EXPECT_EQ(tokens, want.tokens);
+  EXPECT_EQ(got.step_events[0], want.decoder_passes);  // canvas_step_interval 1: every step
+  ASSERT_TRUE(got.finished[0].has_value());
+  EXPECT_EQ(got.finished[0]->finish_reason(), "length");
+  EXPECT_EQ(got.finished[0]->canvases(), 3);
+  EXPECT_EQ(got.finished[0]->denoising_steps(), want.decoder_passes);
+  EXPECT_EQ(engine_->stats().queued, 0);
+}
+
+TEST_F(DenoiseEngineTest, SamplesScheduledInPartsGiveTheirSeedsTokens) {
+  StartEngine(/*max_batch_canvases=*/2);  // 3 samples: the third joins when a slot frees up
+  const std::vector<int32_t> prompt = Prompt();
+  v1::DenoiseRequest r = Request("three", int(prompt.size()), 2 * C());
+  r.set_num_samples(3);
+  r.set_canvas_step_interval(0);
+  auto job = std::make_shared<DenoiseJob>(r);
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  SendKv("three", prompt);
+  const JobEvents got = Collect(*job, 3);
+  ASSERT_THAT(got.final, IsOk());
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(::testing::Message() << "sample " << i);
+    const GenerationResult want = Generate(prompt, r, r.seed() + i);
+    ASSERT_EQ(got.blocks[i].size(), 2u);
+    std::vector<int32_t> tokens;
+    for (const auto& b : got.blocks[i]) {
+      tokens.insert(tokens.end(), b.token_ids().begin(), b.token_ids().end());
+    }
+    EXPECT_EQ(tokens, want.tokens);
+    EXPECT_EQ(got.step_events[i], 0);
+    ASSERT_TRUE(got.finished[i].has_value());
+    EXPECT_EQ(got.finished[i]->denoising_steps(), want.decoder_passes);
+  }
+  EXPECT_NE(Ids(got.blocks[0][0]), Ids(got.blocks[1][0]));
+}
+
+TEST_F(DenoiseEngineTest, RequestsBatchedTogetherGiveTheirTokensAlone) {
+  prometheus::Registry registry;
+  DenoiseMetrics metrics(registry);
+  DenoiseEngineOptions o;
+  o.model_id = "tiny";
+  engine_ = std::make_unique<DenoiseEngine>(backend_.get(), pool_.get(), receiver_.get(),
+                                            std::move(o), &metrics);
+  const std::vector<int32_t> prompt = Prompt();
+  std::vector<int32_t> other = prompt;
+  other.resize(13);
+  // A long request (every step of every canvas) and a short one that joins while it runs.
+  v1::DenoiseRequest a = Request("long", int(prompt.size()), 3 * C());
+  a.mutable_sampler()->set_max_denoising_steps(24);
+  a.mutable_sampler()->set_confidence_threshold(1e-30f);
+  v1::DenoiseRequest b = Request("short", int(other.size()), C());
+  b.set_seed(77);
+  // Both KVs wait in the receiver, so both requests are ready as soon as they are submitted.
+  SendKv("long", prompt);
+  SendKv("short", other);
+  auto ja = std::make_shared<DenoiseJob>(a), jb = std::make_shared<DenoiseJob>(b);
+  ASSERT_THAT(engine_->Submit(ja), IsOk());
+  ASSERT_THAT(engine_->Submit(jb), IsOk());
+  const JobEvents ga = Collect(*ja), gb = Collect(*jb);
+  ASSERT_THAT(ga.final, IsOk());
+  ASSERT_THAT(gb.final, IsOk());
+
+  GenerationRequest g = DefaultRequest(checkpoint_->generation);
+  g.prompt = prompt;
+  g.max_new_tokens = a.max_new_tokens();
+  g.seed = a.seed();
+  g.sampler.max_denoising_steps = 24;
+  g.sampler.confidence_threshold = 1e-30f;
+  g.stop_token_ids = {};
+  Generator gen(*test_backend_);
+  absl::StatusOr<GenerationResult> want_a = gen.Generate(g);
+  ASSERT_THAT(want_a.status(), IsOk());
+  const GenerationResult want_b = Generate(other, b, b.seed());
+  std::vector<int32_t> ta, tb;
+  for (const auto& x : ga.blocks[0])
+    ta.insert(ta.end(), x.token_ids().begin(), x.token_ids().end());
+  for (const auto& x : gb.blocks[0])
+    tb.insert(tb.end(), x.token_ids().begin(), x.token_ids().end());
+  EXPECT_EQ(ta, want_a->tokens);
+  EXPECT_EQ(tb, want_b.tokens);
+  EXPECT_EQ(want_a->decoder_passes, 72);
+  // Every pass is counted once; some steps carried both canvases.
+  const auto batches = metrics.batch_canvases.Collect().histogram;
+  EXPECT_EQ(batches.sample_sum, double(want_a->decoder_passes + want_b.decoder_passes));
+  EXPECT_LT(batches.sample_count, uint64_t(want_a->decoder_passes + want_b.decoder_passes));
+  EXPECT_EQ(metrics.canvases.Value(), 4);
+}
+
+TEST_F(DenoiseEngineTest, ResumeFromACommittedCanvasGivesTheSameLaterCanvases) {
+  StartEngine();
+  const std::vector<int32_t> prompt = Prompt();
+  v1::DenoiseRequest whole = Request("whole", int(prompt.size()), 3 * C());
+  const GenerationResult want = Generate(prompt, whole, whole.seed());
+  ASSERT_EQ(want.canvases, 3);
+  // The gateway's resume: prompt + the raw committed canvas 0, from canvas 1 on.
+  std::vector<int32_t> resumed_prompt = prompt;
+  resumed_prompt.insert(resumed_prompt.end(), want.tokens.begin(), want.tokens.begin() + C());
+  v1::DenoiseRequest r = Request("resumed", int(resumed_prompt.size()), 2 * C());
+  r.set_first_canvas(1);
+  auto job = std::make_shared<DenoiseJob>(r);
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  SendKv("resumed", resumed_prompt);
+  const JobEvents got = Collect(*job);
+  ASSERT_THAT(got.final, IsOk());
+  ASSERT_EQ(got.blocks[0].size(), 2u);
+  EXPECT_EQ(got.blocks[0][0].index(), 1);
+  EXPECT_EQ(got.blocks[0][1].index(), 2);
+  EXPECT_EQ(Ids(got.blocks[0][0]),
+            std::vector<int32_t>(want.tokens.begin() + C(), want.tokens.begin() + 2 * C()));
+  EXPECT_EQ(Ids(got.blocks[0][1]),
+            std::vector<int32_t>(want.tokens.begin() + 2 * C(), want.tokens.end()));
+  ASSERT_TRUE(got.finished[0].has_value());
+  EXPECT_EQ(got.finished[0]->canvases(), 3);  // index of the last canvas + 1
+}
+
+TEST_F(DenoiseEngineTest, StopTokenEndsTheSampleAtItsCanvas) {
+  StartEngine();
+  const std::vector<int32_t> prompt = Prompt();
+  v1::DenoiseRequest r = Request("stop", int(prompt.size()), 3 * C());
+  const GenerationResult free_run = Generate(prompt, r, r.seed());
+  const int32_t stop = free_run.tokens[C() + 3];  // in canvas 1 (or earlier)
+  r.add_stop_token_ids(stop);
+  const GenerationResult want = Generate(prompt, r, r.seed());
+  ASSERT_EQ(want.finish_reason, "stop");
+  ASSERT_LT(want.canvases, 3);
+  auto job = std::make_shared<DenoiseJob>(r);
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  SendKv("stop", prompt);
+  const JobEvents got = Collect(*job);
+  ASSERT_THAT(got.final, IsOk());
+  ASSERT_EQ(int(got.blocks[0].size()), want.canvases);
+  EXPECT_TRUE(got.blocks[0].back().stop_token());
+  std::vector<int32_t> tokens;
+  for (const auto& b : got.blocks[0]) {
+    tokens.insert(tokens.end(), b.token_ids().begin(), b.token_ids().end());
+  }
+  EXPECT_EQ(tokens, want.tokens);
+  ASSERT_TRUE(got.finished[0].has_value());
+  EXPECT_EQ(got.finished[0]->finish_reason(), "stop");
+  EXPECT_EQ(got.finished[0]->canvases(), want.canvases);
+}
+
+TEST_F(DenoiseEngineTest, Admission) {
+  StartEngine(/*max_batch_canvases=*/1, /*max_queue=*/1);
+  const int P = 21;
+  auto bad = [&](v1::DenoiseRequest r) {
+    return engine_->Submit(std::make_shared<DenoiseJob>(std::move(r))).code();
+  };
+  v1::DenoiseRequest r = Request("", P, C());
+  EXPECT_EQ(bad(r), absl::StatusCode::kInvalidArgument);  // no id
+  r = Request("a", P, 0);
+  EXPECT_EQ(bad(r), absl::StatusCode::kInvalidArgument);
+  r = Request("a", P, C());
+  r.set_num_samples(kMaxSamplesPerRequest + 1);
+  EXPECT_EQ(bad(r), absl::StatusCode::kInvalidArgument);
+  r = Request("a", P, C());
+  r.set_first_canvas(2);  // 2 canvases of 16 do not fit in 21 prompt tokens
+  EXPECT_EQ(bad(r), absl::StatusCode::kInvalidArgument);
+  r = Request("a", P, C());
+  r.add_stop_token_ids(config().vocab_size);
+  EXPECT_EQ(bad(r), absl::StatusCode::kInvalidArgument);
+  r = Request("a", P, C());
+  r.mutable_sampler()->set_max_denoising_steps(0);
+  EXPECT_EQ(bad(r), absl::StatusCode::kInvalidArgument);
+
+  // Two requests fit (max_queue + max_batch_canvases), waiting for KV; a third does not.
+  EXPECT_THAT(engine_->Submit(std::make_shared<DenoiseJob>(Request("a", P, C()))), IsOk());
+  EXPECT_EQ(bad(Request("a", P, C())), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(engine_->Submit(std::make_shared<DenoiseJob>(Request("b", P, C()))), IsOk());
+  EXPECT_EQ(bad(Request("c", P, C())), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(engine_->stats().queued, 2);
+  engine_->SetDraining(true);
+  EXPECT_TRUE(engine_->draining());
+  EXPECT_EQ(bad(Request("d", P, C())), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(DenoiseEngineTest, CancelWhileWaitingForKv) {
+  StartEngine();
+  auto a = std::make_shared<DenoiseJob>(Request("a", 21, C()));
+  auto b = std::make_shared<DenoiseJob>(Request("b", 21, C()));
+  ASSERT_THAT(engine_->Submit(a), IsOk());
+  ASSERT_THAT(engine_->Submit(b), IsOk());
+  EXPECT_TRUE(engine_->Cancel("a"));
+  EXPECT_TRUE(engine_->Cancel("b", absl::StatusCode::kDeadlineExceeded));
+  EXPECT_FALSE(engine_->Cancel("nobody"));
+  const JobEvents ga = Collect(*a), gb = Collect(*b);
+  EXPECT_EQ(ga.final.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(ga.final.message(), "request a cancelled");
+  EXPECT_EQ(gb.final.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(gb.final.message(), "request b: deadline exceeded");
+  EXPECT_TRUE(ga.blocks[0].empty());
+  EXPECT_EQ(engine_->stats().queued, 0);
+  // The id is free again.
+  EXPECT_THAT(engine_->Submit(std::make_shared<DenoiseJob>(Request("a", 21, C()))), IsOk());
+}
+
+TEST_F(DenoiseEngineTest, CancelWhileRunningFreesTheBatchSlot) {
+  StartEngine();
+  const std::vector<int32_t> prompt = Prompt();
+  // Many canvases of 48 steps that never stop early: still running when cancelled.
+  v1::DenoiseRequest r = Request("long", int(prompt.size()), 40 * C());
+  r.mutable_sampler()->set_max_denoising_steps(48);
+  r.mutable_sampler()->set_confidence_threshold(1e-30f);
+  auto job = std::make_shared<DenoiseJob>(r);
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  SendKv("long", prompt);
+  v1::DenoiseEvent ev;
+  std::optional<absl::Status> final;
+  ASSERT_TRUE(job->Pop(&ev, &final, absl::Seconds(60)));  // it runs
+  EXPECT_TRUE(ev.has_step());
+  EXPECT_TRUE(engine_->Cancel("long"));
+  const JobEvents got = Collect(*job);
+  EXPECT_EQ(got.final.code(), absl::StatusCode::kCancelled);
+  EXPECT_LT(got.blocks[0].size(), 40u);
+  // The engine thread lets it go at its next iteration.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (engine_->stats().active_canvases > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(engine_->stats().active_canvases, 0);
+  EXPECT_EQ(engine_->stats().active_requests, 0);
+}
+
+TEST_F(DenoiseEngineTest, KvThatNeverArrivesFailsAtTheDeadline) {
+  StartEngine();
+  v1::DenoiseRequest r = Request("late", 21, C());
+  r.set_kv_wait_ms(100);
+  auto job = std::make_shared<DenoiseJob>(r);
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  const JobEvents got = Collect(*job);
+  EXPECT_EQ(got.final.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(got.final.message().find("did not arrive in time"), absl::string_view::npos)
+      << got.final;
+}
+
+TEST_F(DenoiseEngineTest, KvOfAnotherLengthFailsTheRequest) {
+  StartEngine();
+  const std::vector<int32_t> prompt = Prompt();
+  auto job = std::make_shared<DenoiseJob>(Request("short", int(prompt.size()) + 1, C()));
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  SendKv("short", prompt);
+  const JobEvents got = Collect(*job);
+  EXPECT_EQ(got.final.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(got.final.message().find("covers 21 tokens, the request says 22"),
+            absl::string_view::npos)
+      << got.final;
+}
+
+}  // namespace
+}  // namespace dgserve
