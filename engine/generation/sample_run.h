@@ -30,9 +30,9 @@
 #include "engine/denoise/rng.h"
 #include "engine/denoise/sampler_params.h"
 #include "engine/model/backend.h"
+#include "engine/generation/stop_matcher.h"
 #include "engine/model/config.h"
 #include "engine/tokenizer/tokenizer.h"
-#include "engine/generation/stop_matcher.h"
 
 namespace dgserve {
 
