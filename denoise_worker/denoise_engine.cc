@@ -5,6 +5,7 @@
 #include <optional>
 #include <unordered_set>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/limits.h"
 #include "engine/denoise/sampler_params.h"
@@ -203,6 +204,11 @@ DenoiseEngine::~DenoiseEngine() {
   for (const std::string& id : forget) receiver_->Forget(id);
 }
 
+void DenoiseEngine::UpdateQueueGauge() {
+  // Requests waiting for their KV count as queued as much as those waiting for a batch slot.
+  if (metrics_) metrics_->queue_depth.Set(double(waiting_.size() + ready_.size()));
+}
+
 absl::Status DenoiseEngine::Submit(std::shared_ptr<DenoiseJob> job) {
   if (draining_) return absl::UnavailableError("denoise worker is draining");
   if (absl::Status s = ValidateRequest(job->request(), backend_->config()); !s.ok()) return s;
@@ -217,8 +223,12 @@ absl::Status DenoiseEngine::Submit(std::shared_ptr<DenoiseJob> job) {
       return absl::AlreadyExistsError(absl::StrCat("request ", id, " is already running"));
     }
     waiting_.emplace(id, job);
+    UpdateQueueGauge();
   }
-  const int64_t wait_ms = job->request().kv_wait_ms() > 0 ? job->request().kv_wait_ms() : 60000;
+  // A caller's wait is a request, not trusted: at most the KV lease bound.
+  const int64_t max_wait = std::max<int64_t>(1, options_.max_kv_wait_ms);
+  const int64_t asked = job->request().kv_wait_ms();
+  const int64_t wait_ms = asked > 0 ? std::min(asked, max_wait) : max_wait;
   receiver_->Expect(id, absl::Now() + absl::Milliseconds(wait_ms),
                     [this, id](absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> kv) {
                       OnKv(id, std::move(kv));
@@ -230,6 +240,8 @@ void DenoiseEngine::OnKv(const std::string& id,
                          absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> kv) {
   std::unique_ptr<Running> drop;  // destroyed outside the lock
   absl::MutexLock lock(&mu_);
+  // Whatever the outcome, the request has left the KV wait (into ready_, or failed).
+  absl::Cleanup gauge = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { UpdateQueueGauge(); };
   auto it = waiting_.find(id);
   if (it == waiting_.end()) return;  // cancelled meanwhile; `kv` frees its blocks
   std::shared_ptr<DenoiseJob> job = it->second;
@@ -319,6 +331,7 @@ bool DenoiseEngine::Cancel(const std::string& request_id, absl::StatusCode code)
     std::shared_ptr<DenoiseJob> job = it->second;
     job->RequestCancel(code);
     if (waiting_.erase(request_id) > 0) {
+      UpdateQueueGauge();
       forget = true;
       all_.erase(it);
       job->End(job->CancelStatus());
@@ -393,7 +406,7 @@ void DenoiseEngine::Loop() {
         ready_.pop_front();
         running.back()->admitted = absl::Now();
       }
-      if (metrics_) metrics_->queue_depth.Set(double(waiting_.size() + ready_.size()));
+      UpdateQueueGauge();
     }
     active_requests_ = CountJobs(running);
     Iterate(running);

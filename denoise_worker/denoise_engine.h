@@ -78,6 +78,9 @@ struct DenoiseEngineOptions {
   // for the whole batch to empty.
   int max_batch_canvases = 16;
   int max_queue = 256;          // requests waiting for KV or a batch slot, at most
+  // How long a request waits for its prompt KV at most (the KV lease bound, the worker's
+  // --max_kv_lease_ms): a request's kv_wait_ms is clamped to it, 0 or less means it.
+  int64_t max_kv_wait_ms = 60000;
   std::string model_id;
   // The model's tokenizer: with it the worker matches a request's stop_sequences itself and
   // ends a sample at the canvas whose text holds one (finished OK, "stop", no further step or
@@ -122,6 +125,8 @@ class DenoiseEngine {
   void Loop();
   // One scheduling iteration over the admitted samples: cancellations, the batched commit
   // pass, canvas starts, one batched denoising step, then events and ended samples.
+  // dgserve_denoise_queue_depth = requests waiting for KV + waiting for a batch slot.
+  void UpdateQueueGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Iterate(std::vector<std::unique_ptr<Running>>& running);
   // The commit passes due (spec §4.1 step 3a) as one batched encoder pass.
   void CommitCanvases(std::vector<std::unique_ptr<Running>>& running);

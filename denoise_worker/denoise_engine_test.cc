@@ -72,13 +72,15 @@ class DenoiseEngineTest : public ::testing::Test {
   const ModelConfig& config() const { return checkpoint_->config; }
   int C() const { return config().canvas_length; }
 
-  void StartEngine(int max_batch_canvases = 16, int max_queue = 256) {
+  void StartEngine(int max_batch_canvases = 16, int max_queue = 256,
+                   int64_t max_kv_wait_ms = 60000, DenoiseMetrics* metrics = nullptr) {
     DenoiseEngineOptions o;
     o.max_batch_canvases = max_batch_canvases;
     o.max_queue = max_queue;
+    o.max_kv_wait_ms = max_kv_wait_ms;
     o.model_id = "tiny";
     engine_ = std::make_unique<DenoiseEngine>(backend_.get(), pool_.get(), receiver_.get(),
-                                              std::move(o), nullptr);
+                                              std::move(o), metrics);
   }
 
   std::vector<int32_t> Prompt() const {
@@ -434,6 +436,42 @@ TEST_F(DenoiseEngineTest, KvThatNeverArrivesFailsAtTheDeadline) {
   EXPECT_EQ(got.final.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(got.final.message().find("did not arrive in time"), absl::string_view::npos)
       << got.final;
+}
+
+// Issue 36 item 3: a caller's kv_wait_ms was never clamped (a Denoise call could hold its queue
+// place for as long as it asked); it is at most the KV lease bound now.
+TEST_F(DenoiseEngineTest, KvWaitIsClampedToTheLeaseBound) {
+  StartEngine(16, 256, /*max_kv_wait_ms=*/200);
+  v1::DenoiseRequest r = Request("forever", 21, C());
+  r.set_kv_wait_ms(int64_t{1} << 50);
+  auto job = std::make_shared<DenoiseJob>(r);
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  const JobEvents got = Collect(*job);  // bounded: 120 s
+  EXPECT_EQ(got.final.code(), absl::StatusCode::kDeadlineExceeded) << got.final;
+}
+
+// Calls waiting for their KV count in dgserve_denoise_queue_depth (272 such calls filled the
+// queue while the gauge read 0: it was set only by the engine thread's loop).
+TEST_F(DenoiseEngineTest, RequestsWaitingForKvAreInTheQueueGauge) {
+  prometheus::Registry registry;
+  DenoiseMetrics metrics(registry);
+  StartEngine(16, 256, 60000, &metrics);
+  std::vector<std::shared_ptr<DenoiseJob>> jobs;
+  for (const char* id : {"q1", "q2", "q3"}) {
+    jobs.push_back(std::make_shared<DenoiseJob>(Request(id, 21, C())));
+    ASSERT_THAT(engine_->Submit(jobs.back()), IsOk());
+  }
+  EXPECT_EQ(metrics.queue_depth.Value(), 3);
+  EXPECT_EQ(engine_->stats().queued, 3);
+  EXPECT_TRUE(engine_->Cancel("q1"));
+  EXPECT_EQ(metrics.queue_depth.Value(), 2);
+  // One's KV arrives: it leaves the KV wait and runs; the gauge follows it out.
+  SendKv("q2", Prompt());
+  const JobEvents got = Collect(*jobs[1]);
+  EXPECT_THAT(got.final, IsOk());
+  EXPECT_EQ(metrics.queue_depth.Value(), 1);
+  EXPECT_TRUE(engine_->Cancel("q3"));
+  EXPECT_EQ(metrics.queue_depth.Value(), 0);
 }
 
 TEST_F(DenoiseEngineTest, KvOfAnotherLengthFailsTheRequest) {

@@ -77,6 +77,7 @@ absl::Status Run() {
   DenoiseEngineOptions eopts;
   eopts.max_batch_canvases = absl::GetFlag(FLAGS_max_batch_canvases);
   eopts.max_queue = absl::GetFlag(FLAGS_max_queue);
+  eopts.max_kv_wait_ms = max_lease_ms;  // a Denoise call's kv_wait_ms is clamped to it
   eopts.model_id = model_id;
   // The gateway reads the same directory's tokenizer.json; with it the worker ends a sample at
   // a stop sequence itself (see DenoiseEngineOptions::tokenizer).
