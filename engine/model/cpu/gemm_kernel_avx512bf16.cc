@@ -1,0 +1,131 @@
+// AVX512_BF16 microkernels of the GEMM's bf16-input mode (gemm.h): up to 8 rows × 2 panels (32
+// columns) of float32 accumulators in zmm registers; per pair of k one VDPBF16PS per (row, panel),
+// A's pair broadcast from memory, B read from pair-packed panels (Pack: one 64-byte load of two
+// k steps and one VPERMW per pair). VDPBF16PS adds the high half's product first, so A and B hold
+// k in the high half and k + 1 in the low half: the chain runs in ascending k.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "engine/model/cpu/gemm_kernels.h"
+
+// Compiled for AVX-512F/BW/BF16; called only when the CPU has them. No standard library template.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma")
+#endif
+
+namespace dgserve::cpu::gemm_internal {
+namespace {
+
+inline __attribute__((always_inline)) __m512bh Bh(__m512i v) { return (__m512bh)v; }
+
+template <int R, int P>
+void Kernel(const TileBf16& t) {
+  __m512 acc[R][P];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      acc[i][p] = t.load_c ? _mm512_loadu_ps(t.c + i * t.ldc + 16 * p) : _mm512_setzero_ps();
+    }
+  }
+  const uint16_t* b0 = t.b0;
+  const uint16_t* b1 = t.b1;
+  const uint16_t* a = t.a;
+  const int64_t lda = t.lda, ps = t.b_pstride;
+  for (int pp = 0; pp < t.pairs; ++pp) {
+    __m512i bv[P];
+    bv[0] = _mm512_loadu_si512(b0 + pp * ps);
+    if constexpr (P > 1) bv[1] = _mm512_loadu_si512(b1 + pp * ps);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * lda + 2 * pp, sizeof pair);
+      const __m512i av = _mm512_set1_epi32(pair);
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) acc[i][p] = _mm512_dpbf16_ps(acc[i][p], Bh(av), Bh(bv[p]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(t.c + i * t.ldc + 16 * p, acc[i][p]);
+  }
+}
+
+template <int R>
+void ByPanels(int panels, const TileBf16& t) {
+  if (panels == 2) {
+    Kernel<R, 2>(t);
+  } else {
+    Kernel<R, 1>(t);
+  }
+}
+
+void Run(int rows, int panels, const TileBf16& t) {
+  switch (rows) {
+    case 1:
+      return ByPanels<1>(panels, t);
+    case 2:
+      return ByPanels<2>(panels, t);
+    case 3:
+      return ByPanels<3>(panels, t);
+    case 4:
+      return ByPanels<4>(panels, t);
+    case 5:
+      return ByPanels<5>(panels, t);
+    case 6:
+      return ByPanels<6>(panels, t);
+    case 7:
+      return ByPanels<7>(panels, t);
+    default:
+      return ByPanels<8>(panels, t);
+  }
+}
+
+// Words of [k row (16 columns) | k+1 row (16 columns)] → pairs (k+1 low, k high) per column.
+inline __attribute__((always_inline)) __m512i PairIndex() {
+  return _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24, 7, 23, 6,
+                          22, 5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
+}
+
+void PackPairs(int kc, const uint16_t* src, int64_t src_kstride, uint16_t* dst,
+               int64_t dst_pstride) {
+  const __m512i idx = PairIndex();
+  const int full = kc / 2;
+  if (src_kstride == 16) {  // packed panels: k and k+1 are 64 contiguous bytes
+    for (int p = 0; p < full; ++p) {
+      const __m512i v = _mm512_loadu_si512(src + 2 * p * 16);
+      _mm512_storeu_si512(dst + p * dst_pstride, _mm512_permutexvar_epi16(idx, v));
+    }
+  } else {
+    // Masked loads (16 words each, nothing read past them): row 2p low, row 2p + 1 high.
+    for (int p = 0; p < full; ++p) {
+      const __m512i lo = _mm512_maskz_loadu_epi16(0x0000FFFFu, src + 2 * p * src_kstride);
+      const __m512i v =
+          _mm512_mask_loadu_epi16(lo, 0xFFFF0000u, src + (2 * p + 1) * src_kstride - 16);
+      _mm512_storeu_si512(dst + p * dst_pstride, _mm512_permutexvar_epi16(idx, v));
+    }
+  }
+  if (kc % 2 != 0) {  // the last k alone: its pair's low half (k + 1) is +0
+    const __m512i z = _mm512_maskz_loadu_epi16(0x0000FFFFu, src + (kc - 1) * src_kstride);
+    _mm512_storeu_si512(dst + full * dst_pstride, _mm512_permutexvar_epi16(idx, z));
+  }
+}
+
+}  // namespace
+
+Bf16KernelSet Avx512Bf16Kernels() { return {8, 2, &Run, &PackPairs}; }
+
+}  // namespace dgserve::cpu::gemm_internal
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
