@@ -333,6 +333,10 @@ void GemmF32(const GemmArgs& g, const KernelSet& ks, bool parallel, bool ftz) {
 
 // ---- The bf16-input mode's native path (VDPBF16PS). ----
 
+// Tiles of at most this many rows read B's panels directly (pairs formed in registers); taller
+// tiles pack each B block into pairs once for all their row groups.
+constexpr int kNativeDirectMaxRows = 8;
+
 // Per-thread buffers of the native path.
 struct NativeScratch {
   std::vector<uint16_t> b;      // one group's B block in pair layout [pairs][16 · panels · 2]
@@ -351,6 +355,8 @@ NativeScratch& ThreadNativeScratch() {
 void RunTileNative(const GemmArgs& g, const GemmABf16& a, const Bf16KernelSet& ks, int m0, int m1,
                    int n0, int n1, NativeScratch& s) {
   const int group_cols = ks.max_panels * kGemmPanel;
+  // One row group reads each B block once: the kernel then forms the pairs in registers.
+  const bool direct = m1 - m0 <= kNativeDirectMaxRows;
   for (int k0 = 0; k0 < g.k; k0 += kKcWide) {
     const int kc = std::min(kKcWide, g.k - k0), pairs = (kc + 1) / 2;
     const bool load_c = g.accumulate || k0 > 0;
@@ -360,7 +366,22 @@ void RunTileNative(const GemmArgs& g, const GemmABf16& a, const Bf16KernelSet& k
       const bool partial = cols % kGemmPanel != 0;
       const int64_t ps = int64_t(panels) * 2 * kGemmPanel;
       if (s.b.size() < size_t(pairs) * ps) s.b.resize(size_t(pairs) * ps);
-      for (int p = 0; p < panels; ++p) {
+      TileBf16 t;
+      t.pairs = pairs;
+      t.lda = a.ld_pairs;
+      t.load_c = load_c;
+      if (direct && !partial) {
+        t.direct = true;
+        t.kc = kc;
+        t.b_kstride = g.b.k_stride;
+        t.b0 = static_cast<const uint16_t*>(BAt(g.b, k0, j));
+        t.b1 = panels > 1 ? static_cast<const uint16_t*>(BAt(g.b, k0, j + kGemmPanel)) : nullptr;
+      } else {
+        t.b0 = s.b.data();
+        t.b1 = panels > 1 ? s.b.data() + 2 * kGemmPanel : nullptr;
+        t.b_pstride = ps;
+      }
+      for (int p = 0; p < panels && !t.direct; ++p) {
         const int pc = std::min(kGemmPanel, cols - p * kGemmPanel);
         const uint16_t* src = static_cast<const uint16_t*>(BAt(g.b, k0, j + p * kGemmPanel));
         int64_t kstride = g.b.k_stride;
@@ -375,13 +396,6 @@ void RunTileNative(const GemmArgs& g, const GemmABf16& a, const Bf16KernelSet& k
         }
         ks.pack_pairs(kc, src, kstride, s.b.data() + p * 2 * kGemmPanel, ps);
       }
-      TileBf16 t;
-      t.pairs = pairs;
-      t.lda = a.ld_pairs;
-      t.b0 = s.b.data();
-      t.b1 = panels > 1 ? s.b.data() + 2 * kGemmPanel : nullptr;
-      t.b_pstride = ps;
-      t.load_c = load_c;
       for (int i = m0; i < m1; i += ks.max_rows) {
         const int rows = std::min(ks.max_rows, m1 - i);
         t.a = a.pairs + i * a.ld_pairs + k0;

@@ -17,6 +17,9 @@
 #else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma")
+// _mm512_castsi256_si512 leaves the upper half undefined on purpose (it is overwritten at once);
+// GCC 12's headers then warn that it "may be used uninitialized".
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace dgserve::cpu::gemm_internal {
@@ -24,7 +27,30 @@ namespace {
 
 inline __attribute__((always_inline)) __m512bh Bh(__m512i v) { return (__m512bh)v; }
 
-template <int R, int P>
+// Words of [k row (16 columns) | k+1 row (16 columns)] → pairs (k+1 low, k high) per column.
+inline __attribute__((always_inline)) __m512i PairIndex() {
+  return _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24, 7, 23, 6,
+                          22, 5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
+}
+
+// Pair pp of a stored panel ([k][16] bf16, kstride apart): rows 2pp and 2pp + 1 as pairs.
+inline __attribute__((always_inline)) __m512i DirectPair(const uint16_t* b, int64_t kstride, int pp,
+                                                         __m512i idx) {
+  const uint16_t* r0 = b + 2 * pp * kstride;
+  if (kstride == 16) return _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(r0));
+  const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + kstride));
+  return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(lo, hi, 1));
+}
+
+// The last k of an odd block alone (its pair's low half +0).
+inline __attribute__((always_inline)) __m512i DirectLast(const uint16_t* b, int64_t kstride, int kc,
+                                                         __m512i idx) {
+  const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (kc - 1) * kstride));
+  return _mm512_permutexvar_epi16(idx, _mm512_zextsi256_si512(r));
+}
+
+template <int R, int P, bool kDirect>
 void Kernel(const TileBf16& t) {
   __m512 acc[R][P];
 #pragma GCC unroll 8
@@ -38,10 +64,23 @@ void Kernel(const TileBf16& t) {
   const uint16_t* b1 = t.b1;
   const uint16_t* a = t.a;
   const int64_t lda = t.lda, ps = t.b_pstride;
-  for (int pp = 0; pp < t.pairs; ++pp) {
+  const int pairs = kDirect ? (t.kc + 1) / 2 : t.pairs;
+  [[maybe_unused]] const __m512i idx = PairIndex();
+  [[maybe_unused]] const int64_t ks = t.b_kstride;
+  for (int pp = 0; pp < pairs; ++pp) {
     __m512i bv[P];
-    bv[0] = _mm512_loadu_si512(b0 + pp * ps);
-    if constexpr (P > 1) bv[1] = _mm512_loadu_si512(b1 + pp * ps);
+    if constexpr (kDirect) {
+      if (2 * pp + 1 < t.kc) {
+        bv[0] = DirectPair(b0, ks, pp, idx);
+        if constexpr (P > 1) bv[1] = DirectPair(b1, ks, pp, idx);
+      } else {
+        bv[0] = DirectLast(b0, ks, t.kc, idx);
+        if constexpr (P > 1) bv[1] = DirectLast(b1, ks, t.kc, idx);
+      }
+    } else {
+      bv[0] = _mm512_loadu_si512(b0 + pp * ps);
+      if constexpr (P > 1) bv[1] = _mm512_loadu_si512(b1 + pp * ps);
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       int32_t pair;
@@ -60,10 +99,16 @@ void Kernel(const TileBf16& t) {
 
 template <int R>
 void ByPanels(int panels, const TileBf16& t) {
-  if (panels == 2) {
-    Kernel<R, 2>(t);
+  if (t.direct) {
+    if (panels == 2) {
+      Kernel<R, 2, true>(t);
+    } else {
+      Kernel<R, 1, true>(t);
+    }
+  } else if (panels == 2) {
+    Kernel<R, 2, false>(t);
   } else {
-    Kernel<R, 1>(t);
+    Kernel<R, 1, false>(t);
   }
 }
 
@@ -88,12 +133,6 @@ void Run(int rows, int panels, const TileBf16& t) {
   }
 }
 
-// Words of [k row (16 columns) | k+1 row (16 columns)] → pairs (k+1 low, k high) per column.
-inline __attribute__((always_inline)) __m512i PairIndex() {
-  return _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24, 7, 23, 6,
-                          22, 5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
-}
-
 void PackPairs(int kc, const uint16_t* src, int64_t src_kstride, uint16_t* dst,
                int64_t dst_pstride) {
   const __m512i idx = PairIndex();
@@ -104,17 +143,12 @@ void PackPairs(int kc, const uint16_t* src, int64_t src_kstride, uint16_t* dst,
       _mm512_storeu_si512(dst + p * dst_pstride, _mm512_permutexvar_epi16(idx, v));
     }
   } else {
-    // Masked loads (16 words each, nothing read past them): row 2p low, row 2p + 1 high.
     for (int p = 0; p < full; ++p) {
-      const __m512i lo = _mm512_maskz_loadu_epi16(0x0000FFFFu, src + 2 * p * src_kstride);
-      const __m512i v =
-          _mm512_mask_loadu_epi16(lo, 0xFFFF0000u, src + (2 * p + 1) * src_kstride - 16);
-      _mm512_storeu_si512(dst + p * dst_pstride, _mm512_permutexvar_epi16(idx, v));
+      _mm512_storeu_si512(dst + p * dst_pstride, DirectPair(src, src_kstride, p, idx));
     }
   }
   if (kc % 2 != 0) {  // the last k alone: its pair's low half (k + 1) is +0
-    const __m512i z = _mm512_maskz_loadu_epi16(0x0000FFFFu, src + (kc - 1) * src_kstride);
-    _mm512_storeu_si512(dst + full * dst_pstride, _mm512_permutexvar_epi16(idx, z));
+    _mm512_storeu_si512(dst + full * dst_pstride, DirectLast(src, src_kstride, kc, idx));
   }
 }
 

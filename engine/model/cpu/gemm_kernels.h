@@ -48,6 +48,11 @@ struct TileBf16 {
   const uint16_t* b0 = nullptr;  // panel 0 in pair layout: pair p at b0 + p·b_pstride, 16 columns
   const uint16_t* b1 = nullptr;  //   × (k+1 low, k high) = 32 bf16; panel 1 or null
   int64_t b_pstride = 0;
+  // Direct: b0/b1 point at B's panels as stored ([k][16] bf16, b_kstride apart) and the kernel
+  // forms the pairs in registers (as pack_pairs does) over kc k steps; `pairs` is then unused.
+  bool direct = false;
+  int kc = 0;
+  int64_t b_kstride = 0;
   float* c = nullptr;
   int64_t ldc = 0;
   bool load_c = false;
