@@ -6,6 +6,7 @@
 //   engine_bench --model DIR [--device cpu|cuda] [--canvas N] [--steps N] [--context P]
 //                [--batch B] [--mem_bandwidth_gbs GB/s]
 //   engine_bench --config_json '{...config.json...}' [--layers N] [--canvas N] ...
+//   engine_bench ... --cpu_gemm_inputs float32,bf16 [--repeats R]   (both CPU GEMM modes, one run)
 //
 // With --config_json (or --config FILE) the checkpoint is generated with the dgserve-mkmodel
 // generator into a temporary directory first; --layers keeps only the first N layers (a slice).
@@ -31,6 +32,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/cli.h"
 #include "common/system_resources.h"
 #include "engine/denoise/row_sampler.h"
@@ -61,6 +63,11 @@ ABSL_FLAG(double, logit_scale, 1.0,
           "in (0, 1e6]; the softcap bounds the logits, so large factors flatten the rows rather "
           "than peak them (bench/vocab_bench measures peaked rows)");
 ABSL_FLAG(int, batch, 1, "canvases denoised together per step, each with its own KV cache copy");
+ABSL_FLAG(std::string, cpu_gemm_inputs, "",
+          "--device cpu: comma-separated GEMM input modes to time one after the other on the same "
+          "checkpoint (float32, bf16; e.g. 'float32,bf16'), each with its own prefill and steps, "
+          "then the ratio of the steps; empty: the one --cpu_gemm_input names");
+ABSL_FLAG(int, repeats, 1, "with --cpu_gemm_inputs: time the modes this many times in alternation");
 ABSL_FLAG(double, mem_bandwidth_gbs, 0,
           "device memory bandwidth in GB/s for the share of the bf16 bound (0: not reported)");
 
@@ -112,116 +119,16 @@ double DeviceMemoryUsedBytes() {
   return 0;
 }
 
-int Run() {
-  const double logit_scale = absl::GetFlag(FLAGS_logit_scale);
-  if (!(logit_scale > 0 && logit_scale <= 1e6)) {
-    std::fprintf(stderr, "--logit_scale must be in (0, 1e6], got %g\n", logit_scale);
-    return 2;
-  }
-  std::string dir = absl::GetFlag(FLAGS_model);
-  if (!dir.empty() && absl::GetFlag(FLAGS_layers) != 0) {
-    std::fprintf(stderr, "--layers applies to --config/--config_json, not to --model\n");
-    return 2;
-  }
-  if (absl::GetFlag(FLAGS_canvas) < 0 || absl::GetFlag(FLAGS_steps) < 1 ||
-      absl::GetFlag(FLAGS_context) < 1) {
-    std::fprintf(stderr, "--canvas must be ≥ 0 (0: the checkpoint's), --steps and --context ≥ 1\n");
-    return 2;
-  }
-  const int B = absl::GetFlag(FLAGS_batch);
-  if (B < 1 || B > 256) {
-    std::fprintf(stderr, "--batch must be in [1, 256], got %d\n", B);
-    return 2;
-  }
-  std::filesystem::path tmp;
-  if (dir.empty()) {
-    std::string text = absl::GetFlag(FLAGS_config_json);
-    if (text.empty() && !absl::GetFlag(FLAGS_config).empty()) {
-      auto t = ReadFileToString(absl::GetFlag(FLAGS_config));
-      if (!t.ok()) {
-        std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
-        return 1;
-      }
-      text = *t;
-    }
-    if (text.empty()) {
-      std::fprintf(stderr, "give --model DIR, --config FILE or --config_json TEXT\n");
-      return 2;
-    }
-    auto cfg = ParseModelConfig(text, "--config");
-    if (!cfg.ok()) {
-      std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
-      return 1;
-    }
-    if (int n = absl::GetFlag(FLAGS_layers); n != 0) {
-      if (n < 0 || n > cfg->num_layers) {
-        std::fprintf(stderr, "--layers must be in [1, %d], got %d\n", cfg->num_layers, n);
-        return 2;
-      }
-      cfg->num_layers = n;
-      cfg->layer_types.resize(n);
-      cfg->layer_types.back() = LayerType::kFull;  // as the loader does (HF forces it)
-    }
-    // Refuse a shape whose weights (bf16, see WeightBytes) cannot fit before writing it.
-    const int64_t bytes = WeightBytes(*cfg);
-    std::printf("weights in memory: %.2f GB (bf16 matrices, embedding twice)\n", bytes / 1e9);
-    if (auto avail = AvailableMemoryBytes(); avail && uint64_t(bytes) > *avail) {
-      std::fprintf(stderr,
-                   "this shape needs %.1f GB of weights but only %.1f GB of memory are "
-                   "available; use --layers N for a slice\n",
-                   bytes / 1e9, double(*avail) / 1e9);
-      return 1;
-    }
-    tmp = std::filesystem::temp_directory_path() / absl::StrCat("dgserve_bench_", ::getpid());
-    auto t0 = Clock::now();
-    absl::Status st =
-        WriteRandomCheckpoint(*cfg, GenerationConfig{}, absl::GetFlag(FLAGS_seed), tmp.string());
-    if (!st.ok()) {
-      std::fprintf(stderr, "%s\n", st.ToString().c_str());
-      return 1;
-    }
-    std::printf("generated checkpoint in %.1f s\n", Since(t0));
-    dir = tmp.string();
-  }
-  auto t0 = Clock::now();
-  auto ckpt = LoadCheckpoint(dir);
-  if (!tmp.empty()) std::filesystem::remove_all(tmp);
-  if (!ckpt.ok()) {
-    std::fprintf(stderr, "%s\n", ckpt.status().ToString().c_str());
-    return 1;
-  }
-  std::printf("loaded checkpoint in %.1f s\n", Since(t0));
-  if (auto rss = ResidentBytes(), peak = PeakResidentBytes(); rss && peak) {
-    std::printf("resident memory after load %.2f GB (peak so far %.2f GB)\n", *rss / 1e9,
-                *peak / 1e9);
-  }
-  const ModelConfig& c = ckpt->config;
+// Prefill and --steps timed denoising steps on `backend`; prints the report (headed by `label`
+// when not empty) and sets *step_s to the mean wall time per step. 0, or the exit code.
+int Measure(const ModelConfig& c, std::unique_ptr<ModelBackend> backend, const std::string& device,
+            const std::string& label, double* step_s) {
   const int C = absl::GetFlag(FLAGS_canvas) != 0 ? absl::GetFlag(FLAGS_canvas) : c.canvas_length;
   const int steps = absl::GetFlag(FLAGS_steps);
   const int P = absl::GetFlag(FLAGS_context);
-  if (C < 1 || C > 4096) {
-    std::fprintf(stderr, "--canvas must be in [1, 4096], got %d\n", C);
-    return 2;
-  }
-  if (steps < 1 || steps > 10000) {
-    std::fprintf(stderr, "--steps must be in [1, 10000], got %d\n", steps);
-    return 2;
-  }
-  if (P < 1 || int64_t(P) + C > c.max_position_embeddings) {
-    std::fprintf(stderr,
-                 "--context must be in [1, %d] (max_position_embeddings − canvas), got %d\n",
-                 c.max_position_embeddings - C, P);
-    return 2;
-  }
+  const int B = absl::GetFlag(FLAGS_batch);
   const int V = c.vocab_size, D = c.hidden_size;
-  for (float& w : ckpt->weights.final_norm) w = float(w * logit_scale);
-  const std::string device = absl::GetFlag(FLAGS_device);
-  auto created = CreateBackendForDevice(device, c, ckpt->weights);
-  if (!created.ok()) {
-    std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
-    return 1;
-  }
-  std::unique_ptr<ModelBackend> backend = *std::move(created);
+  if (!label.empty()) std::printf("== %s\n", label.c_str());
   double device_peak = DeviceMemoryUsedBytes();
 
   std::vector<ContiguousKvCache> kvs;
@@ -333,6 +240,163 @@ int Run() {
       1e3 * per_step * steps, double(C) * B / per_step, bf16_bytes / 1e9, bound_share,
       device_peak / 1e9, peak_rss ? double(*peak_rss) / 1e9 : 0.0,
       sc_pairs > 0 ? double(sc_skipped) / double(sc_pairs) : 0.0);
+  *step_s = per_step;
+  return 0;
+}
+
+int Run() {
+  const double logit_scale = absl::GetFlag(FLAGS_logit_scale);
+  if (!(logit_scale > 0 && logit_scale <= 1e6)) {
+    std::fprintf(stderr, "--logit_scale must be in (0, 1e6], got %g\n", logit_scale);
+    return 2;
+  }
+  std::string dir = absl::GetFlag(FLAGS_model);
+  if (!dir.empty() && absl::GetFlag(FLAGS_layers) != 0) {
+    std::fprintf(stderr, "--layers applies to --config/--config_json, not to --model\n");
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_canvas) < 0 || absl::GetFlag(FLAGS_steps) < 1 ||
+      absl::GetFlag(FLAGS_context) < 1) {
+    std::fprintf(stderr, "--canvas must be ≥ 0 (0: the checkpoint's), --steps and --context ≥ 1\n");
+    return 2;
+  }
+  const int B = absl::GetFlag(FLAGS_batch);
+  if (B < 1 || B > 256) {
+    std::fprintf(stderr, "--batch must be in [1, 256], got %d\n", B);
+    return 2;
+  }
+  std::filesystem::path tmp;
+  if (dir.empty()) {
+    std::string text = absl::GetFlag(FLAGS_config_json);
+    if (text.empty() && !absl::GetFlag(FLAGS_config).empty()) {
+      auto t = ReadFileToString(absl::GetFlag(FLAGS_config));
+      if (!t.ok()) {
+        std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
+        return 1;
+      }
+      text = *t;
+    }
+    if (text.empty()) {
+      std::fprintf(stderr, "give --model DIR, --config FILE or --config_json TEXT\n");
+      return 2;
+    }
+    auto cfg = ParseModelConfig(text, "--config");
+    if (!cfg.ok()) {
+      std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
+      return 1;
+    }
+    if (int n = absl::GetFlag(FLAGS_layers); n != 0) {
+      if (n < 0 || n > cfg->num_layers) {
+        std::fprintf(stderr, "--layers must be in [1, %d], got %d\n", cfg->num_layers, n);
+        return 2;
+      }
+      cfg->num_layers = n;
+      cfg->layer_types.resize(n);
+      cfg->layer_types.back() = LayerType::kFull;  // as the loader does (HF forces it)
+    }
+    // Refuse a shape whose weights (bf16, see WeightBytes) cannot fit before writing it.
+    const int64_t bytes = WeightBytes(*cfg);
+    std::printf("weights in memory: %.2f GB (bf16 matrices, embedding twice)\n", bytes / 1e9);
+    if (auto avail = AvailableMemoryBytes(); avail && uint64_t(bytes) > *avail) {
+      std::fprintf(stderr,
+                   "this shape needs %.1f GB of weights but only %.1f GB of memory are "
+                   "available; use --layers N for a slice\n",
+                   bytes / 1e9, double(*avail) / 1e9);
+      return 1;
+    }
+    tmp = std::filesystem::temp_directory_path() / absl::StrCat("dgserve_bench_", ::getpid());
+    auto t0 = Clock::now();
+    absl::Status st =
+        WriteRandomCheckpoint(*cfg, GenerationConfig{}, absl::GetFlag(FLAGS_seed), tmp.string());
+    if (!st.ok()) {
+      std::fprintf(stderr, "%s\n", st.ToString().c_str());
+      return 1;
+    }
+    std::printf("generated checkpoint in %.1f s\n", Since(t0));
+    dir = tmp.string();
+  }
+  auto t0 = Clock::now();
+  auto ckpt = LoadCheckpoint(dir);
+  if (!tmp.empty()) std::filesystem::remove_all(tmp);
+  if (!ckpt.ok()) {
+    std::fprintf(stderr, "%s\n", ckpt.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("loaded checkpoint in %.1f s\n", Since(t0));
+  if (auto rss = ResidentBytes(), peak = PeakResidentBytes(); rss && peak) {
+    std::printf("resident memory after load %.2f GB (peak so far %.2f GB)\n", *rss / 1e9,
+                *peak / 1e9);
+  }
+  const ModelConfig& c = ckpt->config;
+  const int C = absl::GetFlag(FLAGS_canvas) != 0 ? absl::GetFlag(FLAGS_canvas) : c.canvas_length;
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const int P = absl::GetFlag(FLAGS_context);
+  if (C < 1 || C > 4096) {
+    std::fprintf(stderr, "--canvas must be in [1, 4096], got %d\n", C);
+    return 2;
+  }
+  if (steps < 1 || steps > 10000) {
+    std::fprintf(stderr, "--steps must be in [1, 10000], got %d\n", steps);
+    return 2;
+  }
+  if (P < 1 || int64_t(P) + C > c.max_position_embeddings) {
+    std::fprintf(stderr,
+                 "--context must be in [1, %d] (max_position_embeddings − canvas), got %d\n",
+                 c.max_position_embeddings - C, P);
+    return 2;
+  }
+  (void)B;
+  for (float& w : ckpt->weights.final_norm) w = float(w * logit_scale);
+  const std::string device = absl::GetFlag(FLAGS_device);
+  const std::string modes_flag = absl::GetFlag(FLAGS_cpu_gemm_inputs);
+  if (modes_flag.empty()) {
+    auto created = CreateBackendForDevice(device, c, ckpt->weights);
+    if (!created.ok()) {
+      std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
+      return 1;
+    }
+    double step_s = 0;
+    return Measure(c, std::move(*created), device, "", &step_s);
+  }
+  if (device != "cpu") {
+    std::fprintf(stderr, "--cpu_gemm_inputs needs --device cpu\n");
+    return 2;
+  }
+  std::vector<cpu::GemmInput> modes;
+  for (const absl::string_view m : absl::StrSplit(modes_flag, ',', absl::SkipEmpty())) {
+    auto in = cpu::ParseGemmInput(m);
+    if (!in.ok()) {
+      std::fprintf(stderr, "--cpu_gemm_inputs: %s\n", std::string(in.status().message()).c_str());
+      return 2;
+    }
+    modes.push_back(*in);
+  }
+  const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
+  std::vector<double> best(modes.size(), 1e30);
+  for (int r = 0; r < repeats; ++r) {
+    for (size_t i = 0; i < modes.size(); ++i) {
+      CpuBackendOptions options;
+      options.gemm_input = modes[i];
+      double step_s = 0;
+      const std::string label = absl::StrCat("cpu_gemm_input=", cpu::GemmInputName(modes[i]),
+                                             " (GEMM path ", cpu::GemmIsaName(cpu::ActiveGemmIsa()),
+                                             ", repeat ", r + 1, ")");
+      if (int rc = Measure(c, CreateCpuBackend(c, ckpt->weights, options), device, label, &step_s);
+          rc != 0) {
+        return rc;
+      }
+      best[i] = std::min(best[i], step_s);
+    }
+  }
+  std::printf("best step per mode:");
+  for (size_t i = 0; i < modes.size(); ++i) {
+    std::printf(" %s %.2f ms", cpu::GemmInputName(modes[i]), 1e3 * best[i]);
+  }
+  std::printf("\n");
+  for (size_t i = 1; i < modes.size(); ++i) {
+    std::printf("step %s / step %s = %.3f\n", cpu::GemmInputName(modes[i]),
+                cpu::GemmInputName(modes[0]), best[i] / best[0]);
+  }
   return 0;
 }
 
