@@ -335,7 +335,7 @@ void GemmF32(const GemmArgs& g, const KernelSet& ks, bool parallel, bool ftz) {
 
 // Tiles of at most this many rows read B's panels directly (pairs formed in registers); taller
 // tiles pack each B block into pairs once for all their row groups.
-constexpr int kNativeDirectMaxRows = 8;
+constexpr int kNativeDirectMaxRows = 32;
 
 // Per-thread buffers of the native path.
 struct NativeScratch {
