@@ -451,22 +451,38 @@ void GemmNative(const GemmArgs& g, const GemmABf16& a, int threads) {
   for (int t = 0; t < tiles; ++t) run(t);
 }
 
+// RoundActivationToBf16 without branches, as float32 bits (bf16 in the high half): vectorizes.
+inline uint32_t RoundBits(uint32_t b) {
+  const uint32_t daz = (b & 0x7F800000u) == 0 ? b & 0x80000000u : b;
+  const uint32_t rne = (daz + 0x7FFFu + ((daz >> 16) & 1u)) & 0xFFFF0000u;
+  const uint32_t nan = (daz | 0x00400000u) & 0xFFFF0000u;
+  return (daz & 0x7FFFFFFFu) > 0x7F800000u ? nan : rne;
+}
+
 // Rows of A rounded for the bf16-input mode: float32 values (ld = k) and/or pairs (ld = k
-// rounded up to even; pair p = bf16(A[2p+1]) low, bf16(A[2p]) high, an odd k's pad −0).
+// rounded up to even; pair p = bf16(A[2p+1]) low, bf16(A[2p]) high, an odd k's pad −0). Pairs
+// are rounded by the native kernels' VCVTNE2PS2BF16 (the same function) 32 at a time where the
+// CPU has it.
 // `parallel`: shared among the threads of a new OpenMP region (large A only).
 void RoundRows(const float* a, int m, int k, int64_t lda, float* values, uint16_t* pairs,
                bool parallel) {
   const int64_t ldp = k + (k & 1);
+  const auto round_pairs = pairs != nullptr && CpuHas(GemmIsa::kAvx512Bf16)
+                               ? gemm_internal::Avx512Bf16Kernels().round_pairs
+                               : nullptr;
 #pragma omp parallel for schedule(static) if (parallel && int64_t(m) * k >= (1 << 16))
   for (int i = 0; i < m; ++i) {
     const float* row = a + i * lda;
     if (values != nullptr) {
-      float* v = values + int64_t(i) * k;
-      for (int kk = 0; kk < k; ++kk) v[kk] = Bf16ToFloat(RoundActivationToBf16(row[kk]));
+      uint32_t* v = reinterpret_cast<uint32_t*>(values + int64_t(i) * k);
+      const uint32_t* r = reinterpret_cast<const uint32_t*>(row);
+      for (int kk = 0; kk < k; ++kk) v[kk] = RoundBits(r[kk]);
     }
     if (pairs != nullptr) {
       uint16_t* p = pairs + i * ldp;
-      for (int kk = 0; kk + 1 < k; kk += 2) {
+      const int vec = round_pairs != nullptr ? k / 32 * 32 : 0;
+      if (vec > 0) round_pairs(row, vec, p);
+      for (int kk = vec; kk + 1 < k; kk += 2) {
         p[kk] = RoundActivationToBf16(row[kk + 1]);
         p[kk + 1] = RoundActivationToBf16(row[kk]);
       }
@@ -492,9 +508,9 @@ RoundScratch& ThreadRoundScratch() {
 }  // namespace
 
 uint16_t RoundActivationToBf16(float x) {
-  uint16_t h = FloatToBf16(x);
-  if ((h & 0x7F80u) == 0) h &= 0x8000u;  // denormal input (or result): a zero of its sign
-  return h;
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return uint16_t(RoundBits(b) >> 16);
 }
 
 const char* GemmInputName(GemmInput input) {

@@ -65,8 +65,9 @@ const char* GemmInputName(GemmInput input);
 // Parses "float32" or "bf16"; INVALID_ARGUMENT otherwise.
 absl::StatusOr<GemmInput> ParseGemmInput(absl::string_view name);
 
-// bf16(x) as the bf16-input mode rounds A: nearest even, a denormal result or input becomes a zero
-// of its sign, NaN stays NaN. Returns the bf16 bits.
+// bf16(x) as the bf16-input mode rounds A, and as VCVTNE2PS2BF16 does: a denormal x is read as
+// a zero of its sign (DAZ), then rounded to nearest even (a normal x never rounds to a denormal);
+// NaN stays NaN (quieted). Returns the bf16 bits.
 uint16_t RoundActivationToBf16(float x);
 
 // A already rounded for the bf16-input mode (see Bf16Activations), for callers that multiply the

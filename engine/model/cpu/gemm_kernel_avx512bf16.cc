@@ -152,9 +152,17 @@ void PackPairs(int kc, const uint16_t* src, int64_t src_kstride, uint16_t* dst,
   }
 }
 
+void RoundPairs(const float* a, int n, uint16_t* dst) {
+  for (int i = 0; i + 32 <= n; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(a + i), hi = _mm512_loadu_ps(a + i + 16);
+    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0–15 from lo
+    _mm512_storeu_si512(dst + i, _mm512_rol_epi32(h, 16));  // swap each pair's halves
+  }
+}
+
 }  // namespace
 
-Bf16KernelSet Avx512Bf16Kernels() { return {8, 2, &Run, &PackPairs}; }
+Bf16KernelSet Avx512Bf16Kernels() { return {8, 2, &Run, &PackPairs, &RoundPairs}; }
 
 }  // namespace dgserve::cpu::gemm_internal
 

@@ -69,6 +69,10 @@ struct Bf16KernelSet {
   // in its low half.
   void (*pack_pairs)(int kc, const uint16_t* src, int64_t src_kstride, uint16_t* dst,
                      int64_t dst_pstride) = nullptr;
+  // The first n (a multiple of 32) values of a row of A rounded as RoundActivationToBf16 does
+  // (VCVTNE2PS2BF16: DAZ, nearest even), in pair layout: dst[2p] = bf16(a[2p+1]), dst[2p+1] =
+  // bf16(a[2p]).
+  void (*round_pairs)(const float* a, int n, uint16_t* dst) = nullptr;
 };
 Bf16KernelSet Avx512Bf16Kernels();  // needs AVX-512F, AVX-512BW and AVX512_BF16
 
