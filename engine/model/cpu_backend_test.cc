@@ -67,7 +67,9 @@ float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 TEST_F(CpuBackendTest, ChunkedPrefillEqualsOneShot) {
-  auto b = Backend();
+  for (cpu::GemmInput mode : {cpu::GemmInput::kFloat32, cpu::GemmInput::kBf16}) {
+  SCOPED_TRACE(cpu::GemmInputName(mode));
+  auto b = Backend(mode);
   // 29 tokens > 3 sliding windows (W = 8); chunks of 5, 1, 13, 10 cross window boundaries.
   const std::vector<int32_t> prompt = Prompt(29);
   ContiguousKvCache whole(config(), 256), chunked(config(), 256);
@@ -91,6 +93,7 @@ TEST_F(CpuBackendTest, ChunkedPrefillEqualsOneShot) {
   }
   const std::vector<int32_t> canvas = Prompt(config().canvas_length);
   EXPECT_LT(MaxAbsDiff(DecodeLogits(*b, whole, canvas), DecodeLogits(*b, chunked, canvas)), 1e-4);
+  }
 }
 
 TEST_F(CpuBackendTest, BatchedPassesEqualSinglePasses) {
