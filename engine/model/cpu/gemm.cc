@@ -459,6 +459,19 @@ inline uint32_t RoundBits(uint32_t b) {
   return (daz & 0x7FFFFFFFu) > 0x7F800000u ? nan : rne;
 }
 
+// n values of one row rounded (RoundBits). Cloned for AVX-512F, AVX2 and the baseline (an ifunc
+// picks one at load): the loop vectorizes to the widest the CPU has; every clone computes the
+// same integer function.
+#if defined(__clang__)
+#define DGSERVE_ROUND_CLONES
+#else
+#define DGSERVE_ROUND_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+DGSERVE_ROUND_CLONES
+void RoundValuesRow(const uint32_t* src, int n, uint32_t* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = RoundBits(src[i]);
+}
+
 // Rows of A rounded for the bf16-input mode: float32 values (ld = k) and/or pairs (ld = k
 // rounded up to even; pair p = bf16(A[2p+1]) low, bf16(A[2p]) high, an odd k's pad −0). Pairs
 // are rounded by the native kernels' VCVTNE2PS2BF16 (the same function) 32 at a time where the
@@ -474,9 +487,8 @@ void RoundRows(const float* a, int m, int k, int64_t lda, float* values, uint16_
   for (int i = 0; i < m; ++i) {
     const float* row = a + i * lda;
     if (values != nullptr) {
-      uint32_t* v = reinterpret_cast<uint32_t*>(values + int64_t(i) * k);
-      const uint32_t* r = reinterpret_cast<const uint32_t*>(row);
-      for (int kk = 0; kk < k; ++kk) v[kk] = RoundBits(r[kk]);
+      RoundValuesRow(reinterpret_cast<const uint32_t*>(row), k,
+                     reinterpret_cast<uint32_t*>(values + int64_t(i) * k));
     }
     if (pairs != nullptr) {
       uint16_t* p = pairs + i * ldp;
