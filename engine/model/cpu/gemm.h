@@ -12,12 +12,12 @@
 //   tile's rows read), so a bf16 B gives the bits of the same GEMM on a float32 copy of B.
 //
 // THE BF16-INPUT MODE (GemmInput::kBf16, issue 38; the reference's bf16 GEMM inputs, spec §5.3):
-//   A is rounded to bf16 once per GEMM (round to nearest even; a bf16 denormal becomes a zero of
-//   its sign), B must be bf16 (weights, the embedding table) and is used as stored, and every
+//   A is rounded to bf16 once per GEMM (RoundActivationToBf16: a denormal is read as a zero of its
+//   sign, then round to nearest even, as VCVTNE2PS2BF16 does), B must be bf16 (weights, the embedding table) and is used as stored, and every
 //   output element is the chain that VDPBF16PS computes when A and B are fed to it in pairs of k:
 //     c = C₀;  for kk = 0 … k−1:  c = FTZ(fma(bf16(A[i, kk]), DAZ(B[kk, j]), DAZ(c)))
 //   in ascending k, each step one fma rounded to nearest even (the product of two bf16 values is
-//   exact in float32, so this is "add the exact product"), DAZ(x) = x with a float32 denormal
+//   exact in float32 unless it underflows, so this is "add the exact product"), DAZ(x) = x with a float32 denormal
 //   read as a zero of its sign, FTZ(x) = x with a denormal result written as a zero of its sign.
 //   That is VDPBF16PS exactly (checked on Zen 5, and Intel's definition: per lane it does
 //   `dst += a[2j+1]·b[2j+1]; dst += a[2j]·b[2j]`, each an fma with DAZ in and FTZ out, RNE,
