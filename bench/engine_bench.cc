@@ -6,6 +6,7 @@
 //   engine_bench --model DIR [--device cpu|cuda] [--canvas N] [--steps N] [--context P]
 //                [--batch B] [--mem_bandwidth_gbs GB/s]
 //   engine_bench --config_json '{...config.json...}' [--layers N] [--canvas N] ...
+//   engine_bench ... --cpu_gemm_inputs float32,bf16 [--repeats R]   (both CPU GEMM modes, one run)
 //
 // With --config_json (or --config FILE) the checkpoint is generated with the dgserve-mkmodel
 // generator into a temporary directory first; --layers keeps only the first N layers (a slice).
@@ -38,6 +39,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -87,6 +89,11 @@ ABSL_FLAG(double, logit_scale, 1.0,
           "in (0, 1e6]; the softcap bounds the logits, so large factors flatten the rows rather "
           "than peak them (bench/vocab_bench measures peaked rows)");
 ABSL_FLAG(int, batch, 1, "canvases denoised together per step, each with its own KV cache copy");
+ABSL_FLAG(std::string, cpu_gemm_inputs, "",
+          "--device cpu: comma-separated GEMM input modes to time one after the other on the same "
+          "shape (float32, bf16; e.g. 'float32,bf16'), each a whole run with its own prefill and "
+          "steps, then the ratio of the steps; empty: the one --cpu_gemm_input names");
+ABSL_FLAG(int, repeats, 1, "with --cpu_gemm_inputs: time the modes this many times in alternation");
 ABSL_FLAG(double, mem_bandwidth_gbs, 0,
           "device memory bandwidth in GB/s for the share of the bf16 bound (0: not reported)");
 ABSL_FLAG(bool, synthetic, false,
@@ -112,11 +119,23 @@ ABSL_FLAG(int, calibrate_gemm_n, 8192,
 ABSL_FLAG(bool, calibrate_only, false,
           "--device cuda: measure the two ceilings, print the CEILINGS line and exit");
 ABSL_DECLARE_FLAG(std::string, cuda_gemm_input);
+ABSL_DECLARE_FLAG(std::string, cpu_gemm_input);
 
 namespace dgserve {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// CPU time of the process (all threads), in seconds: on a machine shared with other work it
+// varies less than the wall time (threads wait passively with OMP_WAIT_POLICY=passive).
+double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+// Mean wall and CPU time per timed step of the last batch Run() measured (--cpu_gemm_inputs).
+double g_last_step_wall = 0, g_last_step_cpu = 0;
+
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
@@ -410,7 +429,7 @@ int Run() {
   }
   const int V = c.vocab_size, D = c.hidden_size;
   for (float& w : ckpt->weights.final_norm) w = float(w * logit_scale);
-  std::string gemm_input = "na";
+  std::string gemm_input = cuda ? "na" : absl::GetFlag(FLAGS_cpu_gemm_input);
   std::unique_ptr<ModelBackend> backend;
   std::string gpu_name = "cpu";
   double copy_gbs = 0, gemm_tflops = 0;
@@ -543,7 +562,7 @@ int Run() {
     std::vector<std::vector<float>> next_soft(B, std::vector<float>(size_t(C) * D));
     std::vector<std::vector<float>> uniforms(B, std::vector<float>(C));
     std::vector<std::vector<RowResult>> rows(B, std::vector<RowResult>(C));
-    double body = 0, vocab = 0, wall = 0, entropy_sum = 0;
+    double body = 0, vocab = 0, wall = 0, cpu_total = 0, entropy_sum = 0;
     double ph_attn = 0, ph_moe = 0, ph_dense = 0, ph_vocab = 0;
     bool have_phases = false;
 #ifdef DGSERVE_HAVE_CUDA
@@ -571,12 +590,14 @@ int Run() {
       const cuda::LaunchCounts before = cuda::ReadLaunchCounts();
 #endif
       auto t_step = Clock::now();
+      const double cpu0 = ProcessCpuSeconds();
       if (absl::Status st = backend->DenoiseStep(in); !st.ok()) {
         std::fprintf(stderr, "batch %d: %s\n", B, st.ToString().c_str());
         failed = true;
         break;
       }
       const double step_wall = Since(t_step);  // rows are on the host: the step has finished
+      const double step_cpu = ProcessCpuSeconds() - cpu0;
 #ifdef DGSERVE_HAVE_CUDA
       const cuda::LaunchCounts step_counts = cuda::ReadLaunchCounts() - before;
 #endif
@@ -588,6 +609,7 @@ int Run() {
       if (s == 0) continue;
       ++timed;
       wall += step_wall;
+      cpu_total += step_cpu;
       body += backend->last_decode_timings().body_seconds;
       vocab += backend->last_decode_timings().lm_head_seconds;
       sc_pairs += backend->last_decode_timings().sc_tile_rows;
@@ -643,6 +665,9 @@ int Run() {
     }
     std::printf("time per denoise step      %10.2f ms (wall, all %d canvases)\n", 1e3 * per_step,
                 B);
+    std::printf("CPU time per denoise step  %10.2f ms (all threads)\n", 1e3 * cpu_total / timed);
+    g_last_step_wall = per_step;
+    g_last_step_cpu = cpu_total / timed;
     std::printf("time per canvas of %3d st. %10.2f ms\n", steps, 1e3 * per_step * steps);
     std::printf("canvas positions per s     %10.0f (%.0f tokens/s at 16 steps per canvas)\n",
                 double(C) * B / per_step, double(C) * B / (16 * per_step));
@@ -754,7 +779,8 @@ int main(int argc, char** argv) {
       "[--device cpu|cuda] [--canvas N] [--steps N] [--context N] [--batch N] [--seed N] "
       "[--mem_bandwidth_gbs GB/s] [--logit_scale X] [--synthetic] [--synthetic_kv] "
       "[--batches 1,2,4] [--step_budget_s S] [--phase_timing] [--calibrate_copy_mb MB] "
-      "[--calibrate_gemm_n N]",
+      "[--calibrate_gemm_n N] [--cpu_gemm_input float32|bf16] "
+      "[--cpu_gemm_inputs float32,bf16 [--repeats R]]",
       "bench/engine_bench.cc");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
@@ -767,7 +793,41 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    return dgserve::Run();
+    const std::string modes_flag = absl::GetFlag(FLAGS_cpu_gemm_inputs);
+    if (modes_flag.empty()) return dgserve::Run();
+    // Both CPU GEMM input modes in one process, in alternation, best of --repeats each.
+    if (absl::GetFlag(FLAGS_device) != "cpu") {
+      std::fprintf(stderr, "--cpu_gemm_inputs needs --device cpu\n");
+      return 2;
+    }
+    const std::vector<std::string> modes = absl::StrSplit(modes_flag, ',', absl::SkipEmpty());
+    for (const std::string& m : modes) {
+      if (m != "float32" && m != "bf16") {
+        std::fprintf(stderr, "--cpu_gemm_inputs: '%s' is not float32 or bf16\n", m.c_str());
+        return 2;
+      }
+    }
+    const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
+    std::vector<double> best(modes.size(), 1e30), best_cpu(modes.size(), 1e30);
+    for (int r = 0; r < repeats; ++r) {
+      for (size_t i = 0; i < modes.size(); ++i) {
+        std::printf("== cpu_gemm_input=%s (repeat %d)\n", modes[i].c_str(), r + 1);
+        absl::SetFlag(&FLAGS_cpu_gemm_input, modes[i]);
+        if (int rc = dgserve::Run(); rc != 0) return rc;
+        best[i] = std::min(best[i], dgserve::g_last_step_wall);
+        best_cpu[i] = std::min(best_cpu[i], dgserve::g_last_step_cpu);
+      }
+    }
+    std::printf("best step per mode (wall / CPU time):");
+    for (size_t i = 0; i < modes.size(); ++i) {
+      std::printf(" %s %.2f / %.2f ms", modes[i].c_str(), 1e3 * best[i], 1e3 * best_cpu[i]);
+    }
+    std::printf("\n");
+    for (size_t i = 1; i < modes.size(); ++i) {
+      std::printf("step %s / step %s = %.3f wall, %.3f CPU time\n", modes[i].c_str(),
+                  modes[0].c_str(), best[i] / best[0], best_cpu[i] / best_cpu[0]);
+    }
+    return 0;
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "out of memory\n");
     return 1;

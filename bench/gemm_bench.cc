@@ -3,10 +3,13 @@
 // the dense MLP, MoE expert groups of 1–64 rows, and the LM head at canvas 32 and 256 (over a
 // vocabulary slice: the GFLOP/s of the full 262,144 ids are the same). Prints a table of ratios.
 //
-// Ours and OpenBLAS are timed in alternation, best of --rounds rounds each.
+// Ours in both input modes (gemm.h: float32, and bf16 — A rounded to bf16, the VDPBF16PS chain)
+// and OpenBLAS are timed in alternation, best of --rounds rounds each; "bf16/f32" is our bf16
+// mode's speed over our float32 mode's. --isa takes a comma-separated list of paths (one table
+// each; "all": every path this CPU has).
 //
 //   OMP_WAIT_POLICY=passive build/bench/gemm_bench [--min_seconds 0.5] [--rounds 5]
-//       [--isa avx512|avx2|portable]
+//       [--isa all|avx512bf16,avx512,avx2,portable]
 #include <cblas.h>
 #include <omp.h>
 
@@ -14,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <functional>
 #include <random>
 #include <string>
 #include <utility>
@@ -21,12 +25,15 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_split.h"
 #include "common/bf16.h"
 #include "engine/model/cpu/gemm.h"
 #include "engine/model/cpu/packed_matrix.h"
 
 ABSL_FLAG(double, min_seconds, 0.5, "time each measurement for at least this long");
-ABSL_FLAG(std::string, isa, "", "GEMM path (default: the best this CPU has)");
+ABSL_FLAG(std::string, isa, "",
+          "GEMM paths, comma-separated (avx512bf16, avx512, avx2, portable; 'all': every path "
+          "this CPU has; default: the best it has)");
 ABSL_FLAG(int, vocab_slice, 16384, "vocabulary ids of the LM head shapes");
 ABSL_FLAG(bool, cpu_time, false,
           "time by the process's CPU time (all threads) instead of the wall clock: less "
@@ -59,20 +66,17 @@ void TimePerCall(F f, double min_s, double& best) {
   }
 }
 
-// Best seconds per call of `ours` and of `blas`, timed in alternation (--rounds rounds of
-// min_seconds / rounds each) so that load from other processes on the machine falls on both.
-template <typename F, typename G>
-std::pair<double, double> TimeBoth(F ours, G blas) {
-  ours();  // warm up (page faults)
-  blas();
+// Best seconds per call of each of `fs`, timed in alternation (--rounds rounds of min_seconds /
+// rounds each) so that load from other processes on the machine falls on all of them.
+std::vector<double> TimeAll(const std::vector<std::function<void()>>& fs) {
+  for (const auto& f : fs) f();  // warm up (page faults)
   const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
   const double min_s = absl::GetFlag(FLAGS_min_seconds) / rounds;
-  double best_ours = 1e30, best_blas = 1e30;
+  std::vector<double> best(fs.size(), 1e30);
   for (int r = 0; r < rounds; ++r) {
-    TimePerCall(ours, min_s, best_ours);
-    TimePerCall(blas, min_s, best_blas);
+    for (size_t i = 0; i < fs.size(); ++i) TimePerCall(fs[i], min_s, best[i]);
   }
-  return {best_ours, best_blas};
+  return best;
 }
 
 struct Shape {
@@ -80,11 +84,12 @@ struct Shape {
   int m, n, k;  // C[m, n] = A[m, k] · W[n, k]ᵀ
 };
 
-// One table row: GFLOP/s of both and the ratio (OpenBLAS time / ours).
-void PrintRow(const Shape& s, double ours, double blas) {
+// One table row: GFLOP/s of ours (float32 and bf16 modes) and of OpenBLAS, and the ratios
+// (OpenBLAS time / ours float32; ours float32 time / ours bf16).
+void PrintRow(const Shape& s, const std::vector<double>& t) {
   const double flop = 2.0 * s.m * s.n * s.k;
-  std::printf("%-26s %5d %6d %5d %10.1f %10.1f %6.2fx\n", s.name, s.m, s.n, s.k, flop / ours / 1e9,
-              flop / blas / 1e9, blas / ours);
+  std::printf("%-26s %5d %6d %5d %9.1f %9.1f %9.1f %7.2fx %7.2fx\n", s.name, s.m, s.n, s.k,
+              flop / t[0] / 1e9, flop / t[1] / 1e9, flop / t[2] / 1e9, t[2] / t[0], t[0] / t[1]);
 }
 
 }  // namespace
@@ -92,21 +97,25 @@ void PrintRow(const Shape& s, double ours, double blas) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   using namespace dgserve::cpu;
-  if (const std::string isa = absl::GetFlag(FLAGS_isa); !isa.empty()) {
+  std::vector<GemmIsa> isas;
+  const std::string isa_flag = absl::GetFlag(FLAGS_isa);
+  for (const absl::string_view name : absl::StrSplit(isa_flag, ',', absl::SkipEmpty())) {
     bool found = false;
-    for (GemmIsa i : {GemmIsa::kAvx512, GemmIsa::kAvx2, GemmIsa::kPortable}) {
-      if (isa != GemmIsaName(i)) continue;
+    for (GemmIsa i : {GemmIsa::kAvx512Bf16, GemmIsa::kAvx512, GemmIsa::kAvx2, GemmIsa::kPortable}) {
+      if (name == "all" ? !GemmIsaSupported(i) : name != GemmIsaName(i)) continue;
       found = true;
-      if (auto st = SetGemmIsa(i); !st.ok()) {
-        std::fprintf(stderr, "%s\n", st.ToString().c_str());
+      if (!GemmIsaSupported(i)) {
+        std::fprintf(stderr, "--isa %s: this CPU lacks it\n", GemmIsaName(i));
         return 1;
       }
+      isas.push_back(i);
     }
     if (!found) {
-      std::fprintf(stderr, "--isa must be avx512, avx2 or portable\n");
+      std::fprintf(stderr, "--isa must list avx512bf16, avx512, avx2, portable or all\n");
       return 2;
     }
   }
+  if (isas.empty()) isas.push_back(ActiveGemmIsa());
   const int V = absl::GetFlag(FLAGS_vocab_slice);
   // Real width (bench/configs/real-width-2-layers.json): D 2816, 16 heads of 256 (full: 512),
   // 8 KV heads sliding, dense 2112, experts 704.
@@ -125,10 +134,12 @@ int main(int argc, char** argv) {
                                                {"soft emb. tile, 16 rows", 16, 2816, 512},
                                                {"soft emb. tile, canvas 32", 32, 2816, 512},
                                                {"soft emb. tile, canvas 256", 256, 2816, 512}};
+  for (GemmIsa isa : isas) {
+  if (auto st = SetGemmIsa(isa); !st.ok()) return 1;
   std::printf("GEMM path %s, %d threads; OpenBLAS sgemm on float32 copies of the weights\n",
               GemmIsaName(ActiveGemmIsa()), omp_get_max_threads());
-  std::printf("%-26s %5s %6s %5s %10s %10s %7s\n", "shape", "m", "n", "k", "ours GF/s", "BLAS GF/s",
-              "ratio");
+  std::printf("%-26s %5s %6s %5s %9s %9s %9s %8s %8s\n", "shape", "m", "n", "k", "f32 GF/s",
+              "bf16 GF/s", "BLAS GF/s", "f32/BLAS", "bf16/f32");
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 0.05f);
   const std::string only = absl::GetFlag(FLAGS_only);
@@ -139,13 +150,15 @@ int main(int argc, char** argv) {
     for (float& x : a) x = dist(rng);
     for (float& x : w) x = dgserve::RoundToBf16(dist(rng));
     const PackedMatrix packed = PackedMatrix::FromFloat(w.data(), s.n, s.k);
-    const auto [ours, blas] =
-        TimeBoth([&] { Linear(a.data(), s.m, packed, c.data()); },
-                 [&] {
-                   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.m, s.n, s.k, 1.0f,
-                               a.data(), s.k, w.data(), s.k, 0.0f, c.data(), s.n);
-                 });
-    PrintRow(s, ours, blas);
+    PrintRow(s, TimeAll({[&] { Linear(a.data(), s.m, packed, c.data()); },
+                         [&] {
+                           Linear(a.data(), s.m, packed, c.data(), false, GemmThreads::kOpenMp,
+                                  GemmInput::kBf16);
+                         },
+                         [&] {
+                           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.m, s.n, s.k, 1.0f,
+                                       a.data(), s.k, w.data(), s.k, 0.0f, c.data(), s.n);
+                         }}));
   }
   for (const Shape& s : row_major_shapes) {  // C = A · B, B [k, n] row-major in bf16
     if (skip(s)) continue;
@@ -156,13 +169,14 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < b.size(); ++i) b16[i] = dgserve::FloatToBf16(b[i]);
     const GemmArgs g =
         GemmArgs::Of(s.m, s.n, s.k, a.data(), s.k, GemmB::RowMajor(b16.data(), s.n), c.data(), s.n);
-    const auto [ours, blas] =
-        TimeBoth([&] { Gemm(g); },
-                 [&] {
-                   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s.m, s.n, s.k, 1.0f,
-                               a.data(), s.k, b.data(), s.n, 0.0f, c.data(), s.n);
-                 });
-    PrintRow(s, ours, blas);
+    GemmArgs gb = g;
+    gb.input = GemmInput::kBf16;
+    PrintRow(s, TimeAll({[&] { Gemm(g); }, [&] { Gemm(gb); },
+                         [&] {
+                           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s.m, s.n, s.k,
+                                       1.0f, a.data(), s.k, b.data(), s.n, 0.0f, c.data(), s.n);
+                         }}));
+  }
   }
   return 0;
 }

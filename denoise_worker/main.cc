@@ -24,7 +24,7 @@ ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout)");
 ABSL_FLAG(std::string, served_model_name, "", "model id (default: the directory's name)");
 ABSL_FLAG(std::string, device, "cpu",
           "backend: cpu, or cuda (configured with -DDGSERVE_CUDA_BACKEND=ON, on a GPU machine; "
-          "see --cuda_gemm_input)");
+          "see --cuda_gemm_input; --cpu_gemm_input for the CPU)");
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:0", "gRPC listen address (port 0: any free)");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:0", "Prometheus /metrics listen address");
 ABSL_FLAG(std::string, ports_file, "", "write the bound ports here as JSON once serving");

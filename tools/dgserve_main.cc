@@ -75,7 +75,7 @@ ABSL_FLAG(bool, no_self_conditioning, false,
           "step 0); default: self-conditioning on");
 ABSL_FLAG(std::string, device, "cpu",
           "generate: where the model runs: 'cpu', or 'cuda' (binaries built with CUDA, on a GPU; "
-          "see --cuda_gemm_input)");
+          "see --cuda_gemm_input; --cpu_gemm_input for the CPU)");
 ABSL_FLAG(bool, show_steps, false, "print the argmax canvas after every denoising step");
 ABSL_FLAG(bool, json, false,
           "generate: print one JSON object (text, token_ids, finish_reason) instead of streaming");

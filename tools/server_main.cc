@@ -8,6 +8,7 @@
 #include "denoise_worker/denoise_engine.h"
 #include "denoise_worker/denoise_metrics.h"
 #include "denoise_worker/denoise_service.h"
+#include "engine/model/backend_select.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "gateway/gateway.h"
@@ -53,8 +54,10 @@ absl::Status Run() {
   absl::StatusOr<WorkerModel> denoise_model = LoadWorkerModel(dir, model_id, "cpu", mib, 16);
   if (!denoise_model.ok()) return denoise_model.status();
   WorkerModel prefill_role;
-  prefill_role.backend =
-      CreateCpuBackend(denoise_model->checkpoint->config, denoise_model->checkpoint->weights);
+  absl::StatusOr<std::unique_ptr<ModelBackend>> prefill_backend = CreateBackendForDevice(
+      "cpu", denoise_model->checkpoint->config, denoise_model->checkpoint->weights);
+  if (!prefill_backend.ok()) return prefill_backend.status();
+  prefill_role.backend = *std::move(prefill_backend);
   absl::StatusOr<std::unique_ptr<kv::BlockPool>> prefill_pool_or =
       CreateKvPool(denoise_model->checkpoint->config, model_id, mib, 16);
   if (!prefill_pool_or.ok()) return prefill_pool_or.status();

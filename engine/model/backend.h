@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/config.h"
+#include "engine/model/cpu/gemm.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/weights.h"
 
@@ -108,10 +109,21 @@ class ModelBackend {
   virtual DecodeTimings last_decode_timings() const = 0;
 };
 
+// Options of the CPU backend.
+struct CpuBackendOptions {
+  // The GEMMs' input mode (cpu/gemm.h). kBf16 rounds the activations of every projection, MLP,
+  // router, expert, LM head and self-conditioning product to bf16 (the reference's rounding
+  // points, spec §5.3; listed in cpu_backend.cc and engine/README.md) and runs the VDPBF16PS
+  // chain; the attention products (Q·Kᵀ, P·V) stay float32 in both modes.
+  cpu::GemmInput gemm_input = cpu::GemmInput::kFloat32;
+};
+
 // The CPU backend: float32 activations, bf16 weights, our GEMM (engine/model/cpu/gemm.h),
 // OpenMP over output tiles, rows and heads. A row's result depends only on its own inputs (not
-// the batch, the chunking, the thread count or the ISA). `weights` must outlive the backend.
+// the batch, the chunking, the thread count or the ISA), in either GEMM input mode. `weights`
+// must outlive the backend.
 std::unique_ptr<ModelBackend> CreateCpuBackend(const ModelConfig& config,
-                                               const ModelWeights& weights);
+                                               const ModelWeights& weights,
+                                               const CpuBackendOptions& options = {});
 
 }  // namespace dgserve

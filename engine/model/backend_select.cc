@@ -14,9 +14,20 @@ ABSL_FLAG(std::string, cuda_gemm_input, "float32",
           "order of float32 additions, at three times the tensor-core work; bf16: rounded to "
           "bf16 once (HF's bf16 activations), one GEMM, bf16 noise in the results");
 
+ABSL_FLAG(std::string, cpu_gemm_input, "float32",
+          "--device cpu: the GEMMs' inputs. float32 (default): float32 activations, each output "
+          "one fma chain; bf16: activations rounded to bf16 at the reference's rounding points "
+          "(spec §5.3; engine/README.md), each output the VDPBF16PS chain (native on CPUs with "
+          "AVX512_BF16, the same bits emulated elsewhere)");
+
 namespace dgserve {
 
 absl::Status CheckDeviceFlags(const std::string& device) {
+  if (absl::StatusOr<cpu::GemmInput> in = cpu::ParseGemmInput(absl::GetFlag(FLAGS_cpu_gemm_input));
+      !in.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--cpu_gemm_input '", absl::GetFlag(FLAGS_cpu_gemm_input), "': must be 'float32' or 'bf16'"));
+  }
   const std::string gemm_input = absl::GetFlag(FLAGS_cuda_gemm_input);
   if (gemm_input != "float32" && gemm_input != "bf16") {
     return absl::InvalidArgumentError(absl::StrCat("--cuda_gemm_input '", gemm_input,
@@ -34,7 +45,11 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::
                                                                      const ModelWeights& weights) {
   if (absl::Status st = CheckDeviceFlags(device); !st.ok()) return st;
   const std::string gemm_input = absl::GetFlag(FLAGS_cuda_gemm_input);
-  if (device == "cpu") return CreateCpuBackend(config, weights);
+  if (device == "cpu") {
+    CpuBackendOptions options;
+    options.gemm_input = *cpu::ParseGemmInput(absl::GetFlag(FLAGS_cpu_gemm_input));
+    return CreateCpuBackend(config, weights, options);
+  }
 #ifdef DGSERVE_HAVE_CUDA
   CudaBackendOptions options;
   options.gemm_input =

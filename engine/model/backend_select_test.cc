@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 
 ABSL_DECLARE_FLAG(std::string, cuda_gemm_input);
+ABSL_DECLARE_FLAG(std::string, cpu_gemm_input);
 
 namespace dgserve {
 namespace {
@@ -24,7 +25,10 @@ class BackendSelectTest : public ::testing::Test {
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
     checkpoint_ = std::make_unique<Checkpoint>(std::move(*ckpt));
   }
-  void TearDown() override { absl::SetFlag(&FLAGS_cuda_gemm_input, "float32"); }
+  void TearDown() override {
+    absl::SetFlag(&FLAGS_cuda_gemm_input, "float32");
+    absl::SetFlag(&FLAGS_cpu_gemm_input, "float32");
+  }
   absl::Status Create(const std::string& device) {
     return CreateBackendForDevice(device, checkpoint_->config, checkpoint_->weights).status();
   }
@@ -45,6 +49,18 @@ TEST_F(BackendSelectTest, UnknownDeviceOrGemmInputIsInvalidArgument) {
     EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << "'" << bad << "'";
     EXPECT_NE(st.message().find("--cuda_gemm_input"), std::string::npos) << st;
     EXPECT_THAT(Create("cuda"), StatusIs(absl::StatusCode::kInvalidArgument)) << "'" << bad << "'";
+  }
+}
+
+TEST_F(BackendSelectTest, CpuGemmInputFlag) {
+  absl::SetFlag(&FLAGS_cpu_gemm_input, "bf16");
+  EXPECT_THAT(Create("cpu"), IsOk());
+  for (const char* bad : {"fp8", "", "BF16"}) {
+    absl::SetFlag(&FLAGS_cpu_gemm_input, bad);
+    const absl::Status st = CheckDeviceFlags("cpu");
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << "'" << bad << "'";
+    EXPECT_NE(st.message().find("--cpu_gemm_input"), std::string::npos) << st;
+    EXPECT_THAT(Create("cpu"), StatusIs(absl::StatusCode::kInvalidArgument)) << "'" << bad << "'";
   }
 }
 

@@ -1,6 +1,28 @@
 // CPU implementation of ModelBackend: the DiffusionGemma forward pass (spec §3), float32
 // activations, bf16 weights (widened exactly inside the GEMM).
 //
+// GEMM input modes (CpuBackendOptions::gemm_input, --cpu_gemm_input). float32: every GEMM takes
+// the float32 activations as they are. bf16: the GEMMs' activations are rounded to bf16 (nearest
+// even, denormals to zero) at these points, which are the reference's GEMM inputs (spec §5.3:
+// HF runs bf16 activations, so every matmul input is a bf16 value):
+//   1. q_proj, k_proj, v_proj input: input_layernorm(h)                      (§3.2 step 1, §3.3)
+//   2. o_proj input: the attention output, heads concatenated                (§3.1.5)
+//   3. dense MLP gate/up input: pre_feedforward_layernorm(h1); down input: gelu(g)·u  (§3.1.3)
+//   4. router input: rms_noscale(h1)·scale·D^−½                               (§3.2 step 5)
+//   5. expert gate_up input: pre_feedforward_layernorm_2(h1); down input: gelu(g)·u
+//   6. self-conditioning MLP: pre_norm(soft) into gate/up, gelu(g)·u into down (§3.5 step 3)
+//   7. LM head input: the final-normed hidden state                          (§3.1.6)
+//   8. self-conditioning soft embedding: the probabilities (SoftEmbedding: bf16(q) as §3.5 step 2
+//      says; the fused vocabulary step: bf16 of each exp(ℓ/T − running max), the unnormalised
+//      probability its online softmax carries — the same relative rounding, but not the bits of
+//      bf16(q), which needs the row's sum before the product)
+// Each product is then the VDPBF16PS chain of cpu/gemm.h (exact bf16 products, float32 sums).
+// Not applied (float32 in both modes): the attention products Q·Kᵀ and P·V (the reference rounds
+// q, k, v and the probabilities to bf16 too), the GEMM outputs (the reference's are bf16, the LM
+// head's included, §5.3 item 2), RMSNorm outputs other than as GEMM inputs, residual adds and the
+// layer scalar (bf16 in the reference), the embedding scale product, RoPE's bf16 cos/sin, the
+// router softmax and the MoE combine.
+//
 // Same seed, same tokens, by construction: every GEMM output is one fma chain over k in ascending
 // order (engine/model/cpu/gemm.h), and every other reduction (RMSNorm, softmaxes, the MoE combine)
 // runs in a fixed order over one row. A row's result therefore depends only on that row's inputs,
@@ -49,7 +71,9 @@ struct Segment {
 
 class CpuBackend final : public ModelBackend {
  public:
-  CpuBackend(const ModelConfig& config, const ModelWeights& weights) : c_(config), w_(weights) {
+  CpuBackend(const ModelConfig& config, const ModelWeights& weights,
+             const CpuBackendOptions& options)
+      : c_(config), w_(weights), in_(options.gemm_input) {
     rope_sliding_ = cpu::RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2);
     rope_full_ = cpu::RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles());
     sc_skip_mass_ = cpu::DefaultScSkipMass();
@@ -91,6 +115,7 @@ class CpuBackend final : public ModelBackend {
 
   const ModelConfig c_;  // a copy: small, and callers need not keep theirs alive
   const ModelWeights& w_;
+  const cpu::GemmInput in_;  // every projection's GEMM input mode (see the top of this file)
   std::vector<float> rope_sliding_, rope_full_;
   double sc_skip_mass_ = 0;        // sparse self-conditioning budget (cpu_vocab.h); 0 = dense
   std::vector<float> embed_tile_norm_max_;  // per 512-id tile, max ‖E_v‖₂, for its bound
@@ -124,10 +149,10 @@ void CpuBackend::GatedMlp(const float* x, int R, const PackedMatrix& gate, const
                           const PackedMatrix& down, float* out) const {
   const int width = gate.rows();
   std::vector<float> g(size_t(R) * width), u(size_t(R) * width);
-  Linear(x, R, gate, g.data());
-  Linear(x, R, up, u.data());
+  Linear(x, R, gate, g.data(), false, GemmThreads::kOpenMp, in_);
+  Linear(x, R, up, u.data(), false, GemmThreads::kOpenMp, in_);
   cpu::GeluGate(g.data(), u.data(), int64_t(R) * width, g.data());
-  Linear(g.data(), R, down, out);
+  Linear(g.data(), R, down, out, false, GemmThreads::kOpenMp, in_);
 }
 
 void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R, float* h) const {
@@ -141,12 +166,12 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   std::vector<float> a(size_t(R) * D);
   RmsNorm(h, lw.input_layernorm.data(), R, D, eps, a.data());
   std::vector<float> q(size_t(R) * nh * hd), k(size_t(R) * nkv * hd), v(size_t(R) * nkv * hd);
-  Linear(a.data(), R, lw.q_proj, q.data());
-  Linear(a.data(), R, lw.k_proj, k.data());
+  Linear(a.data(), R, lw.q_proj, q.data(), false, GemmThreads::kOpenMp, in_);
+  Linear(a.data(), R, lw.k_proj, k.data(), false, GemmThreads::kOpenMp, in_);
   if (full) {
     v = k;  // V = rms_noscale(raw k projection) on full layers (spec §3.3)
   } else {
-    Linear(a.data(), R, lw.v_proj, v.data());
+    Linear(a.data(), R, lw.v_proj, v.data(), false, GemmThreads::kOpenMp, in_);
   }
   RmsNorm(q.data(), lw.q_norm.data(), R * nh, hd, eps, q.data());
   RmsNorm(k.data(), lw.k_norm.data(), R * nkv, hd, eps, k.data());
@@ -174,7 +199,7 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   std::vector<float> attn(size_t(R) * nh * hd);
   Attention(l, kind, segs, q.data(), k.data(), v.data(), attn.data());
   std::vector<float> o(size_t(R) * D);
-  Linear(attn.data(), R, lw.o_proj, o.data());
+  Linear(attn.data(), R, lw.o_proj, o.data(), false, GemmThreads::kOpenMp, in_);
   // 3. h1 = h + post_attention_layernorm(o).
   RmsNorm(o.data(), lw.post_attention_layernorm.data(), R, D, eps, o.data());
   for (size_t i = 0; i < size_t(R) * D; ++i) h[i] += o[i];
@@ -208,7 +233,7 @@ void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int 
   const float root = 1.0f / std::sqrt(float(D));
   for (float& x : r) x *= root;
   std::vector<float> scores(size_t(R) * E);
-  Linear(r.data(), R, lw.router_proj, scores.data());
+  Linear(r.data(), R, lw.router_proj, scores.data(), false, GemmThreads::kOpenMp, in_);
   // Rows routed to each expert (row, weight). An expert's GEMM computes each of its rows as that
   // row alone would be, so groups need no padding and the batch does not change any row.
   std::vector<std::vector<std::pair<int, float>>> by_expert(E);
@@ -235,13 +260,15 @@ void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int 
       std::memcpy(&xin[size_t(i) * D], &xe[size_t(rows[i].first) * D], sizeof(float) * D);
     }
     gu.resize(size_t(n) * 2 * F);
-    Linear(xin.data(), n, lw.experts_gate_up_proj[e], gu.data());
+    Linear(xin.data(), n, lw.experts_gate_up_proj[e], gu.data(), false, GemmThreads::kOpenMp,
+           in_);
     act.resize(size_t(n) * F);
     for (int i = 0; i < n; ++i) {
       cpu::GeluGate(&gu[size_t(i) * 2 * F], &gu[size_t(i) * 2 * F + F], F, &act[size_t(i) * F]);
     }
     y.resize(size_t(n) * D);
-    Linear(act.data(), n, lw.experts_down_proj[e], y.data());
+    Linear(act.data(), n, lw.experts_down_proj[e], y.data(), false, GemmThreads::kOpenMp,
+           in_);
     for (int i = 0; i < n; ++i) {
       float* dst = m + size_t(rows[i].first) * D;
       const float wgt = rows[i].second;
@@ -433,7 +460,8 @@ absl::Status CpuBackend::Decode(std::span<const DecodeInput> batch) {
   // LM head (tied embedding) and softcap, per canvas into its own logits buffer.
   for (size_t i = 0; i < batch.size(); ++i) {
     const Segment& s = segs[i];
-    Linear(h.data() + size_t(s.row0) * D, s.rows, w_.lm_head, batch[i].logits);
+    Linear(h.data() + size_t(s.row0) * D, s.rows, w_.lm_head, batch[i].logits, false,
+           GemmThreads::kOpenMp, in_);
     cpu::Softcap(batch[i].logits, int64_t(s.rows) * V, c_.final_logit_softcapping);
   }
   timings_.lm_head_seconds = SecondsSince(t1);
@@ -476,6 +504,7 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     args.sc_skip_mass = batch[i].sparse_sc ? sc_skip_mass_ : 0.0;
     if (!embed_tile_norm_max_.empty()) args.embed_tile_norm_max = embed_tile_norm_max_.data();
     args.stats = &stats;
+    args.gemm_input = in_;
     if (!batch[i].row_masks.empty()) {
       if (int(batch[i].row_masks.size()) != s.rows) {
         return absl::InvalidArgumentError("row_masks: must have one entry per canvas position");
@@ -494,8 +523,9 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
 absl::Status CpuBackend::SoftEmbedding(const float* probs, int rows, float* soft) {
   const int D = c_.hidden_size, V = c_.vocab_size;
   if (rows <= 0) return absl::OkStatus();
-  const GemmArgs g = GemmArgs::Of(rows, D, V, probs, V, GemmB::RowMajor(w_.embed_tokens.data(), D),
-                                  soft, D);  // soft[rows, D] = probs[rows, V] · E[V, D]
+  GemmArgs g = GemmArgs::Of(rows, D, V, probs, V, GemmB::RowMajor(w_.embed_tokens.data(), D),
+                            soft, D);  // soft[rows, D] = probs[rows, V] · E[V, D]
+  g.input = in_;  // bf16: bf16(q) · E, spec §3.5 step 2
   Gemm(g);
   const float scale = c_.EmbedScale();
   for (int64_t i = 0; i < int64_t(rows) * D; ++i) soft[i] *= scale;
@@ -505,8 +535,9 @@ absl::Status CpuBackend::SoftEmbedding(const float* probs, int rows, float* soft
 }  // namespace
 
 std::unique_ptr<ModelBackend> CreateCpuBackend(const ModelConfig& config,
-                                               const ModelWeights& weights) {
-  return std::make_unique<CpuBackend>(config, weights);
+                                               const ModelWeights& weights,
+                                               const CpuBackendOptions& options) {
+  return std::make_unique<CpuBackend>(config, weights, options);
 }
 
 }  // namespace dgserve

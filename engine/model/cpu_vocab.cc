@@ -214,16 +214,18 @@ void SoftProduct(const ProductInputs& in, const char* skip) {
         const GemmB et = GemmB::RowMajor(a.embed + size_t(v0) * D, D);
         const int na = int(active.size());
         if (na == M) {
-          Gemm(GemmArgs::Of(M, D, cols, in.exps + v0, V, et, acc, D, true),
-               GemmThreads::kCallerOnly);
+          GemmArgs g = GemmArgs::Of(M, D, cols, in.exps + v0, V, et, acc, D, true);
+          g.input = a.gemm_input;
+          Gemm(g, GemmThreads::kCallerOnly);
           continue;
         }
         e_rows.resize(size_t(na) * kTile);
         acc_rows.resize(size_t(na) * D);
         GatherRows(active, in.exps + v0, V, cols, e_rows.data(), kTile);
         GatherRows(active, acc, D, D, acc_rows.data(), D);
-        Gemm(GemmArgs::Of(na, D, cols, e_rows.data(), kTile, et, acc_rows.data(), D, true),
-             GemmThreads::kCallerOnly);
+        GemmArgs g = GemmArgs::Of(na, D, cols, e_rows.data(), kTile, et, acc_rows.data(), D, true);
+        g.input = a.gemm_input;
+        Gemm(g, GemmThreads::kCallerOnly);
         ScatterRows(active, acc_rows.data(), D, D, acc, D);
       }
     }
@@ -343,6 +345,13 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
   // Kept across calls: the buffer is [M, V] (268 MB at canvas 256 of the real vocabulary), and
   // touching fresh pages every step would cost more than the product saves.
   static thread_local std::vector<float> exps_buffer;
+  // The bf16-input mode rounds the hidden states once for every LM-head product of the step.
+  Bf16Activations hidden_rounded;
+  GemmABf16 hidden_bf16;
+  if (a.gemm_input == GemmInput::kBf16) {
+    hidden_rounded = Bf16Activations::Round(a.hidden, M, D, D);
+    hidden_bf16 = hidden_rounded.View();
+  }
   float* exps = nullptr;
   if (sparse) {
     if (exps_buffer.size() < size_t(M) * V) exps_buffer.resize(size_t(M) * V);
@@ -368,8 +377,10 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           l = a.logits + v0;
           ldl = V;
         }
-        const GemmArgs lg = GemmArgs::Of(M, n, D, a.hidden, D, a.lm_head->AsGemmB(v0), l,
-                                         ldl);  // l[M, n] = hidden[M, D] · E[v0 : v0 + n]ᵀ
+        GemmArgs lg = GemmArgs::Of(M, n, D, a.hidden, D, a.lm_head->AsGemmB(v0), l,
+                                   ldl);  // l[M, n] = hidden[M, D] · E[v0 : v0 + n]ᵀ
+        lg.input = a.gemm_input;
+        lg.a_bf16 = hidden_bf16;
         Gemm(lg, GemmThreads::kCallerOnly);
         for (int r = 0; r < M; ++r) {
           float* lr = l + size_t(r) * ldl;
@@ -411,8 +422,9 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           tile_ref[size_t(tile) * M + r] = s.max_logit;
         }
         if (acc) {  // acc[M, D] += e[M, n] · E_tile[n, D]
-          const GemmArgs sg =
+          GemmArgs sg =
               GemmArgs::Of(M, D, n, ebuf.data(), kTile, GemmB::RowMajor(et, D), acc, D, true);
+          sg.input = a.gemm_input;
           Gemm(sg, GemmThreads::kCallerOnly);
         }
       }
@@ -487,8 +499,10 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
     // pass, so the same bits) and scan it.
     const int v0 = chosen_tile * kTile, n = std::min(kTile, V - v0);
     float lrow[kTile];
-    const GemmArgs rg =
+    GemmArgs rg =
         GemmArgs::Of(1, n, D, a.hidden + size_t(r) * D, D, a.lm_head->AsGemmB(v0), lrow, n);
+    rg.input = a.gemm_input;
+    if (!hidden_bf16.empty()) rg.a_bf16 = hidden_rounded.View(r);
     Gemm(rg, GemmThreads::kCallerOnly);
     Softcap(lrow, n, a.softcap);
     if (a.masks && a.masks[r]) ApplyMask(a.masks[r], v0, n, lrow);

@@ -49,6 +49,10 @@ struct VocabStepArgs {
   // [⌈V / kVocabTile⌉] per tile of ids, max_v ‖E_v‖₂ (EmbeddingTileNormMax), or nullptr (dense).
   const float* embed_tile_norm_max = nullptr;
   VocabStepStats* stats = nullptr;  // optional: what the sparse product left out
+  // The GEMMs' input mode (cpu/gemm.h). kBf16: `hidden` rounded to bf16 once for the LM head
+  // (tile pass and the sampled tile's recomputation alike), and the soft embedding's exps rounded
+  // to bf16 per tile product.
+  GemmInput gemm_input = GemmInput::kFloat32;
 };
 
 // The sc_skip_mass the CPU backend gives a canvas whose DenoiseStepInput::sparse_sc is set:

@@ -3,6 +3,7 @@
 #include "engine/model/cpu/gemm.h"
 
 #include <omp.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -14,13 +15,16 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/bf16.h"
 #include "engine/model/cpu/gemm_kernels.h"
 
 namespace dgserve::cpu {
 namespace {
 
+using gemm_internal::Bf16KernelSet;
 using gemm_internal::KernelSet;
 using gemm_internal::Tile;
+using gemm_internal::TileBf16;
 
 // Block sizes. None of them changes a result (THE PROPERTY); they only place work in caches:
 // a k block of one two-panel B strip (kKc × 32 bf16 = 16 KB) and a tile's A block (kMc × kKc
@@ -59,11 +63,15 @@ bool CpuHas(GemmIsa isa) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case GemmIsa::kAvx512:
       return __builtin_cpu_supports("avx512f");
+    case GemmIsa::kAvx512Bf16:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512bf16");
   }
   return false;
 }
 
 GemmIsa BestIsa() {
+  if (CpuHas(GemmIsa::kAvx512Bf16)) return GemmIsa::kAvx512Bf16;
   if (CpuHas(GemmIsa::kAvx512)) return GemmIsa::kAvx512;
   if (CpuHas(GemmIsa::kAvx2)) return GemmIsa::kAvx2;
   return GemmIsa::kPortable;
@@ -73,14 +81,15 @@ GemmIsa InitialIsa() {
   const char* env = std::getenv("DGSERVE_GEMM_ISA");
   if (env == nullptr || *env == '\0') return BestIsa();
   const std::string_view v(env);
-  for (GemmIsa isa : {GemmIsa::kAvx512, GemmIsa::kAvx2, GemmIsa::kPortable}) {
+  for (GemmIsa isa : {GemmIsa::kAvx512Bf16, GemmIsa::kAvx512, GemmIsa::kAvx2, GemmIsa::kPortable}) {
     if (v != GemmIsaName(isa)) continue;
     if (CpuHas(isa)) return isa;
     std::fprintf(stderr, "DGSERVE_GEMM_ISA=%s: this CPU lacks it; using %s\n", env,
                  GemmIsaName(BestIsa()));
     return BestIsa();
   }
-  std::fprintf(stderr, "DGSERVE_GEMM_ISA=%s: not one of avx512, avx2, portable; using %s\n", env,
+  std::fprintf(stderr,
+               "DGSERVE_GEMM_ISA=%s: not one of avx512bf16, avx512, avx2, portable; using %s\n", env,
                GemmIsaName(BestIsa()));
   return BestIsa();
 }
@@ -92,6 +101,7 @@ std::atomic<GemmIsa>& Active() {
 
 KernelSet Kernels(GemmIsa isa) {
   switch (isa) {
+    case GemmIsa::kAvx512Bf16:
     case GemmIsa::kAvx512:
       return gemm_internal::Avx512Kernels();
     case GemmIsa::kAvx2:
@@ -246,10 +256,30 @@ void RunTileWide(const GemmArgs& g, const KernelSet& ks, int m0, int m1, int n0,
   }
 }
 
+// MXCSR's FTZ (bit 15) and DAZ (bit 6) bits set on this thread while alive (when `on`): the
+// bf16-input mode's emulation on the AVX2 and AVX-512F kernels (gemm.h). Restored on exit.
+class FtzDazScope {
+ public:
+  explicit FtzDazScope(bool on) : on_(on) {
+    if (!on_) return;
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ | 0x8040u);
+  }
+  ~FtzDazScope() {
+    if (on_) _mm_setcsr(saved_);
+  }
+  FtzDazScope(const FtzDazScope&) = delete;
+  FtzDazScope& operator=(const FtzDazScope&) = delete;
+
+ private:
+  bool on_;
+  unsigned saved_ = 0;
+};
+
 // The widened path's tiles: row tiles of at most kMcWide rows; column tiles of whole groups
 // (16 · max_panels columns) of at most kNcWide columns, shared out evenly, their count a multiple
 // of the thread count where there are few.
-void GemmWide(const GemmArgs& g, const KernelSet& ks, int threads) {
+void GemmWide(const GemmArgs& g, const KernelSet& ks, int threads, bool ftz) {
   const int row_tiles = (g.m + kMcWide - 1) / kMcWide;
   const int mc = ((g.m + row_tiles - 1) / row_tiles + ks.max_rows - 1) / ks.max_rows * ks.max_rows;
   const int unit = ks.max_panels * kGemmPanel, groups = (g.n + unit - 1) / unit;
@@ -264,6 +294,7 @@ void GemmWide(const GemmArgs& g, const KernelSet& ks, int threads) {
     const int ti = t / col_tiles, tj = t % col_tiles;
     const int g0 = int(int64_t(groups) * tj / col_tiles);
     const int g1 = int(int64_t(groups) * (tj + 1) / col_tiles);
+    const FtzDazScope scope(ftz);
     RunTileWide(g, ks, ti * mc, std::min(g.m, (ti + 1) * mc), g0 * unit, std::min(g.n, g1 * unit),
                 ThreadScratch());
   };
@@ -275,10 +306,260 @@ void GemmWide(const GemmArgs& g, const KernelSet& ks, int threads) {
   for (int t = 0; t < tiles; ++t) run(t);
 }
 
+// The float32 machinery on g (A float32; in the bf16 mode's emulation A holds bf16(A) and `ftz`
+// asks for MXCSR's FTZ and DAZ around the kernels).
+void GemmF32(const GemmArgs& g, const KernelSet& ks, bool parallel, bool ftz) {
+  if (UseWidePath(g, ks)) {
+    GemmWide(g, ks, parallel ? omp_get_max_threads() : 1, ftz);
+    return;
+  }
+  const int mc = kMc;
+  const int row_tiles = (g.m + mc - 1) / mc, col_tiles = (g.n + kNc - 1) / kNc;
+  const int tiles = row_tiles * col_tiles;
+  auto run = [&](int t, Scratch& s) {
+    // Column-tile major: consecutive tiles share their B block (kNc columns × k) in cache.
+    const int tj = t / row_tiles, ti = t % row_tiles;
+    const FtzDazScope scope(ftz);
+    RunTile(g, ks, ti * mc, std::min(g.m, (ti + 1) * mc), tj * kNc, std::min(g.n, (tj + 1) * kNc),
+            s);
+  };
+  if (parallel && tiles > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int t = 0; t < tiles; ++t) run(t, ThreadScratch());
+    return;
+  }
+  for (int t = 0; t < tiles; ++t) run(t, ThreadScratch());
+}
+
+// ---- The bf16-input mode's native path (VDPBF16PS). ----
+
+// Tiles of at most this many rows read B's panels directly (pairs formed in registers); taller
+// tiles pack each B block into pairs once for all their row groups.
+constexpr int kNativeDirectMaxRows = 32;
+
+// Per-thread buffers of the native path.
+struct NativeScratch {
+  std::vector<uint16_t> b;      // one group's B block in pair layout [pairs][16 · panels · 2]
+  std::vector<uint16_t> strip;  // a partial panel's B strip padded to 16 columns [kc][16]
+  std::vector<float> c;         // C rows of a group with a partial panel [max_rows][32]
+};
+
+NativeScratch& ThreadNativeScratch() {
+  static thread_local NativeScratch s;
+  return s;
+}
+
+// One output tile of the native path: rows [m0, m1), columns [n0, n1), all of k. Per k block
+// (kKcWide, even, so blocks start on pair boundaries) and per group of up to max_panels panels,
+// B is packed into pairs once and read by every row group of the tile.
+void RunTileNative(const GemmArgs& g, const GemmABf16& a, const Bf16KernelSet& ks, int m0, int m1,
+                   int n0, int n1, NativeScratch& s) {
+  const int group_cols = ks.max_panels * kGemmPanel;
+  // One row group reads each B block once: the kernel then forms the pairs in registers.
+  const bool direct = m1 - m0 <= kNativeDirectMaxRows;
+  for (int k0 = 0; k0 < g.k; k0 += kKcWide) {
+    const int kc = std::min(kKcWide, g.k - k0), pairs = (kc + 1) / 2;
+    const bool load_c = g.accumulate || k0 > 0;
+    for (int j = n0; j < n1; j += group_cols) {
+      const int cols = std::min(group_cols, n1 - j);
+      const int panels = (cols + kGemmPanel - 1) / kGemmPanel;
+      const bool partial = cols % kGemmPanel != 0;
+      const int64_t ps = int64_t(panels) * 2 * kGemmPanel;
+      if (s.b.size() < size_t(pairs) * ps) s.b.resize(size_t(pairs) * ps);
+      TileBf16 t;
+      t.pairs = pairs;
+      t.lda = a.ld_pairs;
+      t.load_c = load_c;
+      if (direct && !partial) {
+        t.direct = true;
+        t.kc = kc;
+        t.b_kstride = g.b.k_stride;
+        t.b0 = static_cast<const uint16_t*>(BAt(g.b, k0, j));
+        t.b1 = panels > 1 ? static_cast<const uint16_t*>(BAt(g.b, k0, j + kGemmPanel)) : nullptr;
+      } else {
+        t.b0 = s.b.data();
+        t.b1 = panels > 1 ? s.b.data() + 2 * kGemmPanel : nullptr;
+        t.b_pstride = ps;
+      }
+      for (int p = 0; p < panels && !t.direct; ++p) {
+        const int pc = std::min(kGemmPanel, cols - p * kGemmPanel);
+        const uint16_t* src = static_cast<const uint16_t*>(BAt(g.b, k0, j + p * kGemmPanel));
+        int64_t kstride = g.b.k_stride;
+        if (pc < kGemmPanel) {
+          s.strip.assign(size_t(kc) * kGemmPanel, 0);
+          for (int kk = 0; kk < kc; ++kk) {
+            std::memcpy(&s.strip[size_t(kk) * kGemmPanel], src + kk * g.b.k_stride,
+                        sizeof(uint16_t) * pc);
+          }
+          src = s.strip.data();
+          kstride = kGemmPanel;
+        }
+        ks.pack_pairs(kc, src, kstride, s.b.data() + p * 2 * kGemmPanel, ps);
+      }
+      for (int i = m0; i < m1; i += ks.max_rows) {
+        const int rows = std::min(ks.max_rows, m1 - i);
+        t.a = a.pairs + i * a.ld_pairs + k0;
+        if (!partial) {
+          t.c = g.c + i * g.ldc + j;
+          t.ldc = g.ldc;
+          ks.run(rows, panels, t);
+          continue;
+        }
+        s.c.assign(size_t(ks.max_rows) * group_cols, 0.0f);
+        if (load_c) {
+          for (int r = 0; r < rows; ++r) {
+            std::memcpy(&s.c[size_t(r) * group_cols], g.c + (i + r) * g.ldc + j,
+                        sizeof(float) * cols);
+          }
+        }
+        t.c = s.c.data();
+        t.ldc = group_cols;
+        ks.run(rows, panels, t);
+        for (int r = 0; r < rows; ++r) {
+          std::memcpy(g.c + (i + r) * g.ldc + j, &s.c[size_t(r) * group_cols],
+                      sizeof(float) * cols);
+        }
+      }
+    }
+  }
+}
+
+// The native path's tiles, as the widened path's (GemmWide).
+void GemmNative(const GemmArgs& g, const GemmABf16& a, int threads) {
+  const Bf16KernelSet ks = gemm_internal::Avx512Bf16Kernels();
+  const int row_tiles = (g.m + kMcWide - 1) / kMcWide;
+  const int mc = ((g.m + row_tiles - 1) / row_tiles + ks.max_rows - 1) / ks.max_rows * ks.max_rows;
+  const int unit = ks.max_panels * kGemmPanel, groups = (g.n + unit - 1) / unit;
+  const int per_tile = kNcWide / unit;
+  int col_tiles = (groups + per_tile - 1) / per_tile;
+  if (threads > 1 && row_tiles * col_tiles < 8 * threads) {
+    while ((row_tiles * col_tiles) % threads != 0 && col_tiles < groups) ++col_tiles;
+  }
+  const int tiles = row_tiles * col_tiles;
+  auto run = [&](int t) {
+    const int ti = t / col_tiles, tj = t % col_tiles;
+    const int g0 = int(int64_t(groups) * tj / col_tiles);
+    const int g1 = int(int64_t(groups) * (tj + 1) / col_tiles);
+    RunTileNative(g, a, ks, ti * mc, std::min(g.m, (ti + 1) * mc), g0 * unit,
+                  std::min(g.n, g1 * unit), ThreadNativeScratch());
+  };
+  if (threads > 1 && tiles > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int t = 0; t < tiles; ++t) run(t);
+    return;
+  }
+  for (int t = 0; t < tiles; ++t) run(t);
+}
+
+// RoundActivationToBf16 without branches, as float32 bits (bf16 in the high half): vectorizes.
+inline uint32_t RoundBits(uint32_t b) {
+  const uint32_t daz = (b & 0x7F800000u) == 0 ? b & 0x80000000u : b;
+  const uint32_t rne = (daz + 0x7FFFu + ((daz >> 16) & 1u)) & 0xFFFF0000u;
+  const uint32_t nan = (daz | 0x00400000u) & 0xFFFF0000u;
+  return (daz & 0x7FFFFFFFu) > 0x7F800000u ? nan : rne;
+}
+
+// n values of one row rounded (RoundBits). Cloned for AVX-512F, AVX2 and the baseline (an ifunc
+// picks one at load): the loop vectorizes to the widest the CPU has; every clone computes the
+// same integer function.
+#if defined(__clang__)
+#define DGSERVE_ROUND_CLONES
+#else
+#define DGSERVE_ROUND_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+DGSERVE_ROUND_CLONES
+void RoundValuesRow(const uint32_t* src, int n, uint32_t* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = RoundBits(src[i]);
+}
+
+// Rows of A rounded for the bf16-input mode: float32 values (ld = k) and/or pairs (ld = k
+// rounded up to even; pair p = bf16(A[2p+1]) low, bf16(A[2p]) high, an odd k's pad −0). Pairs
+// are rounded by the native kernels' VCVTNE2PS2BF16 (the same function) 32 at a time where the
+// CPU has it.
+// `parallel`: shared among the threads of a new OpenMP region (large A only).
+void RoundRows(const float* a, int m, int k, int64_t lda, float* values, uint16_t* pairs,
+               bool parallel) {
+  const int64_t ldp = k + (k & 1);
+  const auto round_pairs = pairs != nullptr && CpuHas(GemmIsa::kAvx512Bf16)
+                               ? gemm_internal::Avx512Bf16Kernels().round_pairs
+                               : nullptr;
+#pragma omp parallel for schedule(static) if (parallel && int64_t(m) * k >= (1 << 16))
+  for (int i = 0; i < m; ++i) {
+    const float* row = a + i * lda;
+    if (values != nullptr) {
+      RoundValuesRow(reinterpret_cast<const uint32_t*>(row), k,
+                     reinterpret_cast<uint32_t*>(values + int64_t(i) * k));
+    }
+    if (pairs != nullptr) {
+      uint16_t* p = pairs + i * ldp;
+      const int vec = round_pairs != nullptr ? k / 32 * 32 : 0;
+      if (vec > 0) round_pairs(row, vec, p);
+      for (int kk = vec; kk + 1 < k; kk += 2) {
+        p[kk] = RoundActivationToBf16(row[kk + 1]);
+        p[kk + 1] = RoundActivationToBf16(row[kk]);
+      }
+      if (k & 1) {
+        p[k - 1] = 0x8000;  // −0: with the +0 of B's pad, a product that changes nothing
+        p[k] = RoundActivationToBf16(row[k - 1]);
+      }
+    }
+  }
+}
+
+// Per-thread buffers for A rounded inside one Gemm call.
+struct RoundScratch {
+  std::vector<float> values;
+  std::vector<uint16_t> pairs;
+};
+
+RoundScratch& ThreadRoundScratch() {
+  static thread_local RoundScratch s;
+  return s;
+}
+
 }  // namespace
+
+uint16_t RoundActivationToBf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return uint16_t(RoundBits(b) >> 16);
+}
+
+const char* GemmInputName(GemmInput input) {
+  return input == GemmInput::kBf16 ? "bf16" : "float32";
+}
+
+absl::StatusOr<GemmInput> ParseGemmInput(absl::string_view name) {
+  if (name == "float32") return GemmInput::kFloat32;
+  if (name == "bf16") return GemmInput::kBf16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("GEMM input '", name, "': must be 'float32' or 'bf16'"));
+}
+
+Bf16Activations Bf16Activations::Round(const float* a, int m, int k, int64_t lda) {
+  Bf16Activations r;
+  r.m_ = m;
+  r.k_ = k;
+  r.ld_pairs_ = k + (k & 1);
+  r.values_.resize(size_t(m) * k);
+  r.pairs_.resize(size_t(m) * r.ld_pairs_);
+  RoundRows(a, m, k, lda, r.values_.data(), r.pairs_.data(), !omp_in_parallel());
+  return r;
+}
+
+GemmABf16 Bf16Activations::View(int row0) const {
+  GemmABf16 v;
+  v.values = values_.data() + size_t(row0) * k_;
+  v.ld = k_;
+  v.pairs = pairs_.data() + size_t(row0) * ld_pairs_;
+  v.ld_pairs = ld_pairs_;
+  return v;
+}
 
 const char* GemmIsaName(GemmIsa isa) {
   switch (isa) {
+    case GemmIsa::kAvx512Bf16:
+      return "avx512bf16";
     case GemmIsa::kAvx512:
       return "avx512";
     case GemmIsa::kAvx2:
@@ -312,28 +593,43 @@ void Gemm(const GemmArgs& g, GemmIsa isa, GemmThreads threads) {
     }
     return;
   }
-  const KernelSet ks = Kernels(isa);
   const bool parallel =
       threads == GemmThreads::kOpenMp && !omp_in_parallel() && omp_get_max_threads() > 1;
-  if (UseWidePath(g, ks)) {
-    GemmWide(g, ks, parallel ? omp_get_max_threads() : 1);
+  if (g.input != GemmInput::kBf16 || g.b.type != GemmB::Type::kBf16) {
+    GemmF32(g, Kernels(isa), parallel, /*ftz=*/false);
     return;
   }
-  const int mc = kMc;
-  const int row_tiles = (g.m + mc - 1) / mc, col_tiles = (g.n + kNc - 1) / kNc;
-  const int tiles = row_tiles * col_tiles;
-  auto run = [&](int t, Scratch& s) {
-    // Column-tile major: consecutive tiles share their B block (kNc columns × k) in cache.
-    const int tj = t / row_tiles, ti = t % row_tiles;
-    RunTile(g, ks, ti * mc, std::min(g.m, (ti + 1) * mc), tj * kNc, std::min(g.n, (tj + 1) * kNc),
-            s);
-  };
-  if (parallel && tiles > 1) {
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int t = 0; t < tiles; ++t) run(t, ThreadScratch());
+  // The bf16-input mode: A rounded once (unless the caller did), then the native path or the
+  // emulation (gemm.h).
+  const bool native = isa == GemmIsa::kAvx512Bf16;
+  GemmABf16 a = g.a_bf16;
+  if (a.empty() || (native && a.pairs == nullptr)) {
+    RoundScratch& rs = ThreadRoundScratch();
+    a = {};
+    if (native) {
+      a.ld_pairs = g.k + (g.k & 1);
+      rs.pairs.resize(size_t(g.m) * a.ld_pairs);
+      RoundRows(g.a, g.m, g.k, g.lda, nullptr, rs.pairs.data(), parallel);
+      a.pairs = rs.pairs.data();
+    } else {
+      a.ld = g.k;
+      rs.values.resize(size_t(g.m) * g.k);
+      RoundRows(g.a, g.m, g.k, g.lda, rs.values.data(), nullptr, parallel);
+      a.values = rs.values.data();
+    }
+  }
+  if (native) {
+    GemmNative(g, a, parallel ? omp_get_max_threads() : 1);
     return;
   }
-  for (int t = 0; t < tiles; ++t) run(t, ThreadScratch());
+  GemmArgs e = g;
+  e.a = a.values;
+  e.lda = a.ld;
+  if (isa == GemmIsa::kPortable) {
+    GemmF32(e, gemm_internal::PortableFtzKernels(), parallel, /*ftz=*/false);
+  } else {
+    GemmF32(e, Kernels(isa), parallel, /*ftz=*/true);
+  }
 }
 
 }  // namespace dgserve::cpu

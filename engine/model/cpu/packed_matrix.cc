@@ -41,9 +41,10 @@ std::vector<uint16_t> PackedMatrix::UnpackBf16() const {
 }
 
 void Linear(const float* x, int m, const PackedMatrix& w, float* y, bool accumulate,
-            GemmThreads threads) {
-  const GemmArgs g =
+            GemmThreads threads, GemmInput input) {
+  GemmArgs g =
       GemmArgs::Of(m, w.rows(), w.cols(), x, w.cols(), w.AsGemmB(), y, w.rows(), accumulate);
+  g.input = input;
   Gemm(g, threads);
 }
 

@@ -47,8 +47,10 @@ class PackedMatrix {
 };
 
 // y[m, n] = x[m, k] · Wᵀ (+ y with accumulate), x and y row-major with leading dimensions k and n.
-// THE PROPERTY of gemm.h holds. `threads` as Gemm.
+// THE PROPERTY of gemm.h holds. `threads` as Gemm; `input` the GEMM's mode (gemm.h: kBf16 rounds x
+// to bf16 and gives the VDPBF16PS chain).
 void Linear(const float* x, int m, const PackedMatrix& w, float* y, bool accumulate = false,
-            GemmThreads threads = GemmThreads::kOpenMp);
+            GemmThreads threads = GemmThreads::kOpenMp,
+            GemmInput input = GemmInput::kFloat32);
 
 }  // namespace dgserve::cpu
