@@ -31,7 +31,7 @@
 #     chose is reported), and nccl across two GPUs where two exist. Same device, different
 #     transport: the text must be identical (the KV bytes are the same). GPU against CPU:
 #     reported MATCH or DIFFERS with the first differing canvas step. With the default float32
-#     GEMM input (engine/cuda/README.md) the GPU differs from the CPU in float32 rounding only
+#     GEMM input (engine/cuda/DEVICE_CHECK.md) the GPU differs from the CPU in float32 rounding only
 #     (addition order in the GEMMs, the kernels' own reductions), which could still flip a sample at a near tie on a random checkpoint,
 #     so a difference is a finding to look at, not a failure (--cuda_gemm_input=bf16 differs
 #     from step 2 on).
