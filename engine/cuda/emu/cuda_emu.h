@@ -3,7 +3,7 @@
 // LOGIC only: indexing, masking, reductions, barriers and warp collectives against the CPU
 // code. It says nothing about speed, occupancy, memory coalescing, real data races or the
 // device's floating-point details (g++ host math, no FMA contraction). See
-// engine/cuda/DEVICE_CHECK.md.
+// engine/cuda/README.md.
 //
 // Execution model. Launches run synchronously on the calling thread, one at a time (a global
 // lock), blocks one after another (a launch into a stream capture runs when the graph is
