@@ -21,3 +21,8 @@ add_test(NAME docker_runtime_libraries
     --build-dir ${CMAKE_BINARY_DIR})
 set_tests_properties(docker_runtime_libraries PROPERTIES LABELS unit TIMEOUT 300
   SKIP_RETURN_CODE 77)
+
+# Both .dockerignore allowlists hold every source folder the top-level CMakeLists.txt adds.
+add_test(NAME docker_context
+  COMMAND python3 ${PROJECT_SOURCE_DIR}/deploy/checks/docker_context_check.py)
+set_tests_properties(docker_context PROPERTIES LABELS unit TIMEOUT 60)
