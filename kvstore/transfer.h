@@ -67,12 +67,14 @@ class KvReceiver {
   KvReceiver(BlockPool* pool, int max_tokens, int64_t max_lease_ms = 60000);
   ~KvReceiver();
 
-  // Starts an incoming transfer: checks the descriptor, allocates its blocks and starts its
-  // lease. FAILED_PRECONDITION (descriptor), RESOURCE_EXHAUSTED (pool), ALREADY_EXISTS (same
-  // request id in flight), INVALID_ARGUMENT (empty request id / lease ≤ 0).
+  // Starts an incoming transfer: checks the descriptor and starts its lease (blocks are taken as
+  // their data arrives, WriteBlock). FAILED_PRECONDITION (descriptor), RESOURCE_EXHAUSTED (more
+  // blocks than the pool has), ALREADY_EXISTS (same request id in flight), INVALID_ARGUMENT
+  // (empty request id / lease ≤ 0).
   absl::Status Begin(const v1::KvTransferHeader& header);
   // One block: its kind and logical index must be one the descriptor announced and not yet
-  // written, its size exactly BlockBytes, its checksum right. Any error aborts the transfer.
+  // written, its size exactly BlockBytes, its checksum right; its storage is taken now
+  // (RESOURCE_EXHAUSTED when the pool has no free block). Any error aborts the transfer.
   absl::Status WriteBlock(const std::string& request_id, const v1::KvBlockPayload& block);
   // Completes it: every announced block written and trailer.blocks() equal to their number,
   // else the transfer is aborted. The KV goes to the request's Expect callback (now or later).

@@ -1,5 +1,5 @@
-// What both workers load: the checkpoint, the CPU backend over it, and the paged KV pool sized
-// from a memory budget.
+// What both workers load: the checkpoint, the backend --device names over it, and the paged KV
+// pool sized from a memory budget.
 #pragma once
 
 #include <memory>
