@@ -22,7 +22,7 @@
 #include "engine/model/checkpoint_testing.h"
 #include "kvstore/paged_kv_cache.h"
 #include "kvstore/transfer.h"
-#include "service/worker_model.h"
+#include "worker/worker_model.h"
 
 namespace dgserve {
 namespace {

@@ -20,7 +20,7 @@
 #include "engine/model/kv_cache.h"
 #include "kvstore/paged_kv_cache.h"
 #include "kvstore/transfer.h"
-#include "service/worker_model.h"
+#include "worker/worker_model.h"
 
 namespace dgserve {
 namespace {
