@@ -35,6 +35,11 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::
   if (absl::Status st = CheckDeviceFlags(device); !st.ok()) return st;
   const std::string gemm_input = absl::GetFlag(FLAGS_cuda_gemm_input);
   if (device == "cpu") return CreateCpuBackend(config, weights);
+  if (weights.format != WeightFormat::kBf16) {  // issue 37: the GPU part is not done yet
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--device cuda: this checkpoint is quantized (", WeightFormatName(weights.format),
+        "); quantized checkpoints run on the CPU backend only (--device cpu)"));
+  }
 #ifdef DGSERVE_HAVE_CUDA
   CudaBackendOptions options;
   options.gemm_input =
