@@ -326,10 +326,12 @@ int Run() {
   std::printf("\n");
   const auto peak_rss = PeakResidentBytes();
   std::printf(
-      "RESULT device=%s layers=%d canvas=%d batch=%d context=%d steps=%d prefill_ms=%.2f "
+      "RESULT device=%s format=%s weights_gb=%.3f layers=%d canvas=%d batch=%d context=%d "
+      "steps=%d prefill_ms=%.2f "
       "step_ms=%.3f canvas_ms=%.2f positions_per_s=%.0f bf16_gb_per_step=%.3f "
       "bf16_bound_share=%.4f device_mem_gb=%.2f peak_rss_gb=%.2f sc_skipped_share=%.4f\n",
-      device.c_str(), c.num_layers, C, B, P, steps, 1e3 * prefill_s, 1e3 * per_step,
+      device.c_str(), WeightFormatName(ckpt->quant.format),
+      WeightBytes(c, ckpt->quant) / 1e9, c.num_layers, C, B, P, steps, 1e3 * prefill_s, 1e3 * per_step,
       1e3 * per_step * steps, double(C) * B / per_step, bf16_bytes / 1e9, bound_share,
       device_peak / 1e9, peak_rss ? double(*peak_rss) / 1e9 : 0.0,
       sc_pairs > 0 ? double(sc_skipped) / double(sc_pairs) : 0.0);
