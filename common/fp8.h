@@ -12,11 +12,17 @@ namespace dgserve {
 
 inline constexpr float kE4m3Max = 448.0f;
 
-// E4M3 bits -> float32 (exact; NaN codes give a quiet NaN).
+// E4M3 bits -> float32 (exact; NaN codes give a quiet NaN). Normal codes: exponent and mantissa
+// moved into a float32 and rebiased (127 − 7 = 120); subnormal codes: m · 2⁻⁹.
 inline float E4m3ToFloat(uint8_t c) {
-  const int e = (c >> 3) & 15, m = c & 7;
-  if (e == 15 && m == 7) return std::nanf("");
-  const float mag = e == 0 ? float(m) * 0x1p-9f : std::ldexp(1.0f + float(m) * 0.125f, e - 7);
+  if ((c & 0x7f) == 0x7f) return std::nanf("");
+  float mag;
+  if ((c & 0x78) == 0) {
+    mag = float(c & 7) * 0x1p-9f;
+  } else {
+    const uint32_t b = ((uint32_t(c) & 0x7fu) << 20) + (120u << 23);
+    std::memcpy(&mag, &b, 4);
+  }
   return (c & 0x80) ? -mag : mag;
 }
 
@@ -41,7 +47,29 @@ inline uint8_t FloatToE4m3(float x) {
   return sign | uint8_t(code);
 }
 
-// Rounds x to the nearest E4M3 value (saturating) and returns it as float32.
-inline float RoundToE4m3(float x) { return E4m3ToFloat(FloatToE4m3(x)); }
+// Rounds x to the nearest E4M3 value (saturating at ±448; x not NaN) and returns it as float32:
+// the same value as E4m3ToFloat(FloatToE4m3(x)), without the code in between (the per-token
+// activation quantization runs this on every activation).
+inline float RoundToE4m3(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  const uint32_t sign = b & 0x80000000u, ab = b & 0x7fffffffu;
+  uint32_t r;
+  if (ab >= 0x43e00000u) {  // |x| ≥ 448
+    r = 0x43e00000u;
+  } else if (ab < 0x3c800000u) {  // |x| < 2⁻⁶: multiples of 2⁻⁹, nearest even by the FPU
+    float a;
+    std::memcpy(&a, &ab, 4);
+    const float m = 24576.0f;  // 1.5 · 2¹⁴: its ulp is 2⁻⁹
+    const float t = (a + m) - m;
+    std::memcpy(&r, &t, 4);
+  } else {  // 3 mantissa bits, nearest even (a carry moves into the exponent)
+    r = (ab + 0x7ffffu + ((ab >> 20) & 1u)) & ~0xfffffu;
+  }
+  r |= sign;
+  float out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
 
 }  // namespace dgserve

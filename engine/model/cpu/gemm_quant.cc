@@ -121,8 +121,10 @@ float QuantizeRowFp8(const float* x, int k, float* q) {
   float absmax = 0.0f;
   for (int c = 0; c < k; ++c) absmax = std::max(absmax, std::fabs(x[c]));
   const float s = std::max(absmax / kE4m3Max, kMinFp8Scale);
-  // x / s, clamped to ±448 and rounded to nearest even (FloatToE4m3 saturates: the clamp).
-  for (int c = 0; c < k; ++c) q[c] = RoundToE4m3(x[c] / s);
+  // x / s (a division, as vLLM's kernel does), clamped to ±448 and rounded to nearest even
+  // (RoundToE4m3 saturates: the clamp).
+  for (int c = 0; c < k; ++c) q[c] = x[c] / s;
+  for (int c = 0; c < k; ++c) q[c] = RoundToE4m3(q[c]);
   return s;
 }
 

@@ -40,8 +40,10 @@ void Fp8(int kc, const uint8_t* codes, float* dst) {
 void Int4(int kc, int k0, const uint8_t* bytes, const float* scales, int group, float* dst) {
   const __m128i low = _mm_set1_epi8(0x0f);
   const __m256i eight = _mm256_set1_epi32(8);
-  for (int kk = 0; kk < kc; ++kk) {
-    const float* s = scales + size_t((k0 + kk) / group) * 16;
+  int g = k0 / group, left = (g + 1) * group - k0;  // k steps left in group g
+  for (int kk = 0; kk < kc; ++kk, --left) {
+    if (left == 0) ++g, left = group;
+    const float* s = scales + size_t(g) * 16;
     const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + size_t(kk) * 8));
     const __m128i lo = _mm_and_si128(v, low);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);

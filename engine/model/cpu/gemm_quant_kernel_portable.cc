@@ -24,8 +24,10 @@ void Fp8(int kc, const uint8_t* codes, float* dst) {
 }
 
 void Int4(int kc, int k0, const uint8_t* bytes, const float* scales, int group, float* dst) {
-  for (int kk = 0; kk < kc; ++kk) {
-    const float* s = scales + size_t((k0 + kk) / group) * kGemmPanel;
+  int g = k0 / group, left = (g + 1) * group - k0;  // k steps left in group g
+  for (int kk = 0; kk < kc; ++kk, --left) {
+    if (left == 0) ++g, left = group;
+    const float* s = scales + size_t(g) * kGemmPanel;
     const uint8_t* b = bytes + size_t(kk) * 8;
     float* d = dst + size_t(kk) * kGemmPanel;
     for (int j = 0; j < 8; ++j) {

@@ -51,6 +51,25 @@ TEST(E4m3Test, EveryCodeRoundTripsAndMidpointsRoundToEven) {
   }
 }
 
+TEST(E4m3Test, RoundToE4m3EqualsEncodeThenDecode) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 2000000; ++i) {
+    uint32_t b = bits(rng);
+    if (i % 2 == 0) b = (b & 0x807fffffu) | ((110u + b % 30u) << 23);  // near e4m3's range
+    float x;
+    std::memcpy(&x, &b, 4);
+    if (std::isnan(x)) continue;
+    ASSERT_EQ(Bits(RoundToE4m3(x)), Bits(E4m3ToFloat(FloatToE4m3(x)))) << x;
+  }
+  for (int c = 0; c < 0x7e; ++c) {  // the midpoints, both signs
+    const float mid = float((double(E4m3ToFloat(uint8_t(c))) + E4m3ToFloat(uint8_t(c + 1))) / 2);
+    for (float x : {mid, -mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e3f)}) {
+      ASSERT_EQ(Bits(RoundToE4m3(x)), Bits(E4m3ToFloat(FloatToE4m3(x)))) << x;
+    }
+  }
+}
+
 TEST(QuantizeRowFp8Test, ScaleIsAbsmaxOver448AndValuesRoundToNearestEven) {
   const std::vector<float> x = {0.5f, -3.0f, 1e-3f, 2.9f, 0.0f};
   std::vector<float> q(x.size());
