@@ -312,6 +312,29 @@ INSTANTIATE_TEST_SUITE_P(Golden, QuantModelTest, ::testing::Values("tiny-v512", 
                            return s;
                          });
 
+// The full 30-layer real-width shape's resident weights per format, by arithmetic (WeightBytes:
+// bytes per tensor as the loader holds them, quantized rows padded to 16; the embedding twice),
+// against the targets: ≤ 30 GB at FP8, ≤ 18 GB at 4 bits.
+TEST(QuantWeightBytesTest, FullShapeFitsTheTargets) {
+  const char* src = std::getenv("DGSERVE_SOURCE_DIR");
+  auto config = LoadModelConfig(std::string(src != nullptr ? src : ".") +
+                                "/bench/configs/diffusiongemma-26b-a4b.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  QuantizationConfig q;
+  q.targets = {"Linear"};
+  q.ignore = DefaultQuantizeIgnore();
+  const double bf16 = WeightBytes(*config, q) / 1e9;
+  q.format = WeightFormat::kFp8;
+  const double fp8 = WeightBytes(*config, q) / 1e9;
+  q.format = WeightFormat::kW4A16;
+  q.group_size = 128;
+  const double w4 = WeightBytes(*config, q) / 1e9;
+  std::printf("full shape resident weights: bf16 %.2f GB, fp8 %.2f GB, w4a16 (g128) %.2f GB\n",
+              bf16, fp8, w4);
+  EXPECT_LE(fp8, 30.0);
+  EXPECT_LE(w4, 18.0);
+}
+
 // ---- Refusals: a bad quantized checkpoint is an error naming the tensor or field. ----
 
 class QuantErrorTest : public ::testing::Test {
