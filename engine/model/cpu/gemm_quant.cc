@@ -148,8 +148,9 @@ void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa 
   if (fp8) {
     aq.resize(size_t(m) * k);
     sx.resize(m);
+    const auto quantize = Widen(isa).quantize_fp8;
 #pragma omp parallel for schedule(static) if (parallel && int64_t(m) * k >= (1 << 16))
-    for (int i = 0; i < m; ++i) sx[i] = QuantizeRowFp8(x + size_t(i) * k, k, aq.data() + size_t(i) * k);
+    for (int i = 0; i < m; ++i) sx[i] = quantize(x + size_t(i) * k, k, aq.data() + size_t(i) * k);
     a = aq.data();
   }
   const WidenKernels wk = Widen(isa);

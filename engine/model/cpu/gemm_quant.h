@@ -89,6 +89,8 @@ struct WidenKernels {
   // bytes at k0; scales = the panel's [groups][16]; group size G.
   void (*int4)(int kc, int k0, const uint8_t* bytes, const float* scales, int group,
                float* dst) = nullptr;
+  // QuantizeRowFp8 (the same bits; vectorised where the ISA allows).
+  float (*quantize_fp8)(const float* x, int k, float* q) = nullptr;
 };
 WidenKernels PortableWiden();
 WidenKernels Avx2Widen();

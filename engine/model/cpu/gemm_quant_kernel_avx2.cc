@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "common/fp8.h"
+
 #include "engine/model/cpu/gemm_quant.h"
 
 #if defined(__clang__)
@@ -55,9 +57,50 @@ void Int4(int kc, int k0, const uint8_t* bytes, const float* scales, int group, 
   }
 }
 
+// max(a, b) as the standard library's, without instantiating a template under this file's
+// target options.
+inline float MaxF(float a, float b) { return a < b ? b : a; }
+
+// RoundToE4m3 (common/fp8.h) on 8 lanes: the same integer and float steps, so the same bits.
+inline __attribute__((always_inline)) __m256 RoundE4m3x8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(b, _mm256_set1_epi32(int(0x80000000u)));
+  const __m256i ab = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(ab, 20), _mm256_set1_epi32(1));
+  __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(_mm256_add_epi32(ab, _mm256_set1_epi32(0x7ffff)), odd),
+      _mm256_set1_epi32(int(~0xfffffu)));
+  const __m256 m = _mm256_set1_ps(24576.0f);
+  const __m256 t = _mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(ab), m), m);
+  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), ab);
+  r = _mm256_blendv_epi8(r, _mm256_castps_si256(t), small);
+  const __m256i big = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x43dfffff));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x43e00000), big);
+  return _mm256_castsi256_ps(_mm256_or_si256(r, sign));
+}
+
+float QuantizeFp8(const float* x, int k, float* q) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  int c = 0;
+  for (; c + 8 <= k; c += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + c), absmask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float absmax = 0.0f;
+  for (float l : lanes) absmax = MaxF(absmax, l);
+  for (; c < k; ++c) absmax = MaxF(absmax, __builtin_fabsf(x[c]));
+  const float s = MaxF(absmax / kE4m3Max, 1.0f / (kE4m3Max * 512.0f));
+  const __m256 sv = _mm256_set1_ps(s);
+  for (c = 0; c + 8 <= k; c += 8) {
+    _mm256_storeu_ps(q + c, RoundE4m3x8(_mm256_div_ps(_mm256_loadu_ps(x + c), sv)));
+  }
+  for (; c < k; ++c) q[c] = RoundToE4m3(x[c] / s);
+  return s;
+}
+
 }  // namespace
 
-WidenKernels Avx2Widen() { return {&Fp8, &Int4}; }
+WidenKernels Avx2Widen() { return {&Fp8, &Int4, &QuantizeFp8}; }
 
 }  // namespace dgserve::cpu::quant_internal
 

@@ -39,6 +39,6 @@ void Int4(int kc, int k0, const uint8_t* bytes, const float* scales, int group, 
 
 }  // namespace
 
-WidenKernels PortableWiden() { return {&Fp8, &Int4}; }
+WidenKernels PortableWiden() { return {&Fp8, &Int4, &QuantizeRowFp8}; }
 
 }  // namespace dgserve::cpu::quant_internal
