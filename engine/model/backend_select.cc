@@ -50,6 +50,11 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::
     options.gemm_input = *cpu::ParseGemmInput(absl::GetFlag(FLAGS_cpu_gemm_input));
     return CreateCpuBackend(config, weights, options);
   }
+  if (weights.format != WeightFormat::kBf16) {  // issue 37: the GPU part is not done yet
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--device cuda: this checkpoint is quantized (", WeightFormatName(weights.format),
+        "); quantized checkpoints run on the CPU backend only (--device cpu)"));
+  }
 #ifdef DGSERVE_HAVE_CUDA
   CudaBackendOptions options;
   options.gemm_input =

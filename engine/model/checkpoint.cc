@@ -19,6 +19,7 @@
 #include "common/bf16.h"
 #include "common/status_macros.h"
 #include "common/system_resources.h"
+#include "engine/model/quant_loader.h"
 #include "engine/model/tensor_names.h"
 
 namespace dgserve {
@@ -173,12 +174,32 @@ absl::Status LoadMatrix(const TensorView& view, const Destination& d) {
 
 absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
                                               const SafetensorsReader& reader) {
+  return LoadModelWeights(config, QuantizationConfig(), reader);
+}
+
+absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
+                                              const QuantizationConfig& quant,
+                                              const SafetensorsReader& reader) {
   ModelWeights w;
+  w.format = quant.format;
   std::unordered_map<std::string, Destination> dest = Destinations(config, &w);
   std::vector<std::string> problems;
   std::set<std::string> used;
   std::vector<std::pair<const TensorView*, Destination>> jobs;
+  // Issue 37: the quantized modules (quant_loader.h) are planned first and skipped below.
+  QuantizedLoadPlan qplan;
+  if (quant.quantized()) {
+    qplan = PlanQuantizedLoad(
+        config, quant, reader,
+        [&](const std::string& name) {
+          const Destination& d = dest[name];
+          return MatrixSeat{d.matrix, d.experts};
+        },
+        &problems);
+    used.insert(qplan.used.begin(), qplan.used.end());
+  }
   for (const TensorSpec& spec : ExpectedTensors(config)) {
+    if (qplan.handled_specs.count(spec.name) != 0) continue;
     const std::string alias = EncoderAlias(spec.name);
     const TensorView* primary = reader.Find(spec.name);
     const TensorView* secondary = alias.empty() ? nullptr : reader.Find(alias);
@@ -194,6 +215,13 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
     }
     if (v->shape != spec.shape) {
       problems.push_back(ShapeProblem(*v, spec.shape));
+      continue;
+    }
+    if (v->dtype != DType::kBF16 && v->dtype != DType::kF16 && v->dtype != DType::kF32) {
+      problems.push_back(absl::StrCat(
+          v->file, ": tensor '", v->name, "' has dtype ", DTypeName(v->dtype),
+          quant.quantized() ? " but config.json's quantization_config does not quantize it"
+                            : " but config.json has no quantization_config (BF16/F16/F32 expected)"));
       continue;
     }
     // A tied encoder copy next to the decoder tensor is accepted but must have the same shape.
@@ -235,14 +263,35 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
       DGSERVE_RETURN_IF_ERROR(LoadMatrix(*view, d));
     }
   }
+  for (auto& job : qplan.jobs) DGSERVE_RETURN_IF_ERROR(job());
   return w;
 }
 
-int64_t WeightBytes(const ModelConfig& config) {
+int64_t WeightBytes(const ModelConfig& config) { return WeightBytes(config, QuantizationConfig()); }
+
+int64_t WeightBytes(const ModelConfig& config, const QuantizationConfig& quant) {
   int64_t bytes = 0;
   for (const TensorSpec& spec : ExpectedTensors(config)) {
     // Matrices (rank ≥ 2) in bf16; the embedding is held twice (row-major and packed).
     const int64_t each = spec.shape.size() >= 2 ? 2 : 4;
+    if (quant.quantized() && spec.shape.size() >= 2 && spec.family != InitFamily::kEmbed) {
+      // Issue 37: a quantized matrix (checkpoint module names; experts unfused per expert).
+      std::string module = spec.name;
+      if (absl::EndsWith(module, ".weight")) module.resize(module.size() - 7);
+      const bool fused = spec.shape.size() == 3;
+      if (fused) module = absl::StrCat(module.substr(0, module.rfind('.')), ".0.down_proj");
+      if (quant.Quantizes(module)) {
+        const int64_t rows = spec.numel() / spec.shape.back(), cols = spec.shape.back();
+        const int64_t padded = (rows + 15) / 16 * 16;
+        if (quant.format == WeightFormat::kFp8) {
+          bytes += padded * cols + padded * 4;
+        } else {
+          const int64_t g = quant.GroupFor(int(cols));
+          bytes += padded * cols / 2 + padded * ((cols + g - 1) / g) * 4;
+        }
+        continue;
+      }
+    }
     bytes += spec.numel() * each;
   }
   return bytes + int64_t(config.vocab_size) * config.hidden_size * 2;
@@ -261,15 +310,22 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& dir) {
   if (fs::exists(gen, ec)) {
     DGSERVE_ASSIGN_OR_RETURN(ckpt.generation, LoadGenerationConfig(gen.string()));
   }
-  // Refuse what memory cannot hold: bf16 matrices (the embedding twice) and float32 vectors.
-  const int64_t bytes = WeightBytes(ckpt.config);
+  // Issue 37: a compressed-tensors quantization_config (quant_config.h), refused before any
+  // tensor is read when this build does not run it.
+  {
+    DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_path));
+    DGSERVE_ASSIGN_OR_RETURN(ckpt.quant, ParseQuantizationConfig(text, config_path));
+  }
+  // Refuse what memory cannot hold: bf16 (or quantized) matrices, the embedding twice, float32
+  // vectors.
+  const int64_t bytes = WeightBytes(ckpt.config, ckpt.quant);
   if (auto available = AvailableMemoryBytes(); available && uint64_t(bytes) > *available) {
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "loading %s needs %.2f GB of memory (bf16 weights) but only %.2f GB are available", dir,
-        bytes / 1e9, double(*available) / 1e9));
+        "loading %s needs %.2f GB of memory (%s weights) but only %.2f GB are available", dir,
+        bytes / 1e9, WeightFormatName(ckpt.quant.format), double(*available) / 1e9));
   }
   DGSERVE_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::OpenDir(dir));
-  auto weights = LoadModelWeights(ckpt.config, reader);
+  auto weights = LoadModelWeights(ckpt.config, ckpt.quant, reader);
   if (!weights.ok()) {
     return absl::Status(weights.status().code(), absl::StrCat(weights.status().message(),
                                                               " [shapes from ", config_path, "]"));

@@ -6,6 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/model/config.h"
+#include "engine/model/quant_config.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/weights.h"
 
@@ -17,6 +18,7 @@ struct Checkpoint {
   GenerationConfig generation;
   ModelWeights weights;
   std::string dir;
+  QuantizationConfig quant;  // issue 37: config.json's quantization_config (bf16 when absent)
 };
 
 // Loads `dir`: config.json (required), generation_config.json (absent → defaults), and the weights
@@ -37,8 +39,18 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& dir);
 // Bytes of memory the loaded weights of `config` take (bf16 matrices, the embedding twice,
 // float32 vectors).
 int64_t WeightBytes(const ModelConfig& config);
+// The same for a quantized checkpoint (issue 37): quantized matrices at their bytes (FP8 one per
+// weight, W4A16 half, plus float32 scales; rows padded to 16 as cpu::QuantMatrix holds them).
+int64_t WeightBytes(const ModelConfig& config, const QuantizationConfig& quant);
 
 absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
+                                              const SafetensorsReader& reader);
+// Issue 37: with a quantization_config (quant_config.h): the modules it quantizes are loaded
+// quantized (FP8, W4A16; unfused experts joined per expert), the rest as above. A quantized
+// tensor the config does not name, or a tensor whose shape or dtype disagrees with the config,
+// is INVALID_ARGUMENT naming it.
+absl::StatusOr<ModelWeights> LoadModelWeights(const ModelConfig& config,
+                                              const QuantizationConfig& quant,
                                               const SafetensorsReader& reader);
 
 }  // namespace dgserve

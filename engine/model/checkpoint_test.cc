@@ -201,9 +201,9 @@ TEST_F(CheckpointTest, OffsetsOutOfRange) {
 
 TEST_F(CheckpointTest, UnsupportedDtype) {
   const std::string name = "model.decoder.layers.0.router.proj.weight";
-  EditHeader(File(), [&](json& h) { h[name]["dtype"] = "F8_E4M3"; });
+  EditHeader(File(), [&](json& h) { h[name]["dtype"] = "F8_E5M2"; });
   ExpectError(name, File());
-  EXPECT_THAT(LoadCheckpoint(dir_).status().message(), HasSubstr("unsupported dtype 'F8_E4M3'"));
+  EXPECT_THAT(LoadCheckpoint(dir_).status().message(), HasSubstr("unsupported dtype 'F8_E5M2'"));
 }
 
 TEST_F(CheckpointTest, InconsistentConfig) {

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/bf16.h"
+#include "common/fp8.h"
 #include "common/status_macros.h"
 #include "engine/model/config.h"
 
@@ -125,18 +126,43 @@ const char* DTypeName(DType dtype) {
       return "F16";
     case DType::kF32:
       return "F32";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
   }
   return "?";
 }
 
-size_t DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF8E4M3:
+      return 1;
+    case DType::kBF16:
+    case DType::kF16:
+      return 2;
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kI64:
+      return 8;
+  }
+  return 4;
+}
+
+bool IsFloatDType(DType dtype) { return dtype != DType::kI32 && dtype != DType::kI64; }
 
 absl::StatusOr<DType> ParseDType(std::string_view name) {
   if (name == "BF16") return DType::kBF16;
   if (name == "F16") return DType::kF16;
   if (name == "F32") return DType::kF32;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unsupported dtype '", std::string(name), "' (supported: BF16, F16, F32)"));
+  if (name == "F8_E4M3") return DType::kF8E4M3;
+  if (name == "I32") return DType::kI32;
+  if (name == "I64") return DType::kI64;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unsupported dtype '", std::string(name), "' (supported: BF16, F16, F32, F8_E4M3, I32, I64)"));
 }
 
 std::string ShapeToString(const std::vector<int64_t>& shape) {
@@ -164,6 +190,14 @@ absl::Status ToFloat32(const TensorView& view, float* out) {
   }
   const uint8_t* p = view.data;
   switch (view.dtype) {
+    case DType::kI32:
+    case DType::kI64:
+      return Invalid(view.file, absl::StrCat("tensor '", view.name, "' has integer dtype ",
+                                             DTypeName(view.dtype), " where a float is expected"));
+    case DType::kF8E4M3:
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+      for (int64_t i = 0; i < n; ++i) out[i] = E4m3ToFloat(p[i]);
+      break;
     case DType::kBF16:
 #pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
       for (int64_t i = 0; i < n; ++i) {

@@ -21,14 +21,18 @@
 
 namespace dgserve {
 
-// Element types this reader accepts. Every other safetensors dtype is rejected.
-enum class DType { kBF16, kF16, kF32 };
+// Element types this reader accepts. Every other safetensors dtype is rejected. F8_E4M3
+// (float8_e4m3fn: bias 7, no infinities, 0x7f/0xff NaN, max 448), I32 and I64 appear only in
+// quantized checkpoints (issue 37: FP8 weights, packed int4 weights and their shapes).
+enum class DType { kBF16, kF16, kF32, kF8E4M3, kI32, kI64 };
 
-// "BF16" / "F16" / "F32".
+// "BF16" / "F16" / "F32" / "F8_E4M3" / "I32" / "I64".
 const char* DTypeName(DType dtype);
-// Bytes per element: 2, 2, 4.
+// Bytes per element: 2, 2, 4, 1, 4, 8.
 size_t DTypeSize(DType dtype);
-// Parses a safetensors dtype string. INVALID_ARGUMENT for anything but BF16/F16/F32.
+// True for the float dtypes ToFloat32 converts (BF16, F16, F32, F8_E4M3).
+bool IsFloatDType(DType dtype);
+// Parses a safetensors dtype string. INVALID_ARGUMENT for anything but the types above.
 absl::StatusOr<DType> ParseDType(std::string_view name);
 // "[a, b, c]" for error messages.
 std::string ShapeToString(const std::vector<int64_t>& shape);
@@ -47,7 +51,7 @@ struct TensorView {
   int64_t numel() const;
 };
 
-// Converts `view` to float32 (exact for all three dtypes) into out[0 .. numel). Large tensors are
+// Converts `view` to float32 (exact for every float dtype; integer dtypes are INVALID_ARGUMENT) into out[0 .. numel). Large tensors are
 // converted in parallel (OpenMP). INVALID_ARGUMENT (naming file and tensor) if the view is
 // inconsistent (nbytes ≠ numel · itemsize, or null data for a non-empty tensor).
 absl::Status ToFloat32(const TensorView& view, float* out);

@@ -182,8 +182,8 @@ TEST_F(SafetensorsTest, RejectsBadHeaders) {
   const BadHeaderCase cases[] = {
       {"invalid json", "{\"w\": {\"dtype\": ", 8, "not valid JSON"},
       {"not an object", "[1, 2, 3]", 8, "'{'"},
-      {"unsupported dtype", R"({"w": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}})", 8,
-       "unsupported dtype 'I64'"},
+      {"unsupported dtype", R"({"w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}})", 8,
+       "unsupported dtype 'F64'"},
       {"missing dtype", R"({"w": {"shape": [2], "data_offsets": [0, 8]}})", 8, "dtype"},
       {"negative dim", R"({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})", 8,
        "shape"},

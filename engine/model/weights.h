@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "engine/model/cpu/packed_matrix.h"
+#include "engine/model/quant_config.h"
 
 namespace dgserve {
 
@@ -50,6 +51,9 @@ struct ModelWeights {
   cpu::PackedMatrix sc_up_proj;        // [I, D]
   cpu::PackedMatrix sc_down_proj;      // [D, I]
   std::vector<LayerWeights> layers;    // [L]
+  // Issue 37: the checkpoint's weight format. Quantized checkpoints hold some PackedMatrix
+  // entries quantized (PackedMatrix::quant()); only the CPU backend runs them.
+  WeightFormat format = WeightFormat::kBf16;
 };
 
 }  // namespace dgserve

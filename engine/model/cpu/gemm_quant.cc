@@ -1,0 +1,200 @@
+// The quantized GEMM's driver (see gemm_quant.h): activation quantization, output tiles shared
+// among threads, per-k-block widening of the weight panels, Gemm()'s float32 microkernels on the
+// widened block, the FP8 epilogue.
+#include "engine/model/cpu/gemm_quant.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/fp8.h"
+
+namespace dgserve::cpu {
+namespace {
+
+using quant_internal::WidenKernels;
+
+constexpr int kQKc = 256;      // k per widened block
+constexpr int kQNc = 32;       // columns (weight rows) per output tile: two panels
+constexpr int kQMc = 256;      // activation rows per output tile
+// vLLM's min_scaling_factor<float8_e4m3fn>: 1 / (448 · 512).
+constexpr float kMinFp8Scale = 1.0f / (kE4m3Max * 512.0f);
+
+WidenKernels Widen(GemmIsa isa) {
+  switch (isa) {
+    case GemmIsa::kAvx512:
+      return quant_internal::Avx512Widen();
+    case GemmIsa::kAvx2:
+      return quant_internal::Avx2Widen();
+    case GemmIsa::kPortable:
+      break;
+  }
+  return quant_internal::PortableWiden();
+}
+
+float* Aligned64(std::vector<float>& v, size_t n) {
+  if (v.size() < n + 16) v.resize(n + 16);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - p % 64) % 64) / sizeof(float);
+}
+
+std::vector<float>& ThreadBlock() {
+  static thread_local std::vector<float> b;
+  return b;
+}
+
+}  // namespace
+
+const char* QuantFormatName(QuantFormat f) {
+  return f == QuantFormat::kFp8 ? "fp8" : "w4a16";
+}
+
+QuantMatrix QuantMatrix::FromFp8(const uint8_t* codes, const float* scales, int n, int k) {
+  QuantMatrix m;
+  m.format_ = QuantFormat::kFp8;
+  m.n_ = n;
+  m.k_ = k;
+  const int panels = (n + kGemmPanel - 1) / kGemmPanel;
+  m.data_.assign(size_t(panels) * kGemmPanel * k, 0);
+  m.scales_.assign(size_t(panels) * kGemmPanel, 0.0f);
+  std::copy(scales, scales + n, m.scales_.begin());
+#pragma omp parallel for schedule(static) if (int64_t(n) * k >= (1 << 20))
+  for (int r = 0; r < n; ++r) {
+    uint8_t* dst = m.data_.data() + size_t(r / kGemmPanel) * kGemmPanel * k + r % kGemmPanel;
+    const uint8_t* src = codes + size_t(r) * k;
+    for (int c = 0; c < k; ++c) dst[size_t(c) * kGemmPanel] = src[c];
+  }
+  return m;
+}
+
+QuantMatrix QuantMatrix::FromInt4(const int8_t* q, const float* scales, int n, int k, int group) {
+  QuantMatrix m;
+  m.format_ = QuantFormat::kW4A16;
+  m.n_ = n;
+  m.k_ = k;
+  m.group_ = group;
+  m.groups_ = (k + group - 1) / group;
+  const int panels = (n + kGemmPanel - 1) / kGemmPanel;
+  // Rows past n: q = 0 (code 8), scale 0.
+  m.data_.assign(size_t(panels) * (kGemmPanel / 2) * k, 0x88);
+  m.scales_.assign(size_t(panels) * m.groups_ * kGemmPanel, 0.0f);
+#pragma omp parallel for schedule(static) if (int64_t(n) * k >= (1 << 20))
+  for (int p = 0; p < panels; ++p) {
+    uint8_t* dst = m.data_.data() + size_t(p) * (kGemmPanel / 2) * k;
+    float* sdst = m.scales_.data() + size_t(p) * m.groups_ * kGemmPanel;
+    for (int j = 0; j < kGemmPanel; ++j) {
+      const int r = p * kGemmPanel + j;
+      if (r >= n) break;
+      for (int g = 0; g < m.groups_; ++g) sdst[g * kGemmPanel + j] = scales[size_t(r) * m.groups_ + g];
+      const int shift = j < 8 ? 0 : 4;
+      const uint8_t keep = j < 8 ? 0xf0 : 0x0f;
+      for (int c = 0; c < k; ++c) {
+        uint8_t& byte = dst[size_t(c) * 8 + (j % 8)];
+        byte = uint8_t((byte & keep) | ((uint8_t(q[size_t(r) * k + c] + 8) & 0x0f) << shift));
+      }
+    }
+  }
+  return m;
+}
+
+const uint8_t* QuantMatrix::panel(int p) const {
+  const size_t per = format_ == QuantFormat::kFp8 ? kGemmPanel : kGemmPanel / 2;
+  return data_.data() + size_t(p) * per * k_;
+}
+
+const float* QuantMatrix::panel_scales(int p) const {
+  return format_ == QuantFormat::kFp8 ? scales_.data() + size_t(p) * kGemmPanel
+                                      : scales_.data() + size_t(p) * groups_ * kGemmPanel;
+}
+
+float QuantMatrix::Widened(int r, int c) const {
+  const int p = r / kGemmPanel, j = r % kGemmPanel;
+  if (format_ == QuantFormat::kFp8) return E4m3ToFloat(panel(p)[size_t(c) * kGemmPanel + j]);
+  const uint8_t byte = panel(p)[size_t(c) * 8 + j % 8];
+  const int q = int(j < 8 ? byte & 0x0f : byte >> 4) - 8;
+  return float(q) * panel_scales(p)[(c / group_) * kGemmPanel + j];
+}
+
+float QuantizeRowFp8(const float* x, int k, float* q) {
+  float absmax = 0.0f;
+  for (int c = 0; c < k; ++c) absmax = std::max(absmax, std::fabs(x[c]));
+  const float s = std::max(absmax / kE4m3Max, kMinFp8Scale);
+  // x / s (a division, as vLLM's kernel does), clamped to ±448 and rounded to nearest even
+  // (RoundToE4m3 saturates: the clamp).
+  for (int c = 0; c < k; ++c) q[c] = x[c] / s;
+  for (int c = 0; c < k; ++c) q[c] = RoundToE4m3(q[c]);
+  return s;
+}
+
+void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmThreads threads) {
+  QuantLinear(x, m, w, y, ActiveGemmIsa(), threads);
+}
+
+void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa isa,
+                 GemmThreads threads) {
+  const int n = w.rows(), k = w.cols();
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    std::fill(y, y + size_t(m) * n, 0.0f);
+    return;
+  }
+  const bool parallel =
+      threads == GemmThreads::kOpenMp && !omp_in_parallel() && omp_get_max_threads() > 1;
+  const bool fp8 = w.format() == QuantFormat::kFp8;
+  const float* a = x;
+  std::vector<float> aq, sx;
+  if (fp8) {
+    aq.resize(size_t(m) * k);
+    sx.resize(m);
+    const auto quantize = Widen(isa).quantize_fp8;
+#pragma omp parallel for schedule(static) if (parallel && int64_t(m) * k >= (1 << 16))
+    for (int i = 0; i < m; ++i) sx[i] = quantize(x + size_t(i) * k, k, aq.data() + size_t(i) * k);
+    a = aq.data();
+  }
+  const WidenKernels wk = Widen(isa);
+  const int row_tiles = (m + kQMc - 1) / kQMc;
+  const int mc = (m + row_tiles - 1) / row_tiles;
+  const int col_tiles = (n + kQNc - 1) / kQNc;
+  const int tiles = row_tiles * col_tiles;
+  auto run = [&](int t) {
+    // Row-tile major: consecutive tiles share their activation rows.
+    const int ti = t / col_tiles, tj = t % col_tiles;
+    const int i0 = ti * mc, i1 = std::min(m, i0 + mc);
+    const int j0 = tj * kQNc, j1 = std::min(n, j0 + kQNc);
+    const int panels = (j1 - j0 + kGemmPanel - 1) / kGemmPanel;
+    float* block = Aligned64(ThreadBlock(), size_t(kQKc) * kQNc);
+    for (int k0 = 0; k0 < k; k0 += kQKc) {
+      const int kc = std::min(kQKc, k - k0);
+      for (int p = 0; p < panels; ++p) {
+        const int panel = j0 / kGemmPanel + p;
+        float* dst = block + size_t(p) * kc * kGemmPanel;
+        if (fp8) {
+          wk.fp8(kc, w.panel(panel) + size_t(k0) * kGemmPanel, dst);
+        } else {
+          wk.int4(kc, k0, w.panel(panel) + size_t(k0) * (kGemmPanel / 2), w.panel_scales(panel),
+                  w.group_size(), dst);
+        }
+      }
+      const GemmArgs g = GemmArgs::Of(i1 - i0, j1 - j0, kc, a + size_t(i0) * k + k0, k,
+                                      GemmB::Panels(block, kc), y + size_t(i0) * n + j0, n,
+                                      /*accumulate=*/k0 > 0);
+      Gemm(g, isa, GemmThreads::kCallerOnly);
+    }
+    if (fp8) {
+      for (int i = i0; i < i1; ++i) {
+        float* row = y + size_t(i) * n;
+        for (int j = j0; j < j1; ++j) row[j] = sx[i] * (w.RowScale(j) * row[j]);
+      }
+    }
+  };
+  if (parallel && tiles > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int t = 0; t < tiles; ++t) run(t);
+    return;
+  }
+  for (int t = 0; t < tiles; ++t) run(t);
+}
+
+}  // namespace dgserve::cpu

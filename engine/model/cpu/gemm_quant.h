@@ -1,0 +1,100 @@
+// Quantized weight matrices and their GEMM (issue 37): the weights stay quantized in memory and
+// are widened inside our GEMM; every output element is still ONE fma chain over k in ascending
+// order (THE PROPERTY of gemm.h), so batched = solo on every instruction set.
+//
+// Formats (the layouts of the checkpoints are in engine/model/quant_config.h):
+//  * kFp8 — compressed-tensors `float-quantized` W8A8 "FP8-dynamic": weights float8_e4m3fn with
+//    one float32 scale per output channel (row); activations quantized to e4m3 per token (row) at
+//    run time exactly as vLLM's dynamic_per_token_scaled_fp8_quant does it:
+//        s_x = max(absmax(x_row) / 448, 1 / (448 · 512));  x_q = e4m3_rne(clamp(x / s_x, ±448))
+//    and the output, as vLLM's scaled-mm epilogue (D = s_a · (s_b · acc)):
+//        y[i, j] = s_x[i] · (s_w[j] · acc[i, j]),   acc[i, j] = fma chain over k of x_q · w_q
+//    Products of two e4m3 values are exact in float32, so acc is the float32 fma chain of the
+//    exact products, k ascending.
+//  * kW4A16 — compressed-tensors `pack-quantized` int4 symmetric per group: w = q · s[row, k/G],
+//    q ∈ [−8, 7]; activations unquantized (float32, as the bf16 path). The widened weight is the
+//    float32 product q·s (exact when s is a bf16 value, as dgserve-quantize writes it), and
+//    y[i, j] = fma chain over k of x · (q·s), k ascending.
+//
+// How: per output tile and k block (256), the tile's weight panels are widened into a float32
+// block that stays in L1/L2 (the widening is exact), and the float32 microkernels of Gemm() run
+// on it, continuing the chains from C across k blocks (exact, as in gemm.h). The widening has
+// AVX-512, AVX2 and portable versions; all give the same floats, and Gemm() gives the same bits
+// on every ISA, so the quantized GEMM does too.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/model/cpu/gemm.h"
+
+namespace dgserve::cpu {
+
+enum class QuantFormat { kFp8, kW4A16 };
+
+const char* QuantFormatName(QuantFormat f);  // "fp8", "w4a16"
+
+class QuantMatrix {
+ public:
+  QuantMatrix() = default;
+  // W [n, k] as row-major e4m3 codes and one scale per row (scales[r]).
+  static QuantMatrix FromFp8(const uint8_t* codes, const float* scales, int n, int k);
+  // W [n, k] as row-major int4 values q[r·k + c] ∈ [−8, 7] and scales [n, ceil(k / group)].
+  static QuantMatrix FromInt4(const int8_t* q, const float* scales, int n, int k, int group);
+
+  QuantFormat format() const { return format_; }
+  int rows() const { return n_; }
+  int cols() const { return k_; }
+  int group_size() const { return group_; }
+  // Bytes held (codes + scales).
+  size_t bytes() const { return data_.size() + scales_.size() * sizeof(float); }
+  // The weight's value W[r, c] as the GEMM widens it: FP8 the e4m3 value (unscaled: the row
+  // scale is applied in the epilogue), W4A16 float32(q · s).
+  float Widened(int r, int c) const;
+  // The FP8 row scale of row r (1 for W4A16).
+  float RowScale(int r) const { return format_ == QuantFormat::kFp8 ? scales_[r] : 1.0f; }
+  // The dequantized weight W[r, c] (FP8: e4m3 value · row scale, rounded to float32).
+  float Dequantized(int r, int c) const { return Widened(r, c) * RowScale(r); }
+
+  // Internal layout (the widening kernels): panels of 16 rows, k-major.
+  //  FP8:   data [ceil(n/16)][k][16] codes; scales [n] (padded to a multiple of 16 with zeros).
+  //  W4A16: data [ceil(n/16)][k][8] bytes, byte j of a k step: low nibble row j, high nibble row
+  //         j + 8, each q + 8; scales [ceil(n/16)][groups][16].
+  const uint8_t* panel(int p) const;
+  const float* panel_scales(int p) const;
+  int groups() const { return groups_; }
+
+ private:
+  QuantFormat format_ = QuantFormat::kFp8;
+  int n_ = 0, k_ = 0, group_ = 0, groups_ = 0;
+  std::vector<uint8_t> data_;
+  std::vector<float> scales_;
+};
+
+// Quantizes one activation row (k values) to e4m3 per token as above: q[c] (as float32 values)
+// and the returned scale s_x.
+float QuantizeRowFp8(const float* x, int k, float* q);
+
+// y[m, n] = x[m, k] · Wᵀ for a quantized W, as the format says (see above). Rows of x and y
+// with leading dimensions k and n. `threads` as Gemm; `isa` the active GEMM path unless given.
+void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y,
+                 GemmThreads threads = GemmThreads::kOpenMp);
+void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa isa,
+                 GemmThreads threads);
+
+namespace quant_internal {
+// The widening of one 16-row panel over kc k steps starting at k0, into dst [kc][16] float32.
+struct WidenKernels {
+  void (*fp8)(int kc, const uint8_t* codes, float* dst) = nullptr;  // codes at k0
+  // bytes at k0; scales = the panel's [groups][16]; group size G.
+  void (*int4)(int kc, int k0, const uint8_t* bytes, const float* scales, int group,
+               float* dst) = nullptr;
+  // QuantizeRowFp8 (the same bits; vectorised where the ISA allows).
+  float (*quantize_fp8)(const float* x, int k, float* q) = nullptr;
+};
+WidenKernels PortableWiden();
+WidenKernels Avx2Widen();
+WidenKernels Avx512Widen();
+}  // namespace quant_internal
+
+}  // namespace dgserve::cpu

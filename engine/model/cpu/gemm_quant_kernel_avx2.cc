@@ -1,0 +1,111 @@
+// AVX2 widening of quantized weight panels (gemm_quant.h), 8 columns at a time. e4m3: normal
+// codes by placing exponent and mantissa into a float32 and rebiasing (exact), subnormal codes
+// as m · 2⁻⁹ (exact), sign or-ed in. int4: nibble − 8 converted exactly, times the group scale
+// (one rounding, the same as the portable version's).
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "common/fp8.h"
+
+#include "engine/model/cpu/gemm_quant.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+
+namespace dgserve::cpu::quant_internal {
+namespace {
+
+inline __attribute__((always_inline)) __m256 E4m3x8(__m256i c) {
+  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(7))),
+                                   _mm256_set1_ps(0x1p-9f));
+  const __m256i is_sub =
+      _mm256_cmpeq_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x78)), _mm256_setzero_si256());
+  const __m256 v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, _mm256_castsi256_ps(is_sub));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+}
+
+void Fp8(int kc, const uint8_t* codes, float* dst) {
+  for (int i = 0; i < kc * 16; i += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+    _mm256_storeu_ps(dst + i, E4m3x8(_mm256_cvtepu8_epi32(b)));
+  }
+}
+
+void Int4(int kc, int k0, const uint8_t* bytes, const float* scales, int group, float* dst) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m256i eight = _mm256_set1_epi32(8);
+  int g = k0 / group, left = (g + 1) * group - k0;  // k steps left in group g
+  for (int kk = 0; kk < kc; ++kk, --left) {
+    if (left == 0) ++g, left = group;
+    const float* s = scales + size_t(g) * 16;
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + size_t(kk) * 8));
+    const __m128i lo = _mm_and_si128(v, low);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    const __m256i q0 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), eight);
+    const __m256i q1 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), eight);
+    float* d = dst + size_t(kk) * 16;
+    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(q0), _mm256_loadu_ps(s)));
+    _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(s + 8)));
+  }
+}
+
+// max(a, b) as the standard library's, without instantiating a template under this file's
+// target options.
+inline float MaxF(float a, float b) { return a < b ? b : a; }
+
+// RoundToE4m3 (common/fp8.h) on 8 lanes: the same integer and float steps, so the same bits.
+inline __attribute__((always_inline)) __m256 RoundE4m3x8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(b, _mm256_set1_epi32(int(0x80000000u)));
+  const __m256i ab = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(ab, 20), _mm256_set1_epi32(1));
+  __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(_mm256_add_epi32(ab, _mm256_set1_epi32(0x7ffff)), odd),
+      _mm256_set1_epi32(int(~0xfffffu)));
+  const __m256 m = _mm256_set1_ps(24576.0f);
+  const __m256 t = _mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(ab), m), m);
+  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), ab);
+  r = _mm256_blendv_epi8(r, _mm256_castps_si256(t), small);
+  const __m256i big = _mm256_cmpgt_epi32(ab, _mm256_set1_epi32(0x43dfffff));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x43e00000), big);
+  return _mm256_castsi256_ps(_mm256_or_si256(r, sign));
+}
+
+float QuantizeFp8(const float* x, int k, float* q) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  int c = 0;
+  for (; c + 8 <= k; c += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + c), absmask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float absmax = 0.0f;
+  for (float l : lanes) absmax = MaxF(absmax, l);
+  for (; c < k; ++c) absmax = MaxF(absmax, __builtin_fabsf(x[c]));
+  const float s = MaxF(absmax / kE4m3Max, 1.0f / (kE4m3Max * 512.0f));
+  const __m256 sv = _mm256_set1_ps(s);
+  for (c = 0; c + 8 <= k; c += 8) {
+    _mm256_storeu_ps(q + c, RoundE4m3x8(_mm256_div_ps(_mm256_loadu_ps(x + c), sv)));
+  }
+  for (; c < k; ++c) q[c] = RoundToE4m3(x[c] / s);
+  return s;
+}
+
+}  // namespace
+
+WidenKernels Avx2Widen() { return {&Fp8, &Int4, &QuantizeFp8}; }
+
+}  // namespace dgserve::cpu::quant_internal
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif

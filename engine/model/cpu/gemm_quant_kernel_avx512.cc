@@ -1,0 +1,101 @@
+// AVX-512F widening of quantized weight panels (gemm_quant.h), one 16-column k step per
+// register; the same exact conversions as the AVX2 version.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "common/fp8.h"
+
+#include "engine/model/cpu/gemm_quant.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+#endif
+
+namespace dgserve::cpu::quant_internal {
+namespace {
+
+inline __attribute__((always_inline)) __m512 E4m3x16(__m512i c) {
+  const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7f));
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(7))),
+                                   _mm512_set1_ps(0x1p-9f));
+  const __mmask16 is_sub = _mm512_testn_epi32_mask(c, _mm512_set1_epi32(0x78));
+  const __m512i v = _mm512_mask_blend_epi32(is_sub, normal, _mm512_castps_si512(sub));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(v, sign));
+}
+
+void Fp8(int kc, const uint8_t* codes, float* dst) {
+  for (int kk = 0; kk < kc; ++kk) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + size_t(kk) * 16));
+    _mm512_storeu_ps(dst + size_t(kk) * 16, E4m3x16(_mm512_cvtepu8_epi32(b)));
+  }
+}
+
+void Int4(int kc, int k0, const uint8_t* bytes, const float* scales, int group, float* dst) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m512i eight = _mm512_set1_epi32(8);
+  int g = k0 / group, left = (g + 1) * group - k0;  // k steps left in group g
+  for (int kk = 0; kk < kc; ++kk, --left) {
+    if (left == 0) ++g, left = group;
+    const float* s = scales + size_t(g) * 16;
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + size_t(kk) * 8));
+    const __m128i lo = _mm_and_si128(v, low);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)), eight);
+    _mm512_storeu_ps(dst + size_t(kk) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(s)));
+  }
+}
+
+// max(a, b) as the standard library's, without instantiating a template under this file's
+// target options.
+inline float MaxF(float a, float b) { return a < b ? b : a; }
+
+// RoundToE4m3 (common/fp8.h) on 16 lanes: the same integer and float steps, so the same bits.
+inline __attribute__((always_inline)) __m512 RoundE4m3x16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(b, _mm512_set1_epi32(int(0x80000000u)));
+  const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(ab, 20), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(
+      _mm512_add_epi32(_mm512_add_epi32(ab, _mm512_set1_epi32(0x7ffff)), odd),
+      _mm512_set1_epi32(int(~0xfffffu)));
+  const __m512 m = _mm512_set1_ps(24576.0f);
+  const __m512 t = _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(ab), m), m);
+  r = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(ab, _mm512_set1_epi32(0x3c800000)), r,
+                              _mm512_castps_si512(t));
+  r = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(ab, _mm512_set1_epi32(0x43e00000)), r,
+                              _mm512_set1_epi32(0x43e00000));
+  return _mm512_castsi512_ps(_mm512_or_si512(r, sign));
+}
+
+float QuantizeFp8(const float* x, int k, float* q) {
+  __m512 mx = _mm512_setzero_ps();
+  int c = 0;
+  for (; c + 16 <= k; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + c)));
+  float absmax = _mm512_reduce_max_ps(mx);
+  for (; c < k; ++c) absmax = MaxF(absmax, __builtin_fabsf(x[c]));
+  const float s = MaxF(absmax / kE4m3Max, 1.0f / (kE4m3Max * 512.0f));
+  const __m512 sv = _mm512_set1_ps(s);
+  for (c = 0; c + 16 <= k; c += 16) {
+    _mm512_storeu_ps(q + c, RoundE4m3x16(_mm512_div_ps(_mm512_loadu_ps(x + c), sv)));
+  }
+  for (; c < k; ++c) q[c] = RoundToE4m3(x[c] / s);
+  return s;
+}
+
+}  // namespace
+
+WidenKernels Avx512Widen() { return {&Fp8, &Int4, &QuantizeFp8}; }
+
+}  // namespace dgserve::cpu::quant_internal
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif

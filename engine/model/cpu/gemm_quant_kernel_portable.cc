@@ -1,0 +1,44 @@
+// Portable widening of quantized weight panels (gemm_quant.h): a 256-entry e4m3 table; int4
+// nibbles minus 8 times the group scale. The same floats as the AVX2 and AVX-512 versions.
+#include <array>
+#include <cstdint>
+
+#include "common/fp8.h"
+#include "engine/model/cpu/gemm_quant.h"
+
+namespace dgserve::cpu::quant_internal {
+namespace {
+
+const std::array<float, 256>& E4m3Table() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> v{};
+    for (int c = 0; c < 256; ++c) v[c] = E4m3ToFloat(uint8_t(c));
+    return v;
+  }();
+  return t;
+}
+
+void Fp8(int kc, const uint8_t* codes, float* dst) {
+  const std::array<float, 256>& t = E4m3Table();
+  for (int i = 0; i < kc * kGemmPanel; ++i) dst[i] = t[codes[i]];
+}
+
+void Int4(int kc, int k0, const uint8_t* bytes, const float* scales, int group, float* dst) {
+  int g = k0 / group, left = (g + 1) * group - k0;  // k steps left in group g
+  for (int kk = 0; kk < kc; ++kk, --left) {
+    if (left == 0) ++g, left = group;
+    const float* s = scales + size_t(g) * kGemmPanel;
+    const uint8_t* b = bytes + size_t(kk) * 8;
+    float* d = dst + size_t(kk) * kGemmPanel;
+    for (int j = 0; j < 8; ++j) {
+      d[j] = float(int(b[j] & 0x0f) - 8) * s[j];
+      d[j + 8] = float(int(b[j] >> 4) - 8) * s[j + 8];
+    }
+  }
+}
+
+}  // namespace
+
+WidenKernels PortableWiden() { return {&Fp8, &Int4, &QuantizeRowFp8}; }
+
+}  // namespace dgserve::cpu::quant_internal

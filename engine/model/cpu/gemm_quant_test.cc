@@ -1,0 +1,219 @@
+// The quantized GEMM (gemm_quant.h): the e4m3 codec, per-token activation quantization, and
+// QuantLinear against (1) the scalar definition — the fma chain over k ascending of the widened
+// operands, then the FP8 epilogue — bit for bit, (2) a float64 reference of the same quantized
+// weights and activations within the float32 chain's error bound, (3) itself: each row alone
+// equals the row in a batch, and every ISA path gives the same bits.
+#include "engine/model/cpu/gemm_quant.h"
+
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/fp8.h"
+#include "engine/model/cpu/packed_matrix.h"
+
+namespace dgserve::cpu {
+namespace {
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+TEST(E4m3Test, EveryCodeRoundTripsAndMidpointsRoundToEven) {
+  for (int c = 0; c < 256; ++c) {
+    const float v = E4m3ToFloat(uint8_t(c));
+    if ((c & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(v)) << c;
+      continue;
+    }
+    EXPECT_EQ(FloatToE4m3(v), uint8_t(c)) << c << " " << v;
+  }
+  EXPECT_EQ(E4m3ToFloat(0x7e), 448.0f);
+  EXPECT_EQ(E4m3ToFloat(0x01), 0x1p-9f);
+  EXPECT_EQ(E4m3ToFloat(0x08), 0x1p-6f);
+  EXPECT_EQ(E4m3ToFloat(0x38), 1.0f);
+  EXPECT_EQ(FloatToE4m3(1000.0f), 0x7e);  // saturates (vLLM clamps to ±448)
+  EXPECT_EQ(FloatToE4m3(-460.0f), 0xfe);
+  // Midpoints between neighbouring positive codes round to the even code.
+  for (int c = 0; c < 0x7e; ++c) {
+    const double lo = E4m3ToFloat(uint8_t(c)), hi = E4m3ToFloat(uint8_t(c + 1));
+    const float mid = float((lo + hi) / 2);
+    ASSERT_EQ(double(mid), (lo + hi) / 2);
+    EXPECT_EQ(FloatToE4m3(mid), uint8_t((c % 2 == 0) ? c : c + 1)) << c;
+    EXPECT_EQ(FloatToE4m3(std::nextafter(mid, 0.0f)), uint8_t(c)) << c;
+    EXPECT_EQ(FloatToE4m3(std::nextafter(mid, 1000.0f)), uint8_t(c + 1)) << c;
+  }
+}
+
+TEST(E4m3Test, RoundToE4m3EqualsEncodeThenDecode) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 2000000; ++i) {
+    uint32_t b = bits(rng);
+    if (i % 2 == 0) b = (b & 0x807fffffu) | ((110u + b % 30u) << 23);  // near e4m3's range
+    float x;
+    std::memcpy(&x, &b, 4);
+    if (std::isnan(x)) continue;
+    ASSERT_EQ(Bits(RoundToE4m3(x)), Bits(E4m3ToFloat(FloatToE4m3(x)))) << x;
+  }
+  for (int c = 0; c < 0x7e; ++c) {  // the midpoints, both signs
+    const float mid = float((double(E4m3ToFloat(uint8_t(c))) + E4m3ToFloat(uint8_t(c + 1))) / 2);
+    for (float x : {mid, -mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e3f)}) {
+      ASSERT_EQ(Bits(RoundToE4m3(x)), Bits(E4m3ToFloat(FloatToE4m3(x)))) << x;
+    }
+  }
+}
+
+TEST(QuantizeRowFp8Test, ScaleIsAbsmaxOver448AndValuesRoundToNearestEven) {
+  const std::vector<float> x = {0.5f, -3.0f, 1e-3f, 2.9f, 0.0f};
+  std::vector<float> q(x.size());
+  const float s = QuantizeRowFp8(x.data(), int(x.size()), q.data());
+  EXPECT_EQ(s, 3.0f / 448.0f);
+  EXPECT_EQ(q[1], -448.0f);
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(q[i], RoundToE4m3(x[i] / s)) << i;
+  // An all-zero row takes vLLM's smallest scale, 1 / (448 · 512).
+  std::vector<float> z(4, 0.0f), qz(4);
+  EXPECT_EQ(QuantizeRowFp8(z.data(), 4, qz.data()), 1.0f / (448.0f * 512.0f));
+}
+
+struct Case {
+  QuantFormat format;
+  int n, k, group;
+};
+
+QuantMatrix RandomMatrix(const Case& c, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::uniform_int_distribution<int> e(-4, 4);
+  if (c.format == QuantFormat::kFp8) {
+    std::vector<uint8_t> codes(size_t(c.n) * c.k);
+    std::uniform_int_distribution<int> code(0, 255);
+    for (uint8_t& b : codes) {
+      do b = uint8_t(code(rng));
+      while ((b & 0x7f) == 0x7f);
+    }
+    std::vector<float> s(c.n);
+    for (float& v : s) v = std::ldexp(std::fabs(d(rng)) + 0.1f, e(rng) - 8);
+    return QuantMatrix::FromFp8(codes.data(), s.data(), c.n, c.k);
+  }
+  const int groups = (c.k + c.group - 1) / c.group;
+  std::vector<int8_t> q(size_t(c.n) * c.k);
+  std::uniform_int_distribution<int> qd(-8, 7);
+  for (int8_t& v : q) v = int8_t(qd(rng));
+  std::vector<float> s(size_t(c.n) * groups);
+  for (float& v : s) v = std::ldexp(std::fabs(d(rng)) + 0.1f, e(rng) - 4);
+  return QuantMatrix::FromInt4(q.data(), s.data(), c.n, c.k, c.group);
+}
+
+std::vector<float> RandomActivations(int m, int k, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::uniform_int_distribution<int> e(-5, 5);
+  std::vector<float> x(size_t(m) * k);
+  for (int i = 0; i < m; ++i) {
+    const int row_exp = e(rng);  // rows of different magnitudes: per-token scales differ
+    for (int c = 0; c < k; ++c) x[size_t(i) * k + c] = std::ldexp(d(rng), row_exp);
+  }
+  return x;
+}
+
+// The definition, scalar: the activations as the format takes them, one fma chain per output
+// element over k ascending, then the FP8 epilogue. Also a float64 sum of the same products and
+// the chain's error bound.
+void Reference(const Case& c, const QuantMatrix& w, const std::vector<float>& x, int m,
+               std::vector<float>* chain, std::vector<double>* exact, std::vector<double>* bound) {
+  chain->assign(size_t(m) * c.n, 0.0f);
+  exact->assign(size_t(m) * c.n, 0.0);
+  bound->assign(size_t(m) * c.n, 0.0);
+  std::vector<float> a(size_t(c.k));
+  for (int i = 0; i < m; ++i) {
+    float sx = 1.0f;
+    if (c.format == QuantFormat::kFp8) {
+      sx = QuantizeRowFp8(x.data() + size_t(i) * c.k, c.k, a.data());
+    } else {
+      std::copy(x.begin() + size_t(i) * c.k, x.begin() + size_t(i + 1) * c.k, a.begin());
+    }
+    for (int j = 0; j < c.n; ++j) {
+      float acc = 0.0f;
+      double sum = 0.0, mag = 0.0;
+      for (int kk = 0; kk < c.k; ++kk) {
+        const float wv = w.Widened(j, kk);
+        acc = std::fma(a[kk], wv, acc);
+        sum += double(a[kk]) * double(wv);
+        mag += std::fabs(double(a[kk]) * double(wv));
+      }
+      const double scale = double(sx) * double(w.RowScale(j));
+      (*chain)[size_t(i) * c.n + j] =
+          c.format == QuantFormat::kFp8 ? sx * (w.RowScale(j) * acc) : acc;
+      (*exact)[size_t(i) * c.n + j] = sum * scale;
+      // k roundings of at most 2⁻²⁴ of the running magnitude, plus two in the epilogue.
+      (*bound)[size_t(i) * c.n + j] = (double(c.k) * 0x1p-24 * mag + 0x1p-22 * std::fabs(sum)) * scale;
+    }
+  }
+}
+
+class QuantGemmTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(QuantGemmTest, EqualsTheChainBitForBitOnEveryIsaBatchedAndSolo) {
+  const Case c = GetParam();
+  std::mt19937 rng(1234 + c.n * 7 + c.k);
+  const QuantMatrix w = RandomMatrix(c, rng);
+  for (int m : {1, 5, 33, 300}) {
+    const std::vector<float> x = RandomActivations(m, c.k, rng);
+    std::vector<float> chain;
+    std::vector<double> exact, bound;
+    Reference(c, w, x, m, &chain, &exact, &bound);
+    for (size_t e = 0; e < chain.size(); ++e) {
+      ASSERT_LE(std::fabs(double(chain[e]) - exact[e]), bound[e]) << "float64 reference, m " << m;
+    }
+    for (GemmIsa isa : {GemmIsa::kAvx512, GemmIsa::kAvx2, GemmIsa::kPortable}) {
+      if (!GemmIsaSupported(isa)) continue;
+      for (GemmThreads th : {GemmThreads::kOpenMp, GemmThreads::kCallerOnly}) {
+        std::vector<float> y(size_t(m) * c.n, -1.0f);
+        QuantLinear(x.data(), m, w, y.data(), isa, th);
+        for (size_t e = 0; e < y.size(); ++e) {
+          ASSERT_EQ(Bits(y[e]), Bits(chain[e]))
+              << GemmIsaName(isa) << " m " << m << " element " << e << ": " << y[e] << " vs "
+              << chain[e];
+        }
+      }
+      // Solo: each row alone gives the batch's bits.
+      for (int i = 0; i < m; i += std::max(1, m / 4)) {
+        std::vector<float> y1(c.n);
+        QuantLinear(x.data() + size_t(i) * c.k, 1, w, y1.data(), isa, GemmThreads::kOpenMp);
+        for (int j = 0; j < c.n; ++j) ASSERT_EQ(Bits(y1[j]), Bits(chain[size_t(i) * c.n + j]));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, QuantGemmTest,
+    ::testing::Values(Case{QuantFormat::kFp8, 16, 64, 0}, Case{QuantFormat::kFp8, 37, 300, 0},
+                      Case{QuantFormat::kFp8, 96, 513, 0}, Case{QuantFormat::kFp8, 5, 7, 0},
+                      Case{QuantFormat::kW4A16, 16, 64, 32}, Case{QuantFormat::kW4A16, 37, 300, 100},
+                      Case{QuantFormat::kW4A16, 96, 512, 128}, Case{QuantFormat::kW4A16, 40, 96, 96}));
+
+TEST(QuantGemmTest, PackedMatrixHookRunsTheQuantizedGemm) {
+  std::mt19937 rng(5);
+  const Case c{QuantFormat::kFp8, 24, 40, 0};
+  QuantMatrix w = RandomMatrix(c, rng);
+  const std::vector<float> x = RandomActivations(3, c.k, rng);
+  std::vector<float> direct(3 * c.n), via(3 * c.n);
+  QuantLinear(x.data(), 3, w, direct.data());
+  const float w00 = w.Dequantized(0, 0);
+  const PackedMatrix p = PackedMatrix::Quantized(std::move(w));
+  EXPECT_EQ(p.rows(), c.n);
+  EXPECT_EQ(p.cols(), c.k);
+  EXPECT_EQ(p.At(0, 0), w00);
+  EXPECT_EQ(p.bytes(), size_t(32 * 40 + 32 * 4));
+  Linear(x.data(), 3, p, via.data());
+  for (size_t e = 0; e < via.size(); ++e) EXPECT_EQ(Bits(via[e]), Bits(direct[e]));
+}
+
+}  // namespace
+}  // namespace dgserve::cpu

@@ -1,0 +1,81 @@
+// The `quantization_config` of a quantized DiffusionGemma checkpoint (issue 37), as
+// compressed-tensors writes it into config.json (compressed-tensors documentation, "Quantization
+// config" / QuantizationConfig, QuantizationScheme and QuantizationArgs in
+// compressed_tensors/quantization/quant_{config,scheme,args}.py; vLLM's reader:
+// vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py):
+//
+//   "quantization_config": {
+//     "quant_method": "compressed-tensors",
+//     "format": "float-quantized" | "pack-quantized",
+//     "quantization_status": "compressed",
+//     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {...},
+//                                   "input_activations": {...} | null}},
+//     "ignore": ["lm_head", "re:.*router.*", ...],
+//     "kv_cache_scheme": null }
+//
+// Supported schemes (anything else is an error naming the field):
+//  * FP8 ("FP8_DYNAMIC", format float-quantized): weights {num_bits 8, type float, symmetric,
+//    strategy channel, dynamic false}; input_activations {num_bits 8, type float, symmetric,
+//    strategy token, dynamic true}. Tensors of a quantized Linear M: `M.weight` F8_E4M3
+//    [out, in], `M.weight_scale` BF16/F16/F32 [out, 1].
+//  * W4A16 (format pack-quantized): weights {num_bits 4, type int, symmetric, strategy group
+//    with group_size G (or channel: one group per row), dynamic false, actorder null}; no
+//    input_activations. Tensors: `M.weight_packed` I32 [out, ceil(in/8)] (eight 4-bit values per
+//    int32 along the input dimension, value 8j+i in bits 4i..4i+3, stored as q + 8: compressed-
+//    tensors' pack_to_int32), `M.weight_scale` BF16/F16/F32 [out, ceil(in/G)], `M.weight_shape`
+//    I32/I64 [2] = [out, in].
+//
+// Which modules are quantized: those matched by a group's `targets` and not by `ignore`. A
+// target or ignore entry is a module class ("Linear": every nn.Linear — the projections, the
+// dense and self-conditioning MLPs, the router, the unfused experts) or a module name, exactly or
+// as "re:REGEX" matched from the start of the name (Python's re.match, as compressed-tensors
+// does). Module names are the tensor names without ".weight" (e.g.
+// "model.decoder.layers.0.self_attn.q_proj"). The embedding (an nn.Embedding) and the tied LM
+// head are never quantized.
+//
+// The MoE experts: the bf16 checkpoint holds them fused (`experts.gate_up_proj` [E, 2F, D],
+// `experts.down_proj` [E, D, F]), which are parameters, not Linear modules, so quantizers skip
+// them. A quantized checkpoint carries them as the standard compressed-tensors MoE layout does,
+// one Linear per expert and projection: `experts.{e}.gate_proj` [F, D], `experts.{e}.up_proj`
+// [F, D], `experts.{e}.down_proj` [D, F] (the layout of the published Gemma 4 26B-A4B
+// compressed-tensors checkpoints, e.g. the FP8-Dynamic ones made with llm-compressor's
+// model_free_ptq) — so per-channel scales are per (expert, output row). The loader accepts either
+// layout; the fused one only unquantized.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace dgserve {
+
+enum class WeightFormat { kBf16, kFp8, kW4A16 };
+
+// "bf16", "fp8", "w4a16" (the names of engine_bench's format= and dgserve-quantize --format).
+const char* WeightFormatName(WeightFormat f);
+
+struct QuantizationConfig {
+  WeightFormat format = WeightFormat::kBf16;  // kBf16: no quantization_config
+  int group_size = 0;  // W4A16: G (0 until parsed; "channel" strategy: the row length, see GroupFor)
+  bool channel_groups = false;  // W4A16 strategy "channel": one group per row
+  std::vector<std::string> targets;
+  std::vector<std::string> ignore;
+
+  bool quantized() const { return format != WeightFormat::kBf16; }
+  // True when the Linear module `module` (name without ".weight") is quantized.
+  bool Quantizes(const std::string& module) const;
+  // The W4A16 group size for a row of `in` elements.
+  int GroupFor(int in) const { return channel_groups ? in : group_size; }
+};
+
+// Parses the root object's "quantization_config" of config.json text (absent: bf16). `source`
+// names the file. INVALID_ARGUMENT naming the field for malformed JSON, an unsupported
+// quant_method or format, a scheme this build does not run, or bad targets / ignore entries.
+absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& config_json,
+                                                           const std::string& source);
+
+// The "quantization_config" object dgserve-quantize writes for `q` (JSON text).
+std::string QuantizationConfigJson(const QuantizationConfig& q);
+
+}  // namespace dgserve

@@ -1,0 +1,313 @@
+#include "engine/model/quant_loader.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/bf16.h"
+#include "common/status_macros.h"
+#include "engine/model/cpu/gemm_quant.h"
+#include "engine/model/tensor_names.h"
+
+namespace dgserve {
+namespace {
+
+constexpr char kDecoderPrefix[] = "model.decoder.";
+constexpr char kEncoderPrefix[] = "model.encoder.language_model.";
+
+std::string EncoderAlias(const std::string& name) {
+  if (!absl::StartsWith(name, kDecoderPrefix)) return "";
+  return absl::StrCat(kEncoderPrefix, name.substr(sizeof(kDecoderPrefix) - 1));
+}
+
+bool IsFloat16Or32(DType d) { return d == DType::kBF16 || d == DType::kF16 || d == DType::kF32; }
+
+// One Linear module's tensors, found and checked; `rows`, `cols` its [out, in].
+struct Module {
+  std::string name;  // as found in the checkpoint (decoder prefix or the encoder alias)
+  bool quantized = false;
+  const TensorView* weight = nullptr;  // bf16 / FP8 weight
+  const TensorView* packed = nullptr;  // W4A16
+  const TensorView* scale = nullptr;
+  const TensorView* shape = nullptr;  // W4A16 weight_shape
+  int rows = 0, cols = 0;
+};
+
+class Planner {
+ public:
+  Planner(const QuantizationConfig& q, const SafetensorsReader& r, QuantizedLoadPlan* plan,
+          std::vector<std::string>* problems)
+      : q_(q), r_(r), plan_(plan), problems_(problems) {}
+
+  const TensorView* Find(const std::string& name) {
+    const TensorView* v = r_.Find(name);
+    if (v != nullptr) plan_->used.insert(name);
+    return v;
+  }
+  void Problem(const TensorView* v, const std::string& what) {
+    problems_->push_back(absl::StrCat(v != nullptr ? v->file : r_.source(), ": ", what));
+  }
+
+  // True when the checkpoint holds module `m` (under the decoder prefix or the encoder alias) in
+  // any form.
+  std::string Locate(const std::string& m) {
+    for (const std::string& name : {m, EncoderAlias(m)}) {
+      if (name.empty()) continue;
+      for (const char* suffix : {".weight", ".weight_packed"}) {
+        if (r_.Find(name + suffix) != nullptr) return name;
+      }
+    }
+    return "";
+  }
+
+  // Checks module `name` of shape [rows, cols]; false (with problems recorded) when unusable.
+  bool Check(const std::string& name, int rows, int cols, Module* m) {
+    m->name = name;
+    m->rows = rows;
+    m->cols = cols;
+    m->quantized = q_.Quantizes(name);
+    const std::string expect = absl::StrCat("[", rows, ", ", cols, "]");
+    if (!m->quantized) {
+      m->weight = Find(name + ".weight");
+      if (m->weight == nullptr) {
+        Problem(nullptr, absl::StrCat("tensor '", name, ".weight' is missing (expected shape ",
+                                      expect, "; the quantization_config does not quantize '",
+                                      name, "')"));
+        return false;
+      }
+      if (!IsFloat16Or32(m->weight->dtype) ||
+          m->weight->shape != std::vector<int64_t>{rows, cols}) {
+        Problem(m->weight, absl::StrCat("tensor '", m->weight->name, "' has dtype ",
+                                        DTypeName(m->weight->dtype), " and shape ",
+                                        ShapeToString(m->weight->shape), " but module '", name,
+                                        "' is not quantized by the quantization_config: expected "
+                                        "BF16/F16/F32 ", expect));
+        return false;
+      }
+      return true;
+    }
+    bool ok = true;
+    auto need = [&](const std::string& suffix, std::vector<DType> dtypes,
+                    std::vector<std::vector<int64_t>> shapes, const char* what) {
+      const TensorView* v = Find(name + suffix);
+      if (v == nullptr) {
+        Problem(nullptr, absl::StrCat("tensor '", name, suffix, "' is missing (", what,
+                                      " of the ", WeightFormatName(q_.format), " module '", name,
+                                      "', expected shape ", ShapeToString(shapes[0]), ")"));
+        ok = false;
+        return v;
+      }
+      bool dtype_ok = false, shape_ok = false;
+      std::string names;
+      for (DType d : dtypes) {
+        dtype_ok |= v->dtype == d;
+        names += absl::StrCat(names.empty() ? "" : "/", DTypeName(d));
+      }
+      for (const auto& s : shapes) shape_ok |= v->shape == s;
+      if (!dtype_ok || !shape_ok) {
+        Problem(v, absl::StrCat("tensor '", v->name, "' has dtype ", DTypeName(v->dtype),
+                                " and shape ", ShapeToString(v->shape), " but the ",
+                                WeightFormatName(q_.format), " quantization_config expects ",
+                                names, " ", ShapeToString(shapes[0]), " (", what, ")"));
+        ok = false;
+      }
+      return v;
+    };
+    const std::vector<DType> floats = {DType::kBF16, DType::kF16, DType::kF32};
+    if (q_.format == WeightFormat::kFp8) {
+      m->weight = need(".weight", {DType::kF8E4M3}, {{rows, cols}}, "float8_e4m3fn weight");
+      m->scale = need(".weight_scale", floats, {{rows, 1}, {rows}}, "per-channel scale");
+    } else {
+      const int group = q_.GroupFor(cols);
+      const int64_t groups = (cols + group - 1) / group;
+      m->packed = need(".weight_packed", {DType::kI32}, {{rows, (cols + 7) / 8}},
+                       "int4 values packed eight per int32");
+      m->scale = need(".weight_scale", floats, {{rows, groups}}, "per-group scale");
+      m->shape = need(".weight_shape", {DType::kI32, DType::kI64}, {{2}}, "[out, in]");
+      if (m->shape != nullptr && ok) {
+        int64_t dims[2];
+        for (int i = 0; i < 2; ++i) {
+          if (m->shape->dtype == DType::kI32) {
+            int32_t d;
+            std::memcpy(&d, m->shape->data + 4 * i, 4);
+            dims[i] = d;
+          } else {
+            std::memcpy(&dims[i], m->shape->data + 8 * i, 8);
+          }
+        }
+        if (dims[0] != rows || dims[1] != cols) {
+          Problem(m->shape, absl::StrCat("tensor '", m->shape->name, "' says [", dims[0], ", ",
+                                         dims[1], "] but the config expects ", expect));
+          ok = false;
+        }
+      }
+    }
+    return ok;
+  }
+
+ private:
+  const QuantizationConfig& q_;
+  const SafetensorsReader& r_;
+  QuantizedLoadPlan* plan_;
+  std::vector<std::string>* problems_;
+};
+
+absl::Status NonFinite(const TensorView& v, int64_t i) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(v.file, ": tensor '", v.name, "' holds a non-finite value (element ", i, ")"));
+}
+
+// The scales of a quantized module, float32, finite and ≥ 0.
+absl::StatusOr<std::vector<float>> Scales(const TensorView& v) {
+  DGSERVE_ASSIGN_OR_RETURN(std::vector<float> s, ToFloat32(v));
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (!std::isfinite(s[i])) return NonFinite(v, int64_t(i));
+    if (s[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(v.file, ": tensor '", v.name,
+                                                     "' holds a negative scale (element ", i, ")"));
+    }
+  }
+  return s;
+}
+
+// Appends the rows of module m to the row-major outputs (one of the three, by m's kind).
+absl::Status AppendRows(const Module& m, const QuantizationConfig& q, std::vector<uint16_t>* bf16,
+                        std::vector<uint8_t>* codes, std::vector<int8_t>* int4,
+                        std::vector<float>* scales) {
+  const size_t n = size_t(m.rows) * m.cols;
+  if (!m.quantized) {
+    DGSERVE_ASSIGN_OR_RETURN(std::vector<float> f, ToFloat32(*m.weight));
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(f[i])) return NonFinite(*m.weight, int64_t(i));
+      bf16->push_back(FloatToBf16(f[i]));
+    }
+    return absl::OkStatus();
+  }
+  DGSERVE_ASSIGN_OR_RETURN(std::vector<float> s, Scales(*m.scale));
+  scales->insert(scales->end(), s.begin(), s.end());
+  if (q.format == WeightFormat::kFp8) {
+    if (m.weight->nbytes != n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(m.weight->file, ": tensor '", m.weight->name, "' has inconsistent size"));
+    }
+    const uint8_t* p = m.weight->data;
+    for (size_t i = 0; i < n; ++i) {
+      if ((p[i] & 0x7f) == 0x7f) return NonFinite(*m.weight, int64_t(i));
+    }
+    codes->insert(codes->end(), p, p + n);
+    return absl::OkStatus();
+  }
+  const int64_t words = (m.cols + 7) / 8;
+  const uint8_t* p = m.packed->data;
+  for (int r = 0; r < m.rows; ++r) {
+    for (int c = 0; c < m.cols; ++c) {
+      uint32_t w;
+      std::memcpy(&w, p + 4 * (size_t(r) * words + c / 8), 4);
+      int4->push_back(int8_t(int((w >> (4 * (c % 8))) & 0xf) - 8));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One matrix from one or more modules stacked by rows (an expert's gate and up).
+absl::StatusOr<cpu::PackedMatrix> Build(const std::vector<Module>& parts,
+                                        const QuantizationConfig& q) {
+  std::vector<uint16_t> bf16;
+  std::vector<uint8_t> codes;
+  std::vector<int8_t> int4;
+  std::vector<float> scales;
+  int rows = 0;
+  for (const Module& m : parts) {
+    DGSERVE_RETURN_IF_ERROR(AppendRows(m, q, &bf16, &codes, &int4, &scales));
+    rows += m.rows;
+  }
+  const int cols = parts[0].cols;
+  if (!parts[0].quantized) return cpu::PackedMatrix::FromBf16(bf16.data(), rows, cols);
+  if (q.format == WeightFormat::kFp8) {
+    return cpu::PackedMatrix::Quantized(
+        cpu::QuantMatrix::FromFp8(codes.data(), scales.data(), rows, cols));
+  }
+  return cpu::PackedMatrix::Quantized(
+      cpu::QuantMatrix::FromInt4(int4.data(), scales.data(), rows, cols, q.GroupFor(cols)));
+}
+
+}  // namespace
+
+QuantizedLoadPlan PlanQuantizedLoad(const ModelConfig& config, const QuantizationConfig& quant,
+                                    const SafetensorsReader& reader,
+                                    const std::function<MatrixSeat(const std::string&)>& seat,
+                                    std::vector<std::string>* problems) {
+  QuantizedLoadPlan plan;
+  Planner p(quant, reader, &plan, problems);
+  auto shared = std::make_shared<QuantizationConfig>(quant);
+  for (const TensorSpec& spec : ExpectedTensors(config)) {
+    const bool linear = spec.shape.size() == 2 && absl::EndsWith(spec.name, ".weight") &&
+                        (spec.family == InitFamily::kLinear || spec.family == InitFamily::kRouter);
+    if (linear) {
+      const std::string module = spec.name.substr(0, spec.name.size() - 7);
+      const std::string found = p.Locate(module);
+      // A module the config quantizes, or one stored in a quantized form: ours. Otherwise the
+      // bf16 path loads it (and reports what is wrong with it).
+      if (found.empty() || !quant.Quantizes(found)) continue;
+      plan.handled_specs.insert(spec.name);
+      Module m;
+      if (!p.Check(found, int(spec.shape[0]), int(spec.shape[1]), &m)) continue;
+      cpu::PackedMatrix* dst = seat(spec.name).matrix;
+      plan.jobs.push_back([m, dst, shared]() -> absl::Status {
+        DGSERVE_ASSIGN_OR_RETURN(*dst, Build({m}, *shared));
+        return absl::OkStatus();
+      });
+      continue;
+    }
+    // Fused experts [E, 2F, D] / [E, D, F]: in the checkpoint fused (bf16 path) or one Linear
+    // per expert and projection (here).
+    const bool gate_up = absl::EndsWith(spec.name, ".experts.gate_up_proj");
+    const bool down = absl::EndsWith(spec.name, ".experts.down_proj");
+    if (!gate_up && !down) continue;
+    if (reader.Find(spec.name) != nullptr || reader.Find(EncoderAlias(spec.name)) != nullptr) {
+      continue;
+    }
+    const std::string base = spec.name.substr(0, spec.name.rfind('.'));  // ...experts
+    if (p.Locate(base + ".0." + (gate_up ? "gate_proj" : "down_proj")).empty()) continue;
+    plan.handled_specs.insert(spec.name);
+    const int experts = int(spec.shape[0]), rows = int(spec.shape[1]), cols = int(spec.shape[2]);
+    std::vector<std::vector<Module>> per_expert(experts);
+    bool ok = true;
+    for (int e = 0; e < experts; ++e) {
+      const std::string prefix = absl::StrCat(base, ".", e, ".");
+      const std::vector<std::string> parts =
+          gate_up ? std::vector<std::string>{"gate_proj", "up_proj"}
+                  : std::vector<std::string>{"down_proj"};
+      for (const std::string& part : parts) {
+        std::string found = p.Locate(prefix + part);
+        if (found.empty()) found = prefix + part;  // reported missing by Check
+        Module m;
+        ok &= p.Check(found, gate_up ? rows / 2 : rows, cols, &m);
+        per_expert[e].push_back(m);
+      }
+      if (gate_up && per_expert[e][0].quantized != per_expert[e][1].quantized) {
+        problems->push_back(absl::StrCat(
+            reader.source(), ": expert modules '", per_expert[e][0].name, "' and '",
+            per_expert[e][1].name,
+            "' must both be quantized or both not (the backend runs them as one [2F, D] matrix)"));
+        ok = false;
+      }
+    }
+    if (!ok) continue;
+    std::vector<cpu::PackedMatrix>* dst = seat(spec.name).experts;
+    plan.jobs.push_back([per_expert, dst, shared]() -> absl::Status {
+      dst->clear();
+      for (const std::vector<Module>& parts : per_expert) {
+        DGSERVE_ASSIGN_OR_RETURN(cpu::PackedMatrix m, Build(parts, *shared));
+        dst->push_back(std::move(m));
+      }
+      return absl::OkStatus();
+    });
+  }
+  return plan;
+}
+
+}  // namespace dgserve

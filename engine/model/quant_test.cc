@@ -1,0 +1,450 @@
+// Quantized checkpoints end to end (issue 37) on the golden shapes (tiny-v512, tiny-g3; random
+// weights from the generator): dgserve-quantize's writer (QuantizeCheckpoint) and the loader
+// round-trip every module; the engine runs FP8 and W4A16 checkpoints with batched = solo and the
+// same bits on every GEMM path; their logits against the bf16 model's are measured and printed
+// (max |Δlogit|, argmax agreement); bad checkpoints are refused naming the tensor or field.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "common/bf16.h"
+#include "common/fp8.h"
+#include "common/testing/status_matchers.h"
+#include "engine/model/backend.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
+#include "engine/model/cpu/gemm.h"
+#include "engine/model/cpu/gemm_quant.h"
+#include "engine/model/kv_cache.h"
+#include "engine/model/quantize_checkpoint.h"
+#include "engine/model/random_checkpoint.h"
+#include "engine/model/safetensors.h"
+
+namespace dgserve {
+namespace {
+
+namespace fs = std::filesystem;
+using ::dgserve::testing::IsOk;
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+// Every matrix of the weights with its HF-like name (experts as "...experts.gate_up_proj[e]").
+std::vector<std::pair<std::string, const cpu::PackedMatrix*>> Matrices(const ModelWeights& w) {
+  std::vector<std::pair<std::string, const cpu::PackedMatrix*>> m;
+  m.push_back({"sc_gate_proj", &w.sc_gate_proj});
+  m.push_back({"sc_up_proj", &w.sc_up_proj});
+  m.push_back({"sc_down_proj", &w.sc_down_proj});
+  m.push_back({"lm_head", &w.lm_head});
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LayerWeights& l = w.layers[i];
+    const std::string p = "layers." + std::to_string(i) + ".";
+    for (auto [n, x] : std::vector<std::pair<const char*, const cpu::PackedMatrix*>>{
+             {"q_proj", &l.q_proj}, {"k_proj", &l.k_proj}, {"v_proj", &l.v_proj},
+             {"o_proj", &l.o_proj}, {"mlp.gate_proj", &l.mlp_gate_proj},
+             {"mlp.up_proj", &l.mlp_up_proj}, {"mlp.down_proj", &l.mlp_down_proj},
+             {"router", &l.router_proj}}) {
+      m.push_back({p + n, x});
+    }
+    for (size_t e = 0; e < l.experts_gate_up_proj.size(); ++e) {
+      m.push_back({p + "gate_up[" + std::to_string(e) + "]", &l.experts_gate_up_proj[e]});
+      m.push_back({p + "down[" + std::to_string(e) + "]", &l.experts_down_proj[e]});
+    }
+  }
+  return m;
+}
+
+struct Models {
+  Checkpoint bf16, fp8, w4a16;
+  std::string dir;
+};
+
+// "sudoku": the trained Sudoku model of the repository (models/sudoku); else a golden shape with
+// the generator's random weights (seed 512).
+Models* LoadModels(const std::string& shape) {
+  auto* m = new Models;
+  m->dir = ::dgserve::testing::MakeTempDir("quant_" + shape);
+  std::string bf16 = m->dir + "/bf16";
+  if (shape == "sudoku") {
+    const char* src = std::getenv("DGSERVE_SOURCE_DIR");
+    bf16 = std::string(src != nullptr ? src : ".") + "/models/sudoku";
+  } else {
+    const fs::path golden = fs::path(::dgserve::testing::GoldenDir()) / shape;
+    auto cfgs = LoadConfigsFromModelDir(golden.string());
+    EXPECT_TRUE(cfgs.ok()) << cfgs.status();
+    if (!cfgs.ok()) return nullptr;
+    EXPECT_THAT(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, bf16), IsOk());
+  }
+  QuantizeOptions o;
+  o.progress = false;
+  o.format = WeightFormat::kFp8;
+  EXPECT_TRUE(QuantizeCheckpoint(bf16, m->dir + "/fp8", o).ok());
+  o.format = WeightFormat::kW4A16;
+  o.group_size = 32;
+  EXPECT_TRUE(QuantizeCheckpoint(bf16, m->dir + "/w4a16", o).ok());
+  for (auto [name, ck] : {std::pair{"bf16", &m->bf16}, {"fp8", &m->fp8}, {"w4a16", &m->w4a16}}) {
+    auto c = LoadCheckpoint(std::string(name) == "bf16" ? bf16 : m->dir + "/" + name);
+    EXPECT_TRUE(c.ok()) << name << ": " << c.status();
+    if (!c.ok()) return nullptr;
+    *ck = std::move(*c);
+  }
+  return m;
+}
+
+class QuantModelTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    static std::map<std::string, Models*> cache;
+    Models*& m = cache[GetParam()];
+    if (m == nullptr) m = LoadModels(GetParam());
+    ASSERT_NE(m, nullptr);
+    m_ = m;
+  }
+  Models* m_ = nullptr;
+};
+
+// The writer's rounding, restated: FP8 per row s = absmax/448, code = e4m3_rne(w/s); W4A16 per
+// group s = bf16(absmax/7.5), q = clamp(rne(w/s), −8, 7). Unquantized modules are the bf16 ones.
+TEST_P(QuantModelTest, QuantizeAndLoadRoundTripEveryModule) {
+  const auto ref = Matrices(m_->bf16.weights);
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16}) {
+    const bool fp8 = ck == &m_->fp8;
+    EXPECT_EQ(ck->weights.format, fp8 ? WeightFormat::kFp8 : WeightFormat::kW4A16);
+    const auto got = Matrices(ck->weights);
+    ASSERT_EQ(got.size(), ref.size());
+    int quantized = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const cpu::PackedMatrix& a = *ref[i].second;
+      const cpu::PackedMatrix& b = *got[i].second;
+      ASSERT_EQ(a.rows(), b.rows()) << got[i].first;
+      ASSERT_EQ(a.cols(), b.cols()) << got[i].first;
+      const bool keep = got[i].first == "lm_head" || absl::StrContains(got[i].first, "router") ||
+                        absl::StartsWith(got[i].first, "sc_");
+      if (keep || a.empty()) {
+        EXPECT_EQ(b.quant(), nullptr) << got[i].first;
+        EXPECT_TRUE(a.UnpackBf16() == b.UnpackBf16()) << got[i].first;
+        continue;
+      }
+      ASSERT_NE(b.quant(), nullptr) << got[i].first;
+      ++quantized;
+      const cpu::QuantMatrix& q = *b.quant();
+      for (int r = 0; r < a.rows(); ++r) {
+        if (fp8) {
+          float absmax = 0;
+          for (int c = 0; c < a.cols(); ++c) absmax = std::max(absmax, std::fabs(a.At(r, c)));
+          const float s = absmax > 0 ? absmax / 448.0f : 1.0f;
+          ASSERT_EQ(q.RowScale(r), s) << got[i].first << " row " << r;
+          for (int c = 0; c < a.cols(); ++c) {
+            ASSERT_EQ(q.Widened(r, c), RoundToE4m3(a.At(r, c) / s)) << got[i].first;
+          }
+        } else {
+          for (int c0 = 0; c0 < a.cols(); c0 += 32) {
+            const int c1 = std::min(a.cols(), c0 + 32);
+            float absmax = 0;
+            for (int c = c0; c < c1; ++c) absmax = std::max(absmax, std::fabs(a.At(r, c)));
+            float s = RoundToBf16(absmax / 7.5f);
+            if (s == 0) s = 1;
+            for (int c = c0; c < c1; ++c) {
+              const float qv = std::min(7.0f, std::max(-8.0f, std::nearbyint(a.At(r, c) / s)));
+              ASSERT_EQ(q.Widened(r, c), qv * s) << got[i].first << " " << r << " " << c;
+            }
+          }
+        }
+      }
+    }
+    EXPECT_GT(quantized, 0);
+    // Norms and scalars as in the bf16 checkpoint.
+    EXPECT_EQ(::dgserve::testing::WeightScalars(ck->weights),
+              ::dgserve::testing::WeightScalars(m_->bf16.weights));
+    EXPECT_EQ(ck->weights.final_norm, m_->bf16.weights.final_norm);
+    EXPECT_EQ(ck->weights.embed_tokens, m_->bf16.weights.embed_tokens);
+    std::printf("%s %s: weights %.3f MB resident (bf16 %.3f MB), WeightBytes %lld\n",
+                GetParam().c_str(), fp8 ? "fp8" : "w4a16",
+                [&] {
+                  size_t b = 0;
+                  for (auto& [n, p] : got) b += p->bytes();
+                  return b / 1e6;
+                }(),
+                [&] {
+                  size_t b = 0;
+                  for (auto& [n, p] : ref) b += p->bytes();
+                  return b / 1e6;
+                }(),
+                static_cast<long long>(WeightBytes(ck->config, ck->quant)));
+  }
+}
+
+// Per GEMM: y = x·Wᵀ of the quantized module against the bf16 one on random N(0, 1) rows:
+// relative RMS error (printed, the worst and the mean over modules).
+TEST_P(QuantModelTest, PerModuleGemmErrorIsMeasured) {
+  const auto ref = Matrices(m_->bf16.weights);
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16}) {
+    const auto got = Matrices(ck->weights);
+    double worst = 0, sum = 0;
+    int n = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (got[i].second->quant() == nullptr) continue;
+      const cpu::PackedMatrix& a = *ref[i].second;
+      const int m = 8;
+      std::vector<float> x(size_t(m) * a.cols()), y0(size_t(m) * a.rows()), y1(y0.size());
+      for (size_t j = 0; j < x.size(); ++j) x[j] = std::sin(1.7f * float(j) + 0.3f * float(i));
+      cpu::Linear(x.data(), m, a, y0.data());
+      cpu::Linear(x.data(), m, *got[i].second, y1.data());
+      double num = 0, den = 0;
+      for (size_t j = 0; j < y0.size(); ++j) {
+        num += double(y1[j] - y0[j]) * (y1[j] - y0[j]);
+        den += double(y0[j]) * y0[j];
+      }
+      const double rel = std::sqrt(num / std::max(den, 1e-30));
+      worst = std::max(worst, rel);
+      sum += rel;
+      ++n;
+    }
+    std::printf("%s %s: per-GEMM relative RMS error vs bf16: mean %.4f, worst %.4f over %d modules\n",
+                GetParam().c_str(), WeightFormatName(ck->weights.format), sum / n, worst, n);
+    EXPECT_LT(worst, ck == &m_->fp8 ? 0.2 : 0.4);
+  }
+}
+
+struct Pass {
+  std::vector<float> keys, logits;
+};
+
+// Two prompts encoded together and two canvases decoded together (the second with a soft
+// embedding), or each alone.
+Pass RunPasses(const Checkpoint& ck, bool batched) {
+  const ModelConfig& c = ck.config;
+  auto b = CreateCpuBackend(c, ck.weights);
+  std::vector<int32_t> p1(21), p2(9), c1(c.canvas_length), c2(c.canvas_length);
+  for (size_t i = 0; i < p1.size(); ++i) p1[i] = (i * 37 + 11) % c.vocab_size;
+  for (size_t i = 0; i < p2.size(); ++i) p2[i] = (i * 53 + 3) % c.vocab_size;
+  for (int i = 0; i < c.canvas_length; ++i) {
+    c1[i] = (i * 13 + 1) % c.vocab_size;
+    c2[i] = (i * 29 + 7) % c.vocab_size;
+  }
+  std::vector<float> soft(size_t(c.canvas_length) * c.hidden_size);
+  for (size_t i = 0; i < soft.size(); ++i) soft[i] = std::sin(0.37f * float(i));
+  ContiguousKvCache kv1(c, 256), kv2(c, 256);
+  std::vector<float> l1(size_t(c.canvas_length) * c.vocab_size), l2(l1.size());
+  EncodeInput e[2] = {{p1, &kv1}, {p2, &kv2}};
+  DecodeInput d[2] = {{c1, nullptr, &kv1, l1.data()}, {c2, soft.data(), &kv2, l2.data()}};
+  if (batched) {
+    EXPECT_THAT(b->Encode(e), IsOk());
+    EXPECT_THAT(b->Decode(d), IsOk());
+  } else {
+    for (int i = 0; i < 2; ++i) EXPECT_THAT(b->Encode({&e[i], 1}), IsOk());
+    for (int i = 0; i < 2; ++i) EXPECT_THAT(b->Decode({&d[i], 1}), IsOk());
+  }
+  Pass out;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const int w = c.KvHeads(l) * c.HeadDim(l);
+    for (int pos = 0; pos < 21; ++pos) {
+      out.keys.insert(out.keys.end(), kv1.KeyRow(l, pos), kv1.KeyRow(l, pos) + w);
+    }
+  }
+  out.logits = l1;
+  out.logits.insert(out.logits.end(), l2.begin(), l2.end());
+  return out;
+}
+
+TEST_P(QuantModelTest, BatchedEqualsSoloAndEveryGemmPathGivesTheSameBits) {
+  const cpu::GemmIsa saved = cpu::ActiveGemmIsa();
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16}) {
+    std::vector<Pass> runs;
+    std::vector<std::string> names;
+    for (cpu::GemmIsa isa : {cpu::GemmIsa::kAvx512, cpu::GemmIsa::kAvx2, cpu::GemmIsa::kPortable}) {
+      if (!cpu::GemmIsaSupported(isa)) continue;
+      ASSERT_TRUE(cpu::SetGemmIsa(isa).ok());
+      const Pass batched = RunPasses(*ck, true), solo = RunPasses(*ck, false);
+      EXPECT_TRUE(batched.keys == solo.keys) << cpu::GemmIsaName(isa);
+      EXPECT_TRUE(batched.logits == solo.logits) << cpu::GemmIsaName(isa);
+      runs.push_back(batched);
+      names.push_back(cpu::GemmIsaName(isa));
+    }
+    ASSERT_TRUE(cpu::SetGemmIsa(saved).ok());
+    for (size_t i = 1; i < runs.size(); ++i) {
+      EXPECT_TRUE(runs[i].keys == runs[0].keys) << names[i] << " vs " << names[0];
+      EXPECT_TRUE(runs[i].logits == runs[0].logits) << names[i] << " vs " << names[0];
+    }
+  }
+}
+
+// What the formats cost against bf16, measured (printed): decoder logits of the two canvases.
+TEST_P(QuantModelTest, LogitsAgainstBf16AreMeasured) {
+  const Pass ref = RunPasses(m_->bf16, true);
+  const int V = m_->bf16.config.vocab_size;
+  const size_t rows = ref.logits.size() / V;
+  double range = 0;
+  for (float v : ref.logits) range = std::max(range, double(std::fabs(v)));
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16}) {
+    const Pass q = RunPasses(*ck, true);
+    double max_diff = 0;
+    size_t agree = 0;
+    for (size_t r = 0; r < rows; ++r) {
+      const float* a = ref.logits.data() + r * V;
+      const float* b = q.logits.data() + r * V;
+      for (int v = 0; v < V; ++v) {
+        ASSERT_TRUE(std::isfinite(b[v]));
+        max_diff = std::max(max_diff, double(std::fabs(a[v] - b[v])));
+      }
+      agree += std::max_element(a, a + V) - a == std::max_element(b, b + V) - b;
+    }
+    std::printf("%s %s vs bf16: max |dlogit| %.4f (max |logit| %.2f), argmax agreement %zu/%zu\n",
+                GetParam().c_str(), WeightFormatName(ck->weights.format), max_diff, range, agree,
+                rows);
+    // Measured, not asserted beyond finiteness: the golden shapes' random weights make chaotic
+    // networks in which the ~3 % (FP8) / ~7 % (W4A16) error of each GEMM (PerModuleGemmError)
+    // decorrelates the logits; the trained Sudoku model is the meaningful figure (README).
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, QuantModelTest, ::testing::Values("tiny-v512", "tiny-g3", "sudoku"),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           std::replace(s.begin(), s.end(), '-', '_');
+                           return s;
+                         });
+
+// The full 30-layer real-width shape's resident weights per format, by arithmetic (WeightBytes:
+// bytes per tensor as the loader holds them, quantized rows padded to 16; the embedding twice),
+// against the issue's targets: ≤ 30 GB at FP8, ≤ 18 GB at 4 bits.
+TEST(QuantWeightBytesTest, FullShapeFitsTheTargets) {
+  const char* src = std::getenv("DGSERVE_SOURCE_DIR");
+  auto config = LoadModelConfig(std::string(src != nullptr ? src : ".") +
+                                "/bench/configs/diffusiongemma-26b-a4b.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  QuantizationConfig q;
+  q.targets = {"Linear"};
+  q.ignore = DefaultQuantizeIgnore();
+  const double bf16 = WeightBytes(*config, q) / 1e9;
+  q.format = WeightFormat::kFp8;
+  const double fp8 = WeightBytes(*config, q) / 1e9;
+  q.format = WeightFormat::kW4A16;
+  q.group_size = 128;
+  const double w4 = WeightBytes(*config, q) / 1e9;
+  std::printf("full shape resident weights: bf16 %.2f GB, fp8 %.2f GB, w4a16 (g128) %.2f GB\n",
+              bf16, fp8, w4);
+  EXPECT_LE(fp8, 30.0);
+  EXPECT_LE(w4, 18.0);
+}
+
+// ---- Refusals: a bad quantized checkpoint is an error naming the tensor or field. ----
+
+class QuantErrorTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(::dgserve::testing::MakeTempDir("quant_err"));
+    const fs::path golden = fs::path(::dgserve::testing::GoldenDir()) / "tiny-v512";
+    auto cfgs = LoadConfigsFromModelDir(golden.string());
+    ASSERT_TRUE(cfgs.ok());
+    ASSERT_THAT(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, *dir_ + "/bf16"), IsOk());
+    QuantizeOptions o;
+    o.progress = false;
+    ASSERT_TRUE(QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/fp8", o).ok());
+    o.format = WeightFormat::kW4A16;
+    ASSERT_TRUE(QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/w4a16", o).ok());
+  }
+  // A copy of `src` with its tensors edited and/or its config.json edited; returns the load's
+  // error message ("" when it loads).
+  std::string LoadEdited(const std::string& src,
+                         const std::function<void(std::vector<TensorSource>&)>& tensors,
+                         const std::function<void(json&)>& config = nullptr) {
+    const std::string out = *dir_ + "/edit" + std::to_string(n_++);
+    fs::create_directories(out);
+    auto reader = SafetensorsReader::OpenDir(*dir_ + "/" + src);
+    EXPECT_TRUE(reader.ok());
+    std::vector<TensorSource> t;
+    for (const TensorView& v : reader->tensors()) {
+      t.push_back(TensorFromBuffer(v.name, v.dtype, v.shape, v.data));
+    }
+    if (tensors) tensors(t);
+    EXPECT_THAT(WriteSafetensors(out, std::move(t)), IsOk());
+    std::ifstream in(*dir_ + "/" + src + "/config.json");
+    json c = json::parse(in);
+    if (config) config(c);
+    std::ofstream(out + "/config.json") << c.dump(2);
+    auto ck = LoadCheckpoint(out);
+    return ck.ok() ? "" : std::string(ck.status().message());
+  }
+  static void Erase(std::vector<TensorSource>& t, const std::string& name) {
+    t.erase(std::remove_if(t.begin(), t.end(), [&](auto& s) { return s.name == name; }), t.end());
+  }
+  static std::string* dir_;
+  int n_ = 0;
+};
+std::string* QuantErrorTest::dir_ = nullptr;
+
+const std::string kQ = "model.decoder.layers.0.self_attn.q_proj";
+
+TEST_F(QuantErrorTest, UnchangedCopiesLoad) {
+  EXPECT_EQ(LoadEdited("fp8", nullptr), "");
+  EXPECT_EQ(LoadEdited("w4a16", nullptr), "");
+}
+
+TEST_F(QuantErrorTest, UnsupportedSchemesNameTheField) {
+  auto qc = [](const char* path, json v) {
+    return [path, v](json& c) { c["quantization_config"][json::json_pointer(path)] = v; };
+  };
+  EXPECT_THAT(LoadEdited("fp8", nullptr, qc("/quant_method", "gptq")),
+              HasSubstr("quantization_config.quant_method"));
+  EXPECT_THAT(LoadEdited("fp8", nullptr, qc("/format", "nvfp4-pack-quantized")),
+              HasSubstr("quantization_config.format"));
+  EXPECT_THAT(LoadEdited("fp8", nullptr, qc("/config_groups/group_0/weights/strategy", "tensor")),
+              HasSubstr("quantization_config.config_groups.group_0.weights.strategy"));
+  EXPECT_THAT(
+      LoadEdited("fp8", nullptr, qc("/config_groups/group_0/input_activations/dynamic", false)),
+      HasSubstr("input_activations.dynamic"));
+  EXPECT_THAT(LoadEdited("w4a16", nullptr, qc("/config_groups/group_0/weights/num_bits", 8)),
+              HasSubstr("weights.num_bits"));
+  EXPECT_THAT(LoadEdited("w4a16", nullptr, qc("/config_groups/group_0/weights/actorder", "group")),
+              HasSubstr("weights.actorder"));
+}
+
+TEST_F(QuantErrorTest, MissingOrMistypedTensorsAreNamed) {
+  EXPECT_THAT(LoadEdited("fp8", [](auto& t) { Erase(t, kQ + ".weight_scale"); }),
+              HasSubstr("'" + kQ + ".weight_scale' is missing"));
+  EXPECT_THAT(LoadEdited("fp8",
+                         [](auto& t) {
+                           for (auto& s : t) {
+                             if (s.name == kQ + ".weight_scale") s.shape = {32, 2};
+                           }
+                         }),
+              HasSubstr("tensor '" + kQ + ".weight_scale' has dtype F32 and shape [32, 2]"));
+  static std::vector<uint16_t> zeros(64 * 64);
+  EXPECT_THAT(LoadEdited("fp8",
+                         [](auto& t) {
+                           Erase(t, kQ + ".weight");
+                           t.push_back(TensorFromBuffer(kQ + ".weight", DType::kBF16, {64, 64},
+                                                        zeros.data()));
+                         }),
+              HasSubstr("tensor '" + kQ + ".weight' has dtype BF16"));
+  const std::string e = "model.decoder.layers.1.experts.3.up_proj";
+  EXPECT_THAT(LoadEdited("w4a16", [&](auto& t) { Erase(t, e + ".weight_packed"); }),
+              HasSubstr("'" + e + ".weight_packed' is missing"));
+  static const int64_t wrong[2] = {7, 7};
+  EXPECT_THAT(LoadEdited("w4a16",
+                         [&](auto& t) {
+                           Erase(t, kQ + ".weight_shape");
+                           t.push_back(TensorFromBuffer(kQ + ".weight_shape", DType::kI64, {2}, wrong));
+                         }),
+              HasSubstr("tensor '" + kQ + ".weight_shape' says [7, 7]"));
+  // A quantized tensor the config does not quantize.
+  EXPECT_THAT(LoadEdited("fp8", nullptr,
+                         [](json& c) {
+                           c["quantization_config"]["ignore"].push_back("re:.*q_proj");
+                         }),
+              HasSubstr("tensor '" + kQ + ".weight' has dtype F8_E4M3"));
+  // No quantization_config at all.
+  EXPECT_THAT(LoadEdited("fp8", nullptr, [](json& c) { c.erase("quantization_config"); }),
+              HasSubstr("has dtype F8_E4M3 but config.json has no quantization_config"));
+}
+
+}  // namespace
+}  // namespace dgserve

@@ -1,0 +1,326 @@
+// Quantizing a bf16 checkpoint into a compressed-tensors one (issue 37): the body of
+// dgserve-quantize (tools/quantize_main.cc). See quantize_checkpoint.h.
+#include "engine/model/quantize_checkpoint.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/bf16.h"
+#include "common/fp8.h"
+#include "common/status_macros.h"
+#include "engine/model/config.h"
+#include "engine/model/safetensors.h"
+#include "engine/model/tensor_names.h"
+
+namespace dgserve {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct Progress {
+  int64_t total_bytes = 0, done_bytes = 0;
+  int tensors = 0, done = 0;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  double last = -1.0;
+  bool print = true;
+  void Step(int64_t bytes) {
+    done_bytes += bytes;
+    ++done;
+    const double t =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!print || (done < tensors && t - last < 2.0)) return;
+    last = t;
+    std::fprintf(stderr, "%squantize: %d/%d tensors, %.2f/%.2f GB read, %.1f s%s",
+                 isatty(2) ? "\r" : "", done, tensors, done_bytes / 1e9, total_bytes / 1e9, t,
+                 isatty(2) && done < tensors ? "" : "\n");
+  }
+};
+
+// The source rows of one module: `view` rows [row0, row0 + rows) of an [.., cols] tensor, or an
+// expert's slice of a fused 3-D tensor.
+struct Rows {
+  const TensorView* view = nullptr;
+  int64_t row0 = 0;
+  int rows = 0, cols = 0;
+};
+
+absl::Status ReadRows(const Rows& r, std::vector<float>* out) {
+  // ToFloat32 on a sub-view of the mapping.
+  TensorView sub = *r.view;
+  const size_t es = DTypeSize(sub.dtype);
+  sub.data = r.view->data + size_t(r.row0) * r.cols * es;
+  sub.shape = {r.rows, r.cols};
+  sub.nbytes = size_t(r.rows) * r.cols * es;
+  out->resize(size_t(r.rows) * r.cols);
+  DGSERVE_RETURN_IF_ERROR(ToFloat32(sub, out->data()));
+  for (size_t i = 0; i < out->size(); ++i) {
+    if (!std::isfinite((*out)[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(r.view->file, ": tensor '", r.view->name,
+                                                     "' holds a non-finite value"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void AddFp8(const std::string& module, const Rows& r, Progress* progress,
+            std::vector<TensorSource>* out) {
+  // Scales and codes are computed once, by whichever fill runs first (name order: weight
+  // first), and kept until both are written.
+  auto codes = std::make_shared<std::vector<uint8_t>>();
+  auto scales = std::make_shared<std::vector<float>>();
+  auto left = std::make_shared<int>(2);  // fills still to run; the buffers go with the last
+  auto compute = [r, codes, scales, progress]() -> absl::Status {
+    if (!codes->empty()) return absl::OkStatus();
+    std::vector<float> w;
+    DGSERVE_RETURN_IF_ERROR(ReadRows(r, &w));
+    codes->resize(w.size());
+    scales->resize(r.rows);
+#pragma omp parallel for schedule(static) if (int64_t(r.rows) * r.cols >= (1 << 18))
+    for (int i = 0; i < r.rows; ++i) {
+      const float* row = w.data() + size_t(i) * r.cols;
+      float absmax = 0.0f;
+      for (int c = 0; c < r.cols; ++c) absmax = std::max(absmax, std::fabs(row[c]));
+      const float s = absmax > 0.0f ? absmax / kE4m3Max : 1.0f;
+      (*scales)[i] = s;
+      for (int c = 0; c < r.cols; ++c) (*codes)[size_t(i) * r.cols + c] = FloatToE4m3(row[c] / s);
+    }
+    progress->Step(int64_t(w.size()) * int64_t(DTypeSize(r.view->dtype)));
+    return absl::OkStatus();
+  };
+  out->push_back({module + ".weight", DType::kF8E4M3, {r.rows, r.cols},
+                  [compute, codes, scales, left](uint8_t* dst) -> absl::Status {
+                    DGSERVE_RETURN_IF_ERROR(compute());
+                    std::memcpy(dst, codes->data(), codes->size());
+                    if (--*left == 0) *codes = {}, *scales = {};
+                    return absl::OkStatus();
+                  }});
+  out->push_back({module + ".weight_scale", DType::kF32, {r.rows, 1},
+                  [compute, codes, scales, left](uint8_t* dst) -> absl::Status {
+                    DGSERVE_RETURN_IF_ERROR(compute());
+                    std::memcpy(dst, scales->data(), scales->size() * 4);
+                    if (--*left == 0) *codes = {}, *scales = {};
+                    return absl::OkStatus();
+                  }});
+}
+
+void AddW4a16(const std::string& module, const Rows& r, int group_flag, Progress* progress,
+              std::vector<TensorSource>* out) {
+  const int group = group_flag > 0 ? group_flag : r.cols;
+  const int groups = (r.cols + group - 1) / group, words = (r.cols + 7) / 8;
+  auto packed = std::make_shared<std::vector<uint32_t>>();
+  auto scales = std::make_shared<std::vector<uint16_t>>();
+  auto left = std::make_shared<int>(2);
+  auto compute = [r, group, groups, words, packed, scales, progress]() -> absl::Status {
+    if (!packed->empty()) return absl::OkStatus();
+    std::vector<float> w;
+    DGSERVE_RETURN_IF_ERROR(ReadRows(r, &w));
+    packed->assign(size_t(r.rows) * words, 0);
+    scales->resize(size_t(r.rows) * groups);
+#pragma omp parallel for schedule(static) if (int64_t(r.rows) * r.cols >= (1 << 18))
+    for (int i = 0; i < r.rows; ++i) {
+      const float* row = w.data() + size_t(i) * r.cols;
+      for (int g = 0; g < groups; ++g) {
+        const int c0 = g * group, c1 = std::min(r.cols, c0 + group);
+        float absmax = 0.0f;
+        for (int c = c0; c < c1; ++c) absmax = std::max(absmax, std::fabs(row[c]));
+        uint16_t sb = FloatToBf16(absmax / 7.5f);
+        if (Bf16ToFloat(sb) == 0.0f) sb = FloatToBf16(1.0f);
+        (*scales)[size_t(i) * groups + g] = sb;
+        const float s = Bf16ToFloat(sb);
+        for (int c = c0; c < c1; ++c) {
+          const float q = std::min(7.0f, std::max(-8.0f, std::nearbyint(row[c] / s)));
+          const uint32_t code = uint32_t(int(q) + 8) & 0xfu;
+          (*packed)[size_t(i) * words + c / 8] |= code << (4 * (c % 8));
+        }
+      }
+    }
+    progress->Step(int64_t(w.size()) * int64_t(DTypeSize(r.view->dtype)));
+    return absl::OkStatus();
+  };
+  out->push_back({module + ".weight_packed", DType::kI32, {r.rows, words},
+                  [compute, packed, scales, left](uint8_t* dst) -> absl::Status {
+                    DGSERVE_RETURN_IF_ERROR(compute());
+                    std::memcpy(dst, packed->data(), packed->size() * 4);
+                    if (--*left == 0) *packed = {}, *scales = {};
+                    return absl::OkStatus();
+                  }});
+  out->push_back({module + ".weight_scale", DType::kBF16, {r.rows, groups},
+                  [compute, packed, scales, left](uint8_t* dst) -> absl::Status {
+                    DGSERVE_RETURN_IF_ERROR(compute());
+                    std::memcpy(dst, scales->data(), scales->size() * 2);
+                    if (--*left == 0) *packed = {}, *scales = {};
+                    return absl::OkStatus();
+                  }});
+  const int64_t shape[2] = {r.rows, r.cols};
+  out->push_back({module + ".weight_shape", DType::kI64, {2}, [shape](uint8_t* dst) {
+                    std::memcpy(dst, shape, sizeof shape);
+                    return absl::OkStatus();
+                  }});
+}
+
+// An unquantized copy of rows r (an ignored expert module): the source dtype, bytes as they are.
+void AddCopy(const std::string& name, const Rows& r, std::vector<TensorSource>* out) {
+  const size_t es = DTypeSize(r.view->dtype);
+  const uint8_t* src = r.view->data + size_t(r.row0) * r.cols * es;
+  const size_t n = size_t(r.rows) * r.cols * es;
+  out->push_back({name, r.view->dtype, {r.rows, r.cols}, [src, n](uint8_t* dst) {
+                    std::memcpy(dst, src, n);
+                    return absl::OkStatus();
+                  }});
+}
+
+}  // namespace
+
+std::vector<std::string> DefaultQuantizeIgnore() {
+  return {"lm_head", "re:.*embed_tokens.*", "re:.*router.*", "re:.*norm.*",
+          "re:.*self_conditioning.*"};
+}
+
+absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
+                                                   const QuantizeOptions& options) {
+  if (in.empty() || out.empty()) return absl::InvalidArgumentError("--in DIR and --out DIR are required");
+  std::error_code ec;
+  if (fs::exists(out, ec) && fs::equivalent(in, out, ec)) {
+    return absl::InvalidArgumentError("--out must differ from --in");
+  }
+  QuantizationConfig q;
+  q.format = options.format;
+  if (q.format == WeightFormat::kW4A16) {
+    if (options.group_size < 0) {
+      return absl::InvalidArgumentError("--group_size must be ≥ 0 (0: per channel)");
+    }
+    q.group_size = options.group_size;
+    q.channel_groups = options.group_size == 0;
+  } else if (q.format != WeightFormat::kFp8) {
+    return absl::InvalidArgumentError("the format must be fp8 or w4a16");
+  }
+  q.targets = {"Linear"};
+  q.ignore = options.ignore;
+  // Round-trip the config through the parser: the loader reads exactly what is written.
+  const std::string config_path = (fs::path(in) / "config.json").string();
+  DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_path));
+  DGSERVE_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(text, config_path));
+  json root = json::parse(text, nullptr, false);
+  if (root.contains("quantization_config")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(config_path, " already has a quantization_config: quantize a bf16 checkpoint"));
+  }
+  root["quantization_config"] = json::parse(QuantizationConfigJson(q));
+  DGSERVE_ASSIGN_OR_RETURN(QuantizationConfig check,
+                           ParseQuantizationConfig(root.dump(), "the written config.json"));
+  q = check;
+  if (q.format == WeightFormat::kW4A16 && !q.channel_groups && q.group_size == 0) {
+    return absl::InternalError("group size lost");
+  }
+
+  DGSERVE_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::OpenDir(in));
+  // Linear modules: the 2-D linear weights of the tensor list (not the embedding).
+  std::set<std::string> linear;
+  for (const TensorSpec& s : ExpectedTensors(config)) {
+    if (s.shape.size() == 2 && absl::EndsWith(s.name, ".weight") &&
+        (s.family == InitFamily::kLinear || s.family == InitFamily::kRouter)) {
+      linear.insert(s.name);
+    }
+  }
+  auto progress = std::make_shared<Progress>();
+  progress->print = options.progress;
+  std::vector<TensorSource> tensors;
+  int quantized = 0, kept = 0;
+  auto module_rows = [&](const std::string& module, const Rows& r) {
+    if (q.Quantizes(module)) {
+      ++quantized;
+      ++progress->tensors;
+      progress->total_bytes += int64_t(r.rows) * r.cols * int64_t(DTypeSize(r.view->dtype));
+      if (q.format == WeightFormat::kFp8) {
+        AddFp8(module, r, progress.get(), &tensors);
+      } else {
+        AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, progress.get(), &tensors);
+      }
+    } else {
+      ++kept;
+      AddCopy(module + ".weight", r, &tensors);
+    }
+  };
+  for (const TensorView& v : reader.tensors()) {
+    if (!IsFloatDType(v.dtype) || v.dtype == DType::kF8E4M3) {
+      return absl::InvalidArgumentError(absl::StrCat(v.file, ": tensor '", v.name, "' has dtype ",
+                                                     DTypeName(v.dtype), ": not a bf16 checkpoint"));
+    }
+    std::string name = v.name;
+    // The encoder alias of a backbone tensor is matched as its decoder name.
+    std::string canonical = name;
+    if (absl::StartsWith(name, "model.encoder.language_model.")) {
+      canonical = absl::StrCat("model.decoder.", name.substr(29));
+    }
+    const bool gate_up = absl::EndsWith(name, ".experts.gate_up_proj");
+    const bool down = absl::EndsWith(name, ".experts.down_proj");
+    if ((gate_up || down) && v.shape.size() == 3) {
+      const std::string base = name.substr(0, name.rfind('.'));
+      const int experts = int(v.shape[0]), rows = int(v.shape[1]), cols = int(v.shape[2]);
+      for (int e = 0; e < experts; ++e) {
+        const std::string prefix = absl::StrCat(base, ".", e, ".");
+        if (gate_up) {
+          module_rows(prefix + "gate_proj", {&v, int64_t(e) * rows, rows / 2, cols});
+          module_rows(prefix + "up_proj", {&v, int64_t(e) * rows + rows / 2, rows / 2, cols});
+        } else {
+          module_rows(prefix + "down_proj", {&v, int64_t(e) * rows, rows, cols});
+        }
+      }
+      continue;
+    }
+    if (linear.count(canonical) != 0 && v.shape.size() == 2) {
+      module_rows(name.substr(0, name.size() - 7), {&v, 0, int(v.shape[0]), int(v.shape[1])});
+      continue;
+    }
+    tensors.push_back(TensorFromBuffer(v.name, v.dtype, v.shape, v.data));
+  }
+  fs::create_directories(out, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", out, ": ", ec.message()));
+  // Other files (generation config, tokenizer, chat template): copied.
+  for (const fs::directory_entry& e : fs::directory_iterator(in, ec)) {
+    const std::string f = e.path().filename().string();
+    if (!e.is_regular_file() || f == "config.json" || absl::EndsWith(f, ".safetensors") ||
+        f == "model.safetensors.index.json") {
+      continue;
+    }
+    fs::copy_file(e.path(), fs::path(out) / f, fs::copy_options::overwrite_existing, ec);
+    if (ec) return absl::InternalError(absl::StrCat("cannot copy ", e.path().string(), ": ", ec.message()));
+  }
+  SafetensorsWriteOptions write;
+  write.max_shard_bytes = options.max_shard_bytes;
+  if (write.max_shard_bytes <= 0) return absl::InvalidArgumentError("--max_shard_bytes must be positive");
+  DGSERVE_RETURN_IF_ERROR(WriteSafetensors(out, std::move(tensors), write));
+  {
+    const std::string path = (fs::path(out) / "config.json").string();
+    FILE* f = std::fopen(path.c_str(), "w");
+    if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", path));
+    const std::string s = root.dump(2) + "\n";
+    const bool ok = std::fwrite(s.data(), 1, s.size(), f) == s.size();
+    if (std::fclose(f) != 0 || !ok) return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
+  QuantizeSummary summary;
+  summary.quant = q;
+  summary.quantized = quantized;
+  summary.kept = kept;
+  summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                  progress->start).count();
+  return summary;
+}
+
+}  // namespace dgserve

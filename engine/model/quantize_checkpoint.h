@@ -1,0 +1,57 @@
+// QuantizeCheckpoint (dgserve-quantize): writes a quantized compressed-tensors checkpoint (issue 37; layouts in
+// engine/model/quant_config.h) from a bf16 (or F16/F32) DiffusionGemma checkpoint.
+//
+//   dgserve-quantize --in DIR --out DIR --format fp8
+//   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 128
+//
+// Every Linear module not in the ignore list is quantized with round-to-nearest:
+//  * fp8 (compressed-tensors FP8_DYNAMIC, format float-quantized): per output channel
+//    s = absmax(row) / 448 (float32; an all-zero row takes s = 1), w_q = e4m3_rne(w / s)
+//    (saturating at ±448); `M.weight` F8_E4M3 [out, in], `M.weight_scale` F32 [out, 1].
+//  * w4a16 (format pack-quantized, int4 symmetric per group of G inputs): compressed-tensors'
+//    calculate_qparams, s = absmax(group) / 7.5 (bit range 15 over 2) rounded to bf16 (the
+//    model's dtype; an all-zero group takes s = 1), q = clamp(rne(w / s), −8, 7);
+//    `M.weight_packed` I32 [out, ceil(in/8)] (pack_to_int32 order, q + 8),
+//    `M.weight_scale` BF16 [out, ceil(in/G)], `M.weight_shape` I64 [2].
+// The fused experts (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]) are
+// written unfused, one Linear per expert and projection (`experts.{e}.gate_proj` etc.), the
+// standard compressed-tensors MoE layout. Everything else is copied as it is. config.json gets
+// the quantization_config; the other files of --in (generation config, tokenizer) are copied.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/model/quant_config.h"
+#include "engine/model/safetensors.h"
+
+namespace dgserve {
+
+// The default ignore list: the LM head and the embedding, the MoE router, the norms, and the
+// self-conditioning MLP (0.07 % of the real model's weights, read by every denoising step of
+// every canvas row: its error would reach every step's input for a negligible saving).
+std::vector<std::string> DefaultQuantizeIgnore();
+
+struct QuantizeOptions {
+  WeightFormat format = WeightFormat::kFp8;
+  int group_size = 128;  // w4a16: inputs per scale group; 0: one group per row (channel)
+  std::vector<std::string> ignore = DefaultQuantizeIgnore();
+  int64_t max_shard_bytes = kDefaultMaxShardBytes;
+  bool progress = true;  // a progress line on stderr (every 2 s and at the end)
+};
+
+struct QuantizeSummary {
+  QuantizationConfig quant;  // as written into config.json
+  int quantized = 0, kept = 0;  // Linear modules quantized / kept in their dtype
+  double seconds = 0;
+};
+
+// Reads the bf16 checkpoint `in` and writes the quantized one to `out` (created if needed).
+// INVALID_ARGUMENT for a checkpoint that is already quantized or holds non-finite weights, a bad
+// format or group size; I/O errors name the path.
+absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
+                                                   const QuantizeOptions& options);
+
+}  // namespace dgserve

@@ -1,0 +1,70 @@
+// dgserve-quantize: writes a quantized compressed-tensors checkpoint (FP8 or W4A16) from a bf16
+// DiffusionGemma checkpoint; what it writes: engine/model/quantize_checkpoint.h.
+//
+//   dgserve-quantize --in DIR --out DIR --format fp8
+//   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 128
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/cli.h"
+#include "common/status_macros.h"
+#include "engine/model/quantize_checkpoint.h"
+
+ABSL_FLAG(std::string, in, "", "bf16 checkpoint directory to read (required)");
+ABSL_FLAG(std::string, out, "", "checkpoint directory to write (required; created if needed)");
+ABSL_FLAG(std::string, format, "", "fp8 or w4a16 (required)");
+ABSL_FLAG(int32_t, group_size, 128, "w4a16: inputs per scale group (0: one group per row)");
+ABSL_FLAG(std::string, ignore, absl::StrJoin(dgserve::DefaultQuantizeIgnore(), ","),
+          "comma-separated compressed-tensors ignore list (module names or re:REGEX): modules "
+          "kept in bf16. Default: the LM head and embedding, the MoE router, the norms, and the "
+          "self-conditioning MLP");
+ABSL_FLAG(int64_t, max_shard_bytes, dgserve::kDefaultMaxShardBytes,
+          "bytes of tensors per safetensors shard");
+
+namespace dgserve {
+namespace {
+
+absl::Status Run() {
+  QuantizeOptions options;
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format == "fp8") {
+    options.format = WeightFormat::kFp8;
+  } else if (format == "w4a16") {
+    options.format = WeightFormat::kW4A16;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--format '", format, "': must be fp8 or w4a16 (nvfp4 is not implemented yet)"));
+  }
+  options.group_size = absl::GetFlag(FLAGS_group_size);
+  options.ignore.clear();
+  for (absl::string_view e : absl::StrSplit(absl::GetFlag(FLAGS_ignore), ',', absl::SkipEmpty())) {
+    options.ignore.emplace_back(e);
+  }
+  options.max_shard_bytes = absl::GetFlag(FLAGS_max_shard_bytes);
+  const std::string out = absl::GetFlag(FLAGS_out);
+  DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,
+                           QuantizeCheckpoint(absl::GetFlag(FLAGS_in), out, options));
+  std::printf("wrote %s: format %s%s, %d modules quantized, %d kept in their dtype, in %.1f s\n",
+              out.c_str(), WeightFormatName(s.quant.format),
+              s.quant.format != WeightFormat::kW4A16 ? ""
+              : s.quant.channel_groups ? " (per channel)"
+                                       : absl::StrCat(" (group ", s.quant.group_size, ")").c_str(),
+              s.quantized, s.kept, s.seconds);
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace dgserve
+
+int main(int argc, char** argv) {
+  return dgserve::RunFlagsOnlyTool(
+      argc, argv, "dgserve-quantize",
+      "Writes a quantized compressed-tensors checkpoint from a bf16 DiffusionGemma checkpoint.\n"
+      "  dgserve-quantize --in DIR --out DIR --format fp8|w4a16 [--group_size N] [--ignore LIST]",
+      "tools/quantize_main.cc", dgserve::Run);
+}
