@@ -150,8 +150,9 @@ TEST_F(InternalAuthClusterTest, EveryInternalRpcRefusesCallsWithoutTheToken) {
           .ok());
 }
 
-// A PushBlocks header with lease_ms 1e12 and valid credentials takes its blocks for at most
-// --max_kv_lease_ms (2 s here) plus the stream bound, not for 1e12 ms.
+// A PushBlocks header with lease_ms 1e12 and valid credentials holds what it sent for at most
+// --max_kv_lease_ms (2 s here) plus the stream bound, not for 1e12 ms. (The header alone holds
+// nothing: blocks are taken as their data arrives, kvstore/transfer.h.)
 TEST_F(InternalAuthClusterTest, ForgedLeaseWithValidCredentialsIsClamped) {
   absl::StatusOr<v1::StatsResponse> before = c().DenoiseStats(0);
   ASSERT_TRUE(before.ok()) << before.status();
@@ -170,7 +171,14 @@ TEST_F(InternalAuthClusterTest, ForgedLeaseWithValidCredentialsIsClamped) {
   v1::KvChunk chunk;
   *chunk.mutable_header() = kv::internal::MakeHeader("forged-lease", cache, 1000000000000);
   ASSERT_TRUE(writer->Write(chunk));
-  // Held while the header's transfer is open...
+  // One block's data: it takes one block of the receiver's pool.
+  const std::vector<kv::internal::OutgoingBlock> blocks =
+      kv::internal::BlocksToSend(chunk.header().kv_descriptor(), cache);
+  ASSERT_FALSE(blocks.empty());
+  v1::KvChunk data;
+  kv::internal::FillPayload(cache, blocks[0], data.mutable_block());
+  ASSERT_TRUE(writer->Write(data));
+  // Held while the transfer is open...
   EXPECT_TRUE(Eventually([&] {
     absl::StatusOr<v1::StatsResponse> s = c().DenoiseStats(0);
     return s.ok() && UsedBlocks(*s) > UsedBlocks(*before);
