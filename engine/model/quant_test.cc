@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
@@ -68,8 +70,8 @@ struct Models {
 
 // "sudoku": the trained Sudoku model of the repository (models/sudoku); else a golden shape with
 // the generator's random weights (seed 512).
-Models* LoadModels(const std::string& shape) {
-  auto* m = new Models;
+std::unique_ptr<Models> LoadModels(const std::string& shape) {
+  auto m = std::make_unique<Models>();
   m->dir = ::dgserve::testing::MakeTempDir("quant_" + shape);
   std::string bf16 = m->dir + "/bf16";
   if (shape == "sudoku") {
@@ -101,11 +103,12 @@ Models* LoadModels(const std::string& shape) {
 class QuantModelTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    static std::map<std::string, Models*> cache;
-    Models*& m = cache[GetParam()];
+    // Owned for the whole program, freed at exit (a raw pointer here was reported as a leak).
+    static std::map<std::string, std::unique_ptr<Models>> cache;
+    std::unique_ptr<Models>& m = cache[GetParam()];
     if (m == nullptr) m = LoadModels(GetParam());
     ASSERT_NE(m, nullptr);
-    m_ = m;
+    m_ = m.get();
   }
   Models* m_ = nullptr;
 };
