@@ -276,13 +276,16 @@ class FtzDazScope {
   unsigned saved_ = 0;
 };
 
-// The widened path's tiles: row tiles of at most kMcWide rows; column tiles of whole groups
-// (16 · max_panels columns) of at most kNcWide columns, shared out evenly, their count a multiple
-// of the thread count where there are few.
-void GemmWide(const GemmArgs& g, const KernelSet& ks, int threads, bool ftz) {
-  const int row_tiles = (g.m + kMcWide - 1) / kMcWide;
-  const int mc = ((g.m + row_tiles - 1) / row_tiles + ks.max_rows - 1) / ks.max_rows * ks.max_rows;
-  const int unit = ks.max_panels * kGemmPanel, groups = (g.n + unit - 1) / unit;
+// Cuts an m×n output into tiles of at most kMcWide rows (a multiple of `max_rows`) by column
+// groups of `max_panels` panels (about kNcWide columns per tile; more column tiles while there are
+// fewer than 8 tiles per thread), and calls tile(row0, row1, col0, col1) for each, row-tile major
+// (consecutive tiles share their A rows in cache), over `threads` threads. Tiles only split the
+// work: every output element is computed whole by one tile.
+template <typename Tile>
+void ForEachWideTile(int m, int n, int max_rows, int max_panels, int threads, const Tile& tile) {
+  const int row_tiles = (m + kMcWide - 1) / kMcWide;
+  const int mc = ((m + row_tiles - 1) / row_tiles + max_rows - 1) / max_rows * max_rows;
+  const int unit = max_panels * kGemmPanel, groups = (n + unit - 1) / unit;
   const int per_tile = kNcWide / unit;
   int col_tiles = (groups + per_tile - 1) / per_tile;
   if (threads > 1 && row_tiles * col_tiles < 8 * threads) {
@@ -290,13 +293,10 @@ void GemmWide(const GemmArgs& g, const KernelSet& ks, int threads, bool ftz) {
   }
   const int tiles = row_tiles * col_tiles;
   auto run = [&](int t) {
-    // Row-tile major: consecutive tiles share their A rows in cache.
     const int ti = t / col_tiles, tj = t % col_tiles;
     const int g0 = int(int64_t(groups) * tj / col_tiles);
     const int g1 = int(int64_t(groups) * (tj + 1) / col_tiles);
-    const FtzDazScope scope(ftz);
-    RunTileWide(g, ks, ti * mc, std::min(g.m, (ti + 1) * mc), g0 * unit, std::min(g.n, g1 * unit),
-                ThreadScratch());
+    tile(ti * mc, std::min(m, (ti + 1) * mc), g0 * unit, std::min(n, g1 * unit));
   };
   if (threads > 1 && tiles > 1) {
 #pragma omp parallel for schedule(dynamic, 1)
@@ -304,6 +304,14 @@ void GemmWide(const GemmArgs& g, const KernelSet& ks, int threads, bool ftz) {
     return;
   }
   for (int t = 0; t < tiles; ++t) run(t);
+}
+
+void GemmWide(const GemmArgs& g, const KernelSet& ks, int threads, bool ftz) {
+  ForEachWideTile(g.m, g.n, ks.max_rows, ks.max_panels, threads,
+                  [&](int r0, int r1, int c0, int c1) {
+                    const FtzDazScope scope(ftz);
+                    RunTileWide(g, ks, r0, r1, c0, c1, ThreadScratch());
+                  });
 }
 
 // The float32 machinery on g (A float32; in the bf16 mode's emulation A holds bf16(A) and `ftz`
@@ -424,31 +432,13 @@ void RunTileNative(const GemmArgs& g, const GemmABf16& a, const Bf16KernelSet& k
   }
 }
 
-// The native path's tiles, as the widened path's (GemmWide).
+// The native path, on the widened path's tiles (ForEachWideTile).
 void GemmNative(const GemmArgs& g, const GemmABf16& a, int threads) {
   const Bf16KernelSet ks = gemm_internal::Avx512Bf16Kernels();
-  const int row_tiles = (g.m + kMcWide - 1) / kMcWide;
-  const int mc = ((g.m + row_tiles - 1) / row_tiles + ks.max_rows - 1) / ks.max_rows * ks.max_rows;
-  const int unit = ks.max_panels * kGemmPanel, groups = (g.n + unit - 1) / unit;
-  const int per_tile = kNcWide / unit;
-  int col_tiles = (groups + per_tile - 1) / per_tile;
-  if (threads > 1 && row_tiles * col_tiles < 8 * threads) {
-    while ((row_tiles * col_tiles) % threads != 0 && col_tiles < groups) ++col_tiles;
-  }
-  const int tiles = row_tiles * col_tiles;
-  auto run = [&](int t) {
-    const int ti = t / col_tiles, tj = t % col_tiles;
-    const int g0 = int(int64_t(groups) * tj / col_tiles);
-    const int g1 = int(int64_t(groups) * (tj + 1) / col_tiles);
-    RunTileNative(g, a, ks, ti * mc, std::min(g.m, (ti + 1) * mc), g0 * unit,
-                  std::min(g.n, g1 * unit), ThreadNativeScratch());
-  };
-  if (threads > 1 && tiles > 1) {
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int t = 0; t < tiles; ++t) run(t);
-    return;
-  }
-  for (int t = 0; t < tiles; ++t) run(t);
+  ForEachWideTile(g.m, g.n, ks.max_rows, ks.max_panels, threads,
+                  [&](int r0, int r1, int c0, int c1) {
+                    RunTileNative(g, a, ks, r0, r1, c0, c1, ThreadNativeScratch());
+                  });
 }
 
 // RoundActivationToBf16 without branches, as float32 bits (bf16 in the high half): vectorizes.
