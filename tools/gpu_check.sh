@@ -30,11 +30,12 @@
 #     GPU_CHECK_TRANSPORTS, default "cuda_ipc auto tcp"; the log line naming the transport it
 #     chose is reported), and nccl across two GPUs where two exist. Same device, different
 #     transport: the text must be identical (the KV bytes are the same). GPU against CPU:
-#     reported MATCH or DIFFERS with the first differing canvas step. With the default float32
-#     GEMM input (engine/cuda/DEVICE_CHECK.md) the GPU differs from the CPU in float32 rounding only
-#     (addition order in the GEMMs, the kernels' own reductions), which could still flip a sample at a near tie on a random checkpoint,
-#     so a difference is a finding to look at, not a failure (--cuda_gemm_input=bf16 differs
-#     from step 2 on).
+#     reported MATCH or DIFFERS with the first differing canvas step. Both clusters run the same
+#     GEMM input on both workers (GPU_CHECK_CLUSTER_GEMM_INPUT: bf16, the GPU's default, so the
+#     CPU reference runs --cpu_gemm_input=bf16; or float32): the GPU then differs from the CPU
+#     in float32 addition order only (the GEMMs, the kernels' own reductions), which can still
+#     flip a bf16 rounding and then a sample at a near tie on a random checkpoint, so a
+#     difference is a finding to look at, not a failure.
 #  3b. (GPU_CHECK_SANITIZER=1) compute-sanitizer on the seven kernel test binaries and the
 #     synthetic-weight fill kernels (cuda_synthetic_test's CudaTest.Fill*)
 #     (`sanitizer:`), one error summary per binary and tool (GPU_CHECK_SANITIZER_TOOLS, default
@@ -357,17 +358,19 @@ run_cluster() {
   local end=$((SECONDS + limit)) dir=$WORK/$name mine=() dport pport http
   mkdir -p "$dir"
   local common=(--model "$MODEL" --internal_insecure)
+  local gemm=(--cpu_gemm_input "${GPU_CHECK_CLUSTER_GEMM_INPUT:-bf16}"
+    --cuda_gemm_input "${GPU_CHECK_CLUSTER_GEMM_INPUT:-bf16}")
   # --metrics_address= : no Prometheus exposer. prometheus-cpp's civetweb cannot start in a
   # binary that links cuBLAS 13 (top-level CMakeLists.txt), and the workers here link it.
   # shellcheck disable=SC2086
-  env $denv "$BUILD_DIR/denoise_worker/dgserve-denoise-worker" "${common[@]}" --device "$device" \
-    --metrics_address= --ports_file "$dir/denoise.ports" > "$LOGS/$name.denoise.log" 2>&1 &
+  env $denv "$BUILD_DIR/denoise_worker/dgserve-denoise-worker" "${common[@]}" "${gemm[@]}" \
+    --device "$device" --metrics_address= --ports_file "$dir/denoise.ports" > "$LOGS/$name.denoise.log" 2>&1 &
   mine+=($!); echo $! >> "$PID_FILE"
   dport=$(wait_ports "$dir/denoise.ports" "${mine[0]}" "$LOGS/$name.denoise.log" $((end - SECONDS))) \
     || { echo "denoise worker did not start" >&2; stop_pids "${mine[@]}"; return 1; }
   # shellcheck disable=SC2086
-  env $penv "$BUILD_DIR/prefill_worker/dgserve-prefill-worker" "${common[@]}" --device "$device" \
-    --kv_transport "$transport" --denoise_workers "127.0.0.1:$dport" --metrics_address= \
+  env $penv "$BUILD_DIR/prefill_worker/dgserve-prefill-worker" "${common[@]}" "${gemm[@]}" \
+    --device "$device" --kv_transport "$transport" --denoise_workers "127.0.0.1:$dport" --metrics_address= \
     --ports_file "$dir/prefill.ports" > "$LOGS/$name.prefill.log" 2>&1 &
   mine+=($!); echo $! >> "$PID_FILE"
   pport=$(wait_ports "$dir/prefill.ports" "${mine[1]}" "$LOGS/$name.prefill.log" $((end - SECONDS))) \

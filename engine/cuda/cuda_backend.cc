@@ -585,11 +585,15 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   const int F = c_.moe_intermediate_size;
   const float eps = c_.rms_norm_eps;
   // Router on the un-normalised h1 (spec §3.2 step 5): rms_noscale(h1) ⊙ scale · D^−½, then a
-  // float32 GEMM (no bf16 rounding: the top-k choice should match the CPU's).
+  // float32 GEMM against the bf16-valued router weights. In the bf16 mode its input is rounded
+  // to bf16 first (rounding point 4 of cpu_backend.cc), so its products are the CPU's.
   DGSERVE_RETURN_IF_ERROR(r_.Ensure(size_t(R) * D));
   DGSERVE_RETURN_IF_ERROR(scores_.Ensure(size_t(R) * E));
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h1, lw.router_scale.get(), R, D, eps, r_.get()));
   DGSERVE_RETURN_IF_ERROR(cuda::Scale(r_.get(), int64_t(R) * D, 1.0f / std::sqrt(float(D))));
+  if (cublas_.input() == cuda::GemmInput::kBf16) {
+    DGSERVE_RETURN_IF_ERROR(cuda::RoundActivationsToBf16(r_.get(), int64_t(R) * D));
+  }
   const float one = 1.0f, zero = 0.0f;
   cuda::NoteCublas();
   DGSERVE_RETURN_IF_ERROR(

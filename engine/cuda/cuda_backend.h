@@ -37,10 +37,12 @@ struct CudaBackendOptions {
   // Device KV mirrors kept (each holds its sequence's K/V for every layer; one per live
   // sequence is ideal, more cost device memory, fewer cost re-uploads from the host cache).
   int max_kv_mirrors = 16;
-  // How the projections and the LM head take float32 activations (engine/cuda/cuda_gemm.h):
-  // kFloat32 (exact split, the CPU backend's results up to float32 addition order) or kBf16
-  // (one rounding to bf16, a third of the GEMM work).
-  cuda::GemmInput gemm_input = cuda::GemmInput::kFloat32;
+  // How the projections, the router, the experts and the LM head take float32 activations
+  // (engine/cuda/cuda_gemm.h). kBf16, the default: rounded to bf16 at the reference's points
+  // (spec §5.3), the CPU backend's --cpu_gemm_input=bf16 up to float32 addition order. kFloat32
+  // (--cuda_gemm_input=float32, a check mode): an exact split into three bf16 terms, the CPU
+  // backend's float32 results up to addition order, three times the GEMM work.
+  cuda::GemmInput gemm_input = cuda::GemmInput::kBf16;
   // Time the phases of every DenoiseStep with CUDA events (LastCudaPhaseTimes). Off by default:
   // each bracket costs two event records. For one backend at a time (engine_bench): the timer
   // sees launches through the process-wide observer of cuda_profile.h while its step runs.

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
@@ -20,22 +21,13 @@ int Blocks(int64_t n, int threads) {
   return int(b < 65535 * 16 ? (b < 1 ? 1 : b) : 65535 * 16);
 }
 
-__device__ __forceinline__ float Bf16Bits(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
-
-// Round-to-nearest-even float → bf16 bits, NaN kept NaN (as dgserve::FloatToBf16).
-__device__ __forceinline__ uint16_t ToBf16(float f) {
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 __global__ void EmbedRowsKernel(const int32_t* ids, const uint16_t* table, int rows, int dim,
                                 float scale, float* out) {
   const int64_t n = int64_t(rows) * dim;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / dim, d = i % dim;
-    out[i] = Bf16Bits(table[int64_t(ids[r]) * dim + d]) * scale;
+    out[i] = Bf16BitsToFloat(table[int64_t(ids[r]) * dim + d]) * scale;
   }
 }
 
@@ -115,7 +107,7 @@ __global__ void SoftmaxProbsBf16Kernel(const float* raw, int rows, int vocab, fl
     float l = row[v];
     if (softcap > 0) l = softcap * tanhf(l / softcap);
     const bool allowed = mask == nullptr || ((mask[v >> 6] >> (v & 63)) & 1u) != 0;
-    out[v] = ok && allowed ? ToBf16(expf(l * inv_t - lse)) : uint16_t(0);
+    out[v] = ok && allowed ? ToBf16Bits(expf(l * inv_t - lse)) : uint16_t(0);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common/status_macros.h"
+#include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
@@ -22,21 +23,6 @@ absl::Status CublasCheck(const char* call, cublasStatus_t s) {
 }
 
 cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
-
-
-// The bit-exact float → bf16 rounding of common/bf16.h (round-to-nearest-even on the bit
-// pattern; NaN keeps its sign and payload top bits, quieted).
-__device__ __forceinline__ uint16_t ToBf16Bits(float f) {
-  const uint32_t b = __float_as_uint(f);
-  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0) {
-    return uint16_t((b >> 16) | 0x40u);
-  }
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ float Bf16BitsToFloat(uint16_t b) {
-  return __uint_as_float(uint32_t(b) << 16);
-}
 
 // Term `term` of the exact split x = hi + mid + lo (GemmInput::kFloat32): each subtraction of a
 // bf16 rounding of f from f is exact in float32, and what is left after two fits bf16.
@@ -61,6 +47,22 @@ __global__ void ToBf16Kernel(const float* x, int64_t n, uint16_t* y) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     y[i] = ToBf16Bits(x[i]);
+  }
+}
+
+// GemmInput::kBf16's rounding of a GEMM input (ActivationBf16Bits: DAZ, then nearest even).
+__global__ void ActivationToBf16Kernel(const float* x, int64_t n, uint16_t* y) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] = ActivationBf16Bits(x[i]);
+  }
+}
+
+// The same rounding written back as float32 values (for the float32 cuBLAS router GEMM).
+__global__ void RoundActivationsKernel(float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    x[i] = Bf16BitsToFloat(ActivationBf16Bits(x[i]));
   }
 }
 
@@ -90,6 +92,12 @@ absl::Status FloatToBf16(const float* x, int64_t n, uint16_t* y, void* stream) {
   return Check("FloatToBf16");
 }
 
+absl::Status RoundActivationsToBf16(float* x, int64_t n, void* stream) {
+  if (n <= 0) return absl::OkStatus();
+  LaunchKernel(RoundActivationsKernel, Blocks(n, 256), 256, 0, S(stream), x, n);
+  return Check("RoundActivationsToBf16");
+}
+
 absl::Status SplitToBf16(const float* x, int64_t n, int term, uint16_t* y, void* stream) {
   if (term < 0 || term > 2) {
     return absl::InvalidArgumentError("SplitToBf16: term must be 0 (hi), 1 (mid) or 2 (lo)");
@@ -107,7 +115,7 @@ int Terms(GemmInput input) { return input == GemmInput::kFloat32 ? 3 : 1; }
 absl::Status ConvertTerm(GemmInput input, int term, const float* x, int64_t n, uint16_t* xb,
                          cudaStream_t stream) {
   if (input == GemmInput::kBf16) {
-    LaunchKernel(ToBf16Kernel, Blocks(n, 256), 256, 0, stream, x, n, xb);
+    LaunchKernel(ActivationToBf16Kernel, Blocks(n, 256), 256, 0, stream, x, n, xb);
   } else {
     LaunchKernel(SplitTermKernel, Blocks(n, 256), 256, 0, stream, x, n, term, xb);
   }

@@ -16,9 +16,11 @@ namespace dgserve::cuda {
 
 // How a CublasContext feeds float32 activations x to the bf16 GEMM.
 enum class GemmInput {
-  // x rounded to bf16 once (round-to-nearest-even), one GEMM: HF's bf16 activations (spec §5.3).
-  // Each x loses up to 2⁻⁹ of its value, so results differ from a float32 GEMM by bf16 noise and
-  // on a random checkpoint near-tied routing or logits can then differ from the CPU backend.
+  // x rounded to bf16 once (a denormal read as zero, then nearest even:
+  // cpu::RoundActivationToBf16),
+  // one GEMM: HF's bf16 activations (spec §5.3) and the CPU backend's --cpu_gemm_input=bf16, the
+  // same rounding points with the same values; only the order of the float32 additions differs.
+  // The backend's default.
   kBf16,
   // x split exactly into three bf16 terms, x = hi + mid + lo (hi = bf16(x), mid = bf16(x − hi),
   // lo = x − hi − mid, which fits bf16; the subtractions are exact in float32), and three GEMMs
@@ -81,6 +83,11 @@ class CublasContext {
 // Rounds n float32 values to bf16 bits (round-to-nearest-even, NaN stays NaN), as
 // dgserve::FloatToBf16. x: [n] float32, y: [n] bf16 bits.
 absl::Status FloatToBf16(const float* x, int64_t n, uint16_t* y, void* stream = nullptr);
+
+// x[i] = bf16(x[i]) in place, as GemmInput::kBf16 rounds a GEMM input (denormal → zero of its
+// sign, then nearest even; cpu::RoundActivationToBf16), kept as float32 values: the input of a
+// float32 GEMM whose products must be those of the bf16-input mode (the router). x: [n] float32.
+absl::Status RoundActivationsToBf16(float* x, int64_t n, void* stream = nullptr);
 
 // Term `term` (0: hi, 1: mid, 2: lo) of GemmInput::kFloat32's exact split of n float32 values
 // into bf16 bits: x = hi + mid + lo for every finite x in float32's normal range. term outside

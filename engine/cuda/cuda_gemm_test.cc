@@ -13,6 +13,7 @@
 #include "common/bf16.h"
 #include "common/testing/status_matchers.h"
 #include "engine/cuda/cuda_test_util.h"
+#include "engine/model/cpu/gemm.h"
 #include "gtest/gtest.h"
 
 namespace dgserve::cuda {
@@ -184,6 +185,47 @@ TEST_F(CudaGemmTest, FloatToBf16MatchesTheHostConversionBitForBit) {
   ASSERT_THAT(FloatToBf16(Upload(x), int64_t(x.size()), dy), IsOk());
   const std::vector<uint16_t> got = Download(dy, x.size());
   for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(got[i], want[i]) << "element " << i;
+}
+
+// GemmInput::kBf16 rounds a GEMM input as the CPU's bf16-input mode does
+// (cpu::RoundActivationToBf16: denormals read as zero, then nearest even), bit for bit: the
+// scratch of Linear and RoundActivationsToBf16 (the router's input), on ties, denormals of both
+// signs, infinities and NaNs.
+TEST_F(CudaGemmTest, Bf16InputRoundsAsTheCpuBf16Mode) {
+  std::vector<float> x = RandomFloats(4093, 1e3f, 3);
+  const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0x00000001u, 0x807fffffu,
+                              0x00400000u, 0x80008000u, 0x00800000u, 0x80800000u, 0x7f800000u,
+                              0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffa00000u, 0x80000000u};
+  for (uint32_t b : special) {
+    float f;
+    std::memcpy(&f, &b, 4);
+    x.push_back(f);
+  }
+  const int rows = 1, in = int(x.size()), out = 1;
+  std::vector<uint16_t> want(x.size());
+  int denormals = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    want[i] = cpu::RoundActivationToBf16(x[i]);
+    denormals += std::fpclassify(x[i]) == FP_SUBNORMAL;
+  }
+  ASSERT_EQ(denormals, 4);
+  // Linear's scratch holds the rounded input (the weights are zeros: only the scratch matters).
+  CublasContext ctx(GemmInput::kBf16);
+  float* dx = Upload(x);
+  uint16_t* scratch = Alloc<uint16_t>(x.size(), 0xFF);
+  float* dy = Alloc<float>(1);
+  ASSERT_THAT(ctx.Linear(dx, Alloc<uint16_t>(x.size()), rows, in, out, dy, nullptr, scratch),
+              IsOk());
+  const std::vector<uint16_t> got = Download(scratch, x.size());
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(got[i], want[i]) << "Linear, element " << i;
+  // In place, as float32 values.
+  ASSERT_THAT(RoundActivationsToBf16(dx, int64_t(x.size())), IsOk());
+  const std::vector<float> rounded = Download(dx, x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    uint32_t b;
+    std::memcpy(&b, &rounded[i], 4);
+    ASSERT_EQ(b, uint32_t(want[i]) << 16) << "RoundActivationsToBf16, element " << i;
+  }
 }
 
 TEST_F(CudaGemmTest, LinearMatchesDoubleReference) {

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
 #include "engine/cuda/cuda_mma.cuh"
 
@@ -222,21 +223,6 @@ __global__ void MoeGroupKernel(const int32_t* expert, const float* weight, int r
 
 // ---- Grouped expert GEMM ------------------------------------------------------------------------
 
-__device__ __forceinline__ float RoundToBf16(float f) {
-  const uint32_t b = __float_as_uint(f);
-  uint32_t h;
-  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0) {
-    h = (b >> 16) | 0x40u;  // NaN stays NaN (quieted), as common/bf16.h
-  } else {
-    h = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  }
-  return __uint_as_float((h & 0xFFFFu) << 16);
-}
-
-__device__ __forceinline__ float Bf16ToFloat(uint16_t b) {
-  return __uint_as_float(uint32_t(b) << 16);
-}
-
 // Which row tile block t works on (run by warp 0): the experts' groups cut into tiles of bm
 // rows, numbered in expert order; tile[0] = the expert (−1: t is past the last tile), tile[1]
 // = the tile's first gathered row, tile[2] = its rows. Lanes take 32 experts at a time and a
@@ -332,12 +318,13 @@ __global__ void __launch_bounds__(kGemmThreads)
       float v = 0.0f;
       if (a_src[i] >= 0 && kk < in) {
         v = x[a_src[i] * in + kk];
-        if (bf16_input) v = RoundToBf16(v);
+        if (bf16_input) v = Bf16BitsToFloat(ActivationBf16Bits(v));
       }
       As[tx][ty + 8 * i] = v;
     }
     for (int i = 0; i < 8; ++i) {
-      Ws[tx][ty + 8 * i] = w_src[i] >= 0 && kk < in ? Bf16ToFloat(we[w_src[i] * in + kk]) : 0.0f;
+      Ws[tx][ty + 8 * i] =
+          w_src[i] >= 0 && kk < in ? Bf16BitsToFloat(we[w_src[i] * in + kk]) : 0.0f;
     }
     __syncthreads();
     const int kn = min(kTileK, in - k0);
@@ -388,13 +375,6 @@ constexpr int kMmaK = 64;
 constexpr int kMmaLd =
     kMmaK + 8;  // bf16 per shared row: 144 bytes, ldmatrix rows on distinct banks
 constexpr int kMmaThreads = 128;
-
-__device__ __forceinline__ uint16_t ToBf16Bits(float f) {
-  const uint32_t b = __float_as_uint(f);
-  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0)
-    return uint16_t((b >> 16) | 0x40u);
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
 
 template <int kTerms>
 size_t MmaSharedBytes() {
@@ -460,12 +440,12 @@ __global__ void __launch_bounds__(kMmaThreads)
       const int kk = k0 + ak + q;
       float v = a_src >= 0 && kk < in ? x[a_src * in + kk] : 0.0f;
       for (int term = 0; term < kTerms; ++term) {
-        const uint16_t h = ToBf16Bits(v);
+        // One term (kBf16): the activation rounding; three: the exact split (kFloat32).
+        const uint16_t h = kTerms == 1 ? ActivationBf16Bits(v) : ToBf16Bits(v);
         As[(term * kMmaRows + ar) * kMmaLd + ak + q] = h;
         if (term + 1 < kTerms) {
-          v = (__float_as_uint(v) & 0x7F800000u) == 0x7F800000u
-                  ? 0.0f
-                  : __fsub_rn(v, __uint_as_float(uint32_t(h) << 16));
+          v = (__float_as_uint(v) & 0x7F800000u) == 0x7F800000u ? 0.0f
+                                                                : __fsub_rn(v, Bf16BitsToFloat(h));
         }
       }
     }

@@ -3,6 +3,7 @@
 #include <climits>
 #include <string>
 
+#include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
@@ -80,15 +81,6 @@ __device__ __forceinline__ float Exp2Row(float l, float m, float k, float* w_out
   const float scale = __uint_as_float(__float_as_uint(t) << 23);
   *w_out = w;
   return __fmul_rn(y, scale);
-}
-
-// Bit-exact dgserve::FloatToBf16.
-__device__ __forceinline__ uint16_t ToBf16Bits(float f) {
-  const uint32_t b = __float_as_uint(f);
-  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu) != 0) {
-    return uint16_t((b >> 16) | 0x40u);
-  }
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
 __device__ __forceinline__ double WarpSumD(double v) {

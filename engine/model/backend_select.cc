@@ -8,11 +8,12 @@
 #endif
 
 // Every binary that selects a backend by --device takes this flag (defined here, once).
-ABSL_FLAG(std::string, cuda_gemm_input, "float32",
-          "--device cuda: how the projections' GEMMs take float32 activations. float32 (default): "
-          "split exactly into three bf16 terms, so results equal the CPU backend's up to the "
-          "order of float32 additions, at three times the tensor-core work; bf16: rounded to "
-          "bf16 once (HF's bf16 activations), one GEMM, bf16 noise in the results");
+ABSL_FLAG(std::string, cuda_gemm_input, "bf16",
+          "--device cuda: how the GEMMs take float32 activations. bf16 (default): rounded to "
+          "bf16 at the reference's rounding points (spec §5.3, HF's bf16 activations), the "
+          "function of --cpu_gemm_input=bf16 up to the order of float32 additions; float32 (a "
+          "check mode): split exactly into three bf16 terms, the CPU backend's float32 results "
+          "up to addition order, at three times the tensor-core work");
 
 ABSL_FLAG(std::string, cpu_gemm_input, "float32",
           "--device cpu: the GEMMs' inputs. float32 (default): float32 activations, each output "

@@ -26,7 +26,7 @@ class BackendSelectTest : public ::testing::Test {
     checkpoint_ = std::make_unique<Checkpoint>(std::move(*ckpt));
   }
   void TearDown() override {
-    absl::SetFlag(&FLAGS_cuda_gemm_input, "float32");
+    absl::SetFlag(&FLAGS_cuda_gemm_input, "bf16");  // the defaults
     absl::SetFlag(&FLAGS_cpu_gemm_input, "float32");
   }
   absl::Status Create(const std::string& device) {
@@ -37,7 +37,7 @@ class BackendSelectTest : public ::testing::Test {
 
 TEST_F(BackendSelectTest, CpuWithEitherGemmInput) {
   EXPECT_THAT(Create("cpu"), IsOk());
-  absl::SetFlag(&FLAGS_cuda_gemm_input, "bf16");
+  absl::SetFlag(&FLAGS_cuda_gemm_input, "float32");
   EXPECT_THAT(Create("cpu"), IsOk());
 }
 

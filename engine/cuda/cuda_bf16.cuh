@@ -1,0 +1,32 @@
+// bf16 conversions for the kernel files (*.cu), bit for bit those of the CPU code, so device and
+// host round at the same points to the same values (spec §5.3; engine/model/cpu/gemm.h):
+//   Bf16BitsToFloat     the exact widening (dgserve::Bf16ToFloat)
+//   ToBf16Bits          round to nearest even, NaN kept NaN and quieted (dgserve::FloatToBf16):
+//                       probabilities and other values the reference stores as bf16
+//   ActivationBf16Bits  a GEMM input of the bf16-input mode (cpu::RoundActivationToBf16): a
+//                       denormal is read as a zero of its sign (DAZ, as VCVTNE2PS2BF16), then
+//                       ToBf16Bits
+#pragma once
+
+#include <cstdint>
+
+#include "engine/cuda/cuda_device.cuh"
+
+namespace dgserve::cuda {
+
+__device__ __forceinline__ float Bf16BitsToFloat(uint16_t b) {
+  return __uint_as_float(uint32_t(b) << 16);
+}
+
+__device__ __forceinline__ uint16_t ToBf16Bits(float f) {
+  const uint32_t b = __float_as_uint(f);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((b >> 16) | 0x40u);
+  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ uint16_t ActivationBf16Bits(float f) {
+  const uint32_t b = __float_as_uint(f);
+  return ToBf16Bits((b & 0x7F800000u) == 0 ? __uint_as_float(b & 0x80000000u) : f);
+}
+
+}  // namespace dgserve::cuda
