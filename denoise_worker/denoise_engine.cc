@@ -97,6 +97,7 @@ SamplerParams ToSamplerParams(const v1::SamplerSettings& s) {
   p.stability_threshold = s.stability_threshold();
   p.confidence_threshold = s.confidence_threshold();
   p.self_conditioning = !s.zero_self_conditioning();
+  p.sample_temperature_spread = s.sample_temperature_spread();
   return p;
 }
 
@@ -156,7 +157,7 @@ SampleSpec MakeSampleSpec(const v1::DenoiseRequest& r, int sample,
                           std::shared_ptr<const CanvasTemplate> canvas_template,
                           const Tokenizer* tokenizer) {
   SampleSpec spec;
-  spec.sampler = ToSamplerParams(r.sampler());
+  spec.sampler = SampleSamplerParams(ToSamplerParams(r.sampler()), sample, NumSamples(r));
   spec.seed = r.seed() + uint64_t(sample);
   spec.first_canvas = r.first_canvas();
   spec.max_new_tokens = r.max_new_tokens();

@@ -109,13 +109,16 @@ class DenoiseEngineTest : public ::testing::Test {
   }
 
   // The same request through Generator, with seed `seed`.
+  // `temperature_factor`: t_min and t_max scaled by it (a sample of a spread request).
   GenerationResult Generate(const std::vector<int32_t>& prompt, const v1::DenoiseRequest& r,
-                            uint64_t seed) {
+                            uint64_t seed, float temperature_factor = 1.0f) {
     GenerationRequest g = DefaultRequest(checkpoint_->generation);
     g.prompt = prompt;
     g.max_new_tokens = r.max_new_tokens();
     g.seed = seed;
     g.sampler.max_denoising_steps = r.sampler().max_denoising_steps();
+    g.sampler.t_min *= temperature_factor;
+    g.sampler.t_max *= temperature_factor;
     g.stop_token_ids.assign(r.stop_token_ids().begin(), r.stop_token_ids().end());
     g.pad_token_id = r.pad_token_id();
     Generator gen(*test_backend_);
@@ -237,6 +240,30 @@ TEST_F(DenoiseEngineTest, SamplesScheduledInPartsGiveTheirSeedsTokens) {
     EXPECT_EQ(got.finished[i]->denoising_steps(), want.decoder_passes);
   }
   EXPECT_NE(Ids(got.blocks[0][0]), Ids(got.blocks[1][0]));
+}
+
+// sample_temperature_spread −0.5 over 3 samples: sample i runs t_min and t_max × 1, 0.75, 0.5,
+// so each sample's tokens are Generator's with that schedule and its seed.
+TEST_F(DenoiseEngineTest, SampleTemperatureSpreadGivesEachSampleItsSchedule) {
+  StartEngine(/*max_batch_canvases=*/4);
+  const std::vector<int32_t> prompt = Prompt();
+  v1::DenoiseRequest r = Request("spread", int(prompt.size()), C());
+  r.set_num_samples(3);
+  r.set_canvas_step_interval(0);
+  r.mutable_sampler()->set_sample_temperature_spread(-0.5f);
+  auto job = std::make_shared<DenoiseJob>(r);
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  SendKv("spread", prompt);
+  const JobEvents got = Collect(*job, 3);
+  ASSERT_THAT(got.final, IsOk());
+  const float factor[3] = {1.0f, 0.75f, 0.5f};
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(::testing::Message() << "sample " << i);
+    ASSERT_EQ(got.blocks[i].size(), 1u);
+    EXPECT_EQ(Ids(got.blocks[i][0]), Generate(prompt, r, r.seed() + i, factor[i]).tokens);
+  }
+  // The schedule made a difference: at its own temperatures sample 2 gives other tokens.
+  EXPECT_NE(Ids(got.blocks[2][0]), Generate(prompt, r, r.seed() + 2).tokens);
 }
 
 TEST_F(DenoiseEngineTest, RequestsBatchedTogetherGiveTheirTokensAlone) {

@@ -230,6 +230,9 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   if (d.has_confidence_threshold()) sp.confidence_threshold = d.confidence_threshold();
   // Unset or true: on; false: zero self-conditioning input at every step (ablation).
   if (d.has_self_conditioning()) sp.self_conditioning = d.self_conditioning();
+  if (d.has_sample_temperature_spread()) {
+    sp.sample_temperature_spread = d.sample_temperature_spread();
+  }
   if (d.has_t_min() && !d.has_t_max() && std::isfinite(sp.t_min) && sp.t_min >= sp.t_max) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "t_min: must be < t_max (%g, the model's default), got %g", sp.t_max, sp.t_min));
@@ -242,6 +245,7 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
   p.sampler.set_stability_threshold(sp.stability_threshold);
   p.sampler.set_confidence_threshold(sp.confidence_threshold);
   p.sampler.set_zero_self_conditioning(!sp.self_conditioning);
+  p.sampler.set_sample_temperature_spread(sp.sample_temperature_spread);
   if (request.stream_options().canvas_step_interval() < 0) {
     return absl::InvalidArgumentError("canvas_step_interval: must be >= 0");
   }

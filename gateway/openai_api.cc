@@ -400,6 +400,10 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
       float f = 0;
       DGSERVE_ASSIGN_OR_RETURN(f, GetFloat(v, key));
       dc->set_t_max(f);
+    } else if (key == "sample_temperature_spread") {
+      float f = 0;
+      DGSERVE_ASSIGN_OR_RETURN(f, GetFloat(v, key));
+      dc->set_sample_temperature_spread(f);
     } else if (key == "confidence_threshold") {
       float f = 0;
       DGSERVE_ASSIGN_OR_RETURN(f, GetFloat(v, key));
@@ -528,8 +532,9 @@ std::string ErrorParam(const absl::Status& status) {
     return std::string(rest.substr(0, rest.find(' ')));
   }
   // Sampler range errors start with the field's name ("t_max must be ...").
-  for (std::string_view field : {"max_denoising_steps", "entropy_bound", "t_min", "t_max",
-                                 "confidence_threshold", "stability_threshold"}) {
+  for (std::string_view field :
+       {"max_denoising_steps", "entropy_bound", "t_min", "t_max", "sample_temperature_spread",
+        "confidence_threshold", "stability_threshold"}) {
     if (msg.size() > field.size() && msg.substr(0, field.size()) == field &&
         (msg[field.size()] == ' ' || msg[field.size()] == ':')) {
       return std::string(field);

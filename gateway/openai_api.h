@@ -20,6 +20,8 @@
 //   diffusion extensions (top level; type-checked here, range-checked by the core):
 //     max_denoising_steps, stability_threshold   integer (int32)
 //     entropy_bound, t_min, t_max, confidence_threshold   number (float)
+//     sample_temperature_spread  number; with n > 1, sample i runs t_min and t_max times
+//                        1 + spread·i/(n − 1) (best-of-n diversity)
 //     self_conditioning  bool; false = the self-conditioning input is zero at every denoising
 //                        step (ablation); absent or true = on
 //     canvas_step_interval   integer >= 0 → stream_options.canvas_step_interval; > 0 requires

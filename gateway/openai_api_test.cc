@@ -70,7 +70,7 @@ TEST(ParseCompletionsTest, AllSupportedFields) {
     "temperature": 1, "top_p": 1.0, "n": 1, "user": "u1",
     "max_denoising_steps": 32, "entropy_bound": 0.5, "t_min": 0.1, "t_max": 2,
     "confidence_threshold": 1.25, "stability_threshold": 3, "canvas_step_interval": 4,
-    "canvas_text": true, "self_conditioning": false})");
+    "canvas_text": true, "self_conditioning": false, "sample_temperature_spread": -0.5})");
   EXPECT_EQ(r.model, "diffusiongemma");
   EXPECT_EQ(r.request.model(), "diffusiongemma");
   EXPECT_EQ(r.request.max_tokens(), 64);
@@ -88,6 +88,7 @@ TEST(ParseCompletionsTest, AllSupportedFields) {
   EXPECT_EQ(d.stability_threshold(), 3);
   ASSERT_TRUE(d.has_self_conditioning());
   EXPECT_FALSE(d.self_conditioning());
+  EXPECT_FLOAT_EQ(d.sample_temperature_spread(), -0.5f);
   EXPECT_EQ(r.request.stream_options().canvas_step_interval(), 4);
   EXPECT_TRUE(r.request.stream_options().canvas_text());
 }
@@ -344,6 +345,8 @@ TEST(ParseCompletionsTest, DiffusionControlTypeChecks) {
   ExpectError(R"({"prompt": "x", "entropy_bound": "0.5"})", "entropy_bound: must be a number");
   ExpectError(R"({"prompt": "x", "t_min": true})", "t_min: must be a number");
   ExpectError(R"({"prompt": "x", "t_max": [1]})", "t_max: must be a number");
+  ExpectError(R"({"prompt": "x", "sample_temperature_spread": "wide"})",
+              "sample_temperature_spread: must be a number");
   ExpectError(R"({"prompt": "x", "t_max": 1e300})",
               "t_max: must be a finite float32 (magnitude at most FLT_MAX, 3.4028235e38) (got "
               "1e+300)");

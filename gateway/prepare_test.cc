@@ -100,5 +100,24 @@ TEST_F(PrepareTest, TextAndChatPromptsAreCutAtTheLimitAndRefused) {
   EXPECT_THAT(refused.status().message(), HasSubstr("messages: more than 16 tokens exceed"));
 }
 
+// DiffusionControls.sample_temperature_spread (issue 36 item 8) reaches the denoise worker's
+// sampler settings; out of range it is INVALID_ARGUMENT naming the field, and unset it is 0.
+TEST_F(PrepareTest, SampleTemperatureSpreadIsPassedOnAndChecked) {
+  v1::GenerateRequest r = Ids(3);
+  r.set_n(4);
+  absl::StatusOr<PreparedRequest> unset = Prepare(0, r);
+  ASSERT_THAT(unset, IsOk());
+  EXPECT_EQ(unset->sampler.sample_temperature_spread(), 0.0f);
+  r.mutable_diffusion()->set_sample_temperature_spread(-0.75f);
+  absl::StatusOr<PreparedRequest> set = Prepare(0, r);
+  ASSERT_THAT(set, IsOk());
+  EXPECT_EQ(set->sampler.sample_temperature_spread(), -0.75f);
+  r.mutable_diffusion()->set_sample_temperature_spread(-1.0f);
+  absl::StatusOr<PreparedRequest> refused = Prepare(0, r);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("sample_temperature_spread must be in"));
+}
+
 }  // namespace
 }  // namespace dgserve

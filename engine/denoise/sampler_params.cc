@@ -42,7 +42,38 @@ absl::Status ValidateSamplerParams(const SamplerParams& p) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "confidence_threshold must be finite and > 0, got %g", p.confidence_threshold));
   }
+  if (!std::isfinite(p.sample_temperature_spread) ||
+      p.sample_temperature_spread < kMinSampleTemperatureSpread ||
+      p.sample_temperature_spread > kMaxSampleTemperatureSpread) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sample_temperature_spread must be in [%g, %g], got %g", kMinSampleTemperatureSpread,
+        kMaxSampleTemperatureSpread, p.sample_temperature_spread));
+  }
+  // The sample with the lowest schedule (the last one when the spread is negative).
+  if (p.sample_temperature_spread < 0.0f) {
+    SamplerParams last = p;
+    const float f = 1.0f + p.sample_temperature_spread;
+    last.t_min = p.t_min * f;
+    last.t_max = p.t_max * f;
+    if (const float lowest = StepTemperature(last, last.max_denoising_steps - 1);
+        !(lowest >= kMinStepTemperature)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "sample_temperature_spread %g gives the last sample a last-step temperature %g, below "
+          "the minimum %g; raise it, t_max or t_min",
+          p.sample_temperature_spread, lowest, kMinStepTemperature));
+    }
+  }
   return absl::OkStatus();
+}
+
+SamplerParams SampleSamplerParams(const SamplerParams& params, int sample, int num_samples) {
+  SamplerParams p = params;
+  if (num_samples <= 1 || params.sample_temperature_spread == 0.0f) return p;
+  const float f = 1.0f + params.sample_temperature_spread * static_cast<float>(sample) /
+                             static_cast<float>(num_samples - 1);
+  p.t_min = params.t_min * f;
+  p.t_max = params.t_max * f;
+  return p;
 }
 
 float StepTemperature(const SamplerParams& p, int step) {

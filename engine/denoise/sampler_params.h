@@ -19,6 +19,11 @@ struct SamplerParams {
   // then adds sig(0) = 0 and the canvas input is rms_noscale(e)). Temperatures, acceptance and
   // the stop rule are unchanged. Always valid.
   bool self_conditioning = true;
+  // Best-of-n diversity (issue 36 item 8): sample i of a request's n samples runs the schedule
+  // with t_min and t_max times 1 + spread·i/(n − 1) (SampleSamplerParams), so sample 0 keeps the
+  // request's schedule and the last sample's is scaled by 1 + spread. 0 (the default): every
+  // sample the same schedule. Range [kMinSampleTemperatureSpread, kMaxSampleTemperatureSpread].
+  float sample_temperature_spread = 0.0f;
 };
 
 // Sanity caps beyond the spec's rules, so a request cannot ask for unbounded work or memory.
@@ -30,10 +35,16 @@ inline constexpr int kMaxStabilityThresholdCap = 64;
 // whole batched denoising step into an error. At 10⁻⁶ sampling is already argmax in practice.
 inline constexpr float kMinStepTemperature = 1e-6f;
 
+// The range of SamplerParams::sample_temperature_spread: the last sample's temperatures at 5 %
+// to 5× the request's.
+inline constexpr float kMinSampleTemperatureSpread = -0.95f;
+inline constexpr float kMaxSampleTemperatureSpread = 4.0f;
+
 // Checks the validation rules of spec §1.3 (HF `validate`) plus the caps above:
 // 0 < max_denoising_steps ≤ 1024; t_min, t_max finite and 0 ≤ t_min < t_max;
 // 0 ≤ stability_threshold ≤ 64; confidence_threshold finite and > 0; entropy_bound finite and > 0;
-// and every step's temperature ≥ kMinStepTemperature (the lowest is StepTemperature(N − 1)).
+// and every step's temperature ≥ kMinStepTemperature (the lowest is StepTemperature(N − 1)),
+// for every sample's scaled schedule too (sample_temperature_spread finite and in range).
 // Returns OK or INVALID_ARGUMENT whose message starts with the offending field's name.
 absl::Status ValidateSamplerParams(const SamplerParams& params);
 
@@ -42,5 +53,10 @@ absl::Status ValidateSamplerParams(const SamplerParams& params);
 // Defaults: step 0 → 0.8, step 1 → 0.791667, step 47 → 0.408333 (t_min is never reached).
 // `step` outside [0, N) is not rejected; the formula is simply evaluated.
 float StepTemperature(const SamplerParams& params, int step);
+
+// The settings sample `sample` (0 ≤ sample < num_samples) of a request runs: `params` with t_min
+// and t_max times 1 + sample_temperature_spread·sample/(num_samples − 1) (float32), and the
+// spread itself kept. num_samples ≤ 1 or spread 0: `params` unchanged.
+SamplerParams SampleSamplerParams(const SamplerParams& params, int sample, int num_samples);
 
 }  // namespace dgserve

@@ -122,6 +122,51 @@ TEST(SamplerParamsTest, LowestTemperatureIsTheLastStepsAndHasAFloor) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("below the minimum 1e-06")));
 }
 
+TEST(SamplerParamsTest, SampleTemperatureSpreadScalesEachSamplesSchedule) {
+  SamplerParams p;  // t_min 0.4, t_max 0.8
+  p.sample_temperature_spread = -0.75f;
+  // Sample i of 4: factor 1 − 0.75·i/3 = 1, 0.75, 0.5, 0.25.
+  const float want[4][2] = {{0.4f, 0.8f}, {0.3f, 0.6f}, {0.2f, 0.4f}, {0.1f, 0.2f}};
+  for (int i = 0; i < 4; ++i) {
+    const SamplerParams s = SampleSamplerParams(p, i, 4);
+    EXPECT_FLOAT_EQ(s.t_min, want[i][0]) << i;
+    EXPECT_FLOAT_EQ(s.t_max, want[i][1]) << i;
+    EXPECT_EQ(s.max_denoising_steps, p.max_denoising_steps);
+    EXPECT_EQ(s.entropy_bound, p.entropy_bound);
+  }
+  // Sample 0 and a single sample keep the schedule bit for bit; spread 0 changes nothing.
+  EXPECT_EQ(SampleSamplerParams(p, 0, 8).t_max, p.t_max);
+  EXPECT_EQ(SampleSamplerParams(p, 0, 1).t_min, p.t_min);
+  p.sample_temperature_spread = 2.0f;
+  EXPECT_FLOAT_EQ(SampleSamplerParams(p, 1, 2).t_max, 2.4f);  // the last sample: × 3
+  p.sample_temperature_spread = 0.0f;
+  EXPECT_EQ(SampleSamplerParams(p, 3, 4).t_max, p.t_max);
+}
+
+TEST(SamplerParamsTest, SampleTemperatureSpreadIsValidated) {
+  SamplerParams p;
+  for (float ok : {kMinSampleTemperatureSpread, 0.0f, -0.5f, kMaxSampleTemperatureSpread}) {
+    p.sample_temperature_spread = ok;
+    EXPECT_THAT(ValidateSamplerParams(p), IsOk()) << ok;
+  }
+  for (float bad : {-1.0f, -0.96f, 4.01f, std::numeric_limits<float>::quiet_NaN(),
+                    std::numeric_limits<float>::infinity()}) {
+    p.sample_temperature_spread = bad;
+    EXPECT_THAT(ValidateSamplerParams(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                   HasSubstr("sample_temperature_spread must")))
+        << bad;
+  }
+  // The last sample's schedule must stay above the temperature floor: 48e-6 → 1e-6 at the last
+  // step is valid alone but not at 5 % of it.
+  p.t_min = 0.0f;
+  p.t_max = 49e-6f;
+  p.sample_temperature_spread = 0.0f;
+  EXPECT_THAT(ValidateSamplerParams(p), IsOk());
+  p.sample_temperature_spread = -0.95f;
+  EXPECT_THAT(ValidateSamplerParams(p),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("the last sample")));
+}
+
 TEST(SamplerParamsTest, EdgeValuesAreValid) {
   SamplerParams p;
   p.max_denoising_steps = 1;

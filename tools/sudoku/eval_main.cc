@@ -5,6 +5,7 @@
 //       [--limit N] [--concurrency C] [--steps N] [--self_conditioning=false] [--seed S]
 //       [--min_givens G] [--json_out FILE] [--api_key KEY] [--timeout_s T]
 //       [--template=false] [--candidates [--model DIR]] [--samples N]
+//       [--t_min T] [--t_max T] [--sample_temperature_spread X]
 //
 // Request i (0-based, after the --min_givens filter and --limit) is a unary Generate with the
 // prompt ToRows(puzzle), max_tokens 91 and seed S+i (sudoku::SudokuRequest): by default the
@@ -34,8 +35,9 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -65,6 +67,11 @@ ABSL_FLAG(int32_t, concurrency, 8, "requests in flight at a time (>= 1)");
 ABSL_FLAG(int32_t, steps, 0, "max denoising steps per canvas (0 = the model's default)");
 ABSL_FLAG(double, entropy_bound, 0,
           "entropy bound of the sampler in nats (0 = the model's default; else > 0)");
+ABSL_FLAG(double, t_min, -1, "temperature schedule's t_min (< 0: the model's default)");
+ABSL_FLAG(double, t_max, -1, "temperature schedule's t_max (< 0: the model's default)");
+ABSL_FLAG(double, sample_temperature_spread, 0,
+          "with --samples N: sample i runs t_min and t_max times 1 + X*i/(N-1) (the gateway "
+          "checks -0.95 <= X <= 4)");
 ABSL_FLAG(bool, self_conditioning, true,
           "false: send the ablation control (self-conditioning input zero at every step)");
 ABSL_FLAG(uint64_t, seed, 0, "request i uses seed S+i");
@@ -102,6 +109,8 @@ struct Result {
   std::string answer;  // the answer text
   bool solved = false;
   std::string verdict;  // Verify's message when not solved
+  int distinct = 0;     // distinct answer grids among the samples
+  int samples_solved = 0;  // samples whose answer solves the puzzle
   int blanks = 0, correct = 0, steps = 0, canvases = 0;
   double seconds = 0;
 };
@@ -160,7 +169,7 @@ absl::StatusOr<std::vector<Item>> LoadPuzzles(const std::string& path) {
 // Aggregates over a subset of the puzzles.
 struct Stats {
   int puzzles = 0, solved = 0, errors = 0;
-  long blanks = 0, correct = 0, steps = 0, canvases = 0;
+  long blanks = 0, correct = 0, steps = 0, canvases = 0, distinct = 0;
   std::vector<double> seconds;  // answered puzzles only
 
   void Add(const Result& r) {
@@ -170,6 +179,7 @@ struct Stats {
       return;
     }
     solved += r.solved;
+    distinct += r.distinct;
     blanks += r.blanks;
     correct += r.correct;
     steps += r.steps;
@@ -183,6 +193,11 @@ struct Stats {
     return double(correct) / double(blanks);
   }
   double StepsPerCanvas() const { return canvases ? double(steps) / double(canvases) : 0; }
+  // Distinct answer grids per answered puzzle (1 with one sample).
+  double MeanDistinct() const {
+    const int answered = puzzles - errors;
+    return answered ? double(distinct) / answered : 0;
+  }
   double MeanSeconds() const {
     double sum = 0;
     for (double s : seconds) sum += s;
@@ -205,6 +220,7 @@ struct Stats {
             {"mean_steps_per_canvas", StepsPerCanvas()},
             {"mean_seconds", MeanSeconds()},
             {"p50_seconds", P50Seconds()},
+            {"mean_distinct_answers", MeanDistinct()},
             {"errors", errors}};
   }
 };
@@ -240,14 +256,24 @@ Result Solve(v1::GenerationService::Stub& stub, const Item& item,
     return r;
   }
   r.ok = true;
-  // The first sample (by index) that solves the puzzle, else sample 0.
+  // The first sample (by index) that solves the puzzle, else sample 0; and how many of the
+  // samples' grids differ (a grid as ParseAnswer reads it, so spacing does not count).
   r.answer = resp.text();
+  bool found = false;
+  std::set<Grid> grids;
   for (const v1::Choice& c : resp.choices()) {
-    if (Verify(item.puzzle, ParseAnswer(c.text())).ok()) {
-      r.answer = c.text();
-      break;
-    }
+    const Grid g = ParseAnswer(c.text());
+    grids.insert(g);
+    if (!Verify(item.puzzle, g).ok()) continue;
+    ++r.samples_solved;
+    if (!found) r.answer = c.text();
+    found = true;
   }
+  if (resp.choices().empty()) {
+    grids.insert(ParseAnswer(r.answer));
+    r.samples_solved = Verify(item.puzzle, ParseAnswer(r.answer)).ok() ? 1 : 0;
+  }
+  r.distinct = int(grids.size());
   const Grid answer = ParseAnswer(r.answer);
   const absl::Status v = Verify(item.puzzle, answer);
   r.solved = v.ok();
@@ -318,6 +344,12 @@ absl::Status Run() {
     diffusion.set_entropy_bound(static_cast<float>(beta));
   }
   if (!absl::GetFlag(FLAGS_self_conditioning)) diffusion.set_self_conditioning(false);
+  // The gateway checks the schedule (0 <= t_min < t_max, finite) and names the field.
+  if (const double t = absl::GetFlag(FLAGS_t_min); t >= 0) diffusion.set_t_min(float(t));
+  if (const double t = absl::GetFlag(FLAGS_t_max); t >= 0) diffusion.set_t_max(float(t));
+  if (const double s = absl::GetFlag(FLAGS_sample_temperature_spread); s != 0) {
+    diffusion.set_sample_temperature_spread(float(s));
+  }
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   SudokuMode mode;
   mode.use_template = absl::GetFlag(FLAGS_template);
@@ -403,6 +435,8 @@ absl::Status Run() {
       p["denoising_steps"] = r.steps;
       p["canvases"] = r.canvases;
       p["answer"] = r.answer;
+      p["distinct_answers"] = r.distinct;
+      p["samples_solved"] = r.samples_solved;
     } else {
       p["error"] = r.error;
     }
@@ -424,22 +458,30 @@ absl::Status Run() {
               : mode.use_template ? "template"
                                   : "plain prompt",
               absl::GetFlag(FLAGS_samples), concurrency, wall);
+  if (absl::GetFlag(FLAGS_samples) > 1) {
+    std::printf("distinct answers per puzzle: %.2f of %d samples (mean over answered puzzles)\n",
+                total.MeanDistinct(), absl::GetFlag(FLAGS_samples));
+  }
   std::fflush(stdout);
 
   if (!json_out.empty()) {
     json report = total.ToJson();
-    report["settings"] = {{"gateway", absl::GetFlag(FLAGS_gateway)},
-                          {"puzzles_file", path},
-                          {"limit", limit},
-                          {"min_givens", min_givens},
-                          {"concurrency", concurrency},
-                          {"steps", steps},
-                          {"self_conditioning", absl::GetFlag(FLAGS_self_conditioning)},
-                          {"entropy_bound", absl::GetFlag(FLAGS_entropy_bound)},
-                          {"seed", seed},
-                          {"template", absl::GetFlag(FLAGS_template)},
-                          {"candidates", mode.candidates},
-                          {"samples", absl::GetFlag(FLAGS_samples)}};
+    report["settings"] = {
+        {"gateway", absl::GetFlag(FLAGS_gateway)},
+        {"puzzles_file", path},
+        {"limit", limit},
+        {"min_givens", min_givens},
+        {"concurrency", concurrency},
+        {"steps", steps},
+        {"self_conditioning", absl::GetFlag(FLAGS_self_conditioning)},
+        {"entropy_bound", absl::GetFlag(FLAGS_entropy_bound)},
+        {"seed", seed},
+        {"template", absl::GetFlag(FLAGS_template)},
+        {"candidates", mode.candidates},
+        {"samples", absl::GetFlag(FLAGS_samples)},
+        {"t_min", absl::GetFlag(FLAGS_t_min)},
+        {"t_max", absl::GetFlag(FLAGS_t_max)},
+        {"sample_temperature_spread", absl::GetFlag(FLAGS_sample_temperature_spread)}};
     report["wall_seconds"] = wall;
     json by = json::object();
     for (int b = 0; b < 4; ++b) by[kBuckets[b]] = buckets[b].ToJson();

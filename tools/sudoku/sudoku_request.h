@@ -22,6 +22,13 @@ namespace dgserve::sudoku {
 inline constexpr int kAnswerTokens = 91;
 
 // How a puzzle is sent.
+// The sample_temperature_spread `dgserve sudoku --samples N` sends unless told otherwise (issue 36
+// item 8): sample i of n runs the model's schedule (t_max 2.0 → t_min 0.4) times 1 − 0.75·i/(n −
+// 1), so the last sample runs 0.5 → 0.1. At one schedule the samples of a puzzle the model gets
+// wrong converge to the same few grids; lower schedules in the later samples give other answers
+// (measured in tools/sudoku/README.md, "Best of n").
+inline constexpr float kSampleTemperatureSpread = -0.75f;
+
 struct SudokuMode {
   // The givens as a canvas template (infilling): the canvas is ToRows(puzzle) + "<eos>" with
   // every '.' a hole restricted to the digits "1".."9"; given digits, line ends and <eos> fixed.
