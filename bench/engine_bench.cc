@@ -57,12 +57,13 @@
 #include "common/system_resources.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/backend.h"
-#include "engine/model/checkpoint.h"
 #include "engine/model/backend_select.h"
+#include "engine/model/checkpoint.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/model/synthetic_weights.h"
 #include "engine/model/tensor_names.h"
+#include "worker/backend_flags.h"
 #ifdef DGSERVE_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -118,11 +119,13 @@ ABSL_FLAG(int, calibrate_gemm_n, 8192,
           "skip)");
 ABSL_FLAG(bool, calibrate_only, false,
           "--device cuda: measure the two ceilings, print the CEILINGS line and exit");
-ABSL_DECLARE_FLAG(std::string, cuda_gemm_input);
-ABSL_DECLARE_FLAG(std::string, cpu_gemm_input);
 
 namespace dgserve {
 namespace {
+
+// The backend of --device with --cpu_gemm_input / --cuda_gemm_input (main() fills it; with
+// --cpu_gemm_inputs, main() sets each mode in turn).
+BackendSelection g_backend;
 
 using Clock = std::chrono::steady_clock;
 // CPU time of the process (all threads), in seconds: on a machine shared with other work it
@@ -429,13 +432,13 @@ int Run() {
   }
   const int V = c.vocab_size, D = c.hidden_size;
   for (float& w : ckpt->weights.final_norm) w = float(w * logit_scale);
-  std::string gemm_input = cuda ? "na" : absl::GetFlag(FLAGS_cpu_gemm_input);
+  std::string gemm_input = cuda ? "na" : cpu::GemmInputName(g_backend.cpu_gemm_input);
   std::unique_ptr<ModelBackend> backend;
   std::string gpu_name = "cpu";
   double copy_gbs = 0, gemm_tflops = 0;
   t0 = Clock::now();
   if (!cuda) {
-    auto created = CreateBackendForDevice(device, c, ckpt->weights);
+    auto created = CreateBackend(g_backend, c, ckpt->weights);
     if (!created.ok()) {
       std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
       return 1;
@@ -443,9 +446,10 @@ int Run() {
     backend = *std::move(created);
   } else {
 #ifdef DGSERVE_HAVE_CUDA
-    gemm_input = absl::GetFlag(FLAGS_cuda_gemm_input);
+    const bool bf16 = g_backend.cuda_gemm_input == CudaGemmInput::kBf16;
+    gemm_input = bf16 ? "bf16" : "float32";
     CudaBackendOptions options;
-    options.gemm_input = gemm_input == "bf16" ? cuda::GemmInput::kBf16 : cuda::GemmInput::kFloat32;
+    options.gemm_input = bf16 ? cuda::GemmInput::kBf16 : cuda::GemmInput::kFloat32;
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     // The ceilings first, while the device is empty.
@@ -793,8 +797,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   // Before a checkpoint is generated or loaded.
-  if (absl::Status st = dgserve::CheckDeviceFlags(absl::GetFlag(FLAGS_device)); !st.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
+  if (absl::StatusOr<dgserve::BackendSelection> backend =
+          dgserve::BackendSelectionFromFlags(absl::GetFlag(FLAGS_device));
+      backend.ok()) {
+    dgserve::g_backend = *std::move(backend);
+  } else {
+    std::fprintf(stderr, "%s\n", std::string(backend.status().message()).c_str());
     return 2;
   }
   try {
@@ -817,7 +825,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < repeats; ++r) {
       for (size_t i = 0; i < modes.size(); ++i) {
         std::printf("== cpu_gemm_input=%s (repeat %d)\n", modes[i].c_str(), r + 1);
-        absl::SetFlag(&FLAGS_cpu_gemm_input, modes[i]);
+        dgserve::g_backend.cpu_gemm_input = *dgserve::cpu::ParseGemmInput(modes[i]);
         if (int rc = dgserve::Run(); rc != 0) return rc;
         best[i] = std::min(best[i], dgserve::g_last_step_wall);
         best_cpu[i] = std::min(best_cpu[i], dgserve::g_last_step_cpu);

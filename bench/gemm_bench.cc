@@ -29,6 +29,7 @@
 #include "common/bf16.h"
 #include "engine/model/cpu/gemm.h"
 #include "engine/model/cpu/packed_matrix.h"
+#include "worker/backend_env.h"
 
 ABSL_FLAG(double, min_seconds, 0.5, "time each measurement for at least this long");
 ABSL_FLAG(std::string, isa, "",
@@ -96,6 +97,7 @@ void PrintRow(const Shape& s, const std::vector<double>& t) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  dgserve::ApplyGemmIsaFromEnvironment();  // the path --isa leaves: DGSERVE_GEMM_ISA's, or the best
   using namespace dgserve::cpu;
   std::vector<GemmIsa> isas;
   const std::string isa_flag = absl::GetFlag(FLAGS_isa);

@@ -8,9 +8,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -20,6 +20,7 @@
 #include "common/fp8.h"
 #include "engine/model/cpu/gemm_quant.h"
 #include "engine/model/cpu/packed_matrix.h"
+#include "worker/backend_env.h"
 
 ABSL_FLAG(double, min_seconds, 0.3, "time each measurement for at least this long");
 ABSL_FLAG(int, rounds, 3, "alternate the formats this many times per shape (best of all)");
@@ -78,6 +79,7 @@ void Shape(const char* name, int m, int n, int k) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  dgserve::ApplyGemmIsaFromEnvironment();  // DGSERVE_GEMM_ISA forces a path
   std::printf("GEMM path %s, %d threads; ratios are time / bf16 time\n",
               dgserve::cpu::GemmIsaName(dgserve::cpu::ActiveGemmIsa()), omp_get_max_threads());
   for (int m : {4, 16, 64}) dgserve::cpu::Shape("expert gate_up", m, 1408, 2816);

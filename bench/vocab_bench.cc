@@ -30,6 +30,7 @@
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/cpu/packed_matrix.h"
 #include "engine/model/cpu_vocab.h"
+#include "worker/backend_env.h"
 
 ABSL_FLAG(int, vocab, 262144, "vocabulary size");
 ABSL_FLAG(int, dim, 2816, "hidden size");
@@ -98,6 +99,7 @@ int Run() {
               "dense ms", "sparse ms", "ratio");
   std::vector<float> hidden(size_t(M) * D), soft(size_t(M) * D), temperature(M), uniforms(M);
   std::vector<RowResult> out(M);
+  cpu::VocabScratch scratch;
   for (double alpha : alphas) {
     Rng rng{12345};
     for (int r = 0; r < M; ++r) {
@@ -133,6 +135,7 @@ int Run() {
     a.out = out.data();
     a.soft = soft.data();
     a.embed_tile_norm_max = tile_norms.data();
+    a.scratch = &scratch;  // the exps kept between rounds, as the backend keeps them
     double best_dense = 1e30, best_sparse = 1e30, entropy = 0;
     cpu::VocabStepStats stats;
     for (int k = 0; k < rounds; ++k) {
@@ -172,6 +175,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;
   }
+  dgserve::ApplyGemmIsaFromEnvironment();  // DGSERVE_GEMM_ISA forces a path
   try {
     return dgserve::Run();
   } catch (const std::bad_alloc&) {

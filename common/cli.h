@@ -19,15 +19,14 @@
 namespace dgserve {
 
 // Sets the usage text and makes --help/--helpshort list the flags defined in files whose path
-// contains `flags_file` (e.g. "tools/dgserve_main.cc"), and the backend's own
-// (--cuda_gemm_input, engine/model/backend_select.cc) where the program links it. Call before
+// contains `flags_file` (e.g. "tools/dgserve_main.cc"), and the backend's own (--cpu_gemm_input,
+// --cuda_gemm_input: worker/backend_flags.cc) where the program links them. Call before
 // absl::ParseCommandLine.
 inline void InitCommandLine(const std::string& usage, const std::string& flags_file) {
   absl::SetProgramUsageMessage(usage);
   absl::FlagsUsageConfig config;
   config.contains_helpshort_flags = [flags_file](absl::string_view f) {
-    return absl::StrContains(f, flags_file) ||
-           absl::StrContains(f, "engine/model/backend_select.cc");
+    return absl::StrContains(f, flags_file) || absl::StrContains(f, "worker/backend_flags.cc");
   };
   config.contains_help_flags = config.contains_helpshort_flags;
   config.version_string = [] { return std::string("dgserve (DiffusionGemma serving) 0.1\n"); };

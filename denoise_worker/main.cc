@@ -17,6 +17,7 @@
 #include "kvstore/transport_selection.h"
 #include "service/internal_auth.h"
 #include "service/server.h"
+#include "worker/backend_flags.h"
 #include "worker/kv_metrics.h"
 #include "worker/worker_model.h"
 
@@ -50,8 +51,10 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--max_batch_canvases must be ≥ 1 and --max_queue ≥ 0");
   }
   const std::string model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
+  absl::StatusOr<BackendSelection> backend = BackendSelectionFromFlags(absl::GetFlag(FLAGS_device));
+  if (!backend.ok()) return backend.status();
   absl::StatusOr<WorkerModel> model =
-      LoadWorkerModel(dir, model_id, absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_kv_cache_mib),
+      LoadWorkerModel(dir, model_id, *backend, absl::GetFlag(FLAGS_kv_cache_mib),
                       absl::GetFlag(FLAGS_kv_block_size));
   if (!model.ok()) return model.status();
   const ModelConfig& config = model->checkpoint->config;

@@ -21,6 +21,7 @@
 #include "service/address_list.h"
 #include "service/internal_auth.h"
 #include "service/server.h"
+#include "worker/backend_flags.h"
 #include "worker/kv_metrics.h"
 #include "worker/worker_model.h"
 
@@ -154,8 +155,10 @@ absl::Status Run() {
   const kv::KvPeerInfo local = kv::LocalKvPeerInfo(device == "cuda" ? 0 : -1);
   if (absl::Status s = CheckExplicitKvTransport(*mode, local, device); !s.ok()) return s;
   const std::string model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
+  absl::StatusOr<BackendSelection> backend = BackendSelectionFromFlags(absl::GetFlag(FLAGS_device));
+  if (!backend.ok()) return backend.status();
   absl::StatusOr<WorkerModel> model =
-      LoadWorkerModel(dir, model_id, absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_kv_cache_mib),
+      LoadWorkerModel(dir, model_id, *backend, absl::GetFlag(FLAGS_kv_cache_mib),
                       absl::GetFlag(FLAGS_kv_block_size));
   if (!model.ok()) return model.status();
 

@@ -189,7 +189,7 @@ int ServiceMain(int argc, char** argv, const char* usage, const char* flags_file
   absl::FlagsUsageConfig config;
   config.contains_helpshort_flags = [flags_file](absl::string_view f) {
     return absl::StrContains(f, flags_file) || absl::StrContains(f, "service/internal_auth.cc") ||
-           absl::StrContains(f, "engine/model/backend_select.cc");
+           absl::StrContains(f, "worker/backend_flags.cc");
   };
   config.contains_help_flags = config.contains_helpshort_flags;
   absl::SetFlagsUsageConfig(config);

@@ -40,7 +40,6 @@
 #include "engine/denoise/sampler_params.h"
 #include "engine/generation/generator.h"
 #include "engine/model/backend.h"
-#include "engine/model/backend_select.h"
 #include "engine/model/checkpoint.h"
 #include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -48,6 +47,7 @@
 #include "tools/chat_client.h"
 #include "tools/sudoku/sudoku_cli.h"
 #include "tools/sudoku/sudoku_request.h"
+#include "worker/backend_flags.h"
 
 ABSL_FLAG(std::string, model, "",
           "checkpoint directory (HF layout, with tokenizer.json); sudoku: default models/sudoku");
@@ -230,8 +230,8 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
 absl::Status RunGenerate() {
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
-  const std::string device = absl::GetFlag(FLAGS_device);
-  if (absl::Status st = CheckDeviceFlags(device); !st.ok()) return st;
+  DGSERVE_ASSIGN_OR_RETURN(const BackendSelection selection,
+                           BackendSelectionFromFlags(absl::GetFlag(FLAGS_device)));
   DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt());
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(dir + "/tokenizer.json"));
@@ -271,7 +271,7 @@ absl::Status RunGenerate() {
   if (auto v = absl::GetFlag(FLAGS_stability_threshold)) req.sampler.stability_threshold = *v;
   req.sampler.self_conditioning = !absl::GetFlag(FLAGS_no_self_conditioning);
   DGSERVE_ASSIGN_OR_RETURN(std::unique_ptr<ModelBackend> backend,
-                           CreateBackendForDevice(device, ckpt.config, ckpt.weights));
+                           CreateBackend(selection, ckpt.config, ckpt.weights));
   Generator gen(*backend);
   GenerationObserver obs;
   const bool show_steps = absl::GetFlag(FLAGS_show_steps);

@@ -8,7 +8,6 @@
 #include "denoise_worker/denoise_engine.h"
 #include "denoise_worker/denoise_metrics.h"
 #include "denoise_worker/denoise_service.h"
-#include "engine/model/backend_select.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "gateway/gateway.h"
@@ -23,6 +22,7 @@
 #include "prefill_worker/prefill_service.h"
 #include "service/internal_auth.h"
 #include "service/server.h"
+#include "worker/backend_flags.h"
 #include "worker/kv_metrics.h"
 #include "worker/worker_model.h"
 
@@ -50,12 +50,15 @@ absl::Status Run() {
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
   const std::string model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
   const int64_t mib = absl::GetFlag(FLAGS_kv_cache_mib);
+  // Both roles run on the CPU backend (with --cpu_gemm_input).
+  absl::StatusOr<BackendSelection> backend = BackendSelectionFromFlags("cpu");
+  if (!backend.ok()) return backend.status();
   // The weights once; a backend and a pool per role (each engine thread owns its backend).
-  absl::StatusOr<WorkerModel> denoise_model = LoadWorkerModel(dir, model_id, "cpu", mib, 16);
+  absl::StatusOr<WorkerModel> denoise_model = LoadWorkerModel(dir, model_id, *backend, mib, 16);
   if (!denoise_model.ok()) return denoise_model.status();
   WorkerModel prefill_role;
-  absl::StatusOr<std::unique_ptr<ModelBackend>> prefill_backend = CreateBackendForDevice(
-      "cpu", denoise_model->checkpoint->config, denoise_model->checkpoint->weights);
+  absl::StatusOr<std::unique_ptr<ModelBackend>> prefill_backend = CreateBackend(
+      *backend, denoise_model->checkpoint->config, denoise_model->checkpoint->weights);
   if (!prefill_backend.ok()) return prefill_backend.status();
   prefill_role.backend = *std::move(prefill_backend);
   absl::StatusOr<std::unique_ptr<kv::BlockPool>> prefill_pool_or =

@@ -2,7 +2,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "engine/model/backend_select.h"
 
 namespace dgserve {
 
@@ -29,10 +28,10 @@ absl::StatusOr<std::unique_ptr<kv::BlockPool>> CreateKvPool(const ModelConfig& c
 }
 
 absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
-                                            const std::string& device, int64_t kv_cache_mib,
+                                            const BackendSelection& backend, int64_t kv_cache_mib,
                                             int kv_block_size) {
   // Before the (slow) checkpoint load.
-  if (absl::Status st = CheckDeviceFlags(device); !st.ok()) return st;
+  if (absl::Status st = CheckBackendSelection(backend); !st.ok()) return st;
   if (kv_block_size <= 0 || kv_block_size > 1024) {
     return absl::InvalidArgumentError("--kv_block_size: must be in 1..1024");
   }
@@ -41,8 +40,8 @@ absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::s
   m.model_id = model_id;
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ckpt, LoadCheckpoint(dir));
   m.checkpoint = std::make_unique<Checkpoint>(std::move(ckpt));
-  DGSERVE_ASSIGN_OR_RETURN(m.backend, CreateBackendForDevice(device, m.checkpoint->config,
-                                                              m.checkpoint->weights));
+  DGSERVE_ASSIGN_OR_RETURN(m.backend,
+                           CreateBackend(backend, m.checkpoint->config, m.checkpoint->weights));
   DGSERVE_ASSIGN_OR_RETURN(m.pool, CreateKvPool(m.checkpoint->config, model_id, kv_cache_mib,
                                                 kv_block_size));
   return m;

@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "dgserve/v1/worker.pb.h"
 #include "engine/model/backend.h"
+#include "engine/model/backend_select.h"
 #include "engine/model/checkpoint.h"
 #include "kvstore/block_pool.h"
 #include "service/server.h"
@@ -21,11 +22,13 @@ struct WorkerModel {
   std::string model_id;
 };
 
-// Loads `dir` and builds the backend ("cpu", or "cuda": FAILED_PRECONDITION when the binary was
-// built without the CUDA backend or no GPU is present; anything else is INVALID_ARGUMENT) and a block pool of `kv_cache_mib` MiB split evenly in blocks of both kinds
-// (INVALID_ARGUMENT when it holds fewer blocks than one canvas needs).
+// Loads `dir` and builds the backend `backend` selects (CreateBackend: "cpu", or "cuda":
+// FAILED_PRECONDITION when the binary was built without the CUDA backend or no GPU is present;
+// another device is INVALID_ARGUMENT, checked before the load) and a block pool of `kv_cache_mib`
+// MiB split evenly in blocks of both kinds (INVALID_ARGUMENT when it holds fewer blocks than one
+// canvas needs).
 absl::StatusOr<WorkerModel> LoadWorkerModel(const std::string& dir, const std::string& model_id,
-                                            const std::string& device, int64_t kv_cache_mib,
+                                            const BackendSelection& backend, int64_t kv_cache_mib,
                                             int kv_block_size);
 
 // A block pool of `kv_cache_mib` MiB split evenly in blocks of both kinds. INVALID_ARGUMENT for

@@ -28,7 +28,7 @@
 #include "engine/cuda/cuda_profile.h"
 #include "engine/cuda/cuda_synthetic.h"
 #include "engine/cuda/cuda_vocab.h"
-#include "engine/model/cpu_ops.h"
+#include "engine/model/model_math.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/model/synthetic_weights.h"
 
@@ -318,9 +318,9 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     d.encoder_layer_scalar = s.encoder_layer_scalar;
   }
   DGSERVE_RETURN_IF_ERROR(
-      rope_sliding_.Upload(cpu::RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2)));
-  DGSERVE_RETURN_IF_ERROR(rope_full_.Upload(
-      cpu::RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles())));
+      rope_sliding_.Upload(RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2)));
+  DGSERVE_RETURN_IF_ERROR(
+      rope_full_.Upload(RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles())));
   for (int l = 0; l < L; ++l) {
     if (c_.IsFull(l)) {
       fingerprint_layer_ = l;
@@ -600,7 +600,7 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
       CublasCheck(cublasSgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, E, R, D, &one,
                               lw.router_proj.get(), D, r_.get(), D, &zero, scores_.get(), E),
                   "cublasSgemm (router)"));
-  // Routing and grouping on the device (cuda_moe.h): the experts of each row (cpu::RouteTopK's
+  // Routing and grouping on the device (cuda_moe.h): the experts of each row (RouteTopK's
   // choice and weights, bit for bit), then rows grouped by expert in ascending row order. Every
   // row picks K distinct experts, so N = R·K gathered rows: every size is known here and the
   // host never waits for the device.

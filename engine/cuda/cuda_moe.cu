@@ -80,7 +80,7 @@ __global__ void ExpKernel(const float* x, int64_t n, float* y) {
 
 // ---- Routing ------------------------------------------------------------------------------------
 
-// The order of cpu::RouteTopK's partial_sort: a before b when its probability is larger, ties to
+// The order of RouteTopK's partial_sort: a before b when its probability is larger, ties to
 // the lower expert id.
 __device__ __forceinline__ bool Before(float pa, int a, float pb, int b) {
   return pa > pb || (pa == pb && a < b);

@@ -28,7 +28,7 @@
 
 namespace dgserve::cuda {
 
-// Routing, exactly cpu::RouteTopK per row (engine/model/cpu_ops.cc): p = softmax(scores[r])
+// Routing, exactly RouteTopK per row (engine/model/model_math.cc): p = softmax(scores[r])
 // (max subtracted, exp, a float32 sum in expert order, then p/sum), the k largest p with ties
 // to the lower expert id, w = p / Σ_{top} p (Σ in descending-p order) · per_expert_scale[e].
 // The exp is glibc's expf algorithm (exp2f_data table, double evaluation, one rounding), so the

@@ -1,5 +1,5 @@
 // The MoE on the device (cuda_moe.h) against the CPU code (label `gpu`, skipped without a GPU;
-// and `gpu-emu`, under the host emulation): routing bit for bit against cpu::RouteTopK (random
+// and `gpu-emu`, under the host emulation): routing bit for bit against RouteTopK (random
 // scores and crafted ties), the grouping arrays against the host construction CudaBackend::Moe
 // used before (same layout and order), the grouped GEMMs against float64, and a row's result
 // alone against the same row inside a batch (bit for bit).
@@ -19,7 +19,7 @@
 #include "common/bf16.h"
 #include "common/testing/status_matchers.h"
 #include "engine/cuda/cuda_test_util.h"
-#include "engine/model/cpu_ops.h"
+#include "engine/model/model_math.h"
 #include "gtest/gtest.h"
 
 namespace dgserve::cuda {
@@ -49,7 +49,7 @@ std::vector<uint16_t> RandomBf16(size_t n, float scale, uint32_t seed) {
   return b;
 }
 
-// What CudaBackend::Moe built on the host before routing moved to the device (cpu::RouteTopK per
+// What CudaBackend::Moe built on the host before routing moved to the device (RouteTopK per
 // row, then rows grouped by expert in ascending row order).
 struct HostRouting {
   std::vector<int32_t> expert, offsets, gather, slot;
@@ -66,7 +66,7 @@ HostRouting HostRoute(const std::vector<float>& scores, int R, int E, int K,
   std::vector<float> row(E);
   for (int r = 0; r < R; ++r) {
     std::copy(scores.begin() + size_t(r) * E, scores.begin() + size_t(r + 1) * E, row.begin());
-    cpu::RouteTopK(row.data(), E, K, scale.data(), chosen.data());
+    RouteTopK(row.data(), E, K, scale.data(), chosen.data());
     for (const auto& [e, w] : chosen) by_expert[e].push_back({r, w});
     std::sort(chosen.begin(), chosen.end());
     for (int j = 0; j < K; ++j) {
@@ -117,7 +117,7 @@ class CudaMoeTest : public CudaTest {
     return d;
   }
 
-  // Device routing == cpu::RouteTopK and the host grouping, bit for bit.
+  // Device routing == RouteTopK and the host grouping, bit for bit.
   void ExpectRoutingMatchesCpu(const std::vector<float>& scores, int R, int E, int K,
                                const std::vector<float>& scale, const char* what) {
     const HostRouting h = HostRoute(scores, R, E, K, scale);
@@ -173,7 +173,7 @@ class CudaMoeTest : public CudaTest {
   }
 };
 
-// The routing exp is glibc's expf, bit for bit (cpu::RouteTopK calls std::exp on floats).
+// The routing exp is glibc's expf, bit for bit (RouteTopK calls std::exp on floats).
 TEST_F(CudaMoeTest, ExpMatchesTheHostExpf) {
   std::vector<float> x = RandomFloats(kEmulated ? (1 << 16) : (1 << 22), -110.0f, 90.0f, 1);
   const std::vector<float> small = RandomFloats(kEmulated ? 4096 : 65536, -1.0f, 1.0f, 2);
@@ -234,7 +234,7 @@ TEST_F(CudaMoeTest, RoutingMatchesCpuOnRandomScores) {
 }
 
 // Ties: equal probabilities across the top-k boundary must go to the lower expert id, as
-// cpu::RouteTopK's partial_sort.
+// RouteTopK's partial_sort.
 TEST_F(CudaMoeTest, RoutingMatchesCpuOnTies) {
   for (const auto& [E, K] : std::vector<std::pair<int, int>>{{128, 8}, {16, 4}, {40, 5}}) {
     std::vector<std::vector<float>> rows;

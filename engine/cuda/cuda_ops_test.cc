@@ -8,6 +8,7 @@
 
 #include "common/testing/status_matchers.h"
 #include "engine/model/cpu_ops.h"
+#include "engine/model/model_math.h"
 #include "gtest/gtest.h"
 
 namespace dgserve::cuda {
@@ -86,7 +87,7 @@ TEST_F(CudaOpsTest, SoftcapAndGeluGateMatchCpu) {
 TEST_F(CudaOpsTest, RopeMatchesCpuForBothVariants) {
   const int rows = 9, heads = 4;
   for (const auto& [head_dim, rotated] : {std::pair{32, 16}, std::pair{64, 8}}) {
-    const std::vector<float> inv_freq = cpu::RopeInvFreq(10000.0f, head_dim, rotated);
+    const std::vector<float> inv_freq = RopeInvFreq(10000.0f, head_dim, rotated);
     std::vector<float> x = Values(size_t(rows) * heads * head_dim, 1.0f), want = x;
     std::vector<int32_t> pos(rows);
     for (int r = 0; r < rows; ++r) {

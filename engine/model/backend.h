@@ -116,6 +116,10 @@ struct CpuBackendOptions {
   // points, spec §5.3; listed in cpu_backend.cc and engine/README.md) and runs the VDPBF16PS
   // chain; the attention products (Q·Kᵀ, P·V) stay float32 in both modes.
   cpu::GemmInput gemm_input = cpu::GemmInput::kFloat32;
+  // True: the self-conditioning soft embedding is always the dense product (cpu_vocab.h); false
+  // (default): the sparse product for canvases whose DenoiseStepInput::sparse_sc is set. The
+  // programs with --device set it from DGSERVE_DENSE_SC=1 (worker/backend_flags.h).
+  bool dense_self_conditioning = false;
 };
 
 // The CPU backend: float32 activations, bf16 weights, our GEMM (engine/model/cpu/gemm.h),

@@ -1,34 +1,57 @@
-// The backend named by a `--device` flag ("cpu" or "cuda"): the one place in dgserve that knows
-// whether the CUDA backend is linked into the binary (DGSERVE_HAVE_CUDA, set on this library
-// only when CMake is configured with -DDGSERVE_CUDA_BACKEND=ON and a CUDA toolkit is found).
+// The backend a program selects ("cpu" or "cuda") and its options, as a plain struct that the
+// program fills (from its flags: worker/backend_flags.h); the engine reads no flag or environment
+// variable. This is the one place in dgserve that knows whether the CUDA backend is linked into
+// the binary (DGSERVE_HAVE_CUDA, set on this library only when CMake is configured with
+// -DDGSERVE_CUDA_BACKEND=ON and a CUDA toolkit is found).
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/model/backend.h"
 #include "engine/model/config.h"
+#include "engine/model/cpu/gemm.h"
 #include "engine/model/weights.h"
 
 namespace dgserve {
 
-// "cpu": CreateCpuBackend. "cuda": the CUDA backend; FAILED_PRECONDITION when this binary was
-// built without it or no GPU is present (message prefixed "--device cuda: "). Anything else:
-// INVALID_ARGUMENT. `weights` must outlive the CPU backend (the CUDA one copies them).
-// The CUDA backend's GEMM input (cuda::GemmInput) is the flag --cuda_gemm_input ("bf16", the
-// default, or "float32"; anything else: INVALID_ARGUMENT, whatever the device), defined in
-// backend_select.cc for every binary that links this library.
-// The CPU backend's GEMM input (CpuBackendOptions::gemm_input) is the flag --cpu_gemm_input
-// ("float32", the default, or "bf16"; anything else: INVALID_ARGUMENT, whatever the device), also
-// defined in backend_select.cc.
-// The --device value and the --cuda_gemm_input and --cpu_gemm_input flags, checked without loading
-// anything (call it before a checkpoint load, so that a typo does not cost the load):
-// INVALID_ARGUMENT naming the flag. CreateBackendForDevice checks the same.
-absl::Status CheckDeviceFlags(const std::string& device);
+// The CUDA backend's GEMM input (cuda::GemmInput, engine/cuda/cuda_backend.h), named here so that
+// a binary built without the CUDA backend can carry the choice.
+enum class CudaGemmInput {
+  kBf16,     // activations rounded to bf16 at the reference's rounding points (the default)
+  kFloat32,  // a check mode: activations split exactly into three bf16 terms
+};
 
-absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackendForDevice(const std::string& device,
-                                                                     const ModelConfig& config,
-                                                                     const ModelWeights& weights);
+struct BackendSelection {
+  std::string device = "cpu";  // "cpu" or "cuda"
+  // --device cpu: the GEMMs' input mode (CpuBackendOptions::gemm_input).
+  cpu::GemmInput cpu_gemm_input = cpu::GemmInput::kFloat32;
+  // --device cpu: the dense self-conditioning product for every canvas
+  // (CpuBackendOptions::dense_self_conditioning).
+  bool cpu_dense_self_conditioning = false;
+  // The CPU GEMM's instruction set, process-wide (cpu::SetGemmIsa), set by CreateBackend whatever
+  // the device; nullopt: leave it (the best this CPU has unless something set another).
+  std::optional<cpu::GemmIsa> cpu_gemm_isa;
+  // --device cuda: the GEMMs' input mode.
+  CudaGemmInput cuda_gemm_input = CudaGemmInput::kBf16;
+};
+
+// Checks `selection` without loading anything (call it before a checkpoint load, so that a typo
+// does not cost the load): INVALID_ARGUMENT "--device X: must be 'cpu' or 'cuda'" for another
+// device. CreateBackend checks the same.
+absl::Status CheckBackendSelection(const BackendSelection& selection);
+
+// The backend `selection` names over `weights`. "cpu": CreateCpuBackend with the selection's CPU
+// options. "cuda": the CUDA backend; FAILED_PRECONDITION when this binary was built without it,
+// no GPU is present or the checkpoint is quantized (message prefixed "--device cuda: "). Another
+// device: INVALID_ARGUMENT (CheckBackendSelection); a cpu_gemm_isa this CPU lacks:
+// INVALID_ARGUMENT (cpu::SetGemmIsa). `weights` must outlive the CPU backend (the CUDA one copies
+// them).
+absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const BackendSelection& selection,
+                                                            const ModelConfig& config,
+                                                            const ModelWeights& weights);
 
 }  // namespace dgserve

@@ -1,16 +1,13 @@
-// CreateBackendForDevice: the --device and --cuda_gemm_input values it accepts and refuses.
+// CreateBackend: the BackendSelection values it accepts and refuses (the flags that fill one:
+// worker/backend_flags_test.cc).
 #include "engine/model/backend_select.h"
 
 #include <string>
 
-#include "absl/flags/declare.h"
-#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "common/testing/status_matchers.h"
 #include "engine/model/checkpoint_testing.h"
 #include "gtest/gtest.h"
-
-ABSL_DECLARE_FLAG(std::string, cuda_gemm_input);
-ABSL_DECLARE_FLAG(std::string, cpu_gemm_input);
 
 namespace dgserve {
 namespace {
@@ -25,43 +22,48 @@ class BackendSelectTest : public ::testing::Test {
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
     checkpoint_ = std::make_unique<Checkpoint>(std::move(*ckpt));
   }
-  void TearDown() override {
-    absl::SetFlag(&FLAGS_cuda_gemm_input, "bf16");  // the defaults
-    absl::SetFlag(&FLAGS_cpu_gemm_input, "float32");
-  }
-  absl::Status Create(const std::string& device) {
-    return CreateBackendForDevice(device, checkpoint_->config, checkpoint_->weights).status();
+  absl::Status Create(const BackendSelection& selection) {
+    return CreateBackend(selection, checkpoint_->config, checkpoint_->weights).status();
   }
   std::unique_ptr<Checkpoint> checkpoint_;
 };
 
 TEST_F(BackendSelectTest, CpuWithEitherGemmInput) {
-  EXPECT_THAT(Create("cpu"), IsOk());
-  absl::SetFlag(&FLAGS_cuda_gemm_input, "float32");
-  EXPECT_THAT(Create("cpu"), IsOk());
+  BackendSelection s;
+  EXPECT_THAT(Create(s), IsOk());
+  s.cuda_gemm_input = CudaGemmInput::kFloat32;  // not the device's: no effect
+  EXPECT_THAT(Create(s), IsOk());
+  s.cpu_gemm_input = cpu::GemmInput::kBf16;
+  EXPECT_THAT(Create(s), IsOk());
+  s.cpu_dense_self_conditioning = true;
+  EXPECT_THAT(Create(s), IsOk());
 }
 
-TEST_F(BackendSelectTest, UnknownDeviceOrGemmInputIsInvalidArgument) {
-  EXPECT_THAT(Create("tpu"), StatusIs(absl::StatusCode::kInvalidArgument));
-  for (const char* bad : {"fp8", "", "Float32", "bf16 "}) {
-    absl::SetFlag(&FLAGS_cuda_gemm_input, bad);
-    const absl::Status st = Create("cpu");
+TEST_F(BackendSelectTest, UnknownDeviceIsInvalidArgument) {
+  BackendSelection s;
+  for (const char* bad : {"tpu", "", "CPU", "cuda "}) {
+    s.device = bad;
+    const absl::Status st = CheckBackendSelection(s);
     EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << "'" << bad << "'";
-    EXPECT_NE(st.message().find("--cuda_gemm_input"), std::string::npos) << st;
-    EXPECT_THAT(Create("cuda"), StatusIs(absl::StatusCode::kInvalidArgument)) << "'" << bad << "'";
+    EXPECT_EQ(st.message(), absl::StrCat("--device ", bad, ": must be 'cpu' or 'cuda'"));
+    EXPECT_THAT(Create(s), StatusIs(absl::StatusCode::kInvalidArgument)) << "'" << bad << "'";
   }
+  s.device = "cuda";
+  EXPECT_THAT(CheckBackendSelection(s), IsOk());
 }
 
-TEST_F(BackendSelectTest, CpuGemmInputFlag) {
-  absl::SetFlag(&FLAGS_cpu_gemm_input, "bf16");
-  EXPECT_THAT(Create("cpu"), IsOk());
-  for (const char* bad : {"fp8", "", "BF16"}) {
-    absl::SetFlag(&FLAGS_cpu_gemm_input, bad);
-    const absl::Status st = CheckDeviceFlags("cpu");
-    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << "'" << bad << "'";
-    EXPECT_NE(st.message().find("--cpu_gemm_input"), std::string::npos) << st;
-    EXPECT_THAT(Create("cpu"), StatusIs(absl::StatusCode::kInvalidArgument)) << "'" << bad << "'";
+TEST_F(BackendSelectTest, GemmIsaIsAppliedAndAnUnsupportedOneRefused) {
+  const cpu::GemmIsa before = cpu::ActiveGemmIsa();
+  BackendSelection s;
+  s.cpu_gemm_isa = cpu::GemmIsa::kPortable;
+  EXPECT_THAT(Create(s), IsOk());
+  EXPECT_EQ(cpu::ActiveGemmIsa(), cpu::GemmIsa::kPortable);
+  for (cpu::GemmIsa isa : {cpu::GemmIsa::kAvx2, cpu::GemmIsa::kAvx512, cpu::GemmIsa::kAvx512Bf16}) {
+    if (cpu::GemmIsaSupported(isa)) continue;
+    s.cpu_gemm_isa = isa;
+    EXPECT_THAT(Create(s), StatusIs(absl::StatusCode::kInvalidArgument)) << cpu::GemmIsaName(isa);
   }
+  ASSERT_THAT(cpu::SetGemmIsa(before), IsOk());
 }
 
 }  // namespace

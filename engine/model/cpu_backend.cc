@@ -43,6 +43,7 @@
 #include "engine/model/cpu/packed_matrix.h"
 #include "engine/model/cpu_ops.h"
 #include "engine/model/cpu_vocab.h"
+#include "engine/model/model_math.h"
 
 namespace dgserve {
 namespace {
@@ -74,9 +75,9 @@ class CpuBackend final : public ModelBackend {
   CpuBackend(const ModelConfig& config, const ModelWeights& weights,
              const CpuBackendOptions& options)
       : c_(config), w_(weights), in_(options.gemm_input) {
-    rope_sliding_ = cpu::RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2);
-    rope_full_ = cpu::RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles());
-    sc_skip_mass_ = cpu::DefaultScSkipMass();
+    rope_sliding_ = RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2);
+    rope_full_ = RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles());
+    sc_skip_mass_ = options.dense_self_conditioning ? 0.0 : cpu::kDefaultScSkipMass;
     if (sc_skip_mass_ > 0) {
       embed_tile_norm_max_ =
           cpu::EmbeddingTileNormMax(w_.embed_tokens.data(), c_.vocab_size, c_.hidden_size);
@@ -119,6 +120,7 @@ class CpuBackend final : public ModelBackend {
   std::vector<float> rope_sliding_, rope_full_;
   double sc_skip_mass_ = 0;        // sparse self-conditioning budget (cpu_vocab.h); 0 = dense
   std::vector<float> embed_tile_norm_max_;  // per 512-id tile, max ‖E_v‖₂, for its bound
+  cpu::VocabScratch vocab_scratch_;         // the sparse product's exps, kept between steps
   DecodeTimings timings_;
 };
 
@@ -240,8 +242,8 @@ void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int 
   std::vector<std::pair<int, float>> chosen(K);
   for (const Segment& s : segs) {
     for (int row = s.row0; row < s.row0 + s.rows; ++row) {
-      cpu::RouteTopK(scores.data() + size_t(row) * E, E, K, lw.router_per_expert_scale.data(),
-                     chosen.data());
+      RouteTopK(scores.data() + size_t(row) * E, E, K, lw.router_per_expert_scale.data(),
+                chosen.data());
       for (const auto& [e, weight] : chosen) by_expert[e].push_back({row, weight});
     }
   }
@@ -504,6 +506,7 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
     args.sc_skip_mass = batch[i].sparse_sc ? sc_skip_mass_ : 0.0;
     if (!embed_tile_norm_max_.empty()) args.embed_tile_norm_max = embed_tile_norm_max_.data();
     args.stats = &stats;
+    args.scratch = &vocab_scratch_;
     args.gemm_input = in_;
     if (!batch[i].row_masks.empty()) {
       if (int(batch[i].row_masks.size()) != s.rows) {

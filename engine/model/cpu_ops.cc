@@ -4,8 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
-#include <vector>
 
 #include "engine/model/avx2_exp2.h"
 #include "engine/model/cpu/gemm.h"
@@ -36,15 +34,6 @@ float GeluTanh(float x) {
 void GeluGate(const float* gate, const float* up, int64_t n, float* out) {
 #pragma omp parallel for schedule(static) if (n >= 65536)
   for (int64_t i = 0; i < n; ++i) out[i] = GeluTanh(gate[i]) * up[i];
-}
-
-std::vector<float> RopeInvFreq(float theta, int head_dim, int rotated_pairs) {
-  std::vector<float> f(head_dim / 2, 0.0f);
-  for (int j = 0; j < rotated_pairs && j < head_dim / 2; ++j) {
-    const float exponent = float(2 * j) / float(head_dim);
-    f[j] = 1.0f / std::pow(theta, exponent);
-  }
-  return f;
 }
 
 void ApplyRope(float* x, int heads, int head_dim, int pos, std::span<const float> inv_freq) {
@@ -111,24 +100,6 @@ void Softcap(float* x, int64_t n, float cap) {
     } else {
       for (int64_t i = 0; i < m; ++i) p[i] = SoftcapOne(p[i], cap);
     }
-  }
-}
-
-void RouteTopK(float* s, int num_experts, int k, const float* per_expert_scale,
-               std::pair<int, float>* out) {
-  const float mx = *std::max_element(s, s + num_experts);
-  float sum = 0;
-  for (int e = 0; e < num_experts; ++e) sum += (s[e] = std::exp(s[e] - mx));
-  for (int e = 0; e < num_experts; ++e) s[e] /= sum;
-  std::vector<int> order(num_experts);
-  std::iota(order.begin(), order.end(), 0);
-  std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                    [&](int a, int b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
-  float top = 0;
-  for (int j = 0; j < k; ++j) top += s[order[j]];
-  for (int j = 0; j < k; ++j) {
-    const int e = order[j];
-    out[j] = {e, s[e] / top * per_expert_scale[e]};
   }
 }
 

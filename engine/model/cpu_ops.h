@@ -1,11 +1,10 @@
 // CPU primitives of the DiffusionGemma forward pass (spec §3.1), float32, row-major.
-// Rows are tokens; every function works on `rows` independent rows of width `dim`.
+// Rows are tokens; every function works on `rows` independent rows of width `dim`. The math the
+// CUDA backend shares (RopeInvFreq, RouteTopK) is in engine/model/model_math.h.
 #pragma once
 
 #include <cstdint>
 #include <span>
-#include <utility>
-#include <vector>
 
 namespace dgserve::cpu {
 
@@ -20,12 +19,9 @@ float GeluTanh(float x);
 // out[i] = gelu(gate[i]) · up[i] for n elements (the gated MLP's inner product, spec §3.1.3).
 void GeluGate(const float* gate, const float* up, int64_t n, float* out);
 
-// Inverse frequencies of one RoPE variant (spec §3.1.4): f_j = θ^(−2j/head_dim) in float32 for
-// j < rotated_pairs, 0 (identity) for rotated_pairs ≤ j < head_dim/2.
-std::vector<float> RopeInvFreq(float theta, int head_dim, int rotated_pairs);
-
 // Rotates `heads` head vectors of width head_dim in place at position `pos` (NeoX / rotate-half
-// layout: pairs (j, j + head_dim/2)), angles fp32(pos)·inv_freq[j] in float32.
+// layout: pairs (j, j + head_dim/2)), angles fp32(pos)·inv_freq[j] in float32 (inv_freq:
+// RopeInvFreq, engine/model/model_math.h).
 void ApplyRope(float* x, int heads, int head_dim, int pos, std::span<const float> inv_freq);
 
 // x ← cap · tanh(x / cap) for n elements (final logit softcap, spec §3.1.6), computed as
@@ -38,12 +34,5 @@ float SoftcapOne(float x, float cap);
 // the CPU has AVX2+FMA and the GEMM path is not forced to portable. Both give the same bits; the
 // switch only lets one machine test both.
 bool UseAvx2Elementwise();
-
-// Router decision for one token (spec §3.2 step 5): softmax over the E router scores, the top k
-// by probability (ties → lower expert id), weights renormalised to sum 1 over the k, then
-// multiplied by per_expert_scale[e]. Writes k (expert, weight) pairs, highest probability first.
-// `scores` [E] is overwritten with the softmax.
-void RouteTopK(float* scores, int num_experts, int k, const float* per_expert_scale,
-               std::pair<int, float>* out);
 
 }  // namespace dgserve::cpu

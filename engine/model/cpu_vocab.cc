@@ -5,11 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <span>
-#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -296,14 +294,6 @@ int64_t PlanRow(const ProductInputs& in, int r, double skip_mass, char* skip, ch
 
 }  // namespace
 
-double DefaultScSkipMass() {
-  static const double mass = [] {
-    const char* env = std::getenv("DGSERVE_DENSE_SC");
-    return env != nullptr && std::string_view(env) == "1" ? 0.0 : std::ldexp(1.0, -12);
-  }();
-  return mass;
-}
-
 std::vector<float> EmbeddingTileNormMax(const uint16_t* table, int64_t rows, int dim) {
   const int64_t tiles = (rows + kTile - 1) / kTile;
   std::vector<float> out(tiles);
@@ -342,9 +332,10 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
   std::vector<float> tile_sum(size_t(num_tiles) * M), tile_ref(size_t(num_tiles) * M);
   std::vector<float> inv_t(M);
   for (int r = 0; r < M; ++r) inv_t[r] = 1.0f / a.temperature[r];
-  // Kept across calls: the buffer is [M, V] (268 MB at canvas 256 of the real vocabulary), and
-  // touching fresh pages every step would cost more than the product saves.
-  static thread_local std::vector<float> exps_buffer;
+  // The caller's scratch keeps the [M, V] exps across calls (VocabScratch); without one, this
+  // call's.
+  VocabScratch local_scratch;
+  std::vector<float>& exps_buffer = (a.scratch != nullptr ? a.scratch : &local_scratch)->exps;
   // The bf16-input mode rounds the hidden states once for every LM-head product of the step.
   Bf16Activations hidden_rounded;
   GemmABf16 hidden_bf16;

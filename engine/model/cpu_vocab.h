@@ -26,6 +26,14 @@ struct VocabStepStats {
   int64_t rows_kept_dense = 0;    // rows that had tiles to leave out but whose bound kept them dense
 };
 
+// Memory FusedVocabStep keeps from one call to the next, owned by its caller (the CPU backend
+// holds one, freed with it): the sparse product's exps, [rows, V] float32 of the largest call so
+// far (268 MB at canvas 256 of the real vocabulary). Kept because touching fresh pages every step
+// would cost more than the sparse product saves. One call at a time may use it.
+struct VocabScratch {
+  std::vector<float> exps;
+};
+
 struct VocabStepArgs {
   const float* hidden = nullptr;  // [rows, D] final-normed hidden states
   int rows = 0;
@@ -49,15 +57,17 @@ struct VocabStepArgs {
   // [⌈V / kVocabTile⌉] per tile of ids, max_v ‖E_v‖₂ (EmbeddingTileNormMax), or nullptr (dense).
   const float* embed_tile_norm_max = nullptr;
   VocabStepStats* stats = nullptr;  // optional: what the sparse product left out
+  // Optional: where the sparse product's exps live between calls; nullptr: a buffer of this call.
+  VocabScratch* scratch = nullptr;
   // The GEMMs' input mode (cpu/gemm.h). kBf16: `hidden` rounded to bf16 once for the LM head
   // (tile pass and the sampled tile's recomputation alike), and the soft embedding's exps rounded
   // to bf16 per tile product.
   GemmInput gemm_input = GemmInput::kFloat32;
 };
 
-// The sc_skip_mass the CPU backend gives a canvas whose DenoiseStepInput::sparse_sc is set:
-// 2⁻¹² (DGSERVE_DENSE_SC=1 in the environment gives 0, the dense product, for every canvas).
-double DefaultScSkipMass();
+// The sc_skip_mass the CPU backend gives a canvas whose DenoiseStepInput::sparse_sc is set: 2⁻¹²
+// (CpuBackendOptions::dense_self_conditioning gives 0, the dense product, for every canvas).
+inline constexpr double kDefaultScSkipMass = 0x1p-12;
 
 // Per tile of kVocabTile rows of a row-major bf16 [rows, dim] table, the largest Euclidean norm of
 // its rows, rounded up (upper bounds for the sparse product's error bound).
@@ -74,7 +84,7 @@ std::vector<float> EmbeddingTileNormMax(const uint16_t* table, int64_t rows, int
 // Sparse self-conditioning (sc_skip_mass = ε > 0; spec §3.5 step 2, issue 11): the soft embedding
 // s = scale · Σ_v q_v E_v is vocabulary-sized work, but most tiles of a peaked row carry almost no
 // probability. The product then runs after the pass from the stored exps ([rows, V] float32, kept
-// per thread), when every tile's exact mass q_t for the row is known: greedily in vocabulary
+// in args.scratch), when every tile's exact mass q_t for the row is known: greedily in vocabulary
 // order, each tile whose mass still fits the row's budget ε is left out. With N_t the tile's max
 // ‖E_v‖₂ the omission is at most B = scale · Σ_left-out q_t N_t in Euclidean norm, and a row keeps
 // its plan only if B ≤ 2⁻¹⁰ · (L − B) for the lower bound L = scale · (q_max ‖E_argmax‖ −

@@ -264,7 +264,7 @@ TEST(FusedVocabStepTest, SparseProductLeavesOutLowMassTilesWithinItsBound) {
   std::vector<float> dense_soft, sparse_soft;
   VocabStepStats dense_stats, stats;
   c.Run(0, M, 0.0, &dense, &dense_soft, &dense_stats);
-  c.Run(0, M, DefaultScSkipMass(), &sparse, &sparse_soft, &stats);
+  c.Run(0, M, kDefaultScSkipMass, &sparse, &sparse_soft, &stats);
   EXPECT_EQ(dense_stats.tile_rows_skipped, 0);
   EXPECT_EQ(stats.tile_rows, M * 16);
   EXPECT_EQ(stats.tile_rows_skipped, 2 * 15);  // rows 0 and 3 leave out their 15 other tiles
@@ -293,7 +293,7 @@ TEST(FusedVocabStepTest, SparseProductLeavesOutLowMassTilesWithinItsBound) {
     std::vector<RowResult> one;
     std::vector<float> one_soft;
     VocabStepStats one_stats;
-    c.Run(r, 1, DefaultScSkipMass(), &one, &one_soft, &one_stats);
+    c.Run(r, 1, kDefaultScSkipMass, &one, &one_soft, &one_stats);
     EXPECT_EQ(one[0].sampled, sparse[r].sampled) << "row " << r;
     EXPECT_EQ(0, std::memcmp(one_soft.data(), sparse_soft.data() + size_t(r) * D,
                              sizeof(float) * D))
@@ -359,7 +359,7 @@ TEST(FusedVocabStepTest, SparseModeReplaysTheFusedDenseAccumulationBitForBit) {
   std::vector<float> dense_soft, sparse_soft;
   VocabStepStats dense_stats, stats;
   run(0.0, &dense, &dense_soft, &dense_stats);
-  run(DefaultScSkipMass(), &sparse, &sparse_soft, &stats);
+  run(kDefaultScSkipMass, &sparse, &sparse_soft, &stats);
   EXPECT_EQ(stats.tile_rows, int64_t(M) * 48);
   EXPECT_EQ(stats.tile_rows_skipped, 0);
   EXPECT_EQ(stats.rows_kept_dense, 0);

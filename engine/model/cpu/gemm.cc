@@ -8,10 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -77,25 +74,8 @@ GemmIsa BestIsa() {
   return GemmIsa::kPortable;
 }
 
-GemmIsa InitialIsa() {
-  const char* env = std::getenv("DGSERVE_GEMM_ISA");
-  if (env == nullptr || *env == '\0') return BestIsa();
-  const std::string_view v(env);
-  for (GemmIsa isa : {GemmIsa::kAvx512Bf16, GemmIsa::kAvx512, GemmIsa::kAvx2, GemmIsa::kPortable}) {
-    if (v != GemmIsaName(isa)) continue;
-    if (CpuHas(isa)) return isa;
-    std::fprintf(stderr, "DGSERVE_GEMM_ISA=%s: this CPU lacks it; using %s\n", env,
-                 GemmIsaName(BestIsa()));
-    return BestIsa();
-  }
-  std::fprintf(stderr,
-               "DGSERVE_GEMM_ISA=%s: not one of avx512bf16, avx512, avx2, portable; using %s\n", env,
-               GemmIsaName(BestIsa()));
-  return BestIsa();
-}
-
 std::atomic<GemmIsa>& Active() {
-  static std::atomic<GemmIsa> isa{InitialIsa()};
+  static std::atomic<GemmIsa> isa{BestIsa()};
   return isa;
 }
 
@@ -496,7 +476,11 @@ void RoundRows(const float* a, int m, int k, int64_t lda, float* values, uint16_
   }
 }
 
-// Per-thread buffers for A rounded inside one Gemm call.
+// Per-thread buffers for A rounded inside one Gemm call (bf16 mode, when the caller passed no
+// a_bf16). Kept per thread rather than owned by a backend: at most 6 bytes per element of the
+// largest A rounded on that thread (values and pairs; 4.3 MB for 256 rows of the real width,
+// 2816), the size of an activation, where the vocabulary step's [rows, V] buffer is the
+// backend's (VocabScratch, cpu_vocab.h).
 struct RoundScratch {
   std::vector<float> values;
   std::vector<uint16_t> pairs;

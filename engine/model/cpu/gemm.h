@@ -40,11 +40,10 @@
 
 namespace dgserve::cpu {
 
-// Microkernel instruction sets. Chosen once per process: the best the CPU has, or the one named
-// by the environment variable DGSERVE_GEMM_ISA (avx512bf16, avx512, avx2 or portable);
-// SetGemmIsa() changes it (tests, benchmarks). kAvx512Bf16 (AVX-512F + BW + BF16) runs the
-// float32 mode with the AVX-512F kernels and the bf16 mode with VDPBF16PS; kAvx512, kAvx2 and
-// kPortable emulate VDPBF16PS in the bf16 mode.
+// Microkernel instruction sets. One per process: the best the CPU has until SetGemmIsa() changes
+// it (tests, benchmarks, and CreateBackend for a program's DGSERVE_GEMM_ISA: worker/backend_env.h).
+// kAvx512Bf16 (AVX-512F + BW + BF16) runs the float32 mode with the AVX-512F kernels and the bf16
+// mode with VDPBF16PS; kAvx512, kAvx2 and kPortable emulate VDPBF16PS in the bf16 mode.
 enum class GemmIsa { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 
 const char* GemmIsaName(GemmIsa isa);

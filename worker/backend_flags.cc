@@ -1,0 +1,49 @@
+#include "worker/backend_flags.h"
+
+#include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "worker/backend_env.h"
+
+// Every program that selects a backend by --device takes these flags (defined here, once).
+ABSL_FLAG(std::string, cuda_gemm_input, "bf16",
+          "--device cuda: how the GEMMs take float32 activations. bf16 (default): rounded to "
+          "bf16 at the reference's rounding points (spec §5.3, HF's bf16 activations), the "
+          "function of --cpu_gemm_input=bf16 up to the order of float32 additions; float32 (a "
+          "check mode): split exactly into three bf16 terms, the CPU backend's float32 results "
+          "up to addition order, at three times the tensor-core work");
+
+ABSL_FLAG(std::string, cpu_gemm_input, "float32",
+          "--device cpu: the GEMMs' inputs. float32 (default): float32 activations, each output "
+          "one fma chain; bf16: activations rounded to bf16 at the reference's rounding points "
+          "(spec §5.3; engine/README.md), each output the VDPBF16PS chain (native on CPUs with "
+          "AVX512_BF16, the same bits emulated elsewhere)");
+
+namespace dgserve {
+
+absl::StatusOr<BackendSelection> BackendSelectionFromFlags(const std::string& device) {
+  BackendSelection s;
+  s.device = device;
+  const std::string cpu_input = absl::GetFlag(FLAGS_cpu_gemm_input);
+  absl::StatusOr<cpu::GemmInput> parsed = cpu::ParseGemmInput(cpu_input);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cpu_gemm_input '", cpu_input, "': must be 'float32' or 'bf16'"));
+  }
+  s.cpu_gemm_input = *parsed;
+  const std::string cuda_input = absl::GetFlag(FLAGS_cuda_gemm_input);
+  if (cuda_input == "bf16") {
+    s.cuda_gemm_input = CudaGemmInput::kBf16;
+  } else if (cuda_input == "float32") {
+    s.cuda_gemm_input = CudaGemmInput::kFloat32;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda_gemm_input '", cuda_input, "': must be 'float32' or 'bf16'"));
+  }
+  if (absl::Status st = CheckBackendSelection(s); !st.ok()) return st;
+  s.cpu_gemm_isa = GemmIsaFromEnvironment();
+  s.cpu_dense_self_conditioning = DenseSelfConditioningFromEnvironment();
+  return s;
+}
+
+}  // namespace dgserve

@@ -1,0 +1,21 @@
+// The flags that choose and tune the model backend, defined once here for every program that
+// takes --device (the workers, dgserve, dgserve-server, engine_bench): --cpu_gemm_input and
+// --cuda_gemm_input (--device itself stays with each program, whose help text differs).
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/model/backend_select.h"
+
+namespace dgserve {
+
+// The BackendSelection of --device `device` with --cpu_gemm_input ("float32", the default, or
+// "bf16"), --cuda_gemm_input ("bf16", the default, or "float32") and the environment
+// (DGSERVE_GEMM_ISA, DGSERVE_DENSE_SC: backend_env.h). INVALID_ARGUMENT naming the flag, checked
+// in this order whatever the device: "--cpu_gemm_input 'x': must be 'float32' or 'bf16'", the
+// same for --cuda_gemm_input, then "--device x: must be 'cpu' or 'cuda'". Loads nothing: call it
+// before a checkpoint load.
+absl::StatusOr<BackendSelection> BackendSelectionFromFlags(const std::string& device);
+
+}  // namespace dgserve
