@@ -72,4 +72,42 @@ inline float RoundToE4m3(float x) {
   return out;
 }
 
+// float4_e2m1 (OCP MX FP4 E2M1, NVFP4's element type; issue 37): sign, 2 exponent bits (bias 1),
+// 1 mantissa bit; no infinities or NaN. Codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the
+// sign (codes 8..15 the negatives; 8 is −0).
+inline float E2m1ToFloat(uint8_t c) {
+  static constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float m = kMag[c & 7];
+  return (c & 8) ? -m : m;
+}
+
+// float32 -> E2M1 code, round to nearest even, saturating at ±6 (|x| > 5 gives 6). The same
+// codes as TensorRT Model Optimizer's NVFP4QTensor._cast_fp4 (modelopt/torch/quantization/
+// qtensor/nvfp4_tensor.py: searchsorted on the bounds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 with
+// the ties at 0.75, 1.75, 3.5 moved up, i.e. ties to the even code) and as PTX's
+// cvt.rn.satfinite.e2m1x2.f32; values < 0 get the sign bit (as _cast_fp4: −0.0 gives code 0,
+// −0.1 code 8). x not NaN.
+inline uint8_t FloatToE2m1(float x) {
+  const float a = std::fabs(x);
+  uint8_t m;
+  if (a <= 0.25f) {
+    m = 0;
+  } else if (a < 0.75f) {
+    m = 1;
+  } else if (a <= 1.25f) {
+    m = 2;
+  } else if (a < 1.75f) {
+    m = 3;
+  } else if (a <= 2.5f) {
+    m = 4;
+  } else if (a < 3.5f) {
+    m = 5;
+  } else if (a <= 5.0f) {
+    m = 6;
+  } else {
+    m = 7;
+  }
+  return x < 0.0f ? uint8_t(m | 8) : m;
+}
+
 }  // namespace dgserve

@@ -1,8 +1,9 @@
-// dgserve-quantize: writes a quantized compressed-tensors checkpoint (FP8 or W4A16) from a bf16
-// DiffusionGemma checkpoint; what it writes: engine/model/quantize_checkpoint.h.
+// dgserve-quantize: writes a quantized checkpoint (compressed-tensors FP8 or W4A16, ModelOpt
+// NVFP4) from a bf16 DiffusionGemma checkpoint; what it writes: engine/model/quantize_checkpoint.h.
 //
 //   dgserve-quantize --in DIR --out DIR --format fp8
 //   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 128
+//   dgserve-quantize --in DIR --out DIR --format nvfp4
 #include <cstdio>
 #include <string>
 
@@ -17,8 +18,10 @@
 
 ABSL_FLAG(std::string, in, "", "bf16 checkpoint directory to read (required)");
 ABSL_FLAG(std::string, out, "", "checkpoint directory to write (required; created if needed)");
-ABSL_FLAG(std::string, format, "", "fp8 or w4a16 (required)");
-ABSL_FLAG(int32_t, group_size, 128, "w4a16: inputs per scale group (0: one group per row)");
+ABSL_FLAG(std::string, format, "", "fp8, w4a16 or nvfp4 (required)");
+ABSL_FLAG(int32_t, group_size, -1,
+          "w4a16: inputs per scale group (0: one group per row; default 128); nvfp4: fixed at 16 "
+          "(another value is refused)");
 ABSL_FLAG(std::string, ignore, absl::StrJoin(dgserve::DefaultQuantizeIgnore(), ","),
           "comma-separated compressed-tensors ignore list (module names or re:REGEX): modules "
           "kept in bf16. Default: the LM head and embedding, the MoE router, the norms, and the "
@@ -36,11 +39,24 @@ absl::Status Run() {
     options.format = WeightFormat::kFp8;
   } else if (format == "w4a16") {
     options.format = WeightFormat::kW4A16;
+  } else if (format == "nvfp4") {
+    options.format = WeightFormat::kNvfp4;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--format '", format, "': must be fp8 or w4a16 (nvfp4 is not implemented yet)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--format '", format, "': must be fp8, w4a16 or nvfp4"));
   }
-  options.group_size = absl::GetFlag(FLAGS_group_size);
+  const int32_t group_size = absl::GetFlag(FLAGS_group_size);  // -1: not given
+  if (options.format == WeightFormat::kNvfp4) {
+    if (group_size != -1 && group_size != 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--group_size ", group_size,
+                       ": --format nvfp4 has 16-input blocks, fixed by the format (omit "
+                       "--group_size or give 16)"));
+    }
+    options.group_size = 16;
+  } else if (group_size != -1) {
+    options.group_size = group_size;
+  }
   options.ignore.clear();
   for (absl::string_view e : absl::StrSplit(absl::GetFlag(FLAGS_ignore), ',', absl::SkipEmpty())) {
     options.ignore.emplace_back(e);
@@ -64,7 +80,9 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   return dgserve::RunFlagsOnlyTool(
       argc, argv, "dgserve-quantize",
-      "Writes a quantized compressed-tensors checkpoint from a bf16 DiffusionGemma checkpoint.\n"
-      "  dgserve-quantize --in DIR --out DIR --format fp8|w4a16 [--group_size N] [--ignore LIST]",
+      "Writes a quantized checkpoint (compressed-tensors FP8/W4A16, ModelOpt NVFP4) from a bf16\n"
+      "DiffusionGemma checkpoint.\n"
+      "  dgserve-quantize --in DIR --out DIR --format fp8|w4a16|nvfp4 [--group_size N] [--ignore "
+      "LIST]",
       "tools/quantize_main.cc", dgserve::Run);
 }

@@ -236,6 +236,9 @@ int64_t WeightBytes(const ModelConfig& config, const QuantizationConfig& quant) 
         const int64_t padded = (rows + 15) / 16 * 16;
         if (quant.format == WeightFormat::kFp8) {
           bytes += padded * cols + padded * 4;
+        } else if (quant.format == WeightFormat::kNvfp4) {
+          // Codes 4 bits, one e4m3 scale per 16, alpha and weight_scale_2 per row (float32).
+          bytes += padded * cols / 2 + padded * (cols / 16) + padded * 8;
         } else {
           const int64_t g = quant.GroupFor(int(cols));
           bytes += padded * cols / 2 + padded * ((cols + g - 1) / g) * 4;
@@ -261,11 +264,18 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& dir) {
   if (fs::exists(gen, ec)) {
     DGSERVE_ASSIGN_OR_RETURN(ckpt.generation, LoadGenerationConfig(gen.string()));
   }
-  // Issue 37: a compressed-tensors quantization_config (quant_config.h), refused before any
-  // tensor is read when this build does not run it.
+  // Issue 37: a compressed-tensors or ModelOpt quantization_config (quant_config.h), refused before
+  // any tensor is read when this build does not run it.
   {
     DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_path));
     DGSERVE_ASSIGN_OR_RETURN(ckpt.quant, ParseQuantizationConfig(text, config_path));
+    // ModelOpt's exports carry their quantization in hf_quant_config.json as well (older ones
+    // only there).
+    const fs::path hf = fs::path(dir) / "hf_quant_config.json";
+    if (!ckpt.quant.quantized() && fs::exists(hf, ec)) {
+      DGSERVE_ASSIGN_OR_RETURN(std::string hf_text, ReadFileToString(hf.string()));
+      DGSERVE_ASSIGN_OR_RETURN(ckpt.quant, ParseHfQuantConfig(hf_text, hf.string()));
+    }
   }
   // Refuse what memory cannot hold: bf16 (or quantized) matrices, the embedding twice, float32
   // vectors.

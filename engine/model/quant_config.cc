@@ -39,6 +39,78 @@ bool MatchesEntry(const std::string& entry, const std::string& module) {
   return entry == module;
 }
 
+// fnmatch(pattern, name) with '*' and '?' (no character classes: ModelOpt's exclude lists use
+// none).
+bool Glob(const char* p, const char* s) {
+  const char* star = nullptr;
+  const char* back = nullptr;
+  while (*s != '\0') {
+    if (*p == '*') {
+      star = p++;
+      back = s;
+    } else if (*p == '?' || *p == *s) {
+      ++p;
+      ++s;
+    } else if (star != nullptr) {
+      p = star + 1;
+      s = ++back;
+    } else {
+      return false;
+    }
+  }
+  while (*p == '*') ++p;
+  return *p == '\0';
+}
+
+bool MatchesGlob(const std::string& entry, const std::string& module) {
+  return Glob(entry.c_str(), module.c_str()) || absl::StartsWith(module, entry + ".");
+}
+
+// ModelOpt's quantization fields: `qc` the quantization_config object (or hf_quant_config.json's
+// root); `prefix` names the fields in errors.
+absl::StatusOr<QuantizationConfig> ParseModelOpt(const json& root_qc, const std::string& source,
+                                                 const std::string& prefix) {
+  auto field = [&](const std::string& f, const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": field '", prefix, f, "' ", what));
+  };
+  const json* qc = &root_qc;
+  std::string p;
+  if (auto it = root_qc.find("quantization"); it != root_qc.end()) {
+    if (!it->is_object()) return field("quantization", "must be an object");
+    qc = &*it;
+    p = "quantization.";
+  }
+  const json algo = qc->value("quant_algo", json());
+  if (algo != "NVFP4") {
+    return field(p + "quant_algo",
+                 absl::StrCat("is ", algo.dump(),
+                              "; this build loads ModelOpt checkpoints with quant_algo \"NVFP4\" "
+                              "only"));
+  }
+  if (auto it = qc->find("group_size"); it != qc->end() && *it != 16) {
+    return field(p + "group_size", absl::StrCat("is ", it->dump(), "; NVFP4 blocks are 16"));
+  }
+  if (auto it = qc->find("kv_cache_quant_algo"); it != qc->end() && !it->is_null()) {
+    return field(p + "kv_cache_quant_algo",
+                 absl::StrCat("is ", it->dump(), "; a quantized KV cache is not supported"));
+  }
+  QuantizationConfig q;
+  q.format = WeightFormat::kNvfp4;
+  q.group_size = 16;
+  q.targets = {"Linear"};
+  q.glob_ignore = true;
+  for (const char* key : {"exclude_modules", "ignore"}) {
+    auto it = qc->find(key);
+    if (it == qc->end() || it->is_null()) continue;
+    if (!it->is_array()) return field(p + key, "must be a list of strings");
+    for (const json& e : *it) {
+      if (!e.is_string()) return field(p + key, "must be a list of strings");
+      q.ignore.push_back(e.get<std::string>());
+    }
+  }
+  return q;
+}
+
 }  // namespace
 
 const char* WeightFormatName(WeightFormat f) {
@@ -47,6 +119,7 @@ const char* WeightFormatName(WeightFormat f) {
       return "fp8";
     case WeightFormat::kW4A16:
       return "w4a16";
+    case WeightFormat::kNvfp4: return "nvfp4";
     case WeightFormat::kBf16:
       break;
   }
@@ -56,7 +129,7 @@ const char* WeightFormatName(WeightFormat f) {
 bool QuantizationConfig::Quantizes(const std::string& module) const {
   if (!quantized()) return false;
   for (const std::string& e : ignore) {
-    if (MatchesEntry(e, module)) return false;
+    if (glob_ignore ? MatchesGlob(e, module) : MatchesEntry(e, module)) return false;
   }
   for (const std::string& t : targets) {
     if (MatchesEntry(t, module)) return true;
@@ -76,11 +149,13 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& co
   const json& qc = *qc_it;
   if (!qc.is_object()) return Field(source, "", "must be an object");
   const json method = qc.value("quant_method", json());
+  if (method == "modelopt") return ParseModelOpt(qc, source, "quantization_config.");
   if (method != "compressed-tensors") {
     return Field(source, "quant_method",
                  absl::StrCat("is ", method.dump(),
-                              "; this build loads compressed-tensors checkpoints only (FP8_DYNAMIC "
-                              "float-quantized, W4A16 pack-quantized)"));
+                              "; this build loads compressed-tensors checkpoints (FP8_DYNAMIC "
+                              "float-quantized, W4A16 pack-quantized) and ModelOpt NVFP4 "
+                              "(\"modelopt\")"));
   }
   const json format = qc.value("format", json());
   if (format == "float-quantized") {
@@ -194,7 +269,38 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& co
   return q;
 }
 
+absl::StatusOr<QuantizationConfig> ParseHfQuantConfig(const std::string& text,
+                                                      const std::string& source) {
+  const json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": malformed JSON"));
+  }
+  if (!root.contains("quantization")) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": field 'quantization' is missing"));
+  }
+  return ParseModelOpt(root, source, "");
+}
+
+std::string HfQuantConfigJson(const QuantizationConfig& q) {
+  json root = {{"producer", {{"name", "dgserve-quantize"}, {"version", "1"}}},
+               {"quantization",
+                {{"quant_algo", "NVFP4"},
+                 {"kv_cache_quant_algo", nullptr},
+                 {"group_size", 16},
+                 {"exclude_modules", q.ignore}}}};
+  return root.dump(2);
+}
+
 std::string QuantizationConfigJson(const QuantizationConfig& q) {
+  if (q.format == WeightFormat::kNvfp4) {
+    json qc = {{"quant_method", "modelopt"},
+               {"quant_algo", "NVFP4"},
+               {"kv_cache_quant_algo", nullptr},
+               {"group_size", 16},
+               {"exclude_modules", q.ignore},
+               {"producer", {{"name", "dgserve-quantize"}, {"version", "1"}}}};
+    return qc.dump(2);
+  }
   json weights, acts;
   if (q.format == WeightFormat::kFp8) {
     weights = {{"num_bits", 8},          {"type", "float"},  {"symmetric", true},

@@ -33,6 +33,31 @@
 // "model.decoder.layers.0.self_attn.q_proj"). The embedding (an nn.Embedding) and the tied LM
 // head are never quantized.
 //
+// ModelOpt NVFP4 (NVIDIA TensorRT Model Optimizer's unified HF export, modelopt/torch/export/
+// unified_export_hf.py; read as vLLM's ModelOptNvFp4Config.from_config in
+// vllm/model_executor/layers/quantization/modelopt.py): config.json's
+//
+//   "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
+//                           "group_size": 16, "kv_cache_quant_algo": null,
+//                           "exclude_modules": ["lm_head", "*router*", ...]}
+//
+// (the exclude list may also be called "ignore"; the fields may sit in a nested "quantization"
+// object), or, with no quantization_config in config.json, the checkpoint's hf_quant_config.json
+// {"producer": {...}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+// "kv_cache_quant_algo": null, "exclude_modules": [...]}}. Every Linear module not excluded is
+// quantized; exclude entries are fnmatch patterns ('*', '?') matched against the whole module
+// name, or a module's ancestor name. Tensors of a quantized Linear M (ModelOpt's
+// NVFP4QTensor, modelopt/torch/quantization/qtensor/nvfp4_tensor.py):
+//    `M.weight` U8 [out, in/2] — two e2m1 codes per byte along the input dimension, element 2i in
+//        the low nibble and 2i+1 in the high nibble (`(q[..., 1::2] << 4) | q[..., 0::2]`);
+//    `M.weight_scale` F8_E4M3 [out, in/16] — one scale per 16 inputs;
+//    `M.weight_scale_2` F32 [] or [1] — the per-tensor scale, amax(W) / (6 · 448);
+//    `M.input_scale` F32 [] or [1] — the static activation scale, amax(x) / (6 · 448);
+// W = e2m1(q) · weight_scale · weight_scale_2; activations are quantized to NVFP4 at run time
+// (W4A4; engine/model/cpu/gemm_quant.h). `in` must be a multiple of 16. Only quant_algo "NVFP4"
+// with group_size 16 and no KV-cache quantization is loaded. (compressed-tensors'
+// "nvfp4-pack-quantized" variant, with the reciprocal weight_global_scale, is not supported yet.)
+//
 // The MoE experts: the bf16 checkpoint holds them fused (`experts.gate_up_proj` [E, 2F, D],
 // `experts.down_proj` [E, D, F]), which are parameters, not Linear modules, so quantizers skip
 // them. A quantized checkpoint carries them as the standard compressed-tensors MoE layout does,
@@ -50,9 +75,10 @@
 
 namespace dgserve {
 
-enum class WeightFormat { kBf16, kFp8, kW4A16 };
+enum class WeightFormat { kBf16, kFp8, kW4A16, kNvfp4 };
 
-// "bf16", "fp8", "w4a16" (the names of engine_bench's format= and dgserve-quantize --format).
+// "bf16", "fp8", "w4a16", "nvfp4" (the names of engine_bench's format= and dgserve-quantize
+// --format).
 const char* WeightFormatName(WeightFormat f);
 
 struct QuantizationConfig {
@@ -61,6 +87,7 @@ struct QuantizationConfig {
   bool channel_groups = false;  // W4A16 strategy "channel": one group per row
   std::vector<std::string> targets;
   std::vector<std::string> ignore;
+  bool glob_ignore = false;  // ModelOpt: ignore entries are fnmatch patterns (exclude_modules)
 
   bool quantized() const { return format != WeightFormat::kBf16; }
   // True when the Linear module `module` (name without ".weight") is quantized.
@@ -75,7 +102,15 @@ struct QuantizationConfig {
 absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& config_json,
                                                            const std::string& source);
 
+// Parses ModelOpt's hf_quant_config.json text (see above; `source` names the file): NVFP4, or
+// INVALID_ARGUMENT naming the field ("quantization.quant_algo" etc.).
+absl::StatusOr<QuantizationConfig> ParseHfQuantConfig(const std::string& text,
+                                                      const std::string& source);
+
 // The "quantization_config" object dgserve-quantize writes for `q` (JSON text).
 std::string QuantizationConfigJson(const QuantizationConfig& q);
+
+// NVFP4: the hf_quant_config.json dgserve-quantize writes next to config.json (JSON text).
+std::string HfQuantConfigJson(const QuantizationConfig& q);
 
 }  // namespace dgserve

@@ -33,6 +33,8 @@ struct Module {
   const TensorView* packed = nullptr;  // W4A16
   const TensorView* scale = nullptr;
   const TensorView* shape = nullptr;  // W4A16 weight_shape
+  const TensorView* global = nullptr;  // NVFP4 weight_scale_2
+  const TensorView* input = nullptr;   // NVFP4 input_scale
   int rows = 0, cols = 0;
 };
 
@@ -117,6 +119,21 @@ class Planner {
       return v;
     };
     const std::vector<DType> floats = {DType::kBF16, DType::kF16, DType::kF32};
+    if (q_.format == WeightFormat::kNvfp4) {
+      if (cols % cpu::kNvfp4Block != 0) {
+        Problem(nullptr, absl::StrCat("module '", name, "' has ", cols,
+                                      " input features, not a multiple of 16: NVFP4 (16-input "
+                                      "blocks) cannot quantize it (list it in exclude_modules)"));
+        return false;
+      }
+      m->weight =
+          need(".weight", {DType::kU8}, {{rows, cols / 2}}, "e2m1 codes packed two per byte");
+      m->scale = need(".weight_scale", {DType::kF8E4M3}, {{rows, cols / 16}},
+                      "float8_e4m3fn scale per 16 inputs");
+      m->global = need(".weight_scale_2", {DType::kF32}, {{}, {1}}, "per-tensor weight scale");
+      m->input = need(".input_scale", {DType::kF32}, {{}, {1}}, "static activation scale");
+      return ok;
+    }
     if (q_.format == WeightFormat::kFp8) {
       m->weight = need(".weight", {DType::kF8E4M3}, {{rows, cols}}, "float8_e4m3fn weight");
       m->scale = need(".weight_scale", floats, {{rows, 1}, {rows}}, "per-channel scale");
@@ -173,6 +190,61 @@ absl::StatusOr<std::vector<float>> Scales(const TensorView& v) {
   return s;
 }
 
+// An NVFP4 per-tensor scale (weight_scale_2, input_scale): finite and > 0.
+absl::StatusOr<float> PositiveScalar(const TensorView& v) {
+  float f;
+  std::memcpy(&f, v.data, 4);
+  if (!std::isfinite(f) || f <= 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(v.file, ": tensor '", v.name, "' is ", f,
+                                                   "; a finite positive scale is expected"));
+  }
+  return f;
+}
+
+// The rows of an NVFP4 module (gemm_quant.h's QuantMatrix::FromNvfp4 inputs).
+struct Nvfp4Rows {
+  std::vector<uint8_t> codes, block_scales;
+  std::vector<float> global;
+  float input_scale = 0.0f;
+};
+
+absl::Status AppendNvfp4(const Module& m, Nvfp4Rows* out) {
+  DGSERVE_ASSIGN_OR_RETURN(const float g, PositiveScalar(*m.global));
+  DGSERVE_ASSIGN_OR_RETURN(const float in, PositiveScalar(*m.input));
+  if (out->input_scale != 0.0f && out->input_scale != in) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        m.input->file, ": tensor '", m.input->name, "' is ", in,
+        " but the module stacked with it "
+        "(an expert's gate and up, one [2F, D] matrix with one activation quantization) has ",
+        out->input_scale, ": they must be equal"));
+  }
+  out->input_scale = in;
+  const size_t n = size_t(m.rows) * m.cols;
+  if (m.weight->nbytes != n / 2 || m.scale->nbytes != n / 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(m.weight->file, ": tensor '", m.weight->name, "' has inconsistent size"));
+  }
+  const uint8_t* s = m.scale->data;
+  for (size_t i = 0; i < n / 16; ++i) {
+    if ((s[i] & 0x7f) == 0x7f) return NonFinite(*m.scale, int64_t(i));
+    if (s[i] & 0x80) {
+      return absl::InvalidArgumentError(absl::StrCat(m.scale->file, ": tensor '", m.scale->name,
+                                                     "' holds a negative scale (element ", i, ")"));
+    }
+  }
+  out->block_scales.insert(out->block_scales.end(), s, s + n / 16);
+  // ModelOpt's packing: element 2i in the low nibble, 2i + 1 in the high nibble.
+  const uint8_t* p = m.weight->data;
+  const size_t base = out->codes.size();
+  out->codes.resize(base + n);
+  for (size_t i = 0; i < n / 2; ++i) {
+    out->codes[base + 2 * i] = p[i] & 0x0f;
+    out->codes[base + 2 * i + 1] = p[i] >> 4;
+  }
+  out->global.insert(out->global.end(), size_t(m.rows), g);
+  return absl::OkStatus();
+}
+
 // Appends the rows of module m to the row-major outputs (one of the three, by m's kind).
 absl::Status AppendRows(const Module& m, const QuantizationConfig& q, std::vector<uint16_t>* bf16,
                         std::vector<uint8_t>* codes, std::vector<int8_t>* int4,
@@ -220,11 +292,20 @@ absl::StatusOr<cpu::PackedMatrix> Build(const std::vector<Module>& parts,
   std::vector<int8_t> int4;
   std::vector<float> scales;
   int rows = 0;
+  const int cols = parts[0].cols;
+  if (parts[0].quantized && q.format == WeightFormat::kNvfp4) {
+    Nvfp4Rows r;
+    for (const Module& m : parts) {
+      DGSERVE_RETURN_IF_ERROR(AppendNvfp4(m, &r));
+      rows += m.rows;
+    }
+    return cpu::PackedMatrix::Quantized(cpu::QuantMatrix::FromNvfp4(
+        r.codes.data(), r.block_scales.data(), r.global.data(), r.input_scale, rows, cols));
+  }
   for (const Module& m : parts) {
     DGSERVE_RETURN_IF_ERROR(AppendRows(m, q, &bf16, &codes, &int4, &scales));
     rows += m.rows;
   }
-  const int cols = parts[0].cols;
   if (!parts[0].quantized) return cpu::PackedMatrix::FromBf16(bf16.data(), rows, cols);
   if (q.format == WeightFormat::kFp8) {
     return cpu::PackedMatrix::Quantized(

@@ -1,7 +1,7 @@
-// Loading the quantized tensors of a compressed-tensors checkpoint (issue 37; layouts and
-// module selection in quant_config.h) into the CPU backend's weights: FP8 and W4A16 Linear
-// modules become quantized PackedMatrix entries (cpu::QuantMatrix), unfused per-expert Linears
-// are joined per expert into the [2F, D] gate_up / [D, F] down matrices the backend runs.
+// Loading the quantized tensors of a compressed-tensors or ModelOpt NVFP4 checkpoint (issue 37;
+// layouts and module selection in quant_config.h) into the CPU backend's weights: FP8, W4A16 and
+// NVFP4 Linear modules become quantized PackedMatrix entries (cpu::QuantMatrix), unfused per-expert
+// Linears are joined per expert into the [2F, D] gate_up / [D, F] down matrices the backend runs.
 // Internal to the checkpoint loader (checkpoint.cc calls it); everything it does not take stays
 // on the bf16 path.
 #pragma once

@@ -64,7 +64,7 @@ std::vector<std::pair<std::string, const cpu::PackedMatrix*>> Matrices(const Mod
 }
 
 struct Models {
-  Checkpoint bf16, fp8, w4a16;
+  Checkpoint bf16, fp8, w4a16, nvfp4;
   std::string dir;
 };
 
@@ -91,7 +91,13 @@ std::unique_ptr<Models> LoadModels(const std::string& shape) {
   o.format = WeightFormat::kW4A16;
   o.group_size = 32;
   EXPECT_TRUE(QuantizeCheckpoint(bf16, m->dir + "/w4a16", o).ok());
-  for (auto [name, ck] : {std::pair{"bf16", &m->bf16}, {"fp8", &m->fp8}, {"w4a16", &m->w4a16}}) {
+  o.format = WeightFormat::kNvfp4;
+  o.group_size = 16;
+  EXPECT_TRUE(QuantizeCheckpoint(bf16, m->dir + "/nvfp4", o).ok());
+  for (auto [name, ck] : {std::pair{"bf16", &m->bf16},
+                          {"fp8", &m->fp8},
+                          {"w4a16", &m->w4a16},
+                          {"nvfp4", &m->nvfp4}}) {
     auto c = LoadCheckpoint(std::string(name) == "bf16" ? bf16 : m->dir + "/" + name);
     EXPECT_TRUE(c.ok()) << name << ": " << c.status();
     if (!c.ok()) return nullptr;
@@ -113,13 +119,57 @@ class QuantModelTest : public ::testing::TestWithParam<std::string> {
   Models* m_ = nullptr;
 };
 
+// The e2m1 value of a code, restated from the format's table (ModelOpt's e2m1_values).
+float E2m1Value(int code) {
+  static const float v[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, 0, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+  return v[code & 15];
+}
+
+// ModelOpt's NVFP4 weight quantization restated (nvfp4_tensor.py): per module g = amax/(6·448);
+// per 16-block s = e4m3(clamp(amax_b / (6·g), 2⁻⁹, 448)) (0 → 1); value = e2m1_rne(w / (s·g)),
+// the e2m1 rounding done here by nearest-value search with ties to the even code.
+void ExpectNvfp4Rows(const std::string& what, const cpu::PackedMatrix& a, const cpu::QuantMatrix& q,
+                     int r0, int r1) {
+  float amax = 0;
+  for (int r = r0; r < r1; ++r) {
+    for (int c = 0; c < a.cols(); ++c) amax = std::max(amax, std::fabs(a.At(r, c)));
+  }
+  const float g = amax > 0 ? amax / (6.0f * 448.0f) : 1.0f;
+  for (int r = r0; r < r1; ++r) {
+    ASSERT_EQ(q.WeightGlobal(r), g) << what << " row " << r;
+    ASSERT_EQ(q.InputScale(), 1.0f / 6.0f) << what;
+    ASSERT_EQ(q.RowScale(r), (1.0f / 6.0f) * g) << what;
+    for (int c0 = 0; c0 < a.cols(); c0 += 16) {
+      float bmax = 0;
+      for (int c = c0; c < c0 + 16; ++c) bmax = std::max(bmax, std::fabs(a.At(r, c)));
+      float s = bmax / (6.0f * g);
+      if (s == 0) s = 1;
+      s = RoundToE4m3(std::min(448.0f, std::max(0x1p-9f, s)));
+      for (int c = c0; c < c0 + 16; ++c) {
+        const float x = a.At(r, c) / (s * g);
+        int best = 0;
+        for (int code = 1; code < 8; ++code) {
+          const float d = std::fabs(std::fabs(x) - E2m1Value(code));
+          const float db = std::fabs(std::fabs(x) - E2m1Value(best));
+          if (d < db || (d == db && code % 2 == 0)) best = code;
+        }
+        const float want = (x < 0 ? -1.0f : 1.0f) * E2m1Value(best) * s;
+        ASSERT_EQ(q.Widened(r, c), want) << what << " " << r << " " << c << " x " << x;
+      }
+    }
+  }
+}
+
 // The writer's rounding, restated: FP8 per row s = absmax/448, code = e4m3_rne(w/s); W4A16 per
-// group s = bf16(absmax/7.5), q = clamp(rne(w/s), −8, 7). Unquantized modules are the bf16 ones.
+// group s = bf16(absmax/7.5), q = clamp(rne(w/s), −8, 7); NVFP4 as ExpectNvfp4Rows. Unquantized
+// modules are the bf16 ones.
 TEST_P(QuantModelTest, QuantizeAndLoadRoundTripEveryModule) {
   const auto ref = Matrices(m_->bf16.weights);
-  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16}) {
-    const bool fp8 = ck == &m_->fp8;
-    EXPECT_EQ(ck->weights.format, fp8 ? WeightFormat::kFp8 : WeightFormat::kW4A16);
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4}) {
+    const bool fp8 = ck == &m_->fp8, nvfp4 = ck == &m_->nvfp4;
+    EXPECT_EQ(ck->weights.format, fp8     ? WeightFormat::kFp8
+                                  : nvfp4 ? WeightFormat::kNvfp4
+                                          : WeightFormat::kW4A16);
     const auto got = Matrices(ck->weights);
     ASSERT_EQ(got.size(), ref.size());
     int quantized = 0;
@@ -129,7 +179,8 @@ TEST_P(QuantModelTest, QuantizeAndLoadRoundTripEveryModule) {
       ASSERT_EQ(a.rows(), b.rows()) << got[i].first;
       ASSERT_EQ(a.cols(), b.cols()) << got[i].first;
       const bool keep = got[i].first == "lm_head" || absl::StrContains(got[i].first, "router") ||
-                        absl::StartsWith(got[i].first, "sc_");
+                        absl::StartsWith(got[i].first, "sc_") ||
+                        (nvfp4 && a.cols() % 16 != 0);  // NVFP4: kept, named in the exclude list
       if (keep || a.empty()) {
         EXPECT_EQ(b.quant(), nullptr) << got[i].first;
         EXPECT_TRUE(a.UnpackBf16() == b.UnpackBf16()) << got[i].first;
@@ -138,6 +189,14 @@ TEST_P(QuantModelTest, QuantizeAndLoadRoundTripEveryModule) {
       ASSERT_NE(b.quant(), nullptr) << got[i].first;
       ++quantized;
       const cpu::QuantMatrix& q = *b.quant();
+      if (nvfp4) {
+        // An expert's gate_up holds two modules (gate rows, up rows), each with its own g.
+        const bool two = absl::StrContains(got[i].first, "gate_up[");
+        const int half = two ? a.rows() / 2 : a.rows();
+        ExpectNvfp4Rows(got[i].first, a, q, 0, half);
+        if (two) ExpectNvfp4Rows(got[i].first, a, q, half, a.rows());
+        continue;
+      }
       for (int r = 0; r < a.rows(); ++r) {
         if (fp8) {
           float absmax = 0;
@@ -168,19 +227,20 @@ TEST_P(QuantModelTest, QuantizeAndLoadRoundTripEveryModule) {
               ::dgserve::testing::WeightScalars(m_->bf16.weights));
     EXPECT_EQ(ck->weights.final_norm, m_->bf16.weights.final_norm);
     EXPECT_EQ(ck->weights.embed_tokens, m_->bf16.weights.embed_tokens);
-    std::printf("%s %s: weights %.3f MB resident (bf16 %.3f MB), WeightBytes %lld\n",
-                GetParam().c_str(), fp8 ? "fp8" : "w4a16",
-                [&] {
-                  size_t b = 0;
-                  for (auto& [n, p] : got) b += p->bytes();
-                  return b / 1e6;
-                }(),
-                [&] {
-                  size_t b = 0;
-                  for (auto& [n, p] : ref) b += p->bytes();
-                  return b / 1e6;
-                }(),
-                static_cast<long long>(WeightBytes(ck->config, ck->quant)));
+    std::printf(
+        "%s %s: weights %.3f MB resident (bf16 %.3f MB), WeightBytes %lld\n", GetParam().c_str(),
+        WeightFormatName(ck->weights.format),
+        [&] {
+          size_t b = 0;
+          for (auto& [n, p] : got) b += p->bytes();
+          return b / 1e6;
+        }(),
+        [&] {
+          size_t b = 0;
+          for (auto& [n, p] : ref) b += p->bytes();
+          return b / 1e6;
+        }(),
+        static_cast<long long>(WeightBytes(ck->config, ck->quant)));
   }
 }
 
@@ -188,7 +248,7 @@ TEST_P(QuantModelTest, QuantizeAndLoadRoundTripEveryModule) {
 // relative RMS error (printed, the worst and the mean over modules).
 TEST_P(QuantModelTest, PerModuleGemmErrorIsMeasured) {
   const auto ref = Matrices(m_->bf16.weights);
-  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16}) {
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4}) {
     const auto got = Matrices(ck->weights);
     double worst = 0, sum = 0;
     int n = 0;
@@ -212,7 +272,8 @@ TEST_P(QuantModelTest, PerModuleGemmErrorIsMeasured) {
     }
     std::printf("%s %s: per-GEMM relative RMS error vs bf16: mean %.4f, worst %.4f over %d modules\n",
                 GetParam().c_str(), WeightFormatName(ck->weights.format), sum / n, worst, n);
-    EXPECT_LT(worst, ck == &m_->fp8 ? 0.2 : 0.4);
+    // NVFP4 is W4A4: its error is the 4-bit weights' and the 4-bit activations' together.
+    EXPECT_LT(worst, ck == &m_->fp8 ? 0.2 : ck == &m_->w4a16 ? 0.4 : 0.6);
   }
 }
 
@@ -259,7 +320,7 @@ Pass RunPasses(const Checkpoint& ck, bool batched) {
 
 TEST_P(QuantModelTest, BatchedEqualsSoloAndEveryGemmPathGivesTheSameBits) {
   const cpu::GemmIsa saved = cpu::ActiveGemmIsa();
-  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16}) {
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4}) {
     std::vector<Pass> runs;
     std::vector<std::string> names;
     for (cpu::GemmIsa isa : {cpu::GemmIsa::kAvx512, cpu::GemmIsa::kAvx2, cpu::GemmIsa::kPortable}) {
@@ -286,7 +347,7 @@ TEST_P(QuantModelTest, LogitsAgainstBf16AreMeasured) {
   const size_t rows = ref.logits.size() / V;
   double range = 0;
   for (float v : ref.logits) range = std::max(range, double(std::fabs(v)));
-  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16}) {
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4}) {
     const Pass q = RunPasses(*ck, true);
     double max_diff = 0;
     size_t agree = 0;
@@ -332,10 +393,19 @@ TEST(QuantWeightBytesTest, FullShapeFitsTheTargets) {
   q.format = WeightFormat::kW4A16;
   q.group_size = 128;
   const double w4 = WeightBytes(*config, q) / 1e9;
-  std::printf("full shape resident weights: bf16 %.2f GB, fp8 %.2f GB, w4a16 (g128) %.2f GB\n",
-              bf16, fp8, w4);
+  QuantizationConfig nv;
+  nv.format = WeightFormat::kNvfp4;
+  nv.targets = {"Linear"};
+  nv.glob_ignore = true;
+  nv.ignore = {"lm_head", "*embed_tokens*", "*router*", "*norm*", "*self_conditioning*"};
+  const double nvfp4 = WeightBytes(*config, nv) / 1e9;
+  std::printf(
+      "full shape resident weights: bf16 %.2f GB, fp8 %.2f GB, w4a16 (g128) %.2f GB, nvfp4 %.2f "
+      "GB\n",
+      bf16, fp8, w4, nvfp4);
   EXPECT_LE(fp8, 30.0);
   EXPECT_LE(w4, 18.0);
+  EXPECT_LE(nvfp4, 18.0);
 }
 
 // ---- Refusals: a bad quantized checkpoint is an error naming the tensor or field. ----
@@ -353,6 +423,9 @@ class QuantErrorTest : public ::testing::Test {
     ASSERT_TRUE(QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/fp8", o).ok());
     o.format = WeightFormat::kW4A16;
     ASSERT_TRUE(QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/w4a16", o).ok());
+    o.format = WeightFormat::kNvfp4;
+    o.group_size = 16;
+    ASSERT_TRUE(QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/nvfp4", o).ok());
   }
   // A copy of `src` with its tensors edited and/or its config.json edited; returns the load's
   // error message ("" when it loads).
@@ -373,6 +446,10 @@ class QuantErrorTest : public ::testing::Test {
     json c = json::parse(in);
     if (config) config(c);
     std::ofstream(out + "/config.json") << c.dump(2);
+    if (hf_quant_config_) {
+      const fs::path hf = fs::path(*dir_ + "/" + src) / "hf_quant_config.json";
+      if (fs::exists(hf)) fs::copy_file(hf, fs::path(out) / "hf_quant_config.json");
+    }
     auto ck = LoadCheckpoint(out);
     return ck.ok() ? "" : std::string(ck.status().message());
   }
@@ -381,6 +458,7 @@ class QuantErrorTest : public ::testing::Test {
   }
   static std::string* dir_;
   int n_ = 0;
+  bool hf_quant_config_ = false;  // LoadEdited copies hf_quant_config.json too
 };
 std::string* QuantErrorTest::dir_ = nullptr;
 
@@ -389,6 +467,7 @@ const std::string kQ = "model.decoder.layers.0.self_attn.q_proj";
 TEST_F(QuantErrorTest, UnchangedCopiesLoad) {
   EXPECT_EQ(LoadEdited("fp8", nullptr), "");
   EXPECT_EQ(LoadEdited("w4a16", nullptr), "");
+  EXPECT_EQ(LoadEdited("nvfp4", nullptr), "");
 }
 
 TEST_F(QuantErrorTest, UnsupportedSchemesNameTheField) {
@@ -447,6 +526,177 @@ TEST_F(QuantErrorTest, MissingOrMistypedTensorsAreNamed) {
   // No quantization_config at all.
   EXPECT_THAT(LoadEdited("fp8", nullptr, [](json& c) { c.erase("quantization_config"); }),
               HasSubstr("has dtype F8_E4M3 but config.json has no quantization_config"));
+}
+
+// ---- NVFP4 (ModelOpt) ----
+
+TEST_F(QuantErrorTest, Nvfp4UnsupportedConfigsNameTheField) {
+  auto qc = [](const char* key, json v) {
+    return [key, v](json& c) { c["quantization_config"][key] = v; };
+  };
+  EXPECT_THAT(LoadEdited("nvfp4", nullptr, qc("quant_algo", "FP8")),
+              HasSubstr("field 'quantization_config.quant_algo' is \"FP8\""));
+  EXPECT_THAT(LoadEdited("nvfp4", nullptr, qc("group_size", 32)),
+              HasSubstr("quantization_config.group_size' is 32"));
+  EXPECT_THAT(LoadEdited("nvfp4", nullptr, qc("kv_cache_quant_algo", "FP8")),
+              HasSubstr("quantization_config.kv_cache_quant_algo"));
+  EXPECT_THAT(LoadEdited("nvfp4", nullptr, qc("exclude_modules", "lm_head")),
+              HasSubstr("quantization_config.exclude_modules' must be a list"));
+  // hf_quant_config.json alone (older ModelOpt exports): loads; its errors name that file.
+  hf_quant_config_ = true;
+  EXPECT_EQ(LoadEdited("nvfp4", nullptr, [](json& c) { c.erase("quantization_config"); }), "");
+  hf_quant_config_ = false;
+}
+
+TEST_F(QuantErrorTest, Nvfp4MissingMistypedOrMisshapedTensorsAreNamed) {
+  EXPECT_THAT(LoadEdited("nvfp4", [](auto& t) { Erase(t, kQ + ".weight_scale_2"); }),
+              HasSubstr("'" + kQ + ".weight_scale_2' is missing"));
+  EXPECT_THAT(LoadEdited("nvfp4", [](auto& t) { Erase(t, kQ + ".input_scale"); }),
+              HasSubstr("'" + kQ + ".input_scale' is missing"));
+  // weight_scale [64, 4] written as [32, 8].
+  EXPECT_THAT(LoadEdited("nvfp4",
+                         [](auto& t) {
+                           for (auto& s : t) {
+                             if (s.name == kQ + ".weight_scale") s.shape = {32, 8};
+                           }
+                         }),
+              HasSubstr("tensor '" + kQ + ".weight_scale' has dtype F8_E4M3 and shape [32, 8]"));
+  // The packed weight as F8_E4M3 instead of U8.
+  EXPECT_THAT(LoadEdited("nvfp4",
+                         [](auto& t) {
+                           for (auto& s : t) {
+                             if (s.name == kQ + ".weight") s.dtype = DType::kF8E4M3;
+                           }
+                         }),
+              HasSubstr("tensor '" + kQ +
+                        ".weight' has dtype F8_E4M3 and shape [64, 32] but the "
+                        "nvfp4 quantization_config expects U8 [64, 32]"));
+  // The unpacked width ([64, 64] bf16) where [64, 32] packed bytes are expected.
+  static std::vector<uint16_t> zeros(64 * 64);
+  EXPECT_THAT(
+      LoadEdited(
+          "nvfp4",
+          [](auto& t) {
+            Erase(t, kQ + ".weight");
+            t.push_back(TensorFromBuffer(kQ + ".weight", DType::kBF16, {64, 64}, zeros.data()));
+          }),
+      HasSubstr("tensor '" + kQ + ".weight' has dtype BF16 and shape [64, 64]"));
+  // A non-positive global scale.
+  static const float negative = -1.0f;
+  EXPECT_THAT(LoadEdited("nvfp4",
+                         [](auto& t) {
+                           Erase(t, kQ + ".weight_scale_2");
+                           t.push_back(TensorFromBuffer(kQ + ".weight_scale_2", DType::kF32, {},
+                                                        &negative));
+                         }),
+              HasSubstr("tensor '" + kQ + ".weight_scale_2' is -1"));
+  // An expert's gate and up with different input scales (one activation quantization).
+  const std::string up = "model.decoder.layers.1.experts.3.up_proj";
+  static const float other = 0.25f;
+  EXPECT_THAT(
+      LoadEdited("nvfp4",
+                 [&](auto& t) {
+                   Erase(t, up + ".input_scale");
+                   t.push_back(TensorFromBuffer(up + ".input_scale", DType::kF32, {}, &other));
+                 }),
+      HasSubstr("tensor '" + up + ".input_scale' is 0.25 but the module stacked with it"));
+  // tiny-v512's expert down_proj has 24 inputs: written in bf16 and excluded; a config that
+  // quantizes it is refused naming the module.
+  EXPECT_THAT(LoadEdited("nvfp4", nullptr,
+                         [](json& c) {
+                           json& ex = c["quantization_config"]["exclude_modules"];
+                           json kept = json::array();
+                           for (const json& e : ex) {
+                             if (!absl::EndsWith(e.get<std::string>(), "down_proj"))
+                               kept.push_back(e);
+                           }
+                           ex = kept;
+                         }),
+              HasSubstr("module 'model.decoder.layers.0.experts.0.down_proj' has 24 input "
+                        "features, not a multiple of 16"));
+}
+
+// A hand-made NVFP4 module, decoded value by value: the nibble order (element 2i in the low
+// nibble), negative codes, per-block e4m3 scales, weight_scale_2 and input_scale.
+TEST_F(QuantErrorTest, Nvfp4HandMadeTensorDecodesValueByValue) {
+  // q_proj of layer 0: [64, 64] → bytes [64, 32], scales [64, 4].
+  static std::vector<uint8_t> bytes(64 * 32), scales(64 * 4);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = uint8_t((i * 37 + 11) & 0xff);
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = uint8_t(0x30 + i % 16);  // 0.5 … 1.875
+  bytes[0] = 0x9A;        // row 0: element 0 = code 0xA (−1), element 1 = code 0x9 (−0.5)
+  bytes[8] = 0x27;        // row 0: element 16 = code 7 (6), element 17 = code 2 (1)
+  bytes[32 + 31] = 0xF1;  // row 1: element 62 = code 1 (0.5), element 63 = code 0xF (−6)
+  scales[0] = 0x38;       // row 0 block 0: 1.0
+  scales[1] = 0x40;       // row 0 block 1: 2.0
+  scales[4 + 3] = 0x01;   // row 1 block 3: 2⁻⁹ (subnormal)
+  static const float g = 0.5f, in = 0.25f;
+  std::string err = LoadEdited("nvfp4", [](auto& t) {
+    for (const char* suffix : {".weight", ".weight_scale", ".weight_scale_2", ".input_scale"}) {
+      Erase(t, kQ + suffix);
+    }
+    t.push_back(TensorFromBuffer(kQ + ".weight", DType::kU8, {64, 32}, bytes.data()));
+    t.push_back(TensorFromBuffer(kQ + ".weight_scale", DType::kF8E4M3, {64, 4}, scales.data()));
+    t.push_back(TensorFromBuffer(kQ + ".weight_scale_2", DType::kF32, {1}, &g));
+    t.push_back(TensorFromBuffer(kQ + ".input_scale", DType::kF32, {}, &in));
+  });
+  ASSERT_EQ(err, "");
+  auto ck = LoadCheckpoint(*dir_ + "/edit" + std::to_string(n_ - 1));
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  const cpu::PackedMatrix& m = ck->weights.layers[0].q_proj;
+  ASSERT_NE(m.quant(), nullptr);
+  const cpu::QuantMatrix& q = *m.quant();
+  EXPECT_EQ(q.format(), cpu::QuantFormat::kNvfp4);
+  EXPECT_EQ(q.InputScale(), 0.25f);
+  EXPECT_EQ(q.WeightGlobal(0), 0.5f);
+  EXPECT_EQ(q.RowScale(0), 0.125f);  // alpha = input_scale · weight_scale_2
+  // The literal cases.
+  EXPECT_EQ(m.At(0, 0), -0.5f);        // −1 · 1 · 0.5
+  EXPECT_EQ(m.At(0, 1), -0.25f);       // −0.5 · 1 · 0.5
+  EXPECT_EQ(m.At(0, 16), 6.0f);        // 6 · 2 · 0.5
+  EXPECT_EQ(m.At(0, 17), 1.0f);        // 1 · 2 · 0.5
+  EXPECT_EQ(m.At(1, 62), 0x1p-11f);    // 0.5 · 2⁻⁹ · 0.5
+  EXPECT_EQ(m.At(1, 63), -0x3p-9f);    // −6 · 2⁻⁹ · 0.5
+  EXPECT_EQ(q.Widened(0, 16), 12.0f);  // e2m1 · e4m3, the global in the epilogue
+  // Every element from the bytes with the format's table and the e4m3 scale values
+  // 0x30 + j: 2^(6−7) · (1 + j/8) for j < 8, 2^(7-7) · (1 + (j−8)/8) for j ≥ 8.
+  auto scale_value = [](uint8_t code) {
+    if (code == 0x01) return 0x1p-9f;
+    return std::ldexp(1.0f + float(code & 7) / 8.0f, int((code >> 3) & 15) - 7);
+  };
+  for (int r = 0; r < 64; ++r) {
+    for (int c = 0; c < 64; ++c) {
+      const uint8_t byte = bytes[size_t(r) * 32 + c / 2];
+      const int code = c % 2 == 0 ? byte & 15 : byte >> 4;
+      const float want = E2m1Value(code) * scale_value(scales[size_t(r) * 4 + c / 16]) * 0.5f;
+      ASSERT_EQ(m.At(r, c), want) << r << " " << c;
+    }
+  }
+}
+
+// dgserve-quantize's refusals for nvfp4.
+TEST_F(QuantErrorTest, Nvfp4QuantizeRefusesAnotherGroupSizeAndRegexIgnores) {
+  QuantizeOptions o;
+  o.progress = false;
+  o.format = WeightFormat::kNvfp4;
+  o.group_size = 32;
+  auto s = QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/nvfp4_g32", o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("NVFP4 blocks are 16"));
+  o.group_size = 16;
+  o.ignore = {"re:.*(q|k)_proj"};
+  s = QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/nvfp4_re", o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("re:.*(q|k)_proj"));
+  // The written configs: ModelOpt's quantization_config and hf_quant_config.json.
+  std::ifstream in(*dir_ + "/nvfp4/config.json");
+  const json c = json::parse(in);
+  EXPECT_EQ(c["quantization_config"]["quant_method"], "modelopt");
+  EXPECT_EQ(c["quantization_config"]["quant_algo"], "NVFP4");
+  EXPECT_EQ(c["quantization_config"]["group_size"], 16);
+  std::ifstream hin(*dir_ + "/nvfp4/hf_quant_config.json");
+  const json h = json::parse(hin);
+  EXPECT_EQ(h["quantization"]["quant_algo"], "NVFP4");
+  EXPECT_EQ(h["quantization"]["exclude_modules"], c["quantization_config"]["exclude_modules"]);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -174,6 +175,122 @@ void AddW4a16(const std::string& module, const Rows& r, int group_flag, Progress
                   }});
 }
 
+// NVFP4's data-free static activation scale: ModelOpt calibrates input_scale = amax(x) / (6 · 448)
+// on calibration data; dgserve-quantize has no calibration pass and writes the value for
+// amax = 448: block scales are normal e4m3 values for block absmax in [2⁻⁶, 448] (subnormal
+// below, saturating above; quantize_checkpoint.h).
+constexpr float kNvfp4InputScale = 1.0f / 6.0f;
+
+void AddNvfp4(const std::string& module, const Rows& r, Progress* progress,
+              std::vector<TensorSource>* out) {
+  const int blocks = r.cols / 16;
+  struct Result {
+    std::vector<uint8_t> packed, scales;
+    float global = 0.0f;
+    int left = 3;  // fills still to run; the buffers go with the last
+  };
+  auto res = std::make_shared<Result>();
+  auto compute = [r, blocks, res, progress]() -> absl::Status {
+    if (!res->packed.empty()) return absl::OkStatus();
+    std::vector<float> w;
+    DGSERVE_RETURN_IF_ERROR(ReadRows(r, &w));
+    float amax = 0.0f;
+    for (float v : w) amax = std::max(amax, std::fabs(v));
+    // ModelOpt's NVFP4QTensor (nvfp4_tensor.py): weights_scaling_factor_2 = amax / (6 · 448);
+    // an all-zero module (amax 0) takes 1 (its codes are all 0).
+    const float g = amax > 0.0f ? amax / (6.0f * kE4m3Max) : 1.0f;
+    res->global = g;
+    res->packed.assign(w.size() / 2, 0);
+    res->scales.resize(size_t(r.rows) * blocks);
+#pragma omp parallel for schedule(static) if (int64_t(r.rows) * r.cols >= (1 << 18))
+    for (int i = 0; i < r.rows; ++i) {
+      const float* row = w.data() + size_t(i) * r.cols;
+      for (int b = 0; b < blocks; ++b) {
+        float bmax = 0.0f;
+        for (int c = 16 * b; c < 16 * b + 16; ++c) bmax = std::max(bmax, std::fabs(row[c]));
+        // per_block_scale = amax_b / (6 · g); 0 → 1; clamped to [2⁻⁹, 448]; cast to e4m3 (RNE).
+        float s = bmax / (6.0f * g);
+        if (s == 0.0f) s = 1.0f;
+        s = std::min(kE4m3Max, std::max(0x1p-9f, s));
+        const uint8_t code = FloatToE4m3(s);
+        res->scales[size_t(i) * blocks + b] = code;
+        // scaled = w / (e4m3(s) · g), cast to e2m1 (_cast_fp4: RNE, saturating at 6).
+        const float d = E4m3ToFloat(code) * g;
+        for (int c = 16 * b; c < 16 * b + 16; ++c) {
+          const uint8_t e = FloatToE2m1(row[c] / d);
+          uint8_t& byte = res->packed[(size_t(i) * r.cols + c) / 2];
+          byte |= (c % 2 == 0) ? e : uint8_t(e << 4);  // element 2i low nibble, 2i + 1 high
+        }
+      }
+    }
+    progress->Step(int64_t(w.size()) * int64_t(DTypeSize(r.view->dtype)));
+    return absl::OkStatus();
+  };
+  auto done = [res]() {
+    if (--res->left == 0) res->packed = {}, res->scales = {};
+  };
+  out->push_back({module + ".weight",
+                  DType::kU8,
+                  {r.rows, r.cols / 2},
+                  [compute, res, done](uint8_t* dst) -> absl::Status {
+                    DGSERVE_RETURN_IF_ERROR(compute());
+                    std::memcpy(dst, res->packed.data(), res->packed.size());
+                    done();
+                    return absl::OkStatus();
+                  }});
+  out->push_back({module + ".weight_scale",
+                  DType::kF8E4M3,
+                  {r.rows, blocks},
+                  [compute, res, done](uint8_t* dst) -> absl::Status {
+                    DGSERVE_RETURN_IF_ERROR(compute());
+                    std::memcpy(dst, res->scales.data(), res->scales.size());
+                    done();
+                    return absl::OkStatus();
+                  }});
+  out->push_back({module + ".weight_scale_2",
+                  DType::kF32,
+                  {},
+                  [compute, res, done](uint8_t* dst) -> absl::Status {
+                    DGSERVE_RETURN_IF_ERROR(compute());
+                    std::memcpy(dst, &res->global, 4);
+                    done();
+                    return absl::OkStatus();
+                  }});
+  out->push_back({module + ".input_scale", DType::kF32, {}, [](uint8_t* dst) {
+                    std::memcpy(dst, &kNvfp4InputScale, 4);
+                    return absl::OkStatus();
+                  }});
+}
+
+// A compressed-tensors ignore entry as a ModelOpt exclude pattern (fnmatch): "re:.*X.*" → "*X*",
+// "re:X" → "X*" (compressed-tensors matches from the start), a plain name as it is; regular
+// expressions beyond that are refused.
+absl::StatusOr<std::string> IgnoreToGlob(const std::string& e) {
+  if (!absl::StartsWith(e, "re:")) return e;
+  std::string body = e.substr(3);
+  const bool lead = absl::StartsWith(body, ".*");
+  if (lead) body = body.substr(2);
+  if (absl::EndsWith(body, ".*")) body.resize(body.size() - 2);
+  std::string name;
+  for (size_t i = 0; i < body.size(); ++i) {
+    const char ch = body[i];
+    if (ch == '\\' && i + 1 < body.size() && body[i + 1] == '.') {
+      name += '.';
+      ++i;
+      continue;
+    }
+    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--format nvfp4 writes ModelOpt exclude_modules (fnmatch patterns): the ignore entry '",
+          e,
+          "' is not of the form re:.*NAME.*, re:NAME or a module name; give a pattern such "
+          "as *NAME*"));
+    }
+    name += ch;
+  }
+  return absl::StrCat(lead ? "*" : "", name, "*");
+}
+
 // An unquantized copy of rows r (an ignored expert module): the source dtype, bytes as they are.
 void AddCopy(const std::string& name, const Rows& r, std::vector<TensorSource>* out) {
   const size_t es = DTypeSize(r.view->dtype);
@@ -207,11 +324,24 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     }
     q.group_size = options.group_size;
     q.channel_groups = options.group_size == 0;
+  } else if (q.format == WeightFormat::kNvfp4) {
+    if (options.group_size != 16 && options.group_size != QuantizeOptions().group_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--group_size ", options.group_size,
+                       ": NVFP4 blocks are 16 inputs (fixed by the format)"));
+    }
   } else if (q.format != WeightFormat::kFp8) {
-    return absl::InvalidArgumentError("the format must be fp8 or w4a16");
+    return absl::InvalidArgumentError("the format must be fp8, w4a16 or nvfp4");
   }
   q.targets = {"Linear"};
   q.ignore = options.ignore;
+  if (q.format == WeightFormat::kNvfp4) {
+    q.ignore.clear();
+    for (const std::string& e : options.ignore) {
+      DGSERVE_ASSIGN_OR_RETURN(std::string g, IgnoreToGlob(e));
+      q.ignore.push_back(g);
+    }
+  }
   // Round-trip the config through the parser: the loader reads exactly what is written.
   const std::string config_path = (fs::path(in) / "config.json").string();
   DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_path));
@@ -228,6 +358,9 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   if (q.format == WeightFormat::kW4A16 && !q.channel_groups && q.group_size == 0) {
     return absl::InternalError("group size lost");
   }
+  // NVFP4 needs in % 16 == 0: other modules stay in their dtype and are named in
+  // exclude_modules (experts by one pattern per tensor).
+  std::vector<std::string> not_divisible;
 
   DGSERVE_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::OpenDir(in));
   // Linear modules: the 2-D linear weights of the tensor list (not the embedding).
@@ -243,12 +376,18 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   std::vector<TensorSource> tensors;
   int quantized = 0, kept = 0;
   auto module_rows = [&](const std::string& module, const Rows& r) {
+    if (q.format == WeightFormat::kNvfp4 && r.cols % 16 != 0 && q.Quantizes(module)) {
+      q.ignore.push_back(module);
+      not_divisible.push_back(module);
+    }
     if (q.Quantizes(module)) {
       ++quantized;
       ++progress->tensors;
       progress->total_bytes += int64_t(r.rows) * r.cols * int64_t(DTypeSize(r.view->dtype));
       if (q.format == WeightFormat::kFp8) {
         AddFp8(module, r, progress.get(), &tensors);
+      } else if (q.format == WeightFormat::kNvfp4) {
+        AddNvfp4(module, r, progress.get(), &tensors);
       } else {
         AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, progress.get(), &tensors);
       }
@@ -273,6 +412,14 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     if ((gate_up || down) && v.shape.size() == 3) {
       const std::string base = name.substr(0, name.rfind('.'));
       const int experts = int(v.shape[0]), rows = int(v.shape[1]), cols = int(v.shape[2]);
+      if (q.format == WeightFormat::kNvfp4 && cols % 16 != 0) {
+        for (const char* proj : gate_up ? std::vector<const char*>{"gate_proj", "up_proj"}
+                                        : std::vector<const char*>{"down_proj"}) {
+          const std::string pattern = absl::StrCat(base, ".*.", proj);
+          q.ignore.push_back(pattern);
+          not_divisible.push_back(pattern);
+        }
+      }
       for (int e = 0; e < experts; ++e) {
         const std::string prefix = absl::StrCat(base, ".", e, ".");
         if (gate_up) {
@@ -290,13 +437,22 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     }
     tensors.push_back(TensorFromBuffer(v.name, v.dtype, v.shape, v.data));
   }
+  if (q.format == WeightFormat::kNvfp4) {
+    root["quantization_config"] = json::parse(QuantizationConfigJson(q));
+    if (!not_divisible.empty() && options.progress) {
+      std::fprintf(stderr,
+                   "quantize: nvfp4: %zu modules/patterns kept in their dtype (input features not "
+                   "a multiple of 16), listed in exclude_modules\n",
+                   not_divisible.size());
+    }
+  }
   fs::create_directories(out, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", out, ": ", ec.message()));
   // Other files (generation config, tokenizer, chat template): copied.
   for (const fs::directory_entry& e : fs::directory_iterator(in, ec)) {
     const std::string f = e.path().filename().string();
     if (!e.is_regular_file() || f == "config.json" || absl::EndsWith(f, ".safetensors") ||
-        f == "model.safetensors.index.json") {
+        f == "model.safetensors.index.json" || f == "hf_quant_config.json") {
       continue;
     }
     fs::copy_file(e.path(), fs::path(out) / f, fs::copy_options::overwrite_existing, ec);
@@ -311,6 +467,14 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     FILE* f = std::fopen(path.c_str(), "w");
     if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", path));
     const std::string s = root.dump(2) + "\n";
+    const bool ok = std::fwrite(s.data(), 1, s.size(), f) == s.size();
+    if (std::fclose(f) != 0 || !ok) return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
+  if (q.format == WeightFormat::kNvfp4) {  // ModelOpt's export writes both
+    const std::string path = (fs::path(out) / "hf_quant_config.json").string();
+    FILE* f = std::fopen(path.c_str(), "w");
+    if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", path));
+    const std::string s = HfQuantConfigJson(q) + "\n";
     const bool ok = std::fwrite(s.data(), 1, s.size(), f) == s.size();
     if (std::fclose(f) != 0 || !ok) return absl::InternalError(absl::StrCat("cannot write ", path));
   }

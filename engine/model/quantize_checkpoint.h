@@ -1,8 +1,10 @@
-// QuantizeCheckpoint (dgserve-quantize): writes a quantized compressed-tensors checkpoint (issue 37; layouts in
-// engine/model/quant_config.h) from a bf16 (or F16/F32) DiffusionGemma checkpoint.
+// QuantizeCheckpoint (dgserve-quantize): writes a quantized compressed-tensors or ModelOpt NVFP4
+// checkpoint (issue 37; layouts in engine/model/quant_config.h) from a bf16 (or F16/F32)
+// DiffusionGemma checkpoint.
 //
 //   dgserve-quantize --in DIR --out DIR --format fp8
 //   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 128
+//   dgserve-quantize --in DIR --out DIR --format nvfp4
 //
 // Every Linear module not in the ignore list is quantized with round-to-nearest:
 //  * fp8 (compressed-tensors FP8_DYNAMIC, format float-quantized): per output channel
@@ -13,6 +15,18 @@
 //    model's dtype; an all-zero group takes s = 1), q = clamp(rne(w / s), −8, 7);
 //    `M.weight_packed` I32 [out, ceil(in/8)] (pack_to_int32 order, q + 8),
 //    `M.weight_scale` BF16 [out, ceil(in/G)], `M.weight_shape` I64 [2].
+//  * nvfp4 (ModelOpt NVFP4, quant_method "modelopt", quant_algo "NVFP4"; also written to
+//    hf_quant_config.json as ModelOpt's export does), as ModelOpt's NVFP4QTensor.quantize
+//    (modelopt/torch/quantization/qtensor/nvfp4_tensor.py), float32 steps: per module
+//    weight_scale_2 g = amax(W) / (6 · 448) (an all-zero module: 1); per 16-input block
+//    s = amax_b / (6 · g) (0 → 1), clamped to [2⁻⁹, 448], e4m3_rne; codes
+//    e2m1_rne(w / (e4m3(s) · g)) (saturating at ±6), packed two per byte (element 2i in the low
+//    nibble); `M.weight` U8 [out, in/2], `M.weight_scale` F8_E4M3 [out, in/16],
+//    `M.weight_scale_2` F32 [], `M.input_scale` F32 []. input_scale is data-free: 1/6, the value
+//    ModelOpt's calibration (amax(x) / (6 · 448)) gives for amax 448 — block scales are normal
+//    e4m3 for block absmax in [2⁻⁶, 448]; dgserve-quantize runs no calibration. The ignore list
+//    is written as fnmatch patterns ("re:.*X.*" becomes "*X*"); modules whose input width is not
+//    a multiple of 16 stay in their dtype and are added to it (experts: one pattern per tensor).
 // The fused experts (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]) are
 // written unfused, one Linear per expert and projection (`experts.{e}.gate_proj` etc.), the
 // standard compressed-tensors MoE layout. Everything else is copied as it is. config.json gets
@@ -36,7 +50,9 @@ std::vector<std::string> DefaultQuantizeIgnore();
 
 struct QuantizeOptions {
   WeightFormat format = WeightFormat::kFp8;
-  int group_size = 128;  // w4a16: inputs per scale group; 0: one group per row (channel)
+  // w4a16: inputs per scale group; 0: one group per row (channel). nvfp4: 16 or the default
+  // (anything else is refused: the format's blocks are 16).
+  int group_size = 128;
   std::vector<std::string> ignore = DefaultQuantizeIgnore();
   int64_t max_shard_bytes = kDefaultMaxShardBytes;
   bool progress = true;  // a progress line on stderr (every 2 s and at the end)
@@ -50,7 +66,8 @@ struct QuantizeSummary {
 
 // Reads the bf16 checkpoint `in` and writes the quantized one to `out` (created if needed).
 // INVALID_ARGUMENT for a checkpoint that is already quantized or holds non-finite weights, a bad
-// format or group size; I/O errors name the path.
+// format or group size, an ignore entry nvfp4 cannot write as a pattern; I/O errors name the
+// path.
 absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
                                                    const QuantizeOptions& options);
 

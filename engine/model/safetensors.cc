@@ -132,6 +132,7 @@ const char* DTypeName(DType dtype) {
       return "I32";
     case DType::kI64:
       return "I64";
+    case DType::kU8: return "U8";
   }
   return "?";
 }
@@ -139,7 +140,7 @@ const char* DTypeName(DType dtype) {
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
     case DType::kF8E4M3:
-      return 1;
+    case DType::kU8: return 1;
     case DType::kBF16:
     case DType::kF16:
       return 2;
@@ -152,7 +153,9 @@ size_t DTypeSize(DType dtype) {
   return 4;
 }
 
-bool IsFloatDType(DType dtype) { return dtype != DType::kI32 && dtype != DType::kI64; }
+bool IsFloatDType(DType dtype) {
+  return dtype != DType::kI32 && dtype != DType::kI64 && dtype != DType::kU8;
+}
 
 absl::StatusOr<DType> ParseDType(std::string_view name) {
   if (name == "BF16") return DType::kBF16;
@@ -161,8 +164,10 @@ absl::StatusOr<DType> ParseDType(std::string_view name) {
   if (name == "F8_E4M3") return DType::kF8E4M3;
   if (name == "I32") return DType::kI32;
   if (name == "I64") return DType::kI64;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unsupported dtype '", std::string(name), "' (supported: BF16, F16, F32, F8_E4M3, I32, I64)"));
+  if (name == "U8") return DType::kU8;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unsupported dtype '", std::string(name),
+                   "' (supported: BF16, F16, F32, F8_E4M3, I32, I64, U8)"));
 }
 
 std::string ShapeToString(const std::vector<int64_t>& shape) {
@@ -192,6 +197,7 @@ absl::Status ToFloat32(const TensorView& view, float* out) {
   switch (view.dtype) {
     case DType::kI32:
     case DType::kI64:
+    case DType::kU8:
       return Invalid(view.file, absl::StrCat("tensor '", view.name, "' has integer dtype ",
                                              DTypeName(view.dtype), " where a float is expected"));
     case DType::kF8E4M3:

@@ -22,13 +22,14 @@
 namespace dgserve {
 
 // Element types this reader accepts. Every other safetensors dtype is rejected. F8_E4M3
-// (float8_e4m3fn: bias 7, no infinities, 0x7f/0xff NaN, max 448), I32 and I64 appear only in
-// quantized checkpoints (issue 37: FP8 weights, packed int4 weights and their shapes).
-enum class DType { kBF16, kF16, kF32, kF8E4M3, kI32, kI64 };
+// (float8_e4m3fn: bias 7, no infinities, 0x7f/0xff NaN, max 448), I32, I64 and U8 appear only in
+// quantized checkpoints (issue 37: FP8 weights, packed int4 weights and their shapes, NVFP4
+// weights packed two e2m1 codes per byte).
+enum class DType { kBF16, kF16, kF32, kF8E4M3, kI32, kI64, kU8 };
 
-// "BF16" / "F16" / "F32" / "F8_E4M3" / "I32" / "I64".
+// "BF16" / "F16" / "F32" / "F8_E4M3" / "I32" / "I64" / "U8".
 const char* DTypeName(DType dtype);
-// Bytes per element: 2, 2, 4, 1, 4, 8.
+// Bytes per element: 2, 2, 4, 1, 4, 8, 1.
 size_t DTypeSize(DType dtype);
 // True for the float dtypes ToFloat32 converts (BF16, F16, F32, F8_E4M3).
 bool IsFloatDType(DType dtype);

@@ -48,7 +48,12 @@ std::vector<float>& ThreadBlock() {
 }  // namespace
 
 const char* QuantFormatName(QuantFormat f) {
-  return f == QuantFormat::kFp8 ? "fp8" : "w4a16";
+  switch (f) {
+    case QuantFormat::kFp8: return "fp8";
+    case QuantFormat::kNvfp4: return "nvfp4";
+    case QuantFormat::kW4A16: break;
+  }
+  return "w4a16";
 }
 
 QuantMatrix QuantMatrix::FromFp8(const uint8_t* codes, const float* scales, int n, int k) {
@@ -99,20 +104,65 @@ QuantMatrix QuantMatrix::FromInt4(const int8_t* q, const float* scales, int n, i
   return m;
 }
 
+QuantMatrix QuantMatrix::FromNvfp4(const uint8_t* codes, const uint8_t* block_scales,
+                                   const float* weight_global, float input_scale, int n, int k) {
+  QuantMatrix m;
+  m.format_ = QuantFormat::kNvfp4;
+  m.n_ = n;
+  m.k_ = k;
+  m.group_ = kNvfp4Block;
+  m.groups_ = k / kNvfp4Block;
+  m.input_scale_ = input_scale;
+  const int panels = (n + kGemmPanel - 1) / kGemmPanel;
+  // Rows past n: code 0 (+0), block scale 0, alpha 0.
+  m.data_.assign(size_t(panels) * (kGemmPanel / 2) * k, 0);
+  m.block_scales_.assign(size_t(panels) * m.groups_ * kGemmPanel, 0);
+  m.scales_.assign(size_t(panels) * kGemmPanel, 0.0f);
+  m.global_.assign(size_t(panels) * kGemmPanel, 0.0f);
+  for (int r = 0; r < n; ++r) {
+    m.global_[r] = weight_global[r];
+    m.scales_[r] = input_scale * weight_global[r];  // vLLM's layer.alpha (float32)
+  }
+#pragma omp parallel for schedule(static) if (int64_t(n) * k >= (1 << 20))
+  for (int p = 0; p < panels; ++p) {
+    uint8_t* dst = m.data_.data() + size_t(p) * (kGemmPanel / 2) * k;
+    uint8_t* sdst = m.block_scales_.data() + size_t(p) * m.groups_ * kGemmPanel;
+    for (int j = 0; j < kGemmPanel; ++j) {
+      const int r = p * kGemmPanel + j;
+      if (r >= n) break;
+      for (int g = 0; g < m.groups_; ++g) {
+        sdst[g * kGemmPanel + j] = block_scales[size_t(r) * m.groups_ + g];
+      }
+      const int shift = j < 8 ? 0 : 4;
+      const uint8_t keep = j < 8 ? 0xf0 : 0x0f;
+      for (int c = 0; c < k; ++c) {
+        uint8_t& byte = dst[size_t(c) * 8 + (j % 8)];
+        byte = uint8_t((byte & keep) | ((codes[size_t(r) * k + c] & 0x0f) << shift));
+      }
+    }
+  }
+  return m;
+}
+
 const uint8_t* QuantMatrix::panel(int p) const {
   const size_t per = format_ == QuantFormat::kFp8 ? kGemmPanel : kGemmPanel / 2;
   return data_.data() + size_t(p) * per * k_;
 }
 
 const float* QuantMatrix::panel_scales(int p) const {
-  return format_ == QuantFormat::kFp8 ? scales_.data() + size_t(p) * kGemmPanel
-                                      : scales_.data() + size_t(p) * groups_ * kGemmPanel;
+  return format_ != QuantFormat::kW4A16 ? scales_.data() + size_t(p) * kGemmPanel
+                                        : scales_.data() + size_t(p) * groups_ * kGemmPanel;
 }
 
 float QuantMatrix::Widened(int r, int c) const {
   const int p = r / kGemmPanel, j = r % kGemmPanel;
   if (format_ == QuantFormat::kFp8) return E4m3ToFloat(panel(p)[size_t(c) * kGemmPanel + j]);
   const uint8_t byte = panel(p)[size_t(c) * 8 + j % 8];
+  if (format_ == QuantFormat::kNvfp4) {
+    const uint8_t code = j < 8 ? byte & 0x0f : byte >> 4;
+    return E2m1ToFloat(code) *
+           E4m3ToFloat(panel_block_scales(p)[(c / kNvfp4Block) * kGemmPanel + j]);
+  }
   const int q = int(j < 8 ? byte & 0x0f : byte >> 4) - 8;
   return float(q) * panel_scales(p)[(c / group_) * kGemmPanel + j];
 }
@@ -126,6 +176,19 @@ float QuantizeRowFp8(const float* x, int k, float* q) {
   for (int c = 0; c < k; ++c) q[c] = x[c] / s;
   for (int c = 0; c < k; ++c) q[c] = RoundToE4m3(q[c]);
   return s;
+}
+
+void QuantizeRowNvfp4(const float* x, int k, float input_scale, float* q) {
+  const float g = 1.0f / input_scale;  // vLLM: layer.input_scale_inv
+  const float inv_g = 1.0f / g;
+  const float rcp6 = 1.0f / 6.0f;
+  for (int c0 = 0; c0 < k; c0 += kNvfp4Block) {
+    float absmax = 0.0f;
+    for (int c = c0; c < c0 + kNvfp4Block; ++c) absmax = std::max(absmax, std::fabs(x[c]));
+    const float sx = RoundToE4m3(g * (absmax * rcp6));  // saturates at 448, as the cvt does
+    const float o = sx != 0.0f ? 1.0f / (sx * inv_g) : 0.0f;
+    for (int c = c0; c < c0 + kNvfp4Block; ++c) q[c] = E2m1ToFloat(FloatToE2m1(x[c] * o)) * sx;
+  }
 }
 
 void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmThreads threads) {
@@ -153,6 +216,17 @@ void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa 
     for (int i = 0; i < m; ++i) sx[i] = quantize(x + size_t(i) * k, k, aq.data() + size_t(i) * k);
     a = aq.data();
   }
+  const bool nvfp4 = w.format() == QuantFormat::kNvfp4;
+  if (nvfp4) {
+    // One definition on every ISA (scalar): the same bits everywhere by construction.
+    aq.resize(size_t(m) * k);
+    const float input_scale = w.InputScale();
+#pragma omp parallel for schedule(static) if (parallel && int64_t(m) * k >= (1 << 16))
+    for (int i = 0; i < m; ++i) {
+      QuantizeRowNvfp4(x + size_t(i) * k, k, input_scale, aq.data() + size_t(i) * k);
+    }
+    a = aq.data();
+  }
   const WidenKernels wk = Widen(isa);
   const int row_tiles = (m + kQMc - 1) / kQMc;
   const int mc = (m + row_tiles - 1) / row_tiles;
@@ -172,6 +246,9 @@ void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa 
         float* dst = block + size_t(p) * kc * kGemmPanel;
         if (fp8) {
           wk.fp8(kc, w.panel(panel) + size_t(k0) * kGemmPanel, dst);
+        } else if (nvfp4) {
+          wk.nvfp4(kc, k0, w.panel(panel) + size_t(k0) * (kGemmPanel / 2),
+                   w.panel_block_scales(panel), dst);
         } else {
           wk.int4(kc, k0, w.panel(panel) + size_t(k0) * (kGemmPanel / 2), w.panel_scales(panel),
                   w.group_size(), dst);
@@ -186,6 +263,11 @@ void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa 
       for (int i = i0; i < i1; ++i) {
         float* row = y + size_t(i) * n;
         for (int j = j0; j < j1; ++j) row[j] = sx[i] * (w.RowScale(j) * row[j]);
+      }
+    } else if (nvfp4) {
+      for (int i = i0; i < i1; ++i) {
+        float* row = y + size_t(i) * n;
+        for (int j = j0; j < j1; ++j) row[j] = w.RowScale(j) * row[j];
       }
     }
   };

@@ -98,9 +98,36 @@ float QuantizeFp8(const float* x, int k, float* q) {
   return s;
 }
 
+// e2m1 codes (8 lanes) -> float32: the magnitude from the 8-entry table by a permutation, the
+// sign bit (code bit 3) moved to bit 31.
+inline __attribute__((always_inline)) __m256 E2m1x8(__m256i c, __m256 table) {
+  const __m256 mag = _mm256_permutevar8x32_ps(table, _mm256_and_si256(c, _mm256_set1_epi32(7)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+  return _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
+}
+
+void Nvfp4(int kc, int k0, const uint8_t* bytes, const uint8_t* block_scales, float* dst) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (int kk = 0; kk < kc; ++kk) {
+    if (kk == 0 || (k0 + kk) % kNvfp4Block == 0) {
+      const uint8_t* sc = block_scales + size_t((k0 + kk) / kNvfp4Block) * 16;
+      s0 = E4m3x8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+      s1 = E4m3x8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8))));
+    }
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + size_t(kk) * 8));
+    const __m128i lo = _mm_and_si128(v, low);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    float* d = dst + size_t(kk) * 16;
+    _mm256_storeu_ps(d, _mm256_mul_ps(E2m1x8(_mm256_cvtepu8_epi32(lo), table), s0));
+    _mm256_storeu_ps(d + 8, _mm256_mul_ps(E2m1x8(_mm256_cvtepu8_epi32(hi), table), s1));
+  }
+}
+
 }  // namespace
 
-WidenKernels Avx2Widen() { return {&Fp8, &Int4, &QuantizeFp8}; }
+WidenKernels Avx2Widen() { return {&Fp8, &Int4, &QuantizeFp8, &Nvfp4}; }
 
 }  // namespace dgserve::cpu::quant_internal
 

@@ -88,9 +88,30 @@ float QuantizeFp8(const float* x, int k, float* q) {
   return s;
 }
 
+// NVFP4: the 16 nibbles of a k step looked up in the e2m1 table (codes 8..15 the negatives) by
+// a permutation, times the block's 16 e4m3 scales (both exact, the product exact).
+void Nvfp4(int kc, int k0, const uint8_t* bytes, const uint8_t* block_scales, float* dst) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
+                                      -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  __m512 s = _mm512_setzero_ps();
+  for (int kk = 0; kk < kc; ++kk) {
+    if (kk == 0 || (k0 + kk) % kNvfp4Block == 0) {
+      const __m128i sc = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(block_scales + size_t((k0 + kk) / kNvfp4Block) * 16));
+      s = E4m3x16(_mm512_cvtepu8_epi32(sc));
+    }
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + size_t(kk) * 8));
+    const __m128i lo = _mm_and_si128(v, low);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
+    _mm512_storeu_ps(dst + size_t(kk) * 16, _mm512_mul_ps(_mm512_permutexvar_ps(q, table), s));
+  }
+}
+
 }  // namespace
 
-WidenKernels Avx512Widen() { return {&Fp8, &Int4, &QuantizeFp8}; }
+WidenKernels Avx512Widen() { return {&Fp8, &Int4, &QuantizeFp8, &Nvfp4}; }
 
 }  // namespace dgserve::cpu::quant_internal
 

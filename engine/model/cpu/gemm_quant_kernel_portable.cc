@@ -1,5 +1,6 @@
 // Portable widening of quantized weight panels (gemm_quant.h): a 256-entry e4m3 table; int4
-// nibbles minus 8 times the group scale. The same floats as the AVX2 and AVX-512 versions.
+// nibbles minus 8 times the group scale; e2m1 nibbles times the e4m3 block scale (exact). The same
+// floats as the AVX2 and AVX-512 versions.
 #include <array>
 #include <cstdint>
 
@@ -37,8 +38,25 @@ void Int4(int kc, int k0, const uint8_t* bytes, const float* scales, int group, 
   }
 }
 
+void Nvfp4(int kc, int k0, const uint8_t* bytes, const uint8_t* block_scales, float* dst) {
+  const std::array<float, 256>& t = E4m3Table();
+  float s[kGemmPanel];
+  for (int kk = 0; kk < kc; ++kk) {
+    if (kk == 0 || (k0 + kk) % kNvfp4Block == 0) {
+      const uint8_t* sc = block_scales + size_t((k0 + kk) / kNvfp4Block) * kGemmPanel;
+      for (int j = 0; j < kGemmPanel; ++j) s[j] = t[sc[j]];
+    }
+    const uint8_t* b = bytes + size_t(kk) * 8;
+    float* d = dst + size_t(kk) * kGemmPanel;
+    for (int j = 0; j < 8; ++j) {
+      d[j] = E2m1ToFloat(b[j] & 0x0f) * s[j];
+      d[j + 8] = E2m1ToFloat(b[j] >> 4) * s[j + 8];
+    }
+  }
+}
+
 }  // namespace
 
-WidenKernels PortableWiden() { return {&Fp8, &Int4, &QuantizeRowFp8}; }
+WidenKernels PortableWiden() { return {&Fp8, &Int4, &QuantizeRowFp8, &Nvfp4}; }
 
 }  // namespace dgserve::cpu::quant_internal

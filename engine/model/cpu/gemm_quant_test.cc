@@ -2,7 +2,8 @@
 // QuantLinear against (1) the scalar definition — the fma chain over k ascending of the widened
 // operands, then the FP8 epilogue — bit for bit, (2) a float64 reference of the same quantized
 // weights and activations within the float32 chain's error bound, (3) itself: each row alone
-// equals the row in a batch, and every ISA path gives the same bits.
+// equals the row in a batch, and every ISA path gives the same bits. FP8, W4A16 and NVFP4 (W4A4:
+// e2m1 codes, e4m3 block scales, activations quantized per 16-block).
 #include "engine/model/cpu/gemm_quant.h"
 
 #include <gtest/gtest.h>
@@ -82,6 +83,67 @@ TEST(QuantizeRowFp8Test, ScaleIsAbsmaxOver448AndValuesRoundToNearestEven) {
   EXPECT_EQ(QuantizeRowFp8(z.data(), 4, qz.data()), 1.0f / (448.0f * 512.0f));
 }
 
+TEST(E2m1Test, CodesValuesAndRoundingToNearestEven) {
+  const float want[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+  for (int c = 0; c < 16; ++c) {
+    EXPECT_EQ(Bits(E2m1ToFloat(uint8_t(c))), Bits(want[c])) << c;
+    if (c != 8) EXPECT_EQ(FloatToE2m1(want[c]), uint8_t(c)) << c;
+  }
+  // Ties go to the even code (ModelOpt's _cast_fp4, PTX cvt.rn): 0.25→0, 0.75→1, 1.25→1,
+  // 1.75→2, 2.5→2, 3.5→4, 5→4; above 5 saturates at 6.
+  const std::pair<float, float> ties[] = {{0.25f, 0}, {0.75f, 1},    {1.25f, 1}, {1.75f, 2},
+                                          {2.5f, 2},  {3.5f, 4},     {5.0f, 4},  {5.01f, 6},
+                                          {100.f, 6}, {0.26f, 0.5f}, {2.51f, 3}, {0.1f, 0}};
+  for (auto [x, v] : ties) {
+    EXPECT_EQ(E2m1ToFloat(FloatToE2m1(x)), v) << x;
+    EXPECT_EQ(E2m1ToFloat(FloatToE2m1(-x)), -v) << -x;
+  }
+  EXPECT_EQ(FloatToE2m1(-0.1f), 8);  // negative: the sign bit, as _cast_fp4 (weight < 0)
+  EXPECT_EQ(FloatToE2m1(-0.0f), 0);
+}
+
+// QuantizeRowNvfp4 on hand-computed blocks. input_scale 1/6: g = 6, so a block's scale is
+// about e4m3(absmax) and x is multiplied by o = 1 / (sx / 6), mapping absmax to about 6.
+TEST(QuantizeRowNvfp4Test, HandComputedBlocks) {
+  std::vector<float> x(32, 0.0f);
+  // Block 0: absmax 3. g·absmax/6 = 6·3/6 = 3 (e4m3 exact); o = 1 / (3 · (1/6)) = 2.
+  x[0] = 3.0f;    // 6   → e2m1 6 → 6·3 = 18
+  x[1] = -1.2f;   // −2.4 → −2 → −6
+  x[2] = 0.3f;    // 0.6 → 0.5 → 1.5
+  x[3] = 0.125f;  // 0.25 (tie) → 0 → 0
+  x[4] = 1.25f;   // 2.5 (tie) → 2 → 6
+  x[5] = -0.9f;   // −1.8 → −2 → −6
+  // Block 1: absmax 100. The scale is computed in float32 in the definition's order:
+  // 100 · fl(1/6) = 16.666668, · 6 = 100.0000076 — just above the e4m3 midpoint 100 between 96
+  // and 104, so sx = 104 (the exact 100 would have tied to 96: the order matters and is fixed).
+  // o = 1 / (104 · (1/6)) = 0.0576923; x = 100 → 5.769 → 6 → 624.
+  x[16] = 100.0f;
+  x[17] = 40.0f;  // 2.3077 → 2 → 208
+  x[18] = -7.0f;  // −0.4038 → −0.5 → −52
+  std::vector<float> q(32, -1.0f);
+  const float input_scale = 1.0f / 6.0f;
+  QuantizeRowNvfp4(x.data(), 32, input_scale, q.data());
+  // g = 1 / (1/6) rounds to 6 exactly? 1/6 in float32 is 0.16666667163…, 1 / that = 5.9999998…
+  // which rounds to 6.0f in float32 (checked here, the rest of the test relies on it).
+  ASSERT_EQ(1.0f / input_scale, 6.0f);
+  const float want0[16] = {18, -6, 1.5f, 0, 6, -6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  for (int c = 0; c < 16; ++c) EXPECT_EQ(q[c], want0[c]) << c;
+  EXPECT_EQ(q[16], 624.0f);
+  EXPECT_EQ(q[17], 208.0f);
+  EXPECT_EQ(q[18], -52.0f);
+  for (int c = 19; c < 32; ++c) EXPECT_EQ(q[c], 0.0f) << c;
+  // An all-zero block: scale 0, values 0 (no division by zero).
+  std::vector<float> z(16, 0.0f), qz(16, 1.0f);
+  QuantizeRowNvfp4(z.data(), 16, 0.01f, qz.data());
+  for (float v : qz) EXPECT_EQ(v, 0.0f);
+  // A block above the static range saturates: input_scale 1/6 → largest block scale 448, so
+  // absmax 6·448·2 = 5376 gives sx = 448, o = 1 / (448/6) and 5376 → 72 → 6 → 6·448 = 2688.
+  std::vector<float> big(16, 0.0f), qb(16);
+  big[7] = 5376.0f;
+  QuantizeRowNvfp4(big.data(), 16, input_scale, qb.data());
+  EXPECT_EQ(qb[7], 2688.0f);
+}
+
 struct Case {
   QuantFormat format;
   int n, k, group;
@@ -100,6 +162,16 @@ QuantMatrix RandomMatrix(const Case& c, std::mt19937& rng) {
     std::vector<float> s(c.n);
     for (float& v : s) v = std::ldexp(std::fabs(d(rng)) + 0.1f, e(rng) - 8);
     return QuantMatrix::FromFp8(codes.data(), s.data(), c.n, c.k);
+  }
+  if (c.format == QuantFormat::kNvfp4) {
+    std::vector<uint8_t> codes(size_t(c.n) * c.k), bs(size_t(c.n) * (c.k / 16));
+    std::uniform_int_distribution<int> code(0, 15), sc(1, 0x7e);
+    for (uint8_t& b : codes) b = uint8_t(code(rng));
+    for (uint8_t& b : bs) b = uint8_t(sc(rng));  // positive e4m3 scales, subnormals included
+    std::vector<float> g(c.n);
+    for (int r = 0; r < c.n; ++r) g[r] = std::ldexp(std::fabs(d(rng)) + 0.1f, -10 + (r / 16) % 3);
+    return QuantMatrix::FromNvfp4(codes.data(), bs.data(), g.data(), 0.01f + 0.001f * c.n, c.n,
+                                  c.k);
   }
   const int groups = (c.k + c.group - 1) / c.group;
   std::vector<int8_t> q(size_t(c.n) * c.k);
@@ -134,6 +206,8 @@ void Reference(const Case& c, const QuantMatrix& w, const std::vector<float>& x,
     float sx = 1.0f;
     if (c.format == QuantFormat::kFp8) {
       sx = QuantizeRowFp8(x.data() + size_t(i) * c.k, c.k, a.data());
+    } else if (c.format == QuantFormat::kNvfp4) {
+      QuantizeRowNvfp4(x.data() + size_t(i) * c.k, c.k, w.InputScale(), a.data());
     } else {
       std::copy(x.begin() + size_t(i) * c.k, x.begin() + size_t(i + 1) * c.k, a.begin());
     }
@@ -147,8 +221,9 @@ void Reference(const Case& c, const QuantMatrix& w, const std::vector<float>& x,
         mag += std::fabs(double(a[kk]) * double(wv));
       }
       const double scale = double(sx) * double(w.RowScale(j));
-      (*chain)[size_t(i) * c.n + j] =
-          c.format == QuantFormat::kFp8 ? sx * (w.RowScale(j) * acc) : acc;
+      (*chain)[size_t(i) * c.n + j] = c.format == QuantFormat::kFp8     ? sx * (w.RowScale(j) * acc)
+                                      : c.format == QuantFormat::kNvfp4 ? w.RowScale(j) * acc
+                                                                        : acc;
       (*exact)[size_t(i) * c.n + j] = sum * scale;
       // k roundings of at most 2⁻²⁴ of the running magnitude, plus two in the epilogue.
       (*bound)[size_t(i) * c.n + j] = (double(c.k) * 0x1p-24 * mag + 0x1p-22 * std::fabs(sum)) * scale;
@@ -193,10 +268,75 @@ TEST_P(QuantGemmTest, EqualsTheChainBitForBitOnEveryIsaBatchedAndSolo) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, QuantGemmTest,
-    ::testing::Values(Case{QuantFormat::kFp8, 16, 64, 0}, Case{QuantFormat::kFp8, 37, 300, 0},
-                      Case{QuantFormat::kFp8, 96, 513, 0}, Case{QuantFormat::kFp8, 5, 7, 0},
-                      Case{QuantFormat::kW4A16, 16, 64, 32}, Case{QuantFormat::kW4A16, 37, 300, 100},
-                      Case{QuantFormat::kW4A16, 96, 512, 128}, Case{QuantFormat::kW4A16, 40, 96, 96}));
+    ::testing::Values(
+        Case{QuantFormat::kFp8, 16, 64, 0}, Case{QuantFormat::kFp8, 37, 300, 0},
+        Case{QuantFormat::kFp8, 96, 513, 0}, Case{QuantFormat::kFp8, 5, 7, 0},
+        Case{QuantFormat::kW4A16, 16, 64, 32}, Case{QuantFormat::kW4A16, 37, 300, 100},
+        Case{QuantFormat::kW4A16, 96, 512, 128}, Case{QuantFormat::kW4A16, 40, 96, 96},
+        Case{QuantFormat::kNvfp4, 16, 64, 16}, Case{QuantFormat::kNvfp4, 37, 304, 16},
+        Case{QuantFormat::kNvfp4, 96, 528, 16}, Case{QuantFormat::kNvfp4, 5, 16, 16}));
+
+// NVFP4 against the format's definition in float64, independent of the GEMM's factoring:
+// y = input_scale · weight_scale_2 · Σ_b sx_b · sw_b · Σ_{k ∈ b} e2m1(x_q) · e2m1(w_q), with the
+// activations' codes and block scales recomputed here from the definition (gemm_quant.h).
+TEST(QuantGemmTest, Nvfp4MatchesTheBlockScaledDefinitionInFloat64) {
+  std::mt19937 rng(77);
+  const int n = 40, k = 320, m = 7, nb = k / 16;
+  std::vector<uint8_t> codes(size_t(n) * k), bs(size_t(n) * nb);
+  std::uniform_int_distribution<int> code(0, 15), sc(8, 0x60);
+  for (uint8_t& b : codes) b = uint8_t(code(rng));
+  for (uint8_t& b : bs) b = uint8_t(sc(rng));
+  std::vector<float> g(n);
+  for (int r = 0; r < n; ++r) g[r] = r < 20 ? 0.003f : 0.0021f;  // two modules stacked
+  const float input_scale = 0.05f;
+  const QuantMatrix w =
+      QuantMatrix::FromNvfp4(codes.data(), bs.data(), g.data(), input_scale, n, k);
+  const std::vector<float> x = RandomActivations(m, k, rng);
+  for (GemmIsa isa : {GemmIsa::kAvx512, GemmIsa::kAvx2, GemmIsa::kPortable}) {
+    if (!GemmIsaSupported(isa)) continue;
+    std::vector<float> y(size_t(m) * n);
+    QuantLinear(x.data(), m, w, y.data(), isa, GemmThreads::kOpenMp);
+    for (int i = 0; i < m; ++i) {
+      // The activation's codes, from the definition with float32 steps.
+      const float gi = 1.0f / input_scale, inv = 1.0f / gi;
+      std::vector<double> xs(nb);
+      std::vector<double> xv(k);
+      double mag_total = 0;
+      for (int b = 0; b < nb; ++b) {
+        float amax = 0;
+        for (int c = 16 * b; c < 16 * b + 16; ++c)
+          amax = std::max(amax, std::fabs(x[size_t(i) * k + c]));
+        const float s = E4m3ToFloat(FloatToE4m3(gi * (amax * (1.0f / 6.0f))));
+        xs[b] = s;
+        const float o = s != 0 ? 1.0f / (s * inv) : 0.0f;
+        for (int c = 16 * b; c < 16 * b + 16; ++c) {
+          xv[c] = E2m1ToFloat(FloatToE2m1(x[size_t(i) * k + c] * o));
+        }
+      }
+      for (int j = 0; j < n; ++j) {
+        double sum = 0, mag = 0;
+        for (int b = 0; b < nb; ++b) {
+          double inner = 0, inner_mag = 0;
+          for (int c = 16 * b; c < 16 * b + 16; ++c) {
+            const double p = xv[c] * double(E2m1ToFloat(codes[size_t(j) * k + c]));
+            inner += p;
+            inner_mag += std::fabs(p);
+          }
+          const double s = xs[b] * double(E4m3ToFloat(bs[size_t(j) * nb + b]));
+          sum += s * inner;
+          mag += s * inner_mag;
+        }
+        const double alpha = double(float(input_scale * g[j]));
+        const double want = alpha * sum;
+        const double bound = alpha * (k * 0x1p-24 * mag) + 0x1p-23 * std::fabs(want);
+        mag_total += mag;
+        ASSERT_LE(std::fabs(double(y[size_t(i) * n + j]) - want), bound)
+            << GemmIsaName(isa) << " row " << i << " col " << j;
+      }
+      ASSERT_GT(mag_total, 0.0);
+    }
+  }
+}
 
 TEST(QuantGemmTest, PackedMatrixHookRunsTheQuantizedGemm) {
   std::mt19937 rng(5);
