@@ -49,18 +49,16 @@ absl::Status ValidateSamplerParams(const SamplerParams& p) {
         "sample_temperature_spread must be in [%g, %g], got %g", kMinSampleTemperatureSpread,
         kMaxSampleTemperatureSpread, p.sample_temperature_spread));
   }
-  // The sample with the lowest schedule (the last one when the spread is negative).
-  if (p.sample_temperature_spread < 0.0f) {
-    SamplerParams last = p;
-    const float f = 1.0f + p.sample_temperature_spread;
-    last.t_min = p.t_min * f;
-    last.t_max = p.t_max * f;
-    if (const float lowest = StepTemperature(last, last.max_denoising_steps - 1);
-        !(lowest >= kMinStepTemperature)) {
+  // The last sample's schedule (t_min and t_max × (1 + spread)): the lowest of the samples'
+  // schedules for a negative spread, the highest for a positive one, so with sample 0's (checked
+  // above) it bounds every sample's. Its temperatures must stay finite and above the floor.
+  if (p.sample_temperature_spread != 0.0f) {
+    const SamplerParams last = SampleSamplerParams(p, 1, 2);
+    if (absl::Status s = ValidateSamplerParams(last); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "sample_temperature_spread %g gives the last sample a last-step temperature %g, below "
-          "the minimum %g; raise it, t_max or t_min",
-          p.sample_temperature_spread, lowest, kMinStepTemperature));
+          "sample_temperature_spread %g makes the last sample's schedule (t_min %g, t_max %g) "
+          "invalid: %s",
+          p.sample_temperature_spread, last.t_min, last.t_max, s.message()));
     }
   }
   return absl::OkStatus();
@@ -73,6 +71,7 @@ SamplerParams SampleSamplerParams(const SamplerParams& params, int sample, int n
                              static_cast<float>(num_samples - 1);
   p.t_min = params.t_min * f;
   p.t_max = params.t_max * f;
+  p.sample_temperature_spread = 0.0f;  // this sample's schedule is scaled already
   return p;
 }
 

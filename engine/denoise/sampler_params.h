@@ -44,7 +44,8 @@ inline constexpr float kMaxSampleTemperatureSpread = 4.0f;
 // 0 < max_denoising_steps ≤ 1024; t_min, t_max finite and 0 ≤ t_min < t_max;
 // 0 ≤ stability_threshold ≤ 64; confidence_threshold finite and > 0; entropy_bound finite and > 0;
 // and every step's temperature ≥ kMinStepTemperature (the lowest is StepTemperature(N − 1)),
-// for every sample's scaled schedule too (sample_temperature_spread finite and in range).
+// for every sample's scaled schedule too (sample_temperature_spread finite and in range, and the
+// last sample's t_min and t_max, × (1 + spread), finite with their last step above the floor).
 // Returns OK or INVALID_ARGUMENT whose message starts with the offending field's name.
 absl::Status ValidateSamplerParams(const SamplerParams& params);
 
@@ -55,8 +56,9 @@ absl::Status ValidateSamplerParams(const SamplerParams& params);
 float StepTemperature(const SamplerParams& params, int step);
 
 // The settings sample `sample` (0 ≤ sample < num_samples) of a request runs: `params` with t_min
-// and t_max times 1 + sample_temperature_spread·sample/(num_samples − 1) (float32), and the
-// spread itself kept. num_samples ≤ 1 or spread 0: `params` unchanged.
+// and t_max times 1 + sample_temperature_spread·sample/(num_samples − 1) (float32) and the
+// spread set to 0 (the result is one sample's own schedule, validated as such). num_samples ≤ 1
+// or spread 0: `params` unchanged.
 SamplerParams SampleSamplerParams(const SamplerParams& params, int sample, int num_samples);
 
 }  // namespace dgserve

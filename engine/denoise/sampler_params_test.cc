@@ -165,6 +165,33 @@ TEST(SamplerParamsTest, SampleTemperatureSpreadIsValidated) {
   p.sample_temperature_spread = -0.95f;
   EXPECT_THAT(ValidateSamplerParams(p),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("the last sample")));
+  // A positive spread must not carry t_max past float32's range.
+  p = SamplerParams{};
+  p.t_max = 1e38f;
+  p.sample_temperature_spread = 4.0f;
+  EXPECT_THAT(ValidateSamplerParams(p),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("sample_temperature_spread 4 makes the last sample's schedule")));
+}
+
+// Each sample's own settings are valid whenever the request's are, and are not scaled again by
+// a second validation (found by a new user: the worker re-checked a sample's scaled schedule
+// with the spread still set and refused valid requests naming the wrong sample).
+TEST(SamplerParamsTest, EverySamplesScheduleOfAValidRequestIsValid) {
+  SamplerParams p;
+  p.max_denoising_steps = 1;
+  p.t_min = 0.0f;
+  p.t_max = 1e-4f;  // the last sample at 5 %: 5e-6 ≥ 1e-6 at its only step
+  p.sample_temperature_spread = -0.95f;
+  ASSERT_THAT(ValidateSamplerParams(p), IsOk());
+  for (int n : {2, 4, 16}) {
+    for (int i = 0; i < n; ++i) {
+      const SamplerParams s = SampleSamplerParams(p, i, n);
+      EXPECT_EQ(s.sample_temperature_spread, 0.0f);
+      EXPECT_THAT(ValidateSamplerParams(s), IsOk()) << "sample " << i << " of " << n;
+    }
+  }
+  EXPECT_FLOAT_EQ(SampleSamplerParams(p, 3, 4).t_max, 5e-6f);
 }
 
 TEST(SamplerParamsTest, EdgeValuesAreValid) {

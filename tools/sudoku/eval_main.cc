@@ -458,7 +458,7 @@ absl::Status Run() {
               : mode.use_template ? "template"
                                   : "plain prompt",
               absl::GetFlag(FLAGS_samples), concurrency, wall);
-  if (absl::GetFlag(FLAGS_samples) > 1) {
+  if (absl::GetFlag(FLAGS_samples) > 1 && total.puzzles > total.errors) {
     std::printf("distinct answers per puzzle: %.2f of %d samples (mean over answered puzzles)\n",
                 total.MeanDistinct(), absl::GetFlag(FLAGS_samples));
   }
