@@ -13,7 +13,8 @@ Admission::Admission(int max_concurrent, int max_queued,
       on_change_(std::move(on_change)) {}
 
 absl::Status Admission::Acquire(absl::Time deadline, const std::function<bool()>& is_cancelled,
-                                absl::Duration* waited) {
+                                absl::Duration* waited,
+                                const std::function<absl::Status()>& on_queued) {
   if (waited != nullptr) *waited = absl::ZeroDuration();
   absl::MutexLock lock(&mu_);
   if (running_ < max_concurrent_ && queued_ == 0) {
@@ -37,7 +38,15 @@ absl::Status Admission::Acquire(absl::Time deadline, const std::function<bool()>
     return serving_ == ticket && running_ < max_concurrent_;
   };
   absl::Status status;
-  while (true) {
+  if (on_queued) {
+    // The callback may take a while (tokenizing) and may call back into the front end: it runs
+    // unlocked. The ticket keeps the request's place; if its turn comes meanwhile, the loop
+    // below takes it at once.
+    mu_.Unlock();
+    status = on_queued();
+    mu_.Lock();
+  }
+  while (status.ok()) {
     if (my_turn()) break;
     if (absl::Now() >= deadline) {
       status = absl::DeadlineExceededError("deadline exceeded while queued for admission");

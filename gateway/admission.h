@@ -25,9 +25,13 @@ class Admission {
   // Takes a slot: OK (the caller must call Release once), RESOURCE_EXHAUSTED at once when every
   // slot is taken and the queue is full, DEADLINE_EXCEEDED when `deadline` passes in the queue,
   // CANCELLED when `is_cancelled` (polled every 20 ms; may be empty) turns true in the queue.
-  // `*waited` (may be null) gets the time spent queued.
+  // `*waited` (may be null) gets the time spent queued. `on_queued` (may be empty) is called
+  // once, without the lock, when the request has taken its place in the queue (not when it is
+  // admitted or refused at once): a front end validates the request and sends its response head
+  // there, so that a queued stream is visibly alive and a bad request is answered without waiting
+  // for a slot. A non-OK status from it leaves the queue, and Acquire returns that status.
   absl::Status Acquire(absl::Time deadline, const std::function<bool()>& is_cancelled,
-                       absl::Duration* waited);
+                       absl::Duration* waited, const std::function<absl::Status()>& on_queued = {});
   // Frees a slot taken by a successful Acquire; wakes the oldest queued request.
   void Release();
 

@@ -107,6 +107,68 @@ TEST(AdmissionTest, DeadlineAndCancelWhileQueued) {
   EXPECT_EQ(a.queued(), 0);
 }
 
+// `on_queued` runs once for a request that joins the queue, before its wait, and never for one
+// admitted or refused at once; its error takes the request out of the queue without a slot (the
+// gateway answers a queued bad request at once), and the request behind it keeps its turn.
+TEST(AdmissionTest, OnQueuedRunsOnlyForQueuedRequestsAndItsErrorLeavesTheQueue) {
+  Admission a(1, 2);
+  const absl::Time far = absl::Now() + absl::Hours(1);
+  int calls = 0;
+  auto count_call = [&] {
+    ++calls;
+    return absl::OkStatus();
+  };
+  ASSERT_THAT(a.Acquire(far, {}, nullptr, count_call), IsOk());  // admitted at once
+  EXPECT_EQ(calls, 0);
+
+  // A queued request: the callback runs while it is queued, before any slot is free.
+  std::atomic<int> queued_calls{0};
+  std::atomic<int> queued_seen_in_callback{-1};
+  absl::Status first;
+  std::thread t([&] {
+    first = a.Acquire(far, {}, nullptr, [&] {
+      queued_seen_in_callback = a.queued();  // unlocked: may call back into Admission
+      ++queued_calls;
+      return absl::OkStatus();
+    });
+  });
+  ASSERT_TRUE(WaitFor([&] { return queued_calls.load() == 1; }));
+  EXPECT_EQ(queued_seen_in_callback.load(), 1);
+  EXPECT_EQ(a.running(), 1);
+
+  // A second queued request whose callback fails: out of the queue at once, with that status.
+  EXPECT_THAT(a.Acquire(far, {}, nullptr,
+                        [] { return absl::InvalidArgumentError("temperature: must be ≥ 0"); }),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(a.queued(), 1);
+  EXPECT_EQ(a.running(), 1);
+
+  // The queue is full (1 running, 2 queued): a third is refused without its callback.
+  std::atomic<bool> third_waiting{false};
+  absl::Status third;
+  std::thread t3([&] {
+    third = a.Acquire(far, {}, nullptr, [&] {
+      third_waiting = true;
+      return absl::OkStatus();
+    });
+    if (third.ok()) a.Release();
+  });
+  ASSERT_TRUE(WaitFor([&] { return third_waiting.load(); }));
+  EXPECT_THAT(a.Acquire(far, {}, nullptr, count_call),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(calls, 0);
+
+  a.Release();
+  t.join();
+  EXPECT_THAT(first, IsOk());
+  EXPECT_EQ(queued_calls.load(), 1);
+  a.Release();
+  t3.join();
+  EXPECT_THAT(third, IsOk());
+  EXPECT_EQ(a.running(), 0);
+  EXPECT_EQ(a.queued(), 0);
+}
+
 TEST(AdmissionTest, ManyThreadsNeverExceedTheLimit) {
   constexpr int kLimit = 3;
   Admission a(kLimit, 4);

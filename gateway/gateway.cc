@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -361,23 +362,35 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
   };
   if (draining_) return count(absl::UnavailableError("gateway is draining"));
   // Admission comes first: a request beyond the limit is refused before its prompt is
-  // tokenized or its chat template rendered (that work is what the limit bounds).
+  // tokenized or its chat template rendered (that work is what the limit bounds). A request that
+  // must wait for a slot is prepared (validated, tokenized) as it joins the queue: a bad one is
+  // answered at once, and a good one is accepted there (its front end sends the response head and
+  // keep-alives while it waits).
+  std::optional<absl::StatusOr<PreparedRequest>> prepared;
+  auto prepare = [&]() -> absl::Status {
+    prepared = Prepare(request);
+    if (!prepared->ok()) return prepared->status();
+    if (on_accepted) on_accepted((*prepared)->request_id);
+    return absl::OkStatus();
+  };
   absl::Duration waited;
-  if (absl::Status admitted = admission_.Acquire(deadline, is_cancelled, &waited);
+  if (absl::Status admitted = admission_.Acquire(deadline, is_cancelled, &waited, prepare);
       !admitted.ok()) {
-    if (metrics_ && !absl::IsResourceExhausted(admitted)) {
+    const bool refused_unqueued = absl::IsResourceExhausted(admitted) && !prepared.has_value();
+    const bool invalid = prepared.has_value() && !prepared->ok();
+    if (metrics_ && !refused_unqueued && !invalid) {
       metrics_->queue_seconds.Observe(absl::ToDoubleSeconds(waited));
     }
     return count(admitted);
   }
   if (metrics_) metrics_->queue_seconds.Observe(absl::ToDoubleSeconds(waited));
-  absl::StatusOr<PreparedRequest> prepared = Prepare(request);
-  if (!prepared.ok()) {
-    admission_.Release();
-    return count(prepared.status());
+  if (!prepared.has_value()) {
+    if (absl::Status s = prepare(); !s.ok()) {
+      admission_.Release();
+      return count(s);
+    }
   }
-  if (on_accepted) on_accepted(prepared->request_id);
-  RequestRun run(*this, *prepared, deadline, is_cancelled, on_event, start);
+  RequestRun run(*this, **prepared, deadline, is_cancelled, on_event, start);
   const absl::Status status = run.Run();
   admission_.Release();
   return count(status);

@@ -170,8 +170,25 @@ void SetDiffusionControls(v1::DiffusionControls* d) {
   }
 }
 
+// --samples and --sample_temperature_spread shape a best-of-n Sudoku run; `generate` and
+// `chat` make one sample, so they refuse the flags instead of ignoring them.
+absl::Status RefuseSudokuOnlyFlags(const char* command) {
+  if (absl::GetFlag(FLAGS_samples) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--samples applies to `dgserve sudoku` only; `dgserve ", command,
+                     "` makes one sample (for n samples, send \"n\" to a gateway's OpenAI API)"));
+  }
+  if (absl::GetFlag(FLAGS_sample_temperature_spread)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--sample_temperature_spread applies to `dgserve sudoku --samples N` only; `dgserve ",
+        command, "` makes one sample"));
+  }
+  return absl::OkStatus();
+}
+
 // `dgserve chat`: the same prompt and sampling flags, sent to a running gateway.
 absl::Status RunChat() {
+  DGSERVE_RETURN_IF_ERROR(RefuseSudokuOnlyFlags("chat"));
   DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt(/*always_chat=*/true));
   DGSERVE_RETURN_IF_ERROR(CheckDiffusionFlags());
   v1::GenerateRequest req;
@@ -228,6 +245,7 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
 }
 
 absl::Status RunGenerate() {
+  DGSERVE_RETURN_IF_ERROR(RefuseSudokuOnlyFlags("generate"));
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
   DGSERVE_ASSIGN_OR_RETURN(const BackendSelection selection,

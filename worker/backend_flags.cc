@@ -1,5 +1,7 @@
 #include "worker/backend_flags.h"
 
+#include <cstdio>
+
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -21,6 +23,21 @@ ABSL_FLAG(std::string, cpu_gemm_input, "float32",
 
 namespace dgserve {
 
+std::vector<std::string> UnusedBackendFlags(const std::string& device) {
+  std::vector<std::string> out;
+  const std::string cuda_input = absl::GetFlag(FLAGS_cuda_gemm_input);
+  if (device == "cpu" && cuda_input != "bf16") {
+    out.push_back(absl::StrCat("--cuda_gemm_input=", cuda_input,
+                               " has no effect with --device cpu (see --cpu_gemm_input)"));
+  }
+  const std::string cpu_input = absl::GetFlag(FLAGS_cpu_gemm_input);
+  if (device == "cuda" && cpu_input != "float32") {
+    out.push_back(absl::StrCat("--cpu_gemm_input=", cpu_input,
+                               " has no effect with --device cuda (see --cuda_gemm_input)"));
+  }
+  return out;
+}
+
 absl::StatusOr<BackendSelection> BackendSelectionFromFlags(const std::string& device) {
   BackendSelection s;
   s.device = device;
@@ -41,6 +58,9 @@ absl::StatusOr<BackendSelection> BackendSelectionFromFlags(const std::string& de
         absl::StrCat("--cuda_gemm_input '", cuda_input, "': must be 'float32' or 'bf16'"));
   }
   if (absl::Status st = CheckBackendSelection(s); !st.ok()) return st;
+  for (const std::string& unused : UnusedBackendFlags(device)) {
+    std::fprintf(stderr, "warning: %s\n", unused.c_str());
+  }
   s.cpu_gemm_isa = GemmIsaFromEnvironment();
   s.cpu_dense_self_conditioning = DenseSelfConditioningFromEnvironment();
   return s;

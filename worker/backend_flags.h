@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "engine/model/backend_select.h"
@@ -15,7 +16,12 @@ namespace dgserve {
 // (DGSERVE_GEMM_ISA, DGSERVE_DENSE_SC: backend_env.h). INVALID_ARGUMENT naming the flag, checked
 // in this order whatever the device: "--cpu_gemm_input 'x': must be 'float32' or 'bf16'", the
 // same for --cuda_gemm_input, then "--device x: must be 'cpu' or 'cuda'". Loads nothing: call it
-// before a checkpoint load.
+// before a checkpoint load. Logs a warning for each flag UnusedBackendFlags names.
 absl::StatusOr<BackendSelection> BackendSelectionFromFlags(const std::string& device);
+
+// The GEMM-input flags set to something other than their default that --device `device` does not
+// use (--cuda_gemm_input with cpu, --cpu_gemm_input with cuda), one message each naming the flag:
+// they change nothing, and a user who set one expected them to. Empty when none.
+std::vector<std::string> UnusedBackendFlags(const std::string& device);
 
 }  // namespace dgserve

@@ -8,6 +8,7 @@
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/backend_env.h"
 
@@ -19,6 +20,8 @@ namespace {
 
 using ::dgserve::testing::IsOk;
 using ::dgserve::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 
 class BackendSelectFlagsTest : public ::testing::Test {
  protected:
@@ -73,6 +76,25 @@ TEST_F(BackendSelectFlagsTest, BadValuesAreInvalidArgumentNamingTheFlag) {
   const absl::Status st = BackendSelectionFromFlags("tpu").status();
   EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(st.message(), "--device tpu: must be 'cpu' or 'cuda'");
+}
+
+// A GEMM-input flag the device does not use is named (it was accepted without a word); its
+// default, or the device's own flag, is not.
+TEST_F(BackendSelectFlagsTest, UnusedGemmInputFlagsAreNamed) {
+  EXPECT_TRUE(UnusedBackendFlags("cpu").empty());
+  EXPECT_TRUE(UnusedBackendFlags("cuda").empty());
+  absl::SetFlag(&FLAGS_cuda_gemm_input, "float32");
+  EXPECT_THAT(UnusedBackendFlags("cpu"),
+              ElementsAre("--cuda_gemm_input=float32 has no effect with --device cpu (see "
+                          "--cpu_gemm_input)"));
+  EXPECT_TRUE(UnusedBackendFlags("cuda").empty());
+  absl::SetFlag(&FLAGS_cpu_gemm_input, "bf16");
+  EXPECT_THAT(UnusedBackendFlags("cuda"),
+              ElementsAre("--cpu_gemm_input=bf16 has no effect with --device cuda (see "
+                          "--cuda_gemm_input)"));
+  EXPECT_THAT(UnusedBackendFlags("cpu"), ElementsAre(HasSubstr("--cuda_gemm_input=float32")));
+  // Still a valid selection: the flags warn, they do not refuse.
+  EXPECT_THAT(BackendSelectionFromFlags("cpu"), IsOk());
 }
 
 TEST_F(BackendSelectFlagsTest, EnvironmentVariables) {

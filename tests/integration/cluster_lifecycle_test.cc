@@ -381,14 +381,18 @@ TEST(ClusterDrainTest, GatewayFinishesInFlightHttpRequestsOnSigterm) {
 }
 
 // --max_concurrent_requests counts gRPC and HTTP requests together: with 2 running (one of
-// each) and 1 queued, the next ones get 429 + Retry-After (HTTP) and RESOURCE_EXHAUSTED (gRPC)
+// each) and 2 queued, the next ones get 429 + Retry-After (HTTP) and RESOURCE_EXHAUSTED (gRPC)
 // at once; /health and /ready still answer; closing an HTTP connection cancels its request at
-// once (streaming or not) and frees its KV, which lets the queued request in.
+// once (streaming or not) and frees its KV, which lets the queued requests in. A queued stream is
+// visibly alive while it waits: the HTTP client gets 200, the SSE headers and keep-alive comments,
+// the gRPC client initial metadata (both got nothing until a slot was free); a bad request that
+// would queue is answered at once (it waited for a slot, then got its 400).
 TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
   absl::StatusOr<ClusterOptions> options = OptionsWithoutStopTokens();
   ASSERT_TRUE(options.ok()) << options.status();
   ClusterOptions o = *options;
-  o.gateway_flags = {"--max_concurrent_requests=2", "--max_queued_requests=1"};
+  o.gateway_flags = {"--max_concurrent_requests=2", "--max_queued_requests=2",
+                     "--sse_keepalive_seconds=1"};
   auto c = TestCluster::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();
   const TestCluster& cl = **c;
@@ -397,6 +401,10 @@ TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
     auto s = cl.DenoiseStats(0);
     return s.ok() && s->active_requests() == 0 && s->queued_requests() == 0 &&
            s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0;
+  };
+  auto queued_requests = [&] {
+    return TestCluster::MetricValue(*TestCluster::ScrapeMetrics(cl.gateway()),
+                                    "dgserve_gateway_queued_requests");
   };
 
   // Two long requests hold the two slots: one gRPC stream, one HTTP SSE stream.
@@ -409,17 +417,40 @@ TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
   ASSERT_GE(sse, 0);
   ASSERT_THAT(ReadUntil(sse, "data: "), HasSubstr("HTTP/1.1 200"));
 
-  // A third waits in the queue.
-  Result queued;
-  std::thread queued_thread([&] { queued = Generate(cl, Chat("hi", 2, 4)); });
-  ASSERT_TRUE(Eventually([&] {
-    return TestCluster::MetricValue(*TestCluster::ScrapeMetrics(cl.gateway()),
-                                    "dgserve_gateway_queued_requests") == 1;
-  }));
+  // A third, an SSE stream, waits in the queue with its head and keep-alives already sent.
+  const int queued_sse = SendHttpPost(http_port, "/v1/completions",
+                                      R"({"prompt": "hi", "max_tokens": 4, "stream": true})");
+  ASSERT_GE(queued_sse, 0);
+  std::string queued_head = ReadUntil(queued_sse, ": keep-alive\n\n");
+  queued_head += ReadUntil(queued_sse, ": keep-alive\n\n");  // a second one, a second later
+  EXPECT_THAT(queued_head, HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(queued_head, HasSubstr("text/event-stream"));
+  EXPECT_THAT(queued_head, Not(HasSubstr("data: "))) << "it was admitted, not queued";
+  EXPECT_EQ(queued_requests(), 1);
 
-  // Beyond: refused at once on both protocols.
+  // A request the gateway refuses (a stop sequence over 1024 bytes) is answered while the slots
+  // stay taken: it does not wait in the queue for one.
   HttpClient http("127.0.0.1", http_port);
   http.set_idle_timeout(absl::Seconds(60));
+  const auto bad =
+      http.Post("/v1/completions",
+                absl::StrCat(R"({"prompt": "hi", "max_tokens": 4, "stream": true, "stop": [")",
+                             std::string(1025, 'a'), R"("]})"));
+  ASSERT_TRUE(bad) << bad.error;
+  EXPECT_EQ(bad.status, 400) << bad.body;
+  EXPECT_THAT(bad.body, HasSubstr("at most 1024"));
+  EXPECT_EQ(queued_requests(), 1);
+
+  // A fourth, a gRPC stream, queues too, and gets its initial metadata while it waits.
+  grpc::ClientContext queued_ctx;
+  queued_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto queued_grpc = cl.GatewayStub()->GenerateStream(&queued_ctx, Chat("hi", 2, 4));
+  queued_grpc->WaitForInitialMetadata();
+  EXPECT_NE(queued_ctx.GetServerInitialMetadata().find("x-request-id"),
+            queued_ctx.GetServerInitialMetadata().end());
+  EXPECT_EQ(queued_requests(), 2) << "the gRPC stream was not queued";
+
+  // Beyond: refused at once on both protocols.
   for (int i = 0; i < 3; ++i) {
     auto res = http.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": 4})");
     ASSERT_TRUE(res);
@@ -436,10 +467,15 @@ TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
                                      "dgserve_gateway_inflight_requests"),
             2);
 
-  // Closing the SSE connection cancels that request: the queued one gets its slot.
+  // Closing the SSE connection cancels that request: the queued ones get the slot in turn.
   close(sse);
-  queued_thread.join();
-  EXPECT_TRUE(queued.status.ok()) << queued.status.error_message();
+  const std::string queued_out = ReadUntil(queued_sse, "data: [DONE]");
+  EXPECT_THAT(queued_out, HasSubstr("\"finish_reason\":\"length\"")) << queued_out;
+  close(queued_sse);
+  int events = 0;
+  while (queued_grpc->Read(&ev)) ++events;
+  EXPECT_GT(events, 0);
+  EXPECT_TRUE(queued_grpc->Finish().ok());
   held_ctx.TryCancel();
   while (held->Read(&ev)) {
   }
