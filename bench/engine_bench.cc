@@ -52,6 +52,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/step_cost.h"
 #include "common/cli.h"
 #include "common/hash.h"
 #include "common/system_resources.h"
@@ -123,6 +124,13 @@ ABSL_FLAG(bool, calibrate_only, false,
 namespace dgserve {
 namespace {
 
+using bench::Bf16BytesPerStep;
+using bench::BodyFlops;
+using bench::DeviceBytesPerRow;
+using bench::KvBytesPerSequence;
+using bench::PhaseWork;
+using bench::StepWork;
+
 // The backend of --device with --cpu_gemm_input / --cuda_gemm_input (main() fills it; with
 // --cpu_gemm_inputs, main() sets each mode in turn).
 BackendSelection g_backend;
@@ -143,35 +151,6 @@ double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// Multiply-adds ×2 of one decoder pass over `rows` canvas rows with `ctx` context tokens,
-// excluding the LM head (the body), per spec §3.2–§3.5.
-double BodyFlops(const ModelConfig& c, int rows, int ctx) {
-  const double D = c.hidden_size, I = c.intermediate_size, F = c.moe_intermediate_size;
-  double f = 2.0 * rows * 3 * D * I;  // self-conditioning MLP
-  for (int l = 0; l < c.num_layers; ++l) {
-    const double hd = c.HeadDim(l), nh = c.num_heads, nkv = c.KvHeads(l);
-    const double kv_proj = c.IsFull(l) ? nkv * hd : 2 * nkv * hd;
-    const int keys = (c.IsFull(l) ? ctx : std::min(ctx, c.sliding_window - 1)) + rows;
-    f += 2.0 * rows * D * (nh * hd + kv_proj);      // q, k, v projections
-    f += 2.0 * rows * nh * hd * D;                  // o projection
-    f += 2.0 * 2 * rows * nh * hd * keys;           // scores and weighted values
-    f += 2.0 * rows * 3 * D * I;                    // dense MLP
-    f += 2.0 * rows * D * c.num_experts;            // router
-    f += 2.0 * rows * c.top_k_experts * 3 * D * F;  // experts
-  }
-  return f;
-}
-
-// Bytes of bf16 weights one denoising step reads: every matrix (rank ≥ 2) once, plus the
-// embedding a second time (LM head and self-conditioning product both read it).
-double Bf16BytesPerStep(const ModelConfig& c) {
-  double bytes = 0;
-  for (const TensorSpec& spec : ExpectedTensors(c)) {
-    if (spec.shape.size() >= 2) bytes += 2.0 * double(spec.numel());
-  }
-  return bytes + 2.0 * double(c.vocab_size) * c.hidden_size;
-}
-
 // Device memory in use (total − free) in bytes; 0 on the CPU or when it cannot be read.
 double DeviceMemoryUsedBytes() {
 #ifdef DGSERVE_HAVE_CUDA
@@ -181,63 +160,6 @@ double DeviceMemoryUsedBytes() {
   }
 #endif
   return 0;
-}
-
-// Bytes of one sequence's KV cache (float32 K and V of every layer for `positions` positions):
-// the host ContiguousKvCache and the CUDA backend's device mirror each hold this much.
-double KvBytesPerSequence(const ModelConfig& c, int positions) {
-  double b = 0;
-  for (int l = 0; l < c.num_layers; ++l) b += 2.0 * 4 * double(c.KvHeads(l)) * c.HeadDim(l);
-  return b * positions;
-}
-
-// Device scratch per stacked canvas row (the CUDA backend's activations, MoE buffers, bf16 GEMM
-// input, fp32 logits and bf16 probabilities), an upper estimate.
-double DeviceBytesPerRow(const ModelConfig& c) {
-  int qw = 0, kw = 0;
-  for (int l = 0; l < c.num_layers; ++l) {
-    qw = std::max(qw, c.num_heads * c.HeadDim(l));
-    kw = std::max(kw, c.KvHeads(l) * c.HeadDim(l));
-  }
-  const double D = c.hidden_size, K = c.top_k_experts, F = c.moe_intermediate_size;
-  const double floats = 7 * D + 2.0 * qw + 2.0 * kw + c.num_experts + 2.0 * c.intermediate_size +
-                        K * (2 * D + 3 * F);
-  return 4 * floats + 2 * K * D + 6.0 * c.vocab_size;
-}
-
-// What one step's phases read and compute, for the table of % of ceiling (PHASE lines).
-struct PhaseWork {
-  double dense_bytes = 0, moe_bytes = 0, vocab_bytes = 0, attn_bytes = 0;
-  double dense_flops = 0, moe_flops = 0, vocab_flops = 0, attn_flops = 0;
-};
-PhaseWork StepWork(const ModelConfig& c, int rows_per_canvas, int batch, int ctx) {
-  PhaseWork w;
-  const double R = double(rows_per_canvas) * batch;
-  for (const TensorSpec& s : ExpectedTensors(c)) {
-    if (s.shape.size() < 2) continue;
-    const double n = double(s.numel());
-    if (s.name.find("embed_tokens") != std::string::npos) {
-      w.vocab_bytes += 2 * 2 * n;  // LM head and self-conditioning product
-      w.vocab_flops += 2 * 2 * R * n;
-    } else if (s.name.find(".experts.") != std::string::npos) {
-      w.moe_bytes += 2 * n;  // every expert read (canvas · top-k ≥ experts)
-    } else if (s.name.find(".router.") != std::string::npos) {
-      w.moe_bytes += 4 * n;  // float32 on the device
-      w.moe_flops += 2 * R * n;
-    } else {
-      w.dense_bytes += 2 * n;
-      w.dense_flops += 2 * R * n;
-    }
-  }
-  const double D = c.hidden_size, F = c.moe_intermediate_size;
-  w.moe_flops += 2 * R * c.top_k_experts * 3 * D * F;
-  for (int l = 0; l < c.num_layers; ++l) {
-    const int keys = (c.IsFull(l) ? ctx : std::min(ctx, c.sliding_window - 1)) + rows_per_canvas;
-    const double hd = c.HeadDim(l), kvw = double(c.KvHeads(l)) * hd;
-    w.attn_bytes += double(batch) * keys * kvw * 4 * 2;  // float32 K and V of every canvas
-    w.attn_flops += 2.0 * 2 * R * c.num_heads * hd * keys;
-  }
-  return w;
 }
 
 std::string Fmt(double v, const char* f = "%.3f") {

@@ -25,13 +25,15 @@ if(DGSERVE_BUILD_TESTS)
       DISCOVERY_TIMEOUT 60)
   endfunction()
   dgserve_http_cc_test(NAME openai_api_test
-    SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api_test.cc
+    SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api_parse_test.cc
+      ${CMAKE_CURRENT_LIST_DIR}/openai_api_format_test.cc
     DEPS dgserve_openai_api LABELS unit)
   dgserve_http_cc_test(NAME json_fields_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/json_fields_test.cc
     DEPS dgserve_openai_api LABELS unit)
   dgserve_http_cc_test(NAME openai_http_server_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server_test.cc
+      ${CMAKE_CURRENT_LIST_DIR}/http_server_stream_test.cc
     DEPS dgserve_http_server dgserve_admission dgserve_http_client LABELS unit)
   dgserve_http_cc_test(NAME openai_http_connection_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/http_server_connection_test.cc
