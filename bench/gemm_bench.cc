@@ -1,4 +1,4 @@
-// GFLOP/s of our GEMM (bf16 packed weights, engine/model/cpu/gemm.h) against OpenBLAS sgemm on
+// GFLOP/s of our GEMM (bf16 packed weights, engine/cpu/gemm.h) against OpenBLAS sgemm on
 // float32 copies of the same weights, on the model's real-width shapes: attention projections,
 // the dense MLP, MoE expert groups of 1–64 rows, and the LM head at canvas 32 and 256 (over a
 // vocabulary slice: the GFLOP/s of the full 262,144 ids are the same). Prints a table of ratios.
@@ -27,8 +27,8 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_split.h"
 #include "common/bf16.h"
-#include "engine/model/cpu/gemm.h"
-#include "engine/model/cpu/packed_matrix.h"
+#include "engine/cpu/gemm.h"
+#include "engine/cpu/packed_matrix.h"
 #include "worker/backend_env.h"
 
 ABSL_FLAG(double, min_seconds, 0.5, "time each measurement for at least this long");

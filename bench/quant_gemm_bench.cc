@@ -1,4 +1,4 @@
-// The quantized GEMM (engine/model/cpu/gemm_quant.h) against the bf16 GEMM on the model's
+// The quantized GEMM (engine/cpu/gemm_quant.h) against the bf16 GEMM on the model's
 // real-width shapes: MoE expert groups (gate_up [1408, 2816], down [2816, 704]) of 4–64 rows and
 // the dense projections at canvas 256. Each shape: bf16, FP8 and W4A16 (group 128) timed in
 // alternation, best of --rounds; prints ms per call and the ratio to bf16.
@@ -18,8 +18,8 @@
 #include "absl/flags/parse.h"
 #include "common/bf16.h"
 #include "common/fp8.h"
-#include "engine/model/cpu/gemm_quant.h"
-#include "engine/model/cpu/packed_matrix.h"
+#include "engine/cpu/gemm_quant.h"
+#include "engine/cpu/packed_matrix.h"
 #include "worker/backend_env.h"
 
 ABSL_FLAG(double, min_seconds, 0.3, "time each measurement for at least this long");

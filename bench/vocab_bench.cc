@@ -27,9 +27,9 @@
 #include "absl/strings/str_split.h"
 #include "common/bf16.h"
 #include "common/cli.h"
+#include "engine/cpu/cpu_vocab.h"
+#include "engine/cpu/packed_matrix.h"
 #include "engine/denoise/row_sampler.h"
-#include "engine/model/cpu/packed_matrix.h"
-#include "engine/model/cpu_vocab.h"
 #include "worker/backend_env.h"
 
 ABSL_FLAG(int, vocab, 262144, "vocabulary size");

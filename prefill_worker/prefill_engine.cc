@@ -174,7 +174,7 @@ void PrefillEngine::Loop() {
       const auto& t = j->request.tokens();
       const std::span<const int32_t> tokens(t.data(), size_t(t.size()));
       // A hit is used at any KV block boundary: the encoder computes every prompt row's KV bit for
-      // bit whatever the chunks and the batch (engine/model/cpu_backend.cc), so a cached prompt
+      // bit whatever the chunks and the batch (engine/cpu/cpu_backend.cc), so a cached prompt
       // gets the tokens of a cold one.
       kv::PrefixMatch match = pool_->MatchPrefix(tokens);
       j->cached_tokens = match.num_tokens;

@@ -5,7 +5,8 @@ The layers, from the bottom (README.md, "Layers"):
 
   0 common/          status macros, bf16, hashing, status conversion at the edges
   1 proto/           the generated gRPC/protobuf code
-  2 engine/          the model: no gRPC, protobuf or Prometheus inside
+  2 engine/          the model: no gRPC, protobuf or Prometheus inside (engine/model/ shared by
+                     the backends, engine/cpu/ and engine/cuda/ the backends: one layer)
   3 kvstore/         KV block pool, prefix index, KV transports
   4 service/         gRPC server plumbing, internal authentication, proto <-> engine conversions
   5 worker/          what the processes that load the model share

@@ -5,7 +5,7 @@
 
 #include <optional>
 
-#include "engine/model/cpu/gemm.h"
+#include "engine/cpu/gemm.h"
 
 namespace dgserve {
 

@@ -1,5 +1,5 @@
 // CUDA implementation of ModelBackend (see cuda_backend.h): spec §3 forward math and the §4.2
-// vocabulary step, structured as engine/model/cpu_backend.cc.
+// vocabulary step, structured as engine/cpu/cpu_backend.cc.
 #include "engine/cuda/cuda_backend.h"
 
 #include <cublas_v2.h>

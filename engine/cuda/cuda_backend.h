@@ -1,5 +1,5 @@
 // The CUDA implementation of ModelBackend (issue #5): the DiffusionGemma forward pass of spec §3
-// and the fused vocabulary step of §4.2 on one GPU, mirroring engine/model/cpu_backend.cc pass by
+// and the fused vocabulary step of §4.2 on one GPU, mirroring engine/cpu/cpu_backend.cc pass by
 // pass. Weights are uploaded once as bf16 (the projections, the tied embedding / LM head and the
 // expert stacks; norms, the router projection and scalars stay float32); activations are float32
 // and are rounded to bf16 in front of every cuBLAS projection (CublasContext::Linear), so results

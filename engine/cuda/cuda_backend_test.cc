@@ -1,7 +1,7 @@
 // The CUDA backend against the CPU backend (label `gpu`; skipped without a GPU; label `gpu-emu`
 // under the emulation): the same tiny random checkpoint (tiny-v512 golden shape), the same
 // inputs, Encode + Decode + several DenoiseSteps, in both GEMM input modes, each against the CPU
-// backend at the same rounding points (cuda_gemm.h, cpu/gemm.h):
+// backend at the same rounding points (cuda_gemm.h, engine/cpu/gemm.h):
 //   bf16 (the GPU's default) against --cpu_gemm_input=bf16: the same bf16 roundings of every GEMM
 //     input; the backends differ in the order of float32 additions, and where that moves a
 //     value across a bf16 rounding boundary the next GEMM sees a neighbouring bf16 value. Held

@@ -1,5 +1,5 @@
 // bf16 conversions for the kernel files (*.cu), bit for bit those of the CPU code, so device and
-// host round at the same points to the same values (spec §5.3; engine/model/cpu/gemm.h):
+// host round at the same points to the same values (spec §5.3; engine/cpu/gemm.h):
 //   Bf16BitsToFloat     the exact widening (dgserve::Bf16ToFloat)
 //   ToBf16Bits          round to nearest even, NaN kept NaN and quieted (dgserve::FloatToBf16):
 //                       probabilities and other values the reference stores as bf16

@@ -12,8 +12,8 @@
 
 #include "common/bf16.h"
 #include "common/testing/status_matchers.h"
+#include "engine/cpu/gemm.h"
 #include "engine/cuda/cuda_test_util.h"
-#include "engine/model/cpu/gemm.h"
 #include "gtest/gtest.h"
 
 namespace dgserve::cuda {

@@ -14,8 +14,8 @@
 
 #include "absl/status/status.h"
 #include "common/status_macros.h"
+#include "engine/cpu/packed_matrix.h"
 #include "engine/cuda/cuda_profile.h"
-#include "engine/model/cpu/packed_matrix.h"
 
 namespace dgserve::cuda {
 

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "common/testing/status_matchers.h"
-#include "engine/model/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 #include "engine/model/model_math.h"
 #include "gtest/gtest.h"
 

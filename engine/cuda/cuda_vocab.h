@@ -46,7 +46,7 @@ inline constexpr int kMaxVocab = 1 << 30;
 // [rows] int32 (nullptr: no masks) names each row's mask in mask_table ([n, ⌈vocab/64⌉] uint64,
 // bit v of word v/64 set ⇔ id v allowed), −1 for a row without one; a masked-out id gets
 // ℓ = −∞ after the softcap (so e = 0, never the argmax or the sample, bf16(ℓ/T) = −∞), as the
-// CPU step (engine/model/cpu_vocab.cc). A row with every id masked out is a bad row. Launch:
+// CPU step (engine/cpu/cpu_vocab.cc). A row with every id masked out is a bad row. Launch:
 // grid = rows, block = 1024 threads, 17,160 bytes of static shared memory.
 absl::Status VocabStep(const float* logits, int rows, int vocab, float softcap,
                        const float* temperature, const float* uniforms, VocabRowResult* out,

@@ -13,9 +13,9 @@
 
 #include "common/bf16.h"
 #include "common/testing/status_matchers.h"
+#include "engine/cpu/cpu_ops.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "engine/denoise/row_sampler.h"
-#include "engine/model/cpu_ops.h"
 #include "gtest/gtest.h"
 
 namespace dgserve::cuda {
@@ -198,7 +198,7 @@ TEST_F(CudaVocabTest, EdgeRowsHaveKnownAnswers) {
   }
 }
 
-// Canvas-template masks against the CPU step's rule (engine/model/cpu_vocab.cc): a masked-out id
+// Canvas-template masks against the CPU step's rule (engine/cpu/cpu_vocab.cc): a masked-out id
 // gets ℓ = −∞ after the softcap, then the same sampler. Rows: no mask; a random ~10 % allowed
 // set; one allowed id (a fixed position); a mask without the unmasked row's argmax; the ~10 %
 // set again through the same table entry; every id masked out (a bad row).

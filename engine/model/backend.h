@@ -8,9 +8,9 @@
 #include <span>
 
 #include "absl/status/status.h"
+#include "engine/cpu/gemm.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/config.h"
-#include "engine/model/cpu/gemm.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/weights.h"
 
@@ -50,9 +50,9 @@ struct DenoiseStepInput {
   // temperature, softmax, entropy, argmax, sampling and the soft embedding. A backend that cannot
   // mask returns UNIMPLEMENTED.
   std::span<const uint64_t* const> row_masks;
-  // The canvas may use the sparse self-conditioning product (CPU, cpu_vocab.h): set from the
-  // canvas's own previous step (UseSparseSelfConditioning), so a canvas's result never depends on
-  // the others in the batch. Ignored by backends without it.
+  // The canvas may use the sparse self-conditioning product (CPU, engine/cpu/cpu_vocab.h): set from
+  // the canvas's own previous step (UseSparseSelfConditioning), so a canvas's result never depends
+  // on the others in the batch. Ignored by backends without it.
   bool sparse_sc = false;
 };
 
@@ -111,18 +111,19 @@ class ModelBackend {
 
 // Options of the CPU backend.
 struct CpuBackendOptions {
-  // The GEMMs' input mode (cpu/gemm.h). kBf16 rounds the activations of every projection, MLP,
-  // router, expert, LM head and self-conditioning product to bf16 (the reference's rounding
-  // points, spec §5.3; listed in cpu_backend.cc and engine/README.md) and runs the VDPBF16PS
-  // chain; the attention products (Q·Kᵀ, P·V) stay float32 in both modes.
+  // The GEMMs' input mode (engine/cpu/gemm.h). kBf16 rounds the activations of every projection,
+  // MLP, router, expert, LM head and self-conditioning product to bf16 (the reference's rounding
+  // points, spec §5.3; listed in engine/cpu/cpu_backend.cc and engine/README.md) and runs the
+  // VDPBF16PS chain; the attention products (Q·Kᵀ, P·V) stay float32 in both modes.
   cpu::GemmInput gemm_input = cpu::GemmInput::kFloat32;
-  // True: the self-conditioning soft embedding is always the dense product (cpu_vocab.h); false
-  // (default): the sparse product for canvases whose DenoiseStepInput::sparse_sc is set. The
-  // programs with --device set it from DGSERVE_DENSE_SC=1 (worker/backend_flags.h).
+  // True: the self-conditioning soft embedding is always the dense product
+  // (engine/cpu/cpu_vocab.h); false (default): the sparse product for canvases whose
+  // DenoiseStepInput::sparse_sc is set. The programs with --device set it from DGSERVE_DENSE_SC=1
+  // (worker/backend_flags.h).
   bool dense_self_conditioning = false;
 };
 
-// The CPU backend: float32 activations, bf16 weights, our GEMM (engine/model/cpu/gemm.h),
+// The CPU backend: float32 activations, bf16 weights, our GEMM (engine/cpu/gemm.h),
 // OpenMP over output tiles, rows and heads. A row's result depends only on its own inputs (not
 // the batch, the chunking, the thread count or the ISA), in either GEMM input mode. `weights`
 // must outlive the backend.

@@ -11,9 +11,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/cpu/gemm.h"
 #include "engine/model/backend.h"
 #include "engine/model/config.h"
-#include "engine/model/cpu/gemm.h"
 #include "engine/model/weights.h"
 
 namespace dgserve {

@@ -54,7 +54,7 @@
 //    `M.weight_scale_2` F32 [] or [1] — the per-tensor scale, amax(W) / (6 · 448);
 //    `M.input_scale` F32 [] or [1] — the static activation scale, amax(x) / (6 · 448);
 // W = e2m1(q) · weight_scale · weight_scale_2; activations are quantized to NVFP4 at run time
-// (W4A4; engine/model/cpu/gemm_quant.h). `in` must be a multiple of 16. Only quant_algo "NVFP4"
+// (W4A4; engine/cpu/gemm_quant.h). `in` must be a multiple of 16. Only quant_algo "NVFP4"
 // with group_size 16 and no KV-cache quantization is loaded. (compressed-tensors'
 // "nvfp4-pack-quantized" variant, with the reciprocal weight_global_scale, is not supported yet.)
 //

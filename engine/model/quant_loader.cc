@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
 #include "common/status_macros.h"
-#include "engine/model/cpu/gemm_quant.h"
+#include "engine/cpu/gemm_quant.h"
 #include "engine/model/tensor_names.h"
 
 namespace dgserve {
@@ -201,7 +201,7 @@ absl::StatusOr<float> PositiveScalar(const TensorView& v) {
   return f;
 }
 
-// The rows of an NVFP4 module (gemm_quant.h's QuantMatrix::FromNvfp4 inputs).
+// The rows of an NVFP4 module (engine/cpu/gemm_quant.h's QuantMatrix::FromNvfp4 inputs).
 struct Nvfp4Rows {
   std::vector<uint8_t> codes, block_scales;
   std::vector<float> global;

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/cpu/packed_matrix.h"
 #include "engine/model/config.h"
-#include "engine/model/cpu/packed_matrix.h"
 #include "engine/model/quant_config.h"
 #include "engine/model/safetensors.h"
 

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/model/cpu/packed_matrix.h"
+#include "engine/cpu/packed_matrix.h"
 #include "engine/model/quant_config.h"
 
 namespace dgserve {

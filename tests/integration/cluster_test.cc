@@ -272,7 +272,7 @@ TEST_F(ClusterTest, SelfConditioningOffEqualsGenerateAndDiffersFromDefault) {
 }
 
 // The design's promise: a seed gives the same tokens whatever the request is batched with (every
-// GEMM row of the CPU backend is its own fma chain, engine/model/cpu/gemm.h).
+// GEMM row of the CPU backend is its own fma chain, engine/cpu/gemm.h).
 TEST_F(ClusterTest, ConcurrentRequestsEqualTheirResultsAlone) {
   constexpr int kRequests = 8;
   const std::vector<Result> together = GenerateConcurrently(c(), kRequests);

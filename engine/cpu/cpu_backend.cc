@@ -24,7 +24,7 @@
 // router softmax and the MoE combine.
 //
 // Same seed, same tokens, by construction: every GEMM output is one fma chain over k in ascending
-// order (engine/model/cpu/gemm.h), and every other reduction (RMSNorm, softmaxes, the MoE combine)
+// order (engine/cpu/gemm.h), and every other reduction (RMSNorm, softmaxes, the MoE combine)
 // runs in a fixed order over one row. A row's result therefore depends only on that row's inputs,
 // never on what it is batched with, where it sits in the batch, the chunking of a prompt, the
 // thread count or the instruction set.
@@ -38,11 +38,11 @@
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
 #include "common/status_macros.h"
+#include "engine/cpu/cpu_ops.h"
+#include "engine/cpu/cpu_vocab.h"
+#include "engine/cpu/gemm.h"
+#include "engine/cpu/packed_matrix.h"
 #include "engine/model/backend.h"
-#include "engine/model/cpu/gemm.h"
-#include "engine/model/cpu/packed_matrix.h"
-#include "engine/model/cpu_ops.h"
-#include "engine/model/cpu_vocab.h"
 #include "engine/model/model_math.h"
 
 namespace dgserve {
@@ -118,7 +118,7 @@ class CpuBackend final : public ModelBackend {
   const ModelWeights& w_;
   const cpu::GemmInput in_;  // every projection's GEMM input mode (see the top of this file)
   std::vector<float> rope_sliding_, rope_full_;
-  double sc_skip_mass_ = 0;        // sparse self-conditioning budget (cpu_vocab.h); 0 = dense
+  double sc_skip_mass_ = 0;  // sparse self-conditioning budget (cpu_vocab.h); 0 = dense
   std::vector<float> embed_tile_norm_max_;  // per 512-id tile, max ‖E_v‖₂, for its bound
   cpu::VocabScratch vocab_scratch_;         // the sparse product's exps, kept between steps
   DecodeTimings timings_;
@@ -262,15 +262,13 @@ void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int 
       std::memcpy(&xin[size_t(i) * D], &xe[size_t(rows[i].first) * D], sizeof(float) * D);
     }
     gu.resize(size_t(n) * 2 * F);
-    Linear(xin.data(), n, lw.experts_gate_up_proj[e], gu.data(), false, GemmThreads::kOpenMp,
-           in_);
+    Linear(xin.data(), n, lw.experts_gate_up_proj[e], gu.data(), false, GemmThreads::kOpenMp, in_);
     act.resize(size_t(n) * F);
     for (int i = 0; i < n; ++i) {
       cpu::GeluGate(&gu[size_t(i) * 2 * F], &gu[size_t(i) * 2 * F + F], F, &act[size_t(i) * F]);
     }
     y.resize(size_t(n) * D);
-    Linear(act.data(), n, lw.experts_down_proj[e], y.data(), false, GemmThreads::kOpenMp,
-           in_);
+    Linear(act.data(), n, lw.experts_down_proj[e], y.data(), false, GemmThreads::kOpenMp, in_);
     for (int i = 0; i < n; ++i) {
       float* dst = m + size_t(rows[i].first) * D;
       const float wgt = rows[i].second;
@@ -526,9 +524,9 @@ absl::Status CpuBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
 absl::Status CpuBackend::SoftEmbedding(const float* probs, int rows, float* soft) {
   const int D = c_.hidden_size, V = c_.vocab_size;
   if (rows <= 0) return absl::OkStatus();
-  GemmArgs g = GemmArgs::Of(rows, D, V, probs, V, GemmB::RowMajor(w_.embed_tokens.data(), D),
-                            soft, D);  // soft[rows, D] = probs[rows, V] · E[V, D]
-  g.input = in_;  // bf16: bf16(q) · E, spec §3.5 step 2
+  GemmArgs g = GemmArgs::Of(rows, D, V, probs, V, GemmB::RowMajor(w_.embed_tokens.data(), D), soft,
+                            D);  // soft[rows, D] = probs[rows, V] · E[V, D]
+  g.input = in_;                 // bf16: bf16(q) · E, spec §3.5 step 2
   Gemm(g);
   const float scale = c_.EmbedScale();
   for (int64_t i = 0; i < int64_t(rows) * D; ++i) soft[i] *= scale;

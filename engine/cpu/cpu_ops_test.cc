@@ -1,4 +1,4 @@
-#include "engine/model/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 
 #include <gtest/gtest.h>
 

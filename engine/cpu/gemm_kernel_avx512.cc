@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "engine/model/cpu/gemm_kernels.h"
+#include "engine/cpu/gemm_kernels.h"
 
 // Everything below is compiled for AVX-512F; it is called only when the CPU has it. No standard
 // library template is instantiated here (it could be merged with the generic copy at link time).
@@ -65,22 +65,14 @@ void ByPanels(int panels, const Tile& t) {
 template <typename BT>
 void ByRows(int rows, int panels, const Tile& t) {
   switch (rows) {
-    case 1:
-      return ByPanels<1, BT>(panels, t);
-    case 2:
-      return ByPanels<2, BT>(panels, t);
-    case 3:
-      return ByPanels<3, BT>(panels, t);
-    case 4:
-      return ByPanels<4, BT>(panels, t);
-    case 5:
-      return ByPanels<5, BT>(panels, t);
-    case 6:
-      return ByPanels<6, BT>(panels, t);
-    case 7:
-      return ByPanels<7, BT>(panels, t);
-    default:
-      return ByPanels<8, BT>(panels, t);
+    case 1: return ByPanels<1, BT>(panels, t);
+    case 2: return ByPanels<2, BT>(panels, t);
+    case 3: return ByPanels<3, BT>(panels, t);
+    case 4: return ByPanels<4, BT>(panels, t);
+    case 5: return ByPanels<5, BT>(panels, t);
+    case 6: return ByPanels<6, BT>(panels, t);
+    case 7: return ByPanels<7, BT>(panels, t);
+    default: return ByPanels<8, BT>(panels, t);
   }
 }
 

@@ -1,7 +1,7 @@
 // THE PROPERTY of gemm.h, tested directly: every output element equals the scalar fma chain over
 // k in ascending order (computed here, independently of the GEMM), bit for bit, on every ISA path
 // this CPU has, for random shapes, offsets, layouts, thread counts and bf16 or float32 B.
-#include "engine/model/cpu/gemm.h"
+#include "engine/cpu/gemm.h"
 
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "common/bf16.h"
-#include "engine/model/cpu/packed_matrix.h"
+#include "engine/cpu/packed_matrix.h"
 
 namespace dgserve::cpu {
 namespace {
@@ -196,7 +196,8 @@ float Bf16ChainReference(const float* a_row, const std::vector<float>& b_kn, int
   for (int p = 0; 2 * p < k; ++p) {
     const int k0 = 2 * p, k1 = 2 * p + 1;
     c = Step(c, Bf16ToFloat(RoundActivationToBf16(a_row[k0])), b_kn[size_t(k0) * n + j]);
-    if (k1 < k) c = Step(c, Bf16ToFloat(RoundActivationToBf16(a_row[k1])), b_kn[size_t(k1) * n + j]);
+    if (k1 < k)
+      c = Step(c, Bf16ToFloat(RoundActivationToBf16(a_row[k1])), b_kn[size_t(k1) * n + j]);
   }
   return c;
 }
@@ -310,12 +311,20 @@ TEST_P(GemmIsaTest, Bf16InputPairOrderAndFlushes) {
       {"k first: (2^24 - 1), then + 1", t24, {-1, 1}, {1, 1}, t24},
       {"two roundings, not one: 2^24 + 1 + 1", t24, {1, 1}, {1, 1}, t24},
       {"odd k: the pad leaves -0", -0.0f, {-0.0f}, {1}, -0.0f},
-      {"intermediate flush: 0 + 2^-130 -> 0, + 2^-126", 0.0f,
-       {std::ldexp(1.0f, -65), std::ldexp(1.0f, -63)}, {std::ldexp(1.0f, -65), std::ldexp(1.0f, -63)},
+      {"intermediate flush: 0 + 2^-130 -> 0, + 2^-126",
+       0.0f,
+       {std::ldexp(1.0f, -65), std::ldexp(1.0f, -63)},
+       {std::ldexp(1.0f, -65), std::ldexp(1.0f, -63)},
        std::ldexp(1.0f, -126)},
-      {"exact tiny product in the fma: 1.5*2^-126 - 2^-130", std::ldexp(1.5f, -126),
-       {std::ldexp(1.0f, -70)}, {-std::ldexp(1.0f, -60)}, std::ldexp(23.0f, -130)},
-      {"DAZ on C: denormal C0 + 2^-120", std::ldexp(1.0f, -130), {1.0f}, {std::ldexp(1.0f, -120)},
+      {"exact tiny product in the fma: 1.5*2^-126 - 2^-130",
+       std::ldexp(1.5f, -126),
+       {std::ldexp(1.0f, -70)},
+       {-std::ldexp(1.0f, -60)},
+       std::ldexp(23.0f, -130)},
+      {"DAZ on C: denormal C0 + 2^-120",
+       std::ldexp(1.0f, -130),
+       {1.0f},
+       {std::ldexp(1.0f, -120)},
        std::ldexp(1.0f, -120)},
       {"DAZ on B: denormal bf16 B", 1.0f, {std::ldexp(1.0f, 100)}, {Bf16ToFloat(0x0001)}, 1.0f},
       {"A rounded to bf16 (RNE): 1 + 2^-8 -> 1", 0.0f, {1.0f + std::ldexp(1.0f, -8)}, {1.0f}, 1.0f},
@@ -329,8 +338,8 @@ TEST_P(GemmIsaTest, Bf16InputPairOrderAndFlushes) {
       std::vector<uint16_t> bn(size_t(k) * n);
       for (int kk = 0; kk < k; ++kk) std::fill_n(&bn[size_t(kk) * n], n, b16[kk]);
       std::vector<float> c(n, cs.c0);
-      GemmArgs g = GemmArgs::Of(1, n, k, cs.a.data(), k, GemmB::RowMajor(bn.data(), n), c.data(),
-                                n, /*accumulate=*/true);
+      GemmArgs g = GemmArgs::Of(1, n, k, cs.a.data(), k, GemmB::RowMajor(bn.data(), n), c.data(), n,
+                                /*accumulate=*/true);
       g.input = GemmInput::kBf16;
       Gemm(g, GetParam(), GemmThreads::kCallerOnly);
       for (int j = 0; j < n; ++j) {
@@ -423,8 +432,8 @@ TEST(GemmTest, RoundActivationToBf16) {
   EXPECT_EQ(RoundActivationToBf16(1.0f), 0x3F80);
   EXPECT_EQ(RoundActivationToBf16(1.0f + std::ldexp(1.0f, -8)), 0x3F80);  // tie to even
   EXPECT_EQ(RoundActivationToBf16(1.0f + std::ldexp(3.0f, -8)), 0x3F82);  // tie to even (up)
-  EXPECT_EQ(RoundActivationToBf16(std::ldexp(1.0f, -130)), 0x0000);      // denormal -> +0
-  EXPECT_EQ(RoundActivationToBf16(-std::ldexp(1.0f, -130)), 0x8000);     // -> -0
+  EXPECT_EQ(RoundActivationToBf16(std::ldexp(1.0f, -130)), 0x0000);       // denormal -> +0
+  EXPECT_EQ(RoundActivationToBf16(-std::ldexp(1.0f, -130)), 0x8000);      // -> -0
   EXPECT_EQ(RoundActivationToBf16(FLT_MIN), 0x0080);
   EXPECT_EQ(ParseGemmInput("bf16").value(), GemmInput::kBf16);
   EXPECT_EQ(ParseGemmInput("float32").value(), GemmInput::kFloat32);

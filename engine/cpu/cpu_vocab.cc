@@ -1,4 +1,4 @@
-#include "engine/model/cpu_vocab.h"
+#include "engine/cpu/cpu_vocab.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -12,15 +12,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
-#include "engine/model/avx2_exp2.h"
-#include "engine/model/cpu/gemm.h"
-#include "engine/model/cpu_ops.h"
+#include "engine/cpu/avx2_exp2.h"
+#include "engine/cpu/cpu_ops.h"
+#include "engine/cpu/gemm.h"
 
 namespace dgserve::cpu {
 namespace {
 
 constexpr int kTile = kVocabTile;  // vocabulary ids per tile: the E tile stays in L2
-constexpr int kChunks = 16;  // vocabulary chunks (≥ the thread count of most CPU hosts)
+constexpr int kChunks = 16;        // vocabulary chunks (≥ the thread count of most CPU hosts)
 
 // Per-row running state of one thread over its tiles.
 struct RowState {
@@ -195,7 +195,7 @@ void SoftProduct(const ProductInputs& in, const char* skip) {
         active.clear();
         for (int r = 0; r < M; ++r) {
           const float tref = (*in.tile_ref)[size_t(tile) * M + r];
-          if (tref != ref[r]) {  // the pass rescaled this row's state here (Rescale)
+          if (tref != ref[r]) {          // the pass rescaled this row's state here (Rescale)
             if (any_positive[r] != 0) {  // Rescale returns early while the sum is 0
               const float alpha = float(std::exp(double(ref[r] - tref) * (*in.inv_t)[r]));
               float* acc_r = acc + size_t(r) * D;
@@ -256,7 +256,7 @@ int64_t PlanRow(const ProductInputs& in, int r, double skip_mass, char* skip, ch
   const int M = a.rows, D = a.dim;
   const double m = (*in.row_max)[r], sum = (*in.row_sum)[r], inv_t = (*in.inv_t)[r];
   const int32_t am = a.out[r].argmax;
-  const double q_max = 1.0 / sum;  // the argmax's exp is exp(0) = 1
+  const double q_max = 1.0 / sum;          // the argmax's exp is exp(0) = 1
   double left = 0, bound = 0, spread = 0;  // Σ q_t, Σ q_t N_t (left out), Σ q'_t N_t (all)
   int64_t count = 0;
   for (int tile = 0; tile < in.num_tiles; ++tile) {

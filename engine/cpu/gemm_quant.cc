@@ -1,7 +1,7 @@
 // The quantized GEMM's driver (see gemm_quant.h): activation quantization, output tiles shared
 // among threads, per-k-block widening of the weight panels, Gemm()'s float32 microkernels on the
 // widened block, the FP8 epilogue.
-#include "engine/model/cpu/gemm_quant.h"
+#include "engine/cpu/gemm_quant.h"
 
 #include <omp.h>
 
@@ -16,20 +16,17 @@ namespace {
 
 using quant_internal::WidenKernels;
 
-constexpr int kQKc = 256;      // k per widened block
-constexpr int kQNc = 32;       // columns (weight rows) per output tile: two panels
-constexpr int kQMc = 256;      // activation rows per output tile
+constexpr int kQKc = 256;  // k per widened block
+constexpr int kQNc = 32;   // columns (weight rows) per output tile: two panels
+constexpr int kQMc = 256;  // activation rows per output tile
 // vLLM's min_scaling_factor<float8_e4m3fn>: 1 / (448 · 512).
 constexpr float kMinFp8Scale = 1.0f / (kE4m3Max * 512.0f);
 
 WidenKernels Widen(GemmIsa isa) {
   switch (isa) {
-    case GemmIsa::kAvx512:
-      return quant_internal::Avx512Widen();
-    case GemmIsa::kAvx2:
-      return quant_internal::Avx2Widen();
-    case GemmIsa::kPortable:
-      break;
+    case GemmIsa::kAvx512: return quant_internal::Avx512Widen();
+    case GemmIsa::kAvx2: return quant_internal::Avx2Widen();
+    case GemmIsa::kPortable: break;
   }
   return quant_internal::PortableWiden();
 }
@@ -92,7 +89,8 @@ QuantMatrix QuantMatrix::FromInt4(const int8_t* q, const float* scales, int n, i
     for (int j = 0; j < kGemmPanel; ++j) {
       const int r = p * kGemmPanel + j;
       if (r >= n) break;
-      for (int g = 0; g < m.groups_; ++g) sdst[g * kGemmPanel + j] = scales[size_t(r) * m.groups_ + g];
+      for (int g = 0; g < m.groups_; ++g)
+        sdst[g * kGemmPanel + j] = scales[size_t(r) * m.groups_ + g];
       const int shift = j < 8 ? 0 : 4;
       const uint8_t keep = j < 8 ? 0xf0 : 0x0f;
       for (int c = 0; c < k; ++c) {

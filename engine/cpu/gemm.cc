@@ -1,6 +1,6 @@
 // The GEMM driver: cache blocking, output tiles shared among threads, partial panels, and the
 // choice of microkernel (see gemm.h for the property every path keeps).
-#include "engine/model/cpu/gemm.h"
+#include "engine/cpu/gemm.h"
 
 #include <omp.h>
 #include <xmmintrin.h>
@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
-#include "engine/model/cpu/gemm_kernels.h"
+#include "engine/cpu/gemm_kernels.h"
 
 namespace dgserve::cpu {
 namespace {
@@ -54,12 +54,9 @@ constexpr int kAPad = 16;
 
 bool CpuHas(GemmIsa isa) {
   switch (isa) {
-    case GemmIsa::kPortable:
-      return true;
-    case GemmIsa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case GemmIsa::kAvx512:
-      return __builtin_cpu_supports("avx512f");
+    case GemmIsa::kPortable: return true;
+    case GemmIsa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case GemmIsa::kAvx512: return __builtin_cpu_supports("avx512f");
     case GemmIsa::kAvx512Bf16:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512bf16");
@@ -82,12 +79,9 @@ std::atomic<GemmIsa>& Active() {
 KernelSet Kernels(GemmIsa isa) {
   switch (isa) {
     case GemmIsa::kAvx512Bf16:
-    case GemmIsa::kAvx512:
-      return gemm_internal::Avx512Kernels();
-    case GemmIsa::kAvx2:
-      return gemm_internal::Avx2Kernels();
-    case GemmIsa::kPortable:
-      break;
+    case GemmIsa::kAvx512: return gemm_internal::Avx512Kernels();
+    case GemmIsa::kAvx2: return gemm_internal::Avx2Kernels();
+    case GemmIsa::kPortable: break;
   }
   return gemm_internal::PortableKernels();
 }
@@ -102,10 +96,10 @@ const void* BAt(const GemmB& b, int64_t kk, int64_t j) {
 
 // Per-thread buffers for a partial last panel: its B strip padded to 16 columns, and C rows.
 struct Scratch {
-  std::vector<float> b;      // [kKc][16] floats (or half of it as bf16)
-  std::vector<float> c;      // [max_rows][16]
-  std::vector<float> wide;   // the widened path's B block: [groups][kc][16 · panels per group]
-  std::vector<float> a;      // the widened path's A block: [rows][kc + kAPad]
+  std::vector<float> b;     // [kKc][16] floats (or half of it as bf16)
+  std::vector<float> c;     // [max_rows][16]
+  std::vector<float> wide;  // the widened path's B block: [groups][kc][16 · panels per group]
+  std::vector<float> a;     // the widened path's A block: [rows][kc + kAPad]
 };
 
 // The first 64-byte aligned float of v after growing it to hold n floats from there: panels read
@@ -532,14 +526,10 @@ GemmABf16 Bf16Activations::View(int row0) const {
 
 const char* GemmIsaName(GemmIsa isa) {
   switch (isa) {
-    case GemmIsa::kAvx512Bf16:
-      return "avx512bf16";
-    case GemmIsa::kAvx512:
-      return "avx512";
-    case GemmIsa::kAvx2:
-      return "avx2";
-    case GemmIsa::kPortable:
-      break;
+    case GemmIsa::kAvx512Bf16: return "avx512bf16";
+    case GemmIsa::kAvx512: return "avx512";
+    case GemmIsa::kAvx2: return "avx2";
+    case GemmIsa::kPortable: break;
   }
   return "portable";
 }

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "engine/model/cpu/gemm_kernels.h"
+#include "engine/cpu/gemm_kernels.h"
 
 // Compiled for AVX2+FMA; called only when the CPU has them. No standard library template here.
 #if defined(__clang__)
@@ -59,18 +59,12 @@ void Kernel(const Tile& t) {
 template <typename BT>
 void ByRows(int rows, const Tile& t) {
   switch (rows) {
-    case 1:
-      return Kernel<1, BT>(t);
-    case 2:
-      return Kernel<2, BT>(t);
-    case 3:
-      return Kernel<3, BT>(t);
-    case 4:
-      return Kernel<4, BT>(t);
-    case 5:
-      return Kernel<5, BT>(t);
-    default:
-      return Kernel<6, BT>(t);
+    case 1: return Kernel<1, BT>(t);
+    case 2: return Kernel<2, BT>(t);
+    case 3: return Kernel<3, BT>(t);
+    case 4: return Kernel<4, BT>(t);
+    case 5: return Kernel<5, BT>(t);
+    default: return Kernel<6, BT>(t);
   }
 }
 

@@ -1,10 +1,10 @@
-#include "engine/model/cpu/packed_matrix.h"
+#include "engine/cpu/packed_matrix.h"
 
 #include <cstdlib>
 #include <utility>
 
 #include "common/bf16.h"
-#include "engine/model/cpu/gemm_quant.h"
+#include "engine/cpu/gemm_quant.h"
 
 namespace dgserve::cpu {
 

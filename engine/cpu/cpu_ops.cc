@@ -1,12 +1,12 @@
-#include "engine/model/cpu_ops.h"
+#include "engine/cpu/cpu_ops.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 
-#include "engine/model/avx2_exp2.h"
-#include "engine/model/cpu/gemm.h"
+#include "engine/cpu/avx2_exp2.h"
+#include "engine/cpu/gemm.h"
 
 namespace dgserve::cpu {
 

@@ -4,7 +4,7 @@
 // weights and activations within the float32 chain's error bound, (3) itself: each row alone
 // equals the row in a batch, and every ISA path gives the same bits. FP8, W4A16 and NVFP4 (W4A4:
 // e2m1 codes, e4m3 block scales, activations quantized per 16-block).
-#include "engine/model/cpu/gemm_quant.h"
+#include "engine/cpu/gemm_quant.h"
 
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/fp8.h"
-#include "engine/model/cpu/packed_matrix.h"
+#include "engine/cpu/packed_matrix.h"
 
 namespace dgserve::cpu {
 namespace {
@@ -226,7 +226,8 @@ void Reference(const Case& c, const QuantMatrix& w, const std::vector<float>& x,
                                                                         : acc;
       (*exact)[size_t(i) * c.n + j] = sum * scale;
       // k roundings of at most 2⁻²⁴ of the running magnitude, plus two in the epilogue.
-      (*bound)[size_t(i) * c.n + j] = (double(c.k) * 0x1p-24 * mag + 0x1p-22 * std::fabs(sum)) * scale;
+      (*bound)[size_t(i) * c.n + j] =
+          (double(c.k) * 0x1p-24 * mag + 0x1p-22 * std::fabs(sum)) * scale;
     }
   }
 }
@@ -251,9 +252,8 @@ TEST_P(QuantGemmTest, EqualsTheChainBitForBitOnEveryIsaBatchedAndSolo) {
         std::vector<float> y(size_t(m) * c.n, -1.0f);
         QuantLinear(x.data(), m, w, y.data(), isa, th);
         for (size_t e = 0; e < y.size(); ++e) {
-          ASSERT_EQ(Bits(y[e]), Bits(chain[e]))
-              << GemmIsaName(isa) << " m " << m << " element " << e << ": " << y[e] << " vs "
-              << chain[e];
+          ASSERT_EQ(Bits(y[e]), Bits(chain[e])) << GemmIsaName(isa) << " m " << m << " element "
+                                                << e << ": " << y[e] << " vs " << chain[e];
         }
       }
       // Solo: each row alone gives the batch's bits.

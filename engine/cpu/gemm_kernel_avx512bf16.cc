@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "engine/model/cpu/gemm_kernels.h"
+#include "engine/cpu/gemm_kernels.h"
 
 // Compiled for AVX-512F/BW/BF16; called only when the CPU has them. No standard library template.
 #if defined(__clang__)
@@ -38,7 +38,8 @@ inline __attribute__((always_inline)) __m512i DirectPair(const uint16_t* b, int6
                                                          __m512i idx) {
   const uint16_t* r0 = b + 2 * pp * kstride;
   if (kstride == 16) return _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(r0));
-  const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)));
+  const __m512i lo =
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)));
   const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + kstride));
   return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(lo, hi, 1));
 }
@@ -114,22 +115,14 @@ void ByPanels(int panels, const TileBf16& t) {
 
 void Run(int rows, int panels, const TileBf16& t) {
   switch (rows) {
-    case 1:
-      return ByPanels<1>(panels, t);
-    case 2:
-      return ByPanels<2>(panels, t);
-    case 3:
-      return ByPanels<3>(panels, t);
-    case 4:
-      return ByPanels<4>(panels, t);
-    case 5:
-      return ByPanels<5>(panels, t);
-    case 6:
-      return ByPanels<6>(panels, t);
-    case 7:
-      return ByPanels<7>(panels, t);
-    default:
-      return ByPanels<8>(panels, t);
+    case 1: return ByPanels<1>(panels, t);
+    case 2: return ByPanels<2>(panels, t);
+    case 3: return ByPanels<3>(panels, t);
+    case 4: return ByPanels<4>(panels, t);
+    case 5: return ByPanels<5>(panels, t);
+    case 6: return ByPanels<6>(panels, t);
+    case 7: return ByPanels<7>(panels, t);
+    default: return ByPanels<8>(panels, t);
   }
 }
 
@@ -156,7 +149,7 @@ void RoundPairs(const float* a, int n, uint16_t* dst) {
   for (int i = 0; i + 32 <= n; i += 32) {
     const __m512 lo = _mm512_loadu_ps(a + i), hi = _mm512_loadu_ps(a + i + 16);
     const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0–15 from lo
-    _mm512_storeu_si512(dst + i, _mm512_rol_epi32(h, 16));  // swap each pair's halves
+    _mm512_storeu_si512(dst + i, _mm512_rol_epi32(h, 16));   // swap each pair's halves
   }
 }
 

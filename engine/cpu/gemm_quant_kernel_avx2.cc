@@ -7,8 +7,7 @@
 #include <cstdint>
 
 #include "common/fp8.h"
-
-#include "engine/model/cpu/gemm_quant.h"
+#include "engine/cpu/gemm_quant.h"
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
@@ -67,9 +66,9 @@ inline __attribute__((always_inline)) __m256 RoundE4m3x8(__m256 v) {
   const __m256i sign = _mm256_and_si256(b, _mm256_set1_epi32(int(0x80000000u)));
   const __m256i ab = _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff));
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(ab, 20), _mm256_set1_epi32(1));
-  __m256i r = _mm256_and_si256(
-      _mm256_add_epi32(_mm256_add_epi32(ab, _mm256_set1_epi32(0x7ffff)), odd),
-      _mm256_set1_epi32(int(~0xfffffu)));
+  __m256i r =
+      _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(ab, _mm256_set1_epi32(0x7ffff)), odd),
+                       _mm256_set1_epi32(int(~0xfffffu)));
   const __m256 m = _mm256_set1_ps(24576.0f);
   const __m256 t = _mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(ab), m), m);
   const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), ab);

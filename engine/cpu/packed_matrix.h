@@ -9,7 +9,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/model/cpu/gemm.h"
+#include "engine/cpu/gemm.h"
 
 namespace dgserve::cpu {
 
@@ -53,7 +53,7 @@ class PackedMatrix {
   }
 
   int n_ = 0, k_ = 0;
-  std::vector<uint16_t> data_;  // [ceil(n/16)][k][16]
+  std::vector<uint16_t> data_;                // [ceil(n/16)][k][16]
   std::shared_ptr<const QuantMatrix> quant_;  // issue 37; data_ empty when set
 };
 
@@ -62,7 +62,6 @@ class PackedMatrix {
 // to bf16 and gives the VDPBF16PS chain). A quantized w: QuantLinear (no accumulate; `input` does
 // not apply: the format says how activations are taken).
 void Linear(const float* x, int m, const PackedMatrix& w, float* y, bool accumulate = false,
-            GemmThreads threads = GemmThreads::kOpenMp,
-            GemmInput input = GemmInput::kFloat32);
+            GemmThreads threads = GemmThreads::kOpenMp, GemmInput input = GemmInput::kFloat32);
 
 }  // namespace dgserve::cpu

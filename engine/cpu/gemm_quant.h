@@ -45,7 +45,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/model/cpu/gemm.h"
+#include "engine/cpu/gemm.h"
 
 namespace dgserve::cpu {
 

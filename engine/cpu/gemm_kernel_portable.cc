@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "engine/model/cpu/gemm_kernels.h"
+#include "engine/cpu/gemm_kernels.h"
 
 namespace dgserve::cpu::gemm_internal {
 namespace {
@@ -88,14 +88,10 @@ void Kernel(const Tile& t) {
 template <typename BT>
 void ByRows(int rows, const Tile& t) {
   switch (rows) {
-    case 1:
-      return Kernel<1, BT>(t);
-    case 2:
-      return Kernel<2, BT>(t);
-    case 3:
-      return Kernel<3, BT>(t);
-    default:
-      return Kernel<4, BT>(t);
+    case 1: return Kernel<1, BT>(t);
+    case 2: return Kernel<2, BT>(t);
+    case 3: return Kernel<3, BT>(t);
+    default: return Kernel<4, BT>(t);
   }
 }
 
@@ -139,14 +135,10 @@ void RunFtz(int rows, int /*panels*/, bool bf16, const Tile& t) {
   Tile u = t;
   u.b_bf16 = bf16;
   switch (rows) {
-    case 1:
-      return FtzKernel<1>(u);
-    case 2:
-      return FtzKernel<2>(u);
-    case 3:
-      return FtzKernel<3>(u);
-    default:
-      return FtzKernel<4>(u);
+    case 1: return FtzKernel<1>(u);
+    case 2: return FtzKernel<2>(u);
+    case 3: return FtzKernel<3>(u);
+    default: return FtzKernel<4>(u);
   }
 }
 

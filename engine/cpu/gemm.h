@@ -13,14 +13,15 @@
 //
 // THE BF16-INPUT MODE (GemmInput::kBf16, issue 38; the reference's bf16 GEMM inputs, spec §5.3):
 //   A is rounded to bf16 once per GEMM (RoundActivationToBf16: a denormal is read as a zero of its
-//   sign, then round to nearest even, as VCVTNE2PS2BF16 does), B must be bf16 (weights, the embedding table) and is used as stored, and every
-//   output element is the chain that VDPBF16PS computes when A and B are fed to it in pairs of k:
+//   sign, then round to nearest even, as VCVTNE2PS2BF16 does), B must be bf16 (weights, the
+//   embedding table) and is used as stored, and every output element is the chain that VDPBF16PS
+//   computes when A and B are fed to it in pairs of k:
 //     c = C₀;  for kk = 0 … k−1:  c = FTZ(fma(bf16(A[i, kk]), DAZ(B[kk, j]), DAZ(c)))
 //   in ascending k, each step one fma rounded to nearest even (the product of two bf16 values is
-//   exact in float32 unless it underflows, so this is "add the exact product"), DAZ(x) = x with a float32 denormal
-//   read as a zero of its sign, FTZ(x) = x with a denormal result written as a zero of its sign.
-//   That is VDPBF16PS exactly (checked on Zen 5, and Intel's definition: per lane it does
-//   `dst += a[2j+1]·b[2j+1]; dst += a[2j]·b[2j]`, each an fma with DAZ in and FTZ out, RNE,
+//   exact in float32 unless it underflows, so this is "add the exact product"), DAZ(x) = x with a
+//   float32 denormal read as a zero of its sign, FTZ(x) = x with a denormal result written as a
+//   zero of its sign. That is VDPBF16PS exactly (checked on Zen 5, and Intel's definition: per lane
+//   it does `dst += a[2j+1]·b[2j+1]; dst += a[2j]·b[2j]`, each an fma with DAZ in and FTZ out, RNE,
 //   MXCSR ignored): the native path puts k in the high (first) half of each pair and k + 1 in the
 //   low half, and pads an odd k with a −0 · +0 product, which leaves every value unchanged. The
 //   other paths run the same chain on float32 copies of bf16(A): AVX-512F and AVX2+FMA their fma
@@ -163,8 +164,8 @@ enum class GemmThreads {
   kCallerOnly,  // all of it on the calling thread (callers that parallelise themselves)
 };
 
-// C (+)= A·B with THE PROPERTY above (in args.input's mode), on the active path. m, n or k of 0 is a no-op for C apart
-// from k = 0 without accumulate, which writes zeros.
+// C (+)= A·B with THE PROPERTY above (in args.input's mode), on the active path. m, n or k of 0 is
+// a no-op for C apart from k = 0 without accumulate, which writes zeros.
 void Gemm(const GemmArgs& args, GemmThreads threads = GemmThreads::kOpenMp);
 // The same on an explicit path (tests and benchmarks); `isa` must be supported.
 void Gemm(const GemmArgs& args, GemmIsa isa, GemmThreads threads);

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/cpu/packed_matrix.h"
 #include "engine/denoise/row_sampler.h"
-#include "engine/model/cpu/packed_matrix.h"
 
 namespace dgserve::cpu {
 
@@ -23,7 +23,7 @@ inline constexpr int kVocabTile = 512;
 struct VocabStepStats {
   int64_t tile_rows = 0;          // pairs with a soft embedding to compute (rows × tiles)
   int64_t tile_rows_skipped = 0;  // of them, left out by the sparse product
-  int64_t rows_kept_dense = 0;    // rows that had tiles to leave out but whose bound kept them dense
+  int64_t rows_kept_dense = 0;  // rows that had tiles to leave out but whose bound kept them dense
 };
 
 // Memory FusedVocabStep keeps from one call to the next, owned by its caller (the CPU backend

@@ -43,8 +43,8 @@ KernelSet PortableFtzKernels();
 // A tile of the native bf16-input kernels (VDPBF16PS), over one k block of `pairs` pairs of k.
 struct TileBf16 {
   int pairs = 0;
-  const uint16_t* a = nullptr;  // A's pairs (GemmABf16::pairs layout) at (first row, block start)
-  int64_t lda = 0;              // bf16 elements between rows
+  const uint16_t* a = nullptr;   // A's pairs (GemmABf16::pairs layout) at (first row, block start)
+  int64_t lda = 0;               // bf16 elements between rows
   const uint16_t* b0 = nullptr;  // panel 0 in pair layout: pair p at b0 + p·b_pstride, 16 columns
   const uint16_t* b1 = nullptr;  //   × (k+1 low, k high) = 32 bf16; panel 1 or null
   int64_t b_pstride = 0;

@@ -11,12 +11,12 @@
 #include <numeric>
 
 #include "common/testing/status_matchers.h"
+#include "engine/cpu/gemm.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/generation/generator.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/checkpoint_testing.h"
-#include "engine/model/cpu/gemm.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 
@@ -68,71 +68,71 @@ float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
 
 TEST_F(CpuBackendTest, ChunkedPrefillEqualsOneShot) {
   for (cpu::GemmInput mode : {cpu::GemmInput::kFloat32, cpu::GemmInput::kBf16}) {
-  SCOPED_TRACE(cpu::GemmInputName(mode));
-  auto b = Backend(mode);
-  // 29 tokens > 3 sliding windows (W = 8); chunks of 5, 1, 13, 10 cross window boundaries.
-  const std::vector<int32_t> prompt = Prompt(29);
-  ContiguousKvCache whole(config(), 256), chunked(config(), 256);
-  EncodeInput in{prompt, &whole};
-  ASSERT_THAT(b->Encode({&in, 1}), IsOk());
-  int at = 0;
-  for (int n : {5, 1, 13, 10}) {
-    EncodeInput c{std::span<const int32_t>(prompt).subspan(at, n), &chunked};
-    ASSERT_THAT(b->Encode({&c, 1}), IsOk());
-    at += n;
-  }
-  ASSERT_EQ(chunked.num_tokens(), 29);
-  for (int l = 0; l < config().num_layers; ++l) {
-    const int w = config().KvHeads(l) * config().HeadDim(l);
-    for (int p = 0; p < 29; ++p) {
-      for (int i = 0; i < w; ++i) {
-        ASSERT_NEAR(whole.KeyRow(l, p)[i], chunked.KeyRow(l, p)[i], 1e-5) << l << " " << p;
-        ASSERT_NEAR(whole.ValueRow(l, p)[i], chunked.ValueRow(l, p)[i], 1e-5) << l << " " << p;
+    SCOPED_TRACE(cpu::GemmInputName(mode));
+    auto b = Backend(mode);
+    // 29 tokens > 3 sliding windows (W = 8); chunks of 5, 1, 13, 10 cross window boundaries.
+    const std::vector<int32_t> prompt = Prompt(29);
+    ContiguousKvCache whole(config(), 256), chunked(config(), 256);
+    EncodeInput in{prompt, &whole};
+    ASSERT_THAT(b->Encode({&in, 1}), IsOk());
+    int at = 0;
+    for (int n : {5, 1, 13, 10}) {
+      EncodeInput c{std::span<const int32_t>(prompt).subspan(at, n), &chunked};
+      ASSERT_THAT(b->Encode({&c, 1}), IsOk());
+      at += n;
+    }
+    ASSERT_EQ(chunked.num_tokens(), 29);
+    for (int l = 0; l < config().num_layers; ++l) {
+      const int w = config().KvHeads(l) * config().HeadDim(l);
+      for (int p = 0; p < 29; ++p) {
+        for (int i = 0; i < w; ++i) {
+          ASSERT_NEAR(whole.KeyRow(l, p)[i], chunked.KeyRow(l, p)[i], 1e-5) << l << " " << p;
+          ASSERT_NEAR(whole.ValueRow(l, p)[i], chunked.ValueRow(l, p)[i], 1e-5) << l << " " << p;
+        }
       }
     }
-  }
-  const std::vector<int32_t> canvas = Prompt(config().canvas_length);
-  EXPECT_LT(MaxAbsDiff(DecodeLogits(*b, whole, canvas), DecodeLogits(*b, chunked, canvas)), 1e-4);
+    const std::vector<int32_t> canvas = Prompt(config().canvas_length);
+    EXPECT_LT(MaxAbsDiff(DecodeLogits(*b, whole, canvas), DecodeLogits(*b, chunked, canvas)), 1e-4);
   }
 }
 
 TEST_F(CpuBackendTest, BatchedPassesEqualSinglePasses) {
   for (cpu::GemmInput mode : {cpu::GemmInput::kFloat32, cpu::GemmInput::kBf16}) {
-  SCOPED_TRACE(cpu::GemmInputName(mode));
-  auto b = Backend(mode);
-  const int C = config().canvas_length, V = config().vocab_size;
-  ContiguousKvCache kv1(config(), 256), kv2(config(), 256), kv1b(config(), 256),
-      kv2b(config(), 256);
-  const std::vector<int32_t> p1 = Prompt(6), p2 = Prompt(21);
-  // Batched encoder pass of two sequences vs one at a time.
-  EncodeInput both[2] = {{p1, &kv1}, {p2, &kv2}};
-  ASSERT_THAT(b->Encode(both), IsOk());
-  EncodeInput one{p1, &kv1b}, two{p2, &kv2b};
-  ASSERT_THAT(b->Encode({&one, 1}), IsOk());
-  ASSERT_THAT(b->Encode({&two, 1}), IsOk());
-  std::vector<int32_t> c1(C), c2(C);
-  for (int i = 0; i < C; ++i) {
-    c1[i] = (i * 101 + 7) % V;
-    c2[i] = (i * 53 + 300) % V;
-  }
-  std::vector<float> soft(size_t(C) * config().hidden_size, 0.25f);
-  std::vector<float> l1(size_t(C) * V), l2(size_t(C) * V);
-  DecodeInput dec[2] = {{c1, nullptr, &kv1, l1.data()}, {c2, soft.data(), &kv2, l2.data()}};
-  ASSERT_THAT(b->Decode(dec), IsOk());
-  std::vector<float> s1(size_t(C) * V), s2(size_t(C) * V);
-  DecodeInput d1{c1, nullptr, &kv1b, s1.data()}, d2{c2, soft.data(), &kv2b, s2.data()};
-  ASSERT_THAT(b->Decode({&d1, 1}), IsOk());
-  ASSERT_THAT(b->Decode({&d2, 1}), IsOk());
-  // Bit for bit: a canvas batched with another is computed exactly as alone (every GEMM row is
-  // its own fma chain; segments and MoE groups unpadded), so a seed gives the same tokens in any
-  // batch.
-  EXPECT_EQ(MaxAbsDiff(l1, s1), 0.0f);
-  EXPECT_EQ(MaxAbsDiff(l2, s2), 0.0f);
-  EXPECT_TRUE(l1 == s1 && l2 == s2);
-  // Self-conditioning changes the result (the SC branch is live).
-  DecodeInput d3{c2, nullptr, &kv2b, s1.data()};
-  ASSERT_THAT(b->Decode({&d3, 1}), IsOk());
-  EXPECT_GT(MaxAbsDiff(s1, s2), 1e-3);
+    SCOPED_TRACE(cpu::GemmInputName(mode));
+    auto b = Backend(mode);
+    const int C = config().canvas_length, V = config().vocab_size;
+    ContiguousKvCache kv1(config(), 256), kv2(config(), 256), kv1b(config(), 256),
+        kv2b(config(), 256);
+    const std::vector<int32_t> p1 = Prompt(6), p2 = Prompt(21);
+    // Batched encoder pass of two sequences vs one at a time.
+    EncodeInput both[2] = {{p1, &kv1}, {p2, &kv2}};
+    ASSERT_THAT(b->Encode(both), IsOk());
+    EncodeInput one{p1, &kv1b}, two{p2, &kv2b};
+    ASSERT_THAT(b->Encode({&one, 1}), IsOk());
+    ASSERT_THAT(b->Encode({&two, 1}), IsOk());
+    std::vector<int32_t> c1(C), c2(C);
+    for (int i = 0; i < C; ++i) {
+      c1[i] = (i * 101 + 7) % V;
+      c2[i] = (i * 53 + 300) % V;
+    }
+    std::vector<float> soft(size_t(C) * config().hidden_size, 0.25f);
+    std::vector<float> l1(size_t(C) * V), l2(size_t(C) * V);
+    DecodeInput dec[2] = {{c1, nullptr, &kv1, l1.data()}, {c2, soft.data(), &kv2, l2.data()}};
+    ASSERT_THAT(b->Decode(dec), IsOk());
+    std::vector<float> s1(size_t(C) * V), s2(size_t(C) * V);
+    DecodeInput d1{c1, nullptr, &kv1b, s1.data()}, d2{c2, soft.data(), &kv2b, s2.data()};
+    ASSERT_THAT(b->Decode({&d1, 1}), IsOk());
+    ASSERT_THAT(b->Decode({&d2, 1}), IsOk());
+    // Bit for bit: a canvas batched with another is computed exactly as alone (every GEMM row is
+    // its own fma chain; segments and MoE groups unpadded), so a seed gives the same tokens in any
+    // batch.
+    EXPECT_EQ(MaxAbsDiff(l1, s1), 0.0f);
+    EXPECT_EQ(MaxAbsDiff(l2, s2), 0.0f);
+    EXPECT_TRUE(l1 == s1 && l2 == s2);
+    // Self-conditioning changes the result (the SC branch is live).
+    DecodeInput d3{c2, nullptr, &kv2b, s1.data()};
+    ASSERT_THAT(b->Decode({&d3, 1}), IsOk());
+    EXPECT_GT(MaxAbsDiff(s1, s2), 1e-3);
   }
 }
 
@@ -298,52 +298,52 @@ TEST_F(CpuBackendTest, EveryGemmPathGivesTheSameBits) {
   };
   std::vector<Run> runs;
   for (cpu::GemmInput mode : {cpu::GemmInput::kFloat32, cpu::GemmInput::kBf16}) {
-  SCOPED_TRACE(cpu::GemmInputName(mode));
-  runs.clear();
-  for (cpu::GemmIsa isa : {cpu::GemmIsa::kAvx512Bf16, cpu::GemmIsa::kAvx512, cpu::GemmIsa::kAvx2,
-                           cpu::GemmIsa::kPortable}) {
-    if (!cpu::GemmIsaSupported(isa)) {
-      std::printf("GEMM path %s: not on this CPU, not compared\n", cpu::GemmIsaName(isa));
-      continue;
-    }
-    ASSERT_TRUE(cpu::SetGemmIsa(isa).ok());
-    auto b = Backend(mode);
-    Run run;
-    run.isa = cpu::GemmIsaName(isa);
-    ContiguousKvCache kv1(config(), 256), kv2(config(), 256);
-    const std::vector<int32_t> p1 = Prompt(21), p2 = Prompt(9);
-    EncodeInput enc[2] = {{p1, &kv1}, {p2, &kv2}};
-    ASSERT_THAT(b->Encode(enc), IsOk());
-    for (int l = 0; l < config().num_layers; ++l) {
-      const int w = config().KvHeads(l) * config().HeadDim(l);
-      for (int pos = 0; pos < 21; ++pos) {
-        run.keys.insert(run.keys.end(), kv1.KeyRow(l, pos), kv1.KeyRow(l, pos) + w);
+    SCOPED_TRACE(cpu::GemmInputName(mode));
+    runs.clear();
+    for (cpu::GemmIsa isa : {cpu::GemmIsa::kAvx512Bf16, cpu::GemmIsa::kAvx512, cpu::GemmIsa::kAvx2,
+                             cpu::GemmIsa::kPortable}) {
+      if (!cpu::GemmIsaSupported(isa)) {
+        std::printf("GEMM path %s: not on this CPU, not compared\n", cpu::GemmIsaName(isa));
+        continue;
       }
+      ASSERT_TRUE(cpu::SetGemmIsa(isa).ok());
+      auto b = Backend(mode);
+      Run run;
+      run.isa = cpu::GemmIsaName(isa);
+      ContiguousKvCache kv1(config(), 256), kv2(config(), 256);
+      const std::vector<int32_t> p1 = Prompt(21), p2 = Prompt(9);
+      EncodeInput enc[2] = {{p1, &kv1}, {p2, &kv2}};
+      ASSERT_THAT(b->Encode(enc), IsOk());
+      for (int l = 0; l < config().num_layers; ++l) {
+        const int w = config().KvHeads(l) * config().HeadDim(l);
+        for (int pos = 0; pos < 21; ++pos) {
+          run.keys.insert(run.keys.end(), kv1.KeyRow(l, pos), kv1.KeyRow(l, pos) + w);
+        }
+      }
+      std::vector<float> l1(size_t(C) * config().vocab_size), l2(l1.size());
+      DecodeInput dec[2] = {{c1, nullptr, &kv1, l1.data()}, {c2, nullptr, &kv2, l2.data()}};
+      ASSERT_THAT(b->Decode(dec), IsOk());
+      run.logits = l1;
+      run.logits.insert(run.logits.end(), l2.begin(), l2.end());
+      Generator gen(*b);
+      GenerationRequest r = DefaultRequest(checkpoint_->generation);
+      r.prompt = Prompt(40);
+      r.max_new_tokens = 2 * C;
+      r.sampler.max_denoising_steps = 8;
+      r.stop_token_ids = {};
+      r.seed = 5;
+      auto res = gen.Generate(r);
+      ASSERT_TRUE(res.ok()) << res.status();
+      run.tokens = res->tokens;
+      runs.push_back(std::move(run));
     }
-    std::vector<float> l1(size_t(C) * config().vocab_size), l2(l1.size());
-    DecodeInput dec[2] = {{c1, nullptr, &kv1, l1.data()}, {c2, nullptr, &kv2, l2.data()}};
-    ASSERT_THAT(b->Decode(dec), IsOk());
-    run.logits = l1;
-    run.logits.insert(run.logits.end(), l2.begin(), l2.end());
-    Generator gen(*b);
-    GenerationRequest r = DefaultRequest(checkpoint_->generation);
-    r.prompt = Prompt(40);
-    r.max_new_tokens = 2 * C;
-    r.sampler.max_denoising_steps = 8;
-    r.stop_token_ids = {};
-    r.seed = 5;
-    auto res = gen.Generate(r);
-    ASSERT_TRUE(res.ok()) << res.status();
-    run.tokens = res->tokens;
-    runs.push_back(std::move(run));
-  }
-  ASSERT_TRUE(cpu::SetGemmIsa(saved).ok());
-  ASSERT_GE(runs.size(), 2u) << "fewer than two GEMM paths: nothing compared";
-  for (size_t i = 1; i < runs.size(); ++i) {
-    EXPECT_TRUE(runs[i].keys == runs[0].keys) << runs[i].isa << " vs " << runs[0].isa;
-    EXPECT_TRUE(runs[i].logits == runs[0].logits) << runs[i].isa << " vs " << runs[0].isa;
-    EXPECT_EQ(runs[i].tokens, runs[0].tokens) << runs[i].isa << " vs " << runs[0].isa;
-  }
+    ASSERT_TRUE(cpu::SetGemmIsa(saved).ok());
+    ASSERT_GE(runs.size(), 2u) << "fewer than two GEMM paths: nothing compared";
+    for (size_t i = 1; i < runs.size(); ++i) {
+      EXPECT_TRUE(runs[i].keys == runs[0].keys) << runs[i].isa << " vs " << runs[0].isa;
+      EXPECT_TRUE(runs[i].logits == runs[0].logits) << runs[i].isa << " vs " << runs[0].isa;
+      EXPECT_EQ(runs[i].tokens, runs[0].tokens) << runs[i].isa << " vs " << runs[0].isa;
+    }
   }
 }
 
@@ -381,62 +381,62 @@ TEST(CpuBackendThreadsTest, ResultDoesNotDependOnTheThreadCount) {
   const fs::path golden = fs::path(src ? src : ".") / "tests/testdata/golden/tiny-g3";
   auto cfgs = LoadConfigsFromModelDir(golden.string());
   ASSERT_TRUE(cfgs.ok()) << cfgs.status();
-  const fs::path dir = fs::temp_directory_path() /
-                       ("dgserve_threads_test_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("dgserve_threads_test_" + std::to_string(::getpid()));
   ASSERT_THAT(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 3, dir.string()), IsOk());
   auto ckpt = LoadCheckpoint(dir.string());
   fs::remove_all(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   for (cpu::GemmInput mode : {cpu::GemmInput::kFloat32, cpu::GemmInput::kBf16}) {
-  SCOPED_TRACE(cpu::GemmInputName(mode));
-  CpuBackendOptions options;
-  options.gemm_input = mode;
-  auto b = CreateCpuBackend(ckpt->config, ckpt->weights, options);
-  Generator gen(*b);
-  GenerationRequest r = DefaultRequest(ckpt->generation);
-  for (int i = 0; i < 19; ++i) r.prompt.push_back((i * 7919 + 5) % ckpt->config.vocab_size);
-  r.max_new_tokens = 2 * ckpt->config.canvas_length;
-  r.sampler.max_denoising_steps = 5;
-  r.stop_token_ids = {};
-  r.seed = 7;
-  // One fused step, bit for bit, and whole generations.
-  const int C = ckpt->config.canvas_length, D = ckpt->config.hidden_size;
-  ContiguousKvCache kv(ckpt->config, 64);
-  EncodeInput enc{r.prompt, &kv};
-  ASSERT_THAT(b->Encode({&enc, 1}), IsOk());
-  std::vector<int32_t> canvas(C);
-  for (int i = 0; i < C; ++i) canvas[i] = (i * 104729 + 3) % ckpt->config.vocab_size;
-  std::vector<float> sc(size_t(C) * D), uniforms(C, 0.37f);
-  for (size_t i = 0; i < sc.size(); ++i) sc[i] = std::cos(0.1f * float(i));
-  const int saved = omp_get_max_threads();
-  std::vector<std::vector<int32_t>> outputs;
-  std::vector<std::vector<float>> entropies, softs;
-  for (int threads : {1, 2, 3}) {
-    omp_set_num_threads(threads);
-    std::vector<RowResult> rows(C);
-    std::vector<float> next(size_t(C) * D);
-    DenoiseStepInput in;
-    in.canvas = canvas;
-    in.sc_soft = sc.data();
-    in.kv = &kv;
-    in.temperature = 0.7f;
-    in.uniforms = uniforms;
-    in.rows = rows.data();
-    in.next_soft = next.data();
-    ASSERT_THAT(b->DenoiseStep({&in, 1}), IsOk());
-    entropies.emplace_back();
-    for (const RowResult& row : rows) entropies.back().push_back(row.entropy);
-    softs.push_back(next);
-    auto res = gen.Generate(r);
-    ASSERT_TRUE(res.ok()) << res.status();
-    outputs.push_back(res->tokens);
-  }
-  omp_set_num_threads(saved);
-  for (size_t i = 1; i < outputs.size(); ++i) {
-    EXPECT_EQ(entropies[i], entropies[0]) << i;
-    EXPECT_EQ(softs[i], softs[0]) << i;
-    EXPECT_EQ(outputs[i], outputs[0]) << i;
-  }
+    SCOPED_TRACE(cpu::GemmInputName(mode));
+    CpuBackendOptions options;
+    options.gemm_input = mode;
+    auto b = CreateCpuBackend(ckpt->config, ckpt->weights, options);
+    Generator gen(*b);
+    GenerationRequest r = DefaultRequest(ckpt->generation);
+    for (int i = 0; i < 19; ++i) r.prompt.push_back((i * 7919 + 5) % ckpt->config.vocab_size);
+    r.max_new_tokens = 2 * ckpt->config.canvas_length;
+    r.sampler.max_denoising_steps = 5;
+    r.stop_token_ids = {};
+    r.seed = 7;
+    // One fused step, bit for bit, and whole generations.
+    const int C = ckpt->config.canvas_length, D = ckpt->config.hidden_size;
+    ContiguousKvCache kv(ckpt->config, 64);
+    EncodeInput enc{r.prompt, &kv};
+    ASSERT_THAT(b->Encode({&enc, 1}), IsOk());
+    std::vector<int32_t> canvas(C);
+    for (int i = 0; i < C; ++i) canvas[i] = (i * 104729 + 3) % ckpt->config.vocab_size;
+    std::vector<float> sc(size_t(C) * D), uniforms(C, 0.37f);
+    for (size_t i = 0; i < sc.size(); ++i) sc[i] = std::cos(0.1f * float(i));
+    const int saved = omp_get_max_threads();
+    std::vector<std::vector<int32_t>> outputs;
+    std::vector<std::vector<float>> entropies, softs;
+    for (int threads : {1, 2, 3}) {
+      omp_set_num_threads(threads);
+      std::vector<RowResult> rows(C);
+      std::vector<float> next(size_t(C) * D);
+      DenoiseStepInput in;
+      in.canvas = canvas;
+      in.sc_soft = sc.data();
+      in.kv = &kv;
+      in.temperature = 0.7f;
+      in.uniforms = uniforms;
+      in.rows = rows.data();
+      in.next_soft = next.data();
+      ASSERT_THAT(b->DenoiseStep({&in, 1}), IsOk());
+      entropies.emplace_back();
+      for (const RowResult& row : rows) entropies.back().push_back(row.entropy);
+      softs.push_back(next);
+      auto res = gen.Generate(r);
+      ASSERT_TRUE(res.ok()) << res.status();
+      outputs.push_back(res->tokens);
+    }
+    omp_set_num_threads(saved);
+    for (size_t i = 1; i < outputs.size(); ++i) {
+      EXPECT_EQ(entropies[i], entropies[0]) << i;
+      EXPECT_EQ(softs[i], softs[0]) << i;
+      EXPECT_EQ(outputs[i], outputs[0]) << i;
+    }
   }
 }
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "common/fp8.h"
-#include "engine/model/cpu/gemm_quant.h"
+#include "engine/cpu/gemm_quant.h"
 
 namespace dgserve::cpu::quant_internal {
 namespace {

@@ -5,8 +5,7 @@
 #include <cstdint>
 
 #include "common/fp8.h"
-
-#include "engine/model/cpu/gemm_quant.h"
+#include "engine/cpu/gemm_quant.h"
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx2,fma"))), apply_to = function)
@@ -47,7 +46,8 @@ void Int4(int kc, int k0, const uint8_t* bytes, const float* scales, int group, 
     const __m128i lo = _mm_and_si128(v, low);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
     const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)), eight);
-    _mm512_storeu_ps(dst + size_t(kk) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(s)));
+    _mm512_storeu_ps(dst + size_t(kk) * 16,
+                     _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(s)));
   }
 }
 
@@ -61,9 +61,9 @@ inline __attribute__((always_inline)) __m512 RoundE4m3x16(__m512 v) {
   const __m512i sign = _mm512_and_si512(b, _mm512_set1_epi32(int(0x80000000u)));
   const __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(ab, 20), _mm512_set1_epi32(1));
-  __m512i r = _mm512_and_si512(
-      _mm512_add_epi32(_mm512_add_epi32(ab, _mm512_set1_epi32(0x7ffff)), odd),
-      _mm512_set1_epi32(int(~0xfffffu)));
+  __m512i r =
+      _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(ab, _mm512_set1_epi32(0x7ffff)), odd),
+                       _mm512_set1_epi32(int(~0xfffffu)));
   const __m512 m = _mm512_set1_ps(24576.0f);
   const __m512 t = _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(ab), m), m);
   r = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(ab, _mm512_set1_epi32(0x3c800000)), r,

@@ -1,4 +1,4 @@
-#include "engine/model/cpu_vocab.h"
+#include "engine/cpu/cpu_vocab.h"
 
 #include <gtest/gtest.h>
 
@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "engine/cpu/cpu_ops.h"
+#include "engine/cpu/gemm.h"
+#include "engine/cpu/packed_matrix.h"
 #include "engine/denoise/row_sampler.h"
-#include "engine/model/cpu/gemm.h"
-#include "engine/model/cpu/packed_matrix.h"
-#include "engine/model/cpu_ops.h"
 
 namespace dgserve::cpu {
 namespace {
@@ -177,8 +177,8 @@ TEST(FusedVocabStepTest, RowsDoNotDependOnTheBatchOrTheGemmPath) {
     uniforms[r] = 0.1f * r;
   }
   auto run = [&](int r0, int rows, std::vector<RowResult>* out, std::vector<float>* soft) {
-    const VocabStepArgs a = ArgsFor(emb, V, D, hidden, temperature, uniforms, r0, rows, 1.5f, out,
-                                    soft);
+    const VocabStepArgs a =
+        ArgsFor(emb, V, D, hidden, temperature, uniforms, r0, rows, 1.5f, out, soft);
     ASSERT_TRUE(FusedVocabStep(a).ok());
   };
   const GemmIsa saved = ActiveGemmIsa();
@@ -205,7 +205,6 @@ TEST(FusedVocabStepTest, RowsDoNotDependOnTheBatchOrTheGemmPath) {
   }
   ASSERT_TRUE(SetGemmIsa(saved).ok());
 }
-
 
 // The sparse self-conditioning product (cpu_vocab.h). V = 8192 (16 tiles), D = 32; ids 0–2 carry
 // the signal in dimension 0, every other id is 0 there, so a hidden state along dimension 0 puts
@@ -242,8 +241,7 @@ struct SparseCase {
   // Runs rows [r0, r0 + rows) with the given budget.
   void Run(int r0, int rows, double skip_mass, std::vector<RowResult>* out,
            std::vector<float>* soft, VocabStepStats* stats) const {
-    VocabStepArgs a =
-        ArgsFor(emb, V, D, hidden, temperature, uniforms, r0, rows, 5.5f, out, soft);
+    VocabStepArgs a = ArgsFor(emb, V, D, hidden, temperature, uniforms, r0, rows, 5.5f, out, soft);
     a.sc_skip_mass = skip_mass;
     a.embed_tile_norm_max = tile_norms.data();
     a.stats = stats;
@@ -295,8 +293,8 @@ TEST(FusedVocabStepTest, SparseProductLeavesOutLowMassTilesWithinItsBound) {
     VocabStepStats one_stats;
     c.Run(r, 1, kDefaultScSkipMass, &one, &one_soft, &one_stats);
     EXPECT_EQ(one[0].sampled, sparse[r].sampled) << "row " << r;
-    EXPECT_EQ(0, std::memcmp(one_soft.data(), sparse_soft.data() + size_t(r) * D,
-                             sizeof(float) * D))
+    EXPECT_EQ(0,
+              std::memcmp(one_soft.data(), sparse_soft.data() + size_t(r) * D, sizeof(float) * D))
         << "row " << r;
     EXPECT_EQ(one_stats.rows_kept_dense, r == 1 ? 1 : 0) << "row " << r;
     EXPECT_EQ(one_stats.tile_rows_skipped, r == 0 || r == 3 ? 15 : 0) << "row " << r;
@@ -371,7 +369,7 @@ TEST(FusedVocabStepTest, SparseModeReplaysTheFusedDenseAccumulationBitForBit) {
         << "row " << r;
   }
   EXPECT_GE(dense[1].argmax, 5 * kVocabTile);  // the masked row's ids start at tile 5
-  EXPECT_EQ(dense[3].argmax % 7, 0);            // the sparse set's ids are multiples of 7
+  EXPECT_EQ(dense[3].argmax % 7, 0);           // the sparse set's ids are multiples of 7
 }
 
 }  // namespace
