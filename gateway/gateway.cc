@@ -45,6 +45,12 @@ void Gateway::CountRefused(const absl::Status& status) {
 }
 
 absl::Status Gateway::CheckAdmission() {
+  // A draining gateway says so (503), even while its slots and queue are full (it said 429).
+  if (draining_) {
+    const absl::Status s = absl::UnavailableError("gateway is draining");
+    CountRefused(s);
+    return s;
+  }
   if (!admission_.Saturated()) return absl::OkStatus();
   absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
       "the gateway is at its limit of ", options_.max_concurrent_requests, " concurrent requests",
@@ -390,7 +396,7 @@ absl::Status Gateway::Generate(const v1::GenerateRequest& request, absl::Time de
       return count(s);
     }
   }
-  RequestRun run(*this, **prepared, deadline, is_cancelled, on_event, start);
+  RequestRun run(*this, **prepared, deadline, is_cancelled, on_event, start, waited);
   const absl::Status status = run.Run();
   admission_.Release();
   return count(status);

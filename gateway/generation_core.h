@@ -52,9 +52,10 @@ class GenerationCore {
                                 const EventCallback& on_event,
                                 const AcceptedCallback& on_accepted = {}) = 0;
 
-  // OK when a new request could start (or queue) now; RESOURCE_EXHAUSTED (counted as a refused
-  // request) when every slot and queue place is taken, so that a front end can answer 429
-  // without starting any work. Advisory: Generate decides.
+  // OK when a new request could start (or queue) now; UNAVAILABLE when the core is draining, else
+  // RESOURCE_EXHAUSTED when every slot and queue place is taken (both counted as refused
+  // requests), so that a front end can answer 503 or 429 without starting any work. Advisory:
+  // Generate decides.
   virtual absl::Status CheckAdmission() { return absl::OkStatus(); }
 
   // Counts a generation request that a front end refused before calling Generate (bad HTTP

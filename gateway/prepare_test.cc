@@ -17,6 +17,7 @@ namespace dgserve {
 namespace {
 
 using ::dgserve::testing::IsOk;
+using ::dgserve::testing::StatusIs;
 using ::testing::HasSubstr;
 
 std::string SourceDir() {
@@ -117,6 +118,19 @@ TEST_F(PrepareTest, SampleTemperatureSpreadIsPassedOnAndChecked) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.status().message(), HasSubstr("sample_temperature_spread must be in"));
+}
+
+// A draining gateway refuses a new request as UNAVAILABLE before the front end starts any work
+// (HTTP 503), whatever its queue holds: with its slots and queue full it said RESOURCE_EXHAUSTED
+// (429, "retry later"), and with room it said OK and refused later.
+TEST_F(PrepareTest, ADrainingGatewayRefusesNewRequestsAsUnavailable) {
+  GatewayOptions options;
+  options.model_id = "m";
+  Gateway gateway(config_, GenerationConfig{}, *tokenizer_, options, nullptr, nullptr, nullptr);
+  EXPECT_THAT(gateway.CheckAdmission(), IsOk());
+  gateway.SetDraining(true);
+  EXPECT_THAT(gateway.CheckAdmission(), StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(gateway.CheckAdmission().message(), "gateway is draining");
 }
 
 }  // namespace

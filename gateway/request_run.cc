@@ -481,7 +481,8 @@ bool Gateway::RequestRun::FinishSample(int index) {
   u->set_canvases(s.canvases);
   u->set_denoising_steps(s.steps);
   v1::Timings* t = u->mutable_timings();
-  t->set_queue_seconds(prefill_.queue_seconds());
+  // Waiting before any work: in the gateway's admission queue, then in the prefill worker's.
+  t->set_queue_seconds(absl::ToDoubleSeconds(admission_wait_) + prefill_.queue_seconds());
   t->set_prefill_seconds(prefill_.prefill_seconds());
   t->set_transfer_seconds(prefill_.transfer_seconds());
   t->set_first_step_seconds(first_step_s_);

@@ -124,13 +124,14 @@ class Gateway::RequestRun {
  public:
   RequestRun(Gateway& gateway, const PreparedRequest& req, absl::Time deadline,
              const std::function<bool()>& is_cancelled, const EventCallback& on_event,
-             absl::Time start)
+             absl::Time start, absl::Duration admission_wait)
       : gw_(gateway),
         req_(req),
         deadline_(deadline),
         is_cancelled_(is_cancelled),
         on_event_(on_event),
-        start_(start) {}
+        start_(start),
+        admission_wait_(admission_wait) {}
 
   // Runs attempts until one succeeds or fails for good. On UNAVAILABLE before any output the
   // request starts again (at most max_attempts in all) on other workers. On UNAVAILABLE after
@@ -197,6 +198,7 @@ class Gateway::RequestRun {
   const std::function<bool()>& is_cancelled_;
   const EventCallback& on_event_;
   const absl::Time start_;
+  const absl::Duration admission_wait_;  // in the gateway's admission queue (Timings.queue_seconds)
   std::set<std::string> bad_prefill_, bad_denoise_;  // failed in this request
   // Why each failed attempt (or resume) failed, for the client (no worker addresses) and for
   // the log (naming the workers); log_cause_ is the current attempt's, set where it fails.

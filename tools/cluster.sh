@@ -16,7 +16,9 @@
 # tools/make_internal_certs.sh in CERT_DIR (default run/internal-certs, git-ignored).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 cmd=${1:-}; shift || true
+case "$cmd" in -h|--help|help) usage; exit 0 ;; esac
 RUN_DIR=${RUN_DIR:-run/cluster}
 MODEL_DIR=${MODEL_DIR:-models/default}
 BUILD_DIR=${BUILD_DIR:-build}
@@ -181,5 +183,5 @@ start_cluster() {
 case "$cmd" in
   start) start_cluster ;;
   stop) stop_cluster ;;
-  *) echo "usage: tools/cluster.sh start|stop [options]" >&2; exit 2 ;;
+  *) usage >&2; exit 2 ;;
 esac

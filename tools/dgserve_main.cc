@@ -91,9 +91,9 @@ ABSL_FLAG(bool, candidates, false,
           "model); the token form of the API's canvas template");
 ABSL_FLAG(int, samples, 1, "sudoku: parallel samples from one prefill; the first that solves wins");
 ABSL_FLAG(std::optional<double>, sample_temperature_spread, std::nullopt,
-          "with several samples: sample i of n runs t_min and t_max times 1 + X*i/(n-1) (-0.95 "
-          "to 4; chat: default 0, sudoku: default -0.75, which makes best-of-n pay on this "
-          "model, tools/sudoku/README.md)");
+          "sudoku with --samples N > 1: sample i of N runs t_min and t_max times 1 + X*i/(N-1) "
+          "(-0.95 to 4; default -0.75, which makes best-of-n pay on this model, "
+          "tools/sudoku/README.md)");
 
 namespace dgserve {
 namespace {
@@ -234,6 +234,11 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
   }
   if (o.mode.candidates && !o.mode.use_template) {
     return absl::InvalidArgumentError("--candidates is a template: not with --template=false");
+  }
+  if (o.mode.samples == 1 && absl::GetFlag(FLAGS_sample_temperature_spread)) {
+    return absl::InvalidArgumentError(
+        "--sample_temperature_spread spreads the schedules of several samples: give --samples N "
+        "> 1 with it");
   }
   if (o.mode.samples < 1 || o.mode.samples > kMaxSamplesPerRequest) {
     return absl::InvalidArgumentError(absl::StrCat(

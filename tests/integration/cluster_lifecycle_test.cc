@@ -446,6 +446,7 @@ TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
   queued_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
   auto queued_grpc = cl.GatewayStub()->GenerateStream(&queued_ctx, Chat("hi", 2, 4));
   queued_grpc->WaitForInitialMetadata();
+  const absl::Time queued_at = absl::Now();
   EXPECT_NE(queued_ctx.GetServerInitialMetadata().find("x-request-id"),
             queued_ctx.GetServerInitialMetadata().end());
   EXPECT_EQ(queued_requests(), 2) << "the gRPC stream was not queued";
@@ -467,14 +468,24 @@ TEST(ClusterAdmissionTest, LimitAppliesToGrpcAndHttpAlike) {
                                      "dgserve_gateway_inflight_requests"),
             2);
 
-  // Closing the SSE connection cancels that request: the queued ones get the slot in turn.
+  // Closing the SSE connection cancels that request: the queued ones get the slot in turn (after
+  // a second more in the queue, for the usage check below).
+  absl::SleepFor(absl::Seconds(1));
+  const absl::Time released = absl::Now();
   close(sse);
   const std::string queued_out = ReadUntil(queued_sse, "data: [DONE]");
   EXPECT_THAT(queued_out, HasSubstr("\"finish_reason\":\"length\"")) << queued_out;
   close(queued_sse);
   int events = 0;
-  while (queued_grpc->Read(&ev)) ++events;
+  double queue_seconds = -1;
+  while (queued_grpc->Read(&ev)) {
+    ++events;
+    if (ev.has_finished()) queue_seconds = ev.finished().usage().timings().queue_seconds();
+  }
   EXPECT_GT(events, 0);
+  // Its usage counts the wait in the admission queue (it said only the prefill worker's queue,
+  // about a millisecond): it cannot have started before the slot was released.
+  EXPECT_GE(queue_seconds, absl::ToDoubleSeconds(released - queued_at) - 0.01);
   EXPECT_TRUE(queued_grpc->Finish().ok());
   held_ctx.TryCancel();
   while (held->Read(&ev)) {
