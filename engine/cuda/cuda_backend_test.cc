@@ -46,6 +46,8 @@ struct GemmMode {
   bool relative;
   float kv_rel;    // max |ΔK|, |ΔV| ÷ the checked rows' max |value|
   float soft_rel;  // a step's next_soft: max |Δ| ÷ max |CPU value|
+  // CudaBackendOptions::fused_vocab (false: the former vocabulary path, kept for comparison).
+  bool fused_vocab = true;
 };
 // bf16. Measured under the emulation (whose cuBLAS sums in double): most values agree to 1e-6,
 // but where the other addition order moves a value across a bf16 rounding boundary, a near-tied
@@ -62,6 +64,11 @@ constexpr GemmMode kBf16Mode{
 constexpr GemmMode kFloat32Mode{
     "float32", cuda::GemmInput::kFloat32, cpu::GemmInput::kFloat32, 1e-3f, 2e-2f, true, 1e-3f,
     2e-2f};
+// bf16 through the former vocabulary path (cuBLAS float32 logits + VocabStep), kept for
+// comparison: the same tolerances.
+constexpr GemmMode kBf16UnfusedMode{
+    "bf16_unfused", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.3f, 0.1f, false, 2e-2f, 6e-2f,
+    false};
 
 class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterface<GemmMode> {
  protected:
@@ -84,6 +91,7 @@ class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterf
     cpu_ = CreateCpuBackend(config(), checkpoint_->weights, cpu_options);
     CudaBackendOptions gpu_options;
     gpu_options.gemm_input = GetParam().gpu;
+    gpu_options.fused_vocab = GetParam().fused_vocab;
     auto gpu = CreateCudaBackend(config(), checkpoint_->weights, gpu_options);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     gpu_ = std::move(*gpu);
@@ -469,7 +477,8 @@ TEST_P(CudaBackendTest, RejectsBadInput) {
   EXPECT_EQ(gpu_->DenoiseStep({&m, 1}).code(), absl::StatusCode::kInvalidArgument);
 }
 
-INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendTest, ::testing::Values(kBf16Mode, kFloat32Mode),
+INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendTest,
+                         ::testing::Values(kBf16Mode, kFloat32Mode, kBf16UnfusedMode),
                          [](const ::testing::TestParamInfo<GemmMode>& info) {
                            return std::string(info.param.name);
                          });

@@ -279,4 +279,355 @@ absl::Status VocabStep(const float* logits, int rows, int vocab, float softcap,
   return absl::InternalError(std::string("VocabStep: ") + cudaGetErrorString(e));
 }
 
+// ---- The fused vocabulary pass (FusedVocabStep) ----
+namespace {
+
+constexpr int kFT = kFusedVocabTile;  // ids per tile = threads of the tile kernels
+constexpr int kFR = kFusedRows;       // rows per block of the tile kernels
+constexpr int kFK = 32;               // k (hidden) columns staged in shared memory per step
+constexpr int kFWarps = kFT / 32;
+
+// One (row, tile) partial: the tile's max ℓ and its first argmax, S_t = Σ e and Q_t = Σ e·w
+// relative to that max, and whether a NaN ℓ was seen.
+struct TilePartial {
+  double s;
+  double q;
+  float max;
+  int32_t arg;
+  int32_t bad;
+  int32_t pad;
+};
+
+// Per row, from the combine to the sampled tile's scan.
+struct RowSample {
+  double cum;        // Σ of the tiles before `tile` (relative to m)
+  double target;     // u·S
+  float m;           // the row's max ℓ
+  float k;           // fl(log2 e / T)
+  int32_t tile;      // the tile to scan, −1: bad row (nothing to do)
+  int32_t past_end;  // rounding left u·S past every tile: take the tile's last id with e > 0
+};
+
+int FusedTiles(int vocab) { return (vocab + kFT - 1) / kFT; }
+
+// acc[r] = Σ_k h[row0 + r, k] · E[v0 + threadIdx.x, k] for r < kFR, one float32 FMA chain per
+// (row, id) in ascending k (rows ≥ nrows and ids ≥ vocab give unused values). h and E tiles are
+// staged in shared memory kFK columns at a time. The chain of a row does not depend on which
+// slot r it has nor on the other rows, so a row's logits are the same bits in every kernel.
+__device__ void TileDots(const float* __restrict__ hidden, int row0, int nrows, int dim,
+                         const uint16_t* __restrict__ embed, int v0, int vocab, bool bf16_input,
+                         float (*hs)[kFK], float (*es)[kFK + 1], float acc[kFR]) {
+  const int tid = threadIdx.x;
+  for (int r = 0; r < kFR; ++r) acc[r] = 0.0f;
+  for (int k0 = 0; k0 < dim; k0 += kFK) {
+    const int kn = min(kFK, dim - k0);
+    for (int i = tid; i < kFR * kFK; i += kFT) {
+      const int r = i / kFK, kk = i % kFK;
+      float x = 0.0f;
+      if (r < nrows && kk < kn) {
+        x = hidden[int64_t(row0 + r) * dim + k0 + kk];
+        if (bf16_input) x = Bf16BitsToFloat(ActivationBf16Bits(x));
+      }
+      hs[r][kk] = x;
+    }
+    for (int i = tid; i < kFT * kFK; i += kFT) {
+      const int j = i / kFK, kk = i % kFK;
+      const int v = v0 + j;
+      es[j][kk] = v < vocab && kk < kn ? Bf16BitsToFloat(embed[int64_t(v) * dim + k0 + kk]) : 0.0f;
+    }
+    __syncthreads();
+    for (int kk = 0; kk < kn; ++kk) {
+      const float e = es[tid][kk];
+      for (int r = 0; r < kFR; ++r) acc[r] = fmaf(hs[r][kk], e, acc[r]);
+    }
+    __syncthreads();
+  }
+}
+
+__device__ __forceinline__ const uint64_t* RowMask(const uint64_t* table, const int32_t* index,
+                                                   int row, int vocab) {
+  const int mi = index != nullptr ? index[row] : -1;
+  return mi >= 0 ? table + int64_t(mi) * ((int64_t(vocab) + 63) / 64) : nullptr;
+}
+
+// ℓ of id v from its raw dot product: softcap, then −∞ outside the mask (as Logit).
+__device__ __forceinline__ float FusedLogit(float raw, int v, float cap, float k2,
+                                            const uint64_t* mask) {
+  if (mask != nullptr && ((mask[v >> 6] >> (v & 63)) & 1u) == 0) return -INFINITY;
+  return cap > 0.0f ? Softcap(raw, cap, k2) : raw;
+}
+
+__global__ void __launch_bounds__(kFT)
+    FusedTileKernel(FusedVocabArgs a, int tiles, TilePartial* __restrict__ partials) {
+  __shared__ float hs[kFR][kFK];
+  __shared__ float es[kFT][kFK + 1];
+  __shared__ float w_max[kFWarps];
+  __shared__ int w_arg[kFWarps];
+  __shared__ double w_s[kFWarps], w_q[kFWarps];
+  const int tile = blockIdx.x, row0 = blockIdx.y * kFR;
+  const int nrows = min(kFR, a.rows - row0);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int v0 = tile * kFT, v = v0 + tid;
+  float acc[kFR];
+  TileDots(a.hidden, row0, nrows, a.dim, a.embed, v0, a.vocab, a.bf16_input, hs, es, acc);
+  const float cap = a.softcap;
+  const float k2 = 2.0f / cap * 1.44269504088896341f;
+  for (int r = 0; r < nrows; ++r) {
+    const int row = row0 + r;
+    const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
+    const float l = v < a.vocab ? FusedLogit(acc[r], v, cap, k2, mask) : -INFINITY;
+    // Tile max and first argmax (NaN never wins; reported through `bad`).
+    float best = l > -INFINITY ? l : -INFINITY;
+    int best_i = l > -INFINITY ? v : INT_MAX;
+    for (int o = 16; o > 0; o >>= 1) {
+      ArgmaxMerge(__shfl_xor_sync(kFull, best, o), __shfl_xor_sync(kFull, best_i, o), &best,
+                  &best_i);
+    }
+    if (lane == 0) {
+      w_max[warp] = best;
+      w_arg[warp] = best_i;
+    }
+    const bool bad = __syncthreads_or(l != l) != 0;
+    float tm = w_max[0];
+    int targ = w_arg[0];
+    for (int w = 1; w < kFWarps; ++w) ArgmaxMerge(w_max[w], w_arg[w], &tm, &targ);
+    const float T = a.temperature[row];
+    const float k = float(kLog2e / double(T));
+    float e = 0.0f, w = 0.0f;
+    if (tm > -INFINITY && !bad) e = Exp2Row(l, tm, k, &w);
+    const double s = WarpSumD(double(e));
+    const double q = WarpSumD(e > 0.0f ? double(e) * double(w) : 0.0);
+    if (lane == 0) {
+      w_s[warp] = s;
+      w_q[warp] = q;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      double ss = 0.0, qq = 0.0;
+      for (int i = 0; i < kFWarps; ++i) {
+        ss += w_s[i];
+        qq += w_q[i];
+      }
+      TilePartial p;
+      p.s = ss;
+      p.q = qq;
+      p.max = tm;
+      p.arg = targ == INT_MAX ? -1 : targ;
+      p.bad = bad ? 1 : 0;
+      p.pad = 0;
+      partials[int64_t(row) * tiles + tile] = p;
+    }
+    __syncthreads();  // w_* are rewritten by the next row
+  }
+}
+
+__global__ void FusedCombineKernel(int rows, int tiles, const float* __restrict__ temperature,
+                                   const float* __restrict__ uniforms,
+                                   const TilePartial* __restrict__ partials,
+                                   RowSample* __restrict__ sample,
+                                   VocabRowResult* __restrict__ out) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= rows) return;
+  const TilePartial* p = partials + int64_t(row) * tiles;
+  RowSample rs;
+  rs.cum = 0.0;
+  rs.target = 0.0;
+  rs.m = -INFINITY;
+  rs.k = 0.0f;
+  rs.tile = -1;
+  rs.past_end = 0;
+  const float T = temperature[row];
+  bool bad = !(T > 0.0f) || !isfinite(T);
+  float m = -INFINITY;
+  int argmax = -1;
+  for (int t = 0; t < tiles; ++t) {
+    bad |= p[t].bad != 0;
+    if (p[t].arg >= 0 && p[t].max > m) {  // ascending tiles: strict > keeps the first index
+      m = p[t].max;
+      argmax = p[t].arg;
+    }
+  }
+  if (bad || argmax < 0 || !isfinite(m)) {
+    WriteBadRow(out + row);
+    sample[row] = rs;
+    return;
+  }
+  const float k = float(kLog2e / double(T));
+  // The tiles' sums moved from their own max to m: e·2^δ, w + δ (log2 units).
+  double total = 0.0, sum_ew = 0.0;
+  for (int t = 0; t < tiles; ++t) {
+    if (!(p[t].s > 0.0)) continue;
+    const double d = (double(p[t].max) - double(m)) * double(k);
+    const double alpha = exp2(d);
+    total += alpha * p[t].s;
+    sum_ew += alpha * (p[t].q + d * p[t].s);
+  }
+  if (!(total > 0.0) || !isfinite(total)) {
+    WriteBadRow(out + row);
+    sample[row] = rs;
+    return;
+  }
+  float u = uniforms[row];
+  if (!(u >= 0.0f)) u = 0.0f;                       // also maps NaN to 0
+  if (u >= 1.0f) u = __uint_as_float(0x3f7fffffu);  // nextafter(1, 0)
+  const double target = double(u) * total;
+  double cum = 0.0;
+  int chosen = -1, last_pos = -1;
+  double cum_last = 0.0;
+  for (int t = 0; t < tiles; ++t) {
+    if (!(p[t].s > 0.0)) continue;
+    const double ts = exp2((double(p[t].max) - double(m)) * double(k)) * p[t].s;
+    if (cum + ts > target) {
+      chosen = t;
+      break;
+    }
+    last_pos = t;
+    cum_last = cum;
+    cum += ts;
+  }
+  rs.target = target;
+  rs.m = m;
+  rs.k = k;
+  if (chosen >= 0) {
+    rs.tile = chosen;
+    rs.cum = cum;
+  } else {
+    rs.tile = last_pos;
+    rs.cum = cum_last;
+    rs.past_end = 1;
+  }
+  sample[row] = rs;
+  const double log_total = log(total);
+  out[row].argmax = argmax;
+  out[row].sampled = argmax;  // replaced by the tile scan
+  out[row].entropy = float(fmax(0.0, log_total - kLn2 * sum_ew / total));
+  out[row].lse = float(double(m) / double(T) + log_total);
+}
+
+__global__ void __launch_bounds__(kFT)
+    FusedSampleKernel(FusedVocabArgs a, const RowSample* __restrict__ sample) {
+  __shared__ float hs[kFR][kFK];
+  __shared__ float es[kFT][kFK + 1];
+  __shared__ float ex[kFT];
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const RowSample rs = sample[row];
+  if (rs.tile < 0) return;  // uniform over the block
+  const int v0 = rs.tile * kFT, v = v0 + tid;
+  float acc[kFR];
+  TileDots(a.hidden, row, 1, a.dim, a.embed, v0, a.vocab, a.bf16_input, hs, es, acc);
+  const float cap = a.softcap;
+  const float k2 = 2.0f / cap * 1.44269504088896341f;
+  const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
+  float e = 0.0f, w;
+  if (v < a.vocab) e = Exp2Row(FusedLogit(acc[0], v, cap, k2, mask), rs.m, rs.k, &w);
+  ex[tid] = e;
+  __syncthreads();
+  if (tid != 0) return;
+  double cum = rs.cum;
+  int picked = -1, last_positive = -1;
+  for (int j = 0; j < kFT; ++j) {
+    if (!(ex[j] > 0.0f)) continue;
+    last_positive = v0 + j;
+    cum += double(ex[j]);
+    if (!rs.past_end && cum > rs.target) {
+      picked = v0 + j;
+      break;
+    }
+  }
+  if (picked >= 0) {
+    a.out[row].sampled = picked;
+  } else if (last_positive >= 0) {
+    a.out[row].sampled = last_positive;
+  }  // else: the argmax the combine wrote
+}
+
+__global__ void __launch_bounds__(kFT)
+    FusedProbsKernel(FusedVocabArgs a, const VocabRowResult* __restrict__ res,
+                     uint16_t* __restrict__ probs) {
+  __shared__ float hs[kFR][kFK];
+  __shared__ float es[kFT][kFK + 1];
+  const int tile = blockIdx.x, row0 = blockIdx.y * kFR;
+  const int nrows = min(kFR, a.rows - row0);
+  const int v = tile * kFT + threadIdx.x;
+  float acc[kFR];
+  TileDots(a.hidden, row0, nrows, a.dim, a.embed, tile * kFT, a.vocab, a.bf16_input, hs, es, acc);
+  if (v >= a.vocab) return;
+  const float softcap = a.softcap;
+  for (int r = 0; r < nrows; ++r) {
+    const int row = row0 + r;
+    const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
+    const float lse = res[row].lse;
+    const float inv_t = 1.0f / a.temperature[row];
+    const bool ok = isfinite(lse);
+    // SoftmaxProbsBf16Kernel's formula (cuda_backend_kernels.cu), on the recomputed raw logit.
+    float l = acc[r];
+    if (softcap > 0) l = softcap * tanhf(l / softcap);
+    const bool allowed = mask == nullptr || ((mask[v >> 6] >> (v & 63)) & 1u) != 0;
+    probs[int64_t(row) * a.vocab + v] =
+        ok && allowed ? ToBf16Bits(expf(l * inv_t - lse)) : uint16_t(0);
+  }
+}
+
+size_t PartialsBytes(int rows, int vocab) {
+  const size_t b = size_t(rows) * FusedTiles(vocab) * sizeof(TilePartial);
+  return (b + 255) / 256 * 256;
+}
+
+absl::Status CheckFused(const FusedVocabArgs& a, const char* what) {
+  if (a.rows < 0 || a.vocab <= 0 || a.vocab > kMaxVocab || a.dim <= 0) {
+    return absl::InvalidArgumentError(std::string(what) +
+                                      ": need rows ≥ 0, dim ≥ 1 and 1 ≤ vocab ≤ 2^30");
+  }
+  if (a.rows == 0) return absl::OkStatus();
+  if (a.hidden == nullptr || a.embed == nullptr || a.temperature == nullptr ||
+      (a.mask_index != nullptr && a.mask_table == nullptr)) {
+    return absl::InvalidArgumentError(std::string(what) + ": null pointer");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LaunchStatus(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+size_t FusedVocabScratchBytes(int rows, int vocab) {
+  if (rows <= 0 || vocab <= 0) return 0;
+  return PartialsBytes(rows, vocab) + size_t(rows) * sizeof(RowSample);
+}
+
+absl::Status FusedVocabStep(const FusedVocabArgs& a) {
+  if (absl::Status st = CheckFused(a, "FusedVocabStep"); !st.ok()) return st;
+  if (a.rows == 0) return absl::OkStatus();
+  if (a.uniforms == nullptr || a.out == nullptr || a.scratch == nullptr) {
+    return absl::InvalidArgumentError("FusedVocabStep: null pointer");
+  }
+  const int tiles = FusedTiles(a.vocab);
+  auto* partials = static_cast<TilePartial*>(a.scratch);
+  auto* sample =
+      reinterpret_cast<RowSample*>(static_cast<char*>(a.scratch) + PartialsBytes(a.rows, a.vocab));
+  const cudaStream_t s = static_cast<cudaStream_t>(a.stream);
+  LaunchKernel(FusedTileKernel, dim3(tiles, (a.rows + kFR - 1) / kFR), kFT, 0, s, a, tiles,
+               partials);
+  LaunchKernel(FusedCombineKernel, (a.rows + 63) / 64, 64, 0, s, a.rows, tiles, a.temperature,
+               a.uniforms, partials, sample, a.out);
+  LaunchKernel(FusedSampleKernel, a.rows, kFT, 0, s, a, sample);
+  return LaunchStatus("FusedVocabStep");
+}
+
+absl::Status FusedSoftmaxProbsBf16(const FusedVocabArgs& a, const VocabRowResult* results,
+                                   uint16_t* probs) {
+  if (absl::Status st = CheckFused(a, "FusedSoftmaxProbsBf16"); !st.ok()) return st;
+  if (a.rows == 0) return absl::OkStatus();
+  if (results == nullptr || probs == nullptr) {
+    return absl::InvalidArgumentError("FusedSoftmaxProbsBf16: null pointer");
+  }
+  LaunchKernel(FusedProbsKernel, dim3(FusedTiles(a.vocab), (a.rows + kFR - 1) / kFR), kFT, 0,
+               static_cast<cudaStream_t>(a.stream), a, results, probs);
+  return LaunchStatus("FusedSoftmaxProbsBf16");
+}
+
 }  // namespace dgserve::cuda

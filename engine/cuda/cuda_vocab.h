@@ -19,6 +19,7 @@
 // (its non-AVX2 path uses std::tanh) and two logits are within that rounding of each other.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -52,5 +53,59 @@ absl::Status VocabStep(const float* logits, int rows, int vocab, float softcap,
                        const float* temperature, const float* uniforms, VocabRowResult* out,
                        uint16_t* z_bf16 = nullptr, const uint64_t* mask_table = nullptr,
                        const int32_t* mask_index = nullptr, void* stream = nullptr);
+
+}  // namespace dgserve::cuda
+
+namespace dgserve::cuda {
+
+// The fused vocabulary pass (issue 33 item 5; the CPU's cpu::FusedVocabStep, engine/model/
+// cpu_vocab.h, ported): the LM head ℓ_raw = h·Eᵀ is computed in tiles of kFusedVocabTile ids and
+// never stored. Kernel 1 (grid: tiles × blocks of kFusedRows rows) computes each tile's dot
+// products (float32 FMAs in ascending k order, one chain per (row, id): plain CUDA cores, not the
+// tensor cores) and in its epilogue the softcap, the mask, the tile's max with its first argmax,
+// S_t = Σ e and Q_t = Σ e·w relative to the tile's max (VocabStep's exp2 polynomial and clamps),
+// written to a [rows, tiles] partials buffer. Kernel 2 (one thread per row) combines the tiles in
+// ascending order: m, argmax (first index on ties), S = Σ_t 2^{δ_t}·S_t and the entropy's
+// Σ e·w = Σ_t 2^{δ_t}(Q_t + δ_t S_t) with δ_t = (m_t − m)·k in float64, lse, H, and the tile in
+// which the running sum first exceeds u·S. Kernel 3 (one block per row) recomputes that tile's
+// logits for the row (the same chains, so the same bits), e = 2^w relative to m, and scans it.
+// Results as VocabStep's (same bad-row rule: argmax = sampled = −1, entropy = lse = NaN);
+// the logits differ from a float32 GEMM by its summation order only, and the sums by rounding,
+// so the tolerances of VocabStep against the CPU hold (cuda_vocab_test.cc). Every row's
+// arithmetic is its own: a row's results do not depend on the other rows of the batch.
+inline constexpr int kFusedVocabTile = 256;  // ids per tile (one per thread of kernel 1)
+inline constexpr int kFusedRows = 8;         // rows per block of kernel 1
+
+struct FusedVocabArgs {
+  const float* hidden = nullptr;  // [rows, dim] final-normed hidden states (float32)
+  int rows = 0;
+  int dim = 0;
+  const uint16_t* embed = nullptr;  // [vocab, dim] bf16 tied embedding (the LM head)
+  int vocab = 0;
+  // The bf16-input mode (GemmInput::kBf16): hidden rounded as ActivationBf16Bits on load;
+  // otherwise hidden is used in float32 (each product h·e exact inside the FMA).
+  bool bf16_input = false;
+  float softcap = 30.0f;                 // ≤ 0: none
+  const float* temperature = nullptr;    // [rows]
+  const float* uniforms = nullptr;       // [rows]
+  VocabRowResult* out = nullptr;         // [rows]
+  const uint64_t* mask_table = nullptr;  // as VocabStep's (nullptr: no masks)
+  const int32_t* mask_index = nullptr;
+  void* scratch = nullptr;  // FusedVocabScratchBytes(rows, vocab) bytes of device memory
+  void* stream = nullptr;
+};
+
+// Device scratch FusedVocabStep needs for `rows` rows (partials and per-row sampling state).
+size_t FusedVocabScratchBytes(int rows, int vocab);
+
+absl::Status FusedVocabStep(const FusedVocabArgs& args);
+
+// The self-conditioning probabilities of a FusedVocabStep's rows without float32 logits: each
+// tile's dot products recomputed (the same chains), then exactly SoftmaxProbsBf16's formula
+// (cuda_backend_kernels.h: bf16(exp(cap·tanh(raw/cap)/T − lse)), 0 for a masked id or a row
+// whose lse is not finite) with lse = results[r].lse. probs: [rows, vocab] bf16. Uses args'
+// hidden, embed, shapes, bf16_input, softcap, temperature, masks and stream.
+absl::Status FusedSoftmaxProbsBf16(const FusedVocabArgs& args, const VocabRowResult* results,
+                                   uint16_t* probs);
 
 }  // namespace dgserve::cuda

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -102,7 +103,7 @@ class CudaVocabTest : public CudaTest {
     EXPECT_NEAR(g.entropy, want.entropy, 2e-5 * (1 + want.entropy));
     EXPECT_NEAR(g.lse, want.lse, 2e-5 * (1 + std::fabs(want.lse)));
     int z_bad = 0;
-    for (int i = 0; i < vocab; ++i) {
+    for (int i = 0; i < vocab && !got.z.empty(); ++i) {
       const uint16_t want_z = FloatToBf16(l[i] / t), got_z = got.z[size_t(r) * vocab + i];
       if (std::abs(int(want_z) - int(got_z)) > 1 && ++z_bad <= 3) {
         ADD_FAILURE() << "z[" << i << "] = " << got_z << ", want " << want_z;
@@ -113,6 +114,94 @@ class CudaVocabTest : public CudaTest {
 
   int near_ties_ = 0;
   int boundary_samples_ = 0;
+};
+
+// The fused vocabulary pass (FusedVocabStep: LM head in tiles, no [rows, V] logits) against the
+// CPU sampler on logits computed here in float64 from the same hidden states and bf16 table.
+class CudaFusedVocabTest : public CudaVocabTest {
+ protected:
+  struct Problem {
+    int rows = 0, dim = 0, vocab = 0;
+    std::vector<float> hidden;     // [rows, dim]
+    std::vector<uint16_t> embed;   // [vocab, dim] bf16
+    std::vector<float> temps, us;  // [rows]
+    std::vector<uint64_t> mask_table;
+    std::vector<int32_t> mask_index;  // empty: no masks
+  };
+
+  // Raw logits h·Eᵀ in float64 (hidden rounded to bf16 first in the bf16-input mode), rounded to
+  // float, then cpu::Softcap and −∞ for masked ids: what the CPU step samples from.
+  static std::vector<float> Reference(const Problem& p, bool bf16_input, bool capped = true) {
+    std::vector<float> l(size_t(p.rows) * p.vocab);
+    for (int r = 0; r < p.rows; ++r) {
+      for (int v = 0; v < p.vocab; ++v) {
+        double acc = 0;
+        for (int k = 0; k < p.dim; ++k) {
+          float h = p.hidden[size_t(r) * p.dim + k];
+          if (bf16_input) h = RoundToBf16(h);
+          acc += double(h) * double(Bf16ToFloat(p.embed[size_t(v) * p.dim + k]));
+        }
+        l[size_t(r) * p.vocab + v] = float(acc);
+      }
+    }
+    if (!capped) return l;
+    cpu::Softcap(l.data(), int64_t(l.size()), kCap);
+    const int words = (p.vocab + 63) / 64;
+    for (int r = 0; r < p.rows && !p.mask_index.empty(); ++r) {
+      if (p.mask_index[r] < 0) continue;
+      const uint64_t* m = p.mask_table.data() + size_t(p.mask_index[r]) * words;
+      for (int id = 0; id < p.vocab; ++id) {
+        if (((m[id / 64] >> (id % 64)) & 1) == 0) l[size_t(r) * p.vocab + id] = -INFINITY;
+      }
+    }
+    return l;
+  }
+
+  // Runs FusedVocabStep on rows [row0, row0 + rows) of p.
+  std::vector<VocabRowResult> RunFused(const Problem& p, bool bf16_input, int row0 = 0,
+                                       int rows = -1) {
+    if (rows < 0) rows = p.rows;
+    FusedVocabArgs a;
+    a.hidden = Upload(std::vector<float>(p.hidden.begin() + size_t(row0) * p.dim,
+                                         p.hidden.begin() + size_t(row0 + rows) * p.dim));
+    a.rows = rows;
+    a.dim = p.dim;
+    a.embed = Upload(p.embed);
+    a.vocab = p.vocab;
+    a.bf16_input = bf16_input;
+    a.softcap = kCap;
+    a.temperature =
+        Upload(std::vector<float>(p.temps.begin() + row0, p.temps.begin() + row0 + rows));
+    a.uniforms = Upload(std::vector<float>(p.us.begin() + row0, p.us.begin() + row0 + rows));
+    if (!p.mask_index.empty()) {
+      a.mask_table = Upload(p.mask_table);
+      a.mask_index = Upload(
+          std::vector<int32_t>(p.mask_index.begin() + row0, p.mask_index.begin() + row0 + rows));
+    }
+    a.out = Alloc<VocabRowResult>(rows, 0xFF);
+    a.scratch = Alloc<char>(FusedVocabScratchBytes(rows, p.vocab), 0xFF);
+    EXPECT_THAT(FusedVocabStep(a), IsOk());
+    return Download(a.out, rows);
+  }
+
+  // Random hidden states and table: raw logits ≈ N(0, sigma[r]²).
+  static Problem RandomProblem(int vocab, int dim, const std::vector<float>& sigma, uint32_t seed) {
+    Problem p;
+    p.rows = int(sigma.size());
+    p.dim = dim;
+    p.vocab = vocab;
+    std::mt19937 gen(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    p.embed.resize(size_t(vocab) * dim);
+    for (uint16_t& e : p.embed) e = FloatToBf16(normal(gen));
+    p.hidden.resize(size_t(p.rows) * dim);
+    for (int r = 0; r < p.rows; ++r) {
+      for (int k = 0; k < dim; ++k) {
+        p.hidden[size_t(r) * dim + k] = sigma[r] / std::sqrt(float(dim)) * normal(gen);
+      }
+    }
+    return p;
+  }
 };
 
 std::vector<float> Capped(std::vector<float> raw) {
@@ -256,6 +345,180 @@ TEST_F(CudaVocabTest, MasksMatchTheCpuMaskedStep) {
     EXPECT_EQ(got.rows[5].argmax, -1);
     EXPECT_EQ(got.rows[5].sampled, -1);
     EXPECT_TRUE(std::isnan(got.rows[5].entropy));
+  }
+}
+
+// Random rows of several spreads on odd vocabularies (not a multiple of the tile; dim not a
+// multiple of the staged k columns), both GEMM-input modes, against the CPU sampler.
+TEST_F(CudaFusedVocabTest, MatchesCpuSamplerOnRandomRows) {
+  const std::vector<float> sigma = {0.5f, 3.0f, 10.0f, 30.0f, 100.0f, 3.0f, 10.0f, 1.0f, 5.0f};
+  const std::vector<float> temps = {0.8f, 0.4f, 1.3f, 0.41f, 2.0f, 0.5f, 0.8f, 1.0f, 0.7f};
+  const std::vector<float> us = {0.0f, 0.999999f, 0.5f, 0.25f, 0.75f, 0.1f, 0.9f, 0.33f, 0.6f};
+  for (const int vocab : {300, 2053, kEmulated ? 5003 : 262144}) {
+    for (const bool bf16 : {false, true}) {
+      Problem p = RandomProblem(vocab, 40, sigma, uint32_t(vocab));
+      p.temps = temps;
+      p.us = us;
+      const std::vector<float> capped = Reference(p, bf16);
+      Output got;
+      got.rows = RunFused(p, bf16);
+      SCOPED_TRACE(::testing::Message() << "bf16 input " << bf16);
+      for (int r = 0; r < p.rows; ++r) Compare(capped, r, vocab, temps[r], us[r], got);
+    }
+  }
+  EXPECT_LE(near_ties_, 1);
+  EXPECT_LE(boundary_samples_, 1);
+}
+
+// Exact ties (two identical table rows: the same chains give the same bits), within a tile,
+// across a tile boundary and far apart: the first index wins, and the sample lands on it when u
+// falls in its mass. Masks: ~10 % allowed, a single id, an empty mask (bad row). A NaN hidden
+// state and a zero temperature are bad rows.
+TEST_F(CudaFusedVocabTest, TiesMasksAndBadRowsHaveKnownAnswers) {
+  const int vocab = 1337, dim = 40, words = (vocab + 63) / 64;
+  Problem p = RandomProblem(vocab, dim, std::vector<float>(9, 4.0f), 5);
+  p.temps = std::vector<float>(9, 0.8f);
+  p.us = {0.2f, 0.2f, 0.2f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  auto copy_row = [&](int from, int to) {
+    std::copy_n(p.embed.begin() + size_t(from) * dim, dim, p.embed.begin() + size_t(to) * dim);
+  };
+  // (first, second) identical rows; row r's hidden state points at them (logit ≈ 40 ± 10, well
+  // above every other id's, which are ≈ N(0, 40)).
+  const int pairs[3][2] = {{1000, 1001}, {511, 512}, {5, 1300}};
+  for (int r = 0; r < 3; ++r) {
+    copy_row(pairs[r][0], pairs[r][1]);
+    for (int k = 0; k < dim; ++k) {
+      p.hidden[size_t(r) * dim + k] = Bf16ToFloat(p.embed[size_t(pairs[r][0]) * dim + k]);
+    }
+  }
+  p.mask_table.assign(size_t(3) * words, 0);
+  std::mt19937 gen(9);
+  std::bernoulli_distribution keep(0.1);
+  for (int id = 0; id < vocab; ++id) {
+    if (keep(gen)) p.mask_table[id / 64] |= uint64_t(1) << (id % 64);
+  }
+  p.mask_table[size_t(1) * words + 777 / 64] |= uint64_t(1) << (777 % 64);
+  // Rows 3–5: masks 0, 1, 2 (empty). Row 6: NaN hidden state; row 7: T = 0; row 8: no mask.
+  p.mask_index = {-1, -1, -1, 0, 1, 2, -1, -1, -1};
+  p.hidden[size_t(6) * dim + 3] = NAN;
+  p.temps[7] = 0.0f;
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "bf16 input " << bf16);
+    const std::vector<float> capped = Reference(p, bf16);
+    const std::vector<VocabRowResult> g = RunFused(p, bf16);
+    for (int r = 0; r < 3; ++r) {
+      const float* l = capped.data() + size_t(r) * vocab;
+      ASSERT_EQ(l[pairs[r][0]], l[pairs[r][1]]);
+      for (int v = 0; v < vocab; ++v) {
+        if (v != pairs[r][0] && v != pairs[r][1]) {
+          ASSERT_LT(l[v], l[pairs[r][0]] - 3.0f);
+        }
+      }
+      EXPECT_EQ(g[r].argmax, pairs[r][0]) << r;
+      // u = 0.2: inside the first of the two (each carries ≈ half the mass).
+      EXPECT_EQ(g[r].sampled, pairs[r][0]) << r;
+    }
+    for (int r : {3, 8}) {
+      Output o;
+      o.rows = g;
+      Compare(capped, r, vocab, p.temps[r], p.us[r], o);
+      if (r == 3) {
+        EXPECT_TRUE((p.mask_table[g[r].argmax / 64] >> (g[r].argmax % 64)) & 1);
+        EXPECT_TRUE((p.mask_table[g[r].sampled / 64] >> (g[r].sampled % 64)) & 1);
+      }
+    }
+    EXPECT_EQ(g[4].argmax, 777);
+    EXPECT_EQ(g[4].sampled, 777);
+    EXPECT_EQ(g[4].entropy, 0.0f);
+    for (int r : {5, 6, 7}) {
+      EXPECT_EQ(g[r].argmax, -1) << r;
+      EXPECT_EQ(g[r].sampled, -1) << r;
+      EXPECT_TRUE(std::isnan(g[r].entropy)) << r;
+      EXPECT_TRUE(std::isnan(g[r].lse)) << r;
+    }
+  }
+}
+
+// A row's results are the same bits whether it runs alone or in a batch (any position, any
+// neighbours: other masks, bad rows).
+TEST_F(CudaFusedVocabTest, BatchedRowsMatchSoloRowsBitForBit) {
+  const int vocab = 777;
+  Problem p = RandomProblem(
+      vocab, 36, {1.0f, 8.0f, 3.0f, 20.0f, 2.0f, 6.0f, 0.7f, 12.0f, 4.0f, 9.0f, 1.5f}, 21);
+  p.temps = {0.8f, 0.5f, 1.1f, 0.9f, 1.0f, 0.6f, 1.7f, 0.45f, 0.8f, 1.2f, 1.0f};
+  p.us = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f, 0.8f, 0.9f, 0.95f, 0.05f};
+  const int words = (vocab + 63) / 64;
+  p.mask_table.assign(size_t(2) * words, ~uint64_t(0));
+  for (int w = 0; w < words; w += 2) p.mask_table[w] = 0;  // mask 0: every other 64 ids
+  p.mask_index = {-1, 0, -1, 1, 0, -1, -1, 0, 1, -1, -1};
+  p.hidden[size_t(5) * 36] = NAN;  // a bad row among them
+  for (const bool bf16 : {false, true}) {
+    const std::vector<VocabRowResult> all = RunFused(p, bf16);
+    for (int r = 0; r < p.rows; ++r) {
+      const std::vector<VocabRowResult> solo = RunFused(p, bf16, r, 1);
+      EXPECT_EQ(std::memcmp(&solo[0], &all[r], sizeof(VocabRowResult)), 0)
+          << "row " << r << " bf16 " << bf16;
+    }
+    // And a window of rows starting mid-block.
+    const std::vector<VocabRowResult> part = RunFused(p, bf16, 3, 6);
+    for (int r = 0; r < 6; ++r) {
+      EXPECT_EQ(std::memcmp(&part[r], &all[3 + r], sizeof(VocabRowResult)), 0) << r;
+    }
+    EXPECT_EQ(all[5].argmax, -1);
+  }
+}
+
+// The self-conditioning probabilities recomputed per tile against the formula on float64 logits.
+TEST_F(CudaFusedVocabTest, SoftmaxProbsMatchReference) {
+  const int vocab = 1029, dim = 40;
+  Problem p = RandomProblem(vocab, dim, {2.0f, 10.0f, 40.0f, 1.0f}, 3);
+  p.temps = {0.8f, 1.0f, 0.5f, 1.3f};
+  p.us = {0.5f, 0.5f, 0.5f, 0.5f};
+  const int words = (vocab + 63) / 64;
+  p.mask_table.assign(words, 0);
+  for (int id = 0; id < vocab; id += 3) p.mask_table[id / 64] |= uint64_t(1) << (id % 64);
+  p.mask_index = {-1, 0, -1, -1};
+  for (const bool bf16 : {false, true}) {
+    const std::vector<float> raw = Reference(p, bf16, /*capped=*/false);
+    FusedVocabArgs a;
+    a.hidden = Upload(p.hidden);
+    a.rows = p.rows;
+    a.dim = dim;
+    a.embed = Upload(p.embed);
+    a.vocab = vocab;
+    a.bf16_input = bf16;
+    a.softcap = kCap;
+    a.temperature = Upload(p.temps);
+    a.uniforms = Upload(p.us);
+    a.mask_table = Upload(p.mask_table);
+    a.mask_index = Upload(p.mask_index);
+    a.out = Alloc<VocabRowResult>(p.rows, 0xFF);
+    a.scratch = Alloc<char>(FusedVocabScratchBytes(p.rows, vocab));
+    ASSERT_THAT(FusedVocabStep(a), IsOk());
+    uint16_t* probs = Alloc<uint16_t>(size_t(p.rows) * vocab, 0xFF);
+    ASSERT_THAT(FusedSoftmaxProbsBf16(a, a.out, probs), IsOk());
+    const std::vector<uint16_t> got = Download(probs, size_t(p.rows) * vocab);
+    for (int r = 0; r < p.rows; ++r) {
+      std::vector<double> l(vocab);
+      double m = -INFINITY;
+      for (int v = 0; v < vocab; ++v) {
+        const bool allowed = r != 1 || v % 3 == 0;
+        l[v] = allowed ? 30.0 * std::tanh(double(raw[size_t(r) * vocab + v]) / 30.0) / p.temps[r]
+                       : -INFINITY;
+        m = std::max(m, l[v]);
+      }
+      double s = 0;
+      for (int v = 0; v < vocab; ++v) s += std::exp(l[v] - m);
+      int bad = 0;
+      for (int v = 0; v < vocab; ++v) {
+        const uint16_t want = FloatToBf16(float(std::exp(l[v] - m) / s));
+        const uint16_t g = got[size_t(r) * vocab + v];
+        if (std::abs(int(want) - int(g)) > 1 && ++bad <= 3) {
+          ADD_FAILURE() << "row " << r << " id " << v << ": " << g << " want " << want;
+        }
+      }
+      EXPECT_EQ(bad, 0) << "row " << r << " bf16 " << bf16;
+    }
   }
 }
 
