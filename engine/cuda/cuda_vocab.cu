@@ -5,6 +5,7 @@
 
 #include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_mma.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -310,37 +311,104 @@ struct RowSample {
 
 int FusedTiles(int vocab) { return (vocab + kFT - 1) / kFT; }
 
-// acc[r] = Σ_k h[row0 + r, k] · E[v0 + threadIdx.x, k] for r < kFR, one float32 FMA chain per
-// (row, id) in ascending k (rows ≥ nrows and ids ≥ vocab give unused values). h and E tiles are
-// staged in shared memory kFK columns at a time. The chain of a row does not depend on which
-// slot r it has nor on the other rows, so a row's logits are the same bits in every kernel.
-__device__ void TileDots(const float* __restrict__ hidden, int row0, int nrows, int dim,
-                         const uint16_t* __restrict__ embed, int v0, int vocab, bool bf16_input,
-                         float (*hs)[kFK], float (*es)[kFK + 1], float acc[kFR]) {
-  const int tid = threadIdx.x;
-  for (int r = 0; r < kFR; ++r) acc[r] = 0.0f;
+// Term `term` (0: hi, 1: mid, 2: lo) of the exact three-term bf16 split of x (GemmInput::
+// kFloat32; as cuda_gemm.cu's SplitTermBits): a non-finite x is its own hi term.
+__device__ __forceinline__ uint16_t SplitBits(float f, int term) {
+  uint16_t t = ToBf16Bits(f);
+  if ((__float_as_uint(f) & 0x7F800000u) == 0x7F800000u) return term == 0 ? t : uint16_t(0);
+  for (int j = 0; j < term; ++j) {
+    f = __fsub_rn(f, Bf16BitsToFloat(t));
+    t = ToBf16Bits(f);
+  }
+  return t;
+}
+
+// Shared memory of the tile kernels: one k chunk of the block's hidden rows (one bf16 term) and
+// of the tile's table rows ([id][k], k contiguous: B n-major for ldmatrix), the latter reused for
+// 16 rows of float32 results once the products are done. Rows of kPadK bf16 (80 bytes): 16-byte
+// aligned ldmatrix rows.
+constexpr int kPadK = kFK + 8;
+constexpr int kMi = kFR / 16;  // 16-row fragments per block
+constexpr int kNj = 4;         // 8-id fragments per warp (32 ids)
+struct alignas(16) TileSmem {
+  uint16_t as[kFR][kPadK];
+  union {
+    uint16_t bs[kFT][kPadK];
+    float ls[16][kFT + 4];
+  } u;
+};
+
+// d[mi][nj] = the block's raw logits h·Eᵀ for rows row0 + 16·mi + (0…15) and ids v0 + 32·warp +
+// 8·nj + (0…7), as mma.m16n8k16 C fragments: bf16 × bf16 products on the tensor cores, float32
+// accumulation. The bf16-input mode feeds bf16(h) (ActivationBf16Bits); otherwise h's exact
+// three-term split, lo, mid then hi into the same accumulators per k chunk (as the cuBLAS split
+// of cuda_gemm.h). Fragments of rows ≥ nrows are skipped (their values are unused). A row's
+// accumulators depend on its own hidden state and the table only, whichever slot it has, so its
+// logits are the same bits in every kernel and in any batch.
+__device__ __forceinline__ void TileMma(const float* __restrict__ hidden, int row0, int nrows,
+                                        int dim, const uint16_t* __restrict__ embed, int v0,
+                                        int vocab, bool bf16_input, TileSmem* sm,
+                                        float d[kMi][kNj][4]) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi) {
+#pragma unroll
+    for (int nj = 0; nj < kNj; ++nj) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[mi][nj][i] = 0.0f;
+    }
+  }
+  const int terms = bf16_input ? 1 : 3;
   for (int k0 = 0; k0 < dim; k0 += kFK) {
     const int kn = min(kFK, dim - k0);
-    for (int i = tid; i < kFR * kFK; i += kFT) {
-      const int r = i / kFK, kk = i % kFK;
-      float x = 0.0f;
-      if (r < nrows && kk < kn) {
-        x = hidden[int64_t(row0 + r) * dim + k0 + kk];
-        if (bf16_input) x = Bf16BitsToFloat(ActivationBf16Bits(x));
-      }
-      hs[r][kk] = x;
-    }
     for (int i = tid; i < kFT * kFK; i += kFT) {
-      const int j = i / kFK, kk = i % kFK;
-      const int v = v0 + j;
-      es[j][kk] = v < vocab && kk < kn ? Bf16BitsToFloat(embed[int64_t(v) * dim + k0 + kk]) : 0.0f;
+      const int j = i / kFK, kk = i % kFK, v = v0 + j;
+      sm->u.bs[j][kk] = v < vocab && kk < kn ? embed[int64_t(v) * dim + k0 + kk] : uint16_t(0);
     }
-    __syncthreads();
-    for (int kk = 0; kk < kn; ++kk) {
-      const float e = es[tid][kk];
-      for (int r = 0; r < kFR; ++r) acc[r] = fmaf(hs[r][kk], e, acc[r]);
+    const int steps = (kn + 15) / 16;
+    for (int term = terms - 1; term >= 0; --term) {
+      for (int i = tid; i < kFR * kFK; i += kFT) {
+        const int r = i / kFK, kk = i % kFK;
+        uint16_t h = 0;
+        if (r < nrows && kk < kn) {
+          const float x = hidden[int64_t(row0 + r) * dim + k0 + kk];
+          h = bf16_input ? ActivationBf16Bits(x) : SplitBits(x, term);
+        }
+        sm->as[r][kk] = h;
+      }
+      __syncthreads();
+      for (int st = 0; st < steps; ++st) {
+        uint32_t b[kNj][2];
+#pragma unroll
+        for (int nj = 0; nj < kNj; ++nj) {
+          mma::LdMatrixX2(b[nj],
+                          &sm->u.bs[warp * 32 + nj * 8 + lane % 8][st * 16 + ((lane / 8) % 2) * 8]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < kMi; ++mi) {
+          if (mi * 16 >= nrows) continue;  // uniform over the block
+          uint32_t a[4];
+          mma::LdMatrixX4(a, &sm->as[mi * 16 + lane % 16][st * 16 + (lane / 16) * 8]);
+#pragma unroll
+          for (int nj = 0; nj < kNj; ++nj) mma::MmaBf16M16N8K16(d[mi][nj], a, b[nj]);
+        }
+      }
+      __syncthreads();
     }
-    __syncthreads();
+  }
+}
+
+// Rows 16·mi … 16·mi + 15 of the block's logits into sm->u.ls ([row][id]); the caller syncs
+// before (the table chunk or the previous group is no longer read) and after.
+__device__ __forceinline__ void StoreGroup(const float d[kMi][kNj][4], int mi, TileSmem* sm) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nj = 0; nj < kNj; ++nj) {
+    const int n = warp * 32 + nj * 8 + 2 * t;
+    sm->u.ls[g][n] = d[mi][nj][0];
+    sm->u.ls[g][n + 1] = d[mi][nj][1];
+    sm->u.ls[g + 8][n] = d[mi][nj][2];
+    sm->u.ls[g + 8][n + 1] = d[mi][nj][3];
   }
 }
 
@@ -359,8 +427,7 @@ __device__ __forceinline__ float FusedLogit(float raw, int v, float cap, float k
 
 __global__ void __launch_bounds__(kFT)
     FusedTileKernel(FusedVocabArgs a, int tiles, TilePartial* __restrict__ partials) {
-  __shared__ float hs[kFR][kFK];
-  __shared__ float es[kFT][kFK + 1];
+  __shared__ TileSmem sm;
   __shared__ float w_max[kFWarps];
   __shared__ int w_arg[kFWarps];
   __shared__ double w_s[kFWarps], w_q[kFWarps];
@@ -368,56 +435,64 @@ __global__ void __launch_bounds__(kFT)
   const int nrows = min(kFR, a.rows - row0);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int v0 = tile * kFT, v = v0 + tid;
-  float acc[kFR];
-  TileDots(a.hidden, row0, nrows, a.dim, a.embed, v0, a.vocab, a.bf16_input, hs, es, acc);
+  float d[kMi][kNj][4];
+  TileMma(a.hidden, row0, nrows, a.dim, a.embed, v0, a.vocab, a.bf16_input, &sm, d);
   const float cap = a.softcap;
   const float k2 = 2.0f / cap * 1.44269504088896341f;
-  for (int r = 0; r < nrows; ++r) {
-    const int row = row0 + r;
-    const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
-    const float l = v < a.vocab ? FusedLogit(acc[r], v, cap, k2, mask) : -INFINITY;
-    // Tile max and first argmax (NaN never wins; reported through `bad`).
-    float best = l > -INFINITY ? l : -INFINITY;
-    int best_i = l > -INFINITY ? v : INT_MAX;
-    for (int o = 16; o > 0; o >>= 1) {
-      ArgmaxMerge(__shfl_xor_sync(kFull, best, o), __shfl_xor_sync(kFull, best_i, o), &best,
-                  &best_i);
-    }
-    if (lane == 0) {
-      w_max[warp] = best;
-      w_arg[warp] = best_i;
-    }
-    const bool bad = __syncthreads_or(l != l) != 0;
-    float tm = w_max[0];
-    int targ = w_arg[0];
-    for (int w = 1; w < kFWarps; ++w) ArgmaxMerge(w_max[w], w_arg[w], &tm, &targ);
-    const float T = a.temperature[row];
-    const float k = float(kLog2e / double(T));
-    float e = 0.0f, w = 0.0f;
-    if (tm > -INFINITY && !bad) e = Exp2Row(l, tm, k, &w);
-    const double s = WarpSumD(double(e));
-    const double q = WarpSumD(e > 0.0f ? double(e) * double(w) : 0.0);
-    if (lane == 0) {
-      w_s[warp] = s;
-      w_q[warp] = q;
-    }
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi) {
+    if (mi * 16 >= nrows) continue;  // uniform over the block
+    __syncthreads();                 // the table chunk / the previous group is no longer read
+    StoreGroup(d, mi, &sm);
     __syncthreads();
-    if (tid == 0) {
-      double ss = 0.0, qq = 0.0;
-      for (int i = 0; i < kFWarps; ++i) {
-        ss += w_s[i];
-        qq += w_q[i];
+    const int group_rows = min(16, nrows - mi * 16);
+    for (int r = 0; r < group_rows; ++r) {
+      const int row = row0 + mi * 16 + r;
+      const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
+      const float l = v < a.vocab ? FusedLogit(sm.u.ls[r][tid], v, cap, k2, mask) : -INFINITY;
+      // Tile max and first argmax (NaN never wins; reported through `bad`).
+      float best = l > -INFINITY ? l : -INFINITY;
+      int best_i = l > -INFINITY ? v : INT_MAX;
+      for (int o = 16; o > 0; o >>= 1) {
+        ArgmaxMerge(__shfl_xor_sync(kFull, best, o), __shfl_xor_sync(kFull, best_i, o), &best,
+                    &best_i);
       }
-      TilePartial p;
-      p.s = ss;
-      p.q = qq;
-      p.max = tm;
-      p.arg = targ == INT_MAX ? -1 : targ;
-      p.bad = bad ? 1 : 0;
-      p.pad = 0;
-      partials[int64_t(row) * tiles + tile] = p;
+      if (lane == 0) {
+        w_max[warp] = best;
+        w_arg[warp] = best_i;
+      }
+      const bool bad = __syncthreads_or(l != l) != 0;
+      float tm = w_max[0];
+      int targ = w_arg[0];
+      for (int w = 1; w < kFWarps; ++w) ArgmaxMerge(w_max[w], w_arg[w], &tm, &targ);
+      const float T = a.temperature[row];
+      const float k = float(kLog2e / double(T));
+      float e = 0.0f, w = 0.0f;
+      if (tm > -INFINITY && !bad) e = Exp2Row(l, tm, k, &w);
+      const double s = WarpSumD(double(e));
+      const double q = WarpSumD(e > 0.0f ? double(e) * double(w) : 0.0);
+      if (lane == 0) {
+        w_s[warp] = s;
+        w_q[warp] = q;
+      }
+      __syncthreads();
+      if (tid == 0) {
+        double ss = 0.0, qq = 0.0;
+        for (int i = 0; i < kFWarps; ++i) {
+          ss += w_s[i];
+          qq += w_q[i];
+        }
+        TilePartial p;
+        p.s = ss;
+        p.q = qq;
+        p.max = tm;
+        p.arg = targ == INT_MAX ? -1 : targ;
+        p.bad = bad ? 1 : 0;
+        p.pad = 0;
+        partials[int64_t(row) * tiles + tile] = p;
+      }
+      __syncthreads();  // w_* are rewritten by the next row
     }
-    __syncthreads();  // w_* are rewritten by the next row
   }
 }
 
@@ -506,20 +581,22 @@ __global__ void FusedCombineKernel(int rows, int tiles, const float* __restrict_
 
 __global__ void __launch_bounds__(kFT)
     FusedSampleKernel(FusedVocabArgs a, const RowSample* __restrict__ sample) {
-  __shared__ float hs[kFR][kFK];
-  __shared__ float es[kFT][kFK + 1];
+  __shared__ TileSmem sm;
   __shared__ float ex[kFT];
   const int row = blockIdx.x, tid = threadIdx.x;
   const RowSample rs = sample[row];
   if (rs.tile < 0) return;  // uniform over the block
   const int v0 = rs.tile * kFT, v = v0 + tid;
-  float acc[kFR];
-  TileDots(a.hidden, row, 1, a.dim, a.embed, v0, a.vocab, a.bf16_input, hs, es, acc);
+  float d[kMi][kNj][4];
+  TileMma(a.hidden, row, 1, a.dim, a.embed, v0, a.vocab, a.bf16_input, &sm, d);
+  __syncthreads();
+  StoreGroup(d, 0, &sm);
+  __syncthreads();
   const float cap = a.softcap;
   const float k2 = 2.0f / cap * 1.44269504088896341f;
   const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
   float e = 0.0f, w;
-  if (v < a.vocab) e = Exp2Row(FusedLogit(acc[0], v, cap, k2, mask), rs.m, rs.k, &w);
+  if (v < a.vocab) e = Exp2Row(FusedLogit(sm.u.ls[0][tid], v, cap, k2, mask), rs.m, rs.k, &w);
   ex[tid] = e;
   __syncthreads();
   if (tid != 0) return;
@@ -544,27 +621,33 @@ __global__ void __launch_bounds__(kFT)
 __global__ void __launch_bounds__(kFT)
     FusedProbsKernel(FusedVocabArgs a, const VocabRowResult* __restrict__ res,
                      uint16_t* __restrict__ probs) {
-  __shared__ float hs[kFR][kFK];
-  __shared__ float es[kFT][kFK + 1];
+  __shared__ TileSmem sm;
   const int tile = blockIdx.x, row0 = blockIdx.y * kFR;
   const int nrows = min(kFR, a.rows - row0);
   const int v = tile * kFT + threadIdx.x;
-  float acc[kFR];
-  TileDots(a.hidden, row0, nrows, a.dim, a.embed, tile * kFT, a.vocab, a.bf16_input, hs, es, acc);
-  if (v >= a.vocab) return;
+  float d[kMi][kNj][4];
+  TileMma(a.hidden, row0, nrows, a.dim, a.embed, tile * kFT, a.vocab, a.bf16_input, &sm, d);
   const float softcap = a.softcap;
-  for (int r = 0; r < nrows; ++r) {
-    const int row = row0 + r;
-    const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
-    const float lse = res[row].lse;
-    const float inv_t = 1.0f / a.temperature[row];
-    const bool ok = isfinite(lse);
-    // SoftmaxProbsBf16Kernel's formula (cuda_backend_kernels.cu), on the recomputed raw logit.
-    float l = acc[r];
-    if (softcap > 0) l = softcap * tanhf(l / softcap);
-    const bool allowed = mask == nullptr || ((mask[v >> 6] >> (v & 63)) & 1u) != 0;
-    probs[int64_t(row) * a.vocab + v] =
-        ok && allowed ? ToBf16Bits(expf(l * inv_t - lse)) : uint16_t(0);
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi) {
+    if (mi * 16 >= nrows) continue;  // uniform over the block
+    __syncthreads();
+    StoreGroup(d, mi, &sm);
+    __syncthreads();
+    const int group_rows = min(16, nrows - mi * 16);
+    for (int r = 0; r < group_rows && v < a.vocab; ++r) {
+      const int row = row0 + mi * 16 + r;
+      const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
+      const float lse = res[row].lse;
+      const float inv_t = 1.0f / a.temperature[row];
+      const bool ok = isfinite(lse);
+      // SoftmaxProbsBf16Kernel's formula (cuda_backend_kernels.cu), on the recomputed raw logit.
+      float l = sm.u.ls[r][threadIdx.x];
+      if (softcap > 0) l = softcap * tanhf(l / softcap);
+      const bool allowed = mask == nullptr || ((mask[v >> 6] >> (v & 63)) & 1u) != 0;
+      probs[int64_t(row) * a.vocab + v] =
+          ok && allowed ? ToBf16Bits(expf(l * inv_t - lse)) : uint16_t(0);
+    }
   }
 }
 

@@ -442,30 +442,45 @@ TEST_F(CudaFusedVocabTest, TiesMasksAndBadRowsHaveKnownAnswers) {
 // A row's results are the same bits whether it runs alone or in a batch (any position, any
 // neighbours: other masks, bad rows).
 TEST_F(CudaFusedVocabTest, BatchedRowsMatchSoloRowsBitForBit) {
-  const int vocab = 777;
-  Problem p = RandomProblem(
-      vocab, 36, {1.0f, 8.0f, 3.0f, 20.0f, 2.0f, 6.0f, 0.7f, 12.0f, 4.0f, 9.0f, 1.5f}, 21);
-  p.temps = {0.8f, 0.5f, 1.1f, 0.9f, 1.0f, 0.6f, 1.7f, 0.45f, 0.8f, 1.2f, 1.0f};
-  p.us = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f, 0.8f, 0.9f, 0.95f, 0.05f};
+  // 70 rows: two row blocks of the tile kernel (64 rows), every 16-row fragment of the first.
+  const int vocab = 777, rows = 70, dim = 36;
+  std::vector<float> sigma(rows);
+  for (int r = 0; r < rows; ++r) sigma[r] = 0.5f + float((r * 7) % 23);
+  Problem p = RandomProblem(vocab, dim, sigma, 21);
+  for (int r = 0; r < rows; ++r) {
+    p.temps.push_back(0.45f + 0.1f * float(r % 13));
+    p.us.push_back(float((r * 37) % 100) / 100.0f);
+  }
   const int words = (vocab + 63) / 64;
   p.mask_table.assign(size_t(2) * words, ~uint64_t(0));
   for (int w = 0; w < words; w += 2) p.mask_table[w] = 0;  // mask 0: every other 64 ids
-  p.mask_index = {-1, 0, -1, 1, 0, -1, -1, 0, 1, -1, -1};
-  p.hidden[size_t(5) * 36] = NAN;  // a bad row among them
+  for (int r = 0; r < rows; ++r) p.mask_index.push_back(r % 5 == 1 ? 0 : (r % 7 == 3 ? 1 : -1));
+  p.hidden[size_t(5) * dim] = NAN;  // bad rows among them
+  p.hidden[size_t(66) * dim] = NAN;
   for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "bf16 input " << bf16);
     const std::vector<VocabRowResult> all = RunFused(p, bf16);
-    for (int r = 0; r < p.rows; ++r) {
+    for (int r = 0; r < rows; ++r) {
       const std::vector<VocabRowResult> solo = RunFused(p, bf16, r, 1);
-      EXPECT_EQ(std::memcmp(&solo[0], &all[r], sizeof(VocabRowResult)), 0)
-          << "row " << r << " bf16 " << bf16;
+      EXPECT_EQ(std::memcmp(&solo[0], &all[r], sizeof(VocabRowResult)), 0) << "row " << r;
     }
-    // And a window of rows starting mid-block.
-    const std::vector<VocabRowResult> part = RunFused(p, bf16, 3, 6);
-    for (int r = 0; r < 6; ++r) {
-      EXPECT_EQ(std::memcmp(&part[r], &all[3 + r], sizeof(VocabRowResult)), 0) << r;
+    // And a window of rows starting mid-fragment, across the row-block boundary.
+    const std::vector<VocabRowResult> part = RunFused(p, bf16, 13, 55);
+    for (int r = 0; r < 55; ++r) {
+      EXPECT_EQ(std::memcmp(&part[r], &all[13 + r], sizeof(VocabRowResult)), 0) << 13 + r;
     }
     EXPECT_EQ(all[5].argmax, -1);
+    EXPECT_EQ(all[66].argmax, -1);
+    // Every good row of the batch against the CPU sampler (all fragments and both row blocks).
+    const std::vector<float> capped = Reference(p, bf16);
+    Output o;
+    o.rows = all;
+    for (int r = 0; r < rows; ++r) {
+      if (r != 5 && r != 66) Compare(capped, r, vocab, p.temps[r], p.us[r], o);
+    }
   }
+  EXPECT_LE(near_ties_, 2);
+  EXPECT_LE(boundary_samples_, 2);
 }
 
 // The self-conditioning probabilities recomputed per tile against the formula on float64 logits.
