@@ -12,6 +12,9 @@
 //     logits, keys and values agree to float32 accumulation order (1e-3 of the largest |value|).
 // What is rounded to bf16 on purpose in both modes (the self-conditioning probabilities, spec
 // §5.3) is compared to bf16 accuracy (2e-2).
+// A third mode, bf16_unfused, runs the bf16 mode through the former vocabulary path
+// (CudaBackendOptions::fused_vocab = false: cuBLAS float32 logits + VocabStep) to the same
+// tolerances.
 #include "engine/cuda/cuda_backend.h"
 
 #include <gtest/gtest.h>
