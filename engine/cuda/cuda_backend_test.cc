@@ -177,6 +177,8 @@ class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterf
 Checkpoint* CudaBackendTest::checkpoint_ = nullptr;
 
 TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
+  // The former vocabulary path (bf16_unfused) is compared in the denoising tests only.
+  if (!GetParam().fused_vocab) GTEST_SKIP() << "not a denoising comparison";
   // 29 context tokens > 3 sliding windows (W = 8), encoded in chunks that cross window edges.
   const std::vector<int32_t> prompt = Tokens(29, 0);
   ContiguousKvCache kc(config(), 256), kg(config(), 256);
@@ -248,6 +250,8 @@ TEST_P(CudaBackendTest, DenoiseStepsMatchCpu) {
 }
 
 TEST_P(CudaBackendTest, SoftEmbeddingMatchesCpu) {
+  // The former vocabulary path (bf16_unfused) is compared in the denoising tests only.
+  if (!GetParam().fused_vocab) GTEST_SKIP() << "not a denoising comparison";
   const int V = config().vocab_size, D = config().hidden_size, rows = 5;
   std::vector<float> probs(size_t(rows) * V);
   for (int r = 0; r < rows; ++r) {
@@ -387,6 +391,8 @@ TEST_P(CudaBackendTest, CanvasTemplateMasksMatchCpu) {
 // algorithm for the projections and the LM head does not depend on the row count (checked by
 // hand: the emulated cuBLAS with a sum 1e-7 off when a GEMM has more than 16 rows fails it).
 TEST_P(CudaBackendTest, BatchedStepEqualsSoloBitForBit) {
+  // The former vocabulary path (bf16_unfused) is compared in the denoising tests only.
+  if (!GetParam().fused_vocab) GTEST_SKIP() << "not a denoising comparison";
   // Emulated: the default mode only, up to 3 others (the emulated step is slow; the float32
   // mode differs only in its conversion kernels, which work element by element).
   if (cuda::kEmulated && GetParam().gpu != cuda::GemmInput::kBf16) GTEST_SKIP() << "emulated";
