@@ -272,7 +272,8 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<int32_t> ids_, positions_, expert_, offsets_, gather_, slot_, mask_index_;
   DeviceArray<uint64_t> mask_table_;  // the distinct canvas-template masks of a step
   DeviceArray<uint16_t> probs_bf16_;
-  DeviceArray<unsigned char> vocab_scratch_;  // FusedVocabStep's tile partials
+  DeviceArray<unsigned char> vocab_scratch_;      // FusedVocabStep's tile partials
+  DeviceArray<float> tile_norm_max_, skip_mass_;  // the sparse self-conditioning plan's inputs
   DeviceArray<cuda::VocabRowResult> results_;
   std::vector<float> host_k_, host_v_, host_stage_;
   DecodeTimings timings_;
@@ -880,6 +881,27 @@ absl::Status CudaBackend::DenoiseStepLocked(std::span<const DenoiseStepInput> ba
     if (options_.fused_vocab) {
       DGSERVE_RETURN_IF_ERROR(vocab_scratch_.Ensure(cuda::FusedVocabScratchBytes(R, V)));
       fused.scratch = vocab_scratch_.get();
+      // The sparse self-conditioning product (cpu_vocab.h's bound) for the rows of canvases
+      // whose DenoiseStepInput::sparse_sc is set (ε = 2⁻¹², cpu::kDefaultScSkipMass).
+      bool sparse = false;
+      std::vector<float> skip_mass(R, 0.0f);
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (!batch[i].sparse_sc || batch[i].next_soft == nullptr) continue;
+        const Segment& s = segs[i];
+        for (int r = 0; r < s.rows; ++r) skip_mass[s.row0 + r] = 0x1p-12f;
+        sparse |= s.rows > 0;
+      }
+      if (sparse) {
+        if (tile_norm_max_.get() == nullptr) {
+          DGSERVE_RETURN_IF_ERROR(
+              tile_norm_max_.Ensure(size_t(V + cuda::kFusedVocabTile - 1) / cuda::kFusedVocabTile));
+          DGSERVE_RETURN_IF_ERROR(cuda::FusedTileNormMax(embed_.get(), V, D, tile_norm_max_.get()));
+        }
+        DGSERVE_RETURN_IF_ERROR(skip_mass_.Upload(skip_mass));
+        fused.sc_skip_mass = skip_mass_.get();
+        fused.tile_norm_max = tile_norm_max_.get();
+        fused.embed_scale = c_.EmbedScale();
+      }
       DGSERVE_RETURN_IF_ERROR(cuda::FusedVocabStep(fused));
     } else {
       DGSERVE_RETURN_IF_ERROR(logits_.Ensure(size_t(R) * V));

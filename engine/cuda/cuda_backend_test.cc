@@ -228,6 +228,9 @@ TEST_P(CudaBackendTest, DenoiseStepsMatchCpu) {
     std::vector<float> soft_c(size_t(C) * D), soft_g(size_t(C) * D);
     DenoiseStepInput ic{canvas, sc_in, &kc, T, uniforms, rc.data(), soft_c.data(), {}};
     DenoiseStepInput ig{canvas, sc_in, &kg, T, uniforms, rg.data(), soft_g.data(), {}};
+    // Steps 2 and 3 with the sparse self-conditioning product (each backend its own plan: the
+    // CPU's tiles are 512 ids, the GPU's 256; both within 2⁻¹⁰ of the dense product).
+    ic.sparse_sc = ig.sparse_sc = step >= 2;
     ASSERT_TRUE(cpu_->DenoiseStep({&ic, 1}).ok());
     const absl::Status st = gpu_->DenoiseStep({&ig, 1});
     ASSERT_TRUE(st.ok()) << st;

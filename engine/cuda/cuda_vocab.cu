@@ -301,6 +301,7 @@ struct TilePartial {
 
 // Per row, from the combine to the sampled tile's scan.
 struct RowSample {
+  double total;      // S = Σ e over the row (relative to m)
   double cum;        // Σ of the tiles before `tile` (relative to m)
   double target;     // u·S
   float m;           // the row's max ℓ
@@ -505,6 +506,7 @@ __global__ void FusedCombineKernel(int rows, int tiles, const float* __restrict_
   if (row >= rows) return;
   const TilePartial* p = partials + int64_t(row) * tiles;
   RowSample rs;
+  rs.total = 0.0;
   rs.cum = 0.0;
   rs.target = 0.0;
   rs.m = -INFINITY;
@@ -560,6 +562,7 @@ __global__ void FusedCombineKernel(int rows, int tiles, const float* __restrict_
     cum_last = cum;
     cum += ts;
   }
+  rs.total = total;
   rs.target = target;
   rs.m = m;
   rs.k = k;
@@ -620,11 +623,20 @@ __global__ void __launch_bounds__(kFT)
 
 __global__ void __launch_bounds__(kFT)
     FusedProbsKernel(FusedVocabArgs a, const VocabRowResult* __restrict__ res,
-                     uint16_t* __restrict__ probs) {
+                     const uint8_t* __restrict__ skip, int tiles, uint16_t* __restrict__ probs) {
   __shared__ TileSmem sm;
   const int tile = blockIdx.x, row0 = blockIdx.y * kFR;
   const int nrows = min(kFR, a.rows - row0);
   const int v = tile * kFT + threadIdx.x;
+  // The sparse product's plan: a (row, tile) left out gets probability 0; a tile every row of
+  // the block leaves out is not computed.
+  if (skip != nullptr) {
+    const bool kept = threadIdx.x < nrows && skip[int64_t(row0 + threadIdx.x) * tiles + tile] == 0;
+    if (__syncthreads_or(kept) == 0) {
+      for (int r = 0; r < nrows && v < a.vocab; ++r) probs[int64_t(row0 + r) * a.vocab + v] = 0;
+      return;
+    }
+  }
   float d[kMi][kNj][4];
   TileMma(a.hidden, row0, nrows, a.dim, a.embed, tile * kFT, a.vocab, a.bf16_input, &sm, d);
   const float softcap = a.softcap;
@@ -645,9 +657,80 @@ __global__ void __launch_bounds__(kFT)
       float l = sm.u.ls[r][threadIdx.x];
       if (softcap > 0) l = softcap * tanhf(l / softcap);
       const bool allowed = mask == nullptr || ((mask[v >> 6] >> (v & 63)) & 1u) != 0;
+      const bool left_out = skip != nullptr && skip[int64_t(row) * tiles + tile] != 0;
       probs[int64_t(row) * a.vocab + v] =
-          ok && allowed ? ToBf16Bits(expf(l * inv_t - lse)) : uint16_t(0);
+          ok && allowed && !left_out ? ToBf16Bits(expf(l * inv_t - lse)) : uint16_t(0);
     }
+  }
+}
+
+// The sparse self-conditioning plan of each row (cpu_vocab.cc's PlanRow at this pass's tiles):
+// with q_t = 2^{δ_t}·S_t / S the exact mass of tile t and N_t its largest ‖E_v‖₂, greedily in
+// tile order each tile whose mass still fits the row's budget ε is left out; the plan stands
+// only if its bound B = scale·Σ_out q_t N_t ≤ 2⁻¹⁰·(L − B), L = scale·(q_max ‖E_argmax‖ −
+// Σ_t q'_t N_t) ≤ ‖s‖ (q'_t = q_t less q_max in the argmax's tile), and it leaves out some mass;
+// otherwise the row is dense. One thread per row; skip: [rows, tiles].
+__global__ void FusedPlanKernel(FusedVocabArgs a, int tiles,
+                                const TilePartial* __restrict__ partials,
+                                const RowSample* __restrict__ sample, uint8_t* __restrict__ skip) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= a.rows) return;
+  uint8_t* sk = skip + int64_t(row) * tiles;
+  for (int t = 0; t < tiles; ++t) sk[t] = 0;
+  const RowSample rs = sample[row];
+  const double eps = a.sc_skip_mass[row];
+  if (rs.tile < 0 || !(eps > 0.0)) return;  // bad row (reported elsewhere) or dense
+  const TilePartial* p = partials + int64_t(row) * tiles;
+  const int am = a.out[row].argmax;
+  const double q_max = 1.0 / rs.total;  // the argmax's e is 2^0 = 1
+  double left = 0.0, bound = 0.0, spread = 0.0;
+  for (int t = 0; t < tiles; ++t) {
+    double q = 0.0;
+    if (p[t].s > 0.0)
+      q = exp2((double(p[t].max) - double(rs.m)) * double(rs.k)) * p[t].s / rs.total;
+    const double n_t = a.tile_norm_max[t];
+    spread += (t == am / kFT ? fmax(0.0, q - q_max) : q) * n_t;
+    if (left + q > eps) continue;
+    left += q;
+    bound += q * n_t;
+    sk[t] = 1;
+  }
+  bool keep = left > 0.0;
+  if (keep) {
+    double am_norm2 = 0.0;
+    for (int i = 0; i < a.dim; ++i) {
+      const double x = Bf16BitsToFloat(a.embed[int64_t(am) * a.dim + i]);
+      am_norm2 += x * x;
+    }
+    const double scale = fabs(double(a.embed_scale));
+    const double b = scale * bound, lower = scale * (q_max * sqrt(am_norm2) - spread);
+    keep = b <= 0x1.0p-10 * (lower - b);
+  }
+  if (!keep) {
+    for (int t = 0; t < tiles; ++t) sk[t] = 0;
+  }
+}
+
+// out[t] = max over the ids of tile t of ‖E_v‖₂ (float64 sums), rounded up by a factor 1 + 1e-6.
+__global__ void __launch_bounds__(kFT)
+    TileNormMaxKernel(const uint16_t* __restrict__ embed, int vocab, int dim,
+                      float* __restrict__ out) {
+  __shared__ double w_best[kFWarps];
+  const int v = blockIdx.x * kFT + threadIdx.x;
+  double ss = 0.0;
+  if (v < vocab) {
+    for (int i = 0; i < dim; ++i) {
+      const double x = Bf16BitsToFloat(embed[int64_t(v) * dim + i]);
+      ss += x * x;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) ss = fmax(ss, __shfl_xor_sync(kFull, ss, o));
+  if (threadIdx.x % 32 == 0) w_best[threadIdx.x / 32] = ss;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double best = 0.0;
+    for (int w = 0; w < kFWarps; ++w) best = fmax(best, w_best[w]);
+    out[blockIdx.x] = float(sqrt(best) * (1.0 + 1e-6));
   }
 }
 
@@ -663,10 +746,17 @@ absl::Status CheckFused(const FusedVocabArgs& a, const char* what) {
   }
   if (a.rows == 0) return absl::OkStatus();
   if (a.hidden == nullptr || a.embed == nullptr || a.temperature == nullptr ||
-      (a.mask_index != nullptr && a.mask_table == nullptr)) {
+      (a.mask_index != nullptr && a.mask_table == nullptr) ||
+      (a.sc_skip_mass != nullptr && (a.tile_norm_max == nullptr || a.scratch == nullptr))) {
     return absl::InvalidArgumentError(std::string(what) + ": null pointer");
   }
   return absl::OkStatus();
+}
+
+// The sparse plan's flags in the scratch, after the partials and the row states.
+uint8_t* SkipFlags(const FusedVocabArgs& a) {
+  return static_cast<uint8_t*>(a.scratch) + PartialsBytes(a.rows, a.vocab) +
+         size_t(a.rows) * sizeof(RowSample);
 }
 
 absl::Status LaunchStatus(const char* what) {
@@ -679,7 +769,8 @@ absl::Status LaunchStatus(const char* what) {
 
 size_t FusedVocabScratchBytes(int rows, int vocab) {
   if (rows <= 0 || vocab <= 0) return 0;
-  return PartialsBytes(rows, vocab) + size_t(rows) * sizeof(RowSample);
+  return PartialsBytes(rows, vocab) + size_t(rows) * sizeof(RowSample) +
+         size_t(rows) * FusedTiles(vocab);
 }
 
 absl::Status FusedVocabStep(const FusedVocabArgs& a) {
@@ -698,7 +789,20 @@ absl::Status FusedVocabStep(const FusedVocabArgs& a) {
   LaunchKernel(FusedCombineKernel, (a.rows + 63) / 64, 64, 0, s, a.rows, tiles, a.temperature,
                a.uniforms, partials, sample, a.out);
   LaunchKernel(FusedSampleKernel, a.rows, kFT, 0, s, a, sample);
+  if (a.sc_skip_mass != nullptr) {
+    LaunchKernel(FusedPlanKernel, (a.rows + 63) / 64, 64, 0, s, a, tiles, partials, sample,
+                 SkipFlags(a));
+  }
   return LaunchStatus("FusedVocabStep");
+}
+
+absl::Status FusedTileNormMax(const uint16_t* embed, int vocab, int dim, float* out, void* stream) {
+  if (vocab <= 0 || dim <= 0 || vocab > kMaxVocab) {
+    return absl::InvalidArgumentError("FusedTileNormMax: need 1 ≤ vocab ≤ 2^30 and dim ≥ 1");
+  }
+  LaunchKernel(TileNormMaxKernel, FusedTiles(vocab), kFT, 0, static_cast<cudaStream_t>(stream),
+               embed, vocab, dim, out);
+  return LaunchStatus("FusedTileNormMax");
 }
 
 absl::Status FusedSoftmaxProbsBf16(const FusedVocabArgs& a, const VocabRowResult* results,
@@ -708,8 +812,10 @@ absl::Status FusedSoftmaxProbsBf16(const FusedVocabArgs& a, const VocabRowResult
   if (results == nullptr || probs == nullptr) {
     return absl::InvalidArgumentError("FusedSoftmaxProbsBf16: null pointer");
   }
-  LaunchKernel(FusedProbsKernel, dim3(FusedTiles(a.vocab), (a.rows + kFR - 1) / kFR), kFT, 0,
-               static_cast<cudaStream_t>(a.stream), a, results, probs);
+  const int tiles = FusedTiles(a.vocab);
+  LaunchKernel(FusedProbsKernel, dim3(tiles, (a.rows + kFR - 1) / kFR), kFT, 0,
+               static_cast<cudaStream_t>(a.stream), a, results,
+               a.sc_skip_mass != nullptr ? SkipFlags(a) : nullptr, tiles, probs);
   return LaunchStatus("FusedSoftmaxProbsBf16");
 }
 

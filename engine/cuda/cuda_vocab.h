@@ -100,10 +100,24 @@ struct FusedVocabArgs {
   const int32_t* mask_index = nullptr;
   void* scratch = nullptr;  // FusedVocabScratchBytes(rows, vocab) bytes of device memory
   void* stream = nullptr;
+  // The sparse self-conditioning product (cpu_vocab.h's bound, at this pass's tiles of 256 ids):
+  // [rows] per-row ε, the most probability mass the soft embedding may leave out (0: dense), or
+  // nullptr (every row dense). With it FusedVocabStep also plans each row (which tiles its soft
+  // embedding leaves out, the plan kept only if its error bound B ≤ 2⁻¹⁰·(L − B) with L ≤ ‖s‖)
+  // into the scratch, and FusedSoftmaxProbsBf16 writes probability 0 for the tiles left out (and
+  // skips a tile every row of a block leaves out). Needs tile_norm_max and embed_scale.
+  const float* sc_skip_mass = nullptr;
+  const float* tile_norm_max = nullptr;  // [⌈vocab/256⌉] FusedTileNormMax of embed
+  float embed_scale = 1.0f;              // the soft embedding's scale bf16(√D)
 };
 
-// Device scratch (bytes) FusedVocabStep needs for `rows` rows (partials and per-row sampling
-// state).
+// out[t] = max over ids v of tile t (kFusedVocabTile ids) of ‖E_v‖₂, rounded up (upper bounds
+// for the sparse plan). embed: [vocab, dim] bf16; out: [⌈vocab/256⌉] float.
+absl::Status FusedTileNormMax(const uint16_t* embed, int vocab, int dim, float* out,
+                              void* stream = nullptr);
+
+// Device scratch (bytes) FusedVocabStep needs for `rows` rows (partials, per-row sampling state
+// and the sparse plan's flags).
 size_t FusedVocabScratchBytes(int rows, int vocab);
 
 absl::Status FusedVocabStep(const FusedVocabArgs& args);

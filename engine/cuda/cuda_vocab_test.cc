@@ -537,6 +537,147 @@ TEST_F(CudaFusedVocabTest, SoftmaxProbsMatchReference) {
   }
 }
 
+// The sparse self-conditioning plan (cpu_vocab.cc's PlanRow at 256-id tiles) against the same
+// plan computed here from float64 logits: the tiles a row leaves out get probability 0, the others
+// the dense probabilities; peaked rows leave tiles out, flat rows and rows with ε = 0 none; and
+// the soft embedding from the GPU's probabilities moves by less than 2⁻¹⁰ of its norm.
+TEST_F(CudaFusedVocabTest, SparsePlanMatchesReferenceAndBound) {
+  const int vocab = 2053, dim = 40, tiles = (vocab + 255) / 256;
+  // Rows 0–3 peaked (the hidden state one table row: its logit ≈ 40, the others ≈ N(0, 40)),
+  // 4 flat, 5 peaked with ε = 0 (dense).
+  Problem p = RandomProblem(vocab, dim, {1.0f, 1.0f, 1.0f, 1.0f, 0.3f, 1.0f}, 17);
+  p.temps = {0.3f, 0.5f, 0.8f, 0.4f, 1.0f, 0.3f};
+  const int target[] = {7, 1000, 2052, 300, 0, 555};
+  for (int r : {0, 1, 2, 3, 5}) {
+    for (int k = 0; k < dim; ++k) {
+      p.hidden[size_t(r) * dim + k] = Bf16ToFloat(p.embed[size_t(target[r]) * dim + k]);
+    }
+  }
+  p.us = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  std::vector<float> eps = {0x1p-12f, 0x1p-12f, 0.0f, 0x1p-12f, 0x1p-12f, 0.0f};
+  {
+    // Row 2's budget: 1.5 times its largest tile mass outside the argmax's tile, so that every
+    // such tile fits alone but not all together (the greedy sum decides).
+    const std::vector<float> raw = Reference(p, false, /*capped=*/false);
+    std::vector<double> e(vocab);
+    double m = -INFINITY, sum = 0;
+    for (int v = 0; v < vocab; ++v) {
+      e[v] = 30.0 * std::tanh(double(raw[size_t(2) * vocab + v]) / 30.0) / p.temps[2];
+      m = std::max(m, e[v]);
+    }
+    for (double& x : e) sum += (x = std::exp(x - m));
+    double largest = 0, others = 0;
+    for (int t = 0; t < tiles; ++t) {
+      if (t == target[2] / 256) continue;
+      double qt = 0;
+      for (int v = t * 256; v < std::min(vocab, t * 256 + 256); ++v) qt += e[v] / sum;
+      largest = std::max(largest, qt);
+      others += qt;
+    }
+    eps[2] = float(1.5 * largest);
+    ASSERT_GT(others, 2.0 * eps[2]);
+  }
+  const float scale = 6.3125f;  // bf16(√40)
+  // N_t in float64.
+  std::vector<float> norm_max(tiles, 0.0f);
+  std::vector<double> norm(vocab);
+  for (int v = 0; v < vocab; ++v) {
+    double ss = 0;
+    for (int k = 0; k < dim; ++k) {
+      const double x = Bf16ToFloat(p.embed[size_t(v) * dim + k]);
+      ss += x * x;
+    }
+    norm[v] = std::sqrt(ss);
+    norm_max[v / 256] = std::max(norm_max[v / 256], float(norm[v] * (1 + 1e-6)));
+  }
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "bf16 input " << bf16);
+    const std::vector<float> raw = Reference(p, bf16, /*capped=*/false);
+    FusedVocabArgs a;
+    a.hidden = Upload(p.hidden);
+    a.rows = p.rows;
+    a.dim = dim;
+    a.embed = Upload(p.embed);
+    a.vocab = vocab;
+    a.bf16_input = bf16;
+    a.softcap = kCap;
+    a.temperature = Upload(p.temps);
+    a.uniforms = Upload(p.us);
+    a.out = Alloc<VocabRowResult>(p.rows, 0xFF);
+    a.scratch = Alloc<char>(FusedVocabScratchBytes(p.rows, vocab), 0xFF);
+    a.sc_skip_mass = Upload(eps);
+    float* dnorm = Alloc<float>(tiles, 0xFF);
+    ASSERT_THAT(FusedTileNormMax(a.embed, vocab, dim, dnorm), IsOk());
+    const std::vector<float> got_norm = Download(dnorm, tiles);
+    for (int t = 0; t < tiles; ++t) EXPECT_NEAR(got_norm[t], norm_max[t], 1e-5 * norm_max[t]) << t;
+    a.tile_norm_max = dnorm;
+    a.embed_scale = scale;
+    ASSERT_THAT(FusedVocabStep(a), IsOk());
+    uint16_t* probs = Alloc<uint16_t>(size_t(p.rows) * vocab, 0xFF);
+    ASSERT_THAT(FusedSoftmaxProbsBf16(a, a.out, probs), IsOk());
+    const std::vector<uint16_t> got = Download(probs, size_t(p.rows) * vocab);
+    for (int r = 0; r < p.rows; ++r) {
+      SCOPED_TRACE(::testing::Message() << "row " << r);
+      std::vector<double> q(vocab);
+      double m = -INFINITY, s = 0;
+      int am = 0;
+      for (int v = 0; v < vocab; ++v) {
+        q[v] = 30.0 * std::tanh(double(raw[size_t(r) * vocab + v]) / 30.0) / p.temps[r];
+        if (q[v] > m) {
+          m = q[v];
+          am = v;
+        }
+      }
+      for (int v = 0; v < vocab; ++v) s += std::exp(q[v] - m);
+      for (int v = 0; v < vocab; ++v) q[v] = std::exp(q[v] - m) / s;
+      // The reference plan.
+      std::vector<char> out(tiles, 0);
+      double left = 0, bound = 0, spread = 0;
+      for (int t = 0; t < tiles; ++t) {
+        double qt = 0;
+        for (int v = t * 256; v < std::min(vocab, t * 256 + 256); ++v) qt += q[v];
+        spread += (t == am / 256 ? std::max(0.0, qt - q[am]) : qt) * norm_max[t];
+        if (left + qt > eps[r]) continue;
+        left += qt;
+        bound += qt * norm_max[t];
+        out[t] = 1;
+      }
+      const double b = scale * bound, lower = scale * (q[am] * norm[am] - spread);
+      const bool keep = left > 0 && b <= 0x1p-10 * (lower - b);
+      if (!keep) std::fill(out.begin(), out.end(), 0);
+      const int left_out = int(std::count(out.begin(), out.end(), 1));
+      if (r <= 3) {
+        EXPECT_GT(left_out, 0);  // the test means something
+      } else {
+        EXPECT_EQ(left_out, 0);
+      }
+      int bad = 0;
+      std::vector<double> dense(dim, 0.0), sparse(dim, 0.0);
+      for (int v = 0; v < vocab; ++v) {
+        const uint16_t want = out[v / 256] ? uint16_t(0) : FloatToBf16(float(q[v]));
+        const uint16_t g = got[size_t(r) * vocab + v];
+        if (std::abs(int(want) - int(g)) > 1 && ++bad <= 3) {
+          ADD_FAILURE() << "id " << v << ": " << g << " want " << want;
+        }
+        for (int k = 0; k < dim; ++k) {
+          const double e = Bf16ToFloat(p.embed[size_t(v) * dim + k]);
+          dense[k] += q[v] * e * scale;
+          sparse[k] += double(Bf16ToFloat(g)) * e * scale;
+        }
+      }
+      EXPECT_EQ(bad, 0);
+      // The bound, on the GPU's own (bf16) probabilities: dropped mass ≤ 2⁻¹⁰‖s‖, plus the
+      // bf16 rounding of the kept probabilities (2⁻⁸ relative).
+      double diff = 0, ns = 0;
+      for (int k = 0; k < dim; ++k) {
+        diff += (dense[k] - sparse[k]) * (dense[k] - sparse[k]);
+        ns += dense[k] * dense[k];
+      }
+      EXPECT_LE(std::sqrt(diff), (0x1p-10 + 0x1p-8) * std::sqrt(ns));
+    }
+  }
+}
+
 // Argument checks return before touching the device: these run without a GPU too.
 TEST(CudaVocabArgsTest, BadShapesAreInvalidArgument) {
   EXPECT_THAT(VocabStep(nullptr, 0, 512, kCap, nullptr, nullptr, nullptr), IsOk());
