@@ -18,8 +18,9 @@
 #     BUILD_DIR carried from elsewhere with everything in it skips this. GPU_CHECK_BUILD_ONLY=1
 #     stops after it (a first call that builds, a second that checks).
 #  2. the `gpu` tests (`PASSED/FAILED/SKIPPED/CRASHED/TIMEOUT <binary> <test>`): each CUDA kernel
-#     against the CPU code it mirrors (cuda_ops, cuda_gemm, cuda_attention, cuda_vocab with the
-#     canvas-template masks, cuda_backend_kernels), the whole CUDA backend against the CPU
+#     against the CPU code it mirrors (cuda_ops, cuda_gemm, cuda_attention, cuda_vocab: the fused
+#     vocabulary pass and the former VocabStep, with the canvas-template masks,
+#     cuda_backend_kernels), the whole CUDA backend against the CPU
 #     backend (cuda_backend, masked steps included), and
 #     NCCL: with one GPU the 1-rank self-send test (kvstore_nccl_self_send_test; NCCL refuses two
 #     ranks of one communicator on one device).

@@ -272,6 +272,8 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<int32_t> ids_, positions_, expert_, offsets_, gather_, slot_, mask_index_;
   DeviceArray<uint64_t> mask_table_;  // the distinct canvas-template masks of a step
   DeviceArray<uint16_t> probs_bf16_;
+  DeviceArray<unsigned char> vocab_scratch_;      // FusedVocabStep's tile partials
+  DeviceArray<float> tile_norm_max_, skip_mass_;  // the sparse self-conditioning plan's inputs
   DeviceArray<cuda::VocabRowResult> results_;
   std::vector<float> host_k_, host_v_, host_stage_;
   DecodeTimings timings_;
@@ -859,13 +861,55 @@ absl::Status CudaBackend::DenoiseStepLocked(std::span<const DenoiseStepInput> ba
     }
     const uint64_t* d_mask_table = masked ? mask_table_.get() : nullptr;
     const int32_t* d_mask_index = masked ? mask_index_.get() : nullptr;
-    DGSERVE_RETURN_IF_ERROR(logits_.Ensure(size_t(R) * V));
     DGSERVE_RETURN_IF_ERROR(results_.Ensure(R));
-    // Raw LM-head logits; VocabStep applies the softcap itself (spec §3.1.6, §4.2 steps 3–4).
-    DGSERVE_RETURN_IF_ERROR(cublas_.Linear(h_.get(), embed_.get(), R, D, V, logits_.get()));
-    DGSERVE_RETURN_IF_ERROR(cuda::VocabStep(logits_.get(), R, V, c_.final_logit_softcapping,
-                                            temps_.get(), uniforms_.get(), results_.get(),
-                                            /*z_bf16=*/nullptr, d_mask_table, d_mask_index));
+    // The LM head, softcap, masks, argmax, entropy, lse and sample (spec §3.1.6, §4.2 steps
+    // 3–4): fused, in vocabulary tiles, no [R, V] logits (cuda_vocab.h); or, as a comparison
+    // mode, cuBLAS float32 logits then VocabStep.
+    cuda::FusedVocabArgs fused;
+    fused.hidden = h_.get();
+    fused.rows = R;
+    fused.dim = D;
+    fused.embed = embed_.get();
+    fused.vocab = V;
+    fused.bf16_input = cublas_.input() == cuda::GemmInput::kBf16;
+    fused.softcap = c_.final_logit_softcapping;
+    fused.temperature = temps_.get();
+    fused.uniforms = uniforms_.get();
+    fused.out = results_.get();
+    fused.mask_table = d_mask_table;
+    fused.mask_index = d_mask_index;
+    if (options_.fused_vocab) {
+      DGSERVE_RETURN_IF_ERROR(vocab_scratch_.Ensure(cuda::FusedVocabScratchBytes(R, V)));
+      fused.scratch = vocab_scratch_.get();
+      // The sparse self-conditioning product (cpu_vocab.h's bound) for the rows of canvases
+      // whose DenoiseStepInput::sparse_sc is set (ε = 2⁻¹², cpu::kDefaultScSkipMass).
+      bool sparse = false;
+      std::vector<float> skip_mass(R, 0.0f);
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (!batch[i].sparse_sc || batch[i].next_soft == nullptr) continue;
+        const Segment& s = segs[i];
+        for (int r = 0; r < s.rows; ++r) skip_mass[s.row0 + r] = 0x1p-12f;
+        sparse |= s.rows > 0;
+      }
+      if (sparse) {
+        if (tile_norm_max_.get() == nullptr) {
+          DGSERVE_RETURN_IF_ERROR(
+              tile_norm_max_.Ensure(size_t(V + cuda::kFusedVocabTile - 1) / cuda::kFusedVocabTile));
+          DGSERVE_RETURN_IF_ERROR(cuda::FusedTileNormMax(embed_.get(), V, D, tile_norm_max_.get()));
+        }
+        DGSERVE_RETURN_IF_ERROR(skip_mass_.Upload(skip_mass));
+        fused.sc_skip_mass = skip_mass_.get();
+        fused.tile_norm_max = tile_norm_max_.get();
+        fused.embed_scale = c_.EmbedScale();
+      }
+      DGSERVE_RETURN_IF_ERROR(cuda::FusedVocabStep(fused));
+    } else {
+      DGSERVE_RETURN_IF_ERROR(logits_.Ensure(size_t(R) * V));
+      DGSERVE_RETURN_IF_ERROR(cublas_.Linear(h_.get(), embed_.get(), R, D, V, logits_.get()));
+      DGSERVE_RETURN_IF_ERROR(cuda::VocabStep(logits_.get(), R, V, c_.final_logit_softcapping,
+                                              temps_.get(), uniforms_.get(), results_.get(),
+                                              /*z_bf16=*/nullptr, d_mask_table, d_mask_index));
+    }
     std::vector<cuda::VocabRowResult> results(R);
     DGSERVE_RETURN_IF_ERROR(
         Download(results.data(), results_.get(), size_t(R) * sizeof(cuda::VocabRowResult)));
@@ -889,10 +933,15 @@ absl::Status CudaBackend::DenoiseStepLocked(std::span<const DenoiseStepInput> ba
       // Next step's self-conditioning input (spec §3.5 step 2): softmax(ℓ/T) · E · bf16(√D).
       DGSERVE_RETURN_IF_ERROR(probs_bf16_.Ensure(size_t(R) * V));
       DGSERVE_RETURN_IF_ERROR(soft_.Ensure(size_t(R) * D));
-      DGSERVE_RETURN_IF_ERROR(cuda::SoftmaxProbsBf16(logits_.get(), R, V,
-                                                     c_.final_logit_softcapping, temps_.get(),
-                                                     results_.get(), probs_bf16_.get(),
-                                                     d_mask_table, d_mask_index));
+      // The bf16 probabilities from the logits recomputed per tile (fused) or from the logits.
+      if (options_.fused_vocab) {
+        DGSERVE_RETURN_IF_ERROR(
+            cuda::FusedSoftmaxProbsBf16(fused, results_.get(), probs_bf16_.get()));
+      } else {
+        DGSERVE_RETURN_IF_ERROR(
+            cuda::SoftmaxProbsBf16(logits_.get(), R, V, c_.final_logit_softcapping, temps_.get(),
+                                   results_.get(), probs_bf16_.get(), d_mask_table, d_mask_index));
+      }
       DGSERVE_RETURN_IF_ERROR(SoftGemm(probs_bf16_.get(), R, soft_.get()));
       for (size_t i = 0; i < batch.size(); ++i) {
         const Segment& s = segs[i];

@@ -47,6 +47,10 @@ struct CudaBackendOptions {
   // each bracket costs two event records. For one backend at a time (engine_bench): the timer
   // sees launches through the process-wide observer of cuda_profile.h while its step runs.
   bool phase_timing = false;
+  // The denoising step's vocabulary work as the fused pass (cuda::FusedVocabStep: LM head in
+  // vocabulary tiles, no [rows, V] float32 logits), the default; false: the former path (cuBLAS
+  // float32 logits, then cuda::VocabStep and SoftmaxProbsBf16), kept for comparison.
+  bool fused_vocab = true;
 };
 
 // Device time of the last DenoiseStep's phases (options.phase_timing), in milliseconds: the sum

@@ -12,6 +12,9 @@
 //     logits, keys and values agree to float32 accumulation order (1e-3 of the largest |value|).
 // What is rounded to bf16 on purpose in both modes (the self-conditioning probabilities, spec
 // §5.3) is compared to bf16 accuracy (2e-2).
+// A third mode, bf16_unfused, runs the bf16 mode through the former vocabulary path
+// (CudaBackendOptions::fused_vocab = false: cuBLAS float32 logits + VocabStep) to the same
+// tolerances.
 #include "engine/cuda/cuda_backend.h"
 
 #include <gtest/gtest.h>
@@ -46,6 +49,8 @@ struct GemmMode {
   bool relative;
   float kv_rel;    // max |ΔK|, |ΔV| ÷ the checked rows' max |value|
   float soft_rel;  // a step's next_soft: max |Δ| ÷ max |CPU value|
+  // CudaBackendOptions::fused_vocab (false: the former vocabulary path, kept for comparison).
+  bool fused_vocab = true;
 };
 // bf16. Measured under the emulation (whose cuBLAS sums in double): most values agree to 1e-6,
 // but where the other addition order moves a value across a bf16 rounding boundary, a near-tied
@@ -62,6 +67,11 @@ constexpr GemmMode kBf16Mode{
 constexpr GemmMode kFloat32Mode{
     "float32", cuda::GemmInput::kFloat32, cpu::GemmInput::kFloat32, 1e-3f, 2e-2f, true, 1e-3f,
     2e-2f};
+// bf16 through the former vocabulary path (cuBLAS float32 logits + VocabStep), kept for
+// comparison: the same tolerances.
+constexpr GemmMode kBf16UnfusedMode{
+    "bf16_unfused", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.3f, 0.1f, false, 2e-2f, 6e-2f,
+    false};
 
 class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterface<GemmMode> {
  protected:
@@ -84,6 +94,7 @@ class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterf
     cpu_ = CreateCpuBackend(config(), checkpoint_->weights, cpu_options);
     CudaBackendOptions gpu_options;
     gpu_options.gemm_input = GetParam().gpu;
+    gpu_options.fused_vocab = GetParam().fused_vocab;
     auto gpu = CreateCudaBackend(config(), checkpoint_->weights, gpu_options);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     gpu_ = std::move(*gpu);
@@ -166,6 +177,8 @@ class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterf
 Checkpoint* CudaBackendTest::checkpoint_ = nullptr;
 
 TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
+  // The former vocabulary path (bf16_unfused) is compared in the denoising tests only.
+  if (!GetParam().fused_vocab) GTEST_SKIP() << "not a denoising comparison";
   // 29 context tokens > 3 sliding windows (W = 8), encoded in chunks that cross window edges.
   const std::vector<int32_t> prompt = Tokens(29, 0);
   ContiguousKvCache kc(config(), 256), kg(config(), 256);
@@ -215,6 +228,9 @@ TEST_P(CudaBackendTest, DenoiseStepsMatchCpu) {
     std::vector<float> soft_c(size_t(C) * D), soft_g(size_t(C) * D);
     DenoiseStepInput ic{canvas, sc_in, &kc, T, uniforms, rc.data(), soft_c.data(), {}};
     DenoiseStepInput ig{canvas, sc_in, &kg, T, uniforms, rg.data(), soft_g.data(), {}};
+    // Steps 2 and 3 with the sparse self-conditioning product (each backend its own plan: the
+    // CPU's tiles are 512 ids, the GPU's 256; both within 2⁻¹⁰ of the dense product).
+    ic.sparse_sc = ig.sparse_sc = step >= 2;
     ASSERT_TRUE(cpu_->DenoiseStep({&ic, 1}).ok());
     const absl::Status st = gpu_->DenoiseStep({&ig, 1});
     ASSERT_TRUE(st.ok()) << st;
@@ -237,6 +253,8 @@ TEST_P(CudaBackendTest, DenoiseStepsMatchCpu) {
 }
 
 TEST_P(CudaBackendTest, SoftEmbeddingMatchesCpu) {
+  // The former vocabulary path (bf16_unfused) is compared in the denoising tests only.
+  if (!GetParam().fused_vocab) GTEST_SKIP() << "not a denoising comparison";
   const int V = config().vocab_size, D = config().hidden_size, rows = 5;
   std::vector<float> probs(size_t(rows) * V);
   for (int r = 0; r < rows; ++r) {
@@ -376,6 +394,8 @@ TEST_P(CudaBackendTest, CanvasTemplateMasksMatchCpu) {
 // algorithm for the projections and the LM head does not depend on the row count (checked by
 // hand: the emulated cuBLAS with a sum 1e-7 off when a GEMM has more than 16 rows fails it).
 TEST_P(CudaBackendTest, BatchedStepEqualsSoloBitForBit) {
+  // The former vocabulary path (bf16_unfused) is compared in the denoising tests only.
+  if (!GetParam().fused_vocab) GTEST_SKIP() << "not a denoising comparison";
   // Emulated: the default mode only, up to 3 others (the emulated step is slow; the float32
   // mode differs only in its conversion kernels, which work element by element).
   if (cuda::kEmulated && GetParam().gpu != cuda::GemmInput::kBf16) GTEST_SKIP() << "emulated";
@@ -469,7 +489,8 @@ TEST_P(CudaBackendTest, RejectsBadInput) {
   EXPECT_EQ(gpu_->DenoiseStep({&m, 1}).code(), absl::StatusCode::kInvalidArgument);
 }
 
-INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendTest, ::testing::Values(kBf16Mode, kFloat32Mode),
+INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendTest,
+                         ::testing::Values(kBf16Mode, kFloat32Mode, kBf16UnfusedMode),
                          [](const ::testing::TestParamInfo<GemmMode>& info) {
                            return std::string(info.param.name);
                          });

@@ -275,10 +275,11 @@ TEST_F(SyntheticBackendTest, TinyStepLaunchCounts) {
   const uint64_t layer_kernels_full = layer_kernels_sliding - 1;  // V = rms(K): a device copy
   // q, k, (v), o, gate, up, down, the router's float32 GEMM (the experts are our kernels).
   const uint64_t layer_cublas_sliding = 3 + 1 + 3 + 1, layer_cublas_full = 2 + 1 + 3 + 1;
-  // Embedding, input norm, the layers, final norm; vocabulary: LM head conversion, vocabulary
-  // step, softmax to bf16 probabilities; cuBLAS: LM head and soft-embedding GEMM.
-  const uint64_t kernels = 1 + 1 + layer_kernels_sliding + layer_kernels_full + 1 + 3;
-  const uint64_t cublas = layer_cublas_sliding + layer_cublas_full + 2;
+  // Embedding, input norm, the layers, final norm; vocabulary (the fused pass, issue 33 item 5):
+  // LM-head tiles, per-row combine, the sampled tile's scan, the bf16 probabilities recomputed
+  // per tile; cuBLAS: the soft-embedding GEMM.
+  const uint64_t kernels = 1 + 1 + layer_kernels_sliding + layer_kernels_full + 1 + 4;
+  const uint64_t cublas = layer_cublas_sliding + layer_cublas_full + 1;
   // The self-conditioning MLP of the second step: norm, 3 conversions + gelu, add; 3 GEMMs.
   const uint64_t sc_kernels = 1 + 4 + 1, sc_cublas = 3;
   // Uploads: ids, positions, temperatures, uniforms (+ the soft embedding with

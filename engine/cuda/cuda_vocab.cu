@@ -5,6 +5,7 @@
 
 #include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_mma.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -277,6 +278,545 @@ absl::Status VocabStep(const float* logits, int rows, int vocab, float softcap,
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(std::string("VocabStep: ") + cudaGetErrorString(e));
+}
+
+// ---- The fused vocabulary pass (FusedVocabStep) ----
+namespace {
+
+constexpr int kFT = kFusedVocabTile;  // ids per tile = threads of the tile kernels
+constexpr int kFR = kFusedRows;       // rows per block of the tile kernels
+constexpr int kFK = 32;               // k (hidden) columns staged in shared memory per step
+constexpr int kFWarps = kFT / 32;
+
+// One (row, tile) partial: the tile's max ℓ and its first argmax, S_t = Σ e and Q_t = Σ e·w
+// relative to that max, and whether a NaN ℓ was seen.
+struct TilePartial {
+  double s;
+  double q;
+  float max;
+  int32_t arg;
+  int32_t bad;
+  int32_t pad;
+};
+
+// Per row, from the combine to the sampled tile's scan.
+struct RowSample {
+  double total;      // S = Σ e over the row (relative to m)
+  double cum;        // Σ of the tiles before `tile` (relative to m)
+  double target;     // u·S
+  float m;           // the row's max ℓ
+  float k;           // fl(log2 e / T)
+  int32_t tile;      // the tile to scan, −1: bad row (nothing to do)
+  int32_t past_end;  // rounding left u·S past every tile: take the tile's last id with e > 0
+};
+
+int FusedTiles(int vocab) { return (vocab + kFT - 1) / kFT; }
+
+// Term `term` (0: hi, 1: mid, 2: lo) of the exact three-term bf16 split of x (GemmInput::
+// kFloat32; as cuda_gemm.cu's SplitTermBits): a non-finite x is its own hi term.
+__device__ __forceinline__ uint16_t SplitBits(float f, int term) {
+  uint16_t t = ToBf16Bits(f);
+  if ((__float_as_uint(f) & 0x7F800000u) == 0x7F800000u) return term == 0 ? t : uint16_t(0);
+  for (int j = 0; j < term; ++j) {
+    f = __fsub_rn(f, Bf16BitsToFloat(t));
+    t = ToBf16Bits(f);
+  }
+  return t;
+}
+
+// Shared memory of the tile kernels: one k chunk of the block's hidden rows (one bf16 term) and
+// of the tile's table rows ([id][k], k contiguous: B n-major for ldmatrix), the latter reused for
+// 16 rows of float32 results once the products are done. Rows of kPadK bf16 (80 bytes): 16-byte
+// aligned ldmatrix rows.
+constexpr int kPadK = kFK + 8;
+constexpr int kMi = kFR / 16;  // 16-row fragments per block
+constexpr int kNj = 4;         // 8-id fragments per warp (32 ids)
+struct alignas(16) TileSmem {
+  uint16_t as[kFR][kPadK];
+  union {
+    uint16_t bs[kFT][kPadK];
+    float ls[16][kFT + 4];
+  } u;
+};
+
+// d[mi][nj] = the block's raw logits h·Eᵀ for rows row0 + 16·mi + (0…15) and ids v0 + 32·warp +
+// 8·nj + (0…7), as mma.m16n8k16 C fragments: bf16 × bf16 products on the tensor cores, float32
+// accumulation. The bf16-input mode feeds bf16(h) (ActivationBf16Bits); otherwise h's exact
+// three-term split, lo, mid then hi into the same accumulators per k chunk (as the cuBLAS split
+// of cuda_gemm.h). Fragments of rows ≥ nrows are skipped (their values are unused). A row's
+// accumulators depend on its own hidden state and the table only, whichever slot it has, so its
+// logits are the same bits in every kernel and in any batch.
+__device__ __forceinline__ void TileMma(const float* __restrict__ hidden, int row0, int nrows,
+                                        int dim, const uint16_t* __restrict__ embed, int v0,
+                                        int vocab, bool bf16_input, TileSmem* sm,
+                                        float d[kMi][kNj][4]) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi) {
+#pragma unroll
+    for (int nj = 0; nj < kNj; ++nj) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[mi][nj][i] = 0.0f;
+    }
+  }
+  const int terms = bf16_input ? 1 : 3;
+  for (int k0 = 0; k0 < dim; k0 += kFK) {
+    const int kn = min(kFK, dim - k0);
+    for (int i = tid; i < kFT * kFK; i += kFT) {
+      const int j = i / kFK, kk = i % kFK, v = v0 + j;
+      sm->u.bs[j][kk] = v < vocab && kk < kn ? embed[int64_t(v) * dim + k0 + kk] : uint16_t(0);
+    }
+    const int steps = (kn + 15) / 16;
+    for (int term = terms - 1; term >= 0; --term) {
+      for (int i = tid; i < kFR * kFK; i += kFT) {
+        const int r = i / kFK, kk = i % kFK;
+        uint16_t h = 0;
+        if (r < nrows && kk < kn) {
+          const float x = hidden[int64_t(row0 + r) * dim + k0 + kk];
+          h = bf16_input ? ActivationBf16Bits(x) : SplitBits(x, term);
+        }
+        sm->as[r][kk] = h;
+      }
+      __syncthreads();
+      for (int st = 0; st < steps; ++st) {
+        uint32_t b[kNj][2];
+#pragma unroll
+        for (int nj = 0; nj < kNj; ++nj) {
+          mma::LdMatrixX2(b[nj],
+                          &sm->u.bs[warp * 32 + nj * 8 + lane % 8][st * 16 + ((lane / 8) % 2) * 8]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < kMi; ++mi) {
+          if (mi * 16 >= nrows) continue;  // uniform over the block
+          uint32_t a[4];
+          mma::LdMatrixX4(a, &sm->as[mi * 16 + lane % 16][st * 16 + (lane / 16) * 8]);
+#pragma unroll
+          for (int nj = 0; nj < kNj; ++nj) mma::MmaBf16M16N8K16(d[mi][nj], a, b[nj]);
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Rows 16·mi … 16·mi + 15 of the block's logits into sm->u.ls ([row][id]); the caller syncs
+// before (the table chunk or the previous group is no longer read) and after.
+__device__ __forceinline__ void StoreGroup(const float d[kMi][kNj][4], int mi, TileSmem* sm) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nj = 0; nj < kNj; ++nj) {
+    const int n = warp * 32 + nj * 8 + 2 * t;
+    sm->u.ls[g][n] = d[mi][nj][0];
+    sm->u.ls[g][n + 1] = d[mi][nj][1];
+    sm->u.ls[g + 8][n] = d[mi][nj][2];
+    sm->u.ls[g + 8][n + 1] = d[mi][nj][3];
+  }
+}
+
+__device__ __forceinline__ const uint64_t* RowMask(const uint64_t* table, const int32_t* index,
+                                                   int row, int vocab) {
+  const int mi = index != nullptr ? index[row] : -1;
+  return mi >= 0 ? table + int64_t(mi) * ((int64_t(vocab) + 63) / 64) : nullptr;
+}
+
+// ℓ of id v from its raw dot product: softcap, then −∞ outside the mask (as Logit).
+__device__ __forceinline__ float FusedLogit(float raw, int v, float cap, float k2,
+                                            const uint64_t* mask) {
+  if (mask != nullptr && ((mask[v >> 6] >> (v & 63)) & 1u) == 0) return -INFINITY;
+  return cap > 0.0f ? Softcap(raw, cap, k2) : raw;
+}
+
+__global__ void __launch_bounds__(kFT)
+    FusedTileKernel(FusedVocabArgs a, int tiles, TilePartial* __restrict__ partials) {
+  __shared__ TileSmem sm;
+  __shared__ float w_max[kFWarps];
+  __shared__ int w_arg[kFWarps];
+  __shared__ double w_s[kFWarps], w_q[kFWarps];
+  const int tile = blockIdx.x, row0 = blockIdx.y * kFR;
+  const int nrows = min(kFR, a.rows - row0);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int v0 = tile * kFT, v = v0 + tid;
+  float d[kMi][kNj][4];
+  TileMma(a.hidden, row0, nrows, a.dim, a.embed, v0, a.vocab, a.bf16_input, &sm, d);
+  const float cap = a.softcap;
+  const float k2 = 2.0f / cap * 1.44269504088896341f;
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi) {
+    if (mi * 16 >= nrows) continue;  // uniform over the block
+    __syncthreads();                 // the table chunk / the previous group is no longer read
+    StoreGroup(d, mi, &sm);
+    __syncthreads();
+    const int group_rows = min(16, nrows - mi * 16);
+    for (int r = 0; r < group_rows; ++r) {
+      const int row = row0 + mi * 16 + r;
+      const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
+      const float l = v < a.vocab ? FusedLogit(sm.u.ls[r][tid], v, cap, k2, mask) : -INFINITY;
+      // Tile max and first argmax (NaN never wins; reported through `bad`).
+      float best = l > -INFINITY ? l : -INFINITY;
+      int best_i = l > -INFINITY ? v : INT_MAX;
+      for (int o = 16; o > 0; o >>= 1) {
+        ArgmaxMerge(__shfl_xor_sync(kFull, best, o), __shfl_xor_sync(kFull, best_i, o), &best,
+                    &best_i);
+      }
+      if (lane == 0) {
+        w_max[warp] = best;
+        w_arg[warp] = best_i;
+      }
+      const bool bad = __syncthreads_or(l != l) != 0;
+      float tm = w_max[0];
+      int targ = w_arg[0];
+      for (int w = 1; w < kFWarps; ++w) ArgmaxMerge(w_max[w], w_arg[w], &tm, &targ);
+      const float T = a.temperature[row];
+      const float k = float(kLog2e / double(T));
+      float e = 0.0f, w = 0.0f;
+      if (tm > -INFINITY && !bad) e = Exp2Row(l, tm, k, &w);
+      const double s = WarpSumD(double(e));
+      const double q = WarpSumD(e > 0.0f ? double(e) * double(w) : 0.0);
+      if (lane == 0) {
+        w_s[warp] = s;
+        w_q[warp] = q;
+      }
+      __syncthreads();
+      if (tid == 0) {
+        double ss = 0.0, qq = 0.0;
+        for (int i = 0; i < kFWarps; ++i) {
+          ss += w_s[i];
+          qq += w_q[i];
+        }
+        TilePartial p;
+        p.s = ss;
+        p.q = qq;
+        p.max = tm;
+        p.arg = targ == INT_MAX ? -1 : targ;
+        p.bad = bad ? 1 : 0;
+        p.pad = 0;
+        partials[int64_t(row) * tiles + tile] = p;
+      }
+      __syncthreads();  // w_* are rewritten by the next row
+    }
+  }
+}
+
+__global__ void FusedCombineKernel(int rows, int tiles, const float* __restrict__ temperature,
+                                   const float* __restrict__ uniforms,
+                                   const TilePartial* __restrict__ partials,
+                                   RowSample* __restrict__ sample,
+                                   VocabRowResult* __restrict__ out) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= rows) return;
+  const TilePartial* p = partials + int64_t(row) * tiles;
+  RowSample rs;
+  rs.total = 0.0;
+  rs.cum = 0.0;
+  rs.target = 0.0;
+  rs.m = -INFINITY;
+  rs.k = 0.0f;
+  rs.tile = -1;
+  rs.past_end = 0;
+  const float T = temperature[row];
+  bool bad = !(T > 0.0f) || !isfinite(T);
+  float m = -INFINITY;
+  int argmax = -1;
+  for (int t = 0; t < tiles; ++t) {
+    bad |= p[t].bad != 0;
+    if (p[t].arg >= 0 && p[t].max > m) {  // ascending tiles: strict > keeps the first index
+      m = p[t].max;
+      argmax = p[t].arg;
+    }
+  }
+  if (bad || argmax < 0 || !isfinite(m)) {
+    WriteBadRow(out + row);
+    sample[row] = rs;
+    return;
+  }
+  const float k = float(kLog2e / double(T));
+  // The tiles' sums moved from their own max to m: e·2^δ, w + δ (log2 units).
+  double total = 0.0, sum_ew = 0.0;
+  for (int t = 0; t < tiles; ++t) {
+    if (!(p[t].s > 0.0)) continue;
+    const double d = (double(p[t].max) - double(m)) * double(k);
+    const double alpha = exp2(d);
+    total += alpha * p[t].s;
+    sum_ew += alpha * (p[t].q + d * p[t].s);
+  }
+  if (!(total > 0.0) || !isfinite(total)) {
+    WriteBadRow(out + row);
+    sample[row] = rs;
+    return;
+  }
+  float u = uniforms[row];
+  if (!(u >= 0.0f)) u = 0.0f;                       // also maps NaN to 0
+  if (u >= 1.0f) u = __uint_as_float(0x3f7fffffu);  // nextafter(1, 0)
+  const double target = double(u) * total;
+  double cum = 0.0;
+  int chosen = -1, last_pos = -1;
+  double cum_last = 0.0;
+  for (int t = 0; t < tiles; ++t) {
+    if (!(p[t].s > 0.0)) continue;
+    const double ts = exp2((double(p[t].max) - double(m)) * double(k)) * p[t].s;
+    if (cum + ts > target) {
+      chosen = t;
+      break;
+    }
+    last_pos = t;
+    cum_last = cum;
+    cum += ts;
+  }
+  rs.total = total;
+  rs.target = target;
+  rs.m = m;
+  rs.k = k;
+  if (chosen >= 0) {
+    rs.tile = chosen;
+    rs.cum = cum;
+  } else {
+    rs.tile = last_pos;
+    rs.cum = cum_last;
+    rs.past_end = 1;
+  }
+  sample[row] = rs;
+  const double log_total = log(total);
+  out[row].argmax = argmax;
+  out[row].sampled = argmax;  // replaced by the tile scan
+  out[row].entropy = float(fmax(0.0, log_total - kLn2 * sum_ew / total));
+  out[row].lse = float(double(m) / double(T) + log_total);
+}
+
+__global__ void __launch_bounds__(kFT)
+    FusedSampleKernel(FusedVocabArgs a, const RowSample* __restrict__ sample) {
+  __shared__ TileSmem sm;
+  __shared__ float ex[kFT];
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const RowSample rs = sample[row];
+  if (rs.tile < 0) return;  // uniform over the block
+  const int v0 = rs.tile * kFT, v = v0 + tid;
+  float d[kMi][kNj][4];
+  TileMma(a.hidden, row, 1, a.dim, a.embed, v0, a.vocab, a.bf16_input, &sm, d);
+  __syncthreads();
+  StoreGroup(d, 0, &sm);
+  __syncthreads();
+  const float cap = a.softcap;
+  const float k2 = 2.0f / cap * 1.44269504088896341f;
+  const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
+  float e = 0.0f, w;
+  if (v < a.vocab) e = Exp2Row(FusedLogit(sm.u.ls[0][tid], v, cap, k2, mask), rs.m, rs.k, &w);
+  ex[tid] = e;
+  __syncthreads();
+  if (tid != 0) return;
+  double cum = rs.cum;
+  int picked = -1, last_positive = -1;
+  for (int j = 0; j < kFT; ++j) {
+    if (!(ex[j] > 0.0f)) continue;
+    last_positive = v0 + j;
+    cum += double(ex[j]);
+    if (!rs.past_end && cum > rs.target) {
+      picked = v0 + j;
+      break;
+    }
+  }
+  if (picked >= 0) {
+    a.out[row].sampled = picked;
+  } else if (last_positive >= 0) {
+    a.out[row].sampled = last_positive;
+  }  // else: the argmax the combine wrote
+}
+
+__global__ void __launch_bounds__(kFT)
+    FusedProbsKernel(FusedVocabArgs a, const VocabRowResult* __restrict__ res,
+                     const uint8_t* __restrict__ skip, int tiles, uint16_t* __restrict__ probs) {
+  __shared__ TileSmem sm;
+  const int tile = blockIdx.x, row0 = blockIdx.y * kFR;
+  const int nrows = min(kFR, a.rows - row0);
+  const int v = tile * kFT + threadIdx.x;
+  // The sparse product's plan: a (row, tile) left out gets probability 0; a tile every row of
+  // the block leaves out is not computed.
+  if (skip != nullptr) {
+    const bool kept = threadIdx.x < nrows && skip[int64_t(row0 + threadIdx.x) * tiles + tile] == 0;
+    if (__syncthreads_or(kept) == 0) {
+      for (int r = 0; r < nrows && v < a.vocab; ++r) probs[int64_t(row0 + r) * a.vocab + v] = 0;
+      return;
+    }
+  }
+  float d[kMi][kNj][4];
+  TileMma(a.hidden, row0, nrows, a.dim, a.embed, tile * kFT, a.vocab, a.bf16_input, &sm, d);
+  const float softcap = a.softcap;
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi) {
+    if (mi * 16 >= nrows) continue;  // uniform over the block
+    __syncthreads();
+    StoreGroup(d, mi, &sm);
+    __syncthreads();
+    const int group_rows = min(16, nrows - mi * 16);
+    for (int r = 0; r < group_rows && v < a.vocab; ++r) {
+      const int row = row0 + mi * 16 + r;
+      const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
+      const float lse = res[row].lse;
+      const float inv_t = 1.0f / a.temperature[row];
+      const bool ok = isfinite(lse);
+      // SoftmaxProbsBf16Kernel's formula (cuda_backend_kernels.cu), on the recomputed raw logit.
+      float l = sm.u.ls[r][threadIdx.x];
+      if (softcap > 0) l = softcap * tanhf(l / softcap);
+      const bool allowed = mask == nullptr || ((mask[v >> 6] >> (v & 63)) & 1u) != 0;
+      const bool left_out = skip != nullptr && skip[int64_t(row) * tiles + tile] != 0;
+      probs[int64_t(row) * a.vocab + v] =
+          ok && allowed && !left_out ? ToBf16Bits(expf(l * inv_t - lse)) : uint16_t(0);
+    }
+  }
+}
+
+// The sparse self-conditioning plan of each row (cpu_vocab.cc's PlanRow at this pass's tiles):
+// with q_t = 2^{δ_t}·S_t / S the exact mass of tile t and N_t its largest ‖E_v‖₂, greedily in
+// tile order each tile whose mass still fits the row's budget ε is left out; the plan stands
+// only if its bound B = scale·Σ_out q_t N_t ≤ 2⁻¹⁰·(L − B), L = scale·(q_max ‖E_argmax‖ −
+// Σ_t q'_t N_t) ≤ ‖s‖ (q'_t = q_t less q_max in the argmax's tile), and it leaves out some mass;
+// otherwise the row is dense. One thread per row; skip: [rows, tiles].
+__global__ void FusedPlanKernel(FusedVocabArgs a, int tiles,
+                                const TilePartial* __restrict__ partials,
+                                const RowSample* __restrict__ sample, uint8_t* __restrict__ skip) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= a.rows) return;
+  uint8_t* sk = skip + int64_t(row) * tiles;
+  for (int t = 0; t < tiles; ++t) sk[t] = 0;
+  const RowSample rs = sample[row];
+  const double eps = a.sc_skip_mass[row];
+  if (rs.tile < 0 || !(eps > 0.0)) return;  // bad row (reported elsewhere) or dense
+  const TilePartial* p = partials + int64_t(row) * tiles;
+  const int am = a.out[row].argmax;
+  const double q_max = 1.0 / rs.total;  // the argmax's e is 2^0 = 1
+  double left = 0.0, bound = 0.0, spread = 0.0;
+  for (int t = 0; t < tiles; ++t) {
+    double q = 0.0;
+    if (p[t].s > 0.0)
+      q = exp2((double(p[t].max) - double(rs.m)) * double(rs.k)) * p[t].s / rs.total;
+    const double n_t = a.tile_norm_max[t];
+    spread += (t == am / kFT ? fmax(0.0, q - q_max) : q) * n_t;
+    if (left + q > eps) continue;
+    left += q;
+    bound += q * n_t;
+    sk[t] = 1;
+  }
+  bool keep = left > 0.0;
+  if (keep) {
+    double am_norm2 = 0.0;
+    for (int i = 0; i < a.dim; ++i) {
+      const double x = Bf16BitsToFloat(a.embed[int64_t(am) * a.dim + i]);
+      am_norm2 += x * x;
+    }
+    const double scale = fabs(double(a.embed_scale));
+    const double b = scale * bound, lower = scale * (q_max * sqrt(am_norm2) - spread);
+    keep = b <= 0x1.0p-10 * (lower - b);
+  }
+  if (!keep) {
+    for (int t = 0; t < tiles; ++t) sk[t] = 0;
+  }
+}
+
+// out[t] = max over the ids of tile t of ‖E_v‖₂ (float64 sums), rounded up by a factor 1 + 1e-6.
+__global__ void __launch_bounds__(kFT)
+    TileNormMaxKernel(const uint16_t* __restrict__ embed, int vocab, int dim,
+                      float* __restrict__ out) {
+  __shared__ double w_best[kFWarps];
+  const int v = blockIdx.x * kFT + threadIdx.x;
+  double ss = 0.0;
+  if (v < vocab) {
+    for (int i = 0; i < dim; ++i) {
+      const double x = Bf16BitsToFloat(embed[int64_t(v) * dim + i]);
+      ss += x * x;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) ss = fmax(ss, __shfl_xor_sync(kFull, ss, o));
+  if (threadIdx.x % 32 == 0) w_best[threadIdx.x / 32] = ss;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double best = 0.0;
+    for (int w = 0; w < kFWarps; ++w) best = fmax(best, w_best[w]);
+    out[blockIdx.x] = float(sqrt(best) * (1.0 + 1e-6));
+  }
+}
+
+size_t PartialsBytes(int rows, int vocab) {
+  const size_t b = size_t(rows) * FusedTiles(vocab) * sizeof(TilePartial);
+  return (b + 255) / 256 * 256;
+}
+
+absl::Status CheckFused(const FusedVocabArgs& a, const char* what) {
+  if (a.rows < 0 || a.vocab <= 0 || a.vocab > kMaxVocab || a.dim <= 0) {
+    return absl::InvalidArgumentError(std::string(what) +
+                                      ": need rows ≥ 0, dim ≥ 1 and 1 ≤ vocab ≤ 2^30");
+  }
+  if (a.rows == 0) return absl::OkStatus();
+  if (a.hidden == nullptr || a.embed == nullptr || a.temperature == nullptr ||
+      (a.mask_index != nullptr && a.mask_table == nullptr) ||
+      (a.sc_skip_mass != nullptr && (a.tile_norm_max == nullptr || a.scratch == nullptr))) {
+    return absl::InvalidArgumentError(std::string(what) + ": null pointer");
+  }
+  return absl::OkStatus();
+}
+
+// The sparse plan's flags in the scratch, after the partials and the row states.
+uint8_t* SkipFlags(const FusedVocabArgs& a) {
+  return static_cast<uint8_t*>(a.scratch) + PartialsBytes(a.rows, a.vocab) +
+         size_t(a.rows) * sizeof(RowSample);
+}
+
+absl::Status LaunchStatus(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+size_t FusedVocabScratchBytes(int rows, int vocab) {
+  if (rows <= 0 || vocab <= 0) return 0;
+  return PartialsBytes(rows, vocab) + size_t(rows) * sizeof(RowSample) +
+         size_t(rows) * FusedTiles(vocab);
+}
+
+absl::Status FusedVocabStep(const FusedVocabArgs& a) {
+  if (absl::Status st = CheckFused(a, "FusedVocabStep"); !st.ok()) return st;
+  if (a.rows == 0) return absl::OkStatus();
+  if (a.uniforms == nullptr || a.out == nullptr || a.scratch == nullptr) {
+    return absl::InvalidArgumentError("FusedVocabStep: null pointer");
+  }
+  const int tiles = FusedTiles(a.vocab);
+  auto* partials = static_cast<TilePartial*>(a.scratch);
+  auto* sample =
+      reinterpret_cast<RowSample*>(static_cast<char*>(a.scratch) + PartialsBytes(a.rows, a.vocab));
+  const cudaStream_t s = static_cast<cudaStream_t>(a.stream);
+  LaunchKernel(FusedTileKernel, dim3(tiles, (a.rows + kFR - 1) / kFR), kFT, 0, s, a, tiles,
+               partials);
+  LaunchKernel(FusedCombineKernel, (a.rows + 63) / 64, 64, 0, s, a.rows, tiles, a.temperature,
+               a.uniforms, partials, sample, a.out);
+  LaunchKernel(FusedSampleKernel, a.rows, kFT, 0, s, a, sample);
+  if (a.sc_skip_mass != nullptr) {
+    LaunchKernel(FusedPlanKernel, (a.rows + 63) / 64, 64, 0, s, a, tiles, partials, sample,
+                 SkipFlags(a));
+  }
+  return LaunchStatus("FusedVocabStep");
+}
+
+absl::Status FusedTileNormMax(const uint16_t* embed, int vocab, int dim, float* out, void* stream) {
+  if (vocab <= 0 || dim <= 0 || vocab > kMaxVocab) {
+    return absl::InvalidArgumentError("FusedTileNormMax: need 1 ≤ vocab ≤ 2^30 and dim ≥ 1");
+  }
+  LaunchKernel(TileNormMaxKernel, FusedTiles(vocab), kFT, 0, static_cast<cudaStream_t>(stream),
+               embed, vocab, dim, out);
+  return LaunchStatus("FusedTileNormMax");
+}
+
+absl::Status FusedSoftmaxProbsBf16(const FusedVocabArgs& a, const VocabRowResult* results,
+                                   uint16_t* probs) {
+  if (absl::Status st = CheckFused(a, "FusedSoftmaxProbsBf16"); !st.ok()) return st;
+  if (a.rows == 0) return absl::OkStatus();
+  if (results == nullptr || probs == nullptr) {
+    return absl::InvalidArgumentError("FusedSoftmaxProbsBf16: null pointer");
+  }
+  const int tiles = FusedTiles(a.vocab);
+  LaunchKernel(FusedProbsKernel, dim3(tiles, (a.rows + kFR - 1) / kFR), kFT, 0,
+               static_cast<cudaStream_t>(a.stream), a, results,
+               a.sc_skip_mass != nullptr ? SkipFlags(a) : nullptr, tiles, probs);
+  return LaunchStatus("FusedSoftmaxProbsBf16");
 }
 
 }  // namespace dgserve::cuda

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -102,7 +103,7 @@ class CudaVocabTest : public CudaTest {
     EXPECT_NEAR(g.entropy, want.entropy, 2e-5 * (1 + want.entropy));
     EXPECT_NEAR(g.lse, want.lse, 2e-5 * (1 + std::fabs(want.lse)));
     int z_bad = 0;
-    for (int i = 0; i < vocab; ++i) {
+    for (int i = 0; i < vocab && !got.z.empty(); ++i) {
       const uint16_t want_z = FloatToBf16(l[i] / t), got_z = got.z[size_t(r) * vocab + i];
       if (std::abs(int(want_z) - int(got_z)) > 1 && ++z_bad <= 3) {
         ADD_FAILURE() << "z[" << i << "] = " << got_z << ", want " << want_z;
@@ -113,6 +114,94 @@ class CudaVocabTest : public CudaTest {
 
   int near_ties_ = 0;
   int boundary_samples_ = 0;
+};
+
+// The fused vocabulary pass (FusedVocabStep: LM head in tiles, no [rows, V] logits) against the
+// CPU sampler on logits computed here in float64 from the same hidden states and bf16 table.
+class CudaFusedVocabTest : public CudaVocabTest {
+ protected:
+  struct Problem {
+    int rows = 0, dim = 0, vocab = 0;
+    std::vector<float> hidden;     // [rows, dim]
+    std::vector<uint16_t> embed;   // [vocab, dim] bf16
+    std::vector<float> temps, us;  // [rows]
+    std::vector<uint64_t> mask_table;
+    std::vector<int32_t> mask_index;  // empty: no masks
+  };
+
+  // Raw logits h·Eᵀ in float64 (hidden rounded to bf16 first in the bf16-input mode), rounded to
+  // float, then cpu::Softcap and −∞ for masked ids: what the CPU step samples from.
+  static std::vector<float> Reference(const Problem& p, bool bf16_input, bool capped = true) {
+    std::vector<float> l(size_t(p.rows) * p.vocab);
+    for (int r = 0; r < p.rows; ++r) {
+      for (int v = 0; v < p.vocab; ++v) {
+        double acc = 0;
+        for (int k = 0; k < p.dim; ++k) {
+          float h = p.hidden[size_t(r) * p.dim + k];
+          if (bf16_input) h = RoundToBf16(h);
+          acc += double(h) * double(Bf16ToFloat(p.embed[size_t(v) * p.dim + k]));
+        }
+        l[size_t(r) * p.vocab + v] = float(acc);
+      }
+    }
+    if (!capped) return l;
+    cpu::Softcap(l.data(), int64_t(l.size()), kCap);
+    const int words = (p.vocab + 63) / 64;
+    for (int r = 0; r < p.rows && !p.mask_index.empty(); ++r) {
+      if (p.mask_index[r] < 0) continue;
+      const uint64_t* m = p.mask_table.data() + size_t(p.mask_index[r]) * words;
+      for (int id = 0; id < p.vocab; ++id) {
+        if (((m[id / 64] >> (id % 64)) & 1) == 0) l[size_t(r) * p.vocab + id] = -INFINITY;
+      }
+    }
+    return l;
+  }
+
+  // Runs FusedVocabStep on rows [row0, row0 + rows) of p.
+  std::vector<VocabRowResult> RunFused(const Problem& p, bool bf16_input, int row0 = 0,
+                                       int rows = -1) {
+    if (rows < 0) rows = p.rows;
+    FusedVocabArgs a;
+    a.hidden = Upload(std::vector<float>(p.hidden.begin() + size_t(row0) * p.dim,
+                                         p.hidden.begin() + size_t(row0 + rows) * p.dim));
+    a.rows = rows;
+    a.dim = p.dim;
+    a.embed = Upload(p.embed);
+    a.vocab = p.vocab;
+    a.bf16_input = bf16_input;
+    a.softcap = kCap;
+    a.temperature =
+        Upload(std::vector<float>(p.temps.begin() + row0, p.temps.begin() + row0 + rows));
+    a.uniforms = Upload(std::vector<float>(p.us.begin() + row0, p.us.begin() + row0 + rows));
+    if (!p.mask_index.empty()) {
+      a.mask_table = Upload(p.mask_table);
+      a.mask_index = Upload(
+          std::vector<int32_t>(p.mask_index.begin() + row0, p.mask_index.begin() + row0 + rows));
+    }
+    a.out = Alloc<VocabRowResult>(rows, 0xFF);
+    a.scratch = Alloc<char>(FusedVocabScratchBytes(rows, p.vocab), 0xFF);
+    EXPECT_THAT(FusedVocabStep(a), IsOk());
+    return Download(a.out, rows);
+  }
+
+  // Random hidden states and table: raw logits ≈ N(0, sigma[r]²).
+  static Problem RandomProblem(int vocab, int dim, const std::vector<float>& sigma, uint32_t seed) {
+    Problem p;
+    p.rows = int(sigma.size());
+    p.dim = dim;
+    p.vocab = vocab;
+    std::mt19937 gen(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    p.embed.resize(size_t(vocab) * dim);
+    for (uint16_t& e : p.embed) e = FloatToBf16(normal(gen));
+    p.hidden.resize(size_t(p.rows) * dim);
+    for (int r = 0; r < p.rows; ++r) {
+      for (int k = 0; k < dim; ++k) {
+        p.hidden[size_t(r) * dim + k] = sigma[r] / std::sqrt(float(dim)) * normal(gen);
+      }
+    }
+    return p;
+  }
 };
 
 std::vector<float> Capped(std::vector<float> raw) {
@@ -256,6 +345,336 @@ TEST_F(CudaVocabTest, MasksMatchTheCpuMaskedStep) {
     EXPECT_EQ(got.rows[5].argmax, -1);
     EXPECT_EQ(got.rows[5].sampled, -1);
     EXPECT_TRUE(std::isnan(got.rows[5].entropy));
+  }
+}
+
+// Random rows of several spreads on odd vocabularies (not a multiple of the tile; dim not a
+// multiple of the staged k columns), both GEMM-input modes, against the CPU sampler.
+TEST_F(CudaFusedVocabTest, MatchesCpuSamplerOnRandomRows) {
+  const std::vector<float> sigma = {0.5f, 3.0f, 10.0f, 30.0f, 100.0f, 3.0f, 10.0f, 1.0f, 5.0f};
+  const std::vector<float> temps = {0.8f, 0.4f, 1.3f, 0.41f, 2.0f, 0.5f, 0.8f, 1.0f, 0.7f};
+  const std::vector<float> us = {0.0f, 0.999999f, 0.5f, 0.25f, 0.75f, 0.1f, 0.9f, 0.33f, 0.6f};
+  for (const int vocab : {300, 2053, kEmulated ? 5003 : 262144}) {
+    for (const bool bf16 : {false, true}) {
+      Problem p = RandomProblem(vocab, 40, sigma, uint32_t(vocab));
+      p.temps = temps;
+      p.us = us;
+      const std::vector<float> capped = Reference(p, bf16);
+      Output got;
+      got.rows = RunFused(p, bf16);
+      SCOPED_TRACE(::testing::Message() << "bf16 input " << bf16);
+      for (int r = 0; r < p.rows; ++r) Compare(capped, r, vocab, temps[r], us[r], got);
+    }
+  }
+  EXPECT_LE(near_ties_, 1);
+  EXPECT_LE(boundary_samples_, 1);
+}
+
+// Exact ties (two identical table rows: the same chains give the same bits), within a tile,
+// across a tile boundary and far apart: the first index wins, and the sample lands on it when u
+// falls in its mass. Masks: ~10 % allowed, a single id, an empty mask (bad row). A NaN hidden
+// state and a zero temperature are bad rows.
+TEST_F(CudaFusedVocabTest, TiesMasksAndBadRowsHaveKnownAnswers) {
+  const int vocab = 1337, dim = 40, words = (vocab + 63) / 64;
+  Problem p = RandomProblem(vocab, dim, std::vector<float>(9, 4.0f), 5);
+  p.temps = std::vector<float>(9, 0.8f);
+  p.us = {0.2f, 0.2f, 0.2f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  auto copy_row = [&](int from, int to) {
+    std::copy_n(p.embed.begin() + size_t(from) * dim, dim, p.embed.begin() + size_t(to) * dim);
+  };
+  // (first, second) identical rows; row r's hidden state points at them (logit ≈ 40 ± 10, well
+  // above every other id's, which are ≈ N(0, 40)).
+  const int pairs[3][2] = {{1000, 1001}, {511, 512}, {5, 1300}};
+  for (int r = 0; r < 3; ++r) {
+    copy_row(pairs[r][0], pairs[r][1]);
+    for (int k = 0; k < dim; ++k) {
+      p.hidden[size_t(r) * dim + k] = Bf16ToFloat(p.embed[size_t(pairs[r][0]) * dim + k]);
+    }
+  }
+  p.mask_table.assign(size_t(3) * words, 0);
+  std::mt19937 gen(9);
+  std::bernoulli_distribution keep(0.1);
+  for (int id = 0; id < vocab; ++id) {
+    if (keep(gen)) p.mask_table[id / 64] |= uint64_t(1) << (id % 64);
+  }
+  p.mask_table[size_t(1) * words + 777 / 64] |= uint64_t(1) << (777 % 64);
+  // Rows 3–5: masks 0, 1, 2 (empty). Row 6: NaN hidden state; row 7: T = 0; row 8: no mask.
+  p.mask_index = {-1, -1, -1, 0, 1, 2, -1, -1, -1};
+  p.hidden[size_t(6) * dim + 3] = NAN;
+  p.temps[7] = 0.0f;
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "bf16 input " << bf16);
+    const std::vector<float> capped = Reference(p, bf16);
+    const std::vector<VocabRowResult> g = RunFused(p, bf16);
+    for (int r = 0; r < 3; ++r) {
+      const float* l = capped.data() + size_t(r) * vocab;
+      ASSERT_EQ(l[pairs[r][0]], l[pairs[r][1]]);
+      for (int v = 0; v < vocab; ++v) {
+        if (v != pairs[r][0] && v != pairs[r][1]) {
+          ASSERT_LT(l[v], l[pairs[r][0]] - 3.0f);
+        }
+      }
+      EXPECT_EQ(g[r].argmax, pairs[r][0]) << r;
+      // u = 0.2: inside the first of the two (each carries ≈ half the mass).
+      EXPECT_EQ(g[r].sampled, pairs[r][0]) << r;
+    }
+    for (int r : {3, 8}) {
+      Output o;
+      o.rows = g;
+      Compare(capped, r, vocab, p.temps[r], p.us[r], o);
+      if (r == 3) {
+        EXPECT_TRUE((p.mask_table[g[r].argmax / 64] >> (g[r].argmax % 64)) & 1);
+        EXPECT_TRUE((p.mask_table[g[r].sampled / 64] >> (g[r].sampled % 64)) & 1);
+      }
+    }
+    EXPECT_EQ(g[4].argmax, 777);
+    EXPECT_EQ(g[4].sampled, 777);
+    EXPECT_EQ(g[4].entropy, 0.0f);
+    for (int r : {5, 6, 7}) {
+      EXPECT_EQ(g[r].argmax, -1) << r;
+      EXPECT_EQ(g[r].sampled, -1) << r;
+      EXPECT_TRUE(std::isnan(g[r].entropy)) << r;
+      EXPECT_TRUE(std::isnan(g[r].lse)) << r;
+    }
+  }
+}
+
+// A row's results are the same bits whether it runs alone or in a batch (any position, any
+// neighbours: other masks, bad rows).
+TEST_F(CudaFusedVocabTest, BatchedRowsMatchSoloRowsBitForBit) {
+  // 70 rows: two row blocks of the tile kernel (64 rows), every 16-row fragment of the first.
+  const int vocab = 777, rows = 70, dim = 36;
+  std::vector<float> sigma(rows);
+  for (int r = 0; r < rows; ++r) sigma[r] = 0.5f + float((r * 7) % 23);
+  Problem p = RandomProblem(vocab, dim, sigma, 21);
+  for (int r = 0; r < rows; ++r) {
+    p.temps.push_back(0.45f + 0.1f * float(r % 13));
+    p.us.push_back(float((r * 37) % 100) / 100.0f);
+  }
+  const int words = (vocab + 63) / 64;
+  p.mask_table.assign(size_t(2) * words, ~uint64_t(0));
+  for (int w = 0; w < words; w += 2) p.mask_table[w] = 0;  // mask 0: every other 64 ids
+  for (int r = 0; r < rows; ++r) p.mask_index.push_back(r % 5 == 1 ? 0 : (r % 7 == 3 ? 1 : -1));
+  p.hidden[size_t(5) * dim] = NAN;  // bad rows among them
+  p.hidden[size_t(66) * dim] = NAN;
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "bf16 input " << bf16);
+    const std::vector<VocabRowResult> all = RunFused(p, bf16);
+    for (int r = 0; r < rows; ++r) {
+      const std::vector<VocabRowResult> solo = RunFused(p, bf16, r, 1);
+      EXPECT_EQ(std::memcmp(&solo[0], &all[r], sizeof(VocabRowResult)), 0) << "row " << r;
+    }
+    // And a window of rows starting mid-fragment, across the row-block boundary.
+    const std::vector<VocabRowResult> part = RunFused(p, bf16, 13, 55);
+    for (int r = 0; r < 55; ++r) {
+      EXPECT_EQ(std::memcmp(&part[r], &all[13 + r], sizeof(VocabRowResult)), 0) << 13 + r;
+    }
+    EXPECT_EQ(all[5].argmax, -1);
+    EXPECT_EQ(all[66].argmax, -1);
+    // Every good row of the batch against the CPU sampler (all fragments and both row blocks).
+    const std::vector<float> capped = Reference(p, bf16);
+    Output o;
+    o.rows = all;
+    for (int r = 0; r < rows; ++r) {
+      if (r != 5 && r != 66) Compare(capped, r, vocab, p.temps[r], p.us[r], o);
+    }
+  }
+  EXPECT_LE(near_ties_, 2);
+  EXPECT_LE(boundary_samples_, 2);
+}
+
+// The self-conditioning probabilities recomputed per tile against the formula on float64 logits.
+TEST_F(CudaFusedVocabTest, SoftmaxProbsMatchReference) {
+  const int vocab = 1029, dim = 40;
+  Problem p = RandomProblem(vocab, dim, {2.0f, 10.0f, 40.0f, 1.0f}, 3);
+  p.temps = {0.8f, 1.0f, 0.5f, 1.3f};
+  p.us = {0.5f, 0.5f, 0.5f, 0.5f};
+  const int words = (vocab + 63) / 64;
+  p.mask_table.assign(words, 0);
+  for (int id = 0; id < vocab; id += 3) p.mask_table[id / 64] |= uint64_t(1) << (id % 64);
+  p.mask_index = {-1, 0, -1, -1};
+  for (const bool bf16 : {false, true}) {
+    const std::vector<float> raw = Reference(p, bf16, /*capped=*/false);
+    FusedVocabArgs a;
+    a.hidden = Upload(p.hidden);
+    a.rows = p.rows;
+    a.dim = dim;
+    a.embed = Upload(p.embed);
+    a.vocab = vocab;
+    a.bf16_input = bf16;
+    a.softcap = kCap;
+    a.temperature = Upload(p.temps);
+    a.uniforms = Upload(p.us);
+    a.mask_table = Upload(p.mask_table);
+    a.mask_index = Upload(p.mask_index);
+    a.out = Alloc<VocabRowResult>(p.rows, 0xFF);
+    a.scratch = Alloc<char>(FusedVocabScratchBytes(p.rows, vocab));
+    ASSERT_THAT(FusedVocabStep(a), IsOk());
+    uint16_t* probs = Alloc<uint16_t>(size_t(p.rows) * vocab, 0xFF);
+    ASSERT_THAT(FusedSoftmaxProbsBf16(a, a.out, probs), IsOk());
+    const std::vector<uint16_t> got = Download(probs, size_t(p.rows) * vocab);
+    for (int r = 0; r < p.rows; ++r) {
+      std::vector<double> l(vocab);
+      double m = -INFINITY;
+      for (int v = 0; v < vocab; ++v) {
+        const bool allowed = r != 1 || v % 3 == 0;
+        l[v] = allowed ? 30.0 * std::tanh(double(raw[size_t(r) * vocab + v]) / 30.0) / p.temps[r]
+                       : -INFINITY;
+        m = std::max(m, l[v]);
+      }
+      double s = 0;
+      for (int v = 0; v < vocab; ++v) s += std::exp(l[v] - m);
+      int bad = 0;
+      for (int v = 0; v < vocab; ++v) {
+        const uint16_t want = FloatToBf16(float(std::exp(l[v] - m) / s));
+        const uint16_t g = got[size_t(r) * vocab + v];
+        if (std::abs(int(want) - int(g)) > 1 && ++bad <= 3) {
+          ADD_FAILURE() << "row " << r << " id " << v << ": " << g << " want " << want;
+        }
+      }
+      EXPECT_EQ(bad, 0) << "row " << r << " bf16 " << bf16;
+    }
+  }
+}
+
+// The sparse self-conditioning plan (cpu_vocab.cc's PlanRow at 256-id tiles) against the same
+// plan computed here from float64 logits: the tiles a row leaves out get probability 0, the others
+// the dense probabilities; peaked rows leave tiles out, flat rows and rows with ε = 0 none; and
+// the soft embedding from the GPU's probabilities moves by less than 2⁻¹⁰ of its norm.
+TEST_F(CudaFusedVocabTest, SparsePlanMatchesReferenceAndBound) {
+  const int vocab = 2053, dim = 40, tiles = (vocab + 255) / 256;
+  // Rows 0–3 peaked (the hidden state one table row: its logit ≈ 40, the others ≈ N(0, 40)),
+  // 4 flat, 5 peaked with ε = 0 (dense).
+  Problem p = RandomProblem(vocab, dim, {1.0f, 1.0f, 1.0f, 1.0f, 0.3f, 1.0f}, 17);
+  p.temps = {0.3f, 0.5f, 0.8f, 0.4f, 1.0f, 0.3f};
+  const int target[] = {7, 1000, 2052, 300, 0, 555};
+  for (int r : {0, 1, 2, 3, 5}) {
+    for (int k = 0; k < dim; ++k) {
+      p.hidden[size_t(r) * dim + k] = Bf16ToFloat(p.embed[size_t(target[r]) * dim + k]);
+    }
+  }
+  p.us = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  std::vector<float> eps = {0x1p-12f, 0x1p-12f, 0.0f, 0x1p-12f, 0x1p-12f, 0.0f};
+  {
+    // Row 2's budget: 1.5 times its largest tile mass outside the argmax's tile, so that every
+    // such tile fits alone but not all together (the greedy sum decides).
+    const std::vector<float> raw = Reference(p, false, /*capped=*/false);
+    std::vector<double> e(vocab);
+    double m = -INFINITY, sum = 0;
+    for (int v = 0; v < vocab; ++v) {
+      e[v] = 30.0 * std::tanh(double(raw[size_t(2) * vocab + v]) / 30.0) / p.temps[2];
+      m = std::max(m, e[v]);
+    }
+    for (double& x : e) sum += (x = std::exp(x - m));
+    double largest = 0, others = 0;
+    for (int t = 0; t < tiles; ++t) {
+      if (t == target[2] / 256) continue;
+      double qt = 0;
+      for (int v = t * 256; v < std::min(vocab, t * 256 + 256); ++v) qt += e[v] / sum;
+      largest = std::max(largest, qt);
+      others += qt;
+    }
+    eps[2] = float(1.5 * largest);
+    ASSERT_GT(others, 2.0 * eps[2]);
+  }
+  const float scale = 6.3125f;  // bf16(√40)
+  // N_t in float64.
+  std::vector<float> norm_max(tiles, 0.0f);
+  std::vector<double> norm(vocab);
+  for (int v = 0; v < vocab; ++v) {
+    double ss = 0;
+    for (int k = 0; k < dim; ++k) {
+      const double x = Bf16ToFloat(p.embed[size_t(v) * dim + k]);
+      ss += x * x;
+    }
+    norm[v] = std::sqrt(ss);
+    norm_max[v / 256] = std::max(norm_max[v / 256], float(norm[v] * (1 + 1e-6)));
+  }
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "bf16 input " << bf16);
+    const std::vector<float> raw = Reference(p, bf16, /*capped=*/false);
+    FusedVocabArgs a;
+    a.hidden = Upload(p.hidden);
+    a.rows = p.rows;
+    a.dim = dim;
+    a.embed = Upload(p.embed);
+    a.vocab = vocab;
+    a.bf16_input = bf16;
+    a.softcap = kCap;
+    a.temperature = Upload(p.temps);
+    a.uniforms = Upload(p.us);
+    a.out = Alloc<VocabRowResult>(p.rows, 0xFF);
+    a.scratch = Alloc<char>(FusedVocabScratchBytes(p.rows, vocab), 0xFF);
+    a.sc_skip_mass = Upload(eps);
+    float* dnorm = Alloc<float>(tiles, 0xFF);
+    ASSERT_THAT(FusedTileNormMax(a.embed, vocab, dim, dnorm), IsOk());
+    const std::vector<float> got_norm = Download(dnorm, tiles);
+    for (int t = 0; t < tiles; ++t) EXPECT_NEAR(got_norm[t], norm_max[t], 1e-5 * norm_max[t]) << t;
+    a.tile_norm_max = dnorm;
+    a.embed_scale = scale;
+    ASSERT_THAT(FusedVocabStep(a), IsOk());
+    uint16_t* probs = Alloc<uint16_t>(size_t(p.rows) * vocab, 0xFF);
+    ASSERT_THAT(FusedSoftmaxProbsBf16(a, a.out, probs), IsOk());
+    const std::vector<uint16_t> got = Download(probs, size_t(p.rows) * vocab);
+    for (int r = 0; r < p.rows; ++r) {
+      SCOPED_TRACE(::testing::Message() << "row " << r);
+      std::vector<double> q(vocab);
+      double m = -INFINITY, s = 0;
+      int am = 0;
+      for (int v = 0; v < vocab; ++v) {
+        q[v] = 30.0 * std::tanh(double(raw[size_t(r) * vocab + v]) / 30.0) / p.temps[r];
+        if (q[v] > m) {
+          m = q[v];
+          am = v;
+        }
+      }
+      for (int v = 0; v < vocab; ++v) s += std::exp(q[v] - m);
+      for (int v = 0; v < vocab; ++v) q[v] = std::exp(q[v] - m) / s;
+      // The reference plan.
+      std::vector<char> out(tiles, 0);
+      double left = 0, bound = 0, spread = 0;
+      for (int t = 0; t < tiles; ++t) {
+        double qt = 0;
+        for (int v = t * 256; v < std::min(vocab, t * 256 + 256); ++v) qt += q[v];
+        spread += (t == am / 256 ? std::max(0.0, qt - q[am]) : qt) * norm_max[t];
+        if (left + qt > eps[r]) continue;
+        left += qt;
+        bound += qt * norm_max[t];
+        out[t] = 1;
+      }
+      const double b = scale * bound, lower = scale * (q[am] * norm[am] - spread);
+      const bool keep = left > 0 && b <= 0x1p-10 * (lower - b);
+      if (!keep) std::fill(out.begin(), out.end(), 0);
+      const int left_out = int(std::count(out.begin(), out.end(), 1));
+      if (r <= 3) {
+        EXPECT_GT(left_out, 0);  // the test means something
+      } else {
+        EXPECT_EQ(left_out, 0);
+      }
+      int bad = 0;
+      std::vector<double> dense(dim, 0.0), sparse(dim, 0.0);
+      for (int v = 0; v < vocab; ++v) {
+        const uint16_t want = out[v / 256] ? uint16_t(0) : FloatToBf16(float(q[v]));
+        const uint16_t g = got[size_t(r) * vocab + v];
+        if (std::abs(int(want) - int(g)) > 1 && ++bad <= 3) {
+          ADD_FAILURE() << "id " << v << ": " << g << " want " << want;
+        }
+        for (int k = 0; k < dim; ++k) {
+          const double e = Bf16ToFloat(p.embed[size_t(v) * dim + k]);
+          dense[k] += q[v] * e * scale;
+          sparse[k] += double(Bf16ToFloat(g)) * e * scale;
+        }
+      }
+      EXPECT_EQ(bad, 0);
+      // The bound, on the GPU's own (bf16) probabilities: dropped mass ≤ 2⁻¹⁰‖s‖, plus the
+      // bf16 rounding of the kept probabilities (2⁻⁸ relative).
+      double diff = 0, ns = 0;
+      for (int k = 0; k < dim; ++k) {
+        diff += (dense[k] - sparse[k]) * (dense[k] - sparse[k]);
+        ns += dense[k] * dense[k];
+      }
+      EXPECT_LE(std::sqrt(diff), (0x1p-10 + 0x1p-8) * std::sqrt(ns));
+    }
   }
 }
 
