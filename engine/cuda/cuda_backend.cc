@@ -238,6 +238,9 @@ class CudaBackend final : public ModelBackend {
   absl::Status Layer(int l, PassKind kind, std::span<const Segment> segs, int R);
   absl::Status Moe(int l, const float* h1, int R, float* m);
   // out[R, D] = down(gelu(x·gateᵀ) ⊙ x·upᵀ).
+  // y[R, out] = x[R, in] · Wᵀ for a bf16 weight W [out, in]: cuda::DenseLinear or cuBLAS
+  // (options_.batch_invariant_projections).
+  absl::Status Linear(const float* x, const uint16_t* w, int R, int in, int out, float* y);
   absl::Status GatedMlp(const float* x, int R, const uint16_t* gate, const uint16_t* up,
                         const uint16_t* down, int width, float* out);
   // soft[rows, D] = probs_bf16[rows, V] · E · bf16(√D) (one GEMM, bf16 in, float32 out).
@@ -464,15 +467,23 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
   return m;
 }
 
+absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int in, int out,
+                                 float* y) {
+  if (options_.batch_invariant_projections) {
+    return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y);
+  }
+  return cublas_.Linear(x, w, R, in, out, y);
+}
+
 absl::Status CudaBackend::GatedMlp(const float* x, int R, const uint16_t* gate, const uint16_t* up,
                                    const uint16_t* down, int width, float* out) {
   const int D = c_.hidden_size;
   DGSERVE_RETURN_IF_ERROR(g_.Ensure(size_t(R) * width));
   DGSERVE_RETURN_IF_ERROR(u_.Ensure(size_t(R) * width));
-  DGSERVE_RETURN_IF_ERROR(cublas_.Linear(x, gate, R, D, width, g_.get()));
-  DGSERVE_RETURN_IF_ERROR(cublas_.Linear(x, up, R, D, width, u_.get()));
+  DGSERVE_RETURN_IF_ERROR(Linear(x, gate, R, D, width, g_.get()));
+  DGSERVE_RETURN_IF_ERROR(Linear(x, up, R, D, width, u_.get()));
   DGSERVE_RETURN_IF_ERROR(cuda::GeluGate(g_.get(), u_.get(), int64_t(R) * width, g_.get()));
-  return cublas_.Linear(g_.get(), down, R, width, D, out);
+  return Linear(g_.get(), down, R, width, D, out);
 }
 
 absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R) {
@@ -487,15 +498,15 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   // 1–2. Attention block on a = input_layernorm(h) (spec §3.2 steps 1–2, §3.3).
   phases_.Enter(Phase::kDense);
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, lw.input_layernorm.get(), R, D, eps, a));
-  DGSERVE_RETURN_IF_ERROR(cublas_.Linear(a, lw.q_proj.get(), R, D, nh * hd, q));
-  DGSERVE_RETURN_IF_ERROR(cublas_.Linear(a, lw.k_proj.get(), R, D, kvw, k));
+  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.q_proj.get(), R, D, nh * hd, q));
+  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.k_proj.get(), R, D, kvw, k));
   if (full) {
     // V = rms_noscale(raw k projection) on full layers (spec §3.3).
     cuda::NoteDeviceCopy();
     DGSERVE_RETURN_IF_ERROR(CudaCheck(
         cudaMemcpy(v, k, size_t(R) * kvw * sizeof(float), cudaMemcpyDeviceToDevice), "copy k→v"));
   } else {
-    DGSERVE_RETURN_IF_ERROR(cublas_.Linear(a, lw.v_proj.get(), R, D, kvw, v));
+    DGSERVE_RETURN_IF_ERROR(Linear(a, lw.v_proj.get(), R, D, kvw, v));
   }
   phases_.Enter(Phase::kAttention);
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(q, lw.q_norm.get(), R * nh, hd, eps, q));
@@ -553,7 +564,7 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   }
   phases_.Enter(Phase::kDense);
   float* o = o_.get();
-  DGSERVE_RETURN_IF_ERROR(cublas_.Linear(attn_.get(), lw.o_proj.get(), R, nh * hd, D, o));
+  DGSERVE_RETURN_IF_ERROR(Linear(attn_.get(), lw.o_proj.get(), R, nh * hd, D, o));
   // 3. h1 = h + post_attention_layernorm(o).
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(o, lw.post_attention_layernorm.get(), R, D, eps, o));
   DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(h, o, int64_t(R) * D));

@@ -51,6 +51,11 @@ struct CudaBackendOptions {
   // vocabulary tiles, no [rows, V] float32 logits), the default; false: the former path (cuBLAS
   // float32 logits, then cuda::VocabStep and SoftmaxProbsBf16), kept for comparison.
   bool fused_vocab = true;
+  // The projections (q, k, v, o, the dense and self-conditioning MLPs) on our own tensor-core
+  // kernel (cuda::DenseLinear: a fixed addition order per output, so a row's bits do not depend
+  // on the batch), the default; false: cuBLAS (cublasGemmEx), whose algorithm, and so addition
+  // order, may change with the row count. The router and the unfused LM head stay on cuBLAS.
+  bool batch_invariant_projections = true;
 };
 
 // Device time of the last DenoiseStep's phases (options.phase_timing), in milliseconds: the sum

@@ -51,6 +51,15 @@ struct GemmMode {
   float soft_rel;  // a step's next_soft: max |Δ| ÷ max |CPU value|
   // CudaBackendOptions::fused_vocab (false: the former vocabulary path, kept for comparison).
   bool fused_vocab = true;
+  // CudaBackendOptions::batch_invariant_projections (the default, our DenseLinear; false:
+  // cuBLAS). The bf16 comparisons with the CPU run the projections on cuBLAS: the emulated
+  // cuBLAS sums in double, close enough to the CPU's order that no near-tied route flips, while
+  // DenseLinear's 16-wide float32 steps flip one (1 comparison of 11 at max |Δlogit| 4.7, the
+  // others ≤ 0.2): a bf16 comparison with the CPU cannot tell an addition order from a fault once
+  // a route flips. DenseLinear is compared with the CPU in the float32 mode (its exact split
+  // leaves no flip), with a float64 reference in both modes (cuda_moe_test), and
+  // BatchedStepEqualsSoloBitForBit runs it in bf16.
+  bool own_projections = true;
 };
 // bf16. Measured under the emulation (whose cuBLAS sums in double): most values agree to 1e-6,
 // but where the other addition order moves a value across a bf16 rounding boundary, a near-tied
@@ -62,16 +71,24 @@ struct GemmMode {
 // unrounded on the GPU gives 0.06–6.7 (2.0 or more in 5 of 11). The tolerances leave room for
 // a GPU's addition order.
 constexpr GemmMode kBf16Mode{
-    "bf16", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.3f, 0.1f, false, 2e-2f, 6e-2f};
+    "bf16", cuda::GemmInput::kBf16,   cpu::GemmInput::kBf16, 0.3f, 0.1f, false, 2e-2f, 6e-2f,
+    true,   /*own_projections=*/false};
 // float32: the exact three-term split; measured max |Δlogit| ≤ 5e-5 of 11.
 constexpr GemmMode kFloat32Mode{
     "float32", cuda::GemmInput::kFloat32, cpu::GemmInput::kFloat32, 1e-3f, 2e-2f, true, 1e-3f,
     2e-2f};
 // bf16 through the former vocabulary path (cuBLAS float32 logits + VocabStep), kept for
 // comparison: the same tolerances.
-constexpr GemmMode kBf16UnfusedMode{
-    "bf16_unfused", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.3f, 0.1f, false, 2e-2f, 6e-2f,
-    false};
+constexpr GemmMode kBf16UnfusedMode{"bf16_unfused",
+                                    cuda::GemmInput::kBf16,
+                                    cpu::GemmInput::kBf16,
+                                    0.3f,
+                                    0.1f,
+                                    false,
+                                    2e-2f,
+                                    6e-2f,
+                                    false,
+                                    /*own_projections=*/false};
 
 class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterface<GemmMode> {
  protected:
@@ -95,6 +112,7 @@ class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterf
     CudaBackendOptions gpu_options;
     gpu_options.gemm_input = GetParam().gpu;
     gpu_options.fused_vocab = GetParam().fused_vocab;
+    gpu_options.batch_invariant_projections = GetParam().own_projections;
     auto gpu = CreateCudaBackend(config(), checkpoint_->weights, gpu_options);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     gpu_ = std::move(*gpu);
@@ -399,6 +417,13 @@ TEST_P(CudaBackendTest, BatchedStepEqualsSoloBitForBit) {
   // Emulated: the default mode only, up to 3 others (the emulated step is slow; the float32
   // mode differs only in its conversion kernels, which work element by element).
   if (cuda::kEmulated && GetParam().gpu != cuda::GemmInput::kBf16) GTEST_SKIP() << "emulated";
+  {  // the default projections (DenseLinear), whatever the mode's CPU comparisons use
+    CudaBackendOptions options;
+    options.gemm_input = GetParam().gpu;
+    auto gpu = CreateCudaBackend(config(), checkpoint_->weights, options);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    gpu_ = std::move(*gpu);
+  }
   const int C = config().canvas_length, D = config().hidden_size;
   const int max_others = cuda::kEmulated ? 3 : 15;
   std::vector<std::unique_ptr<ContiguousKvCache>> caches;

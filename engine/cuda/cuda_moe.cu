@@ -227,8 +227,18 @@ __global__ void MoeGroupKernel(const int32_t* expert, const float* weight, int r
 // rows, numbered in expert order; tile[0] = the expert (−1: t is past the last tile), tile[1]
 // = the tile's first gathered row, tile[2] = its rows. Lanes take 32 experts at a time and a
 // warp scan of their tile counts finds t.
+// offsets == nullptr: one group of E rows (DenseLinear), cut into tiles of bm rows in order.
 __device__ void FindTile(const int32_t* offsets, int E, int bm, int t, int* tile) {
   const int lane = threadIdx.x % 32;
+  if (offsets == nullptr) {
+    if (lane == 0) {
+      const int r0 = t * bm;
+      tile[0] = r0 < E ? 0 : -1;
+      tile[1] = r0;
+      tile[2] = min(bm, E - r0);
+    }
+    return;
+  }
   int base = 0;  // tiles of the experts before this group of 32
   for (int e0 = 0; e0 < E; e0 += 32) {
     const int e = e0 + lane;
@@ -603,6 +613,26 @@ absl::Status MoeDown(const float* act, const int32_t* offsets, const float* slot
                  no_gather, offsets, num_experts, w, width, dim, slot_weight, y);
   }
   return Check("MoeDown");
+}
+
+absl::Status DenseLinear(const float* x, const uint16_t* w, int rows, int in, int out,
+                         GemmInput input, float* y, void* stream) {
+  if (rows < 0 || in <= 0 || out <= 0) {
+    return absl::InvalidArgumentError("DenseLinear: rows ≥ 0, in > 0, out > 0");
+  }
+  if (rows == 0) return absl::OkStatus();
+  // One group of `rows` rows: offsets nullptr and E = rows (FindTile), no gather, no row scale.
+  const dim3 grid((rows + kMmaRows - 1) / kMmaRows, (out + kMmaW - 1) / kMmaW);
+  const int32_t* none = nullptr;
+  const float* no_scale = nullptr;
+  if (input == GemmInput::kBf16) {
+    LaunchKernel(MoeMmaKernel<false, 1>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), x, none,
+                 none, rows, w, in, out, no_scale, y);
+  } else {
+    LaunchKernel(MoeMmaKernel<false, 3>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x, none,
+                 none, rows, w, in, out, no_scale, y);
+  }
+  return Check("DenseLinear");
 }
 
 absl::Status MoeSum(const float* y, const int32_t* slot, int rows, int k, int dim, float* out,

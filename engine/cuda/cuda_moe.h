@@ -83,6 +83,17 @@ absl::Status MoeDown(const float* act, const int32_t* offsets, const float* slot
                      GemmInput input, float* y, void* stream = nullptr,
                      MoeKernel kernel = MoeKernel::kMma);
 
+// A dense projection on the grouped GEMM's tensor-core kernel, one group of all rows:
+//   y[r, o] = Σ_i x[r, i] · W[o, i]
+// x: [rows, in] float32 (converted as `input` says, as MoeDown); w: [out, in] bf16 (row-major, a
+// checkpoint's Linear weight); y: [rows, out] float32. Each output is accumulated in ascending
+// 16-wide steps of the reduction with no split-K, so a row's bits never depend on `rows` or on
+// the other rows: the batch-invariant replacement of cuBLAS for the projections (issue 33 item 7;
+// cuBLAS may pick another algorithm, and another addition order, for another row count).
+// INVALID_ARGUMENT unless rows ≥ 0 and in, out > 0; rows = 0 is a no-op.
+absl::Status DenseLinear(const float* x, const uint16_t* w, int rows, int in, int out,
+                         GemmInput input, float* y, void* stream = nullptr);
+
 // out[r, d] = Σ_{j<k} y[slot[r·k + j], d], summed from 0.0f in j order (ascending expert id):
 // the combine of the weighted expert outputs, in the CPU backend's per-row order.
 absl::Status MoeSum(const float* y, const int32_t* slot, int rows, int k, int dim, float* out,

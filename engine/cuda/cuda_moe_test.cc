@@ -432,6 +432,70 @@ TEST_F(CudaMoeTest, RowAloneEqualsRowInBatch) {
   }
 }
 
+// DenseLinear (the projections' batch-invariant GEMM): y = x·Wᵀ within float32 rounding of a
+// float64 reference in both input modes, on shapes that are not multiples of the 32-row or
+// 64-column tiles or of the 16-wide reduction step, and each row the same bits whatever rows
+// surround it (a prefix of the batch, the row alone, the batch's last row tile). R = 64 fills
+// its last row tile exactly (a tiling one row short leaves row 63 unwritten).
+TEST_F(CudaMoeTest, DenseLinearMatchesDoubleReferenceAndIsRowInvariant) {
+  struct Shape {
+    int R, in, out;
+  };
+  const std::vector<Shape> shapes =
+      kEmulated ? std::vector<Shape>{{1, 16, 8}, {37, 50, 70}, {64, 24, 20}, {70, 136, 33}}
+                : std::vector<Shape>{{1, 16, 8},    {37, 50, 70},      {64, 24, 20},
+                                     {70, 136, 33}, {256, 2816, 4096}, {1000, 2048, 2816}};
+  uint32_t seed = 300;
+  for (const Shape& s : shapes) {
+    const int R = s.R, I = s.in, O = s.out;
+    const std::vector<float> x = RandomFloats(size_t(R) * I, -2.0f, 2.0f, seed++);
+    const std::vector<uint16_t> w = RandomBf16(size_t(O) * I, 0.3f, seed++);
+    const float* d_x = Upload(x);
+    const uint16_t* d_w = Upload(w);
+    for (GemmInput input : {GemmInput::kFloat32, GemmInput::kBf16}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "R " << R << " in " << I << " out " << O << " input " << int(input));
+      const bool bf16 = input == GemmInput::kBf16;
+      float* y = Alloc<float>(size_t(R) * O, 0xFF);
+      ASSERT_THAT(DenseLinear(d_x, d_w, R, I, O, input, y), IsOk());
+      const std::vector<float> got = Download(y, size_t(R) * O);
+      int bad = 0;
+      for (int r = 0; r < R; ++r) {
+        for (int o = 0; o < O; ++o) {
+          double sum = 0, abs_sum = 0;
+          for (int i = 0; i < I; ++i) {
+            const float xv = x[size_t(r) * I + i];
+            const double t =
+                (bf16 ? double(RoundToBf16(xv)) : double(xv)) * Bf16ToFloat(w[size_t(o) * I + i]);
+            sum += t, abs_sum += std::fabs(t);
+          }
+          const double g = got[size_t(r) * O + o];
+          if (!(std::fabs(g - sum) <= 1e-5 * abs_sum + 1e-30) && ++bad <= 5) {
+            ADD_FAILURE() << "y[" << r << ", " << o << "] = " << g << ", want " << sum;
+          }
+        }
+      }
+      EXPECT_EQ(bad, 0);
+      // Rows alone and in shorter batches: the same bits.
+      for (int rows : {1, std::max(1, R / 2), R}) {
+        for (int r : {0, rows - 1}) {
+          float* y1 = Alloc<float>(size_t(rows) * O, 0xFF);
+          const float* x1 = d_x + size_t(R - rows) * I;  // the batch's last `rows` rows
+          ASSERT_THAT(DenseLinear(x1, d_w, rows, I, O, input, y1), IsOk());
+          const std::vector<float> part = Download(y1, size_t(rows) * O);
+          const int in_full = R - rows + r;
+          for (int o = 0; o < O; ++o) {
+            ASSERT_EQ(Bits(part[size_t(r) * O + o]), Bits(got[size_t(in_full) * O + o]))
+                << "row " << in_full << " of " << R << " as row " << r << " of " << rows;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_FALSE(DenseLinear(nullptr, nullptr, -1, 16, 8, GemmInput::kBf16, nullptr).ok());
+  EXPECT_FALSE(DenseLinear(nullptr, nullptr, 4, 0, 8, GemmInput::kBf16, nullptr).ok());
+}
+
 // On a device only: the real shape (E 128, top-8, D 2816, F 704, one canvas of 256 rows: every
 // expert active) timed with CUDA events, its weight bytes per second against a device-to-device
 // copy of the same bytes (issue 33's target: ≥ 70 % of the copy). Reports, asserts nothing.
