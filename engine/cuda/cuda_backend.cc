@@ -603,10 +603,10 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   DGSERVE_RETURN_IF_ERROR(r_.Ensure(size_t(R) * D));
   DGSERVE_RETURN_IF_ERROR(scores_.Ensure(size_t(R) * E));
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h1, lw.router_scale.get(), R, D, eps, r_.get()));
-  DGSERVE_RETURN_IF_ERROR(cuda::Scale(r_.get(), int64_t(R) * D, 1.0f / std::sqrt(float(D))));
-  if (cublas_.input() == cuda::GemmInput::kBf16) {
-    DGSERVE_RETURN_IF_ERROR(cuda::RoundActivationsToBf16(r_.get(), int64_t(R) * D));
-  }
+  const float router_scale = 1.0f / std::sqrt(float(D));
+  DGSERVE_RETURN_IF_ERROR(cublas_.input() == cuda::GemmInput::kBf16
+                              ? cuda::ScaleAndRoundToBf16(r_.get(), int64_t(R) * D, router_scale)
+                              : cuda::Scale(r_.get(), int64_t(R) * D, router_scale));
   const float one = 1.0f, zero = 0.0f;
   cuda::NoteCublas();
   DGSERVE_RETURN_IF_ERROR(

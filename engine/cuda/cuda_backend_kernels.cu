@@ -45,10 +45,11 @@ __global__ void AddScaleKernel(float* h, const float* x, float scalar, int64_t n
   }
 }
 
-__global__ void ScaleKernel(float* x, int64_t n, float s) {
+__global__ void ScaleKernel(float* x, int64_t n, float s, int round_to_bf16) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    x[i] *= s;
+    const float v = x[i] * s;
+    x[i] = round_to_bf16 ? Bf16BitsToFloat(ActivationBf16Bits(v)) : v;
   }
 }
 
@@ -135,8 +136,14 @@ absl::Status AddScale(float* h, const float* x, float scalar, int64_t n, void* s
 
 absl::Status Scale(float* x, int64_t n, float s, void* stream) {
   if (n <= 0) return absl::OkStatus();
-  LaunchKernel(ScaleKernel, Blocks(n, 256), 256, 0, S(stream), x, n, s);
+  LaunchKernel(ScaleKernel, Blocks(n, 256), 256, 0, S(stream), x, n, s, 0);
   return Check("Scale");
+}
+
+absl::Status ScaleAndRoundToBf16(float* x, int64_t n, float s, void* stream) {
+  if (n <= 0) return absl::OkStatus();
+  LaunchKernel(ScaleKernel, Blocks(n, 256), 256, 0, S(stream), x, n, s, 1);
+  return Check("ScaleAndRoundToBf16");
 }
 
 absl::Status GeluGateRows(const float* gu, int rows, int width, float* out, void* stream) {

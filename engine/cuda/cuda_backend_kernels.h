@@ -27,6 +27,11 @@ absl::Status AddScale(float* h, const float* x, float scalar, int64_t n, void* s
 // x[i] *= s for n elements.
 absl::Status Scale(float* x, int64_t n, float s, void* stream = nullptr);
 
+// x[i] = the product x[i]·s rounded as a GEMM input of the bf16 mode (ActivationBf16Bits:
+// a denormal read as zero, then round to nearest even; cpu::RoundActivationToBf16): the router's
+// input in the bf16 mode, scaled and rounded in one launch.
+absl::Status ScaleAndRoundToBf16(float* x, int64_t n, float s, void* stream = nullptr);
+
 // out[r, i] = gelu_tanh(gu[r, i]) · gu[r, width + i]: the expert MLP activation on the packed
 // [rows, 2·width] gate_up output (spec §3.2 step 5, §3.1.3). out: [rows, width].
 absl::Status GeluGateRows(const float* gu, int rows, int width, float* out, void* stream = nullptr);

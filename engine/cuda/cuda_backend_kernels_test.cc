@@ -4,11 +4,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "common/bf16.h"
 #include "common/testing/status_matchers.h"
+#include "engine/cpu/gemm.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "gtest/gtest.h"
 
@@ -62,6 +64,24 @@ TEST_F(CudaBackendKernelsTest, ElementwiseResidualOps) {
   ASSERT_THAT(Scale(dh, n, -2.5f), IsOk());
   got = Download(dh, n);
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], h[i] * -2.5f) << i;
+
+  // Scaled then rounded as a bf16-mode GEMM input (the router's input): the CPU's rounding of
+  // the product, bit for bit, denormal products read as zero.
+  std::vector<float> r = h;
+  r[0] = 0x1p-130f;         // × 0.5: a denormal product → +0
+  r[1] = -0x1p-127f;        // → −0
+  r[2] = 1.0f + 0x1p-8f;    // × 0.5: a tie, to even (0.5)
+  r[3] = 1.0f + 0x1.8p-8f;  // rounds up
+  dh = Upload(r);
+  ASSERT_THAT(ScaleAndRoundToBf16(dh, n, 0.5f), IsOk());
+  got = Download(dh, n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float want = Bf16ToFloat(cpu::RoundActivationToBf16(r[i] * 0.5f));
+    ASSERT_EQ(std::memcmp(&got[i], &want, 4), 0) << i << ": " << got[i] << " want " << want;
+  }
+  EXPECT_EQ(std::memcmp(&got[0], "\0\0\0\0", 4), 0);
+  EXPECT_EQ(got[2], 0.5f);
+  EXPECT_EQ(got[3], 0.5f + 0x1p-8f);
 }
 
 // out[r, i] = gelu_tanh(gate) · up on the packed [rows, 2·width] input, against float64.
