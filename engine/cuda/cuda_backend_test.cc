@@ -51,6 +51,9 @@ struct GemmMode {
   float soft_rel;  // a step's next_soft: max |Δ| ÷ max |CPU value|
   // CudaBackendOptions::fused_vocab (false: the former vocabulary path, kept for comparison).
   bool fused_vocab = true;
+  // CudaBackendOptions::tensor_core_attention (bf16 canvas attention: no CPU comparison, whose
+  // tolerances it exceeds; the bit-for-bit batch test and argument checks only).
+  bool tensor_core_attention = false;
 };
 // bf16. Measured under the emulation (whose cuBLAS sums in double): most values agree to 1e-6,
 // but where the other addition order moves a value across a bf16 rounding boundary, a near-tied
@@ -72,6 +75,13 @@ constexpr GemmMode kFloat32Mode{
 constexpr GemmMode kBf16UnfusedMode{
     "bf16_unfused", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.3f, 0.1f, false, 2e-2f, 6e-2f,
     false};
+// bf16 with the decoder's attention on tensor cores (TensorCoreCanvasAttention: bf16 Q/K/V). In
+// the tiny checkpoint only the full layers (head_dim 32) take it; their attention outputs are
+// within 7e-3 of CanvasAttention's (max |out| 1.5), yet the random model amplifies that to
+// max |Δlogit| 4.5 (MoE routes flip), so the CPU comparisons skip this mode.
+constexpr GemmMode kBf16TensorCoreMode{
+    "bf16_tc", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.3f, 0.1f, false, 2e-2f, 6e-2f, true,
+    true};
 
 class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterface<GemmMode> {
  protected:
@@ -95,6 +105,7 @@ class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterf
     CudaBackendOptions gpu_options;
     gpu_options.gemm_input = GetParam().gpu;
     gpu_options.fused_vocab = GetParam().fused_vocab;
+    gpu_options.tensor_core_attention = GetParam().tensor_core_attention;
     auto gpu = CreateCudaBackend(config(), checkpoint_->weights, gpu_options);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     gpu_ = std::move(*gpu);
@@ -177,6 +188,7 @@ class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterf
 Checkpoint* CudaBackendTest::checkpoint_ = nullptr;
 
 TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
+  if (GetParam().tensor_core_attention) GTEST_SKIP() << "bf16 attention: see kBf16TensorCoreMode";
   // The former vocabulary path (bf16_unfused) is compared in the denoising tests only.
   if (!GetParam().fused_vocab) GTEST_SKIP() << "not a denoising comparison";
   // 29 context tokens > 3 sliding windows (W = 8), encoded in chunks that cross window edges.
@@ -212,6 +224,7 @@ TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
 // Four steps of a self-conditioning chain on the CPU's KV cache, which the GPU uploads (the
 // decoder and the vocabulary step alone; the encoder is EncodeThenDecodeMatchesCpu's).
 TEST_P(CudaBackendTest, DenoiseStepsMatchCpu) {
+  if (GetParam().tensor_core_attention) GTEST_SKIP() << "bf16 attention: see kBf16TensorCoreMode";
   const int C = config().canvas_length, D = config().hidden_size;
   ContiguousKvCache kc(config(), 256);
   Encode(*cpu_, kc, Tokens(21, 1));
@@ -253,6 +266,7 @@ TEST_P(CudaBackendTest, DenoiseStepsMatchCpu) {
 }
 
 TEST_P(CudaBackendTest, SoftEmbeddingMatchesCpu) {
+  if (GetParam().tensor_core_attention) GTEST_SKIP() << "bf16 attention: see kBf16TensorCoreMode";
   // The former vocabulary path (bf16_unfused) is compared in the denoising tests only.
   if (!GetParam().fused_vocab) GTEST_SKIP() << "not a denoising comparison";
   const int V = config().vocab_size, D = config().hidden_size, rows = 5;
@@ -271,6 +285,7 @@ TEST_P(CudaBackendTest, SoftEmbeddingMatchesCpu) {
 }
 
 TEST_P(CudaBackendTest, BatchedCanvasesAndForeignCacheMatchCpu) {
+  if (GetParam().tensor_core_attention) GTEST_SKIP() << "bf16 attention: see kBf16TensorCoreMode";
   // Two sequences encoded in one GPU batch; a third cache filled by the CPU backend only (the
   // GPU uploads it on first use). All decoded in one batch.
   const int C = config().canvas_length, V = config().vocab_size;
@@ -303,6 +318,7 @@ TEST_P(CudaBackendTest, BatchedCanvasesAndForeignCacheMatchCpu) {
 // ≤ ln |set|; unrestricted rows, in both canvases, equal those of the same GPU batch without
 // masks (no mask leaks to another row).
 TEST_P(CudaBackendTest, CanvasTemplateMasksMatchCpu) {
+  if (GetParam().tensor_core_attention) GTEST_SKIP() << "bf16 attention: see kBf16TensorCoreMode";
   const int C = config().canvas_length, D = config().hidden_size, V = config().vocab_size;
   const int words = (V + 63) / 64, set_size = 40;
   ContiguousKvCache kc(config(), 256), kg(config(), 256), kg2(config(), 256);
@@ -490,7 +506,8 @@ TEST_P(CudaBackendTest, RejectsBadInput) {
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendTest,
-                         ::testing::Values(kBf16Mode, kFloat32Mode, kBf16UnfusedMode),
+                         ::testing::Values(kBf16Mode, kFloat32Mode, kBf16UnfusedMode,
+                                           kBf16TensorCoreMode),
                          [](const ::testing::TestParamInfo<GemmMode>& info) {
                            return std::string(info.param.name);
                          });
