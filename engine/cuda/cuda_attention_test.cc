@@ -312,7 +312,7 @@ struct TcSegment {
   int ctx, rows, window;
 };
 
-class TensorCoreCanvasTest : public CudaAttentionTest {
+class TensorCoreCanvasAttentionTest : public CudaAttentionTest {
  protected:
   // Runs `segs` (heads/kv_heads/hd shared) in one launch, rows packed in order with `gap` unused
   // rows before each segment; returns each segment's output rows.
@@ -380,7 +380,7 @@ class TensorCoreCanvasTest : public CudaAttentionTest {
 // launch several canvases of different lengths: odd row counts (not multiples of 16), context 0,
 // windows whose edge falls inside the context (ctx = W − 1: all visible; ctx = W: one hidden;
 // ctx ≫ W), full attention over several key tiles, and one segment per window mode.
-TEST_F(TensorCoreCanvasTest, MatchesDoubleReference) {
+TEST_F(TensorCoreCanvasAttentionTest, MatchesDoubleReference) {
   const std::vector<TcSegment> segs = {{0, 7, 0},   {0, 5, 8},  {7, 3, 8},  {8, 13, 8},  {45, 9, 8},
                                        {45, 19, 0}, {70, 1, 0}, {3, 16, 0}, {33, 17, 16}};
   CheckBatch(4, 2, 256, segs, 3000);
@@ -389,7 +389,7 @@ TEST_F(TensorCoreCanvasTest, MatchesDoubleReference) {
 }
 
 // Large scores (standard deviation about 30): the running max keeps exp() in range across tiles.
-TEST_F(TensorCoreCanvasTest, LargeScoresStayStable) {
+TEST_F(TensorCoreCanvasAttentionTest, LargeScoresStayStable) {
   const int hd = 256;
   const Case c{Kind::kCanvas, 4, 2, hd, 70, 11, 0, std::sqrt(90.0f / std::sqrt(float(hd)))};
   const Data d = MakeData(c, 3300);
@@ -399,7 +399,7 @@ TEST_F(TensorCoreCanvasTest, LargeScoresStayStable) {
 
 // A segment's result is the same bit for bit alone or in a batch (another row offset, other
 // segments before and after it).
-TEST_F(TensorCoreCanvasTest, BatchedEqualsSolo) {
+TEST_F(TensorCoreCanvasAttentionTest, BatchedEqualsSolo) {
   for (const int hd : {256, 512}) {
     const int heads = 4, kvh = hd == 512 ? 1 : 2;
     const std::vector<TcSegment> segs = {{20, 9, 8}, {37, 11, hd == 512 ? 0 : 8}, {0, 21, 0}};
@@ -418,7 +418,7 @@ TEST_F(TensorCoreCanvasTest, BatchedEqualsSolo) {
   }
 }
 
-TEST(TensorCoreCanvasArgsTest, BadShapesAreInvalidArgument) {
+TEST(TensorCoreCanvasAttentionArgsTest, BadShapesAreInvalidArgument) {
   EXPECT_THAT(
       TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, nullptr),
       IsOk());
