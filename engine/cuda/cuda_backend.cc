@@ -490,6 +490,7 @@ bool CudaBackend::TensorCoreCanvas(int l) const {
 absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
   canvas_table_host_.clear();
   canvas_segments_ = 0;
+  if (!options_.tensor_core_attention) return absl::OkStatus();
   for (const Segment& s : segs) canvas_segments_ += s.rows > 0;
   bool any = false;
   for (int l = 0; l < c_.num_layers; ++l) {
