@@ -4,7 +4,9 @@
 #include <cmath>
 #include <string>
 
+#include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_mma.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -263,6 +265,256 @@ absl::Status Attention(int mode, const char* name, const float* q, const float* 
   return Launch<16>(q, keys, num_heads, group, mode, window, out, stream, name);
 }
 
+// ---- Tensor-core canvas attention (TensorCoreCanvasAttention) ----
+//
+// Layout of one launch: grid = (ceil(total_rows · group / kTcPairs) + num_segments, kv_heads),
+// block = kTcWarps warps. Block (x, g) finds its segment by walking the table (segment s has
+// ceil(rows_s · group / kTcPairs) tiles; blocks past the last tile exit) and serves kTcPairs
+// consecutive (row, query head of g's group) pairs of it, pair p = row · group + head offset: one
+// mma M tile (GQA packing: the heads of one KV head share every K/V tile). It walks the keys
+// [ctx_first, ctx_tokens) ++ canvas rows in tiles of kTcKeys keys, staged in shared memory as
+// bf16 (converted from float32 while loading: the mirror is float32). Per tile:
+//   S = Q·Kᵀ   warp w computes the 16 × 8 scores of keys [8w, 8w + 8) over the full head_dim
+//              (Q by ldmatrix.x4, K [key][d] by ldmatrix.x2: B n-major);
+//   softmax    S in shared float32; 8 threads per row update the running max m and sum l
+//              (float32) and write P = exp(S − m) as bf16, and the rescale alpha = exp(m_old − m);
+//   O += P·V   warp w owns output columns [w·hd/4, (w+1)·hd/4): O ← alpha·O + P·V (P by
+//              ldmatrix.x4, V [key][d] by ldmatrix.x2.trans: B k-major), float32 accumulators in
+//              registers (hd/32 n8 tiles: 64 floats per thread at 512).
+// Shared memory (bytes): Q 16·(hd+8)·2, K and V 32·(hd+8)·2 each (8 bf16 of row padding keep
+// ldmatrix rows 16-byte aligned and off one bank), S 16·32·4, P 16·40·2, m/l/alpha 3·16·4;
+// head_dim 512: 86,720 (opted in above 48 KiB).
+constexpr int kTcWarps = 4;
+constexpr int kTcThreads = kTcWarps * 32;
+constexpr int kTcPairs = 16;  // query pairs per block: one mma M tile
+constexpr int kTcKeys = 32;   // keys per tile: one n8 score tile per warp
+constexpr int kTcPad = 8;     // bf16 elements of row padding
+constexpr int kTcPStride = kTcKeys + kTcPad;
+
+struct TcLayout {
+  int q, k, v, s, p, stats, total;  // byte offsets into dynamic shared memory
+};
+
+__host__ __device__ inline TcLayout TcSharedLayout(int hd) {
+  const int row = (hd + kTcPad) * 2;
+  TcLayout t;
+  t.q = 0;
+  t.k = t.q + kTcPairs * row;
+  t.v = t.k + kTcKeys * row;
+  t.s = t.v + kTcKeys * row;
+  t.p = t.s + kTcPairs * kTcKeys * 4;
+  t.stats = t.p + kTcPairs * kTcPStride * 2;
+  t.total = t.stats + 3 * kTcPairs * 4;
+  return t;
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  return uint32_t(ToBf16Bits(lo)) | (uint32_t(ToBf16Bits(hi)) << 16);
+}
+
+template <int kMaxTiles>  // n8 output tiles per warp: head_dim / 32 ≤ kMaxTiles
+__global__ void __launch_bounds__(kTcThreads)
+    TcCanvasKernel(const float* __restrict__ q, const float* __restrict__ k_new,
+                   const float* __restrict__ v_new, const CanvasSegment* __restrict__ segs,
+                   int num_segments, int num_heads, int kv_heads, int group, int hd,
+                   float* __restrict__ out) {
+  // This block's segment and tile within it (block-uniform).
+  int b = blockIdx.x, si = 0;
+  CanvasSegment seg;
+  for (; si < num_segments; ++si) {
+    seg = segs[si];
+    const int tiles = (seg.rows * group + kTcPairs - 1) / kTcPairs;
+    if (b < tiles) break;
+    b -= tiles;
+  }
+  if (si == num_segments) return;  // past the last tile: the whole block
+  const int g = blockIdx.y;
+  const TcLayout lay = TcSharedLayout(hd);
+  char* smem = DynamicShared<char>();
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem + lay.q);  // [16][hd + 8]
+  uint16_t* ks = reinterpret_cast<uint16_t*>(smem + lay.k);  // [32][hd + 8]
+  uint16_t* vs = reinterpret_cast<uint16_t*>(smem + lay.v);  // [32][hd + 8]
+  float* ss = reinterpret_cast<float*>(smem + lay.s);        // [16][32]
+  uint16_t* ps = reinterpret_cast<uint16_t*>(smem + lay.p);  // [16][40]
+  float* m_s = reinterpret_cast<float*>(smem + lay.stats);   // [16] running max
+  float* l_s = m_s + kTcPairs;                               // [16] running sum
+  float* a_s = l_s + kTcPairs;                               // [16] this tile's rescale
+  const int stride = hd + kTcPad, half_hd = hd / 2;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int gq = lane / 4, t = lane % 4;
+  const int pairs = seg.rows * group, p0 = b * kTcPairs;
+
+  // Q tile (bf16); pairs past the segment's rows are zero rows (scores 0, never written).
+  for (int idx = tid; idx < kTcPairs * half_hd; idx += kTcThreads) {
+    const int i = idx / half_hd, d = (idx - i * half_hd) * 2, p = p0 + i;
+    uint32_t w = 0;
+    if (p < pairs) {
+      const float* src =
+          q + (int64_t(seg.row0 + p / group) * num_heads + g * group + p % group) * hd + d;
+      w = PackBf16(src[0], src[1]);
+    }
+    *reinterpret_cast<uint32_t*>(qs + i * stride + d) = w;
+  }
+  if (tid < kTcPairs) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.0f;
+  }
+
+  float o[kMaxTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kMaxTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  const int ntiles = hd / 32, n_base = warp * (hd / 4);
+
+  // Every row of a canvas sees the same keys: [ctx_first, ctx_tokens) ++ the segment's rows.
+  const int lo = seg.ctx_first, hi = seg.ctx_tokens + seg.rows;
+  for (int kb = lo; kb < hi; kb += kTcKeys) {
+    const int nk = min(kTcKeys, hi - kb);
+    __syncthreads();  // the previous tile's K, V and P are no longer read
+    for (int idx = tid; idx < kTcKeys * half_hd; idx += kTcThreads) {
+      const int jj = idx / half_hd, d = (idx - jj * half_hd) * 2;
+      uint32_t kw = 0, vw = 0;  // keys past the tile's end: zero K and V (P = 0 there)
+      if (jj < nk) {
+        const int j = kb + jj;
+        const float *kr, *vr;
+        if (j < seg.ctx_tokens) {
+          const int64_t off = (int64_t(j) * kv_heads + g) * hd + d;
+          kr = seg.ctx_k + off;
+          vr = seg.ctx_v + off;
+        } else {
+          const int64_t off = (int64_t(seg.row0 + j - seg.ctx_tokens) * kv_heads + g) * hd + d;
+          kr = k_new + off;
+          vr = v_new + off;
+        }
+        kw = PackBf16(kr[0], kr[1]);
+        vw = PackBf16(vr[0], vr[1]);
+      }
+      *reinterpret_cast<uint32_t*>(ks + jj * stride + d) = kw;
+      *reinterpret_cast<uint32_t*>(vs + jj * stride + d) = vw;
+    }
+    __syncthreads();
+
+    // S = Q·Kᵀ (scale 1.0, spec §3.1.5) for keys [8·warp, 8·warp + 8) of the tile.
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k0 = 0; k0 < hd; k0 += 16) {
+      uint32_t a[4], bk[2];
+      mma::LdMatrixX4(a, qs + (lane % 16) * stride + k0 + (lane / 16) * 8);
+      mma::LdMatrixX2(bk, ks + (warp * 8 + lane % 8) * stride + k0 + ((lane / 8) % 2) * 8);
+      mma::MmaBf16M16N8K16(s, a, bk);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = gq + (i >= 2 ? 8 : 0), c = warp * 8 + 2 * t + (i % 2);
+      ss[r * kTcKeys + c] = c < nk ? s[i] : -INFINITY;
+    }
+    __syncthreads();
+
+    // Online softmax: row r by the 8 lanes 8r … 8r + 7 (one warp), 4 keys each.
+    {
+      const int r = tid / 8, c0 = (tid % 8) * 4;
+      float v[4], mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[i] = ss[r * kTcKeys + c0 + i];
+        mx = fmaxf(mx, v[i]);
+      }
+      for (int x = 1; x < 8; x <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, x));
+      const float m_old = m_s[r];
+      const float m_new = fmaxf(m_old, mx);  // finite: every tile has a visible key
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float pi = v[i] == -INFINITY ? 0.0f : expf(v[i] - m_new);
+        sum += pi;
+        ps[r * kTcPStride + c0 + i] = ToBf16Bits(pi);
+      }
+      for (int x = 1; x < 8; x <<= 1) sum += __shfl_xor_sync(kFull, sum, x);
+      __syncwarp();  // every lane of the row has read m_s[r]
+      if (tid % 8 == 0) {
+        const float alpha = expf(m_old - m_new);  // m_old = −inf on the first tile: 0
+        a_s[r] = alpha;
+        l_s[r] = l_s[r] * alpha + sum;
+        m_s[r] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // O ← alpha·O + P·V over this warp's columns.
+    const float a_lo = a_s[gq], a_hi = a_s[gq + 8];
+#pragma unroll
+    for (int nt = 0; nt < kMaxTiles; ++nt) {
+      o[nt][0] *= a_lo;
+      o[nt][1] *= a_lo;
+      o[nt][2] *= a_hi;
+      o[nt][3] *= a_hi;
+    }
+    for (int k0 = 0; k0 < kTcKeys; k0 += 16) {
+      uint32_t a[4];
+      mma::LdMatrixX4(a, ps + (lane % 16) * kTcPStride + k0 + (lane / 16) * 8);
+#pragma unroll
+      for (int nt = 0; nt < kMaxTiles; ++nt) {
+        if (nt < ntiles) {  // block-uniform
+          uint32_t bv[2];
+          mma::LdMatrixX2Trans(bv, vs + (k0 + lane % 16) * stride + n_base + nt * 8);
+          mma::MmaBf16M16N8K16(o[nt], a, bv);
+        }
+      }
+    }
+  }
+
+  // out = O / l for the pairs of the segment (l > 0: every row saw at least its own key).
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = gq + 8 * half, p = p0 + r;
+    if (p >= pairs) continue;
+    const float inv = 1.0f / l_s[r];
+    float* orow = out + (int64_t(seg.row0 + p / group) * num_heads + g * group + p % group) * hd;
+#pragma unroll
+    for (int nt = 0; nt < kMaxTiles; ++nt) {
+      if (nt < ntiles) {
+        const int c = n_base + nt * 8 + 2 * t;
+        orow[c] = o[nt][2 * half] * inv;
+        orow[c + 1] = o[nt][2 * half + 1] * inv;
+      }
+    }
+  }
+}
+
+template <int kMaxTiles>
+absl::Status LaunchTc(const float* q, const float* k_new, const float* v_new,
+                      const CanvasSegment* segs, int num_segments, int total_rows, int num_heads,
+                      int kv_heads, int head_dim, float* out, void* stream) {
+  const char* name = "TensorCoreCanvasAttention";
+  const size_t bytes = size_t(TcSharedLayout(head_dim).total);
+  if (bytes > 48 * 1024) {
+    int device = 0, optin = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+            cudaSuccess) {
+      const cudaError_t e = cudaGetLastError();
+      return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
+    }
+    if (size_t(optin) < bytes) {
+      return absl::InternalError(std::string(name) + ": needs " + std::to_string(bytes) +
+                                 " bytes of shared memory per block, the device allows " +
+                                 std::to_string(optin));
+    }
+    if (cudaFuncSetAttribute(TcCanvasKernel<kMaxTiles>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(bytes)) != cudaSuccess) {
+      const cudaError_t e = cudaGetLastError();
+      return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
+    }
+  }
+  const int group = num_heads / kv_heads;
+  const int64_t blocks = (int64_t(total_rows) * group + kTcPairs - 1) / kTcPairs + num_segments;
+  const dim3 grid{unsigned(blocks), unsigned(kv_heads)};
+  LaunchKernel(TcCanvasKernel<kMaxTiles>, grid, kTcThreads, bytes,
+               static_cast<cudaStream_t>(stream), q, k_new, v_new, segs, num_segments, num_heads,
+               kv_heads, group, head_dim, out);
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
+}
+
 }  // namespace
 
 absl::Status PrefillAttention(const float* q, const float* k_new, const float* v_new, int rows,
@@ -277,6 +529,39 @@ absl::Status CanvasAttention(const float* q, const float* k_new, const float* v_
                              int window, float* out, void* stream) {
   return Attention(kCanvas, "CanvasAttention", q, k_new, v_new, rows, context, num_heads,
                    kv_heads, head_dim, window, out, stream);
+}
+
+int CanvasWindowStart(int ctx_tokens, int window) {
+  return window > 0 ? std::max(0, ctx_tokens - (window - 1)) : 0;
+}
+
+absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
+                                       const CanvasSegment* segments, int num_segments,
+                                       int total_rows, int num_heads, int kv_heads, int head_dim,
+                                       float* out, void* stream) {
+  const std::string n = "TensorCoreCanvasAttention";
+  if (num_segments < 0 || total_rows < 0 || num_heads <= 0 || kv_heads <= 0 ||
+      num_heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        n + ": need num_segments, total_rows ≥ 0 and num_heads a multiple of kv_heads");
+  }
+  if (head_dim <= 0 || head_dim > kMaxAttentionHeadDim || head_dim % 32 != 0) {
+    return absl::InvalidArgumentError(n + ": head_dim must be a multiple of 32 in [32, 512]");
+  }
+  if (num_segments == 0 || total_rows == 0) return absl::OkStatus();
+  if (q == nullptr || k_new == nullptr || v_new == nullptr || out == nullptr ||
+      segments == nullptr) {
+    return absl::InvalidArgumentError(n + ": null pointer");
+  }
+  if (int64_t(total_rows) * (num_heads / kv_heads) + num_segments > int64_t(INT32_MAX) / 2) {
+    return absl::InvalidArgumentError(n + ": too many rows");
+  }
+  if (head_dim <= 256) {
+    return LaunchTc<8>(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
+                       head_dim, out, stream);
+  }
+  return LaunchTc<16>(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
+                      head_dim, out, stream);
 }
 
 }  // namespace dgserve::cuda

@@ -54,3 +54,44 @@ absl::Status CanvasAttention(const float* q, const float* k_new, const float* v_
                              int window, float* out, void* stream = nullptr);
 
 }  // namespace dgserve::cuda
+
+namespace dgserve::cuda {
+
+// ---- Tensor-core canvas attention (issue 34 item 2), one launch for a whole batch ----
+//
+// The decoder pass's bidirectional canvas attention of CanvasAttention for several segments
+// (canvases) at once: bf16 Q, K and V into mma.sync m16n8k16 with float32 accumulation, the
+// online softmax (running max and sum) in float32, GQA packing (the query heads of one KV head
+// share each K/V tile). head_dim a multiple of 32 up to 512 (the model: 256 sliding, 512 full).
+// The context K/V are read as float32 (the backend's device mirror) and rounded to bf16 (nearest
+// even) while a tile is staged in shared memory; so are Q and the new K/V. Numbers: bf16 inputs,
+// so about 1e-2 relative on outputs against a float64 reference (cuda_attention_test).
+//
+// One segment of the table (device memory): query rows [row0, row0 + rows) of q / k_new / v_new
+// / out; its context K/V ctx_k / ctx_v, contiguous [ctx_tokens, kv_heads, head_dim] (token j is
+// row j); every row sees context tokens [ctx_first, ctx_tokens) (the window start: 0 for full
+// layers, CanvasWindowStart for sliding ones) and all `rows` canvas keys.
+struct CanvasSegment {
+  const float* ctx_k = nullptr;
+  const float* ctx_v = nullptr;
+  int row0 = 0;
+  int rows = 0;
+  int ctx_tokens = 0;
+  int ctx_first = 0;
+};
+
+// First context token a canvas row sees (spec §3.5): 0 when window ≤ 0, else the last
+// min(ctx_tokens, window − 1) tokens.
+int CanvasWindowStart(int ctx_tokens, int window);
+
+// Runs every segment of `segments` (a DEVICE array of num_segments entries; total_rows ≥ the end
+// of every segment's rows, the rows of q / k_new / v_new / out) in one launch whose grid depends
+// only on total_rows and num_segments. A row's result does not depend on the other segments.
+// q: [total_rows, num_heads, head_dim]; k_new, v_new: [total_rows, kv_heads, head_dim];
+// out: [total_rows, num_heads, head_dim] (rows of no segment are left untouched).
+absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
+                                       const CanvasSegment* segments, int num_segments,
+                                       int total_rows, int num_heads, int kv_heads, int head_dim,
+                                       float* out, void* stream = nullptr);
+
+}  // namespace dgserve::cuda

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -280,6 +281,159 @@ TEST(CudaAttentionArgsTest, BadShapesAreInvalidArgument) {
   missing.tokens = 3;
   EXPECT_THAT(CanvasAttention(nullptr, nullptr, nullptr, 4, missing, 4, 2, 64, 0, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+// ---- TensorCoreCanvasAttention: many canvases in one launch, bf16 operands ----
+
+// Round to bf16 (nearest even) and back, as the kernel stages Q, K and V.
+float RoundBf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+Data RoundedData(const Data& d) {
+  Data r = d;
+  for (std::vector<float>* v : {&r.q, &r.k_ctx, &r.v_ctx, &r.k_new, &r.v_new}) {
+    for (float& x : *v) x = RoundBf16(x);
+  }
+  return r;
+}
+
+// Tolerances (observed worst under the emulation, these shapes: 1.3e-3 and 8.1e-3): against
+// the float64 reference on the bf16-rounded inputs (only P's bf16 rounding and float32 sums
+// differ) and against the float64 reference on the float32 inputs (bf16 Q, K, V).
+constexpr float kTcTolRounded = 3e-3f;
+constexpr float kTcTolFloat = 2e-2f;
+
+struct TcSegment {
+  int ctx, rows, window;
+};
+
+class TensorCoreCanvasAttentionTest : public CudaAttentionTest {
+ protected:
+  // Runs `segs` (heads/kv_heads/hd shared) in one launch, rows packed in order with `gap` unused
+  // rows before each segment; returns each segment's output rows.
+  std::vector<std::vector<float>> RunBatch(const std::vector<TcSegment>& segs,
+                                           const std::vector<Data>& data, int heads, int kvh,
+                                           int hd, int gap = 1) {
+    const size_t qw = size_t(heads) * hd, kw = size_t(kvh) * hd;
+    std::vector<CanvasSegment> table;
+    std::vector<float> q, k, v;
+    int row = 0;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      row += gap;
+      q.resize(row * qw, 0.0f);
+      k.resize(row * kw, 0.0f);
+      v.resize(row * kw, 0.0f);
+      CanvasSegment t;
+      t.row0 = row;
+      t.rows = segs[i].rows;
+      t.ctx_tokens = segs[i].ctx;
+      t.ctx_first = CanvasWindowStart(segs[i].ctx, segs[i].window);
+      if (segs[i].ctx > 0) {
+        t.ctx_k = Upload(data[i].k_ctx);
+        t.ctx_v = Upload(data[i].v_ctx);
+      }
+      table.push_back(t);
+      q.insert(q.end(), data[i].q.begin(), data[i].q.end());
+      k.insert(k.end(), data[i].k_new.begin(), data[i].k_new.end());
+      v.insert(v.end(), data[i].v_new.begin(), data[i].v_new.end());
+      row += segs[i].rows;
+    }
+    const int total = row;
+    float* out = Alloc<float>(total * qw, 0xFF);
+    EXPECT_THAT(TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
+                                          int(table.size()), total, heads, kvh, hd, out),
+                IsOk());
+    const std::vector<float> all = Download(out, total * qw);
+    std::vector<std::vector<float>> res;
+    for (const CanvasSegment& t : table) {
+      res.emplace_back(all.begin() + t.row0 * qw, all.begin() + (t.row0 + t.rows) * qw);
+    }
+    // Rows of no segment are left untouched (0xFF bytes: NaN).
+    for (const CanvasSegment& t : table) {
+      for (size_t i = 0; i < qw; ++i) EXPECT_TRUE(std::isnan(all[(t.row0 - 1) * qw + i]));
+    }
+    return res;
+  }
+
+  void CheckBatch(int heads, int kvh, int hd, const std::vector<TcSegment>& segs, uint32_t seed) {
+    std::vector<Data> data;
+    std::vector<Case> cases;
+    for (const TcSegment& s : segs) {
+      const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));
+      cases.push_back(Case{Kind::kCanvas, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
+      data.push_back(MakeData(cases.back(), seed++));
+    }
+    const std::vector<std::vector<float>> got = RunBatch(segs, data, heads, kvh, hd);
+    for (size_t i = 0; i < segs.size(); ++i) {
+      Expect(cases[i], got[i], Reference(cases[i], RoundedData(data[i])), kTcTolRounded);
+      Expect(cases[i], got[i], Reference(cases[i], data[i]), kTcTolFloat);
+    }
+  }
+};
+
+// Both model head dims with the model's GQA groups (2 sliding, 8 full) and group 1; in each
+// launch several canvases of different lengths: odd row counts (not multiples of 16), context 0,
+// windows whose edge falls inside the context (ctx = W − 1: all visible; ctx = W: one hidden;
+// ctx ≫ W), full attention over several key tiles, and one segment per window mode.
+TEST_F(TensorCoreCanvasAttentionTest, MatchesDoubleReference) {
+  const std::vector<TcSegment> segs = {{0, 7, 0},   {0, 5, 8},  {7, 3, 8},  {8, 13, 8},  {45, 9, 8},
+                                       {45, 19, 0}, {70, 1, 0}, {3, 16, 0}, {33, 17, 16}};
+  CheckBatch(4, 2, 256, segs, 3000);
+  CheckBatch(8, 1, 512, segs, 3100);
+  CheckBatch(4, 4, 64, segs, 3200);
+}
+
+// Large scores (standard deviation about 30): the running max keeps exp() in range across tiles.
+TEST_F(TensorCoreCanvasAttentionTest, LargeScoresStayStable) {
+  const int hd = 256;
+  const Case c{Kind::kCanvas, 4, 2, hd, 70, 11, 0, std::sqrt(90.0f / std::sqrt(float(hd)))};
+  const Data d = MakeData(c, 3300);
+  const std::vector<std::vector<float>> got = RunBatch({{c.ctx, c.rows, 0}}, {d}, 4, 2, hd);
+  Expect(c, got[0], Reference(c, RoundedData(d)), 2e-2f);
+}
+
+// A segment's result is the same bit for bit alone or in a batch (another row offset, other
+// segments before and after it).
+TEST_F(TensorCoreCanvasAttentionTest, BatchedEqualsSolo) {
+  for (const int hd : {256, 512}) {
+    const int heads = 4, kvh = hd == 512 ? 1 : 2;
+    const std::vector<TcSegment> segs = {{20, 9, 8}, {37, 11, hd == 512 ? 0 : 8}, {0, 21, 0}};
+    std::vector<Data> data;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      data.push_back(MakeData(
+          Case{Kind::kCanvas, heads, kvh, hd, segs[i].ctx, segs[i].rows, segs[i].window, 1.0f},
+          uint32_t(3400 + hd + i)));
+    }
+    const std::vector<std::vector<float>> batched = RunBatch(segs, data, heads, kvh, hd, 3);
+    const std::vector<std::vector<float>> solo = RunBatch({segs[1]}, {data[1]}, heads, kvh, hd);
+    ASSERT_EQ(batched[1].size(), solo[0].size());
+    for (size_t i = 0; i < solo[0].size(); ++i) {
+      ASSERT_EQ(batched[1][i], solo[0][i]) << "head_dim " << hd << " element " << i;
+    }
+  }
+}
+
+TEST(TensorCoreCanvasAttentionArgsTest, BadShapesAreInvalidArgument) {
+  EXPECT_THAT(
+      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, nullptr),
+      IsOk());
+  EXPECT_THAT(
+      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 80, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 3, 256, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 256, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(CanvasWindowStart(20, 0), 0);
+  EXPECT_EQ(CanvasWindowStart(20, 8), 13);
+  EXPECT_EQ(CanvasWindowStart(7, 8), 0);
 }
 
 }  // namespace

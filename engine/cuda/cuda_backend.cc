@@ -236,6 +236,10 @@ class CudaBackend final : public ModelBackend {
   // Decoder body (spec §3.5 steps 1–4, final norm) into h_ [R, D]; fills segs; returns R.
   absl::StatusOr<int> Body(std::span<const CanvasInput> batch, std::vector<Segment>* segs);
   absl::Status Layer(int l, PassKind kind, std::span<const Segment> segs, int R);
+  // Whether layer l's decoder attention runs on TensorCoreCanvasAttention, and the device table of
+  // every such layer's canvases (canvas_table_: num_layers × canvas_segments_ entries).
+  bool TensorCoreCanvas(int l) const;
+  absl::Status UploadCanvasTable(std::span<const Segment> segs);
   absl::Status Moe(int l, const float* h1, int R, float* m);
   // out[R, D] = down(gelu(x·gateᵀ) ⊙ x·upᵀ).
   // y[R, out] = x[R, in] · Wᵀ for a bf16 weight W [out, in]: cuda::DenseLinear or cuBLAS
@@ -278,6 +282,9 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<unsigned char> vocab_scratch_;      // FusedVocabStep's tile partials
   DeviceArray<float> tile_norm_max_, skip_mass_;  // the sparse self-conditioning plan's inputs
   DeviceArray<cuda::VocabRowResult> results_;
+  std::vector<cuda::CanvasSegment> canvas_table_host_;
+  DeviceArray<cuda::CanvasSegment> canvas_table_;
+  int canvas_segments_ = 0;
   std::vector<float> host_k_, host_v_, host_stage_;
   DecodeTimings timings_;
   PhaseTimer phases_;
@@ -486,6 +493,40 @@ absl::Status CudaBackend::GatedMlp(const float* x, int R, const uint16_t* gate, 
   return Linear(g_.get(), down, R, width, D, out);
 }
 
+bool CudaBackend::TensorCoreCanvas(int l) const {
+  const int hd = c_.HeadDim(l);
+  return options_.tensor_core_attention && hd % 32 == 0 && hd <= cuda::kMaxAttentionHeadDim;
+}
+
+absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
+  canvas_table_host_.clear();
+  canvas_segments_ = 0;
+  if (!options_.tensor_core_attention) return absl::OkStatus();
+  for (const Segment& s : segs) canvas_segments_ += s.rows > 0;
+  bool any = false;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (!TensorCoreCanvas(l)) {
+      canvas_table_host_.resize(canvas_table_host_.size() + canvas_segments_);
+      continue;
+    }
+    any = true;
+    const int window = c_.IsFull(l) ? 0 : c_.sliding_window;
+    for (const Segment& s : segs) {
+      if (s.rows == 0) continue;
+      cuda::CanvasSegment t;
+      t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
+      t.ctx_v = s.mirror->v[l].get();
+      t.row0 = s.row0;
+      t.rows = s.rows;
+      t.ctx_tokens = s.pos0;
+      t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);
+      canvas_table_host_.push_back(t);
+    }
+  }
+  if (!any || canvas_segments_ == 0) return absl::OkStatus();
+  return canvas_table_.Upload(canvas_table_host_);
+}
+
 absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R) {
   const DeviceLayer& lw = layers_[l];
   const int D = c_.hidden_size, hd = c_.HeadDim(l), nh = c_.num_heads, nkv = c_.KvHeads(l);
@@ -541,9 +582,17 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
       }
     }
   }
+  // Decoder on tensor cores: every canvas in one launch (the table of UploadCanvasTable).
+  const bool tc = kind == PassKind::kDecoder && TensorCoreCanvas(l);
+  if (tc && canvas_segments_ > 0) {
+    DGSERVE_RETURN_IF_ERROR(
+        cuda::TensorCoreCanvasAttention(q, k, v, canvas_table_.get() + size_t(l) * canvas_segments_,
+                                        canvas_segments_, R, nh, nkv, hd, attn_.get()));
+  }
   // Attention per segment: context = the mirror's visible rows before pos0 (spec §3.4 / §3.5).
   const int W = c_.sliding_window;
   for (const Segment& s : segs) {
+    if (tc) break;
     if (s.rows == 0) continue;
     const int first = full ? 0 : std::max(0, s.pos0 - (W - 1));
     cuda::KvContext ctx;
@@ -755,6 +804,7 @@ absl::StatusOr<int> CudaBackend::Body(std::span<const CanvasInput> batch,
     DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(h + size_t(s.row0) * D, sig, int64_t(s.rows) * D));
   }
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, nullptr, R, D, eps, h));
+  DGSERVE_RETURN_IF_ERROR(UploadCanvasTable(*segs));
   for (int l = 0; l < c_.num_layers; ++l) {
     DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kDecoder, *segs, R));
   }

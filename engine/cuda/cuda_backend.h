@@ -56,6 +56,14 @@ struct CudaBackendOptions {
   // on the batch), the default; false: cuBLAS (cublasGemmEx), whose algorithm, and so addition
   // order, may change with the row count. The router and the unfused LM head stay on cuBLAS.
   bool batch_invariant_projections = true;
+  // The decoder (canvas) pass's attention as cuda::TensorCoreCanvasAttention: bf16 Q/K/V on tensor
+  // cores, every canvas of the step in one launch per layer from a device table (uploaded once
+  // per decoder pass); false: cuda::CanvasAttention (float32, one launch per canvas). Layers
+  // whose head_dim is not a multiple of 32 use CanvasAttention either way. The encoder (prompt /
+  // commit) pass always uses PrefillAttention. Off by default: bf16 Q/K/V move the tiny random
+  // model's logits by up to 4.5 against the CPU (cuda_backend_test's tolerance is 0.3), see
+  // engine/cuda/DEVICE_CHECK.md.
+  bool tensor_core_attention = false;
 };
 
 // Device time of the last DenoiseStep's phases (options.phase_timing), in milliseconds: the sum
