@@ -97,9 +97,17 @@ constexpr GemmMode kBf16UnfusedMode{"bf16_unfused",
 // within 7e-3 of CanvasAttention's (max |out| 1.5), yet the random model amplifies that to
 // max |Δlogit| 4.5 (MoE routes flip), so the CPU comparisons skip this mode. (CanvasAttention
 // with bf16-rounded Q and canvas K/V does the same: 4.1–4.7; DEVICE_CHECK.md.)
-constexpr GemmMode kBf16TensorCoreMode{
-    "bf16_tc", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.3f, 0.1f, false, 2e-2f, 6e-2f, true,
-    true, true};
+constexpr GemmMode kBf16TensorCoreMode{"bf16_tc",
+                                       cuda::GemmInput::kBf16,
+                                       cpu::GemmInput::kBf16,
+                                       0.3f,
+                                       0.1f,
+                                       false,
+                                       2e-2f,
+                                       6e-2f,
+                                       true,
+                                       true,
+                                       true};
 
 class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterface<GemmMode> {
  protected:
