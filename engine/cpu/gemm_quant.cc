@@ -103,7 +103,8 @@ QuantMatrix QuantMatrix::FromInt4(const int8_t* q, const float* scales, int n, i
 }
 
 QuantMatrix QuantMatrix::FromNvfp4(const uint8_t* codes, const uint8_t* block_scales,
-                                   const float* weight_global, float input_scale, int n, int k) {
+                                   const float* weight_global, float input_scale, int n, int k,
+                                   float input_global) {
   QuantMatrix m;
   m.format_ = QuantFormat::kNvfp4;
   m.n_ = n;
@@ -111,6 +112,7 @@ QuantMatrix QuantMatrix::FromNvfp4(const uint8_t* codes, const uint8_t* block_sc
   m.group_ = kNvfp4Block;
   m.groups_ = k / kNvfp4Block;
   m.input_scale_ = input_scale;
+  m.input_global_ = input_global > 0.0f ? input_global : 1.0f / input_scale;
   const int panels = (n + kGemmPanel - 1) / kGemmPanel;
   // Rows past n: code 0 (+0), block scale 0, alpha 0.
   m.data_.assign(size_t(panels) * (kGemmPanel / 2) * k, 0);
@@ -177,7 +179,10 @@ float QuantizeRowFp8(const float* x, int k, float* q) {
 }
 
 void QuantizeRowNvfp4(const float* x, int k, float input_scale, float* q) {
-  const float g = 1.0f / input_scale;  // vLLM: layer.input_scale_inv
+  QuantizeRowNvfp4Global(x, k, 1.0f / input_scale, q);  // vLLM: layer.input_scale_inv
+}
+
+void QuantizeRowNvfp4Global(const float* x, int k, float g, float* q) {
   const float inv_g = 1.0f / g;
   const float rcp6 = 1.0f / 6.0f;
   for (int c0 = 0; c0 < k; c0 += kNvfp4Block) {
@@ -218,10 +223,10 @@ void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa 
   if (nvfp4) {
     // One definition on every ISA (scalar): the same bits everywhere by construction.
     aq.resize(size_t(m) * k);
-    const float input_scale = w.InputScale();
+    const float g = w.InputGlobal();
 #pragma omp parallel for schedule(static) if (parallel && int64_t(m) * k >= (1 << 16))
     for (int i = 0; i < m; ++i) {
-      QuantizeRowNvfp4(x + size_t(i) * k, k, input_scale, aq.data() + size_t(i) * k);
+      QuantizeRowNvfp4Global(x + size_t(i) * k, k, g, aq.data() + size_t(i) * k);
     }
     a = aq.data();
   }

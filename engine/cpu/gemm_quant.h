@@ -66,8 +66,12 @@ class QuantMatrix {
   // NVFP4 W [n, k] (k a multiple of 16): row-major e2m1 codes codes[r·k + c] (one code per byte,
   // 0..15), row-major e4m3 block scale codes block_scales[r·(k/16) + c/16], the per-row
   // weight_scale_2 weight_global[r] (> 0, finite) and the module's input_scale (> 0, finite).
+  // `input_global`: the activation quantization's g (> 0, finite); 0 means 1 / input_scale
+  // (ModelOpt). compressed-tensors checkpoints store g itself (input_global_scale) and
+  // input_scale = 1 / g, as vLLM's CompressedTensorsW4A4Fp4 keeps both.
   static QuantMatrix FromNvfp4(const uint8_t* codes, const uint8_t* block_scales,
-                               const float* weight_global, float input_scale, int n, int k);
+                               const float* weight_global, float input_scale, int n, int k,
+                               float input_global = 0.0f);
 
   QuantFormat format() const { return format_; }
   int rows() const { return n_; }
@@ -87,6 +91,8 @@ class QuantMatrix {
   // NVFP4: weight_scale_2 of row r and the input_scale (1 for the other formats).
   float WeightGlobal(int r) const { return format_ == QuantFormat::kNvfp4 ? global_[r] : 1.0f; }
   float InputScale() const { return input_scale_; }
+  // NVFP4: the activation quantization's g (1 / input_scale unless given, see FromNvfp4).
+  float InputGlobal() const { return input_global_; }
   // The dequantized weight W[r, c] (FP8: e4m3 value · row scale; NVFP4: e2m1 · e4m3 ·
   // weight_scale_2; rounded to float32).
   float Dequantized(int r, int c) const {
@@ -112,6 +118,7 @@ class QuantMatrix {
   QuantFormat format_ = QuantFormat::kFp8;
   int n_ = 0, k_ = 0, group_ = 0, groups_ = 0;
   float input_scale_ = 1.0f;
+  float input_global_ = 1.0f;
   std::vector<uint8_t> data_;
   std::vector<float> scales_;
   std::vector<uint8_t> block_scales_;  // NVFP4
@@ -126,6 +133,8 @@ float QuantizeRowFp8(const float* x, int k, float* q);
 // g = 1 / input_scale: q[c] = e2m1(x_q[c]) · sx[c/16] as float32 (exact), the factor the GEMM
 // multiplies by the widened weight.
 void QuantizeRowNvfp4(const float* x, int k, float input_scale, float* q);
+// The same with g given (the quantization QuantLinear runs: g = w.InputGlobal()).
+void QuantizeRowNvfp4Global(const float* x, int k, float g, float* q);
 // y[m, n] = x[m, k] · Wᵀ for a quantized W, as the format says (see above). Rows of x and y
 // with leading dimensions k and n. `threads` as Gemm; `isa` the active GEMM path unless given.
 void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y,

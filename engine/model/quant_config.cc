@@ -25,7 +25,8 @@ absl::Status Expect(const json& args, const std::string& source, const std::stri
   if (got != want) {
     return Field(source, absl::StrCat(field, ".", key),
                  absl::StrCat("is ", got.dump(), "; this build supports ", want.dump(),
-                              " here (FP8_DYNAMIC: float-quantized, W4A16: pack-quantized)"));
+                              " here (FP8_DYNAMIC: float-quantized, W4A16: pack-quantized, NVFP4: "
+                              "nvfp4-pack-quantized)"));
   }
   return absl::OkStatus();
 }
@@ -162,10 +163,15 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& co
     q.format = WeightFormat::kFp8;
   } else if (format == "pack-quantized") {
     q.format = WeightFormat::kW4A16;
+  } else if (format == "nvfp4-pack-quantized") {
+    q.format = WeightFormat::kNvfp4;
+    q.nvfp4_compressed_tensors = true;
+    q.group_size = 16;
   } else {
     return Field(source, "format",
                  absl::StrCat("is ", format.dump(),
-                              "; supported: \"float-quantized\" (FP8), \"pack-quantized\" (W4A16)"));
+                              "; supported: \"float-quantized\" (FP8), \"pack-quantized\" "
+                              "(W4A16), \"nvfp4-pack-quantized\" (NVFP4 W4A4)"));
   }
   if (auto it = qc.find("quantization_status"); it != qc.end() && *it != "compressed") {
     return Field(source, "quantization_status",
@@ -224,6 +230,24 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& co
       DG_EXPECT(a, af, "strategy", "token", null);
       DG_EXPECT(a, af, "dynamic", true, false);
       DG_EXPECT(a, af, "symmetric", true, true);
+    } else if (q.format == WeightFormat::kNvfp4) {
+      // compressed-tensors' NVFP4 preset (W4A4), as vLLM's _is_fp4a4_nvfp4 accepts it.
+      DG_EXPECT(w, wf, "num_bits", 4, null);
+      DG_EXPECT(w, wf, "type", "float", null);
+      DG_EXPECT(w, wf, "strategy", "tensor_group", null);
+      DG_EXPECT(w, wf, "group_size", 16, null);
+      if (!a.is_object()) {
+        return Field(source, af,
+                     "must be the NVFP4 activation scheme (W4A4: num_bits 4, type float, strategy "
+                     "tensor_group, group_size 16, dynamic \"local\"); weight-only NVFP4A16 is not "
+                     "supported");
+      }
+      DG_EXPECT(a, af, "num_bits", 4, null);
+      DG_EXPECT(a, af, "type", "float", null);
+      DG_EXPECT(a, af, "strategy", "tensor_group", null);
+      DG_EXPECT(a, af, "group_size", 16, null);
+      DG_EXPECT(a, af, "symmetric", true, true);
+      DG_EXPECT(a, af, "dynamic", "local", false);
     } else {
       DG_EXPECT(w, wf, "num_bits", 4, null);
       DG_EXPECT(w, wf, "type", "int", null);
@@ -292,6 +316,30 @@ std::string HfQuantConfigJson(const QuantizationConfig& q) {
 }
 
 std::string QuantizationConfigJson(const QuantizationConfig& q) {
+  if (q.format == WeightFormat::kNvfp4 && q.nvfp4_compressed_tensors) {
+    // compressed-tensors' NVFP4 preset (quant_config.h); `ignore` entries are its syntax.
+    json fp4 = {{"num_bits", 4},
+                {"type", "float"},
+                {"symmetric", true},
+                {"strategy", "tensor_group"},
+                {"group_size", 16},
+                {"block_structure", nullptr},
+                {"actorder", nullptr},
+                {"observer", "minmax"},
+                {"observer_kwargs", json::object()}};
+    json weights = fp4, acts = fp4;
+    weights["dynamic"] = false;
+    acts["dynamic"] = "local";
+    json group = {{"targets", q.targets},
+                  {"weights", weights},
+                  {"input_activations", acts},
+                  {"output_activations", nullptr}};
+    json qc = {{"quant_method", "compressed-tensors"}, {"format", "nvfp4-pack-quantized"},
+               {"quantization_status", "compressed"},  {"global_compression_ratio", nullptr},
+               {"kv_cache_scheme", nullptr},           {"ignore", q.ignore},
+               {"config_groups", {{"group_0", group}}}};
+    return qc.dump(2);
+  }
   if (q.format == WeightFormat::kNvfp4) {
     json qc = {{"quant_method", "modelopt"},
                {"quant_algo", "NVFP4"},

@@ -55,8 +55,34 @@
 //    `M.input_scale` F32 [] or [1] — the static activation scale, amax(x) / (6 · 448);
 // W = e2m1(q) · weight_scale · weight_scale_2; activations are quantized to NVFP4 at run time
 // (W4A4; engine/cpu/gemm_quant.h). `in` must be a multiple of 16. Only quant_algo "NVFP4"
-// with group_size 16 and no KV-cache quantization is loaded. (compressed-tensors'
-// "nvfp4-pack-quantized" variant, with the reciprocal weight_global_scale, is not supported yet.)
+// with group_size 16 and no KV-cache quantization is loaded.
+//
+// compressed-tensors NVFP4 (format "nvfp4-pack-quantized", as llm-compressor's NVFP4 scheme and
+// the RedHatAI/...-NVFP4 checkpoints write it). Documents read: compressed-tensors'
+// NVFP4PackedCompressor, pack_fp4_to_uint8 / unpack_fp4_from_uint8 in
+// src/compressed_tensors/compressors/quantized_compressors/fp4_quantized.py; _quantize /
+// _dequantize in src/compressed_tensors/quantization/lifecycle/forward.py (a global scale
+// divides the local one: scale / global_scale); vLLM's CompressedTensorsW4A4Fp4 in
+// vllm/model_executor/layers/quantization/compressed_tensors/schemes/
+// compressed_tensors_w4a4_nvfp4.py ("CT stores [global scales] as divisors, i.e. 1/scale") and
+// CompressedTensorsConfig._is_fp4a4_nvfp4 in .../compressed_tensors/compressed_tensors.py.
+//   config_groups.G.weights {num_bits 4, type float, symmetric, strategy tensor_group,
+//     group_size 16, dynamic false}; input_activations {num_bits 4, type float, symmetric,
+//     strategy tensor_group, group_size 16, dynamic "local"} (dynamic per-16 block scales under a
+//     static per-tensor global scale: W4A4). input_activations null (NVFP4A16, weight-only) is
+//     refused; `ignore` and `targets` as for the other compressed-tensors formats.
+// Tensors of a quantized Linear M:
+//    `M.weight_packed` U8 [out, in/2] — the same nibble order as ModelOpt: element 2i in the low
+//        nibble, 2i+1 in the high (pack_fp4_to_uint8: `indices[:, 0] | (indices[:, 1] << 4)`),
+//        codes sign bit 3, magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6};
+//    `M.weight_scale` F8_E4M3 [out, in/16];
+//    `M.weight_global_scale` F32 [1] (or []) — a divisor: W = e2m1(q) · weight_scale /
+//        weight_global_scale, so ModelOpt's weight_scale_2 = 1 / weight_global_scale;
+//    `M.input_global_scale` F32 [1] (or []) — the activations' global scale, also a divisor:
+//        ModelOpt's input_scale = 1 / input_global_scale.
+// Mapped onto the ModelOpt in-memory form as vLLM does: weight_scale_2 = float32(1 / wgs),
+// input_scale = float32(1 / igs), alpha = input_scale · weight_scale_2, and the activation
+// quantization's g = igs itself (vLLM's input_global_scale_inv), not 1 / float32(1 / igs).
 //
 // The MoE experts: the bf16 checkpoint holds them fused (`experts.gate_up_proj` [E, 2F, D],
 // `experts.down_proj` [E, D, F]), which are parameters, not Linear modules, so quantizers skip
@@ -88,6 +114,9 @@ struct QuantizationConfig {
   std::vector<std::string> targets;
   std::vector<std::string> ignore;
   bool glob_ignore = false;  // ModelOpt: ignore entries are fnmatch patterns (exclude_modules)
+  // kNvfp4 from compressed-tensors "nvfp4-pack-quantized": its tensor names (weight_packed,
+  // weight_global_scale, input_global_scale) and reciprocal global scales; else ModelOpt's.
+  bool nvfp4_compressed_tensors = false;
 
   bool quantized() const { return format != WeightFormat::kBf16; }
   // True when the Linear module `module` (name without ".weight") is quantized.

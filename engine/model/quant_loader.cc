@@ -33,8 +33,10 @@ struct Module {
   const TensorView* packed = nullptr;  // W4A16
   const TensorView* scale = nullptr;
   const TensorView* shape = nullptr;  // W4A16 weight_shape
-  const TensorView* global = nullptr;  // NVFP4 weight_scale_2
-  const TensorView* input = nullptr;   // NVFP4 input_scale
+  const TensorView* global =
+      nullptr;  // NVFP4 weight_scale_2 (compressed-tensors: weight_global_scale)
+  const TensorView* input = nullptr;  // NVFP4 input_scale (compressed-tensors: input_global_scale)
+  bool reciprocal = false;  // compressed-tensors NVFP4: global and input are divisors (1/scale)
   int rows = 0, cols = 0;
 };
 
@@ -126,12 +128,19 @@ class Planner {
                                       "blocks) cannot quantize it (list it in exclude_modules)"));
         return false;
       }
-      m->weight =
-          need(".weight", {DType::kU8}, {{rows, cols / 2}}, "e2m1 codes packed two per byte");
+      // ModelOpt's names, or compressed-tensors' (quant_config.h: the same codes and block
+      // scales, reciprocal global scales).
+      const bool ct = q_.nvfp4_compressed_tensors;
+      m->reciprocal = ct;
+      m->weight = need(ct ? ".weight_packed" : ".weight", {DType::kU8}, {{rows, cols / 2}},
+                       "e2m1 codes packed two per byte");
       m->scale = need(".weight_scale", {DType::kF8E4M3}, {{rows, cols / 16}},
                       "float8_e4m3fn scale per 16 inputs");
-      m->global = need(".weight_scale_2", {DType::kF32}, {{}, {1}}, "per-tensor weight scale");
-      m->input = need(".input_scale", {DType::kF32}, {{}, {1}}, "static activation scale");
+      m->global =
+          need(ct ? ".weight_global_scale" : ".weight_scale_2", {DType::kF32}, {{1}, {}},
+               ct ? "per-tensor weight global scale, a divisor" : "per-tensor weight scale");
+      m->input = need(ct ? ".input_global_scale" : ".input_scale", {DType::kF32}, {{1}, {}},
+                      ct ? "static activation global scale, a divisor" : "static activation scale");
       return ok;
     }
     if (q_.format == WeightFormat::kFp8) {
@@ -206,19 +215,32 @@ struct Nvfp4Rows {
   std::vector<uint8_t> codes, block_scales;
   std::vector<float> global;
   float input_scale = 0.0f;
+  float input_global = 0.0f;  // compressed-tensors: input_global_scale (the activations' g)
+  float input_stored = 0.0f;  // the stored input_scale / input_global_scale
 };
 
 absl::Status AppendNvfp4(const Module& m, Nvfp4Rows* out) {
-  DGSERVE_ASSIGN_OR_RETURN(const float g, PositiveScalar(*m.global));
+  DGSERVE_ASSIGN_OR_RETURN(const float stored_g, PositiveScalar(*m.global));
   DGSERVE_ASSIGN_OR_RETURN(const float in, PositiveScalar(*m.input));
-  if (out->input_scale != 0.0f && out->input_scale != in) {
+  // compressed-tensors stores divisors: weight_scale_2 = 1 / weight_global_scale, input_scale =
+  // 1 / input_global_scale (float32, as vLLM's CompressedTensorsW4A4Fp4 computes them).
+  const float g = m.reciprocal ? 1.0f / stored_g : stored_g;
+  const float input_scale = m.reciprocal ? 1.0f / in : in;
+  if (!std::isfinite(g) || !std::isfinite(input_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(m.global->file, ": tensor '", m.global->name, "' or '", m.input->name,
+                     "' is too small: its reciprocal is not a finite float32"));
+  }
+  if (m.reciprocal) out->input_global = in;
+  if (out->input_stored != 0.0f && out->input_stored != in) {
     return absl::InvalidArgumentError(absl::StrCat(
         m.input->file, ": tensor '", m.input->name, "' is ", in,
         " but the module stacked with it "
         "(an expert's gate and up, one [2F, D] matrix with one activation quantization) has ",
-        out->input_scale, ": they must be equal"));
+        out->input_stored, ": they must be equal"));
   }
-  out->input_scale = in;
+  out->input_stored = in;
+  out->input_scale = input_scale;
   const size_t n = size_t(m.rows) * m.cols;
   if (m.weight->nbytes != n / 2 || m.scale->nbytes != n / 16) {
     return absl::InvalidArgumentError(
@@ -233,7 +255,8 @@ absl::Status AppendNvfp4(const Module& m, Nvfp4Rows* out) {
     }
   }
   out->block_scales.insert(out->block_scales.end(), s, s + n / 16);
-  // ModelOpt's packing: element 2i in the low nibble, 2i + 1 in the high nibble.
+  // ModelOpt's packing, and compressed-tensors' pack_fp4_to_uint8 alike: element 2i in the low
+  // nibble, 2i + 1 in the high nibble.
   const uint8_t* p = m.weight->data;
   const size_t base = out->codes.size();
   out->codes.resize(base + n);
@@ -299,8 +322,9 @@ absl::StatusOr<cpu::PackedMatrix> Build(const std::vector<Module>& parts,
       DGSERVE_RETURN_IF_ERROR(AppendNvfp4(m, &r));
       rows += m.rows;
     }
-    return cpu::PackedMatrix::Quantized(cpu::QuantMatrix::FromNvfp4(
-        r.codes.data(), r.block_scales.data(), r.global.data(), r.input_scale, rows, cols));
+    return cpu::PackedMatrix::Quantized(
+        cpu::QuantMatrix::FromNvfp4(r.codes.data(), r.block_scales.data(), r.global.data(),
+                                    r.input_scale, rows, cols, r.input_global));
   }
   for (const Module& m : parts) {
     DGSERVE_RETURN_IF_ERROR(AppendRows(m, q, &bf16, &codes, &int4, &scales));
