@@ -172,6 +172,7 @@ struct DeviceLayer {
   DeviceArray<uint16_t> q_proj, k_proj, v_proj, o_proj, mlp_gate_proj, mlp_up_proj, mlp_down_proj,
       experts_gate_up_proj, experts_down_proj;
   DeviceArray<float> router_proj;       // [E, D] float32 (the top-k choice is sensitive)
+  DeviceArray<uint16_t> router_proj_bf16;  // the same bf16 values, for DenseLinear
   DeviceArray<float> per_expert_scale;  // [E]
   float decoder_layer_scalar = 1, encoder_layer_scalar = 1;
 };
@@ -325,6 +326,7 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_gate_up_proj, &d.experts_gate_up_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.router_proj, &d.router_proj_bf16));
     DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));
     d.decoder_layer_scalar = s.decoder_layer_scalar;
     d.encoder_layer_scalar = s.encoder_layer_scalar;
@@ -379,6 +381,13 @@ absl::Status CudaBackend::InitSyntheticMatrices(uint64_t seed) {
       return absl::InternalError(
           absl::StrCat("synthetic weights: no device tensor for ", spec.name));
     }
+  }
+  // The router's bf16 copy (its float32 values are bf16 values: the conversion is exact).
+  for (DeviceLayer& d : layers_) {
+    const size_t n = size_t(c_.num_experts) * c_.hidden_size;
+    DGSERVE_RETURN_IF_ERROR(d.router_proj_bf16.Ensure(n));
+    DGSERVE_RETURN_IF_ERROR(
+        cuda::FloatToBf16(d.router_proj.get(), int64_t(n), d.router_proj_bf16.get()));
   }
   cuda::NoteSync();
   return CudaCheck(cudaDeviceSynchronize(), "synthetic weights");
@@ -656,12 +665,19 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   DGSERVE_RETURN_IF_ERROR(cublas_.input() == cuda::GemmInput::kBf16
                               ? cuda::ScaleAndRoundToBf16(r_.get(), int64_t(R) * D, router_scale)
                               : cuda::Scale(r_.get(), int64_t(R) * D, router_scale));
-  const float one = 1.0f, zero = 0.0f;
-  cuda::NoteCublas();
-  DGSERVE_RETURN_IF_ERROR(
-      CublasCheck(cublasSgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, E, R, D, &one,
-                              lw.router_proj.get(), D, r_.get(), D, &zero, scores_.get(), E),
-                  "cublasSgemm (router)"));
+  if (options_.batch_invariant_projections) {
+    // The weights are bf16 values and the bf16 mode's input too: exact products, float32 sums in
+    // DenseLinear's fixed order (the float32 mode's input split exactly into three terms).
+    DGSERVE_RETURN_IF_ERROR(cuda::DenseLinear(r_.get(), lw.router_proj_bf16.get(), R, D, E,
+                                              cublas_.input(), scores_.get()));
+  } else {
+    const float one = 1.0f, zero = 0.0f;
+    cuda::NoteCublas();
+    DGSERVE_RETURN_IF_ERROR(
+        CublasCheck(cublasSgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, E, R, D, &one,
+                                lw.router_proj.get(), D, r_.get(), D, &zero, scores_.get(), E),
+                    "cublasSgemm (router)"));
+  }
   // Routing and grouping on the device (cuda_moe.h): the experts of each row (RouteTopK's
   // choice and weights, bit for bit), then rows grouped by expert in ascending row order. Every
   // row picks K distinct experts, so N = R·K gathered rows: every size is known here and the

@@ -54,7 +54,8 @@ struct CudaBackendOptions {
   // The projections (q, k, v, o, the dense and self-conditioning MLPs) on our own tensor-core
   // kernel (cuda::DenseLinear: a fixed addition order per output, so a row's bits do not depend
   // on the batch), the default; false: cuBLAS (cublasGemmEx), whose algorithm, and so addition
-  // order, may change with the row count. The router and the unfused LM head stay on cuBLAS.
+  // order, may change with the row count. The router's GEMM follows this too; the soft-embedding
+  // product and the unfused LM head stay on cuBLAS.
   bool batch_invariant_projections = true;
   // The decoder (canvas) pass's attention as cuda::TensorCoreCanvasAttention: bf16 Q/K/V on tensor
   // cores, every canvas of the step in one launch per layer from a device table (uploaded once
