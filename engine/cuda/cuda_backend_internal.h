@@ -1,0 +1,297 @@
+// The CUDA backend's internals (see cuda_backend.h), shared by its two source files:
+// cuda_backend.cc (weights, the KV mirrors, the step's orchestration and the vocabulary step) and
+// cuda_backend_passes.cc (the encoder and decoder passes: projections, attention, MoE, layers).
+// Not for use outside engine/cuda/.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/bf16.h"
+#include "common/status_macros.h"
+#include "engine/cuda/cuda_attention.h"
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_backend_kernels.h"
+#include "engine/cuda/cuda_gemm.h"
+#include "engine/cuda/cuda_memory.h"
+#include "engine/cuda/cuda_moe.h"
+#include "engine/cuda/cuda_ops.h"
+#include "engine/cuda/cuda_profile.h"
+#include "engine/cuda/cuda_synthetic.h"
+#include "engine/cuda/cuda_vocab.h"
+#include "engine/model/model_math.h"
+#include "engine/model/random_checkpoint.h"
+#include "engine/model/synthetic_weights.h"
+
+namespace dgserve::cuda_internal {
+
+inline double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+using cuda::CublasCheck;
+using cuda::CudaCheck;
+using cuda::DeviceArray;
+using cuda::Download;
+using cuda::UploadBf16;
+using cuda::UploadFloat;
+
+enum class PassKind { kEncoder, kDecoder };
+
+// The phases of CudaPhaseTimes (cuda_backend.h).
+enum class Phase { kNone, kAttention, kMoe, kDense, kVocab };
+
+// CUDA-event brackets per phase for one DenoiseStep (CudaBackendOptions::phase_timing). As the
+// launch observer of cuda_profile.h it opens a bracket lazily at the phase's first launch and
+// closes it before a blocking call, so host time between launches of a phase that waits on the
+// host (today's router round trip) is not counted in the phase.
+class PhaseTimer final : public cuda::LaunchObserver {
+ public:
+  PhaseTimer() = default;
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+  ~PhaseTimer() override {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  void Start() {
+    active_ = true;
+    used_ = 0;
+    brackets_.clear();
+    phase_ = Phase::kNone;
+    open_ = false;
+    error_ = absl::OkStatus();
+    cuda::SetLaunchObserver(this);
+  }
+  void Enter(Phase p) {
+    if (!active_) return;
+    Close();
+    phase_ = p;
+  }
+  void Leave() {
+    if (!active_) return;
+    Close();
+    phase_ = Phase::kNone;
+  }
+  // Stops observing; the sums of the brackets once the last event has completed.
+  absl::StatusOr<CudaPhaseTimes> Finish() {
+    Close();
+    cuda::SetLaunchObserver(nullptr);
+    active_ = false;
+    DGSERVE_RETURN_IF_ERROR(error_);
+    CudaPhaseTimes t;
+    if (used_ > 0) {
+      DGSERVE_RETURN_IF_ERROR(
+          CudaCheck(cudaEventSynchronize(events_[used_ - 1]), "cudaEventSynchronize (phases)"));
+    }
+    for (const Bracket& b : brackets_) {
+      float ms = 0;
+      DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaEventElapsedTime(&ms, events_[b.start], events_[b.end]),
+                                        "cudaEventElapsedTime"));
+      double* sum = b.phase == Phase::kAttention ? &t.attention_ms
+                    : b.phase == Phase::kMoe     ? &t.moe_ms
+                    : b.phase == Phase::kDense   ? &t.dense_ms
+                                                 : &t.vocab_ms;
+      *sum += ms;
+    }
+    t.brackets = int(brackets_.size());
+    return t;
+  }
+  // Stops observing without reading the events (a failed step).
+  void Abort() {
+    cuda::SetLaunchObserver(nullptr);
+    active_ = false;
+  }
+
+  void BeforeLaunch() override {
+    if (phase_ == Phase::kNone || open_) return;
+    if (Record(&start_)) open_ = true;
+  }
+  void BeforeBlocking() override { Close(); }
+
+ private:
+  struct Bracket {
+    Phase phase;
+    int start, end;
+  };
+  void Close() {
+    if (!open_) return;
+    open_ = false;
+    int end = 0;
+    if (Record(&end)) brackets_.push_back({phase_, start_, end});
+  }
+  bool Record(int* index) {
+    if (!error_.ok()) return false;
+    if (used_ == int(events_.size())) {
+      cudaEvent_t e = nullptr;
+      error_ =
+          CudaCheck(cudaEventCreateWithFlags(&e, cudaEventDefault), "cudaEventCreate (phases)");
+      if (!error_.ok()) return false;
+      events_.push_back(e);
+    }
+    error_ = CudaCheck(cudaEventRecord(events_[used_], nullptr), "cudaEventRecord (phases)");
+    if (!error_.ok()) return false;
+    *index = used_++;
+    return true;
+  }
+
+  bool active_ = false, open_ = false;
+  Phase phase_ = Phase::kNone;
+  int start_ = 0, used_ = 0;
+  std::vector<cudaEvent_t> events_;  // reused across steps
+  std::vector<Bracket> brackets_;
+  absl::Status error_;
+};
+
+// Enters a phase for the scope (no-op when the timer is not running).
+class PhaseScope {
+ public:
+  PhaseScope(PhaseTimer& t, Phase p) : t_(t) { t_.Enter(p); }
+  ~PhaseScope() { t_.Leave(); }
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  PhaseTimer& t_;
+};
+
+// One layer's weights on the device (see LayerWeights for shapes).
+struct DeviceLayer {
+  DeviceArray<float> input_layernorm, q_norm, k_norm, post_attention_layernorm,
+      pre_feedforward_layernorm, post_feedforward_layernorm_1, router_scale,
+      pre_feedforward_layernorm_2, post_feedforward_layernorm_2, post_feedforward_layernorm;
+  DeviceArray<uint16_t> q_proj, k_proj, v_proj, o_proj, mlp_gate_proj, mlp_up_proj, mlp_down_proj,
+      experts_gate_up_proj, experts_down_proj;
+  DeviceArray<float> router_proj;          // [E, D] float32 (the top-k choice is sensitive)
+  DeviceArray<uint16_t> router_proj_bf16;  // the same bf16 values, for DenseLinear
+  DeviceArray<float> per_expert_scale;     // [E]
+  float decoder_layer_scalar = 1, encoder_layer_scalar = 1;
+};
+
+// The device mirror of one host KvCache (see cuda_backend.h).
+struct KvMirror {
+  std::vector<DeviceArray<float>> k, v;    // per layer [capacity, kvw]
+  int capacity = 0;                        // positions allocated
+  int synced = 0;                          // positions [visible lo, synced) are on the device
+  std::vector<float> first_row, last_row;  // fingerprint: K rows 0 and synced−1 of layer fp
+  uint64_t last_use = 0;
+};
+
+// One sequence inside a batched pass: rows [row0, row0 + rows) of the stacked activations (no
+// padding on the GPU), positions pos0 …, its device KV mirror.
+struct Segment {
+  int row0 = 0, rows = 0, pos0 = 0;
+  const KvCache* kv = nullptr;
+  KvCache* kv_write = nullptr;  // encoder only
+  KvMirror* mirror = nullptr;
+};
+
+class CudaBackend final : public ModelBackend {
+ public:
+  CudaBackend(const ModelConfig& config, const CudaBackendOptions& options)
+      : c_(config), options_(options), cublas_(options.gemm_input) {}
+  ~CudaBackend() override {
+    mirrors_.clear();
+    if (handle_ != nullptr) cublasDestroy(handle_);
+  }
+
+  absl::Status Init(const ModelWeights& w);
+  // Allocates every matrix of the model on the device and fills it with the synthetic weights
+  // of `seed` (after Init with SyntheticModelWeights(c, seed, /*matrices=*/false)).
+  absl::Status InitSyntheticMatrices(uint64_t seed);
+  std::optional<CudaPhaseTimes> last_phase_times() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_phases_;
+  }
+
+  const ModelConfig& config() const override { return c_; }
+  absl::Status Encode(std::span<const EncodeInput> batch) override;
+  absl::Status Decode(std::span<const DecodeInput> batch) override;
+  absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) override;
+  absl::Status DenoiseStepLocked(std::span<const DenoiseStepInput> batch);
+  absl::Status SoftEmbedding(const float* probs, int rows, float* soft) override;
+  DecodeTimings last_decode_timings() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return timings_;
+  }
+
+ private:
+  struct CanvasInput {
+    std::span<const int32_t> canvas;
+    const float* sc_soft;
+    const KvCache* kv;
+  };
+  absl::Status CheckTokens(std::span<const int32_t> ids) const;
+  // The mirror of `kv`, synced with its committed rows and with room for `extra` more positions.
+  absl::StatusOr<KvMirror*> SyncMirror(const KvCache& kv, int extra);
+  void Fingerprint(const KvCache& kv, KvMirror* m) const;
+  // Decoder body (spec §3.5 steps 1–4, final norm) into h_ [R, D]; fills segs; returns R.
+  absl::StatusOr<int> Body(std::span<const CanvasInput> batch, std::vector<Segment>* segs);
+  absl::Status Layer(int l, PassKind kind, std::span<const Segment> segs, int R);
+  // Whether layer l's decoder attention runs on TensorCoreCanvasAttention, and the device table of
+  // every such layer's canvases (canvas_table_: num_layers × canvas_segments_ entries).
+  bool TensorCoreCanvas(int l) const;
+  absl::Status UploadCanvasTable(std::span<const Segment> segs);
+  absl::Status Moe(int l, const float* h1, int R, float* m);
+  // out[R, D] = down(gelu(x·gateᵀ) ⊙ x·upᵀ).
+  // y[R, out] = x[R, in] · Wᵀ for a bf16 weight W [out, in]: cuda::DenseLinear or cuBLAS
+  // (options_.batch_invariant_projections).
+  absl::Status Linear(const float* x, const uint16_t* w, int R, int in, int out, float* y);
+  absl::Status GatedMlp(const float* x, int R, const uint16_t* gate, const uint16_t* up,
+                        const uint16_t* down, int width, float* out);
+  // soft[rows, D] = probs_bf16[rows, V] · E · bf16(√D) (one GEMM, bf16 in, float32 out).
+  absl::Status SoftGemm(const uint16_t* probs_bf16, int rows, float* soft);
+
+  // Every public call holds mu_ (scratch buffers and mirrors are shared) and selects the device.
+  std::unique_lock<std::mutex> Lock() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cudaSetDevice(options_.device);
+    return lock;
+  }
+
+  const ModelConfig c_;
+  const CudaBackendOptions options_;
+  mutable std::mutex mu_;
+  cuda::CublasContext cublas_;
+  cublasHandle_t handle_ = nullptr;  // float32 router GEMM and the soft-embedding GEMM
+  DeviceArray<uint16_t> embed_;      // [V, D] bf16 (embedding and tied LM head)
+  DeviceArray<float> final_norm_, sc_pre_norm_;
+  DeviceArray<uint16_t> sc_gate_, sc_up_, sc_down_;
+  std::vector<DeviceLayer> layers_;
+  DeviceArray<float> rope_sliding_, rope_full_;
+  int fingerprint_layer_ = 0;  // first full layer (rows 0 … n−1 all kept), else 0
+
+  std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>> mirrors_;
+  uint64_t use_clock_ = 0;
+  uint64_t pass_start_ = 0;  // use_clock_ value of the first mirror use of the current pass
+
+  // Scratch activations (grown on demand).
+  DeviceArray<float> h_, a_, q_, k_, v_, attn_, o_, dense_, moe_, g_, u_, r_, scores_, xe_, act_,
+      y_, weight_, slot_weight_, sc_in_, logits_, temps_, uniforms_, soft_;
+  DeviceArray<int32_t> ids_, positions_, expert_, offsets_, gather_, slot_, mask_index_;
+  DeviceArray<uint64_t> mask_table_;  // the distinct canvas-template masks of a step
+  DeviceArray<uint16_t> probs_bf16_;
+  DeviceArray<unsigned char> vocab_scratch_;      // FusedVocabStep's tile partials
+  DeviceArray<float> tile_norm_max_, skip_mass_;  // the sparse self-conditioning plan's inputs
+  DeviceArray<cuda::VocabRowResult> results_;
+  std::vector<cuda::CanvasSegment> canvas_table_host_;
+  DeviceArray<cuda::CanvasSegment> canvas_table_;
+  int canvas_segments_ = 0;
+  std::vector<float> host_k_, host_v_, host_stage_;
+  DecodeTimings timings_;
+  PhaseTimer phases_;
+  std::optional<CudaPhaseTimes> last_phases_;
+};
+
+}  // namespace dgserve::cuda_internal

@@ -1,0 +1,363 @@
+// The CUDA backend's encoder and decoder passes (spec §3.2–§3.5): the projections, attention,
+// the MoE branch, one layer, the decoder body and the encoder pass. The class and its state are in
+// cuda_backend_internal.h; weights, KV mirrors and the vocabulary step in cuda_backend.cc.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "engine/cuda/cuda_backend_internal.h"
+
+namespace dgserve::cuda_internal {
+
+absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int in, int out,
+                                 float* y) {
+  if (options_.batch_invariant_projections) {
+    return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y);
+  }
+  return cublas_.Linear(x, w, R, in, out, y);
+}
+
+absl::Status CudaBackend::GatedMlp(const float* x, int R, const uint16_t* gate, const uint16_t* up,
+                                   const uint16_t* down, int width, float* out) {
+  const int D = c_.hidden_size;
+  DGSERVE_RETURN_IF_ERROR(g_.Ensure(size_t(R) * width));
+  DGSERVE_RETURN_IF_ERROR(u_.Ensure(size_t(R) * width));
+  DGSERVE_RETURN_IF_ERROR(Linear(x, gate, R, D, width, g_.get()));
+  DGSERVE_RETURN_IF_ERROR(Linear(x, up, R, D, width, u_.get()));
+  DGSERVE_RETURN_IF_ERROR(cuda::GeluGate(g_.get(), u_.get(), int64_t(R) * width, g_.get()));
+  return Linear(g_.get(), down, R, width, D, out);
+}
+
+bool CudaBackend::TensorCoreCanvas(int l) const {
+  const int hd = c_.HeadDim(l);
+  return options_.tensor_core_attention && hd % 32 == 0 && hd <= cuda::kMaxAttentionHeadDim;
+}
+
+absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
+  canvas_table_host_.clear();
+  canvas_segments_ = 0;
+  if (!options_.tensor_core_attention) return absl::OkStatus();
+  for (const Segment& s : segs) canvas_segments_ += s.rows > 0;
+  bool any = false;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (!TensorCoreCanvas(l)) {
+      canvas_table_host_.resize(canvas_table_host_.size() + canvas_segments_);
+      continue;
+    }
+    any = true;
+    const int window = c_.IsFull(l) ? 0 : c_.sliding_window;
+    for (const Segment& s : segs) {
+      if (s.rows == 0) continue;
+      cuda::CanvasSegment t;
+      t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
+      t.ctx_v = s.mirror->v[l].get();
+      t.row0 = s.row0;
+      t.rows = s.rows;
+      t.ctx_tokens = s.pos0;
+      t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);
+      canvas_table_host_.push_back(t);
+    }
+  }
+  if (!any || canvas_segments_ == 0) return absl::OkStatus();
+  return canvas_table_.Upload(canvas_table_host_);
+}
+
+absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R) {
+  const DeviceLayer& lw = layers_[l];
+  const int D = c_.hidden_size, hd = c_.HeadDim(l), nh = c_.num_heads, nkv = c_.KvHeads(l);
+  const int kvw = nkv * hd;
+  const float eps = c_.rms_norm_eps;
+  const bool full = c_.IsFull(l);
+  float* h = h_.get();
+  float *a = a_.get(), *q = q_.get(), *k = k_.get(), *v = v_.get();
+
+  // 1–2. Attention block on a = input_layernorm(h) (spec §3.2 steps 1–2, §3.3).
+  phases_.Enter(Phase::kDense);
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, lw.input_layernorm.get(), R, D, eps, a));
+  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.q_proj.get(), R, D, nh * hd, q));
+  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.k_proj.get(), R, D, kvw, k));
+  if (full) {
+    // V = rms_noscale(raw k projection) on full layers (spec §3.3).
+    cuda::NoteDeviceCopy();
+    DGSERVE_RETURN_IF_ERROR(CudaCheck(
+        cudaMemcpy(v, k, size_t(R) * kvw * sizeof(float), cudaMemcpyDeviceToDevice), "copy k→v"));
+  } else {
+    DGSERVE_RETURN_IF_ERROR(Linear(a, lw.v_proj.get(), R, D, kvw, v));
+  }
+  phases_.Enter(Phase::kAttention);
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(q, lw.q_norm.get(), R * nh, hd, eps, q));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(k, lw.k_norm.get(), R * nkv, hd, eps, k));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(v, nullptr, R * nkv, hd, eps, v));
+  const float* inv_freq = full ? rope_full_.get() : rope_sliding_.get();
+  DGSERVE_RETURN_IF_ERROR(cuda::ApplyRope(q, R, nh, hd, positions_.get(), inv_freq));
+  DGSERVE_RETURN_IF_ERROR(cuda::ApplyRope(k, R, nkv, hd, positions_.get(), inv_freq));
+
+  if (kind == PassKind::kEncoder) {
+    // New K/V rows: into the device mirror and (authoritative) the host cache.
+    host_k_.resize(size_t(R) * kvw);
+    host_v_.resize(size_t(R) * kvw);
+    DGSERVE_RETURN_IF_ERROR(Download(host_k_.data(), k, host_k_.size() * sizeof(float)));
+    DGSERVE_RETURN_IF_ERROR(Download(host_v_.data(), v, host_v_.size() * sizeof(float)));
+    for (const Segment& s : segs) {
+      const size_t bytes = size_t(s.rows) * kvw * sizeof(float);
+      cuda::NoteDeviceCopy();
+      DGSERVE_RETURN_IF_ERROR(
+          CudaCheck(cudaMemcpy(s.mirror->k[l].get() + size_t(s.pos0) * kvw,
+                               k + size_t(s.row0) * kvw, bytes, cudaMemcpyDeviceToDevice),
+                    "cudaMemcpy (KV append)"));
+      cuda::NoteDeviceCopy();
+      DGSERVE_RETURN_IF_ERROR(
+          CudaCheck(cudaMemcpy(s.mirror->v[l].get() + size_t(s.pos0) * kvw,
+                               v + size_t(s.row0) * kvw, bytes, cudaMemcpyDeviceToDevice),
+                    "cudaMemcpy (KV append)"));
+      for (int r = 0; r < s.rows; ++r) {
+        const size_t src = size_t(s.row0 + r) * kvw;
+        std::memcpy(s.kv_write->MutableKeyRow(l, s.pos0 + r), &host_k_[src], sizeof(float) * kvw);
+        std::memcpy(s.kv_write->MutableValueRow(l, s.pos0 + r), &host_v_[src], sizeof(float) * kvw);
+      }
+    }
+  }
+  // Decoder on tensor cores: every canvas in one launch (the table of UploadCanvasTable).
+  const bool tc = kind == PassKind::kDecoder && TensorCoreCanvas(l);
+  if (tc && canvas_segments_ > 0) {
+    DGSERVE_RETURN_IF_ERROR(
+        cuda::TensorCoreCanvasAttention(q, k, v, canvas_table_.get() + size_t(l) * canvas_segments_,
+                                        canvas_segments_, R, nh, nkv, hd, attn_.get()));
+  }
+  // Attention per segment: context = the mirror's visible rows before pos0 (spec §3.4 / §3.5).
+  const int W = c_.sliding_window;
+  for (const Segment& s : segs) {
+    if (tc) break;
+    if (s.rows == 0) continue;
+    const int first = full ? 0 : std::max(0, s.pos0 - (W - 1));
+    cuda::KvContext ctx;
+    ctx.tokens = s.pos0 - first;
+    if (ctx.tokens > 0) {
+      ctx.k = s.mirror->k[l].get() + size_t(first) * kvw;
+      ctx.v = s.mirror->v[l].get() + size_t(first) * kvw;
+    }
+    const size_t qo = size_t(s.row0) * nh * hd, ko = size_t(s.row0) * kvw;
+    const int window = full ? 0 : W;
+    if (kind == PassKind::kEncoder) {
+      DGSERVE_RETURN_IF_ERROR(cuda::PrefillAttention(q + qo, k + ko, v + ko, s.rows, ctx, nh, nkv,
+                                                     hd, window, attn_.get() + qo));
+    } else {
+      DGSERVE_RETURN_IF_ERROR(cuda::CanvasAttention(q + qo, k + ko, v + ko, s.rows, ctx, nh, nkv,
+                                                    hd, window, attn_.get() + qo));
+    }
+  }
+  phases_.Enter(Phase::kDense);
+  float* o = o_.get();
+  DGSERVE_RETURN_IF_ERROR(Linear(attn_.get(), lw.o_proj.get(), R, nh * hd, D, o));
+  // 3. h1 = h + post_attention_layernorm(o).
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(o, lw.post_attention_layernorm.get(), R, D, eps, o));
+  DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(h, o, int64_t(R) * D));
+  const float* h1 = h;
+  // 4. Dense branch.
+  float* dense = dense_.get();
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h1, lw.pre_feedforward_layernorm.get(), R, D, eps, a));
+  DGSERVE_RETURN_IF_ERROR(GatedMlp(a, R, lw.mlp_gate_proj.get(), lw.mlp_up_proj.get(),
+                                   lw.mlp_down_proj.get(), c_.intermediate_size, dense));
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::RmsNorm(dense, lw.post_feedforward_layernorm_1.get(), R, D, eps, dense));
+  // 5. MoE branch.
+  phases_.Enter(Phase::kMoe);
+  float* moe = moe_.get();
+  DGSERVE_RETURN_IF_ERROR(Moe(l, h1, R, moe));
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::RmsNorm(moe, lw.post_feedforward_layernorm_2.get(), R, D, eps, moe));
+  // 6. h2 = h1 + post_feedforward_layernorm(d + m); 7. whole stream × layer_scalar.
+  phases_.Enter(Phase::kDense);
+  DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(dense, moe, int64_t(R) * D));
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::RmsNorm(dense, lw.post_feedforward_layernorm.get(), R, D, eps, dense));
+  const float scalar =
+      kind == PassKind::kEncoder ? lw.encoder_layer_scalar : lw.decoder_layer_scalar;
+  return cuda::AddScale(h, dense, scalar, int64_t(R) * D);
+}
+
+absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
+  const DeviceLayer& lw = layers_[l];
+  const int D = c_.hidden_size, E = c_.num_experts, K = c_.top_k_experts;
+  const int F = c_.moe_intermediate_size;
+  const float eps = c_.rms_norm_eps;
+  // Router on the un-normalised h1 (spec §3.2 step 5): rms_noscale(h1) ⊙ scale · D^−½, then a
+  // float32 GEMM against the bf16-valued router weights. In the bf16 mode its input is rounded
+  // to bf16 first (rounding point 4 of cpu_backend.cc), so its products are the CPU's.
+  DGSERVE_RETURN_IF_ERROR(r_.Ensure(size_t(R) * D));
+  DGSERVE_RETURN_IF_ERROR(scores_.Ensure(size_t(R) * E));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h1, lw.router_scale.get(), R, D, eps, r_.get()));
+  const float router_scale = 1.0f / std::sqrt(float(D));
+  DGSERVE_RETURN_IF_ERROR(cublas_.input() == cuda::GemmInput::kBf16
+                              ? cuda::ScaleAndRoundToBf16(r_.get(), int64_t(R) * D, router_scale)
+                              : cuda::Scale(r_.get(), int64_t(R) * D, router_scale));
+  if (options_.batch_invariant_projections) {
+    // The weights are bf16 values and the bf16 mode's input too: exact products, float32 sums in
+    // DenseLinear's fixed order (the float32 mode's input split exactly into three terms).
+    DGSERVE_RETURN_IF_ERROR(cuda::DenseLinear(r_.get(), lw.router_proj_bf16.get(), R, D, E,
+                                              cublas_.input(), scores_.get()));
+  } else {
+    const float one = 1.0f, zero = 0.0f;
+    cuda::NoteCublas();
+    DGSERVE_RETURN_IF_ERROR(
+        CublasCheck(cublasSgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, E, R, D, &one,
+                                lw.router_proj.get(), D, r_.get(), D, &zero, scores_.get(), E),
+                    "cublasSgemm (router)"));
+  }
+  // Routing and grouping on the device (cuda_moe.h): the experts of each row (RouteTopK's
+  // choice and weights, bit for bit), then rows grouped by expert in ascending row order. Every
+  // row picks K distinct experts, so N = R·K gathered rows: every size is known here and the
+  // host never waits for the device.
+  const size_t N = size_t(R) * K;
+  DGSERVE_RETURN_IF_ERROR(expert_.Ensure(N));
+  DGSERVE_RETURN_IF_ERROR(weight_.Ensure(N));
+  DGSERVE_RETURN_IF_ERROR(offsets_.Ensure(size_t(E) + 1));
+  DGSERVE_RETURN_IF_ERROR(gather_.Ensure(N));
+  DGSERVE_RETURN_IF_ERROR(slot_.Ensure(N));
+  DGSERVE_RETURN_IF_ERROR(slot_weight_.Ensure(N));
+  DGSERVE_RETURN_IF_ERROR(xe_.Ensure(size_t(R) * D));
+  DGSERVE_RETURN_IF_ERROR(act_.Ensure(N * F));
+  DGSERVE_RETURN_IF_ERROR(y_.Ensure(N * D));
+  DGSERVE_RETURN_IF_ERROR(cuda::MoeRoute(scores_.get(), R, E, K, lw.per_expert_scale.get(),
+                                         expert_.get(), weight_.get()));
+  DGSERVE_RETURN_IF_ERROR(cuda::MoeGroup(expert_.get(), weight_.get(), R, E, K, offsets_.get(),
+                                         gather_.get(), slot_.get(), slot_weight_.get()));
+  // Experts on pre_feedforward_layernorm_2(h1): one grouped GEMM per projection (gather in the
+  // A load, gelu(g)·u and the routing weight in the epilogues), then the per-row sum in
+  // ascending expert order (the CPU's order).
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::RmsNorm(h1, lw.pre_feedforward_layernorm_2.get(), R, D, eps, xe_.get()));
+  const cuda::GemmInput input = cublas_.input();
+  DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUp(xe_.get(), gather_.get(), offsets_.get(),
+                                          lw.experts_gate_up_proj.get(), R, K, E, D, F, input,
+                                          act_.get()));
+  DGSERVE_RETURN_IF_ERROR(cuda::MoeDown(act_.get(), offsets_.get(), slot_weight_.get(),
+                                        lw.experts_down_proj.get(), R, K, E, F, D, input,
+                                        y_.get()));
+  return cuda::MoeSum(y_.get(), slot_.get(), R, K, D, m);
+}
+
+// Sizes every per-pass scratch buffer for R stacked rows.
+#define DGSERVE_ENSURE_PASS_SCRATCH(R)                          \
+  do {                                                          \
+    const size_t rr = size_t(std::max(R, 1));                   \
+    int qw = 0, kw = 0;                                         \
+    for (int l = 0; l < c_.num_layers; ++l) {                   \
+      qw = std::max(qw, c_.num_heads * c_.HeadDim(l));          \
+      kw = std::max(kw, c_.KvHeads(l) * c_.HeadDim(l));         \
+    }                                                           \
+    DGSERVE_RETURN_IF_ERROR(h_.Ensure(rr* c_.hidden_size));     \
+    DGSERVE_RETURN_IF_ERROR(a_.Ensure(rr* c_.hidden_size));     \
+    DGSERVE_RETURN_IF_ERROR(o_.Ensure(rr* c_.hidden_size));     \
+    DGSERVE_RETURN_IF_ERROR(dense_.Ensure(rr* c_.hidden_size)); \
+    DGSERVE_RETURN_IF_ERROR(moe_.Ensure(rr* c_.hidden_size));   \
+    DGSERVE_RETURN_IF_ERROR(q_.Ensure(rr* qw));                 \
+    DGSERVE_RETURN_IF_ERROR(attn_.Ensure(rr* qw));              \
+    DGSERVE_RETURN_IF_ERROR(k_.Ensure(rr* kw));                 \
+    DGSERVE_RETURN_IF_ERROR(v_.Ensure(rr* kw));                 \
+  } while (0)
+
+absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
+  const auto lock = Lock();
+  const int D = c_.hidden_size;
+  for (const EncodeInput& in : batch) {
+    if (in.kv == nullptr) return absl::InvalidArgumentError("encoder input without a KV cache");
+    DGSERVE_RETURN_IF_ERROR(CheckTokens(in.tokens));
+  }
+  std::vector<Segment> segs;
+  std::vector<int32_t> ids, positions;
+  int R = 0;
+  pass_start_ = use_clock_ + 1;
+  for (const EncodeInput& in : batch) {
+    DGSERVE_RETURN_IF_ERROR(in.kv->Reserve(in.tokens.size()));
+    Segment s;
+    s.row0 = R;
+    s.rows = in.tokens.size();
+    s.pos0 = in.kv->num_tokens();
+    s.kv = in.kv;
+    s.kv_write = in.kv;
+    DGSERVE_ASSIGN_OR_RETURN(s.mirror, SyncMirror(*in.kv, s.rows));
+    segs.push_back(s);
+    R += s.rows;
+    ids.insert(ids.end(), in.tokens.begin(), in.tokens.end());
+    for (int r = 0; r < s.rows; ++r) positions.push_back(s.pos0 + r);
+  }
+  if (R == 0) return absl::OkStatus();
+  DGSERVE_ENSURE_PASS_SCRATCH(R);
+  DGSERVE_RETURN_IF_ERROR(ids_.Upload(ids));
+  DGSERVE_RETURN_IF_ERROR(positions_.Upload(positions));
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::EmbedRows(ids_.get(), embed_.get(), R, D, c_.EmbedScale(), h_.get()));
+  for (int l = 0; l < c_.num_layers; ++l) {
+    DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kEncoder, segs, R));
+  }
+  cuda::NoteSync();
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaDeviceSynchronize(), "Encode"));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].kv->Commit(segs[i].rows);
+    segs[i].mirror->synced = segs[i].pos0 + segs[i].rows;
+    Fingerprint(*batch[i].kv, segs[i].mirror);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> CudaBackend::Body(std::span<const CanvasInput> batch,
+                                      std::vector<Segment>* segs) {
+  const int D = c_.hidden_size, I = c_.intermediate_size;
+  const float eps = c_.rms_norm_eps;
+  segs->clear();
+  for (const CanvasInput& in : batch) {
+    if (in.kv == nullptr) return absl::InvalidArgumentError("decoder input without a KV cache");
+    DGSERVE_RETURN_IF_ERROR(CheckTokens(in.canvas));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<int32_t> ids, positions;
+  int R = 0;
+  pass_start_ = use_clock_ + 1;
+  for (const CanvasInput& in : batch) {
+    Segment s;
+    s.row0 = R;
+    s.rows = in.canvas.size();
+    s.pos0 = in.kv->num_tokens();
+    s.kv = in.kv;
+    DGSERVE_ASSIGN_OR_RETURN(s.mirror, SyncMirror(*in.kv, 0));
+    segs->push_back(s);
+    R += s.rows;
+    ids.insert(ids.end(), in.canvas.begin(), in.canvas.end());
+    for (int r = 0; r < s.rows; ++r) positions.push_back(s.pos0 + r);
+  }
+  if (R == 0) return 0;
+  DGSERVE_ENSURE_PASS_SCRATCH(R);
+  DGSERVE_RETURN_IF_ERROR(ids_.Upload(ids));
+  DGSERVE_RETURN_IF_ERROR(positions_.Upload(positions));
+  float* h = h_.get();
+  // Canvas input (spec §3.5 steps 1–3): x0 = rms_noscale(E[c]·s + SC(soft)).
+  phases_.Enter(Phase::kDense);
+  DGSERVE_RETURN_IF_ERROR(cuda::EmbedRows(ids_.get(), embed_.get(), R, D, c_.EmbedScale(), h));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Segment& s = (*segs)[i];
+    if (batch[i].sc_soft == nullptr || s.rows == 0) continue;
+    DGSERVE_RETURN_IF_ERROR(sc_in_.Upload(batch[i].sc_soft, size_t(s.rows) * D));
+    float* u = a_.get();  // free until the layers run
+    float* sig = o_.get();
+    DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(sc_in_.get(), sc_pre_norm_.get(), s.rows, D, eps, u));
+    DGSERVE_RETURN_IF_ERROR(
+        GatedMlp(u, s.rows, sc_gate_.get(), sc_up_.get(), sc_down_.get(), I, sig));
+    DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(h + size_t(s.row0) * D, sig, int64_t(s.rows) * D));
+  }
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, nullptr, R, D, eps, h));
+  DGSERVE_RETURN_IF_ERROR(UploadCanvasTable(*segs));
+  for (int l = 0; l < c_.num_layers; ++l) {
+    DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kDecoder, *segs, R));
+  }
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, final_norm_.get(), R, D, eps, h));
+  cuda::NoteSync();
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaDeviceSynchronize(), "decoder body"));
+  phases_.Leave();
+  timings_.body_seconds = SecondsSince(t0);
+  return R;
+}
+
+}  // namespace dgserve::cuda_internal
