@@ -35,7 +35,7 @@ struct LaunchCounts {
   }
 };
 
-// What the phase timer (cuda_backend.cc) implements: called before a launch is queued and
+// What the phase timer (cuda_backend_internal.h) implements: called before a launch is queued and
 // before a blocking call starts (so a timed phase can close before the host waits and reopen at
 // the next launch: the host's time between is then not in any phase).
 class LaunchObserver {
