@@ -186,29 +186,37 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Lets `kernel` launch with `bytes` of dynamic shared memory: above the default 48 KiB, checks the
+// device's opt-in limit and raises the kernel's own. INTERNAL naming `name` when it cannot.
+template <typename Kernel>
+absl::Status AllowSharedBytes(Kernel kernel, size_t bytes, const char* name) {
+  if (bytes <= 48 * 1024) return absl::OkStatus();
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
+  }
+  if (size_t(optin) < bytes) {
+    return absl::InternalError(std::string(name) + ": needs " + std::to_string(bytes) +
+                               " bytes of shared memory per block, the device allows " +
+                               std::to_string(optin));
+  }
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
+      cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
+  }
+  return absl::OkStatus();
+}
+
 template <int kPerLane>
 absl::Status Launch(const float* q, const Keys& keys, int num_heads, int group, int mode,
                     int window, float* out, void* stream, const char* name) {
   const size_t bytes = SharedBytes(keys.head_dim);
-  if (bytes > 48 * 1024) {
-    int device = 0, optin = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-            cudaSuccess) {
-      const cudaError_t e = cudaGetLastError();
-      return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
-    }
-    if (size_t(optin) < bytes) {
-      return absl::InternalError(std::string(name) + ": needs " + std::to_string(bytes) +
-                                 " bytes of shared memory per block, the device allows " +
-                                 std::to_string(optin));
-    }
-    if (cudaFuncSetAttribute(AttentionKernel<kPerLane>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(bytes)) != cudaSuccess) {
-      const cudaError_t e = cudaGetLastError();
-      return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
-    }
+  if (absl::Status st = AllowSharedBytes(AttentionKernel<kPerLane>, bytes, name); !st.ok()) {
+    return st;
   }
   const int64_t pairs = int64_t(keys.rows) * group;
   const dim3 grid(unsigned((pairs + kWarps - 1) / kWarps), unsigned(keys.kv_heads));
@@ -485,24 +493,8 @@ absl::Status LaunchTc(const float* q, const float* k_new, const float* v_new,
                       int kv_heads, int head_dim, float* out, void* stream) {
   const char* name = "TensorCoreCanvasAttention";
   const size_t bytes = size_t(TcSharedLayout(head_dim).total);
-  if (bytes > 48 * 1024) {
-    int device = 0, optin = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-            cudaSuccess) {
-      const cudaError_t e = cudaGetLastError();
-      return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
-    }
-    if (size_t(optin) < bytes) {
-      return absl::InternalError(std::string(name) + ": needs " + std::to_string(bytes) +
-                                 " bytes of shared memory per block, the device allows " +
-                                 std::to_string(optin));
-    }
-    if (cudaFuncSetAttribute(TcCanvasKernel<kMaxTiles>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(bytes)) != cudaSuccess) {
-      const cudaError_t e = cudaGetLastError();
-      return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
-    }
+  if (absl::Status st = AllowSharedBytes(TcCanvasKernel<kMaxTiles>, bytes, name); !st.ok()) {
+    return st;
   }
   const int group = num_heads / kv_heads;
   const int64_t blocks = (int64_t(total_rows) * group + kTcPairs - 1) / kTcPairs + num_segments;
