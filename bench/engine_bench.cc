@@ -27,7 +27,9 @@
 // and a bf16 cuBLAS GEMM, --calibrate_copy_mb / --calibrate_gemm_n; 0 skips) and adds per step:
 // launches (our kernels + cuBLAS calls + device copies), blocking host round trips (host↔device
 // copies and syncs), allocations, and with --phase_timing the CUDA-event time of the attention,
-// MoE, dense and vocabulary phases and the host gap (step wall time − their sum).
+// MoE, dense and vocabulary phases and the host gap (step wall time − their sum). Steps run as
+// CUDA graphs (--cuda_graphs, the default; graphs_per_step) except with --phase_timing, whose
+// event brackets need the launches one by one.
 // --batches 1,2,4 runs a batch sweep in one process (one weight init, one prefill, a RESULT line
 // per batch; a batch whose KV copies and scratch would not fit in free device or host memory is
 // reported as skipped); --step_budget_s bounds the timed steps per batch; --synthetic_kv fills
@@ -112,6 +114,9 @@ ABSL_FLAG(double, step_budget_s, 0,
 ABSL_FLAG(bool, phase_timing, false,
           "--device cuda: time the attention, MoE, dense and vocabulary phases of every step "
           "with CUDA events (costs a little)");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "--device cuda: replay each step shape as a CUDA graph (CudaBackendOptions::"
+          "cuda_graphs); --phase_timing runs eagerly whatever this says");
 ABSL_FLAG(int, calibrate_copy_mb, 1024,
           "--device cuda: MiB of the device-to-device copy that measures the bandwidth ceiling "
           "(0: skip)");
@@ -373,6 +378,7 @@ int Run() {
     CudaBackendOptions options;
     options.gemm_input = bf16 ? cuda::GemmInput::kBf16 : cuda::GemmInput::kFloat32;
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
+    options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     // The ceilings first, while the device is empty.
     if (cuda::DeviceCount() > 0) {
@@ -549,6 +555,7 @@ int Run() {
       counts.d2h += step_counts.d2h;
       counts.syncs += step_counts.syncs;
       counts.allocs += step_counts.allocs;
+      counts.graphs += step_counts.graphs;
       if (cuda) {
         if (auto t = LastCudaPhaseTimes(*backend)) {
           have_phases = true;
@@ -637,13 +644,15 @@ int Run() {
                       " syncs_per_step=", Fmt(counts.blocking() / n, "%.1f"),
                       " h2d_per_step=", Fmt(counts.h2d / n, "%.1f"),
                       " d2h_per_step=", Fmt(counts.d2h / n, "%.1f"),
-                      " allocs_per_step=", Fmt(counts.allocs / n, "%.1f"));
-      std::printf("per step: %.1f launches (%.1f kernels, %.1f cuBLAS calls, %.1f device copies), "
-                  "%.1f blocking host round trips (%.1f uploads, %.1f downloads, %.1f syncs), "
-                  "%.1f allocations\n",
-                  counts.launches() / n, counts.kernels / n, counts.cublas / n, counts.d2d / n,
-                  counts.blocking() / n, counts.h2d / n, counts.d2h / n, counts.syncs / n,
-                  counts.allocs / n);
+                      " allocs_per_step=", Fmt(counts.allocs / n, "%.1f"),
+                      " graphs_per_step=", Fmt(counts.graphs / n, "%.2f"));
+      std::printf(
+          "per step: %.1f launches (%.1f kernels, %.1f cuBLAS calls, %.1f device copies), "
+          "%.1f blocking host round trips (%.1f uploads, %.1f downloads, %.1f syncs), "
+          "%.1f allocations, %.2f graph launches\n",
+          counts.launches() / n, counts.kernels / n, counts.cublas / n, counts.d2d / n,
+          counts.blocking() / n, counts.h2d / n, counts.d2h / n, counts.syncs / n,
+          counts.allocs / n, counts.graphs / n);
     }
 #endif
     if (have_phases) {
@@ -709,7 +718,8 @@ int main(int argc, char** argv) {
       "engine_bench (--model DIR | --config FILE | --config_json TEXT) [--layers N] "
       "[--device cpu|cuda] [--canvas N] [--steps N] [--context N] [--batch N] [--seed N] "
       "[--mem_bandwidth_gbs GB/s] [--logit_scale X] [--synthetic] [--synthetic_kv] "
-      "[--batches 1,2,4] [--step_budget_s S] [--phase_timing] [--calibrate_copy_mb MB] "
+      "[--batches 1,2,4] [--step_budget_s S] [--phase_timing] [--cuda_graphs=false] "
+      "[--calibrate_copy_mb MB] "
       "[--calibrate_gemm_n N] [--cpu_gemm_input float32|bf16] "
       "[--cpu_gemm_inputs float32,bf16 [--repeats R]]",
       "bench/engine_bench.cc");

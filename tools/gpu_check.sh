@@ -55,7 +55,9 @@
 #     it out) as a batch sweep 1, 2, 4, 8, 16, 32 at 2k context (one process: one weight fill,
 #     one real 2k prefill, at most 6 s of timed steps per batch) and batch 1 and 16 at 32k (a
 #     synthetic KV cache instead of the minutes-long 32k prefill; 4 steps) — a batch whose KV
-#     copies and scratch do not fit in free device memory is reported skipped by engine_bench.
+#     copies and scratch do not fit in free device memory is reported skipped by engine_bench;
+#     and the step as served (`full-2k-graphs-*`: CUDA graphs replayed, no --phase_timing, whose
+#     event brackets run the step eagerly) at batch 1 and 16, 2k context.
 #     Each RESULT line: step, body and vocabulary times, per-phase CUDA-event times and host
 #     gaps, launches and blocking host round trips per step, tokens/s at 16 steps, the weight
 #     bytes per step ÷ step time as a share of the measured copy bandwidth (and of
@@ -582,6 +584,10 @@ bench_step() {
       bench_run "full-32k-$g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \
         --context "$ctx_long" --batches "$long_batches" --steps 4 --step_budget_s 8 \
         --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" --phase_timing
+      # The step as served: CUDA graphs replayed (the runs above time phases, so run eagerly).
+      bench_run "full-2k-graphs-$g" "$(budget 60 5)" "$bin" "${dev[@]}" --config "$full" \
+        --context "$ctx_short" --batches 1,16 --steps "$steps" --step_budget_s 4 \
+        --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW"
     fi
   done
   # The emulated CUDA backend on the CPU (dry run only): --device cuda end to end on the tiny
@@ -592,6 +598,10 @@ bench_step() {
         --device cuda --config tests/testdata/golden/tiny-v512/config.json --synthetic \
         --context 64 --batches 1,2 --steps 2 --phase_timing --calibrate_copy_mb 1 \
         --calibrate_gemm_n 32 --cuda_gemm_input bf16
+      bench_run "emu-cuda-tiny-graphs" "$(budget 120 5)" "$BUILD_DIR/bench/engine_bench_emu" \
+        --device cuda --config tests/testdata/golden/tiny-v512/config.json --synthetic \
+        --context 64 --batches 1,2 --steps 4 --calibrate_copy_mb 1 --calibrate_gemm_n 32 \
+        --cuda_graphs
     else
       report "bench: engine_bench_emu not built in $BUILD_DIR: the emulated --device cuda run skipped$TAG"
     fi

@@ -10,7 +10,10 @@ namespace cuda_internal {
 absl::Status CudaBackend::Init(const ModelWeights& w) {
   const int L = c_.num_layers;
   if (int(w.layers.size()) != L) return absl::InvalidArgumentError("weights: layer count mismatch");
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                                    "cudaStreamCreateWithFlags"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasCreate(&handle_), "cublasCreate"));
+  DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasSetStream(handle_, stream_), "cublasSetStream"));
   DGSERVE_RETURN_IF_ERROR(UploadBf16(w.embed_tokens, &embed_));
   DGSERVE_RETURN_IF_ERROR(final_norm_.Upload(w.final_norm));
   DGSERVE_RETURN_IF_ERROR(sc_pre_norm_.Upload(w.sc_pre_norm));
@@ -143,6 +146,7 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       if (lru != mirrors_.end()) mirrors_.erase(lru);
     }
     auto m = std::make_unique<KvMirror>();
+    m->serial = ++mirror_serial_;
     m->k.resize(c_.num_layers);
     m->v.resize(c_.num_layers);
     it = mirrors_.emplace(&kv, std::move(m)).first;
@@ -185,17 +189,31 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
           std::memcpy(&host_stage_[size_t(p - from) * w], row, w * sizeof(float));
         }
         float* dst = (which == 0 ? m->k[l] : m->v[l]).get() + size_t(from) * w;
+        // On stream_ (ordered before the pass's kernels); from pageable memory CUDA stages the
+        // rows before returning, so host_stage_ is free again at once.
         cuda::NoteUpload();
         DGSERVE_RETURN_IF_ERROR(
-            CudaCheck(cudaMemcpy(dst, host_stage_.data(), host_stage_.size() * sizeof(float),
-                                 cudaMemcpyHostToDevice),
-                      "cudaMemcpy (KV upload)"));
+            CudaCheck(cudaMemcpyAsync(dst, host_stage_.data(), host_stage_.size() * sizeof(float),
+                                      cudaMemcpyHostToDevice, stream_),
+                      "cudaMemcpyAsync (KV upload)"));
       }
     }
     m->synced = n;
     Fingerprint(kv, m);
   }
   return m;
+}
+
+absl::Status CudaBackend::Wait(const char* what) {
+  cuda::NoteSync();
+  return CudaCheck(cudaStreamSynchronize(stream_), what);
+}
+
+absl::Status CudaBackend::DownloadNow(void* host, const void* device, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  cuda::NoteDownload();
+  return CudaCheck(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_),
+                   "cudaMemcpyAsync D2H");
 }
 
 absl::Status CudaBackend::Decode(std::span<const DecodeInput> batch) {
@@ -206,29 +224,34 @@ absl::Status CudaBackend::Decode(std::span<const DecodeInput> batch) {
     if (in.logits == nullptr) return absl::InvalidArgumentError("decoder input without logits");
     canvases.push_back({in.canvas, in.sc_soft, in.kv});
   }
+  const auto t0 = std::chrono::steady_clock::now();
   std::vector<Segment> segs;
-  DGSERVE_ASSIGN_OR_RETURN(const int R, Body(canvases, &segs));
-  const auto t1 = std::chrono::steady_clock::now();
+  DGSERVE_ASSIGN_OR_RETURN(const int R, PrepareBody(canvases, &segs));
   if (R > 0) {
+    DGSERVE_RETURN_IF_ERROR(EnqueueBody(segs, R));
     // LM head (tied embedding) and softcap (spec §3.1.6).
     DGSERVE_RETURN_IF_ERROR(logits_.Ensure(size_t(R) * V));
-    DGSERVE_RETURN_IF_ERROR(cublas_.Linear(h_.get(), embed_.get(), R, D, V, logits_.get()));
     DGSERVE_RETURN_IF_ERROR(
-        cuda::Softcap(logits_.get(), int64_t(R) * V, c_.final_logit_softcapping));
+        cublas_.Linear(h_.get(), embed_.get(), R, D, V, logits_.get(), stream_));
+    DGSERVE_RETURN_IF_ERROR(
+        cuda::Softcap(logits_.get(), int64_t(R) * V, c_.final_logit_softcapping, stream_));
     for (size_t i = 0; i < batch.size(); ++i) {
       const Segment& s = segs[i];
-      DGSERVE_RETURN_IF_ERROR(Download(batch[i].logits, logits_.get() + size_t(s.row0) * V,
-                                       size_t(s.rows) * V * sizeof(float)));
+      DGSERVE_RETURN_IF_ERROR(DownloadNow(batch[i].logits, logits_.get() + size_t(s.row0) * V,
+                                          size_t(s.rows) * V * sizeof(float)));
     }
   }
-  timings_.lm_head_seconds = SecondsSince(t1);
+  // One unit on the device: the whole call is body_seconds.
+  timings_.body_seconds = SecondsSince(t0);
+  timings_.lm_head_seconds = 0;
   return absl::OkStatus();
 }
 
 absl::Status CudaBackend::SoftGemm(const uint16_t* probs_bf16, int rows, float* soft) {
   const int D = c_.hidden_size, V = c_.vocab_size;
   const float alpha = c_.EmbedScale(), beta = 0.0f;
-  // Row-major soft[rows, D] = P[rows, V] · E[V, D] is column-major softᵀ = Eᵀ · Pᵀ.
+  // Row-major soft[rows, D] = P[rows, V] · E[V, D] is column-major softᵀ = Eᵀ · Pᵀ (on stream_,
+  // the handle's stream).
   cuda::NoteCublas();
   return CublasCheck(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, D, rows, V, &alpha,
                                   embed_.get(), CUDA_R_16BF, D, probs_bf16, CUDA_R_16BF, V, &beta,
@@ -239,7 +262,7 @@ absl::Status CudaBackend::SoftGemm(const uint16_t* probs_bf16, int rows, float* 
 absl::Status CudaBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
   const auto lock = Lock();
   if (!options_.phase_timing) return DenoiseStepLocked(batch);
-  phases_.Start();
+  phases_.Start(stream_);
   const absl::Status st = DenoiseStepLocked(batch);
   if (!st.ok()) {
     phases_.Abort();
@@ -249,8 +272,211 @@ absl::Status CudaBackend::DenoiseStep(std::span<const DenoiseStepInput> batch) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::DenoiseStepLocked(std::span<const DenoiseStepInput> batch) {
+absl::Status CudaBackend::PrepareVocab(std::span<const DenoiseStepInput> batch,
+                                       std::span<const Segment> segs, int R, StepVocab* v) {
   const int D = c_.hidden_size, V = c_.vocab_size;
+  *v = StepVocab{};
+  DGSERVE_RETURN_IF_ERROR(temps_host_.Ensure(R));
+  DGSERVE_RETURN_IF_ERROR(uniforms_host_.Ensure(R));
+  DGSERVE_RETURN_IF_ERROR(skip_host_.Ensure(R));
+  DGSERVE_RETURN_IF_ERROR(mask_index_host_.Ensure(R));
+  // Canvas templates: each distinct mask uploaded once, rows naming it by index (−1: none).
+  const size_t words = (size_t(V) + 63) / 64;
+  std::vector<const uint64_t*> masks;
+  std::unordered_map<const uint64_t*, int32_t> mask_ids;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Segment& s = segs[i];
+    const bool sparse = batch[i].sparse_sc && batch[i].next_soft != nullptr;
+    for (int r = 0; r < s.rows; ++r) {
+      temps_host_[s.row0 + r] = batch[i].temperature;
+      uniforms_host_[s.row0 + r] = batch[i].uniforms[r];
+      // The sparse self-conditioning product (cpu_vocab.h's bound) for the rows of canvases
+      // whose DenoiseStepInput::sparse_sc is set (ε = 2⁻¹², cpu::kDefaultScSkipMass).
+      skip_host_[s.row0 + r] = sparse ? 0x1p-12f : 0.0f;
+      int32_t index = -1;
+      if (!batch[i].row_masks.empty() && batch[i].row_masks[r] != nullptr) {
+        const uint64_t* m = batch[i].row_masks[r];
+        auto [it, added] = mask_ids.try_emplace(m, int32_t(masks.size()));
+        if (added) masks.push_back(m);
+        index = it->second;
+      }
+      mask_index_host_[s.row0 + r] = index;
+    }
+    v->want_soft |= batch[i].next_soft != nullptr && s.rows > 0;
+    v->sparse |= sparse && s.rows > 0;
+  }
+  v->sparse &= options_.fused_vocab;
+  v->masked = !masks.empty();
+  DGSERVE_RETURN_IF_ERROR(temps_.UploadAsync(temps_host_.data(), R, stream_));
+  DGSERVE_RETURN_IF_ERROR(uniforms_.UploadAsync(uniforms_host_.data(), R, stream_));
+  if (v->masked) {
+    DGSERVE_RETURN_IF_ERROR(mask_table_host_.Ensure(masks.size() * words));
+    for (size_t m = 0; m < masks.size(); ++m) {
+      std::memcpy(mask_table_host_.data() + m * words, masks[m], words * sizeof(uint64_t));
+    }
+    DGSERVE_RETURN_IF_ERROR(
+        mask_table_.UploadAsync(mask_table_host_.data(), masks.size() * words, stream_));
+    DGSERVE_RETURN_IF_ERROR(mask_index_.UploadAsync(mask_index_host_.data(), R, stream_));
+  }
+  if (v->sparse) {
+    if (tile_norm_max_.get() == nullptr) {
+      DGSERVE_RETURN_IF_ERROR(
+          tile_norm_max_.Ensure(size_t(V + cuda::kFusedVocabTile - 1) / cuda::kFusedVocabTile));
+      DGSERVE_RETURN_IF_ERROR(
+          cuda::FusedTileNormMax(embed_.get(), V, D, tile_norm_max_.get(), stream_));
+    }
+    DGSERVE_RETURN_IF_ERROR(skip_mass_.UploadAsync(skip_host_.data(), R, stream_));
+  }
+  DGSERVE_RETURN_IF_ERROR(results_.Ensure(R));
+  if (options_.fused_vocab) {
+    DGSERVE_RETURN_IF_ERROR(vocab_scratch_.Ensure(cuda::FusedVocabScratchBytes(R, V)));
+  } else {
+    DGSERVE_RETURN_IF_ERROR(logits_.Ensure(size_t(R) * V));
+  }
+  if (v->want_soft) {
+    DGSERVE_RETURN_IF_ERROR(probs_bf16_.Ensure(size_t(R) * V));
+    DGSERVE_RETURN_IF_ERROR(soft_.Ensure(size_t(R) * D));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::EnqueueVocab(int R, const StepVocab& v) {
+  const int D = c_.hidden_size, V = c_.vocab_size;
+  phases_.Enter(Phase::kVocab);
+  const uint64_t* d_mask_table = v.masked ? mask_table_.get() : nullptr;
+  const int32_t* d_mask_index = v.masked ? mask_index_.get() : nullptr;
+  // The LM head, softcap, masks, argmax, entropy, lse and sample (spec §3.1.6, §4.2 steps
+  // 3–4): fused, in vocabulary tiles, no [R, V] logits (cuda_vocab.h); or, as a comparison
+  // mode, cuBLAS float32 logits then VocabStep.
+  cuda::FusedVocabArgs fused;
+  fused.hidden = h_.get();
+  fused.rows = R;
+  fused.dim = D;
+  fused.embed = embed_.get();
+  fused.vocab = V;
+  fused.bf16_input = cublas_.input() == cuda::GemmInput::kBf16;
+  fused.softcap = c_.final_logit_softcapping;
+  fused.temperature = temps_.get();
+  fused.uniforms = uniforms_.get();
+  fused.out = results_.get();
+  fused.mask_table = d_mask_table;
+  fused.mask_index = d_mask_index;
+  fused.stream = stream_;
+  if (options_.fused_vocab) {
+    fused.scratch = vocab_scratch_.get();
+    if (v.sparse) {
+      fused.sc_skip_mass = skip_mass_.get();
+      fused.tile_norm_max = tile_norm_max_.get();
+      fused.embed_scale = c_.EmbedScale();
+    }
+    DGSERVE_RETURN_IF_ERROR(cuda::FusedVocabStep(fused));
+  } else {
+    DGSERVE_RETURN_IF_ERROR(
+        cublas_.Linear(h_.get(), embed_.get(), R, D, V, logits_.get(), stream_));
+    DGSERVE_RETURN_IF_ERROR(cuda::VocabStep(logits_.get(), R, V, c_.final_logit_softcapping,
+                                            temps_.get(), uniforms_.get(), results_.get(),
+                                            /*z_bf16=*/nullptr, d_mask_table, d_mask_index,
+                                            stream_));
+  }
+  if (!v.want_soft) return absl::OkStatus();
+  // Next step's self-conditioning input (spec §3.5 step 2): softmax(ℓ/T) · E · bf16(√D), the
+  // bf16 probabilities from the logits recomputed per tile (fused) or from the logits. Every
+  // row's (the host copies out the canvases that asked).
+  if (options_.fused_vocab) {
+    DGSERVE_RETURN_IF_ERROR(cuda::FusedSoftmaxProbsBf16(fused, results_.get(), probs_bf16_.get()));
+  } else {
+    DGSERVE_RETURN_IF_ERROR(cuda::SoftmaxProbsBf16(logits_.get(), R, V, c_.final_logit_softcapping,
+                                                   temps_.get(), results_.get(), probs_bf16_.get(),
+                                                   d_mask_table, d_mask_index, stream_));
+  }
+  return SoftGemm(probs_bf16_.get(), R, soft_.get());
+}
+
+void CudaBackend::DropGraphs() {
+  for (auto& [key, g] : graphs_) {
+    if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+  }
+  graphs_.clear();
+}
+
+absl::Status CudaBackend::RunStep(std::span<const Segment> segs, int R, const StepVocab& v) {
+  const auto enqueue = [&]() -> absl::Status {
+    DGSERVE_RETURN_IF_ERROR(EnqueueBody(segs, R));
+    return EnqueueVocab(R, v);
+  };
+  if (!options_.cuda_graphs || options_.phase_timing) {
+    ++graph_stats_.eager_steps;
+    return enqueue();
+  }
+  // The step's shape: everything a launch takes from the host. Pointers and sizes of the scratch
+  // follow from R (and the allocation generation); the per-step values (ids, positions, soft
+  // embeddings, temperatures, uniforms, masks, the attention table) are read from device buffers
+  // the inputs were copied into. CanvasAttention takes each canvas's context from the host.
+  std::vector<int64_t> key = {R, v.masked, v.sparse, v.want_soft};
+  bool all_tc = true;
+  for (int l = 0; l < c_.num_layers; ++l) all_tc &= TensorCoreCanvas(l);
+  for (const Segment& s : segs) {
+    key.push_back(s.rows);
+    key.push_back(s.has_sc);
+    if (!all_tc) {
+      // The mirror by serial number and capacity (its arrays move only when it grows).
+      key.push_back(s.pos0);
+      key.push_back(int64_t(s.mirror->serial));
+      key.push_back(s.mirror->capacity);
+    }
+  }
+  constexpr size_t kMaxGraphs = 64;
+  if (graphs_.size() >= kMaxGraphs && graphs_.find(key) == graphs_.end()) DropGraphs();
+  StepGraph& g = graphs_[key];
+  const uint64_t generation = cuda::ScratchGeneration();
+  if (g.exec != nullptr && g.generation != generation) {
+    cudaGraphExecDestroy(g.exec);
+    g.exec = nullptr;
+    ++graph_stats_.invalidated;
+  }
+  if (g.exec == nullptr) {
+    if (g.failed || g.eager_runs++ == 0) {
+      ++graph_stats_.eager_steps;
+      return enqueue();
+    }
+    DGSERVE_RETURN_IF_ERROR(
+        CudaCheck(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
+                  "cudaStreamBeginCapture"));
+    const cuda::LaunchCounts before = cuda::ReadLaunchCounts();
+    absl::Status st = enqueue();
+    const cuda::LaunchCounts inside = cuda::ReadLaunchCounts() - before;
+    cuda::UnnoteCaptured(inside);  // nothing ran yet: the launch below counts them
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+    if (st.ok()) st = CudaCheck(ended, "cudaStreamEndCapture");
+    cudaGraphExec_t exec = nullptr;
+    if (st.ok()) st = CudaCheck(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (st.ok() && cuda::ScratchGeneration() != generation) {
+      st = absl::InternalError("a device buffer was allocated during the capture");
+    }
+    if (!st.ok()) {
+      // Refused (a blocking call or an allocation inside the step): this shape runs eagerly.
+      cudaGetLastError();
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+      g.failed = true;
+      ++graph_stats_.capture_failures;
+      graph_stats_.last_failure = st.ToString();
+      ++graph_stats_.eager_steps;
+      return enqueue();
+    }
+    g.exec = exec;
+    g.generation = generation;
+    g.inside = inside;
+    ++graph_stats_.captures;
+  }
+  cuda::NoteGraphLaunch(g.inside);
+  ++graph_stats_.replays;
+  return CudaCheck(cudaGraphLaunch(g.exec, stream_), "cudaGraphLaunch");
+}
+
+absl::Status CudaBackend::DenoiseStepLocked(std::span<const DenoiseStepInput> batch) {
+  const int D = c_.hidden_size;
   std::vector<CanvasInput> canvases;
   for (const DenoiseStepInput& in : batch) {
     if (in.rows == nullptr || in.uniforms.size() < in.canvas.size()) {
@@ -264,137 +490,67 @@ absl::Status CudaBackend::DenoiseStepLocked(std::span<const DenoiseStepInput> ba
     }
     canvases.push_back({in.canvas, in.sc_soft, in.kv});
   }
+  const auto t0 = std::chrono::steady_clock::now();
   std::vector<Segment> segs;
-  DGSERVE_ASSIGN_OR_RETURN(const int R, Body(canvases, &segs));
-  const auto t1 = std::chrono::steady_clock::now();
-  if (R > 0) {
-    phases_.Enter(Phase::kVocab);
-    std::vector<float> temps(R), uniforms(R);
-    bool want_soft = false;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const Segment& s = segs[i];
-      for (int r = 0; r < s.rows; ++r) {
-        temps[s.row0 + r] = batch[i].temperature;
-        uniforms[s.row0 + r] = batch[i].uniforms[r];
-      }
-      want_soft |= batch[i].next_soft != nullptr && s.rows > 0;
-    }
-    DGSERVE_RETURN_IF_ERROR(temps_.Upload(temps));
-    DGSERVE_RETURN_IF_ERROR(uniforms_.Upload(uniforms));
-    // Canvas templates: each distinct mask uploaded once, rows naming it by index (−1: none).
-    const size_t words = (size_t(V) + 63) / 64;
-    std::vector<int32_t> mask_index(R, -1);
-    std::vector<uint64_t> mask_table;
-    std::unordered_map<const uint64_t*, int32_t> mask_ids;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const Segment& s = segs[i];
-      if (batch[i].row_masks.empty()) continue;
-      for (int r = 0; r < s.rows; ++r) {
-        const uint64_t* m = batch[i].row_masks[r];
-        if (m == nullptr) continue;
-        auto [it, added] = mask_ids.try_emplace(m, int32_t(mask_ids.size()));
-        if (added) mask_table.insert(mask_table.end(), m, m + words);
-        mask_index[s.row0 + r] = it->second;
-      }
-    }
-    const bool masked = !mask_ids.empty();
-    if (masked) {
-      DGSERVE_RETURN_IF_ERROR(mask_table_.Upload(mask_table.data(), mask_table.size()));
-      DGSERVE_RETURN_IF_ERROR(mask_index_.Upload(mask_index.data(), mask_index.size()));
-    }
-    const uint64_t* d_mask_table = masked ? mask_table_.get() : nullptr;
-    const int32_t* d_mask_index = masked ? mask_index_.get() : nullptr;
-    DGSERVE_RETURN_IF_ERROR(results_.Ensure(R));
-    // The LM head, softcap, masks, argmax, entropy, lse and sample (spec §3.1.6, §4.2 steps
-    // 3–4): fused, in vocabulary tiles, no [R, V] logits (cuda_vocab.h); or, as a comparison
-    // mode, cuBLAS float32 logits then VocabStep.
-    cuda::FusedVocabArgs fused;
-    fused.hidden = h_.get();
-    fused.rows = R;
-    fused.dim = D;
-    fused.embed = embed_.get();
-    fused.vocab = V;
-    fused.bf16_input = cublas_.input() == cuda::GemmInput::kBf16;
-    fused.softcap = c_.final_logit_softcapping;
-    fused.temperature = temps_.get();
-    fused.uniforms = uniforms_.get();
-    fused.out = results_.get();
-    fused.mask_table = d_mask_table;
-    fused.mask_index = d_mask_index;
-    if (options_.fused_vocab) {
-      DGSERVE_RETURN_IF_ERROR(vocab_scratch_.Ensure(cuda::FusedVocabScratchBytes(R, V)));
-      fused.scratch = vocab_scratch_.get();
-      // The sparse self-conditioning product (cpu_vocab.h's bound) for the rows of canvases
-      // whose DenoiseStepInput::sparse_sc is set (ε = 2⁻¹², cpu::kDefaultScSkipMass).
-      bool sparse = false;
-      std::vector<float> skip_mass(R, 0.0f);
-      for (size_t i = 0; i < batch.size(); ++i) {
-        if (!batch[i].sparse_sc || batch[i].next_soft == nullptr) continue;
-        const Segment& s = segs[i];
-        for (int r = 0; r < s.rows; ++r) skip_mass[s.row0 + r] = 0x1p-12f;
-        sparse |= s.rows > 0;
-      }
-      if (sparse) {
-        if (tile_norm_max_.get() == nullptr) {
-          DGSERVE_RETURN_IF_ERROR(
-              tile_norm_max_.Ensure(size_t(V + cuda::kFusedVocabTile - 1) / cuda::kFusedVocabTile));
-          DGSERVE_RETURN_IF_ERROR(cuda::FusedTileNormMax(embed_.get(), V, D, tile_norm_max_.get()));
-        }
-        DGSERVE_RETURN_IF_ERROR(skip_mass_.Upload(skip_mass));
-        fused.sc_skip_mass = skip_mass_.get();
-        fused.tile_norm_max = tile_norm_max_.get();
-        fused.embed_scale = c_.EmbedScale();
-      }
-      DGSERVE_RETURN_IF_ERROR(cuda::FusedVocabStep(fused));
-    } else {
-      DGSERVE_RETURN_IF_ERROR(logits_.Ensure(size_t(R) * V));
-      DGSERVE_RETURN_IF_ERROR(cublas_.Linear(h_.get(), embed_.get(), R, D, V, logits_.get()));
-      DGSERVE_RETURN_IF_ERROR(cuda::VocabStep(logits_.get(), R, V, c_.final_logit_softcapping,
-                                              temps_.get(), uniforms_.get(), results_.get(),
-                                              /*z_bf16=*/nullptr, d_mask_table, d_mask_index));
-    }
-    std::vector<cuda::VocabRowResult> results(R);
+  DGSERVE_ASSIGN_OR_RETURN(const int R, PrepareBody(canvases, &segs));
+  timings_.lm_head_seconds = 0;
+  if (R == 0) {
+    timings_.body_seconds = SecondsSince(t0);
+    return absl::OkStatus();
+  }
+  StepVocab v;
+  DGSERVE_RETURN_IF_ERROR(PrepareVocab(batch, segs, R, &v));
+  if (options_.phase_timing) {
+    // Eager, with a wait between the body and the vocabulary pass so that both are timed.
+    DGSERVE_RETURN_IF_ERROR(EnqueueBody(segs, R));
+    DGSERVE_RETURN_IF_ERROR(Wait("decoder body"));
+    timings_.body_seconds = SecondsSince(t0);
+    ++graph_stats_.eager_steps;
+    DGSERVE_RETURN_IF_ERROR(EnqueueVocab(R, v));
+  } else {
+    DGSERVE_RETURN_IF_ERROR(RunStep(segs, R, v));
+  }
+  // The results (and the next soft embeddings) into pinned memory, then the step's one wait.
+  DGSERVE_RETURN_IF_ERROR(results_host_.Ensure(R));
+  cuda::NoteDeviceCopy();
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(
+      cudaMemcpyAsync(results_host_.data(), results_.get(),
+                      size_t(R) * sizeof(cuda::VocabRowResult), cudaMemcpyDeviceToHost, stream_),
+      "cudaMemcpyAsync (row results)"));
+  if (v.want_soft) {
+    DGSERVE_RETURN_IF_ERROR(soft_host_.Ensure(size_t(R) * D));
+    cuda::NoteDeviceCopy();
     DGSERVE_RETURN_IF_ERROR(
-        Download(results.data(), results_.get(), size_t(R) * sizeof(cuda::VocabRowResult)));
-    for (int r = 0; r < R; ++r) {
-      if (results[r].argmax < 0) {
-        return absl::InternalError(absl::StrCat("denoise step: row ", r, " has non-finite logits"));
-      }
-    }
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const Segment& s = segs[i];
-      for (int r = 0; r < s.rows; ++r) {
-        const cuda::VocabRowResult& x = results[s.row0 + r];
-        RowResult& out = batch[i].rows[r];
-        out.argmax = x.argmax;
-        out.sampled = x.sampled;
-        out.entropy = x.entropy;
-        out.lse = x.lse;
-      }
-    }
-    if (want_soft) {
-      // Next step's self-conditioning input (spec §3.5 step 2): softmax(ℓ/T) · E · bf16(√D).
-      DGSERVE_RETURN_IF_ERROR(probs_bf16_.Ensure(size_t(R) * V));
-      DGSERVE_RETURN_IF_ERROR(soft_.Ensure(size_t(R) * D));
-      // The bf16 probabilities from the logits recomputed per tile (fused) or from the logits.
-      if (options_.fused_vocab) {
-        DGSERVE_RETURN_IF_ERROR(
-            cuda::FusedSoftmaxProbsBf16(fused, results_.get(), probs_bf16_.get()));
-      } else {
-        DGSERVE_RETURN_IF_ERROR(
-            cuda::SoftmaxProbsBf16(logits_.get(), R, V, c_.final_logit_softcapping, temps_.get(),
-                                   results_.get(), probs_bf16_.get(), d_mask_table, d_mask_index));
-      }
-      DGSERVE_RETURN_IF_ERROR(SoftGemm(probs_bf16_.get(), R, soft_.get()));
-      for (size_t i = 0; i < batch.size(); ++i) {
-        const Segment& s = segs[i];
-        if (batch[i].next_soft == nullptr) continue;
-        DGSERVE_RETURN_IF_ERROR(Download(batch[i].next_soft, soft_.get() + size_t(s.row0) * D,
-                                         size_t(s.rows) * D * sizeof(float)));
-      }
+        CudaCheck(cudaMemcpyAsync(soft_host_.data(), soft_.get(), size_t(R) * D * sizeof(float),
+                                  cudaMemcpyDeviceToHost, stream_),
+                  "cudaMemcpyAsync (soft embedding)"));
+  }
+  DGSERVE_RETURN_IF_ERROR(Wait("denoise step"));
+  if (options_.phase_timing) {
+    timings_.lm_head_seconds = SecondsSince(t0) - timings_.body_seconds;
+  } else {
+    timings_.body_seconds = SecondsSince(t0);  // one unit on the device
+  }
+  for (int r = 0; r < R; ++r) {
+    if (results_host_[r].argmax < 0) {
+      return absl::InternalError(absl::StrCat("denoise step: row ", r, " has non-finite logits"));
     }
   }
-  timings_.lm_head_seconds = SecondsSince(t1);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Segment& s = segs[i];
+    for (int r = 0; r < s.rows; ++r) {
+      const cuda::VocabRowResult& x = results_host_[s.row0 + r];
+      RowResult& out = batch[i].rows[r];
+      out.argmax = x.argmax;
+      out.sampled = x.sampled;
+      out.entropy = x.entropy;
+      out.lse = x.lse;
+    }
+    if (batch[i].next_soft != nullptr && s.rows > 0) {
+      std::memcpy(batch[i].next_soft, soft_host_.data() + size_t(s.row0) * D,
+                  size_t(s.rows) * D * sizeof(float));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -402,12 +558,13 @@ absl::Status CudaBackend::SoftEmbedding(const float* probs, int rows, float* sof
   const auto lock = Lock();
   const int D = c_.hidden_size, V = c_.vocab_size;
   if (rows <= 0) return absl::OkStatus();
-  DGSERVE_RETURN_IF_ERROR(logits_.Upload(probs, size_t(rows) * V));
+  DGSERVE_RETURN_IF_ERROR(logits_.UploadAsync(probs, size_t(rows) * V, stream_));
   DGSERVE_RETURN_IF_ERROR(probs_bf16_.Ensure(size_t(rows) * V));
   DGSERVE_RETURN_IF_ERROR(soft_.Ensure(size_t(rows) * D));
-  DGSERVE_RETURN_IF_ERROR(cuda::FloatToBf16(logits_.get(), int64_t(rows) * V, probs_bf16_.get()));
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::FloatToBf16(logits_.get(), int64_t(rows) * V, probs_bf16_.get(), stream_));
   DGSERVE_RETURN_IF_ERROR(SoftGemm(probs_bf16_.get(), rows, soft_.get()));
-  return Download(soft, soft_.get(), size_t(rows) * D * sizeof(float));
+  return DownloadNow(soft, soft_.get(), size_t(rows) * D * sizeof(float));
 }
 
 }  // namespace cuda_internal
@@ -444,6 +601,12 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackendSynthetic(
   DGSERVE_RETURN_IF_ERROR(backend->Init(SyntheticModelWeights(config, seed, /*matrices=*/false)));
   DGSERVE_RETURN_IF_ERROR(backend->InitSyntheticMatrices(seed));
   return std::unique_ptr<ModelBackend>(std::move(backend));
+}
+
+std::optional<CudaGraphStats> GetCudaGraphStats(const ModelBackend& backend) {
+  const auto* b = dynamic_cast<const CudaBackend*>(&backend);
+  if (b == nullptr) return std::nullopt;
+  return b->graph_stats();
 }
 
 std::optional<CudaPhaseTimes> LastCudaPhaseTimes(const ModelBackend& backend) {

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "engine/cuda/cuda_gemm.h"
@@ -65,7 +66,30 @@ struct CudaBackendOptions {
   // model's logits by up to 4.5 against the CPU (cuda_backend_test's tolerance is 0.3), see
   // engine/cuda/DEVICE_CHECK.md.
   bool tensor_core_attention = false;
+  // Each DenoiseStep's device work (decoder body and vocabulary pass) replayed as a CUDA graph,
+  // the default (issue 33 item 6): one graph per step shape (rows, canvases and their sizes,
+  // self-conditioning, masks, the sparse product; with CanvasAttention also each canvas's
+  // context length, so a graph serves the steps of one canvas), captured the second time a
+  // shape is seen (the first, eager, sizes every buffer) and dropped when the backend has had to
+  // grow a device buffer since. The step's inputs are staged in pinned memory and copied
+  // asynchronously on the backend's stream; its only blocking call is the wait for its results.
+  // A shape whose capture CUDA refuses runs eagerly (CudaGraphStats::capture_failures). Off with
+  // phase_timing (its events are eager).
+  bool cuda_graphs = true;
 };
+
+// What the CUDA-graph path of a backend (CudaBackendOptions::cuda_graphs) has done so far.
+struct CudaGraphStats {
+  int64_t eager_steps = 0;       // steps run launch by launch (first sight of a shape, graphs off)
+  int64_t captures = 0;          // graphs captured and instantiated
+  int64_t replays = 0;           // steps run as a graph launch
+  int64_t invalidated = 0;       // graphs dropped because a device buffer moved
+  int64_t capture_failures = 0;  // shapes CUDA refused to capture (run eagerly since)
+  std::string last_failure;      // the status of the last refused capture
+};
+// The graph counters of a backend made by CreateCudaBackend or CreateCudaBackendSynthetic;
+// nullopt for any other backend.
+std::optional<CudaGraphStats> GetCudaGraphStats(const ModelBackend& backend);
 
 // Device time of the last DenoiseStep's phases (options.phase_timing), in milliseconds: the sum
 // over the CUDA-event brackets of each phase. A bracket opens at the phase's first launch and

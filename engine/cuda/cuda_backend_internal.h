@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -65,7 +66,8 @@ class PhaseTimer final : public cuda::LaunchObserver {
   ~PhaseTimer() override {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
   }
-  void Start() {
+  void Start(cudaStream_t stream) {
+    stream_ = stream;
     active_ = true;
     used_ = 0;
     brackets_.clear();
@@ -140,12 +142,13 @@ class PhaseTimer final : public cuda::LaunchObserver {
       if (!error_.ok()) return false;
       events_.push_back(e);
     }
-    error_ = CudaCheck(cudaEventRecord(events_[used_], nullptr), "cudaEventRecord (phases)");
+    error_ = CudaCheck(cudaEventRecord(events_[used_], stream_), "cudaEventRecord (phases)");
     if (!error_.ok()) return false;
     *index = used_++;
     return true;
   }
 
+  cudaStream_t stream_ = nullptr;
   bool active_ = false, open_ = false;
   Phase phase_ = Phase::kNone;
   int start_ = 0, used_ = 0;
@@ -186,15 +189,33 @@ struct KvMirror {
   int synced = 0;                          // positions [visible lo, synced) are on the device
   std::vector<float> first_row, last_row;  // fingerprint: K rows 0 and synced−1 of layer fp
   uint64_t last_use = 0;
+  uint64_t serial = 0;  // unique within the backend (a captured step's shape key names it)
 };
 
 // One sequence inside a batched pass: rows [row0, row0 + rows) of the stacked activations (no
 // padding on the GPU), positions pos0 …, its device KV mirror.
 struct Segment {
   int row0 = 0, rows = 0, pos0 = 0;
+  bool has_sc = false;  // decoder: a self-conditioning input (rows of sc_in_ from row0)
   const KvCache* kv = nullptr;
   KvCache* kv_write = nullptr;  // encoder only
   KvMirror* mirror = nullptr;
+};
+
+// The vocabulary part of a step as PrepareVocab staged it.
+struct StepVocab {
+  bool masked = false;     // canvas-template masks (mask_table_, mask_index_)
+  bool sparse = false;     // the sparse self-conditioning plan (skip_mass_)
+  bool want_soft = false;  // a next soft embedding is asked for
+};
+
+// One captured decoder step (CudaBackendOptions::cuda_graphs), by step shape.
+struct StepGraph {
+  cudaGraphExec_t exec = nullptr;
+  uint64_t generation = 0;    // cuda::ScratchGeneration() at capture
+  cuda::LaunchCounts inside;  // what a replay runs, as counted at capture
+  int eager_runs = 0;         // runs before the capture (the first sizes the buffers)
+  bool failed = false;        // CUDA refused the capture: eager from then on
 };
 
 class CudaBackend final : public ModelBackend {
@@ -202,8 +223,10 @@ class CudaBackend final : public ModelBackend {
   CudaBackend(const ModelConfig& config, const CudaBackendOptions& options)
       : c_(config), options_(options), cublas_(options.gemm_input) {}
   ~CudaBackend() override {
+    DropGraphs();
     mirrors_.clear();
     if (handle_ != nullptr) cublasDestroy(handle_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
   absl::Status Init(const ModelWeights& w);
@@ -213,6 +236,10 @@ class CudaBackend final : public ModelBackend {
   std::optional<CudaPhaseTimes> last_phase_times() const {
     std::lock_guard<std::mutex> lock(mu_);
     return last_phases_;
+  }
+  CudaGraphStats graph_stats() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return graph_stats_;
   }
 
   const ModelConfig& config() const override { return c_; }
@@ -236,8 +263,25 @@ class CudaBackend final : public ModelBackend {
   // The mirror of `kv`, synced with its committed rows and with room for `extra` more positions.
   absl::StatusOr<KvMirror*> SyncMirror(const KvCache& kv, int extra);
   void Fingerprint(const KvCache& kv, KvMirror* m) const;
-  // Decoder body (spec §3.5 steps 1–4, final norm) into h_ [R, D]; fills segs; returns R.
-  absl::StatusOr<int> Body(std::span<const CanvasInput> batch, std::vector<Segment>* segs);
+  // The decoder body (spec §3.5 steps 1–4, final norm) in two halves. PrepareBody: the host's
+  // part (segments with their mirrors synced, scratch sized for R rows, the token ids, positions,
+  // soft embeddings and attention table staged in pinned memory and queued for upload on
+  // stream_); fills segs, returns R. EnqueueBody: the device's part, h_ [R, D], launches on
+  // stream_ only (no host wait, no allocation once the buffers are sized): capturable.
+  absl::StatusOr<int> PrepareBody(std::span<const CanvasInput> batch, std::vector<Segment>* segs);
+  absl::Status EnqueueBody(std::span<const Segment> segs, int R);
+  // The vocabulary step's inputs (temperatures, uniforms, masks, the sparse plan's ε) staged and
+  // queued for upload, its buffers sized; then its launches (capturable).
+  absl::Status PrepareVocab(std::span<const DenoiseStepInput> batch, std::span<const Segment> segs,
+                            int R, StepVocab* v);
+  absl::Status EnqueueVocab(int R, const StepVocab& v);
+  // EnqueueBody + EnqueueVocab, eagerly or as the step shape's CUDA graph.
+  absl::Status RunStep(std::span<const Segment> segs, int R, const StepVocab& v);
+  void DropGraphs();
+  // Waits for stream_ (one blocking call); INTERNAL naming `what` on a CUDA error.
+  absl::Status Wait(const char* what);
+  // Copies device → pageable host memory in stream order (returns once the copy is done).
+  absl::Status DownloadNow(void* host, const void* device, size_t bytes);
   absl::Status Layer(int l, PassKind kind, std::span<const Segment> segs, int R);
   // Whether layer l's decoder attention runs on TensorCoreCanvasAttention, and the device table of
   // every such layer's canvases (canvas_table_: num_layers × canvas_segments_ entries).
@@ -274,6 +318,7 @@ class CudaBackend final : public ModelBackend {
 
   std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>> mirrors_;
   uint64_t use_clock_ = 0;
+  uint64_t mirror_serial_ = 0;
   uint64_t pass_start_ = 0;  // use_clock_ value of the first mirror use of the current pass
 
   // Scratch activations (grown on demand).
@@ -285,10 +330,18 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<unsigned char> vocab_scratch_;      // FusedVocabStep's tile partials
   DeviceArray<float> tile_norm_max_, skip_mass_;  // the sparse self-conditioning plan's inputs
   DeviceArray<cuda::VocabRowResult> results_;
-  std::vector<cuda::CanvasSegment> canvas_table_host_;
+  cuda::PinnedArray<cuda::CanvasSegment> canvas_table_host_;
   DeviceArray<cuda::CanvasSegment> canvas_table_;
   int canvas_segments_ = 0;
   std::vector<float> host_k_, host_v_, host_stage_;
+  // The step's pinned staging: inputs uploaded and results downloaded asynchronously on stream_.
+  cuda::PinnedArray<int32_t> ids_host_, positions_host_, mask_index_host_;
+  cuda::PinnedArray<float> sc_host_, temps_host_, uniforms_host_, skip_host_, soft_host_;
+  cuda::PinnedArray<uint64_t> mask_table_host_;
+  cuda::PinnedArray<cuda::VocabRowResult> results_host_;
+  cudaStream_t stream_ = nullptr;  // every launch and copy of the passes (non-blocking)
+  std::map<std::vector<int64_t>, StepGraph> graphs_;
+  CudaGraphStats graph_stats_;
   DecodeTimings timings_;
   PhaseTimer phases_;
   std::optional<CudaPhaseTimes> last_phases_;

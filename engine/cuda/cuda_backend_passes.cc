@@ -14,9 +14,9 @@ namespace dgserve::cuda_internal {
 absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int in, int out,
                                  float* y) {
   if (options_.batch_invariant_projections) {
-    return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y);
+    return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y, stream_);
   }
-  return cublas_.Linear(x, w, R, in, out, y);
+  return cublas_.Linear(x, w, R, in, out, y, stream_);
 }
 
 absl::Status CudaBackend::GatedMlp(const float* x, int R, const uint16_t* gate, const uint16_t* up,
@@ -26,7 +26,8 @@ absl::Status CudaBackend::GatedMlp(const float* x, int R, const uint16_t* gate, 
   DGSERVE_RETURN_IF_ERROR(u_.Ensure(size_t(R) * width));
   DGSERVE_RETURN_IF_ERROR(Linear(x, gate, R, D, width, g_.get()));
   DGSERVE_RETURN_IF_ERROR(Linear(x, up, R, D, width, u_.get()));
-  DGSERVE_RETURN_IF_ERROR(cuda::GeluGate(g_.get(), u_.get(), int64_t(R) * width, g_.get()));
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::GeluGate(g_.get(), u_.get(), int64_t(R) * width, g_.get(), stream_));
   return Linear(g_.get(), down, R, width, D, out);
 }
 
@@ -36,32 +37,32 @@ bool CudaBackend::TensorCoreCanvas(int l) const {
 }
 
 absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
-  canvas_table_host_.clear();
   canvas_segments_ = 0;
   if (!options_.tensor_core_attention) return absl::OkStatus();
   for (const Segment& s : segs) canvas_segments_ += s.rows > 0;
   bool any = false;
+  for (int l = 0; l < c_.num_layers; ++l) any |= TensorCoreCanvas(l);
+  if (!any || canvas_segments_ == 0) return absl::OkStatus();
+  const size_t n = size_t(c_.num_layers) * canvas_segments_;
+  DGSERVE_RETURN_IF_ERROR(canvas_table_host_.Ensure(n));
+  size_t i = 0;
   for (int l = 0; l < c_.num_layers; ++l) {
-    if (!TensorCoreCanvas(l)) {
-      canvas_table_host_.resize(canvas_table_host_.size() + canvas_segments_);
-      continue;
-    }
-    any = true;
     const int window = c_.IsFull(l) ? 0 : c_.sliding_window;
     for (const Segment& s : segs) {
       if (s.rows == 0) continue;
-      cuda::CanvasSegment t;
-      t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
-      t.ctx_v = s.mirror->v[l].get();
-      t.row0 = s.row0;
-      t.rows = s.rows;
-      t.ctx_tokens = s.pos0;
-      t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);
-      canvas_table_host_.push_back(t);
+      cuda::CanvasSegment t;  // left empty for a layer on CanvasAttention (never read)
+      if (TensorCoreCanvas(l)) {
+        t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
+        t.ctx_v = s.mirror->v[l].get();
+        t.row0 = s.row0;
+        t.rows = s.rows;
+        t.ctx_tokens = s.pos0;
+        t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);
+      }
+      canvas_table_host_[i++] = t;
     }
   }
-  if (!any || canvas_segments_ == 0) return absl::OkStatus();
-  return canvas_table_.Upload(canvas_table_host_);
+  return canvas_table_.UploadAsync(canvas_table_host_.data(), n, stream_);
 }
 
 absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R) {
@@ -75,43 +76,42 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
 
   // 1–2. Attention block on a = input_layernorm(h) (spec §3.2 steps 1–2, §3.3).
   phases_.Enter(Phase::kDense);
-  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, lw.input_layernorm.get(), R, D, eps, a));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, lw.input_layernorm.get(), R, D, eps, a, stream_));
   DGSERVE_RETURN_IF_ERROR(Linear(a, lw.q_proj.get(), R, D, nh * hd, q));
   DGSERVE_RETURN_IF_ERROR(Linear(a, lw.k_proj.get(), R, D, kvw, k));
   if (full) {
     // V = rms_noscale(raw k projection) on full layers (spec §3.3).
     cuda::NoteDeviceCopy();
     DGSERVE_RETURN_IF_ERROR(CudaCheck(
-        cudaMemcpy(v, k, size_t(R) * kvw * sizeof(float), cudaMemcpyDeviceToDevice), "copy k→v"));
+        cudaMemcpyAsync(v, k, size_t(R) * kvw * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+        "copy k→v"));
   } else {
     DGSERVE_RETURN_IF_ERROR(Linear(a, lw.v_proj.get(), R, D, kvw, v));
   }
   phases_.Enter(Phase::kAttention);
-  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(q, lw.q_norm.get(), R * nh, hd, eps, q));
-  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(k, lw.k_norm.get(), R * nkv, hd, eps, k));
-  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(v, nullptr, R * nkv, hd, eps, v));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(q, lw.q_norm.get(), R * nh, hd, eps, q, stream_));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(k, lw.k_norm.get(), R * nkv, hd, eps, k, stream_));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(v, nullptr, R * nkv, hd, eps, v, stream_));
   const float* inv_freq = full ? rope_full_.get() : rope_sliding_.get();
-  DGSERVE_RETURN_IF_ERROR(cuda::ApplyRope(q, R, nh, hd, positions_.get(), inv_freq));
-  DGSERVE_RETURN_IF_ERROR(cuda::ApplyRope(k, R, nkv, hd, positions_.get(), inv_freq));
+  DGSERVE_RETURN_IF_ERROR(cuda::ApplyRope(q, R, nh, hd, positions_.get(), inv_freq, stream_));
+  DGSERVE_RETURN_IF_ERROR(cuda::ApplyRope(k, R, nkv, hd, positions_.get(), inv_freq, stream_));
 
   if (kind == PassKind::kEncoder) {
     // New K/V rows: into the device mirror and (authoritative) the host cache.
     host_k_.resize(size_t(R) * kvw);
     host_v_.resize(size_t(R) * kvw);
-    DGSERVE_RETURN_IF_ERROR(Download(host_k_.data(), k, host_k_.size() * sizeof(float)));
-    DGSERVE_RETURN_IF_ERROR(Download(host_v_.data(), v, host_v_.size() * sizeof(float)));
+    DGSERVE_RETURN_IF_ERROR(DownloadNow(host_k_.data(), k, host_k_.size() * sizeof(float)));
+    DGSERVE_RETURN_IF_ERROR(DownloadNow(host_v_.data(), v, host_v_.size() * sizeof(float)));
     for (const Segment& s : segs) {
       const size_t bytes = size_t(s.rows) * kvw * sizeof(float);
-      cuda::NoteDeviceCopy();
-      DGSERVE_RETURN_IF_ERROR(
-          CudaCheck(cudaMemcpy(s.mirror->k[l].get() + size_t(s.pos0) * kvw,
-                               k + size_t(s.row0) * kvw, bytes, cudaMemcpyDeviceToDevice),
-                    "cudaMemcpy (KV append)"));
-      cuda::NoteDeviceCopy();
-      DGSERVE_RETURN_IF_ERROR(
-          CudaCheck(cudaMemcpy(s.mirror->v[l].get() + size_t(s.pos0) * kvw,
-                               v + size_t(s.row0) * kvw, bytes, cudaMemcpyDeviceToDevice),
-                    "cudaMemcpy (KV append)"));
+      for (const auto& [dst, src] :
+           {std::pair{s.mirror->k[l].get(), k}, std::pair{s.mirror->v[l].get(), v}}) {
+        cuda::NoteDeviceCopy();
+        DGSERVE_RETURN_IF_ERROR(
+            CudaCheck(cudaMemcpyAsync(dst + size_t(s.pos0) * kvw, src + size_t(s.row0) * kvw, bytes,
+                                      cudaMemcpyDeviceToDevice, stream_),
+                      "cudaMemcpyAsync (KV append)"));
+      }
       for (int r = 0; r < s.rows; ++r) {
         const size_t src = size_t(s.row0 + r) * kvw;
         std::memcpy(s.kv_write->MutableKeyRow(l, s.pos0 + r), &host_k_[src], sizeof(float) * kvw);
@@ -124,7 +124,7 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   if (tc && canvas_segments_ > 0) {
     DGSERVE_RETURN_IF_ERROR(
         cuda::TensorCoreCanvasAttention(q, k, v, canvas_table_.get() + size_t(l) * canvas_segments_,
-                                        canvas_segments_, R, nh, nkv, hd, attn_.get()));
+                                        canvas_segments_, R, nh, nkv, hd, attn_.get(), stream_));
   }
   // Attention per segment: context = the mirror's visible rows before pos0 (spec §3.4 / §3.5).
   const int W = c_.sliding_window;
@@ -142,40 +142,42 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
     const int window = full ? 0 : W;
     if (kind == PassKind::kEncoder) {
       DGSERVE_RETURN_IF_ERROR(cuda::PrefillAttention(q + qo, k + ko, v + ko, s.rows, ctx, nh, nkv,
-                                                     hd, window, attn_.get() + qo));
+                                                     hd, window, attn_.get() + qo, stream_));
     } else {
       DGSERVE_RETURN_IF_ERROR(cuda::CanvasAttention(q + qo, k + ko, v + ko, s.rows, ctx, nh, nkv,
-                                                    hd, window, attn_.get() + qo));
+                                                    hd, window, attn_.get() + qo, stream_));
     }
   }
   phases_.Enter(Phase::kDense);
   float* o = o_.get();
   DGSERVE_RETURN_IF_ERROR(Linear(attn_.get(), lw.o_proj.get(), R, nh * hd, D, o));
   // 3. h1 = h + post_attention_layernorm(o).
-  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(o, lw.post_attention_layernorm.get(), R, D, eps, o));
-  DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(h, o, int64_t(R) * D));
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::RmsNorm(o, lw.post_attention_layernorm.get(), R, D, eps, o, stream_));
+  DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(h, o, int64_t(R) * D, stream_));
   const float* h1 = h;
   // 4. Dense branch.
   float* dense = dense_.get();
-  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h1, lw.pre_feedforward_layernorm.get(), R, D, eps, a));
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::RmsNorm(h1, lw.pre_feedforward_layernorm.get(), R, D, eps, a, stream_));
   DGSERVE_RETURN_IF_ERROR(GatedMlp(a, R, lw.mlp_gate_proj.get(), lw.mlp_up_proj.get(),
                                    lw.mlp_down_proj.get(), c_.intermediate_size, dense));
   DGSERVE_RETURN_IF_ERROR(
-      cuda::RmsNorm(dense, lw.post_feedforward_layernorm_1.get(), R, D, eps, dense));
+      cuda::RmsNorm(dense, lw.post_feedforward_layernorm_1.get(), R, D, eps, dense, stream_));
   // 5. MoE branch.
   phases_.Enter(Phase::kMoe);
   float* moe = moe_.get();
   DGSERVE_RETURN_IF_ERROR(Moe(l, h1, R, moe));
   DGSERVE_RETURN_IF_ERROR(
-      cuda::RmsNorm(moe, lw.post_feedforward_layernorm_2.get(), R, D, eps, moe));
+      cuda::RmsNorm(moe, lw.post_feedforward_layernorm_2.get(), R, D, eps, moe, stream_));
   // 6. h2 = h1 + post_feedforward_layernorm(d + m); 7. whole stream × layer_scalar.
   phases_.Enter(Phase::kDense);
-  DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(dense, moe, int64_t(R) * D));
+  DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(dense, moe, int64_t(R) * D, stream_));
   DGSERVE_RETURN_IF_ERROR(
-      cuda::RmsNorm(dense, lw.post_feedforward_layernorm.get(), R, D, eps, dense));
+      cuda::RmsNorm(dense, lw.post_feedforward_layernorm.get(), R, D, eps, dense, stream_));
   const float scalar =
       kind == PassKind::kEncoder ? lw.encoder_layer_scalar : lw.decoder_layer_scalar;
-  return cuda::AddScale(h, dense, scalar, int64_t(R) * D);
+  return cuda::AddScale(h, dense, scalar, int64_t(R) * D, stream_);
 }
 
 absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
@@ -188,16 +190,17 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   // to bf16 first (rounding point 4 of cpu_backend.cc), so its products are the CPU's.
   DGSERVE_RETURN_IF_ERROR(r_.Ensure(size_t(R) * D));
   DGSERVE_RETURN_IF_ERROR(scores_.Ensure(size_t(R) * E));
-  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h1, lw.router_scale.get(), R, D, eps, r_.get()));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h1, lw.router_scale.get(), R, D, eps, r_.get(), stream_));
   const float router_scale = 1.0f / std::sqrt(float(D));
-  DGSERVE_RETURN_IF_ERROR(cublas_.input() == cuda::GemmInput::kBf16
-                              ? cuda::ScaleAndRoundToBf16(r_.get(), int64_t(R) * D, router_scale)
-                              : cuda::Scale(r_.get(), int64_t(R) * D, router_scale));
+  DGSERVE_RETURN_IF_ERROR(
+      cublas_.input() == cuda::GemmInput::kBf16
+          ? cuda::ScaleAndRoundToBf16(r_.get(), int64_t(R) * D, router_scale, stream_)
+          : cuda::Scale(r_.get(), int64_t(R) * D, router_scale, stream_));
   if (options_.batch_invariant_projections) {
     // The weights are bf16 values and the bf16 mode's input too: exact products, float32 sums in
     // DenseLinear's fixed order (the float32 mode's input split exactly into three terms).
     DGSERVE_RETURN_IF_ERROR(cuda::DenseLinear(r_.get(), lw.router_proj_bf16.get(), R, D, E,
-                                              cublas_.input(), scores_.get()));
+                                              cublas_.input(), scores_.get(), stream_));
   } else {
     const float one = 1.0f, zero = 0.0f;
     cuda::NoteCublas();
@@ -221,22 +224,22 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   DGSERVE_RETURN_IF_ERROR(act_.Ensure(N * F));
   DGSERVE_RETURN_IF_ERROR(y_.Ensure(N * D));
   DGSERVE_RETURN_IF_ERROR(cuda::MoeRoute(scores_.get(), R, E, K, lw.per_expert_scale.get(),
-                                         expert_.get(), weight_.get()));
+                                         expert_.get(), weight_.get(), stream_));
   DGSERVE_RETURN_IF_ERROR(cuda::MoeGroup(expert_.get(), weight_.get(), R, E, K, offsets_.get(),
-                                         gather_.get(), slot_.get(), slot_weight_.get()));
+                                         gather_.get(), slot_.get(), slot_weight_.get(), stream_));
   // Experts on pre_feedforward_layernorm_2(h1): one grouped GEMM per projection (gather in the
   // A load, gelu(g)·u and the routing weight in the epilogues), then the per-row sum in
   // ascending expert order (the CPU's order).
   DGSERVE_RETURN_IF_ERROR(
-      cuda::RmsNorm(h1, lw.pre_feedforward_layernorm_2.get(), R, D, eps, xe_.get()));
+      cuda::RmsNorm(h1, lw.pre_feedforward_layernorm_2.get(), R, D, eps, xe_.get(), stream_));
   const cuda::GemmInput input = cublas_.input();
   DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUp(xe_.get(), gather_.get(), offsets_.get(),
                                           lw.experts_gate_up_proj.get(), R, K, E, D, F, input,
-                                          act_.get()));
+                                          act_.get(), stream_));
   DGSERVE_RETURN_IF_ERROR(cuda::MoeDown(act_.get(), offsets_.get(), slot_weight_.get(),
-                                        lw.experts_down_proj.get(), R, K, E, F, D, input,
-                                        y_.get()));
-  return cuda::MoeSum(y_.get(), slot_.get(), R, K, D, m);
+                                        lw.experts_down_proj.get(), R, K, E, F, D, input, y_.get(),
+                                        stream_));
+  return cuda::MoeSum(y_.get(), slot_.get(), R, K, D, m, stream_);
 }
 
 // Sizes every per-pass scratch buffer for R stacked rows.
@@ -267,7 +270,6 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
     DGSERVE_RETURN_IF_ERROR(CheckTokens(in.tokens));
   }
   std::vector<Segment> segs;
-  std::vector<int32_t> ids, positions;
   int R = 0;
   pass_start_ = use_clock_ + 1;
   for (const EncodeInput& in : batch) {
@@ -281,20 +283,26 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
     DGSERVE_ASSIGN_OR_RETURN(s.mirror, SyncMirror(*in.kv, s.rows));
     segs.push_back(s);
     R += s.rows;
-    ids.insert(ids.end(), in.tokens.begin(), in.tokens.end());
-    for (int r = 0; r < s.rows; ++r) positions.push_back(s.pos0 + r);
   }
   if (R == 0) return absl::OkStatus();
   DGSERVE_ENSURE_PASS_SCRATCH(R);
-  DGSERVE_RETURN_IF_ERROR(ids_.Upload(ids));
-  DGSERVE_RETURN_IF_ERROR(positions_.Upload(positions));
+  DGSERVE_RETURN_IF_ERROR(ids_host_.Ensure(R));
+  DGSERVE_RETURN_IF_ERROR(positions_host_.Ensure(R));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Segment& s = segs[i];
+    for (int r = 0; r < s.rows; ++r) {
+      ids_host_[s.row0 + r] = batch[i].tokens[r];
+      positions_host_[s.row0 + r] = s.pos0 + r;
+    }
+  }
+  DGSERVE_RETURN_IF_ERROR(ids_.UploadAsync(ids_host_.data(), R, stream_));
+  DGSERVE_RETURN_IF_ERROR(positions_.UploadAsync(positions_host_.data(), R, stream_));
   DGSERVE_RETURN_IF_ERROR(
-      cuda::EmbedRows(ids_.get(), embed_.get(), R, D, c_.EmbedScale(), h_.get()));
+      cuda::EmbedRows(ids_.get(), embed_.get(), R, D, c_.EmbedScale(), h_.get(), stream_));
   for (int l = 0; l < c_.num_layers; ++l) {
     DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kEncoder, segs, R));
   }
-  cuda::NoteSync();
-  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaDeviceSynchronize(), "Encode"));
+  DGSERVE_RETURN_IF_ERROR(Wait("Encode"));
   for (size_t i = 0; i < batch.size(); ++i) {
     batch[i].kv->Commit(segs[i].rows);
     segs[i].mirror->synced = segs[i].pos0 + segs[i].rows;
@@ -303,17 +311,14 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> CudaBackend::Body(std::span<const CanvasInput> batch,
-                                      std::vector<Segment>* segs) {
-  const int D = c_.hidden_size, I = c_.intermediate_size;
-  const float eps = c_.rms_norm_eps;
+absl::StatusOr<int> CudaBackend::PrepareBody(std::span<const CanvasInput> batch,
+                                             std::vector<Segment>* segs) {
+  const int D = c_.hidden_size;
   segs->clear();
   for (const CanvasInput& in : batch) {
     if (in.kv == nullptr) return absl::InvalidArgumentError("decoder input without a KV cache");
     DGSERVE_RETURN_IF_ERROR(CheckTokens(in.canvas));
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<int32_t> ids, positions;
   int R = 0;
   pass_start_ = use_clock_ + 1;
   for (const CanvasInput& in : batch) {
@@ -322,42 +327,69 @@ absl::StatusOr<int> CudaBackend::Body(std::span<const CanvasInput> batch,
     s.rows = in.canvas.size();
     s.pos0 = in.kv->num_tokens();
     s.kv = in.kv;
+    s.has_sc = in.sc_soft != nullptr && s.rows > 0;
     DGSERVE_ASSIGN_OR_RETURN(s.mirror, SyncMirror(*in.kv, 0));
     segs->push_back(s);
     R += s.rows;
-    ids.insert(ids.end(), in.canvas.begin(), in.canvas.end());
-    for (int r = 0; r < s.rows; ++r) positions.push_back(s.pos0 + r);
   }
   if (R == 0) return 0;
   DGSERVE_ENSURE_PASS_SCRATCH(R);
-  DGSERVE_RETURN_IF_ERROR(ids_.Upload(ids));
-  DGSERVE_RETURN_IF_ERROR(positions_.Upload(positions));
+  // The pass's inputs staged in pinned memory and queued for upload on stream_ (the previous call
+  // ended with the stream idle, so the staging is free to rewrite).
+  DGSERVE_RETURN_IF_ERROR(ids_host_.Ensure(R));
+  DGSERVE_RETURN_IF_ERROR(positions_host_.Ensure(R));
+  bool any_sc = false;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Segment& s = (*segs)[i];
+    for (int r = 0; r < s.rows; ++r) {
+      ids_host_[s.row0 + r] = batch[i].canvas[r];
+      positions_host_[s.row0 + r] = s.pos0 + r;
+    }
+    any_sc |= s.has_sc;
+  }
+  DGSERVE_RETURN_IF_ERROR(ids_.UploadAsync(ids_host_.data(), R, stream_));
+  DGSERVE_RETURN_IF_ERROR(positions_.UploadAsync(positions_host_.data(), R, stream_));
+  if (any_sc) {
+    // The soft embeddings, at their segments' rows of sc_in_ [R, D].
+    DGSERVE_RETURN_IF_ERROR(sc_host_.Ensure(size_t(R) * D));
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Segment& s = (*segs)[i];
+      if (!s.has_sc) continue;
+      std::memcpy(sc_host_.data() + size_t(s.row0) * D, batch[i].sc_soft,
+                  size_t(s.rows) * D * sizeof(float));
+    }
+    DGSERVE_RETURN_IF_ERROR(sc_in_.UploadAsync(sc_host_.data(), size_t(R) * D, stream_));
+  }
+  DGSERVE_RETURN_IF_ERROR(UploadCanvasTable(*segs));
+  return R;
+}
+
+absl::Status CudaBackend::EnqueueBody(std::span<const Segment> segs, int R) {
+  const int D = c_.hidden_size, I = c_.intermediate_size;
+  const float eps = c_.rms_norm_eps;
   float* h = h_.get();
   // Canvas input (spec §3.5 steps 1–3): x0 = rms_noscale(E[c]·s + SC(soft)).
   phases_.Enter(Phase::kDense);
-  DGSERVE_RETURN_IF_ERROR(cuda::EmbedRows(ids_.get(), embed_.get(), R, D, c_.EmbedScale(), h));
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const Segment& s = (*segs)[i];
-    if (batch[i].sc_soft == nullptr || s.rows == 0) continue;
-    DGSERVE_RETURN_IF_ERROR(sc_in_.Upload(batch[i].sc_soft, size_t(s.rows) * D));
+  DGSERVE_RETURN_IF_ERROR(
+      cuda::EmbedRows(ids_.get(), embed_.get(), R, D, c_.EmbedScale(), h, stream_));
+  for (const Segment& s : segs) {
+    if (!s.has_sc) continue;
     float* u = a_.get();  // free until the layers run
     float* sig = o_.get();
-    DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(sc_in_.get(), sc_pre_norm_.get(), s.rows, D, eps, u));
+    DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(sc_in_.get() + size_t(s.row0) * D, sc_pre_norm_.get(),
+                                          s.rows, D, eps, u, stream_));
     DGSERVE_RETURN_IF_ERROR(
         GatedMlp(u, s.rows, sc_gate_.get(), sc_up_.get(), sc_down_.get(), I, sig));
-    DGSERVE_RETURN_IF_ERROR(cuda::AddInPlace(h + size_t(s.row0) * D, sig, int64_t(s.rows) * D));
+    DGSERVE_RETURN_IF_ERROR(
+        cuda::AddInPlace(h + size_t(s.row0) * D, sig, int64_t(s.rows) * D, stream_));
   }
-  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, nullptr, R, D, eps, h));
-  DGSERVE_RETURN_IF_ERROR(UploadCanvasTable(*segs));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, nullptr, R, D, eps, h, stream_));
   for (int l = 0; l < c_.num_layers; ++l) {
-    DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kDecoder, *segs, R));
+    DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kDecoder, segs, R));
   }
-  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, final_norm_.get(), R, D, eps, h));
-  cuda::NoteSync();
-  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaDeviceSynchronize(), "decoder body"));
+  DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, final_norm_.get(), R, D, eps, h, stream_));
   phases_.Leave();
-  timings_.body_seconds = SecondsSince(t0);
-  return R;
+  return absl::OkStatus();
 }
 
 }  // namespace dgserve::cuda_internal

@@ -523,6 +523,121 @@ TEST_P(CudaBackendTest, BatchedStepEqualsSoloBitForBit) {
   }
 }
 
+// CUDA graphs (CudaBackendOptions::cuda_graphs, issue 33 item 6): a schedule of steps whose shapes
+// repeat, change and grow (one, two and three canvases; with and without self-conditioning, a
+// canvas template's masks, the sparse product; a commit between) gives bit for bit the tokens,
+// entropies, lse and soft embeddings of the same backend run eagerly, while the graph backend
+// captures, replays and drops graphs whose buffers moved (and no capture is refused: the step
+// has no blocking call or allocation inside).
+TEST_P(CudaBackendTest, GraphReplayEqualsEagerBitForBit) {
+  if (!GetParam().fused_vocab) GTEST_SKIP() << "the fused vocabulary pass only";
+  if (cuda::kEmulated && GetParam().gpu != cuda::GemmInput::kBf16) GTEST_SKIP() << "emulated";
+  const int C = config().canvas_length, D = config().hidden_size, V = config().vocab_size;
+  CudaBackendOptions options;
+  options.gemm_input = GetParam().gpu;
+  options.tensor_core_attention = GetParam().tensor_core_attention;
+  options.batch_invariant_projections = GetParam().own_projections;
+  options.cuda_graphs = false;
+  auto eager = CreateCudaBackend(config(), checkpoint_->weights, options);
+  options.cuda_graphs = true;
+  auto graphs = CreateCudaBackend(config(), checkpoint_->weights, options);
+  ASSERT_TRUE(eager.ok() && graphs.ok());
+  ModelBackend* backends[2] = {eager->get(), graphs->get()};
+  // Each backend its own caches (the same prompts, so the same K/V).
+  std::vector<std::unique_ptr<ContiguousKvCache>> caches[2];
+  for (int b = 0; b < 2; ++b) {
+    for (int i = 0; i < 4; ++i) {
+      caches[b].push_back(std::make_unique<ContiguousKvCache>(config(), 512));
+      Encode(*backends[b], *caches[b].back(), Tokens(9 + 6 * i, 60 + i));
+    }
+  }
+  const int words = (V + 63) / 64;
+  std::vector<uint64_t> mask(words, 0);
+  for (int k = 0; k < 50; ++k)
+    mask[((k * 53 + 7) % V) / 64] |= uint64_t(1) << (((k * 53 + 7) % V) % 64);
+  std::vector<const uint64_t*> row_masks(C, nullptr);
+  for (int j = 0; j < C; j += 3) row_masks[j] = mask.data();
+  // The schedule: which canvases, with self-conditioning, masks on canvas 1, sparse product.
+  struct Shape {
+    std::vector<int> canvases;
+    bool sc, masked, sparse;
+    bool commit_after = false;  // encode canvas 0's tokens into its cache after the step
+  };
+  // The largest shape but one first (it sizes the buffers), so a key that left out a flag would
+  // replay the wrong graph rather than reallocate; then four canvases, which move the scratch.
+  const std::vector<Shape> schedule = {
+      {{0, 1, 2}, true, true, true},      {{0, 1, 2}, true, true, true},
+      {{0, 1, 2}, true, true, true},      {{0, 1, 2}, true, false, false},
+      {{0, 1, 2}, true, false, false},    {{0, 1}, false, false, false},
+      {{0, 1}, false, false, false},      {{0, 1}, true, false, false},
+      {{0, 1}, true, false, false},       {{0}, true, false, false},
+      {{0, 1}, true, false, false, true}, {{0, 1}, true, false, false},
+      {{0, 1}, true, false, false},       {{0, 1, 2, 3}, true, false, false},
+      {{0, 1}, true, false, false},       {{0, 1}, true, false, false}};
+  std::vector<std::vector<float>> soft[2];
+  for (int b = 0; b < 2; ++b) soft[b].assign(4, std::vector<float>(size_t(C) * D, 0.0f));
+  for (size_t t = 0; t < schedule.size(); ++t) {
+    const Shape& sh = schedule[t];
+    SCOPED_TRACE(::testing::Message() << "step " << t);
+    std::vector<RowResult> rows[2];
+    std::vector<float> next[2];
+    std::vector<std::vector<int32_t>> canvas;
+    std::vector<std::vector<float>> u;
+    for (int i : sh.canvases) {
+      canvas.push_back(Tokens(C, int(100 + 7 * t + i)));
+      u.emplace_back(C);
+      for (int j = 0; j < C; ++j) u.back()[j] = float((j * 389 + 31 * t + 7 * i) % 1000) / 1000.0f;
+    }
+    const int n = int(sh.canvases.size());
+    for (int b = 0; b < 2; ++b) {
+      rows[b].resize(size_t(n) * C);
+      next[b].resize(size_t(n) * C * D);
+      std::vector<DenoiseStepInput> in;
+      for (int k = 0; k < n; ++k) {
+        const int i = sh.canvases[k];
+        DenoiseStepInput x;
+        x.canvas = canvas[k];
+        x.sc_soft = sh.sc ? soft[b][i].data() : nullptr;
+        x.kv = caches[b][i].get();
+        x.temperature = 0.6f + 0.05f * float(t % 5);
+        x.uniforms = u[k];
+        x.rows = rows[b].data() + size_t(k) * C;
+        x.next_soft = next[b].data() + size_t(k) * C * D;
+        if (sh.masked && i == 1) x.row_masks = row_masks;
+        x.sparse_sc = sh.sparse && i != 1;
+        in.push_back(x);
+      }
+      const absl::Status st = backends[b]->DenoiseStep(in);
+      ASSERT_TRUE(st.ok()) << st;
+      for (int k = 0; k < n; ++k) {
+        std::memcpy(soft[b][sh.canvases[k]].data(), next[b].data() + size_t(k) * C * D,
+                    size_t(C) * D * sizeof(float));
+      }
+      if (sh.commit_after) Encode(*backends[b], *caches[b][0], canvas[0]);
+    }
+    for (size_t j = 0; j < rows[0].size(); ++j) {
+      const RowResult &a = rows[0][j], &g = rows[1][j];
+      ASSERT_TRUE(a.argmax == g.argmax && a.sampled == g.sampled &&
+                  std::memcmp(&a.entropy, &g.entropy, sizeof(float)) == 0 &&
+                  std::memcmp(&a.lse, &g.lse, sizeof(float)) == 0)
+          << "row " << j << ": argmax " << a.argmax << "/" << g.argmax << ", sampled " << a.sampled
+          << "/" << g.sampled << ", entropy " << a.entropy << "/" << g.entropy;
+    }
+    ASSERT_EQ(std::memcmp(next[0].data(), next[1].data(), next[0].size() * sizeof(float)), 0)
+        << "next_soft differs";
+  }
+  const auto e = GetCudaGraphStats(**eager), g = GetCudaGraphStats(**graphs);
+  ASSERT_TRUE(e.has_value() && g.has_value());
+  EXPECT_EQ(e->replays, 0);
+  EXPECT_EQ(e->eager_steps, int64_t(schedule.size()));
+  EXPECT_EQ(g->capture_failures, 0) << g->last_failure;
+  EXPECT_GE(g->captures, 5);
+  EXPECT_GE(g->replays, 7);
+  EXPECT_GE(g->invalidated, 1);
+  EXPECT_EQ(g->replays + g->eager_steps, int64_t(schedule.size()));
+  EXPECT_FALSE(GetCudaGraphStats(*cpu_).has_value());
+}
+
 TEST_P(CudaBackendTest, RejectsBadInput) {
   ContiguousKvCache kv(config(), 64);
   const std::vector<int32_t> bad = {1, config().vocab_size};

@@ -151,6 +151,7 @@ absl::Status CublasContext::EnsureScratch(size_t elements) {
   }
   void* p = nullptr;
   NoteAlloc();
+  NoteScratchMoved();
   const cudaError_t e = cudaMalloc(&p, elements * sizeof(uint16_t));
   if (e != cudaSuccess) {
     cudaGetLastError();

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -25,7 +26,9 @@ absl::Status CudaCheck(cudaError_t e, const char* what);
 absl::Status CublasCheck(cublasStatus_t s, const char* what);
 
 // An owned device array of T (cudaMalloc / cudaFree). Ensure() drops the old contents when it has
-// to grow; Grow() keeps a prefix. Errors: INTERNAL with the CUDA error string.
+// to grow (and counts NoteScratchMoved: a CUDA graph may hold the old address); Grow() keeps a
+// prefix and counts nothing (the KV mirrors, which a captured step reaches through its
+// attention table or names in its shape key, use it). Errors: INTERNAL with the CUDA error string.
 template <typename T>
 class DeviceArray {
  public:
@@ -54,6 +57,7 @@ class DeviceArray {
     p_ = nullptr;
     n_ = 0;
     NoteAlloc();
+    NoteScratchMoved();
     DGSERVE_RETURN_IF_ERROR(
         CudaCheck(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc"));
     n_ = n;
@@ -89,6 +93,52 @@ class DeviceArray {
     return CudaCheck(cudaMemcpy(p_, host, n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
   }
   absl::Status Upload(const std::vector<T>& host) { return Upload(host.data(), host.size()); }
+  // Ensure(n), then a copy of n elements queued on `stream` (ordered with its kernels). From
+  // pinned host memory (PinnedArray) it is asynchronous: the host must keep `host` unchanged
+  // until the stream has run it; from pageable memory CUDA stages it before returning.
+  absl::Status UploadAsync(const T* host, size_t n, cudaStream_t stream) {
+    DGSERVE_RETURN_IF_ERROR(Ensure(n));
+    if (n == 0) return absl::OkStatus();
+    NoteDeviceCopy();
+    return CudaCheck(cudaMemcpyAsync(p_, host, n * sizeof(T), cudaMemcpyHostToDevice, stream),
+                     "cudaMemcpyAsync H2D");
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// A growable array of T in pinned (page-locked) host memory (cudaMallocHost / cudaFreeHost): the
+// staging of a step's inputs and outputs, so their copies are asynchronous and can be queued
+// ahead of (or captured beside) the step's kernels. Ensure() drops the old contents when it has to
+// grow. Errors: INTERNAL with the CUDA error string.
+template <typename T>
+class PinnedArray {
+ public:
+  PinnedArray() = default;
+  ~PinnedArray() {
+    if (p_ != nullptr) cudaFreeHost(p_);
+  }
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+
+  T* data() const { return p_; }
+  size_t size() const { return n_; }
+  T& operator[](size_t i) const { return p_[i]; }
+
+  absl::Status Ensure(size_t n) {
+    if (n <= n_) return absl::OkStatus();
+    if (p_ != nullptr) cudaFreeHost(p_);
+    p_ = nullptr;
+    n_ = 0;
+    const size_t cap = std::max<size_t>(n, 64);
+    NoteAlloc();
+    DGSERVE_RETURN_IF_ERROR(CudaCheck(
+        cudaMallocHost(reinterpret_cast<void**>(&p_), cap * sizeof(T)), "cudaMallocHost"));
+    n_ = cap;
+    return absl::OkStatus();
+  }
 
  private:
   T* p_ = nullptr;

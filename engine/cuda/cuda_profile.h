@@ -10,7 +10,11 @@
 //   cublas    each cuBLAS call that runs a GEMM (cuda_gemm.cu's CublasContext, the backend's
 //             router and soft-embedding GEMMs; NoteCublas at the call); one call may run more
 //             than one kernel inside cuBLAS
-//   d2d       device-to-device copies and memsets (stream work, not a host round trip)
+//   d2d       device-to-device copies and memsets, and asynchronous copies to or from pinned host
+//             memory (stream work, not a host round trip)
+//   graphs    CUDA graph launches (the backend's step, CudaBackendOptions::cuda_graphs); the
+//             kernels, cuBLAS calls and copies a replay runs are added to their counters as they
+//             were counted at capture, so `kernels` means the same with and without graphs
 //   h2d, d2h  host↔device copies from pageable memory: each blocks the host (DeviceArray::Upload,
 //             cuda::Download, the backend's KV uploads)
 //   syncs     explicit cudaDeviceSynchronize / cudaStreamSynchronize / cudaEventSynchronize
@@ -24,14 +28,14 @@
 namespace dgserve::cuda {
 
 struct LaunchCounts {
-  uint64_t kernels = 0, cublas = 0, d2d = 0, h2d = 0, d2h = 0, syncs = 0, allocs = 0;
+  uint64_t kernels = 0, cublas = 0, d2d = 0, h2d = 0, d2h = 0, syncs = 0, allocs = 0, graphs = 0;
 
   uint64_t launches() const { return kernels + cublas + d2d; }
   // Host round trips: every copy to or from pageable host memory and every explicit sync.
   uint64_t blocking() const { return h2d + d2h + syncs; }
   LaunchCounts operator-(const LaunchCounts& o) const {
-    return {kernels - o.kernels, cublas - o.cublas, d2d - o.d2d,      h2d - o.h2d,
-            d2h - o.d2h,         syncs - o.syncs,   allocs - o.allocs};
+    return {kernels - o.kernels, cublas - o.cublas, d2d - o.d2d,       h2d - o.h2d,
+            d2h - o.d2h,         syncs - o.syncs,   allocs - o.allocs, graphs - o.graphs};
   }
 };
 
@@ -46,7 +50,8 @@ class LaunchObserver {
 };
 
 namespace profile_detail {
-inline std::atomic<uint64_t> kernels{0}, cublas{0}, d2d{0}, h2d{0}, d2h{0}, syncs{0}, allocs{0};
+inline std::atomic<uint64_t> kernels{0}, cublas{0}, d2d{0}, h2d{0}, d2h{0}, syncs{0}, allocs{0},
+    graphs{0};
 // Set by the backend for the duration of a timed step (under its lock); nullptr otherwise.
 inline std::atomic<LaunchObserver*> observer{nullptr};
 inline void Launch(std::atomic<uint64_t>& c) {
@@ -66,13 +71,43 @@ inline void NoteUpload() { profile_detail::Blocking(profile_detail::h2d); }
 inline void NoteDownload() { profile_detail::Blocking(profile_detail::d2h); }
 inline void NoteSync() { profile_detail::Blocking(profile_detail::syncs); }
 inline void NoteAlloc() { profile_detail::Blocking(profile_detail::allocs); }
+// Takes back what a stream capture counted (`inside`): captured work has not run.
+inline void UnnoteCaptured(const LaunchCounts& inside) {
+  using namespace profile_detail;
+  constexpr auto r = std::memory_order_relaxed;
+  kernels.fetch_sub(inside.kernels, r);
+  cublas.fetch_sub(inside.cublas, r);
+  d2d.fetch_sub(inside.d2d, r);
+}
+// A graph launch whose capture counted `inside` (a difference of two ReadLaunchCounts).
+inline void NoteGraphLaunch(const LaunchCounts& inside) {
+  using namespace profile_detail;
+  constexpr auto r = std::memory_order_relaxed;
+  kernels.fetch_add(inside.kernels, r);
+  cublas.fetch_add(inside.cublas, r);
+  d2d.fetch_add(inside.d2d, r);
+  graphs.fetch_add(1, r);
+}
 
 // The counts since the process started (take two and subtract).
 inline LaunchCounts ReadLaunchCounts() {
   using namespace profile_detail;
   constexpr auto r = std::memory_order_relaxed;
-  return {kernels.load(r), cublas.load(r), d2d.load(r),   h2d.load(r),
-          d2h.load(r),     syncs.load(r),  allocs.load(r)};
+  return {kernels.load(r), cublas.load(r), d2d.load(r),    h2d.load(r),
+          d2h.load(r),     syncs.load(r),  allocs.load(r), graphs.load(r)};
+}
+
+// Scratch buffers that moved (DeviceArray::Ensure and CublasContext's scratch reallocating): a
+// CUDA graph keeps the device addresses it was captured with, so a graph captured when
+// ScratchGeneration() read g is stale once it reads more than g.
+namespace profile_detail {
+inline std::atomic<uint64_t> scratch_moves{0};
+}
+inline void NoteScratchMoved() {
+  profile_detail::scratch_moves.fetch_add(1, std::memory_order_acq_rel);
+}
+inline uint64_t ScratchGeneration() {
+  return profile_detail::scratch_moves.load(std::memory_order_acquire);
 }
 
 inline void SetLaunchObserver(LaunchObserver* o) { profile_detail::observer.store(o); }

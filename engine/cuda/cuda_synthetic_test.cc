@@ -212,12 +212,16 @@ TEST_F(CudaTest, CountsGemmWrapperLaunches) {
   EXPECT_EQ((cuda::ReadLaunchCounts() - before).kernels, 2u);
 }
 
-// A step's counts: the same step twice gives the same counts, and (under the emulation) the
-// cuBLAS calls and host↔device copies counted by cuda_profile.h are exactly those the emulated
-// runtime saw, so no call site is missed.
+// A step's counts: the same step twice gives the same counts, and (under the emulation, run
+// eagerly so that every call is seen once) the cuBLAS calls and host↔device copies counted by
+// cuda_profile.h are exactly those the emulated runtime saw, so no call site is missed. With CUDA
+// graphs (the default) the third run of a shape is a replay: one graph launch, the same kernels
+// counted, no upload or download that blocks, and one wait.
 TEST_F(SyntheticBackendTest, StepCountsAreCompleteAndStable) {
   const ModelConfig c = testing::TinyConfig();
-  auto b = CreateCudaBackendSynthetic(c, 7);
+  CudaBackendOptions eager_options;
+  eager_options.cuda_graphs = false;
+  auto b = CreateCudaBackendSynthetic(c, 7, eager_options);
   ASSERT_TRUE(b.ok());
   Run(**b);  // warm: scratch buffers allocated
   std::vector<cuda::LaunchCounts> first, second;
@@ -230,9 +234,9 @@ TEST_F(SyntheticBackendTest, StepCountsAreCompleteAndStable) {
   const cuda::emu::CallCounts emu1 = cuda::emu::ReadCallCounts();
   const cuda::LaunchCounts ours = cuda::ReadLaunchCounts() - ours0;
   EXPECT_EQ(ours.cublas, emu1.gemms - emu0.gemms);
-  EXPECT_EQ(ours.h2d, emu1.h2d - emu0.h2d);
-  EXPECT_EQ(ours.d2h, emu1.d2h - emu0.d2h);
-  EXPECT_EQ(ours.d2d, emu1.d2d - emu0.d2d);
+  // Pageable copies block (h2d, d2h); the step's copies are from and to pinned memory (d2d).
+  EXPECT_EQ(ours.h2d + ours.d2h + ours.d2d,
+            (emu1.h2d - emu0.h2d) + (emu1.d2h - emu0.d2h) + (emu1.d2d - emu0.d2d));
 #endif
   Run(**b, &second);
   ASSERT_EQ(first.size(), 2u);
@@ -240,26 +244,52 @@ TEST_F(SyntheticBackendTest, StepCountsAreCompleteAndStable) {
   for (int s = 0; s < 2; ++s) {
     EXPECT_EQ(first[s].kernels, second[s].kernels) << s;
     EXPECT_EQ(first[s].cublas, second[s].cublas) << s;
-    EXPECT_EQ(first[s].blocking(), second[s].blocking()) << s;
+    EXPECT_EQ(first[s].d2d, second[s].d2d) << s;
     EXPECT_GT(first[s].kernels, uint64_t(10 * c.num_layers)) << s;
     EXPECT_LE(first[s].cublas, 1u) << s;  // the soft-embedding GEMM only (the rest is ours)
-    // Today's step: the router's round trip per layer, the step's uploads and downloads (issue
-    // 33 item 6 takes this to 0). At least the per-layer download of the router scores.
-    EXPECT_GE(first[s].d2h, uint64_t(c.num_layers)) << s;
+    // No host in the step (issue 33 item 6): inputs and results through pinned memory, one
+    // wait for the results at the end.
+    EXPECT_EQ(first[s].h2d, 0u) << s;
+    EXPECT_EQ(first[s].d2h, 0u) << s;
+    EXPECT_EQ(first[s].syncs, 1u) << s;
     EXPECT_EQ(first[s].allocs, 0u) << s;  // scratch is warm
+    EXPECT_EQ(first[s].graphs, 0u) << s;
   }
+  // The same steps with graphs: eager, captured, then replayed, with the eager counts.
+  auto g = CreateCudaBackendSynthetic(c, 7);
+  ASSERT_TRUE(g.ok());
+  const auto eager_out = Run(**b);
+  Run(**g);
+  Run(**g);
+  std::vector<cuda::LaunchCounts> replayed;
+  ExpectSame(eager_out, Run(**g, &replayed));
+  ASSERT_EQ(replayed.size(), 2u);
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ(replayed[s].graphs, 1u) << s;
+    EXPECT_EQ(replayed[s].kernels, first[s].kernels) << s;
+    EXPECT_EQ(replayed[s].cublas, first[s].cublas) << s;
+    EXPECT_EQ(replayed[s].d2d, first[s].d2d) << s;
+    EXPECT_EQ(replayed[s].blocking(), 1u) << s;  // the wait for the results
+    EXPECT_EQ(replayed[s].allocs, 0u) << s;
+  }
+  const auto stats = GetCudaGraphStats(**g);
+  ASSERT_TRUE(stats.has_value());
+  EXPECT_EQ(stats->captures, 2);
+  EXPECT_EQ(stats->replays, 4);  // the second run's captured steps, the third run's
+  EXPECT_EQ(stats->capture_failures, 0) << stats->last_failure;
 }
 
 // A known number of launches and host round trips for a tiny step, counted from today's step
 // (bf16 GEMM input: one DenseLinear kernel per projection; every expert takes
-// every row, so no expert group is skipped). Issue 33 items 3–6 change these numbers on
-// purpose (device routing, grouped GEMMs, no host in the step): update the table below with the
-// step, item by item.
+// every row, so no expert group is skipped), run eagerly. Issue 33 items 3–6 change these
+// numbers on purpose (device routing, grouped GEMMs, no host in the step): update the table
+// below with the step, item by item.
 TEST_F(SyntheticBackendTest, TinyStepLaunchCounts) {
   ModelConfig c = testing::TinyConfig();  // layers S F
   c.top_k_experts = c.num_experts;        // 4 of 4: all groups non-empty
   CudaBackendOptions options;
   options.gemm_input = cuda::GemmInput::kBf16;
+  options.cuda_graphs = false;
   auto b = CreateCudaBackendSynthetic(c, 7, options);
   ASSERT_TRUE(b.ok()) << b.status();
   Run(**b);  // warm: scratch allocated for both step kinds
@@ -284,21 +314,21 @@ TEST_F(SyntheticBackendTest, TinyStepLaunchCounts) {
   const uint64_t cublas = layer_cublas_sliding + layer_cublas_full + 1;
   // The self-conditioning MLP of the second step: norm, 3 projections + gelu, add.
   const uint64_t sc_kernels = 1 + 4 + 1, sc_cublas = 0;
-  // Uploads: ids, positions, temperatures, uniforms (+ the soft embedding with
-  // self-conditioning); downloads: the row results, the next soft embedding (the MoE's routing
-  // stays on the device); one sync at the end of the body.
-  const uint64_t h2d = 2 + 2, d2h = 2;
+  // Copies queued on the stream (issue 33 item 6: from and to pinned memory, none blocks): k → v
+  // on the full layer; uploads of ids, positions, temperatures, uniforms (+ the soft embedding
+  // with self-conditioning); downloads of the row results and the next soft embedding. One wait.
+  const uint64_t copies = 1 + 4 + 2;
   for (int s = 0; s < 2; ++s) {
     SCOPED_TRACE(s == 0 ? "step without self-conditioning" : "step with self-conditioning");
     EXPECT_EQ(steps[s].kernels, kernels + (s == 1 ? sc_kernels : 0));
     EXPECT_EQ(steps[s].cublas, cublas + (s == 1 ? sc_cublas : 0));
-    EXPECT_EQ(steps[s].d2d, 1u);  // k → v on the full layer
-    EXPECT_EQ(steps[s].h2d, h2d + (s == 1 ? 1 : 0));
-    EXPECT_EQ(steps[s].d2h, d2h);
+    EXPECT_EQ(steps[s].d2d, copies + (s == 1 ? 1 : 0));
+    EXPECT_EQ(steps[s].h2d, 0u);
+    EXPECT_EQ(steps[s].d2h, 0u);
     EXPECT_EQ(steps[s].syncs, 1u);
     EXPECT_EQ(steps[s].allocs, 0u);
   }
-  EXPECT_EQ(steps[0].launches(), 70u + 1u + 1u);  // the table above, summed by hand
+  EXPECT_EQ(steps[0].launches(), 70u + 1u + 7u);  // the table above, summed by hand
 }
 
 // The ceilings measure something on small sizes (the real sizes are engine_bench's defaults).

@@ -105,7 +105,9 @@ class ModelBackend {
   virtual absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) = 0;
 
   // Timings of the last Decode or DenoiseStep call (lm_head_seconds covers all vocabulary work
-  // in DenoiseStep).
+  // in DenoiseStep). The CUDA backend runs a call as one unit on the device and waits once: its
+  // body_seconds is the whole call and lm_head_seconds 0, except with phase_timing, where it
+  // waits between the two and reports both.
   virtual DecodeTimings last_decode_timings() const = 0;
 };
 
