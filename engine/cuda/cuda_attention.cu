@@ -273,8 +273,10 @@ absl::Status Attention(int mode, const char* name, const float* q, const float* 
   return Launch<16>(q, keys, num_heads, group, mode, window, out, stream, name);
 }
 
-// ---- Tensor-core canvas attention (TensorCoreCanvasAttention) ----
+// ---- Tensor-core attention (TensorCoreCanvasAttention, TensorCorePrefillAttention) ----
 //
+// One kernel for both: kCausal = false is the canvas (every row of a segment sees the same keys),
+// kCausal = true the prefill (row r sees its own causal, windowed range; PrefillKeys).
 // Layout of one launch: grid = (ceil(total_rows · group / kTcPairs) + num_segments, kv_heads),
 // block = kTcWarps warps. Block (x, g) finds its segment by walking the table (segment s has
 // ceil(rows_s · group / kTcPairs) tiles; blocks past the last tile exit) and serves kTcPairs
@@ -292,6 +294,11 @@ absl::Status Attention(int mode, const char* name, const float* q, const float* 
 // Shared memory (bytes): Q 16·(hd+8)·2, K and V 32·(hd+8)·2 each (8 bf16 of row padding keep
 // ldmatrix rows 16-byte aligned and off one bank), S 16·32·4, P 16·40·2, m/l/alpha 3·16·4;
 // head_dim 512: 86,720 (opted in above 48 KiB).
+// Prefill: the block walks only the union of its rows' key ranges (the first row's window start
+// to the last row's own key), in tiles aligned to multiples of kTcKeys of the key index (so a
+// tile above the diagonal or before the window of every row of the block is never loaded); the
+// per-(row, key) mask is applied to S. A row may see no key of a tile (its m stays −inf until
+// its first visible key: the rescale then is 1 on zero sums).
 constexpr int kTcWarps = 4;
 constexpr int kTcThreads = kTcWarps * 32;
 constexpr int kTcPairs = 16;  // query pairs per block: one mma M tile
@@ -320,15 +327,24 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return uint32_t(ToBf16Bits(lo)) | (uint32_t(ToBf16Bits(hi)) << 16);
 }
 
-template <int kMaxTiles>  // n8 output tiles per warp: head_dim / 32 ≤ kMaxTiles
+// Keys [lo, hi) (indices into the segment's [context ++ new]) visible to prefill row r: causal
+// (key_pos ≤ P + r) and, when window > 0, P + r − key_pos < window; never before ctx_first.
+__device__ __forceinline__ Range PrefillKeys(int r, int ctx_tokens, int ctx_first, int window) {
+  const int hi = ctx_tokens + r + 1;
+  return {window > 0 ? max(ctx_first, hi - window) : ctx_first, hi};
+}
+
+// Segment: CanvasSegment (kCausal = false) or PrefillSegment (kCausal = true; same fields).
+// window: the prefill's sliding window (≤ 0: none); the canvas's is in its ctx_first.
+template <int kMaxTiles, bool kCausal, typename Segment>  // kMaxTiles ≥ head_dim / 32
 __global__ void __launch_bounds__(kTcThreads)
-    TcCanvasKernel(const float* __restrict__ q, const float* __restrict__ k_new,
-                   const float* __restrict__ v_new, const CanvasSegment* __restrict__ segs,
-                   int num_segments, int num_heads, int kv_heads, int group, int hd,
-                   float* __restrict__ out) {
+    TcAttentionKernel(const float* __restrict__ q, const float* __restrict__ k_new,
+                      const float* __restrict__ v_new, const Segment* __restrict__ segs,
+                      int num_segments, int num_heads, int kv_heads, int group, int hd, int window,
+                      float* __restrict__ out) {
   // This block's segment and tile within it (block-uniform).
   int b = blockIdx.x, si = 0;
-  CanvasSegment seg;
+  Segment seg;
   for (; si < num_segments; ++si) {
     seg = segs[si];
     const int tiles = (seg.rows * group + kTcPairs - 1) / kTcPairs;
@@ -373,15 +389,31 @@ __global__ void __launch_bounds__(kTcThreads)
   for (int nt = 0; nt < kMaxTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   const int ntiles = hd / 32, n_base = warp * (hd / 4);
 
-  // Every row of a canvas sees the same keys: [ctx_first, ctx_tokens) ++ the segment's rows.
-  const int lo = seg.ctx_first, hi = seg.ctx_tokens + seg.rows;
-  for (int kb = lo; kb < hi; kb += kTcKeys) {
+  // Canvas: every row sees the same keys, [ctx_first, ctx_tokens) ++ the segment's rows.
+  // Prefill: the union of the block's rows' ranges (lo and hi are non-decreasing in the row),
+  // from the tile holding the first row's first key; row_of(i): the segment row of pair i (pairs
+  // past the segment's end take its last row: never written).
+  auto row_of = [&](int i) { return min(p0 + i, pairs - 1) / group; };
+  int lo, hi, kb0;
+  if constexpr (kCausal) {
+    lo = PrefillKeys(row_of(0), seg.ctx_tokens, seg.ctx_first, window).lo;
+    hi = PrefillKeys(row_of(kTcPairs - 1), seg.ctx_tokens, seg.ctx_first, window).hi;
+    kb0 = lo - lo % kTcKeys;
+  } else {
+    lo = seg.ctx_first;
+    hi = seg.ctx_tokens + seg.rows;
+    kb0 = lo;
+  }
+  for (int kb = kb0; kb < hi; kb += kTcKeys) {
     const int nk = min(kTcKeys, hi - kb);
     __syncthreads();  // the previous tile's K, V and P are no longer read
     for (int idx = tid; idx < kTcKeys * half_hd; idx += kTcThreads) {
       const int jj = idx / half_hd, d = (idx - jj * half_hd) * 2;
-      uint32_t kw = 0, vw = 0;  // keys past the tile's end: zero K and V (P = 0 there)
-      if (jj < nk) {
+      // Keys outside the block's range (before lo in a prefill's first aligned tile, past the
+      // tile's end): zero K and V, never read (P = 0 there; memory before ctx_first may hold
+      // anything, NaN included, and 0 · NaN would poison O).
+      uint32_t kw = 0, vw = 0;
+      if (jj < nk && kb + jj >= lo) {
         const int j = kb + jj;
         const float *kr, *vr;
         if (j < seg.ctx_tokens) {
@@ -412,7 +444,12 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = gq + (i >= 2 ? 8 : 0), c = warp * 8 + 2 * t + (i % 2);
-      ss[r * kTcKeys + c] = c < nk ? s[i] : -INFINITY;
+      bool visible = c < nk;
+      if constexpr (kCausal) {
+        const Range kr = PrefillKeys(row_of(r), seg.ctx_tokens, seg.ctx_first, window);
+        visible = visible && kb + c >= kr.lo && kb + c < kr.hi;
+      }
+      ss[r * kTcKeys + c] = visible ? s[i] : -INFINITY;
     }
     __syncthreads();
 
@@ -427,7 +464,9 @@ __global__ void __launch_bounds__(kTcThreads)
       }
       for (int x = 1; x < 8; x <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, x));
       const float m_old = m_s[r];
-      const float m_new = fmaxf(m_old, mx);  // finite: every tile has a visible key
+      // Canvas: finite (every tile has a visible key). Prefill: −inf while the row has seen no
+      // visible key yet (its p are 0 and its alpha is 1).
+      const float m_new = fmaxf(m_old, mx);
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -438,7 +477,8 @@ __global__ void __launch_bounds__(kTcThreads)
       for (int x = 1; x < 8; x <<= 1) sum += __shfl_xor_sync(kFull, sum, x);
       __syncwarp();  // every lane of the row has read m_s[r]
       if (tid % 8 == 0) {
-        const float alpha = expf(m_old - m_new);  // m_old = −inf on the first tile: 0
+        // m_old = −inf before the first visible key: alpha = 0 (1 while m_new is −inf too).
+        const float alpha = m_old == m_new ? 1.0f : expf(m_old - m_new);
         a_s[r] = alpha;
         l_s[r] = l_s[r] * alpha + sum;
         m_s[r] = m_new;
@@ -487,24 +527,52 @@ __global__ void __launch_bounds__(kTcThreads)
   }
 }
 
-template <int kMaxTiles>
-absl::Status LaunchTc(const float* q, const float* k_new, const float* v_new,
-                      const CanvasSegment* segs, int num_segments, int total_rows, int num_heads,
-                      int kv_heads, int head_dim, float* out, void* stream) {
-  const char* name = "TensorCoreCanvasAttention";
+template <int kMaxTiles, bool kCausal, typename Segment>
+absl::Status LaunchTc(const char* name, const float* q, const float* k_new, const float* v_new,
+                      const Segment* segs, int num_segments, int total_rows, int num_heads,
+                      int kv_heads, int head_dim, int window, float* out, void* stream) {
+  const auto kernel = TcAttentionKernel<kMaxTiles, kCausal, Segment>;
   const size_t bytes = size_t(TcSharedLayout(head_dim).total);
-  if (absl::Status st = AllowSharedBytes(TcCanvasKernel<kMaxTiles>, bytes, name); !st.ok()) {
-    return st;
-  }
+  if (absl::Status st = AllowSharedBytes(kernel, bytes, name); !st.ok()) return st;
   const int group = num_heads / kv_heads;
   const int64_t blocks = (int64_t(total_rows) * group + kTcPairs - 1) / kTcPairs + num_segments;
   const dim3 grid{unsigned(blocks), unsigned(kv_heads)};
-  LaunchKernel(TcCanvasKernel<kMaxTiles>, grid, kTcThreads, bytes,
-               static_cast<cudaStream_t>(stream), q, k_new, v_new, segs, num_segments, num_heads,
-               kv_heads, group, head_dim, out);
+  LaunchKernel(kernel, grid, kTcThreads, bytes, static_cast<cudaStream_t>(stream), q, k_new, v_new,
+               segs, num_segments, num_heads, kv_heads, group, head_dim, window, out);
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
+}
+
+// The argument checks and head-dim dispatch of both tensor-core entry points.
+template <bool kCausal, typename Segment>
+absl::Status TensorCoreAttention(const char* name, const float* q, const float* k_new,
+                                 const float* v_new, const Segment* segments, int num_segments,
+                                 int total_rows, int num_heads, int kv_heads, int head_dim,
+                                 int window, float* out, void* stream) {
+  const std::string n = name;
+  if (num_segments < 0 || total_rows < 0 || num_heads <= 0 || kv_heads <= 0 ||
+      num_heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        n + ": need num_segments, total_rows ≥ 0 and num_heads a multiple of kv_heads");
+  }
+  if (head_dim <= 0 || head_dim > kMaxAttentionHeadDim || head_dim % 32 != 0) {
+    return absl::InvalidArgumentError(n + ": head_dim must be a multiple of 32 in [32, 512]");
+  }
+  if (num_segments == 0 || total_rows == 0) return absl::OkStatus();
+  if (q == nullptr || k_new == nullptr || v_new == nullptr || out == nullptr ||
+      segments == nullptr) {
+    return absl::InvalidArgumentError(n + ": null pointer");
+  }
+  if (int64_t(total_rows) * (num_heads / kv_heads) + num_segments > int64_t(INT32_MAX) / 2) {
+    return absl::InvalidArgumentError(n + ": too many rows");
+  }
+  if (head_dim <= 256) {
+    return LaunchTc<8, kCausal>(name, q, k_new, v_new, segments, num_segments, total_rows,
+                                num_heads, kv_heads, head_dim, window, out, stream);
+  }
+  return LaunchTc<16, kCausal>(name, q, k_new, v_new, segments, num_segments, total_rows, num_heads,
+                               kv_heads, head_dim, window, out, stream);
 }
 
 }  // namespace
@@ -531,29 +599,18 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
                                        const CanvasSegment* segments, int num_segments,
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
                                        float* out, void* stream) {
-  const std::string n = "TensorCoreCanvasAttention";
-  if (num_segments < 0 || total_rows < 0 || num_heads <= 0 || kv_heads <= 0 ||
-      num_heads % kv_heads != 0) {
-    return absl::InvalidArgumentError(
-        n + ": need num_segments, total_rows ≥ 0 and num_heads a multiple of kv_heads");
-  }
-  if (head_dim <= 0 || head_dim > kMaxAttentionHeadDim || head_dim % 32 != 0) {
-    return absl::InvalidArgumentError(n + ": head_dim must be a multiple of 32 in [32, 512]");
-  }
-  if (num_segments == 0 || total_rows == 0) return absl::OkStatus();
-  if (q == nullptr || k_new == nullptr || v_new == nullptr || out == nullptr ||
-      segments == nullptr) {
-    return absl::InvalidArgumentError(n + ": null pointer");
-  }
-  if (int64_t(total_rows) * (num_heads / kv_heads) + num_segments > int64_t(INT32_MAX) / 2) {
-    return absl::InvalidArgumentError(n + ": too many rows");
-  }
-  if (head_dim <= 256) {
-    return LaunchTc<8>(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
-                       head_dim, out, stream);
-  }
-  return LaunchTc<16>(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
-                      head_dim, out, stream);
+  return TensorCoreAttention<false>("TensorCoreCanvasAttention", q, k_new, v_new, segments,
+                                    num_segments, total_rows, num_heads, kv_heads, head_dim,
+                                    /*window=*/0, out, stream);
+}
+
+absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, const float* v_new,
+                                        const PrefillSegment* segments, int num_segments,
+                                        int total_rows, int num_heads, int kv_heads, int head_dim,
+                                        int window, float* out, void* stream) {
+  return TensorCoreAttention<true>("TensorCorePrefillAttention", q, k_new, v_new, segments,
+                                   num_segments, total_rows, num_heads, kv_heads, head_dim, window,
+                                   out, stream);
 }
 
 }  // namespace dgserve::cuda

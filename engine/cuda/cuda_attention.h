@@ -94,4 +94,36 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
                                        float* out, void* stream = nullptr);
 
+// ---- Tensor-core causal prefill attention (issue 34 items 2–3), one launch for a whole batch ----
+//
+// The encoder pass's causal attention of PrefillAttention for several segments (prompts, or the
+// commit of several canvases) at once, on the kernel of TensorCoreCanvasAttention (bf16 Q/K/V
+// rounded from the float32 arrays, mma.sync m16n8k16, float32 online softmax, GQA packing; head_dim
+// a multiple of 32 up to 512; about 1e-2 relative against float64). New row r of a segment
+// (position P + r, P = ctx_tokens) sees key_pos ≤ P + r and, when window > 0,
+// P + r − key_pos < window, and no context token before ctx_first. A block of rows loads only the
+// key tiles some of its rows see (none above the diagonal or before the window).
+//
+// One segment of the table (device memory): new rows [row0, row0 + rows) of q / k_new / v_new /
+// out (positions ctx_tokens … ctx_tokens + rows − 1); its context K/V ctx_k / ctx_v, contiguous
+// [ctx_tokens, kv_heads, head_dim] (token j is row j; only tokens ≥ ctx_first are read: 0 for
+// full layers, CanvasWindowStart(ctx_tokens, window) — row 0's window start — for sliding ones).
+struct PrefillSegment {
+  const float* ctx_k = nullptr;
+  const float* ctx_v = nullptr;
+  int row0 = 0;
+  int rows = 0;
+  int ctx_tokens = 0;
+  int ctx_first = 0;
+};
+
+// Runs every segment of `segments` (a DEVICE array of num_segments entries) in one launch whose
+// grid depends only on total_rows, num_segments and kv_heads (not on context lengths); a row's
+// result does not depend on the other segments. window ≤ 0: no window (full layers). Shapes as
+// TensorCoreCanvasAttention; rows of no segment are left untouched.
+absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, const float* v_new,
+                                        const PrefillSegment* segments, int num_segments,
+                                        int total_rows, int num_heads, int kv_heads, int head_dim,
+                                        int window, float* out, void* stream = nullptr);
+
 }  // namespace dgserve::cuda

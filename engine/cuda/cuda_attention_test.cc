@@ -312,13 +312,19 @@ struct TcSegment {
   int ctx, rows, window;
 };
 
-class TensorCoreCanvasAttentionTest : public CudaAttentionTest {
+// The tensor-core kernels' fixture: kind_ picks TensorCoreCanvasAttention or
+// TensorCorePrefillAttention (the prefill takes one window for the whole launch: every segment of
+// a batch must have the same window).
+class TensorCoreAttentionTest : public CudaAttentionTest {
  protected:
+  explicit TensorCoreAttentionTest(Kind kind) : kind_(kind) {}
+
   // Runs `segs` (heads/kv_heads/hd shared) in one launch, rows packed in order with `gap` unused
-  // rows before each segment; returns each segment's output rows.
+  // rows before each segment; returns each segment's output rows. Prefill segments see context
+  // from ctx_first = row 0's window start (or 0 with ctx_first_zero: the row rule alone).
   std::vector<std::vector<float>> RunBatch(const std::vector<TcSegment>& segs,
                                            const std::vector<Data>& data, int heads, int kvh,
-                                           int hd, int gap = 1) {
+                                           int hd, int gap = 1, bool ctx_first_zero = false) {
     const size_t qw = size_t(heads) * hd, kw = size_t(kvh) * hd;
     std::vector<CanvasSegment> table;
     std::vector<float> q, k, v;
@@ -334,8 +340,12 @@ class TensorCoreCanvasAttentionTest : public CudaAttentionTest {
       t.ctx_tokens = segs[i].ctx;
       t.ctx_first = CanvasWindowStart(segs[i].ctx, segs[i].window);
       if (segs[i].ctx > 0) {
-        t.ctx_k = Upload(data[i].k_ctx);
-        t.ctx_v = Upload(data[i].v_ctx);
+        // Context before ctx_first is never read: NaN there would show in the output.
+        std::vector<float> kc = data[i].k_ctx, vc = data[i].v_ctx;
+        std::fill_n(kc.begin(), size_t(t.ctx_first) * kw, NAN);
+        std::fill_n(vc.begin(), size_t(t.ctx_first) * kw, NAN);
+        t.ctx_k = Upload(kc);
+        t.ctx_v = Upload(vc);
       }
       table.push_back(t);
       q.insert(q.end(), data[i].q.begin(), data[i].q.end());
@@ -345,9 +355,29 @@ class TensorCoreCanvasAttentionTest : public CudaAttentionTest {
     }
     const int total = row;
     float* out = Alloc<float>(total * qw, 0xFF);
-    EXPECT_THAT(TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
-                                          int(table.size()), total, heads, kvh, hd, out),
-                IsOk());
+    if (kind_ == Kind::kCanvas) {
+      EXPECT_THAT(TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
+                                            int(table.size()), total, heads, kvh, hd, out),
+                  IsOk());
+    } else {
+      std::vector<PrefillSegment> prefill;
+      for (size_t i = 0; i < table.size(); ++i) {
+        const CanvasSegment& t = table[i];
+        EXPECT_EQ(segs[i].window, segs[0].window) << "one window per prefill launch";
+        PrefillSegment p;
+        p.ctx_k = t.ctx_k;
+        p.ctx_v = t.ctx_v;
+        p.row0 = t.row0;
+        p.rows = t.rows;
+        p.ctx_tokens = t.ctx_tokens;
+        p.ctx_first = ctx_first_zero ? 0 : t.ctx_first;
+        prefill.push_back(p);
+      }
+      EXPECT_THAT(TensorCorePrefillAttention(Upload(q), Upload(k), Upload(v), Upload(prefill),
+                                             int(prefill.size()), total, heads, kvh, hd,
+                                             segs.empty() ? 0 : segs[0].window, out),
+                  IsOk());
+    }
     const std::vector<float> all = Download(out, total * qw);
     std::vector<std::vector<float>> res;
     for (const CanvasSegment& t : table) {
@@ -360,20 +390,34 @@ class TensorCoreCanvasAttentionTest : public CudaAttentionTest {
     return res;
   }
 
-  void CheckBatch(int heads, int kvh, int hd, const std::vector<TcSegment>& segs, uint32_t seed) {
+  void CheckBatch(int heads, int kvh, int hd, const std::vector<TcSegment>& segs, uint32_t seed,
+                  bool ctx_first_zero = false) {
     std::vector<Data> data;
     std::vector<Case> cases;
     for (const TcSegment& s : segs) {
       const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));
-      cases.push_back(Case{Kind::kCanvas, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
+      cases.push_back(Case{kind_, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
       data.push_back(MakeData(cases.back(), seed++));
     }
-    const std::vector<std::vector<float>> got = RunBatch(segs, data, heads, kvh, hd);
+    const std::vector<std::vector<float>> got =
+        RunBatch(segs, data, heads, kvh, hd, 1, ctx_first_zero);
     for (size_t i = 0; i < segs.size(); ++i) {
       Expect(cases[i], got[i], Reference(cases[i], RoundedData(data[i])), kTcTolRounded);
       Expect(cases[i], got[i], Reference(cases[i], data[i]), kTcTolFloat);
     }
   }
+
+  const Kind kind_;
+};
+
+class TensorCoreCanvasAttentionTest : public TensorCoreAttentionTest {
+ protected:
+  TensorCoreCanvasAttentionTest() : TensorCoreAttentionTest(Kind::kCanvas) {}
+};
+
+class TensorCorePrefillAttentionTest : public TensorCoreAttentionTest {
+ protected:
+  TensorCorePrefillAttentionTest() : TensorCoreAttentionTest(Kind::kPrefill) {}
 };
 
 // Both model head dims with the model's GQA groups (2 sliding, 8 full) and group 1; in each
@@ -434,6 +478,97 @@ TEST(TensorCoreCanvasAttentionArgsTest, BadShapesAreInvalidArgument) {
   EXPECT_EQ(CanvasWindowStart(20, 0), 0);
   EXPECT_EQ(CanvasWindowStart(20, 8), 13);
   EXPECT_EQ(CanvasWindowStart(7, 8), 0);
+}
+
+// ---- TensorCorePrefillAttention: causal, many prompts in one launch, bf16 operands ----
+
+// Both model head dims with the model's GQA groups (2 sliding, 8 full) and group 1; in each
+// launch several prompts of different lengths (odd row counts, one row, context 0 and > 0).
+// Without a window: the causal diagonal inside and at the end of key tiles (ctx + rows crossing
+// multiples of 32). With window 32 (one key tile): every row whose window start ctx + r + 1 − 32
+// is a multiple of 32 has its window edge exactly at a tile boundary (rows 31, 63 … of a prompt
+// without context; rows 0, 32 … with ctx 31), the others inside a tile; context shorter than,
+// equal to and longer than the window.
+TEST_F(TensorCorePrefillAttentionTest, MatchesDoubleReference) {
+  const std::vector<TcSegment> full = {{0, 7, 0},   {0, 70, 0}, {5, 40, 0},
+                                       {45, 19, 0}, {70, 1, 0}, {32, 33, 0}};
+  const std::vector<TcSegment> sliding = {{0, 70, 32},  {31, 40, 32}, {32, 9, 32},
+                                          {45, 19, 32}, {0, 1, 32},   {3, 16, 32}};
+  CheckBatch(4, 2, 256, full, 5000);
+  CheckBatch(4, 2, 256, sliding, 5100);
+  CheckBatch(8, 1, 512, full, 5200);
+  CheckBatch(8, 1, 512, sliding, 5300);
+  CheckBatch(4, 4, 64, sliding, 5400);
+  // Window 8 (smaller than a block's 16 rows at group 1) and 64 (two tiles).
+  CheckBatch(4, 4, 64, {{0, 37, 8}, {20, 25, 8}}, 5500);
+  CheckBatch(4, 2, 128, {{0, 90, 64}, {64, 40, 64}, {100, 33, 64}}, 5600);
+  // ctx_first 0 for a sliding layer: the per-row window alone hides the older context.
+  CheckBatch(4, 2, 256, {{70, 20, 32}, {33, 5, 32}}, 5700, /*ctx_first_zero=*/true);
+}
+
+// Large scores (standard deviation about 30): the running max keeps exp() in range across tiles
+// whose rows start seeing keys at different tiles.
+TEST_F(TensorCorePrefillAttentionTest, LargeScoresStayStable) {
+  const int hd = 256;
+  for (const int window : {0, 32}) {
+    const Case c{Kind::kPrefill, 4, 2, hd, 70, 45, window, std::sqrt(90.0f / std::sqrt(float(hd)))};
+    const Data d = MakeData(c, 5800 + window);
+    const std::vector<std::vector<float>> got = RunBatch({{c.ctx, c.rows, window}}, {d}, 4, 2, hd);
+    Expect(c, got[0], Reference(c, RoundedData(d)), 2e-2f);
+  }
+}
+
+// Window 1: every row sees only its own key, so the output is its bf16-rounded value row exactly.
+TEST_F(TensorCorePrefillAttentionTest, SingleVisibleKeyReturnsItsValue) {
+  const int hd = 64, heads = 4, kvh = 2, group = heads / kvh;
+  const Case c{Kind::kPrefill, heads, kvh, hd, 40, 37, 1, 3.0f};
+  const Data d = MakeData(c, 5900);
+  const std::vector<float> got = RunBatch({{c.ctx, c.rows, 1}}, {d}, heads, kvh, hd)[0];
+  for (int r = 0; r < c.rows; ++r) {
+    for (int h = 0; h < heads; ++h) {
+      for (int i = 0; i < hd; ++i) {
+        ASSERT_EQ(got[(size_t(r) * heads + h) * hd + i],
+                  RoundBf16(d.v_new[(size_t(r) * kvh + h / group) * hd + i]))
+            << "row " << r << " head " << h << " dim " << i;
+      }
+    }
+  }
+}
+
+// A prompt's result is the same bit for bit alone or in a batch (another row offset, other
+// prompts of other lengths and contexts before and after it).
+TEST_F(TensorCorePrefillAttentionTest, BatchedEqualsSolo) {
+  for (const int hd : {256, 512}) {
+    const int heads = 4, kvh = hd == 512 ? 1 : 2, window = hd == 512 ? 0 : 32;
+    const std::vector<TcSegment> segs = {{20, 9, window}, {37, 50, window}, {0, 21, window}};
+    std::vector<Data> data;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      data.push_back(MakeData(
+          Case{Kind::kPrefill, heads, kvh, hd, segs[i].ctx, segs[i].rows, segs[i].window, 1.0f},
+          uint32_t(6000 + hd + i)));
+    }
+    const std::vector<std::vector<float>> batched = RunBatch(segs, data, heads, kvh, hd, 3);
+    const std::vector<std::vector<float>> solo = RunBatch({segs[1]}, {data[1]}, heads, kvh, hd);
+    ASSERT_EQ(batched[1].size(), solo[0].size());
+    for (size_t i = 0; i < solo[0].size(); ++i) {
+      ASSERT_EQ(batched[1][i], solo[0][i]) << "head_dim " << hd << " element " << i;
+    }
+  }
+}
+
+TEST(TensorCorePrefillAttentionArgsTest, BadShapesAreInvalidArgument) {
+  EXPECT_THAT(
+      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 0, nullptr),
+      IsOk());
+  EXPECT_THAT(
+      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 80, 0, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 3, 256, 8, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 256, 8, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 }  // namespace

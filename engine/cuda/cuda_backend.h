@@ -58,11 +58,12 @@ struct CudaBackendOptions {
   // order, may change with the row count. The router's GEMM follows this too; the soft-embedding
   // product and the unfused LM head stay on cuBLAS.
   bool batch_invariant_projections = true;
-  // The decoder (canvas) pass's attention as cuda::TensorCoreCanvasAttention: bf16 Q/K/V on tensor
-  // cores, every canvas of the step in one launch per layer from a device table (uploaded once
-  // per decoder pass); false: cuda::CanvasAttention (float32, one launch per canvas). Layers
-  // whose head_dim is not a multiple of 32 use CanvasAttention either way. The encoder (prompt /
-  // commit) pass always uses PrefillAttention. Off by default: bf16 Q/K/V move the tiny random
+  // The decoder (canvas) pass's attention as cuda::TensorCoreCanvasAttention and the encoder
+  // (prompt / commit) pass's as cuda::TensorCorePrefillAttention (causal): bf16 Q/K/V on tensor
+  // cores, every canvas (prompt) of the pass in one launch per layer from a device table
+  // (uploaded once per pass); false: cuda::CanvasAttention / cuda::PrefillAttention (float32, one
+  // launch per canvas or prompt). Layers whose head_dim is not a multiple of 32 use the float32
+  // kernels either way. Off by default: bf16 Q/K/V move the tiny random
   // model's logits by up to 4.5 against the CPU (cuda_backend_test's tolerance is 0.3), see
   // engine/cuda/DEVICE_CHECK.md.
   bool tensor_core_attention = false;

@@ -287,6 +287,9 @@ class CudaBackend final : public ModelBackend {
   // every such layer's canvases (canvas_table_: num_layers × canvas_segments_ entries).
   bool TensorCoreCanvas(int l) const;
   absl::Status UploadCanvasTable(std::span<const Segment> segs);
+  // The encoder's: TensorCorePrefillAttention's table (prefill_table_: num_layers ×
+  // prefill_segments_ entries), for the layers TensorCoreCanvas(l) names.
+  absl::Status UploadPrefillTable(std::span<const Segment> segs);
   absl::Status Moe(int l, const float* h1, int R, float* m);
   // out[R, D] = down(gelu(x·gateᵀ) ⊙ x·upᵀ).
   // y[R, out] = x[R, in] · Wᵀ for a bf16 weight W [out, in]: cuda::DenseLinear or cuBLAS
@@ -333,6 +336,9 @@ class CudaBackend final : public ModelBackend {
   cuda::PinnedArray<cuda::CanvasSegment> canvas_table_host_;
   DeviceArray<cuda::CanvasSegment> canvas_table_;
   int canvas_segments_ = 0;
+  std::vector<cuda::PrefillSegment> prefill_table_host_;
+  DeviceArray<cuda::PrefillSegment> prefill_table_;
+  int prefill_segments_ = 0;
   std::vector<float> host_k_, host_v_, host_stage_;
   // The step's pinned staging: inputs uploaded and results downloaded asynchronously on stream_.
   cuda::PinnedArray<int32_t> ids_host_, positions_host_, mask_index_host_;

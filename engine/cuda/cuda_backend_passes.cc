@@ -65,6 +65,39 @@ absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
   return canvas_table_.UploadAsync(canvas_table_host_.data(), n, stream_);
 }
 
+// The encoder pass's counterpart of UploadCanvasTable (TensorCorePrefillAttention): per layer
+// taking the tensor cores (TensorCoreCanvas: the same head-dim rule), one entry per prompt.
+absl::Status CudaBackend::UploadPrefillTable(std::span<const Segment> segs) {
+  prefill_table_host_.clear();
+  prefill_segments_ = 0;
+  if (!options_.tensor_core_attention) return absl::OkStatus();
+  for (const Segment& s : segs) prefill_segments_ += s.rows > 0;
+  bool any = false;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (!TensorCoreCanvas(l)) {
+      prefill_table_host_.resize(prefill_table_host_.size() + prefill_segments_);
+      continue;
+    }
+    any = true;
+    const int window = c_.IsFull(l) ? 0 : c_.sliding_window;
+    for (const Segment& s : segs) {
+      if (s.rows == 0) continue;
+      cuda::PrefillSegment t;
+      t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
+      t.ctx_v = s.mirror->v[l].get();
+      t.row0 = s.row0;
+      t.rows = s.rows;
+      t.ctx_tokens = s.pos0;
+      t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);  // row 0's window start
+      prefill_table_host_.push_back(t);
+    }
+  }
+  if (!any || prefill_segments_ == 0) return absl::OkStatus();
+  // Stream-ordered (from pageable memory CUDA stages the table before returning).
+  return prefill_table_.UploadAsync(prefill_table_host_.data(), prefill_table_host_.size(),
+                                    stream_);
+}
+
 absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int R) {
   const DeviceLayer& lw = layers_[l];
   const int D = c_.hidden_size, hd = c_.HeadDim(l), nh = c_.num_heads, nkv = c_.KvHeads(l);
@@ -120,11 +153,17 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
     }
   }
   // Decoder on tensor cores: every canvas in one launch (the table of UploadCanvasTable).
-  const bool tc = kind == PassKind::kDecoder && TensorCoreCanvas(l);
-  if (tc && canvas_segments_ > 0) {
+  const bool tc = TensorCoreCanvas(l);
+  if (tc && kind == PassKind::kDecoder && canvas_segments_ > 0) {
     DGSERVE_RETURN_IF_ERROR(
         cuda::TensorCoreCanvasAttention(q, k, v, canvas_table_.get() + size_t(l) * canvas_segments_,
                                         canvas_segments_, R, nh, nkv, hd, attn_.get(), stream_));
+  }
+  // Encoder on tensor cores: every prompt in one causal launch (the table of UploadPrefillTable).
+  if (tc && kind == PassKind::kEncoder && prefill_segments_ > 0) {
+    DGSERVE_RETURN_IF_ERROR(cuda::TensorCorePrefillAttention(
+        q, k, v, prefill_table_.get() + size_t(l) * prefill_segments_, prefill_segments_, R, nh,
+        nkv, hd, full ? 0 : c_.sliding_window, attn_.get(), stream_));
   }
   // Attention per segment: context = the mirror's visible rows before pos0 (spec §3.4 / §3.5).
   const int W = c_.sliding_window;
@@ -299,6 +338,7 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   DGSERVE_RETURN_IF_ERROR(positions_.UploadAsync(positions_host_.data(), R, stream_));
   DGSERVE_RETURN_IF_ERROR(
       cuda::EmbedRows(ids_.get(), embed_.get(), R, D, c_.EmbedScale(), h_.get(), stream_));
+  DGSERVE_RETURN_IF_ERROR(UploadPrefillTable(segs));
   for (int l = 0; l < c_.num_layers; ++l) {
     DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kEncoder, segs, R));
   }

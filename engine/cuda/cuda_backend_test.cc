@@ -26,6 +26,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/cuda/cuda_test_util.h"
@@ -60,8 +61,9 @@ struct GemmMode {
   // leaves no flip), with a float64 reference in both modes (cuda_moe_test), and
   // BatchedStepEqualsSoloBitForBit runs it in bf16.
   bool own_projections = true;
-  // CudaBackendOptions::tensor_core_attention (bf16 canvas attention: no CPU comparison, whose
-  // tolerances it exceeds; the bit-for-bit batch test and argument checks only).
+  // CudaBackendOptions::tensor_core_attention (bf16 canvas and prefill attention: no CPU
+  // comparison, whose tolerances it exceeds; the bit-for-bit batch tests and argument checks
+  // only).
   bool tensor_core_attention = false;
 };
 // bf16. Measured under the emulation (whose cuBLAS sums in double): most values agree to 1e-6,
@@ -92,7 +94,8 @@ constexpr GemmMode kBf16UnfusedMode{"bf16_unfused",
                                     6e-2f,
                                     false,
                                     /*own_projections=*/false};
-// bf16 with the decoder's attention on tensor cores (TensorCoreCanvasAttention: bf16 Q/K/V). In
+// bf16 with the attention on tensor cores (TensorCoreCanvasAttention in the decoder,
+// TensorCorePrefillAttention in the encoder: bf16 Q/K/V). In
 // the tiny checkpoint only the full layers (head_dim 32) take it; their attention outputs are
 // within 7e-3 of CanvasAttention's (max |out| 1.5), yet the random model amplifies that to
 // max |Δlogit| 4.5 (MoE routes flip), so the CPU comparisons skip this mode. (CanvasAttention
@@ -636,6 +639,52 @@ TEST_P(CudaBackendTest, GraphReplayEqualsEagerBitForBit) {
   EXPECT_GE(g->invalidated, 1);
   EXPECT_EQ(g->replays + g->eager_steps, int64_t(schedule.size()));
   EXPECT_FALSE(GetCudaGraphStats(*cpu_).has_value());
+}
+
+// The encoder on tensor cores (TensorCorePrefillAttention, one launch per layer for every prompt
+// of the pass): two prompts encoded in one call, one of them after a cached prefix (context > 0),
+// leave the same K/V bits as each encoded alone; and the pass does take the tensor cores (its
+// K/V past the first tensor-core layer differ from the float32 PrefillAttention's, finite).
+TEST_P(CudaBackendTest, TensorCoreEncodeBatchedEqualsSolo) {
+  if (!GetParam().tensor_core_attention) GTEST_SKIP() << "the tensor-core encoder's test";
+  const std::vector<int32_t> a = Tokens(23, 60), b = Tokens(37, 61), c = Tokens(50, 62);
+  ContiguousKvCache solo0(config(), 256), solo1(config(), 256);
+  Encode(*gpu_, solo0, a);
+  Encode(*gpu_, solo0, b);
+  Encode(*gpu_, solo1, c);
+  ContiguousKvCache batched0(config(), 256), batched1(config(), 256);
+  Encode(*gpu_, batched0, a);
+  {
+    std::vector<EncodeInput> in = {{b, &batched0}, {c, &batched1}};
+    const absl::Status st = gpu_->Encode(in);
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  CudaBackendOptions f32_options;
+  f32_options.gemm_input = GetParam().gpu;
+  auto f32 = CreateCudaBackend(config(), checkpoint_->weights, f32_options);
+  ASSERT_TRUE(f32.ok()) << f32.status();
+  ContiguousKvCache plain(config(), 256);
+  Encode(**f32, plain, c);
+  int differs = 0;
+  for (int l = 0; l < config().num_layers; ++l) {
+    const size_t w = size_t(config().KvHeads(l)) * config().HeadDim(l);
+    for (const auto& [x, y] : {std::pair{&solo0, &batched0}, std::pair{&solo1, &batched1}}) {
+      ASSERT_EQ(x->num_tokens(), y->num_tokens());
+      for (int p = 0; p < x->num_tokens(); ++p) {
+        ASSERT_EQ(std::memcmp(x->KeyRow(l, p), y->KeyRow(l, p), w * sizeof(float)), 0)
+            << "layer " << l << " position " << p;
+        ASSERT_EQ(std::memcmp(x->ValueRow(l, p), y->ValueRow(l, p), w * sizeof(float)), 0)
+            << "layer " << l << " position " << p;
+      }
+    }
+    for (int p = 0; p < plain.num_tokens(); ++p) {
+      for (size_t i = 0; i < w; ++i) {
+        ASSERT_TRUE(std::isfinite(solo1.KeyRow(l, p)[i])) << l << " " << p << " " << i;
+        differs += solo1.KeyRow(l, p)[i] != plain.KeyRow(l, p)[i];
+      }
+    }
+  }
+  EXPECT_GT(differs, 0) << "the tensor-core encoder left every K as PrefillAttention's";
 }
 
 TEST_P(CudaBackendTest, RejectsBadInput) {
