@@ -49,7 +49,8 @@ __host__ __device__ __forceinline__ int ChunkTileBegin(int tiles, int chunks, in
 // (ProbBits) into sm.p, then per kFK-column slice of the table the partial P·E_tile[:, slice]
 // (warp w: rows 16·(w/2) …, columns 16·(w%2) … of the slice, two 8-column fragments, 16 k steps
 // over the tile's ids) added to the accumulators; each accumulator element belongs to one thread.
-__global__ void __launch_bounds__(kFT)
+// One block per SM by registers (sm_90: 150 and no spills; a cap of 128 spilled).
+__global__ void __launch_bounds__(kFT, 1)
     SoftTileKernel(FusedVocabArgs a, const VocabRowResult* __restrict__ res,
                    const uint8_t* __restrict__ skip, int tiles, int chunks, int slab0,
                    int slab_rows, float* __restrict__ acc) {
