@@ -334,7 +334,11 @@ absl::Status CudaBackend::PrepareVocab(std::span<const DenoiseStepInput> batch,
     DGSERVE_RETURN_IF_ERROR(logits_.Ensure(size_t(R) * V));
   }
   if (v->want_soft) {
-    DGSERVE_RETURN_IF_ERROR(probs_bf16_.Ensure(size_t(R) * V));
+    if (options_.fused_vocab) {
+      DGSERVE_RETURN_IF_ERROR(soft_scratch_.Ensure(cuda::FusedSoftEmbeddingScratchBytes(R, V, D)));
+    } else {
+      DGSERVE_RETURN_IF_ERROR(probs_bf16_.Ensure(size_t(R) * V));
+    }
     DGSERVE_RETURN_IF_ERROR(soft_.Ensure(size_t(R) * D));
   }
   return absl::OkStatus();
@@ -379,16 +383,18 @@ absl::Status CudaBackend::EnqueueVocab(int R, const StepVocab& v) {
                                             stream_));
   }
   if (!v.want_soft) return absl::OkStatus();
-  // Next step's self-conditioning input (spec §3.5 step 2): softmax(ℓ/T) · E · bf16(√D), the
-  // bf16 probabilities from the logits recomputed per tile (fused) or from the logits. Every
-  // row's (the host copies out the canvases that asked).
+  // Next step's self-conditioning input (spec §3.5 step 2): softmax(ℓ/T) · E · bf16(√D) for
+  // every row (the host copies out the canvases that asked). Fused: each tile's bf16
+  // probabilities recomputed and multiplied by the table on the tensor cores in a fixed order
+  // (cuda_soft_embed.h; no [R, V] buffer, the sparse plan's tiles left out). The comparison
+  // mode: bf16 probabilities from the logits, then one cuBLAS GEMM.
   if (options_.fused_vocab) {
-    DGSERVE_RETURN_IF_ERROR(cuda::FusedSoftmaxProbsBf16(fused, results_.get(), probs_bf16_.get()));
-  } else {
-    DGSERVE_RETURN_IF_ERROR(cuda::SoftmaxProbsBf16(logits_.get(), R, V, c_.final_logit_softcapping,
-                                                   temps_.get(), results_.get(), probs_bf16_.get(),
-                                                   d_mask_table, d_mask_index, stream_));
+    return cuda::FusedSoftEmbedding(fused, results_.get(), c_.EmbedScale(), soft_scratch_.get(),
+                                    soft_.get());
   }
+  DGSERVE_RETURN_IF_ERROR(cuda::SoftmaxProbsBf16(logits_.get(), R, V, c_.final_logit_softcapping,
+                                                 temps_.get(), results_.get(), probs_bf16_.get(),
+                                                 d_mask_table, d_mask_index, stream_));
   return SoftGemm(probs_bf16_.get(), R, soft_.get());
 }
 

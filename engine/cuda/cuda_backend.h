@@ -55,8 +55,9 @@ struct CudaBackendOptions {
   // The projections (q, k, v, o, the dense and self-conditioning MLPs) on our own tensor-core
   // kernel (cuda::DenseLinear: a fixed addition order per output, so a row's bits do not depend
   // on the batch), the default; false: cuBLAS (cublasGemmEx), whose algorithm, and so addition
-  // order, may change with the row count. The router's GEMM follows this too; the soft-embedding
-  // product and the unfused LM head stay on cuBLAS.
+  // order, may change with the row count. The router's GEMM follows this too. The soft embedding
+  // is ours either way (cuda::FusedSoftEmbedding, fixed order) with fused_vocab; the unfused
+  // comparison mode's LM head and soft-embedding GEMM stay on cuBLAS.
   bool batch_invariant_projections = true;
   // The decoder (canvas) pass's attention as cuda::TensorCoreCanvasAttention and the encoder
   // (prompt / commit) pass's as cuda::TensorCorePrefillAttention (causal): bf16 Q/K/V on tensor
@@ -101,7 +102,7 @@ std::optional<CudaGraphStats> GetCudaGraphStats(const ModelBackend& backend);
 //   moe        router, expert grouping, the expert GEMMs, the combine and its norm
 //   dense      the embedding and SC input, the q/k/v/o projections, the dense MLP and the SC MLP
 //              with the norms and residual adds between them, the final norm
-//   vocab      the LM head, the vocabulary step, the self-conditioning softmax and GEMM
+//   vocab      the LM head, the vocabulary step, the self-conditioning soft embedding
 struct CudaPhaseTimes {
   double attention_ms = 0, moe_ms = 0, dense_ms = 0, vocab_ms = 0;
   int brackets = 0;  // event pairs read

@@ -30,6 +30,7 @@
 #include "engine/cuda/cuda_moe.h"
 #include "engine/cuda/cuda_ops.h"
 #include "engine/cuda/cuda_profile.h"
+#include "engine/cuda/cuda_soft_embed.h"
 #include "engine/cuda/cuda_synthetic.h"
 #include "engine/cuda/cuda_vocab.h"
 #include "engine/model/model_math.h"
@@ -331,6 +332,7 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<uint64_t> mask_table_;  // the distinct canvas-template masks of a step
   DeviceArray<uint16_t> probs_bf16_;
   DeviceArray<unsigned char> vocab_scratch_;      // FusedVocabStep's tile partials
+  DeviceArray<unsigned char> soft_scratch_;       // FusedSoftEmbedding's chunk accumulators
   DeviceArray<float> tile_norm_max_, skip_mass_;  // the sparse self-conditioning plan's inputs
   DeviceArray<cuda::VocabRowResult> results_;
   cuda::PinnedArray<cuda::CanvasSegment> canvas_table_host_;

@@ -6,6 +6,7 @@
 #include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
 #include "engine/cuda/cuda_mma.cuh"
+#include "engine/cuda/cuda_vocab_tile.cuh"
 
 namespace dgserve::cuda {
 namespace {
@@ -283,10 +284,8 @@ absl::Status VocabStep(const float* logits, int rows, int vocab, float softcap,
 // ---- The fused vocabulary pass (FusedVocabStep) ----
 namespace {
 
-constexpr int kFT = kFusedVocabTile;  // ids per tile = threads of the tile kernels
-constexpr int kFR = kFusedRows;       // rows per block of the tile kernels
-constexpr int kFK = 32;               // k (hidden) columns staged in shared memory per step
-constexpr int kFWarps = kFT / 32;
+// The tile shapes, TileMma, RowMask and ProbBits (cuda_vocab_tile.cuh).
+using namespace vocab_tile;  // NOLINT(build/namespaces)
 
 // One (row, tile) partial: the tile's max ℓ and its first argmax, S_t = Σ e and Q_t = Σ e·w
 // relative to that max, and whether a NaN ℓ was seen.
@@ -310,95 +309,6 @@ struct RowSample {
   int32_t past_end;  // rounding left u·S past every tile: take the tile's last id with e > 0
 };
 
-int FusedTiles(int vocab) { return (vocab + kFT - 1) / kFT; }
-
-// Term `term` (0: hi, 1: mid, 2: lo) of the exact three-term bf16 split of x (GemmInput::
-// kFloat32; as cuda_gemm.cu's SplitTermBits): a non-finite x is its own hi term.
-__device__ __forceinline__ uint16_t SplitBits(float f, int term) {
-  uint16_t t = ToBf16Bits(f);
-  if ((__float_as_uint(f) & 0x7F800000u) == 0x7F800000u) return term == 0 ? t : uint16_t(0);
-  for (int j = 0; j < term; ++j) {
-    f = __fsub_rn(f, Bf16BitsToFloat(t));
-    t = ToBf16Bits(f);
-  }
-  return t;
-}
-
-// Shared memory of the tile kernels: one k chunk of the block's hidden rows (one bf16 term) and
-// of the tile's table rows ([id][k], k contiguous: B n-major for ldmatrix), the latter reused for
-// 16 rows of float32 results once the products are done. Rows of kPadK bf16 (80 bytes): 16-byte
-// aligned ldmatrix rows.
-constexpr int kPadK = kFK + 8;
-constexpr int kMi = kFR / 16;  // 16-row fragments per block
-constexpr int kNj = 4;         // 8-id fragments per warp (32 ids)
-struct alignas(16) TileSmem {
-  uint16_t as[kFR][kPadK];
-  union {
-    uint16_t bs[kFT][kPadK];
-    float ls[16][kFT + 4];
-  } u;
-};
-
-// d[mi][nj] = the block's raw logits h·Eᵀ for rows row0 + 16·mi + (0…15) and ids v0 + 32·warp +
-// 8·nj + (0…7), as mma.m16n8k16 C fragments: bf16 × bf16 products on the tensor cores, float32
-// accumulation. The bf16-input mode feeds bf16(h) (ActivationBf16Bits); otherwise h's exact
-// three-term split, lo, mid then hi into the same accumulators per k chunk (as the cuBLAS split
-// of cuda_gemm.h). Fragments of rows ≥ nrows are skipped (their values are unused). A row's
-// accumulators depend on its own hidden state and the table only, whichever slot it has, so its
-// logits are the same bits in every kernel and in any batch.
-__device__ __forceinline__ void TileMma(const float* __restrict__ hidden, int row0, int nrows,
-                                        int dim, const uint16_t* __restrict__ embed, int v0,
-                                        int vocab, bool bf16_input, TileSmem* sm,
-                                        float d[kMi][kNj][4]) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-#pragma unroll
-  for (int mi = 0; mi < kMi; ++mi) {
-#pragma unroll
-    for (int nj = 0; nj < kNj; ++nj) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) d[mi][nj][i] = 0.0f;
-    }
-  }
-  const int terms = bf16_input ? 1 : 3;
-  for (int k0 = 0; k0 < dim; k0 += kFK) {
-    const int kn = min(kFK, dim - k0);
-    for (int i = tid; i < kFT * kFK; i += kFT) {
-      const int j = i / kFK, kk = i % kFK, v = v0 + j;
-      sm->u.bs[j][kk] = v < vocab && kk < kn ? embed[int64_t(v) * dim + k0 + kk] : uint16_t(0);
-    }
-    const int steps = (kn + 15) / 16;
-    for (int term = terms - 1; term >= 0; --term) {
-      for (int i = tid; i < kFR * kFK; i += kFT) {
-        const int r = i / kFK, kk = i % kFK;
-        uint16_t h = 0;
-        if (r < nrows && kk < kn) {
-          const float x = hidden[int64_t(row0 + r) * dim + k0 + kk];
-          h = bf16_input ? ActivationBf16Bits(x) : SplitBits(x, term);
-        }
-        sm->as[r][kk] = h;
-      }
-      __syncthreads();
-      for (int st = 0; st < steps; ++st) {
-        uint32_t b[kNj][2];
-#pragma unroll
-        for (int nj = 0; nj < kNj; ++nj) {
-          mma::LdMatrixX2(b[nj],
-                          &sm->u.bs[warp * 32 + nj * 8 + lane % 8][st * 16 + ((lane / 8) % 2) * 8]);
-        }
-#pragma unroll
-        for (int mi = 0; mi < kMi; ++mi) {
-          if (mi * 16 >= nrows) continue;  // uniform over the block
-          uint32_t a[4];
-          mma::LdMatrixX4(a, &sm->as[mi * 16 + lane % 16][st * 16 + (lane / 16) * 8]);
-#pragma unroll
-          for (int nj = 0; nj < kNj; ++nj) mma::MmaBf16M16N8K16(d[mi][nj], a, b[nj]);
-        }
-      }
-      __syncthreads();
-    }
-  }
-}
-
 // Rows 16·mi … 16·mi + 15 of the block's logits into sm->u.ls ([row][id]); the caller syncs
 // before (the table chunk or the previous group is no longer read) and after.
 __device__ __forceinline__ void StoreGroup(const float d[kMi][kNj][4], int mi, TileSmem* sm) {
@@ -411,12 +321,6 @@ __device__ __forceinline__ void StoreGroup(const float d[kMi][kNj][4], int mi, T
     sm->u.ls[g + 8][n] = d[mi][nj][2];
     sm->u.ls[g + 8][n + 1] = d[mi][nj][3];
   }
-}
-
-__device__ __forceinline__ const uint64_t* RowMask(const uint64_t* table, const int32_t* index,
-                                                   int row, int vocab) {
-  const int mi = index != nullptr ? index[row] : -1;
-  return mi >= 0 ? table + int64_t(mi) * ((int64_t(vocab) + 63) / 64) : nullptr;
 }
 
 // ℓ of id v from its raw dot product: softcap, then −∞ outside the mask (as Logit).
@@ -652,14 +556,11 @@ __global__ void __launch_bounds__(kFT)
       const uint64_t* mask = RowMask(a.mask_table, a.mask_index, row, a.vocab);
       const float lse = res[row].lse;
       const float inv_t = 1.0f / a.temperature[row];
-      const bool ok = isfinite(lse);
       // SoftmaxProbsBf16Kernel's formula (cuda_backend_kernels.cu), on the recomputed raw logit.
-      float l = sm.u.ls[r][threadIdx.x];
-      if (softcap > 0) l = softcap * tanhf(l / softcap);
       const bool allowed = mask == nullptr || ((mask[v >> 6] >> (v & 63)) & 1u) != 0;
       const bool left_out = skip != nullptr && skip[int64_t(row) * tiles + tile] != 0;
       probs[int64_t(row) * a.vocab + v] =
-          ok && allowed && !left_out ? ToBf16Bits(expf(l * inv_t - lse)) : uint16_t(0);
+          ProbBits(sm.u.ls[r][threadIdx.x], softcap, inv_t, lse, allowed && !left_out);
     }
   }
 }
@@ -766,6 +667,8 @@ absl::Status LaunchStatus(const char* what) {
 }
 
 }  // namespace
+
+uint8_t* vocab_tile::FusedSkipFlags(const FusedVocabArgs& args) { return SkipFlags(args); }
 
 size_t FusedVocabScratchBytes(int rows, int vocab) {
   if (rows <= 0 || vocab <= 0) return 0;
