@@ -86,8 +86,9 @@ ABSL_FLAG(int, steps, 8, "denoising steps to time (after one warm-up step)");
 ABSL_FLAG(int, context, 64, "prompt tokens encoded before the canvas");
 ABSL_FLAG(std::string, device, "cpu",
           "backend: cpu or cuda (cuda: built with the CUDA backend; see --cuda_gemm_input)");
-ABSL_FLAG(int, prefill_chunk, 512,
-          "prompt tokens per encoder pass (the workers' kPrefillChunkTokens is 512)");
+ABSL_FLAG(int, prefill_chunk, 0,
+          "prompt tokens per encoder pass (0: the backend's, as the prefill worker: 512 on the "
+          "CPU, 8192 on a GPU)");
 ABSL_FLAG(double, logit_scale, 1.0,
           "multiply the final norm's weight (so every logit before the softcap) by this factor, "
           "in (0, 1e6]; the softcap bounds the logits, so large factors flatten the rows rather "
@@ -410,7 +411,8 @@ int Run() {
   kvs.emplace_back(c, P);
   std::vector<int32_t> prompt(P);
   for (int i = 0; i < P; ++i) prompt[i] = (i * 7919 + 13) % V;
-  const int chunk = std::max(1, absl::GetFlag(FLAGS_prefill_chunk));
+  const int chunk = absl::GetFlag(FLAGS_prefill_chunk) > 0 ? absl::GetFlag(FLAGS_prefill_chunk)
+                                                           : backend->prefill_chunk_tokens();
   const bool synthetic_kv = absl::GetFlag(FLAGS_synthetic_kv);
   double prefill_s = 0;
   auto t_enc = Clock::now();

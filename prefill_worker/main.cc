@@ -35,9 +35,12 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:0", "Prometheus /metrics list
 ABSL_FLAG(std::string, ports_file, "", "write the bound ports here as JSON once serving");
 ABSL_FLAG(int64_t, kv_cache_mib, 512, "memory of the KV block pool (and prefix cache), MiB");
 ABSL_FLAG(int, kv_block_size, 16, "token positions per KV block");
-ABSL_FLAG(int, chunk_tokens, dgserve::kPrefillChunkTokens,
-          "prompt tokens per encoder pass of one request");
-ABSL_FLAG(int, step_token_budget, 2048, "prompt tokens of all requests per encoder step");
+ABSL_FLAG(int, chunk_tokens, 0,
+          "prompt tokens per encoder pass of one request (0: the backend's, 512 on the CPU and "
+          "8192 on a GPU)");
+ABSL_FLAG(int, step_token_budget, 0,
+          "prompt tokens of all requests per encoder step (0: the larger of 2048 and "
+          "--chunk_tokens)");
 ABSL_FLAG(int, max_queue, 256, "prompts queued or running at most");
 ABSL_FLAG(std::string, kv_transport, "auto",
           "KV transport to the denoise workers: auto (per target, from what it reports in Stats: "
@@ -137,13 +140,17 @@ absl::Status Run() {
         "--denoise_workers is required: the denoise workers a kv_target may name");
   }
   PrefillEngineOptions eopts;
+  // 0 for either: chosen once the backend exists (its prefill_chunk_tokens).
   eopts.chunk_tokens = absl::GetFlag(FLAGS_chunk_tokens);
   eopts.step_token_budget = absl::GetFlag(FLAGS_step_token_budget);
   eopts.max_queue = absl::GetFlag(FLAGS_max_queue);
-  if (eopts.chunk_tokens < 1 || eopts.step_token_budget < eopts.chunk_tokens ||
+  if (eopts.chunk_tokens < 0 || eopts.step_token_budget < 0 ||
+      (eopts.chunk_tokens > 0 && eopts.step_token_budget > 0 &&
+       eopts.step_token_budget < eopts.chunk_tokens) ||
       eopts.max_queue < 1) {
     return absl::InvalidArgumentError(
-        "--chunk_tokens ≥ 1, --step_token_budget ≥ --chunk_tokens and --max_queue ≥ 1 needed");
+        "--chunk_tokens ≥ 0, --step_token_budget ≥ 0 and ≥ --chunk_tokens, and --max_queue ≥ 1 "
+        "needed (0: the backend's default)");
   }
   absl::StatusOr<kv::KvTransportMode> mode =
       kv::ParseKvTransportMode(absl::GetFlag(FLAGS_kv_transport));
@@ -161,6 +168,16 @@ absl::Status Run() {
       LoadWorkerModel(dir, model_id, *backend, absl::GetFlag(FLAGS_kv_cache_mib),
                       absl::GetFlag(FLAGS_kv_block_size));
   if (!model.ok()) return model.status();
+  if (eopts.chunk_tokens == 0) eopts.chunk_tokens = model->backend->prefill_chunk_tokens();
+  if (eopts.step_token_budget == 0) {
+    eopts.step_token_budget = std::max(2048, eopts.chunk_tokens);
+  } else if (eopts.step_token_budget < eopts.chunk_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--step_token_budget ", eopts.step_token_budget, " is below --chunk_tokens ",
+        eopts.chunk_tokens, " (the backend's default; pass --chunk_tokens to choose it)"));
+  }
+  DGSERVE_LOG_INFO("prefill: --chunk_tokens %d, --step_token_budget %d", eopts.chunk_tokens,
+                   eopts.step_token_budget);
 
   eopts.max_lease_ms = absl::GetFlag(FLAGS_max_kv_lease_ms);
   if (eopts.max_lease_ms < 1 || absl::GetFlag(FLAGS_max_kv_pushes_per_target) < 1) {

@@ -249,6 +249,7 @@ class CudaBackend final : public ModelBackend {
   absl::Status DenoiseStep(std::span<const DenoiseStepInput> batch) override;
   absl::Status DenoiseStepLocked(std::span<const DenoiseStepInput> batch);
   absl::Status SoftEmbedding(const float* probs, int rows, float* soft) override;
+  int prefill_chunk_tokens() const override { return kGpuPrefillChunkTokens; }
   DecodeTimings last_decode_timings() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return timings_;

@@ -90,9 +90,10 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& r,
   result.prompt_tokens = r.prompt.size();
   ContiguousKvCache kv(c, int(r.prompt.size()) + num_canvases * C);
   auto t0 = std::chrono::steady_clock::now();
-  // Prompt prefill in chunks of kPrefillChunkTokens (the chunking changes no bit of the KV).
-  for (size_t pos = 0; pos < r.prompt.size(); pos += kPrefillChunkTokens) {
-    const size_t n = std::min<size_t>(kPrefillChunkTokens, r.prompt.size() - pos);
+  // Prompt prefill in the backend's chunks (on the CPU the chunking changes no bit of the KV).
+  const size_t chunk = size_t(std::max(1, backend_.prefill_chunk_tokens()));
+  for (size_t pos = 0; pos < r.prompt.size(); pos += chunk) {
+    const size_t n = std::min(chunk, r.prompt.size() - pos);
     EncodeInput in{std::span<const int32_t>(r.prompt).subspan(pos, n), &kv};
     DGSERVE_RETURN_IF_ERROR(backend_.Encode({&in, 1}));
   }

@@ -18,9 +18,9 @@
 
 namespace dgserve {
 
-// Prompt tokens per encoder pass of the prefill (the prefill worker's default --chunk_tokens).
-// Any chunking gives the same KV bits; this only bounds the activations of one pass.
-inline constexpr int kPrefillChunkTokens = 512;
+// Prompt tokens per encoder pass of the CPU backend's prefill (ModelBackend::
+// prefill_chunk_tokens gives each backend's; the prefill worker's --chunk_tokens default).
+inline constexpr int kPrefillChunkTokens = kCpuPrefillChunkTokens;
 
 // A generation request in token ids. Build one with DefaultRequest() so that every parameter
 // left alone takes the checkpoint's generation_config.json value.

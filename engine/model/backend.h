@@ -68,6 +68,11 @@ inline bool UseSparseSelfConditioning(int step, std::span<const RowResult> previ
   return 2 * peaked >= previous_step_rows.size();
 }
 
+// Prompt tokens per encoder pass (ModelBackend::prefill_chunk_tokens): the CPU backend's, and a
+// GPU backend's (activations of about 0.3 MB per row at the real width: 2.5 GB at 8192 rows).
+inline constexpr int kCpuPrefillChunkTokens = 512;
+inline constexpr int kGpuPrefillChunkTokens = 8192;
+
 // Wall time of the parts of the last Decode() call (for benchmarks and stats).
 struct DecodeTimings {
   double body_seconds = 0;     // canvas embedding, self-conditioning MLP, layers, final norm
@@ -109,6 +114,13 @@ class ModelBackend {
   // body_seconds is the whole call and lm_head_seconds 0, except with phase_timing, where it
   // waits between the two and reports both.
   virtual DecodeTimings last_decode_timings() const = 0;
+
+  // Prompt tokens per encoder pass this backend prefers (the prefill worker's --chunk_tokens
+  // default and the in-process generator's chunk). An encoder pass reads every weight once, so a
+  // GPU takes large chunks (kGpuPrefillChunkTokens: a 32k prompt in 4 passes, not 64; issue 34
+  // item 3); the CPU's small chunks bound its activations. Any chunking gives the same KV bits on
+  // the CPU backend.
+  virtual int prefill_chunk_tokens() const { return kCpuPrefillChunkTokens; }
 };
 
 // Options of the CPU backend.
