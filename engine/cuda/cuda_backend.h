@@ -9,7 +9,8 @@
 // the paged pool of kvstore/). The backend keeps a device mirror per KvCache — contiguous
 // [capacity, kv_heads·head_dim] float32 K and V per layer, indexed by position — and keeps the
 // host cache authoritative: Encode writes the new K/V rows into the device mirror (device to
-// device) and into the host cache (one device→host copy per layer), so every other user of the
+// device) and into the host cache (asynchronous copies into pinned staging, written to the cache
+// when the pass ends or the staging fills: encode_staging_bytes), so every other user of the
 // cache (prefix reuse, transfers, the CPU backend) sees the same rows. A pass uploads only the
 // rows the mirror lacks (all visible ones for a cache it has not seen; none in the steady state
 // of encode → denoise steps). A mirror is recognised by the cache's address, its token count
@@ -78,6 +79,10 @@ struct CudaBackendOptions {
   // A shape whose capture CUDA refuses runs eagerly (CudaGraphStats::capture_failures). Off with
   // phase_timing (its events are eager).
   bool cuda_graphs = true;
+  // Pinned host memory through which the encoder pass copies its new K/V rows to the host caches
+  // asynchronously (at least one layer's rows, whatever this says): with every layer's rows
+  // inside it the pass waits once, at its end; else once each time it fills.
+  size_t encode_staging_bytes = size_t(256) << 20;
 };
 
 // What the CUDA-graph path of a backend (CudaBackendOptions::cuda_graphs) has done so far.

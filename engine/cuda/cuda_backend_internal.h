@@ -282,6 +282,9 @@ class CudaBackend final : public ModelBackend {
   void DropGraphs();
   // Waits for stream_ (one blocking call); INTERNAL naming `what` on a CUDA error.
   absl::Status Wait(const char* what);
+  // Waits for the stream, then writes the staged K/V rows of the encoder pass into the segments'
+  // host caches (KvCache::Mutable*Row) and empties the staging.
+  absl::Status FlushStagedKv(std::span<const Segment> segs);
   // Copies device → pageable host memory in stream order (returns once the copy is done).
   absl::Status DownloadNow(void* host, const void* device, size_t bytes);
   absl::Status Layer(int l, PassKind kind, std::span<const Segment> segs, int R);
@@ -342,7 +345,15 @@ class CudaBackend final : public ModelBackend {
   std::vector<cuda::PrefillSegment> prefill_table_host_;
   DeviceArray<cuda::PrefillSegment> prefill_table_;
   int prefill_segments_ = 0;
-  std::vector<float> host_k_, host_v_, host_stage_;
+  std::vector<float> host_stage_;
+  // The encoder pass's new K/V rows on their way to the host caches (FlushStagedKv).
+  struct StagedKv {
+    int layer;
+    size_t offset;  // floats into kv_stage_: K [R, kvw] then V [R, kvw]
+  };
+  cuda::PinnedArray<float> kv_stage_;
+  size_t kv_stage_used_ = 0;
+  std::vector<StagedKv> kv_staged_;
   // The step's pinned staging: inputs uploaded and results downloaded asynchronously on stream_.
   cuda::PinnedArray<int32_t> ids_host_, positions_host_, mask_index_host_;
   cuda::PinnedArray<float> sc_host_, temps_host_, uniforms_host_, skip_host_, soft_host_;

@@ -130,11 +130,20 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   DGSERVE_RETURN_IF_ERROR(cuda::ApplyRope(k, R, nkv, hd, positions_.get(), inv_freq, stream_));
 
   if (kind == PassKind::kEncoder) {
-    // New K/V rows: into the device mirror and (authoritative) the host cache.
-    host_k_.resize(size_t(R) * kvw);
-    host_v_.resize(size_t(R) * kvw);
-    DGSERVE_RETURN_IF_ERROR(DownloadNow(host_k_.data(), k, host_k_.size() * sizeof(float)));
-    DGSERVE_RETURN_IF_ERROR(DownloadNow(host_v_.data(), v, host_v_.size() * sizeof(float)));
+    // New K/V rows: into the device mirror and (authoritative) the host cache, the latter through
+    // pinned staging, copied asynchronously and written to the caches at the next flush (when the
+    // staging is full, and at the end of the pass): no wait per layer.
+    const size_t n = size_t(R) * kvw, need = 2 * n;
+    if (kv_stage_used_ + need > kv_stage_.size()) DGSERVE_RETURN_IF_ERROR(FlushStagedKv(segs));
+    float* stage = kv_stage_.data() + kv_stage_used_;
+    for (const auto& [dst, src] : {std::pair{stage, k}, std::pair{stage + n, v}}) {
+      cuda::NoteDeviceCopy();
+      DGSERVE_RETURN_IF_ERROR(
+          CudaCheck(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+                    "cudaMemcpyAsync (K/V to the staging)"));
+    }
+    kv_staged_.push_back({l, kv_stage_used_});
+    kv_stage_used_ += need;
     for (const Segment& s : segs) {
       const size_t bytes = size_t(s.rows) * kvw * sizeof(float);
       for (const auto& [dst, src] :
@@ -144,11 +153,6 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
             CudaCheck(cudaMemcpyAsync(dst + size_t(s.pos0) * kvw, src + size_t(s.row0) * kvw, bytes,
                                       cudaMemcpyDeviceToDevice, stream_),
                       "cudaMemcpyAsync (KV append)"));
-      }
-      for (int r = 0; r < s.rows; ++r) {
-        const size_t src = size_t(s.row0 + r) * kvw;
-        std::memcpy(s.kv_write->MutableKeyRow(l, s.pos0 + r), &host_k_[src], sizeof(float) * kvw);
-        std::memcpy(s.kv_write->MutableValueRow(l, s.pos0 + r), &host_v_[src], sizeof(float) * kvw);
       }
     }
   }
@@ -325,6 +329,18 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   }
   if (R == 0) return absl::OkStatus();
   DGSERVE_ENSURE_PASS_SCRATCH(R);
+  // The K/V staging: every layer's rows if they fit in options_.encode_staging_bytes, else at
+  // least one layer's (then flushed when full).
+  size_t all_layers = 0, one_layer = 0;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    const size_t need = 2 * size_t(R) * c_.KvHeads(l) * c_.HeadDim(l);
+    all_layers += need;
+    one_layer = std::max(one_layer, need);
+  }
+  DGSERVE_RETURN_IF_ERROR(kv_stage_.Ensure(
+      std::max(one_layer, std::min(all_layers, options_.encode_staging_bytes / sizeof(float)))));
+  kv_stage_used_ = 0;
+  kv_staged_.clear();
   DGSERVE_RETURN_IF_ERROR(ids_host_.Ensure(R));
   DGSERVE_RETURN_IF_ERROR(positions_host_.Ensure(R));
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -342,12 +358,34 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   for (int l = 0; l < c_.num_layers; ++l) {
     DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kEncoder, segs, R));
   }
-  DGSERVE_RETURN_IF_ERROR(Wait("Encode"));
+  DGSERVE_RETURN_IF_ERROR(FlushStagedKv(segs));  // the pass's one wait (with a large staging)
   for (size_t i = 0; i < batch.size(); ++i) {
     batch[i].kv->Commit(segs[i].rows);
     segs[i].mirror->synced = segs[i].pos0 + segs[i].rows;
     Fingerprint(*batch[i].kv, segs[i].mirror);
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::FlushStagedKv(std::span<const Segment> segs) {
+  DGSERVE_RETURN_IF_ERROR(Wait("Encode (K/V to the host)"));
+  for (const StagedKv& st : kv_staged_) {
+    const int l = st.layer;
+    const size_t kvw = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
+    int R = 0;
+    for (const Segment& s : segs) R = std::max(R, s.row0 + s.rows);
+    const float* k = kv_stage_.data() + st.offset;
+    const float* v = k + size_t(R) * kvw;
+    for (const Segment& s : segs) {
+      for (int r = 0; r < s.rows; ++r) {
+        const size_t src = size_t(s.row0 + r) * kvw;
+        std::memcpy(s.kv_write->MutableKeyRow(l, s.pos0 + r), k + src, sizeof(float) * kvw);
+        std::memcpy(s.kv_write->MutableValueRow(l, s.pos0 + r), v + src, sizeof(float) * kvw);
+      }
+    }
+  }
+  kv_staged_.clear();
+  kv_stage_used_ = 0;
   return absl::OkStatus();
 }
 
