@@ -29,7 +29,8 @@ BINS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_atte
   engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
   engine/cuda/cuda_moe_test kvstore/kvstore_nccl_self_send_test gateway/dgserve-gateway
   prefill_worker/dgserve-prefill-worker
-  denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel bench/engine_bench"
+  denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel bench/engine_bench
+  bench/attention_bench"
 # Everything is checked before anything is written, and the bundle is made beside DEST and
 # moved there only when complete: a failed run leaves an earlier bundle (and the build) as they
 # were.

@@ -17,7 +17,8 @@ BINS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_atte
   engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
   engine/cuda/cuda_moe_test kvstore/kvstore_nccl_self_send_test gateway/dgserve-gateway
   prefill_worker/dgserve-prefill-worker
-  denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel bench/engine_bench"
+  denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel bench/engine_bench
+  bench/attention_bench"
 fake_build() {  # $1: folder, $2: the DGSERVE_CUDA_BACKEND value
   mkdir -p "$1"
   echo "DGSERVE_CUDA_BACKEND:BOOL=$2" > "$1/CMakeCache.txt"
@@ -50,6 +51,11 @@ check "... and the earlier bundle is kept" test -f "$T/bundle/marker"
 cp /bin/true "$T/gpu-build/bench/engine_bench"
 check "a second good run replaces the bundle" bundle "$T/gpu-build" "$T/bundle"
 check "... whole" test ! -e "$T/bundle/marker" -a -f "$T/bundle/env.sh"
+check "the bundle carries attention_bench (gpu_check's attention step)" \
+  test -x "$T/bundle/build-gpu/bench/attention_bench"
+rm "$T/gpu-build/bench/attention_bench"
+check "a build without attention_bench is refused" bash -c "! bash tools/gpu_bundle.sh '$T/gpu-build' '$T/bundle' > /dev/null 2>&1"
+check "... and the earlier bundle is kept" test -x "$T/bundle/build-gpu/bench/attention_bench"
 check "no staging folder is left" bash -c "! ls -d '$T'/*.partial.* > /dev/null 2>&1"
 echo "$fails failure(s)"
 [ "$fails" = 0 ]

@@ -14,9 +14,9 @@
 #
 # Steps (report.txt prefixes):
 #  1. build (`build:`): configures BUILD_DIR (default build-gpu) with -DDGSERVE_CUDA_BACKEND=ON and
-#     builds what is missing: the `gpu` tests first, then the cluster, then engine_bench. A
-#     BUILD_DIR carried from elsewhere with everything in it skips this. GPU_CHECK_BUILD_ONLY=1
-#     stops after it (a first call that builds, a second that checks).
+#     builds what is missing: the `gpu` tests first, then the cluster, then engine_bench and
+#     attention_bench. A BUILD_DIR carried from elsewhere with everything in it skips this.
+#     GPU_CHECK_BUILD_ONLY=1 stops after it (a first call that builds, a second that checks).
 #  2. the `gpu` tests (`PASSED/FAILED/SKIPPED/CRASHED/TIMEOUT <binary> <test>`): each CUDA kernel
 #     against the CPU code it mirrors (cuda_ops, cuda_gemm, cuda_attention, cuda_vocab: the fused
 #     vocabulary pass and the former VocabStep, with the canvas-template masks,
@@ -42,10 +42,20 @@
 #     (`sanitizer:`), one error summary per binary and tool (GPU_CHECK_SANITIZER_TOOLS, default
 #     memcheck; also racecheck, synccheck, initcheck).
 # GPU_CHECK_STEPS picks the steps after the build (default "calibrate tests cluster sanitizer
-# bench").
+# attention bench").
 #  1b. calibrate (`calibrate:`, before the tests): the two ceilings, engine_bench --calibrate_only
 #     (a 1 GiB device-to-device copy in GB/s, read + write; an 8192³ bf16 cuBLAS GEMM in TFLOP/s)
 #     and the card's name.
+#  3c. the attention kernels alone (`attention:`, issue 34 item 5): bench/attention_bench on the
+#     full shape's attention (bench/configs/diffusiongemma-26b-a4b.json: 16 heads; sliding
+#     layers head_dim 256, 8 KV heads, window 1024; full layers head_dim 512, 2 KV heads):
+#     canvas attention (256-row canvases, each with its own context K/V) at 2k, 32k and 128k
+#     context × batch 1 and 16, and the causal prefill of a 32k-token prompt in the backend's
+#     512-token chunks and whole, tensor-core kernels first, then the float32 ones for
+#     comparison; one ATTN line per case with ms, TFLOP/s and % of the bf16 GEMM ceiling, GB/s
+#     and % of the copy ceiling (both measured in the same process: the CEILINGS line). Bounded
+#     by --device_budget_s (GPU_CHECK_ATTN_SECONDS, default 35): the cases that do not fit are
+#     reported skipped (reason=budget), as those whose buffers do not fit (reason=device_memory).
 #  4. the benchmarks (`bench:`, `table:`), all with weights generated on the device
 #     (engine_bench --synthetic: no checkpoint written), --phase_timing, 16 steps per canvas
 #     (GPU_CHECK_BENCH_STEPS), --cuda_gemm_input bf16 (GPU_CHECK_GEMM_INPUTS, e.g. "float32
@@ -72,19 +82,21 @@
 #   10 s  calibrate (1 GiB copy ×6, 8192³ GEMM ×6, cuBLAS start)
 #   80 s  the gpu tests (about 50 s on the H200 on 2026-12-04, plus cuda_synthetic_test)
 #   50 s  the cluster (CPU reference + three transports)
-#   50 s  compute-sanitizer memcheck on the kernel tests (GPU_CHECK_SANITIZER=1)
+#   50 s  compute-sanitizer memcheck on the kernel tests (GPU_CHECK_SANITIZER=1; off by default)
+#   45 s  attention: attention_bench (≈ 5 s ceilings and start, 35 s of cases, its own budget)
 #   35 s  bench: the 2-layer slice (2 processes, 2k with its prefill, 32k with a synthetic KV)
 #  120 s  bench: 30 layers, 2k sweep (≈ 5 s start and fill, ≈ 7 s prefill, ≤ 6 s of steps plus a
 #         warm-up step per batch: at today's ≈ 0.2 s/step at batch 1 and ≈ 6 s at batch 32)
 #   35 s  bench: 30 layers, 32k (≈ 10 s host KV fill and upload, ≈ 2 s per step at batch 1;
 #         batch 16 needs ≈ 230 GB of KV copies: reported skipped)
-#  ≈ 385 s in all (400 s deadline), inside 7 minutes; the steps left when the deadline comes are reported
+#  ≈ 380 s in all without the sanitizer (400 s deadline), inside 7 minutes; the steps left when the deadline comes are reported
 #  SKIPPED, never overrun.
 #
 # Without a GPU (none found, or GPU_CHECK_DRY_RUN=1) the same steps run on the CPU where they can,
 # each line marked "(dry run, cpu)": no build unless binaries are missing (BUILD_DIR defaults to
 # build), the `gpu` tests that exist (they skip), the cluster with --device cpu over tcp, and the
-# benchmarks on the tiny-v512 shape with small contexts. It checks the script, not the GPU.
+# benchmarks on the tiny-v512 shape with small contexts (attention_bench_emu, engine_bench_emu:
+# the emulated device where they are built). It checks the script, not the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_check_out}
@@ -184,11 +196,16 @@ GPU_TESTS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda
 CLUSTER_BINS="gateway/dgserve-gateway prefill_worker/dgserve-prefill-worker
   denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel"
 BENCH_BINS="bench/engine_bench"
+# attention_bench exists only in a build with the CUDA kernels; the dry run runs
+# attention_bench_emu where the tests are built, and builds neither.
+[ "$DRY" = 1 ] || BENCH_BINS="$BENCH_BINS bench/attention_bench"
 PER_TEST_S=${PER_TEST_S:-45}
 # Time kept for the later steps while an earlier one runs.
 RESERVE_TESTS=120
 RESERVE_CLUSTER=90
 RESERVE_BENCH=190  # the 2-layer slice and the full shape (see the budget above)
+RESERVE_ATTN=45    # attention_bench (see the budget above)
+RESERVE_LATER=$((RESERVE_ATTN + RESERVE_BENCH))  # what the steps before attention leave
 
 # --- 1. build ------------------------------------------------------------------------------------
 missing_of() {  # the binaries of "$@" not in BUILD_DIR, as target names
@@ -237,11 +254,11 @@ if [ -n "$need_tests$need_cluster$need_bench" ]; then
     [ "$DRY" = 1 ] && need_tests=""  # the dry run runs the gpu tests that exist, builds none
     # shellcheck disable=SC2086
     build_targets "the gpu tests" \
-      "$(budget 300 $((RESERVE_TESTS + RESERVE_CLUSTER + RESERVE_BENCH)))" $need_tests
+      "$(budget 300 $((RESERVE_TESTS + RESERVE_CLUSTER + RESERVE_LATER)))" $need_tests
     # shellcheck disable=SC2086
     build_targets "the cluster" "$(budget 240 $((RESERVE_TESTS + RESERVE_CLUSTER)))" $need_cluster
     # shellcheck disable=SC2086
-    build_targets "engine_bench" "$(budget 120 $((RESERVE_TESTS + RESERVE_CLUSTER)))" $need_bench
+    build_targets "the benchmarks" "$(budget 120 $((RESERVE_TESTS + RESERVE_CLUSTER)))" $need_bench
   fi
   report "build: $(grep -c -i 'warning' "$LOGS/build.log") warning lines (see build.log)"
 else
@@ -307,8 +324,8 @@ run_gtest() {  # $1: binary path relative to BUILD_DIR, $2: seconds
   [ "$status" = 0 ] || rc=1
 }
 # The steps after the build (GPU_CHECK_STEPS, default all: "calibrate tests cluster sanitizer
-# bench").
-STEPS=" ${GPU_CHECK_STEPS:-calibrate tests cluster sanitizer bench} "
+# attention bench").
+STEPS=" ${GPU_CHECK_STEPS:-calibrate tests cluster sanitizer attention bench} "
 wants() { [[ $STEPS == *" $1 "* ]]; }
 wants calibrate && calibrate_step
 tests_to_run=$GPU_TESTS
@@ -319,7 +336,7 @@ fi
 num_left=$(echo "$tests_to_run" | wc -w)
 for rel in $tests_to_run; do
   num_left=$((num_left - 1))
-  run_gtest "$rel" "$(budget "$PER_TEST_S" $((num_left * 10 + RESERVE_CLUSTER + RESERVE_BENCH)))"
+  run_gtest "$rel" "$(budget "$PER_TEST_S" $((num_left * 10 + RESERVE_CLUSTER + RESERVE_LATER)))"
 done
 count() { grep -c -E "$1" "$REPORT"; }
 wants tests && report "gpu tests: $(count '^PASSED') passed, $(count '^FAILED') failed, $(count '^SKIPPED') skipped," \
@@ -427,7 +444,7 @@ transport_line() {  # the transport the prefill worker chose ("KV to T over X"),
 }
 
 cluster_step() {
-  local step_end=$((DEADLINE - RESERVE_BENCH))
+  local step_end=$((DEADLINE - RESERVE_LATER))
   # shellcheck disable=SC2086
   if [ -n "$(missing_of $CLUSTER_BINS)" ]; then fail "cluster: binaries missing in $BUILD_DIR"; return; fi
   command -v curl > /dev/null || { fail "cluster: SKIPPED, curl not found"; return; }
@@ -493,9 +510,9 @@ sanitizer_step() {
     filter='*'
     [ "$t" = cuda_synthetic_test ] && filter='CudaTest.Fill*'  # the weight-fill kernels
     [ -x "$BUILD_DIR/$rel" ] || continue
-    if (($(time_left) < RESERVE_BENCH + 15)); then report "sanitizer: $t: SKIPPED, no time left"; continue; fi
+    if (($(time_left) < RESERVE_LATER + 15)); then report "sanitizer: $t: SKIPPED, no time left"; continue; fi
     for tool in ${GPU_CHECK_SANITIZER_TOOLS:-memcheck}; do
-      limit=$(budget 30 "$RESERVE_BENCH")
+      limit=$(budget 30 "$RESERVE_LATER")
       timeout "$limit" "$san" --tool "$tool" "$BUILD_DIR/$rel" --gtest_color=no \
         --gtest_filter="$filter" > "$LOGS/$t.$tool.log" 2>&1
       local status=$?
@@ -507,6 +524,68 @@ sanitizer_step() {
   done
 }
 [ "${GPU_CHECK_SANITIZER:-0}" = 1 ] && [ "$DRY" != 1 ] && wants sanitizer && sanitizer_step
+
+# --- 3c. the attention kernels alone (issue 34 item 5) ---------------------------------------------
+# bench/attention_bench on the full shape's attention: canvas attention (sliding and full layers,
+# 2k / 32k / 128k context, batch 1 and 16) and the causal prefill of a 32k-token prompt (in the
+# backend's 512-token chunks, and whole), tensor-core kernels first, float32 after them. Every
+# ATTN line is reported ("attention: kernel=... ms=... tflops=... pct_gemm=... gbs=... pct_copy=...
+# status=ok|skipped|failed"), with the CEILINGS line the rates are judged against. The program
+# stops starting cases at --device_budget_s (GPU_CHECK_ATTN_SECONDS, default 35); the step's
+# timeout leaves room for its start and ceilings. The dry run: attention_bench_emu (the emulated
+# device) on the tiny-v512 shape with tiny contexts, where the tests are built.
+attention_step() {
+  local bin=$BUILD_DIR/bench/attention_bench note="" attn_s=${GPU_CHECK_ATTN_SECONDS:-35}
+  # shellcheck disable=SC2054  # commas inside flag values
+  local args=(--config bench/configs/diffusiongemma-26b-a4b.json
+    --kernels tc_canvas,tc_prefill,f32_canvas,f32_prefill --layers sliding,full
+    --contexts 2048,32768,131072 --batches 1,16 --prompt 32768 --prefill_chunks 512,0 --reps 5)
+  if [ "$DRY" = 1 ]; then
+    bin=$BUILD_DIR/bench/attention_bench_emu
+    note=" (emulated device)"
+    attn_s=20
+    # shellcheck disable=SC2054
+    args=(--config tests/testdata/golden/tiny-v512/config.json --contexts 0,20,40 --batches 1,2
+      --prompt 24 --prefill_chunks 8,0 --reps 2 --calibrate_copy_mb 1 --calibrate_gemm_n 32)
+  fi
+  if [ ! -x "$bin" ]; then
+    if [ "$DRY" = 1 ]; then
+      report "attention: attention_bench_emu not built in $BUILD_DIR: skipped$TAG"
+    else
+      fail "attention: attention_bench missing in $BUILD_DIR"
+    fi
+    return
+  fi
+  if (($(time_left) < RESERVE_BENCH + 20)); then
+    fail "attention: SKIPPED, $(time_left)s left"
+    return
+  fi
+  local limit dev_s start=$SECONDS status line
+  limit=$(budget $((attn_s + 25)) "$RESERVE_BENCH")
+  dev_s=$((limit - 20))  # the cases' budget: the step's limit less start-up and ceilings
+  ((dev_s > attn_s)) && dev_s=$attn_s
+  ((dev_s < 5)) && dev_s=5
+  echo "=== attention (limit ${limit}s): $bin ${args[*]} --device_budget_s $dev_s" >> "$LOGS/attention.log"
+  timeout "$limit" "$bin" "${args[@]}" --device_budget_s "$dev_s" > "$WORK/attention.out" \
+    2> "$WORK/attention.err"
+  status=$?
+  cat "$WORK/attention.out" "$WORK/attention.err" >> "$LOGS/attention.log"
+  line=$(grep -m1 '^CEILINGS ' "$WORK/attention.out")
+  [ -n "$line" ] && report "attention:$TAG ceilings ${line#CEILINGS }$note"
+  while read -r line; do
+    report "attention:$TAG ${line#ATTN }"
+  done < <(grep '^ATTN ' "$WORK/attention.out")
+  if [ "$status" = 124 ]; then
+    fail "attention: TIMEOUT after ${limit}s (the lines above were printed before it)"
+  elif [ "$status" != 0 ]; then
+    fail "attention: FAILED (exit $status after $((SECONDS - start))s):" \
+      "$(tail -n 2 "$WORK/attention.err" | cut -c1-300)"
+  else
+    report "attention: $(grep -c '^ATTN .*status=ok' "$WORK/attention.out") cases timed," \
+      "$(grep -c '^ATTN .*status=skipped' "$WORK/attention.out") skipped in $((SECONDS - start))s$TAG"
+  fi
+}
+wants attention && attention_step
 
 # --- 4. the real-shape benchmarks ----------------------------------------------------------------
 # Runs engine_bench once ($1: a label without spaces, $2: seconds, then its arguments): every RESULT line is
