@@ -659,16 +659,17 @@ bench_step() {
         --config "$slice" --context "$ctx_long" --batches "$sweep" --step_budget_s 2 \
         "${common[@]}"
     else
+      # First the step as served: CUDA graphs replayed (the sweep below times phases with
+      # events, which runs every step eagerly).
+      bench_run "full-2k-graphs-$g" "$(budget 50 120)" "$bin" "${dev[@]}" --config "$full" \
+        --context "$ctx_short" --batches 1,16 --steps "$steps" --step_budget_s 4 \
+        --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW"
       bench_run "full-2k-$g" "$(budget 150 40)" "$bin" "${dev[@]}" --config "$full" \
         --context "$ctx_short" --batches "$sweep" --step_budget_s 6 --cuda_gemm_input "$g" \
         "${common[@]}"
       bench_run "full-32k-$g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \
         --context "$ctx_long" --batches "$long_batches" --steps 4 --step_budget_s 8 \
         --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" --phase_timing
-      # The step as served: CUDA graphs replayed (the runs above time phases, so run eagerly).
-      bench_run "full-2k-graphs-$g" "$(budget 60 5)" "$bin" "${dev[@]}" --config "$full" \
-        --context "$ctx_short" --batches 1,16 --steps "$steps" --step_budget_s 4 \
-        --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW"
     fi
   done
   # The emulated CUDA backend on the CPU (dry run only): --device cuda end to end on the tiny
