@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
@@ -91,10 +92,11 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
+// One block of AttentionKernel: `bx` is its index along the (row, query head) pairs.
 template <int kPerLane>
-__global__ void __launch_bounds__(kThreads)
-    AttentionKernel(const float* __restrict__ q, Keys keys, int num_heads, int group, int mode,
-                    int window, float* __restrict__ out) {
+__device__ __forceinline__ void AttentionBlock(const float* __restrict__ q, const Keys& keys,
+                                               int num_heads, int group, int mode, int window,
+                                               float* __restrict__ out, int64_t bx) {
   float* smem = DynamicShared<float>();
   const int hd = keys.head_dim, kstride = hd + 1;
   float* k_s = smem;                          // [kTileKeys][hd + 1]
@@ -103,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = blockIdx.y;
   const int64_t pairs = int64_t(keys.rows) * group;
-  const int64_t p0 = int64_t(blockIdx.x) * kWarps;
+  const int64_t p0 = bx * kWarps;
   const int64_t p = p0 + warp;
   const bool active = p < pairs;  // warp-uniform
   const int row = active ? int(p / group) : 0;
@@ -184,6 +186,41 @@ __global__ void __launch_bounds__(kThreads)
     const int d = lane + 32 * i;
     if (d < hd) orow[d] = acc[i] * inv;
   }
+}
+
+template <int kPerLane>
+__global__ void __launch_bounds__(kThreads)
+    AttentionKernel(const float* __restrict__ q, Keys keys, int num_heads, int group, int mode,
+                    int window, float* __restrict__ out) {
+  AttentionBlock<kPerLane>(q, keys, num_heads, group, mode, window, out, blockIdx.x);
+}
+
+// CanvasAttentionTable: segment blockIdx.z of the table, as CanvasAttention would run it alone
+// (context from ctx_first, its rows' q / k_new / v_new / out); blocks past its rows return.
+template <int kPerLane>
+__global__ void __launch_bounds__(kThreads)
+    CanvasTableKernel(const float* __restrict__ q, const float* __restrict__ k_new,
+                      const float* __restrict__ v_new, const CanvasSegment* __restrict__ table,
+                      int num_heads, int kv_heads, int head_dim, int window,
+                      float* __restrict__ out) {
+  const CanvasSegment seg = table[blockIdx.z];
+  const int group = num_heads / kv_heads;
+  if (int64_t(blockIdx.x) * kWarps >= int64_t(seg.rows) * group) return;  // block-uniform
+  const int64_t kvw = int64_t(kv_heads) * head_dim, qw = int64_t(num_heads) * head_dim;
+  Keys keys;
+  keys.ctx_tokens = seg.ctx_tokens - seg.ctx_first;
+  keys.ctx_k = keys.ctx_tokens > 0 ? seg.ctx_k + seg.ctx_first * kvw : nullptr;
+  keys.ctx_v = keys.ctx_tokens > 0 ? seg.ctx_v + seg.ctx_first * kvw : nullptr;
+  keys.block_table = nullptr;
+  keys.block_size = 0;
+  keys.first_slot = 0;
+  keys.new_k = k_new + seg.row0 * kvw;
+  keys.new_v = v_new + seg.row0 * kvw;
+  keys.rows = seg.rows;
+  keys.kv_heads = kv_heads;
+  keys.head_dim = head_dim;
+  AttentionBlock<kPerLane>(q + seg.row0 * qw, keys, num_heads, group, kCanvas, window,
+                           out + seg.row0 * qw, blockIdx.x);
 }
 
 // Lets `kernel` launch with `bytes` of dynamic shared memory: above the default 48 KiB, checks the
@@ -271,6 +308,26 @@ absl::Status Attention(int mode, const char* name, const float* q, const float* 
     return Launch<8>(q, keys, num_heads, group, mode, window, out, stream, name);
   }
   return Launch<16>(q, keys, num_heads, group, mode, window, out, stream, name);
+}
+
+template <int kPerLane>
+absl::Status LaunchTable(const float* q, const float* k_new, const float* v_new,
+                         const CanvasSegment* table, int num_segments, int max_rows, int num_heads,
+                         int kv_heads, int head_dim, int window, float* out, void* stream) {
+  const char* name = "CanvasAttentionTable";
+  const size_t bytes = SharedBytes(head_dim);
+  if (absl::Status st = AllowSharedBytes(CanvasTableKernel<kPerLane>, bytes, name); !st.ok()) {
+    return st;
+  }
+  const int64_t pairs = int64_t(max_rows) * (num_heads / kv_heads);
+  const dim3 grid(unsigned((pairs + kWarps - 1) / kWarps), unsigned(kv_heads),
+                  unsigned(num_segments));
+  LaunchKernel(CanvasTableKernel<kPerLane>, grid, kThreads, bytes,
+               static_cast<cudaStream_t>(stream), q, k_new, v_new, table, num_heads, kv_heads,
+               head_dim, window, out);
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
 }
 
 // ---- Tensor-core attention (TensorCoreCanvasAttention, TensorCorePrefillAttention) ----
@@ -593,6 +650,37 @@ absl::Status CanvasAttention(const float* q, const float* k_new, const float* v_
 
 int CanvasWindowStart(int ctx_tokens, int window) {
   return window > 0 ? std::max(0, ctx_tokens - (window - 1)) : 0;
+}
+
+absl::Status CanvasAttentionTable(const float* q, const float* k_new, const float* v_new,
+                                  const CanvasSegment* segments, int num_segments, int max_rows,
+                                  int num_heads, int kv_heads, int head_dim, int window, float* out,
+                                  void* stream) {
+  if (num_segments < 0 || max_rows < 0 || num_heads <= 0 || kv_heads <= 0 ||
+      num_heads % kv_heads != 0 || head_dim <= 0 || head_dim > kMaxAttentionHeadDim) {
+    return absl::InvalidArgumentError(
+        "CanvasAttentionTable: need num_segments, max_rows ≥ 0, num_heads a multiple of "
+        "kv_heads and head_dim in [1, 512]");
+  }
+  if (num_segments == 0 || max_rows == 0) return absl::OkStatus();
+  if (q == nullptr || k_new == nullptr || v_new == nullptr || out == nullptr ||
+      segments == nullptr) {
+    return absl::InvalidArgumentError("CanvasAttentionTable: null pointer");
+  }
+  if (num_segments > 65535 ||
+      int64_t(max_rows) * (num_heads / kv_heads) > int64_t(INT32_MAX) * kWarps / 2) {
+    return absl::InvalidArgumentError("CanvasAttentionTable: too many segments or rows");
+  }
+  const auto launch = [&](auto per_lane) {
+    return LaunchTable<decltype(per_lane)::value>(q, k_new, v_new, segments, num_segments, max_rows,
+                                                  num_heads, kv_heads, head_dim, window, out,
+                                                  stream);
+  };
+  if (head_dim <= 32) return launch(std::integral_constant<int, 1>{});
+  if (head_dim <= 64) return launch(std::integral_constant<int, 2>{});
+  if (head_dim <= 128) return launch(std::integral_constant<int, 4>{});
+  if (head_dim <= 256) return launch(std::integral_constant<int, 8>{});
+  return launch(std::integral_constant<int, 16>{});
 }
 
 absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,

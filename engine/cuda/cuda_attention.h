@@ -84,6 +84,19 @@ struct CanvasSegment {
 // min(ctx_tokens, window − 1) tokens.
 int CanvasWindowStart(int ctx_tokens, int window);
 
+// CanvasAttention's float32 kernel for every segment of `segments` (a DEVICE table as
+// TensorCoreCanvasAttention's) in one launch: segment s is computed exactly as CanvasAttention
+// would compute it alone (the same bits) with q, k_new, v_new and out offset to its rows, the
+// context ctx_k / ctx_v from token ctx_first (ctx_tokens − ctx_first tokens; sliding layers:
+// ctx_first = CanvasWindowStart(ctx_tokens, window)) and `window` as CanvasAttention's. The grid
+// depends only on max_rows (≥ every segment's rows), the heads and num_segments, so the launch's
+// host arguments do not change with the contexts: the decoder step's CUDA graph reads each
+// canvas's context from the table (issue 33 item 6). Errors: INVALID_ARGUMENT for bad shapes.
+absl::Status CanvasAttentionTable(const float* q, const float* k_new, const float* v_new,
+                                  const CanvasSegment* segments, int num_segments, int max_rows,
+                                  int num_heads, int kv_heads, int head_dim, int window, float* out,
+                                  void* stream = nullptr);
+
 // Runs every segment of `segments` (a DEVICE array of num_segments entries; total_rows ≥ the end
 // of every segment's rows, the rows of q / k_new / v_new / out) in one launch whose grid depends
 // only on total_rows and num_segments. A row's result does not depend on the other segments.

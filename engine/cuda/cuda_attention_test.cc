@@ -269,6 +269,87 @@ TEST_F(CudaAttentionTest, PagedContextMatchesContiguous) {
   }
 }
 
+// CanvasAttentionTable: several canvases of different rows and contexts (inside and beyond the
+// window; one without context) in one launch from a device table, at head dims 32 and 256, give
+// each canvas's CanvasAttention result alone bit for bit (its rows of `out` only: the rows
+// between segments keep their fill), with the context pointers starting at token 0 of the
+// mirror and ctx_first the window start.
+TEST_F(CudaAttentionTest, CanvasTableEqualsEachCanvasAlone) {
+  for (const int hd : {32, 256}) {
+    for (const int window : {0, 8}) {
+      const int heads = 4, kvh = 2, kvw = kvh * hd, qw = heads * hd;
+      const int rows[] = {16, 9, 24}, ctxs[] = {37, 0, 5};
+      std::vector<Case> cases;
+      std::vector<Data> data;
+      std::vector<float> q, kn, vn;
+      std::vector<CanvasSegment> table;
+      std::vector<int> row0;
+      int R = 2;  // two rows before the first segment, never written
+      for (int s = 0; s < 3; ++s) {
+        cases.push_back(Case{Kind::kCanvas, heads, kvh, hd, ctxs[s], rows[s], window, 1.0f});
+        data.push_back(MakeData(cases.back(), 4000 + 10 * hd + window + s));
+        row0.push_back(R);
+        R += rows[s] + 1;  // and one row after each
+      }
+      q.assign(size_t(R) * qw, 0.5f);
+      kn.assign(size_t(R) * kvw, 0.25f);
+      vn.assign(size_t(R) * kvw, 0.25f);
+      for (int s = 0; s < 3; ++s) {
+        const Data& d = data[s];
+        std::copy(d.q.begin(), d.q.end(), q.begin() + size_t(row0[s]) * qw);
+        std::copy(d.k_new.begin(), d.k_new.end(), kn.begin() + size_t(row0[s]) * kvw);
+        std::copy(d.v_new.begin(), d.v_new.end(), vn.begin() + size_t(row0[s]) * kvw);
+        CanvasSegment t;
+        t.ctx_k = ctxs[s] > 0 ? Upload(d.k_ctx) : nullptr;
+        t.ctx_v = ctxs[s] > 0 ? Upload(d.v_ctx) : nullptr;
+        t.row0 = row0[s];
+        t.rows = rows[s];
+        t.ctx_tokens = ctxs[s];
+        t.ctx_first = CanvasWindowStart(ctxs[s], window);
+        table.push_back(t);
+      }
+      const CanvasSegment* d_table = Upload(table);
+      float* out = Alloc<float>(size_t(R) * qw, 0xFF);
+      ASSERT_THAT(CanvasAttentionTable(Upload(q), Upload(kn), Upload(vn), d_table, 3,
+                                       /*max_rows=*/24, heads, kvh, hd, window, out),
+                  IsOk());
+      const std::vector<float> got = Download(out, size_t(R) * qw);
+      std::vector<bool> written(R, false);
+      for (int s = 0; s < 3; ++s) {
+        // Alone: the context from the window start, as the backend's per-canvas launch.
+        const Case& c = cases[s];
+        const Data& d = data[s];
+        const int first = CanvasWindowStart(c.ctx, window);
+        KvContext ctx;
+        ctx.tokens = c.ctx - first;
+        if (ctx.tokens > 0) {
+          ctx.k = Upload(d.k_ctx) + size_t(first) * kvw;
+          ctx.v = Upload(d.v_ctx) + size_t(first) * kvw;
+        }
+        float* alone = Alloc<float>(size_t(c.rows) * qw, 0xFF);
+        ASSERT_THAT(CanvasAttention(Upload(d.q), Upload(d.k_new), Upload(d.v_new), c.rows, ctx,
+                                    heads, kvh, hd, window, alone),
+                    IsOk());
+        const std::vector<float> want = Download(alone, size_t(c.rows) * qw);
+        for (size_t i = 0; i < want.size(); ++i) {
+          ASSERT_EQ(std::memcmp(&got[size_t(row0[s]) * qw + i], &want[i], 4), 0)
+              << c.Name() << " segment " << s << " element " << i;
+        }
+        for (int r = 0; r < c.rows; ++r) written[row0[s] + r] = true;
+        Expect(c, want, Reference(c, d), 2e-5f);
+      }
+      for (int r = 0; r < R; ++r) {
+        if (written[r]) continue;
+        for (int i = 0; i < qw; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, &got[size_t(r) * qw + i], 4);
+          ASSERT_EQ(bits, 0xFFFFFFFFu) << "row " << r << " of no segment was written";
+        }
+      }
+    }
+  }
+}
+
 // Argument checks return before touching the device: these run without a GPU too.
 TEST(CudaAttentionArgsTest, BadShapesAreInvalidArgument) {
   const KvContext none;
@@ -280,6 +361,12 @@ TEST(CudaAttentionArgsTest, BadShapesAreInvalidArgument) {
   KvContext missing;
   missing.tokens = 3;
   EXPECT_THAT(CanvasAttention(nullptr, nullptr, nullptr, 4, missing, 4, 2, 64, 0, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(CanvasAttentionTable(nullptr, nullptr, nullptr, nullptr, 0, 4, 4, 2, 64, 0, nullptr),
+              IsOk());
+  EXPECT_THAT(CanvasAttentionTable(nullptr, nullptr, nullptr, nullptr, 2, 4, 4, 3, 64, 0, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(CanvasAttentionTable(nullptr, nullptr, nullptr, nullptr, 2, 4, 4, 2, 64, 0, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 

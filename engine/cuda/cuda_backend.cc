@@ -146,7 +146,6 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       if (lru != mirrors_.end()) mirrors_.erase(lru);
     }
     auto m = std::make_unique<KvMirror>();
-    m->serial = ++mirror_serial_;
     m->k.resize(c_.num_layers);
     m->v.resize(c_.num_layers);
     it = mirrors_.emplace(&kv, std::move(m)).first;
@@ -416,20 +415,12 @@ absl::Status CudaBackend::RunStep(std::span<const Segment> segs, int R, const St
   }
   // The step's shape: everything a launch takes from the host. Pointers and sizes of the scratch
   // follow from R (and the allocation generation); the per-step values (ids, positions, soft
-  // embeddings, temperatures, uniforms, masks, the attention table) are read from device buffers
-  // the inputs were copied into. CanvasAttention takes each canvas's context from the host.
+  // embeddings, temperatures, uniforms, masks, and the attention table with each canvas's
+  // context) are read from device buffers the inputs were copied into.
   std::vector<int64_t> key = {R, v.masked, v.sparse, v.want_soft};
-  bool all_tc = true;
-  for (int l = 0; l < c_.num_layers; ++l) all_tc &= TensorCoreCanvas(l);
   for (const Segment& s : segs) {
     key.push_back(s.rows);
     key.push_back(s.has_sc);
-    if (!all_tc) {
-      // The mirror by serial number and capacity (its arrays move only when it grows).
-      key.push_back(s.pos0);
-      key.push_back(int64_t(s.mirror->serial));
-      key.push_back(s.mirror->capacity);
-    }
   }
   constexpr size_t kMaxGraphs = 64;
   if (graphs_.size() >= kMaxGraphs && graphs_.find(key) == graphs_.end()) DropGraphs();

@@ -71,8 +71,8 @@ struct CudaBackendOptions {
   bool tensor_core_attention = false;
   // Each DenoiseStep's device work (decoder body and vocabulary pass) replayed as a CUDA graph,
   // the default (issue 33 item 6): one graph per step shape (rows, canvases and their sizes,
-  // self-conditioning, masks, the sparse product; with CanvasAttention also each canvas's
-  // context length, so a graph serves the steps of one canvas), captured the second time a
+  // self-conditioning, masks, the sparse product; each canvas's context is read from a device
+  // table, so a graph serves any contexts of that shape), captured the second time a
   // shape is seen (the first, eager, sizes every buffer) and dropped when the backend has had to
   // grow a device buffer since. The step's inputs are staged in pinned memory and copied
   // asynchronously on the backend's stream; its only blocking call is the wait for its results.

@@ -190,7 +190,6 @@ struct KvMirror {
   int synced = 0;                          // positions [visible lo, synced) are on the device
   std::vector<float> first_row, last_row;  // fingerprint: K rows 0 and synced−1 of layer fp
   uint64_t last_use = 0;
-  uint64_t serial = 0;  // unique within the backend (a captured step's shape key names it)
 };
 
 // One sequence inside a batched pass: rows [row0, row0 + rows) of the stacked activations (no
@@ -326,7 +325,6 @@ class CudaBackend final : public ModelBackend {
 
   std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>> mirrors_;
   uint64_t use_clock_ = 0;
-  uint64_t mirror_serial_ = 0;
   uint64_t pass_start_ = 0;  // use_clock_ value of the first mirror use of the current pass
 
   // Scratch activations (grown on demand).
@@ -342,6 +340,7 @@ class CudaBackend final : public ModelBackend {
   cuda::PinnedArray<cuda::CanvasSegment> canvas_table_host_;
   DeviceArray<cuda::CanvasSegment> canvas_table_;
   int canvas_segments_ = 0;
+  int canvas_max_rows_ = 0;  // the most rows of one canvas in the pass (CanvasAttentionTable)
   std::vector<cuda::PrefillSegment> prefill_table_host_;
   DeviceArray<cuda::PrefillSegment> prefill_table_;
   int prefill_segments_ = 0;

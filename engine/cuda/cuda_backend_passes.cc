@@ -37,12 +37,15 @@ bool CudaBackend::TensorCoreCanvas(int l) const {
 }
 
 absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
+  // Every layer reads its canvases' contexts from this table (TensorCoreCanvasAttention or
+  // CanvasAttentionTable), so no launch of the decoder pass takes a context from the host.
   canvas_segments_ = 0;
-  if (!options_.tensor_core_attention) return absl::OkStatus();
-  for (const Segment& s : segs) canvas_segments_ += s.rows > 0;
-  bool any = false;
-  for (int l = 0; l < c_.num_layers; ++l) any |= TensorCoreCanvas(l);
-  if (!any || canvas_segments_ == 0) return absl::OkStatus();
+  canvas_max_rows_ = 0;
+  for (const Segment& s : segs) {
+    canvas_segments_ += s.rows > 0;
+    canvas_max_rows_ = std::max(canvas_max_rows_, s.rows);
+  }
+  if (canvas_segments_ == 0) return absl::OkStatus();
   const size_t n = size_t(c_.num_layers) * canvas_segments_;
   DGSERVE_RETURN_IF_ERROR(canvas_table_host_.Ensure(n));
   size_t i = 0;
@@ -50,15 +53,13 @@ absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
     const int window = c_.IsFull(l) ? 0 : c_.sliding_window;
     for (const Segment& s : segs) {
       if (s.rows == 0) continue;
-      cuda::CanvasSegment t;  // left empty for a layer on CanvasAttention (never read)
-      if (TensorCoreCanvas(l)) {
-        t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
-        t.ctx_v = s.mirror->v[l].get();
-        t.row0 = s.row0;
-        t.rows = s.rows;
-        t.ctx_tokens = s.pos0;
-        t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);
-      }
+      cuda::CanvasSegment t;
+      t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
+      t.ctx_v = s.mirror->v[l].get();
+      t.row0 = s.row0;
+      t.rows = s.rows;
+      t.ctx_tokens = s.pos0;
+      t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);
       canvas_table_host_[i++] = t;
     }
   }
@@ -169,10 +170,17 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
         q, k, v, prefill_table_.get() + size_t(l) * prefill_segments_, prefill_segments_, R, nh,
         nkv, hd, full ? 0 : c_.sliding_window, attn_.get(), stream_));
   }
-  // Attention per segment: context = the mirror's visible rows before pos0 (spec §3.4 / §3.5).
+  // Decoder in float32: every canvas in one launch too, CanvasAttention's bits per canvas.
   const int W = c_.sliding_window;
+  if (!tc && kind == PassKind::kDecoder && canvas_segments_ > 0) {
+    DGSERVE_RETURN_IF_ERROR(cuda::CanvasAttentionTable(
+        q, k, v, canvas_table_.get() + size_t(l) * canvas_segments_, canvas_segments_,
+        canvas_max_rows_, nh, nkv, hd, full ? 0 : W, attn_.get(), stream_));
+  }
+  // Encoder in float32: attention per prompt, context = the mirror's visible rows before pos0
+  // (spec §3.4).
   for (const Segment& s : segs) {
-    if (tc) break;
+    if (tc || kind == PassKind::kDecoder) break;
     if (s.rows == 0) continue;
     const int first = full ? 0 : std::max(0, s.pos0 - (W - 1));
     cuda::KvContext ctx;
@@ -182,14 +190,8 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
       ctx.v = s.mirror->v[l].get() + size_t(first) * kvw;
     }
     const size_t qo = size_t(s.row0) * nh * hd, ko = size_t(s.row0) * kvw;
-    const int window = full ? 0 : W;
-    if (kind == PassKind::kEncoder) {
-      DGSERVE_RETURN_IF_ERROR(cuda::PrefillAttention(q + qo, k + ko, v + ko, s.rows, ctx, nh, nkv,
-                                                     hd, window, attn_.get() + qo, stream_));
-    } else {
-      DGSERVE_RETURN_IF_ERROR(cuda::CanvasAttention(q + qo, k + ko, v + ko, s.rows, ctx, nh, nkv,
-                                                    hd, window, attn_.get() + qo, stream_));
-    }
+    DGSERVE_RETURN_IF_ERROR(cuda::PrefillAttention(q + qo, k + ko, v + ko, s.rows, ctx, nh, nkv, hd,
+                                                   full ? 0 : W, attn_.get() + qo, stream_));
   }
   phases_.Enter(Phase::kDense);
   float* o = o_.get();

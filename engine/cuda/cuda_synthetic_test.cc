@@ -316,9 +316,10 @@ TEST_F(SyntheticBackendTest, TinyStepLaunchCounts) {
   // The self-conditioning MLP of the second step: norm, 3 projections + gelu, add.
   const uint64_t sc_kernels = 1 + 4 + 1, sc_cublas = 0;
   // Copies queued on the stream (issue 33 item 6: from and to pinned memory, none blocks): k → v
-  // on the full layer; uploads of ids, positions, temperatures, uniforms (+ the soft embedding
-  // with self-conditioning); downloads of the row results and the next soft embedding. One wait.
-  const uint64_t copies = 1 + 4 + 2;
+  // on the full layer; uploads of ids, positions, the attention table (every layer's canvases:
+  // CanvasAttentionTable), temperatures, uniforms (+ the soft embedding with self-conditioning);
+  // downloads of the row results and the next soft embedding. One wait.
+  const uint64_t copies = 1 + 5 + 2;
   for (int s = 0; s < 2; ++s) {
     SCOPED_TRACE(s == 0 ? "step without self-conditioning" : "step with self-conditioning");
     EXPECT_EQ(steps[s].kernels, kernels + (s == 1 ? sc_kernels : 0));
@@ -329,7 +330,7 @@ TEST_F(SyntheticBackendTest, TinyStepLaunchCounts) {
     EXPECT_EQ(steps[s].syncs, 1u);
     EXPECT_EQ(steps[s].allocs, 0u);
   }
-  EXPECT_EQ(steps[0].launches(), 71u + 0u + 7u);  // the table above, summed by hand
+  EXPECT_EQ(steps[0].launches(), 71u + 0u + 8u);  // the table above, summed by hand
 }
 
 // The encoder pass copies its new K/V rows to the host cache through pinned staging: with every
