@@ -391,14 +391,35 @@ __device__ __forceinline__ Range PrefillKeys(int r, int ctx_tokens, int ctx_firs
   return {window > 0 ? max(ctx_first, hi - window) : ctx_first, hi};
 }
 
+// Split-KV (TensorCoreCanvasAttention with max_splits > 1): the splits a canvas segment's keys
+// fall into. Split i holds context keys [i·split_keys, (i + 1)·split_keys) (boundaries counted
+// from context token 0); a segment uses the `count` consecutive splits first … first + count − 1
+// holding its visible context [ctx_first, ctx_tokens), and its canvas keys join the last of them
+// (the split of the last context token; without visible context, the split of ctx_first alone).
+struct SplitRange {
+  int first, count;
+};
+
+__host__ __device__ inline SplitRange CanvasSplits(int ctx_tokens, int ctx_first, int split_keys) {
+  const int first = ctx_first / split_keys;
+  const int last = ctx_first < ctx_tokens ? (ctx_tokens - 1) / split_keys : first;
+  return {first, last - first + 1};
+}
+
 // Segment: CanvasSegment (kCausal = false) or PrefillSegment (kCausal = true; same fields).
 // window: the prefill's sliding window (≤ 0: none); the canvas's is in its ctx_first.
+// partial == nullptr: out = O / l. Else (canvas only) split-KV: block z of the grid's third
+// dimension computes split slot z (split CanvasSplits(..).first + z) of its segment's keys and
+// writes its unnormalised O, running max m and sum l to the record
+// partial + ((z · total_rows + row) · num_heads + head) · (hd + 2) (O[hd], m, l); slots past the
+// segment's count do nothing.
 template <int kMaxTiles, bool kCausal, typename Segment>  // kMaxTiles ≥ head_dim / 32
 __global__ void __launch_bounds__(kTcThreads)
     TcAttentionKernel(const float* __restrict__ q, const float* __restrict__ k_new,
                       const float* __restrict__ v_new, const Segment* __restrict__ segs,
                       int num_segments, int num_heads, int kv_heads, int group, int hd, int window,
-                      float* __restrict__ out) {
+                      float* __restrict__ out, int split_keys, int total_rows,
+                      float* __restrict__ partial) {
   // This block's segment and tile within it (block-uniform).
   int b = blockIdx.x, si = 0;
   Segment seg;
@@ -409,6 +430,15 @@ __global__ void __launch_bounds__(kTcThreads)
     b -= tiles;
   }
   if (si == num_segments) return;  // past the last tile: the whole block
+  // Split-KV: this block's keys [split_lo, split_hi) of [context ++ new] (block-uniform).
+  int split_lo = 0, split_hi = INT32_MAX;
+  if (!kCausal && partial != nullptr) {
+    const SplitRange sr = CanvasSplits(seg.ctx_tokens, seg.ctx_first, split_keys);
+    const int z = int(blockIdx.z);
+    if (z >= sr.count) return;  // a slot past this segment's splits: the whole block
+    split_lo = (sr.first + z) * split_keys;
+    if (z < sr.count - 1) split_hi = (sr.first + z + 1) * split_keys;
+  }
   const int g = blockIdx.y;
   const TcLayout lay = TcSharedLayout(hd);
   char* smem = DynamicShared<char>();
@@ -457,8 +487,8 @@ __global__ void __launch_bounds__(kTcThreads)
     hi = PrefillKeys(row_of(kTcPairs - 1), seg.ctx_tokens, seg.ctx_first, window).hi;
     kb0 = lo - lo % kTcKeys;
   } else {
-    lo = seg.ctx_first;
-    hi = seg.ctx_tokens + seg.rows;
+    lo = max(seg.ctx_first, split_lo);
+    hi = min(seg.ctx_tokens + seg.rows, split_hi);
     kb0 = lo;
   }
   for (int kb = kb0; kb < hi; kb += kTcKeys) {
@@ -566,6 +596,32 @@ __global__ void __launch_bounds__(kTcThreads)
     }
   }
 
+  if (!kCausal && partial != nullptr) {
+    // Split-KV: this split's unnormalised O, m and l for the pairs of the segment.
+    const int64_t rec = hd + 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = gq + 8 * half, p = p0 + r;
+      if (p >= pairs) continue;
+      float* prec =
+          partial + ((int64_t(blockIdx.z) * total_rows + seg.row0 + p / group) * num_heads +
+                     g * group + p % group) *
+                        rec;
+#pragma unroll
+      for (int nt = 0; nt < kMaxTiles; ++nt) {
+        if (nt < ntiles) {
+          const int c = n_base + nt * 8 + 2 * t;
+          prec[c] = o[nt][2 * half];
+          prec[c + 1] = o[nt][2 * half + 1];
+        }
+      }
+      if (warp == 0 && t == 0) {
+        prec[hd] = m_s[r];
+        prec[hd + 1] = l_s[r];
+      }
+    }
+    return;
+  }
   // out = O / l for the pairs of the segment (l > 0: every row saw at least its own key).
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -584,18 +640,73 @@ __global__ void __launch_bounds__(kTcThreads)
   }
 }
 
+// Split-KV's combine: block x serves canvas row x (rows of no segment: nothing), its threads
+// the row's (head, dim) outputs. The segment's split slots 0 … count − 1 (every one non-empty:
+// l ≥ 1) merge in ascending order: M = max m_z, L = Σ l_z·e^(m_z − M), O = Σ O_z·e^(m_z − M),
+// out = O · (1 / L), the first slot starting the sums (one slot: exactly the unsplit O · (1 / l)).
+// A segment needing more slots than max_splits (a caller's bound too small) gets NaN.
+constexpr int kCombineThreads = 256;
+
+__global__ void __launch_bounds__(kCombineThreads)
+    CanvasCombineKernel(const CanvasSegment* __restrict__ segs, int num_segments, int total_rows,
+                        int num_heads, int hd, int split_keys, int max_splits,
+                        const float* __restrict__ partial, float* __restrict__ out) {
+  const int row = blockIdx.x;
+  int si = 0;
+  CanvasSegment seg;
+  for (; si < num_segments; ++si) {
+    seg = segs[si];
+    if (row >= seg.row0 && row < seg.row0 + seg.rows) break;
+  }
+  if (si == num_segments) return;
+  const int count = CanvasSplits(seg.ctx_tokens, seg.ctx_first, split_keys).count;
+  const int64_t rec = hd + 2, slot = int64_t(total_rows) * num_heads * rec;
+  for (int idx = threadIdx.x; idx < num_heads * hd; idx += kCombineThreads) {
+    const int h = idx / hd, d = idx - h * hd;
+    const float* base = partial + (int64_t(row) * num_heads + h) * rec;
+    float res = NAN;
+    if (count <= max_splits) {
+      float mx = -INFINITY;
+      for (int z = 0; z < count; ++z) mx = fmaxf(mx, base[z * slot + hd]);
+      float e = expf(base[hd] - mx);
+      float sum = base[hd + 1] * e, acc = base[d] * e;
+      for (int z = 1; z < count; ++z) {
+        const float* pz = base + z * slot;
+        e = expf(pz[hd] - mx);
+        sum = sum + pz[hd + 1] * e;
+        acc = acc + pz[d] * e;
+      }
+      const float inv = 1.0f / sum;
+      res = acc * inv;
+    }
+    out[(int64_t(row) * num_heads + h) * hd + d] = res;
+  }
+}
+
+// max_splits > 1 (canvas only): split-KV into `partial`, then the combine (both on `stream`).
 template <int kMaxTiles, bool kCausal, typename Segment>
 absl::Status LaunchTc(const char* name, const float* q, const float* k_new, const float* v_new,
                       const Segment* segs, int num_segments, int total_rows, int num_heads,
-                      int kv_heads, int head_dim, int window, float* out, void* stream) {
+                      int kv_heads, int head_dim, int window, int max_splits, int split_keys,
+                      float* partial, float* out, void* stream) {
   const auto kernel = TcAttentionKernel<kMaxTiles, kCausal, Segment>;
   const size_t bytes = size_t(TcSharedLayout(head_dim).total);
   if (absl::Status st = AllowSharedBytes(kernel, bytes, name); !st.ok()) return st;
   const int group = num_heads / kv_heads;
   const int64_t blocks = (int64_t(total_rows) * group + kTcPairs - 1) / kTcPairs + num_segments;
-  const dim3 grid{unsigned(blocks), unsigned(kv_heads)};
-  LaunchKernel(kernel, grid, kTcThreads, bytes, static_cast<cudaStream_t>(stream), q, k_new, v_new,
-               segs, num_segments, num_heads, kv_heads, group, head_dim, window, out);
+  const bool split = max_splits > 1;
+  const dim3 grid{unsigned(blocks), unsigned(kv_heads), unsigned(split ? max_splits : 1)};
+  const auto s = static_cast<cudaStream_t>(stream);
+  LaunchKernel(kernel, grid, kTcThreads, bytes, s, q, k_new, v_new, segs, num_segments, num_heads,
+               kv_heads, group, head_dim, window, out, split_keys, total_rows,
+               split ? partial : nullptr);
+  if constexpr (!kCausal) {
+    if (split) {
+      LaunchKernel(CanvasCombineKernel, dim3(unsigned(total_rows)), kCombineThreads, 0, s, segs,
+                   num_segments, total_rows, num_heads, head_dim, split_keys, max_splits,
+                   static_cast<const float*>(partial), out);
+    }
+  }
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
@@ -606,7 +717,8 @@ template <bool kCausal, typename Segment>
 absl::Status TensorCoreAttention(const char* name, const float* q, const float* k_new,
                                  const float* v_new, const Segment* segments, int num_segments,
                                  int total_rows, int num_heads, int kv_heads, int head_dim,
-                                 int window, float* out, void* stream) {
+                                 int window, int max_splits, int split_keys, void* scratch,
+                                 float* out, void* stream) {
   const std::string n = name;
   if (num_segments < 0 || total_rows < 0 || num_heads <= 0 || kv_heads <= 0 ||
       num_heads % kv_heads != 0) {
@@ -616,20 +728,27 @@ absl::Status TensorCoreAttention(const char* name, const float* q, const float* 
   if (head_dim <= 0 || head_dim > kMaxAttentionHeadDim || head_dim % 32 != 0) {
     return absl::InvalidArgumentError(n + ": head_dim must be a multiple of 32 in [32, 512]");
   }
+  if (max_splits < 1 || max_splits > 65535 || split_keys <= 0 || split_keys % kTcKeys != 0) {
+    return absl::InvalidArgumentError(
+        n + ": need max_splits in [1, 65535] and split_keys a positive multiple of 32");
+  }
   if (num_segments == 0 || total_rows == 0) return absl::OkStatus();
   if (q == nullptr || k_new == nullptr || v_new == nullptr || out == nullptr ||
-      segments == nullptr) {
+      segments == nullptr || (max_splits > 1 && scratch == nullptr)) {
     return absl::InvalidArgumentError(n + ": null pointer");
   }
   if (int64_t(total_rows) * (num_heads / kv_heads) + num_segments > int64_t(INT32_MAX) / 2) {
     return absl::InvalidArgumentError(n + ": too many rows");
   }
+  float* partial = static_cast<float*>(scratch);
   if (head_dim <= 256) {
     return LaunchTc<8, kCausal>(name, q, k_new, v_new, segments, num_segments, total_rows,
-                                num_heads, kv_heads, head_dim, window, out, stream);
+                                num_heads, kv_heads, head_dim, window, max_splits, split_keys,
+                                partial, out, stream);
   }
   return LaunchTc<16, kCausal>(name, q, k_new, v_new, segments, num_segments, total_rows, num_heads,
-                               kv_heads, head_dim, window, out, stream);
+                               kv_heads, head_dim, window, max_splits, split_keys, partial, out,
+                               stream);
 }
 
 }  // namespace
@@ -683,13 +802,33 @@ absl::Status CanvasAttentionTable(const float* q, const float* k_new, const floa
   return launch(std::integral_constant<int, 16>{});
 }
 
+int CanvasSplitCount(int ctx_tokens, int ctx_first, int split_keys) {
+  return CanvasSplits(ctx_tokens, ctx_first, split_keys).count;
+}
+
+size_t TensorCoreCanvasScratchBytes(int total_rows, int num_heads, int head_dim, int max_splits) {
+  if (max_splits <= 1 || total_rows <= 0) return 0;
+  return sizeof(float) * size_t(max_splits) * size_t(total_rows) * size_t(num_heads) *
+         size_t(head_dim + 2);
+}
+
 absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
                                        const CanvasSegment* segments, int num_segments,
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
                                        float* out, void* stream) {
+  return TensorCoreCanvasAttention(q, k_new, v_new, segments, num_segments, total_rows, num_heads,
+                                   kv_heads, head_dim, /*max_splits=*/1, kCanvasSplitKeys,
+                                   /*scratch=*/nullptr, out, stream);
+}
+
+absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
+                                       const CanvasSegment* segments, int num_segments,
+                                       int total_rows, int num_heads, int kv_heads, int head_dim,
+                                       int max_splits, int split_keys, void* scratch, float* out,
+                                       void* stream) {
   return TensorCoreAttention<false>("TensorCoreCanvasAttention", q, k_new, v_new, segments,
                                     num_segments, total_rows, num_heads, kv_heads, head_dim,
-                                    /*window=*/0, out, stream);
+                                    /*window=*/0, max_splits, split_keys, scratch, out, stream);
 }
 
 absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, const float* v_new,
@@ -698,7 +837,7 @@ absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, cons
                                         int window, float* out, void* stream) {
   return TensorCoreAttention<true>("TensorCorePrefillAttention", q, k_new, v_new, segments,
                                    num_segments, total_rows, num_heads, kv_heads, head_dim, window,
-                                   out, stream);
+                                   /*max_splits=*/1, kTcKeys, /*scratch=*/nullptr, out, stream);
 }
 
 }  // namespace dgserve::cuda

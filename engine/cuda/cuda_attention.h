@@ -13,6 +13,7 @@
 // INTERNAL naming the kernel on a CUDA error (INVALID_ARGUMENT for bad shapes).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -106,6 +107,52 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
                                        const CanvasSegment* segments, int num_segments,
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
                                        float* out, void* stream = nullptr);
+
+// ---- Split-KV for long contexts ----
+//
+// Without splitting, a block of 16 (row, query head) pairs streams its segment's whole visible
+// context: at batch 1 and 32k–128k context the grid has only total_rows·group/16 · kv_heads
+// blocks, each walking every key. With max_splits > 1 the context is cut into splits of a fixed
+// split_keys keys, split i holding context tokens [i·split_keys, (i + 1)·split_keys) — boundaries
+// counted from context token 0, so they do not depend on ctx_first, the batch or the other
+// segments. A segment uses the CanvasSplitCount(ctx_tokens, ctx_first, split_keys) consecutive
+// splits holding its visible context [ctx_first, ctx_tokens); its canvas keys (the new rows) join
+// the last of them (the one holding context token ctx_tokens − 1). One launch computes every
+// (block, split slot) — grid (blocks, kv_heads, max_splits); a slot past a segment's count does
+// nothing — writing each split's unnormalised O, running max m and running sum l (float32) to
+// `scratch`; a second launch (the combine) merges each row's splits in ascending split order
+// (M = max m, L = Σ l·e^(m − M), O = Σ O·e^(m − M), out = O · (1 / L)) into `out`. Only the
+// combine writes `out`; rows of no segment are left untouched.
+//
+// A segment with one split gives exactly the bits of the unsplit path (the same key tiles in the
+// same order; the combine of one split is O · (1 / l)), and a segment's splits depend only on its
+// own ctx_tokens and ctx_first: so a row's result is the same bits alone or batched with longer
+// or shorter segments, whatever max_splits the batch needs.
+//
+// Rule (the caller's): max_splits = the largest CanvasSplitCount of the launch's segments (≥ 1);
+// max_splits = 1 runs the unsplit kernel alone (no scratch, no combine). A segment needing more
+// splits than max_splits gets NaN outputs (the bound must cover every segment). scratch: a device
+// buffer of at least TensorCoreCanvasScratchBytes(total_rows, num_heads, head_dim, max_splits)
+// bytes (may be null when that is 0), owned by the caller; nothing is allocated and both
+// launches run on `stream` (CUDA-graph capturable; the grid depends on max_splits, so a captured
+// graph is only valid for the max_splits it was captured with). split_keys: a positive multiple
+// of 32 (the key tile); the backend uses kCanvasSplitKeys.
+inline constexpr int kCanvasSplitKeys = 4096;
+
+// The number of splits of split_keys context keys a canvas segment's keys use (≥ 1).
+int CanvasSplitCount(int ctx_tokens, int ctx_first, int split_keys = kCanvasSplitKeys);
+
+// Bytes of split-KV scratch: max_splits · total_rows · num_heads · (head_dim + 2) floats (0 when
+// max_splits ≤ 1).
+size_t TensorCoreCanvasScratchBytes(int total_rows, int num_heads, int head_dim, int max_splits);
+
+// TensorCoreCanvasAttention with split-KV (max_splits > 1) as above; max_splits = 1 is the
+// unsplit launch.
+absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
+                                       const CanvasSegment* segments, int num_segments,
+                                       int total_rows, int num_heads, int kv_heads, int head_dim,
+                                       int max_splits, int split_keys, void* scratch, float* out,
+                                       void* stream = nullptr);
 
 // ---- Tensor-core causal prefill attention (issue 34 items 2–3), one launch for a whole batch ----
 //

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -409,9 +410,12 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
   // Runs `segs` (heads/kv_heads/hd shared) in one launch, rows packed in order with `gap` unused
   // rows before each segment; returns each segment's output rows. Prefill segments see context
   // from ctx_first = row 0's window start (or 0 with ctx_first_zero: the row rule alone).
+  // Canvas with split_keys > 0: split-KV with splits of split_keys keys and max_splits the
+  // largest CanvasSplitCount of `segs` (or `max_splits` when > 0); the scratch starts as NaN.
   std::vector<std::vector<float>> RunBatch(const std::vector<TcSegment>& segs,
                                            const std::vector<Data>& data, int heads, int kvh,
-                                           int hd, int gap = 1, bool ctx_first_zero = false) {
+                                           int hd, int gap = 1, bool ctx_first_zero = false,
+                                           int split_keys = 0, int max_splits = 0) {
     const size_t qw = size_t(heads) * hd, kw = size_t(kvh) * hd;
     std::vector<CanvasSegment> table;
     std::vector<float> q, k, v;
@@ -442,7 +446,20 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
     }
     const int total = row;
     float* out = Alloc<float>(total * qw, 0xFF);
-    if (kind_ == Kind::kCanvas) {
+    if (kind_ == Kind::kCanvas && split_keys > 0) {
+      int splits = 1;
+      for (const CanvasSegment& t : table) {
+        splits = std::max(splits, CanvasSplitCount(t.ctx_tokens, t.ctx_first, split_keys));
+      }
+      if (max_splits > 0) splits = max_splits;
+      last_max_splits_ = splits;
+      const size_t bytes = TensorCoreCanvasScratchBytes(total, heads, hd, splits);
+      float* scratch = bytes == 0 ? nullptr : Alloc<float>(bytes / sizeof(float), 0xFF);
+      EXPECT_THAT(TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
+                                            int(table.size()), total, heads, kvh, hd, splits,
+                                            split_keys, scratch, out),
+                  IsOk());
+    } else if (kind_ == Kind::kCanvas) {
       EXPECT_THAT(TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
                                             int(table.size()), total, heads, kvh, hd, out),
                   IsOk());
@@ -478,7 +495,7 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
   }
 
   void CheckBatch(int heads, int kvh, int hd, const std::vector<TcSegment>& segs, uint32_t seed,
-                  bool ctx_first_zero = false) {
+                  bool ctx_first_zero = false, int split_keys = 0) {
     std::vector<Data> data;
     std::vector<Case> cases;
     for (const TcSegment& s : segs) {
@@ -487,14 +504,28 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
       data.push_back(MakeData(cases.back(), seed++));
     }
     const std::vector<std::vector<float>> got =
-        RunBatch(segs, data, heads, kvh, hd, 1, ctx_first_zero);
+        RunBatch(segs, data, heads, kvh, hd, 1, ctx_first_zero, split_keys);
     for (size_t i = 0; i < segs.size(); ++i) {
+      const float rounded = Worst(got[i], Reference(cases[i], RoundedData(data[i])));
+      const float plain = Worst(got[i], Reference(cases[i], data[i]));
+      worst_rounded_ = std::max(worst_rounded_, rounded);
+      worst_float_ = std::max(worst_float_, plain);
       Expect(cases[i], got[i], Reference(cases[i], RoundedData(data[i])), kTcTolRounded);
       Expect(cases[i], got[i], Reference(cases[i], data[i]), kTcTolFloat);
     }
   }
 
+  static float Worst(const std::vector<float>& got, const std::vector<float>& want) {
+    float worst = 0;
+    for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+      worst = std::max(worst, std::isnan(got[i]) ? INFINITY : std::fabs(got[i] - want[i]));
+    }
+    return worst;
+  }
+
   const Kind kind_;
+  int last_max_splits_ = 0;
+  float worst_rounded_ = 0, worst_float_ = 0;  // the largest errors CheckBatch saw
 };
 
 class TensorCoreCanvasAttentionTest : public TensorCoreAttentionTest {
@@ -547,6 +578,120 @@ TEST_F(TensorCoreCanvasAttentionTest, BatchedEqualsSolo) {
       ASSERT_EQ(batched[1][i], solo[0][i]) << "head_dim " << hd << " element " << i;
     }
   }
+}
+
+// ---- Split-KV (TensorCoreCanvasAttention with max_splits > 1) ----
+
+// Splits of 64 keys (two key tiles) and of 32 (one tile): contexts in one split (0, 40, exactly
+// 64), two (65: one key past the boundary), three and five; sliding windows starting mid-split
+// (ctx 300, W 100: from 201 inside split 3; ctx 128, W 8: 121, all in split 1), exactly at a
+// boundary (ctx 200, W 73: from 128) and hiding the whole context (W 1: canvas keys alone); full
+// layers (window 0) across several splits; GQA groups 2, 8 and 1; every segment in one call
+// whose max_splits is the longest segment's count.
+TEST_F(TensorCoreCanvasAttentionTest, SplitKvMatchesDoubleReference) {
+  const std::vector<TcSegment> segs = {{0, 7, 0},    {40, 5, 0},   {64, 9, 0},    {65, 3, 0},
+                                       {150, 17, 0}, {300, 11, 0}, {300, 6, 100}, {128, 13, 8},
+                                       {200, 4, 73}, {128, 5, 1}};
+  CheckBatch(4, 2, 256, segs, 7000, false, /*split_keys=*/64);
+  EXPECT_EQ(last_max_splits_, 5);
+  CheckBatch(8, 1, 512, segs, 7100, false, 64);
+  CheckBatch(4, 4, 64, segs, 7200, false, 32);
+  EXPECT_EQ(last_max_splits_, 10);
+  // The model's sliding shape (group 2, head_dim 256) with a window wider than a split.
+  CheckBatch(16, 8, 256, {{190, 9, 70}, {33, 16, 70}}, 7300, false, 32);
+  std::printf("split-KV worst |error|: %.3g (bf16-rounded inputs), %.3g (float32 inputs)\n",
+              worst_rounded_, worst_float_);
+}
+
+// Large scores (standard deviation about 30) over five splits whose maxima differ widely: the
+// combine's rescale keeps exp() in range.
+TEST_F(TensorCoreCanvasAttentionTest, SplitKvLargeScoresStayStable) {
+  const int hd = 256;
+  const Case c{Kind::kCanvas, 4, 2, hd, 150, 11, 0, std::sqrt(90.0f / std::sqrt(float(hd)))};
+  const Data d = MakeData(c, 7400);
+  const std::vector<std::vector<float>> got =
+      RunBatch({{c.ctx, c.rows, 0}}, {d}, 4, 2, hd, 1, false, /*split_keys=*/32);
+  EXPECT_EQ(last_max_splits_, 5);
+  Expect(c, got[0], Reference(c, RoundedData(d)), 2e-2f);
+}
+
+// A row's result is the same bits alone or batched: a long segment (four splits) alone and
+// between others (max_splits 4 or 6); a short segment (one split) alone — the unsplit launch,
+// max_splits 1 — and batched with longer ones (the split launch and the combine); a segment
+// with a sliding window alone and batched.
+TEST_F(TensorCoreCanvasAttentionTest, SplitKvBatchedEqualsSolo) {
+  for (const int hd : {256, 512}) {
+    const int heads = 4, kvh = hd == 512 ? 1 : 2, split = 64;
+    const std::vector<TcSegment> segs = {
+        {20, 9, 0}, {250, 11, 0}, {60, 5, 0}, {380, 7, 0}, {230, 13, 90}};
+    std::vector<Data> data;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      data.push_back(MakeData(
+          Case{Kind::kCanvas, heads, kvh, hd, segs[i].ctx, segs[i].rows, segs[i].window, 1.0f},
+          uint32_t(7500 + hd + i)));
+    }
+    const std::vector<std::vector<float>> batched =
+        RunBatch(segs, data, heads, kvh, hd, 3, false, split);
+    EXPECT_EQ(last_max_splits_, 6);
+    for (const size_t i : {size_t(0), size_t(1), size_t(2), size_t(4)}) {
+      const std::vector<std::vector<float>> solo =
+          RunBatch({segs[i]}, {data[i]}, heads, kvh, hd, 1, false, split);
+      EXPECT_EQ(last_max_splits_, i == 1 ? 4 : i == 4 ? 2 : 1);
+      ASSERT_EQ(batched[i].size(), solo[0].size());
+      for (size_t j = 0; j < solo[0].size(); ++j) {
+        ASSERT_EQ(batched[i][j], solo[0][j])
+            << "head_dim " << hd << " segment " << i << " element " << j;
+      }
+    }
+    // One split through the split launch equals the unsplit launch bit for bit.
+    const std::vector<std::vector<float>> unsplit = RunBatch({segs[0]}, {data[0]}, heads, kvh, hd);
+    const std::vector<std::vector<float>> forced =
+        RunBatch({segs[0]}, {data[0]}, heads, kvh, hd, 1, false, split, /*max_splits=*/3);
+    for (size_t j = 0; j < unsplit[0].size(); ++j) {
+      ASSERT_EQ(forced[0][j], unsplit[0][j]) << "head_dim " << hd << " element " << j;
+    }
+  }
+}
+
+// A bound below a segment's split count is the caller's bug: that segment's rows are NaN (loud),
+// the others exact.
+TEST_F(TensorCoreCanvasAttentionTest, SplitKvBoundTooSmallGivesNaN) {
+  const int hd = 64, heads = 4, kvh = 2;
+  const std::vector<TcSegment> segs = {{200, 3, 0}, {30, 4, 0}};
+  std::vector<Data> data;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    data.push_back(MakeData(Case{Kind::kCanvas, heads, kvh, hd, segs[i].ctx, segs[i].rows, 0, 1.0f},
+                            uint32_t(7700 + i)));
+  }
+  const std::vector<std::vector<float>> got =
+      RunBatch(segs, data, heads, kvh, hd, 1, false, /*split_keys=*/32, /*max_splits=*/3);
+  for (const float x : got[0]) ASSERT_TRUE(std::isnan(x));
+  for (const float x : got[1]) ASSERT_FALSE(std::isnan(x));
+}
+
+TEST(TensorCoreCanvasAttentionArgsTest, SplitKvArguments) {
+  // Split counts: boundaries at multiples of split_keys from context token 0.
+  EXPECT_EQ(CanvasSplitCount(0, 0, 64), 1);
+  EXPECT_EQ(CanvasSplitCount(64, 0, 64), 1);
+  EXPECT_EQ(CanvasSplitCount(65, 0, 64), 2);
+  EXPECT_EQ(CanvasSplitCount(300, 201, 64), 2);  // splits 3 and 4
+  EXPECT_EQ(CanvasSplitCount(128, 128, 64), 1);  // no visible context: the canvas keys alone
+  EXPECT_EQ(CanvasSplitCount(32768, 0), 8);      // kCanvasSplitKeys = 4096
+  EXPECT_EQ(CanvasSplitCount(32768, 32768 - 1023), 1);
+  EXPECT_EQ(TensorCoreCanvasScratchBytes(10, 4, 64, 1), 0u);
+  EXPECT_EQ(TensorCoreCanvasScratchBytes(10, 4, 64, 3), sizeof(float) * 3 * 10 * 4 * 66);
+  // split_keys not a multiple of 32, max_splits < 1, no scratch for max_splits > 1.
+  EXPECT_THAT(TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 2, 48,
+                                        nullptr, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 0, 64,
+                                        nullptr, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  float dummy = 0;
+  const CanvasSegment* seg = reinterpret_cast<const CanvasSegment*>(&dummy);
+  EXPECT_THAT(TensorCoreCanvasAttention(&dummy, &dummy, &dummy, seg, 1, 4, 4, 2, 256, 2, 64,
+                                        nullptr, &dummy),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(TensorCoreCanvasAttentionArgsTest, BadShapesAreInvalidArgument) {

@@ -10,6 +10,9 @@ namespace cuda_internal {
 absl::Status CudaBackend::Init(const ModelWeights& w) {
   const int L = c_.num_layers;
   if (int(w.layers.size()) != L) return absl::InvalidArgumentError("weights: layer count mismatch");
+  if (options_.canvas_split_keys <= 0 || options_.canvas_split_keys % 32 != 0) {
+    return absl::InvalidArgumentError("canvas_split_keys: must be a positive multiple of 32");
+  }
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                                     "cudaStreamCreateWithFlags"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasCreate(&handle_), "cublasCreate"));
@@ -418,6 +421,8 @@ absl::Status CudaBackend::RunStep(std::span<const Segment> segs, int R, const St
   // embeddings, temperatures, uniforms, masks, and the attention table with each canvas's
   // context) are read from device buffers the inputs were copied into.
   std::vector<int64_t> key = {R, v.masked, v.sparse, v.want_soft};
+  // TensorCoreCanvasAttention's grid depends on each layer's split bound (UploadCanvasTable).
+  key.insert(key.end(), canvas_max_splits_.begin(), canvas_max_splits_.end());
   for (const Segment& s : segs) {
     key.push_back(s.rows);
     key.push_back(s.has_sc);

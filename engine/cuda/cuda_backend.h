@@ -69,6 +69,13 @@ struct CudaBackendOptions {
   // model's logits by up to 4.5 against the CPU (cuda_backend_test's tolerance is 0.3), see
   // engine/cuda/DEVICE_CHECK.md.
   bool tensor_core_attention = false;
+  // TensorCoreCanvasAttention's split-KV: a canvas's context keys in splits of this many keys
+  // (counted from context token 0; a positive multiple of 32), each computed by its own blocks and
+  // merged by a combine, once some canvas of the pass needs more than one split (a layer whose
+  // canvases all fit in one split runs unsplit). cuda::kCanvasSplitKeys (4096); tests set 32 to
+  // reach the split path with small contexts. The per-layer split bound is part of the CUDA
+  // graph's shape key.
+  int canvas_split_keys = 4096;
   // Each DenoiseStep's device work (decoder body and vocabulary pass) replayed as a CUDA graph,
   // the default (issue 33 item 6): one graph per step shape (rows, canvases and their sizes,
   // self-conditioning, masks, the sparse product; each canvas's context is read from a device

@@ -341,6 +341,10 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<cuda::CanvasSegment> canvas_table_;
   int canvas_segments_ = 0;
   int canvas_max_rows_ = 0;  // the most rows of one canvas in the pass (CanvasAttentionTable)
+  // Per layer: TensorCoreCanvasAttention's split bound for this pass (the largest
+  // CanvasSplitCount of its canvases; 1: unsplit), and the split-KV scratch sized for the largest.
+  std::vector<int> canvas_max_splits_;
+  DeviceArray<float> canvas_split_scratch_;
   std::vector<cuda::PrefillSegment> prefill_table_host_;
   DeviceArray<cuda::PrefillSegment> prefill_table_;
   int prefill_segments_ = 0;

@@ -41,14 +41,17 @@ absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
   // CanvasAttentionTable), so no launch of the decoder pass takes a context from the host.
   canvas_segments_ = 0;
   canvas_max_rows_ = 0;
+  canvas_max_splits_.assign(c_.num_layers, 1);
+  int total_rows = 0;
   for (const Segment& s : segs) {
     canvas_segments_ += s.rows > 0;
     canvas_max_rows_ = std::max(canvas_max_rows_, s.rows);
+    total_rows = std::max(total_rows, s.row0 + s.rows);
   }
   if (canvas_segments_ == 0) return absl::OkStatus();
   const size_t n = size_t(c_.num_layers) * canvas_segments_;
   DGSERVE_RETURN_IF_ERROR(canvas_table_host_.Ensure(n));
-  size_t i = 0;
+  size_t i = 0, scratch_bytes = 0;
   for (int l = 0; l < c_.num_layers; ++l) {
     const int window = c_.IsFull(l) ? 0 : c_.sliding_window;
     for (const Segment& s : segs) {
@@ -60,9 +63,20 @@ absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
       t.rows = s.rows;
       t.ctx_tokens = s.pos0;
       t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);
+      if (TensorCoreCanvas(l)) {
+        // Split-KV (long contexts): splits of canvas_split_keys keys from context token 0.
+        canvas_max_splits_[l] =
+            std::max(canvas_max_splits_[l],
+                     cuda::CanvasSplitCount(s.pos0, t.ctx_first, options_.canvas_split_keys));
+      }
       canvas_table_host_[i++] = t;
     }
+    scratch_bytes = std::max(
+        scratch_bytes, cuda::TensorCoreCanvasScratchBytes(total_rows, c_.num_heads, c_.HeadDim(l),
+                                                          canvas_max_splits_[l]));
   }
+  // Sized here (the pass's host preparation), never inside the launches a graph captures.
+  DGSERVE_RETURN_IF_ERROR(canvas_split_scratch_.Ensure(scratch_bytes / sizeof(float)));
   return canvas_table_.UploadAsync(canvas_table_host_.data(), n, stream_);
 }
 
@@ -160,9 +174,10 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   // Decoder on tensor cores: every canvas in one launch (the table of UploadCanvasTable).
   const bool tc = TensorCoreCanvas(l);
   if (tc && kind == PassKind::kDecoder && canvas_segments_ > 0) {
-    DGSERVE_RETURN_IF_ERROR(
-        cuda::TensorCoreCanvasAttention(q, k, v, canvas_table_.get() + size_t(l) * canvas_segments_,
-                                        canvas_segments_, R, nh, nkv, hd, attn_.get(), stream_));
+    DGSERVE_RETURN_IF_ERROR(cuda::TensorCoreCanvasAttention(
+        q, k, v, canvas_table_.get() + size_t(l) * canvas_segments_, canvas_segments_, R, nh, nkv,
+        hd, canvas_max_splits_[l], options_.canvas_split_keys, canvas_split_scratch_.get(),
+        attn_.get(), stream_));
   }
   // Encoder on tensor cores: every prompt in one causal launch (the table of UploadPrefillTable).
   if (tc && kind == PassKind::kEncoder && prefill_segments_ > 0) {

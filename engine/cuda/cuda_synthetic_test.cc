@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "engine/cuda/cuda_backend.h"
@@ -277,6 +278,63 @@ TEST_F(SyntheticBackendTest, StepCountsAreCompleteAndStable) {
   EXPECT_EQ(stats->captures, 2);
   EXPECT_EQ(stats->replays, 4);  // the second run's captured steps, the third run's
   EXPECT_EQ(stats->capture_failures, 0) << stats->last_failure;
+}
+
+// Split-KV's grid depends on the split bound (TensorCoreCanvasAttention with max_splits > 1):
+// with every layer on the tensor cores the step's shape key holds no context length, so canvases
+// A (context 20: one split of 32 keys) and B (40: two) have the same key but for the bound.
+// B's step first (it sizes the split scratch), A's captured and replayed, then B again: B must
+// not replay A's unsplit graph — the graph backend's results equal an eager backend's bit for bit
+// (with the bound left out of the key, B's third step replays A's graph and differs).
+TEST_F(SyntheticBackendTest, SplitBoundIsPartOfTheGraphKey) {
+  ModelConfig c = testing::TinyConfig();
+  c.head_dim = 32;  // every layer on the tensor cores (head dims multiples of 32)
+  c.global_head_dim = 64;
+  CudaBackendOptions options;
+  options.tensor_core_attention = true;
+  options.canvas_split_keys = 32;
+  options.cuda_graphs = false;
+  auto eager = CreateCudaBackendSynthetic(c, 7, options);
+  options.cuda_graphs = true;
+  auto graphs = CreateCudaBackendSynthetic(c, 7, options);
+  ASSERT_TRUE(eager.ok() && graphs.ok());
+  ModelBackend* backends[2] = {eager->get(), graphs->get()};
+  const int C = c.canvas_length, D = c.hidden_size;
+  std::vector<std::unique_ptr<ContiguousKvCache>> kv[2];
+  for (int b = 0; b < 2; ++b) {
+    for (const int len : {20, 40}) {  // A, B
+      kv[b].push_back(std::make_unique<ContiguousKvCache>(c, 64));
+      std::vector<int32_t> prompt(len);
+      for (int i = 0; i < len; ++i) prompt[i] = (i * 5 + len) % c.vocab_size;
+      EncodeInput enc{prompt, kv[b].back().get()};
+      ASSERT_TRUE(backends[b]->Encode({&enc, 1}).ok());
+    }
+  }
+  std::vector<int32_t> canvas(C);
+  for (int i = 0; i < C; ++i) canvas[i] = (i * 7 + 3) % c.vocab_size;
+  std::vector<float> uniforms(C);
+  for (int i = 0; i < C; ++i) uniforms[i] = float((i * 37 + 5) % 100) / 100.0f;
+  for (const int which : {1, 0, 0, 0, 1, 1}) {
+    StepOut out[2];
+    for (int b = 0; b < 2; ++b) {
+      out[b].rows.resize(C);
+      out[b].next_soft.resize(size_t(C) * D);
+      DenoiseStepInput in;
+      in.canvas = canvas;
+      in.kv = kv[b][which].get();
+      in.temperature = 0.8f;
+      in.uniforms = uniforms;
+      in.rows = out[b].rows.data();
+      in.next_soft = out[b].next_soft.data();
+      const absl::Status st = backends[b]->DenoiseStep({&in, 1});
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    ExpectSame({out[0]}, {out[1]});
+  }
+  const auto stats = GetCudaGraphStats(**graphs);
+  ASSERT_TRUE(stats.has_value());
+  EXPECT_EQ(stats->capture_failures, 0) << stats->last_failure;
+  EXPECT_GE(stats->replays, 3);
 }
 
 // A known number of launches and host round trips for a tiny step, counted from today's step
