@@ -691,8 +691,8 @@ TEST_F(CudaMoeW4A16Test, GroupedGemmsMatchCpuW4A16) {
         std::shuffle(gather.begin(), gather.end(), std::mt19937(seed++));
         slot_weight = RandomFloats(n, 0.1f, 1.0f, seed++);
       } else {
-        const HostRouting h = HostRoute(RandomFloats(size_t(R) * E, -3.0f, 3.0f, seed++), R, E, K,
-                                        RandomFloats(E, 0.5f, 1.5f, seed++));
+        const std::vector<float> scores = RandomFloats(size_t(R) * E, -3.0f, 3.0f, seed++);
+        const HostRouting h = HostRoute(scores, R, E, K, RandomFloats(E, 0.5f, 1.5f, seed++));
         offsets = h.offsets, gather = h.gather, slot_weight = h.slot_weight;
       }
       const W4Experts wgu(E, 2 * F, D, G, 0.05f, seed++);
