@@ -44,8 +44,15 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_gate_proj, &d.mlp_gate_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_up_proj, &d.mlp_up_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_down_proj, &d.mlp_down_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_gate_up_proj, &d.experts_gate_up_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
+    // W4A16 experts stay in 4 bits (cuda_memory.h says when they can); others are widened.
+    DGSERVE_ASSIGN_OR_RETURN(const bool gate_up_w4,
+                             cuda::UploadW4A16(s.experts_gate_up_proj, &d.experts_gate_up_w4));
+    DGSERVE_ASSIGN_OR_RETURN(const bool down_w4,
+                             cuda::UploadW4A16(s.experts_down_proj, &d.experts_down_w4));
+    if (!gate_up_w4) {
+      DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_gate_up_proj, &d.experts_gate_up_proj));
+    }
+    if (!down_w4) DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.router_proj, &d.router_proj_bf16));
     DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));

@@ -180,6 +180,9 @@ struct DeviceLayer {
   DeviceArray<float> router_proj;          // [E, D] float32 (the top-k choice is sensitive)
   DeviceArray<uint16_t> router_proj_bf16;  // the same bf16 values, for DenseLinear
   DeviceArray<float> per_expert_scale;     // [E]
+  // Issue 37: W4A16 experts kept in 4 bits (group > 0; experts_gate_up_proj / experts_down_proj
+  // then empty), run by MoeGateUpW4A16 / MoeDownW4A16.
+  cuda::DeviceW4A16 experts_gate_up_w4, experts_down_w4;
   float decoder_layer_scalar = 1, encoder_layer_scalar = 1;
 };
 

@@ -293,12 +293,24 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(h1, lw.pre_feedforward_layernorm_2.get(), R, D, eps, xe_.get(), stream_));
   const cuda::GemmInput input = cublas_.input();
-  DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUp(xe_.get(), gather_.get(), offsets_.get(),
-                                          lw.experts_gate_up_proj.get(), R, K, E, D, F, input,
-                                          act_.get(), stream_));
-  DGSERVE_RETURN_IF_ERROR(cuda::MoeDown(act_.get(), offsets_.get(), slot_weight_.get(),
-                                        lw.experts_down_proj.get(), R, K, E, F, D, input, y_.get(),
-                                        stream_));
+  if (const cuda::DeviceW4A16& w4 = lw.experts_gate_up_w4; w4.group > 0) {  // issue 37: W4A16
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpW4A16(xe_.get(), gather_.get(), offsets_.get(),
+                                                 {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
+                                                 E, D, F, input, act_.get(), stream_));
+  } else {
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUp(xe_.get(), gather_.get(), offsets_.get(),
+                                            lw.experts_gate_up_proj.get(), R, K, E, D, F, input,
+                                            act_.get(), stream_));
+  }
+  if (const cuda::DeviceW4A16& w4 = lw.experts_down_w4; w4.group > 0) {
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeDownW4A16(act_.get(), offsets_.get(), slot_weight_.get(),
+                                               {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
+                                               E, F, D, input, y_.get(), stream_));
+  } else {
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeDown(act_.get(), offsets_.get(), slot_weight_.get(),
+                                          lw.experts_down_proj.get(), R, K, E, F, D, input,
+                                          y_.get(), stream_));
+  }
   return cuda::MoeSum(y_.get(), slot_.get(), R, K, D, m, stream_);
 }
 

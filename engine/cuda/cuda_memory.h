@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/status_macros.h"
 #include "engine/cpu/packed_matrix.h"
 #include "engine/cuda/cuda_profile.h"
@@ -153,6 +154,20 @@ absl::Status UploadBf16(const std::vector<uint16_t>& bits, DeviceArray<uint16_t>
 absl::Status UploadBf16(const cpu::PackedMatrix& w, DeviceArray<uint16_t>* out);
 // E × [rows, cols] packed experts → one [E, rows, cols] device tensor.
 absl::Status UploadBf16(const std::vector<cpu::PackedMatrix>& experts, DeviceArray<uint16_t>* out);
+// W4A16 expert weights on the device in the layout of cuda_moe.h's W4A16Weights: packed
+// [E, rows, ceil(cols/8)] int4 words (value 8j+i in bits 4i..4i+3 of word j, as q + 8), bf16
+// scales [E, rows, ceil(cols/group)]; group 0 while nothing is uploaded.
+struct DeviceW4A16 {
+  DeviceArray<uint32_t> packed;
+  DeviceArray<uint16_t> scales;
+  int group = 0;
+};
+// Uploads E × [rows, cols] experts held as W4A16 QuantMatrix (cpu::PackedMatrix::quant()) into
+// `out` when every expert is W4A16 with one shape and group size, the group a multiple of 8 (or
+// one group per row), and every scale a bf16 value (as dgserve-quantize and bf16 checkpoints
+// write them; then float32(q)·s is what the CPU computes and the device reproduces exactly).
+// Returns false, uploading nothing, when they are not: the caller widens them (UploadBf16).
+absl::StatusOr<bool> UploadW4A16(const std::vector<cpu::PackedMatrix>& experts, DeviceW4A16* out);
 // A packed matrix [rows, cols] → float32 device (exact widening).
 absl::Status UploadFloat(const cpu::PackedMatrix& w, DeviceArray<float>* out);
 

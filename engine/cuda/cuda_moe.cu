@@ -391,6 +391,10 @@ size_t MmaSharedBytes() {
   return size_t(kTerms * kMmaRows + 2 * kMmaW) * kMmaLd * sizeof(uint16_t);
 }
 
+// The W4A16 arguments of a bf16-weight launch.
+constexpr const uint32_t* kNoW4 = nullptr;
+constexpr const uint16_t* kNoW4Scales = nullptr;
+
 int MmaRowTiles(int rows, int k, int E) {
   const int64_t n = int64_t(rows) * k;
   const int64_t a = (n + kMmaRows - 1) / kMmaRows + E;
@@ -398,10 +402,22 @@ int MmaRowTiles(int rows, int k, int E) {
   return int(a < b ? a : b);
 }
 
-template <bool kGated, int kTerms>
+//
+// W4A16 weights (kW4, MoeGateUpW4A16 / MoeDownW4A16): the same tile loop with the weight chunk
+// staged through registers instead of cp.async. Each thread reads, one chunk ahead (the loads in
+// flight while the current chunk is multiplied), the int32 word of eight 4-bit values and the
+// bf16 scale of each of its four (row, 8 inputs) pieces, and dequantizes them into shared memory
+// as the CPU's W4A16 GEMM widens them: v = float32(q) · s in float32 (exact: s is a bf16 value,
+// q ∈ [−8, 7], so v has at most 11 significant bits), then stored exactly as two bf16 terms
+// hi = bf16_rn(v), lo = bf16(v − hi) in the two stage buffers (the double buffer of the bf16 path
+// holds the two terms of one chunk). The mma then multiplies each A term by the lo and the hi
+// fragments (products exact in float32): Σ a·lo + a·hi per k16 step, i.e. a·v with the CPU's
+// widened weight, up to the order of float32 additions.
+template <bool kGated, int kTerms, bool kW4 = false>
 __global__ void __launch_bounds__(kMmaThreads)
     MoeMmaKernel(const float* x, const int32_t* gather, const int32_t* offsets, int E,
-                 const uint16_t* w, int in, int out, const float* row_scale, float* y) {
+                 const uint16_t* w, int in, int out, const float* row_scale, float* y,
+                 const uint32_t* w4, const uint16_t* w4_scales, int group) {
   __shared__ int tile[3];
   if (threadIdx.x < 32) FindTile(offsets, E, kMmaRows, blockIdx.x, tile);
   __syncthreads();
@@ -413,7 +429,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   constexpr int kCols = kGated ? kMmaW / 2 : kMmaW;
   const int col0 = blockIdx.y * kCols;
   const int64_t w_rows = kGated ? 2 * int64_t(out) : int64_t(out);
-  const uint16_t* we = w + int64_t(e) * w_rows * in;
+  const uint16_t* we = kW4 ? w : w + int64_t(e) * w_rows * in;  // W4A16: w unused (nullptr)
   const bool vec = in % 8 == 0;
   // Weight chunks this thread stages: tile rows c = threadIdx.x / 8 + 16 i, 8 bf16 at
   // (threadIdx.x % 8) · 8.
@@ -442,6 +458,34 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
   };
+  // W4A16: words per weight row, scale groups per row, the prefetched words and scales.
+  const int w4_words = (in + 7) / 8, w4_groups = kW4 ? (in + group - 1) / group : 0;
+  uint32_t w4_word[4];
+  uint16_t w4_scale[4];
+  auto fetch_w4 = [&](int k0) {  // global → registers, one chunk ahead
+    const int kk = k0 + wk;
+    for (int i = 0; i < 4; ++i) {
+      const bool live = w_src[i] >= 0 && kk < in;
+      const int64_t row = int64_t(e) * w_rows + w_src[i];
+      w4_word[i] = live ? w4[row * w4_words + kk / 8] : 0x88888888u;  // q = 0
+      w4_scale[i] = live ? w4_scales[row * w4_groups + kk / group] : uint16_t(0);
+    }
+  };
+  auto dequant_w4 = [&](int k0) {  // registers → the two bf16 terms in shared memory
+    for (int i = 0; i < 4; ++i) {
+      const int c = threadIdx.x / 8 + 16 * i;
+      uint16_t* hi = Ws + c * kMmaLd + wk;
+      uint16_t* lo = Ws + (kMmaW + c) * kMmaLd + wk;
+      const float sc = Bf16BitsToFloat(w4_scale[i]);
+      for (int q = 0; q < 8; ++q) {
+        const int qv = int((w4_word[i] >> (4 * q)) & 0xFu) - 8;
+        const float v = k0 + wk + q < in ? __fmul_rn(float(qv), sc) : 0.0f;
+        const uint16_t h = ToBf16Bits(v);
+        hi[q] = h;
+        lo[q] = ToBf16Bits(__fsub_rn(v, Bf16BitsToFloat(h)));
+      }
+    }
+  };
   // A: row threadIdx.x / 4, 16 floats at (threadIdx.x % 4) · 16.
   const int ar = threadIdx.x / 4, ak = (threadIdx.x % 4) * 16;
   const int64_t a_src = ar < nrows ? (gather != nullptr ? gather[r0 + ar] : r0 + ar) : -1;
@@ -464,27 +508,41 @@ __global__ void __launch_bounds__(kMmaThreads)
   for (int a = 0; a < 2; ++a)
     for (int b = 0; b < 2; ++b)
       for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.0f;
-  load_w(0, 0);
-  mma::CpAsyncCommit();
+  if (kW4) {
+    fetch_w4(0);
+  } else {
+    load_w(0, 0);
+    mma::CpAsyncCommit();
+  }
+  // Weight terms per chunk: bf16 one (in stage `stage`), W4A16 two (lo in buffer 1, hi in 0).
+  constexpr int kWTerms = kW4 ? 2 : 1;
   int stage = 0;
   for (int k0 = 0; k0 < in; k0 += kMmaK, stage ^= 1) {
     load_a(k0);
-    if (k0 + kMmaK < in) load_w(stage ^ 1, k0 + kMmaK);
-    mma::CpAsyncCommit();
-    mma::CpAsyncWaitGroup<1>();  // this chunk's weights have landed
+    if (kW4) {
+      dequant_w4(k0);
+      if (k0 + kMmaK < in) fetch_w4(k0 + kMmaK);
+    } else {
+      if (k0 + kMmaK < in) load_w(stage ^ 1, k0 + kMmaK);
+      mma::CpAsyncCommit();
+      mma::CpAsyncWaitGroup<1>();  // this chunk's weights have landed
+    }
     __syncthreads();
     const int steps = (min(kMmaK, in - k0) + 15) / 16;
     for (int s = 0; s < steps; ++s) {
-      uint32_t b[4];  // b[0..1]: weight rows 16w … 16w+7, b[2..3]: 16w+8 … 16w+15
-      mma::LdMatrixX4(b, Ws + (stage * kMmaW + warp * 16 + (lane / 16) * 8 + lane % 8) * kMmaLd +
-                             s * 16 + ((lane / 8) % 2) * 8);
-      for (int term = kTerms - 1; term >= 0; --term) {  // lo, mid, hi
-        for (int mf = 0; mf < 2; ++mf) {
-          uint32_t a[4];
-          mma::LdMatrixX4(
-              a, As + (term * kMmaRows + mf * 16 + lane % 16) * kMmaLd + s * 16 + (lane / 16) * 8);
-          mma::MmaBf16M16N8K16(acc[mf][0], a, b);
-          mma::MmaBf16M16N8K16(acc[mf][1], a, b + 2);
+      for (int wt = kWTerms - 1; wt >= 0; --wt) {  // W4A16: lo, hi
+        const int buffer = kW4 ? wt : stage;
+        uint32_t b[4];  // b[0..1]: weight rows 16w … 16w+7, b[2..3]: 16w+8 … 16w+15
+        mma::LdMatrixX4(b, Ws + (buffer * kMmaW + warp * 16 + (lane / 16) * 8 + lane % 8) * kMmaLd +
+                               s * 16 + ((lane / 8) % 2) * 8);
+        for (int term = kTerms - 1; term >= 0; --term) {  // lo, mid, hi
+          for (int mf = 0; mf < 2; ++mf) {
+            uint32_t a[4];
+            mma::LdMatrixX4(a, As + (term * kMmaRows + mf * 16 + lane % 16) * kMmaLd + s * 16 +
+                                   (lane / 16) * 8);
+            mma::MmaBf16M16N8K16(acc[mf][0], a, b);
+            mma::MmaBf16M16N8K16(acc[mf][1], a, b + 2);
+          }
         }
       }
     }
@@ -582,11 +640,11 @@ absl::Status MoeGateUp(const float* x, const int32_t* gather, const int32_t* off
   if (input == GemmInput::kBf16) {
     LaunchKernel(MoeMmaKernel<true, 1>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), x,
                  gather, offsets, num_experts, w, dim, width, static_cast<const float*>(nullptr),
-                 act);
+                 act, kNoW4, kNoW4Scales, 0);
   } else {
     LaunchKernel(MoeMmaKernel<true, 3>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x,
                  gather, offsets, num_experts, w, dim, width, static_cast<const float*>(nullptr),
-                 act);
+                 act, kNoW4, kNoW4Scales, 0);
   }
   return Check("MoeGateUp");
 }
@@ -607,12 +665,71 @@ absl::Status MoeDown(const float* act, const int32_t* offsets, const float* slot
   const dim3 grid(MmaRowTiles(rows, k, num_experts), (dim + kMmaW - 1) / kMmaW);
   if (input == GemmInput::kBf16) {
     LaunchKernel(MoeMmaKernel<false, 1>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), act,
-                 no_gather, offsets, num_experts, w, width, dim, slot_weight, y);
+                 no_gather, offsets, num_experts, w, width, dim, slot_weight, y, kNoW4, kNoW4Scales,
+                 0);
   } else {
     LaunchKernel(MoeMmaKernel<false, 3>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), act,
-                 no_gather, offsets, num_experts, w, width, dim, slot_weight, y);
+                 no_gather, offsets, num_experts, w, width, dim, slot_weight, y, kNoW4, kNoW4Scales,
+                 0);
   }
   return Check("MoeDown");
+}
+
+namespace {
+
+absl::Status CheckW4A16(const char* what, const W4A16Weights& w) {
+  if (w.packed == nullptr || w.scales == nullptr || w.group <= 0 || w.group % 8 != 0) {
+    return absl::InvalidArgumentError(std::string(what) +
+                                      ": W4A16 weights need packed words, scales and a group "
+                                      "size that is a positive multiple of 8");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status MoeGateUpW4A16(const float* x, const int32_t* gather, const int32_t* offsets,
+                            const W4A16Weights& w, int rows, int k, int num_experts, int dim,
+                            int width, GemmInput input, float* act, void* stream) {
+  if (absl::Status st = CheckMoeShape("MoeGateUpW4A16", rows, k, num_experts); !st.ok()) return st;
+  if (dim <= 0 || width <= 0) return absl::InvalidArgumentError("MoeGateUpW4A16: dim, width > 0");
+  if (absl::Status st = CheckW4A16("MoeGateUpW4A16", w); !st.ok()) return st;
+  if (rows == 0) return absl::OkStatus();
+  const dim3 grid(MmaRowTiles(rows, k, num_experts), (width + kMmaW / 2 - 1) / (kMmaW / 2));
+  const uint16_t* no_w = nullptr;
+  const float* no_scale = nullptr;
+  if (input == GemmInput::kBf16) {
+    LaunchKernel(MoeMmaKernel<true, 1, true>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), x,
+                 gather, offsets, num_experts, no_w, dim, width, no_scale, act, w.packed, w.scales,
+                 w.group);
+  } else {
+    LaunchKernel(MoeMmaKernel<true, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x,
+                 gather, offsets, num_experts, no_w, dim, width, no_scale, act, w.packed, w.scales,
+                 w.group);
+  }
+  return Check("MoeGateUpW4A16");
+}
+
+absl::Status MoeDownW4A16(const float* act, const int32_t* offsets, const float* slot_weight,
+                          const W4A16Weights& w, int rows, int k, int num_experts, int width,
+                          int dim, GemmInput input, float* y, void* stream) {
+  if (absl::Status st = CheckMoeShape("MoeDownW4A16", rows, k, num_experts); !st.ok()) return st;
+  if (dim <= 0 || width <= 0) return absl::InvalidArgumentError("MoeDownW4A16: dim, width > 0");
+  if (absl::Status st = CheckW4A16("MoeDownW4A16", w); !st.ok()) return st;
+  if (rows == 0) return absl::OkStatus();
+  const dim3 grid(MmaRowTiles(rows, k, num_experts), (dim + kMmaW - 1) / kMmaW);
+  const int32_t* no_gather = nullptr;
+  const uint16_t* no_w = nullptr;
+  if (input == GemmInput::kBf16) {
+    LaunchKernel(MoeMmaKernel<false, 1, true>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream),
+                 act, no_gather, offsets, num_experts, no_w, width, dim, slot_weight, y, w.packed,
+                 w.scales, w.group);
+  } else {
+    LaunchKernel(MoeMmaKernel<false, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream),
+                 act, no_gather, offsets, num_experts, no_w, width, dim, slot_weight, y, w.packed,
+                 w.scales, w.group);
+  }
+  return Check("MoeDownW4A16");
 }
 
 absl::Status DenseLinear(const float* x, const uint16_t* w, int rows, int in, int out,
@@ -627,10 +744,10 @@ absl::Status DenseLinear(const float* x, const uint16_t* w, int rows, int in, in
   const float* no_scale = nullptr;
   if (input == GemmInput::kBf16) {
     LaunchKernel(MoeMmaKernel<false, 1>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), x, none,
-                 none, rows, w, in, out, no_scale, y);
+                 none, rows, w, in, out, no_scale, y, kNoW4, kNoW4Scales, 0);
   } else {
     LaunchKernel(MoeMmaKernel<false, 3>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x, none,
-                 none, rows, w, in, out, no_scale, y);
+                 none, rows, w, in, out, no_scale, y, kNoW4, kNoW4Scales, 0);
   }
   return Check("DenseLinear");
 }

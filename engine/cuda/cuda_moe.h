@@ -83,6 +83,37 @@ absl::Status MoeDown(const float* act, const int32_t* offsets, const float* slot
                      GemmInput input, float* y, void* stream = nullptr,
                      MoeKernel kernel = MoeKernel::kMma);
 
+// W4A16 expert weights in device memory (compressed-tensors `pack-quantized`, int4 symmetric per
+// group: engine/model/quant_config.h, engine/cpu/gemm_quant.h) for E experts of `rows` weight
+// rows (gate_up: 2·width, gate rows then up rows; down: dim) and `in` inputs each:
+//   packed  [E, rows, ceil(in/8)] uint32 — the checkpoint's weight_packed: value 8j+i of a row in
+//           bits 4i..4i+3 of word j, stored as q + 8 (q ∈ [−8, 7]); padding nibbles ignored;
+//   scales  [E, rows, ceil(in/group)] bf16 bits — the weight_scale of input c's group c / group;
+//   group   the group size G along the inputs, a positive multiple of 8 (32, 64, 128, …; the
+//           "channel" strategy: in rounded up to a multiple of 8).
+// W[e, r, c] = q · s: 4 bits + 16/G bits per weight read (4.5 at G = 32, 4.125 at G = 128,
+// against bf16's 16: 3.6× to 3.9× fewer bytes).
+struct W4A16Weights {
+  const uint32_t* packed = nullptr;
+  const uint16_t* scales = nullptr;
+  int group = 0;
+};
+
+// MoeGateUp / MoeDown (kMma only) with W4A16 weights: each weight chunk is dequantized as the
+// CPU's W4A16 GEMM widens it, v = float32(q) · s (exact in float32, s being a bf16 value), while
+// it is staged into shared memory, and held there exactly as two bf16 terms (v = hi + lo); the
+// tensor cores multiply every activation term by both (twice the bf16 kernel's tensor-core work,
+// a quarter of its weight bytes). The products are therefore exactly a · v, the CPU's products
+// (cpu::QuantLinear multiplies the float32 x by the same float32 v); only the order of float32
+// additions differs, as for bf16 weights. `input` as MoeGateUp. INVALID_ARGUMENT for bad shapes,
+// null weight pointers or a group size that is not a positive multiple of 8.
+absl::Status MoeGateUpW4A16(const float* x, const int32_t* gather, const int32_t* offsets,
+                            const W4A16Weights& w, int rows, int k, int num_experts, int dim,
+                            int width, GemmInput input, float* act, void* stream = nullptr);
+absl::Status MoeDownW4A16(const float* act, const int32_t* offsets, const float* slot_weight,
+                          const W4A16Weights& w, int rows, int k, int num_experts, int width,
+                          int dim, GemmInput input, float* y, void* stream = nullptr);
+
 // A dense projection on the grouped GEMM's tensor-core kernel, one group of all rows:
 //   y[r, o] = Σ_i x[r, i] · W[o, i]
 // x: [rows, in] float32 (converted as `input` says, as MoeDown); w: [out, in] bf16 (row-major, a
