@@ -8,7 +8,7 @@
 //   attention_bench --config bench/configs/diffusiongemma-26b-a4b.json
 //       [--kernels tc_canvas,tc_prefill,f32_canvas,f32_prefill] [--layers sliding,full]
 //       [--contexts 2048,32768,131072] [--batches 1,16] [--prompt 32768]
-//       [--prefill_chunks 512,0] [--reps 5] [--device_budget_s S]
+//       [--prefill_chunks 8192,0] [--reps 5] [--device_budget_s S]
 //       [--calibrate_copy_mb MB] [--calibrate_gemm_n N]
 //
 // The shapes come from the config through the ModelConfig loader: heads = num_attention_heads;
@@ -24,9 +24,10 @@
 //    (CanvasWindowStart), so only those are allocated and passed (context_tokens =
 //    min(context, W − 1): the kernels do the same work and read the same bytes).
 //  - tc_prefill / f32_prefill: one causal prompt of --prompt tokens (batch 1), in chunks of
-//    `chunk` tokens as the backend runs its encoder pass (512: the workers' kPrefillChunkTokens;
-//    chunk i attends to the prompt's tokens before it as its context, one launch per chunk), or
-//    whole (chunk=0: one launch of all rows, no context). A repetition is the whole prompt.
+//    `chunk` tokens as the backend runs its encoder pass (8192: a GPU backend's,
+//    kGpuPrefillChunkTokens; chunk i attends to the prompt's tokens before it as its context, one
+//    launch per chunk), or whole (chunk=0: one launch of all rows, no context). A repetition is the
+//    whole prompt.
 //
 // Work counted per case (exactly, per row, from the visible keys):
 //   FLOPs = Σ_rows 4 · heads · keys_seen(row) · head_dim
@@ -59,7 +60,7 @@
 //   ATTN kernel=tc_canvas layer=full head_dim=512 heads=16 kv_heads=2 window=0 batch=16
 //     context=32768 rows=256 keys=33024 launches=1 reps=5 ms=… min_ms=… gflop=… tflops=…
 //     pct_gemm=… gb=… gbs=… pct_copy=… status=ok
-//   ATTN kernel=tc_prefill layer=full … batch=1 prompt=32768 chunk=512 rows=32768 keys=16384.5
+//   ATTN kernel=tc_prefill layer=full … batch=1 prompt=32768 chunk=8192 rows=32768 keys=16384.5
 //     launches=64 … status=ok            (keys: the mean keys a row sees)
 //   ATTN kernel=… status=skipped reason=device_memory|budget|head_dim need_gb=… free_gb=…
 //   ATTN kernel=… status=failed error=…
@@ -100,9 +101,10 @@ ABSL_FLAG(std::string, contexts, "2048,32768,131072", "canvas cases: cached cont
 ABSL_FLAG(std::string, batches, "1,16", "canvas cases: canvases per launch");
 ABSL_FLAG(int, canvas, 0, "rows per canvas (0: the config's canvas_length)");
 ABSL_FLAG(int, prompt, 32768, "prefill cases: prompt tokens");
-ABSL_FLAG(std::string, prefill_chunks, "512,0",
-          "prefill cases: tokens per encoder pass (512: the workers' chunk; 0: the whole prompt "
-          "in one launch)");
+ABSL_FLAG(
+    std::string, prefill_chunks, "8192,0",
+    "prefill cases: tokens per encoder pass (8192: a GPU backend's chunk; 0: the whole prompt "
+    "in one launch)");
 ABSL_FLAG(int, reps, 5, "timed repetitions per case (after one warm-up)");
 ABSL_FLAG(double, device_budget_s, 0,
           "bound on the whole run in seconds (cases that would not fit are skipped; 0: none)");
@@ -474,6 +476,17 @@ int Run() {
     std::fprintf(stderr, "--prompt must be ≥ 1\n");
     return 2;
   }
+  if (kernels.empty() || layers.empty()) {
+    std::fprintf(stderr, "--kernels and --layers must name at least one\n");
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_reps) < 1 || absl::GetFlag(FLAGS_canvas) < 0 ||
+      absl::GetFlag(FLAGS_calibrate_copy_mb) < 0 || absl::GetFlag(FLAGS_calibrate_gemm_n) < 0) {
+    std::fprintf(stderr,
+                 "--reps must be ≥ 1; --canvas (0: the config's), --calibrate_copy_mb and "
+                 "--calibrate_gemm_n (0: skip) ≥ 0\n");
+    return 2;
+  }
 
   // The two ceilings, as engine_bench --calibrate_only prints them.
   std::string gpu = cuda::CurrentDeviceName();
@@ -518,7 +531,7 @@ int main(int argc, char** argv) {
   dgserve::InitCommandLine(
       "attention_bench --config FILE [--kernels tc_canvas,tc_prefill,f32_canvas,f32_prefill] "
       "[--layers sliding,full] [--contexts 2048,32768,131072] [--batches 1,16] [--canvas N] "
-      "[--prompt N] [--prefill_chunks 512,0] [--reps N] [--device_budget_s S] "
+      "[--prompt N] [--prefill_chunks 8192,0] [--reps N] [--device_budget_s S] "
       "[--calibrate_copy_mb MB] [--calibrate_gemm_n N]",
       "bench/attention_bench.cc");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);

@@ -381,6 +381,22 @@ int Run() {
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
+    // As the workers (engine/model/backend_select.cc), but W4A16 runs: its experts stay 4-bit on
+    // the device (the CUDA backend's W4A16 grouped GEMMs); its other quantized matrices are
+    // widened to bf16, so the line measures the experts' format only. FP8 and NVFP4 would run as
+    // bf16 weights with bf16 activations, not as their formats: refused.
+    if (!synthetic && ckpt->weights.format != WeightFormat::kBf16) {
+      if (ckpt->weights.format != WeightFormat::kW4A16) {
+        std::fprintf(stderr,
+                     "--device cuda: this checkpoint is %s; the CUDA backend runs bf16 and W4A16 "
+                     "(experts) checkpoints only\n",
+                     WeightFormatName(ckpt->weights.format));
+        return 1;
+      }
+      std::printf(
+          "--device cuda: W4A16 experts kept 4-bit on the device; the checkpoint's other "
+          "quantized matrices widened to bf16\n");
+    }
     // The ceilings first, while the device is empty.
     if (cuda::DeviceCount() > 0) {
       if (absl::Status st = Calibrate(&gpu_name, &copy_gbs, &gemm_tflops); !st.ok()) {
@@ -411,8 +427,15 @@ int Run() {
   kvs.emplace_back(c, P);
   std::vector<int32_t> prompt(P);
   for (int i = 0; i < P; ++i) prompt[i] = (i * 7919 + 13) % V;
+  if (absl::GetFlag(FLAGS_prefill_chunk) < 0) {
+    std::fprintf(stderr, "--prefill_chunk %d: must be ≥ 0 (0: the backend's)\n",
+                 absl::GetFlag(FLAGS_prefill_chunk));
+    return 2;
+  }
   const int chunk = absl::GetFlag(FLAGS_prefill_chunk) > 0 ? absl::GetFlag(FLAGS_prefill_chunk)
                                                            : backend->prefill_chunk_tokens();
+  std::printf("prefill chunk: %d tokens per encoder pass%s\n", chunk,
+              absl::GetFlag(FLAGS_prefill_chunk) > 0 ? "" : " (the backend's)");
   const bool synthetic_kv = absl::GetFlag(FLAGS_synthetic_kv);
   double prefill_s = 0;
   auto t_enc = Clock::now();

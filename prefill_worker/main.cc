@@ -144,13 +144,24 @@ absl::Status Run() {
   eopts.chunk_tokens = absl::GetFlag(FLAGS_chunk_tokens);
   eopts.step_token_budget = absl::GetFlag(FLAGS_step_token_budget);
   eopts.max_queue = absl::GetFlag(FLAGS_max_queue);
-  if (eopts.chunk_tokens < 0 || eopts.step_token_budget < 0 ||
-      (eopts.chunk_tokens > 0 && eopts.step_token_budget > 0 &&
-       eopts.step_token_budget < eopts.chunk_tokens) ||
-      eopts.max_queue < 1) {
+  if (eopts.chunk_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--chunk_tokens ", eopts.chunk_tokens,
+                                                   ": must be ≥ 0 (0: the backend's default)"));
+  }
+  if (eopts.step_token_budget < 0) {
     return absl::InvalidArgumentError(
-        "--chunk_tokens ≥ 0, --step_token_budget ≥ 0 and ≥ --chunk_tokens, and --max_queue ≥ 1 "
-        "needed (0: the backend's default)");
+        absl::StrCat("--step_token_budget ", eopts.step_token_budget,
+                     ": must be ≥ 0 (0: the larger of 2048 and --chunk_tokens)"));
+  }
+  if (eopts.chunk_tokens > 0 && eopts.step_token_budget > 0 &&
+      eopts.step_token_budget < eopts.chunk_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("--step_token_budget ", eopts.step_token_budget,
+                                                   " is below --chunk_tokens ",
+                                                   eopts.chunk_tokens));
+  }
+  if (eopts.max_queue < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_queue ", eopts.max_queue, ": must be ≥ 1"));
   }
   absl::StatusOr<kv::KvTransportMode> mode =
       kv::ParseKvTransportMode(absl::GetFlag(FLAGS_kv_transport));
@@ -178,6 +189,20 @@ absl::Status Run() {
   }
   DGSERVE_LOG_INFO("prefill: --chunk_tokens %d, --step_token_budget %d", eopts.chunk_tokens,
                    eopts.step_token_budget);
+  {
+    const kv::PoolStats st = model->pool->stats();
+    const int chunk_blocks = model->pool->layout().BlocksFor(eopts.chunk_tokens);
+    for (int k = 0; k < kv::kNumKinds; ++k) {
+      if (model->pool->layout().layers[k] > 0 && st.total[k] < chunk_blocks) {
+        DGSERVE_LOG_WARNING(
+            "the KV pool (--kv_cache_mib %lld) holds %lld blocks of a layer kind, less than one "
+            "--chunk_tokens chunk needs (%d): longer prompts are refused",
+            static_cast<long long>(absl::GetFlag(FLAGS_kv_cache_mib)),
+            static_cast<long long>(st.total[k]), chunk_blocks);
+        break;
+      }
+    }
+  }
 
   eopts.max_lease_ms = absl::GetFlag(FLAGS_max_kv_lease_ms);
   if (eopts.max_lease_ms < 1 || absl::GetFlag(FLAGS_max_kv_pushes_per_target) < 1) {

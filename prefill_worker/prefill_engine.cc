@@ -85,6 +85,31 @@ absl::Status PrefillEngine::Submit(const v1::PrefillRequest& request, Callback d
   if (request.lease_ms() < 0) {
     return absl::InvalidArgumentError("lease_ms: must be >= 0 (0: the worker's default)");
   }
+  // A prompt the KV pool can never hold is refused now, as OUT_OF_RANGE (HTTP 400), rather than
+  // failing in its first step as RESOURCE_EXHAUSTED (HTTP 429, which clients retry): the full
+  // layers keep every position, the sliding ones at least the first chunk's.
+  {
+    const kv::KvLayout& layout = pool_->layout();
+    const kv::PoolStats stats = pool_->stats();
+    const int n = request.tokens_size();
+    const struct {
+      int index;
+      int tokens;
+      const char* what;
+    } needs[] = {
+        {int(kv::LayerKind::kFull), n, "full-attention"},
+        {int(kv::LayerKind::kSliding), std::min(n, options_.chunk_tokens), "sliding-window"}};
+    for (const auto& need : needs) {
+      if (layout.layers[need.index] == 0) continue;
+      const int blocks = layout.BlocksFor(need.tokens);
+      if (blocks > stats.total[need.index]) {
+        return absl::OutOfRangeError(absl::StrCat(
+            "tokens: a prompt of ", n, " tokens needs ", blocks, " ", need.what, " KV blocks of ",
+            layout.block_size, " tokens; this prefill worker's KV pool holds ",
+            stats.total[need.index], " in all (--kv_cache_mib)"));
+      }
+    }
+  }
   if (request.kv_target().empty()) {
     return absl::InvalidArgumentError("kv_target: must name the denoise worker");
   }

@@ -231,6 +231,28 @@ TEST_F(PrefillEngineTest, Admission) {
   EXPECT_FALSE(more.done.HasBeenNotified());
 }
 
+// A prompt the KV pool can never hold is refused at once as OUT_OF_RANGE (a 400, naming the
+// pool), not failed later as RESOURCE_EXHAUSTED (a 429 that clients retry forever); one that
+// fits is accepted.
+TEST_F(PrefillEngineTest, PromptLargerThanThePoolIsOutOfRange) {
+  auto small = CreateKvPool(config(), "tiny", 1, 16);
+  ASSERT_THAT(small.status(), IsOk());
+  pool_ = *std::move(small);
+  const kv::PoolStats st = pool_->stats();
+  const int64_t full_tokens = st.total[int(kv::LayerKind::kFull)] * 16;
+  ASSERT_GT(full_tokens, 0);
+  ASSERT_LT(full_tokens + 1, config().max_position_embeddings);
+  StartEngine();
+  Pending too_big, fits;
+  const absl::Status s = Submit(Request("too-big", Prompt(int(full_tokens) + 1, 3)), &too_big);
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  EXPECT_NE(s.message().find("KV pool holds"), std::string::npos) << s;
+  EXPECT_FALSE(too_big.done.HasBeenNotified());
+  ASSERT_THAT(Submit(Request("fits", Prompt(40, 3)), &fits), IsOk());
+  ASSERT_TRUE(fits.Wait());
+  EXPECT_THAT(fits.result.status(), IsOk());
+}
+
 TEST_F(PrefillEngineTest, DuplicateIdIsRefused) {
   PrefillEngineOptions o;
   o.chunk_tokens = 16;

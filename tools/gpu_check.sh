@@ -539,7 +539,7 @@ attention_step() {
   # shellcheck disable=SC2054  # commas inside flag values
   local args=(--config bench/configs/diffusiongemma-26b-a4b.json
     --kernels tc_canvas,tc_prefill,f32_canvas,f32_prefill --layers sliding,full
-    --contexts 2048,32768,131072 --batches 1,16 --prompt 32768 --prefill_chunks 512,0 --reps 5)
+    --contexts 2048,32768,131072 --batches 1,16 --prompt 32768 --prefill_chunks 8192,0 --reps 5)
   if [ "$DRY" = 1 ]; then
     bin=$BUILD_DIR/bench/attention_bench_emu
     note=" (emulated device)"
