@@ -24,18 +24,6 @@ absl::Status CublasCheck(const char* call, cublasStatus_t s) {
 
 cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
-// Term `term` of the exact split x = hi + mid + lo (GemmInput::kFloat32): each subtraction of a
-// bf16 rounding of f from f is exact in float32, and what is left after two fits bf16.
-__device__ __forceinline__ uint16_t SplitTermBits(float f, int term) {
-  uint16_t t = ToBf16Bits(f);
-  if ((__float_as_uint(f) & 0x7F800000u) == 0x7F800000u) return term == 0 ? t : uint16_t(0);
-  for (int j = 0; j < term; ++j) {
-    f = __fsub_rn(f, Bf16BitsToFloat(t));
-    t = ToBf16Bits(f);
-  }
-  return t;
-}
-
 __global__ void SplitTermKernel(const float* x, int64_t n, int term, uint16_t* y) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {

@@ -21,18 +21,6 @@ inline constexpr int kFWarps = kFT / 32;
 
 inline int FusedTiles(int vocab) { return (vocab + kFT - 1) / kFT; }
 
-// Term `term` (0: hi, 1: mid, 2: lo) of the exact three-term bf16 split of x (GemmInput::
-// kFloat32; as cuda_gemm.cu's SplitTermBits): a non-finite x is its own hi term.
-__device__ __forceinline__ uint16_t SplitBits(float f, int term) {
-  uint16_t t = ToBf16Bits(f);
-  if ((__float_as_uint(f) & 0x7F800000u) == 0x7F800000u) return term == 0 ? t : uint16_t(0);
-  for (int j = 0; j < term; ++j) {
-    f = __fsub_rn(f, Bf16BitsToFloat(t));
-    t = ToBf16Bits(f);
-  }
-  return t;
-}
-
 // Shared memory of the tile kernels: one k chunk of the block's hidden rows (one bf16 term) and
 // of the tile's table rows ([id][k], k contiguous: B n-major for ldmatrix), the latter reused for
 // 16 rows of float32 results once the products are done. Rows of kPadK bf16 (80 bytes): 16-byte
@@ -82,7 +70,7 @@ __device__ __forceinline__ void TileMma(const float* __restrict__ hidden, int ro
         uint16_t h = 0;
         if (r < nrows && kk < kn) {
           const float x = hidden[int64_t(row0 + r) * dim + k0 + kk];
-          h = bf16_input ? ActivationBf16Bits(x) : SplitBits(x, term);
+          h = bf16_input ? ActivationBf16Bits(x) : SplitTermBits(x, term);
         }
         sm->as[r][kk] = h;
       }
