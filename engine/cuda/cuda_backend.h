@@ -1,9 +1,12 @@
 // The CUDA implementation of ModelBackend (issue #5): the DiffusionGemma forward pass of spec §3
 // and the fused vocabulary step of §4.2 on one GPU, mirroring engine/cpu/cpu_backend.cc pass by
 // pass. Weights are uploaded once as bf16 (the projections, the tied embedding / LM head and the
-// expert stacks; norms, the router projection and scalars stay float32); activations are float32
-// and are rounded to bf16 in front of every cuBLAS projection (CublasContext::Linear), so results
-// agree with the CPU backend to bf16 accuracy, not bit for bit.
+// expert stacks, W4A16 experts kept 4-bit; norms and scalars stay float32); activations are
+// float32 and are rounded to bf16 (or split exactly into three bf16 terms: gemm_input) in front of
+// every projection, which runs on our tensor-core kernels (cuda_moe.h's DenseLinear and grouped
+// expert GEMMs, cuda_vocab.h's fused vocabulary pass), so results agree with the CPU backend at
+// the same rounding points up to float32 addition order, not bit for bit. A DenoiseStep's device
+// work runs on the backend's stream, replayed as a CUDA graph per step shape (cuda_graphs).
 //
 // KV cache: the ModelBackend interface hands the backend host-side KvCache objects (contiguous or
 // the paged pool of kvstore/). The backend keeps a device mirror per KvCache — contiguous
