@@ -406,7 +406,7 @@ __host__ __device__ inline SplitRange CanvasSplits(int ctx_tokens, int ctx_first
   return {first, last - first + 1};
 }
 
-// Segment: CanvasSegment (kCausal = false) or PrefillSegment (kCausal = true; same fields).
+// Segment: the table entry (CanvasSegment; PrefillSegment is the same type).
 // window: the prefill's sliding window (≤ 0: none); the canvas's is in its ctx_first.
 // partial == nullptr: out = O / l. Else (canvas only) split-KV: block z of the grid's third
 // dimension computes split slot z (split CanvasSplits(..).first + z) of its segment's keys and

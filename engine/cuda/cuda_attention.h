@@ -164,18 +164,12 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
 // P + r − key_pos < window, and no context token before ctx_first. A block of rows loads only the
 // key tiles some of its rows see (none above the diagonal or before the window).
 //
-// One segment of the table (device memory): new rows [row0, row0 + rows) of q / k_new / v_new /
-// out (positions ctx_tokens … ctx_tokens + rows − 1); its context K/V ctx_k / ctx_v, contiguous
-// [ctx_tokens, kv_heads, head_dim] (token j is row j; only tokens ≥ ctx_first are read: 0 for
-// full layers, CanvasWindowStart(ctx_tokens, window) — row 0's window start — for sliding ones).
-struct PrefillSegment {
-  const float* ctx_k = nullptr;
-  const float* ctx_v = nullptr;
-  int row0 = 0;
-  int rows = 0;
-  int ctx_tokens = 0;
-  int ctx_first = 0;
-};
+// One segment of the table (device memory), CanvasSegment's fields: new rows [row0, row0 + rows)
+// of q / k_new / v_new / out (positions ctx_tokens … ctx_tokens + rows − 1); its context K/V
+// ctx_k / ctx_v, contiguous [ctx_tokens, kv_heads, head_dim] (token j is row j; only tokens ≥
+// ctx_first are read: 0 for full layers, CanvasWindowStart(ctx_tokens, window) — row 0's window
+// start — for sliding ones).
+using PrefillSegment = CanvasSegment;
 
 // Runs every segment of `segments` (a DEVICE array of num_segments entries) in one launch whose
 // grid depends only on total_rows, num_segments and kv_heads (not on context lengths); a row's

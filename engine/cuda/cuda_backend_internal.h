@@ -294,6 +294,9 @@ class CudaBackend final : public ModelBackend {
   // every such layer's canvases (canvas_table_: num_layers × canvas_segments_ entries).
   bool TensorCoreCanvas(int l) const;
   absl::Status UploadCanvasTable(std::span<const Segment> segs);
+  // Segment s's entry in layer l's attention table (canvas or prefill): its rows, its mirror's
+  // K/V from position 0, its context length and window start.
+  cuda::CanvasSegment TableEntry(const Segment& s, int l) const;
   // The encoder's: TensorCorePrefillAttention's table (prefill_table_: num_layers ×
   // prefill_segments_ entries), for the layers TensorCoreCanvas(l) names.
   absl::Status UploadPrefillTable(std::span<const Segment> segs);

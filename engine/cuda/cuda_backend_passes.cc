@@ -36,6 +36,18 @@ bool CudaBackend::TensorCoreCanvas(int l) const {
   return options_.tensor_core_attention && hd % 32 == 0 && hd <= cuda::kMaxAttentionHeadDim;
 }
 
+cuda::CanvasSegment CudaBackend::TableEntry(const Segment& s, int l) const {
+  cuda::CanvasSegment t;
+  t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
+  t.ctx_v = s.mirror->v[l].get();
+  t.row0 = s.row0;
+  t.rows = s.rows;
+  t.ctx_tokens = s.pos0;
+  // The window start (for the prefill: row 0's).
+  t.ctx_first = cuda::CanvasWindowStart(s.pos0, c_.IsFull(l) ? 0 : c_.sliding_window);
+  return t;
+}
+
 absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
   // Every layer reads its canvases' contexts from this table (TensorCoreCanvasAttention or
   // CanvasAttentionTable), so no launch of the decoder pass takes a context from the host.
@@ -53,16 +65,9 @@ absl::Status CudaBackend::UploadCanvasTable(std::span<const Segment> segs) {
   DGSERVE_RETURN_IF_ERROR(canvas_table_host_.Ensure(n));
   size_t i = 0, scratch_bytes = 0;
   for (int l = 0; l < c_.num_layers; ++l) {
-    const int window = c_.IsFull(l) ? 0 : c_.sliding_window;
     for (const Segment& s : segs) {
       if (s.rows == 0) continue;
-      cuda::CanvasSegment t;
-      t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
-      t.ctx_v = s.mirror->v[l].get();
-      t.row0 = s.row0;
-      t.rows = s.rows;
-      t.ctx_tokens = s.pos0;
-      t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);
+      const cuda::CanvasSegment t = TableEntry(s, l);
       if (TensorCoreCanvas(l)) {
         // Split-KV (long contexts): splits of canvas_split_keys keys from context token 0.
         canvas_max_splits_[l] =
@@ -94,17 +99,8 @@ absl::Status CudaBackend::UploadPrefillTable(std::span<const Segment> segs) {
       continue;
     }
     any = true;
-    const int window = c_.IsFull(l) ? 0 : c_.sliding_window;
     for (const Segment& s : segs) {
-      if (s.rows == 0) continue;
-      cuda::PrefillSegment t;
-      t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
-      t.ctx_v = s.mirror->v[l].get();
-      t.row0 = s.row0;
-      t.rows = s.rows;
-      t.ctx_tokens = s.pos0;
-      t.ctx_first = cuda::CanvasWindowStart(s.pos0, window);  // row 0's window start
-      prefill_table_host_.push_back(t);
+      if (s.rows > 0) prefill_table_host_.push_back(TableEntry(s, l));
     }
   }
   if (!any || prefill_segments_ == 0) return absl::OkStatus();
