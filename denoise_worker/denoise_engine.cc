@@ -213,6 +213,22 @@ void DenoiseEngine::UpdateQueueGauge() {
 absl::Status DenoiseEngine::Submit(std::shared_ptr<DenoiseJob> job) {
   if (draining_) return absl::UnavailableError("denoise worker is draining");
   if (absl::Status s = ValidateRequest(job->request(), backend_->config()); !s.ok()) return s;
+  // A prompt whose KV this worker's pool can never hold is refused now, as OUT_OF_RANGE (HTTP
+  // 400), rather than failing when its KV arrives as RESOURCE_EXHAUSTED (HTTP 429, which clients
+  // retry): the full-attention layers keep every prompt position.
+  {
+    const kv::KvLayout& layout = pool_->layout();
+    const int full = int(kv::LayerKind::kFull);
+    const int prompt = job->request().prompt_tokens();
+    const int blocks = layout.BlocksFor(prompt);
+    const int64_t total = pool_->stats().total[full];
+    if (layout.layers[full] > 0 && blocks > total) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "prompt_tokens: a prompt of ", prompt, " tokens needs ", blocks,
+          " full-attention KV blocks of ", layout.block_size,
+          " tokens; this denoise worker's KV pool holds ", total, " in all (--kv_cache_mib)"));
+    }
+  }
   const std::string id = job->id();
   {
     absl::MutexLock lock(&mu_);

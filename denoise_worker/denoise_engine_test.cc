@@ -406,6 +406,30 @@ TEST_F(DenoiseEngineTest, Admission) {
   EXPECT_EQ(bad(Request("d", P, C())), absl::StatusCode::kUnavailable);
 }
 
+TEST_F(DenoiseEngineTest, PromptLargerThanThePoolIsOutOfRange) {
+  // A pool of 1 MiB: its full-attention blocks hold fewer tokens than the context limit.
+  auto small = CreateKvPool(config(), "tiny", 1, 16);
+  ASSERT_THAT(small.status(), IsOk());
+  kv::UnregisterInProcessReceiver(target_);
+  receiver_.reset();
+  pool_ = *std::move(small);
+  receiver_ = std::make_unique<kv::KvReceiver>(pool_.get(), config().max_position_embeddings);
+  kv::RegisterInProcessReceiver(target_, receiver_.get());
+  const int64_t full_tokens = pool_->stats().total[int(kv::LayerKind::kFull)] * 16;
+  ASSERT_GT(full_tokens, 0);
+  ASSERT_LT(full_tokens + 1 + C(), config().max_position_embeddings);
+  StartEngine();
+  const absl::Status s =
+      engine_->Submit(std::make_shared<DenoiseJob>(Request("too-big", int(full_tokens) + 1, C())));
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  EXPECT_NE(s.message().find("KV pool holds"), std::string::npos) << s;
+  EXPECT_EQ(engine_->stats().queued, 0);
+  // The largest prompt the pool holds is admitted (it waits for its KV).
+  EXPECT_THAT(engine_->Submit(std::make_shared<DenoiseJob>(Request("fits", int(full_tokens), C()))),
+              IsOk());
+  EXPECT_EQ(engine_->stats().queued, 1);
+}
+
 TEST_F(DenoiseEngineTest, CancelWhileWaitingForKv) {
   StartEngine();
   auto a = std::make_shared<DenoiseJob>(Request("a", 21, C()));
