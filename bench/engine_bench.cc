@@ -42,10 +42,10 @@
 #include <cmath>
 #include <cstdio>
 #include <ctime>
-#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/declare.h"
@@ -54,6 +54,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_checkpoint.h"
 #include "bench/step_cost.h"
 #include "common/cli.h"
 #include "common/hash.h"
@@ -63,8 +64,6 @@
 #include "engine/model/backend_select.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/kv_cache.h"
-#include "engine/model/random_checkpoint.h"
-#include "engine/model/synthetic_weights.h"
 #include "engine/model/tensor_names.h"
 #include "worker/backend_flags.h"
 #ifdef DGSERVE_HAVE_CUDA
@@ -221,16 +220,6 @@ int Run() {
     std::fprintf(stderr, "--logit_scale must be in (0, 1e6], got %g\n", logit_scale);
     return 2;
   }
-  std::string dir = absl::GetFlag(FLAGS_model);
-  const bool synthetic = absl::GetFlag(FLAGS_synthetic);
-  if (!dir.empty() && absl::GetFlag(FLAGS_layers) != 0) {
-    std::fprintf(stderr, "--layers applies to --config/--config_json, not to --model\n");
-    return 2;
-  }
-  if (!dir.empty() && synthetic) {
-    std::fprintf(stderr, "--synthetic applies to --config/--config_json, not to --model\n");
-    return 2;
-  }
   if (absl::GetFlag(FLAGS_canvas) < 0 || absl::GetFlag(FLAGS_steps) < 1 ||
       absl::GetFlag(FLAGS_context) < 1) {
     std::fprintf(stderr, "--canvas must be ≥ 0 (0: the checkpoint's), --steps and --context ≥ 1\n");
@@ -258,85 +247,22 @@ int Run() {
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   const std::string device = absl::GetFlag(FLAGS_device);
   const bool cuda = device == "cuda";
-  std::filesystem::path tmp;
-  std::optional<Checkpoint> ckpt;
-  ModelConfig c;
-  auto t0 = Clock::now();
-  if (dir.empty()) {
-    std::string text = absl::GetFlag(FLAGS_config_json);
-    if (text.empty() && !absl::GetFlag(FLAGS_config).empty()) {
-      auto t = ReadFileToString(absl::GetFlag(FLAGS_config));
-      if (!t.ok()) {
-        std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
-        return 1;
-      }
-      text = *t;
-    }
-    if (text.empty()) {
-      std::fprintf(stderr, "give --model DIR, --config FILE or --config_json TEXT\n");
-      return 2;
-    }
-    auto cfg = ParseModelConfig(text, "--config");
-    if (!cfg.ok()) {
-      std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
-      return 1;
-    }
-    if (int n = absl::GetFlag(FLAGS_layers); n != 0) {
-      if (n < 0 || n > cfg->num_layers) {
-        std::fprintf(stderr, "--layers must be in [1, %d], got %d\n", cfg->num_layers, n);
-        return 2;
-      }
-      cfg->num_layers = n;
-      cfg->layer_types.resize(n);
-      cfg->layer_types.back() = LayerType::kFull;  // as the loader does (HF forces it)
-    }
-    // Refuse a shape whose weights (bf16, see WeightBytes) cannot fit before writing it (host
-    // memory; with --synthetic on the device the host holds only the norms and scalars).
-    const int64_t bytes = WeightBytes(*cfg);
-    std::printf("weights in memory: %.2f GB (bf16 matrices, embedding twice)%s\n", bytes / 1e9,
-                synthetic && cuda ? " (on the device, generated there)" : "");
-    if (!(synthetic && cuda)) {
-      if (auto avail = AvailableMemoryBytes(); avail && uint64_t(bytes) > *avail) {
-        std::fprintf(stderr,
-                     "this shape needs %.1f GB of weights but only %.1f GB of memory are "
-                     "available; use --layers N for a slice%s\n",
-                     bytes / 1e9, double(*avail) / 1e9,
-                     cuda ? " or --synthetic (weights made on the device)" : "");
-        return 1;
-      }
-    }
-    c = *cfg;
-    if (synthetic) {
-      ckpt.emplace();
-      ckpt->config = c;
-      if (!cuda) {
-        ckpt->weights = SyntheticModelWeights(c, absl::GetFlag(FLAGS_seed));
-        std::printf("generated synthetic weights in host memory in %.1f s\n", Since(t0));
-      }
-    } else {
-      tmp = std::filesystem::temp_directory_path() / absl::StrCat("dgserve_bench_", ::getpid());
-      absl::Status st =
-          WriteRandomCheckpoint(*cfg, GenerationConfig{}, absl::GetFlag(FLAGS_seed), tmp.string());
-      if (!st.ok()) {
-        std::fprintf(stderr, "%s\n", st.ToString().c_str());
-        return 1;
-      }
-      std::printf("generated checkpoint in %.1f s\n", Since(t0));
-      dir = tmp.string();
-    }
+  const bool synthetic = absl::GetFlag(FLAGS_synthetic);
+  bench::BenchModelSpec spec;
+  spec.model_dir = absl::GetFlag(FLAGS_model);
+  spec.config_json = absl::GetFlag(FLAGS_config_json);
+  spec.config_path = absl::GetFlag(FLAGS_config);
+  spec.layers = absl::GetFlag(FLAGS_layers);
+  spec.synthetic = synthetic;
+  spec.on_device = cuda;
+  spec.seed = absl::GetFlag(FLAGS_seed);
+  absl::StatusOr<Checkpoint> loaded = bench::BenchCheckpoint(spec);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(loaded.status().message()).c_str());
+    return absl::IsInvalidArgument(loaded.status()) ? 2 : 1;
   }
-  if (!ckpt.has_value()) {
-    t0 = Clock::now();
-    auto loaded = LoadCheckpoint(dir);
-    if (!tmp.empty()) std::filesystem::remove_all(tmp);
-    if (!loaded.ok()) {
-      std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str());
-      return 1;
-    }
-    ckpt.emplace(*std::move(loaded));
-    c = ckpt->config;
-    std::printf("loaded checkpoint in %.1f s\n", Since(t0));
-  }
+  std::optional<Checkpoint> ckpt(*std::move(loaded));
+  const ModelConfig c = ckpt->config;
   if (auto rss = ResidentBytes(), peak = PeakResidentBytes(); rss && peak) {
     std::printf("resident memory after load %.2f GB (peak so far %.2f GB)\n", *rss / 1e9,
                 *peak / 1e9);
@@ -364,7 +290,7 @@ int Run() {
   std::unique_ptr<ModelBackend> backend;
   std::string gpu_name = "cpu";
   double copy_gbs = 0, gemm_tflops = 0;
-  t0 = Clock::now();
+  const auto t0 = Clock::now();
   if (!cuda) {
     auto created = CreateBackend(g_backend, c, ckpt->weights);
     if (!created.ok()) {
@@ -753,6 +679,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;
   }
+  // Numeric flags that a loop or a ratio would otherwise take silently as something else.
+  if (const int r = absl::GetFlag(FLAGS_repeats); r < 1) {
+    std::fprintf(stderr, "--repeats %d: must be ≥ 1\n", r);
+    return 2;
+  }
+  for (const auto& [name, value] :
+       {std::pair<const char*, double>{"--mem_bandwidth_gbs",
+                                       absl::GetFlag(FLAGS_mem_bandwidth_gbs)},
+        {"--step_budget_s", absl::GetFlag(FLAGS_step_budget_s)},
+        {"--calibrate_copy_mb", double(absl::GetFlag(FLAGS_calibrate_copy_mb))},
+        {"--calibrate_gemm_n", double(absl::GetFlag(FLAGS_calibrate_gemm_n))}}) {
+    if (!(value >= 0) || !std::isfinite(value)) {
+      std::fprintf(stderr, "%s %g: must be a finite number ≥ 0\n", name, value);
+      return 2;
+    }
+  }
   // Before a checkpoint is generated or loaded.
   if (absl::StatusOr<dgserve::BackendSelection> backend =
           dgserve::BackendSelectionFromFlags(absl::GetFlag(FLAGS_device));
@@ -777,7 +719,7 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-    const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
+    const int repeats = absl::GetFlag(FLAGS_repeats);
     std::vector<double> best(modes.size(), 1e30), best_cpu(modes.size(), 1e30);
     for (int r = 0; r < repeats; ++r) {
       for (size_t i = 0; i < modes.size(); ++i) {
