@@ -11,14 +11,8 @@ check() {  # $1: description, rest: a command that must succeed
   shift
   if "$@"; then echo "ok: $what"; else echo "FAILED: $what"; fails=$((fails + 1)); fi
 }
-BINS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
-  engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test
-  engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
-  engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
-  engine/cuda/cuda_moe_test engine/cuda/cuda_backend_w4a16_test kvstore/kvstore_nccl_self_send_test gateway/dgserve-gateway
-  prefill_worker/dgserve-prefill-worker
-  denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel bench/engine_bench
-  bench/attention_bench"
+source tools/gpu_binaries.sh
+BINS=$GPU_BUNDLE_BINS
 fake_build() {  # $1: folder, $2: the DGSERVE_CUDA_BACKEND value
   mkdir -p "$1"
   echo "DGSERVE_CUDA_BACKEND:BOOL=$2" > "$1/CMakeCache.txt"

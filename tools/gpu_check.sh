@@ -188,14 +188,8 @@ case "$GPU_NAME" in
 esac
 BW=${GPU_MEM_BW_GBS:-$DEFAULT_BW}
 
-GPU_TESTS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
-  engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test
-  engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
-  engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
-  engine/cuda/cuda_moe_test engine/cuda/cuda_backend_w4a16_test kvstore/kvstore_nccl_self_send_test"
-CLUSTER_BINS="gateway/dgserve-gateway prefill_worker/dgserve-prefill-worker
-  denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel"
-BENCH_BINS="bench/engine_bench"
+# GPU_TESTS, CLUSTER_BINS, BENCH_BINS: the one list (tools/gpu_binaries.sh).
+source tools/gpu_binaries.sh
 # attention_bench exists only in a build with the CUDA kernels; the dry run runs
 # attention_bench_emu where the tests are built, and builds neither.
 [ "$DRY" = 1 ] || BENCH_BINS="$BENCH_BINS bench/attention_bench"
@@ -505,7 +499,7 @@ sanitizer_step() {
   for rel in engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test \
       engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test \
       engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_mma_test \
-      engine/cuda/cuda_moe_test engine/cuda/cuda_synthetic_test; do
+      engine/cuda/cuda_moe_test engine/cuda/cuda_moe_w4a16_test engine/cuda/cuda_synthetic_test; do
     t=$(basename "$rel")
     filter='*'
     [ "$t" = cuda_synthetic_test ] && filter='CudaTest.Fill*'  # the weight-fill kernels
