@@ -37,22 +37,37 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(d.pre_feedforward_layernorm_2.Upload(s.pre_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm_2.Upload(s.post_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm.Upload(s.post_feedforward_layernorm));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.q_proj, &d.q_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.k_proj, &d.k_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.v_proj, &d.v_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.o_proj, &d.o_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_gate_proj, &d.mlp_gate_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_up_proj, &d.mlp_up_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_down_proj, &d.mlp_down_proj));
-    // W4A16 experts stay in 4 bits (cuda_memory.h says when they can); others are widened.
-    DGSERVE_ASSIGN_OR_RETURN(const bool gate_up_w4,
+    // NVFP4 projections stay in 4 bits (issue 37); others are bf16 (quantized ones widened).
+    auto dense = [](const cpu::PackedMatrix& m, DeviceArray<uint16_t>* bf16,
+                    cuda::DeviceNvfp4* fp4) -> absl::Status {
+      DGSERVE_ASSIGN_OR_RETURN(const bool in_fp4, cuda::UploadNvfp4(m, fp4));
+      return in_fp4 ? absl::OkStatus() : UploadBf16(m, bf16);
+    };
+    DGSERVE_RETURN_IF_ERROR(dense(s.q_proj, &d.q_proj, &d.q_fp4));
+    DGSERVE_RETURN_IF_ERROR(dense(s.k_proj, &d.k_proj, &d.k_fp4));
+    DGSERVE_RETURN_IF_ERROR(dense(s.v_proj, &d.v_proj, &d.v_fp4));
+    DGSERVE_RETURN_IF_ERROR(dense(s.o_proj, &d.o_proj, &d.o_fp4));
+    DGSERVE_RETURN_IF_ERROR(dense(s.mlp_gate_proj, &d.mlp_gate_proj, &d.mlp_gate_fp4));
+    DGSERVE_RETURN_IF_ERROR(dense(s.mlp_up_proj, &d.mlp_up_proj, &d.mlp_up_fp4));
+    DGSERVE_RETURN_IF_ERROR(dense(s.mlp_down_proj, &d.mlp_down_proj, &d.mlp_down_fp4));
+    // W4A16 and NVFP4 experts stay in 4 bits (cuda_memory.h, cuda_nvfp4_upload.h say when they
+    // can); others are widened.
+    DGSERVE_ASSIGN_OR_RETURN(bool gate_up_4bit,
                              cuda::UploadW4A16(s.experts_gate_up_proj, &d.experts_gate_up_w4));
-    DGSERVE_ASSIGN_OR_RETURN(const bool down_w4,
+    DGSERVE_ASSIGN_OR_RETURN(bool down_4bit,
                              cuda::UploadW4A16(s.experts_down_proj, &d.experts_down_w4));
-    if (!gate_up_w4) {
+    if (!gate_up_4bit) {
+      DGSERVE_ASSIGN_OR_RETURN(gate_up_4bit,
+                               cuda::UploadNvfp4(s.experts_gate_up_proj, &d.experts_gate_up_fp4));
+    }
+    if (!down_4bit) {
+      DGSERVE_ASSIGN_OR_RETURN(down_4bit,
+                               cuda::UploadNvfp4(s.experts_down_proj, &d.experts_down_fp4));
+    }
+    if (!gate_up_4bit) {
       DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_gate_up_proj, &d.experts_gate_up_proj));
     }
-    if (!down_w4) DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
+    if (!down_4bit) DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.router_proj, &d.router_proj_bf16));
     DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));

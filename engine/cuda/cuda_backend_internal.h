@@ -28,6 +28,7 @@
 #include "engine/cuda/cuda_gemm.h"
 #include "engine/cuda/cuda_memory.h"
 #include "engine/cuda/cuda_moe.h"
+#include "engine/cuda/cuda_nvfp4_upload.h"
 #include "engine/cuda/cuda_ops.h"
 #include "engine/cuda/cuda_profile.h"
 #include "engine/cuda/cuda_soft_embed.h"
@@ -183,6 +184,10 @@ struct DeviceLayer {
   // Issue 37: W4A16 experts kept in 4 bits (group > 0; experts_gate_up_proj / experts_down_proj
   // then empty), run by MoeGateUpW4A16 / MoeDownW4A16.
   cuda::DeviceW4A16 experts_gate_up_w4, experts_down_w4;
+  // Issue 37: NVFP4 matrices kept in 4 bits (experts > 0; the bf16 array of the same name then
+  // empty), run by MoeGateUpNvfp4 / MoeDownNvfp4 / DenseLinearNvfp4 (cuda_nvfp4.h).
+  cuda::DeviceNvfp4 experts_gate_up_fp4, experts_down_fp4, q_fp4, k_fp4, v_fp4, o_fp4, mlp_gate_fp4,
+      mlp_up_fp4, mlp_down_fp4;
   float decoder_layer_scalar = 1, encoder_layer_scalar = 1;
 };
 
@@ -303,10 +308,15 @@ class CudaBackend final : public ModelBackend {
   absl::Status Moe(int l, const float* h1, int R, float* m);
   // out[R, D] = down(gelu(x·gateᵀ) ⊙ x·upᵀ).
   // y[R, out] = x[R, in] · Wᵀ for a bf16 weight W [out, in]: cuda::DenseLinear or cuBLAS
-  // (options_.batch_invariant_projections).
-  absl::Status Linear(const float* x, const uint16_t* w, int R, int in, int out, float* y);
+  // (options_.batch_invariant_projections); an NVFP4 weight (fp4 given and uploaded) instead runs
+  // cuda::DenseLinearNvfp4.
+  absl::Status Linear(const float* x, const uint16_t* w, int R, int in, int out, float* y,
+                      const cuda::DeviceNvfp4* fp4 = nullptr);
   absl::Status GatedMlp(const float* x, int R, const uint16_t* gate, const uint16_t* up,
-                        const uint16_t* down, int width, float* out);
+                        const uint16_t* down, int width, float* out,
+                        const cuda::DeviceNvfp4* fp4_gate = nullptr,
+                        const cuda::DeviceNvfp4* fp4_up = nullptr,
+                        const cuda::DeviceNvfp4* fp4_down = nullptr);
   // soft[rows, D] = probs_bf16[rows, V] · E · bf16(√D) (one GEMM, bf16 in, float32 out).
   absl::Status SoftGemm(const uint16_t* probs_bf16, int rows, float* soft);
 

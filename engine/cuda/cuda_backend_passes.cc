@@ -12,7 +12,10 @@
 namespace dgserve::cuda_internal {
 
 absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int in, int out,
-                                 float* y) {
+                                 float* y, const cuda::DeviceNvfp4* fp4) {
+  if (fp4 != nullptr && fp4->experts > 0) {  // issue 37: NVFP4 in 4 bits
+    return cuda::DenseLinearNvfp4(x, fp4->View(), R, in, out, y, stream_);
+  }
   if (options_.batch_invariant_projections) {
     return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y, stream_);
   }
@@ -20,15 +23,18 @@ absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int i
 }
 
 absl::Status CudaBackend::GatedMlp(const float* x, int R, const uint16_t* gate, const uint16_t* up,
-                                   const uint16_t* down, int width, float* out) {
+                                   const uint16_t* down, int width, float* out,
+                                   const cuda::DeviceNvfp4* fp4_gate,
+                                   const cuda::DeviceNvfp4* fp4_up,
+                                   const cuda::DeviceNvfp4* fp4_down) {
   const int D = c_.hidden_size;
   DGSERVE_RETURN_IF_ERROR(g_.Ensure(size_t(R) * width));
   DGSERVE_RETURN_IF_ERROR(u_.Ensure(size_t(R) * width));
-  DGSERVE_RETURN_IF_ERROR(Linear(x, gate, R, D, width, g_.get()));
-  DGSERVE_RETURN_IF_ERROR(Linear(x, up, R, D, width, u_.get()));
+  DGSERVE_RETURN_IF_ERROR(Linear(x, gate, R, D, width, g_.get(), fp4_gate));
+  DGSERVE_RETURN_IF_ERROR(Linear(x, up, R, D, width, u_.get(), fp4_up));
   DGSERVE_RETURN_IF_ERROR(
       cuda::GeluGate(g_.get(), u_.get(), int64_t(R) * width, g_.get(), stream_));
-  return Linear(g_.get(), down, R, width, D, out);
+  return Linear(g_.get(), down, R, width, D, out, fp4_down);
 }
 
 bool CudaBackend::TensorCoreCanvas(int l) const {
@@ -121,8 +127,8 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   // 1–2. Attention block on a = input_layernorm(h) (spec §3.2 steps 1–2, §3.3).
   phases_.Enter(Phase::kDense);
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, lw.input_layernorm.get(), R, D, eps, a, stream_));
-  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.q_proj.get(), R, D, nh * hd, q));
-  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.k_proj.get(), R, D, kvw, k));
+  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.q_proj.get(), R, D, nh * hd, q, &lw.q_fp4));
+  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.k_proj.get(), R, D, kvw, k, &lw.k_fp4));
   if (full) {
     // V = rms_noscale(raw k projection) on full layers (spec §3.3).
     cuda::NoteDeviceCopy();
@@ -130,7 +136,7 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
         cudaMemcpyAsync(v, k, size_t(R) * kvw * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
         "copy k→v"));
   } else {
-    DGSERVE_RETURN_IF_ERROR(Linear(a, lw.v_proj.get(), R, D, kvw, v));
+    DGSERVE_RETURN_IF_ERROR(Linear(a, lw.v_proj.get(), R, D, kvw, v, &lw.v_fp4));
   }
   phases_.Enter(Phase::kAttention);
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(q, lw.q_norm.get(), R * nh, hd, eps, q, stream_));
@@ -206,7 +212,7 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   }
   phases_.Enter(Phase::kDense);
   float* o = o_.get();
-  DGSERVE_RETURN_IF_ERROR(Linear(attn_.get(), lw.o_proj.get(), R, nh * hd, D, o));
+  DGSERVE_RETURN_IF_ERROR(Linear(attn_.get(), lw.o_proj.get(), R, nh * hd, D, o, &lw.o_fp4));
   // 3. h1 = h + post_attention_layernorm(o).
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(o, lw.post_attention_layernorm.get(), R, D, eps, o, stream_));
@@ -217,7 +223,8 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(h1, lw.pre_feedforward_layernorm.get(), R, D, eps, a, stream_));
   DGSERVE_RETURN_IF_ERROR(GatedMlp(a, R, lw.mlp_gate_proj.get(), lw.mlp_up_proj.get(),
-                                   lw.mlp_down_proj.get(), c_.intermediate_size, dense));
+                                   lw.mlp_down_proj.get(), c_.intermediate_size, dense,
+                                   &lw.mlp_gate_fp4, &lw.mlp_up_fp4, &lw.mlp_down_fp4));
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(dense, lw.post_feedforward_layernorm_1.get(), R, D, eps, dense, stream_));
   // 5. MoE branch.
@@ -289,7 +296,11 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(h1, lw.pre_feedforward_layernorm_2.get(), R, D, eps, xe_.get(), stream_));
   const cuda::GemmInput input = cublas_.input();
-  if (const cuda::DeviceW4A16& w4 = lw.experts_gate_up_w4; w4.group > 0) {  // issue 37: W4A16
+  if (lw.experts_gate_up_fp4.experts > 0) {  // issue 37: NVFP4
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpNvfp4(xe_.get(), gather_.get(), offsets_.get(),
+                                                 lw.experts_gate_up_fp4.View(), R, K, E, D, F,
+                                                 act_.get(), stream_));
+  } else if (const cuda::DeviceW4A16& w4 = lw.experts_gate_up_w4; w4.group > 0) {  // W4A16
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpW4A16(xe_.get(), gather_.get(), offsets_.get(),
                                                  {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
                                                  E, D, F, input, act_.get(), stream_));
@@ -298,7 +309,11 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
                                             lw.experts_gate_up_proj.get(), R, K, E, D, F, input,
                                             act_.get(), stream_));
   }
-  if (const cuda::DeviceW4A16& w4 = lw.experts_down_w4; w4.group > 0) {
+  if (lw.experts_down_fp4.experts > 0) {
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeDownNvfp4(act_.get(), offsets_.get(), slot_weight_.get(),
+                                               lw.experts_down_fp4.View(), R, K, E, F, D, y_.get(),
+                                               stream_));
+  } else if (const cuda::DeviceW4A16& w4 = lw.experts_down_w4; w4.group > 0) {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDownW4A16(act_.get(), offsets_.get(), slot_weight_.get(),
                                                {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
                                                E, F, D, input, y_.get(), stream_));

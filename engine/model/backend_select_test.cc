@@ -3,9 +3,11 @@
 #include "engine/model/backend_select.h"
 
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/testing/status_matchers.h"
+#include "engine/cpu/gemm_quant.h"
 #include "engine/model/checkpoint_testing.h"
 #include "gtest/gtest.h"
 
@@ -64,6 +66,29 @@ TEST_F(BackendSelectTest, GemmIsaIsAppliedAndAnUnsupportedOneRefused) {
     EXPECT_THAT(Create(s), StatusIs(absl::StatusCode::kInvalidArgument)) << cpu::GemmIsaName(isa);
   }
   ASSERT_THAT(cpu::SetGemmIsa(before), IsOk());
+}
+
+// --device cuda takes bf16 and NVFP4 checkpoints (issue 37; NVFP4 stays 4-bit on the device) and
+// refuses the other formats, and an NVFP4 one whose self-conditioning MLP is quantized, before
+// touching a device. (The weights here are bf16 with only the format tag changed: enough for the
+// checks, which come first.)
+TEST_F(BackendSelectTest, CudaRefusesFormatsItDoesNotRun) {
+  BackendSelection s;
+  s.device = "cuda";
+  for (WeightFormat f : {WeightFormat::kFp8, WeightFormat::kW4A16}) {
+    checkpoint_->weights.format = f;
+    const absl::Status st = Create(s);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition)) << WeightFormatName(f);
+    EXPECT_NE(st.message().find("runs bf16 and nvfp4 checkpoints only"), std::string::npos) << st;
+  }
+  checkpoint_->weights.format = WeightFormat::kNvfp4;
+  const std::vector<uint8_t> codes(16 * 16, 1), scales(16, 0x38);
+  const std::vector<float> global(16, 1.0f);
+  checkpoint_->weights.sc_up_proj = cpu::PackedMatrix::Quantized(
+      cpu::QuantMatrix::FromNvfp4(codes.data(), scales.data(), global.data(), 1.0f, 16, 16));
+  const absl::Status st = Create(s);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_NE(st.message().find("self-conditioning MLP"), std::string::npos) << st;
 }
 
 }  // namespace
