@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build-gpu}
 DEST=${2:-gpubundle}
 BINS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
-  engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test
+  engine/cuda/cuda_attention_tc_test engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test
   engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
   engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
   engine/cuda/cuda_moe_test engine/cuda/cuda_backend_w4a16_test kvstore/kvstore_nccl_self_send_test gateway/dgserve-gateway

@@ -12,7 +12,7 @@ check() {  # $1: description, rest: a command that must succeed
   if "$@"; then echo "ok: $what"; else echo "FAILED: $what"; fails=$((fails + 1)); fi
 }
 BINS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
-  engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test
+  engine/cuda/cuda_attention_tc_test engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test
   engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
   engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
   engine/cuda/cuda_moe_test engine/cuda/cuda_backend_w4a16_test kvstore/kvstore_nccl_self_send_test gateway/dgserve-gateway
