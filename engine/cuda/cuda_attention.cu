@@ -44,6 +44,7 @@ struct Keys {
   const int32_t* block_table;
   int block_size;
   int first_slot;
+  int ring;  // > 0: the context is a ring of `ring` rows (KvContext)
   const float* new_k;
   const float* new_v;
   int rows;  // new tokens (= query rows)
@@ -73,6 +74,8 @@ __device__ __forceinline__ int64_t KeyRowOffset(const Keys& s, int j, int g) {
     if (s.block_table != nullptr) {
       const int slot = s.first_slot + j;
       row = int64_t(s.block_table[slot / s.block_size]) * s.block_size + slot % s.block_size;
+    } else if (s.ring > 0) {
+      row = (s.first_slot + j) % s.ring;
     } else {
       row = j;
     }
@@ -209,11 +212,15 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t kvw = int64_t(kv_heads) * head_dim, qw = int64_t(num_heads) * head_dim;
   Keys keys;
   keys.ctx_tokens = seg.ctx_tokens - seg.ctx_first;
-  keys.ctx_k = keys.ctx_tokens > 0 ? seg.ctx_k + seg.ctx_first * kvw : nullptr;
-  keys.ctx_v = keys.ctx_tokens > 0 ? seg.ctx_v + seg.ctx_first * kvw : nullptr;
+  // Contiguous: the arrays from token ctx_first. Ring: from row 0, token j of the window (position
+  // ctx_first + j) in row (ctx_first + j) % ring (KeyRowOffset).
+  const int64_t ctx_row0 = seg.ring > 0 ? 0 : seg.ctx_first;
+  keys.ctx_k = keys.ctx_tokens > 0 ? seg.ctx_k + ctx_row0 * kvw : nullptr;
+  keys.ctx_v = keys.ctx_tokens > 0 ? seg.ctx_v + ctx_row0 * kvw : nullptr;
   keys.block_table = nullptr;
   keys.block_size = 0;
-  keys.first_slot = 0;
+  keys.first_slot = seg.ring > 0 ? seg.ctx_first : 0;
+  keys.ring = seg.ring;
   keys.new_k = k_new + seg.row0 * kvw;
   keys.new_v = v_new + seg.row0 * kvw;
   keys.rows = seg.rows;
@@ -222,7 +229,6 @@ __global__ void __launch_bounds__(kThreads)
   AttentionBlock<kPerLane>(q + seg.row0 * qw, keys, num_heads, group, kCanvas, window,
                            out + seg.row0 * qw, blockIdx.x);
 }
-
 
 template <int kPerLane>
 absl::Status Launch(const float* q, const Keys& keys, int num_heads, int group, int mode,
@@ -252,7 +258,8 @@ absl::Status Attention(int mode, const char* name, const float* q, const float* 
   }
   if (ctx.tokens < 0 || (ctx.tokens > 0 && (ctx.k == nullptr || ctx.v == nullptr)) ||
       (ctx.tokens > 0 && ctx.block_table != nullptr &&
-       (ctx.block_size <= 0 || ctx.first_slot < 0))) {
+       (ctx.block_size <= 0 || ctx.first_slot < 0 || ctx.ring != 0)) ||
+      (ctx.tokens > 0 && ctx.ring != 0 && (ctx.ring < ctx.tokens || ctx.first_slot < 0))) {
     return absl::InvalidArgumentError(n + ": bad context K/V");
   }
   if (rows == 0) return absl::OkStatus();
@@ -269,6 +276,7 @@ absl::Status Attention(int mode, const char* name, const float* q, const float* 
   keys.block_table = ctx.tokens > 0 ? ctx.block_table : nullptr;
   keys.block_size = ctx.block_size;
   keys.first_slot = ctx.first_slot;
+  keys.ring = ctx.tokens > 0 && ctx.block_table == nullptr ? ctx.ring : 0;
   keys.new_k = k_new;
   keys.new_v = v_new;
   keys.rows = rows;
@@ -307,7 +315,6 @@ absl::Status LaunchTable(const float* q, const float* k_new, const float* v_new,
 }
 
 }  // namespace
-
 
 absl::Status PrefillAttention(const float* q, const float* k_new, const float* v_new, int rows,
                               const KvContext& context, int num_heads, int kv_heads,

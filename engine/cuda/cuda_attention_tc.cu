@@ -1,12 +1,11 @@
 // The tensor-core attention kernels: TensorCoreCanvasAttention (with split-KV) and
 // TensorCorePrefillAttention (cuda_attention.h). The float32 ones are in cuda_attention.cu.
-#include "engine/cuda/cuda_attention.h"
-
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
 
+#include "engine/cuda/cuda_attention.h"
 #include "engine/cuda/cuda_attention_common.cuh"
 #include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
@@ -193,7 +192,8 @@ __global__ void __launch_bounds__(kTcThreads)
         const int j = kb + jj;
         const float *kr, *vr;
         if (j < seg.ctx_tokens) {
-          const int64_t off = (int64_t(j) * kv_heads + g) * hd + d;
+          const int row = seg.ring > 0 ? j % seg.ring : j;  // a sliding layer's ring
+          const int64_t off = (int64_t(row) * kv_heads + g) * hd + d;
           kr = seg.ctx_k + off;
           vr = seg.ctx_v + off;
         } else {

@@ -1,8 +1,6 @@
 // The tensor-core attention kernels (TensorCoreCanvasAttention with split-KV,
 // TensorCorePrefillAttention) against a float64 reference of spec §3.1.5 / §3.4 / §3.5 (label
 // `gpu`; skipped without a GPU).
-#include "engine/cuda/cuda_attention.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,6 +8,7 @@
 #include <vector>
 
 #include "common/testing/status_matchers.h"
+#include "engine/cuda/cuda_attention.h"
 #include "engine/cuda/cuda_attention_test_util.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "gtest/gtest.h"
@@ -47,6 +46,7 @@ constexpr float kTcTolFloat = 2e-2f;
 
 struct TcSegment {
   int ctx, rows, window;
+  int ring = 0;  // > 0: the context as a ring of this many rows (ToRing), CanvasSegment::ring
 };
 
 // The tensor-core kernels' fixture: kind_ picks TensorCoreCanvasAttention or
@@ -79,7 +79,12 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
       t.rows = segs[i].rows;
       t.ctx_tokens = segs[i].ctx;
       t.ctx_first = CanvasWindowStart(segs[i].ctx, segs[i].window);
-      if (segs[i].ctx > 0) {
+      if (segs[i].ctx > 0 && segs[i].ring > 0) {
+        // A sliding layer's ring: the window's rows only, NaN elsewhere.
+        t.ring = segs[i].ring;
+        t.ctx_k = Upload(ToRing(data[i].k_ctx, t.ctx_first, t.ctx_tokens, int(kw), t.ring));
+        t.ctx_v = Upload(ToRing(data[i].v_ctx, t.ctx_first, t.ctx_tokens, int(kw), t.ring));
+      } else if (segs[i].ctx > 0) {
         // Context before ctx_first is never read: NaN there would show in the output.
         std::vector<float> kc = data[i].k_ctx, vc = data[i].v_ctx;
         std::fill_n(kc.begin(), size_t(t.ctx_first) * kw, NAN);
@@ -124,6 +129,7 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
         p.rows = t.rows;
         p.ctx_tokens = t.ctx_tokens;
         p.ctx_first = ctx_first_zero ? 0 : t.ctx_first;
+        p.ring = t.ring;
         prefill.push_back(p);
       }
       EXPECT_THAT(TensorCorePrefillAttention(Upload(q), Upload(k), Upload(v), Upload(prefill),
@@ -172,6 +178,30 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
     return worst;
   }
 
+  // The segments with their context as a ring (`rings`, one per segment) give the contiguous
+  // context's bits, and the float64 reference within kTcTolFloat.
+  void CheckRing(int heads, int kvh, int hd, std::vector<TcSegment> segs,
+                 const std::vector<int>& rings, uint32_t seed) {
+    std::vector<Data> data;
+    std::vector<Case> cases;
+    const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));  // as CheckBatch's
+    for (const TcSegment& s : segs) {
+      cases.push_back(Case{kind_, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
+      data.push_back(MakeData(cases.back(), seed++));
+    }
+    const std::vector<std::vector<float>> linear = RunBatch(segs, data, heads, kvh, hd);
+    for (size_t i = 0; i < segs.size(); ++i) segs[i].ring = rings[i];
+    const std::vector<std::vector<float>> ringed = RunBatch(segs, data, heads, kvh, hd);
+    for (size_t s = 0; s < segs.size(); ++s) {
+      ASSERT_EQ(ringed[s].size(), linear[s].size());
+      for (size_t i = 0; i < linear[s].size(); ++i) {
+        ASSERT_EQ(std::memcmp(&ringed[s][i], &linear[s][i], 4), 0)
+            << cases[s].Name() << " ring " << rings[s] << " element " << i;
+      }
+      Expect(cases[s], ringed[s], Reference(cases[s], data[s]), kTcTolFloat);
+    }
+  }
+
   const Kind kind_;
   int last_max_splits_ = 0;
   float worst_rounded_ = 0, worst_float_ = 0;  // the largest errors CheckBatch saw
@@ -197,6 +227,16 @@ TEST_F(TensorCoreCanvasAttentionTest, MatchesDoubleReference) {
   CheckBatch(4, 2, 256, segs, 3000);
   CheckBatch(8, 1, 512, segs, 3100);
   CheckBatch(4, 4, 64, segs, 3200);
+}
+
+// A sliding layer's ring (CanvasSegment::ring: W − 1 rows, the least the window needs, W, and
+// odd sizes; contexts up to several rings long, so rows wrap; NaN outside the window) gives the
+// contiguous context's result bit for bit, beside contiguous segments in the same launch.
+TEST_F(TensorCoreCanvasAttentionTest, RingContextMatchesContiguous) {
+  const std::vector<TcSegment> segs = {{0, 7, 8},  {7, 3, 8},   {8, 13, 8},
+                                       {45, 9, 8}, {70, 1, 16}, {33, 17, 16}};
+  CheckRing(4, 2, 256, segs, {7, 7, 8, 13, 15, 0}, 3400);
+  CheckRing(8, 1, 512, segs, {8, 9, 7, 7, 16, 21}, 3500);
 }
 
 // Large scores (standard deviation about 30): the running max keeps exp() in range across tiles.
@@ -437,6 +477,16 @@ TEST_F(TensorCorePrefillAttentionTest, BatchedEqualsSolo) {
   }
 }
 
+// A sliding layer's ring (CanvasSegment::ring: W − 1 rows, the least the window needs, W, and
+// odd sizes; contexts up to several rings long, so rows wrap; NaN outside the window) gives the
+// contiguous context's result bit for bit, with a chunk of 40 new rows (longer than the window:
+// its own keys come from k_new).
+TEST_F(TensorCorePrefillAttentionTest, RingContextMatchesContiguous) {
+  const std::vector<TcSegment> segs = {{0, 5, 8}, {7, 3, 8}, {8, 13, 8}, {29, 40, 8}, {70, 17, 8}};
+  CheckRing(4, 2, 256, segs, {7, 7, 8, 13, 7}, 6100);
+  CheckRing(4, 4, 64, segs, {8, 9, 7, 7, 11}, 6200);
+}
+
 TEST(TensorCorePrefillAttentionArgsTest, BadShapesAreInvalidArgument) {
   EXPECT_THAT(
       TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 0, nullptr),
@@ -451,7 +501,6 @@ TEST(TensorCorePrefillAttentionArgsTest, BadShapesAreInvalidArgument) {
       TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 256, 8, nullptr),
       StatusIs(absl::StatusCode::kInvalidArgument));
 }
-
 
 }  // namespace
 }  // namespace dgserve::cuda::attention_test

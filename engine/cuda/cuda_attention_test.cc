@@ -214,9 +214,92 @@ TEST_F(CudaAttentionTest, CanvasTableEqualsEachCanvasAlone) {
   }
 }
 
+// A sliding layer's ring (the context's window kept modulo `ring` rows: W − 1, the least the
+// window needs, W, and an odd size; contexts shorter than the window, at its edge and several
+// rings longer, so rows wrap; every row outside the window NaN) gives the contiguous result bit
+// for bit: PrefillAttention through KvContext::ring (20 new rows: a chunk longer than the window,
+// its own keys read from k_new) and CanvasAttentionTable through CanvasSegment::ring.
+TEST_F(CudaAttentionTest, RingContextMatchesContiguous) {
+  const int window = 8;
+  uint32_t seed = 7000;
+  int compared = 0;
+  for (const int hd : {32, 256}) {
+    for (const int ring : {window - 1, window, 13}) {
+      for (const int ctx : {0, 5, 7, 8, 29, 70}) {
+        for (const Kind kind : {Kind::kPrefill, Kind::kCanvas}) {
+          const Case c{kind, 4, 2, hd, ctx, kind == Kind::kPrefill ? 20 : 9, window, 1.0f};
+          const Data d = MakeData(c, seed++);
+          const int kvw = c.kv_heads * hd, qw = c.heads * hd;
+          const int first = CanvasWindowStart(ctx, window);  // row 0's window start for both
+          const float *lk = nullptr, *lv = nullptr, *rk = nullptr, *rv = nullptr;
+          if (ctx > 0) {
+            lk = Upload(d.k_ctx);
+            lv = Upload(d.v_ctx);
+            rk = Upload(ToRing(d.k_ctx, first, ctx, kvw, ring));
+            rv = Upload(ToRing(d.v_ctx, first, ctx, kvw, ring));
+          }
+          std::vector<float> linear, ringed;
+          if (kind == Kind::kPrefill) {
+            KvContext lin, rng;
+            lin.tokens = rng.tokens = ctx - first;
+            if (lin.tokens > 0) {
+              lin.k = lk + size_t(first) * kvw;
+              lin.v = lv + size_t(first) * kvw;
+              rng.k = rk;
+              rng.v = rv;
+            }
+            rng.first_slot = first;
+            rng.ring = ring;
+            linear = Run(c, d, &lin);
+            ringed = Run(c, d, &rng);
+          } else {
+            for (const bool use_ring : {false, true}) {
+              CanvasSegment t;
+              t.ctx_k = use_ring ? rk : lk;
+              t.ctx_v = use_ring ? rv : lv;
+              t.rows = c.rows;
+              t.ctx_tokens = ctx;
+              t.ctx_first = first;
+              t.ring = use_ring ? ring : 0;
+              float* out = Alloc<float>(size_t(c.rows) * qw, 0xFF);
+              ASSERT_THAT(CanvasAttentionTable(Upload(d.q), Upload(d.k_new), Upload(d.v_new),
+                                               Upload(std::vector<CanvasSegment>{t}), 1, c.rows,
+                                               c.heads, c.kv_heads, hd, window, out),
+                          IsOk());
+              (use_ring ? ringed : linear) = Download(out, size_t(c.rows) * qw);
+            }
+          }
+          ASSERT_EQ(ringed.size(), linear.size());
+          for (size_t i = 0; i < linear.size(); ++i) {
+            ASSERT_EQ(std::memcmp(&ringed[i], &linear[i], 4), 0)
+                << c.Name() << " ring " << ring << " element " << i;
+          }
+          Expect(c, ringed, Reference(c, d), 2e-5f);
+          ++compared;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(compared, 72);
+}
+
 // Argument checks return before touching the device: these run without a GPU too.
 TEST(CudaAttentionArgsTest, BadShapesAreInvalidArgument) {
   const KvContext none;
+  // A ring shorter than the context it holds, and a ring with a block table.
+  float dummy = 0;
+  KvContext short_ring;
+  short_ring.k = short_ring.v = &dummy;
+  short_ring.tokens = 8;
+  short_ring.ring = 7;
+  EXPECT_THAT(PrefillAttention(&dummy, &dummy, &dummy, 1, short_ring, 4, 2, 64, 8, &dummy),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  KvContext paged_ring = short_ring;
+  paged_ring.ring = 8;
+  paged_ring.block_table = reinterpret_cast<const int32_t*>(&dummy);
+  paged_ring.block_size = 16;
+  EXPECT_THAT(CanvasAttention(&dummy, &dummy, &dummy, 1, paged_ring, 4, 2, 64, 8, &dummy),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(PrefillAttention(nullptr, nullptr, nullptr, 0, none, 4, 2, 64, 0, nullptr), IsOk());
   EXPECT_THAT(PrefillAttention(nullptr, nullptr, nullptr, 4, none, 4, 3, 64, 0, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));

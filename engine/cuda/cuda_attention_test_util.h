@@ -105,6 +105,19 @@ inline std::vector<float> Reference(const Case& c, const Data& d) {
   return out;
 }
 
+// A sliding layer's device ring (cuda_attention.h, KvContext / CanvasSegment::ring): the rows
+// [first, ctx) of a contiguous [ctx, kvw] context array kept modulo `ring` rows (position p in
+// row p % ring; ring ≥ ctx − first), every other element NaN (never read: a read shows in the
+// output).
+inline std::vector<float> ToRing(const std::vector<float>& rows, int first, int ctx, int kvw,
+                                 int ring) {
+  std::vector<float> r(size_t(ring) * kvw, NAN);
+  for (int p = first; p < ctx; ++p) {
+    std::copy_n(&rows[size_t(p) * kvw], kvw, &r[size_t(p % ring) * kvw]);
+  }
+  return r;
+}
+
 class CudaAttentionTest : public CudaTest {
  protected:
   // Runs the case on the device with contiguous context K/V (or the given paged context).
@@ -124,10 +137,8 @@ class CudaAttentionTest : public CudaTest {
     const float* v = Upload(d.v_new);
     const absl::Status st =
         c.kind == Kind::kPrefill
-            ? PrefillAttention(q, k, v, c.rows, ctx, c.heads, c.kv_heads, c.head_dim, c.window,
-                               out)
-            : CanvasAttention(q, k, v, c.rows, ctx, c.heads, c.kv_heads, c.head_dim, c.window,
-                              out);
+            ? PrefillAttention(q, k, v, c.rows, ctx, c.heads, c.kv_heads, c.head_dim, c.window, out)
+            : CanvasAttention(q, k, v, c.rows, ctx, c.heads, c.kv_heads, c.head_dim, c.window, out);
     EXPECT_THAT(st, ::dgserve::testing::IsOk()) << c.Name();
     return Download(out, n);
   }
