@@ -417,8 +417,10 @@ int Run() {
       size_t free_b = 0, total_b = 0;
       if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && free_b < total_b) {
         device_free = double(free_b);
-        // Mirrors already made are reused; every sequence beyond needs one, and the rows' scratch.
-        device_need = std::max(0, B - mirrors) * kv_seq + double(B) * C * DeviceBytesPerRow(c);
+        // Mirrors already made are reused; every sequence beyond needs one (its full layers'
+        // capacity up to twice the context), and the rows' scratch.
+        device_need = std::max(0, B - mirrors) * 2.0 * double(CudaKvBytesPerSequence(c, P)) +
+                      double(B) * C * DeviceBytesPerRow(c);
       }
     }
 #endif
@@ -639,6 +641,9 @@ int Run() {
       absl::StrAppend(&extra, " copy_gbs=", Fmt(copy_gbs, "%.1f"),
                       " gemm_tflops=", Fmt(gemm_tflops, "%.1f"),
                       " weight_bw_share=", Fmt(copy_share, "%.4f"));
+#ifdef DGSERVE_HAVE_CUDA
+      absl::StrAppend(&extra, " kv_device_bytes_per_seq=", CudaKvBytesPerSequence(c, P));
+#endif
     }
     const auto peak_rss = PeakResidentBytes();
     // The checkpoint's weight format (issue 37) and its weights' bytes as held in memory.

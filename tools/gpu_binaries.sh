@@ -6,7 +6,7 @@
 #   source tools/gpu_binaries.sh          # sets GPU_TESTS, CLUSTER_BINS, BENCH_BINS, GPU_BUNDLE_BINS
 #   bash tools/gpu_binaries.sh --targets  # prints the CMake target names of GPU_BUNDLE_BINS
 GPU_TESTS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test
-  engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test
+  engine/cuda/cuda_attention_tc_test engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test
   engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
   engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
   engine/cuda/cuda_moe_test engine/cuda/cuda_moe_w4a16_test engine/cuda/cuda_backend_w4a16_test

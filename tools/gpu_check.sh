@@ -497,7 +497,8 @@ sanitizer_step() {
   [ -n "$san" ] || { report "sanitizer: compute-sanitizer not found"; return; }
   local filter
   for rel in engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda_attention_test \
-      engine/cuda/cuda_vocab_test engine/cuda/cuda_soft_embed_test \
+      engine/cuda/cuda_attention_tc_test engine/cuda/cuda_vocab_test \
+      engine/cuda/cuda_soft_embed_test \
       engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_mma_test \
       engine/cuda/cuda_moe_test engine/cuda/cuda_moe_w4a16_test engine/cuda/cuda_nvfp4_test \
       engine/cuda/cuda_synthetic_test; do

@@ -20,18 +20,25 @@
 
 namespace dgserve::cuda {
 
-// The cached context K/V of one layer. Either contiguous [tokens, kv_heads, head_dim] arrays
-// (block_table == nullptr; context token j is row j), or a paged pool
-// [num_blocks, block_size, kv_heads, head_dim] where context token j lives in slot
-// s = first_slot + j: block block_table[s / block_size], row s % block_size of that block.
-// tokens = 0 (no context) needs no pointers.
+// The cached context K/V of one layer, in one of three layouts:
+//   contiguous  [tokens, kv_heads, head_dim] arrays (block_table == nullptr, ring == 0): context
+//               token j is row j;
+//   ring        [ring, kv_heads, head_dim] arrays (block_table == nullptr, ring ≥ tokens > 0): a
+//               sliding layer's window kept modulo `ring` rows, context token j in row
+//               (first_slot + j) % ring (first_slot: the position of token 0);
+//   paged       a pool [num_blocks, block_size, kv_heads, head_dim] where context token j lives
+//               in slot s = first_slot + j: block block_table[s / block_size], row
+//               s % block_size of that block.
+// tokens = 0 (no context) needs no pointers. A ring shorter than `tokens`, or a ring with a block
+// table, is INVALID_ARGUMENT.
 struct KvContext {
   const float* k = nullptr;
   const float* v = nullptr;
   int tokens = 0;
   const int32_t* block_table = nullptr;  // device int32, or nullptr for contiguous K/V
   int block_size = 0;                    // tokens per block (paged only)
-  int first_slot = 0;                    // slot of context token 0 (paged only)
+  int first_slot = 0;                    // slot of context token 0 (paged and ring only)
+  int ring = 0;                          // rows of a ring (0: not a ring)
 };
 
 // Largest head_dim the kernels support.
@@ -70,8 +77,11 @@ namespace dgserve::cuda {
 //
 // One segment of the table (device memory): query rows [row0, row0 + rows) of q / k_new / v_new
 // / out; its context K/V ctx_k / ctx_v, contiguous [ctx_tokens, kv_heads, head_dim] (token j is
-// row j); every row sees context tokens [ctx_first, ctx_tokens) (the window start: 0 for full
-// layers, CanvasWindowStart for sliding ones) and all `rows` canvas keys.
+// row j) when ring == 0, else a ring of `ring` rows [ring, kv_heads, head_dim] (token j is row
+// j % ring: a sliding layer's device mirror keeps only its window; needs
+// ring ≥ ctx_tokens − ctx_first, so the visible tokens have distinct rows); every row sees
+// context tokens [ctx_first, ctx_tokens) (the window start: 0 for full layers, CanvasWindowStart
+// for sliding ones) and all `rows` canvas keys.
 struct CanvasSegment {
   const float* ctx_k = nullptr;
   const float* ctx_v = nullptr;
@@ -79,6 +89,7 @@ struct CanvasSegment {
   int rows = 0;
   int ctx_tokens = 0;
   int ctx_first = 0;
+  int ring = 0;  // rows of the context ring (0: contiguous)
 };
 
 // First context token a canvas row sees (spec §3.5): 0 when window ≤ 0, else the last
@@ -166,9 +177,11 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
 //
 // One segment of the table (device memory), CanvasSegment's fields: new rows [row0, row0 + rows)
 // of q / k_new / v_new / out (positions ctx_tokens … ctx_tokens + rows − 1); its context K/V
-// ctx_k / ctx_v, contiguous [ctx_tokens, kv_heads, head_dim] (token j is row j; only tokens ≥
-// ctx_first are read: 0 for full layers, CanvasWindowStart(ctx_tokens, window) — row 0's window
-// start — for sliding ones).
+// ctx_k / ctx_v, contiguous [ctx_tokens, kv_heads, head_dim] (token j is row j) or a ring of
+// `ring` rows (token j is row j % ring, as CanvasSegment's); only tokens ≥ ctx_first are read: 0
+// for full layers, CanvasWindowStart(ctx_tokens, window) — row 0's window start — for sliding
+// ones. The segment's own rows are read from k_new / v_new, so a ring needs only
+// ring ≥ ctx_tokens − ctx_first (the context part of the window), whatever `rows` is.
 using PrefillSegment = CanvasSegment;
 
 // Runs every segment of `segments` (a DEVICE array of num_segments entries) in one launch whose

@@ -1,160 +1,23 @@
-// The attention kernels against a float64 reference of spec §3.1.5 / §3.4 / §3.5 (label `gpu`;
-// skipped without a GPU).
+// The float32 attention kernels (PrefillAttention, CanvasAttention, CanvasAttentionTable) against a
+// float64 reference of spec §3.1.5 / §3.4 / §3.5 (label `gpu`; skipped without a GPU).
 #include "engine/cuda/cuda_attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <numeric>
-#include <random>
-#include <sstream>
-#include <string>
 #include <vector>
 
 #include "common/testing/status_matchers.h"
+#include "engine/cuda/cuda_attention_test_util.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "gtest/gtest.h"
 
-namespace dgserve::cuda {
+namespace dgserve::cuda::attention_test {
 namespace {
 
 using ::dgserve::testing::IsOk;
 using ::dgserve::testing::StatusIs;
-
-enum class Kind { kPrefill, kCanvas };
-
-struct Case {
-  Kind kind;
-  int heads, kv_heads, head_dim, ctx, rows, window;
-  float scale;  // uniform(−scale, scale) for q and k; v is uniform(−1, 1)
-
-  std::string Name() const {
-    std::ostringstream s;
-    s << (kind == Kind::kPrefill ? "prefill" : "canvas") << " heads " << heads << "/" << kv_heads
-      << " head_dim " << head_dim << " ctx " << ctx << " rows " << rows << " window " << window
-      << " scale " << scale;
-    return s.str();
-  }
-};
-
-struct Data {
-  std::vector<float> q, k_ctx, v_ctx, k_new, v_new;
-};
-
-std::vector<float> Random(size_t n, float scale, std::mt19937& gen) {
-  std::uniform_real_distribution<float> dist(-scale, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(gen);
-  return v;
-}
-
-Data MakeData(const Case& c, uint32_t seed) {
-  std::mt19937 gen(seed);
-  Data d;
-  const size_t kvw = size_t(c.kv_heads) * c.head_dim;
-  d.q = Random(size_t(c.rows) * c.heads * c.head_dim, c.scale, gen);
-  d.k_ctx = Random(size_t(c.ctx) * kvw, c.scale, gen);
-  d.v_ctx = Random(size_t(c.ctx) * kvw, 1.0f, gen);
-  d.k_new = Random(size_t(c.rows) * kvw, c.scale, gen);
-  d.v_new = Random(size_t(c.rows) * kvw, 1.0f, gen);
-  return d;
-}
-
-// Straightforward float64 attention: for each (row, head) the visible keys of the spec's rule,
-// scores q·k (scale 1), softmax, Σ p·v.
-std::vector<float> Reference(const Case& c, const Data& d) {
-  const int hd = c.head_dim, group = c.heads / c.kv_heads, nkeys = c.ctx + c.rows;
-  std::vector<float> out(size_t(c.rows) * c.heads * hd);
-  std::vector<double> scores(nkeys);
-  for (int r = 0; r < c.rows; ++r) {
-    for (int h = 0; h < c.heads; ++h) {
-      const int g = h / group;
-      const float* q = &d.q[(size_t(r) * c.heads + h) * hd];
-      auto key = [&](int j, bool value) -> const float* {
-        const std::vector<float>& src =
-            j < c.ctx ? (value ? d.v_ctx : d.k_ctx) : (value ? d.v_new : d.k_new);
-        const int row = j < c.ctx ? j : j - c.ctx;
-        return &src[(size_t(row) * c.kv_heads + g) * hd];
-      };
-      auto visible = [&](int j) {
-        if (c.kind == Kind::kPrefill) {
-          const int qpos = c.ctx + r;  // positions relative to the first context token
-          return j <= qpos && (c.window <= 0 || qpos - j < c.window);
-        }
-        if (j >= c.ctx) return true;  // every canvas key
-        return c.window <= 0 || j >= c.ctx - std::min(c.ctx, c.window - 1);
-      };
-      double mx = -INFINITY;
-      for (int j = 0; j < nkeys; ++j) {
-        if (!visible(j)) continue;
-        const float* k = key(j, false);
-        double s = 0;
-        for (int i = 0; i < hd; ++i) s += double(q[i]) * k[i];
-        scores[j] = s;
-        mx = std::max(mx, s);
-      }
-      double sum = 0;
-      std::vector<double> acc(hd, 0.0);
-      for (int j = 0; j < nkeys; ++j) {
-        if (!visible(j)) continue;
-        const double p = std::exp(scores[j] - mx);
-        sum += p;
-        const float* v = key(j, true);
-        for (int i = 0; i < hd; ++i) acc[i] += p * v[i];
-      }
-      for (int i = 0; i < hd; ++i) out[(size_t(r) * c.heads + h) * hd + i] = float(acc[i] / sum);
-    }
-  }
-  return out;
-}
-
-class CudaAttentionTest : public CudaTest {
- protected:
-  // Runs the case on the device with contiguous context K/V (or the given paged context).
-  std::vector<float> Run(const Case& c, const Data& d, const KvContext* paged = nullptr) {
-    KvContext ctx;
-    if (paged != nullptr) {
-      ctx = *paged;
-    } else {
-      ctx.k = Upload(d.k_ctx);
-      ctx.v = Upload(d.v_ctx);
-      ctx.tokens = c.ctx;
-    }
-    const size_t n = size_t(c.rows) * c.heads * c.head_dim;
-    float* out = Alloc<float>(n, 0xFF);
-    const float* q = Upload(d.q);
-    const float* k = Upload(d.k_new);
-    const float* v = Upload(d.v_new);
-    const absl::Status st =
-        c.kind == Kind::kPrefill
-            ? PrefillAttention(q, k, v, c.rows, ctx, c.heads, c.kv_heads, c.head_dim, c.window,
-                               out)
-            : CanvasAttention(q, k, v, c.rows, ctx, c.heads, c.kv_heads, c.head_dim, c.window,
-                              out);
-    EXPECT_THAT(st, IsOk()) << c.Name();
-    return Download(out, n);
-  }
-
-  void Expect(const Case& c, const std::vector<float>& got, const std::vector<float>& want,
-              float tol) {
-    ASSERT_EQ(got.size(), want.size());
-    float worst = 0;
-    size_t worst_i = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const float diff = std::isnan(got[i]) ? INFINITY : std::fabs(got[i] - want[i]);
-      if (diff > worst) {
-        worst = diff;
-        worst_i = i;
-      }
-    }
-    const size_t per_row = size_t(c.heads) * c.head_dim;
-    EXPECT_LE(worst, tol) << c.Name() << ": worst at row " << worst_i / per_row << " head "
-                          << worst_i % per_row / c.head_dim << " dim " << worst_i % c.head_dim
-                          << ": got " << got[worst_i] << ", want " << want[worst_i];
-  }
-};
 
 // Random small shapes: heads 4 with kv heads 2 and 1 (and the model's 16/8 and 16/2), every
 // head_dim template (16, 32, 64, 256, 512; 48 and 80 leave lanes partly idle), context 0..70
@@ -351,9 +214,92 @@ TEST_F(CudaAttentionTest, CanvasTableEqualsEachCanvasAlone) {
   }
 }
 
+// A sliding layer's ring (the context's window kept modulo `ring` rows: W − 1, the least the
+// window needs, W, and an odd size; contexts shorter than the window, at its edge and several
+// rings longer, so rows wrap; every row outside the window NaN) gives the contiguous result bit
+// for bit: PrefillAttention through KvContext::ring (20 new rows: a chunk longer than the window,
+// its own keys read from k_new) and CanvasAttentionTable through CanvasSegment::ring.
+TEST_F(CudaAttentionTest, RingContextMatchesContiguous) {
+  const int window = 8;
+  uint32_t seed = 7000;
+  int compared = 0;
+  for (const int hd : {32, 256}) {
+    for (const int ring : {window - 1, window, 13}) {
+      for (const int ctx : {0, 5, 7, 8, 29, 70}) {
+        for (const Kind kind : {Kind::kPrefill, Kind::kCanvas}) {
+          const Case c{kind, 4, 2, hd, ctx, kind == Kind::kPrefill ? 20 : 9, window, 1.0f};
+          const Data d = MakeData(c, seed++);
+          const int kvw = c.kv_heads * hd, qw = c.heads * hd;
+          const int first = CanvasWindowStart(ctx, window);  // row 0's window start for both
+          const float *lk = nullptr, *lv = nullptr, *rk = nullptr, *rv = nullptr;
+          if (ctx > 0) {
+            lk = Upload(d.k_ctx);
+            lv = Upload(d.v_ctx);
+            rk = Upload(ToRing(d.k_ctx, first, ctx, kvw, ring));
+            rv = Upload(ToRing(d.v_ctx, first, ctx, kvw, ring));
+          }
+          std::vector<float> linear, ringed;
+          if (kind == Kind::kPrefill) {
+            KvContext lin, rng;
+            lin.tokens = rng.tokens = ctx - first;
+            if (lin.tokens > 0) {
+              lin.k = lk + size_t(first) * kvw;
+              lin.v = lv + size_t(first) * kvw;
+              rng.k = rk;
+              rng.v = rv;
+            }
+            rng.first_slot = first;
+            rng.ring = ring;
+            linear = Run(c, d, &lin);
+            ringed = Run(c, d, &rng);
+          } else {
+            for (const bool use_ring : {false, true}) {
+              CanvasSegment t;
+              t.ctx_k = use_ring ? rk : lk;
+              t.ctx_v = use_ring ? rv : lv;
+              t.rows = c.rows;
+              t.ctx_tokens = ctx;
+              t.ctx_first = first;
+              t.ring = use_ring ? ring : 0;
+              float* out = Alloc<float>(size_t(c.rows) * qw, 0xFF);
+              ASSERT_THAT(CanvasAttentionTable(Upload(d.q), Upload(d.k_new), Upload(d.v_new),
+                                               Upload(std::vector<CanvasSegment>{t}), 1, c.rows,
+                                               c.heads, c.kv_heads, hd, window, out),
+                          IsOk());
+              (use_ring ? ringed : linear) = Download(out, size_t(c.rows) * qw);
+            }
+          }
+          ASSERT_EQ(ringed.size(), linear.size());
+          for (size_t i = 0; i < linear.size(); ++i) {
+            ASSERT_EQ(std::memcmp(&ringed[i], &linear[i], 4), 0)
+                << c.Name() << " ring " << ring << " element " << i;
+          }
+          Expect(c, ringed, Reference(c, d), 2e-5f);
+          ++compared;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(compared, 72);
+}
+
 // Argument checks return before touching the device: these run without a GPU too.
 TEST(CudaAttentionArgsTest, BadShapesAreInvalidArgument) {
   const KvContext none;
+  // A ring shorter than the context it holds, and a ring with a block table.
+  float dummy = 0;
+  KvContext short_ring;
+  short_ring.k = short_ring.v = &dummy;
+  short_ring.tokens = 8;
+  short_ring.ring = 7;
+  EXPECT_THAT(PrefillAttention(&dummy, &dummy, &dummy, 1, short_ring, 4, 2, 64, 8, &dummy),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  KvContext paged_ring = short_ring;
+  paged_ring.ring = 8;
+  paged_ring.block_table = reinterpret_cast<const int32_t*>(&dummy);
+  paged_ring.block_size = 16;
+  EXPECT_THAT(CanvasAttention(&dummy, &dummy, &dummy, 1, paged_ring, 4, 2, 64, 8, &dummy),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(PrefillAttention(nullptr, nullptr, nullptr, 0, none, 4, 2, 64, 0, nullptr), IsOk());
   EXPECT_THAT(PrefillAttention(nullptr, nullptr, nullptr, 4, none, 4, 3, 64, 0, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
@@ -371,437 +317,5 @@ TEST(CudaAttentionArgsTest, BadShapesAreInvalidArgument) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
-// ---- TensorCoreCanvasAttention: many canvases in one launch, bf16 operands ----
-
-// Round to bf16 (nearest even) and back, as the kernel stages Q, K and V.
-float RoundBf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-Data RoundedData(const Data& d) {
-  Data r = d;
-  for (std::vector<float>* v : {&r.q, &r.k_ctx, &r.v_ctx, &r.k_new, &r.v_new}) {
-    for (float& x : *v) x = RoundBf16(x);
-  }
-  return r;
-}
-
-// Tolerances (observed worst under the emulation, these shapes: 1.3e-3 and 8.1e-3): against
-// the float64 reference on the bf16-rounded inputs (only P's bf16 rounding and float32 sums
-// differ) and against the float64 reference on the float32 inputs (bf16 Q, K, V).
-constexpr float kTcTolRounded = 3e-3f;
-constexpr float kTcTolFloat = 2e-2f;
-
-struct TcSegment {
-  int ctx, rows, window;
-};
-
-// The tensor-core kernels' fixture: kind_ picks TensorCoreCanvasAttention or
-// TensorCorePrefillAttention (the prefill takes one window for the whole launch: every segment of
-// a batch must have the same window).
-class TensorCoreAttentionTest : public CudaAttentionTest {
- protected:
-  explicit TensorCoreAttentionTest(Kind kind) : kind_(kind) {}
-
-  // Runs `segs` (heads/kv_heads/hd shared) in one launch, rows packed in order with `gap` unused
-  // rows before each segment; returns each segment's output rows. Prefill segments see context
-  // from ctx_first = row 0's window start (or 0 with ctx_first_zero: the row rule alone).
-  // Canvas with split_keys > 0: split-KV with splits of split_keys keys and max_splits the
-  // largest CanvasSplitCount of `segs` (or `max_splits` when > 0); the scratch starts as NaN.
-  std::vector<std::vector<float>> RunBatch(const std::vector<TcSegment>& segs,
-                                           const std::vector<Data>& data, int heads, int kvh,
-                                           int hd, int gap = 1, bool ctx_first_zero = false,
-                                           int split_keys = 0, int max_splits = 0) {
-    const size_t qw = size_t(heads) * hd, kw = size_t(kvh) * hd;
-    std::vector<CanvasSegment> table;
-    std::vector<float> q, k, v;
-    int row = 0;
-    for (size_t i = 0; i < segs.size(); ++i) {
-      row += gap;
-      q.resize(row * qw, 0.0f);
-      k.resize(row * kw, 0.0f);
-      v.resize(row * kw, 0.0f);
-      CanvasSegment t;
-      t.row0 = row;
-      t.rows = segs[i].rows;
-      t.ctx_tokens = segs[i].ctx;
-      t.ctx_first = CanvasWindowStart(segs[i].ctx, segs[i].window);
-      if (segs[i].ctx > 0) {
-        // Context before ctx_first is never read: NaN there would show in the output.
-        std::vector<float> kc = data[i].k_ctx, vc = data[i].v_ctx;
-        std::fill_n(kc.begin(), size_t(t.ctx_first) * kw, NAN);
-        std::fill_n(vc.begin(), size_t(t.ctx_first) * kw, NAN);
-        t.ctx_k = Upload(kc);
-        t.ctx_v = Upload(vc);
-      }
-      table.push_back(t);
-      q.insert(q.end(), data[i].q.begin(), data[i].q.end());
-      k.insert(k.end(), data[i].k_new.begin(), data[i].k_new.end());
-      v.insert(v.end(), data[i].v_new.begin(), data[i].v_new.end());
-      row += segs[i].rows;
-    }
-    const int total = row;
-    float* out = Alloc<float>(total * qw, 0xFF);
-    if (kind_ == Kind::kCanvas && split_keys > 0) {
-      int splits = 1;
-      for (const CanvasSegment& t : table) {
-        splits = std::max(splits, CanvasSplitCount(t.ctx_tokens, t.ctx_first, split_keys));
-      }
-      if (max_splits > 0) splits = max_splits;
-      last_max_splits_ = splits;
-      const size_t bytes = TensorCoreCanvasScratchBytes(total, heads, hd, splits);
-      float* scratch = bytes == 0 ? nullptr : Alloc<float>(bytes / sizeof(float), 0xFF);
-      EXPECT_THAT(TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
-                                            int(table.size()), total, heads, kvh, hd, splits,
-                                            split_keys, scratch, out),
-                  IsOk());
-    } else if (kind_ == Kind::kCanvas) {
-      EXPECT_THAT(TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
-                                            int(table.size()), total, heads, kvh, hd, out),
-                  IsOk());
-    } else {
-      std::vector<PrefillSegment> prefill;
-      for (size_t i = 0; i < table.size(); ++i) {
-        const CanvasSegment& t = table[i];
-        EXPECT_EQ(segs[i].window, segs[0].window) << "one window per prefill launch";
-        PrefillSegment p;
-        p.ctx_k = t.ctx_k;
-        p.ctx_v = t.ctx_v;
-        p.row0 = t.row0;
-        p.rows = t.rows;
-        p.ctx_tokens = t.ctx_tokens;
-        p.ctx_first = ctx_first_zero ? 0 : t.ctx_first;
-        prefill.push_back(p);
-      }
-      EXPECT_THAT(TensorCorePrefillAttention(Upload(q), Upload(k), Upload(v), Upload(prefill),
-                                             int(prefill.size()), total, heads, kvh, hd,
-                                             segs.empty() ? 0 : segs[0].window, out),
-                  IsOk());
-    }
-    const std::vector<float> all = Download(out, total * qw);
-    std::vector<std::vector<float>> res;
-    for (const CanvasSegment& t : table) {
-      res.emplace_back(all.begin() + t.row0 * qw, all.begin() + (t.row0 + t.rows) * qw);
-    }
-    // Rows of no segment are left untouched (0xFF bytes: NaN).
-    for (const CanvasSegment& t : table) {
-      for (size_t i = 0; i < qw; ++i) EXPECT_TRUE(std::isnan(all[(t.row0 - 1) * qw + i]));
-    }
-    return res;
-  }
-
-  void CheckBatch(int heads, int kvh, int hd, const std::vector<TcSegment>& segs, uint32_t seed,
-                  bool ctx_first_zero = false, int split_keys = 0) {
-    std::vector<Data> data;
-    std::vector<Case> cases;
-    for (const TcSegment& s : segs) {
-      const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));
-      cases.push_back(Case{kind_, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
-      data.push_back(MakeData(cases.back(), seed++));
-    }
-    const std::vector<std::vector<float>> got =
-        RunBatch(segs, data, heads, kvh, hd, 1, ctx_first_zero, split_keys);
-    for (size_t i = 0; i < segs.size(); ++i) {
-      const float rounded = Worst(got[i], Reference(cases[i], RoundedData(data[i])));
-      const float plain = Worst(got[i], Reference(cases[i], data[i]));
-      worst_rounded_ = std::max(worst_rounded_, rounded);
-      worst_float_ = std::max(worst_float_, plain);
-      Expect(cases[i], got[i], Reference(cases[i], RoundedData(data[i])), kTcTolRounded);
-      Expect(cases[i], got[i], Reference(cases[i], data[i]), kTcTolFloat);
-    }
-  }
-
-  static float Worst(const std::vector<float>& got, const std::vector<float>& want) {
-    float worst = 0;
-    for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
-      worst = std::max(worst, std::isnan(got[i]) ? INFINITY : std::fabs(got[i] - want[i]));
-    }
-    return worst;
-  }
-
-  const Kind kind_;
-  int last_max_splits_ = 0;
-  float worst_rounded_ = 0, worst_float_ = 0;  // the largest errors CheckBatch saw
-};
-
-class TensorCoreCanvasAttentionTest : public TensorCoreAttentionTest {
- protected:
-  TensorCoreCanvasAttentionTest() : TensorCoreAttentionTest(Kind::kCanvas) {}
-};
-
-class TensorCorePrefillAttentionTest : public TensorCoreAttentionTest {
- protected:
-  TensorCorePrefillAttentionTest() : TensorCoreAttentionTest(Kind::kPrefill) {}
-};
-
-// Both model head dims with the model's GQA groups (2 sliding, 8 full) and group 1; in each
-// launch several canvases of different lengths: odd row counts (not multiples of 16), context 0,
-// windows whose edge falls inside the context (ctx = W − 1: all visible; ctx = W: one hidden;
-// ctx ≫ W), full attention over several key tiles, and one segment per window mode.
-TEST_F(TensorCoreCanvasAttentionTest, MatchesDoubleReference) {
-  const std::vector<TcSegment> segs = {{0, 7, 0},   {0, 5, 8},  {7, 3, 8},  {8, 13, 8},  {45, 9, 8},
-                                       {45, 19, 0}, {70, 1, 0}, {3, 16, 0}, {33, 17, 16}};
-  CheckBatch(4, 2, 256, segs, 3000);
-  CheckBatch(8, 1, 512, segs, 3100);
-  CheckBatch(4, 4, 64, segs, 3200);
-}
-
-// Large scores (standard deviation about 30): the running max keeps exp() in range across tiles.
-TEST_F(TensorCoreCanvasAttentionTest, LargeScoresStayStable) {
-  const int hd = 256;
-  const Case c{Kind::kCanvas, 4, 2, hd, 70, 11, 0, std::sqrt(90.0f / std::sqrt(float(hd)))};
-  const Data d = MakeData(c, 3300);
-  const std::vector<std::vector<float>> got = RunBatch({{c.ctx, c.rows, 0}}, {d}, 4, 2, hd);
-  Expect(c, got[0], Reference(c, RoundedData(d)), 2e-2f);
-}
-
-// A segment's result is the same bit for bit alone or in a batch (another row offset, other
-// segments before and after it).
-TEST_F(TensorCoreCanvasAttentionTest, BatchedEqualsSolo) {
-  for (const int hd : {256, 512}) {
-    const int heads = 4, kvh = hd == 512 ? 1 : 2;
-    const std::vector<TcSegment> segs = {{20, 9, 8}, {37, 11, hd == 512 ? 0 : 8}, {0, 21, 0}};
-    std::vector<Data> data;
-    for (size_t i = 0; i < segs.size(); ++i) {
-      data.push_back(MakeData(
-          Case{Kind::kCanvas, heads, kvh, hd, segs[i].ctx, segs[i].rows, segs[i].window, 1.0f},
-          uint32_t(3400 + hd + i)));
-    }
-    const std::vector<std::vector<float>> batched = RunBatch(segs, data, heads, kvh, hd, 3);
-    const std::vector<std::vector<float>> solo = RunBatch({segs[1]}, {data[1]}, heads, kvh, hd);
-    ASSERT_EQ(batched[1].size(), solo[0].size());
-    for (size_t i = 0; i < solo[0].size(); ++i) {
-      ASSERT_EQ(batched[1][i], solo[0][i]) << "head_dim " << hd << " element " << i;
-    }
-  }
-}
-
-// ---- Split-KV (TensorCoreCanvasAttention with max_splits > 1) ----
-
-// Splits of 64 keys (two key tiles) and of 32 (one tile): contexts in one split (0, 40, exactly
-// 64), two (65: one key past the boundary), three and five; sliding windows starting mid-split
-// (ctx 300, W 100: from 201 inside split 3; ctx 128, W 8: 121, all in split 1), exactly at a
-// boundary (ctx 200, W 73: from 128) and hiding the whole context (W 1: canvas keys alone); full
-// layers (window 0) across several splits; GQA groups 2, 8 and 1; every segment in one call
-// whose max_splits is the longest segment's count.
-TEST_F(TensorCoreCanvasAttentionTest, SplitKvMatchesDoubleReference) {
-  const std::vector<TcSegment> segs = {{0, 7, 0},    {40, 5, 0},   {64, 9, 0},    {65, 3, 0},
-                                       {150, 17, 0}, {300, 11, 0}, {300, 6, 100}, {128, 13, 8},
-                                       {200, 4, 73}, {128, 5, 1}};
-  CheckBatch(4, 2, 256, segs, 7000, false, /*split_keys=*/64);
-  EXPECT_EQ(last_max_splits_, 5);
-  CheckBatch(8, 1, 512, segs, 7100, false, 64);
-  CheckBatch(4, 4, 64, segs, 7200, false, 32);
-  EXPECT_EQ(last_max_splits_, 10);
-  // The model's sliding shape (group 2, head_dim 256) with a window wider than a split.
-  CheckBatch(16, 8, 256, {{190, 9, 70}, {33, 16, 70}}, 7300, false, 32);
-  std::printf("split-KV worst |error|: %.3g (bf16-rounded inputs), %.3g (float32 inputs)\n",
-              worst_rounded_, worst_float_);
-}
-
-// Large scores (standard deviation about 30) over five splits whose maxima differ widely: the
-// combine's rescale keeps exp() in range.
-TEST_F(TensorCoreCanvasAttentionTest, SplitKvLargeScoresStayStable) {
-  const int hd = 256;
-  const Case c{Kind::kCanvas, 4, 2, hd, 150, 11, 0, std::sqrt(90.0f / std::sqrt(float(hd)))};
-  const Data d = MakeData(c, 7400);
-  const std::vector<std::vector<float>> got =
-      RunBatch({{c.ctx, c.rows, 0}}, {d}, 4, 2, hd, 1, false, /*split_keys=*/32);
-  EXPECT_EQ(last_max_splits_, 5);
-  Expect(c, got[0], Reference(c, RoundedData(d)), 2e-2f);
-}
-
-// A row's result is the same bits alone or batched: a long segment (four splits) alone and
-// between others (max_splits 4 or 6); a short segment (one split) alone — the unsplit launch,
-// max_splits 1 — and batched with longer ones (the split launch and the combine); a segment
-// with a sliding window alone and batched.
-TEST_F(TensorCoreCanvasAttentionTest, SplitKvBatchedEqualsSolo) {
-  for (const int hd : {256, 512}) {
-    const int heads = 4, kvh = hd == 512 ? 1 : 2, split = 64;
-    const std::vector<TcSegment> segs = {
-        {20, 9, 0}, {250, 11, 0}, {60, 5, 0}, {380, 7, 0}, {230, 13, 90}};
-    std::vector<Data> data;
-    for (size_t i = 0; i < segs.size(); ++i) {
-      data.push_back(MakeData(
-          Case{Kind::kCanvas, heads, kvh, hd, segs[i].ctx, segs[i].rows, segs[i].window, 1.0f},
-          uint32_t(7500 + hd + i)));
-    }
-    const std::vector<std::vector<float>> batched =
-        RunBatch(segs, data, heads, kvh, hd, 3, false, split);
-    EXPECT_EQ(last_max_splits_, 6);
-    for (const size_t i : {size_t(0), size_t(1), size_t(2), size_t(4)}) {
-      const std::vector<std::vector<float>> solo =
-          RunBatch({segs[i]}, {data[i]}, heads, kvh, hd, 1, false, split);
-      EXPECT_EQ(last_max_splits_, i == 1 ? 4 : i == 4 ? 2 : 1);
-      ASSERT_EQ(batched[i].size(), solo[0].size());
-      for (size_t j = 0; j < solo[0].size(); ++j) {
-        ASSERT_EQ(batched[i][j], solo[0][j])
-            << "head_dim " << hd << " segment " << i << " element " << j;
-      }
-    }
-    // One split through the split launch equals the unsplit launch bit for bit.
-    const std::vector<std::vector<float>> unsplit = RunBatch({segs[0]}, {data[0]}, heads, kvh, hd);
-    const std::vector<std::vector<float>> forced =
-        RunBatch({segs[0]}, {data[0]}, heads, kvh, hd, 1, false, split, /*max_splits=*/3);
-    for (size_t j = 0; j < unsplit[0].size(); ++j) {
-      ASSERT_EQ(forced[0][j], unsplit[0][j]) << "head_dim " << hd << " element " << j;
-    }
-  }
-}
-
-// A bound below a segment's split count is the caller's bug: that segment's rows are NaN (loud),
-// the others exact.
-TEST_F(TensorCoreCanvasAttentionTest, SplitKvBoundTooSmallGivesNaN) {
-  const int hd = 64, heads = 4, kvh = 2;
-  const std::vector<TcSegment> segs = {{200, 3, 0}, {30, 4, 0}};
-  std::vector<Data> data;
-  for (size_t i = 0; i < segs.size(); ++i) {
-    data.push_back(MakeData(Case{Kind::kCanvas, heads, kvh, hd, segs[i].ctx, segs[i].rows, 0, 1.0f},
-                            uint32_t(7700 + i)));
-  }
-  const std::vector<std::vector<float>> got =
-      RunBatch(segs, data, heads, kvh, hd, 1, false, /*split_keys=*/32, /*max_splits=*/3);
-  for (const float x : got[0]) ASSERT_TRUE(std::isnan(x));
-  for (const float x : got[1]) ASSERT_FALSE(std::isnan(x));
-}
-
-TEST(TensorCoreCanvasAttentionArgsTest, SplitKvArguments) {
-  // Split counts: boundaries at multiples of split_keys from context token 0.
-  EXPECT_EQ(CanvasSplitCount(0, 0, 64), 1);
-  EXPECT_EQ(CanvasSplitCount(64, 0, 64), 1);
-  EXPECT_EQ(CanvasSplitCount(65, 0, 64), 2);
-  EXPECT_EQ(CanvasSplitCount(300, 201, 64), 2);  // splits 3 and 4
-  EXPECT_EQ(CanvasSplitCount(128, 128, 64), 1);  // no visible context: the canvas keys alone
-  EXPECT_EQ(CanvasSplitCount(32768, 0), 8);      // kCanvasSplitKeys = 4096
-  EXPECT_EQ(CanvasSplitCount(32768, 32768 - 1023), 1);
-  EXPECT_EQ(TensorCoreCanvasScratchBytes(10, 4, 64, 1), 0u);
-  EXPECT_EQ(TensorCoreCanvasScratchBytes(10, 4, 64, 3), sizeof(float) * 3 * 10 * 4 * 66);
-  // split_keys not a multiple of 32, max_splits < 1, no scratch for max_splits > 1.
-  EXPECT_THAT(TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 2, 48,
-                                        nullptr, nullptr),
-              StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 0, 64,
-                                        nullptr, nullptr),
-              StatusIs(absl::StatusCode::kInvalidArgument));
-  float dummy = 0;
-  const CanvasSegment* seg = reinterpret_cast<const CanvasSegment*>(&dummy);
-  EXPECT_THAT(TensorCoreCanvasAttention(&dummy, &dummy, &dummy, seg, 1, 4, 4, 2, 256, 2, 64,
-                                        nullptr, &dummy),
-              StatusIs(absl::StatusCode::kInvalidArgument));
-}
-
-TEST(TensorCoreCanvasAttentionArgsTest, BadShapesAreInvalidArgument) {
-  EXPECT_THAT(
-      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, nullptr),
-      IsOk());
-  EXPECT_THAT(
-      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 80, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(
-      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 3, 256, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(
-      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 256, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_EQ(CanvasWindowStart(20, 0), 0);
-  EXPECT_EQ(CanvasWindowStart(20, 8), 13);
-  EXPECT_EQ(CanvasWindowStart(7, 8), 0);
-}
-
-// ---- TensorCorePrefillAttention: causal, many prompts in one launch, bf16 operands ----
-
-// Both model head dims with the model's GQA groups (2 sliding, 8 full) and group 1; in each
-// launch several prompts of different lengths (odd row counts, one row, context 0 and > 0).
-// Without a window: the causal diagonal inside and at the end of key tiles (ctx + rows crossing
-// multiples of 32). With window 32 (one key tile): every row whose window start ctx + r + 1 − 32
-// is a multiple of 32 has its window edge exactly at a tile boundary (rows 31, 63 … of a prompt
-// without context; rows 0, 32 … with ctx 31), the others inside a tile; context shorter than,
-// equal to and longer than the window.
-TEST_F(TensorCorePrefillAttentionTest, MatchesDoubleReference) {
-  const std::vector<TcSegment> full = {{0, 7, 0},   {0, 70, 0}, {5, 40, 0},
-                                       {45, 19, 0}, {70, 1, 0}, {32, 33, 0}};
-  const std::vector<TcSegment> sliding = {{0, 70, 32},  {31, 40, 32}, {32, 9, 32},
-                                          {45, 19, 32}, {0, 1, 32},   {3, 16, 32}};
-  CheckBatch(4, 2, 256, full, 5000);
-  CheckBatch(4, 2, 256, sliding, 5100);
-  CheckBatch(8, 1, 512, full, 5200);
-  CheckBatch(8, 1, 512, sliding, 5300);
-  CheckBatch(4, 4, 64, sliding, 5400);
-  // Window 8 (smaller than a block's 16 rows at group 1) and 64 (two tiles).
-  CheckBatch(4, 4, 64, {{0, 37, 8}, {20, 25, 8}}, 5500);
-  CheckBatch(4, 2, 128, {{0, 90, 64}, {64, 40, 64}, {100, 33, 64}}, 5600);
-  // ctx_first 0 for a sliding layer: the per-row window alone hides the older context.
-  CheckBatch(4, 2, 256, {{70, 20, 32}, {33, 5, 32}}, 5700, /*ctx_first_zero=*/true);
-}
-
-// Large scores (standard deviation about 30): the running max keeps exp() in range across tiles
-// whose rows start seeing keys at different tiles.
-TEST_F(TensorCorePrefillAttentionTest, LargeScoresStayStable) {
-  const int hd = 256;
-  for (const int window : {0, 32}) {
-    const Case c{Kind::kPrefill, 4, 2, hd, 70, 45, window, std::sqrt(90.0f / std::sqrt(float(hd)))};
-    const Data d = MakeData(c, 5800 + window);
-    const std::vector<std::vector<float>> got = RunBatch({{c.ctx, c.rows, window}}, {d}, 4, 2, hd);
-    Expect(c, got[0], Reference(c, RoundedData(d)), 2e-2f);
-  }
-}
-
-// Window 1: every row sees only its own key, so the output is its bf16-rounded value row exactly.
-TEST_F(TensorCorePrefillAttentionTest, SingleVisibleKeyReturnsItsValue) {
-  const int hd = 64, heads = 4, kvh = 2, group = heads / kvh;
-  const Case c{Kind::kPrefill, heads, kvh, hd, 40, 37, 1, 3.0f};
-  const Data d = MakeData(c, 5900);
-  const std::vector<float> got = RunBatch({{c.ctx, c.rows, 1}}, {d}, heads, kvh, hd)[0];
-  for (int r = 0; r < c.rows; ++r) {
-    for (int h = 0; h < heads; ++h) {
-      for (int i = 0; i < hd; ++i) {
-        ASSERT_EQ(got[(size_t(r) * heads + h) * hd + i],
-                  RoundBf16(d.v_new[(size_t(r) * kvh + h / group) * hd + i]))
-            << "row " << r << " head " << h << " dim " << i;
-      }
-    }
-  }
-}
-
-// A prompt's result is the same bit for bit alone or in a batch (another row offset, other
-// prompts of other lengths and contexts before and after it).
-TEST_F(TensorCorePrefillAttentionTest, BatchedEqualsSolo) {
-  for (const int hd : {256, 512}) {
-    const int heads = 4, kvh = hd == 512 ? 1 : 2, window = hd == 512 ? 0 : 32;
-    const std::vector<TcSegment> segs = {{20, 9, window}, {37, 50, window}, {0, 21, window}};
-    std::vector<Data> data;
-    for (size_t i = 0; i < segs.size(); ++i) {
-      data.push_back(MakeData(
-          Case{Kind::kPrefill, heads, kvh, hd, segs[i].ctx, segs[i].rows, segs[i].window, 1.0f},
-          uint32_t(6000 + hd + i)));
-    }
-    const std::vector<std::vector<float>> batched = RunBatch(segs, data, heads, kvh, hd, 3);
-    const std::vector<std::vector<float>> solo = RunBatch({segs[1]}, {data[1]}, heads, kvh, hd);
-    ASSERT_EQ(batched[1].size(), solo[0].size());
-    for (size_t i = 0; i < solo[0].size(); ++i) {
-      ASSERT_EQ(batched[1][i], solo[0][i]) << "head_dim " << hd << " element " << i;
-    }
-  }
-}
-
-TEST(TensorCorePrefillAttentionArgsTest, BadShapesAreInvalidArgument) {
-  EXPECT_THAT(
-      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 0, nullptr),
-      IsOk());
-  EXPECT_THAT(
-      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 80, 0, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(
-      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 3, 256, 8, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(
-      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 256, 8, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
-}
-
 }  // namespace
-}  // namespace dgserve::cuda
+}  // namespace dgserve::cuda::attention_test

@@ -173,6 +173,7 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
     auto m = std::make_unique<KvMirror>();
     m->k.resize(c_.num_layers);
     m->v.resize(c_.num_layers);
+    m->ring.assign(c_.num_layers, 0);
     it = mirrors_.emplace(&kv, std::move(m)).first;
   }
   KvMirror* m = it->second.get();
@@ -193,8 +194,12 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
     const int cap = std::max(need, std::max(64, m->capacity * 2));
     for (int l = 0; l < c_.num_layers; ++l) {
       const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
-      DGSERVE_RETURN_IF_ERROR(m->k[l].Grow(size_t(cap) * w, size_t(m->synced) * w));
-      DGSERVE_RETURN_IF_ERROR(m->v[l].Grow(size_t(cap) * w, size_t(m->synced) * w));
+      // A sliding ring shorter than W has not wrapped (capacity > every position): its rows stay.
+      const int rows = MirrorRows(l, cap), old_rows = MirrorRows(l, m->capacity);
+      const size_t keep = size_t(std::min(m->synced, old_rows)) * w;
+      DGSERVE_RETURN_IF_ERROR(m->k[l].Grow(size_t(rows) * w, keep));
+      DGSERVE_RETURN_IF_ERROR(m->v[l].Grow(size_t(rows) * w, keep));
+      m->ring[l] = MirrorRing(l, cap);
     }
     m->capacity = cap;
   }
@@ -207,19 +212,22 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       if (from >= n) continue;
       const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
       for (int which = 0; which < 2; ++which) {
-        host_stage_.resize(size_t(n - from) * w);
-        for (int p = from; p < n; ++p) {
-          const float* row = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
-          std::memcpy(&host_stage_[size_t(p - from) * w], row, w * sizeof(float));
-        }
-        float* dst = (which == 0 ? m->k[l] : m->v[l]).get() + size_t(from) * w;
-        // On stream_ (ordered before the pass's kernels); from pageable memory CUDA stages the
-        // rows before returning, so host_stage_ is free again at once.
-        cuda::NoteUpload();
-        DGSERVE_RETURN_IF_ERROR(
-            CudaCheck(cudaMemcpyAsync(dst, host_stage_.data(), host_stage_.size() * sizeof(float),
-                                      cudaMemcpyHostToDevice, stream_),
-                      "cudaMemcpyAsync (KV upload)"));
+        // Per run of consecutive mirror rows (a sliding layer's ring wraps once at most).
+        DGSERVE_RETURN_IF_ERROR(m->ForEachRun(l, from, n - from, [&](int p0, int row, int count) {
+          host_stage_.resize(size_t(count) * w);
+          for (int p = p0; p < p0 + count; ++p) {
+            const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
+            std::memcpy(&host_stage_[size_t(p - p0) * w], src, w * sizeof(float));
+          }
+          float* dst = (which == 0 ? m->k[l] : m->v[l]).get() + size_t(row) * w;
+          // On stream_ (ordered before the pass's kernels); from pageable memory CUDA stages the
+          // rows before returning, so host_stage_ is free again at once.
+          cuda::NoteUpload();
+          return CudaCheck(
+              cudaMemcpyAsync(dst, host_stage_.data(), host_stage_.size() * sizeof(float),
+                              cudaMemcpyHostToDevice, stream_),
+              "cudaMemcpyAsync (KV upload)");
+        }));
       }
     }
     m->synced = n;
@@ -625,6 +633,23 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackendSynthetic(
   DGSERVE_RETURN_IF_ERROR(backend->Init(SyntheticModelWeights(config, seed, /*matrices=*/false)));
   DGSERVE_RETURN_IF_ERROR(backend->InitSyntheticMatrices(seed));
   return std::unique_ptr<ModelBackend>(std::move(backend));
+}
+
+int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens) {
+  if (context_tokens <= 0) return 0;
+  int64_t bytes = 0;
+  for (int l = 0; l < config.num_layers; ++l) {
+    const int64_t kvw = int64_t(config.KvHeads(l)) * config.HeadDim(l);
+    bytes += 2 * int64_t(cuda_internal::KvMirrorRows(config, l, context_tokens)) * kvw *
+             int64_t(sizeof(float));
+  }
+  return bytes;
+}
+
+std::optional<int64_t> CudaKvMirrorBytes(const ModelBackend& backend, const KvCache& kv) {
+  const auto* b = dynamic_cast<const CudaBackend*>(&backend);
+  if (b == nullptr) return std::nullopt;
+  return b->mirror_bytes(kv);
 }
 
 std::optional<CudaGraphStats> GetCudaGraphStats(const ModelBackend& backend) {

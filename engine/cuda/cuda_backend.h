@@ -9,12 +9,14 @@
 // work runs on the backend's stream, replayed as a CUDA graph per step shape (cuda_graphs).
 //
 // KV cache: the ModelBackend interface hands the backend host-side KvCache objects (contiguous or
-// the paged pool of kvstore/). The backend keeps a device mirror per KvCache — contiguous
-// [capacity, kv_heads·head_dim] float32 K and V per layer, indexed by position — and keeps the
-// host cache authoritative: Encode writes the new K/V rows into the device mirror (device to
-// device) and into the host cache (asynchronous copies into pinned staging, written to the cache
-// when the pass ends or the staging fills: encode_staging_bytes), so every other user of the
-// cache (prefix reuse, transfers, the CPU backend) sees the same rows. A pass uploads only the
+// the paged pool of kvstore/). The backend keeps a device mirror per KvCache — float32 K and V
+// per layer, [capacity, kv_heads·head_dim] indexed by position on full layers, a ring of the
+// window's min(capacity, W) rows (position p in row p % ring) on sliding layers
+// (CudaKvBytesPerSequence) — and keeps the host cache authoritative: Encode writes the new K/V
+// rows into the device mirror (device to device, after the layer's attention) and into the host
+// cache (asynchronous copies into pinned staging, written to the cache when the pass ends or the
+// staging fills: encode_staging_bytes), so every other user of the cache (prefix reuse,
+// transfers, the CPU backend) sees the same rows. A pass uploads only the
 // rows the mirror lacks (all visible ones for a cache it has not seen; none in the steady state
 // of encode → denoise steps). A mirror is recognised by the cache's address, its token count
 // and copies of the key rows at positions 0 and n−1 of the first full layer (a cache freed and
@@ -93,6 +95,10 @@ struct CudaBackendOptions {
   // asynchronously (at least one layer's rows, whatever this says): with every layer's rows
   // inside it the pass waits once, at its end; else once each time it fills.
   size_t encode_staging_bytes = size_t(256) << 20;
+  // Sliding layers' device mirrors keep only the window: a ring of min(capacity, W) rows
+  // (KvMirror, CudaKvBytesPerSequence), the default; false: every position, as full layers (the
+  // former layout, kept so tests can show the ring gives the same bits).
+  bool sliding_kv_ring = true;
 };
 
 // What the CUDA-graph path of a backend (CudaBackendOptions::cuda_graphs) has done so far.
@@ -107,6 +113,20 @@ struct CudaGraphStats {
 // The graph counters of a backend made by CreateCudaBackend or CreateCudaBackendSynthetic;
 // nullopt for any other backend.
 std::optional<CudaGraphStats> GetCudaGraphStats(const ModelBackend& backend);
+
+// Device bytes of K/V one sequence's mirror holds for `context_tokens` positions (the KV mirror
+// of cuda_backend_internal.h): K and V of every position on the full layers, of the window's
+// ring (min(context_tokens, W) rows) on the sliding layers, float32 (4 bytes an element). A
+// mirror allocates capacity for its positions growing by doubling from 64, so its full layers
+// may hold up to twice this many rows. The real 30-layer shape (25 sliding layers of 8 × 256,
+// 5 full of 2 × 512, W = 1024): 503,316,480 bytes at 2k, 1,761,607,680 at 32k, 5,788,139,520 at
+// 128k (engine/cuda/DEVICE_CHECK.md). context_tokens ≤ 0: 0.
+int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens);
+
+// Device bytes the K/V mirror of `kv` allocates now in a backend made by CreateCudaBackend or
+// CreateCudaBackendSynthetic (every layer's K and V arrays); nullopt for any other backend or
+// when it holds no mirror of `kv`.
+std::optional<int64_t> CudaKvMirrorBytes(const ModelBackend& backend, const KvCache& kv);
 
 // Device time of the last DenoiseStep's phases (options.phase_timing), in milliseconds: the sum
 // over the CUDA-event brackets of each phase. A bracket opens at the phase's first launch and

@@ -191,14 +191,41 @@ struct DeviceLayer {
   float decoder_layer_scalar = 1, encoder_layer_scalar = 1;
 };
 
-// The device mirror of one host KvCache (see cuda_backend.h).
+// The device mirror of one host KvCache (see cuda_backend.h). A full layer holds every position
+// (position p in row p); a sliding layer only its window: a ring of min(capacity, W) rows,
+// position p in row p % ring (the attention kernels read the last W − 1 positions before a pass's
+// first; the encoder writes its rows after its attention, so W − 1 rows would do: W keeps one
+// spare). While the ring is shorter than W it is also shorter than capacity, so no row has
+// wrapped and growing it keeps its rows in place.
 struct KvMirror {
-  std::vector<DeviceArray<float>> k, v;    // per layer [capacity, kvw]
-  int capacity = 0;                        // positions allocated
+  std::vector<DeviceArray<float>> k, v;    // per layer [MirrorRows(l, capacity), kvw]
+  std::vector<int> ring;                   // per layer: ring rows (sliding), 0 (full: linear)
+  int capacity = 0;                        // positions the full layers hold
   int synced = 0;                          // positions [visible lo, synced) are on the device
   std::vector<float> first_row, last_row;  // fingerprint: K rows 0 and synced−1 of layer fp
   uint64_t last_use = 0;
+
+  // The row of position p in layer l.
+  int Row(int l, int p) const { return ring[l] > 0 ? p % ring[l] : p; }
+  // Calls f(p, row, n) for the runs of consecutive rows holding positions [p0, p0 + count) of
+  // layer l (a ring wraps: at most two runs when count ≤ ring).
+  template <typename F>
+  absl::Status ForEachRun(int l, int p0, int count, F f) const {
+    for (int p = p0; p < p0 + count;) {
+      const int row = Row(l, p);
+      const int n = ring[l] > 0 ? std::min(p0 + count - p, ring[l] - row) : p0 + count - p;
+      DGSERVE_RETURN_IF_ERROR(f(p, row, n));
+      p += n;
+    }
+    return absl::OkStatus();
+  }
 };
+
+// Rows layer l's mirror allocates for `capacity` positions: all of them on full layers, at most
+// the window W on sliding ones (KvMirror).
+inline int KvMirrorRows(const ModelConfig& c, int l, int capacity) {
+  return c.IsFull(l) || c.sliding_window <= 0 ? capacity : std::min(capacity, c.sliding_window);
+}
 
 // One sequence inside a batched pass: rows [row0, row0 + rows) of the stacked activations (no
 // padding on the GPU), positions pos0 …, its device KV mirror.
@@ -249,6 +276,17 @@ class CudaBackend final : public ModelBackend {
     std::lock_guard<std::mutex> lock(mu_);
     return graph_stats_;
   }
+  // Bytes of every layer's K and V arrays of kv's mirror (nullopt: none).
+  std::optional<int64_t> mirror_bytes(const KvCache& kv) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = mirrors_.find(&kv);
+    if (it == mirrors_.end()) return std::nullopt;
+    int64_t n = 0;
+    for (int l = 0; l < c_.num_layers; ++l) {
+      n += int64_t(it->second->k[l].size() + it->second->v[l].size()) * int64_t(sizeof(float));
+    }
+    return n;
+  }
 
   const ModelConfig& config() const override { return c_; }
   absl::Status Encode(std::span<const EncodeInput> batch) override;
@@ -271,6 +309,14 @@ class CudaBackend final : public ModelBackend {
   absl::Status CheckTokens(std::span<const int32_t> ids) const;
   // The mirror of `kv`, synced with its committed rows and with room for `extra` more positions.
   absl::StatusOr<KvMirror*> SyncMirror(const KvCache& kv, int extra);
+  // Rows and ring of layer l's mirror for `capacity` positions (options_.sliding_kv_ring).
+  int MirrorRows(int l, int capacity) const {
+    return options_.sliding_kv_ring ? KvMirrorRows(c_, l, capacity) : capacity;
+  }
+  int MirrorRing(int l, int capacity) const {
+    const bool ring = options_.sliding_kv_ring && !c_.IsFull(l) && c_.sliding_window > 0;
+    return ring ? MirrorRows(l, capacity) : 0;
+  }
   void Fingerprint(const KvCache& kv, KvMirror* m) const;
   // The decoder body (spec §3.5 steps 1–4, final norm) in two halves. PrepareBody: the host's
   // part (segments with their mirrors synced, scratch sized for R rows, the token ids, positions,

@@ -44,8 +44,9 @@ bool CudaBackend::TensorCoreCanvas(int l) const {
 
 cuda::CanvasSegment CudaBackend::TableEntry(const Segment& s, int l) const {
   cuda::CanvasSegment t;
-  t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0
+  t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0 (or its ring)
   t.ctx_v = s.mirror->v[l].get();
+  t.ring = s.mirror->ring[l];
   t.row0 = s.row0;
   t.rows = s.rows;
   t.ctx_tokens = s.pos0;
@@ -147,9 +148,9 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   DGSERVE_RETURN_IF_ERROR(cuda::ApplyRope(k, R, nkv, hd, positions_.get(), inv_freq, stream_));
 
   if (kind == PassKind::kEncoder) {
-    // New K/V rows: into the device mirror and (authoritative) the host cache, the latter through
-    // pinned staging, copied asynchronously and written to the caches at the next flush (when the
-    // staging is full, and at the end of the pass): no wait per layer.
+    // New K/V rows: to the (authoritative) host cache through pinned staging, copied
+    // asynchronously and written to the caches at the next flush (when the staging is full, and
+    // at the end of the pass): no wait per layer. Into the device mirror: after the attention.
     const size_t n = size_t(R) * kvw, need = 2 * n;
     if (kv_stage_used_ + need > kv_stage_.size()) DGSERVE_RETURN_IF_ERROR(FlushStagedKv(segs));
     float* stage = kv_stage_.data() + kv_stage_used_;
@@ -161,17 +162,6 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
     }
     kv_staged_.push_back({l, kv_stage_used_});
     kv_stage_used_ += need;
-    for (const Segment& s : segs) {
-      const size_t bytes = size_t(s.rows) * kvw * sizeof(float);
-      for (const auto& [dst, src] :
-           {std::pair{s.mirror->k[l].get(), k}, std::pair{s.mirror->v[l].get(), v}}) {
-        cuda::NoteDeviceCopy();
-        DGSERVE_RETURN_IF_ERROR(
-            CudaCheck(cudaMemcpyAsync(dst + size_t(s.pos0) * kvw, src + size_t(s.row0) * kvw, bytes,
-                                      cudaMemcpyDeviceToDevice, stream_),
-                      "cudaMemcpyAsync (KV append)"));
-      }
-    }
   }
   // Decoder on tensor cores: every canvas in one launch (the table of UploadCanvasTable).
   const bool tc = TensorCoreCanvas(l);
@@ -202,13 +192,41 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
     const int first = full ? 0 : std::max(0, s.pos0 - (W - 1));
     cuda::KvContext ctx;
     ctx.tokens = s.pos0 - first;
+    const int ring = s.mirror->ring[l];
     if (ctx.tokens > 0) {
-      ctx.k = s.mirror->k[l].get() + size_t(first) * kvw;
-      ctx.v = s.mirror->v[l].get() + size_t(first) * kvw;
+      // A sliding layer's ring from row 0 (position p in row p % ring), else from `first`.
+      const size_t row0 = ring > 0 ? 0 : size_t(first);
+      ctx.k = s.mirror->k[l].get() + row0 * kvw;
+      ctx.v = s.mirror->v[l].get() + row0 * kvw;
+      ctx.first_slot = ring > 0 ? first : 0;
+      ctx.ring = ring;
     }
     const size_t qo = size_t(s.row0) * nh * hd, ko = size_t(s.row0) * kvw;
     DGSERVE_RETURN_IF_ERROR(cuda::PrefillAttention(q + qo, k + ko, v + ko, s.rows, ctx, nh, nkv, hd,
                                                    full ? 0 : W, attn_.get() + qo, stream_));
+  }
+  // The encoder's new K/V rows into the device mirror, after the attention that read its context:
+  // a sliding layer's ring may reuse the rows of positions the window has left (a chunk longer
+  // than the ring keeps only its last `ring` rows; its attention read its own rows from k / v).
+  for (const Segment& s : segs) {
+    if (kind != PassKind::kEncoder || s.rows == 0) continue;
+    const int ring = s.mirror->ring[l];
+    const int keep = ring > 0 ? std::min(s.rows, ring) : s.rows;
+    const int skip = s.rows - keep;
+    DGSERVE_RETURN_IF_ERROR(
+        s.mirror->ForEachRun(l, s.pos0 + skip, keep, [&](int p0, int row, int count) {
+          const size_t src_row = size_t(s.row0 + p0 - s.pos0),
+                       bytes = size_t(count) * kvw * sizeof(float);
+          for (const auto& [dst, src] :
+               {std::pair{s.mirror->k[l].get(), k}, std::pair{s.mirror->v[l].get(), v}}) {
+            cuda::NoteDeviceCopy();
+            DGSERVE_RETURN_IF_ERROR(
+                CudaCheck(cudaMemcpyAsync(dst + size_t(row) * kvw, src + src_row * kvw, bytes,
+                                          cudaMemcpyDeviceToDevice, stream_),
+                          "cudaMemcpyAsync (KV append)"));
+          }
+          return absl::OkStatus();
+        }));
   }
   phases_.Enter(Phase::kDense);
   float* o = o_.get();

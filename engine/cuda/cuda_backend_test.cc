@@ -34,6 +34,7 @@
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/checkpoint_testing.h"
+#include "engine/model/config.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 
@@ -217,6 +218,25 @@ class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterf
 };
 Checkpoint* CudaBackendTest::checkpoint_ = nullptr;
 
+// The device KV bytes per sequence of the real 30-layer shape (bench/configs/
+// diffusiongemma-26b-a4b.json: 25 sliding layers of 8 KV heads × 256, 5 full of 2 × 512,
+// W = 1024), counted by hand: sliding 25 × K, V × 1024 rows × 2048 floats × 4 B = 419,430,400
+// at any context ≥ 1024; full 5 × K, V × n × 1024 floats × 4 B = 40,960·n.
+TEST(CudaKvBytesTest, RealShapeMatchesHandCount) {
+  const char* src = std::getenv("DGSERVE_SOURCE_DIR");
+  ASSERT_NE(src, nullptr);
+  auto c = LoadModelConfig(std::string(src) + "/bench/configs/diffusiongemma-26b-a4b.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->num_layers, 30);
+  ASSERT_EQ(c->sliding_window, 1024);
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048), int64_t{419430400} + int64_t{83886080});
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768), int64_t{419430400} + int64_t{1342177280});
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 131072), int64_t{419430400} + int64_t{5368709120});
+  // Below the window every layer holds every position: 30 layers' 450,560 B / 4 per position.
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 100), int64_t{100} * (25 * 2 * 2048 + 5 * 2 * 1024) * 4);
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 0), 0);
+}
+
 TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
   if (GetParam().tensor_core_attention) GTEST_SKIP() << "bf16 attention: see kBf16TensorCoreMode";
   // The former vocabulary path (bf16_unfused) is compared in the denoising tests only.
@@ -249,6 +269,52 @@ TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
   ExpectLogitsClose(Logits(*cpu_, kc, canvas, nullptr), Logits(*gpu_, kg, canvas, nullptr));
   // The same canvas on the CPU's cache (the GPU uploads it): the decoder alone.
   ExpectLogitsClose(Logits(*cpu_, kc, canvas, nullptr), Logits(*gpu_, kc, canvas, nullptr));
+}
+
+// Sliding layers' device rings (CudaBackendOptions::sliding_kv_ring, W = 8 rows here) give the
+// former every-position mirror's bits: 29 prompt tokens (more than three rings) encoded in chunks
+// that cross ring edges, one of 13 rows (longer than the ring: only its last 8 rows are kept),
+// then the decoder on the encoded cache and on a cache the backend uploads (rows that wrap).
+// The mirror's bytes are the hand count: 4 sliding layers × K, V × 8 rows × 32 floats × 4 B
+// (8,192) + 2 full layers × K, V × 64 rows (the first capacity) × 32 floats × 4 B (32,768);
+// every position on every layer: 98,304.
+TEST_P(CudaBackendTest, SlidingRingEqualsEveryPositionMirrorBitForBit) {
+  if (!GetParam().fused_vocab) GTEST_SKIP() << "one vocabulary path is enough";
+  if (cuda::kEmulated && GetParam().gpu != cuda::GemmInput::kBf16) GTEST_SKIP() << "emulated";
+  CudaBackendOptions linear_options;
+  linear_options.gemm_input = GetParam().gpu;
+  linear_options.batch_invariant_projections = GetParam().own_projections;
+  linear_options.tensor_core_attention = GetParam().tensor_core_attention;
+  linear_options.sliding_kv_ring = false;
+  auto linear = CreateCudaBackend(config(), checkpoint_->weights, linear_options);
+  ASSERT_TRUE(linear.ok()) << linear.status();
+  ASSERT_EQ(config().sliding_window, 8);
+  const std::vector<int32_t> prompt = Tokens(29, 7);
+  ContiguousKvCache kr(config(), 256), kl(config(), 256);
+  int at = 0;
+  for (int n : {5, 1, 13, 10}) {
+    const std::vector<int32_t> chunk(prompt.begin() + at, prompt.begin() + at + n);
+    Encode(*gpu_, kr, chunk);
+    Encode(**linear, kl, chunk);
+    at += n;
+  }
+  for (int l = 0; l < config().num_layers; ++l) {
+    const size_t bytes = sizeof(float) * config().KvHeads(l) * config().HeadDim(l);
+    for (int p = 0; p < 29; ++p) {
+      ASSERT_EQ(std::memcmp(kr.KeyRow(l, p), kl.KeyRow(l, p), bytes), 0) << l << " " << p;
+      ASSERT_EQ(std::memcmp(kr.ValueRow(l, p), kl.ValueRow(l, p), bytes), 0) << l << " " << p;
+    }
+  }
+  EXPECT_EQ(CudaKvMirrorBytes(*gpu_, kr).value_or(-1), 8192 + 32768);
+  EXPECT_EQ(CudaKvMirrorBytes(**linear, kl).value_or(-1), 98304);
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 8);
+  auto expect_same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << i;
+  };
+  expect_same(Logits(*gpu_, kr, canvas, nullptr), Logits(**linear, kl, canvas, nullptr));
+  // A cache each backend uploads (29 positions into a ring of 8: rows wrap in the upload).
+  expect_same(Logits(*gpu_, kl, canvas, nullptr), Logits(**linear, kr, canvas, nullptr));
 }
 
 // Four steps of a self-conditioning chain on the CPU's KV cache, which the GPU uploads (the
