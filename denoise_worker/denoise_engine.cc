@@ -210,25 +210,48 @@ void DenoiseEngine::UpdateQueueGauge() {
   if (metrics_) metrics_->queue_depth.Set(double(waiting_.size() + ready_.size()));
 }
 
+absl::Status DenoiseEngine::CheckFitsInPool(const v1::DenoiseRequest& r) const {
+  const kv::KvLayout& layout = pool_->layout();
+  const int full = int(kv::LayerKind::kFull);
+  if (layout.layers[full] == 0) return absl::OkStatus();
+  const int64_t total = pool_->stats().total[full];
+  const int C = backend_->config().canvas_length;
+  const int64_t prompt = r.prompt_tokens();
+  const int64_t canvases = (int64_t(r.max_new_tokens()) + C - 1) / C;
+  const int samples = NumSamples(r);
+  const int64_t partial = prompt % layout.block_size != 0 ? 1 : 0;
+  const int64_t at_arrival = layout.BlocksFor(int(prompt)) + (samples - 1) * partial;
+  const int64_t at_last_commit = layout.BlocksFor(int(prompt + (canvases - 1) * C));
+  const auto refuse = [&](int64_t blocks, const std::string& what) {
+    return absl::OutOfRangeError(absl::StrCat(
+        what, " needs ", blocks, " full-attention KV blocks of ", layout.block_size,
+        " tokens; this denoise worker's KV pool holds ", total, " in all (--kv_cache_mib)"));
+  };
+  if (at_arrival > total) {
+    return refuse(at_arrival, samples == 1
+                                  ? absl::StrCat("prompt_tokens: a prompt of ", prompt, " tokens")
+                                  : absl::StrCat("num_samples: a prompt of ", prompt, " tokens in ",
+                                                 samples, " samples"));
+  }
+  if (at_last_commit > total) {
+    return refuse(at_last_commit,
+                  absl::StrCat("max_new_tokens: a prompt of ", prompt, " tokens and ", canvases,
+                               " canvases of ", C, " (", canvases - 1, " committed)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DenoiseEngine::Submit(std::shared_ptr<DenoiseJob> job) {
   if (draining_) return absl::UnavailableError("denoise worker is draining");
   if (absl::Status s = ValidateRequest(job->request(), backend_->config()); !s.ok()) return s;
-  // A prompt whose KV this worker's pool can never hold is refused now, as OUT_OF_RANGE (HTTP
-  // 400), rather than failing when its KV arrives as RESOURCE_EXHAUSTED (HTTP 429, which clients
-  // retry): the full-attention layers keep every prompt position.
-  {
-    const kv::KvLayout& layout = pool_->layout();
-    const int full = int(kv::LayerKind::kFull);
-    const int prompt = job->request().prompt_tokens();
-    const int blocks = layout.BlocksFor(prompt);
-    const int64_t total = pool_->stats().total[full];
-    if (layout.layers[full] > 0 && blocks > total) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "prompt_tokens: a prompt of ", prompt, " tokens needs ", blocks,
-          " full-attention KV blocks of ", layout.block_size,
-          " tokens; this denoise worker's KV pool holds ", total, " in all (--kv_cache_mib)"));
-    }
-  }
+  // A request this worker's KV pool can never hold is refused now, as OUT_OF_RANGE (HTTP 400),
+  // rather than failing later as RESOURCE_EXHAUSTED (HTTP 429, which clients retry). Counted on
+  // the full-attention layers, which keep every position; each is a need at one moment:
+  //  - when the prompt's KV arrives: the prompt's blocks, plus a copy of its partial last block
+  //    for each further sample (Fork);
+  //  - at the last commit of a sample that runs to max_new_tokens: the prompt and every canvas
+  //    but the last (which is not committed).
+  if (absl::Status s = CheckFitsInPool(job->request()); !s.ok()) return s;
   const std::string id = job->id();
   {
     absl::MutexLock lock(&mu_);

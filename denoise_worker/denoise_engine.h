@@ -126,6 +126,10 @@ class DenoiseEngine {
   // One scheduling iteration over the admitted samples: cancellations, the batched commit
   // pass, canvas starts, one batched denoising step, then events and ended samples.
   // dgserve_denoise_queue_depth = requests waiting for KV + waiting for a batch slot.
+  // OUT_OF_RANGE, naming the field, when the pool's full-attention blocks (all of them) can never
+  // hold the request (its prompt and samples when the KV arrives, or one sample's prompt and
+  // committed canvases at max_new_tokens).
+  absl::Status CheckFitsInPool(const v1::DenoiseRequest& r) const;
   void UpdateQueueGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Iterate(std::vector<std::unique_ptr<Running>>& running);
   // The commit passes due (spec §4.1 step 3a) as one batched encoder pass.

@@ -424,10 +424,32 @@ TEST_F(DenoiseEngineTest, PromptLargerThanThePoolIsOutOfRange) {
   EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
   EXPECT_NE(s.message().find("KV pool holds"), std::string::npos) << s;
   EXPECT_EQ(engine_->stats().queued, 0);
-  // The largest prompt the pool holds is admitted (it waits for its KV).
+  // A prompt the pool holds, but whose committed canvases at max_new_tokens it cannot: one
+  // block more than the pool once full_tokens / C canvases are committed after 1 prompt token.
+  ASSERT_EQ(full_tokens % C(), 0);
+  const absl::Status commits =
+      engine_->Submit(std::make_shared<DenoiseJob>(Request("long", 1, int(full_tokens) + C())));
+  EXPECT_EQ(commits.code(), absl::StatusCode::kOutOfRange) << commits;
+  EXPECT_NE(commits.message().find("max_new_tokens"), std::string::npos) << commits;
+  // Four samples of a prompt with a partial last block: each further sample copies it (Fork).
+  const int total = int(full_tokens / 16);
+  v1::DenoiseRequest forks = Request("forks", (total - 3) * 16 + 1, C());
+  forks.set_num_samples(4);
+  const absl::Status samples = engine_->Submit(std::make_shared<DenoiseJob>(forks));
+  EXPECT_EQ(samples.code(), absl::StatusCode::kOutOfRange) << samples;
+  EXPECT_NE(samples.message().find("num_samples"), std::string::npos) << samples;
+  EXPECT_EQ(engine_->stats().queued, 0);
+  // The largest prompt the pool holds is admitted (it waits for its KV), and so are the four
+  // samples of a prompt of whole blocks, and the longest completion that fits.
   EXPECT_THAT(engine_->Submit(std::make_shared<DenoiseJob>(Request("fits", int(full_tokens), C()))),
               IsOk());
-  EXPECT_EQ(engine_->stats().queued, 1);
+  forks.set_request_id("forks-whole");
+  forks.set_prompt_tokens((total - 3) * 16);
+  EXPECT_THAT(engine_->Submit(std::make_shared<DenoiseJob>(forks)), IsOk());
+  EXPECT_THAT(
+      engine_->Submit(std::make_shared<DenoiseJob>(Request("longest", 1, int(full_tokens)))),
+      IsOk());
+  EXPECT_EQ(engine_->stats().queued, 3);
 }
 
 TEST_F(DenoiseEngineTest, CancelWhileWaitingForKv) {

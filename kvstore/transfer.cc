@@ -375,15 +375,17 @@ absl::Status KvReceiver::Begin(const v1::KvTransferHeader& header) {
     if (result.ok()) {
       // Blocks are taken as their data arrives (WriteBlock), not for the header: a header that
       // announces a whole pool and sends nothing holds nothing. A transfer that could never fit
-      // is refused now.
+      // is refused now, as OUT_OF_RANGE (HTTP 400 at the gateway): retrying cannot help, where
+      // RESOURCE_EXHAUSTED (429) tells a client to come back later.
       const PoolStats pool = s.pool->stats();
       for (const auto& [kind, count] :
            {std::pair{LayerKind::kFull, int64_t(d.full_block_count())},
             std::pair{LayerKind::kSliding, int64_t(d.sliding_block_count())}}) {
         if (result.ok() && count > pool.total[KindIndex(kind)]) {
-          result = absl::ResourceExhaustedError(absl::StrCat(
-              count, " ", kind == LayerKind::kFull ? "full" : "sliding",
-              " blocks announced; this worker's pool has ", pool.total[KindIndex(kind)]));
+          result = absl::OutOfRangeError(
+              absl::StrCat(count, " ", kind == LayerKind::kFull ? "full" : "sliding",
+                           " KV blocks announced; this worker's pool has ",
+                           pool.total[KindIndex(kind)], " in all (--kv_cache_mib)"));
         }
       }
       in.table.full.assign(size_t(d.full_block_count()), kNoBlock);

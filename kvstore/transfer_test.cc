@@ -304,14 +304,17 @@ TEST_F(KvTransferTest, DuplicateBeginKeepsTheTransferInFlight) {
   ExpectNothingHeld();
 }
 
-TEST_F(KvTransferTest, TooSmallPoolIsResourceExhausted) {
+// A transfer larger than the whole pool can never fit: OUT_OF_RANGE (HTTP 400), not
+// RESOURCE_EXHAUSTED (429, which tells a client to retry).
+TEST_F(KvTransferTest, TransferLargerThanThePoolIsOutOfRange) {
   auto tiny = std::move(*BlockPool::Create(layout_, 32, 3));
   KvReceiver small(tiny.get(), 256);
   auto got = KvWaiter::Make();
   small.Expect("big", Later(), got->Callback());
-  EXPECT_THAT(small.Begin(Header("big")), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(small.Begin(Header("big")),
+              StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("in all (--kv_cache_mib)")));
   ASSERT_TRUE(got->Wait());
-  EXPECT_THAT(got->result, StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(got->result, StatusIs(absl::StatusCode::kOutOfRange));
   EXPECT_EQ(tiny->stats().used[S], 0);
   EXPECT_EQ(tiny->stats().used[F], 0);
 }
