@@ -30,6 +30,13 @@ absl::StatusOr<Checkpoint> BenchCheckpoint(const BenchModelSpec& spec) {
   if (!dir.empty() && spec.layers != 0) {
     return absl::InvalidArgumentError("--layers applies to --config/--config_json, not to --model");
   }
+  if (!dir.empty() && (!spec.config_json.empty() || !spec.config_path.empty())) {
+    return absl::InvalidArgumentError(
+        "--model and --config/--config_json both name a model: give one of them");
+  }
+  if (!spec.config_json.empty() && !spec.config_path.empty()) {
+    return absl::InvalidArgumentError("--config and --config_json: give one of them");
+  }
   if (!dir.empty() && spec.synthetic) {
     return absl::InvalidArgumentError(
         "--synthetic applies to --config/--config_json, not to --model");
@@ -46,12 +53,13 @@ absl::StatusOr<Checkpoint> BenchCheckpoint(const BenchModelSpec& spec) {
     if (text.empty()) {
       return absl::InvalidArgumentError("give --model DIR, --config FILE or --config_json TEXT");
     }
-    absl::StatusOr<ModelConfig> cfg = ParseModelConfig(text, "--config");
+    absl::StatusOr<ModelConfig> cfg =
+        ParseModelConfig(text, spec.config_json.empty() ? "--config" : "--config_json");
     if (!cfg.ok()) return cfg.status();
     if (const int n = spec.layers; n != 0) {
       if (n < 0 || n > cfg->num_layers) {
         return absl::InvalidArgumentError(
-            absl::StrCat("--layers must be in [1, ", cfg->num_layers, "], got ", n));
+            absl::StrCat("--layers must be in [0, ", cfg->num_layers, "] (0: all), got ", n));
       }
       cfg->num_layers = n;
       cfg->layer_types.resize(n);
