@@ -29,7 +29,18 @@ GRPC_PORT=0
 AUTH=${DGSERVE_INTERNAL_AUTH:-tls+token}
 CERT_DIR=${CERT_DIR:-run/internal-certs}
 EXTRA=()
+# The command first (an unknown one is named before any option is read), then the options:
+# each takes a value.
+case "$cmd" in
+  start | stop) ;;
+  "") echo "cluster.sh: give a command, start or stop" >&2; usage >&2; exit 2 ;;
+  *) echo "cluster.sh: unknown command '$cmd' (start or stop)" >&2; usage >&2; exit 2 ;;
+esac
 while [ $# -gt 0 ]; do
+  case "$1" in
+    --run-dir | --model | --build | --denoise | --prefill | --http-port | --grpc-port | --auth)
+      [ $# -ge 2 ] || { echo "cluster.sh: $1 needs a value" >&2; exit 2; } ;;
+  esac
   case "$1" in
     --run-dir) RUN_DIR=$2; shift 2 ;;
     --model) MODEL_DIR=$2; shift 2 ;;
@@ -41,6 +52,12 @@ while [ $# -gt 0 ]; do
     --auth) AUTH=$2; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+
+for count in "--denoise $DENOISE" "--prefill $PREFILL"; do
+  case "${count#* }" in
+    '' | *[!0-9]* | 0 | 0*) echo "cluster.sh: ${count% *} must be a whole number ≥ 1, got '${count#* }'" >&2; exit 2 ;;
   esac
 done
 
