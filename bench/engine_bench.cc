@@ -381,15 +381,17 @@ int Run() {
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
-    // As the workers (engine/model/backend_select.cc), but W4A16 runs: its experts stay 4-bit on
-    // the device (the CUDA backend's W4A16 grouped GEMMs); its other quantized matrices are
-    // widened to bf16, so the line measures the experts' format only. FP8 and NVFP4 would run as
-    // bf16 weights with bf16 activations, not as their formats: refused.
-    if (!synthetic && ckpt->weights.format != WeightFormat::kBf16) {
+    // As the workers (engine/model/backend_select.cc): FP8 runs in its format (8-bit weights,
+    // FP8 tensor cores). W4A16 runs too: its experts stay 4-bit on the device (the CUDA backend's
+    // W4A16 grouped GEMMs); its other quantized matrices are widened to bf16, so the line
+    // measures the experts' format only. NVFP4 would run as bf16 weights with bf16 activations,
+    // not as its format: refused.
+    if (!synthetic && ckpt->weights.format != WeightFormat::kBf16 &&
+        ckpt->weights.format != WeightFormat::kFp8) {
       if (ckpt->weights.format != WeightFormat::kW4A16) {
         std::fprintf(stderr,
-                     "--device cuda: this checkpoint is %s; the CUDA backend runs bf16 and W4A16 "
-                     "(experts) checkpoints only\n",
+                     "--device cuda: this checkpoint is %s; the CUDA backend runs bf16, fp8 and "
+                     "W4A16 (experts) checkpoints only\n",
                      WeightFormatName(ckpt->weights.format));
         return 1;
       }

@@ -17,12 +17,24 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
                                     "cudaStreamCreateWithFlags"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasCreate(&handle_), "cublasCreate"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasSetStream(handle_, stream_), "cublasSetStream"));
+  // Issue 37: an FP8 projection stays in 8 bits in *fp8; its bf16 array then holds one
+  // placeholder element, whose address is the key under which Linear finds *fp8 (so every
+  // Linear call site runs FP8 unchanged). Other projections upload as bf16.
+  fp8_projections_.clear();
+  auto UploadProjection = [&](const cpu::PackedMatrix& m, DeviceArray<uint16_t>* bf16,
+                              cuda::DeviceFp8* fp8) -> absl::Status {
+    DGSERVE_ASSIGN_OR_RETURN(const bool is_fp8, cuda::UploadFp8(m, fp8));
+    if (!is_fp8) return UploadBf16(m, bf16);
+    DGSERVE_RETURN_IF_ERROR(bf16->Ensure(1));
+    fp8_projections_[bf16->get()] = fp8;
+    return absl::OkStatus();
+  };
   DGSERVE_RETURN_IF_ERROR(UploadBf16(w.embed_tokens, &embed_));
   DGSERVE_RETURN_IF_ERROR(final_norm_.Upload(w.final_norm));
   DGSERVE_RETURN_IF_ERROR(sc_pre_norm_.Upload(w.sc_pre_norm));
-  DGSERVE_RETURN_IF_ERROR(UploadBf16(w.sc_gate_proj, &sc_gate_));
-  DGSERVE_RETURN_IF_ERROR(UploadBf16(w.sc_up_proj, &sc_up_));
-  DGSERVE_RETURN_IF_ERROR(UploadBf16(w.sc_down_proj, &sc_down_));
+  DGSERVE_RETURN_IF_ERROR(UploadProjection(w.sc_gate_proj, &sc_gate_, &sc_gate_fp8_));
+  DGSERVE_RETURN_IF_ERROR(UploadProjection(w.sc_up_proj, &sc_up_, &sc_up_fp8_));
+  DGSERVE_RETURN_IF_ERROR(UploadProjection(w.sc_down_proj, &sc_down_, &sc_down_fp8_));
   layers_.resize(L);
   for (int l = 0; l < L; ++l) {
     const LayerWeights& s = w.layers[l];
@@ -37,22 +49,35 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(d.pre_feedforward_layernorm_2.Upload(s.pre_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm_2.Upload(s.post_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm.Upload(s.post_feedforward_layernorm));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.q_proj, &d.q_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.k_proj, &d.k_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.v_proj, &d.v_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.o_proj, &d.o_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_gate_proj, &d.mlp_gate_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_up_proj, &d.mlp_up_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadBf16(s.mlp_down_proj, &d.mlp_down_proj));
-    // W4A16 experts stay in 4 bits (cuda_memory.h says when they can); others are widened.
-    DGSERVE_ASSIGN_OR_RETURN(const bool gate_up_w4,
-                             cuda::UploadW4A16(s.experts_gate_up_proj, &d.experts_gate_up_w4));
-    DGSERVE_ASSIGN_OR_RETURN(const bool down_w4,
-                             cuda::UploadW4A16(s.experts_down_proj, &d.experts_down_w4));
-    if (!gate_up_w4) {
+    // Issue 37: FP8 projections stay in 8 bits (UploadProjection); others are bf16.
+    DGSERVE_RETURN_IF_ERROR(UploadProjection(s.q_proj, &d.q_proj, &d.q_proj_fp8));
+    DGSERVE_RETURN_IF_ERROR(UploadProjection(s.k_proj, &d.k_proj, &d.k_proj_fp8));
+    DGSERVE_RETURN_IF_ERROR(UploadProjection(s.v_proj, &d.v_proj, &d.v_proj_fp8));
+    DGSERVE_RETURN_IF_ERROR(UploadProjection(s.o_proj, &d.o_proj, &d.o_proj_fp8));
+    DGSERVE_RETURN_IF_ERROR(UploadProjection(s.mlp_gate_proj, &d.mlp_gate_proj, &d.mlp_gate_proj_fp8));
+    DGSERVE_RETURN_IF_ERROR(UploadProjection(s.mlp_up_proj, &d.mlp_up_proj, &d.mlp_up_proj_fp8));
+    DGSERVE_RETURN_IF_ERROR(UploadProjection(s.mlp_down_proj, &d.mlp_down_proj, &d.mlp_down_proj_fp8));
+    // FP8 experts stay in 8 bits and W4A16 experts in 4 (cuda_memory.h says when they can);
+    // others are widened.
+    DGSERVE_ASSIGN_OR_RETURN(const bool gate_up_fp8,
+                             cuda::UploadFp8(s.experts_gate_up_proj, &d.experts_gate_up_fp8));
+    DGSERVE_ASSIGN_OR_RETURN(const bool down_fp8,
+                             cuda::UploadFp8(s.experts_down_proj, &d.experts_down_fp8));
+    bool gate_up_w4 = false, down_w4 = false;
+    if (!gate_up_fp8) {
+      DGSERVE_ASSIGN_OR_RETURN(gate_up_w4,
+                               cuda::UploadW4A16(s.experts_gate_up_proj, &d.experts_gate_up_w4));
+    }
+    if (!down_fp8) {
+      DGSERVE_ASSIGN_OR_RETURN(down_w4,
+                               cuda::UploadW4A16(s.experts_down_proj, &d.experts_down_w4));
+    }
+    if (!gate_up_fp8 && !gate_up_w4) {
       DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_gate_up_proj, &d.experts_gate_up_proj));
     }
-    if (!down_w4) DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
+    if (!down_fp8 && !down_w4) {
+      DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
+    }
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.router_proj, &d.router_proj_bf16));
     DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));

@@ -13,6 +13,9 @@ namespace dgserve::cuda_internal {
 
 absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int in, int out,
                                  float* y) {
+  if (const auto it = fp8_projections_.find(w); it != fp8_projections_.end()) {  // issue 37
+    return cuda::DenseLinearFp8(x, it->second->view(), R, in, out, y, stream_);
+  }
   if (options_.batch_invariant_projections) {
     return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y, stream_);
   }
@@ -289,7 +292,11 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(h1, lw.pre_feedforward_layernorm_2.get(), R, D, eps, xe_.get(), stream_));
   const cuda::GemmInput input = cublas_.input();
-  if (const cuda::DeviceW4A16& w4 = lw.experts_gate_up_w4; w4.group > 0) {  // issue 37: W4A16
+  if (lw.experts_gate_up_fp8.rows > 0) {  // issue 37: FP8 (the format quantizes the inputs)
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpFp8(xe_.get(), gather_.get(), offsets_.get(),
+                                               lw.experts_gate_up_fp8.view(), R, K, E, D, F,
+                                               act_.get(), stream_));
+  } else if (const cuda::DeviceW4A16& w4 = lw.experts_gate_up_w4; w4.group > 0) {  // W4A16
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpW4A16(xe_.get(), gather_.get(), offsets_.get(),
                                                  {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
                                                  E, D, F, input, act_.get(), stream_));
@@ -298,7 +305,11 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
                                             lw.experts_gate_up_proj.get(), R, K, E, D, F, input,
                                             act_.get(), stream_));
   }
-  if (const cuda::DeviceW4A16& w4 = lw.experts_down_w4; w4.group > 0) {
+  if (lw.experts_down_fp8.rows > 0) {
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeDownFp8(act_.get(), offsets_.get(), slot_weight_.get(),
+                                             lw.experts_down_fp8.view(), R, K, E, F, D, y_.get(),
+                                             stream_));
+  } else if (const cuda::DeviceW4A16& w4 = lw.experts_down_w4; w4.group > 0) {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDownW4A16(act_.get(), offsets_.get(), slot_weight_.get(),
                                                {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
                                                E, F, D, input, y_.get(), stream_));
