@@ -54,9 +54,11 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(UploadProjection(s.k_proj, &d.k_proj, &d.k_proj_fp8));
     DGSERVE_RETURN_IF_ERROR(UploadProjection(s.v_proj, &d.v_proj, &d.v_proj_fp8));
     DGSERVE_RETURN_IF_ERROR(UploadProjection(s.o_proj, &d.o_proj, &d.o_proj_fp8));
-    DGSERVE_RETURN_IF_ERROR(UploadProjection(s.mlp_gate_proj, &d.mlp_gate_proj, &d.mlp_gate_proj_fp8));
+    DGSERVE_RETURN_IF_ERROR(
+        UploadProjection(s.mlp_gate_proj, &d.mlp_gate_proj, &d.mlp_gate_proj_fp8));
     DGSERVE_RETURN_IF_ERROR(UploadProjection(s.mlp_up_proj, &d.mlp_up_proj, &d.mlp_up_proj_fp8));
-    DGSERVE_RETURN_IF_ERROR(UploadProjection(s.mlp_down_proj, &d.mlp_down_proj, &d.mlp_down_proj_fp8));
+    DGSERVE_RETURN_IF_ERROR(
+        UploadProjection(s.mlp_down_proj, &d.mlp_down_proj, &d.mlp_down_proj_fp8));
     // FP8 experts stay in 8 bits and W4A16 experts in 4 (cuda_memory.h says when they can);
     // others are widened.
     DGSERVE_ASSIGN_OR_RETURN(const bool gate_up_fp8,
@@ -69,8 +71,7 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
                                cuda::UploadW4A16(s.experts_gate_up_proj, &d.experts_gate_up_w4));
     }
     if (!down_fp8) {
-      DGSERVE_ASSIGN_OR_RETURN(down_w4,
-                               cuda::UploadW4A16(s.experts_down_proj, &d.experts_down_w4));
+      DGSERVE_ASSIGN_OR_RETURN(down_w4, cuda::UploadW4A16(s.experts_down_proj, &d.experts_down_w4));
     }
     if (!gate_up_fp8 && !gate_up_w4) {
       DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_gate_up_proj, &d.experts_gate_up_proj));

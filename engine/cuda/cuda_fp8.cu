@@ -61,8 +61,7 @@ __device__ __forceinline__ uint32_t QuantizeCode(float x, float scale) {
 
 constexpr int kQuantWarps = 4;  // rows per block, one warp each
 
-__global__ void QuantizeRowsKernel(const float* x, int rows, int k, uint8_t* codes,
-                                   float* scales) {
+__global__ void QuantizeRowsKernel(const float* x, int rows, int k, uint8_t* codes, float* scales) {
   const int row = blockIdx.x * kQuantWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;  // the whole warp
   const float* xr = x + int64_t(row) * k;
@@ -79,9 +78,9 @@ __global__ void QuantizeRowsKernel(const float* x, int rows, int k, uint8_t* cod
 // k32 steps). Before the loop the block computes its rows' s_x (4 threads a row over the whole
 // row); each chunk of A is then read as float32, gathered, quantized to codes and stored in
 // shared memory, and the chunk of W copied there as bytes (16-byte cp.async when `in` is a
-// multiple of 16). Both tiles are row-major with k contiguous, so every fragment register is one aligned
-// 32-bit word (cuda_mma.cuh). Warp w owns tile weight rows 16w … 16w+15 (two n8 fragments) for
-// all 32 rows (two m16 fragments). Gated: its fragment 0 holds the gate rows col0 + 8w + j and
+// multiple of 16). Both tiles are row-major with k contiguous, so every fragment register is one
+// aligned 32-bit word (cuda_mma.cuh). Warp w owns tile weight rows 16w … 16w+15 (two n8 fragments)
+// for all 32 rows (two m16 fragments). Gated: its fragment 0 holds the gate rows col0 + 8w + j and
 // fragment 1 the up rows of the same j, so gelu(gate)·up is formed in registers. Rows of 80
 // bytes: the eight rows g = 0..7 of a fragment load start on banks 20g mod 32, all distinct.
 // Block (blockIdx.x = group e · tiles + row tile t, blockIdx.y = column tile); a block whose row
@@ -258,8 +257,8 @@ absl::Status QuantizeRowsFp8(const float* x, int rows, int k, uint8_t* codes, fl
 }
 
 absl::Status MoeGateUpFp8(const float* x, const int32_t* gather, const int32_t* offsets,
-                          const Fp8Weights& w, int rows, int k, int num_experts, int dim,
-                          int width, float* act, void* stream) {
+                          const Fp8Weights& w, int rows, int k, int num_experts, int dim, int width,
+                          float* act, void* stream) {
   if (absl::Status st = CheckShape("MoeGateUpFp8", rows, k, num_experts, dim, width, w); !st.ok()) {
     return st;
   }

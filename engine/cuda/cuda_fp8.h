@@ -48,8 +48,8 @@ absl::Status QuantizeRowsFp8(const float* x, int rows, int k, uint8_t* codes, fl
 //   act[n, f] = gelu_tanh(gate) · up
 // with x's row gather[n] quantized per token. x: [rows, dim]; act: [rows·k, width].
 absl::Status MoeGateUpFp8(const float* x, const int32_t* gather, const int32_t* offsets,
-                          const Fp8Weights& w, int rows, int k, int num_experts, int dim,
-                          int width, float* act, void* stream = nullptr);
+                          const Fp8Weights& w, int rows, int k, int num_experts, int dim, int width,
+                          float* act, void* stream = nullptr);
 
 // MoeDown with FP8 expert weights w [E, dim, width]:
 //   y[n, d] = slot_weight[n] · (s_x[n] · (s_w[d] · acc[n, d]))

@@ -9,8 +9,7 @@ bool IsFp8(const cpu::PackedMatrix& m) {
   return m.quant() != nullptr && m.quant()->format() == cpu::QuantFormat::kFp8;
 }
 
-absl::StatusOr<bool> Upload(const std::vector<const cpu::PackedMatrix*>& matrices,
-                            DeviceFp8* out) {
+absl::StatusOr<bool> Upload(const std::vector<const cpu::PackedMatrix*>& matrices, DeviceFp8* out) {
   if (matrices.empty() || !IsFp8(*matrices[0])) return false;
   const int rows = matrices[0]->rows(), cols = matrices[0]->cols();
   std::vector<uint8_t> codes(matrices.size() * size_t(rows) * cols);

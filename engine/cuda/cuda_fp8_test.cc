@@ -45,9 +45,7 @@ std::vector<float> RandomFloats(size_t n, float lo, float hi, uint32_t seed) {
 }
 
 // Relative bound of acc's float32 error per unit of Σ|p| for a reduction of n inputs (above).
-double AccBound(int n) {
-  return (n + 2) * 0x1p-23 + (kEmulated ? 0.0 : 0x1p-13 * 1.0);
-}
+double AccBound(int n) { return (n + 2) * 0x1p-23 + (kEmulated ? 0.0 : 0x1p-13); }
 
 // E FP8 matrices [rows, cols]: random finite e4m3 codes of every exponent (NaN codes 0x7f, 0xff
 // left out), scales in [1e-3, 1e-2]; the CPU's QuantMatrix of each.
@@ -106,24 +104,37 @@ class CudaFp8Test : public CudaTest {
 
 // Per-token quantization on the device: codes and scales bit for bit those of
 // cpu::QuantizeRowFp8 (codes as FloatToE4m3 of its values) on zero rows, huge values (not
-// infinities or NaN, where the CPU's and the device's default NaN differ in sign), float32 subnormals, e4m3 subnormals, exact ties between e4m3 neighbours (normal and
-// subnormal) and random rows of every magnitude, with k not a multiple of 32.
+// infinities or NaN, where the CPU's and the device's default NaN differ in sign), float32
+// subnormals, e4m3 subnormals, exact ties between e4m3 neighbours (normal and subnormal) and random
+// rows of every magnitude, with k not a multiple of 32.
 TEST_F(CudaFp8Test, QuantizationIsTheCpuBitForBit) {
   const int k = 45;
   std::vector<std::vector<float>> rows;
-  rows.push_back(std::vector<float>(k, 0.0f));                          // zeros: s = 1/(448·512)
-  rows.push_back(std::vector<float>(k, -0.0f));                         // negative zeros
+  rows.push_back(std::vector<float>(k, 0.0f));   // zeros: s = 1/(448·512)
+  rows.push_back(std::vector<float>(k, -0.0f));  // negative zeros
   std::vector<float> huge(k, 1.0f);
   huge[3] = 3.0e38f, huge[4] = -1.0e30f, huge[5] = 1e-30f;
   rows.push_back(huge);
   std::vector<float> sub(k);
-  for (int c = 0; c < k; ++c) sub[c] = float(c - 20) * 1e-41f;           // float32 subnormals
+  for (int c = 0; c < k; ++c) sub[c] = float(c - 20) * 1e-41f;  // float32 subnormals
   rows.push_back(sub);
   // s = 1 (absmax 448): x/s exact, so ties land exactly between e4m3 neighbours.
-  std::vector<float> ties = {448.0f, 1.0625f, 1.1875f, -1.0625f, 3.0f * 0x1p-10f, 0x1p-10f,
-                             5.0f * 0x1p-10f, -7.0f * 0x1p-10f, 15.0f * 0x1p-10f, 17.0f * 0x1p-10f,
-                             0x1p-6f + 0x1p-10f, 240.0f + 8.0f, -232.0f, 0x1p-11f,
-                             0x1.1p-11f, 2.0f * 0x1p-9f + 0x1p-10f};
+  std::vector<float> ties = {448.0f,
+                             1.0625f,
+                             1.1875f,
+                             -1.0625f,
+                             3.0f * 0x1p-10f,
+                             0x1p-10f,
+                             5.0f * 0x1p-10f,
+                             -7.0f * 0x1p-10f,
+                             15.0f * 0x1p-10f,
+                             17.0f * 0x1p-10f,
+                             0x1p-6f + 0x1p-10f,
+                             240.0f + 8.0f,
+                             -232.0f,
+                             0x1p-11f,
+                             0x1.1p-11f,
+                             2.0f * 0x1p-9f + 0x1p-10f};
   ties.resize(k, 0.5f);
   rows.push_back(ties);
   for (uint32_t seed = 1; seed <= 6; ++seed) {
@@ -213,9 +224,9 @@ TEST_F(CudaFp8Test, GroupedGemmsMatchDoubleReferenceAndCpu) {
     const Fp8Experts wgu(E, 2 * F, D, seed++), wd(E, D, F, seed++);
     float* act = Alloc<float>(n * F, 0xFF);
     const int32_t* d_offsets = Upload(grp.offsets);
-    ASSERT_THAT(MoeGateUpFp8(Upload(x), Upload(grp.gather), d_offsets, Device(wgu), R, K, E, D, F,
-                             act),
-                IsOk());
+    ASSERT_THAT(
+        MoeGateUpFp8(Upload(x), Upload(grp.gather), d_offsets, Device(wgu), R, K, E, D, F, act),
+        IsOk());
     const std::vector<float> got_act = Download(act, n * F);
     int bad = 0;
     for (int e = 0; e < E; ++e) {
@@ -229,7 +240,8 @@ TEST_F(CudaFp8Test, GroupedGemmsMatchDoubleReferenceAndCpu) {
           const double tg = AccBound(D) * sg * ga + 0x1p-23 * std::fabs(gate);
           const double tu = AccBound(D) * su * ua + 0x1p-23 * std::fabs(up);
           const double gelu =
-              0.5 * gate * (1.0 + std::tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)));
+              0.5 * gate *
+              (1.0 + std::tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)));
           const double want = gelu * up;
           // |gelu'| ≤ 1.13; the float32 gelu and product: a few ulps of |gate · up|.
           const double tol = 1.2 * tg * std::fabs(up) + std::fabs(gelu) * tu + tg * tu +
@@ -237,7 +249,8 @@ TEST_F(CudaFp8Test, GroupedGemmsMatchDoubleReferenceAndCpu) {
           const double got = got_act[size_t(g) * F + f];
           worst_gate_up = std::max(worst_gate_up, std::fabs(got - want) / tol);
           if (!(std::fabs(got - want) <= tol) && ++bad <= 5) {
-            ADD_FAILURE() << "gate_up: act[" << g << ", " << f << "] = " << got << ", want " << want;
+            ADD_FAILURE() << "gate_up: act[" << g << ", " << f << "] = " << got << ", want "
+                          << want;
           }
         }
       }
@@ -333,8 +346,8 @@ TEST_F(CudaFp8Test, GroupedRowAloneEqualsRowInBatch) {
   float* y = Alloc<float>(n * D, 0xFF);
   ASSERT_THAT(MoeGateUpFp8(d_x, Upload(grp.gather), Upload(grp.offsets), wgu, R, K, E, D, F, act),
               IsOk());
-  ASSERT_THAT(
-      MoeDownFp8(act, Upload(grp.offsets), Upload(grp.slot_weight), wd, R, K, E, F, D, y), IsOk());
+  ASSERT_THAT(MoeDownFp8(act, Upload(grp.offsets), Upload(grp.slot_weight), wd, R, K, E, F, D, y),
+              IsOk());
   const std::vector<float> batch_act = Download(act, n * F), batch_y = Download(y, n * D);
   for (int e = 0; e < E; ++e) {
     for (int g = grp.offsets[e]; g < grp.offsets[e + 1]; g += 7) {

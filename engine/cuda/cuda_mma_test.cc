@@ -134,7 +134,8 @@ TEST_F(CudaMmaTest, E4m3TileMatchesReference) {
   for (int i = 0; i < 16; ++i) {
     for (int j = 0; j < 8; ++j) {
       double want = c[i * 8 + j];
-      for (int k = 0; k < 32; ++k) want += double(E4m3ToFloat(a[i * 32 + k])) * E4m3ToFloat(b[k * 8 + j]);
+      for (int k = 0; k < 32; ++k)
+        want += double(E4m3ToFloat(a[i * 32 + k])) * E4m3ToFloat(b[k * 8 + j]);
       ASSERT_EQ(got[i * 8 + j], want) << "row " << i << " col " << j;
     }
   }
