@@ -307,20 +307,11 @@ int Run() {
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
-    // As the workers (engine/model/backend_select.cc), but W4A16 runs: its experts stay 4-bit on
-    // the device (the CUDA backend's W4A16 grouped GEMMs); its other quantized matrices are
-    // widened to bf16, so the line measures the experts' format only. NVFP4 runs in 4 bits
-    // throughout (cuda_nvfp4.h); FP8 would run as bf16 weights with bf16 activations, not as its
-    // format: refused.
-    if (!synthetic && ckpt->weights.format != WeightFormat::kBf16 &&
-        ckpt->weights.format != WeightFormat::kNvfp4) {
-      if (ckpt->weights.format != WeightFormat::kW4A16) {
-        std::fprintf(stderr,
-                     "--device cuda: this checkpoint is %s; the CUDA backend runs bf16, nvfp4 and "
-                     "W4A16 (experts) checkpoints only\n",
-                     WeightFormatName(ckpt->weights.format));
-        return 1;
-      }
+    // As the workers (engine/model/backend_select.cc), FP8 and NVFP4 run in their formats (FP8
+    // on the FP8 tensor cores, NVFP4 dequantized inside the GEMMs). W4A16 runs too, though the
+    // workers refuse it: its experts stay 4-bit on the device (the W4A16 grouped GEMMs), its
+    // other quantized matrices are widened to bf16, so the line measures the experts' format only.
+    if (!synthetic && ckpt->weights.format == WeightFormat::kW4A16) {
       std::printf(
           "--device cuda: W4A16 experts kept 4-bit on the device; the checkpoint's other "
           "quantized matrices widened to bf16\n");

@@ -10,7 +10,8 @@ GPU_TESTS="engine/cuda/cuda_ops_test engine/cuda/cuda_gemm_test engine/cuda/cuda
   engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_backend_test
   engine/cuda/cuda_mma_test engine/cuda/cuda_graph_test engine/cuda/cuda_synthetic_test
   engine/cuda/cuda_moe_test engine/cuda/cuda_moe_w4a16_test engine/cuda/cuda_backend_w4a16_test
-  engine/cuda/cuda_nvfp4_test engine/cuda/cuda_backend_nvfp4_test
+  engine/cuda/cuda_nvfp4_test engine/cuda/cuda_backend_nvfp4_test engine/cuda/cuda_fp8_test
+  engine/cuda/cuda_fp8_upload_test engine/cuda/cuda_backend_fp8_test
   kvstore/kvstore_nccl_self_send_test"
 CLUSTER_BINS="gateway/dgserve-gateway prefill_worker/dgserve-prefill-worker
   denoise_worker/dgserve-denoise-worker tools/dgserve-mkmodel"

@@ -501,6 +501,7 @@ sanitizer_step() {
       engine/cuda/cuda_soft_embed_test \
       engine/cuda/cuda_backend_kernels_test engine/cuda/cuda_mma_test \
       engine/cuda/cuda_moe_test engine/cuda/cuda_moe_w4a16_test engine/cuda/cuda_nvfp4_test \
+      engine/cuda/cuda_fp8_test \
       engine/cuda/cuda_synthetic_test; do
     t=$(basename "$rel")
     filter='*'

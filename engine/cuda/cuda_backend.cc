@@ -17,12 +17,24 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
                                     "cudaStreamCreateWithFlags"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasCreate(&handle_), "cublasCreate"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasSetStream(handle_, stream_), "cublasSetStream"));
+  // Issue 37: an FP8 projection stays in 8 bits in *fp8; its bf16 array then holds one
+  // placeholder element, whose address is the key under which Linear finds *fp8 (so every
+  // Linear call site runs FP8 unchanged). Other projections upload as bf16.
+  fp8_projections_.clear();
+  auto UploadProjection = [&](const cpu::PackedMatrix& m, DeviceArray<uint16_t>* bf16,
+                              cuda::DeviceFp8* fp8) -> absl::Status {
+    DGSERVE_ASSIGN_OR_RETURN(const bool is_fp8, cuda::UploadFp8(m, fp8));
+    if (!is_fp8) return UploadBf16(m, bf16);
+    DGSERVE_RETURN_IF_ERROR(bf16->Ensure(1));
+    fp8_projections_[bf16->get()] = fp8;
+    return absl::OkStatus();
+  };
   DGSERVE_RETURN_IF_ERROR(UploadBf16(w.embed_tokens, &embed_));
   DGSERVE_RETURN_IF_ERROR(final_norm_.Upload(w.final_norm));
   DGSERVE_RETURN_IF_ERROR(sc_pre_norm_.Upload(w.sc_pre_norm));
-  DGSERVE_RETURN_IF_ERROR(UploadBf16(w.sc_gate_proj, &sc_gate_));
-  DGSERVE_RETURN_IF_ERROR(UploadBf16(w.sc_up_proj, &sc_up_));
-  DGSERVE_RETURN_IF_ERROR(UploadBf16(w.sc_down_proj, &sc_down_));
+  DGSERVE_RETURN_IF_ERROR(UploadProjection(w.sc_gate_proj, &sc_gate_, &sc_gate_fp8_));
+  DGSERVE_RETURN_IF_ERROR(UploadProjection(w.sc_up_proj, &sc_up_, &sc_up_fp8_));
+  DGSERVE_RETURN_IF_ERROR(UploadProjection(w.sc_down_proj, &sc_down_, &sc_down_fp8_));
   layers_.resize(L);
   for (int l = 0; l < L; ++l) {
     const LayerWeights& s = w.layers[l];
@@ -37,37 +49,42 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(d.pre_feedforward_layernorm_2.Upload(s.pre_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm_2.Upload(s.post_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm.Upload(s.post_feedforward_layernorm));
-    // NVFP4 projections stay in 4 bits (issue 37); others are bf16 (quantized ones widened).
-    auto dense = [](const cpu::PackedMatrix& m, DeviceArray<uint16_t>* bf16,
-                    cuda::DeviceNvfp4* fp4) -> absl::Status {
+    // Quantized projections stay in their format (issue 37): NVFP4 in 4 bits, FP8 in 8
+    // (UploadProjection); others are bf16 (other quantized ones widened).
+    auto dense = [&](const cpu::PackedMatrix& m, DeviceArray<uint16_t>* bf16, cuda::DeviceFp8* fp8,
+                     cuda::DeviceNvfp4* fp4) -> absl::Status {
       DGSERVE_ASSIGN_OR_RETURN(const bool in_fp4, cuda::UploadNvfp4(m, fp4));
-      return in_fp4 ? absl::OkStatus() : UploadBf16(m, bf16);
+      return in_fp4 ? absl::OkStatus() : UploadProjection(m, bf16, fp8);
     };
-    DGSERVE_RETURN_IF_ERROR(dense(s.q_proj, &d.q_proj, &d.q_fp4));
-    DGSERVE_RETURN_IF_ERROR(dense(s.k_proj, &d.k_proj, &d.k_fp4));
-    DGSERVE_RETURN_IF_ERROR(dense(s.v_proj, &d.v_proj, &d.v_fp4));
-    DGSERVE_RETURN_IF_ERROR(dense(s.o_proj, &d.o_proj, &d.o_fp4));
-    DGSERVE_RETURN_IF_ERROR(dense(s.mlp_gate_proj, &d.mlp_gate_proj, &d.mlp_gate_fp4));
-    DGSERVE_RETURN_IF_ERROR(dense(s.mlp_up_proj, &d.mlp_up_proj, &d.mlp_up_fp4));
-    DGSERVE_RETURN_IF_ERROR(dense(s.mlp_down_proj, &d.mlp_down_proj, &d.mlp_down_fp4));
-    // W4A16 and NVFP4 experts stay in 4 bits (cuda_memory.h, cuda_nvfp4_upload.h say when they
-    // can); others are widened.
-    DGSERVE_ASSIGN_OR_RETURN(bool gate_up_4bit,
-                             cuda::UploadW4A16(s.experts_gate_up_proj, &d.experts_gate_up_w4));
-    DGSERVE_ASSIGN_OR_RETURN(bool down_4bit,
-                             cuda::UploadW4A16(s.experts_down_proj, &d.experts_down_w4));
-    if (!gate_up_4bit) {
-      DGSERVE_ASSIGN_OR_RETURN(gate_up_4bit,
-                               cuda::UploadNvfp4(s.experts_gate_up_proj, &d.experts_gate_up_fp4));
-    }
-    if (!down_4bit) {
-      DGSERVE_ASSIGN_OR_RETURN(down_4bit,
-                               cuda::UploadNvfp4(s.experts_down_proj, &d.experts_down_fp4));
-    }
-    if (!gate_up_4bit) {
-      DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_gate_up_proj, &d.experts_gate_up_proj));
-    }
-    if (!down_4bit) DGSERVE_RETURN_IF_ERROR(UploadBf16(s.experts_down_proj, &d.experts_down_proj));
+    DGSERVE_RETURN_IF_ERROR(dense(s.q_proj, &d.q_proj, &d.q_proj_fp8, &d.q_fp4));
+    DGSERVE_RETURN_IF_ERROR(dense(s.k_proj, &d.k_proj, &d.k_proj_fp8, &d.k_fp4));
+    DGSERVE_RETURN_IF_ERROR(dense(s.v_proj, &d.v_proj, &d.v_proj_fp8, &d.v_fp4));
+    DGSERVE_RETURN_IF_ERROR(dense(s.o_proj, &d.o_proj, &d.o_proj_fp8, &d.o_fp4));
+    DGSERVE_RETURN_IF_ERROR(
+        dense(s.mlp_gate_proj, &d.mlp_gate_proj, &d.mlp_gate_proj_fp8, &d.mlp_gate_fp4));
+    DGSERVE_RETURN_IF_ERROR(
+        dense(s.mlp_up_proj, &d.mlp_up_proj, &d.mlp_up_proj_fp8, &d.mlp_up_fp4));
+    DGSERVE_RETURN_IF_ERROR(
+        dense(s.mlp_down_proj, &d.mlp_down_proj, &d.mlp_down_proj_fp8, &d.mlp_down_fp4));
+    // FP8 experts stay in 8 bits, W4A16 and NVFP4 experts in 4 (cuda_memory.h and
+    // cuda_nvfp4_upload.h say when they can); others are widened to bf16.
+    auto experts = [&](const std::vector<cpu::PackedMatrix>& m, DeviceArray<uint16_t>* bf16,
+                       cuda::DeviceFp8* fp8, cuda::DeviceW4A16* w4,
+                       cuda::DeviceNvfp4* fp4) -> absl::Status {
+      DGSERVE_ASSIGN_OR_RETURN(bool kept, cuda::UploadFp8(m, fp8));
+      if (!kept) {
+        DGSERVE_ASSIGN_OR_RETURN(kept, cuda::UploadW4A16(m, w4));
+      }
+      if (!kept) {
+        DGSERVE_ASSIGN_OR_RETURN(kept, cuda::UploadNvfp4(m, fp4));
+      }
+      return kept ? absl::OkStatus() : UploadBf16(m, bf16);
+    };
+    DGSERVE_RETURN_IF_ERROR(experts(s.experts_gate_up_proj, &d.experts_gate_up_proj,
+                                    &d.experts_gate_up_fp8, &d.experts_gate_up_w4,
+                                    &d.experts_gate_up_fp4));
+    DGSERVE_RETURN_IF_ERROR(experts(s.experts_down_proj, &d.experts_down_proj,
+                                    &d.experts_down_fp8, &d.experts_down_w4, &d.experts_down_fp4));
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.router_proj, &d.router_proj_bf16));
     DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));

@@ -25,6 +25,7 @@
 #include "engine/cuda/cuda_attention.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_backend_kernels.h"
+#include "engine/cuda/cuda_fp8_memory.h"
 #include "engine/cuda/cuda_gemm.h"
 #include "engine/cuda/cuda_memory.h"
 #include "engine/cuda/cuda_moe.h"
@@ -188,6 +189,10 @@ struct DeviceLayer {
   // empty), run by MoeGateUpNvfp4 / MoeDownNvfp4 / DenseLinearNvfp4 (cuda_nvfp4.h).
   cuda::DeviceNvfp4 experts_gate_up_fp4, experts_down_fp4, q_fp4, k_fp4, v_fp4, o_fp4, mlp_gate_fp4,
       mlp_up_fp4, mlp_down_fp4;
+  // Issue 37: FP8 weights kept in 8 bits (rows > 0), run by DenseLinearFp8 (through Linear, which
+  // finds them by the bf16 array's placeholder address) and MoeGateUpFp8 / MoeDownFp8.
+  cuda::DeviceFp8 q_proj_fp8, k_proj_fp8, v_proj_fp8, o_proj_fp8, mlp_gate_proj_fp8,
+      mlp_up_proj_fp8, mlp_down_proj_fp8, experts_gate_up_fp8, experts_down_fp8;
   float decoder_layer_scalar = 1, encoder_layer_scalar = 1;
 };
 
@@ -381,7 +386,11 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<uint16_t> embed_;      // [V, D] bf16 (embedding and tied LM head)
   DeviceArray<float> final_norm_, sc_pre_norm_;
   DeviceArray<uint16_t> sc_gate_, sc_up_, sc_down_;
+  cuda::DeviceFp8 sc_gate_fp8_, sc_up_fp8_, sc_down_fp8_;  // issue 37: when FP8 (rows > 0)
   std::vector<DeviceLayer> layers_;
+  // Issue 37: the FP8 projections, by the address of their bf16 array's one placeholder element
+  // (UploadProjection): Linear runs these on DenseLinearFp8.
+  std::unordered_map<const uint16_t*, const cuda::DeviceFp8*> fp8_projections_;
   DeviceArray<float> rope_sliding_, rope_full_;
   int fingerprint_layer_ = 0;  // first full layer (rows 0 … n−1 all kept), else 0
 

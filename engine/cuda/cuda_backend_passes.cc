@@ -16,6 +16,9 @@ absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int i
   if (fp4 != nullptr && fp4->experts > 0) {  // issue 37: NVFP4 in 4 bits
     return cuda::DenseLinearNvfp4(x, fp4->View(), R, in, out, y, stream_);
   }
+  if (const auto it = fp8_projections_.find(w); it != fp8_projections_.end()) {  // issue 37: FP8
+    return cuda::DenseLinearFp8(x, it->second->view(), R, in, out, y, stream_);
+  }
   if (options_.batch_invariant_projections) {
     return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y, stream_);
   }
@@ -318,6 +321,10 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpNvfp4(xe_.get(), gather_.get(), offsets_.get(),
                                                  lw.experts_gate_up_fp4.View(), R, K, E, D, F,
                                                  act_.get(), stream_));
+  } else if (lw.experts_gate_up_fp8.rows > 0) {  // issue 37: FP8 (the format quantizes the inputs)
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpFp8(xe_.get(), gather_.get(), offsets_.get(),
+                                               lw.experts_gate_up_fp8.view(), R, K, E, D, F,
+                                               act_.get(), stream_));
   } else if (const cuda::DeviceW4A16& w4 = lw.experts_gate_up_w4; w4.group > 0) {  // W4A16
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpW4A16(xe_.get(), gather_.get(), offsets_.get(),
                                                  {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
@@ -331,6 +338,10 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDownNvfp4(act_.get(), offsets_.get(), slot_weight_.get(),
                                                lw.experts_down_fp4.View(), R, K, E, F, D, y_.get(),
                                                stream_));
+  } else if (lw.experts_down_fp8.rows > 0) {
+    DGSERVE_RETURN_IF_ERROR(cuda::MoeDownFp8(act_.get(), offsets_.get(), slot_weight_.get(),
+                                             lw.experts_down_fp8.view(), R, K, E, F, D, y_.get(),
+                                             stream_));
   } else if (const cuda::DeviceW4A16& w4 = lw.experts_down_w4; w4.group > 0) {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDownW4A16(act_.get(), offsets_.get(), slot_weight_.get(),
                                                {w4.packed.get(), w4.scales.get(), w4.group}, R, K,

@@ -17,6 +17,13 @@
 //   matrix j (16 bytes, 16-byte aligned, in shared memory; for x2 the addresses of lanes 16–31
 //   are not used); lane l receives in r[j] elements (l/4, 2(l%4)) and (l/4, 2(l%4)+1) of matrix
 //   j, or with .trans elements (2(l%4), l/4) and (2(l%4)+1, l/4).
+//   mma.m16n8k32 .e4m3 (section "Matrix Fragments for mma.m16n8k32", 8-bit types; four e4m3
+//   codes a register, the lower index in the lower byte):
+//   A 16×32 e4m3, .row:               a[0] = A[g][4t..4t+3]      a[1] = A[g+8][4t..4t+3]
+//                                     a[2] = A[g][4t+16..4t+19]  a[3] = A[g+8][4t+16..4t+19]
+//   B 32×8 e4m3 (k × n), .col:        b[0] = B[4t..4t+3][g]      b[1] = B[4t+16..4t+19][g]
+//   C, D 16×8 float as for m16n8k16. So with A and W stored row-major ([m][k], [n][k]: k
+//   contiguous) every register is one aligned 32-bit word of a row.
 //   So for A at (row0, col0) of a row-major tile: LdMatrixX4 with lane l passing
 //   &tile[row0 + l % 16][col0 + (l / 16) * 8] gives a[0..3]; for B stored n-major ([n][k], k
 //   contiguous) LdMatrixX2 with &Bs[n0 + l % 8][k0 + ((l / 8) % 2) * 8] gives b[0..1]; for B
@@ -26,9 +33,11 @@
 // emulation a warp in which a lane has exited, or waits at another collective, fails the launch;
 // so does an ldmatrix row address or a cp.async address that is not 16-byte aligned.
 //
-// Accumulation: each product of two bf16 values is exact in float32. The order in which the
-// hardware adds the 16 products of one mma to C is not specified by the ISA; the emulation adds
-// them to C one at a time in ascending k, rounding each addition to float32. Tests compare
+// Accumulation: each product of two bf16 values (or of two e4m3 values) is exact in float32.
+// The order in which the hardware adds the products of one mma to C is not specified by the ISA;
+// the emulation adds them to C one at a time in ascending k, rounding each addition to float32.
+// (FP8 mma on Hopper is reported to keep fewer accumulator bits within one instruction; the
+// FP8 tests' exact cases use sums that fit 14 bits.) Tests compare
 // with a float64 reference and a tolerance (or use values whose sums are exact), never bit for
 // bit between the device and the emulation.
 //
@@ -58,6 +67,21 @@ __device__ __forceinline__ void MmaBf16M16N8K16(float d[4], const uint32_t a[4],
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// d += A·B: mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 with C = D = d (sm_89 and later;
+// the FP8 tensor cores of the FP8 checkpoints, engine/cuda/cuda_fp8.h).
+__device__ __forceinline__ void MmaE4m3M16N8K32(float d[4], const uint32_t a[4],
+                                                const uint32_t b[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+  __trap();  // FP8 mma needs sm_89
 #endif
 }
 
@@ -141,6 +165,9 @@ __device__ __forceinline__ void CpAsyncWaitGroup() {
 
 inline void MmaBf16M16N8K16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
   emu::MmaBf16M16N8K16(d, a, b);
+}
+inline void MmaE4m3M16N8K32(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  emu::MmaE4m3M16N8K32(d, a, b);
 }
 inline void LdMatrixX4(uint32_t r[4], const void* smem_row) {
   emu::LdMatrix(4, false, r, smem_row);

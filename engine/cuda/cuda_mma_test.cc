@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "common/fp8.h"
 #include "common/testing/status_matchers.h"
 #include "engine/cuda/cuda_mma_test_kernels.h"
 #include "engine/cuda/cuda_test_util.h"
@@ -108,6 +109,34 @@ TEST_F(CudaMmaTest, SingleTileRandomValuesWithinRounding) {
       // device may truncate rather than round).
       ASSERT_NEAR(d[i * 8 + j], want, 17 * 0x1p-23 * magnitude + 1e-30)
           << "row " << i << " col " << j;
+    }
+  }
+}
+
+// mma.m16n8k32 .e4m3 (FP8 tensor cores): codes whose values are multiples of 1/4 in [−4, 4] (and
+// 0), so every product is a multiple of 1/16 and every partial sum of 32 of them plus c is exact
+// in float32 (and in any narrower accumulator of ≥ 14 bits): bit for bit the float64 reference.
+// Every row and column of A and B differs, so a misplaced fragment element shows.
+TEST_F(CudaMmaTest, E4m3TileMatchesReference) {
+  std::mt19937 gen(21);
+  std::uniform_int_distribution<int> dist(-16, 16);
+  auto codes = [&](size_t n) {
+    std::vector<uint8_t> v(n);
+    for (uint8_t& x : v) x = FloatToE4m3(float(dist(gen)) / 4.0f);
+    return v;
+  };
+  const std::vector<uint8_t> a = codes(16 * 32), b = codes(32 * 8);
+  std::vector<float> c(16 * 8);
+  for (int i = 0; i < 16 * 8; ++i) c[i] = float(i % 11) - 5.0f;
+  float* d = Alloc<float>(16 * 8, 0xFF);
+  ASSERT_THAT(MmaE4m3TileForTest(Upload(a), Upload(b), Upload(c), d), IsOk());
+  const std::vector<float> got = Download(d, 16 * 8);
+  for (int i = 0; i < 16; ++i) {
+    for (int j = 0; j < 8; ++j) {
+      double want = c[i * 8 + j];
+      for (int k = 0; k < 32; ++k)
+        want += double(E4m3ToFloat(a[i * 32 + k])) * E4m3ToFloat(b[k * 8 + j]);
+      ASSERT_EQ(got[i * 8 + j], want) << "row " << i << " col " << j;
     }
   }
 }

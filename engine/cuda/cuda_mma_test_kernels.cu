@@ -38,6 +38,34 @@ __global__ void MmaTileKernel(const uint16_t* a, const uint16_t* b, const float*
   d[(g + 8) * 8 + 2 * t + 1] = df[3];
 }
 
+// Four e4m3 codes as one register: element 4j + q of a fragment in byte q of register j.
+__device__ __forceinline__ uint32_t Pack4(const uint8_t* p) {
+  return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+}
+
+// mma.m16n8k32 .e4m3 with the fragments built from the ISA's formulas (cuda_mma.cuh): a row-major
+// [16, 32], b row-major [32, 8] (k × n), so B's column g, k 4t..4t+3, is gathered by hand.
+__global__ void MmaE4m3TileKernel(const uint8_t* a, const uint8_t* b, const float* c, float* d) {
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  uint32_t af[4], bf[2];
+  af[0] = Pack4(a + g * 32 + 4 * t);             // a0..a3
+  af[1] = Pack4(a + (g + 8) * 32 + 4 * t);       // a4..a7
+  af[2] = Pack4(a + g * 32 + 4 * t + 16);        // a8..a11
+  af[3] = Pack4(a + (g + 8) * 32 + 4 * t + 16);  // a12..a15
+  for (int j = 0; j < 2; ++j) {
+    const uint8_t col[4] = {b[(4 * t + 16 * j) * 8 + g], b[(4 * t + 16 * j + 1) * 8 + g],
+                            b[(4 * t + 16 * j + 2) * 8 + g], b[(4 * t + 16 * j + 3) * 8 + g]};
+    bf[j] = Pack4(col);  // b0..b3, b4..b7
+  }
+  float df[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t],
+                 c[(g + 8) * 8 + 2 * t + 1]};
+  mma::MmaE4m3M16N8K32(df, af, bf);
+  d[g * 8 + 2 * t] = df[0];
+  d[g * 8 + 2 * t + 1] = df[1];
+  d[(g + 8) * 8 + 2 * t] = df[2];
+  d[(g + 8) * 8 + 2 * t + 1] = df[3];
+}
+
 constexpr int kMaxLdRows = 64;
 
 __global__ void LdMatrixKernel(const uint16_t* rows, int num_rows, const int32_t* row_of_lane,
@@ -161,6 +189,11 @@ __global__ void __launch_bounds__(128)
 absl::Status MmaTileForTest(const uint16_t* a, const uint16_t* b, const float* c, float* d) {
   LaunchKernel(MmaTileKernel, 1, 32, 0, nullptr, a, b, c, d);
   return Check("MmaTileKernel");
+}
+
+absl::Status MmaE4m3TileForTest(const uint8_t* a, const uint8_t* b, const float* c, float* d) {
+  LaunchKernel(MmaE4m3TileKernel, 1, 32, 0, nullptr, a, b, c, d);
+  return Check("MmaE4m3TileKernel");
 }
 
 absl::Status LdMatrixForTest(const uint16_t* rows, int num_rows, const int32_t* row_of_lane,

@@ -14,6 +14,10 @@ namespace dgserve::cuda {
 // row-major float. The kernel builds each lane's a[4], b[2], d[4] from the ISA's formulas.
 absl::Status MmaTileForTest(const uint16_t* a, const uint16_t* b, const float* c, float* d);
 
+// d = c + a·b through mma.m16n8k32 .e4m3 on one warp: a [16, 32] and b [32, 8] (k × n) row-major
+// e4m3 codes, c and d [16, 8] row-major float. Needs sm_89 or later on a device.
+absl::Status MmaE4m3TileForTest(const uint8_t* a, const uint8_t* b, const float* c, float* d);
+
 // One ldmatrix on one warp: `rows` [num_rows, 8] bf16 (16 bytes a row) is copied to shared
 // memory, lane l passes the address of shared row row_of_lane[l], and out[l·4 + j] = its r[j]
 // (entries j ≥ matrices left alone). matrices: 2 or 4; trans: the .trans form.

@@ -29,12 +29,15 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const BackendSelecti
     options.dense_self_conditioning = selection.cpu_dense_self_conditioning;
     return CreateCpuBackend(config, weights, options);
   }
-  // Issue 37: NVFP4 runs on the CUDA backend in 4 bits (every quantized Linear of the layers:
-  // cuda_nvfp4.h); FP8 and W4A16 would run widened to bf16, not as their formats: refused.
-  if (weights.format != WeightFormat::kBf16 && weights.format != WeightFormat::kNvfp4) {
+  // Issue 37: FP8 and NVFP4 run on the CUDA backend in their formats (FP8: 8-bit weights and
+  // per-token e4m3 activations on the FP8 tensor cores, cuda_fp8.h; NVFP4: every quantized Linear
+  // of the layers in 4 bits, cuda_nvfp4.h). W4A16 would run its dense layers widened to bf16, not
+  // as its format: refused.
+  if (weights.format != WeightFormat::kBf16 && weights.format != WeightFormat::kFp8 &&
+      weights.format != WeightFormat::kNvfp4) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--device cuda: this checkpoint is quantized (", WeightFormatName(weights.format),
-        "); the CUDA backend runs bf16 and nvfp4 checkpoints only (use --device cpu)"));
+        "); the CUDA backend runs bf16, fp8 and nvfp4 checkpoints only (use --device cpu)"));
   }
   if (weights.format == WeightFormat::kNvfp4) {
     for (const cpu::PackedMatrix* m :

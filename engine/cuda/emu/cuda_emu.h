@@ -299,6 +299,7 @@ void WarpExchange(const char* name, unsigned mask, WarpExchangeFn fn, const void
 
 // The matrix-core instructions of cuda_mma.cuh (cuda_emu_mma.cc; see there and cuda_mma.cuh).
 void MmaBf16M16N8K16(float d[4], const uint32_t a[4], const uint32_t b[2]);
+void MmaE4m3M16N8K32(float d[4], const uint32_t a[4], const uint32_t b[2]);
 void LdMatrix(int matrices, bool trans, uint32_t* r, const void* smem_row);
 // cp.async of the running CUDA thread: the copy is recorded and done when a wait completes its
 // group (so a read of the destination before the wait sees the old contents, as a device may).
