@@ -38,6 +38,7 @@
 
 #include "engine/cpu/gemm_quant.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_backend_quant_testing.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
@@ -49,96 +50,24 @@
 namespace dgserve {
 namespace {
 
-namespace fs = std::filesystem;
+using quant_testing::Mode;
 
-struct Mode {
-  const char* name;
-  cuda::GemmInput gpu;
-  cpu::GemmInput cpu;
-  float logit;  // max |Δlogit|: relative (times max |CPU logit|) or absolute
-  bool relative;
-  float kv_rel;  // max |ΔK|, |ΔV| ÷ the checked rows' max |value|
-  bool own_projections;
-};
 constexpr Mode kFloat32{
     "float32", cuda::GemmInput::kFloat32, cpu::GemmInput::kFloat32, 0.1f, true, 0.25f, true};
 // As cuda_backend_test's kBf16Mode: the projections on cuBLAS (see its own_projections).
 constexpr Mode kBf16{"bf16", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.3f, false, 2e-2f,
                      false};
 
-class CudaBackendFp8Test : public cuda::CudaTest, public ::testing::WithParamInterface<Mode> {
- protected:
-  static void SetUpTestSuite() {
-    if (cuda::DeviceCount() == 0) return;  // every test skips
-    const fs::path golden = fs::path(::dgserve::testing::GoldenDir()) / "tiny-v512";
-    auto cfgs = LoadConfigsFromModelDir(golden.string());
-    ASSERT_TRUE(cfgs.ok()) << cfgs.status();
-    const fs::path root =
-        fs::temp_directory_path() / ("dgserve_cuda_fp8_" + std::to_string(::getpid()));
-    const std::string bf16_dir = (root / "bf16").string(), q_dir = (root / "fp8").string();
-    ASSERT_TRUE(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, bf16_dir).ok());
+class CudaBackendFp8Test : public quant_testing::CudaBackendQuantTest<CudaBackendFp8Test> {
+ public:
+  static QuantizeOptions Options() {
     QuantizeOptions options;
     options.format = WeightFormat::kFp8;
     options.progress = false;
-    auto summary = QuantizeCheckpoint(bf16_dir, q_dir, options);
-    ASSERT_TRUE(summary.ok()) << summary.status();
-    auto ckpt = LoadCheckpoint(q_dir);
-    fs::remove_all(root);
-    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-    checkpoint_ = new Checkpoint(std::move(*ckpt));
+    return options;
   }
-  static void TearDownTestSuite() {
-    delete checkpoint_;
-    checkpoint_ = nullptr;
-  }
-  void SetUp() override {
-    cuda::CudaTest::SetUp();
-    if (IsSkipped()) return;
-    ASSERT_NE(checkpoint_, nullptr);
-    CpuBackendOptions cpu_options;
-    cpu_options.gemm_input = GetParam().cpu;
-    cpu_ = CreateCpuBackend(config(), checkpoint_->weights, cpu_options);
-    CudaBackendOptions gpu_options;
-    gpu_options.gemm_input = GetParam().gpu;
-    gpu_options.batch_invariant_projections = GetParam().own_projections;
-    auto gpu = CreateCudaBackend(config(), checkpoint_->weights, gpu_options);
-    ASSERT_TRUE(gpu.ok()) << gpu.status();
-    gpu_ = std::move(*gpu);
-  }
-
-  const ModelConfig& config() const { return checkpoint_->config; }
-  std::vector<int32_t> Tokens(int n, int salt) const {
-    std::vector<int32_t> p(n);
-    for (int i = 0; i < n; ++i) p[i] = (i * 37 + 11 + salt * 101) % config().vocab_size;
-    return p;
-  }
-  static void Encode(ModelBackend& b, KvCache& kv, const std::vector<int32_t>& tokens) {
-    EncodeInput in{tokens, &kv};
-    const absl::Status st = b.Encode({&in, 1});
-    ASSERT_TRUE(st.ok()) << st;
-  }
-  std::vector<float> Logits(ModelBackend& b, const KvCache& kv,
-                            const std::vector<int32_t>& canvas) const {
-    std::vector<float> logits(canvas.size() * config().vocab_size);
-    DecodeInput in{canvas, nullptr, &kv, logits.data()};
-    const absl::Status st = b.Decode({&in, 1});
-    EXPECT_TRUE(st.ok()) << st;
-    return logits;
-  }
-  static float Worst(const std::vector<float>& cpu, const std::vector<float>& gpu, float* scale) {
-    float worst = 0.0f;
-    for (float x : cpu) *scale = std::max(*scale, std::fabs(x));
-    for (size_t i = 0; i < cpu.size(); ++i) {
-      worst = std::isfinite(gpu[i]) ? std::max(worst, std::fabs(cpu[i] - gpu[i]))
-                                    : std::numeric_limits<float>::infinity();
-    }
-    return worst;
-  }
-
-  static Checkpoint* checkpoint_;
-  std::unique_ptr<ModelBackend> cpu_, gpu_;
+  static void Tweak(ModelConfig*) {}
 };
-Checkpoint* CudaBackendFp8Test::checkpoint_ = nullptr;
 
 // The checkpoint's attention, dense MLP and experts are FP8, its router bf16: what the backend
 // must keep in 8 bits.
@@ -224,9 +153,7 @@ TEST_P(CudaBackendFp8Test, EncodeThenDecodeMatchesCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendFp8Test, ::testing::Values(kFloat32, kBf16),
-                         [](const ::testing::TestParamInfo<Mode>& info) {
-                           return std::string(info.param.name);
-                         });
+                         quant_testing::ModeName);
 
 }  // namespace
 }  // namespace dgserve

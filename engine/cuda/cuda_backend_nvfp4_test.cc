@@ -26,6 +26,7 @@
 
 #include "engine/cpu/gemm_quant.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_backend_quant_testing.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
@@ -37,98 +38,27 @@
 namespace dgserve {
 namespace {
 
-namespace fs = std::filesystem;
+using quant_testing::Mode;
 
-struct Mode {
-  const char* name;
-  cuda::GemmInput gpu;
-  cpu::GemmInput cpu;
-  float logit;  // max |Δlogit|: relative (times max |CPU logit|) or absolute
-  bool relative;
-  float kv_rel;  // max |ΔK|, |ΔV| ÷ the checked rows' max |value|
-  bool own_projections;
-};
 constexpr Mode kFloat32{
     "float32", cuda::GemmInput::kFloat32, cpu::GemmInput::kFloat32, 0.3f, false, 2e-2f, true};
 // As cuda_backend_test's kBf16Mode: the projections on cuBLAS (see its own_projections).
 constexpr Mode kBf16{"bf16", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.3f, false, 2e-2f,
                      false};
 
-class CudaBackendNvfp4Test : public cuda::CudaTest, public ::testing::WithParamInterface<Mode> {
- protected:
-  static void SetUpTestSuite() {
-    if (cuda::DeviceCount() == 0) return;  // every test skips
-    const fs::path golden = fs::path(::dgserve::testing::GoldenDir()) / "tiny-v512";
-    auto cfgs = LoadConfigsFromModelDir(golden.string());
-    ASSERT_TRUE(cfgs.ok()) << cfgs.status();
-    cfgs->config.moe_intermediate_size = 32;  // NVFP4 needs inputs in multiples of 16
-    const fs::path root =
-        fs::temp_directory_path() / ("dgserve_cuda_nvfp4_" + std::to_string(::getpid()));
-    const std::string bf16_dir = (root / "bf16").string(), fp4_dir = (root / "nvfp4").string();
-    ASSERT_TRUE(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, bf16_dir).ok());
+class CudaBackendNvfp4Test : public quant_testing::CudaBackendQuantTest<CudaBackendNvfp4Test> {
+ public:
+  static QuantizeOptions Options() {
     QuantizeOptions options;
     options.format = WeightFormat::kNvfp4;
     options.group_size = 16;
     options.progress = false;
-    auto summary = QuantizeCheckpoint(bf16_dir, fp4_dir, options);
-    ASSERT_TRUE(summary.ok()) << summary.status();
-    auto ckpt = LoadCheckpoint(fp4_dir);
-    fs::remove_all(root);
-    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-    checkpoint_ = new Checkpoint(std::move(*ckpt));
+    return options;
   }
-  static void TearDownTestSuite() {
-    delete checkpoint_;
-    checkpoint_ = nullptr;
+  static void Tweak(ModelConfig* c) {
+    c->moe_intermediate_size = 32;  // NVFP4 needs inputs in multiples of 16
   }
-  void SetUp() override {
-    cuda::CudaTest::SetUp();
-    if (IsSkipped()) return;
-    ASSERT_NE(checkpoint_, nullptr);
-    CpuBackendOptions cpu_options;
-    cpu_options.gemm_input = GetParam().cpu;
-    cpu_ = CreateCpuBackend(config(), checkpoint_->weights, cpu_options);
-    CudaBackendOptions gpu_options;
-    gpu_options.gemm_input = GetParam().gpu;
-    gpu_options.batch_invariant_projections = GetParam().own_projections;
-    auto gpu = CreateCudaBackend(config(), checkpoint_->weights, gpu_options);
-    ASSERT_TRUE(gpu.ok()) << gpu.status();
-    gpu_ = std::move(*gpu);
-  }
-
-  const ModelConfig& config() const { return checkpoint_->config; }
-  std::vector<int32_t> Tokens(int n, int salt) const {
-    std::vector<int32_t> p(n);
-    for (int i = 0; i < n; ++i) p[i] = (i * 37 + 11 + salt * 101) % config().vocab_size;
-    return p;
-  }
-  static void Encode(ModelBackend& b, KvCache& kv, const std::vector<int32_t>& tokens) {
-    EncodeInput in{tokens, &kv};
-    const absl::Status st = b.Encode({&in, 1});
-    ASSERT_TRUE(st.ok()) << st;
-  }
-  std::vector<float> Logits(ModelBackend& b, const KvCache& kv,
-                            const std::vector<int32_t>& canvas) const {
-    std::vector<float> logits(canvas.size() * config().vocab_size);
-    DecodeInput in{canvas, nullptr, &kv, logits.data()};
-    const absl::Status st = b.Decode({&in, 1});
-    EXPECT_TRUE(st.ok()) << st;
-    return logits;
-  }
-  static float Worst(const std::vector<float>& cpu, const std::vector<float>& gpu, float* scale) {
-    float worst = 0.0f;
-    for (float x : cpu) *scale = std::max(*scale, std::fabs(x));
-    for (size_t i = 0; i < cpu.size(); ++i) {
-      worst = std::isfinite(gpu[i]) ? std::max(worst, std::fabs(cpu[i] - gpu[i]))
-                                    : std::numeric_limits<float>::infinity();
-    }
-    return worst;
-  }
-
-  static Checkpoint* checkpoint_;
-  std::unique_ptr<ModelBackend> cpu_, gpu_;
 };
-Checkpoint* CudaBackendNvfp4Test::checkpoint_ = nullptr;
 
 // Every Linear of the layers is NVFP4 (what the backend must keep in 4 bits; full layers have no
 // v_proj); the router stays bf16.
@@ -196,9 +126,7 @@ TEST_P(CudaBackendNvfp4Test, EncodeThenDecodeMatchesCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendNvfp4Test, ::testing::Values(kFloat32, kBf16),
-                         [](const ::testing::TestParamInfo<Mode>& info) {
-                           return std::string(info.param.name);
-                         });
+                         quant_testing::ModeName);
 
 }  // namespace
 }  // namespace dgserve
