@@ -83,8 +83,8 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(experts(s.experts_gate_up_proj, &d.experts_gate_up_proj,
                                     &d.experts_gate_up_fp8, &d.experts_gate_up_w4,
                                     &d.experts_gate_up_fp4));
-    DGSERVE_RETURN_IF_ERROR(experts(s.experts_down_proj, &d.experts_down_proj,
-                                    &d.experts_down_fp8, &d.experts_down_w4, &d.experts_down_fp4));
+    DGSERVE_RETURN_IF_ERROR(experts(s.experts_down_proj, &d.experts_down_proj, &d.experts_down_fp8,
+                                    &d.experts_down_w4, &d.experts_down_fp4));
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.router_proj, &d.router_proj_bf16));
     DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));
