@@ -80,49 +80,7 @@ TEST_P(CudaBackendNvfp4Test, LinearsAreNvfp4) {
 }
 
 TEST_P(CudaBackendNvfp4Test, EncodeThenDecodeMatchesCpu) {
-  const Mode& m = GetParam();
-  const std::vector<int32_t> prompt = Tokens(29, 0);
-  ContiguousKvCache kc(config(), 256), kg(config(), 256);
-  Encode(*cpu_, kc, prompt);
-  Encode(*gpu_, kg, prompt);
-  ASSERT_EQ(kg.num_tokens(), 29);
-  float kv_worst = 0.0f;
-  for (int l = 0; l < config().num_layers; ++l) {
-    const int w = config().KvHeads(l) * config().HeadDim(l);
-    for (int p : {0, 13, 28}) {
-      if (!config().IsFull(l) && p < 29 - (config().sliding_window - 1)) continue;
-      for (bool key : {true, false}) {
-        const float* c = key ? kc.KeyRow(l, p) : kc.ValueRow(l, p);
-        const float* g = key ? kg.KeyRow(l, p) : kg.ValueRow(l, p);
-        float scale = 1e-3f;
-        const float worst = Worst({c, c + w}, {g, g + w}, &scale);
-        kv_worst = std::max(kv_worst, worst / scale);
-        EXPECT_LE(worst, m.kv_rel * scale)
-            << "layer " << l << " position " << p << (key ? " key" : " value");
-      }
-    }
-  }
-  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 3);
-  const std::vector<float> lc = Logits(*cpu_, kc, canvas), lg = Logits(*gpu_, kg, canvas);
-  float scale = 1.0f;
-  const float worst = Worst(lc, lg, &scale);
-  const float tol = m.relative ? m.logit * scale : m.logit;
-  EXPECT_LE(worst, tol) << "max |Δlogit| " << worst << " (max |logit| " << scale << ")";
-  std::printf("nvfp4 %s: max |Δlogit| %.3g (max |logit| %.3g, tolerance %.3g), K/V %.3g of max\n",
-              m.name, worst, scale, tol, kv_worst);
-  // Tokens: the argmax of every canvas row whose CPU top-2 gap exceeds twice the tolerance.
-  const int V = config().vocab_size;
-  int compared = 0;
-  for (size_t r = 0; r < canvas.size(); ++r) {
-    std::vector<float> x(lc.begin() + r * V, lc.begin() + (r + 1) * V);
-    std::partial_sort(x.begin(), x.begin() + 2, x.end(), std::greater<float>());
-    if (x[0] - x[1] <= std::max(0.05f, 2 * tol)) continue;
-    ++compared;
-    const float* c = lc.data() + r * V;
-    const float* g = lg.data() + r * V;
-    EXPECT_EQ(std::max_element(c, c + V) - c, std::max_element(g, g + V) - g) << "row " << r;
-  }
-  EXPECT_GT(compared, 0);
+  ExpectEncodeThenDecodeMatchesCpu("nvfp4");
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendNvfp4Test, ::testing::Values(kFloat32, kBf16),
