@@ -52,7 +52,8 @@ struct ModelWeights {
   cpu::PackedMatrix sc_down_proj;      // [D, I]
   std::vector<LayerWeights> layers;    // [L]
   // Issue 37: the checkpoint's weight format. Quantized checkpoints hold some PackedMatrix
-  // entries quantized (PackedMatrix::quant()); only the CPU backend runs them.
+  // entries quantized (PackedMatrix::quant()); the CPU backend runs every format, the CUDA
+  // backend FP8 and NVFP4 (engine/model/backend_select.cc says which it refuses).
   WeightFormat format = WeightFormat::kBf16;
 };
 
