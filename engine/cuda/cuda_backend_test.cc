@@ -223,9 +223,11 @@ Checkpoint* CudaBackendTest::checkpoint_ = nullptr;
 // W = 1024), counted by hand: sliding 25 × K, V × 1024 rows × 2048 floats × 4 B = 419,430,400
 // at any context ≥ 1024; full 5 × K, V × n × 1024 floats × 4 B = 40,960·n.
 TEST(CudaKvBytesTest, RealShapeMatchesHandCount) {
+  // The source tree: ctest's DGSERVE_SOURCE_DIR, or the working directory (tools/gpu_check.sh
+  // runs the test binaries from the repository root, without ctest).
   const char* src = std::getenv("DGSERVE_SOURCE_DIR");
-  ASSERT_NE(src, nullptr);
-  auto c = LoadModelConfig(std::string(src) + "/bench/configs/diffusiongemma-26b-a4b.json");
+  auto c = LoadModelConfig(std::string(src != nullptr ? src : ".") +
+                           "/bench/configs/diffusiongemma-26b-a4b.json");
   ASSERT_TRUE(c.ok()) << c.status();
   ASSERT_EQ(c->num_layers, 30);
   ASSERT_EQ(c->sliding_window, 1024);
