@@ -94,23 +94,22 @@ __host__ __device__ inline SplitRange CanvasSplits(int ctx_tokens, int ctx_first
   return {first, last - first + 1};
 }
 
-// Segment: the table entry (CanvasSegment; PrefillSegment is the same type).
 // window: the prefill's sliding window (≤ 0: none); the canvas's is in its ctx_first.
 // partial == nullptr: out = O / l. Else (canvas only) split-KV: block z of the grid's third
 // dimension computes split slot z (split CanvasSplits(..).first + z) of its segment's keys and
 // writes its unnormalised O, running max m and sum l to the record
 // partial + ((z · total_rows + row) · num_heads + head) · (hd + 2) (O[hd], m, l); slots past the
 // segment's count do nothing.
-template <int kMaxTiles, bool kCausal, typename Segment>  // kMaxTiles ≥ head_dim / 32
+template <int kMaxTiles, bool kCausal>  // kMaxTiles ≥ head_dim / 32
 __global__ void __launch_bounds__(kTcThreads)
     TcAttentionKernel(const float* __restrict__ q, const float* __restrict__ k_new,
-                      const float* __restrict__ v_new, const Segment* __restrict__ segs,
+                      const float* __restrict__ v_new, const CanvasSegment* __restrict__ segs,
                       int num_segments, int num_heads, int kv_heads, int group, int hd, int window,
                       float* __restrict__ out, int split_keys, int total_rows,
                       float* __restrict__ partial) {
   // This block's segment and tile within it (block-uniform).
   int b = blockIdx.x, si = 0;
-  Segment seg;
+  CanvasSegment seg;
   for (; si < num_segments; ++si) {
     seg = segs[si];
     const int tiles = (seg.rows * group + kTcPairs - 1) / kTcPairs;
@@ -373,12 +372,12 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // max_splits > 1 (canvas only): split-KV into `partial`, then the combine (both on `stream`).
-template <int kMaxTiles, bool kCausal, typename Segment>
+template <int kMaxTiles, bool kCausal>
 absl::Status LaunchTc(const char* name, const float* q, const float* k_new, const float* v_new,
-                      const Segment* segs, int num_segments, int total_rows, int num_heads,
+                      const CanvasSegment* segs, int num_segments, int total_rows, int num_heads,
                       int kv_heads, int head_dim, int window, int max_splits, int split_keys,
                       float* partial, float* out, void* stream) {
-  const auto kernel = TcAttentionKernel<kMaxTiles, kCausal, Segment>;
+  const auto kernel = TcAttentionKernel<kMaxTiles, kCausal>;
   const size_t bytes = size_t(TcSharedLayout(head_dim).total);
   if (absl::Status st = AllowSharedBytes(kernel, bytes, name); !st.ok()) return st;
   const int group = num_heads / kv_heads;
@@ -402,12 +401,12 @@ absl::Status LaunchTc(const char* name, const float* q, const float* k_new, cons
 }
 
 // The argument checks and head-dim dispatch of both tensor-core entry points.
-template <bool kCausal, typename Segment>
+template <bool kCausal>
 absl::Status TensorCoreAttention(const char* name, const float* q, const float* k_new,
-                                 const float* v_new, const Segment* segments, int num_segments,
-                                 int total_rows, int num_heads, int kv_heads, int head_dim,
-                                 int window, int max_splits, int split_keys, void* scratch,
-                                 float* out, void* stream) {
+                                 const float* v_new, const CanvasSegment* segments,
+                                 int num_segments, int total_rows, int num_heads, int kv_heads,
+                                 int head_dim, int window, int max_splits, int split_keys,
+                                 void* scratch, float* out, void* stream) {
   const std::string n = name;
   if (num_segments < 0 || total_rows < 0 || num_heads <= 0 || kv_heads <= 0 ||
       num_heads % kv_heads != 0) {
