@@ -89,7 +89,27 @@ void Gateway::UpdateWorkerGauges() {
 }
 
 bool Gateway::Ready() const {
-  return !draining_ && prefill_->healthy_count() > 0 && denoise_->healthy_count() > 0;
+  return !draining_ && prefill_->healthy_count() > 0 && denoise_->healthy_count() > 0 &&
+         LayoutMismatch().empty();
+}
+
+std::string Gateway::LayoutMismatch() const {
+  std::string m = KvLayoutMismatch(*prefill_, *denoise_);
+  absl::MutexLock lock(&mismatch_mu_);
+  if (m != logged_mismatch_) {
+    if (!m.empty()) DGSERVE_LOG_WARNING("not ready: %s", m);
+    logged_mismatch_ = m;
+  }
+  return m;
+}
+
+std::string Gateway::NotReadyReason() const {
+  for (WorkerPool* pool : {prefill_, denoise_}) {
+    if (pool->healthy_count() == 0) {
+      return absl::StrCat("no healthy ", pool->role(), " worker (", pool->total_count(), " known)");
+    }
+  }
+  return LayoutMismatch();
 }
 
 absl::Status Gateway::CheckApiKey(const std::string& bearer) const {

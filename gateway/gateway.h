@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/model/config.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -79,6 +80,9 @@ class Gateway final : public GenerationCore {
   v1::ListModelsResponse ListModels() const override;
   std::string model_id() const override { return options_.model_id; }
   bool Ready() const override;
+  // The KV layout mismatch (KvLayoutMismatch), or "no healthy prefill/denoise worker (N known)";
+  // empty when ready apart from draining.
+  std::string NotReadyReason() const override;
   absl::Status CheckApiKey(const std::string& bearer) const override;
   void SetDraining(bool draining) { draining_ = draining; }
   // Stops admitting (UNAVAILABLE) and waits until no request is in flight or `grace` has passed.
@@ -95,6 +99,8 @@ class Gateway final : public GenerationCore {
   // The request's template in the token-id form, validated against the model (text form
   // tokenized piece by piece). INVALID_ARGUMENT naming the field.
   absl::StatusOr<v1::CanvasTemplate> ResolveTemplate(const v1::CanvasTemplate& t) const;
+  // KvLayoutMismatch of the pools; logs a warning when it changes (not on every probe).
+  std::string LayoutMismatch() const;
   // One request's attempts and client-facing stream (gateway.cc).
   class RequestRun;
 
@@ -107,6 +113,8 @@ class Gateway final : public GenerationCore {
   GatewayMetrics* metrics_;
   Admission admission_;
   std::atomic<bool> draining_{false};
+  mutable absl::Mutex mismatch_mu_;
+  mutable std::string logged_mismatch_ ABSL_GUARDED_BY(mismatch_mu_);
 };
 
 }  // namespace dgserve

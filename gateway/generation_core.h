@@ -66,8 +66,12 @@ class GenerationCore {
   virtual v1::ListModelsResponse ListModels() const = 0;
   // The served model's id (`model` in requests must be empty or equal to it).
   virtual std::string model_id() const = 0;
-  // Ready: at least one healthy prefill and one healthy denoise worker, and not draining.
+  // Ready: at least one healthy prefill and one healthy denoise worker, every healthy prefill
+  // worker's KV layout equal to every healthy denoise worker's, and not draining.
   virtual bool Ready() const = 0;
+  // Why Ready() is false, for the /ready body (empty when ready or when there is nothing more
+  // to say than "not_ready").
+  virtual std::string NotReadyReason() const { return ""; }
   // OK, or UNAUTHENTICATED when API keys are configured and `bearer` (the token after
   // "Bearer ") is not one of them.
   virtual absl::Status CheckApiKey(const std::string& bearer) const = 0;

@@ -389,10 +389,11 @@ HttpResponse OpenAiHttpServer::Impl::Dispatch(const std::string& path, const std
     const bool is_draining = draining.load();
     const bool ready = !is_draining && core_->Ready();
     r.status = ready ? 200 : 503;
-    r.body = nlohmann::json{{"status", ready         ? "ready"
-                                       : is_draining ? "draining"
-                                                     : "not_ready"}}
-                 .dump();
+    nlohmann::json body{{"status", ready ? "ready" : is_draining ? "draining" : "not_ready"}};
+    if (!ready && !is_draining) {
+      if (std::string reason = core_->NotReadyReason(); !reason.empty()) body["reason"] = reason;
+    }
+    r.body = body.dump();
   } else if (route == "/v1/models") {
     r.body = ModelsListJson(core_->ListModels(), created_);
   } else if (route == "/v1/models/{id}") {

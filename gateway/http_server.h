@@ -88,8 +88,9 @@ struct HttpServerOptions {
 //     answered 408, counted like an unreadable request, and the connection closes),
 //     idle_timeout between requests and write_timeout for a stalled write (each closes the
 //     connection, cancelling its request, if any).
-//   - Deadline: now + default_timeout, or the `X-Request-Timeout` header (seconds, a decimal number in
-//     (0, 86400]; anything else is 400), which may only shorten it: the deadline is the earlier.
+//   - Deadline: now + default_timeout, or the `X-Request-Timeout` header (seconds, a decimal
+//     number in (0, 86400]; anything else is 400), which may only shorten it: the deadline is the
+//     earlier.
 //   - Admission: core->CheckAdmission is asked after the head's checks (Content-Type,
 //     X-Request-Timeout), before the body is parsed, and again after; RESOURCE_EXHAUSTED is
 //     answered at once (429 with `Retry-After: 1`) without starting a thread.
@@ -109,7 +110,8 @@ struct HttpServerOptions {
 //   - Every response carries `X-Request-Id` (the core's request id when it sent events, else a
 //     gateway-local id).
 //   - /health: 200 {"status": "ok"} while the process runs. /ready: 200 {"status": "ready"}
-//     when core->Ready() and not draining, else 503 {"status": "not_ready" | "draining"}.
+//     when core->Ready() and not draining, else 503 {"status": "not_ready" | "draining"}, with
+//     "reason": core->NotReadyReason() when not_ready and it is not empty.
 //     Draining does not refuse requests: it only fails readiness, so that load balancers
 //     stop sending new ones.
 //   - Metrics (when a registry is given): dgserve_gateway_http_requests_total{route,code},

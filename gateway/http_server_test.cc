@@ -24,6 +24,16 @@ TEST_F(HttpServerTest, HealthAndReady) {
   ASSERT_TRUE(not_ready);
   EXPECT_EQ(not_ready.status, 503);
   EXPECT_EQ(json::parse(not_ready.body)["status"], "not_ready");
+  EXPECT_FALSE(json::parse(not_ready.body).contains("reason"));
+  const std::string reason = "KV layout mismatch: prefill worker a has block_size 16, ...";
+  {
+    absl::MutexLock lock(&core_.reason_mu);
+    core_.not_ready_reason = reason;
+  }
+  auto with_reason = cli.Get("/ready");
+  ASSERT_TRUE(with_reason);
+  EXPECT_EQ(with_reason.status, 503);
+  EXPECT_EQ(json::parse(with_reason.body)["reason"], reason);
   core_.ready = true;
   server_->SetDraining(true);
   auto draining = cli.Get("/ready");

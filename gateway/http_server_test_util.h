@@ -42,6 +42,8 @@ class FakeCore : public GenerationCore {
   std::string accept_as;  // set: Generate first calls on_accepted with it (the request's id)
   std::atomic<bool> ready{true};
   std::string api_key;  // "" = no keys configured
+  mutable absl::Mutex reason_mu;
+  std::string not_ready_reason ABSL_GUARDED_BY(reason_mu);  // what NotReadyReason answers
   Admission* admission = nullptr;  // set: CheckAdmission refuses while it is saturated
   absl::Mutex refused_mu;
   std::vector<absl::StatusCode> refused;  // what CountRefused was given
@@ -84,6 +86,10 @@ class FakeCore : public GenerationCore {
   }
   std::string model_id() const override { return "dg-tiny"; }
   bool Ready() const override { return ready; }
+  std::string NotReadyReason() const override {
+    absl::MutexLock lock(&reason_mu);
+    return not_ready_reason;
+  }
   absl::Status CheckApiKey(const std::string& bearer) const override {
     if (api_key.empty() || bearer == api_key) return absl::OkStatus();
     return absl::UnauthenticatedError("invalid API key");

@@ -137,6 +137,12 @@ absl::StatusOr<Gateway::RequestRun::Workers> Gateway::RequestRun::PickWorkers() 
   }
   w.prefill = *p;
   w.prefill_hold = WorkerHold(gw_.prefill_, *p);
+  // A pair whose KV layouts differ would fail every transfer: refuse before prefilling.
+  if (std::string m = KvLayoutMismatch(w.prefill, gw_.prefill_->KvLayoutOf(w.prefill), w.denoise,
+                                       gw_.denoise_->KvLayoutOf(w.denoise));
+      !m.empty()) {
+    return absl::FailedPreconditionError(m);
+  }
   // The workers know an attempt by an id of its own, not derived from the public request id (a
   // client that knows its id, or guesses another's, cannot address the request inside the
   // cluster), and fresh for every attempt.

@@ -207,6 +207,74 @@ int WorkerPool::inflight(const std::string& address) const {
   return 0;
 }
 
+v1::KvDescriptor WorkerPool::KvLayoutOf(const std::string& address) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& e : endpoints_) {
+    if (e.address == address) return e.stats.kv_layout();
+  }
+  return v1::KvDescriptor();
+}
+
+std::vector<std::pair<std::string, v1::KvDescriptor>> WorkerPool::HealthyKvLayouts() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, v1::KvDescriptor>> out;
+  for (const auto& e : endpoints_) {
+    if (e.healthy) out.emplace_back(e.address, e.stats.kv_layout());
+  }
+  return out;
+}
+
+std::string KvLayoutMismatch(const std::string& prefill_address, const v1::KvDescriptor& prefill,
+                             const std::string& denoise_address, const v1::KvDescriptor& denoise) {
+  if (prefill.block_size() == 0 || denoise.block_size() == 0) return "";
+  auto differ = [&](const std::string& field, const auto& p, const auto& d) {
+    return absl::StrCat("KV layout mismatch: prefill worker ", prefill_address, " has ", field, " ",
+                        p, ", denoise worker ", denoise_address, " has ", field, " ", d);
+  };
+  if (prefill.model_id() != denoise.model_id()) {
+    return differ("model_id", absl::StrCat("'", prefill.model_id(), "'"),
+                  absl::StrCat("'", denoise.model_id(), "'"));
+  }
+  if (prefill.layers_size() != denoise.layers_size()) {
+    return differ("layers", prefill.layers_size(), denoise.layers_size());
+  }
+  for (int l = 0; l < prefill.layers_size(); ++l) {
+    const v1::KvLayerShape& p = prefill.layers(l);
+    const v1::KvLayerShape& d = denoise.layers(l);
+    auto kind = [](const v1::KvLayerShape& s) { return s.sliding() ? "sliding" : "full"; };
+    const std::string at = absl::StrCat("layers[", l, "]");
+    if (p.sliding() != d.sliding()) return differ(at, kind(p), kind(d));
+    if (p.kv_heads() != d.kv_heads()) {
+      return differ(absl::StrCat(at, ".kv_heads"), p.kv_heads(), d.kv_heads());
+    }
+    if (p.head_dim() != d.head_dim()) {
+      return differ(absl::StrCat(at, ".head_dim"), p.head_dim(), d.head_dim());
+    }
+  }
+  if (prefill.dtype() != denoise.dtype()) {
+    return differ("dtype", absl::StrCat("'", prefill.dtype(), "'"),
+                  absl::StrCat("'", denoise.dtype(), "'"));
+  }
+  if (prefill.block_size() != denoise.block_size()) {
+    return differ("block_size", prefill.block_size(), denoise.block_size());
+  }
+  if (prefill.sliding_window() != denoise.sliding_window()) {
+    return differ("sliding_window", prefill.sliding_window(), denoise.sliding_window());
+  }
+  return "";
+}
+
+std::string KvLayoutMismatch(const WorkerPool& prefill, const WorkerPool& denoise) {
+  const auto denoise_layouts = denoise.HealthyKvLayouts();
+  for (const auto& [p_address, p_layout] : prefill.HealthyKvLayouts()) {
+    for (const auto& [d_address, d_layout] : denoise_layouts) {
+      std::string m = KvLayoutMismatch(p_address, p_layout, d_address, d_layout);
+      if (!m.empty()) return m;
+    }
+  }
+  return "";
+}
+
 void WorkerHold::Release() {
   if (pool_ != nullptr) std::exchange(pool_, nullptr)->Release(address_);
 }

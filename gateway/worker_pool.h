@@ -102,6 +102,11 @@ class WorkerPool {
     Resolve();
     Poll();
   }
+  // The KV layout `address` reported in its last Stats answer (Stats.kv_layout; empty when
+  // unknown or from a worker that predates it).
+  v1::KvDescriptor KvLayoutOf(const std::string& address) const;
+  // (address, KV layout) of every healthy endpoint, in endpoint order.
+  std::vector<std::pair<std::string, v1::KvDescriptor>> HealthyKvLayouts() const;
   // This gateway's in-flight requests on `address` (tests, metrics).
   int inflight(const std::string& address) const;
   const std::string& role() const { return role_; }
@@ -122,5 +127,16 @@ class WorkerPool {
   absl::Duration interval_;
   std::thread thread_;
 };
+
+// The first KV layout field (those kvstore CheckDescriptor compares) that differs between what
+// prefill worker `prefill_address` sends and denoise worker `denoise_address` accepts, as
+// "KV layout mismatch: prefill worker A has block_size 16, denoise worker B has block_size 7";
+// empty when they agree or either layout is unknown (block_size 0: not polled yet, or a worker
+// that predates Stats.kv_layout).
+std::string KvLayoutMismatch(const std::string& prefill_address, const v1::KvDescriptor& prefill,
+                             const std::string& denoise_address, const v1::KvDescriptor& denoise);
+// The first mismatch (as above) between any healthy prefill worker and any healthy denoise
+// worker of the two pools; empty when all agree.
+std::string KvLayoutMismatch(const WorkerPool& prefill, const WorkerPool& denoise);
 
 }  // namespace dgserve

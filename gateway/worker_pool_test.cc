@@ -3,15 +3,15 @@
 // worker, a refused connection is.
 #include "gateway/worker_pool.h"
 
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -20,14 +20,34 @@
 namespace dgserve {
 namespace {
 
+// A two-layer (sliding, full) KV layout as the workers report it in Stats.kv_layout; 0: none
+// reported (a worker that predates the field).
+v1::KvDescriptor Layout(int block_size) {
+  v1::KvDescriptor d;
+  if (block_size == 0) return d;
+  d.set_model_id("m");
+  for (bool sliding : {true, false}) {
+    v1::KvLayerShape* l = d.add_layers();
+    l->set_sliding(sliding);
+    l->set_kv_heads(1);
+    l->set_head_dim(256);
+  }
+  d.set_dtype("f32");
+  d.set_block_size(block_size);
+  d.set_sliding_window(512);
+  return d;
+}
+
 class FakePrefill final : public v1::PrefillService::Service {
  public:
   grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*,
                      v1::StatsResponse* out) override {
     out->set_role("prefill");
     out->set_model_id("m");
+    *out->mutable_kv_layout() = Layout(block_size);
     return grpc::Status::OK;
   }
+  std::atomic<int> block_size{16};
 };
 
 // Idle, 8 batch slots; answers Stats after `delay` (a busy worker).
@@ -39,9 +59,11 @@ class FakeDenoise final : public v1::DenoiseService::Service {
     out->set_role("denoise");
     out->set_model_id("m");
     out->set_max_batch_canvases(8);
+    *out->mutable_kv_layout() = Layout(block_size);
     return grpc::Status::OK;
   }
   std::atomic<bool> slow{false};
+  std::atomic<int> block_size{16};
 };
 
 struct FakeWorker {
@@ -160,6 +182,63 @@ TEST(WorkerPoolTest, ADeadWorkerIsOutAtTheNextPoll) {
     ASSERT_TRUE(p.has_value());
     EXPECT_NE(*p, dead);
   }
+}
+
+// A prefill and a denoise worker reporting different KV layouts are a mismatch naming both
+// workers and both values; equal layouts, or a worker that reports none, are not.
+TEST(WorkerPoolTest, KvLayoutMismatchNamesBothWorkersAndValues) {
+  FakeWorker p, d;
+  d.denoise.block_size = 7;
+  WorkerPool prefill("prefill", {p.address()}, "m");
+  WorkerPool denoise("denoise", {d.address()}, "m");
+  prefill.PollNow();
+  denoise.PollNow();
+  ASSERT_EQ(prefill.healthy_count(), 1);
+  ASSERT_EQ(denoise.healthy_count(), 1);
+  const std::string want =
+      absl::StrCat("KV layout mismatch: prefill worker ", p.address(),
+                   " has block_size 16, denoise worker ", d.address(), " has block_size 7");
+  EXPECT_EQ(KvLayoutMismatch(prefill, denoise), want);
+  EXPECT_EQ(KvLayoutMismatch(p.address(), prefill.KvLayoutOf(p.address()), d.address(),
+                             denoise.KvLayoutOf(d.address())),
+            want);
+  d.denoise.block_size = 16;
+  denoise.PollNow();
+  EXPECT_EQ(KvLayoutMismatch(prefill, denoise), "");
+  d.denoise.block_size = 0;  // reports no layout: nothing to compare
+  denoise.PollNow();
+  EXPECT_EQ(KvLayoutMismatch(prefill, denoise), "");
+}
+
+// Every field the transfer's descriptor check compares is compared.
+TEST(WorkerPoolTest, KvLayoutMismatchComparesEveryDescriptorField) {
+  const v1::KvDescriptor base = Layout(16);
+  auto differ = [&](const std::function<void(v1::KvDescriptor&)>& change) {
+    v1::KvDescriptor d = base;
+    change(d);
+    return KvLayoutMismatch("p:1", base, "d:2", d);
+  };
+  EXPECT_EQ(KvLayoutMismatch("p:1", base, "d:2", base), "");
+  EXPECT_EQ(differ([](v1::KvDescriptor& d) { d.set_model_id("other"); }),
+            "KV layout mismatch: prefill worker p:1 has model_id 'm', denoise worker d:2 has "
+            "model_id 'other'");
+  EXPECT_EQ(differ([](v1::KvDescriptor& d) { d.mutable_layers()->RemoveLast(); }),
+            "KV layout mismatch: prefill worker p:1 has layers 2, denoise worker d:2 has layers 1");
+  EXPECT_EQ(differ([](v1::KvDescriptor& d) { d.mutable_layers(1)->set_sliding(true); }),
+            "KV layout mismatch: prefill worker p:1 has layers[1] full, denoise worker d:2 has "
+            "layers[1] sliding");
+  EXPECT_EQ(differ([](v1::KvDescriptor& d) { d.mutable_layers(0)->set_kv_heads(2); }),
+            "KV layout mismatch: prefill worker p:1 has layers[0].kv_heads 1, denoise worker d:2 "
+            "has layers[0].kv_heads 2");
+  EXPECT_EQ(differ([](v1::KvDescriptor& d) { d.mutable_layers(1)->set_head_dim(128); }),
+            "KV layout mismatch: prefill worker p:1 has layers[1].head_dim 256, denoise worker "
+            "d:2 has layers[1].head_dim 128");
+  EXPECT_EQ(differ([](v1::KvDescriptor& d) { d.set_dtype("bf16"); }),
+            "KV layout mismatch: prefill worker p:1 has dtype 'f32', denoise worker d:2 has "
+            "dtype 'bf16'");
+  EXPECT_EQ(differ([](v1::KvDescriptor& d) { d.set_sliding_window(1024); }),
+            "KV layout mismatch: prefill worker p:1 has sliding_window 512, denoise worker d:2 "
+            "has sliding_window 1024");
 }
 
 }  // namespace

@@ -49,7 +49,7 @@ absl::Status WithId(const std::string& id, const absl::Status& s) {
 
 }  // namespace
 
-v1::KvDescriptor DescribeSequence(const KvLayout& layout, const PagedKvCache& kv) {
+v1::KvDescriptor DescribeLayout(const KvLayout& layout) {
   v1::KvDescriptor d;
   d.set_model_id(layout.model_id);
   for (LayerKind kind : layout.kind_of_layer) {
@@ -62,9 +62,14 @@ v1::KvDescriptor DescribeSequence(const KvLayout& layout, const PagedKvCache& kv
   }
   d.set_dtype("f32");
   d.set_block_size(layout.block_size);
+  d.set_sliding_window(layout.sliding_window);
+  return d;
+}
+
+v1::KvDescriptor DescribeSequence(const KvLayout& layout, const PagedKvCache& kv) {
+  v1::KvDescriptor d = DescribeLayout(layout);
   const int n = kv.num_tokens();
   d.set_token_count(n);
-  d.set_sliding_window(layout.sliding_window);
   const int blocks = layout.BlocksFor(n);
   d.set_full_block_count(layout.layers[kFull] > 0 ? blocks : 0);
   if (layout.layers[kSliding] > 0) {

@@ -27,6 +27,10 @@ class ChannelArguments;
 namespace dgserve::kv {
 
 // What the sender sends for a sequence: its descriptor and the blocks, in order.
+// The layout part of a descriptor for `layout`: what CheckDescriptor compares (model id, layer
+// kinds and shapes, dtype, block size, window), with token_count and block counts 0. Workers
+// report it in Stats.kv_layout so that the gateway can see a mismatch before any transfer.
+v1::KvDescriptor DescribeLayout(const KvLayout& layout);
 // Descriptor of `kv` (all of its num_tokens() committed positions) for `layout`.
 v1::KvDescriptor DescribeSequence(const KvLayout& layout, const PagedKvCache& kv);
 // OK, or FAILED_PRECONDITION naming the first field of `got` that differs from what `layout`

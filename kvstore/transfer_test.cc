@@ -99,6 +99,23 @@ TEST_F(KvTransferTest, DescriptorOfASequence) {
   EXPECT_THAT(CheckDescriptor(layout_, d), IsOk());
 }
 
+// The layout part (what workers report in Stats.kv_layout): the sequence's descriptor without
+// its counts, a valid descriptor of 0 tokens; another block size fails the check.
+TEST_F(KvTransferTest, DescriptorOfTheLayout) {
+  v1::KvDescriptor d = DescribeLayout(layout_);
+  v1::KvDescriptor seq = DescribeSequence(layout_, *src_);
+  seq.clear_token_count();
+  seq.clear_full_block_count();
+  seq.clear_first_sliding_block();
+  seq.clear_sliding_block_count();
+  EXPECT_EQ(d.SerializeAsString(), seq.SerializeAsString());
+  EXPECT_EQ(d.block_size(), 4);
+  EXPECT_EQ(d.token_count(), 0);
+  EXPECT_THAT(CheckDescriptor(layout_, d), IsOk());
+  d.set_block_size(7);
+  EXPECT_THAT(CheckDescriptor(layout_, d), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
 TEST_F(KvTransferTest, InProcessTransferMovesEveryRow) {
   RegisterInProcessReceiver("denoise-0", receiver_.get());
   auto transport = CreateInProcessTransport();

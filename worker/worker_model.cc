@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kvstore/transfer.h"
 
 namespace dgserve {
 
@@ -60,6 +61,7 @@ void FillPoolStats(const kv::BlockPool& pool, v1::StatsResponse* response) {
   k->set_sliding_blocks_shared(s.shared[sl]);
   k->set_full_blocks_shared(s.shared[fu]);
   k->set_block_size(pool.layout().block_size);
+  *response->mutable_kv_layout() = kv::DescribeLayout(pool.layout());
   response->set_prefix_cache_hit_tokens(s.prefix_hit_tokens);
   response->set_prefix_cache_queries(s.prefix_queries);
 }

@@ -32,6 +32,9 @@ struct ClusterOptions {
   std::vector<std::string> prefill_flags;
   std::vector<std::string> denoise_flags;
   std::vector<std::string> gateway_flags;
+  // Start returns once the gateway listens, without waiting for /ready (a cluster meant to
+  // stay not ready).
+  bool wait_until_ready = true;
 };
 
 struct Service {
@@ -46,7 +49,7 @@ struct Service {
 class TestCluster {
  public:
   // Starts denoise workers, a prefill worker and the gateway, and waits (bounded) until the
-  // gateway's /ready answers 200.
+  // gateway's /ready answers 200 (unless options.wait_until_ready is false).
   static absl::StatusOr<std::unique_ptr<TestCluster>> Start(const ClusterOptions& options);
   ~TestCluster();  // SIGTERM, then SIGKILL after 10 s, to the PIDs it started
 
