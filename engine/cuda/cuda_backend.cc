@@ -29,7 +29,8 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     auto w4 = std::make_unique<cuda::DeviceW4A16>();
     bool is_w4 = false;
     if (!is_fp8) {
-      DGSERVE_ASSIGN_OR_RETURN(is_w4, cuda::UploadW4A16(std::vector<cpu::PackedMatrix>{m}, w4.get()));
+      DGSERVE_ASSIGN_OR_RETURN(is_w4,
+                               cuda::UploadW4A16(std::vector<cpu::PackedMatrix>{m}, w4.get()));
     }
     if (!is_fp8 && !is_w4) return UploadBf16(m, bf16);
     DGSERVE_RETURN_IF_ERROR(bf16->Ensure(1));

@@ -101,8 +101,8 @@ class CudaBackendW4A16DenseTest
 
 TEST_P(CudaBackendW4A16DenseTest, DenseLayersAreW4A16) {
   for (const LayerWeights& l : checkpoint_->weights.layers) {
-    for (const cpu::PackedMatrix* m : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj,
-                                       &l.mlp_gate_proj, &l.mlp_up_proj, &l.mlp_down_proj}) {
+    for (const cpu::PackedMatrix* m : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.mlp_gate_proj,
+                                       &l.mlp_up_proj, &l.mlp_down_proj}) {
       if (m->rows() == 0) continue;  // absent (a full layer's v_proj when K = V)
       ASSERT_NE(m->quant(), nullptr);
       EXPECT_EQ(m->quant()->format(), cpu::QuantFormat::kW4A16);

@@ -766,11 +766,11 @@ absl::Status DenseLinearW4A16(const float* x, const W4A16Weights& w, int rows, i
   const float* no_scale = nullptr;
   const int dense_group = w.group;
   if (input == GemmInput::kBf16) {
-    LaunchKernel(MoeMmaKernel<false, 1, true>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream),
-                 x, none, none, rows, no_w, in, out, no_scale, y, w.packed, w.scales, dense_group);
+    LaunchKernel(MoeMmaKernel<false, 1, true>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), x,
+                 none, none, rows, no_w, in, out, no_scale, y, w.packed, w.scales, dense_group);
   } else {
-    LaunchKernel(MoeMmaKernel<false, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream),
-                 x, none, none, rows, no_w, in, out, no_scale, y, w.packed, w.scales, dense_group);
+    LaunchKernel(MoeMmaKernel<false, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x,
+                 none, none, rows, no_w, in, out, no_scale, y, w.packed, w.scales, dense_group);
   }
   return Check("DenseLinearW4A16");
 }

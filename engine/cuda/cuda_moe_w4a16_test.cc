@@ -365,9 +365,9 @@ TEST_F(CudaMoeW4A16Test, BadWeightsAreInvalidArgument) {
   EXPECT_THAT(MoeDownW4A16(nullptr, nullptr, nullptr, W4A16Weights{p, s, 32}, 0, 2, 8, 16, 16,
                            GemmInput::kBf16, nullptr),
               IsOk());
-  EXPECT_THAT(DenseLinearW4A16(nullptr, W4A16Weights{p, s, 12}, 4, 16, 16, GemmInput::kBf16,
-                               nullptr),
-              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      DenseLinearW4A16(nullptr, W4A16Weights{p, s, 12}, 4, 16, 16, GemmInput::kBf16, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 }  // namespace
