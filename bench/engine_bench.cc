@@ -307,15 +307,8 @@ int Run() {
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
-    // As the workers (engine/model/backend_select.cc), FP8 and NVFP4 run in their formats (FP8
-    // on the FP8 tensor cores, NVFP4 dequantized inside the GEMMs). W4A16 runs too, though the
-    // workers refuse it: its experts stay 4-bit on the device (the W4A16 grouped GEMMs), its
-    // other quantized matrices are widened to bf16, so the line measures the experts' format only.
-    if (!synthetic && ckpt->weights.format == WeightFormat::kW4A16) {
-      std::printf(
-          "--device cuda: W4A16 experts kept 4-bit on the device; the checkpoint's other "
-          "quantized matrices widened to bf16\n");
-    }
+    // As the workers (engine/model/backend_select.cc), every format runs in its own format (FP8
+    // on the FP8 tensor cores, W4A16 and NVFP4 dequantized inside the GEMMs).
     // The ceilings first, while the device is empty.
     if (cuda::DeviceCount() > 0) {
       if (absl::Status st = Calibrate(&gpu_name, &copy_gbs, &gemm_tflops); !st.ok()) {

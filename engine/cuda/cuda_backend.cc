@@ -17,16 +17,28 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
                                     "cudaStreamCreateWithFlags"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasCreate(&handle_), "cublasCreate"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasSetStream(handle_, stream_), "cublasSetStream"));
-  // Issue 37: an FP8 projection stays in 8 bits in *fp8; its bf16 array then holds one
-  // placeholder element, whose address is the key under which Linear finds *fp8 (so every
-  // Linear call site runs FP8 unchanged). Other projections upload as bf16.
+  // Issue 37: an FP8 projection stays in 8 bits in *fp8, a W4A16 one in 4 bits (a one-matrix
+  // UploadW4A16, held in w4a16_projections_); its bf16 array then holds one placeholder element,
+  // whose address is the key under which Linear finds the weights (so every Linear call site
+  // runs them unchanged). Other projections upload as bf16.
   fp8_projections_.clear();
+  w4a16_projections_.clear();
   auto UploadProjection = [&](const cpu::PackedMatrix& m, DeviceArray<uint16_t>* bf16,
                               cuda::DeviceFp8* fp8) -> absl::Status {
     DGSERVE_ASSIGN_OR_RETURN(const bool is_fp8, cuda::UploadFp8(m, fp8));
-    if (!is_fp8) return UploadBf16(m, bf16);
+    auto w4 = std::make_unique<cuda::DeviceW4A16>();
+    bool is_w4 = false;
+    if (!is_fp8) {
+      DGSERVE_ASSIGN_OR_RETURN(is_w4,
+                               cuda::UploadW4A16(std::vector<cpu::PackedMatrix>{m}, w4.get()));
+    }
+    if (!is_fp8 && !is_w4) return UploadBf16(m, bf16);
     DGSERVE_RETURN_IF_ERROR(bf16->Ensure(1));
-    fp8_projections_[bf16->get()] = fp8;
+    if (is_fp8) {
+      fp8_projections_[bf16->get()] = fp8;
+    } else {
+      w4a16_projections_[bf16->get()] = std::move(w4);
+    }
     return absl::OkStatus();
   };
   DGSERVE_RETURN_IF_ERROR(UploadBf16(w.embed_tokens, &embed_));
@@ -49,8 +61,8 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(d.pre_feedforward_layernorm_2.Upload(s.pre_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm_2.Upload(s.post_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm.Upload(s.post_feedforward_layernorm));
-    // Quantized projections stay in their format (issue 37): NVFP4 in 4 bits, FP8 in 8
-    // (UploadProjection); others are bf16 (other quantized ones widened).
+    // Quantized projections stay in their format (issue 37): NVFP4 in 4 bits, FP8 in 8 and
+    // W4A16 in 4 (UploadProjection); others are bf16.
     auto dense = [&](const cpu::PackedMatrix& m, DeviceArray<uint16_t>* bf16, cuda::DeviceFp8* fp8,
                      cuda::DeviceNvfp4* fp4) -> absl::Status {
       DGSERVE_ASSIGN_OR_RETURN(const bool in_fp4, cuda::UploadNvfp4(m, fp4));

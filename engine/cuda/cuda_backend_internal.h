@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -391,6 +392,8 @@ class CudaBackend final : public ModelBackend {
   // Issue 37: the FP8 projections, by the address of their bf16 array's one placeholder element
   // (UploadProjection): Linear runs these on DenseLinearFp8.
   std::unordered_map<const uint16_t*, const cuda::DeviceFp8*> fp8_projections_;
+  // ... and the W4A16 projections (issue 37), which Linear runs on DenseLinearW4A16.
+  std::unordered_map<const uint16_t*, std::unique_ptr<cuda::DeviceW4A16>> w4a16_projections_;
   DeviceArray<float> rope_sliding_, rope_full_;
   int fingerprint_layer_ = 0;  // first full layer (rows 0 … n−1 all kept), else 0
 

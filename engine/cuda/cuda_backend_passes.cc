@@ -19,6 +19,13 @@ absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int i
   if (const auto it = fp8_projections_.find(w); it != fp8_projections_.end()) {  // issue 37: FP8
     return cuda::DenseLinearFp8(x, it->second->view(), R, in, out, y, stream_);
   }
+  if (const auto it = w4a16_projections_.find(w); it != w4a16_projections_.end()) {  // W4A16
+    // Float32 activations in both GEMM modes, as the CPU's W4A16 GEMM takes them (the products
+    // are then the CPU's; rounding x to bf16 here would be another model in bf16 mode).
+    const cuda::DeviceW4A16& w4 = *it->second;
+    return cuda::DenseLinearW4A16(x, cuda::W4A16Weights{w4.packed.get(), w4.scales.get(), w4.group},
+                                  R, in, out, cuda::GemmInput::kFloat32, y, stream_);
+  }
   if (options_.batch_invariant_projections) {
     return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y, stream_);
   }

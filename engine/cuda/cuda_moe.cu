@@ -752,6 +752,29 @@ absl::Status DenseLinear(const float* x, const uint16_t* w, int rows, int in, in
   return Check("DenseLinear");
 }
 
+absl::Status DenseLinearW4A16(const float* x, const W4A16Weights& w, int rows, int in, int out,
+                              GemmInput input, float* y, void* stream) {
+  if (rows < 0 || in <= 0 || out <= 0) {
+    return absl::InvalidArgumentError("DenseLinearW4A16: rows ≥ 0, in > 0, out > 0");
+  }
+  if (absl::Status st = CheckW4A16("DenseLinearW4A16", w); !st.ok()) return st;
+  if (rows == 0) return absl::OkStatus();
+  // DenseLinear's one group of `rows` rows (expert 0: weight row o is packed row o).
+  const dim3 grid((rows + kMmaRows - 1) / kMmaRows, (out + kMmaW - 1) / kMmaW);
+  const int32_t* none = nullptr;
+  const uint16_t* no_w = nullptr;
+  const float* no_scale = nullptr;
+  const int dense_group = w.group;
+  if (input == GemmInput::kBf16) {
+    LaunchKernel(MoeMmaKernel<false, 1, true>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), x,
+                 none, none, rows, no_w, in, out, no_scale, y, w.packed, w.scales, dense_group);
+  } else {
+    LaunchKernel(MoeMmaKernel<false, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x,
+                 none, none, rows, no_w, in, out, no_scale, y, w.packed, w.scales, dense_group);
+  }
+  return Check("DenseLinearW4A16");
+}
+
 absl::Status MoeSum(const float* y, const int32_t* slot, int rows, int k, int dim, float* out,
                     void* stream) {
   if (rows < 0 || k < 1 || dim <= 0) {

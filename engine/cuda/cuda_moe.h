@@ -125,6 +125,16 @@ absl::Status MoeDownW4A16(const float* act, const int32_t* offsets, const float*
 absl::Status DenseLinear(const float* x, const uint16_t* w, int rows, int in, int out,
                          GemmInput input, float* y, void* stream = nullptr);
 
+// DenseLinear with W4A16 weights (issue 37: a W4A16 checkpoint's attention and dense MLP
+// projections): y[r, o] = Σ_i x[r, i] · W[o, i], W = q · s the CPU's widened float32 weight, on
+// MoeDownW4A16's kernel with one group of all rows (w: one "expert" of `out` rows and `in`
+// inputs). The products are exactly cpu::QuantLinear's; each output is accumulated in ascending
+// steps of the reduction, so a row's bits do not depend on `rows`. `input` as DenseLinear.
+// INVALID_ARGUMENT unless rows ≥ 0 and in, out > 0, or for bad weights (as MoeDownW4A16);
+// rows = 0 is a no-op.
+absl::Status DenseLinearW4A16(const float* x, const W4A16Weights& w, int rows, int in, int out,
+                              GemmInput input, float* y, void* stream = nullptr);
+
 // out[r, d] = Σ_{j<k} y[slot[r·k + j], d], summed from 0.0f in j order (ascending expert id):
 // the combine of the weighted expert outputs, in the CPU backend's per-row order.
 absl::Status MoeSum(const float* y, const int32_t* slot, int rows, int k, int dim, float* out,

@@ -285,6 +285,69 @@ TEST_F(CudaMoeW4A16Test, RowAloneEqualsRowInBatch) {
   }
 }
 
+// DenseLinearW4A16 (a W4A16 checkpoint's dense projections) against float64 sums of the CPU's
+// widened weights and against cpu::QuantLinear on the same (input-rounded) activations, group
+// sizes 32 and 128, reductions that end inside a group and inside a packed word; a row alone is
+// the same bits as inside the batch.
+TEST_F(CudaMoeW4A16Test, DenseLinearMatchesCpuW4A16) {
+  struct Shape {
+    int R, in, out;
+  };
+  uint32_t seed = 800;
+  double worst = 0, worst_cpu = 0;  // largest |error| / tolerance seen
+  for (const Shape& s : std::vector<Shape>{{1, 136, 88}, {33, 45, 70}, {70, 176, 40}}) {
+    for (int G : {32, 128}) {
+      const W4Experts w(1, s.out, s.in, G, 0.05f, seed++);
+      const W4A16Weights dw = Device(w);
+      const std::vector<float> x = RandomFloats(size_t(s.R) * s.in, -2.0f, 2.0f, seed++);
+      const float* d_x = Upload(x);
+      for (GemmInput input : {GemmInput::kFloat32, GemmInput::kBf16}) {
+        SCOPED_TRACE(::testing::Message() << "R " << s.R << " in " << s.in << " out " << s.out
+                                          << " G " << G << " input " << int(input));
+        const bool bf16 = input == GemmInput::kBf16;
+        std::vector<float> a(x.size());
+        for (size_t i = 0; i < x.size(); ++i) a[i] = bf16 ? RoundToBf16(x[i]) : x[i];
+        std::vector<float> cpu_y(size_t(s.R) * s.out);
+        cpu::QuantLinear(a.data(), s.R, w.cpu[0], cpu_y.data());
+        float* y = Alloc<float>(size_t(s.R) * s.out, 0xFF);
+        ASSERT_THAT(DenseLinearW4A16(d_x, dw, s.R, s.in, s.out, input, y), IsOk());
+        const std::vector<float> got = Download(y, size_t(s.R) * s.out);
+        int bad = 0;
+        for (int r = 0; r < s.R; ++r) {
+          for (int o = 0; o < s.out; ++o) {
+            double sum = 0, abs_sum = 0;
+            for (int i = 0; i < s.in; ++i) {
+              const double t = double(a[size_t(r) * s.in + i]) * w.W(0, o, i);
+              sum += t, abs_sum += std::fabs(t);
+            }
+            const double tol = 1e-5 * abs_sum + 1e-30;
+            const double g = got[size_t(r) * s.out + o];
+            const double c = cpu_y[size_t(r) * s.out + o];
+            worst = std::max(worst, std::fabs(g - sum) / tol);
+            worst_cpu = std::max(worst_cpu, std::fabs(g - c) / (2 * tol));
+            if (!(std::fabs(g - sum) <= tol && std::fabs(g - c) <= 2 * tol) && ++bad <= 5) {
+              ADD_FAILURE() << "y[" << r << ", " << o << "] = " << g << ", float64 " << sum
+                            << ", cpu::QuantLinear " << c;
+            }
+          }
+        }
+        EXPECT_EQ(bad, 0);
+        for (int r : {0, s.R / 2, s.R - 1}) {
+          float* y1 = Alloc<float>(size_t(s.out), 0xFF);
+          ASSERT_THAT(DenseLinearW4A16(d_x + size_t(r) * s.in, dw, 1, s.in, s.out, input, y1),
+                      IsOk());
+          const std::vector<float> alone = Download(y1, size_t(s.out));
+          for (int o = 0; o < s.out; ++o) {
+            ASSERT_EQ(Bits(alone[o]), Bits(got[size_t(r) * s.out + o])) << "row " << r << " " << o;
+          }
+        }
+      }
+    }
+  }
+  std::printf("w4a16 dense: largest |error| / tolerance: float64 %.3g, cpu::QuantLinear %.3g\n",
+              worst, worst_cpu);
+}
+
 TEST_F(CudaMoeW4A16Test, BadWeightsAreInvalidArgument) {
   uint32_t* p = Alloc<uint32_t>(8);
   uint16_t* s = Alloc<uint16_t>(8);
@@ -302,6 +365,9 @@ TEST_F(CudaMoeW4A16Test, BadWeightsAreInvalidArgument) {
   EXPECT_THAT(MoeDownW4A16(nullptr, nullptr, nullptr, W4A16Weights{p, s, 32}, 0, 2, 8, 16, 16,
                            GemmInput::kBf16, nullptr),
               IsOk());
+  EXPECT_THAT(
+      DenseLinearW4A16(nullptr, W4A16Weights{p, s, 12}, 4, 16, 16, GemmInput::kBf16, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 }  // namespace

@@ -29,16 +29,10 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const BackendSelecti
     options.dense_self_conditioning = selection.cpu_dense_self_conditioning;
     return CreateCpuBackend(config, weights, options);
   }
-  // Issue 37: FP8 and NVFP4 run on the CUDA backend in their formats (FP8: 8-bit weights and
-  // per-token e4m3 activations on the FP8 tensor cores, cuda_fp8.h; NVFP4: every quantized Linear
-  // of the layers in 4 bits, cuda_nvfp4.h). W4A16 would run its dense layers widened to bf16, not
-  // as its format: refused.
-  if (weights.format != WeightFormat::kBf16 && weights.format != WeightFormat::kFp8 &&
-      weights.format != WeightFormat::kNvfp4) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--device cuda: this checkpoint is quantized (", WeightFormatName(weights.format),
-        "); the CUDA backend runs bf16, fp8 and nvfp4 checkpoints only (use --device cpu)"));
-  }
+  // Issue 37: every format runs on the CUDA backend in its own format (FP8: 8-bit weights and
+  // per-token e4m3 activations on the FP8 tensor cores, cuda_fp8.h; W4A16 and NVFP4: every
+  // quantized Linear in 4 bits, cuda_moe.h / cuda_nvfp4.h), except an NVFP4 self-conditioning
+  // MLP, which the device runs in bf16 only: refused.
   if (weights.format == WeightFormat::kNvfp4) {
     for (const cpu::PackedMatrix* m :
          {&weights.sc_gate_proj, &weights.sc_up_proj, &weights.sc_down_proj}) {
