@@ -155,6 +155,15 @@ absl::Status CheckDiffusionFlags() {
   return ValidateSamplerParams(p);
 }
 
+// --max-tokens, when given, is at least 1 (0 would otherwise mean "the default" to the gateway and
+// an error to `generate`). Shared by `dgserve chat` and `dgserve generate`.
+absl::Status CheckMaxTokensFlag() {
+  const std::optional<int> v = absl::GetFlag(FLAGS_max_tokens);
+  if (!v || *v >= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--max-tokens must be > 0 (leave it out for the model's default max_new_tokens), got ", *v));
+}
+
 // The diffusion control flags (--steps ... --no-self-conditioning) into `d`; unset flags stay
 // unset (the served model's defaults). Shared by `dgserve chat` and `dgserve sudoku`.
 void SetDiffusionControls(v1::DiffusionControls* d) {
@@ -191,6 +200,7 @@ absl::Status RunChat() {
   DGSERVE_RETURN_IF_ERROR(RefuseSudokuOnlyFlags("chat"));
   DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt(/*always_chat=*/true));
   DGSERVE_RETURN_IF_ERROR(CheckDiffusionFlags());
+  DGSERVE_RETURN_IF_ERROR(CheckMaxTokensFlag());
   v1::GenerateRequest req;
   {  // the gateway renders the chat template
     v1::ChatMessage* m = req.mutable_chat()->add_messages();
@@ -251,6 +261,7 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
 
 absl::Status RunGenerate() {
   DGSERVE_RETURN_IF_ERROR(RefuseSudokuOnlyFlags("generate"));
+  DGSERVE_RETURN_IF_ERROR(CheckMaxTokensFlag());
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
   DGSERVE_ASSIGN_OR_RETURN(const BackendSelection selection,

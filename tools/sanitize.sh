@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The `unit` and `integration` test labels under AddressSanitizer + UndefinedBehaviorSanitizer
 # (issue #15 item 4): a separate g++ build in build-asan/ (-fsanitize=address,undefined, every
-# UBSan report fatal), without benchmarks or CUDA, then ctest on those labels. Any sanitizer
+# UBSan report fatal), without benchmarks, CUDA or the gpu-emu tests (DGSERVE_BUILD_GPU_EMU=OFF:
+# those labels use none of it), then ctest on those labels. Any sanitizer
 # report fails the test that produced it.
 #
 #   bash tools/sanitize.sh            # build + ctest -L 'unit|integration'
@@ -16,7 +17,7 @@ BUILD_DIR=${ASAN_BUILD_DIR:-build-asan}
 JOBS=${ASAN_JOBS:-$(nproc)}
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DDGSERVE_BUILD_BENCH=OFF -DDGSERVE_ENABLE_CUDA=OFF \
+  -DDGSERVE_BUILD_BENCH=OFF -DDGSERVE_ENABLE_CUDA=OFF -DDGSERVE_BUILD_GPU_EMU=OFF \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
   -DCMAKE_CXX_FLAGS="$SAN" -DCMAKE_C_FLAGS="$SAN" \
   -DCMAKE_EXE_LINKER_FLAGS="$SAN" -DCMAKE_SHARED_LINKER_FLAGS="$SAN" >/dev/null
