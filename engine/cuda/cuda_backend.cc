@@ -7,6 +7,30 @@
 namespace dgserve {
 namespace cuda_internal {
 
+// Issue 37: one projection (a cpu::PackedMatrix) or E experts (a vector of them) into *out in the
+// checkpoint's format where the device runs it (UploadNvfp4, UploadFp8 and UploadW4A16 say when:
+// cuda_nvfp4_upload.h, cuda_fp8_memory.h, cuda_memory.h), else widened to bf16 (UploadBf16).
+template <typename Matrices>
+absl::Status UploadDeviceWeights(const Matrices& m, DeviceWeights* out) {
+  DGSERVE_ASSIGN_OR_RETURN(const bool nvfp4, cuda::UploadNvfp4(m, &out->nvfp4));
+  if (nvfp4) {
+    out->format = WeightFormat::kNvfp4;
+    return absl::OkStatus();
+  }
+  DGSERVE_ASSIGN_OR_RETURN(const bool fp8, cuda::UploadFp8(m, &out->fp8));
+  if (fp8) {
+    out->format = WeightFormat::kFp8;
+    return absl::OkStatus();
+  }
+  DGSERVE_ASSIGN_OR_RETURN(const bool w4a16, cuda::UploadW4A16(m, &out->w4a16));
+  if (w4a16) {
+    out->format = WeightFormat::kW4A16;
+    return absl::OkStatus();
+  }
+  out->format = WeightFormat::kBf16;
+  return UploadBf16(m, &out->bf16);
+}
+
 absl::Status CudaBackend::Init(const ModelWeights& w) {
   const int L = c_.num_layers;
   if (int(w.layers.size()) != L) return absl::InvalidArgumentError("weights: layer count mismatch");
@@ -17,36 +41,12 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
                                     "cudaStreamCreateWithFlags"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasCreate(&handle_), "cublasCreate"));
   DGSERVE_RETURN_IF_ERROR(CublasCheck(cublasSetStream(handle_, stream_), "cublasSetStream"));
-  // Issue 37: an FP8 projection stays in 8 bits in *fp8, a W4A16 one in 4 bits (a one-matrix
-  // UploadW4A16, held in w4a16_projections_); its bf16 array then holds one placeholder element,
-  // whose address is the key under which Linear finds the weights (so every Linear call site
-  // runs them unchanged). Other projections upload as bf16.
-  fp8_projections_.clear();
-  w4a16_projections_.clear();
-  auto UploadProjection = [&](const cpu::PackedMatrix& m, DeviceArray<uint16_t>* bf16,
-                              cuda::DeviceFp8* fp8) -> absl::Status {
-    DGSERVE_ASSIGN_OR_RETURN(const bool is_fp8, cuda::UploadFp8(m, fp8));
-    auto w4 = std::make_unique<cuda::DeviceW4A16>();
-    bool is_w4 = false;
-    if (!is_fp8) {
-      DGSERVE_ASSIGN_OR_RETURN(is_w4,
-                               cuda::UploadW4A16(std::vector<cpu::PackedMatrix>{m}, w4.get()));
-    }
-    if (!is_fp8 && !is_w4) return UploadBf16(m, bf16);
-    DGSERVE_RETURN_IF_ERROR(bf16->Ensure(1));
-    if (is_fp8) {
-      fp8_projections_[bf16->get()] = fp8;
-    } else {
-      w4a16_projections_[bf16->get()] = std::move(w4);
-    }
-    return absl::OkStatus();
-  };
   DGSERVE_RETURN_IF_ERROR(UploadBf16(w.embed_tokens, &embed_));
   DGSERVE_RETURN_IF_ERROR(final_norm_.Upload(w.final_norm));
   DGSERVE_RETURN_IF_ERROR(sc_pre_norm_.Upload(w.sc_pre_norm));
-  DGSERVE_RETURN_IF_ERROR(UploadProjection(w.sc_gate_proj, &sc_gate_, &sc_gate_fp8_));
-  DGSERVE_RETURN_IF_ERROR(UploadProjection(w.sc_up_proj, &sc_up_, &sc_up_fp8_));
-  DGSERVE_RETURN_IF_ERROR(UploadProjection(w.sc_down_proj, &sc_down_, &sc_down_fp8_));
+  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_gate_proj, &sc_gate_));
+  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_up_proj, &sc_up_));
+  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_down_proj, &sc_down_));
   layers_.resize(L);
   for (int l = 0; l < L; ++l) {
     const LayerWeights& s = w.layers[l];
@@ -61,42 +61,16 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(d.pre_feedforward_layernorm_2.Upload(s.pre_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm_2.Upload(s.post_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm.Upload(s.post_feedforward_layernorm));
-    // Quantized projections stay in their format (issue 37): NVFP4 in 4 bits, FP8 in 8 and
-    // W4A16 in 4 (UploadProjection); others are bf16.
-    auto dense = [&](const cpu::PackedMatrix& m, DeviceArray<uint16_t>* bf16, cuda::DeviceFp8* fp8,
-                     cuda::DeviceNvfp4* fp4) -> absl::Status {
-      DGSERVE_ASSIGN_OR_RETURN(const bool in_fp4, cuda::UploadNvfp4(m, fp4));
-      return in_fp4 ? absl::OkStatus() : UploadProjection(m, bf16, fp8);
-    };
-    DGSERVE_RETURN_IF_ERROR(dense(s.q_proj, &d.q_proj, &d.q_proj_fp8, &d.q_fp4));
-    DGSERVE_RETURN_IF_ERROR(dense(s.k_proj, &d.k_proj, &d.k_proj_fp8, &d.k_fp4));
-    DGSERVE_RETURN_IF_ERROR(dense(s.v_proj, &d.v_proj, &d.v_proj_fp8, &d.v_fp4));
-    DGSERVE_RETURN_IF_ERROR(dense(s.o_proj, &d.o_proj, &d.o_proj_fp8, &d.o_fp4));
-    DGSERVE_RETURN_IF_ERROR(
-        dense(s.mlp_gate_proj, &d.mlp_gate_proj, &d.mlp_gate_proj_fp8, &d.mlp_gate_fp4));
-    DGSERVE_RETURN_IF_ERROR(
-        dense(s.mlp_up_proj, &d.mlp_up_proj, &d.mlp_up_proj_fp8, &d.mlp_up_fp4));
-    DGSERVE_RETURN_IF_ERROR(
-        dense(s.mlp_down_proj, &d.mlp_down_proj, &d.mlp_down_proj_fp8, &d.mlp_down_fp4));
-    // FP8 experts stay in 8 bits, W4A16 and NVFP4 experts in 4 (cuda_memory.h and
-    // cuda_nvfp4_upload.h say when they can); others are widened to bf16.
-    auto experts = [&](const std::vector<cpu::PackedMatrix>& m, DeviceArray<uint16_t>* bf16,
-                       cuda::DeviceFp8* fp8, cuda::DeviceW4A16* w4,
-                       cuda::DeviceNvfp4* fp4) -> absl::Status {
-      DGSERVE_ASSIGN_OR_RETURN(bool kept, cuda::UploadFp8(m, fp8));
-      if (!kept) {
-        DGSERVE_ASSIGN_OR_RETURN(kept, cuda::UploadW4A16(m, w4));
-      }
-      if (!kept) {
-        DGSERVE_ASSIGN_OR_RETURN(kept, cuda::UploadNvfp4(m, fp4));
-      }
-      return kept ? absl::OkStatus() : UploadBf16(m, bf16);
-    };
-    DGSERVE_RETURN_IF_ERROR(experts(s.experts_gate_up_proj, &d.experts_gate_up_proj,
-                                    &d.experts_gate_up_fp8, &d.experts_gate_up_w4,
-                                    &d.experts_gate_up_fp4));
-    DGSERVE_RETURN_IF_ERROR(experts(s.experts_down_proj, &d.experts_down_proj, &d.experts_down_fp8,
-                                    &d.experts_down_w4, &d.experts_down_fp4));
+    // Quantized projections and experts stay in their format (issue 37).
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.q_proj, &d.q_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.k_proj, &d.k_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.v_proj, &d.v_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.o_proj, &d.o_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.mlp_gate_proj, &d.mlp_gate_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.mlp_up_proj, &d.mlp_up_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.mlp_down_proj, &d.mlp_down_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.experts_gate_up_proj, &d.experts_gate_up));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.experts_down_proj, &d.experts_down));
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.router_proj, &d.router_proj_bf16));
     DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));
@@ -122,21 +96,26 @@ absl::Status CudaBackend::InitSyntheticMatrices(uint64_t seed) {
   std::unordered_map<std::string, DeviceArray<float>*> f32;
   const std::string p = "model.decoder.";
   bf16[p + "embed_tokens.weight"] = &embed_;
-  bf16[p + "self_conditioning.gate_proj.weight"] = &sc_gate_;
-  bf16[p + "self_conditioning.up_proj.weight"] = &sc_up_;
-  bf16[p + "self_conditioning.down_proj.weight"] = &sc_down_;
+  // The matrices are made in bf16 (the random checkpoint's format).
+  auto bf16_weights = [](DeviceWeights* w) {
+    w->format = WeightFormat::kBf16;
+    return &w->bf16;
+  };
+  bf16[p + "self_conditioning.gate_proj.weight"] = bf16_weights(&sc_gate_);
+  bf16[p + "self_conditioning.up_proj.weight"] = bf16_weights(&sc_up_);
+  bf16[p + "self_conditioning.down_proj.weight"] = bf16_weights(&sc_down_);
   for (int l = 0; l < c_.num_layers; ++l) {
     DeviceLayer& d = layers_[l];
     const std::string q = absl::StrCat(p, "layers.", l, ".");
-    bf16[q + "self_attn.q_proj.weight"] = &d.q_proj;
-    bf16[q + "self_attn.k_proj.weight"] = &d.k_proj;
-    bf16[q + "self_attn.v_proj.weight"] = &d.v_proj;
-    bf16[q + "self_attn.o_proj.weight"] = &d.o_proj;
-    bf16[q + "mlp.gate_proj.weight"] = &d.mlp_gate_proj;
-    bf16[q + "mlp.up_proj.weight"] = &d.mlp_up_proj;
-    bf16[q + "mlp.down_proj.weight"] = &d.mlp_down_proj;
-    bf16[q + "experts.gate_up_proj"] = &d.experts_gate_up_proj;
-    bf16[q + "experts.down_proj"] = &d.experts_down_proj;
+    bf16[q + "self_attn.q_proj.weight"] = bf16_weights(&d.q_proj);
+    bf16[q + "self_attn.k_proj.weight"] = bf16_weights(&d.k_proj);
+    bf16[q + "self_attn.v_proj.weight"] = bf16_weights(&d.v_proj);
+    bf16[q + "self_attn.o_proj.weight"] = bf16_weights(&d.o_proj);
+    bf16[q + "mlp.gate_proj.weight"] = bf16_weights(&d.mlp_gate_proj);
+    bf16[q + "mlp.up_proj.weight"] = bf16_weights(&d.mlp_up_proj);
+    bf16[q + "mlp.down_proj.weight"] = bf16_weights(&d.mlp_down_proj);
+    bf16[q + "experts.gate_up_proj"] = bf16_weights(&d.experts_gate_up);
+    bf16[q + "experts.down_proj"] = bf16_weights(&d.experts_down);
     f32[q + "router.proj.weight"] = &d.router_proj;  // float32 on the device (exact widening)
   }
   for (const TensorSpec& spec : SyntheticMatrixSpecs(c_)) {

@@ -37,6 +37,7 @@
 #include "engine/cuda/cuda_synthetic.h"
 #include "engine/cuda/cuda_vocab.h"
 #include "engine/model/model_math.h"
+#include "engine/model/quant_config.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/model/synthetic_weights.h"
 
@@ -173,27 +174,30 @@ class PhaseScope {
   PhaseTimer& t_;
 };
 
+// A weight tensor on the device in the format the checkpoint holds it (issue 37): one matrix
+// [out, in] (a dense projection: E = 1) or E experts [E, out, in]. `format` (quant_config.h) names
+// the one member that holds it; the others stay empty. Filled by UploadDeviceWeights
+// (cuda_backend.cc) or, bf16 only, by InitSyntheticMatrices.
+struct DeviceWeights {
+  WeightFormat format = WeightFormat::kBf16;
+  DeviceArray<uint16_t> bf16;  // kBf16: bf16 bits (the widened values of other formats)
+  cuda::DeviceFp8 fp8;         // kFp8: 8 bits (DenseLinearFp8, MoeGateUpFp8 / MoeDownFp8)
+  cuda::DeviceW4A16 w4a16;     // kW4A16: 4 bits (DenseLinearW4A16, MoeGateUpW4A16 / MoeDownW4A16)
+  cuda::DeviceNvfp4 nvfp4;     // kNvfp4: 4 bits (DenseLinearNvfp4, MoeGateUpNvfp4 / MoeDownNvfp4)
+};
+using DeviceProjection = DeviceWeights;  // one [out, in] matrix, run by CudaBackend::Linear
+using DeviceExperts = DeviceWeights;     // [E, out, in], run by CudaBackend::Moe
+
 // One layer's weights on the device (see LayerWeights for shapes).
 struct DeviceLayer {
   DeviceArray<float> input_layernorm, q_norm, k_norm, post_attention_layernorm,
       pre_feedforward_layernorm, post_feedforward_layernorm_1, router_scale,
       pre_feedforward_layernorm_2, post_feedforward_layernorm_2, post_feedforward_layernorm;
-  DeviceArray<uint16_t> q_proj, k_proj, v_proj, o_proj, mlp_gate_proj, mlp_up_proj, mlp_down_proj,
-      experts_gate_up_proj, experts_down_proj;
+  DeviceProjection q_proj, k_proj, v_proj, o_proj, mlp_gate_proj, mlp_up_proj, mlp_down_proj;
+  DeviceExperts experts_gate_up, experts_down;
   DeviceArray<float> router_proj;          // [E, D] float32 (the top-k choice is sensitive)
   DeviceArray<uint16_t> router_proj_bf16;  // the same bf16 values, for DenseLinear
   DeviceArray<float> per_expert_scale;     // [E]
-  // Issue 37: W4A16 experts kept in 4 bits (group > 0; experts_gate_up_proj / experts_down_proj
-  // then empty), run by MoeGateUpW4A16 / MoeDownW4A16.
-  cuda::DeviceW4A16 experts_gate_up_w4, experts_down_w4;
-  // Issue 37: NVFP4 matrices kept in 4 bits (experts > 0; the bf16 array of the same name then
-  // empty), run by MoeGateUpNvfp4 / MoeDownNvfp4 / DenseLinearNvfp4 (cuda_nvfp4.h).
-  cuda::DeviceNvfp4 experts_gate_up_fp4, experts_down_fp4, q_fp4, k_fp4, v_fp4, o_fp4, mlp_gate_fp4,
-      mlp_up_fp4, mlp_down_fp4;
-  // Issue 37: FP8 weights kept in 8 bits (rows > 0), run by DenseLinearFp8 (through Linear, which
-  // finds them by the bf16 array's placeholder address) and MoeGateUpFp8 / MoeDownFp8.
-  cuda::DeviceFp8 q_proj_fp8, k_proj_fp8, v_proj_fp8, o_proj_fp8, mlp_gate_proj_fp8,
-      mlp_up_proj_fp8, mlp_down_proj_fp8, experts_gate_up_fp8, experts_down_fp8;
   float decoder_layer_scalar = 1, encoder_layer_scalar = 1;
 };
 
@@ -358,17 +362,16 @@ class CudaBackend final : public ModelBackend {
   // prefill_segments_ entries), for the layers TensorCoreCanvas(l) names.
   absl::Status UploadPrefillTable(std::span<const Segment> segs);
   absl::Status Moe(int l, const float* h1, int R, float* m);
-  // out[R, D] = down(gelu(x·gateᵀ) ⊙ x·upᵀ).
-  // y[R, out] = x[R, in] · Wᵀ for a bf16 weight W [out, in]: cuda::DenseLinear or cuBLAS
-  // (options_.batch_invariant_projections); an NVFP4 weight (fp4 given and uploaded) instead runs
+  // y[R, out] = x[R, in] · Wᵀ for the projection W [out, in] in its format: bf16 on
+  // cuda::DenseLinear or cuBLAS (options_.batch_invariant_projections); FP8 on
+  // cuda::DenseLinearFp8, W4A16 on cuda::DenseLinearW4A16 (float32 activations), NVFP4 on
   // cuda::DenseLinearNvfp4.
-  absl::Status Linear(const float* x, const uint16_t* w, int R, int in, int out, float* y,
-                      const cuda::DeviceNvfp4* fp4 = nullptr);
-  absl::Status GatedMlp(const float* x, int R, const uint16_t* gate, const uint16_t* up,
-                        const uint16_t* down, int width, float* out,
-                        const cuda::DeviceNvfp4* fp4_gate = nullptr,
-                        const cuda::DeviceNvfp4* fp4_up = nullptr,
-                        const cuda::DeviceNvfp4* fp4_down = nullptr);
+  absl::Status Linear(const float* x, const DeviceProjection& w, int R, int in, int out, float* y);
+  // out[R, D] = down(gelu(x·gateᵀ) ⊙ x·upᵀ), every projection through Linear (gate and up
+  // [width, D], down [D, width]).
+  absl::Status GatedMlp(const float* x, int R, const DeviceProjection& gate,
+                        const DeviceProjection& up, const DeviceProjection& down, int width,
+                        float* out);
   // soft[rows, D] = probs_bf16[rows, V] · E · bf16(√D) (one GEMM, bf16 in, float32 out).
   absl::Status SoftGemm(const uint16_t* probs_bf16, int rows, float* soft);
 
@@ -386,14 +389,8 @@ class CudaBackend final : public ModelBackend {
   cublasHandle_t handle_ = nullptr;  // float32 router GEMM and the soft-embedding GEMM
   DeviceArray<uint16_t> embed_;      // [V, D] bf16 (embedding and tied LM head)
   DeviceArray<float> final_norm_, sc_pre_norm_;
-  DeviceArray<uint16_t> sc_gate_, sc_up_, sc_down_;
-  cuda::DeviceFp8 sc_gate_fp8_, sc_up_fp8_, sc_down_fp8_;  // issue 37: when FP8 (rows > 0)
+  DeviceProjection sc_gate_, sc_up_, sc_down_;  // the self-conditioning MLP
   std::vector<DeviceLayer> layers_;
-  // Issue 37: the FP8 projections, by the address of their bf16 array's one placeholder element
-  // (UploadProjection): Linear runs these on DenseLinearFp8.
-  std::unordered_map<const uint16_t*, const cuda::DeviceFp8*> fp8_projections_;
-  // ... and the W4A16 projections (issue 37), which Linear runs on DenseLinearW4A16.
-  std::unordered_map<const uint16_t*, std::unique_ptr<cuda::DeviceW4A16>> w4a16_projections_;
   DeviceArray<float> rope_sliding_, rope_full_;
   int fingerprint_layer_ = 0;  // first full layer (rows 0 … n−1 all kept), else 0
 

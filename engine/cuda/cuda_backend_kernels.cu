@@ -1,20 +1,11 @@
 #include "engine/cuda/cuda_backend_kernels.h"
 
-#include <string>
-
 #include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_launch.cuh"
 
 namespace dgserve::cuda {
 namespace {
-
-absl::Status Check(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(std::string(kernel) + ": " + cudaGetErrorString(e));
-}
-
-cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 int Blocks(int64_t n, int threads) {
   const int64_t b = (n + threads - 1) / threads;

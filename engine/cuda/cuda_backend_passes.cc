@@ -11,40 +11,40 @@
 
 namespace dgserve::cuda_internal {
 
-absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int in, int out,
-                                 float* y, const cuda::DeviceNvfp4* fp4) {
-  if (fp4 != nullptr && fp4->experts > 0) {  // issue 37: NVFP4 in 4 bits
-    return cuda::DenseLinearNvfp4(x, fp4->View(), R, in, out, y, stream_);
-  }
-  if (const auto it = fp8_projections_.find(w); it != fp8_projections_.end()) {  // issue 37: FP8
-    return cuda::DenseLinearFp8(x, it->second->view(), R, in, out, y, stream_);
-  }
-  if (const auto it = w4a16_projections_.find(w); it != w4a16_projections_.end()) {  // W4A16
-    // Float32 activations in both GEMM modes, as the CPU's W4A16 GEMM takes them (the products
-    // are then the CPU's; rounding x to bf16 here would be another model in bf16 mode).
-    const cuda::DeviceW4A16& w4 = *it->second;
-    return cuda::DenseLinearW4A16(x, cuda::W4A16Weights{w4.packed.get(), w4.scales.get(), w4.group},
-                                  R, in, out, cuda::GemmInput::kFloat32, y, stream_);
+absl::Status CudaBackend::Linear(const float* x, const DeviceProjection& w, int R, int in, int out,
+                                 float* y) {
+  switch (w.format) {
+    case WeightFormat::kNvfp4:  // issue 37: NVFP4 in 4 bits
+      return cuda::DenseLinearNvfp4(x, w.nvfp4.View(), R, in, out, y, stream_);
+    case WeightFormat::kFp8:  // issue 37: FP8 in 8 bits
+      return cuda::DenseLinearFp8(x, w.fp8.view(), R, in, out, y, stream_);
+    case WeightFormat::kW4A16: {  // issue 37: W4A16 in 4 bits
+      // Float32 activations in both GEMM modes, as the CPU's W4A16 GEMM takes them (the products
+      // are then the CPU's; rounding x to bf16 here would be another model in bf16 mode).
+      const cuda::DeviceW4A16& w4 = w.w4a16;
+      return cuda::DenseLinearW4A16(x,
+                                    cuda::W4A16Weights{w4.packed.get(), w4.scales.get(), w4.group},
+                                    R, in, out, cuda::GemmInput::kFloat32, y, stream_);
+    }
+    case WeightFormat::kBf16: break;
   }
   if (options_.batch_invariant_projections) {
-    return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y, stream_);
+    return cuda::DenseLinear(x, w.bf16.get(), R, in, out, cublas_.input(), y, stream_);
   }
-  return cublas_.Linear(x, w, R, in, out, y, stream_);
+  return cublas_.Linear(x, w.bf16.get(), R, in, out, y, stream_);
 }
 
-absl::Status CudaBackend::GatedMlp(const float* x, int R, const uint16_t* gate, const uint16_t* up,
-                                   const uint16_t* down, int width, float* out,
-                                   const cuda::DeviceNvfp4* fp4_gate,
-                                   const cuda::DeviceNvfp4* fp4_up,
-                                   const cuda::DeviceNvfp4* fp4_down) {
+absl::Status CudaBackend::GatedMlp(const float* x, int R, const DeviceProjection& gate,
+                                   const DeviceProjection& up, const DeviceProjection& down,
+                                   int width, float* out) {
   const int D = c_.hidden_size;
   DGSERVE_RETURN_IF_ERROR(g_.Ensure(size_t(R) * width));
   DGSERVE_RETURN_IF_ERROR(u_.Ensure(size_t(R) * width));
-  DGSERVE_RETURN_IF_ERROR(Linear(x, gate, R, D, width, g_.get(), fp4_gate));
-  DGSERVE_RETURN_IF_ERROR(Linear(x, up, R, D, width, u_.get(), fp4_up));
+  DGSERVE_RETURN_IF_ERROR(Linear(x, gate, R, D, width, g_.get()));
+  DGSERVE_RETURN_IF_ERROR(Linear(x, up, R, D, width, u_.get()));
   DGSERVE_RETURN_IF_ERROR(
       cuda::GeluGate(g_.get(), u_.get(), int64_t(R) * width, g_.get(), stream_));
-  return Linear(g_.get(), down, R, width, D, out, fp4_down);
+  return Linear(g_.get(), down, R, width, D, out);
 }
 
 bool CudaBackend::TensorCoreCanvas(int l) const {
@@ -138,8 +138,8 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   // 1–2. Attention block on a = input_layernorm(h) (spec §3.2 steps 1–2, §3.3).
   phases_.Enter(Phase::kDense);
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(h, lw.input_layernorm.get(), R, D, eps, a, stream_));
-  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.q_proj.get(), R, D, nh * hd, q, &lw.q_fp4));
-  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.k_proj.get(), R, D, kvw, k, &lw.k_fp4));
+  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.q_proj, R, D, nh * hd, q));
+  DGSERVE_RETURN_IF_ERROR(Linear(a, lw.k_proj, R, D, kvw, k));
   if (full) {
     // V = rms_noscale(raw k projection) on full layers (spec §3.3).
     cuda::NoteDeviceCopy();
@@ -147,7 +147,7 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
         cudaMemcpyAsync(v, k, size_t(R) * kvw * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
         "copy k→v"));
   } else {
-    DGSERVE_RETURN_IF_ERROR(Linear(a, lw.v_proj.get(), R, D, kvw, v, &lw.v_fp4));
+    DGSERVE_RETURN_IF_ERROR(Linear(a, lw.v_proj, R, D, kvw, v));
   }
   phases_.Enter(Phase::kAttention);
   DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(q, lw.q_norm.get(), R * nh, hd, eps, q, stream_));
@@ -240,7 +240,7 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   }
   phases_.Enter(Phase::kDense);
   float* o = o_.get();
-  DGSERVE_RETURN_IF_ERROR(Linear(attn_.get(), lw.o_proj.get(), R, nh * hd, D, o, &lw.o_fp4));
+  DGSERVE_RETURN_IF_ERROR(Linear(attn_.get(), lw.o_proj, R, nh * hd, D, o));
   // 3. h1 = h + post_attention_layernorm(o).
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(o, lw.post_attention_layernorm.get(), R, D, eps, o, stream_));
@@ -250,9 +250,8 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   float* dense = dense_.get();
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(h1, lw.pre_feedforward_layernorm.get(), R, D, eps, a, stream_));
-  DGSERVE_RETURN_IF_ERROR(GatedMlp(a, R, lw.mlp_gate_proj.get(), lw.mlp_up_proj.get(),
-                                   lw.mlp_down_proj.get(), c_.intermediate_size, dense,
-                                   &lw.mlp_gate_fp4, &lw.mlp_up_fp4, &lw.mlp_down_fp4));
+  DGSERVE_RETURN_IF_ERROR(GatedMlp(a, R, lw.mlp_gate_proj, lw.mlp_up_proj, lw.mlp_down_proj,
+                                   c_.intermediate_size, dense));
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(dense, lw.post_feedforward_layernorm_1.get(), R, D, eps, dense, stream_));
   // 5. MoE branch.
@@ -324,38 +323,41 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   DGSERVE_RETURN_IF_ERROR(
       cuda::RmsNorm(h1, lw.pre_feedforward_layernorm_2.get(), R, D, eps, xe_.get(), stream_));
   const cuda::GemmInput input = cublas_.input();
-  if (lw.experts_gate_up_fp4.experts > 0) {  // issue 37: NVFP4
+  if (lw.experts_gate_up.format == WeightFormat::kNvfp4) {  // issue 37: NVFP4
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpNvfp4(xe_.get(), gather_.get(), offsets_.get(),
-                                                 lw.experts_gate_up_fp4.View(), R, K, E, D, F,
+                                                 lw.experts_gate_up.nvfp4.View(), R, K, E, D, F,
                                                  act_.get(), stream_));
-  } else if (lw.experts_gate_up_fp8.rows > 0) {  // issue 37: FP8 (the format quantizes the inputs)
+  } else if (lw.experts_gate_up.format == WeightFormat::kFp8) {
+    // Issue 37: FP8 (the format quantizes the inputs).
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpFp8(xe_.get(), gather_.get(), offsets_.get(),
-                                               lw.experts_gate_up_fp8.view(), R, K, E, D, F,
+                                               lw.experts_gate_up.fp8.view(), R, K, E, D, F,
                                                act_.get(), stream_));
-  } else if (const cuda::DeviceW4A16& w4 = lw.experts_gate_up_w4; w4.group > 0) {  // W4A16
+  } else if (lw.experts_gate_up.format == WeightFormat::kW4A16) {
+    const cuda::DeviceW4A16& w4 = lw.experts_gate_up.w4a16;
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpW4A16(xe_.get(), gather_.get(), offsets_.get(),
                                                  {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
                                                  E, D, F, input, act_.get(), stream_));
   } else {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUp(xe_.get(), gather_.get(), offsets_.get(),
-                                            lw.experts_gate_up_proj.get(), R, K, E, D, F, input,
+                                            lw.experts_gate_up.bf16.get(), R, K, E, D, F, input,
                                             act_.get(), stream_));
   }
-  if (lw.experts_down_fp4.experts > 0) {
+  if (lw.experts_down.format == WeightFormat::kNvfp4) {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDownNvfp4(act_.get(), offsets_.get(), slot_weight_.get(),
-                                               lw.experts_down_fp4.View(), R, K, E, F, D, y_.get(),
-                                               stream_));
-  } else if (lw.experts_down_fp8.rows > 0) {
+                                               lw.experts_down.nvfp4.View(), R, K, E, F, D,
+                                               y_.get(), stream_));
+  } else if (lw.experts_down.format == WeightFormat::kFp8) {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDownFp8(act_.get(), offsets_.get(), slot_weight_.get(),
-                                             lw.experts_down_fp8.view(), R, K, E, F, D, y_.get(),
+                                             lw.experts_down.fp8.view(), R, K, E, F, D, y_.get(),
                                              stream_));
-  } else if (const cuda::DeviceW4A16& w4 = lw.experts_down_w4; w4.group > 0) {
+  } else if (lw.experts_down.format == WeightFormat::kW4A16) {
+    const cuda::DeviceW4A16& w4 = lw.experts_down.w4a16;
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDownW4A16(act_.get(), offsets_.get(), slot_weight_.get(),
                                                {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
                                                E, F, D, input, y_.get(), stream_));
   } else {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDown(act_.get(), offsets_.get(), slot_weight_.get(),
-                                          lw.experts_down_proj.get(), R, K, E, F, D, input,
+                                          lw.experts_down.bf16.get(), R, K, E, F, D, input,
                                           y_.get(), stream_));
   }
   return cuda::MoeSum(y_.get(), slot_.get(), R, K, D, m, stream_);
@@ -532,8 +534,7 @@ absl::Status CudaBackend::EnqueueBody(std::span<const Segment> segs, int R) {
     float* sig = o_.get();
     DGSERVE_RETURN_IF_ERROR(cuda::RmsNorm(sc_in_.get() + size_t(s.row0) * D, sc_pre_norm_.get(),
                                           s.rows, D, eps, u, stream_));
-    DGSERVE_RETURN_IF_ERROR(
-        GatedMlp(u, s.rows, sc_gate_.get(), sc_up_.get(), sc_down_.get(), I, sig));
+    DGSERVE_RETURN_IF_ERROR(GatedMlp(u, s.rows, sc_gate_, sc_up_, sc_down_, I, sig));
     DGSERVE_RETURN_IF_ERROR(
         cuda::AddInPlace(h + size_t(s.row0) * D, sig, int64_t(s.rows) * D, stream_));
   }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_backend_testing.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
@@ -77,55 +78,26 @@ inline std::unique_ptr<Checkpoint> QuantizedTinyCheckpoint(const QuantizeOptions
 }
 
 // CRTP: `Derived` gives `static QuantizeOptions Options()` and `static void Tweak(ModelConfig*)`
-// (the config change, or nothing). The checkpoint is made once per test suite; every test skips
-// without a device (under gpu-emu the emulation is the device).
+// (the config change, or nothing). The checkpoint is made once per test suite
+// (backend_testing::CpuGpuTest).
 template <class Derived>
-class CudaBackendQuantTest : public cuda::CudaTest, public ::testing::WithParamInterface<Mode> {
- protected:
-  static void SetUpTestSuite() {
-    if (cuda::DeviceCount() == 0) return;  // every test skips
-    checkpoint_ = QuantizedTinyCheckpoint(Derived::Options(), &Derived::Tweak).release();
-  }
-  static void TearDownTestSuite() {
-    delete checkpoint_;
-    checkpoint_ = nullptr;
-  }
-  void SetUp() override {
-    cuda::CudaTest::SetUp();
-    if (IsSkipped()) return;
-    ASSERT_NE(checkpoint_, nullptr);
-    CpuBackendOptions cpu_options;
-    cpu_options.gemm_input = GetParam().cpu;
-    cpu_ = CreateCpuBackend(config(), checkpoint_->weights, cpu_options);
-    CudaBackendOptions gpu_options;
-    gpu_options.gemm_input = GetParam().gpu;
-    gpu_options.batch_invariant_projections = GetParam().own_projections;
-    auto gpu = CreateCudaBackend(config(), checkpoint_->weights, gpu_options);
-    ASSERT_TRUE(gpu.ok()) << gpu.status();
-    gpu_ = std::move(*gpu);
+class CudaBackendQuantTest : public backend_testing::CpuGpuTest<Derived, Mode> {
+  using Base = backend_testing::CpuGpuTest<Derived, Mode>;
+
+ public:
+  static std::unique_ptr<Checkpoint> MakeCheckpoint() {
+    return QuantizedTinyCheckpoint(Derived::Options(), &Derived::Tweak);
   }
 
-  const ModelConfig& config() const { return checkpoint_->config; }
-  // n token ids that differ with `salt`.
-  std::vector<int32_t> Tokens(int n, int salt) const {
-    std::vector<int32_t> p(n);
-    for (int i = 0; i < n; ++i) p[i] = (i * 37 + 11 + salt * 101) % config().vocab_size;
-    return p;
-  }
-  static void Encode(ModelBackend& b, KvCache& kv, const std::vector<int32_t>& tokens) {
-    EncodeInput in{tokens, &kv};
-    const absl::Status st = b.Encode({&in, 1});
-    ASSERT_TRUE(st.ok()) << st;
-  }
-  // The canvas's logits [rows, V] decoded against `kv`.
-  std::vector<float> Logits(ModelBackend& b, const KvCache& kv,
-                            const std::vector<int32_t>& canvas) const {
-    std::vector<float> logits(canvas.size() * config().vocab_size);
-    DecodeInput in{canvas, nullptr, &kv, logits.data()};
-    const absl::Status st = b.Decode({&in, 1});
-    EXPECT_TRUE(st.ok()) << st;
-    return logits;
-  }
+ protected:
+  using Base::checkpoint_;
+  using Base::config;
+  using Base::cpu_;
+  using Base::Encode;
+  using Base::gpu_;
+  using Base::Logits;
+  using Base::Tokens;
+
   // max |cpu − gpu| (infinite where gpu is not finite); raises *scale to max |cpu|.
   static float Worst(const std::vector<float>& cpu, const std::vector<float>& gpu, float* scale) {
     float worst = 0.0f;
@@ -142,7 +114,7 @@ class CudaBackendQuantTest : public cuda::CudaTest, public ::testing::WithParamI
   // logits within its logit tolerance, and the argmax of every canvas row whose CPU top-2 gap
   // exceeds twice that tolerance equal. Prints the measured errors, prefixed by `format`.
   void ExpectEncodeThenDecodeMatchesCpu(const char* format) {
-    const Mode& m = GetParam();
+    const Mode& m = this->GetParam();
     const std::vector<int32_t> prompt = Tokens(29, 0);
     ContiguousKvCache kc(config(), 256), kg(config(), 256);
     Encode(*cpu_, kc, prompt);
@@ -186,9 +158,6 @@ class CudaBackendQuantTest : public cuda::CudaTest, public ::testing::WithParamI
     }
     EXPECT_GT(compared, 0);
   }
-
-  static inline Checkpoint* checkpoint_ = nullptr;
-  std::unique_ptr<ModelBackend> cpu_, gpu_;
 };
 
 }  // namespace dgserve::quant_testing

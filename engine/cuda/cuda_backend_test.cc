@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/cuda/cuda_backend_testing.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "engine/denoise/row_sampler.h"
 #include "engine/model/backend.h"
@@ -113,54 +114,25 @@ constexpr GemmMode kBf16TensorCoreMode{"bf16_tc",
                                        true,
                                        true};
 
-class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterface<GemmMode> {
- protected:
-  static void SetUpTestSuite() {
-    if (cuda::DeviceCount() == 0) return;  // every test skips
+class CudaBackendTest : public backend_testing::CpuGpuTest<CudaBackendTest, GemmMode> {
+ public:
+  static std::unique_ptr<Checkpoint> MakeCheckpoint() {
     auto ckpt = ::dgserve::testing::LoadRandomTinyV512("cuda_backend_test");
-    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-    checkpoint_ = new Checkpoint(std::move(*ckpt));
-  }
-  static void TearDownTestSuite() {
-    delete checkpoint_;
-    checkpoint_ = nullptr;
-  }
-  void SetUp() override {
-    cuda::CudaTest::SetUp();
-    if (IsSkipped()) return;
-    ASSERT_NE(checkpoint_, nullptr);
-    CpuBackendOptions cpu_options;
-    cpu_options.gemm_input = GetParam().cpu;
-    cpu_ = CreateCpuBackend(config(), checkpoint_->weights, cpu_options);
-    CudaBackendOptions gpu_options;
-    gpu_options.gemm_input = GetParam().gpu;
-    gpu_options.fused_vocab = GetParam().fused_vocab;
-    gpu_options.batch_invariant_projections = GetParam().own_projections;
-    gpu_options.tensor_core_attention = GetParam().tensor_core_attention;
-    auto gpu = CreateCudaBackend(config(), checkpoint_->weights, gpu_options);
-    ASSERT_TRUE(gpu.ok()) << gpu.status();
-    gpu_ = std::move(*gpu);
+    if (!ckpt.ok()) {
+      ADD_FAILURE() << ckpt.status();
+      return nullptr;
+    }
+    return std::make_unique<Checkpoint>(std::move(*ckpt));
   }
 
-  const ModelConfig& config() const { return checkpoint_->config; }
-  std::vector<int32_t> Tokens(int n, int salt) const {
-    std::vector<int32_t> p(n);
-    for (int i = 0; i < n; ++i) p[i] = (i * 37 + 11 + salt * 101) % config().vocab_size;
-    return p;
+ protected:
+  CudaBackendOptions GpuOptions() const override {
+    CudaBackendOptions options = CpuGpuTest::GpuOptions();
+    options.fused_vocab = GetParam().fused_vocab;
+    options.tensor_core_attention = GetParam().tensor_core_attention;
+    return options;
   }
-  static void Encode(ModelBackend& b, KvCache& kv, const std::vector<int32_t>& tokens) {
-    EncodeInput in{tokens, &kv};
-    const absl::Status st = b.Encode({&in, 1});
-    ASSERT_TRUE(st.ok()) << st;
-  }
-  std::vector<float> Logits(ModelBackend& b, const KvCache& kv, const std::vector<int32_t>& canvas,
-                            const float* sc) const {
-    std::vector<float> logits(canvas.size() * config().vocab_size);
-    DecodeInput in{canvas, sc, &kv, logits.data()};
-    const absl::Status st = b.Decode({&in, 1});
-    EXPECT_TRUE(st.ok()) << st;
-    return logits;
-  }
+
   // GPU logits within the mode's tolerance, argmax equal on rows whose CPU top-2 gap exceeds
   // twice it (a smaller gap can flip with both logits inside the tolerance).
   void ExpectLogitsClose(const std::vector<float>& cpu, const std::vector<float>& gpu) const {
@@ -212,11 +184,7 @@ class CudaBackendTest : public cuda::CudaTest, public ::testing::WithParamInterf
     }
     EXPECT_LE(worst, rel * scale) << what << ": max |Δ| " << worst << " (max |x| " << scale << ")";
   }
-
-  static Checkpoint* checkpoint_;
-  std::unique_ptr<ModelBackend> cpu_, gpu_;
 };
-Checkpoint* CudaBackendTest::checkpoint_ = nullptr;
 
 // The device KV bytes per sequence of the real 30-layer shape (bench/configs/
 // diffusiongemma-26b-a4b.json: 25 sliding layers of 8 KV heads × 256, 5 full of 2 × 512,

@@ -84,7 +84,7 @@ INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendW4A16Test, ::testing::Values(kFl
 
 // Every Linear dgserve-quantize quantizes by default (attention, dense MLP, experts and whatever
 // else its default ignore list leaves) in W4A16: the dense projections stay 4-bit on the device
-// too (CudaBackend's UploadProjection) and run DenseLinearW4A16, whose products are the CPU's
+// too (CudaBackend's UploadDeviceWeights) and run DenseLinearW4A16, whose products are the CPU's
 // (cpu::QuantLinear's widened q·s), so the float32 tolerances hold.
 class CudaBackendW4A16DenseTest
     : public quant_testing::CudaBackendQuantTest<CudaBackendW4A16DenseTest> {

@@ -5,18 +5,11 @@
 #include <string>
 
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_launch.cuh"
 #include "engine/cuda/cuda_mma.cuh"
 
 namespace dgserve::cuda {
 namespace {
-
-absl::Status Check(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(std::string(kernel) + ": " + cudaGetErrorString(e));
-}
-
-cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 // ---- Per-token quantization (the bits of common/fp8.h and cpu::QuantizeRowFp8) ---------------
 

@@ -7,22 +7,15 @@
 #include "common/status_macros.h"
 #include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_launch.cuh"
 
 namespace dgserve::cuda {
 namespace {
-
-absl::Status Check(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(std::string(kernel) + ": " + cudaGetErrorString(e));
-}
 
 absl::Status CublasCheck(const char* call, cublasStatus_t s) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
   return absl::InternalError(std::string(call) + ": " + cublasGetStatusString(s));
 }
-
-cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 __global__ void SplitTermKernel(const float* x, int64_t n, int term, uint16_t* y) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;

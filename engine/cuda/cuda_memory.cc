@@ -87,6 +87,12 @@ absl::StatusOr<bool> UploadW4A16(const std::vector<cpu::PackedMatrix>& experts, 
   return true;
 }
 
+absl::StatusOr<bool> UploadW4A16(const cpu::PackedMatrix& w, DeviceW4A16* out) {
+  const cpu::QuantMatrix* q = w.quant();
+  if (q == nullptr || q->format() != cpu::QuantFormat::kW4A16) return false;
+  return UploadW4A16(std::vector<cpu::PackedMatrix>{w}, out);  // copies the handle only
+}
+
 absl::Status UploadFloat(const cpu::PackedMatrix& w, DeviceArray<float>* out) {
   const std::vector<uint16_t> bits = w.UnpackBf16();
   std::vector<float> f(bits.size());

@@ -168,6 +168,8 @@ struct DeviceW4A16 {
 // write them; then float32(q)·s is what the CPU computes and the device reproduces exactly).
 // Returns false, uploading nothing, when they are not: the caller widens them (UploadBf16).
 absl::StatusOr<bool> UploadW4A16(const std::vector<cpu::PackedMatrix>& experts, DeviceW4A16* out);
+// The same for one matrix (a dense projection: E = 1).
+absl::StatusOr<bool> UploadW4A16(const cpu::PackedMatrix& w, DeviceW4A16* out);
 // A packed matrix [rows, cols] → float32 device (exact widening).
 absl::Status UploadFloat(const cpu::PackedMatrix& w, DeviceArray<float>* out);
 

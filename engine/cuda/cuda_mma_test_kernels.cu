@@ -1,17 +1,11 @@
-#include <string>
+#include "engine/cuda/cuda_mma_test_kernels.h"
 
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_launch.cuh"
 #include "engine/cuda/cuda_mma.cuh"
-#include "engine/cuda/cuda_mma_test_kernels.h"
 
 namespace dgserve::cuda {
 namespace {
-
-absl::Status Check(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(std::string(kernel) + ": " + cudaGetErrorString(e));
-}
 
 // Two bf16 values as one register: `lo` in bits 0–15 (the lower-indexed element), `hi` above.
 __device__ __forceinline__ uint32_t Pack(uint16_t lo, uint16_t hi) {

@@ -1,6 +1,7 @@
-// The MoE tests' shared parts (cuda_moe_test.cc, cuda_moe_w4a16_test.cc): random inputs, the
-// host routing CudaBackend::Moe built before routing moved to the device, and the CudaMoeTest
-// fixture (device routing, grouping and the whole MoE chain).
+// The MoE and quantized-kernel tests' shared parts (cuda_moe_test.cc, cuda_moe_w4a16_test.cc,
+// cuda_fp8_test.cc, cuda_nvfp4_test.cc): random inputs and float bits, the host routing
+// CudaBackend::Moe built before routing moved to the device, and the CudaMoeTest fixture (device
+// routing, grouping and the whole MoE chain).
 #pragma once
 
 #include <algorithm>
@@ -84,6 +85,27 @@ inline HostRouting HostRoute(const std::vector<float>& scores, int R, int E, int
 
 class CudaMoeTest : public CudaTest {
  protected:
+  // MoeRoute + MoeGroup's outputs on the device.
+  struct DeviceRouting {
+    int32_t *expert, *offsets, *gather, *slot;
+    float *weight, *slot_weight;
+  };
+  DeviceRouting RouteOnDevice(const std::vector<float>& scores, int R, int E, int K,
+                              const std::vector<float>& scale) {
+    const size_t n = size_t(R) * K;
+    DeviceRouting d;
+    d.expert = Alloc<int32_t>(n, 0xFF);
+    d.weight = Alloc<float>(n, 0xFF);
+    d.offsets = Alloc<int32_t>(E + 1, 0xFF);
+    d.gather = Alloc<int32_t>(n, 0xFF);
+    d.slot = Alloc<int32_t>(n, 0xFF);
+    d.slot_weight = Alloc<float>(n, 0xFF);
+    EXPECT_THAT(MoeRoute(Upload(scores), R, E, K, Upload(scale), d.expert, d.weight), IsOk());
+    EXPECT_THAT(MoeGroup(d.expert, d.weight, R, E, K, d.offsets, d.gather, d.slot, d.slot_weight),
+                IsOk());
+    return d;
+  }
+
   struct Routed {
     std::vector<int32_t> expert, offsets, gather, slot;
     std::vector<float> weight, slot_weight;
@@ -92,21 +114,14 @@ class CudaMoeTest : public CudaTest {
   Routed DeviceRoute(const std::vector<float>& scores, int R, int E, int K,
                      const std::vector<float>& scale) {
     const size_t n = size_t(R) * K;
-    int32_t* expert = Alloc<int32_t>(n, 0xFF);
-    float* weight = Alloc<float>(n, 0xFF);
-    int32_t* offsets = Alloc<int32_t>(E + 1, 0xFF);
-    int32_t* gather = Alloc<int32_t>(n, 0xFF);
-    int32_t* slot = Alloc<int32_t>(n, 0xFF);
-    float* slot_weight = Alloc<float>(n, 0xFF);
-    EXPECT_THAT(MoeRoute(Upload(scores), R, E, K, Upload(scale), expert, weight), IsOk());
-    EXPECT_THAT(MoeGroup(expert, weight, R, E, K, offsets, gather, slot, slot_weight), IsOk());
+    const DeviceRouting r = RouteOnDevice(scores, R, E, K, scale);
     Routed d;
-    d.expert = Download(expert, n);
-    d.weight = Download(weight, n);
-    d.offsets = Download(offsets, E + 1);
-    d.gather = Download(gather, n);
-    d.slot = Download(slot, n);
-    d.slot_weight = Download(slot_weight, n);
+    d.expert = Download(r.expert, n);
+    d.weight = Download(r.weight, n);
+    d.offsets = Download(r.offsets, E + 1);
+    d.gather = Download(r.gather, n);
+    d.slot = Download(r.slot, n);
+    d.slot_weight = Download(r.slot_weight, n);
     return d;
   }
 
@@ -138,31 +153,39 @@ class CudaMoeTest : public CudaTest {
     }
   }
 
-  // The whole MoE on the device: out[R, D] from scores [R, E] and x [R, D].
+  // The whole MoE on the device with the given expert GEMMs: out[R, D] from scores [R, E] and
+  // x [R, D]. gate_up(x, gather, offsets, act) and down(act, offsets, slot_weight, y) launch the
+  // two grouped GEMMs (act [R·K, F], y [R·K, D]) and return their status.
+  template <typename GateUp, typename Down>
+  std::vector<float> DeviceMoeWith(const std::vector<float>& scores, const std::vector<float>& x,
+                                   int R, int E, int K, int D, int F,
+                                   const std::vector<float>& scale, GateUp gate_up, Down down) {
+    const size_t n = size_t(R) * K;
+    const DeviceRouting r = RouteOnDevice(scores, R, E, K, scale);
+    float* act = Alloc<float>(n * F, 0xFF);
+    float* y = Alloc<float>(n * D, 0xFF);
+    float* out = Alloc<float>(size_t(R) * D, 0xFF);
+    EXPECT_THAT(gate_up(Upload(x), r.gather, r.offsets, act), IsOk());
+    EXPECT_THAT(down(act, r.offsets, r.slot_weight, y), IsOk());
+    EXPECT_THAT(MoeSum(y, r.slot, R, K, D, out), IsOk());
+    return Download(out, size_t(R) * D);
+  }
+
+  // The same with bf16 experts (MoeGateUp / MoeDown).
   std::vector<float> DeviceMoe(const std::vector<float>& scores, const std::vector<float>& x, int R,
                                int E, int K, int D, int F, const std::vector<float>& scale,
                                const uint16_t* w_gate_up, const uint16_t* w_down, GemmInput input,
                                MoeKernel kernel) {
-    const size_t n = size_t(R) * K;
-    int32_t* expert = Alloc<int32_t>(n, 0xFF);
-    float* weight = Alloc<float>(n, 0xFF);
-    int32_t* offsets = Alloc<int32_t>(E + 1, 0xFF);
-    int32_t* gather = Alloc<int32_t>(n, 0xFF);
-    int32_t* slot = Alloc<int32_t>(n, 0xFF);
-    float* slot_weight = Alloc<float>(n, 0xFF);
-    float* act = Alloc<float>(n * F, 0xFF);
-    float* y = Alloc<float>(n * D, 0xFF);
-    float* out = Alloc<float>(size_t(R) * D, 0xFF);
-    EXPECT_THAT(MoeRoute(Upload(scores), R, E, K, Upload(scale), expert, weight), IsOk());
-    EXPECT_THAT(MoeGroup(expert, weight, R, E, K, offsets, gather, slot, slot_weight), IsOk());
-    EXPECT_THAT(MoeGateUp(Upload(x), gather, offsets, w_gate_up, R, K, E, D, F, input, act, nullptr,
-                          kernel),
-                IsOk());
-    EXPECT_THAT(
-        MoeDown(act, offsets, slot_weight, w_down, R, K, E, F, D, input, y, nullptr, kernel),
-        IsOk());
-    EXPECT_THAT(MoeSum(y, slot, R, K, D, out), IsOk());
-    return Download(out, size_t(R) * D);
+    return DeviceMoeWith(
+        scores, x, R, E, K, D, F, scale,
+        [&](const float* xs, const int32_t* gather, const int32_t* offsets, float* act) {
+          return MoeGateUp(xs, gather, offsets, w_gate_up, R, K, E, D, F, input, act, nullptr,
+                           kernel);
+        },
+        [&](const float* act, const int32_t* offsets, const float* slot_weight, float* y) {
+          return MoeDown(act, offsets, slot_weight, w_down, R, K, E, F, D, input, y, nullptr,
+                         kernel);
+        });
   }
 };
 

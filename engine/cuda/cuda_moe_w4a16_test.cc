@@ -251,23 +251,14 @@ TEST_F(CudaMoeW4A16Test, RowAloneEqualsRowInBatch) {
   const W4A16Weights wd = Device(W4Experts(E, D, F, 32, 0.05f, 704));
   auto moe = [&](const std::vector<float>& sc, const std::vector<float>& xs, int rows,
                  GemmInput input) {
-    const size_t n = size_t(rows) * K;
-    int32_t* expert = Alloc<int32_t>(n, 0xFF);
-    float* weight = Alloc<float>(n, 0xFF);
-    int32_t* offsets = Alloc<int32_t>(E + 1, 0xFF);
-    int32_t* gather = Alloc<int32_t>(n, 0xFF);
-    int32_t* slot = Alloc<int32_t>(n, 0xFF);
-    float* slot_weight = Alloc<float>(n, 0xFF);
-    float* act = Alloc<float>(n * F, 0xFF);
-    float* y = Alloc<float>(n * D, 0xFF);
-    float* out = Alloc<float>(size_t(rows) * D, 0xFF);
-    EXPECT_THAT(MoeRoute(Upload(sc), rows, E, K, Upload(scale), expert, weight), IsOk());
-    EXPECT_THAT(MoeGroup(expert, weight, rows, E, K, offsets, gather, slot, slot_weight), IsOk());
-    EXPECT_THAT(MoeGateUpW4A16(Upload(xs), gather, offsets, wgu, rows, K, E, D, F, input, act),
-                IsOk());
-    EXPECT_THAT(MoeDownW4A16(act, offsets, slot_weight, wd, rows, K, E, F, D, input, y), IsOk());
-    EXPECT_THAT(MoeSum(y, slot, rows, K, D, out), IsOk());
-    return Download(out, size_t(rows) * D);
+    return DeviceMoeWith(
+        sc, xs, rows, E, K, D, F, scale,
+        [&](const float* x_d, const int32_t* gather, const int32_t* offsets, float* act) {
+          return MoeGateUpW4A16(x_d, gather, offsets, wgu, rows, K, E, D, F, input, act);
+        },
+        [&](const float* act, const int32_t* offsets, const float* slot_weight, float* y) {
+          return MoeDownW4A16(act, offsets, slot_weight, wd, rows, K, E, F, D, input, y);
+        });
   };
   for (GemmInput input : {GemmInput::kFloat32, GemmInput::kBf16}) {
     const std::vector<float> batch = moe(scores, x, R, input);

@@ -7,18 +7,11 @@
 
 #include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_launch.cuh"
 #include "engine/cuda/cuda_mma.cuh"
 
 namespace dgserve::cuda {
 namespace {
-
-absl::Status Check(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(std::string(kernel) + ": " + cudaGetErrorString(e));
-}
-
-cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 // ---- The formats' values (common/fp8.h, bit for bit) -------------------------------------------
 

@@ -22,6 +22,7 @@
 #include "common/fp8.h"
 #include "common/testing/status_matchers.h"
 #include "engine/cpu/gemm_quant.h"
+#include "engine/cuda/cuda_moe_test_util.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "gtest/gtest.h"
 
@@ -30,20 +31,8 @@ namespace {
 
 using ::dgserve::testing::IsOk;
 using ::dgserve::testing::StatusIs;
-
-uint32_t Bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-
-std::vector<float> RandomFloats(size_t n, float lo, float hi, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(gen);
-  return v;
-}
+using moe_testing::Bits;
+using moe_testing::RandomFloats;
 
 using Nvfp4Test = CudaTest;
 

@@ -1,19 +1,10 @@
 #include "engine/cuda/cuda_ops.h"
 
-#include <string>
-
 #include "engine/cuda/cuda_device.cuh"
+#include "engine/cuda/cuda_launch.cuh"
 
 namespace dgserve::cuda {
 namespace {
-
-absl::Status Check(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(std::string(kernel) + ": " + cudaGetErrorString(e));
-}
-
-cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
 // One block per row; a double sum of squares reduced in shared memory.
 __global__ void RmsNormKernel(const float* x, const float* w, int dim, float eps, float* y) {
