@@ -1,9 +1,11 @@
-// dgserve-quantize: writes a quantized checkpoint (compressed-tensors FP8 or W4A16, ModelOpt
-// NVFP4) from a bf16 DiffusionGemma checkpoint; what it writes: engine/model/quantize_checkpoint.h.
+// dgserve-quantize: writes a quantized checkpoint (compressed-tensors FP8 or W4A16, NVFP4 in
+// ModelOpt's or compressed-tensors' layout) from a bf16 DiffusionGemma checkpoint; what it
+// writes: engine/model/quantize_checkpoint.h.
 //
 //   dgserve-quantize --in DIR --out DIR --format fp8
 //   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 128
-//   dgserve-quantize --in DIR --out DIR --format nvfp4
+//   dgserve-quantize --in DIR --out DIR --format nvfp4 [--nvfp4_layout modelopt]
+//   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
 #include <cstdio>
 #include <string>
 
@@ -22,6 +24,12 @@ ABSL_FLAG(std::string, format, "", "fp8, w4a16 or nvfp4 (required)");
 ABSL_FLAG(int32_t, group_size, -1,
           "w4a16: inputs per scale group (0: one group per row; default 128); nvfp4: fixed at 16 "
           "(another value is refused)");
+ABSL_FLAG(std::string, nvfp4_layout, "",
+          "--format nvfp4 only: the checkpoint layout, named as vLLM's quantization methods: "
+          "modelopt (default; quant_method \"modelopt\", M.weight / weight_scale_2 / "
+          "input_scale, as TensorRT Model Optimizer exports) or compressed-tensors (format "
+          "\"nvfp4-pack-quantized\", M.weight_packed / weight_global_scale / "
+          "input_global_scale, as llm-compressor's NVFP4 scheme writes)");
 ABSL_FLAG(std::string, ignore, absl::StrJoin(dgserve::DefaultQuantizeIgnore(), ","),
           "comma-separated compressed-tensors ignore list (module names or re:REGEX): modules "
           "kept in bf16. Default: the LM head and embedding, the MoE router, the norms, and the "
@@ -57,6 +65,19 @@ absl::Status Run() {
   } else if (group_size != -1) {
     options.group_size = group_size;
   }
+  const std::string layout = absl::GetFlag(FLAGS_nvfp4_layout);
+  if (!layout.empty() && options.format != WeightFormat::kNvfp4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--nvfp4_layout applies to --format nvfp4 only (--format is ", format, ")"));
+  }
+  if (layout == "compressed-tensors") {
+    options.nvfp4_layout = Nvfp4Layout::kCompressedTensors;
+  } else if (layout.empty() || layout == "modelopt") {
+    options.nvfp4_layout = Nvfp4Layout::kModelOpt;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--nvfp4_layout '", layout, "': must be modelopt or compressed-tensors"));
+  }
   options.ignore.clear();
   for (absl::string_view e : absl::StrSplit(absl::GetFlag(FLAGS_ignore), ',', absl::SkipEmpty())) {
     options.ignore.emplace_back(e);
@@ -65,12 +86,15 @@ absl::Status Run() {
   const std::string out = absl::GetFlag(FLAGS_out);
   DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,
                            QuantizeCheckpoint(absl::GetFlag(FLAGS_in), out, options));
-  std::printf("wrote %s: format %s%s, %d modules quantized, %d kept in their dtype, in %.1f s\n",
+  const char* nvfp4_layout = s.quant.format != WeightFormat::kNvfp4 ? ""
+                             : s.quant.nvfp4_compressed_tensors     ? " (compressed-tensors)"
+                                                                    : " (modelopt)";
+  std::printf("wrote %s: format %s%s%s, %d modules quantized, %d kept in their dtype, in %.1f s\n",
               out.c_str(), WeightFormatName(s.quant.format),
               s.quant.format != WeightFormat::kW4A16 ? ""
-              : s.quant.channel_groups ? " (per channel)"
+              : s.quant.channel_groups               ? " (per channel)"
                                        : absl::StrCat(" (group ", s.quant.group_size, ")").c_str(),
-              s.quantized, s.kept, s.seconds);
+              nvfp4_layout, s.quantized, s.kept, s.seconds);
   return absl::OkStatus();
 }
 
@@ -80,9 +104,10 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   return dgserve::RunFlagsOnlyTool(
       argc, argv, "dgserve-quantize",
-      "Writes a quantized checkpoint (compressed-tensors FP8/W4A16, ModelOpt NVFP4) from a bf16\n"
-      "DiffusionGemma checkpoint.\n"
+      "Writes a quantized checkpoint (compressed-tensors FP8/W4A16, NVFP4 in ModelOpt's or\n"
+      "compressed-tensors' layout) from a bf16 DiffusionGemma checkpoint.\n"
       "  dgserve-quantize --in DIR --out DIR --format fp8|w4a16|nvfp4 [--group_size N] [--ignore "
-      "LIST]",
+      "LIST]\n"
+      "                   [--nvfp4_layout modelopt|compressed-tensors]",
       "tools/quantize_main.cc", dgserve::Run);
 }

@@ -174,6 +174,8 @@ std::string GlobToIgnore(const std::string& glob) {
   return re + "(\\..*)?$";
 }
 
+// The one independent check of the compressed-tensors layout (the other tests edit
+// dgserve-quantize's own nvfp4_ct checkpoint): a hand-written converter.
 // Writes the ModelOpt NVFP4 checkpoint `src` (under dir) in the compressed-tensors layout to
 // `ct_out` — weight → weight_packed, weight_scale as it is, weight_global_scale = 1 /
 // weight_scale_2, input_global_scale = 1 / input_scale (F32 [1]), config.json's
@@ -243,10 +245,10 @@ void WriteCompressedTensorsNvfp4(const std::string& src, const std::string& ct_o
 // compressed-tensors layout loads to the same matrices (codes, block scales, globals, alpha,
 // the activations' g) and runs to bit-identical logits.
 TEST_F(QuantErrorTest, Nvfp4CompressedTensorsRoundTripMatchesModelOpt) {
-  WriteCompressedTensorsNvfp4(*dir_ + "/nvfp4", *dir_ + "/nvfp4_ct", *dir_ + "/nvfp4_mo");
-  auto ct = LoadCheckpoint(*dir_ + "/nvfp4_ct");
+  WriteCompressedTensorsNvfp4(*dir_ + "/nvfp4", *dir_ + "/nvfp4_conv", *dir_ + "/nvfp4_conv_mo");
+  auto ct = LoadCheckpoint(*dir_ + "/nvfp4_conv");
   ASSERT_TRUE(ct.ok()) << ct.status();
-  auto mo = LoadCheckpoint(*dir_ + "/nvfp4_mo");
+  auto mo = LoadCheckpoint(*dir_ + "/nvfp4_conv_mo");
   ASSERT_TRUE(mo.ok()) << mo.status();
   EXPECT_EQ(ct->weights.format, WeightFormat::kNvfp4);
   EXPECT_TRUE(ct->quant.nvfp4_compressed_tensors);
@@ -287,10 +289,9 @@ TEST_F(QuantErrorTest, Nvfp4CompressedTensorsRoundTripMatchesModelOpt) {
   EXPECT_EQ(pc.keys, pm.keys);
 }
 
-// A hand-made compressed-tensors NVFP4 module decoded value by value: nibble order, codes,
-// block scales and the reciprocal global scales.
+// A hand-made compressed-tensors NVFP4 module (in dgserve-quantize's nvfp4_ct checkpoint)
+// decoded value by value: nibble order, codes, block scales and the reciprocal global scales.
 TEST_F(QuantErrorTest, Nvfp4CompressedTensorsHandMadeTensorDecodesValueByValue) {
-  WriteCompressedTensorsNvfp4(*dir_ + "/nvfp4", *dir_ + "/nvfp4_ct1", *dir_ + "/nvfp4_mo1");
   static std::vector<uint8_t> bytes(64 * 32), scales(64 * 4);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = uint8_t((i * 53 + 5) & 0xff);
   for (size_t i = 0; i < scales.size(); ++i) scales[i] = 0x38;  // 1.0
@@ -301,7 +302,7 @@ TEST_F(QuantErrorTest, Nvfp4CompressedTensorsHandMadeTensorDecodesValueByValue) 
   scales[4 + 1] = 0x30;  // row 1 block 1: 0.5
   // Divisors: W = e2m1 · e4m3 / 4; input_scale = 1/8, alpha = 1/32, g = 8.
   static const float wgs = 4.0f, igs = 8.0f;
-  std::string err = LoadEdited("nvfp4_ct1", [](auto& t) {
+  std::string err = LoadEdited("nvfp4_ct", [](auto& t) {
     for (const char* suffix :
          {".weight_packed", ".weight_scale", ".weight_global_scale", ".input_global_scale"}) {
       Erase(t, kQ + suffix);
@@ -347,7 +348,7 @@ TEST_F(QuantErrorTest, Nvfp4CompressedTensorsHandMadeTensorDecodesValueByValue) 
   // g is input_global_scale itself, not float32(1 / float32(1 / it)): they differ here.
   static const float odd = 0x1.6d4fep+0f;
   ASSERT_NE(1.0f / (1.0f / odd), odd);
-  err = LoadEdited("nvfp4_ct1", [](auto& t) {
+  err = LoadEdited("nvfp4_ct", [](auto& t) {
     Erase(t, kQ + ".input_global_scale");
     t.push_back(TensorFromBuffer(kQ + ".input_global_scale", DType::kF32, {1}, &odd));
   });
@@ -360,37 +361,36 @@ TEST_F(QuantErrorTest, Nvfp4CompressedTensorsHandMadeTensorDecodesValueByValue) 
 }
 
 TEST_F(QuantErrorTest, Nvfp4CompressedTensorsRefusalsNameTheFieldOrTensor) {
-  WriteCompressedTensorsNvfp4(*dir_ + "/nvfp4", *dir_ + "/nvfp4_ct2", *dir_ + "/nvfp4_mo2");
-  EXPECT_EQ(LoadEdited("nvfp4_ct2", nullptr), "");
+  EXPECT_EQ(LoadEdited("nvfp4_ct", nullptr), "");
   auto qc = [](const char* path, json v) {
     return [path, v](json& c) { c["quantization_config"][json::json_pointer(path)] = v; };
   };
-  EXPECT_THAT(LoadEdited("nvfp4_ct2", nullptr, qc("/config_groups/group_0/weights/group_size", 32)),
+  EXPECT_THAT(LoadEdited("nvfp4_ct", nullptr, qc("/config_groups/group_0/weights/group_size", 32)),
               HasSubstr("field 'quantization_config.config_groups.group_0.weights.group_size' is "
                         "32"));
   EXPECT_THAT(
-      LoadEdited("nvfp4_ct2", nullptr,
+      LoadEdited("nvfp4_ct", nullptr,
                  qc("/config_groups/group_0/input_activations/group_size", 32)),
       HasSubstr("quantization_config.config_groups.group_0.input_activations.group_size' is 32"));
-  EXPECT_THAT(LoadEdited("nvfp4_ct2", nullptr, qc("/config_groups/group_0/weights/type", "int")),
+  EXPECT_THAT(LoadEdited("nvfp4_ct", nullptr, qc("/config_groups/group_0/weights/type", "int")),
               HasSubstr("config_groups.group_0.weights.type' is \"int\""));
   EXPECT_THAT(
-      LoadEdited("nvfp4_ct2", nullptr, qc("/config_groups/group_0/weights/strategy", "group")),
+      LoadEdited("nvfp4_ct", nullptr, qc("/config_groups/group_0/weights/strategy", "group")),
       HasSubstr("config_groups.group_0.weights.strategy' is \"group\""));
-  EXPECT_THAT(LoadEdited("nvfp4_ct2", nullptr,
+  EXPECT_THAT(LoadEdited("nvfp4_ct", nullptr,
                          qc("/config_groups/group_0/input_activations/dynamic", false)),
               HasSubstr("config_groups.group_0.input_activations.dynamic' is false"));
   EXPECT_THAT(
-      LoadEdited("nvfp4_ct2", nullptr, qc("/config_groups/group_0/input_activations", nullptr)),
+      LoadEdited("nvfp4_ct", nullptr, qc("/config_groups/group_0/input_activations", nullptr)),
       HasSubstr("weight-only NVFP4A16 is not supported"));
-  EXPECT_THAT(LoadEdited("nvfp4_ct2", [](auto& t) { Erase(t, kQ + ".weight_global_scale"); }),
+  EXPECT_THAT(LoadEdited("nvfp4_ct", [](auto& t) { Erase(t, kQ + ".weight_global_scale"); }),
               HasSubstr("'" + kQ + ".weight_global_scale' is missing"));
-  EXPECT_THAT(LoadEdited("nvfp4_ct2", [](auto& t) { Erase(t, kQ + ".input_global_scale"); }),
+  EXPECT_THAT(LoadEdited("nvfp4_ct", [](auto& t) { Erase(t, kQ + ".input_global_scale"); }),
               HasSubstr("'" + kQ + ".input_global_scale' is missing"));
-  EXPECT_THAT(LoadEdited("nvfp4_ct2", [](auto& t) { Erase(t, kQ + ".weight_scale"); }),
+  EXPECT_THAT(LoadEdited("nvfp4_ct", [](auto& t) { Erase(t, kQ + ".weight_scale"); }),
               HasSubstr("'" + kQ + ".weight_scale' is missing"));
   // Bad dtypes: the packed codes as F8_E4M3, the global scale as BF16.
-  EXPECT_THAT(LoadEdited("nvfp4_ct2",
+  EXPECT_THAT(LoadEdited("nvfp4_ct",
                          [](auto& t) {
                            for (auto& s : t) {
                              if (s.name == kQ + ".weight_packed") s.dtype = DType::kF8E4M3;
@@ -400,7 +400,7 @@ TEST_F(QuantErrorTest, Nvfp4CompressedTensorsRefusalsNameTheFieldOrTensor) {
                         ".weight_packed' has dtype F8_E4M3 and shape [64, 32] but "
                         "the nvfp4 quantization_config expects U8 [64, 32]"));
   static const uint16_t bf16_one = 0x3f80;
-  EXPECT_THAT(LoadEdited("nvfp4_ct2",
+  EXPECT_THAT(LoadEdited("nvfp4_ct",
                          [](auto& t) {
                            Erase(t, kQ + ".weight_global_scale");
                            t.push_back(TensorFromBuffer(kQ + ".weight_global_scale", DType::kBF16,
@@ -408,7 +408,7 @@ TEST_F(QuantErrorTest, Nvfp4CompressedTensorsRefusalsNameTheFieldOrTensor) {
                          }),
               HasSubstr("tensor '" + kQ + ".weight_global_scale' has dtype BF16"));
   // The ModelOpt name where compressed-tensors' is expected.
-  EXPECT_THAT(LoadEdited("nvfp4_ct2",
+  EXPECT_THAT(LoadEdited("nvfp4_ct",
                          [](auto& t) {
                            for (auto& s : t) {
                              if (s.name == kQ + ".weight_packed") s.name = kQ + ".weight";
@@ -417,7 +417,7 @@ TEST_F(QuantErrorTest, Nvfp4CompressedTensorsRefusalsNameTheFieldOrTensor) {
               HasSubstr("'" + kQ + ".weight_packed' is missing"));
   // A zero global scale (a divisor).
   static const float zero = 0.0f;
-  EXPECT_THAT(LoadEdited("nvfp4_ct2",
+  EXPECT_THAT(LoadEdited("nvfp4_ct",
                          [](auto& t) {
                            Erase(t, kQ + ".weight_global_scale");
                            t.push_back(TensorFromBuffer(kQ + ".weight_global_scale", DType::kF32,

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -21,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/bf16.h"
 #include "common/fp8.h"
 #include "common/status_macros.h"
@@ -181,25 +183,69 @@ void AddW4a16(const std::string& module, const Rows& r, int group_flag, Progress
 // below, saturating above; quantize_checkpoint.h).
 constexpr float kNvfp4InputScale = 1.0f / 6.0f;
 
-void AddNvfp4(const std::string& module, const Rows& r, Progress* progress,
-              std::vector<TensorSource>* out) {
+// compressed-tensors' data-free input_global_scale: 448 · 6 / amax(x) for the same amax 448 (a
+// divisor: the reciprocal of kNvfp4InputScale).
+constexpr float kNvfp4InputGlobalScale = 6.0f;
+
+// The compressed-tensors layout's shared weight amax: the modules of one fused set (q/k/v_proj
+// of an attention, gate/up_proj of an MLP or expert), computed once by the first fill that
+// needs it. ModelOpt's layout keeps one amax per module (no set).
+struct FusedAmax {
+  std::vector<Rows> members;
+  bool done = false;
+  float amax = 0.0f;
+};
+
+// The key of a module's fused set: its parent and "{qkv}" / "{gate_up}", else the module.
+std::string FusedKey(const std::string& module) {
+  const size_t dot = module.rfind('.');
+  const std::string parent = module.substr(0, dot + 1), leaf = module.substr(dot + 1);
+  if (leaf == "q_proj" || leaf == "k_proj" || leaf == "v_proj") return parent + "{qkv}";
+  if (leaf == "gate_proj" || leaf == "up_proj") return parent + "{gate_up}";
+  return module;
+}
+
+float AbsMax(const std::vector<float>& w) {
+  float amax = 0.0f;
+  for (float v : w) amax = std::max(amax, std::fabs(v));
+  return amax;
+}
+
+// `fused`: the compressed-tensors layout (its set's amax); null: ModelOpt's.
+void AddNvfp4(const std::string& module, const Rows& r, std::shared_ptr<FusedAmax> fused,
+              Progress* progress, std::vector<TensorSource>* out) {
   const int blocks = r.cols / 16;
+  const bool ct = fused != nullptr;
   struct Result {
     std::vector<uint8_t> packed, scales;
-    float global = 0.0f;
-    int left = 3;  // fills still to run; the buffers go with the last
+    float global = 0.0f;  // ModelOpt: weight_scale_2; compressed-tensors: weight_global_scale
+    int left = 3;         // fills still to run; the buffers go with the last
   };
   auto res = std::make_shared<Result>();
-  auto compute = [r, blocks, res, progress]() -> absl::Status {
+  auto compute = [r, blocks, res, fused, progress]() -> absl::Status {
     if (!res->packed.empty()) return absl::OkStatus();
     std::vector<float> w;
+    if (fused != nullptr && !fused->done) {
+      for (const Rows& m : fused->members) {
+        DGSERVE_RETURN_IF_ERROR(ReadRows(m, &w));
+        fused->amax = std::max(fused->amax, AbsMax(w));
+      }
+      fused->done = true;
+    }
     DGSERVE_RETURN_IF_ERROR(ReadRows(r, &w));
-    float amax = 0.0f;
-    for (float v : w) amax = std::max(amax, std::fabs(v));
-    // ModelOpt's NVFP4QTensor (nvfp4_tensor.py): weights_scaling_factor_2 = amax / (6 · 448);
-    // an all-zero module (amax 0) takes 1 (its codes are all 0).
-    const float g = amax > 0.0f ? amax / (6.0f * kE4m3Max) : 1.0f;
-    res->global = g;
+    if (fused == nullptr) {
+      // ModelOpt's NVFP4QTensor (nvfp4_tensor.py): weights_scaling_factor_2 = amax / (6 · 448);
+      // an all-zero module (amax 0) takes 1 (its codes are all 0).
+      const float amax = AbsMax(w);
+      res->global = amax > 0.0f ? amax / (6.0f * kE4m3Max) : 1.0f;
+    } else {
+      // compressed-tensors' generate_gparam: global_scale = 448 · 6 / amax (a divisor); an
+      // all-zero set takes 1 (theirs would be inf).
+      res->global = fused->amax > 0.0f ? (kE4m3Max * 6.0f) / fused->amax : 1.0f;
+    }
+    const float g = res->global;
+    const bool ct = fused != nullptr;
+    const uint8_t eighth = FloatToE4m3(0.125f);
     res->packed.assign(w.size() / 2, 0);
     res->scales.resize(size_t(r.rows) * blocks);
 #pragma omp parallel for schedule(static) if (int64_t(r.rows) * r.cols >= (1 << 18))
@@ -208,14 +254,26 @@ void AddNvfp4(const std::string& module, const Rows& r, Progress* progress,
       for (int b = 0; b < blocks; ++b) {
         float bmax = 0.0f;
         for (int c = 16 * b; c < 16 * b + 16; ++c) bmax = std::max(bmax, std::fabs(row[c]));
-        // per_block_scale = amax_b / (6 · g); 0 → 1; clamped to [2⁻⁹, 448]; cast to e4m3 (RNE).
-        float s = bmax / (6.0f * g);
-        if (s == 0.0f) s = 1.0f;
-        s = std::min(kE4m3Max, std::max(0x1p-9f, s));
-        const uint8_t code = FloatToE4m3(s);
+        uint8_t code;
+        float d;  // the block's step: w / d is cast to e2m1
+        if (ct) {
+          // calculate_qparams (tensor_group, FP4): scales = global_scale · (amax_b / 6),
+          // clamped to ≤ 448, cast to e4m3 (RNE); a zero e4m3 scale becomes 0.125.
+          // _quantize: scale.to(float32) / global_scale divides w.
+          code = FloatToE4m3(std::min(kE4m3Max, g * (bmax / 6.0f)));
+          if (E4m3ToFloat(code) == 0.0f) code = eighth;
+          d = E4m3ToFloat(code) / g;
+        } else {
+          // per_block_scale = amax_b / (6 · g); 0 → 1; clamped to [2⁻⁹, 448]; e4m3 (RNE).
+          float s = bmax / (6.0f * g);
+          if (s == 0.0f) s = 1.0f;
+          s = std::min(kE4m3Max, std::max(0x1p-9f, s));
+          code = FloatToE4m3(s);
+          d = E4m3ToFloat(code) * g;
+        }
         res->scales[size_t(i) * blocks + b] = code;
-        // scaled = w / (e4m3(s) · g), cast to e2m1 (_cast_fp4: RNE, saturating at 6).
-        const float d = E4m3ToFloat(code) * g;
+        // scaled = w / d, cast to e2m1 (RNE, saturating at 6: ModelOpt's _cast_fp4,
+        // compressed-tensors' clamp to ±6 then cast_to_fp4).
         for (int c = 16 * b; c < 16 * b + 16; ++c) {
           const uint8_t e = FloatToE2m1(row[c] / d);
           uint8_t& byte = res->packed[(size_t(i) * r.cols + c) / 2];
@@ -229,7 +287,7 @@ void AddNvfp4(const std::string& module, const Rows& r, Progress* progress,
   auto done = [res]() {
     if (--res->left == 0) res->packed = {}, res->scales = {};
   };
-  out->push_back({module + ".weight",
+  out->push_back({module + (ct ? ".weight_packed" : ".weight"),
                   DType::kU8,
                   {r.rows, r.cols / 2},
                   [compute, res, done](uint8_t* dst) -> absl::Status {
@@ -247,17 +305,19 @@ void AddNvfp4(const std::string& module, const Rows& r, Progress* progress,
                     done();
                     return absl::OkStatus();
                   }});
-  out->push_back({module + ".weight_scale_2",
-                  DType::kF32,
-                  {},
+  // compressed-tensors writes its scalars as [1], ModelOpt's as [].
+  const std::vector<int64_t> scalar = ct ? std::vector<int64_t>{1} : std::vector<int64_t>{};
+  out->push_back({module + (ct ? ".weight_global_scale" : ".weight_scale_2"), DType::kF32, scalar,
                   [compute, res, done](uint8_t* dst) -> absl::Status {
                     DGSERVE_RETURN_IF_ERROR(compute());
                     std::memcpy(dst, &res->global, 4);
                     done();
                     return absl::OkStatus();
                   }});
-  out->push_back({module + ".input_scale", DType::kF32, {}, [](uint8_t* dst) {
-                    std::memcpy(dst, &kNvfp4InputScale, 4);
+  const float* input = ct ? &kNvfp4InputGlobalScale : &kNvfp4InputScale;
+  out->push_back({module + (ct ? ".input_global_scale" : ".input_scale"), DType::kF32, scalar,
+                  [input](uint8_t* dst) {
+                    std::memcpy(dst, input, 4);
                     return absl::OkStatus();
                   }});
 }
@@ -284,7 +344,8 @@ absl::StatusOr<std::string> IgnoreToGlob(const std::string& e) {
           "--format nvfp4 writes ModelOpt exclude_modules (fnmatch patterns): the ignore entry '",
           e,
           "' is not of the form re:.*NAME.*, re:NAME or a module name; give a pattern such "
-          "as *NAME*"));
+          "as *NAME* (or write --nvfp4_layout compressed-tensors, whose ignore list takes "
+          "regular expressions)"));
     }
     name += ch;
   }
@@ -318,6 +379,13 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   }
   QuantizationConfig q;
   q.format = options.format;
+  const bool ct_nvfp4 = options.nvfp4_layout == Nvfp4Layout::kCompressedTensors;
+  if (ct_nvfp4 && q.format != WeightFormat::kNvfp4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the NVFP4 layout compressed-tensors applies to --format nvfp4 only, not ",
+                     WeightFormatName(q.format)));
+  }
+  q.nvfp4_compressed_tensors = ct_nvfp4;
   if (q.format == WeightFormat::kW4A16) {
     if (options.group_size < 0) {
       return absl::InvalidArgumentError("--group_size must be ≥ 0 (0: per channel)");
@@ -335,7 +403,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   }
   q.targets = {"Linear"};
   q.ignore = options.ignore;
-  if (q.format == WeightFormat::kNvfp4) {
+  if (q.format == WeightFormat::kNvfp4 && !ct_nvfp4) {
     q.ignore.clear();
     for (const std::string& e : options.ignore) {
       DGSERVE_ASSIGN_OR_RETURN(std::string g, IgnoreToGlob(e));
@@ -375,6 +443,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   progress->print = options.progress;
   std::vector<TensorSource> tensors;
   int quantized = 0, kept = 0;
+  std::map<std::string, std::shared_ptr<FusedAmax>> fused;  // compressed-tensors NVFP4's sets
   auto module_rows = [&](const std::string& module, const Rows& r) {
     if (q.format == WeightFormat::kNvfp4 && r.cols % 16 != 0 && q.Quantizes(module)) {
       q.ignore.push_back(module);
@@ -387,7 +456,14 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
       if (q.format == WeightFormat::kFp8) {
         AddFp8(module, r, progress.get(), &tensors);
       } else if (q.format == WeightFormat::kNvfp4) {
-        AddNvfp4(module, r, progress.get(), &tensors);
+        std::shared_ptr<FusedAmax> set;
+        if (ct_nvfp4) {
+          std::shared_ptr<FusedAmax>& f = fused[FusedKey(module)];
+          if (f == nullptr) f = std::make_shared<FusedAmax>();
+          f->members.push_back(r);
+          set = f;
+        }
+        AddNvfp4(module, r, set, progress.get(), &tensors);
       } else {
         AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, progress.get(), &tensors);
       }
@@ -415,7 +491,11 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
       if (q.format == WeightFormat::kNvfp4 && cols % 16 != 0) {
         for (const char* proj : gate_up ? std::vector<const char*>{"gate_proj", "up_proj"}
                                         : std::vector<const char*>{"down_proj"}) {
-          const std::string pattern = absl::StrCat(base, ".*.", proj);
+          // ModelOpt: an fnmatch pattern; compressed-tensors: a regular expression.
+          const std::string pattern =
+              ct_nvfp4 ? absl::StrCat("re:", absl::StrReplaceAll(base, {{".", "\\."}}),
+                                      "\\.[0-9]+\\.", proj, "$")
+                       : absl::StrCat(base, ".*.", proj);
           q.ignore.push_back(pattern);
           not_divisible.push_back(pattern);
         }
@@ -470,7 +550,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     const bool ok = std::fwrite(s.data(), 1, s.size(), f) == s.size();
     if (std::fclose(f) != 0 || !ok) return absl::InternalError(absl::StrCat("cannot write ", path));
   }
-  if (q.format == WeightFormat::kNvfp4) {  // ModelOpt's export writes both
+  if (q.format == WeightFormat::kNvfp4 && !ct_nvfp4) {  // ModelOpt's export writes both
     const std::string path = (fs::path(out) / "hf_quant_config.json").string();
     FILE* f = std::fopen(path.c_str(), "w");
     if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", path));

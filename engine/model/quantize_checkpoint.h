@@ -4,7 +4,8 @@
 //
 //   dgserve-quantize --in DIR --out DIR --format fp8
 //   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 128
-//   dgserve-quantize --in DIR --out DIR --format nvfp4
+//   dgserve-quantize --in DIR --out DIR --format nvfp4 [--nvfp4_layout modelopt]
+//   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
 //
 // Every Linear module not in the ignore list is quantized with round-to-nearest:
 //  * fp8 (compressed-tensors FP8_DYNAMIC, format float-quantized): per output channel
@@ -27,6 +28,29 @@
 //    e4m3 for block absmax in [2⁻⁶, 448]; dgserve-quantize runs no calibration. The ignore list
 //    is written as fnmatch patterns ("re:.*X.*" becomes "*X*"); modules whose input width is not
 //    a multiple of 16 stay in their dtype and are added to it (experts: one pattern per tensor).
+//  * nvfp4 with Nvfp4Layout::kCompressedTensors (compressed-tensors "nvfp4-pack-quantized", as
+//    llm-compressor's NVFP4 scheme writes it; read by vLLM's CompressedTensorsW4A4Fp4), with
+//    compressed-tensors' arithmetic (generate_gparam and calculate_qparams in
+//    src/compressed_tensors/quantization/utils/helpers.py, _quantize in
+//    .../quantization/lifecycle/forward.py), float32 steps: a global scale — a divisor —
+//    gs = 448 · 6 / amax, amax taken over the module and, as llm-compressor's
+//    update_fused_layer_weight_global_scales (src/llmcompressor/modifiers/utils/helpers.py)
+//    does for vLLM's fused layers, over its fused siblings (q/k/v_proj of one attention, gate/up
+//    of one MLP or expert: the smallest gs of the set); an all-zero set: gs = 1. Per 16-input
+//    block s = gs · (amax_b / 6), clamped to ≤ 448, e4m3_rne; a code that is 0 (amax_b 0 or an
+//    underflow) becomes 0.125 (calculate_qparams' replacement). Codes
+//    e2m1_rne(clamp(w / (e4m3(s) / gs), ±6)), packed as ModelOpt's. `M.weight_packed` U8
+//    [out, in/2], `M.weight_scale` F8_E4M3 [out, in/16], `M.weight_global_scale` F32 [1],
+//    `M.input_global_scale` F32 [1] = 6 (data-free: 448 · 6 / 448, the reciprocal of the
+//    ModelOpt layout's input_scale 1/6). The same mathematics as ModelOpt's up to float32
+//    rounding (gs · x vs x / g, 1/gs vs g), the zero-scale rule (ModelOpt: 1) and the smallest
+//    scales (ModelOpt clamps to 2⁻⁹) — and the fused global scale, which ModelOpt's layout here
+//    does not share. Not checked against a Python run: given bf16 weights, torch evaluates
+//    448 · 6 / amax and amax_b / 6 in bf16 (a Python float and a bf16 tensor), so
+//    llm-compressor's scales can differ from these float32 ones by that rounding. The ignore
+//    list is written as it is given (compressed-tensors syntax);
+//    modules whose input width is not a multiple of 16 are added by name (experts: one
+//    "re:BASE\.[0-9]+\.PROJ$" per tensor).
 // The fused experts (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]) are
 // written unfused, one Linear per expert and projection (`experts.{e}.gate_proj` etc.), the
 // standard compressed-tensors MoE layout. Everything else is copied as it is. config.json gets
@@ -48,8 +72,13 @@ namespace dgserve {
 // every canvas row: its error would reach every step's input for a negligible saving).
 std::vector<std::string> DefaultQuantizeIgnore();
 
+// Which checkpoint layout --format nvfp4 writes (--nvfp4_layout: the quant_method names).
+enum class Nvfp4Layout { kModelOpt, kCompressedTensors };
+
 struct QuantizeOptions {
   WeightFormat format = WeightFormat::kFp8;
+  // nvfp4 only (another format with kCompressedTensors is refused).
+  Nvfp4Layout nvfp4_layout = Nvfp4Layout::kModelOpt;
   // w4a16: inputs per scale group; 0: one group per row (channel). nvfp4: 16 or the default
   // (anything else is refused: the format's blocks are 16).
   int group_size = 128;
@@ -66,8 +95,8 @@ struct QuantizeSummary {
 
 // Reads the bf16 checkpoint `in` and writes the quantized one to `out` (created if needed).
 // INVALID_ARGUMENT for a checkpoint that is already quantized or holds non-finite weights, a bad
-// format or group size, an ignore entry nvfp4 cannot write as a pattern; I/O errors name the
-// path.
+// format or group size, an NVFP4 layout with another format, an ignore entry the ModelOpt nvfp4
+// layout cannot write as a pattern; I/O errors name the path.
 absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
                                                    const QuantizeOptions& options);
 
