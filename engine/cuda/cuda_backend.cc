@@ -2,10 +2,30 @@
 // vocabulary step, structured as engine/cpu/cpu_backend.cc.
 #include "engine/cuda/cuda_backend.h"
 
+#include "engine/cpu/gemm_quant.h"
 #include "engine/cuda/cuda_backend_internal.h"
 
 namespace dgserve {
 namespace cuda_internal {
+namespace {
+
+// Issue 37: a quantized matrix the device cannot keep in its own format (UploadFp8, UploadW4A16
+// or UploadNvfp4 declined it: W4A16 scales that are not bf16 values or a group that is not a
+// multiple of 8, an NVFP4 self-conditioning MLP, a layer's experts of mixed formats, ...) would be
+// widened to bf16 — q·s rounded to bf16 and its activations taken as the GEMM input mode says,
+// where the CPU's cpu::QuantLinear multiplies the exact q·s by float32 (or format-quantized)
+// activations in both modes: another model. Refused instead of widened, so that a quantized weight
+// never reaches a bf16 path (UploadBf16, cuBLAS, DenseLinear, MoeGateUp / MoeDown).
+absl::Status RefuseWidening(const cpu::PackedMatrix& m, const char* what) {
+  if (m.quant() == nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the CUDA backend cannot run this ", cpu::QuantFormatName(m.quant()->format()), " ", what,
+      " in its format (", m.rows(), "×", m.cols(), ", group ", m.quant()->group_size(),
+      ") and does not widen quantized weights to bf16 (another model than the CPU backend's): "
+      "use --device cpu"));
+}
+
+}  // namespace
 
 absl::Status CudaBackend::Init(const ModelWeights& w) {
   const int L = c_.num_layers;
@@ -32,7 +52,10 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
       DGSERVE_ASSIGN_OR_RETURN(is_w4,
                                cuda::UploadW4A16(std::vector<cpu::PackedMatrix>{m}, w4.get()));
     }
-    if (!is_fp8 && !is_w4) return UploadBf16(m, bf16);
+    if (!is_fp8 && !is_w4) {
+      DGSERVE_RETURN_IF_ERROR(RefuseWidening(m, "projection"));
+      return UploadBf16(m, bf16);
+    }
     DGSERVE_RETURN_IF_ERROR(bf16->Ensure(1));
     if (is_fp8) {
       fp8_projections_[bf16->get()] = fp8;
@@ -79,7 +102,8 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(
         dense(s.mlp_down_proj, &d.mlp_down_proj, &d.mlp_down_proj_fp8, &d.mlp_down_fp4));
     // FP8 experts stay in 8 bits, W4A16 and NVFP4 experts in 4 (cuda_memory.h and
-    // cuda_nvfp4_upload.h say when they can); others are widened to bf16.
+    // cuda_nvfp4_upload.h say when they can); bf16 experts upload as bf16, and quantized experts
+    // that cannot stay in their format are refused (RefuseWidening).
     auto experts = [&](const std::vector<cpu::PackedMatrix>& m, DeviceArray<uint16_t>* bf16,
                        cuda::DeviceFp8* fp8, cuda::DeviceW4A16* w4,
                        cuda::DeviceNvfp4* fp4) -> absl::Status {
@@ -90,13 +114,16 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
       if (!kept) {
         DGSERVE_ASSIGN_OR_RETURN(kept, cuda::UploadNvfp4(m, fp4));
       }
-      return kept ? absl::OkStatus() : UploadBf16(m, bf16);
+      if (kept) return absl::OkStatus();
+      for (const cpu::PackedMatrix& e : m) DGSERVE_RETURN_IF_ERROR(RefuseWidening(e, "expert"));
+      return UploadBf16(m, bf16);
     };
     DGSERVE_RETURN_IF_ERROR(experts(s.experts_gate_up_proj, &d.experts_gate_up_proj,
                                     &d.experts_gate_up_fp8, &d.experts_gate_up_w4,
                                     &d.experts_gate_up_fp4));
     DGSERVE_RETURN_IF_ERROR(experts(s.experts_down_proj, &d.experts_down_proj, &d.experts_down_fp8,
                                     &d.experts_down_w4, &d.experts_down_fp4));
+    DGSERVE_RETURN_IF_ERROR(RefuseWidening(s.router_proj, "router"));
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.router_proj, &d.router_proj_bf16));
     DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));

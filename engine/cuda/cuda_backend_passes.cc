@@ -24,7 +24,7 @@ absl::Status CudaBackend::Linear(const float* x, const uint16_t* w, int R, int i
     // are then the CPU's; rounding x to bf16 here would be another model in bf16 mode).
     const cuda::DeviceW4A16& w4 = *it->second;
     return cuda::DenseLinearW4A16(x, cuda::W4A16Weights{w4.packed.get(), w4.scales.get(), w4.group},
-                                  R, in, out, cuda::GemmInput::kFloat32, y, stream_);
+                                  R, in, out, y, stream_);
   }
   if (options_.batch_invariant_projections) {
     return cuda::DenseLinear(x, w, R, in, out, cublas_.input(), y, stream_);
@@ -332,10 +332,12 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpFp8(xe_.get(), gather_.get(), offsets_.get(),
                                                lw.experts_gate_up_fp8.view(), R, K, E, D, F,
                                                act_.get(), stream_));
-  } else if (const cuda::DeviceW4A16& w4 = lw.experts_gate_up_w4; w4.group > 0) {  // W4A16
+  } else if (const cuda::DeviceW4A16& w4 = lw.experts_gate_up_w4; w4.group > 0) {
+    // W4A16: float32 activations in both GEMM modes (the functions take no GemmInput), as
+    // cpu::QuantLinear takes them; the bf16 mode's rounding applies to bf16 experts only.
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpW4A16(xe_.get(), gather_.get(), offsets_.get(),
                                                  {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
-                                                 E, D, F, input, act_.get(), stream_));
+                                                 E, D, F, act_.get(), stream_));
   } else {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUp(xe_.get(), gather_.get(), offsets_.get(),
                                             lw.experts_gate_up_proj.get(), R, K, E, D, F, input,
@@ -352,7 +354,7 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
   } else if (const cuda::DeviceW4A16& w4 = lw.experts_down_w4; w4.group > 0) {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDownW4A16(act_.get(), offsets_.get(), slot_weight_.get(),
                                                {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
-                                               E, F, D, input, y_.get(), stream_));
+                                               E, F, D, y_.get(), stream_));
   } else {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDown(act_.get(), offsets_.get(), slot_weight_.get(),
                                           lw.experts_down_proj.get(), R, K, E, F, D, input,
