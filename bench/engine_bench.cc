@@ -308,13 +308,7 @@ int Run() {
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     // Every format runs in its own format (FP8 on the FP8 tensor cores, W4A16 and NVFP4
-    // dequantized inside the GEMMs). The workers refuse W4A16 in the bf16 GEMM mode
-    // (engine/model/backend_select.cc); the benchmark runs it and says so.
-    if (!synthetic && bf16 && ckpt->weights.format == WeightFormat::kW4A16) {
-      std::printf(
-          "--device cuda: W4A16 in the bf16 GEMM mode, which the workers refuse (its logits differ "
-          "from the CPU backend's beyond tolerance; engine/model/QUANTIZED.md)\n");
-    }
+    // dequantized inside the GEMMs; W4A16 with float32 activations in both GEMM modes).
     // The ceilings first, while the device is empty.
     if (cuda::DeviceCount() > 0) {
       if (absl::Status st = Calibrate(&gpu_name, &copy_gbs, &gemm_tflops); !st.ok()) {

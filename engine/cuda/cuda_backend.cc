@@ -2,16 +2,44 @@
 // vocabulary step, structured as engine/cpu/cpu_backend.cc.
 #include "engine/cuda/cuda_backend.h"
 
+#include "engine/cpu/gemm_quant.h"
 #include "engine/cuda/cuda_backend_internal.h"
 
 namespace dgserve {
 namespace cuda_internal {
+namespace {
 
-// Issue 37: one projection (a cpu::PackedMatrix) or E experts (a vector of them) into *out in the
-// checkpoint's format where the device runs it (UploadNvfp4, UploadFp8 and UploadW4A16 say when:
-// cuda_nvfp4_upload.h, cuda_fp8_memory.h, cuda_memory.h), else widened to bf16 (UploadBf16).
+// Issue 37: a quantized matrix the device cannot keep in its own format (UploadFp8, UploadW4A16
+// or UploadNvfp4 declined it: W4A16 scales that are not bf16 values or a group that is not a
+// multiple of 8, an NVFP4 self-conditioning MLP, a layer's experts of mixed formats, ...) would be
+// widened to bf16 — q·s rounded to bf16 and its activations taken as the GEMM input mode says,
+// where the CPU's cpu::QuantLinear multiplies the exact q·s by float32 (or format-quantized)
+// activations in both modes: another model. Refused instead of widened, so that a quantized weight
+// never reaches a bf16 path (UploadBf16, cuBLAS, DenseLinear, MoeGateUp / MoeDown).
+absl::Status RefuseWidening(const cpu::PackedMatrix& m, const std::string& what) {
+  if (m.quant() == nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the CUDA backend cannot run ", what, " (", cpu::QuantFormatName(m.quant()->format()), ", ",
+      m.rows(), "×", m.cols(), ", group ", m.quant()->group_size(),
+      ") in its format and does not widen quantized weights to bf16 (another model than the CPU "
+      "backend's): use --device cpu"));
+}
+absl::Status RefuseWidening(const std::vector<cpu::PackedMatrix>& m, const std::string& what) {
+  for (size_t e = 0; e < m.size(); ++e) {
+    DGSERVE_RETURN_IF_ERROR(RefuseWidening(m[e], absl::StrCat(what, " of expert ", e)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// Issue 37: one projection (a cpu::PackedMatrix) or E experts (a vector of them) named `what`
+// into *out in the checkpoint's format where the device runs it (UploadNvfp4, UploadFp8 and
+// UploadW4A16 say when: cuda_nvfp4_upload.h, cuda_fp8_memory.h, cuda_memory.h); bf16 weights
+// upload as bf16 (UploadBf16), and quantized ones none of those keep are refused
+// (RefuseWidening), never widened.
 template <typename Matrices>
-absl::Status UploadDeviceWeights(const Matrices& m, DeviceWeights* out) {
+absl::Status UploadDeviceWeights(const Matrices& m, const std::string& what, DeviceWeights* out) {
   DGSERVE_ASSIGN_OR_RETURN(const bool nvfp4, cuda::UploadNvfp4(m, &out->nvfp4));
   if (nvfp4) {
     out->format = WeightFormat::kNvfp4;
@@ -27,6 +55,7 @@ absl::Status UploadDeviceWeights(const Matrices& m, DeviceWeights* out) {
     out->format = WeightFormat::kW4A16;
     return absl::OkStatus();
   }
+  DGSERVE_RETURN_IF_ERROR(RefuseWidening(m, what));
   out->format = WeightFormat::kBf16;
   return UploadBf16(m, &out->bf16);
 }
@@ -44,9 +73,9 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
   DGSERVE_RETURN_IF_ERROR(UploadBf16(w.embed_tokens, &embed_));
   DGSERVE_RETURN_IF_ERROR(final_norm_.Upload(w.final_norm));
   DGSERVE_RETURN_IF_ERROR(sc_pre_norm_.Upload(w.sc_pre_norm));
-  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_gate_proj, &sc_gate_));
-  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_up_proj, &sc_up_));
-  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_down_proj, &sc_down_));
+  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_gate_proj, "self_conditioning.gate_proj", &sc_gate_));
+  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_up_proj, "self_conditioning.up_proj", &sc_up_));
+  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_down_proj, "self_conditioning.down_proj", &sc_down_));
   layers_.resize(L);
   for (int l = 0; l < L; ++l) {
     const LayerWeights& s = w.layers[l];
@@ -62,15 +91,22 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm_2.Upload(s.post_feedforward_layernorm_2));
     DGSERVE_RETURN_IF_ERROR(d.post_feedforward_layernorm.Upload(s.post_feedforward_layernorm));
     // Quantized projections and experts stay in their format (issue 37).
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.q_proj, &d.q_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.k_proj, &d.k_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.v_proj, &d.v_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.o_proj, &d.o_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.mlp_gate_proj, &d.mlp_gate_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.mlp_up_proj, &d.mlp_up_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.mlp_down_proj, &d.mlp_down_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.experts_gate_up_proj, &d.experts_gate_up));
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.experts_down_proj, &d.experts_down));
+    const std::string layer = absl::StrCat("layer ", l, " ");
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.q_proj, layer + "q_proj", &d.q_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.k_proj, layer + "k_proj", &d.k_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.v_proj, layer + "v_proj", &d.v_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.o_proj, layer + "o_proj", &d.o_proj));
+    DGSERVE_RETURN_IF_ERROR(
+        UploadDeviceWeights(s.mlp_gate_proj, layer + "mlp.gate_proj", &d.mlp_gate_proj));
+    DGSERVE_RETURN_IF_ERROR(
+        UploadDeviceWeights(s.mlp_up_proj, layer + "mlp.up_proj", &d.mlp_up_proj));
+    DGSERVE_RETURN_IF_ERROR(
+        UploadDeviceWeights(s.mlp_down_proj, layer + "mlp.down_proj", &d.mlp_down_proj));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.experts_gate_up_proj,
+                                                layer + "experts.gate_up_proj", &d.experts_gate_up));
+    DGSERVE_RETURN_IF_ERROR(
+        UploadDeviceWeights(s.experts_down_proj, layer + "experts.down_proj", &d.experts_down));
+    DGSERVE_RETURN_IF_ERROR(RefuseWidening(s.router_proj, layer + "router.proj"));
     DGSERVE_RETURN_IF_ERROR(UploadFloat(s.router_proj, &d.router_proj));
     DGSERVE_RETURN_IF_ERROR(UploadBf16(s.router_proj, &d.router_proj_bf16));
     DGSERVE_RETURN_IF_ERROR(d.per_expert_scale.Upload(s.router_per_expert_scale));

@@ -24,7 +24,7 @@ absl::Status CudaBackend::Linear(const float* x, const DeviceProjection& w, int 
       const cuda::DeviceW4A16& w4 = w.w4a16;
       return cuda::DenseLinearW4A16(x,
                                     cuda::W4A16Weights{w4.packed.get(), w4.scales.get(), w4.group},
-                                    R, in, out, cuda::GemmInput::kFloat32, y, stream_);
+                                    R, in, out, y, stream_);
     }
     case WeightFormat::kBf16: break;
   }
@@ -334,9 +334,11 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
                                                act_.get(), stream_));
   } else if (lw.experts_gate_up.format == WeightFormat::kW4A16) {
     const cuda::DeviceW4A16& w4 = lw.experts_gate_up.w4a16;
+    // W4A16: float32 activations in both GEMM modes (the functions take no GemmInput), as
+    // cpu::QuantLinear takes them; the bf16 mode's rounding applies to bf16 experts only.
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUpW4A16(xe_.get(), gather_.get(), offsets_.get(),
                                                  {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
-                                                 E, D, F, input, act_.get(), stream_));
+                                                 E, D, F, act_.get(), stream_));
   } else {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeGateUp(xe_.get(), gather_.get(), offsets_.get(),
                                             lw.experts_gate_up.bf16.get(), R, K, E, D, F, input,
@@ -354,7 +356,7 @@ absl::Status CudaBackend::Moe(int l, const float* h1, int R, float* m) {
     const cuda::DeviceW4A16& w4 = lw.experts_down.w4a16;
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDownW4A16(act_.get(), offsets_.get(), slot_weight_.get(),
                                                {w4.packed.get(), w4.scales.get(), w4.group}, R, K,
-                                               E, F, D, input, y_.get(), stream_));
+                                               E, F, D, y_.get(), stream_));
   } else {
     DGSERVE_RETURN_IF_ERROR(cuda::MoeDown(act_.get(), offsets_.get(), slot_weight_.get(),
                                           lw.experts_down.bf16.get(), R, K, E, F, D, input,

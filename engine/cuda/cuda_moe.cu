@@ -406,11 +406,16 @@ int MmaRowTiles(int rows, int k, int E) {
 // holds the two terms of one chunk). The mma then multiplies each A term by the lo and the hi
 // fragments (products exact in float32): Σ a·lo + a·hi per k16 step, i.e. a·v with the CPU's
 // widened weight, up to the order of float32 additions.
+// The activations are always the exact three-term split of the float32 input (kTerms = 3): the
+// CPU's W4A16 GEMM ignores the GEMM input mode, so a bf16-rounded input would be another model.
 template <bool kGated, int kTerms, bool kW4 = false>
 __global__ void __launch_bounds__(kMmaThreads)
     MoeMmaKernel(const float* x, const int32_t* gather, const int32_t* offsets, int E,
                  const uint16_t* w, int in, int out, const float* row_scale, float* y,
                  const uint32_t* w4, const uint16_t* w4_scales, int group) {
+  // W4A16 weights take float32 activations only (the three-term split), as cpu::QuantLinear does
+  // in both CPU GEMM modes: no bf16-input instance exists (issue 37, the bf16-mode mismatch).
+  static_assert(!kW4 || kTerms == 3, "W4A16 weights take float32 activations");
   __shared__ int tile[3];
   if (threadIdx.x < 32) FindTile(offsets, E, kMmaRows, blockIdx.x, tile);
   __syncthreads();
@@ -683,7 +688,7 @@ absl::Status CheckW4A16(const char* what, const W4A16Weights& w) {
 
 absl::Status MoeGateUpW4A16(const float* x, const int32_t* gather, const int32_t* offsets,
                             const W4A16Weights& w, int rows, int k, int num_experts, int dim,
-                            int width, GemmInput input, float* act, void* stream) {
+                            int width, float* act, void* stream) {
   if (absl::Status st = CheckMoeShape("MoeGateUpW4A16", rows, k, num_experts); !st.ok()) return st;
   if (dim <= 0 || width <= 0) return absl::InvalidArgumentError("MoeGateUpW4A16: dim, width > 0");
   if (absl::Status st = CheckW4A16("MoeGateUpW4A16", w); !st.ok()) return st;
@@ -691,21 +696,16 @@ absl::Status MoeGateUpW4A16(const float* x, const int32_t* gather, const int32_t
   const dim3 grid(MmaRowTiles(rows, k, num_experts), (width + kMmaW / 2 - 1) / (kMmaW / 2));
   const uint16_t* no_w = nullptr;
   const float* no_scale = nullptr;
-  if (input == GemmInput::kBf16) {
-    LaunchKernel(MoeMmaKernel<true, 1, true>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), x,
-                 gather, offsets, num_experts, no_w, dim, width, no_scale, act, w.packed, w.scales,
-                 w.group);
-  } else {
-    LaunchKernel(MoeMmaKernel<true, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x,
-                 gather, offsets, num_experts, no_w, dim, width, no_scale, act, w.packed, w.scales,
-                 w.group);
-  }
+  // Float32 activations only (the exact three-term split), as cpu::QuantLinear takes them.
+  LaunchKernel(MoeMmaKernel<true, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x,
+               gather, offsets, num_experts, no_w, dim, width, no_scale, act, w.packed, w.scales,
+               w.group);
   return Check("MoeGateUpW4A16");
 }
 
 absl::Status MoeDownW4A16(const float* act, const int32_t* offsets, const float* slot_weight,
                           const W4A16Weights& w, int rows, int k, int num_experts, int width,
-                          int dim, GemmInput input, float* y, void* stream) {
+                          int dim, float* y, void* stream) {
   if (absl::Status st = CheckMoeShape("MoeDownW4A16", rows, k, num_experts); !st.ok()) return st;
   if (dim <= 0 || width <= 0) return absl::InvalidArgumentError("MoeDownW4A16: dim, width > 0");
   if (absl::Status st = CheckW4A16("MoeDownW4A16", w); !st.ok()) return st;
@@ -713,15 +713,9 @@ absl::Status MoeDownW4A16(const float* act, const int32_t* offsets, const float*
   const dim3 grid(MmaRowTiles(rows, k, num_experts), (dim + kMmaW - 1) / kMmaW);
   const int32_t* no_gather = nullptr;
   const uint16_t* no_w = nullptr;
-  if (input == GemmInput::kBf16) {
-    LaunchKernel(MoeMmaKernel<false, 1, true>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream),
-                 act, no_gather, offsets, num_experts, no_w, width, dim, slot_weight, y, w.packed,
-                 w.scales, w.group);
-  } else {
-    LaunchKernel(MoeMmaKernel<false, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream),
-                 act, no_gather, offsets, num_experts, no_w, width, dim, slot_weight, y, w.packed,
-                 w.scales, w.group);
-  }
+  LaunchKernel(MoeMmaKernel<false, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), act,
+               no_gather, offsets, num_experts, no_w, width, dim, slot_weight, y, w.packed,
+               w.scales, w.group);
   return Check("MoeDownW4A16");
 }
 
@@ -746,7 +740,7 @@ absl::Status DenseLinear(const float* x, const uint16_t* w, int rows, int in, in
 }
 
 absl::Status DenseLinearW4A16(const float* x, const W4A16Weights& w, int rows, int in, int out,
-                              GemmInput input, float* y, void* stream) {
+                              float* y, void* stream) {
   if (rows < 0 || in <= 0 || out <= 0) {
     return absl::InvalidArgumentError("DenseLinearW4A16: rows ≥ 0, in > 0, out > 0");
   }
@@ -758,13 +752,8 @@ absl::Status DenseLinearW4A16(const float* x, const W4A16Weights& w, int rows, i
   const uint16_t* no_w = nullptr;
   const float* no_scale = nullptr;
   const int dense_group = w.group;
-  if (input == GemmInput::kBf16) {
-    LaunchKernel(MoeMmaKernel<false, 1, true>, grid, kMmaThreads, MmaSharedBytes<1>(), S(stream), x,
-                 none, none, rows, no_w, in, out, no_scale, y, w.packed, w.scales, dense_group);
-  } else {
-    LaunchKernel(MoeMmaKernel<false, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x,
-                 none, none, rows, no_w, in, out, no_scale, y, w.packed, w.scales, dense_group);
-  }
+  LaunchKernel(MoeMmaKernel<false, 3, true>, grid, kMmaThreads, MmaSharedBytes<3>(), S(stream), x,
+               none, none, rows, no_w, in, out, no_scale, y, w.packed, w.scales, dense_group);
   return Check("DenseLinearW4A16");
 }
 

@@ -105,14 +105,18 @@ struct W4A16Weights {
 // tensor cores multiply every activation term by both (twice the bf16 kernel's tensor-core work,
 // a quarter of its weight bytes). The products are therefore exactly a · v, the CPU's products
 // (cpu::QuantLinear multiplies the float32 x by the same float32 v); only the order of float32
-// additions differs, as for bf16 weights. `input` as MoeGateUp. INVALID_ARGUMENT for bad shapes,
-// null weight pointers or a group size that is not a positive multiple of 8.
+// additions differs, as for bf16 weights. There is no GemmInput: the activations are always taken
+// in float32 (MoeGateUp's kFloat32 split), because cpu::QuantLinear takes them in float32 in both
+// CPU GEMM modes; rounding them to bf16 in the bf16 mode (as these functions once did) made the
+// device run another model than the CPU's, whose divergence a flipped route amplifies (issue 37:
+// max |Δlogit| 5.8 on the tiny all-W4A16 checkpoint). INVALID_ARGUMENT for bad shapes, null weight
+// pointers or a group size that is not a positive multiple of 8.
 absl::Status MoeGateUpW4A16(const float* x, const int32_t* gather, const int32_t* offsets,
                             const W4A16Weights& w, int rows, int k, int num_experts, int dim,
-                            int width, GemmInput input, float* act, void* stream = nullptr);
+                            int width, float* act, void* stream = nullptr);
 absl::Status MoeDownW4A16(const float* act, const int32_t* offsets, const float* slot_weight,
                           const W4A16Weights& w, int rows, int k, int num_experts, int width,
-                          int dim, GemmInput input, float* y, void* stream = nullptr);
+                          int dim, float* y, void* stream = nullptr);
 
 // A dense projection on the grouped GEMM's tensor-core kernel, one group of all rows:
 //   y[r, o] = Σ_i x[r, i] · W[o, i]
@@ -128,12 +132,12 @@ absl::Status DenseLinear(const float* x, const uint16_t* w, int rows, int in, in
 // DenseLinear with W4A16 weights (issue 37: a W4A16 checkpoint's attention and dense MLP
 // projections): y[r, o] = Σ_i x[r, i] · W[o, i], W = q · s the CPU's widened float32 weight, on
 // MoeDownW4A16's kernel with one group of all rows (w: one "expert" of `out` rows and `in`
-// inputs). The products are exactly cpu::QuantLinear's; each output is accumulated in ascending
-// steps of the reduction, so a row's bits do not depend on `rows`. `input` as DenseLinear.
-// INVALID_ARGUMENT unless rows ≥ 0 and in, out > 0, or for bad weights (as MoeDownW4A16);
-// rows = 0 is a no-op.
+// inputs). The products are exactly cpu::QuantLinear's (float32 activations, no GemmInput: as
+// MoeDownW4A16); each output is accumulated in ascending steps of the reduction, so a row's bits
+// do not depend on `rows`. INVALID_ARGUMENT unless rows ≥ 0 and in, out > 0, or for bad weights
+// (as MoeDownW4A16); rows = 0 is a no-op.
 absl::Status DenseLinearW4A16(const float* x, const W4A16Weights& w, int rows, int in, int out,
-                              GemmInput input, float* y, void* stream = nullptr);
+                              float* y, void* stream = nullptr);
 
 // out[r, d] = Σ_{j<k} y[slot[r·k + j], d], summed from 0.0f in j order (ascending expert id):
 // the combine of the weighted expert outputs, in the CPU backend's per-row order.

@@ -101,7 +101,7 @@ TEST_F(CudaMoeW4A16Test, DequantizedWeightsAreTheCpuWidenedBits) {
     for (int r = 0; r < n; ++r) act[size_t(r) * s.F + r % s.F] = 1.0f;
     float* y = Alloc<float>(size_t(n) * s.D, 0xFF);
     ASSERT_THAT(MoeDownW4A16(Upload(act), Upload(offsets), Upload(std::vector<float>(n, 1.0f)),
-                             Device(wd), n, 1, s.E, s.F, s.D, GemmInput::kFloat32, y),
+                             Device(wd), n, 1, s.E, s.F, s.D, y),
                 IsOk());
     const std::vector<float> got = Download(y, size_t(n) * s.D);
     int bad = 0;
@@ -158,14 +158,12 @@ TEST_F(CudaMoeW4A16Test, GroupedGemmsMatchCpuW4A16) {
       const int32_t* d_gather = Upload(gather);
       const float* d_x = Upload(x);
       const float* d_slot_weight = Upload(slot_weight);
-      for (GemmInput input : {GemmInput::kFloat32, GemmInput::kBf16}) {
-        SCOPED_TRACE(::testing::Message() << "R " << R << " E " << E << " D " << D << " F " << F
-                                          << " G " << G << " input " << int(input));
-        const bool bf16 = input == GemmInput::kBf16;
-        auto in = [&](float v) { return bf16 ? double(RoundToBf16(v)) : double(v); };
+      {  // float32 activations, the only ones the W4A16 functions take (as cpu::QuantLinear)
+        SCOPED_TRACE(::testing::Message()
+                     << "R " << R << " E " << E << " D " << D << " F " << F << " G " << G);
+        auto in = [](float v) { return double(v); };
         float* act = Alloc<float>(n * F, 0xFF);
-        ASSERT_THAT(MoeGateUpW4A16(d_x, d_gather, d_offsets, d_wgu, R, K, E, D, F, input, act),
-                    IsOk());
+        ASSERT_THAT(MoeGateUpW4A16(d_x, d_gather, d_offsets, d_wgu, R, K, E, D, F, act), IsOk());
         const std::vector<float> got_act = Download(act, n * F);
         int bad = 0;
         for (int e = 0; e < E; ++e) {
@@ -194,8 +192,7 @@ TEST_F(CudaMoeW4A16Test, GroupedGemmsMatchCpuW4A16) {
         }
         EXPECT_EQ(bad, 0);
         float* y = Alloc<float>(n * D, 0xFF);
-        ASSERT_THAT(MoeDownW4A16(act, d_offsets, d_slot_weight, d_wd, R, K, E, F, D, input, y),
-                    IsOk());
+        ASSERT_THAT(MoeDownW4A16(act, d_offsets, d_slot_weight, d_wd, R, K, E, F, D, y), IsOk());
         const std::vector<float> got_y = Download(y, n * D);
         for (int e = 0; e < E; ++e) {
           const int g0 = offsets[e], m = offsets[e + 1] - offsets[e];
@@ -249,27 +246,25 @@ TEST_F(CudaMoeW4A16Test, RowAloneEqualsRowInBatch) {
   const std::vector<float> scale = RandomFloats(E, 0.5f, 1.5f, 702);
   const W4A16Weights wgu = Device(W4Experts(E, 2 * F, D, 32, 0.05f, 703));
   const W4A16Weights wd = Device(W4Experts(E, D, F, 32, 0.05f, 704));
-  auto moe = [&](const std::vector<float>& sc, const std::vector<float>& xs, int rows,
-                 GemmInput input) {
+  auto moe = [&](const std::vector<float>& sc, const std::vector<float>& xs, int rows) {
     return DeviceMoeWith(
         sc, xs, rows, E, K, D, F, scale,
         [&](const float* x_d, const int32_t* gather, const int32_t* offsets, float* act) {
-          return MoeGateUpW4A16(x_d, gather, offsets, wgu, rows, K, E, D, F, input, act);
+          return MoeGateUpW4A16(x_d, gather, offsets, wgu, rows, K, E, D, F, act);
         },
         [&](const float* act, const int32_t* offsets, const float* slot_weight, float* y) {
-          return MoeDownW4A16(act, offsets, slot_weight, wd, rows, K, E, F, D, input, y);
+          return MoeDownW4A16(act, offsets, slot_weight, wd, rows, K, E, F, D, y);
         });
   };
-  for (GemmInput input : {GemmInput::kFloat32, GemmInput::kBf16}) {
-    const std::vector<float> batch = moe(scores, x, R, input);
+  {
+    const std::vector<float> batch = moe(scores, x, R);
     for (int r : {0, 1, R / 2, R - 1}) {
       const std::vector<float> s1(scores.begin() + size_t(r) * E,
                                   scores.begin() + size_t(r + 1) * E);
       const std::vector<float> x1(x.begin() + size_t(r) * D, x.begin() + size_t(r + 1) * D);
-      const std::vector<float> alone = moe(s1, x1, 1, input);
+      const std::vector<float> alone = moe(s1, x1, 1);
       for (int d = 0; d < D; ++d) {
-        ASSERT_EQ(Bits(alone[d]), Bits(batch[size_t(r) * D + d]))
-            << "row " << r << " column " << d << " input " << int(input);
+        ASSERT_EQ(Bits(alone[d]), Bits(batch[size_t(r) * D + d])) << "row " << r << " column " << d;
       }
       EXPECT_TRUE(std::any_of(alone.begin(), alone.end(), [](float v) { return v != 0.0f; }));
     }
@@ -277,7 +272,7 @@ TEST_F(CudaMoeW4A16Test, RowAloneEqualsRowInBatch) {
 }
 
 // DenseLinearW4A16 (a W4A16 checkpoint's dense projections) against float64 sums of the CPU's
-// widened weights and against cpu::QuantLinear on the same (input-rounded) activations, group
+// widened weights and against cpu::QuantLinear on the same float32 activations, group
 // sizes 32 and 128, reductions that end inside a group and inside a packed word; a row alone is
 // the same bits as inside the batch.
 TEST_F(CudaMoeW4A16Test, DenseLinearMatchesCpuW4A16) {
@@ -292,16 +287,14 @@ TEST_F(CudaMoeW4A16Test, DenseLinearMatchesCpuW4A16) {
       const W4A16Weights dw = Device(w);
       const std::vector<float> x = RandomFloats(size_t(s.R) * s.in, -2.0f, 2.0f, seed++);
       const float* d_x = Upload(x);
-      for (GemmInput input : {GemmInput::kFloat32, GemmInput::kBf16}) {
-        SCOPED_TRACE(::testing::Message() << "R " << s.R << " in " << s.in << " out " << s.out
-                                          << " G " << G << " input " << int(input));
-        const bool bf16 = input == GemmInput::kBf16;
-        std::vector<float> a(x.size());
-        for (size_t i = 0; i < x.size(); ++i) a[i] = bf16 ? RoundToBf16(x[i]) : x[i];
+      {  // float32 activations, the only ones DenseLinearW4A16 takes (as cpu::QuantLinear)
+        SCOPED_TRACE(::testing::Message()
+                     << "R " << s.R << " in " << s.in << " out " << s.out << " G " << G);
+        const std::vector<float>& a = x;
         std::vector<float> cpu_y(size_t(s.R) * s.out);
         cpu::QuantLinear(a.data(), s.R, w.cpu[0], cpu_y.data());
         float* y = Alloc<float>(size_t(s.R) * s.out, 0xFF);
-        ASSERT_THAT(DenseLinearW4A16(d_x, dw, s.R, s.in, s.out, input, y), IsOk());
+        ASSERT_THAT(DenseLinearW4A16(d_x, dw, s.R, s.in, s.out, y), IsOk());
         const std::vector<float> got = Download(y, size_t(s.R) * s.out);
         int bad = 0;
         for (int r = 0; r < s.R; ++r) {
@@ -325,8 +318,7 @@ TEST_F(CudaMoeW4A16Test, DenseLinearMatchesCpuW4A16) {
         EXPECT_EQ(bad, 0);
         for (int r : {0, s.R / 2, s.R - 1}) {
           float* y1 = Alloc<float>(size_t(s.out), 0xFF);
-          ASSERT_THAT(DenseLinearW4A16(d_x + size_t(r) * s.in, dw, 1, s.in, s.out, input, y1),
-                      IsOk());
+          ASSERT_THAT(DenseLinearW4A16(d_x + size_t(r) * s.in, dw, 1, s.in, s.out, y1), IsOk());
           const std::vector<float> alone = Download(y1, size_t(s.out));
           for (int o = 0; o < s.out; ++o) {
             ASSERT_EQ(Bits(alone[o]), Bits(got[size_t(r) * s.out + o])) << "row " << r << " " << o;
@@ -344,21 +336,20 @@ TEST_F(CudaMoeW4A16Test, BadWeightsAreInvalidArgument) {
   uint16_t* s = Alloc<uint16_t>(8);
   for (int group : {0, 12, -8}) {
     EXPECT_THAT(MoeGateUpW4A16(nullptr, nullptr, nullptr, W4A16Weights{p, s, group}, 4, 2, 8, 16,
-                               16, GemmInput::kBf16, nullptr),
+                               16, nullptr),
                 StatusIs(absl::StatusCode::kInvalidArgument));
     EXPECT_THAT(MoeDownW4A16(nullptr, nullptr, nullptr, W4A16Weights{p, s, group}, 4, 2, 8, 16, 16,
-                             GemmInput::kBf16, nullptr),
+                             nullptr),
                 StatusIs(absl::StatusCode::kInvalidArgument));
   }
   EXPECT_THAT(MoeDownW4A16(nullptr, nullptr, nullptr, W4A16Weights{nullptr, s, 32}, 4, 2, 8, 16, 16,
-                           GemmInput::kBf16, nullptr),
+                           nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(MoeDownW4A16(nullptr, nullptr, nullptr, W4A16Weights{p, s, 32}, 0, 2, 8, 16, 16,
-                           GemmInput::kBf16, nullptr),
-              IsOk());
   EXPECT_THAT(
-      DenseLinearW4A16(nullptr, W4A16Weights{p, s, 12}, 4, 16, 16, GemmInput::kBf16, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
+      MoeDownW4A16(nullptr, nullptr, nullptr, W4A16Weights{p, s, 32}, 0, 2, 8, 16, 16, nullptr),
+      IsOk());
+  EXPECT_THAT(DenseLinearW4A16(nullptr, W4A16Weights{p, s, 12}, 4, 16, 16, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 }  // namespace

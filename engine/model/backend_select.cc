@@ -31,22 +31,18 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const BackendSelecti
   }
   // Issue 37: every format runs on the CUDA backend in its own format (FP8: 8-bit weights and
   // per-token e4m3 activations on the FP8 tensor cores, cuda_fp8.h; W4A16 and NVFP4: every
-  // quantized Linear in 4 bits, cuda_moe.h / cuda_nvfp4.h), except an NVFP4 self-conditioning
-  // MLP, which the device runs in bf16 only, and W4A16 in the bf16 GEMM mode, whose logits differ
-  // from the CPU backend's by more than that mode's tolerance under the emulation (not explained
-  // yet, engine/model/QUANTIZED.md; the float32 mode agrees to 5e-5): refused.
-  if (weights.format == WeightFormat::kW4A16 && selection.cuda_gemm_input == CudaGemmInput::kBf16) {
-    return absl::FailedPreconditionError(
-        "--device cuda: W4A16 checkpoints run on the CUDA backend with --cuda_gemm_input float32 "
-        "only for now (engine/model/QUANTIZED.md), or use --device cpu");
-  }
+  // quantized Linear in 4 bits, cuda_moe.h / cuda_nvfp4.h; W4A16 with float32 activations in both
+  // GEMM modes, as the CPU backend's), except an NVFP4 self-conditioning MLP, which the device
+  // cannot keep in 4 bits: refused here (CreateCudaBackend refuses any quantized matrix it would
+  // have to widen to bf16, with a less specific message).
   if (weights.format == WeightFormat::kNvfp4) {
     for (const cpu::PackedMatrix* m :
          {&weights.sc_gate_proj, &weights.sc_up_proj, &weights.sc_down_proj}) {
       if (m->quant() != nullptr) {
         return absl::FailedPreconditionError(
             "--device cuda: this nvfp4 checkpoint quantizes the self-conditioning MLP, which the "
-            "CUDA backend runs in bf16 only (leave it in the ignore list, or use --device cpu)");
+            "CUDA backend cannot keep in 4 bits (leave it in the ignore list, or use --device "
+            "cpu)");
       }
     }
   }

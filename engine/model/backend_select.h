@@ -46,7 +46,8 @@ absl::Status CheckBackendSelection(const BackendSelection& selection);
 
 // The backend `selection` names over `weights`. "cpu": CreateCpuBackend with the selection's CPU
 // options. "cuda": the CUDA backend; FAILED_PRECONDITION when this binary was built without it,
-// no GPU is present or the checkpoint is quantized other than FP8 (W4A16, NVFP4; message prefixed
+// no GPU is present or the checkpoint holds a quantized matrix the device cannot keep in its format
+// (an NVFP4 self-conditioning MLP; CreateCudaBackend's refusals; message prefixed
 // "--device cuda: "). Another
 // device: INVALID_ARGUMENT (CheckBackendSelection); a cpu_gemm_isa this CPU lacks:
 // INVALID_ARGUMENT (cpu::SetGemmIsa). `weights` must outlive the CPU backend (the CUDA one copies

@@ -69,23 +69,21 @@ TEST_F(BackendSelectTest, GemmIsaIsAppliedAndAnUnsupportedOneRefused) {
 }
 
 // --device cuda takes every format (issue 37; bf16, FP8, W4A16 and NVFP4 stay in their formats
-// on the device) but refuses W4A16 in the bf16 GEMM mode (the default) and an NVFP4 checkpoint
-// whose self-conditioning MLP is quantized, before touching a device. (The weights here are bf16
-// with only the format tag changed: enough for the checks, which come first.)
+// on the device; W4A16 in both GEMM modes, its activations float32 as the CPU backend's) but
+// refuses an NVFP4 checkpoint whose self-conditioning MLP is quantized, before touching a device.
+// (The weights here are bf16 with only the format tag changed: enough for the checks, which come
+// first.)
 TEST_F(BackendSelectTest, CudaRefusesFormatsItDoesNotRun) {
   BackendSelection s;
   s.device = "cuda";
   checkpoint_->weights.format = WeightFormat::kW4A16;
-  {
-    const absl::Status st = Create(s);
-    EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
-    EXPECT_NE(st.message().find("--cuda_gemm_input float32 only"), std::string::npos) << st;
-  }
-  s.cuda_gemm_input = CudaGemmInput::kFloat32;
-  {
-    // Not refused for its format (without the CUDA backend compiled in, refused for that).
+  for (CudaGemmInput input : {CudaGemmInput::kBf16, CudaGemmInput::kFloat32}) {
+    // Not refused for its format in either mode (without the CUDA backend compiled in, or
+    // without a device, refused for that).
+    s.cuda_gemm_input = input;
     const absl::Status st = Create(s);
     EXPECT_EQ(st.message().find("float32 only"), std::string::npos) << st;
+    EXPECT_EQ(st.message().find("W4A16"), std::string::npos) << st;
     EXPECT_EQ(st.message().find("self-conditioning MLP"), std::string::npos) << st;
   }
   checkpoint_->weights.format = WeightFormat::kNvfp4;
