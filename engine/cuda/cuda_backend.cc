@@ -73,9 +73,11 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
   DGSERVE_RETURN_IF_ERROR(UploadBf16(w.embed_tokens, &embed_));
   DGSERVE_RETURN_IF_ERROR(final_norm_.Upload(w.final_norm));
   DGSERVE_RETURN_IF_ERROR(sc_pre_norm_.Upload(w.sc_pre_norm));
-  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_gate_proj, "self_conditioning.gate_proj", &sc_gate_));
+  DGSERVE_RETURN_IF_ERROR(
+      UploadDeviceWeights(w.sc_gate_proj, "self_conditioning.gate_proj", &sc_gate_));
   DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_up_proj, "self_conditioning.up_proj", &sc_up_));
-  DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(w.sc_down_proj, "self_conditioning.down_proj", &sc_down_));
+  DGSERVE_RETURN_IF_ERROR(
+      UploadDeviceWeights(w.sc_down_proj, "self_conditioning.down_proj", &sc_down_));
   layers_.resize(L);
   for (int l = 0; l < L; ++l) {
     const LayerWeights& s = w.layers[l];
@@ -102,8 +104,8 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
         UploadDeviceWeights(s.mlp_up_proj, layer + "mlp.up_proj", &d.mlp_up_proj));
     DGSERVE_RETURN_IF_ERROR(
         UploadDeviceWeights(s.mlp_down_proj, layer + "mlp.down_proj", &d.mlp_down_proj));
-    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(s.experts_gate_up_proj,
-                                                layer + "experts.gate_up_proj", &d.experts_gate_up));
+    DGSERVE_RETURN_IF_ERROR(UploadDeviceWeights(
+        s.experts_gate_up_proj, layer + "experts.gate_up_proj", &d.experts_gate_up));
     DGSERVE_RETURN_IF_ERROR(
         UploadDeviceWeights(s.experts_down_proj, layer + "experts.down_proj", &d.experts_down));
     DGSERVE_RETURN_IF_ERROR(RefuseWidening(s.router_proj, layer + "router.proj"));
