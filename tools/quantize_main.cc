@@ -7,6 +7,7 @@
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 [--nvfp4_layout modelopt]
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -21,7 +22,7 @@
 ABSL_FLAG(std::string, in, "", "bf16 checkpoint directory to read (required)");
 ABSL_FLAG(std::string, out, "", "checkpoint directory to write (required; created if needed)");
 ABSL_FLAG(std::string, format, "", "fp8, w4a16 or nvfp4 (required)");
-ABSL_FLAG(int32_t, group_size, -1,
+ABSL_FLAG(std::optional<int32_t>, group_size, std::nullopt,
           "w4a16: inputs per scale group (0: one group per row; default 128); nvfp4: fixed at 16 "
           "(another value is refused)");
 ABSL_FLAG(std::string, nvfp4_layout, "",
@@ -53,17 +54,17 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat("--format '", format, "': must be fp8, w4a16 or nvfp4"));
   }
-  const int32_t group_size = absl::GetFlag(FLAGS_group_size);  // -1: not given
+  const std::optional<int32_t> group_size = absl::GetFlag(FLAGS_group_size);
   if (options.format == WeightFormat::kNvfp4) {
-    if (group_size != -1 && group_size != 16) {
+    if (group_size && *group_size != 16) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--group_size ", group_size,
+          absl::StrCat("--group_size ", *group_size,
                        ": --format nvfp4 has 16-input blocks, fixed by the format (omit "
                        "--group_size or give 16)"));
     }
     options.group_size = 16;
-  } else if (group_size != -1) {
-    options.group_size = group_size;
+  } else if (group_size) {
+    options.group_size = *group_size;  // QuantizeCheckpoint refuses a negative one
   }
   const std::string layout = absl::GetFlag(FLAGS_nvfp4_layout);
   if (!layout.empty() && options.format != WeightFormat::kNvfp4) {
