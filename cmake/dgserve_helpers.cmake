@@ -25,3 +25,31 @@ function(dgserve_cc_test)
     PROPERTIES LABELS "${A_LABELS}" ENVIRONMENT "DGSERVE_SOURCE_DIR=${PROJECT_SOURCE_DIR};OMP_WAIT_POLICY=passive;${A_ENV}"
     DISCOVERY_TIMEOUT 60)
 endfunction()
+
+# dgserve_cli_refusal_tests(PREFIX p COMMAND "shell text" [THEN "shell test"] [EXPECT regex]
+#                           [FIXTURE f] CASES "name|args|message regex" ...)
+# One `unit` test per case, named p<name>: runs COMMAND with @NAME@ and @ARGS@ replaced by the
+# case's, and passes when it exits 1 (and THEN, with @NAME@ replaced, holds) and its output
+# matches EXPECT followed by the case's message regex. For command-line tools' bad-input checks.
+function(dgserve_cli_refusal_tests)
+  cmake_parse_arguments(A "" "PREFIX;COMMAND;THEN;EXPECT;FIXTURE" "CASES" ${ARGN})
+  foreach(_case ${A_CASES})
+    string(REPLACE "|" ";" _parts "${_case}")
+    list(GET _parts 0 _name)
+    list(GET _parts 1 _args)
+    list(GET _parts 2 _want)
+    string(REPLACE "@NAME@" "${_name}" _cmd "${A_COMMAND}")
+    string(REPLACE "@ARGS@" "${_args}" _cmd "${_cmd}")
+    set(_then "")
+    if(A_THEN)
+      string(REPLACE "@NAME@" "${_name}" _then " && ${A_THEN}")
+    endif()
+    add_test(NAME ${A_PREFIX}${_name}
+      COMMAND sh -c "${_cmd} 2>&1; test $? -eq 1${_then} && echo exit-1")
+    set_tests_properties(${A_PREFIX}${_name} PROPERTIES LABELS unit
+      PASS_REGULAR_EXPRESSION "${A_EXPECT}${_want}.*\nexit-1")
+    if(A_FIXTURE)
+      set_tests_properties(${A_PREFIX}${_name} PROPERTIES FIXTURES_REQUIRED ${A_FIXTURE})
+    endif()
+  endforeach()
+endfunction()
