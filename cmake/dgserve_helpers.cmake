@@ -2,6 +2,7 @@
 #
 # dgserve_cc_library(NAME n SRCS ... [HDRS ...] [DEPS ...])
 # dgserve_cc_test(NAME n SRCS ... [DEPS ...] [LABELS unit] [ENV K=V ...] [TEST_PREFIX p.])
+#   Built at -O1 in Release (dgserve_test_optimization).
 #   TEST_PREFIX: prepended to every discovered test name (a test file built twice, as the
 #   gpu-emu copies of the gpu tests, must not register the same names twice).
 
@@ -13,6 +14,14 @@ function(dgserve_cc_library)
   target_compile_options(${A_NAME} PRIVATE -Wall -Wextra -Wno-unused-parameter)
 endfunction()
 
+# A test's own translation units at -O1 in Release builds (the code under test, in the libraries
+# it links, keeps the build type's -O3): about 30 % less compile time per test file (cluster_test
+# 21 → 14 s, quant_nvfp4_test 16 → 12 s, http_server_test 14.5 → 10.5 s of CPU), for test code
+# that runs little (issue 35: CI inside its time).
+function(dgserve_test_optimization target)
+  target_compile_options(${target} PRIVATE $<$<CONFIG:Release>:-O1>)
+endfunction()
+
 function(dgserve_cc_test)
   cmake_parse_arguments(A "" "NAME;TEST_PREFIX" "SRCS;DEPS;LABELS;ENV" ${ARGN})
   if(NOT A_LABELS)
@@ -21,6 +30,7 @@ function(dgserve_cc_test)
   add_executable(${A_NAME} ${A_SRCS})
   target_include_directories(${A_NAME} PRIVATE ${PROJECT_SOURCE_DIR})
   target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  dgserve_test_optimization(${A_NAME})
   gtest_discover_tests(${A_NAME} TEST_PREFIX "${A_TEST_PREFIX}"
     PROPERTIES LABELS "${A_LABELS}" ENVIRONMENT "DGSERVE_SOURCE_DIR=${PROJECT_SOURCE_DIR};OMP_WAIT_POLICY=passive;${A_ENV}"
     DISCOVERY_TIMEOUT 60)
