@@ -15,14 +15,9 @@ if(DGSERVE_BUILD_TESTS)
   # `ctest -R 'openai|json_fields'` would find none of them).
   function(dgserve_http_cc_test)
     cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;LABELS" ${ARGN})
-    add_executable(${A_NAME} ${A_SRCS})
-    target_include_directories(${A_NAME} PRIVATE ${PROJECT_SOURCE_DIR})
-    target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+    dgserve_cc_test(NAME ${A_NAME} SRCS ${A_SRCS} DEPS ${A_DEPS} LABELS ${A_LABELS}
+      TEST_PREFIX "${A_NAME}.")
     target_compile_options(${A_NAME} PRIVATE -Wall -Wextra -Wno-unused-parameter)
-    gtest_discover_tests(${A_NAME} TEST_PREFIX "${A_NAME}."
-      PROPERTIES LABELS "${A_LABELS}"
-        ENVIRONMENT "DGSERVE_SOURCE_DIR=${PROJECT_SOURCE_DIR};OMP_WAIT_POLICY=passive"
-      DISCOVERY_TIMEOUT 60)
   endfunction()
   dgserve_http_cc_test(NAME openai_api_test
     SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api_parse_test.cc
