@@ -8,15 +8,23 @@
 #
 # Environment: FUZZ_SECONDS (per harness, default 60), FUZZ_BUILD_DIR (default build-fuzz),
 # FUZZ_JOBS (build parallelism, default nproc), FUZZ_PARALLEL (harnesses run at once, default
-# nproc), FUZZ_RSS_MB (libFuzzer -rss_limit_mb, 2048).
+# nproc), FUZZ_RSS_MB (libFuzzer -rss_limit_mb, 2048); FUZZ_PRINT_PLAN=1 prints the build jobs
+# and harnesses at a time and exits.
 # New inputs found during a run go to $FUZZ_BUILD_DIR/corpus/<harness> (the seed corpus in the
 # tree is read only); crash inputs to $FUZZ_BUILD_DIR/findings/<harness>/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SECONDS_EACH=${FUZZ_SECONDS:-60}
 BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
-JOBS=${FUZZ_JOBS:-$(nproc)}
+# The cores this process may use. nproc honours OMP_NUM_THREADS (and OMP_THREAD_LIMIT), which the
+# harnesses' environment sets to 1 below: counted without them, before that.
+CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+JOBS=${FUZZ_JOBS:-$CORES}
 RSS_MB=${FUZZ_RSS_MB:-2048}
+if [ "${FUZZ_PRINT_PLAN:-0}" = 1 ]; then  # for the test of this script: what it would run at once
+  echo "fuzz plan: build jobs $JOBS, harnesses at a time ${FUZZ_PARALLEL:-$CORES}"
+  exit 0
+fi
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
 
 # OSS-Fuzz's optimisation and debug flags (-O1, line tables only): symbolized stack traces, and
@@ -44,7 +52,7 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 export OMP_NUM_THREADS=1
 # One harness per core at a time (FUZZ_PARALLEL, default nproc): each is single-threaded, so two
 # on two cores give every harness its full FUZZ_SECONDS in half the wall time.
-PARALLEL=${FUZZ_PARALLEL:-$(nproc)}
+PARALLEL=${FUZZ_PARALLEL:-$CORES}
 # run_one HARNESS: runs it, then writes its result line(s) to $BUILD_DIR/findings/HARNESS.result
 # (exit status: 0 no finding).
 run_one() {
