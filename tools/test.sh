@@ -48,8 +48,9 @@ if [ "${DGSERVE_SKIP_FUZZ:-0}" != 1 ]; then
   stage fuzz bash tests/fuzz/run_fuzz.sh
 fi
 # The unit and integration labels again under ASan+UBSan, built in build-asan/
-# (DGSERVE_SKIP_SANITIZE=1 skips it). Measured on 2 shared cores with a cold ccache: 24 min
-# (build 22, tests 2).
+# (DGSERVE_SKIP_SANITIZE=1 skips it). Measured on 2 cores (AVX2-only EPYC, 2026-12-06) with a
+# cold ccache: 27 min (build 18, tests 9). The whole run there: 63 min (build 15, ctest 6, fuzz
+# 14 with its harnesses then still one at a time, sanitize 27).
 if [ "${DGSERVE_SKIP_SANITIZE:-0}" != 1 ]; then
   stage sanitize bash tools/sanitize.sh
 fi
