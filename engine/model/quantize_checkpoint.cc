@@ -222,7 +222,7 @@ void AddNvfp4(const std::string& module, const Rows& r, std::shared_ptr<FusedAma
     int left = 3;         // fills still to run; the buffers go with the last
   };
   auto res = std::make_shared<Result>();
-  auto compute = [r, blocks, res, fused, progress]() -> absl::Status {
+  auto compute = [r, blocks, res, fused, ct, progress]() -> absl::Status {
     if (!res->packed.empty()) return absl::OkStatus();
     std::vector<float> w;
     if (fused != nullptr && !fused->done) {
@@ -244,7 +244,6 @@ void AddNvfp4(const std::string& module, const Rows& r, std::shared_ptr<FusedAma
       res->global = fused->amax > 0.0f ? (kE4m3Max * 6.0f) / fused->amax : 1.0f;
     }
     const float g = res->global;
-    const bool ct = fused != nullptr;
     const uint8_t eighth = FloatToE4m3(0.125f);
     res->packed.assign(w.size() / 2, 0);
     res->scales.resize(size_t(r.rows) * blocks);
