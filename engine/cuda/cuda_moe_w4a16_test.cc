@@ -256,18 +256,15 @@ TEST_F(CudaMoeW4A16Test, RowAloneEqualsRowInBatch) {
           return MoeDownW4A16(act, offsets, slot_weight, wd, rows, K, E, F, D, y);
         });
   };
-  {
-    const std::vector<float> batch = moe(scores, x, R);
-    for (int r : {0, 1, R / 2, R - 1}) {
-      const std::vector<float> s1(scores.begin() + size_t(r) * E,
-                                  scores.begin() + size_t(r + 1) * E);
-      const std::vector<float> x1(x.begin() + size_t(r) * D, x.begin() + size_t(r + 1) * D);
-      const std::vector<float> alone = moe(s1, x1, 1);
-      for (int d = 0; d < D; ++d) {
-        ASSERT_EQ(Bits(alone[d]), Bits(batch[size_t(r) * D + d])) << "row " << r << " column " << d;
-      }
-      EXPECT_TRUE(std::any_of(alone.begin(), alone.end(), [](float v) { return v != 0.0f; }));
+  const std::vector<float> batch = moe(scores, x, R);
+  for (int r : {0, 1, R / 2, R - 1}) {
+    const std::vector<float> s1(scores.begin() + size_t(r) * E, scores.begin() + size_t(r + 1) * E);
+    const std::vector<float> x1(x.begin() + size_t(r) * D, x.begin() + size_t(r + 1) * D);
+    const std::vector<float> alone = moe(s1, x1, 1);
+    for (int d = 0; d < D; ++d) {
+      ASSERT_EQ(Bits(alone[d]), Bits(batch[size_t(r) * D + d])) << "row " << r << " column " << d;
     }
+    EXPECT_TRUE(std::any_of(alone.begin(), alone.end(), [](float v) { return v != 0.0f; }));
   }
 }
 
