@@ -18,8 +18,43 @@ endfunction()
 # it links, keeps the build type's -O3): about 30 % less compile time per test file (cluster_test
 # 21 → 14 s, quant_nvfp4_test 16 → 12 s, http_server_test 14.5 → 10.5 s of CPU), for test code
 # that runs little (issue 35: CI inside its time).
+# DGSERVE_TEST_OPT_FLAGS, when set, replaces that choice in every build type: the sanitizer tree
+# (tools/configure_sanitize.sh) compiles test code at -O0.
+set(DGSERVE_TEST_OPT_FLAGS "" CACHE STRING
+  "Optimisation flags for tests' own translation units (empty: -O1 in Release)")
 function(dgserve_test_optimization target)
-  target_compile_options(${target} PRIVATE $<$<CONFIG:Release>:-O1>)
+  if(DGSERVE_TEST_OPT_FLAGS)
+    target_compile_options(${target} PRIVATE ${DGSERVE_TEST_OPT_FLAGS})
+  else()
+    target_compile_options(${target} PRIVATE $<$<CONFIG:Release>:-O1>)
+  endif()
+endfunction()
+
+# dgserve_test_cost(COST n TESTS name...): marks tests that run long (seconds on 2 cores: under
+# ASan + UBSan for the tests tools/sanitize.sh runs too) so that `ctest -j` starts them first. In a
+# fresh build directory ctest has no timings yet (Testing/Temporary/CTestCostData.txt) and starts
+# tests in declaration order, so a three-minute test that comes last ran alone at the end of a
+# two-core run. Names may be whole-binary tests (add_test) or single GoogleTest tests found by
+# gtest_discover_tests; call it after the test is declared, in the same directory.
+function(dgserve_test_cost)
+  cmake_parse_arguments(A "" "COST" "TESTS" ${ARGN})
+  # Discovered tests exist only when ctest runs the discovery's include file: set the property
+  # from an include file added after it. (A directory's include files run before its add_test
+  # lines, so tests declared with add_test get the property here.)
+  set(_text "")
+  foreach(_t ${A_TESTS})
+    if(TEST "${_t}")
+      set_tests_properties("${_t}" PROPERTIES COST ${A_COST})
+    else()
+      string(APPEND _text "set_tests_properties([=[${_t}]=] PROPERTIES COST ${A_COST})\n")
+    endif()
+  endforeach()
+  if(_text)
+    string(MD5 _id "${A_TESTS}")
+    set(_file "${CMAKE_CURRENT_BINARY_DIR}/dgserve_test_cost_${_id}.cmake")
+    file(WRITE "${_file}" "${_text}")
+    set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${_file}")
+  endif()
 endfunction()
 
 function(dgserve_cc_test)

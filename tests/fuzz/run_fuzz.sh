@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer harnesses of tests/fuzz/ with clang under ASan + UBSan in their own build
-# directory and runs each for a bounded time over its seed corpus; fails on any finding (a crash,
-# a sanitizer report, a broken invariant, a leak, an out-of-memory or a timeout).
+# Builds the libFuzzer harnesses of tests/fuzz/ with clang under ASan + UBSan in the sanitizer
+# tree (build-asan/, configured by tools/configure_sanitize.sh, which tools/sanitize.sh then
+# builds the tests in) and runs each for a bounded time over its seed corpus; fails on any finding
+# (a crash, a sanitizer report, a broken invariant, a leak, an out-of-memory or a timeout).
 #
 #   bash tests/fuzz/run_fuzz.sh                 # every harness, FUZZ_SECONDS (60) each
 #   FUZZ_SECONDS=600 bash tests/fuzz/run_fuzz.sh fuzz_kv_receiver
 #
-# Environment: FUZZ_SECONDS (per harness, default 60), FUZZ_BUILD_DIR (default build-fuzz),
+# Environment: FUZZ_SECONDS (per harness, default 60), FUZZ_BUILD_DIR (default build-asan),
 # FUZZ_JOBS (build parallelism, default nproc), FUZZ_PARALLEL (harnesses run at once, default
 # nproc), FUZZ_RSS_MB (libFuzzer -rss_limit_mb, 2048); FUZZ_PRINT_PLAN=1 prints the build jobs
 # and harnesses at a time and exits.
@@ -15,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SECONDS_EACH=${FUZZ_SECONDS:-60}
-BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
+BUILD_DIR=${FUZZ_BUILD_DIR:-build-asan}
 # The cores this process may use. nproc honours OMP_NUM_THREADS (and OMP_THREAD_LIMIT), which the
 # harnesses' environment sets to 1 below: counted without them, before that.
 CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
@@ -25,20 +26,7 @@ if [ "${FUZZ_PRINT_PLAN:-0}" = 1 ]; then  # for the test of this script: what it
   echo "fuzz plan: build jobs $JOBS, harnesses at a time ${FUZZ_PARALLEL:-$CORES}"
   exit 0
 fi
-SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-
-# OSS-Fuzz's optimisation and debug flags (-O1, line tables only): symbolized stack traces, and
-# 15-20 % less compile time per file than RelWithDebInfo's -O2 -g (measured on two files here).
-if [ ! -f "$BUILD_DIR/build.ninja" ]; then
-  CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DDGSERVE_BUILD_FUZZERS=ON -DDGSERVE_BUILD_TESTS=OFF -DDGSERVE_BUILD_BENCH=OFF \
-    -DDGSERVE_ENABLE_CUDA=OFF \
-    -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only -DNDEBUG" \
-    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only -DNDEBUG" \
-    -DCMAKE_C_FLAGS="$SAN -fsanitize=fuzzer-no-link" \
-    -DCMAKE_CXX_FLAGS="$SAN -fsanitize=fuzzer-no-link" \
-    -DCMAKE_EXE_LINKER_FLAGS="$SAN" >/dev/null
-fi
+bash tools/configure_sanitize.sh "$BUILD_DIR"
 cmake --build "$BUILD_DIR" -j"$JOBS" --target dgserve_fuzzers
 
 ALL=(fuzz_openai_completions fuzz_openai_chat fuzz_tokenizer_json fuzz_tokenizer_encode

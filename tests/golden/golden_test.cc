@@ -330,8 +330,14 @@ int RegisterGoldenTests() {
                        t["argmax_min_agreement"].get<double>(), t["entropy_max_abs"].get<double>(),
                        t["lse_max_abs"].get<double>()};
   int n = 0;
-  for (const auto& [model, entry] : index["models"].items()) {
-    for (const auto& [name, c] : entry["cases"].items()) {
+  // Named copies, not structured bindings: clang 14 (the sanitizer tree's compiler) cannot
+  // capture those in a lambda.
+  for (const auto& m : index["models"].items()) {
+    const std::string& model = m.key();
+    const auto& entry = m.value();
+    for (const auto& kc : entry["cases"].items()) {
+      const std::string& name = kc.key();
+      const auto& c = kc.value();
       ::testing::RegisterTest(
           ("Golden/" + model).c_str(), name.c_str(), nullptr, nullptr, __FILE__, __LINE__,
           [=]() -> ::testing::Test* { return new GoldenCaseTest(model, entry, name, c, tol); });
