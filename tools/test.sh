@@ -43,14 +43,13 @@ stage configure cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 stage build cmake --build "$BUILD_DIR" -j"$(nproc)"
 stage ctest run_ctest
 # The fuzz smoke: every libFuzzer harness of tests/fuzz/ for FUZZ_SECONDS (60) under ASan+UBSan,
-# built with clang in build-fuzz/, one harness per core at a time (DGSERVE_SKIP_FUZZ=1 skips it).
+# built with clang in the sanitizer tree build-asan/ (tools/configure_sanitize.sh), one harness
+# per core at a time (DGSERVE_SKIP_FUZZ=1 skips it).
 if [ "${DGSERVE_SKIP_FUZZ:-0}" != 1 ]; then
   stage fuzz bash tests/fuzz/run_fuzz.sh
 fi
-# The unit and integration labels again under ASan+UBSan, built in build-asan/
-# (DGSERVE_SKIP_SANITIZE=1 skips it). Measured on 2 cores (AVX2-only EPYC, 2026-12-06) with a
-# cold ccache: 27 min (build 18, tests 9). The whole run there: 63 min (build 15, ctest 6, fuzz
-# 14 with its harnesses then still one at a time, sanitize 27).
+# The unit and integration labels again under ASan+UBSan, built in the same tree, whose libraries
+# the fuzz stage compiled (DGSERVE_SKIP_SANITIZE=1 skips it).
 if [ "${DGSERVE_SKIP_SANITIZE:-0}" != 1 ]; then
   stage sanitize bash tools/sanitize.sh
 fi
