@@ -17,6 +17,13 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build-asan}
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
 OPT="-O1 -gline-tables-only -DNDEBUG"
+# A tree configured with another compiler (build-asan/ was a g++ tree before 2026-12-06) cannot
+# switch in place: CMake deletes its cache and then fails. Start it over.
+if [ -f "$BUILD_DIR/CMakeCache.txt" ] &&
+   ! grep -q '^CMAKE_CXX_COMPILER:[A-Z]*=.*clang++$' "$BUILD_DIR/CMakeCache.txt"; then
+  echo "configure_sanitize: $BUILD_DIR was configured with another compiler: configuring it again"
+  rm -rf "$BUILD_DIR/CMakeCache.txt" "$BUILD_DIR/CMakeFiles"
+fi
 CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
   -DDGSERVE_BUILD_FUZZERS=ON -DDGSERVE_BUILD_BENCH=OFF -DDGSERVE_ENABLE_CUDA=OFF \
