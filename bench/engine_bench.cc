@@ -631,10 +631,9 @@ int Run() {
     }
     const auto peak_rss = PeakResidentBytes();
     // The checkpoint's weight format (issue 37) and its weights' bytes as held in memory.
-    absl::StrAppend(&extra, " format=",
-                    ckpt ? WeightFormatName(ckpt->quant.format) : std::string("bf16"),
-                    " weights_gb=",
-                    Fmt((ckpt ? WeightBytes(c, ckpt->quant) : WeightBytes(c)) / 1e9, "%.3f"));
+    absl::StrAppend(
+        &extra, " format=", ckpt ? QuantizationName(ckpt->quant) : std::string("bf16"),
+        " weights_gb=", Fmt((ckpt ? WeightBytes(c, ckpt->quant) : WeightBytes(c)) / 1e9, "%.3f"));
     std::printf(
         "RESULT device=%s gpu=%s layers=%d canvas=%d batch=%d context=%d steps=%d gemm_input=%s "
         "weights=%s status=ok prefill_ms=%s step_ms=%.3f body_ms=%.3f vocab_ms=%.3f "

@@ -6,6 +6,8 @@
 //   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 128
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 [--nvfp4_layout modelopt]
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
+//   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors \
+//                    --nvfp4_activations none
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -31,6 +33,10 @@ ABSL_FLAG(std::string, nvfp4_layout, "",
           "input_scale, as TensorRT Model Optimizer exports) or compressed-tensors (format "
           "\"nvfp4-pack-quantized\", M.weight_packed / weight_global_scale / "
           "input_global_scale, as llm-compressor's NVFP4 scheme writes)");
+ABSL_FLAG(std::string, nvfp4_activations, "",
+          "--format nvfp4 only: nvfp4 (default; W4A4, the activations quantized to NVFP4 at run "
+          "time) or none (weight-only NVFP4A16, as llm-compressor's NVFP4A16 preset writes: no "
+          "input_global_scale, activations unquantized; needs --nvfp4_layout compressed-tensors)");
 ABSL_FLAG(std::string, ignore, absl::StrJoin(dgserve::DefaultQuantizeIgnore(), ","),
           "comma-separated compressed-tensors ignore list (module names or re:REGEX): modules "
           "kept in bf16. Default: the LM head and embedding, the MoE router, the norms, and the "
@@ -79,6 +85,24 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat("--nvfp4_layout '", layout, "': must be modelopt or compressed-tensors"));
   }
+  const std::string activations = absl::GetFlag(FLAGS_nvfp4_activations);
+  if (!activations.empty() && options.format != WeightFormat::kNvfp4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--nvfp4_activations applies to --format nvfp4 only (--format is ", format, ")"));
+  }
+  if (activations == "none") {
+    if (options.nvfp4_layout != Nvfp4Layout::kCompressedTensors) {
+      return absl::InvalidArgumentError(
+          "--nvfp4_activations none (weight-only NVFP4A16) needs --nvfp4_layout "
+          "compressed-tensors: ModelOpt's weight-only NVFP4 export is not supported");
+    }
+    options.nvfp4_activations = Nvfp4Activations::kNone;
+  } else if (activations.empty() || activations == "nvfp4") {
+    options.nvfp4_activations = Nvfp4Activations::kNvfp4;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--nvfp4_activations '", activations, "': must be nvfp4 or none"));
+  }
   options.ignore.clear();
   for (absl::string_view e : absl::StrSplit(absl::GetFlag(FLAGS_ignore), ',', absl::SkipEmpty())) {
     options.ignore.emplace_back(e);
@@ -91,7 +115,7 @@ absl::Status Run() {
                              : s.quant.nvfp4_compressed_tensors     ? " (compressed-tensors)"
                                                                     : " (modelopt)";
   std::printf("wrote %s: format %s%s%s, %d modules quantized, %d kept in their dtype, in %.1f s\n",
-              out.c_str(), WeightFormatName(s.quant.format),
+              out.c_str(), QuantizationName(s.quant),
               s.quant.format != WeightFormat::kW4A16 ? ""
               : s.quant.channel_groups               ? " (per channel)"
                                        : absl::StrCat(" (group ", s.quant.group_size, ")").c_str(),
@@ -109,6 +133,7 @@ int main(int argc, char** argv) {
       "compressed-tensors' layout) from a bf16 DiffusionGemma checkpoint.\n"
       "  dgserve-quantize --in DIR --out DIR --format fp8|w4a16|nvfp4 [--group_size N] [--ignore "
       "LIST]\n"
-      "                   [--nvfp4_layout modelopt|compressed-tensors]",
+      "                   [--nvfp4_layout modelopt|compressed-tensors] [--nvfp4_activations "
+      "nvfp4|none]",
       "tools/quantize_main.cc", dgserve::Run);
 }

@@ -144,6 +144,15 @@ QuantMatrix QuantMatrix::FromNvfp4(const uint8_t* codes, const uint8_t* block_sc
   return m;
 }
 
+QuantMatrix QuantMatrix::FromNvfp4WeightOnly(const uint8_t* codes, const uint8_t* block_scales,
+                                             const float* weight_global, int n, int k) {
+  // input_scale 1: alpha = 1 · weight_scale_2 = weight_scale_2 exactly (vLLM's
+  // CompressedTensorsW4A16Fp4 applies 1 / weight_global_scale alone).
+  QuantMatrix m = FromNvfp4(codes, block_scales, weight_global, 1.0f, n, k, 1.0f);
+  m.nvfp4_weight_only_ = true;
+  return m;
+}
+
 const uint8_t* QuantMatrix::panel(int p) const {
   const size_t per = format_ == QuantFormat::kFp8 ? kGemmPanel : kGemmPanel / 2;
   return data_.data() + size_t(p) * per * k_;
@@ -220,7 +229,7 @@ void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa 
     a = aq.data();
   }
   const bool nvfp4 = w.format() == QuantFormat::kNvfp4;
-  if (nvfp4) {
+  if (nvfp4 && !w.nvfp4_weight_only()) {  // weight-only NVFP4: float32 activations, as W4A16
     // One definition on every ISA (scalar): the same bits everywhere by construction.
     aq.resize(size_t(m) * k);
     const float g = w.InputGlobal();

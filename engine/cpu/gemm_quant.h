@@ -34,6 +34,16 @@
 //    is the float32 fma chain of the exact products, k ascending: the block-scaled dot product
 //    the format defines, summed in one fixed order. alpha is per row (weight_scale_2 of the
 //    module a row came from: an expert's gate and up are two modules).
+//  * kNvfp4, weight-only (NVFP4A16: compressed-tensors `nvfp4-pack-quantized` with
+//    input_activations null, llm-compressor's NVFP4A16 preset; vLLM runs it as
+//    CompressedTensorsW4A16Fp4, vllm/model_executor/layers/quantization/compressed_tensors/
+//    schemes/compressed_tensors_w4a16_nvfp4.py, a Marlin kernel on bf16 activations with
+//    weight_global_scale inverted): the same weights, activations unquantized (float32, as W4A16),
+//    and the output scaled by alpha = weight_scale_2 alone (no input scale):
+//        y[i, j] = weight_scale_2[j] · acc[i, j],  acc[i, j] = fma chain over k of
+//                  x[i, k] · (e2m1(q[j, k]) · sw[j, k/16])
+//    The widened weight is exact as above; the same widening kernels, no activation
+//    quantization (QuantMatrix::nvfp4_weight_only()).
 //
 // How: per output tile and k block (256), the tile's weight panels are widened into a float32
 // block that stays in L1/L2 (the widening is exact), and the float32 microkernels of Gemm() run
@@ -72,8 +82,16 @@ class QuantMatrix {
   static QuantMatrix FromNvfp4(const uint8_t* codes, const uint8_t* block_scales,
                                const float* weight_global, float input_scale, int n, int k,
                                float input_global = 0.0f);
+  // Weight-only NVFP4 (NVFP4A16, see above): the same codes, block scales and per-row
+  // weight_scale_2 as FromNvfp4; activations stay float32 and alpha = weight_scale_2[r]
+  // (InputScale() and InputGlobal() are 1).
+  static QuantMatrix FromNvfp4WeightOnly(const uint8_t* codes, const uint8_t* block_scales,
+                                         const float* weight_global, int n, int k);
 
   QuantFormat format() const { return format_; }
+  // NVFP4 only: true for the weight-only flavour (FromNvfp4WeightOnly: activations not
+  // quantized, alpha = weight_scale_2).
+  bool nvfp4_weight_only() const { return nvfp4_weight_only_; }
   int rows() const { return n_; }
   int cols() const { return k_; }
   int group_size() const { return group_; }
@@ -86,7 +104,7 @@ class QuantMatrix {
   // (exact; the global scales are applied in the epilogue).
   float Widened(int r, int c) const;
   // The epilogue's factor for output column r: FP8 the row scale, NVFP4 alpha = float32(
-  // input_scale · weight_scale_2[r]); 1 for W4A16.
+  // input_scale · weight_scale_2[r]) (weight-only: weight_scale_2[r]); 1 for W4A16.
   float RowScale(int r) const { return format_ == QuantFormat::kW4A16 ? 1.0f : scales_[r]; }
   // NVFP4: weight_scale_2 of row r and the input_scale (1 for the other formats).
   float WeightGlobal(int r) const { return format_ == QuantFormat::kNvfp4 ? global_[r] : 1.0f; }
@@ -119,6 +137,7 @@ class QuantMatrix {
   int n_ = 0, k_ = 0, group_ = 0, groups_ = 0;
   float input_scale_ = 1.0f;
   float input_global_ = 1.0f;
+  bool nvfp4_weight_only_ = false;
   std::vector<uint8_t> data_;
   std::vector<float> scales_;
   std::vector<uint8_t> block_scales_;  // NVFP4

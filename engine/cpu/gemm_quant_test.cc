@@ -3,7 +3,8 @@
 // operands, then the FP8 epilogue — bit for bit, (2) a float64 reference of the same quantized
 // weights and activations within the float32 chain's error bound, (3) itself: each row alone
 // equals the row in a batch, and every ISA path gives the same bits. FP8, W4A16 and NVFP4 (W4A4:
-// e2m1 codes, e4m3 block scales, activations quantized per 16-block).
+// e2m1 codes, e4m3 block scales, activations quantized per 16-block; and weight-only NVFP4A16,
+// activations unquantized).
 #include "engine/cpu/gemm_quant.h"
 
 #include <gtest/gtest.h>
@@ -147,6 +148,7 @@ TEST(QuantizeRowNvfp4Test, HandComputedBlocks) {
 struct Case {
   QuantFormat format;
   int n, k, group;
+  bool weight_only = false;  // NVFP4: FromNvfp4WeightOnly (activations unquantized)
 };
 
 QuantMatrix RandomMatrix(const Case& c, std::mt19937& rng) {
@@ -170,6 +172,9 @@ QuantMatrix RandomMatrix(const Case& c, std::mt19937& rng) {
     for (uint8_t& b : bs) b = uint8_t(sc(rng));  // positive e4m3 scales, subnormals included
     std::vector<float> g(c.n);
     for (int r = 0; r < c.n; ++r) g[r] = std::ldexp(std::fabs(d(rng)) + 0.1f, -10 + (r / 16) % 3);
+    if (c.weight_only) {
+      return QuantMatrix::FromNvfp4WeightOnly(codes.data(), bs.data(), g.data(), c.n, c.k);
+    }
     return QuantMatrix::FromNvfp4(codes.data(), bs.data(), g.data(), 0.01f + 0.001f * c.n, c.n,
                                   c.k);
   }
@@ -206,9 +211,9 @@ void Reference(const Case& c, const QuantMatrix& w, const std::vector<float>& x,
     float sx = 1.0f;
     if (c.format == QuantFormat::kFp8) {
       sx = QuantizeRowFp8(x.data() + size_t(i) * c.k, c.k, a.data());
-    } else if (c.format == QuantFormat::kNvfp4) {
+    } else if (c.format == QuantFormat::kNvfp4 && !c.weight_only) {
       QuantizeRowNvfp4(x.data() + size_t(i) * c.k, c.k, w.InputScale(), a.data());
-    } else {
+    } else {  // W4A16 and weight-only NVFP4: the float32 activations as they are
       std::copy(x.begin() + size_t(i) * c.k, x.begin() + size_t(i + 1) * c.k, a.begin());
     }
     for (int j = 0; j < c.n; ++j) {
@@ -274,7 +279,77 @@ INSTANTIATE_TEST_SUITE_P(
         Case{QuantFormat::kW4A16, 16, 64, 32}, Case{QuantFormat::kW4A16, 37, 300, 100},
         Case{QuantFormat::kW4A16, 96, 512, 128}, Case{QuantFormat::kW4A16, 40, 96, 96},
         Case{QuantFormat::kNvfp4, 16, 64, 16}, Case{QuantFormat::kNvfp4, 37, 304, 16},
-        Case{QuantFormat::kNvfp4, 96, 528, 16}, Case{QuantFormat::kNvfp4, 5, 16, 16}));
+        Case{QuantFormat::kNvfp4, 96, 528, 16}, Case{QuantFormat::kNvfp4, 5, 16, 16},
+        Case{QuantFormat::kNvfp4, 16, 64, 16, true}, Case{QuantFormat::kNvfp4, 37, 304, 16, true},
+        Case{QuantFormat::kNvfp4, 96, 528, 16, true}, Case{QuantFormat::kNvfp4, 5, 16, 16, true}));
+
+// Weight-only NVFP4 (NVFP4A16) against its definition in float64, from the codes and scales given
+// (not the matrix's accessors): y = weight_scale_2 · Σ_b sw_b · Σ_{k ∈ b} x · e2m1(w_q), the
+// activations unquantized. The bound is the float32 chain's; quantizing the activations anyway
+// (the W4A4 matrix of the same weights, input_scale 1 so that alpha is the same) is checked to
+// break it, so the test would catch that mistake.
+TEST(QuantGemmTest, Nvfp4WeightOnlyMatchesTheDefinitionInFloat64) {
+  std::mt19937 rng(78);
+  const int n = 40, k = 320, m = 7, nb = k / 16;
+  std::vector<uint8_t> codes(size_t(n) * k), bs(size_t(n) * nb);
+  std::uniform_int_distribution<int> code(0, 15), sc(8, 0x60);
+  for (uint8_t& b : codes) b = uint8_t(code(rng));
+  for (uint8_t& b : bs) b = uint8_t(sc(rng));
+  std::vector<float> g(n);
+  for (int r = 0; r < n; ++r) g[r] = r < 20 ? 0.003f : 0.0021f;  // two modules stacked
+  const QuantMatrix w = QuantMatrix::FromNvfp4WeightOnly(codes.data(), bs.data(), g.data(), n, k);
+  EXPECT_TRUE(w.nvfp4_weight_only());
+  EXPECT_EQ(w.RowScale(0), 0.003f);  // alpha = weight_scale_2, no input scale
+  EXPECT_EQ(w.RowScale(25), 0.0021f);
+  const QuantMatrix w4a4 = QuantMatrix::FromNvfp4(codes.data(), bs.data(), g.data(), 1.0f, n, k);
+  EXPECT_FALSE(w4a4.nvfp4_weight_only());
+  const std::vector<float> x = RandomActivations(m, k, rng);
+  // The e2m1 values of the codes, from the format's table (sign bit 3).
+  static const double kE2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  auto e2m1 = [](uint8_t c) { return (c & 8 ? -1.0 : 1.0) * kE2m1[c & 7]; };
+  std::vector<double> want(size_t(m) * n), bound(size_t(m) * n);
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < n; ++j) {
+      double sum = 0, mag = 0;
+      for (int b = 0; b < nb; ++b) {
+        double inner = 0, inner_mag = 0;
+        for (int c = 16 * b; c < 16 * b + 16; ++c) {
+          const double p = double(x[size_t(i) * k + c]) * e2m1(codes[size_t(j) * k + c]);
+          inner += p;
+          inner_mag += std::fabs(p);
+        }
+        const double s = double(E4m3ToFloat(bs[size_t(j) * nb + b]));
+        sum += s * inner;
+        mag += s * inner_mag;
+      }
+      want[size_t(i) * n + j] = double(g[j]) * sum;
+      bound[size_t(i) * n + j] =
+          double(g[j]) * (k * 0x1p-24 * mag) + 0x1p-23 * std::fabs(want[size_t(i) * n + j]);
+      ASSERT_GT(mag, 0.0);
+    }
+  }
+  for (GemmIsa isa : {GemmIsa::kAvx512, GemmIsa::kAvx2, GemmIsa::kPortable}) {
+    if (!GemmIsaSupported(isa)) continue;
+    std::vector<float> y(size_t(m) * n);
+    QuantLinear(x.data(), m, w, y.data(), isa, GemmThreads::kOpenMp);
+    for (size_t e = 0; e < y.size(); ++e) {
+      ASSERT_LE(std::fabs(double(y[e]) - want[e]), bound[e])
+          << GemmIsaName(isa) << " element " << e;
+    }
+    // Each row alone gives the batch's bits.
+    for (int i = 0; i < m; ++i) {
+      std::vector<float> y1(n);
+      QuantLinear(x.data() + size_t(i) * k, 1, w, y1.data(), isa, GemmThreads::kCallerOnly);
+      for (int j = 0; j < n; ++j) ASSERT_EQ(Bits(y1[j]), Bits(y[size_t(i) * n + j]));
+    }
+    // The broken variant (activations quantized to NVFP4 anyway) is outside the bound.
+    std::vector<float> yq(size_t(m) * n);
+    QuantLinear(x.data(), m, w4a4, yq.data(), isa, GemmThreads::kOpenMp);
+    int outside = 0;
+    for (size_t e = 0; e < yq.size(); ++e) outside += std::fabs(double(yq[e]) - want[e]) > bound[e];
+    EXPECT_GT(outside, int(yq.size()) / 2) << GemmIsaName(isa);
+  }
+}
 
 // NVFP4 against the format's definition in float64, independent of the GEMM's factoring:
 // y = input_scale · weight_scale_2 · Σ_b sx_b · sw_b · Σ_{k ∈ b} e2m1(x_q) · e2m1(w_q), with the

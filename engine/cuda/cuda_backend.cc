@@ -11,7 +11,8 @@ namespace {
 
 // Issue 37: a quantized matrix the device cannot keep in its own format (UploadFp8, UploadW4A16
 // or UploadNvfp4 declined it: W4A16 scales that are not bf16 values or a group that is not a
-// multiple of 8, an NVFP4 self-conditioning MLP, a layer's experts of mixed formats, ...) would be
+// multiple of 8, an NVFP4 self-conditioning MLP, weight-only NVFP4 (NVFP4A16: the NVFP4 kernels
+// quantize their activations), a layer's experts of mixed formats, ...) would be
 // widened to bf16 — q·s rounded to bf16 and its activations taken as the GEMM input mode says,
 // where the CPU's cpu::QuantLinear multiplies the exact q·s by float32 (or format-quantized)
 // activations in both modes: another model. Refused instead of widened, so that a quantized weight
@@ -19,8 +20,10 @@ namespace {
 absl::Status RefuseWidening(const cpu::PackedMatrix& m, const std::string& what) {
   if (m.quant() == nullptr) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      "the CUDA backend cannot run ", what, " (", cpu::QuantFormatName(m.quant()->format()), ", ",
-      m.rows(), "×", m.cols(), ", group ", m.quant()->group_size(),
+      "the CUDA backend cannot run ", what, " (",
+      m.quant()->nvfp4_weight_only() ? "nvfp4 weight-only"
+                                     : cpu::QuantFormatName(m.quant()->format()),
+      ", ", m.rows(), "×", m.cols(), ", group ", m.quant()->group_size(),
       ") in its format and does not widen quantized weights to bf16 (another model than the CPU "
       "backend's): use --device cpu"));
 }

@@ -12,7 +12,8 @@
 // (or move a block scale), moving one quantized activation by a whole e2m1 step. Such flips are
 // rare (an input must lie within a few ulps of a boundary) but each is a 4-bit-sized change, so the
 // tolerances are the bf16 mode's of cuda_backend_test (logits within 0.3, K/V within 2e-2 of the
-// largest |value|) in both modes; the measured errors are printed.
+// largest |value|) in both modes; the measured errors are printed. Weight-only NVFP4 (NVFP4A16) is
+// refused by the backend (WeightOnlyNvfp4IsRefused).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 #include "engine/cpu/gemm_quant.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_backend_quant_testing.h"
+#include "engine/cuda/cuda_nvfp4_upload.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
@@ -81,6 +83,50 @@ TEST_P(CudaBackendNvfp4Test, LinearsAreNvfp4) {
 
 TEST_P(CudaBackendNvfp4Test, EncodeThenDecodeMatchesCpu) {
   ExpectEncodeThenDecodeMatchesCpu("nvfp4");
+}
+
+// Weight-only NVFP4 (NVFP4A16: cpu::QuantMatrix::FromNvfp4WeightOnly, activations unquantized,
+// alpha = weight_scale_2) is not run by the NVFP4 kernels, which quantize their activations:
+// cuda::UploadNvfp4 declines it and the backend refuses it naming the matrix, never widening it to
+// bf16 nor running it as W4A4 — as a projection and as a layer's experts.
+TEST_P(CudaBackendNvfp4Test, WeightOnlyNvfp4IsRefused) {
+  auto weight_only = [](const cpu::PackedMatrix& like) {
+    const int n = like.rows(), k = like.cols();
+    std::vector<uint8_t> codes(size_t(n) * k), scales(size_t(n) * (k / 16), 0x38);
+    for (size_t i = 0; i < codes.size(); ++i) codes[i] = uint8_t(i % 16);
+    const std::vector<float> global(n, 0.01f);
+    return cpu::PackedMatrix::Quantized(
+        cpu::QuantMatrix::FromNvfp4WeightOnly(codes.data(), scales.data(), global.data(), n, k));
+  };
+  const LayerWeights& l0 = checkpoint_->weights.layers[0];
+  CudaBackendOptions options;
+  options.gemm_input = GetParam().gpu;
+  {
+    cuda::DeviceNvfp4 d;
+    auto uploaded = cuda::UploadNvfp4(weight_only(l0.q_proj), &d);
+    ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+    EXPECT_FALSE(*uploaded);
+    EXPECT_EQ(d.experts, 0);
+  }
+  {
+    ModelWeights w = checkpoint_->weights;
+    w.layers[0].q_proj = weight_only(l0.q_proj);
+    auto gpu = CreateCudaBackend(config(), w, options);
+    ASSERT_FALSE(gpu.ok());
+    EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition) << gpu.status();
+    EXPECT_NE(gpu.status().message().find("layer 0 q_proj (nvfp4 weight-only"), std::string::npos)
+        << gpu.status();
+    EXPECT_NE(gpu.status().message().find("does not widen"), std::string::npos) << gpu.status();
+  }
+  {
+    ModelWeights w = checkpoint_->weights;
+    for (cpu::PackedMatrix& e : w.layers[0].experts_gate_up_proj) e = weight_only(e);
+    auto gpu = CreateCudaBackend(config(), w, options);
+    ASSERT_FALSE(gpu.ok());
+    EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition) << gpu.status();
+    EXPECT_NE(gpu.status().message().find("of expert 0 (nvfp4 weight-only"), std::string::npos)
+        << gpu.status();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendNvfp4Test, ::testing::Values(kFloat32, kBf16),

@@ -16,8 +16,10 @@ absl::StatusOr<bool> Upload(const std::vector<const cpu::QuantMatrix*>& experts,
   std::vector<float> alpha(experts.size() * rows), global(experts.size());
   for (size_t e = 0; e < experts.size(); ++e) {
     const cpu::QuantMatrix* q = experts[e];
-    if (q == nullptr || q->format() != cpu::QuantFormat::kNvfp4 || q->rows() != rows ||
-        q->cols() != cols) {
+    // Weight-only NVFP4 (NVFP4A16) is declined: these kernels quantize the activations (W4A4);
+    // the backend then refuses the matrix (RefuseWidening) rather than run another model.
+    if (q == nullptr || q->format() != cpu::QuantFormat::kNvfp4 || q->nvfp4_weight_only() ||
+        q->rows() != rows || q->cols() != cols) {
       return false;
     }
     // QuantMatrix's NVFP4 panels (gemm_quant.h): 16 rows per panel, per input c 8 bytes, byte j

@@ -283,7 +283,7 @@ absl::StatusOr<Checkpoint> LoadCheckpoint(const std::string& dir) {
   if (auto available = AvailableMemoryBytes(); available && uint64_t(bytes) > *available) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "loading %s needs %.2f GB of memory (%s weights) but only %.2f GB are available", dir,
-        bytes / 1e9, WeightFormatName(ckpt.quant.format), double(*available) / 1e9));
+        bytes / 1e9, QuantizationName(ckpt.quant), double(*available) / 1e9));
   }
   DGSERVE_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::OpenDir(dir));
   auto weights = LoadModelWeights(ckpt.config, ckpt.quant, reader);

@@ -127,6 +127,11 @@ const char* WeightFormatName(WeightFormat f) {
   return "bf16";
 }
 
+const char* QuantizationName(const QuantizationConfig& q) {
+  if (q.format == WeightFormat::kNvfp4 && q.nvfp4_weight_only) return "nvfp4a16";
+  return WeightFormatName(q.format);
+}
+
 bool QuantizationConfig::Quantizes(const std::string& module) const {
   if (!quantized()) return false;
   for (const std::string& e : ignore) {
@@ -171,7 +176,7 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& co
     return Field(source, "format",
                  absl::StrCat("is ", format.dump(),
                               "; supported: \"float-quantized\" (FP8), \"pack-quantized\" "
-                              "(W4A16), \"nvfp4-pack-quantized\" (NVFP4 W4A4)"));
+                              "(W4A16), \"nvfp4-pack-quantized\" (NVFP4 W4A4 or NVFP4A16)"));
   }
   if (auto it = qc.find("quantization_status"); it != qc.end() && *it != "compressed") {
     return Field(source, "quantization_status",
@@ -195,6 +200,7 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& co
   if (!groups.is_object() || groups.empty()) {
     return Field(source, "config_groups", "must be a non-empty object");
   }
+  bool first_group = true;
   for (const auto& [name, g] : groups.items()) {
     const std::string f = absl::StrCat("config_groups.", name);
     if (!g.is_object()) return Field(source, f, "must be an object");
@@ -231,16 +237,26 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& co
       DG_EXPECT(a, af, "dynamic", true, false);
       DG_EXPECT(a, af, "symmetric", true, true);
     } else if (q.format == WeightFormat::kNvfp4) {
-      // compressed-tensors' NVFP4 preset (W4A4), as vLLM's _is_fp4a4_nvfp4 accepts it.
+      // compressed-tensors' NVFP4 preset (W4A4), as vLLM's _is_fp4a4_nvfp4 accepts it, or the
+      // NVFP4A16 preset (input_activations null), as _is_fp4a16_nvfp4 does.
       DG_EXPECT(w, wf, "num_bits", 4, null);
       DG_EXPECT(w, wf, "type", "float", null);
       DG_EXPECT(w, wf, "strategy", "tensor_group", null);
       DG_EXPECT(w, wf, "group_size", 16, null);
+      const bool weight_only = a.is_null();
+      if (!first_group && weight_only != q.nvfp4_weight_only) {
+        return Field(source, af,
+                     "differs from an earlier group's (NVFP4 W4A4 and weight-only NVFP4A16 "
+                     "groups mixed in one checkpoint are not supported)");
+      }
+      q.nvfp4_weight_only = weight_only;
+      first_group = false;
+      if (weight_only) continue;
       if (!a.is_object()) {
         return Field(source, af,
                      "must be the NVFP4 activation scheme (W4A4: num_bits 4, type float, strategy "
-                     "tensor_group, group_size 16, dynamic \"local\"); weight-only NVFP4A16 is not "
-                     "supported");
+                     "tensor_group, group_size 16, dynamic \"local\") or null (weight-only "
+                     "NVFP4A16)");
       }
       DG_EXPECT(a, af, "num_bits", 4, null);
       DG_EXPECT(a, af, "type", "float", null);
@@ -330,6 +346,7 @@ std::string QuantizationConfigJson(const QuantizationConfig& q) {
     json weights = fp4, acts = fp4;
     weights["dynamic"] = false;
     acts["dynamic"] = "local";
+    if (q.nvfp4_weight_only) acts = nullptr;  // the NVFP4A16 preset: no activation scheme
     json group = {{"targets", q.targets},
                   {"weights", weights},
                   {"input_activations", acts},

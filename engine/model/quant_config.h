@@ -69,8 +69,12 @@
 //   config_groups.G.weights {num_bits 4, type float, symmetric, strategy tensor_group,
 //     group_size 16, dynamic false}; input_activations {num_bits 4, type float, symmetric,
 //     strategy tensor_group, group_size 16, dynamic "local"} (dynamic per-16 block scales under a
-//     static per-tensor global scale: W4A4). input_activations null (NVFP4A16, weight-only) is
-//     refused; `ignore` and `targets` as for the other compressed-tensors formats.
+//     static per-tensor global scale: W4A4), or input_activations null: NVFP4A16, weight-only
+//     (llm-compressor's NVFP4A16 preset, compressed_tensors/quantization/quant_scheme.py: the
+//     same weights args, no activation scheme; vLLM's CompressedTensorsConfig._is_fp4a16_nvfp4
+//     and CompressedTensorsW4A16Fp4, schemes/compressed_tensors_w4a16_nvfp4.py, which registers
+//     weight_packed, weight_scale and weight_global_scale only). Every group must use the same
+//     activation scheme. `ignore` and `targets` as for the other compressed-tensors formats.
 // Tensors of a quantized Linear M:
 //    `M.weight_packed` U8 [out, in/2] — the same nibble order as ModelOpt: element 2i in the low
 //        nibble, 2i+1 in the high (pack_fp4_to_uint8: `indices[:, 0] | (indices[:, 1] << 4)`),
@@ -79,10 +83,13 @@
 //    `M.weight_global_scale` F32 [1] (or []) — a divisor: W = e2m1(q) · weight_scale /
 //        weight_global_scale, so ModelOpt's weight_scale_2 = 1 / weight_global_scale;
 //    `M.input_global_scale` F32 [1] (or []) — the activations' global scale, also a divisor:
-//        ModelOpt's input_scale = 1 / input_global_scale.
+//        ModelOpt's input_scale = 1 / input_global_scale. W4A4 only: NVFP4A16 checkpoints have
+//        none (one present is refused as an unexpected tensor).
 // Mapped onto the ModelOpt in-memory form as vLLM does: weight_scale_2 = float32(1 / wgs),
 // input_scale = float32(1 / igs), alpha = input_scale · weight_scale_2, and the activation
 // quantization's g = igs itself (vLLM's input_global_scale_inv), not 1 / float32(1 / igs).
+// NVFP4A16: weight_scale_2 = float32(1 / wgs) as vLLM's CompressedTensorsW4A16Fp4 computes it,
+// alpha = weight_scale_2, activations unquantized (cpu::QuantMatrix::FromNvfp4WeightOnly).
 //
 // The MoE experts: the bf16 checkpoint holds them fused (`experts.gate_up_proj` [E, 2F, D],
 // `experts.down_proj` [E, D, F]), which are parameters, not Linear modules, so quantizers skip
@@ -107,6 +114,11 @@ enum class WeightFormat { kBf16, kFp8, kW4A16, kNvfp4 };
 // --format).
 const char* WeightFormatName(WeightFormat f);
 
+struct QuantizationConfig;
+// The checkpoint's format as engine_bench's format= and dgserve-quantize's summary name it:
+// WeightFormatName(q.format), except "nvfp4a16" for weight-only NVFP4.
+const char* QuantizationName(const QuantizationConfig& q);
+
 struct QuantizationConfig {
   WeightFormat format = WeightFormat::kBf16;  // kBf16: no quantization_config
   int group_size = 0;  // W4A16: G (0 until parsed; "channel" strategy: the row length, see GroupFor)
@@ -117,6 +129,9 @@ struct QuantizationConfig {
   // kNvfp4 from compressed-tensors "nvfp4-pack-quantized": its tensor names (weight_packed,
   // weight_global_scale, input_global_scale) and reciprocal global scales; else ModelOpt's.
   bool nvfp4_compressed_tensors = false;
+  // kNvfp4 from compressed-tensors with input_activations null (NVFP4A16): weights NVFP4,
+  // activations unquantized; no input_global_scale tensors.
+  bool nvfp4_weight_only = false;
 
   bool quantized() const { return format != WeightFormat::kBf16; }
   // True when the Linear module `module` (name without ".weight") is quantized.

@@ -36,7 +36,8 @@ struct Module {
   const TensorView* global =
       nullptr;  // NVFP4 weight_scale_2 (compressed-tensors: weight_global_scale)
   const TensorView* input = nullptr;  // NVFP4 input_scale (compressed-tensors: input_global_scale)
-  bool reciprocal = false;  // compressed-tensors NVFP4: global and input are divisors (1/scale)
+  bool reciprocal = false;   // compressed-tensors NVFP4: global and input are divisors (1/scale)
+  bool weight_only = false;  // NVFP4A16: no input scale, activations unquantized
   int rows = 0, cols = 0;
 };
 
@@ -139,8 +140,14 @@ class Planner {
       m->global =
           need(ct ? ".weight_global_scale" : ".weight_scale_2", {DType::kF32}, {{1}, {}},
                ct ? "per-tensor weight global scale, a divisor" : "per-tensor weight scale");
-      m->input = need(ct ? ".input_global_scale" : ".input_scale", {DType::kF32}, {{1}, {}},
-                      ct ? "static activation global scale, a divisor" : "static activation scale");
+      // Weight-only NVFP4A16 has no activation scale (vLLM's CompressedTensorsW4A16Fp4
+      // registers none); one present is refused as an unexpected tensor.
+      m->weight_only = q_.nvfp4_weight_only;
+      if (!m->weight_only) {
+        m->input =
+            need(ct ? ".input_global_scale" : ".input_scale", {DType::kF32}, {{1}, {}},
+                 ct ? "static activation global scale, a divisor" : "static activation scale");
+      }
       return ok;
     }
     if (q_.format == WeightFormat::kFp8) {
@@ -219,28 +226,8 @@ struct Nvfp4Rows {
   float input_stored = 0.0f;  // the stored input_scale / input_global_scale
 };
 
-absl::Status AppendNvfp4(const Module& m, Nvfp4Rows* out) {
-  DGSERVE_ASSIGN_OR_RETURN(const float stored_g, PositiveScalar(*m.global));
-  DGSERVE_ASSIGN_OR_RETURN(const float in, PositiveScalar(*m.input));
-  // compressed-tensors stores divisors: weight_scale_2 = 1 / weight_global_scale, input_scale =
-  // 1 / input_global_scale (float32, as vLLM's CompressedTensorsW4A4Fp4 computes them).
-  const float g = m.reciprocal ? 1.0f / stored_g : stored_g;
-  const float input_scale = m.reciprocal ? 1.0f / in : in;
-  if (!std::isfinite(g) || !std::isfinite(input_scale)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(m.global->file, ": tensor '", m.global->name, "' or '", m.input->name,
-                     "' is too small: its reciprocal is not a finite float32"));
-  }
-  if (m.reciprocal) out->input_global = in;
-  if (out->input_stored != 0.0f && out->input_stored != in) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        m.input->file, ": tensor '", m.input->name, "' is ", in,
-        " but the module stacked with it "
-        "(an expert's gate and up, one [2F, D] matrix with one activation quantization) has ",
-        out->input_stored, ": they must be equal"));
-  }
-  out->input_stored = in;
-  out->input_scale = input_scale;
+// The codes, block scales and per-row weight_scale_2 `g` of module m appended to *out.
+absl::Status AppendNvfp4Weights(const Module& m, float g, Nvfp4Rows* out) {
   const size_t n = size_t(m.rows) * m.cols;
   if (m.weight->nbytes != n / 2 || m.scale->nbytes != n / 16) {
     return absl::InvalidArgumentError(
@@ -266,6 +253,40 @@ absl::Status AppendNvfp4(const Module& m, Nvfp4Rows* out) {
   }
   out->global.insert(out->global.end(), size_t(m.rows), g);
   return absl::OkStatus();
+}
+
+absl::Status AppendNvfp4(const Module& m, Nvfp4Rows* out) {
+  DGSERVE_ASSIGN_OR_RETURN(const float stored_g, PositiveScalar(*m.global));
+  if (m.weight_only) {  // NVFP4A16 (compressed-tensors): weight_scale_2 = float32(1 / wgs)
+    const float g = 1.0f / stored_g;
+    if (!std::isfinite(g)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(m.global->file, ": tensor '", m.global->name,
+                       "' is too small: its reciprocal is not a finite float32"));
+    }
+    return AppendNvfp4Weights(m, g, out);
+  }
+  DGSERVE_ASSIGN_OR_RETURN(const float in, PositiveScalar(*m.input));
+  // compressed-tensors stores divisors: weight_scale_2 = 1 / weight_global_scale, input_scale =
+  // 1 / input_global_scale (float32, as vLLM's CompressedTensorsW4A4Fp4 computes them).
+  const float g = m.reciprocal ? 1.0f / stored_g : stored_g;
+  const float input_scale = m.reciprocal ? 1.0f / in : in;
+  if (!std::isfinite(g) || !std::isfinite(input_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(m.global->file, ": tensor '", m.global->name, "' or '", m.input->name,
+                     "' is too small: its reciprocal is not a finite float32"));
+  }
+  if (m.reciprocal) out->input_global = in;
+  if (out->input_stored != 0.0f && out->input_stored != in) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        m.input->file, ": tensor '", m.input->name, "' is ", in,
+        " but the module stacked with it "
+        "(an expert's gate and up, one [2F, D] matrix with one activation quantization) has ",
+        out->input_stored, ": they must be equal"));
+  }
+  out->input_stored = in;
+  out->input_scale = input_scale;
+  return AppendNvfp4Weights(m, g, out);
 }
 
 // Appends the rows of module m to the row-major outputs (one of the three, by m's kind).
@@ -321,6 +342,10 @@ absl::StatusOr<cpu::PackedMatrix> Build(const std::vector<Module>& parts,
     for (const Module& m : parts) {
       DGSERVE_RETURN_IF_ERROR(AppendNvfp4(m, &r));
       rows += m.rows;
+    }
+    if (q.nvfp4_weight_only) {
+      return cpu::PackedMatrix::Quantized(cpu::QuantMatrix::FromNvfp4WeightOnly(
+          r.codes.data(), r.block_scales.data(), r.global.data(), rows, cols));
     }
     return cpu::PackedMatrix::Quantized(
         cpu::QuantMatrix::FromNvfp4(r.codes.data(), r.block_scales.data(), r.global.data(),

@@ -1,6 +1,7 @@
 // NVFP4 checkpoints (issue 37): ModelOpt's and compressed-tensors' ("nvfp4-pack-quantized")
 // layouts, their refusals naming the field or tensor, hand-made tensors decoded value by value,
-// and the compressed-tensors form of a checkpoint giving the ModelOpt form's bits.
+// the compressed-tensors form of a checkpoint giving the ModelOpt form's bits, and the weight-only
+// NVFP4A16 form (input_activations null).
 #include "engine/model/quant_test_fixture.h"
 
 namespace dgserve {
@@ -380,9 +381,14 @@ TEST_F(QuantErrorTest, Nvfp4CompressedTensorsRefusalsNameTheFieldOrTensor) {
   EXPECT_THAT(LoadEdited("nvfp4_ct", nullptr,
                          qc("/config_groups/group_0/input_activations/dynamic", false)),
               HasSubstr("config_groups.group_0.input_activations.dynamic' is false"));
+  // input_activations null is NVFP4A16 (weight-only), whose modules have no input_global_scale:
+  // the W4A4 checkpoint's are then unexpected tensors.
   EXPECT_THAT(
       LoadEdited("nvfp4_ct", nullptr, qc("/config_groups/group_0/input_activations", nullptr)),
-      HasSubstr("weight-only NVFP4A16 is not supported"));
+      HasSubstr(".input_global_scale' with shape [1] (not a DiffusionGemma text tensor"));
+  EXPECT_THAT(LoadEdited("nvfp4_ct", nullptr, qc("/config_groups/group_0/input_activations", 4)),
+              HasSubstr("config_groups.group_0.input_activations' must be the NVFP4 activation "
+                        "scheme"));
   EXPECT_THAT(LoadEdited("nvfp4_ct", [](auto& t) { Erase(t, kQ + ".weight_global_scale"); }),
               HasSubstr("'" + kQ + ".weight_global_scale' is missing"));
   EXPECT_THAT(LoadEdited("nvfp4_ct", [](auto& t) { Erase(t, kQ + ".input_global_scale"); }),
@@ -424,6 +430,157 @@ TEST_F(QuantErrorTest, Nvfp4CompressedTensorsRefusalsNameTheFieldOrTensor) {
                                                         {1}, &zero));
                          }),
               HasSubstr("tensor '" + kQ + ".weight_global_scale' is 0"));
+}
+
+// ---- Weight-only NVFP4 (compressed-tensors NVFP4A16: input_activations null) ----
+
+// dgserve-quantize's NVFP4A16 checkpoint: config_groups' input_activations null, no
+// input_global_scale tensors; it loads as weight-only NVFP4 matrices holding exactly the W4A4
+// compressed-tensors checkpoint's codes, block scales and weight_scale_2 (the same weights), with
+// alpha = weight_scale_2 (no input scale).
+TEST_F(QuantErrorTest, Nvfp4A16LoadsAsWeightOnlyNvfp4) {
+  std::ifstream in(*dir_ + "/nvfp4a16/config.json");
+  const json c = json::parse(in);
+  const json& qc = c["quantization_config"];
+  EXPECT_EQ(qc["quant_method"], "compressed-tensors");
+  EXPECT_EQ(qc["format"], "nvfp4-pack-quantized");
+  EXPECT_TRUE(qc["config_groups"]["group_0"]["input_activations"].is_null());
+  EXPECT_EQ(qc["config_groups"]["group_0"]["weights"]["strategy"], "tensor_group");
+  EXPECT_EQ(qc["config_groups"]["group_0"]["weights"]["group_size"], 16);
+  auto reader = SafetensorsReader::OpenDir(*dir_ + "/nvfp4a16");
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  int packed = 0;
+  for (const TensorView& v : reader->tensors()) {
+    EXPECT_FALSE(absl::EndsWith(v.name, ".input_global_scale")) << v.name;
+    packed += absl::EndsWith(v.name, ".weight_packed");
+  }
+  EXPECT_GT(packed, 0);
+  auto a = LoadCheckpoint(*dir_ + "/nvfp4a16");
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto w4a4 = LoadCheckpoint(*dir_ + "/nvfp4_ct");
+  ASSERT_TRUE(w4a4.ok()) << w4a4.status();
+  EXPECT_EQ(a->quant.format, WeightFormat::kNvfp4);
+  EXPECT_TRUE(a->quant.nvfp4_weight_only);
+  EXPECT_FALSE(w4a4->quant.nvfp4_weight_only);
+  EXPECT_STREQ(QuantizationName(a->quant), "nvfp4a16");
+  EXPECT_STREQ(QuantizationName(w4a4->quant), "nvfp4");
+  const auto x = Matrices(a->weights), y = Matrices(w4a4->weights);
+  ASSERT_EQ(x.size(), y.size());
+  int quantized = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const cpu::QuantMatrix* qx = x[i].second->quant();
+    const cpu::QuantMatrix* qy = y[i].second->quant();
+    ASSERT_EQ(qx == nullptr, qy == nullptr) << x[i].first;
+    if (qx == nullptr) continue;
+    ++quantized;
+    ASSERT_TRUE(qx->nvfp4_weight_only()) << x[i].first;
+    ASSERT_FALSE(qy->nvfp4_weight_only()) << x[i].first;
+    ASSERT_EQ(qx->InputScale(), 1.0f) << x[i].first;
+    for (int r = 0; r < qx->rows(); ++r) {
+      ASSERT_EQ(qx->WeightGlobal(r), qy->WeightGlobal(r)) << x[i].first << " row " << r;
+      ASSERT_EQ(qx->RowScale(r), qy->WeightGlobal(r)) << x[i].first << " row " << r;
+      for (int col = 0; col < qx->cols(); ++col) {
+        ASSERT_EQ(qx->Widened(r, col), qy->Widened(r, col)) << x[i].first << " " << r << " " << col;
+      }
+    }
+  }
+  EXPECT_GT(quantized, 0);
+}
+
+// A hand-made NVFP4A16 module decoded value by value (weight_global_scale a divisor), and its
+// GEMM on a hand-computed row: the activations are not quantized (3.3 would become 3 under W4A4)
+// and alpha is weight_scale_2 = 1 / weight_global_scale.
+TEST_F(QuantErrorTest, Nvfp4A16HandMadeModuleRunsOnUnquantizedActivations) {
+  static std::vector<uint8_t> bytes(64 * 32, 0), scales(64 * 4, 0x38);  // codes 0, scales 1
+  bytes[0] = 0x3C;   // row 0: element 0 = code 0xC (−2), element 1 = code 3 (1.5)
+  scales[0] = 0x40;  // row 0 block 0: 2.0
+  static const float wgs = 4.0f;
+  std::string err = LoadEdited("nvfp4a16", [](auto& t) {
+    for (const char* suffix : {".weight_packed", ".weight_scale", ".weight_global_scale"}) {
+      Erase(t, kQ + suffix);
+    }
+    t.push_back(TensorFromBuffer(kQ + ".weight_packed", DType::kU8, {64, 32}, bytes.data()));
+    t.push_back(TensorFromBuffer(kQ + ".weight_scale", DType::kF8E4M3, {64, 4}, scales.data()));
+    t.push_back(TensorFromBuffer(kQ + ".weight_global_scale", DType::kF32, {1}, &wgs));
+  });
+  ASSERT_EQ(err, "");
+  auto ck = LoadCheckpoint(*dir_ + "/edit" + std::to_string(n_ - 1));
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  const cpu::PackedMatrix& m = ck->weights.layers[0].q_proj;
+  ASSERT_NE(m.quant(), nullptr);
+  EXPECT_TRUE(m.quant()->nvfp4_weight_only());
+  EXPECT_EQ(m.quant()->WeightGlobal(0), 0.25f);
+  EXPECT_EQ(m.quant()->RowScale(0), 0.25f);
+  EXPECT_EQ(m.At(0, 0), -1.0f);  // −2 · 2 / 4
+  EXPECT_EQ(m.At(0, 1), 0.75f);  // 1.5 · 2 / 4
+  EXPECT_EQ(m.At(1, 0), 0.0f);
+  // x = (3.3, 1, 0, ...): y0 = 3.3 · (−1) + 1 · 0.75 = −2.55 (float32: −2 · 2 · 3.3 = −13.2,
+  // + 3 · 1 = −10.2, · 0.25); W4A4 would have quantized 3.3 and 1 first.
+  std::vector<float> x(64, 0.0f), y(64);
+  x[0] = 3.3f;
+  x[1] = 1.0f;
+  cpu::Linear(x.data(), 1, m, y.data());
+  EXPECT_EQ(y[0], 0.25f * std::fma(1.0f, 3.0f, -4.0f * 3.3f));
+  EXPECT_EQ(y[1], 0.0f);
+}
+
+TEST_F(QuantErrorTest, Nvfp4A16RefusalsNameTheFieldOrTensor) {
+  EXPECT_EQ(LoadEdited("nvfp4a16", nullptr), "");
+  auto qc = [](const char* path, json v) {
+    return [path, v](json& c) { c["quantization_config"][json::json_pointer(path)] = v; };
+  };
+  // Still refused: the weights' other schemes, a second group with activations (mixed), and the
+  // W4A4 tensors' input_global_scale (not part of the format).
+  EXPECT_THAT(LoadEdited("nvfp4a16", nullptr, qc("/config_groups/group_0/weights/group_size", 32)),
+              HasSubstr("config_groups.group_0.weights.group_size' is 32"));
+  EXPECT_THAT(LoadEdited("nvfp4a16", nullptr, qc("/config_groups/group_0/weights/num_bits", 8)),
+              HasSubstr("config_groups.group_0.weights.num_bits' is 8"));
+  EXPECT_THAT(LoadEdited("nvfp4a16", nullptr,
+                         [](json& c) {
+                           json& groups = c["quantization_config"]["config_groups"];
+                           json g1 = groups["group_0"];
+                           g1["targets"] = json::array({"re:nothing.*"});
+                           g1["input_activations"] = {
+                               {"num_bits", 4},     {"type", "float"},
+                               {"symmetric", true}, {"strategy", "tensor_group"},
+                               {"group_size", 16},  {"dynamic", "local"}};
+                           groups["group_1"] = g1;
+                         }),
+              HasSubstr("config_groups.group_1.input_activations' differs from an earlier "
+                        "group's"));
+  static const float six = 6.0f;
+  EXPECT_THAT(LoadEdited("nvfp4a16",
+                         [](auto& t) {
+                           t.push_back(TensorFromBuffer(kQ + ".input_global_scale", DType::kF32,
+                                                        {1}, &six));
+                         }),
+              HasSubstr("unexpected tensor '" + kQ + ".input_global_scale'"));
+  EXPECT_THAT(LoadEdited("nvfp4a16", [](auto& t) { Erase(t, kQ + ".weight_global_scale"); }),
+              HasSubstr("'" + kQ + ".weight_global_scale' is missing"));
+  static const float zero = 0.0f;
+  EXPECT_THAT(LoadEdited("nvfp4a16",
+                         [](auto& t) {
+                           Erase(t, kQ + ".weight_global_scale");
+                           t.push_back(TensorFromBuffer(kQ + ".weight_global_scale", DType::kF32,
+                                                        {1}, &zero));
+                         }),
+              HasSubstr("tensor '" + kQ + ".weight_global_scale' is 0"));
+  // dgserve-quantize: weight-only NVFP4 in ModelOpt's layout, or with another format, is refused.
+  QuantizeOptions o;
+  o.progress = false;
+  o.format = WeightFormat::kNvfp4;
+  o.group_size = 16;
+  o.nvfp4_activations = Nvfp4Activations::kNone;
+  auto s = QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/nvfp4a16_modelopt", o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("compressed-tensors layout only (llm-compressor's NVFP4A16 preset)"));
+  EXPECT_FALSE(fs::exists(*dir_ + "/nvfp4a16_modelopt"));
+  o.format = WeightFormat::kW4A16;
+  o.group_size = 32;
+  s = QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/w4a16_none", o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("--format nvfp4 only, not w4a16"));
 }
 
 // dgserve-quantize's refusals for nvfp4.

@@ -1,8 +1,9 @@
 // Quantized checkpoints end to end (issue 37) on the golden shapes (tiny-v512, tiny-g3; random
 // weights from the generator): dgserve-quantize's writer (QuantizeCheckpoint) and the loader
-// round-trip every module; the engine runs FP8 and W4A16 checkpoints with batched = solo and the
-// same bits on every GEMM path; their logits against the bf16 model's are measured and printed
-// (max |Δlogit|, argmax agreement); bad checkpoints are refused naming the tensor or field.
+// round-trip every module; the engine runs FP8, W4A16, NVFP4 and weight-only NVFP4 (NVFP4A16)
+// checkpoints with batched = solo and the same bits on every GEMM path; their logits against the
+// bf16 model's are measured and printed (max |Δlogit|, argmax agreement); bad checkpoints are
+// refused naming the tensor or field.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -42,7 +43,7 @@ using namespace ::dgserve::quant_testing;  // NOLINT: the shared fixture and hel
 using ::testing::HasSubstr;
 
 struct Models {
-  Checkpoint bf16, fp8, w4a16, nvfp4;
+  Checkpoint bf16, fp8, w4a16, nvfp4, nvfp4a16;  // nvfp4a16: weight-only, compressed-tensors
   std::string dir;
 };
 
@@ -72,10 +73,14 @@ std::unique_ptr<Models> LoadModels(const std::string& shape) {
   o.format = WeightFormat::kNvfp4;
   o.group_size = 16;
   EXPECT_TRUE(QuantizeCheckpoint(bf16, m->dir + "/nvfp4", o).ok());
+  o.nvfp4_layout = Nvfp4Layout::kCompressedTensors;
+  o.nvfp4_activations = Nvfp4Activations::kNone;
+  EXPECT_TRUE(QuantizeCheckpoint(bf16, m->dir + "/nvfp4a16", o).ok());
   for (auto [name, ck] : {std::pair{"bf16", &m->bf16},
                           {"fp8", &m->fp8},
                           {"w4a16", &m->w4a16},
-                          {"nvfp4", &m->nvfp4}}) {
+                          {"nvfp4", &m->nvfp4},
+                          {"nvfp4a16", &m->nvfp4a16}}) {
     auto c = LoadCheckpoint(std::string(name) == "bf16" ? bf16 : m->dir + "/" + name);
     EXPECT_TRUE(c.ok()) << name << ": " << c.status();
     if (!c.ok()) return nullptr;
@@ -220,7 +225,8 @@ TEST_P(QuantModelTest, QuantizeAndLoadRoundTripEveryModule) {
 // relative RMS error (printed, the worst and the mean over modules).
 TEST_P(QuantModelTest, PerModuleGemmErrorIsMeasured) {
   const auto ref = Matrices(m_->bf16.weights);
-  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4}) {
+  double nvfp4_mean = 0;
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4, &m_->nvfp4a16}) {
     const auto got = Matrices(ck->weights);
     double worst = 0, sum = 0;
     int n = 0;
@@ -242,16 +248,21 @@ TEST_P(QuantModelTest, PerModuleGemmErrorIsMeasured) {
       sum += rel;
       ++n;
     }
-    std::printf("%s %s: per-GEMM relative RMS error vs bf16: mean %.4f, worst %.4f over %d modules\n",
-                GetParam().c_str(), WeightFormatName(ck->weights.format), sum / n, worst, n);
+    std::printf(
+        "%s %s: per-GEMM relative RMS error vs bf16: mean %.4f, worst %.4f over %d modules\n",
+        GetParam().c_str(), QuantizationName(ck->quant), sum / n, worst, n);
     // NVFP4 is W4A4: its error is the 4-bit weights' and the 4-bit activations' together.
-    EXPECT_LT(worst, ck == &m_->fp8 ? 0.2 : ck == &m_->w4a16 ? 0.4 : 0.6);
+    // Weight-only NVFP4 has the weights' alone: the W4A16 bound, and less than W4A4's (which
+    // quantizing its activations anyway would not be).
+    EXPECT_LT(worst, ck == &m_->fp8 ? 0.2 : ck == &m_->nvfp4 ? 0.6 : 0.4);
+    if (ck == &m_->nvfp4) nvfp4_mean = sum / n;
+    if (ck == &m_->nvfp4a16) EXPECT_LT(sum / n, 0.8 * nvfp4_mean);
   }
 }
 
 TEST_P(QuantModelTest, BatchedEqualsSoloAndEveryGemmPathGivesTheSameBits) {
   const cpu::GemmIsa saved = cpu::ActiveGemmIsa();
-  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4}) {
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4, &m_->nvfp4a16}) {
     std::vector<Pass> runs;
     std::vector<std::string> names;
     for (cpu::GemmIsa isa : {cpu::GemmIsa::kAvx512, cpu::GemmIsa::kAvx2, cpu::GemmIsa::kPortable}) {
@@ -278,7 +289,7 @@ TEST_P(QuantModelTest, LogitsAgainstBf16AreMeasured) {
   const size_t rows = ref.logits.size() / V;
   double range = 0;
   for (float v : ref.logits) range = std::max(range, double(std::fabs(v)));
-  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4}) {
+  for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4, &m_->nvfp4a16}) {
     const Pass q = RunPasses(*ck, true);
     double max_diff = 0;
     size_t agree = 0;
@@ -292,11 +303,17 @@ TEST_P(QuantModelTest, LogitsAgainstBf16AreMeasured) {
       agree += std::max_element(a, a + V) - a == std::max_element(b, b + V) - b;
     }
     std::printf("%s %s vs bf16: max |dlogit| %.4f (max |logit| %.2f), argmax agreement %zu/%zu\n",
-                GetParam().c_str(), WeightFormatName(ck->weights.format), max_diff, range, agree,
-                rows);
-    // Measured, not asserted beyond finiteness: the golden shapes' random weights make chaotic
-    // networks in which the ~3 % (FP8) / ~7 % (W4A16) error of each GEMM (PerModuleGemmError)
-    // decorrelates the logits; the trained Sudoku model is the meaningful figure (README).
+                GetParam().c_str(), QuantizationName(ck->quant), max_diff, range, agree, rows);
+    // The trained Sudoku model through weight-only NVFP4 stays close to bf16 (measured
+    // 2026-12-06: max |Δlogit| 3.82 of 11.2, 122/182 argmaxes; W4A4's 7.49 and 89/182 would fail).
+    if (GetParam() == "sudoku" && ck == &m_->nvfp4a16) {
+      EXPECT_LT(max_diff, 0.5 * range);
+      EXPECT_GE(double(agree), 0.6 * double(rows));
+    }
+    // Otherwise measured, not asserted beyond finiteness: the golden shapes' random weights make
+    // chaotic networks in which the ~3 % (FP8) / ~7 % (W4A16) error of each GEMM
+    // (PerModuleGemmError) decorrelates the logits; the trained Sudoku model is the meaningful
+    // figure (README).
   }
 }
 

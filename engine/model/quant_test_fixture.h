@@ -1,7 +1,7 @@
 // What the quantized-checkpoint tests share (quant_test.cc, quant_nvfp4_test.cc, one binary):
 // the weights' matrices by name and the fixture that writes the tiny-v512 checkpoint in bf16,
-// FP8, W4A16 and NVFP4 (ModelOpt's layout, "nvfp4", and compressed-tensors', "nvfp4_ct") once
-// per suite and loads edited copies of them.
+// FP8, W4A16 and NVFP4 (ModelOpt's layout, "nvfp4", compressed-tensors', "nvfp4_ct", and its
+// weight-only NVFP4A16, "nvfp4a16") once per suite and loads edited copies of them.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -91,6 +91,8 @@ class QuantErrorTest : public ::testing::Test {
     ASSERT_TRUE(QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/nvfp4", o).ok());
     o.nvfp4_layout = Nvfp4Layout::kCompressedTensors;
     ASSERT_TRUE(QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/nvfp4_ct", o).ok());
+    o.nvfp4_activations = Nvfp4Activations::kNone;
+    ASSERT_TRUE(QuantizeCheckpoint(*dir_ + "/bf16", *dir_ + "/nvfp4a16", o).ok());
   }
   // A copy of `src` with its tensors edited and/or its config.json edited; returns the load's
   // error message ("" when it loads).

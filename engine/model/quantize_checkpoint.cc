@@ -211,9 +211,10 @@ float AbsMax(const std::vector<float>& w) {
   return amax;
 }
 
-// `fused`: the compressed-tensors layout (its set's amax); null: ModelOpt's.
+// `fused`: the compressed-tensors layout (its set's amax); null: ModelOpt's. `weight_only`
+// (compressed-tensors NVFP4A16): no input_global_scale.
 void AddNvfp4(const std::string& module, const Rows& r, std::shared_ptr<FusedAmax> fused,
-              Progress* progress, std::vector<TensorSource>* out) {
+              bool weight_only, Progress* progress, std::vector<TensorSource>* out) {
   const int blocks = r.cols / 16;
   const bool ct = fused != nullptr;
   struct Result {
@@ -313,6 +314,7 @@ void AddNvfp4(const std::string& module, const Rows& r, std::shared_ptr<FusedAma
                     done();
                     return absl::OkStatus();
                   }});
+  if (weight_only) return;  // NVFP4A16: activations unquantized, no activation scale
   const float* input = ct ? &kNvfp4InputGlobalScale : &kNvfp4InputScale;
   out->push_back({module + (ct ? ".input_global_scale" : ".input_scale"), DType::kF32, scalar,
                   [input](uint8_t* dst) {
@@ -385,6 +387,19 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
                      WeightFormatName(q.format)));
   }
   q.nvfp4_compressed_tensors = ct_nvfp4;
+  const bool weight_only = options.nvfp4_activations == Nvfp4Activations::kNone;
+  if (weight_only && q.format != WeightFormat::kNvfp4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight-only NVFP4 (activations none) applies to --format nvfp4 only, not ",
+                     WeightFormatName(q.format)));
+  }
+  if (weight_only && !ct_nvfp4) {
+    return absl::InvalidArgumentError(
+        "weight-only NVFP4 (activations none) is written in the compressed-tensors layout only "
+        "(llm-compressor's NVFP4A16 preset): use --nvfp4_layout compressed-tensors (ModelOpt's "
+        "weight-only NVFP4 export is not supported)");
+  }
+  q.nvfp4_weight_only = weight_only;
   if (q.format == WeightFormat::kW4A16) {
     if (options.group_size < 0) {
       return absl::InvalidArgumentError("--group_size must be ≥ 0 (0: per channel)");
@@ -462,7 +477,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
           f->members.push_back(r);
           set = f;
         }
-        AddNvfp4(module, r, set, progress.get(), &tensors);
+        AddNvfp4(module, r, set, weight_only, progress.get(), &tensors);
       } else {
         AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, progress.get(), &tensors);
       }

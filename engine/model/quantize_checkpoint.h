@@ -6,6 +6,8 @@
 //   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 128
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 [--nvfp4_layout modelopt]
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
+//   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
+//                    --nvfp4_activations none
 //
 // Every Linear module not in the ignore list is quantized with round-to-nearest:
 //  * fp8 (compressed-tensors FP8_DYNAMIC, format float-quantized): per output channel
@@ -51,6 +53,13 @@
 //    list is written as it is given (compressed-tensors syntax);
 //    modules whose input width is not a multiple of 16 are added by name (experts: one
 //    "re:BASE\.[0-9]+\.PROJ$" per tensor).
+//  * nvfp4 weight-only (Nvfp4Activations::kNone; compressed-tensors layout only): llm-compressor's
+//    NVFP4A16 preset (compressed_tensors/quantization/quant_scheme.py: the NVFP4 weights args and
+//    no input_activations), run by vLLM as CompressedTensorsW4A16Fp4. The same weight tensors
+//    as above, computed the same way, no `M.input_global_scale`, and config_groups'
+//    input_activations null. ModelOpt's layout is refused: ModelOpt's exporter names a
+//    W4A16_NVFP4 algorithm in recent versions (modelopt/torch/export/model_config.py) but its
+//    export layout is not checked here, so dgserve-quantize does not write one.
 // The fused experts (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]) are
 // written unfused, one Linear per expert and projection (`experts.{e}.gate_proj` etc.), the
 // standard compressed-tensors MoE layout. Everything else is copied as it is. config.json gets
@@ -75,10 +84,16 @@ std::vector<std::string> DefaultQuantizeIgnore();
 // Which checkpoint layout --format nvfp4 writes (--nvfp4_layout: the quant_method names).
 enum class Nvfp4Layout { kModelOpt, kCompressedTensors };
 
+// What --format nvfp4 does with the activations (--nvfp4_activations): kNvfp4 quantizes them at
+// run time (W4A4, the NVFP4 preset), kNone leaves them unquantized (weight-only NVFP4A16).
+enum class Nvfp4Activations { kNvfp4, kNone };
+
 struct QuantizeOptions {
   WeightFormat format = WeightFormat::kFp8;
   // nvfp4 only (another format with kCompressedTensors is refused).
   Nvfp4Layout nvfp4_layout = Nvfp4Layout::kModelOpt;
+  // nvfp4 only; kNone needs Nvfp4Layout::kCompressedTensors (refused otherwise).
+  Nvfp4Activations nvfp4_activations = Nvfp4Activations::kNvfp4;
   // w4a16: inputs per scale group; 0: one group per row (channel). nvfp4: 16 or the default
   // (anything else is refused: the format's blocks are 16).
   int group_size = 128;
@@ -95,8 +110,9 @@ struct QuantizeSummary {
 
 // Reads the bf16 checkpoint `in` and writes the quantized one to `out` (created if needed).
 // INVALID_ARGUMENT for a checkpoint that is already quantized or holds non-finite weights, a bad
-// format or group size, an NVFP4 layout with another format, an ignore entry the ModelOpt nvfp4
-// layout cannot write as a pattern; I/O errors name the path.
+// format or group size, an NVFP4 layout or weight-only NVFP4 with another format, weight-only
+// NVFP4 in ModelOpt's layout, an ignore entry the ModelOpt nvfp4 layout cannot write as a
+// pattern; I/O errors name the path.
 absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
                                                    const QuantizeOptions& options);
 
