@@ -60,6 +60,19 @@ for count in "--denoise $DENOISE" "--prefill $PREFILL"; do
     '' | *[!0-9]* | 0 | 0*) echo "cluster.sh: ${count% *} must be a whole number ≥ 1, got '${count#* }'" >&2; exit 2 ;;
   esac
 done
+# Ports here, before `start` stops the cluster already running in RUN_DIR (the gateway checked
+# them only after that teardown).
+for port in "--http-port $HTTP_PORT" "--grpc-port $GRPC_PORT"; do
+  p=${port#* }
+  case "$p" in
+    '' | *[!0-9]* | 0?*) bad=1 ;;
+    *) bad=$(( ${#p} > 5 || p > 65535 )) ;;
+  esac
+  if [ "$bad" != 0 ]; then
+    echo "cluster.sh: ${port% *} must be a port number 0..65535 (0: any free port), got '$p'" >&2
+    exit 2
+  fi
+done
 
 # Whether a recorded PID still runs one of our services (a PID of an exited service may have
 # been reused by another process, which must not be signalled).

@@ -427,6 +427,12 @@ int main(int argc, char** argv) {
   }
   const std::string command = argc >= 2 ? argv[1] : "";
   if (command != "generate" && command != "chat" && command != "sudoku") {
+    if (command.empty()) {
+      std::fprintf(stderr, "dgserve: give a command: generate, chat or sudoku\n");
+    } else {
+      std::fprintf(stderr, "dgserve: unknown command '%s' (generate, chat or sudoku)\n",
+                   command.c_str());
+    }
     std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
     return 2;
   }

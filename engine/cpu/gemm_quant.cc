@@ -24,7 +24,8 @@ constexpr float kMinFp8Scale = 1.0f / (kE4m3Max * 512.0f);
 
 WidenKernels Widen(GemmIsa isa) {
   switch (isa) {
-    case GemmIsa::kAvx512: return quant_internal::Avx512Widen();
+    case GemmIsa::kAvx512:
+    case GemmIsa::kAvx512Bf16: return quant_internal::Avx512Widen();  // AVX-512 BF16 ⊃ AVX-512
     case GemmIsa::kAvx2: return quant_internal::Avx2Widen();
     case GemmIsa::kPortable: break;
   }

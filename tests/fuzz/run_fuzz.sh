@@ -9,8 +9,9 @@
 #
 # Environment: FUZZ_SECONDS (per harness, default 60), FUZZ_BUILD_DIR (default build-asan),
 # FUZZ_JOBS (build parallelism, default nproc), FUZZ_PARALLEL (harnesses run at once, default
-# nproc), FUZZ_RSS_MB (libFuzzer -rss_limit_mb, 2048); FUZZ_PRINT_PLAN=1 prints the build jobs
-# and harnesses at a time and exits.
+# nproc), FUZZ_RSS_MB (libFuzzer -rss_limit_mb, 2048), each a whole number >= 1;
+# FUZZ_PRINT_PLAN=1 checks them and the harness names, prints the build jobs and harnesses at a
+# time, and exits.
 # New inputs found during a run go to $FUZZ_BUILD_DIR/corpus/<harness> (the seed corpus in the
 # tree is read only); crash inputs to $FUZZ_BUILD_DIR/findings/<harness>/.
 set -euo pipefail
@@ -22,25 +23,35 @@ BUILD_DIR=${FUZZ_BUILD_DIR:-build-asan}
 CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 JOBS=${FUZZ_JOBS:-$CORES}
 RSS_MB=${FUZZ_RSS_MB:-2048}
-if [ "${FUZZ_PRINT_PLAN:-0}" = 1 ]; then  # for the test of this script: what it would run at once
-  echo "fuzz plan: build jobs $JOBS, harnesses at a time ${FUZZ_PARALLEL:-$CORES}"
-  exit 0
-fi
-bash tools/configure_sanitize.sh "$BUILD_DIR"
-cmake --build "$BUILD_DIR" -j"$JOBS" --target dgserve_fuzzers
-
+# One harness per core at a time (FUZZ_PARALLEL, default nproc): each is single-threaded, so two
+# on two cores give every harness its full FUZZ_SECONDS in half the wall time.
+PARALLEL=${FUZZ_PARALLEL:-$CORES}
 ALL=(fuzz_openai_completions fuzz_openai_chat fuzz_tokenizer_json fuzz_tokenizer_encode
      fuzz_chat_template fuzz_safetensors_file fuzz_safetensors_index fuzz_model_config
      fuzz_gateway_request fuzz_kv_receiver)
 if [ $# -gt 0 ]; then FUZZERS=("$@"); else FUZZERS=("${ALL[@]}"); fi
 
+# Settings and names are checked before anything is built or run (exit 1): libFuzzer reads
+# -max_total_time=0 as "no limit", so a FUZZ_SECONDS of 0 or a word would fuzz forever.
+die() { echo "run_fuzz.sh: $*" >&2; exit 1; }
+for var in FUZZ_SECONDS:"$SECONDS_EACH" FUZZ_JOBS:"$JOBS" FUZZ_RSS_MB:"$RSS_MB" \
+           FUZZ_PARALLEL:"$PARALLEL"; do
+  [[ "${var#*:}" =~ ^[1-9][0-9]*$ ]] || die "${var%%:*} must be a whole number >= 1, not '${var#*:}'"
+done
+for f in "${FUZZERS[@]}"; do
+  [[ " ${ALL[*]} " == *" $f "* ]] || die "unknown harness '$f' (harnesses: ${ALL[*]})"
+done
+if [ "${FUZZ_PRINT_PLAN:-0}" = 1 ]; then  # for the test of this script: what it would run at once
+  echo "fuzz plan: build jobs $JOBS, harnesses at a time $PARALLEL"
+  exit 0
+fi
+bash tools/configure_sanitize.sh "$BUILD_DIR"
+cmake --build "$BUILD_DIR" -j"$JOBS" --target dgserve_fuzzers
+
 export DGSERVE_SOURCE_DIR="$PWD"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 export OMP_NUM_THREADS=1
-# One harness per core at a time (FUZZ_PARALLEL, default nproc): each is single-threaded, so two
-# on two cores give every harness its full FUZZ_SECONDS in half the wall time.
-PARALLEL=${FUZZ_PARALLEL:-$CORES}
 # run_one HARNESS: runs it, then writes its result line(s) to $BUILD_DIR/findings/HARNESS.result
 # (exit status: 0 no finding).
 run_one() {
