@@ -283,6 +283,20 @@ INSTANTIATE_TEST_SUITE_P(
         Case{QuantFormat::kNvfp4, 16, 64, 16, true}, Case{QuantFormat::kNvfp4, 37, 304, 16, true},
         Case{QuantFormat::kNvfp4, 96, 528, 16, true}, Case{QuantFormat::kNvfp4, 5, 16, 16, true}));
 
+// Random NVFP4 weights [n, k]: every e2m1 code, e4m3 block scales 8..0x60 and the per-row
+// weight_scale_2 of two modules stacked (rows < 20 and the rest).
+struct RandomNvfp4 {
+  RandomNvfp4(std::mt19937& rng, int n, int k)
+      : codes(size_t(n) * k), block_scales(size_t(n) * (k / 16)), weight_global(n) {
+    std::uniform_int_distribution<int> code(0, 15), sc(8, 0x60);
+    for (uint8_t& b : codes) b = uint8_t(code(rng));
+    for (uint8_t& b : block_scales) b = uint8_t(sc(rng));
+    for (int r = 0; r < n; ++r) weight_global[r] = r < 20 ? 0.003f : 0.0021f;
+  }
+  std::vector<uint8_t> codes, block_scales;
+  std::vector<float> weight_global;
+};
+
 // Weight-only NVFP4 (NVFP4A16) against its definition in float64, from the codes and scales given
 // (not the matrix's accessors): y = weight_scale_2 · Σ_b sw_b · Σ_{k ∈ b} x · e2m1(w_q), the
 // activations unquantized. The bound is the float32 chain's; quantizing the activations anyway
@@ -291,12 +305,9 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(QuantGemmTest, Nvfp4WeightOnlyMatchesTheDefinitionInFloat64) {
   std::mt19937 rng(78);
   const int n = 40, k = 320, m = 7, nb = k / 16;
-  std::vector<uint8_t> codes(size_t(n) * k), bs(size_t(n) * nb);
-  std::uniform_int_distribution<int> code(0, 15), sc(8, 0x60);
-  for (uint8_t& b : codes) b = uint8_t(code(rng));
-  for (uint8_t& b : bs) b = uint8_t(sc(rng));
-  std::vector<float> g(n);
-  for (int r = 0; r < n; ++r) g[r] = r < 20 ? 0.003f : 0.0021f;  // two modules stacked
+  const RandomNvfp4 r4(rng, n, k);
+  const std::vector<uint8_t>&codes = r4.codes, &bs = r4.block_scales;
+  const std::vector<float>& g = r4.weight_global;
   const QuantMatrix w = QuantMatrix::FromNvfp4WeightOnly(codes.data(), bs.data(), g.data(), n, k);
   EXPECT_TRUE(w.nvfp4_weight_only());
   EXPECT_EQ(w.RowScale(0), 0.003f);  // alpha = weight_scale_2, no input scale
@@ -357,12 +368,9 @@ TEST(QuantGemmTest, Nvfp4WeightOnlyMatchesTheDefinitionInFloat64) {
 TEST(QuantGemmTest, Nvfp4MatchesTheBlockScaledDefinitionInFloat64) {
   std::mt19937 rng(77);
   const int n = 40, k = 320, m = 7, nb = k / 16;
-  std::vector<uint8_t> codes(size_t(n) * k), bs(size_t(n) * nb);
-  std::uniform_int_distribution<int> code(0, 15), sc(8, 0x60);
-  for (uint8_t& b : codes) b = uint8_t(code(rng));
-  for (uint8_t& b : bs) b = uint8_t(sc(rng));
-  std::vector<float> g(n);
-  for (int r = 0; r < n; ++r) g[r] = r < 20 ? 0.003f : 0.0021f;  // two modules stacked
+  const RandomNvfp4 r4(rng, n, k);
+  const std::vector<uint8_t>&codes = r4.codes, &bs = r4.block_scales;
+  const std::vector<float>& g = r4.weight_global;
   const float input_scale = 0.05f;
   const QuantMatrix w =
       QuantMatrix::FromNvfp4(codes.data(), bs.data(), g.data(), input_scale, n, k);
