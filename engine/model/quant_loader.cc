@@ -257,8 +257,10 @@ absl::Status AppendNvfp4Weights(const Module& m, float g, Nvfp4Rows* out) {
 
 absl::Status AppendNvfp4(const Module& m, Nvfp4Rows* out) {
   DGSERVE_ASSIGN_OR_RETURN(const float stored_g, PositiveScalar(*m.global));
-  if (m.weight_only) {  // NVFP4A16 (compressed-tensors): weight_scale_2 = float32(1 / wgs)
-    const float g = 1.0f / stored_g;
+  // compressed-tensors stores divisors: weight_scale_2 = 1 / weight_global_scale, input_scale =
+  // 1 / input_global_scale (float32, as vLLM's CompressedTensorsW4A4Fp4 and W4A16Fp4 compute them).
+  const float g = m.reciprocal ? 1.0f / stored_g : stored_g;
+  if (m.weight_only) {  // NVFP4A16 (compressed-tensors only): no activation scale
     if (!std::isfinite(g)) {
       return absl::InvalidArgumentError(
           absl::StrCat(m.global->file, ": tensor '", m.global->name,
@@ -267,9 +269,6 @@ absl::Status AppendNvfp4(const Module& m, Nvfp4Rows* out) {
     return AppendNvfp4Weights(m, g, out);
   }
   DGSERVE_ASSIGN_OR_RETURN(const float in, PositiveScalar(*m.input));
-  // compressed-tensors stores divisors: weight_scale_2 = 1 / weight_global_scale, input_scale =
-  // 1 / input_global_scale (float32, as vLLM's CompressedTensorsW4A4Fp4 computes them).
-  const float g = m.reciprocal ? 1.0f / stored_g : stored_g;
   const float input_scale = m.reciprocal ? 1.0f / in : in;
   if (!std::isfinite(g) || !std::isfinite(input_scale)) {
     return absl::InvalidArgumentError(
