@@ -183,6 +183,11 @@ class DenoiseEngineTest : public ::testing::Test {
   std::unique_ptr<kv::KvReceiver> receiver_;
   std::unique_ptr<kv::KvTransport> transport_;
   std::string target_;
+  // The engine's thread writes these until the engine is destroyed (TearDown), so they live in
+  // the fixture, not in a test body: a registry local to the test died while the thread still
+  // set a gauge after the last job ended ("malloc_consolidate(): unaligned fastbin chunk").
+  prometheus::Registry registry_;
+  DenoiseMetrics metrics_{registry_};
   std::unique_ptr<DenoiseEngine> engine_;
 };
 Checkpoint* DenoiseEngineTest::checkpoint_ = nullptr;
@@ -267,12 +272,7 @@ TEST_F(DenoiseEngineTest, SampleTemperatureSpreadGivesEachSampleItsSchedule) {
 }
 
 TEST_F(DenoiseEngineTest, RequestsBatchedTogetherGiveTheirTokensAlone) {
-  prometheus::Registry registry;
-  DenoiseMetrics metrics(registry);
-  DenoiseEngineOptions o;
-  o.model_id = "tiny";
-  engine_ = std::make_unique<DenoiseEngine>(backend_.get(), pool_.get(), receiver_.get(),
-                                            std::move(o), &metrics);
+  StartEngine(16, 256, 60000, &metrics_);
   const std::vector<int32_t> prompt = Prompt();
   std::vector<int32_t> other = prompt;
   other.resize(13);
@@ -312,10 +312,10 @@ TEST_F(DenoiseEngineTest, RequestsBatchedTogetherGiveTheirTokensAlone) {
   EXPECT_EQ(tb, want_b.tokens);
   EXPECT_EQ(want_a->decoder_passes, 72);
   // Every pass is counted once; some steps carried both canvases.
-  const auto batches = metrics.batch_canvases.Collect().histogram;
+  const auto batches = metrics_.batch_canvases.Collect().histogram;
   EXPECT_EQ(batches.sample_sum, double(want_a->decoder_passes + want_b.decoder_passes));
   EXPECT_LT(batches.sample_count, uint64_t(want_a->decoder_passes + want_b.decoder_passes));
-  EXPECT_EQ(metrics.canvases.Value(), 4);
+  EXPECT_EQ(metrics_.canvases.Value(), 4);
 }
 
 TEST_F(DenoiseEngineTest, ResumeFromACommittedCanvasGivesTheSameLaterCanvases) {
@@ -526,25 +526,23 @@ TEST_F(DenoiseEngineTest, KvWaitIsClampedToTheLeaseBound) {
 // Calls waiting for their KV count in dgserve_denoise_queue_depth (272 such calls filled the
 // queue while the gauge read 0: it was set only by the engine thread's loop).
 TEST_F(DenoiseEngineTest, RequestsWaitingForKvAreInTheQueueGauge) {
-  prometheus::Registry registry;
-  DenoiseMetrics metrics(registry);
-  StartEngine(16, 256, 60000, &metrics);
+  StartEngine(16, 256, 60000, &metrics_);
   std::vector<std::shared_ptr<DenoiseJob>> jobs;
   for (const char* id : {"q1", "q2", "q3"}) {
     jobs.push_back(std::make_shared<DenoiseJob>(Request(id, 21, C())));
     ASSERT_THAT(engine_->Submit(jobs.back()), IsOk());
   }
-  EXPECT_EQ(metrics.queue_depth.Value(), 3);
+  EXPECT_EQ(metrics_.queue_depth.Value(), 3);
   EXPECT_EQ(engine_->stats().queued, 3);
   EXPECT_TRUE(engine_->Cancel("q1"));
-  EXPECT_EQ(metrics.queue_depth.Value(), 2);
+  EXPECT_EQ(metrics_.queue_depth.Value(), 2);
   // One's KV arrives: it leaves the KV wait and runs; the gauge follows it out.
   SendKv("q2", Prompt());
   const JobEvents got = Collect(*jobs[1]);
   EXPECT_THAT(got.final, IsOk());
-  EXPECT_EQ(metrics.queue_depth.Value(), 1);
+  EXPECT_EQ(metrics_.queue_depth.Value(), 1);
   EXPECT_TRUE(engine_->Cancel("q3"));
-  EXPECT_EQ(metrics.queue_depth.Value(), 0);
+  EXPECT_EQ(metrics_.queue_depth.Value(), 0);
 }
 
 TEST_F(DenoiseEngineTest, KvOfAnotherLengthFailsTheRequest) {
