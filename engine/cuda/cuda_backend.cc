@@ -11,8 +11,9 @@ namespace {
 
 // Issue 37: a quantized matrix the device cannot keep in its own format (UploadFp8, UploadW4A16
 // or UploadNvfp4 declined it: W4A16 scales that are not bf16 values or a group that is not a
-// multiple of 8, an NVFP4 self-conditioning MLP, weight-only NVFP4 (NVFP4A16: the NVFP4 kernels
-// quantize their activations), a layer's experts of mixed formats, ...) would be
+// multiple of 8, a layer's experts of mixed formats or of mixed NVFP4 flavours (W4A4 and
+// weight-only NVFP4A16, which both run in 4 bits on their own: cuda_nvfp4.h), ...; an NVFP4
+// self-conditioning MLP is refused earlier, by backend_select.cc) would be
 // widened to bf16 — q·s rounded to bf16 and its activations taken as the GEMM input mode says,
 // where the CPU's cpu::QuantLinear multiplies the exact q·s by float32 (or format-quantized)
 // activations in both modes: another model. Refused instead of widened, so that a quantized weight

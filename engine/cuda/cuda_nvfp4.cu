@@ -110,12 +110,15 @@ __global__ void QuantizeKernel(const float* x, int64_t blocks, float g, uint16_t
 // weight rows (blockIdx.y), the reduction in chunks of 64 inputs. Per chunk:
 //  * A: thread t quantizes row t / 4, inputs 16·(t % 4) … +15 — exactly one NVFP4 block, so the
 //    block's absmax is the thread's own — and stores the dequantized values as bf16 (exact);
+//    weight-only (kATerms = 3): it stores the exact three-term split of the float32 inputs
+//    (SplitTermBits) instead, as three A tiles;
 //  * W: thread t widens four pieces (weight row t / 8 + 16 i, 8 inputs at 8·(t % 8)), each one
 //    packed word and one e4m3 block scale fetched one chunk ahead into registers, as
 //    bf16(e2m1(q) · sw) (exact) into shared memory;
 //  * warp w multiplies all 32 rows by weight rows 16w … 16w+15 (two n8 fragments) with mma.sync
-//    m16n8k16 bf16, the k16 steps in ascending order: each output is one fixed-order float32
-//    accumulation that does not depend on the other rows of the tile or the batch.
+//    m16n8k16 bf16, the k16 steps in ascending order (weight-only: terms lo, mid, hi within a
+//    step, as MoeMmaKernel): each output is one fixed-order float32 accumulation that does not
+//    depend on the other rows of the tile or the batch.
 // Gated (gate_up): the tile's weight rows 16w … 16w+7 are gate rows col0 + 8w + j and 16w+8 … +15
 // the up rows out + col0 + 8w + j, so gelu(g)·u is formed in registers.
 constexpr int kRows = 32;
@@ -123,26 +126,31 @@ constexpr int kW = 64;
 constexpr int kK = 64;
 constexpr int kLd = kK + 8;  // bf16 per shared row: 144 bytes, ldmatrix rows on distinct banks
 constexpr int kThreads = 128;
-constexpr size_t kSharedBytes = size_t(kRows + kW) * kLd * sizeof(uint16_t);
+// kATerms: bf16 A tiles per chunk, 1 (W4A4: the quantized activations) or 3 (weight-only: the
+// exact split of the float32 activations).
+constexpr size_t SharedBytes(int a_terms) {
+  return size_t(a_terms * kRows + kW) * kLd * sizeof(uint16_t);
+}
 
-template <bool kGated>
+template <bool kGated, int kATerms>
 __global__ void __launch_bounds__(kThreads)
     Nvfp4MmaKernel(const float* x, const int32_t* gather, const int32_t* offsets, int dense_rows,
                    Nvfp4Weights w, int in, int out, const float* row_scale, float* y) {
+  static_assert(kATerms == 1 || kATerms == 3, "W4A4 (one term) or weight-only (three)");
   const int e = blockIdx.z;
   const int begin = offsets != nullptr ? offsets[e] : 0;
   const int end = offsets != nullptr ? offsets[e + 1] : dense_rows;
   const int r0 = begin + int(blockIdx.x) * kRows;
   if (r0 >= end) return;  // uniform: no rows for this block
   const int nrows = min(kRows, end - r0);
-  uint16_t* As = DynamicShared<uint16_t>();  // [kRows][kLd]
-  uint16_t* Ws = As + kRows * kLd;           // [kW][kLd]
+  uint16_t* As = DynamicShared<uint16_t>();   // [kATerms][kRows][kLd]
+  uint16_t* Ws = As + kATerms * kRows * kLd;  // [kW][kLd]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int kCols = kGated ? kW / 2 : kW;
   const int col0 = blockIdx.y * kCols;
   const int64_t w_rows = kGated ? 2 * int64_t(out) : int64_t(out);
   const int words = in / 8, blocks = in / 16;
-  const float g = w.input_global[e];
+  const float g = kATerms == 1 ? w.input_global[e] : 1.0f;  // weight-only: no quantization
   const float inv_g = __fdiv_rn(1.0f, g);
   // The weight rows (of all experts' rows) this thread widens; −1: past the layer's rows.
   int64_t w_row[4];
@@ -182,8 +190,16 @@ __global__ void __launch_bounds__(kThreads)
     const bool live = a_src >= 0 && kk < in;  // in is a multiple of 16: whole blocks
     float v[16];
     for (int q = 0; q < 16; ++q) v[q] = live ? x[a_src * in + kk + q] : 0.0f;
-    QuantizeBlock(v, g, inv_g);
-    for (int q = 0; q < 16; ++q) As[ar * kLd + ak + q] = ToBf16Bits(v[q]);
+    if (kATerms == 1) {
+      QuantizeBlock(v, g, inv_g);
+      for (int q = 0; q < 16; ++q) As[ar * kLd + ak + q] = ToBf16Bits(v[q]);  // exact
+    } else {
+      for (int term = 0; term < kATerms; ++term) {  // hi, mid, lo: x exactly
+        for (int q = 0; q < 16; ++q) {
+          As[(term * kRows + ar) * kLd + ak + q] = SplitTermBits(v[q], term);
+        }
+      }
+    }
   };
   float acc[2][2][4];
   for (int a = 0; a < 2; ++a)
@@ -200,11 +216,14 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t b[4];  // b[0..1]: weight rows 16w … 16w+7, b[2..3]: 16w+8 … 16w+15
       mma::LdMatrixX4(
           b, Ws + (warp * 16 + (lane / 16) * 8 + lane % 8) * kLd + s * 16 + ((lane / 8) % 2) * 8);
-      for (int mf = 0; mf < 2; ++mf) {
-        uint32_t a[4];
-        mma::LdMatrixX4(a, As + (mf * 16 + lane % 16) * kLd + s * 16 + (lane / 16) * 8);
-        mma::MmaBf16M16N8K16(acc[mf][0], a, b);
-        mma::MmaBf16M16N8K16(acc[mf][1], a, b + 2);
+      for (int term = kATerms - 1; term >= 0; --term) {  // weight-only: lo, mid, hi
+        for (int mf = 0; mf < 2; ++mf) {
+          uint32_t a[4];
+          mma::LdMatrixX4(
+              a, As + (term * kRows + mf * 16 + lane % 16) * kLd + s * 16 + (lane / 16) * 8);
+          mma::MmaBf16M16N8K16(acc[mf][0], a, b);
+          mma::MmaBf16M16N8K16(acc[mf][1], a, b + 2);
+        }
       }
     }
     __syncthreads();  // As and Ws are rewritten next
@@ -246,11 +265,25 @@ absl::Status CheckArgs(const char* what, const Nvfp4Weights& w, int rows, int k,
         ": need rows ≥ 0, 1 ≤ k ≤ experts ≤ 65535, inputs a positive multiple of 16, outputs > 0");
   }
   if (w.codes == nullptr || w.block_scales == nullptr || w.alpha == nullptr ||
-      w.input_global == nullptr) {
-    return absl::InvalidArgumentError(std::string(what) +
-                                      ": NVFP4 weights need codes, block scales, alpha and g");
+      (w.input_global == nullptr && !w.weight_only)) {
+    return absl::InvalidArgumentError(
+        std::string(what) + ": NVFP4 weights need codes, block scales, alpha and (W4A4) g");
   }
   return absl::OkStatus();
+}
+
+// Launches Nvfp4MmaKernel<kGated, 1> (W4A4) or <kGated, 3> (weight-only) as w says.
+template <bool kGated>
+void LaunchNvfp4(dim3 grid, void* stream, const float* x, const int32_t* gather,
+                 const int32_t* offsets, int dense_rows, const Nvfp4Weights& w, int in, int out,
+                 const float* row_scale, float* y) {
+  if (w.weight_only) {
+    LaunchKernel(Nvfp4MmaKernel<kGated, 3>, grid, kThreads, SharedBytes(3), S(stream), x, gather,
+                 offsets, dense_rows, w, in, out, row_scale, y);
+  } else {
+    LaunchKernel(Nvfp4MmaKernel<kGated, 1>, grid, kThreads, SharedBytes(1), S(stream), x, gather,
+                 offsets, dense_rows, w, in, out, row_scale, y);
+  }
 }
 
 }  // namespace
@@ -279,8 +312,7 @@ absl::Status MoeGateUpNvfp4(const float* x, const int32_t* gather, const int32_t
   if (rows == 0) return absl::OkStatus();
   // A group holds at most `rows` rows (each token row picks k distinct experts).
   const dim3 grid((rows + kRows - 1) / kRows, (width + kW / 2 - 1) / (kW / 2), num_experts);
-  LaunchKernel(Nvfp4MmaKernel<true>, grid, kThreads, kSharedBytes, S(stream), x, gather, offsets, 0,
-               w, dim, width, static_cast<const float*>(nullptr), act);
+  LaunchNvfp4<true>(grid, stream, x, gather, offsets, 0, w, dim, width, nullptr, act);
   return Check("MoeGateUpNvfp4");
 }
 
@@ -292,8 +324,7 @@ absl::Status MoeDownNvfp4(const float* act, const int32_t* offsets, const float*
   }
   if (rows == 0) return absl::OkStatus();
   const dim3 grid((rows + kRows - 1) / kRows, (dim + kW - 1) / kW, num_experts);
-  LaunchKernel(Nvfp4MmaKernel<false>, grid, kThreads, kSharedBytes, S(stream), act,
-               static_cast<const int32_t*>(nullptr), offsets, 0, w, width, dim, slot_weight, y);
+  LaunchNvfp4<false>(grid, stream, act, nullptr, offsets, 0, w, width, dim, slot_weight, y);
   return Check("MoeDownNvfp4");
 }
 
@@ -304,9 +335,7 @@ absl::Status DenseLinearNvfp4(const float* x, const Nvfp4Weights& w, int rows, i
   }
   if (rows == 0) return absl::OkStatus();
   const dim3 grid((rows + kRows - 1) / kRows, (out + kW - 1) / kW, 1);
-  const int32_t* none = nullptr;
-  LaunchKernel(Nvfp4MmaKernel<false>, grid, kThreads, kSharedBytes, S(stream), x, none, none, rows,
-               w, in, out, static_cast<const float*>(nullptr), y);
+  LaunchNvfp4<false>(grid, stream, x, nullptr, nullptr, rows, w, in, out, nullptr, y);
   return Check("DenseLinearNvfp4");
 }
 

@@ -6,7 +6,9 @@
 // reference of the same quantized values (the CPU's quantized activations and
 // cpu::QuantMatrix::Widened weights) and against cpu::QuantLinear, within float32 summation
 // error (the products are exact: see cuda_nvfp4.h); and a row alone against the same row in a
-// batch, bit for bit.
+// batch, bit for bit. The GEMM tests run both NVFP4 flavours: W4A4 and weight-only (NVFP4A16,
+// cpu::QuantMatrix::FromNvfp4WeightOnly: the float32 activations unquantized, alpha =
+// weight_scale_2), whose float64 reference is Σ x · Widened · RowScale.
 #include "engine/cuda/cuda_nvfp4.h"
 
 #include <algorithm>
@@ -179,15 +181,18 @@ TEST(Nvfp4ValuesTest, CodesDecodeAsTheFormatsSay) {
 // E experts of [rows, in] NVFP4 weights, random codes and block scales (e4m3 codes 0x00 … 0x4f:
 // subnormals, zero and normal values up to 30), weight_scale_2 per module (split: the first
 // `split` rows one module, the rest another, as gate and up), input_scale per expert; the CPU's
-// QuantMatrix of each and the device layout of Nvfp4Weights.
+// QuantMatrix of each and the device layout of Nvfp4Weights. weight_only: FromNvfp4WeightOnly
+// (the same codes, block scales and weight_scale_2; no input_scale).
 struct Nvfp4Experts {
   int E, rows, in;
+  bool weight_only;
   std::vector<cpu::QuantMatrix> q;
   std::vector<uint32_t> words;
   std::vector<uint8_t> scales;
   std::vector<float> alpha, g;
 
-  Nvfp4Experts(int E_, int rows_, int in_, int split, uint32_t seed) : E(E_), rows(rows_), in(in_) {
+  Nvfp4Experts(int E_, int rows_, int in_, int split, uint32_t seed, bool weight_only_ = false)
+      : E(E_), rows(rows_), in(in_), weight_only(weight_only_) {
     std::mt19937 gen(seed);
     std::uniform_int_distribution<int> code(0, 15), sc(0, 0x4f);
     std::uniform_real_distribution<float> ws2(0.001f, 0.01f), is(0.05f, 0.5f);
@@ -199,8 +204,10 @@ struct Nvfp4Experts {
       std::vector<float> global(rows);
       for (int r = 0; r < rows; ++r) global[r] = r < split ? w_gate : w_up;
       const float input_scale = is(gen);
-      q.push_back(cpu::QuantMatrix::FromNvfp4(codes.data(), bs.data(), global.data(), input_scale,
-                                              rows, in));
+      q.push_back(weight_only ? cpu::QuantMatrix::FromNvfp4WeightOnly(codes.data(), bs.data(),
+                                                                      global.data(), rows, in)
+                              : cpu::QuantMatrix::FromNvfp4(codes.data(), bs.data(), global.data(),
+                                                            input_scale, rows, in));
       for (int r = 0; r < rows; ++r) {
         for (int c = 0; c < in; c += 8) {
           uint32_t w = 0;
@@ -218,10 +225,24 @@ struct Nvfp4Experts {
 
 class Nvfp4GemmTest : public CudaTest {
  protected:
+  // Weight-only: no g on the device (the kernel must not need it).
   Nvfp4Weights Device(const Nvfp4Experts& w) {
-    return {Upload(w.words), Upload(w.scales), Upload(w.alpha), Upload(w.g)};
+    return {Upload(w.words), Upload(w.scales), Upload(w.alpha),
+            w.weight_only ? nullptr : Upload(w.g), w.weight_only};
   }
 };
+
+// The activations the CPU multiplies by the widened weights (cpu::QuantLinear): NVFP4-quantized
+// with q's g (QuantizeRowNvfp4Global), or for a weight-only q the float32 row itself.
+void CpuActivations(const float* x, int k, const cpu::QuantMatrix& q, float* a) {
+  if (q.nvfp4_weight_only()) {
+    std::copy_n(x, k, a);
+  } else {
+    cpu::QuantizeRowNvfp4Global(x, k, q.InputGlobal(), a);
+  }
+}
+
+const char* Flavour(bool weight_only) { return weight_only ? "weight-only" : "W4A4"; }
 
 // Σ a·W over the CPU's quantized activations a and widened weights, in float64, with Σ |a·W|.
 void Dot(const float* a, const cpu::QuantMatrix& q, int r, double* sum, double* abs_sum) {
@@ -247,150 +268,155 @@ TEST_F(Nvfp4GemmTest, GroupedGemmsMatchFloat64AndCpu) {
   };
   const std::vector<Shape> shapes = {
       {50, 4, 1, 144, 80}, {37, 8, 2, 80, 48}, {5, 16, 4, 32, 112}, {70, 3, 2, 64, 32}};
-  uint32_t seed = 900;
-  double worst_f64 = 0, worst_cpu = 0;
-  for (const Shape& s : shapes) {
-    const int R = s.R, E = s.E, K = s.K, D = s.D, F = s.F;
-    SCOPED_TRACE(::testing::Message()
-                 << "R " << R << " E " << E << " K " << K << " D " << D << " F " << F);
-    const size_t n = size_t(R) * K;
-    const std::vector<float> x = RandomFloats(size_t(R) * D, -3.0f, 3.0f, seed++);
-    // Routing: each row picks K distinct experts; rows grouped by expert in row order.
-    std::mt19937 gen(seed++);
-    std::vector<std::vector<int>> by_expert(E);
-    std::vector<int> ids(E);
-    for (int r = 0; r < R; ++r) {
-      for (int e = 0; e < E; ++e) ids[e] = e;
-      std::shuffle(ids.begin(), ids.end(), gen);
-      for (int j = 0; j < K; ++j) by_expert[ids[j]].push_back(r);
-    }
-    std::vector<int32_t> offsets = {0}, gather;
-    for (int e = 0; e < E; ++e) {
-      for (int r : by_expert[e]) gather.push_back(r);
-      offsets.push_back(int32_t(gather.size()));
-    }
-    const std::vector<float> slot_weight = RandomFloats(n, 0.1f, 1.0f, seed++);
-    const Nvfp4Experts wgu(E, 2 * F, D, F, seed++), wd(E, D, F, D, seed++);
-    const int32_t* d_offsets = Upload(offsets);
-    float* act = Alloc<float>(n * F, 0xFF);
-    ASSERT_THAT(
-        MoeGateUpNvfp4(Upload(x), Upload(gather), d_offsets, Device(wgu), R, K, E, D, F, act),
-        IsOk());
-    const std::vector<float> got_act = Download(act, n * F);
-    float* y = Alloc<float>(n * D, 0xFF);
-    ASSERT_THAT(MoeDownNvfp4(act, d_offsets, Upload(slot_weight), Device(wd), R, K, E, F, D, y),
-                IsOk());
-    const std::vector<float> got_y = Download(y, n * D);
-    int bad = 0;
-    for (int e = 0; e < E; ++e) {
-      const int g0 = offsets[e], m = offsets[e + 1] - g0;
-      if (m == 0) continue;
-      // gate_up: the gathered rows, quantized as the CPU does, and the CPU's QuantLinear.
-      std::vector<float> xe(size_t(m) * D), aq(size_t(m) * D), gu(size_t(m) * 2 * F);
-      for (int i = 0; i < m; ++i) {
-        std::copy_n(&x[size_t(gather[g0 + i]) * D], D, &xe[size_t(i) * D]);
-        cpu::QuantizeRowNvfp4Global(&xe[size_t(i) * D], D, wgu.q[e].InputGlobal(),
-                                    &aq[size_t(i) * D]);
+  for (bool weight_only : {false, true}) {
+    uint32_t seed = 900;
+    double worst_f64 = 0, worst_cpu = 0;
+    for (const Shape& s : shapes) {
+      const int R = s.R, E = s.E, K = s.K, D = s.D, F = s.F;
+      SCOPED_TRACE(::testing::Message() << Flavour(weight_only) << " R " << R << " E " << E << " K "
+                                        << K << " D " << D << " F " << F);
+      const size_t n = size_t(R) * K;
+      const std::vector<float> x = RandomFloats(size_t(R) * D, -3.0f, 3.0f, seed++);
+      // Routing: each row picks K distinct experts; rows grouped by expert in row order.
+      std::mt19937 gen(seed++);
+      std::vector<std::vector<int>> by_expert(E);
+      std::vector<int> ids(E);
+      for (int r = 0; r < R; ++r) {
+        for (int e = 0; e < E; ++e) ids[e] = e;
+        std::shuffle(ids.begin(), ids.end(), gen);
+        for (int j = 0; j < K; ++j) by_expert[ids[j]].push_back(r);
       }
-      cpu::QuantLinear(xe.data(), m, wgu.q[e], gu.data());
-      for (int i = 0; i < m; ++i) {
-        for (int f = 0; f < F; ++f) {
-          double gs, ga, us, ua;
-          Dot(&aq[size_t(i) * D], wgu.q[e], f, &gs, &ga);
-          Dot(&aq[size_t(i) * D], wgu.q[e], F + f, &us, &ua);
-          const double al_g = wgu.q[e].RowScale(f), al_u = wgu.q[e].RowScale(F + f);
-          gs *= al_g, ga *= al_g, us *= al_u, ua *= al_u;
-          const double want = Gelu(gs) * us;
-          const double tol = kSumTol * (1.2 * ga * std::fabs(us) + std::fabs(Gelu(gs)) * ua) +
-                             1e-6 * std::fabs(want) + 1e-30;
-          const double got = got_act[size_t(g0 + i) * F + f];
-          worst_f64 = std::max(worst_f64, std::fabs(got - want) / tol);
-          const float cg = gu[size_t(i) * 2 * F + f], cu = gu[size_t(i) * 2 * F + F + f];
-          const double cpu = Gelu(cg) * cu;
-          worst_cpu = std::max(worst_cpu, std::fabs(got - cpu) / (2 * tol));
-          if (!(std::fabs(got - want) <= tol && std::fabs(got - cpu) <= 2 * tol) && ++bad <= 5) {
-            ADD_FAILURE() << "gate_up expert " << e << " act[" << g0 + i << ", " << f
-                          << "] = " << got << ", float64 " << want << ", CPU " << cpu;
+      std::vector<int32_t> offsets = {0}, gather;
+      for (int e = 0; e < E; ++e) {
+        for (int r : by_expert[e]) gather.push_back(r);
+        offsets.push_back(int32_t(gather.size()));
+      }
+      const std::vector<float> slot_weight = RandomFloats(n, 0.1f, 1.0f, seed++);
+      const Nvfp4Experts wgu(E, 2 * F, D, F, seed++, weight_only),
+          wd(E, D, F, D, seed++, weight_only);
+      const int32_t* d_offsets = Upload(offsets);
+      float* act = Alloc<float>(n * F, 0xFF);
+      ASSERT_THAT(
+          MoeGateUpNvfp4(Upload(x), Upload(gather), d_offsets, Device(wgu), R, K, E, D, F, act),
+          IsOk());
+      const std::vector<float> got_act = Download(act, n * F);
+      float* y = Alloc<float>(n * D, 0xFF);
+      ASSERT_THAT(MoeDownNvfp4(act, d_offsets, Upload(slot_weight), Device(wd), R, K, E, F, D, y),
+                  IsOk());
+      const std::vector<float> got_y = Download(y, n * D);
+      int bad = 0;
+      for (int e = 0; e < E; ++e) {
+        const int g0 = offsets[e], m = offsets[e + 1] - g0;
+        if (m == 0) continue;
+        // gate_up: the gathered rows, quantized as the CPU does, and the CPU's QuantLinear.
+        std::vector<float> xe(size_t(m) * D), aq(size_t(m) * D), gu(size_t(m) * 2 * F);
+        for (int i = 0; i < m; ++i) {
+          std::copy_n(&x[size_t(gather[g0 + i]) * D], D, &xe[size_t(i) * D]);
+          CpuActivations(&xe[size_t(i) * D], D, wgu.q[e], &aq[size_t(i) * D]);
+        }
+        cpu::QuantLinear(xe.data(), m, wgu.q[e], gu.data());
+        for (int i = 0; i < m; ++i) {
+          for (int f = 0; f < F; ++f) {
+            double gs, ga, us, ua;
+            Dot(&aq[size_t(i) * D], wgu.q[e], f, &gs, &ga);
+            Dot(&aq[size_t(i) * D], wgu.q[e], F + f, &us, &ua);
+            const double al_g = wgu.q[e].RowScale(f), al_u = wgu.q[e].RowScale(F + f);
+            gs *= al_g, ga *= al_g, us *= al_u, ua *= al_u;
+            const double want = Gelu(gs) * us;
+            const double tol = kSumTol * (1.2 * ga * std::fabs(us) + std::fabs(Gelu(gs)) * ua) +
+                               1e-6 * std::fabs(want) + 1e-30;
+            const double got = got_act[size_t(g0 + i) * F + f];
+            worst_f64 = std::max(worst_f64, std::fabs(got - want) / tol);
+            const float cg = gu[size_t(i) * 2 * F + f], cu = gu[size_t(i) * 2 * F + F + f];
+            const double cpu = Gelu(cg) * cu;
+            worst_cpu = std::max(worst_cpu, std::fabs(got - cpu) / (2 * tol));
+            if (!(std::fabs(got - want) <= tol && std::fabs(got - cpu) <= 2 * tol) && ++bad <= 5) {
+              ADD_FAILURE() << "gate_up expert " << e << " act[" << g0 + i << ", " << f
+                            << "] = " << got << ", float64 " << want << ", CPU " << cpu;
+            }
+          }
+        }
+        // down, on the device's act (its inputs, exactly).
+        std::vector<float> ae(got_act.begin() + size_t(g0) * F,
+                              got_act.begin() + size_t(g0 + m) * F);
+        std::vector<float> dq(ae.size()), cy(size_t(m) * D);
+        for (int i = 0; i < m; ++i) {
+          CpuActivations(&ae[size_t(i) * F], F, wd.q[e], &dq[size_t(i) * F]);
+        }
+        cpu::QuantLinear(ae.data(), m, wd.q[e], cy.data());
+        for (int i = 0; i < m; ++i) {
+          const double sw = slot_weight[g0 + i];
+          for (int d = 0; d < D; ++d) {
+            double ds, da;
+            Dot(&dq[size_t(i) * F], wd.q[e], d, &ds, &da);
+            const double al = wd.q[e].RowScale(d);
+            const double want = sw * al * ds;
+            const double tol = kSumTol * sw * al * da + 1e-6 * std::fabs(want) + 1e-30;
+            const double got = got_y[size_t(g0 + i) * D + d];
+            const double cpu = sw * cy[size_t(i) * D + d];
+            worst_f64 = std::max(worst_f64, std::fabs(got - want) / tol);
+            worst_cpu = std::max(worst_cpu, std::fabs(got - cpu) / (2 * tol));
+            if (!(std::fabs(got - want) <= tol && std::fabs(got - cpu) <= 2 * tol) && ++bad <= 5) {
+              ADD_FAILURE() << "down expert " << e << " y[" << g0 + i << ", " << d << "] = " << got
+                            << ", float64 " << want << ", CPU " << cpu;
+            }
           }
         }
       }
-      // down, on the device's act (its inputs, exactly).
-      std::vector<float> ae(got_act.begin() + size_t(g0) * F, got_act.begin() + size_t(g0 + m) * F);
-      std::vector<float> dq(ae.size()), cy(size_t(m) * D);
-      for (int i = 0; i < m; ++i) {
-        cpu::QuantizeRowNvfp4Global(&ae[size_t(i) * F], F, wd.q[e].InputGlobal(),
-                                    &dq[size_t(i) * F]);
-      }
-      cpu::QuantLinear(ae.data(), m, wd.q[e], cy.data());
-      for (int i = 0; i < m; ++i) {
-        const double sw = slot_weight[g0 + i];
-        for (int d = 0; d < D; ++d) {
-          double ds, da;
-          Dot(&dq[size_t(i) * F], wd.q[e], d, &ds, &da);
-          const double al = wd.q[e].RowScale(d);
-          const double want = sw * al * ds;
-          const double tol = kSumTol * sw * al * da + 1e-6 * std::fabs(want) + 1e-30;
-          const double got = got_y[size_t(g0 + i) * D + d];
-          const double cpu = sw * cy[size_t(i) * D + d];
-          worst_f64 = std::max(worst_f64, std::fabs(got - want) / tol);
-          worst_cpu = std::max(worst_cpu, std::fabs(got - cpu) / (2 * tol));
-          if (!(std::fabs(got - want) <= tol && std::fabs(got - cpu) <= 2 * tol) && ++bad <= 5) {
-            ADD_FAILURE() << "down expert " << e << " y[" << g0 + i << ", " << d << "] = " << got
-                          << ", float64 " << want << ", CPU " << cpu;
-          }
-        }
-      }
+      EXPECT_EQ(bad, 0);
     }
-    EXPECT_EQ(bad, 0);
+    std::printf("NVFP4 %s grouped GEMMs: worst |error| / tolerance: %.3g vs float64, %.3g vs CPU\n",
+                Flavour(weight_only), worst_f64, worst_cpu);
   }
-  std::printf("NVFP4 grouped GEMMs: worst |error| / tolerance: %.3g vs float64, %.3g vs CPU\n",
-              worst_f64, worst_cpu);
 }
 
 // A gathered row computed alone (its expert's only row, in a batch of one) gives the bits it gets
 // inside the full batch, for both projections.
 TEST_F(Nvfp4GemmTest, RowAloneEqualsRowInBatch) {
-  const int R = 45, E = 4, K = 2, D = 96, F = 64;
-  const size_t n = size_t(R) * K;
-  const std::vector<float> x = RandomFloats(size_t(R) * D, -2.0f, 2.0f, 71);
-  std::vector<int32_t> offsets = {0}, gather;
-  for (int e = 0; e < E; ++e) {  // rows r with r % E ∈ {e, e + 1 mod E}: each row in 2 experts
-    for (int r = 0; r < R; ++r) {
-      if (r % E == e || (r + 1) % E == e) gather.push_back(r);
+  for (bool weight_only : {false, true}) {
+    SCOPED_TRACE(Flavour(weight_only));
+    const int R = 45, E = 4, K = 2, D = 96, F = 64;
+    const size_t n = size_t(R) * K;
+    const std::vector<float> x = RandomFloats(size_t(R) * D, -2.0f, 2.0f, 71);
+    std::vector<int32_t> offsets = {0}, gather;
+    for (int e = 0; e < E; ++e) {  // rows r with r % E ∈ {e, e + 1 mod E}: each row in 2 experts
+      for (int r = 0; r < R; ++r) {
+        if (r % E == e || (r + 1) % E == e) gather.push_back(r);
+      }
+      offsets.push_back(int32_t(gather.size()));
     }
-    offsets.push_back(int32_t(gather.size()));
-  }
-  ASSERT_EQ(gather.size(), n);
-  const std::vector<float> slot_weight = RandomFloats(n, 0.1f, 1.0f, 72);
-  const Nvfp4Experts wgu(E, 2 * F, D, F, 73), wd(E, D, F, D, 74);
-  const Nvfp4Weights d_wgu = Device(wgu), d_wd = Device(wd);
-  float* act = Alloc<float>(n * F, 0xFF);
-  float* y = Alloc<float>(n * D, 0xFF);
-  const int32_t* d_offsets = Upload(offsets);
-  ASSERT_THAT(MoeGateUpNvfp4(Upload(x), Upload(gather), d_offsets, d_wgu, R, K, E, D, F, act),
-              IsOk());
-  ASSERT_THAT(MoeDownNvfp4(act, d_offsets, Upload(slot_weight), d_wd, R, K, E, F, D, y), IsOk());
-  const std::vector<float> batch_act = Download(act, n * F), batch_y = Download(y, n * D);
-  for (int g : {0, 17, int(n) - 1}) {
-    const int e = int(std::upper_bound(offsets.begin(), offsets.end(), g) - offsets.begin()) - 1;
-    std::vector<int32_t> one(E + 1, 0);
-    for (int j = e + 1; j <= E; ++j) one[j] = 1;
-    const std::vector<int32_t> gather1 = {gather[g]};
-    float* act1 = Alloc<float>(F, 0xFF);
-    float* y1 = Alloc<float>(D, 0xFF);
-    const int32_t* d_one = Upload(one);
-    // R = 1, K = 1: a batch of one token row routed to expert e alone.
-    ASSERT_THAT(MoeGateUpNvfp4(Upload(x), Upload(gather1), d_one, d_wgu, 1, 1, E, D, F, act1),
+    ASSERT_EQ(gather.size(), n);
+    const std::vector<float> slot_weight = RandomFloats(n, 0.1f, 1.0f, 72);
+    const Nvfp4Experts wgu(E, 2 * F, D, F, 73, weight_only), wd(E, D, F, D, 74, weight_only);
+    const Nvfp4Weights d_wgu = Device(wgu), d_wd = Device(wd);
+    float* act = Alloc<float>(n * F, 0xFF);
+    float* y = Alloc<float>(n * D, 0xFF);
+    const int32_t* d_offsets = Upload(offsets);
+    ASSERT_THAT(MoeGateUpNvfp4(Upload(x), Upload(gather), d_offsets, d_wgu, R, K, E, D, F, act),
                 IsOk());
-    ASSERT_THAT(MoeDownNvfp4(act1, d_one, Upload(std::vector<float>{slot_weight[g]}), d_wd, 1, 1, E,
-                             F, D, y1),
-                IsOk());
-    const std::vector<float> a1 = Download(act1, F), y1h = Download(y1, D);
-    for (int f = 0; f < F; ++f) {
-      ASSERT_EQ(Bits(a1[f]), Bits(batch_act[size_t(g) * F + f])) << "row " << g << " f " << f;
-    }
-    for (int d = 0; d < D; ++d) {
-      ASSERT_EQ(Bits(y1h[d]), Bits(batch_y[size_t(g) * D + d])) << "row " << g << " d " << d;
+    ASSERT_THAT(MoeDownNvfp4(act, d_offsets, Upload(slot_weight), d_wd, R, K, E, F, D, y), IsOk());
+    const std::vector<float> batch_act = Download(act, n * F), batch_y = Download(y, n * D);
+    for (int g : {0, 17, int(n) - 1}) {
+      const int e = int(std::upper_bound(offsets.begin(), offsets.end(), g) - offsets.begin()) - 1;
+      std::vector<int32_t> one(E + 1, 0);
+      for (int j = e + 1; j <= E; ++j) one[j] = 1;
+      const std::vector<int32_t> gather1 = {gather[g]};
+      float* act1 = Alloc<float>(F, 0xFF);
+      float* y1 = Alloc<float>(D, 0xFF);
+      const int32_t* d_one = Upload(one);
+      // R = 1, K = 1: a batch of one token row routed to expert e alone.
+      ASSERT_THAT(MoeGateUpNvfp4(Upload(x), Upload(gather1), d_one, d_wgu, 1, 1, E, D, F, act1),
+                  IsOk());
+      ASSERT_THAT(MoeDownNvfp4(act1, d_one, Upload(std::vector<float>{slot_weight[g]}), d_wd, 1, 1,
+                               E, F, D, y1),
+                  IsOk());
+      const std::vector<float> a1 = Download(act1, F), y1h = Download(y1, D);
+      for (int f = 0; f < F; ++f) {
+        ASSERT_EQ(Bits(a1[f]), Bits(batch_act[size_t(g) * F + f])) << "row " << g << " f " << f;
+      }
+      for (int d = 0; d < D; ++d) {
+        ASSERT_EQ(Bits(y1h[d]), Bits(batch_y[size_t(g) * D + d])) << "row " << g << " d " << d;
+      }
     }
   }
 }
@@ -398,42 +424,43 @@ TEST_F(Nvfp4GemmTest, RowAloneEqualsRowInBatch) {
 // The dense layer: one group of all rows, against float64 and QuantLinear; each row alone gives
 // its bits in the batch.
 TEST_F(Nvfp4GemmTest, DenseLinearMatchesFloat64AndCpuAndIsRowInvariant) {
-  for (const auto& [rows, in, out] : {std::tuple{67, 160, 72}, std::tuple{3, 32, 200}}) {
-    SCOPED_TRACE(::testing::Message() << "rows " << rows << " in " << in << " out " << out);
-    const Nvfp4Experts w(1, out, in, out, 500 + rows);
-    const Nvfp4Weights dw = Device(w);
-    const std::vector<float> x = RandomFloats(size_t(rows) * in, -4.0f, 4.0f, 600 + rows);
-    const float* d_x = Upload(x);
-    float* y = Alloc<float>(size_t(rows) * out, 0xFF);
-    ASSERT_THAT(DenseLinearNvfp4(d_x, dw, rows, in, out, y), IsOk());
-    const std::vector<float> got = Download(y, size_t(rows) * out);
-    std::vector<float> aq(x.size()), cy(size_t(rows) * out);
-    for (int r = 0; r < rows; ++r) {
-      cpu::QuantizeRowNvfp4Global(&x[size_t(r) * in], in, w.q[0].InputGlobal(),
-                                  &aq[size_t(r) * in]);
-    }
-    cpu::QuantLinear(x.data(), rows, w.q[0], cy.data());
-    int bad = 0;
-    for (int r = 0; r < rows; ++r) {
-      for (int o = 0; o < out; ++o) {
-        double s, a;
-        Dot(&aq[size_t(r) * in], w.q[0], o, &s, &a);
-        const double al = w.q[0].RowScale(o);
-        const double want = al * s, tol = kSumTol * al * a + 1e-6 * std::fabs(want) + 1e-30;
-        const double v = got[size_t(r) * out + o], cpu = cy[size_t(r) * out + o];
-        if (!(std::fabs(v - want) <= tol && std::fabs(v - cpu) <= 2 * tol) && ++bad <= 5) {
-          ADD_FAILURE() << "y[" << r << ", " << o << "] = " << v << ", float64 " << want << ", CPU "
-                        << cpu;
+  for (bool weight_only : {false, true}) {
+    for (const auto& [rows, in, out] : {std::tuple{67, 160, 72}, std::tuple{3, 32, 200}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << Flavour(weight_only) << " rows " << rows << " in " << in << " out " << out);
+      const Nvfp4Experts w(1, out, in, out, 500 + rows, weight_only);
+      const Nvfp4Weights dw = Device(w);
+      const std::vector<float> x = RandomFloats(size_t(rows) * in, -4.0f, 4.0f, 600 + rows);
+      const float* d_x = Upload(x);
+      float* y = Alloc<float>(size_t(rows) * out, 0xFF);
+      ASSERT_THAT(DenseLinearNvfp4(d_x, dw, rows, in, out, y), IsOk());
+      const std::vector<float> got = Download(y, size_t(rows) * out);
+      std::vector<float> aq(x.size()), cy(size_t(rows) * out);
+      for (int r = 0; r < rows; ++r)
+        CpuActivations(&x[size_t(r) * in], in, w.q[0], &aq[size_t(r) * in]);
+      cpu::QuantLinear(x.data(), rows, w.q[0], cy.data());
+      int bad = 0;
+      for (int r = 0; r < rows; ++r) {
+        for (int o = 0; o < out; ++o) {
+          double s, a;
+          Dot(&aq[size_t(r) * in], w.q[0], o, &s, &a);
+          const double al = w.q[0].RowScale(o);
+          const double want = al * s, tol = kSumTol * al * a + 1e-6 * std::fabs(want) + 1e-30;
+          const double v = got[size_t(r) * out + o], cpu = cy[size_t(r) * out + o];
+          if (!(std::fabs(v - want) <= tol && std::fabs(v - cpu) <= 2 * tol) && ++bad <= 5) {
+            ADD_FAILURE() << "y[" << r << ", " << o << "] = " << v << ", float64 " << want
+                          << ", CPU " << cpu;
+          }
         }
       }
-    }
-    EXPECT_EQ(bad, 0);
-    for (int r : {0, rows - 1}) {
-      float* y1 = Alloc<float>(out, 0xFF);
-      ASSERT_THAT(DenseLinearNvfp4(d_x + size_t(r) * in, dw, 1, in, out, y1), IsOk());
-      const std::vector<float> one = Download(y1, out);
-      for (int o = 0; o < out; ++o) {
-        ASSERT_EQ(Bits(one[o]), Bits(got[size_t(r) * out + o])) << "row " << r << " o " << o;
+      EXPECT_EQ(bad, 0);
+      for (int r : {0, rows - 1}) {
+        float* y1 = Alloc<float>(out, 0xFF);
+        ASSERT_THAT(DenseLinearNvfp4(d_x + size_t(r) * in, dw, 1, in, out, y1), IsOk());
+        const std::vector<float> one = Download(y1, out);
+        for (int o = 0; o < out; ++o) {
+          ASSERT_EQ(Bits(one[o]), Bits(got[size_t(r) * out + o])) << "row " << r << " o " << o;
+        }
       }
     }
   }

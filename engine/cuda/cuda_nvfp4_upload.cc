@@ -9,6 +9,7 @@ namespace {
 absl::StatusOr<bool> Upload(const std::vector<const cpu::QuantMatrix*>& experts, DeviceNvfp4* out) {
   if (experts.empty() || experts[0] == nullptr) return false;
   const int rows = experts[0]->rows(), cols = experts[0]->cols();
+  const bool weight_only = experts[0]->nvfp4_weight_only();
   if (cols % cpu::kNvfp4Block != 0) return false;
   const int words = cols / 8, blocks = cols / cpu::kNvfp4Block;
   std::vector<uint32_t> codes(experts.size() * rows * words, 0);
@@ -16,10 +17,10 @@ absl::StatusOr<bool> Upload(const std::vector<const cpu::QuantMatrix*>& experts,
   std::vector<float> alpha(experts.size() * rows), global(experts.size());
   for (size_t e = 0; e < experts.size(); ++e) {
     const cpu::QuantMatrix* q = experts[e];
-    // Weight-only NVFP4 (NVFP4A16) is declined: these kernels quantize the activations (W4A4);
-    // the backend then refuses the matrix (RefuseWidening) rather than run another model.
-    if (q == nullptr || q->format() != cpu::QuantFormat::kNvfp4 || q->nvfp4_weight_only() ||
-        q->rows() != rows || q->cols() != cols) {
+    // W4A4 and weight-only NVFP4 (NVFP4A16) both upload; experts that mix them are declined (one
+    // kernel mode per launch), and the backend then refuses them (RefuseWidening).
+    if (q == nullptr || q->format() != cpu::QuantFormat::kNvfp4 ||
+        q->nvfp4_weight_only() != weight_only || q->rows() != rows || q->cols() != cols) {
       return false;
     }
     // QuantMatrix's NVFP4 panels (gemm_quant.h): 16 rows per panel, per input c 8 bytes, byte j
@@ -38,7 +39,7 @@ absl::StatusOr<bool> Upload(const std::vector<const cpu::QuantMatrix*>& experts,
       for (int b = 0; b < blocks; ++b) {
         scales[(e * rows + r) * blocks + b] = panel_scales[size_t(b) * cpu::kGemmPanel + j];
       }
-      alpha[e * rows + r] = q->RowScale(r);
+      alpha[e * rows + r] = q->RowScale(r);  // weight-only: weight_scale_2
     }
     global[e] = q->InputGlobal();
   }
@@ -47,6 +48,7 @@ absl::StatusOr<bool> Upload(const std::vector<const cpu::QuantMatrix*>& experts,
   DGSERVE_RETURN_IF_ERROR(out->alpha.Upload(alpha));
   DGSERVE_RETURN_IF_ERROR(out->input_global.Upload(global));
   out->experts = int(experts.size());
+  out->weight_only = weight_only;
   return true;
 }
 
