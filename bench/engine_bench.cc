@@ -291,6 +291,10 @@ int Run() {
   std::string gpu_name = "cpu";
   double copy_gbs = 0, gemm_tflops = 0;
   const auto t0 = Clock::now();
+#ifdef DGSERVE_HAVE_CUDA
+  // One sequence's device K/V at the context, in the element size the backend's options store.
+  int64_t kv_bytes_per_seq = 0;
+#endif
   if (!cuda) {
     auto created = CreateBackend(g_backend, c, ckpt->weights);
     if (!created.ok()) {
@@ -307,6 +311,7 @@ int Run() {
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
+    kv_bytes_per_seq = CudaKvBytesPerSequence(c, P, options);
     // Every format runs in its own format (FP8 on the FP8 tensor cores, W4A16 and NVFP4
     // dequantized inside the GEMMs; W4A16 with float32 activations in both GEMM modes).
     // The ceilings first, while the device is empty.
@@ -403,7 +408,7 @@ int Run() {
         device_free = double(free_b);
         // Mirrors already made are reused; every sequence beyond needs one (its full layers'
         // capacity up to twice the context), and the rows' scratch.
-        device_need = std::max(0, B - mirrors) * 2.0 * double(CudaKvBytesPerSequence(c, P)) +
+        device_need = std::max(0, B - mirrors) * 2.0 * double(kv_bytes_per_seq) +
                       double(B) * C * DeviceBytesPerRow(c);
       }
     }
@@ -626,7 +631,7 @@ int Run() {
                       " gemm_tflops=", Fmt(gemm_tflops, "%.1f"),
                       " weight_bw_share=", Fmt(copy_share, "%.4f"));
 #ifdef DGSERVE_HAVE_CUDA
-      absl::StrAppend(&extra, " kv_device_bytes_per_seq=", CudaKvBytesPerSequence(c, P));
+      absl::StrAppend(&extra, " kv_device_bytes_per_seq=", kv_bytes_per_seq);
 #endif
     }
     const auto peak_rss = PeakResidentBytes();

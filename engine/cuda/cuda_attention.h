@@ -71,8 +71,9 @@ namespace dgserve::cuda {
 // (canvases) at once: bf16 Q, K and V into mma.sync m16n8k16 with float32 accumulation, the
 // online softmax (running max and sum) in float32, GQA packing (the query heads of one KV head
 // share each K/V tile). head_dim a multiple of 32 up to 512 (the model: 256 sliding, 512 full).
-// The context K/V are read as float32 (the backend's device mirror) and rounded to bf16 (nearest
-// even) while a tile is staged in shared memory; so are Q and the new K/V. Numbers: bf16 inputs,
+// Q and the new K/V are read as float32 and rounded to bf16 (nearest even) while a tile is
+// staged in shared memory; so is a float32 context (CanvasSegment), while a bf16 context
+// (CanvasSegmentBf16: the backend's bf16 mirror) is read as it is. Numbers: bf16 inputs,
 // so about 1e-2 relative on outputs against a float64 reference (cuda_attention_test).
 //
 // One segment of the table (device memory): query rows [row0, row0 + rows) of q / k_new / v_new
@@ -82,15 +83,24 @@ namespace dgserve::cuda {
 // ring ≥ ctx_tokens − ctx_first, so the visible tokens have distinct rows); every row sees
 // context tokens [ctx_first, ctx_tokens) (the window start: 0 for full layers, CanvasWindowStart
 // for sliding ones) and all `rows` canvas keys.
-struct CanvasSegment {
-  const float* ctx_k = nullptr;
-  const float* ctx_v = nullptr;
+// The context's element type T: float (CanvasSegment: the float32 mirror, which every kernel
+// reads) or uint16_t (CanvasSegmentBf16: bf16 bits, the backend's bf16 mirror, which only the
+// tensor-core kernels read: they round every K/V element to bf16 anyway, so a context stored
+// rounded — ToBf16Bits / FloatToBf16, nearest even, NaN kept — gives the same bits as its
+// float32 original). Both have the same layout.
+template <typename T>
+struct CanvasSegmentOf {
+  const T* ctx_k = nullptr;
+  const T* ctx_v = nullptr;
   int row0 = 0;
   int rows = 0;
   int ctx_tokens = 0;
   int ctx_first = 0;
   int ring = 0;  // rows of the context ring (0: contiguous)
 };
+using CanvasSegment = CanvasSegmentOf<float>;
+using CanvasSegmentBf16 = CanvasSegmentOf<uint16_t>;
+static_assert(sizeof(CanvasSegment) == sizeof(CanvasSegmentBf16));
 
 // First context token a canvas row sees (spec §3.5): 0 when window ≤ 0, else the last
 // min(ctx_tokens, window − 1) tokens.
@@ -116,6 +126,12 @@ absl::Status CanvasAttentionTable(const float* q, const float* k_new, const floa
 // out: [total_rows, num_heads, head_dim] (rows of no segment are left untouched).
 absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
                                        const CanvasSegment* segments, int num_segments,
+                                       int total_rows, int num_heads, int kv_heads, int head_dim,
+                                       float* out, void* stream = nullptr);
+// The same on a bf16 context (CanvasSegmentBf16): the float32 context's bits when the context
+// holds its bf16 roundings.
+absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
+                                       const CanvasSegmentBf16* segments, int num_segments,
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
                                        float* out, void* stream = nullptr);
 
@@ -164,6 +180,11 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
                                        int max_splits, int split_keys, void* scratch, float* out,
                                        void* stream = nullptr);
+absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
+                                       const CanvasSegmentBf16* segments, int num_segments,
+                                       int total_rows, int num_heads, int kv_heads, int head_dim,
+                                       int max_splits, int split_keys, void* scratch, float* out,
+                                       void* stream = nullptr);
 
 // ---- Tensor-core causal prefill attention (issue 34 items 2–3), one launch for a whole batch ----
 //
@@ -183,6 +204,7 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
 // ones. The segment's own rows are read from k_new / v_new, so a ring needs only
 // ring ≥ ctx_tokens − ctx_first (the context part of the window), whatever `rows` is.
 using PrefillSegment = CanvasSegment;
+using PrefillSegmentBf16 = CanvasSegmentBf16;  // a bf16 context (CanvasSegmentBf16)
 
 // Runs every segment of `segments` (a DEVICE array of num_segments entries) in one launch whose
 // grid depends only on total_rows, num_segments and kv_heads (not on context lengths); a row's
@@ -190,6 +212,10 @@ using PrefillSegment = CanvasSegment;
 // TensorCoreCanvasAttention; rows of no segment are left untouched.
 absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, const float* v_new,
                                         const PrefillSegment* segments, int num_segments,
+                                        int total_rows, int num_heads, int kv_heads, int head_dim,
+                                        int window, float* out, void* stream = nullptr);
+absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, const float* v_new,
+                                        const PrefillSegmentBf16* segments, int num_segments,
                                         int total_rows, int num_heads, int kv_heads, int head_dim,
                                         int window, float* out, void* stream = nullptr);
 

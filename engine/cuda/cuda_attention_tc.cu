@@ -28,7 +28,8 @@ using attention_internal::Range;
 // consecutive (row, query head of g's group) pairs of it, pair p = row · group + head offset: one
 // mma M tile (GQA packing: the heads of one KV head share every K/V tile). It walks the keys
 // [ctx_first, ctx_tokens) ++ canvas rows in tiles of kTcKeys keys, staged in shared memory as
-// bf16 (converted from float32 while loading: the mirror is float32). Per tile:
+// bf16 (the new rows converted from float32 while loading; the context too when it is float32,
+// TCtx = float; a bf16 context, TCtx = uint16_t, is copied as it is: LoadBf16Pair). Per tile:
 //   S = Q·Kᵀ   warp w computes the 16 × 8 scores of keys [8w, 8w + 8) over the full head_dim
 //              (Q by ldmatrix.x4, K [key][d] by ldmatrix.x2: B n-major);
 //   softmax    S in shared float32; 8 threads per row update the running max m and sum l
@@ -72,6 +73,14 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return uint32_t(ToBf16Bits(lo)) | (uint32_t(ToBf16Bits(hi)) << 16);
 }
 
+// Elements p[0], p[1] of a K/V row as a packed bf16 pair (p[0] in the low half): rounded from
+// float32, or read as they are from a bf16 row (one 32-bit load; p is 4-byte aligned: an even
+// element of a row of a multiple of 32 elements).
+__device__ __forceinline__ uint32_t LoadBf16Pair(const float* p) { return PackBf16(p[0], p[1]); }
+__device__ __forceinline__ uint32_t LoadBf16Pair(const uint16_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
 // Keys [lo, hi) (indices into the segment's [context ++ new]) visible to prefill row r: causal
 // (key_pos ≤ P + r) and, when window > 0, P + r − key_pos < window; never before ctx_first.
 __device__ __forceinline__ Range PrefillKeys(int r, int ctx_tokens, int ctx_first, int window) {
@@ -100,16 +109,18 @@ __host__ __device__ inline SplitRange CanvasSplits(int ctx_tokens, int ctx_first
 // writes its unnormalised O, running max m and sum l to the record
 // partial + ((z · total_rows + row) · num_heads + head) · (hd + 2) (O[hd], m, l); slots past the
 // segment's count do nothing.
-template <int kMaxTiles, bool kCausal>  // kMaxTiles ≥ head_dim / 32
+// TCtx: the context's element type (float or uint16_t bf16 bits; CanvasSegmentOf).
+template <int kMaxTiles, bool kCausal, typename TCtx>  // kMaxTiles ≥ head_dim / 32
 __global__ void __launch_bounds__(kTcThreads)
     TcAttentionKernel(const float* __restrict__ q, const float* __restrict__ k_new,
-                      const float* __restrict__ v_new, const CanvasSegment* __restrict__ segs,
-                      int num_segments, int num_heads, int kv_heads, int group, int hd, int window,
+                      const float* __restrict__ v_new,
+                      const CanvasSegmentOf<TCtx>* __restrict__ segs, int num_segments,
+                      int num_heads, int kv_heads, int group, int hd, int window,
                       float* __restrict__ out, int split_keys, int total_rows,
                       float* __restrict__ partial) {
   // This block's segment and tile within it (block-uniform).
   int b = blockIdx.x, si = 0;
-  CanvasSegment seg;
+  CanvasSegmentOf<TCtx> seg;
   for (; si < num_segments; ++si) {
     seg = segs[si];
     const int tiles = (seg.rows * group + kTcPairs - 1) / kTcPairs;
@@ -189,19 +200,16 @@ __global__ void __launch_bounds__(kTcThreads)
       uint32_t kw = 0, vw = 0;
       if (jj < nk && kb + jj >= lo) {
         const int j = kb + jj;
-        const float *kr, *vr;
         if (j < seg.ctx_tokens) {
           const int row = seg.ring > 0 ? j % seg.ring : j;  // a sliding layer's ring
           const int64_t off = (int64_t(row) * kv_heads + g) * hd + d;
-          kr = seg.ctx_k + off;
-          vr = seg.ctx_v + off;
+          kw = LoadBf16Pair(seg.ctx_k + off);
+          vw = LoadBf16Pair(seg.ctx_v + off);
         } else {
           const int64_t off = (int64_t(seg.row0 + j - seg.ctx_tokens) * kv_heads + g) * hd + d;
-          kr = k_new + off;
-          vr = v_new + off;
+          kw = LoadBf16Pair(k_new + off);
+          vw = LoadBf16Pair(v_new + off);
         }
-        kw = PackBf16(kr[0], kr[1]);
-        vw = PackBf16(vr[0], vr[1]);
       }
       *reinterpret_cast<uint32_t*>(ks + jj * stride + d) = kw;
       *reinterpret_cast<uint32_t*>(vs + jj * stride + d) = vw;
@@ -335,13 +343,14 @@ __global__ void __launch_bounds__(kTcThreads)
 // A segment needing more slots than max_splits (a caller's bound too small) gets NaN.
 constexpr int kCombineThreads = 256;
 
+template <typename TCtx>
 __global__ void __launch_bounds__(kCombineThreads)
-    CanvasCombineKernel(const CanvasSegment* __restrict__ segs, int num_segments, int total_rows,
-                        int num_heads, int hd, int split_keys, int max_splits,
+    CanvasCombineKernel(const CanvasSegmentOf<TCtx>* __restrict__ segs, int num_segments,
+                        int total_rows, int num_heads, int hd, int split_keys, int max_splits,
                         const float* __restrict__ partial, float* __restrict__ out) {
   const int row = blockIdx.x;
   int si = 0;
-  CanvasSegment seg;
+  CanvasSegmentOf<TCtx> seg;
   for (; si < num_segments; ++si) {
     seg = segs[si];
     if (row >= seg.row0 && row < seg.row0 + seg.rows) break;
@@ -372,12 +381,12 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // max_splits > 1 (canvas only): split-KV into `partial`, then the combine (both on `stream`).
-template <int kMaxTiles, bool kCausal>
+template <int kMaxTiles, bool kCausal, typename TCtx>
 absl::Status LaunchTc(const char* name, const float* q, const float* k_new, const float* v_new,
-                      const CanvasSegment* segs, int num_segments, int total_rows, int num_heads,
-                      int kv_heads, int head_dim, int window, int max_splits, int split_keys,
-                      float* partial, float* out, void* stream) {
-  const auto kernel = TcAttentionKernel<kMaxTiles, kCausal>;
+                      const CanvasSegmentOf<TCtx>* segs, int num_segments, int total_rows,
+                      int num_heads, int kv_heads, int head_dim, int window, int max_splits,
+                      int split_keys, float* partial, float* out, void* stream) {
+  const auto kernel = TcAttentionKernel<kMaxTiles, kCausal, TCtx>;
   const size_t bytes = size_t(TcSharedLayout(head_dim).total);
   if (absl::Status st = AllowSharedBytes(kernel, bytes, name); !st.ok()) return st;
   const int group = num_heads / kv_heads;
@@ -390,8 +399,8 @@ absl::Status LaunchTc(const char* name, const float* q, const float* k_new, cons
                split ? partial : nullptr);
   if constexpr (!kCausal) {
     if (split) {
-      LaunchKernel(CanvasCombineKernel, dim3(unsigned(total_rows)), kCombineThreads, 0, s, segs,
-                   num_segments, total_rows, num_heads, head_dim, split_keys, max_splits,
+      LaunchKernel(CanvasCombineKernel<TCtx>, dim3(unsigned(total_rows)), kCombineThreads, 0, s,
+                   segs, num_segments, total_rows, num_heads, head_dim, split_keys, max_splits,
                    static_cast<const float*>(partial), out);
     }
   }
@@ -401,9 +410,9 @@ absl::Status LaunchTc(const char* name, const float* q, const float* k_new, cons
 }
 
 // The argument checks and head-dim dispatch of both tensor-core entry points.
-template <bool kCausal>
+template <bool kCausal, typename TCtx>
 absl::Status TensorCoreAttention(const char* name, const float* q, const float* k_new,
-                                 const float* v_new, const CanvasSegment* segments,
+                                 const float* v_new, const CanvasSegmentOf<TCtx>* segments,
                                  int num_segments, int total_rows, int num_heads, int kv_heads,
                                  int head_dim, int window, int max_splits, int split_keys,
                                  void* scratch, float* out, void* stream) {
@@ -430,13 +439,13 @@ absl::Status TensorCoreAttention(const char* name, const float* q, const float* 
   }
   float* partial = static_cast<float*>(scratch);
   if (head_dim <= 256) {
-    return LaunchTc<8, kCausal>(name, q, k_new, v_new, segments, num_segments, total_rows,
-                                num_heads, kv_heads, head_dim, window, max_splits, split_keys,
-                                partial, out, stream);
+    return LaunchTc<8, kCausal, TCtx>(name, q, k_new, v_new, segments, num_segments, total_rows,
+                                      num_heads, kv_heads, head_dim, window, max_splits, split_keys,
+                                      partial, out, stream);
   }
-  return LaunchTc<16, kCausal>(name, q, k_new, v_new, segments, num_segments, total_rows, num_heads,
-                               kv_heads, head_dim, window, max_splits, split_keys, partial, out,
-                               stream);
+  return LaunchTc<16, kCausal, TCtx>(name, q, k_new, v_new, segments, num_segments, total_rows,
+                                     num_heads, kv_heads, head_dim, window, max_splits, split_keys,
+                                     partial, out, stream);
 }
 
 }  // namespace
@@ -451,13 +460,46 @@ size_t TensorCoreCanvasScratchBytes(int total_rows, int num_heads, int head_dim,
          size_t(head_dim + 2);
 }
 
+namespace {
+
+template <typename TCtx>
+absl::Status CanvasEntry(const float* q, const float* k_new, const float* v_new,
+                         const CanvasSegmentOf<TCtx>* segments, int num_segments, int total_rows,
+                         int num_heads, int kv_heads, int head_dim, int max_splits, int split_keys,
+                         void* scratch, float* out, void* stream) {
+  return TensorCoreAttention<false>("TensorCoreCanvasAttention", q, k_new, v_new, segments,
+                                    num_segments, total_rows, num_heads, kv_heads, head_dim,
+                                    /*window=*/0, max_splits, split_keys, scratch, out, stream);
+}
+
+template <typename TCtx>
+absl::Status PrefillEntry(const float* q, const float* k_new, const float* v_new,
+                          const CanvasSegmentOf<TCtx>* segments, int num_segments, int total_rows,
+                          int num_heads, int kv_heads, int head_dim, int window, float* out,
+                          void* stream) {
+  return TensorCoreAttention<true>("TensorCorePrefillAttention", q, k_new, v_new, segments,
+                                   num_segments, total_rows, num_heads, kv_heads, head_dim, window,
+                                   /*max_splits=*/1, kTcKeys, /*scratch=*/nullptr, out, stream);
+}
+
+}  // namespace
+
 absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
                                        const CanvasSegment* segments, int num_segments,
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
                                        float* out, void* stream) {
-  return TensorCoreCanvasAttention(q, k_new, v_new, segments, num_segments, total_rows, num_heads,
-                                   kv_heads, head_dim, /*max_splits=*/1, kCanvasSplitKeys,
-                                   /*scratch=*/nullptr, out, stream);
+  return CanvasEntry(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
+                     head_dim, /*max_splits=*/1, kCanvasSplitKeys, /*scratch=*/nullptr, out,
+                     stream);
+}
+
+absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
+                                       const CanvasSegmentBf16* segments, int num_segments,
+                                       int total_rows, int num_heads, int kv_heads, int head_dim,
+                                       float* out, void* stream) {
+  return CanvasEntry(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
+                     head_dim, /*max_splits=*/1, kCanvasSplitKeys, /*scratch=*/nullptr, out,
+                     stream);
 }
 
 absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
@@ -465,18 +507,33 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
                                        int max_splits, int split_keys, void* scratch, float* out,
                                        void* stream) {
-  return TensorCoreAttention<false>("TensorCoreCanvasAttention", q, k_new, v_new, segments,
-                                    num_segments, total_rows, num_heads, kv_heads, head_dim,
-                                    /*window=*/0, max_splits, split_keys, scratch, out, stream);
+  return CanvasEntry(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
+                     head_dim, max_splits, split_keys, scratch, out, stream);
+}
+
+absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
+                                       const CanvasSegmentBf16* segments, int num_segments,
+                                       int total_rows, int num_heads, int kv_heads, int head_dim,
+                                       int max_splits, int split_keys, void* scratch, float* out,
+                                       void* stream) {
+  return CanvasEntry(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
+                     head_dim, max_splits, split_keys, scratch, out, stream);
 }
 
 absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, const float* v_new,
                                         const PrefillSegment* segments, int num_segments,
                                         int total_rows, int num_heads, int kv_heads, int head_dim,
                                         int window, float* out, void* stream) {
-  return TensorCoreAttention<true>("TensorCorePrefillAttention", q, k_new, v_new, segments,
-                                   num_segments, total_rows, num_heads, kv_heads, head_dim, window,
-                                   /*max_splits=*/1, kTcKeys, /*scratch=*/nullptr, out, stream);
+  return PrefillEntry(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
+                      head_dim, window, out, stream);
+}
+
+absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, const float* v_new,
+                                        const PrefillSegmentBf16* segments, int num_segments,
+                                        int total_rows, int num_heads, int kv_heads, int head_dim,
+                                        int window, float* out, void* stream) {
+  return PrefillEntry(q, k_new, v_new, segments, num_segments, total_rows, num_heads, kv_heads,
+                      head_dim, window, out, stream);
 }
 
 }  // namespace dgserve::cuda

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/bf16.h"
 #include "common/testing/status_matchers.h"
 #include "engine/cuda/cuda_attention.h"
 #include "engine/cuda/cuda_attention_test_util.h"
@@ -18,6 +19,9 @@ namespace {
 
 using ::dgserve::testing::IsOk;
 using ::dgserve::testing::StatusIs;
+
+// A null segment table of the float32-context overloads (a bare nullptr is ambiguous).
+constexpr const CanvasSegment* kNoSegments = nullptr;
 
 // ---- TensorCoreCanvasAttention: many canvases in one launch, bf16 operands ----
 
@@ -61,12 +65,15 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
   // from ctx_first = row 0's window start (or 0 with ctx_first_zero: the row rule alone).
   // Canvas with split_keys > 0: split-KV with splits of split_keys keys and max_splits the
   // largest CanvasSplitCount of `segs` (or `max_splits` when > 0); the scratch starts as NaN.
+  // With bf16_ctx_ the contexts are uploaded as bf16 bits (dgserve::FloatToBf16 of each element,
+  // NaN kept) and run through the CanvasSegmentBf16 overloads.
   std::vector<std::vector<float>> RunBatch(const std::vector<TcSegment>& segs,
                                            const std::vector<Data>& data, int heads, int kvh,
                                            int hd, int gap = 1, bool ctx_first_zero = false,
                                            int split_keys = 0, int max_splits = 0) {
     const size_t qw = size_t(heads) * hd, kw = size_t(kvh) * hd;
     std::vector<CanvasSegment> table;
+    std::vector<CanvasSegmentBf16> table16;  // bf16_ctx_: the same segments, bf16 contexts
     std::vector<float> q, k, v;
     int row = 0;
     for (size_t i = 0; i < segs.size(); ++i) {
@@ -79,20 +86,34 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
       t.rows = segs[i].rows;
       t.ctx_tokens = segs[i].ctx;
       t.ctx_first = CanvasWindowStart(segs[i].ctx, segs[i].window);
+      std::vector<float> kc, vc;
       if (segs[i].ctx > 0 && segs[i].ring > 0) {
         // A sliding layer's ring: the window's rows only, NaN elsewhere.
         t.ring = segs[i].ring;
-        t.ctx_k = Upload(ToRing(data[i].k_ctx, t.ctx_first, t.ctx_tokens, int(kw), t.ring));
-        t.ctx_v = Upload(ToRing(data[i].v_ctx, t.ctx_first, t.ctx_tokens, int(kw), t.ring));
+        kc = ToRing(data[i].k_ctx, t.ctx_first, t.ctx_tokens, int(kw), t.ring);
+        vc = ToRing(data[i].v_ctx, t.ctx_first, t.ctx_tokens, int(kw), t.ring);
       } else if (segs[i].ctx > 0) {
         // Context before ctx_first is never read: NaN there would show in the output.
-        std::vector<float> kc = data[i].k_ctx, vc = data[i].v_ctx;
+        kc = data[i].k_ctx;
+        vc = data[i].v_ctx;
         std::fill_n(kc.begin(), size_t(t.ctx_first) * kw, NAN);
         std::fill_n(vc.begin(), size_t(t.ctx_first) * kw, NAN);
+      }
+      CanvasSegmentBf16 t16;
+      if (!kc.empty() && bf16_ctx_) {
+        t16.ctx_k = Upload(ToBf16(kc));
+        t16.ctx_v = Upload(ToBf16(vc));
+      } else if (!kc.empty()) {
         t.ctx_k = Upload(kc);
         t.ctx_v = Upload(vc);
       }
+      t16.row0 = t.row0;
+      t16.rows = t.rows;
+      t16.ctx_tokens = t.ctx_tokens;
+      t16.ctx_first = t.ctx_first;
+      t16.ring = t.ring;
       table.push_back(t);
+      table16.push_back(t16);
       q.insert(q.end(), data[i].q.begin(), data[i].q.end());
       k.insert(k.end(), data[i].k_new.begin(), data[i].k_new.end());
       v.insert(v.end(), data[i].v_new.begin(), data[i].v_new.end());
@@ -109,33 +130,35 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
       last_max_splits_ = splits;
       const size_t bytes = TensorCoreCanvasScratchBytes(total, heads, hd, splits);
       float* scratch = bytes == 0 ? nullptr : Alloc<float>(bytes / sizeof(float), 0xFF);
-      EXPECT_THAT(TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
-                                            int(table.size()), total, heads, kvh, hd, splits,
-                                            split_keys, scratch, out),
+      EXPECT_THAT(bf16_ctx_
+                      ? TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table16),
+                                                  int(table.size()), total, heads, kvh, hd, splits,
+                                                  split_keys, scratch, out)
+                      : TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
+                                                  int(table.size()), total, heads, kvh, hd, splits,
+                                                  split_keys, scratch, out),
                   IsOk());
     } else if (kind_ == Kind::kCanvas) {
-      EXPECT_THAT(TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
-                                            int(table.size()), total, heads, kvh, hd, out),
+      EXPECT_THAT(bf16_ctx_
+                      ? TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table16),
+                                                  int(table.size()), total, heads, kvh, hd, out)
+                      : TensorCoreCanvasAttention(Upload(q), Upload(k), Upload(v), Upload(table),
+                                                  int(table.size()), total, heads, kvh, hd, out),
                   IsOk());
     } else {
-      std::vector<PrefillSegment> prefill;
+      // PrefillSegment(Bf16) = CanvasSegment(Bf16): the table with each ctx_first chosen.
       for (size_t i = 0; i < table.size(); ++i) {
-        const CanvasSegment& t = table[i];
         EXPECT_EQ(segs[i].window, segs[0].window) << "one window per prefill launch";
-        PrefillSegment p;
-        p.ctx_k = t.ctx_k;
-        p.ctx_v = t.ctx_v;
-        p.row0 = t.row0;
-        p.rows = t.rows;
-        p.ctx_tokens = t.ctx_tokens;
-        p.ctx_first = ctx_first_zero ? 0 : t.ctx_first;
-        p.ring = t.ring;
-        prefill.push_back(p);
+        if (ctx_first_zero) table[i].ctx_first = table16[i].ctx_first = 0;
       }
-      EXPECT_THAT(TensorCorePrefillAttention(Upload(q), Upload(k), Upload(v), Upload(prefill),
-                                             int(prefill.size()), total, heads, kvh, hd,
-                                             segs.empty() ? 0 : segs[0].window, out),
-                  IsOk());
+      const int window = segs.empty() ? 0 : segs[0].window;
+      EXPECT_THAT(
+          bf16_ctx_
+              ? TensorCorePrefillAttention(Upload(q), Upload(k), Upload(v), Upload(table16),
+                                           int(table.size()), total, heads, kvh, hd, window, out)
+              : TensorCorePrefillAttention(Upload(q), Upload(k), Upload(v), Upload(table),
+                                           int(table.size()), total, heads, kvh, hd, window, out),
+          IsOk());
     }
     const std::vector<float> all = Download(out, total * qw);
     std::vector<std::vector<float>> res;
@@ -202,7 +225,44 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
     }
   }
 
+  static std::vector<uint16_t> ToBf16(const std::vector<float>& x) {
+    std::vector<uint16_t> b(x.size());
+    for (size_t i = 0; i < x.size(); ++i) b[i] = FloatToBf16(x[i]);
+    return b;
+  }
+
+  // `segs` on a bf16 context (CanvasSegmentBf16: the float32 context rounded by FloatToBf16)
+  // give the float32 context's bits (the kernel rounds each element it loads the same way).
+  // split_keys > 0: the canvas's split-KV.
+  void CheckBf16Context(int heads, int kvh, int hd, const std::vector<TcSegment>& segs,
+                        uint32_t seed, int split_keys = 0) {
+    std::vector<Data> data;
+    std::vector<Case> cases;
+    const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));  // as CheckBatch's
+    for (const TcSegment& s : segs) {
+      cases.push_back(Case{kind_, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
+      data.push_back(MakeData(cases.back(), seed++));
+    }
+    bf16_ctx_ = false;
+    const std::vector<std::vector<float>> f32 =
+        RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys);
+    bf16_ctx_ = true;
+    const std::vector<std::vector<float>> b16 =
+        RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys);
+    bf16_ctx_ = false;
+    for (size_t s = 0; s < segs.size(); ++s) {
+      ASSERT_EQ(b16[s].size(), f32[s].size());
+      for (size_t i = 0; i < f32[s].size(); ++i) {
+        ASSERT_EQ(std::memcmp(&b16[s][i], &f32[s][i], 4), 0)
+            << cases[s].Name() << " ring " << segs[s].ring << " element " << i;
+      }
+      // Not vacuous: the float64 reference on the float32 inputs.
+      Expect(cases[s], b16[s], Reference(cases[s], data[s]), kTcTolFloat);
+    }
+  }
+
   const Kind kind_;
+  bool bf16_ctx_ = false;  // RunBatch: bf16 contexts (CanvasSegmentBf16)
   int last_max_splits_ = 0;
   float worst_rounded_ = 0, worst_float_ = 0;  // the largest errors CheckBatch saw
 };
@@ -237,6 +297,17 @@ TEST_F(TensorCoreCanvasAttentionTest, RingContextMatchesContiguous) {
                                        {45, 9, 8}, {70, 1, 16}, {33, 17, 16}};
   CheckRing(4, 2, 256, segs, {7, 7, 8, 13, 15, 0}, 3400);
   CheckRing(8, 1, 512, segs, {8, 9, 7, 7, 16, 21}, 3500);
+}
+
+// A bf16 context (CanvasSegmentBf16, the backend's bf16 KV mirror) gives the float32 context's
+// bits: contiguous (full and windowed, NaN before the window) and ring contexts (rows wrap) in
+// one launch, both head dims, unsplit and split-KV (splits of 32 keys: up to three splits).
+TEST_F(TensorCoreCanvasAttentionTest, Bf16ContextEqualsFloat32ContextBitForBit) {
+  const std::vector<TcSegment> segs = {{0, 7, 0},        {45, 9, 8},    {70, 5, 0},
+                                       {33, 17, 16, 21}, {45, 3, 8, 7}, {8, 13, 8, 8}};
+  CheckBf16Context(4, 2, 256, segs, 3600);
+  CheckBf16Context(8, 1, 512, segs, 3700);
+  CheckBf16Context(4, 2, 256, segs, 3800, /*split_keys=*/32);
 }
 
 // Large scores (standard deviation about 30): the running max keeps exp() in range across tiles.
@@ -370,11 +441,11 @@ TEST(TensorCoreCanvasAttentionArgsTest, SplitKvArguments) {
   EXPECT_EQ(TensorCoreCanvasScratchBytes(10, 4, 64, 1), 0u);
   EXPECT_EQ(TensorCoreCanvasScratchBytes(10, 4, 64, 3), sizeof(float) * 3 * 10 * 4 * 66);
   // split_keys not a multiple of 32, max_splits < 1, no scratch for max_splits > 1.
-  EXPECT_THAT(TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 2, 48,
-                                        nullptr, nullptr),
+  EXPECT_THAT(TensorCoreCanvasAttention(nullptr, nullptr, nullptr, kNoSegments, 0, 0, 4, 2, 256, 2,
+                                        48, nullptr, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 0, 64,
-                                        nullptr, nullptr),
+  EXPECT_THAT(TensorCoreCanvasAttention(nullptr, nullptr, nullptr, kNoSegments, 0, 0, 4, 2, 256, 0,
+                                        64, nullptr, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument));
   float dummy = 0;
   const CanvasSegment* seg = reinterpret_cast<const CanvasSegment*>(&dummy);
@@ -385,16 +456,16 @@ TEST(TensorCoreCanvasAttentionArgsTest, SplitKvArguments) {
 
 TEST(TensorCoreCanvasAttentionArgsTest, BadShapesAreInvalidArgument) {
   EXPECT_THAT(
-      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, nullptr),
+      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, kNoSegments, 0, 0, 4, 2, 256, nullptr),
       IsOk());
   EXPECT_THAT(
-      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 80, nullptr),
+      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, kNoSegments, 1, 4, 4, 2, 80, nullptr),
       StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(
-      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 3, 256, nullptr),
+      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, kNoSegments, 1, 4, 4, 3, 256, nullptr),
       StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(
-      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 256, nullptr),
+      TensorCoreCanvasAttention(nullptr, nullptr, nullptr, kNoSegments, 1, 4, 4, 2, 256, nullptr),
       StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(CanvasWindowStart(20, 0), 0);
   EXPECT_EQ(CanvasWindowStart(20, 8), 13);
@@ -487,19 +558,26 @@ TEST_F(TensorCorePrefillAttentionTest, RingContextMatchesContiguous) {
   CheckRing(4, 4, 64, segs, {8, 9, 7, 7, 11}, 6200);
 }
 
+// A bf16 context (CanvasSegmentBf16) gives the float32 context's bits: contiguous contexts with
+// and without a window and ring contexts (rows wrap), a chunk longer than the window.
+TEST_F(TensorCorePrefillAttentionTest, Bf16ContextEqualsFloat32ContextBitForBit) {
+  CheckBf16Context(4, 2, 256, {{0, 5, 0}, {45, 9, 0}, {70, 33, 0}}, 6300);
+  CheckBf16Context(4, 2, 256, {{7, 3, 8}, {29, 40, 8, 13}, {70, 17, 8, 7}, {45, 9, 8}}, 6400);
+}
+
 TEST(TensorCorePrefillAttentionArgsTest, BadShapesAreInvalidArgument) {
-  EXPECT_THAT(
-      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 0, 0, 4, 2, 256, 0, nullptr),
-      IsOk());
-  EXPECT_THAT(
-      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 80, 0, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(
-      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 3, 256, 8, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(
-      TensorCorePrefillAttention(nullptr, nullptr, nullptr, nullptr, 1, 4, 4, 2, 256, 8, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(TensorCorePrefillAttention(nullptr, nullptr, nullptr, kNoSegments, 0, 0, 4, 2, 256, 0,
+                                         nullptr),
+              IsOk());
+  EXPECT_THAT(TensorCorePrefillAttention(nullptr, nullptr, nullptr, kNoSegments, 1, 4, 4, 2, 80, 0,
+                                         nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(TensorCorePrefillAttention(nullptr, nullptr, nullptr, kNoSegments, 1, 4, 4, 3, 256, 8,
+                                         nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(TensorCorePrefillAttention(nullptr, nullptr, nullptr, kNoSegments, 1, 4, 4, 2, 256, 8,
+                                         nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 }  // namespace

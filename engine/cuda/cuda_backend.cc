@@ -223,6 +223,10 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
     auto m = std::make_unique<KvMirror>();
     m->k.resize(c_.num_layers);
     m->v.resize(c_.num_layers);
+    m->k16.resize(c_.num_layers);
+    m->v16.resize(c_.num_layers);
+    m->bf16.resize(c_.num_layers);
+    for (int l = 0; l < c_.num_layers; ++l) m->bf16[l] = Bf16Mirror(l);
     m->ring.assign(c_.num_layers, 0);
     it = mirrors_.emplace(&kv, std::move(m)).first;
   }
@@ -247,8 +251,13 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       // A sliding ring shorter than W has not wrapped (capacity > every position): its rows stay.
       const int rows = MirrorRows(l, cap), old_rows = MirrorRows(l, m->capacity);
       const size_t keep = size_t(std::min(m->synced, old_rows)) * w;
-      DGSERVE_RETURN_IF_ERROR(m->k[l].Grow(size_t(rows) * w, keep));
-      DGSERVE_RETURN_IF_ERROR(m->v[l].Grow(size_t(rows) * w, keep));
+      if (m->bf16[l]) {
+        DGSERVE_RETURN_IF_ERROR(m->k16[l].Grow(size_t(rows) * w, keep));
+        DGSERVE_RETURN_IF_ERROR(m->v16[l].Grow(size_t(rows) * w, keep));
+      } else {
+        DGSERVE_RETURN_IF_ERROR(m->k[l].Grow(size_t(rows) * w, keep));
+        DGSERVE_RETURN_IF_ERROR(m->v[l].Grow(size_t(rows) * w, keep));
+      }
       m->ring[l] = MirrorRing(l, cap);
     }
     m->capacity = cap;
@@ -264,19 +273,37 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       for (int which = 0; which < 2; ++which) {
         // Per run of consecutive mirror rows (a sliding layer's ring wraps once at most).
         DGSERVE_RETURN_IF_ERROR(m->ForEachRun(l, from, n - from, [&](int p0, int row, int count) {
-          host_stage_.resize(size_t(count) * w);
-          for (int p = p0; p < p0 + count; ++p) {
-            const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
-            std::memcpy(&host_stage_[size_t(p - p0) * w], src, w * sizeof(float));
+          // A bf16 layer's rows rounded here (FloatToBf16: the device's ToBf16Bits bit for bit),
+          // half the bytes to copy.
+          const bool bf16 = m->bf16[l];
+          const void* data;
+          size_t bytes;
+          void* dst;
+          if (bf16) {
+            host_stage16_.resize(size_t(count) * w);
+            for (int p = p0; p < p0 + count; ++p) {
+              const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
+              uint16_t* out = &host_stage16_[size_t(p - p0) * w];
+              for (size_t i = 0; i < w; ++i) out[i] = FloatToBf16(src[i]);
+            }
+            data = host_stage16_.data();
+            bytes = host_stage16_.size() * sizeof(uint16_t);
+            dst = (which == 0 ? m->k16[l] : m->v16[l]).get() + size_t(row) * w;
+          } else {
+            host_stage_.resize(size_t(count) * w);
+            for (int p = p0; p < p0 + count; ++p) {
+              const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
+              std::memcpy(&host_stage_[size_t(p - p0) * w], src, w * sizeof(float));
+            }
+            data = host_stage_.data();
+            bytes = host_stage_.size() * sizeof(float);
+            dst = (which == 0 ? m->k[l] : m->v[l]).get() + size_t(row) * w;
           }
-          float* dst = (which == 0 ? m->k[l] : m->v[l]).get() + size_t(row) * w;
           // On stream_ (ordered before the pass's kernels); from pageable memory CUDA stages the
-          // rows before returning, so host_stage_ is free again at once.
+          // rows before returning, so the host staging is free again at once.
           cuda::NoteUpload();
-          return CudaCheck(
-              cudaMemcpyAsync(dst, host_stage_.data(), host_stage_.size() * sizeof(float),
-                              cudaMemcpyHostToDevice, stream_),
-              "cudaMemcpyAsync (KV upload)");
+          return CudaCheck(cudaMemcpyAsync(dst, data, bytes, cudaMemcpyHostToDevice, stream_),
+                           "cudaMemcpyAsync (KV upload)");
         }));
       }
     }
@@ -685,13 +712,19 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackendSynthetic(
   return std::unique_ptr<ModelBackend>(std::move(backend));
 }
 
-int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens) {
+int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens,
+                               const CudaBackendOptions& options) {
   if (context_tokens <= 0) return 0;
   int64_t bytes = 0;
   for (int l = 0; l < config.num_layers; ++l) {
     const int64_t kvw = int64_t(config.KvHeads(l)) * config.HeadDim(l);
-    bytes += 2 * int64_t(cuda_internal::KvMirrorRows(config, l, context_tokens)) * kvw *
-             int64_t(sizeof(float));
+    const int rows = options.sliding_kv_ring
+                         ? cuda_internal::KvMirrorRows(config, l, context_tokens)
+                         : context_tokens;
+    const int64_t element = cuda_internal::KvMirrorBf16(config, options, l)
+                                ? int64_t(sizeof(uint16_t))
+                                : int64_t(sizeof(float));
+    bytes += 2 * int64_t(rows) * kvw * element;
   }
   return bytes;
 }

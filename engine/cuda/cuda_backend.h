@@ -9,19 +9,20 @@
 // work runs on the backend's stream, replayed as a CUDA graph per step shape (cuda_graphs).
 //
 // KV cache: the ModelBackend interface hands the backend host-side KvCache objects (contiguous or
-// the paged pool of kvstore/). The backend keeps a device mirror per KvCache — float32 K and V
-// per layer, [capacity, kv_heads·head_dim] indexed by position on full layers, a ring of the
-// window's min(capacity, W) rows (position p in row p % ring) on sliding layers
-// (CudaKvBytesPerSequence) — and keeps the host cache authoritative: Encode writes the new K/V
-// rows into the device mirror (device to device, after the layer's attention) and into the host
-// cache (asynchronous copies into pinned staging, written to the cache when the pass ends or the
-// staging fills: encode_staging_bytes), so every other user of the cache (prefix reuse,
-// transfers, the CPU backend) sees the same rows. A pass uploads only the
-// rows the mirror lacks (all visible ones for a cache it has not seen; none in the steady state
-// of encode → denoise steps). A mirror is recognised by the cache's address, its token count
-// and copies of the key rows at positions 0 and n−1 of the first full layer (a cache freed and
-// another allocated at the same address is re-uploaded unless both rows match bit for bit);
-// at most `max_kv_mirrors` mirrors are kept, least recently used dropped first.
+// the paged pool of kvstore/). The backend keeps a device mirror per KvCache — K and V per layer
+// (float32; bf16 on the layers whose attention runs on the tensor cores: bf16_kv_mirror),
+// [capacity, kv_heads·head_dim] indexed by position on full layers, a ring of the window's
+// min(capacity, W) rows (position p in row p % ring) on sliding layers (CudaKvBytesPerSequence) —
+// and keeps the host cache authoritative: Encode writes the new K/V rows into the device mirror
+// (device to device, after the layer's attention) and into the host cache (asynchronous copies into
+// pinned staging, written to the cache when the pass ends or the staging fills:
+// encode_staging_bytes), so every other user of the cache (prefix reuse, transfers, the CPU
+// backend) sees the same rows. A pass uploads only the rows the mirror lacks (all visible ones for
+// a cache it has not seen; none in the steady state of encode → denoise steps). A mirror is
+// recognised by the cache's address, its token count and copies of the key rows at positions 0 and
+// n−1 of the first full layer (a cache freed and another allocated at the same address is
+// re-uploaded unless both rows match bit for bit); at most `max_kv_mirrors` mirrors are kept, least
+// recently used dropped first.
 //
 // Only this header is seen by code outside engine/cuda; it needs no CUDA headers.
 #pragma once
@@ -99,6 +100,14 @@ struct CudaBackendOptions {
   // (KvMirror, CudaKvBytesPerSequence), the default; false: every position, as full layers (the
   // former layout, kept so tests can show the ring gives the same bits).
   bool sliding_kv_ring = true;
+  // With tensor_core_attention, the device mirror of a layer whose attention takes the tensor
+  // cores stores K and V as bf16 (each element rounded to nearest even, NaN kept: the rounding
+  // those kernels apply to every K/V element they load, so the results are the same bits) at
+  // half the bytes and half the attention's K/V traffic, the default; false: float32 (kept so
+  // tests can show both give the same bits). No effect without tensor_core_attention: the
+  // float32 kernels (CanvasAttention, PrefillAttention, CanvasAttentionTable) compute on float32
+  // K/V, so their layers' mirrors stay float32. The host KvCache stays float32 either way.
+  bool bf16_kv_mirror = true;
 };
 
 // What the CUDA-graph path of a backend (CudaBackendOptions::cuda_graphs) has done so far.
@@ -114,14 +123,18 @@ struct CudaGraphStats {
 // nullopt for any other backend.
 std::optional<CudaGraphStats> GetCudaGraphStats(const ModelBackend& backend);
 
-// Device bytes of K/V one sequence's mirror holds for `context_tokens` positions (the KV mirror
-// of cuda_backend_internal.h): K and V of every position on the full layers, of the window's
-// ring (min(context_tokens, W) rows) on the sliding layers, float32 (4 bytes an element). A
-// mirror allocates capacity for its positions growing by doubling from 64, so its full layers
-// may hold up to twice this many rows. The real 30-layer shape (25 sliding layers of 8 × 256,
-// 5 full of 2 × 512, W = 1024): 503,316,480 bytes at 2k, 1,761,607,680 at 32k, 5,788,139,520 at
-// 128k (engine/cuda/DEVICE_CHECK.md). context_tokens ≤ 0: 0.
-int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens);
+// Device bytes of K/V one sequence's mirror holds for `context_tokens` positions in a backend
+// made with `options` (the KV mirror of cuda_backend_internal.h): K and V of every position on
+// the full layers, of the window's ring (min(context_tokens, W) rows) on the sliding layers
+// (every position without options.sliding_kv_ring); 2 bytes an element on the layers that store
+// bf16 (options.tensor_core_attention and bf16_kv_mirror, head_dim a multiple of 32 up to 512),
+// else 4 (float32). A mirror allocates capacity for its positions growing by doubling from 64,
+// so its full layers may hold up to twice this many rows. The real 30-layer shape (25 sliding
+// layers of 8 × 256, 5 full of 2 × 512, W = 1024), float32 (the default options): 503,316,480
+// bytes at 2k, 1,761,607,680 at 32k, 5,788,139,520 at 128k; bf16: half
+// (engine/cuda/DEVICE_CHECK.md). context_tokens ≤ 0: 0.
+int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens,
+                               const CudaBackendOptions& options = {});
 
 // Device bytes the K/V mirror of `kv` allocates now in a backend made by CreateCudaBackend or
 // CreateCudaBackendSynthetic (every layer's K and V arrays); nullopt for any other backend or

@@ -207,12 +207,18 @@ struct DeviceLayer {
 // first; the encoder writes its rows after its attention, so W − 1 rows would do: W keeps one
 // spare). While the ring is shorter than W it is also shorter than capacity, so no row has
 // wrapped and growing it keeps its rows in place.
+// A layer whose attention runs on the tensor cores (CudaBackend::Bf16Mirror) stores its rows as
+// bf16 bits (k16 / v16: each element rounded by FloatToBf16 / ToBf16Bits, the rounding the
+// tensor-core kernels apply to a float32 context, so they read the same bits); the others as
+// float32 (k / v), which the float32 kernels need. Each layer uses one pair; the other is empty.
 struct KvMirror {
-  std::vector<DeviceArray<float>> k, v;    // per layer [MirrorRows(l, capacity), kvw]
-  std::vector<int> ring;                   // per layer: ring rows (sliding), 0 (full: linear)
-  int capacity = 0;                        // positions the full layers hold
-  int synced = 0;                          // positions [visible lo, synced) are on the device
-  std::vector<float> first_row, last_row;  // fingerprint: K rows 0 and synced−1 of layer fp
+  std::vector<DeviceArray<float>> k, v;         // per layer [MirrorRows(l, capacity), kvw]
+  std::vector<DeviceArray<uint16_t>> k16, v16;  // the same, bf16 bits (bf16 layers)
+  std::vector<char> bf16;                       // per layer: stored in k16 / v16
+  std::vector<int> ring;                        // per layer: ring rows (sliding), 0 (full: linear)
+  int capacity = 0;                             // positions the full layers hold
+  int synced = 0;                               // positions [visible lo, synced) are on the device
+  std::vector<float> first_row, last_row;       // fingerprint: K rows 0 and synced−1 of layer fp
   uint64_t last_use = 0;
 
   // The row of position p in layer l.
@@ -235,6 +241,16 @@ struct KvMirror {
 // the window W on sliding ones (KvMirror).
 inline int KvMirrorRows(const ModelConfig& c, int l, int capacity) {
   return c.IsFull(l) || c.sliding_window <= 0 ? capacity : std::min(capacity, c.sliding_window);
+}
+
+// Whether layer l's attention runs on the tensor cores (options.tensor_core_attention and a
+// head_dim they take), and whether its mirror then stores bf16 (options.bf16_kv_mirror).
+inline bool TensorCoreLayer(const ModelConfig& c, const CudaBackendOptions& o, int l) {
+  const int hd = c.HeadDim(l);
+  return o.tensor_core_attention && hd % 32 == 0 && hd <= cuda::kMaxAttentionHeadDim;
+}
+inline bool KvMirrorBf16(const ModelConfig& c, const CudaBackendOptions& o, int l) {
+  return TensorCoreLayer(c, o, l) && o.bf16_kv_mirror;
 }
 
 // One sequence inside a batched pass: rows [row0, row0 + rows) of the stacked activations (no
@@ -292,8 +308,10 @@ class CudaBackend final : public ModelBackend {
     const auto it = mirrors_.find(&kv);
     if (it == mirrors_.end()) return std::nullopt;
     int64_t n = 0;
+    const KvMirror& m = *it->second;
     for (int l = 0; l < c_.num_layers; ++l) {
-      n += int64_t(it->second->k[l].size() + it->second->v[l].size()) * int64_t(sizeof(float));
+      n += int64_t(m.k[l].size() + m.v[l].size()) * int64_t(sizeof(float)) +
+           int64_t(m.k16[l].size() + m.v16[l].size()) * int64_t(sizeof(uint16_t));
     }
     return n;
   }
@@ -354,9 +372,14 @@ class CudaBackend final : public ModelBackend {
   // Whether layer l's decoder attention runs on TensorCoreCanvasAttention, and the device table of
   // every such layer's canvases (canvas_table_: num_layers × canvas_segments_ entries).
   bool TensorCoreCanvas(int l) const;
+  // Whether layer l's mirror stores bf16 (KvMirror::k16 / v16): TensorCoreCanvas(l) and
+  // options_.bf16_kv_mirror.
+  bool Bf16Mirror(int l) const { return KvMirrorBf16(c_, options_, l); }
   absl::Status UploadCanvasTable(std::span<const Segment> segs);
   // Segment s's entry in layer l's attention table (canvas or prefill): its rows, its mirror's
-  // K/V from position 0, its context length and window start.
+  // K/V from position 0, its context length and window start. A bf16 layer's (Bf16Mirror)
+  // ctx_k / ctx_v hold the mirror's bf16 arrays (cast), and the layer's launch reads its part of
+  // the table as CanvasSegmentBf16 (the same layout).
   cuda::CanvasSegment TableEntry(const Segment& s, int l) const;
   // The encoder's: TensorCorePrefillAttention's table (prefill_table_: num_layers ×
   // prefill_segments_ entries), for the layers TensorCoreCanvas(l) names.
@@ -420,6 +443,7 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<cuda::PrefillSegment> prefill_table_;
   int prefill_segments_ = 0;
   std::vector<float> host_stage_;
+  std::vector<uint16_t> host_stage16_;  // SyncMirror's rows of a bf16 layer
   // The encoder pass's new K/V rows on their way to the host caches (FlushStagedKv).
   struct StagedKv {
     int layer;

@@ -47,15 +47,19 @@ absl::Status CudaBackend::GatedMlp(const float* x, int R, const DeviceProjection
   return Linear(g_.get(), down, R, width, D, out);
 }
 
-bool CudaBackend::TensorCoreCanvas(int l) const {
-  const int hd = c_.HeadDim(l);
-  return options_.tensor_core_attention && hd % 32 == 0 && hd <= cuda::kMaxAttentionHeadDim;
-}
+bool CudaBackend::TensorCoreCanvas(int l) const { return TensorCoreLayer(c_, options_, l); }
 
 cuda::CanvasSegment CudaBackend::TableEntry(const Segment& s, int l) const {
   cuda::CanvasSegment t;
-  t.ctx_k = s.mirror->k[l].get();  // the mirror's rows from position 0 (or its ring)
-  t.ctx_v = s.mirror->v[l].get();
+  // The mirror's rows from position 0 (or its ring); a bf16 layer's arrays as the
+  // CanvasSegmentBf16 its launch reads (the same layout: the header's TableEntry).
+  if (s.mirror->bf16[l]) {
+    t.ctx_k = reinterpret_cast<const float*>(s.mirror->k16[l].get());
+    t.ctx_v = reinterpret_cast<const float*>(s.mirror->v16[l].get());
+  } else {
+    t.ctx_k = s.mirror->k[l].get();
+    t.ctx_v = s.mirror->v[l].get();
+  }
   t.ring = s.mirror->ring[l];
   t.row0 = s.row0;
   t.rows = s.rows;
@@ -175,17 +179,29 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   }
   // Decoder on tensor cores: every canvas in one launch (the table of UploadCanvasTable).
   const bool tc = TensorCoreCanvas(l);
+  // A bf16 mirror's layer reads its table entries as CanvasSegmentBf16 (TableEntry).
+  const bool bf16 = Bf16Mirror(l);
   if (tc && kind == PassKind::kDecoder && canvas_segments_ > 0) {
-    DGSERVE_RETURN_IF_ERROR(cuda::TensorCoreCanvasAttention(
-        q, k, v, canvas_table_.get() + size_t(l) * canvas_segments_, canvas_segments_, R, nh, nkv,
-        hd, canvas_max_splits_[l], options_.canvas_split_keys, canvas_split_scratch_.get(),
-        attn_.get(), stream_));
+    const cuda::CanvasSegment* table = canvas_table_.get() + size_t(l) * canvas_segments_;
+    DGSERVE_RETURN_IF_ERROR(
+        bf16 ? cuda::TensorCoreCanvasAttention(
+                   q, k, v, reinterpret_cast<const cuda::CanvasSegmentBf16*>(table),
+                   canvas_segments_, R, nh, nkv, hd, canvas_max_splits_[l],
+                   options_.canvas_split_keys, canvas_split_scratch_.get(), attn_.get(), stream_)
+             : cuda::TensorCoreCanvasAttention(q, k, v, table, canvas_segments_, R, nh, nkv, hd,
+                                               canvas_max_splits_[l], options_.canvas_split_keys,
+                                               canvas_split_scratch_.get(), attn_.get(), stream_));
   }
   // Encoder on tensor cores: every prompt in one causal launch (the table of UploadPrefillTable).
   if (tc && kind == PassKind::kEncoder && prefill_segments_ > 0) {
-    DGSERVE_RETURN_IF_ERROR(cuda::TensorCorePrefillAttention(
-        q, k, v, prefill_table_.get() + size_t(l) * prefill_segments_, prefill_segments_, R, nh,
-        nkv, hd, full ? 0 : c_.sliding_window, attn_.get(), stream_));
+    const cuda::PrefillSegment* table = prefill_table_.get() + size_t(l) * prefill_segments_;
+    const int window = full ? 0 : c_.sliding_window;
+    DGSERVE_RETURN_IF_ERROR(
+        bf16 ? cuda::TensorCorePrefillAttention(
+                   q, k, v, reinterpret_cast<const cuda::PrefillSegmentBf16*>(table),
+                   prefill_segments_, R, nh, nkv, hd, window, attn_.get(), stream_)
+             : cuda::TensorCorePrefillAttention(q, k, v, table, prefill_segments_, R, nh, nkv, hd,
+                                                window, attn_.get(), stream_));
   }
   // Decoder in float32: every canvas in one launch too, CanvasAttention's bits per canvas.
   const int W = c_.sliding_window;
@@ -218,6 +234,8 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   // The encoder's new K/V rows into the device mirror, after the attention that read its context:
   // a sliding layer's ring may reuse the rows of positions the window has left (a chunk longer
   // than the ring keeps only its last `ring` rows; its attention read its own rows from k / v).
+  // A bf16 layer's rows are rounded on the way (cuda::FloatToBf16: ToBf16Bits, the tensor-core
+  // kernels' rounding); the host cache got the float32 rows above.
   for (const Segment& s : segs) {
     if (kind != PassKind::kEncoder || s.rows == 0) continue;
     const int ring = s.mirror->ring[l];
@@ -227,6 +245,14 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
         s.mirror->ForEachRun(l, s.pos0 + skip, keep, [&](int p0, int row, int count) {
           const size_t src_row = size_t(s.row0 + p0 - s.pos0),
                        bytes = size_t(count) * kvw * sizeof(float);
+          if (s.mirror->bf16[l]) {
+            for (const auto& [dst, src] :
+                 {std::pair{s.mirror->k16[l].get(), k}, std::pair{s.mirror->v16[l].get(), v}}) {
+              DGSERVE_RETURN_IF_ERROR(cuda::FloatToBf16(src + src_row * kvw, int64_t(count) * kvw,
+                                                        dst + size_t(row) * kvw, stream_));
+            }
+            return absl::OkStatus();
+          }
           for (const auto& [dst, src] :
                {std::pair{s.mirror->k[l].get(), k}, std::pair{s.mirror->v[l].get(), v}}) {
             cuda::NoteDeviceCopy();

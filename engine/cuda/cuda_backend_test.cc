@@ -205,6 +205,19 @@ TEST(CudaKvBytesTest, RealShapeMatchesHandCount) {
   // Below the window every layer holds every position: 30 layers' 450,560 B / 4 per position.
   EXPECT_EQ(CudaKvBytesPerSequence(*c, 100), int64_t{100} * (25 * 2 * 2048 + 5 * 2 * 1024) * 4);
   EXPECT_EQ(CudaKvBytesPerSequence(*c, 0), 0);
+  // The bf16 mirror (tensor_core_attention with bf16_kv_mirror: head dims 256 and 512 both take
+  // the tensor cores, so every layer stores 2 B an element): sliding 25 × K, V × 1024 rows ×
+  // 2048 × 2 B = 209,715,200; full 5 × K, V × n × 1024 × 2 B = 20,480·n.
+  CudaBackendOptions tc;
+  tc.tensor_core_attention = true;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048, tc), int64_t{209715200} + int64_t{41943040});
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, tc), int64_t{209715200} + int64_t{671088640});
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 131072, tc), int64_t{209715200} + int64_t{2684354560});
+  // Issue 34's target: at most 1 GB of K/V per 32k sequence.
+  EXPECT_LE(CudaKvBytesPerSequence(*c, 32768, tc), int64_t{1000000000});
+  // bf16_kv_mirror off: float32 again, as without the tensor cores.
+  tc.bf16_kv_mirror = false;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, tc), int64_t{419430400} + int64_t{1342177280});
 }
 
 TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
@@ -247,7 +260,9 @@ TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
 // then the decoder on the encoded cache and on a cache the backend uploads (rows that wrap).
 // The mirror's bytes are the hand count: 4 sliding layers × K, V × 8 rows × 32 floats × 4 B
 // (8,192) + 2 full layers × K, V × 64 rows (the first capacity) × 32 floats × 4 B (32,768);
-// every position on every layer: 98,304.
+// every position on every layer: 98,304. (With the tensor-core attention the full layers'
+// mirror is bf16, 16,384 B: bf16 against float32 mirrors is
+// SyntheticBackendTest.Bf16KvMirrorEqualsFloat32MirrorBitForBit, every layer on the tensor cores.)
 TEST_P(CudaBackendTest, SlidingRingEqualsEveryPositionMirrorBitForBit) {
   if (!GetParam().fused_vocab) GTEST_SKIP() << "one vocabulary path is enough";
   if (cuda::kEmulated && GetParam().gpu != cuda::GemmInput::kBf16) GTEST_SKIP() << "emulated";
@@ -275,8 +290,11 @@ TEST_P(CudaBackendTest, SlidingRingEqualsEveryPositionMirrorBitForBit) {
       ASSERT_EQ(std::memcmp(kr.ValueRow(l, p), kl.ValueRow(l, p), bytes), 0) << l << " " << p;
     }
   }
-  EXPECT_EQ(CudaKvMirrorBytes(*gpu_, kr).value_or(-1), 8192 + 32768);
-  EXPECT_EQ(CudaKvMirrorBytes(**linear, kl).value_or(-1), 98304);
+  // The tensor-core mode's full layers (head_dim 32) store bf16 (bf16_kv_mirror): half of
+  // 32,768.
+  const int full_bytes = GetParam().tensor_core_attention ? 16384 : 32768;
+  EXPECT_EQ(CudaKvMirrorBytes(*gpu_, kr).value_or(-1), 8192 + full_bytes);
+  EXPECT_EQ(CudaKvMirrorBytes(**linear, kl).value_or(-1), 65536 + full_bytes);
   const std::vector<int32_t> canvas = Tokens(config().canvas_length, 8);
   auto expect_same = [](const std::vector<float>& a, const std::vector<float>& b) {
     ASSERT_EQ(a.size(), b.size());

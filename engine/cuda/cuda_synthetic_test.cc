@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -433,6 +434,93 @@ TEST_F(SyntheticBackendTest, EncodeStagesKvAndWaitsOnce) {
   // And the rows are the encoder's (not zeros): a later position's key differs from the first.
   EXPECT_NE(std::memcmp(ka.KeyRow(0, 0), ka.KeyRow(0, 39), size_t(c.KvHeads(0)) * c.HeadDim(0) * 4),
             0);
+}
+
+// The bf16 KV mirror (CudaBackendOptions::bf16_kv_mirror, every layer on the tensor cores) gives
+// the float32 mirror's bits: the tensor-core kernels round every context K/V element to bf16 as
+// they load it, and the bf16 mirror holds exactly those roundings. 45 prompt tokens encoded in
+// chunks that cross the sliding layer's ring edges (W = 4: a ring of 4 rows, wrapping about ten
+// times; one chunk of 13 rows, longer than the ring), so the encoder writes its rows into the
+// ring (bf16 rounded on the device) and reads its context from it; the host K/V rows are the
+// same bits (the host cache stays float32). Then the decoder's logits on each encoded cache, and
+// on the other backend's cache (SyncMirror uploads the rows, rounded on the host), with split-KV
+// (splits of 32 keys: the full layer's 45 context keys take two). The mirror's bytes halve: the
+// hand count is sliding K, V × 4 rows × 1 KV head × 32 × 2 B (512) + full K, V × 64 rows (the
+// first capacity) × 1 × 64 × 2 B (16,384); float32 twice that.
+TEST_F(SyntheticBackendTest, Bf16KvMirrorEqualsFloat32MirrorBitForBit) {
+  ModelConfig c = testing::TinyConfig();
+  c.head_dim = 32;  // every layer on the tensor cores (head dims multiples of 32)
+  c.global_head_dim = 64;
+  ASSERT_EQ(c.sliding_window, 4);
+  ASSERT_EQ(c.num_layers, 2);
+  ASSERT_FALSE(c.IsFull(0));
+  ASSERT_TRUE(c.IsFull(1));
+  ASSERT_EQ(c.KvHeads(0), 1);
+  ASSERT_EQ(c.KvHeads(1), 1);
+  CudaBackendOptions options;
+  options.tensor_core_attention = true;
+  options.canvas_split_keys = 32;
+  ASSERT_TRUE(options.bf16_kv_mirror);  // the default
+  auto bf16 = CreateCudaBackendSynthetic(c, 7, options);
+  options.bf16_kv_mirror = false;
+  auto f32 = CreateCudaBackendSynthetic(c, 7, options);
+  ASSERT_TRUE(bf16.ok() && f32.ok());
+  std::vector<int32_t> prompt(45);
+  for (int i = 0; i < 45; ++i) prompt[i] = (i * 13 + 5) % c.vocab_size;
+  ContiguousKvCache kb(c, 64), kf(c, 64);
+  int at = 0;
+  for (const int n : {5, 1, 13, 10, 16}) {
+    const std::span<const int32_t> part = std::span<const int32_t>(prompt).subspan(at, n);
+    EncodeInput ib{part, &kb}, iff{part, &kf};
+    ASSERT_TRUE((*bf16)->Encode({&ib, 1}).ok());
+    ASSERT_TRUE((*f32)->Encode({&iff, 1}).ok());
+    at += n;
+  }
+  ASSERT_EQ(kb.num_tokens(), 45);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const size_t w = size_t(c.KvHeads(l)) * c.HeadDim(l) * sizeof(float);
+    for (int p = 0; p < 45; ++p) {
+      ASSERT_EQ(std::memcmp(kb.KeyRow(l, p), kf.KeyRow(l, p), w), 0) << "layer " << l << " " << p;
+      ASSERT_EQ(std::memcmp(kb.ValueRow(l, p), kf.ValueRow(l, p), w), 0)
+          << "layer " << l << " " << p;
+    }
+  }
+  // The host rows stay float32: some element is not a bf16 value (its low 16 bits are not 0).
+  bool unrounded = false;
+  for (int i = 0; i < c.KvHeads(1) * c.HeadDim(1); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, kb.KeyRow(1, 44) + i, 4);
+    unrounded = unrounded || (bits & 0xFFFFu) != 0;
+  }
+  EXPECT_TRUE(unrounded);
+  EXPECT_EQ(CudaKvMirrorBytes(**bf16, kb).value_or(-1), 512 + 16384);
+  EXPECT_EQ(CudaKvMirrorBytes(**f32, kf).value_or(-1), 2 * (512 + 16384));
+  // One sequence at 45 positions: sliding 2 × 4 × 32, full 2 × 45 × 64 elements.
+  EXPECT_EQ(CudaKvBytesPerSequence(c, 45, options), (2 * 4 * 32 + 2 * 45 * 64) * 4);
+  options.bf16_kv_mirror = true;
+  EXPECT_EQ(CudaKvBytesPerSequence(c, 45, options), (2 * 4 * 32 + 2 * 45 * 64) * 2);
+  const int C = c.canvas_length, V = c.vocab_size;
+  std::vector<int32_t> canvas(C);
+  for (int i = 0; i < C; ++i) canvas[i] = (i * 7 + 3) % V;
+  auto logits = [&](ModelBackend& b, const KvCache& kv) {
+    std::vector<float> out(size_t(C) * V, NAN);
+    DecodeInput in;
+    in.canvas = canvas;
+    in.kv = &kv;
+    in.logits = out.data();
+    EXPECT_TRUE(b.Decode({&in, 1}).ok());
+    return out;
+  };
+  auto expect_same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(a[i])) << i;
+      ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << i;
+    }
+  };
+  expect_same(logits(**bf16, kb), logits(**f32, kf));
+  // Caches each backend has not seen: every visible row uploaded (45 positions into a ring of 4).
+  expect_same(logits(**bf16, kf), logits(**f32, kb));
 }
 
 // The ceilings measure something on small sizes (the real sizes are engine_bench's defaults).
