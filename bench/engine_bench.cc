@@ -123,6 +123,10 @@ ABSL_FLAG(int, calibrate_copy_mb, 1024,
 ABSL_FLAG(int, calibrate_gemm_n, 8192,
           "--device cuda: n of the n×n×n bf16 GEMM that measures the tensor-core ceiling (0: "
           "skip)");
+ABSL_FLAG(bool, cuda_tensor_core_attention, false,
+          "--device cuda: attention on the tensor cores (CudaBackendOptions::"
+          "tensor_core_attention: bf16 Q/K/V, the bf16 device KV mirror); the result line says "
+          "attention=tensor_core or attention=float32");
 ABSL_FLAG(bool, calibrate_only, false,
           "--device cuda: measure the two ceilings, print the CEILINGS line and exit");
 
@@ -310,6 +314,7 @@ int Run() {
     options.gemm_input = bf16 ? cuda::GemmInput::kBf16 : cuda::GemmInput::kFloat32;
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+    options.tensor_core_attention = absl::GetFlag(FLAGS_cuda_tensor_core_attention);
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     kv_bytes_per_seq = CudaKvBytesPerSequence(c, P, options);
     // Every format runs in its own format (FP8 on the FP8 tensor cores, W4A16 and NVFP4
@@ -631,7 +636,8 @@ int Run() {
                       " gemm_tflops=", Fmt(gemm_tflops, "%.1f"),
                       " weight_bw_share=", Fmt(copy_share, "%.4f"));
 #ifdef DGSERVE_HAVE_CUDA
-      absl::StrAppend(&extra, " kv_device_bytes_per_seq=", kv_bytes_per_seq);
+      absl::StrAppend(&extra, " kv_device_bytes_per_seq=", kv_bytes_per_seq, " attention=",
+                      absl::GetFlag(FLAGS_cuda_tensor_core_attention) ? "tensor_core" : "float32");
 #endif
     }
     const auto peak_rss = PeakResidentBytes();
@@ -665,6 +671,7 @@ int main(int argc, char** argv) {
       "[--device cpu|cuda] [--canvas N] [--steps N] [--context N] [--batch N] [--seed N] "
       "[--mem_bandwidth_gbs GB/s] [--logit_scale X] [--synthetic] [--synthetic_kv] "
       "[--batches 1,2,4] [--step_budget_s S] [--phase_timing] [--cuda_graphs=false] "
+      "[--cuda_tensor_core_attention] "
       "[--calibrate_copy_mb MB] "
       "[--calibrate_gemm_n N] [--cpu_gemm_input float32|bf16] "
       "[--cpu_gemm_inputs float32,bf16 [--repeats R]]",

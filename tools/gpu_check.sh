@@ -66,6 +66,8 @@
 #     one real 2k prefill, at most 6 s of timed steps per batch) and batch 1 and 16 at 32k (a
 #     synthetic KV cache instead of the minutes-long 32k prefill; 4 steps) — a batch whose KV
 #     copies and scratch do not fit in free device memory is reported skipped by engine_bench;
+#     the same 32k runs with the attention on the tensor cores and the bf16 device KV mirror
+#     (`full-32k-tc-*`, --cuda_tensor_core_attention; issue 34);
 #     and the step as served (`full-2k-graphs-*`: CUDA graphs replayed, no --phase_timing, whose
 #     event brackets run the step eagerly) at batch 1 and 16, 2k context.
 #     Each RESULT line: step, body and vocabulary times, per-phase CUDA-event times and host
@@ -667,6 +669,16 @@ bench_step() {
       bench_run "full-32k-$g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \
         --context "$ctx_long" --batches "$long_batches" --steps 4 --step_budget_s 8 \
         --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" --phase_timing
+      # The same at 32k with the attention on the tensor cores (bf16 Q/K/V, the bf16 device KV
+      # mirror: issue 34): its phase_attn_ms and kv_device_bytes_per_seq against the run above.
+      if (($(time_left) < 60)); then
+        fail "bench: full-32k tensor-core attention gemm_input $g: SKIPPED, $(time_left)s left"
+      else
+        bench_run "full-32k-tc-$g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \
+          --context "$ctx_long" --batches "$long_batches" --steps 4 --step_budget_s 8 \
+          --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" \
+          --phase_timing --cuda_tensor_core_attention
+      fi
     fi
   done
   # The emulated CUDA backend on the CPU (dry run only): --device cuda end to end on the tiny
@@ -681,6 +693,10 @@ bench_step() {
         --device cuda --config tests/testdata/golden/tiny-v512/config.json --synthetic \
         --context 64 --batches 1,2 --steps 4 --calibrate_copy_mb 1 --calibrate_gemm_n 32 \
         --cuda_graphs
+      bench_run "emu-cuda-tiny-tc" "$(budget 120 5)" "$BUILD_DIR/bench/engine_bench_emu" \
+        --device cuda --config tests/testdata/golden/tiny-v512/config.json --synthetic \
+        --context 64 --batches 1,2 --steps 2 --calibrate_copy_mb 1 --calibrate_gemm_n 32 \
+        --cuda_tensor_core_attention
     else
       report "bench: engine_bench_emu not built in $BUILD_DIR: the emulated --device cuda run skipped$TAG"
     fi
