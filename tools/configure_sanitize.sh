@@ -17,6 +17,10 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build-asan}
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
 OPT="-O1 -gline-tables-only -DNDEBUG"
+# lld where it is installed: a sanitized test binary links in about 0.4 s instead of 1.6 s with
+# the default linker (89 links in this tree).
+LINK="$SAN"
+command -v ld.lld >/dev/null && LINK="$SAN -fuse-ld=lld"
 # A tree configured with another compiler (build-asan/ was a g++ tree before 2026-12-06) cannot
 # switch in place: CMake deletes its cache and then fails. Start it over.
 if [ -f "$BUILD_DIR/CMakeCache.txt" ] &&
@@ -30,4 +34,4 @@ CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelW
   -DDGSERVE_BUILD_GPU_EMU=OFF -DDGSERVE_TEST_OPT_FLAGS=-O0 \
   -DCMAKE_C_FLAGS_RELWITHDEBINFO="$OPT" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$OPT" \
   -DCMAKE_C_FLAGS="$SAN" -DCMAKE_CXX_FLAGS="$SAN" \
-  -DCMAKE_EXE_LINKER_FLAGS="$SAN" -DCMAKE_SHARED_LINKER_FLAGS="$SAN" >/dev/null
+  -DCMAKE_EXE_LINKER_FLAGS="$LINK" -DCMAKE_SHARED_LINKER_FLAGS="$LINK" >/dev/null
