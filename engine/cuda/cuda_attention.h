@@ -87,7 +87,8 @@ namespace dgserve::cuda {
 // reads) or uint16_t (CanvasSegmentBf16: bf16 bits, the backend's bf16 mirror, which only the
 // tensor-core kernels read: they round every K/V element to bf16 anyway, so a context stored
 // rounded — ToBf16Bits / FloatToBf16, nearest even, NaN kept — gives the same bits as its
-// float32 original). Both have the same layout.
+// float32 original). Both have the same layout. A bf16 context is read in 32-bit pairs: ctx_k and
+// ctx_v must be 4-byte aligned (a cudaMalloc'd array, or an even element offset into one).
 template <typename T>
 struct CanvasSegmentOf {
   const T* ctx_k = nullptr;
@@ -180,6 +181,8 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
                                        int max_splits, int split_keys, void* scratch, float* out,
                                        void* stream = nullptr);
+// The same on a bf16 context (CanvasSegmentBf16): the float32 context's bits when the context
+// holds its bf16 roundings.
 absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const float* v_new,
                                        const CanvasSegmentBf16* segments, int num_segments,
                                        int total_rows, int num_heads, int kv_heads, int head_dim,
@@ -214,6 +217,8 @@ absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, cons
                                         const PrefillSegment* segments, int num_segments,
                                         int total_rows, int num_heads, int kv_heads, int head_dim,
                                         int window, float* out, void* stream = nullptr);
+// The same on a bf16 context (PrefillSegmentBf16): the float32 context's bits when the context
+// holds its bf16 roundings.
 absl::Status TensorCorePrefillAttention(const float* q, const float* k_new, const float* v_new,
                                         const PrefillSegmentBf16* segments, int num_segments,
                                         int total_rows, int num_heads, int kv_heads, int head_dim,

@@ -218,6 +218,18 @@ TEST(CudaKvBytesTest, RealShapeMatchesHandCount) {
   // bf16_kv_mirror off: float32 again, as without the tensor cores.
   tc.bf16_kv_mirror = false;
   EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, tc), int64_t{419430400} + int64_t{1342177280});
+  // Every position on every layer (sliding_kv_ring off): 2048 × (25 × 2 × 2048 + 5 × 2 × 1024)
+  // × 4 B = 922,746,880 float32, half that bf16 (DEVICE_CHECK.md's table).
+  tc.sliding_kv_ring = false;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048, tc), int64_t{922746880});
+  tc.bf16_kv_mirror = true;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048, tc), int64_t{461373440});
+  // A layer mix: sliding head_dim 80 (not a multiple of 32: float32 kernels, float32 mirror)
+  // beside the full layers' 512 (bf16): 25 × K, V × 1024 rows × 8 × 80 × 4 B = 131,072,000 plus
+  // 20,480 B a position.
+  tc.sliding_kv_ring = true;
+  c->head_dim = 80;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, tc), int64_t{131072000} + int64_t{671088640});
 }
 
 TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
