@@ -225,8 +225,6 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
     m->v.resize(c_.num_layers);
     m->k16.resize(c_.num_layers);
     m->v16.resize(c_.num_layers);
-    m->bf16.resize(c_.num_layers);
-    for (int l = 0; l < c_.num_layers; ++l) m->bf16[l] = Bf16Mirror(l);
     m->ring.assign(c_.num_layers, 0);
     it = mirrors_.emplace(&kv, std::move(m)).first;
   }
@@ -251,7 +249,7 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       // A sliding ring shorter than W has not wrapped (capacity > every position): its rows stay.
       const int rows = MirrorRows(l, cap), old_rows = MirrorRows(l, m->capacity);
       const size_t keep = size_t(std::min(m->synced, old_rows)) * w;
-      if (m->bf16[l]) {
+      if (Bf16Mirror(l)) {
         DGSERVE_RETURN_IF_ERROR(m->k16[l].Grow(size_t(rows) * w, keep));
         DGSERVE_RETURN_IF_ERROR(m->v16[l].Grow(size_t(rows) * w, keep));
       } else {
@@ -273,30 +271,24 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       for (int which = 0; which < 2; ++which) {
         // Per run of consecutive mirror rows (a sliding layer's ring wraps once at most).
         DGSERVE_RETURN_IF_ERROR(m->ForEachRun(l, from, n - from, [&](int p0, int row, int count) {
-          // A bf16 layer's rows rounded here (FloatToBf16: the device's ToBf16Bits bit for bit),
-          // half the bytes to copy.
-          const bool bf16 = m->bf16[l];
-          const void* data;
-          size_t bytes;
+          host_stage_.resize(size_t(count) * w);
+          for (int p = p0; p < p0 + count; ++p) {
+            const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
+            std::memcpy(&host_stage_[size_t(p - p0) * w], src, w * sizeof(float));
+          }
+          const void* data = host_stage_.data();
+          size_t bytes = host_stage_.size() * sizeof(float);
           void* dst;
-          if (bf16) {
-            host_stage16_.resize(size_t(count) * w);
-            for (int p = p0; p < p0 + count; ++p) {
-              const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
-              uint16_t* out = &host_stage16_[size_t(p - p0) * w];
-              for (size_t i = 0; i < w; ++i) out[i] = FloatToBf16(src[i]);
+          if (Bf16Mirror(l)) {
+            // Rounded here (FloatToBf16: the device's ToBf16Bits bit for bit): half the bytes.
+            host_stage16_.resize(host_stage_.size());
+            for (size_t i = 0; i < host_stage_.size(); ++i) {
+              host_stage16_[i] = FloatToBf16(host_stage_[i]);
             }
             data = host_stage16_.data();
             bytes = host_stage16_.size() * sizeof(uint16_t);
             dst = (which == 0 ? m->k16[l] : m->v16[l]).get() + size_t(row) * w;
           } else {
-            host_stage_.resize(size_t(count) * w);
-            for (int p = p0; p < p0 + count; ++p) {
-              const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
-              std::memcpy(&host_stage_[size_t(p - p0) * w], src, w * sizeof(float));
-            }
-            data = host_stage_.data();
-            bytes = host_stage_.size() * sizeof(float);
             dst = (which == 0 ? m->k[l] : m->v[l]).get() + size_t(row) * w;
           }
           // On stream_ (ordered before the pass's kernels); from pageable memory CUDA stages the

@@ -213,8 +213,7 @@ struct DeviceLayer {
 // float32 (k / v), which the float32 kernels need. Each layer uses one pair; the other is empty.
 struct KvMirror {
   std::vector<DeviceArray<float>> k, v;         // per layer [MirrorRows(l, capacity), kvw]
-  std::vector<DeviceArray<uint16_t>> k16, v16;  // the same, bf16 bits (bf16 layers)
-  std::vector<char> bf16;                       // per layer: stored in k16 / v16
+  std::vector<DeviceArray<uint16_t>> k16, v16;  // the same, bf16 bits (Bf16Mirror layers)
   std::vector<int> ring;                        // per layer: ring rows (sliding), 0 (full: linear)
   int capacity = 0;                             // positions the full layers hold
   int synced = 0;                               // positions [visible lo, synced) are on the device

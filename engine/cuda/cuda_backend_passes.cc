@@ -53,7 +53,7 @@ cuda::CanvasSegment CudaBackend::TableEntry(const Segment& s, int l) const {
   cuda::CanvasSegment t;
   // The mirror's rows from position 0 (or its ring); a bf16 layer's arrays as the
   // CanvasSegmentBf16 its launch reads (the same layout: the header's TableEntry).
-  if (s.mirror->bf16[l]) {
+  if (Bf16Mirror(l)) {
     t.ctx_k = reinterpret_cast<const float*>(s.mirror->k16[l].get());
     t.ctx_v = reinterpret_cast<const float*>(s.mirror->v16[l].get());
   } else {
@@ -245,7 +245,7 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
         s.mirror->ForEachRun(l, s.pos0 + skip, keep, [&](int p0, int row, int count) {
           const size_t src_row = size_t(s.row0 + p0 - s.pos0),
                        bytes = size_t(count) * kvw * sizeof(float);
-          if (s.mirror->bf16[l]) {
+          if (Bf16Mirror(l)) {
             for (const auto& [dst, src] :
                  {std::pair{s.mirror->k16[l].get(), k}, std::pair{s.mirror->v16[l].get(), v}}) {
               DGSERVE_RETURN_IF_ERROR(cuda::FloatToBf16(src + src_row * kvw, int64_t(count) * kvw,
