@@ -8,9 +8,16 @@
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors \
 //                    --nvfp4_activations none
+//   dgserve-quantize --in DIR --out DIR --format nvfp4 --calibration PROMPTS.jsonl
+//   dgserve-quantize --in models/sudoku --out DIR --format nvfp4
+//                    --calibration_sudoku tools/sudoku/data/train.jsonl --calibration_limit 128
 #include <cstdio>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
@@ -19,7 +26,11 @@
 #include "absl/strings/str_split.h"
 #include "common/cli.h"
 #include "common/status_macros.h"
+#include "engine/generation/calibrate.h"
+#include "engine/model/checkpoint.h"
 #include "engine/model/quantize_checkpoint.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "tools/sudoku/sudoku.h"
 
 ABSL_FLAG(std::string, in, "", "bf16 checkpoint directory to read (required)");
 ABSL_FLAG(std::string, out, "", "checkpoint directory to write (required; created if needed)");
@@ -41,11 +52,117 @@ ABSL_FLAG(std::string, ignore, absl::StrJoin(dgserve::DefaultQuantizeIgnore(), "
           "comma-separated compressed-tensors ignore list (module names or re:REGEX): modules "
           "kept in bf16. Default: the LM head and embedding, the MoE router, the norms, and the "
           "self-conditioning MLP");
+ABSL_FLAG(std::string, calibration, "",
+          "--format nvfp4 (W4A4) only: JSONL file of calibration prompts, one {\"prompt\": "
+          "\"...\"} per line, tokenized with --in's tokenizer.json as the gateway does (<bos> "
+          "first). The bf16 model runs each prompt's encoder pass and one canvas of denoising "
+          "steps on the CPU backend (float32 GEMM mode) and every quantized Linear's "
+          "input_scale (ModelOpt) / input_global_scale (compressed-tensors) is set from the "
+          "amax(|x|) of its inputs: amax / (6 * 448) resp. 448 * 6 / amax. Without it (and "
+          "without --calibration_sudoku) the data-free 1/6 resp. 6");
+ABSL_FLAG(std::string, calibration_sudoku, "",
+          "as --calibration, with the prompts and canvas templates of a Sudoku JSONL puzzle "
+          "file (dgserve-sudoku-gen's {\"puzzle\": ...} lines; use the TRAIN split, "
+          "tools/sudoku/make_splits.sh, never the test split): prompt ToRows(puzzle), the givens "
+          "fixed in the canvas and every blank restricted to 1-9, as dgserve-sudoku-eval sends");
+ABSL_FLAG(int32_t, calibration_limit, 0,
+          "calibrate on the first N prompts / puzzles only (0: all)");
+ABSL_FLAG(int32_t, calibration_steps, 0,
+          "denoising steps per calibration canvas at most (the sampler's max_denoising_steps; "
+          "0: --in's generation_config.json value)");
 ABSL_FLAG(int64_t, max_shard_bytes, dgserve::kDefaultMaxShardBytes,
           "bytes of tensors per safetensors shard");
 
 namespace dgserve {
 namespace {
+
+// The calibration requests of a Sudoku puzzle file: prompt <bos> + ToRows(puzzle), and the
+// canvas template ToRows(puzzle) + <eos> with every blank restricted to the digits 1-9 (the
+// template dgserve-sudoku-eval sends, sudoku::SetSudokuTemplate). Errors name FILE:LINE.
+absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& path,
+                                                             const Tokenizer& tok,
+                                                             const ModelConfig& config) {
+  auto one = [&](const std::string& piece, bool special) -> absl::StatusOr<int32_t> {
+    const std::vector<int32_t> ids =
+        special ? tok.Encode(piece, false) : tok.EncodeText(piece, false);
+    if (ids.size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat("the tokenizer does not encode '", piece,
+                                                     "' as one token: not a Sudoku model"));
+    }
+    return ids[0];
+  };
+  std::vector<int32_t> digits;
+  for (char d = '1'; d <= '9'; ++d) {
+    DGSERVE_ASSIGN_OR_RETURN(int32_t id, one(std::string(1, d), false));
+    digits.push_back(id);
+  }
+  DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  std::vector<CalibrationPrompt> out;
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == absl::string_view::npos) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("puzzle") || !j["puzzle"].is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ":", line_no, ": expected a JSON object with a string \"puzzle\""));
+    }
+    absl::StatusOr<sudoku::Grid> grid = sudoku::ParseGrid(j["puzzle"].get<std::string>());
+    if (!grid.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ":", line_no, ": \"puzzle\": ", grid.status().message()));
+    }
+    const std::string rows = sudoku::ToRows(*grid);
+    CalibrationPrompt p;
+    p.prompt = tok.EncodeText(rows, /*add_bos=*/true);
+    std::vector<int32_t> canvas;
+    std::vector<TemplateHoleSpec> holes;
+    for (char ch : rows) {
+      if (ch == '.') {
+        holes.push_back({int(canvas.size()), digits});
+        canvas.push_back(-1);
+      } else {
+        DGSERVE_ASSIGN_OR_RETURN(int32_t id, one(std::string(1, ch), false));
+        canvas.push_back(id);
+      }
+    }
+    DGSERVE_ASSIGN_OR_RETURN(int32_t eos, one("<eos>", true));
+    canvas.push_back(eos);
+    DGSERVE_ASSIGN_OR_RETURN(
+        p.canvas_template,
+        CanvasTemplate::Create(canvas, holes, config.canvas_length, config.vocab_size));
+    out.push_back(std::move(p));
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no puzzle"));
+  return out;
+}
+
+// The --calibration / --calibration_sudoku amax per module; empty without either flag.
+absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
+  const std::string prompts_file = absl::GetFlag(FLAGS_calibration);
+  const std::string sudoku_file = absl::GetFlag(FLAGS_calibration_sudoku);
+  if (prompts_file.empty() && sudoku_file.empty()) return std::map<std::string, float>{};
+  if (!prompts_file.empty() && !sudoku_file.empty()) {
+    return absl::InvalidArgumentError("give --calibration or --calibration_sudoku, not both");
+  }
+  DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
+  DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(in + "/tokenizer.json"));
+  std::vector<CalibrationPrompt> prompts;
+  if (!prompts_file.empty()) {
+    DGSERVE_ASSIGN_OR_RETURN(prompts, ReadCalibrationPrompts(prompts_file, tok));
+  } else {
+    DGSERVE_ASSIGN_OR_RETURN(prompts, SudokuPrompts(sudoku_file, tok, ck.config));
+  }
+  const int limit = absl::GetFlag(FLAGS_calibration_limit);
+  if (limit < 0) return absl::InvalidArgumentError("--calibration_limit must be ≥ 0");
+  if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
+  CalibrationOptions options;
+  options.max_denoising_steps = absl::GetFlag(FLAGS_calibration_steps);
+  if (options.max_denoising_steps < 0) {
+    return absl::InvalidArgumentError("--calibration_steps must be ≥ 0");
+  }
+  return CalibrateActivationAmax(ck, prompts, options);
+}
 
 absl::Status Run() {
   QuantizeOptions options;
@@ -108,6 +225,17 @@ absl::Status Run() {
     options.ignore.emplace_back(e);
   }
   options.max_shard_bytes = absl::GetFlag(FLAGS_max_shard_bytes);
+  if ((!absl::GetFlag(FLAGS_calibration).empty() ||
+       !absl::GetFlag(FLAGS_calibration_sudoku).empty()) &&
+      (options.format != WeightFormat::kNvfp4 ||
+       options.nvfp4_activations == Nvfp4Activations::kNone)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--calibration sets NVFP4's static activation scale: it needs --format nvfp4 with "
+        "activations quantized (W4A4); ",
+        options.format == WeightFormat::kNvfp4 ? "nvfp4a16 (--nvfp4_activations none)" : format,
+        " has no static activation scale"));
+  }
+  DGSERVE_ASSIGN_OR_RETURN(options.input_amax, Calibrate(absl::GetFlag(FLAGS_in)));
   const std::string out = absl::GetFlag(FLAGS_out);
   DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,
                            QuantizeCheckpoint(absl::GetFlag(FLAGS_in), out, options));
@@ -134,6 +262,8 @@ int main(int argc, char** argv) {
       "  dgserve-quantize --in DIR --out DIR --format fp8|w4a16|nvfp4 [--group_size N] [--ignore "
       "LIST]\n"
       "                   [--nvfp4_layout modelopt|compressed-tensors] [--nvfp4_activations "
-      "nvfp4|none]",
+      "nvfp4|none]\n"
+      "                   [--calibration PROMPTS.jsonl | --calibration_sudoku PUZZLES.jsonl]\n"
+      "                   [--calibration_limit N] [--calibration_steps N]",
       "tools/quantize_main.cc", dgserve::Run);
 }

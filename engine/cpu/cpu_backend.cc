@@ -74,7 +74,7 @@ class CpuBackend final : public ModelBackend {
  public:
   CpuBackend(const ModelConfig& config, const ModelWeights& weights,
              const CpuBackendOptions& options)
-      : c_(config), w_(weights), in_(options.gemm_input) {
+      : c_(config), w_(weights), in_(options.gemm_input), observer_(options.linear_observer) {
     rope_sliding_ = RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2);
     rope_full_ = RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles());
     sc_skip_mass_ = options.dense_self_conditioning ? 0.0 : cpu::kDefaultScSkipMass;
@@ -110,13 +110,22 @@ class CpuBackend final : public ModelBackend {
   void Layer(int l, PassKind kind, std::span<const Segment> segs, int R, float* h) const;
   void Attention(int l, PassKind kind, std::span<const Segment> segs, const float* q,
                  const float* k_new, const float* v_new, float* out) const;
-  void Moe(int l, std::span<const Segment> segs, const float* h1, int R, float* m) const;
+  void Moe(int l, bool encoder, std::span<const Segment> segs, const float* h1, int R,
+           float* m) const;
+  // `site`: kMlpGateUp or kScGateUp (the observer's site of gate/up; down is the next one).
   void GatedMlp(const float* x, int R, const PackedMatrix& gate, const PackedMatrix& up,
-                const PackedMatrix& down, float* out) const;
+                const PackedMatrix& down, float* out, LinearSite site, int layer,
+                bool encoder) const;
+  // Tells the observer (if any) about a Linear's input x [rows, cols].
+  void Observe(LinearSite site, int layer, int expert, bool encoder, const float* x, int rows,
+               int cols) const {
+    if (observer_ != nullptr) observer_->Observe(site, layer, expert, encoder, x, rows, cols);
+  }
 
   const ModelConfig c_;  // a copy: small, and callers need not keep theirs alive
   const ModelWeights& w_;
   const cpu::GemmInput in_;  // every projection's GEMM input mode (see the top of this file)
+  LinearInputObserver* const observer_;  // null: no observation
   std::vector<float> rope_sliding_, rope_full_;
   double sc_skip_mass_ = 0;  // sparse self-conditioning budget (cpu_vocab.h); 0 = dense
   std::vector<float> embed_tile_norm_max_;  // per 512-id tile, max ‖E_v‖₂, for its bound
@@ -148,12 +157,16 @@ void CpuBackend::Embed(std::span<const int32_t> ids, float* out) const {
 }
 
 void CpuBackend::GatedMlp(const float* x, int R, const PackedMatrix& gate, const PackedMatrix& up,
-                          const PackedMatrix& down, float* out) const {
+                          const PackedMatrix& down, float* out, LinearSite site, int layer,
+                          bool encoder) const {
   const int width = gate.rows();
   std::vector<float> g(size_t(R) * width), u(size_t(R) * width);
+  Observe(site, layer, -1, encoder, x, R, gate.cols());
   Linear(x, R, gate, g.data(), false, GemmThreads::kOpenMp, in_);
   Linear(x, R, up, u.data(), false, GemmThreads::kOpenMp, in_);
   cpu::GeluGate(g.data(), u.data(), int64_t(R) * width, g.data());
+  Observe(site == LinearSite::kScGateUp ? LinearSite::kScDown : LinearSite::kMlpDown, layer, -1,
+          encoder, g.data(), R, width);
   Linear(g.data(), R, down, out, false, GemmThreads::kOpenMp, in_);
 }
 
@@ -168,6 +181,8 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   std::vector<float> a(size_t(R) * D);
   RmsNorm(h, lw.input_layernorm.data(), R, D, eps, a.data());
   std::vector<float> q(size_t(R) * nh * hd), k(size_t(R) * nkv * hd), v(size_t(R) * nkv * hd);
+  const bool encoder = kind == PassKind::kEncoder;
+  Observe(LinearSite::kQkv, l, -1, encoder, a.data(), R, D);
   Linear(a.data(), R, lw.q_proj, q.data(), false, GemmThreads::kOpenMp, in_);
   Linear(a.data(), R, lw.k_proj, k.data(), false, GemmThreads::kOpenMp, in_);
   if (full) {
@@ -201,6 +216,7 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   std::vector<float> attn(size_t(R) * nh * hd);
   Attention(l, kind, segs, q.data(), k.data(), v.data(), attn.data());
   std::vector<float> o(size_t(R) * D);
+  Observe(LinearSite::kOProj, l, -1, encoder, attn.data(), R, nh * hd);
   Linear(attn.data(), R, lw.o_proj, o.data(), false, GemmThreads::kOpenMp, in_);
   // 3. h1 = h + post_attention_layernorm(o).
   RmsNorm(o.data(), lw.post_attention_layernorm.data(), R, D, eps, o.data());
@@ -210,11 +226,12 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   // 4. Dense branch.
   RmsNorm(h1, lw.pre_feedforward_layernorm.data(), R, D, eps, a.data());
   std::vector<float> dense(size_t(R) * D);
-  GatedMlp(a.data(), R, lw.mlp_gate_proj, lw.mlp_up_proj, lw.mlp_down_proj, dense.data());
+  GatedMlp(a.data(), R, lw.mlp_gate_proj, lw.mlp_up_proj, lw.mlp_down_proj, dense.data(),
+           LinearSite::kMlpGateUp, l, encoder);
   RmsNorm(dense.data(), lw.post_feedforward_layernorm_1.data(), R, D, eps, dense.data());
   // 5. MoE branch.
   std::vector<float> moe(size_t(R) * D);
-  Moe(l, segs, h1, R, moe.data());
+  Moe(l, encoder, segs, h1, R, moe.data());
   RmsNorm(moe.data(), lw.post_feedforward_layernorm_2.data(), R, D, eps, moe.data());
   // 6. h2 = h1 + post_feedforward_layernorm(d + m); 7. whole stream × layer_scalar.
   for (size_t i = 0; i < size_t(R) * D; ++i) dense[i] += moe[i];
@@ -224,7 +241,8 @@ void CpuBackend::Layer(int l, PassKind kind, std::span<const Segment> segs, int 
   for (size_t i = 0; i < size_t(R) * D; ++i) h[i] = (h[i] + dense[i]) * scalar;
 }
 
-void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int R, float* m) const {
+void CpuBackend::Moe(int l, bool encoder, std::span<const Segment> segs, const float* h1, int R,
+                     float* m) const {
   const LayerWeights& lw = w_.layers[l];
   const int D = c_.hidden_size, E = c_.num_experts, K = c_.top_k_experts;
   const int F = c_.moe_intermediate_size;
@@ -235,6 +253,7 @@ void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int 
   const float root = 1.0f / std::sqrt(float(D));
   for (float& x : r) x *= root;
   std::vector<float> scores(size_t(R) * E);
+  Observe(LinearSite::kRouter, l, -1, encoder, r.data(), R, D);
   Linear(r.data(), R, lw.router_proj, scores.data(), false, GemmThreads::kOpenMp, in_);
   // Rows routed to each expert (row, weight). An expert's GEMM computes each of its rows as that
   // row alone would be, so groups need no padding and the batch does not change any row.
@@ -262,12 +281,14 @@ void CpuBackend::Moe(int l, std::span<const Segment> segs, const float* h1, int 
       std::memcpy(&xin[size_t(i) * D], &xe[size_t(rows[i].first) * D], sizeof(float) * D);
     }
     gu.resize(size_t(n) * 2 * F);
+    Observe(LinearSite::kExpertGateUp, l, e, encoder, xin.data(), n, D);
     Linear(xin.data(), n, lw.experts_gate_up_proj[e], gu.data(), false, GemmThreads::kOpenMp, in_);
     act.resize(size_t(n) * F);
     for (int i = 0; i < n; ++i) {
       cpu::GeluGate(&gu[size_t(i) * 2 * F], &gu[size_t(i) * 2 * F + F], F, &act[size_t(i) * F]);
     }
     y.resize(size_t(n) * D);
+    Observe(LinearSite::kExpertDown, l, e, encoder, act.data(), n, F);
     Linear(act.data(), n, lw.experts_down_proj[e], y.data(), false, GemmThreads::kOpenMp, in_);
     for (int i = 0; i < n; ++i) {
       float* dst = m + size_t(rows[i].first) * D;
@@ -435,7 +456,8 @@ absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Se
     if (batch[i].sc_soft != nullptr) {
       std::vector<float> u(size_t(s.rows) * D), sig(size_t(s.rows) * D);
       RmsNorm(batch[i].sc_soft, w_.sc_pre_norm.data(), s.rows, D, eps, u.data());
-      GatedMlp(u.data(), s.rows, w_.sc_gate_proj, w_.sc_up_proj, w_.sc_down_proj, sig.data());
+      GatedMlp(u.data(), s.rows, w_.sc_gate_proj, w_.sc_up_proj, w_.sc_down_proj, sig.data(),
+               LinearSite::kScGateUp, -1, false);
       for (size_t j = 0; j < sig.size(); ++j) hs[j] += sig[j];
     }
   }

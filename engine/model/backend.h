@@ -123,6 +123,34 @@ class ModelBackend {
   virtual int prefill_chunk_tokens() const { return kCpuPrefillChunkTokens; }
 };
 
+// Which Linear of the model a GEMM input feeds (LinearInputObserver). q/k/v_proj share one input
+// (kQkv), so do an MLP's or expert's gate and up projections (k*GateUp).
+enum class LinearSite {
+  kQkv,           // self_attn.{q,k,v}_proj: input_layernorm(h)
+  kOProj,         // self_attn.o_proj: the attention output, heads concatenated
+  kMlpGateUp,     // mlp.{gate,up}_proj: pre_feedforward_layernorm(h1)
+  kMlpDown,       // mlp.down_proj: gelu(g)·u
+  kRouter,        // router.proj: rms_noscale(h1)·scale·D^−½
+  kExpertGateUp,  // experts.{e}.{gate,up}_proj: pre_feedforward_layernorm_2(h1), routed rows only
+  kExpertDown,    // experts.{e}.down_proj: gelu(g)·u of the routed rows
+  kScGateUp,      // self_conditioning.{gate,up}_proj: pre_norm(soft)
+  kScDown,        // self_conditioning.down_proj
+};
+
+// Sees the float32 input of every Linear (not the LM head, not the attention products) of the
+// CPU backend's passes before its GEMM, as the GEMM receives it in the float32 input mode (the
+// bf16 mode rounds it inside the GEMM afterwards). Used by dgserve-quantize's activation
+// calibration (engine/generation/calibrate.h). Called on the thread that called the backend,
+// one call at a time; `x` [rows, cols] row-major is valid during the call only.
+class LinearInputObserver {
+ public:
+  virtual ~LinearInputObserver() = default;
+  // `layer`: the decoder layer (−1 for the self-conditioning MLP); `expert`: the expert id for
+  // kExpert*, else −1; `encoder`: an encoder (prompt / commit) pass rather than a decoder one.
+  virtual void Observe(LinearSite site, int layer, int expert, bool encoder, const float* x,
+                       int rows, int cols) = 0;
+};
+
 // Options of the CPU backend.
 struct CpuBackendOptions {
   // The GEMMs' input mode (engine/cpu/gemm.h). kBf16 rounds the activations of every projection,
@@ -135,6 +163,9 @@ struct CpuBackendOptions {
   // DenoiseStepInput::sparse_sc is set. The programs with --device set it from DGSERVE_DENSE_SC=1
   // (worker/backend_flags.h).
   bool dense_self_conditioning = false;
+  // Non-null: told every Linear's input (LinearInputObserver); must outlive the backend. Null
+  // (default): nothing is observed and nothing is computed for it.
+  LinearInputObserver* linear_observer = nullptr;
 };
 
 // The CPU backend: float32 activations, bf16 weights, our GEMM (engine/cpu/gemm.h),

@@ -324,6 +324,44 @@ INSTANTIATE_TEST_SUITE_P(Golden, QuantModelTest, ::testing::Values("tiny-v512", 
                            return s;
                          });
 
+// Other Sudoku checkpoints measured as LogitsAgainstBf16AreMeasured measures its rows (the same
+// passes, the bf16 models/sudoku as reference): DGSERVE_QUANT_MEASURE names them, comma-separated
+// (QUANTIZED.md's calibrated NVFP4 rows); skipped without it.
+TEST(QuantMeasureTest, SudokuCheckpointsFromTheEnvironment) {
+  const char* dirs = std::getenv("DGSERVE_QUANT_MEASURE");
+  if (dirs == nullptr || *dirs == 0) GTEST_SKIP() << "DGSERVE_QUANT_MEASURE is not set";
+  const char* src = std::getenv("DGSERVE_SOURCE_DIR");
+  auto bf16 = LoadCheckpoint(std::string(src != nullptr ? src : ".") + "/models/sudoku");
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  const Pass ref = RunPasses(*bf16, true);
+  const int V = bf16->config.vocab_size;
+  const size_t rows = ref.logits.size() / V;
+  double range = 0;
+  for (float v : ref.logits) range = std::max(range, double(std::fabs(v)));
+  std::string list = dirs;
+  for (size_t start = 0; start < list.size();) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    const std::string dir = list.substr(start, end - start);
+    start = end + 1;
+    auto ck = LoadCheckpoint(dir);
+    ASSERT_TRUE(ck.ok()) << ck.status();
+    const Pass q = RunPasses(*ck, true);
+    double max_diff = 0;
+    size_t agree = 0;
+    for (size_t r = 0; r < rows; ++r) {
+      const float* a = ref.logits.data() + r * V;
+      const float* b = q.logits.data() + r * V;
+      for (int v = 0; v < V; ++v) max_diff = std::max(max_diff, double(std::fabs(a[v] - b[v])));
+      agree += std::max_element(a, a + V) - a == std::max_element(b, b + V) - b;
+    }
+    std::printf(
+        "sudoku %s (%s) vs bf16: max |dlogit| %.4f (max |logit| %.2f), argmax agreement "
+        "%zu/%zu\n",
+        dir.c_str(), QuantizationName(ck->quant), max_diff, range, agree, rows);
+  }
+}
+
 // The full 30-layer real-width shape's resident weights per format, by arithmetic (WeightBytes:
 // bytes per tensor as the loader holds them, quantized rows padded to 16; the embedding twice),
 // against the targets: ≤ 30 GB at FP8, ≤ 18 GB at 4 bits.

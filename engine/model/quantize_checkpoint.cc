@@ -178,9 +178,9 @@ void AddW4a16(const std::string& module, const Rows& r, int group_flag, Progress
 }
 
 // NVFP4's data-free static activation scale: ModelOpt calibrates input_scale = amax(x) / (6 · 448)
-// on calibration data; dgserve-quantize has no calibration pass and writes the value for
-// amax = 448: block scales are normal e4m3 values for block absmax in [2⁻⁶, 448] (subnormal
-// below, saturating above; quantize_checkpoint.h).
+// on calibration data (QuantizeOptions::input_amax: Nvfp4InputScale); without calibration
+// dgserve-quantize writes the value for amax = 448: block scales are normal e4m3 values for block
+// absmax in [2⁻⁶, 448] (subnormal below, saturating above; quantize_checkpoint.h).
 constexpr float kNvfp4InputScale = 1.0f / 6.0f;
 
 // compressed-tensors' data-free input_global_scale: 448 · 6 / amax(x) for the same amax 448 (a
@@ -211,10 +211,20 @@ float AbsMax(const std::vector<float>& w) {
   return amax;
 }
 
+// The static activation scale of a module whose inputs had amax(|x|) = `amax` on calibration
+// data (< 0: no calibration): ModelOpt's input_scale amax / (6 · 448), compressed-tensors'
+// input_global_scale 448 · 6 / amax (`ct`), float32; the data-free value without calibration or
+// for amax 0 (an input that was always zero: any scale quantizes it exactly).
+float Nvfp4InputScale(float amax, bool ct) {
+  if (!(amax > 0.0f)) return ct ? kNvfp4InputGlobalScale : kNvfp4InputScale;
+  return ct ? (kE4m3Max * 6.0f) / amax : amax / (6.0f * kE4m3Max);
+}
+
 // `fused`: the compressed-tensors layout (its set's amax); null: ModelOpt's. `weight_only`
-// (compressed-tensors NVFP4A16): no input_global_scale.
+// (compressed-tensors NVFP4A16): no input_global_scale. `input`: the input scale written
+// (Nvfp4InputScale).
 void AddNvfp4(const std::string& module, const Rows& r, std::shared_ptr<FusedAmax> fused,
-              bool weight_only, Progress* progress, std::vector<TensorSource>* out) {
+              bool weight_only, float input, Progress* progress, std::vector<TensorSource>* out) {
   const int blocks = r.cols / 16;
   const bool ct = fused != nullptr;
   struct Result {
@@ -315,10 +325,9 @@ void AddNvfp4(const std::string& module, const Rows& r, std::shared_ptr<FusedAma
                     return absl::OkStatus();
                   }});
   if (weight_only) return;  // NVFP4A16: activations unquantized, no activation scale
-  const float* input = ct ? &kNvfp4InputGlobalScale : &kNvfp4InputScale;
   out->push_back({module + (ct ? ".input_global_scale" : ".input_scale"), DType::kF32, scalar,
                   [input](uint8_t* dst) {
-                    std::memcpy(dst, input, 4);
+                    std::memcpy(dst, &input, 4);
                     return absl::OkStatus();
                   }});
 }
@@ -400,6 +409,20 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         "weight-only NVFP4 export is not supported)");
   }
   q.nvfp4_weight_only = weight_only;
+  const bool calibrated = !options.input_amax.empty();
+  if (calibrated && (q.format != WeightFormat::kNvfp4 || weight_only)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "activation calibration sets NVFP4's static activation scale (W4A4); ",
+        q.format != WeightFormat::kNvfp4 ? WeightFormatName(q.format) : "nvfp4a16 (weight-only)",
+        " has none (fp8 quantizes activations per token at run time, w4a16 and nvfp4a16 keep them "
+        "unquantized)"));
+  }
+  for (const auto& [module, amax] : options.input_amax) {
+    if (!(amax >= 0.0f) || !std::isfinite(amax)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration amax of ", module, " is ", amax, ": must be finite and ≥ 0"));
+    }
+  }
   if (q.format == WeightFormat::kW4A16) {
     if (options.group_size < 0) {
       return absl::InvalidArgumentError("--group_size must be ≥ 0 (0: per channel)");
@@ -458,6 +481,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   std::vector<TensorSource> tensors;
   int quantized = 0, kept = 0;
   std::map<std::string, std::shared_ptr<FusedAmax>> fused;  // compressed-tensors NVFP4's sets
+  absl::Status missing_amax;  // a quantized module the calibration did not see
   auto module_rows = [&](const std::string& module, const Rows& r) {
     if (q.format == WeightFormat::kNvfp4 && r.cols % 16 != 0 && q.Quantizes(module)) {
       q.ignore.push_back(module);
@@ -477,7 +501,23 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
           f->members.push_back(r);
           set = f;
         }
-        AddNvfp4(module, r, set, weight_only, progress.get(), &tensors);
+        float amax = -1.0f;  // no calibration
+        if (calibrated) {
+          // The encoder alias of a backbone module shares its decoder module's weights.
+          const std::string key = absl::StartsWith(module, "model.encoder.language_model.")
+                                      ? absl::StrCat("model.decoder.", module.substr(29))
+                                      : module;
+          const auto it = options.input_amax.find(key);
+          if (it != options.input_amax.end()) {
+            amax = it->second;
+          } else if (missing_amax.ok()) {
+            missing_amax = absl::InvalidArgumentError(
+                absl::StrCat("activation calibration: no amax for the quantized module ", module,
+                             " (its input was never observed)"));
+          }
+        }
+        AddNvfp4(module, r, set, weight_only, Nvfp4InputScale(amax, ct_nvfp4), progress.get(),
+                 &tensors);
       } else {
         AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, progress.get(), &tensors);
       }
@@ -531,6 +571,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     }
     tensors.push_back(TensorFromBuffer(v.name, v.dtype, v.shape, v.data));
   }
+  DGSERVE_RETURN_IF_ERROR(missing_amax);
   if (q.format == WeightFormat::kNvfp4) {
     root["quantization_config"] = json::parse(QuantizationConfigJson(q));
     if (!not_divisible.empty() && options.progress) {

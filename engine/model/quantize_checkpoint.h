@@ -8,6 +8,9 @@
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
 //                    --nvfp4_activations none
+//   dgserve-quantize --in DIR --out DIR --format nvfp4 [--nvfp4_layout ...]
+//                    --calibration PROMPTS.jsonl | --calibration_sudoku PUZZLES.jsonl
+//                    [--calibration_limit N] [--calibration_steps N]
 //
 // Every Linear module not in the ignore list is quantized with round-to-nearest:
 //  * fp8 (compressed-tensors FP8_DYNAMIC, format float-quantized): per output channel
@@ -25,9 +28,12 @@
 //    s = amax_b / (6 · g) (0 → 1), clamped to [2⁻⁹, 448], e4m3_rne; codes
 //    e2m1_rne(w / (e4m3(s) · g)) (saturating at ±6), packed two per byte (element 2i in the low
 //    nibble); `M.weight` U8 [out, in/2], `M.weight_scale` F8_E4M3 [out, in/16],
-//    `M.weight_scale_2` F32 [], `M.input_scale` F32 []. input_scale is data-free: 1/6, the value
-//    ModelOpt's calibration (amax(x) / (6 · 448)) gives for amax 448 — block scales are normal
-//    e4m3 for block absmax in [2⁻⁶, 448]; dgserve-quantize runs no calibration. The ignore list
+//    `M.weight_scale_2` F32 [], `M.input_scale` F32 []. input_scale is data-free by default: 1/6,
+//    the value ModelOpt's calibration (amax(x) / (6 · 448)) gives for amax 448 — block scales are
+//    normal e4m3 for block absmax in [2⁻⁶, 448]. With activation calibration
+//    (QuantizeOptions::input_amax, --calibration: engine/generation/calibrate.h) it is ModelOpt's
+//    amax(x) / (6 · 448), float32, amax(|x|) of the module's inputs over the calibration
+//    prompts' encoder passes and denoising steps of the bf16 model. The ignore list
 //    is written as fnmatch patterns ("re:.*X.*" becomes "*X*"); modules whose input width is not
 //    a multiple of 16 stay in their dtype and are added to it (experts: one pattern per tensor).
 //  * nvfp4 with Nvfp4Layout::kCompressedTensors (compressed-tensors "nvfp4-pack-quantized", as
@@ -44,15 +50,16 @@
 //    e2m1_rne(clamp(w / (e4m3(s) / gs), ±6)), packed as ModelOpt's. `M.weight_packed` U8
 //    [out, in/2], `M.weight_scale` F8_E4M3 [out, in/16], `M.weight_global_scale` F32 [1],
 //    `M.input_global_scale` F32 [1] = 6 (data-free: 448 · 6 / 448, the reciprocal of the
-//    ModelOpt layout's input_scale 1/6). The same mathematics as ModelOpt's up to float32
-//    rounding (gs · x vs x / g, 1/gs vs g), the zero-scale rule (ModelOpt: 1) and the smallest
-//    scales (ModelOpt clamps to 2⁻⁹) — and the fused global scale, which ModelOpt's layout here
-//    does not share. Not checked against a Python run: given bf16 weights, torch evaluates
-//    448 · 6 / amax and amax_b / 6 in bf16 (a Python float and a bf16 tensor), so
-//    llm-compressor's scales can differ from these float32 ones by that rounding. The ignore
-//    list is written as it is given (compressed-tensors syntax);
-//    modules whose input width is not a multiple of 16 are added by name (experts: one
-//    "re:BASE\.[0-9]+\.PROJ$" per tensor).
+//    ModelOpt layout's input_scale 1/6); calibrated: 448 · 6 / amax(x), float32 (fused siblings
+//    — q/k/v, gate/up — see one input, so their amax and input scales are equal, which is what
+//    llm-compressor's and vLLM's shared input global scale of a fused set requires). The same
+//    mathematics as ModelOpt's up to float32 rounding (gs · x vs x / g, 1/gs vs g), the zero-scale
+//    rule (ModelOpt: 1) and the smallest scales (ModelOpt clamps to 2⁻⁹) — and the fused global
+//    scale, which ModelOpt's layout here does not share. Not checked against a Python run: given
+//    bf16 weights, torch evaluates 448 · 6 / amax and amax_b / 6 in bf16 (a Python float and a bf16
+//    tensor), so llm-compressor's scales can differ from these float32 ones by that rounding. The
+//    ignore list is written as it is given (compressed-tensors syntax); modules whose input width
+//    is not a multiple of 16 are added by name (experts: one "re:BASE\.[0-9]+\.PROJ$" per tensor).
 //  * nvfp4 weight-only (Nvfp4Activations::kNone; compressed-tensors layout only): llm-compressor's
 //    NVFP4A16 preset (compressed_tensors/quantization/quant_scheme.py: the NVFP4 weights args and
 //    no input_activations), run by vLLM as CompressedTensorsW4A16Fp4. The same weight tensors
@@ -60,6 +67,11 @@
 //    input_activations null. ModelOpt's layout is refused: ModelOpt's exporter names a
 //    W4A16_NVFP4 algorithm in recent versions (modelopt/torch/export/model_config.py) but its
 //    export layout is not checked here, so dgserve-quantize does not write one.
+// Calibration (both NVFP4 layouts; any other format or NVFP4A16 is refused: no static
+// activation scale): a module whose amax is 0 gets the data-free value; a quantized module with
+// no amax is refused. Measured on the Sudoku model (engine/model/QUANTIZED.md): with per-16
+// dynamic e4m3 block scales the static scale only moves where blocks saturate (448) or go
+// subnormal (2⁻⁶), so calibration changes little there.
 // The fused experts (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]) are
 // written unfused, one Linear per expert and projection (`experts.{e}.gate_proj` etc.), the
 // standard compressed-tensors MoE layout. Everything else is copied as it is. config.json gets
@@ -67,6 +79,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -100,6 +113,12 @@ struct QuantizeOptions {
   std::vector<std::string> ignore = DefaultQuantizeIgnore();
   int64_t max_shard_bytes = kDefaultMaxShardBytes;
   bool progress = true;  // a progress line on stderr (every 2 s and at the end)
+  // nvfp4 W4A4 only (another format or NVFP4A16 is refused): the activation calibration's
+  // amax(|x|) per module (engine/generation/calibrate.h: decoder module names; an encoder alias
+  // takes its decoder module's). Empty (default): the data-free input scale. Each quantized
+  // module must have one (INVALID_ARGUMENT naming it otherwise); amax 0 gives the data-free
+  // value.
+  std::map<std::string, float> input_amax;
 };
 
 struct QuantizeSummary {

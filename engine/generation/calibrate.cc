@@ -1,0 +1,178 @@
+// NVFP4 activation calibration (issue 37): see calibrate.h.
+#include "engine/generation/calibrate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/status_macros.h"
+#include "engine/generation/generator.h"
+
+namespace dgserve {
+namespace {
+
+constexpr int kDenseSites = 5;  // kQkv, kOProj, kMlpGateUp, kMlpDown, kRouter
+
+float RowsAmax(const float* x, int rows, int cols) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < int64_t(rows) * cols; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+}
+
+}  // namespace
+
+ActivationAmaxObserver::ActivationAmaxObserver(const ModelConfig& config)
+    : layers_(config.num_layers),
+      experts_(config.num_experts),
+      dense_(size_t(layers_) * kDenseSites, -1.0f),
+      expert_(size_t(layers_) * experts_ * 2, -1.0f) {}
+
+void ActivationAmaxObserver::Observe(LinearSite site, int layer, int expert, bool encoder,
+                                     const float* x, int rows, int cols) {
+  if (rows <= 0) return;
+  const float amax = RowsAmax(x, rows, cols);
+  float* slot = nullptr;
+  switch (site) {
+    case LinearSite::kScGateUp: slot = &sc_[0]; break;
+    case LinearSite::kScDown: slot = &sc_[1]; break;
+    case LinearSite::kExpertGateUp:
+    case LinearSite::kExpertDown:
+      if (layer < 0 || layer >= layers_ || expert < 0 || expert >= experts_) return;
+      slot = &expert_[(size_t(layer) * experts_ + expert) * 2 +
+                      (site == LinearSite::kExpertDown ? 1 : 0)];
+      break;
+    default:
+      if (layer < 0 || layer >= layers_) return;
+      slot = &dense_[size_t(layer) * kDenseSites + int(site)];
+      if (site == LinearSite::kQkv) (encoder ? encoder_rows_ : decoder_rows_) += rows;
+      break;
+  }
+  *slot = std::max(*slot, amax);
+}
+
+int ActivationAmaxObserver::experts_without_rows() const {
+  int n = 0;
+  for (size_t i = 0; i < expert_.size(); i += 2) n += expert_[i] < 0.0f;
+  return n;
+}
+
+std::map<std::string, float> ActivationAmaxObserver::ModuleAmax() const {
+  std::map<std::string, float> out;
+  auto put = [&out](const std::string& name, float amax) {
+    if (amax >= 0.0f) out[name] = amax;
+  };
+  for (int l = 0; l < layers_; ++l) {
+    const std::string p = absl::StrCat("model.decoder.layers.", l, ".");
+    const float* d = &dense_[size_t(l) * kDenseSites];
+    for (const char* m : {"q_proj", "k_proj", "v_proj"}) put(p + "self_attn." + m, d[0]);
+    put(p + "self_attn.o_proj", d[1]);
+    put(p + "mlp.gate_proj", d[2]);
+    put(p + "mlp.up_proj", d[2]);
+    put(p + "mlp.down_proj", d[3]);
+    put(p + "router.proj", d[4]);
+    // An expert without rows: its layer's largest expert amax, per projection.
+    float layer_max[2] = {-1.0f, -1.0f};
+    for (int e = 0; e < experts_; ++e) {
+      for (int j = 0; j < 2; ++j) {
+        layer_max[j] = std::max(layer_max[j], expert_[(size_t(l) * experts_ + e) * 2 + j]);
+      }
+    }
+    for (int e = 0; e < experts_; ++e) {
+      const float* x = &expert_[(size_t(l) * experts_ + e) * 2];
+      const float gu = x[0] >= 0.0f ? x[0] : layer_max[0];
+      const float down = x[1] >= 0.0f ? x[1] : layer_max[1];
+      const std::string ep = absl::StrCat(p, "experts.", e, ".");
+      put(ep + "gate_proj", gu);
+      put(ep + "up_proj", gu);
+      put(ep + "down_proj", down);
+    }
+  }
+  put("model.decoder.self_conditioning.gate_proj", sc_[0]);
+  put("model.decoder.self_conditioning.up_proj", sc_[0]);
+  put("model.decoder.self_conditioning.down_proj", sc_[1]);
+  return out;
+}
+
+absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
+    const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
+    const CalibrationOptions& options) {
+  if (checkpoint.quant.format != WeightFormat::kBf16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration runs the bf16 model: ", checkpoint.dir, " is already quantized"));
+  }
+  if (prompts.empty()) return absl::InvalidArgumentError("calibration: no prompts");
+  ActivationAmaxObserver observer(checkpoint.config);
+  CpuBackendOptions backend_options;
+  backend_options.gemm_input = cpu::GemmInput::kFloat32;
+  backend_options.linear_observer = &observer;
+  std::unique_ptr<ModelBackend> backend =
+      CreateCpuBackend(checkpoint.config, checkpoint.weights, backend_options);
+  Generator generator(*backend);
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    GenerationRequest r = DefaultRequest(checkpoint.generation);
+    r.prompt = prompts[i].prompt;
+    r.seed = i + 1;
+    r.canvas_template = prompts[i].canvas_template;
+    r.max_new_tokens =
+        options.max_new_tokens > 0 ? options.max_new_tokens : checkpoint.config.canvas_length;
+    if (options.max_denoising_steps > 0)
+      r.sampler.max_denoising_steps = options.max_denoising_steps;
+    if (absl::Status s = generator.Validate(r); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration prompt ", i + 1, ": ", s.message()));
+    }
+    DGSERVE_ASSIGN_OR_RETURN(GenerationResult res, generator.Generate(r));
+    if (options.progress) {
+      int steps = 0;
+      for (int s : res.steps_per_canvas) steps += s;
+      std::fprintf(stderr,
+                   "calibrate: prompt %zu/%zu: %d prompt tokens, %d denoising steps; rows seen "
+                   "%lld encoder, %lld decoder (per layer); %.1f s\n",
+                   i + 1, prompts.size(), res.prompt_tokens, steps,
+                   static_cast<long long>(observer.encoder_rows() / checkpoint.config.num_layers),
+                   static_cast<long long>(observer.decoder_rows() / checkpoint.config.num_layers),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+  }
+  if (options.progress && observer.experts_without_rows() > 0) {
+    std::fprintf(stderr,
+                 "calibrate: %d experts saw no row; they take their layer's largest expert amax\n",
+                 observer.experts_without_rows());
+  }
+  return observer.ModuleAmax();
+}
+
+absl::StatusOr<std::vector<CalibrationPrompt>> ReadCalibrationPrompts(const std::string& path,
+                                                                      const Tokenizer& tokenizer) {
+  DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  std::vector<CalibrationPrompt> out;
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    if (absl::StripAsciiWhitespace(line).empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("prompt") || !j["prompt"].is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ":", line_no,
+                       ": expected a JSON object with a string \"prompt\" (JSONL, one per line)"));
+    }
+    const std::string prompt = j["prompt"].get<std::string>();
+    if (prompt.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_no, ": empty \"prompt\""));
+    }
+    out.push_back({tokenizer.EncodeText(prompt, /*add_bos=*/true), nullptr});
+  }
+  if (out.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no calibration prompt"));
+  }
+  return out;
+}
+
+}  // namespace dgserve

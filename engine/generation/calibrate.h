@@ -1,0 +1,94 @@
+// NVFP4 activation calibration for dgserve-quantize (issue 37): the bf16 model runs the
+// generation loop (engine/generation/generator.h) on the CPU backend over calibration prompts —
+// the encoder pass of each prompt and the denoising steps of its canvas (plus the commit pass),
+// since a diffusion model's decoder sees other activations than its encoder — while a
+// LinearInputObserver (engine/model/backend.h) records amax(|x|) of every Linear's input per
+// module. QuantizeOptions::input_amax (engine/model/quantize_checkpoint.h) turns the result into
+// the static activation scales: ModelOpt input_scale = amax / (6 · 448), compressed-tensors
+// input_global_scale = 448 · 6 / amax.
+//
+// Per module: q/k/v_proj of one attention see one input (one amax, which is also what
+// llm-compressor's fused input global scale and ModelOpt's fused-layer export give them), so do
+// gate/up_proj of an MLP or expert. An expert's amax is taken over the rows routed to it only;
+// an expert no calibration row was routed to takes the largest amax of its layer's experts (for
+// each of its projections). The calibration runs in the float32 GEMM input mode: the observed
+// inputs are the float32 activations (the bf16 mode would round them to bf16 inside the GEMM,
+// which moves an amax by at most 2⁻⁹ relative).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/denoise/canvas_template.h"
+#include "engine/model/backend.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/config.h"
+#include "engine/tokenizer/tokenizer.h"
+
+namespace dgserve {
+
+// One calibration request: a prompt in token ids (with <bos>) and, optionally, the canvas
+// template the served requests will carry (the Sudoku givens).
+struct CalibrationPrompt {
+  std::vector<int32_t> prompt;
+  std::shared_ptr<const CanvasTemplate> canvas_template;  // null: none
+};
+
+// Records amax(|x|) per Linear input (see the top of this file). Module names are the decoder
+// names of the checkpoint (e.g. "model.decoder.layers.0.self_attn.q_proj",
+// "model.decoder.layers.0.experts.3.down_proj", "model.decoder.self_conditioning.up_proj").
+class ActivationAmaxObserver final : public LinearInputObserver {
+ public:
+  explicit ActivationAmaxObserver(const ModelConfig& config);
+  void Observe(LinearSite site, int layer, int expert, bool encoder, const float* x, int rows,
+               int cols) override;
+  // Module name → amax over every row observed (≥ 0). Modules never observed are absent, except
+  // experts, which take their layer's largest expert amax (absent when no expert of the layer saw
+  // a row). Every site's modules: q/k/v (v_proj also on full layers, whose V is the k projection),
+  // o, the dense MLP, the router, the experts (unfused names) and the self-conditioning MLP.
+  std::map<std::string, float> ModuleAmax() const;
+  // Rows observed by encoder and decoder passes at the q/k/v input (all layers summed).
+  int64_t encoder_rows() const { return encoder_rows_; }
+  int64_t decoder_rows() const { return decoder_rows_; }
+  // Experts (over all layers) that saw no row.
+  int experts_without_rows() const;
+
+ private:
+  int layers_ = 0, experts_ = 0;
+  // Per layer [kQkv .. kRouter] (5 sites); per layer and expert {gate_up, down}; the SC MLP's two.
+  // −1: never observed.
+  std::vector<float> dense_, expert_;
+  float sc_[2] = {-1.0f, -1.0f};
+  int64_t encoder_rows_ = 0, decoder_rows_ = 0;
+};
+
+struct CalibrationOptions {
+  // Denoising steps per canvas at most (SamplerParams::max_denoising_steps: the schedule is
+  // spread over them); 0: the checkpoint's generation_config value.
+  int max_denoising_steps = 0;
+  // New tokens per prompt (canvases = ceil(max_new_tokens / canvas_length)); 0: one canvas.
+  int max_new_tokens = 0;
+  bool progress = true;  // one line per prompt on stderr
+};
+
+// Runs `checkpoint` (bf16: a quantized one is refused with INVALID_ARGUMENT) on the CPU backend
+// in the float32 GEMM mode over `prompts` (seed i + 1 for prompt i, the checkpoint's sampler
+// defaults) and returns ActivationAmaxObserver::ModuleAmax. INVALID_ARGUMENT for no prompts or a
+// prompt the generator refuses (naming its index, 1-based).
+absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
+    const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
+    const CalibrationOptions& options = {});
+
+// Reads a calibration file: JSONL, one object per line with a string "prompt" (blank lines
+// skipped), each prompt tokenized as the gateway tokenizes a text prompt (Tokenizer::EncodeText
+// with <bos>). INVALID_ARGUMENT naming the file and line for a line that is not such an object or
+// an empty prompt, and for a file with no prompt; NOT_FOUND for a file that cannot be read.
+absl::StatusOr<std::vector<CalibrationPrompt>> ReadCalibrationPrompts(const std::string& path,
+                                                                      const Tokenizer& tokenizer);
+
+}  // namespace dgserve

@@ -1,0 +1,287 @@
+// NVFP4 activation calibration (issue 37; calibrate.h): the observer's amax against activations
+// computed independently on random tiny-v512 weights, the per-module bookkeeping on handcrafted
+// inputs, the input scales dgserve-quantize writes from it, the uncalibrated checkpoint's bytes
+// as before calibration existed, and the refusals.
+#include "engine/generation/calibrate.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/testing/status_matchers.h"
+#include "engine/cpu/cpu_ops.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
+#include "engine/model/kv_cache.h"
+#include "engine/model/quantize_checkpoint.h"
+#include "engine/model/random_checkpoint.h"
+#include "engine/model/safetensors.h"
+
+namespace dgserve {
+namespace {
+
+namespace fs = std::filesystem;
+using ::dgserve::testing::IsOk;
+using ::testing::HasSubstr;
+
+// The bf16 tiny-v512 checkpoint with the generator's random weights (seed 512), in `dir`.
+std::string WriteTinyV512(const std::string& dir) {
+  const fs::path golden = fs::path(::dgserve::testing::GoldenDir()) / "tiny-v512";
+  auto cfgs = LoadConfigsFromModelDir(golden.string());
+  EXPECT_TRUE(cfgs.ok()) << cfgs.status();
+  const std::string bf16 = dir + "/bf16";
+  EXPECT_THAT(WriteRandomCheckpoint(cfgs->config, cfgs->generation, 512, bf16), IsOk());
+  return bf16;
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+uint64_t Fnv1a(const std::string& bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+// The layer-0 q/k/v input of an encoder pass is input_layernorm(E[id] · embed scale): computed
+// here from the weights with a direct RmsNorm call; the observer's amax must be its max |x|.
+TEST(CalibrateTest, ObserverAmaxIsTheLayerInputsMaximum) {
+  auto ck = ::dgserve::testing::LoadRandomTinyV512("calibrate_observer");
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  const ModelConfig& c = ck->config;
+  ActivationAmaxObserver observer(c);
+  CpuBackendOptions options;
+  options.linear_observer = &observer;
+  auto backend = CreateCpuBackend(c, ck->weights, options);
+  const std::vector<int32_t> prompt = {2, 17, 301, 44, 5, 499, 123};
+  ContiguousKvCache kv(c, 64);
+  EncodeInput e{prompt, &kv};
+  ASSERT_THAT(backend->Encode({&e, 1}), IsOk());
+  const int D = c.hidden_size;
+  std::vector<float> x(prompt.size() * D), a(x.size());
+  for (size_t r = 0; r < prompt.size(); ++r) {
+    for (int i = 0; i < D; ++i) {
+      x[r * D + i] =
+          Bf16ToFloat(ck->weights.embed_tokens[size_t(prompt[r]) * D + i]) * c.EmbedScale();
+    }
+  }
+  cpu::RmsNorm(x.data(), ck->weights.layers[0].input_layernorm.data(), prompt.size(), D,
+               c.rms_norm_eps, a.data());
+  float want = 0;
+  for (float v : a) want = std::max(want, std::fabs(v));
+  ASSERT_GT(want, 0.0f);
+  std::map<std::string, float> got = observer.ModuleAmax();
+  for (const char* m : {"q_proj", "k_proj", "v_proj"}) {
+    EXPECT_EQ(got[std::string("model.decoder.layers.0.self_attn.") + m], want) << m;
+  }
+  EXPECT_EQ(observer.encoder_rows(), int64_t(prompt.size()) * c.num_layers);
+  EXPECT_EQ(observer.decoder_rows(), 0);
+  // No decoder pass yet: the self-conditioning MLP was never observed.
+  EXPECT_EQ(got.count("model.decoder.self_conditioning.gate_proj"), 0u);
+  // A decoder pass over a canvas is observed too (rows of every layer).
+  std::vector<int32_t> canvas(c.canvas_length, 7);
+  std::vector<float> logits(size_t(c.canvas_length) * c.vocab_size);
+  DecodeInput d{canvas, nullptr, &kv, logits.data()};
+  ASSERT_THAT(backend->Decode({&d, 1}), IsOk());
+  EXPECT_EQ(observer.decoder_rows(), int64_t(c.canvas_length) * c.num_layers);
+  EXPECT_GE(observer.ModuleAmax()["model.decoder.layers.0.self_attn.q_proj"], want);
+}
+
+// Handcrafted observations: one amax per site and module, experts from their own rows, an expert
+// without rows from its layer's largest, q/k/v and gate/up sharing their input's amax.
+TEST(CalibrateTest, ModuleAmaxBookkeeping) {
+  ModelConfig c = ::dgserve::testing::TinyConfig();  // 2 layers, 4 experts
+  ActivationAmaxObserver o(c);
+  const float x1[4] = {0.5f, -3.25f, 1.0f, 2.0f};
+  const float x2[2] = {-7.5f, 0.25f};
+  const float x3[2] = {1.5f, -0.5f};
+  o.Observe(LinearSite::kQkv, 1, -1, true, x1, 2, 2);
+  o.Observe(LinearSite::kQkv, 1, -1, false, x3, 1, 2);
+  o.Observe(LinearSite::kOProj, 0, -1, false, x2, 1, 2);
+  o.Observe(LinearSite::kExpertGateUp, 1, 2, false, x1, 1, 4);
+  o.Observe(LinearSite::kExpertGateUp, 1, 3, false, x3, 1, 2);
+  o.Observe(LinearSite::kExpertDown, 1, 3, false, x2, 1, 2);
+  o.Observe(LinearSite::kScDown, -1, -1, false, x2 + 1, 1, 1);
+  std::map<std::string, float> m = o.ModuleAmax();
+  const std::string l0 = "model.decoder.layers.0.", l1 = "model.decoder.layers.1.";
+  EXPECT_EQ(m[l1 + "self_attn.q_proj"], 3.25f);
+  EXPECT_EQ(m[l1 + "self_attn.v_proj"], 3.25f);
+  EXPECT_EQ(m[l0 + "self_attn.o_proj"], 7.5f);
+  EXPECT_EQ(m.count(l0 + "self_attn.q_proj"), 0u);
+  EXPECT_EQ(m[l1 + "experts.2.gate_proj"], 3.25f);
+  EXPECT_EQ(m[l1 + "experts.2.up_proj"], 3.25f);
+  EXPECT_EQ(m[l1 + "experts.3.up_proj"], 1.5f);
+  EXPECT_EQ(m[l1 + "experts.3.down_proj"], 7.5f);
+  EXPECT_EQ(m[l1 + "experts.2.down_proj"], 7.5f);   // no down rows: the layer's largest
+  EXPECT_EQ(m[l1 + "experts.0.gate_proj"], 3.25f);  // no rows at all
+  EXPECT_EQ(m[l1 + "experts.0.down_proj"], 7.5f);
+  EXPECT_EQ(m.count(l0 + "experts.0.gate_proj"), 0u);  // no expert of layer 0 saw a row
+  EXPECT_EQ(m["model.decoder.self_conditioning.down_proj"], 0.25f);
+  EXPECT_EQ(m.count("model.decoder.self_conditioning.up_proj"), 0u);
+  EXPECT_EQ(o.experts_without_rows(), 2 * 4 - 2);
+  EXPECT_EQ(o.encoder_rows(), 2);
+  EXPECT_EQ(o.decoder_rows(), 1);
+}
+
+// Calibrated checkpoints: every input_scale is amax / (6 · 448) of its module (ModelOpt) and
+// every input_global_scale 448 · 6 / amax (compressed-tensors), all else as uncalibrated.
+TEST(CalibrateTest, WrittenInputScalesAreTheCalibratedAmax) {
+  const std::string dir = ::dgserve::testing::MakeTempDir("calibrate_write");
+  const std::string bf16 = WriteTinyV512(dir);
+  auto ck = LoadCheckpoint(bf16);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  std::vector<CalibrationPrompt> prompts(2);
+  prompts[0].prompt = {2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49};
+  prompts[1].prompt = {2, 300, 12, 7};
+  CalibrationOptions co;
+  co.max_denoising_steps = 3;
+  co.progress = false;
+  auto amax = CalibrateActivationAmax(*ck, prompts, co);
+  ASSERT_TRUE(amax.ok()) << amax.status();
+  for (bool ct : {false, true}) {
+    QuantizeOptions q;
+    q.progress = false;
+    q.format = WeightFormat::kNvfp4;
+    q.group_size = 16;
+    q.nvfp4_layout = ct ? Nvfp4Layout::kCompressedTensors : Nvfp4Layout::kModelOpt;
+    const std::string plain = dir + (ct ? "/ct" : "/mo"), cal = plain + "_cal";
+    ASSERT_THAT(QuantizeCheckpoint(bf16, plain, q).status(), IsOk());
+    q.input_amax = *amax;
+    ASSERT_THAT(QuantizeCheckpoint(bf16, cal, q).status(), IsOk());
+    auto a = SafetensorsReader::OpenDir(plain);
+    auto b = SafetensorsReader::OpenDir(cal);
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_EQ(a->tensors().size(), b->tensors().size());
+    const std::string suffix = ct ? ".input_global_scale" : ".input_scale";
+    int scales = 0;
+    for (size_t i = 0; i < a->tensors().size(); ++i) {
+      const TensorView& ta = a->tensors()[i];
+      const TensorView& tb = b->tensors()[i];
+      ASSERT_EQ(ta.name, tb.name);
+      ASSERT_EQ(ta.nbytes, tb.nbytes);
+      if (!ta.name.ends_with(suffix)) {
+        EXPECT_EQ(std::memcmp(ta.data, tb.data, ta.nbytes), 0) << ta.name;
+        continue;
+      }
+      const std::string module = ta.name.substr(0, ta.name.size() - suffix.size());
+      ASSERT_EQ(amax->count(module), 1u) << module;
+      const float x = amax->at(module);
+      ASSERT_GT(x, 0.0f) << module;
+      float got;
+      std::memcpy(&got, tb.data, 4);
+      EXPECT_EQ(got, ct ? 2688.0f / x : x / 2688.0f) << module;
+      ++scales;
+    }
+    EXPECT_EQ(scales, 136);  // every quantized module of tiny-v512 (ModelOpt's count)
+  }
+}
+
+// Without calibration the NVFP4 files are the bytes dgserve-quantize wrote before calibration
+// existed: FNV-1a 64 of the same checkpoint written by that version (c6520d9,
+// `dgserve-mkmodel --seed 512 --config tests/testdata/golden/tiny-v512/config.json`, then
+// `dgserve-quantize --format nvfp4 [--nvfp4_layout compressed-tensors]`).
+TEST(CalibrateTest, UncalibratedCheckpointBytesAreUnchanged) {
+  const std::string dir = ::dgserve::testing::MakeTempDir("calibrate_bytes");
+  const std::string bf16 = WriteTinyV512(dir);
+  for (bool ct : {false, true}) {
+    QuantizeOptions q;
+    q.progress = false;
+    q.format = WeightFormat::kNvfp4;
+    q.group_size = 16;
+    q.nvfp4_layout = ct ? Nvfp4Layout::kCompressedTensors : Nvfp4Layout::kModelOpt;
+    const std::string out = dir + (ct ? "/ct" : "/mo");
+    ASSERT_THAT(QuantizeCheckpoint(bf16, out, q).status(), IsOk());
+    EXPECT_EQ(Fnv1a(ReadBytes(out + "/model.safetensors")),
+              ct ? 0xa8baf99fdde6e81full : 0xda7b54e7a7a03be1ull);
+    EXPECT_EQ(Fnv1a(ReadBytes(out + "/config.json")),
+              ct ? 0xea83fcac207a582cull : 0x5107e43c1758a7e7ull);
+  }
+}
+
+TEST(CalibrateTest, Refusals) {
+  const std::string dir = ::dgserve::testing::MakeTempDir("calibrate_refuse");
+  const std::string bf16 = WriteTinyV512(dir);
+  QuantizeOptions q;
+  q.progress = false;
+  q.input_amax = {{"model.decoder.layers.0.self_attn.q_proj", 3.0f}};
+  q.format = WeightFormat::kFp8;
+  EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/a", q).status().message(),
+              HasSubstr("fp8 has none"));
+  q.format = WeightFormat::kW4A16;
+  EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/b", q).status().message(),
+              HasSubstr("w4a16 has none"));
+  q.format = WeightFormat::kNvfp4;
+  q.group_size = 16;
+  q.nvfp4_layout = Nvfp4Layout::kCompressedTensors;
+  q.nvfp4_activations = Nvfp4Activations::kNone;
+  EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/c", q).status().message(),
+              HasSubstr("nvfp4a16 (weight-only) has none"));
+  q.nvfp4_activations = Nvfp4Activations::kNvfp4;
+  // Only q_proj calibrated: the first other quantized module is named.
+  auto st = QuantizeCheckpoint(bf16, dir + "/d", q).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("no amax for the quantized module"));
+  EXPECT_FALSE(fs::exists(dir + "/d"));
+  q.input_amax["model.decoder.layers.0.self_attn.q_proj"] = NAN;
+  EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/e", q).status().message(),
+              HasSubstr("must be finite"));
+  // Calibration files.
+  const char* src = std::getenv("DGSERVE_SOURCE_DIR");
+  auto tok =
+      Tokenizer::Load(std::string(src != nullptr ? src : ".") + "/models/sudoku/tokenizer.json");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + "/" + name) << text;
+    return dir + "/" + name;
+  };
+  auto good = ReadCalibrationPrompts(write("good.jsonl", "{\"prompt\": \"12.\\n\"}\n\n"), *tok);
+  ASSERT_TRUE(good.ok()) << good.status();
+  ASSERT_EQ(good->size(), 1u);
+  EXPECT_EQ(good->at(0).prompt.size(), 5u);  // <bos> 1 2 . \n
+  EXPECT_EQ(good->at(0).prompt[0], 2);
+  auto bad = ReadCalibrationPrompts(write("bad.jsonl", "{\"prompt\": \"1\"}\nhello\n"), *tok);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("bad.jsonl:2: expected a JSON object"));
+  EXPECT_THAT(
+      ReadCalibrationPrompts(write("num.jsonl", "{\"prompt\": 3}\n"), *tok).status().message(),
+      HasSubstr("num.jsonl:1: expected a JSON object with a string \"prompt\""));
+  EXPECT_THAT(ReadCalibrationPrompts(write("empty.jsonl", "\n\n"), *tok).status().message(),
+              HasSubstr("no calibration prompt"));
+  EXPECT_THAT(
+      ReadCalibrationPrompts(write("e2.jsonl", "{\"prompt\": \"\"}"), *tok).status().message(),
+      HasSubstr("e2.jsonl:1: empty \"prompt\""));
+  EXPECT_EQ(ReadCalibrationPrompts(dir + "/missing.jsonl", *tok).status().code(),
+            absl::StatusCode::kNotFound);
+  // A quantized checkpoint is not calibrated.
+  QuantizeOptions f;
+  f.progress = false;
+  f.format = WeightFormat::kFp8;
+  ASSERT_THAT(QuantizeCheckpoint(bf16, dir + "/fp8", f).status(), IsOk());
+  auto fp8 = LoadCheckpoint(dir + "/fp8");
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  std::vector<CalibrationPrompt> p(1);
+  p[0].prompt = {2, 3};
+  EXPECT_THAT(CalibrateActivationAmax(*fp8, p).status().message(), HasSubstr("already quantized"));
+  auto ck = LoadCheckpoint(bf16);
+  ASSERT_TRUE(ck.ok());
+  EXPECT_THAT(CalibrateActivationAmax(*ck, {}).status().message(), HasSubstr("no prompts"));
+  p[0].prompt = {2, 100000};
+  EXPECT_THAT(CalibrateActivationAmax(*ck, p).status().message(),
+              HasSubstr("calibration prompt 1"));
+}
+
+}  // namespace
+}  // namespace dgserve
