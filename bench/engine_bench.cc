@@ -123,9 +123,11 @@ ABSL_FLAG(int, calibrate_copy_mb, 1024,
 ABSL_FLAG(int, calibrate_gemm_n, 8192,
           "--device cuda: n of the n×n×n bf16 GEMM that measures the tensor-core ceiling (0: "
           "skip)");
-ABSL_FLAG(bool, cuda_tensor_core_attention, false,
+ABSL_FLAG(bool, cuda_tensor_core_attention, true,
           "--device cuda: attention on the tensor cores (CudaBackendOptions::"
-          "tensor_core_attention: bf16 Q/K/V, the bf16 device KV mirror); the result line says "
+          "tensor_core_attention, the default: bf16 Q/K/V, the bf16 device KV mirror; with "
+          "--cuda_gemm_input bf16 only, float32 keeps the float32 kernels); false: the float32 "
+          "kernels (rounding as the tensor cores in bf16); the result line says "
           "attention=tensor_core or attention=float32");
 ABSL_FLAG(bool, calibrate_only, false,
           "--device cuda: measure the two ceilings, print the CEILINGS line and exit");
@@ -298,6 +300,7 @@ int Run() {
 #ifdef DGSERVE_HAVE_CUDA
   // One sequence's device K/V at the context, in the element size the backend's options store.
   int64_t kv_bytes_per_seq = 0;
+  const char* attention = "float32";  // the CUDA backend's attention kernels
 #endif
   if (!cuda) {
     auto created = CreateBackend(g_backend, c, ckpt->weights);
@@ -315,6 +318,7 @@ int Run() {
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.tensor_core_attention = absl::GetFlag(FLAGS_cuda_tensor_core_attention);
+    if (options.tensor_core_attention && bf16) attention = "tensor_core";
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     kv_bytes_per_seq = CudaKvBytesPerSequence(c, P, options);
     // Every format runs in its own format (FP8 on the FP8 tensor cores, W4A16 and NVFP4
@@ -636,8 +640,8 @@ int Run() {
                       " gemm_tflops=", Fmt(gemm_tflops, "%.1f"),
                       " weight_bw_share=", Fmt(copy_share, "%.4f"));
 #ifdef DGSERVE_HAVE_CUDA
-      absl::StrAppend(&extra, " kv_device_bytes_per_seq=", kv_bytes_per_seq, " attention=",
-                      absl::GetFlag(FLAGS_cuda_tensor_core_attention) ? "tensor_core" : "float32");
+      absl::StrAppend(&extra, " kv_device_bytes_per_seq=", kv_bytes_per_seq,
+                      " attention=", attention);
 #endif
     }
     const auto peak_rss = PeakResidentBytes();
@@ -671,7 +675,7 @@ int main(int argc, char** argv) {
       "[--device cpu|cuda] [--canvas N] [--steps N] [--context N] [--batch N] [--seed N] "
       "[--mem_bandwidth_gbs GB/s] [--logit_scale X] [--synthetic] [--synthetic_kv] "
       "[--batches 1,2,4] [--step_budget_s S] [--phase_timing] [--cuda_graphs=false] "
-      "[--cuda_tensor_core_attention] "
+      "[--cuda_tensor_core_attention=false] "
       "[--calibrate_copy_mb MB] "
       "[--calibrate_gemm_n N] [--cpu_gemm_input float32|bf16] "
       "[--cpu_gemm_inputs float32,bf16 [--repeats R]]",

@@ -66,8 +66,10 @@
 #     one real 2k prefill, at most 6 s of timed steps per batch) and batch 1 and 16 at 32k (a
 #     synthetic KV cache instead of the minutes-long 32k prefill; 4 steps) — a batch whose KV
 #     copies and scratch do not fit in free device memory is reported skipped by engine_bench;
-#     the same 32k runs with the attention on the tensor cores and the bf16 device KV mirror
-#     (`full-32k-tc-*`, --cuda_tensor_core_attention; issue 34);
+#     the 32k runs twice: `full-32k-*` with the float32 attention kernels
+#     (--cuda_tensor_core_attention=false, float32 device KV mirror) and `full-32k-tc-*` with the
+#     attention on the tensor cores and the bf16 device KV mirror (the default since issue 34;
+#     the other runs take the default too);
 #     and the step as served (`full-2k-graphs-*`: CUDA graphs replayed, no --phase_timing, whose
 #     event brackets run the step eagerly) at batch 1 and 16, 2k context.
 #     Each RESULT line: step, body and vocabulary times, per-phase CUDA-event times and host
@@ -668,9 +670,11 @@ bench_step() {
         "${common[@]}"
       bench_run "full-32k-$g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \
         --context "$ctx_long" --batches "$long_batches" --steps 4 --step_budget_s 8 \
-        --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" --phase_timing
+        --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" --phase_timing \
+        --cuda_tensor_core_attention=false
       # The same at 32k with the attention on the tensor cores (bf16 Q/K/V, the bf16 device KV
-      # mirror: issue 34): its phase_attn_ms and kv_device_bytes_per_seq against the run above.
+      # mirror: issue 34, the default): its phase_attn_ms and kv_device_bytes_per_seq against the
+      # float32-attention run above.
       if (($(time_left) < 60)); then
         fail "bench: full-32k tensor-core attention gemm_input $g: SKIPPED, $(time_left)s left"
       else
@@ -688,7 +692,7 @@ bench_step() {
       bench_run "emu-cuda-tiny" "$(budget 120 5)" "$BUILD_DIR/bench/engine_bench_emu" \
         --device cuda --config tests/testdata/golden/tiny-v512/config.json --synthetic \
         --context 64 --batches 1,2 --steps 2 --phase_timing --calibrate_copy_mb 1 \
-        --calibrate_gemm_n 32 --cuda_gemm_input bf16
+        --calibrate_gemm_n 32 --cuda_gemm_input bf16 --cuda_tensor_core_attention=false
       bench_run "emu-cuda-tiny-graphs" "$(budget 120 5)" "$BUILD_DIR/bench/engine_bench_emu" \
         --device cuda --config tests/testdata/golden/tiny-v512/config.json --synthetic \
         --context 64 --batches 1,2 --steps 4 --calibrate_copy_mb 1 --calibrate_gemm_n 32 \

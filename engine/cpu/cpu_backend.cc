@@ -17,15 +17,28 @@
 //      probability its online softmax carries — the same relative rounding, but not the bits of
 //      bf16(q), which needs the row's sum before the product)
 // Each product is then the VDPBF16PS chain of cpu/gemm.h (exact bf16 products, float32 sums).
-// Not applied (float32 in both modes): the attention products Q·Kᵀ and P·V (the reference rounds
-// q, k, v and the probabilities to bf16 too), the GEMM outputs (the reference's are bf16, the LM
-// head's included, §5.3 item 2), RMSNorm outputs other than as GEMM inputs, residual adds and the
-// layer scalar (bf16 in the reference), the embedding scale product, RoPE's bf16 cos/sin, the
-// router softmax and the MoE combine.
+//   9. attention (cpu_attention.h, spec §5.3 items 4–6): q after q_norm and RoPE, k after k_norm
+//      and RoPE, v after v_norm (full layers: V = rms_noscale(raw k projection), rounded after
+//      its norm) are rounded to bf16 before Q·Kᵀ and P·V, and so are the probabilities, in the
+//      CUDA tensor-core kernels' form: P = bf16(exp(s − m_t)) · exp(m_t − m) with m_t the running
+//      max over tiles of 32 keys (the decoder's from its first visible key; the encoder's at
+//      positions multiple of 32), l = Σ exp(s − m_t) · exp(m_t − m) over the unrounded terms,
+//      out = (Σ P·v) · (1 / l). K and V are rounded as the attention gathers them: the KV cache
+//      keeps the float32 rows (what the prefix cache, KV transfer and the CUDA mirrors receive, as
+//      before; rounding there would change nothing here, since rounding is idempotent). Left
+//      different from the kernels: the float32 addition order, the products of P with exp(m_t − m)
+//      (rounded to float32 here; the kernels rescale O and l per tile), and long contexts on the
+//      CUDA split-KV path (splits of 4096 keys merged by a combine). Products of bf16 values are
+//      exact, so the attention GEMMs run in float32 mode on the rounded values.
+// Not applied (float32 in both modes): the GEMM outputs (the reference's are bf16, the LM
+// head's included, §5.3 item 2), RMSNorm outputs other than as GEMM or attention inputs, residual
+// adds and the layer scalar (bf16 in the reference), the embedding scale product, RoPE's bf16
+// cos/sin, the router softmax and the MoE combine.
 //
 // Same seed, same tokens, by construction: every GEMM output is one fma chain over k in ascending
 // order (engine/cpu/gemm.h), and every other reduction (RMSNorm, softmaxes, the MoE combine)
-// runs in a fixed order over one row. A row's result therefore depends only on that row's inputs,
+// runs in a fixed order over one row; the attention's roundings are per element and its tiles
+// depend only on positions. A row's result therefore depends only on that row's inputs,
 // never on what it is batched with, where it sits in the batch, the chunking of a prompt, the
 // thread count or the instruction set.
 #include <algorithm>
@@ -38,6 +51,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
 #include "common/status_macros.h"
+#include "engine/cpu/cpu_attention.h"
 #include "engine/cpu/cpu_ops.h"
 #include "engine/cpu/cpu_vocab.h"
 #include "engine/cpu/gemm.h"
@@ -300,101 +314,38 @@ void CpuBackend::Moe(int l, bool encoder, std::span<const Segment> segs, const f
 
 void CpuBackend::Attention(int l, PassKind kind, std::span<const Segment> segs, const float* q,
                            const float* k_new, const float* v_new, float* out) const {
-  const int hd = c_.HeadDim(l), nh = c_.num_heads, nkv = c_.KvHeads(l);
-  const int group = nh / nkv, kvw = nkv * hd;
+  const int hd = c_.HeadDim(l), nh = c_.num_heads, nkv = c_.KvHeads(l), kvw = nkv * hd;
   const bool full = c_.IsFull(l);
   const int W = c_.sliding_window;
-  constexpr int kQueryBlock = 128;  // query rows per score GEMM: scores stay [128, keys]
   for (const Segment& s : segs) {
-    // The keys and values this segment may see, gathered per KV head into contiguous
-    // [nkeys, hd] panels (position order) so that scores and outputs are GEMMs.
-    int first_pos, nkeys;  // position of key 0; number of keys
+    // The keys this segment may see, in position order from first_pos: the encoder's are cache
+    // rows [first_pos, pos0 + rows) (its new rows are already there), causal (+ window); the
+    // decoder's the context prefix (fixed window for sliding layers) then the canvas itself, all
+    // seen by every row.
+    const int first_pos = full ? 0 : std::max(0, s.pos0 - (W - 1));
+    cpu::AttentionShape shape;
+    shape.heads = nh;
+    shape.kv_heads = nkv;
+    shape.head_dim = hd;
+    shape.rows = s.rows;
+    shape.keys = s.pos0 + s.rows - first_pos;
     if (kind == PassKind::kEncoder) {
-      // New rows are already in the cache: keys are cache rows [first_pos, pos0 + rows).
-      first_pos = full ? 0 : std::max(0, s.pos0 - (W - 1));
-      nkeys = s.pos0 + s.rows - first_pos;
-    } else {
-      // Context prefix (fixed window for sliding layers) then the canvas itself.
-      first_pos = full ? 0 : std::max(0, s.pos0 - (W - 1));
-      nkeys = s.pos0 - first_pos + s.rows;
+      shape.causal = s.pos0 - first_pos;
+      shape.window = full ? 0 : W;
+      shape.tile_offset = first_pos % 32;  // the tensor-core prefill's tiles: positions 32t …
     }
-    // K per KV head in the GEMM's panel layout (16 keys × hd, key-minor; keys past nkeys zero):
-    // key j, dim d at kpanel[g·kpstride + ((j / 16)·hd + d)·16 + j % 16]. V per KV head row-major
-    // [nkeys, hd].
-    const int64_t kpstride = int64_t((nkeys + kGemmPanel - 1) / kGemmPanel) * kGemmPanel * hd;
-    std::vector<float> kpanel(size_t(nkv) * kpstride, 0.0f), vpanel(size_t(nkv) * nkeys * hd);
-#pragma omp parallel for schedule(static) if (nkeys >= 64)
-    for (int j = 0; j < nkeys; ++j) {
+    auto key_rows = [&](int j, const float** kr, const float** vr) {
       const int p = first_pos + j;
-      const float *kr, *vr;
       if (kind == PassKind::kDecoder && p >= s.pos0) {
-        kr = k_new + size_t(s.row0 + p - s.pos0) * kvw;
-        vr = v_new + size_t(s.row0 + p - s.pos0) * kvw;
+        *kr = k_new + size_t(s.row0 + p - s.pos0) * kvw;
+        *vr = v_new + size_t(s.row0 + p - s.pos0) * kvw;
       } else {
-        kr = s.kv->KeyRow(l, p);
-        vr = s.kv->ValueRow(l, p);
+        *kr = s.kv->KeyRow(l, p);
+        *vr = s.kv->ValueRow(l, p);
       }
-      for (int g = 0; g < nkv; ++g) {
-        float* kp = &kpanel[size_t(g) * kpstride + size_t(j / kGemmPanel) * kGemmPanel * hd +
-                            j % kGemmPanel];
-        for (int d = 0; d < hd; ++d) kp[size_t(d) * kGemmPanel] = kr[size_t(g) * hd + d];
-        std::memcpy(&vpanel[(size_t(g) * nkeys + j) * hd], vr + size_t(g) * hd, sizeof(float) * hd);
-      }
-    }
-    // Query row r sees keys [KeyLo(r), KeyHi(r)): causal (+ window) for the encoder, everything
-    // for the decoder.
-    auto key_lo = [&](int r) {
-      return kind == PassKind::kEncoder && !full ? std::max(0, s.pos0 + r - (W - 1) - first_pos)
-                                                 : 0;
     };
-    auto key_hi = [&](int r) {
-      return kind == PassKind::kEncoder ? s.pos0 + r - first_pos + 1 : nkeys;
-    };
-    const int blocks = (s.rows + kQueryBlock - 1) / kQueryBlock;
-    // One single-threaded GEMM pair per (query block, head). A block computes the scores of keys
-    // [klo, khi) for all its rows and masks each row to its own keys with exact zeros, so every
-    // row's softmax sum and P·V chain run over its keys in ascending position order with zero
-    // terms that change nothing: a row's output does not depend on the block or the chunk of the
-    // prompt it falls in.
-#pragma omp parallel
-    {
-      std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1) collapse(2)
-      for (int b = 0; b < blocks; ++b) {
-        for (int hq = 0; hq < nh; ++hq) {
-          const int r0 = b * kQueryBlock, rows = std::min(kQueryBlock, s.rows - r0);
-          const int klo = key_lo(r0) / kGemmPanel * kGemmPanel;  // a panel boundary
-          const int khi = key_hi(r0 + rows - 1), nk = khi - klo;
-          const int g = hq / group;
-          const float* qb = q + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd;
-          scores.resize(size_t(rows) * nk);
-          // Scores = Q·Kᵀ with scale 1.0 (spec §3.1.5).
-          const GemmArgs sg =
-              GemmArgs::Of(rows, nk, hd, qb, nh * hd,
-                           GemmB::Panels(&kpanel[size_t(g) * kpstride + size_t(klo) * hd], hd),
-                           scores.data(), nk);
-          Gemm(sg, GemmThreads::kCallerOnly);
-          for (int i = 0; i < rows; ++i) {
-            float* sr = scores.data() + size_t(i) * nk;
-            const int lo = key_lo(r0 + i) - klo, hi = key_hi(r0 + i) - klo;
-            float mx = -INFINITY;
-            for (int j = lo; j < hi; ++j) mx = std::max(mx, sr[j]);
-            float sum = 0;
-            for (int j = 0; j < nk; ++j) {
-              sr[j] = (j >= lo && j < hi) ? std::exp(sr[j] - mx) : 0.0f;
-              sum += sr[j];
-            }
-            const float inv = 1.0f / sum;
-            for (int j = lo; j < hi; ++j) sr[j] *= inv;
-          }
-          const GemmArgs og =
-              GemmArgs::Of(rows, hd, nk, scores.data(), nk,
-                           GemmB::RowMajor(&vpanel[(size_t(g) * nkeys + klo) * hd], hd),
-                           out + size_t(s.row0 + r0) * nh * hd + size_t(hq) * hd, nh * hd);
-          Gemm(og, GemmThreads::kCallerOnly);
-        }
-      }
-    }
+    cpu::SequenceAttention(shape, q + size_t(s.row0) * nh * hd, key_rows, in_,
+                           out + size_t(s.row0) * nh * hd);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "engine/cuda/cuda_attention_common.cuh"
+#include "engine/cuda/cuda_bf16.cuh"
 #include "engine/cuda/cuda_device.cuh"
 
 namespace dgserve::cuda {
@@ -50,6 +51,11 @@ struct Keys {
   int rows;  // new tokens (= query rows)
   int kv_heads;
   int head_dim;
+  // The bf16 rounding mode (cuda_attention.h): q, K and V rounded to bf16 on load, P·V on bf16(p).
+  bool round_bf16;
+  // Prefill: (position of key 0) mod kTileKeys; the key tiles start at positions multiple of
+  // kTileKeys (KvContext::position0).
+  int tile_shift;
 };
 
 size_t SharedBytes(int head_dim) {
@@ -83,6 +89,11 @@ __device__ __forceinline__ int64_t KeyRowOffset(const Keys& s, int j, int g) {
     row = j - s.ctx_tokens;
   }
   return (row * s.kv_heads + g) * s.head_dim;
+}
+
+// x as the tensor-core kernels round it (ToBf16Bits: nearest even, NaN kept) when `round`, else x.
+__device__ __forceinline__ float MaybeBf16(float x, bool round) {
+  return round ? Bf16BitsToFloat(ToBf16Bits(x)) : x;
 }
 
 __device__ __forceinline__ float WarpMax(float v) {
@@ -123,7 +134,8 @@ __device__ __forceinline__ void AttentionBlock(const float* __restrict__ q, cons
 
   float* qw = q_s + warp * hd;
   const float* qrow = q + (int64_t(row) * num_heads + head) * hd;
-  for (int d = lane; d < hd; d += 32) qw[d] = active ? qrow[d] : 0.0f;
+  const bool rb = keys.round_bf16;
+  for (int d = lane; d < hd; d += 32) qw[d] = active ? MaybeBf16(qrow[d], rb) : 0.0f;
   // (made visible to the warp by the __syncthreads() after the first tile load)
 
   float acc[kPerLane];
@@ -131,15 +143,23 @@ __device__ __forceinline__ void AttentionBlock(const float* __restrict__ q, cons
   for (int i = 0; i < kPerLane; ++i) acc[i] = 0.0f;
   float m = -INFINITY, l = 0.0f;
 
-  for (int kb = block_lo; kb < block_hi; kb += kTileKeys) {
+  // Prefill: tiles of the running max at positions multiple of kTileKeys (as the tensor-core
+  // kernel's), so a row's tiles do not depend on its block; the canvas: from its first key.
+  const int kb0 = mode == kPrefill ? block_lo - (block_lo + keys.tile_shift) % kTileKeys : block_lo;
+  for (int kb = kb0; kb < block_hi; kb += kTileKeys) {
     const int nk = min(kTileKeys, block_hi - kb);
     __syncthreads();  // every warp is done with the previous tile
     for (int idx = threadIdx.x; idx < nk * hd; idx += kThreads) {
       const int jj = idx / hd, d = idx - jj * hd;
+      if (kb + jj < block_lo) {  // before every row's keys (never read: p = 0 there)
+        k_s[jj * kstride + d] = 0.0f;
+        v_s[jj * hd + d] = 0.0f;
+        continue;
+      }
       const bool from_ctx = kb + jj < keys.ctx_tokens;
       const int64_t off = KeyRowOffset(keys, kb + jj, g);
-      k_s[jj * kstride + d] = (from_ctx ? keys.ctx_k : keys.new_k)[off + d];
-      v_s[jj * hd + d] = (from_ctx ? keys.ctx_v : keys.new_v)[off + d];
+      k_s[jj * kstride + d] = MaybeBf16((from_ctx ? keys.ctx_k : keys.new_k)[off + d], rb);
+      v_s[jj * hd + d] = MaybeBf16((from_ctx ? keys.ctx_v : keys.new_v)[off + d], rb);
     }
     __syncthreads();
     // Warp-uniform skip of tiles entirely outside this warp's own range.
@@ -165,11 +185,12 @@ __device__ __forceinline__ void AttentionBlock(const float* __restrict__ q, cons
     const float new_m = fmaxf(m, tile_max);
     const float alpha = expf(m - new_m);  // m = −inf before the first visible key: alpha = 0
     const float pj = s == -INFINITY ? 0.0f : expf(s - new_m);
-    l = l * alpha + WarpSum(pj);
+    l = l * alpha + WarpSum(pj);         // the unrounded p (as the tensor-core kernels' l)
+    const float pv = MaybeBf16(pj, rb);  // the p that multiplies V
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) acc[i] *= alpha;
     for (int jj = 0; jj < nk; ++jj) {
-      const float pk = __shfl_sync(kFull, pj, jj);
+      const float pk = __shfl_sync(kFull, pv, jj);
       if (pk == 0.0f) continue;  // masked (or underflowed) key: warp-uniform
       const float* vr = v_s + jj * hd;
 #pragma unroll
@@ -204,7 +225,7 @@ template <int kPerLane>
 __global__ void __launch_bounds__(kThreads)
     CanvasTableKernel(const float* __restrict__ q, const float* __restrict__ k_new,
                       const float* __restrict__ v_new, const CanvasSegment* __restrict__ table,
-                      int num_heads, int kv_heads, int head_dim, int window,
+                      int num_heads, int kv_heads, int head_dim, int window, bool round_bf16,
                       float* __restrict__ out) {
   const CanvasSegment seg = table[blockIdx.z];
   const int group = num_heads / kv_heads;
@@ -226,6 +247,8 @@ __global__ void __launch_bounds__(kThreads)
   keys.rows = seg.rows;
   keys.kv_heads = kv_heads;
   keys.head_dim = head_dim;
+  keys.round_bf16 = round_bf16;
+  keys.tile_shift = 0;
   AttentionBlock<kPerLane>(q + seg.row0 * qw, keys, num_heads, group, kCanvas, window,
                            out + seg.row0 * qw, blockIdx.x);
 }
@@ -248,7 +271,8 @@ absl::Status Launch(const float* q, const Keys& keys, int num_heads, int group, 
 
 absl::Status Attention(int mode, const char* name, const float* q, const float* k_new,
                        const float* v_new, int rows, const KvContext& ctx, int num_heads,
-                       int kv_heads, int head_dim, int window, float* out, void* stream) {
+                       int kv_heads, int head_dim, int window, float* out, void* stream,
+                       bool round_bf16) {
   const std::string n = name;
   if (rows < 0 || num_heads <= 0 || kv_heads <= 0 || num_heads % kv_heads != 0) {
     return absl::InvalidArgumentError(n + ": need rows ≥ 0 and num_heads a multiple of kv_heads");
@@ -259,7 +283,8 @@ absl::Status Attention(int mode, const char* name, const float* q, const float* 
   if (ctx.tokens < 0 || (ctx.tokens > 0 && (ctx.k == nullptr || ctx.v == nullptr)) ||
       (ctx.tokens > 0 && ctx.block_table != nullptr &&
        (ctx.block_size <= 0 || ctx.first_slot < 0 || ctx.ring != 0)) ||
-      (ctx.tokens > 0 && ctx.ring != 0 && (ctx.ring < ctx.tokens || ctx.first_slot < 0))) {
+      (ctx.tokens > 0 && ctx.ring != 0 && (ctx.ring < ctx.tokens || ctx.first_slot < 0)) ||
+      ctx.position0 < 0) {
     return absl::InvalidArgumentError(n + ": bad context K/V");
   }
   if (rows == 0) return absl::OkStatus();
@@ -282,6 +307,8 @@ absl::Status Attention(int mode, const char* name, const float* q, const float* 
   keys.rows = rows;
   keys.kv_heads = kv_heads;
   keys.head_dim = head_dim;
+  keys.round_bf16 = round_bf16;
+  keys.tile_shift = ctx.position0 % kTileKeys;
   const int group = num_heads / kv_heads;
   if (head_dim <= 32) return Launch<1>(q, keys, num_heads, group, mode, window, out, stream, name);
   if (head_dim <= 64) return Launch<2>(q, keys, num_heads, group, mode, window, out, stream, name);
@@ -297,7 +324,8 @@ absl::Status Attention(int mode, const char* name, const float* q, const float* 
 template <int kPerLane>
 absl::Status LaunchTable(const float* q, const float* k_new, const float* v_new,
                          const CanvasSegment* table, int num_segments, int max_rows, int num_heads,
-                         int kv_heads, int head_dim, int window, float* out, void* stream) {
+                         int kv_heads, int head_dim, int window, bool round_bf16, float* out,
+                         void* stream) {
   const char* name = "CanvasAttentionTable";
   const size_t bytes = SharedBytes(head_dim);
   if (absl::Status st = AllowSharedBytes(CanvasTableKernel<kPerLane>, bytes, name); !st.ok()) {
@@ -308,7 +336,7 @@ absl::Status LaunchTable(const float* q, const float* k_new, const float* v_new,
                   unsigned(num_segments));
   LaunchKernel(CanvasTableKernel<kPerLane>, grid, kThreads, bytes,
                static_cast<cudaStream_t>(stream), q, k_new, v_new, table, num_heads, kv_heads,
-               head_dim, window, out);
+               head_dim, window, round_bf16, out);
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(std::string(name) + ": " + cudaGetErrorString(e));
@@ -317,17 +345,17 @@ absl::Status LaunchTable(const float* q, const float* k_new, const float* v_new,
 }  // namespace
 
 absl::Status PrefillAttention(const float* q, const float* k_new, const float* v_new, int rows,
-                              const KvContext& context, int num_heads, int kv_heads,
-                              int head_dim, int window, float* out, void* stream) {
+                              const KvContext& context, int num_heads, int kv_heads, int head_dim,
+                              int window, float* out, void* stream, bool round_bf16) {
   return Attention(kPrefill, "PrefillAttention", q, k_new, v_new, rows, context, num_heads,
-                   kv_heads, head_dim, window, out, stream);
+                   kv_heads, head_dim, window, out, stream, round_bf16);
 }
 
 absl::Status CanvasAttention(const float* q, const float* k_new, const float* v_new, int rows,
                              const KvContext& context, int num_heads, int kv_heads, int head_dim,
-                             int window, float* out, void* stream) {
-  return Attention(kCanvas, "CanvasAttention", q, k_new, v_new, rows, context, num_heads,
-                   kv_heads, head_dim, window, out, stream);
+                             int window, float* out, void* stream, bool round_bf16) {
+  return Attention(kCanvas, "CanvasAttention", q, k_new, v_new, rows, context, num_heads, kv_heads,
+                   head_dim, window, out, stream, round_bf16);
 }
 
 int CanvasWindowStart(int ctx_tokens, int window) {
@@ -337,7 +365,7 @@ int CanvasWindowStart(int ctx_tokens, int window) {
 absl::Status CanvasAttentionTable(const float* q, const float* k_new, const float* v_new,
                                   const CanvasSegment* segments, int num_segments, int max_rows,
                                   int num_heads, int kv_heads, int head_dim, int window, float* out,
-                                  void* stream) {
+                                  void* stream, bool round_bf16) {
   if (num_segments < 0 || max_rows < 0 || num_heads <= 0 || kv_heads <= 0 ||
       num_heads % kv_heads != 0 || head_dim <= 0 || head_dim > kMaxAttentionHeadDim) {
     return absl::InvalidArgumentError(
@@ -355,8 +383,8 @@ absl::Status CanvasAttentionTable(const float* q, const float* k_new, const floa
   }
   const auto launch = [&](auto per_lane) {
     return LaunchTable<decltype(per_lane)::value>(q, k_new, v_new, segments, num_segments, max_rows,
-                                                  num_heads, kv_heads, head_dim, window, out,
-                                                  stream);
+                                                  num_heads, kv_heads, head_dim, window, round_bf16,
+                                                  out, stream);
   };
   if (head_dim <= 32) return launch(std::integral_constant<int, 1>{});
   if (head_dim <= 64) return launch(std::integral_constant<int, 2>{});

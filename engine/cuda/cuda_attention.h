@@ -11,6 +11,15 @@
 //
 // Every function takes device pointers, runs on `stream` (0 = the default stream) and returns
 // INTERNAL naming the kernel on a CUDA error (INVALID_ARGUMENT for bad shapes).
+//
+// round_bf16 (the float32 kernels: PrefillAttention, CanvasAttention, CanvasAttentionTable): the
+// reference's rounding (spec §5.3 items 4–6), that of the tensor-core kernels below and of the
+// CPU backend's bf16 mode (engine/cpu/cpu_attention.h): q, K and V are rounded to bf16 (nearest
+// even, NaN kept: ToBf16Bits) as they are loaded, and P·V multiplies bf16(exp(s − m)) while the
+// running sum l adds the unrounded exp(s − m) (m: the running max over 32-key tiles, as the
+// tensor-core kernels': a canvas's from its first visible key, a prefill's at positions multiple
+// of 32, KvContext::position0); out = (Σ P·v) · (1 / l). The products of bf16 values are exact,
+// so only the float32 addition order is left. false (the default): float32 throughout.
 #pragma once
 
 #include <cstddef>
@@ -39,6 +48,12 @@ struct KvContext {
   int block_size = 0;                    // tokens per block (paged only)
   int first_slot = 0;                    // slot of context token 0 (paged and ring only)
   int ring = 0;                          // rows of a ring (0: not a ring)
+  // The position of context token 0 (of the first new row without context), ≥ 0: PrefillAttention
+  // runs its online softmax in key tiles starting at positions multiple of 32, as
+  // TensorCorePrefillAttention does, so a row's result does not depend on the rows it is launched
+  // with (its rounding in round_bf16 mode: the CPU's, engine/cpu/cpu_attention.h). 0 is fine
+  // where the position is unknown (any origin gives a valid softmax); CanvasAttention ignores it.
+  int position0 = 0;
 };
 
 // Largest head_dim the kernels support.
@@ -50,8 +65,9 @@ inline constexpr int kMaxAttentionHeadDim = 512;
 // q: [rows, num_heads, head_dim]; k_new, v_new: [rows, kv_heads, head_dim];
 // out: [rows, num_heads, head_dim] (must not overlap the inputs).
 absl::Status PrefillAttention(const float* q, const float* k_new, const float* v_new, int rows,
-                              const KvContext& context, int num_heads, int kv_heads,
-                              int head_dim, int window, float* out, void* stream = nullptr);
+                              const KvContext& context, int num_heads, int kv_heads, int head_dim,
+                              int window, float* out, void* stream = nullptr,
+                              bool round_bf16 = false);
 
 // Decoder / canvas (spec §3.5 step 5): bidirectional, every canvas row sees all `rows` canvas
 // keys plus a context prefix that is the same for every row: all context tokens when window ≤ 0
@@ -59,7 +75,8 @@ absl::Status PrefillAttention(const float* q, const float* k_new, const float* v
 // Shapes as PrefillAttention.
 absl::Status CanvasAttention(const float* q, const float* k_new, const float* v_new, int rows,
                              const KvContext& context, int num_heads, int kv_heads, int head_dim,
-                             int window, float* out, void* stream = nullptr);
+                             int window, float* out, void* stream = nullptr,
+                             bool round_bf16 = false);
 
 }  // namespace dgserve::cuda
 
@@ -118,7 +135,7 @@ int CanvasWindowStart(int ctx_tokens, int window);
 absl::Status CanvasAttentionTable(const float* q, const float* k_new, const float* v_new,
                                   const CanvasSegment* segments, int num_segments, int max_rows,
                                   int num_heads, int kv_heads, int head_dim, int window, float* out,
-                                  void* stream = nullptr);
+                                  void* stream = nullptr, bool round_bf16 = false);
 
 // Runs every segment of `segments` (a DEVICE array of num_segments entries; total_rows ≥ the end
 // of every segment's rows, the rows of q / k_new / v_new / out) in one launch whose grid depends

@@ -283,6 +283,139 @@ TEST_F(CudaAttentionTest, RingContextMatchesContiguous) {
   EXPECT_EQ(compared, 72);
 }
 
+// ---- round_bf16: the reference's rounding (cuda_attention.h) ----
+
+// Values on a grid of eighths (|x| ≤ 1/2), each moved by up to 0.4 of a bf16 half-ulp: bf16(x) is
+// the grid value, so with rounded q and k every score is a multiple of 1/64 that float32 holds
+// exactly (the reference's exp(s − m) are the kernel's float32 ones), while an element left
+// unrounded moves the scores or the output by about 1e-3 relative.
+std::vector<float> GridValues(size_t n, uint32_t& state) {
+  std::vector<float> v(n);
+  for (float& x : v) {
+    state = state * 1664525u + 1013904223u;
+    const int a = int(state >> 24) % 9 - 4;
+    state = state * 1664525u + 1013904223u;
+    const float r = float(state >> 8) / float(1 << 24) * 2.0f - 1.0f;
+    x = float(a) / 8.0f * (1.0f + 0.4f * r / 256.0f);
+  }
+  return v;
+}
+
+Data GridData(const Case& c, uint32_t seed) {
+  const size_t kvw = size_t(c.kv_heads) * c.head_dim;
+  Data d;
+  d.q = GridValues(size_t(c.rows) * c.heads * c.head_dim, seed);
+  d.k_ctx = GridValues(size_t(c.ctx) * kvw, seed);
+  d.v_ctx = GridValues(size_t(c.ctx) * kvw, seed);
+  d.k_new = GridValues(size_t(c.rows) * kvw, seed);
+  d.v_new = GridValues(size_t(c.rows) * kvw, seed);
+  return d;
+}
+
+float Bf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;  // nearest even (no NaN here)
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// float64 attention of bf16(q), bf16(K), bf16(V) with P = bf16(exp(s − m_t)) · e^(m_t − m), m_t
+// the running max over tiles of 32 keys (prefill: tiles at positions multiple of 32, key j at
+// position position0 + j; canvas: from the first visible key), l = Σ exp(s − m_t) · e^(m_t − m).
+std::vector<float> RoundedReference(const Case& c, const Data& d, int position0) {
+  const int hd = c.head_dim, group = c.heads / c.kv_heads, nkeys = c.ctx + c.rows;
+  std::vector<float> out(size_t(c.rows) * c.heads * hd);
+  for (int r = 0; r < c.rows; ++r) {
+    int lo, hi;
+    if (c.kind == Kind::kPrefill) {
+      hi = c.ctx + r + 1;
+      lo = c.window > 0 ? std::max(0, hi - c.window) : 0;
+    } else {
+      hi = nkeys;
+      lo = c.window > 0 ? c.ctx - std::min(c.ctx, c.window - 1) : 0;
+    }
+    auto tile = [&](int j) {
+      return c.kind == Kind::kPrefill ? (position0 + j) / 32 : (j - lo) / 32;
+    };
+    for (int h = 0; h < c.heads; ++h) {
+      const int g = h / group;
+      auto row = [&](int j, bool value) {
+        const std::vector<float>& src =
+            j < c.ctx ? (value ? d.v_ctx : d.k_ctx) : (value ? d.v_new : d.k_new);
+        return &src[(size_t(j < c.ctx ? j : j - c.ctx) * c.kv_heads + g) * hd];
+      };
+      const float* q = &d.q[(size_t(r) * c.heads + h) * hd];
+      std::vector<double> s(nkeys, -INFINITY);
+      double mx = -INFINITY;
+      for (int j = lo; j < hi; ++j) {
+        double dot = 0;
+        for (int i = 0; i < hd; ++i) dot += double(Bf16(q[i])) * Bf16(row(j, false)[i]);
+        s[j] = dot;
+        mx = std::max(mx, dot);
+      }
+      double l = 0, mt = -INFINITY;
+      std::vector<double> acc(hd, 0.0);
+      for (int j = lo; j < hi; ++j) {
+        if (j == lo || tile(j) != tile(j - 1)) {
+          for (int x = j; x < hi && tile(x) == tile(j); ++x) mt = std::max(mt, s[x]);
+        }
+        const float e = std::exp(float(s[j]) - float(mt));
+        const double rescale = std::exp(mt - mx);
+        l += e * rescale;
+        for (int i = 0; i < hd; ++i) acc[i] += Bf16(e) * rescale * Bf16(row(j, true)[i]);
+      }
+      for (int i = 0; i < hd; ++i) out[(size_t(r) * c.heads + h) * hd + i] = float(acc[i] / l);
+    }
+  }
+  return out;
+}
+
+// PrefillAttention and CanvasAttention with round_bf16 against that reference: within float32
+// addition error (emulated; on a GPU its expf may move an exp by an ulp, and so a bf16 rounding
+// of p), while without round_bf16 the same data is far from it. Each of the rounding points was
+// checked by hand: leaving q, K, V or p unrounded in the kernel, or starting a prefill's tiles at
+// its block's first key instead of a multiple of 32, fails this.
+TEST_F(CudaAttentionTest, Bf16RoundingMatchesRoundedReference) {
+  uint32_t seed = 2000;
+  for (const Kind kind : {Kind::kPrefill, Kind::kCanvas}) {
+    for (const int hd : {16, 48, 256}) {
+      for (const int window : {0, 8}) {
+        for (const int position0 : {0, 13}) {
+          const Case c{kind, 4, 2, hd, 37, 40, window, 0.5f};
+          const Data d = GridData(c, seed++);
+          KvContext ctx;
+          ctx.k = Upload(d.k_ctx);
+          ctx.v = Upload(d.v_ctx);
+          ctx.tokens = c.ctx;
+          ctx.position0 = position0;
+          const size_t n = size_t(c.rows) * c.heads * hd;
+          float* out = Alloc<float>(n, 0xFF);
+          const float* q = Upload(d.q);
+          const float* k = Upload(d.k_new);
+          const float* v = Upload(d.v_new);
+          const std::vector<float> want = RoundedReference(c, d, position0);
+          for (const bool round : {true, false}) {
+            const absl::Status st =
+                kind == Kind::kPrefill
+                    ? PrefillAttention(q, k, v, c.rows, ctx, 4, 2, hd, window, out, nullptr, round)
+                    : CanvasAttention(q, k, v, c.rows, ctx, 4, 2, hd, window, out, nullptr, round);
+            ASSERT_THAT(st, IsOk());
+            const std::vector<float> got = Download(out, n);
+            if (round) {
+              Expect(c, got, want, kEmulated ? 3e-6f : 2e-4f);
+            } else {
+              float worst = 0;
+              for (size_t i = 0; i < n; ++i) worst = std::max(worst, std::fabs(got[i] - want[i]));
+              EXPECT_GT(worst, 3e-5f) << c.Name();
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // Argument checks return before touching the device: these run without a GPU too.
 TEST(CudaAttentionArgsTest, BadShapesAreInvalidArgument) {
   const KvContext none;

@@ -67,6 +67,19 @@ class CudaBackendFp8Test : public quant_testing::CudaBackendQuantTest<CudaBacken
     return options;
   }
   static void Tweak(ModelConfig*) {}
+
+ protected:
+  // The attention on the float32 kernels (in the bf16 mode: their bf16 rounding, the CPU's): the
+  // tensor cores' addition order differs from both, and FP8's per-token e4m3 activations can turn
+  // such a difference into whole e4m3 steps. Measured under the emulation with the tensor cores
+  // (issue 34): max |Δlogit| 3.62 against the CPU after a 29-token prompt, every canvas row off,
+  // while the two kernels give equal logits after 10, 20 and 40 tokens; 3.8e-6 on the float32
+  // kernels. This test is about the FP8 GEMMs.
+  CudaBackendOptions GpuOptions() const override {
+    CudaBackendOptions options = CudaBackendQuantTest::GpuOptions();
+    options.tensor_core_attention = false;
+    return options;
+  }
 };
 
 // The checkpoint's attention, dense MLP and experts are FP8, its router bf16: what the backend

@@ -242,11 +242,13 @@ inline int KvMirrorRows(const ModelConfig& c, int l, int capacity) {
   return c.IsFull(l) || c.sliding_window <= 0 ? capacity : std::min(capacity, c.sliding_window);
 }
 
-// Whether layer l's attention runs on the tensor cores (options.tensor_core_attention and a
-// head_dim they take), and whether its mirror then stores bf16 (options.bf16_kv_mirror).
+// Whether layer l's attention runs on the tensor cores (options.tensor_core_attention in the bf16
+// GEMM-input mode, and a head_dim they take), and whether its mirror then stores bf16
+// (options.bf16_kv_mirror).
 inline bool TensorCoreLayer(const ModelConfig& c, const CudaBackendOptions& o, int l) {
   const int hd = c.HeadDim(l);
-  return o.tensor_core_attention && hd % 32 == 0 && hd <= cuda::kMaxAttentionHeadDim;
+  return o.tensor_core_attention && o.gemm_input == cuda::GemmInput::kBf16 && hd % 32 == 0 &&
+         hd <= cuda::kMaxAttentionHeadDim;
 }
 inline bool KvMirrorBf16(const ModelConfig& c, const CudaBackendOptions& o, int l) {
   return TensorCoreLayer(c, o, l) && o.bf16_kv_mirror;

@@ -147,12 +147,13 @@ INSTANTIATE_TEST_SUITE_P(GemmInputs, CudaBackendNvfp4Test, ::testing::Values(kFl
 
 // NVFP4A16: float32 activations in both modes (as cpu::QuantLinear); the bf16 mode's difference is
 // where the float32 summation-order differences of the 4-bit projections reach a bf16 rounding
-// (the bf16-mode router, self-conditioning MLP and LM head inputs: one flipped rounding moves an
-// input by a bf16 ulp), as for the W4A16 checkpoints (0.078 and 6.2e-3 there). Measured under the
-// emulation: float32 7.1e-5 of max |logit| 11.8, K/V 1.6e-6; bf16 0.024, K/V 1.1e-6.
+// (the bf16-mode router, self-conditioning MLP and LM head inputs, and the attention's q, K, V
+// and probabilities since issue 34: one flipped rounding moves an input by a bf16 ulp), as for
+// the W4A16 checkpoints. Measured under the emulation: float32 7.1e-5 of max |logit| 11.8, K/V
+// 1.6e-6; bf16 0.046, K/V 9.4e-4 (0.024 and 1.1e-6 while the attention was float32).
 constexpr Mode kA16Float32{
     "float32", cuda::GemmInput::kFloat32, cpu::GemmInput::kFloat32, 1e-3f, true, 1e-4f, true};
-constexpr Mode kA16Bf16{"bf16", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.06f, false, 2e-4f,
+constexpr Mode kA16Bf16{"bf16", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.06f, false, 2e-3f,
                         false};
 
 class CudaBackendNvfp4A16Test

@@ -203,12 +203,15 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
              : cuda::TensorCorePrefillAttention(q, k, v, table, prefill_segments_, R, nh, nkv, hd,
                                                 window, attn_.get(), stream_));
   }
-  // Decoder in float32: every canvas in one launch too, CanvasAttention's bits per canvas.
+  // Decoder in float32: every canvas in one launch too, CanvasAttention's bits per canvas. In the
+  // bf16 GEMM-input mode the float32 kernels round q, K, V and P as the tensor-core ones do (the
+  // reference's rounding, spec §5.3; the CPU backend's bf16 mode); float32 mode: no rounding.
   const int W = c_.sliding_window;
+  const bool round_attention = options_.gemm_input == cuda::GemmInput::kBf16;
   if (!tc && kind == PassKind::kDecoder && canvas_segments_ > 0) {
     DGSERVE_RETURN_IF_ERROR(cuda::CanvasAttentionTable(
         q, k, v, canvas_table_.get() + size_t(l) * canvas_segments_, canvas_segments_,
-        canvas_max_rows_, nh, nkv, hd, full ? 0 : W, attn_.get(), stream_));
+        canvas_max_rows_, nh, nkv, hd, full ? 0 : W, attn_.get(), stream_, round_attention));
   }
   // Encoder in float32: attention per prompt, context = the mirror's visible rows before pos0
   // (spec §3.4).
@@ -218,6 +221,7 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
     const int first = full ? 0 : std::max(0, s.pos0 - (W - 1));
     cuda::KvContext ctx;
     ctx.tokens = s.pos0 - first;
+    ctx.position0 = first;
     const int ring = s.mirror->ring[l];
     if (ctx.tokens > 0) {
       // A sliding layer's ring from row 0 (position p in row p % ring), else from `first`.
@@ -229,7 +233,8 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
     }
     const size_t qo = size_t(s.row0) * nh * hd, ko = size_t(s.row0) * kvw;
     DGSERVE_RETURN_IF_ERROR(cuda::PrefillAttention(q + qo, k + ko, v + ko, s.rows, ctx, nh, nkv, hd,
-                                                   full ? 0 : W, attn_.get() + qo, stream_));
+                                                   full ? 0 : W, attn_.get() + qo, stream_,
+                                                   round_attention));
   }
   // The encoder's new K/V rows into the device mirror, after the attention that read its context:
   // a sliding layer's ring may reuse the rows of positions the window has left (a chunk longer

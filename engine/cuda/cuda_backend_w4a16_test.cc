@@ -55,10 +55,12 @@ constexpr Mode kBf16{"bf16", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.15
                      false};
 // The all-W4A16 checkpoint in bf16 mode: every projection but the router, the LM head and the
 // self-conditioning MLP is W4A16 (float32 activations on both backends), so the backends differ
-// by float32 summation order only: measured max |Δlogit| 6.2e-3, K/V 5.2e-5 of the max (before
-// the fix: 5.8 and 8e-3).
-constexpr Mode kBf16Dense{
-    "bf16", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.02f, false, 2e-4f, false};
+// by float32 summation order, and where it moves a bf16-rounded value (the attention's q, K, V
+// and probabilities, issue 34; the router, SC MLP and LM head inputs) across a rounding boundary:
+// measured max |Δlogit| 0.051, K/V 2.2e-3 of the max (6.2e-3 and 5.2e-5 while the attention was
+// float32; before the expert fix: 5.8 and 8e-3).
+constexpr Mode kBf16Dense{"bf16", cuda::GemmInput::kBf16, cpu::GemmInput::kBf16, 0.1f, false, 4e-3f,
+                          false};
 
 class CudaBackendW4A16Test : public quant_testing::CudaBackendQuantTest<CudaBackendW4A16Test> {
  public:

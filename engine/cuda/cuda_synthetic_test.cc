@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/cuda/cuda_backend.h"
@@ -18,6 +20,7 @@
 #include "engine/cuda/cuda_profile.h"
 #include "engine/cuda/cuda_test_util.h"
 #include "engine/model/checkpoint_testing.h"
+#include "engine/model/config.h"
 #include "engine/model/kv_cache.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/model/synthetic_weights.h"
@@ -532,6 +535,60 @@ TEST_F(CudaTest, MeasuresCeilings) {
   EXPECT_EQ(c->gemm_n, 16);
   EXPECT_GT(c->gemm_tflops, 0);
   EXPECT_FALSE(cuda::CurrentDeviceName().empty());
+}
+
+// The device KV bytes per sequence of the real 30-layer shape (bench/configs/
+// diffusiongemma-26b-a4b.json: 25 sliding layers of 8 KV heads × 256, 5 full of 2 × 512,
+// W = 1024), counted by hand: sliding 25 × K, V × 1024 rows × 2048 floats × 4 B = 419,430,400
+// at any context ≥ 1024; full 5 × K, V × n × 1024 floats × 4 B = 40,960·n.
+TEST(CudaKvBytesTest, RealShapeMatchesHandCount) {
+  // The source tree: ctest's DGSERVE_SOURCE_DIR, or the working directory (tools/gpu_check.sh
+  // runs the test binaries from the repository root, without ctest).
+  const char* src = std::getenv("DGSERVE_SOURCE_DIR");
+  auto c = LoadModelConfig(std::string(src != nullptr ? src : ".") +
+                           "/bench/configs/diffusiongemma-26b-a4b.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->num_layers, 30);
+  ASSERT_EQ(c->sliding_window, 1024);
+  // The float32 mirror (tensor_core_attention off: the float32 kernels).
+  CudaBackendOptions f32;
+  f32.tensor_core_attention = false;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048, f32), int64_t{419430400} + int64_t{83886080});
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, f32), int64_t{419430400} + int64_t{1342177280});
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 131072, f32), int64_t{419430400} + int64_t{5368709120});
+  // Below the window every layer holds every position: 30 layers' 450,560 B / 4 per position.
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 100, f32),
+            int64_t{100} * (25 * 2 * 2048 + 5 * 2 * 1024) * 4);
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 0, f32), 0);
+  // The float32 GEMM-input mode keeps the float32 kernels, so its mirror too.
+  CudaBackendOptions exact;
+  exact.gemm_input = cuda::GemmInput::kFloat32;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, exact), int64_t{419430400} + int64_t{1342177280});
+  // The bf16 mirror (the default options: tensor_core_attention with bf16_kv_mirror; head dims
+  // 256 and 512 both take the tensor cores, so every layer stores 2 B an element): sliding 25 ×
+  // K, V × 1024 rows × 2048 × 2 B = 209,715,200; full 5 × K, V × n × 1024 × 2 B = 20,480·n.
+  CudaBackendOptions tc;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048), int64_t{209715200} + int64_t{41943040});
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048, tc), int64_t{209715200} + int64_t{41943040});
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, tc), int64_t{209715200} + int64_t{671088640});
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 131072, tc), int64_t{209715200} + int64_t{2684354560});
+  // Issue 34's target: at most 1 GB of K/V per 32k sequence.
+  EXPECT_LE(CudaKvBytesPerSequence(*c, 32768, tc), int64_t{1000000000});
+  // bf16_kv_mirror off: float32 again, as without the tensor cores.
+  tc.bf16_kv_mirror = false;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, tc), int64_t{419430400} + int64_t{1342177280});
+  // Every position on every layer (sliding_kv_ring off): 2048 × (25 × 2 × 2048 + 5 × 2 × 1024)
+  // × 4 B = 922,746,880 float32, half that bf16 (DEVICE_CHECK.md's table).
+  tc.sliding_kv_ring = false;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048, tc), int64_t{922746880});
+  tc.bf16_kv_mirror = true;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048, tc), int64_t{461373440});
+  // A layer mix: sliding head_dim 80 (not a multiple of 32: float32 kernels, float32 mirror)
+  // beside the full layers' 512 (bf16): 25 × K, V × 1024 rows × 8 × 80 × 4 B = 131,072,000 plus
+  // 20,480 B a position.
+  tc.sliding_kv_ring = true;
+  c->head_dim = 80;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, tc), int64_t{131072000} + int64_t{671088640});
 }
 
 }  // namespace
