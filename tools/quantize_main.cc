@@ -6,12 +6,13 @@
 //   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 128
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 [--nvfp4_layout modelopt]
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
-//   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors \
+//   dgserve-quantize --in DIR --out DIR --format nvfp4 --nvfp4_layout compressed-tensors
 //                    --nvfp4_activations none
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --calibration PROMPTS.jsonl
 //   dgserve-quantize --in models/sudoku --out DIR --format nvfp4
 //                    --calibration_sudoku tools/sudoku/data/train.jsonl --calibration_limit 128
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -66,10 +67,12 @@ ABSL_FLAG(std::string, calibration_sudoku, "",
           "tools/sudoku/make_splits.sh, never the test split): prompt ToRows(puzzle), the givens "
           "fixed in the canvas and every blank restricted to 1-9, as dgserve-sudoku-eval sends");
 ABSL_FLAG(int32_t, calibration_limit, 0,
-          "calibrate on the first N prompts / puzzles only (0: all)");
+          "calibrate on the first N prompts / puzzles only (0: all; --calibration_sudoku reads "
+          "no further than the Nth puzzle)");
 ABSL_FLAG(int32_t, calibration_steps, 0,
-          "denoising steps per calibration canvas at most (the sampler's max_denoising_steps; "
-          "0: --in's generation_config.json value)");
+          "the sampler's max_denoising_steps for the calibration canvases (0: --in's "
+          "generation_config.json value). Not only a cap: the step count also sets the noise "
+          "schedule, so the default calibrates on the schedule the model is served with");
 ABSL_FLAG(int64_t, max_shard_bytes, dgserve::kDefaultMaxShardBytes,
           "bytes of tensors per safetensors shard");
 
@@ -78,10 +81,11 @@ namespace {
 
 // The calibration requests of a Sudoku puzzle file: prompt <bos> + ToRows(puzzle), and the
 // canvas template ToRows(puzzle) + <eos> with every blank restricted to the digits 1-9 (the
-// template dgserve-sudoku-eval sends, sudoku::SetSudokuTemplate). Errors name FILE:LINE.
+// template dgserve-sudoku-eval sends, sudoku::SetSudokuTemplate); the first `limit` puzzles
+// (0: all), read no further. Errors name FILE:LINE (a puzzle whose givens conflict included).
 absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& path,
                                                              const Tokenizer& tok,
-                                                             const ModelConfig& config) {
+                                                             const ModelConfig& config, int limit) {
   auto one = [&](const std::string& piece, bool special) -> absl::StatusOr<int32_t> {
     const std::vector<int32_t> ids =
         special ? tok.Encode(piece, false) : tok.EncodeText(piece, false);
@@ -112,6 +116,12 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
       return absl::InvalidArgumentError(
           absl::StrCat(path, ":", line_no, ": \"puzzle\": ", grid.status().message()));
     }
+    if (sudoku::HasConflict(*grid)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ":", line_no,
+                       ": \"puzzle\": its givens conflict (a digit twice in "
+                       "a row, column or box)"));
+    }
     const std::string rows = sudoku::ToRows(*grid);
     CalibrationPrompt p;
     p.prompt = tok.EncodeText(rows, /*add_bos=*/true);
@@ -132,36 +142,70 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
         p.canvas_template,
         CanvasTemplate::Create(canvas, holes, config.canvas_length, config.vocab_size));
     out.push_back(std::move(p));
+    if (limit > 0 && out.size() == size_t(limit)) break;
   }
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no puzzle"));
   return out;
 }
 
-// The --calibration / --calibration_sudoku amax per module; empty without either flag.
+// The --calibration / --calibration_sudoku amax per module; empty without either flag. The
+// flags were checked by CheckCalibrationFlags.
 absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
   const std::string prompts_file = absl::GetFlag(FLAGS_calibration);
   const std::string sudoku_file = absl::GetFlag(FLAGS_calibration_sudoku);
   if (prompts_file.empty() && sudoku_file.empty()) return std::map<std::string, float>{};
-  if (!prompts_file.empty() && !sudoku_file.empty()) {
-    return absl::InvalidArgumentError("give --calibration or --calibration_sudoku, not both");
-  }
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(in + "/tokenizer.json"));
+  const int limit = absl::GetFlag(FLAGS_calibration_limit);
   std::vector<CalibrationPrompt> prompts;
   if (!prompts_file.empty()) {
     DGSERVE_ASSIGN_OR_RETURN(prompts, ReadCalibrationPrompts(prompts_file, tok));
   } else {
-    DGSERVE_ASSIGN_OR_RETURN(prompts, SudokuPrompts(sudoku_file, tok, ck.config));
+    DGSERVE_ASSIGN_OR_RETURN(prompts, SudokuPrompts(sudoku_file, tok, ck.config, limit));
   }
-  const int limit = absl::GetFlag(FLAGS_calibration_limit);
-  if (limit < 0) return absl::InvalidArgumentError("--calibration_limit must be ≥ 0");
   if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
   CalibrationOptions options;
   options.max_denoising_steps = absl::GetFlag(FLAGS_calibration_steps);
-  if (options.max_denoising_steps < 0) {
-    return absl::InvalidArgumentError("--calibration_steps must be ≥ 0");
-  }
   return CalibrateActivationAmax(ck, prompts, options);
+}
+
+// The calibration flags' own checks, before anything is read or run: one calibration source;
+// --calibration_limit / --calibration_steps ≥ 0 and only with a source; a format with a static
+// activation scale (W4A4 NVFP4); --out not --in (calibrating first would waste minutes).
+absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::string& format) {
+  const bool prompts = !absl::GetFlag(FLAGS_calibration).empty();
+  const bool sudoku = !absl::GetFlag(FLAGS_calibration_sudoku).empty();
+  const int limit = absl::GetFlag(FLAGS_calibration_limit);
+  const int steps = absl::GetFlag(FLAGS_calibration_steps);
+  if (limit < 0) return absl::InvalidArgumentError("--calibration_limit must be ≥ 0");
+  if (steps < 0) return absl::InvalidArgumentError("--calibration_steps must be ≥ 0");
+  if (!prompts && !sudoku) {
+    if (limit != 0 || steps != 0) {
+      return absl::InvalidArgumentError(
+          "--calibration_limit and --calibration_steps need --calibration or "
+          "--calibration_sudoku");
+    }
+    return absl::OkStatus();
+  }
+  if (prompts && sudoku) {
+    return absl::InvalidArgumentError("give --calibration or --calibration_sudoku, not both");
+  }
+  if (options.format != WeightFormat::kNvfp4 ||
+      options.nvfp4_activations == Nvfp4Activations::kNone) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--calibration sets NVFP4's static activation scale: it needs --format nvfp4 with "
+        "activations quantized (W4A4); ",
+        options.format == WeightFormat::kNvfp4 ? "nvfp4a16 (--nvfp4_activations none)" : format,
+        " has no static activation scale"));
+  }
+  const std::string in = absl::GetFlag(FLAGS_in), out = absl::GetFlag(FLAGS_out);
+  if (in.empty() || out.empty())
+    return absl::InvalidArgumentError("--in DIR and --out DIR are required");
+  std::error_code ec;
+  if (std::filesystem::exists(out, ec) && std::filesystem::equivalent(in, out, ec)) {
+    return absl::InvalidArgumentError("--out must differ from --in");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Run() {
@@ -225,16 +269,7 @@ absl::Status Run() {
     options.ignore.emplace_back(e);
   }
   options.max_shard_bytes = absl::GetFlag(FLAGS_max_shard_bytes);
-  if ((!absl::GetFlag(FLAGS_calibration).empty() ||
-       !absl::GetFlag(FLAGS_calibration_sudoku).empty()) &&
-      (options.format != WeightFormat::kNvfp4 ||
-       options.nvfp4_activations == Nvfp4Activations::kNone)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--calibration sets NVFP4's static activation scale: it needs --format nvfp4 with "
-        "activations quantized (W4A4); ",
-        options.format == WeightFormat::kNvfp4 ? "nvfp4a16 (--nvfp4_activations none)" : format,
-        " has no static activation scale"));
-  }
+  DGSERVE_RETURN_IF_ERROR(CheckCalibrationFlags(options, format));
   DGSERVE_ASSIGN_OR_RETURN(options.input_amax, Calibrate(absl::GetFlag(FLAGS_in)));
   const std::string out = absl::GetFlag(FLAGS_out);
   DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,

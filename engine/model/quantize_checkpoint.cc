@@ -605,7 +605,13 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     const bool ok = std::fwrite(s.data(), 1, s.size(), f) == s.size();
     if (std::fclose(f) != 0 || !ok) return absl::InternalError(absl::StrCat("cannot write ", path));
   }
-  if (q.format == WeightFormat::kNvfp4 && !ct_nvfp4) {  // ModelOpt's export writes both
+  if (q.format != WeightFormat::kNvfp4 || ct_nvfp4) {
+    // A ModelOpt file left in a reused --out would contradict config.json (vLLM reads it first).
+    fs::remove(fs::path(out) / "hf_quant_config.json", ec);
+    if (ec)
+      return absl::InternalError(
+          absl::StrCat("cannot remove a stale hf_quant_config.json in ", out, ": ", ec.message()));
+  } else {  // ModelOpt's export writes both
     const std::string path = (fs::path(out) / "hf_quant_config.json").string();
     FILE* f = std::fopen(path.c_str(), "w");
     if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", path));
