@@ -675,7 +675,10 @@ bench_step() {
       # The same at 32k with the attention on the tensor cores (bf16 Q/K/V, the bf16 device KV
       # mirror: issue 34, the default): its phase_attn_ms and kv_device_bytes_per_seq against the
       # float32-attention run above.
-      if (($(time_left) < 60)); then
+      # (Only in the bf16 GEMM-input mode: float32 mode always runs the float32 kernels.)
+      if [ "$g" != bf16 ]; then
+        :
+      elif (($(time_left) < 60)); then
         fail "bench: full-32k tensor-core attention gemm_input $g: SKIPPED, $(time_left)s left"
       else
         bench_run "full-32k-tc-$g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \

@@ -31,12 +31,15 @@ struct AttentionShape {
 //   out = Σ p·v (a fixed order: bits independent of the batching and chunking of the caller).
 // input = kBf16 (the reference's rounding, spec §5.3 items 4–6): q, K and V are rounded to bf16
 //   (RoundToBf16: nearest even) before Q·Kᵀ and P·V; the probabilities are the tensor-core
-//   kernels' form (engine/cuda/cuda_attention_tc.cu): P = bf16(exp(s − m)), l = Σ exp(s − m) in
-//   float32 over the unrounded terms, out = (Σ P·v) · (1 / l). The products of bf16 values are
-//   exact in float32, so only the float32 addition order separates this from a float64
-//   evaluation of the same rounded terms. (The kernels use a running max over 32-key tiles,
-//   rescaling O and l by exp(m_old − m) per tile; here m is the row's final max: the p of a key
-//   seen before the row's max is rounded at a different scale there, about 2^-9 relative.)
+//   kernels' form (engine/cuda/cuda_attention_tc.cu), tiled as they tile: with m_t the running
+//   max of the row's scores over key tiles 0 … t (32 keys; tile of key j: (j + tile_offset) / 32
+//   in the shape's key numbering, the first tile cut at the row's first visible key) and m the
+//   row's max, P = bf16(exp(s − m_t)) · exp(m_t − m), l = Σ_t exp(m_t − m) · Σ_{j in t}
+//   exp(s − m_t) over the unrounded terms, out = (Σ P·v) · (1 / l). Q·Kᵀ's products of bf16
+//   values are exact in float32; P·V's are not (P carries exp(m_t − m)). Left different from the
+//   kernels: the float32 addition order, the rescale (the kernels scale O and l by
+//   exp(m_old − m_new) per tile, here each P by exp(m_t − m)), and contexts past one split-KV
+//   split (each split restarts its running max; cpu_backend.cc's top comment).
 // Every row's result depends only on its own q and visible keys (a fixed order per row).
 void SequenceAttention(const AttentionShape& shape, const float* q,
                        absl::FunctionRef<void(int, const float**, const float**)> key_rows,

@@ -27,9 +27,12 @@
 //      keeps the float32 rows (what the prefix cache, KV transfer and the CUDA mirrors receive, as
 //      before; rounding there would change nothing here, since rounding is idempotent). Left
 //      different from the kernels: the float32 addition order, the products of P with exp(m_t − m)
-//      (rounded to float32 here; the kernels rescale O and l per tile), and long contexts on the
-//      CUDA split-KV path (splits of 4096 keys merged by a combine). Products of bf16 values are
-//      exact, so the attention GEMMs run in float32 mode on the rounded values.
+//      (rounded to float32 here; the kernels rescale O and l per tile), and contexts on the CUDA
+//      split-KV path (splits at multiples of 4096 context tokens, each with its own running max,
+//      merged by a combine): full layers past 4096 tokens, and sliding layers whose window
+//      crosses a multiple of 4096. The scores Q·Kᵀ (products of bf16 values, exact) run in
+//      float32 mode on the rounded values; this is the reference's fused-kernel form (§5.3
+//      item 6), not its eager form, which rounds the scores and the normalised probabilities.
 // Not applied (float32 in both modes): the GEMM outputs (the reference's are bf16, the LM
 // head's included, §5.3 item 2), RMSNorm outputs other than as GEMM or attention inputs, residual
 // adds and the layer scalar (bf16 in the reference), the embedding scale product, RoPE's bf16

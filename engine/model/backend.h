@@ -156,7 +156,8 @@ struct CpuBackendOptions {
   // The GEMMs' input mode (engine/cpu/gemm.h). kBf16 rounds the activations of every projection,
   // MLP, router, expert, LM head and self-conditioning product to bf16 (the reference's rounding
   // points, spec §5.3; listed in engine/cpu/cpu_backend.cc and engine/README.md) and runs the
-  // VDPBF16PS chain; the attention products (Q·Kᵀ, P·V) stay float32 in both modes.
+  // VDPBF16PS chain; in the attention it rounds q, k, v and the probabilities to bf16 as the
+  // tensor-core attention kernels do (engine/cpu/cpu_attention.h).
   cpu::GemmInput gemm_input = cpu::GemmInput::kFloat32;
   // True: the self-conditioning soft embedding is always the dense product
   // (engine/cpu/cpu_vocab.h); false (default): the sparse product for canvases whose
