@@ -12,7 +12,6 @@
 //   dgserve-quantize --in models/sudoku --out DIR --format nvfp4
 //                    --calibration_sudoku tools/sudoku/data/train.jsonl --calibration_limit 128
 #include <cstdio>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -198,14 +197,7 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
         options.format == WeightFormat::kNvfp4 ? "nvfp4a16 (--nvfp4_activations none)" : format,
         " has no static activation scale"));
   }
-  const std::string in = absl::GetFlag(FLAGS_in), out = absl::GetFlag(FLAGS_out);
-  if (in.empty() || out.empty())
-    return absl::InvalidArgumentError("--in DIR and --out DIR are required");
-  std::error_code ec;
-  if (std::filesystem::exists(out, ec) && std::filesystem::equivalent(in, out, ec)) {
-    return absl::InvalidArgumentError("--out must differ from --in");
-  }
-  return absl::OkStatus();
+  return CheckQuantizePaths(absl::GetFlag(FLAGS_in), absl::GetFlag(FLAGS_out));
 }
 
 absl::Status Run() {

@@ -380,13 +380,19 @@ std::vector<std::string> DefaultQuantizeIgnore() {
           "re:.*self_conditioning.*"};
 }
 
-absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
-                                                   const QuantizeOptions& options) {
+absl::Status CheckQuantizePaths(const std::string& in, const std::string& out) {
   if (in.empty() || out.empty()) return absl::InvalidArgumentError("--in DIR and --out DIR are required");
   std::error_code ec;
   if (fs::exists(out, ec) && fs::equivalent(in, out, ec)) {
     return absl::InvalidArgumentError("--out must differ from --in");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
+                                                   const QuantizeOptions& options) {
+  DGSERVE_RETURN_IF_ERROR(CheckQuantizePaths(in, out));
+  std::error_code ec;
   QuantizationConfig q;
   q.format = options.format;
   const bool ct_nvfp4 = options.nvfp4_layout == Nvfp4Layout::kCompressedTensors;

@@ -127,6 +127,10 @@ struct QuantizeSummary {
   double seconds = 0;
 };
 
+// The paths' own checks, before anything is read: both given, and `out` is not `in` (the same
+// directory by any path). INVALID_ARGUMENT otherwise. QuantizeCheckpoint runs it first.
+absl::Status CheckQuantizePaths(const std::string& in, const std::string& out);
+
 // Reads the bf16 checkpoint `in` and writes the quantized one to `out` (created if needed).
 // INVALID_ARGUMENT for a checkpoint that is already quantized or holds non-finite weights, a bad
 // format or group size, an NVFP4 layout or weight-only NVFP4 with another format, weight-only
