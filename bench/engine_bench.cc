@@ -397,6 +397,14 @@ int Run() {
       }
     }
     prefill_s = Since(t_enc);
+#ifdef DGSERVE_HAVE_CUDA
+    // The encoder passes' copy of new K/V rows to the host cache (sliding layers: only the rows
+    // the cache keeps, KvCache::SlidingRetainedFrom).
+    if (const auto copies = GetCudaKvCopyStats(*backend)) {
+      std::printf("prefill K/V to the host: %.1f MB (%.1f KB a token)\n",
+                  copies->encode_to_host_bytes / 1e6, copies->encode_to_host_bytes / 1e3 / P);
+    }
+#endif
   }
   device_peak = std::max(device_peak, DeviceMemoryUsedBytes());
   const double bf16_bytes = Bf16BytesPerStep(c);

@@ -267,6 +267,54 @@ TEST_P(CudaPrefixCacheTest, HitAtEveryBlockGivesTheColdResults) {
   ExpectSameResults(cold_steps[1], hit_steps[1], "steps, boundary " + std::to_string(last + 1));
 }
 
+// A prompt encoded in one pass: its sliding layers' rows go to the host from
+// PagedKvCache::SlidingRetainedFrom on only (the window and one spare block, not the whole
+// prompt), and the prefix hits the index can still serve read exactly those rows: the spare
+// block's too (a hit at 16 tokens reads positions 9 … 15, before the window of the 22 encoded).
+TEST_P(CudaPrefixCacheTest, HitAfterAOnePassPromptGivesTheColdResults) {
+  const int W = config().sliding_window;
+  ASSERT_EQ(W, 8);
+  kv_a_ = std::make_unique<PagedKvCache>(pool_.get(), kMaxTokens);
+  const CudaKvCopyStats before = GetCudaKvCopyStats(*gpu_).value();
+  Encode(*gpu_, *kv_a_, a_);
+  ASSERT_FALSE(HasFatalFailure());
+  // 22 tokens, W = 8, blocks of 4: the sliding layers keep blocks 2 … 5 (from position 8: the
+  // window [15, 22) and the spare block before it); so 14 of the 22 rows go to the host there,
+  // all 22 on the full layers.
+  ASSERT_EQ(kv_a_->table().first_sliding_block, 2);
+  int64_t want = 0;
+  for (int l = 0; l < config().num_layers; ++l) {
+    const int rows = config().IsFull(l) ? kPromptA : kPromptA - 8;
+    want += 2 * int64_t(rows) * config().KvHeads(l) * config().HeadDim(l) * int64_t(sizeof(float));
+  }
+  EXPECT_EQ(GetCudaKvCopyStats(*gpu_)->encode_to_host_bytes - before.encode_to_host_bytes, want);
+  pool_->InsertPrefix(a_, kv_a_->table());
+  // The boundaries whose sliding window [shared − (W − 1), shared) the kept blocks cover: 16
+  // (blocks 2 and 3) and 20.
+  std::vector<std::unique_ptr<PagedKvCache>> hits, colds;
+  std::vector<std::vector<int32_t>> prompts, own;
+  for (int shared : {16, 20}) {
+    prompts.push_back(SharingPrompt(shared));
+    own.emplace_back(prompts.back().begin() + shared, prompts.back().end());
+    PrefixMatch match = pool_->MatchPrefix(prompts.back());
+    ASSERT_EQ(match.num_tokens, shared);
+    hits.push_back(PagedKvCache::FromPrefix(pool_.get(), std::move(match), kMaxTokens));
+    colds.push_back(std::make_unique<PagedKvCache>(pool_.get(), kMaxTokens));
+  }
+  // A boundary before them is not served: its window needs block 1, released by the pass.
+  EXPECT_EQ(pool_->MatchPrefix(SharingPrompt(12)).num_tokens, 0);
+  std::vector<KvCache*> hit_kvs = {hits[0].get(), hits[1].get()},
+                        cold_kvs = {colds[0].get(), colds[1].get()};
+  ASSERT_NO_FATAL_FAILURE(EncodeBatch(hit_kvs, own));
+  ASSERT_NO_FATAL_FAILURE(EncodeBatch(cold_kvs, prompts));
+  ExpectSameRows(*colds[0], *hits[0], "one-pass prompt, 16 shared");
+  ExpectSameRows(*colds[1], *hits[1], "one-pass prompt, 20 shared");
+  const std::vector<Results> cold = Run({colds[0].get(), colds[1].get()}, false),
+                             hit = Run({hits[0].get(), hits[1].get()}, false);
+  ExpectSameResults(cold[0], hit[0], "one-pass prompt, 16 shared");
+  ExpectSameResults(cold[1], hit[1], "one-pass prompt, 20 shared");
+}
+
 // A cache constructed in storage the test owns (placement new), destroyed with the holder.
 class CacheSlot {
  public:

@@ -17,11 +17,17 @@ constexpr int kSlidingIndex = 0;
 static_assert(kFullIndex == static_cast<int>(LayerKind::kFull));
 static_assert(kSlidingIndex == static_cast<int>(LayerKind::kSliding));
 
-// Releases the sliding blocks wholly before SlidingKeepFrom(num_tokens) − block_size.
+// The position before which DropOldSliding releases every sliding block: SlidingKeepFrom −
+// block_size (≤ 0: none).
+int64_t SlidingReleaseLimit(const KvLayout& layout, int num_tokens) {
+  return int64_t(layout.SlidingKeepFrom(num_tokens)) - layout.block_size;
+}
+
+// Releases the sliding blocks wholly before SlidingReleaseLimit.
 void DropOldSliding(BlockPool* pool, BlockTable* table, int num_tokens) {
   const KvLayout& layout = pool->layout();
   if (layout.layers[kSlidingIndex] == 0) return;
-  const int64_t limit = int64_t(layout.SlidingKeepFrom(num_tokens)) - layout.block_size;
+  const int64_t limit = SlidingReleaseLimit(layout, num_tokens);
   size_t drop = 0;
   while (drop < table->sliding.size() &&
          (int64_t(table->first_sliding_block) + int64_t(drop) + 1) * layout.block_size <= limit) {
@@ -40,6 +46,13 @@ void DropOldSliding(BlockPool* pool, BlockTable* table, int num_tokens) {
 }
 
 }  // namespace
+
+int PagedKvCache::SlidingRetainedFrom(int num_tokens) const {
+  const KvLayout& layout = pool_->layout();
+  const int64_t limit = SlidingReleaseLimit(layout, num_tokens);
+  if (limit <= 0) return 0;
+  return int(limit / layout.block_size * layout.block_size);
+}
 
 PagedKvCache::PagedKvCache(BlockPool* pool, int max_tokens)
     : pool_(pool), max_tokens_(max_tokens) {}

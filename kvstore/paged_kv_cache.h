@@ -44,6 +44,10 @@ class PagedKvCache final : public KvCache {
   // SlidingKeepFrom(num_tokens) − block_size (one spare block is kept so that a prefix ending
   // at the last whole block stays usable from the prefix index).
   void Commit(int count) override;
+  // Where Commit's release leaves the sliding blocks once `num_tokens` positions are committed:
+  // the first position of the block holding SlidingKeepFrom(num_tokens) − block_size (one spare
+  // block before the window), 0 while that is not positive.
+  int SlidingRetainedFrom(int num_tokens) const override;
 
   const BlockTable& table() const { return table_; }
   BlockPool* pool() const { return pool_; }

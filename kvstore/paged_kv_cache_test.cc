@@ -128,10 +128,20 @@ TEST_F(KvPagedCacheTest, MatchesContiguousBitForBit) {
       EXPECT_EQ(st.used[F], layout_.BlocksFor(at)) << at;
       EXPECT_EQ(st.used[S], RetainedSliding(at)) << at;
       EXPECT_EQ(got.table().first_sliding_block, layout_.BlocksFor(at) - RetainedSliding(at));
+      // What the cache says it keeps is where its sliding blocks start.
+      EXPECT_EQ(got.SlidingRetainedFrom(at), got.table().first_sliding_block * kBlock) << at;
     }
     // 29 tokens: 8 full blocks; sliding layers need [24, 29): blocks 6, 7, plus the spare 5.
     EXPECT_EQ(pool_->stats().used[S], 3);
     EXPECT_EQ(got.table().first_sliding_block, 5);
+    EXPECT_EQ(got.SlidingRetainedFrom(29), 20);
+    // Before the window's start passes a spare block nothing is released: 6 tokens keep
+    // [1, 6), 9 tokens [4, 9) (limit 0: 0), 13 tokens [8, 13) (limit 4: block 1 on).
+    EXPECT_EQ(got.SlidingRetainedFrom(6), 0);
+    EXPECT_EQ(got.SlidingRetainedFrom(9), 0);
+    EXPECT_EQ(got.SlidingRetainedFrom(13), 4);
+    EXPECT_EQ(want.SlidingRetainedFrom(29), 24);
+    EXPECT_EQ(want.SlidingRetainedFrom(3), 0);
 
     std::vector<int32_t> canvas(C);
     for (int i = 0; i < C; ++i) canvas[i] = (i * 131 + 17) % config().vocab_size;

@@ -294,6 +294,7 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
           // On stream_ (ordered before the pass's kernels); from pageable memory CUDA stages the
           // rows before returning, so the host staging is free again at once.
           cuda::NoteUpload();
+          kv_copy_stats_.upload_bytes += int64_t(bytes);
           return CudaCheck(cudaMemcpyAsync(dst, data, bytes, cudaMemcpyHostToDevice, stream_),
                            "cudaMemcpyAsync (KV upload)");
         }));
@@ -731,6 +732,12 @@ std::optional<CudaGraphStats> GetCudaGraphStats(const ModelBackend& backend) {
   const auto* b = dynamic_cast<const CudaBackend*>(&backend);
   if (b == nullptr) return std::nullopt;
   return b->graph_stats();
+}
+
+std::optional<CudaKvCopyStats> GetCudaKvCopyStats(const ModelBackend& backend) {
+  const auto* b = dynamic_cast<const CudaBackend*>(&backend);
+  if (b == nullptr) return std::nullopt;
+  return b->kv_copy_stats();
 }
 
 std::optional<CudaPhaseTimes> LastCudaPhaseTimes(const ModelBackend& backend) {

@@ -16,9 +16,10 @@
 // and keeps the host cache authoritative: Encode writes the new K/V rows into the device mirror
 // (device to device, after the layer's attention) and into the host cache (asynchronous copies into
 // pinned staging, written to the cache when the pass ends or the staging fills:
-// encode_staging_bytes), so every other user of the cache (prefix reuse, transfers, the CPU
-// backend) sees the same rows. A pass uploads only the rows the mirror lacks (all visible ones for
-// a cache it has not seen; none in the steady state of encode → denoise steps). A mirror is
+// encode_staging_bytes; on sliding layers only the rows the cache keeps,
+// KvCache::SlidingRetainedFrom), so every other user of the cache (prefix reuse, transfers, the
+// CPU backend) sees the same rows. A pass uploads only the rows the mirror lacks (all visible ones
+// for a cache it has not seen; none in the steady state of encode → denoise steps). A mirror is
 // recognised by the cache's address, its token count and copies of the key rows at positions 0 and
 // n−1 of the first full layer (a cache freed and another allocated at the same address is
 // re-uploaded unless both rows match bit for bit); at most `max_kv_mirrors` mirrors are kept, least
@@ -127,6 +128,21 @@ struct CudaGraphStats {
 // The graph counters of a backend made by CreateCudaBackend or CreateCudaBackendSynthetic;
 // nullopt for any other backend.
 std::optional<CudaGraphStats> GetCudaGraphStats(const ModelBackend& backend);
+
+// The K/V bytes a backend has moved between the host caches and its device mirrors so far.
+struct CudaKvCopyStats {
+  // Encoder passes' new K/V rows copied to the host caches (float32): every row of the full
+  // layers, and of the sliding layers only those the cache keeps (KvCache::SlidingRetainedFrom
+  // of the pass's final token count): a 32k prompt's sliding layers copy their last W − 1 rows
+  // (or a few blocks more), not 32k.
+  int64_t encode_to_host_bytes = 0;
+  // Rows uploaded from host caches into device mirrors (a cache the backend has not seen, or
+  // rows another writer added), as stored on the device (2 bytes an element in a bf16 mirror).
+  int64_t upload_bytes = 0;
+};
+// The copy counters of a backend made by CreateCudaBackend or CreateCudaBackendSynthetic;
+// nullopt for any other backend.
+std::optional<CudaKvCopyStats> GetCudaKvCopyStats(const ModelBackend& backend);
 
 // Device bytes of K/V one sequence's mirror holds for `context_tokens` positions in a backend
 // made with `options` (the KV mirror of cuda_backend_internal.h): K and V of every position on

@@ -262,6 +262,16 @@ struct Segment {
   const KvCache* kv = nullptr;
   KvCache* kv_write = nullptr;  // encoder only
   KvMirror* mirror = nullptr;
+  // Encoder: the first position of the sliding layers' new rows copied to the host cache
+  // (pos0, or later when the cache keeps fewer: KvCache::SlidingRetainedFrom of pos0 + rows).
+  int sliding_host_from = 0;
+  // Encoder: the segment's new rows of layer kind `full` that go to the host, as offsets from
+  // row0: [first, first + count).
+  std::pair<int, int> HostRows(bool full) const {
+    if (full || sliding_host_from <= pos0) return {0, rows};
+    const int first = std::min(rows, sliding_host_from - pos0);
+    return {first, rows - first};
+  }
 };
 
 // The vocabulary part of a step as PrepareVocab staged it.
@@ -302,6 +312,10 @@ class CudaBackend final : public ModelBackend {
   CudaGraphStats graph_stats() const {
     std::lock_guard<std::mutex> lock(mu_);
     return graph_stats_;
+  }
+  CudaKvCopyStats kv_copy_stats() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return kv_copy_stats_;
   }
   // Bytes of every layer's K and V arrays of kv's mirror (nullopt: none).
   std::optional<int64_t> mirror_bytes(const KvCache& kv) const {
@@ -448,11 +462,13 @@ class CudaBackend final : public ModelBackend {
   // The encoder pass's new K/V rows on their way to the host caches (FlushStagedKv).
   struct StagedKv {
     int layer;
-    size_t offset;  // floats into kv_stage_: K [R, kvw] then V [R, kvw]
+    size_t offset;  // floats into kv_stage_: K [rows, kvw] then V [rows, kvw]
+    int rows;       // the segments' host rows (Segment::HostRows) in segment order
   };
   cuda::PinnedArray<float> kv_stage_;
   size_t kv_stage_used_ = 0;
   std::vector<StagedKv> kv_staged_;
+  std::vector<std::pair<int, int>> host_runs_;  // Layer's (row, count) runs to the staging
   // The step's pinned staging: inputs uploaded and results downloaded asynchronously on stream_.
   cuda::PinnedArray<int32_t> ids_host_, positions_host_, mask_index_host_;
   cuda::PinnedArray<float> sc_host_, temps_host_, uniforms_host_, skip_host_, soft_host_;
@@ -461,6 +477,7 @@ class CudaBackend final : public ModelBackend {
   cudaStream_t stream_ = nullptr;  // every launch and copy of the passes (non-blocking)
   std::map<std::vector<int64_t>, StepGraph> graphs_;
   CudaGraphStats graph_stats_;
+  CudaKvCopyStats kv_copy_stats_;
   DecodeTimings timings_;
   PhaseTimer phases_;
   std::optional<CudaPhaseTimes> last_phases_;

@@ -165,17 +165,41 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
     // New K/V rows: to the (authoritative) host cache through pinned staging, copied
     // asynchronously and written to the caches at the next flush (when the staging is full, and
     // at the end of the pass): no wait per layer. Into the device mirror: after the attention.
-    const size_t n = size_t(R) * kvw, need = 2 * n;
+    // Only the rows each cache keeps (Segment::HostRows): all on full layers, the last W − 1
+    // (or a few blocks more) of a long prompt on sliding layers. One copy per run of
+    // consecutive rows: one for the pass when every row is kept.
+    std::vector<std::pair<int, int>>& runs = host_runs_;
+    runs.clear();
+    int kept = 0;
+    for (const Segment& s : segs) {
+      const auto [first, count] = s.HostRows(full);
+      if (count == 0) continue;
+      const int row = s.row0 + first;
+      if (!runs.empty() && runs.back().first + runs.back().second == row) {
+        runs.back().second += count;
+      } else {
+        runs.emplace_back(row, count);
+      }
+      kept += count;
+    }
+    const size_t n = size_t(kept) * kvw, need = 2 * n;
     if (kv_stage_used_ + need > kv_stage_.size()) DGSERVE_RETURN_IF_ERROR(FlushStagedKv(segs));
     float* stage = kv_stage_.data() + kv_stage_used_;
     for (const auto& [dst, src] : {std::pair{stage, k}, std::pair{stage + n, v}}) {
-      cuda::NoteDeviceCopy();
-      DGSERVE_RETURN_IF_ERROR(
-          CudaCheck(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToHost, stream_),
-                    "cudaMemcpyAsync (K/V to the staging)"));
+      size_t at = 0;
+      for (const auto& [row, count] : runs) {
+        const size_t floats = size_t(count) * kvw;
+        cuda::NoteDeviceCopy();
+        DGSERVE_RETURN_IF_ERROR(
+            CudaCheck(cudaMemcpyAsync(dst + at, src + size_t(row) * kvw, floats * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream_),
+                      "cudaMemcpyAsync (K/V to the staging)"));
+        at += floats;
+      }
     }
-    kv_staged_.push_back({l, kv_stage_used_});
+    kv_staged_.push_back({l, kv_stage_used_, kept});
     kv_stage_used_ += need;
+    kv_copy_stats_.encode_to_host_bytes += int64_t(need * sizeof(float));
   }
   // Decoder on tensor cores: every canvas in one launch (the table of UploadCanvasTable).
   const bool tc = TensorCoreCanvas(l);
@@ -434,17 +458,20 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
     s.pos0 = in.kv->num_tokens();
     s.kv = in.kv;
     s.kv_write = in.kv;
+    s.sliding_host_from = std::max(s.pos0, in.kv->SlidingRetainedFrom(s.pos0 + s.rows));
     DGSERVE_ASSIGN_OR_RETURN(s.mirror, SyncMirror(*in.kv, s.rows));
     segs.push_back(s);
     R += s.rows;
   }
   if (R == 0) return absl::OkStatus();
   DGSERVE_ENSURE_PASS_SCRATCH(R);
-  // The K/V staging: every layer's rows if they fit in options_.encode_staging_bytes, else at
-  // least one layer's (then flushed when full).
+  // The K/V staging: every layer's host rows if they fit in options_.encode_staging_bytes, else
+  // at least one layer's (then flushed when full).
   size_t all_layers = 0, one_layer = 0;
   for (int l = 0; l < c_.num_layers; ++l) {
-    const size_t need = 2 * size_t(R) * c_.KvHeads(l) * c_.HeadDim(l);
+    size_t rows = 0;
+    for (const Segment& s : segs) rows += size_t(s.HostRows(c_.IsFull(l)).second);
+    const size_t need = 2 * rows * c_.KvHeads(l) * c_.HeadDim(l);
     all_layers += need;
     one_layer = std::max(one_layer, need);
   }
@@ -483,13 +510,13 @@ absl::Status CudaBackend::FlushStagedKv(std::span<const Segment> segs) {
   for (const StagedKv& st : kv_staged_) {
     const int l = st.layer;
     const size_t kvw = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
-    int R = 0;
-    for (const Segment& s : segs) R = std::max(R, s.row0 + s.rows);
+    // The staged rows: each segment's HostRows in segment order (as Layer copied them).
     const float* k = kv_stage_.data() + st.offset;
-    const float* v = k + size_t(R) * kvw;
+    const float* v = k + size_t(st.rows) * kvw;
+    size_t src = 0;
     for (const Segment& s : segs) {
-      for (int r = 0; r < s.rows; ++r) {
-        const size_t src = size_t(s.row0 + r) * kvw;
+      const auto [first, count] = s.HostRows(c_.IsFull(l));
+      for (int r = first; r < first + count; ++r, src += kvw) {
         std::memcpy(s.kv_write->MutableKeyRow(l, s.pos0 + r), k + src, sizeof(float) * kvw);
         std::memcpy(s.kv_write->MutableValueRow(l, s.pos0 + r), v + src, sizeof(float) * kvw);
       }

@@ -1,11 +1,16 @@
 #include "engine/model/kv_cache.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace dgserve {
 
 ContiguousKvCache::ContiguousKvCache(const ModelConfig& config, int max_tokens)
-    : keys_(config.num_layers), values_(config.num_layers), max_tokens_(max_tokens) {
+    : keys_(config.num_layers),
+      values_(config.num_layers),
+      sliding_window_(config.sliding_window),
+      max_tokens_(max_tokens) {
   for (int l = 0; l < config.num_layers; ++l) {
     row_width_.push_back(config.KvHeads(l) * config.HeadDim(l));
   }
@@ -48,6 +53,10 @@ const float* ContiguousKvCache::ValueRow(int layer, int pos) const {
 void ContiguousKvCache::Commit(int count) {
   num_tokens_ += std::min(count, reserved_);
   reserved_ = 0;
+}
+
+int ContiguousKvCache::SlidingRetainedFrom(int num_tokens) const {
+  return std::max(0, num_tokens - (sliding_window_ - 1));
 }
 
 }  // namespace dgserve

@@ -32,11 +32,19 @@ class KvCache {
   // Commits `count` reserved positions: num_tokens() += count. Sliding layers may then drop
   // rows older than num_tokens() − (sliding_window − 1).
   virtual void Commit(int count) = 0;
+  // The first sliding-layer position whose rows this cache keeps (for readers: other backends,
+  // KV transfers, the prefix index) once `num_tokens` positions are committed; ≤ max(0,
+  // num_tokens − (sliding_window − 1)), the rows the model reads. A writer may leave the rows of
+  // a sliding layer before it unwritten: the CUDA backend's encoder pass copies a long prompt's
+  // sliding-layer rows to the host from SlidingRetainedFrom(its final count) on only (issue 34).
+  // 0 (the default): every row is kept.
+  virtual int SlidingRetainedFrom(int num_tokens) const { return 0; }
 };
 
 // A KvCache in plain per-layer arrays, growing on demand (single request, no paging).
-// Sliding layers keep all rows (retention is a memory optimisation, not a semantic one: the
-// model never reads outside the window).
+// Sliding layers have storage for every row, but only the last sliding_window − 1 committed rows
+// are kept (SlidingRetainedFrom): a writer may leave older ones unwritten, as the model never
+// reads outside the window.
 class ContiguousKvCache final : public KvCache {
  public:
   // max_tokens bounds the growth (RESOURCE_EXHAUSTED beyond it).
@@ -49,10 +57,13 @@ class ContiguousKvCache final : public KvCache {
   const float* KeyRow(int layer, int pos) const override;
   const float* ValueRow(int layer, int pos) const override;
   void Commit(int count) override;
+  // max(0, num_tokens − (sliding_window − 1)).
+  int SlidingRetainedFrom(int num_tokens) const override;
 
  private:
   std::vector<int> row_width_;  // per layer: kv_heads · head_dim
   std::vector<std::vector<float>> keys_, values_;
+  int sliding_window_;
   int max_tokens_;
   int num_tokens_ = 0;
   int reserved_ = 0;
