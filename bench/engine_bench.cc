@@ -397,14 +397,25 @@ int Run() {
       }
     }
     prefill_s = Since(t_enc);
+    // The batch's other canvases get copies of this cache: its host rows must be current (a
+    // device backend may hold the newest only in device memory: ModelBackend::SyncKvToHost, as
+    // a prefill worker calls before it ships a prompt's KV).
+    const auto t_sync = Clock::now();
+    if (absl::Status st = backend->SyncKvToHost(kvs[0]); !st.ok()) {
+      std::fprintf(stderr, "%s\n", st.ToString().c_str());
+      return 1;
+    }
+    const double sync_s = Since(t_sync);
 #ifdef DGSERVE_HAVE_CUDA
-    // The encoder passes' copy of new K/V rows to the host cache (sliding layers: only the rows
-    // the cache keeps, KvCache::SlidingRetainedFrom).
+    // The prompt's K/V rows to the host: in the encoder passes (sliding layers: only the rows
+    // the cache keeps, KvCache::SlidingRetainedFrom), or at the sync (the deferred host copy).
     if (const auto copies = GetCudaKvCopyStats(*backend)) {
-      std::printf("prefill K/V to the host: %.1f MB (%.1f KB a token)\n",
-                  copies->encode_to_host_bytes / 1e6, copies->encode_to_host_bytes / 1e3 / P);
+      std::printf("prefill K/V to the host: %.3f MB in the passes, %.3f MB at the sync (%.2f ms)\n",
+                  copies->encode_to_host_bytes / 1e6, copies->sync_to_host_bytes / 1e6,
+                  1e3 * sync_s);
     }
 #endif
+    (void)sync_s;
   }
   device_peak = std::max(device_peak, DeviceMemoryUsedBytes());
   const double bf16_bytes = Bf16BytesPerStep(c);

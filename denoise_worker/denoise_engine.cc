@@ -314,10 +314,13 @@ void DenoiseEngine::OnKv(const std::string& id,
   for (int i = 1; i < n; ++i) {
     absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> fork = kvs.front()->Fork();
     if (!fork.ok()) {
+      // RESOURCE_EXHAUSTED: no blocks for the copy of the partial block (a transferred cache
+      // never has rows held only on a device, Fork's other refusal).
+      const absl::StatusCode code = fork.status().code();
       all_.erase(id);
-      if (metrics_) metrics_->RequestsWithStatus("RESOURCE_EXHAUSTED").Increment();
-      job->End(absl::ResourceExhaustedError(absl::StrCat(
-          "no KV blocks for sample ", i, " of request ", id, ": ", fork.status().message())));
+      if (metrics_) metrics_->RequestsWithStatus(absl::StatusCodeToString(code)).Increment();
+      job->End(absl::Status(code, absl::StrCat("no KV blocks for sample ", i, " of request ", id,
+                                               ": ", fork.status().message())));
       return;  // `kvs` frees the blocks
     }
     kvs.push_back(*std::move(fork));

@@ -14,12 +14,15 @@
 // that computed its context), so nothing but equality is right; the boundaries' caches share
 // their passes (one encoder pass for the hits, one for the cold prompts) for that reason.
 //
-// StaleMirrorAtTheSameAddressIsUploadedAgain reaches the mirror's fingerprint (cuda_backend.h):
-// a cache holding A's first 4b tokens but the last changed is encoded and freed, and a cache
-// holding A's shared blocks is made at the same address (placement new: the allocator alone
-// does not promise the address), so the backend finds a mirror under that address whose rows
-// 0 … 4b−2 are the new cache's own and whose row 4b−1 is not: only the fingerprint's last row
-// tells them apart.
+// StaleMirrorAtTheSameAddressIsUploadedAgain: a cache holding A's first 4b tokens but the last
+// changed is encoded and freed, and a cache holding A's shared blocks is made at the same address
+// (placement new: the allocator alone does not promise the address), so the backend finds a
+// mirror under that address whose rows 0 … 4b−2 are the new cache's own and whose row 4b−1 is
+// not: only the cache's identity (KvCache::lifetime) tells them apart.
+//
+// The encoder passes leave their rows on the device (CudaBackendOptions::defer_kv_host_copy)
+// except in the bf16_tc_copy mode; the tests call SyncKvToHost before the host rows are read or
+// indexed, as the prefill worker does before it indexes and ships a prompt.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -61,6 +64,9 @@ struct PrefixMode {
   cpu::GemmInput cpu;
   bool own_projections;
   bool tensor_core_attention;
+  // CudaBackendOptions::defer_kv_host_copy (the default): new rows reach the host cache at
+  // SyncKvToHost, not in the encoder pass.
+  bool defer_kv_host_copy = true;
 };
 void PrintTo(const PrefixMode& m, std::ostream* os) { *os << m.name; }
 
@@ -79,6 +85,7 @@ class CudaPrefixCacheTest : public backend_testing::CpuGpuTest<CudaPrefixCacheTe
   CudaBackendOptions GpuOptions() const override {
     CudaBackendOptions options = CpuGpuTest::GpuOptions();
     options.tensor_core_attention = GetParam().tensor_core_attention;
+    options.defer_kv_host_copy = GetParam().defer_kv_host_copy;
     return options;
   }
   void SetUp() override {
@@ -113,6 +120,7 @@ class CudaPrefixCacheTest : public backend_testing::CpuGpuTest<CudaPrefixCacheTe
       const int n = std::min(kBlock, kPromptA - at);
       Encode(*gpu_, *kv_a_, std::vector<int32_t>(a_.begin() + at, a_.begin() + at + n));
       ASSERT_FALSE(HasFatalFailure());
+      ASSERT_TRUE(gpu_->SyncKvToHost(*kv_a_).ok());  // before its blocks are indexed
       pool_->InsertPrefix(std::span<const int32_t>(a_).first(size_t(at + n)), kv_a_->table());
     }
   }
@@ -134,7 +142,10 @@ class CudaPrefixCacheTest : public backend_testing::CpuGpuTest<CudaPrefixCacheTe
   }
   // Every row the model may still read (full layers all, sliding layers from SlidingKeepFrom)
   // equal bit for bit; the first difference is reported.
-  void ExpectSameRows(const KvCache& want, const KvCache& got, const std::string& what) {
+  void ExpectSameRows(KvCache& want, KvCache& got, const std::string& what) {
+    // The rows the host keeps, from the device where they are (defer_kv_host_copy).
+    ASSERT_TRUE(gpu_->SyncKvToHost(want).ok()) << what;
+    ASSERT_TRUE(gpu_->SyncKvToHost(got).ok()) << what;
     ASSERT_EQ(want.num_tokens(), got.num_tokens()) << what;
     const int n = got.num_tokens();
     for (int l = 0; l < config().num_layers; ++l) {
@@ -280,14 +291,30 @@ TEST_P(CudaPrefixCacheTest, HitAfterAOnePassPromptGivesTheColdResults) {
   ASSERT_FALSE(HasFatalFailure());
   // 22 tokens, W = 8, blocks of 4: the sliding layers keep blocks 2 … 5 (from position 8: the
   // window [15, 22) and the spare block before it); so 14 of the 22 rows go to the host there,
-  // all 22 on the full layers.
+  // all 22 on the full layers: in the pass (float32), or at SyncKvToHost as the mirror stores
+  // them (bf16 on the tensor-core layers: head_dim a multiple of 32).
   ASSERT_EQ(kv_a_->table().first_sliding_block, 2);
-  int64_t want = 0;
+  int64_t want = 0, want_mirror = 0;
   for (int l = 0; l < config().num_layers; ++l) {
     const int rows = config().IsFull(l) ? kPromptA : kPromptA - 8;
-    want += 2 * int64_t(rows) * config().KvHeads(l) * config().HeadDim(l) * int64_t(sizeof(float));
+    const int64_t elements = 2 * int64_t(rows) * config().KvHeads(l) * config().HeadDim(l);
+    want += elements * 4;
+    const bool bf16 = GetParam().tensor_core_attention && config().HeadDim(l) % 32 == 0;
+    want_mirror += elements * (bf16 ? 2 : 4);
   }
-  EXPECT_EQ(GetCudaKvCopyStats(*gpu_)->encode_to_host_bytes - before.encode_to_host_bytes, want);
+  const int64_t in_pass =
+      GetCudaKvCopyStats(*gpu_)->encode_to_host_bytes - before.encode_to_host_bytes;
+  EXPECT_EQ(kv_a_->host_rows_stale(), GetParam().defer_kv_host_copy);
+  ASSERT_TRUE(gpu_->SyncKvToHost(*kv_a_).ok());
+  EXPECT_FALSE(kv_a_->host_rows_stale());
+  const int64_t at_sync = GetCudaKvCopyStats(*gpu_)->sync_to_host_bytes - before.sync_to_host_bytes;
+  if (GetParam().defer_kv_host_copy) {
+    EXPECT_EQ(in_pass, 0);
+    EXPECT_EQ(at_sync, want_mirror);
+  } else {
+    EXPECT_EQ(in_pass, want);
+    EXPECT_EQ(at_sync, 0);
+  }
   pool_->InsertPrefix(a_, kv_a_->table());
   // The boundaries whose sliding window [shared − (W − 1), shared) the kept blocks cover: 16
   // (blocks 2 and 3) and 20.
@@ -337,7 +364,8 @@ class CacheSlot {
   PagedKvCache* kv_ = nullptr;
 };
 
-// Both modes: with the tensor-core attention the full layers' mirror (the fingerprint's layer) is
+// Every mode: the mirror is recognised by the cache's lifetime (KvCache::lifetime), not its
+// address. With the tensor-core attention the full layers' mirror is
 // bf16 (CudaBackendOptions::bf16_kv_mirror), re-uploaded through SyncMirror's host rounding.
 TEST_P(CudaPrefixCacheTest, StaleMirrorAtTheSameAddressIsUploadedAgain) {
   ASSERT_NO_FATAL_FAILURE(EncodeA());
@@ -352,6 +380,7 @@ TEST_P(CudaPrefixCacheTest, StaleMirrorAtTheSameAddressIsUploadedAgain) {
     PagedKvCache* kv = slot.Make(pool_.get(), kMaxTokens);
     Encode(*gpu_, *kv, stale);
     ASSERT_FALSE(HasFatalFailure());
+    ASSERT_TRUE(gpu_->SyncKvToHost(*kv).ok());
     const int full = [&] {
       for (int l = 0; l < config().num_layers; ++l) {
         if (config().IsFull(l)) return l;
@@ -395,7 +424,9 @@ INSTANTIATE_TEST_SUITE_P(Modes, CudaPrefixCacheTest,
                          ::testing::Values(PrefixMode{"bf16", cuda::GemmInput::kBf16,
                                                       cpu::GemmInput::kBf16, true, false},
                                            PrefixMode{"bf16_tc", cuda::GemmInput::kBf16,
-                                                      cpu::GemmInput::kBf16, true, true}),
+                                                      cpu::GemmInput::kBf16, true, true},
+                                           PrefixMode{"bf16_tc_copy", cuda::GemmInput::kBf16,
+                                                      cpu::GemmInput::kBf16, true, true, false}),
                          [](const ::testing::TestParamInfo<PrefixMode>& info) {
                            return std::string(info.param.name);
                          });

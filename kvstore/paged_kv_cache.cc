@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 
 namespace dgserve::kv {
 namespace {
@@ -54,6 +55,14 @@ int PagedKvCache::SlidingRetainedFrom(int num_tokens) const {
   return int(limit / layout.block_size * layout.block_size);
 }
 
+int PagedKvCache::MaxSlidingRowsKept() const {
+  // n − SlidingRetainedFrom(n) is largest when the release limit n − (W − 1) − B sits at the
+  // last row of a block: W − 1 + B + (B − 1) rows (while the limit is ≤ 0 all n ≤ W − 1 + B
+  // rows are kept).
+  const KvLayout& layout = pool_->layout();
+  return std::max(0, layout.sliding_window - 1) + 2 * layout.block_size - 1;
+}
+
 PagedKvCache::PagedKvCache(BlockPool* pool, int max_tokens)
     : pool_(pool), max_tokens_(max_tokens) {}
 
@@ -76,6 +85,7 @@ std::unique_ptr<PagedKvCache> PagedKvCache::Adopt(BlockPool* pool, BlockTable ta
 }
 
 absl::StatusOr<std::unique_ptr<PagedKvCache>> PagedKvCache::Fork() const {
+  DGSERVE_RETURN_IF_ERROR(CheckHostRowsCurrent(*this, "Fork"));
   const KvLayout& layout = pool_->layout();
   const int whole = num_tokens_ / layout.block_size;  // blocks no commit writes to again
   const int blocks = layout.BlocksFor(num_tokens_);   // whole + the partial one, if any

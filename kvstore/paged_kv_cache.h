@@ -26,7 +26,8 @@ class PagedKvCache final : public KvCache {
   // every whole block is shared by reference (one more reference each, no copy); the partially
   // filled last block of each kind, which later commits append to, is copied into a new block
   // (copy-on-write at fork time). A reservation in flight is not part of the fork.
-  // RESOURCE_EXHAUSTED (nothing taken) when the pool cannot supply the copies.
+  // RESOURCE_EXHAUSTED (nothing taken) when the pool cannot supply the copies;
+  // FAILED_PRECONDITION while host_rows_stale() (sync the cache to the host first).
   absl::StatusOr<std::unique_ptr<PagedKvCache>> Fork() const;
   ~PagedKvCache() override;  // releases every block
   PagedKvCache(const PagedKvCache&) = delete;
@@ -48,6 +49,9 @@ class PagedKvCache final : public KvCache {
   // the first position of the block holding SlidingKeepFrom(num_tokens) − block_size (one spare
   // block before the window), 0 while that is not positive.
   int SlidingRetainedFrom(int num_tokens) const override;
+  // sliding_window + 2·block_size − 2: the window's W − 1 rows, the spare block and the partial
+  // blocks at both ends.
+  int MaxSlidingRowsKept() const override;
 
   const BlockTable& table() const { return table_; }
   BlockPool* pool() const { return pool_; }

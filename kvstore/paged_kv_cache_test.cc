@@ -142,6 +142,16 @@ TEST_F(KvPagedCacheTest, MatchesContiguousBitForBit) {
     EXPECT_EQ(got.SlidingRetainedFrom(13), 4);
     EXPECT_EQ(want.SlidingRetainedFrom(29), 24);
     EXPECT_EQ(want.SlidingRetainedFrom(3), 0);
+    // The bound a device backend sizes its sliding rings by: the most rows kept at any count.
+    int most_paged = 0, most_contiguous = 0;
+    for (int n = 0; n < 200; ++n) {
+      most_paged = std::max(most_paged, n - got.SlidingRetainedFrom(n));
+      most_contiguous = std::max(most_contiguous, n - want.SlidingRetainedFrom(n));
+    }
+    EXPECT_EQ(most_paged, 12);  // at n = 12 (nothing released yet), 16, 20, …
+    EXPECT_EQ(got.MaxSlidingRowsKept(), 12);
+    EXPECT_EQ(most_contiguous, 5);
+    EXPECT_EQ(want.MaxSlidingRowsKept(), 5);
 
     std::vector<int32_t> canvas(C);
     for (int i = 0; i < C; ++i) canvas[i] = (i * 131 + 17) % config().vocab_size;
@@ -331,6 +341,13 @@ TEST_F(KvPagedCacheTest, ForkSharesWholeBlocksAndCopiesThePartialOne) {
   EXPECT_EQ(pool_->stats().used[F], before.used[F]);
   EXPECT_EQ(pool_->stats().used[S], before.used[S]);
   EXPECT_EQ(pool_->stats().shared[F], 7);
+  // A cache whose newest rows are still in a device backend's memory is not forked: the copy
+  // of its partial block would take stale host rows.
+  whole.set_host_rows_stale(true);
+  EXPECT_THAT(whole.Fork(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(pool_->stats().shared[F], 7);
+  whole.set_host_rows_stale(false);
+  EXPECT_THAT(whole.Fork(), IsOk());
 }
 
 TEST_F(KvPagedCacheTest, ForkWithoutRoomForTheCopyTakesNothing) {

@@ -92,6 +92,14 @@ absl::StatusOr<TransferResult> RunTransferProtocol(const std::string& transport,
 void ProtocolSender::Send(const std::string& target, const std::string& request_id,
                           std::shared_ptr<const PagedKvCache> kv, int64_t lease_ms,
                           TransferCallback done, MoverFactory make_mover) {
+  // Rows still only in a device backend's memory would be sent as stale host rows.
+  if (kv != nullptr) {
+    if (absl::Status st = CheckHostRowsCurrent(*kv, absl::StrCat("KV transfer for ", request_id));
+        !st.ok()) {
+      done(st);
+      return;
+    }
+  }
   bool full = false;
   {
     absl::MutexLock lock(&outstanding_->mu);

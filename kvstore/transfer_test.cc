@@ -161,6 +161,23 @@ TEST_F(KvTransferTest, ExpectBeforeArrival) {
   UnregisterInProcessReceiver("denoise-1");
 }
 
+// A sequence whose newest rows are still only in a device backend's memory is refused before
+// anything moves (its host rows are stale until ModelBackend::SyncKvToHost).
+TEST_F(KvTransferTest, StaleHostRowsAreRefused) {
+  RegisterInProcessReceiver("denoise-stale", receiver_.get());
+  auto kv = std::make_shared<PagedKvCache>(sender_pool_.get(), 256);
+  testing::AppendPattern(*kv, layout_, kTokens, 9);
+  kv->set_host_rows_stale(true);
+  auto sent = SendWaiter::Make();
+  CreateInProcessTransport()->Send("denoise-stale", "req-stale", kv, 1000, sent->Callback());
+  ASSERT_TRUE(sent->Wait());
+  EXPECT_THAT(sent->result,
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("SyncKvToHost")));
+  EXPECT_EQ(receiver_pool_->stats().used[F], 0);
+  EXPECT_EQ(receiver_pool_->stats().used[S], 0);
+  UnregisterInProcessReceiver("denoise-stale");
+}
+
 TEST_F(KvTransferTest, UnknownTargetIsUnavailable) {
   auto sent = SendWaiter::Make();
   CreateInProcessTransport()->Send("nobody", "req-3", src_, 1000, sent->Callback());

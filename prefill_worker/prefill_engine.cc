@@ -275,6 +275,14 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
 
 void PrefillEngine::Ship(std::shared_ptr<Job> job) {
   const auto& t = job->request.tokens();
+  // A device backend may hold the prompt's newest K/V rows in device memory only: they reach the
+  // host blocks before the blocks are indexed for reuse and sent.
+  if (absl::Status st = backend_->SyncKvToHost(*job->kv); !st.ok()) {
+    Fail(*job,
+         absl::Status(st.code(), absl::StrCat("prompt K/V to the host failed for request ",
+                                              job->request.request_id(), ": ", st.message())));
+    return;
+  }
   pool_->InsertPrefix(std::span<const int32_t>(t.data(), size_t(t.size())), job->kv->table());
   const absl::Time t0 = absl::Now();
   const int64_t lease =

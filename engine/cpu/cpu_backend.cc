@@ -358,6 +358,7 @@ absl::Status CpuBackend::Encode(std::span<const EncodeInput> batch) {
   int R = 0;
   for (const EncodeInput& in : batch) {
     if (in.kv == nullptr) return absl::InvalidArgumentError("encoder input without a KV cache");
+    DGSERVE_RETURN_IF_ERROR(CheckHostRowsCurrent(*in.kv, "CPU encoder pass"));
     DGSERVE_RETURN_IF_ERROR(CheckTokens(in.tokens));
   }
   // Reserve every cache first (a failed Reserve leaves its cache unchanged).
@@ -389,6 +390,7 @@ absl::Status CpuBackend::Body(std::span<const CanvasInput> batch, std::vector<Se
   segs->clear();
   for (const CanvasInput& in : batch) {
     if (in.kv == nullptr) return absl::InvalidArgumentError("decoder input without a KV cache");
+    DGSERVE_RETURN_IF_ERROR(CheckHostRowsCurrent(*in.kv, "CPU decoder pass"));
     DGSERVE_RETURN_IF_ERROR(CheckTokens(in.canvas));
     Segment s;
     s.row0 = R;

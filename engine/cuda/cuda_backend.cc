@@ -123,12 +123,6 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
       rope_sliding_.Upload(RopeInvFreq(c_.rope_theta_sliding, c_.head_dim, c_.head_dim / 2)));
   DGSERVE_RETURN_IF_ERROR(
       rope_full_.Upload(RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles())));
-  for (int l = 0; l < L; ++l) {
-    if (c_.IsFull(l)) {
-      fingerprint_layer_ = l;
-      break;
-    }
-  }
   cuda::NoteSync();
   return CudaCheck(cudaDeviceSynchronize(), "upload weights");
 }
@@ -195,115 +189,6 @@ absl::Status CudaBackend::CheckTokens(std::span<const int32_t> ids) const {
     }
   }
   return absl::OkStatus();
-}
-
-void CudaBackend::Fingerprint(const KvCache& kv, KvMirror* m) const {
-  const int l = fingerprint_layer_, w = c_.KvHeads(l) * c_.HeadDim(l);
-  m->first_row.clear();
-  m->last_row.clear();
-  if (m->synced == 0) return;
-  if (c_.IsFull(l)) m->first_row.assign(kv.KeyRow(l, 0), kv.KeyRow(l, 0) + w);
-  const float* last = kv.KeyRow(l, m->synced - 1);
-  m->last_row.assign(last, last + w);
-}
-
-absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) {
-  auto it = mirrors_.find(&kv);
-  if (it == mirrors_.end()) {
-    if (int(mirrors_.size()) >= std::max(1, options_.max_kv_mirrors)) {
-      // Least recently used, never one already used by the current pass (its segments hold
-      // pointers to it); with none evictable the map grows past the limit for this pass.
-      auto lru = mirrors_.end();
-      for (auto j = mirrors_.begin(); j != mirrors_.end(); ++j) {
-        if (j->second->last_use >= pass_start_) continue;
-        if (lru == mirrors_.end() || j->second->last_use < lru->second->last_use) lru = j;
-      }
-      if (lru != mirrors_.end()) mirrors_.erase(lru);
-    }
-    auto m = std::make_unique<KvMirror>();
-    m->k.resize(c_.num_layers);
-    m->v.resize(c_.num_layers);
-    m->k16.resize(c_.num_layers);
-    m->v16.resize(c_.num_layers);
-    m->ring.assign(c_.num_layers, 0);
-    it = mirrors_.emplace(&kv, std::move(m)).first;
-  }
-  KvMirror* m = it->second.get();
-  m->last_use = ++use_clock_;
-  const int n = kv.num_tokens();
-  // Still the same sequence? Otherwise everything visible is uploaded again.
-  if (m->synced > n) m->synced = 0;
-  if (m->synced > 0) {
-    const int l = fingerprint_layer_, w = c_.KvHeads(l) * c_.HeadDim(l);
-    const bool same =
-        (m->first_row.empty() ||
-         std::memcmp(m->first_row.data(), kv.KeyRow(l, 0), w * sizeof(float)) == 0) &&
-        std::memcmp(m->last_row.data(), kv.KeyRow(l, m->synced - 1), w * sizeof(float)) == 0;
-    if (!same) m->synced = 0;
-  }
-  const int need = n + extra;
-  if (need > m->capacity) {
-    const int cap = std::max(need, std::max(64, m->capacity * 2));
-    for (int l = 0; l < c_.num_layers; ++l) {
-      const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
-      // A sliding ring shorter than W has not wrapped (capacity > every position): its rows stay.
-      const int rows = MirrorRows(l, cap), old_rows = MirrorRows(l, m->capacity);
-      const size_t keep = size_t(std::min(m->synced, old_rows)) * w;
-      if (Bf16Mirror(l)) {
-        DGSERVE_RETURN_IF_ERROR(m->k16[l].Grow(size_t(rows) * w, keep));
-        DGSERVE_RETURN_IF_ERROR(m->v16[l].Grow(size_t(rows) * w, keep));
-      } else {
-        DGSERVE_RETURN_IF_ERROR(m->k[l].Grow(size_t(rows) * w, keep));
-        DGSERVE_RETURN_IF_ERROR(m->v[l].Grow(size_t(rows) * w, keep));
-      }
-      m->ring[l] = MirrorRing(l, cap);
-    }
-    m->capacity = cap;
-  }
-  if (m->synced < n) {
-    const int W = c_.sliding_window;
-    for (int l = 0; l < c_.num_layers; ++l) {
-      // Sliding layers only guarantee (and only read) the last W−1 committed rows.
-      const int lo = c_.IsFull(l) ? 0 : std::max(0, n - (W - 1));
-      const int from = std::max(m->synced, lo);
-      if (from >= n) continue;
-      const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
-      for (int which = 0; which < 2; ++which) {
-        // Per run of consecutive mirror rows (a sliding layer's ring wraps once at most).
-        DGSERVE_RETURN_IF_ERROR(m->ForEachRun(l, from, n - from, [&](int p0, int row, int count) {
-          host_stage_.resize(size_t(count) * w);
-          for (int p = p0; p < p0 + count; ++p) {
-            const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
-            std::memcpy(&host_stage_[size_t(p - p0) * w], src, w * sizeof(float));
-          }
-          const void* data = host_stage_.data();
-          size_t bytes = host_stage_.size() * sizeof(float);
-          void* dst;
-          if (Bf16Mirror(l)) {
-            // Rounded here (FloatToBf16: the device's ToBf16Bits bit for bit): half the bytes.
-            host_stage16_.resize(host_stage_.size());
-            for (size_t i = 0; i < host_stage_.size(); ++i) {
-              host_stage16_[i] = FloatToBf16(host_stage_[i]);
-            }
-            data = host_stage16_.data();
-            bytes = host_stage16_.size() * sizeof(uint16_t);
-            dst = (which == 0 ? m->k16[l] : m->v16[l]).get() + size_t(row) * w;
-          } else {
-            dst = (which == 0 ? m->k[l] : m->v[l]).get() + size_t(row) * w;
-          }
-          // On stream_ (ordered before the pass's kernels); from pageable memory CUDA stages the
-          // rows before returning, so the host staging is free again at once.
-          cuda::NoteUpload();
-          kv_copy_stats_.upload_bytes += int64_t(bytes);
-          return CudaCheck(cudaMemcpyAsync(dst, data, bytes, cudaMemcpyHostToDevice, stream_),
-                           "cudaMemcpyAsync (KV upload)");
-        }));
-      }
-    }
-    m->synced = n;
-    Fingerprint(kv, m);
-  }
-  return m;
 }
 
 absl::Status CudaBackend::Wait(const char* what) {
@@ -711,9 +596,9 @@ int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens,
   int64_t bytes = 0;
   for (int l = 0; l < config.num_layers; ++l) {
     const int64_t kvw = int64_t(config.KvHeads(l)) * config.HeadDim(l);
-    const int rows = options.sliding_kv_ring
-                         ? cuda_internal::KvMirrorRows(config, l, context_tokens)
-                         : context_tokens;
+    const int rows = options.sliding_kv_ring ? cuda_internal::KvMirrorRows(
+                                                   config, l, context_tokens, config.sliding_window)
+                                             : context_tokens;
     const int64_t element = cuda_internal::KvMirrorBf16(config, options, l)
                                 ? int64_t(sizeof(uint16_t))
                                 : int64_t(sizeof(float));

@@ -114,6 +114,20 @@ struct CudaBackendOptions {
   // float32 GEMM-input mode, or a head_dim the tensor cores do not take): their mirrors stay
   // float32. The host KvCache stays float32 either way.
   bool bf16_kv_mirror = true;
+  // The device mirror is the authority for the rows the encoder passes write (issue 34 item 1):
+  // they stay in device memory only, with no copy to the host in the pass, until
+  // ModelBackend::SyncKvToHost copies the rows the cache keeps (KvCache::host_rows_stale() is set
+  // meanwhile, so the CPU backend, PagedKvCache::Fork and the KV transports refuse the cache
+  // rather than read stale rows). The default. It applies to caches whose sliding layers keep a
+  // bounded number of rows (KvCache::MaxSlidingRowsKept: ContiguousKvCache W − 1, PagedKvCache
+  // W + 2·block_size − 2), whose sliding rings then hold max(W, that bound) rows, so every row the
+  // host keeps is still on the device when it is asked for; other caches get the copy in the
+  // pass. A mirror holding rows its live cache lacks is never evicted (max_kv_mirrors then
+  // bounds only the others); one whose cache is gone is dropped first. In the bf16 mirror (the
+  // default in the bf16 mode) SyncKvToHost writes the bf16 values widened: the rows every
+  // attention of that mode reads (spec §5.3), not the float32 values before rounding. false: the
+  // pass copies its new rows to the host cache (encode_staging_bytes), as before.
+  bool defer_kv_host_copy = true;
 };
 
 // What the CUDA-graph path of a backend (CudaBackendOptions::cuda_graphs) has done so far.
@@ -139,6 +153,9 @@ struct CudaKvCopyStats {
   // Rows uploaded from host caches into device mirrors (a cache the backend has not seen, or
   // rows another writer added), as stored on the device (2 bytes an element in a bf16 mirror).
   int64_t upload_bytes = 0;
+  // Rows SyncKvToHost copied to the host caches (the deferred host copy), as stored on the
+  // device.
+  int64_t sync_to_host_bytes = 0;
 };
 // The copy counters of a backend made by CreateCudaBackend or CreateCudaBackendSynthetic;
 // nullopt for any other backend.

@@ -110,6 +110,7 @@ TEST_P(CudaBackendFp8Test, EncodeThenDecodeMatchesCpu) {
   Encode(*cpu_, kc, prompt);
   Encode(*gpu_, kg, prompt);
   ASSERT_EQ(kg.num_tokens(), 29);
+  ASSERT_TRUE(gpu_->SyncKvToHost(kg).ok());  // the rows are on the device until then
   float kv_worst = 0.0f;
   int kv_off = 0, kv_rows = 0;  // K/V rows off by more than 1e-3 of their largest |value|
   for (int l = 0; l < config().num_layers; ++l) {

@@ -217,8 +217,16 @@ struct KvMirror {
   std::vector<int> ring;                        // per layer: ring rows (sliding), 0 (full: linear)
   int capacity = 0;                             // positions the full layers hold
   int synced = 0;                               // positions [visible lo, synced) are on the device
-  std::vector<float> first_row, last_row;       // fingerprint: K rows 0 and synced−1 of layer fp
+  // The cache's rows [retained lo, host_synced) are current in its host arrays; rows from there
+  // to `synced` only here (the deferred host copy: CudaBackendOptions::defer_kv_host_copy).
+  int host_synced = 0;
+  std::weak_ptr<const void> owner;  // the cache's KvCache::lifetime()
+  bool deferred = false;            // encoder passes leave new rows here only (SyncKvToHost)
+  int sliding_rows = 0;             // rows a sliding layer's ring holds at most
   uint64_t last_use = 0;
+
+  // Rows the cache's host arrays lack (only while deferred).
+  bool pending() const { return host_synced < synced; }
 
   // The row of position p in layer l.
   int Row(int l, int p) const { return ring[l] > 0 ? p % ring[l] : p; }
@@ -237,9 +245,9 @@ struct KvMirror {
 };
 
 // Rows layer l's mirror allocates for `capacity` positions: all of them on full layers, at most
-// the window W on sliding ones (KvMirror).
-inline int KvMirrorRows(const ModelConfig& c, int l, int capacity) {
-  return c.IsFull(l) || c.sliding_window <= 0 ? capacity : std::min(capacity, c.sliding_window);
+// `sliding_rows` (the window W, or more for a deferred host copy: KvMirror) on sliding ones.
+inline int KvMirrorRows(const ModelConfig& c, int l, int capacity, int sliding_rows) {
+  return c.IsFull(l) || c.sliding_window <= 0 ? capacity : std::min(capacity, sliding_rows);
 }
 
 // Whether layer l's attention runs on the tensor cores (options.tensor_core_attention in the bf16
@@ -265,9 +273,11 @@ struct Segment {
   // Encoder: the first position of the sliding layers' new rows copied to the host cache
   // (pos0, or later when the cache keeps fewer: KvCache::SlidingRetainedFrom of pos0 + rows).
   int sliding_host_from = 0;
+  bool to_host = true;  // encoder: copied to the host in the pass (false: deferred mirror)
   // Encoder: the segment's new rows of layer kind `full` that go to the host, as offsets from
   // row0: [first, first + count).
   std::pair<int, int> HostRows(bool full) const {
+    if (!to_host) return {0, 0};
     if (full || sliding_host_from <= pos0) return {0, rows};
     const int first = std::min(rows, sliding_host_from - pos0);
     return {first, rows - first};
@@ -338,6 +348,7 @@ class CudaBackend final : public ModelBackend {
   absl::Status DenoiseStepLocked(std::span<const DenoiseStepInput> batch);
   absl::Status SoftEmbedding(const float* probs, int rows, float* soft) override;
   int prefill_chunk_tokens() const override { return kGpuPrefillChunkTokens; }
+  absl::Status SyncKvToHost(KvCache& kv) override;
   DecodeTimings last_decode_timings() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return timings_;
@@ -353,14 +364,13 @@ class CudaBackend final : public ModelBackend {
   // The mirror of `kv`, synced with its committed rows and with room for `extra` more positions.
   absl::StatusOr<KvMirror*> SyncMirror(const KvCache& kv, int extra);
   // Rows and ring of layer l's mirror for `capacity` positions (options_.sliding_kv_ring).
-  int MirrorRows(int l, int capacity) const {
-    return options_.sliding_kv_ring ? KvMirrorRows(c_, l, capacity) : capacity;
+  int MirrorRows(int l, int capacity, int sliding_rows) const {
+    return options_.sliding_kv_ring ? KvMirrorRows(c_, l, capacity, sliding_rows) : capacity;
   }
-  int MirrorRing(int l, int capacity) const {
+  int MirrorRing(int l, int capacity, int sliding_rows) const {
     const bool ring = options_.sliding_kv_ring && !c_.IsFull(l) && c_.sliding_window > 0;
-    return ring ? MirrorRows(l, capacity) : 0;
+    return ring ? MirrorRows(l, capacity, sliding_rows) : 0;
   }
-  void Fingerprint(const KvCache& kv, KvMirror* m) const;
   // The decoder body (spec §3.5 steps 1–4, final norm) in two halves. PrepareBody: the host's
   // part (segments with their mirrors synced, scratch sized for R rows, the token ids, positions,
   // soft embeddings and attention table staged in pinned memory and queued for upload on
@@ -430,7 +440,6 @@ class CudaBackend final : public ModelBackend {
   DeviceProjection sc_gate_, sc_up_, sc_down_;  // the self-conditioning MLP
   std::vector<DeviceLayer> layers_;
   DeviceArray<float> rope_sliding_, rope_full_;
-  int fingerprint_layer_ = 0;  // first full layer (rows 0 … n−1 all kept), else 0
 
   std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>> mirrors_;
   uint64_t use_clock_ = 0;

@@ -460,6 +460,7 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
     s.kv_write = in.kv;
     s.sliding_host_from = std::max(s.pos0, in.kv->SlidingRetainedFrom(s.pos0 + s.rows));
     DGSERVE_ASSIGN_OR_RETURN(s.mirror, SyncMirror(*in.kv, s.rows));
+    s.to_host = !s.mirror->deferred;
     segs.push_back(s);
     R += s.rows;
   }
@@ -499,8 +500,13 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   DGSERVE_RETURN_IF_ERROR(FlushStagedKv(segs));  // the pass's one wait (with a large staging)
   for (size_t i = 0; i < batch.size(); ++i) {
     batch[i].kv->Commit(segs[i].rows);
-    segs[i].mirror->synced = segs[i].pos0 + segs[i].rows;
-    Fingerprint(*batch[i].kv, segs[i].mirror);
+    KvMirror* m = segs[i].mirror;
+    m->synced = segs[i].pos0 + segs[i].rows;
+    if (m->deferred) {
+      batch[i].kv->set_host_rows_stale(true);  // the new rows are on the device only
+    } else {
+      m->host_synced = m->synced;
+    }
   }
   return absl::OkStatus();
 }

@@ -403,7 +403,11 @@ TEST_F(SyntheticBackendTest, EncodeStagesKvAndWaitsOnce) {
   const ModelConfig c = testing::TinyConfig();
   CudaBackendOptions one_layer;
   one_layer.encode_staging_bytes = 1;  // at least one layer's rows, whatever this says
-  auto a = CreateCudaBackendSynthetic(c, 7);
+  // The copy in the pass (not deferred to SyncKvToHost) is what this test is about.
+  one_layer.defer_kv_host_copy = false;
+  CudaBackendOptions whole;
+  whole.defer_kv_host_copy = false;
+  auto a = CreateCudaBackendSynthetic(c, 7, whole);
   auto b = CreateCudaBackendSynthetic(c, 7, one_layer);
   ASSERT_TRUE(a.ok() && b.ok());
   std::vector<int32_t> prompt(40);
@@ -463,6 +467,9 @@ TEST_F(SyntheticBackendTest, Bf16KvMirrorEqualsFloat32MirrorBitForBit) {
   CudaBackendOptions options;
   options.tensor_core_attention = true;
   options.canvas_split_keys = 32;
+  // The host rows compared below are the encoder's float32 rows, copied in the pass (deferred,
+  // SyncKvToHost would write the bf16 mirror's values: CudaKvAuthorityTest).
+  options.defer_kv_host_copy = false;
   ASSERT_TRUE(options.bf16_kv_mirror);  // the default
   auto bf16 = CreateCudaBackendSynthetic(c, 7, options);
   options.bf16_kv_mirror = false;

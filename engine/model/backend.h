@@ -121,6 +121,17 @@ class ModelBackend {
   // item 3); the CPU's small chunks bound its activations. Any chunking gives the same KV bits on
   // the CPU backend.
   virtual int prefill_chunk_tokens() const { return kCpuPrefillChunkTokens; }
+
+  // Makes `kv`'s host rows current. A device backend may keep the K/V rows its encoder passes
+  // write in device memory only (the CUDA backend's CudaBackendOptions::defer_kv_host_copy:
+  // KvCache::host_rows_stale() is then set); this copies every row the cache keeps that its host
+  // arrays lack and clears the flag. Call it before anything else reads the cache's rows: a KV
+  // transfer, PagedKvCache::Fork, BlockPool::InsertPrefix of its blocks, another backend. The
+  // CPU backend writes the host rows directly: OK, or FAILED_PRECONDITION for a cache whose rows
+  // another backend holds. INTERNAL on a device fault.
+  virtual absl::Status SyncKvToHost(KvCache& kv) {
+    return CheckHostRowsCurrent(kv, "SyncKvToHost");
+  }
 };
 
 // Which Linear of the model a GEMM input feeds (LinearInputObserver). q/k/v_proj share one input

@@ -1,6 +1,7 @@
 #include "engine/model/kv_cache.h"
 
 #include <algorithm>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 
@@ -53,6 +54,14 @@ const float* ContiguousKvCache::ValueRow(int layer, int pos) const {
 void ContiguousKvCache::Commit(int count) {
   num_tokens_ += std::min(count, reserved_);
   reserved_ = 0;
+}
+
+absl::Status CheckHostRowsCurrent(const KvCache& kv, std::string_view who) {
+  if (!kv.host_rows_stale()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(std::string(who),
+                   ": the KV cache's newest rows are still only in a device backend's memory "
+                   "(call that backend's SyncKvToHost first)"));
 }
 
 int ContiguousKvCache::SlidingRetainedFrom(int num_tokens) const {

@@ -4,7 +4,11 @@
 // The paged block pool of kvstore/ implements the same interface.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <memory>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -14,6 +18,15 @@ namespace dgserve {
 
 class KvCache {
  public:
+  KvCache() = default;
+  // A copy is another cache: a new lifetime(); host_rows_stale() is copied (the copy's host rows
+  // lack the same rows, and no backend can supply them to it).
+  KvCache(const KvCache& other) : host_rows_stale_(other.host_rows_stale_) {}
+  KvCache& operator=(const KvCache& other) {
+    lifetime_ = std::make_shared<const char>(0);
+    host_rows_stale_ = other.host_rows_stale_;
+    return *this;
+  }
   virtual ~KvCache() = default;
 
   // Tokens encoded and committed so far: positions 0 .. num_tokens()−1.
@@ -39,7 +52,30 @@ class KvCache {
   // sliding-layer rows to the host from SlidingRetainedFrom(its final count) on only (issue 34).
   // 0 (the default): every row is kept.
   virtual int SlidingRetainedFrom(int num_tokens) const { return 0; }
+  // The most sliding-layer rows the cache keeps at any token count: the largest num_tokens −
+  // SlidingRetainedFrom(num_tokens). INT_MAX (the default): every row, no bound.
+  virtual int MaxSlidingRowsKept() const { return std::numeric_limits<int>::max(); }
+
+  // This cache's identity while it lives: a backend that keeps device state per cache holds the
+  // weak_ptr to tell this cache from a later one made at the same address, and a live cache from
+  // a destroyed one.
+  std::weak_ptr<const void> lifetime() const { return lifetime_; }
+  // True while a device backend holds rows of this cache that its host arrays lack (the CUDA
+  // backend's deferred host copy, CudaBackendOptions::defer_kv_host_copy: its encoder passes
+  // leave the new rows in device memory). Until that backend's ModelBackend::SyncKvToHost, only
+  // it may read or extend the cache: the CPU backend, PagedKvCache::Fork and the KV transports
+  // refuse such a cache (FAILED_PRECONDITION), and its blocks must not be indexed as a prefix.
+  // Set and cleared by the backend.
+  bool host_rows_stale() const { return host_rows_stale_; }
+  void set_host_rows_stale(bool stale) { host_rows_stale_ = stale; }
+
+ private:
+  std::shared_ptr<const char> lifetime_ = std::make_shared<const char>(0);
+  bool host_rows_stale_ = false;
 };
+
+// FAILED_PRECONDITION naming `who` when kv.host_rows_stale(), else OK.
+absl::Status CheckHostRowsCurrent(const KvCache& kv, std::string_view who);
 
 // A KvCache in plain per-layer arrays, growing on demand (single request, no paging).
 // Sliding layers have storage for every row, but only the last sliding_window − 1 committed rows
@@ -59,6 +95,8 @@ class ContiguousKvCache final : public KvCache {
   void Commit(int count) override;
   // max(0, num_tokens − (sliding_window − 1)).
   int SlidingRetainedFrom(int num_tokens) const override;
+  // sliding_window − 1.
+  int MaxSlidingRowsKept() const override { return std::max(0, sliding_window_ - 1); }
 
  private:
   std::vector<int> row_width_;  // per layer: kv_heads · head_dim

@@ -1,0 +1,242 @@
+// The CUDA backend's device K/V mirrors (cuda_backend.h, "KV cache"): SyncMirror finds or makes
+// a cache's mirror and uploads the rows it lacks; SyncKvToHost copies the rows the encoder passes
+// left on the device only (CudaBackendOptions::defer_kv_host_copy) into the host cache.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "common/bf16.h"
+#include "engine/cuda/cuda_backend_internal.h"
+
+namespace dgserve {
+namespace cuda_internal {
+
+namespace {
+// Whether two weak_ptrs come from the same shared_ptr (also once it has expired).
+bool SameLifetime(const std::weak_ptr<const void>& a, const std::weak_ptr<const void>& b) {
+  return !a.owner_before(b) && !b.owner_before(a);
+}
+}  // namespace
+
+absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) {
+  auto it = mirrors_.find(&kv);
+  // A mirror under this address made for a cache destroyed since (another cache now lives at the
+  // same address): its rows, and any its host arrays lacked, belonged to that cache.
+  if (it != mirrors_.end() && !SameLifetime(it->second->owner, kv.lifetime())) {
+    if (it->second->last_use >= pass_start_) {
+      return absl::InternalError("two KV caches of one pass at the same address");
+    }
+    mirrors_.erase(it);
+    it = mirrors_.end();
+  }
+  if (it == mirrors_.end()) {
+    // A new mirror starts from the host rows: they must be current.
+    DGSERVE_RETURN_IF_ERROR(CheckHostRowsCurrent(kv, "CUDA backend (a cache it did not write)"));
+    if (int(mirrors_.size()) >= std::max(1, options_.max_kv_mirrors)) {
+      // Least recently used, never one already used by the current pass (its segments hold
+      // pointers to it) nor one holding rows its live cache lacks (the only copy); with none
+      // evictable the map grows past the limit. A mirror whose cache is gone goes first.
+      auto lru = mirrors_.end();
+      for (auto j = mirrors_.begin(); j != mirrors_.end(); ++j) {
+        const KvMirror& c = *j->second;
+        if (c.last_use >= pass_start_) continue;
+        const bool gone = c.owner.expired();
+        if (c.pending() && !gone) continue;
+        if (gone) {
+          lru = j;
+          break;
+        }
+        if (lru == mirrors_.end() || c.last_use < lru->second->last_use) lru = j;
+      }
+      if (lru != mirrors_.end()) mirrors_.erase(lru);
+    }
+    auto m = std::make_unique<KvMirror>();
+    m->k.resize(c_.num_layers);
+    m->v.resize(c_.num_layers);
+    m->k16.resize(c_.num_layers);
+    m->v16.resize(c_.num_layers);
+    m->ring.assign(c_.num_layers, 0);
+    m->owner = kv.lifetime();
+    // Deferred only where the cache bounds what its sliding layers keep: the ring then holds all
+    // of it, so SyncKvToHost finds every row the host keeps.
+    const int kept = kv.MaxSlidingRowsKept();
+    m->deferred = options_.defer_kv_host_copy && options_.sliding_kv_ring &&
+                  kept < std::numeric_limits<int>::max();
+    m->sliding_rows = m->deferred ? std::max(c_.sliding_window, kept) : c_.sliding_window;
+    it = mirrors_.emplace(&kv, std::move(m)).first;
+  }
+  KvMirror* m = it->second.get();
+  m->last_use = ++use_clock_;
+  const int n = kv.num_tokens();
+  if (m->synced > n) {
+    // A cache never shrinks; a mirror ahead of its cache cannot be trusted.
+    if (m->pending()) return absl::InternalError("KV cache shorter than its device rows");
+    m->synced = m->host_synced = 0;
+  }
+  const int need = n + extra;
+  if (need > m->capacity) {
+    const int cap = std::max(need, std::max(64, m->capacity * 2));
+    for (int l = 0; l < c_.num_layers; ++l) {
+      const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
+      // A sliding ring shorter than its bound has not wrapped (capacity > every position): its
+      // rows stay.
+      const int rows = MirrorRows(l, cap, m->sliding_rows),
+                old_rows = MirrorRows(l, m->capacity, m->sliding_rows);
+      const size_t keep = size_t(std::min(m->synced, old_rows)) * w;
+      if (Bf16Mirror(l)) {
+        DGSERVE_RETURN_IF_ERROR(m->k16[l].Grow(size_t(rows) * w, keep));
+        DGSERVE_RETURN_IF_ERROR(m->v16[l].Grow(size_t(rows) * w, keep));
+      } else {
+        DGSERVE_RETURN_IF_ERROR(m->k[l].Grow(size_t(rows) * w, keep));
+        DGSERVE_RETURN_IF_ERROR(m->v[l].Grow(size_t(rows) * w, keep));
+      }
+      m->ring[l] = MirrorRing(l, cap, m->sliding_rows);
+    }
+    m->capacity = cap;
+  }
+  if (m->synced < n) {
+    // Rows another writer added to the cache (its host rows: this backend's own are on the
+    // device, and a cache with rows on the device is refused by every other writer).
+    if (m->pending()) {
+      return absl::InternalError(
+          "KV cache grew elsewhere while its newest rows were on the device");
+    }
+    const int W = c_.sliding_window;
+    for (int l = 0; l < c_.num_layers; ++l) {
+      // Sliding layers only guarantee (and only read) the last W−1 committed rows.
+      const int lo = c_.IsFull(l) ? 0 : std::max(0, n - (W - 1));
+      const int from = std::max(m->synced, lo);
+      if (from >= n) continue;
+      const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
+      for (int which = 0; which < 2; ++which) {
+        // Per run of consecutive mirror rows (a sliding layer's ring wraps once at most).
+        DGSERVE_RETURN_IF_ERROR(m->ForEachRun(l, from, n - from, [&](int p0, int row, int count) {
+          host_stage_.resize(size_t(count) * w);
+          for (int p = p0; p < p0 + count; ++p) {
+            const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
+            std::memcpy(&host_stage_[size_t(p - p0) * w], src, w * sizeof(float));
+          }
+          const void* data = host_stage_.data();
+          size_t bytes = host_stage_.size() * sizeof(float);
+          void* dst;
+          if (Bf16Mirror(l)) {
+            // Rounded here (FloatToBf16: the device's ToBf16Bits bit for bit): half the bytes.
+            host_stage16_.resize(host_stage_.size());
+            for (size_t i = 0; i < host_stage_.size(); ++i) {
+              host_stage16_[i] = FloatToBf16(host_stage_[i]);
+            }
+            data = host_stage16_.data();
+            bytes = host_stage16_.size() * sizeof(uint16_t);
+            dst = (which == 0 ? m->k16[l] : m->v16[l]).get() + size_t(row) * w;
+          } else {
+            dst = (which == 0 ? m->k[l] : m->v[l]).get() + size_t(row) * w;
+          }
+          // On stream_ (ordered before the pass's kernels); from pageable memory CUDA stages the
+          // rows before returning, so the host staging is free again at once.
+          cuda::NoteUpload();
+          kv_copy_stats_.upload_bytes += int64_t(bytes);
+          return CudaCheck(cudaMemcpyAsync(dst, data, bytes, cudaMemcpyHostToDevice, stream_),
+                           "cudaMemcpyAsync (KV upload)");
+        }));
+      }
+    }
+    m->synced = m->host_synced = n;
+  }
+  return m;
+}
+
+absl::Status CudaBackend::SyncKvToHost(KvCache& kv) {
+  const auto lock = Lock();
+  const auto it = mirrors_.find(&kv);
+  if (it == mirrors_.end() || !SameLifetime(it->second->owner, kv.lifetime())) {
+    return CheckHostRowsCurrent(kv, "SyncKvToHost (a cache this CUDA backend does not hold)");
+  }
+  KvMirror* m = it->second.get();
+  const int n = m->synced;
+  if (!m->pending()) {
+    kv.set_host_rows_stale(false);
+    return absl::OkStatus();
+  }
+  if (kv.num_tokens() != n) return absl::InternalError("KV cache and its device rows disagree");
+  // Each layer's K and V rows the host keeps and lacks, downloaded through the pinned staging
+  // (bf16 bits or float32, as the mirror stores them) and written into the cache once the copies
+  // are done: one wait per fill of the staging.
+  struct Part {
+    int layer, which, p0, count;
+    size_t offset;  // bytes into the staging
+  };
+  std::vector<Part> parts;
+  size_t used = 0;
+  const auto scatter = [&]() -> absl::Status {
+    if (parts.empty()) return absl::OkStatus();
+    DGSERVE_RETURN_IF_ERROR(Wait("SyncKvToHost"));
+    const auto* base = reinterpret_cast<const unsigned char*>(kv_stage_.data());
+    for (const Part& part : parts) {
+      const int l = part.layer;
+      const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
+      for (int i = 0; i < part.count; ++i) {
+        const int p = part.p0 + i;
+        float* dst = part.which == 0 ? kv.MutableKeyRow(l, p) : kv.MutableValueRow(l, p);
+        if (Bf16Mirror(l)) {
+          const auto* src = reinterpret_cast<const uint16_t*>(base + part.offset) + size_t(i) * w;
+          for (size_t e = 0; e < w; ++e) dst[e] = Bf16ToFloat(src[e]);
+        } else {
+          const auto* src = reinterpret_cast<const float*>(base + part.offset) + size_t(i) * w;
+          std::memcpy(dst, src, w * sizeof(float));
+        }
+      }
+    }
+    parts.clear();
+    used = 0;
+    return absl::OkStatus();
+  };
+  // The staging: a layer's K and V rows at least, all of them if encode_staging_bytes allows.
+  size_t all = 0, one = 0;
+  const auto first_row = [&](int l) {
+    return c_.IsFull(l) ? m->host_synced : std::max(m->host_synced, kv.SlidingRetainedFrom(n));
+  };
+  for (int l = 0; l < c_.num_layers; ++l) {
+    const size_t elem = Bf16Mirror(l) ? sizeof(uint16_t) : sizeof(float);
+    const size_t bytes =
+        2 * size_t(std::max(0, n - first_row(l))) * c_.KvHeads(l) * c_.HeadDim(l) * elem + 64;
+    all += bytes;
+    one = std::max(one, bytes);
+  }
+  DGSERVE_RETURN_IF_ERROR(kv_stage_.Ensure(
+      (std::max(one, std::min(all, options_.encode_staging_bytes)) + sizeof(float) - 1) /
+      sizeof(float)));
+  const size_t capacity = kv_stage_.size() * sizeof(float);
+  for (int l = 0; l < c_.num_layers; ++l) {
+    const int lo = first_row(l);
+    if (lo >= n) continue;
+    const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
+    const size_t elem = Bf16Mirror(l) ? sizeof(uint16_t) : sizeof(float);
+    // Each part starts 16-byte aligned (at most four runs a layer: 64 bytes of padding).
+    if (used + 2 * size_t(n - lo) * w * elem + 64 > capacity) DGSERVE_RETURN_IF_ERROR(scatter());
+    for (int which = 0; which < 2; ++which) {
+      DGSERVE_RETURN_IF_ERROR(m->ForEachRun(l, lo, n - lo, [&](int p0, int row, int count) {
+        const size_t bytes = size_t(count) * w * elem;
+        const void* src =
+            Bf16Mirror(l)
+                ? static_cast<const void*>((which == 0 ? m->k16[l] : m->v16[l]).get() + row * w)
+                : static_cast<const void*>((which == 0 ? m->k[l] : m->v[l]).get() + row * w);
+        unsigned char* dst = reinterpret_cast<unsigned char*>(kv_stage_.data()) + used;
+        parts.push_back({l, which, p0, count, used});
+        used = (used + bytes + 15) / 16 * 16;
+        kv_copy_stats_.sync_to_host_bytes += int64_t(bytes);
+        cuda::NoteDeviceCopy();
+        return CudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_),
+                         "cudaMemcpyAsync (K/V to the host)");
+      }));
+    }
+  }
+  DGSERVE_RETURN_IF_ERROR(scatter());
+  m->host_synced = n;
+  kv.set_host_rows_stale(false);
+  return absl::OkStatus();
+}
+
+}  // namespace cuda_internal
+}  // namespace dgserve

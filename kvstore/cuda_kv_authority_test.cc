@@ -1,0 +1,252 @@
+// The device mirror as the authority for the rows the CUDA backend's encoder passes write
+// (CudaBackendOptions::defer_kv_host_copy, issue 34 item 1; label `gpu`, and `gpu-emu` under the
+// emulation; built into cuda_backend_test / cuda_backend_emu_test beside
+// cuda_prefix_cache_test.cc). On the tiny-v512 random checkpoint (W = 8), the backend with the
+// deferred host copy (the default) against the same options with the copy in every pass:
+//   - the passes copy nothing to the host, mark the cache (KvCache::host_rows_stale) and give
+//     the same logits bit for bit; the CPU backend and the backend's own new mirrors refuse a
+//     cache whose rows are on the device (also a copy of one);
+//   - SyncKvToHost writes exactly the rows the cache keeps and lacks (byte counts by hand), equal
+//     to the copying backend's rows (their bf16 values on the bf16-mirror layers), on a
+//     contiguous and on a paged cache, whose sliding rings then hold W + 2·block − 2 rows;
+//   - a mirror holding a live cache's only rows is never evicted (max_kv_mirrors = 1); once
+//     synced it is.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/bf16.h"
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_backend_testing.h"
+#include "engine/model/backend.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
+#include "engine/model/kv_cache.h"
+#include "kvstore/block_pool.h"
+#include "kvstore/kv_layout.h"
+#include "kvstore/paged_kv_cache.h"
+
+namespace dgserve::kv {
+namespace {
+
+struct AuthorityMode {
+  const char* name;
+  cuda::GemmInput gpu;
+  cpu::GemmInput cpu;
+  bool own_projections;
+  bool tensor_core_attention;  // bf16 mirrors on every layer of this shape (head_dim 32)
+};
+void PrintTo(const AuthorityMode& m, std::ostream* os) { *os << m.name; }
+
+class CudaKvAuthorityTest : public backend_testing::CpuGpuTest<CudaKvAuthorityTest, AuthorityMode> {
+ public:
+  static std::unique_ptr<Checkpoint> MakeCheckpoint() {
+    auto ckpt = ::dgserve::testing::LoadRandomTinyV512("cuda_kv_authority_test");
+    if (!ckpt.ok()) {
+      ADD_FAILURE() << ckpt.status();
+      return nullptr;
+    }
+    return std::make_unique<Checkpoint>(std::move(*ckpt));
+  }
+
+ protected:
+  CudaBackendOptions GpuOptions() const override {
+    CudaBackendOptions options = CpuGpuTest::GpuOptions();
+    options.tensor_core_attention = GetParam().tensor_core_attention;
+    return options;
+  }
+  void SetUp() override {
+    CpuGpuTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    ASSERT_TRUE(GpuOptions().defer_kv_host_copy);  // gpu_: the default
+    ASSERT_EQ(config().sliding_window, 8);
+    CudaBackendOptions copy_options = GpuOptions();
+    copy_options.defer_kv_host_copy = false;
+    auto copy = CreateCudaBackend(config(), checkpoint_->weights, copy_options);
+    ASSERT_TRUE(copy.ok()) << copy.status();
+    copy_ = std::move(*copy);
+  }
+  void TearDown() override {
+    copy_.reset();
+    CpuGpuTest::TearDown();
+  }
+
+  // Whether layer l's mirror stores bf16 (CudaBackendOptions::bf16_kv_mirror on the tensor-core
+  // layers: head_dim a multiple of 32).
+  bool Bf16Layer(int l) const {
+    return GetParam().tensor_core_attention && config().HeadDim(l) % 32 == 0;
+  }
+  // Device bytes SyncKvToHost moves for rows [from_full, n) of the full layers and
+  // [from_sliding, n) of the sliding ones, as the mirror stores them.
+  int64_t MirrorBytes(int from_full, int from_sliding, int n) const {
+    int64_t bytes = 0;
+    for (int l = 0; l < config().num_layers; ++l) {
+      const int rows = n - (config().IsFull(l) ? from_full : from_sliding);
+      bytes +=
+          2 * int64_t(rows) * config().KvHeads(l) * config().HeadDim(l) * (Bf16Layer(l) ? 2 : 4);
+    }
+    return bytes;
+  }
+  // `got`'s rows [from_full | from_sliding, n) equal `want`'s (rounded to bf16 on the bf16
+  // layers) bit for bit.
+  void ExpectRowsOf(const KvCache& want, const KvCache& got, int from_full, int from_sliding,
+                    const std::string& what) const {
+    const int n = got.num_tokens();
+    ASSERT_EQ(want.num_tokens(), n) << what;
+    for (int l = 0; l < config().num_layers; ++l) {
+      const size_t w = size_t(config().KvHeads(l)) * config().HeadDim(l);
+      for (int p = config().IsFull(l) ? from_full : from_sliding; p < n; ++p) {
+        for (const auto& [g, x] : {std::pair{got.KeyRow(l, p), want.KeyRow(l, p)},
+                                   std::pair{got.ValueRow(l, p), want.ValueRow(l, p)}}) {
+          for (size_t i = 0; i < w; ++i) {
+            const float y = Bf16Layer(l) ? RoundToBf16(x[i]) : x[i];
+            ASSERT_EQ(std::memcmp(&g[i], &y, sizeof(float)), 0)
+                << what << ": layer " << l << " position " << p << " element " << i;
+          }
+        }
+      }
+    }
+  }
+  static void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b,
+                             const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    size_t differ = 0;
+    for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], 4) != 0;
+    EXPECT_EQ(differ, 0u) << what;
+  }
+
+  std::unique_ptr<ModelBackend> copy_;
+};
+
+TEST_P(CudaKvAuthorityTest, EncodedRowsStayOnTheDeviceUntilSynced) {
+  const std::vector<int32_t> prompt = Tokens(29, 3), canvas = Tokens(config().canvas_length, 4);
+  ContiguousKvCache kd(config(), 128), kc(config(), 128);
+  const CudaKvCopyStats before = GetCudaKvCopyStats(*gpu_).value();
+  int at = 0;
+  for (int n : {5, 1, 13, 10}) {
+    const std::vector<int32_t> chunk(prompt.begin() + at, prompt.begin() + at + n);
+    Encode(*gpu_, kd, chunk);
+    Encode(*copy_, kc, chunk);
+    at += n;
+  }
+  EXPECT_TRUE(kd.host_rows_stale());
+  EXPECT_FALSE(kc.host_rows_stale());
+  EXPECT_EQ(GetCudaKvCopyStats(*gpu_)->encode_to_host_bytes, before.encode_to_host_bytes);
+  EXPECT_GT(GetCudaKvCopyStats(*copy_)->encode_to_host_bytes, 0);
+  // The backend that holds the rows serves them: the same logits as the copying backend.
+  ExpectSameBits(Logits(*gpu_, kd, canvas), Logits(*copy_, kc, canvas), "logits before sync");
+  // Nobody else may read them yet: the CPU backend, and a copy of the cache on this backend.
+  std::vector<float> logits(canvas.size() * config().vocab_size);
+  DecodeInput on_cpu{canvas, nullptr, &kd, logits.data()};
+  EXPECT_EQ(cpu_->Decode({&on_cpu, 1}).code(), absl::StatusCode::kFailedPrecondition);
+  EncodeInput more_on_cpu{canvas, &kd};
+  EXPECT_EQ(cpu_->Encode({&more_on_cpu, 1}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(kd.num_tokens(), 29);
+  ContiguousKvCache copied = kd;
+  EXPECT_TRUE(copied.host_rows_stale());
+  DecodeInput on_copy{canvas, nullptr, &copied, logits.data()};
+  EXPECT_EQ(gpu_->Decode({&on_copy, 1}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(gpu_->SyncKvToHost(copied).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cpu_->SyncKvToHost(kd).code(), absl::StatusCode::kFailedPrecondition);
+
+  // The sync: all 29 rows of the full layers, the last W − 1 = 7 of the sliding ones.
+  ASSERT_TRUE(gpu_->SyncKvToHost(kd).ok());
+  EXPECT_FALSE(kd.host_rows_stale());
+  EXPECT_EQ(GetCudaKvCopyStats(*gpu_)->sync_to_host_bytes - before.sync_to_host_bytes,
+            MirrorBytes(0, 22, 29));
+  ExpectRowsOf(kc, kd, 0, 22, "after the prompt");
+  ASSERT_TRUE(gpu_->SyncKvToHost(kd).ok());  // nothing left: no bytes
+  EXPECT_EQ(GetCudaKvCopyStats(*gpu_)->sync_to_host_bytes - before.sync_to_host_bytes,
+            MirrorBytes(0, 22, 29));
+  // Now the CPU backend may read it (its own float32 rows would differ by bf16 rounding only).
+  EXPECT_TRUE(cpu_->Decode({&on_cpu, 1}).ok());
+
+  // A commit of one canvas (16 rows): the next sync moves those rows alone (sliding: the last 7).
+  const CudaKvCopyStats mid = GetCudaKvCopyStats(*gpu_).value();
+  Encode(*gpu_, kd, canvas);
+  Encode(*copy_, kc, canvas);
+  EXPECT_TRUE(kd.host_rows_stale());
+  ExpectSameBits(Logits(*gpu_, kd, canvas), Logits(*copy_, kc, canvas), "logits after commit");
+  ASSERT_TRUE(gpu_->SyncKvToHost(kd).ok());
+  const int n = 29 + config().canvas_length;
+  EXPECT_EQ(GetCudaKvCopyStats(*gpu_)->sync_to_host_bytes - mid.sync_to_host_bytes,
+            MirrorBytes(29, n - 7, n));
+  ExpectRowsOf(kc, kd, 0, n - 7, "after the commit");
+}
+
+// A paged cache keeps up to W + 2·block − 2 sliding rows (the window, the spare block, partial
+// blocks at both ends): its mirror's sliding rings hold that many, so one long pass still finds
+// the spare block's rows on the device at the sync.
+TEST_P(CudaKvAuthorityTest, PagedCacheSyncsTheRowsItKeeps) {
+  const KvLayout layout = KvLayout::FromConfig(config(), 4, "tiny-v512");
+  auto pool = BlockPool::Create(layout, 64, 64);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const std::vector<int32_t> prompt = Tokens(22, 5);
+  {
+    PagedKvCache kd(pool->get(), 64), kc(pool->get(), 64);
+    EXPECT_EQ(kd.MaxSlidingRowsKept(), 8 + 2 * 4 - 2);
+    Encode(*gpu_, kd, prompt);
+    Encode(*copy_, kc, prompt);
+    EXPECT_EQ(kd.Fork().status().code(), absl::StatusCode::kFailedPrecondition);
+    // The mirror: 4 sliding layers × K, V × 14 rows × 32 elements (2 heads of 16: float32, not
+    // on the tensor cores) × 4 B = 14,336, and 2 full layers × K, V × 64 rows (the first
+    // capacity) × 32 elements (one head of 32) × 4 B = 32,768, or 2 B (16,384) in bf16 mirrors.
+    EXPECT_EQ(CudaKvMirrorBytes(*gpu_, kd).value_or(-1),
+              GetParam().tensor_core_attention ? 14336 + 16384 : 14336 + 32768);
+    const CudaKvCopyStats before = GetCudaKvCopyStats(*gpu_).value();
+    ASSERT_TRUE(gpu_->SyncKvToHost(kd).ok());
+    // Sliding rows from SlidingRetainedFrom(22) = 8 (blocks 2 … 5).
+    ASSERT_EQ(kd.SlidingRetainedFrom(22), 8);
+    EXPECT_EQ(GetCudaKvCopyStats(*gpu_)->sync_to_host_bytes - before.sync_to_host_bytes,
+              MirrorBytes(0, 8, 22));
+    ExpectRowsOf(kc, kd, 0, 8, "paged");
+    EXPECT_TRUE(kd.Fork().ok());
+  }
+  EXPECT_EQ(pool->get()->stats().used[0] + pool->get()->stats().used[1], 0);
+}
+
+// max_kv_mirrors = 1: two caches with rows only on the device keep both mirrors (evicting one
+// would lose its rows); once one is synced, a third cache evicts it.
+TEST_P(CudaKvAuthorityTest, MirrorWithTheOnlyRowsIsNotEvicted) {
+  CudaBackendOptions one = GpuOptions();
+  one.max_kv_mirrors = 1;
+  auto backend = CreateCudaBackend(config(), checkpoint_->weights, one);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ModelBackend& gpu = **backend;
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 9);
+  ContiguousKvCache a(config(), 64), b(config(), 64), ra(config(), 64), rb(config(), 64);
+  Encode(gpu, a, Tokens(11, 1));
+  Encode(gpu, b, Tokens(12, 2));
+  Encode(*copy_, ra, Tokens(11, 1));
+  Encode(*copy_, rb, Tokens(12, 2));
+  EXPECT_TRUE(CudaKvMirrorBytes(gpu, a).has_value());
+  EXPECT_TRUE(CudaKvMirrorBytes(gpu, b).has_value());
+  ExpectSameBits(Logits(gpu, a, canvas), Logits(*copy_, ra, canvas), "a");
+  ExpectSameBits(Logits(gpu, b, canvas), Logits(*copy_, rb, canvas), "b");
+  ASSERT_TRUE(gpu.SyncKvToHost(a).ok());
+  ContiguousKvCache c(config(), 64);
+  Encode(gpu, c, Tokens(5, 3));
+  EXPECT_FALSE(CudaKvMirrorBytes(gpu, a).has_value());  // synced: evicted
+  EXPECT_TRUE(CudaKvMirrorBytes(gpu, b).has_value());   // the only copy of b's rows: kept
+  ExpectSameBits(Logits(gpu, b, canvas), Logits(*copy_, rb, canvas), "b after c");
+  // a comes back from its host rows: the same logits.
+  ExpectSameBits(Logits(gpu, a, canvas), Logits(*copy_, ra, canvas), "a uploaded again");
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CudaKvAuthorityTest,
+                         ::testing::Values(AuthorityMode{"bf16", cuda::GemmInput::kBf16,
+                                                         cpu::GemmInput::kBf16, true, false},
+                                           AuthorityMode{"bf16_tc", cuda::GemmInput::kBf16,
+                                                         cpu::GemmInput::kBf16, true, true}),
+                         [](const ::testing::TestParamInfo<AuthorityMode>& info) {
+                           return std::string(info.param.name);
+                         });
+
+}  // namespace
+}  // namespace dgserve::kv
