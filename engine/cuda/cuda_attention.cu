@@ -234,14 +234,16 @@ __global__ void __launch_bounds__(kThreads)
   Keys keys;
   keys.ctx_tokens = seg.ctx_tokens - seg.ctx_first;
   // Contiguous: the arrays from token ctx_first. Ring: from row 0, token j of the window (position
-  // ctx_first + j) in row (ctx_first + j) % ring (KeyRowOffset).
-  const int64_t ctx_row0 = seg.ring > 0 ? 0 : seg.ctx_first;
+  // ctx_first + j) in row (ctx_first + j) % ring (KeyRowOffset). Paged: the pool from block 0,
+  // token j of the window in slot first_slot + ctx_first + j (KeyRowOffset).
+  const bool paged = seg.block_table != nullptr;
+  const int64_t ctx_row0 = seg.ring > 0 || paged ? 0 : seg.ctx_first;
   keys.ctx_k = keys.ctx_tokens > 0 ? seg.ctx_k + ctx_row0 * kvw : nullptr;
   keys.ctx_v = keys.ctx_tokens > 0 ? seg.ctx_v + ctx_row0 * kvw : nullptr;
-  keys.block_table = nullptr;
-  keys.block_size = 0;
-  keys.first_slot = seg.ring > 0 ? seg.ctx_first : 0;
-  keys.ring = seg.ring;
+  keys.block_table = seg.block_table;
+  keys.block_size = seg.block_size;
+  keys.first_slot = paged ? seg.first_slot + seg.ctx_first : seg.ring > 0 ? seg.ctx_first : 0;
+  keys.ring = paged ? 0 : seg.ring;
   keys.new_k = k_new + seg.row0 * kvw;
   keys.new_v = v_new + seg.row0 * kvw;
   keys.rows = seg.rows;

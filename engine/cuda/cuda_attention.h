@@ -94,12 +94,30 @@ namespace dgserve::cuda {
 // so about 1e-2 relative on outputs against a float64 reference (cuda_attention_test).
 //
 // One segment of the table (device memory): query rows [row0, row0 + rows) of q / k_new / v_new
-// / out; its context K/V ctx_k / ctx_v, contiguous [ctx_tokens, kv_heads, head_dim] (token j is
-// row j) when ring == 0, else a ring of `ring` rows [ring, kv_heads, head_dim] (token j is row
-// j % ring: a sliding layer's device mirror keeps only its window; needs
-// ring ≥ ctx_tokens − ctx_first, so the visible tokens have distinct rows); every row sees
-// context tokens [ctx_first, ctx_tokens) (the window start: 0 for full layers, CanvasWindowStart
-// for sliding ones) and all `rows` canvas keys.
+// / out; every row sees context tokens [ctx_first, ctx_tokens) (the window start: 0 for full
+// layers, CanvasWindowStart for sliding ones) and all `rows` canvas keys. Its context K/V
+// ctx_k / ctx_v in one of three layouts (as KvContext's):
+//   contiguous  [ctx_tokens, kv_heads, head_dim] (block_table == nullptr, ring == 0): token j is
+//               row j;
+//   ring        [ring, kv_heads, head_dim] (block_table == nullptr, ring > 0): token j is row
+//               j % ring (a sliding layer's device mirror keeps only its window; needs
+//               ring ≥ ctx_tokens − ctx_first, so the visible tokens have distinct rows);
+//   paged       a pool [num_blocks, block_size, kv_heads, head_dim] (block_table != nullptr,
+//               ring == 0): token j lives in slot s = first_slot + j, pool block
+//               block_table[s / block_size], row s % block_size of it (first_slot: the slot of
+//               context token 0, ≥ 0, e.g. a sliding layer's window starting mid-block). Only the
+//               table entries of the visible tokens' slots are read (those of tokens before
+//               ctx_first may hold anything), and only their rows.
+// A segment with zero-initialised new fields (block_table, block_size, first_slot) is a
+// contiguous or ring one, as before paging existed. The kernels trust the table: the segments
+// are device memory the launch does not read on the host, so a bad segment (a ring with a block
+// table, block_size ≤ 0, a block index outside the pool) is undefined behaviour; a caller that
+// builds its table on the host checks each entry with CheckCanvasSegment first. block_size: any
+// positive size is read correctly; ≥ 32 (the key tile) is the fast path — a tile of 32 keys then
+// spans at most two blocks, so the tensor-core kernels read two table entries per tile and
+// compute each key's pool row with one add (smaller blocks: one table read per key). Paged
+// results are the same bits as the contiguous layout holding the same rows (the key tiles and
+// their order do not depend on the layout).
 // The context's element type T: float (CanvasSegment: the float32 mirror, which every kernel
 // reads) or uint16_t (CanvasSegmentBf16: bf16 bits, the backend's bf16 mirror, which only the
 // tensor-core kernels read: they round every K/V element to bf16 anyway, so a context stored
@@ -114,11 +132,22 @@ struct CanvasSegmentOf {
   int rows = 0;
   int ctx_tokens = 0;
   int ctx_first = 0;
-  int ring = 0;  // rows of the context ring (0: contiguous)
+  int ring = 0;                          // rows of the context ring (0: contiguous or paged)
+  const int32_t* block_table = nullptr;  // device int32 (paged), or nullptr
+  int block_size = 0;                    // tokens per block (paged only; > 0)
+  int first_slot = 0;                    // slot of context token 0 (paged only; ≥ 0)
 };
 using CanvasSegment = CanvasSegmentOf<float>;
 using CanvasSegmentBf16 = CanvasSegmentOf<uint16_t>;
 static_assert(sizeof(CanvasSegment) == sizeof(CanvasSegmentBf16));
+
+// Host-side check of one segment as a caller builds it (before uploading the table): rows ≥ 0,
+// 0 ≤ ctx_first ≤ ctx_tokens, context pointers set when a token is visible, and one layout —
+// a ring (ring ≥ ctx_tokens − ctx_first) or a block table (block_size > 0, first_slot ≥ 0,
+// first_slot + ctx_tokens + block_size < 2^31), never both. Does not read the device table's
+// entries. Errors: INVALID_ARGUMENT naming the rule broken.
+absl::Status CheckCanvasSegment(const CanvasSegment& segment);
+absl::Status CheckCanvasSegment(const CanvasSegmentBf16& segment);
 
 // First context token a canvas row sees (spec §3.5): 0 when window ≤ 0, else the last
 // min(ctx_tokens, window − 1) tokens.
@@ -128,7 +157,9 @@ int CanvasWindowStart(int ctx_tokens, int window);
 // TensorCoreCanvasAttention's) in one launch: segment s is computed exactly as CanvasAttention
 // would compute it alone (the same bits) with q, k_new, v_new and out offset to its rows, the
 // context ctx_k / ctx_v from token ctx_first (ctx_tokens − ctx_first tokens; sliding layers:
-// ctx_first = CanvasWindowStart(ctx_tokens, window)) and `window` as CanvasAttention's. The grid
+// ctx_first = CanvasWindowStart(ctx_tokens, window); contiguous, ring or paged as
+// CanvasSegment's: a paged segment is read as a KvContext whose first_slot is
+// first_slot + ctx_first) and `window` as CanvasAttention's. The grid
 // depends only on max_rows (≥ every segment's rows), the heads and num_segments, so the launch's
 // host arguments do not change with the contexts: the decoder step's CUDA graph reads each
 // canvas's context from the table (issue 33 item 6). Errors: INVALID_ARGUMENT for bad shapes.
@@ -218,8 +249,9 @@ absl::Status TensorCoreCanvasAttention(const float* q, const float* k_new, const
 //
 // One segment of the table (device memory), CanvasSegment's fields: new rows [row0, row0 + rows)
 // of q / k_new / v_new / out (positions ctx_tokens … ctx_tokens + rows − 1); its context K/V
-// ctx_k / ctx_v, contiguous [ctx_tokens, kv_heads, head_dim] (token j is row j) or a ring of
-// `ring` rows (token j is row j % ring, as CanvasSegment's); only tokens ≥ ctx_first are read: 0
+// ctx_k / ctx_v, contiguous [ctx_tokens, kv_heads, head_dim] (token j is row j), a ring of
+// `ring` rows (token j is row j % ring) or a paged pool through block_table (token j in slot
+// first_slot + j), as CanvasSegment's; only tokens ≥ ctx_first are read: 0
 // for full layers, CanvasWindowStart(ctx_tokens, window) — row 0's window start — for sliding
 // ones. The segment's own rows are read from k_new / v_new, so a ring needs only
 // ring ≥ ctx_tokens − ctx_first (the context part of the window), whatever `rows` is.

@@ -29,7 +29,8 @@ using attention_internal::Range;
 // mma M tile (GQA packing: the heads of one KV head share every K/V tile). It walks the keys
 // [ctx_first, ctx_tokens) ++ canvas rows in tiles of kTcKeys keys, staged in shared memory as
 // bf16 (the new rows converted from float32 while loading; the context too when it is float32,
-// TCtx = float; a bf16 context, TCtx = uint16_t, is copied as it is: LoadBf16Pair). Per tile:
+// TCtx = float; a bf16 context, TCtx = uint16_t, is copied as it is: LoadBf16Pair; a paged
+// context's rows found through its block table, TilePages, the tiles unchanged). Per tile:
 //   S = Q·Kᵀ   warp w computes the 16 × 8 scores of keys [8w, 8w + 8) over the full head_dim
 //              (Q by ldmatrix.x4, K [key][d] by ldmatrix.x2: B n-major);
 //   softmax    S in shared float32; 8 threads per row update the running max m and sum l
@@ -87,6 +88,41 @@ __device__ __forceinline__ Range PrefillKeys(int r, int ctx_tokens, int ctx_firs
   const int hi = ctx_tokens + r + 1;
   return {window > 0 ? max(ctx_first, hi - window) : ctx_first, hi};
 }
+
+// A paged context's addressing for one key tile (CanvasSegmentOf::block_table; block-uniform):
+// Row(j) is the pool row of context key j, one of the keys [jlo, jhi) the tile loads. With
+// block_size ≥ kTcKeys those keys (jhi − jlo ≤ kTcKeys) span at most two blocks, so Init reads
+// two table entries per tile and Row is one add: slot + base0 before key `split` (the first key
+// of the next block), slot + base1 from it (base = block_table[b]·block_size − b·block_size for
+// the slot's block b). Smaller blocks: one table read per key. Table entries of slots outside
+// [jlo, jhi) are never read.
+struct TilePages {
+  const int32_t* table;
+  int bs, first_slot, split;
+  int64_t base0, base1;
+
+  __device__ __forceinline__ void Init(const int32_t* tab, int block_size, int slot0, int jlo,
+                                       int jhi) {
+    table = tab;
+    bs = block_size;
+    first_slot = slot0;
+    split = INT32_MAX;
+    base0 = base1 = 0;
+    if (bs < kTcKeys || jlo >= jhi) return;
+    const int b = (first_slot + jlo) / bs;
+    base0 = (int64_t(table[b]) - b) * bs;
+    const int64_t next = int64_t(b + 1) * bs - first_slot;  // the first key of block b + 1
+    if (next < jhi) {
+      split = int(next);
+      base1 = (int64_t(table[b + 1]) - (b + 1)) * bs;
+    }
+  }
+  __device__ __forceinline__ int64_t Row(int j) const {
+    const int s = first_slot + j;
+    if (bs >= kTcKeys) return s + (j < split ? base0 : base1);
+    return int64_t(table[s / bs]) * bs + s % bs;
+  }
+};
 
 // Split-KV (TensorCoreCanvasAttention with max_splits > 1): the splits a canvas segment's keys
 // fall into. Split i holds context keys [i·split_keys, (i + 1)·split_keys) (boundaries counted
@@ -189,8 +225,15 @@ __global__ void __launch_bounds__(kTcThreads)
     hi = min(seg.ctx_tokens + seg.rows, split_hi);
     kb0 = lo;
   }
+  const bool paged = seg.block_table != nullptr;
   for (int kb = kb0; kb < hi; kb += kTcKeys) {
     const int nk = min(kTcKeys, hi - kb);
+    // Paged: the pool rows of the context keys this tile loads, [max(kb, lo), ctx_tokens).
+    TilePages pages{};
+    if (paged) {
+      pages.Init(seg.block_table, seg.block_size, seg.first_slot, max(kb, lo),
+                 min(kb + nk, seg.ctx_tokens));
+    }
     __syncthreads();  // the previous tile's K, V and P are no longer read
     for (int idx = tid; idx < kTcKeys * half_hd; idx += kTcThreads) {
       const int jj = idx / half_hd, d = (idx - jj * half_hd) * 2;
@@ -201,8 +244,9 @@ __global__ void __launch_bounds__(kTcThreads)
       if (jj < nk && kb + jj >= lo) {
         const int j = kb + jj;
         if (j < seg.ctx_tokens) {
-          const int row = seg.ring > 0 ? j % seg.ring : j;  // a sliding layer's ring
-          const int64_t off = (int64_t(row) * kv_heads + g) * hd + d;
+          // Paged: through the block table; else a sliding layer's ring, or contiguous.
+          const int64_t row = paged ? pages.Row(j) : seg.ring > 0 ? j % seg.ring : j;
+          const int64_t off = (row * kv_heads + g) * hd + d;
           kw = LoadBf16Pair(seg.ctx_k + off);
           vw = LoadBf16Pair(seg.ctx_v + off);
         } else {
@@ -449,6 +493,41 @@ absl::Status TensorCoreAttention(const char* name, const float* q, const float* 
 }
 
 }  // namespace
+
+namespace {
+
+template <typename TCtx>
+absl::Status CheckSegment(const CanvasSegmentOf<TCtx>& s) {
+  if (s.rows < 0 || s.ctx_first < 0 || s.ctx_first > s.ctx_tokens) {
+    return absl::InvalidArgumentError(
+        "CheckCanvasSegment: need rows ≥ 0 and 0 ≤ ctx_first ≤ ctx_tokens");
+  }
+  if (s.ring < 0 || (s.ring > 0 && s.block_table != nullptr)) {
+    return absl::InvalidArgumentError(
+        "CheckCanvasSegment: a context is a ring (ring > 0) or paged (block_table), not both");
+  }
+  if (s.block_table != nullptr &&
+      (s.block_size <= 0 || s.first_slot < 0 ||
+       int64_t(s.first_slot) + s.ctx_tokens + s.block_size > int64_t(INT32_MAX))) {
+    return absl::InvalidArgumentError(
+        "CheckCanvasSegment: a paged context needs block_size > 0 and slots in [0, 2^31)");
+  }
+  const int visible = s.ctx_tokens - s.ctx_first;
+  if (s.ring > 0 && s.ring < visible) {
+    return absl::InvalidArgumentError(
+        "CheckCanvasSegment: a ring needs ring ≥ ctx_tokens − ctx_first");
+  }
+  if (visible > 0 && (s.ctx_k == nullptr || s.ctx_v == nullptr)) {
+    return absl::InvalidArgumentError("CheckCanvasSegment: null context K/V");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckCanvasSegment(const CanvasSegment& segment) { return CheckSegment(segment); }
+
+absl::Status CheckCanvasSegment(const CanvasSegmentBf16& segment) { return CheckSegment(segment); }
 
 int CanvasSplitCount(int ctx_tokens, int ctx_first, int split_keys) {
   return CanvasSplits(ctx_tokens, ctx_first, split_keys).count;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common/bf16.h"
@@ -51,6 +52,9 @@ constexpr float kTcTolFloat = 2e-2f;
 struct TcSegment {
   int ctx, rows, window;
   int ring = 0;  // > 0: the context as a ring of this many rows (ToRing), CanvasSegment::ring
+  // block > 0: the context paged in blocks of `block` tokens from slot first_slot (ToPaged),
+  // CanvasSegment::block_table.
+  int block = 0, first_slot = 0;
 };
 
 // The tensor-core kernels' fixture: kind_ picks TensorCoreCanvasAttention or
@@ -87,7 +91,16 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
       t.ctx_tokens = segs[i].ctx;
       t.ctx_first = CanvasWindowStart(segs[i].ctx, segs[i].window);
       std::vector<float> kc, vc;
-      if (segs[i].ctx > 0 && segs[i].ring > 0) {
+      if (segs[i].ctx > 0 && segs[i].block > 0) {
+        // A paged pool: the visible rows' blocks out of order, NaN in every other row.
+        PagedContext pc = ToPaged(data[i].k_ctx, data[i].v_ctx, t.ctx_first, t.ctx_tokens, int(kw),
+                                  segs[i].block, segs[i].first_slot, uint32_t(100 + i));
+        t.block_table = Upload(pc.table);
+        t.block_size = segs[i].block;
+        t.first_slot = segs[i].first_slot;
+        kc = std::move(pc.k);
+        vc = std::move(pc.v);
+      } else if (segs[i].ctx > 0 && segs[i].ring > 0) {
         // A sliding layer's ring: the window's rows only, NaN elsewhere.
         t.ring = segs[i].ring;
         kc = ToRing(data[i].k_ctx, t.ctx_first, t.ctx_tokens, int(kw), t.ring);
@@ -112,6 +125,9 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
       t16.ctx_tokens = t.ctx_tokens;
       t16.ctx_first = t.ctx_first;
       t16.ring = t.ring;
+      t16.block_table = t.block_table;
+      t16.block_size = t.block_size;
+      t16.first_slot = t.first_slot;
       table.push_back(t);
       table16.push_back(t16);
       q.insert(q.end(), data[i].q.begin(), data[i].q.end());
@@ -261,6 +277,47 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
     }
   }
 
+  // `segs` with paged contexts (TcSegment::block > 0) give the bits of the same segments with
+  // contiguous contexts, on a float32 and on a bf16 pool (CanvasSegmentBf16: the float32
+  // contiguous bits, as CheckBf16Context), and the float64 reference within kTcTolFloat.
+  // split_keys > 0: the canvas's split-KV.
+  void CheckPaged(int heads, int kvh, int hd, const std::vector<TcSegment>& segs, uint32_t seed,
+                  int split_keys = 0) {
+    std::vector<Data> data;
+    std::vector<Case> cases;
+    const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));  // as CheckBatch's
+    std::vector<TcSegment> contiguous = segs;
+    for (TcSegment& s : contiguous) s.block = s.first_slot = 0;
+    int paged = 0;
+    for (const TcSegment& s : segs) {
+      cases.push_back(Case{kind_, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
+      data.push_back(MakeData(cases.back(), seed++));
+      paged += s.block > 0 ? 1 : 0;
+    }
+    ASSERT_GT(paged, 0);
+    const std::vector<std::vector<float>> linear =
+        RunBatch(contiguous, data, heads, kvh, hd, 1, false, split_keys);
+    const std::vector<std::vector<float>> f32 =
+        RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys);
+    bf16_ctx_ = true;
+    const std::vector<std::vector<float>> b16 =
+        RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys);
+    bf16_ctx_ = false;
+    for (size_t s = 0; s < segs.size(); ++s) {
+      ASSERT_EQ(f32[s].size(), linear[s].size());
+      ASSERT_EQ(b16[s].size(), linear[s].size());
+      for (size_t i = 0; i < linear[s].size(); ++i) {
+        ASSERT_EQ(std::memcmp(&f32[s][i], &linear[s][i], 4), 0)
+            << cases[s].Name() << " block " << segs[s].block << " first_slot " << segs[s].first_slot
+            << " element " << i;
+        ASSERT_EQ(std::memcmp(&b16[s][i], &linear[s][i], 4), 0)
+            << cases[s].Name() << " bf16 pool, block " << segs[s].block << " first_slot "
+            << segs[s].first_slot << " element " << i;
+      }
+      Expect(cases[s], f32[s], Reference(cases[s], data[s]), kTcTolFloat);
+    }
+  }
+
   const Kind kind_;
   bool bf16_ctx_ = false;  // RunBatch: bf16 contexts (CanvasSegmentBf16)
   int last_max_splits_ = 0;
@@ -297,6 +354,26 @@ TEST_F(TensorCoreCanvasAttentionTest, RingContextMatchesContiguous) {
                                        {45, 9, 8}, {70, 1, 16}, {33, 17, 16}};
   CheckRing(4, 2, 256, segs, {7, 7, 8, 13, 15, 0}, 3400);
   CheckRing(8, 1, 512, segs, {8, 9, 7, 7, 16, 21}, 3500);
+}
+
+// A paged context (CanvasSegmentOf::block_table; ToPaged: blocks out of order in a pool with NaN
+// in unused blocks and rows) gives the contiguous context's bits, float32 and bf16 pools: blocks
+// of 16 (one table read per key), 32 and 64 tokens; first_slot 0, mid-block and a whole block
+// in; contexts not multiples of the block size, one of exactly two blocks, none; sliding windows
+// starting mid-block (ctx 300, W 100: slots 301 … 399 over blocks of 64); beside contiguous and
+// ring segments in the same launch. Unsplit and split-KV (splits of 32 and 64 keys, boundaries
+// counted from context token 0, so not at the block boundaries when first_slot is not a
+// multiple of the block size).
+TEST_F(TensorCoreCanvasAttentionTest, PagedContextMatchesContiguous) {
+  const std::vector<TcSegment> segs = {
+      {45, 9, 8, 0, 32, 5}, {70, 5, 0, 0, 32, 0},      {150, 17, 0, 0, 64, 40},
+      {0, 7, 0, 0, 32, 3},  {100, 3, 16, 0, 16, 7},    {33, 13, 16},
+      {45, 3, 8, 7},        {300, 6, 100, 0, 64, 100}, {64, 11, 0, 0, 32, 32}};
+  CheckPaged(4, 2, 256, segs, 8000);
+  CheckPaged(8, 1, 512, segs, 8100);
+  CheckPaged(4, 2, 256, segs, 8200, /*split_keys=*/32);
+  EXPECT_EQ(last_max_splits_, 5);  // ctx 150 without a window: keys 0 … 149
+  CheckPaged(4, 4, 64, segs, 8300, /*split_keys=*/64);
 }
 
 // A bf16 context (CanvasSegmentBf16, the backend's bf16 KV mirror) gives the float32 context's
@@ -454,6 +531,56 @@ TEST(TensorCoreCanvasAttentionArgsTest, SplitKvArguments) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// CheckCanvasSegment: the host-side rules of a segment (the launches trust the device table).
+TEST(TensorCoreCanvasAttentionArgsTest, CheckCanvasSegment) {
+  float dummy = 0;
+  const int32_t table[2] = {0, 1};
+  CanvasSegment ok;
+  ok.ctx_k = ok.ctx_v = &dummy;
+  ok.rows = 4;
+  ok.ctx_tokens = 40;
+  ok.ctx_first = 33;
+  EXPECT_THAT(CheckCanvasSegment(ok), IsOk());  // contiguous
+  CanvasSegment s = ok;
+  s.ring = 7;
+  EXPECT_THAT(CheckCanvasSegment(s), IsOk());  // a ring of the 7 visible tokens
+  s.ring = 6;
+  EXPECT_THAT(CheckCanvasSegment(s), StatusIs(absl::StatusCode::kInvalidArgument));
+  s = ok;
+  s.block_table = table;
+  s.block_size = 32;
+  s.first_slot = 5;
+  EXPECT_THAT(CheckCanvasSegment(s), IsOk());  // paged
+  s.block_size = 16;
+  EXPECT_THAT(CheckCanvasSegment(s), IsOk());  // smaller blocks: read one table entry per key
+  CanvasSegmentBf16 b;
+  b.ctx_k = b.ctx_v = reinterpret_cast<const uint16_t*>(&dummy);
+  b.ctx_tokens = 40;
+  b.block_table = table;
+  b.block_size = 32;
+  EXPECT_THAT(CheckCanvasSegment(b), IsOk());
+  b.ring = 40;  // a ring and a block table
+  EXPECT_THAT(CheckCanvasSegment(b), StatusIs(absl::StatusCode::kInvalidArgument));
+  for (const auto& bad : std::vector<std::pair<const char*, void (*)(CanvasSegment&)>>{
+           {"ring and table", [](CanvasSegment& x) { x.ring = 40; }},
+           {"block_size 0", [](CanvasSegment& x) { x.block_size = 0; }},
+           {"negative first_slot", [](CanvasSegment& x) { x.first_slot = -1; }},
+           {"slots past 2^31", [](CanvasSegment& x) { x.first_slot = INT32_MAX - 40; }},
+           {"ctx_first past ctx_tokens", [](CanvasSegment& x) { x.ctx_first = 41; }},
+           {"negative rows", [](CanvasSegment& x) { x.rows = -1; }},
+           {"no context K", [](CanvasSegment& x) { x.ctx_k = nullptr; }}}) {
+    s = ok;
+    s.block_table = table;
+    s.block_size = 32;
+    bad.second(s);
+    EXPECT_THAT(CheckCanvasSegment(s), StatusIs(absl::StatusCode::kInvalidArgument)) << bad.first;
+  }
+  s = ok;
+  s.ctx_first = s.ctx_tokens;  // no visible context: no pointers needed
+  s.ctx_k = s.ctx_v = nullptr;
+  EXPECT_THAT(CheckCanvasSegment(s), IsOk());
+}
+
 TEST(TensorCoreCanvasAttentionArgsTest, BadShapesAreInvalidArgument) {
   EXPECT_THAT(
       TensorCoreCanvasAttention(nullptr, nullptr, nullptr, kNoSegments, 0, 0, 4, 2, 256, nullptr),
@@ -563,6 +690,29 @@ TEST_F(TensorCorePrefillAttentionTest, RingContextMatchesContiguous) {
 TEST_F(TensorCorePrefillAttentionTest, Bf16ContextEqualsFloat32ContextBitForBit) {
   CheckBf16Context(4, 2, 256, {{0, 5, 0}, {45, 9, 0}, {70, 33, 0}}, 6300);
   CheckBf16Context(4, 2, 256, {{7, 3, 8}, {29, 40, 8, 13}, {70, 17, 8, 7}, {45, 9, 8}}, 6400);
+}
+
+// A paged context gives the contiguous context's bits (CheckPaged: float32 and bf16 pools),
+// beside contiguous and ring segments: full attention over blocks of 16, 32 and 64 with
+// first_slot 0, mid-block and past a block, contexts not multiples of the block size, a chunk of
+// 33 rows; a sliding window of 8 starting mid-block (first_slot 30 with blocks of 32: the window
+// of ctx 7 spans slots 30 … 36, two blocks) and a chunk longer than the window.
+TEST_F(TensorCorePrefillAttentionTest, PagedContextMatchesContiguous) {
+  CheckPaged(4, 2, 256,
+             {{0, 5, 0, 0, 32, 0},
+              {45, 9, 0, 0, 32, 5},
+              {70, 33, 0, 0, 64, 40},
+              {100, 20, 0, 0, 16, 3},
+              {37, 12, 0}},
+             8400);
+  CheckPaged(4, 2, 256,
+             {{7, 3, 8, 0, 32, 30},
+              {29, 40, 8, 0, 32, 17},
+              {70, 17, 8, 0, 64, 100},
+              {45, 9, 8, 13},
+              {45, 9, 8}},
+             8500);
+  CheckPaged(8, 1, 512, {{70, 33, 0, 0, 64, 40}, {45, 9, 0}}, 8600);
 }
 
 TEST(TensorCorePrefillAttentionArgsTest, BadShapesAreInvalidArgument) {

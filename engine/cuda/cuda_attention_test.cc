@@ -214,6 +214,75 @@ TEST_F(CudaAttentionTest, CanvasTableEqualsEachCanvasAlone) {
   }
 }
 
+// CanvasAttentionTable on paged contexts (CanvasSegment::block_table; ToPaged: blocks out of
+// order in a pool with NaN in unused blocks and rows): blocks of 16, 32 and 64 tokens, first_slot
+// 0, mid-block and a whole block in, contexts not multiples of the block size and none, windows
+// starting mid-block, beside a contiguous segment in one launch: the contiguous table's bits, and
+// the float64 reference.
+TEST_F(CudaAttentionTest, CanvasTablePagedMatchesContiguous) {
+  for (const int hd : {32, 256}) {
+    for (const int window : {0, 8}) {
+      const int heads = 4, kvh = 2, kvw = kvh * hd, qw = heads * hd;
+      const int rows[] = {16, 9, 24, 3, 5}, ctxs[] = {37, 0, 70, 45, 100};
+      const int blocks[] = {16, 32, 64, 0, 32}, slots[] = {5, 3, 40, 0, 32};
+      const int n = 5;
+      std::vector<Case> cases;
+      std::vector<Data> data;
+      std::vector<float> q, kn, vn;
+      std::vector<CanvasSegment> linear, paged;
+      int R = 0;
+      for (int s = 0; s < n; ++s) {
+        cases.push_back(Case{Kind::kCanvas, heads, kvh, hd, ctxs[s], rows[s], window, 1.0f});
+        data.push_back(MakeData(cases.back(), 9000 + 10 * hd + window + s));
+        const Data& d = data.back();
+        q.insert(q.end(), d.q.begin(), d.q.end());
+        kn.insert(kn.end(), d.k_new.begin(), d.k_new.end());
+        vn.insert(vn.end(), d.v_new.begin(), d.v_new.end());
+        CanvasSegment t;
+        t.row0 = R;
+        t.rows = rows[s];
+        t.ctx_tokens = ctxs[s];
+        t.ctx_first = CanvasWindowStart(ctxs[s], window);
+        if (ctxs[s] > 0) {
+          t.ctx_k = Upload(d.k_ctx);
+          t.ctx_v = Upload(d.v_ctx);
+        }
+        linear.push_back(t);
+        if (blocks[s] > 0) {
+          const PagedContext pc = ToPaged(d.k_ctx, d.v_ctx, t.ctx_first, t.ctx_tokens, kvw,
+                                          blocks[s], slots[s], uint32_t(50 + s));
+          t.ctx_k = Upload(pc.k);
+          t.ctx_v = Upload(pc.v);
+          t.block_table = Upload(pc.table);
+          t.block_size = blocks[s];
+          t.first_slot = slots[s];
+          EXPECT_THAT(CheckCanvasSegment(t), IsOk());
+        }
+        paged.push_back(t);
+        R += rows[s];
+      }
+      std::vector<float> got[2];
+      for (const int use_paged : {0, 1}) {
+        float* out = Alloc<float>(size_t(R) * qw, 0xFF);
+        ASSERT_THAT(CanvasAttentionTable(Upload(q), Upload(kn), Upload(vn),
+                                         Upload(use_paged ? paged : linear), n, /*max_rows=*/24,
+                                         heads, kvh, hd, window, out),
+                    IsOk());
+        got[use_paged] = Download(out, size_t(R) * qw);
+      }
+      for (size_t i = 0; i < got[0].size(); ++i) {
+        ASSERT_EQ(std::memcmp(&got[1][i], &got[0][i], 4), 0)
+            << "head_dim " << hd << " window " << window << " element " << i;
+      }
+      for (int s = 0; s < n; ++s) {
+        const size_t at = size_t(paged[s].row0) * qw;
+        const std::vector<float> seg(got[1].begin() + at, got[1].begin() + at + rows[s] * qw);
+        Expect(cases[s], seg, Reference(cases[s], data[s]), 2e-5f);
+      }
+    }
+  }
+}
+
 // A sliding layer's ring (the context's window kept modulo `ring` rows: W − 1, the least the
 // window needs, W, and an odd size; contexts shorter than the window, at its edge and several
 // rings longer, so rows wrap; every row outside the window NaN) gives the contiguous result bit

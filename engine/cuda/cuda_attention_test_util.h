@@ -118,6 +118,39 @@ inline std::vector<float> ToRing(const std::vector<float>& rows, int first, int 
   return r;
 }
 
+// A paged context (cuda_attention.h: KvContext, CanvasSegmentOf::block_table): the rows
+// [first, ctx) of contiguous [ctx, kvw] K/V arrays in a pool of blocks of `block` rows, context
+// token j in slot first_slot + j of the block table. The table's blocks are a random permutation
+// spread over a pool twice as large plus one (out of order, unused blocks between them); every
+// pool element not holding a visible row is NaN (unused blocks, rows before first_slot + first,
+// after the last token), and the table entries of blocks holding no visible row point to an
+// all-NaN block, so reading a wrong block or row shows in the output.
+struct PagedContext {
+  std::vector<float> k, v;
+  std::vector<int32_t> table;
+};
+
+inline PagedContext ToPaged(const std::vector<float>& k, const std::vector<float>& v, int first,
+                            int ctx, int kvw, int block, int first_slot, uint32_t seed) {
+  PagedContext p;
+  const int n = (first_slot + ctx + block - 1) / block;  // table entries
+  std::vector<int32_t> perm(n);
+  for (int i = 0; i < n; ++i) perm[i] = 2 * i + 1;  // odd blocks; even ones stay NaN
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(seed));
+  const int pool_blocks = 2 * n + 1;
+  p.table.assign(n, 2 * n);  // block 2n: all NaN
+  p.k.assign(size_t(pool_blocks) * block * kvw, NAN);
+  p.v = p.k;
+  for (int j = first; j < ctx; ++j) {
+    const int slot = first_slot + j;
+    p.table[slot / block] = perm[slot / block];
+    const size_t row = size_t(perm[slot / block]) * block + slot % block;
+    std::copy_n(&k[size_t(j) * kvw], kvw, &p.k[row * kvw]);
+    std::copy_n(&v[size_t(j) * kvw], kvw, &p.v[row * kvw]);
+  }
+  return p;
+}
+
 class CudaAttentionTest : public CudaTest {
  protected:
   // Runs the case on the device with contiguous context K/V (or the given paged context).
