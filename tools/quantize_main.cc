@@ -25,6 +25,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cli.h"
+#include "common/jsonl.h"
 #include "common/status_macros.h"
 #include "engine/generation/calibrate.h"
 #include "engine/model/checkpoint.h"
@@ -99,27 +100,18 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
     DGSERVE_ASSIGN_OR_RETURN(int32_t id, one(std::string(1, d), false));
     digits.push_back(id);
   }
-  DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   std::vector<CalibrationPrompt> out;
-  int line_no = 0;
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    ++line_no;
-    if (line.find_first_not_of(" \t\r") == absl::string_view::npos) continue;
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+  auto add_puzzle = [&](const nlohmann::json& j, int) -> absl::Status {
     if (j.is_discarded() || !j.is_object() || !j.contains("puzzle") || !j["puzzle"].is_string()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ":", line_no, ": expected a JSON object with a string \"puzzle\""));
+      return absl::InvalidArgumentError("expected a JSON object with a string \"puzzle\"");
     }
     absl::StatusOr<sudoku::Grid> grid = sudoku::ParseGrid(j["puzzle"].get<std::string>());
     if (!grid.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ":", line_no, ": \"puzzle\": ", grid.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat("\"puzzle\": ", grid.status().message()));
     }
     if (sudoku::HasConflict(*grid)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(path, ":", line_no,
-                       ": \"puzzle\": its givens conflict (a digit twice in "
-                       "a row, column or box)"));
+          "\"puzzle\": its givens conflict (a digit twice in a row, column or box)");
     }
     const std::string rows = sudoku::ToRows(*grid);
     CalibrationPrompt p;
@@ -141,8 +133,9 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
         p.canvas_template,
         CanvasTemplate::Create(canvas, holes, config.canvas_length, config.vocab_size));
     out.push_back(std::move(p));
-    if (limit > 0 && out.size() == size_t(limit)) break;
-  }
+    return absl::OkStatus();
+  };
+  DGSERVE_RETURN_IF_ERROR(ForEachJsonLine(path, limit, add_puzzle));
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no puzzle"));
   return out;
 }

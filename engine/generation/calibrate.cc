@@ -9,8 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
+#include "common/jsonl.h"
 #include "common/status_macros.h"
 #include "engine/generation/generator.h"
 
@@ -151,24 +150,18 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
 
 absl::StatusOr<std::vector<CalibrationPrompt>> ReadCalibrationPrompts(const std::string& path,
                                                                       const Tokenizer& tokenizer) {
-  DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   std::vector<CalibrationPrompt> out;
-  int line_no = 0;
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    ++line_no;
-    if (absl::StripAsciiWhitespace(line).empty()) continue;
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+  auto add_prompt = [&](const nlohmann::json& j, int) -> absl::Status {
     if (j.is_discarded() || !j.is_object() || !j.contains("prompt") || !j["prompt"].is_string()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(path, ":", line_no,
-                       ": expected a JSON object with a string \"prompt\" (JSONL, one per line)"));
+          "expected a JSON object with a string \"prompt\" (JSONL, one per line)");
     }
-    const std::string prompt = j["prompt"].get<std::string>();
-    if (prompt.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_no, ": empty \"prompt\""));
-    }
+    const std::string& prompt = j["prompt"].get_ref<const std::string&>();
+    if (prompt.empty()) return absl::InvalidArgumentError("empty \"prompt\"");
     out.push_back({tokenizer.EncodeText(prompt, /*add_bos=*/true), nullptr});
-  }
+    return absl::OkStatus();
+  };
+  DGSERVE_RETURN_IF_ERROR(ForEachJsonLine(path, /*limit=*/0, add_prompt));
   if (out.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": no calibration prompt"));
   }

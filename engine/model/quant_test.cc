@@ -282,6 +282,28 @@ TEST_P(QuantModelTest, BatchedEqualsSoloAndEveryGemmPathGivesTheSameBits) {
   }
 }
 
+// `q`'s decoder logits against `ref`'s, rows of `vocab`: the largest |Δlogit|, the rows whose
+// argmax (the first maximum) agrees, and whether every logit of `q` is finite.
+struct LogitDiff {
+  double max_diff = 0;
+  size_t agree = 0;
+  bool finite = true;
+};
+LogitDiff CompareLogits(const Pass& ref, const Pass& q, int vocab) {
+  LogitDiff d;
+  const size_t rows = ref.logits.size() / vocab;
+  for (size_t r = 0; r < rows; ++r) {
+    const float* a = ref.logits.data() + r * vocab;
+    const float* b = q.logits.data() + r * vocab;
+    for (int v = 0; v < vocab; ++v) {
+      d.finite = d.finite && std::isfinite(b[v]);
+      d.max_diff = std::max(d.max_diff, double(std::fabs(a[v] - b[v])));
+    }
+    d.agree += std::max_element(a, a + vocab) - a == std::max_element(b, b + vocab) - b;
+  }
+  return d;
+}
+
 // What the formats cost against bf16, measured (printed): decoder logits of the two canvases.
 TEST_P(QuantModelTest, LogitsAgainstBf16AreMeasured) {
   const Pass ref = RunPasses(m_->bf16, true);
@@ -290,25 +312,15 @@ TEST_P(QuantModelTest, LogitsAgainstBf16AreMeasured) {
   double range = 0;
   for (float v : ref.logits) range = std::max(range, double(std::fabs(v)));
   for (const Checkpoint* ck : {&m_->fp8, &m_->w4a16, &m_->nvfp4, &m_->nvfp4a16}) {
-    const Pass q = RunPasses(*ck, true);
-    double max_diff = 0;
-    size_t agree = 0;
-    for (size_t r = 0; r < rows; ++r) {
-      const float* a = ref.logits.data() + r * V;
-      const float* b = q.logits.data() + r * V;
-      for (int v = 0; v < V; ++v) {
-        ASSERT_TRUE(std::isfinite(b[v]));
-        max_diff = std::max(max_diff, double(std::fabs(a[v] - b[v])));
-      }
-      agree += std::max_element(a, a + V) - a == std::max_element(b, b + V) - b;
-    }
+    const LogitDiff d = CompareLogits(ref, RunPasses(*ck, true), V);
+    ASSERT_TRUE(d.finite) << QuantizationName(ck->quant);
     std::printf("%s %s vs bf16: max |dlogit| %.4f (max |logit| %.2f), argmax agreement %zu/%zu\n",
-                GetParam().c_str(), QuantizationName(ck->quant), max_diff, range, agree, rows);
+                GetParam().c_str(), QuantizationName(ck->quant), d.max_diff, range, d.agree, rows);
     // The trained Sudoku model through weight-only NVFP4 stays close to bf16 (measured
     // 2026-12-06: max |Δlogit| 3.82 of 11.2, 122/182 argmaxes; W4A4's 7.49 and 89/182 would fail).
     if (GetParam() == "sudoku" && ck == &m_->nvfp4a16) {
-      EXPECT_LT(max_diff, 0.5 * range);
-      EXPECT_GE(double(agree), 0.6 * double(rows));
+      EXPECT_LT(d.max_diff, 0.5 * range);
+      EXPECT_GE(double(d.agree), 0.6 * double(rows));
     }
     // Otherwise measured, not asserted beyond finiteness: the golden shapes' random weights make
     // chaotic networks in which the ~3 % (FP8) / ~7 % (W4A16) error of each GEMM
@@ -346,19 +358,11 @@ TEST(QuantMeasureTest, SudokuCheckpointsFromTheEnvironment) {
     start = end + 1;
     auto ck = LoadCheckpoint(dir);
     ASSERT_TRUE(ck.ok()) << ck.status();
-    const Pass q = RunPasses(*ck, true);
-    double max_diff = 0;
-    size_t agree = 0;
-    for (size_t r = 0; r < rows; ++r) {
-      const float* a = ref.logits.data() + r * V;
-      const float* b = q.logits.data() + r * V;
-      for (int v = 0; v < V; ++v) max_diff = std::max(max_diff, double(std::fabs(a[v] - b[v])));
-      agree += std::max_element(a, a + V) - a == std::max_element(b, b + V) - b;
-    }
+    const LogitDiff d = CompareLogits(ref, RunPasses(*ck, true), V);
     std::printf(
         "sudoku %s (%s) vs bf16: max |dlogit| %.4f (max |logit| %.2f), argmax agreement "
         "%zu/%zu\n",
-        dir.c_str(), QuantizationName(ck->quant), max_diff, range, agree, rows);
+        dir.c_str(), QuantizationName(ck->quant), d.max_diff, range, d.agree, rows);
   }
 }
 

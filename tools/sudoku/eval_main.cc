@@ -49,6 +49,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/cli.h"
+#include "common/jsonl.h"
 #include "common/limits.h"
 #include "common/status_macros.h"
 #include "dgserve/v1/generation.grpc.pb.h"
@@ -120,19 +121,10 @@ struct Result {
 // (string or number; default "line N") and "givens" (must match the puzzle). Errors name
 // FILE:LINE.
 absl::StatusOr<std::vector<Item>> LoadPuzzles(const std::string& path) {
-  DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   std::vector<Item> items;
-  size_t start = 0;
-  for (int line_no = 1; start < text.size(); ++line_no) {
-    size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    const std::string line = text.substr(start, end - start);
-    start = end + 1;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    auto bad = [&](const std::string& why) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_no, ": ", why));
-    };
-    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+  auto add_item = [&](const nlohmann::json& j, int line_no) -> absl::Status {
+    // ForEachJsonLine names FILE:LINE.
+    auto bad = [](const std::string& why) { return absl::InvalidArgumentError(why); };
     if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
     Item item;
     if (!j.contains("id")) {
@@ -158,11 +150,13 @@ absl::StatusOr<std::vector<Item>> LoadPuzzles(const std::string& path) {
     item.givens = CountGivens(item.puzzle);
     if (j.contains("givens") &&
         (!j["givens"].is_number_integer() || j["givens"].get<int64_t>() != item.givens)) {
-      return bad(absl::StrCat("\"givens\" is ", j["givens"].dump(), " but the puzzle has ",
-                              item.givens));
+      return bad(
+          absl::StrCat("\"givens\" is ", j["givens"].dump(), " but the puzzle has ", item.givens));
     }
     items.push_back(std::move(item));
-  }
+    return absl::OkStatus();
+  };
+  DGSERVE_RETURN_IF_ERROR(ForEachJsonLine(path, /*limit=*/0, add_item));
   return items;
 }
 

@@ -1,0 +1,90 @@
+// ForEachJsonLine (common/jsonl.h) on small files written here.
+#include "common/jsonl.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dgserve {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::Pair;
+
+std::string Write(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + "/jsonl_test_" + name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+// The (line, dump) of every call, "discarded" for a line that is not JSON.
+struct Calls {
+  std::vector<std::pair<int, std::string>> seen;
+  absl::Status operator()(const nlohmann::json& v, int line) {
+    seen.emplace_back(line, v.is_discarded() ? "discarded" : v.dump());
+    return absl::OkStatus();
+  }
+};
+
+TEST(ForEachJsonLineTest, SkipsBlankLinesAndNumbersTheOthersAsInTheFile) {
+  // Line 2 empty, line 4 whitespace only, line 5 not JSON, line 6 CRLF-terminated, line 7 with
+  // no final '\n'.
+  const std::string path =
+      Write("blank.jsonl", "{\"a\": 1}\n\n[2, 3]\n \t\r\nhello\n\"x\"\r\n{\"b\": null}");
+  Calls calls;
+  ASSERT_TRUE(ForEachJsonLine(path, 0, std::ref(calls)).ok());
+  EXPECT_THAT(calls.seen, ElementsAre(Pair(1, "{\"a\":1}"), Pair(3, "[2,3]"), Pair(5, "discarded"),
+                                      Pair(6, "\"x\""), Pair(7, "{\"b\":null}")));
+}
+
+TEST(ForEachJsonLineTest, AnErrorNamesFileAndLineKeepsItsCodeAndStopsReading) {
+  const std::string path = Write("bad.jsonl", "1\n\n2\n3\n");
+  std::vector<int> lines;
+  const absl::Status s = ForEachJsonLine(path, 0, [&](const nlohmann::json& v, int line) {
+    lines.push_back(line);
+    if (v == 2) return absl::FailedPreconditionError("two is refused");
+    return absl::OkStatus();
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), path + ":3: two is refused");
+  EXPECT_THAT(lines, ElementsAre(1, 3));
+}
+
+TEST(ForEachJsonLineTest, TheLimitCountsCallsAndReadsNoFurther) {
+  // Two values (a blank line between them), then a line fn would refuse.
+  const std::string path = Write("limit.jsonl", "1\n\n2\nnot json\n");
+  auto refuse_discarded = [](const nlohmann::json& v, int) {
+    return v.is_discarded() ? absl::InvalidArgumentError("not JSON") : absl::OkStatus();
+  };
+  EXPECT_TRUE(ForEachJsonLine(path, 2, refuse_discarded).ok());
+  EXPECT_EQ(ForEachJsonLine(path, 3, refuse_discarded).message(), path + ":4: not JSON");
+  EXPECT_EQ(ForEachJsonLine(path, 0, refuse_discarded).message(), path + ":4: not JSON");
+  Calls calls;
+  ASSERT_TRUE(ForEachJsonLine(path, 1, std::ref(calls)).ok());
+  EXPECT_THAT(calls.seen, ElementsAre(Pair(1, "1")));
+}
+
+TEST(ForEachJsonLineTest, AnEmptyFileCallsNothing) {
+  Calls calls;
+  EXPECT_TRUE(ForEachJsonLine(Write("empty.jsonl", "\n\n"), 0, std::ref(calls)).ok());
+  EXPECT_TRUE(ForEachJsonLine(Write("none.jsonl", ""), 0, std::ref(calls)).ok());
+  EXPECT_TRUE(calls.seen.empty());
+}
+
+TEST(ForEachJsonLineTest, MissingFileIsNotFoundAndADirectoryIsRefused) {
+  Calls calls;
+  const std::string missing = ::testing::TempDir() + "/jsonl_test_missing.jsonl";
+  const absl::Status s = ForEachJsonLine(missing, 0, std::ref(calls));
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s.message(), "cannot open " + missing);
+  EXPECT_EQ(ForEachJsonLine(::testing::TempDir(), 0, std::ref(calls)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(calls.seen.empty());
+}
+
+}  // namespace
+}  // namespace dgserve
