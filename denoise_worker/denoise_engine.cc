@@ -319,8 +319,11 @@ void DenoiseEngine::OnKv(const std::string& id,
       const absl::StatusCode code = fork.status().code();
       all_.erase(id);
       if (metrics_) metrics_->RequestsWithStatus(absl::StatusCodeToString(code)).Increment();
-      job->End(absl::Status(code, absl::StrCat("no KV blocks for sample ", i, " of request ", id,
-                                               ": ", fork.status().message())));
+      job->End(absl::Status(
+          code,
+          absl::StrCat(
+              code == absl::StatusCode::kResourceExhausted ? "no KV blocks" : "cannot fork the KV",
+              " for sample ", i, " of request ", id, ": ", fork.status().message())));
       return;  // `kvs` frees the blocks
     }
     kvs.push_back(*std::move(fork));

@@ -10,7 +10,9 @@
 //     to the copying backend's rows (their bf16 values on the bf16-mirror layers), on a
 //     contiguous and on a paged cache, whose sliding rings then hold W + 2·block − 2 rows;
 //   - a mirror holding a live cache's only rows is never evicted (max_kv_mirrors = 1); once
-//     synced it is.
+//     synced it is;
+//   - a second CUDA backend refuses a cache whose newest rows the first holds, until the first
+//     syncs it.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -237,6 +239,30 @@ TEST_P(CudaKvAuthorityTest, MirrorWithTheOnlyRowsIsNotEvicted) {
   ExpectSameBits(Logits(gpu, b, canvas), Logits(*copy_, rb, canvas), "b after c");
   // a comes back from its host rows: the same logits.
   ExpectSameBits(Logits(gpu, a, canvas), Logits(*copy_, ra, canvas), "a uploaded again");
+}
+
+// Two CUDA backends on one cache: the second already mirrors it when the first encodes new rows
+// into it (device only). The second must not take the unwritten host rows for those rows, nor
+// vouch for them in SyncKvToHost; the first's sync makes the cache usable by both again.
+TEST_P(CudaKvAuthorityTest, AnotherBackendsRowsAreRefusedUntilSynced) {
+  auto other = CreateCudaBackend(config(), checkpoint_->weights, GpuOptions());
+  ASSERT_TRUE(other.ok()) << other.status();
+  ModelBackend& b = **other;
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 6);
+  ContiguousKvCache kv(config(), 64), ref(config(), 64);
+  Encode(b, kv, Tokens(10, 7));  // b mirrors kv
+  ASSERT_TRUE(b.SyncKvToHost(kv).ok());
+  Encode(*gpu_, kv, Tokens(6, 8));  // gpu_ uploads the 10 rows, keeps its 6 on the device
+  ASSERT_TRUE(kv.host_rows_stale());
+  std::vector<float> logits(canvas.size() * config().vocab_size);
+  DecodeInput in{canvas, nullptr, &kv, logits.data()};
+  EXPECT_EQ(b.Decode({&in, 1}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(b.SyncKvToHost(kv).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(kv.host_rows_stale());
+  ASSERT_TRUE(gpu_->SyncKvToHost(kv).ok());
+  Encode(*copy_, ref, Tokens(10, 7));
+  Encode(*copy_, ref, Tokens(6, 8));
+  ExpectSameBits(Logits(b, kv, canvas), Logits(*copy_, ref, canvas), "the other backend");
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CudaKvAuthorityTest,

@@ -11,19 +11,21 @@
 // KV cache: the ModelBackend interface hands the backend host-side KvCache objects (contiguous or
 // the paged pool of kvstore/). The backend keeps a device mirror per KvCache — K and V per layer
 // (float32; bf16 on the layers whose attention runs on the tensor cores: bf16_kv_mirror),
-// [capacity, kv_heads·head_dim] indexed by position on full layers, a ring of the window's
-// min(capacity, W) rows (position p in row p % ring) on sliding layers (CudaKvBytesPerSequence) —
-// and keeps the host cache authoritative: Encode writes the new K/V rows into the device mirror
-// (device to device, after the layer's attention) and into the host cache (asynchronous copies into
-// pinned staging, written to the cache when the pass ends or the staging fills:
+// [capacity, kv_heads·head_dim] indexed by position on full layers, a ring on sliding layers
+// (position p in row p % ring; min(capacity, W) rows, or the cache's MaxSlidingRowsKept when
+// larger, with the deferred host copy: CudaKvBytesPerSequence) (cuda_backend_kv.cc). The mirror
+// is the authority for the rows the encoder passes write (defer_kv_host_copy, the default): the
+// new rows go device to device into the mirror, the cache is marked (KvCache::host_rows_stale)
+// and ModelBackend::SyncKvToHost copies the rows the cache keeps into its host arrays when asked
+// (the prefill worker before it indexes and ships a prompt); until then only this backend may use
+// the cache. Without it the pass copies its new rows to the host cache too (asynchronous copies
+// into pinned staging, written to the cache when the pass ends or the staging fills:
 // encode_staging_bytes; on sliding layers only the rows the cache keeps,
-// KvCache::SlidingRetainedFrom), so every other user of the cache (prefix reuse, transfers, the
-// CPU backend) sees the same rows. A pass uploads only the rows the mirror lacks (all visible ones
+// KvCache::SlidingRetainedFrom). A pass uploads only the rows the mirror lacks (all visible ones
 // for a cache it has not seen; none in the steady state of encode → denoise steps). A mirror is
-// recognised by the cache's address, its token count and copies of the key rows at positions 0 and
-// n−1 of the first full layer (a cache freed and another allocated at the same address is
-// re-uploaded unless both rows match bit for bit); at most `max_kv_mirrors` mirrors are kept, least
-// recently used dropped first.
+// recognised by the cache's address and its identity (KvCache::lifetime: a cache freed and
+// another made at the same address gets a new mirror); at most `max_kv_mirrors` mirrors are kept,
+// least recently used dropped first, never one holding rows its live cache lacks.
 //
 // Only this header is seen by code outside engine/cuda; it needs no CUDA headers.
 #pragma once
@@ -44,7 +46,9 @@ namespace dgserve {
 struct CudaBackendOptions {
   int device = 0;           // CUDA device ordinal
   // Device KV mirrors kept (each holds its sequence's K/V for every layer; one per live
-  // sequence is ideal, more cost device memory, fewer cost re-uploads from the host cache).
+  // sequence is ideal, more cost device memory, fewer cost re-uploads from the host cache). A
+  // mirror holding rows its live cache lacks (defer_kv_host_copy) is kept beyond this bound: the
+  // denoise worker's running canvases (--max_batch_canvases, 16) each hold one.
   int max_kv_mirrors = 16;
   // How the projections, the router, the experts and the LM head take float32 activations
   // (engine/cuda/cuda_gemm.h). kBf16, the default: rounded to bf16 at the reference's points
@@ -167,7 +171,9 @@ std::optional<CudaKvCopyStats> GetCudaKvCopyStats(const ModelBackend& backend);
 // (every position without options.sliding_kv_ring); 2 bytes an element on the layers that store
 // bf16 (options.tensor_core_attention in the bf16 GEMM-input mode and bf16_kv_mirror, head_dim a
 // multiple of 32 up to 512), else 4 (float32). A mirror allocates capacity for its positions
-// growing by doubling from 64, so its full layers may hold up to twice this many rows. The real
+// growing by doubling from 64, so its full layers may hold up to twice this many rows; with
+// defer_kv_host_copy a paged cache's sliding rings hold W + 2·block_size − 2 rows, not W
+// (KvCache::MaxSlidingRowsKept; 3 % more sliding bytes at blocks of 16). The real
 // 30-layer shape (25 sliding layers of 8 × 256, 5 full of 2 × 512, W = 1024), float32
 // (tensor_core_attention off, or the float32 GEMM-input mode): 503,316,480 bytes at 2k,
 // 1,761,607,680 at 32k, 5,788,139,520 at 128k; bf16 (the default options): half

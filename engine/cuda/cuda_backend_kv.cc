@@ -103,6 +103,9 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       return absl::InternalError(
           "KV cache grew elsewhere while its newest rows were on the device");
     }
+    // The new rows come from the host arrays: refused while another backend holds them.
+    DGSERVE_RETURN_IF_ERROR(
+        CheckHostRowsCurrent(kv, "CUDA backend (rows another backend holds on its device)"));
     const int W = c_.sliding_window;
     for (int l = 0; l < c_.num_layers; ++l) {
       // Sliding layers only guarantee (and only read) the last W−1 committed rows.
@@ -156,6 +159,9 @@ absl::Status CudaBackend::SyncKvToHost(KvCache& kv) {
   KvMirror* m = it->second.get();
   const int n = m->synced;
   if (!m->pending()) {
+    // Nothing of this backend's is missing; newer rows (another backend's) are not ours to
+    // vouch for.
+    if (kv.num_tokens() != n) return CheckHostRowsCurrent(kv, "SyncKvToHost");
     kv.set_host_rows_stale(false);
     return absl::OkStatus();
   }

@@ -728,11 +728,21 @@ TEST_P(CudaBackendTest, TensorCoreEncodeBatchedEqualsSolo) {
     const absl::Status st = gpu_->Encode(in);
     ASSERT_TRUE(st.ok()) << st;
   }
+  // The rows the caches keep, from the device (defer_kv_host_copy): every position of the full
+  // layers, the last W − 1 of the sliding ones; and they are the encoder's (not zeros).
+  for (KvCache* kv : {&solo0, &solo1, &batched0, &batched1}) {
+    ASSERT_TRUE(gpu_->SyncKvToHost(*kv).ok());
+  }
   for (int l = 0; l < config().num_layers; ++l) {
     const size_t w = size_t(config().KvHeads(l)) * config().HeadDim(l);
     for (const auto& [x, y] : {std::pair{&solo0, &batched0}, std::pair{&solo1, &batched1}}) {
       ASSERT_EQ(x->num_tokens(), y->num_tokens());
-      for (int p = 0; p < x->num_tokens(); ++p) {
+      const int last = x->num_tokens() - 1;
+      EXPECT_NE(
+          std::memcmp(x->KeyRow(l, last), std::vector<float>(w, 0.0f).data(), w * sizeof(float)), 0)
+          << "layer " << l;
+      const int from = config().IsFull(l) ? 0 : x->SlidingRetainedFrom(last + 1);
+      for (int p = from; p <= last; ++p) {
         ASSERT_EQ(std::memcmp(x->KeyRow(l, p), y->KeyRow(l, p), w * sizeof(float)), 0)
             << "layer " << l << " position " << p;
         ASSERT_EQ(std::memcmp(x->ValueRow(l, p), y->ValueRow(l, p), w * sizeof(float)), 0)

@@ -20,6 +20,7 @@ class ForwardingBackend : public ModelBackend {
     return inner_.DenoiseStep(batch);
   }
   DecodeTimings last_decode_timings() const override { return inner_.last_decode_timings(); }
+  absl::Status SyncKvToHost(KvCache& kv) override { return inner_.SyncKvToHost(kv); }
 
  protected:
   ModelBackend& inner() { return inner_; }

@@ -23,6 +23,7 @@ class KvCache {
   // lack the same rows, and no backend can supply them to it).
   KvCache(const KvCache& other) : host_rows_stale_(other.host_rows_stale_) {}
   KvCache& operator=(const KvCache& other) {
+    if (this == &other) return *this;
     lifetime_ = std::make_shared<const char>(0);
     host_rows_stale_ = other.host_rows_stale_;
     return *this;
@@ -50,7 +51,8 @@ class KvCache {
   // num_tokens − (sliding_window − 1)), the rows the model reads. A writer may leave the rows of
   // a sliding layer before it unwritten: the CUDA backend's encoder pass copies a long prompt's
   // sliding-layer rows to the host from SlidingRetainedFrom(its final count) on only (issue 34).
-  // 0 (the default): every row is kept.
+  // 0 (the default): every row is kept. Non-decreasing in num_tokens (a row once released is not
+  // kept again).
   virtual int SlidingRetainedFrom(int num_tokens) const { return 0; }
   // The most sliding-layer rows the cache keeps at any token count: the largest num_tokens −
   // SlidingRetainedFrom(num_tokens). INT_MAX (the default): every row, no bound.
