@@ -49,12 +49,7 @@ void PrintTo(const AuthorityMode& m, std::ostream* os) { *os << m.name; }
 class CudaKvAuthorityTest : public backend_testing::CpuGpuTest<CudaKvAuthorityTest, AuthorityMode> {
  public:
   static std::unique_ptr<Checkpoint> MakeCheckpoint() {
-    auto ckpt = ::dgserve::testing::LoadRandomTinyV512("cuda_kv_authority_test");
-    if (!ckpt.ok()) {
-      ADD_FAILURE() << ckpt.status();
-      return nullptr;
-    }
-    return std::make_unique<Checkpoint>(std::move(*ckpt));
+    return backend_testing::TinyV512Checkpoint("cuda_kv_authority_test");
   }
 
  protected:

@@ -73,12 +73,7 @@ void PrintTo(const PrefixMode& m, std::ostream* os) { *os << m.name; }
 class CudaPrefixCacheTest : public backend_testing::CpuGpuTest<CudaPrefixCacheTest, PrefixMode> {
  public:
   static std::unique_ptr<Checkpoint> MakeCheckpoint() {
-    auto ckpt = ::dgserve::testing::LoadRandomTinyV512("cuda_prefix_cache_test");
-    if (!ckpt.ok()) {
-      ADD_FAILURE() << ckpt.status();
-      return nullptr;
-    }
-    return std::make_unique<Checkpoint>(std::move(*ckpt));
+    return backend_testing::TinyV512Checkpoint("cuda_prefix_cache_test");
   }
 
  protected:

@@ -217,17 +217,23 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
     return worst;
   }
 
+  // A case and its data per segment (seeds seed, seed + 1, …), with CheckBatch's scale.
+  void MakeCases(int heads, int kvh, int hd, const std::vector<TcSegment>& segs, uint32_t seed,
+                 std::vector<Case>* cases, std::vector<Data>* data) const {
+    const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));  // as CheckBatch's
+    for (const TcSegment& s : segs) {
+      cases->push_back(Case{kind_, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
+      data->push_back(MakeData(cases->back(), seed++));
+    }
+  }
+
   // The segments with their context as a ring (`rings`, one per segment) give the contiguous
   // context's bits, and the float64 reference within kTcTolFloat.
   void CheckRing(int heads, int kvh, int hd, std::vector<TcSegment> segs,
                  const std::vector<int>& rings, uint32_t seed) {
     std::vector<Data> data;
     std::vector<Case> cases;
-    const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));  // as CheckBatch's
-    for (const TcSegment& s : segs) {
-      cases.push_back(Case{kind_, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
-      data.push_back(MakeData(cases.back(), seed++));
-    }
+    MakeCases(heads, kvh, hd, segs, seed, &cases, &data);
     const std::vector<std::vector<float>> linear = RunBatch(segs, data, heads, kvh, hd);
     for (size_t i = 0; i < segs.size(); ++i) segs[i].ring = rings[i];
     const std::vector<std::vector<float>> ringed = RunBatch(segs, data, heads, kvh, hd);
@@ -254,11 +260,7 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
                         uint32_t seed, int split_keys = 0) {
     std::vector<Data> data;
     std::vector<Case> cases;
-    const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));  // as CheckBatch's
-    for (const TcSegment& s : segs) {
-      cases.push_back(Case{kind_, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
-      data.push_back(MakeData(cases.back(), seed++));
-    }
+    MakeCases(heads, kvh, hd, segs, seed, &cases, &data);
     bf16_ctx_ = false;
     const std::vector<std::vector<float>> f32 =
         RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys);
@@ -285,15 +287,11 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
                   int split_keys = 0) {
     std::vector<Data> data;
     std::vector<Case> cases;
-    const float scale = std::sqrt(6.0f / std::sqrt(float(hd)));  // as CheckBatch's
+    MakeCases(heads, kvh, hd, segs, seed, &cases, &data);
     std::vector<TcSegment> contiguous = segs;
     for (TcSegment& s : contiguous) s.block = s.first_slot = 0;
     int paged = 0;
-    for (const TcSegment& s : segs) {
-      cases.push_back(Case{kind_, heads, kvh, hd, s.ctx, s.rows, s.window, scale});
-      data.push_back(MakeData(cases.back(), seed++));
-      paged += s.block > 0 ? 1 : 0;
-    }
+    for (const TcSegment& s : segs) paged += s.block > 0 ? 1 : 0;
     ASSERT_GT(paged, 0);
     const std::vector<std::vector<float>> linear =
         RunBatch(contiguous, data, heads, kvh, hd, 1, false, split_keys);

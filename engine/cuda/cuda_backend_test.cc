@@ -138,12 +138,7 @@ constexpr GemmMode kBf16TensorCoreMode{"bf16_tc",
 class CudaBackendTest : public backend_testing::CpuGpuTest<CudaBackendTest, GemmMode> {
  public:
   static std::unique_ptr<Checkpoint> MakeCheckpoint() {
-    auto ckpt = ::dgserve::testing::LoadRandomTinyV512("cuda_backend_test");
-    if (!ckpt.ok()) {
-      ADD_FAILURE() << ckpt.status();
-      return nullptr;
-    }
-    return std::make_unique<Checkpoint>(std::move(*ckpt));
+    return backend_testing::TinyV512Checkpoint("cuda_backend_test");
   }
 
  protected:

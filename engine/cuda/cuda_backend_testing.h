@@ -15,9 +15,21 @@
 #include "engine/cuda/cuda_test_util.h"
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
 #include "engine/model/kv_cache.h"
 
 namespace dgserve::backend_testing {
+
+// The random tiny-v512 checkpoint (engine/model/checkpoint_testing.h) for a MakeCheckpoint below,
+// written under a directory named after `name`; null, with a test failure added, when it cannot.
+inline std::unique_ptr<Checkpoint> TinyV512Checkpoint(const char* name) {
+  auto ckpt = ::dgserve::testing::LoadRandomTinyV512(name);
+  if (!ckpt.ok()) {
+    ADD_FAILURE() << ckpt.status();
+    return nullptr;
+  }
+  return std::make_unique<Checkpoint>(std::move(*ckpt));
+}
 
 // CRTP: `Derived` gives `static std::unique_ptr<Checkpoint> MakeCheckpoint()` (null, with a test
 // failure added, when it cannot). `Param` has the GEMM input modes `cpu` and `gpu` and
