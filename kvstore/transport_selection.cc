@@ -208,6 +208,15 @@ int64_t RoutingKvTransport::lookups() const {
 void RoutingKvTransport::Send(const std::string& target, const std::string& request_id,
                               std::shared_ptr<const PagedKvCache> kv, int64_t lease_ms,
                               TransferCallback done) {
+  // Refused here, before a transport is chosen: a caller's error, not a transport's failure (no
+  // fallback, no failure counted).
+  if (kv != nullptr) {
+    if (absl::Status st = CheckHostRowsCurrent(*kv, absl::StrCat("KV transfer for ", request_id));
+        !st.ok()) {
+      done(st);
+      return;
+    }
+  }
   if (options_.mode == KvTransportMode::kTcp || !options_.lookup) {
     Route(target, KvPeerInfo{}, request_id, std::move(kv), lease_ms, std::move(done));
     return;

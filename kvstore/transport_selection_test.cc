@@ -259,6 +259,30 @@ TEST_F(RoutingKvTransportTest, ExplicitGpuModeWithoutThatTransportFailsTheTransf
   EXPECT_EQ(receiver_->pending_transfers(), 0);
 }
 
+// A sequence whose newest rows are still on a device backend's memory is refused before any
+// lookup or transport (FAILED_PRECONDITION, no transport named as the failure).
+TEST_F(RoutingKvTransportTest, StaleHostRowsAreRefusedBeforeRouting) {
+  RoutingKvTransportOptions o;
+  o.mode = KvTransportMode::kAuto;
+  o.local = LocalKvPeerInfo(-1);
+  o.lookup = [](const std::string&) -> absl::StatusOr<KvPeerInfo> {
+    ADD_FAILURE() << "looked up for a refused sequence";
+    return absl::InternalError("no");
+  };
+  RoutingKvTransport router(o, CreateTcpTransport(), nullptr, nullptr);
+  auto kv = std::make_shared<PagedKvCache>(sender_pool_.get(), 256);
+  testing::AppendPattern(*kv, layout_, kTokens, 7);
+  kv->set_host_rows_stale(true);
+  auto sent = SendWaiter::Make();
+  router.Send(target_, "stale-1", kv, 10000, sent->Callback());
+  ASSERT_TRUE(sent->Wait());
+  EXPECT_THAT(sent->result,
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("SyncKvToHost")));
+  EXPECT_EQ(FailedKvTransport(sent->result.status(), "?"), "?");
+  EXPECT_EQ(router.lookups(), 0);
+  EXPECT_EQ(receiver_->pending_transfers(), 0);
+}
+
 TEST_F(RoutingKvTransportTest, ExplicitTcpNeverAsks) {
   RoutingKvTransportOptions o;
   o.mode = KvTransportMode::kTcp;
