@@ -497,7 +497,10 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   for (int l = 0; l < c_.num_layers; ++l) {
     DGSERVE_RETURN_IF_ERROR(Layer(l, PassKind::kEncoder, segs, R));
   }
-  DGSERVE_RETURN_IF_ERROR(FlushStagedKv(segs));  // the pass's one wait (with a large staging)
+  // The pass's one wait (with a large staging). With the deferred host copy nothing is staged,
+  // but the wait stays: the pinned inputs (ids_host_, positions_host_, the prefill table) are
+  // rewritten by the next call while this pass's uploads may still be queued.
+  DGSERVE_RETURN_IF_ERROR(FlushStagedKv(segs));
   for (size_t i = 0; i < batch.size(); ++i) {
     batch[i].kv->Commit(segs[i].rows);
     KvMirror* m = segs[i].mirror;
