@@ -51,7 +51,7 @@
 #     layers head_dim 256, 8 KV heads, window 1024; full layers head_dim 512, 2 KV heads):
 #     canvas attention (256-row canvases, each with its own context K/V) at 2k, 32k and 128k
 #     context × batch 1 and 16, and the causal prefill of a 32k-token prompt in the backend's
-#     512-token chunks and whole, tensor-core kernels first, then the float32 ones for
+#     8192-token chunks and whole, tensor-core kernels first, then the float32 ones for
 #     comparison; one ATTN line per case with ms, TFLOP/s and % of the bf16 GEMM ceiling, GB/s
 #     and % of the copy ceiling (both measured in the same process: the CEILINGS line). Bounded
 #     by --device_budget_s (GPU_CHECK_ATTN_SECONDS, default 35): the cases that do not fit are
@@ -529,7 +529,7 @@ sanitizer_step() {
 # --- 3c. the attention kernels alone (issue 34 item 5) ---------------------------------------------
 # bench/attention_bench on the full shape's attention: canvas attention (sliding and full layers,
 # 2k / 32k / 128k context, batch 1 and 16) and the causal prefill of a 32k-token prompt (in the
-# backend's 512-token chunks, and whole), tensor-core kernels first, float32 after them. Every
+# backend's 8192-token chunks, and whole), tensor-core kernels first, float32 after them. Every
 # ATTN line is reported ("attention: kernel=... ms=... tflops=... pct_gemm=... gbs=... pct_copy=...
 # status=ok|skipped|failed"), with the CEILINGS line the rates are judged against. The program
 # stops starting cases at --device_budget_s (GPU_CHECK_ATTN_SECONDS, default 35); the step's

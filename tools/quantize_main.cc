@@ -11,6 +11,7 @@
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --calibration PROMPTS.jsonl
 //   dgserve-quantize --in models/sudoku --out DIR --format nvfp4
 //                    --calibration_sudoku tools/sudoku/data/train.jsonl --calibration_limit 128
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -27,6 +28,7 @@
 #include "common/cli.h"
 #include "common/jsonl.h"
 #include "common/status_macros.h"
+#include "engine/denoise/sampler_params.h"
 #include "engine/generation/calibrate.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/quantize_checkpoint.h"
@@ -67,10 +69,10 @@ ABSL_FLAG(std::string, calibration_sudoku, "",
           "tools/sudoku/make_splits.sh, never the test split): prompt ToRows(puzzle), the givens "
           "fixed in the canvas and every blank restricted to 1-9, as dgserve-sudoku-eval sends");
 ABSL_FLAG(int32_t, calibration_limit, 0,
-          "calibrate on the first N prompts / puzzles only (0: all; --calibration_sudoku reads "
-          "no further than the Nth puzzle)");
+          "calibrate on the first N prompts / puzzles only (0: all; the file is read no "
+          "further than the Nth)");
 ABSL_FLAG(int32_t, calibration_steps, 0,
-          "the sampler's max_denoising_steps for the calibration canvases (0: --in's "
+          "the sampler's max_denoising_steps for the calibration canvases, ≤ 1024 (0: --in's "
           "generation_config.json value). Not only a cap: the step count also sets the noise "
           "schedule, so the default calibrates on the schedule the model is served with");
 ABSL_FLAG(int64_t, max_shard_bytes, dgserve::kDefaultMaxShardBytes,
@@ -151,7 +153,13 @@ absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
   const int limit = absl::GetFlag(FLAGS_calibration_limit);
   std::vector<CalibrationPrompt> prompts;
   if (!prompts_file.empty()) {
-    DGSERVE_ASSIGN_OR_RETURN(prompts, ReadCalibrationPrompts(prompts_file, tok));
+    // Every prompt checked before anything runs: one canvas follows it (the calibration's
+    // request), so the context leaves max_position_embeddings − canvas_length positions.
+    DGSERVE_ASSIGN_OR_RETURN(
+        prompts,
+        ReadCalibrationPrompts(
+            prompts_file, tok,
+            std::max(1, ck.config.max_position_embeddings - ck.config.canvas_length), limit));
   } else {
     DGSERVE_ASSIGN_OR_RETURN(prompts, SudokuPrompts(sudoku_file, tok, ck.config, limit));
   }
@@ -171,6 +179,10 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
   const int steps = absl::GetFlag(FLAGS_calibration_steps);
   if (limit < 0) return absl::InvalidArgumentError("--calibration_limit must be ≥ 0");
   if (steps < 0) return absl::InvalidArgumentError("--calibration_steps must be ≥ 0");
+  if (steps > kMaxDenoisingStepsCap) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--calibration_steps must be ≤ ", kMaxDenoisingStepsCap, " (0: the model's)"));
+  }
   if (!prompts && !sudoku) {
     if (limit != 0 || steps != 0) {
       return absl::InvalidArgumentError(

@@ -149,7 +149,9 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
 }
 
 absl::StatusOr<std::vector<CalibrationPrompt>> ReadCalibrationPrompts(const std::string& path,
-                                                                      const Tokenizer& tokenizer) {
+                                                                      const Tokenizer& tokenizer,
+                                                                      int max_prompt_tokens,
+                                                                      int limit) {
   std::vector<CalibrationPrompt> out;
   auto add_prompt = [&](const nlohmann::json& j, int) -> absl::Status {
     if (j.is_discarded() || !j.is_object() || !j.contains("prompt") || !j["prompt"].is_string()) {
@@ -158,10 +160,16 @@ absl::StatusOr<std::vector<CalibrationPrompt>> ReadCalibrationPrompts(const std:
     }
     const std::string& prompt = j["prompt"].get_ref<const std::string&>();
     if (prompt.empty()) return absl::InvalidArgumentError("empty \"prompt\"");
-    out.push_back({tokenizer.EncodeText(prompt, /*add_bos=*/true), nullptr});
+    std::vector<int32_t> ids = tokenizer.EncodeText(prompt, /*add_bos=*/true);
+    if (max_prompt_tokens > 0 && int64_t(ids.size()) > max_prompt_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt of ", ids.size(), " tokens: the model's context leaves ",
+                       max_prompt_tokens, " for a prompt beside the canvas it denoises"));
+    }
+    out.push_back({std::move(ids), nullptr});
     return absl::OkStatus();
   };
-  DGSERVE_RETURN_IF_ERROR(ForEachJsonLine(path, /*limit=*/0, add_prompt));
+  DGSERVE_RETURN_IF_ERROR(ForEachJsonLine(path, std::max(0, limit), add_prompt));
   if (out.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": no calibration prompt"));
   }

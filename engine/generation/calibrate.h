@@ -86,9 +86,15 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
 
 // Reads a calibration file: JSONL, one object per line with a string "prompt" (blank lines
 // skipped), each prompt tokenized as the gateway tokenizes a text prompt (Tokenizer::EncodeText
-// with <bos>). INVALID_ARGUMENT naming the file and line for a line that is not such an object or
-// an empty prompt, and for a file with no prompt; NOT_FOUND for a file that cannot be read.
+// with <bos>); the first `limit` prompts only (0: all; the file is read no further). Every prompt
+// is checked as it is read, so a bad line is reported before anything is calibrated:
+// INVALID_ARGUMENT naming the file and line for a line that is not such an object, an empty
+// prompt, or one of more than `max_prompt_tokens` tokens (0: no bound; the caller passes what the
+// model's context leaves beside the canvas a calibration request denoises), and for a file with
+// no prompt; NOT_FOUND for a file that cannot be read.
 absl::StatusOr<std::vector<CalibrationPrompt>> ReadCalibrationPrompts(const std::string& path,
-                                                                      const Tokenizer& tokenizer);
+                                                                      const Tokenizer& tokenizer,
+                                                                      int max_prompt_tokens = 0,
+                                                                      int limit = 0);
 
 }  // namespace dgserve

@@ -265,6 +265,19 @@ TEST(CalibrateTest, Refusals) {
       HasSubstr("e2.jsonl:1: empty \"prompt\""));
   EXPECT_EQ(ReadCalibrationPrompts(dir + "/missing.jsonl", *tok).status().code(),
             absl::StatusCode::kNotFound);
+  // A prompt longer than the context leaves is refused as it is read, naming its line (5 tokens
+  // allowed: "<bos> 1 2 . \n" passes, "<bos> 1 2 3 4 5" does not).
+  const std::string long_file =
+      write("long.jsonl", "{\"prompt\": \"12.\\n\"}\n{\"prompt\": \"12345\"}\n");
+  EXPECT_TRUE(ReadCalibrationPrompts(long_file, *tok, 6).ok());
+  const absl::Status too_long = ReadCalibrationPrompts(long_file, *tok, 5).status();
+  EXPECT_EQ(too_long.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(too_long.message(), HasSubstr("long.jsonl:2: prompt of 6 tokens"));
+  // With a limit the file is read no further: its second line (not JSON) is never parsed.
+  auto first =
+      ReadCalibrationPrompts(write("limit.jsonl", "{\"prompt\": \"1\"}\nnot json\n"), *tok, 0, 1);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->size(), 1u);
   // A quantized checkpoint is not calibrated.
   QuantizeOptions f;
   f.progress = false;

@@ -311,6 +311,11 @@ absl::Status Run() {
     const std::filesystem::path out(json_out);
     const std::filesystem::path dir = out.has_parent_path() ? out.parent_path() : ".";
     const bool exists = access(json_out.c_str(), F_OK) == 0;
+    std::error_code ec;
+    if (exists && std::filesystem::is_directory(out, ec)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot write --json_out ", json_out, ": it is a directory"));
+    }
     if (exists ? access(json_out.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("cannot write --json_out ", json_out, ": ", std::strerror(errno)));
