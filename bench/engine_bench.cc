@@ -129,6 +129,11 @@ ABSL_FLAG(bool, cuda_tensor_core_attention, true,
           "--cuda_gemm_input bf16 only, float32 keeps the float32 kernels); false: the float32 "
           "kernels (rounding as the tensor cores in bf16); the result line says "
           "attention=tensor_core or attention=float32");
+ABSL_FLAG(bool, cuda_defer_kv_host_copy, true,
+          "--device cuda: the encoder passes leave the prompt's K/V rows on the device "
+          "(CudaBackendOptions::defer_kv_host_copy, the default; copied at the sync after the "
+          "prefill, outside prefill_ms); false: each pass copies them to the host (inside "
+          "prefill_ms), as before");
 ABSL_FLAG(bool, calibrate_only, false,
           "--device cuda: measure the two ceilings, print the CEILINGS line and exit");
 
@@ -318,6 +323,7 @@ int Run() {
     options.phase_timing = absl::GetFlag(FLAGS_phase_timing);
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.tensor_core_attention = absl::GetFlag(FLAGS_cuda_tensor_core_attention);
+    options.defer_kv_host_copy = absl::GetFlag(FLAGS_cuda_defer_kv_host_copy);
     if (options.tensor_core_attention && bf16) attention = "tensor_core";
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     kv_bytes_per_seq = CudaKvBytesPerSequence(c, P, options);
@@ -694,7 +700,7 @@ int main(int argc, char** argv) {
       "[--device cpu|cuda] [--canvas N] [--steps N] [--context N] [--batch N] [--seed N] "
       "[--mem_bandwidth_gbs GB/s] [--logit_scale X] [--synthetic] [--synthetic_kv] "
       "[--batches 1,2,4] [--step_budget_s S] [--phase_timing] [--cuda_graphs=false] "
-      "[--cuda_tensor_core_attention=false] "
+      "[--cuda_tensor_core_attention=false] [--cuda_defer_kv_host_copy=false] "
       "[--calibrate_copy_mb MB] "
       "[--calibrate_gemm_n N] [--cpu_gemm_input float32|bf16] "
       "[--cpu_gemm_inputs float32,bf16 [--repeats R]]",
