@@ -45,6 +45,16 @@ std::string WriteTinyV512(const std::string& dir) {
   return bf16;
 }
 
+// W4A4 NVFP4 in groups of 16, ModelOpt's layout or (ct) compressed-tensors', no progress line.
+QuantizeOptions Nvfp4Options(bool ct) {
+  QuantizeOptions q;
+  q.progress = false;
+  q.format = WeightFormat::kNvfp4;
+  q.group_size = 16;
+  q.nvfp4_layout = ct ? Nvfp4Layout::kCompressedTensors : Nvfp4Layout::kModelOpt;
+  return q;
+}
+
 std::string ReadBytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), {});
@@ -152,11 +162,7 @@ TEST(CalibrateTest, WrittenInputScalesAreTheCalibratedAmax) {
   auto amax = CalibrateActivationAmax(*ck, prompts, co);
   ASSERT_TRUE(amax.ok()) << amax.status();
   for (bool ct : {false, true}) {
-    QuantizeOptions q;
-    q.progress = false;
-    q.format = WeightFormat::kNvfp4;
-    q.group_size = 16;
-    q.nvfp4_layout = ct ? Nvfp4Layout::kCompressedTensors : Nvfp4Layout::kModelOpt;
+    QuantizeOptions q = Nvfp4Options(ct);
     const std::string plain = dir + (ct ? "/ct" : "/mo"), cal = plain + "_cal";
     ASSERT_THAT(QuantizeCheckpoint(bf16, plain, q).status(), IsOk());
     q.input_amax = *amax;
@@ -197,11 +203,7 @@ TEST(CalibrateTest, UncalibratedCheckpointBytesAreUnchanged) {
   const std::string dir = ::dgserve::testing::MakeTempDir("calibrate_bytes");
   const std::string bf16 = WriteTinyV512(dir);
   for (bool ct : {false, true}) {
-    QuantizeOptions q;
-    q.progress = false;
-    q.format = WeightFormat::kNvfp4;
-    q.group_size = 16;
-    q.nvfp4_layout = ct ? Nvfp4Layout::kCompressedTensors : Nvfp4Layout::kModelOpt;
+    QuantizeOptions q = Nvfp4Options(ct);
     const std::string out = dir + (ct ? "/ct" : "/mo");
     ASSERT_THAT(QuantizeCheckpoint(bf16, out, q).status(), IsOk());
     EXPECT_EQ(Fnv1a(ReadBytes(out + "/model.safetensors")),
