@@ -134,6 +134,11 @@ ABSL_FLAG(bool, cuda_defer_kv_host_copy, true,
           "(CudaBackendOptions::defer_kv_host_copy, the default; copied at the sync after the "
           "prefill, outside prefill_ms); false: each pass copies them to the host (inside "
           "prefill_ms), as before");
+ABSL_FLAG(int32_t, cuda_kv_block_size, 64,
+          "--device cuda: positions per block of the device K/V block pool "
+          "(CudaBackendOptions::kv_block_size, the default 64; 1 to 4096); 0: one device K/V "
+          "mirror per sequence with its own arrays (the former layout); the result line says "
+          "kv_block_size=");
 ABSL_FLAG(bool, calibrate_only, false,
           "--device cuda: measure the two ceilings, print the CEILINGS line and exit");
 
@@ -305,6 +310,7 @@ int Run() {
 #ifdef DGSERVE_HAVE_CUDA
   // One sequence's device K/V at the context, in the element size the backend's options store.
   int64_t kv_bytes_per_seq = 0;
+  int kv_block_size = 0;              // CudaBackendOptions::kv_block_size (--device cuda)
   const char* attention = "float32";  // the CUDA backend's attention kernels
 #endif
   if (!cuda) {
@@ -324,6 +330,8 @@ int Run() {
     options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
     options.tensor_core_attention = absl::GetFlag(FLAGS_cuda_tensor_core_attention);
     options.defer_kv_host_copy = absl::GetFlag(FLAGS_cuda_defer_kv_host_copy);
+    options.kv_block_size = absl::GetFlag(FLAGS_cuda_kv_block_size);
+    kv_block_size = options.kv_block_size;
     if (options.tensor_core_attention && bf16) attention = "tensor_core";
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     kv_bytes_per_seq = CudaKvBytesPerSequence(c, P, options);
@@ -666,7 +674,7 @@ int Run() {
                       " weight_bw_share=", Fmt(copy_share, "%.4f"));
 #ifdef DGSERVE_HAVE_CUDA
       absl::StrAppend(&extra, " kv_device_bytes_per_seq=", kv_bytes_per_seq,
-                      " attention=", attention);
+                      " kv_block_size=", kv_block_size, " attention=", attention);
 #endif
     }
     const auto peak_rss = PeakResidentBytes();
@@ -701,6 +709,7 @@ int main(int argc, char** argv) {
       "[--mem_bandwidth_gbs GB/s] [--logit_scale X] [--synthetic] [--synthetic_kv] "
       "[--batches 1,2,4] [--step_budget_s S] [--phase_timing] [--cuda_graphs=false] "
       "[--cuda_tensor_core_attention=false] [--cuda_defer_kv_host_copy=false] "
+      "[--cuda_kv_block_size N] "
       "[--calibrate_copy_mb MB] "
       "[--calibrate_gemm_n N] [--cpu_gemm_input float32|bf16] "
       "[--cpu_gemm_inputs float32,bf16 [--repeats R]]",

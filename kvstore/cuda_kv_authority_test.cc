@@ -42,7 +42,8 @@ struct AuthorityMode {
   cuda::GemmInput gpu;
   cpu::GemmInput cpu;
   bool own_projections;
-  bool tensor_core_attention;  // bf16 mirrors on every layer of this shape (head_dim 32)
+  bool tensor_core_attention;  // bf16 mirrors on the full layers of this shape (head_dim 32)
+  int kv_block_size;           // CudaBackendOptions::kv_block_size (0: per-sequence mirrors)
 };
 void PrintTo(const AuthorityMode& m, std::ostream* os) { *os << m.name; }
 
@@ -56,6 +57,7 @@ class CudaKvAuthorityTest : public backend_testing::CpuGpuTest<CudaKvAuthorityTe
   CudaBackendOptions GpuOptions() const override {
     CudaBackendOptions options = CpuGpuTest::GpuOptions();
     options.tensor_core_attention = GetParam().tensor_core_attention;
+    options.kv_block_size = GetParam().kv_block_size;
     return options;
   }
   void SetUp() override {
@@ -191,13 +193,30 @@ TEST_P(CudaKvAuthorityTest, PagedCacheSyncsTheRowsItKeeps) {
     Encode(*gpu_, kd, prompt);
     Encode(*copy_, kc, prompt);
     EXPECT_EQ(kd.Fork().status().code(), absl::StatusCode::kFailedPrecondition);
-    // The mirror: 4 sliding layers × K, V × 14 rows × 32 elements (2 heads of 16: float32, not
-    // on the tensor cores) × 4 B = 14,336, and 2 full layers × K, V × 64 rows (the first
-    // capacity) × 32 elements (one head of 32) × 4 B = 32,768, or 2 B (16,384) in bf16 mirrors.
-    EXPECT_EQ(CudaKvMirrorBytes(*gpu_, kd).value_or(-1),
-              GetParam().tensor_core_attention ? 14336 + 16384 : 14336 + 32768);
+    // The mirror: a sliding row is 4 layers × K, V × 32 elements (2 heads of 16: float32, not on
+    // the tensor cores) × 4 B = 1,024 B; a full row 2 layers × K, V × 32 elements (one head of
+    // 32) × e, e = 4 B or 2 B in bf16 mirrors: 128·e.
+    //   per sequence: sliding rings of 14 rows, full 64 rows (the first capacity);
+    //   blocks of 64: block 0 of each kind;
+    //   blocks of 4: sliding blocks 2 … 5 (positions 8 … 23: the host still lacks rows from
+    //   SlidingRetainedFrom(22) = 8), full blocks 0 … 5 (24 rows).
+    const int64_t e = GetParam().tensor_core_attention ? 2 : 4;
+    const int B = GetParam().kv_block_size;
+    const int64_t mirror = B == 0    ? 14 * 1024 + 64 * 128 * e
+                           : B == 64 ? 64 * 1024 + 64 * 128 * e
+                                     : 16 * 1024 + 24 * 128 * e;
+    EXPECT_EQ(CudaKvMirrorBytes(*gpu_, kd).value_or(-1), mirror);
     const CudaKvCopyStats before = GetCudaKvCopyStats(*gpu_).value();
     ASSERT_TRUE(gpu_->SyncKvToHost(kd).ok());
+    // Synced: blocks of 4 keep the window only (from 22 − 7 = 15: blocks 3 … 5); the block pool
+    // holds as many blocks as the mirrors.
+    if (B == 4) {
+      EXPECT_EQ(CudaKvMirrorBytes(*gpu_, kd).value_or(-1), 12 * 1024 + 24 * 128 * e);
+      const CudaKvPoolStats pool_stats = GetCudaKvPoolStats(*gpu_).value();
+      EXPECT_EQ(pool_stats.block_size, 4);
+      EXPECT_EQ(pool_stats.sliding_blocks_in_use, 3);
+      EXPECT_EQ(pool_stats.full_blocks_in_use, 6);
+    }
     // Sliding rows from SlidingRetainedFrom(22) = 8 (blocks 2 … 5).
     ASSERT_EQ(kd.SlidingRetainedFrom(22), 8);
     EXPECT_EQ(GetCudaKvCopyStats(*gpu_)->sync_to_host_bytes - before.sync_to_host_bytes,
@@ -236,6 +255,79 @@ TEST_P(CudaKvAuthorityTest, MirrorWithTheOnlyRowsIsNotEvicted) {
   ExpectSameBits(Logits(gpu, a, canvas), Logits(*copy_, ra, canvas), "a uploaded again");
 }
 
+// The block pool (kv_block_size > 0): a finished sequence's blocks go back to the pool at the
+// next pass, and the next sequences reuse them (the pool does not grow); the per-sequence
+// layout has no pool.
+TEST_P(CudaKvAuthorityTest, FinishedSequencesGiveTheirBlocksBack) {
+  const int B = GetParam().kv_block_size;
+  if (B == 0) {
+    EXPECT_EQ(GetCudaKvPoolStats(*gpu_)->block_size, 0);
+    EXPECT_EQ(GetCudaKvPoolStats(*gpu_)->device_bytes, 0);
+    return;
+  }
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 9);
+  ContiguousKvCache ref(config(), 128);
+  Encode(*copy_, ref, Tokens(40, 1));
+  CudaKvPoolStats first;
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(round);
+    {
+      ContiguousKvCache kv(config(), 128);
+      Encode(*gpu_, kv, Tokens(40, 1));
+      ExpectSameBits(Logits(*gpu_, kv, canvas), Logits(*copy_, ref, canvas), "logits");
+      const CudaKvPoolStats st = GetCudaKvPoolStats(*gpu_).value();
+      // Full: ⌈40 / B⌉ blocks; sliding: those of positions [40 − 7, 40) (the host lacks no row
+      // it keeps: ContiguousKvCache keeps the same W − 1).
+      EXPECT_EQ(st.full_blocks_in_use, (40 + B - 1) / B);
+      EXPECT_EQ(st.sliding_blocks_in_use, (40 + B - 1) / B - 33 / B);
+      if (round == 0) first = st;
+      // The blocks of the previous rounds' sequences were reused.
+      EXPECT_EQ(st.full_blocks, first.full_blocks);
+      EXPECT_EQ(st.sliding_blocks, first.sliding_blocks);
+      EXPECT_EQ(st.device_bytes, first.device_bytes);
+    }
+    // The cache is gone; its blocks are back at the next pass (of another sequence).
+    ContiguousKvCache other(config(), 128);
+    Encode(*gpu_, other, Tokens(3, 2));
+    const CudaKvPoolStats after = GetCudaKvPoolStats(*gpu_).value();
+    EXPECT_EQ(after.full_blocks_in_use, 1);
+    EXPECT_EQ(after.sliding_blocks_in_use, 1);
+  }
+}
+
+// Blocks of 4: three live sequences of 100 positions need 3 × 25 full blocks, so the pool grows
+// from 64 to 128 blocks while the first two hold rows (in a pass that uploaded and wrote rows
+// before the growth); every sequence's logits stay the copying backend's bits.
+TEST_P(CudaKvAuthorityTest, PoolGrowthKeepsTheRows) {
+  if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 5);
+  std::vector<std::unique_ptr<ContiguousKvCache>> kv, ref;
+  for (int i = 0; i < 3; ++i) {
+    kv.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
+    ref.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
+  }
+  // a and b first; then one pass over a's commit and c's prompt: a's blocks (from its window)
+  // and c's 25 full blocks, more than the 14 left.
+  for (int i = 0; i < 2; ++i) {
+    Encode(*gpu_, *kv[i], Tokens(100, 10 + i));
+    Encode(*copy_, *ref[i], Tokens(100, 10 + i));
+  }
+  EXPECT_EQ(GetCudaKvPoolStats(*gpu_)->full_blocks, 64);
+  EXPECT_EQ(GetCudaKvPoolStats(*gpu_)->full_blocks_in_use, 50);
+  const std::vector<int32_t> commit = Tokens(8, 20), prompt = Tokens(100, 12);
+  EncodeInput in[2] = {{commit, kv[0].get()}, {prompt, kv[2].get()}};
+  ASSERT_TRUE(gpu_->Encode(in).ok());
+  Encode(*copy_, *ref[0], commit);
+  Encode(*copy_, *ref[2], prompt);
+  const CudaKvPoolStats st = GetCudaKvPoolStats(*gpu_).value();
+  EXPECT_EQ(st.full_blocks, 128);
+  EXPECT_EQ(st.full_blocks_in_use, 27 + 25 + 25);  // a at 108 positions: 27 blocks
+  for (int i = 0; i < 3; ++i) {
+    ExpectSameBits(Logits(*gpu_, *kv[i], canvas), Logits(*copy_, *ref[i], canvas),
+                   "sequence " + std::to_string(i));
+  }
+}
+
 // Two CUDA backends on one cache: the second already mirrors it when the first encodes new rows
 // into it (device only). The second must not take the unwritten host rows for those rows, nor
 // vouch for them in SyncKvToHost; the first's sync makes the cache usable by both again.
@@ -262,9 +354,14 @@ TEST_P(CudaKvAuthorityTest, AnotherBackendsRowsAreRefusedUntilSynced) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, CudaKvAuthorityTest,
                          ::testing::Values(AuthorityMode{"bf16", cuda::GemmInput::kBf16,
-                                                         cpu::GemmInput::kBf16, true, false},
+                                                         cpu::GemmInput::kBf16, true, false, 64},
                                            AuthorityMode{"bf16_tc", cuda::GemmInput::kBf16,
-                                                         cpu::GemmInput::kBf16, true, true}),
+                                                         cpu::GemmInput::kBf16, true, true, 64},
+                                           AuthorityMode{"bf16_tc_blocks4", cuda::GemmInput::kBf16,
+                                                         cpu::GemmInput::kBf16, true, true, 4},
+                                           AuthorityMode{"bf16_tc_per_sequence",
+                                                         cuda::GemmInput::kBf16,
+                                                         cpu::GemmInput::kBf16, true, true, 0}),
                          [](const ::testing::TestParamInfo<AuthorityMode>& info) {
                            return std::string(info.param.name);
                          });

@@ -67,6 +67,9 @@ absl::Status UploadDeviceWeights(const Matrices& m, const std::string& what, Dev
 absl::Status CudaBackend::Init(const ModelWeights& w) {
   const int L = c_.num_layers;
   if (int(w.layers.size()) != L) return absl::InvalidArgumentError("weights: layer count mismatch");
+  if (options_.kv_block_size < 0 || options_.kv_block_size > 4096) {
+    return absl::InvalidArgumentError("kv_block_size: must be 0 (per-sequence mirrors) to 4096");
+  }
   if (options_.canvas_split_keys <= 0 || options_.canvas_split_keys % 32 != 0) {
     return absl::InvalidArgumentError("canvas_split_keys: must be a positive multiple of 32");
   }
@@ -596,9 +599,17 @@ int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens,
   int64_t bytes = 0;
   for (int l = 0; l < config.num_layers; ++l) {
     const int64_t kvw = int64_t(config.KvHeads(l)) * config.HeadDim(l);
-    const int rows = options.sliding_kv_ring ? cuda_internal::KvMirrorRows(
-                                                   config, l, context_tokens, config.sliding_window)
-                                             : context_tokens;
+    int rows = options.sliding_kv_ring
+                   ? cuda_internal::KvMirrorRows(config, l, context_tokens, config.sliding_window)
+                   : context_tokens;
+    if (options.kv_block_size > 0) {
+      // Whole blocks: every position's on full layers, the window's on sliding ones.
+      const int B = options.kv_block_size, W = config.sliding_window;
+      const int keep = !config.IsFull(l) && W > 0 && options.sliding_kv_ring
+                           ? std::max(0, context_tokens - (W - 1))
+                           : 0;
+      rows = ((context_tokens + B - 1) / B - keep / B) * B;
+    }
     const int64_t element = cuda_internal::KvMirrorBf16(config, options, l)
                                 ? int64_t(sizeof(uint16_t))
                                 : int64_t(sizeof(float));
@@ -611,6 +622,12 @@ std::optional<int64_t> CudaKvMirrorBytes(const ModelBackend& backend, const KvCa
   const auto* b = dynamic_cast<const CudaBackend*>(&backend);
   if (b == nullptr) return std::nullopt;
   return b->mirror_bytes(kv);
+}
+
+std::optional<CudaKvPoolStats> GetCudaKvPoolStats(const ModelBackend& backend) {
+  const auto* b = dynamic_cast<const CudaBackend*>(&backend);
+  if (b == nullptr) return std::nullopt;
+  return b->kv_pool_stats();
 }
 
 std::optional<CudaGraphStats> GetCudaGraphStats(const ModelBackend& backend) {

@@ -10,10 +10,16 @@
 //
 // KV cache: the ModelBackend interface hands the backend host-side KvCache objects (contiguous or
 // the paged pool of kvstore/). The backend keeps a device mirror per KvCache — K and V per layer
-// (float32; bf16 on the layers whose attention runs on the tensor cores: bf16_kv_mirror),
-// [capacity, kv_heads·head_dim] indexed by position on full layers, a ring on sliding layers
-// (position p in row p % ring; min(capacity, W) rows, or the cache's MaxSlidingRowsKept when
-// larger, with the deferred host copy: CudaKvBytesPerSequence) (cuda_backend_kv.cc). The mirror
+// (float32; bf16 on the layers whose attention runs on the tensor cores: bf16_kv_mirror). By
+// default (kv_block_size > 0) the rows live in a device block pool per layer kind shared by all
+// sequences: a mirror is a block table per kind, full layers hold every position's block,
+// sliding layers the blocks of their window (and of rows the host cache still lacks), the others
+// go back to the pool as the sequence advances, and a finished sequence's blocks at the next
+// pass; the attention kernels read K/V through the tables (cuda_attention.h's paged layout).
+// With kv_block_size 0 each mirror has its own arrays: [capacity, kv_heads·head_dim] indexed by
+// position on full layers, a ring on sliding layers (position p in row p % ring; min(capacity, W)
+// rows, or the cache's MaxSlidingRowsKept when larger, with the deferred host copy)
+// (CudaKvBytesPerSequence; cuda_backend_kv.cc). The mirror
 // is the authority for the rows the encoder passes write (defer_kv_host_copy, the default): the
 // new rows go device to device into the mirror, the cache is marked (KvCache::host_rows_stale)
 // and ModelBackend::SyncKvToHost copies the rows the cache keeps into its host arrays when asked
@@ -132,6 +138,17 @@ struct CudaBackendOptions {
   // attention of that mode reads (spec §5.3), not the float32 values before rounding. false: the
   // pass copies its new rows to the host cache (encode_staging_bytes), as before.
   bool defer_kv_host_copy = true;
+  // K/V on the device in one block pool per layer kind (full, sliding) shared by every
+  // sequence (issue 34 item 1), the default: a block holds this many consecutive positions of
+  // every layer of its kind; each sequence's mirror holds a block table per kind, and the
+  // attention kernels read K/V through it (the paged layout of cuda_attention.h). Full layers
+  // hold a block for every position; sliding layers only the blocks of the window the next pass
+  // reads (and of the rows the host cache still needs, defer_kv_host_copy), the others going back
+  // to the pool as the sequence advances. Pools grow by doubling and are never shrunk; blocks of
+  // an evicted or finished sequence's mirror are reused. 0: one mirror per sequence with its own
+  // arrays grown by doubling (sliding rings: sliding_kv_ring), the former layout, kept so tests
+  // can show both give the same bits.
+  int kv_block_size = 64;
 };
 
 // What the CUDA-graph path of a backend (CudaBackendOptions::cuda_graphs) has done so far.
@@ -165,6 +182,17 @@ struct CudaKvCopyStats {
 // nullopt for any other backend.
 std::optional<CudaKvCopyStats> GetCudaKvCopyStats(const ModelBackend& backend);
 
+// The device K/V block pools of a backend (CudaBackendOptions::kv_block_size > 0): blocks
+// allocated on the device and held by mirrors, per layer kind, and their device bytes.
+struct CudaKvPoolStats {
+  int block_size = 0;  // 0: per-sequence mirrors (no pool)
+  int full_blocks = 0, full_blocks_in_use = 0;
+  int sliding_blocks = 0, sliding_blocks_in_use = 0;
+  int64_t device_bytes = 0;  // K and V of every block allocated, every layer
+};
+// nullopt for a backend not made by CreateCudaBackend or CreateCudaBackendSynthetic.
+std::optional<CudaKvPoolStats> GetCudaKvPoolStats(const ModelBackend& backend);
+
 // Device bytes of K/V one sequence's mirror holds for `context_tokens` positions in a backend
 // made with `options` (the KV mirror of cuda_backend_internal.h): K and V of every position on
 // the full layers, of the window's ring (min(context_tokens, W) rows) on the sliding layers
@@ -177,7 +205,11 @@ std::optional<CudaKvCopyStats> GetCudaKvCopyStats(const ModelBackend& backend);
 // 30-layer shape (25 sliding layers of 8 × 256, 5 full of 2 × 512, W = 1024), float32
 // (tensor_core_attention off, or the float32 GEMM-input mode): 503,316,480 bytes at 2k,
 // 1,761,607,680 at 32k, 5,788,139,520 at 128k; bf16 (the default options): half
-// (engine/cuda/DEVICE_CHECK.md). context_tokens ≤ 0: 0.
+// (engine/cuda/DEVICE_CHECK.md). With the block pool (options.kv_block_size > 0, the default)
+// whole blocks: ⌈context_tokens / B⌉ on full layers, on sliding layers those holding positions
+// [context_tokens − (W − 1), context_tokens) (a deferred copy to a paged host cache may hold a
+// block or two more until SyncKvToHost), with no doubling: the real shape's figures above at
+// B = 64. context_tokens ≤ 0: 0.
 int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens,
                                const CudaBackendOptions& options = {});
 

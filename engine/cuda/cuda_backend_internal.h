@@ -211,7 +211,42 @@ struct DeviceLayer {
 // bf16 bits (k16 / v16: each element rounded by FloatToBf16 / ToBf16Bits, the rounding the
 // tensor-core kernels apply to a float32 context, so they read the same bits); the others as
 // float32 (k / v), which the float32 kernels need. Each layer uses one pair; the other is empty.
+// The device K/V block pool (CudaBackendOptions::kv_block_size > 0) of one layer kind (kKvFull,
+// kKvSliding): block ids [0, blocks); block b holds block_size consecutive positions' rows of
+// every layer of that kind, rows [b·block_size, (b + 1)·block_size) of the layer's arrays
+// [blocks, block_size, kvw] (bf16 bits on the layers whose mirror stores bf16, else float32;
+// empty for the other kind's layers). Sequences own blocks through their mirrors' block tables.
+inline constexpr int kKvFull = 0, kKvSliding = 1;
+struct KvBlockPool {
+  int blocks = 0;                               // ids allocated on the device
+  std::vector<int32_t> free_ids;                // ids no mirror holds (popped from the back)
+  std::vector<DeviceArray<float>> k, v;         // per model layer
+  std::vector<DeviceArray<uint16_t>> k16, v16;  // per model layer
+  int in_use() const { return blocks - int(free_ids.size()); }
+};
+
 struct KvMirror {
+  KvMirror() = default;
+  KvMirror(const KvMirror&) = delete;
+  KvMirror& operator=(const KvMirror&) = delete;
+  // A paged mirror's blocks go back to their pools.
+  ~KvMirror() {
+    if (pools == nullptr) return;
+    for (int kind = 0; kind < 2; ++kind) {
+      for (const int32_t b : blocks[kind]) {
+        if (b >= 0) pools[kind].free_ids.push_back(b);
+      }
+    }
+  }
+  // Paged (pools != nullptr): per kind, the pool block of each block index of positions
+  // (position p in block blocks[kind][p / B], row p % B of it), −1 where no block is held (a
+  // sliding layer's positions behind its window, or rows no pass wrote); the same table on the
+  // device (uploaded by CudaBackend::UploadKvTables while tables_dirty).
+  KvBlockPool* pools = nullptr;  // the backend's two pools
+  std::vector<int32_t> blocks[2];
+  DeviceArray<int32_t> tables[2];
+  bool tables_dirty = false;
+  // Per sequence (pools == nullptr):
   std::vector<DeviceArray<float>> k, v;         // per layer [MirrorRows(l, capacity), kvw]
   std::vector<DeviceArray<uint16_t>> k16, v16;  // the same, bf16 bits (Bf16Mirror layers)
   std::vector<int> ring;                        // per layer: ring rows (sliding), 0 (full: linear)
@@ -227,6 +262,23 @@ struct KvMirror {
 
   // Rows the cache's host arrays lack (only while deferred).
   bool pending() const { return host_synced < synced; }
+  bool paged() const { return pools != nullptr; }
+  // OK when the blocks of positions [p0, p0 + count) of `kind` are held (every row a kernel is
+  // about to read or write through the table), else INTERNAL naming `what`.
+  absl::Status CheckHeld(int kind, int block_size, int p0, int count, const char* what) const {
+    for (int i = p0 / block_size; count > 0 && i <= (p0 + count - 1) / block_size; ++i) {
+      if (i >= int(blocks[kind].size()) || blocks[kind][i] < 0) {
+        return absl::InternalError(
+            absl::StrCat(what, ": position ", std::max(p0, i * block_size), " has no KV block"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  // Pool blocks this mirror holds of `kind`.
+  int held(int kind) const {
+    return int(
+        std::count_if(blocks[kind].begin(), blocks[kind].end(), [](int32_t b) { return b >= 0; }));
+  }
 
   // The row of position p in layer l.
   int Row(int l, int p) const { return ring[l] > 0 ? p % ring[l] : p; }
@@ -274,6 +326,9 @@ struct Segment {
   // (pos0, or later when the cache keeps fewer: KvCache::SlidingRetainedFrom of pos0 + rows).
   int sliding_host_from = 0;
   bool to_host = true;  // encoder: copied to the host in the pass (false: deferred mirror)
+  // Encoder, paged mirror: the first position of the sliding layers' new rows written into the
+  // device pool (the rows a later pass or SyncKvToHost reads: CudaBackend::SlidingKeepFrom).
+  int sliding_device_from = 0;
   // Encoder: the segment's new rows of layer kind `full` that go to the host, as offsets from
   // row0: [first, first + count).
   std::pair<int, int> HostRows(bool full) const {
@@ -334,11 +389,32 @@ class CudaBackend final : public ModelBackend {
     if (it == mirrors_.end()) return std::nullopt;
     int64_t n = 0;
     const KvMirror& m = *it->second;
+    if (m.paged()) {
+      for (int l = 0; l < c_.num_layers; ++l) {
+        n += int64_t(m.held(KvKind(l))) * KvBlockBytes(l);
+      }
+      return n;
+    }
     for (int l = 0; l < c_.num_layers; ++l) {
       n += int64_t(m.k[l].size() + m.v[l].size()) * int64_t(sizeof(float)) +
            int64_t(m.k16[l].size() + m.v16[l].size()) * int64_t(sizeof(uint16_t));
     }
     return n;
+  }
+
+  CudaKvPoolStats kv_pool_stats() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    CudaKvPoolStats st;
+    st.block_size = options_.kv_block_size;
+    for (int kind = 0; kind < 2; ++kind) {
+      const KvBlockPool& pool = kv_pools_[kind];
+      (kind == kKvFull ? st.full_blocks : st.sliding_blocks) = pool.blocks;
+      (kind == kKvFull ? st.full_blocks_in_use : st.sliding_blocks_in_use) = pool.in_use();
+    }
+    for (int l = 0; l < c_.num_layers; ++l) {
+      st.device_bytes += int64_t(kv_pools_[KvKind(l)].blocks) * KvBlockBytes(l);
+    }
+    return st;
   }
 
   const ModelConfig& config() const override { return c_; }
@@ -363,6 +439,39 @@ class CudaBackend final : public ModelBackend {
   absl::Status CheckTokens(std::span<const int32_t> ids) const;
   // The mirror of `kv`, synced with its committed rows and with room for `extra` more positions.
   absl::StatusOr<KvMirror*> SyncMirror(const KvCache& kv, int extra);
+  // The paged device pool (options_.kv_block_size > 0; cuda_backend_kv.cc). KvKind: the pool
+  // of layer l. KvBlockBytes: the device bytes of one block of layer l (K and V).
+  bool PagedKv() const { return options_.kv_block_size > 0; }
+  int KvKind(int l) const { return c_.IsFull(l) ? kKvFull : kKvSliding; }
+  int64_t KvBlockBytes(int l) const {
+    return 2 * int64_t(options_.kv_block_size) * c_.KvHeads(l) * c_.HeadDim(l) *
+           int64_t(Bf16Mirror(l) ? sizeof(uint16_t) : sizeof(float));
+  }
+  // The first position of a sliding layer a paged mirror of `kv` keeps once n positions are
+  // committed: the window the next pass reads (n − (W − 1)), or earlier for rows the host cache
+  // still needs (host_needs: the deferred copy, KvCache::SlidingRetainedFrom(n)); 0 without a
+  // window or with sliding_kv_ring off.
+  int SlidingKeepFrom(const KvCache& kv, int n, bool host_needs) const;
+  // A paged mirror's blocks for a pass over its n committed positions writing `extra` more:
+  // full layers every position's block, sliding layers the blocks of [SlidingKeepFrom, n) and of
+  // the new rows they keep (Segment::sliding_device_from); sliding blocks behind the window go
+  // back to the pool. Then its tables on the device.
+  absl::Status SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, int extra);
+  // Returns to the pool a paged mirror's sliding blocks wholly behind SlidingKeepFrom(kv, n,
+  // pending) (after a pass, a sync, or before a pass over n positions); returns that position.
+  int ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n);
+  // A free block id of pool `kind`, the pool grown (doubled, from 64 blocks) when it has none:
+  // the stream is drained first (queued copies may still write the old arrays).
+  absl::StatusOr<int32_t> AllocateKvBlock(int kind);
+  // Uploads layer l's K and V rows of positions [p0, p0 + count) from kv's host arrays into a
+  // paged mirror's blocks (through kv_rows_dev_), rounded to bf16 on a Bf16Mirror layer.
+  absl::Status UploadKvRows(const KvCache& kv, const KvMirror& m, int l, int p0, int count);
+  // kv_rows_dev_ of at least `bytes` (the stream drained first when it has to grow).
+  absl::Status GrowKvRowsStaging(size_t bytes);
+  // Layer l's pool arrays (K, V) as the attention tables take them (bf16 bits cast on a
+  // Bf16Mirror layer).
+  float* PoolK(int l) const;
+  float* PoolV(int l) const;
   // Rows and ring of layer l's mirror for `capacity` positions (options_.sliding_kv_ring).
   int MirrorRows(int l, int capacity, int sliding_rows) const {
     return options_.sliding_kv_ring ? KvMirrorRows(c_, l, capacity, sliding_rows) : capacity;
@@ -441,6 +550,10 @@ class CudaBackend final : public ModelBackend {
   std::vector<DeviceLayer> layers_;
   DeviceArray<float> rope_sliding_, rope_full_;
 
+  // The device K/V block pools (paged mirrors, options_.kv_block_size > 0), before mirrors_: a
+  // mirror's destructor returns its blocks to them.
+  KvBlockPool kv_pools_[2];
+  DeviceArray<unsigned char> kv_rows_dev_;  // rows on their way between the host and the pools
   std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>> mirrors_;
   uint64_t use_clock_ = 0;
   uint64_t pass_start_ = 0;  // use_clock_ value of the first mirror use of the current pass

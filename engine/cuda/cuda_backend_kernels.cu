@@ -103,6 +103,42 @@ __global__ void SoftmaxProbsBf16Kernel(const float* raw, int rows, int vocab, fl
   }
 }
 
+// The pool row of slot s (KvBlockRows in cuda_backend_kernels.h).
+__device__ __forceinline__ int64_t PoolRow(const int32_t* table, int block_size, int64_t s) {
+  return int64_t(table[s / block_size]) * block_size + s % block_size;
+}
+
+__device__ __forceinline__ float ConvertElement(float x, float*) { return x; }
+__device__ __forceinline__ uint16_t ConvertElement(float x, uint16_t*) { return ToBf16Bits(x); }
+__device__ __forceinline__ uint16_t ConvertElement(uint16_t x, uint16_t*) { return x; }
+
+// pool[PoolRow(first_slot + r), e] = src[r, e], converted to the pool's element type.
+template <typename Src, typename Dst>
+__global__ void CopyRowsToBlocksKernel(const Src* src, int64_t rows, int width,
+                                       const int32_t* table, int block_size, int64_t first_slot,
+                                       Dst* pool) {
+  const int64_t n = rows * width;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, e = i % width;
+    pool[PoolRow(table, block_size, first_slot + r) * width + e] =
+        ConvertElement(src[i], static_cast<Dst*>(nullptr));
+  }
+}
+
+// dst[r, e] = pool[PoolRow(first_slot + r), e].
+template <typename T>
+__global__ void CopyRowsFromBlocksKernel(const T* pool, int64_t rows, int width,
+                                         const int32_t* table, int block_size, int64_t first_slot,
+                                         T* dst) {
+  const int64_t n = rows * width;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, e = i % width;
+    dst[i] = pool[PoolRow(table, block_size, first_slot + r) * width + e];
+  }
+}
+
 }  // namespace
 
 absl::Status EmbedRows(const int32_t* ids, const uint16_t* table, int rows, int dim, float scale,
@@ -170,6 +206,56 @@ absl::Status SoftmaxProbsBf16(const float* raw, int rows, int vocab, float softc
   LaunchKernel(SoftmaxProbsBf16Kernel, dim3(rows, chunks), 256, 0, S(stream), raw, rows, vocab,
                softcap, temperature, res, probs, mask_table, mask_index);
   return Check("SoftmaxProbsBf16");
+}
+
+namespace {
+template <typename Src, typename Dst>
+absl::Status ToBlocks(const Src* src, int64_t rows, int width, const int32_t* block_table,
+                      int block_size, int64_t first_slot, Dst* pool, void* stream) {
+  if (rows <= 0 || width <= 0) return absl::OkStatus();
+  if (block_size <= 0 || first_slot < 0) {
+    return absl::InvalidArgumentError("CopyRowsToBlocks: block_size > 0 and first_slot >= 0");
+  }
+  LaunchKernel(CopyRowsToBlocksKernel<Src, Dst>, Blocks(rows * width, 256), 256, 0, S(stream), src,
+               rows, width, block_table, block_size, first_slot, pool);
+  return Check("CopyRowsToBlocks");
+}
+
+template <typename T>
+absl::Status FromBlocks(const T* pool, int64_t rows, int width, const int32_t* block_table,
+                        int block_size, int64_t first_slot, T* dst, void* stream) {
+  if (rows <= 0 || width <= 0) return absl::OkStatus();
+  if (block_size <= 0 || first_slot < 0) {
+    return absl::InvalidArgumentError("CopyRowsFromBlocks: block_size > 0 and first_slot >= 0");
+  }
+  LaunchKernel(CopyRowsFromBlocksKernel<T>, Blocks(rows * width, 256), 256, 0, S(stream), pool,
+               rows, width, block_table, block_size, first_slot, dst);
+  return Check("CopyRowsFromBlocks");
+}
+}  // namespace
+
+absl::Status CopyRowsToBlocks(const float* src, int64_t rows, int width, const int32_t* block_table,
+                              int block_size, int64_t first_slot, float* pool, void* stream) {
+  return ToBlocks(src, rows, width, block_table, block_size, first_slot, pool, stream);
+}
+absl::Status CopyRowsToBlocks(const float* src, int64_t rows, int width, const int32_t* block_table,
+                              int block_size, int64_t first_slot, uint16_t* pool, void* stream) {
+  return ToBlocks(src, rows, width, block_table, block_size, first_slot, pool, stream);
+}
+absl::Status CopyRowsToBlocks(const uint16_t* src, int64_t rows, int width,
+                              const int32_t* block_table, int block_size, int64_t first_slot,
+                              uint16_t* pool, void* stream) {
+  return ToBlocks(src, rows, width, block_table, block_size, first_slot, pool, stream);
+}
+absl::Status CopyRowsFromBlocks(const float* pool, int64_t rows, int width,
+                                const int32_t* block_table, int block_size, int64_t first_slot,
+                                float* dst, void* stream) {
+  return FromBlocks(pool, rows, width, block_table, block_size, first_slot, dst, stream);
+}
+absl::Status CopyRowsFromBlocks(const uint16_t* pool, int64_t rows, int width,
+                                const int32_t* block_table, int block_size, int64_t first_slot,
+                                uint16_t* dst, void* stream) {
+  return FromBlocks(pool, rows, width, block_table, block_size, first_slot, dst, stream);
 }
 
 }  // namespace dgserve::cuda

@@ -57,4 +57,29 @@ absl::Status SoftmaxProbsBf16(const float* raw, int rows, int vocab, float softc
                               const uint64_t* mask_table = nullptr,
                               const int32_t* mask_index = nullptr, void* stream = nullptr);
 
+// Paged K/V rows (the CUDA backend's device KV block pool, cuda_backend.h): row r of a
+// contiguous [rows, width] array is slot s = first_slot + r of a pool
+// [num_blocks, block_size, width], pool row block_table[s / block_size] · block_size +
+// s % block_size (the paged layout of cuda_attention.h's KvContext). block_table: device int32
+// with an entry, inside the pool, for every block the rows touch (not checked on the device).
+// INVALID_ARGUMENT for block_size ≤ 0 or first_slot < 0; rows ≤ 0 does nothing.
+// CopyRowsToBlocks writes src into the pool; from float32 into a bf16 pool (uint16_t bits) each
+// element is rounded to nearest even (ToBf16Bits: cuda::FloatToBf16's bits).
+absl::Status CopyRowsToBlocks(const float* src, int64_t rows, int width, const int32_t* block_table,
+                              int block_size, int64_t first_slot, float* pool,
+                              void* stream = nullptr);
+absl::Status CopyRowsToBlocks(const float* src, int64_t rows, int width, const int32_t* block_table,
+                              int block_size, int64_t first_slot, uint16_t* pool,
+                              void* stream = nullptr);
+absl::Status CopyRowsToBlocks(const uint16_t* src, int64_t rows, int width,
+                              const int32_t* block_table, int block_size, int64_t first_slot,
+                              uint16_t* pool, void* stream = nullptr);
+// CopyRowsFromBlocks reads the pool's rows into dst [rows, width] (the same element type).
+absl::Status CopyRowsFromBlocks(const float* pool, int64_t rows, int width,
+                                const int32_t* block_table, int block_size, int64_t first_slot,
+                                float* dst, void* stream = nullptr);
+absl::Status CopyRowsFromBlocks(const uint16_t* pool, int64_t rows, int width,
+                                const int32_t* block_table, int block_size, int64_t first_slot,
+                                uint16_t* dst, void* stream = nullptr);
+
 }  // namespace dgserve::cuda

@@ -139,6 +139,67 @@ TEST_F(CudaBackendKernelsTest, GatherRowsAndMoeCombine) {
   }
 }
 
+// CopyRowsToBlocks / CopyRowsFromBlocks: rows land at pool row table[s / bs]·bs + s % bs for
+// s = first_slot + r (blocks shuffled, first_slot mid-block), float32 and bf16 pools (the float32
+// rows rounded by FloatToBf16 into a bf16 pool); rows outside the copied slots keep their fill;
+// reading the blocks back gives the rows written.
+TEST_F(CudaBackendKernelsTest, CopyRowsToAndFromBlocks) {
+  const int bs = 4, width = 6, num_blocks = 7, first_slot = 6, rows = 9;  // slots 6..14
+  const std::vector<int32_t> table = {-1, 5, 0, 3, -1, 2};  // blocks 1..3 used (slots 4..15)
+  const std::vector<float> src = RandomFloats(size_t(rows) * width, 3.0f, 8);
+  // Where slot s lives, written out by hand from the table above.
+  const auto pool_row = [&](int s) { return table[s / bs] * bs + s % bs; };
+  ASSERT_EQ(pool_row(6), 22);   // block 1 → pool block 5, row 2
+  ASSERT_EQ(pool_row(8), 0);    // block 2 → pool block 0, row 0
+  ASSERT_EQ(pool_row(14), 14);  // block 3 → pool block 3, row 2
+  const size_t pool_size = size_t(num_blocks) * bs * width;
+  const int32_t* t = Upload(table);
+
+  float* pool = Alloc<float>(pool_size, 0xFF);  // NaN bits everywhere
+  ASSERT_THAT(CopyRowsToBlocks(Upload(src), rows, width, t, bs, first_slot, pool), IsOk());
+  std::vector<float> got = Download(pool, pool_size);
+  std::vector<bool> written(size_t(num_blocks) * bs, false);
+  for (int r = 0; r < rows; ++r) {
+    const int row = pool_row(first_slot + r);
+    written[row] = true;
+    for (int e = 0; e < width; ++e) {
+      ASSERT_EQ(got[size_t(row) * width + e], src[size_t(r) * width + e]) << r << " " << e;
+    }
+  }
+  for (size_t row = 0; row < written.size(); ++row) {
+    if (!written[row]) {
+      ASSERT_TRUE(std::isnan(got[row * width])) << row;
+    }
+  }
+  float* back = Alloc<float>(src.size(), 0xFF);
+  ASSERT_THAT(CopyRowsFromBlocks(pool, rows, width, t, bs, first_slot, back), IsOk());
+  EXPECT_EQ(Download(back, src.size()), src);
+
+  // bf16 pool: float32 rows rounded, and bf16 rows copied as they are.
+  uint16_t* pool16 = Alloc<uint16_t>(pool_size, 0xFF);
+  ASSERT_THAT(CopyRowsToBlocks(Upload(src), rows, width, t, bs, first_slot, pool16), IsOk());
+  std::vector<uint16_t> bits(src.size());
+  for (size_t i = 0; i < src.size(); ++i) bits[i] = FloatToBf16(src[i]);
+  const std::vector<uint16_t> got16 = Download(pool16, pool_size);
+  for (int r = 0; r < rows; ++r) {
+    for (int e = 0; e < width; ++e) {
+      ASSERT_EQ(got16[size_t(pool_row(first_slot + r)) * width + e], bits[size_t(r) * width + e])
+          << r << " " << e;
+    }
+  }
+  uint16_t* back16 = Alloc<uint16_t>(bits.size(), 0xFF);
+  ASSERT_THAT(CopyRowsFromBlocks(pool16, rows, width, t, bs, first_slot, back16), IsOk());
+  EXPECT_EQ(Download(back16, bits.size()), bits);
+  uint16_t* pool16b = Alloc<uint16_t>(pool_size, 0xFF);
+  ASSERT_THAT(CopyRowsToBlocks(Upload(bits), rows, width, t, bs, first_slot, pool16b), IsOk());
+  EXPECT_EQ(Download(pool16b, pool_size), got16);
+
+  EXPECT_EQ(CopyRowsToBlocks(Upload(src), rows, width, t, 0, first_slot, pool).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CopyRowsFromBlocks(pool, rows, width, t, bs, -1, back).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // probs = bf16(exp(cap·tanh(raw/cap)/T − lse)) with VocabStep's lse; a row with a non-finite lse
 // is all zeros. Within one bf16 ulp of a float64 reference.
 TEST_F(CudaBackendKernelsTest, SoftmaxProbsBf16UsesTheRowsLse) {

@@ -21,6 +21,17 @@ bool SameLifetime(const std::weak_ptr<const void>& a, const std::weak_ptr<const 
 }  // namespace
 
 absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) {
+  if (PagedKv()) {
+    // Mirrors of caches destroyed since (finished sequences) give their blocks back to the pool
+    // now, not when max_kv_mirrors evicts them.
+    for (auto j = mirrors_.begin(); j != mirrors_.end();) {
+      if (j->second->owner.expired() && j->second->last_use < pass_start_) {
+        j = mirrors_.erase(j);
+      } else {
+        ++j;
+      }
+    }
+  }
   auto it = mirrors_.find(&kv);
   // A mirror under this address made for a cache destroyed since (another cache now lives at the
   // same address): its rows, and any its host arrays lacked, belonged to that cache.
@@ -53,11 +64,15 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       if (lru != mirrors_.end()) mirrors_.erase(lru);
     }
     auto m = std::make_unique<KvMirror>();
-    m->k.resize(c_.num_layers);
-    m->v.resize(c_.num_layers);
-    m->k16.resize(c_.num_layers);
-    m->v16.resize(c_.num_layers);
     m->ring.assign(c_.num_layers, 0);
+    if (PagedKv()) {
+      m->pools = kv_pools_;
+    } else {
+      m->k.resize(c_.num_layers);
+      m->v.resize(c_.num_layers);
+      m->k16.resize(c_.num_layers);
+      m->v16.resize(c_.num_layers);
+    }
     m->owner = kv.lifetime();
     // Deferred only where the cache bounds what its sliding layers keep: the ring then holds all
     // of it, so SyncKvToHost finds every row the host keeps.
@@ -74,9 +89,17 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
     // A cache never shrinks; a mirror ahead of its cache cannot be trusted.
     if (m->pending()) return absl::InternalError("KV cache shorter than its device rows");
     m->synced = m->host_synced = 0;
+    for (int kind = 0; kind < 2 && m->paged(); ++kind) {
+      for (int32_t& b : m->blocks[kind]) {
+        if (b >= 0) kv_pools_[kind].free_ids.push_back(b);
+        b = -1;
+      }
+    }
   }
   const int need = n + extra;
-  if (need > m->capacity) {
+  if (m->paged()) {
+    DGSERVE_RETURN_IF_ERROR(SyncKvBlocks(kv, m, n, extra));
+  } else if (need > m->capacity) {
     const int cap = std::max(need, std::max(64, m->capacity * 2));
     for (int l = 0; l < c_.num_layers; ++l) {
       const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
@@ -113,6 +136,10 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       const int from = std::max(m->synced, lo);
       if (from >= n) continue;
       const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
+      if (m->paged()) {
+        DGSERVE_RETURN_IF_ERROR(UploadKvRows(kv, *m, l, from, n - from));
+        continue;
+      }
       for (int which = 0; which < 2; ++which) {
         // Per run of consecutive mirror rows (a sliding layer's ring wraps once at most).
         DGSERVE_RETURN_IF_ERROR(m->ForEachRun(l, from, n - from, [&](int p0, int row, int count) {
@@ -214,6 +241,9 @@ absl::Status CudaBackend::SyncKvToHost(KvCache& kv) {
       (std::max(one, std::min(all, options_.encode_staging_bytes)) + sizeof(float) - 1) /
       sizeof(float)));
   const size_t capacity = kv_stage_.size() * sizeof(float);
+  // A paged mirror's rows are gathered into a device staging as large (Grow: no CUDA graph
+  // holds it).
+  if (m->paged()) DGSERVE_RETURN_IF_ERROR(GrowKvRowsStaging(capacity));
   for (int l = 0; l < c_.num_layers; ++l) {
     const int lo = first_row(l);
     if (lo >= n) continue;
@@ -222,6 +252,31 @@ absl::Status CudaBackend::SyncKvToHost(KvCache& kv) {
     // Each part starts 16-byte aligned (at most four runs a layer: 64 bytes of padding).
     if (used + 2 * size_t(n - lo) * w * elem + 64 > capacity) DGSERVE_RETURN_IF_ERROR(scatter());
     for (int which = 0; which < 2; ++which) {
+      if (m->paged()) {
+        // Gathered from the blocks into the device staging (at the same offset as the host
+        // staging's), then one copy.
+        const size_t bytes = size_t(n - lo) * w * elem;
+        unsigned char* dev = kv_rows_dev_.get() + used;
+        const int32_t* table = m->tables[KvKind(l)].get();
+        const int B = options_.kv_block_size;
+        const float* pool = which == 0 ? PoolK(l) : PoolV(l);
+        DGSERVE_RETURN_IF_ERROR(m->CheckHeld(KvKind(l), B, lo, n - lo, "SyncKvToHost"));
+        DGSERVE_RETURN_IF_ERROR(
+            Bf16Mirror(l)
+                ? cuda::CopyRowsFromBlocks(reinterpret_cast<const uint16_t*>(pool), n - lo, int(w),
+                                           table, B, lo, reinterpret_cast<uint16_t*>(dev), stream_)
+                : cuda::CopyRowsFromBlocks(pool, n - lo, int(w), table, B, lo,
+                                           reinterpret_cast<float*>(dev), stream_));
+        parts.push_back({l, which, lo, n - lo, used});
+        unsigned char* dst = reinterpret_cast<unsigned char*>(kv_stage_.data()) + used;
+        used = (used + bytes + 15) / 16 * 16;
+        kv_copy_stats_.sync_to_host_bytes += int64_t(bytes);
+        cuda::NoteDeviceCopy();
+        DGSERVE_RETURN_IF_ERROR(
+            CudaCheck(cudaMemcpyAsync(dst, dev, bytes, cudaMemcpyDeviceToHost, stream_),
+                      "cudaMemcpyAsync (K/V to the host)"));
+        continue;
+      }
       DGSERVE_RETURN_IF_ERROR(m->ForEachRun(l, lo, n - lo, [&](int p0, int row, int count) {
         const size_t bytes = size_t(count) * w * elem;
         const void* src =
@@ -241,6 +296,173 @@ absl::Status CudaBackend::SyncKvToHost(KvCache& kv) {
   DGSERVE_RETURN_IF_ERROR(scatter());
   m->host_synced = n;
   kv.set_host_rows_stale(false);
+  // The host has its rows now: a paged mirror keeps only the window.
+  if (m->paged()) ReleaseSlidingKvBlocks(kv, m, n);
+  return absl::OkStatus();
+}
+
+int CudaBackend::SlidingKeepFrom(const KvCache& kv, int n, bool host_needs) const {
+  const int W = c_.sliding_window;
+  if (W <= 0 || !options_.sliding_kv_ring) return 0;
+  int from = std::max(0, n - (W - 1));
+  if (host_needs) from = std::min(from, kv.SlidingRetainedFrom(n));
+  return from;
+}
+
+float* CudaBackend::PoolK(int l) const {
+  const KvBlockPool& p = kv_pools_[KvKind(l)];
+  return Bf16Mirror(l) ? reinterpret_cast<float*>(p.k16[l].get()) : p.k[l].get();
+}
+
+float* CudaBackend::PoolV(int l) const {
+  const KvBlockPool& p = kv_pools_[KvKind(l)];
+  return Bf16Mirror(l) ? reinterpret_cast<float*>(p.v16[l].get()) : p.v[l].get();
+}
+
+int CudaBackend::ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n) {
+  const int keep = SlidingKeepFrom(kv, n, m->pending());
+  std::vector<int32_t>& table = m->blocks[kKvSliding];
+  const int B = options_.kv_block_size;
+  for (int i = 0; i < std::min(keep / B, int(table.size())); ++i) {
+    if (table[i] < 0) continue;
+    kv_pools_[kKvSliding].free_ids.push_back(table[i]);
+    table[i] = -1;
+    m->tables_dirty = true;  // uploaded before the next pass (no kernel reads the entry)
+  }
+  return keep;
+}
+
+absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
+  KvBlockPool& pool = kv_pools_[kind];
+  if (pool.free_ids.empty()) {
+    // Queued uploads and row copies of this pass may still write the old arrays; Grow copies
+    // them on another stream.
+    if (pool.blocks > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool growth"));
+    const int B = options_.kv_block_size;
+    const int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
+    if (blocks * B > std::numeric_limits<int32_t>::max()) {
+      return absl::ResourceExhaustedError("KV block pool: more than 2^31 rows");
+    }
+    pool.k.resize(c_.num_layers);
+    pool.v.resize(c_.num_layers);
+    pool.k16.resize(c_.num_layers);
+    pool.v16.resize(c_.num_layers);
+    for (int l = 0; l < c_.num_layers; ++l) {
+      if (KvKind(l) != kind) continue;
+      const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l), old = size_t(pool.blocks) * B * w;
+      if (Bf16Mirror(l)) {
+        DGSERVE_RETURN_IF_ERROR(pool.k16[l].Grow(size_t(blocks) * B * w, old));
+        DGSERVE_RETURN_IF_ERROR(pool.v16[l].Grow(size_t(blocks) * B * w, old));
+      } else {
+        DGSERVE_RETURN_IF_ERROR(pool.k[l].Grow(size_t(blocks) * B * w, old));
+        DGSERVE_RETURN_IF_ERROR(pool.v[l].Grow(size_t(blocks) * B * w, old));
+      }
+    }
+    // Popped from the back: the lowest new id first.
+    for (int64_t b = blocks - 1; b >= pool.blocks; --b) pool.free_ids.push_back(int32_t(b));
+    pool.blocks = int(blocks);
+  }
+  const int32_t b = pool.free_ids.back();
+  pool.free_ids.pop_back();
+  return b;
+}
+
+absl::Status CudaBackend::SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, int extra) {
+  const int B = options_.kv_block_size, need = n + extra;
+  const int blocks = (need + B - 1) / B;
+  bool has[2] = {false, false};
+  for (int l = 0; l < c_.num_layers; ++l) has[KvKind(l)] = true;
+  // Block index ranges to hold, per kind.
+  const auto hold = [&](int kind, int from, int to) -> absl::Status {
+    std::vector<int32_t>& table = m->blocks[kind];
+    for (int i = std::max(0, from / B); i < (to + B - 1) / B; ++i) {
+      if (table[i] >= 0) continue;
+      DGSERVE_ASSIGN_OR_RETURN(table[i], AllocateKvBlock(kind));
+      m->tables_dirty = true;
+    }
+    return absl::OkStatus();
+  };
+  for (int kind = 0; kind < 2; ++kind) {
+    if (!has[kind]) continue;
+    if (int(m->blocks[kind].size()) < blocks) {
+      m->blocks[kind].resize(blocks, -1);
+      m->tables_dirty = true;
+    }
+  }
+  if (has[kKvFull]) DGSERVE_RETURN_IF_ERROR(hold(kKvFull, 0, need));
+  if (has[kKvSliding]) {
+    // Behind the window this pass reads (and the rows the host still lacks): back to the pool.
+    const int keep = ReleaseSlidingKvBlocks(kv, m, n);
+    DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, keep, n));
+    // The new rows a later pass or the host reads (the encoder writes only those).
+    const int write_from = std::max(n, SlidingKeepFrom(kv, need, m->deferred));
+    DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, write_from, need));
+  }
+  if (!m->tables_dirty) return absl::OkStatus();
+  for (int kind = 0; kind < 2; ++kind) {
+    const std::vector<int32_t>& table = m->blocks[kind];
+    if (table.empty()) continue;
+    // Grow (not Ensure): no CUDA graph holds a table's address (it is read through the attention
+    // table). The stream drained first: queued copies may read the old table. From pageable
+    // memory the upload is staged before this returns.
+    if (table.size() > m->tables[kind].size()) {
+      if (m->tables[kind].size() > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block table growth"));
+      DGSERVE_RETURN_IF_ERROR(
+          m->tables[kind].Grow(std::max(table.size(), 2 * m->tables[kind].size()), 0));
+    }
+    DGSERVE_RETURN_IF_ERROR(m->tables[kind].UploadAsync(table.data(), table.size(), stream_));
+  }
+  m->tables_dirty = false;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::GrowKvRowsStaging(size_t bytes) {
+  if (bytes <= kv_rows_dev_.size()) return absl::OkStatus();
+  // Queued copies may still read or write the old staging.
+  if (kv_rows_dev_.size() > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV row staging growth"));
+  return kv_rows_dev_.Grow(std::max(bytes, 2 * kv_rows_dev_.size()), 0);
+}
+
+absl::Status CudaBackend::UploadKvRows(const KvCache& kv, const KvMirror& m, int l, int p0,
+                                       int count) {
+  const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
+  const bool bf16 = Bf16Mirror(l);
+  const size_t bytes = size_t(count) * w * (bf16 ? sizeof(uint16_t) : sizeof(float));
+  DGSERVE_RETURN_IF_ERROR(GrowKvRowsStaging(bytes));
+  const int32_t* table = m.tables[KvKind(l)].get();
+  const int B = options_.kv_block_size;
+  DGSERVE_RETURN_IF_ERROR(m.CheckHeld(KvKind(l), B, p0, count, "KV upload"));
+  for (int which = 0; which < 2; ++which) {
+    host_stage_.resize(size_t(count) * w);
+    for (int p = p0; p < p0 + count; ++p) {
+      const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
+      std::memcpy(&host_stage_[size_t(p - p0) * w], src, w * sizeof(float));
+    }
+    const void* data = host_stage_.data();
+    if (bf16) {
+      // Rounded here (FloatToBf16: the device's ToBf16Bits bit for bit): half the bytes.
+      host_stage16_.resize(host_stage_.size());
+      for (size_t i = 0; i < host_stage_.size(); ++i) {
+        host_stage16_[i] = FloatToBf16(host_stage_[i]);
+      }
+      data = host_stage16_.data();
+    }
+    // Into the device staging, then into the blocks, both on stream_ (a later layer's copy into
+    // the staging waits for this one's scatter); from pageable memory CUDA stages the rows before
+    // returning.
+    cuda::NoteUpload();
+    kv_copy_stats_.upload_bytes += int64_t(bytes);
+    DGSERVE_RETURN_IF_ERROR(
+        CudaCheck(cudaMemcpyAsync(kv_rows_dev_.get(), data, bytes, cudaMemcpyHostToDevice, stream_),
+                  "cudaMemcpyAsync (KV upload)"));
+    float* pool = which == 0 ? PoolK(l) : PoolV(l);
+    DGSERVE_RETURN_IF_ERROR(
+        bf16 ? cuda::CopyRowsToBlocks(reinterpret_cast<const uint16_t*>(kv_rows_dev_.get()), count,
+                                      int(w), table, B, p0, reinterpret_cast<uint16_t*>(pool),
+                                      stream_)
+             : cuda::CopyRowsToBlocks(reinterpret_cast<const float*>(kv_rows_dev_.get()), count,
+                                      int(w), table, B, p0, pool, stream_));
+  }
   return absl::OkStatus();
 }
 

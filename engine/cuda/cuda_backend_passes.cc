@@ -51,9 +51,16 @@ bool CudaBackend::TensorCoreCanvas(int l) const { return TensorCoreLayer(c_, opt
 
 cuda::CanvasSegment CudaBackend::TableEntry(const Segment& s, int l) const {
   cuda::CanvasSegment t;
-  // The mirror's rows from position 0 (or its ring); a bf16 layer's arrays as the
-  // CanvasSegmentBf16 its launch reads (the same layout: the header's TableEntry).
-  if (Bf16Mirror(l)) {
+  // The mirror's rows from position 0 (or its ring, or the pool through its block table: token j
+  // is position j); a bf16 layer's arrays as the CanvasSegmentBf16 its launch reads (the same
+  // layout: the header's TableEntry).
+  if (s.mirror->paged()) {
+    t.ctx_k = PoolK(l);
+    t.ctx_v = PoolV(l);
+    t.block_table = s.mirror->tables[KvKind(l)].get();
+    t.block_size = options_.kv_block_size;
+    t.first_slot = 0;
+  } else if (Bf16Mirror(l)) {
     t.ctx_k = reinterpret_cast<const float*>(s.mirror->k16[l].get());
     t.ctx_v = reinterpret_cast<const float*>(s.mirror->v16[l].get());
   } else {
@@ -247,7 +254,14 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
     ctx.tokens = s.pos0 - first;
     ctx.position0 = first;
     const int ring = s.mirror->ring[l];
-    if (ctx.tokens > 0) {
+    if (ctx.tokens > 0 && s.mirror->paged()) {
+      // The pool through the block table (context token j at position first + j).
+      ctx.k = PoolK(l);
+      ctx.v = PoolV(l);
+      ctx.block_table = s.mirror->tables[KvKind(l)].get();
+      ctx.block_size = options_.kv_block_size;
+      ctx.first_slot = first;
+    } else if (ctx.tokens > 0) {
       // A sliding layer's ring from row 0 (position p in row p % ring), else from `first`.
       const size_t row0 = ring > 0 ? 0 : size_t(first);
       ctx.k = s.mirror->k[l].get() + row0 * kvw;
@@ -267,6 +281,26 @@ absl::Status CudaBackend::Layer(int l, PassKind kind, std::span<const Segment> s
   // kernels' rounding); the host cache got the float32 rows above.
   for (const Segment& s : segs) {
     if (kind != PassKind::kEncoder || s.rows == 0) continue;
+    if (s.mirror->paged()) {
+      // Into the pool's blocks (SyncKvBlocks held them): every row on full layers, on sliding
+      // ones those from sliding_device_from.
+      const int from = full ? s.pos0 : std::max(s.pos0, s.sliding_device_from);
+      const int count = s.pos0 + s.rows - from;
+      if (count <= 0) continue;
+      const size_t src = size_t(s.row0 + from - s.pos0) * kvw;
+      const int32_t* table = s.mirror->tables[KvKind(l)].get();
+      const int B = options_.kv_block_size;
+      DGSERVE_RETURN_IF_ERROR(s.mirror->CheckHeld(KvKind(l), B, from, count, "KV append"));
+      for (const auto& [dst, x] : {std::pair{PoolK(l), k}, std::pair{PoolV(l), v}}) {
+        // A bf16 layer's rows rounded on the way (ToBf16Bits, as cuda::FloatToBf16).
+        DGSERVE_RETURN_IF_ERROR(
+            Bf16Mirror(l)
+                ? cuda::CopyRowsToBlocks(x + src, count, kvw, table, B, from,
+                                         reinterpret_cast<uint16_t*>(dst), stream_)
+                : cuda::CopyRowsToBlocks(x + src, count, kvw, table, B, from, dst, stream_));
+      }
+      continue;
+    }
     const int ring = s.mirror->ring[l];
     const int keep = ring > 0 ? std::min(s.rows, ring) : s.rows;
     const int skip = s.rows - keep;
@@ -461,6 +495,8 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
     s.sliding_host_from = std::max(s.pos0, in.kv->SlidingRetainedFrom(s.pos0 + s.rows));
     DGSERVE_ASSIGN_OR_RETURN(s.mirror, SyncMirror(*in.kv, s.rows));
     s.to_host = !s.mirror->deferred;
+    s.sliding_device_from =
+        std::max(s.pos0, SlidingKeepFrom(*in.kv, s.pos0 + s.rows, s.mirror->deferred));
     segs.push_back(s);
     R += s.rows;
   }
@@ -510,6 +546,8 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
     } else {
       m->host_synced = m->synced;
     }
+    // Sliding blocks the window has left go back to the pool now.
+    if (m->paged()) ReleaseSlidingKvBlocks(*batch[i].kv, m, m->synced);
   }
   return absl::OkStatus();
 }

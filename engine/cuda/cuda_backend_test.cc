@@ -242,69 +242,101 @@ TEST_P(CudaBackendTest, EncodeThenDecodeMatchesCpu) {
   ExpectLogitsClose(Logits(*cpu_, kc, canvas, nullptr), Logits(*gpu_, kc, canvas, nullptr));
 }
 
-// Sliding layers' device rings (CudaBackendOptions::sliding_kv_ring, W = 8 rows here) give the
-// former every-position mirror's bits: 29 prompt tokens (more than three rings) encoded in chunks
-// that cross ring edges, one of 13 rows (longer than the ring: only its last 8 rows are kept),
-// then the decoder on the encoded cache and on a cache the backend uploads (rows that wrap).
-// The mirror's bytes are the hand count: 4 sliding layers × K, V × 8 rows × 32 floats × 4 B
-// (8,192) + 2 full layers × K, V × 64 rows (the first capacity) × 32 floats × 4 B (32,768);
-// every position on every layer: 98,304. (With the tensor-core attention the full layers'
-// mirror is bf16, 16,384 B: bf16 against float32 mirrors is
-// SyntheticBackendTest.Bf16KvMirrorEqualsFloat32MirrorBitForBit, every layer on the tensor cores.)
-TEST_P(CudaBackendTest, SlidingRingEqualsEveryPositionMirrorBitForBit) {
+// The device K/V layouts give the same bits: the block pool (CudaBackendOptions::kv_block_size,
+// the fixture's default 64, and blocks of 4: sliding blocks go back to the pool behind the
+// window), the per-sequence mirror with sliding rings (kv_block_size 0, W = 8 rows here) and the
+// every-position mirror (sliding_kv_ring off, in blocks of 64 and per sequence: the reference).
+// 29 prompt tokens (more than three rings) are encoded in chunks that cross ring and block
+// edges, one of 13 rows (longer than the ring: only its last 8 rows are kept), then the decoder
+// runs on the encoded caches and on caches each backend uploads (rows that wrap in a ring).
+// The mirrors' bytes, counted by hand: element size e = 4 B (float32), or 2 B on the full layers
+// in the tensor-core mode (head_dim 32: bf16 mirror); 4 sliding layers and 2 full layers, K and V,
+// 32 elements a row (sliding 4 · 2 · 32 · 4 B = 1,024 B a row, full 4 · 32 · e = 128·e):
+//   ring       sliding 8 rows: 8,192;                   full 64 rows (first capacity): 128·64·e
+//   every pos. sliding 64 rows (first capacity): 65,536; full 128·64·e
+//   blocks 64  sliding block 0 (positions 22 … 28 kept): 65,536; full block 0: 128·64·e
+//   blocks 4   sliding blocks 5 … 7 (positions 20 … 31): 12,288; full 8 blocks: 128·32·e
+// (bf16 against float32 mirrors is SyntheticBackendTest.Bf16KvMirrorEqualsFloat32MirrorBitForBit,
+// every layer on the tensor cores.)
+TEST_P(CudaBackendTest, KvLayoutsGiveTheSameBits) {
   if (!GetParam().fused_vocab) GTEST_SKIP() << "one vocabulary path is enough";
   if (cuda::kEmulated && GetParam().gpu != cuda::GemmInput::kBf16) GTEST_SKIP() << "emulated";
-  CudaBackendOptions linear_options;
-  linear_options.gemm_input = GetParam().gpu;
-  linear_options.batch_invariant_projections = GetParam().own_projections;
-  linear_options.tensor_core_attention = GetParam().tensor_core_attention;
-  linear_options.sliding_kv_ring = false;
-  auto linear = CreateCudaBackend(config(), checkpoint_->weights, linear_options);
-  ASSERT_TRUE(linear.ok()) << linear.status();
   ASSERT_EQ(config().sliding_window, 8);
+  const auto options = [&](int block_size, bool ring) {
+    CudaBackendOptions o;
+    o.gemm_input = GetParam().gpu;
+    o.batch_invariant_projections = GetParam().own_projections;
+    o.tensor_core_attention = GetParam().tensor_core_attention;
+    o.kv_block_size = block_size;
+    o.sliding_kv_ring = ring;
+    return o;
+  };
+  const int e = TensorCores() ? 2 : 4;
+  struct Layout {
+    const char* name;
+    CudaBackendOptions options;
+    int64_t bytes;
+    bool deferred;  // the linear layout copies its rows in the pass (no bound to its rows)
+  };
+  const std::vector<Layout> layouts = {
+      {"every position", options(0, false), 65536 + 128 * 64 * e, false},
+      {"ring", options(0, true), 8192 + 128 * 64 * e, true},
+      {"blocks of 64, every position", options(64, false), 65536 + 128 * 64 * e, false},
+      {"blocks of 4", options(4, true), 12288 + 128 * 32 * e, true},
+      {"blocks of 64", options(64, true), 65536 + 128 * 64 * e, true},
+  };
   const std::vector<int32_t> prompt = Tokens(29, 7);
-  ContiguousKvCache kr(config(), 256), kl(config(), 256);
-  int at = 0;
-  for (int n : {5, 1, 13, 10}) {
-    const std::vector<int32_t> chunk(prompt.begin() + at, prompt.begin() + at + n);
-    Encode(*gpu_, kr, chunk);
-    Encode(**linear, kl, chunk);
-    at += n;
-  }
-  // gpu_'s new rows are on the device only (defer_kv_host_copy); `linear` (no ring) copied its
-  // rows in the passes. The host keeps the sliding layers' last W − 1 rows.
-  EXPECT_TRUE(kr.host_rows_stale());
-  EXPECT_FALSE(kl.host_rows_stale());
-  ASSERT_TRUE(gpu_->SyncKvToHost(kr).ok());
-  EXPECT_FALSE(kr.host_rows_stale());
-  for (int l = 0; l < config().num_layers; ++l) {
-    const size_t w = size_t(config().KvHeads(l)) * config().HeadDim(l);
-    // A bf16 mirror's rows come back as their bf16 values (the rows its attention reads).
-    const bool bf16 = TensorCores() && config().HeadDim(l) % 32 == 0;
-    const int from = config().IsFull(l) ? 0 : 29 - (config().sliding_window - 1);
-    for (int p = from; p < 29; ++p) {
-      for (const auto& [got, want] : {std::pair{kr.KeyRow(l, p), kl.KeyRow(l, p)},
-                                      std::pair{kr.ValueRow(l, p), kl.ValueRow(l, p)}}) {
-        for (size_t i = 0; i < w; ++i) {
-          const float x = bf16 ? RoundToBf16(want[i]) : want[i];
-          ASSERT_EQ(std::memcmp(&got[i], &x, sizeof(float)), 0) << l << " " << p << " " << i;
-        }
-      }
+  std::vector<std::unique_ptr<ModelBackend>> gpus;
+  std::vector<std::unique_ptr<ContiguousKvCache>> caches;
+  for (const Layout& layout : layouts) {
+    auto gpu = CreateCudaBackend(config(), checkpoint_->weights, layout.options);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    gpus.push_back(std::move(*gpu));
+    caches.push_back(std::make_unique<ContiguousKvCache>(config(), 256));
+    int at = 0;
+    for (int n : {5, 1, 13, 10}) {
+      const std::vector<int32_t> chunk(prompt.begin() + at, prompt.begin() + at + n);
+      Encode(*gpus.back(), *caches.back(), chunk);
+      at += n;
     }
+    // Deferred: the new rows are on the device only until the sync; the every-position layouts
+    // (no bound on what they keep) copied theirs in the passes.
+    EXPECT_EQ(caches.back()->host_rows_stale(), layout.deferred) << layout.name;
+    ASSERT_TRUE(gpus.back()->SyncKvToHost(*caches.back()).ok()) << layout.name;
+    EXPECT_FALSE(caches.back()->host_rows_stale()) << layout.name;
+    EXPECT_EQ(CudaKvMirrorBytes(*gpus.back(), *caches.back()).value_or(-1), layout.bytes)
+        << layout.name;
   }
-  // The tensor-core mode's full layers (head_dim 32) store bf16 (bf16_kv_mirror): half of
-  // 32,768.
-  const int full_bytes = TensorCores() ? 16384 : 32768;
-  EXPECT_EQ(CudaKvMirrorBytes(*gpu_, kr).value_or(-1), 8192 + full_bytes);
-  EXPECT_EQ(CudaKvMirrorBytes(**linear, kl).value_or(-1), 65536 + full_bytes);
+  const ContiguousKvCache& ref = *caches[0];
   const std::vector<int32_t> canvas = Tokens(config().canvas_length, 8);
-  auto expect_same = [](const std::vector<float>& a, const std::vector<float>& b) {
+  const std::vector<float> want = Logits(*gpus[0], *caches[0], canvas, nullptr);
+  const auto expect_same = [](const std::vector<float>& a, const std::vector<float>& b) {
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << i;
   };
-  expect_same(Logits(*gpu_, kr, canvas, nullptr), Logits(**linear, kl, canvas, nullptr));
-  // A cache each backend uploads (29 positions into a ring of 8: rows wrap in the upload).
-  expect_same(Logits(*gpu_, kl, canvas, nullptr), Logits(**linear, kr, canvas, nullptr));
+  for (size_t i = 1; i < layouts.size(); ++i) {
+    SCOPED_TRACE(layouts[i].name);
+    // The host keeps the sliding layers' last W − 1 rows; a deferred bf16 mirror's rows come
+    // back as their bf16 values (the rows its attention reads).
+    const ContiguousKvCache& kv = *caches[i];
+    for (int l = 0; l < config().num_layers; ++l) {
+      const size_t w = size_t(config().KvHeads(l)) * config().HeadDim(l);
+      const bool bf16 = layouts[i].deferred && TensorCores() && config().HeadDim(l) % 32 == 0;
+      const int from = config().IsFull(l) ? 0 : 29 - (config().sliding_window - 1);
+      for (int p = from; p < 29; ++p) {
+        for (const auto& [got, x] : {std::pair{kv.KeyRow(l, p), ref.KeyRow(l, p)},
+                                     std::pair{kv.ValueRow(l, p), ref.ValueRow(l, p)}}) {
+          for (size_t j = 0; j < w; ++j) {
+            const float y = bf16 ? RoundToBf16(x[j]) : x[j];
+            ASSERT_EQ(std::memcmp(&got[j], &y, sizeof(float)), 0) << l << " " << p << " " << j;
+          }
+        }
+      }
+    }
+    expect_same(Logits(*gpus[i], kv, canvas, nullptr), want);
+    // A cache the backend has not seen (uploaded: 29 positions into a ring of 8 wrap).
+    expect_same(Logits(*gpus[i], *caches[0], canvas, nullptr), want);
+  }
 }
 
 // Four steps of a self-conditioning chain on the CPU's KV cache, which the GPU uploads (the

@@ -452,8 +452,9 @@ TEST_F(SyntheticBackendTest, EncodeStagesKvAndWaitsOnce) {
 // same bits (the host cache stays float32). Then the decoder's logits on each encoded cache, and
 // on the other backend's cache (SyncMirror uploads the rows, rounded on the host), with split-KV
 // (splits of 32 keys: the full layer's 45 context keys take two). The mirror's bytes halve: the
-// hand count is sliding K, V × 4 rows × 1 KV head × 32 × 2 B (512) + full K, V × 64 rows (the
-// first capacity) × 1 × 64 × 2 B (16,384); float32 twice that.
+// hand count, in the device block pool with blocks of 4, is sliding K, V × 8 rows (blocks 10 and
+// 11: positions 40 … 47 hold the window 42 … 44) × 1 KV head × 32 × 2 B (1,024) + full K, V ×
+// 48 rows (12 blocks) × 1 × 64 × 2 B (12,288); float32 twice that.
 TEST_F(SyntheticBackendTest, Bf16KvMirrorEqualsFloat32MirrorBitForBit) {
   ModelConfig c = testing::TinyConfig();
   c.head_dim = 32;  // every layer on the tensor cores (head dims multiples of 32)
@@ -467,6 +468,7 @@ TEST_F(SyntheticBackendTest, Bf16KvMirrorEqualsFloat32MirrorBitForBit) {
   CudaBackendOptions options;
   options.tensor_core_attention = true;
   options.canvas_split_keys = 32;
+  options.kv_block_size = 4;  // the device block pool in blocks of 4 (W = 4)
   // The host rows compared below are the encoder's float32 rows, copied in the pass (deferred,
   // SyncKvToHost would write the bf16 mirror's values: CudaKvAuthorityTest).
   options.defer_kv_host_copy = false;
@@ -503,12 +505,12 @@ TEST_F(SyntheticBackendTest, Bf16KvMirrorEqualsFloat32MirrorBitForBit) {
     unrounded = unrounded || (bits & 0xFFFFu) != 0;
   }
   EXPECT_TRUE(unrounded);
-  EXPECT_EQ(CudaKvMirrorBytes(**bf16, kb).value_or(-1), 512 + 16384);
-  EXPECT_EQ(CudaKvMirrorBytes(**f32, kf).value_or(-1), 2 * (512 + 16384));
-  // One sequence at 45 positions: sliding 2 × 4 × 32, full 2 × 45 × 64 elements.
-  EXPECT_EQ(CudaKvBytesPerSequence(c, 45, options), (2 * 4 * 32 + 2 * 45 * 64) * 4);
+  EXPECT_EQ(CudaKvMirrorBytes(**bf16, kb).value_or(-1), 1024 + 12288);
+  EXPECT_EQ(CudaKvMirrorBytes(**f32, kf).value_or(-1), 2 * (1024 + 12288));
+  // One sequence at 45 positions: sliding 2 × 8 × 32, full 2 × 48 × 64 elements.
+  EXPECT_EQ(CudaKvBytesPerSequence(c, 45, options), (2 * 8 * 32 + 2 * 48 * 64) * 4);
   options.bf16_kv_mirror = true;
-  EXPECT_EQ(CudaKvBytesPerSequence(c, 45, options), (2 * 4 * 32 + 2 * 45 * 64) * 2);
+  EXPECT_EQ(CudaKvBytesPerSequence(c, 45, options), (2 * 8 * 32 + 2 * 48 * 64) * 2);
   const int C = c.canvas_length, V = c.vocab_size;
   std::vector<int32_t> canvas(C);
   for (int i = 0; i < C; ++i) canvas[i] = (i * 7 + 3) % V;
@@ -563,9 +565,21 @@ TEST(CudaKvBytesTest, RealShapeMatchesHandCount) {
   EXPECT_EQ(CudaKvBytesPerSequence(*c, 2048, f32), int64_t{419430400} + int64_t{83886080});
   EXPECT_EQ(CudaKvBytesPerSequence(*c, 32768, f32), int64_t{419430400} + int64_t{1342177280});
   EXPECT_EQ(CudaKvBytesPerSequence(*c, 131072, f32), int64_t{419430400} + int64_t{5368709120});
-  // Below the window every layer holds every position: 30 layers' 450,560 B / 4 per position.
+  // Below the window every layer holds every position: 30 layers' 450,560 B / 4 per position,
+  // in whole blocks of 64 positions with the block pool (the default: 128 rows), exactly 100
+  // in per-sequence arrays (kv_block_size 0).
   EXPECT_EQ(CudaKvBytesPerSequence(*c, 100, f32),
+            int64_t{128} * (25 * 2 * 2048 + 5 * 2 * 1024) * 4);
+  CudaBackendOptions f32_arrays = f32;
+  f32_arrays.kv_block_size = 0;
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 100, f32_arrays),
             int64_t{100} * (25 * 2 * 2048 + 5 * 2 * 1024) * 4);
+  // Blocks of 64 at 2,000 positions: full 32 blocks (2,048 rows), sliding the blocks of
+  // positions [977, 2000): 15 … 31, 17 blocks (1,088 rows), against the arrays' 2,000 and 1,024.
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2000, f32),
+            int64_t{1088} * 25 * 2 * 2048 * 4 + int64_t{2048} * 5 * 2 * 1024 * 4);
+  EXPECT_EQ(CudaKvBytesPerSequence(*c, 2000, f32_arrays),
+            int64_t{1024} * 25 * 2 * 2048 * 4 + int64_t{2000} * 5 * 2 * 1024 * 4);
   EXPECT_EQ(CudaKvBytesPerSequence(*c, 0, f32), 0);
   // The float32 GEMM-input mode keeps the float32 kernels, so its mirror too.
   CudaBackendOptions exact;
