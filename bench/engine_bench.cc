@@ -30,7 +30,8 @@
 // MoE, dense and vocabulary phases and the host gap (step wall time − their sum). Steps run as
 // CUDA graphs (--cuda_graphs, the default; graphs_per_step) except with --phase_timing, whose
 // event brackets need the launches one by one.
-// --batches 1,2,4 runs a batch sweep in one process (one weight init, one prefill, a RESULT line
+// --batches 1,2,4 runs a batch sweep in one process (instead of --batch N, refused beside it
+// unless the list is N; one weight init, one prefill, a RESULT line
 // per batch; a batch whose KV copies and scratch would not fit in free device or host memory is
 // reported as skipped); --step_budget_s bounds the timed steps per batch; --synthetic_kv fills
 // the prompt's KV cache with deterministic values instead of running the encoder (the 32k-token
@@ -92,7 +93,9 @@ ABSL_FLAG(double, logit_scale, 1.0,
           "multiply the final norm's weight (so every logit before the softcap) by this factor, "
           "in (0, 1e6]; the softcap bounds the logits, so large factors flatten the rows rather "
           "than peak them (bench/vocab_bench measures peaked rows)");
-ABSL_FLAG(int, batch, 1, "canvases denoised together per step, each with its own KV cache copy");
+ABSL_FLAG(std::optional<int>, batch, std::nullopt,
+          "canvases denoised together per step, each with its own KV cache copy (default 1; with "
+          "--batches too: refused unless --batches is this one batch)");
 ABSL_FLAG(std::string, cpu_gemm_inputs, "",
           "--device cpu: comma-separated GEMM input modes to time one after the other on the same "
           "shape (float32, bf16; e.g. 'float32,bf16'), each a whole run with its own prefill and "
@@ -107,7 +110,8 @@ ABSL_FLAG(bool, synthetic_kv, false,
           "fill the prompt's KV cache with deterministic values instead of encoding the prompt "
           "(no prefill timed)");
 ABSL_FLAG(std::string, batches, "",
-          "comma-separated batch sizes to run in turn in this process (overrides --batch)");
+          "comma-separated batch sizes to run in turn in this process, instead of --batch (both "
+          "given: refused unless --batches is the one batch --batch names)");
 ABSL_FLAG(double, step_budget_s, 0,
           "per batch: stop timing steps once this many seconds of steps have run (at least one "
           "timed step; 0: run all --steps)");
@@ -246,8 +250,18 @@ int Run() {
       }
       batches.push_back(b);
     }
+    // An explicit --batch that the list would silently override is refused; the two agree only
+    // when the list is that one batch.
+    if (const std::optional<int> batch = absl::GetFlag(FLAGS_batch);
+        batch && !(batches.size() == 1 && batches[0] == *batch)) {
+      std::fprintf(stderr,
+                   "--batch %d and --batches %s disagree: give one (--batches runs each batch of "
+                   "the list, --batch N is --batches N)\n",
+                   *batch, list.c_str());
+      return 2;
+    }
   } else {
-    batches.push_back(absl::GetFlag(FLAGS_batch));
+    batches.push_back(absl::GetFlag(FLAGS_batch).value_or(1));
   }
   for (int b : batches) {
     if (b < 1 || b > 256) {
