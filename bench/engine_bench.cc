@@ -31,12 +31,11 @@
 // step is timed as one unit and the RESULT line's body_ms and vocab_ms read "na". Steps run as
 // CUDA graphs (--cuda_graphs, the default; graphs_per_step) except with --phase_timing, whose
 // event brackets need the launches one by one.
-// --batches 1,2,4 runs a batch sweep in one process (instead of --batch N, refused beside it
-// unless the list is N; one weight init, one prefill, a RESULT line
-// per batch; a batch whose KV copies and scratch would not fit in free device or host memory is
-// reported as skipped); --step_budget_s bounds the timed steps per batch; --synthetic_kv fills
-// the prompt's KV cache with deterministic values instead of running the encoder (the 32k-token
-// prefill of 30 layers would take minutes of device time; prefill_ms=na).
+// --batches 1,2,4 runs a batch sweep in one process instead of --batch N (one weight init, one
+// prefill, a RESULT line per batch; a batch whose KV copies and scratch would not fit in free
+// device or host memory is reported as skipped); --step_budget_s bounds the timed steps per
+// batch; --synthetic_kv fills the prompt's KV cache with deterministic values instead of running
+// the encoder (a 32k-token prefill of 30 layers takes minutes of device time; prefill_ms=na).
 #include <omp.h>
 
 #include <algorithm>
@@ -95,8 +94,8 @@ ABSL_FLAG(double, logit_scale, 1.0,
           "in (0, 1e6]; the softcap bounds the logits, so large factors flatten the rows rather "
           "than peak them (bench/vocab_bench measures peaked rows)");
 ABSL_FLAG(std::optional<int>, batch, std::nullopt,
-          "canvases denoised together per step, each with its own KV cache copy (default 1; with "
-          "--batches too: refused unless --batches is this one batch)");
+          "canvases denoised together per step, each with its own KV cache copy (default 1; "
+          "beside --batches: refused unless --batches is this one batch)");
 ABSL_FLAG(std::string, cpu_gemm_inputs, "",
           "--device cpu: comma-separated GEMM input modes to time one after the other on the same "
           "shape (float32, bf16; e.g. 'float32,bf16'), each a whole run with its own prefill and "
@@ -251,8 +250,7 @@ int Run() {
       }
       batches.push_back(b);
     }
-    // An explicit --batch that the list would silently override is refused; the two agree only
-    // when the list is that one batch.
+    // An explicit --batch agrees with the list only when the list is that one batch.
     if (const std::optional<int> batch = absl::GetFlag(FLAGS_batch);
         batch && !(batches.size() == 1 && batches[0] == *batch)) {
       std::fprintf(stderr,
@@ -488,9 +486,7 @@ int Run() {
     std::vector<std::vector<float>> uniforms(B, std::vector<float>(C));
     std::vector<std::vector<RowResult>> rows(B, std::vector<RowResult>(C));
     double body = 0, vocab = 0, wall = 0, cpu_total = 0, entropy_sum = 0;
-    // The body and the vocabulary work are timed apart on the CPU, and on the device with
-    // --phase_timing only (CudaBackend::last_decode_timings: otherwise one unit, the whole step
-    // as body_seconds): body_ms and vocab_ms are "na" when not measured.
+    // Body and vocabulary timed apart: on the CPU, on the device with --phase_timing only (na).
     const bool split_timed = !cuda || absl::GetFlag(FLAGS_phase_timing);
     double ph_attn = 0, ph_moe = 0, ph_dense = 0, ph_vocab = 0;
     bool have_phases = false;
@@ -610,7 +606,7 @@ int Run() {
           1e3 * vocab / timed, vocab > 0 ? vocab_flops / vocab / 1e9 : 0.0);
     } else {
       std::printf(
-          "  body (layers, SC MLP)    not measured (the step runs as one unit on the device;\n"
+          "  body (layers, SC MLP)    not measured (one unit on the device;\n"
           "  vocabulary-sized work    not measured  --phase_timing splits it)\n");
     }
     if (have_phases) {
