@@ -27,14 +27,15 @@
 // and a bf16 cuBLAS GEMM, --calibrate_copy_mb / --calibrate_gemm_n; 0 skips) and adds per step:
 // launches (our kernels + cuBLAS calls + device copies), blocking host round trips (host↔device
 // copies and syncs), allocations, and with --phase_timing the CUDA-event time of the attention,
-// MoE, dense and vocabulary phases and the host gap (step wall time − their sum). Steps run as
+// MoE, dense and vocabulary phases and the host gap (step wall time − their sum); without it the
+// step is timed as one unit and the RESULT line's body_ms and vocab_ms read "na". Steps run as
 // CUDA graphs (--cuda_graphs, the default; graphs_per_step) except with --phase_timing, whose
 // event brackets need the launches one by one.
-// --batches 1,2,4 runs a batch sweep in one process (one weight init, one prefill, a RESULT line
-// per batch; a batch whose KV copies and scratch would not fit in free device or host memory is
-// reported as skipped); --step_budget_s bounds the timed steps per batch; --synthetic_kv fills
-// the prompt's KV cache with deterministic values instead of running the encoder (the 32k-token
-// prefill of 30 layers would take minutes of device time; prefill_ms=na).
+// --batches 1,2,4 runs a batch sweep in one process instead of --batch N (one weight init, one
+// prefill, a RESULT line per batch; a batch whose KV copies and scratch would not fit in free
+// device or host memory is reported as skipped); --step_budget_s bounds the timed steps per
+// batch; --synthetic_kv fills the prompt's KV cache with deterministic values instead of running
+// the encoder (a 32k-token prefill of 30 layers takes minutes of device time; prefill_ms=na).
 #include <omp.h>
 
 #include <algorithm>
@@ -92,7 +93,9 @@ ABSL_FLAG(double, logit_scale, 1.0,
           "multiply the final norm's weight (so every logit before the softcap) by this factor, "
           "in (0, 1e6]; the softcap bounds the logits, so large factors flatten the rows rather "
           "than peak them (bench/vocab_bench measures peaked rows)");
-ABSL_FLAG(int, batch, 1, "canvases denoised together per step, each with its own KV cache copy");
+ABSL_FLAG(std::optional<int>, batch, std::nullopt,
+          "canvases denoised together per step, each with its own KV cache copy (default 1; "
+          "beside --batches: refused unless --batches is this one batch)");
 ABSL_FLAG(std::string, cpu_gemm_inputs, "",
           "--device cpu: comma-separated GEMM input modes to time one after the other on the same "
           "shape (float32, bf16; e.g. 'float32,bf16'), each a whole run with its own prefill and "
@@ -107,7 +110,8 @@ ABSL_FLAG(bool, synthetic_kv, false,
           "fill the prompt's KV cache with deterministic values instead of encoding the prompt "
           "(no prefill timed)");
 ABSL_FLAG(std::string, batches, "",
-          "comma-separated batch sizes to run in turn in this process (overrides --batch)");
+          "comma-separated batch sizes to run in turn in this process, instead of --batch (both "
+          "given: refused unless --batches is the one batch --batch names)");
 ABSL_FLAG(double, step_budget_s, 0,
           "per batch: stop timing steps once this many seconds of steps have run (at least one "
           "timed step; 0: run all --steps)");
@@ -251,8 +255,17 @@ int Run() {
       }
       batches.push_back(b);
     }
+    // An explicit --batch agrees with the list only when the list is that one batch.
+    if (const std::optional<int> batch = absl::GetFlag(FLAGS_batch);
+        batch && !(batches.size() == 1 && batches[0] == *batch)) {
+      std::fprintf(stderr,
+                   "--batch %d and --batches %s disagree: give one (--batches runs each batch of "
+                   "the list, --batch N is --batches N)\n",
+                   *batch, list.c_str());
+      return 2;
+    }
   } else {
-    batches.push_back(absl::GetFlag(FLAGS_batch));
+    batches.push_back(absl::GetFlag(FLAGS_batch).value_or(1));
   }
   for (int b : batches) {
     if (b < 1 || b > 256) {
@@ -481,6 +494,8 @@ int Run() {
     std::vector<std::vector<float>> uniforms(B, std::vector<float>(C));
     std::vector<std::vector<RowResult>> rows(B, std::vector<RowResult>(C));
     double body = 0, vocab = 0, wall = 0, cpu_total = 0, entropy_sum = 0;
+    // Body and vocabulary timed apart: on the CPU, on the device with --phase_timing only (na).
+    const bool split_timed = !cuda || absl::GetFlag(FLAGS_phase_timing);
     double ph_attn = 0, ph_moe = 0, ph_dense = 0, ph_vocab = 0;
     bool have_phases = false;
 #ifdef DGSERVE_HAVE_CUDA
@@ -590,12 +605,18 @@ int Run() {
     std::printf("time per canvas of %3d st. %10.2f ms\n", steps, 1e3 * per_step * steps);
     std::printf("canvas positions per s     %10.0f (%.0f tokens/s at 16 steps per canvas)\n",
                 double(C) * B / per_step, double(C) * B / (16 * per_step));
-    std::printf("  body (layers, SC MLP)    %10.2f ms/step  %8.1f GFLOP/s\n", 1e3 * body / timed,
-                body > 0 ? body_flops / body / 1e9 : 0.0);
-    std::printf(
-        "  vocabulary-sized work    %10.2f ms/step  %8.1f GFLOP/s (LM head + SC GEMMs,\n"
-        "                           fused with softcap/softmax/entropy/sampling)\n",
-        1e3 * vocab / timed, vocab > 0 ? vocab_flops / vocab / 1e9 : 0.0);
+    if (split_timed) {
+      std::printf("  body (layers, SC MLP)    %10.2f ms/step  %8.1f GFLOP/s\n", 1e3 * body / timed,
+                  body > 0 ? body_flops / body / 1e9 : 0.0);
+      std::printf(
+          "  vocabulary-sized work    %10.2f ms/step  %8.1f GFLOP/s (LM head + SC GEMMs,\n"
+          "                           fused with softcap/softmax/entropy/sampling)\n",
+          1e3 * vocab / timed, vocab > 0 ? vocab_flops / vocab / 1e9 : 0.0);
+    } else {
+      std::printf(
+          "  body (layers, SC MLP)    not measured (one unit on the device;\n"
+          "  vocabulary-sized work    not measured  --phase_timing splits it)\n");
+    }
     if (have_phases) {
       const double sum = (ph_attn + ph_moe + ph_dense + ph_vocab) / timed;
       std::printf(
@@ -684,13 +705,14 @@ int Run() {
         " weights_gb=", Fmt((ckpt ? WeightBytes(c, ckpt->quant) : WeightBytes(c)) / 1e9, "%.3f"));
     std::printf(
         "RESULT device=%s gpu=%s layers=%d canvas=%d batch=%d context=%d steps=%d gemm_input=%s "
-        "weights=%s status=ok prefill_ms=%s step_ms=%.3f body_ms=%.3f vocab_ms=%.3f "
+        "weights=%s status=ok prefill_ms=%s step_ms=%.3f body_ms=%s vocab_ms=%s "
         "canvas_ms=%.2f positions_per_s=%.0f tokens_per_s_16=%.1f bf16_gb_per_step=%.3f "
         "bf16_bound_share=%.4f device_mem_gb=%.2f peak_rss_gb=%.2f sc_skipped_share=%.4f%s\n",
         device.c_str(), gpu_name.c_str(), c.num_layers, C, B, P, timed, gemm_input.c_str(),
         synthetic ? (cuda ? "synthetic_device" : "synthetic_host") : "checkpoint",
         synthetic_kv ? "na" : Fmt(1e3 * prefill_s, "%.2f").c_str(), 1e3 * per_step,
-        1e3 * body / timed, 1e3 * vocab / timed, 1e3 * per_step * steps,
+        split_timed ? Fmt(1e3 * body / timed).c_str() : "na",
+        split_timed ? Fmt(1e3 * vocab / timed).c_str() : "na", 1e3 * per_step * steps,
         double(C) * B / per_step, double(C) * B / (16 * per_step), bf16_bytes / 1e9, bound_share,
         device_peak / 1e9, peak_rss ? double(*peak_rss) / 1e9 : 0.0,
         sc_pairs > 0 ? double(sc_skipped) / double(sc_pairs) : 0.0, extra.c_str());

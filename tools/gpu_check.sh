@@ -72,8 +72,8 @@
 #     the other runs take the default too);
 #     and the step as served (`full-2k-graphs-*`: CUDA graphs replayed, no --phase_timing, whose
 #     event brackets run the step eagerly) at batch 1 and 16, 2k context.
-#     Each RESULT line: step, body and vocabulary times, per-phase CUDA-event times and host
-#     gaps, launches and blocking host round trips per step, tokens/s at 16 steps, the weight
+#     Each RESULT line: step, body and vocabulary times (body_ms=na vocab_ms=na in the runs
+#     without --phase_timing), per-phase CUDA-event times and host gaps, launches and blocking host round trips per step, tokens/s at 16 steps, the weight
 #     bytes per step ÷ step time as a share of the measured copy bandwidth (and of
 #     GPU_MEM_BW_GBS: 4800 GB/s on an H200, 3350 on an H100 SXM), peak device memory
 #     (cudaMemGetInfo; nvidia-smi sampled every 250 ms: gpu_memory.csv). The `table:` lines are

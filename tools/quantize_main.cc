@@ -34,6 +34,7 @@
 #include "engine/model/quantize_checkpoint.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "tools/sudoku/sudoku.h"
+#include "tools/sudoku/sudoku_tokens.h"
 
 ABSL_FLAG(std::string, in, "", "bf16 checkpoint directory to read (required)");
 ABSL_FLAG(std::string, out, "", "checkpoint directory to write (required; created if needed)");
@@ -83,25 +84,15 @@ namespace {
 
 // The calibration requests of a Sudoku puzzle file: prompt <bos> + ToRows(puzzle), and the
 // canvas template ToRows(puzzle) + <eos> with every blank restricted to the digits 1-9 (the
-// template dgserve-sudoku-eval sends, sudoku::SetSudokuTemplate); the first `limit` puzzles
-// (0: all), read no further. Errors name FILE:LINE (a puzzle whose givens conflict included).
+// template dgserve-sudoku-eval sends, sudoku::SetSudokuTemplate), in the token ids of
+// sudoku::LoadSudokuTokens; the first `limit` puzzles (0: all), read no further. Errors name
+// FILE:LINE (a puzzle whose givens conflict included); INVALID_ARGUMENT before the file is read
+// when `tok` lacks the layout's tokens.
 absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& path,
                                                              const Tokenizer& tok,
                                                              const ModelConfig& config, int limit) {
-  auto one = [&](const std::string& piece, bool special) -> absl::StatusOr<int32_t> {
-    const std::vector<int32_t> ids =
-        special ? tok.Encode(piece, false) : tok.EncodeText(piece, false);
-    if (ids.size() != 1) {
-      return absl::InvalidArgumentError(absl::StrCat("the tokenizer does not encode '", piece,
-                                                     "' as one token: not a Sudoku model"));
-    }
-    return ids[0];
-  };
-  std::vector<int32_t> digits;
-  for (char d = '1'; d <= '9'; ++d) {
-    DGSERVE_ASSIGN_OR_RETURN(int32_t id, one(std::string(1, d), false));
-    digits.push_back(id);
-  }
+  DGSERVE_ASSIGN_OR_RETURN(const sudoku::SudokuTokens tokens, sudoku::LoadSudokuTokens(tok));
+  const std::vector<int32_t> digits(tokens.digit.begin() + 1, tokens.digit.end());
   std::vector<CalibrationPrompt> out;
   auto add_puzzle = [&](const nlohmann::json& j, int) -> absl::Status {
     if (j.is_discarded() || !j.is_object() || !j.contains("puzzle") || !j["puzzle"].is_string()) {
@@ -120,17 +111,15 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
     p.prompt = tok.EncodeText(rows, /*add_bos=*/true);
     std::vector<int32_t> canvas;
     std::vector<TemplateHoleSpec> holes;
-    for (char ch : rows) {
+    for (char ch : rows) {  // '.', '1'..'9' or '\n' (ToRows)
       if (ch == '.') {
         holes.push_back({int(canvas.size()), digits});
         canvas.push_back(-1);
       } else {
-        DGSERVE_ASSIGN_OR_RETURN(int32_t id, one(std::string(1, ch), false));
-        canvas.push_back(id);
+        canvas.push_back(ch == '\n' ? tokens.newline : tokens.digit[ch - '0']);
       }
     }
-    DGSERVE_ASSIGN_OR_RETURN(int32_t eos, one("<eos>", true));
-    canvas.push_back(eos);
+    canvas.push_back(tokens.eos);
     DGSERVE_ASSIGN_OR_RETURN(
         p.canvas_template,
         CanvasTemplate::Create(canvas, holes, config.canvas_length, config.vocab_size));

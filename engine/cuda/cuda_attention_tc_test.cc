@@ -253,50 +253,30 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
     return b;
   }
 
-  // `segs` on a bf16 context (CanvasSegmentBf16: the float32 context rounded by FloatToBf16)
-  // give the float32 context's bits (the kernel rounds each element it loads the same way).
-  // split_keys > 0: the canvas's split-KV.
-  void CheckBf16Context(int heads, int kvh, int hd, const std::vector<TcSegment>& segs,
-                        uint32_t seed, int split_keys = 0) {
-    std::vector<Data> data;
-    std::vector<Case> cases;
-    MakeCases(heads, kvh, hd, segs, seed, &cases, &data);
-    bf16_ctx_ = false;
-    const std::vector<std::vector<float>> f32 =
-        RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys);
-    bf16_ctx_ = true;
-    const std::vector<std::vector<float>> b16 =
-        RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys);
-    bf16_ctx_ = false;
-    for (size_t s = 0; s < segs.size(); ++s) {
-      ASSERT_EQ(b16[s].size(), f32[s].size());
-      for (size_t i = 0; i < f32[s].size(); ++i) {
-        ASSERT_EQ(std::memcmp(&b16[s][i], &f32[s][i], 4), 0)
-            << cases[s].Name() << " ring " << segs[s].ring << " element " << i;
-      }
-      // Not vacuous: the float64 reference on the float32 inputs.
-      Expect(cases[s], b16[s], Reference(cases[s], data[s]), kTcTolFloat);
-    }
+  static int PagedSegments(const std::vector<TcSegment>& segs) {
+    return int(
+        std::count_if(segs.begin(), segs.end(), [](const TcSegment& s) { return s.block > 0; }));
   }
 
-  // `segs` with paged contexts (TcSegment::block > 0) give the bits of the same segments with
-  // contiguous contexts, on a float32 and on a bf16 pool (CanvasSegmentBf16: the float32
-  // contiguous bits, as CheckBf16Context), and the float64 reference within kTcTolFloat.
-  // split_keys > 0: the canvas's split-KV.
-  void CheckPaged(int heads, int kvh, int hd, const std::vector<TcSegment>& segs, uint32_t seed,
-                  int split_keys = 0) {
+  // `segs` as given (contiguous, ring or paged contexts: TcSegment::block > 0) on a float32 and
+  // on a bf16 context (CanvasSegmentBf16: the float32 context rounded by FloatToBf16; the kernel
+  // rounds each element it loads the same way) give the bits of the same segments with
+  // contiguous float32 contexts, and the float64 reference within kTcTolFloat. Without a paged
+  // segment the float32 run is the contiguous one and runs once. split_keys > 0: the canvas's
+  // split-KV.
+  void CheckContextLayouts(int heads, int kvh, int hd, const std::vector<TcSegment>& segs,
+                           uint32_t seed, int split_keys = 0) {
     std::vector<Data> data;
     std::vector<Case> cases;
     MakeCases(heads, kvh, hd, segs, seed, &cases, &data);
     std::vector<TcSegment> contiguous = segs;
     for (TcSegment& s : contiguous) s.block = s.first_slot = 0;
-    int paged = 0;
-    for (const TcSegment& s : segs) paged += s.block > 0 ? 1 : 0;
-    ASSERT_GT(paged, 0);
+    const bool paged = PagedSegments(segs) > 0;
+    bf16_ctx_ = false;
     const std::vector<std::vector<float>> linear =
         RunBatch(contiguous, data, heads, kvh, hd, 1, false, split_keys);
     const std::vector<std::vector<float>> f32 =
-        RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys);
+        paged ? RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys) : linear;
     bf16_ctx_ = true;
     const std::vector<std::vector<float>> b16 =
         RunBatch(segs, data, heads, kvh, hd, 1, false, split_keys);
@@ -306,13 +286,14 @@ class TensorCoreAttentionTest : public CudaAttentionTest {
       ASSERT_EQ(b16[s].size(), linear[s].size());
       for (size_t i = 0; i < linear[s].size(); ++i) {
         ASSERT_EQ(std::memcmp(&f32[s][i], &linear[s][i], 4), 0)
-            << cases[s].Name() << " block " << segs[s].block << " first_slot " << segs[s].first_slot
-            << " element " << i;
+            << cases[s].Name() << " float32, ring " << segs[s].ring << " block " << segs[s].block
+            << " first_slot " << segs[s].first_slot << " element " << i;
         ASSERT_EQ(std::memcmp(&b16[s][i], &linear[s][i], 4), 0)
-            << cases[s].Name() << " bf16 pool, block " << segs[s].block << " first_slot "
-            << segs[s].first_slot << " element " << i;
+            << cases[s].Name() << " bf16, ring " << segs[s].ring << " block " << segs[s].block
+            << " first_slot " << segs[s].first_slot << " element " << i;
       }
-      Expect(cases[s], f32[s], Reference(cases[s], data[s]), kTcTolFloat);
+      // Not vacuous: the float64 reference on the float32 inputs.
+      Expect(cases[s], linear[s], Reference(cases[s], data[s]), kTcTolFloat);
     }
   }
 
@@ -367,11 +348,12 @@ TEST_F(TensorCoreCanvasAttentionTest, PagedContextMatchesContiguous) {
       {45, 9, 8, 0, 32, 5}, {70, 5, 0, 0, 32, 0},      {150, 17, 0, 0, 64, 40},
       {0, 7, 0, 0, 32, 3},  {100, 3, 16, 0, 16, 7},    {33, 13, 16},
       {45, 3, 8, 7},        {300, 6, 100, 0, 64, 100}, {64, 11, 0, 0, 32, 32}};
-  CheckPaged(4, 2, 256, segs, 8000);
-  CheckPaged(8, 1, 512, segs, 8100);
-  CheckPaged(4, 2, 256, segs, 8200, /*split_keys=*/32);
+  ASSERT_GT(PagedSegments(segs), 0);
+  CheckContextLayouts(4, 2, 256, segs, 8000);
+  CheckContextLayouts(8, 1, 512, segs, 8100);
+  CheckContextLayouts(4, 2, 256, segs, 8200, /*split_keys=*/32);
   EXPECT_EQ(last_max_splits_, 5);  // ctx 150 without a window: keys 0 … 149
-  CheckPaged(4, 4, 64, segs, 8300, /*split_keys=*/64);
+  CheckContextLayouts(4, 4, 64, segs, 8300, /*split_keys=*/64);
 }
 
 // A bf16 context (CanvasSegmentBf16, the backend's bf16 KV mirror) gives the float32 context's
@@ -380,9 +362,9 @@ TEST_F(TensorCoreCanvasAttentionTest, PagedContextMatchesContiguous) {
 TEST_F(TensorCoreCanvasAttentionTest, Bf16ContextEqualsFloat32ContextBitForBit) {
   const std::vector<TcSegment> segs = {{0, 7, 0},        {45, 9, 8},    {70, 5, 0},
                                        {33, 17, 16, 21}, {45, 3, 8, 7}, {8, 13, 8, 8}};
-  CheckBf16Context(4, 2, 256, segs, 3600);
-  CheckBf16Context(8, 1, 512, segs, 3700);
-  CheckBf16Context(4, 2, 256, segs, 3800, /*split_keys=*/32);
+  CheckContextLayouts(4, 2, 256, segs, 3600);
+  CheckContextLayouts(8, 1, 512, segs, 3700);
+  CheckContextLayouts(4, 2, 256, segs, 3800, /*split_keys=*/32);
 }
 
 // Large scores (standard deviation about 30): the running max keeps exp() in range across tiles.
@@ -686,31 +668,33 @@ TEST_F(TensorCorePrefillAttentionTest, RingContextMatchesContiguous) {
 // A bf16 context (CanvasSegmentBf16) gives the float32 context's bits: contiguous contexts with
 // and without a window and ring contexts (rows wrap), a chunk longer than the window.
 TEST_F(TensorCorePrefillAttentionTest, Bf16ContextEqualsFloat32ContextBitForBit) {
-  CheckBf16Context(4, 2, 256, {{0, 5, 0}, {45, 9, 0}, {70, 33, 0}}, 6300);
-  CheckBf16Context(4, 2, 256, {{7, 3, 8}, {29, 40, 8, 13}, {70, 17, 8, 7}, {45, 9, 8}}, 6400);
+  CheckContextLayouts(4, 2, 256, {{0, 5, 0}, {45, 9, 0}, {70, 33, 0}}, 6300);
+  CheckContextLayouts(4, 2, 256, {{7, 3, 8}, {29, 40, 8, 13}, {70, 17, 8, 7}, {45, 9, 8}}, 6400);
 }
 
-// A paged context gives the contiguous context's bits (CheckPaged: float32 and bf16 pools),
-// beside contiguous and ring segments: full attention over blocks of 16, 32 and 64 with
+// A paged context gives the contiguous context's bits (CheckContextLayouts: float32 and bf16
+// pools), beside contiguous and ring segments: full attention over blocks of 16, 32 and 64 with
 // first_slot 0, mid-block and past a block, contexts not multiples of the block size, a chunk of
 // 33 rows; a sliding window of 8 starting mid-block (first_slot 30 with blocks of 32: the window
 // of ctx 7 spans slots 30 … 36, two blocks) and a chunk longer than the window.
 TEST_F(TensorCorePrefillAttentionTest, PagedContextMatchesContiguous) {
-  CheckPaged(4, 2, 256,
-             {{0, 5, 0, 0, 32, 0},
-              {45, 9, 0, 0, 32, 5},
-              {70, 33, 0, 0, 64, 40},
-              {100, 20, 0, 0, 16, 3},
-              {37, 12, 0}},
-             8400);
-  CheckPaged(4, 2, 256,
-             {{7, 3, 8, 0, 32, 30},
-              {29, 40, 8, 0, 32, 17},
-              {70, 17, 8, 0, 64, 100},
-              {45, 9, 8, 13},
-              {45, 9, 8}},
-             8500);
-  CheckPaged(8, 1, 512, {{70, 33, 0, 0, 64, 40}, {45, 9, 0}}, 8600);
+  const std::vector<TcSegment> full = {{0, 5, 0, 0, 32, 0},
+                                       {45, 9, 0, 0, 32, 5},
+                                       {70, 33, 0, 0, 64, 40},
+                                       {100, 20, 0, 0, 16, 3},
+                                       {37, 12, 0}};
+  const std::vector<TcSegment> sliding = {{7, 3, 8, 0, 32, 30},
+                                          {29, 40, 8, 0, 32, 17},
+                                          {70, 17, 8, 0, 64, 100},
+                                          {45, 9, 8, 13},
+                                          {45, 9, 8}};
+  const std::vector<TcSegment> wide = {{70, 33, 0, 0, 64, 40}, {45, 9, 0}};
+  for (const std::vector<TcSegment>* segs : {&full, &sliding, &wide}) {
+    ASSERT_GT(PagedSegments(*segs), 0);
+  }
+  CheckContextLayouts(4, 2, 256, full, 8400);
+  CheckContextLayouts(4, 2, 256, sliding, 8500);
+  CheckContextLayouts(8, 1, 512, wide, 8600);
 }
 
 TEST(TensorCorePrefillAttentionArgsTest, BadShapesAreInvalidArgument) {

@@ -15,6 +15,7 @@
 #include "dgserve/v1/generation.pb.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "tools/sudoku/sudoku.h"
+#include "tools/sudoku/sudoku_tokens.h"
 
 namespace dgserve::sudoku {
 
@@ -40,18 +41,6 @@ struct SudokuMode {
   // (common/limits.h); a gateway's --max_n may be lower, and then it answers INVALID_ARGUMENT.
   int samples = 1;
 };
-
-// The token ids of the canvas layout in a model's vocabulary.
-struct SudokuTokens {
-  std::array<int32_t, 10> digit{};  // digit[d] for d = 1..9 (digit[0] unused)
-  int32_t newline = 0;              // "\n"
-  int32_t eos = 0;                  // "<eos>"
-};
-
-// Looks the layout tokens up in `tok`: each of "1".."9" and "\n" must encode (without BOS) to
-// exactly one token that is not <unk>, and "<eos>" must be a piece of the vocabulary.
-// INVALID_ARGUMENT naming the string otherwise.
-absl::StatusOr<SudokuTokens> LoadSudokuTokens(const Tokenizer& tok);
 
 // The canvas template of `puzzle` in the API's text form (see SudokuMode::use_template).
 void SetSudokuTemplate(const Grid& puzzle, v1::CanvasTemplate* t);

@@ -82,14 +82,6 @@ TEST(CandidateMasksTest, OneEliminationPassOverTheGivens) {
   }
 }
 
-TEST(SudokuTokensTest, FromTheSudokuTokenizer) {
-  absl::StatusOr<SudokuTokens> t = LoadSudokuTokens(SudokuTokenizer());
-  ASSERT_TRUE(t.ok()) << t.status();
-  for (int d = 1; d <= 9; ++d) EXPECT_EQ(t->digit[d], Digit(d)) << d;
-  EXPECT_EQ(t->newline, kNewline);
-  EXPECT_EQ(t->eos, kEos);
-}
-
 TEST(CandidatesTemplateTest, PerHoleSetsAndFixedLayoutOfTheGuidePuzzle) {
   const Tokenizer tok = SudokuTokenizer();
   absl::StatusOr<SudokuTokens> tokens = LoadSudokuTokens(tok);

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# tools/up.sh's exit status on stubs (no build, no cluster): `bash` and `cmake` on PATH stand in
+# for tools/setup.sh, the build and tools/cluster.sh (which writes cluster.env), and a fake
+# BUILD_DIR/tools/dgserve exits with $FAKE_RC. The Sudoku demo passes only when the answer is
+# solved (dgserve sudoku exit 0); a wrong answer (2) or an error (1) fails it with a message; the
+# chat request is unchanged.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+REAL_BASH=$(command -v bash)
+fails=0
+mkdir -p "$T/bin" "$T/build/tools" "$T/run"
+: > "$T/build/build.ninja"
+cat > "$T/bin/bash" <<EOF
+#!$REAL_BASH
+case "\${1:-}" in
+  tools/setup.sh) exit 0 ;;
+  tools/cluster.sh) printf 'GATEWAY_GRPC=127.0.0.1:1\nGATEWAY_HTTP=127.0.0.1:2\nGATEWAY_METRICS=127.0.0.1:3\nPREFILL0_METRICS=127.0.0.1:4\nDENOISE0_METRICS=127.0.0.1:5\n' > "\$RUN_DIR/cluster.env" ;;
+  *) exec $REAL_BASH "\$@" ;;
+esac
+EOF
+printf '#!/bin/sh\nexit 0\n' > "$T/bin/cmake"
+cat > "$T/build/tools/dgserve" <<'EOF'
+#!/bin/sh
+echo "dgserve $1"
+[ "$FAKE_RC" = 2 ] && echo "not solved: row 1 has two 5s"
+exit "$FAKE_RC"
+EOF
+chmod +x "$T/bin/bash" "$T/bin/cmake" "$T/build/tools/dgserve"
+up() {  # $1: the fake dgserve's exit status, rest: up.sh's arguments; stdout+stderr in $T/out
+  local rc=$1
+  shift
+  FAKE_RC=$rc PATH="$T/bin:$PATH" BUILD_DIR=$T/build RUN_DIR=$T/run "$REAL_BASH" tools/up.sh "$@" \
+    > "$T/out" 2>&1
+}
+expect() {  # $1: description, $2: the exit status up.sh must give, $3: a regex its output must match
+  local what=$1 want=$2 re=$3 got=0
+  shift 3
+  up "$@" || got=$?
+  if [ "$got" = "$want" ] && grep -Eq "$re" "$T/out"; then
+    echo "ok: $what"
+  else
+    echo "FAILED: $what (exit $got, want $want and /$re/):"
+    sed 's/^/  | /' "$T/out"
+    fails=$((fails + 1))
+  fi
+}
+expect "a solved puzzle exits 0" 0 "the cluster keeps running" 0
+expect "a wrong answer exits 2 and says the demo failed" 2 \
+  "up.sh: FAILED: the cluster answered, but the answer does not solve the puzzle" 2
+expect "a failed request exits 1" 1 "up.sh: FAILED: the Sudoku request failed .dgserve sudoku exit 1" 1
+expect "the chat request exits 0" 0 "dgserve chat" 0 --chat
+if [ "$fails" -ne 0 ]; then
+  echo "up_test: $fails failed"
+  exit 1
+fi
+echo "up_test: all passed"
