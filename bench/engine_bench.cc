@@ -52,9 +52,9 @@
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_batches.h"
 #include "bench/bench_checkpoint.h"
 #include "bench/step_cost.h"
 #include "common/cli.h"
@@ -245,34 +245,13 @@ int Run() {
     std::fprintf(stderr, "--canvas must be ≥ 0 (0: the checkpoint's), --steps and --context ≥ 1\n");
     return 2;
   }
-  std::vector<int> batches;
-  if (const std::string list = absl::GetFlag(FLAGS_batches); !list.empty()) {
-    for (absl::string_view part : absl::StrSplit(list, ',')) {
-      int b = 0;
-      if (!absl::SimpleAtoi(part, &b)) {
-        std::fprintf(stderr, "--batches: '%s' is not a number\n", std::string(part).c_str());
-        return 2;
-      }
-      batches.push_back(b);
-    }
-    // An explicit --batch agrees with the list only when the list is that one batch.
-    if (const std::optional<int> batch = absl::GetFlag(FLAGS_batch);
-        batch && !(batches.size() == 1 && batches[0] == *batch)) {
-      std::fprintf(stderr,
-                   "--batch %d and --batches %s disagree: give one (--batches runs each batch of "
-                   "the list, --batch N is --batches N)\n",
-                   *batch, list.c_str());
-      return 2;
-    }
-  } else {
-    batches.push_back(absl::GetFlag(FLAGS_batch).value_or(1));
+  const absl::StatusOr<std::vector<int>> batch_sizes =
+      bench::BatchSizes(absl::GetFlag(FLAGS_batches), absl::GetFlag(FLAGS_batch));
+  if (!batch_sizes.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(batch_sizes.status().message()).c_str());
+    return 2;
   }
-  for (int b : batches) {
-    if (b < 1 || b > 256) {
-      std::fprintf(stderr, "--batch must be in [1, 256], got %d\n", b);
-      return 2;
-    }
-  }
+  const std::vector<int>& batches = *batch_sizes;
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   const std::string device = absl::GetFlag(FLAGS_device);
   const bool cuda = device == "cuda";
@@ -323,7 +302,6 @@ int Run() {
 #ifdef DGSERVE_HAVE_CUDA
   // One sequence's device K/V at the context, in the element size the backend's options store.
   int64_t kv_bytes_per_seq = 0;
-  int kv_block_size = 0;              // CudaBackendOptions::kv_block_size (--device cuda)
   const char* attention = "float32";  // the CUDA backend's attention kernels
 #endif
   if (!cuda) {
@@ -344,7 +322,6 @@ int Run() {
     options.tensor_core_attention = absl::GetFlag(FLAGS_cuda_tensor_core_attention);
     options.defer_kv_host_copy = absl::GetFlag(FLAGS_cuda_defer_kv_host_copy);
     options.kv_block_size = absl::GetFlag(FLAGS_cuda_kv_block_size);
-    kv_block_size = options.kv_block_size;
     if (options.tensor_core_attention && bf16) attention = "tensor_core";
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     kv_bytes_per_seq = CudaKvBytesPerSequence(c, P, options);
@@ -695,7 +672,8 @@ int Run() {
                       " weight_bw_share=", Fmt(copy_share, "%.4f"));
 #ifdef DGSERVE_HAVE_CUDA
       absl::StrAppend(&extra, " kv_device_bytes_per_seq=", kv_bytes_per_seq,
-                      " kv_block_size=", kv_block_size, " attention=", attention);
+                      " kv_block_size=", absl::GetFlag(FLAGS_cuda_kv_block_size),
+                      " attention=", attention);
 #endif
     }
     const auto peak_rss = PeakResidentBytes();
