@@ -328,6 +328,50 @@ TEST_P(CudaKvAuthorityTest, PoolGrowthKeepsTheRows) {
   }
 }
 
+// kv_pool_max_bytes at the first growth's 64 blocks of each kind (blocks of 4: a sliding block
+// is 4 layers × K, V × 4 rows × 32 elements × 4 B = 1,024 B, a full one 2 × 2 × 4 × 32 × 2 B (bf16)
+// = 1,024 B): two sequences of 100 positions hold 50 full blocks. A third needs 25 more: while
+// the first two hold rows only the device has (not synced) that is RESOURCE_EXHAUSTED; once they
+// are synced the least recently used one's blocks are taken (its mirror evicted), and a later
+// pass over it uploads it again. Every sequence's logits stay the copying backend's bits.
+TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
+  if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  CudaBackendOptions bounded = GpuOptions();
+  bounded.kv_pool_max_bytes = 64 * 1024 + 64 * 1024;
+  auto backend = CreateCudaBackend(config(), checkpoint_->weights, bounded);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ModelBackend& gpu = **backend;
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 5);
+  std::vector<std::unique_ptr<ContiguousKvCache>> kv, ref;
+  for (int i = 0; i < 3; ++i) {
+    kv.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
+    ref.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
+    Encode(*copy_, *ref[i], Tokens(100, 30 + i));
+  }
+  Encode(gpu, *kv[0], Tokens(100, 30));
+  Encode(gpu, *kv[1], Tokens(100, 31));
+  EXPECT_EQ(GetCudaKvPoolStats(gpu)->device_bytes, 128 * 1024);
+  const std::vector<int32_t> third = Tokens(100, 32);
+  EncodeInput in{third, kv[2].get()};
+  const absl::Status full = gpu.Encode({&in, 1});
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("kv_pool_max_bytes 131072"), std::string::npos) << full;
+  EXPECT_EQ(kv[2]->num_tokens(), 0);
+  ASSERT_TRUE(gpu.SyncKvToHost(*kv[0]).ok());
+  ASSERT_TRUE(gpu.SyncKvToHost(*kv[1]).ok());
+  ExpectSameBits(Logits(gpu, *kv[1], canvas), Logits(*copy_, *ref[1], canvas), "b");  // a: LRU
+  Encode(gpu, *kv[2], third);
+  EXPECT_FALSE(CudaKvMirrorBytes(gpu, *kv[0]).has_value());  // taken
+  EXPECT_TRUE(CudaKvMirrorBytes(gpu, *kv[1]).has_value());
+  const CudaKvPoolStats st = GetCudaKvPoolStats(gpu).value();
+  EXPECT_EQ(st.full_blocks, 64);
+  EXPECT_EQ(st.device_bytes, 128 * 1024);
+  for (int i : {2, 1, 0}) {  // a last: uploaded again, taking b's blocks
+    ExpectSameBits(Logits(gpu, *kv[i], canvas), Logits(*copy_, *ref[i], canvas),
+                   "sequence " + std::to_string(i));
+  }
+}
+
 // Two CUDA backends on one cache: the second already mirrors it when the first encodes new rows
 // into it (device only). The second must not take the unwritten host rows for those rows, nor
 // vouch for them in SyncKvToHost; the first's sync makes the cache usable by both again.

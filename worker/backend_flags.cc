@@ -15,6 +15,12 @@ ABSL_FLAG(std::string, cuda_gemm_input, "bf16",
           "check mode): split exactly into three bf16 terms, the CPU backend's float32 results "
           "up to addition order, at three times the tensor-core work");
 
+ABSL_FLAG(double, cuda_kv_pool_gb, 0,
+          "--device cuda: bound on the device K/V block pool, in GB (1e9 bytes; 0, the default: "
+          "as much as the GPU gives). At the bound the blocks of idle sequences (their rows on "
+          "the host) are reused, least recently used first; a pass that still lacks a block fails "
+          "with RESOURCE_EXHAUSTED (CudaBackendOptions::kv_pool_max_bytes)");
+
 ABSL_FLAG(std::string, cpu_gemm_input, "float32",
           "--device cpu: the GEMMs' inputs. float32 (default): float32 activations, each output "
           "one fma chain; bf16: activations rounded to bf16 at the reference's rounding points "
@@ -29,6 +35,9 @@ std::vector<std::string> UnusedBackendFlags(const std::string& device) {
   if (device == "cpu" && cuda_input != "bf16") {
     out.push_back(absl::StrCat("--cuda_gemm_input=", cuda_input,
                                " has no effect with --device cpu (see --cpu_gemm_input)"));
+  }
+  if (const double gb = absl::GetFlag(FLAGS_cuda_kv_pool_gb); device == "cpu" && gb != 0) {
+    out.push_back(absl::StrCat("--cuda_kv_pool_gb=", gb, " has no effect with --device cpu"));
   }
   const std::string cpu_input = absl::GetFlag(FLAGS_cpu_gemm_input);
   if (device == "cuda" && cpu_input != "float32") {
@@ -57,6 +66,12 @@ absl::StatusOr<BackendSelection> BackendSelectionFromFlags(const std::string& de
     return absl::InvalidArgumentError(
         absl::StrCat("--cuda_gemm_input '", cuda_input, "': must be 'float32' or 'bf16'"));
   }
+  const double gb = absl::GetFlag(FLAGS_cuda_kv_pool_gb);
+  if (!(gb >= 0 && gb <= 1e6)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda_kv_pool_gb ", gb, ": must be a number of GB in [0, 1e6]"));
+  }
+  s.cuda_kv_pool_bytes = size_t(gb * 1e9);
   if (absl::Status st = CheckBackendSelection(s); !st.ok()) return st;
   for (const std::string& unused : UnusedBackendFlags(device)) {
     std::fprintf(stderr, "warning: %s\n", unused.c_str());

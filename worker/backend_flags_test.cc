@@ -2,6 +2,7 @@
 // and the environment variables it reads (backend_env.h).
 #include "worker/backend_flags.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -14,6 +15,7 @@
 
 ABSL_DECLARE_FLAG(std::string, cuda_gemm_input);
 ABSL_DECLARE_FLAG(std::string, cpu_gemm_input);
+ABSL_DECLARE_FLAG(double, cuda_kv_pool_gb);
 
 namespace dgserve {
 namespace {
@@ -32,10 +34,28 @@ class BackendSelectFlagsTest : public ::testing::Test {
   void TearDown() override {
     absl::SetFlag(&FLAGS_cuda_gemm_input, "bf16");  // the defaults
     absl::SetFlag(&FLAGS_cpu_gemm_input, "float32");
+    absl::SetFlag(&FLAGS_cuda_kv_pool_gb, 0);
     unsetenv("DGSERVE_GEMM_ISA");
     unsetenv("DGSERVE_DENSE_SC");
   }
 };
+
+// --cuda_kv_pool_gb: GB (1e9 B) into the selection's bound; negative, NaN or absurd values are
+// refused naming the flag; with --device cpu it is named as unused.
+TEST_F(BackendSelectFlagsTest, KvPoolBound) {
+  EXPECT_EQ(BackendSelectionFromFlags("cuda")->cuda_kv_pool_bytes, 0u);
+  absl::SetFlag(&FLAGS_cuda_kv_pool_gb, 2.5);
+  EXPECT_EQ(BackendSelectionFromFlags("cuda")->cuda_kv_pool_bytes, size_t{2500000000});
+  EXPECT_TRUE(UnusedBackendFlags("cuda").empty());
+  EXPECT_THAT(UnusedBackendFlags("cpu"),
+              ElementsAre("--cuda_kv_pool_gb=2.5 has no effect with --device cpu"));
+  for (const double bad : {-1.0, std::nan(""), 2e6}) {
+    absl::SetFlag(&FLAGS_cuda_kv_pool_gb, bad);
+    const absl::Status st = BackendSelectionFromFlags("cuda").status();
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("--cuda_kv_pool_gb ")) << bad;
+  }
+}
 
 TEST_F(BackendSelectFlagsTest, DefaultsAndBothGemmInputs) {
   absl::StatusOr<BackendSelection> s = BackendSelectionFromFlags("cpu");

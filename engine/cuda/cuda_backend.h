@@ -149,6 +149,12 @@ struct CudaBackendOptions {
   // arrays grown by doubling (sliding rings: sliding_kv_ring), the former layout, kept so tests
   // can show both give the same bits.
   int kv_block_size = 64;
+  // The device K/V block pools' bound in bytes (both kinds; 0: none but the device's memory).
+  // A pool at the bound (or refused memory by the device) takes the blocks of idle sequences'
+  // mirrors, least recently used first (their rows are on the host: a later pass uploads them
+  // again); a pass that still lacks a block fails with RESOURCE_EXHAUSTED (a mirror of this pass,
+  // or one holding rows only the device has, is never taken).
+  size_t kv_pool_max_bytes = 0;
 };
 
 // What the CUDA-graph path of a backend (CudaBackendOptions::cuda_graphs) has done so far.

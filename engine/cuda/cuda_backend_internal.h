@@ -460,9 +460,18 @@ class CudaBackend final : public ModelBackend {
   // Returns to the pool a paged mirror's sliding blocks wholly behind SlidingKeepFrom(kv, n,
   // pending) (after a pass, a sync, or before a pass over n positions); returns that position.
   int ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n);
-  // A free block id of pool `kind`, the pool grown (doubled, from 64 blocks) when it has none:
-  // the stream is drained first (queued copies may still write the old arrays).
+  // A free block id of pool `kind`: the pool grown (GrowKvPool) when it has none, else the
+  // blocks of idle mirrors evicted (EvictOneMirror); RESOURCE_EXHAUSTED when neither frees one.
   absl::StatusOr<int32_t> AllocateKvBlock(int kind);
+  // Grows pool `kind` (doubled, from 64 blocks; fewer within options_.kv_pool_max_bytes, both
+  // pools counted), the stream drained first (queued copies may still write the old arrays).
+  // RESOURCE_EXHAUSTED at the bound; INTERNAL when the device refuses the memory.
+  absl::Status GrowKvPool(int kind);
+  // Device bytes of one block of pool `kind` (K and V of every layer of the kind).
+  int64_t KvPoolBlockBytes(int kind) const;
+  // Drops the least recently used mirror not used by the current pass and not holding rows its
+  // live cache lacks (one whose cache is gone first); false when there is none.
+  bool EvictOneMirror();
   // Uploads layer l's K and V rows of positions [p0, p0 + count) from kv's host arrays into a
   // paged mirror's blocks (through kv_rows_dev_), rounded to bf16 on a Bf16Mirror layer.
   absl::Status UploadKvRows(const KvCache& kv, const KvMirror& m, int l, int p0, int count);

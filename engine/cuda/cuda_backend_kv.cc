@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/bf16.h"
 #include "engine/cuda/cuda_backend_internal.h"
 
@@ -19,6 +20,27 @@ bool SameLifetime(const std::weak_ptr<const void>& a, const std::weak_ptr<const 
   return !a.owner_before(b) && !b.owner_before(a);
 }
 }  // namespace
+
+bool CudaBackend::EvictOneMirror() {
+  // Least recently used, never one already used by the current pass (its segments hold pointers
+  // to it) nor one holding rows its live cache lacks (the only copy). A mirror whose cache is
+  // gone goes first.
+  auto lru = mirrors_.end();
+  for (auto j = mirrors_.begin(); j != mirrors_.end(); ++j) {
+    const KvMirror& c = *j->second;
+    if (c.last_use >= pass_start_) continue;
+    const bool gone = c.owner.expired();
+    if (c.pending() && !gone) continue;
+    if (gone) {
+      lru = j;
+      break;
+    }
+    if (lru == mirrors_.end() || c.last_use < lru->second->last_use) lru = j;
+  }
+  if (lru == mirrors_.end()) return false;
+  mirrors_.erase(lru);
+  return true;
+}
 
 absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) {
   if (PagedKv()) {
@@ -45,24 +67,8 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
   if (it == mirrors_.end()) {
     // A new mirror starts from the host rows: they must be current.
     DGSERVE_RETURN_IF_ERROR(CheckHostRowsCurrent(kv, "CUDA backend (a cache it did not write)"));
-    if (int(mirrors_.size()) >= std::max(1, options_.max_kv_mirrors)) {
-      // Least recently used, never one already used by the current pass (its segments hold
-      // pointers to it) nor one holding rows its live cache lacks (the only copy); with none
-      // evictable the map grows past the limit. A mirror whose cache is gone goes first.
-      auto lru = mirrors_.end();
-      for (auto j = mirrors_.begin(); j != mirrors_.end(); ++j) {
-        const KvMirror& c = *j->second;
-        if (c.last_use >= pass_start_) continue;
-        const bool gone = c.owner.expired();
-        if (c.pending() && !gone) continue;
-        if (gone) {
-          lru = j;
-          break;
-        }
-        if (lru == mirrors_.end() || c.last_use < lru->second->last_use) lru = j;
-      }
-      if (lru != mirrors_.end()) mirrors_.erase(lru);
-    }
+    // With none evictable the map grows past the limit.
+    if (int(mirrors_.size()) >= std::max(1, options_.max_kv_mirrors)) EvictOneMirror();
     auto m = std::make_unique<KvMirror>();
     m->ring.assign(c_.num_layers, 0);
     if (PagedKv()) {
@@ -332,35 +338,70 @@ int CudaBackend::ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n) {
   return keep;
 }
 
+int64_t CudaBackend::KvPoolBlockBytes(int kind) const {
+  int64_t bytes = 0;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (KvKind(l) == kind) bytes += KvBlockBytes(l);
+  }
+  return bytes;
+}
+
+absl::Status CudaBackend::GrowKvPool(int kind) {
+  KvBlockPool& pool = kv_pools_[kind];
+  const int B = options_.kv_block_size;
+  int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
+  if (options_.kv_pool_max_bytes > 0) {
+    // Both pools' bytes stay within the bound: fewer new blocks, or none.
+    const int64_t used = int64_t(kv_pools_[kKvFull].blocks) * KvPoolBlockBytes(kKvFull) +
+                         int64_t(kv_pools_[kKvSliding].blocks) * KvPoolBlockBytes(kKvSliding);
+    const int64_t room = (int64_t(options_.kv_pool_max_bytes) - used) / KvPoolBlockBytes(kind);
+    blocks = std::min(blocks, int64_t(pool.blocks) + std::max<int64_t>(0, room));
+  }
+  if (blocks <= pool.blocks) return absl::ResourceExhaustedError("at kv_pool_max_bytes");
+  if (blocks * B > std::numeric_limits<int32_t>::max()) {
+    return absl::ResourceExhaustedError("more than 2^31 rows");
+  }
+  // Queued uploads and row copies of this pass may still write the old arrays; Grow copies them
+  // on another stream.
+  if (pool.blocks > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool growth"));
+  pool.k.resize(c_.num_layers);
+  pool.v.resize(c_.num_layers);
+  pool.k16.resize(c_.num_layers);
+  pool.v16.resize(c_.num_layers);
+  // A layer whose growth fails leaves the others grown and pool.blocks as it was: consistent.
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (KvKind(l) != kind) continue;
+    const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l), old = size_t(pool.blocks) * B * w;
+    if (Bf16Mirror(l)) {
+      DGSERVE_RETURN_IF_ERROR(pool.k16[l].Grow(size_t(blocks) * B * w, old));
+      DGSERVE_RETURN_IF_ERROR(pool.v16[l].Grow(size_t(blocks) * B * w, old));
+    } else {
+      DGSERVE_RETURN_IF_ERROR(pool.k[l].Grow(size_t(blocks) * B * w, old));
+      DGSERVE_RETURN_IF_ERROR(pool.v[l].Grow(size_t(blocks) * B * w, old));
+    }
+  }
+  // Popped from the back: the lowest new id first.
+  for (int64_t b = blocks - 1; b >= pool.blocks; --b) pool.free_ids.push_back(int32_t(b));
+  pool.blocks = int(blocks);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   KvBlockPool& pool = kv_pools_[kind];
   if (pool.free_ids.empty()) {
-    // Queued uploads and row copies of this pass may still write the old arrays; Grow copies
-    // them on another stream.
-    if (pool.blocks > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool growth"));
-    const int B = options_.kv_block_size;
-    const int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
-    if (blocks * B > std::numeric_limits<int32_t>::max()) {
-      return absl::ResourceExhaustedError("KV block pool: more than 2^31 rows");
+    // Grow; where the bound (or the device) refuses, the blocks of idle sequences' mirrors, least
+    // recently used first (their rows are on the host: a later pass uploads them again).
+    absl::Status grown = GrowKvPool(kind);
+    while (!grown.ok() && pool.free_ids.empty() && EvictOneMirror()) {
     }
-    pool.k.resize(c_.num_layers);
-    pool.v.resize(c_.num_layers);
-    pool.k16.resize(c_.num_layers);
-    pool.v16.resize(c_.num_layers);
-    for (int l = 0; l < c_.num_layers; ++l) {
-      if (KvKind(l) != kind) continue;
-      const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l), old = size_t(pool.blocks) * B * w;
-      if (Bf16Mirror(l)) {
-        DGSERVE_RETURN_IF_ERROR(pool.k16[l].Grow(size_t(blocks) * B * w, old));
-        DGSERVE_RETURN_IF_ERROR(pool.v16[l].Grow(size_t(blocks) * B * w, old));
-      } else {
-        DGSERVE_RETURN_IF_ERROR(pool.k[l].Grow(size_t(blocks) * B * w, old));
-        DGSERVE_RETURN_IF_ERROR(pool.v[l].Grow(size_t(blocks) * B * w, old));
-      }
+    if (pool.free_ids.empty()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "device K/V block pool full (", kind == kKvFull ? "full" : "sliding",
+          " layers): ", pool.blocks, " blocks of ", options_.kv_block_size,
+          " positions, every one held by a sequence in this pass or by rows only the device has "
+          "(kv_pool_max_bytes ",
+          options_.kv_pool_max_bytes, "; ", grown.message(), ")"));
     }
-    // Popped from the back: the lowest new id first.
-    for (int64_t b = blocks - 1; b >= pool.blocks; --b) pool.free_ids.push_back(int32_t(b));
-    pool.blocks = int(blocks);
   }
   const int32_t b = pool.free_ids.back();
   pool.free_ids.pop_back();

@@ -51,6 +51,7 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const BackendSelecti
   options.gemm_input = selection.cuda_gemm_input == CudaGemmInput::kBf16
                            ? cuda::GemmInput::kBf16
                            : cuda::GemmInput::kFloat32;
+  options.kv_pool_max_bytes = selection.cuda_kv_pool_bytes;
   auto backend = CreateCudaBackend(config, weights, options);
   if (!backend.ok()) {
     return absl::Status(backend.status().code(),

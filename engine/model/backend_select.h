@@ -37,6 +37,9 @@ struct BackendSelection {
   std::optional<cpu::GemmIsa> cpu_gemm_isa;
   // --device cuda: the GEMMs' input mode.
   CudaGemmInput cuda_gemm_input = CudaGemmInput::kBf16;
+  // --device cuda: the device K/V block pool's bound in bytes (CudaBackendOptions::
+  // kv_pool_max_bytes; 0: none).
+  size_t cuda_kv_pool_bytes = 0;
 };
 
 // Checks `selection` without loading anything (call it before a checkpoint load, so that a typo
