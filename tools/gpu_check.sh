@@ -685,6 +685,14 @@ bench_step() {
           --context "$ctx_long" --batches "$long_batches" --steps 4 --step_budget_s 8 \
           --synthetic_kv --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" \
           --phase_timing --cuda_tensor_core_attention
+        # The same with per-sequence K/V arrays instead of the device block pool (its block
+        # tables in the attention kernels: phase_attn_ms against the run above).
+        if (($(time_left) >= 90)); then
+          bench_run "full-32k-tc-arrays-$g" "$(budget 90 5)" "$bin" "${dev[@]}" --config "$full" \
+            --context "$ctx_long" --batches 16 --steps 4 --step_budget_s 8 --synthetic_kv \
+            --cuda_gemm_input "$g" --synthetic --mem_bandwidth_gbs "$BW" --phase_timing \
+            --cuda_tensor_core_attention --cuda_kv_block_size 0
+        fi
       fi
     fi
   done
