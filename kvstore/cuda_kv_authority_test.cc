@@ -372,6 +372,45 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   }
 }
 
+// A backend whose first pass is a decoder pass over an empty cache: no pool has grown, and the
+// attention reads no context (it used to index the pools' empty per-layer arrays).
+TEST_P(CudaKvAuthorityTest, FirstPassOverAnEmptyCache) {
+  auto fresh = CreateCudaBackend(config(), checkpoint_->weights, GpuOptions());
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 3);
+  ContiguousKvCache empty(config(), 64), ref(config(), 64);
+  ExpectSameBits(Logits(**fresh, empty, canvas), Logits(*copy_, ref, canvas), "no context");
+  EXPECT_EQ(GetCudaKvPoolStats(**fresh)->device_bytes, 0);
+}
+
+// Blocks of 4 on a paged host cache (blocks of 4, W = 8): after a sync at 23 positions the
+// device keeps the window (positions 16 … 22: blocks 4, 5); one more position (deferred) makes
+// the host keep rows from SlidingRetainedFrom(24) = 12, but it already has every row before 23,
+// so the device must not take block 3 (positions 12 … 15) back, empty: still blocks 4, 5.
+TEST_P(CudaKvAuthorityTest, RowsTheHostHasAreNotHeldAgain) {
+  if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  const KvLayout layout = KvLayout::FromConfig(config(), 4, "tiny-v512");
+  auto pool = BlockPool::Create(layout, 64, 64);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  {
+    PagedKvCache kd(pool->get(), 64), kc(pool->get(), 64);
+    Encode(*gpu_, kd, Tokens(23, 6));
+    Encode(*copy_, kc, Tokens(23, 6));
+    ASSERT_TRUE(gpu_->SyncKvToHost(kd).ok());
+    EXPECT_EQ(GetCudaKvPoolStats(*gpu_)->sliding_blocks_in_use, 2);
+    const std::vector<int32_t> one = Tokens(1, 7);
+    Encode(*gpu_, kd, one);
+    Encode(*copy_, kc, one);
+    ASSERT_EQ(kd.SlidingRetainedFrom(24), 12);
+    // A decoder pass over the 24 positions (while the host lacks position 23) holds its blocks.
+    const std::vector<int32_t> canvas = Tokens(config().canvas_length, 8);
+    ExpectSameBits(Logits(*gpu_, kd, canvas), Logits(*copy_, kc, canvas), "logits");
+    EXPECT_EQ(GetCudaKvPoolStats(*gpu_)->sliding_blocks_in_use, 2);
+    ASSERT_TRUE(gpu_->SyncKvToHost(kd).ok());
+    ExpectRowsOf(kc, kd, 0, 12, "after the second sync");
+  }
+}
+
 // Two CUDA backends on one cache: the second already mirrors it when the first encodes new rows
 // into it (device only). The second must not take the unwritten host rows for those rows, nor
 // vouch for them in SyncKvToHost; the first's sync makes the cache usable by both again.

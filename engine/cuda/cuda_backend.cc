@@ -608,7 +608,7 @@ int64_t CudaKvBytesPerSequence(const ModelConfig& config, int context_tokens,
       const int keep = !config.IsFull(l) && W > 0 && options.sliding_kv_ring
                            ? std::max(0, context_tokens - (W - 1))
                            : 0;
-      rows = ((context_tokens + B - 1) / B - keep / B) * B;
+      rows = int((int64_t(context_tokens) + B - 1) / B - keep / B) * B;
     }
     const int64_t element = cuda_internal::KvMirrorBf16(config, options, l)
                                 ? int64_t(sizeof(uint16_t))

@@ -241,7 +241,7 @@ struct KvMirror {
   // Paged (pools != nullptr): per kind, the pool block of each block index of positions
   // (position p in block blocks[kind][p / B], row p % B of it), −1 where no block is held (a
   // sliding layer's positions behind its window, or rows no pass wrote); the same table on the
-  // device (uploaded by CudaBackend::UploadKvTables while tables_dirty).
+  // device (uploaded by CudaBackend::SyncKvBlocks while tables_dirty).
   KvBlockPool* pools = nullptr;  // the backend's two pools
   std::vector<int32_t> blocks[2];
   DeviceArray<int32_t> tables[2];
@@ -449,9 +449,9 @@ class CudaBackend final : public ModelBackend {
   }
   // The first position of a sliding layer a paged mirror of `kv` keeps once n positions are
   // committed: the window the next pass reads (n − (W − 1)), or earlier for rows the host cache
-  // still needs (host_needs: the deferred copy, KvCache::SlidingRetainedFrom(n)); 0 without a
-  // window or with sliding_kv_ring off.
-  int SlidingKeepFrom(const KvCache& kv, int n, bool host_needs) const;
+  // keeps (KvCache::SlidingRetainedFrom(n)) and lacks (from host_lacks_from: the deferred copy;
+  // n or more: it lacks none); 0 without a window or with sliding_kv_ring off.
+  int SlidingKeepFrom(const KvCache& kv, int n, int host_lacks_from) const;
   // A paged mirror's blocks for a pass over its n committed positions writing `extra` more:
   // full layers every position's block, sliding layers the blocks of [SlidingKeepFrom, n) and of
   // the new rows they keep (Segment::sliding_device_from); sliding blocks behind the window go

@@ -307,26 +307,27 @@ absl::Status CudaBackend::SyncKvToHost(KvCache& kv) {
   return absl::OkStatus();
 }
 
-int CudaBackend::SlidingKeepFrom(const KvCache& kv, int n, bool host_needs) const {
+int CudaBackend::SlidingKeepFrom(const KvCache& kv, int n, int host_lacks_from) const {
   const int W = c_.sliding_window;
   if (W <= 0 || !options_.sliding_kv_ring) return 0;
-  int from = std::max(0, n - (W - 1));
-  if (host_needs) from = std::min(from, kv.SlidingRetainedFrom(n));
-  return from;
+  const int from = std::max(0, n - (W - 1));
+  return std::min(from, std::max(kv.SlidingRetainedFrom(n), host_lacks_from));
 }
 
 float* CudaBackend::PoolK(int l) const {
   const KvBlockPool& p = kv_pools_[KvKind(l)];
+  if (p.blocks == 0) return nullptr;  // never grown: nothing to read (no context)
   return Bf16Mirror(l) ? reinterpret_cast<float*>(p.k16[l].get()) : p.k[l].get();
 }
 
 float* CudaBackend::PoolV(int l) const {
   const KvBlockPool& p = kv_pools_[KvKind(l)];
+  if (p.blocks == 0) return nullptr;
   return Bf16Mirror(l) ? reinterpret_cast<float*>(p.v16[l].get()) : p.v[l].get();
 }
 
 int CudaBackend::ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n) {
-  const int keep = SlidingKeepFrom(kv, n, m->pending());
+  const int keep = SlidingKeepFrom(kv, n, m->pending() ? m->host_synced : n);
   std::vector<int32_t>& table = m->blocks[kKvSliding];
   const int B = options_.kv_block_size;
   for (int i = 0; i < std::min(keep / B, int(table.size())); ++i) {
@@ -436,7 +437,7 @@ absl::Status CudaBackend::SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, in
     const int keep = ReleaseSlidingKvBlocks(kv, m, n);
     DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, keep, n));
     // The new rows a later pass or the host reads (the encoder writes only those).
-    const int write_from = std::max(n, SlidingKeepFrom(kv, need, m->deferred));
+    const int write_from = std::max(n, SlidingKeepFrom(kv, need, m->deferred ? n : need));
     DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, write_from, need));
   }
   if (!m->tables_dirty) return absl::OkStatus();

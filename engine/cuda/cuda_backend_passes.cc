@@ -495,8 +495,9 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
     s.sliding_host_from = std::max(s.pos0, in.kv->SlidingRetainedFrom(s.pos0 + s.rows));
     DGSERVE_ASSIGN_OR_RETURN(s.mirror, SyncMirror(*in.kv, s.rows));
     s.to_host = !s.mirror->deferred;
-    s.sliding_device_from =
-        std::max(s.pos0, SlidingKeepFrom(*in.kv, s.pos0 + s.rows, s.mirror->deferred));
+    s.sliding_device_from = std::max(
+        s.pos0,
+        SlidingKeepFrom(*in.kv, s.pos0 + s.rows, s.mirror->deferred ? s.pos0 : s.pos0 + s.rows));
     segs.push_back(s);
     R += s.rows;
   }

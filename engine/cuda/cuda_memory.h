@@ -72,8 +72,11 @@ class DeviceArray {
     DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&q, n * sizeof(T)), "cudaMalloc"));
     if (p_ != nullptr && keep > 0) {
       NoteDeviceCopy();
-      const cudaError_t e =
-          cudaMemcpy(q, p_, std::min(keep, n_) * sizeof(T), cudaMemcpyDeviceToDevice);
+      cudaError_t e = cudaMemcpy(q, p_, std::min(keep, n_) * sizeof(T), cudaMemcpyDeviceToDevice);
+      // A device-to-device cudaMemcpy may return before the copy is done, and the callers' streams
+      // do not wait for the legacy stream: done before the old array is freed and the new one
+      // written.
+      if (e == cudaSuccess) e = cudaDeviceSynchronize();
       if (e != cudaSuccess) {
         cudaFree(q);
         return CudaCheck(e, "cudaMemcpy (grow)");
