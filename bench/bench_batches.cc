@@ -29,7 +29,8 @@ absl::StatusOr<std::vector<int>> BatchSizes(const std::string& list, std::option
   }
   for (int b : batches) {
     if (b < 1 || b > 256) {
-      return absl::InvalidArgumentError(absl::StrCat("--batch must be in [1, 256], got ", b));
+      return absl::InvalidArgumentError(
+          absl::StrCat(list.empty() ? "--batch" : "--batches", " must be in [1, 256], got ", b));
     }
   }
   return batches;

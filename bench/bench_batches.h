@@ -10,7 +10,8 @@
 namespace dgserve::bench {
 
 // The batch sizes to run in turn: the comma-separated `list` (--batches) when it is not empty,
-// else `batch` (--batch; 1 when not given). Every size must be in [1, 256]. INVALID_ARGUMENT,
+// else `batch` (--batch; 1 when not given). Every size must be in [1, 256] (the message names the
+// flag it came from). INVALID_ARGUMENT,
 // with the message engine_bench prints, for a part of the list that is not a number, a size out
 // of range, or a `batch` given beside a list that is not exactly that one batch (--batch N is
 // --batches N; the list used to override it silently).

@@ -31,6 +31,9 @@ TEST(BatchSizesTest, RefusesBadInput) {
               HasSubstr("--batch 8 and --batches 1,2 disagree: give one"));
   EXPECT_THAT(std::string(BatchSizes("", 300).status().message()),
               HasSubstr("--batch must be in [1, 256], got 300"));
+  // The flag the size came from.
+  EXPECT_THAT(std::string(BatchSizes("4,0", std::nullopt).status().message()),
+              HasSubstr("--batches must be in [1, 256], got 0"));
 }
 
 }  // namespace

@@ -245,6 +245,10 @@ int Run() {
     std::fprintf(stderr, "--canvas must be ≥ 0 (0: the checkpoint's), --steps and --context ≥ 1\n");
     return 2;
   }
+  if (const int bs = absl::GetFlag(FLAGS_cuda_kv_block_size); bs < 0 || bs > 4096) {
+    std::fprintf(stderr, "--cuda_kv_block_size %d: must be 0 (per-sequence arrays) to 4096\n", bs);
+    return 2;
+  }
   const absl::StatusOr<std::vector<int>> batch_sizes =
       bench::BatchSizes(absl::GetFlag(FLAGS_batches), absl::GetFlag(FLAGS_batch));
   if (!batch_sizes.ok()) {
@@ -322,6 +326,7 @@ int Run() {
     options.tensor_core_attention = absl::GetFlag(FLAGS_cuda_tensor_core_attention);
     options.defer_kv_host_copy = absl::GetFlag(FLAGS_cuda_defer_kv_host_copy);
     options.kv_block_size = absl::GetFlag(FLAGS_cuda_kv_block_size);
+    options.kv_pool_max_bytes = g_backend.cuda_kv_pool_bytes;
     if (options.tensor_core_attention && bf16) attention = "tensor_core";
     options.max_kv_mirrors = std::max(options.max_kv_mirrors, max_batch);  // no re-uploads
     kv_bytes_per_seq = CudaKvBytesPerSequence(c, P, options);

@@ -33,6 +33,9 @@
 #include "kvstore/block_pool.h"
 #include "kvstore/kv_layout.h"
 #include "kvstore/paged_kv_cache.h"
+#if defined(DGSERVE_CUDA_EMULATION)
+#include <cuda_runtime.h>  // the emulation's device memory limit (cuda_emu.h)
+#endif
 
 namespace dgserve::kv {
 namespace {
@@ -371,6 +374,63 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
                    "sequence " + std::to_string(i));
   }
 }
+
+#if defined(DGSERVE_CUDA_EMULATION)
+// The device itself out of memory (the emulation's limit: 48 KiB beyond what is in use once two
+// sequences of 100 positions hold 50 of the first 64 full blocks, where doubling needs 128 KiB
+// beside the old arrays): with no kv_pool_max_bytes the pool takes the blocks of the least
+// recently used idle sequence as at its bound, and fails with RESOURCE_EXHAUSTED while both
+// hold rows only the device has. Every sequence's logits stay the copying backend's bits.
+TEST_P(CudaKvAuthorityTest, DeviceOutOfMemoryTakesIdleSequencesBlocks) {
+  if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 5);
+  std::vector<std::unique_ptr<ContiguousKvCache>> kv, ref;
+  const std::vector<int32_t> head = Tokens(96, 40), tail = Tokens(4, 44), third = Tokens(100, 42);
+  for (int i = 0; i < 3; ++i) {
+    kv.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
+    ref.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
+    if (i < 2) {
+      Encode(*copy_, *ref[i], head);
+      Encode(*copy_, *ref[i], tail);
+    } else {
+      Encode(*copy_, *ref[i], third);
+    }
+  }
+  auto backend = CreateCudaBackend(config(), checkpoint_->weights, GpuOptions());
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ModelBackend& gpu = **backend;
+  // Every other buffer sized before the limit (the emulation's limit is process-wide: copy_
+  // too): the reference logits, gpu's decoder pass, and its sync staging (each sequence's 96
+  // rows synced, then 4 more rows on the device only).
+  std::vector<std::vector<float>> want;
+  for (int i = 0; i < 3; ++i) want.push_back(Logits(*copy_, *ref[i], canvas));
+  for (int i = 0; i < 2; ++i) {
+    Encode(gpu, *kv[i], head);
+    ASSERT_TRUE(gpu.SyncKvToHost(*kv[i]).ok());
+  }
+  for (int i = 0; i < 2; ++i) Encode(gpu, *kv[i], tail);
+  ExpectSameBits(Logits(gpu, *kv[1], canvas), want[1], "before the limit");
+  ASSERT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
+  ASSERT_EQ(GetCudaKvPoolStats(gpu)->full_blocks_in_use, 50);
+  size_t free_bytes = 0, total = 0;
+  cuda::emu::SetDeviceMemoryLimit(size_t(1) << 40);
+  cuda::emu::DeviceMemoryInfo(&free_bytes, &total);
+  cuda::emu::SetDeviceMemoryLimit(total - free_bytes + 48 * 1024);
+  EncodeInput in{third, kv[2].get()};
+  const absl::Status full = gpu.Encode({&in, 1});
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("bytes free"), std::string::npos) << full;
+  ASSERT_TRUE(gpu.SyncKvToHost(*kv[0]).ok());
+  ASSERT_TRUE(gpu.SyncKvToHost(*kv[1]).ok());
+  Encode(gpu, *kv[2], third);
+  EXPECT_FALSE(CudaKvMirrorBytes(gpu, *kv[0]).has_value());  // the least recently used: taken
+  EXPECT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
+  for (int i : {2, 1, 0}) {
+    ExpectSameBits(Logits(gpu, *kv[i], canvas), want[i], "sequence " + std::to_string(i));
+  }
+  cuda::emu::SetDeviceMemoryLimit(0);
+}
+#endif
 
 // A backend whose first pass is a decoder pass over an empty cache: no pool has grown, and the
 // attention reads no context (it used to index the pools' empty per-layer arrays).

@@ -12,8 +12,31 @@
 #                                      the real Gemma tokenizer) answers a chat request
 set -euo pipefail
 cd "$(dirname "$0")/.."
+usage() { sed -n '6,12p' "$0" | sed 's/^# \{0,1\}//'; }
 MODE=sudoku
-if [ "${1:-}" = "--chat" ]; then MODE=chat; shift; fi
+case "${1:-}" in
+  -h | --help)
+    usage
+    exit 0
+    ;;
+  --chat) MODE=chat && shift ;;
+  -*)
+    echo "up.sh: unknown option '$1' (more choices, e.g. --samples: build/tools/dgserve sudoku --help)" >&2
+    usage >&2
+    exit 2
+    ;;
+esac
+if [ $# -gt 1 ]; then
+  echo "up.sh: one PUZZLE or --chat PROMPT, got $# arguments (quote a prompt; more choices, e.g." \
+    "--samples: build/tools/dgserve sudoku --help against the running cluster)" >&2
+  usage >&2
+  exit 2
+fi
+# A puzzle's shape is checked before anything starts (dgserve sudoku checks the rest).
+if [ "$MODE" = sudoku ] && [ $# -eq 1 ] && ! [[ "$1" =~ ^[0-9.]{81}$ ]]; then
+  echo "up.sh: a puzzle is 81 cells, 1-9 with '.' or '0' for blanks; got '$1' (${#1} characters)" >&2
+  exit 1
+fi
 BUILD_DIR=${BUILD_DIR:-build}
 if [ "$MODE" = chat ]; then MODEL_DIR=${MODEL_DIR:-models/default}; else MODEL_DIR=${MODEL_DIR:-models/sudoku}; fi
 RUN_DIR=${RUN_DIR:-run/cluster}

@@ -51,6 +51,18 @@ expect "a wrong answer exits 2 and says the demo failed" 2 \
   "up.sh: FAILED: the cluster answered, but the answer does not solve the puzzle" 2
 expect "a failed request exits 1" 1 "up.sh: FAILED: the Sudoku request failed .dgserve sudoku exit 1" 1
 expect "the chat request exits 0" 0 "dgserve chat" 0 --chat
+expect "-h prints the usage and exits 0" 0 "bash tools/up.sh --chat .PROMPT." 0 -h
+expect "an unknown option exits 2 before anything starts" 2 "^up.sh: unknown option '--samples'" 0 \
+  --samples 8
+expect "two arguments exit 2" 2 "one PUZZLE or --chat PROMPT, got 2 arguments" 0 \
+  .84561.3.65.7...2...7...15.7.8...3..39..5.2.....37..48.7.6.541..2.4.36...6..87... 8
+expect "a puzzle of the wrong shape exits 1 before the cluster starts" 1 \
+  "^up.sh: a puzzle is 81 cells.*\(5 characters\)$" 0 12345
+# Nothing ran for the refused ones: the last run's output has no cluster line.
+if grep -q "cluster up" "$T/out"; then
+  echo "FAILED: a refused puzzle started the cluster"
+  fails=$((fails + 1))
+fi
 if [ "$fails" -ne 0 ]; then
   echo "up_test: $fails failed"
   exit 1

@@ -439,6 +439,9 @@ class CudaBackend final : public ModelBackend {
   absl::Status CheckTokens(std::span<const int32_t> ids) const;
   // The mirror of `kv`, synced with its committed rows and with room for `extra` more positions.
   absl::StatusOr<KvMirror*> SyncMirror(const KvCache& kv, int extra);
+  // Marks the existing mirrors of a pass's caches as used by it (before their SyncMirror), so
+  // that making room for one of them never evicts another.
+  void ProtectMirrors(const std::vector<const KvCache*>& caches);
   // The paged device pool (options_.kv_block_size > 0; cuda_backend_kv.cc). KvKind: the pool
   // of layer l. KvBlockBytes: the device bytes of one block of layer l (K and V).
   bool PagedKv() const { return options_.kv_block_size > 0; }
@@ -457,8 +460,9 @@ class CudaBackend final : public ModelBackend {
   // the new rows they keep (Segment::sliding_device_from); sliding blocks behind the window go
   // back to the pool. Then its tables on the device.
   absl::Status SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, int extra);
-  // Returns to the pool a paged mirror's sliding blocks wholly behind SlidingKeepFrom(kv, n,
-  // pending) (after a pass, a sync, or before a pass over n positions); returns that position.
+  // Returns to the pool a paged mirror's sliding blocks wholly behind SlidingKeepFrom(kv, n, the
+  // first position the host lacks) (after a pass, a sync, or before a pass over n positions);
+  // returns that position.
   int ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n);
   // A free block id of pool `kind`: the pool grown (GrowKvPool) when it has none, else the
   // blocks of idle mirrors evicted (EvictOneMirror); RESOURCE_EXHAUSTED when neither frees one.

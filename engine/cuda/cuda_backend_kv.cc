@@ -42,6 +42,15 @@ bool CudaBackend::EvictOneMirror() {
   return true;
 }
 
+void CudaBackend::ProtectMirrors(const std::vector<const KvCache*>& caches) {
+  for (const KvCache* kv : caches) {
+    const auto it = mirrors_.find(kv);
+    if (it != mirrors_.end() && SameLifetime(it->second->owner, kv->lifetime())) {
+      it->second->last_use = ++use_clock_;
+    }
+  }
+}
+
 absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) {
   if (PagedKv()) {
     // Mirrors of caches destroyed since (finished sequences) give their blocks back to the pool
@@ -339,6 +348,20 @@ int CudaBackend::ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n) {
   return keep;
 }
 
+namespace {
+// Copies the first n elements of `from` into `to` and waits for the copy (a device-to-device
+// cudaMemcpy may return before it is done).
+template <typename T>
+absl::Status CopyPrefix(const DeviceArray<T>& from, DeviceArray<T>& to, size_t n) {
+  if (n == 0 || from.get() == nullptr) return absl::OkStatus();
+  cuda::NoteDeviceCopy();
+  DGSERVE_RETURN_IF_ERROR(
+      CudaCheck(cudaMemcpy(to.get(), from.get(), n * sizeof(T), cudaMemcpyDeviceToDevice),
+                "cudaMemcpy (grow)"));
+  return CudaCheck(cudaDeviceSynchronize(), "cudaDeviceSynchronize (grow)");
+}
+}  // namespace
+
 int64_t CudaBackend::KvPoolBlockBytes(int kind) const {
   int64_t bytes = 0;
   for (int l = 0; l < c_.num_layers; ++l) {
@@ -362,23 +385,54 @@ absl::Status CudaBackend::GrowKvPool(int kind) {
   if (blocks * B > std::numeric_limits<int32_t>::max()) {
     return absl::ResourceExhaustedError("more than 2^31 rows");
   }
-  // Queued uploads and row copies of this pass may still write the old arrays; Grow copies them
-  // on another stream.
+  // The device's free memory (all of the new arrays are allocated beside the old ones): fewer new
+  // blocks, or none, so a refused cudaMalloc is the exception.
+  size_t free_bytes = 0, total_bytes = 0;
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+  const int64_t fit = int64_t(free_bytes) / KvPoolBlockBytes(kind);
+  blocks = std::min(blocks, fit);
+  if (blocks <= pool.blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat("the device has ", free_bytes, " bytes free"));
+  }
+  // All new arrays first, beside the old ones (a refusal frees them: nothing is left half grown),
+  // then the stream drained (queued uploads and row copies may still write the old arrays), the
+  // old rows copied (synchronous: DeviceArray::Grow), and the arrays swapped.
+  struct Fresh {
+    int layer;
+    DeviceArray<float> k, v;
+    DeviceArray<uint16_t> k16, v16;
+  };
+  std::vector<Fresh> fresh;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (KvKind(l) != kind) continue;
+    const size_t n = size_t(blocks) * B * c_.KvHeads(l) * c_.HeadDim(l);
+    Fresh& f = fresh.emplace_back();
+    f.layer = l;
+    absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
+    if (st.ok()) st = Bf16Mirror(l) ? f.v16.Grow(n, 0) : f.v.Grow(n, 0);
+    if (!st.ok()) {  // (DeviceArray cleared the refused cudaMalloc's last error)
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the device refused the memory (", st.message(), ")"));
+    }
+  }
   if (pool.blocks > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool growth"));
   pool.k.resize(c_.num_layers);
   pool.v.resize(c_.num_layers);
   pool.k16.resize(c_.num_layers);
   pool.v16.resize(c_.num_layers);
-  // A layer whose growth fails leaves the others grown and pool.blocks as it was: consistent.
-  for (int l = 0; l < c_.num_layers; ++l) {
-    if (KvKind(l) != kind) continue;
-    const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l), old = size_t(pool.blocks) * B * w;
+  for (Fresh& f : fresh) {
+    const int l = f.layer;
+    const size_t old = size_t(pool.blocks) * B * c_.KvHeads(l) * c_.HeadDim(l);
     if (Bf16Mirror(l)) {
-      DGSERVE_RETURN_IF_ERROR(pool.k16[l].Grow(size_t(blocks) * B * w, old));
-      DGSERVE_RETURN_IF_ERROR(pool.v16[l].Grow(size_t(blocks) * B * w, old));
+      DGSERVE_RETURN_IF_ERROR(CopyPrefix(pool.k16[l], f.k16, old));
+      DGSERVE_RETURN_IF_ERROR(CopyPrefix(pool.v16[l], f.v16, old));
+      pool.k16[l].swap(f.k16);
+      pool.v16[l].swap(f.v16);
     } else {
-      DGSERVE_RETURN_IF_ERROR(pool.k[l].Grow(size_t(blocks) * B * w, old));
-      DGSERVE_RETURN_IF_ERROR(pool.v[l].Grow(size_t(blocks) * B * w, old));
+      DGSERVE_RETURN_IF_ERROR(CopyPrefix(pool.k[l], f.k, old));
+      DGSERVE_RETURN_IF_ERROR(CopyPrefix(pool.v[l], f.v, old));
+      pool.k[l].swap(f.k);
+      pool.v[l].swap(f.v);
     }
   }
   // Popped from the back: the lowest new id first.
@@ -393,6 +447,8 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
     // Grow; where the bound (or the device) refuses, the blocks of idle sequences' mirrors, least
     // recently used first (their rows are on the host: a later pass uploads them again).
     absl::Status grown = GrowKvPool(kind);
+    // Other errors (a failed wait, a device fault) are not for eviction to hide.
+    if (!grown.ok() && grown.code() != absl::StatusCode::kResourceExhausted) return grown;
     while (!grown.ok() && pool.free_ids.empty() && EvictOneMirror()) {
     }
     if (pool.free_ids.empty()) {

@@ -484,6 +484,9 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   std::vector<Segment> segs;
   int R = 0;
   pass_start_ = use_clock_ + 1;
+  std::vector<const KvCache*> caches;
+  for (const EncodeInput& in : batch) caches.push_back(in.kv);
+  ProtectMirrors(caches);
   for (const EncodeInput& in : batch) {
     DGSERVE_RETURN_IF_ERROR(in.kv->Reserve(in.tokens.size()));
     Segment s;
@@ -585,6 +588,9 @@ absl::StatusOr<int> CudaBackend::PrepareBody(std::span<const CanvasInput> batch,
   }
   int R = 0;
   pass_start_ = use_clock_ + 1;
+  std::vector<const KvCache*> caches;
+  for (const CanvasInput& in : batch) caches.push_back(in.kv);
+  ProtectMirrors(caches);
   for (const CanvasInput& in : batch) {
     Segment s;
     s.row0 = R;

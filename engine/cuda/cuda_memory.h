@@ -26,6 +26,13 @@ absl::Status CudaCheck(cudaError_t e, const char* what);
 // OK for CUBLAS_STATUS_SUCCESS, else INTERNAL "what: cuBLAS status N".
 absl::Status CublasCheck(cublasStatus_t s, const char* what);
 
+// CudaCheck of an allocation's result; a refused one also left its error as the last error
+// (cudaGetLastError), which the next kernel's launch check would report as its own: cleared.
+inline absl::Status Refused(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) cudaGetLastError();
+  return CudaCheck(e, what);
+}
+
 // An owned device array of T (cudaMalloc / cudaFree). Ensure() drops the old contents when it has
 // to grow (and counts NoteScratchMoved: a CUDA graph may hold the old address); Grow() keeps a
 // prefix and counts nothing (the KV mirrors, which a captured step reaches through its
@@ -44,6 +51,10 @@ class DeviceArray {
   DeviceArray& operator=(const DeviceArray&) = delete;
   DeviceArray(DeviceArray&& o) noexcept
       : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  void swap(DeviceArray& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+  }
 
   T* get() const { return p_; }
   size_t size() const { return n_; }
@@ -60,7 +71,7 @@ class DeviceArray {
     NoteAlloc();
     NoteScratchMoved();
     DGSERVE_RETURN_IF_ERROR(
-        CudaCheck(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc"));
+        Refused(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc"));
     n_ = n;
     return absl::OkStatus();
   }
@@ -69,7 +80,7 @@ class DeviceArray {
     if (n <= n_) return absl::OkStatus();
     T* q = nullptr;
     NoteAlloc();
-    DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&q, n * sizeof(T)), "cudaMalloc"));
+    DGSERVE_RETURN_IF_ERROR(Refused(cudaMalloc(&q, n * sizeof(T)), "cudaMalloc"));
     if (p_ != nullptr && keep > 0) {
       NoteDeviceCopy();
       cudaError_t e = cudaMemcpy(q, p_, std::min(keep, n_) * sizeof(T), cudaMemcpyDeviceToDevice);
@@ -138,8 +149,8 @@ class PinnedArray {
     n_ = 0;
     const size_t cap = std::max<size_t>(n, 64);
     NoteAlloc();
-    DGSERVE_RETURN_IF_ERROR(CudaCheck(
-        cudaMallocHost(reinterpret_cast<void**>(&p_), cap * sizeof(T)), "cudaMallocHost"));
+    DGSERVE_RETURN_IF_ERROR(
+        Refused(cudaMallocHost(reinterpret_cast<void**>(&p_), cap * sizeof(T)), "cudaMallocHost"));
     n_ = cap;
     return absl::OkStatus();
   }

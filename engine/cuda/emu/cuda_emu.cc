@@ -515,13 +515,26 @@ std::map<uintptr_t, size_t>& Pinned() {
   return m;
 }
 
+size_t g_device_limit = 0;  // SetDeviceMemoryLimit (0: none)
+size_t g_device_in_use = 0;
+
 void Remember(std::map<uintptr_t, size_t>& m, const void* p, size_t bytes) {
   std::lock_guard<std::mutex> l(g_alloc_mu);
   m[reinterpret_cast<uintptr_t>(p)] = bytes;
+  if (&m == &DeviceAllocs()) g_device_in_use += bytes;
 }
 bool Forget(std::map<uintptr_t, size_t>& m, const void* p) {
   std::lock_guard<std::mutex> l(g_alloc_mu);
-  return m.erase(reinterpret_cast<uintptr_t>(p)) > 0;
+  const auto it = m.find(reinterpret_cast<uintptr_t>(p));
+  if (it == m.end()) return false;
+  if (&m == &DeviceAllocs()) g_device_in_use -= it->second;
+  m.erase(it);
+  return true;
+}
+// Whether `bytes` more device memory fit under the limit.
+bool DeviceRoomFor(size_t bytes) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  return g_device_limit == 0 || g_device_in_use + bytes <= g_device_limit;
 }
 bool Within(const std::map<uintptr_t, size_t>& m, const void* p, size_t bytes) {
   std::lock_guard<std::mutex> l(g_alloc_mu);
@@ -532,6 +545,21 @@ bool Within(const std::map<uintptr_t, size_t>& m, const void* p, size_t bytes) {
   return a + bytes <= it->first + std::max<size_t>(it->second, 1);
 }
 }  // namespace
+
+void SetDeviceMemoryLimit(size_t bytes) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  g_device_limit = bytes;
+}
+void DeviceMemoryInfo(size_t* free_bytes, size_t* total_bytes) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  if (g_device_limit == 0) {
+    *total_bytes = size_t(141) << 30;  // as cudaGetDeviceProperties
+    *free_bytes = *total_bytes;
+    return;
+  }
+  *total_bytes = g_device_limit;
+  *free_bytes = g_device_limit > g_device_in_use ? g_device_limit - g_device_in_use : 0;
+}
 
 bool IsPinnedHost(const void* p, size_t bytes) { return Within(Pinned(), p, bytes); }
 bool IsDeviceMemory(const void* p, size_t bytes) { return Within(DeviceAllocs(), p, bytes); }
@@ -574,8 +602,13 @@ bool TouchesPageable(void* dst, const void* src, size_t bytes, cudaMemcpyKind ki
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   if (const cudaError_t e = CaptureForbids("cudaMalloc"); e != cudaSuccess) return e;
-  *p = AlignedAlloc(bytes);
-  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  // Over the limit (SetDeviceMemoryLimit) the call fails as CUDA's does: the error is also left
+  // as the last error (cudaGetLastError).
+  *p = dgserve::cuda::emu::DeviceRoomFor(bytes) ? AlignedAlloc(bytes) : nullptr;
+  if (*p == nullptr) {
+    dgserve::cuda::emu::SetLastError(cudaErrorMemoryAllocation);
+    return cudaErrorMemoryAllocation;
+  }
   dgserve::cuda::emu::Remember(dgserve::cuda::emu::DeviceAllocs(), *p, bytes);
   return cudaSuccess;
 }

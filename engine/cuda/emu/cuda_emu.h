@@ -254,6 +254,12 @@ cudaError_t CaptureForbids(const char* call);
 // cudaErrorStreamCaptureUnsupported (message on stderr).
 cudaError_t RefuseInCapture(cudaStream_t stream, const char* what);
 
+// A device memory bound for tests (0, the default: none): a cudaMalloc beyond it fails with
+// cudaErrorMemoryAllocation, also left as the last error (as CUDA's), and cudaMemGetInfo reports
+// the bound as the total and what is left of it as free.
+void SetDeviceMemoryLimit(size_t bytes);
+void DeviceMemoryInfo(size_t* free_bytes, size_t* total_bytes);
+
 // Whether [p, p + bytes) lies in pinned host memory, or in a device allocation.
 bool IsPinnedHost(const void* p, size_t bytes);
 bool IsDeviceMemory(const void* p, size_t bytes);

@@ -269,8 +269,7 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
   return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
-  *total_bytes = size_t(141) << 30;  // as cudaGetDeviceProperties; allocations are not tracked
-  *free_bytes = *total_bytes;
+  dgserve::cuda::emu::DeviceMemoryInfo(free_bytes, total_bytes);
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {

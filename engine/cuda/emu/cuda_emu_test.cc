@@ -36,6 +36,32 @@ __global__ void WarpKernel(int* out) {
   o[6] = all;
 }
 
+// SetDeviceMemoryLimit: cudaMalloc beyond the limit fails as CUDA's does (the error also left as
+// the last error), cudaMemGetInfo reports the limit and what is left; freeing gives it back.
+TEST(CudaEmuTest, DeviceMemoryLimit) {
+  size_t free_bytes = 0, total = 0;
+  emu::SetDeviceMemoryLimit(size_t(1) << 40);
+  emu::DeviceMemoryInfo(&free_bytes, &total);
+  const size_t in_use = total - free_bytes;
+  emu::SetDeviceMemoryLimit(in_use + 4096);
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  EXPECT_EQ(free_bytes, 4096u);
+  void* a = nullptr;
+  void* b = nullptr;
+  ASSERT_EQ(cudaMalloc(&a, 3000), cudaSuccess);
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  EXPECT_EQ(free_bytes, 1096u);
+  EXPECT_EQ(cudaMalloc(&b, 2000), cudaErrorMemoryAllocation);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaFree(a), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&b, 2000), cudaSuccess);
+  ASSERT_EQ(cudaFree(b), cudaSuccess);
+  emu::SetDeviceMemoryLimit(0);
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  EXPECT_EQ(free_bytes, total);
+}
+
 TEST(CudaEmuTest, WarpCollectivesMatchCuda) {
   std::vector<int> out(64 * 7, -1);
   LaunchKernel(WarpKernel, 1, 64, 0, nullptr, out.data());
