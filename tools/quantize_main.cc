@@ -82,16 +82,76 @@ ABSL_FLAG(int64_t, max_shard_bytes, dgserve::kDefaultMaxShardBytes,
 namespace dgserve {
 namespace {
 
+// The Sudoku layout's token ids, found by CheckSudokuLayout.
+struct SudokuLayout {
+  sudoku::SudokuTokens tokens;
+  int32_t blank = 0;  // "."
+
+  // The ids of `rows` (ToRows: '.', '1'..'9', '\n'), one per character.
+  std::vector<int32_t> PerCharacter(const std::string& rows) const {
+    std::vector<int32_t> ids;
+    ids.reserve(rows.size());
+    for (char ch : rows) {
+      ids.push_back(ch == '.' ? blank : ch == '\n' ? tokens.newline : tokens.digit[ch - '0']);
+    }
+    return ids;
+  }
+};
+
+// Whether --in can be the Sudoku model (the layout of tools/sudoku/sudoku_request.h), checked
+// from its config and tokenizer alone, before any puzzle is read: the answer is one canvas of
+// sudoku::kAnswerTokens (91: 81 digits, 9 "\n", <eos>), so config.canvas_length must be 91; the
+// prompt is <bos> + ToRows(puzzle) at one token per character, so "1".."9", "\n" and "." must
+// each be one token (sudoku::LoadSudokuTokens; "." here) and the rows of a board of blanks must
+// encode to 90 tokens, not merged (Gemma's tokenizer merges runs of '.'). Each puzzle's prompt is
+// checked again as it is read (SudokuPrompts). INVALID_ARGUMENT naming --calibration_sudoku and
+// the property otherwise.
+absl::StatusOr<SudokuLayout> CheckSudokuLayout(const Tokenizer& tok, const ModelConfig& config) {
+  if (config.canvas_length != sudoku::kAnswerTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--calibration_sudoku: --in's canvas_length is ", config.canvas_length,
+                     ", the Sudoku layout's answer is one canvas of ", sudoku::kAnswerTokens,
+                     " tokens (81 digits, 9 \"\\n\", <eos>): not the Sudoku model"));
+  }
+  absl::StatusOr<sudoku::SudokuTokens> tokens = sudoku::LoadSudokuTokens(tok);
+  if (!tokens.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--calibration_sudoku: ", tokens.status().message()));
+  }
+  SudokuLayout layout;
+  layout.tokens = *tokens;
+  const std::optional<int32_t> unk = tok.PieceToId("<unk>");
+  const std::vector<int32_t> blank = tok.Encode(".", /*add_bos=*/false);
+  if (blank.size() != 1 || (unk && blank[0] == *unk)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--calibration_sudoku: the tokenizer does not encode \".\" (a blank) as one token of its "
+        "vocabulary (",
+        blank.size(), " ids): not the Sudoku model's tokenizer"));
+  }
+  layout.blank = blank[0];
+  const std::string empty_rows = sudoku::ToRows(sudoku::Grid{});
+  const std::vector<int32_t> ids = tok.Encode(empty_rows, /*add_bos=*/false);
+  if (ids != layout.PerCharacter(empty_rows)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--calibration_sudoku: the tokenizer encodes the ", empty_rows.size(),
+                     " characters of an empty board's rows to ", ids.size(),
+                     " tokens, not one token per character: not the Sudoku model's tokenizer"));
+  }
+  return layout;
+}
+
 // The calibration requests of a Sudoku puzzle file: prompt <bos> + ToRows(puzzle), and the
 // canvas template ToRows(puzzle) + <eos> with every blank restricted to the digits 1-9 (the
 // template dgserve-sudoku-eval sends, sudoku::SetSudokuTemplate), in the token ids of
 // sudoku::LoadSudokuTokens; the first `limit` puzzles (0: all), read no further. Errors name
-// FILE:LINE (a puzzle whose givens conflict included); INVALID_ARGUMENT before the file is read
-// when `tok` lacks the layout's tokens.
+// FILE:LINE (a puzzle whose givens conflict included, or whose prompt is not one token per
+// character); INVALID_ARGUMENT before the file is read when `config` and `tok` cannot be the
+// Sudoku layout (CheckSudokuLayout).
 absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& path,
                                                              const Tokenizer& tok,
                                                              const ModelConfig& config, int limit) {
-  DGSERVE_ASSIGN_OR_RETURN(const sudoku::SudokuTokens tokens, sudoku::LoadSudokuTokens(tok));
+  DGSERVE_ASSIGN_OR_RETURN(const SudokuLayout layout, CheckSudokuLayout(tok, config));
+  const sudoku::SudokuTokens& tokens = layout.tokens;
   const std::vector<int32_t> digits(tokens.digit.begin() + 1, tokens.digit.end());
   std::vector<CalibrationPrompt> out;
   auto add_puzzle = [&](const nlohmann::json& j, int) -> absl::Status {
@@ -109,6 +169,16 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
     const std::string rows = sudoku::ToRows(*grid);
     CalibrationPrompt p;
     p.prompt = tok.EncodeText(rows, /*add_bos=*/true);
+    // The layout's prompt: <bos>, then one token per character of the rows (a merge such as
+    // "..." into one token would make it another prompt than the model was trained on).
+    const std::vector<int32_t> per_char = layout.PerCharacter(rows);
+    if (p.prompt.size() != per_char.size() + 1 ||
+        !std::equal(per_char.begin(), per_char.end(), p.prompt.begin() + 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("\"puzzle\": the tokenizer encodes its prompt to ", p.prompt.size(),
+                       " tokens, not <bos> and one token per character (", per_char.size() + 1,
+                       "): not the Sudoku model's tokenizer"));
+    }
     std::vector<int32_t> canvas;
     std::vector<TemplateHoleSpec> holes;
     for (char ch : rows) {  // '.', '1'..'9' or '\n' (ToRows)
