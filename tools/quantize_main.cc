@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -25,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "common/cli.h"
 #include "common/jsonl.h"
 #include "common/status_macros.h"
@@ -56,7 +58,25 @@ ABSL_FLAG(std::string, ignore, absl::StrJoin(dgserve::DefaultQuantizeIgnore(), "
           "comma-separated compressed-tensors ignore list (module names or re:REGEX): modules "
           "kept in bf16. Default: the LM head and embedding, the MoE router, the norms, and the "
           "self-conditioning MLP");
-ABSL_FLAG(std::string, calibration, "",
+namespace dgserve {
+
+// A calibration file flag that knows whether it was given: absl calls AbslParseFlag only for a
+// value from the command line, so `--calibration_sudoku ""` (given, empty: refused) differs from
+// leaving the flag out (the default, not given).
+struct CalibrationFileFlag {
+  std::string path;
+  bool given = false;
+};
+bool AbslParseFlag(absl::string_view text, CalibrationFileFlag* f, std::string* /*error*/) {
+  f->path = std::string(text);
+  f->given = true;
+  return true;
+}
+std::string AbslUnparseFlag(const CalibrationFileFlag& f) { return f.path; }
+
+}  // namespace dgserve
+
+ABSL_FLAG(dgserve::CalibrationFileFlag, calibration, {},
           "--format nvfp4 (W4A4) only: JSONL file of calibration prompts, one {\"prompt\": "
           "\"...\"} per line, tokenized with --in's tokenizer.json as the gateway does (<bos> "
           "first). The bf16 model runs each prompt's encoder pass and one canvas of denoising "
@@ -64,7 +84,7 @@ ABSL_FLAG(std::string, calibration, "",
           "input_scale (ModelOpt) / input_global_scale (compressed-tensors) is set from the "
           "amax(|x|) of its inputs: amax / (6 * 448) resp. 448 * 6 / amax. Without it (and "
           "without --calibration_sudoku) the data-free 1/6 resp. 6");
-ABSL_FLAG(std::string, calibration_sudoku, "",
+ABSL_FLAG(dgserve::CalibrationFileFlag, calibration_sudoku, {},
           "as --calibration, with the prompts and canvas templates of a Sudoku JSONL puzzle "
           "file (dgserve-sudoku-gen's {\"puzzle\": ...} lines; use the TRAIN split, "
           "tools/sudoku/make_splits.sh, never the test split): prompt ToRows(puzzle), the givens "
@@ -204,8 +224,8 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
 // The --calibration / --calibration_sudoku amax per module; empty without either flag. The
 // flags were checked by CheckCalibrationFlags.
 absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
-  const std::string prompts_file = absl::GetFlag(FLAGS_calibration);
-  const std::string sudoku_file = absl::GetFlag(FLAGS_calibration_sudoku);
+  const std::string prompts_file = absl::GetFlag(FLAGS_calibration).path;
+  const std::string sudoku_file = absl::GetFlag(FLAGS_calibration_sudoku).path;
   if (prompts_file.empty() && sudoku_file.empty()) return std::map<std::string, float>{};
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(in + "/tokenizer.json"));
@@ -228,12 +248,24 @@ absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
   return CalibrateActivationAmax(ck, prompts, options);
 }
 
-// The calibration flags' own checks, before anything is read or run: one calibration source;
+// The calibration flags' own checks, before anything is read or run: no empty path given
+// (`--calibration_sudoku ""`); one calibration source;
 // --calibration_limit / --calibration_steps ≥ 0 and only with a source; a format with a static
 // activation scale (W4A4 NVFP4); --out not --in (calibrating first would waste minutes).
 absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::string& format) {
-  const bool prompts = !absl::GetFlag(FLAGS_calibration).empty();
-  const bool sudoku = !absl::GetFlag(FLAGS_calibration_sudoku).empty();
+  const CalibrationFileFlag prompts_flag = absl::GetFlag(FLAGS_calibration);
+  const CalibrationFileFlag sudoku_flag = absl::GetFlag(FLAGS_calibration_sudoku);
+  for (const auto& [f, name] : {std::pair(&prompts_flag, "--calibration"),
+                                std::pair(&sudoku_flag, "--calibration_sudoku")}) {
+    if (f->given && f->path.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name,
+                       " \"\": an empty path (give a file, or leave the flag out to "
+                       "quantize without calibration)"));
+    }
+  }
+  const bool prompts = prompts_flag.given;
+  const bool sudoku = sudoku_flag.given;
   const int limit = absl::GetFlag(FLAGS_calibration_limit);
   const int steps = absl::GetFlag(FLAGS_calibration_steps);
   if (limit < 0) return absl::InvalidArgumentError("--calibration_limit must be ≥ 0");
@@ -256,8 +288,9 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
   if (options.format != WeightFormat::kNvfp4 ||
       options.nvfp4_activations == Nvfp4Activations::kNone) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--calibration sets NVFP4's static activation scale: it needs --format nvfp4 with "
-        "activations quantized (W4A4); ",
+        sudoku ? "--calibration_sudoku" : "--calibration",
+        " sets NVFP4's static activation scale: it needs --format nvfp4 with activations "
+        "quantized (W4A4); ",
         options.format == WeightFormat::kNvfp4 ? "nvfp4a16 (--nvfp4_activations none)" : format,
         " has no static activation scale"));
   }
