@@ -9,6 +9,23 @@
 #include "absl/strings/str_cat.h"
 
 namespace dgserve {
+namespace {
+
+// nlohmann's message for `text`, which does not parse, without its "[json.exception...] " tag:
+// e.g. "parse error at line 1, column 2: syntax error while parsing value - invalid literal;
+// last read: 'no'" (line and column within `text`).
+std::string ParseError(const std::string& text) {
+  try {
+    (void)nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    const std::string what = e.what();
+    const size_t tag_end = what.find("] ");
+    return what[0] == '[' && tag_end != std::string::npos ? what.substr(tag_end + 2) : what;
+  }
+  return "unknown parse error";
+}
+
+}  // namespace
 
 absl::Status ForEachJsonLine(
     const std::string& path, int64_t limit,
@@ -29,7 +46,11 @@ absl::Status ForEachJsonLine(
     ++calls;
     const nlohmann::json value = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (absl::Status s = fn(value, line); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat(path, ":", line, ": ", s.message()));
+      std::string parse_error;
+      if (value.is_discarded()) {
+        parse_error = absl::StrCat(" (not valid JSON: ", ParseError(text), ")");
+      }
+      return absl::Status(s.code(), absl::StrCat(path, ":", line, ": ", s.message(), parse_error));
     }
   }
   if (in.bad()) return absl::InternalError(absl::StrCat("error reading ", path));

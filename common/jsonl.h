@@ -18,8 +18,10 @@ namespace dgserve {
 // (value.is_discarded()) when the line is not valid JSON, so that fn's own message for a line of
 // the wrong shape covers it too. Stops after `limit` calls (0: no limit), reading no further.
 // Returns OK when fn returned OK for every line; else fn's first error, its code kept and its
-// message prefixed with "PATH:LINE: ". NOT_FOUND "cannot open PATH" for a missing or unreadable
-// file, INVALID_ARGUMENT for a directory or other non-regular file, INTERNAL for a read error.
+// message prefixed with "PATH:LINE: " and, for a line that is not valid JSON, followed by
+// " (not valid JSON: " and the parser's message, e.g. "parse error at line 1, column 2: ...)".
+// NOT_FOUND "cannot open PATH" for a missing or unreadable file, INVALID_ARGUMENT for a directory
+// or other non-regular file, INTERNAL for a read error.
 absl::Status ForEachJsonLine(
     const std::string& path, int64_t limit,
     absl::FunctionRef<absl::Status(const nlohmann::json& value, int line)> fn);

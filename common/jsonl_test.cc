@@ -13,7 +13,10 @@ namespace dgserve {
 namespace {
 
 using ::testing::ElementsAre;
+using ::testing::EndsWith;
+using ::testing::HasSubstr;
 using ::testing::Pair;
+using ::testing::StartsWith;
 
 std::string Write(const std::string& name, const std::string& text) {
   const std::string path = ::testing::TempDir() + "/jsonl_test_" + name;
@@ -61,11 +64,35 @@ TEST(ForEachJsonLineTest, TheLimitCountsCallsAndReadsNoFurther) {
     return v.is_discarded() ? absl::InvalidArgumentError("not JSON") : absl::OkStatus();
   };
   EXPECT_TRUE(ForEachJsonLine(path, 2, refuse_discarded).ok());
-  EXPECT_EQ(ForEachJsonLine(path, 3, refuse_discarded).message(), path + ":4: not JSON");
-  EXPECT_EQ(ForEachJsonLine(path, 0, refuse_discarded).message(), path + ":4: not JSON");
+  EXPECT_THAT(std::string(ForEachJsonLine(path, 3, refuse_discarded).message()),
+              StartsWith(path + ":4: not JSON (not valid JSON: "));
+  EXPECT_THAT(std::string(ForEachJsonLine(path, 0, refuse_discarded).message()),
+              StartsWith(path + ":4: not JSON (not valid JSON: "));
   Calls calls;
   ASSERT_TRUE(ForEachJsonLine(path, 1, std::ref(calls)).ok());
   EXPECT_THAT(calls.seen, ElementsAre(Pair(1, "1")));
+}
+
+// fn's message for a line that does not parse is followed by the parser's (issue 48: a truncated
+// line got only "expected a JSON object ..."); a line that parses to the wrong shape gets fn's
+// message alone.
+TEST(ForEachJsonLineTest, AMalformedLineGetsTheParsersMessageToo) {
+  const std::string path = Write("malformed.jsonl", "[1]\n{\"puzzle\": \"1..\"\n");
+  auto want_object = [](const nlohmann::json& v, int) {
+    return v.is_object() ? absl::OkStatus() : absl::InvalidArgumentError("expected an object");
+  };
+  const absl::Status shape = ForEachJsonLine(path, 1, want_object);
+  EXPECT_EQ(shape.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shape.message(), path + ":1: expected an object");
+  const std::string path2 = Write("malformed2.jsonl", "{\"puzzle\": \"1..\"\n");
+  const absl::Status s = ForEachJsonLine(path2, 0, want_object);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  // The line is 16 characters: the input ends, the object unterminated, at column 17.
+  EXPECT_THAT(std::string(s.message()),
+              StartsWith(path2 + ":1: expected an object (not valid JSON: parse "
+                                 "error at line 1, column 17: "));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("unexpected end of input"));
+  EXPECT_THAT(std::string(s.message()), EndsWith(")"));
 }
 
 TEST(ForEachJsonLineTest, AnEmptyFileCallsNothing) {

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -25,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "common/cli.h"
 #include "common/jsonl.h"
 #include "common/status_macros.h"
@@ -56,7 +58,25 @@ ABSL_FLAG(std::string, ignore, absl::StrJoin(dgserve::DefaultQuantizeIgnore(), "
           "comma-separated compressed-tensors ignore list (module names or re:REGEX): modules "
           "kept in bf16. Default: the LM head and embedding, the MoE router, the norms, and the "
           "self-conditioning MLP");
-ABSL_FLAG(std::string, calibration, "",
+namespace dgserve {
+
+// A calibration file flag that knows whether it was given: absl calls AbslParseFlag only for a
+// value from the command line, so `--calibration_sudoku ""` (given, empty: refused) differs from
+// leaving the flag out (the default, not given).
+struct CalibrationFileFlag {
+  std::string path;
+  bool given = false;
+};
+bool AbslParseFlag(absl::string_view text, CalibrationFileFlag* f, std::string* /*error*/) {
+  f->path = std::string(text);
+  f->given = true;
+  return true;
+}
+std::string AbslUnparseFlag(const CalibrationFileFlag& f) { return f.path; }
+
+}  // namespace dgserve
+
+ABSL_FLAG(dgserve::CalibrationFileFlag, calibration, {},
           "--format nvfp4 (W4A4) only: JSONL file of calibration prompts, one {\"prompt\": "
           "\"...\"} per line, tokenized with --in's tokenizer.json as the gateway does (<bos> "
           "first). The bf16 model runs each prompt's encoder pass and one canvas of denoising "
@@ -64,7 +84,7 @@ ABSL_FLAG(std::string, calibration, "",
           "input_scale (ModelOpt) / input_global_scale (compressed-tensors) is set from the "
           "amax(|x|) of its inputs: amax / (6 * 448) resp. 448 * 6 / amax. Without it (and "
           "without --calibration_sudoku) the data-free 1/6 resp. 6");
-ABSL_FLAG(std::string, calibration_sudoku, "",
+ABSL_FLAG(dgserve::CalibrationFileFlag, calibration_sudoku, {},
           "as --calibration, with the prompts and canvas templates of a Sudoku JSONL puzzle "
           "file (dgserve-sudoku-gen's {\"puzzle\": ...} lines; use the TRAIN split, "
           "tools/sudoku/make_splits.sh, never the test split): prompt ToRows(puzzle), the givens "
@@ -82,16 +102,76 @@ ABSL_FLAG(int64_t, max_shard_bytes, dgserve::kDefaultMaxShardBytes,
 namespace dgserve {
 namespace {
 
+// The Sudoku layout's token ids, found by CheckSudokuLayout.
+struct SudokuLayout {
+  sudoku::SudokuTokens tokens;
+  int32_t blank = 0;  // "."
+
+  // The ids of `rows` (ToRows: '.', '1'..'9', '\n'), one per character.
+  std::vector<int32_t> PerCharacter(const std::string& rows) const {
+    std::vector<int32_t> ids;
+    ids.reserve(rows.size());
+    for (char ch : rows) {
+      ids.push_back(ch == '.' ? blank : ch == '\n' ? tokens.newline : tokens.digit[ch - '0']);
+    }
+    return ids;
+  }
+};
+
+// Whether --in can be the Sudoku model (the layout of tools/sudoku/sudoku_request.h), checked
+// from its config and tokenizer alone, before any puzzle is read: the answer is one canvas of
+// sudoku::kAnswerTokens (91: 81 digits, 9 "\n", <eos>), so config.canvas_length must be 91; the
+// prompt is <bos> + ToRows(puzzle) at one token per character, so "1".."9", "\n" and "." must
+// each be one token (sudoku::LoadSudokuTokens; "." here) and the rows of a board of blanks must
+// encode to 90 tokens, not merged (Gemma's tokenizer merges runs of '.'). Each puzzle's prompt is
+// checked again as it is read (SudokuPrompts). INVALID_ARGUMENT naming --calibration_sudoku and
+// the property otherwise.
+absl::StatusOr<SudokuLayout> CheckSudokuLayout(const Tokenizer& tok, const ModelConfig& config) {
+  if (config.canvas_length != sudoku::kAnswerTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--calibration_sudoku: --in's canvas_length is ", config.canvas_length,
+                     ", the Sudoku layout's answer is one canvas of ", sudoku::kAnswerTokens,
+                     " tokens (81 digits, 9 \"\\n\", <eos>): not the Sudoku model"));
+  }
+  absl::StatusOr<sudoku::SudokuTokens> tokens = sudoku::LoadSudokuTokens(tok);
+  if (!tokens.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--calibration_sudoku: ", tokens.status().message()));
+  }
+  SudokuLayout layout;
+  layout.tokens = *tokens;
+  const std::optional<int32_t> unk = tok.PieceToId("<unk>");
+  const std::vector<int32_t> blank = tok.Encode(".", /*add_bos=*/false);
+  if (blank.size() != 1 || (unk && blank[0] == *unk)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--calibration_sudoku: the tokenizer does not encode \".\" (a blank) as one token of its "
+        "vocabulary (",
+        blank.size(), " ids): not the Sudoku model's tokenizer"));
+  }
+  layout.blank = blank[0];
+  const std::string empty_rows = sudoku::ToRows(sudoku::Grid{});
+  const std::vector<int32_t> ids = tok.Encode(empty_rows, /*add_bos=*/false);
+  if (ids != layout.PerCharacter(empty_rows)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--calibration_sudoku: the tokenizer encodes the ", empty_rows.size(),
+                     " characters of an empty board's rows to ", ids.size(),
+                     " tokens, not one token per character: not the Sudoku model's tokenizer"));
+  }
+  return layout;
+}
+
 // The calibration requests of a Sudoku puzzle file: prompt <bos> + ToRows(puzzle), and the
 // canvas template ToRows(puzzle) + <eos> with every blank restricted to the digits 1-9 (the
 // template dgserve-sudoku-eval sends, sudoku::SetSudokuTemplate), in the token ids of
 // sudoku::LoadSudokuTokens; the first `limit` puzzles (0: all), read no further. Errors name
-// FILE:LINE (a puzzle whose givens conflict included); INVALID_ARGUMENT before the file is read
-// when `tok` lacks the layout's tokens.
+// FILE:LINE (a puzzle whose givens conflict included, or whose prompt is not one token per
+// character); INVALID_ARGUMENT before the file is read when `config` and `tok` cannot be the
+// Sudoku layout (CheckSudokuLayout).
 absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& path,
                                                              const Tokenizer& tok,
                                                              const ModelConfig& config, int limit) {
-  DGSERVE_ASSIGN_OR_RETURN(const sudoku::SudokuTokens tokens, sudoku::LoadSudokuTokens(tok));
+  DGSERVE_ASSIGN_OR_RETURN(const SudokuLayout layout, CheckSudokuLayout(tok, config));
+  const sudoku::SudokuTokens& tokens = layout.tokens;
   const std::vector<int32_t> digits(tokens.digit.begin() + 1, tokens.digit.end());
   std::vector<CalibrationPrompt> out;
   auto add_puzzle = [&](const nlohmann::json& j, int) -> absl::Status {
@@ -109,6 +189,16 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
     const std::string rows = sudoku::ToRows(*grid);
     CalibrationPrompt p;
     p.prompt = tok.EncodeText(rows, /*add_bos=*/true);
+    // The layout's prompt: <bos>, then one token per character of the rows (a merge such as
+    // "..." into one token would make it another prompt than the model was trained on).
+    const std::vector<int32_t> per_char = layout.PerCharacter(rows);
+    if (p.prompt.size() != per_char.size() + 1 ||
+        !std::equal(per_char.begin(), per_char.end(), p.prompt.begin() + 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("\"puzzle\": the tokenizer encodes its prompt to ", p.prompt.size(),
+                       " tokens, not <bos> and one token per character (", per_char.size() + 1,
+                       "): not the Sudoku model's tokenizer"));
+    }
     std::vector<int32_t> canvas;
     std::vector<TemplateHoleSpec> holes;
     for (char ch : rows) {  // '.', '1'..'9' or '\n' (ToRows)
@@ -134,8 +224,8 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
 // The --calibration / --calibration_sudoku amax per module; empty without either flag. The
 // flags were checked by CheckCalibrationFlags.
 absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
-  const std::string prompts_file = absl::GetFlag(FLAGS_calibration);
-  const std::string sudoku_file = absl::GetFlag(FLAGS_calibration_sudoku);
+  const std::string prompts_file = absl::GetFlag(FLAGS_calibration).path;
+  const std::string sudoku_file = absl::GetFlag(FLAGS_calibration_sudoku).path;
   if (prompts_file.empty() && sudoku_file.empty()) return std::map<std::string, float>{};
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(in + "/tokenizer.json"));
@@ -158,12 +248,24 @@ absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
   return CalibrateActivationAmax(ck, prompts, options);
 }
 
-// The calibration flags' own checks, before anything is read or run: one calibration source;
+// The calibration flags' own checks, before anything is read or run: no empty path given
+// (`--calibration_sudoku ""`); one calibration source;
 // --calibration_limit / --calibration_steps ≥ 0 and only with a source; a format with a static
 // activation scale (W4A4 NVFP4); --out not --in (calibrating first would waste minutes).
 absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::string& format) {
-  const bool prompts = !absl::GetFlag(FLAGS_calibration).empty();
-  const bool sudoku = !absl::GetFlag(FLAGS_calibration_sudoku).empty();
+  const CalibrationFileFlag prompts_flag = absl::GetFlag(FLAGS_calibration);
+  const CalibrationFileFlag sudoku_flag = absl::GetFlag(FLAGS_calibration_sudoku);
+  for (const auto& [f, name] : {std::pair(&prompts_flag, "--calibration"),
+                                std::pair(&sudoku_flag, "--calibration_sudoku")}) {
+    if (f->given && f->path.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name,
+                       " \"\": an empty path (give a file, or leave the flag out to "
+                       "quantize without calibration)"));
+    }
+  }
+  const bool prompts = prompts_flag.given;
+  const bool sudoku = sudoku_flag.given;
   const int limit = absl::GetFlag(FLAGS_calibration_limit);
   const int steps = absl::GetFlag(FLAGS_calibration_steps);
   if (limit < 0) return absl::InvalidArgumentError("--calibration_limit must be ≥ 0");
@@ -186,8 +288,9 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
   if (options.format != WeightFormat::kNvfp4 ||
       options.nvfp4_activations == Nvfp4Activations::kNone) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--calibration sets NVFP4's static activation scale: it needs --format nvfp4 with "
-        "activations quantized (W4A4); ",
+        sudoku ? "--calibration_sudoku" : "--calibration",
+        " sets NVFP4's static activation scale: it needs --format nvfp4 with activations "
+        "quantized (W4A4); ",
         options.format == WeightFormat::kNvfp4 ? "nvfp4a16 (--nvfp4_activations none)" : format,
         " has no static activation scale"));
   }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -385,6 +386,23 @@ absl::Status CheckQuantizePaths(const std::string& in, const std::string& out) {
   std::error_code ec;
   if (fs::exists(out, ec) && fs::equivalent(in, out, ec)) {
     return absl::InvalidArgumentError("--out must differ from --in");
+  }
+  // What fs::create_directories(out) and the writes into it would find only at the end: the
+  // nearest existing path of out and its parents must be a directory we can write to (the
+  // missing ones below it are created).
+  fs::path p(out);
+  while (!fs::exists(p, ec) && p.has_parent_path() && p.parent_path() != p) p = p.parent_path();
+  if (!fs::exists(p, ec)) p = ".";  // a relative path none of whose components exist
+  if (!fs::is_directory(p, ec)) {
+    return absl::InvalidArgumentError(
+        p == fs::path(out)
+            ? absl::StrCat("--out ", out, " exists and is not a directory")
+            : absl::StrCat("--out ", out, ": ", p.string(), " exists and is not a directory"));
+  }
+  if (access(p.c_str(), W_OK | X_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--out ", out, ": ",
+                                                   p == fs::path(out) ? "" : p.string() + " ",
+                                                   "is not writable: ", std::strerror(errno)));
   }
   return absl::OkStatus();
 }

@@ -127,8 +127,10 @@ struct QuantizeSummary {
   double seconds = 0;
 };
 
-// The paths' own checks, before anything is read: both given, and `out` is not `in` (the same
-// directory by any path). INVALID_ARGUMENT otherwise. QuantizeCheckpoint runs it first.
+// The paths' own checks, before anything is read: both given, `out` is not `in` (the same
+// directory by any path), and `out` can be written: it, or else its nearest existing parent (the
+// missing directories are created), is a directory writable by this process (access(2) W_OK and
+// X_OK). INVALID_ARGUMENT naming --out otherwise. QuantizeCheckpoint runs it first.
 absl::Status CheckQuantizePaths(const std::string& in, const std::string& out);
 
 // Reads the bf16 checkpoint `in` and writes the quantized one to `out` (created if needed).

@@ -19,9 +19,6 @@
 
 namespace dgserve::sudoku {
 
-// Completion tokens of one answer: one canvas (81 digits, 9 '\n', <eos>).
-inline constexpr int kAnswerTokens = 91;
-
 // How a puzzle is sent.
 // The sample_temperature_spread `dgserve sudoku --samples N` sends unless told otherwise (issue 36
 // item 8): sample i of n runs the model's schedule (t_max 2.0 → t_min 0.4) times 1 − 0.75·i/(n −

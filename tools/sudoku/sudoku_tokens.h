@@ -11,6 +11,10 @@
 
 namespace dgserve::sudoku {
 
+// Completion tokens of one answer: one canvas (81 digits, 9 '\n', <eos>); the Sudoku model's
+// canvas_length.
+inline constexpr int kAnswerTokens = 91;
+
 // The token ids of the canvas layout in a model's vocabulary.
 struct SudokuTokens {
   std::array<int32_t, 10> digit{};  // digit[d] for d = 1..9 (digit[0] unused)
