@@ -12,7 +12,11 @@
 //   - a mirror holding a live cache's only rows is never evicted (max_kv_mirrors = 1); once
 //     synced it is;
 //   - a second CUDA backend refuses a cache whose newest rows the first holds, until the first
-//     syncs it.
+//     syncs it;
+//   - the device K/V layouts (CudaBackendOptions::kv_block_size: the block pool in blocks of 64
+//     and of 4, and per-sequence arrays, the modes below) give the same bits; the pool's blocks go
+//     back as sequences advance and finish, it grows keeping its rows, and at its bound (or with
+//     the device out of memory) it takes idle sequences' blocks.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -228,6 +232,104 @@ TEST_P(CudaKvAuthorityTest, PagedCacheSyncsTheRowsItKeeps) {
     EXPECT_TRUE(kd.Fork().ok());
   }
   EXPECT_EQ(pool->get()->stats().used[0] + pool->get()->stats().used[1], 0);
+}
+
+// The device K/V layouts give the same bits: the block pool (CudaBackendOptions::kv_block_size,
+// the default 64, and blocks of 4: sliding blocks go back to the pool behind the
+// window), the per-sequence mirror with sliding rings (kv_block_size 0, W = 8 rows here) and the
+// every-position mirror (sliding_kv_ring off, in blocks of 64 and per sequence: the reference).
+// 29 prompt tokens (more than three rings) are encoded in chunks that cross ring and block
+// edges, one of 13 rows (longer than the ring: only its last 8 rows are kept), then the decoder
+// runs on the encoded caches and on caches each backend uploads (rows that wrap in a ring).
+// The mirrors' bytes, counted by hand: element size e = 4 B (float32), or 2 B on the full layers
+// in the tensor-core mode (head_dim 32: bf16 mirror); 4 sliding layers and 2 full layers, K and V,
+// 32 elements a row (sliding 4 · 2 · 32 · 4 B = 1,024 B a row, full 4 · 32 · e = 128·e):
+//   ring       sliding 8 rows: 8,192;                   full 64 rows (first capacity): 128·64·e
+//   every pos. sliding 64 rows (first capacity): 65,536; full 128·64·e
+//   blocks 64  sliding block 0 (positions 22 … 28 kept): 65,536; full block 0: 128·64·e
+//   blocks 4   sliding blocks 5 … 7 (positions 20 … 31): 12,288; full 8 blocks: 128·32·e
+// (bf16 against float32 mirrors is SyntheticBackendTest.Bf16KvMirrorEqualsFloat32MirrorBitForBit,
+// every layer on the tensor cores.)
+TEST_P(CudaKvAuthorityTest, KvLayoutsGiveTheSameBits) {
+  // The layouts are made here: once per attention kind.
+  if (GetParam().kv_block_size != 64) GTEST_SKIP() << "blocks of 64 only";
+  ASSERT_EQ(config().sliding_window, 8);
+  const auto options = [&](int block_size, bool ring) {
+    CudaBackendOptions o;
+    o.gemm_input = GetParam().gpu;
+    o.batch_invariant_projections = GetParam().own_projections;
+    o.tensor_core_attention = GetParam().tensor_core_attention;
+    o.kv_block_size = block_size;
+    o.sliding_kv_ring = ring;
+    return o;
+  };
+  const int e = GetParam().tensor_core_attention ? 2 : 4;
+  struct Layout {
+    const char* name;
+    CudaBackendOptions options;
+    int64_t bytes;
+    bool deferred;  // the linear layout copies its rows in the pass (no bound to its rows)
+  };
+  const std::vector<Layout> layouts = {
+      {"every position", options(0, false), 65536 + 128 * 64 * e, false},
+      {"ring", options(0, true), 8192 + 128 * 64 * e, true},
+      {"blocks of 64, every position", options(64, false), 65536 + 128 * 64 * e, false},
+      {"blocks of 4", options(4, true), 12288 + 128 * 32 * e, true},
+      {"blocks of 64", options(64, true), 65536 + 128 * 64 * e, true},
+  };
+  const std::vector<int32_t> prompt = Tokens(29, 7);
+  std::vector<std::unique_ptr<ModelBackend>> gpus;
+  std::vector<std::unique_ptr<ContiguousKvCache>> caches;
+  for (const Layout& layout : layouts) {
+    auto gpu = CreateCudaBackend(config(), checkpoint_->weights, layout.options);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    gpus.push_back(std::move(*gpu));
+    caches.push_back(std::make_unique<ContiguousKvCache>(config(), 256));
+    int at = 0;
+    for (int n : {5, 1, 13, 10}) {
+      const std::vector<int32_t> chunk(prompt.begin() + at, prompt.begin() + at + n);
+      Encode(*gpus.back(), *caches.back(), chunk);
+      at += n;
+    }
+    // Deferred: the new rows are on the device only until the sync; the every-position layouts
+    // (no bound on what they keep) copied theirs in the passes.
+    EXPECT_EQ(caches.back()->host_rows_stale(), layout.deferred) << layout.name;
+    ASSERT_TRUE(gpus.back()->SyncKvToHost(*caches.back()).ok()) << layout.name;
+    EXPECT_FALSE(caches.back()->host_rows_stale()) << layout.name;
+    EXPECT_EQ(CudaKvMirrorBytes(*gpus.back(), *caches.back()).value_or(-1), layout.bytes)
+        << layout.name;
+  }
+  const ContiguousKvCache& ref = *caches[0];
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 8);
+  const std::vector<float> want = Logits(*gpus[0], *caches[0], canvas);
+  const auto expect_same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << i;
+  };
+  for (size_t i = 1; i < layouts.size(); ++i) {
+    SCOPED_TRACE(layouts[i].name);
+    // The host keeps the sliding layers' last W − 1 rows; a deferred bf16 mirror's rows come
+    // back as their bf16 values (the rows its attention reads).
+    const ContiguousKvCache& kv = *caches[i];
+    for (int l = 0; l < config().num_layers; ++l) {
+      const size_t w = size_t(config().KvHeads(l)) * config().HeadDim(l);
+      const bool bf16 =
+          layouts[i].deferred && GetParam().tensor_core_attention && config().HeadDim(l) % 32 == 0;
+      const int from = config().IsFull(l) ? 0 : 29 - (config().sliding_window - 1);
+      for (int p = from; p < 29; ++p) {
+        for (const auto& [got, x] : {std::pair{kv.KeyRow(l, p), ref.KeyRow(l, p)},
+                                     std::pair{kv.ValueRow(l, p), ref.ValueRow(l, p)}}) {
+          for (size_t j = 0; j < w; ++j) {
+            const float y = bf16 ? RoundToBf16(x[j]) : x[j];
+            ASSERT_EQ(std::memcmp(&got[j], &y, sizeof(float)), 0) << l << " " << p << " " << j;
+          }
+        }
+      }
+    }
+    expect_same(Logits(*gpus[i], kv, canvas), want);
+    // A cache the backend has not seen (uploaded: 29 positions into a ring of 8 wrap).
+    expect_same(Logits(*gpus[i], *caches[0], canvas), want);
+  }
 }
 
 // max_kv_mirrors = 1: two caches with rows only on the device keep both mirrors (evicting one
