@@ -433,15 +433,21 @@ TEST_P(CudaKvAuthorityTest, PoolGrowthKeepsTheRows) {
   }
 }
 
-// kv_pool_max_bytes at the first growth's 64 blocks of each kind (blocks of 4: a sliding block
-// is 4 layers × K, V × 4 rows × 32 elements × 4 B = 1,024 B, a full one 2 × 2 × 4 × 32 × 2 B (bf16)
-// = 1,024 B): two sequences of 100 positions hold 50 full blocks. A third needs 25 more: while
+// kv_pool_max_bytes 128 KiB (blocks of 4: a full block is 2 layers × K, V × 4 rows × 32
+// elements × 2 B (bf16) = 1,024 B, a sliding one 4 × 2 × 4 × 32 × 4 B = 4,096 B): the full pool's
+// first growth takes 64 blocks (64 KiB), the sliding pool's is clipped to the 16 blocks left
+// (64 KiB). Two sequences of 100 positions hold 50 full blocks. A third needs 25 more: while
 // the first two hold rows only the device has (not synced) that is RESOURCE_EXHAUSTED; once they
 // are synced the least recently used one's blocks are taken (its mirror evicted), and a later
 // pass over it uploads it again. Every sequence's logits stay the copying backend's bits.
 TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
   CudaBackendOptions bounded = GpuOptions();
+  // Below one block of each kind (5,120 B) the bound would fail every pass: refused at start.
+  bounded.kv_pool_max_bytes = 5119;
+  const auto tiny = CreateCudaBackend(config(), checkpoint_->weights, bounded);
+  EXPECT_EQ(tiny.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(tiny.status().message().find("(5120 bytes)"), std::string::npos) << tiny.status();
   bounded.kv_pool_max_bytes = 64 * 1024 + 64 * 1024;
   auto backend = CreateCudaBackend(config(), checkpoint_->weights, bounded);
   ASSERT_TRUE(backend.ok()) << backend.status();
@@ -456,6 +462,8 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   Encode(gpu, *kv[0], Tokens(100, 30));
   Encode(gpu, *kv[1], Tokens(100, 31));
   EXPECT_EQ(GetCudaKvPoolStats(gpu)->device_bytes, 128 * 1024);
+  EXPECT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
+  EXPECT_EQ(GetCudaKvPoolStats(gpu)->sliding_blocks, 16);
   const std::vector<int32_t> third = Tokens(100, 32);
   EncodeInput in{third, kv[2].get()};
   const absl::Status full = gpu.Encode({&in, 1});

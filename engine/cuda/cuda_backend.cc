@@ -70,6 +70,18 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
   if (options_.kv_block_size < 0 || options_.kv_block_size > 4096) {
     return absl::InvalidArgumentError("kv_block_size: must be 0 (per-sequence mirrors) to 4096");
   }
+  if (options_.kv_block_size > 0 && options_.kv_pool_max_bytes > 0) {
+    // A bound below one block of each kind would fail every pass.
+    int64_t one_each = 0;
+    for (const int kind : {kKvFull, kKvSliding}) {
+      one_each += KvPoolBlockBytes(kind);
+    }
+    if (int64_t(options_.kv_pool_max_bytes) < one_each) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_pool_max_bytes ", options_.kv_pool_max_bytes,
+                       ": below one K/V block of each layer kind (", one_each, " bytes)"));
+    }
+  }
   if (options_.canvas_split_keys <= 0 || options_.canvas_split_keys % 32 != 0) {
     return absl::InvalidArgumentError("canvas_split_keys: must be a positive multiple of 32");
   }
