@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/testing/temp_dir.h"
 #include "dgserve/v1/worker.grpc.pb.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
@@ -36,10 +37,9 @@ class CountingDenoise final : public v1::DenoiseService::Service {
 };
 
 std::string TempDir() {
-  char tmpl[] = "/tmp/dgserve_auth_XXXXXX";
-  const char* d = mkdtemp(tmpl);
-  EXPECT_NE(d, nullptr);
-  return d ? d : "/tmp";
+  const std::string d = ::dgserve::testing::MakeTempDirRemovedAtExit("dgserve_auth");
+  EXPECT_NE(d, "");
+  return d.empty() ? "/tmp" : d;
 }
 
 std::string WriteFile(const std::string& dir, const std::string& name, const std::string& text) {

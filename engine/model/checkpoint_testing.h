@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
+#include "common/testing/temp_dir.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/config.h"
 #include "engine/model/random_checkpoint.h"
@@ -45,10 +46,11 @@ inline absl::StatusOr<Checkpoint> LoadRandomTinyV512(const std::string& tag) {
 
 // A fresh empty directory under the test temp dir.
 inline std::string MakeTempDir(const std::string& prefix) {
-  std::string tmpl = absl::StrCat(::testing::TempDir(), "/", prefix, "_XXXXXX");
-  char* d = mkdtemp(tmpl.data());
-  EXPECT_NE(d, nullptr) << "mkdtemp " << tmpl;
-  return tmpl;
+  std::string base = ::testing::TempDir();
+  while (base.size() > 1 && base.back() == '/') base.pop_back();
+  const std::string dir = MakeTempDirRemovedAtExit(prefix, base);  // common/testing/temp_dir.h
+  EXPECT_NE(dir, "") << "mkdtemp " << base << "/" << prefix << "_XXXXXX";
+  return dir;
 }
 
 // A tiny valid shape: vocab 64, hidden 16, layers S F, heads 2 / kv 1 / global kv 1, head dims

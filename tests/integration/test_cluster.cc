@@ -11,12 +11,12 @@
 #include <sstream>
 #include <thread>
 
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/http_client.h"
+#include "common/testing/temp_dir.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 
@@ -25,10 +25,7 @@ extern char** environ;
 namespace dgserve::testing {
 namespace {
 
-std::string TempDir() {
-  std::string tmpl = "/tmp/dgserve_it_XXXXXX";
-  return mkdtemp(tmpl.data()) ? tmpl : std::string();
-}
+std::string TempDir() { return MakeTempDirRemovedAtExit("dgserve_it"); }
 
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
   posix_spawn_file_actions_t fa;
