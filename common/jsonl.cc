@@ -16,7 +16,8 @@ namespace {
 // last read: 'no'" (line and column within `text`).
 std::string ParseError(const std::string& text) {
   try {
-    (void)nlohmann::json::parse(text);
+    const nlohmann::json parsed = nlohmann::json::parse(text);  // throws: `text` does not parse
+    (void)parsed;
   } catch (const nlohmann::json::exception& e) {
     const std::string what = e.what();
     const size_t tag_end = what.find("] ");
