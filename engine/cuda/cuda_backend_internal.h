@@ -230,13 +230,17 @@ struct KvMirror {
   KvMirror(const KvMirror&) = delete;
   KvMirror& operator=(const KvMirror&) = delete;
   // A paged mirror's blocks go back to their pools.
-  ~KvMirror() {
+  ~KvMirror() { ReleaseBlocks(); }
+  // Gives every block back to its pool (the table entries become −1; tables_dirty).
+  void ReleaseBlocks() {
     if (pools == nullptr) return;
     for (int kind = 0; kind < 2; ++kind) {
-      for (const int32_t b : blocks[kind]) {
+      for (int32_t& b : blocks[kind]) {
         if (b >= 0) pools[kind].free_ids.push_back(b);
+        b = -1;
       }
     }
+    tables_dirty = true;
   }
   // Paged (pools != nullptr): per kind, the pool block of each block index of positions
   // (position p in block blocks[kind][p / B], row p % B of it), −1 where no block is held (a
@@ -327,7 +331,7 @@ struct Segment {
   int sliding_host_from = 0;
   bool to_host = true;  // encoder: copied to the host in the pass (false: deferred mirror)
   // Encoder, paged mirror: the first position of the sliding layers' new rows written into the
-  // device pool (the rows a later pass or SyncKvToHost reads: CudaBackend::SlidingKeepFrom).
+  // device pool (CudaBackend::SlidingWriteFrom).
   int sliding_device_from = 0;
   // Encoder: the segment's new rows of layer kind `full` that go to the host, as offsets from
   // row0: [first, first + count).
@@ -439,9 +443,11 @@ class CudaBackend final : public ModelBackend {
   absl::Status CheckTokens(std::span<const int32_t> ids) const;
   // The mirror of `kv`, synced with its committed rows and with room for `extra` more positions.
   absl::StatusOr<KvMirror*> SyncMirror(const KvCache& kv, int extra);
-  // Marks the existing mirrors of a pass's caches as used by it (before their SyncMirror), so
-  // that making room for one of them never evicts another.
-  void ProtectMirrors(const std::vector<const KvCache*>& caches);
+  // Starts a pass over `caches` (before their SyncMirror): drops the paged mirrors of caches
+  // destroyed since (finished sequences give their blocks back now, not when max_kv_mirrors
+  // evicts them), then marks the existing mirrors of the pass's caches as used by it, so that
+  // making room for one of them never evicts another.
+  void BeginPass(const std::vector<const KvCache*>& caches);
   // The paged device pool (options_.kv_block_size > 0; cuda_backend_kv.cc). KvKind: the pool
   // of layer l. KvBlockBytes: the device bytes of one block of layer l (K and V).
   bool PagedKv() const { return options_.kv_block_size > 0; }
@@ -455,6 +461,12 @@ class CudaBackend final : public ModelBackend {
   // keeps (KvCache::SlidingRetainedFrom(n)) and lacks (from host_lacks_from: the deferred copy;
   // n or more: it lacks none); 0 without a window or with sliding_kv_ring off.
   int SlidingKeepFrom(const KvCache& kv, int n, int host_lacks_from) const;
+  // The first position of a sliding layer's new rows an encoder pass from n to `need` positions
+  // writes into a paged mirror (and SyncKvBlocks holds): those a later pass or, with the deferred
+  // copy, the host reads.
+  int SlidingWriteFrom(const KvCache& kv, const KvMirror& m, int n, int need) const {
+    return std::max(n, SlidingKeepFrom(kv, need, m.deferred ? n : need));
+  }
   // A paged mirror's blocks for a pass over its n committed positions writing `extra` more:
   // full layers every position's block, sliding layers the blocks of [SlidingKeepFrom, n) and of
   // the new rows they keep (Segment::sliding_device_from); sliding blocks behind the window go

@@ -42,7 +42,13 @@ bool CudaBackend::EvictOneMirror() {
   return true;
 }
 
-void CudaBackend::ProtectMirrors(const std::vector<const KvCache*>& caches) {
+void CudaBackend::BeginPass(const std::vector<const KvCache*>& caches) {
+  pass_start_ = use_clock_ + 1;
+  if (PagedKv()) {
+    for (auto j = mirrors_.begin(); j != mirrors_.end();) {
+      j = j->second->owner.expired() ? mirrors_.erase(j) : std::next(j);
+    }
+  }
   for (const KvCache* kv : caches) {
     const auto it = mirrors_.find(kv);
     if (it != mirrors_.end() && SameLifetime(it->second->owner, kv->lifetime())) {
@@ -52,17 +58,6 @@ void CudaBackend::ProtectMirrors(const std::vector<const KvCache*>& caches) {
 }
 
 absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) {
-  if (PagedKv()) {
-    // Mirrors of caches destroyed since (finished sequences) give their blocks back to the pool
-    // now, not when max_kv_mirrors evicts them.
-    for (auto j = mirrors_.begin(); j != mirrors_.end();) {
-      if (j->second->owner.expired() && j->second->last_use < pass_start_) {
-        j = mirrors_.erase(j);
-      } else {
-        ++j;
-      }
-    }
-  }
   auto it = mirrors_.find(&kv);
   // A mirror under this address made for a cache destroyed since (another cache now lives at the
   // same address): its rows, and any its host arrays lacked, belonged to that cache.
@@ -104,12 +99,7 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
     // A cache never shrinks; a mirror ahead of its cache cannot be trusted.
     if (m->pending()) return absl::InternalError("KV cache shorter than its device rows");
     m->synced = m->host_synced = 0;
-    for (int kind = 0; kind < 2 && m->paged(); ++kind) {
-      for (int32_t& b : m->blocks[kind]) {
-        if (b >= 0) kv_pools_[kind].free_ids.push_back(b);
-        b = -1;
-      }
-    }
+    m->ReleaseBlocks();
   }
   const int need = n + extra;
   if (m->paged()) {
@@ -493,8 +483,7 @@ absl::Status CudaBackend::SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, in
     const int keep = ReleaseSlidingKvBlocks(kv, m, n);
     DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, keep, n));
     // The new rows a later pass or the host reads (the encoder writes only those).
-    const int write_from = std::max(n, SlidingKeepFrom(kv, need, m->deferred ? n : need));
-    DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, write_from, need));
+    DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, SlidingWriteFrom(kv, *m, n, need), need));
   }
   if (!m->tables_dirty) return absl::OkStatus();
   for (int kind = 0; kind < 2; ++kind) {

@@ -483,10 +483,9 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   }
   std::vector<Segment> segs;
   int R = 0;
-  pass_start_ = use_clock_ + 1;
   std::vector<const KvCache*> caches;
   for (const EncodeInput& in : batch) caches.push_back(in.kv);
-  ProtectMirrors(caches);
+  BeginPass(caches);
   for (const EncodeInput& in : batch) {
     DGSERVE_RETURN_IF_ERROR(in.kv->Reserve(in.tokens.size()));
     Segment s;
@@ -498,9 +497,7 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
     s.sliding_host_from = std::max(s.pos0, in.kv->SlidingRetainedFrom(s.pos0 + s.rows));
     DGSERVE_ASSIGN_OR_RETURN(s.mirror, SyncMirror(*in.kv, s.rows));
     s.to_host = !s.mirror->deferred;
-    s.sliding_device_from = std::max(
-        s.pos0,
-        SlidingKeepFrom(*in.kv, s.pos0 + s.rows, s.mirror->deferred ? s.pos0 : s.pos0 + s.rows));
+    s.sliding_device_from = SlidingWriteFrom(*in.kv, *s.mirror, s.pos0, s.pos0 + s.rows);
     segs.push_back(s);
     R += s.rows;
   }
@@ -587,10 +584,9 @@ absl::StatusOr<int> CudaBackend::PrepareBody(std::span<const CanvasInput> batch,
     DGSERVE_RETURN_IF_ERROR(CheckTokens(in.canvas));
   }
   int R = 0;
-  pass_start_ = use_clock_ + 1;
   std::vector<const KvCache*> caches;
   for (const CanvasInput& in : batch) caches.push_back(in.kv);
-  ProtectMirrors(caches);
+  BeginPass(caches);
   for (const CanvasInput& in : batch) {
     Segment s;
     s.row0 = R;
