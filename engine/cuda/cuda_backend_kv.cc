@@ -338,20 +338,6 @@ int CudaBackend::ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n) {
   return keep;
 }
 
-namespace {
-// Copies the first n elements of `from` into `to` and waits for the copy (a device-to-device
-// cudaMemcpy may return before it is done).
-template <typename T>
-absl::Status CopyPrefix(const DeviceArray<T>& from, DeviceArray<T>& to, size_t n) {
-  if (n == 0 || from.get() == nullptr) return absl::OkStatus();
-  cuda::NoteDeviceCopy();
-  DGSERVE_RETURN_IF_ERROR(
-      CudaCheck(cudaMemcpy(to.get(), from.get(), n * sizeof(T), cudaMemcpyDeviceToDevice),
-                "cudaMemcpy (grow)"));
-  return CudaCheck(cudaDeviceSynchronize(), "cudaDeviceSynchronize (grow)");
-}
-}  // namespace
-
 int64_t CudaBackend::KvPoolBlockBytes(int kind) const {
   int64_t bytes = 0;
   for (int l = 0; l < c_.num_layers; ++l) {
@@ -386,7 +372,7 @@ absl::Status CudaBackend::GrowKvPool(int kind) {
   }
   // All new arrays first, beside the old ones (a refusal frees them: nothing is left half grown),
   // then the stream drained (queued uploads and row copies may still write the old arrays), the
-  // old rows copied (synchronous: DeviceArray::Grow), and the arrays swapped.
+  // old rows copied (DeviceArray::CopyPrefixFrom waits for it), and the arrays swapped.
   struct Fresh {
     int layer;
     DeviceArray<float> k, v;
@@ -414,13 +400,13 @@ absl::Status CudaBackend::GrowKvPool(int kind) {
     const int l = f.layer;
     const size_t old = size_t(pool.blocks) * B * c_.KvHeads(l) * c_.HeadDim(l);
     if (Bf16Mirror(l)) {
-      DGSERVE_RETURN_IF_ERROR(CopyPrefix(pool.k16[l], f.k16, old));
-      DGSERVE_RETURN_IF_ERROR(CopyPrefix(pool.v16[l], f.v16, old));
+      DGSERVE_RETURN_IF_ERROR(f.k16.CopyPrefixFrom(pool.k16[l], old));
+      DGSERVE_RETURN_IF_ERROR(f.v16.CopyPrefixFrom(pool.v16[l], old));
       pool.k16[l].swap(f.k16);
       pool.v16[l].swap(f.v16);
     } else {
-      DGSERVE_RETURN_IF_ERROR(CopyPrefix(pool.k[l], f.k, old));
-      DGSERVE_RETURN_IF_ERROR(CopyPrefix(pool.v[l], f.v, old));
+      DGSERVE_RETURN_IF_ERROR(f.k.CopyPrefixFrom(pool.k[l], old));
+      DGSERVE_RETURN_IF_ERROR(f.v.CopyPrefixFrom(pool.v[l], old));
       pool.k[l].swap(f.k);
       pool.v[l].swap(f.v);
     }

@@ -78,28 +78,24 @@ class DeviceArray {
   // At least n elements, keeping the first `keep` elements.
   absl::Status Grow(size_t n, size_t keep) {
     if (n <= n_) return absl::OkStatus();
-    T* q = nullptr;
+    DeviceArray q;
     NoteAlloc();
-    DGSERVE_RETURN_IF_ERROR(Refused(cudaMalloc(&q, n * sizeof(T)), "cudaMalloc"));
-    if (p_ != nullptr && keep > 0) {
-      NoteDeviceCopy();
-      cudaError_t e = cudaMemcpy(q, p_, std::min(keep, n_) * sizeof(T), cudaMemcpyDeviceToDevice);
-      // A device-to-device cudaMemcpy may return before the copy is done, and the callers' streams
-      // do not wait for the legacy stream: done before the old array is freed and the new one
-      // written.
-      if (e == cudaSuccess) e = cudaDeviceSynchronize();
-      if (e != cudaSuccess) {
-        cudaFree(q);
-        return CudaCheck(e, "cudaMemcpy (grow)");
-      }
-    }
-    if (p_ != nullptr) {
-      NoteAlloc();
-      cudaFree(p_);
-    }
-    p_ = q;
-    n_ = n;
+    DGSERVE_RETURN_IF_ERROR(Refused(cudaMalloc(&q.p_, n * sizeof(T)), "cudaMalloc"));
+    q.n_ = n;
+    DGSERVE_RETURN_IF_ERROR(q.CopyPrefixFrom(*this, std::min(keep, n_)));
+    swap(q);  // q frees the old array
     return absl::OkStatus();
+  }
+  // This array's first n elements (≤ both sizes) = `from`'s, copied device to device and waited
+  // for: a device-to-device cudaMemcpy may return before the copy is done, and the callers'
+  // streams do not wait for the legacy stream, so the copy is done before `from` is freed or this
+  // array written.
+  absl::Status CopyPrefixFrom(const DeviceArray& from, size_t n) {
+    if (n == 0 || from.p_ == nullptr) return absl::OkStatus();
+    NoteDeviceCopy();
+    DGSERVE_RETURN_IF_ERROR(CudaCheck(
+        cudaMemcpy(p_, from.p_, n * sizeof(T), cudaMemcpyDeviceToDevice), "cudaMemcpy (grow)"));
+    return CudaCheck(cudaDeviceSynchronize(), "cudaDeviceSynchronize (grow)");
   }
   absl::Status Upload(const T* host, size_t n) {
     DGSERVE_RETURN_IF_ERROR(Ensure(n));
