@@ -49,6 +49,7 @@ struct KindState {
   size_t block_floats = 0;
   int32_t total = 0;
   std::vector<int32_t> refs;
+  std::vector<uint64_t> allocation;  // AllocationId per block (0: never allocated)
   std::vector<uint8_t> indexed;
   std::vector<uint64_t> index_key;  // key of the entry holding the block (when indexed)
   std::vector<int32_t> free_list;
@@ -83,6 +84,7 @@ class BlockPoolImpl final : public BlockPool {
         // Uninitialised on purpose: pages are only touched when blocks are written.
         s.data.reset(new float[n * s.block_floats]);
         s.refs.assign(n, 0);
+        s.allocation.assign(n, 0);
         s.indexed.assign(n, 0);
         s.index_key.assign(n, 0);
         s.lru_pos.assign(n, s.lru.end());
@@ -130,6 +132,7 @@ class BlockPoolImpl final : public BlockPool {
         ++evictions_;
       }
       s.refs[b] = 1;
+      s.allocation[b] = ++allocations_;
       ++s.used;
       out.push_back(b);
     }
@@ -170,6 +173,12 @@ class BlockPoolImpl final : public BlockPool {
   const float* BlockData(LayerKind kind, int32_t block) const override {
     const KindState& s = kinds_[KindIndex(kind)];
     return s.data.get() + size_t(block) * s.block_floats;
+  }
+
+  uint64_t AllocationId(LayerKind kind, int32_t block) const override {
+    absl::MutexLock lock(&mu_);
+    const KindState& s = kinds_[KindIndex(kind)];
+    return block >= 0 && block < s.total ? s.allocation[block] : 0;
   }
 
   PrefixMatch MatchPrefix(std::span<const int32_t> tokens) override {
@@ -349,6 +358,7 @@ class BlockPoolImpl final : public BlockPool {
   int64_t prefix_hit_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t prefix_hits_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t allocations_ ABSL_GUARDED_BY(mu_) = 0;  // AllocationIds given
 };
 
 }  // namespace

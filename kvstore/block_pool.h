@@ -69,6 +69,11 @@ class BlockPool {
   // the pool's lifetime.
   virtual float* BlockData(LayerKind kind, int32_t block) = 0;
   virtual const float* BlockData(LayerKind kind, int32_t block) const = 0;
+  // A number Allocate gives `block` each time it hands it out, unique over the pool's lifetime
+  // and every kind (never 0): the same while the block keeps its rows (held, shared, cached and
+  // matched again), another once it is allocated afresh. 0 for a block never allocated or an id
+  // outside the pool.
+  virtual uint64_t AllocationId(LayerKind kind, int32_t block) const = 0;
 
   // Longest cached prefix of `tokens` usable by a new sequence: k whole blocks with every full
   // block 0..k−1 indexed and sliding blocks covering positions [SlidingKeepFrom(k·B), k·B)

@@ -240,6 +240,41 @@ TEST(KvBlockPoolTest, LruEvictionOrderDropsIndexEntries) {
   EXPECT_EQ(st.cached[S], 0);
 }
 
+// AllocationId: a new number at each allocation, unique across kinds; kept while the block keeps
+// its rows (released into the cache, matched again); new once the block is handed out afresh.
+TEST(KvBlockPoolTest, AllocationIdsNameOneAllocation) {
+  auto pool = MakePool(2, 2);
+  EXPECT_EQ(pool->AllocationId(kF, 0), 0u);  // never allocated
+  EXPECT_EQ(pool->AllocationId(kF, 2), 0u);  // outside the pool
+  EXPECT_EQ(pool->AllocationId(kF, -1), 0u);
+  const std::vector<int32_t> a = Tokens(4, 100);
+  BlockTable ta = AllocTable(*pool, 1, 0, 1);
+  const uint64_t full_id = pool->AllocationId(kF, ta.full[0]),
+                 sliding_id = pool->AllocationId(kS, ta.sliding[0]);
+  EXPECT_NE(full_id, 0u);
+  EXPECT_NE(sliding_id, 0u);
+  EXPECT_NE(full_id, sliding_id);
+  pool->InsertPrefix(a, ta);
+  pool->Release(ta);  // cached: its rows stay
+  EXPECT_EQ(pool->AllocationId(kF, ta.full[0]), full_id);
+  PrefixMatch m = pool->MatchPrefix(a);
+  ASSERT_EQ(m.num_tokens, 4);
+  ASSERT_EQ(m.table.full[0], ta.full[0]);
+  EXPECT_EQ(pool->AllocationId(kF, ta.full[0]), full_id);
+  pool->Ref(kF, m.table.full);  // a second holder: the same rows
+  EXPECT_EQ(pool->AllocationId(kF, ta.full[0]), full_id);
+  pool->Release(kF, m.table.full);
+  pool->Release(m.table);
+  // Both full blocks handed out: the free one, then the cached one evicted. Each gets a number
+  // never given before.
+  auto x = pool->Allocate(kF, 2);
+  ASSERT_THAT(x, IsOk());
+  std::set<uint64_t> ids = {full_id, sliding_id};
+  for (int32_t b : *x) EXPECT_TRUE(ids.insert(pool->AllocationId(kF, b)).second) << b;
+  EXPECT_NE(pool->AllocationId(kF, ta.full[0]), full_id);
+  pool->Release(kF, *x);
+}
+
 TEST(KvBlockPoolTest, ReinsertingKeepsExistingEntries) {
   auto pool = MakePool(8, 8);
   const std::vector<int32_t> tokens = Tokens(8);

@@ -63,6 +63,18 @@ int PagedKvCache::MaxSlidingRowsKept() const {
   return std::max(0, layout.sliding_window - 1) + 2 * layout.block_size - 1;
 }
 
+uint64_t PagedKvCache::SharedRowsId(bool full, int pos) const {
+  if (pos < 0 || pos >= num_tokens_) return 0;
+  const KvLayout& layout = pool_->layout();
+  const LayerKind kind = full ? LayerKind::kFull : LayerKind::kSliding;
+  if (layout.layers[KindIndex(kind)] == 0) return 0;
+  const int b = pos / layout.block_size;
+  if (full) return b < int(table_.full.size()) ? pool_->AllocationId(kind, table_.full[b]) : 0;
+  const int i = b - table_.first_sliding_block;
+  return i >= 0 && i < int(table_.sliding.size()) ? pool_->AllocationId(kind, table_.sliding[i])
+                                                  : 0;
+}
+
 PagedKvCache::PagedKvCache(BlockPool* pool, int max_tokens)
     : pool_(pool), max_tokens_(max_tokens) {}
 

@@ -52,6 +52,10 @@ class PagedKvCache final : public KvCache {
   // sliding_window + 2·block_size − 2: the window's W − 1 rows, the spare block and the partial
   // blocks at both ends.
   int MaxSlidingRowsKept() const override;
+  // The BlockPool::AllocationId of the block holding committed position `pos` of the full or
+  // the sliding layers (blocks shared by reference give the same value); 0 for a position not
+  // committed, outside the retained sliding window, or of a kind with no layers.
+  uint64_t SharedRowsId(bool full, int pos) const override;
 
   const BlockTable& table() const { return table_; }
   BlockPool* pool() const { return pool_; }

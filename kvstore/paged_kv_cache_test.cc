@@ -317,6 +317,33 @@ TEST_F(KvPagedCacheTest, ForkSharesWholeBlocksAndCopiesThePartialOne) {
     EXPECT_EQ((*child)->table().first_sliding_block, 5);
     for (int i = 0; i < 7; ++i) EXPECT_EQ((*child)->table().full[i], parent.table().full[i]);
     EXPECT_NE((*child)->table().full[7], parent.table().full[7]);
+    // Their row identities (KvCache::SharedRowsId): equal on the shared blocks, not on the
+    // copied one; none outside the committed positions or behind the retained sliding blocks.
+    for (int p = 0; p < 29; ++p) {
+      for (bool full : {true, false}) {
+        if (!full && p < 20) {
+          EXPECT_EQ(parent.SharedRowsId(full, p), 0u) << p;
+          continue;
+        }
+        const uint64_t id = parent.SharedRowsId(full, p);
+        EXPECT_NE(id, 0u) << full << " " << p;
+        if (p < 28) {
+          EXPECT_EQ((*child)->SharedRowsId(full, p), id) << full << " " << p;
+        } else {
+          EXPECT_NE((*child)->SharedRowsId(full, p), id) << full << " " << p;
+          EXPECT_NE((*child)->SharedRowsId(full, p), 0u) << full << " " << p;
+        }
+      }
+      // One block's positions share one identity; the next block's is another.
+      if (p % 4 != 0) EXPECT_EQ(parent.SharedRowsId(true, p), parent.SharedRowsId(true, p - 1));
+      if (p % 4 == 0 && p > 0) {
+        EXPECT_NE(parent.SharedRowsId(true, p), parent.SharedRowsId(true, p - 1)) << p;
+      }
+    }
+    EXPECT_EQ(parent.SharedRowsId(true, 29), 0u);
+    EXPECT_EQ(parent.SharedRowsId(true, -1), 0u);
+    ContiguousKvCache contiguous(config(), 64);
+    EXPECT_EQ(contiguous.SharedRowsId(true, 0), 0u);
     // Different canvases appended to each: each equals its own sequence computed alone.
     Encode(**child, a);
     Encode(parent, b);

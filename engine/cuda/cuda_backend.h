@@ -16,6 +16,8 @@
 // sliding layers the blocks of their window (and of rows the host cache still lacks), the others
 // go back to the pool as the sequence advances, and a finished sequence's blocks at the next
 // pass; the attention kernels read K/V through the tables (cuda_attention.h's paged layout).
+// Whole blocks are shared between sequences whose host caches share the rows (share_kv_blocks:
+// a prefix hit, a fork), and kept after their sequences finish while the pool has room.
 // With kv_block_size 0 each mirror has its own arrays: [capacity, kv_heads·head_dim] indexed by
 // position on full layers, a ring on sliding layers (position p in row p % ring; min(capacity, W)
 // rows, or the cache's MaxSlidingRowsKept when larger, with the deferred host copy)
@@ -155,6 +157,14 @@ struct CudaBackendOptions {
   // again); a pass that still lacks a block fails with RESOURCE_EXHAUSTED (a mirror of this pass,
   // or one holding rows only the device has, is never taken).
   size_t kv_pool_max_bytes = 0;
+  // Device K/V blocks shared between sequences (with kv_block_size > 0), the default: a block
+  // whose positions its cache has all committed is registered under the host identity of its
+  // rows (KvCache::SharedRowsId: kvstore's paged blocks, shared by a prefix hit or a fork), and
+  // another sequence about to upload the same rows takes the block instead (no upload, no second
+  // copy). A registered block no sequence holds any more (a finished prompt's) is kept with its
+  // rows until the pool needs a block and has no free one: a later prefix hit on the host finds
+  // its rows still on the device. false: every sequence uploads its own copy.
+  bool share_kv_blocks = true;
 };
 
 // What the CUDA-graph path of a backend (CudaBackendOptions::cuda_graphs) has done so far.
@@ -194,6 +204,10 @@ struct CudaKvPoolStats {
   int block_size = 0;  // 0: per-sequence mirrors (no pool)
   int full_blocks = 0, full_blocks_in_use = 0;
   int sliding_blocks = 0, sliding_blocks_in_use = 0;
+  // Blocks held by no sequence but kept for their rows (share_kv_blocks), per kind.
+  int full_blocks_cached = 0, sliding_blocks_cached = 0;
+  // Blocks a sequence took (shared or cached) instead of uploading their rows, both kinds.
+  int64_t shared_blocks_taken = 0;
   int64_t device_bytes = 0;  // K and V of every block allocated, every layer
 };
 // nullopt for a backend not made by CreateCudaBackend or CreateCudaBackendSynthetic.

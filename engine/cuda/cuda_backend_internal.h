@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -217,12 +218,81 @@ struct DeviceLayer {
 // [blocks, block_size, kvw] (bf16 bits on the layers whose mirror stores bf16, else float32;
 // empty for the other kind's layers). Sequences own blocks through their mirrors' block tables.
 inline constexpr int kKvFull = 0, kKvSliding = 1;
+// Blocks shared between mirrors (CudaBackendOptions::share_kv_blocks): a block holding whole
+// rows of block index i (every position committed in its cache, every layer of the kind written)
+// is registered under its rows' host identities (KvCache::SharedRowsId of each of its
+// positions: `signature`), found by the last one's and i; a mirror about to upload those rows
+// from a cache giving the same identities takes the block instead (one more reference). A
+// registered block no mirror holds stays cached, its rows kept, until a block is wanted and none
+// is free (the least recently released first).
 struct KvBlockPool {
-  int blocks = 0;                               // ids allocated on the device
-  std::vector<int32_t> free_ids;                // ids no mirror holds (popped from the back)
-  std::vector<DeviceArray<float>> k, v;         // per model layer
+  int blocks = 0;                 // ids allocated on the device
+  std::vector<int32_t> free_ids;  // ids neither held nor cached (popped from the back)
+  std::vector<int32_t> refs;      // per id: mirrors holding it
+  std::vector<std::vector<uint64_t>> signature;  // per id: registered identities (empty: none)
+  std::map<std::pair<uint64_t, int>, int32_t> registry;  // (last identity, block index) → id
+  std::set<std::pair<uint64_t, int32_t>> cached;         // (release order, id), held by none
+  std::vector<uint64_t> released_at;                     // per cached id: its release order
+  uint64_t release_clock = 0;
+  int64_t shared_blocks_taken = 0;       // blocks a mirror took instead of uploading their rows
+  std::vector<DeviceArray<float>> k, v;  // per model layer
   std::vector<DeviceArray<uint16_t>> k16, v16;  // per model layer
-  int in_use() const { return blocks - int(free_ids.size()); }
+  int in_use() const { return blocks - int(free_ids.size()) - int(cached.size()); }
+  // One reference more on id b (a cached block leaves the cache).
+  void Ref(int32_t b) {
+    if (refs[b]++ == 0 && !signature[b].empty()) cached.erase({released_at[b], b});
+  }
+  // One reference less on id b: at none, cached (registered) or free.
+  void Unref(int32_t b) {
+    if (--refs[b] > 0) return;
+    if (signature[b].empty()) {
+      free_ids.push_back(b);
+    } else {
+      released_at[b] = ++release_clock;
+      cached.insert({released_at[b], b});
+    }
+  }
+  // A free id with one reference: a free one, else the least recently released cached one
+  // (unregistered); −1 when there is neither.
+  int32_t Take() {
+    if (free_ids.empty() && !cached.empty()) {
+      const int32_t b = cached.begin()->second;
+      cached.erase(cached.begin());
+      Unregister(b);
+      free_ids.push_back(b);
+    }
+    if (free_ids.empty()) return -1;
+    const int32_t b = free_ids.back();
+    free_ids.pop_back();
+    refs[b] = 1;
+    return b;
+  }
+  // Registers held id b as the rows of block index i with identities `sig` (one per position,
+  // none 0); false (nothing changed) when another block has them.
+  bool Register(int32_t b, int i, std::vector<uint64_t> sig) {
+    if (!registry.emplace(std::make_pair(sig.back(), i), b).second) return false;
+    signature[b] = std::move(sig);
+    index_of[b] = i;
+    return true;
+  }
+  // The registered id holding block index i with identities `sig`, −1 when none.
+  int32_t Find(int i, const std::vector<uint64_t>& sig) const {
+    const auto it = registry.find({sig.back(), i});
+    return it != registry.end() && signature[it->second] == sig ? it->second : -1;
+  }
+  void Unregister(int32_t b) {
+    if (signature[b].empty()) return;
+    registry.erase({signature[b].back(), index_of[b]});
+    signature[b].clear();
+  }
+  // The per-id arrays for `count` ids (GrowKvPool).
+  void Resize(int count) {
+    refs.resize(count, 0);
+    signature.resize(count);
+    released_at.resize(count, 0);
+    index_of.resize(count, 0);
+  }
+  std::vector<int> index_of;  // per registered id: its block index
 };
 
 struct KvMirror {
@@ -236,10 +306,12 @@ struct KvMirror {
     if (pools == nullptr) return;
     for (int kind = 0; kind < 2; ++kind) {
       for (int32_t& b : blocks[kind]) {
-        if (b >= 0) pools[kind].free_ids.push_back(b);
+        if (b >= 0) pools[kind].Unref(b);
         b = -1;
       }
+      published[kind] = 0;
     }
+    sliding_from = 0;
     tables_dirty = true;
   }
   // Paged (pools != nullptr): per kind, the pool block of each block index of positions
@@ -250,6 +322,12 @@ struct KvMirror {
   std::vector<int32_t> blocks[2];
   DeviceArray<int32_t> tables[2];
   bool tables_dirty = false;
+  // Shared blocks (KvBlockPool): block indices below published[kind] were offered for
+  // registration; every sliding layer holds the rows [sliding_from, synced) it was given (an
+  // upload or a pass may start past the last: the rows between are no one's).
+  int published[2] = {0, 0};
+  int sliding_from = 0;
+  std::vector<int> taken[2];  // block indices the current sync took registered (ascending)
   // Per sequence (pools == nullptr):
   std::vector<DeviceArray<float>> k, v;         // per layer [MirrorRows(l, capacity), kvw]
   std::vector<DeviceArray<uint16_t>> k16, v16;  // the same, bf16 bits (Bf16Mirror layers)
@@ -414,6 +492,9 @@ class CudaBackend final : public ModelBackend {
       const KvBlockPool& pool = kv_pools_[kind];
       (kind == kKvFull ? st.full_blocks : st.sliding_blocks) = pool.blocks;
       (kind == kKvFull ? st.full_blocks_in_use : st.sliding_blocks_in_use) = pool.in_use();
+      (kind == kKvFull ? st.full_blocks_cached : st.sliding_blocks_cached) =
+          int(pool.cached.size());
+      st.shared_blocks_taken += pool.shared_blocks_taken;
     }
     for (int l = 0; l < c_.num_layers; ++l) {
       st.device_bytes += int64_t(kv_pools_[KvKind(l)].blocks) * KvBlockBytes(l);
@@ -476,8 +557,20 @@ class CudaBackend final : public ModelBackend {
   // first position the host lacks) (after a pass, a sync, or before a pass over n positions);
   // returns that position.
   int ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n);
-  // A free block id of pool `kind`: the pool grown (GrowKvPool) when it has none, else the
-  // blocks of idle mirrors evicted (EvictOneMirror); RESOURCE_EXHAUSTED when neither frees one.
+  // The first sliding-layer position SyncMirror uploads into a mirror lacking the rows before
+  // n positions: the window the next pass reads.
+  int SlidingUploadFrom(int n) const { return std::max(0, n - (c_.sliding_window - 1)); }
+  // Shared blocks (KvBlockPool, options_.share_kv_blocks). KvBlockSignature: the identities of
+  // block index i's positions in kv (KvCache::SharedRowsId); false when one has none.
+  // TakeSharedKvBlocks: for each whole block of [from, n) of `kind` the mirror lacks, the
+  // registered block with its identities, if any (into m->taken[kind]). PublishKvBlocks: registers
+  // the mirror's whole blocks of rows written so far that are not yet registered.
+  bool KvBlockSignature(const KvCache& kv, int kind, int i, std::vector<uint64_t>* sig) const;
+  void TakeSharedKvBlocks(const KvCache& kv, KvMirror* m, int kind, int from, int n);
+  void PublishKvBlocks(const KvCache& kv, KvMirror* m);
+  // A free block id of pool `kind`: a free or cached one (KvBlockPool::Take), else the pool
+  // grown (GrowKvPool), else the blocks of idle mirrors evicted (EvictOneMirror);
+  // RESOURCE_EXHAUSTED when none frees one.
   absl::StatusOr<int32_t> AllocateKvBlock(int kind);
   // Grows pool `kind` (doubled, from 64 blocks; fewer within options_.kv_pool_max_bytes, both
   // pools counted), the stream drained first (queued copies may still write the old arrays).

@@ -134,15 +134,21 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
     // The new rows come from the host arrays: refused while another backend holds them.
     DGSERVE_RETURN_IF_ERROR(
         CheckHostRowsCurrent(kv, "CUDA backend (rows another backend holds on its device)"));
-    const int W = c_.sliding_window;
     for (int l = 0; l < c_.num_layers; ++l) {
       // Sliding layers only guarantee (and only read) the last W−1 committed rows.
-      const int lo = c_.IsFull(l) ? 0 : std::max(0, n - (W - 1));
+      const int lo = c_.IsFull(l) ? 0 : SlidingUploadFrom(n);
       const int from = std::max(m->synced, lo);
       if (from >= n) continue;
       const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
       if (m->paged()) {
-        DGSERVE_RETURN_IF_ERROR(UploadKvRows(kv, *m, l, from, n - from));
+        // Around the blocks taken from other mirrors (TakeSharedKvBlocks: ascending indices).
+        const int B = options_.kv_block_size;
+        int p = from;
+        for (const int i : m->taken[KvKind(l)]) {
+          if (i * B > p) DGSERVE_RETURN_IF_ERROR(UploadKvRows(kv, *m, l, p, i * B - p));
+          p = std::max(p, (i + 1) * B);
+        }
+        if (p < n) DGSERVE_RETURN_IF_ERROR(UploadKvRows(kv, *m, l, p, n - p));
         continue;
       }
       for (int which = 0; which < 2; ++which) {
@@ -177,8 +183,11 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
         }));
       }
     }
+    // The sliding rows before the window were not uploaded (a gap when the mirror lacked them).
+    if (SlidingUploadFrom(n) > m->synced) m->sliding_from = SlidingUploadFrom(n);
     m->synced = m->host_synced = n;
   }
+  PublishKvBlocks(kv, m);
   return m;
 }
 
@@ -331,7 +340,7 @@ int CudaBackend::ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n) {
   const int B = options_.kv_block_size;
   for (int i = 0; i < std::min(keep / B, int(table.size())); ++i) {
     if (table[i] < 0) continue;
-    kv_pools_[kKvSliding].free_ids.push_back(table[i]);
+    kv_pools_[kKvSliding].Unref(table[i]);
     table[i] = -1;
     m->tables_dirty = true;  // uploaded before the next pass (no kernel reads the entry)
   }
@@ -414,31 +423,78 @@ absl::Status CudaBackend::GrowKvPool(int kind) {
   // Popped from the back: the lowest new id first.
   for (int64_t b = blocks - 1; b >= pool.blocks; --b) pool.free_ids.push_back(int32_t(b));
   pool.blocks = int(blocks);
+  pool.Resize(pool.blocks);
   return absl::OkStatus();
 }
 
 absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   KvBlockPool& pool = kv_pools_[kind];
-  if (pool.free_ids.empty()) {
-    // Grow; where the bound (or the device) refuses, the blocks of idle sequences' mirrors, least
-    // recently used first (their rows are on the host: a later pass uploads them again).
-    absl::Status grown = GrowKvPool(kind);
-    // Other errors (a failed wait, a device fault) are not for eviction to hide.
-    if (!grown.ok() && grown.code() != absl::StatusCode::kResourceExhausted) return grown;
-    while (!grown.ok() && pool.free_ids.empty() && EvictOneMirror()) {
-    }
-    if (pool.free_ids.empty()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "device K/V block pool full (", kind == kKvFull ? "full" : "sliding",
-          " layers): ", pool.blocks, " blocks of ", options_.kv_block_size,
-          " positions, every one held by a sequence in this pass or by rows only the device has "
-          "(kv_pool_max_bytes ",
-          options_.kv_pool_max_bytes, "; ", grown.message(), ")"));
-    }
+  // A free block, else a cached one (KvBlockPool::Take).
+  int32_t b = pool.Take();
+  if (b >= 0) return b;
+  // Grow; where the bound (or the device) refuses, the blocks of idle sequences' mirrors, least
+  // recently used first (their rows are on the host: a later pass uploads them again).
+  absl::Status grown = GrowKvPool(kind);
+  // Other errors (a failed wait, a device fault) are not for eviction to hide.
+  if (!grown.ok() && grown.code() != absl::StatusCode::kResourceExhausted) return grown;
+  while ((b = pool.Take()) < 0 && EvictOneMirror()) {
   }
-  const int32_t b = pool.free_ids.back();
-  pool.free_ids.pop_back();
+  if (b < 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "device K/V block pool full (", kind == kKvFull ? "full" : "sliding",
+        " layers): ", pool.blocks, " blocks of ", options_.kv_block_size,
+        " positions, every one held by a sequence in this pass or by rows only the device has "
+        "(kv_pool_max_bytes ",
+        options_.kv_pool_max_bytes, "; ", grown.message(), ")"));
+  }
   return b;
+}
+
+bool CudaBackend::KvBlockSignature(const KvCache& kv, int kind, int i,
+                                   std::vector<uint64_t>* sig) const {
+  const int B = options_.kv_block_size;
+  sig->resize(B);
+  for (int r = 0; r < B; ++r) {
+    (*sig)[r] = kv.SharedRowsId(kind == kKvFull, i * B + r);
+    if ((*sig)[r] == 0) return false;
+  }
+  return true;
+}
+
+void CudaBackend::TakeSharedKvBlocks(const KvCache& kv, KvMirror* m, int kind, int from, int n) {
+  KvBlockPool& pool = kv_pools_[kind];
+  if (pool.registry.empty()) return;
+  const int B = options_.kv_block_size;
+  std::vector<uint64_t> sig;
+  for (int i = from / B; (i + 1) * B <= n; ++i) {
+    if (m->blocks[kind][i] >= 0 || !KvBlockSignature(kv, kind, i, &sig)) continue;
+    const int32_t b = pool.Find(i, sig);
+    if (b < 0) continue;
+    pool.Ref(b);
+    m->blocks[kind][i] = b;
+    m->taken[kind].push_back(i);
+    m->tables_dirty = true;
+    ++pool.shared_blocks_taken;
+  }
+}
+
+void CudaBackend::PublishKvBlocks(const KvCache& kv, KvMirror* m) {
+  if (!m->paged() || !options_.share_kv_blocks) return;
+  const int B = options_.kv_block_size;
+  std::vector<uint64_t> sig;
+  for (int kind = 0; kind < 2; ++kind) {
+    KvBlockPool& pool = kv_pools_[kind];
+    const std::vector<int32_t>& table = m->blocks[kind];
+    const int whole = std::min(m->synced / B, int(table.size()));
+    for (int i = m->published[kind]; i < whole; ++i) {
+      const int32_t b = table[i];
+      // Held, not registered yet, every row written (a sliding layer's rows from sliding_from).
+      if (b < 0 || !pool.signature[b].empty()) continue;
+      if (kind == kKvSliding && i * B < m->sliding_from) continue;
+      if (KvBlockSignature(kv, kind, i, &sig)) pool.Register(b, i, std::move(sig));
+    }
+    m->published[kind] = std::max(m->published[kind], whole);
+  }
 }
 
 absl::Status CudaBackend::SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, int extra) {
@@ -463,10 +519,19 @@ absl::Status CudaBackend::SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, in
       m->tables_dirty = true;
     }
   }
-  if (has[kKvFull]) DGSERVE_RETURN_IF_ERROR(hold(kKvFull, 0, need));
+  m->taken[kKvFull].clear();
+  m->taken[kKvSliding].clear();
+  // Whole blocks of rows SyncMirror would upload: taken from another mirror, or the cache, where
+  // registered (before any block is allocated: an allocation may take a cached block).
+  const bool share = options_.share_kv_blocks && m->synced < n;
+  if (has[kKvFull]) {
+    if (share) TakeSharedKvBlocks(kv, m, kKvFull, m->synced, n);
+    DGSERVE_RETURN_IF_ERROR(hold(kKvFull, 0, need));
+  }
   if (has[kKvSliding]) {
     // Behind the window this pass reads (and the rows the host still lacks): back to the pool.
     const int keep = ReleaseSlidingKvBlocks(kv, m, n);
+    if (share) TakeSharedKvBlocks(kv, m, kKvSliding, std::max(m->synced, SlidingUploadFrom(n)), n);
     DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, keep, n));
     // The new rows a later pass or the host reads (the encoder writes only those).
     DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, SlidingWriteFrom(kv, *m, n, need), need));

@@ -541,6 +541,8 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
   for (size_t i = 0; i < batch.size(); ++i) {
     batch[i].kv->Commit(segs[i].rows);
     KvMirror* m = segs[i].mirror;
+    // Sliding rows the pass did not write (before the window it keeps): a gap.
+    if (segs[i].sliding_device_from > segs[i].pos0) m->sliding_from = segs[i].sliding_device_from;
     m->synced = segs[i].pos0 + segs[i].rows;
     if (m->deferred) {
       batch[i].kv->set_host_rows_stale(true);  // the new rows are on the device only
@@ -548,6 +550,8 @@ absl::Status CudaBackend::Encode(std::span<const EncodeInput> batch) {
       m->host_synced = m->synced;
     }
     // Sliding blocks the window has left go back to the pool now.
+    // Its whole blocks registered (before any goes back: a released one stays cached).
+    PublishKvBlocks(*batch[i].kv, m);
     if (m->paged()) ReleaseSlidingKvBlocks(*batch[i].kv, m, m->synced);
   }
   return absl::OkStatus();

@@ -57,6 +57,13 @@ class KvCache {
   // The most sliding-layer rows the cache keeps at any token count: the largest num_tokens −
   // SlidingRetainedFrom(num_tokens). INT_MAX (the default): every row, no bound.
   virtual int MaxSlidingRowsKept() const { return std::numeric_limits<int>::max(); }
+  // An identity of the stored K/V rows of committed position `pos` of every full layer (full)
+  // or every sliding layer, for a backend that keeps its own copies of rows (the CUDA backend's
+  // device K/V blocks, shared between sequences: issue 34): two caches give the same nonzero
+  // value for a position only when they hold the same stored rows there (a paged block shared
+  // by reference: a prefix hit, a fork), and a value once given never names other rows. 0 (the
+  // default): none (not shared, or a position the cache does not hold).
+  virtual uint64_t SharedRowsId(bool full, int pos) const { return 0; }
 
   // This cache's identity while it lives: a backend that keeps device state per cache holds the
   // weak_ptr to tell this cache from a later one made at the same address, and a live cache from

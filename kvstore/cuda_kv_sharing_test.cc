@@ -1,0 +1,281 @@
+// Device K/V blocks shared between sequences (CudaBackendOptions::share_kv_blocks, issue 34
+// item 1: the prefix cache reading device blocks; label `gpu`, and `gpu-emu` under the
+// emulation; built into cuda_backend_test / cuda_backend_emu_test beside
+// cuda_prefix_cache_test.cc). On the tiny-v512 random checkpoint (W = 8) and kvstore's paged
+// pool in blocks of 4 tokens, with device blocks of 4 and of 8 (two host blocks each), against a
+// backend with the same options and no sharing (every sequence uploads its own rows):
+//   - a prefix hit takes the device blocks of the prompt it shares (live, or cached after its
+//     cache is gone) and uploads only the rows of its last partial device block (byte counts by
+//     hand), with the same logits bit for bit;
+//   - a fork (parallel samples) takes its parent's whole blocks; both then append their own rows
+//     without disturbing each other;
+//   - a block is shared only when every one of its positions has the same host identity (a
+//     device block of 8 whose second host block differs is uploaded), and only when every row
+//     of it was written (a sliding block the upload filled from the window's start on is not
+//     registered): each of these, broken on purpose, gives other logits here.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <ostream>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_backend_testing.h"
+#include "engine/model/backend.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
+#include "engine/model/kv_cache.h"
+#include "kvstore/block_pool.h"
+#include "kvstore/kv_layout.h"
+#include "kvstore/paged_kv_cache.h"
+
+namespace dgserve::kv {
+namespace {
+
+constexpr int kHostBlock = 4;   // kvstore's block: tokens per host block
+constexpr int kMaxTokens = 64;  // every cache's limit
+constexpr int kCanvas = 8;      // canvas rows decoded (the emulation is slow)
+
+struct SharingMode {
+  const char* name;
+  cuda::GemmInput gpu;
+  cpu::GemmInput cpu;
+  bool own_projections;
+  bool tensor_core_attention;  // bf16 device blocks on the full layers of this shape
+  int kv_block_size;           // CudaBackendOptions::kv_block_size: device positions per block
+};
+void PrintTo(const SharingMode& m, std::ostream* os) { *os << m.name; }
+
+class CudaKvSharingTest : public backend_testing::CpuGpuTest<CudaKvSharingTest, SharingMode> {
+ public:
+  static std::unique_ptr<Checkpoint> MakeCheckpoint() {
+    return backend_testing::TinyV512Checkpoint("cuda_kv_sharing_test");
+  }
+
+ protected:
+  CudaBackendOptions GpuOptions() const override {
+    CudaBackendOptions options = CpuGpuTest::GpuOptions();
+    options.tensor_core_attention = GetParam().tensor_core_attention;
+    options.kv_block_size = GetParam().kv_block_size;
+    return options;
+  }
+  void SetUp() override {
+    CpuGpuTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    ASSERT_TRUE(GpuOptions().share_kv_blocks);  // gpu_: the default
+    ASSERT_EQ(config().sliding_window, 8);
+    CudaBackendOptions plain_options = GpuOptions();
+    plain_options.share_kv_blocks = false;
+    auto plain = CreateCudaBackend(config(), checkpoint_->weights, plain_options);
+    ASSERT_TRUE(plain.ok()) << plain.status();
+    plain_ = std::move(*plain);
+    layout_ = KvLayout::FromConfig(config(), kHostBlock, "tiny-v512");
+    auto pool = BlockPool::Create(layout_, 256, 256);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::move(*pool);
+    canvas_ = Tokens(kCanvas, 9);
+  }
+  void TearDown() override {
+    // The backends' mirrors name caches of pool_.
+    plain_.reset();
+    gpu_.reset();
+    pool_.reset();
+    CpuGpuTest::TearDown();
+  }
+
+  // Device bytes of `full` rows of every full layer and `sliding` rows of every sliding layer,
+  // K and V, as the device blocks store them (bf16 on the tensor-core layers: head_dim a
+  // multiple of 32).
+  int64_t DeviceBytes(int full, int sliding) const {
+    int64_t bytes = 0;
+    for (int l = 0; l < config().num_layers; ++l) {
+      const bool bf16 = GetParam().tensor_core_attention && config().HeadDim(l) % 32 == 0;
+      bytes += 2 * int64_t(config().IsFull(l) ? full : sliding) * config().KvHeads(l) *
+               config().HeadDim(l) * (bf16 ? 2 : 4);
+    }
+    return bytes;
+  }
+  int64_t UploadBytes() const { return GetCudaKvCopyStats(*gpu_)->upload_bytes; }
+  int64_t Taken() const { return GetCudaKvPoolStats(*gpu_)->shared_blocks_taken; }
+  // The logits over canvas_ from gpu_ and from plain_ equal bit for bit (plain_ uploads every
+  // row the cache's host arrays hold: the cache's host rows must be current).
+  void ExpectPlainLogits(const KvCache& kv, const std::vector<float>& got,
+                         const std::string& what) {
+    const std::vector<float> want = Logits(*plain_, kv, canvas_);
+    ASSERT_EQ(want.size(), got.size()) << what;
+    size_t differ = 0;
+    for (size_t i = 0; i < want.size(); ++i) differ += std::memcmp(&want[i], &got[i], 4) != 0;
+    EXPECT_EQ(differ, 0u) << what << ": logits differ at " << differ << " of " << want.size();
+  }
+  // A prompt of `n` tokens encoded on gpu_ one host block per pass, synced and indexed as its
+  // blocks fill (the prefill worker's chunks in small).
+  std::unique_ptr<PagedKvCache> EncodePrompt(const std::vector<int32_t>& prompt) {
+    auto kv = std::make_unique<PagedKvCache>(pool_.get(), kMaxTokens);
+    for (size_t at = 0; at < prompt.size(); at += kHostBlock) {
+      const size_t n = std::min<size_t>(kHostBlock, prompt.size() - at);
+      Encode(*gpu_, *kv, std::vector<int32_t>(prompt.begin() + at, prompt.begin() + at + n));
+      EXPECT_TRUE(gpu_->SyncKvToHost(*kv).ok());
+      pool_->InsertPrefix(std::span<const int32_t>(prompt).first(at + n), kv->table());
+    }
+    return kv;
+  }
+  // A's first `shared` tokens, then others.
+  std::vector<int32_t> SharingPrompt(const std::vector<int32_t>& a, int shared) const {
+    std::vector<int32_t> b(a.begin(), a.begin() + shared);
+    const std::vector<int32_t> own = Tokens(6, 40 + shared);
+    b.insert(b.end(), own.begin(), own.end());
+    if (b[shared] == a[shared]) b[shared] = (b[shared] + 1) % config().vocab_size;
+    return b;
+  }
+  // The hit at `shared` tokens of a prompt indexed in pool_.
+  std::unique_ptr<PagedKvCache> Hit(const std::vector<int32_t>& prompt, int shared) {
+    PrefixMatch match = pool_->MatchPrefix(prompt);
+    EXPECT_EQ(match.num_tokens, shared);
+    return PagedKvCache::FromPrefix(pool_.get(), std::move(match), kMaxTokens);
+  }
+
+  std::unique_ptr<ModelBackend> plain_;
+  KvLayout layout_;
+  std::unique_ptr<BlockPool> pool_;
+  std::vector<int32_t> canvas_;
+};
+
+// A hit at every host block boundary of a 22-token prompt whose blocks are on the device: the
+// whole device blocks of [0, shared) on the full layers and of the window [shared − 7, shared) on
+// the sliding ones are taken, so only the rows of the last partial device block are uploaded
+// (none at a device block boundary). Then the prompt's cache is gone: its registered blocks stay
+// cached, and a hit still takes them.
+TEST_P(CudaKvSharingTest, PrefixHitTakesTheDeviceBlocks) {
+  const int B = GetParam().kv_block_size;
+  const std::vector<int32_t> a = Tokens(22, 1);
+  std::unique_ptr<PagedKvCache> kv_a = EncodePrompt(a);
+  ASSERT_FALSE(HasFatalFailure());
+  for (int shared = 8; shared <= 20; shared += kHostBlock) {
+    SCOPED_TRACE(shared);
+    const std::unique_ptr<PagedKvCache> hit = Hit(SharingPrompt(a, shared), shared);
+    const int64_t uploaded = UploadBytes(), taken = Taken();
+    const std::vector<float> logits = Logits(*gpu_, *hit, canvas_);
+    // Full layers: the whole device blocks of [0, shared), the rest uploaded. Sliding layers:
+    // the whole device blocks from the window's, (shared − 7) / B, whose every position the hit
+    // holds (its host blocks from the one of position shared − 7 on), and the window's other
+    // rows uploaded.
+    const int host_from = (shared - 7) / kHostBlock * kHostBlock;
+    int sliding_taken = 0, sliding_rows = 7;
+    for (int i = (shared - 7) / B; (i + 1) * B <= shared; ++i) {
+      if (i * B < host_from) continue;
+      ++sliding_taken;
+      sliding_rows -= std::min(shared, (i + 1) * B) - std::max(shared - 7, i * B);
+    }
+    EXPECT_EQ(UploadBytes() - uploaded, DeviceBytes(shared % B, sliding_rows));
+    EXPECT_EQ(Taken() - taken, shared / B + sliding_taken);
+    ExpectPlainLogits(*hit, logits, "hit");
+  }
+  // The prompt's cache is gone; its mirror at the next pass (another sequence's).
+  kv_a.reset();
+  PagedKvCache other(pool_.get(), kMaxTokens);
+  Encode(*gpu_, other, Tokens(3, 2));
+  const CudaKvPoolStats st = GetCudaKvPoolStats(*gpu_).value();
+  EXPECT_EQ(st.full_blocks_cached, 22 / B);
+  EXPECT_GT(st.sliding_blocks_cached, 0);
+  EXPECT_EQ(st.full_blocks_in_use, 1);
+  const std::unique_ptr<PagedKvCache> hit = Hit(SharingPrompt(a, 16), 16);
+  const int64_t uploaded = UploadBytes();
+  const std::vector<float> logits = Logits(*gpu_, *hit, canvas_);
+  EXPECT_EQ(UploadBytes() - uploaded, 0);  // 16: a multiple of both block sizes
+  EXPECT_EQ(GetCudaKvPoolStats(*gpu_)->full_blocks_cached, 22 / B - 16 / B);
+  ExpectPlainLogits(*hit, logits, "hit after the prompt's cache is gone");
+  // Its own tokens, then the same logits as without sharing.
+  Encode(*gpu_, *hit, Tokens(5, 3));
+  ASSERT_TRUE(gpu_->SyncKvToHost(*hit).ok());
+  ExpectPlainLogits(*hit, Logits(*gpu_, *hit, canvas_), "hit, own tokens");
+}
+
+// Parallel samples: a 22-token prompt encoded in one pass (its sliding rows from position 8
+// only), synced and forked. The child takes every whole device block of the parent's rows (the
+// full layers' blocks below 22 rounded down to the device block, the sliding layers' from the
+// window's block) and uploads the rest; its logits are the parent's. Each then appends its own
+// tokens; both keep the logits of a backend that shares nothing.
+TEST_P(CudaKvSharingTest, ForkedSamplesShareTheirBlocks) {
+  const int B = GetParam().kv_block_size;
+  PagedKvCache parent(pool_.get(), kMaxTokens);
+  Encode(*gpu_, parent, Tokens(22, 4));
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(gpu_->SyncKvToHost(parent).ok());
+  auto child = parent.Fork();
+  ASSERT_TRUE(child.ok()) << child.status();
+  const std::vector<float> parent_logits = Logits(*gpu_, parent, canvas_);
+  const int64_t uploaded = UploadBytes(), taken = Taken();
+  const std::vector<float> child_logits = Logits(*gpu_, **child, canvas_);
+  EXPECT_EQ(UploadBytes() - uploaded, DeviceBytes(22 % B, 22 % B));
+  EXPECT_EQ(Taken() - taken, 22 / B + (22 / B - 15 / B));
+  ASSERT_EQ(parent_logits.size(), child_logits.size());
+  EXPECT_EQ(std::memcmp(parent_logits.data(), child_logits.data(), 4 * parent_logits.size()), 0);
+  Encode(*gpu_, **child, Tokens(9, 5));
+  Encode(*gpu_, parent, Tokens(6, 6));
+  ASSERT_TRUE(gpu_->SyncKvToHost(**child).ok());
+  ASSERT_TRUE(gpu_->SyncKvToHost(parent).ok());
+  ExpectPlainLogits(**child, Logits(*gpu_, **child, canvas_), "child");
+  ExpectPlainLogits(parent, Logits(*gpu_, parent, canvas_), "parent");
+}
+
+// A cache whose first 12 positions are a hit on a prompt's blocks and whose positions 12 … 15
+// are its own (written on the host by the CPU backend): the device block of positions 8 … 15
+// (blocks of 8) holds the prompt's rows 8 … 11 but not its 12 … 15, so it is uploaded, not
+// taken. A lookup by one position's identity alone would take the prompt's block.
+TEST_P(CudaKvSharingTest, SharedBlocksNeedEveryPositionsRows) {
+  const int B = GetParam().kv_block_size;
+  const std::vector<int32_t> a = Tokens(22, 7);
+  const std::unique_ptr<PagedKvCache> kv_a = EncodePrompt(a);
+  ASSERT_FALSE(HasFatalFailure());
+  const std::vector<int32_t> b = SharingPrompt(a, 12);
+  const std::unique_ptr<PagedKvCache> kv = Hit(b, 12);
+  Encode(*cpu_, *kv, std::vector<int32_t>(b.begin() + 12, b.begin() + 16));
+  ASSERT_FALSE(HasFatalFailure());
+  const int64_t taken = Taken();
+  const std::vector<float> logits = Logits(*gpu_, *kv, canvas_);
+  // Taken: the whole blocks of A's rows alone, [0, 12) rounded down to B, on the full layers;
+  // on the sliding ones those from the window [9, 16) up to 12.
+  EXPECT_EQ(Taken() - taken, 12 / B + (12 / B - 9 / B));
+  ExpectPlainLogits(*kv, logits, "a block of two prompts' rows");
+}
+
+// A cache whose rows the CPU backend wrote (20 positions) is decoded on the device: its sliding
+// layers upload only the window [13, 20), so the device block holding position 12 lacks rows it
+// covers and is not registered; the prompt is then indexed, and a hit at 16 (window [9, 16))
+// uploads those rows rather than reading the block's unwritten ones. The full layers' blocks,
+// uploaded whole, are taken.
+TEST_P(CudaKvSharingTest, PartlyWrittenBlocksAreNotShared) {
+  const int B = GetParam().kv_block_size;
+  const std::vector<int32_t> a = Tokens(20, 8);
+  PagedKvCache kv_a(pool_.get(), kMaxTokens);
+  Encode(*cpu_, kv_a, a);
+  ASSERT_FALSE(HasFatalFailure());
+  Logits(*gpu_, kv_a, canvas_);  // its mirror: full rows [0, 20), sliding [13, 20)
+  pool_->InsertPrefix(a, kv_a.table());
+  const std::unique_ptr<PagedKvCache> hit = Hit(SharingPrompt(a, 16), 16);
+  const int64_t taken = Taken();
+  const std::vector<float> logits = Logits(*gpu_, *hit, canvas_);
+  // Sliding: the blocks wholly in [13, 16): none (4: block 3 holds 12; 8: block 1 holds 8 … 12).
+  EXPECT_EQ(Taken() - taken, 16 / B);
+  ExpectPlainLogits(*hit, logits, "hit on rows the device has from the window on");
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CudaKvSharingTest,
+                         ::testing::Values(SharingMode{"bf16_tc_blocks4", cuda::GemmInput::kBf16,
+                                                       cpu::GemmInput::kBf16, true, true, 4},
+                                           SharingMode{"bf16_tc_blocks8", cuda::GemmInput::kBf16,
+                                                       cpu::GemmInput::kBf16, true, true, 8},
+                                           SharingMode{"bf16_blocks8", cuda::GemmInput::kBf16,
+                                                       cpu::GemmInput::kBf16, true, false, 8}),
+                         [](const ::testing::TestParamInfo<SharingMode>& info) {
+                           return std::string(info.param.name);
+                         });
+
+}  // namespace
+}  // namespace dgserve::kv
