@@ -349,7 +349,7 @@ int Run() {
     backend = *std::move(created);
 #else
     std::fprintf(stderr, "--device cuda: this binary was built without the CUDA backend\n");
-    return 1;
+    return 1;  // main() refuses it first; kept so that Run() never goes on without a backend
 #endif
   }
   std::printf("backend ready in %.1f s%s\n", Since(t0),
@@ -724,6 +724,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;
   }
+#ifndef DGSERVE_HAVE_CUDA
+  if (absl::GetFlag(FLAGS_device) == "cuda") {  // before any model is generated or loaded
+    std::fprintf(stderr, "--device cuda: this binary was built without the CUDA backend\n");
+    return 1;
+  }
+#endif
   // Numeric flags that a loop or a ratio would otherwise take silently as something else.
   if (const int r = absl::GetFlag(FLAGS_repeats); r < 1) {
     std::fprintf(stderr, "--repeats %d: must be ≥ 1\n", r);

@@ -3,7 +3,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <system_error>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -26,6 +28,28 @@ std::string ParseError(const std::string& text) {
   return "unknown parse error";
 }
 
+// `text` parsed as JSON (discarded when it does not parse), with *duplicate set to the first key
+// that one of its objects names twice, quoted as JSON ("" when none): nlohmann keeps the last
+// value of such a key silently.
+nlohmann::json ParseNoticingDuplicateKeys(const std::string& text, std::string* duplicate) {
+  std::vector<std::set<std::string>> keys;  // one per object open at this point of the parse
+  duplicate->clear();
+  const nlohmann::json::parser_callback_t note_keys =
+      [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+        using Event = nlohmann::json::parse_event_t;
+        if (event == Event::object_start) {
+          keys.emplace_back();
+        } else if (event == Event::object_end) {
+          if (!keys.empty()) keys.pop_back();
+        } else if (event == Event::key && !keys.empty() && duplicate->empty() &&
+                   !keys.back().insert(parsed.get<std::string>()).second) {
+          *duplicate = parsed.dump();
+        }
+        return true;  // keep every value
+      };
+  return nlohmann::json::parse(text, note_keys, /*allow_exceptions=*/false);
+}
+
 }  // namespace
 
 absl::Status ForEachJsonLine(
@@ -45,7 +69,12 @@ absl::Status ForEachJsonLine(
   for (int line = 1; (limit == 0 || calls < limit) && std::getline(in, text); ++line) {
     if (absl::StripAsciiWhitespace(text).empty()) continue;
     ++calls;
-    const nlohmann::json value = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    std::string duplicate;
+    const nlohmann::json value = ParseNoticingDuplicateKeys(text, &duplicate);
+    if (!value.is_discarded() && !duplicate.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", line, ": duplicate key ", duplicate,
+                                                     " (an object names each key once)"));
+    }
     if (absl::Status s = fn(value, line); !s.ok()) {
       std::string parse_error;
       if (value.is_discarded()) {

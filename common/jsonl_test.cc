@@ -95,6 +95,27 @@ TEST(ForEachJsonLineTest, AMalformedLineGetsTheParsersMessageToo) {
   EXPECT_THAT(std::string(s.message()), EndsWith(")"));
 }
 
+// A key named twice in one object is refused naming the line, before fn sees it (nlohmann kept
+// the last value silently); the same key in different objects (nested or sibling) is not a
+// duplicate.
+TEST(ForEachJsonLineTest, AKeyTwiceInOneObjectIsRefused) {
+  const std::string path = Write("duplicate.jsonl",
+                                 "{\"a\": 1, \"b\": {\"a\": 2}}\n"
+                                 "[{\"k\": 1}, {\"k\": 2}]\n"
+                                 "{\"puzzle\": \"x\", \"n\": {\"m\": 1}, \"puzzle\": \"y\"}\n"
+                                 "4\n");
+  Calls calls;
+  const absl::Status s = ForEachJsonLine(path, 0, std::ref(calls));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), path + ":3: duplicate key \"puzzle\" (an object names each key once)");
+  EXPECT_THAT(calls.seen,
+              ElementsAre(Pair(1, "{\"a\":1,\"b\":{\"a\":2}}"), Pair(2, "[{\"k\":1},{\"k\":2}]")));
+  const std::string nested = Write("duplicate_nested.jsonl", "{\"o\": [{\"x\": 1, \"x\": 2}]}\n");
+  EXPECT_EQ(ForEachJsonLine(nested, 0, std::ref(calls)).message(),
+            nested + ":1: duplicate key \"x\" (an object names each key once)");
+  EXPECT_EQ(calls.seen.size(), 2u);
+}
+
 TEST(ForEachJsonLineTest, AnEmptyFileCallsNothing) {
   Calls calls;
   EXPECT_TRUE(ForEachJsonLine(Write("empty.jsonl", "\n\n"), 0, std::ref(calls)).ok());

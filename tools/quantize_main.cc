@@ -33,6 +33,7 @@
 #include "engine/denoise/sampler_params.h"
 #include "engine/generation/calibrate.h"
 #include "engine/model/checkpoint.h"
+#include "engine/model/config.h"
 #include "engine/model/quantize_checkpoint.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "tools/sudoku/sudoku.h"
@@ -164,9 +165,10 @@ absl::StatusOr<SudokuLayout> CheckSudokuLayout(const Tokenizer& tok, const Model
 // canvas template ToRows(puzzle) + <eos> with every blank restricted to the digits 1-9 (the
 // template dgserve-sudoku-eval sends, sudoku::SetSudokuTemplate), in the token ids of
 // sudoku::LoadSudokuTokens; the first `limit` puzzles (0: all), read no further. Errors name
-// FILE:LINE (a puzzle whose givens conflict included, or whose prompt is not one token per
-// character); INVALID_ARGUMENT before the file is read when `config` and `tok` cannot be the
-// Sudoku layout (CheckSudokuLayout).
+// FILE:LINE (a puzzle whose givens conflict or that has no solution included, a line with a
+// key twice (ForEachJsonLine), or a puzzle whose prompt is not one token per character);
+// INVALID_ARGUMENT before the file is read when `config` and `tok` cannot be the Sudoku layout
+// (CheckSudokuLayout).
 absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& path,
                                                              const Tokenizer& tok,
                                                              const ModelConfig& config, int limit) {
@@ -185,6 +187,13 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
     if (sudoku::HasConflict(*grid)) {
       return absl::InvalidArgumentError(
           "\"puzzle\": its givens conflict (a digit twice in a row, column or box)");
+    }
+    // Givens that do not conflict may still admit no solution (a blank with no digit left, or a
+    // dead end deeper in): the exact search, stopped at the first solution.
+    if (sudoku::CountSolutions(*grid, /*limit=*/1) == 0) {
+      return absl::InvalidArgumentError(
+          "\"puzzle\": it has no solution (its givens do not conflict, but no grid completes "
+          "them)");
     }
     const std::string rows = sudoku::ToRows(*grid);
     CalibrationPrompt p;
@@ -222,12 +231,15 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
 }
 
 // The --calibration / --calibration_sudoku amax per module; empty without either flag. The
-// flags were checked by CheckCalibrationFlags.
+// flags were checked by CheckCalibrationFlags. The prompts (and, with --calibration_sudoku, the
+// Sudoku layout) are checked from --in's config.json and tokenizer.json before its weights are
+// read: a refused model or file fails without reading gigabytes.
 absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
   const std::string prompts_file = absl::GetFlag(FLAGS_calibration).path;
   const std::string sudoku_file = absl::GetFlag(FLAGS_calibration_sudoku).path;
   if (prompts_file.empty() && sudoku_file.empty()) return std::map<std::string, float>{};
-  DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
+  // The file LoadCheckpoint reads its config from.
+  DGSERVE_ASSIGN_OR_RETURN(const ModelConfig config, LoadModelConfig(in + "/config.json"));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(in + "/tokenizer.json"));
   const int limit = absl::GetFlag(FLAGS_calibration_limit);
   std::vector<CalibrationPrompt> prompts;
@@ -235,14 +247,14 @@ absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
     // Every prompt checked before anything runs: one canvas follows it (the calibration's
     // request), so the context leaves max_position_embeddings − canvas_length positions.
     DGSERVE_ASSIGN_OR_RETURN(
-        prompts,
-        ReadCalibrationPrompts(
-            prompts_file, tok,
-            std::max(1, ck.config.max_position_embeddings - ck.config.canvas_length), limit));
+        prompts, ReadCalibrationPrompts(
+                     prompts_file, tok,
+                     std::max(1, config.max_position_embeddings - config.canvas_length), limit));
   } else {
-    DGSERVE_ASSIGN_OR_RETURN(prompts, SudokuPrompts(sudoku_file, tok, ck.config, limit));
+    DGSERVE_ASSIGN_OR_RETURN(prompts, SudokuPrompts(sudoku_file, tok, config, limit));
   }
   if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
+  DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   CalibrationOptions options;
   options.max_denoising_steps = absl::GetFlag(FLAGS_calibration_steps);
   return CalibrateActivationAmax(ck, prompts, options);

@@ -374,6 +374,43 @@ void AddCopy(const std::string& name, const Rows& r, std::vector<TensorSource>* 
                   }});
 }
 
+// Writes `text` to `path` (replacing it). INTERNAL naming the path when it cannot.
+absl::Status WriteTextFile(const std::string& path, const std::string& text) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", path));
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (std::fclose(f) != 0 || !ok) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
+// The model card (README.md, the Hugging Face card) of the checkpoint quantized from `in` as
+// `q`: --in's `card` with a note naming the format and the source placed first (after the card's
+// YAML front matter, "---" lines, which must stay first), so the copy does not pass for the
+// source's card.
+std::string QuantizedModelCard(const std::string& card, const std::string& in,
+                               const QuantizationConfig& q) {
+  std::string format = QuantizationName(q);
+  if (q.format == WeightFormat::kW4A16) {
+    format += q.channel_groups ? " (per channel)" : absl::StrCat(" (group ", q.group_size, ")");
+  } else if (q.format == WeightFormat::kNvfp4) {
+    format += q.nvfp4_compressed_tensors ? " (compressed-tensors layout)" : " (ModelOpt layout)";
+  }
+  const fs::path dir = fs::path(in).lexically_normal();
+  const std::string source = (dir.has_filename() ? dir : dir.parent_path()).filename().string();
+  const std::string note = absl::StrCat(
+      "> **Quantized checkpoint: ", format, "**, written by dgserve-quantize from the checkpoint `",
+      source,
+      "` (config.json's quantization_config lists what is quantized). The card below is that "
+      "checkpoint's, copied unchanged: its sizes, dtypes and measured results describe the "
+      "source weights, not these.\n\n");
+  size_t body = 0;  // where the note goes: after the front matter, if any
+  if (absl::StartsWith(card, "---\n")) {
+    const size_t end = card.find("\n---\n", 3);
+    if (end != std::string::npos) body = end + 5;
+  }
+  return absl::StrCat(card.substr(0, body), body > 0 ? "\n" : "", note, card.substr(body));
+}
+
 }  // namespace
 
 std::vector<std::string> DefaultQuantizeIgnore() {
@@ -614,6 +651,12 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         f == "model.safetensors.index.json" || f == "hf_quant_config.json") {
       continue;
     }
+    if (f == "README.md") {  // the model card: a note on what this checkpoint is first
+      DGSERVE_ASSIGN_OR_RETURN(const std::string card, ReadFileToString(e.path().string()));
+      DGSERVE_RETURN_IF_ERROR(
+          WriteTextFile((fs::path(out) / f).string(), QuantizedModelCard(card, in, q)));
+      continue;
+    }
     fs::copy_file(e.path(), fs::path(out) / f, fs::copy_options::overwrite_existing, ec);
     if (ec) return absl::InternalError(absl::StrCat("cannot copy ", e.path().string(), ": ", ec.message()));
   }
@@ -621,14 +664,8 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   write.max_shard_bytes = options.max_shard_bytes;
   if (write.max_shard_bytes <= 0) return absl::InvalidArgumentError("--max_shard_bytes must be positive");
   DGSERVE_RETURN_IF_ERROR(WriteSafetensors(out, std::move(tensors), write));
-  {
-    const std::string path = (fs::path(out) / "config.json").string();
-    FILE* f = std::fopen(path.c_str(), "w");
-    if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", path));
-    const std::string s = root.dump(2) + "\n";
-    const bool ok = std::fwrite(s.data(), 1, s.size(), f) == s.size();
-    if (std::fclose(f) != 0 || !ok) return absl::InternalError(absl::StrCat("cannot write ", path));
-  }
+  DGSERVE_RETURN_IF_ERROR(
+      WriteTextFile((fs::path(out) / "config.json").string(), root.dump(2) + "\n"));
   if (q.format != WeightFormat::kNvfp4 || ct_nvfp4) {
     // A ModelOpt file left in a reused --out would contradict config.json (vLLM reads it first).
     fs::remove(fs::path(out) / "hf_quant_config.json", ec);
@@ -636,12 +673,8 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
       return absl::InternalError(
           absl::StrCat("cannot remove a stale hf_quant_config.json in ", out, ": ", ec.message()));
   } else {  // ModelOpt's export writes both
-    const std::string path = (fs::path(out) / "hf_quant_config.json").string();
-    FILE* f = std::fopen(path.c_str(), "w");
-    if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", path));
-    const std::string s = HfQuantConfigJson(q) + "\n";
-    const bool ok = std::fwrite(s.data(), 1, s.size(), f) == s.size();
-    if (std::fclose(f) != 0 || !ok) return absl::InternalError(absl::StrCat("cannot write ", path));
+    DGSERVE_RETURN_IF_ERROR(WriteTextFile((fs::path(out) / "hf_quant_config.json").string(),
+                                          HfQuantConfigJson(q) + "\n"));
   }
   QuantizeSummary summary;
   summary.quant = q;

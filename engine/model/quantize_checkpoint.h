@@ -75,7 +75,10 @@
 // The fused experts (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]) are
 // written unfused, one Linear per expert and projection (`experts.{e}.gate_proj` etc.), the
 // standard compressed-tensors MoE layout. Everything else is copied as it is. config.json gets
-// the quantization_config; the other files of --in (generation config, tokenizer) are copied.
+// the quantization_config; the other files of --in (generation config, tokenizer) are copied,
+// except the model card README.md, which gets a note first naming the format and the source
+// checkpoint's directory name (after its YAML front matter, if any): the rest of the card
+// describes the source weights.
 #pragma once
 
 #include <cstdint>

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/testing/loopback_socket.h"
+#include "common/testing/temp_dir.h"
 #include "dgserve/v1/generation.grpc.pb.h"
 #include "dgserve/v1/worker.grpc.pb.h"
 #include "engine/model/config.h"
@@ -274,8 +275,9 @@ TEST(MutualTlsClusterTest, GeneratesAndRefusesCallersWithoutACertificate) {
     EXPECT_EQ(RawUnaryCall(plain, "/dgserve.v1.DenoiseService/Stats", "").error_code(),
               grpc::StatusCode::UNAVAILABLE);
   }
-  char tmpl[] = "/tmp/dgserve_it_otherca_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  // Removed at exit (it was left in /tmp by every run).
+  const std::string tmpl = MakeTempDirRemovedAtExit("dgserve_it_otherca");
+  ASSERT_FALSE(tmpl.empty());
   ASSERT_EQ(std::system(absl::StrCat(DGSERVE_SOURCE_DIR_PATH, "/tools/make_internal_certs.sh ",
                                      tmpl, " >/dev/null")
                             .c_str()),
