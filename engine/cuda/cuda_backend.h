@@ -208,6 +208,9 @@ struct CudaKvPoolStats {
   int full_blocks_cached = 0, sliding_blocks_cached = 0;
   // Blocks a sequence took (shared or cached) instead of uploading their rows, both kinds.
   int64_t shared_blocks_taken = 0;
+  // Idle sequences whose device-only rows were copied to their host caches to free their blocks
+  // for a pass (the pool at its bound, or the device out of memory).
+  int64_t swap_outs = 0;
   int64_t device_bytes = 0;  // K and V of every block allocated, every layer
 };
 // nullopt for a backend not made by CreateCudaBackend or CreateCudaBackendSynthetic.
