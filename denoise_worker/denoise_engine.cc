@@ -3,11 +3,15 @@
 #include <algorithm>
 #include <chrono>
 #include <optional>
+#include <span>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/limits.h"
+#include "common/logging.h"
 #include "engine/denoise/sampler_params.h"
 #include "engine/generation/sample_run.h"
 #include "service/canvas_template_proto.h"
@@ -169,6 +173,30 @@ SampleSpec MakeSampleSpec(const v1::DenoiseRequest& r, int sample,
   spec.stop_sequences.assign(r.stop_sequences().begin(), r.stop_sequences().end());
   spec.completion_before.assign(r.completion_token_ids().begin(), r.completion_token_ids().end());
   return spec;
+}
+
+// `run` over `batch`, and where that is RESOURCE_EXHAUSTED with more than one input, over each
+// half in turn instead (recursively): a backend's device memory may hold the K/V of fewer
+// sequences at once than the batch (the CUDA backend's block pool at its bound, which frees the
+// blocks of sequences outside the call, copying rows only it has to their caches), so the halves
+// run where the whole did not. A failed call changes no cache (the backends' passes commit
+// nothing then), so its inputs are run again as they are. Returns each input's status: a single
+// input that still does not fit gets the error. `parts`: calls made beyond the first.
+template <typename In, typename Run>
+std::vector<absl::Status> RunInParts(std::span<const In> batch, const Run& run, int* parts) {
+  std::vector<absl::Status> out(batch.size());
+  const absl::Status s = run(batch);
+  if (s.code() != absl::StatusCode::kResourceExhausted || batch.size() < 2) {
+    std::fill(out.begin(), out.end(), s);
+    return out;
+  }
+  const size_t half = batch.size() / 2;
+  for (const auto& [from, count] : {std::pair{size_t{0}, half}, {half, batch.size() - half}}) {
+    ++*parts;
+    const std::vector<absl::Status> part = RunInParts(batch.subspan(from, count), run, parts);
+    std::copy(part.begin(), part.end(), out.begin() + from);
+  }
+  return out;
 }
 
 }  // namespace
@@ -488,6 +516,7 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
   // 4. One batched denoising step over every canvas (each at its own step). A canvas whose
   // template has no holes is done at Init: it takes no pass and is finished below.
   std::vector<DenoiseStepInput> batch;
+  std::vector<Running*> stepped;  // batch[i]'s sample
   batch.reserve(running.size());
   for (auto& r : running) {
     if (r->run->phase() != Phase::kDenoising) continue;
@@ -497,22 +526,36 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
       continue;
     }
     batch.push_back(*in);
+    stepped.push_back(r.get());
   }
   const absl::Time t0 = absl::Now();
-  absl::Status step_status = batch.empty() ? absl::OkStatus() : backend_->DenoiseStep(batch);
+  int parts = 0;
+  const std::vector<absl::Status> step_status = RunInParts(
+      std::span<const DenoiseStepInput>(batch),
+      [&](std::span<const DenoiseStepInput> b) { return backend_->DenoiseStep(b); }, &parts);
+  if (parts > 0) {
+    DGSERVE_LOG_WARNING(
+        "denoising step of %zu canvases run in %d parts (backend out of K/V memory)", batch.size(),
+        parts);
+  }
   const absl::Time t1 = absl::Now();
   if (metrics_ && !batch.empty()) {
     metrics_->step_seconds.Observe(Seconds(t1 - t0));
     metrics_->batch_canvases.Observe(double(batch.size()));
     metrics_->decoder_passes.Increment(double(batch.size()));
   }
+  size_t in_batch = 0;  // stepped holds the samples that took this pass in `running`'s order
   for (auto& rp : running) {
     Running& r = *rp;
-    if (r.finished) continue;                   // its StepInput failed
-    if (r.run->phase() == Phase::kDenoising) {  // it took this pass
-      if (!step_status.ok()) {
-        FinishJob(
-            r, absl::InternalError(absl::StrCat("denoising step failed: ", step_status.message())));
+    if (r.finished) continue;                                    // its StepInput failed
+    if (in_batch < stepped.size() && stepped[in_batch] == &r) {  // it took this pass
+      const absl::Status& st = step_status[in_batch++];
+      if (!st.ok()) {
+        // Out of K/V memory even alone (the device's): RESOURCE_EXHAUSTED, as the backend said.
+        FinishJob(r, absl::Status(st.code() == absl::StatusCode::kResourceExhausted
+                                      ? st.code()
+                                      : absl::StatusCode::kInternal,
+                                  absl::StrCat("denoising step failed: ", st.message())));
         continue;
       }
       r.denoise_seconds += Seconds(t1 - t0);
@@ -546,14 +589,25 @@ void DenoiseEngine::CommitCanvases(std::vector<std::unique_ptr<Running>>& runnin
   }
   if (batch.empty()) return;
   const absl::Time t0 = absl::Now();
-  absl::Status s = backend_->Encode(batch);
+  int parts = 0;
+  const std::vector<absl::Status> status = RunInParts(
+      std::span<const EncodeInput>(batch),
+      [&](std::span<const EncodeInput> b) { return backend_->Encode(b); }, &parts);
+  if (parts > 0) {
+    DGSERVE_LOG_WARNING("commit pass of %zu canvases run in %d parts (backend out of K/V memory)",
+                        batch.size(), parts);
+  }
   const double secs = Seconds(absl::Now() - t0);
   if (metrics_) metrics_->commit_seconds.Observe(secs);
-  for (Running* r : committing) {
+  for (size_t i = 0; i < committing.size(); ++i) {
+    Running* r = committing[i];
     r->commit_seconds += secs;
-    const absl::Status done = s.ok() ? r->run->CommitDone() : s;
+    const absl::Status done = status[i].ok() ? r->run->CommitDone() : status[i];
     if (!done.ok()) {
-      FinishJob(*r, absl::InternalError(absl::StrCat("commit pass failed: ", done.message())));
+      FinishJob(*r, absl::Status(done.code() == absl::StatusCode::kResourceExhausted
+                                     ? done.code()
+                                     : absl::StatusCode::kInternal,
+                                 absl::StrCat("commit pass failed: ", done.message())));
       r->job->RequestCancel();
     }
   }

@@ -436,10 +436,12 @@ TEST_P(CudaKvAuthorityTest, PoolGrowthKeepsTheRows) {
 // kv_pool_max_bytes 128 KiB (blocks of 4: a full block is 2 layers × K, V × 4 rows × 32
 // elements × 2 B (bf16) = 1,024 B, a sliding one 4 × 2 × 4 × 32 × 4 B = 4,096 B): the full pool's
 // first growth takes 64 blocks (64 KiB), the sliding pool's is clipped to the 16 blocks left
-// (64 KiB). Two sequences of 100 positions hold 50 full blocks. A third needs 25 more: while
-// the first two hold rows only the device has (not synced) that is RESOURCE_EXHAUSTED; once they
-// are synced the least recently used one's blocks are taken (its mirror evicted), and a later
-// pass over it uploads it again. Every sequence's logits stay the copying backend's bits.
+// (64 KiB). Two sequences of 100 positions hold 50 full blocks, their rows on the device only
+// (not synced). A third needs 25 more: the least recently used one's rows are copied to its cache
+// (swapped out: as SyncKvToHost would, the copying backend's rows) and its blocks taken; a later
+// pass over it uploads it again. Then, with both synced, the least recently used one's blocks
+// are taken without a copy. A sequence needing more blocks than the bound holds fails with
+// RESOURCE_EXHAUSTED. Every sequence's logits stay the copying backend's bits.
 TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
   CudaBackendOptions bounded = GpuOptions();
@@ -465,23 +467,38 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   EXPECT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
   EXPECT_EQ(GetCudaKvPoolStats(gpu)->sliding_blocks, 16);
   const std::vector<int32_t> third = Tokens(100, 32);
-  EncodeInput in{third, kv[2].get()};
+  ASSERT_TRUE(kv[0]->host_rows_stale());
+  Encode(gpu, *kv[2], third);  // a: the least recently used, swapped out
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_EQ(GetCudaKvPoolStats(gpu)->swap_outs, 1);
+  EXPECT_FALSE(CudaKvMirrorBytes(gpu, *kv[0]).has_value());
+  EXPECT_TRUE(CudaKvMirrorBytes(gpu, *kv[1]).has_value());
+  EXPECT_FALSE(kv[0]->host_rows_stale());
+  EXPECT_TRUE(kv[1]->host_rows_stale());
+  ExpectRowsOf(*ref[0], *kv[0], 0, 100 - 7, "swapped out");
+  EXPECT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
+  ASSERT_TRUE(gpu.SyncKvToHost(*kv[1]).ok());
+  ASSERT_TRUE(gpu.SyncKvToHost(*kv[2]).ok());
+  // b, then c: a comes back (uploaded) in the blocks of b, the least recently used, not copied.
+  ExpectSameBits(Logits(gpu, *kv[1], canvas), Logits(*copy_, *ref[1], canvas), "b");
+  ExpectSameBits(Logits(gpu, *kv[2], canvas), Logits(*copy_, *ref[2], canvas), "c");
+  ExpectSameBits(Logits(gpu, *kv[0], canvas), Logits(*copy_, *ref[0], canvas), "a");
+  EXPECT_FALSE(CudaKvMirrorBytes(gpu, *kv[1]).has_value());
+  const CudaKvPoolStats st = GetCudaKvPoolStats(gpu).value();
+  EXPECT_EQ(st.swap_outs, 1);
+  EXPECT_EQ(st.full_blocks, 64);
+  EXPECT_EQ(st.device_bytes, 128 * 1024);
+  // 280 positions need 70 full blocks: more than the bound holds, whatever is taken.
+  ContiguousKvCache large(config(), 300);
+  const std::vector<int32_t> many = Tokens(280, 33);
+  EncodeInput in{many, &large};
   const absl::Status full = gpu.Encode({&in, 1});
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
   EXPECT_NE(full.message().find("kv_pool_max_bytes 131072"), std::string::npos) << full;
-  EXPECT_EQ(kv[2]->num_tokens(), 0);
-  ASSERT_TRUE(gpu.SyncKvToHost(*kv[0]).ok());
-  ASSERT_TRUE(gpu.SyncKvToHost(*kv[1]).ok());
-  ExpectSameBits(Logits(gpu, *kv[1], canvas), Logits(*copy_, *ref[1], canvas), "b");  // a: LRU
-  Encode(gpu, *kv[2], third);
-  EXPECT_FALSE(CudaKvMirrorBytes(gpu, *kv[0]).has_value());  // taken
-  EXPECT_TRUE(CudaKvMirrorBytes(gpu, *kv[1]).has_value());
-  const CudaKvPoolStats st = GetCudaKvPoolStats(gpu).value();
-  EXPECT_EQ(st.full_blocks, 64);
-  EXPECT_EQ(st.device_bytes, 128 * 1024);
-  for (int i : {2, 1, 0}) {  // a last: uploaded again, taking b's blocks
+  EXPECT_EQ(large.num_tokens(), 0);
+  for (int i : {2, 1, 0}) {
     ExpectSameBits(Logits(gpu, *kv[i], canvas), Logits(*copy_, *ref[i], canvas),
-                   "sequence " + std::to_string(i));
+                   "sequence " + std::to_string(i) + " after the refusal");
   }
 }
 
@@ -489,8 +506,8 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
 // The device itself out of memory (the emulation's limit: 48 KiB beyond what is in use once two
 // sequences of 100 positions hold 50 of the first 64 full blocks, where doubling needs 128 KiB
 // beside the old arrays): with no kv_pool_max_bytes the pool takes the blocks of the least
-// recently used idle sequence as at its bound, and fails with RESOURCE_EXHAUSTED while both
-// hold rows only the device has. Every sequence's logits stay the copying backend's bits.
+// recently used idle sequence as at its bound, its rows only on the device copied to its cache
+// first (swapped out). Every sequence's logits stay the copying backend's bits.
 TEST_P(CudaKvAuthorityTest, DeviceOutOfMemoryTakesIdleSequencesBlocks) {
   if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
   const std::vector<int32_t> canvas = Tokens(config().canvas_length, 5);
@@ -525,20 +542,22 @@ TEST_P(CudaKvAuthorityTest, DeviceOutOfMemoryTakesIdleSequencesBlocks) {
   size_t free_bytes = 0, total = 0;
   cuda::emu::SetDeviceMemoryLimit(size_t(1) << 40);
   cuda::emu::DeviceMemoryInfo(&free_bytes, &total);
+  struct Unlimited {  // the limit lifted however the test ends (it is process-wide)
+    ~Unlimited() { cuda::emu::SetDeviceMemoryLimit(0); }
+  } unlimited;
   cuda::emu::SetDeviceMemoryLimit(total - free_bytes + 48 * 1024);
-  EncodeInput in{third, kv[2].get()};
-  const absl::Status full = gpu.Encode({&in, 1});
-  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
-  EXPECT_NE(full.message().find("bytes free"), std::string::npos) << full;
-  ASSERT_TRUE(gpu.SyncKvToHost(*kv[0]).ok());
-  ASSERT_TRUE(gpu.SyncKvToHost(*kv[1]).ok());
   Encode(gpu, *kv[2], third);
   EXPECT_FALSE(CudaKvMirrorBytes(gpu, *kv[0]).has_value());  // the least recently used: taken
+  EXPECT_EQ(GetCudaKvPoolStats(gpu)->swap_outs, 1);
+  EXPECT_FALSE(kv[0]->host_rows_stale());
   EXPECT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
+  // The syncs of 100 rows need a larger staging than the limit leaves.
+  cuda::emu::SetDeviceMemoryLimit(0);
+  ASSERT_TRUE(gpu.SyncKvToHost(*kv[1]).ok());
+  ASSERT_TRUE(gpu.SyncKvToHost(*kv[2]).ok());
   for (int i : {2, 1, 0}) {
     ExpectSameBits(Logits(gpu, *kv[i], canvas), want[i], "sequence " + std::to_string(i));
   }
-  cuda::emu::SetDeviceMemoryLimit(0);
 }
 #endif
 

@@ -152,10 +152,13 @@ struct CudaBackendOptions {
   // can show both give the same bits.
   int kv_block_size = 64;
   // The device K/V block pools' bound in bytes (both kinds; 0: none but the device's memory).
-  // A pool at the bound (or refused memory by the device) takes the blocks of idle sequences'
-  // mirrors, least recently used first (their rows are on the host: a later pass uploads them
-  // again); a pass that still lacks a block fails with RESOURCE_EXHAUSTED (a mirror of this pass,
-  // or one holding rows only the device has, is never taken).
+  // A pool at the bound (or refused memory by the device) takes a free or cached block, else the
+  // blocks of idle sequences' mirrors, least recently used first (their rows are on the host: a
+  // later pass uploads them again), else those of idle sequences whose rows only the device has,
+  // once copied to their caches (swap-out, as SyncKvToHost: CudaKvPoolStats::swap_outs); a pass
+  // that still lacks a block (its own sequences need more than the bound holds) fails with
+  // RESOURCE_EXHAUSTED, changing no cache: a caller may run its inputs in smaller batches (the
+  // denoise worker does).
   size_t kv_pool_max_bytes = 0;
   // Device K/V blocks shared between sequences (with kv_block_size > 0), the default: a block
   // whose positions its cache has all committed is registered under the host identity of its

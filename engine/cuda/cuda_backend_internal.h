@@ -499,6 +499,7 @@ class CudaBackend final : public ModelBackend {
     for (int l = 0; l < c_.num_layers; ++l) {
       st.device_bytes += int64_t(kv_pools_[KvKind(l)].blocks) * KvBlockBytes(l);
     }
+    st.swap_outs = kv_swap_outs_;
     return st;
   }
 
@@ -581,6 +582,12 @@ class CudaBackend final : public ModelBackend {
   // Drops the least recently used mirror not used by the current pass and not holding rows its
   // live cache lacks (one whose cache is gone first); false when there is none.
   bool EvictOneMirror();
+  // Copies the least recently used mirror not used by the current pass that holds rows its live
+  // cache lacks into that cache (SyncMirrorToHost), then drops it (its blocks go back); false
+  // when there is none. For a pool that must free blocks: the cache's rows come back by upload.
+  absl::StatusOr<bool> SwapOutOneMirror();
+  // SyncKvToHost of kv's mirror m.
+  absl::Status SyncMirrorToHost(KvCache& kv, KvMirror* m);
   // Uploads layer l's K and V rows of positions [p0, p0 + count) from kv's host arrays into a
   // paged mirror's blocks (through kv_rows_dev_), rounded to bf16 on a Bf16Mirror layer.
   absl::Status UploadKvRows(const KvCache& kv, const KvMirror& m, int l, int p0, int count);
@@ -674,7 +681,8 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<unsigned char> kv_rows_dev_;  // rows on their way between the host and the pools
   std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>> mirrors_;
   uint64_t use_clock_ = 0;
-  uint64_t pass_start_ = 0;  // use_clock_ value of the first mirror use of the current pass
+  int64_t kv_swap_outs_ = 0;  // SwapOutOneMirror's
+  uint64_t pass_start_ = 0;   // use_clock_ value of the first mirror use of the current pass
 
   // Scratch activations (grown on demand).
   DeviceArray<float> h_, a_, q_, k_, v_, attn_, o_, dense_, moe_, g_, u_, r_, scores_, xe_, act_,

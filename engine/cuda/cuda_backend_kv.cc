@@ -197,7 +197,10 @@ absl::Status CudaBackend::SyncKvToHost(KvCache& kv) {
   if (it == mirrors_.end() || !SameLifetime(it->second->owner, kv.lifetime())) {
     return CheckHostRowsCurrent(kv, "SyncKvToHost (a cache this CUDA backend does not hold)");
   }
-  KvMirror* m = it->second.get();
+  return SyncMirrorToHost(kv, it->second.get());
+}
+
+absl::Status CudaBackend::SyncMirrorToHost(KvCache& kv, KvMirror* m) {
   const int n = m->synced;
   if (!m->pending()) {
     // Nothing of this backend's is missing; newer rows (another backend's) are not ours to
@@ -427,6 +430,25 @@ absl::Status CudaBackend::GrowKvPool(int kind) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> CudaBackend::SwapOutOneMirror() {
+  // The least recently used mirror not used by the current pass whose live cache lacks rows only
+  // it has (and whose cache has committed no rows beyond them).
+  auto lru = mirrors_.end();
+  for (auto j = mirrors_.begin(); j != mirrors_.end(); ++j) {
+    const KvMirror& c = *j->second;
+    if (c.last_use >= pass_start_ || !c.pending() || c.owner.expired()) continue;
+    if (j->first->num_tokens() != c.synced) continue;
+    if (lru == mirrors_.end() || c.last_use < lru->second->last_use) lru = j;
+  }
+  if (lru == mirrors_.end()) return false;
+  // The cache is not in this call, but its owner may not use it until it is synced (only this
+  // backend may: KvCache::host_rows_stale), so writing its host rows here is this backend's.
+  DGSERVE_RETURN_IF_ERROR(SyncMirrorToHost(const_cast<KvCache&>(*lru->first), lru->second.get()));
+  mirrors_.erase(lru);
+  ++kv_swap_outs_;
+  return true;
+}
+
 absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   KvBlockPool& pool = kv_pools_[kind];
   // A free block, else a cached one (KvBlockPool::Take).
@@ -437,15 +459,19 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   absl::Status grown = GrowKvPool(kind);
   // Other errors (a failed wait, a device fault) are not for eviction to hide.
   if (!grown.ok() && grown.code() != absl::StatusCode::kResourceExhausted) return grown;
-  while ((b = pool.Take()) < 0 && EvictOneMirror()) {
+  // Then those of idle sequences whose rows only the device has, once copied to their caches.
+  while ((b = pool.Take()) < 0) {
+    if (EvictOneMirror()) continue;
+    DGSERVE_ASSIGN_OR_RETURN(const bool swapped, SwapOutOneMirror());
+    if (!swapped) break;
   }
   if (b < 0) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "device K/V block pool full (", kind == kKvFull ? "full" : "sliding",
-        " layers): ", pool.blocks, " blocks of ", options_.kv_block_size,
-        " positions, every one held by a sequence in this pass or by rows only the device has "
-        "(kv_pool_max_bytes ",
-        options_.kv_pool_max_bytes, "; ", grown.message(), ")"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("device K/V block pool full (", kind == kKvFull ? "full" : "sliding",
+                     " layers): ", pool.blocks, " blocks of ", options_.kv_block_size,
+                     " positions, every one held by a sequence in this pass "
+                     "(kv_pool_max_bytes ",
+                     options_.kv_pool_max_bytes, "; ", grown.message(), ")"));
   }
   return b;
 }

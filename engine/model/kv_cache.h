@@ -74,7 +74,9 @@ class KvCache {
   // leave the new rows in device memory). Until that backend's ModelBackend::SyncKvToHost, only
   // it may read or extend the cache: the CPU backend, PagedKvCache::Fork and the KV transports
   // refuse such a cache (FAILED_PRECONDITION), and its blocks must not be indexed as a prefix.
-  // Set and cleared by the backend.
+  // Set and cleared by the backend, which may also copy the rows into the host arrays (and clear
+  // it) during a later call for other caches, to free its device memory (the CUDA backend's
+  // swap-out): the cache's owner calls it from the one thread that uses the cache.
   bool host_rows_stale() const { return host_rows_stale_; }
   void set_host_rows_stale(bool stale) { host_rows_stale_ = stale; }
 

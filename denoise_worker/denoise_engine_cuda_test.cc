@@ -1,0 +1,242 @@
+// DenoiseEngine on the CUDA backend (label `gpu-emu`: built against engine/cuda/emu's emulation,
+// which is the device here; `gpu` against a real one). The engine's backend keeps K/V in its
+// device block pool (blocks of 4 positions); the KV arrives through the in-process transport,
+// encoded (and synced to the host) by a second CUDA backend, which also runs Generator for the
+// expected tokens: the backend is row invariant, so a sample's tokens are Generator's for its
+// seed whatever it is batched with.
+//   - PoolAtItsBoundRunsTheBatchInParts: kv_pool_max_bytes of 128 KiB holds 64 full-layer
+//     blocks (1 KiB each: 2 layers × K, V × 4 rows × 32 bf16) and 16 sliding ones. Two requests
+//     of 120-token prompts and two canvases need 2 × 30 full blocks for their first canvas's
+//     steps but 2 × 34 for its commit and the second canvas's steps: the engine runs those
+//     passes one request at a time (DenoiseStep / Encode answer RESOURCE_EXHAUSTED for both),
+//     the backend copying the other request's device-only rows to its cache to free its blocks
+//     (swap-out). Both requests give Generator's tokens. A third request whose prompt alone
+//     needs more blocks than the bound fails with RESOURCE_EXHAUSTED, and only it.
+//   - SamplesShareThePromptsDeviceBlocks: two samples of one 120-token prompt (sample 1 a fork
+//     of sample 0's cache, whole 16-token host blocks shared): sample 1's device mirror takes the
+//     device blocks of the 112 positions in whole host blocks (28 blocks of 4) instead of
+//     uploading them; each sample gives Generator's tokens for its seed.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "common/testing/status_matchers.h"
+#include "denoise_worker/denoise_engine.h"
+#include "engine/cuda/cuda_backend.h"
+#include "engine/generation/generator.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/checkpoint_testing.h"
+#include "kvstore/paged_kv_cache.h"
+#include "kvstore/transfer.h"
+#include "worker/worker_model.h"
+
+namespace dgserve {
+namespace {
+
+using ::dgserve::testing::IsOk;
+
+class DenoiseEngineCudaTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto ckpt = ::dgserve::testing::LoadRandomTinyV512("denoise_engine_cuda_test");
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    checkpoint_ = new Checkpoint(std::move(*ckpt));
+  }
+  static void TearDownTestSuite() {
+    delete checkpoint_;
+    checkpoint_ = nullptr;
+  }
+
+  void SetUp() override {
+    auto reference = CreateCudaBackend(config(), checkpoint_->weights, Options());
+    if (reference.status().code() == absl::StatusCode::kUnavailable) {
+      GTEST_SKIP() << reference.status();
+    }
+    ASSERT_THAT(reference.status(), IsOk());
+    test_backend_ = *std::move(reference);
+    auto pool = CreateKvPool(config(), "tiny", 32, 16);
+    ASSERT_THAT(pool.status(), IsOk());
+    pool_ = *std::move(pool);
+    auto sender_pool = CreateKvPool(config(), "tiny", 32, 16);
+    ASSERT_THAT(sender_pool.status(), IsOk());
+    sender_pool_ = *std::move(sender_pool);
+    receiver_ = std::make_unique<kv::KvReceiver>(pool_.get(), config().max_position_embeddings);
+    target_ = "denoise-engine-cuda-test-" +
+              std::string(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    kv::RegisterInProcessReceiver(target_, receiver_.get());
+    transport_ = kv::CreateInProcessTransport();
+  }
+  void TearDown() override {
+    engine_.reset();
+    if (receiver_ != nullptr) kv::UnregisterInProcessReceiver(target_);
+  }
+
+  const ModelConfig& config() const { return checkpoint_->config; }
+  int C() const { return config().canvas_length; }
+  // Blocks of 4 positions (a few hundred blocks for these prompts); `pool_bytes` bounds them.
+  static CudaBackendOptions Options(size_t pool_bytes = 0) {
+    CudaBackendOptions o;
+    o.kv_block_size = 4;
+    o.kv_pool_max_bytes = pool_bytes;
+    return o;
+  }
+  void StartEngine(size_t pool_bytes) {
+    auto backend = CreateCudaBackend(config(), checkpoint_->weights, Options(pool_bytes));
+    ASSERT_THAT(backend.status(), IsOk());
+    backend_ = *std::move(backend);
+    DenoiseEngineOptions o;
+    o.max_batch_canvases = 16;
+    o.model_id = "tiny";
+    engine_ = std::make_unique<DenoiseEngine>(backend_.get(), pool_.get(), receiver_.get(),
+                                              std::move(o), nullptr);
+  }
+
+  std::vector<int32_t> Prompt(int n, int salt) const {
+    std::vector<int32_t> p;
+    for (int i = 0; i < n; ++i) p.push_back((i * 67 + 9 + salt * 31) % config().vocab_size);
+    return p;
+  }
+  v1::DenoiseRequest Request(const std::string& id, int prompt_tokens, int max_new_tokens) const {
+    v1::DenoiseRequest r;
+    r.set_request_id(id);
+    r.set_prompt_tokens(prompt_tokens);
+    r.set_max_new_tokens(max_new_tokens);
+    r.set_seed(5);
+    const GenerationConfig& g = checkpoint_->generation;
+    v1::SamplerSettings* s = r.mutable_sampler();
+    s->set_max_denoising_steps(4);
+    s->set_t_min(g.t_min);
+    s->set_t_max(g.t_max);
+    s->set_entropy_bound(g.entropy_bound);
+    s->set_stability_threshold(g.stability_threshold);
+    s->set_confidence_threshold(g.confidence_threshold);
+    r.set_pad_token_id(0);
+    return r;
+  }
+  // The request's tokens through Generator on the reference backend, with seed `seed`.
+  std::vector<int32_t> Generate(const std::vector<int32_t>& prompt, const v1::DenoiseRequest& r,
+                                uint64_t seed) {
+    GenerationRequest g = DefaultRequest(checkpoint_->generation);
+    g.prompt = prompt;
+    g.max_new_tokens = r.max_new_tokens();
+    g.seed = seed;
+    g.sampler.max_denoising_steps = r.sampler().max_denoising_steps();
+    g.pad_token_id = r.pad_token_id();
+    Generator gen(*test_backend_);
+    absl::StatusOr<GenerationResult> res = gen.Generate(g);
+    EXPECT_THAT(res.status(), IsOk());
+    return res.ok() ? res->tokens : std::vector<int32_t>{};
+  }
+  // Encodes `prompt` on the reference backend, syncs it to the host (the prefill worker's
+  // SyncKvToHost before it ships) and sends it to the receiver as request `id`.
+  void SendKv(const std::string& id, const std::vector<int32_t>& prompt) {
+    auto kv = std::make_shared<kv::PagedKvCache>(sender_pool_.get(), int(prompt.size()));
+    EncodeInput in{prompt, kv.get()};
+    ASSERT_THAT(test_backend_->Encode({&in, 1}), IsOk());
+    ASSERT_THAT(test_backend_->SyncKvToHost(*kv), IsOk());
+    absl::Notification sent;
+    absl::Status status;
+    transport_->Send(target_, id, kv, 10000, [&](absl::StatusOr<kv::TransferResult> r) {
+      status = r.status();
+      sent.Notify();
+    });
+    sent.WaitForNotification();
+    ASSERT_THAT(status, IsOk());
+  }
+  // The job's tokens per sample, and how it ended (at most 300 s).
+  struct Outcome {
+    std::vector<std::vector<int32_t>> tokens;
+    absl::Status final;
+  };
+  Outcome Collect(DenoiseJob& job, int samples = 1) {
+    Outcome o;
+    o.tokens.resize(samples);
+    const absl::Time deadline = absl::Now() + absl::Seconds(300);
+    for (;;) {
+      v1::DenoiseEvent ev;
+      std::optional<absl::Status> final;
+      if (job.Pop(&ev, &final, absl::Milliseconds(100))) {
+        if (ev.has_block() && ev.sample() < samples) {
+          o.tokens[ev.sample()].insert(o.tokens[ev.sample()].end(), ev.block().token_ids().begin(),
+                                       ev.block().token_ids().end());
+        }
+        continue;
+      }
+      if (final) {
+        o.final = *final;
+        return o;
+      }
+      if (absl::Now() > deadline) {
+        ADD_FAILURE() << "job " << job.id() << " did not end";
+        return o;
+      }
+    }
+  }
+
+  static inline Checkpoint* checkpoint_ = nullptr;
+  std::unique_ptr<ModelBackend> backend_;       // the engine thread's
+  std::unique_ptr<ModelBackend> test_backend_;  // this thread's (KV, Generator)
+  std::unique_ptr<kv::BlockPool> pool_, sender_pool_;
+  std::unique_ptr<kv::KvReceiver> receiver_;
+  std::unique_ptr<kv::KvTransport> transport_;
+  std::string target_;
+  std::unique_ptr<DenoiseEngine> engine_;
+};
+
+TEST_F(DenoiseEngineCudaTest, PoolAtItsBoundRunsTheBatchInParts) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(128 * 1024));
+  const std::vector<int32_t> pa = Prompt(120, 1), pb = Prompt(120, 2), pc = Prompt(280, 3);
+  const v1::DenoiseRequest a = Request("a", 120, 2 * C()), b = Request("b", 120, 2 * C()),
+                           c = Request("c", 280, C());
+  // Both KVs wait in the receiver: both requests start in the same step.
+  ASSERT_NO_FATAL_FAILURE(SendKv("a", pa));
+  ASSERT_NO_FATAL_FAILURE(SendKv("b", pb));
+  auto ja = std::make_shared<DenoiseJob>(a), jb = std::make_shared<DenoiseJob>(b);
+  ASSERT_THAT(engine_->Submit(ja), IsOk());
+  ASSERT_THAT(engine_->Submit(jb), IsOk());
+  const Outcome ga = Collect(*ja), gb = Collect(*jb);
+  ASSERT_THAT(ga.final, IsOk());
+  ASSERT_THAT(gb.final, IsOk());
+  EXPECT_EQ(ga.tokens[0], Generate(pa, a, a.seed()));
+  EXPECT_EQ(gb.tokens[0], Generate(pb, b, b.seed()));
+  const CudaKvPoolStats st = GetCudaKvPoolStats(*backend_).value();
+  EXPECT_EQ(st.full_blocks, 64);  // the bound held
+  EXPECT_GT(st.swap_outs, 0);
+  // 280 positions: 70 full blocks, more than the bound holds. Beside a request that fits.
+  ASSERT_NO_FATAL_FAILURE(SendKv("c", pc));
+  ASSERT_NO_FATAL_FAILURE(SendKv("a2", pa));
+  v1::DenoiseRequest a2 = a;
+  a2.set_request_id("a2");
+  auto jc = std::make_shared<DenoiseJob>(c), ja2 = std::make_shared<DenoiseJob>(a2);
+  ASSERT_THAT(engine_->Submit(jc), IsOk());
+  ASSERT_THAT(engine_->Submit(ja2), IsOk());
+  const Outcome gc = Collect(*jc), ga2 = Collect(*ja2);
+  EXPECT_EQ(gc.final.code(), absl::StatusCode::kResourceExhausted) << gc.final;
+  EXPECT_NE(gc.final.message().find("device K/V block pool full"), std::string::npos) << gc.final;
+  ASSERT_THAT(ga2.final, IsOk());
+  EXPECT_EQ(ga2.tokens[0], ga.tokens[0]);
+}
+
+TEST_F(DenoiseEngineCudaTest, SamplesShareThePromptsDeviceBlocks) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(0));
+  const std::vector<int32_t> prompt = Prompt(120, 4);
+  v1::DenoiseRequest r = Request("two", 120, C());
+  r.set_num_samples(2);
+  ASSERT_NO_FATAL_FAILURE(SendKv("two", prompt));
+  auto job = std::make_shared<DenoiseJob>(r);
+  ASSERT_THAT(engine_->Submit(job), IsOk());
+  const Outcome got = Collect(*job, 2);
+  ASSERT_THAT(got.final, IsOk());
+  EXPECT_EQ(got.tokens[0], Generate(prompt, r, r.seed()));
+  EXPECT_EQ(got.tokens[1], Generate(prompt, r, r.seed() + 1));
+  // Host blocks of 16: positions [0, 112) in whole blocks shared by the fork; 112 … 119 copied.
+  EXPECT_EQ(GetCudaKvPoolStats(*backend_)->shared_blocks_taken, 112 / 4);
+}
+
+}  // namespace
+}  // namespace dgserve
