@@ -125,6 +125,7 @@ absl::Status Run() {
 
   PeriodicTask gauges(absl::Milliseconds(250), [&] {
     kv_metrics.Update(model->pool->stats());
+    kv_metrics.UpdateDevice(*model->backend);  // --device cuda only
     // Inline blocks came over the PushBlocks stream (TCP); the others over NCCL or CUDA IPC.
     for (const auto& [path, bytes] : receiver.received_bytes_by_path()) {
       kv_metrics.UpdateReceived(path == v1::KV_DATA_NCCL       ? "nccl"

@@ -238,7 +238,10 @@ absl::Status Run() {
   PrefillServiceImpl service(&engine, model->pool.get(), model_id);
   if (absl::Status s = runner.Start({&service}, {v1::PrefillService::service_full_name()}); !s.ok()) return s;
 
-  PeriodicTask gauges(absl::Milliseconds(250), [&] { kv_metrics.Update(model->pool->stats()); });
+  PeriodicTask gauges(absl::Milliseconds(250), [&] {
+    kv_metrics.Update(model->pool->stats());
+    kv_metrics.UpdateDevice(*model->backend);  // --device cuda only
+  });
   if (absl::Status s = runner.WritePortsFile(); !s.ok()) return s;
   DGSERVE_LOG_INFO("prefill worker serving %s: gRPC port %d, metrics port %d", model_id,
                    runner.grpc_port(), runner.metrics_port());

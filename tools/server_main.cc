@@ -148,6 +148,8 @@ absl::Status Run() {
   PeriodicTask gauges(absl::Milliseconds(250), [&] {
     prefill_kv.Update(prefill_model->pool->stats());
     denoise_kv.Update(denoise_model->pool->stats());
+    prefill_kv.UpdateDevice(*prefill_model->backend);  // --device cuda only
+    denoise_kv.UpdateDevice(*denoise_model->backend);
     denoise_kv.UpdateReceived("inprocess", receiver.received_bytes());
     gateway.UpdateWorkerGauges();
   });

@@ -1,5 +1,6 @@
 #include "worker/kv_metrics.h"
 
+#include <optional>
 #include <string_view>
 
 namespace dgserve {
@@ -7,11 +8,12 @@ namespace dgserve {
 KvMetrics::KvMetrics(prometheus::Registry& r, const std::string& c, bool prefix_cache)
     : blocks_(prometheus::BuildGauge()
                   .Name("dgserve_" + c + "_kv_blocks")
-                  .Help(prefix_cache ? "KV blocks by layer kind and state (used: referenced; cached: "
-                                       "unreferenced prefix-cache blocks; free: not referenced, "
-                                       "cached included)"
-                                     : "KV blocks by layer kind and state (used: referenced; free: "
-                                       "not referenced)")
+                  .Help(prefix_cache
+                            ? "KV blocks by layer kind and state (used: referenced; cached: "
+                              "unreferenced prefix-cache blocks; free: not referenced, "
+                              "cached included)"
+                            : "KV blocks by layer kind and state (used: referenced; free: "
+                              "not referenced)")
                   .Register(r)),
       transfer_bytes_(prometheus::BuildCounter()
                           .Name("dgserve_" + c + "_kv_transfer_bytes_total")
@@ -24,7 +26,9 @@ KvMetrics::KvMetrics(prometheus::Registry& r, const std::string& c, bool prefix_
       transfer_failures_(prometheus::BuildCounter()
                              .Name("dgserve_" + c + "_kv_transfer_failures_total")
                              .Help("Failed KV transfers, by transport")
-                             .Register(r)) {
+                             .Register(r)),
+      registry_(r),
+      component_(c) {
   if (prefix_cache) {
     prefix_queries_ = &prometheus::BuildCounter()
                            .Name("dgserve_" + c + "_prefix_cache_queries_total")
@@ -92,6 +96,67 @@ void KvMetrics::UpdateReceived(const std::string& transport, int64_t total_bytes
     transfer_bytes_.Add({{"transport", transport}}).Increment(double(total_bytes - last));
     last = total_bytes;
   }
+}
+
+void KvMetrics::UpdateDevice(const ModelBackend& backend) {
+  if (const std::optional<DeviceKvStats> s = GetDeviceKvStats(backend); s.has_value()) {
+    UpdateDevice(*s);
+  }
+}
+
+void KvMetrics::UpdateDevice(const DeviceKvStats& s) {
+  absl::MutexLock lock(&mu_);
+  const std::string& c = component_;
+  if (device_blocks_ == nullptr) {
+    device_blocks_ = &prometheus::BuildGauge()
+                          .Name("dgserve_" + c + "_device_kv_blocks")
+                          .Help(
+                              "Device K/V blocks by layer kind and state (in_use: held by a "
+                              "sequence; cached: held by none, kept for their rows; free: "
+                              "allocated, neither)")
+                          .Register(registry_);
+    device_bytes_ = &prometheus::BuildGauge()
+                         .Name("dgserve_" + c + "_device_kv_bytes")
+                         .Help("Device memory the K/V block pools hold (every allocated block)")
+                         .Register(registry_)
+                         .Add({});
+    auto counter = [&](const std::string& name, const std::string& help) {
+      return &prometheus::BuildCounter()
+                  .Name("dgserve_" + c + "_device_kv_" + name + "_total")
+                  .Help(help)
+                  .Register(registry_)
+                  .Add({});
+    };
+    device_shared_blocks_ =
+        counter("shared_blocks",
+                "Device K/V blocks a sequence took from another or from the device "
+                "cache instead of uploading their rows");
+    device_swap_outs_ = counter("swap_outs",
+                                "Idle sequences whose device-only K/V rows were copied to the "
+                                "host to free their device blocks");
+    device_upload_bytes_ =
+        counter("upload_bytes", "K/V bytes uploaded from host caches to the device");
+    device_sync_bytes_ =
+        counter("sync_to_host_bytes", "K/V bytes copied from the device to host caches");
+  }
+  const char* kinds[2];
+  kinds[DeviceKvStats::kFull] = "full";
+  kinds[DeviceKvStats::kSliding] = "sliding";
+  for (int k : {DeviceKvStats::kFull, DeviceKvStats::kSliding}) {
+    device_blocks_->Add({{"kind", kinds[k]}, {"state", "in_use"}}).Set(double(s.in_use[k]));
+    device_blocks_->Add({{"kind", kinds[k]}, {"state", "cached"}}).Set(double(s.cached[k]));
+    device_blocks_->Add({{"kind", kinds[k]}, {"state", "free"}}).Set(double(s.free_blocks(k)));
+  }
+  device_bytes_->Set(double(s.device_bytes));
+  // Running totals of one backend: they only grow (a smaller one is not counted back).
+  auto advance = [](prometheus::Counter* counter, int64_t now, int64_t before) {
+    if (now > before) counter->Increment(double(now - before));
+  };
+  advance(device_shared_blocks_, s.shared_blocks_taken, last_device_.shared_blocks_taken);
+  advance(device_swap_outs_, s.swap_outs, last_device_.swap_outs);
+  advance(device_upload_bytes_, s.upload_bytes, last_device_.upload_bytes);
+  advance(device_sync_bytes_, s.sync_to_host_bytes, last_device_.sync_to_host_bytes);
+  last_device_ = s;
 }
 
 void KvMetrics::RecordTransferFailure(const std::string& transport) {

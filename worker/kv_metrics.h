@@ -1,11 +1,13 @@
 // KV metrics both workers export (design §4): pool blocks by kind and state, and transfers by
-// transport (bytes, seconds, failures).
+// transport (bytes, seconds, failures); with the CUDA backend also its device K/V block pools.
 #pragma once
 
 #include <map>
 #include <string>
 
 #include "absl/synchronization/mutex.h"
+#include "engine/model/backend.h"
+#include "engine/model/backend_select.h"
 #include "kvstore/block_pool.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -39,6 +41,19 @@ class KvMetrics {
   // receiver's running total of that transport, KvReceiver::received_bytes_by_path); each
   // transport label keeps its own total. Thread-safe.
   void UpdateReceived(const std::string& transport, int64_t total_bytes);
+  // The device K/V block pools of `backend` (GetDeviceKvStats: a CUDA backend's; vLLM's
+  // gpu_cache_usage_perc and prefix-cache counters in our terms). The first call that finds
+  // them registers
+  //   dgserve_<component>_device_kv_blocks{kind=full|sliding, state=in_use|cached|free}
+  //     (gauge; free = allocated − in_use − cached),
+  //   dgserve_<component>_device_kv_bytes (gauge: device bytes the pools hold),
+  //   dgserve_<component>_device_kv_{shared_blocks,swap_outs,upload_bytes,
+  //     sync_to_host_bytes}_total (counters, advanced by the difference between snapshots);
+  // for any other backend (GetDeviceKvStats nullopt) it does nothing, so a CPU worker exports
+  // none of these series. Thread-safe.
+  void UpdateDevice(const ModelBackend& backend);
+  // The same from a snapshot already taken (the first call registers the series).
+  void UpdateDevice(const DeviceKvStats& stats);
 
  private:
   prometheus::Family<prometheus::Gauge>& blocks_;
@@ -49,6 +64,16 @@ class KvMetrics {
   prometheus::Counter* prefix_queries_ = nullptr;
   prometheus::Counter* prefix_hits_ = nullptr;
   prometheus::Counter* prefix_hit_tokens_ = nullptr;
+  prometheus::Registry& registry_;
+  const std::string component_;
+  // Null until UpdateDevice first finds device pools (guarded by mu_).
+  prometheus::Family<prometheus::Gauge>* device_blocks_ = nullptr;
+  prometheus::Gauge* device_bytes_ = nullptr;
+  prometheus::Counter* device_shared_blocks_ = nullptr;
+  prometheus::Counter* device_swap_outs_ = nullptr;
+  prometheus::Counter* device_upload_bytes_ = nullptr;
+  prometheus::Counter* device_sync_bytes_ = nullptr;
+  DeviceKvStats last_device_;  // the counters' previous snapshot
   absl::Mutex mu_;
   kv::PoolStats last_;  // counters advance by the difference between snapshots
   std::map<std::string, int64_t> last_received_;  // per transport label

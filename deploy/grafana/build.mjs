@@ -3,9 +3,10 @@
 //
 //   node deploy/grafana/build.mjs [--out FILE]     (default: deploy/grafana/dashboard.json)
 //
-// dashboard.ts is transpiled with the TypeScript of third_party/npm (types are not checked
-// here: `tsc --noEmit -p deploy/grafana` does that) and evaluated as CommonJS, its imports
-// resolved from third_party/npm/node_modules (@grafana/schema's enums are runtime values).
+// dashboard.ts (and lib.ts, which it imports) is transpiled with the TypeScript of
+// third_party/npm (types are not checked here: `tsc --noEmit -p deploy/grafana` does that) and
+// evaluated as CommonJS, its package imports resolved from third_party/npm/node_modules
+// (@grafana/schema's enums are runtime values).
 // The output is deterministic: the same dashboard.ts always gives the same bytes.
 import { readFileSync, writeFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
@@ -34,21 +35,31 @@ try {
   process.exit(1);
 }
 
-const source = join(here, 'dashboard.ts');
-const { outputText, diagnostics } = ts.transpileModule(readFileSync(source, 'utf8'), {
-  fileName: source,
-  reportDiagnostics: true,
-  compilerOptions: { module: ts.ModuleKind.CommonJS, target: ts.ScriptTarget.ES2022 },
-});
-if (diagnostics && diagnostics.length) {
-  console.error(ts.formatDiagnostics(diagnostics, {
-    getCanonicalFileName: (f) => f, getCurrentDirectory: () => root, getNewLine: () => '\n',
-  }));
-  process.exit(1);
+// A .ts file transpiled and evaluated as CommonJS; its relative imports ('./lib') are the .ts
+// files next to it (each evaluated once), the others come from third_party/npm.
+const loaded = new Map();
+function load(source) {
+  if (loaded.has(source)) return loaded.get(source).exports;
+  const { outputText, diagnostics } = ts.transpileModule(readFileSync(source, 'utf8'), {
+    fileName: source,
+    reportDiagnostics: true,
+    compilerOptions: { module: ts.ModuleKind.CommonJS, target: ts.ScriptTarget.ES2022 },
+  });
+  if (diagnostics && diagnostics.length) {
+    console.error(ts.formatDiagnostics(diagnostics, {
+      getCanonicalFileName: (f) => f, getCurrentDirectory: () => root, getNewLine: () => '\n',
+    }));
+    process.exit(1);
+  }
+  const module = { exports: {} };
+  loaded.set(source, module);
+  const require = (spec) =>
+    spec.startsWith('./') ? load(join(dirname(source), spec.endsWith('.ts') ? spec : `${spec}.ts`)) : npmRequire(spec);
+  new Function('exports', 'require', 'module', '__filename', '__dirname', outputText)(
+    module.exports, require, module, source, dirname(source));
+  return module.exports;
 }
-const module = { exports: {} };
-new Function('exports', 'require', 'module', '__filename', '__dirname', outputText)(
-  module.exports, npmRequire, module, source, here);
+const module = { exports: load(join(here, 'dashboard.ts')) };
 const dashboard = module.exports.default;
 if (!dashboard || typeof dashboard !== 'object' || !Array.isArray(dashboard.panels)) {
   console.error('build.mjs: dashboard.ts has no default export with panels');

@@ -5,267 +5,35 @@
 // deploy/checks/obs_static.sh). README.md describes every row and the metrics each panel reads.
 //
 // Every query is filtered by the `job` and `instance` template variables, and goes to the
-// Prometheus data source picked by the `datasource` variable.
+// Prometheus data source picked by the `datasource` variable. The query and panel builders and
+// the row layout are in lib.ts.
 import {
   type AnnotationQuery,
   type Dashboard,
-  type DataQuery,
-  type DataSourceRef,
-  type FieldConfigSource,
-  type Panel,
-  type RowPanel,
-  type ThresholdsConfig,
   type VariableModel,
-  AxisPlacement,
-  BigValueColorMode,
-  BigValueGraphMode,
-  BigValueJustifyMode,
-  BigValueTextMode,
   DashboardCursorSync,
-  GraphDrawStyle,
-  GraphThresholdsStyleMode,
-  HeatmapCellLayout,
-  LegendDisplayMode,
-  PercentChangeColorMode,
-  ScaleDistribution,
-  SortOrder,
-  ThresholdsMode,
-  TooltipDisplayMode,
   VariableHide,
   VariableRefresh,
   VariableSort,
-  VisibilityMode,
-  VizOrientation,
 } from '@grafana/schema';
-import type {
-  FieldConfig as TimeSeriesFieldConfig,
-  Options as TimeSeriesOptions,
-} from '@grafana/schema/dist/esm/raw/composable/timeseries/panelcfg/x/TimeSeriesPanelCfg_types.gen';
 import {
-  type FieldConfig as HeatmapFieldConfig,
-  type Options as HeatmapOptions,
-  HeatmapColorMode,
-  HeatmapColorScale,
-} from '@grafana/schema/dist/esm/raw/composable/heatmap/panelcfg/x/HeatmapPanelCfg_types.gen';
-import type { Options as StatOptions } from '@grafana/schema/dist/esm/raw/composable/stat/panelcfg/x/StatPanelCfg_types.gen';
-
-// ---- queries ----
-
-const DS: DataSourceRef = { type: 'prometheus', uid: '${datasource}' };
-
-/** A Prometheus query target (the Prometheus data source's query model). */
-type PromQuery = Pick<DataQuery, 'refId' | 'datasource' | 'hide'> & {
-  expr: string;
-  legendFormat?: string;
-  format?: 'time_series' | 'heatmap' | 'table';
-  range?: boolean;
-  instant?: boolean;
-};
-
-/** The job/instance filter every selector carries. */
-const FILTER = 'job=~"$job", instance=~"$instance"';
-/** `name{job=~"$job", instance=~"$instance", <extra>}` */
-const sel = (name: string, extra = ''): string => `${name}{${FILTER}${extra ? `, ${extra}` : ''}}`;
-/** Per-second rate of a counter (or histogram series) over Grafana's rate interval. */
-const rate = (name: string, extra = ''): string => `rate(${sel(name, extra)}[$__rate_interval])`;
-/** Quantile q of a histogram (base name without _bucket), aggregated over the `by` labels. */
-const quantile = (q: number, hist: string, by: string[] = [], extra = ''): string =>
-  `histogram_quantile(${q}, sum by (${[...by, 'le'].join(', ')}) (${rate(`${hist}_bucket`, extra)}))`;
-/** Mean of a histogram's observations over the rate interval: sum / count. */
-const mean = (hist: string): string => `sum(${rate(`${hist}_sum`)}) / sum(${rate(`${hist}_count`)})`;
-
-type Q = { expr: string; legend: string; format?: PromQuery['format'] };
-const toTargets = (qs: Q[]): PromQuery[] =>
-  qs.map((q, i) => ({
-    refId: String.fromCharCode(65 + i),
-    datasource: DS,
-    expr: q.expr,
-    legendFormat: q.legend,
-    range: true,
-    ...(q.format ? { format: q.format } : {}),
-  }));
-
-// ---- panels ----
-//
-// The schema types a panel's `options` and `fieldConfig.defaults.custom` as
-// Record<string, unknown>; each helper builds them as the panel plugin's own typed Options /
-// FieldConfig (from @grafana/schema's panelcfg modules) and spreads them in.
-
-interface PanelSpec {
-  title: string;
-  description: string;
-  queries: Q[];
-  unit?: string;
-  min?: number;
-  max?: number;
-  decimals?: number;
-  /** A red threshold (drawn as a dashed line on time series). */
-  redAbove?: number;
-  overrides?: FieldConfigSource['overrides'];
-}
-
-const thresholds = (redAbove?: number): ThresholdsConfig => ({
-  mode: ThresholdsMode.Absolute,
-  steps: [
-    { color: 'green', value: null },
-    ...(redAbove === undefined ? [] : [{ color: 'red', value: redAbove }]),
-  ],
-});
-
-const timeSeriesOptions: TimeSeriesOptions = {
-  legend: { calcs: ['mean', 'max', 'lastNotNull'], displayMode: LegendDisplayMode.Table, placement: 'bottom', showLegend: true },
-  tooltip: { mode: TooltipDisplayMode.Multi, sort: SortOrder.Descending },
-};
-
-function timeseries(s: PanelSpec): Panel {
-  const custom: TimeSeriesFieldConfig = {
-    drawStyle: GraphDrawStyle.Line,
-    lineWidth: 1,
-    fillOpacity: 10,
-    showPoints: VisibilityMode.Never,
-    spanNulls: false,
-    axisPlacement: AxisPlacement.Auto,
-    thresholdsStyle: {
-      mode: s.redAbove === undefined ? GraphThresholdsStyleMode.Off : GraphThresholdsStyleMode.Dashed,
-    },
-  };
-  return {
-    type: 'timeseries',
-    title: s.title,
-    description: s.description,
-    datasource: DS,
-    targets: toTargets(s.queries),
-    fieldConfig: {
-      defaults: {
-        unit: s.unit ?? 'short',
-        ...(s.min !== undefined ? { min: s.min } : {}),
-        ...(s.max !== undefined ? { max: s.max } : {}),
-        ...(s.decimals !== undefined ? { decimals: s.decimals } : {}),
-        thresholds: thresholds(s.redAbove),
-        custom: { ...custom },
-      },
-      overrides: s.overrides ?? [],
-    },
-    options: { ...timeSeriesOptions },
-  };
-}
-
-function stat(s: PanelSpec): Panel {
-  const options: StatOptions = {
-    colorMode: BigValueColorMode.Value,
-    graphMode: BigValueGraphMode.Area,
-    justifyMode: BigValueJustifyMode.Auto,
-    orientation: VizOrientation.Auto,
-    percentChangeColorMode: PercentChangeColorMode.Standard,
-    reduceOptions: { calcs: ['lastNotNull'], fields: '', values: false },
-    showPercentChange: false,
-    textMode: BigValueTextMode.ValueAndName,
-    wideLayout: true,
-  };
-  return {
-    type: 'stat',
-    title: s.title,
-    description: s.description,
-    datasource: DS,
-    targets: toTargets(s.queries),
-    fieldConfig: {
-      defaults: { unit: s.unit ?? 'short', thresholds: thresholds(s.redAbove) },
-      overrides: s.overrides ?? [],
-    },
-    options: { ...options },
-  };
-}
-
-/** A heatmap of a Prometheus histogram: one cell row per bucket (`le`), counts per interval. */
-function heatmap(s: PanelSpec & { yUnit?: string }): Panel {
-  const options: HeatmapOptions = {
-    calculate: false,
-    cellGap: 1,
-    color: {
-      mode: HeatmapColorMode.Scheme,
-      scheme: 'Oranges',
-      scale: HeatmapColorScale.Exponential,
-      exponent: 0.5,
-      fill: 'dark-orange',
-      reverse: false,
-      steps: 64,
-    },
-    exemplars: { color: 'rgba(255,0,255,0.7)' },
-    filterValues: { le: 1e-9 },
-    legend: { show: true },
-    rowsFrame: { layout: HeatmapCellLayout.le },
-    showValue: VisibilityMode.Auto,
-    tooltip: { mode: TooltipDisplayMode.Single, yHistogram: true, showColorScale: false },
-    yAxis: { axisPlacement: AxisPlacement.Left, reverse: false, unit: s.yUnit ?? 'short' },
-  };
-  const custom: HeatmapFieldConfig = {
-    hideFrom: { legend: false, tooltip: false, viz: false },
-    scaleDistribution: { type: ScaleDistribution.Linear },
-  };
-  return {
-    type: 'heatmap',
-    title: s.title,
-    description: s.description,
-    datasource: DS,
-    targets: toTargets(s.queries),
-    maxDataPoints: 100,
-    fieldConfig: { defaults: { custom: { ...custom } }, overrides: [] },
-    options: { ...options },
-  };
-}
-
-/** Overrides that move the series named `name` to a right-hand axis with its own unit. */
-const rightAxis = (name: string, unit: string): FieldConfigSource['overrides'] => [
-  {
-    matcher: { id: 'byName', options: name },
-    properties: [
-      { id: 'custom.axisPlacement', value: AxisPlacement.Right },
-      { id: 'unit', value: unit },
-    ],
-  },
-];
-
-// ---- layout: rows of panels, placed left to right on Grafana's 24-column grid ----
-
-type Sized = { panel: Panel; w: number; h?: number };
-
-function layout(rows: Array<{ title: string; panels: Sized[] }>): Array<Panel | RowPanel> {
-  const out: Array<Panel | RowPanel> = [];
-  let id = 1;
-  let y = 0;
-  for (const row of rows) {
-    const rowPanel: RowPanel = {
-      type: 'row',
-      id: id++,
-      title: row.title,
-      collapsed: false,
-      gridPos: { h: 1, w: 24, x: 0, y },
-      panels: [],
-    };
-    out.push(rowPanel);
-    y += 1;
-    let x = 0;
-    let lineHeight = 0;
-    for (const { panel, w, h = 8 } of row.panels) {
-      if (x + w > 24) {
-        y += lineHeight;
-        x = 0;
-        lineHeight = 0;
-      }
-      out.push({ ...panel, id: id++, gridPos: { h, w, x, y } });
-      x += w;
-      lineHeight = Math.max(lineHeight, h);
-    }
-    y += lineHeight;
-  }
-  return out;
-}
-
-// ---- the rows ----
-
-const GW = 'dgserve_gateway';
-const PF = 'dgserve_prefill';
-const DN = 'dgserve_denoise';
+  DS,
+  sel,
+  rate,
+  quantile,
+  mean,
+  type Q,
+  thresholds,
+  timeseries,
+  stat,
+  heatmap,
+  rightAxis,
+  type Sized,
+  layout,
+  GW,
+  PF,
+  DN,
+} from './lib';
 
 /** non-OK / all, over the rate interval, for one `*_requests_total{status}` counter: 0 (not
  *  "no data") while there is traffic but no non-OK status series yet. */
@@ -610,12 +378,7 @@ const kv: Sized[] = [
       description:
         'KV blocks of the denoise workers\' pools: used (referenced), free (not referenced; total = used + free) and cached (the part of free that holds evictable prefix-cache blocks).',
       min: 0,
-      queries: [
-        {
-          expr: `sum by (instance, state) (${sel(`${DN}_kv_blocks`, 'kind="full"')})`,
-          legend: '{{instance}} {{state}}',
-        },
-      ],
+      queries: [{ expr: `sum by (instance, state) (${sel(`${DN}_kv_blocks`, 'kind="full"')})`, legend: '{{instance}} {{state}}' }],
     }),
   },
   {
@@ -624,12 +387,7 @@ const kv: Sized[] = [
       title: 'Prefill KV blocks (full-attention layers)',
       description: 'The same for the prefill workers\' pools (their cached blocks are the prefix cache).',
       min: 0,
-      queries: [
-        {
-          expr: `sum by (instance, state) (${sel(`${PF}_kv_blocks`, 'kind="full"')})`,
-          legend: '{{instance}} {{state}}',
-        },
-      ],
+      queries: [{ expr: `sum by (instance, state) (${sel(`${PF}_kv_blocks`, 'kind="full"')})`, legend: '{{instance}} {{state}}' }],
     }),
   },
   {
@@ -678,6 +436,51 @@ const kv: Sized[] = [
       queries: [
         { expr: `sum(${rate(`${GW}_prompt_tokens_total`)})`, legend: 'prompt' },
         { expr: `sum(${rate(`${GW}_cached_prompt_tokens_total`)})`, legend: 'cached prompt' },
+      ],
+    }),
+  },
+  // The CUDA backend's device K/V block pools: only workers on --device cuda export these.
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Device KV blocks by state (CUDA workers)',
+      description:
+        'Device K/V blocks of the CUDA backend\'s pools per worker and layer kind: in_use (held by a sequence), cached (held by none, kept for their rows: a later prefix hit takes them without an upload) and free (allocated, neither); the pools grow and never shrink. No series on CPU workers.',
+      min: 0,
+      queries: [
+        { expr: `sum by (instance, kind, state) (${sel(`${DN}_device_kv_blocks`)})`, legend: 'denoise {{instance}} {{kind}} {{state}}' },
+        { expr: `sum by (instance, kind, state) (${sel(`${PF}_device_kv_blocks`)})`, legend: 'prefill {{instance}} {{kind}} {{state}}' },
+      ],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Device KV blocks shared and swap-outs/s (CUDA workers)',
+      description:
+        'Device K/V blocks per second a sequence took from another sequence or the device cache instead of uploading their rows (a prefix hit or a fork on the device), and idle sequences per second whose device-only rows were copied to the host to free their blocks (the pool at its bound, --cuda_kv_pool_gb, or the device out of memory).',
+      min: 0,
+      queries: [
+        { expr: `sum by (instance) (${rate(`${PF}_device_kv_shared_blocks_total`)})`, legend: 'shared prefill {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_device_kv_shared_blocks_total`)})`, legend: 'shared denoise {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${PF}_device_kv_swap_outs_total`)})`, legend: 'swap-outs prefill {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_device_kv_swap_outs_total`)})`, legend: 'swap-outs denoise {{instance}}' },
+      ],
+    }),
+  },
+  {
+    w: 8,
+    panel: timeseries({
+      title: 'Device KV copies host ↔ device (CUDA workers)',
+      description:
+        'K/V bytes per second uploaded from host caches to the device (rows the device lacks: a cache it has not seen, or rows another writer added) and copied back to host caches (the deferred host copy before a prompt is indexed and shipped), as stored on the device.',
+      unit: 'Bps',
+      min: 0,
+      queries: [
+        { expr: `sum by (instance) (${rate(`${PF}_device_kv_upload_bytes_total`)})`, legend: 'upload prefill {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_device_kv_upload_bytes_total`)})`, legend: 'upload denoise {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${PF}_device_kv_sync_to_host_bytes_total`)})`, legend: 'to host prefill {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_device_kv_sync_to_host_bytes_total`)})`, legend: 'to host denoise {{instance}}' },
       ],
     }),
   },

@@ -65,4 +65,29 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const BackendSelecti
 #endif
 }
 
+std::optional<DeviceKvStats> GetDeviceKvStats(const ModelBackend& backend) {
+#ifdef DGSERVE_HAVE_CUDA
+  const std::optional<CudaKvPoolStats> pool = GetCudaKvPoolStats(backend);
+  const std::optional<CudaKvCopyStats> copies = GetCudaKvCopyStats(backend);
+  if (!pool.has_value() || !copies.has_value()) return std::nullopt;
+  DeviceKvStats s;
+  s.block_size = pool->block_size;
+  s.blocks[DeviceKvStats::kFull] = pool->full_blocks;
+  s.in_use[DeviceKvStats::kFull] = pool->full_blocks_in_use;
+  s.cached[DeviceKvStats::kFull] = pool->full_blocks_cached;
+  s.blocks[DeviceKvStats::kSliding] = pool->sliding_blocks;
+  s.in_use[DeviceKvStats::kSliding] = pool->sliding_blocks_in_use;
+  s.cached[DeviceKvStats::kSliding] = pool->sliding_blocks_cached;
+  s.device_bytes = pool->device_bytes;
+  s.shared_blocks_taken = pool->shared_blocks_taken;
+  s.swap_outs = pool->swap_outs;
+  s.upload_bytes = copies->upload_bytes;
+  s.sync_to_host_bytes = copies->sync_to_host_bytes;
+  return s;
+#else
+  (void)backend;
+  return std::nullopt;
+#endif
+}
+
 }  // namespace dgserve

@@ -5,6 +5,7 @@
 // -DDGSERVE_CUDA_BACKEND=ON and a CUDA toolkit is found).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,6 +42,31 @@ struct BackendSelection {
   // kv_pool_max_bytes; 0: none).
   size_t cuda_kv_pool_bytes = 0;
 };
+
+// The device K/V block pools of a backend that keeps K/V in device memory (the CUDA backend's,
+// CudaKvPoolStats and CudaKvCopyStats of engine/cuda/cuda_backend.h), as a plain struct that a
+// binary built without the CUDA backend can name: what the workers export as metrics
+// (worker/kv_metrics.h). Index [kind]: 0 the full layers' pool, 1 the sliding layers'.
+struct DeviceKvStats {
+  static constexpr int kFull = 0, kSliding = 1;
+  int block_size = 0;        // positions per block; 0: per-sequence mirrors (no pool, no blocks)
+  int blocks[2] = {0, 0};    // allocated on the device (pools grow, never shrink)
+  int in_use[2] = {0, 0};    // held by a sequence's mirror
+  int cached[2] = {0, 0};    // held by none, kept for their rows (a later prefix hit takes them)
+  int64_t device_bytes = 0;  // K and V of every allocated block, every layer
+  // Running totals since the backend was made:
+  int64_t shared_blocks_taken = 0;  // blocks a sequence took instead of uploading their rows
+  int64_t swap_outs = 0;  // idle sequences whose device-only rows went to the host to free blocks
+  int64_t upload_bytes = 0;  // rows uploaded from host caches into the device (as stored there)
+  int64_t sync_to_host_bytes = 0;  // rows copied from the device to host caches (SyncKvToHost)
+  // Blocks neither in use nor cached: blocks − in_use − cached.
+  int free_blocks(int kind) const { return blocks[kind] - in_use[kind] - cached[kind]; }
+};
+
+// The device K/V pools of `backend`: a CUDA backend's (GetCudaKvPoolStats and
+// GetCudaKvCopyStats); nullopt for any other backend, and always in a binary built without the
+// CUDA backend. Thread-safe (the CUDA backend takes its lock: a call may wait for a pass).
+std::optional<DeviceKvStats> GetDeviceKvStats(const ModelBackend& backend);
 
 // Checks `selection` without loading anything (call it before a checkpoint load, so that a typo
 // does not cost the load): INVALID_ARGUMENT "--device X: must be 'cpu' or 'cuda'" for another
