@@ -181,19 +181,24 @@ SampleSpec MakeSampleSpec(const v1::DenoiseRequest& r, int sample,
 // blocks of sequences outside the call, copying rows only it has to their caches), so the halves
 // run where the whole did not. A failed call changes no cache (the backends' passes commit
 // nothing then), so its inputs are run again as they are. Returns each input's status: a single
-// input that still does not fit gets the error. `parts`: calls made beyond the first.
+// input that still does not fit gets the error. `parts`: calls made beyond the first; `largest`:
+// the most inputs of one call that succeeded. An empty batch makes no call.
 template <typename In, typename Run>
-std::vector<absl::Status> RunInParts(std::span<const In> batch, const Run& run, int* parts) {
+std::vector<absl::Status> RunInParts(std::span<const In> batch, const Run& run, int* parts,
+                                     size_t* largest) {
   std::vector<absl::Status> out(batch.size());
+  if (batch.empty()) return out;
   const absl::Status s = run(batch);
   if (s.code() != absl::StatusCode::kResourceExhausted || batch.size() < 2) {
+    if (s.ok()) *largest = std::max(*largest, batch.size());
     std::fill(out.begin(), out.end(), s);
     return out;
   }
   const size_t half = batch.size() / 2;
   for (const auto& [from, count] : {std::pair{size_t{0}, half}, {half, batch.size() - half}}) {
     ++*parts;
-    const std::vector<absl::Status> part = RunInParts(batch.subspan(from, count), run, parts);
+    const std::vector<absl::Status> part =
+        RunInParts(batch.subspan(from, count), run, parts, largest);
     std::copy(part.begin(), part.end(), out.begin() + from);
   }
   return out;
@@ -437,6 +442,8 @@ DenoiseEngineStats DenoiseEngine::stats() const {
   DenoiseEngineStats s;
   s.active_canvases = active_canvases_;
   s.active_requests = active_requests_;
+  s.passes_in_parts = passes_in_parts_;
+  s.device_step_limit = device_step_limit_;
   absl::MutexLock lock(&mu_);
   s.queued = int(waiting_.size() + ready_.size());
   return s;
@@ -444,6 +451,7 @@ DenoiseEngineStats DenoiseEngine::stats() const {
 
 void DenoiseEngine::FinishJob(Running& r, absl::Status status) {
   r.finished = true;
+  device_step_limit_ = 0;  // its K/V leaves the device: every canvas may step again
   if (status.ok() && --*r.samples_left > 0) return;  // the job ends with its last sample
   std::vector<std::unique_ptr<Running>> drop;  // destroyed outside the lock
   absl::MutexLock lock(&mu_);
@@ -515,11 +523,16 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
 
   // 4. One batched denoising step over every canvas (each at its own step). A canvas whose
   // template has no holes is done at Init: it takes no pass and is finished below.
+  // While the device's K/V memory holds fewer canvases than are running (a step was refused and
+  // ran in parts), only the first device_step_limit_ of them step, in admission order; the others
+  // wait (their device rows free for the running ones) until a sample ends, rather than every
+  // step moving every canvas's K/V out of the device and back.
   std::vector<DenoiseStepInput> batch;
   std::vector<Running*> stepped;  // batch[i]'s sample
   batch.reserve(running.size());
+  const size_t limit = device_step_limit_ > 0 ? size_t(device_step_limit_.load()) : running.size();
   for (auto& r : running) {
-    if (r->run->phase() != Phase::kDenoising) continue;
+    if (r->run->phase() != Phase::kDenoising || batch.size() >= limit) continue;
     absl::StatusOr<DenoiseStepInput> in = r->run->StepInput(*r->kv);
     if (!in.ok()) {
       FinishJob(*r, in.status());
@@ -530,13 +543,19 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
   }
   const absl::Time t0 = absl::Now();
   int parts = 0;
+  size_t largest = 0;
   const std::vector<absl::Status> step_status = RunInParts(
       std::span<const DenoiseStepInput>(batch),
-      [&](std::span<const DenoiseStepInput> b) { return backend_->DenoiseStep(b); }, &parts);
+      [&](std::span<const DenoiseStepInput> b) { return backend_->DenoiseStep(b); }, &parts,
+      &largest);
   if (parts > 0) {
+    ++passes_in_parts_;
+    if (metrics_) metrics_->passes_in_parts.Increment();
+    if (largest > 0) device_step_limit_ = int(largest);
     DGSERVE_LOG_WARNING(
-        "denoising step of %zu canvases run in %d parts (backend out of K/V memory)", batch.size(),
-        parts);
+        "denoising step of %zu canvases refused (backend out of K/V memory), run again as %d "
+        "smaller passes; at most %zu canvases step until a sample ends",
+        batch.size(), parts, largest);
   }
   const absl::Time t1 = absl::Now();
   if (metrics_ && !batch.empty()) {
@@ -590,12 +609,17 @@ void DenoiseEngine::CommitCanvases(std::vector<std::unique_ptr<Running>>& runnin
   if (batch.empty()) return;
   const absl::Time t0 = absl::Now();
   int parts = 0;
+  size_t largest = 0;
   const std::vector<absl::Status> status = RunInParts(
       std::span<const EncodeInput>(batch),
-      [&](std::span<const EncodeInput> b) { return backend_->Encode(b); }, &parts);
+      [&](std::span<const EncodeInput> b) { return backend_->Encode(b); }, &parts, &largest);
   if (parts > 0) {
-    DGSERVE_LOG_WARNING("commit pass of %zu canvases run in %d parts (backend out of K/V memory)",
-                        batch.size(), parts);
+    ++passes_in_parts_;
+    if (metrics_) metrics_->passes_in_parts.Increment();
+    DGSERVE_LOG_WARNING(
+        "commit pass of %zu canvases refused (backend out of K/V memory), run again as %d smaller "
+        "passes",
+        batch.size(), parts);
   }
   const double secs = Seconds(absl::Now() - t0);
   if (metrics_) metrics_->commit_seconds.Observe(secs);

@@ -92,6 +92,12 @@ struct DenoiseEngineStats {
   int active_canvases = 0;
   int queued = 0;         // waiting for KV or for a batch slot
   int active_requests = 0;  // distinct requests among the running canvases
+  // Steps and commit passes the backend refused with RESOURCE_EXHAUSTED (out of K/V memory: the
+  // CUDA backend's device block pool full) and ran in parts, since the engine started.
+  int64_t passes_in_parts = 0;
+  // The most canvases a step takes while the device's K/V memory holds no more (the largest part
+  // that ran after a refusal; 0: no limit): lifted when a sample ends.
+  int device_step_limit = 0;
 };
 
 class DenoiseEngine {
@@ -160,6 +166,9 @@ class DenoiseEngine {
   std::unordered_map<std::string, std::shared_ptr<DenoiseJob>> all_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> active_canvases_{0};
   std::atomic<int> active_requests_{0};
+  std::atomic<int64_t> passes_in_parts_{0};
+  // DenoiseEngineStats::device_step_limit: written by the engine thread.
+  std::atomic<int> device_step_limit_{0};
   std::thread thread_;
 };
 

@@ -206,7 +206,13 @@ TEST_F(DenoiseEngineCudaTest, PoolAtItsBoundRunsTheBatchInParts) {
   EXPECT_EQ(gb.tokens[0], Generate(pb, b, b.seed()));
   const CudaKvPoolStats st = GetCudaKvPoolStats(*backend_).value();
   EXPECT_EQ(st.full_blocks, 64);  // the bound held
-  EXPECT_GT(st.swap_outs, 0);
+  // a's commit first, then b's, which takes a's blocks (a swapped out); then the second canvas's
+  // first step, run as a's half (b swapped out) and b's (a's blocks, its rows uploaded, taken):
+  // one refused commit and one refused step, after which only a steps (device_step_limit 1)
+  // until it ends, then b alone.
+  EXPECT_EQ(st.swap_outs, 2);
+  EXPECT_EQ(engine_->stats().passes_in_parts, 2);
+  EXPECT_EQ(engine_->stats().device_step_limit, 0);  // lifted when a ended
   // 280 positions: 70 full blocks, more than the bound holds. Beside a request that fits.
   ASSERT_NO_FATAL_FAILURE(SendKv("c", pc));
   ASSERT_NO_FATAL_FAILURE(SendKv("a2", pa));

@@ -56,6 +56,10 @@ DenoiseMetrics::DenoiseMetrics(prometheus::Registry& r)
                           "Samples started (a request with num_samples = n counts n)")),
       decoder_passes(MakeCounter(r, "dgserve_denoise_decoder_passes_total",
                                  "Per-canvas decoder passes (denoising steps)")),
+      passes_in_parts(MakeCounter(
+          r, "dgserve_denoise_passes_in_parts_total",
+          "Denoising steps and commit passes the backend refused for want of K/V memory "
+          "(RESOURCE_EXHAUSTED: the device block pool full) and ran in parts")),
       active_canvases(
           MakeGauge(r, "dgserve_denoise_active_canvases", "Canvases in the running batch")),
       queue_depth(MakeGauge(r, "dgserve_denoise_queue_depth",

@@ -27,6 +27,8 @@ struct DenoiseMetrics {
   prometheus::Counter& canvases;
   prometheus::Counter& samples;  // samples started (num_samples of each request)
   prometheus::Counter& decoder_passes;
+  // Steps and commit passes the backend refused for want of K/V memory and ran in parts.
+  prometheus::Counter& passes_in_parts;
   prometheus::Gauge& active_canvases;
   prometheus::Gauge& queue_depth;
 

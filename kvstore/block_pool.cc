@@ -1,6 +1,7 @@
 #include "kvstore/block_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <list>
@@ -59,6 +60,13 @@ struct KindState {
   int64_t used = 0;
   int64_t shared = 0;  // blocks with refs > 1
 };
+
+// AllocationIds, unique in the process (every pool draws from one count: a backend may hold
+// caches of several pools).
+uint64_t NextAllocationId() {
+  static std::atomic<uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
 
 class BlockPoolImpl final : public BlockPool {
  public:
@@ -132,7 +140,7 @@ class BlockPoolImpl final : public BlockPool {
         ++evictions_;
       }
       s.refs[b] = 1;
-      s.allocation[b] = ++allocations_;
+      s.allocation[b] = NextAllocationId();
       ++s.used;
       out.push_back(b);
     }
@@ -358,7 +366,6 @@ class BlockPoolImpl final : public BlockPool {
   int64_t prefix_hit_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t prefix_hits_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t allocations_ ABSL_GUARDED_BY(mu_) = 0;  // AllocationIds given
 };
 
 }  // namespace

@@ -69,8 +69,8 @@ class BlockPool {
   // the pool's lifetime.
   virtual float* BlockData(LayerKind kind, int32_t block) = 0;
   virtual const float* BlockData(LayerKind kind, int32_t block) const = 0;
-  // A number Allocate gives `block` each time it hands it out, unique over the pool's lifetime
-  // and every kind (never 0): the same while the block keeps its rows (held, shared, cached and
+  // A number Allocate gives `block` each time it hands it out, unique in the process (every
+  // pool, every kind; never 0): the same while the block keeps its rows (held, shared, cached and
   // matched again), another once it is allocated afresh. 0 for a block never allocated or an id
   // outside the pool.
   virtual uint64_t AllocationId(LayerKind kind, int32_t block) const = 0;

@@ -272,6 +272,12 @@ TEST(KvBlockPoolTest, AllocationIdsNameOneAllocation) {
   std::set<uint64_t> ids = {full_id, sliding_id};
   for (int32_t b : *x) EXPECT_TRUE(ids.insert(pool->AllocationId(kF, b)).second) << b;
   EXPECT_NE(pool->AllocationId(kF, ta.full[0]), full_id);
+  // Another pool's blocks: other numbers (a backend may hold caches of both).
+  auto other = MakePool(2, 2);
+  auto y = other->Allocate(kF, 2);
+  ASSERT_THAT(y, IsOk());
+  for (int32_t b : *y) EXPECT_TRUE(ids.insert(other->AllocationId(kF, b)).second) << b;
+  other->Release(kF, *y);
   pool->Release(kF, *x);
 }
 

@@ -266,6 +266,27 @@ TEST_P(CudaKvSharingTest, PartlyWrittenBlocksAreNotShared) {
   ExpectPlainLogits(*hit, logits, "hit on rows the device has from the window on");
 }
 
+// A pass refused after the hit's mirror took the prompt's blocks (here: its host rows marked as
+// held by another backend, FAILED_PRECONDITION) keeps them; the next pass uploads none of their
+// rows (it used to upload every row through them, writing blocks other sequences hold).
+TEST_P(CudaKvSharingTest, ARefusedPassKeepsTheBlocksItTook) {
+  const std::vector<int32_t> a = Tokens(22, 9);
+  const std::unique_ptr<PagedKvCache> kv_a = EncodePrompt(a);
+  ASSERT_FALSE(HasFatalFailure());
+  const std::unique_ptr<PagedKvCache> hit = Hit(SharingPrompt(a, 16), 16);
+  hit->set_host_rows_stale(true);
+  std::vector<float> logits(canvas_.size() * config().vocab_size);
+  DecodeInput in{canvas_, nullptr, hit.get(), logits.data()};
+  EXPECT_EQ(gpu_->Decode({&in, 1}).code(), absl::StatusCode::kFailedPrecondition);
+  hit->set_host_rows_stale(false);
+  const int64_t uploaded = UploadBytes();
+  logits = Logits(*gpu_, *hit, canvas_);
+  // 16: whole device blocks of 4 and 8 on the full layers; on the sliding ones the window
+  // [9, 16) lies in blocks the hit's host blocks (from 8) cover.
+  EXPECT_EQ(UploadBytes() - uploaded, 0);
+  ExpectPlainLogits(*hit, logits, "after a refused pass");
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, CudaKvSharingTest,
                          ::testing::Values(SharingMode{"bf16_tc_blocks4", cuda::GemmInput::kBf16,
                                                        cpu::GemmInput::kBf16, true, true, 4},

@@ -134,11 +134,12 @@ struct CudaBackendOptions {
   // bounded number of rows (KvCache::MaxSlidingRowsKept: ContiguousKvCache W − 1, PagedKvCache
   // W + 2·block_size − 2), whose sliding rings then hold max(W, that bound) rows, so every row the
   // host keeps is still on the device when it is asked for; other caches get the copy in the
-  // pass. A mirror holding rows its live cache lacks is never evicted (max_kv_mirrors then
-  // bounds only the others); one whose cache is gone is dropped first. In the bf16 mirror (the
-  // default in the bf16 mode) SyncKvToHost writes the bf16 values widened: the rows every
-  // attention of that mode reads (spec §5.3), not the float32 values before rounding. false: the
-  // pass copies its new rows to the host cache (encode_staging_bytes), as before.
+  // pass. A mirror holding rows its live cache lacks is never evicted for max_kv_mirrors (which
+  // then bounds only the others; one whose cache is gone is dropped first), and is dropped for
+  // the block pool only once its rows are copied to the cache (swap-out: kv_pool_max_bytes). In the
+  // bf16 mirror (the default in the bf16 mode) SyncKvToHost writes the bf16 values widened: the
+  // rows every attention of that mode reads (spec §5.3), not the float32 values before rounding.
+  // false: the pass copies its new rows to the host cache (encode_staging_bytes), as before.
   bool defer_kv_host_copy = true;
   // K/V on the device in one block pool per layer kind (full, sliding) shared by every
   // sequence (issue 34 item 1), the default: a block holds this many consecutive positions of

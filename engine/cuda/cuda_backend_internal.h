@@ -327,7 +327,6 @@ struct KvMirror {
   // upload or a pass may start past the last: the rows between are no one's).
   int published[2] = {0, 0};
   int sliding_from = 0;
-  std::vector<int> taken[2];  // block indices the current sync took registered (ascending)
   // Per sequence (pools == nullptr):
   std::vector<DeviceArray<float>> k, v;         // per layer [MirrorRows(l, capacity), kvw]
   std::vector<DeviceArray<uint16_t>> k16, v16;  // the same, bf16 bits (Bf16Mirror layers)
@@ -564,14 +563,16 @@ class CudaBackend final : public ModelBackend {
   // Shared blocks (KvBlockPool, options_.share_kv_blocks). KvBlockSignature: the identities of
   // block index i's positions in kv (KvCache::SharedRowsId); false when one has none.
   // TakeSharedKvBlocks: for each whole block of [from, n) of `kind` the mirror lacks, the
-  // registered block with its identities, if any (into m->taken[kind]). PublishKvBlocks: registers
+  // registered block with its identities, if any (SyncMirror uploads around registered blocks).
+  // PublishKvBlocks: registers
   // the mirror's whole blocks of rows written so far that are not yet registered.
   bool KvBlockSignature(const KvCache& kv, int kind, int i, std::vector<uint64_t>* sig) const;
   void TakeSharedKvBlocks(const KvCache& kv, KvMirror* m, int kind, int from, int n);
   void PublishKvBlocks(const KvCache& kv, KvMirror* m);
   // A free block id of pool `kind`: a free or cached one (KvBlockPool::Take), else the pool
-  // grown (GrowKvPool), else the blocks of idle mirrors evicted (EvictOneMirror);
-  // RESOURCE_EXHAUSTED when none frees one.
+  // grown (GrowKvPool), else the blocks of idle mirrors evicted (EvictOneMirror), else those of
+  // idle mirrors holding rows only the device has, copied to their caches first
+  // (SwapOutOneMirror); RESOURCE_EXHAUSTED when none frees one.
   absl::StatusOr<int32_t> AllocateKvBlock(int kind);
   // Grows pool `kind` (doubled, from 64 blocks; fewer within options_.kv_pool_max_bytes, both
   // pools counted), the stream drained first (queued copies may still write the old arrays).
@@ -583,9 +584,10 @@ class CudaBackend final : public ModelBackend {
   // live cache lacks (one whose cache is gone first); false when there is none.
   bool EvictOneMirror();
   // Copies the least recently used mirror not used by the current pass that holds rows its live
-  // cache lacks into that cache (SyncMirrorToHost), then drops it (its blocks go back); false
-  // when there is none. For a pool that must free blocks: the cache's rows come back by upload.
-  absl::StatusOr<bool> SwapOutOneMirror();
+  // cache lacks, and alone holds a block of pool `kind`, into that cache (SyncMirrorToHost), then
+  // drops it (its blocks go back); false when there is none. For a pool that must free blocks:
+  // the cache's rows come back by upload.
+  absl::StatusOr<bool> SwapOutOneMirror(int kind);
   // SyncKvToHost of kv's mirror m.
   absl::Status SyncMirrorToHost(KvCache& kv, KvMirror* m);
   // Uploads layer l's K and V rows of positions [p0, p0 + count) from kv's host arrays into a

@@ -141,14 +141,26 @@ absl::StatusOr<KvMirror*> CudaBackend::SyncMirror(const KvCache& kv, int extra) 
       if (from >= n) continue;
       const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
       if (m->paged()) {
-        // Around the blocks taken from other mirrors (TakeSharedKvBlocks: ascending indices).
+        // Around registered blocks: those taken from other mirrors (TakeSharedKvBlocks, in this
+        // sync or in a failed one before: the mirror keeps them), whose rows are the cache's
+        // and which others may hold. The mirror's own registered blocks lie below `synced`.
         const int B = options_.kv_block_size;
-        int p = from;
-        for (const int i : m->taken[KvKind(l)]) {
-          if (i * B > p) DGSERVE_RETURN_IF_ERROR(UploadKvRows(kv, *m, l, p, i * B - p));
-          p = std::max(p, (i + 1) * B);
+        const std::vector<int32_t>& table = m->blocks[KvKind(l)];
+        const KvBlockPool& pool = kv_pools_[KvKind(l)];
+        const auto registered = [&](int p) {
+          const int32_t b = p / B < int(table.size()) ? table[p / B] : -1;
+          return b >= 0 && !pool.signature[b].empty();
+        };
+        for (int p = from; p < n;) {
+          if (registered(p)) {
+            p = (p / B + 1) * B;
+            continue;
+          }
+          int q = std::min(n, (p / B + 1) * B);
+          while (q < n && !registered(q)) q = std::min(n, q + B);
+          DGSERVE_RETURN_IF_ERROR(UploadKvRows(kv, *m, l, p, q - p));
+          p = q;
         }
-        if (p < n) DGSERVE_RETURN_IF_ERROR(UploadKvRows(kv, *m, l, p, n - p));
         continue;
       }
       for (int which = 0; which < 2; ++which) {
@@ -257,7 +269,9 @@ absl::Status CudaBackend::SyncMirrorToHost(KvCache& kv, KvMirror* m) {
   DGSERVE_RETURN_IF_ERROR(kv_stage_.Ensure(
       (std::max(one, std::min(all, options_.encode_staging_bytes)) + sizeof(float) - 1) /
       sizeof(float)));
-  const size_t capacity = kv_stage_.size() * sizeof(float);
+  // No more than this sync needs (the pinned staging may be larger from an earlier one): a
+  // swap-out runs when the device is short of memory, and the device staging is as large.
+  const size_t capacity = std::min(kv_stage_.size() * sizeof(float), std::max(one, all));
   // A paged mirror's rows are gathered into a device staging as large (Grow: no CUDA graph
   // holds it).
   if (m->paged()) DGSERVE_RETURN_IF_ERROR(GrowKvRowsStaging(capacity));
@@ -430,14 +444,19 @@ absl::Status CudaBackend::GrowKvPool(int kind) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> CudaBackend::SwapOutOneMirror() {
+absl::StatusOr<bool> CudaBackend::SwapOutOneMirror(int kind) {
   // The least recently used mirror not used by the current pass whose live cache lacks rows only
-  // it has (and whose cache has committed no rows beyond them).
+  // it has (and whose cache has committed no rows beyond them), and which alone holds a block of
+  // `kind` (else dropping it frees none: the copy would be for nothing).
+  const auto frees = [&](const KvMirror& c) {
+    return std::any_of(c.blocks[kind].begin(), c.blocks[kind].end(),
+                       [&](int32_t b) { return b >= 0 && kv_pools_[kind].refs[b] == 1; });
+  };
   auto lru = mirrors_.end();
   for (auto j = mirrors_.begin(); j != mirrors_.end(); ++j) {
     const KvMirror& c = *j->second;
-    if (c.last_use >= pass_start_ || !c.pending() || c.owner.expired()) continue;
-    if (j->first->num_tokens() != c.synced) continue;
+    if (c.last_use >= pass_start_ || !c.pending() || c.owner.expired() || !c.paged()) continue;
+    if (j->first->num_tokens() != c.synced || !frees(c)) continue;
     if (lru == mirrors_.end() || c.last_use < lru->second->last_use) lru = j;
   }
   if (lru == mirrors_.end()) return false;
@@ -462,7 +481,7 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   // Then those of idle sequences whose rows only the device has, once copied to their caches.
   while ((b = pool.Take()) < 0) {
     if (EvictOneMirror()) continue;
-    DGSERVE_ASSIGN_OR_RETURN(const bool swapped, SwapOutOneMirror());
+    DGSERVE_ASSIGN_OR_RETURN(const bool swapped, SwapOutOneMirror(kind));
     if (!swapped) break;
   }
   if (b < 0) {
@@ -498,7 +517,6 @@ void CudaBackend::TakeSharedKvBlocks(const KvCache& kv, KvMirror* m, int kind, i
     if (b < 0) continue;
     pool.Ref(b);
     m->blocks[kind][i] = b;
-    m->taken[kind].push_back(i);
     m->tables_dirty = true;
     ++pool.shared_blocks_taken;
   }
@@ -545,8 +563,6 @@ absl::Status CudaBackend::SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, in
       m->tables_dirty = true;
     }
   }
-  m->taken[kKvFull].clear();
-  m->taken[kKvSliding].clear();
   // Whole blocks of rows SyncMirror would upload: taken from another mirror, or the cache, where
   // registered (before any block is allocated: an allocation may take a cached block).
   const bool share = options_.share_kv_blocks && m->synced < n;
@@ -584,7 +600,11 @@ absl::Status CudaBackend::GrowKvRowsStaging(size_t bytes) {
   if (bytes <= kv_rows_dev_.size()) return absl::OkStatus();
   // Queued copies may still read or write the old staging.
   if (kv_rows_dev_.size() > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV row staging growth"));
-  return kv_rows_dev_.Grow(std::max(bytes, 2 * kv_rows_dev_.size()), 0);
+  // Doubled, or just `bytes` where the device refuses the double.
+  if (kv_rows_dev_.Grow(std::max(bytes, 2 * kv_rows_dev_.size()), 0).ok()) {
+    return absl::OkStatus();
+  }
+  return kv_rows_dev_.Grow(bytes, 0);
 }
 
 absl::Status CudaBackend::UploadKvRows(const KvCache& kv, const KvMirror& m, int l, int p0,

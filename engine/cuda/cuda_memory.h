@@ -28,15 +28,20 @@ absl::Status CublasCheck(cublasStatus_t s, const char* what);
 
 // CudaCheck of an allocation's result; a refused one also left its error as the last error
 // (cudaGetLastError), which the next kernel's launch check would report as its own: cleared.
+// Out of memory (cudaErrorMemoryAllocation) is RESOURCE_EXHAUSTED, not INTERNAL: a caller may
+// run less at once (the denoise worker runs a refused step in halves).
 inline absl::Status Refused(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) cudaGetLastError();
-  return CudaCheck(e, what);
+  if (e == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();
+  const absl::Status s = CudaCheck(e, what);
+  return e == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(s.message()) : s;
 }
 
 // An owned device array of T (cudaMalloc / cudaFree). Ensure() drops the old contents when it has
 // to grow (and counts NoteScratchMoved: a CUDA graph may hold the old address); Grow() keeps a
 // prefix and counts nothing (the KV mirrors, which a captured step reaches through its
-// attention table or names in its shape key, use it). Errors: INTERNAL with the CUDA error string.
+// attention table or names in its shape key, use it). Errors: INTERNAL with the CUDA error string
+// (RESOURCE_EXHAUSTED for a refused allocation: Refused).
 template <typename T>
 class DeviceArray {
  public:
