@@ -19,14 +19,13 @@
 #include <gtest/gtest.h>
 
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/testing/status_matchers.h"
 #include "denoise_worker/denoise_engine.h"
+#include "denoise_worker/denoise_engine_testing.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/generation/generator.h"
 #include "engine/model/checkpoint.h"
@@ -102,21 +101,8 @@ class DenoiseEngineCudaTest : public ::testing::Test {
     return p;
   }
   v1::DenoiseRequest Request(const std::string& id, int prompt_tokens, int max_new_tokens) const {
-    v1::DenoiseRequest r;
-    r.set_request_id(id);
-    r.set_prompt_tokens(prompt_tokens);
-    r.set_max_new_tokens(max_new_tokens);
-    r.set_seed(5);
-    const GenerationConfig& g = checkpoint_->generation;
-    v1::SamplerSettings* s = r.mutable_sampler();
-    s->set_max_denoising_steps(4);
-    s->set_t_min(g.t_min);
-    s->set_t_max(g.t_max);
-    s->set_entropy_bound(g.entropy_bound);
-    s->set_stability_threshold(g.stability_threshold);
-    s->set_confidence_threshold(g.confidence_threshold);
-    r.set_pad_token_id(0);
-    return r;
+    return denoise_testing::Request(checkpoint_->generation, id, prompt_tokens, max_new_tokens,
+                                    /*max_denoising_steps=*/4, /*canvas_step_interval=*/0);
   }
   // The request's tokens through Generator on the reference backend, with seed `seed`.
   std::vector<int32_t> Generate(const std::vector<int32_t>& prompt, const v1::DenoiseRequest& r,
@@ -132,50 +118,16 @@ class DenoiseEngineCudaTest : public ::testing::Test {
     EXPECT_THAT(res.status(), IsOk());
     return res.ok() ? res->tokens : std::vector<int32_t>{};
   }
-  // Encodes `prompt` on the reference backend, syncs it to the host (the prefill worker's
-  // SyncKvToHost before it ships) and sends it to the receiver as request `id`.
+  // Encodes `prompt` on the reference backend, syncs it to the host (as the prefill worker does
+  // before it ships) and sends it to the receiver as request `id`.
   void SendKv(const std::string& id, const std::vector<int32_t>& prompt) {
-    auto kv = std::make_shared<kv::PagedKvCache>(sender_pool_.get(), int(prompt.size()));
-    EncodeInput in{prompt, kv.get()};
-    ASSERT_THAT(test_backend_->Encode({&in, 1}), IsOk());
-    ASSERT_THAT(test_backend_->SyncKvToHost(*kv), IsOk());
-    absl::Notification sent;
-    absl::Status status;
-    transport_->Send(target_, id, kv, 10000, [&](absl::StatusOr<kv::TransferResult> r) {
-      status = r.status();
-      sent.Notify();
-    });
-    sent.WaitForNotification();
-    ASSERT_THAT(status, IsOk());
+    ASSERT_THAT(denoise_testing::SendPromptKv(*test_backend_, sender_pool_.get(), *transport_,
+                                              target_, id, prompt),
+                IsOk());
   }
-  // The job's tokens per sample, and how it ended (at most 300 s).
-  struct Outcome {
-    std::vector<std::vector<int32_t>> tokens;
-    absl::Status final;
-  };
-  Outcome Collect(DenoiseJob& job, int samples = 1) {
-    Outcome o;
-    o.tokens.resize(samples);
-    const absl::Time deadline = absl::Now() + absl::Seconds(300);
-    for (;;) {
-      v1::DenoiseEvent ev;
-      std::optional<absl::Status> final;
-      if (job.Pop(&ev, &final, absl::Milliseconds(100))) {
-        if (ev.has_block() && ev.sample() < samples) {
-          o.tokens[ev.sample()].insert(o.tokens[ev.sample()].end(), ev.block().token_ids().begin(),
-                                       ev.block().token_ids().end());
-        }
-        continue;
-      }
-      if (final) {
-        o.final = *final;
-        return o;
-      }
-      if (absl::Now() > deadline) {
-        ADD_FAILURE() << "job " << job.id() << " did not end";
-        return o;
-      }
-    }
+  // The job's events until it ends (at most 300 s: the emulation is slow).
+  static denoise_testing::JobEvents Collect(DenoiseJob& job, int samples = 1) {
+    return denoise_testing::Collect(job, samples, absl::Seconds(300));
   }
 
   static inline Checkpoint* checkpoint_ = nullptr;
@@ -199,11 +151,11 @@ TEST_F(DenoiseEngineCudaTest, PoolAtItsBoundRunsTheBatchInParts) {
   auto ja = std::make_shared<DenoiseJob>(a), jb = std::make_shared<DenoiseJob>(b);
   ASSERT_THAT(engine_->Submit(ja), IsOk());
   ASSERT_THAT(engine_->Submit(jb), IsOk());
-  const Outcome ga = Collect(*ja), gb = Collect(*jb);
+  const denoise_testing::JobEvents ga = Collect(*ja), gb = Collect(*jb);
   ASSERT_THAT(ga.final, IsOk());
   ASSERT_THAT(gb.final, IsOk());
-  EXPECT_EQ(ga.tokens[0], Generate(pa, a, a.seed()));
-  EXPECT_EQ(gb.tokens[0], Generate(pb, b, b.seed()));
+  EXPECT_EQ(ga.Tokens(0), Generate(pa, a, a.seed()));
+  EXPECT_EQ(gb.Tokens(0), Generate(pb, b, b.seed()));
   const CudaKvPoolStats st = GetCudaKvPoolStats(*backend_).value();
   EXPECT_EQ(st.full_blocks, 64);  // the bound held
   // a's commit first, then b's, which takes a's blocks (a swapped out); then the second canvas's
@@ -221,11 +173,11 @@ TEST_F(DenoiseEngineCudaTest, PoolAtItsBoundRunsTheBatchInParts) {
   auto jc = std::make_shared<DenoiseJob>(c), ja2 = std::make_shared<DenoiseJob>(a2);
   ASSERT_THAT(engine_->Submit(jc), IsOk());
   ASSERT_THAT(engine_->Submit(ja2), IsOk());
-  const Outcome gc = Collect(*jc), ga2 = Collect(*ja2);
+  const denoise_testing::JobEvents gc = Collect(*jc), ga2 = Collect(*ja2);
   EXPECT_EQ(gc.final.code(), absl::StatusCode::kResourceExhausted) << gc.final;
   EXPECT_NE(gc.final.message().find("device K/V block pool full"), std::string::npos) << gc.final;
   ASSERT_THAT(ga2.final, IsOk());
-  EXPECT_EQ(ga2.tokens[0], ga.tokens[0]);
+  EXPECT_EQ(ga2.Tokens(0), ga.Tokens(0));
 }
 
 TEST_F(DenoiseEngineCudaTest, SamplesShareThePromptsDeviceBlocks) {
@@ -236,10 +188,10 @@ TEST_F(DenoiseEngineCudaTest, SamplesShareThePromptsDeviceBlocks) {
   ASSERT_NO_FATAL_FAILURE(SendKv("two", prompt));
   auto job = std::make_shared<DenoiseJob>(r);
   ASSERT_THAT(engine_->Submit(job), IsOk());
-  const Outcome got = Collect(*job, 2);
+  const denoise_testing::JobEvents got = Collect(*job, 2);
   ASSERT_THAT(got.final, IsOk());
-  EXPECT_EQ(got.tokens[0], Generate(prompt, r, r.seed()));
-  EXPECT_EQ(got.tokens[1], Generate(prompt, r, r.seed() + 1));
+  EXPECT_EQ(got.Tokens(0), Generate(prompt, r, r.seed()));
+  EXPECT_EQ(got.Tokens(1), Generate(prompt, r, r.seed() + 1));
   // Host blocks of 16: positions [0, 112) in whole blocks shared by the fork; 112 … 119 copied.
   EXPECT_EQ(GetCudaKvPoolStats(*backend_)->shared_blocks_taken, 112 / 4);
 }

@@ -16,6 +16,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/testing/status_matchers.h"
+#include "denoise_worker/denoise_engine_testing.h"
 #include "denoise_worker/denoise_metrics.h"
 #include "engine/generation/generator.h"
 #include "engine/model/checkpoint.h"
@@ -29,13 +30,7 @@ namespace {
 
 using ::dgserve::testing::IsOk;
 
-// Everything one job sent, by sample.
-struct JobEvents {
-  std::vector<std::vector<v1::DenoiseBlockEvent>> blocks;  // [sample]
-  std::vector<int> step_events;                            // [sample]
-  std::vector<std::optional<v1::DenoiseFinished>> finished;
-  absl::Status final;
-};
+using denoise_testing::JobEvents;
 
 class DenoiseEngineTest : public ::testing::Test {
  protected:
@@ -90,22 +85,8 @@ class DenoiseEngineTest : public ::testing::Test {
   }
 
   v1::DenoiseRequest Request(const std::string& id, int prompt_tokens, int max_new_tokens) const {
-    v1::DenoiseRequest r;
-    r.set_request_id(id);
-    r.set_prompt_tokens(prompt_tokens);
-    r.set_max_new_tokens(max_new_tokens);
-    r.set_seed(5);
-    const GenerationConfig& g = checkpoint_->generation;
-    v1::SamplerSettings* s = r.mutable_sampler();
-    s->set_max_denoising_steps(6);
-    s->set_t_min(g.t_min);
-    s->set_t_max(g.t_max);
-    s->set_entropy_bound(g.entropy_bound);
-    s->set_stability_threshold(g.stability_threshold);
-    s->set_confidence_threshold(g.confidence_threshold);
-    r.set_pad_token_id(0);
-    r.set_canvas_step_interval(1);
-    return r;
+    return denoise_testing::Request(checkpoint_->generation, id, prompt_tokens, max_new_tokens,
+                                    /*max_denoising_steps=*/6, /*canvas_step_interval=*/1);
   }
 
   // The same request through Generator, with seed `seed`.
@@ -129,47 +110,14 @@ class DenoiseEngineTest : public ::testing::Test {
 
   // Encodes `prompt` into a paged KV and sends it to the receiver as request `id`.
   void SendKv(const std::string& id, const std::vector<int32_t>& prompt) {
-    auto kv = std::make_shared<kv::PagedKvCache>(sender_pool_.get(), int(prompt.size()));
-    EncodeInput in{prompt, kv.get()};
-    ASSERT_THAT(test_backend_->Encode({&in, 1}), IsOk());
-    absl::Notification sent;
-    absl::Status status;
-    transport_->Send(target_, id, kv, 10000, [&](absl::StatusOr<kv::TransferResult> r) {
-      status = r.status();
-      sent.Notify();
-    });
-    sent.WaitForNotification();
-    ASSERT_THAT(status, IsOk());
+    ASSERT_THAT(denoise_testing::SendPromptKv(*test_backend_, sender_pool_.get(), *transport_,
+                                              target_, id, prompt),
+                IsOk());
   }
 
   // Pops the job's events until it ends (at most 120 s).
   JobEvents Collect(DenoiseJob& job, int samples = 1) {
-    JobEvents e;
-    e.blocks.resize(samples);
-    e.step_events.resize(samples);
-    e.finished.resize(samples);
-    const absl::Time deadline = absl::Now() + absl::Seconds(120);
-    for (;;) {
-      v1::DenoiseEvent ev;
-      std::optional<absl::Status> final;
-      if (job.Pop(&ev, &final, absl::Milliseconds(100))) {
-        const int s = ev.sample();
-        EXPECT_LT(s, samples);
-        if (s >= samples) continue;
-        if (ev.has_block()) e.blocks[s].push_back(ev.block());
-        if (ev.has_step()) ++e.step_events[s];
-        if (ev.has_finished()) e.finished[s] = ev.finished();
-        continue;
-      }
-      if (final) {
-        e.final = *final;
-        return e;
-      }
-      if (absl::Now() > deadline) {
-        ADD_FAILURE() << "job " << job.id() << " did not end";
-        return e;
-      }
-    }
+    return denoise_testing::Collect(job, samples, absl::Seconds(120));
   }
 
   static std::vector<int32_t> Ids(const v1::DenoiseBlockEvent& b) {
