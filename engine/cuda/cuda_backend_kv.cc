@@ -512,7 +512,11 @@ void CudaBackend::TakeSharedKvBlocks(const KvCache& kv, KvMirror* m, int kind, i
   const int B = options_.kv_block_size;
   std::vector<uint64_t> sig;
   for (int i = from / B; (i + 1) * B <= n; ++i) {
-    if (m->blocks[kind][i] >= 0 || !KvBlockSignature(kv, kind, i, &sig)) continue;
+    if (m->blocks[kind][i] >= 0) continue;
+    // The last position's identity first: most blocks (a cache nobody shares) stop here.
+    const uint64_t last = kv.SharedRowsId(kind == kKvFull, (i + 1) * B - 1);
+    if (last == 0 || !pool.registry.contains({last, i})) continue;
+    if (!KvBlockSignature(kv, kind, i, &sig)) continue;
     const int32_t b = pool.Find(i, sig);
     if (b < 0) continue;
     pool.Ref(b);
