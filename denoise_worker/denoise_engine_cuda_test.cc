@@ -100,9 +100,14 @@ class DenoiseEngineCudaTest : public ::testing::Test {
     for (int i = 0; i < n; ++i) p.push_back((i * 67 + 9 + salt * 31) % config().vocab_size);
     return p;
   }
+  // Every canvas takes its 4 steps (no confidence stop), so two requests started one engine
+  // iteration apart still step their second canvases side by side.
   v1::DenoiseRequest Request(const std::string& id, int prompt_tokens, int max_new_tokens) const {
-    return denoise_testing::Request(checkpoint_->generation, id, prompt_tokens, max_new_tokens,
-                                    /*max_denoising_steps=*/4, /*canvas_step_interval=*/0);
+    v1::DenoiseRequest r =
+        denoise_testing::Request(checkpoint_->generation, id, prompt_tokens, max_new_tokens,
+                                 /*max_denoising_steps=*/4, /*canvas_step_interval=*/0);
+    r.mutable_sampler()->set_confidence_threshold(1e-30f);
+    return r;
   }
   // The request's tokens through Generator on the reference backend, with seed `seed`.
   std::vector<int32_t> Generate(const std::vector<int32_t>& prompt, const v1::DenoiseRequest& r,
@@ -112,6 +117,7 @@ class DenoiseEngineCudaTest : public ::testing::Test {
     g.max_new_tokens = r.max_new_tokens();
     g.seed = seed;
     g.sampler.max_denoising_steps = r.sampler().max_denoising_steps();
+    g.sampler.confidence_threshold = r.sampler().confidence_threshold();
     g.pad_token_id = r.pad_token_id();
     Generator gen(*test_backend_);
     absl::StatusOr<GenerationResult> res = gen.Generate(g);
@@ -158,12 +164,15 @@ TEST_F(DenoiseEngineCudaTest, PoolAtItsBoundRunsTheBatchInParts) {
   EXPECT_EQ(gb.Tokens(0), Generate(pb, b, b.seed()));
   const CudaKvPoolStats st = GetCudaKvPoolStats(*backend_).value();
   EXPECT_EQ(st.full_blocks, 64);  // the bound held
-  // a's commit first, then b's, which takes a's blocks (a swapped out); then the second canvas's
-  // first step, run as a's half (b swapped out) and b's (a's blocks, its rows uploaded, taken):
-  // one refused commit and one refused step, after which only a steps (device_step_limit 1)
-  // until it ends, then b alone.
+  // Started in the same engine iteration, a and b commit in one pass, refused: a's commit, then
+  // b's, which takes a's blocks (a swapped out). Started one iteration apart (the engine may run
+  // between the two Submits), they commit apart and b's commit swaps a out alone. Either way the
+  // second canvases' first common step is refused and run as a's half (b swapped out) and b's
+  // (a's blocks taken: its rows were uploaded, not only on the device), after which only a steps
+  // (device_step_limit 1) until it ends, then b alone: two swap-outs, one or two refused passes.
   EXPECT_EQ(st.swap_outs, 2);
-  EXPECT_EQ(engine_->stats().passes_in_parts, 2);
+  EXPECT_GE(engine_->stats().passes_in_parts, 1);
+  EXPECT_LE(engine_->stats().passes_in_parts, 2);
   EXPECT_EQ(engine_->stats().device_step_limit, 0);  // lifted when a ended
   // 280 positions: 70 full blocks, more than the bound holds. Beside a request that fits.
   ASSERT_NO_FATAL_FAILURE(SendKv("c", pc));

@@ -7,8 +7,33 @@
 // Every query is filtered by the `job` and `instance` template variables, and goes to the
 // Prometheus data source picked by the `datasource` variable. The query and panel builders and
 // the row layout are in lib.ts.
-import {type AnnotationQuery, type Dashboard, type VariableModel, DashboardCursorSync, VariableHide, VariableRefresh, VariableSort,} from '@grafana/schema';
-import {DS, sel, rate, quantile, mean, type Q, thresholds, timeseries, stat, heatmap, rightAxis, type Sized, layout, GW, PF, DN,} from './lib';
+import {
+  type AnnotationQuery,
+  type Dashboard,
+  type VariableModel,
+  DashboardCursorSync,
+  VariableHide,
+  VariableRefresh,
+  VariableSort,
+} from '@grafana/schema';
+import {
+  DS,
+  sel,
+  rate,
+  quantile,
+  mean,
+  type Q,
+  thresholds,
+  timeseries,
+  stat,
+  heatmap,
+  rightAxis,
+  type Sized,
+  layout,
+  GW,
+  PF,
+  DN,
+} from './lib';
 
 /** non-OK / all, over the rate interval, for one `*_requests_total{status}` counter: 0 (not
  *  "no data") while there is traffic but no non-OK status series yet. */
@@ -351,25 +376,18 @@ const kv: Sized[] = [
     panel: timeseries({
       title: 'Denoise KV blocks (full-attention layers)',
       description:
-          'KV blocks of the denoise workers\' pools: used (referenced), free (not referenced; total = used + free) and cached (the part of free that holds evictable prefix-cache blocks).',
+        'KV blocks of the denoise workers\' pools: used (referenced), free (not referenced; total = used + free) and cached (the part of free that holds evictable prefix-cache blocks).',
       min: 0,
-      queries: [{
-        expr: `sum by (instance, state) (${sel(`${DN}_kv_blocks`, 'kind="full"')})`,
-        legend: '{{instance}} {{state}}'
-      }],
+      queries: [{ expr: `sum by (instance, state) (${sel(`${DN}_kv_blocks`, 'kind="full"')})`, legend: '{{instance}} {{state}}' }],
     }),
   },
   {
     w: 8,
     panel: timeseries({
       title: 'Prefill KV blocks (full-attention layers)',
-      description:
-          'The same for the prefill workers\' pools (their cached blocks are the prefix cache).',
+      description: 'The same for the prefill workers\' pools (their cached blocks are the prefix cache).',
       min: 0,
-      queries: [{
-        expr: `sum by (instance, state) (${sel(`${PF}_kv_blocks`, 'kind="full"')})`,
-        legend: '{{instance}} {{state}}'
-      }],
+      queries: [{ expr: `sum by (instance, state) (${sel(`${PF}_kv_blocks`, 'kind="full"')})`, legend: '{{instance}} {{state}}' }],
     }),
   },
   {
@@ -377,14 +395,14 @@ const kv: Sized[] = [
     panel: timeseries({
       title: 'KV free share',
       description:
-          'free / (used + free) per worker and layer kind (full, sliding). The dashed line is the DgserveKvCacheExhausted threshold (5 % of the full-layer blocks of a denoise worker, for 5 m).',
+        'free / (used + free) per worker and layer kind (full, sliding). The dashed line is the DgserveKvCacheExhausted threshold (5 % of the full-layer blocks of a denoise worker, for 5 m).',
       unit: 'percentunit',
       min: 0,
       max: 1,
       redAbove: 0.05,
       queries: [
-        {expr: kvFree(`${DN}_kv_blocks`), legend: 'denoise {{instance}} {{kind}}'},
-        {expr: kvFree(`${PF}_kv_blocks`), legend: 'prefill {{instance}} {{kind}}'},
+        { expr: kvFree(`${DN}_kv_blocks`), legend: 'denoise {{instance}} {{kind}}' },
+        { expr: kvFree(`${PF}_kv_blocks`), legend: 'prefill {{instance}} {{kind}}' },
       ],
     }),
   },
@@ -393,19 +411,17 @@ const kv: Sized[] = [
     panel: timeseries({
       title: 'Prefix-cache hit rate',
       description:
-          'Prefill prefix cache: share of lookups whose served prefill reused at least one block; share of prompt tokens reused from the cache (a hit is used at any 16-token KV block boundary, so every matched token is reused).',
+        'Prefill prefix cache: share of lookups whose served prefill reused at least one block; share of prompt tokens reused from the cache (a hit is used at any 16-token KV block boundary, so every matched token is reused).',
       unit: 'percentunit',
       min: 0,
       max: 1,
       queries: [
         {
-          expr: `sum(${rate(`${PF}_prefix_cache_hits_total`)}) / sum(${
-              rate(`${PF}_prefix_cache_queries_total`)})`,
+          expr: `sum(${rate(`${PF}_prefix_cache_hits_total`)}) / sum(${rate(`${PF}_prefix_cache_queries_total`)})`,
           legend: 'lookups with a hit',
         },
         {
-          expr: `sum(${rate(`${PF}_cached_tokens_total`)}) / (sum(${
-              rate(`${PF}_cached_tokens_total`)}) + sum(${rate(`${PF}_computed_tokens_total`)}))`,
+          expr: `sum(${rate(`${PF}_cached_tokens_total`)}) / (sum(${rate(`${PF}_cached_tokens_total`)}) + sum(${rate(`${PF}_computed_tokens_total`)}))`,
           legend: 'prompt tokens reused',
         },
       ],
@@ -415,12 +431,11 @@ const kv: Sized[] = [
     w: 12,
     panel: timeseries({
       title: 'Prompt tokens/s (all vs. from a prefix cache)',
-      description:
-          'Prompt tokens of the requests the gateway finished, per second, and those of them served from a prefix cache (the usage the API reports as cached_tokens).',
+      description: 'Prompt tokens of the requests the gateway finished, per second, and those of them served from a prefix cache (the usage the API reports as cached_tokens).',
       min: 0,
       queries: [
-        {expr: `sum(${rate(`${GW}_prompt_tokens_total`)})`, legend: 'prompt'},
-        {expr: `sum(${rate(`${GW}_cached_prompt_tokens_total`)})`, legend: 'cached prompt'},
+        { expr: `sum(${rate(`${GW}_prompt_tokens_total`)})`, legend: 'prompt' },
+        { expr: `sum(${rate(`${GW}_cached_prompt_tokens_total`)})`, legend: 'cached prompt' },
       ],
     }),
   },
@@ -430,17 +445,11 @@ const kv: Sized[] = [
     panel: timeseries({
       title: 'Device KV blocks by state (CUDA workers)',
       description:
-          'Device K/V blocks of the CUDA backend\'s pools per worker and layer kind: in_use (held by a sequence), cached (held by none, kept for their rows: a later prefix hit takes them without an upload) and free (allocated, neither); the pools grow and never shrink. No series on CPU workers.',
+        'Device K/V blocks of the CUDA backend\'s pools per worker and layer kind: in_use (held by a sequence), cached (held by none, kept for their rows: a later prefix hit takes them without an upload) and free (allocated, neither); the pools grow and never shrink. No series on CPU workers.',
       min: 0,
       queries: [
-        {
-          expr: `sum by (instance, kind, state) (${sel(`${DN}_device_kv_blocks`)})`,
-          legend: 'denoise {{instance}} {{kind}} {{state}}'
-        },
-        {
-          expr: `sum by (instance, kind, state) (${sel(`${PF}_device_kv_blocks`)})`,
-          legend: 'prefill {{instance}} {{kind}} {{state}}'
-        },
+        { expr: `sum by (instance, kind, state) (${sel(`${DN}_device_kv_blocks`)})`, legend: 'denoise {{instance}} {{kind}} {{state}}' },
+        { expr: `sum by (instance, kind, state) (${sel(`${PF}_device_kv_blocks`)})`, legend: 'prefill {{instance}} {{kind}} {{state}}' },
       ],
     }),
   },
@@ -449,29 +458,14 @@ const kv: Sized[] = [
     panel: timeseries({
       title: 'Device KV blocks shared and swap-outs/s (CUDA workers)',
       description:
-          'Device K/V blocks per second a sequence took from another sequence or the device cache instead of uploading their rows (a prefix hit or a fork on the device), and idle sequences per second whose device-only rows were copied to the host to free their blocks (the pool at its bound, --cuda_kv_pool_gb, or the device out of memory), and denoising steps or commits per second the backend refused for want of K/V memory and the denoise worker ran in smaller passes.',
+        'Device K/V blocks per second a sequence took from another sequence or the device cache instead of uploading their rows (a prefix hit or a fork on the device), and idle sequences per second whose device-only rows were copied to the host to free their blocks (the pool at its bound, --cuda_kv_pool_gb, or the device out of memory), and denoising steps or commits per second the backend refused for want of K/V memory and the denoise worker ran in smaller passes.',
       min: 0,
       queries: [
-        {
-          expr: `sum by (instance) (${rate(`${PF}_device_kv_shared_blocks_total`)})`,
-          legend: 'shared prefill {{instance}}'
-        },
-        {
-          expr: `sum by (instance) (${rate(`${DN}_device_kv_shared_blocks_total`)})`,
-          legend: 'shared denoise {{instance}}'
-        },
-        {
-          expr: `sum by (instance) (${rate(`${PF}_device_kv_swap_outs_total`)})`,
-          legend: 'swap-outs prefill {{instance}}'
-        },
-        {
-          expr: `sum by (instance) (${rate(`${DN}_device_kv_swap_outs_total`)})`,
-          legend: 'swap-outs denoise {{instance}}'
-        },
-        {
-          expr: `sum by (instance) (${rate(`${DN}_passes_in_parts_total`)})`,
-          legend: 'passes run in parts denoise {{instance}}'
-        },
+        { expr: `sum by (instance) (${rate(`${PF}_device_kv_shared_blocks_total`)})`, legend: 'shared prefill {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_device_kv_shared_blocks_total`)})`, legend: 'shared denoise {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${PF}_device_kv_swap_outs_total`)})`, legend: 'swap-outs prefill {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_device_kv_swap_outs_total`)})`, legend: 'swap-outs denoise {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_passes_in_parts_total`)})`, legend: 'passes run in parts denoise {{instance}}' },
       ],
     }),
   },
@@ -480,26 +474,14 @@ const kv: Sized[] = [
     panel: timeseries({
       title: 'Device KV copies host ↔ device (CUDA workers)',
       description:
-          'K/V bytes per second uploaded from host caches to the device (rows the device lacks: a cache it has not seen, or rows another writer added) and copied back to host caches (the deferred host copy before a prompt is indexed and shipped), as stored on the device.',
+        'K/V bytes per second uploaded from host caches to the device (rows the device lacks: a cache it has not seen, or rows another writer added) and copied back to host caches (the deferred host copy before a prompt is indexed and shipped), as stored on the device.',
       unit: 'Bps',
       min: 0,
       queries: [
-        {
-          expr: `sum by (instance) (${rate(`${PF}_device_kv_upload_bytes_total`)})`,
-          legend: 'upload prefill {{instance}}'
-        },
-        {
-          expr: `sum by (instance) (${rate(`${DN}_device_kv_upload_bytes_total`)})`,
-          legend: 'upload denoise {{instance}}'
-        },
-        {
-          expr: `sum by (instance) (${rate(`${PF}_device_kv_sync_to_host_bytes_total`)})`,
-          legend: 'to host prefill {{instance}}'
-        },
-        {
-          expr: `sum by (instance) (${rate(`${DN}_device_kv_sync_to_host_bytes_total`)})`,
-          legend: 'to host denoise {{instance}}'
-        },
+        { expr: `sum by (instance) (${rate(`${PF}_device_kv_upload_bytes_total`)})`, legend: 'upload prefill {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_device_kv_upload_bytes_total`)})`, legend: 'upload denoise {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${PF}_device_kv_sync_to_host_bytes_total`)})`, legend: 'to host prefill {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_device_kv_sync_to_host_bytes_total`)})`, legend: 'to host denoise {{instance}}' },
       ],
     }),
   },

@@ -238,6 +238,9 @@ absl::Status CudaBackend::SyncMirrorToHost(KvCache& kv, KvMirror* m) {
     for (const Part& part : parts) {
       const int l = part.layer;
       const size_t w = size_t(c_.KvHeads(l)) * c_.HeadDim(l);
+      // Rows on the host's threads (a 32k prompt's 0.88 GB of bf16 widen to 1.76 GB): each row
+      // is written once, and finding it (Mutable*Row) only reads the cache.
+#pragma omp parallel for schedule(static) if (size_t(part.count) * w >= (size_t{1} << 16))
       for (int i = 0; i < part.count; ++i) {
         const int p = part.p0 + i;
         float* dst = part.which == 0 ? kv.MutableKeyRow(l, p) : kv.MutableValueRow(l, p);
@@ -620,21 +623,27 @@ absl::Status CudaBackend::UploadKvRows(const KvCache& kv, const KvMirror& m, int
   const int32_t* table = m.tables[KvKind(l)].get();
   const int B = options_.kv_block_size;
   DGSERVE_RETURN_IF_ERROR(m.CheckHeld(KvKind(l), B, p0, count, "KV upload"));
+  // Gathered (and rounded) on the host's threads when there are many rows: an adopted 32k
+  // prompt is 1.76 GB of float32.
+  const bool threads = size_t(count) * w >= (size_t{1} << 16);
   for (int which = 0; which < 2; ++which) {
-    host_stage_.resize(size_t(count) * w);
+    if (bf16) {
+      host_stage16_.resize(size_t(count) * w);
+    } else {
+      host_stage_.resize(size_t(count) * w);
+    }
+#pragma omp parallel for schedule(static) if (threads)
     for (int p = p0; p < p0 + count; ++p) {
       const float* src = which == 0 ? kv.KeyRow(l, p) : kv.ValueRow(l, p);
-      std::memcpy(&host_stage_[size_t(p - p0) * w], src, w * sizeof(float));
-    }
-    const void* data = host_stage_.data();
-    if (bf16) {
-      // Rounded here (FloatToBf16: the device's ToBf16Bits bit for bit): half the bytes.
-      host_stage16_.resize(host_stage_.size());
-      for (size_t i = 0; i < host_stage_.size(); ++i) {
-        host_stage16_[i] = FloatToBf16(host_stage_[i]);
+      const size_t at = size_t(p - p0) * w;
+      if (bf16) {
+        // Rounded here (FloatToBf16: the device's ToBf16Bits bit for bit): half the bytes.
+        for (size_t e = 0; e < w; ++e) host_stage16_[at + e] = FloatToBf16(src[e]);
+      } else {
+        std::memcpy(&host_stage_[at], src, w * sizeof(float));
       }
-      data = host_stage16_.data();
     }
+    const void* data = bf16 ? static_cast<const void*>(host_stage16_.data()) : host_stage_.data();
     // Into the device staging, then into the blocks, both on stream_ (a later layer's copy into
     // the staging waits for this one's scatter); from pageable memory CUDA stages the rows before
     // returning.
