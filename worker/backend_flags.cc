@@ -17,9 +17,11 @@ ABSL_FLAG(std::string, cuda_gemm_input, "bf16",
 
 ABSL_FLAG(double, cuda_kv_pool_gb, 0,
           "--device cuda: bound on the device K/V block pool, in GB (1e9 bytes; 0, the default: "
-          "as much as the GPU gives). At the bound the blocks of idle sequences (their rows on "
-          "the host) are reused, least recently used first; a pass that still lacks a block fails "
-          "with RESOURCE_EXHAUSTED (CudaBackendOptions::kv_pool_max_bytes)");
+          "as much as the GPU gives). Room under the bound keeps finished prompts' blocks for "
+          "prefix hits. At the bound the blocks of idle sequences are reused, least recently used "
+          "first (rows only the device has copied to the host first); a pass that still lacks a "
+          "block fails with RESOURCE_EXHAUSTED, and the denoise worker runs it in smaller parts "
+          "(CudaBackendOptions::kv_pool_max_bytes)");
 
 ABSL_FLAG(std::string, cpu_gemm_input, "float32",
           "--device cpu: the GEMMs' inputs. float32 (default): float32 activations, each output "
