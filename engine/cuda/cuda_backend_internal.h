@@ -580,6 +580,11 @@ class CudaBackend final : public ModelBackend {
   absl::Status GrowKvPool(int kind);
   // Device bytes of one block of pool `kind` (K and V of every layer of the kind).
   int64_t KvPoolBlockBytes(int kind) const;
+  using MirrorMap = std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>>;
+  // The least recently used mirror not used by the current pass (its segments hold pointers to
+  // those) for which pred(cache, mirror) holds; mirrors_.end() when none.
+  template <typename Pred>
+  MirrorMap::iterator LeastRecentlyUsedIdleMirror(Pred pred);
   // Drops the least recently used mirror not used by the current pass and not holding rows its
   // live cache lacks (one whose cache is gone first); false when there is none.
   bool EvictOneMirror();
@@ -681,7 +686,7 @@ class CudaBackend final : public ModelBackend {
   // mirror's destructor returns its blocks to them.
   KvBlockPool kv_pools_[2];
   DeviceArray<unsigned char> kv_rows_dev_;  // rows on their way between the host and the pools
-  std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>> mirrors_;
+  MirrorMap mirrors_;
   uint64_t use_clock_ = 0;
   int64_t kv_swap_outs_ = 0;  // SwapOutOneMirror's
   uint64_t pass_start_ = 0;   // use_clock_ value of the first mirror use of the current pass

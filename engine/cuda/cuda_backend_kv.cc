@@ -21,21 +21,25 @@ bool SameLifetime(const std::weak_ptr<const void>& a, const std::weak_ptr<const 
 }
 }  // namespace
 
-bool CudaBackend::EvictOneMirror() {
-  // Least recently used, never one already used by the current pass (its segments hold pointers
-  // to it) nor one holding rows its live cache lacks (the only copy). A mirror whose cache is
-  // gone goes first.
+template <typename Pred>
+CudaBackend::MirrorMap::iterator CudaBackend::LeastRecentlyUsedIdleMirror(Pred pred) {
   auto lru = mirrors_.end();
   for (auto j = mirrors_.begin(); j != mirrors_.end(); ++j) {
     const KvMirror& c = *j->second;
-    if (c.last_use >= pass_start_) continue;
-    const bool gone = c.owner.expired();
-    if (c.pending() && !gone) continue;
-    if (gone) {
-      lru = j;
-      break;
-    }
+    if (c.last_use >= pass_start_ || !pred(j->first, c)) continue;
     if (lru == mirrors_.end() || c.last_use < lru->second->last_use) lru = j;
+  }
+  return lru;
+}
+
+bool CudaBackend::EvictOneMirror() {
+  // Never one holding rows its live cache lacks (the only copy). A mirror whose cache is gone
+  // goes first.
+  auto lru = LeastRecentlyUsedIdleMirror(
+      [](const KvCache*, const KvMirror& c) { return c.owner.expired(); });
+  if (lru == mirrors_.end()) {
+    lru = LeastRecentlyUsedIdleMirror(
+        [](const KvCache*, const KvMirror& c) { return !c.pending(); });
   }
   if (lru == mirrors_.end()) return false;
   mirrors_.erase(lru);
@@ -338,8 +342,7 @@ absl::Status CudaBackend::SyncMirrorToHost(KvCache& kv, KvMirror* m) {
 int CudaBackend::SlidingKeepFrom(const KvCache& kv, int n, int host_lacks_from) const {
   const int W = c_.sliding_window;
   if (W <= 0 || !options_.sliding_kv_ring) return 0;
-  const int from = std::max(0, n - (W - 1));
-  return std::min(from, std::max(kv.SlidingRetainedFrom(n), host_lacks_from));
+  return std::min(SlidingUploadFrom(n), std::max(kv.SlidingRetainedFrom(n), host_lacks_from));
 }
 
 float* CudaBackend::PoolK(int l) const {
@@ -455,13 +458,10 @@ absl::StatusOr<bool> CudaBackend::SwapOutOneMirror(int kind) {
     return std::any_of(c.blocks[kind].begin(), c.blocks[kind].end(),
                        [&](int32_t b) { return b >= 0 && kv_pools_[kind].refs[b] == 1; });
   };
-  auto lru = mirrors_.end();
-  for (auto j = mirrors_.begin(); j != mirrors_.end(); ++j) {
-    const KvMirror& c = *j->second;
-    if (c.last_use >= pass_start_ || !c.pending() || c.owner.expired() || !c.paged()) continue;
-    if (j->first->num_tokens() != c.synced || !frees(c)) continue;
-    if (lru == mirrors_.end() || c.last_use < lru->second->last_use) lru = j;
-  }
+  const auto lru = LeastRecentlyUsedIdleMirror([&](const KvCache* kv, const KvMirror& c) {
+    return c.pending() && !c.owner.expired() && c.paged() && kv->num_tokens() == c.synced &&
+           frees(c);
+  });
   if (lru == mirrors_.end()) return false;
   // The cache is not in this call, but its owner may not use it until it is synced (only this
   // backend may: KvCache::host_rows_stale), so writing its host rows here is this backend's.
