@@ -38,8 +38,8 @@ bool CudaBackend::EvictOneMirror() {
   auto lru = LeastRecentlyUsedIdleMirror(
       [](const KvCache*, const KvMirror& c) { return c.owner.expired(); });
   if (lru == mirrors_.end()) {
-    lru = LeastRecentlyUsedIdleMirror(
-        [](const KvCache*, const KvMirror& c) { return !c.pending(); });
+    lru =
+        LeastRecentlyUsedIdleMirror([](const KvCache*, const KvMirror& c) { return !c.pending(); });
   }
   if (lru == mirrors_.end()) return false;
   mirrors_.erase(lru);
