@@ -15,6 +15,7 @@
 #include "engine/denoise/sampler_params.h"
 #include "engine/generation/sample_run.h"
 #include "service/canvas_template_proto.h"
+#include "worker/run_in_parts.h"
 
 namespace dgserve {
 
@@ -175,35 +176,6 @@ SampleSpec MakeSampleSpec(const v1::DenoiseRequest& r, int sample,
   return spec;
 }
 
-// `run` over `batch`, and where that is RESOURCE_EXHAUSTED with more than one input, over each
-// half in turn instead (recursively): a backend's device memory may hold the K/V of fewer
-// sequences at once than the batch (the CUDA backend's block pool at its bound, which frees the
-// blocks of sequences outside the call, copying rows only it has to their caches), so the halves
-// run where the whole did not. A failed call changes no cache (the backends' passes commit
-// nothing then), so its inputs are run again as they are. Returns each input's status: a single
-// input that still does not fit gets the error. `parts`: calls made beyond the first; `largest`:
-// the most inputs of one call that succeeded. An empty batch makes no call.
-template <typename In, typename Run>
-std::vector<absl::Status> RunInParts(std::span<const In> batch, const Run& run, int* parts,
-                                     size_t* largest) {
-  std::vector<absl::Status> out(batch.size());
-  if (batch.empty()) return out;
-  const absl::Status s = run(batch);
-  if (s.code() != absl::StatusCode::kResourceExhausted || batch.size() < 2) {
-    if (s.ok()) *largest = std::max(*largest, batch.size());
-    std::fill(out.begin(), out.end(), s);
-    return out;
-  }
-  const size_t half = batch.size() / 2;
-  for (const auto& [from, count] : {std::pair{size_t{0}, half}, {half, batch.size() - half}}) {
-    ++*parts;
-    const std::vector<absl::Status> part =
-        RunInParts(batch.subspan(from, count), run, parts, largest);
-    std::copy(part.begin(), part.end(), out.begin() + from);
-  }
-  return out;
-}
-
 }  // namespace
 
 DenoiseEngine::DenoiseEngine(ModelBackend* backend, kv::BlockPool* pool,
@@ -244,13 +216,25 @@ void DenoiseEngine::UpdateQueueGauge() {
 }
 
 absl::Status DenoiseEngine::CheckFitsInPool(const v1::DenoiseRequest& r) const {
+  const int C = backend_->config().canvas_length;
+  const int64_t prompt = r.prompt_tokens();
+  const int64_t canvases = (int64_t(r.max_new_tokens()) + C - 1) / C;
+  // The K/V memory the backend bounds itself (the CUDA backend's device block pool): one sample
+  // at its largest, its prompt and every canvas but the last committed (the samples of a request
+  // need not be on the device at once: the engine steps them in parts).
+  const int64_t positions = prompt + std::max<int64_t>(0, canvases - 1) * C;
+  if (absl::Status s = backend_->CheckKvFits(positions); !s.ok()) {
+    return absl::Status(
+        s.code(),
+        positions > prompt
+            ? absl::StrCat("max_new_tokens: a prompt of ", prompt, " tokens and ", canvases,
+                           " canvases of ", C, " (", canvases - 1, " committed): ", s.message())
+            : absl::StrCat("prompt_tokens: ", s.message()));
+  }
   const kv::KvLayout& layout = pool_->layout();
   const int full = int(kv::LayerKind::kFull);
   if (layout.layers[full] == 0) return absl::OkStatus();
   const int64_t total = pool_->stats().total[full];
-  const int C = backend_->config().canvas_length;
-  const int64_t prompt = r.prompt_tokens();
-  const int64_t canvases = (int64_t(r.max_new_tokens()) + C - 1) / C;
   const int samples = NumSamples(r);
   const int64_t partial = prompt % layout.block_size != 0 ? 1 : 0;
   const int64_t at_arrival = layout.BlocksFor(int(prompt)) + (samples - 1) * partial;

@@ -111,8 +111,9 @@ class DenoiseEngine {
   // and queues it until its prompt KV arrives through the receiver; then its num_samples
   // samples (sample i drawing with seed + i) run on forks of that KV that share its whole
   // blocks. Every event names its sample; each sample ends with its own Finished and the job
-  // ends after the last. INVALID_ARGUMENT for a bad request, RESOURCE_EXHAUSTED when the queue
-  // is full, UNAVAILABLE when draining, ALREADY_EXISTS for a duplicate id.
+  // ends after the last. INVALID_ARGUMENT for a bad request, OUT_OF_RANGE for one the K/V
+  // memory can never hold (CheckFitsInPool), RESOURCE_EXHAUSTED when the queue is full,
+  // UNAVAILABLE when draining, ALREADY_EXISTS for a duplicate id.
   absl::Status Submit(std::shared_ptr<DenoiseJob> job);
   // Cancels a request (all its samples) wherever it is; its blocks are freed before the next
   // step, and it is recorded with `code` (CANCELLED, or DEADLINE_EXCEEDED when the caller's
@@ -134,7 +135,8 @@ class DenoiseEngine {
   // dgserve_denoise_queue_depth = requests waiting for KV + waiting for a batch slot.
   // OUT_OF_RANGE, naming the field, when the pool's full-attention blocks (all of them) can never
   // hold the request (its prompt and samples when the KV arrives, or one sample's prompt and
-  // committed canvases at max_new_tokens).
+  // committed canvases at max_new_tokens), or the backend's own K/V memory one sample at its
+  // largest (ModelBackend::CheckKvFits: the CUDA backend's device pool at its bound).
   absl::Status CheckFitsInPool(const v1::DenoiseRequest& r) const;
   void UpdateQueueGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Iterate(std::vector<std::unique_ptr<Running>>& running);

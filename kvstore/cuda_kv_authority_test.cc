@@ -16,7 +16,9 @@
 //   - the device K/V layouts (CudaBackendOptions::kv_block_size: the block pool in blocks of 64
 //     and of 4, and per-sequence arrays, the modes below) give the same bits; the pool's blocks go
 //     back as sequences advance and finish, it grows keeping its rows, and at its bound (or with
-//     the device out of memory) it takes idle sequences' blocks.
+//     the device out of memory) it takes idle sequences' blocks; the two kinds' pools share the
+//     bound (the other compacted: held blocks moved, rows and tables kept), so one sequence may
+//     take all of it, and CheckKvFits refuses one that needs more (bytes by hand).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -450,7 +452,10 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   const auto tiny = CreateCudaBackend(config(), checkpoint_->weights, bounded);
   EXPECT_EQ(tiny.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(tiny.status().message().find("(5120 bytes)"), std::string::npos) << tiny.status();
-  bounded.kv_pool_max_bytes = 64 * 1024 + 64 * 1024;
+  // 64 full-layer blocks (1 KiB) and 4 sliding ones (4 KiB): the two sequences below hold every
+  // sliding block, so the other pool has nothing to give back (CompactKvPool) and the third
+  // sequence's blocks come from a swap-out.
+  bounded.kv_pool_max_bytes = 64 * 1024 + 4 * 4096;
   auto backend = CreateCudaBackend(config(), checkpoint_->weights, bounded);
   ASSERT_TRUE(backend.ok()) << backend.status();
   ModelBackend& gpu = **backend;
@@ -463,9 +468,9 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   }
   Encode(gpu, *kv[0], Tokens(100, 30));
   Encode(gpu, *kv[1], Tokens(100, 31));
-  EXPECT_EQ(GetCudaKvPoolStats(gpu)->device_bytes, 128 * 1024);
+  EXPECT_EQ(GetCudaKvPoolStats(gpu)->device_bytes, 80 * 1024);
   EXPECT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
-  EXPECT_EQ(GetCudaKvPoolStats(gpu)->sliding_blocks, 16);
+  EXPECT_EQ(GetCudaKvPoolStats(gpu)->sliding_blocks, 4);
   const std::vector<int32_t> third = Tokens(100, 32);
   ASSERT_TRUE(kv[0]->host_rows_stale());
   Encode(gpu, *kv[2], third);  // a: the least recently used, swapped out
@@ -487,18 +492,104 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   const CudaKvPoolStats st = GetCudaKvPoolStats(gpu).value();
   EXPECT_EQ(st.swap_outs, 1);
   EXPECT_EQ(st.full_blocks, 64);
-  EXPECT_EQ(st.device_bytes, 128 * 1024);
-  // 280 positions need 70 full blocks: more than the bound holds, whatever is taken.
-  ContiguousKvCache large(config(), 300);
-  const std::vector<int32_t> many = Tokens(280, 33);
-  EncodeInput in{many, &large};
+  EXPECT_EQ(st.device_bytes, 80 * 1024);
+  EXPECT_EQ(st.compactions, 0);
+  // One sequence alone may take the whole bound: 288 positions hold 72 full blocks and the 2
+  // sliding ones of [281, 288), 80 KiB. Its full blocks: the 14 free, then c's (evicted: its
+  // rows are on the host), then the memory of c's 2 sliding blocks, no longer held (the sliding
+  // pool compacted to a's 2, ids 2 and 3, moved to 0 and 1; the full pool grows into half the
+  // 8 KiB: 4 blocks), then a's (evicted), then the 4 blocks of room left; its sliding blocks are
+  // a's. 289 positions need 73 full and 3 sliding blocks: 87,040 bytes.
+  EXPECT_TRUE(gpu.CheckKvFits(288).ok());
+  const absl::Status too_long = gpu.CheckKvFits(289);
+  EXPECT_EQ(too_long.code(), absl::StatusCode::kOutOfRange) << too_long;
+  EXPECT_NE(too_long.message().find("289 positions needs 87040 bytes"), std::string::npos)
+      << too_long;
+  EXPECT_NE(too_long.message().find("bound is 81920 bytes"), std::string::npos) << too_long;
+  ContiguousKvCache large(config(), 300), large_ref(config(), 300);
+  const std::vector<int32_t> many = Tokens(288, 33);
+  Encode(gpu, large, many);
+  Encode(*copy_, large_ref, many);
+  ASSERT_FALSE(HasFatalFailure());
+  const CudaKvPoolStats whole = GetCudaKvPoolStats(gpu).value();
+  EXPECT_EQ(whole.full_blocks, 72);
+  EXPECT_EQ(whole.sliding_blocks, 2);
+  EXPECT_EQ(whole.device_bytes, 80 * 1024);
+  EXPECT_EQ(whole.compactions, 1);
+  EXPECT_EQ(whole.blocks_moved, 2);
+  ExpectSameBits(Logits(gpu, large, canvas), Logits(*copy_, large_ref, canvas), "288 positions");
+  // 289 positions: more than the bound holds, whatever is taken.
+  ContiguousKvCache larger(config(), 300);
+  const std::vector<int32_t> more = Tokens(289, 34);
+  EncodeInput in{more, &larger};
   const absl::Status full = gpu.Encode({&in, 1});
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
-  EXPECT_NE(full.message().find("kv_pool_max_bytes 131072"), std::string::npos) << full;
-  EXPECT_EQ(large.num_tokens(), 0);
+  EXPECT_NE(full.message().find("kv_pool_max_bytes 81920"), std::string::npos) << full;
+  EXPECT_EQ(larger.num_tokens(), 0);
+  EXPECT_LE(GetCudaKvPoolStats(gpu)->device_bytes, 80 * 1024);
   for (int i : {2, 1, 0}) {
     ExpectSameBits(Logits(gpu, *kv[i], canvas), Logits(*copy_, *ref[i], canvas),
                    "sequence " + std::to_string(i) + " after the refusal");
+  }
+  ExpectSameBits(Logits(gpu, large, canvas), Logits(*copy_, large_ref, canvas),
+                 "288 positions after the refusal");
+}
+
+// The two pools share the bound whichever grew first: with the full-layer pool holding most of
+// it (64 blocks of 1 KiB beside 4 sliding ones of 4 KiB, 80 KiB) and every sliding block held,
+// the last of two short sequences encoded in one pass gets its sliding blocks from the full
+// pool's 58 blocks no sequence holds. The full pool is compacted to the 6 blocks the three live
+// sequences hold, ids 21 … 26 (the first sequence of 100 positions, gone, held 0 … 24; the free
+// list hands out the last id released first), which move to ids 0 … 5 (their rows copied on the
+// device, the tables uploaded at once: the pass's first sequence had uploaded its own); the
+// sliding pool grows into half of the 58 KiB given back (7 blocks). Every live sequence's
+// logits, read through the moved blocks, and its synced rows stay the copying backend's bits.
+// (Checked by hand: without the tables' upload at once, or with the moved blocks' rows not
+// copied, the logits differ.)
+TEST_P(CudaKvAuthorityTest, ThePoolsShareTheBoundCompactingTheOther) {
+  if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  CudaBackendOptions bounded = GpuOptions();
+  bounded.kv_pool_max_bytes = 64 * 1024 + 4 * 4096;
+  auto backend = CreateCudaBackend(config(), checkpoint_->weights, bounded);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ModelBackend& gpu = **backend;
+  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 5);
+  auto first = std::make_unique<ContiguousKvCache>(config(), 128);
+  Encode(gpu, *first, Tokens(100, 50));  // full ids 0 … 24, sliding 0 and 1
+  std::vector<std::unique_ptr<ContiguousKvCache>> kv, ref;
+  for (int i = 0; i < 3; ++i) {
+    kv.push_back(std::make_unique<ContiguousKvCache>(config(), 32));
+    ref.push_back(std::make_unique<ContiguousKvCache>(config(), 32));
+    Encode(*copy_, *ref[i], Tokens(8, 51 + i));
+  }
+  Encode(gpu, *kv[0], Tokens(8, 51));  // full 25, 26; sliding 2, 3: every sliding block held
+  CudaKvPoolStats st = GetCudaKvPoolStats(gpu).value();
+  EXPECT_EQ(st.full_blocks, 64);
+  EXPECT_EQ(st.sliding_blocks, 4);
+  EXPECT_EQ(st.sliding_blocks_in_use, 4);
+  first.reset();  // its blocks go back at the next pass
+  // One pass over two sequences: the second's compaction moves the first's blocks after its
+  // table was uploaded for this pass (uploaded again at once, else its rows go to the old ids).
+  // kv[1]: full 24, 23; sliding 1, 0. kv[2]: full 22, 21; then no sliding block.
+  const std::vector<int32_t> t1 = Tokens(8, 52), t2 = Tokens(8, 53);
+  const EncodeInput both[] = {{t1, kv[1].get()}, {t2, kv[2].get()}};
+  ASSERT_TRUE(gpu.Encode(both).ok());
+  st = GetCudaKvPoolStats(gpu).value();
+  EXPECT_EQ(st.compactions, 1);
+  EXPECT_EQ(st.blocks_moved, 6);
+  EXPECT_EQ(st.full_blocks, 6);
+  EXPECT_EQ(st.full_blocks_in_use, 6);
+  EXPECT_EQ(st.sliding_blocks, 11);
+  EXPECT_EQ(st.sliding_blocks_in_use, 6);
+  EXPECT_EQ(st.swap_outs, 0);
+  EXPECT_EQ(st.device_bytes, 6 * 1024 + 11 * 4096);
+  for (int i = 0; i < 3; ++i) {
+    ExpectSameBits(Logits(gpu, *kv[i], canvas), Logits(*copy_, *ref[i], canvas),
+                   "sequence " + std::to_string(i));
+  }
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(gpu.SyncKvToHost(*kv[i]).ok());
+    ExpectRowsOf(*ref[i], *kv[i], 0, 1, "sequence " + std::to_string(i) + " synced");
   }
 }
 

@@ -1,10 +1,14 @@
 #include "prefill_worker/prefill_engine.h"
 
 #include <algorithm>
+#include <span>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "kvstore/paged_kv_cache.h"
 #include "kvstore/transport_selection.h"
+#include "worker/run_in_parts.h"
 
 namespace dgserve {
 
@@ -110,6 +114,10 @@ absl::Status PrefillEngine::Submit(const v1::PrefillRequest& request, Callback d
       }
     }
   }
+  // The same against the K/V memory the backend bounds itself (the CUDA backend's device pool).
+  if (absl::Status s = backend_->CheckKvFits(request.tokens_size()); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("tokens: ", s.message()));
+  }
   if (request.kv_target().empty()) {
     return absl::InvalidArgumentError("kv_target: must name the denoise worker");
   }
@@ -152,6 +160,7 @@ PrefillEngineStats PrefillEngine::stats() const {
   PrefillEngineStats s;
   s.active = active_;
   s.transferring = transferring_;
+  s.passes_in_parts = passes_in_parts_;
   absl::MutexLock lock(&mu_);
   s.queued = int(queue_.size());
   return s;
@@ -215,6 +224,7 @@ void PrefillEngine::Loop() {
 void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
   // Cancelled jobs leave; finished ones ship.
   std::vector<std::shared_ptr<Job>> ship;
+  const size_t before = active.size();
   std::erase_if(active, [&](std::shared_ptr<Job>& j) {
     if (j->cancelled) {
       Fail(*j, j->CancelStatus());
@@ -227,6 +237,7 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
     return false;
   });
   for (auto& j : ship) Ship(j);
+  if (active.size() < before) step_limit_ = 0;  // a prompt left: its device memory is free
   if (active.empty()) return;
 
   // One encoder step: a chunk of each running prompt, within the token budget.
@@ -234,6 +245,9 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
   std::vector<Job*> in_batch;
   int budget = options_.step_token_budget;
   for (auto& j : active) {
+    // After a refused pass, at most as many prompts as its largest part that ran (in admission
+    // order), so overlapping prompts do not swap each other off the device at every chunk.
+    if (step_limit_ > 0 && int(batch.size()) >= step_limit_) break;
     const int done = j->kv->num_tokens();
     // The next chunk of this request, if the step still has room for it.
     const int n = std::min(options_.chunk_tokens, j->request.tokens_size() - done);
@@ -246,30 +260,53 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
   }
   const int step_tokens = options_.step_token_budget - budget;
   const absl::Time t0 = absl::Now();
-  absl::Status s = backend_->Encode(batch);
+  // Refused for want of K/V memory (the CUDA backend's device pool at its bound): in halves.
+  int parts = 0;
+  size_t largest = 0;
+  const std::vector<absl::Status> status = RunInParts(
+      std::span<const EncodeInput>(batch),
+      [&](std::span<const EncodeInput> b) { return backend_->Encode(b); }, &parts, &largest);
+  if (parts > 0) {
+    ++passes_in_parts_;
+    if (metrics_) metrics_->passes_in_parts.Increment();
+    if (largest > 0) step_limit_ = int(largest);
+    DGSERVE_LOG_WARNING(
+        "encoder pass of %zu prompts refused (backend out of K/V memory), run again as %d "
+        "smaller passes",
+        batch.size(), parts);
+  }
   const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
+  int computed = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (status[i].ok()) computed += int(batch[i].tokens.size());
+  }
   if (metrics_) {
     metrics_->step_seconds.Observe(secs);
     metrics_->step_tokens.Observe(step_tokens);
-    if (s.ok()) metrics_->computed_tokens.Increment(step_tokens);
-    if (secs > 0) metrics_->tokens_per_second.Set(step_tokens / secs);
+    metrics_->computed_tokens.Increment(computed);
+    if (secs > 0 && computed > 0) metrics_->tokens_per_second.Set(computed / secs);
   }
   for (Job* j : in_batch) j->encode_seconds += secs;
-  if (!s.ok()) {
-    // Which caches advanced is not known after an error: every request of the step fails.
-    for (size_t i = 0; i < in_batch.size(); ++i) {
-      Job* j = in_batch[i];
-      if (absl::IsResourceExhausted(s)) {
-        j->cancelled = true;  // leaves at the next step
-        Fail(*j, absl::ResourceExhaustedError(absl::StrCat(
-                     "prefill KV cache exhausted for request ", j->request.request_id(), ": ",
-                     s.message())));
-      } else {
-        j->cancelled = true;
-        Fail(*j, absl::InternalError(absl::StrCat("encoder pass failed: ", s.message())));
-      }
+  // A failed pass: which of its caches advanced is not known, so each of its requests fails
+  // (a part that ran is unaffected). RESOURCE_EXHAUSTED: a prompt that did not fit even alone.
+  bool failed = false;
+  for (size_t i = 0; i < in_batch.size(); ++i) {
+    const absl::Status& st = status[i];
+    if (st.ok()) continue;
+    Job* j = in_batch[i];
+    j->cancelled = true;  // leaves at the next step
+    failed = true;
+    if (absl::IsResourceExhausted(st)) {
+      Fail(*j,
+           absl::ResourceExhaustedError(absl::StrCat("prefill KV cache exhausted for request ",
+                                                     j->request.request_id(), ": ", st.message())));
+    } else {
+      Fail(*j, absl::InternalError(absl::StrCat("encoder pass failed: ", st.message())));
     }
+  }
+  if (failed) {
     std::erase_if(active, [](std::shared_ptr<Job>& j) { return j->finished.load(); });
+    step_limit_ = 0;  // they left: their device memory is free
   }
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -38,6 +39,9 @@ struct PrefillEngineStats {
   int queued = 0;
   int active = 0;  // being encoded
   int transferring = 0;
+  // Encoder passes the backend refused with RESOURCE_EXHAUSTED (out of K/V memory: the CUDA
+  // backend's device block pool full) and ran in parts, since the engine started.
+  int64_t passes_in_parts = 0;
 };
 
 class PrefillEngine {
@@ -53,7 +57,10 @@ class PrefillEngine {
   // Queues a prompt. `done` runs exactly once (on the engine or a transport thread) after the
   // KV was acknowledged by the target, or with the error. Synchronous errors (nothing queued,
   // `done` not called): INVALID_ARGUMENT (empty prompt, id out of range, no target),
-  // RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), ALREADY_EXISTS.
+  // OUT_OF_RANGE (a prompt the host KV pool or the backend's own K/V memory, CheckKvFits, can
+  // never hold), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining), ALREADY_EXISTS. An
+  // encoder pass the backend refuses for want of K/V memory runs again in halves; a prompt that
+  // does not fit alone then fails with RESOURCE_EXHAUSTED.
   absl::Status Submit(const v1::PrefillRequest& request, Callback done);
   // Cancels a queued or running prefill (done gets `code`: CANCELLED, or DEADLINE_EXCEEDED
   // when the caller's deadline passed, and the request is recorded so; blocks are freed). A
@@ -82,6 +89,10 @@ class PrefillEngine {
   std::atomic<bool> draining_{false};
   std::atomic<int> transferring_{0};
   std::atomic<int> active_{0};
+  std::atomic<int64_t> passes_in_parts_{0};
+  // Engine thread only: after a pass refused for want of K/V memory, the most prompts a step
+  // takes (its largest part that ran; 0: no limit) until a prompt leaves (shipped or failed).
+  int step_limit_ = 0;
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

@@ -111,6 +111,25 @@ class PrefillEngineCudaTest : public ::testing::Test {
     kv::UnregisterInProcessReceiver(target);
   }
 
+  // Every row the receiver's caches of the two runs hold, bit for bit.
+  void ExpectSameKv(const Run& x, const Run& y) const {
+    ASSERT_EQ(x.received.size(), y.received.size());
+    for (size_t i = 0; i < x.received.size(); ++i) {
+      const kv::PagedKvCache &a = *x.received[i], &b = *y.received[i];
+      ASSERT_EQ(a.num_tokens(), b.num_tokens());
+      const int n = a.num_tokens(), W = config().sliding_window;
+      for (int l = 0; l < config().num_layers; ++l) {
+        const size_t bytes = sizeof(float) * config().KvHeads(l) * config().HeadDim(l);
+        for (int p = config().IsFull(l) ? 0 : n - (W - 1); p < n; ++p) {
+          ASSERT_EQ(std::memcmp(a.KeyRow(l, p), b.KeyRow(l, p), bytes), 0)
+              << i << " " << l << " " << p;
+          ASSERT_EQ(std::memcmp(a.ValueRow(l, p), b.ValueRow(l, p), bytes), 0)
+              << i << " " << l << " " << p;
+        }
+      }
+    }
+  }
+
   static inline Checkpoint* checkpoint_ = nullptr;
   std::vector<std::unique_ptr<kv::BlockPool>> receiver_pools_;  // outlive the received caches
 };
@@ -144,20 +163,81 @@ TEST_F(PrefillEngineCudaTest, PrefixHitTakesTheFinishedPromptsDeviceBlocks) {
   EXPECT_EQ(plain.hit_upload_bytes, sliding + full);
   EXPECT_EQ(plain.hit_blocks_taken, 0);
   // The shipped K/V, bit for bit: every row the receiver's caches hold.
+  ExpectSameKv(shared, plain);
+}
+
+// The device pool's bound (kv_pool_max_bytes 256 KiB; blocks of 64: a full-layer block 16 KiB, a
+// sliding one 64 KiB). A 150-token prompt holds at most 3 full blocks and the 2 sliding blocks of
+// the rows the host still lacks ([112, 150): W + 2·16 − 2 rows): 176 KiB, so each prompt fits
+// alone and two do not. Submitted together and prefilled in chunks of 32 tokens, their encoder
+// passes overlap (the second is queued microseconds after the first, whose 5 chunks take far
+// longer); a pass over both is refused and runs as one prompt after the other (PrefillEngine's
+// RunInParts, the other prompt's device-only rows swapped out to its cache), where before every
+// request of the pass failed with RESOURCE_EXHAUSTED; then one prompt a step until it ships. The
+// shipped K/V equals an unbounded run's bit for bit. A prompt that needs more than the bound alone
+// (769 positions: 13 full blocks and the 2 sliding ones of [762, 769), 344,064 bytes) is refused at
+// Submit with OUT_OF_RANGE.
+TEST_F(PrefillEngineCudaTest, PromptsThatFitOnlyAloneRunInParts) {
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(150, 5), Prompt(150, 6)};
+  Run plain;
+  ASSERT_NO_FATAL_FAILURE(Prefill(true, prompts, &plain));
+  if (IsSkipped()) return;
+  CudaBackendOptions options;
+  options.kv_pool_max_bytes = 256 * 1024;
+  auto backend = CreateCudaBackend(config(), checkpoint_->weights, options);
+  ASSERT_THAT(backend.status(), IsOk());
+  auto pool = CreateKvPool(config(), "tiny", 32, 16);
+  ASSERT_THAT(pool.status(), IsOk());
+  receiver_pools_.push_back(*CreateKvPool(config(), "tiny", 32, 16));
+  kv::KvReceiver receiver(receiver_pools_.back().get(), config().max_position_embeddings);
+  const std::string target = "prefill-engine-cuda-test-bound";
+  kv::RegisterInProcessReceiver(target, &receiver);
+  PrefillEngineOptions o;
+  o.chunk_tokens = 32;
+  o.step_token_budget = 512;
+  auto engine = std::make_unique<PrefillEngine>(
+      backend->get(), pool->get(), kv::CreateInProcessTransport(), o, nullptr, nullptr);
+  v1::PrefillRequest r;
+  r.set_kv_target(target);
+  r.set_request_id("too-long");
+  const std::vector<int32_t> long_prompt = Prompt(769, 7);
+  r.mutable_tokens()->Assign(long_prompt.begin(), long_prompt.end());
+  const absl::Status refused = engine->Submit(r, [](absl::StatusOr<v1::PrefillResponse>) {});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kOutOfRange) << refused;
+  EXPECT_NE(refused.message().find("tokens: a sequence of 769 positions needs 344064 bytes"),
+            std::string::npos)
+      << refused;
+  absl::Notification done[2];
+  absl::Status result[2];
   for (int i = 0; i < 2; ++i) {
-    const kv::PagedKvCache &a = *shared.received[i], &b = *plain.received[i];
-    ASSERT_EQ(a.num_tokens(), b.num_tokens());
-    const int n = a.num_tokens(), W = config().sliding_window;
-    for (int l = 0; l < config().num_layers; ++l) {
-      const size_t bytes = sizeof(float) * config().KvHeads(l) * config().HeadDim(l);
-      for (int p = config().IsFull(l) ? 0 : n - (W - 1); p < n; ++p) {
-        ASSERT_EQ(std::memcmp(a.KeyRow(l, p), b.KeyRow(l, p), bytes), 0)
-            << i << " " << l << " " << p;
-        ASSERT_EQ(std::memcmp(a.ValueRow(l, p), b.ValueRow(l, p), bytes), 0)
-            << i << " " << l << " " << p;
-      }
-    }
+    r.set_request_id("p" + std::to_string(i));
+    r.mutable_tokens()->Assign(prompts[i].begin(), prompts[i].end());
+    ASSERT_THAT(engine->Submit(r,
+                               [&, i](absl::StatusOr<v1::PrefillResponse> res) {
+                                 result[i] = res.status();
+                                 done[i].Notify();
+                               }),
+                IsOk());
   }
+  Run bounded;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(done[i].WaitForNotificationWithTimeout(absl::Seconds(300)));
+    ASSERT_THAT(result[i], IsOk());
+    absl::Notification got;
+    receiver.Expect("p" + std::to_string(i), absl::Now() + absl::Seconds(30),
+                    [&](absl::StatusOr<std::unique_ptr<kv::PagedKvCache>> kv) {
+                      EXPECT_THAT(kv.status(), IsOk());
+                      if (kv.ok()) bounded.received.push_back(*std::move(kv));
+                      got.Notify();
+                    });
+    got.WaitForNotification();
+  }
+  EXPECT_GE(engine->stats().passes_in_parts, 1);
+  EXPECT_GE(GetCudaKvPoolStats(**backend)->swap_outs, 1);
+  EXPECT_LE(GetCudaKvPoolStats(**backend)->device_bytes, 256 * 1024);
+  engine.reset();
+  kv::UnregisterInProcessReceiver(target);
+  ExpectSameKv(bounded, plain);
 }
 
 }  // namespace

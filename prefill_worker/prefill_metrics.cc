@@ -27,6 +27,10 @@ PrefillMetrics::PrefillMetrics(prometheus::Registry& r)
                                     {0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30})),
       queue_depth(MakeGauge(r, "dgserve_prefill_queue_depth", "Prompts queued or running")),
       tokens_per_second(MakeGauge(r, "dgserve_prefill_tokens_per_second",
-                                  "Encoder throughput of the last step (tokens/s)")) {}
+                                  "Encoder throughput of the last step (tokens/s)")),
+      passes_in_parts(MakeCounter(
+          r, "dgserve_prefill_passes_in_parts_total",
+          "Encoder passes the backend refused for want of K/V memory (RESOURCE_EXHAUSTED: the "
+          "device block pool full) and ran in parts")) {}
 
 }  // namespace dgserve

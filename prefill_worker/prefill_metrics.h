@@ -23,6 +23,8 @@ struct PrefillMetrics {
   prometheus::Histogram& request_seconds;  // queue + encode of one prompt
   prometheus::Gauge& queue_depth;
   prometheus::Gauge& tokens_per_second;    // of the last encoder step
+  // Encoder passes the backend refused for want of K/V memory and ran in parts (RunInParts).
+  prometheus::Counter& passes_in_parts;
 
   prometheus::Counter& RequestsWithStatus(const std::string& status) {
     return requests.Add({{"status", status}});

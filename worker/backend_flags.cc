@@ -19,9 +19,11 @@ ABSL_FLAG(double, cuda_kv_pool_gb, 0,
           "--device cuda: bound on the device K/V block pool, in GB (1e9 bytes; 0, the default: "
           "as much as the GPU gives). Room under the bound keeps finished prompts' blocks for "
           "prefix hits. At the bound the blocks of idle sequences are reused, least recently used "
-          "first (rows only the device has copied to the host first); a pass that still lacks a "
-          "block fails with RESOURCE_EXHAUSTED, and the denoise worker runs it in smaller parts "
-          "(CudaBackendOptions::kv_pool_max_bytes)");
+          "first (rows only the device has copied to the host first), and the full-attention and "
+          "sliding-window pools give each other the memory of blocks no sequence holds; a pass "
+          "that still lacks a block fails with RESOURCE_EXHAUSTED, and the workers run it in "
+          "smaller parts. A request one sequence of which needs more than the bound alone is "
+          "refused at once (OUT_OF_RANGE) (CudaBackendOptions::kv_pool_max_bytes)");
 
 ABSL_FLAG(std::string, cpu_gemm_input, "float32",
           "--device cpu: the GEMMs' inputs. float32 (default): float32 activations, each output "

@@ -147,7 +147,8 @@ struct CudaBackendOptions {
   // attention kernels read K/V through it (the paged layout of cuda_attention.h). Full layers
   // hold a block for every position; sliding layers only the blocks of the window the next pass
   // reads (and of the rows the host cache still needs, defer_kv_host_copy), the others going back
-  // to the pool as the sequence advances. Pools grow by doubling and are never shrunk; blocks of
+  // to the pool as the sequence advances. Pools grow by doubling and shrink only when compacted
+  // at kv_pool_max_bytes (below); blocks of
   // an evicted or finished sequence's mirror are reused. 0: one mirror per sequence with its own
   // arrays grown by doubling (sliding rings: sliding_kv_ring), the former layout, kept so tests
   // can show both give the same bits.
@@ -156,10 +157,12 @@ struct CudaBackendOptions {
   // A pool at the bound (or refused memory by the device) takes a free or cached block, else the
   // blocks of idle sequences' mirrors, least recently used first (their rows are on the host: a
   // later pass uploads them again), else those of idle sequences whose rows only the device has,
-  // once copied to their caches (swap-out, as SyncKvToHost: CudaKvPoolStats::swap_outs); a pass
+  // once copied to their caches (swap-out, as SyncKvToHost: CudaKvPoolStats::swap_outs); at the
+  // bound (not where only the device refuses), first and last, the memory of the other kind's
+  // blocks no sequence holds (that pool compacted and shrunk: CudaKvPoolStats::compactions); a pass
   // that still lacks a block (its own sequences need more than the bound holds) fails with
-  // RESOURCE_EXHAUSTED, changing no cache: a caller may run its inputs in smaller batches (the
-  // denoise worker does).
+  // RESOURCE_EXHAUSTED, changing no cache: a caller may run its inputs in smaller batches (both
+  // workers do). ModelBackend::CheckKvFits refuses a sequence that alone needs more than the bound.
   size_t kv_pool_max_bytes = 0;
   // Device K/V blocks shared between sequences (with kv_block_size > 0), the default: a block
   // whose positions its cache has all committed is registered under the host identity of its
@@ -215,6 +218,12 @@ struct CudaKvPoolStats {
   // Idle sequences whose device-only rows were copied to their host caches to free their blocks
   // for a pass (the pool at its bound, or the device out of memory).
   int64_t swap_outs = 0;
+  // A pool that could neither take nor grow a block while the other kind's pool held blocks no
+  // sequence did: the other pool compacted and shrunk (its held blocks moved below the number
+  // held, their rows copied on the device) so that both stay within kv_pool_max_bytes (one bound
+  // shared by the two kinds, whatever the mix of long and short sequences). Compactions and the
+  // blocks they moved.
+  int64_t compactions = 0, blocks_moved = 0;
   int64_t device_bytes = 0;  // K and V of every block allocated, every layer
 };
 // nullopt for a backend not made by CreateCudaBackend or CreateCudaBackendSynthetic.

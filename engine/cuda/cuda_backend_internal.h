@@ -499,6 +499,8 @@ class CudaBackend final : public ModelBackend {
       st.device_bytes += int64_t(kv_pools_[KvKind(l)].blocks) * KvBlockBytes(l);
     }
     st.swap_outs = kv_swap_outs_;
+    st.compactions = kv_compactions_;
+    st.blocks_moved = kv_blocks_moved_;
     return st;
   }
 
@@ -510,6 +512,7 @@ class CudaBackend final : public ModelBackend {
   absl::Status SoftEmbedding(const float* probs, int rows, float* soft) override;
   int prefill_chunk_tokens() const override { return kGpuPrefillChunkTokens; }
   absl::Status SyncKvToHost(KvCache& kv) override;
+  absl::Status CheckKvFits(int64_t positions) const override;
   DecodeTimings last_decode_timings() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return timings_;
@@ -570,14 +573,25 @@ class CudaBackend final : public ModelBackend {
   void TakeSharedKvBlocks(const KvCache& kv, KvMirror* m, int kind, int from, int n);
   void PublishKvBlocks(const KvCache& kv, KvMirror* m);
   // A free block id of pool `kind`: a free or cached one (KvBlockPool::Take), else the pool
-  // grown (GrowKvPool), else the blocks of idle mirrors evicted (EvictOneMirror), else those of
-  // idle mirrors holding rows only the device has, copied to their caches first
-  // (SwapOutOneMirror); RESOURCE_EXHAUSTED when none frees one.
+  // grown (GrowKvPool), else (under kv_pool_max_bytes) the other pool compacted to the blocks
+  // sequences hold (CompactKvPool) and this one grown into half the memory it gave back, else the
+  // blocks of idle mirrors evicted
+  // (EvictOneMirror), else those of idle mirrors holding rows only the device has, copied to
+  // their caches first (SwapOutOneMirror), else the other pool compacted again;
+  // RESOURCE_EXHAUSTED when none frees one.
   absl::StatusOr<int32_t> AllocateKvBlock(int kind);
+  // Gives back the device memory of pool `kind`'s blocks no sequence holds: its cached blocks are
+  // dropped (their rows are on the host), every held block at or past the number held moves to a
+  // free id below it (its rows copied on the device; every mirror's table entry, now uploaded,
+  // and the block's registration follow), and the arrays are reallocated at the blocks held. The
+  // stream is drained first. Returns the blocks given back; RESOURCE_EXHAUSTED when the device
+  // refuses the smaller arrays (nothing then changes but the dropped cached blocks).
+  absl::StatusOr<int> CompactKvPool(int kind);
   // Grows pool `kind` (doubled, from 64 blocks; fewer within options_.kv_pool_max_bytes, both
   // pools counted), the stream drained first (queued copies may still write the old arrays).
-  // RESOURCE_EXHAUSTED at the bound; INTERNAL when the device refuses the memory.
-  absl::Status GrowKvPool(int kind);
+  // RESOURCE_EXHAUSTED at the bound; INTERNAL when the device refuses the memory. half_the_room:
+  // at most half (rounded up) of the blocks the bound still has room for.
+  absl::Status GrowKvPool(int kind, bool half_the_room = false);
   // Device bytes of one block of pool `kind` (K and V of every layer of the kind).
   int64_t KvPoolBlockBytes(int kind) const;
   using MirrorMap = std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>>;
@@ -688,8 +702,9 @@ class CudaBackend final : public ModelBackend {
   DeviceArray<unsigned char> kv_rows_dev_;  // rows on their way between the host and the pools
   MirrorMap mirrors_;
   uint64_t use_clock_ = 0;
-  int64_t kv_swap_outs_ = 0;  // SwapOutOneMirror's
-  uint64_t pass_start_ = 0;   // use_clock_ value of the first mirror use of the current pass
+  int64_t kv_swap_outs_ = 0;                          // SwapOutOneMirror's
+  int64_t kv_compactions_ = 0, kv_blocks_moved_ = 0;  // CompactKvPool's
+  uint64_t pass_start_ = 0;  // use_clock_ value of the first mirror use of the current pass
 
   // Scratch activations (grown on demand).
   DeviceArray<float> h_, a_, q_, k_, v_, attn_, o_, dense_, moe_, g_, u_, r_, scores_, xe_, act_,

@@ -370,86 +370,6 @@ int CudaBackend::ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n) {
   return keep;
 }
 
-int64_t CudaBackend::KvPoolBlockBytes(int kind) const {
-  int64_t bytes = 0;
-  for (int l = 0; l < c_.num_layers; ++l) {
-    if (KvKind(l) == kind) bytes += KvBlockBytes(l);
-  }
-  return bytes;
-}
-
-absl::Status CudaBackend::GrowKvPool(int kind) {
-  KvBlockPool& pool = kv_pools_[kind];
-  const int B = options_.kv_block_size;
-  int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
-  if (options_.kv_pool_max_bytes > 0) {
-    // Both pools' bytes stay within the bound: fewer new blocks, or none.
-    const int64_t used = int64_t(kv_pools_[kKvFull].blocks) * KvPoolBlockBytes(kKvFull) +
-                         int64_t(kv_pools_[kKvSliding].blocks) * KvPoolBlockBytes(kKvSliding);
-    const int64_t room = (int64_t(options_.kv_pool_max_bytes) - used) / KvPoolBlockBytes(kind);
-    blocks = std::min(blocks, int64_t(pool.blocks) + std::max<int64_t>(0, room));
-  }
-  if (blocks <= pool.blocks) return absl::ResourceExhaustedError("at kv_pool_max_bytes");
-  if (blocks * B > std::numeric_limits<int32_t>::max()) {
-    return absl::ResourceExhaustedError("more than 2^31 rows");
-  }
-  // The device's free memory (all of the new arrays are allocated beside the old ones): fewer new
-  // blocks, or none, so a refused cudaMalloc is the exception.
-  size_t free_bytes = 0, total_bytes = 0;
-  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
-  const int64_t fit = int64_t(free_bytes) / KvPoolBlockBytes(kind);
-  blocks = std::min(blocks, fit);
-  if (blocks <= pool.blocks) {
-    return absl::ResourceExhaustedError(absl::StrCat("the device has ", free_bytes, " bytes free"));
-  }
-  // All new arrays first, beside the old ones (a refusal frees them: nothing is left half grown),
-  // then the stream drained (queued uploads and row copies may still write the old arrays), the
-  // old rows copied (DeviceArray::CopyPrefixFrom waits for it), and the arrays swapped.
-  struct Fresh {
-    int layer;
-    DeviceArray<float> k, v;
-    DeviceArray<uint16_t> k16, v16;
-  };
-  std::vector<Fresh> fresh;
-  for (int l = 0; l < c_.num_layers; ++l) {
-    if (KvKind(l) != kind) continue;
-    const size_t n = size_t(blocks) * B * c_.KvHeads(l) * c_.HeadDim(l);
-    Fresh& f = fresh.emplace_back();
-    f.layer = l;
-    absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
-    if (st.ok()) st = Bf16Mirror(l) ? f.v16.Grow(n, 0) : f.v.Grow(n, 0);
-    if (!st.ok()) {  // (DeviceArray cleared the refused cudaMalloc's last error)
-      return absl::ResourceExhaustedError(
-          absl::StrCat("the device refused the memory (", st.message(), ")"));
-    }
-  }
-  if (pool.blocks > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool growth"));
-  pool.k.resize(c_.num_layers);
-  pool.v.resize(c_.num_layers);
-  pool.k16.resize(c_.num_layers);
-  pool.v16.resize(c_.num_layers);
-  for (Fresh& f : fresh) {
-    const int l = f.layer;
-    const size_t old = size_t(pool.blocks) * B * c_.KvHeads(l) * c_.HeadDim(l);
-    if (Bf16Mirror(l)) {
-      DGSERVE_RETURN_IF_ERROR(f.k16.CopyPrefixFrom(pool.k16[l], old));
-      DGSERVE_RETURN_IF_ERROR(f.v16.CopyPrefixFrom(pool.v16[l], old));
-      pool.k16[l].swap(f.k16);
-      pool.v16[l].swap(f.v16);
-    } else {
-      DGSERVE_RETURN_IF_ERROR(f.k.CopyPrefixFrom(pool.k[l], old));
-      DGSERVE_RETURN_IF_ERROR(f.v.CopyPrefixFrom(pool.v[l], old));
-      pool.k[l].swap(f.k);
-      pool.v[l].swap(f.v);
-    }
-  }
-  // Popped from the back: the lowest new id first.
-  for (int64_t b = blocks - 1; b >= pool.blocks; --b) pool.free_ids.push_back(int32_t(b));
-  pool.blocks = int(blocks);
-  pool.Resize(pool.blocks);
-  return absl::OkStatus();
-}
-
 absl::StatusOr<bool> CudaBackend::SwapOutOneMirror(int kind) {
   // The least recently used mirror not used by the current pass whose live cache lacks rows only
   // it has (and whose cache has committed no rows beyond them), and which alone holds a block of
@@ -469,33 +389,6 @@ absl::StatusOr<bool> CudaBackend::SwapOutOneMirror(int kind) {
   mirrors_.erase(lru);
   ++kv_swap_outs_;
   return true;
-}
-
-absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
-  KvBlockPool& pool = kv_pools_[kind];
-  // A free block, else a cached one (KvBlockPool::Take).
-  int32_t b = pool.Take();
-  if (b >= 0) return b;
-  // Grow; where the bound (or the device) refuses, the blocks of idle sequences' mirrors, least
-  // recently used first (their rows are on the host: a later pass uploads them again).
-  absl::Status grown = GrowKvPool(kind);
-  // Other errors (a failed wait, a device fault) are not for eviction to hide.
-  if (!grown.ok() && grown.code() != absl::StatusCode::kResourceExhausted) return grown;
-  // Then those of idle sequences whose rows only the device has, once copied to their caches.
-  while ((b = pool.Take()) < 0) {
-    if (EvictOneMirror()) continue;
-    DGSERVE_ASSIGN_OR_RETURN(const bool swapped, SwapOutOneMirror(kind));
-    if (!swapped) break;
-  }
-  if (b < 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("device K/V block pool full (", kind == kKvFull ? "full" : "sliding",
-                     " layers): ", pool.blocks, " blocks of ", options_.kv_block_size,
-                     " positions, every one held by a sequence in this pass "
-                     "(kv_pool_max_bytes ",
-                     options_.kv_pool_max_bytes, "; ", grown.message(), ")"));
-  }
-  return b;
 }
 
 bool CudaBackend::KvBlockSignature(const KvCache& kv, int kind, int i,

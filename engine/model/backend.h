@@ -132,6 +132,20 @@ class ModelBackend {
   virtual absl::Status SyncKvToHost(KvCache& kv) {
     return CheckHostRowsCurrent(kv, "SyncKvToHost");
   }
+
+  // Whether one sequence of `positions` K/V positions (its prompt and committed canvases) can
+  // ever be held by the K/V memory this backend bounds itself, whatever else runs: OUT_OF_RANGE,
+  // naming both sizes, when the least that sequence holds alone during a pass exceeds the bound
+  // (the CUDA backend's device block pool at CudaBackendOptions::kv_pool_max_bytes: every
+  // position's block on the full layers, the window's on the sliding ones). OK otherwise, and
+  // always for a backend that keeps K/V only in the caller's caches (the CPU backend), so a
+  // caller refuses a request early (HTTP 400) that would otherwise fail in its pass as
+  // RESOURCE_EXHAUSTED (HTTP 429, which clients retry). OK does not promise that a pass fits:
+  // with other sequences resident, or the device's memory short, a pass may still be refused.
+  virtual absl::Status CheckKvFits(int64_t positions) const {
+    (void)positions;
+    return absl::OkStatus();
+  }
 };
 
 // Which Linear of the model a GEMM input feeds (LinearInputObserver). q/k/v_proj share one input

@@ -81,6 +81,8 @@ std::optional<DeviceKvStats> GetDeviceKvStats(const ModelBackend& backend) {
   s.device_bytes = pool->device_bytes;
   s.shared_blocks_taken = pool->shared_blocks_taken;
   s.swap_outs = pool->swap_outs;
+  s.compactions = pool->compactions;
+  s.blocks_moved = pool->blocks_moved;
   s.upload_bytes = copies->upload_bytes;
   s.sync_to_host_bytes = copies->sync_to_host_bytes;
   return s;

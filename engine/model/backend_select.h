@@ -50,13 +50,16 @@ struct BackendSelection {
 struct DeviceKvStats {
   static constexpr int kFull = 0, kSliding = 1;
   int block_size = 0;        // positions per block; 0: per-sequence mirrors (no pool, no blocks)
-  int blocks[2] = {0, 0};    // allocated on the device (pools grow, never shrink)
+  int blocks[2] = {0, 0};    // allocated on the device (a pool shrinks only when compacted)
   int in_use[2] = {0, 0};    // held by a sequence's mirror
   int cached[2] = {0, 0};    // held by none, kept for their rows (a later prefix hit takes them)
   int64_t device_bytes = 0;  // K and V of every allocated block, every layer
   // Running totals since the backend was made:
   int64_t shared_blocks_taken = 0;  // blocks a sequence took instead of uploading their rows
   int64_t swap_outs = 0;  // idle sequences whose device-only rows went to the host to free blocks
+  // A pool compacted to give the other kind's pool the memory of its unheld blocks (the two share
+  // one bound), and the blocks those compactions moved on the device.
+  int64_t compactions = 0, blocks_moved = 0;
   int64_t upload_bytes = 0;  // rows uploaded from host caches into the device (as stored there)
   int64_t sync_to_host_bytes = 0;  // rows copied from the device to host caches (SyncKvToHost)
   // Blocks neither in use nor cached: blocks − in_use − cached.

@@ -1,0 +1,285 @@
+// The CUDA backend's device K/V block pools (issue 34 item 1; CudaBackendOptions::kv_block_size,
+// kv_pool_max_bytes): growing a pool, a block for a mirror, compacting a pool, and the admission
+// check against the bound. The mirrors that hold the blocks are in cuda_backend_kv.cc.
+#include <algorithm>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cuda/cuda_backend_internal.h"
+
+namespace dgserve {
+namespace cuda_internal {
+
+int64_t CudaBackend::KvPoolBlockBytes(int kind) const {
+  int64_t bytes = 0;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (KvKind(l) == kind) bytes += KvBlockBytes(l);
+  }
+  return bytes;
+}
+
+absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
+  KvBlockPool& pool = kv_pools_[kind];
+  const int B = options_.kv_block_size;
+  int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
+  if (options_.kv_pool_max_bytes > 0) {
+    // Both pools' bytes stay within the bound: fewer new blocks, or none.
+    const int64_t used = int64_t(kv_pools_[kKvFull].blocks) * KvPoolBlockBytes(kKvFull) +
+                         int64_t(kv_pools_[kKvSliding].blocks) * KvPoolBlockBytes(kKvSliding);
+    const int64_t room = (int64_t(options_.kv_pool_max_bytes) - used) / KvPoolBlockBytes(kind);
+    const int64_t take = half_the_room ? (room + 1) / 2 : room;
+    blocks = std::min(blocks, int64_t(pool.blocks) + std::max<int64_t>(0, take));
+  }
+  if (blocks <= pool.blocks) return absl::ResourceExhaustedError("at kv_pool_max_bytes");
+  if (blocks * B > std::numeric_limits<int32_t>::max()) {
+    return absl::ResourceExhaustedError("more than 2^31 rows");
+  }
+  // The device's free memory (all of the new arrays are allocated beside the old ones): fewer new
+  // blocks, or none, so a refused cudaMalloc is the exception.
+  size_t free_bytes = 0, total_bytes = 0;
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+  const int64_t fit = int64_t(free_bytes) / KvPoolBlockBytes(kind);
+  blocks = std::min(blocks, fit);
+  if (blocks <= pool.blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat("the device has ", free_bytes, " bytes free"));
+  }
+  // All new arrays first, beside the old ones (a refusal frees them: nothing is left half grown),
+  // then the stream drained (queued uploads and row copies may still write the old arrays), the
+  // old rows copied (DeviceArray::CopyPrefixFrom waits for it), and the arrays swapped.
+  struct Fresh {
+    int layer;
+    DeviceArray<float> k, v;
+    DeviceArray<uint16_t> k16, v16;
+  };
+  std::vector<Fresh> fresh;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (KvKind(l) != kind) continue;
+    const size_t n = size_t(blocks) * B * c_.KvHeads(l) * c_.HeadDim(l);
+    Fresh& f = fresh.emplace_back();
+    f.layer = l;
+    absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
+    if (st.ok()) st = Bf16Mirror(l) ? f.v16.Grow(n, 0) : f.v.Grow(n, 0);
+    if (!st.ok()) {  // (DeviceArray cleared the refused cudaMalloc's last error)
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the device refused the memory (", st.message(), ")"));
+    }
+  }
+  if (pool.blocks > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool growth"));
+  pool.k.resize(c_.num_layers);
+  pool.v.resize(c_.num_layers);
+  pool.k16.resize(c_.num_layers);
+  pool.v16.resize(c_.num_layers);
+  for (Fresh& f : fresh) {
+    const int l = f.layer;
+    const size_t old = size_t(pool.blocks) * B * c_.KvHeads(l) * c_.HeadDim(l);
+    if (Bf16Mirror(l)) {
+      DGSERVE_RETURN_IF_ERROR(f.k16.CopyPrefixFrom(pool.k16[l], old));
+      DGSERVE_RETURN_IF_ERROR(f.v16.CopyPrefixFrom(pool.v16[l], old));
+      pool.k16[l].swap(f.k16);
+      pool.v16[l].swap(f.v16);
+    } else {
+      DGSERVE_RETURN_IF_ERROR(f.k.CopyPrefixFrom(pool.k[l], old));
+      DGSERVE_RETURN_IF_ERROR(f.v.CopyPrefixFrom(pool.v[l], old));
+      pool.k[l].swap(f.k);
+      pool.v[l].swap(f.v);
+    }
+  }
+  // Popped from the back: the lowest new id first.
+  for (int64_t b = blocks - 1; b >= pool.blocks; --b) pool.free_ids.push_back(int32_t(b));
+  pool.blocks = int(blocks);
+  pool.Resize(pool.blocks);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
+  KvBlockPool& pool = kv_pools_[kind];
+  // A free block, else a cached one (KvBlockPool::Take).
+  int32_t b = pool.Take();
+  if (b >= 0) return b;
+  absl::Status grown = GrowKvPool(kind);
+  // Other errors (a failed wait, a device fault) are not for eviction to hide.
+  if (!grown.ok() && grown.code() != absl::StatusCode::kResourceExhausted) return grown;
+  if ((b = pool.Take()) >= 0) return b;
+  // Where the bound refuses: the memory of the other kind's blocks no sequence holds (the two
+  // pools share one bound, and whichever grew first may hold most of it: a long sequence after
+  // many short ones), a copy on the device, before anything that copies rows over the host link.
+  // This pool grows into half of it, so that the other grows into the rest without compacting
+  // this one at its next block (the two would otherwise take turns at every block).
+  const auto from_other_pool = [&]() -> absl::StatusOr<int32_t> {
+    // Only under the bound: without one, memory a compaction gives back is the device's, which
+    // the pass's other buffers may need as much (the pools' doubling would take it all).
+    if (options_.kv_pool_max_bytes == 0) return -1;
+    const KvBlockPool& other = kv_pools_[1 - kind];
+    const int64_t unheld = other.blocks - other.in_use();  // free and cached
+    if (unheld == 0) return -1;
+    // Worth it only if a block of this kind then fits.
+    const int64_t used = int64_t(kv_pools_[kKvFull].blocks) * KvPoolBlockBytes(kKvFull) +
+                         int64_t(kv_pools_[kKvSliding].blocks) * KvPoolBlockBytes(kKvSliding);
+    const int64_t room =
+        int64_t(options_.kv_pool_max_bytes) - used + unheld * KvPoolBlockBytes(1 - kind);
+    if (room < KvPoolBlockBytes(kind)) return -1;
+    DGSERVE_ASSIGN_OR_RETURN(const int given, CompactKvPool(1 - kind));
+    if (given == 0) return -1;
+    grown = GrowKvPool(kind, /*half_the_room=*/true);
+    if (!grown.ok() && grown.code() != absl::StatusCode::kResourceExhausted) return grown;
+    return pool.Take();
+  };
+  DGSERVE_ASSIGN_OR_RETURN(b, from_other_pool());
+  // Then the blocks of idle sequences' mirrors, least recently used first (their rows are on the
+  // host: a later pass uploads them again), then those of idle sequences whose rows only the
+  // device has, once copied to their caches; the other pool again (they held blocks of both).
+  while (b < 0 && (b = pool.Take()) < 0) {
+    if (EvictOneMirror()) continue;
+    DGSERVE_ASSIGN_OR_RETURN(const bool swapped, SwapOutOneMirror(kind));
+    if (!swapped) break;
+  }
+  if (b < 0) {
+    DGSERVE_ASSIGN_OR_RETURN(b, from_other_pool());
+  }
+  if (b < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("device K/V block pool full (", kind == kKvFull ? "full" : "sliding",
+                     " layers): ", pool.blocks, " blocks of ", options_.kv_block_size,
+                     " positions, every one held by a sequence in this pass "
+                     "(kv_pool_max_bytes ",
+                     options_.kv_pool_max_bytes, "; ", grown.message(), ")"));
+  }
+  return b;
+}
+
+absl::StatusOr<int> CudaBackend::CompactKvPool(int kind) {
+  KvBlockPool& pool = kv_pools_[kind];
+  while (!pool.cached.empty()) {  // their rows are on the host (a later upload brings them back)
+    const int32_t b = pool.cached.begin()->second;
+    pool.cached.erase(pool.cached.begin());
+    pool.Unregister(b);
+    pool.free_ids.push_back(b);
+  }
+  const int held = pool.in_use();
+  if (held >= pool.blocks) return 0;
+  // As many held ids at or past `held` as free ids below it: each moves to one of those.
+  std::vector<int32_t> below;
+  for (const int32_t b : pool.free_ids) {
+    if (b < held) below.push_back(b);
+  }
+  std::vector<std::pair<int32_t, int32_t>> moves;  // (from, to)
+  for (int32_t b = held; b < pool.blocks; ++b) {
+    if (pool.refs[b] == 0) continue;
+    if (below.empty()) return absl::InternalError("K/V block pool compaction: reference counts");
+    moves.emplace_back(b, below.back());
+    below.pop_back();
+  }
+  // The smaller arrays first (a refusal changes nothing more), then the queued work on the old
+  // ones drained, the first `held` blocks copied and the moved blocks after them.
+  const int64_t B = options_.kv_block_size;
+  struct Fresh {
+    int layer;
+    DeviceArray<float> k, v;
+    DeviceArray<uint16_t> k16, v16;
+  };
+  std::vector<Fresh> fresh;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (KvKind(l) != kind) continue;
+    const size_t n = size_t(held) * B * c_.KvHeads(l) * c_.HeadDim(l);
+    Fresh& f = fresh.emplace_back();
+    f.layer = l;
+    absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
+    if (st.ok()) st = Bf16Mirror(l) ? f.v16.Grow(n, 0) : f.v.Grow(n, 0);
+    if (!st.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the device refused the memory (", st.message(), ")"));
+    }
+  }
+  DGSERVE_RETURN_IF_ERROR(Wait("KV block pool compaction"));
+  for (Fresh& f : fresh) {
+    const int l = f.layer;
+    const size_t per_block = size_t(B) * c_.KvHeads(l) * c_.HeadDim(l);
+    const auto move = [&](auto& to, auto& from) -> absl::Status {
+      DGSERVE_RETURN_IF_ERROR(to.CopyPrefixFrom(from, size_t(held) * per_block));
+      for (const auto& [src, dst] : moves) {
+        DGSERVE_RETURN_IF_ERROR(CudaCheck(
+            cudaMemcpy(to.get() + size_t(dst) * per_block, from.get() + size_t(src) * per_block,
+                       per_block * sizeof(*to.get()), cudaMemcpyDeviceToDevice),
+            "cudaMemcpy (K/V block compaction)"));
+      }
+      from.swap(to);  // `to` (the old array) is freed with `fresh`
+      return absl::OkStatus();
+    };
+    if (Bf16Mirror(l)) {
+      DGSERVE_RETURN_IF_ERROR(move(f.k16, pool.k16[l]));
+      DGSERVE_RETURN_IF_ERROR(move(f.v16, pool.v16[l]));
+    } else {
+      DGSERVE_RETURN_IF_ERROR(move(f.k, pool.k[l]));
+      DGSERVE_RETURN_IF_ERROR(move(f.v, pool.v[l]));
+    }
+  }
+  // The device-to-device copies may return before they are done; the old arrays are freed next.
+  DGSERVE_RETURN_IF_ERROR(
+      CudaCheck(cudaDeviceSynchronize(), "cudaDeviceSynchronize (K/V block compaction)"));
+  fresh.clear();
+  std::vector<int32_t> to(pool.blocks, -1);
+  for (const auto& [src, dst] : moves) {
+    to[src] = dst;
+    pool.refs[dst] = pool.refs[src];
+    pool.refs[src] = 0;
+    if (!pool.signature[src].empty()) {  // registered: the registry names the new id
+      pool.registry[{pool.signature[src].back(), pool.index_of[src]}] = dst;
+      pool.signature[dst] = std::move(pool.signature[src]);
+      pool.signature[src].clear();
+      pool.index_of[dst] = pool.index_of[src];
+    }
+  }
+  // Every table naming a moved block, uploaded now: a mirror of the current pass may have had
+  // its table uploaded already.
+  for (auto& [kv, m] : mirrors_) {
+    bool changed = false;
+    for (int32_t& b : m->blocks[kind]) {
+      if (b >= 0 && to[b] >= 0) {
+        b = to[b];
+        changed = true;
+      }
+    }
+    if (!changed) continue;
+    if (m->tables[kind].size() >= m->blocks[kind].size()) {
+      DGSERVE_RETURN_IF_ERROR(
+          m->tables[kind].UploadAsync(m->blocks[kind].data(), m->blocks[kind].size(), stream_));
+    } else {
+      m->tables_dirty = true;  // a mirror in SyncKvBlocks: its table grows and is uploaded there
+    }
+  }
+  const int given = pool.blocks - held;
+  pool.free_ids.clear();
+  pool.blocks = held;
+  pool.Resize(held);
+  ++kv_compactions_;
+  kv_blocks_moved_ += int64_t(moves.size());
+  return given;
+}
+
+absl::Status CudaBackend::CheckKvFits(int64_t positions) const {
+  if (!PagedKv() || options_.kv_pool_max_bytes == 0 || positions <= 0) return absl::OkStatus();
+  // The least a sequence of `positions` holds alone in a pass over them: every position's block
+  // on the full layers, the blocks of the window [positions − (W − 1), positions) on the sliding
+  // ones (more while the host lacks rows: KvCache::MaxSlidingRowsKept).
+  const int64_t B = options_.kv_block_size;
+  const int64_t blocks = (positions + B - 1) / B;
+  bool has[2] = {false, false};
+  for (int l = 0; l < c_.num_layers; ++l) has[KvKind(l)] = true;
+  const int64_t from = c_.sliding_window > 0 && options_.sliding_kv_ring
+                           ? std::max<int64_t>(0, positions - (c_.sliding_window - 1))
+                           : 0;
+  const int64_t full = has[kKvFull] ? blocks : 0;
+  const int64_t sliding = has[kKvSliding] ? blocks - from / B : 0;
+  const int64_t need = full * KvPoolBlockBytes(kKvFull) + sliding * KvPoolBlockBytes(kKvSliding);
+  if (need <= int64_t(options_.kv_pool_max_bytes)) return absl::OkStatus();
+  return absl::OutOfRangeError(
+      absl::StrCat("a sequence of ", positions, " positions needs ", need,
+                   " bytes of device K/V blocks (", full, " full-attention and ", sliding,
+                   " sliding-window blocks of ", B, " positions); the device K/V pool's bound is ",
+                   options_.kv_pool_max_bytes, " bytes (--cuda_kv_pool_gb)"));
+}
+
+}  // namespace cuda_internal
+}  // namespace dgserve
