@@ -68,6 +68,12 @@ struct DeviceKvStats {
 // CUDA backend. Thread-safe (the CUDA backend takes its lock: a call may wait for a pass).
 std::optional<DeviceKvStats> GetDeviceKvStats(const ModelBackend& backend);
 
+// The refusal of `--device cuda` by a binary built without the CUDA backend, naming how to get
+// one: "--device cuda: this binary was built without the CUDA backend (configure with
+// -DDGSERVE_CUDA_BACKEND=ON ...)". CreateBackend's FAILED_PRECONDITION carries it; a program
+// that refuses the flag itself before loading anything (engine_bench) prints it.
+std::string CudaBackendMissingMessage();
+
 // Checks `selection` without loading anything (call it before a checkpoint load, so that a typo
 // does not cost the load): INVALID_ARGUMENT "--device X: must be 'cpu' or 'cuda'" for another
 // device. CreateBackend checks the same.
