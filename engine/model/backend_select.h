@@ -1,8 +1,8 @@
 // The backend a program selects ("cpu" or "cuda") and its options, as a plain struct that the
 // program fills (from its flags: worker/backend_flags.h); the engine reads no flag or environment
 // variable. This is the one place in dgserve that knows whether the CUDA backend is linked into
-// the binary (DGSERVE_HAVE_CUDA, set on this library only when CMake is configured with
-// -DDGSERVE_CUDA_BACKEND=ON and a CUDA toolkit is found).
+// the binary (DGSERVE_HAVE_CUDA, set on this library, and its test, only when CMake is configured
+// with -DDGSERVE_CUDA_BACKEND=ON and a CUDA toolkit is found).
 #pragma once
 
 #include <cstdint>
