@@ -348,7 +348,7 @@ int Run() {
     }
     backend = *std::move(created);
 #else
-    std::fprintf(stderr, "--device cuda: this binary was built without the CUDA backend\n");
+    std::fprintf(stderr, "%s\n", CudaBackendMissingMessage().c_str());
     return 1;  // main() refuses it first; kept so that Run() never goes on without a backend
 #endif
   }
@@ -714,10 +714,8 @@ int main(int argc, char** argv) {
       "[--mem_bandwidth_gbs GB/s] [--logit_scale X] [--synthetic] [--synthetic_kv] "
       "[--batches 1,2,4] [--step_budget_s S] [--phase_timing] [--cuda_graphs=false] "
       "[--cuda_tensor_core_attention=false] [--cuda_defer_kv_host_copy=false] "
-      "[--cuda_kv_block_size N] "
-      "[--calibrate_copy_mb MB] "
-      "[--calibrate_gemm_n N] [--cpu_gemm_input float32|bf16] "
-      "[--cpu_gemm_inputs float32,bf16 [--repeats R]]",
+      "[--cuda_kv_block_size N] [--calibrate_copy_mb MB] [--calibrate_gemm_n N] "
+      "[--cpu_gemm_input float32|bf16] [--cpu_gemm_inputs float32,bf16 [--repeats R]]",
       "bench/engine_bench.cc");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
@@ -726,7 +724,10 @@ int main(int argc, char** argv) {
   }
 #ifndef DGSERVE_HAVE_CUDA
   if (absl::GetFlag(FLAGS_device) == "cuda") {  // before any model is generated or loaded
-    std::fprintf(stderr, "--device cuda: this binary was built without the CUDA backend\n");
+    std::fprintf(stderr,
+                 "%s; or engine_bench_emu (built with the tests, -DDGSERVE_BUILD_GPU_EMU=ON) "
+                 "runs it on the host emulation of the device, without a GPU (no real times)\n",
+                 dgserve::CudaBackendMissingMessage().c_str());
     return 1;
   }
 #endif

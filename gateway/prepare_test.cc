@@ -1,5 +1,6 @@
 // Gateway::Prepare's prompt bound (--max_prompt_tokens, issue 36 item 6): a prompt longer than
-// the gateway's limit is INVALID_ARGUMENT naming its field, before any worker is involved.
+// the gateway's limit is INVALID_ARGUMENT naming its field, before any worker is involved; and
+// what the Sudoku model's prompts make of characters outside its vocabulary.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -12,12 +13,14 @@
 #include "engine/model/config.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "gateway/gateway.h"
+#include "gateway/openai_api.h"
 
 namespace dgserve {
 namespace {
 
 using ::dgserve::testing::IsOk;
 using ::dgserve::testing::StatusIs;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 std::string SourceDir() {
@@ -131,6 +134,44 @@ TEST_F(PrepareTest, ADrainingGatewayRefusesNewRequestsAsUnavailable) {
   gateway.SetDraining(true);
   EXPECT_THAT(gateway.CheckAdmission(), StatusIs(absl::StatusCode::kUnavailable));
   EXPECT_EQ(gateway.CheckAdmission().message(), "gateway is draining");
+}
+
+// Characters outside the Sudoku model's vocabulary (models/sudoku: "\n", "▁", ".", digits and
+// control tokens) reach the model as <unk> (3), one per run, as vLLM's Hugging Face tokenizer
+// gives them: a prompt from /v1/completions, /v1/chat/completions or gRPC (the same
+// v1::GenerateRequest) is accepted, not refused, and nothing in it is dropped. Expected ids from
+// npm @lenml/tokenizers 3.7.2 (transformers.js) on models/sudoku/tokenizer.json, node 20:
+// encode("1é 2∑😀x\n") -> [2, 110, 3, 108, 111, 3, 107]; encode of the chat template's text
+// "<bos><|turn>user\nPuzzle: 1é 2∑😀x<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+// with add_special_tokens false -> the ids below.
+TEST(PrepareSudokuTest, CharactersOutsideTheVocabularyBecomeUnk) {
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(SourceDir() + "/models/sudoku/config.json");
+  ASSERT_THAT(config, IsOk());
+  absl::StatusOr<Tokenizer> tokenizer =
+      Tokenizer::Load(SourceDir() + "/models/sudoku/tokenizer.json");
+  ASSERT_THAT(tokenizer, IsOk());
+  GatewayOptions options;
+  options.model_id = "sudoku";
+  const Gateway gateway(*config, GenerationConfig{}, *std::move(tokenizer), options, nullptr,
+                        nullptr, nullptr);
+  const std::string text = "1\xc3\xa9 2\xe2\x88\x91\xf0\x9f\x98\x80x\n";  // "1é 2∑😀x\n"
+
+  absl::StatusOr<OpenAiRequest> completions =
+      ParseCompletionsRequest(R"({"prompt": "1\u00e9 2\u2211\ud83d\ude00x\n", "max_tokens": 1})");
+  ASSERT_THAT(completions, IsOk());
+  EXPECT_EQ(completions->request.text(), text);  // the HTTP front end passes it on as sent
+  absl::StatusOr<PreparedRequest> p = gateway.Prepare(completions->request);
+  ASSERT_THAT(p, IsOk());
+  EXPECT_THAT(p->prompt, ElementsAre(2, 110, 3, 108, 111, 3, 107));
+
+  absl::StatusOr<OpenAiRequest> chat = ParseChatCompletionsRequest(
+      R"({"messages": [{"role": "user", "content": "Puzzle: 1\u00e9 2\u2211\ud83d\ude00x"}],)"
+      R"( "max_tokens": 1})");
+  ASSERT_THAT(chat, IsOk());
+  p = gateway.Prepare(chat->request);
+  ASSERT_THAT(p, IsOk());
+  EXPECT_THAT(p->prompt, ElementsAre(2, 105, 3, 107, 3, 108, 110, 3, 108, 111, 3, 106, 107, 105, 3,
+                                     107, 100, 3, 107, 101));
 }
 
 }  // namespace

@@ -8,6 +8,13 @@
 
 namespace dgserve {
 
+std::string CudaBackendMissingMessage() {
+  // DGSERVE_CUDA_BACKEND=ON links the backend only where CMake finds the CUDA toolkit.
+  return "--device cuda: this binary was built without the CUDA backend (configure with "
+         "-DDGSERVE_CUDA_BACKEND=ON on a machine with the CUDA toolkit, as tools/gpu_check.sh "
+         "does)";
+}
+
 absl::Status CheckBackendSelection(const BackendSelection& selection) {
   if (selection.device != "cpu" && selection.device != "cuda") {
     return absl::InvalidArgumentError(
@@ -59,9 +66,7 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const BackendSelecti
   }
   return backend;
 #else
-  return absl::FailedPreconditionError(
-      "--device cuda: this binary was built without the CUDA backend (configure with "
-      "-DDGSERVE_CUDA_BACKEND=ON)");
+  return absl::FailedPreconditionError(CudaBackendMissingMessage());
 #endif
 }
 

@@ -1,8 +1,8 @@
 // The backend a program selects ("cpu" or "cuda") and its options, as a plain struct that the
 // program fills (from its flags: worker/backend_flags.h); the engine reads no flag or environment
 // variable. This is the one place in dgserve that knows whether the CUDA backend is linked into
-// the binary (DGSERVE_HAVE_CUDA, set on this library only when CMake is configured with
-// -DDGSERVE_CUDA_BACKEND=ON and a CUDA toolkit is found).
+// the binary (DGSERVE_HAVE_CUDA, set on this library, and its test, only when CMake is configured
+// with -DDGSERVE_CUDA_BACKEND=ON and a CUDA toolkit is found).
 #pragma once
 
 #include <cstdint>
@@ -70,6 +70,12 @@ struct DeviceKvStats {
 // GetCudaKvCopyStats); nullopt for any other backend, and always in a binary built without the
 // CUDA backend. Thread-safe (the CUDA backend takes its lock: a call may wait for a pass).
 std::optional<DeviceKvStats> GetDeviceKvStats(const ModelBackend& backend);
+
+// The refusal of `--device cuda` by a binary built without the CUDA backend, naming how to get
+// one: "--device cuda: this binary was built without the CUDA backend (configure with
+// -DDGSERVE_CUDA_BACKEND=ON ...)". CreateBackend's FAILED_PRECONDITION carries it; a program
+// that refuses the flag itself before loading anything (engine_bench) prints it.
+std::string CudaBackendMissingMessage();
 
 // Checks `selection` without loading anything (call it before a checkpoint load, so that a typo
 // does not cost the load): INVALID_ARGUMENT "--device X: must be 'cpu' or 'cuda'" for another

@@ -54,6 +54,22 @@ TEST_F(BackendSelectTest, UnknownDeviceIsInvalidArgument) {
   EXPECT_THAT(CheckBackendSelection(s), IsOk());
 }
 
+// --device cuda in a binary built without the CUDA backend is refused naming how to get a build
+// that has it; every program that refuses the flag prints this one message.
+TEST_F(BackendSelectTest, CudaWithoutTheBackendNamesTheCMakeOption) {
+  const std::string message = CudaBackendMissingMessage();
+  EXPECT_EQ(message.rfind("--device cuda: this binary was built without the CUDA backend", 0), 0u)
+      << message;
+  EXPECT_NE(message.find("-DDGSERVE_CUDA_BACKEND=ON"), std::string::npos) << message;
+#ifndef DGSERVE_HAVE_CUDA
+  BackendSelection s;
+  s.device = "cuda";
+  const absl::Status st = Create(s);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(st.message(), message);
+#endif
+}
+
 TEST_F(BackendSelectTest, GemmIsaIsAppliedAndAnUnsupportedOneRefused) {
   const cpu::GemmIsa before = cpu::ActiveGemmIsa();
   BackendSelection s;

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/testing/status_matchers.h"
@@ -481,6 +482,41 @@ TEST(TokenizerBudgetTest, CharactersThatMakeNoIdDoNotCount) {
   EXPECT_THAT(tok->EncodeText(euros + "a", false, 5), ElementsAre(0));
   const std::vector<int32_t> ten = tok->EncodeText(euros + std::string(10, 'a'), false, 5);
   EXPECT_GT(ten.size(), 5u);
+}
+
+// Characters the Sudoku model's vocabulary has no piece for (it holds only "\n", "▁", "." and
+// the digits; BPE with unk_token "<unk>", fuse_unk, no byte fallback) become <unk> (3), one per
+// run of them, as in Hugging Face `tokenizers`: nothing is dropped. Expected ids from npm
+// @lenml/tokenizers 3.7.2 (transformers.js), node 20, in third_party/npm:
+//   TokenizerLoader.fromPreTrained({tokenizerJSON: <models/sudoku/tokenizer.json>,
+//   tokenizerConfig: {}}).encode(text, {add_special_tokens: false})
+TEST(TokenizerSudokuTest, CharactersOutsideTheVocabularyBecomeOneUnkPerRun) {
+  const char* dir = std::getenv("DGSERVE_SOURCE_DIR");
+  absl::StatusOr<Tokenizer> tok =
+      Tokenizer::Load(std::string(dir != nullptr ? dir : ".") + "/models/sudoku/tokenizer.json");
+  ASSERT_THAT(tok, IsOk());
+  const std::vector<std::pair<std::string, std::vector<int32_t>>> cases = {
+      {"\xc3\xa9", {3}},          // "é"
+      {"\xe2\x88\x91", {3}},      // "∑"
+      {"\xf0\x9f\x98\x80", {3}},  // an emoji
+      {"q", {3}},                 // a letter
+      {"1\xc3\xa9 2\xe2\x88\x91\xf0\x9f\x98\x80x\n", {110, 3, 108, 111, 3, 107}},
+      {"\xce\xa9x. 9\n\n", {3, 109, 108, 118, 107, 107}},  // "Ωx. 9\n\n"
+      {"h\xc3\xa9llo w\xc3\xb6rld 42.", {3, 108, 3, 108, 113, 111, 109}},
+  };
+  for (const auto& [text, ids] : cases) {
+    EXPECT_THAT(tok->Encode(text, /*add_bos=*/false), ElementsAreArray(ids)) << text;
+    EXPECT_THAT(tok->EncodeText(text, /*add_bos=*/false), ElementsAreArray(ids)) << text;
+    // The post-processor's <bos> (2) first, as encode(text) gives.
+    std::vector<int32_t> with_bos = {2};
+    with_bos.insert(with_bos.end(), ids.begin(), ids.end());
+    EXPECT_THAT(tok->EncodeText(text, /*add_bos=*/true), ElementsAreArray(with_bos)) << text;
+  }
+  // transformers.js decodes "1é 2"'s ids to "1<unk> 2", and to "1 2" with skip_special_tokens
+  // (<unk> is a special added token).
+  const std::vector<int32_t> ids = {110, 3, 108, 111};
+  EXPECT_EQ(tok->Decode(ids, /*skip_special=*/false), "1<unk> 2");
+  EXPECT_EQ(tok->Decode(ids, /*skip_special=*/true), "1 2");
 }
 
 }  // namespace
