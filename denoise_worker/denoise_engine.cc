@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "engine/denoise/sampler_params.h"
 #include "engine/generation/sample_run.h"
+#include "kvstore/paged_kv_cache.h"
 #include "service/canvas_template_proto.h"
 #include "worker/run_in_parts.h"
 
@@ -220,16 +221,23 @@ absl::Status DenoiseEngine::CheckFitsInPool(const v1::DenoiseRequest& r) const {
   const int64_t prompt = r.prompt_tokens();
   const int64_t canvases = (int64_t(r.max_new_tokens()) + C - 1) / C;
   // The K/V memory the backend bounds itself (the CUDA backend's device block pool): one sample
-  // at its largest, its prompt and every canvas but the last committed (the samples of a request
-  // need not be on the device at once: the engine steps them in parts).
+  // on a cache of this pool (its sliding rows kept), its prompt from the host, then its commits
+  // of C rows, the last canvas not committed (the samples of a request need not be on the device
+  // at once: the engine steps them in parts). The prompt alone first, to name the field.
   const int64_t positions = prompt + std::max<int64_t>(0, canvases - 1) * C;
-  if (absl::Status s = backend_->CheckKvFits(positions); !s.ok()) {
-    return absl::Status(
-        s.code(),
-        positions > prompt
-            ? absl::StrCat("max_new_tokens: a prompt of ", prompt, " tokens and ", canvases,
-                           " canvases of ", C, " (", canvases - 1, " committed): ", s.message())
-            : absl::StrCat("prompt_tokens: ", s.message()));
+  const kv::PagedKvCache like(pool_, backend_->config().max_position_embeddings);
+  KvPassPlan plan;
+  plan.first = prompt;
+  plan.positions = prompt;
+  plan.pass_tokens = C;
+  if (absl::Status s = backend_->CheckKvFits(like, plan); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("prompt_tokens: ", s.message()));
+  }
+  plan.positions = positions;
+  if (absl::Status s = backend_->CheckKvFits(like, plan); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("max_new_tokens: a prompt of ", prompt,
+                                               " tokens and ", canvases, " canvases of ", C, " (",
+                                               canvases - 1, " committed): ", s.message()));
   }
   const kv::KvLayout& layout = pool_->layout();
   const int full = int(kv::LayerKind::kFull);

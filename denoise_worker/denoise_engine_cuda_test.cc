@@ -14,9 +14,10 @@
 //     give Generator's tokens. A third request of 280 positions (70 full blocks and 2 sliding,
 //     78 KiB) fits alone once the two pools give each other the memory of their unheld blocks
 //     (compaction), and completes beside a fourth that runs in parts with it.
-//   - OneRequestMayTakeTheWholeBound: at 128 KiB, requests whose one sample needs 481 positions
-//     are refused at Submit (OUT_OF_RANGE, bytes by hand); 480 positions, exactly the bound,
-//     complete with Generator's tokens.
+//   - OneRequestMayTakeTheWholeBound: at 128 KiB, requests one pass of whose sample needs more
+//     (a 481-position prompt's steps, a 464-position prompt's commit) are refused at Submit
+//     (OUT_OF_RANGE, bytes by hand); a 480-position prompt, exactly the bound, completes with
+//     Generator's tokens.
 //   - SamplesShareThePromptsDeviceBlocks: two samples of one 120-token prompt (sample 1 a fork
 //     of sample 0's cache, whole 16-token host blocks shared): sample 1's device mirror takes the
 //     device blocks of the 112 positions in whole host blocks (28 blocks of 4) instead of
@@ -198,16 +199,22 @@ TEST_F(DenoiseEngineCudaTest, PoolAtItsBoundRunsTheBatchInParts) {
 
 TEST_F(DenoiseEngineCudaTest, OneRequestMayTakeTheWholeBound) {
   ASSERT_NO_FATAL_FAILURE(StartEngine(128 * 1024));
-  // One sample at its largest (its prompt and every canvas but the last): 481 positions need 121
-  // full blocks (1 KiB) and the 3 sliding ones (4 KiB) of [474, 481): 136,192 bytes > 131,072.
-  // Refused at Submit, whichever field makes it so.
-  for (const auto& [prompt_tokens, new_tokens, field] :
-       {std::tuple{481, C(), "prompt_tokens: "}, std::tuple{465, 2 * C(), "max_new_tokens: "}}) {
+  // A prompt of 481 positions needs, for the steps over it, its 121 full blocks (1 KiB) and the
+  // 3 sliding ones (4 KiB) of [474, 481): 136,192 bytes > 131,072. Refused at Submit, naming
+  // prompt_tokens whatever max_new_tokens asks. A prompt of 464 fits (116 full blocks and the
+  // 2 sliding ones of [457, 464): 126,976), but its commit of a first canvas (464 → 480) holds
+  // 120 full blocks and the sliding blocks of [457, 464) (the window its first row reads) and of
+  // [464, 480) (the new rows the host lacks: the deferred copy), 6 blocks: 147,456 bytes, so a
+  // second canvas is refused, naming max_new_tokens (before, admitted, it failed in the commit).
+  for (const auto& [prompt_tokens, new_tokens, field, bytes] :
+       {std::tuple{481, C(), "prompt_tokens: ", "481 positions needs 136192 bytes"},
+        std::tuple{481, 2 * C(), "prompt_tokens: ", "481 positions needs 136192 bytes"},
+        std::tuple{464, 2 * C(), "max_new_tokens: ", "480 positions needs 147456 bytes"}}) {
     auto job = std::make_shared<DenoiseJob>(Request("over", prompt_tokens, new_tokens));
     const absl::Status s = engine_->Submit(job);
     EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
     EXPECT_EQ(s.message().rfind(field, 0), 0u) << s;
-    EXPECT_NE(s.message().find("481 positions needs 136192 bytes"), std::string::npos) << s;
+    EXPECT_NE(s.message().find(bytes), std::string::npos) << s;
   }
   // 480 positions: 120 full blocks and the 2 sliding ones of [473, 480), the whole bound. The
   // full pool grows to 128 blocks first; the sliding pool's first block comes from its 8 unheld

@@ -500,8 +500,12 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   // pool compacted to a's 2, ids 2 and 3, moved to 0 and 1; the full pool grows into half the
   // 8 KiB: 4 blocks), then a's (evicted), then the 4 blocks of room left; its sliding blocks are
   // a's. 289 positions need 73 full and 3 sliding blocks: 87,040 bytes.
-  EXPECT_TRUE(gpu.CheckKvFits(288).ok());
-  const absl::Status too_long = gpu.CheckKvFits(289);
+  const ContiguousKvCache like(config(), 300);  // keeps W − 1 sliding rows
+  KvPassPlan plan;                              // one pass from position 0
+  plan.positions = 288;
+  EXPECT_TRUE(gpu.CheckKvFits(like, plan).ok());
+  plan.positions = 289;
+  const absl::Status too_long = gpu.CheckKvFits(like, plan);
   EXPECT_EQ(too_long.code(), absl::StatusCode::kOutOfRange) << too_long;
   EXPECT_NE(too_long.message().find("289 positions needs 87040 bytes"), std::string::npos)
       << too_long;

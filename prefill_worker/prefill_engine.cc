@@ -114,9 +114,16 @@ absl::Status PrefillEngine::Submit(const v1::PrefillRequest& request, Callback d
       }
     }
   }
-  // The same against the K/V memory the backend bounds itself (the CUDA backend's device pool).
-  if (absl::Status s = backend_->CheckKvFits(request.tokens_size()); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("tokens: ", s.message()));
+  // The same against the K/V memory the backend bounds itself (the CUDA backend's device pool):
+  // the prompt's chunks on a cache of this pool (its sliding rows kept), none cached.
+  {
+    const kv::PagedKvCache like(pool_, c.max_position_embeddings);
+    KvPassPlan plan;
+    plan.positions = request.tokens_size();
+    plan.pass_tokens = options_.chunk_tokens;
+    if (absl::Status s = backend_->CheckKvFits(like, plan); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("tokens: ", s.message()));
+    }
   }
   if (request.kv_target().empty()) {
     return absl::InvalidArgumentError("kv_target: must name the denoise worker");
@@ -271,8 +278,8 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
     if (metrics_) metrics_->passes_in_parts.Increment();
     if (largest > 0) step_limit_ = int(largest);
     DGSERVE_LOG_WARNING(
-        "encoder pass of %zu prompts refused (backend out of K/V memory), run again as %d "
-        "smaller passes",
+        "encoder pass of %zu prompts refused (out of K/V memory), run again as %d smaller "
+        "passes",
         batch.size(), parts);
   }
   const double secs = absl::ToDoubleSeconds(absl::Now() - t0);

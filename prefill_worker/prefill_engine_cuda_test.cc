@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -174,9 +175,12 @@ TEST_F(PrefillEngineCudaTest, PrefixHitTakesTheFinishedPromptsDeviceBlocks) {
 // longer); a pass over both is refused and runs as one prompt after the other (PrefillEngine's
 // RunInParts, the other prompt's device-only rows swapped out to its cache), where before every
 // request of the pass failed with RESOURCE_EXHAUSTED; then one prompt a step until it ships. The
-// shipped K/V equals an unbounded run's bit for bit. A prompt that needs more than the bound alone
-// (769 positions: 13 full blocks and the 2 sliding ones of [762, 769), 344,064 bytes) is refused at
-// Submit with OUT_OF_RANGE.
+// shipped K/V equals an unbounded run's bit for bit. A prompt one chunk of which needs more than
+// the bound alone is refused at Submit with OUT_OF_RANGE: 712 tokens, whose last chunk (704 → 712)
+// holds 12 full blocks and the sliding blocks of the rows the host keeps and lacks (from the paged
+// host cache's SlidingRetainedFrom(704) on) and of the new rows: blocks 10 and 11, 327,680 bytes
+// (admitted before by the window alone, 256 KiB, it failed in that chunk); 769 tokens, 13 full
+// and 2 sliding blocks, 344,064 bytes.
 TEST_F(PrefillEngineCudaTest, PromptsThatFitOnlyAloneRunInParts) {
   const std::vector<std::vector<int32_t>> prompts = {Prompt(150, 5), Prompt(150, 6)};
   Run plain;
@@ -200,13 +204,16 @@ TEST_F(PrefillEngineCudaTest, PromptsThatFitOnlyAloneRunInParts) {
   v1::PrefillRequest r;
   r.set_kv_target(target);
   r.set_request_id("too-long");
-  const std::vector<int32_t> long_prompt = Prompt(769, 7);
-  r.mutable_tokens()->Assign(long_prompt.begin(), long_prompt.end());
-  const absl::Status refused = engine->Submit(r, [](absl::StatusOr<v1::PrefillResponse>) {});
-  EXPECT_EQ(refused.code(), absl::StatusCode::kOutOfRange) << refused;
-  EXPECT_NE(refused.message().find("tokens: a sequence of 769 positions needs 344064 bytes"),
-            std::string::npos)
-      << refused;
+  for (const auto& [tokens, what] : {std::pair{712, "712 positions needs 327680 bytes"},
+                                     std::pair{769, "769 positions needs 344064 bytes"}}) {
+    const std::vector<int32_t> long_prompt = Prompt(tokens, 7);
+    r.mutable_tokens()->Assign(long_prompt.begin(), long_prompt.end());
+    const absl::Status refused = engine->Submit(r, [](absl::StatusOr<v1::PrefillResponse>) {});
+    EXPECT_EQ(refused.code(), absl::StatusCode::kOutOfRange) << refused;
+    EXPECT_NE(refused.message().find(std::string("tokens: a sequence of ") + what),
+              std::string::npos)
+        << refused;
+  }
   absl::Notification done[2];
   absl::Status result[2];
   for (int i = 0; i < 2; ++i) {

@@ -30,7 +30,7 @@ PrefillMetrics::PrefillMetrics(prometheus::Registry& r)
                                   "Encoder throughput of the last step (tokens/s)")),
       passes_in_parts(MakeCounter(
           r, "dgserve_prefill_passes_in_parts_total",
-          "Encoder passes the backend refused for want of K/V memory (RESOURCE_EXHAUSTED: the "
-          "device block pool full) and ran in parts")) {}
+          "Encoder passes refused for want of K/V memory (RESOURCE_EXHAUSTED: the device block "
+          "pool or the host KV pool full) and ran in parts")) {}
 
 }  // namespace dgserve

@@ -94,7 +94,6 @@ class KvMetricsCudaTest : public ::testing::Test {
     EXPECT_EQ(Metric("bytes"), double(p.device_bytes));
     EXPECT_EQ(Metric("shared_blocks_total"), double(p.shared_blocks_taken));
     EXPECT_EQ(Metric("swap_outs_total"), double(p.swap_outs));
-    EXPECT_EQ(Metric("compactions_total"), double(p.compactions));
     EXPECT_EQ(Metric("upload_bytes_total"), double(c.upload_bytes));
     EXPECT_EQ(Metric("sync_to_host_bytes_total"), double(c.sync_to_host_bytes));
   }

@@ -512,7 +512,7 @@ class CudaBackend final : public ModelBackend {
   absl::Status SoftEmbedding(const float* probs, int rows, float* soft) override;
   int prefill_chunk_tokens() const override { return kGpuPrefillChunkTokens; }
   absl::Status SyncKvToHost(KvCache& kv) override;
-  absl::Status CheckKvFits(int64_t positions) const override;
+  absl::Status CheckKvFits(const KvCache& like, const KvPassPlan& plan) const override;
   DecodeTimings last_decode_timings() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return timings_;
@@ -580,16 +580,17 @@ class CudaBackend final : public ModelBackend {
   // their caches first (SwapOutOneMirror), else the other pool compacted again;
   // RESOURCE_EXHAUSTED when none frees one.
   absl::StatusOr<int32_t> AllocateKvBlock(int kind);
-  // Gives back the device memory of pool `kind`'s blocks no sequence holds: its cached blocks are
-  // dropped (their rows are on the host), every held block at or past the number held moves to a
-  // free id below it (its rows copied on the device; every mirror's table entry, now uploaded,
-  // and the block's registration follow), and the arrays are reallocated at the blocks held. The
-  // stream is drained first. Returns the blocks given back; RESOURCE_EXHAUSTED when the device
-  // refuses the smaller arrays (nothing then changes but the dropped cached blocks).
-  absl::StatusOr<int> CompactKvPool(int kind);
+  // Gives back the device memory of pool `kind`'s free blocks (and of its cached ones with
+  // drop_cached: their rows are on the host): every kept block (held, or cached and kept) at or
+  // past the number kept moves to a free id below it (its rows copied on the device; every
+  // mirror's table entry, the table then uploaded whole, and the block's registration and place
+  // in the release order follow), and the arrays are reallocated at the blocks kept. The stream
+  // is drained first. Returns the blocks given back; RESOURCE_EXHAUSTED when the device refuses
+  // the smaller arrays (nothing then changes but the dropped cached blocks).
+  absl::StatusOr<int> CompactKvPool(int kind, bool drop_cached);
   // Grows pool `kind` (doubled, from 64 blocks; fewer within options_.kv_pool_max_bytes, both
   // pools counted), the stream drained first (queued copies may still write the old arrays).
-  // RESOURCE_EXHAUSTED at the bound; INTERNAL when the device refuses the memory. half_the_room:
+  // RESOURCE_EXHAUSTED at the bound or when the device refuses the memory. half_the_room:
   // at most half (rounded up) of the blocks the bound still has room for.
   absl::Status GrowKvPool(int kind, bool half_the_room = false);
   // Device bytes of one block of pool `kind` (K and V of every layer of the kind).

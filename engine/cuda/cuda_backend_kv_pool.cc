@@ -104,7 +104,8 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   if ((b = pool.Take()) >= 0) return b;
   // Where the bound refuses: the memory of the other kind's blocks no sequence holds (the two
   // pools share one bound, and whichever grew first may hold most of it: a long sequence after
-  // many short ones), a copy on the device, before anything that copies rows over the host link.
+  // many short ones), a copy on the device, before idle sequences' blocks are taken (their rows
+  // would come back over the host link at their next pass).
   // This pool grows into half of it, so that the other grows into the rest without compacting
   // this one at its next block (the two would otherwise take turns at every block).
   const auto from_other_pool = [&]() -> absl::StatusOr<int32_t> {
@@ -112,16 +113,22 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
     // the pass's other buffers may need as much (the pools' doubling would take it all).
     if (options_.kv_pool_max_bytes == 0) return -1;
     const KvBlockPool& other = kv_pools_[1 - kind];
-    const int64_t unheld = other.blocks - other.in_use();  // free and cached
-    if (unheld == 0) return -1;
-    // Worth it only if a block of this kind then fits.
+    const int64_t free_ids = int64_t(other.free_ids.size()), cached = int64_t(other.cached.size());
+    if (free_ids + cached == 0) return -1;
+    // Worth it only if a block of this kind then fits; the other pool's cached blocks are kept
+    // (a later prefix hit needs both kinds' blocks) where its free ones are enough.
     const int64_t used = int64_t(kv_pools_[kKvFull].blocks) * KvPoolBlockBytes(kKvFull) +
                          int64_t(kv_pools_[kKvSliding].blocks) * KvPoolBlockBytes(kKvSliding);
-    const int64_t room =
-        int64_t(options_.kv_pool_max_bytes) - used + unheld * KvPoolBlockBytes(1 - kind);
-    if (room < KvPoolBlockBytes(kind)) return -1;
-    DGSERVE_ASSIGN_OR_RETURN(const int given, CompactKvPool(1 - kind));
-    if (given == 0) return -1;
+    const int64_t room = int64_t(options_.kv_pool_max_bytes) - used;
+    const int64_t other_block = KvPoolBlockBytes(1 - kind);
+    if (room + (free_ids + cached) * other_block < KvPoolBlockBytes(kind)) return -1;
+    const bool drop_cached = room + free_ids * other_block < KvPoolBlockBytes(kind);
+    const absl::StatusOr<int> given = CompactKvPool(1 - kind, drop_cached);
+    // The device refusing the smaller arrays (they are allocated beside the old ones): on to the
+    // idle sequences' blocks.
+    if (!given.ok() && given.status().code() == absl::StatusCode::kResourceExhausted) return -1;
+    if (!given.ok()) return given.status();
+    if (*given == 0) return -1;
     grown = GrowKvPool(kind, /*half_the_room=*/true);
     if (!grown.ok() && grown.code() != absl::StatusCode::kResourceExhausted) return grown;
     return pool.Take();
@@ -149,30 +156,32 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   return b;
 }
 
-absl::StatusOr<int> CudaBackend::CompactKvPool(int kind) {
+absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, bool drop_cached) {
   KvBlockPool& pool = kv_pools_[kind];
-  while (!pool.cached.empty()) {  // their rows are on the host (a later upload brings them back)
+  while (drop_cached && !pool.cached.empty()) {  // their rows are on the host (uploaded again)
     const int32_t b = pool.cached.begin()->second;
     pool.cached.erase(pool.cached.begin());
     pool.Unregister(b);
     pool.free_ids.push_back(b);
   }
-  const int held = pool.in_use();
-  if (held >= pool.blocks) return 0;
-  // As many held ids at or past `held` as free ids below it: each moves to one of those.
+  // Kept: held blocks and (unless dropped) cached ones, which are registered with no reference.
+  const auto kept = [&](int32_t b) { return pool.refs[b] > 0 || !pool.signature[b].empty(); };
+  const int count = pool.blocks - int(pool.free_ids.size());
+  if (count >= pool.blocks) return 0;
+  // As many kept ids at or past `count` as free ids below it: each moves to one of those.
   std::vector<int32_t> below;
   for (const int32_t b : pool.free_ids) {
-    if (b < held) below.push_back(b);
+    if (b < count) below.push_back(b);
   }
   std::vector<std::pair<int32_t, int32_t>> moves;  // (from, to)
-  for (int32_t b = held; b < pool.blocks; ++b) {
-    if (pool.refs[b] == 0) continue;
+  for (int32_t b = count; b < pool.blocks; ++b) {
+    if (!kept(b)) continue;
     if (below.empty()) return absl::InternalError("K/V block pool compaction: reference counts");
     moves.emplace_back(b, below.back());
     below.pop_back();
   }
   // The smaller arrays first (a refusal changes nothing more), then the queued work on the old
-  // ones drained, the first `held` blocks copied and the moved blocks after them.
+  // ones drained, the first `count` blocks copied and the moved blocks after them.
   const int64_t B = options_.kv_block_size;
   struct Fresh {
     int layer;
@@ -182,7 +191,7 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind) {
   std::vector<Fresh> fresh;
   for (int l = 0; l < c_.num_layers; ++l) {
     if (KvKind(l) != kind) continue;
-    const size_t n = size_t(held) * B * c_.KvHeads(l) * c_.HeadDim(l);
+    const size_t n = size_t(count) * B * c_.KvHeads(l) * c_.HeadDim(l);
     Fresh& f = fresh.emplace_back();
     f.layer = l;
     absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
@@ -197,7 +206,7 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind) {
     const int l = f.layer;
     const size_t per_block = size_t(B) * c_.KvHeads(l) * c_.HeadDim(l);
     const auto move = [&](auto& to, auto& from) -> absl::Status {
-      DGSERVE_RETURN_IF_ERROR(to.CopyPrefixFrom(from, size_t(held) * per_block));
+      DGSERVE_RETURN_IF_ERROR(to.CopyPrefixFrom(from, size_t(count) * per_block));
       for (const auto& [src, dst] : moves) {
         DGSERVE_RETURN_IF_ERROR(CudaCheck(
             cudaMemcpy(to.get() + size_t(dst) * per_block, from.get() + size_t(src) * per_block,
@@ -224,6 +233,11 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind) {
     to[src] = dst;
     pool.refs[dst] = pool.refs[src];
     pool.refs[src] = 0;
+    if (pool.refs[dst] == 0) {  // cached: it keeps its place in the release order
+      pool.cached.erase({pool.released_at[src], src});
+      pool.cached.insert({pool.released_at[src], dst});
+      pool.released_at[dst] = pool.released_at[src];
+    }
     if (!pool.signature[src].empty()) {  // registered: the registry names the new id
       pool.registry[{pool.signature[src].back(), pool.index_of[src]}] = dst;
       pool.signature[dst] = std::move(pool.signature[src]);
@@ -242,43 +256,80 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind) {
       }
     }
     if (!changed) continue;
-    if (m->tables[kind].size() >= m->blocks[kind].size()) {
-      DGSERVE_RETURN_IF_ERROR(
-          m->tables[kind].UploadAsync(m->blocks[kind].data(), m->blocks[kind].size(), stream_));
-    } else {
-      m->tables_dirty = true;  // a mirror in SyncKvBlocks: its table grows and is uploaded there
+    // Grown where it is shorter than the blocks (a mirror inside SyncKvBlocks, or one whose
+    // SyncKvBlocks failed after growing its blocks): the whole table is written here. The stream
+    // is drained (no queued copy reads the old table).
+    if (m->tables[kind].size() < m->blocks[kind].size()) {
+      DGSERVE_RETURN_IF_ERROR(m->tables[kind].Grow(m->blocks[kind].size(), 0));
     }
+    DGSERVE_RETURN_IF_ERROR(
+        m->tables[kind].UploadAsync(m->blocks[kind].data(), m->blocks[kind].size(), stream_));
   }
-  const int given = pool.blocks - held;
+  const int given = pool.blocks - count;
   pool.free_ids.clear();
-  pool.blocks = held;
-  pool.Resize(held);
+  pool.blocks = count;
+  pool.Resize(count);
   ++kv_compactions_;
   kv_blocks_moved_ += int64_t(moves.size());
   return given;
 }
 
-absl::Status CudaBackend::CheckKvFits(int64_t positions) const {
-  if (!PagedKv() || options_.kv_pool_max_bytes == 0 || positions <= 0) return absl::OkStatus();
-  // The least a sequence of `positions` holds alone in a pass over them: every position's block
-  // on the full layers, the blocks of the window [positions − (W − 1), positions) on the sliding
-  // ones (more while the host lacks rows: KvCache::MaxSlidingRowsKept).
+absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& plan) const {
+  if (!PagedKv() || options_.kv_pool_max_bytes == 0 || plan.positions <= 0) {
+    return absl::OkStatus();
+  }
   const int64_t B = options_.kv_block_size;
-  const int64_t blocks = (positions + B - 1) / B;
   bool has[2] = {false, false};
   for (int l = 0; l < c_.num_layers; ++l) has[KvKind(l)] = true;
-  const int64_t from = c_.sliding_window > 0 && options_.sliding_kv_ring
-                           ? std::max<int64_t>(0, positions - (c_.sliding_window - 1))
-                           : 0;
-  const int64_t full = has[kKvFull] ? blocks : 0;
-  const int64_t sliding = has[kKvSliding] ? blocks - from / B : 0;
-  const int64_t need = full * KvPoolBlockBytes(kKvFull) + sliding * KvPoolBlockBytes(kKvSliding);
-  if (need <= int64_t(options_.kv_pool_max_bytes)) return absl::OkStatus();
+  // As SyncMirror marks a mirror of `like` and SyncKvBlocks holds its blocks for a pass from n
+  // to `need` positions: full layers every position's block; sliding layers those of
+  // [SlidingKeepFrom, n) (the window, and the rows the host keeps and lacks) and of the new rows
+  // they keep.
+  const bool deferred = options_.defer_kv_host_copy && options_.sliding_kv_ring &&
+                        like.MaxSlidingRowsKept() < std::numeric_limits<int>::max();
+  const auto blocks_from = [&](int64_t from, int64_t to) {  // block indices [from / B, ⌈to / B⌉)
+    return from < to ? (to + B - 1) / B - from / B : int64_t{0};
+  };
+  int64_t worst = 0, worst_full = 0, worst_sliding = 0, worst_n = 0;
+  const auto pass = [&](int64_t n, int64_t need) {
+    const int64_t full = has[kKvFull] ? (need + B - 1) / B : 0;
+    int64_t sliding = 0;
+    if (has[kKvSliding]) {
+      const int lacks = deferred && plan.first < n ? int(plan.first) : int(n);
+      const int64_t keep = SlidingKeepFrom(like, int(n), lacks);
+      const int64_t write =
+          need > n ? std::max<int64_t>(
+                         n, SlidingKeepFrom(like, int(need), deferred ? int(n) : int(need)))
+                   : need;
+      // The two ranges' blocks, a block they share counted once.
+      const int64_t shared = std::max<int64_t>(
+          0, std::min((n + B - 1) / B, (need + B - 1) / B) - std::max(keep / B, write / B));
+      sliding =
+          blocks_from(keep, n) + blocks_from(write, need) - (keep < n && write < need ? shared : 0);
+    }
+    const int64_t bytes = full * KvPoolBlockBytes(kKvFull) + sliding * KvPoolBlockBytes(kKvSliding);
+    if (bytes > worst) {
+      worst = bytes;
+      worst_full = full;
+      worst_sliding = sliding;
+      worst_n = n;
+    }
+  };
+  const int64_t first = std::clamp<int64_t>(plan.first, 0, plan.positions);
+  for (int64_t n = first; n < plan.positions;) {
+    const int64_t need =
+        plan.pass_tokens > 0 ? std::min(plan.positions, n + plan.pass_tokens) : plan.positions;
+    pass(n, need);
+    n = need;
+  }
+  pass(plan.positions, plan.positions);  // the decoder passes over all of them
+  if (worst <= int64_t(options_.kv_pool_max_bytes)) return absl::OkStatus();
   return absl::OutOfRangeError(
-      absl::StrCat("a sequence of ", positions, " positions needs ", need,
-                   " bytes of device K/V blocks (", full, " full-attention and ", sliding,
-                   " sliding-window blocks of ", B, " positions); the device K/V pool's bound is ",
-                   options_.kv_pool_max_bytes, " bytes (--cuda_kv_pool_gb)"));
+      absl::StrCat("a sequence of ", plan.positions, " positions needs ", worst,
+                   " bytes of device K/V blocks in its pass from position ", worst_n, " (",
+                   worst_full, " full-attention and ", worst_sliding, " sliding-window blocks of ",
+                   B, " positions); the device K/V pool's bound is ", options_.kv_pool_max_bytes,
+                   " bytes (--cuda_kv_pool_gb)"));
 }
 
 }  // namespace cuda_internal

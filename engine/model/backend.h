@@ -84,6 +84,17 @@ struct DecodeTimings {
   int64_t sc_rows_kept_dense = 0;
 };
 
+// One sequence's passes over its K/V, for ModelBackend::CheckKvFits: rows [0, first) reach the
+// backend from the host cache (a KV transfer or a prefix hit: the host keeps them), then encoder
+// passes write rows [first, positions), at most pass_tokens each (≤ 0: one pass), the rows they
+// write left to the backend until synced (the deferred host copy), each pass followed by
+// decoder passes over the rows so far.
+struct KvPassPlan {
+  int64_t first = 0;
+  int64_t positions = 0;
+  int64_t pass_tokens = 0;
+};
+
 class ModelBackend {
  public:
   virtual ~ModelBackend() = default;
@@ -133,17 +144,18 @@ class ModelBackend {
     return CheckHostRowsCurrent(kv, "SyncKvToHost");
   }
 
-  // Whether one sequence of `positions` K/V positions (its prompt and committed canvases) can
-  // ever be held by the K/V memory this backend bounds itself, whatever else runs: OUT_OF_RANGE,
-  // naming both sizes, when the least that sequence holds alone during a pass exceeds the bound
-  // (the CUDA backend's device block pool at CudaBackendOptions::kv_pool_max_bytes: every
-  // position's block on the full layers, the window's on the sliding ones). OK otherwise, and
-  // always for a backend that keeps K/V only in the caller's caches (the CPU backend), so a
-  // caller refuses a request early (HTTP 400) that would otherwise fail in its pass as
-  // RESOURCE_EXHAUSTED (HTTP 429, which clients retry). OK does not promise that a pass fits:
-  // with other sequences resident, or the device's memory short, a pass may still be refused.
-  virtual absl::Status CheckKvFits(int64_t positions) const {
-    (void)positions;
+  // Whether one sequence's passes (`plan`, on a cache shaped like `like`: its
+  // KvCache::SlidingRetainedFrom) can ever be run by the K/V memory this backend bounds itself,
+  // whatever else runs: OUT_OF_RANGE, naming the bytes and the bound, when some pass needs more
+  // than the bound with the sequence alone (the CUDA backend's device block pool at
+  // CudaBackendOptions::kv_pool_max_bytes: the blocks its SyncKvBlocks holds for that pass). OK
+  // otherwise, and always for a backend that keeps K/V only in the caller's caches (the CPU
+  // backend), so a caller refuses a request early (HTTP 400) that would otherwise fail in a pass
+  // as RESOURCE_EXHAUSTED (HTTP 429, which clients retry). OK does not promise that a pass fits:
+  // with other sequences resident, or the device's memory short, it may still be refused.
+  virtual absl::Status CheckKvFits(const KvCache& like, const KvPassPlan& plan) const {
+    (void)like;
+    (void)plan;
     return absl::OkStatus();
   }
 };
