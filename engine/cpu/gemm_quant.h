@@ -177,6 +177,44 @@ struct WidenKernels {
 WidenKernels PortableWiden();
 WidenKernels Avx2Widen();
 WidenKernels Avx512Widen();
+
+// The in-register path (few rows): a tile of `rows` × 16·`panels` outputs over all of k, each
+// output ONE fma chain from +0 over k ascending of a · (the weight widened in registers to the
+// same float the Widen kernels write), stored to c[i·ldc + j] for j < 16·panels (no epilogue).
+struct DirectTile {
+  int k = 0;
+  const float* a = nullptr;  // row 0 at k = 0; rows lda apart
+  int64_t lda = 0;
+  const uint8_t* data[2] = {nullptr, nullptr};          // the panels' codes at k = 0
+  const float* scales[2] = {nullptr, nullptr};          // W4A16: the panels' [groups][16]
+  const uint8_t* block_scales[2] = {nullptr, nullptr};  // NVFP4: the panels' [k/16][16]
+  int group = 0;                                        // W4A16 group size
+  float* c = nullptr;
+  int64_t ldc = 0;
+};
+struct DirectKernels {
+  int max_rows = 0;    // rows per call at most (0: this ISA has no in-register path)
+  int max_panels = 0;  // 16-column panels per call at most
+  int tall_rows = 0;   // rows per call at most with one panel (≥ max_rows)
+  // rows in [1, max_rows] and panels in [1, max_panels], or rows in (max_rows, tall_rows] and
+  // one panel.
+  void (*fp8)(int rows, int panels, const DirectTile& t) = nullptr;
+  void (*int4)(int rows, int panels, const DirectTile& t) = nullptr;
+  void (*nvfp4)(int rows, int panels, const DirectTile& t) = nullptr;
+};
+DirectKernels Avx2Direct();    // needs AVX2 + FMA
+DirectKernels Avx512Direct();  // needs AVX-512F
+
+// Which way QuantLinear runs (tests and benchmarks; kAuto is QuantLinear's choice).
+enum class QuantPath {
+  kAuto,         // in registers for few rows where the ISA has the kernels, else widened blocks
+  kWidenBlock,   // widen panels per k block into float32, then Gemm()'s microkernels
+  kInRegister,   // the DirectKernels at any m (falls back to kWidenBlock where the ISA has none)
+};
+void QuantLinearPath(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa isa,
+                     GemmThreads threads, QuantPath path);
+// Rows up to which kAuto takes the in-register path.
+int QuantDirectMaxRows();
 }  // namespace quant_internal
 
 }  // namespace dgserve::cpu
