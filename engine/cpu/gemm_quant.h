@@ -195,9 +195,7 @@ struct DirectTile {
 struct DirectKernels {
   int max_rows = 0;    // rows per call at most (0: this ISA has no in-register path)
   int max_panels = 0;  // 16-column panels per call at most
-  int tall_rows = 0;   // rows per call at most with one panel (≥ max_rows)
-  // rows in [1, max_rows] and panels in [1, max_panels], or rows in (max_rows, tall_rows] and
-  // one panel.
+  // rows in [1, max_rows], panels in [1, max_panels]; null where the CPU lacks what one needs.
   void (*fp8)(int rows, int panels, const DirectTile& t) = nullptr;
   void (*int4)(int rows, int panels, const DirectTile& t) = nullptr;
   void (*nvfp4)(int rows, int panels, const DirectTile& t) = nullptr;
@@ -213,8 +211,8 @@ enum class QuantPath {
 };
 void QuantLinearPath(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa isa,
                      GemmThreads threads, QuantPath path);
-// Rows up to which kAuto takes the in-register path.
-int QuantDirectMaxRows();
+// Rows up to which kAuto takes the in-register path for format f on isa (0: never).
+int QuantDirectMaxRows(GemmIsa isa, QuantFormat f);
 }  // namespace quant_internal
 
 }  // namespace dgserve::cpu

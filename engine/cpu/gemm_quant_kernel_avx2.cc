@@ -154,15 +154,30 @@ inline __attribute__((always_inline)) void Store(const __m256 (&acc)[R][2], cons
   }
 }
 
+// e4m3 codes → float32 by way of fp16 (F16C): the code's exponent and mantissa put in an fp16's
+// bits 7..13 (sign at 15) make the e4m3 value / 256, normal or subnormal alike (fp16's exponent
+// bias is 8 more than e4m3's), VCVTPH2PS widens that exactly (fp16 subnormals included: MXCSR's
+// DAZ does not apply to it), and · 256 is exact: the same floats as E4m3x8 (code 0x7f, not a
+// value of the format, gives 480 in both) at 7 instructions for 16 columns instead of 24.
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void E4m3x16ViaHalf(
+    __m128i codes, __m256* lo, __m256* hi) {
+  const __m256i c = _mm256_cvtepi8_epi16(codes);  // sign-extended: bits 7..15 the sign
+  const __m256i h =
+      _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(int16_t(0xbf80)));
+  const __m256 k256 = _mm256_set1_ps(256.0f);
+  *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k256);
+  *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k256);
+}
+
 template <int R>
-void DirectFp8(const DirectTile& t) {
+__attribute__((target("avx2,fma,f16c"))) void DirectFp8(const DirectTile& t) {
   __m256 acc[R][2];
   Zero<R>(acc);
   const uint8_t* codes = t.data[0];
   for (int kk = 0; kk < t.k; ++kk) {
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + size_t(kk) * 16));
-    const __m256 b0 = E4m3x8(_mm256_cvtepu8_epi32(c));
-    const __m256 b1 = E4m3x8(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(c, c)));
+    __m256 b0, b1;
+    E4m3x16ViaHalf(c, &b0, &b1);
     FmaStep<R>(acc, t.a + kk, t.lda, b0, b1);
   }
   Store<R>(acc, t);
@@ -245,7 +260,11 @@ void ByRows(int rows, int /*panels*/, const DirectTile& t) {
 
 WidenKernels Avx2Widen() { return {&Fp8, &Int4, &QuantizeFp8, &Nvfp4}; }
 
-DirectKernels Avx2Direct() { return {6, 1, 6, &ByRows<Fp8K>, &ByRows<Int4K>, &ByRows<Nvfp4K>}; }
+DirectKernels Avx2Direct() {
+  // FP8 needs F16C besides (every AVX2 CPU made has it; without it FP8 widens blocks).
+  return {6, 1, __builtin_cpu_supports("f16c") ? &ByRows<Fp8K> : nullptr, &ByRows<Int4K>,
+          &ByRows<Nvfp4K>};
+}
 
 }  // namespace dgserve::cpu::quant_internal
 

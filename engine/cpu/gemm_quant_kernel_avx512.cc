@@ -109,15 +109,14 @@ void Nvfp4(int kc, int k0, const uint8_t* bytes, const uint8_t* block_scales, fl
   }
 }
 
-// ---- The in-register path (DirectTile): up to 8 rows × 2 panels or 16 rows × 1 panel of zmm
-// accumulators; per k
+// ---- The in-register path (DirectTile): up to 8 rows × 2 panels of zmm accumulators; per k
 // step each panel's 16 codes are widened in a register exactly as above and fma-ed into every
 // row's accumulator, k ascending from +0 over all of k. ----
 
 template <int R, int P>
 inline __attribute__((always_inline)) void FmaStep(__m512 (&acc)[R][P], const float* a,
                                                    int64_t lda, const __m512 (&b)[P]) {
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     const __m512 av = _mm512_set1_ps(a[i * lda]);
 #pragma GCC unroll 2
@@ -127,7 +126,7 @@ inline __attribute__((always_inline)) void FmaStep(__m512 (&acc)[R][P], const fl
 
 template <int R, int P>
 inline __attribute__((always_inline)) void Store(const __m512 (&acc)[R][P], const DirectTile& t) {
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 2
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(t.c + i * t.ldc + 16 * p, acc[i][p]);
@@ -248,7 +247,6 @@ void ByPanels(int panels, const DirectTile& t) {
   }
 }
 
-// Rows 1–8 with one or two panels; 9–16 with one panel (16 accumulators either way).
 template <class K>
 void ByRows(int rows, int panels, const DirectTile& t) {
   switch (rows) {
@@ -259,15 +257,7 @@ void ByRows(int rows, int panels, const DirectTile& t) {
     case 5: return ByPanels<K, 5>(panels, t);
     case 6: return ByPanels<K, 6>(panels, t);
     case 7: return ByPanels<K, 7>(panels, t);
-    case 8: return ByPanels<K, 8>(panels, t);
-    case 9: return K::template Run<9, 1>(t);
-    case 10: return K::template Run<10, 1>(t);
-    case 11: return K::template Run<11, 1>(t);
-    case 12: return K::template Run<12, 1>(t);
-    case 13: return K::template Run<13, 1>(t);
-    case 14: return K::template Run<14, 1>(t);
-    case 15: return K::template Run<15, 1>(t);
-    default: return K::template Run<16, 1>(t);
+    default: return ByPanels<K, 8>(panels, t);
   }
 }
 
@@ -276,7 +266,7 @@ void ByRows(int rows, int panels, const DirectTile& t) {
 WidenKernels Avx512Widen() { return {&Fp8, &Int4, &QuantizeFp8, &Nvfp4}; }
 
 DirectKernels Avx512Direct() {
-  return {8, 2, 16, &ByRows<Fp8K>, &ByRows<Int4K>, &ByRows<Nvfp4K>};
+  return {8, 2, &ByRows<Fp8K>, &ByRows<Int4K>, &ByRows<Nvfp4K>};
 }
 
 }  // namespace dgserve::cpu::quant_internal

@@ -285,12 +285,21 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The in-register path (quant_internal::QuantPath::kInRegister, what QuantLinear runs for few
 // rows) against the widened-block path and the scalar chain, bit for bit: every format, m from 1
-// to past the crossover (and so several row groups and the one-panel tall kernels), n not a
+// to past the crossover (several row groups), n not a
 // multiple of 16 or 32, k not a multiple of the k block (256) nor of the W4A16 group, on every
 // ISA with those kernels. Plus an FP8 matrix holding every e4m3 code in every panel lane.
 TEST(QuantGemmTest, InRegisterPathEqualsWidenedBlocksBitForBit) {
   using quant_internal::QuantPath;
-  const int max_m = quant_internal::QuantDirectMaxRows() + 5;
+  // 1–17 (0–2 full row groups and every remainder), then around and past the crossovers.
+  std::vector<int> ms;
+  for (int m = 1; m <= 17; ++m) ms.push_back(m);
+  for (int m : {23, 31, 32, 33, 40}) ms.push_back(m);
+  for (GemmIsa isa : {GemmIsa::kAvx512, GemmIsa::kAvx2}) {
+    for (QuantFormat f : {QuantFormat::kFp8, QuantFormat::kW4A16, QuantFormat::kNvfp4}) {
+      if (GemmIsaSupported(isa)) ASSERT_LT(quant_internal::QuantDirectMaxRows(isa, f), 40);
+    }
+  }
+  const int max_m = ms.back();
   std::vector<std::pair<Case, QuantMatrix>> cases;
   std::mt19937 rng(91);
   for (const Case& c :
@@ -324,7 +333,7 @@ TEST(QuantGemmTest, InRegisterPathEqualsWidenedBlocksBitForBit) {
     }
     for (GemmIsa isa : {GemmIsa::kAvx512, GemmIsa::kAvx2}) {
       if (!GemmIsaSupported(isa)) continue;
-      for (int m = 1; m <= max_m; ++m) {
+      for (int m : ms) {
         const std::vector<float> x(xs.begin(), xs.begin() + size_t(m) * c.k);
         std::vector<float> reg(size_t(m) * c.n, -1.0f), block(size_t(m) * c.n, -2.0f),
             autop(size_t(m) * c.n, -3.0f);
