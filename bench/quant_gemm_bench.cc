@@ -31,7 +31,8 @@
 ABSL_FLAG(double, min_seconds, 0.3, "time each measurement for at least this long");
 ABSL_FLAG(int, rounds, 3, "alternate the formats this many times per shape (best of all)");
 ABSL_FLAG(bool, paths, false, "time QuantLinear's in-register path against the widened blocks");
-ABSL_FLAG(std::vector<std::string>, path_rows, std::vector<std::string>({"1", "4", "8", "12", "16", "24", "32"}),
+ABSL_FLAG(std::vector<std::string>, path_rows,
+          std::vector<std::string>({"1", "4", "8", "12", "16", "24", "32"}),
           "--paths: the row counts");
 
 namespace dgserve::cpu {
@@ -98,9 +99,10 @@ void Paths(const char* name, int m, int n, int k) {
   std::vector<float> rs(n, 1e-3f), gs(size_t(n) * ((k + g - 1) / g), 1e-3f), x(size_t(m) * k),
       y(size_t(m) * n);
   for (float& v : x) v = d(rng);
-  const QuantMatrix mats[3] = {QuantMatrix::FromFp8(codes.data(), rs.data(), n, k),
-                               QuantMatrix::FromInt4(q.data(), gs.data(), n, k, g),
-                               QuantMatrix::FromNvfp4(e2m1.data(), bs.data(), rs.data(), 0.05f, n, k)};
+  const QuantMatrix mats[3] = {
+      QuantMatrix::FromFp8(codes.data(), rs.data(), n, k),
+      QuantMatrix::FromInt4(q.data(), gs.data(), n, k, g),
+      QuantMatrix::FromNvfp4(e2m1.data(), bs.data(), rs.data(), 0.05f, n, k)};
   const GemmIsa isa = ActiveGemmIsa();
   std::printf("%-16s m %3d n %5d k %5d", name, m, n, k);
   for (const QuantMatrix& w : mats) {
@@ -110,9 +112,9 @@ void Paths(const char* name, int m, int n, int k) {
     for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
       for (int p = 0; p < 2; ++p) {
         best[p] = std::min(best[p], Time([&] {
-          quant_internal::QuantLinearPath(x.data(), m, w, y.data(), isa, GemmThreads::kOpenMp,
-                                          paths[p]);
-        }));
+                             quant_internal::QuantLinearPath(x.data(), m, w, y.data(), isa,
+                                                             GemmThreads::kOpenMp, paths[p]);
+                           }));
       }
     }
     std::printf(" | %s block %7.3f reg %7.3f ms (%.2fx)", QuantFormatName(w.format()),

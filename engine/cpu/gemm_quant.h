@@ -49,7 +49,11 @@
 // block that stays in L1/L2 (the widening is exact), and the float32 microkernels of Gemm() run
 // on it, continuing the chains from C across k blocks (exact, as in gemm.h). The widening has
 // AVX-512, AVX2 and portable versions; all give the same floats, and Gemm() gives the same bits
-// on every ISA, so the quantized GEMM does too.
+// on every ISA, so the quantized GEMM does too. For few rows (up to 32; NVFP4 on AVX2 up to 8:
+// the crossovers measured in engine/model/QUANTIZED.md) the AVX-512 and AVX2 paths instead widen
+// each k step's codes in registers, to the same floats, and fma them straight into the rows'
+// accumulators over all of k (quant_internal::DirectKernels): the same chains, no widened block
+// in memory, so the same bits again (tested against the widened-block path).
 #pragma once
 
 #include <cstdint>
@@ -205,9 +209,9 @@ DirectKernels Avx512Direct();  // needs AVX-512F
 
 // Which way QuantLinear runs (tests and benchmarks; kAuto is QuantLinear's choice).
 enum class QuantPath {
-  kAuto,         // in registers for few rows where the ISA has the kernels, else widened blocks
-  kWidenBlock,   // widen panels per k block into float32, then Gemm()'s microkernels
-  kInRegister,   // the DirectKernels at any m (falls back to kWidenBlock where the ISA has none)
+  kAuto,        // in registers for few rows where the ISA has the kernels, else widened blocks
+  kWidenBlock,  // widen panels per k block into float32, then Gemm()'s microkernels
+  kInRegister,  // the DirectKernels at any m (falls back to kWidenBlock where the ISA has none)
 };
 void QuantLinearPath(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa isa,
                      GemmThreads threads, QuantPath path);

@@ -129,8 +129,8 @@ void Nvfp4(int kc, int k0, const uint8_t* bytes, const uint8_t* block_scales, fl
 // fma-ed into every row's accumulators, k ascending from +0 over all of k. ----
 
 template <int R>
-inline __attribute__((always_inline)) void FmaStep(__m256 (&acc)[R][2], const float* a,
-                                                   int64_t lda, __m256 b0, __m256 b1) {
+inline __attribute__((always_inline)) void FmaStep(__m256 (&acc)[R][2], const float* a, int64_t lda,
+                                                   __m256 b0, __m256 b1) {
 #pragma GCC unroll 6
   for (int i = 0; i < R; ++i) {
     const __m256 av = _mm256_broadcast_ss(a + i * lda);
@@ -159,11 +159,11 @@ inline __attribute__((always_inline)) void Store(const __m256 (&acc)[R][2], cons
 // bias is 8 more than e4m3's), VCVTPH2PS widens that exactly (fp16 subnormals included: MXCSR's
 // DAZ does not apply to it), and · 256 is exact: the same floats as E4m3x8 (code 0x7f, not a
 // value of the format, gives 480 in both) at 7 instructions for 16 columns instead of 24.
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline void E4m3x16ViaHalf(
-    __m128i codes, __m256* lo, __m256* hi) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void E4m3x16ViaHalf(__m128i codes,
+                                                                                   __m256* lo,
+                                                                                   __m256* hi) {
   const __m256i c = _mm256_cvtepi8_epi16(codes);  // sign-extended: bits 7..15 the sign
-  const __m256i h =
-      _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(int16_t(0xbf80)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(int16_t(0xbf80)));
   const __m256 k256 = _mm256_set1_ps(256.0f);
   *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k256);
   *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k256);
@@ -233,15 +233,21 @@ void DirectNvfp4(const DirectTile& t) {
 
 struct Fp8K {
   template <int R>
-  static void Run(const DirectTile& t) { DirectFp8<R>(t); }
+  static void Run(const DirectTile& t) {
+    DirectFp8<R>(t);
+  }
 };
 struct Int4K {
   template <int R>
-  static void Run(const DirectTile& t) { DirectInt4<R>(t); }
+  static void Run(const DirectTile& t) {
+    DirectInt4<R>(t);
+  }
 };
 struct Nvfp4K {
   template <int R>
-  static void Run(const DirectTile& t) { DirectNvfp4<R>(t); }
+  static void Run(const DirectTile& t) {
+    DirectNvfp4<R>(t);
+  }
 };
 
 template <class K>

@@ -114,8 +114,8 @@ void Nvfp4(int kc, int k0, const uint8_t* bytes, const uint8_t* block_scales, fl
 // row's accumulator, k ascending from +0 over all of k. ----
 
 template <int R, int P>
-inline __attribute__((always_inline)) void FmaStep(__m512 (&acc)[R][P], const float* a,
-                                                   int64_t lda, const __m512 (&b)[P]) {
+inline __attribute__((always_inline)) void FmaStep(__m512 (&acc)[R][P], const float* a, int64_t lda,
+                                                   const __m512 (&b)[P]) {
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     const __m512 av = _mm512_set1_ps(a[i * lda]);
@@ -149,8 +149,7 @@ inline __attribute__((always_inline)) __m512i Nibbles16(const uint8_t* bytes) {
 // E4m3x16 (code 0x7f, not a value of the format, gives 480 in both) at 5 instructions for 12.
 inline __attribute__((always_inline)) __m512 E4m3x16ViaHalf(__m128i codes) {
   const __m256i c = _mm256_cvtepi8_epi16(codes);  // sign-extended: bits 7..15 the sign
-  const __m256i h =
-      _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(int16_t(0xbf80)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(int16_t(0xbf80)));
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 
@@ -227,15 +226,21 @@ void DirectNvfp4(const DirectTile& t) {
 
 struct Fp8K {
   template <int R, int P>
-  static void Run(const DirectTile& t) { DirectFp8<R, P>(t); }
+  static void Run(const DirectTile& t) {
+    DirectFp8<R, P>(t);
+  }
 };
 struct Int4K {
   template <int R, int P>
-  static void Run(const DirectTile& t) { DirectInt4<R, P>(t); }
+  static void Run(const DirectTile& t) {
+    DirectInt4<R, P>(t);
+  }
 };
 struct Nvfp4K {
   template <int R, int P>
-  static void Run(const DirectTile& t) { DirectNvfp4<R, P>(t); }
+  static void Run(const DirectTile& t) {
+    DirectNvfp4<R, P>(t);
+  }
 };
 
 template <class K, int R>
@@ -265,9 +270,7 @@ void ByRows(int rows, int panels, const DirectTile& t) {
 
 WidenKernels Avx512Widen() { return {&Fp8, &Int4, &QuantizeFp8, &Nvfp4}; }
 
-DirectKernels Avx512Direct() {
-  return {8, 2, &ByRows<Fp8K>, &ByRows<Int4K>, &ByRows<Nvfp4K>};
-}
+DirectKernels Avx512Direct() { return {8, 2, &ByRows<Fp8K>, &ByRows<Int4K>, &ByRows<Nvfp4K>}; }
 
 }  // namespace dgserve::cpu::quant_internal
 

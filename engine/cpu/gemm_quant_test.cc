@@ -339,8 +339,8 @@ TEST(QuantGemmTest, InRegisterPathEqualsWidenedBlocksBitForBit) {
             autop(size_t(m) * c.n, -3.0f);
         quant_internal::QuantLinearPath(x.data(), m, w, reg.data(), isa, GemmThreads::kOpenMp,
                                         QuantPath::kInRegister);
-        quant_internal::QuantLinearPath(x.data(), m, w, block.data(), isa,
-                                        GemmThreads::kCallerOnly, QuantPath::kWidenBlock);
+        quant_internal::QuantLinearPath(x.data(), m, w, block.data(), isa, GemmThreads::kCallerOnly,
+                                        QuantPath::kWidenBlock);
         QuantLinear(x.data(), m, w, autop.data(), isa, GemmThreads::kOpenMp);
         for (size_t e = 0; e < reg.size(); ++e) {
           ASSERT_EQ(Bits(reg[e]), Bits(block[e]))
