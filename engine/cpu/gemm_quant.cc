@@ -14,11 +14,19 @@
 namespace dgserve::cpu {
 namespace {
 
+using quant_internal::QuantPath;
 using quant_internal::WidenKernels;
 
 constexpr int kQKc = 256;  // k per widened block
 constexpr int kQNc = 32;   // columns (weight rows) per output tile: two panels
 constexpr int kQMc = 256;  // activation rows per output tile
+// Up to this many rows QuantLinear widens the weights in registers (QuantPath::kInRegister)
+// where the ISA has those kernels: the crossovers measured on the expert shapes with
+// `quant_gemm_bench --paths` (engine/model/QUANTIZED.md): every format on AVX-512 (8 rows × 2
+// panels per call) and FP8 and W4A16 on AVX2 (6 rows × 1 panel) up to 32 rows; NVFP4 on AVX2,
+// whose e2m1 lookup costs more there, up to 8.
+constexpr int kDirectMaxRows = 32;
+constexpr int kDirectMaxRowsAvx2Nvfp4 = 8;
 // vLLM's min_scaling_factor<float8_e4m3fn>: 1 / (448 · 512).
 constexpr float kMinFp8Scale = 1.0f / (kE4m3Max * 512.0f);
 
@@ -41,6 +49,70 @@ float* Aligned64(std::vector<float>& v, size_t n) {
 std::vector<float>& ThreadBlock() {
   static thread_local std::vector<float> b;
   return b;
+}
+
+quant_internal::DirectKernels Direct(GemmIsa isa) {
+  switch (isa) {
+    case GemmIsa::kAvx512:
+    case GemmIsa::kAvx512Bf16: return quant_internal::Avx512Direct();
+    case GemmIsa::kAvx2: return quant_internal::Avx2Direct();
+    case GemmIsa::kPortable: break;
+  }
+  return {};  // the portable path widens blocks
+}
+
+auto DirectKernel(const quant_internal::DirectKernels& dk, QuantFormat f) {
+  return f == QuantFormat::kFp8 ? dk.fp8 : f == QuantFormat::kNvfp4 ? dk.nvfp4 : dk.int4;
+}
+
+// The in-register path (QuantPath::kInRegister): tiles of 16·max_panels columns, all m rows, all
+// of k per kernel call; the epilogue as the widened-block path's, applied while copying out.
+void RunDirect(const float* a, int m, const QuantMatrix& w, float* y, const std::vector<float>& sx,
+               const quant_internal::DirectKernels& dk, bool parallel) {
+  const int n = w.rows(), k = w.cols();
+  const int unit = dk.max_panels * kGemmPanel;
+  const int tiles = (n + unit - 1) / unit;
+  const QuantFormat f = w.format();
+  const auto kernel = DirectKernel(dk, f);
+  auto run = [&](int t) {
+    const int j0 = t * unit, j1 = std::min(n, j0 + unit);
+    const int panels = (j1 - j0 + kGemmPanel - 1) / kGemmPanel;
+    alignas(64) float c[8 * 2 * kGemmPanel];  // max_rows ≤ 8, max_panels ≤ 2
+    quant_internal::DirectTile tile;
+    tile.k = k;
+    tile.lda = k;
+    tile.group = w.group_size();
+    tile.c = c;
+    tile.ldc = unit;
+    for (int p = 0; p < panels; ++p) {
+      const int panel = j0 / kGemmPanel + p;
+      tile.data[p] = w.panel(panel);
+      if (f == QuantFormat::kW4A16) tile.scales[p] = w.panel_scales(panel);
+      if (f == QuantFormat::kNvfp4) tile.block_scales[p] = w.panel_block_scales(panel);
+    }
+    for (int i0 = 0; i0 < m; i0 += dk.max_rows) {
+      const int rows = std::min(dk.max_rows, m - i0);
+      tile.a = a + size_t(i0) * k;
+      kernel(rows, panels, tile);
+      for (int r = 0; r < rows; ++r) {
+        float* row = y + size_t(i0 + r) * n;
+        const float* acc = c + r * unit;
+        if (f == QuantFormat::kFp8) {
+          for (int j = j0; j < j1; ++j) row[j] = sx[i0 + r] * (w.RowScale(j) * acc[j - j0]);
+        } else if (f == QuantFormat::kNvfp4) {
+          for (int j = j0; j < j1; ++j) row[j] = w.RowScale(j) * acc[j - j0];
+        } else {
+          for (int j = j0; j < j1; ++j) row[j] = acc[j - j0];
+        }
+      }
+    }
+  };
+  if (parallel && tiles > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int t = 0; t < tiles; ++t) run(t);
+    return;
+  }
+  for (int t = 0; t < tiles; ++t) run(t);
 }
 
 }  // namespace
@@ -210,6 +282,17 @@ void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmThre
 
 void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa isa,
                  GemmThreads threads) {
+  quant_internal::QuantLinearPath(x, m, w, y, isa, threads, quant_internal::QuantPath::kAuto);
+}
+
+int quant_internal::QuantDirectMaxRows(GemmIsa isa, QuantFormat f) {
+  if (DirectKernel(Direct(isa), f) == nullptr) return 0;
+  if (isa == GemmIsa::kAvx2 && f == QuantFormat::kNvfp4) return kDirectMaxRowsAvx2Nvfp4;
+  return kDirectMaxRows;
+}
+
+void quant_internal::QuantLinearPath(const float* x, int m, const QuantMatrix& w, float* y,
+                                     GemmIsa isa, GemmThreads threads, QuantPath path) {
   const int n = w.rows(), k = w.cols();
   if (m <= 0 || n <= 0) return;
   if (k <= 0) {
@@ -239,6 +322,13 @@ void QuantLinear(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa 
       QuantizeRowNvfp4Global(x + size_t(i) * k, k, g, aq.data() + size_t(i) * k);
     }
     a = aq.data();
+  }
+  const quant_internal::DirectKernels dk = Direct(isa);
+  if (DirectKernel(dk, w.format()) != nullptr &&
+      (path == QuantPath::kInRegister ||
+       (path == QuantPath::kAuto && m <= QuantDirectMaxRows(isa, w.format())))) {
+    RunDirect(a, m, w, y, sx, dk, parallel);
+    return;
   }
   const WidenKernels wk = Widen(isa);
   const int row_tiles = (m + kQMc - 1) / kQMc;

@@ -49,7 +49,11 @@
 // block that stays in L1/L2 (the widening is exact), and the float32 microkernels of Gemm() run
 // on it, continuing the chains from C across k blocks (exact, as in gemm.h). The widening has
 // AVX-512, AVX2 and portable versions; all give the same floats, and Gemm() gives the same bits
-// on every ISA, so the quantized GEMM does too.
+// on every ISA, so the quantized GEMM does too. For few rows (up to 32; NVFP4 on AVX2 up to 8:
+// the crossovers measured in engine/model/QUANTIZED.md) the AVX-512 and AVX2 paths instead widen
+// each k step's codes in registers, to the same floats, and fma them straight into the rows'
+// accumulators over all of k (quant_internal::DirectKernels): the same chains, no widened block
+// in memory, so the same bits again (tested against the widened-block path).
 #pragma once
 
 #include <cstdint>
@@ -177,6 +181,42 @@ struct WidenKernels {
 WidenKernels PortableWiden();
 WidenKernels Avx2Widen();
 WidenKernels Avx512Widen();
+
+// The in-register path (few rows): a tile of `rows` × 16·`panels` outputs over all of k, each
+// output ONE fma chain from +0 over k ascending of a · (the weight widened in registers to the
+// same float the Widen kernels write), stored to c[i·ldc + j] for j < 16·panels (no epilogue).
+struct DirectTile {
+  int k = 0;
+  const float* a = nullptr;  // row 0 at k = 0; rows lda apart
+  int64_t lda = 0;
+  const uint8_t* data[2] = {nullptr, nullptr};          // the panels' codes at k = 0
+  const float* scales[2] = {nullptr, nullptr};          // W4A16: the panels' [groups][16]
+  const uint8_t* block_scales[2] = {nullptr, nullptr};  // NVFP4: the panels' [k/16][16]
+  int group = 0;                                        // W4A16 group size
+  float* c = nullptr;
+  int64_t ldc = 0;
+};
+struct DirectKernels {
+  int max_rows = 0;    // rows per call at most (0: this ISA has no in-register path)
+  int max_panels = 0;  // 16-column panels per call at most
+  // rows in [1, max_rows], panels in [1, max_panels]; null where the CPU lacks what one needs.
+  void (*fp8)(int rows, int panels, const DirectTile& t) = nullptr;
+  void (*int4)(int rows, int panels, const DirectTile& t) = nullptr;
+  void (*nvfp4)(int rows, int panels, const DirectTile& t) = nullptr;
+};
+DirectKernels Avx2Direct();    // needs AVX2 + FMA
+DirectKernels Avx512Direct();  // needs AVX-512F
+
+// Which way QuantLinear runs (tests and benchmarks; kAuto is QuantLinear's choice).
+enum class QuantPath {
+  kAuto,        // in registers for few rows where the ISA has the kernels, else widened blocks
+  kWidenBlock,  // widen panels per k block into float32, then Gemm()'s microkernels
+  kInRegister,  // the DirectKernels at any m (falls back to kWidenBlock where the ISA has none)
+};
+void QuantLinearPath(const float* x, int m, const QuantMatrix& w, float* y, GemmIsa isa,
+                     GemmThreads threads, QuantPath path);
+// Rows up to which kAuto takes the in-register path for format f on isa (0: never).
+int QuantDirectMaxRows(GemmIsa isa, QuantFormat f);
 }  // namespace quant_internal
 
 }  // namespace dgserve::cpu

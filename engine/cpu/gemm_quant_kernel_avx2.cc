@@ -124,9 +124,153 @@ void Nvfp4(int kc, int k0, const uint8_t* bytes, const uint8_t* block_scales, fl
   }
 }
 
+// ---- The in-register path (DirectTile): up to 6 rows × 1 panel (two ymm halves) of
+// accumulators; per k step the panel's 16 codes are widened in registers exactly as above and
+// fma-ed into every row's accumulators, k ascending from +0 over all of k. ----
+
+template <int R>
+inline __attribute__((always_inline)) void FmaStep(__m256 (&acc)[R][2], const float* a, int64_t lda,
+                                                   __m256 b0, __m256 b1) {
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    const __m256 av = _mm256_broadcast_ss(a + i * lda);
+    acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
+    acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+  }
+}
+
+template <int R>
+inline __attribute__((always_inline)) void Zero(__m256 (&acc)[R][2]) {
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+}
+
+template <int R>
+inline __attribute__((always_inline)) void Store(const __m256 (&acc)[R][2], const DirectTile& t) {
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(t.c + i * t.ldc, acc[i][0]);
+    _mm256_storeu_ps(t.c + i * t.ldc + 8, acc[i][1]);
+  }
+}
+
+// e4m3 codes → float32 by way of fp16 (F16C): the code's exponent and mantissa put in an fp16's
+// bits 7..13 (sign at 15) make the e4m3 value / 256, normal or subnormal alike (fp16's exponent
+// bias is 8 more than e4m3's), VCVTPH2PS widens that exactly (fp16 subnormals included: MXCSR's
+// DAZ does not apply to it), and · 256 is exact: the same floats as E4m3x8 (code 0x7f, not a
+// value of the format, gives 480 in both) at 7 instructions for 16 columns instead of 24.
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void E4m3x16ViaHalf(__m128i codes,
+                                                                                   __m256* lo,
+                                                                                   __m256* hi) {
+  const __m256i c = _mm256_cvtepi8_epi16(codes);  // sign-extended: bits 7..15 the sign
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(int16_t(0xbf80)));
+  const __m256 k256 = _mm256_set1_ps(256.0f);
+  *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k256);
+  *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k256);
+}
+
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void DirectFp8(const DirectTile& t) {
+  __m256 acc[R][2];
+  Zero<R>(acc);
+  const uint8_t* codes = t.data[0];
+  for (int kk = 0; kk < t.k; ++kk) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + size_t(kk) * 16));
+    __m256 b0, b1;
+    E4m3x16ViaHalf(c, &b0, &b1);
+    FmaStep<R>(acc, t.a + kk, t.lda, b0, b1);
+  }
+  Store<R>(acc, t);
+}
+
+template <int R>
+void DirectInt4(const DirectTile& t) {
+  __m256 acc[R][2];
+  Zero<R>(acc);
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m256i eight = _mm256_set1_epi32(8);
+  const uint8_t* bytes = t.data[0];
+  for (int k0 = 0, g = 0; k0 < t.k; k0 += t.group, ++g) {
+    const int k1 = t.k - k0 < t.group ? t.k : k0 + t.group;
+    const __m256 s0 = _mm256_loadu_ps(t.scales[0] + size_t(g) * 16);
+    const __m256 s1 = _mm256_loadu_ps(t.scales[0] + size_t(g) * 16 + 8);
+    for (int kk = k0; kk < k1; ++kk) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + size_t(kk) * 8));
+      const __m128i lo = _mm_and_si128(v, low);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+      const __m256i q0 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), eight);
+      const __m256i q1 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), eight);
+      FmaStep<R>(acc, t.a + kk, t.lda, _mm256_mul_ps(_mm256_cvtepi32_ps(q0), s0),
+                 _mm256_mul_ps(_mm256_cvtepi32_ps(q1), s1));
+    }
+  }
+  Store<R>(acc, t);
+}
+
+template <int R>
+void DirectNvfp4(const DirectTile& t) {
+  __m256 acc[R][2];
+  Zero<R>(acc);
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const uint8_t* bytes = t.data[0];
+  for (int k0 = 0; k0 < t.k; k0 += kNvfp4Block) {  // k is a multiple of 16
+    const uint8_t* sc = t.block_scales[0] + size_t(k0 / kNvfp4Block) * 16;
+    const __m256 s0 =
+        E4m3x8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    const __m256 s1 =
+        E4m3x8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8))));
+    for (int kk = k0; kk < k0 + kNvfp4Block; ++kk) {
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + size_t(kk) * 8));
+      const __m128i lo = _mm_and_si128(v, low);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+      FmaStep<R>(acc, t.a + kk, t.lda, _mm256_mul_ps(E2m1x8(_mm256_cvtepu8_epi32(lo), table), s0),
+                 _mm256_mul_ps(E2m1x8(_mm256_cvtepu8_epi32(hi), table), s1));
+    }
+  }
+  Store<R>(acc, t);
+}
+
+struct Fp8K {
+  template <int R>
+  static void Run(const DirectTile& t) {
+    DirectFp8<R>(t);
+  }
+};
+struct Int4K {
+  template <int R>
+  static void Run(const DirectTile& t) {
+    DirectInt4<R>(t);
+  }
+};
+struct Nvfp4K {
+  template <int R>
+  static void Run(const DirectTile& t) {
+    DirectNvfp4<R>(t);
+  }
+};
+
+template <class K>
+void ByRows(int rows, int /*panels*/, const DirectTile& t) {
+  switch (rows) {
+    case 1: return K::template Run<1>(t);
+    case 2: return K::template Run<2>(t);
+    case 3: return K::template Run<3>(t);
+    case 4: return K::template Run<4>(t);
+    case 5: return K::template Run<5>(t);
+    default: return K::template Run<6>(t);
+  }
+}
+
 }  // namespace
 
 WidenKernels Avx2Widen() { return {&Fp8, &Int4, &QuantizeFp8, &Nvfp4}; }
+
+DirectKernels Avx2Direct() {
+  // FP8 needs F16C besides (every AVX2 CPU made has it; without it FP8 widens blocks).
+  return {6, 1, __builtin_cpu_supports("f16c") ? &ByRows<Fp8K> : nullptr, &ByRows<Int4K>,
+          &ByRows<Nvfp4K>};
+}
 
 }  // namespace dgserve::cpu::quant_internal
 

@@ -283,6 +283,80 @@ INSTANTIATE_TEST_SUITE_P(
         Case{QuantFormat::kNvfp4, 16, 64, 16, true}, Case{QuantFormat::kNvfp4, 37, 304, 16, true},
         Case{QuantFormat::kNvfp4, 96, 528, 16, true}, Case{QuantFormat::kNvfp4, 5, 16, 16, true}));
 
+// The in-register path (quant_internal::QuantPath::kInRegister, what QuantLinear runs for few
+// rows) against the widened-block path and the scalar chain, bit for bit: every format, m from 1
+// to past the crossover (several row groups), n not a
+// multiple of 16 or 32, k not a multiple of the k block (256) nor of the W4A16 group, on every
+// ISA with those kernels. Plus an FP8 matrix holding every e4m3 code in every panel lane.
+TEST(QuantGemmTest, InRegisterPathEqualsWidenedBlocksBitForBit) {
+  using quant_internal::QuantPath;
+  // 1–17 (0–2 full row groups and every remainder), then around and past the crossovers.
+  std::vector<int> ms;
+  for (int m = 1; m <= 17; ++m) ms.push_back(m);
+  for (int m : {23, 31, 32, 33, 40}) ms.push_back(m);
+  for (GemmIsa isa : {GemmIsa::kAvx512, GemmIsa::kAvx2}) {
+    for (QuantFormat f : {QuantFormat::kFp8, QuantFormat::kW4A16, QuantFormat::kNvfp4}) {
+      if (GemmIsaSupported(isa)) ASSERT_LT(quant_internal::QuantDirectMaxRows(isa, f), 40);
+    }
+  }
+  const int max_m = ms.back();
+  std::vector<std::pair<Case, QuantMatrix>> cases;
+  std::mt19937 rng(91);
+  for (const Case& c :
+       {Case{QuantFormat::kFp8, 53, 300, 0}, Case{QuantFormat::kFp8, 16, 7, 0},
+        Case{QuantFormat::kW4A16, 53, 600, 128}, Case{QuantFormat::kW4A16, 37, 300, 32},
+        Case{QuantFormat::kW4A16, 21, 70, 32}, Case{QuantFormat::kNvfp4, 53, 528, 16},
+        Case{QuantFormat::kNvfp4, 37, 304, 16, true}, Case{QuantFormat::kNvfp4, 5, 16, 16}}) {
+    cases.emplace_back(c, RandomMatrix(c, rng));
+  }
+  {
+    const Case c{QuantFormat::kFp8, 35, 256, 0};
+    std::vector<uint8_t> codes(size_t(c.n) * c.k);
+    for (int r = 0; r < c.n; ++r) {
+      for (int kk = 0; kk < c.k; ++kk) {
+        const uint8_t b = uint8_t(kk + 7 * r);
+        codes[size_t(r) * c.k + kk] = (b & 0x7f) == 0x7f ? uint8_t(b - 1) : b;  // no NaN
+      }
+    }
+    std::vector<float> s(c.n);
+    for (int r = 0; r < c.n; ++r) s[r] = std::ldexp(1.0f + r / 64.0f, -6);
+    cases.emplace_back(c, QuantMatrix::FromFp8(codes.data(), s.data(), c.n, c.k));
+  }
+  int checked = 0;
+  for (const auto& [c, w] : cases) {
+    const std::vector<float> xs = RandomActivations(max_m, c.k, rng);
+    std::vector<float> chain;
+    std::vector<double> exact, bound;
+    Reference(c, w, xs, max_m, &chain, &exact, &bound);
+    for (size_t e = 0; e < chain.size(); ++e) {
+      ASSERT_LE(std::fabs(double(chain[e]) - exact[e]), bound[e]) << "float64 reference";
+    }
+    for (GemmIsa isa : {GemmIsa::kAvx512, GemmIsa::kAvx2}) {
+      if (!GemmIsaSupported(isa)) continue;
+      for (int m : ms) {
+        const std::vector<float> x(xs.begin(), xs.begin() + size_t(m) * c.k);
+        std::vector<float> reg(size_t(m) * c.n, -1.0f), block(size_t(m) * c.n, -2.0f),
+            autop(size_t(m) * c.n, -3.0f);
+        quant_internal::QuantLinearPath(x.data(), m, w, reg.data(), isa, GemmThreads::kOpenMp,
+                                        QuantPath::kInRegister);
+        quant_internal::QuantLinearPath(x.data(), m, w, block.data(), isa, GemmThreads::kCallerOnly,
+                                        QuantPath::kWidenBlock);
+        QuantLinear(x.data(), m, w, autop.data(), isa, GemmThreads::kOpenMp);
+        for (size_t e = 0; e < reg.size(); ++e) {
+          ASSERT_EQ(Bits(reg[e]), Bits(block[e]))
+              << QuantFormatName(c.format) << " n " << c.n << " k " << c.k << " "
+              << GemmIsaName(isa) << " m " << m << " element " << e << ": " << reg[e] << " vs "
+              << block[e];
+          ASSERT_EQ(Bits(reg[e]), Bits(chain[e])) << GemmIsaName(isa) << " m " << m << " " << e;
+          ASSERT_EQ(Bits(autop[e]), Bits(chain[e])) << GemmIsaName(isa) << " m " << m << " " << e;
+        }
+        ++checked;
+      }
+    }
+  }
+  if (GemmIsaSupported(GemmIsa::kAvx2)) EXPECT_GT(checked, 0);
+}
+
 // Random NVFP4 weights [n, k]: every e2m1 code, e4m3 block scales 8..0x60 and the per-row
 // weight_scale_2 of two modules stacked (rows < 20 and the rest).
 struct RandomNvfp4 {
