@@ -12,7 +12,8 @@
 //   - a block is shared only when every one of its positions has the same host identity (a
 //     device block of 8 whose second host block differs is uploaded), and only when every row
 //     of it was written (a sliding block the upload filled from the window's start on is not
-//     registered): each of these, broken on purpose, gives other logits here.
+//     registered): each of these, broken on purpose, gives other logits here;
+//   - a registered block moved by a compaction of its pool at the bound is found at its new id.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -285,6 +286,53 @@ TEST_P(CudaKvSharingTest, ARefusedPassKeepsTheBlocksItTook) {
   // [9, 16) lies in blocks the hit's host blocks (from 8) cover.
   EXPECT_EQ(UploadBytes() - uploaded, 0);
   ExpectPlainLogits(*hit, logits, "after a refused pass");
+}
+
+// At kv_pool_max_bytes (80 KiB: 64 full-layer blocks of 1 KiB, then 4 sliding ones of 4 KiB) a
+// sliding block for the last of two sequences encoded in one pass comes from the full pool's
+// blocks no sequence holds: the full pool is compacted to the 6 its live sequences hold, ids
+// 11 … 16 (a gone 60-position sequence held 0 … 14, the free list hands out the last released
+// first), which move below 6. The parent's two full blocks (ids 15 and 16) are registered under
+// their host blocks' identities: the registry follows the move, and a fork of the parent takes
+// them at their new ids (4 blocks taken by the rule of ForkedSamplesShareTheirBlocks: 8 / B full,
+// 8 / B − 1 / B sliding), with the parent's logits bit for bit. (Checked by hand: without the
+// registry's update the fork finds only the sliding blocks: 2 taken.)
+TEST_P(CudaKvSharingTest, CompactionMovesRegisteredBlocks) {
+  if (GetParam().kv_block_size != 4 || !GetParam().tensor_core_attention) {
+    GTEST_SKIP() << "blocks of 4 with bf16 full layers only (the bound's block counts)";
+  }
+  CudaBackendOptions bounded = GpuOptions();
+  bounded.kv_pool_max_bytes = 64 * 1024 + 4 * 4096;
+  auto created = CreateCudaBackend(config(), checkpoint_->weights, bounded);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<ModelBackend> gpu = std::move(*created);
+  auto filler = std::make_unique<ContiguousKvCache>(config(), 64);
+  Encode(*gpu, *filler, Tokens(60, 20));  // full ids 0 … 14, sliding 0 and 1
+  PagedKvCache parent(pool_.get(), kMaxTokens);
+  Encode(*gpu, parent, Tokens(8, 21));  // full 15, 16 (registered); sliding 2, 3
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(gpu->SyncKvToHost(parent).ok());
+  EXPECT_EQ(GetCudaKvPoolStats(*gpu)->sliding_blocks_in_use, 4);
+  filler.reset();  // its blocks go back at the next pass
+  ContiguousKvCache y(config(), 64), z(config(), 64);
+  const std::vector<int32_t> ty = Tokens(8, 22), tz = Tokens(8, 23);
+  const EncodeInput both[] = {{ty, &y}, {tz, &z}};
+  ASSERT_TRUE(gpu->Encode(both).ok());
+  CudaKvPoolStats st = GetCudaKvPoolStats(*gpu).value();
+  EXPECT_EQ(st.compactions, 1);
+  EXPECT_EQ(st.blocks_moved, 6);
+  EXPECT_EQ(st.full_blocks, 6);
+  auto child = parent.Fork();
+  ASSERT_TRUE(child.ok()) << child.status();
+  const int64_t taken = GetCudaKvPoolStats(*gpu)->shared_blocks_taken;
+  const std::vector<float> child_logits = Logits(*gpu, **child, canvas_);
+  const int B = GetParam().kv_block_size;
+  EXPECT_EQ(GetCudaKvPoolStats(*gpu)->shared_blocks_taken - taken, 8 / B + (8 / B - 1 / B));
+  const std::vector<float> parent_logits = Logits(*gpu, parent, canvas_);
+  ASSERT_EQ(parent_logits.size(), child_logits.size());
+  EXPECT_EQ(std::memcmp(parent_logits.data(), child_logits.data(), 4 * parent_logits.size()), 0);
+  ExpectPlainLogits(parent, parent_logits, "parent through its moved blocks");
+  gpu.reset();  // its mirrors name caches of pool_
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CudaKvSharingTest,
