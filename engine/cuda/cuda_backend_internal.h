@@ -701,6 +701,7 @@ class CudaBackend final : public ModelBackend {
   // mirror's destructor returns its blocks to them.
   KvBlockPool kv_pools_[2];
   DeviceArray<unsigned char> kv_rows_dev_;  // rows on their way between the host and the pools
+  DeviceArray<int32_t> kv_moves_;           // CompactKvPool's (source, destination) block pairs
   MirrorMap mirrors_;
   uint64_t use_clock_ = 0;
   int64_t kv_swap_outs_ = 0;                          // SwapOutOneMirror's

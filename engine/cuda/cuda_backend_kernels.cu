@@ -139,6 +139,18 @@ __global__ void CopyRowsFromBlocksKernel(const T* pool, int64_t rows, int width,
   }
 }
 
+// to[moves[2m+1] · per + e] = from[moves[2m] · per + e].
+template <typename T>
+__global__ void CopyPoolBlocksKernel(const T* from, T* to, const int32_t* moves, int count,
+                                     int64_t per) {
+  const int64_t n = int64_t(count) * per;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = i / per, e = i % per;
+    to[int64_t(moves[2 * m + 1]) * per + e] = from[int64_t(moves[2 * m]) * per + e];
+  }
+}
+
 }  // namespace
 
 absl::Status EmbedRows(const int32_t* ids, const uint16_t* table, int rows, int dim, float scale,
@@ -256,6 +268,26 @@ absl::Status CopyRowsFromBlocks(const uint16_t* pool, int64_t rows, int width,
                                 const int32_t* block_table, int block_size, int64_t first_slot,
                                 uint16_t* dst, void* stream) {
   return FromBlocks(pool, rows, width, block_table, block_size, first_slot, dst, stream);
+}
+
+namespace {
+template <typename T>
+absl::Status PoolBlocks(const T* from, T* to, const int32_t* moves, int count, int64_t per,
+                        void* stream) {
+  if (count <= 0 || per <= 0) return absl::OkStatus();
+  LaunchKernel(CopyPoolBlocksKernel<T>, Blocks(int64_t(count) * per, 256), 256, 0, S(stream), from,
+               to, moves, count, per);
+  return Check("CopyPoolBlocks");
+}
+}  // namespace
+
+absl::Status CopyPoolBlocks(const float* from, float* to, const int32_t* moves, int count,
+                            int64_t block_elements, void* stream) {
+  return PoolBlocks(from, to, moves, count, block_elements, stream);
+}
+absl::Status CopyPoolBlocks(const uint16_t* from, uint16_t* to, const int32_t* moves, int count,
+                            int64_t block_elements, void* stream) {
+  return PoolBlocks(from, to, moves, count, block_elements, stream);
 }
 
 }  // namespace dgserve::cuda

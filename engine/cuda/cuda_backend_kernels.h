@@ -82,4 +82,14 @@ absl::Status CopyRowsFromBlocks(const uint16_t* pool, int64_t rows, int width,
                                 const int32_t* block_table, int block_size, int64_t first_slot,
                                 uint16_t* dst, void* stream = nullptr);
 
+// Whole blocks of `block_elements` elements from one pool array to another (a K/V block pool
+// compacted into smaller arrays: CudaBackend::CompactKvPool): for each i < count,
+// to[moves[2i+1] · block_elements + e] = from[moves[2i] · block_elements + e]. moves: device
+// int32 (source, destination) pairs, inside both arrays (not checked on the device). One
+// launch; count ≤ 0 does nothing.
+absl::Status CopyPoolBlocks(const float* from, float* to, const int32_t* moves, int count,
+                            int64_t block_elements, void* stream = nullptr);
+absl::Status CopyPoolBlocks(const uint16_t* from, uint16_t* to, const int32_t* moves, int count,
+                            int64_t block_elements, void* stream = nullptr);
+
 }  // namespace dgserve::cuda

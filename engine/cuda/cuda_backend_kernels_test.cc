@@ -143,6 +143,30 @@ TEST_F(CudaBackendKernelsTest, GatherRowsAndMoeCombine) {
 // s = first_slot + r (blocks shuffled, first_slot mid-block), float32 and bf16 pools (the float32
 // rows rounded by FloatToBf16 into a bf16 pool); rows outside the copied slots keep their fill;
 // reading the blocks back gives the rows written.
+// Blocks 5 and 3 of a 6-block pool of 3-element blocks into blocks 0 and 2 of a 4-block array
+// (the other blocks untouched), float32 and bf16 bits.
+TEST_F(CudaBackendKernelsTest, CopyPoolBlocksMovesWholeBlocks) {
+  const int per = 3;
+  const std::vector<float> from = RandomFloats(6 * per, 2.0f, 11);
+  const std::vector<int32_t> moves = {5, 0, 3, 2};
+  float* to = Alloc<float>(4 * per, 0xFF);  // NaN bits everywhere
+  ASSERT_THAT(CopyPoolBlocks(Upload(from), to, Upload(moves), 2, per), IsOk());
+  const std::vector<float> got = Download(to, 4 * per);
+  for (int e = 0; e < per; ++e) {
+    EXPECT_EQ(got[0 * per + e], from[5 * per + e]) << e;
+    EXPECT_EQ(got[2 * per + e], from[3 * per + e]) << e;
+    EXPECT_TRUE(std::isnan(got[1 * per + e])) << e;
+    EXPECT_TRUE(std::isnan(got[3 * per + e])) << e;
+  }
+  std::vector<uint16_t> bits(6 * per);
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = uint16_t(1000 + i);
+  uint16_t* to16 = Alloc<uint16_t>(4 * per, 0);
+  ASSERT_THAT(CopyPoolBlocks(Upload(bits), to16, Upload(moves), 2, per), IsOk());
+  EXPECT_EQ(Download(to16, 4 * per),
+            (std::vector<uint16_t>{1015, 1016, 1017, 0, 0, 0, 1009, 1010, 1011, 0, 0, 0}));
+  EXPECT_THAT(CopyPoolBlocks(Upload(bits), to16, Upload(moves), 0, per), IsOk());
+}
+
 TEST_F(CudaBackendKernelsTest, CopyRowsToAndFromBlocks) {
   const int bs = 4, width = 6, num_blocks = 7, first_slot = 6, rows = 9;  // slots 6..14
   const std::vector<int32_t> table = {-1, 5, 0, 3, -1, 2};  // blocks 1..3 used (slots 4..15)

@@ -181,7 +181,8 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, bool drop_cached) {
     below.pop_back();
   }
   // The smaller arrays first (a refusal changes nothing more), then the queued work on the old
-  // ones drained, the first `count` blocks copied and the moved blocks after them.
+  // ones drained, the first `count` blocks copied and the moved blocks after them (one launch per
+  // array, the moves' (source, destination) pairs uploaded once).
   const int64_t B = options_.kv_block_size;
   struct Fresh {
     int layer;
@@ -196,24 +197,27 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, bool drop_cached) {
     f.layer = l;
     absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
     if (st.ok()) st = Bf16Mirror(l) ? f.v16.Grow(n, 0) : f.v.Grow(n, 0);
+    if (st.ok() && !moves.empty()) st = kv_moves_.Grow(2 * moves.size(), 0);
     if (!st.ok()) {
       return absl::ResourceExhaustedError(
           absl::StrCat("the device refused the memory (", st.message(), ")"));
     }
   }
   DGSERVE_RETURN_IF_ERROR(Wait("KV block pool compaction"));
+  std::vector<int32_t> pairs;
+  for (const auto& [src, dst] : moves) {
+    pairs.push_back(src);
+    pairs.push_back(dst);
+  }
+  DGSERVE_RETURN_IF_ERROR(kv_moves_.UploadAsync(pairs.data(), pairs.size(), stream_));
   for (Fresh& f : fresh) {
     const int l = f.layer;
-    const size_t per_block = size_t(B) * c_.KvHeads(l) * c_.HeadDim(l);
+    const int64_t per_block = B * c_.KvHeads(l) * c_.HeadDim(l);
     const auto move = [&](auto& to, auto& from) -> absl::Status {
       DGSERVE_RETURN_IF_ERROR(to.CopyPrefixFrom(from, size_t(count) * per_block));
-      for (const auto& [src, dst] : moves) {
-        DGSERVE_RETURN_IF_ERROR(CudaCheck(
-            cudaMemcpy(to.get() + size_t(dst) * per_block, from.get() + size_t(src) * per_block,
-                       per_block * sizeof(*to.get()), cudaMemcpyDeviceToDevice),
-            "cudaMemcpy (K/V block compaction)"));
-      }
-      from.swap(to);  // `to` (the old array) is freed with `fresh`
+      DGSERVE_RETURN_IF_ERROR(cuda::CopyPoolBlocks(from.get(), to.get(), kv_moves_.get(),
+                                                   int(moves.size()), per_block, stream_));
+      from.swap(to);  // `to` (the old array) is freed with `fresh`, once the stream has run
       return absl::OkStatus();
     };
     if (Bf16Mirror(l)) {
@@ -224,9 +228,7 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, bool drop_cached) {
       DGSERVE_RETURN_IF_ERROR(move(f.v, pool.v[l]));
     }
   }
-  // The device-to-device copies may return before they are done; the old arrays are freed next.
-  DGSERVE_RETURN_IF_ERROR(
-      CudaCheck(cudaDeviceSynchronize(), "cudaDeviceSynchronize (K/V block compaction)"));
+  DGSERVE_RETURN_IF_ERROR(Wait("KV block pool compaction"));
   fresh.clear();
   std::vector<int32_t> to(pool.blocks, -1);
   for (const auto& [src, dst] : moves) {
