@@ -595,6 +595,19 @@ class CudaBackend final : public ModelBackend {
   absl::Status GrowKvPool(int kind, bool half_the_room = false);
   // Device bytes of one block of pool `kind` (K and V of every layer of the kind).
   int64_t KvPoolBlockBytes(int kind) const;
+  // New arrays of pool `kind` for `blocks` blocks, per layer of the kind (K and V, bf16 or float32
+  // as the layer's mirror stores them); RESOURCE_EXHAUSTED (none kept) when the device refuses
+  // the memory. ReplaceKvPoolArrays: the stream drained, the pool's arrays replaced by `fresh`,
+  // their first `keep` blocks copied from the old ones and then block `first` of each move into
+  // block `second` (one CopyPoolBlocks launch per array); the old arrays freed (`fresh` cleared).
+  struct KvPoolArrays {
+    int layer = 0;
+    DeviceArray<float> k, v;
+    DeviceArray<uint16_t> k16, v16;
+  };
+  absl::StatusOr<std::vector<KvPoolArrays>> NewKvPoolArrays(int kind, int64_t blocks);
+  absl::Status ReplaceKvPoolArrays(int kind, std::vector<KvPoolArrays>& fresh, int64_t keep,
+                                   const std::vector<std::pair<int32_t, int32_t>>& moves);
   using MirrorMap = std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>>;
   // The least recently used mirror not used by the current pass (its segments hold pointers to
   // those) for which pred(cache, mirror) holds; mirrors_.end() when none.

@@ -20,6 +20,69 @@ int64_t CudaBackend::KvPoolBlockBytes(int kind) const {
   return bytes;
 }
 
+absl::StatusOr<std::vector<CudaBackend::KvPoolArrays>> CudaBackend::NewKvPoolArrays(
+    int kind, int64_t blocks) {
+  std::vector<KvPoolArrays> fresh;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    if (KvKind(l) != kind) continue;
+    const size_t n = size_t(blocks) * options_.kv_block_size * c_.KvHeads(l) * c_.HeadDim(l);
+    KvPoolArrays& f = fresh.emplace_back();
+    f.layer = l;
+    absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
+    if (st.ok()) st = Bf16Mirror(l) ? f.v16.Grow(n, 0) : f.v.Grow(n, 0);
+    if (!st.ok()) {  // (DeviceArray cleared the refused cudaMalloc's last error)
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the device refused the memory (", st.message(), ")"));
+    }
+  }
+  return fresh;
+}
+
+absl::Status CudaBackend::ReplaceKvPoolArrays(
+    int kind, std::vector<KvPoolArrays>& fresh, int64_t keep,
+    const std::vector<std::pair<int32_t, int32_t>>& moves) {
+  KvBlockPool& pool = kv_pools_[kind];
+  // Queued uploads and row copies may still write the old arrays.
+  if (pool.blocks > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool arrays"));
+  if (!moves.empty()) {
+    std::vector<int32_t> pairs;
+    for (const auto& [src, dst] : moves) {
+      pairs.push_back(src);
+      pairs.push_back(dst);
+    }
+    DGSERVE_RETURN_IF_ERROR(kv_moves_.UploadAsync(pairs.data(), pairs.size(), stream_));
+  }
+  pool.k.resize(c_.num_layers);
+  pool.v.resize(c_.num_layers);
+  pool.k16.resize(c_.num_layers);
+  pool.v16.resize(c_.num_layers);
+  for (KvPoolArrays& f : fresh) {
+    const int l = f.layer;
+    const int64_t per_block = int64_t(options_.kv_block_size) * c_.KvHeads(l) * c_.HeadDim(l);
+    const auto replace = [&](auto& now, auto& old) -> absl::Status {
+      // (CopyPrefixFrom waits for its copy.)
+      DGSERVE_RETURN_IF_ERROR(now.CopyPrefixFrom(old, size_t(keep * per_block)));
+      if (!moves.empty()) {
+        DGSERVE_RETURN_IF_ERROR(cuda::CopyPoolBlocks(old.get(), now.get(), kv_moves_.get(),
+                                                     int(moves.size()), per_block, stream_));
+      }
+      old.swap(now);  // `now` holds the old array, freed with `fresh`
+      return absl::OkStatus();
+    };
+    if (Bf16Mirror(l)) {
+      DGSERVE_RETURN_IF_ERROR(replace(f.k16, pool.k16[l]));
+      DGSERVE_RETURN_IF_ERROR(replace(f.v16, pool.v16[l]));
+    } else {
+      DGSERVE_RETURN_IF_ERROR(replace(f.k, pool.k[l]));
+      DGSERVE_RETURN_IF_ERROR(replace(f.v, pool.v[l]));
+    }
+  }
+  // The moves' launches read the old arrays, freed next.
+  if (!moves.empty()) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool compaction"));
+  fresh.clear();
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   KvBlockPool& pool = kv_pools_[kind];
   const int B = options_.kv_block_size;
@@ -46,46 +109,9 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
     return absl::ResourceExhaustedError(absl::StrCat("the device has ", free_bytes, " bytes free"));
   }
   // All new arrays first, beside the old ones (a refusal frees them: nothing is left half grown),
-  // then the stream drained (queued uploads and row copies may still write the old arrays), the
-  // old rows copied (DeviceArray::CopyPrefixFrom waits for it), and the arrays swapped.
-  struct Fresh {
-    int layer;
-    DeviceArray<float> k, v;
-    DeviceArray<uint16_t> k16, v16;
-  };
-  std::vector<Fresh> fresh;
-  for (int l = 0; l < c_.num_layers; ++l) {
-    if (KvKind(l) != kind) continue;
-    const size_t n = size_t(blocks) * B * c_.KvHeads(l) * c_.HeadDim(l);
-    Fresh& f = fresh.emplace_back();
-    f.layer = l;
-    absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
-    if (st.ok()) st = Bf16Mirror(l) ? f.v16.Grow(n, 0) : f.v.Grow(n, 0);
-    if (!st.ok()) {  // (DeviceArray cleared the refused cudaMalloc's last error)
-      return absl::ResourceExhaustedError(
-          absl::StrCat("the device refused the memory (", st.message(), ")"));
-    }
-  }
-  if (pool.blocks > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool growth"));
-  pool.k.resize(c_.num_layers);
-  pool.v.resize(c_.num_layers);
-  pool.k16.resize(c_.num_layers);
-  pool.v16.resize(c_.num_layers);
-  for (Fresh& f : fresh) {
-    const int l = f.layer;
-    const size_t old = size_t(pool.blocks) * B * c_.KvHeads(l) * c_.HeadDim(l);
-    if (Bf16Mirror(l)) {
-      DGSERVE_RETURN_IF_ERROR(f.k16.CopyPrefixFrom(pool.k16[l], old));
-      DGSERVE_RETURN_IF_ERROR(f.v16.CopyPrefixFrom(pool.v16[l], old));
-      pool.k16[l].swap(f.k16);
-      pool.v16[l].swap(f.v16);
-    } else {
-      DGSERVE_RETURN_IF_ERROR(f.k.CopyPrefixFrom(pool.k[l], old));
-      DGSERVE_RETURN_IF_ERROR(f.v.CopyPrefixFrom(pool.v[l], old));
-      pool.k[l].swap(f.k);
-      pool.v[l].swap(f.v);
-    }
-  }
+  // then the old rows copied and the arrays swapped.
+  DGSERVE_ASSIGN_OR_RETURN(std::vector<KvPoolArrays> fresh, NewKvPoolArrays(kind, blocks));
+  DGSERVE_RETURN_IF_ERROR(ReplaceKvPoolArrays(kind, fresh, pool.blocks, {}));
   // Popped from the back: the lowest new id first.
   for (int64_t b = blocks - 1; b >= pool.blocks; --b) pool.free_ids.push_back(int32_t(b));
   pool.blocks = int(blocks);
@@ -180,56 +206,10 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, bool drop_cached) {
     moves.emplace_back(b, below.back());
     below.pop_back();
   }
-  // The smaller arrays first (a refusal changes nothing more), then the queued work on the old
-  // ones drained, the first `count` blocks copied and the moved blocks after them (one launch per
-  // array, the moves' (source, destination) pairs uploaded once).
-  const int64_t B = options_.kv_block_size;
-  struct Fresh {
-    int layer;
-    DeviceArray<float> k, v;
-    DeviceArray<uint16_t> k16, v16;
-  };
-  std::vector<Fresh> fresh;
-  for (int l = 0; l < c_.num_layers; ++l) {
-    if (KvKind(l) != kind) continue;
-    const size_t n = size_t(count) * B * c_.KvHeads(l) * c_.HeadDim(l);
-    Fresh& f = fresh.emplace_back();
-    f.layer = l;
-    absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
-    if (st.ok()) st = Bf16Mirror(l) ? f.v16.Grow(n, 0) : f.v.Grow(n, 0);
-    if (st.ok() && !moves.empty()) st = kv_moves_.Grow(2 * moves.size(), 0);
-    if (!st.ok()) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("the device refused the memory (", st.message(), ")"));
-    }
-  }
-  DGSERVE_RETURN_IF_ERROR(Wait("KV block pool compaction"));
-  std::vector<int32_t> pairs;
-  for (const auto& [src, dst] : moves) {
-    pairs.push_back(src);
-    pairs.push_back(dst);
-  }
-  DGSERVE_RETURN_IF_ERROR(kv_moves_.UploadAsync(pairs.data(), pairs.size(), stream_));
-  for (Fresh& f : fresh) {
-    const int l = f.layer;
-    const int64_t per_block = B * c_.KvHeads(l) * c_.HeadDim(l);
-    const auto move = [&](auto& to, auto& from) -> absl::Status {
-      DGSERVE_RETURN_IF_ERROR(to.CopyPrefixFrom(from, size_t(count) * per_block));
-      DGSERVE_RETURN_IF_ERROR(cuda::CopyPoolBlocks(from.get(), to.get(), kv_moves_.get(),
-                                                   int(moves.size()), per_block, stream_));
-      from.swap(to);  // `to` (the old array) is freed with `fresh`, once the stream has run
-      return absl::OkStatus();
-    };
-    if (Bf16Mirror(l)) {
-      DGSERVE_RETURN_IF_ERROR(move(f.k16, pool.k16[l]));
-      DGSERVE_RETURN_IF_ERROR(move(f.v16, pool.v16[l]));
-    } else {
-      DGSERVE_RETURN_IF_ERROR(move(f.k, pool.k[l]));
-      DGSERVE_RETURN_IF_ERROR(move(f.v, pool.v[l]));
-    }
-  }
-  DGSERVE_RETURN_IF_ERROR(Wait("KV block pool compaction"));
-  fresh.clear();
+  // The smaller arrays first (a refusal changes nothing more), then the first `count` blocks
+  // copied and the moved blocks after them.
+  DGSERVE_ASSIGN_OR_RETURN(std::vector<KvPoolArrays> fresh, NewKvPoolArrays(kind, count));
+  DGSERVE_RETURN_IF_ERROR(ReplaceKvPoolArrays(kind, fresh, count, moves));
   std::vector<int32_t> to(pool.blocks, -1);
   for (const auto& [src, dst] : moves) {
     to[src] = dst;
