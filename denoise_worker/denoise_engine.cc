@@ -267,6 +267,15 @@ absl::Status DenoiseEngine::CheckFitsInPool(const v1::DenoiseRequest& r) const {
 }
 
 absl::Status DenoiseEngine::Submit(std::shared_ptr<DenoiseJob> job) {
+  absl::Status s = Admit(job);
+  // A refused request's KV (the gateway prefills before it asks here, so it has arrived) is freed
+  // at once: nothing would claim it before its lease ends, and its blocks would be lost to the
+  // requests admitted meanwhile. Not KV another job with the id waits for (a duplicate).
+  if (!s.ok() && !absl::IsAlreadyExists(s)) receiver_->Drop(job->id());
+  return s;
+}
+
+absl::Status DenoiseEngine::Admit(const std::shared_ptr<DenoiseJob>& job) {
   if (draining_) return absl::UnavailableError("denoise worker is draining");
   if (absl::Status s = ValidateRequest(job->request(), backend_->config()); !s.ok()) return s;
   // A request this worker's KV pool can never hold is refused now, as OUT_OF_RANGE (HTTP 400),

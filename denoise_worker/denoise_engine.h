@@ -113,7 +113,8 @@ class DenoiseEngine {
   // blocks. Every event names its sample; each sample ends with its own Finished and the job
   // ends after the last. INVALID_ARGUMENT for a bad request, OUT_OF_RANGE for one the K/V
   // memory can never hold (CheckFitsInPool), RESOURCE_EXHAUSTED when the queue is full,
-  // UNAVAILABLE when draining, ALREADY_EXISTS for a duplicate id.
+  // UNAVAILABLE when draining, ALREADY_EXISTS for a duplicate id. A refused request's KV, if it
+  // has arrived and nothing else waits for it, is freed (KvReceiver::Drop).
   absl::Status Submit(std::shared_ptr<DenoiseJob> job);
   // Cancels a request (all its samples) wherever it is; its blocks are freed before the next
   // step, and it is recorded with `code` (CANCELLED, or DEADLINE_EXCEEDED when the caller's
@@ -138,6 +139,8 @@ class DenoiseEngine {
   // committed canvases at max_new_tokens), or the backend's own K/V memory one sample at its
   // largest (ModelBackend::CheckKvFits: the CUDA backend's device pool at its bound).
   absl::Status CheckFitsInPool(const v1::DenoiseRequest& r) const;
+  // Submit's checks and queueing (Submit drops a refused request's KV).
+  absl::Status Admit(const std::shared_ptr<DenoiseJob>& job);
   void UpdateQueueGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Iterate(std::vector<std::unique_ptr<Running>>& running);
   // The commit passes due (spec §4.1 step 3a) as one batched encoder pass.

@@ -354,6 +354,37 @@ TEST_F(DenoiseEngineTest, Admission) {
   EXPECT_EQ(bad(Request("d", P, C())), absl::StatusCode::kUnavailable);
 }
 
+// The gateway prefills before it asks the denoise worker: a request the worker refuses has its KV
+// in the receiver already, which nothing would claim before its lease ends (30 s by default),
+// holding blocks the admitted requests need. It is freed at once; KV a waiting request with the
+// same id expects is not (a duplicate is refused, the first goes on).
+TEST_F(DenoiseEngineTest, ARefusedRequestsKvIsFreedAtOnce) {
+  StartEngine(/*max_batch_canvases=*/1, /*max_queue=*/1);
+  const int P = 21;
+  const int full = int(kv::LayerKind::kFull);
+  ASSERT_EQ(pool_->stats().used[full], 0);
+  // a and b wait for KV: the queue is full.
+  ASSERT_THAT(engine_->Submit(std::make_shared<DenoiseJob>(Request("a", P, C()))), IsOk());
+  ASSERT_THAT(engine_->Submit(std::make_shared<DenoiseJob>(Request("b", P, C()))), IsOk());
+  SendKv("c", Prompt());  // 21 tokens: 2 full-attention blocks of 16
+  EXPECT_EQ(pool_->stats().used[full], 2);
+  EXPECT_EQ(engine_->Submit(std::make_shared<DenoiseJob>(Request("c", P, C()))).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool_->stats().used[full], 0);
+  SendKv("d", Prompt());  // a bad request's KV too
+  EXPECT_EQ(engine_->Submit(std::make_shared<DenoiseJob>(Request("d", P, 0))).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool_->stats().used[full], 0);
+  // A duplicate of a waiting request (refused for the full queue first): a's KV, when it comes,
+  // still goes to a, which completes.
+  EXPECT_EQ(engine_->Submit(std::make_shared<DenoiseJob>(Request("a", P, C()))).code(),
+            absl::StatusCode::kResourceExhausted);
+  engine_->Cancel("b");
+  EXPECT_EQ(engine_->Submit(std::make_shared<DenoiseJob>(Request("a", P, C()))).code(),
+            absl::StatusCode::kAlreadyExists);
+  SendKv("a", Prompt());
+}
+
 TEST_F(DenoiseEngineTest, PromptLargerThanThePoolIsOutOfRange) {
   // A pool of 1 MiB: its full-attention blocks hold fewer tokens than the context limit.
   auto small = CreateKvPool(config(), "tiny", 1, 16);

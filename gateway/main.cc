@@ -59,7 +59,8 @@ ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
 ABSL_FLAG(int64_t, max_body_bytes, 4 << 20,
           "largest HTTP request body and gRPC request message (larger: 413 / RESOURCE_EXHAUSTED, "
           "refused before it is parsed)");
-ABSL_FLAG(double, request_timeout_seconds, 600, "deadline of a request without its own");
+ABSL_FLAG(double, request_timeout_seconds, 600,
+          "deadline of a request without its own, seconds in (0, 1e7]");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
 ABSL_FLAG(int64_t, testing_delay_before_denoise_ms, 0,
           "fault injection for tests: pause this long between a prefill and its denoise call");
@@ -150,6 +151,14 @@ absl::Status Run() {
   if (gopts.max_queued_requests < 0) {
     return absl::InvalidArgumentError("--max_queued_requests must be ≥ 0");
   }
+  // 0 is not "no timeout": every request would fail at once (504) on a gateway that says ready.
+  if (const double t = absl::GetFlag(FLAGS_request_timeout_seconds); !(t > 0) || t > 1e7) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--request_timeout_seconds must be in (0, 1e7] seconds, got ", t));
+  }
+  if (absl::GetFlag(FLAGS_sse_keepalive_seconds) <= 0) {
+    return absl::InvalidArgumentError("--sse_keepalive_seconds must be > 0");
+  }
 
   const int64_t max_body_bytes = absl::GetFlag(FLAGS_max_body_bytes);
   if (max_body_bytes < 1 || max_body_bytes > (int64_t(1) << 30)) {
@@ -216,9 +225,6 @@ absl::Status Run() {
   hopts.port = http_addr->second;
   hopts.max_body_bytes = size_t(max_body_bytes);
   hopts.default_timeout = timeout;
-  if (absl::GetFlag(FLAGS_sse_keepalive_seconds) <= 0) {
-    return absl::InvalidArgumentError("--sse_keepalive_seconds must be > 0");
-  }
   hopts.sse_keepalive_interval = absl::Seconds(absl::GetFlag(FLAGS_sse_keepalive_seconds));
   OpenAiHttpServer http(&gateway, hopts, &runner.registry());
   absl::StatusOr<int> http_port = http.Start();

@@ -581,6 +581,25 @@ void KvReceiver::Forget(const std::string& request_id, absl::StatusCode why) {
   }
 }
 
+bool KvReceiver::Drop(const std::string& request_id) {
+  State& s = *state_;
+  std::unique_ptr<PagedKvCache> drop;  // destroyed outside the lock
+  absl::MutexLock lock(&s.mu);
+  if (s.expectations.contains(request_id)) return false;
+  bool dropped = false;
+  if (auto it = s.incoming.find(request_id); it != s.incoming.end()) {
+    s.ReleaseTaken(it->second.table);
+    s.incoming.erase(it);
+    dropped = true;
+  }
+  if (auto c = s.completed.find(request_id); c != s.completed.end()) {
+    drop = std::move(c->second.kv);
+    s.completed.erase(c);
+    dropped = true;
+  }
+  return dropped;
+}
+
 void KvReceiver::ReapExpired(absl::Time now) {
   State& s = *state_;
   State::Outbox out;

@@ -97,6 +97,10 @@ class KvReceiver {
   // when the request's deadline passed).
   void Forget(const std::string& request_id,
               absl::StatusCode why = absl::StatusCode::kCancelled);
+  // Frees the request's KV, complete or still arriving, when nothing waits for it (no Expect):
+  // a request the worker refused before it would wait. Unlike Forget nothing is remembered (a
+  // later transfer for the id is taken as any other). Returns whether KV was freed.
+  bool Drop(const std::string& request_id);
 
   // Reclaims leases and expectations that are past due (called by a background thread every
   // 50 ms; tests may call it with their own clock).

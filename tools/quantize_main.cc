@@ -57,8 +57,9 @@ ABSL_FLAG(std::string, nvfp4_activations, "",
           "input_global_scale, activations unquantized; needs --nvfp4_layout compressed-tensors)");
 ABSL_FLAG(std::string, ignore, absl::StrJoin(dgserve::DefaultQuantizeIgnore(), ","),
           "comma-separated compressed-tensors ignore list (module names or re:REGEX): modules "
-          "kept in bf16. Default: the LM head and embedding, the MoE router, the norms, and the "
-          "self-conditioning MLP");
+          "kept in bf16 (it replaces the default; an entry that names no module of the checkpoint "
+          "is warned about). Default: the LM head and embedding, the MoE router, the norms, and "
+          "the self-conditioning MLP");
 namespace dgserve {
 
 // A calibration file flag that knows whether it was given: absl calls AbslParseFlag only for a
@@ -384,6 +385,15 @@ absl::Status Run() {
               : s.quant.channel_groups               ? " (per channel)"
                                        : absl::StrCat(" (group ", s.quant.group_size, ")").c_str(),
               nvfp4_layout, s.quantized, s.kept, s.seconds);
+  const std::vector<std::string> defaults = DefaultQuantizeIgnore();
+  for (const std::string& e : s.unmatched_ignore) {
+    // (The default list is for every checkpoint: a tied model has no lm_head.)
+    if (std::find(defaults.begin(), defaults.end(), e) != defaults.end()) continue;
+    std::fprintf(stderr,
+                 "warning: --ignore entry '%s' names no module of %s (a typo? the modules it "
+                 "meant were quantized)\n",
+                 e.c_str(), absl::GetFlag(FLAGS_in).c_str());
+  }
   return absl::OkStatus();
 }
 

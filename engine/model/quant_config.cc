@@ -403,4 +403,8 @@ std::string QuantizationConfigJson(const QuantizationConfig& q) {
   return qc.dump(2);
 }
 
+bool IgnoreEntryMatches(const std::string& entry, const std::string& module) {
+  return entry != "Linear" && MatchesEntry(entry, module);
+}
+
 }  // namespace dgserve

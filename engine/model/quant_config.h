@@ -157,4 +157,8 @@ std::string QuantizationConfigJson(const QuantizationConfig& q);
 // NVFP4: the hf_quant_config.json dgserve-quantize writes next to config.json (JSON text).
 std::string HfQuantConfigJson(const QuantizationConfig& q);
 
+// Whether a compressed-tensors ignore entry (a module name, or "re:REGEX" matched from the
+// name's start) names `module` ("Linear", a target class, names none here).
+bool IgnoreEntryMatches(const std::string& entry, const std::string& module);
+
 }  // namespace dgserve

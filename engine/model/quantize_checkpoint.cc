@@ -542,8 +542,14 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   std::vector<TensorSource> tensors;
   int quantized = 0, kept = 0;
   std::map<std::string, std::shared_ptr<FusedAmax>> fused;  // compressed-tensors NVFP4's sets
-  absl::Status missing_amax;  // a quantized module the calibration did not see
+  absl::Status missing_amax;      // a quantized module the calibration did not see
+  std::set<std::string> modules;  // every module name an ignore entry may mean
+  for (const TensorView& t : reader.tensors()) {
+    const size_t dot = t.name.rfind('.');
+    modules.insert(dot == std::string::npos ? t.name : t.name.substr(0, dot));
+  }
   auto module_rows = [&](const std::string& module, const Rows& r) {
+    modules.insert(module);
     if (q.format == WeightFormat::kNvfp4 && r.cols % 16 != 0 && q.Quantizes(module)) {
       q.ignore.push_back(module);
       not_divisible.push_back(module);
@@ -680,6 +686,12 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   summary.quant = q;
   summary.quantized = quantized;
   summary.kept = kept;
+  for (const std::string& e : options.ignore) {
+    if (std::none_of(modules.begin(), modules.end(),
+                     [&](const std::string& m) { return IgnoreEntryMatches(e, m); })) {
+      summary.unmatched_ignore.push_back(e);
+    }
+  }
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                   progress->start).count();
   return summary;

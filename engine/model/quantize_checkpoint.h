@@ -127,6 +127,10 @@ struct QuantizeOptions {
 struct QuantizeSummary {
   QuantizationConfig quant;  // as written into config.json
   int quantized = 0, kept = 0;  // Linear modules quantized / kept in their dtype
+  // Entries of QuantizeOptions::ignore that name no module of the checkpoint (a tensor's name
+  // without its last component, or a Linear module the quantizer visits, experts one by one):
+  // most likely a typo, whose modules are then quantized.
+  std::vector<std::string> unmatched_ignore;
   double seconds = 0;
 };
 
