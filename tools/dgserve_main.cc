@@ -12,7 +12,7 @@
 //                  [--samples N [--sample_temperature_spread X]]
 //                  (tools/sudoku/sudoku_cli.h)
 //
-// Flags may be spelled with dashes or underscores.
+// Flags may be spelled with dashes or underscores. A flag only another command reads is refused.
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,9 +30,11 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "common/cli.h"
 #include "common/limits.h"
 #include "common/openmp_env.h"
@@ -195,9 +197,48 @@ absl::Status RefuseSudokuOnlyFlags(const char* command) {
   return absl::OkStatus();
 }
 
+// A flag given on the command line that `command` would ignore is refused, naming the commands
+// that read it (a user would otherwise believe `chat --device cuda` ran on a GPU, or that
+// `generate --gateway` used the gateway). --samples and --sample_temperature_spread keep their
+// own messages (RefuseSudokuOnlyFlags).
+// The flags given on the command line (main: underscore spelling; --noX as X).
+std::vector<std::string>& GivenFlags() {
+  static std::vector<std::string> given;
+  return given;
+}
+
+absl::Status RefuseFlagsOfOtherCommands(const std::string& command) {
+  struct Use {
+    const char* flag;
+    const char* commands;  // the commands that read it, as the message names them
+  };
+  static constexpr Use kUses[] = {
+      {"model", "generate sudoku"},     {"prompt", "generate chat"},
+      {"prompt_file", "generate chat"}, {"chat", "generate chat"},
+      {"thinking", "generate chat"},    {"max_tokens", "generate chat"},
+      {"show_steps", "generate chat"},  {"json", "generate"},
+      {"device", "generate"},           {"cpu_gemm_input", "generate"},
+      {"cuda_gemm_input", "generate"},  {"cuda_kv_pool_gb", "generate"},
+      {"gateway", "chat sudoku"},       {"api_key", "chat sudoku"},
+      {"puzzle_file", "sudoku"},        {"template", "sudoku"},
+      {"candidates", "sudoku"},
+  };
+  for (const Use& u : kUses) {
+    const std::vector<std::string>& given = GivenFlags();
+    if (std::find(given.begin(), given.end(), u.flag) == given.end()) continue;
+    const std::vector<absl::string_view> commands = absl::StrSplit(u.commands, ' ');
+    if (std::find(commands.begin(), commands.end(), command) != commands.end()) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", absl::StrReplaceAll(u.flag, {{"_", "-"}}), " does not apply to `dgserve ", command,
+        "` (it is read by `dgserve ", absl::StrJoin(commands, "`, `dgserve "), "`)"));
+  }
+  return absl::OkStatus();
+}
+
 // `dgserve chat`: the same prompt and sampling flags, sent to a running gateway.
 absl::Status RunChat() {
   DGSERVE_RETURN_IF_ERROR(RefuseSudokuOnlyFlags("chat"));
+  DGSERVE_RETURN_IF_ERROR(RefuseFlagsOfOtherCommands("chat"));
   DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt(/*always_chat=*/true));
   DGSERVE_RETURN_IF_ERROR(CheckDiffusionFlags());
   DGSERVE_RETURN_IF_ERROR(CheckMaxTokensFlag());
@@ -226,6 +267,7 @@ absl::Status RunChat() {
 // `dgserve sudoku PUZZLE`: the puzzle (the arguments, joined) to a gateway serving the sudoku
 // model. True when the answer solves it.
 absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
+  DGSERVE_RETURN_IF_ERROR(RefuseFlagsOfOtherCommands("sudoku"));
   DGSERVE_RETURN_IF_ERROR(ValidateTarget("--gateway", absl::GetFlag(FLAGS_gateway)));
   sudoku::SudokuCliOptions o;
   o.puzzle = absl::StrJoin(args, " ");
@@ -261,6 +303,7 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
 
 absl::Status RunGenerate() {
   DGSERVE_RETURN_IF_ERROR(RefuseSudokuOnlyFlags("generate"));
+  DGSERVE_RETURN_IF_ERROR(RefuseFlagsOfOtherCommands("generate"));
   DGSERVE_RETURN_IF_ERROR(CheckMaxTokensFlag());
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
@@ -438,6 +481,18 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> storage;
   std::vector<char*> args = dgserve::NormaliseFlagNames(argc - 1, argv + 1, storage);
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string a = args[i];
+    if (a == "--") break;
+    if (a.rfind("--", 0) != 0) continue;
+    std::string name =
+        a.substr(2, a.find('=') == std::string::npos ? std::string::npos : a.find('=') - 2);
+    if (absl::StartsWith(name, "no") && absl::FindCommandLineFlag(name) == nullptr &&
+        absl::FindCommandLineFlag(name.substr(2)) != nullptr) {
+      name = name.substr(2);
+    }
+    dgserve::GivenFlags().push_back(name);
+  }
   std::vector<char*> rest = absl::ParseCommandLine(args.size(), args.data());
   if (rest.size() > 1 && command != "sudoku") {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
