@@ -2,6 +2,7 @@
 // codes by placing exponent and mantissa into a float32 and rebiasing (exact), subnormal codes
 // as m · 2⁻⁹ (exact), sign or-ed in. int4: nibble − 8 converted exactly, times the group scale
 // (one rounding, the same as the portable version's).
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -267,9 +268,11 @@ void ByRows(int rows, int /*panels*/, const DirectTile& t) {
 WidenKernels Avx2Widen() { return {&Fp8, &Int4, &QuantizeFp8, &Nvfp4}; }
 
 DirectKernels Avx2Direct() {
-  // FP8 needs F16C besides (every AVX2 CPU made has it; without it FP8 widens blocks).
-  return {6, 1, __builtin_cpu_supports("f16c") ? &ByRows<Fp8K> : nullptr, &ByRows<Int4K>,
-          &ByRows<Nvfp4K>};
+  // FP8 needs F16C besides (every AVX2 CPU made has it; without it FP8 widens blocks). CPUID
+  // leaf 1, ECX bit 29: clang 14's __builtin_cpu_supports does not know "f16c".
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  return {6, 1, f16c ? &ByRows<Fp8K> : nullptr, &ByRows<Int4K>, &ByRows<Nvfp4K>};
 }
 
 }  // namespace dgserve::cpu::quant_internal
