@@ -201,13 +201,9 @@ absl::Status RefuseSudokuOnlyFlags(const char* command) {
 // that read it (a user would otherwise believe `chat --device cuda` ran on a GPU, or that
 // `generate --gateway` used the gateway). --samples and --sample_temperature_spread keep their
 // own messages (RefuseSudokuOnlyFlags).
-// The flags given on the command line (main: underscore spelling; --noX as X).
-std::vector<std::string>& GivenFlags() {
-  static std::vector<std::string> given;
-  return given;
-}
-
-absl::Status RefuseFlagsOfOtherCommands(const std::string& command) {
+// `given`: the flags on the command line, as NormaliseFlagNames returns them.
+absl::Status RefuseFlagsOfOtherCommands(const std::string& command,
+                                        const std::vector<std::string>& given) {
   struct Use {
     const char* flag;
     const char* commands;  // the commands that read it, as the message names them
@@ -224,7 +220,6 @@ absl::Status RefuseFlagsOfOtherCommands(const std::string& command) {
       {"candidates", "sudoku"},
   };
   for (const Use& u : kUses) {
-    const std::vector<std::string>& given = GivenFlags();
     if (std::find(given.begin(), given.end(), u.flag) == given.end()) continue;
     const std::vector<absl::string_view> commands = absl::StrSplit(u.commands, ' ');
     if (std::find(commands.begin(), commands.end(), command) != commands.end()) continue;
@@ -238,7 +233,6 @@ absl::Status RefuseFlagsOfOtherCommands(const std::string& command) {
 // `dgserve chat`: the same prompt and sampling flags, sent to a running gateway.
 absl::Status RunChat() {
   DGSERVE_RETURN_IF_ERROR(RefuseSudokuOnlyFlags("chat"));
-  DGSERVE_RETURN_IF_ERROR(RefuseFlagsOfOtherCommands("chat"));
   DGSERVE_ASSIGN_OR_RETURN(std::string prompt, ReadPrompt(/*always_chat=*/true));
   DGSERVE_RETURN_IF_ERROR(CheckDiffusionFlags());
   DGSERVE_RETURN_IF_ERROR(CheckMaxTokensFlag());
@@ -267,7 +261,6 @@ absl::Status RunChat() {
 // `dgserve sudoku PUZZLE`: the puzzle (the arguments, joined) to a gateway serving the sudoku
 // model. True when the answer solves it.
 absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
-  DGSERVE_RETURN_IF_ERROR(RefuseFlagsOfOtherCommands("sudoku"));
   DGSERVE_RETURN_IF_ERROR(ValidateTarget("--gateway", absl::GetFlag(FLAGS_gateway)));
   sudoku::SudokuCliOptions o;
   o.puzzle = absl::StrJoin(args, " ");
@@ -303,7 +296,6 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
 
 absl::Status RunGenerate() {
   DGSERVE_RETURN_IF_ERROR(RefuseSudokuOnlyFlags("generate"));
-  DGSERVE_RETURN_IF_ERROR(RefuseFlagsOfOtherCommands("generate"));
   DGSERVE_RETURN_IF_ERROR(CheckMaxTokensFlag());
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
@@ -424,20 +416,24 @@ absl::Status RunGenerate() {
 
 // absl flags are spelled with underscores; accept --max-tokens as well.
 // Only words that name one of our flags are rewritten, so a value such as a file called
-// "--my-prompt.txt" is left alone.
-std::vector<char*> NormaliseFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
+// "--my-prompt.txt" is left alone. `given` receives the names of the flags before "--"
+// (underscore spelling; --noX as X).
+std::vector<char*> NormaliseFlagNames(int argc, char** argv, std::vector<std::string>& storage,
+                                      std::vector<std::string>& given) {
   storage.assign(argv, argv + argc);
   for (size_t i = 1; i < storage.size(); ++i) {
     std::string& a = storage[i];
+    if (a == "--") break;
     if (a.rfind("--", 0) != 0) continue;
     const size_t end = std::min(a.find('='), a.size());
     std::string name = a.substr(2, end - 2);
     std::replace(name.begin(), name.end(), '-', '_');
-    std::string bare = name.rfind("no", 0) == 0 ? name.substr(2) : name;  // --noflag
-    if (absl::FindCommandLineFlag(name) == nullptr && absl::FindCommandLineFlag(bare) == nullptr) {
-      continue;
-    }
+    const bool known = absl::FindCommandLineFlag(name) != nullptr;
+    const bool negated = !known && absl::StartsWith(name, "no") &&
+                         absl::FindCommandLineFlag(name.substr(2)) != nullptr;  // --noflag
+    if (!known && !negated) continue;
     a = "--" + name + a.substr(end);
+    given.push_back(negated ? name.substr(2) : name);
   }
   std::vector<char*> out;
   for (std::string& s : storage) out.push_back(s.data());
@@ -479,28 +475,18 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s\n", absl::ProgramUsageMessage().data());
     return 2;
   }
-  std::vector<std::string> storage;
-  std::vector<char*> args = dgserve::NormaliseFlagNames(argc - 1, argv + 1, storage);
-  for (size_t i = 1; i < args.size(); ++i) {
-    const std::string a = args[i];
-    if (a == "--") break;
-    if (a.rfind("--", 0) != 0) continue;
-    std::string name =
-        a.substr(2, a.find('=') == std::string::npos ? std::string::npos : a.find('=') - 2);
-    if (absl::StartsWith(name, "no") && absl::FindCommandLineFlag(name) == nullptr &&
-        absl::FindCommandLineFlag(name.substr(2)) != nullptr) {
-      name = name.substr(2);
-    }
-    dgserve::GivenFlags().push_back(name);
-  }
+  std::vector<std::string> storage, given;
+  std::vector<char*> args = dgserve::NormaliseFlagNames(argc - 1, argv + 1, storage, given);
   std::vector<char*> rest = absl::ParseCommandLine(args.size(), args.data());
   if (rest.size() > 1 && command != "sudoku") {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;
   }
-  absl::Status st;
+  absl::Status st = dgserve::RefuseFlagsOfOtherCommands(command, given);
   try {
-    if (command == "sudoku") {  // exit 0: solved, 2: a wrong answer, 1: an error
+    if (!st.ok()) {
+      // reported below
+    } else if (command == "sudoku") {  // exit 0: solved, 2: a wrong answer, 1: an error
       absl::StatusOr<bool> solved =
           dgserve::RunSudoku(std::vector<std::string>(rest.begin() + 1, rest.end()));
       st = solved.status();
