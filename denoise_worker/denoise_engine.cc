@@ -543,21 +543,15 @@ void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {
     stepped.push_back(r.get());
   }
   const absl::Time t0 = absl::Now();
-  int parts = 0;
-  size_t largest = 0;
-  const std::vector<absl::Status> step_status = RunInParts(
-      std::span<const DenoiseStepInput>(batch),
-      [&](std::span<const DenoiseStepInput> b) { return backend_->DenoiseStep(b); }, &parts,
-      &largest);
-  if (parts > 0) {
-    ++passes_in_parts_;
-    if (metrics_) metrics_->passes_in_parts.Increment();
-    if (largest > 0) device_step_limit_ = int(largest);
-    DGSERVE_LOG_WARNING(
-        "denoising step of %zu canvases refused (backend out of K/V memory), run again as %d "
-        "smaller passes; at most %zu canvases step until a sample ends",
-        batch.size(), parts, largest);
+  const PartsRun run =
+      RunInParts(std::span<const DenoiseStepInput>(batch),
+                 [&](std::span<const DenoiseStepInput> b) { return backend_->DenoiseStep(b); });
+  if (run.parts > 0) {
+    CountPassInParts("denoising step", batch.size(), run);
+    // At most as many canvases as its largest part that ran step until a sample ends.
+    if (run.largest > 0) device_step_limit_ = int(run.largest);
   }
+  const std::vector<absl::Status>& step_status = run.status;
   const absl::Time t1 = absl::Now();
   if (metrics_ && !batch.empty()) {
     metrics_->step_seconds.Observe(Seconds(t1 - t0));
@@ -609,19 +603,11 @@ void DenoiseEngine::CommitCanvases(std::vector<std::unique_ptr<Running>>& runnin
   }
   if (batch.empty()) return;
   const absl::Time t0 = absl::Now();
-  int parts = 0;
-  size_t largest = 0;
-  const std::vector<absl::Status> status = RunInParts(
-      std::span<const EncodeInput>(batch),
-      [&](std::span<const EncodeInput> b) { return backend_->Encode(b); }, &parts, &largest);
-  if (parts > 0) {
-    ++passes_in_parts_;
-    if (metrics_) metrics_->passes_in_parts.Increment();
-    DGSERVE_LOG_WARNING(
-        "commit pass of %zu canvases refused (backend out of K/V memory), run again as %d smaller "
-        "passes",
-        batch.size(), parts);
-  }
+  const PartsRun run =
+      RunInParts(std::span<const EncodeInput>(batch),
+                 [&](std::span<const EncodeInput> b) { return backend_->Encode(b); });
+  if (run.parts > 0) CountPassInParts("commit pass", batch.size(), run);
+  const std::vector<absl::Status>& status = run.status;
   const double secs = Seconds(absl::Now() - t0);
   if (metrics_) metrics_->commit_seconds.Observe(secs);
   for (size_t i = 0; i < committing.size(); ++i) {
@@ -636,6 +622,15 @@ void DenoiseEngine::CommitCanvases(std::vector<std::unique_ptr<Running>>& runnin
       r->job->RequestCancel();
     }
   }
+}
+
+void DenoiseEngine::CountPassInParts(const char* pass, size_t n, const PartsRun& run) {
+  ++passes_in_parts_;
+  if (metrics_) metrics_->passes_in_parts.Increment();
+  DGSERVE_LOG_WARNING(
+      "%s of %zu canvases refused (out of K/V memory), run again as %d smaller passes; the "
+      "largest that ran took %zu",
+      pass, n, run.parts, run.largest);
 }
 
 void DenoiseEngine::ReportStep(Running& r, const StepOutcome& out, absl::Time now) {

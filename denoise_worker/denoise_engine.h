@@ -30,6 +30,8 @@
 
 namespace dgserve {
 
+struct PartsRun;
+
 // One request as the RPC handler and the engine share it. The engine pushes events; the
 // handler pops them and writes them to the stream. Thread-safe.
 class DenoiseJob {
@@ -145,6 +147,9 @@ class DenoiseEngine {
   void Iterate(std::vector<std::unique_ptr<Running>>& running);
   // The commit passes due (spec §4.1 step 3a) as one batched encoder pass.
   void CommitCanvases(std::vector<std::unique_ptr<Running>>& running);
+  // A pass of `n` inputs that ran in parts (RunInParts): counts it and says so in the log.
+  // `pass`: "denoising step" or "commit pass".
+  void CountPassInParts(const char* pass, size_t n, const PartsRun& run);
   // After a sample's step: metrics and, every canvas_step_interval steps, its step event.
   void ReportStep(Running& r, const StepOutcome& out, absl::Time now);
   // A sample's canvas is done: its block event, then its Finished when it was the last.

@@ -268,20 +268,19 @@ void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
   const int step_tokens = options_.step_token_budget - budget;
   const absl::Time t0 = absl::Now();
   // Refused for want of K/V memory (the CUDA backend's device pool at its bound): in halves.
-  int parts = 0;
-  size_t largest = 0;
-  const std::vector<absl::Status> status = RunInParts(
-      std::span<const EncodeInput>(batch),
-      [&](std::span<const EncodeInput> b) { return backend_->Encode(b); }, &parts, &largest);
-  if (parts > 0) {
+  const PartsRun run =
+      RunInParts(std::span<const EncodeInput>(batch),
+                 [&](std::span<const EncodeInput> b) { return backend_->Encode(b); });
+  if (run.parts > 0) {
     ++passes_in_parts_;
     if (metrics_) metrics_->passes_in_parts.Increment();
-    if (largest > 0) step_limit_ = int(largest);
+    if (run.largest > 0) step_limit_ = int(run.largest);
     DGSERVE_LOG_WARNING(
         "encoder pass of %zu prompts refused (out of K/V memory), run again as %d smaller "
-        "passes",
-        batch.size(), parts);
+        "passes; the largest that ran took %zu",
+        batch.size(), run.parts, run.largest);
   }
+  const std::vector<absl::Status>& status = run.status;
   const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
   int computed = 0;
   for (size_t i = 0; i < batch.size(); ++i) {

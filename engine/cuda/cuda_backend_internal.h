@@ -593,8 +593,10 @@ class CudaBackend final : public ModelBackend {
   // RESOURCE_EXHAUSTED at the bound or when the device refuses the memory. half_the_room:
   // at most half (rounded up) of the blocks the bound still has room for.
   absl::Status GrowKvPool(int kind, bool half_the_room = false);
-  // Device bytes of one block of pool `kind` (K and V of every layer of the kind).
+  // Device bytes of one block of pool `kind` (K and V of every layer of the kind); 0 where the
+  // model has no layer of the kind. KvPoolsBytes: both pools' blocks' bytes.
   int64_t KvPoolBlockBytes(int kind) const;
+  int64_t KvPoolsBytes() const;
   // New arrays of pool `kind` for `blocks` blocks, per layer of the kind (K and V, bf16 or float32
   // as the layer's mirror stores them); RESOURCE_EXHAUSTED (none kept) when the device refuses
   // the memory. ReplaceKvPoolArrays: the stream drained, the pool's arrays replaced by `fresh`,

@@ -444,8 +444,7 @@ void CudaBackend::PublishKvBlocks(const KvCache& kv, KvMirror* m) {
 absl::Status CudaBackend::SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, int extra) {
   const int B = options_.kv_block_size, need = n + extra;
   const int blocks = (need + B - 1) / B;
-  bool has[2] = {false, false};
-  for (int l = 0; l < c_.num_layers; ++l) has[KvKind(l)] = true;
+  const bool has[2] = {KvPoolBlockBytes(kKvFull) > 0, KvPoolBlockBytes(kKvSliding) > 0};
   // Block index ranges to hold, per kind.
   const auto hold = [&](int kind, int from, int to) -> absl::Status {
     std::vector<int32_t>& table = m->blocks[kind];

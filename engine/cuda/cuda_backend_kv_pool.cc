@@ -20,6 +20,11 @@ int64_t CudaBackend::KvPoolBlockBytes(int kind) const {
   return bytes;
 }
 
+int64_t CudaBackend::KvPoolsBytes() const {
+  return int64_t(kv_pools_[kKvFull].blocks) * KvPoolBlockBytes(kKvFull) +
+         int64_t(kv_pools_[kKvSliding].blocks) * KvPoolBlockBytes(kKvSliding);
+}
+
 absl::StatusOr<std::vector<CudaBackend::KvPoolArrays>> CudaBackend::NewKvPoolArrays(
     int kind, int64_t blocks) {
   std::vector<KvPoolArrays> fresh;
@@ -89,9 +94,8 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
   if (options_.kv_pool_max_bytes > 0) {
     // Both pools' bytes stay within the bound: fewer new blocks, or none.
-    const int64_t used = int64_t(kv_pools_[kKvFull].blocks) * KvPoolBlockBytes(kKvFull) +
-                         int64_t(kv_pools_[kKvSliding].blocks) * KvPoolBlockBytes(kKvSliding);
-    const int64_t room = (int64_t(options_.kv_pool_max_bytes) - used) / KvPoolBlockBytes(kind);
+    const int64_t room =
+        (int64_t(options_.kv_pool_max_bytes) - KvPoolsBytes()) / KvPoolBlockBytes(kind);
     const int64_t take = half_the_room ? (room + 1) / 2 : room;
     blocks = std::min(blocks, int64_t(pool.blocks) + std::max<int64_t>(0, take));
   }
@@ -143,9 +147,7 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
     if (free_ids + cached == 0) return -1;
     // Worth it only if a block of this kind then fits; the other pool's cached blocks are kept
     // (a later prefix hit needs both kinds' blocks) where its free ones are enough.
-    const int64_t used = int64_t(kv_pools_[kKvFull].blocks) * KvPoolBlockBytes(kKvFull) +
-                         int64_t(kv_pools_[kKvSliding].blocks) * KvPoolBlockBytes(kKvSliding);
-    const int64_t room = int64_t(options_.kv_pool_max_bytes) - used;
+    const int64_t room = int64_t(options_.kv_pool_max_bytes) - KvPoolsBytes();
     const int64_t other_block = KvPoolBlockBytes(1 - kind);
     if (room + (free_ids + cached) * other_block < KvPoolBlockBytes(kind)) return -1;
     const bool drop_cached = room + free_ids * other_block < KvPoolBlockBytes(kind);
@@ -261,8 +263,7 @@ absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& pla
     return absl::OkStatus();
   }
   const int64_t B = options_.kv_block_size;
-  bool has[2] = {false, false};
-  for (int l = 0; l < c_.num_layers; ++l) has[KvKind(l)] = true;
+  const bool has[2] = {KvPoolBlockBytes(kKvFull) > 0, KvPoolBlockBytes(kKvSliding) > 0};
   // As SyncMirror marks a mirror of `like` and SyncKvBlocks holds its blocks for a pass from n
   // to `need` positions: full layers every position's block; sliding layers those of
   // [SlidingKeepFrom, n) (the window, and the rows the host keeps and lacks) and of the new rows
