@@ -534,7 +534,7 @@ int main(int argc, char** argv) {
       "[--prompt N] [--prefill_chunks 8192,0] [--reps N] [--device_budget_s S] "
       "[--calibrate_copy_mb MB] [--calibrate_gemm_n N]",
       "bench/attention_bench.cc");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> rest = dgserve::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;

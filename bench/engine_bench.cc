@@ -717,7 +717,7 @@ int main(int argc, char** argv) {
       "[--cuda_kv_block_size N] [--calibrate_copy_mb MB] [--calibrate_gemm_n N] "
       "[--cpu_gemm_input float32|bf16] [--cpu_gemm_inputs float32,bf16 [--repeats R]]",
       "bench/engine_bench.cc");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> rest = dgserve::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;

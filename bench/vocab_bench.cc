@@ -170,7 +170,7 @@ int main(int argc, char** argv) {
       "vocab_bench [--vocab N] [--dim N] [--rows N] [--rounds N] [--alphas A,B,...] "
       "[--temperature T]",
       "bench/vocab_bench.cc");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> rest = dgserve::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;

@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "engine/denoise/sampler_params.h"
 #include "engine/generation/sample_run.h"
+#include "engine/model/config.h"
 #include "kvstore/paged_kv_cache.h"
 #include "service/canvas_template_proto.h"
 #include "worker/run_in_parts.h"
@@ -116,13 +117,8 @@ absl::Status ValidateRequest(const v1::DenoiseRequest& r, const ModelConfig& c) 
     return absl::InvalidArgumentError(
         absl::StrCat("max_new_tokens: must be > 0, got ", r.max_new_tokens()));
   }
-  const int64_t canvases =
-      (int64_t(r.max_new_tokens()) + c.canvas_length - 1) / c.canvas_length;
-  if (int64_t(r.prompt_tokens()) + canvases * c.canvas_length > c.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_new_tokens: prompt (", r.prompt_tokens(), " tokens) + ", canvases,
-        " canvases of ", c.canvas_length, " exceed the context limit of ",
-        c.max_position_embeddings, " positions"));
+  if (absl::Status s = CheckContextFits(r.prompt_tokens(), r.max_new_tokens(), c); !s.ok()) {
+    return s;
   }
   for (int32_t id : r.stop_token_ids()) {
     if (id < 0 || id >= c.vocab_size) {

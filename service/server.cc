@@ -193,7 +193,7 @@ int ServiceMain(int argc, char** argv, const char* usage, const char* flags_file
   };
   config.contains_help_flags = config.contains_helpshort_flags;
   absl::SetFlagsUsageConfig(config);
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> rest = ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;

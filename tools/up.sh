@@ -32,10 +32,17 @@ if [ $# -gt 1 ]; then
   usage >&2
   exit 2
 fi
-# A puzzle's shape is checked before anything starts (dgserve sudoku checks the rest).
-if [ "$MODE" = sudoku ] && [ $# -eq 1 ] && ! [[ "$1" =~ ^[0-9.]{81}$ ]]; then
-  echo "up.sh: a puzzle is 81 cells, 1-9 with '.' or '0' for blanks; got '$1' (${#1} characters)" >&2
-  exit 1
+# A puzzle is checked before anything is installed, built, stopped or started: its shape here
+# (as dgserve sudoku reads it: 81 cells, 1-9 or '.'/'0', layout characters ' |-+' ignored), the
+# rest (conflicting givens, no solution) by `dgserve sudoku --check` once it is built, before the
+# cluster is touched.
+if [ "$MODE" = sudoku ] && [ $# -eq 1 ]; then
+  cells=${1//[[:space:]|+-]/}
+  if ! [[ "$cells" =~ ^[0-9.]{81}$ ]]; then
+    echo "up.sh: a puzzle is 81 cells, 1-9 with '.' or '0' for blanks; got '$1' (${#cells} cells" \
+      "after removing layout characters); the running cluster, if any, is left alone" >&2
+    exit 1
+  fi
 fi
 BUILD_DIR=${BUILD_DIR:-build}
 if [ "$MODE" = chat ]; then MODEL_DIR=${MODEL_DIR:-models/default}; else MODEL_DIR=${MODEL_DIR:-models/sudoku}; fi
@@ -52,9 +59,19 @@ bash tools/setup.sh  # quick when everything is installed
 [ -f "$BUILD_DIR/build.ninja" ] || cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD_DIR" -j"$(nproc)" --target dgserve dgserve-mkmodel dgserve-gateway \
   dgserve-prefill-worker dgserve-denoise-worker  # incremental
-# (tools/cluster.sh makes models/default on first use.)
-BUILD_DIR=$BUILD_DIR MODEL_DIR=$MODEL_DIR RUN_DIR=$RUN_DIR \
-  bash tools/cluster.sh start --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT"
+if [ "$MODE" = sudoku ] && [ -n "$ARG" ] &&
+  ! "$BUILD_DIR/tools/dgserve" sudoku --check "$ARG" > /dev/null; then
+  echo "up.sh: refused the puzzle (error above); the running cluster, if any, is left alone" >&2
+  exit 1
+fi
+# A cluster up.sh left running in RUN_DIR is replaced (--restart); cluster.sh refuses to replace
+# one started otherwise (by cluster.sh itself), naming it and how to stop it. cluster.sh makes
+# models/default on first use.
+restart=()
+if grep -qx 'STARTED_BY=up.sh' "$RUN_DIR/cluster.env" 2>/dev/null; then restart=(--restart); fi
+CLUSTER_STARTED_BY=up.sh BUILD_DIR=$BUILD_DIR MODEL_DIR=$MODEL_DIR RUN_DIR=$RUN_DIR \
+  bash tools/cluster.sh start ${restart[@]+"${restart[@]}"} --http-port "$HTTP_PORT" \
+  --grpc-port "$GRPC_PORT"
 # shellcheck disable=SC1091
 . "$RUN_DIR/cluster.env"
 echo "cluster up ($MODEL_DIR): OpenAI HTTP http://$GATEWAY_HTTP/v1 · gRPC $GATEWAY_GRPC ·" \

@@ -44,13 +44,7 @@ absl::Status Generator::Validate(const GenerationRequest& r) const {
     return absl::InvalidArgumentError(
         absl::StrCat("max_new_tokens: must be > 0, got ", r.max_new_tokens));
   }
-  const int64_t canvases = (int64_t(r.max_new_tokens) + c.canvas_length - 1) / c.canvas_length;
-  const int64_t total = int64_t(r.prompt.size()) + canvases * c.canvas_length;
-  if (total > c.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_new_tokens: prompt (", r.prompt.size(), " tokens) + ", canvases, " canvases of ",
-        c.canvas_length, " exceed the context limit of ", c.max_position_embeddings, " positions"));
-  }
+  DGSERVE_RETURN_IF_ERROR(CheckContextFits(int64_t(r.prompt.size()), r.max_new_tokens, c));
   for (int32_t id : r.stop_token_ids) {
     if (id < 0 || id >= c.vocab_size) {
       return absl::InvalidArgumentError(

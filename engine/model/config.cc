@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -87,6 +88,59 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path, size_t max
   in.read(text.data(), std::streamsize(text.size()));
   if (in.bad()) return absl::InternalError(absl::StrCat("error reading ", path));
   text.resize(size_t(in.gcount()));
+  return text;
+}
+
+absl::Status CheckContextFits(int64_t prompt_tokens, int64_t max_new_tokens,
+                              const ModelConfig& config) {
+  const int64_t limit = config.max_position_embeddings, C = config.canvas_length;
+  if (prompt_tokens + C > limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt: the prompt has ", prompt_tokens, " tokens; with one canvas of ", C,
+                     " tokens they exceed the context limit of ", limit,
+                     " positions of this model (a prompt may have at most ",
+                     std::max<int64_t>(limit - C, 0), " tokens)"));
+  }
+  const int64_t canvases = (max_new_tokens + C - 1) / C;
+  if (prompt_tokens + canvases * C > limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_new_tokens: the prompt (", prompt_tokens, " tokens) plus ", canvases,
+                     " canvases of ", C, " tokens for max_new_tokens=", max_new_tokens,
+                     " exceed the context limit of ", limit, " positions (at most ",
+                     (limit - prompt_tokens) / C * C, " new tokens fit after this prompt)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadInputToString(const std::string& path, size_t max_bytes) {
+  std::ifstream file;
+  std::istream* in = &std::cin;
+  const std::string name = path == "-" ? "standard input" : path;
+  if (path != "-") {
+    std::error_code ec;
+    const std::filesystem::file_status st = std::filesystem::status(path, ec);
+    if (!std::filesystem::exists(st)) {
+      return absl::NotFoundError(absl::StrCat("cannot open ", path));
+    }
+    if (std::filesystem::is_directory(st)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " is a directory, not a regular file or a pipe"));
+    }
+    file.open(path, std::ios::binary);
+    if (!file) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+    in = &file;
+  }
+  // In chunks: a stream's size is unknown, and at most max_bytes are held.
+  std::string text;
+  constexpr size_t kChunk = size_t(1) << 16;
+  while (text.size() < max_bytes) {
+    const size_t at = text.size();
+    text.resize(at + std::min(kChunk, max_bytes - at));
+    in->read(text.data() + at, std::streamsize(text.size() - at));
+    text.resize(at + size_t(in->gcount()));
+    if (in->bad()) return absl::InternalError(absl::StrCat("error reading ", name));
+    if (in->eof() || in->fail()) break;
+  }
   return text;
 }
 

@@ -75,10 +75,25 @@ absl::StatusOr<GenerationConfig> ParseGenerationConfig(const std::string& json_t
                                                        const std::string& source);
 absl::StatusOr<GenerationConfig> LoadGenerationConfig(const std::string& path);
 
+// Whether a request of `prompt_tokens` prompt tokens and `max_new_tokens` new tokens (whole
+// canvases of config.canvas_length) fits the model's context (max_position_embeddings).
+// INVALID_ARGUMENT otherwise, naming the prompt when the prompt alone leaves no room for one
+// canvas ("prompt: the prompt has N tokens; with one canvas of C tokens they exceed the context
+// limit of M positions ..."), else max_new_tokens and how many new tokens fit after this prompt.
+absl::Status CheckContextFits(int64_t prompt_tokens, int64_t max_new_tokens,
+                              const ModelConfig& config);
+
 // Reads a whole regular file of at most `max_bytes` bytes (more: the first max_bytes are
 // returned, so callers can tell). NOT_FOUND for a missing file, INVALID_ARGUMENT for a
 // directory or other non-regular file, INTERNAL for a read error; all name the path.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,
                                              size_t max_bytes = size_t(1) << 30);
+
+// Reads input a user names by a path, at most `max_bytes` bytes (more: the first max_bytes are
+// returned, so callers can tell; nothing past them is read): "-" is standard input; a regular
+// file, or a pipe or other stream (a FIFO, /dev/stdin, bash's <(...) as /dev/fd/N) is read to its
+// end. NOT_FOUND for a missing path, INVALID_ARGUMENT for a directory, INTERNAL for a read error;
+// all name the path.
+absl::StatusOr<std::string> ReadInputToString(const std::string& path, size_t max_bytes);
 
 }  // namespace dgserve

@@ -2,6 +2,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 #include <string>
@@ -219,6 +220,49 @@ TEST(GenerationConfigTest, BadValuesAreNamed) {
   }
   EXPECT_THAT(ParseGenerationConfig("{", "g.json"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("malformed JSON")));
+}
+
+// A prompt that leaves no room for one canvas is the prompt's fault, named with its length and
+// the limit (it was reported as max_new_tokens); one that fits is checked against the canvases
+// of max_new_tokens, saying how many new tokens fit.
+TEST(CheckContextFitsTest, NamesThePromptOrMaxNewTokens) {
+  ModelConfig c;
+  c.max_position_embeddings = 4096;
+  c.canvas_length = 91;
+  EXPECT_THAT(CheckContextFits(4005, 91, c), IsOk());
+  EXPECT_THAT(CheckContextFits(4006, 91, c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "prompt: the prompt has 4006 tokens; with one canvas of 91 tokens they "
+                       "exceed the context limit of 4096 positions of this model (a prompt may "
+                       "have at most 4005 tokens)"));
+  EXPECT_THAT(CheckContextFits(5000, 1, c), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                     HasSubstr("prompt: the prompt has 5000")));
+  EXPECT_THAT(CheckContextFits(3914, 182, c), IsOk());
+  EXPECT_THAT(CheckContextFits(3950, 182, c),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "max_new_tokens: the prompt (3950 tokens) plus 2 canvases of 91 tokens for "
+                       "max_new_tokens=182 exceed the context limit of 4096 positions (at most "
+                       "91 new tokens fit after this prompt)"));
+}
+
+// ReadInputToString reads a pipe (bash's <(...) is /dev/fd/N, not a regular file), at most
+// max_bytes of it.
+TEST(ReadInputToStringTest, ReadsAPipeBounded) {
+  for (const size_t max_bytes : {size_t(5), size_t(100)}) {
+    int fds[2];
+    ASSERT_EQ(::pipe(fds), 0);
+    ASSERT_EQ(::write(fds[1], "hello pipe", 10), 10);
+    ::close(fds[1]);
+    const std::string path = "/dev/fd/" + std::to_string(fds[0]);
+    EXPECT_THAT(ReadFileToString(path), StatusIs(absl::StatusCode::kInvalidArgument));
+    absl::StatusOr<std::string> text = ReadInputToString(path, max_bytes);
+    ::close(fds[0]);
+    ASSERT_THAT(text, IsOk());
+    EXPECT_EQ(*text, max_bytes == 5 ? "hello" : "hello pipe");
+  }
+  EXPECT_THAT(ReadInputToString("/", 10),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("/ is a directory")));
+  EXPECT_THAT(ReadInputToString("/nonexistent/x", 10), StatusIs(absl::StatusCode::kNotFound));
 }
 
 }  // namespace

@@ -393,7 +393,7 @@ int Main(int argc, char** argv) {
     g_parsing_flags.store(true);
     std::atexit(ExitTwoOnFlagError);
   }
-  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> positional = dgserve::ParseCommandLine(argc, argv);
   g_parsing_flags.store(false);
   if (positional.size() > 1) Usage(absl::StrCat("unexpected argument '", positional[1], "'"));
 

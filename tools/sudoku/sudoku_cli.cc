@@ -152,7 +152,13 @@ absl::StatusOr<Grid> LoadPuzzle(const SudokuCliOptions& options, bool* several_s
       return absl::InvalidArgumentError("give the puzzle as an argument or --puzzle-file, not both");
     }
     constexpr size_t kMaxBytes = 64 << 10;  // a grid is 81 cells; allow drawings and comments
-    DGSERVE_ASSIGN_OR_RETURN(text, ReadFileToString(options.puzzle_file, kMaxBytes + 1));
+    // A file, a pipe or "-" (standard input), read up to one byte past the bound.
+    absl::StatusOr<std::string> read = ReadInputToString(options.puzzle_file, kMaxBytes + 1);
+    if (!read.ok()) {
+      return absl::Status(read.status().code(),
+                          absl::StrCat("--puzzle-file: ", read.status().message()));
+    }
+    text = *std::move(read);
     if (text.size() > kMaxBytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("--puzzle-file ", options.puzzle_file, " is over 64 KiB: not a puzzle"));
