@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/excerpt.h"
 
 namespace dgserve {
 namespace {
@@ -88,6 +89,19 @@ TEST(StatusConvertTest, CancelledAtTheDeadlineIsRecordedAsTheDeadline) {
                                 absl::DeadlineExceededError("y"), absl::InternalError("z")}) {
     EXPECT_EQ(CancelledAtDeadline(s, deadline, late), s);
   }
+}
+
+// QuotedExcerpt (common/excerpt.h, built by appends since GCC 12 warned -Wrestrict in its
+// operator+ form): quoted whole up to the limit, else cut at a character boundary with the size.
+TEST(QuotedExcerptTest, QuotesWholeOrCutsAtACharacterWithTheSize) {
+  EXPECT_EQ(QuotedExcerpt(""), "\"\"");
+  EXPECT_EQ(QuotedExcerpt("tool"), "\"tool\"");
+  EXPECT_EQ(QuotedExcerpt(std::string(64, 'x')), "\"" + std::string(64, 'x') + "\"");
+  EXPECT_EQ(QuotedExcerpt(std::string(70, 'x')), "\"" + std::string(64, 'x') + "…\" (70 bytes)");
+  // 'é' (2 bytes) across the limit: the cut backs off to its start.
+  const std::string s = std::string(63, 'a') + "é" + "zz";
+  EXPECT_EQ(QuotedExcerpt(s), "\"" + std::string(63, 'a') + "…\" (67 bytes)");
+  EXPECT_EQ(QuotedExcerpt("abcdef", 3), "\"abc…\" (6 bytes)");
 }
 
 }  // namespace

@@ -190,16 +190,22 @@ absl::Status ParseMessages(const json& v, v1::GenerateRequest* req) {
         if (it.value().is_null()) continue;
         DGSERVE_ASSIGN_OR_RETURN(content, ParseContent(it.value(), field + ".content"));
         has_content = true;
+      } else if (key == "name") {
+        // OpenAI's participant name: accepted (a string) and not used, as by vLLM, whose
+        // Gemma chat template does not render it either.
+        if (it.value().is_null()) continue;
+        DGSERVE_RETURN_IF_ERROR(GetString(it.value(), field + ".name").status());
       } else if (!it.value().is_null()) {
         return Unsupported(absl::StrCat(field, ".", key));
       }
     }
     if (!has_role) return Invalid(field + ".role", "required");
     if (role == "developer") role = "system";
+    if (role == "model") role = "assistant";  // Gemma's name; the template renders both as model
     if (role != "system" && role != "user" && role != "assistant") {
       return Invalid(field + ".role",
                      absl::StrCat("unsupported role ", QuotedExcerpt(role),
-                                  " (supported: system, developer, user, assistant)"));
+                                  " (supported: system, developer, user, assistant, model)"));
     }
     if (!has_content) return Invalid(field + ".content", "required");
     v1::ChatMessage* msg = chat->add_messages();

@@ -34,9 +34,11 @@
 //                        Several prompts → error (use n for several choices of one prompt).
 //   /v1/chat/completions only:
 //     messages           non-empty array of {"role", "content"}; role is system, developer
-//                        (→ system), user or assistant; content is a string or an array of
-//                        {"type": "text", "text": string} parts (joined with "\n"); any other
-//                        part type is an error naming messages[i].content[j].type
+//                        (→ system), user, assistant or model (Gemma's name, → assistant);
+//                        content is a string or an array of {"type": "text", "text": string}
+//                        parts (joined with "\n"); any other part type is an error naming
+//                        messages[i].content[j].type; OpenAI's optional "name" (a string) is
+//                        accepted and not used (the chat template has no place for it)
 //     chat_template_kwargs {"enable_thinking": bool}
 //
 // Tolerated defaults: a key whose value is null is treated as absent (for any key, known or

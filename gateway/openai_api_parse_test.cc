@@ -436,6 +436,31 @@ TEST(ParseChatTest, StringAndPartsContent) {
   EXPECT_FALSE(c.enable_thinking());
 }
 
+// Gemma's role name "model" is the assistant's, and OpenAI's optional message "name" is accepted
+// and not used (both were refused: "unsupported role", "unsupported field").
+TEST(ParseChatTest, ModelRoleAndMessageNameAreAccepted) {
+  OpenAiRequest r = ParseOk(R"({"messages": [
+      {"role": "system", "content": "Be brief.", "name": "rules"},
+      {"role": "user", "content": "hi", "name": "alice"},
+      {"role": "model", "content": "hello", "name": "gemma"},
+      {"role": "user", "content": "again"}]})",
+                            /*chat=*/true);
+  const v1::ChatInput& c = r.request.chat();
+  ASSERT_EQ(c.messages_size(), 4);
+  EXPECT_EQ(c.messages(0).role(), "system");
+  EXPECT_EQ(c.messages(0).content(), "Be brief.");
+  EXPECT_EQ(c.messages(1).role(), "user");
+  EXPECT_EQ(c.messages(1).content(), "hi");
+  EXPECT_EQ(c.messages(2).role(), "assistant");
+  EXPECT_EQ(c.messages(2).content(), "hello");
+  EXPECT_EQ(c.messages(3).role(), "user");
+  // A name that is not a string is still an error naming it.
+  ExpectError(R"({"messages": [{"role": "user", "content": "x", "name": 7}]})",
+              "messages[0].name: must be a string", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": "x", "name": "a", "name": "b"}]})",
+              "messages[0].name: appears more than once", true);
+}
+
 TEST(ParseChatTest, EnableThinkingInEitherOrder) {
   OpenAiRequest a = ParseOk(
       R"({"chat_template_kwargs": {"enable_thinking": true},
@@ -481,8 +506,8 @@ TEST(ParseChatTest, Rejections) {
   // An empty array of parts is no content (it used to generate from an empty turn).
   ExpectError(R"({"messages": [{"role": "user", "content": []}]})",
               "messages[0].content: must not be an empty array", true);
-  ExpectError(R"({"messages": [{"role": "user", "content": "x", "name": "bob"}]})",
-              "unsupported field: messages[0].name", true);
+  ExpectError(R"({"messages": [{"role": "user", "content": "x", "tool_calls": []}]})",
+              "unsupported field: messages[0].tool_calls", true);
   ExpectError(R"({"messages": [{"role": "user", "content": "x"}], "prompt": "p"})",
               "unsupported field: prompt (this endpoint takes messages", true);
   ExpectError(R"({"messages": [{"role": "user", "content": "x"}], "tools": [{}]})",

@@ -49,6 +49,21 @@ inline int ListenLoopback(int* port) {
   return fd;
 }
 
+// A port on 127.0.0.1 that nothing listens on (a dead server): bound at a port the kernel
+// chooses, then closed; -1 when it cannot bind.
+inline int ClosedLoopbackPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  close(fd);
+  return ok ? ntohs(addr.sin_port) : -1;
+}
+
 // Writes all of `data` to `fd`; false on a write error.
 inline bool SendAll(int fd, std::string_view data) {
   size_t off = 0;

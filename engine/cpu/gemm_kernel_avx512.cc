@@ -1,11 +1,10 @@
 // AVX-512F microkernels of the GEMM: up to 8 rows × 2 panels (32 columns) of float32
 // accumulators in zmm registers; B panels loaded 16 at a time (bf16 widened with a zero-extend and
 // a 16-bit shift: exact); one vfmadd231ps per (row, panel, k), k ascending.
-#include <immintrin.h>
-
 #include <cstdint>
 
 #include "engine/cpu/gemm_kernels.h"
+#include "engine/cpu/immintrin_avx512.h"  // <immintrin.h>, without GCC 12's false warnings
 
 // Everything below is compiled for AVX-512F; it is called only when the CPU has it. No standard
 // library template is instantiated here (it could be merged with the generic copy at link time).

@@ -1,11 +1,10 @@
 // AVX-512F widening of quantized weight panels (gemm_quant.h), one 16-column k step per
 // register; the same exact conversions as the AVX2 version.
-#include <immintrin.h>
-
 #include <cstdint>
 
 #include "common/fp8.h"
 #include "engine/cpu/gemm_quant.h"
+#include "engine/cpu/immintrin_avx512.h"  // <immintrin.h>, without GCC 12's false warnings
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx2,fma"))), apply_to = function)

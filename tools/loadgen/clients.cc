@@ -70,8 +70,9 @@ class GrpcClient : public Client {
       // Distinct arguments give each channel its own connection.
       args.SetInt("dgserve.loadgen.channel", i);
       args.SetMaxReceiveMessageSize(-1);
-      stubs_.push_back(v1::GenerationService::NewStub(
-          grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args)));
+      channels_.push_back(
+          grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+      stubs_.push_back(v1::GenerationService::NewStub(channels_.back()));
     }
   }
 
@@ -104,8 +105,9 @@ class GrpcClient : public Client {
     canceller_->Register(&ctx);
     const Clock::time_point t0 = Clock::now();
     r.start_s = std::chrono::duration<double>(t0 - run_start).count();
-    auto& stub = stubs_[next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size()];
-    std::unique_ptr<grpc::ClientReader<v1::GenerateEvent>> reader = stub->GenerateStream(&ctx, req);
+    const size_t channel = next_.fetch_add(1, std::memory_order_relaxed) % stubs_.size();
+    std::unique_ptr<grpc::ClientReader<v1::GenerateEvent>> reader =
+        stubs_[channel]->GenerateStream(&ctx, req);
     v1::GenerateEvent ev;
     bool finished = false;
     int64_t block_tokens = 0;
@@ -138,6 +140,11 @@ class GrpcClient : public Client {
     } else if (!status.ok()) {
       r.error = GrpcCodeName(status.error_code());
       r.error_message = status.error_message();
+      // UNAVAILABLE on a channel that is not connected: the call never reached the server (a
+      // server that answers UNAVAILABLE itself leaves the channel READY).
+      r.connect_failed =
+          status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+          channels_[channel]->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY;
     } else {
       r.error = "NO_FINISHED_EVENT";
       r.error_message = "the stream ended without a Finished event";
@@ -148,6 +155,7 @@ class GrpcClient : public Client {
  private:
   Options options_;
   Canceller* canceller_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::GenerationService::Stub>> stubs_;
   std::atomic<uint64_t> next_{0};
 };
@@ -230,6 +238,7 @@ class HttpLoadClient : public Client {
       r.error = absl::StrCat("http:", res.error_kind);
       r.error_message = absl::StrCat("POST http://", options_.host, ":", options_.port, req.path,
                                      ": ", res.error);
+      r.connect_failed = res.error_kind == "connect";
     } else if (http_status != 200) {
       r.error = absl::StrCat("HTTP ", http_status);
       nlohmann::json j = nlohmann::json::parse(error_body, nullptr, false);

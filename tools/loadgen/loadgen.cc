@@ -107,6 +107,48 @@ double PoissonSchedule::NextArrival() {
 
 // ---------------------------------------------------------------------------------------------
 
+ConnectBackoff::ConnectBackoff(double initial_s, double max_s)
+    : initial_s_(initial_s), max_s_(std::max(initial_s, max_s)) {}
+
+ConnectBackoff::Admission ConnectBackoff::TryStart(double now) {
+  Admission a;
+  if (delay_ == 0) {
+    a.admitted = true;
+    return a;
+  }
+  if (probe_in_flight_) {
+    a.retry_at = now + delay_;  // asked again when the probe may have ended
+    return a;
+  }
+  if (now < next_at_) {
+    a.retry_at = next_at_;
+    return a;
+  }
+  probe_in_flight_ = true;
+  a.admitted = a.probe = true;
+  return a;
+}
+
+void ConnectBackoff::Finish(double now, bool probe, bool connect_failed) {
+  if (probe) probe_in_flight_ = false;
+  if (!connect_failed) {
+    delay_ = 0;
+    return;
+  }
+  if (delay_ == 0) {
+    delay_ = initial_s_;
+    next_at_ = now + delay_;
+  } else if (probe) {
+    delay_ = std::min(2 * delay_, max_s_);
+    next_at_ = now + delay_;
+  } else {
+    // An attempt that started before the backoff: it moves the next probe, not the delay.
+    next_at_ = std::max(next_at_, now + delay_);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
 namespace {
 
 absl::StatusOr<Prompt> ParsePromptObject(const json& j) {
@@ -270,7 +312,7 @@ Report BuildReport(const std::vector<RequestResult>& results, const RunInfo& inf
   r.info = info;
   std::vector<double> ttft, e2e, first_step, server_first_step;
   double last_end = 0;
-  int64_t cancelled = 0;
+  int64_t cancelled = 0, reached = 0;
   for (const RequestResult& x : results) {
     if (x.e2e_s >= 0) last_end = std::max(last_end, x.start_s + x.e2e_s);
     if (x.cancelled) {
@@ -280,8 +322,14 @@ Report BuildReport(const std::vector<RequestResult>& results, const RunInfo& inf
     if (!x.ok) {
       ++r.errors;
       ++r.errors_by_code[x.error.empty() ? "UNKNOWN" : x.error];
+      if (x.connect_failed) {
+        ++r.connect_errors;
+      } else {
+        ++reached;
+      }
       continue;
     }
+    ++reached;
     ++r.completed;
     if (x.ttft_s >= 0) ttft.push_back(x.ttft_s);
     if (x.e2e_s >= 0) e2e.push_back(x.e2e_s);
@@ -294,6 +342,7 @@ Report BuildReport(const std::vector<RequestResult>& results, const RunInfo& inf
   }
   const int64_t missing = std::max<int64_t>(0, info.sent - static_cast<int64_t>(results.size()));
   r.unfinished = missing + cancelled;
+  r.never_reachable = r.connect_errors > 0 && reached == 0;
   r.elapsed_s = r.unfinished > 0 ? info.wall_s : std::max(last_end, info.issue_s);
   if (r.elapsed_s <= 0) r.elapsed_s = info.wall_s;
   if (r.elapsed_s > 0) {
@@ -336,12 +385,27 @@ std::string FormatReport(const Report& r) {
   const RunInfo& i = r.info;
   std::string s = "dgserve-loadgen report\n";
   absl::StrAppendFormat(&s, "  target       %s %s (%s)\n", i.protocol, i.target, i.endpoint);
+  if (r.never_reachable) {
+    absl::StrAppendFormat(&s,
+                          "  UNREACHABLE  the target was never reachable: all %d attempts failed "
+                          "to connect (is the gateway running at %s?)\n",
+                          r.connect_errors, i.target);
+  }
   absl::StrAppendFormat(&s, "  load         %s\n", LoadShape(i));
   absl::StrAppendFormat(&s, "  elapsed      %.2f s (wall %.2f s)\n", r.elapsed_s, i.wall_s);
   absl::StrAppendFormat(&s,
                         "  requests     sent %d  completed %d  errors %d  dropped %d  "
                         "unfinished %d\n",
                         i.sent, r.completed, r.errors, i.dropped, r.unfinished);
+  if (r.connect_errors > 0 || i.held_back > 0) {
+    absl::StrAppendFormat(&s,
+                          "  connect      %d failed to connect; retried with a backoff of %g ms "
+                          "doubling to %g s",
+                          r.connect_errors, ConnectBackoff::kInitialS * 1000,
+                          ConnectBackoff::kMaxS);
+    if (i.mode == "open") absl::StrAppendFormat(&s, " (%d arrivals held back)", i.held_back);
+    s += "\n";
+  }
   absl::StrAppendFormat(&s, "  throughput   %.3f req/s  %.1f output tokens/s\n", r.requests_per_s,
                         r.output_tokens_per_s);
   if (r.completed > 0) {
@@ -390,6 +454,9 @@ nlohmann::ordered_json ReportJson(const Report& r) {
       {"errors", r.errors},
       {"dropped", i.dropped},
       {"unfinished", r.unfinished},
+      {"connect_errors", r.connect_errors},
+      {"held_back", i.held_back},
+      {"reachable", !r.never_reachable},
       {"requests_per_s", r.requests_per_s},
       {"output_tokens_per_s", r.output_tokens_per_s},
       {"prompt_tokens", r.prompt_tokens},
@@ -400,8 +467,7 @@ nlohmann::ordered_json ReportJson(const Report& r) {
       {"server_first_step_s", SummaryJson(r.server_first_step)},
       {"canvases", r.canvases},
       {"denoising_steps", r.denoising_steps},
-      {"mean_steps_per_canvas",
-       r.canvases > 0 ? ojson(r.mean_steps_per_canvas) : ojson(nullptr)},
+      {"mean_steps_per_canvas", r.canvases > 0 ? ojson(r.mean_steps_per_canvas) : ojson(nullptr)},
       {"errors_by_code", ojson::object()},
   };
   for (const auto& [code, n] : r.errors_by_code) j["errors_by_code"][code] = n;

@@ -78,6 +78,40 @@ class PoissonSchedule {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Backoff while the target refuses connections
+
+// Spaces the attempts while the target cannot be connected to, so a dead target is not sent
+// requests as fast as the loop can make them. After a connection failure only one attempt at a
+// time (a probe) may start, `delay` after the previous failure; the delay starts at `initial_s`
+// and doubles after each failed probe up to `max_s`. Any attempt that reaches the server (even
+// one the server refuses) ends the backoff. Times are seconds on the caller's clock (the run's,
+// or a test's fake one). Not thread-safe.
+class ConnectBackoff {
+ public:
+  static constexpr double kInitialS = 0.05, kMaxS = 1.0;
+  explicit ConnectBackoff(double initial_s = kInitialS, double max_s = kMaxS);
+
+  struct Admission {
+    bool admitted = false;
+    bool probe = false;   // admitted as the one attempt allowed during the backoff
+    double retry_at = 0;  // not admitted: when to ask again
+  };
+  // Whether an attempt may start at `now`.
+  Admission TryStart(double now);
+  // The end, at `now`, of an attempt TryStart admitted (`probe` as TryStart said).
+  void Finish(double now, bool probe, bool connect_failed);
+  // A probe TryStart admitted that was not sent after all (the open loop's pool was full).
+  void CancelProbe() { probe_in_flight_ = false; }
+  // The current delay between probes; 0 when not backing off.
+  double delay() const { return delay_; }
+
+ private:
+  const double initial_s_, max_s_;
+  double delay_ = 0, next_at_ = 0;
+  bool probe_in_flight_ = false;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Prompts
 
 struct ChatMessage {
@@ -143,6 +177,7 @@ struct RequestResult {
   bool cancelled = false;  // cut off by the load generator when the drain time ran out
   std::string error;       // error key: gRPC code name ("UNAVAILABLE"), "HTTP 429", "http:Read"
   std::string error_message;
+  bool connect_failed = false;  // never reached the server (connection refused, no route, ...)
   double start_s = 0;         // issue time since the start of the run
   double ttft_s = -1;         // first committed block
   double first_step_s = -1;   // first CanvasStep event (needs --canvas_step_interval)
@@ -161,6 +196,7 @@ struct RunInfo {
   int concurrency = 0;
   int64_t sent = 0;     // requests issued to the server
   int64_t dropped = 0;  // open loop: arrivals refused because --max_inflight were in flight
+  int64_t held_back = 0;  // open loop: arrivals not sent during a ConnectBackoff
   double issue_s = 0;   // start of the run until issuing stopped
   double wall_s = 0;    // start of the run until the report
 };
@@ -176,6 +212,11 @@ struct Report {
   int64_t prompt_tokens = 0, completion_tokens = 0, canvases = 0, denoising_steps = 0;
   double mean_steps_per_canvas = 0;
   std::map<std::string, int64_t> errors_by_code;
+  // Errors that never reached the server (RequestResult::connect_failed).
+  int64_t connect_errors = 0;
+  // Requests were sent and every one that ended failed to connect: the target was never
+  // reachable (the report says so; dgserve-loadgen exits 3).
+  bool never_reachable = false;
 };
 
 // Aggregates `results` (successful requests feed the latency and token figures). Requests sent

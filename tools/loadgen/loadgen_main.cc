@@ -2,7 +2,7 @@
 // OpenAI HTTP API) in an open loop (Poisson arrivals) or a closed loop (N back-to-back workers)
 // and reports throughput, TTFT and end-to-end latency percentiles, diffusion steps and errors.
 // See tools/loadgen/README.md.
-#include <optional>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -12,6 +12,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -132,7 +133,7 @@ class BoundedPool {
 };
 
 struct Counters {
-  std::atomic<int64_t> sent{0}, ok{0}, errors{0}, dropped{0}, tokens{0}, inflight{0};
+  std::atomic<int64_t> sent{0}, ok{0}, errors{0}, dropped{0}, held_back{0}, tokens{0}, inflight{0};
 };
 
 double Since(Clock::time_point t0) {
@@ -226,12 +227,25 @@ class Runner {
         std::this_thread::sleep_until(std::min(at, Clock::now() + std::chrono::milliseconds(50)));
       }
       if (g_interrupts.load() > 0) break;
+      ConnectBackoff::Admission a;
+      {
+        std::lock_guard<std::mutex> lock(backoff_mu_);
+        a = backoff_.TryStart(Since(start_));
+      }
+      if (!a.admitted) {  // the target refuses connections: this arrival is not sent
+        counters_.held_back.fetch_add(1);
+        continue;
+      }
       counters_.inflight.fetch_add(1);
-      if (pool->TrySubmit([this, i] { RunOne(i); })) {
+      if (pool->TrySubmit([this, i, probe = a.probe] { RunOne(i, probe); })) {
         counters_.sent.fetch_add(1);
       } else {
         counters_.inflight.fetch_sub(1);
         counters_.dropped.fetch_add(1);
+        if (a.probe) {
+          std::lock_guard<std::mutex> lock(backoff_mu_);
+          backoff_.CancelProbe();
+        }
       }
     }
     StopIssuing();
@@ -245,20 +259,53 @@ class Runner {
         StopIssuing();
         break;
       }
-      if (IssueTimeOver()) {
+      bool probe = false;
+      if (!WaitForAdmission(&probe)) {
         StopIssuing();
         break;
       }
       counters_.inflight.fetch_add(1);
       counters_.sent.fetch_add(1);
-      RunOne(static_cast<uint64_t>(i));
+      RunOne(static_cast<uint64_t>(i), probe);
     }
     workers_done_.fetch_add(1);
   }
 
-  void RunOne(uint64_t index) {
+  // Closed loop: waits until the ConnectBackoff lets a request start; false when issuing
+  // stopped (or the duration ended) first.
+  bool WaitForAdmission(bool* probe) {
+    while (true) {
+      if (stop_issuing_.load() || IssueTimeOver()) return false;
+      const double now = Since(start_);
+      ConnectBackoff::Admission a;
+      {
+        std::lock_guard<std::mutex> lock(backoff_mu_);
+        a = backoff_.TryStart(now);
+      }
+      if (a.admitted) {
+        *probe = a.probe;
+        return true;
+      }
+      const double wait_s = std::clamp(a.retry_at - now, 0.001, 0.05);
+      std::this_thread::sleep_for(std::chrono::duration<double>(wait_s));
+    }
+  }
+
+  void RunOne(uint64_t index, bool probe) {
     const Prompt p = prompts_.Get(index);
     RequestResult r = client_->Run(p, p.max_tokens, start_);
+    {
+      std::lock_guard<std::mutex> lock(backoff_mu_);
+      const double delay_before = backoff_.delay();
+      backoff_.Finish(Since(start_), probe, r.connect_failed);
+      if (delay_before == 0 && backoff_.delay() > 0) {
+        std::fprintf(stderr,
+                     "dgserve-loadgen: cannot connect to %s:%d; retrying one request at a time "
+                     "with a backoff of %g ms doubling to %g s\n",
+                     o_.host.c_str(), o_.port, ConnectBackoff::kInitialS * 1000,
+                     ConnectBackoff::kMaxS);
+      }
+    }
     if (r.ok) {
       counters_.ok.fetch_add(1);
       counters_.tokens.fetch_add(r.completion_tokens);
@@ -314,6 +361,8 @@ class Runner {
   std::atomic<int> workers_done_{0};
   std::atomic<int64_t> next_index_{0};
   std::mutex mu_;
+  std::mutex backoff_mu_;
+  ConnectBackoff backoff_;  // guarded by backoff_mu_
   std::vector<RequestResult> results_;
   int errors_logged_ = 0;
   double wall_s_ = 0, issue_s_ = 0;
@@ -441,6 +490,7 @@ int Main(int argc, char** argv) {
   info.concurrency = o.concurrency;
   info.sent = runner.counters().sent.load();
   info.dropped = runner.counters().dropped.load();
+  info.held_back = runner.counters().held_back.load();
   info.wall_s = runner.wall_s();
   info.issue_s = runner.issue_s();
   const Report report = BuildReport(results, info);
@@ -450,7 +500,14 @@ int Main(int argc, char** argv) {
     std::fputs(FormatReport(report).c_str(), stdout);
   }
   std::fflush(stdout);
-  const int code = absl::GetFlag(FLAGS_fail_on_error) && report.errors > 0 ? 1 : 0;
+  int code = absl::GetFlag(FLAGS_fail_on_error) && report.errors > 0 ? 1 : 0;
+  if (report.never_reachable) {
+    std::fprintf(stderr,
+                 "dgserve-loadgen: error: %s was never reachable (%lld connection attempts "
+                 "failed)\n",
+                 info.target.c_str(), static_cast<long long>(report.connect_errors));
+    code = 3;
+  }
   if (runner.stuck()) std::_Exit(code);  // threads still blocked in requests
   return code;
 }

@@ -1,6 +1,7 @@
 // Unit tests of dgserve-loadgen's pure parts (no network, no wall clock).
 #include "tools/loadgen/loadgen.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <string>
@@ -459,6 +460,125 @@ TEST(ReportTest, ElapsedEndsAtTheLastCompletionWhenAllFinished) {
   EXPECT_EQ(r.unfinished, 1);
   EXPECT_EQ(r.errors, 0);
   EXPECT_DOUBLE_EQ(r.elapsed_s, 10);
+}
+
+// --- backoff while the target refuses connections ----------------------------------------------
+
+// Each attempt fails to connect at once (a closed port): the attempts start 50 ms after the
+// first failure, then 100, 200, 400, 800 ms after the previous one, then every 1 s.
+TEST(ConnectBackoffTest, ProbesFollowTheDoublingScheduleUpToTheCap) {
+  ConnectBackoff b;  // 50 ms doubling to 1 s
+  std::vector<double> starts;
+  double t = 0;
+  while (starts.size() < 9) {
+    const ConnectBackoff::Admission a = b.TryStart(t);
+    if (!a.admitted) {
+      ASSERT_GT(a.retry_at, t);
+      t = a.retry_at;
+      continue;
+    }
+    EXPECT_EQ(a.probe, !starts.empty());  // the first attempt is an ordinary one
+    starts.push_back(t);
+    b.Finish(t, a.probe, /*connect_failed=*/true);
+  }
+  const std::vector<double> want_gaps = {0.05, 0.1, 0.2, 0.4, 0.8, 1, 1, 1};
+  for (size_t i = 1; i < starts.size(); ++i) {
+    EXPECT_NEAR(starts[i] - starts[i - 1], want_gaps[i - 1], 1e-12) << "attempt " << i;
+  }
+  EXPECT_DOUBLE_EQ(b.delay(), 1.0);
+}
+
+// A simulated closed loop of 4 workers against a dead target over 1 s of fake time, asking as
+// often as they can: the 4 first attempts, then one probe at a time on the schedule (0.05,
+// 0.15, 0.35, 0.75 s; the next would be at 1.55 s). Without a backoff this loop never ends.
+TEST(ConnectBackoffTest, BoundsTheAttemptsOfAClosedLoopAgainstADeadTarget) {
+  ConnectBackoff b;
+  constexpr int kWorkers = 4;
+  constexpr double kDuration = 1.0, kTick = 0.001;
+  int attempts = 0, probes_in_flight_max = 0;
+  for (int step = 0; step * kTick < kDuration; ++step) {
+    const double now = step * kTick;
+    std::vector<bool> probes;
+    for (int w = 0; w < kWorkers; ++w) {
+      const ConnectBackoff::Admission a = b.TryStart(now);
+      if (a.admitted) probes.push_back(a.probe);
+    }
+    attempts += static_cast<int>(probes.size());
+    int p = 0;
+    for (bool probe : probes) p += probe;
+    probes_in_flight_max = std::max(probes_in_flight_max, p);
+    // The attempts fail 0.5 ms later (all started in this tick end before the next one).
+    for (bool probe : probes) b.Finish(now + kTick / 2, probe, /*connect_failed=*/true);
+  }
+  EXPECT_EQ(attempts, kWorkers + 4);
+  EXPECT_EQ(probes_in_flight_max, 1);
+}
+
+TEST(ConnectBackoffTest, OneProbeAtATimeAndAnyAnswerEndsTheBackoff) {
+  ConnectBackoff b(0.05, 1.0);
+  ASSERT_TRUE(b.TryStart(0).admitted);
+  ASSERT_TRUE(b.TryStart(0).admitted);  // two attempts in flight before the first failure
+  b.Finish(0.01, /*probe=*/false, /*connect_failed=*/true);
+  EXPECT_DOUBLE_EQ(b.delay(), 0.05);
+  // The other attempt that started before the backoff fails too: the delay stays, the next
+  // probe moves to 50 ms after it.
+  b.Finish(0.02, false, true);
+  EXPECT_DOUBLE_EQ(b.delay(), 0.05);
+  EXPECT_FALSE(b.TryStart(0.06).admitted);
+  EXPECT_NEAR(b.TryStart(0.06).retry_at, 0.07, 1e-12);
+  const ConnectBackoff::Admission probe = b.TryStart(0.075);
+  ASSERT_TRUE(probe.admitted);
+  EXPECT_TRUE(probe.probe);
+  EXPECT_FALSE(b.TryStart(5).admitted);  // the probe is still in flight
+  b.CancelProbe();                       // (not sent: the open loop's pool was full)
+  ASSERT_TRUE(b.TryStart(0.08).admitted);
+  // The server answers (even with an error): no more backoff, every attempt is admitted.
+  b.Finish(0.09, /*probe=*/true, /*connect_failed=*/false);
+  EXPECT_DOUBLE_EQ(b.delay(), 0);
+  const ConnectBackoff::Admission free = b.TryStart(0.09);
+  EXPECT_TRUE(free.admitted);
+  EXPECT_FALSE(free.probe);
+  // A later failure starts again from the initial delay.
+  b.Finish(0.2, false, true);
+  EXPECT_DOUBLE_EQ(b.delay(), 0.05);
+}
+
+TEST(ReportTest, SaysWhenTheTargetWasNeverReachable) {
+  RequestResult refused;
+  refused.error = "http:connect";
+  refused.connect_failed = true;
+  refused.e2e_s = 0.001;
+  RunInfo info;
+  info.protocol = "http";
+  info.target = "127.0.0.1:9";
+  info.mode = "open";
+  info.rate = 100;
+  info.sent = 3;
+  info.held_back = 40;
+  info.wall_s = 1;
+  Report r = BuildReport({refused, refused, refused}, info);
+  EXPECT_EQ(r.errors, 3);
+  EXPECT_EQ(r.connect_errors, 3);
+  EXPECT_TRUE(r.never_reachable);
+  std::string text = FormatReport(r);
+  EXPECT_THAT(text, HasSubstr("UNREACHABLE  the target was never reachable: all 3 attempts "
+                              "failed to connect (is the gateway running at 127.0.0.1:9?)"));
+  EXPECT_THAT(text, HasSubstr("3 failed to connect; retried with a backoff of 50 ms doubling "
+                              "to 1 s (40 arrivals held back)"));
+  nlohmann::ordered_json j = ReportJson(r);
+  EXPECT_EQ(j["reachable"], false);
+  EXPECT_EQ(j["connect_errors"], 3);
+  EXPECT_EQ(j["held_back"], 40);
+
+  // One answer from the server (here an error of its own) means it was reachable.
+  RequestResult answered;
+  answered.error = "HTTP 503";
+  r = BuildReport({refused, answered, refused}, info);
+  EXPECT_EQ(r.connect_errors, 2);
+  EXPECT_FALSE(r.never_reachable);
+  text = FormatReport(r);
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("UNREACHABLE")));
+  EXPECT_EQ(ReportJson(r)["reachable"], true);
 }
 
 }  // namespace
