@@ -528,7 +528,7 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   EncodeInput in{more, &larger};
   const absl::Status full = gpu.Encode({&in, 1});
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
-  EXPECT_NE(full.message().find("kv_pool_max_bytes 81920"), std::string::npos) << full;
+  EXPECT_NE(full.message().find("bound 81920 bytes"), std::string::npos) << full;
   EXPECT_EQ(larger.num_tokens(), 0);
   EXPECT_LE(GetCudaKvPoolStats(gpu)->device_bytes, 80 * 1024);
   for (int i : {2, 1, 0}) {

@@ -17,13 +17,23 @@ ABSL_FLAG(std::string, cuda_gemm_input, "bf16",
 
 ABSL_FLAG(double, cuda_kv_pool_gb, 0,
           "--device cuda: bound on the device K/V block pool, in GB (1e9 bytes; 0, the default: "
-          "as much as the GPU gives). Room under the bound keeps finished prompts' blocks for "
+          "what --cuda_memory_utilization leaves of the GPU once the weights are on it). Room "
+          "under the bound keeps finished prompts' blocks for "
           "prefix hits. At the bound the blocks of idle sequences are reused, least recently used "
           "first (rows only the device has copied to the host first), and the full-attention and "
           "sliding-window pools give each other the memory of blocks no sequence holds; a pass "
           "that still lacks a block fails with RESOURCE_EXHAUSTED, and the workers run it in "
           "smaller parts. A request one sequence of which needs more than the bound alone is "
           "refused at once (OUT_OF_RANGE) (CudaBackendOptions::kv_pool_max_bytes)");
+
+ABSL_FLAG(double, cuda_memory_utilization, 0.9,
+          "--device cuda: the fraction of the GPU's memory this process's backend may use, as "
+          "vLLM's --gpu-memory-utilization; where --cuda_kv_pool_gb is 0, the device K/V block "
+          "pool's bound is this fraction of the GPU's memory less what is in use once the weights "
+          "are loaded, and the rest is left to the passes' buffers. Processes sharing a GPU (the "
+          "prefill and denoise workers on one GPU) should take fractions that sum to at most 1; "
+          "dgserve-server's two model roles each take it. In [0, 1]; 0: no bound but the GPU's "
+          "memory (CudaBackendOptions::memory_utilization)");
 
 ABSL_FLAG(std::string, cpu_gemm_input, "float32",
           "--device cpu: the GEMMs' inputs. float32 (default): float32 activations, each output "
@@ -42,6 +52,10 @@ std::vector<std::string> UnusedBackendFlags(const std::string& device) {
   }
   if (const double gb = absl::GetFlag(FLAGS_cuda_kv_pool_gb); device == "cpu" && gb != 0) {
     out.push_back(absl::StrCat("--cuda_kv_pool_gb=", gb, " has no effect with --device cpu"));
+  }
+  if (const double u = absl::GetFlag(FLAGS_cuda_memory_utilization); device == "cpu" && u != 0.9) {
+    out.push_back(
+        absl::StrCat("--cuda_memory_utilization=", u, " has no effect with --device cpu"));
   }
   const std::string cpu_input = absl::GetFlag(FLAGS_cpu_gemm_input);
   if (device == "cuda" && cpu_input != "float32") {
@@ -76,6 +90,12 @@ absl::StatusOr<BackendSelection> BackendSelectionFromFlags(const std::string& de
         absl::StrCat("--cuda_kv_pool_gb ", gb, ": must be a number of GB in [0, 1e6]"));
   }
   s.cuda_kv_pool_bytes = size_t(gb * 1e9);
+  const double utilization = absl::GetFlag(FLAGS_cuda_memory_utilization);
+  if (!(utilization >= 0 && utilization <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda_memory_utilization ", utilization, ": must be a fraction in [0, 1]"));
+  }
+  s.cuda_memory_utilization = utilization;
   if (absl::Status st = CheckBackendSelection(s); !st.ok()) return st;
   for (const std::string& unused : UnusedBackendFlags(device)) {
     std::fprintf(stderr, "warning: %s\n", unused.c_str());

@@ -16,6 +16,7 @@
 ABSL_DECLARE_FLAG(std::string, cuda_gemm_input);
 ABSL_DECLARE_FLAG(std::string, cpu_gemm_input);
 ABSL_DECLARE_FLAG(double, cuda_kv_pool_gb);
+ABSL_DECLARE_FLAG(double, cuda_memory_utilization);
 
 namespace dgserve {
 namespace {
@@ -35,6 +36,7 @@ class BackendSelectFlagsTest : public ::testing::Test {
     absl::SetFlag(&FLAGS_cuda_gemm_input, "bf16");  // the defaults
     absl::SetFlag(&FLAGS_cpu_gemm_input, "float32");
     absl::SetFlag(&FLAGS_cuda_kv_pool_gb, 0);
+    absl::SetFlag(&FLAGS_cuda_memory_utilization, 0.9);
     unsetenv("DGSERVE_GEMM_ISA");
     unsetenv("DGSERVE_DENSE_SC");
   }
@@ -54,6 +56,27 @@ TEST_F(BackendSelectFlagsTest, KvPoolBound) {
     const absl::Status st = BackendSelectionFromFlags("cuda").status();
     EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
     EXPECT_THAT(std::string(st.message()), HasSubstr("--cuda_kv_pool_gb ")) << bad;
+  }
+}
+
+// --cuda_memory_utilization: a fraction in [0, 1] into the selection (0.9 by default, as vLLM's
+// --gpu-memory-utilization); others refused naming the flag; with --device cpu named as unused.
+TEST_F(BackendSelectFlagsTest, MemoryUtilization) {
+  EXPECT_EQ(BackendSelectionFromFlags("cuda")->cuda_memory_utilization, 0.9);
+  EXPECT_TRUE(UnusedBackendFlags("cpu").empty());
+  for (const double ok : {0.0, 0.45, 1.0}) {
+    absl::SetFlag(&FLAGS_cuda_memory_utilization, ok);
+    EXPECT_EQ(BackendSelectionFromFlags("cuda")->cuda_memory_utilization, ok);
+  }
+  absl::SetFlag(&FLAGS_cuda_memory_utilization, 0.45);
+  EXPECT_TRUE(UnusedBackendFlags("cuda").empty());
+  EXPECT_THAT(UnusedBackendFlags("cpu"),
+              ElementsAre("--cuda_memory_utilization=0.45 has no effect with --device cpu"));
+  for (const double bad : {-0.1, 1.5, std::nan("")}) {
+    absl::SetFlag(&FLAGS_cuda_memory_utilization, bad);
+    const absl::Status st = BackendSelectionFromFlags("cuda").status();
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("--cuda_memory_utilization ")) << bad;
   }
 }
 

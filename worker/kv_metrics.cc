@@ -120,6 +120,13 @@ void KvMetrics::UpdateDevice(const DeviceKvStats& s) {
                          .Help("Device memory the K/V block pools hold (every allocated block)")
                          .Register(registry_)
                          .Add({});
+    device_max_bytes_ = &prometheus::BuildGauge()
+                             .Name("dgserve_" + c + "_device_kv_max_bytes")
+                             .Help(
+                                 "The device K/V block pools' bound in bytes (--cuda_kv_pool_gb, "
+                                 "else --cuda_memory_utilization's share; 0: none)")
+                             .Register(registry_)
+                             .Add({});
     auto counter = [&](const std::string& name, const std::string& help) {
       return &prometheus::BuildCounter()
                   .Name("dgserve_" + c + "_device_kv_" + name + "_total")
@@ -151,6 +158,7 @@ void KvMetrics::UpdateDevice(const DeviceKvStats& s) {
     device_blocks_->Add({{"kind", kinds[k]}, {"state", "free"}}).Set(double(s.free_blocks(k)));
   }
   device_bytes_->Set(double(s.device_bytes));
+  device_max_bytes_->Set(double(s.max_bytes));
   // Running totals of one backend: they only grow (a smaller one is not counted back).
   auto advance = [](prometheus::Counter* counter, int64_t now, int64_t before) {
     if (now > before) counter->Increment(double(now - before));

@@ -47,6 +47,7 @@ class KvMetrics {
   //   dgserve_<component>_device_kv_blocks{kind=full|sliding, state=in_use|cached|free}
   //     (gauge; free = allocated − in_use − cached),
   //   dgserve_<component>_device_kv_bytes (gauge: device bytes the pools hold),
+  //   dgserve_<component>_device_kv_max_bytes (gauge: the pools' bound, 0 for none),
   //   dgserve_<component>_device_kv_{shared_blocks,swap_outs,compactions,upload_bytes,
   //     sync_to_host_bytes}_total (counters, advanced by the difference between snapshots);
   // for any other backend (GetDeviceKvStats nullopt) it does nothing, so a CPU worker exports
@@ -69,6 +70,7 @@ class KvMetrics {
   // Null until UpdateDevice first finds device pools (guarded by mu_).
   prometheus::Family<prometheus::Gauge>* device_blocks_ = nullptr;
   prometheus::Gauge* device_bytes_ = nullptr;
+  prometheus::Gauge* device_max_bytes_ = nullptr;
   prometheus::Counter* device_shared_blocks_ = nullptr;
   prometheus::Counter* device_swap_outs_ = nullptr;
   prometheus::Counter* device_compactions_ = nullptr;

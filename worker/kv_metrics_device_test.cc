@@ -92,6 +92,9 @@ class KvMetricsCudaTest : public ::testing::Test {
     EXPECT_EQ(Blocks("sliding", "free"),
               p.sliding_blocks - p.sliding_blocks_in_use - p.sliding_blocks_cached);
     EXPECT_EQ(Metric("bytes"), double(p.device_bytes));
+    // The bound memory_utilization's default (0.9) gives: below 0.9 of the device, above 0.
+    EXPECT_EQ(Metric("max_bytes"), double(p.max_bytes));
+    EXPECT_GT(p.max_bytes, 0);
     EXPECT_EQ(Metric("shared_blocks_total"), double(p.shared_blocks_taken));
     EXPECT_EQ(Metric("swap_outs_total"), double(p.swap_outs));
     EXPECT_EQ(Metric("upload_bytes_total"), double(c.upload_bytes));

@@ -70,6 +70,7 @@ TEST(KvMetricsDeviceTest, SnapshotsSetGaugesAndAdvanceCounters) {
   s.in_use[DeviceKvStats::kSliding] = 2;
   s.cached[DeviceKvStats::kSliding] = 0;
   s.device_bytes = 123456;
+  s.max_bytes = 5000000;
   s.shared_blocks_taken = 7;
   s.swap_outs = 1;
   s.upload_bytes = 4096;
@@ -85,6 +86,7 @@ TEST(KvMetricsDeviceTest, SnapshotsSetGaugesAndAdvanceCounters) {
   EXPECT_EQ(Value(registry, b, {{"kind", "sliding"}, {"state", "cached"}}), 0);
   EXPECT_EQ(Value(registry, b, {{"kind", "sliding"}, {"state", "free"}}), 6);  // 8 − 2 − 0
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_bytes"), 123456);
+  EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_max_bytes"), 5000000);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_shared_blocks_total"), 7);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_swap_outs_total"), 1);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_upload_bytes_total"), 4096);

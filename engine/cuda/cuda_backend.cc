@@ -70,17 +70,9 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
   if (options_.kv_block_size < 0 || options_.kv_block_size > 4096) {
     return absl::InvalidArgumentError("kv_block_size: must be 0 (per-sequence mirrors) to 4096");
   }
-  if (options_.kv_block_size > 0 && options_.kv_pool_max_bytes > 0) {
-    // A bound below one block of each kind would fail every pass.
-    int64_t one_each = 0;
-    for (const int kind : {kKvFull, kKvSliding}) {
-      one_each += KvPoolBlockBytes(kind);
-    }
-    if (int64_t(options_.kv_pool_max_bytes) < one_each) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kv_pool_max_bytes ", options_.kv_pool_max_bytes,
-                       ": below one K/V block of each layer kind (", one_each, " bytes)"));
-    }
+  if (!(options_.memory_utilization >= 0 && options_.memory_utilization <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory_utilization ", options_.memory_utilization, ": must be in [0, 1]"));
   }
   if (options_.canvas_split_keys <= 0 || options_.canvas_split_keys % 32 != 0) {
     return absl::InvalidArgumentError("canvas_split_keys: must be a positive multiple of 32");
@@ -140,6 +132,36 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
       rope_full_.Upload(RopeInvFreq(c_.rope_theta_full, c_.global_head_dim, c_.FullRopeAngles())));
   cuda::NoteSync();
   return CudaCheck(cudaDeviceSynchronize(), "upload weights");
+}
+
+absl::Status CudaBackend::SetKvPoolBound() {
+  if (options_.kv_block_size == 0) return absl::OkStatus();  // per-sequence mirrors: no pool
+  // A bound below one block of each kind would fail every pass.
+  const int64_t one_each = KvPoolBlockBytes(kKvFull) + KvPoolBlockBytes(kKvSliding);
+  if (options_.kv_pool_max_bytes > 0) {
+    if (int64_t(options_.kv_pool_max_bytes) < one_each) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_pool_max_bytes ", options_.kv_pool_max_bytes,
+                       ": below one K/V block of each layer kind (", one_each, " bytes)"));
+    }
+    kv_pool_bound_ = options_.kv_pool_max_bytes;
+    return absl::OkStatus();
+  }
+  if (options_.memory_utilization == 0) return absl::OkStatus();
+  size_t free_bytes = 0, total_bytes = 0;
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+  const double in_use = double(total_bytes - std::min(free_bytes, total_bytes));
+  const double bound = options_.memory_utilization * double(total_bytes) - in_use;
+  if (bound < double(one_each)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "memory_utilization ", options_.memory_utilization, " of the device's ", total_bytes,
+        " bytes leaves no room for the K/V block pools: ", int64_t(in_use),
+        " bytes are in use with the weights loaded (this process's and others'), and one K/V "
+        "block of each layer kind takes ",
+        one_each, " bytes (raise the fraction, or give the pools' bound in bytes)"));
+  }
+  kv_pool_bound_ = size_t(bound);
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::InitSyntheticMatrices(uint64_t seed) {
@@ -586,6 +608,7 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackend(const ModelConfi
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(options.device), "cudaSetDevice"));
   auto backend = std::make_unique<CudaBackend>(config, options);
   DGSERVE_RETURN_IF_ERROR(backend->Init(weights));
+  DGSERVE_RETURN_IF_ERROR(backend->SetKvPoolBound());
   return std::unique_ptr<ModelBackend>(std::move(backend));
 }
 
@@ -602,6 +625,7 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackendSynthetic(
   // Norms, scales and scalars from the host (small); the matrices are made on the device.
   DGSERVE_RETURN_IF_ERROR(backend->Init(SyntheticModelWeights(config, seed, /*matrices=*/false)));
   DGSERVE_RETURN_IF_ERROR(backend->InitSyntheticMatrices(seed));
+  DGSERVE_RETURN_IF_ERROR(backend->SetKvPoolBound());
   return std::unique_ptr<ModelBackend>(std::move(backend));
 }
 

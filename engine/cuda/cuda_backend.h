@@ -163,7 +163,18 @@ struct CudaBackendOptions {
   // that still lacks a block (its own sequences need more than the bound holds) fails with
   // RESOURCE_EXHAUSTED, changing no cache: a caller may run its inputs in smaller batches (both
   // workers do). ModelBackend::CheckKvFits refuses a sequence that alone needs more than the bound.
+  // 0: the bound memory_utilization gives (below), if any.
   size_t kv_pool_max_bytes = 0;
+  // Where kv_pool_max_bytes is 0 (and kv_block_size > 0): the fraction of the device's memory
+  // this backend may use, as vLLM's --gpu-memory-utilization. The K/V pools' bound is
+  // memory_utilization · total − the device memory in use once the weights are on the device
+  // (the weights, this backend's buffers, and what other processes and backends hold then), set
+  // by CreateCudaBackend / CreateCudaBackendSynthetic; the rest of the device is left to the
+  // passes' buffers, which grow with the batch. Backends sharing a device (two processes, or
+  // dgserve-server's roles) each take their fraction, as vLLM's instances do: give them fractions
+  // that sum to at most 1. In [0, 1]; 0: no bound but the device's memory (and no compaction).
+  // FAILED_PRECONDITION at creation where the fraction leaves no room for one block of each kind.
+  double memory_utilization = 0.9;
   // Device K/V blocks shared between sequences (with kv_block_size > 0), the default: a block
   // whose positions its cache has all committed is registered under the host identity of its
   // rows (KvCache::SharedRowsId: kvstore's paged blocks, shared by a prefix hit or a fork), and
@@ -225,6 +236,8 @@ struct CudaKvPoolStats {
   // blocks they moved.
   int64_t compactions = 0, blocks_moved = 0;
   int64_t device_bytes = 0;  // K and V of every block allocated, every layer
+  // The pools' bound in bytes (kv_pool_max_bytes, else memory_utilization's; 0: none).
+  int64_t max_bytes = 0;
 };
 // nullopt for a backend not made by CreateCudaBackend or CreateCudaBackendSynthetic.
 std::optional<CudaKvPoolStats> GetCudaKvPoolStats(const ModelBackend& backend);

@@ -451,6 +451,12 @@ class CudaBackend final : public ModelBackend {
   // Allocates every matrix of the model on the device and fills it with the synthetic weights
   // of `seed` (after Init with SyntheticModelWeights(c, seed, /*matrices=*/false)).
   absl::Status InitSyntheticMatrices(uint64_t seed);
+  // The device K/V pools' bound (kv_pool_bound_): options_.kv_pool_max_bytes, else from
+  // options_.memory_utilization and the device memory in use now (after Init and
+  // InitSyntheticMatrices: the weights on the device). INVALID_ARGUMENT for a fraction outside
+  // [0, 1] or an explicit bound below one block of each kind; FAILED_PRECONDITION where the
+  // fraction leaves less than that.
+  absl::Status SetKvPoolBound();
   std::optional<CudaPhaseTimes> last_phase_times() const {
     std::lock_guard<std::mutex> lock(mu_);
     return last_phases_;
@@ -501,6 +507,7 @@ class CudaBackend final : public ModelBackend {
     st.swap_outs = kv_swap_outs_;
     st.compactions = kv_compactions_;
     st.blocks_moved = kv_blocks_moved_;
+    st.max_bytes = int64_t(kv_pool_bound_);
     return st;
   }
 
@@ -597,6 +604,8 @@ class CudaBackend final : public ModelBackend {
   // model has no layer of the kind. KvPoolsBytes: both pools' blocks' bytes.
   int64_t KvPoolBlockBytes(int kind) const;
   int64_t KvPoolsBytes() const;
+  // Both pools' bound in bytes (SetKvPoolBound; 0: none but the device's memory).
+  size_t kv_pool_bound_ = 0;
   // New arrays of pool `kind` for `blocks` blocks, per layer of the kind (K and V, bf16 or float32
   // as the layer's mirror stores them); RESOURCE_EXHAUSTED (none kept) when the device refuses
   // the memory. ReplaceKvPoolArrays: the stream drained, the pool's arrays replaced by `fresh`,

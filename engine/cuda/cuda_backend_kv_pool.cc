@@ -3,6 +3,7 @@
 // check against the bound. The mirrors that hold the blocks are in cuda_backend_kv.cc.
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -92,10 +93,9 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   KvBlockPool& pool = kv_pools_[kind];
   const int B = options_.kv_block_size;
   int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
-  if (options_.kv_pool_max_bytes > 0) {
+  if (kv_pool_bound_ > 0) {
     // Both pools' bytes stay within the bound: fewer new blocks, or none.
-    const int64_t room =
-        (int64_t(options_.kv_pool_max_bytes) - KvPoolsBytes()) / KvPoolBlockBytes(kind);
+    const int64_t room = (int64_t(kv_pool_bound_) - KvPoolsBytes()) / KvPoolBlockBytes(kind);
     const int64_t take = half_the_room ? (room + 1) / 2 : room;
     blocks = std::min(blocks, int64_t(pool.blocks) + std::max<int64_t>(0, take));
   }
@@ -139,15 +139,17 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   // This pool grows into half of it, so that the other grows into the rest without compacting
   // this one at its next block (the two would otherwise take turns at every block).
   const auto from_other_pool = [&]() -> absl::StatusOr<int32_t> {
-    // Only under the bound: without one, memory a compaction gives back is the device's, which
-    // the pass's other buffers may need as much (the pools' doubling would take it all).
-    if (options_.kv_pool_max_bytes == 0) return -1;
+    // Only where the bound refused the growth: without one, or with room under it (the device
+    // refused the memory), memory a compaction gives back is the device's, which the pass's other
+    // buffers may need as much (the pools' doubling would take it all).
+    if (kv_pool_bound_ == 0) return -1;
+    const int64_t room = int64_t(kv_pool_bound_) - KvPoolsBytes();
+    if (room >= KvPoolBlockBytes(kind)) return -1;
     const KvBlockPool& other = kv_pools_[1 - kind];
     const int64_t free_ids = int64_t(other.free_ids.size()), cached = int64_t(other.cached.size());
     if (free_ids + cached == 0) return -1;
     // Worth it only if a block of this kind then fits; the other pool's cached blocks are kept
     // (a later prefix hit needs both kinds' blocks) where its free ones are enough.
-    const int64_t room = int64_t(options_.kv_pool_max_bytes) - KvPoolsBytes();
     const int64_t other_block = KvPoolBlockBytes(1 - kind);
     if (room + (free_ids + cached) * other_block < KvPoolBlockBytes(kind)) return -1;
     const bool drop_cached = room + free_ids * other_block < KvPoolBlockBytes(kind);
@@ -177,9 +179,10 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
     return absl::ResourceExhaustedError(
         absl::StrCat("device K/V block pool full (", kind == kKvFull ? "full" : "sliding",
                      " layers): ", pool.blocks, " blocks of ", options_.kv_block_size,
-                     " positions, every one held by a sequence in this pass "
-                     "(kv_pool_max_bytes ",
-                     options_.kv_pool_max_bytes, "; ", grown.message(), ")"));
+                     " positions, every one held by a sequence in this pass (",
+                     kv_pool_bound_ > 0 ? absl::StrCat("bound ", kv_pool_bound_, " bytes")
+                                        : std::string("no bound"),
+                     "; ", grown.message(), ")"));
   }
   return b;
 }
@@ -259,7 +262,7 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, bool drop_cached) {
 }
 
 absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& plan) const {
-  if (!PagedKv() || options_.kv_pool_max_bytes == 0 || plan.positions <= 0) {
+  if (!PagedKv() || kv_pool_bound_ == 0 || plan.positions <= 0) {
     return absl::OkStatus();
   }
   const int64_t B = options_.kv_block_size;
@@ -306,13 +309,14 @@ absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& pla
     n = need;
   }
   pass(plan.positions, plan.positions);  // the decoder passes over all of them
-  if (worst <= int64_t(options_.kv_pool_max_bytes)) return absl::OkStatus();
+  if (worst <= int64_t(kv_pool_bound_)) return absl::OkStatus();
   return absl::OutOfRangeError(
       absl::StrCat("a sequence of ", plan.positions, " positions needs ", worst,
                    " bytes of device K/V blocks in its pass from position ", worst_n, " (",
                    worst_full, " full-attention and ", worst_sliding, " sliding-window blocks of ",
-                   B, " positions); the device K/V pool's bound is ", options_.kv_pool_max_bytes,
-                   " bytes (--cuda_kv_pool_gb)"));
+                   B, " positions); the device K/V pool's bound is ", kv_pool_bound_,
+                   " bytes (--cuda_kv_pool_gb, else --cuda_memory_utilization's share of the "
+                   "device)"));
 }
 
 }  // namespace cuda_internal

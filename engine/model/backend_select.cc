@@ -59,6 +59,7 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateBackend(const BackendSelecti
                            ? cuda::GemmInput::kBf16
                            : cuda::GemmInput::kFloat32;
   options.kv_pool_max_bytes = selection.cuda_kv_pool_bytes;
+  options.memory_utilization = selection.cuda_memory_utilization;
   auto backend = CreateCudaBackend(config, weights, options);
   if (!backend.ok()) {
     return absl::Status(backend.status().code(),
@@ -88,6 +89,7 @@ std::optional<DeviceKvStats> GetDeviceKvStats(const ModelBackend& backend) {
   s.swap_outs = pool->swap_outs;
   s.compactions = pool->compactions;
   s.blocks_moved = pool->blocks_moved;
+  s.max_bytes = pool->max_bytes;
   s.upload_bytes = copies->upload_bytes;
   s.sync_to_host_bytes = copies->sync_to_host_bytes;
   return s;

@@ -41,6 +41,9 @@ struct BackendSelection {
   // --device cuda: the device K/V block pool's bound in bytes (CudaBackendOptions::
   // kv_pool_max_bytes; 0: none).
   size_t cuda_kv_pool_bytes = 0;
+  // --device cuda: the fraction of the device's memory the backend may use, which bounds the
+  // K/V block pool where cuda_kv_pool_bytes is 0 (CudaBackendOptions::memory_utilization).
+  double cuda_memory_utilization = 0.9;
 };
 
 // The device K/V block pools of a backend that keeps K/V in device memory (the CUDA backend's,
@@ -60,6 +63,7 @@ struct DeviceKvStats {
   // A pool compacted to give the other kind's pool the memory of its unheld blocks (the two share
   // one bound), and the blocks those compactions moved on the device.
   int64_t compactions = 0, blocks_moved = 0;
+  int64_t max_bytes = 0;     // the pools' bound (0: none but the device's memory)
   int64_t upload_bytes = 0;  // rows uploaded from host caches into the device (as stored there)
   int64_t sync_to_host_bytes = 0;  // rows copied from the device to host caches (SyncKvToHost)
   // Blocks neither in use nor cached: blocks − in_use − cached.

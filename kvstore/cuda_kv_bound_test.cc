@@ -1,0 +1,130 @@
+// The device K/V pools' bound from CudaBackendOptions::memory_utilization (vLLM's
+// --gpu-memory-utilization): the fraction of the device's memory less what is in use once the
+// weights are on it, unless kv_pool_max_bytes gives the bound (label gpu, and gpu-emu under the
+// emulation, whose device memory limit makes the numbers exact; built into cuda_backend_test /
+// cuda_backend_emu_test beside cuda_kv_authority_test.cc). On the tiny-v512 random checkpoint.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_backend_testing.h"
+#include "engine/cuda/cuda_test_util.h"
+#include "engine/model/backend.h"
+#include "engine/model/checkpoint.h"
+#include "engine/model/kv_cache.h"
+#if defined(DGSERVE_CUDA_EMULATION)
+#include <cuda_runtime.h>  // the emulation's device memory limit (cuda_emu.h)
+#endif
+
+namespace dgserve::kv {
+namespace {
+
+class CudaKvBoundTest : public cuda::CudaTest {
+ protected:
+  static void SetUpTestSuite() {
+    if (cuda::DeviceCount() == 0) return;  // every test skips
+    checkpoint_ = backend_testing::TinyV512Checkpoint("cuda_kv_bound_test").release();
+  }
+  static void TearDownTestSuite() {
+    delete checkpoint_;
+    checkpoint_ = nullptr;
+  }
+  void SetUp() override {
+    cuda::CudaTest::SetUp();
+    if (IsSkipped()) return;
+    ASSERT_NE(checkpoint_, nullptr);
+  }
+  static absl::StatusOr<std::unique_ptr<ModelBackend>> Create(const CudaBackendOptions& o) {
+    return CreateCudaBackend(checkpoint_->config, checkpoint_->weights, o);
+  }
+  static int64_t Bound(const ModelBackend& b) { return GetCudaKvPoolStats(b).value().max_bytes; }
+  static inline Checkpoint* checkpoint_ = nullptr;
+};
+
+// The default (0.9) on whatever device runs the test: a bound above 0, below 0.9 of it.
+TEST_F(CudaKvBoundTest, TheDefaultBoundIsBelowTheFractionOfTheDevice) {
+  CudaBackendOptions options;
+  ASSERT_EQ(options.memory_utilization, 0.9);
+  auto gpu = Create(options);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  EXPECT_GT(Bound(**gpu), 0);
+  EXPECT_LE(double(Bound(**gpu)), 0.9 * double(total));
+}
+
+// An explicit bound wins; 0 turns the fraction off; a fraction outside [0, 1] is refused.
+TEST_F(CudaKvBoundTest, AnExplicitBoundWinsAndZeroMeansNone) {
+  CudaBackendOptions options;
+  options.kv_pool_max_bytes = 100000;
+  options.memory_utilization = 0.5;
+  auto explicit_bound = Create(options);
+  ASSERT_TRUE(explicit_bound.ok()) << explicit_bound.status();
+  EXPECT_EQ(Bound(**explicit_bound), 100000);
+  options.kv_pool_max_bytes = 0;
+  options.memory_utilization = 0;
+  auto none = Create(options);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(Bound(**none), 0);
+  for (const double bad : {-0.5, 1.5}) {
+    options.memory_utilization = bad;
+    auto refused = Create(options);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+#if defined(DGSERVE_CUDA_EMULATION)
+// Under a device limit L with the weights taking W of it (measured here by a backend with no
+// bound, whose Init allocates what the next one's does): utilization 0.5 and
+// L = 2 · (in use + W) + 160 KiB leave exactly 80 KiB for the pools; the admission check refuses
+// a sequence beyond it naming the flag. One byte less than 2 · (in use + W) leaves no room:
+// FAILED_PRECONDITION naming the fraction.
+TEST_F(CudaKvBoundTest, TheFractionLessWhatIsInUseIsTheBound) {
+  struct Unlimited {  // the limit lifted however the test ends (it is process-wide)
+    ~Unlimited() { cuda::emu::SetDeviceMemoryLimit(0); }
+  } unlimited;
+  cuda::emu::SetDeviceMemoryLimit(size_t(1) << 40);
+  size_t free_bytes = 0, total = 0;
+  cuda::emu::DeviceMemoryInfo(&free_bytes, &total);
+  const size_t in_use = total - free_bytes;
+  size_t weights = 0;
+  {
+    CudaBackendOptions none;
+    none.memory_utilization = 0;
+    auto gpu = Create(none);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    cuda::emu::DeviceMemoryInfo(&free_bytes, &total);
+    weights = total - free_bytes - in_use;
+    ASSERT_GT(weights, 0u);
+  }
+  CudaBackendOptions half;
+  half.memory_utilization = 0.5;
+  cuda::emu::SetDeviceMemoryLimit(2 * (in_use + weights) + 160 * 1024);
+  {
+    auto gpu = Create(half);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    EXPECT_EQ(Bound(**gpu), 80 * 1024);
+    ContiguousKvCache like(checkpoint_->config, 16);
+    KvPassPlan plan;
+    plan.positions = 16;
+    EXPECT_TRUE((*gpu)->CheckKvFits(like, plan).ok());
+    plan.positions = 1 << 20;
+    const absl::Status refused = (*gpu)->CheckKvFits(like, plan);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kOutOfRange) << refused;
+    EXPECT_NE(refused.message().find("bound is 81920 bytes"), std::string::npos) << refused;
+    EXPECT_NE(refused.message().find("--cuda_memory_utilization"), std::string::npos) << refused;
+  }
+  cuda::emu::SetDeviceMemoryLimit(2 * (in_use + weights) - 2);
+  auto refused = Create(half);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("memory_utilization 0.5"), std::string::npos)
+      << refused.status();
+}
+#endif
+
+}  // namespace
+}  // namespace dgserve::kv
