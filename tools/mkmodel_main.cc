@@ -24,6 +24,7 @@
 #include "engine/model/config.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/model/tensor_names.h"
+#include "engine/tokenizer/tokenizer.h"
 
 ABSL_FLAG(std::string, out, "", "output checkpoint directory (required; created if needed)");
 ABSL_FLAG(uint64_t, seed, 0, "generator seed (the golden models use 512 and 3)");
@@ -198,6 +199,14 @@ absl::Status Run() {
   generation.max_new_tokens = config.canvas_length;
   if (!gen_path.empty()) {
     DGSERVE_ASSIGN_OR_RETURN(generation, LoadGenerationConfig(gen_path));
+  }
+  // A tokenizer the servers could not load is refused before anything is written.
+  if (!options.tokenizer_path.empty()) {
+    if (absl::StatusOr<Tokenizer> t = Tokenizer::Load(options.tokenizer_path); !t.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--tokenizer ", options.tokenizer_path,
+                                                     ": not a usable tokenizer.json (",
+                                                     t.status().message(), ")"));
+    }
   }
 
   const uint64_t seed = absl::GetFlag(FLAGS_seed);

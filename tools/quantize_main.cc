@@ -332,8 +332,20 @@ absl::Status Run() {
                        "--group_size or give 16)"));
     }
     options.group_size = 16;
+  } else if (group_size && options.format == WeightFormat::kFp8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--group_size ", *group_size,
+                     ": --format fp8 has one scale per output channel (groups are w4a16's)"));
   } else if (group_size) {
     options.group_size = *group_size;  // QuantizeCheckpoint refuses a negative one
+    // Our loader takes any group size (a last partial group included); vLLM's W4A16 kernels
+    // (Marlin, Machete) take per-channel scales or groups of 32, 64 or 128 only.
+    if (*group_size != 0 && *group_size != 32 && *group_size != 64 && *group_size != 128) {
+      std::fprintf(stderr,
+                   "warning: --group_size %d: dgserve serves it, but vLLM's W4A16 kernels take "
+                   "only 32, 64, 128 or 0 (per channel)\n",
+                   *group_size);
+    }
   }
   const std::string layout = absl::GetFlag(FLAGS_nvfp4_layout);
   if (!layout.empty() && options.format != WeightFormat::kNvfp4) {
@@ -371,6 +383,10 @@ absl::Status Run() {
     options.ignore.emplace_back(e);
   }
   options.max_shard_bytes = absl::GetFlag(FLAGS_max_shard_bytes);
+  if (options.max_shard_bytes <= 0) {  // before anything is written to --out
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_shard_bytes ", options.max_shard_bytes, ": must be positive"));
+  }
   DGSERVE_RETURN_IF_ERROR(CheckCalibrationFlags(options, format));
   DGSERVE_ASSIGN_OR_RETURN(options.input_amax, Calibrate(absl::GetFlag(FLAGS_in)));
   const std::string out = absl::GetFlag(FLAGS_out);

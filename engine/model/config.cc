@@ -292,6 +292,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   if (c.bos_token_id >= c.vocab_size) {
     return FieldError(source, "bos_token_id", "must be < vocab_size");
   }
+  if (c.canvas_length >= c.max_position_embeddings) {
+    return FieldError(source, "canvas_length",
+                      absl::StrCat("(", c.canvas_length,
+                                   ") must be less than "
+                                   "max_position_embeddings (",
+                                   c.max_position_embeddings,
+                                   "): a request needs a prompt token beside its canvas"));
+  }
   return c;
 }
 

@@ -156,6 +156,16 @@ TEST(ModelConfigTest, TopKMustNotExceedExperts) {
                           AllOf(HasSubstr("top_k_experts"), HasSubstr("9"))));
 }
 
+// A canvas as long as the context leaves no position for a prompt: every request would fail.
+TEST(ModelConfigTest, CanvasMustLeaveRoomForAPrompt) {
+  auto c = ParseEdited([](json& j) { j["text_config"]["max_position_embeddings"] = 17; });
+  ASSERT_THAT(c, IsOk());  // tiny-v512's canvas: 16 of 17
+  c = ParseEdited([](json& j) { j["text_config"]["max_position_embeddings"] = 16; });
+  EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument,
+                          AllOf(HasSubstr("canvas_length"), HasSubstr("(16)"),
+                                HasSubstr("max_position_embeddings (16)"))));
+}
+
 TEST(ModelConfigTest, RejectsOtherModelsAndActivations) {
   auto c = ParseEdited([](json& j) { j["text_config"]["model_type"] = "gemma3_text"; });
   EXPECT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model_type")));

@@ -447,6 +447,10 @@ absl::Status CheckQuantizePaths(const std::string& in, const std::string& out) {
 absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
                                                    const QuantizeOptions& options) {
   DGSERVE_RETURN_IF_ERROR(CheckQuantizePaths(in, out));
+  // Every option checked before anything is written to `out`.
+  if (options.max_shard_bytes <= 0) {
+    return absl::InvalidArgumentError("--max_shard_bytes must be positive");
+  }
   std::error_code ec;
   QuantizationConfig q;
   q.format = options.format;
@@ -668,7 +672,6 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   }
   SafetensorsWriteOptions write;
   write.max_shard_bytes = options.max_shard_bytes;
-  if (write.max_shard_bytes <= 0) return absl::InvalidArgumentError("--max_shard_bytes must be positive");
   DGSERVE_RETURN_IF_ERROR(WriteSafetensors(out, std::move(tensors), write));
   DGSERVE_RETURN_IF_ERROR(
       WriteTextFile((fs::path(out) / "config.json").string(), root.dump(2) + "\n"));
