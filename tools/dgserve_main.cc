@@ -45,6 +45,7 @@
 #include "engine/model/checkpoint.h"
 #include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "engine/tokenizer/utf8.h"
 #include "service/address_list.h"
 #include "tools/chat_client.h"
 #include "tools/sudoku/sudoku_cli.h"
@@ -135,6 +136,15 @@ absl::StatusOr<std::string> ReadPrompt(bool always_chat = false) {
   if (prompt.empty()) {
     return absl::InvalidArgumentError(
         "--prompt (or --prompt-file) is required and must not be empty");
+  }
+  // As the gateway's HTTP API refuses a body that is not UTF-8 (the tokenizer would take the bytes
+  // as they are, and the gateway's gRPC parse fails with no offset).
+  if (!tokenizer_internal::IsValidUtf8(prompt)) {
+    const std::string file = absl::GetFlag(FLAGS_prompt_file);
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.empty() ? "--prompt" : absl::StrCat("--prompt-file ", file),
+                     ": not valid UTF-8 (first bad byte at offset ",
+                     tokenizer_internal::ValidUtf8PrefixLength(prompt), ")"));
   }
   if (absl::GetFlag(FLAGS_thinking) && !absl::GetFlag(FLAGS_chat) && !always_chat) {
     return absl::InvalidArgumentError(

@@ -163,6 +163,8 @@ absl::StatusOr<Grid> LoadPuzzle(const SudokuCliOptions& options, bool* several_s
       return absl::InvalidArgumentError(
           absl::StrCat("--puzzle-file ", options.puzzle_file, " is over 64 KiB: not a puzzle"));
     }
+    // A UTF-8 byte order mark (editors on Windows write one) is not part of the puzzle.
+    if (text.rfind("\xEF\xBB\xBF", 0) == 0) text.erase(0, 3);
   }
   if (text.empty()) {
     return absl::InvalidArgumentError(
