@@ -31,16 +31,17 @@ inline int ConnectLoopback(int port, int recv_timeout_s) {
   return fd;
 }
 
-// A socket listening on 127.0.0.1 at a port the kernel chooses (written to `*port`) that
-// accepts TCP and never answers (a peer that does not speak), or -1 when it cannot listen.
-inline int ListenLoopback(int* port) {
+// A socket bound to 127.0.0.1 at a port the kernel chooses (written to `*port`), listening
+// when `listening`; -1 when it cannot.
+inline int BindLoopback(int* port, bool listening) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(fd, 16) != 0 ||
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      (listening && listen(fd, 16) != 0) ||
       getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     close(fd);
     return -1;
@@ -49,19 +50,18 @@ inline int ListenLoopback(int* port) {
   return fd;
 }
 
+// A socket listening on 127.0.0.1 at a port the kernel chooses (written to `*port`) that
+// accepts TCP and never answers (a peer that does not speak), or -1 when it cannot listen.
+inline int ListenLoopback(int* port) { return BindLoopback(port, /*listening=*/true); }
+
 // A port on 127.0.0.1 that nothing listens on (a dead server): bound at a port the kernel
 // chooses, then closed; -1 when it cannot bind.
 inline int ClosedLoopbackPort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int port = -1;
+  const int fd = BindLoopback(&port, /*listening=*/false);
   if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
   close(fd);
-  return ok ? ntohs(addr.sin_port) : -1;
+  return port;
 }
 
 // Writes all of `data` to `fd`; false on a write error.
