@@ -600,9 +600,10 @@ TEST_P(CudaKvAuthorityTest, ThePoolsShareTheBoundCompactingTheOther) {
 #if defined(DGSERVE_CUDA_EMULATION)
 // The device itself out of memory (the emulation's limit: 48 KiB beyond what is in use once two
 // sequences of 100 positions hold 50 of the first 64 full blocks, where doubling needs 128 KiB
-// beside the old arrays): with no kv_pool_max_bytes the pool takes the blocks of the least
-// recently used idle sequence as at its bound, its rows only on the device copied to its cache
-// first (swapped out). Every sequence's logits stay the copying backend's bits.
+// beside the old arrays): with no bound (memory_utilization 0; under one, the other pool's
+// compaction comes first) the pool takes the blocks of the least recently used idle sequence as
+// at its bound, its rows only on the device copied to its cache first (swapped out). Every
+// sequence's logits stay the copying backend's bits.
 TEST_P(CudaKvAuthorityTest, DeviceOutOfMemoryTakesIdleSequencesBlocks) {
   if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
   const std::vector<int32_t> canvas = Tokens(config().canvas_length, 5);
@@ -618,7 +619,9 @@ TEST_P(CudaKvAuthorityTest, DeviceOutOfMemoryTakesIdleSequencesBlocks) {
       Encode(*copy_, *ref[i], third);
     }
   }
-  auto backend = CreateCudaBackend(config(), checkpoint_->weights, GpuOptions());
+  CudaBackendOptions unbounded = GpuOptions();
+  unbounded.memory_utilization = 0;
+  auto backend = CreateCudaBackend(config(), checkpoint_->weights, unbounded);
   ASSERT_TRUE(backend.ok()) << backend.status();
   ModelBackend& gpu = **backend;
   // Every other buffer sized before the limit (the emulation's limit is process-wide: copy_

@@ -1,8 +1,9 @@
 // The device K/V pools' bound from CudaBackendOptions::memory_utilization (vLLM's
-// --gpu-memory-utilization): the fraction of the device's memory less what is in use once the
-// weights are on it, unless kv_pool_max_bytes gives the bound (label gpu, and gpu-emu under the
-// emulation, whose device memory limit makes the numbers exact; built into cuda_backend_test /
-// cuda_backend_emu_test beside cuda_kv_authority_test.cc). On the tiny-v512 random checkpoint.
+// --gpu-memory-utilization): the fraction of the device's memory less the backend's own once its
+// weights are on it, at most half the memory then free, unless kv_pool_max_bytes gives the bound
+// (label gpu, and gpu-emu under the emulation, whose device memory limit makes the numbers exact;
+// built into cuda_backend_test / cuda_backend_emu_test beside cuda_kv_authority_test.cc). On the
+// tiny-v512 random checkpoint.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -45,7 +46,8 @@ class CudaKvBoundTest : public cuda::CudaTest {
   static inline Checkpoint* checkpoint_ = nullptr;
 };
 
-// The default (0.9) on whatever device runs the test: a bound above 0, below 0.9 of it.
+// The default (0.9) on whatever device runs the test: a bound above 0, at most 0.9 of the device
+// and at most half of what is free once the backend is made.
 TEST_F(CudaKvBoundTest, TheDefaultBoundIsBelowTheFractionOfTheDevice) {
   CudaBackendOptions options;
   ASSERT_EQ(options.memory_utilization, 0.9);
@@ -55,6 +57,7 @@ TEST_F(CudaKvBoundTest, TheDefaultBoundIsBelowTheFractionOfTheDevice) {
   ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
   EXPECT_GT(Bound(**gpu), 0);
   EXPECT_LE(double(Bound(**gpu)), 0.9 * double(total));
+  EXPECT_LE(Bound(**gpu), int64_t(free_bytes / 2));
 }
 
 // An explicit bound wins; 0 turns the fraction off; a fraction outside [0, 1] is refused.
@@ -78,32 +81,36 @@ TEST_F(CudaKvBoundTest, AnExplicitBoundWinsAndZeroMeansNone) {
 }
 
 #if defined(DGSERVE_CUDA_EMULATION)
-// Under a device limit L with the weights taking W of it (measured here by a backend with no
-// bound, whose Init allocates what the next one's does): utilization 0.5 and
-// L = 2 · (in use + W) + 160 KiB leave exactly 80 KiB for the pools; the admission check refuses
-// a sequence beyond it naming the flag. One byte less than 2 · (in use + W) leaves no room:
-// FAILED_PRECONDITION naming the fraction.
-TEST_F(CudaKvBoundTest, TheFractionLessWhatIsInUseIsTheBound) {
+// Under a device limit L with the backend's own memory W (its weights and buffers, measured here
+// by a backend with no bound, whose creation allocates what the next one's does), nothing else
+// in use, and a fraction of 0.5:
+//   L = 2W + 160 KiB: the bound is 0.5 L − W = 80 KiB (half the free memory, W / 2 + 80 KiB, is
+//     more); CheckKvFits refuses a sequence beyond it naming the flag;
+//   memory another backend holds is not this one's: with W / 2 taken first (L grown by W), the
+//     bound is still 0.5 L − W;
+//   L = 2 (W + one block of each kind) gives exactly one block of each kind; 2 bytes less, one
+//     byte less than that: FAILED_PRECONDITION naming the fraction.
+TEST_F(CudaKvBoundTest, TheFractionLessTheBackendsOwnMemoryIsTheBound) {
   struct Unlimited {  // the limit lifted however the test ends (it is process-wide)
     ~Unlimited() { cuda::emu::SetDeviceMemoryLimit(0); }
   } unlimited;
   cuda::emu::SetDeviceMemoryLimit(size_t(1) << 40);
   size_t free_bytes = 0, total = 0;
   cuda::emu::DeviceMemoryInfo(&free_bytes, &total);
-  const size_t in_use = total - free_bytes;
-  size_t weights = 0;
+  ASSERT_EQ(total - free_bytes, 0u);  // nothing else in use
+  size_t own = 0;
   {
     CudaBackendOptions none;
     none.memory_utilization = 0;
     auto gpu = Create(none);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     cuda::emu::DeviceMemoryInfo(&free_bytes, &total);
-    weights = total - free_bytes - in_use;
-    ASSERT_GT(weights, 0u);
+    own = total - free_bytes;
+    ASSERT_GT(own, 0u);
   }
   CudaBackendOptions half;
   half.memory_utilization = 0.5;
-  cuda::emu::SetDeviceMemoryLimit(2 * (in_use + weights) + 160 * 1024);
+  cuda::emu::SetDeviceMemoryLimit(2 * own + 160 * 1024);
   {
     auto gpu = Create(half);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
@@ -118,7 +125,29 @@ TEST_F(CudaKvBoundTest, TheFractionLessWhatIsInUseIsTheBound) {
     EXPECT_NE(refused.message().find("bound is 81920 bytes"), std::string::npos) << refused;
     EXPECT_NE(refused.message().find("--cuda_memory_utilization"), std::string::npos) << refused;
   }
-  cuda::emu::SetDeviceMemoryLimit(2 * (in_use + weights) - 2);
+  {
+    // W / 2 held by someone else: the bound is 0.5 L − W = W / 2 + 80 KiB (half the free
+    // memory, (1.5 W + 160 KiB) / 2, is more); subtracting all memory in use would give 80 KiB.
+    const size_t other = own / 512 * 256;
+    const size_t limit = 2 * own + 2 * other + 160 * 1024;
+    cuda::emu::SetDeviceMemoryLimit(limit);
+    void* held = nullptr;
+    ASSERT_EQ(cudaMalloc(&held, other), cudaSuccess);
+    auto gpu = Create(half);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    EXPECT_EQ(Bound(**gpu), int64_t(other + 80 * 1024));
+    (*gpu).reset();
+    cudaFree(held);
+  }
+  const int64_t one_each = CudaKvBytesPerSequence(checkpoint_->config, 1, half);
+  ASSERT_GT(one_each, 0);
+  cuda::emu::SetDeviceMemoryLimit(2 * (own + size_t(one_each)));
+  {
+    auto gpu = Create(half);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    EXPECT_EQ(Bound(**gpu), one_each);
+  }
+  cuda::emu::SetDeviceMemoryLimit(2 * (own + size_t(one_each)) - 2);
   auto refused = Create(half);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_NE(refused.status().message().find("memory_utilization 0.5"), std::string::npos)

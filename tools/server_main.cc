@@ -31,7 +31,8 @@ ABSL_FLAG(std::string, served_model_name, "", "model id (default: the directory'
 ABSL_FLAG(std::string, device, "cpu",
           "backend of both roles, as the workers' --device: cpu, or cuda (configured with "
           "-DDGSERVE_CUDA_BACKEND=ON, on a GPU machine: device 0; each role's backend holds its "
-          "own copy of the weights and its own K/V pool, --cuda_kv_pool_gb each; see "
+          "own copy of the weights and its own K/V pool, --cuda_kv_pool_gb each, else "
+          "--cuda_memory_utilization each: give 0.45 or less; see "
           "--cuda_gemm_input; --cpu_gemm_input for the CPU)");
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:0", "public gRPC listen address");
 ABSL_FLAG(std::string, http_address, "127.0.0.1:0", "OpenAI HTTP listen address");

@@ -29,8 +29,10 @@ ABSL_FLAG(double, cuda_kv_pool_gb, 0,
 ABSL_FLAG(double, cuda_memory_utilization, 0.9,
           "--device cuda: the fraction of the GPU's memory this process's backend may use, as "
           "vLLM's --gpu-memory-utilization; where --cuda_kv_pool_gb is 0, the device K/V block "
-          "pool's bound is this fraction of the GPU's memory less what is in use once the weights "
-          "are loaded, and the rest is left to the passes' buffers. Processes sharing a GPU (the "
+          "pool's bound is this fraction of the GPU's memory less what the backend itself holds "
+          "once its weights are loaded (at most half the memory then free, which a pool growing "
+          "beside its old arrays can reach), and the rest is left to the passes' buffers. "
+          "Processes sharing a GPU (the "
           "prefill and denoise workers on one GPU) should take fractions that sum to at most 1; "
           "dgserve-server's two model roles each take it. In [0, 1]; 0: no bound but the GPU's "
           "memory (CudaBackendOptions::memory_utilization)");
@@ -53,9 +55,14 @@ std::vector<std::string> UnusedBackendFlags(const std::string& device) {
   if (const double gb = absl::GetFlag(FLAGS_cuda_kv_pool_gb); device == "cpu" && gb != 0) {
     out.push_back(absl::StrCat("--cuda_kv_pool_gb=", gb, " has no effect with --device cpu"));
   }
-  if (const double u = absl::GetFlag(FLAGS_cuda_memory_utilization); device == "cpu" && u != 0.9) {
-    out.push_back(
-        absl::StrCat("--cuda_memory_utilization=", u, " has no effect with --device cpu"));
+  if (const double u = absl::GetFlag(FLAGS_cuda_memory_utilization); u != 0.9) {
+    if (device == "cpu") {
+      out.push_back(
+          absl::StrCat("--cuda_memory_utilization=", u, " has no effect with --device cpu"));
+    } else if (absl::GetFlag(FLAGS_cuda_kv_pool_gb) != 0) {
+      out.push_back(absl::StrCat("--cuda_memory_utilization=", u,
+                                 " has no effect with --cuda_kv_pool_gb (the pool's bound given)"));
+    }
   }
   const std::string cpu_input = absl::GetFlag(FLAGS_cpu_gemm_input);
   if (device == "cuda" && cpu_input != "float32") {

@@ -72,6 +72,11 @@ TEST_F(BackendSelectFlagsTest, MemoryUtilization) {
   EXPECT_TRUE(UnusedBackendFlags("cuda").empty());
   EXPECT_THAT(UnusedBackendFlags("cpu"),
               ElementsAre("--cuda_memory_utilization=0.45 has no effect with --device cpu"));
+  absl::SetFlag(&FLAGS_cuda_kv_pool_gb, 2);
+  EXPECT_THAT(UnusedBackendFlags("cuda"),
+              ElementsAre("--cuda_memory_utilization=0.45 has no effect with --cuda_kv_pool_gb "
+                          "(the pool's bound given)"));
+  absl::SetFlag(&FLAGS_cuda_kv_pool_gb, 0);
   for (const double bad : {-0.1, 1.5, std::nan("")}) {
     absl::SetFlag(&FLAGS_cuda_memory_utilization, bad);
     const absl::Status st = BackendSelectionFromFlags("cuda").status();

@@ -74,6 +74,15 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     return absl::InvalidArgumentError(
         absl::StrCat("memory_utilization ", options_.memory_utilization, ": must be in [0, 1]"));
   }
+  if (options_.kv_block_size > 0 && options_.kv_pool_max_bytes > 0) {
+    // A bound below one block of each kind would fail every pass.
+    const int64_t one_each = KvPoolBlockBytes(kKvFull) + KvPoolBlockBytes(kKvSliding);
+    if (int64_t(options_.kv_pool_max_bytes) < one_each) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_pool_max_bytes ", options_.kv_pool_max_bytes,
+                       ": below one K/V block of each layer kind (", one_each, " bytes)"));
+    }
+  }
   if (options_.canvas_split_keys <= 0 || options_.canvas_split_keys % 32 != 0) {
     return absl::InvalidArgumentError("canvas_split_keys: must be a positive multiple of 32");
   }
@@ -134,30 +143,31 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
   return CudaCheck(cudaDeviceSynchronize(), "upload weights");
 }
 
-absl::Status CudaBackend::SetKvPoolBound() {
+absl::Status CudaBackend::SetKvPoolBound(size_t free_before) {
   if (options_.kv_block_size == 0) return absl::OkStatus();  // per-sequence mirrors: no pool
-  // A bound below one block of each kind would fail every pass.
-  const int64_t one_each = KvPoolBlockBytes(kKvFull) + KvPoolBlockBytes(kKvSliding);
-  if (options_.kv_pool_max_bytes > 0) {
-    if (int64_t(options_.kv_pool_max_bytes) < one_each) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kv_pool_max_bytes ", options_.kv_pool_max_bytes,
-                       ": below one K/V block of each layer kind (", one_each, " bytes)"));
-    }
+  if (options_.kv_pool_max_bytes > 0) {  // checked against one block of each kind by Init
     kv_pool_bound_ = options_.kv_pool_max_bytes;
     return absl::OkStatus();
   }
   if (options_.memory_utilization == 0) return absl::OkStatus();
   size_t free_bytes = 0, total_bytes = 0;
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
-  const double in_use = double(total_bytes - std::min(free_bytes, total_bytes));
-  const double bound = options_.memory_utilization * double(total_bytes) - in_use;
+  // This backend's own memory (the weights and its buffers), not what other processes or backends
+  // on the device hold: each takes its fraction, as vLLM's instances do.
+  const double own = double(free_before - std::min(free_bytes, free_before));
+  // A pool grows by allocating its new arrays beside the old ones, so the pools can reach about
+  // half of the memory free now: the bound is no larger (CheckKvFits then refuses only what
+  // cannot run).
+  const double bound =
+      std::min(options_.memory_utilization * double(total_bytes) - own, double(free_bytes) / 2);
+  const int64_t one_each = KvPoolBlockBytes(kKvFull) + KvPoolBlockBytes(kKvSliding);
   if (bound < double(one_each)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "memory_utilization ", options_.memory_utilization, " of the device's ", total_bytes,
-        " bytes leaves no room for the K/V block pools: ", int64_t(in_use),
-        " bytes are in use with the weights loaded (this process's and others'), and one K/V "
-        "block of each layer kind takes ",
+        " bytes leaves no room for the K/V block pools: the weights and buffers take ",
+        int64_t(own), " bytes, ", free_bytes,
+        " bytes are free (the pools can grow into half of them), and one K/V block of each "
+        "layer kind takes ",
         one_each, " bytes (raise the fraction, or give the pools' bound in bytes)"));
   }
   kv_pool_bound_ = size_t(bound);
@@ -606,9 +616,11 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackend(const ModelConfi
         absl::StrCat("CUDA device ", options.device, " does not exist (", devices, " found)"));
   }
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(options.device), "cudaSetDevice"));
+  size_t free_before = 0, total = 0;
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
   auto backend = std::make_unique<CudaBackend>(config, options);
   DGSERVE_RETURN_IF_ERROR(backend->Init(weights));
-  DGSERVE_RETURN_IF_ERROR(backend->SetKvPoolBound());
+  DGSERVE_RETURN_IF_ERROR(backend->SetKvPoolBound(free_before));
   return std::unique_ptr<ModelBackend>(std::move(backend));
 }
 
@@ -621,11 +633,13 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackendSynthetic(
         absl::StrCat("CUDA device ", options.device, " does not exist (", devices, " found)"));
   }
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(options.device), "cudaSetDevice"));
+  size_t free_before = 0, total = 0;
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
   auto backend = std::make_unique<CudaBackend>(config, options);
   // Norms, scales and scalars from the host (small); the matrices are made on the device.
   DGSERVE_RETURN_IF_ERROR(backend->Init(SyntheticModelWeights(config, seed, /*matrices=*/false)));
   DGSERVE_RETURN_IF_ERROR(backend->InitSyntheticMatrices(seed));
-  DGSERVE_RETURN_IF_ERROR(backend->SetKvPoolBound());
+  DGSERVE_RETURN_IF_ERROR(backend->SetKvPoolBound(free_before));
   return std::unique_ptr<ModelBackend>(std::move(backend));
 }
 

@@ -167,13 +167,15 @@ struct CudaBackendOptions {
   size_t kv_pool_max_bytes = 0;
   // Where kv_pool_max_bytes is 0 (and kv_block_size > 0): the fraction of the device's memory
   // this backend may use, as vLLM's --gpu-memory-utilization. The K/V pools' bound is
-  // memory_utilization · total − the device memory in use once the weights are on the device
-  // (the weights, this backend's buffers, and what other processes and backends hold then), set
-  // by CreateCudaBackend / CreateCudaBackendSynthetic; the rest of the device is left to the
-  // passes' buffers, which grow with the batch. Backends sharing a device (two processes, or
-  // dgserve-server's roles) each take their fraction, as vLLM's instances do: give them fractions
-  // that sum to at most 1. In [0, 1]; 0: no bound but the device's memory (and no compaction).
-  // FAILED_PRECONDITION at creation where the fraction leaves no room for one block of each kind.
+  // memory_utilization · total − this backend's own device memory once its weights are on the
+  // device (the free memory before CreateCudaBackend / CreateCudaBackendSynthetic less after),
+  // and at most half the memory free then (a pool grows by allocating its new arrays beside the
+  // old ones, so the pools reach about that much). The rest of the fraction is left to the
+  // passes' buffers, which grow with the batch (not measured: at 1.0 only what the halving
+  // leaves). Backends sharing a device (two processes, or dgserve-server's roles) each take
+  // their fraction, as vLLM's instances do: give them fractions that sum to at most 1. In
+  // [0, 1]; 0: no bound but the device's memory (and no compaction). FAILED_PRECONDITION at
+  // creation where that leaves less than one block of each kind.
   double memory_utilization = 0.9;
   // Device K/V blocks shared between sequences (with kv_block_size > 0), the default: a block
   // whose positions its cache has all committed is registered under the host identity of its
@@ -231,7 +233,7 @@ struct CudaKvPoolStats {
   int64_t swap_outs = 0;
   // A pool that could neither take nor grow a block while the other kind's pool held blocks no
   // sequence did: the other pool compacted and shrunk (its held blocks moved below the number
-  // held, their rows copied on the device) so that both stay within kv_pool_max_bytes (one bound
+  // held, their rows copied on the device) so that both stay within the bound (one bound
   // shared by the two kinds, whatever the mix of long and short sequences). Compactions and the
   // blocks they moved.
   int64_t compactions = 0, blocks_moved = 0;

@@ -451,12 +451,13 @@ class CudaBackend final : public ModelBackend {
   // Allocates every matrix of the model on the device and fills it with the synthetic weights
   // of `seed` (after Init with SyntheticModelWeights(c, seed, /*matrices=*/false)).
   absl::Status InitSyntheticMatrices(uint64_t seed);
-  // The device K/V pools' bound (kv_pool_bound_): options_.kv_pool_max_bytes, else from
-  // options_.memory_utilization and the device memory in use now (after Init and
-  // InitSyntheticMatrices: the weights on the device). INVALID_ARGUMENT for a fraction outside
-  // [0, 1] or an explicit bound below one block of each kind; FAILED_PRECONDITION where the
-  // fraction leaves less than that.
-  absl::Status SetKvPoolBound();
+  // The device K/V pools' bound (kv_pool_bound_): options_.kv_pool_max_bytes, else
+  // min(options_.memory_utilization · total − this backend's own device memory, half the memory
+  // free now), called after Init and InitSyntheticMatrices (the weights on the device) with the
+  // device's free bytes before Init (`free_before`: the difference is this backend's own).
+  // FAILED_PRECONDITION where that leaves less than one block of each kind. (Init refuses a
+  // fraction outside [0, 1] and an explicit bound below one block of each kind.)
+  absl::Status SetKvPoolBound(size_t free_before);
   std::optional<CudaPhaseTimes> last_phase_times() const {
     std::lock_guard<std::mutex> lock(mu_);
     return last_phases_;
@@ -580,12 +581,11 @@ class CudaBackend final : public ModelBackend {
   void TakeSharedKvBlocks(const KvCache& kv, KvMirror* m, int kind, int from, int n);
   void PublishKvBlocks(const KvCache& kv, KvMirror* m);
   // A free block id of pool `kind`: a free or cached one (KvBlockPool::Take), else the pool
-  // grown (GrowKvPool), else (under kv_pool_max_bytes) the other pool compacted to the blocks
-  // sequences hold (CompactKvPool) and this one grown into half the memory it gave back, else the
-  // blocks of idle mirrors evicted
-  // (EvictOneMirror), else those of idle mirrors holding rows only the device has, copied to
-  // their caches first (SwapOutOneMirror), else the other pool compacted again;
-  // RESOURCE_EXHAUSTED when none frees one.
+  // grown (GrowKvPool), else (under the bound, kv_pool_bound_) the other pool compacted to the
+  // blocks sequences hold (CompactKvPool) and this one grown into half the memory it gave back,
+  // else the blocks of idle mirrors evicted (EvictOneMirror), else those of idle mirrors holding
+  // rows only the device has, copied to their caches first (SwapOutOneMirror), else the other pool
+  // compacted again; RESOURCE_EXHAUSTED when none frees one.
   absl::StatusOr<int32_t> AllocateKvBlock(int kind);
   // Gives back the device memory of pool `kind`'s free blocks (and of its cached ones with
   // drop_cached: their rows are on the host): every kept block (held, or cached and kept) at or
@@ -595,7 +595,7 @@ class CudaBackend final : public ModelBackend {
   // is drained first. Returns the blocks given back; RESOURCE_EXHAUSTED when the device refuses
   // the smaller arrays (nothing then changes but the dropped cached blocks).
   absl::StatusOr<int> CompactKvPool(int kind, bool drop_cached);
-  // Grows pool `kind` (doubled, from 64 blocks; fewer within options_.kv_pool_max_bytes, both
+  // Grows pool `kind` (doubled, from 64 blocks; fewer within kv_pool_bound_, both
   // pools counted), the stream drained first (queued copies may still write the old arrays).
   // RESOURCE_EXHAUSTED at the bound or when the device refuses the memory. half_the_room:
   // at most half (rounded up) of the blocks the bound still has room for.

@@ -99,7 +99,9 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
     const int64_t take = half_the_room ? (room + 1) / 2 : room;
     blocks = std::min(blocks, int64_t(pool.blocks) + std::max<int64_t>(0, take));
   }
-  if (blocks <= pool.blocks) return absl::ResourceExhaustedError("at kv_pool_max_bytes");
+  if (blocks <= pool.blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat("at the bound (", kv_pool_bound_, " bytes)"));
+  }
   if (blocks * B > std::numeric_limits<int32_t>::max()) {
     return absl::ResourceExhaustedError("more than 2^31 rows");
   }
@@ -139,12 +141,11 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   // This pool grows into half of it, so that the other grows into the rest without compacting
   // this one at its next block (the two would otherwise take turns at every block).
   const auto from_other_pool = [&]() -> absl::StatusOr<int32_t> {
-    // Only where the bound refused the growth: without one, or with room under it (the device
-    // refused the memory), memory a compaction gives back is the device's, which the pass's other
-    // buffers may need as much (the pools' doubling would take it all).
+    // Only under a bound (the pools stay within it, whichever refused the growth): without one,
+    // memory a compaction gives back is the device's, which the pass's other buffers may need as
+    // much (the pools' doubling would take it all).
     if (kv_pool_bound_ == 0) return -1;
     const int64_t room = int64_t(kv_pool_bound_) - KvPoolsBytes();
-    if (room >= KvPoolBlockBytes(kind)) return -1;
     const KvBlockPool& other = kv_pools_[1 - kind];
     const int64_t free_ids = int64_t(other.free_ids.size()), cached = int64_t(other.cached.size());
     if (free_ids + cached == 0) return -1;

@@ -148,11 +148,11 @@ class ModelBackend {
   // KvCache::SlidingRetainedFrom) can ever be run by the K/V memory this backend bounds itself,
   // whatever else runs: OUT_OF_RANGE, naming the bytes and the bound, when some pass needs more
   // than the bound with the sequence alone (the CUDA backend's device block pool at
-  // CudaBackendOptions::kv_pool_max_bytes: the blocks its SyncKvBlocks holds for that pass). OK
-  // otherwise, and always for a backend that keeps K/V only in the caller's caches (the CPU
-  // backend), so a caller refuses a request early (HTTP 400) that would otherwise fail in a pass
-  // as RESOURCE_EXHAUSTED (HTTP 429, which clients retry). OK does not promise that a pass fits:
-  // with other sequences resident, or the device's memory short, it may still be refused.
+  // its bound, kv_pool_max_bytes or memory_utilization's: the blocks its SyncKvBlocks holds for
+  // that pass). OK otherwise, and always for a backend that keeps K/V only in the caller's caches
+  // (the CPU backend), so a caller refuses a request early (HTTP 400) that would otherwise fail in
+  // a pass as RESOURCE_EXHAUSTED (HTTP 429, which clients retry). OK does not promise that a pass
+  // fits: with other sequences resident, or the device's memory short, it may still be refused.
   virtual absl::Status CheckKvFits(const KvCache& like, const KvPassPlan& plan) const {
     (void)like;
     (void)plan;
