@@ -59,6 +59,10 @@ ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
 ABSL_FLAG(int64_t, max_body_bytes, 4 << 20,
           "largest HTTP request body and gRPC request message (larger: 413 / RESOURCE_EXHAUSTED, "
           "refused before it is parsed)");
+ABSL_FLAG(int64_t, max_buffered_body_bytes, 64 << 20,
+          "HTTP request bodies held at once across all connections (read or being read, not yet "
+          "parsed; a chunked body counts --max_body_bytes); a body beyond it is refused on its "
+          "head with 503 and Retry-After. 0: no bound");
 ABSL_FLAG(double, request_timeout_seconds, 600,
           "deadline of a request without its own, seconds in (0, 1e7]");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
@@ -165,6 +169,11 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_body_bytes must be in [1, 2^30], got ", max_body_bytes));
   }
+  const int64_t max_buffered_body_bytes = absl::GetFlag(FLAGS_max_buffered_body_bytes);
+  if (max_buffered_body_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_buffered_body_bytes must be ≥ 0 (0: no bound), got ", max_buffered_body_bytes));
+  }
   absl::StatusOr<std::shared_ptr<const InternalAuth>> auth = InternalAuthFromFlags();
   if (!auth.ok()) return auth.status();
 
@@ -224,6 +233,7 @@ absl::Status Run() {
   hopts.host = http_addr->first;
   hopts.port = http_addr->second;
   hopts.max_body_bytes = size_t(max_body_bytes);
+  hopts.max_buffered_body_bytes = size_t(max_buffered_body_bytes);
   hopts.default_timeout = timeout;
   hopts.sse_keepalive_interval = absl::Seconds(absl::GetFlag(FLAGS_sse_keepalive_seconds));
   OpenAiHttpServer http(&gateway, hopts, &runner.registry());
