@@ -150,6 +150,14 @@ std::string Chunk(const std::string& data) {
   return absl::StrCat(absl::Hex(data.size()), "\r\n", data, "\r\n");
 }
 
+bool BodyBudget::TryTake(size_t n) {
+  size_t used = in_use_.load();
+  do {
+    if (limit_ != 0 && used != 0 && (used > limit_ || n > limit_ - used)) return false;
+  } while (!in_use_.compare_exchange_weak(used, used + n));
+  return true;
+}
+
 void HttpExchange::Cancel() {
   std::lock_guard<std::mutex> lock(mu);
   cancelled = true;
@@ -207,6 +215,7 @@ void HttpConnection::Start() {
 void HttpConnection::Close() {
   if (state_ == State::kClosed) return;
   state_ = State::kClosed;
+  body_.Reset();
   SetAnswering(false);
   if (exchange_) exchange_->Cancel();
   error_code ignored;
@@ -379,6 +388,7 @@ void HttpConnection::OnHeader(error_code ec) {
            absl::Now());
     return;
   }
+  if (RefuseOverBudget(req)) return;
   // (An HTTP/1.0 client has no interim responses: its Expect is ignored, RFC 9110 §10.1.1.)
   if (req.version() >= 11 &&
       absl::EqualsIgnoreCase(HeaderValue(req, http::field::expect), "100-continue") &&
@@ -415,6 +425,47 @@ void HttpConnection::OnHeader(error_code ec) {
   });
 }
 
+bool HttpConnection::RefuseOverBudget(const HttpRequest& req) {
+  // The most bytes the body can hold: its Content-Length, or max_body_bytes when chunked.
+  const size_t max_body = host_->options().max_body_bytes;
+  size_t bytes = 0;
+  if (parser_->chunked()) {
+    bytes = max_body;
+  } else if (boost::optional<std::uint64_t> length = parser_->content_length()) {
+    bytes = size_t(std::min<std::uint64_t>(*length, max_body));
+  }
+  if (bytes == 0 || parser_->is_done()) return false;
+  if (std::optional<BodyReservation> taken = host_->ReserveBody(bytes)) {
+    body_ = std::move(*taken);
+    return false;
+  }
+  // Not read: the head's own refusal if it has one (it would come after the body otherwise),
+  // else 503. The body is never read, so the connection closes after the answer.
+  read_timer_.cancel();
+  state_ = State::kBusy;
+  SetAnswering(true);
+  keep_alive_ = false;
+  head_ = req.method() == http::verb::head;
+  http10_ = req.version() < 11;
+  std::string route;
+  if (std::optional<HttpResponse> refusal = host_->CheckHead(req, &route)) {
+    Respond(*refusal, route, absl::Now());
+    return true;
+  }
+  const absl::Status status = absl::UnavailableError(absl::StrCat(
+      "the server holds its limit of request bodies being read or parsed (",
+      host_->options().max_buffered_body_bytes, " bytes, --max_buffered_body_bytes); retry later"));
+  HttpResponse r = ErrorResponse(503, status);
+  r.Set("Retry-After", "1");
+  r.Set("X-Request-Id", LocalRequestId());
+  const auto target = req.target();
+  Respond(r,
+          host_->OnUnreadableRequest(RequestPath(std::string_view(target.data(), target.size())),
+                                     status),
+          absl::Now());
+  return true;
+}
+
 void HttpConnection::OnReadTimeout() {
   if (state_ != State::kReading) return;
   if (writing_) {
@@ -433,6 +484,7 @@ void HttpConnection::OnReadTimeout() {
 
 void HttpConnection::OnReadError(error_code ec) {
   read_timer_.cancel();
+  body_.Reset();
   if (read_timed_out_ && ec == asio::error::operation_aborted) {
     // Some of a request came, not all of it in time: it gets an answer, not a bare close.
     Refuse(408,
@@ -489,7 +541,7 @@ void HttpConnection::OnRequest() {
   keep_alive_ = req.keep_alive();
   head_ = req.method() == http::verb::head;
   http10_ = req.version() < 11;
-  host_->OnRequest(shared_from_this(), std::move(req));
+  host_->OnRequest(shared_from_this(), std::move(req), std::move(body_));
 }
 
 void HttpConnection::EndExchange() {

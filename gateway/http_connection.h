@@ -74,6 +74,53 @@ std::string Chunk(const std::string& data);
 
 class HttpConnection;
 
+// The bytes of request bodies held at once across all connections (being read, or read and
+// waiting for or in their parse), under HttpServerOptions::max_buffered_body_bytes. Thread-safe.
+class BodyBudget {
+ public:
+  // `limit` 0: no bound.
+  explicit BodyBudget(size_t limit) : limit_(limit) {}
+  // Takes `n` bytes if they fit under the limit, or if nothing is held (a body never waits on
+  // itself); false otherwise.
+  bool TryTake(size_t n);
+  void Give(size_t n) { in_use_.fetch_sub(n); }
+  size_t in_use() const { return in_use_.load(); }
+  size_t limit() const { return limit_; }
+
+ private:
+  const size_t limit_;
+  std::atomic<size_t> in_use_{0};
+};
+
+// Bytes taken from a BodyBudget, given back when reset or destroyed. Move-only.
+class BodyReservation {
+ public:
+  BodyReservation() = default;
+  BodyReservation(BodyBudget* budget, size_t bytes) : budget_(budget), bytes_(bytes) {}
+  BodyReservation(BodyReservation&& o) noexcept
+      : budget_(std::exchange(o.budget_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  BodyReservation& operator=(BodyReservation&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      budget_ = std::exchange(o.budget_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  BodyReservation(const BodyReservation&) = delete;
+  BodyReservation& operator=(const BodyReservation&) = delete;
+  ~BodyReservation() { Reset(); }
+  void Reset() {
+    if (budget_ != nullptr) budget_->Give(bytes_);
+    budget_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  BodyBudget* budget_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // What a connection needs from its server. OnRequest, OnUnreadableRequest, Record and
 // stopping() are called on the connection's strand; the counts and OnClosed also come from its
 // constructor (the acceptor's strand) and destructor (any thread, also while the server's event
@@ -83,8 +130,13 @@ class ConnectionHost {
   virtual const HttpServerOptions& options() const = 0;
   // True once the server stops: connections close after their answer in progress.
   virtual bool stopping() const = 0;
-  // A whole request was read: answer it (HttpConnection::Respond, or a stream).
-  virtual void OnRequest(const std::shared_ptr<HttpConnection>& connection, HttpRequest req) = 0;
+  // A whole request was read: answer it (HttpConnection::Respond, or a stream). `body` holds its
+  // body's bytes in the budget until the body is parsed (or dropped).
+  virtual void OnRequest(const std::shared_ptr<HttpConnection>& connection, HttpRequest req,
+                         BodyReservation body) = 0;
+  // Takes `bytes` from the server's BodyBudget for a body about to be read; nullopt when they
+  // do not fit.
+  virtual std::optional<BodyReservation> ReserveBody(size_t bytes) = 0;
   // The head of a request whose client waits for "100 Continue" before sending its body
   // (Expect: 100-continue, RFC 9110 §10.1.1): the final answer it gets instead when the head
   // alone refuses it (counted as OnRequest would; the route to record it under in *route), or
@@ -191,6 +243,10 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   void OnReadTimeout();
   // Answers a request that cannot be read whole with HTTP status `code` and closes.
   void Refuse(int code, const absl::Status& status, absl::Time start);
+  // The body announced by the head just read does not fit in the server's body budget: answers
+  // the head's own refusal if it has one (401, 404, ...), else 503 with Retry-After, and closes
+  // without reading the body. False when the body fits (its bytes are then held in body_).
+  bool RefuseOverBudget(const HttpRequest& req);
   void OnRequest();
   // The answer in progress is entirely queued: once written, go on to the next request.
   void EndExchange();
@@ -210,6 +266,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   boost::asio::steady_timer idle_timer_, read_timer_, write_timer_, keepalive_timer_;
   std::deque<OutBuf> out_;
   std::shared_ptr<HttpExchange> exchange_;
+  BodyReservation body_;  // the request being read's body in the server's budget
   State state_ = State::kIdle;
   bool reading_ = false;          // a read is posted on the socket
   bool cancelling_read_ = false;  // ...and is being cancelled to parse the next request

@@ -194,7 +194,13 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
   const HttpServerOptions& options() const override { return options_; }
   bool stopping() const override { return stopping_flag.load(); }
   // On the connection's strand: answers `req` (or starts its generation).
-  void OnRequest(const std::shared_ptr<HttpConnection>& c, HttpRequest req) override;
+  void OnRequest(const std::shared_ptr<HttpConnection>& c, HttpRequest req,
+                 http_internal::BodyReservation body) override;
+  std::optional<http_internal::BodyReservation> ReserveBody(size_t bytes) override {
+    if (!body_budget_.TryTake(bytes)) return std::nullopt;
+    return http_internal::BodyReservation(&body_budget_, bytes);
+  }
+  size_t buffered_body_bytes() const { return body_budget_.in_use(); }
   std::optional<HttpResponse> CheckHead(const HttpRequest& head, std::string* route) override;
   std::string OnUnreadableRequest(const std::string& path, const absl::Status& status) override;
   void Record(const std::string& route, int code, absl::Duration elapsed) override;
@@ -222,12 +228,14 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
                                           const std::string& route, const std::string& local_id,
                                           absl::Duration* timeout);
   void StartGenerate(const std::shared_ptr<HttpConnection>& c, HttpRequest req,
-                     const std::string& route, absl::Time start, const std::string& local_id,
-                     absl::Duration timeout);
+                     http_internal::BodyReservation reservation, const std::string& route,
+                     absl::Time start, const std::string& local_id, absl::Duration timeout);
   // On the parse pool: parses a generation body, then answers its error or starts the
   // generation's thread.
-  void ParseAndStart(std::shared_ptr<HttpExchange> ex, std::string body, bool chat,
-                     absl::Time deadline, const std::string& local_id);
+  // `reservation` holds the body's bytes in the budget until it is parsed.
+  void ParseAndStart(std::shared_ptr<HttpExchange> ex, std::string body,
+                     http_internal::BodyReservation reservation, bool chat, absl::Time deadline,
+                     const std::string& local_id);
   // Removes a finished job (Stop() waits until none is left) and drops `ex`.
   void EndJob(std::shared_ptr<HttpExchange>& ex);
   // The generating thread's body.
@@ -243,6 +251,7 @@ class OpenAiHttpServer::Impl final : public http_internal::ConnectionHost {
   prometheus::Gauge* open_connections_ = nullptr;
   prometheus::Gauge* open_streams_ = nullptr;
   std::atomic<int> answering_{0};  // connections answering a request (CountAnswering)
+  http_internal::BodyBudget body_budget_{options_.max_buffered_body_bytes};
 
   std::mutex connections_mu_;
   std::unordered_map<uint64_t, std::weak_ptr<HttpConnection>> connections_;
@@ -314,7 +323,8 @@ void OpenAiHttpServer::Impl::DoAccept() {
   });
 }
 
-void OpenAiHttpServer::Impl::OnRequest(const std::shared_ptr<HttpConnection>& c, HttpRequest req) {
+void OpenAiHttpServer::Impl::OnRequest(const std::shared_ptr<HttpConnection>& c, HttpRequest req,
+                                       http_internal::BodyReservation body) {
   const absl::Time start = absl::Now();
   const std::string path =
       http_internal::RequestPath(std::string_view(req.target().data(), req.target().size()));
@@ -324,7 +334,9 @@ void OpenAiHttpServer::Impl::OnRequest(const std::shared_ptr<HttpConnection>& c,
   if (std::optional<HttpResponse> refusal = HeadRefusal(req, path, route, local_id, &timeout)) {
     return c->Respond(*refusal, route, start);
   }
-  if (IsPostRoute(route)) return StartGenerate(c, std::move(req), route, start, local_id, timeout);
+  if (IsPostRoute(route)) {
+    return StartGenerate(c, std::move(req), std::move(body), route, start, local_id, timeout);
+  }
   HttpResponse r = Dispatch(path, route);
   r.Set("X-Request-Id", local_id);
   c->Respond(r, route, start);
@@ -412,9 +424,10 @@ HttpResponse OpenAiHttpServer::Impl::Dispatch(const std::string& path, const std
 }
 
 void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>& c,
-                                           HttpRequest req, const std::string& route,
-                                           absl::Time start, const std::string& local_id,
-                                           absl::Duration timeout) {
+                                           HttpRequest req,
+                                           http_internal::BodyReservation reservation,
+                                           const std::string& route, absl::Time start,
+                                           const std::string& local_id, absl::Duration timeout) {
   const bool chat = route == "/v1/chat/completions";
   // A refusal before the core runs the request (counted in the core's request metrics).
   auto refuse = [&](const absl::Status& status, HttpResponse r) {
@@ -446,17 +459,18 @@ void OpenAiHttpServer::Impl::StartGenerate(const std::shared_ptr<HttpConnection>
   // that it does not wait behind big ones; a bigger one on the parse pool
   // (HttpServerOptions::parse_threads at once), never on this thread.
   if (body.size() <= kInlineParseBytes) {
-    return ParseAndStart(std::move(ex), std::move(body), chat, deadline, local_id);
+    return ParseAndStart(std::move(ex), std::move(body), std::move(reservation), chat, deadline,
+                         local_id);
   }
-  asio::post(parse_pool_,
-             [this, ex, body = std::move(body), chat, deadline, local_id]() mutable {
-               ParseAndStart(std::move(ex), std::move(body), chat, deadline, local_id);
-             });
+  asio::post(parse_pool_, [this, ex, body = std::move(body), reservation = std::move(reservation),
+                           chat, deadline, local_id]() mutable {
+    ParseAndStart(std::move(ex), std::move(body), std::move(reservation), chat, deadline, local_id);
+  });
 }
 
 void OpenAiHttpServer::Impl::ParseAndStart(std::shared_ptr<HttpExchange> ex, std::string body,
-                                           bool chat, absl::Time deadline,
-                                           const std::string& local_id) {
+                                           http_internal::BodyReservation reservation, bool chat,
+                                           absl::Time deadline, const std::string& local_id) {
   absl::StatusOr<OpenAiRequest> parsed = absl::UnknownError("not parsed");
   // Answers without a generation thread, and ends the job.
   auto answer = [&](HttpResponse r) {
@@ -465,6 +479,8 @@ void OpenAiHttpServer::Impl::ParseAndStart(std::shared_ptr<HttpExchange> ex, std
       s.Respond(r, route, start);
     });
     parsed = absl::UnknownError("answered");  // the request's memory goes on this thread
+    std::string().swap(body);
+    reservation.Reset();
     EndJob(ex);
   };
   // A refusal the core has not counted.
@@ -482,6 +498,7 @@ void OpenAiHttpServer::Impl::ParseAndStart(std::shared_ptr<HttpExchange> ex, std
   }
   parsed = chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
   std::string().swap(body);
+  reservation.Reset();  // parsed: the body's bytes are gone
   if (!parsed.ok()) {
     core_->CountRefused(parsed.status());
     return answer(ErrorResponse(400, parsed.status(), ErrorParam(parsed.status())));
@@ -686,5 +703,7 @@ void OpenAiHttpServer::Stop() {
 }
 
 void OpenAiHttpServer::SetDraining(bool draining) { impl_->draining = draining; }
+
+size_t OpenAiHttpServer::buffered_body_bytes() const { return impl_->buffered_body_bytes(); }
 
 }  // namespace dgserve

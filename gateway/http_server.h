@@ -20,8 +20,9 @@
 // does not wait behind big ones. A body that waited for a parse thread and is no longer wanted
 // (its client went away, its deadline passed, the server stops) is answered without being
 // parsed. Waiting bodies are held in memory, as they were in their connections' buffers before
-// (one per connection, each at most max_body_bytes). A request whose body parses then runs
-// core->Generate on a thread of its own, started only while the core has room for it
+// (one per connection, each at most max_body_bytes), and all the bodies held at once (read or
+// being read, not yet parsed) are bounded by max_buffered_body_bytes. A request whose body parses
+// then runs core->Generate on a thread of its own, started only while the core has room for it
 // (core->CheckAdmission, asked before the parse and again after it), so generation threads stay
 // near the core's admission limit; its events are posted to the connection's strand.
 #pragma once
@@ -45,6 +46,13 @@ struct HttpServerOptions {
   int port = 0;                     // 0 = any free port (Start returns it)
   size_t max_body_bytes = 4 << 20;  // larger request bodies get 413 (and the connection closes)
   size_t max_header_bytes = 16 << 10;  // larger request heads get 431 (and the connection closes)
+  // The bytes of request bodies held at once across all connections, from the head (its
+  // Content-Length; a chunked body counts max_body_bytes) until the body is parsed: a body that
+  // does not fit is refused on its head, before it is read, with 503 (Retry-After: 1; the
+  // head's own refusal, e.g. 401, where it has one) and the connection closes. A body always
+  // fits when no other is held. 0: no bound. Bodies waiting for a parse thread count, and they
+  // were what grew the gateway's memory under many concurrent large posts.
+  size_t max_buffered_body_bytes = 64 << 20;
   int io_threads = 2;                  // event-loop threads
   // Threads that parse generation bodies: at most this many at once (a 4 MiB body of small
   // values takes about 0.2-0.5 s and about 80 MB while parsed); the others wait their turn.
@@ -74,9 +82,10 @@ struct HttpServerOptions {
 //     token ("" when absent) to core->CheckApiKey; a failure is 401 with an OpenAI error body
 //     and `WWW-Authenticate: Bearer`.
 //   - Unknown path → 404, known path with the wrong method → 405 (with `Allow`), body larger
-//     than max_body_bytes → 413, head larger than max_header_bytes → 431, a malformed request
-//     → 400; all with OpenAI error bodies (413, 431 and 400 close the connection). `Expect:
-//     100-continue` is answered.
+//     than max_body_bytes → 413, a body beyond max_buffered_body_bytes (all connections'
+//     bodies not yet parsed) → 503 on its head, head larger than max_header_bytes → 431, a
+//     malformed request → 400; all with OpenAI error bodies (413, 431 and 400 close the
+//     connection). `Expect: 100-continue` is answered.
 //   - A generation body is read as JSON when it has no Content-Type (and no `Origin`: a
 //     browser's untyped post must say application/json), application/json or
 //     application/*+json (parameters ignored); any other type is 415 (code
@@ -143,6 +152,9 @@ class OpenAiHttpServer {
 
   // While draining, /ready answers 503.
   void SetDraining(bool draining);
+
+  // The bytes of request bodies held now (HttpServerOptions::max_buffered_body_bytes).
+  size_t buffered_body_bytes() const;
 
   // The bound port after a successful Start, else 0.
   int port() const { return port_; }

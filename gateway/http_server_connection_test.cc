@@ -390,6 +390,76 @@ TEST_F(HttpServerTest, ABodyPastItsDeadlineIsNotParsed) {
   EXPECT_THAT(hold->refused[1], StartsWith("DEADLINE_EXCEEDED"));  // never "never_parsed"
 }
 
+// The bodies held at once (read, or waiting for a parse thread) are bounded by
+// max_buffered_body_bytes across all connections: a body over it is refused on its head with
+// 503, Retry-After and an OpenAI error, before it is read (40 concurrent 4 MB posts grew the
+// gateway by about 6 MB each, past its 512 MiB limit). One parse thread, held by the first
+// body's refusal (after its parse: its bytes are given back); two more wait for it (held in the
+// budget); a fourth does not fit. Once released, the budget comes back to 0.
+TEST_F(HttpServerTest, BodiesBeyondTheBufferedBudgetAre503OnTheirHead) {
+  struct Hold {
+    absl::Notification release;
+    std::atomic<int> held{0};
+  };
+  auto hold = std::make_shared<Hold>();
+  absl::Cleanup release_on_exit = [hold] {
+    if (!hold->release.HasBeenNotified()) hold->release.Notify();
+  };
+  core_.on_refused = [hold](const absl::Status& status) {
+    if (absl::StrContains(status.message(), "unsupported field: hold_me")) {
+      ++hold->held;
+      hold->release.WaitForNotificationWithTimeout(absl::Seconds(60));
+    }
+  };
+  const std::string body =
+      absl::StrCat(R"({"prompt": ")", std::string(100 << 10, 'x'), R"(", "hold_me": 1})");
+  HttpServerOptions options;
+  options.io_threads = 1;
+  options.parse_threads = 1;
+  options.max_buffered_body_bytes = 2 * body.size() + body.size() / 2;
+  StartServer(options);
+  std::vector<int> fds;
+  auto post = [&] {
+    const int fd = ConnectLoopback(port_, 30);
+    EXPECT_GE(fd, 0);
+    EXPECT_TRUE(SendAll(fd, PostRequest("/v1/completions", body)));
+    fds.push_back(fd);
+    return fd;
+  };
+  post();
+  ASSERT_TRUE(Eventually([&] { return hold->held.load() == 1; }));
+  EXPECT_EQ(server_->buffered_body_bytes(), 0u);  // parsed: given back
+  post();
+  post();
+  ASSERT_TRUE(Eventually([&] { return server_->buffered_body_bytes() == 2 * body.size(); }));
+  const int over = post();
+  const std::string refused = ReadToEnd(over);
+  EXPECT_EQ(refused.rfind("HTTP/1.1 503", 0), 0u) << refused.substr(0, 300);
+  EXPECT_THAT(refused, HasSubstr("Retry-After: 1\r\n"));
+  EXPECT_THAT(refused, HasSubstr("Connection: close\r\n"));
+  const json error = json::parse(refused.substr(refused.find("\r\n\r\n") + 4), nullptr, false);
+  ASSERT_FALSE(error.is_discarded()) << refused;
+  EXPECT_EQ(error["error"]["type"], "service_unavailable") << refused;
+  EXPECT_EQ(error["error"]["code"], "unavailable") << refused;
+  EXPECT_THAT(error["error"]["message"].get<std::string>(), HasSubstr("max_buffered_body_bytes"));
+  EXPECT_EQ(server_->buffered_body_bytes(), 2 * body.size());
+  EXPECT_EQ(hold->held.load(), 1);  // the others were not parsed meanwhile
+  hold->release.Notify();
+  for (size_t i = 0; i + 1 < fds.size(); ++i) {
+    const std::string raw = ReadUntil(fds[i], "hold_me");
+    EXPECT_EQ(raw.rfind("HTTP/1.1 400", 0), 0u) << raw.substr(0, 300);
+  }
+  for (int fd : fds) close(fd);
+  EXPECT_EQ(hold->held.load(), 3);
+  ASSERT_TRUE(Eventually([&] { return server_->buffered_body_bytes() == 0; }));
+  // A body fits again.
+  core_.generate = AnswerWith("fine");
+  auto res = Client().Post("/v1/completions", R"({"prompt": "y"})");
+  ASSERT_TRUE(res) << res.error;
+  EXPECT_EQ(res.status, 200);
+  EXPECT_EQ(server_->buffered_body_bytes(), 0u);
+}
+
 // Bytes that are not UTF-8 in the request line or a header value that an error quotes: the
 // error body is still JSON (U+FFFD for such bytes) and the server lives on (the strict JSON
 // dump threw on the event-loop thread and ended the process; found by a hostile probe).

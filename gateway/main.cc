@@ -4,8 +4,10 @@
 #include <cstdio>
 #include <fstream>
 
+#include "absl/algorithm/container.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -16,6 +18,7 @@
 #include "common/status_macros.h"
 #include "engine/model/random_checkpoint.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "engine/tokenizer/utf8.h"
 #include "gateway/gateway.h"
 #include "gateway/gateway_metrics.h"
 #include "gateway/grpc_service.h"
@@ -59,6 +62,10 @@ ABSL_FLAG(std::string, api_key_file, "", "file with one API key per line");
 ABSL_FLAG(int64_t, max_body_bytes, 4 << 20,
           "largest HTTP request body and gRPC request message (larger: 413 / RESOURCE_EXHAUSTED, "
           "refused before it is parsed)");
+ABSL_FLAG(int64_t, max_buffered_body_bytes, 64 << 20,
+          "HTTP request bodies held at once across all connections (read or being read, not yet "
+          "parsed; a chunked body counts --max_body_bytes); a body beyond it is refused on its "
+          "head with 503 and Retry-After. 0: no bound");
 ABSL_FLAG(double, request_timeout_seconds, 600,
           "deadline of a request without its own, seconds in (0, 1e7]");
 ABSL_FLAG(double, drain_grace_seconds, 30, "on SIGTERM: time given to running requests");
@@ -127,7 +134,21 @@ absl::Status Run() {
   gopts.model_id = ServedModelId(dir, absl::GetFlag(FLAGS_served_model_name));
   gopts.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
   gopts.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
-  gopts.max_attempts = std::max(1, absl::GetFlag(FLAGS_max_attempts));
+  if (const std::string& name = absl::GetFlag(FLAGS_served_model_name);
+      !tokenizer_internal::IsValidUtf8(name) ||
+      absl::c_any_of(name, [](unsigned char ch) { return ch < 0x20 || ch == 0x7f; })) {
+    // GET /v1/models/{id} could never name it (a path that decodes to such bytes is kept as
+    // sent), and clients would have to send it in every request's "model".
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--served_model_name '", absl::CHexEscape(name),
+        "' holds a control character or bytes that are not UTF-8; give a printable model id"));
+  }
+  gopts.max_attempts = absl::GetFlag(FLAGS_max_attempts);
+  if (gopts.max_attempts < 1) {
+    // 0 was taken as 1 without a word.
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_attempts must be ≥ 1 (1: no retry), got ", gopts.max_attempts));
+  }
   gopts.max_resumes = absl::GetFlag(FLAGS_max_resumes);
   if (gopts.max_resumes < 0) return absl::InvalidArgumentError("--max_resumes must be ≥ 0");
   gopts.api_keys = *keys;
@@ -156,6 +177,11 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat("--request_timeout_seconds must be in (0, 1e7] seconds, got ", t));
   }
+  // A negative grace (or NaN) gave running requests no time on SIGTERM.
+  if (const double g = absl::GetFlag(FLAGS_drain_grace_seconds); !(g >= 0) || g > 1e7) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--drain_grace_seconds must be in [0, 1e7] seconds, got ", g));
+  }
   if (absl::GetFlag(FLAGS_sse_keepalive_seconds) <= 0) {
     return absl::InvalidArgumentError("--sse_keepalive_seconds must be > 0");
   }
@@ -164,6 +190,11 @@ absl::Status Run() {
   if (max_body_bytes < 1 || max_body_bytes > (int64_t(1) << 30)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_body_bytes must be in [1, 2^30], got ", max_body_bytes));
+  }
+  const int64_t max_buffered_body_bytes = absl::GetFlag(FLAGS_max_buffered_body_bytes);
+  if (max_buffered_body_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_buffered_body_bytes must be ≥ 0 (0: no bound), got ", max_buffered_body_bytes));
   }
   absl::StatusOr<std::shared_ptr<const InternalAuth>> auth = InternalAuthFromFlags();
   if (!auth.ok()) return auth.status();
@@ -224,6 +255,7 @@ absl::Status Run() {
   hopts.host = http_addr->first;
   hopts.port = http_addr->second;
   hopts.max_body_bytes = size_t(max_body_bytes);
+  hopts.max_buffered_body_bytes = size_t(max_buffered_body_bytes);
   hopts.default_timeout = timeout;
   hopts.sse_keepalive_interval = absl::Seconds(absl::GetFlag(FLAGS_sse_keepalive_seconds));
   OpenAiHttpServer http(&gateway, hopts, &runner.registry());

@@ -80,7 +80,15 @@ absl::Status ParseStop(const json& v, v1::GenerateRequest* req) {
 
 absl::Status ParseTokenIds(const json& arr, std::string_view field, v1::GenerateRequest* req) {
   v1::TokenIds* ids = req->mutable_token_ids();
+  // One allocation for the ids (a 2M-token prompt doubled its way up), and no field name made
+  // for an id that is fine.
+  ids->mutable_ids()->Reserve(int(std::min<size_t>(arr.size(), std::numeric_limits<int>::max())));
   for (size_t i = 0; i < arr.size(); ++i) {
+    if (arr[i].is_number_unsigned() &&
+        arr[i].get<uint64_t>() <= uint64_t(std::numeric_limits<int32_t>::max())) {
+      ids->add_ids(int32_t(arr[i].get<uint64_t>()));
+      continue;
+    }
     const std::string name = absl::StrCat(std::string(field), "[", i, "]");
     if (ReadWhole(arr[i]).kind == WholeNumber::kNotWhole) {
       return Invalid(name,
@@ -336,12 +344,13 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
 
   for (auto it = root.begin(); it != root.end(); ++it) {
     const std::string& key = it.key();
-    const json& v = it.value();
+    json& v = it.value();
     if (v.is_null()) continue;  // null = absent, for every key
     if (key == "model") {
       DGSERVE_ASSIGN_OR_RETURN(out.model, GetString(v, key));
     } else if (key == "prompt" && !chat) {
       DGSERVE_RETURN_IF_ERROR(ParsePrompt(v, &req));
+      v = nullptr;  // read: its parsed JSON (16 bytes and more a token id) goes now
       has_input = true;
     } else if (key == "messages" && chat) {
       DGSERVE_RETURN_IF_ERROR(ParseMessages(v, &req));

@@ -127,16 +127,24 @@ absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services,
   creators.push_back(MakeUnparsableRequestInterceptorFactory(options_.on_unparsable_request));
   builder.experimental().SetInterceptorCreators(std::move(creators));
   server_ = builder.BuildAndStart();
-  if (server_ && !options_.health_address.empty() && health_port_ == 0) {
-    server_->Shutdown();
+  const bool with_health = !options_.health_address.empty();
+  if (!server_ || grpc_port_ == 0 || (with_health && health_port_ == 0)) {
+    // gRPC builds no server when any port fails to bind; the selected port of each one bound
+    // says which failed (a bound one is non-zero).
+    if (server_) server_->Shutdown();
     server_.reset();
+    const std::string grpc = absl::StrCat("--grpc_address ", options_.grpc_address);
+    const std::string health = absl::StrCat("--health_address ", options_.health_address);
+    // (An address on port 0 takes any free port: it is not the one that failed.)
+    const bool grpc_any_port = absl::EndsWith(options_.grpc_address, ":0");
+    if (with_health && health_port_ == 0 && (grpc_port_ != 0 || grpc_any_port)) {
+      return absl::UnavailableError(absl::StrCat(health, ": cannot listen (port in use?)"));
+    }
+    if (!with_health || health_port_ != 0 || absl::EndsWith(options_.health_address, ":0")) {
+      return absl::UnavailableError(absl::StrCat(grpc, ": cannot listen (port in use?)"));
+    }
     return absl::UnavailableError(
-        absl::StrCat("health address ", options_.health_address, ": cannot listen"));
-  }
-  if (!server_ || grpc_port_ == 0) {
-    server_.reset();
-    return absl::UnavailableError(
-        absl::StrCat("gRPC address ", options_.grpc_address, ": cannot listen"));
+        absl::StrCat(grpc, " or ", health, ": cannot listen (port in use?)"));
   }
   if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
     for (const std::string& name : service_names_) health->SetServingStatus(name, true);
