@@ -71,6 +71,7 @@ PrefillEngine::~PrefillEngine() {
     all_.clear();
     queue_.clear();
     retries_.clear();
+    retrying_.clear();
   }
   for (auto& job : left) job->Complete(absl::UnavailableError("prefill worker shutting down"));
 }
@@ -204,18 +205,20 @@ void PrefillEngine::Loop() {
       // Wait for a prompt, or for the first retry's time.
       while (!stop_ && active.empty() && queue_.empty()) {
         absl::Time next = absl::InfiniteFuture();
-        for (const Retry& r : retries_) next = std::min(next, r.at);
+        for (const Retry& r : retries_) {
+          if (!retrying_.contains(r.job->request.kv_target())) next = std::min(next, r.at);
+        }
         if (next <= absl::Now()) break;
-        const size_t scheduled = retries_.size();
+        const int64_t events = retry_events_;
         auto woken = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-          return stop_ || !queue_.empty() || retries_.size() != scheduled;
+          return stop_ || !queue_.empty() || retry_events_ != events;
         };
         mu_.AwaitWithDeadline(absl::Condition(&woken), next);
       }
       if (stop_) break;
       const absl::Time now = absl::Now();
-      std::erase_if(retries_, [&](Retry& r) {
-        if (r.at > now) return false;
+      std::erase_if(retries_, [&](Retry& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (r.at > now || !retrying_.insert(r.job->request.kv_target()).second) return false;
         due.push_back(std::move(r));
         return true;
       });
@@ -233,9 +236,10 @@ void PrefillEngine::Loop() {
     }
     for (Retry& r : due) {
       if (r.job->cancelled) {
+        EndRetry(r.job->request.kv_target());
         Fail(*r.job, r.job->CancelStatus());
       } else {
-        Push(std::move(r.job), std::move(r.kv));
+        Push(std::move(r.job), std::move(r.kv), /*retry=*/true);
       }
     }
     due.clear();
@@ -361,7 +365,13 @@ void PrefillEngine::Ship(std::shared_ptr<Job> job) {
   job->ship_started = absl::Now();
   std::shared_ptr<const kv::PagedKvCache> kv = job->kv;
   job->kv.reset();
-  Push(std::move(job), std::move(kv));
+  Push(std::move(job), std::move(kv), /*retry=*/false);
+}
+
+void PrefillEngine::EndRetry(const std::string& target) {
+  absl::MutexLock lock(&mu_);
+  retrying_.erase(target);
+  ++retry_events_;
 }
 
 bool PrefillEngine::ScheduleRetry(const std::shared_ptr<Job>& job,
@@ -384,10 +394,12 @@ bool PrefillEngine::ScheduleRetry(const std::shared_ptr<Job>& job,
   absl::MutexLock lock(&mu_);
   if (stop_) return false;
   retries_.push_back(Retry{std::min(now + job->backoff, job->wait_until), job, kv});
+  ++retry_events_;
   return true;
 }
 
-void PrefillEngine::Push(std::shared_ptr<Job> job, std::shared_ptr<const kv::PagedKvCache> kv) {
+void PrefillEngine::Push(std::shared_ptr<Job> job, std::shared_ptr<const kv::PagedKvCache> kv,
+                         bool retry) {
   const absl::Time t0 = job->ship_started;
   const int64_t lease =
       std::min(job->request.lease_ms() > 0 ? job->request.lease_ms() : options_.default_lease_ms,
@@ -397,8 +409,9 @@ void PrefillEngine::Push(std::shared_ptr<Job> job, std::shared_ptr<const kv::Pag
   const std::string id = job->request.request_id();
   transport_->Send(
       target, id, kv, lease,
-      [this, job, kv, t0](absl::StatusOr<kv::TransferResult> result) mutable {
+      [this, job, kv, t0, retry, target](absl::StatusOr<kv::TransferResult> result) mutable {
         --transferring_;
+        if (retry) EndRetry(target);
         // Kept for another push, else released before the request ends (the transport may
         // destroy this callback later, when the pool may be gone).
         std::shared_ptr<const kv::PagedKvCache> keep = std::move(kv);

@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -87,8 +88,10 @@ class PrefillEngine {
   void Step(std::vector<std::shared_ptr<Job>>& active);
   void Ship(std::shared_ptr<Job> job);
   // One push of the job's KV to its target; a refusal for want of free blocks there schedules
-  // another (retries_) while the job's wait allows.
-  void Push(std::shared_ptr<Job> job, std::shared_ptr<const kv::PagedKvCache> kv);
+  // another (retries_) while the job's wait allows. `retry`: one from retries_ (its target is
+  // in retrying_ until it ends).
+  void Push(std::shared_ptr<Job> job, std::shared_ptr<const kv::PagedKvCache> kv, bool retry);
+  void EndRetry(const std::string& target);
   // Whether a push the target refused as full is pushed again (then it is scheduled).
   bool ScheduleRetry(const std::shared_ptr<Job>& job,
                      const std::shared_ptr<const kv::PagedKvCache>& kv);
@@ -122,6 +125,10 @@ class PrefillEngine {
     std::shared_ptr<const kv::PagedKvCache> kv;
   };
   std::vector<Retry> retries_ ABSL_GUARDED_BY(mu_);
+  // Targets with a retried push in flight: one at a time per target, so that waiting pushes do
+  // not each take part of the freed blocks and all fail again (each gets the room in turn).
+  std::set<std::string> retrying_ ABSL_GUARDED_BY(mu_);
+  int64_t retry_events_ ABSL_GUARDED_BY(mu_) = 0;  // retries scheduled or ended (wakes Loop)
   std::thread thread_;
 };
 
