@@ -386,6 +386,48 @@ TEST_F(PrefillEnginePoolFullTest, WithoutWaitTheRefusalSaysItsCauseOnce) {
   engine_.reset();
 }
 
+// A wait that ends without room fails the request with RESOURCE_EXHAUSTED, its cause said once;
+// a waiting request cancelled ends with its own code. Neither leaves blocks on the receiver.
+TEST_F(PrefillEnginePoolFullTest, WaitBoundAndCancelEndAWaitingPush) {
+  const int n = TokensOfThreeBlocks();
+  UseSmallReceiver(5);
+  PrefillEngineOptions o;
+  o.kv_push_wait_ms = 50;
+  StartEngine(o);
+  Pending held, bounded;
+  ASSERT_THAT(Submit(Request("held", Prompt(n, 1)), &held), IsOk());
+  ASSERT_TRUE(held.Wait());
+  ASSERT_THAT(held.result.status(), IsOk());  // its KV stays on the receiver, unclaimed
+  ASSERT_THAT(Submit(Request("bounded", Prompt(n, 2)), &bounded), IsOk());
+  ASSERT_TRUE(bounded.Wait());
+  const absl::Status& st = bounded.result.status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_TRUE(absl::StartsWith(
+      st.message(), "KV transfer to " + target_ +
+                        " failed: denoise worker KV cache still full after waiting 50 ms "
+                        "(--kv_push_wait_ms): no free "))
+      << st;
+  EXPECT_FALSE(absl::StrContains(st.message(), "KV transfer for")) << st;
+  EXPECT_EQ(engine_->stats().kv_push_waits, 1);
+  engine_.reset();
+
+  o.kv_push_wait_ms = 600000;
+  StartEngine(o);
+  Pending cancelled;
+  ASSERT_THAT(Submit(Request("cancelled", Prompt(n, 3)), &cancelled), IsOk());
+  for (int spins = 0; engine_->stats().kv_push_waits < 1 && spins < 12000; ++spins) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(engine_->stats().kv_push_waits, 1);
+  EXPECT_TRUE(engine_->Cancel("cancelled", absl::StatusCode::kDeadlineExceeded));
+  ASSERT_TRUE(cancelled.Wait());
+  EXPECT_EQ(cancelled.result.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << cancelled.result.status();
+  engine_.reset();
+  // Only the unclaimed KV of "held" is on the receiver.
+  EXPECT_EQ(receiver_pool_->stats().used[int(kv::LayerKind::kFull)], 3);
+}
+
 TEST_F(PrefillEngineTest, TransferToAnUnknownTargetFails) {
   StartEngine();
   Pending p;
