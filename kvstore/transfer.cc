@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/hash.h"
@@ -145,6 +147,29 @@ absl::Status CheckDescriptor(const KvLayout& layout, const v1::KvDescriptor& got
                                  " (blocks ", first, " .. ", blocks - 1, ")"));
   }
   return absl::OkStatus();
+}
+
+bool IsKvPoolFull(const absl::Status& s) {
+  return absl::IsResourceExhausted(s) && absl::StrContains(s.message(), kKvPoolFull);
+}
+
+std::string TransferFailureCause(absl::string_view message) {
+  constexpr absl::string_view kPrefix = "KV transfer for ";
+  for (;;) {
+    if (!absl::StartsWith(message, kPrefix)) break;
+    const size_t colon = message.find(": ");
+    if (colon == absl::string_view::npos) break;
+    // What lies between: "ID", "ID failed", "ID to TARGET" or "ID to TARGET failed" (an id and
+    // a target have no spaces); anything else is a message of its own, kept.
+    const std::vector<absl::string_view> words =
+        absl::StrSplit(message.substr(kPrefix.size(), colon - kPrefix.size()), ' ');
+    const size_t n = words.size();
+    const bool failed = n > 0 && words[n - 1] == "failed" && (n == 2 || n == 4);
+    const size_t core = failed ? n - 1 : n;
+    if (words[0].empty() || !(core == 1 || (core == 3 && words[1] == "to"))) break;
+    message.remove_prefix(colon + 2);
+  }
+  return std::string(message);
 }
 
 namespace internal {
@@ -458,9 +483,9 @@ absl::Status KvReceiver::WriteBlock(const std::string& request_id,
       if (got.ok()) {
         blocks[slot] = got->front();
       } else {
-        result = absl::ResourceExhaustedError(absl::StrCat(
-            "no free ", kind_name, " block for block ", block.logical_block(), ": ",
-            got.status().message()));
+        result = absl::ResourceExhaustedError(
+            absl::StrCat(kKvPoolFull, "no free ", kind_name, " block for block ",
+                         block.logical_block(), ": ", got.status().message()));
       }
     }
     if (!result.ok()) {

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "dgserve/v1/worker.pb.h"
 #include "kvstore/block_pool.h"
@@ -37,6 +38,15 @@ v1::KvDescriptor DescribeSequence(const KvLayout& layout, const PagedKvCache& kv
 // expects (model id, layer count/kinds/shapes, dtype, block size, window) or a block range
 // inconsistent with token_count.
 absl::Status CheckDescriptor(const KvLayout& layout, const v1::KvDescriptor& got);
+
+// A receiver's refusal for want of free blocks right now (RESOURCE_EXHAUSTED whose message
+// carries kKvPoolFull; the text crosses gRPC where a status payload would not): the pool could
+// hold the KV once requests finish, so a sender may keep the KV and push it again later.
+inline constexpr char kKvPoolFull[] = "KV pool full: ";
+bool IsKvPoolFull(const absl::Status& s);
+// The cause of a failed transfer, without the "KV transfer for ID[ to TARGET][ failed]: "
+// prefixes each layer (receiver, stream client, sender) adds: a client sees it once.
+std::string TransferFailureCause(absl::string_view message);
 
 struct TransferResult {
   int blocks = 0;

@@ -401,6 +401,8 @@ TEST_F(KvTransferTest, ABlockWithoutRoomFailsTheTransferAndFreesItsBlocks) {
     if (!last.ok()) break;
   }
   EXPECT_THAT(last, StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("no free")));
+  // Marked as a pool full now (a sender may push again once blocks are freed).
+  EXPECT_TRUE(IsKvPoolFull(last)) << last;
   ASSERT_TRUE(got->Wait());
   EXPECT_THAT(got->result, StatusIs(absl::StatusCode::kResourceExhausted));
   const PoolStats st = pool->stats();
@@ -545,6 +547,37 @@ TEST(KvReceiverLeaseTest, ForgedLeaseIsClampedToTheMaximum) {
   EXPECT_EQ(pool->stats().used[S], 0);
   EXPECT_EQ(pool->stats().used[F], 0);
   EXPECT_EQ(receiver.pending_transfers(), 0);
+}
+
+}  // namespace
+}  // namespace dgserve::kv
+
+namespace dgserve::kv {
+namespace {
+
+// What the gateway returned for a denoise worker's full pool (issue kvq51): the cause nested
+// once per layer (receiver, stream client, sender). Only the cause is kept.
+TEST(TransferFailureCauseTest, StripsEveryLayersPrefix) {
+  EXPECT_EQ(TransferFailureCause(
+                "KV transfer for att-1 to 127.0.0.1:9 failed: KV transfer for att-1: KV pool full: "
+                "no free full block for block 19: only 0 available (21 total, 21 in use)"),
+            "KV pool full: no free full block for block 19: only 0 available (21 total, 21 in "
+            "use)");
+  EXPECT_EQ(TransferFailureCause("KV transfer for att-1 to 127.0.0.1:9: stream closed early"),
+            "stream closed early");
+  EXPECT_EQ(TransferFailureCause("KV transfer for att-1 failed: CANCELLED"), "CANCELLED");
+  // A message of its own that starts the same way is kept whole.
+  EXPECT_EQ(TransferFailureCause("KV transfer for att-1 already in flight"),
+            "KV transfer for att-1 already in flight");
+  EXPECT_EQ(TransferFailureCause("KV transfer for att-1 over tcp refused: no route"),
+            "KV transfer for att-1 over tcp refused: no route");
+  EXPECT_EQ(TransferFailureCause("no in-process KV receiver"), "no in-process KV receiver");
+}
+
+TEST(TransferFailureCauseTest, PoolFullNeedsTheCodeAndTheMarker) {
+  EXPECT_TRUE(IsKvPoolFull(absl::ResourceExhaustedError("KV transfer for a: KV pool full: x")));
+  EXPECT_FALSE(IsKvPoolFull(absl::ResourceExhaustedError("token_count 9 exceeds the limit")));
+  EXPECT_FALSE(IsKvPoolFull(absl::UnavailableError("KV pool full: x")));
 }
 
 }  // namespace

@@ -56,6 +56,10 @@ ABSL_FLAG(std::string, denoise_workers, "",
           "resolve to, else PERMISSION_DENIED");
 ABSL_FLAG(int64_t, max_kv_lease_ms, 60000,
           "a request's lease_ms above this is clamped (it bounds each KV push's deadline)");
+ABSL_FLAG(int64_t, kv_push_wait_ms, 30000,
+          "how long a finished prompt's KV waits for room when the denoise worker's KV pool is "
+          "full now (pushed again with a backoff; the request's deadline still ends it); 0: the "
+          "request fails at once with RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_kv_pushes_per_target, 64,
           "KV pushes outstanding to one denoise worker at most; beyond: RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, health_address, "",
@@ -209,6 +213,10 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--max_kv_lease_ms and --max_kv_pushes_per_target ≥ 1");
   }
   eopts.default_lease_ms = std::min(eopts.default_lease_ms, eopts.max_lease_ms);
+  eopts.kv_push_wait_ms = absl::GetFlag(FLAGS_kv_push_wait_ms);
+  if (eopts.kv_push_wait_ms < 0) {
+    return absl::InvalidArgumentError("--kv_push_wait_ms must be >= 0 (0: no wait)");
+  }
   TargetAllowList allowed(denoise_targets);
   eopts.check_kv_target = [&allowed](const std::string& t) { return allowed.Check(t); };
   absl::StatusOr<std::shared_ptr<const InternalAuth>> auth = InternalAuthFromFlags();

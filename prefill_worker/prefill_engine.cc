@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/logging.h"
 #include "kvstore/paged_kv_cache.h"
 #include "kvstore/transport_selection.h"
@@ -32,6 +33,11 @@ struct PrefillEngine::Job {
   }
   std::atomic<bool> finished{false};
   double encode_seconds = 0;
+  // Its KV push (Ship): when it began, and while the target's pool is full, until when it
+  // waits for room (InfinitePast: it has not waited) and the delay before the next push.
+  absl::Time ship_started;
+  absl::Time wait_until = absl::InfinitePast();
+  absl::Duration backoff = absl::ZeroDuration();
 
   void Complete(absl::StatusOr<v1::PrefillResponse> r) {
     if (finished.exchange(true)) return;
@@ -64,6 +70,8 @@ PrefillEngine::~PrefillEngine() {
     for (auto& [id, job] : all_) left.push_back(job);
     all_.clear();
     queue_.clear();
+    retries_.clear();
+    retrying_.clear();
   }
   for (auto& job : left) job->Complete(absl::UnavailableError("prefill worker shutting down"));
 }
@@ -168,8 +176,10 @@ PrefillEngineStats PrefillEngine::stats() const {
   s.active = active_;
   s.transferring = transferring_;
   s.passes_in_parts = passes_in_parts_;
+  s.kv_push_waits = kv_push_waits_;
   absl::MutexLock lock(&mu_);
   s.queued = int(queue_.size());
+  s.transferring += int(retries_.size());  // waiting for room on their target
   return s;
 }
 
@@ -189,13 +199,29 @@ void PrefillEngine::Fail(Job& job, absl::Status status) {
 void PrefillEngine::Loop() {
   std::vector<std::shared_ptr<Job>> active;
   for (;;) {
+    std::vector<Retry> due;  // pushes to retry now
     {
       absl::MutexLock lock(&mu_);
-      auto has_work = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stop_ || !active.empty() || !queue_.empty();
-      };
-      mu_.Await(absl::Condition(&has_work));
+      // Wait for a prompt, or for the first retry's time.
+      while (!stop_ && active.empty() && queue_.empty()) {
+        absl::Time next = absl::InfiniteFuture();
+        for (const Retry& r : retries_) {
+          if (!retrying_.contains(r.job->request.kv_target())) next = std::min(next, r.at);
+        }
+        if (next <= absl::Now()) break;
+        const int64_t events = retry_events_;
+        auto woken = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+          return stop_ || !queue_.empty() || retry_events_ != events;
+        };
+        mu_.AwaitWithDeadline(absl::Condition(&woken), next);
+      }
       if (stop_) break;
+      const absl::Time now = absl::Now();
+      std::erase_if(retries_, [&](Retry& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (r.at > now || !retrying_.insert(r.job->request.kv_target()).second) return false;
+        due.push_back(std::move(r));
+        return true;
+      });
       // Admit in arrival order while the step's token budget is not yet spoken for.
       int planned = 0;
       for (auto& j : active) {
@@ -208,6 +234,15 @@ void PrefillEngine::Loop() {
         planned += options_.chunk_tokens;
       }
     }
+    for (Retry& r : due) {
+      if (r.job->cancelled) {
+        EndRetry(r.job->request.kv_target());
+        Fail(*r.job, r.job->CancelStatus());
+      } else {
+        Push(std::move(r.job), std::move(r.kv), /*retry=*/true);
+      }
+    }
+    due.clear();
     // New jobs: look up the prefix cache and set up their KV.
     for (auto& j : active) {
       if (j->kv) continue;
@@ -327,32 +362,90 @@ void PrefillEngine::Ship(std::shared_ptr<Job> job) {
     return;
   }
   pool_->InsertPrefix(std::span<const int32_t>(t.data(), size_t(t.size())), job->kv->table());
-  const absl::Time t0 = absl::Now();
+  job->ship_started = absl::Now();
+  std::shared_ptr<const kv::PagedKvCache> kv = job->kv;
+  job->kv.reset();
+  Push(std::move(job), std::move(kv), /*retry=*/false);
+}
+
+void PrefillEngine::EndRetry(const std::string& target) {
+  absl::MutexLock lock(&mu_);
+  retrying_.erase(target);
+  ++retry_events_;
+}
+
+bool PrefillEngine::ScheduleRetry(const std::shared_ptr<Job>& job,
+                                  const std::shared_ptr<const kv::PagedKvCache>& kv) {
+  if (options_.kv_push_wait_ms <= 0 || job->cancelled) return false;
+  const absl::Time now = absl::Now();
+  if (job->wait_until == absl::InfinitePast()) {
+    job->wait_until = now + absl::Milliseconds(options_.kv_push_wait_ms);
+    job->backoff = absl::Milliseconds(10);
+    ++kv_push_waits_;
+    if (metrics_) metrics_->kv_push_waits.Increment();
+    DGSERVE_LOG_INFO(
+        "request %s: the KV pool of %s is full; the KV waits for room (at most %lld ms)",
+        job->request.request_id(), job->request.kv_target(),
+        static_cast<long long>(options_.kv_push_wait_ms));
+  } else {
+    job->backoff = std::min(job->backoff * 2, absl::Milliseconds(250));
+  }
+  if (now >= job->wait_until) return false;
+  absl::MutexLock lock(&mu_);
+  if (stop_) return false;
+  retries_.push_back(Retry{std::min(now + job->backoff, job->wait_until), job, kv});
+  ++retry_events_;
+  return true;
+}
+
+void PrefillEngine::Push(std::shared_ptr<Job> job, std::shared_ptr<const kv::PagedKvCache> kv,
+                         bool retry) {
+  const absl::Time t0 = job->ship_started;
   const int64_t lease =
       std::min(job->request.lease_ms() > 0 ? job->request.lease_ms() : options_.default_lease_ms,
                options_.max_lease_ms);
   ++transferring_;
-  std::shared_ptr<const kv::PagedKvCache> kv = job->kv;
-  job->kv.reset();
+  const std::string target = job->request.kv_target();
+  const std::string id = job->request.request_id();
   transport_->Send(
-      job->request.kv_target(), job->request.request_id(), std::move(kv), lease,
-      [this, job, t0](absl::StatusOr<kv::TransferResult> result) {
+      target, id, kv, lease,
+      [this, job, kv, t0, retry, target](absl::StatusOr<kv::TransferResult> result) mutable {
         --transferring_;
+        if (retry) EndRetry(target);
+        // Kept for another push, else released before the request ends (the transport may
+        // destroy this callback later, when the pool may be gone).
+        std::shared_ptr<const kv::PagedKvCache> keep = std::move(kv);
         if (!result.ok()) {
           // A request the client cancelled or let expire is not a transfer failure.
           const absl::Status& st = result.status();
           const bool client_ended =
               job->cancelled || absl::IsCancelled(st) || absl::IsDeadlineExceeded(st);
+          // The target's pool is full now: its blocks free as its requests finish, so the KV
+          // (kept here) is pushed again, never in part (the refused push freed what it took).
+          const bool pool_full = !client_ended && kv::IsKvPoolFull(st);
+          if (pool_full && ScheduleRetry(job, keep)) return;
+          keep.reset();
           if (kv_metrics_ && !client_ended) {
             kv_metrics_->RecordTransferFailure(kv::FailedKvTransport(st, transport_name_));
+          }
+          // The cause once (each transfer layer names the request and target in front of it).
+          std::string cause = kv::TransferFailureCause(st.message());
+          if (pool_full) {
+            absl::string_view rest = cause;
+            absl::ConsumePrefix(&rest, kv::kKvPoolFull);
+            cause = job->wait_until == absl::InfinitePast()
+                        ? absl::StrCat("denoise worker KV cache full: ", rest)
+                        : absl::StrCat("denoise worker KV cache still full after waiting ",
+                                       options_.kv_push_wait_ms, " ms (--kv_push_wait_ms): ", rest);
           }
           // Recorded as the client's end when the client ended it (the transfer may have been
           // cut for that reason before this worker's own call noticed).
           Fail(*job, absl::Status(job->cancelled ? job->CancelStatus().code() : st.code(),
                                   absl::StrCat("KV transfer to ", job->request.kv_target(),
-                                               " failed: ", result.status().message())));
+                                               " failed: ", cause)));
           return;
         }
+        keep.reset();
         // The transport that moved the bytes (a routing transport names it per transfer).
         const std::string used =
             result->transport.empty() ? transport_name_ : result->transport;

@@ -9,9 +9,11 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -30,6 +32,11 @@ struct PrefillEngineOptions {
   int max_queue = 256;         // requests queued or running at most
   int64_t default_lease_ms = 30000;
   int64_t max_lease_ms = 60000;  // a request's lease_ms above this is clamped to it
+  // How long a finished prompt's KV waits for room when the denoise worker refuses it for want
+  // of free blocks now (kv::IsKvPoolFull): the KV is kept and pushed again with a backoff
+  // (10 ms doubling to 250 ms) until blocks are freed, the request is cancelled or its deadline
+  // passes, or this much time went by (then RESOURCE_EXHAUSTED). 0: fails at once.
+  int64_t kv_push_wait_ms = 30000;
   // Checks a request's kv_target before it is queued (the allow-list of denoise workers): an
   // error is returned from Submit and nothing is dialled. Empty: every target is accepted.
   std::function<absl::Status(const std::string& target)> check_kv_target;
@@ -42,6 +49,9 @@ struct PrefillEngineStats {
   // Encoder passes the backend refused with RESOURCE_EXHAUSTED (out of K/V memory: the CUDA
   // backend's device block pool full) and ran in parts, since the engine started.
   int64_t passes_in_parts = 0;
+  // Prompts whose KV push found the denoise worker's pool full and waited for room (each
+  // counted once, however many times it was pushed again), since the engine started.
+  int64_t kv_push_waits = 0;
 };
 
 class PrefillEngine {
@@ -77,6 +87,14 @@ class PrefillEngine {
   void Loop();
   void Step(std::vector<std::shared_ptr<Job>>& active);
   void Ship(std::shared_ptr<Job> job);
+  // One push of the job's KV to its target; a refusal for want of free blocks there schedules
+  // another (retries_) while the job's wait allows. `retry`: one from retries_ (its target is
+  // in retrying_ until it ends).
+  void Push(std::shared_ptr<Job> job, std::shared_ptr<const kv::PagedKvCache> kv, bool retry);
+  void EndRetry(const std::string& target);
+  // Whether a push the target refused as full is pushed again (then it is scheduled).
+  bool ScheduleRetry(const std::shared_ptr<Job>& job,
+                     const std::shared_ptr<const kv::PagedKvCache>& kv);
   void Fail(Job& job, absl::Status status);
 
   ModelBackend* const backend_;
@@ -90,6 +108,7 @@ class PrefillEngine {
   std::atomic<int> transferring_{0};
   std::atomic<int> active_{0};
   std::atomic<int64_t> passes_in_parts_{0};
+  std::atomic<int64_t> kv_push_waits_{0};
   // Engine thread only: after a pass refused for want of K/V memory, the most prompts a step
   // takes (its largest part that ran; 0: no limit) until a prompt leaves (shipped or failed).
   int step_limit_ = 0;
@@ -98,6 +117,18 @@ class PrefillEngine {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<std::string, std::shared_ptr<Job>> all_ ABSL_GUARDED_BY(mu_);
+  // Pushes waiting for room on their denoise worker, each pushed again by the engine thread at
+  // its time.
+  struct Retry {
+    absl::Time at;
+    std::shared_ptr<Job> job;
+    std::shared_ptr<const kv::PagedKvCache> kv;
+  };
+  std::vector<Retry> retries_ ABSL_GUARDED_BY(mu_);
+  // Targets with a retried push in flight: one at a time per target, so that waiting pushes do
+  // not each take part of the freed blocks and all fail again (each gets the room in turn).
+  std::set<std::string> retrying_ ABSL_GUARDED_BY(mu_);
+  int64_t retry_events_ ABSL_GUARDED_BY(mu_) = 0;  // retries scheduled or ended (wakes Loop)
   std::thread thread_;
 };
 

@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/testing/status_matchers.h"
 #include "engine/model/checkpoint.h"
@@ -285,6 +287,145 @@ TEST_F(PrefillEngineTest, CancelEndsTheRequestWithItsCode) {
   ASSERT_THAT(Submit(Request("a", Prompt(20, 5)), &again), IsOk());
   ASSERT_TRUE(again.Wait());
   EXPECT_THAT(again.result.status(), IsOk());
+}
+
+// Issue kvq51: three prompts whose KV each fits the denoise worker's pool alone, not two at
+// once. The pushes that find the pool full wait for room (each counted once) and every prompt
+// is served, its KV that of one encoder pass, as the denoise worker frees the KV it used. With
+// no wait (kv_push_wait_ms 0, the behaviour before) the refused ones fail at once, the cause
+// said once.
+class PrefillEnginePoolFullTest : public PrefillEngineTest {
+ protected:
+  // A receiver whose pool holds `blocks` blocks of each kind, in place of the fixture's.
+  void UseSmallReceiver(int blocks) {
+    kv::UnregisterInProcessReceiver(target_);
+    auto pool = kv::BlockPool::Create(pool_->layout(), blocks, blocks);
+    ASSERT_THAT(pool.status(), IsOk());
+    receiver_.reset();
+    receiver_pool_ = *std::move(pool);
+    receiver_ =
+        std::make_unique<kv::KvReceiver>(receiver_pool_.get(), config().max_position_embeddings);
+    kv::RegisterInProcessReceiver(target_, receiver_.get());
+  }
+  int TokensOfThreeBlocks() const { return 3 * pool_->layout().block_size - 5; }
+};
+
+TEST_F(PrefillEnginePoolFullTest, PushesWaitForRoomAndAllAreServed) {
+  const int n = TokensOfThreeBlocks();
+  ASSERT_EQ(pool_->layout().BlocksFor(n), 3);
+  UseSmallReceiver(5);  // one prompt's 3 blocks fit; two prompts' 6 do not
+  PrefillEngineOptions o;
+  o.kv_push_wait_ms = 600000;  // bounds nothing here: room comes as the KV is consumed
+  StartEngine(o);
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(n, 1), Prompt(n, 2), Prompt(n, 3)};
+  const std::vector<std::string> ids = {"p0", "p1", "p2"};
+  Pending p[3];
+  for (int i = 0; i < 3; ++i) ASSERT_THAT(Submit(Request(ids[i], prompts[i]), &p[i]), IsOk());
+  // The first push takes 3 of the 5 blocks; the other two find the pool full and wait (the
+  // KV on the receiver is not consumed before both have waited).
+  auto failed = [&] {
+    for (Pending& q : p) {
+      if (q.done.HasBeenNotified() && !q.result.ok()) return true;
+    }
+    return false;
+  };
+  for (int spins = 0; engine_->stats().kv_push_waits < 2 && !failed() && spins < 12000; ++spins) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (p[i].done.HasBeenNotified()) EXPECT_THAT(p[i].result.status(), IsOk()) << ids[i];
+  }
+  ASSERT_EQ(engine_->stats().kv_push_waits, 2);
+  int served = 0;
+  bool consumed[3] = {false, false, false};
+  while (served < 3) {
+    bool progressed = false;
+    for (int i = 0; i < 3; ++i) {
+      if (consumed[i] || !p[i].done.HasBeenNotified()) continue;
+      ASSERT_THAT(p[i].result.status(), IsOk()) << ids[i];
+      EXPECT_EQ(p[i].result->prompt_tokens(), n);
+      // The denoise worker takes the KV, uses it, and frees its blocks: room for the next.
+      std::unique_ptr<kv::PagedKvCache> kv = Received(ids[i]);
+      ASSERT_NE(kv, nullptr);
+      EXPECT_EQ(Logits(*kv), OnePassLogits(prompts[i])) << ids[i];
+      kv.reset();
+      consumed[i] = true;
+      ++served;
+      progressed = true;
+    }
+    if (!progressed) {
+      ASSERT_TRUE(p[0].done.HasBeenNotified() || p[1].done.HasBeenNotified() ||
+                  p[2].done.HasBeenNotified());
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
+  EXPECT_EQ(engine_->stats().kv_push_waits, 2) << "each waiting prompt counted once";
+  EXPECT_EQ(receiver_pool_->stats().used[int(kv::LayerKind::kFull)], 0);
+  engine_.reset();
+}
+
+TEST_F(PrefillEnginePoolFullTest, WithoutWaitTheRefusalSaysItsCauseOnce) {
+  const int n = TokensOfThreeBlocks();
+  UseSmallReceiver(5);
+  PrefillEngineOptions o;
+  o.kv_push_wait_ms = 0;
+  StartEngine(o);
+  Pending first, second;
+  ASSERT_THAT(Submit(Request("first", Prompt(n, 1)), &first), IsOk());
+  ASSERT_TRUE(first.Wait());
+  ASSERT_THAT(first.result.status(), IsOk());
+  ASSERT_THAT(Submit(Request("second", Prompt(n, 2)), &second), IsOk());
+  ASSERT_TRUE(second.Wait());
+  const absl::Status& st = second.result.status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_TRUE(absl::StartsWith(st.message(), "KV transfer to " + target_ +
+                                                 " failed: denoise worker KV cache full: no free "))
+      << st;
+  EXPECT_FALSE(absl::StrContains(st.message(), "KV transfer for")) << st;
+  EXPECT_EQ(engine_->stats().kv_push_waits, 0);
+  engine_.reset();
+}
+
+// A wait that ends without room fails the request with RESOURCE_EXHAUSTED, its cause said once;
+// a waiting request cancelled ends with its own code. Neither leaves blocks on the receiver.
+TEST_F(PrefillEnginePoolFullTest, WaitBoundAndCancelEndAWaitingPush) {
+  const int n = TokensOfThreeBlocks();
+  UseSmallReceiver(5);
+  PrefillEngineOptions o;
+  o.kv_push_wait_ms = 50;
+  StartEngine(o);
+  Pending held, bounded;
+  ASSERT_THAT(Submit(Request("held", Prompt(n, 1)), &held), IsOk());
+  ASSERT_TRUE(held.Wait());
+  ASSERT_THAT(held.result.status(), IsOk());  // its KV stays on the receiver, unclaimed
+  ASSERT_THAT(Submit(Request("bounded", Prompt(n, 2)), &bounded), IsOk());
+  ASSERT_TRUE(bounded.Wait());
+  const absl::Status& st = bounded.result.status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_TRUE(absl::StartsWith(
+      st.message(), "KV transfer to " + target_ +
+                        " failed: denoise worker KV cache still full after waiting 50 ms "
+                        "(--kv_push_wait_ms): no free "))
+      << st;
+  EXPECT_FALSE(absl::StrContains(st.message(), "KV transfer for")) << st;
+  EXPECT_EQ(engine_->stats().kv_push_waits, 1);
+  engine_.reset();
+
+  o.kv_push_wait_ms = 600000;
+  StartEngine(o);
+  Pending cancelled;
+  ASSERT_THAT(Submit(Request("cancelled", Prompt(n, 3)), &cancelled), IsOk());
+  for (int spins = 0; engine_->stats().kv_push_waits < 1 && spins < 12000; ++spins) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(engine_->stats().kv_push_waits, 1);
+  EXPECT_TRUE(engine_->Cancel("cancelled", absl::StatusCode::kDeadlineExceeded));
+  ASSERT_TRUE(cancelled.Wait());
+  EXPECT_EQ(cancelled.result.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << cancelled.result.status();
+  engine_.reset();
+  // Only the unclaimed KV of "held" is on the receiver.
+  EXPECT_EQ(receiver_pool_->stats().used[int(kv::LayerKind::kFull)], 3);
 }
 
 TEST_F(PrefillEngineTest, TransferToAnUnknownTargetFails) {

@@ -31,6 +31,10 @@ PrefillMetrics::PrefillMetrics(prometheus::Registry& r)
       passes_in_parts(MakeCounter(
           r, "dgserve_prefill_passes_in_parts_total",
           "Encoder passes refused for want of K/V memory (RESOURCE_EXHAUSTED: the device block "
-          "pool or the host KV pool full) and ran in parts")) {}
+          "pool or the host KV pool full) and ran in parts")),
+      kv_push_waits(MakeCounter(
+          r, "dgserve_prefill_kv_push_waits_total",
+          "Prompts whose KV push the denoise worker refused for want of free blocks and that "
+          "waited for room (--kv_push_wait_ms), each counted once")) {}
 
 }  // namespace dgserve

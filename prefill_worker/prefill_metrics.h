@@ -25,6 +25,8 @@ struct PrefillMetrics {
   prometheus::Gauge& tokens_per_second;    // of the last encoder step
   // Encoder passes the backend refused for want of K/V memory and ran in parts (RunInParts).
   prometheus::Counter& passes_in_parts;
+  // Prompts whose KV push found the denoise worker's pool full and waited for room.
+  prometheus::Counter& kv_push_waits;
 
   prometheus::Counter& RequestsWithStatus(const std::string& status) {
     return requests.Add({{"status", status}});
