@@ -606,9 +606,10 @@ absl::Status CudaBackend::SoftEmbedding(const float* probs, int rows, float* sof
 using cuda::CudaCheck;
 using cuda_internal::CudaBackend;
 
-absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackend(const ModelConfig& config,
-                                                                const ModelWeights& weights,
-                                                                const CudaBackendOptions& options) {
+namespace {
+// Makes options.device current; its free memory in bytes before a backend allocates on it (the
+// difference after is the backend's own: CudaBackend::SetKvPoolBound).
+absl::StatusOr<size_t> SelectDevice(const CudaBackendOptions& options) {
   const int devices = cuda::DeviceCount();
   if (devices == 0) return absl::FailedPreconditionError("no CUDA device found");
   if (options.device < 0 || options.device >= devices) {
@@ -616,8 +617,16 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackend(const ModelConfi
         absl::StrCat("CUDA device ", options.device, " does not exist (", devices, " found)"));
   }
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(options.device), "cudaSetDevice"));
-  size_t free_before = 0, total = 0;
-  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
+  size_t free_bytes = 0, total = 0;
+  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
+  return free_bytes;
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackend(const ModelConfig& config,
+                                                                const ModelWeights& weights,
+                                                                const CudaBackendOptions& options) {
+  DGSERVE_ASSIGN_OR_RETURN(const size_t free_before, SelectDevice(options));
   auto backend = std::make_unique<CudaBackend>(config, options);
   DGSERVE_RETURN_IF_ERROR(backend->Init(weights));
   DGSERVE_RETURN_IF_ERROR(backend->SetKvPoolBound(free_before));
@@ -626,15 +635,7 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackend(const ModelConfi
 
 absl::StatusOr<std::unique_ptr<ModelBackend>> CreateCudaBackendSynthetic(
     const ModelConfig& config, uint64_t seed, const CudaBackendOptions& options) {
-  const int devices = cuda::DeviceCount();
-  if (devices == 0) return absl::FailedPreconditionError("no CUDA device found");
-  if (options.device < 0 || options.device >= devices) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("CUDA device ", options.device, " does not exist (", devices, " found)"));
-  }
-  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(options.device), "cudaSetDevice"));
-  size_t free_before = 0, total = 0;
-  DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo"));
+  DGSERVE_ASSIGN_OR_RETURN(const size_t free_before, SelectDevice(options));
   auto backend = std::make_unique<CudaBackend>(config, options);
   // Norms, scales and scalars from the host (small); the matrices are made on the device.
   DGSERVE_RETURN_IF_ERROR(backend->Init(SyntheticModelWeights(config, seed, /*matrices=*/false)));
