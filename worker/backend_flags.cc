@@ -7,6 +7,11 @@
 #include "absl/strings/str_cat.h"
 #include "worker/backend_env.h"
 
+namespace {
+// The flag's default: BackendSelection's (0.9, as vLLM's --gpu-memory-utilization).
+double DefaultMemoryUtilization() { return dgserve::BackendSelection{}.cuda_memory_utilization; }
+}  // namespace
+
 // Every program that selects a backend by --device takes these flags (defined here, once).
 ABSL_FLAG(std::string, cuda_gemm_input, "bf16",
           "--device cuda: how the GEMMs take float32 activations. bf16 (default): rounded to "
@@ -26,7 +31,7 @@ ABSL_FLAG(double, cuda_kv_pool_gb, 0,
           "smaller parts. A request one sequence of which needs more than the bound alone is "
           "refused at once (OUT_OF_RANGE) (CudaBackendOptions::kv_pool_max_bytes)");
 
-ABSL_FLAG(double, cuda_memory_utilization, 0.9,
+ABSL_FLAG(double, cuda_memory_utilization, DefaultMemoryUtilization(),
           "--device cuda: the fraction of the GPU's memory this process's backend may use, as "
           "vLLM's --gpu-memory-utilization; where --cuda_kv_pool_gb is 0, the device K/V block "
           "pool's bound is this fraction of the GPU's memory less what the backend itself holds "
@@ -55,7 +60,8 @@ std::vector<std::string> UnusedBackendFlags(const std::string& device) {
   if (const double gb = absl::GetFlag(FLAGS_cuda_kv_pool_gb); device == "cpu" && gb != 0) {
     out.push_back(absl::StrCat("--cuda_kv_pool_gb=", gb, " has no effect with --device cpu"));
   }
-  if (const double u = absl::GetFlag(FLAGS_cuda_memory_utilization); u != 0.9) {
+  if (const double u = absl::GetFlag(FLAGS_cuda_memory_utilization);
+      u != DefaultMemoryUtilization()) {
     if (device == "cpu") {
       out.push_back(
           absl::StrCat("--cuda_memory_utilization=", u, " has no effect with --device cpu"));
