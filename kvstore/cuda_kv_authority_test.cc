@@ -129,6 +129,73 @@ class CudaKvAuthorityTest : public backend_testing::CpuGpuTest<CudaKvAuthorityTe
     EXPECT_EQ(differ, 0u) << what;
   }
 
+#if defined(DGSERVE_CUDA_EMULATION)
+  // The device itself short of memory (the emulation's limit, `spare` bytes beyond what is in use
+  // once two sequences of 100 positions hold 50 of the first 64 full blocks of 1 KiB), with no
+  // bound (memory_utilization 0; under one, the other pool's compaction comes first), while a
+  // third sequence of 96 positions (the encoder's buffers already that large) needs 24 full blocks
+  // more. The pool grows in place into at most half the spare memory, by at least an eighth of its
+  // blocks (only the new blocks' memory is needed; without a bound the rest is left to the pass's
+  // other buffers); what that leaves short, it takes from the least recently used idle sequence as
+  // at its bound, that sequence's rows only on the device copied to its cache first (swapped out).
+  // Every sequence's logits stay the copying backend's bits. Returns the pool's stats after the
+  // third sequence's pass, whether the first sequence kept its device rows, and whether its host
+  // cache lacked rows then.
+  CudaKvPoolStats RunThirdSequenceShortOfMemory(size_t spare, bool* first_kept, bool* first_stale) {
+    const std::vector<int32_t> canvas = Tokens(config().canvas_length, 5);
+    std::vector<std::unique_ptr<ContiguousKvCache>> kv, ref;
+    const std::vector<int32_t> head = Tokens(96, 40), tail = Tokens(4, 44), third = Tokens(96, 42);
+    for (int i = 0; i < 3; ++i) {
+      kv.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
+      ref.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
+      if (i < 2) {
+        Encode(*copy_, *ref[i], head);
+        Encode(*copy_, *ref[i], tail);
+      } else {
+        Encode(*copy_, *ref[i], third);
+      }
+    }
+    CudaBackendOptions unbounded = GpuOptions();
+    unbounded.memory_utilization = 0;
+    auto backend = CreateCudaBackend(config(), checkpoint_->weights, unbounded);
+    EXPECT_TRUE(backend.ok()) << backend.status();
+    if (!backend.ok()) return {};
+    ModelBackend& gpu = **backend;
+    // Every other buffer sized before the limit (the emulation's limit is process-wide: copy_
+    // too): the reference logits, gpu's decoder pass, and its sync staging (each sequence's 96
+    // rows synced, then 4 more rows on the device only).
+    std::vector<std::vector<float>> want;
+    for (int i = 0; i < 3; ++i) want.push_back(Logits(*copy_, *ref[i], canvas));
+    for (int i = 0; i < 2; ++i) {
+      Encode(gpu, *kv[i], head);
+      EXPECT_TRUE(gpu.SyncKvToHost(*kv[i]).ok());
+    }
+    for (int i = 0; i < 2; ++i) Encode(gpu, *kv[i], tail);
+    ExpectSameBits(Logits(gpu, *kv[1], canvas), want[1], "before the limit");
+    EXPECT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
+    EXPECT_EQ(GetCudaKvPoolStats(gpu)->full_blocks_in_use, 50);
+    size_t free_bytes = 0, total = 0;
+    cuda::emu::SetDeviceMemoryLimit(size_t(1) << 40);
+    cuda::emu::DeviceMemoryInfo(&free_bytes, &total);
+    struct Unlimited {  // the limit lifted however the test ends (it is process-wide)
+      ~Unlimited() { cuda::emu::SetDeviceMemoryLimit(0); }
+    } unlimited;
+    cuda::emu::SetDeviceMemoryLimit(total - free_bytes + spare);
+    Encode(gpu, *kv[2], third);
+    const CudaKvPoolStats after = GetCudaKvPoolStats(gpu).value();
+    *first_kept = CudaKvMirrorBytes(gpu, *kv[0]).has_value();
+    *first_stale = kv[0]->host_rows_stale();
+    // The syncs of 100 rows need a larger staging than the limit leaves.
+    cuda::emu::SetDeviceMemoryLimit(0);
+    EXPECT_TRUE(gpu.SyncKvToHost(*kv[1]).ok());
+    EXPECT_TRUE(gpu.SyncKvToHost(*kv[2]).ok());
+    for (int i : {2, 1, 0}) {
+      ExpectSameBits(Logits(gpu, *kv[i], canvas), want[i], "sequence " + std::to_string(i));
+    }
+    return after;
+  }
+#endif
+
   std::unique_ptr<ModelBackend> copy_;
 };
 
@@ -451,7 +518,7 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   bounded.kv_pool_max_bytes = 5119;
   const auto tiny = CreateCudaBackend(config(), checkpoint_->weights, bounded);
   EXPECT_EQ(tiny.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(tiny.status().message().find("(5120 bytes)"), std::string::npos) << tiny.status();
+  EXPECT_NE(tiny.status().message().find("(5120 bytes, "), std::string::npos) << tiny.status();
   // 64 full-layer blocks (1 KiB) and 4 sliding ones (4 KiB): the two sequences below hold every
   // sliding block, so the other pool has nothing to give back (CompactKvPool) and the third
   // sequence's blocks come from a swap-out.
@@ -598,64 +665,30 @@ TEST_P(CudaKvAuthorityTest, ThePoolsShareTheBoundCompactingTheOther) {
 }
 
 #if defined(DGSERVE_CUDA_EMULATION)
-// The device itself out of memory (the emulation's limit: 48 KiB beyond what is in use once two
-// sequences of 100 positions hold 50 of the first 64 full blocks, where doubling needs 128 KiB
-// beside the old arrays): with no bound (memory_utilization 0; under one, the other pool's
-// compaction comes first) the pool takes the blocks of the least recently used idle sequence as
-// at its bound, its rows only on the device copied to its cache first (swapped out). Every
-// sequence's logits stay the copying backend's bits.
+// 48 KiB spare: the pool grows in place from 64 to 88 blocks (24 KiB) and every sequence keeps
+// its blocks. (When a pool grew by new arrays beside the old ones, doubling needed 128 KiB: the
+// first sequence was swapped out.)
+TEST_P(CudaKvAuthorityTest, DeviceShortOfMemoryGrowsThePoolInPlace) {
+  if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  bool first_kept = false, first_stale = false;
+  const CudaKvPoolStats st = RunThirdSequenceShortOfMemory(48 * 1024, &first_kept, &first_stale);
+  EXPECT_EQ(st.full_blocks, 88);
+  EXPECT_EQ(st.full_blocks_in_use, 74);
+  EXPECT_EQ(st.swap_outs, 0);
+  EXPECT_TRUE(first_kept);
+  EXPECT_TRUE(first_stale);  // its last 4 rows still on the device only
+}
+
+// 8 KiB spare: half of it holds 4 blocks, fewer than an eighth of the pool (8): no growth; the
+// least recently used sequence is swapped out and its blocks taken.
 TEST_P(CudaKvAuthorityTest, DeviceOutOfMemoryTakesIdleSequencesBlocks) {
   if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
-  const std::vector<int32_t> canvas = Tokens(config().canvas_length, 5);
-  std::vector<std::unique_ptr<ContiguousKvCache>> kv, ref;
-  const std::vector<int32_t> head = Tokens(96, 40), tail = Tokens(4, 44), third = Tokens(100, 42);
-  for (int i = 0; i < 3; ++i) {
-    kv.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
-    ref.push_back(std::make_unique<ContiguousKvCache>(config(), 128));
-    if (i < 2) {
-      Encode(*copy_, *ref[i], head);
-      Encode(*copy_, *ref[i], tail);
-    } else {
-      Encode(*copy_, *ref[i], third);
-    }
-  }
-  CudaBackendOptions unbounded = GpuOptions();
-  unbounded.memory_utilization = 0;
-  auto backend = CreateCudaBackend(config(), checkpoint_->weights, unbounded);
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  ModelBackend& gpu = **backend;
-  // Every other buffer sized before the limit (the emulation's limit is process-wide: copy_
-  // too): the reference logits, gpu's decoder pass, and its sync staging (each sequence's 96
-  // rows synced, then 4 more rows on the device only).
-  std::vector<std::vector<float>> want;
-  for (int i = 0; i < 3; ++i) want.push_back(Logits(*copy_, *ref[i], canvas));
-  for (int i = 0; i < 2; ++i) {
-    Encode(gpu, *kv[i], head);
-    ASSERT_TRUE(gpu.SyncKvToHost(*kv[i]).ok());
-  }
-  for (int i = 0; i < 2; ++i) Encode(gpu, *kv[i], tail);
-  ExpectSameBits(Logits(gpu, *kv[1], canvas), want[1], "before the limit");
-  ASSERT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
-  ASSERT_EQ(GetCudaKvPoolStats(gpu)->full_blocks_in_use, 50);
-  size_t free_bytes = 0, total = 0;
-  cuda::emu::SetDeviceMemoryLimit(size_t(1) << 40);
-  cuda::emu::DeviceMemoryInfo(&free_bytes, &total);
-  struct Unlimited {  // the limit lifted however the test ends (it is process-wide)
-    ~Unlimited() { cuda::emu::SetDeviceMemoryLimit(0); }
-  } unlimited;
-  cuda::emu::SetDeviceMemoryLimit(total - free_bytes + 48 * 1024);
-  Encode(gpu, *kv[2], third);
-  EXPECT_FALSE(CudaKvMirrorBytes(gpu, *kv[0]).has_value());  // the least recently used: taken
-  EXPECT_EQ(GetCudaKvPoolStats(gpu)->swap_outs, 1);
-  EXPECT_FALSE(kv[0]->host_rows_stale());
-  EXPECT_EQ(GetCudaKvPoolStats(gpu)->full_blocks, 64);
-  // The syncs of 100 rows need a larger staging than the limit leaves.
-  cuda::emu::SetDeviceMemoryLimit(0);
-  ASSERT_TRUE(gpu.SyncKvToHost(*kv[1]).ok());
-  ASSERT_TRUE(gpu.SyncKvToHost(*kv[2]).ok());
-  for (int i : {2, 1, 0}) {
-    ExpectSameBits(Logits(gpu, *kv[i], canvas), want[i], "sequence " + std::to_string(i));
-  }
+  bool first_kept = true, first_stale = true;
+  const CudaKvPoolStats st = RunThirdSequenceShortOfMemory(15 * 1024, &first_kept, &first_stale);
+  EXPECT_EQ(st.full_blocks, 64);
+  EXPECT_EQ(st.swap_outs, 1);
+  EXPECT_FALSE(first_kept);   // the least recently used: taken,
+  EXPECT_FALSE(first_stale);  // its rows copied to its cache first
 }
 #endif
 

@@ -74,13 +74,19 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
     return absl::InvalidArgumentError(
         absl::StrCat("memory_utilization ", options_.memory_utilization, ": must be in [0, 1]"));
   }
+  if (options_.kv_block_size > 0) {
+    // The K/V pools grow in place (cuda_reserved_memory.h): arrays in granules.
+    DGSERVE_ASSIGN_OR_RETURN(kv_granularity_, cuda::ReservedMemoryGranularity());
+  }
   if (options_.kv_block_size > 0 && options_.kv_pool_max_bytes > 0) {
     // A bound below one block of each kind would fail every pass.
-    const int64_t one_each = KvPoolBlockBytes(kKvFull) + KvPoolBlockBytes(kKvSliding);
+    const int64_t one_each = KvPoolBytes(kKvFull, 1) + KvPoolBytes(kKvSliding, 1);
     if (int64_t(options_.kv_pool_max_bytes) < one_each) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kv_pool_max_bytes ", options_.kv_pool_max_bytes,
-                       ": below one K/V block of each layer kind (", one_each, " bytes)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_pool_max_bytes ", options_.kv_pool_max_bytes,
+          ": below one K/V block of each layer kind (", one_each,
+          " bytes, each layer's K and V rounded up to the device's allocation granularity of ",
+          kv_granularity_, " bytes)"));
     }
   }
   if (options_.canvas_split_keys <= 0 || options_.canvas_split_keys % 32 != 0) {
@@ -155,20 +161,18 @@ absl::Status CudaBackend::SetKvPoolBound(size_t free_before) {
   // This backend's own memory (the weights and its buffers), not what other processes or backends
   // on the device hold: each takes its fraction, as vLLM's instances do.
   const double own = double(free_before - std::min(free_bytes, free_before));
-  // A pool grows by allocating its new arrays beside the old ones, so the pools can reach about
-  // half of the memory free now: the bound is no larger (CheckKvFits then refuses only what
-  // cannot run).
+  // At most the memory free now (the pools grow in place: only the new memory is needed), so that
+  // CheckKvFits refuses only what cannot run.
   const double bound =
-      std::min(options_.memory_utilization * double(total_bytes) - own, double(free_bytes) / 2);
-  const int64_t one_each = KvPoolBlockBytes(kKvFull) + KvPoolBlockBytes(kKvSliding);
+      std::min(options_.memory_utilization * double(total_bytes) - own, double(free_bytes));
+  const int64_t one_each = KvPoolBytes(kKvFull, 1) + KvPoolBytes(kKvSliding, 1);
   if (bound < double(one_each)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "memory_utilization ", options_.memory_utilization, " of the device's ", total_bytes,
         " bytes leaves no room for the K/V block pools: the weights and buffers take ",
         int64_t(own), " bytes, ", free_bytes,
-        " bytes are free (the pools can grow into half of them), and one K/V block of each "
-        "layer kind takes ",
-        one_each, " bytes (raise the fraction, or give the pools' bound in bytes)"));
+        " bytes are free, and one K/V block of each layer kind takes ", one_each,
+        " bytes (raise the fraction, or give the pools' bound in bytes)"));
   }
   kv_pool_bound_ = size_t(bound);
   return absl::OkStatus();

@@ -169,13 +169,13 @@ struct CudaBackendOptions {
   // this backend may use, as vLLM's --gpu-memory-utilization. The K/V pools' bound is
   // memory_utilization · total − this backend's own device memory once its weights are on the
   // device (the free memory before CreateCudaBackend / CreateCudaBackendSynthetic less after),
-  // and at most half the memory free then (a pool grows by allocating its new arrays beside the
-  // old ones, so the pools reach about that much). The rest of the fraction is left to the
-  // passes' buffers, which grow with the batch (not measured: at 1.0 only what the halving
-  // leaves). Backends sharing a device (two processes, or dgserve-server's roles) each take
-  // their fraction, as vLLM's instances do: give them fractions that sum to at most 1. In
-  // [0, 1]; 0: no bound but the device's memory (and no compaction). FAILED_PRECONDITION at
-  // creation where that leaves less than one block of each kind.
+  // and at most the memory free then (the pools grow in place, cuda_reserved_memory.h, so they
+  // can reach all of it). The rest of the fraction is left to the passes' buffers, which grow
+  // with the batch (not measured; at 1.0 nothing is left to them). Backends sharing a device (two
+  // processes, or dgserve-server's roles) each take their fraction, as vLLM's instances do: give
+  // them fractions that sum to at most 1. In [0, 1]; 0: no bound but the device's memory (and no
+  // compaction; a growth then takes at most half the free memory, so the passes' buffers keep
+  // some). FAILED_PRECONDITION at creation where that leaves less than one block of each kind.
   double memory_utilization = 0.9;
   // Device K/V blocks shared between sequences (with kv_block_size > 0), the default: a block
   // whose positions its cache has all committed is registered under the host identity of its
@@ -237,9 +237,13 @@ struct CudaKvPoolStats {
   // shared by the two kinds, whatever the mix of long and short sequences). Compactions and the
   // blocks they moved.
   int64_t compactions = 0, blocks_moved = 0;
-  int64_t device_bytes = 0;  // K and V of every block allocated, every layer
-  // The pools' bound in bytes (kv_pool_max_bytes, else memory_utilization's; 0: none).
-  int64_t max_bytes = 0;
+  // K and V of every block allocated, every layer, as mapped: each layer's array is a multiple of
+  // the device's allocation granularity (2 MiB on Hopper; the pools grow in place, see
+  // cuda_reserved_memory.h).
+  int64_t device_bytes = 0;
+  // The pools' bound in bytes (kv_pool_max_bytes, else memory_utilization's; 0: none), and the
+  // smallest bound that holds one block of each kind (the arrays rounded up as above).
+  int64_t max_bytes = 0, min_bytes = 0;
 };
 // nullopt for a backend not made by CreateCudaBackend or CreateCudaBackendSynthetic.
 std::optional<CudaKvPoolStats> GetCudaKvPoolStats(const ModelBackend& backend);

@@ -34,6 +34,7 @@
 #include "engine/cuda/cuda_nvfp4_upload.h"
 #include "engine/cuda/cuda_ops.h"
 #include "engine/cuda/cuda_profile.h"
+#include "engine/cuda/cuda_reserved_memory.h"
 #include "engine/cuda/cuda_soft_embed.h"
 #include "engine/cuda/cuda_synthetic.h"
 #include "engine/cuda/cuda_vocab.h"
@@ -234,9 +235,10 @@ struct KvBlockPool {
   std::set<std::pair<uint64_t, int32_t>> cached;         // (release order, id), held by none
   std::vector<uint64_t> released_at;                     // per cached id: its release order
   uint64_t release_clock = 0;
-  int64_t shared_blocks_taken = 0;       // blocks a mirror took instead of uploading their rows
-  std::vector<DeviceArray<float>> k, v;  // per model layer
-  std::vector<DeviceArray<uint16_t>> k16, v16;  // per model layer
+  int64_t shared_blocks_taken = 0;  // blocks a mirror took instead of uploading their rows
+  // Per model layer of the pool's kind: K and V of `blocks` blocks (bf16 or float32 rows as the
+  // layer's mirror stores them), at a fixed address (CudaBackend::ResizeKvPool).
+  std::vector<cuda::ReservedDeviceMemory> k, v;
   int in_use() const { return blocks - int(free_ids.size()) - int(cached.size()); }
   // One reference more on id b (a cached block leaves the cache).
   void Ref(int32_t b) {
@@ -441,6 +443,8 @@ class CudaBackend final : public ModelBackend {
   CudaBackend(const ModelConfig& config, const CudaBackendOptions& options)
       : c_(config), options_(options), cublas_(options.gemm_input) {}
   ~CudaBackend() override {
+    // The K/V pools' memory is unmapped next (cuMemUnmap does not wait for queued work).
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     DropGraphs();
     mirrors_.clear();
     if (handle_ != nullptr) cublasDestroy(handle_);
@@ -452,8 +456,8 @@ class CudaBackend final : public ModelBackend {
   // of `seed` (after Init with SyntheticModelWeights(c, seed, /*matrices=*/false)).
   absl::Status InitSyntheticMatrices(uint64_t seed);
   // The device K/V pools' bound (kv_pool_bound_): options_.kv_pool_max_bytes, else
-  // min(options_.memory_utilization · total − this backend's own device memory, half the memory
-  // free now), called after Init and InitSyntheticMatrices (the weights on the device) with the
+  // min(options_.memory_utilization · total − this backend's own device memory, the memory free
+  // now), called after Init and InitSyntheticMatrices (the weights on the device) with the
   // device's free bytes before Init (`free_before`: the difference is this backend's own).
   // FAILED_PRECONDITION where that leaves less than one block of each kind. (Init refuses a
   // fraction outside [0, 1] and an explicit bound below one block of each kind.)
@@ -502,9 +506,8 @@ class CudaBackend final : public ModelBackend {
           int(pool.cached.size());
       st.shared_blocks_taken += pool.shared_blocks_taken;
     }
-    for (int l = 0; l < c_.num_layers; ++l) {
-      st.device_bytes += int64_t(kv_pools_[KvKind(l)].blocks) * KvBlockBytes(l);
-    }
+    st.device_bytes = KvPoolsBytes();
+    if (PagedKv()) st.min_bytes = KvPoolBytes(kKvFull, 1) + KvPoolBytes(kKvSliding, 1);
     st.swap_outs = kv_swap_outs_;
     st.compactions = kv_compactions_;
     st.blocks_moved = kv_blocks_moved_;
@@ -591,34 +594,33 @@ class CudaBackend final : public ModelBackend {
   // drop_cached: their rows are on the host): every kept block (held, or cached and kept) at or
   // past the number kept moves to a free id below it (its rows copied on the device; every
   // mirror's table entry, the table then uploaded whole, and the block's registration and place
-  // in the release order follow), and the arrays are reallocated at the blocks kept. The stream
-  // is drained first. Returns the blocks given back; RESOURCE_EXHAUSTED when the device refuses
-  // the smaller arrays (nothing then changes but the dropped cached blocks).
+  // in the release order follow, copied in place), the stream drained, and the memory past the
+  // blocks kept unmapped. Returns the blocks given back.
   absl::StatusOr<int> CompactKvPool(int kind, bool drop_cached);
-  // Grows pool `kind` (doubled, from 64 blocks; fewer within kv_pool_bound_, both
-  // pools counted), the stream drained first (queued copies may still write the old arrays).
-  // RESOURCE_EXHAUSTED at the bound or when the device refuses the memory. half_the_room:
-  // at most half (rounded up) of the blocks the bound still has room for.
+  // Grows pool `kind` in place (doubled, from 64 blocks; fewer within kv_pool_bound_, both pools
+  // counted, and within the device's free memory). RESOURCE_EXHAUSTED at the bound or when the
+  // device refuses the memory (nothing changed). half_the_room: at most half (rounded up) of the
+  // blocks the bound still has room for.
   absl::Status GrowKvPool(int kind, bool half_the_room = false);
-  // Device bytes of one block of pool `kind` (K and V of every layer of the kind); 0 where the
-  // model has no layer of the kind. KvPoolsBytes: both pools' blocks' bytes.
+  // Maps or unmaps every array of pool `kind` (reserving their addresses first: for the blocks
+  // the bound or, without one, the device's memory could hold) so that it holds `blocks` blocks;
+  // nothing changed on an error. Shrinking: the stream is drained and no mirror names the blocks
+  // dropped.
+  absl::Status ResizeKvPool(int kind, int64_t blocks);
+  // Device bytes of one block of pool `kind` (K and V of every layer of the kind), unrounded; 0
+  // where the model has no layer of the kind.
   int64_t KvPoolBlockBytes(int kind) const;
+  // Device bytes of layer l's K (or V) array at `blocks` blocks, as mapped (a multiple of the
+  // allocation granularity); KvPoolBytes: every array of pool `kind`'s; KvPoolsBytes: both pools'
+  // now. MaxKvPoolBlocks: the most blocks of pool `kind` whose arrays fit in `bytes`.
+  int64_t KvArrayBytes(int l, int64_t blocks) const;
+  int64_t KvPoolBytes(int kind, int64_t blocks) const;
   int64_t KvPoolsBytes() const;
+  int64_t MaxKvPoolBlocks(int kind, int64_t bytes) const;
   // Both pools' bound in bytes (SetKvPoolBound; 0: none but the device's memory).
   size_t kv_pool_bound_ = 0;
-  // New arrays of pool `kind` for `blocks` blocks, per layer of the kind (K and V, bf16 or float32
-  // as the layer's mirror stores them); RESOURCE_EXHAUSTED (none kept) when the device refuses
-  // the memory. ReplaceKvPoolArrays: the stream drained, the pool's arrays replaced by `fresh`,
-  // their first `keep` blocks copied from the old ones and then block `first` of each move into
-  // block `second` (one CopyPoolBlocks launch per array); the old arrays freed (`fresh` cleared).
-  struct KvPoolArrays {
-    int layer = 0;
-    DeviceArray<float> k, v;
-    DeviceArray<uint16_t> k16, v16;
-  };
-  absl::StatusOr<std::vector<KvPoolArrays>> NewKvPoolArrays(int kind, int64_t blocks);
-  absl::Status ReplaceKvPoolArrays(int kind, std::vector<KvPoolArrays>& fresh, int64_t keep,
-                                   const std::vector<std::pair<int32_t, int32_t>>& moves);
+  // The device's allocation granularity (Init, paged K/V only).
+  size_t kv_granularity_ = 0;
   using MirrorMap = std::unordered_map<const KvCache*, std::unique_ptr<KvMirror>>;
   // The least recently used mirror not used by the current pass (its segments hold pointers to
   // those) for which pred(cache, mirror) holds; mirrors_.end() when none.

@@ -347,14 +347,14 @@ int CudaBackend::SlidingKeepFrom(const KvCache& kv, int n, int host_lacks_from) 
 
 float* CudaBackend::PoolK(int l) const {
   const KvBlockPool& p = kv_pools_[KvKind(l)];
-  if (p.blocks == 0) return nullptr;  // never grown: nothing to read (no context)
-  return Bf16Mirror(l) ? reinterpret_cast<float*>(p.k16[l].get()) : p.k[l].get();
+  if (p.blocks == 0) return nullptr;         // never grown: nothing to read (no context)
+  return static_cast<float*>(p.k[l].get());  // (bf16 rows where Bf16Mirror(l))
 }
 
 float* CudaBackend::PoolV(int l) const {
   const KvBlockPool& p = kv_pools_[KvKind(l)];
   if (p.blocks == 0) return nullptr;
-  return Bf16Mirror(l) ? reinterpret_cast<float*>(p.v16[l].get()) : p.v[l].get();
+  return static_cast<float*>(p.v[l].get());
 }
 
 int CudaBackend::ReleaseSlidingKvBlocks(const KvCache& kv, KvMirror* m, int n) {

@@ -1,6 +1,8 @@
 // The CUDA backend's device K/V block pools (issue 34 item 1; CudaBackendOptions::kv_block_size,
 // kv_pool_max_bytes): growing a pool, a block for a mirror, compacting a pool, and the admission
-// check against the bound. The mirrors that hold the blocks are in cuda_backend_kv.cc.
+// check against the bound. Each layer's K and V array of a pool sits at a fixed address and grows
+// and shrinks in place (cuda_reserved_memory.h). The mirrors that hold the blocks are in
+// cuda_backend_kv.cc.
 #include <algorithm>
 #include <limits>
 #include <string>
@@ -21,72 +23,77 @@ int64_t CudaBackend::KvPoolBlockBytes(int kind) const {
   return bytes;
 }
 
-int64_t CudaBackend::KvPoolsBytes() const {
-  return int64_t(kv_pools_[kKvFull].blocks) * KvPoolBlockBytes(kKvFull) +
-         int64_t(kv_pools_[kKvSliding].blocks) * KvPoolBlockBytes(kKvSliding);
+int64_t CudaBackend::KvArrayBytes(int l, int64_t blocks) const {
+  if (blocks <= 0) return 0;
+  const int64_t bytes = blocks * (KvBlockBytes(l) / 2);
+  if (kv_granularity_ == 0) return bytes;  // (no pools: per-sequence mirrors)
+  return int64_t(cuda::RoundUpToGranularity(size_t(bytes), kv_granularity_));
 }
 
-absl::StatusOr<std::vector<CudaBackend::KvPoolArrays>> CudaBackend::NewKvPoolArrays(
-    int kind, int64_t blocks) {
-  std::vector<KvPoolArrays> fresh;
+int64_t CudaBackend::KvPoolBytes(int kind, int64_t blocks) const {
+  int64_t bytes = 0;
   for (int l = 0; l < c_.num_layers; ++l) {
-    if (KvKind(l) != kind) continue;
-    const size_t n = size_t(blocks) * options_.kv_block_size * c_.KvHeads(l) * c_.HeadDim(l);
-    KvPoolArrays& f = fresh.emplace_back();
-    f.layer = l;
-    absl::Status st = Bf16Mirror(l) ? f.k16.Grow(n, 0) : f.k.Grow(n, 0);
-    if (st.ok()) st = Bf16Mirror(l) ? f.v16.Grow(n, 0) : f.v.Grow(n, 0);
-    if (!st.ok()) {  // (DeviceArray cleared the refused cudaMalloc's last error)
-      return absl::ResourceExhaustedError(
-          absl::StrCat("the device refused the memory (", st.message(), ")"));
-    }
+    if (KvKind(l) == kind) bytes += 2 * KvArrayBytes(l, blocks);
   }
-  return fresh;
+  return bytes;
 }
 
-absl::Status CudaBackend::ReplaceKvPoolArrays(
-    int kind, std::vector<KvPoolArrays>& fresh, int64_t keep,
-    const std::vector<std::pair<int32_t, int32_t>>& moves) {
+int64_t CudaBackend::KvPoolsBytes() const {
+  return KvPoolBytes(kKvFull, kv_pools_[kKvFull].blocks) +
+         KvPoolBytes(kKvSliding, kv_pools_[kKvSliding].blocks);
+}
+
+int64_t CudaBackend::MaxKvPoolBlocks(int kind, int64_t bytes) const {
+  const int64_t block = KvPoolBlockBytes(kind);
+  if (block == 0 || bytes <= 0) return 0;
+  // The unrounded count, less the blocks the rounding (under one granule an array) takes.
+  int64_t blocks = bytes / block;
+  while (blocks > 0 && KvPoolBytes(kind, blocks) > bytes) {
+    const int64_t over = KvPoolBytes(kind, blocks) - bytes;
+    blocks -= std::max<int64_t>(1, over / block);
+  }
+  return std::max<int64_t>(0, blocks);
+}
+
+absl::Status CudaBackend::ResizeKvPool(int kind, int64_t blocks) {
   KvBlockPool& pool = kv_pools_[kind];
-  // Queued uploads and row copies may still write the old arrays.
-  if (pool.blocks > 0) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool arrays"));
-  if (!moves.empty()) {
-    std::vector<int32_t> pairs;
-    for (const auto& [src, dst] : moves) {
-      pairs.push_back(src);
-      pairs.push_back(dst);
+  if (pool.k.empty()) {
+    // The addresses, once: for the most blocks the bound (else the device's memory) holds.
+    size_t free_bytes = 0, total_bytes = 0;
+    DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+    const int64_t most = std::max<int64_t>(
+        1,
+        MaxKvPoolBlocks(kind, kv_pool_bound_ > 0 ? int64_t(kv_pool_bound_) : int64_t(total_bytes)));
+    std::vector<cuda::ReservedDeviceMemory> k(c_.num_layers), v(c_.num_layers);
+    for (int l = 0; l < c_.num_layers; ++l) {
+      if (KvKind(l) != kind) continue;
+      DGSERVE_RETURN_IF_ERROR(k[l].Reserve(size_t(KvArrayBytes(l, most))));
+      DGSERVE_RETURN_IF_ERROR(v[l].Reserve(size_t(KvArrayBytes(l, most))));
     }
-    DGSERVE_RETURN_IF_ERROR(kv_moves_.UploadAsync(pairs.data(), pairs.size(), stream_));
+    pool.k = std::move(k);
+    pool.v = std::move(v);
   }
-  pool.k.resize(c_.num_layers);
-  pool.v.resize(c_.num_layers);
-  pool.k16.resize(c_.num_layers);
-  pool.v16.resize(c_.num_layers);
-  for (KvPoolArrays& f : fresh) {
-    const int l = f.layer;
-    const int64_t per_block = int64_t(options_.kv_block_size) * c_.KvHeads(l) * c_.HeadDim(l);
-    const auto replace = [&](auto& now, auto& old) -> absl::Status {
-      // (CopyPrefixFrom waits for its copy.)
-      DGSERVE_RETURN_IF_ERROR(now.CopyPrefixFrom(old, size_t(keep * per_block)));
-      if (!moves.empty()) {
-        DGSERVE_RETURN_IF_ERROR(cuda::CopyPoolBlocks(old.get(), now.get(), kv_moves_.get(),
-                                                     int(moves.size()), per_block, stream_));
-      }
-      old.swap(now);  // `now` holds the old array, freed with `fresh`
-      return absl::OkStatus();
-    };
-    if (Bf16Mirror(l)) {
-      DGSERVE_RETURN_IF_ERROR(replace(f.k16, pool.k16[l]));
-      DGSERVE_RETURN_IF_ERROR(replace(f.v16, pool.v16[l]));
-    } else {
-      DGSERVE_RETURN_IF_ERROR(replace(f.k, pool.k[l]));
-      DGSERVE_RETURN_IF_ERROR(replace(f.v, pool.v[l]));
-    }
+  // Every array, else every one back as it was.
+  absl::Status st;
+  int done = 0;
+  for (; done < c_.num_layers && st.ok(); ++done) {
+    if (KvKind(done) != kind) continue;
+    st = pool.k[done].Resize(size_t(KvArrayBytes(done, blocks)));
+    if (st.ok()) st = pool.v[done].Resize(size_t(KvArrayBytes(done, blocks)));
   }
-  // The moves' launches read the old arrays, freed next.
-  if (!moves.empty()) DGSERVE_RETURN_IF_ERROR(Wait("KV block pool compaction"));
-  fresh.clear();
-  return absl::OkStatus();
+  if (st.ok()) return st;
+  for (int l = 0; l < done; ++l) {
+    if (KvKind(l) != kind) continue;
+    // (Back to fewer granules: unmapping, which does not fail for want of memory.)
+    pool.k[l].Resize(size_t(KvArrayBytes(l, pool.blocks))).IgnoreError();
+    pool.v[l].Resize(size_t(KvArrayBytes(l, pool.blocks))).IgnoreError();
+  }
+  if (st.code() == absl::StatusCode::kResourceExhausted ||
+      st.code() == absl::StatusCode::kOutOfRange) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the device refused the memory (", st.message(), ")"));
+  }
+  return st;
 }
 
 absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
@@ -95,7 +102,9 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
   if (kv_pool_bound_ > 0) {
     // Both pools' bytes stay within the bound: fewer new blocks, or none.
-    const int64_t room = (int64_t(kv_pool_bound_) - KvPoolsBytes()) / KvPoolBlockBytes(kind);
+    const int64_t mine = KvPoolBytes(kind, pool.blocks);
+    const int64_t most = MaxKvPoolBlocks(kind, int64_t(kv_pool_bound_) - (KvPoolsBytes() - mine));
+    const int64_t room = most - pool.blocks;
     const int64_t take = half_the_room ? (room + 1) / 2 : room;
     blocks = std::min(blocks, int64_t(pool.blocks) + std::max<int64_t>(0, take));
   }
@@ -105,19 +114,27 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   if (blocks * B > std::numeric_limits<int32_t>::max()) {
     return absl::ResourceExhaustedError("more than 2^31 rows");
   }
-  // The device's free memory (all of the new arrays are allocated beside the old ones): fewer new
-  // blocks, or none, so a refused cudaMalloc is the exception.
+  // The device's free memory (only the new memory is needed: the arrays grow in place): fewer
+  // new blocks, or none, so a refused cuMemCreate is the exception. Without a bound, the pass's
+  // other buffers (its activations, a block table, a staging) have no headroom set aside: a
+  // growth takes at most half of the free memory and adds at least an eighth of the pool (else
+  // none), so that the memory left free stays above an eighth of the pool (growths of half of
+  // what is left would otherwise take it all, one block at a time).
   size_t free_bytes = 0, total_bytes = 0;
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
-  const int64_t fit = int64_t(free_bytes) / KvPoolBlockBytes(kind);
-  blocks = std::min(blocks, fit);
+  const int64_t mine = KvPoolBytes(kind, pool.blocks);
+  if (kv_pool_bound_ > 0) {
+    blocks = std::min(blocks, MaxKvPoolBlocks(kind, int64_t(free_bytes) + mine));
+  } else {
+    const int64_t most = MaxKvPoolBlocks(kind, int64_t(free_bytes / 2) + mine);
+    const int64_t least = pool.blocks + std::max(1, pool.blocks / 8);
+    blocks = most >= least ? std::min(blocks, most) : pool.blocks;
+  }
   if (blocks <= pool.blocks) {
     return absl::ResourceExhaustedError(absl::StrCat("the device has ", free_bytes, " bytes free"));
   }
-  // All new arrays first, beside the old ones (a refusal frees them: nothing is left half grown),
-  // then the old rows copied and the arrays swapped.
-  DGSERVE_ASSIGN_OR_RETURN(std::vector<KvPoolArrays> fresh, NewKvPoolArrays(kind, blocks));
-  DGSERVE_RETURN_IF_ERROR(ReplaceKvPoolArrays(kind, fresh, pool.blocks, {}));
+  // Queued work keeps reading and writing the blocks it names: their addresses do not move.
+  DGSERVE_RETURN_IF_ERROR(ResizeKvPool(kind, blocks));
   // Popped from the back: the lowest new id first.
   for (int64_t b = blocks - 1; b >= pool.blocks; --b) pool.free_ids.push_back(int32_t(b));
   pool.blocks = int(blocks);
@@ -155,9 +172,6 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
     if (room + (free_ids + cached) * other_block < KvPoolBlockBytes(kind)) return -1;
     const bool drop_cached = room + free_ids * other_block < KvPoolBlockBytes(kind);
     const absl::StatusOr<int> given = CompactKvPool(1 - kind, drop_cached);
-    // The device refusing the smaller arrays (they are allocated beside the old ones): on to the
-    // idle sequences' blocks.
-    if (!given.ok() && given.status().code() == absl::StatusCode::kResourceExhausted) return -1;
     if (!given.ok()) return given.status();
     if (*given == 0) return -1;
     grown = GrowKvPool(kind, /*half_the_room=*/true);
@@ -212,10 +226,34 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, bool drop_cached) {
     moves.emplace_back(b, below.back());
     below.pop_back();
   }
-  // The smaller arrays first (a refusal changes nothing more), then the first `count` blocks
-  // copied and the moved blocks after them.
-  DGSERVE_ASSIGN_OR_RETURN(std::vector<KvPoolArrays> fresh, NewKvPoolArrays(kind, count));
-  DGSERVE_RETURN_IF_ERROR(ReplaceKvPoolArrays(kind, fresh, count, moves));
+  // The moved blocks' rows copied in place (the sources are past `count`, the destinations
+  // below), then, the stream drained (queued work may still read or write any block past
+  // `count`), the memory past `count` blocks unmapped.
+  if (!moves.empty()) {
+    std::vector<int32_t> pairs;
+    for (const auto& [src, dst] : moves) {
+      pairs.push_back(src);
+      pairs.push_back(dst);
+    }
+    DGSERVE_RETURN_IF_ERROR(kv_moves_.UploadAsync(pairs.data(), pairs.size(), stream_));
+    for (int l = 0; l < c_.num_layers; ++l) {
+      if (KvKind(l) != kind) continue;
+      const int64_t per_block = int64_t(options_.kv_block_size) * c_.KvHeads(l) * c_.HeadDim(l);
+      for (const cuda::ReservedDeviceMemory* a : {&pool.k[l], &pool.v[l]}) {
+        if (Bf16Mirror(l)) {
+          auto* p = static_cast<uint16_t*>(a->get());
+          DGSERVE_RETURN_IF_ERROR(
+              cuda::CopyPoolBlocks(p, p, kv_moves_.get(), int(moves.size()), per_block, stream_));
+        } else {
+          auto* p = static_cast<float*>(a->get());
+          DGSERVE_RETURN_IF_ERROR(
+              cuda::CopyPoolBlocks(p, p, kv_moves_.get(), int(moves.size()), per_block, stream_));
+        }
+      }
+    }
+  }
+  DGSERVE_RETURN_IF_ERROR(Wait("KV block pool compaction"));
+  DGSERVE_RETURN_IF_ERROR(ResizeKvPool(kind, count));
   std::vector<int32_t> to(pool.blocks, -1);
   for (const auto& [src, dst] : moves) {
     to[src] = dst;
@@ -294,7 +332,8 @@ absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& pla
       sliding =
           blocks_from(keep, n) + blocks_from(write, need) - (keep < n && write < need ? shared : 0);
     }
-    const int64_t bytes = full * KvPoolBlockBytes(kKvFull) + sliding * KvPoolBlockBytes(kKvSliding);
+    // As mapped: each array rounded up to the allocation granularity.
+    const int64_t bytes = KvPoolBytes(kKvFull, full) + KvPoolBytes(kKvSliding, sliding);
     if (bytes > worst) {
       worst = bytes;
       worst_full = full;

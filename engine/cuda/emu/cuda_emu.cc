@@ -515,6 +515,13 @@ std::map<uintptr_t, size_t>& Pinned() {
   return m;
 }
 
+// Address ranges cuMemAddressReserve reserved (cuda_emu_vmm.cc): start → bytes (their mapped
+// memory is counted by TakeDeviceMemory).
+std::map<uintptr_t, size_t>& Reservations() {
+  static auto& m = *new std::map<uintptr_t, size_t>;
+  return m;
+}
+
 size_t g_device_limit = 0;  // SetDeviceMemoryLimit (0: none)
 size_t g_device_in_use = 0;
 
@@ -562,7 +569,22 @@ void DeviceMemoryInfo(size_t* free_bytes, size_t* total_bytes) {
 }
 
 bool IsPinnedHost(const void* p, size_t bytes) { return Within(Pinned(), p, bytes); }
-bool IsDeviceMemory(const void* p, size_t bytes) { return Within(DeviceAllocs(), p, bytes); }
+bool IsDeviceMemory(const void* p, size_t bytes) {
+  return Within(DeviceAllocs(), p, bytes) || Within(Reservations(), p, bytes);
+}
+
+bool TakeDeviceMemory(size_t bytes) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  if (g_device_limit != 0 && g_device_in_use + bytes > g_device_limit) return false;
+  g_device_in_use += bytes;
+  return true;
+}
+void GiveBackDeviceMemory(size_t bytes) {
+  std::lock_guard<std::mutex> l(g_alloc_mu);
+  g_device_in_use -= bytes;
+}
+void RememberReservation(const void* p, size_t bytes) { Remember(Reservations(), p, bytes); }
+void ForgetReservation(const void* p) { Forget(Reservations(), p); }
 
 }  // namespace dgserve::cuda::emu
 

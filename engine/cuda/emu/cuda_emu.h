@@ -230,6 +230,18 @@ cudaError_t cudaGetDeviceCount(int* count);
 cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaSetDevice(int device);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
+// Driver entry points: the emulated driver API of include/cuda.h (its virtual memory management
+// subset, cuda_emu_vmm.cc) by name; any other symbol is cudaDriverEntryPointSymbolNotFound, with
+// *funcPtr null.
+enum cudaDriverEntryPointQueryResult {
+  cudaDriverEntryPointSuccess = 0,
+  cudaDriverEntryPointSymbolNotFound = 1,
+  cudaDriverEntryPointVersionNotSufficent = 2,
+};
+enum { cudaEnableDefault = 0x0 };
+cudaError_t cudaGetDriverEntryPointByVersion(
+    const char* symbol, void** funcPtr, unsigned int cudaVersion, unsigned long long flags,
+    cudaDriverEntryPointQueryResult* driverStatus = nullptr);
 // The last launch error (cleared by the call), as the CUDA runtime.
 cudaError_t cudaGetLastError();
 cudaError_t cudaPeekAtLastError();
@@ -260,9 +272,17 @@ cudaError_t RefuseInCapture(cudaStream_t stream, const char* what);
 void SetDeviceMemoryLimit(size_t bytes);
 void DeviceMemoryInfo(size_t* free_bytes, size_t* total_bytes);
 
-// Whether [p, p + bytes) lies in pinned host memory, or in a device allocation.
+// Whether [p, p + bytes) lies in pinned host memory, or in a device allocation (cudaMalloc's,
+// or an address range cuMemAddressReserve reserved).
 bool IsPinnedHost(const void* p, size_t bytes);
 bool IsDeviceMemory(const void* p, size_t bytes);
+
+// For the emulated driver API (cuda_emu_vmm.cc): `bytes` of device memory taken (false, nothing
+// taken, beyond the limit) and given back; an address range reserved and freed (IsDeviceMemory).
+bool TakeDeviceMemory(size_t bytes);
+void GiveBackDeviceMemory(size_t bytes);
+void RememberReservation(const void* p, size_t bytes);
+void ForgetReservation(const void* p);
 
 // The error of a failed kernel, reported by every later synchronisation (cleared by
 // cudaDeviceReset).

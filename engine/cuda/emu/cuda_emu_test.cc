@@ -2,6 +2,8 @@
 // results, and the kernel bugs it promises to report fail the launch.
 #include "engine/cuda/emu/cuda_emu.h"
 
+#include <cuda.h>  // the emulated driver API (include/cuda.h)
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -353,6 +355,83 @@ TEST_F(CudaEmuFaultTest, LdMatrixRowNotAlignedTo16BytesFails) {
   std::vector<uint32_t> out(32, 0);
   LaunchKernel(LdMatrixMisalignedKernel, 1, 32, 0, nullptr, out.data());
   ExpectLaunchFailure();
+}
+
+// The emulated driver API's virtual memory management, reached as the backend reaches it
+// (cudaGetDriverEntryPointByVersion): the driver's rules that cuda_reserved_memory.cc relies on
+// are enforced (whole mappings only, no mapping over another, no freeing a range still mapped,
+// nothing during a capture), and a handle's memory counts until it is both released and
+// unmapped.
+TEST(CudaEmuVmmTest, TheDriversRulesHold) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSuccess;
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemMap", &fn, 12000, cudaEnableDefault, &found),
+            cudaSuccess);
+  EXPECT_EQ(found, cudaDriverEntryPointSuccess);
+  EXPECT_EQ(fn, reinterpret_cast<void*>(&cuMemMap));
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuNoSuch", &fn, 12000, cudaEnableDefault, &found),
+            cudaSuccess);
+  EXPECT_EQ(found, cudaDriverEntryPointSymbolNotFound);
+  EXPECT_EQ(fn, nullptr);
+
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  size_t g = 0;
+  ASSERT_EQ(cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            CUDA_SUCCESS);
+  ASSERT_EQ(g, 256u);
+  emu::SetDeviceMemoryLimit(size_t(1) << 40);
+  size_t free_bytes = 0, total = 0;
+  emu::DeviceMemoryInfo(&free_bytes, &total);
+  const size_t used = total - free_bytes;
+  const auto in_use = [&] {
+    emu::DeviceMemoryInfo(&free_bytes, &total);
+    return total - free_bytes - used;
+  };
+  CUdeviceptr base = 0;
+  ASSERT_EQ(cuMemAddressReserve(&base, 4 * g, 0, 0, 0), CUDA_SUCCESS);
+  EXPECT_TRUE(emu::IsDeviceMemory(reinterpret_cast<void*>(base), 4 * g));
+  CUmemGenericAllocationHandle a = 0, b = 0;
+  ASSERT_EQ(cuMemCreate(&a, 2 * g, &prop, 0), CUDA_SUCCESS);
+  ASSERT_EQ(cuMemCreate(&b, g, &prop, 0), CUDA_SUCCESS);
+  EXPECT_EQ(in_use(), 3 * g);
+  ASSERT_EQ(cuMemMap(base, 2 * g, 0, a, 0), CUDA_SUCCESS);
+  EXPECT_EQ(cuMemMap(base + g, g, 0, b, 0), CUDA_ERROR_INVALID_VALUE);      // over a
+  EXPECT_EQ(cuMemMap(base + 4 * g, g, 0, b, 0), CUDA_ERROR_INVALID_VALUE);  // past the range
+  ASSERT_EQ(cuMemMap(base + 2 * g, g, 0, b, 0), CUDA_SUCCESS);
+  CUmemAccessDesc rw = {};
+  rw.location = prop.location;
+  rw.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  EXPECT_EQ(cuMemSetAccess(base, 4 * g, &rw, 1), CUDA_ERROR_INVALID_VALUE);  // 4th unmapped
+  ASSERT_EQ(cuMemSetAccess(base, 3 * g, &rw, 1), CUDA_SUCCESS);
+  auto* p = reinterpret_cast<uint8_t*>(base);
+  EXPECT_EQ(p[0], 0xFF);  // unspecified contents
+  p[3 * g - 1] = 7;
+  EXPECT_EQ(cuMemUnmap(base, g), CUDA_ERROR_INVALID_VALUE);            // half of a's mapping
+  EXPECT_EQ(cuMemAddressFree(base, 4 * g), CUDA_ERROR_INVALID_VALUE);  // still mapped
+  // Released while mapped: counted until unmapped.
+  ASSERT_EQ(cuMemRelease(a), CUDA_SUCCESS);
+  EXPECT_EQ(cuMemRelease(a), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(in_use(), 3 * g);
+  ASSERT_EQ(cuMemUnmap(base, 3 * g), CUDA_SUCCESS);  // both mappings at once
+  EXPECT_EQ(in_use(), g);
+  ASSERT_EQ(cuMemRelease(b), CUDA_SUCCESS);
+  EXPECT_EQ(in_use(), 0u);
+  // Beyond the limit: refused.
+  emu::SetDeviceMemoryLimit(used + g);
+  EXPECT_EQ(cuMemCreate(&a, 2 * g, &prop, 0), CUDA_ERROR_OUT_OF_MEMORY);
+  emu::SetDeviceMemoryLimit(0);
+  // Refused during a capture, as cudaMalloc.
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  EXPECT_EQ(cuMemCreate(&a, g, &prop, 0), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(s, &graph), cudaErrorStreamCaptureInvalidated);
+  cudaStreamDestroy(s);
+  ASSERT_EQ(cuMemAddressFree(base, 4 * g), CUDA_SUCCESS);
+  EXPECT_FALSE(emu::IsDeviceMemory(reinterpret_cast<void*>(base), g));
 }
 
 }  // namespace
