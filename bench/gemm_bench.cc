@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_split.h"
 #include "common/bf16.h"
+#include "common/cli.h"
 #include "engine/cpu/gemm.h"
 #include "engine/cpu/packed_matrix.h"
 #include "worker/backend_env.h"
@@ -96,7 +96,11 @@ void PrintRow(const Shape& s, const std::vector<double>& t) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  dgserve::InitCommandLine(
+      "gemm_bench [--min_seconds S] [--rounds N] [--isa all|avx512bf16,avx512,avx2,portable] "
+      "[--only NAME] [--vocab_slice N] [--cpu_time]",
+      "bench/gemm_bench.cc");
+  dgserve::ParseCommandLine(argc, argv);   // --help exits 0 (common/cli.h)
   dgserve::ApplyGemmIsaFromEnvironment();  // the path --isa leaves: DGSERVE_GEMM_ISA's, or the best
   using namespace dgserve::cpu;
   std::vector<GemmIsa> isas;

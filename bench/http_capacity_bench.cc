@@ -14,8 +14,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -24,8 +24,8 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "common/cli.h"
 #include "common/testing/loopback_socket.h"
 #include "gateway/http_server.h"
 
@@ -230,7 +230,10 @@ int Run() {
 }  // namespace dgserve
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  dgserve::InitCommandLine(
+      "http_capacity_bench [--idle N] [--streams N] [--event_interval_ms MS] [--io_threads N]",
+      "bench/http_capacity_bench.cc");
+  dgserve::ParseCommandLine(argc, argv);  // --help exits 0 (common/cli.h)
   signal(SIGPIPE, SIG_IGN);
   return dgserve::Run();
 }

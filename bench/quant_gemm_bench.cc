@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "common/bf16.h"
+#include "common/cli.h"
 #include "common/fp8.h"
 #include "engine/cpu/gemm_quant.h"
 #include "engine/cpu/packed_matrix.h"
@@ -127,7 +127,10 @@ void Paths(const char* name, int m, int n, int k) {
 }  // namespace dgserve::cpu
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  dgserve::InitCommandLine(
+      "quant_gemm_bench [--rounds N] [--min_seconds S] | --paths [--path_rows 1,4,8,...]",
+      "bench/quant_gemm_bench.cc");
+  dgserve::ParseCommandLine(argc, argv);   // --help exits 0 (common/cli.h)
   dgserve::ApplyGemmIsaFromEnvironment();  // DGSERVE_GEMM_ISA forces a path
   std::printf("GEMM path %s, %d threads; ratios are time / bf16 time\n",
               dgserve::cpu::GemmIsaName(dgserve::cpu::ActiveGemmIsa()), omp_get_max_threads());

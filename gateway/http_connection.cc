@@ -62,6 +62,24 @@ bool OnlyChunked(const HttpRequest& req) {
   return absl::AsciiStrToLower(absl::StripAsciiWhitespace(value)) == "chunked";
 }
 
+// RFC 9112 §3.2: an HTTP/1.1 request without a Host field, and any request with more than one
+// Host field line, is a bad request (an HTTP/1.0 one may leave Host out). An empty value is
+// allowed (a target without an authority).
+absl::Status CheckHostField(const HttpRequest& req) {
+  const size_t hosts = req.count(http::field::host);
+  if (hosts > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the request has ", hosts,
+                     " Host header fields; at most one is allowed (RFC 9112 section 3.2)"));
+  }
+  if (hosts == 0 && req.version() >= 11) {
+    return absl::InvalidArgumentError(
+        "the request has no Host header field; an HTTP/1.1 request must have one (RFC 9112 "
+        "section 3.2)");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 namespace {
@@ -377,6 +395,14 @@ void HttpConnection::OnHeader(error_code ec) {
     return;
   }
   const HttpRequest& req = parser_->get();
+  if (absl::Status host = CheckHostField(req); !host.ok()) {
+    // Answered once, before the body is read: then the connection closes.
+    read_timer_.cancel();
+    head_ = req.method() == http::verb::head;
+    http10_ = req.version() < 11;
+    Refuse(400, host, absl::Now());
+    return;
+  }
   if (req.find(http::field::transfer_encoding) != req.end() && !OnlyChunked(req)) {
     // Any other coding leaves the body's length unknown (RFC 9112 §6.3): reading on would take
     // the body for the next request. Answered once, then the connection closes.

@@ -619,6 +619,67 @@ TEST_F(HttpServerTest, TransferEncodingOtherThanChunkedIsRefusedOnce) {
   EXPECT_THAT(chunked, HasSubstr(R"("text":"ok")")) << chunked;
 }
 
+// RFC 9112 §3.2: an HTTP/1.1 request without Host, and any request with two Host lines, is
+// answered 400 with the usual error body, once, and the connection closes (both were served).
+// HTTP/1.0 may leave Host out, and an empty Host is a Host.
+TEST_F(HttpServerTest, MissingOrRepeatedHostFieldIsRefused) {
+  std::atomic<int> generated{0};
+  core_.generate = [&](const v1::GenerateRequest&, absl::Time, const std::function<bool()>&,
+                       const GenerationCore::EventCallback& cb) {
+    ++generated;
+    cb(Block("ok"));
+    cb(Finished());
+    return absl::OkStatus();
+  };
+  StartServer();
+  const std::string none = "the request has no Host header field";
+  const std::string two = "the request has 2 Host header fields; at most one is allowed";
+  const std::string body = R"({"prompt": "1"})";
+  const struct {
+    std::string request;
+    std::string message;
+  } refused[] = {
+      {"GET /health HTTP/1.1\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n", none},
+      {"GET /nowhere HTTP/1.1\r\nConnection: close\r\n\r\n", none},
+      {"GET /health HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", two},
+      {"GET /health HTTP/1.1\r\nHost: x\r\nHost: x\r\n\r\n", two},
+      {"GET /health HTTP/1.0\r\nHost: x\r\nHost: y\r\n\r\n", two},
+      {absl::StrCat("POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                    "Content-Length: ",
+                    body.size(), "\r\n\r\n", body),
+       none},
+  };
+  for (const auto& c : refused) {
+    SCOPED_TRACE(c.request);
+    const std::string raw = RawRequest(port_, c.request);
+    EXPECT_THAT(raw, StartsWith("HTTP/1.1 400 ")) << raw;
+    EXPECT_THAT(raw, HasSubstr(c.message)) << raw;
+    EXPECT_THAT(raw, HasSubstr(R"("type":"invalid_request_error")")) << raw;
+    EXPECT_THAT(raw, HasSubstr("Connection: close\r\n")) << raw;
+    EXPECT_EQ(raw.find("X-Request-Id:"), raw.rfind("X-Request-Id:")) << "a second answer: " << raw;
+  }
+  EXPECT_EQ(generated.load(), 0);
+  EXPECT_EQ(core_.Refused().size(), 1u);  // the generation request
+  // HEAD gets the status without the body.
+  const std::string head = RawRequest(port_, "HEAD /health HTTP/1.1\r\n\r\n");
+  EXPECT_THAT(head, StartsWith("HTTP/1.1 400 ")) << head;
+  EXPECT_THAT(head, ::testing::Not(HasSubstr("\"error\""))) << head;
+  // Served: HTTP/1.0 without Host, an empty Host, one Host.
+  for (const std::string ok : {"GET /health HTTP/1.0\r\n\r\n",
+                               "GET /health HTTP/1.1\r\nHost:\r\nConnection: close\r\n\r\n",
+                               "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"}) {
+    const std::string raw = RawRequest(port_, ok);
+    EXPECT_THAT(raw, StartsWith("HTTP/1.1 200 ")) << ok << "\n" << raw;
+    EXPECT_THAT(raw, HasSubstr(R"({"status":"ok"})")) << raw;
+  }
+  const std::string post = RawRequest(
+      port_, absl::StrCat("POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                          "Content-Length: ",
+                          body.size(), "\r\n\r\n", body));
+  EXPECT_THAT(post, StartsWith("HTTP/1.1 200 ")) << post;
+  EXPECT_EQ(generated.load(), 1);
+}
+
 // A request target in absolute form ("http://host/path", RFC 9112 §3.2.2) is served as its path
 // (it was a 404 "unknown path: http://x/health").
 TEST_F(HttpServerTest, AbsoluteFormTargetIsServedAsItsPath) {

@@ -58,10 +58,34 @@ void WorkerPool::Resolve() {
     last_resolve_ = absl::Now();
   }
   std::vector<std::string> addrs;
+  std::vector<std::pair<std::string, absl::Status>> failed;  // targets that did not resolve
   for (const std::string& t : targets_) {
-    for (std::string& a : ExpandTarget(t)) addrs.push_back(std::move(a));
+    absl::StatusOr<std::vector<std::string>> resolved = ResolveTarget(t);
+    if (!resolved.ok()) {
+      failed.emplace_back(t, resolved.status());
+      continue;
+    }
+    for (std::string& a : *resolved) addrs.push_back(std::move(a));
   }
   absl::MutexLock lock(&mu_);
+  // A name that does not resolve has no endpoint to poll: said once when it stops resolving
+  // (from the first try on), and once when it resolves again.
+  std::set<std::string> unresolved;
+  for (const auto& [target, status] : failed) {
+    if (!unresolved_.contains(target)) {
+      DGSERVE_LOG_WARNING(
+          "%s worker address %s; no %s worker there until it resolves (retried "
+          "every 5 s)",
+          role_, status.message(), role_);
+    }
+    unresolved.insert(target);
+  }
+  for (const std::string& target : unresolved_) {
+    if (!unresolved.contains(target)) {
+      DGSERVE_LOG_INFO("%s worker address %s resolves again", role_, target);
+    }
+  }
+  unresolved_ = std::move(unresolved);
   std::vector<WorkerEndpoint> next;
   for (const std::string& a : addrs) {
     auto it = std::find_if(endpoints_.begin(), endpoints_.end(),
@@ -110,18 +134,26 @@ void WorkerPool::Poll() {
       if (e.address != address) continue;
       e.missed_polls = late ? e.missed_polls + 1 : 0;
       const bool ok = answered_well || (late && e.healthy && e.missed_polls < kMaxMissedPolls);
-      if (e.healthy != ok) {
+      const std::string detail =
+          s.ok() ? (resp.model_id() != model_id_ ? absl::StrCat(" (serves '", resp.model_id(), "')")
+                                                 : std::string())
+                 : absl::StrCat(
+                       " (", s.error_message(),
+                       late ? absl::StrCat(", ", e.missed_polls, " polls in a row") : std::string(),
+                       ")");
+      if (!e.polled && !ok) {
+        // An endpoint starts unhealthy, so a change alone never named one that fails from its
+        // first poll on (a worker not started, or not reachable at that address).
+        DGSERVE_LOG_WARNING(
+            "%s worker %s fails its first Stats poll%s; no requests go to it "
+            "until a poll passes",
+            role_, address, detail);
+      } else if (e.healthy != ok) {
         DGSERVE_LOG_INFO("%s worker %s is %s%s", role_, address, ok ? "healthy" : "unhealthy",
-                         s.ok() ? (resp.model_id() != model_id_
-                                       ? absl::StrCat(" (serves '", resp.model_id(), "')")
-                                       : std::string())
-                                : absl::StrCat(" (", s.error_message(),
-                                               late ? absl::StrCat(", ", e.missed_polls,
-                                                                   " polls in a row")
-                                                    : std::string(),
-                                               ")"));
+                         detail);
       }
       e.healthy = ok;
+      e.polled = true;
       if (s.ok()) e.stats = resp;
     }
   }

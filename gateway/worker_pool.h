@@ -30,6 +30,7 @@ struct WorkerEndpoint {
   v1::StatsResponse stats;
   int inflight = 0;       // requests this gateway has given this worker and not finished
   int missed_polls = 0;   // consecutive Stats polls that timed out
+  bool polled = false;    // a Stats poll has judged it (the first one is logged either way)
 };
 
 // Stats polls in a row that may time out before a worker counts as unhealthy: a busy worker's
@@ -123,6 +124,8 @@ class WorkerPool {
   std::vector<WorkerEndpoint> endpoints_ ABSL_GUARDED_BY(mu_);
   absl::BitGen tie_breaker_ ABSL_GUARDED_BY(mu_);
   absl::Time last_resolve_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // dns:/// targets whose last resolution failed (logged when they enter and leave the set).
+  std::set<std::string> unresolved_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> stop_{false};
   absl::Duration interval_;
   std::thread thread_;

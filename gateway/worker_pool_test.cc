@@ -3,9 +3,11 @@
 // worker, a refused connection is.
 #include "gateway/worker_pool.h"
 
+#include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -182,6 +184,41 @@ TEST(WorkerPoolTest, ADeadWorkerIsOutAtTheNextPoll) {
     ASSERT_TRUE(p.has_value());
     EXPECT_NE(*p, dead);
   }
+}
+
+// A dns:/// address whose name does not resolve gives no endpoint to poll: it is named in one
+// warning (the gateway logged nothing), and the pool has no worker. A worker that never
+// answers is named in one warning by its first poll (a poll logged only a change of health,
+// and an endpoint starts unhealthy).
+TEST(WorkerPoolTest, AnAddressThatNeverWorksIsLoggedOnce) {
+  const std::string unresolved = "dns:///nosuch.invalid:50051";
+  WorkerPool dns("prefill", {unresolved}, "m");
+  ::testing::internal::CaptureStderr();
+  dns.PollNow();
+  dns.PollNow();
+  const std::string dns_log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(dns.total_count(), 0);
+  EXPECT_EQ(dns.healthy_count(), 0);
+  EXPECT_THAT(dns_log,
+              ::testing::StartsWith(absl::StrCat("[W] prefill worker address ", unresolved,
+                                                 ": 'nosuch.invalid' does not resolve (")));
+  EXPECT_THAT(dns_log, ::testing::HasSubstr("); no prefill worker there until it resolves"));
+  EXPECT_EQ(std::count(dns_log.begin(), dns_log.end(), '\n'), 1) << dns_log;
+
+  FakeWorker gone;
+  const std::string refused = gone.address();
+  gone.Stop();
+  WorkerPool pool("denoise", {refused}, "m");
+  ::testing::internal::CaptureStderr();
+  pool.PollNow();
+  pool.PollNow();
+  const std::string poll_log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(pool.total_count(), 1);
+  EXPECT_EQ(pool.healthy_count(), 0);
+  EXPECT_THAT(poll_log, ::testing::StartsWith(absl::StrCat("[W] denoise worker ", refused,
+                                                           " fails its first Stats poll (")));
+  EXPECT_THAT(poll_log, ::testing::HasSubstr("); no requests go to it until a poll passes"));
+  EXPECT_EQ(std::count(poll_log.begin(), poll_log.end(), '\n'), 1) << poll_log;
 }
 
 // A prefill and a denoise worker reporting different KV layouts are a mismatch naming both

@@ -68,11 +68,13 @@ std::vector<std::string> SplitTargets(const std::string& list) {
   return out;
 }
 
-std::vector<std::string> ExpandTarget(const std::string& target) {
+absl::StatusOr<std::vector<std::string>> ResolveTarget(const std::string& target) {
   absl::string_view t = target;
-  if (!absl::ConsumePrefix(&t, "dns:///")) return {target};
+  if (!absl::ConsumePrefix(&t, "dns:///")) return std::vector<std::string>{target};
   const size_t colon = t.rfind(':');
-  if (colon == absl::string_view::npos) return {};
+  if (colon == absl::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(target, ": no port (dns:///name:port)"));
+  }
   std::string host(t.substr(0, colon));
   const std::string port(t.substr(colon + 1));
   if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
@@ -82,7 +84,10 @@ std::vector<std::string> ExpandTarget(const std::string& target) {
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0) return {};
+  if (const int error = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); error != 0) {
+    return absl::UnavailableError(
+        absl::StrCat(target, ": '", host, "' does not resolve (", gai_strerror(error), ")"));
+  }
   std::vector<std::string> out;
   for (addrinfo* p = res; p != nullptr; p = p->ai_next) {
     char buf[INET6_ADDRSTRLEN] = {0};
@@ -99,6 +104,11 @@ std::vector<std::string> ExpandTarget(const std::string& target) {
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
+}
+
+std::vector<std::string> ExpandTarget(const std::string& target) {
+  absl::StatusOr<std::vector<std::string>> addresses = ResolveTarget(target);
+  return addresses.ok() ? *std::move(addresses) : std::vector<std::string>();
 }
 
 TargetAllowList::TargetAllowList(std::vector<std::string> entries)

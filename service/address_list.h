@@ -28,7 +28,10 @@ absl::StatusOr<std::vector<std::string>> ParseTargets(const std::string& flag,
 std::vector<std::string> SplitTargets(const std::string& list);
 
 // dns:///host:port → every address host resolves to now, as ip:port ([v6]:port), sorted and
-// unique (empty when it does not resolve); anything else → itself.
+// unique; UNAVAILABLE naming the target and getaddrinfo's reason when it does not resolve
+// (INVALID_ARGUMENT without a port). Anything else → itself.
+absl::StatusOr<std::vector<std::string>> ResolveTarget(const std::string& target);
+// ResolveTarget, empty when it fails.
 std::vector<std::string> ExpandTarget(const std::string& target);
 
 // The addresses a process may dial on a caller's behalf (the prefill worker's kv_target): the

@@ -4,10 +4,12 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <thread>
 
+#include "CivetServer.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
@@ -25,6 +27,23 @@ namespace dgserve {
 namespace {
 
 std::atomic<int> g_signal{0};
+
+// The metrics port's civetweb begin_request callback (it runs before any handler): answers
+// HEAD /metrics, which prometheus-cpp leaves to civetweb's 404 (its handler has a GET only),
+// with a GET's status and Content-Type and no content (no Content-Length: that of a GET is not
+// known without collecting, RFC 9110 §8.6). Returns 0 for anything else: civetweb goes on.
+int AnswerMetricsHead(mg_connection* conn) {
+  const mg_request_info* info = mg_get_request_info(conn);
+  if (info == nullptr || info->request_method == nullptr || info->local_uri == nullptr ||
+      std::strcmp(info->request_method, "HEAD") != 0 ||
+      std::strcmp(info->local_uri, "/metrics") != 0) {
+    return 0;
+  }
+  mg_printf(conn, "%s",
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            "Connection: close\r\n\r\n");
+  return 200;
+}
 
 }  // namespace
 
@@ -91,7 +110,9 @@ absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services,
   service_names_ = service_names;
   if (!options_.metrics_address.empty()) {
     try {
-      exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_address, 2);
+      CivetCallbacks callbacks;  // copied by the server
+      callbacks.begin_request = &AnswerMetricsHead;
+      exposer_ = std::make_unique<prometheus::Exposer>(options_.metrics_address, 2, &callbacks);
       exposer_->RegisterCollectable(registry_);
       const std::vector<int> ports = exposer_->GetListeningPorts();
       metrics_port_ = ports.empty() ? 0 : ports.front();

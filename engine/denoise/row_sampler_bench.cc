@@ -10,8 +10,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "common/cli.h"
 #include "engine/denoise/rng.h"
 #include "engine/denoise/row_sampler.h"
 
@@ -41,9 +44,24 @@ void FillLogits(std::vector<float>& logits, int vocab) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int rows = argc > 1 ? std::atoi(argv[1]) : 256;
-  const int vocab = argc > 2 ? std::atoi(argv[2]) : 262144;
-  const int iters = argc > 3 ? std::atoi(argv[3]) : 10;
+  dgserve::InitCommandLine("row_sampler_bench [rows] [vocab] [iterations] (default 256 262144 10)",
+                           "engine/denoise/row_sampler_bench.cc");
+  // --help exits 0 (common/cli.h); an unknown flag is refused rather than read as a count.
+  const std::vector<char*> args = dgserve::ParseCommandLine(argc, argv);
+  if (args.size() > 4) {
+    std::fprintf(stderr, "row_sampler_bench: unexpected argument '%s' (see --help)\n", args[4]);
+    return 2;
+  }
+  int counts[3] = {256, 262144, 10};
+  const char* names[3] = {"rows", "vocab", "iterations"};
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (!absl::SimpleAtoi(args[i], &counts[i - 1]) || counts[i - 1] < 1) {
+      std::fprintf(stderr, "row_sampler_bench: %s '%s': must be an integer >= 1 (see --help)\n",
+                   names[i - 1], args[i]);
+      return 2;
+    }
+  }
+  const int rows = counts[0], vocab = counts[1], iters = counts[2];
   const double elems = static_cast<double>(rows) * vocab;
   std::printf("row_sampler_bench: rows=%d vocab=%d iterations=%d isa=%s omp_threads=%d\n", rows,
               vocab, iters, dgserve::RowSamplerIsa(), omp_get_max_threads());
