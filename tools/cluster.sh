@@ -58,6 +58,7 @@ while [ $# -gt 0 ]; do
     --grpc-port) GRPC_PORT=$2; shift 2 ;;
     --auth) AUTH=$2; shift 2 ;;
     --restart) RESTART=1; shift ;;
+    -h | --help) usage; exit 0 ;;  # after a command too: the usage, nothing done
     --) shift; EXTRA=("$@"); break ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac

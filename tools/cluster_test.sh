@@ -90,6 +90,16 @@ if ! kill -0 "$FAKE" 2>/dev/null || [ "$(cat "$R/run/cluster/pids")" != "$FAKE g
   echo "FAILED: a refused start stopped the running cluster or changed its pids"
   fails=$((fails + 1))
 fi
+# --help after the command prints the usage and does nothing else (it was "unknown option").
+for c in start stop; do
+  cluster "$c" --run-dir run/cluster --help
+  check "$c --help prints the usage" 0 "^  tools/cluster.sh stop  \[--run-dir DIR\]$"
+  nothing_ran "$c --help"
+done
+if ! kill -0 "$FAKE" 2>/dev/null || [ "$(cat "$R/run/cluster/pids")" != "$FAKE gateway" ]; then
+  echo "FAILED: --help stopped the running cluster or changed its pids"
+  fails=$((fails + 1))
+fi
 # --restart replaces it (the stand-in workers then exit, so the new start fails).
 cluster start --restart --model models/sudoku
 check "--restart stops the running cluster" 1 "cluster.sh: stopped the cluster of run/cluster"
