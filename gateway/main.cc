@@ -89,7 +89,10 @@ absl::StatusOr<std::vector<std::string>> ApiKeys() {
   }
   if (const std::string f = absl::GetFlag(FLAGS_api_key_file); !f.empty()) {
     absl::StatusOr<std::string> text = ReadFileToString(f, 1 << 20);
-    if (!text.ok()) return text.status();
+    if (!text.ok()) {
+      return absl::Status(text.status().code(),
+                          absl::StrCat("--api_key_file: ", text.status().message()));
+    }
     size_t from_file = 0;
     for (absl::string_view line : absl::StrSplit(*text, '\n')) {
       line = absl::StripAsciiWhitespace(line);
