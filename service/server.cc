@@ -224,6 +224,8 @@ int ServiceMain(int argc, char** argv, const char* usage, const char* flags_file
            absl::StrContains(f, "worker/backend_flags.cc");
   };
   config.contains_help_flags = config.contains_helpshort_flags;
+  // (A member left unset is reset to Abseil's default: InitCommandLine's version is kept.)
+  config.version_string = VersionString;
   absl::SetFlagsUsageConfig(config);
   std::vector<char*> rest = ParseCommandLine(argc, argv);
   if (rest.size() > 1) {

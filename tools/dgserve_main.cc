@@ -507,6 +507,10 @@ int main(int argc, char** argv) {
                 absl::ProgramUsageMessage().data());
     return 0;
   }
+  if (argc >= 2 && std::string(argv[1]) == "--version") {  // as `dgserve generate --version`
+    std::fputs(dgserve::VersionString().c_str(), stdout);
+    return 0;
+  }
   const std::string command = argc >= 2 ? argv[1] : "";
   if (command != "generate" && command != "chat" && command != "sudoku") {
     if (command.empty()) {
