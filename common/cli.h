@@ -24,6 +24,10 @@
 
 namespace dgserve {
 
+// What --version prints for every program (Abseil's default, from a libabsl built without
+// NDEBUG, said "Debug build (NDEBUG not #defined)" of a release build).
+inline std::string VersionString() { return "dgserve (DiffusionGemma serving) 0.1\n"; }
+
 // Sets the usage text and makes --help/--helpshort list the flags defined in files whose path
 // contains `flags_file` (e.g. "tools/dgserve_main.cc"), and the backend's own (--cpu_gemm_input,
 // --cuda_gemm_input: worker/backend_flags.cc) where the program links them. Call before
@@ -35,7 +39,7 @@ inline void InitCommandLine(const std::string& usage, const std::string& flags_f
     return absl::StrContains(f, flags_file) || absl::StrContains(f, "worker/backend_flags.cc");
   };
   config.contains_help_flags = config.contains_helpshort_flags;
-  config.version_string = [] { return std::string("dgserve (DiffusionGemma serving) 0.1\n"); };
+  config.version_string = VersionString;
   absl::SetFlagsUsageConfig(config);
 }
 

@@ -89,7 +89,10 @@ absl::StatusOr<std::vector<std::string>> ApiKeys() {
   }
   if (const std::string f = absl::GetFlag(FLAGS_api_key_file); !f.empty()) {
     absl::StatusOr<std::string> text = ReadFileToString(f, 1 << 20);
-    if (!text.ok()) return text.status();
+    if (!text.ok()) {
+      return absl::Status(text.status().code(),
+                          absl::StrCat("--api_key_file: ", text.status().message()));
+    }
     size_t from_file = 0;
     for (absl::string_view line : absl::StrSplit(*text, '\n')) {
       line = absl::StripAsciiWhitespace(line);
@@ -250,7 +253,10 @@ absl::Status Run() {
 
   absl::StatusOr<std::pair<std::string, int>> http_addr =
       SplitHostPort(absl::GetFlag(FLAGS_http_address));
-  if (!http_addr.ok()) return http_addr.status();
+  if (!http_addr.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http_address: ", http_addr.status().message()));
+  }
   HttpServerOptions hopts;
   hopts.host = http_addr->first;
   hopts.port = http_addr->second;

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/openmp_env.h"
+#include "common/status_macros.h"
 #include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -81,6 +82,24 @@ absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& add
   return std::make_pair(host, port);
 }
 
+namespace {
+// A listen address gRPC or civetweb would misread is refused, naming the flag: gRPC took port
+// 65536 + p as p, an address without a port as port 443, and reported an unparsable one as a
+// port in use. gRPC's unix: addresses pass as they are.
+absl::Status CheckListenAddress(const char* flag, const std::string& address) {
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::pair<std::string, int>> hp = SplitHostPort(address);
+  if (hp.ok() && hp->first.empty()) {
+    hp = absl::InvalidArgumentError(absl::StrCat(
+        "address '", address, "': no host (0.0.0.0 for every IPv4 interface, [::] for IPv6)"));
+  }
+  if (hp.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(flag, ": ", hp.status().message()));
+}
+}  // namespace
+
 ServiceRunner::ServiceRunner(ServerOptions options)
     : options_(std::move(options)), registry_(std::make_shared<prometheus::Registry>()) {}
 
@@ -108,7 +127,12 @@ int ServiceRunner::WaitForSignal() {
 absl::Status ServiceRunner::Start(const std::vector<grpc::Service*>& services,
                                   const std::vector<std::string>& service_names) {
   service_names_ = service_names;
+  DGSERVE_RETURN_IF_ERROR(CheckListenAddress("--grpc_address", options_.grpc_address));
+  if (!options_.health_address.empty()) {
+    DGSERVE_RETURN_IF_ERROR(CheckListenAddress("--health_address", options_.health_address));
+  }
   if (!options_.metrics_address.empty()) {
+    DGSERVE_RETURN_IF_ERROR(CheckListenAddress("--metrics_address", options_.metrics_address));
     try {
       CivetCallbacks callbacks;  // copied by the server
       callbacks.begin_request = &AnswerMetricsHead;
@@ -221,6 +245,8 @@ int ServiceMain(int argc, char** argv, const char* usage, const char* flags_file
            absl::StrContains(f, "worker/backend_flags.cc");
   };
   config.contains_help_flags = config.contains_helpshort_flags;
+  // (A member left unset is reset to Abseil's default: InitCommandLine's version is kept.)
+  config.version_string = VersionString;
   absl::SetFlagsUsageConfig(config);
   std::vector<char*> rest = ParseCommandLine(argc, argv);
   if (rest.size() > 1) {

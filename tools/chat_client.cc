@@ -49,6 +49,7 @@ absl::StatusOr<v1::Finished> StreamGeneration(
 }
 
 absl::Status RunChatClient(const v1::GenerateRequest& request, const ChatClientOptions& options) {
+  bool printed = false;  // any answer text on standard output
   absl::StatusOr<v1::Finished> result =
       StreamGeneration(request, options, [&](const v1::GenerateEvent& ev) {
         if (ev.has_canvas_step() && options.show_steps) {
@@ -59,10 +60,14 @@ absl::Status RunChatClient(const v1::GenerateRequest& request, const ChatClientO
         } else if (ev.has_block()) {
           std::fputs(ev.block().text().c_str(), stdout);
           std::fflush(stdout);
+          printed = printed || !ev.block().text().empty();
         }
       });
-  std::fputs("\n", stdout);
-  std::fflush(stdout);
+  // The answer's line ends; a request that failed before any text leaves standard output empty.
+  if (result.ok() || printed) {
+    std::fputs("\n", stdout);
+    std::fflush(stdout);
+  }
   if (!result.ok()) return result.status();
   const v1::Finished& finished = *result;
   const v1::Usage& u = finished.usage();

@@ -58,6 +58,7 @@ while [ $# -gt 0 ]; do
     --grpc-port) GRPC_PORT=$2; shift 2 ;;
     --auth) AUTH=$2; shift 2 ;;
     --restart) RESTART=1; shift ;;
+    -h | --help) usage; exit 0 ;;  # after a command too: the usage, nothing done
     --) shift; EXTRA=("$@"); break ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -135,7 +136,7 @@ check_start() {
   [ -n "$http" ] && ports="; gateway OpenAI HTTP http://$http, gRPC $grpc"
   {
     echo "cluster.sh: a cluster started from $RUN_DIR is running (PIDs: $(printf '%s, ' "${running[@]}" | sed 's/, $//')$ports)."
-    echo "  Stop it first: bash tools/cluster.sh stop --run-dir $RUN_DIR"
+    echo "  Stop it first: bash tools/cluster.sh stop --run-dir $(printf %q "$RUN_DIR")"
     echo "  or replace it: bash tools/cluster.sh start --restart ...; or start a second one with another --run-dir"
   } >&2
   return 1
@@ -261,8 +262,9 @@ start_cluster() {
     echo "GATEWAY_METRICS=127.0.0.1:$(port_of "$RUN_DIR/gateway.ports" metrics)"
     echo "INTERNAL_AUTH=$AUTH"
     echo "STARTED_BY=${CLUSTER_STARTED_BY:-cluster.sh}"
-    # (insecure makes no credentials: no directory to name)
-    [ "$AUTH" = insecure ] || echo "INTERNAL_CERT_DIR=$(cd "$CERT_DIR" && pwd)"
+    # (insecure makes no credentials: no directory to name). Shell-quoted: the file is sourced
+    # (tools/up.sh), and a checkout path with a space ran its second word as a command.
+    [ "$AUTH" = insecure ] || printf 'INTERNAL_CERT_DIR=%q\n' "$(cd "$CERT_DIR" && pwd)"
     while read -r pid name; do
       [ "$name" = gateway ] && continue
       echo "$(echo "$name" | tr a-z A-Z)_GRPC=127.0.0.1:$(port_of "$RUN_DIR/$name.ports" grpc)"
@@ -271,7 +273,7 @@ start_cluster() {
   } > "$RUN_DIR/cluster.env"
   trap - ERR
   echo "cluster.sh: serving $MODEL_DIR: OpenAI HTTP http://127.0.0.1:$http, gRPC 127.0.0.1:$grpc" \
-    "(every port: $RUN_DIR/cluster.env; stop: bash tools/cluster.sh stop --run-dir $RUN_DIR)"
+    "(every port: $RUN_DIR/cluster.env; stop: bash tools/cluster.sh stop --run-dir $(printf %q "$RUN_DIR"))"
 }
 
 case "$cmd" in

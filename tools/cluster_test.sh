@@ -90,6 +90,16 @@ if ! kill -0 "$FAKE" 2>/dev/null || [ "$(cat "$R/run/cluster/pids")" != "$FAKE g
   echo "FAILED: a refused start stopped the running cluster or changed its pids"
   fails=$((fails + 1))
 fi
+# --help after the command prints the usage and does nothing else (it was "unknown option").
+for c in start stop; do
+  cluster "$c" --run-dir run/cluster --help
+  check "$c --help prints the usage" 0 "^  tools/cluster.sh stop  \[--run-dir DIR\]$"
+  nothing_ran "$c --help"
+done
+if ! kill -0 "$FAKE" 2>/dev/null || [ "$(cat "$R/run/cluster/pids")" != "$FAKE gateway" ]; then
+  echo "FAILED: --help stopped the running cluster or changed its pids"
+  fails=$((fails + 1))
+fi
 # --restart replaces it (the stand-in workers then exit, so the new start fails).
 cluster start --restart --model models/sudoku
 check "--restart stops the running cluster" 1 "cluster.sh: stopped the cluster of run/cluster"
@@ -102,6 +112,42 @@ fi
 echo "$FAKE gateway" > "$R/run/cluster/pids"
 cluster start --model models/sudoku
 check "a stopped cluster's pids file does not block start" 1 "process [0-9]+ exited"
+
+# A start that succeeds, with stand-ins that serve (write their ports file, then sleep as a
+# process named like ours) and a curl that finds the gateway ready: cluster.env can be sourced
+# when the credentials' directory has a space in its path (the checkout's path: up.sh sourced
+# it and ran the path's second word as a command), and the stop hint quotes the run directory.
+OK=$T/okbuild
+mkdir -p "$OK/gateway" "$OK/prefill_worker" "$OK/denoise_worker" "$T/fakebin" "$T/cert dir"
+for b in gateway/dgserve-gateway prefill_worker/dgserve-prefill-worker \
+  denoise_worker/dgserve-denoise-worker; do
+  cat > "$OK/$b" <<'EOF2'
+#!/usr/bin/env bash
+while [ $# -gt 0 ]; do [ "$1" = --ports_file ] && f=$2; shift; done
+echo '{"grpc":1001,"http":1002,"metrics":1003}' > "$f"
+exec -a dgserve-stand-in sleep 60
+EOF2
+done
+printf '#!/bin/sh\nexit 0\n' > "$T/fakebin/curl"
+chmod +x "$OK"/*/dgserve-* "$T/fakebin/curl"
+export CERT_DIR="$T/cert dir" PATH="$T/fakebin:$PATH"
+cluster start --run-dir "$T/run ok" --build "$OK" --model models/sudoku
+check "a start with serving stand-ins succeeds, its stop hint quoted" 0 \
+  "stop: bash tools/cluster.sh stop --run-dir $T/run\\\\ ok\\)$"
+cluster start --run-dir "$T/run ok" --build "$OK" --model models/sudoku
+check "the refusal quotes a run directory with a space" 1 \
+  "Stop it first: bash tools/cluster.sh stop --run-dir $T/run\\\\ ok$"
+want_dir=$(cd "$T/cert dir" && pwd)
+# shellcheck disable=SC1091
+if ! got=$(set -e; . "$T/run ok/cluster.env"; echo "$INTERNAL_CERT_DIR") || [ "$got" != "$want_dir" ]; then
+  echo "FAILED: cluster.env does not source to INTERNAL_CERT_DIR='$want_dir' (got '$got'):"
+  sed 's/^/  | /' "$T/run ok/cluster.env"
+  fails=$((fails + 1))
+else
+  echo "ok: cluster.env sources with a credentials directory whose path has a space"
+fi
+cluster stop --run-dir "$T/run ok"
+check "the stand-in cluster stops" 0 "stopped the cluster of $T/run ok"
 
 if [ "$fails" -ne 0 ]; then
   echo "cluster_test: $fails failed"

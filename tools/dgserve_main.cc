@@ -81,7 +81,8 @@ ABSL_FLAG(bool, no_self_conditioning, false,
 ABSL_FLAG(std::string, device, "cpu",
           "generate: where the model runs: 'cpu', or 'cuda' (binaries built with CUDA, on a GPU; "
           "see --cuda_gemm_input; --cpu_gemm_input for the CPU)");
-ABSL_FLAG(bool, show_steps, false, "print the argmax canvas after every denoising step");
+ABSL_FLAG(bool, show_steps, false,
+          "print the argmax canvas after every denoising step (with --json: to standard error)");
 ABSL_FLAG(bool, json, false,
           "generate: print one JSON object (text, token_ids, finish_reason) instead of streaming");
 ABSL_FLAG(std::string, gateway, "127.0.0.1:50051", "chat, sudoku: the gateway's gRPC address");
@@ -127,6 +128,11 @@ absl::StatusOr<std::string> ReadPrompt(bool always_chat = false) {
                           absl::StrCat("--prompt-file: ", text.status().message()));
     }
     prompt = *std::move(text);
+    if (prompt.empty()) {  // named as the file's fault, not as a missing --prompt
+      return absl::InvalidArgumentError(absl::StrCat("--prompt-file ",
+                                                     file == "-" ? "- (standard input)" : file,
+                                                     " is empty: no prompt in it"));
+    }
     if (prompt.size() > kMaxPromptBytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("--prompt-file ", file == "-" ? "- (standard input)" : file,
@@ -381,11 +387,13 @@ absl::Status RunGenerate() {
   const bool show_steps = absl::GetFlag(FLAGS_show_steps);
   const bool json_output = absl::GetFlag(FLAGS_json);
   if (show_steps) {
-    obs.on_step = [&](const StepEvent& e) {
-      std::printf("[canvas %d step %2d] T=%.4f accepted=%3d H=%.4f%s | %s\n", e.canvas, e.step,
-                  e.temperature, e.accepted, e.mean_entropy, e.stop ? " stop" : "",
-                  Escape(tok.Decode(e.argmax, /*skip_special=*/false)).c_str());
-      std::fflush(stdout);
+    // With --json the step lines go to standard error: standard output holds only the JSON object.
+    FILE* steps_out = json_output ? stderr : stdout;
+    obs.on_step = [&, steps_out](const StepEvent& e) {
+      std::fprintf(steps_out, "[canvas %d step %2d] T=%.4f accepted=%3d H=%.4f%s | %s\n", e.canvas,
+                   e.step, e.temperature, e.accepted, e.mean_entropy, e.stop ? " stop" : "",
+                   Escape(tok.Decode(e.argmax, /*skip_special=*/false)).c_str());
+      std::fflush(steps_out);
     };
   }
   // Stream the text canvas by canvas; the decoder holds back a multi-byte character split across
@@ -497,6 +505,10 @@ int main(int argc, char** argv) {
                     std::string(argv[1]) == "help")) {
     std::printf("usage: %s\n\n`dgserve generate --help` lists the flags.\n",
                 absl::ProgramUsageMessage().data());
+    return 0;
+  }
+  if (argc >= 2 && std::string(argv[1]) == "--version") {  // as `dgserve generate --version`
+    std::fputs(dgserve::VersionString().c_str(), stdout);
     return 0;
   }
   const std::string command = argc >= 2 ? argv[1] : "";

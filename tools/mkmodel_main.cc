@@ -159,7 +159,12 @@ absl::Status Run() {
   std::string source = "shape flags";
   std::string text = ModelConfigToJson(DefaultShape());
   if (!config_path.empty()) {
-    DGSERVE_ASSIGN_OR_RETURN(text, ReadFileToString(config_path));
+    absl::StatusOr<std::string> read = ReadFileToString(config_path);
+    if (!read.ok()) {  // named by its flag, as --generation_config and --tokenizer are
+      return absl::Status(read.status().code(),
+                          absl::StrCat("--config: ", read.status().message()));
+    }
+    text = *std::move(read);
     source = config_path;
   } else if (!config_text.empty()) {
     text = config_text;
@@ -198,7 +203,15 @@ absl::Status Run() {
   GenerationConfig generation;
   generation.max_new_tokens = config.canvas_length;
   if (!gen_path.empty()) {
-    DGSERVE_ASSIGN_OR_RETURN(generation, LoadGenerationConfig(gen_path));
+    absl::StatusOr<GenerationConfig> loaded = LoadGenerationConfig(gen_path);
+    if (!loaded.ok()) {  // the flag's file, or the one found next to --config
+      return absl::Status(loaded.status().code(),
+                          absl::StrCat(absl::GetFlag(FLAGS_generation_config).empty()
+                                           ? "the generation_config.json next to --config: "
+                                           : "--generation_config: ",
+                                       loaded.status().message()));
+    }
+    generation = *std::move(loaded);
   }
   // A tokenizer the servers could not load is refused before anything is written.
   if (!options.tokenizer_path.empty()) {

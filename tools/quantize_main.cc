@@ -23,6 +23,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -243,17 +244,24 @@ absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
   DGSERVE_ASSIGN_OR_RETURN(const ModelConfig config, LoadModelConfig(in + "/config.json"));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(in + "/tokenizer.json"));
   const int limit = absl::GetFlag(FLAGS_calibration_limit);
-  std::vector<CalibrationPrompt> prompts;
-  if (!prompts_file.empty()) {
-    // Every prompt checked before anything runs: one canvas follows it (the calibration's
-    // request), so the context leaves max_position_embeddings − canvas_length positions.
-    DGSERVE_ASSIGN_OR_RETURN(
-        prompts, ReadCalibrationPrompts(
-                     prompts_file, tok,
-                     std::max(1, config.max_position_embeddings - config.canvas_length), limit));
-  } else {
-    DGSERVE_ASSIGN_OR_RETURN(prompts, SudokuPrompts(sudoku_file, tok, config, limit));
+  // Every prompt checked before anything runs: one canvas follows it (the calibration's
+  // request), so the context leaves max_position_embeddings − canvas_length positions.
+  absl::StatusOr<std::vector<CalibrationPrompt>> read =
+      !prompts_file.empty()
+          ? ReadCalibrationPrompts(
+                prompts_file, tok,
+                std::max(1, config.max_position_embeddings - config.canvas_length), limit)
+          : SudokuPrompts(sudoku_file, tok, config, limit);
+  // Named by its flag (a file that could not be opened said only its path), unless the
+  // message names it already.
+  if (!read.ok() && !absl::StartsWith(read.status().message(), "--")) {
+    return absl::Status(
+        read.status().code(),
+        absl::StrCat(!prompts_file.empty() ? "--calibration: " : "--calibration_sudoku: ",
+                     read.status().message()));
   }
+  if (!read.ok()) return read.status();
+  std::vector<CalibrationPrompt> prompts = *std::move(read);
   if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   CalibrationOptions options;

@@ -144,7 +144,10 @@ absl::Status Run() {
   if (absl::Status s = front.Start({&generation}, {v1::GenerationService::service_full_name()}); !s.ok()) return s;
   absl::StatusOr<std::pair<std::string, int>> http_addr =
       SplitHostPort(absl::GetFlag(FLAGS_http_address));
-  if (!http_addr.ok()) return http_addr.status();
+  if (!http_addr.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http_address: ", http_addr.status().message()));
+  }
   HttpServerOptions hopts;
   hopts.host = http_addr->first;
   hopts.port = http_addr->second;

@@ -27,17 +27,19 @@
 
 ABSL_FLAG(std::string, target, "", "gRPC gateway HOST:PORT (GenerationService.GenerateStream)");
 ABSL_FLAG(std::string, http, "", "HTTP gateway HOST:PORT (OpenAI API, streaming)");
-ABSL_FLAG(std::string, endpoint, "chat", "with --http: chat (/v1/chat/completions) or "
-          "completions (/v1/completions)");
+ABSL_FLAG(std::optional<std::string>, endpoint, std::nullopt,
+          "with --http: chat (/v1/chat/completions, the default) or completions (/v1/completions)");
 ABSL_FLAG(std::string, api_key, "", "sent as 'authorization: Bearer KEY'");
 ABSL_FLAG(std::string, model, "", "model name sent with each request (empty: the served one)");
-ABSL_FLAG(int32_t, grpc_channels, 1, "gRPC connections to spread the requests over");
+ABSL_FLAG(std::optional<int32_t>, grpc_channels, std::nullopt,
+          "with --target: gRPC connections to spread the requests over (default 1)");
 ABSL_FLAG(std::string, mode, "closed", "open (Poisson arrivals at --rate) or closed "
           "(--concurrency workers back to back)");
 ABSL_FLAG(double, rate, 0, "open loop: mean arrivals per second");
 ABSL_FLAG(std::optional<int32_t>, concurrency, std::nullopt, "closed loop: workers (default 1)");
-ABSL_FLAG(int32_t, max_inflight, 256, "open loop: requests in flight at most; arrivals beyond "
-          "are dropped (counted, not queued)");
+ABSL_FLAG(std::optional<int32_t>, max_inflight, std::nullopt,
+          "open loop: requests in flight at most (default 256); arrivals beyond are dropped "
+          "(counted, not queued)");
 ABSL_FLAG(std::string, prompts, "", "JSONL file: {\"prompt\": ...} or {\"messages\": [...]} "
           "per line, optional \"max_tokens\"; used in turn. Empty: synthetic prompts");
 ABSL_FLAG(double, prompt_tokens_mean, 32, "synthetic prompts: mean length in words (~tokens)");
@@ -382,7 +384,13 @@ Options OptionsFromFlags() {
                                    std::string(hp.status().message())));
   o.host = hp->first;
   o.port = hp->second;
-  const std::string endpoint = absl::GetFlag(FLAGS_endpoint);
+  // Flags of one protocol or mode are unset (std::nullopt) unless given: one given for the other
+  // would be ignored, so it is refused, as --rate with --mode closed is (ValidateOptions).
+  const std::optional<std::string> endpoint_flag = absl::GetFlag(FLAGS_endpoint);
+  if (endpoint_flag && o.protocol == Protocol::kGrpc) {
+    Usage("--endpoint applies to --http; --target sends gRPC GenerateStream");
+  }
+  const std::string endpoint = endpoint_flag.value_or("chat");
   if (endpoint == "chat") {
     o.endpoint = Endpoint::kChat;
   } else if (endpoint == "completions") {
@@ -405,7 +413,11 @@ Options OptionsFromFlags() {
   const std::optional<int32_t> concurrency = absl::GetFlag(FLAGS_concurrency);
   o.concurrency = concurrency.value_or(o.mode == Mode::kClosed ? 1 : 0);
   if (o.mode == Mode::kOpen && concurrency.has_value()) o.concurrency = std::max(1, *concurrency);
-  o.max_inflight = absl::GetFlag(FLAGS_max_inflight);
+  const std::optional<int32_t> max_inflight = absl::GetFlag(FLAGS_max_inflight);
+  if (max_inflight && o.mode == Mode::kClosed) {
+    Usage("--max_inflight applies to --mode open; --concurrency bounds a closed loop");
+  }
+  o.max_inflight = max_inflight.value_or(o.max_inflight);
   o.prompts_file = absl::GetFlag(FLAGS_prompts);
   o.prompt_tokens_mean = absl::GetFlag(FLAGS_prompt_tokens_mean);
   o.prompt_tokens_std = absl::GetFlag(FLAGS_prompt_tokens_std);
@@ -419,7 +431,11 @@ Options OptionsFromFlags() {
   o.drain_s = absl::GetFlag(FLAGS_drain_s);
   o.timeout_s = absl::GetFlag(FLAGS_timeout_s);
   if (absl::Status s = ValidateOptions(o); !s.ok()) Usage(std::string(s.message()));
-  if (absl::GetFlag(FLAGS_grpc_channels) < 1) Usage("--grpc_channels must be >= 1");
+  const std::optional<int32_t> channels = absl::GetFlag(FLAGS_grpc_channels);
+  if (channels && o.protocol == Protocol::kHttp) {
+    Usage("--grpc_channels applies to --target (gRPC); --http opens a connection per request");
+  }
+  if (channels.value_or(1) < 1) Usage("--grpc_channels must be >= 1");
   return o;
 }
 
@@ -470,10 +486,10 @@ int Main(int argc, char** argv) {
   synth.seed = o.seed;
 
   Canceller canceller;
-  std::unique_ptr<Client> client = o.protocol == Protocol::kGrpc
-                                       ? MakeGrpcClient(o, absl::GetFlag(FLAGS_grpc_channels),
-                                                        &canceller)
-                                       : MakeHttpClient(o, &canceller);
+  std::unique_ptr<Client> client =
+      o.protocol == Protocol::kGrpc
+          ? MakeGrpcClient(o, absl::GetFlag(FLAGS_grpc_channels).value_or(1), &canceller)
+          : MakeHttpClient(o, &canceller);
   std::signal(SIGINT, OnInterrupt);
   std::signal(SIGPIPE, SIG_IGN);
   Runner runner(o, PromptSource(std::move(file_prompts), synth), std::move(client));

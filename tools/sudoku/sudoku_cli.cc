@@ -159,6 +159,11 @@ absl::StatusOr<Grid> LoadPuzzle(const SudokuCliOptions& options, bool* several_s
                           absl::StrCat("--puzzle-file: ", read.status().message()));
     }
     text = *std::move(read);
+    if (text.empty()) {  // named as the file's fault, not as a missing puzzle
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--puzzle-file ", options.puzzle_file == "-" ? "- (standard input)" : options.puzzle_file,
+          " is empty: no puzzle in it"));
+    }
     if (text.size() > kMaxBytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("--puzzle-file ", options.puzzle_file, " is over 64 KiB: not a puzzle"));
