@@ -513,6 +513,8 @@ TEST_P(CudaKvAuthorityTest, PoolGrowthKeepsTheRows) {
 // RESOURCE_EXHAUSTED. Every sequence's logits stay the copying backend's bits.
 TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
   if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  if (!backend_testing::SmallKvGranules())
+    GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
   CudaBackendOptions bounded = GpuOptions();
   // Below one block of each kind (5,120 B) the bound would fail every pass: refused at start.
   bounded.kv_pool_max_bytes = 5119;
@@ -619,6 +621,8 @@ TEST_P(CudaKvAuthorityTest, PoolAtItsBoundTakesIdleSequencesBlocks) {
 // copied, the logits differ.)
 TEST_P(CudaKvAuthorityTest, ThePoolsShareTheBoundCompactingTheOther) {
   if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  if (!backend_testing::SmallKvGranules())
+    GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
   CudaBackendOptions bounded = GpuOptions();
   bounded.kv_pool_max_bytes = 64 * 1024 + 4 * 4096;
   auto backend = CreateCudaBackend(config(), checkpoint_->weights, bounded);
@@ -679,7 +683,7 @@ TEST_P(CudaKvAuthorityTest, DeviceShortOfMemoryGrowsThePoolInPlace) {
   EXPECT_TRUE(first_stale);  // its last 4 rows still on the device only
 }
 
-// 8 KiB spare: half of it holds 4 blocks, fewer than an eighth of the pool (8): no growth; the
+// 15 KiB spare: half of it holds 7 blocks, fewer than an eighth of the pool (8): no growth; the
 // least recently used sequence is swapped out and its blocks taken.
 TEST_P(CudaKvAuthorityTest, DeviceOutOfMemoryTakesIdleSequencesBlocks) {
   if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";

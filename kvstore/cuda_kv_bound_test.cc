@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_backend_testing.h"
 #include "engine/cuda/cuda_test_util.h"
@@ -60,14 +61,20 @@ TEST_F(CudaKvBoundTest, TheDefaultBoundIsBelowTheFractionOfTheDevice) {
   EXPECT_LE(Bound(**gpu), int64_t(free_bytes));
 }
 
-// An explicit bound wins; 0 turns the fraction off; a fraction outside [0, 1] is refused.
+// An explicit bound wins (three blocks of each kind and a byte, as mapped: a device's granules
+// make that 2 MiB an array); 0 turns the fraction off; a fraction outside [0, 1] is refused.
 TEST_F(CudaKvBoundTest, AnExplicitBoundWinsAndZeroMeansNone) {
   CudaBackendOptions options;
-  options.kv_pool_max_bytes = 100000;
+  auto probe = Create(options);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  const int64_t one_each = GetCudaKvPoolStats(**probe).value().min_bytes;
+  ASSERT_GT(one_each, 0);
+  (*probe).reset();
+  options.kv_pool_max_bytes = size_t(3 * one_each + 1);
   options.memory_utilization = 0.5;
   auto explicit_bound = Create(options);
   ASSERT_TRUE(explicit_bound.ok()) << explicit_bound.status();
-  EXPECT_EQ(Bound(**explicit_bound), 100000);
+  EXPECT_EQ(Bound(**explicit_bound), 3 * one_each + 1);
   options.kv_pool_max_bytes = 0;
   options.memory_utilization = 0;
   auto none = Create(options);
@@ -81,6 +88,32 @@ TEST_F(CudaKvBoundTest, AnExplicitBoundWinsAndZeroMeansNone) {
 }
 
 #if defined(DGSERVE_CUDA_EMULATION)
+// Blocks of one position: each layer's K and V array holds one row of KvHeads × HeadDim elements
+// a block, at most 256 bytes here, so a pool of one block maps a whole granule (the emulation's:
+// 256 bytes) per array. One block of each kind is 2 · num_layers · 256 bytes, more than its rows;
+// a bound one byte below that is refused at creation.
+TEST_F(CudaKvBoundTest, PoolArraysAreWholeGranules) {
+  const ModelConfig& c = checkpoint_->config;
+  for (int l = 0; l < c.num_layers; ++l) {
+    ASSERT_LE(c.KvHeads(l) * c.HeadDim(l) * 4, 256) << "layer " << l;  // the premise
+  }
+  CudaBackendOptions options;
+  options.kv_block_size = 1;
+  options.memory_utilization = 0;
+  auto gpu = Create(options);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const int64_t want = 2 * int64_t(c.num_layers) * 256;
+  EXPECT_EQ(GetCudaKvPoolStats(**gpu).value().min_bytes, want);
+  EXPECT_LT(CudaKvBytesPerSequence(c, 1, options), want);  // the rows alone
+  options.kv_pool_max_bytes = size_t(want - 1);
+  const auto refused = Create(options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find(absl::StrCat("(", want, " bytes, ")), std::string::npos)
+      << refused.status();
+  options.kv_pool_max_bytes = size_t(want);
+  EXPECT_TRUE(Create(options).ok());
+}
+
 // Under a device limit L with the backend's own memory W (its weights and buffers, measured here
 // by a backend with no bound, whose creation allocates what the next one's does), nothing else
 // in use, and a fraction of 0.5:

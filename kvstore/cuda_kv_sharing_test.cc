@@ -298,6 +298,8 @@ TEST_P(CudaKvSharingTest, ARefusedPassKeepsTheBlocksItTook) {
 // 8 / B − 1 / B sliding), with the parent's logits bit for bit. (Checked by hand: without the
 // registry's update the fork finds only the sliding blocks: 2 taken.)
 TEST_P(CudaKvSharingTest, CompactionMovesRegisteredBlocks) {
+  if (!backend_testing::SmallKvGranules())
+    GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
   if (GetParam().kv_block_size != 4 || !GetParam().tensor_core_attention) {
     GTEST_SKIP() << "blocks of 4 with bf16 full layers only (the bound's block counts)";
   }

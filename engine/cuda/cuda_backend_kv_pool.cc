@@ -46,13 +46,19 @@ int64_t CudaBackend::KvPoolsBytes() const {
 int64_t CudaBackend::MaxKvPoolBlocks(int kind, int64_t bytes) const {
   const int64_t block = KvPoolBlockBytes(kind);
   if (block == 0 || bytes <= 0) return 0;
-  // The unrounded count, less the blocks the rounding (under one granule an array) takes.
-  int64_t blocks = bytes / block;
-  while (blocks > 0 && KvPoolBytes(kind, blocks) > bytes) {
-    const int64_t over = KvPoolBytes(kind, blocks) - bytes;
-    blocks -= std::max<int64_t>(1, over / block);
+  // KvPoolBytes grows with the blocks and is at least blocks · block: a binary search below the
+  // unrounded count (a step down by the bytes over can skip counts that fit, where a granule is
+  // freed a whole array at a time).
+  int64_t lo = 0, hi = bytes / block;  // KvPoolBytes(lo) ≤ bytes
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (KvPoolBytes(kind, mid) <= bytes) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
   }
-  return std::max<int64_t>(0, blocks);
+  return lo;
 }
 
 absl::Status CudaBackend::ResizeKvPool(int kind, int64_t blocks) {
@@ -61,9 +67,11 @@ absl::Status CudaBackend::ResizeKvPool(int kind, int64_t blocks) {
     // The addresses, once: for the most blocks the bound (else the device's memory) holds.
     size_t free_bytes = 0, total_bytes = 0;
     DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+    // (A bound beyond the device's memory cannot be reached: no more addresses than that.)
     const int64_t most = std::max<int64_t>(
-        1,
-        MaxKvPoolBlocks(kind, kv_pool_bound_ > 0 ? int64_t(kv_pool_bound_) : int64_t(total_bytes)));
+        1, MaxKvPoolBlocks(kind, kv_pool_bound_ > 0
+                                     ? std::min(int64_t(kv_pool_bound_), int64_t(total_bytes))
+                                     : int64_t(total_bytes)));
     std::vector<cuda::ReservedDeviceMemory> k(c_.num_layers), v(c_.num_layers);
     for (int l = 0; l < c_.num_layers; ++l) {
       if (KvKind(l) != kind) continue;
@@ -167,11 +175,18 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
     const int64_t free_ids = int64_t(other.free_ids.size()), cached = int64_t(other.cached.size());
     if (free_ids + cached == 0) return -1;
     // Worth it only if a block of this kind then fits; the other pool's cached blocks are kept
-    // (a later prefix hit needs both kinds' blocks) where its free ones are enough.
-    const int64_t other_block = KvPoolBlockBytes(1 - kind);
-    if (room + (free_ids + cached) * other_block < KvPoolBlockBytes(kind)) return -1;
-    const bool drop_cached = room + free_ids * other_block < KvPoolBlockBytes(kind);
+    // (a later prefix hit needs both kinds' blocks) where its free ones are enough. In mapped
+    // bytes: giving back fewer blocks than fill a granule of each array gives back nothing.
+    const int64_t other_now = KvPoolBytes(1 - kind, other.blocks);
+    const int64_t give_free = other_now - KvPoolBytes(1 - kind, other.blocks - free_ids);
+    const int64_t give_all = other_now - KvPoolBytes(1 - kind, other.blocks - free_ids - cached);
+    const int64_t need = KvPoolBytes(kind, pool.blocks + 1) - KvPoolBytes(kind, pool.blocks);
+    if (room + give_all < need) return -1;
+    const bool drop_cached = room + give_free < need;
     const absl::StatusOr<int> given = CompactKvPool(1 - kind, drop_cached);
+    // The device refusing the moves' or a table's small allocation: on to the idle sequences'
+    // blocks.
+    if (!given.ok() && given.status().code() == absl::StatusCode::kResourceExhausted) return -1;
     if (!given.ok()) return given.status();
     if (*given == 0) return -1;
     grown = GrowKvPool(kind, /*half_the_room=*/true);

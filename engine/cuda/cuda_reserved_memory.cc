@@ -13,7 +13,8 @@
 namespace dgserve::cuda {
 namespace {
 
-// The driver's virtual memory management entry points (CUDA 10.2 and later), looked up once.
+// The driver's virtual memory management entry points, looked up once (the lookup by version
+// needs a CUDA 12.5 runtime; the functions, a CUDA 12 driver).
 struct DriverVmm {
   decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
   decltype(&cuMemAddressReserve) reserve = nullptr;
@@ -36,7 +37,8 @@ absl::StatusOr<const DriverVmm*> Vmm() {
       if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
         cudaGetLastError();
         return absl::UnimplementedError(absl::StrCat(
-            "the CUDA driver has no ", name, " (virtual memory management, CUDA 10.2 and later)",
+            "the CUDA driver has no ", name,
+            " (virtual memory management: a CUDA 12 driver is needed)",
             e != cudaSuccess ? absl::StrCat(": ", cudaGetErrorString(e)) : std::string()));
       }
       *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);

@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>  // sysconf
 
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -74,6 +76,32 @@ TEST_F(ReservedDeviceMemoryTest, GrowsAndShrinksInPlaceKeepingTheContents) {
   EXPECT_EQ(n.get(), at);
   EXPECT_EQ(n.mapped_bytes(), gran_);
   EXPECT_EQ(m.get(), nullptr);  // NOLINT(bugprone-use-after-move): checked on purpose
+}
+
+// What a growth costs per granule (cuMemCreate + cuMemMap, one cuMemSetAccess) and a shrink
+// (cuMemUnmap + cuMemRelease): printed, not asserted (a GPU run reads it in its log; 512
+// granules, 1 GiB on Hopper), grown by doubling as a pool grows.
+TEST_F(ReservedDeviceMemoryTest, GrowthCostPerGranuleIsPrinted) {
+  const size_t n = kEmulated ? 64 : 512;
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  if (free_bytes < 2 * n * gran_) GTEST_SKIP() << "less than " << 2 * n * gran_ << " bytes free";
+  ReservedDeviceMemory m;
+  ASSERT_TRUE(m.Reserve(n * gran_).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 1; i <= n; i *= 2) ASSERT_TRUE(m.Resize(i * gran_).ok());  // doubling
+  const auto t1 = std::chrono::steady_clock::now();
+  ASSERT_EQ(cudaMemset(m.get(), 0, n * gran_), cudaSuccess);  // all of it writable
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto t2 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(m.Resize(0).ok());
+  const auto t3 = std::chrono::steady_clock::now();
+  const auto us = [](auto d) { return std::chrono::duration<double, std::micro>(d).count(); };
+  std::printf(
+      "reserved memory: %zu granules of %zu bytes: grow %.1f us/granule, shrink %.1f "
+      "us/granule\n",
+      n, gran_, us(t1 - t0) / double(n), us(t3 - t2) / double(n));
+  EXPECT_EQ(m.mapped_bytes(), 0u);
 }
 
 #if defined(DGSERVE_CUDA_EMULATION)
