@@ -80,7 +80,7 @@ absl::Status CudaBackend::Init(const ModelWeights& w) {
   }
   if (options_.kv_block_size > 0 && options_.kv_pool_max_bytes > 0) {
     // A bound below one block of each kind would fail every pass.
-    const int64_t one_each = KvPoolBytes(kKvFull, 1) + KvPoolBytes(kKvSliding, 1);
+    const int64_t one_each = KvPoolsMinBytes();
     if (int64_t(options_.kv_pool_max_bytes) < one_each) {
       return absl::InvalidArgumentError(absl::StrCat(
           "kv_pool_max_bytes ", options_.kv_pool_max_bytes,
@@ -165,7 +165,7 @@ absl::Status CudaBackend::SetKvPoolBound(size_t free_before) {
   // CheckKvFits refuses only what cannot run.
   const double bound =
       std::min(options_.memory_utilization * double(total_bytes) - own, double(free_bytes));
-  const int64_t one_each = KvPoolBytes(kKvFull, 1) + KvPoolBytes(kKvSliding, 1);
+  const int64_t one_each = KvPoolsMinBytes();
   if (bound < double(one_each)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "memory_utilization ", options_.memory_utilization, " of the device's ", total_bytes,

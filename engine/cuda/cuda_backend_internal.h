@@ -507,7 +507,7 @@ class CudaBackend final : public ModelBackend {
       st.shared_blocks_taken += pool.shared_blocks_taken;
     }
     st.device_bytes = KvPoolsBytes();
-    if (PagedKv()) st.min_bytes = KvPoolBytes(kKvFull, 1) + KvPoolBytes(kKvSliding, 1);
+    if (PagedKv()) st.min_bytes = KvPoolsMinBytes();
     st.swap_outs = kv_swap_outs_;
     st.compactions = kv_compactions_;
     st.blocks_moved = kv_blocks_moved_;
@@ -612,10 +612,12 @@ class CudaBackend final : public ModelBackend {
   int64_t KvPoolBlockBytes(int kind) const;
   // Device bytes of layer l's K (or V) array at `blocks` blocks, as mapped (a multiple of the
   // allocation granularity); KvPoolBytes: every array of pool `kind`'s; KvPoolsBytes: both pools'
-  // now. MaxKvPoolBlocks: the most blocks of pool `kind` whose arrays fit in `bytes`.
+  // now; KvPoolsMinBytes: both pools' at one block each (the smallest bound that holds a pass).
+  // MaxKvPoolBlocks: the most blocks of pool `kind` whose arrays fit in `bytes`.
   int64_t KvArrayBytes(int l, int64_t blocks) const;
   int64_t KvPoolBytes(int kind, int64_t blocks) const;
   int64_t KvPoolsBytes() const;
+  int64_t KvPoolsMinBytes() const { return KvPoolBytes(kKvFull, 1) + KvPoolBytes(kKvSliding, 1); }
   int64_t MaxKvPoolBlocks(int kind, int64_t bytes) const;
   // Both pools' bound in bytes (SetKvPoolBound; 0: none but the device's memory).
   size_t kv_pool_bound_ = 0;

@@ -108,9 +108,9 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   KvBlockPool& pool = kv_pools_[kind];
   const int B = options_.kv_block_size;
   int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
+  const int64_t mine = KvPoolBytes(kind, pool.blocks);
   if (kv_pool_bound_ > 0) {
     // Both pools' bytes stay within the bound: fewer new blocks, or none.
-    const int64_t mine = KvPoolBytes(kind, pool.blocks);
     const int64_t most = MaxKvPoolBlocks(kind, int64_t(kv_pool_bound_) - (KvPoolsBytes() - mine));
     const int64_t room = most - pool.blocks;
     const int64_t take = half_the_room ? (room + 1) / 2 : room;
@@ -130,7 +130,6 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   // what is left would otherwise take it all, one block at a time).
   size_t free_bytes = 0, total_bytes = 0;
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
-  const int64_t mine = KvPoolBytes(kind, pool.blocks);
   if (kv_pool_bound_ > 0) {
     blocks = std::min(blocks, MaxKvPoolBlocks(kind, int64_t(free_bytes) + mine));
   } else {
