@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/bf16.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_backend_testing.h"
@@ -693,6 +694,50 @@ TEST_P(CudaKvAuthorityTest, DeviceOutOfMemoryTakesIdleSequencesBlocks) {
   EXPECT_EQ(st.swap_outs, 1);
   EXPECT_FALSE(first_kept);   // the least recently used: taken,
   EXPECT_FALSE(first_stale);  // its rows copied to its cache first
+}
+
+// A growth maps at most kv_pool_max_growth_bytes. Full blocks of 4 here are 1 KiB (two layers' K
+// and V, 4 rows of one bf16 head of 32), one emulated granule of each array, so a step of 8 KiB
+// is 8 blocks: a sequence of 96 positions (24 full blocks, its rows on the device only) grows the
+// full pool 0 → 8 → 16 → 24 blocks and maps nothing more, where doubling from 64 blocks maps 64.
+// A step below one block's bytes still grows by one block. The logits are the copying backend's
+// bits either way.
+TEST_P(CudaKvAuthorityTest, AGrowthMapsAtMostTheStep) {
+  if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  const std::vector<int32_t> prompt = Tokens(96, 12), canvas = Tokens(config().canvas_length, 13);
+  ContiguousKvCache ref(config(), 128);
+  Encode(*copy_, ref, prompt);
+  const std::vector<float> want = Logits(*copy_, ref, canvas);
+  const auto run = [&](size_t step) {
+    CudaBackendOptions options = GpuOptions();
+    options.kv_pool_max_growth_bytes = step;
+    auto gpu = CreateCudaBackend(config(), checkpoint_->weights, options);
+    EXPECT_TRUE(gpu.ok()) << gpu.status();
+    if (!gpu.ok()) return CudaKvPoolStats{};
+    ContiguousKvCache kv(config(), 128);
+    Encode(**gpu, kv, prompt);
+    const CudaKvPoolStats st = GetCudaKvPoolStats(**gpu).value();
+    ExpectSameBits(Logits(**gpu, kv, canvas), want, absl::StrCat("step ", step));
+    return st;
+  };
+  const CudaKvPoolStats doubled = run(0);
+  EXPECT_EQ(doubled.full_blocks, 64);
+  EXPECT_EQ(doubled.full_blocks_in_use, 24);
+  const CudaKvPoolStats stepped = run(8 * 1024);
+  EXPECT_EQ(stepped.full_blocks, 24);
+  EXPECT_EQ(stepped.full_blocks_in_use, 24);
+  // The sliding pool holds the window's 2 blocks (4 KiB each: four float32 layers): one growth
+  // of 8 KiB, where doubling maps 64 blocks. 24 KiB + 8 KiB against 64 KiB + 256 KiB.
+  EXPECT_EQ(stepped.sliding_blocks, 2);
+  EXPECT_EQ(doubled.sliding_blocks, 64);
+  EXPECT_EQ(stepped.growths, 4);
+  EXPECT_EQ(doubled.growths, 2);
+  EXPECT_EQ(stepped.device_bytes, 32 * 1024);
+  EXPECT_EQ(doubled.device_bytes, 320 * 1024);
+  const CudaKvPoolStats one_by_one = run(1);
+  EXPECT_EQ(one_by_one.full_blocks, 24);
+  EXPECT_EQ(one_by_one.sliding_blocks, 2);
+  EXPECT_EQ(one_by_one.growths, 24 + 2);
 }
 #endif
 

@@ -144,6 +144,9 @@ void KvMetrics::UpdateDevice(const DeviceKvStats& s) {
     device_compactions_ = counter("compactions",
                                   "Device K/V pools compacted to give the other layer kind's "
                                   "pool the memory of their unheld blocks (one shared bound)");
+    device_growths_ = counter("growths",
+                              "Device K/V pool growths (each maps more device memory, at most "
+                              "1 GiB; the mapping stalls the pass that grows the pool)");
     device_upload_bytes_ =
         counter("upload_bytes", "K/V bytes uploaded from host caches to the device");
     device_sync_bytes_ =
@@ -166,6 +169,7 @@ void KvMetrics::UpdateDevice(const DeviceKvStats& s) {
   advance(device_shared_blocks_, s.shared_blocks_taken, last_device_.shared_blocks_taken);
   advance(device_swap_outs_, s.swap_outs, last_device_.swap_outs);
   advance(device_compactions_, s.compactions, last_device_.compactions);
+  advance(device_growths_, s.growths, last_device_.growths);
   advance(device_upload_bytes_, s.upload_bytes, last_device_.upload_bytes);
   advance(device_sync_bytes_, s.sync_to_host_bytes, last_device_.sync_to_host_bytes);
   last_device_ = s;

@@ -48,7 +48,7 @@ class KvMetrics {
   //     (gauge; free = allocated − in_use − cached),
   //   dgserve_<component>_device_kv_bytes (gauge: device bytes the pools hold),
   //   dgserve_<component>_device_kv_max_bytes (gauge: the pools' bound, 0 for none),
-  //   dgserve_<component>_device_kv_{shared_blocks,swap_outs,compactions,upload_bytes,
+  //   dgserve_<component>_device_kv_{shared_blocks,swap_outs,compactions,growths,upload_bytes,
   //     sync_to_host_bytes}_total (counters, advanced by the difference between snapshots);
   // for any other backend (GetDeviceKvStats nullopt) it does nothing, so a CPU worker exports
   // none of these series. Thread-safe.
@@ -74,6 +74,7 @@ class KvMetrics {
   prometheus::Counter* device_shared_blocks_ = nullptr;
   prometheus::Counter* device_swap_outs_ = nullptr;
   prometheus::Counter* device_compactions_ = nullptr;
+  prometheus::Counter* device_growths_ = nullptr;
   prometheus::Counter* device_upload_bytes_ = nullptr;
   prometheus::Counter* device_sync_bytes_ = nullptr;
   DeviceKvStats last_device_;  // the counters' previous snapshot

@@ -73,6 +73,7 @@ TEST(KvMetricsDeviceTest, SnapshotsSetGaugesAndAdvanceCounters) {
   s.max_bytes = 5000000;
   s.shared_blocks_taken = 7;
   s.swap_outs = 1;
+  s.growths = 2;
   s.upload_bytes = 4096;
   s.sync_to_host_bytes = 1000;
   m.UpdateDevice(s);
@@ -89,6 +90,7 @@ TEST(KvMetricsDeviceTest, SnapshotsSetGaugesAndAdvanceCounters) {
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_max_bytes"), 5000000);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_shared_blocks_total"), 7);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_swap_outs_total"), 1);
+  EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_growths_total"), 2);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_upload_bytes_total"), 4096);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_sync_to_host_bytes_total"), 1000);
 
@@ -98,6 +100,7 @@ TEST(KvMetricsDeviceTest, SnapshotsSetGaugesAndAdvanceCounters) {
   s.device_bytes = 246912;
   s.shared_blocks_taken = 10;
   s.swap_outs = 1;
+  s.growths = 3;
   s.upload_bytes = 4096 + 512;
   s.sync_to_host_bytes = 900;  // went down (not a real backend's): not counted back
   m.UpdateDevice(s);
@@ -108,6 +111,7 @@ TEST(KvMetricsDeviceTest, SnapshotsSetGaugesAndAdvanceCounters) {
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_bytes"), 246912);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_shared_blocks_total"), 10);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_swap_outs_total"), 1);
+  EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_growths_total"), 3);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_upload_bytes_total"), 4608);
   EXPECT_EQ(Value(registry, "dgserve_denoise_device_kv_sync_to_host_bytes_total"), 1000);
   s.sync_to_host_bytes = 950;  // counted from the last snapshot (900): +50

@@ -147,13 +147,16 @@ struct CudaBackendOptions {
   // attention kernels read K/V through it (the paged layout of cuda_attention.h). Full layers
   // hold a block for every position; sliding layers only the blocks of the window the next pass
   // reads (and of the rows the host cache still needs, defer_kv_host_copy), the others going back
-  // to the pool as the sequence advances. Pools grow by doubling and shrink only when compacted
-  // at kv_pool_max_bytes (below); blocks of
+  // to the pool as the sequence advances. Pools grow by doubling, at most
+  // kv_pool_max_growth_bytes at a time, and shrink only when compacted at kv_pool_max_bytes
+  // (below); blocks of
   // an evicted or finished sequence's mirror are reused. 0: one mirror per sequence with its own
   // arrays grown by doubling (sliding rings: sliding_kv_ring), the former layout, kept so tests
   // can show both give the same bits.
   int kv_block_size = 64;
   // The device K/V block pools' bound in bytes (both kinds; 0: none but the device's memory).
+  // Under a bound a pool grows before it evicts a cached block (the bound is a device prefix
+  // cache, as vLLM's blocks are); without one a cached block goes first.
   // A pool at the bound (or refused memory by the device) takes a free or cached block, else the
   // blocks of idle sequences' mirrors, least recently used first (their rows are on the host: a
   // later pass uploads them again), else those of idle sequences whose rows only the device has,
@@ -165,6 +168,15 @@ struct CudaBackendOptions {
   // workers do). ModelBackend::CheckKvFits refuses a sequence that alone needs more than the bound.
   // 0: the bound memory_utilization gives (below), if any.
   size_t kv_pool_max_bytes = 0;
+  // The most device memory one growth of a K/V block pool maps (the pool's arrays of every
+  // layer of its kind, as mapped), however large the pool: a growth doubles the pool up to this
+  // (at least one block). Mapping costs per granule and synchronizes with the device (PyTorch's
+  // expandable segments, pytorch/pytorch#96995), and a growth happens inside a pass: the last
+  // doubling of a 75 GB pool would map 19,000 granules of 2 MiB in one pass. Steps of 1 GiB
+  // (512 granules) bound that stall, and a pool maps memory only as it needs it, leaving the
+  // rest of the bound to the other kind's pool (fewer compactions) and to the passes' buffers.
+  // CudaKvPoolStats::growths counts them. 0: no limit (doubling).
+  size_t kv_pool_max_growth_bytes = size_t(1) << 30;
   // Where kv_pool_max_bytes is 0 (and kv_block_size > 0): the fraction of the device's memory
   // this backend may use, as vLLM's --gpu-memory-utilization. The K/V pools' bound is
   // memory_utilization · total − this backend's own device memory once its weights are on the
@@ -237,6 +249,8 @@ struct CudaKvPoolStats {
   // shared by the two kinds, whatever the mix of long and short sequences). Compactions and the
   // blocks they moved.
   int64_t compactions = 0, blocks_moved = 0;
+  // Growths of either pool (each maps at most CudaBackendOptions::kv_pool_max_growth_bytes).
+  int64_t growths = 0;
   // K and V of every block allocated, every layer, as mapped: each layer's array is a multiple of
   // the device's allocation granularity (2 MiB on Hopper; the pools grow in place, see
   // cuda_reserved_memory.h).

@@ -254,10 +254,10 @@ struct KvBlockPool {
       cached.insert({released_at[b], b});
     }
   }
-  // A free id with one reference: a free one, else the least recently released cached one
-  // (unregistered); −1 when there is neither.
-  int32_t Take() {
-    if (free_ids.empty() && !cached.empty()) {
+  // A free id with one reference: a free one, else (cached_too) the least recently released
+  // cached one (unregistered); −1 when there is neither.
+  int32_t Take(bool cached_too = true) {
+    if (cached_too && free_ids.empty() && !cached.empty()) {
       const int32_t b = cached.begin()->second;
       cached.erase(cached.begin());
       Unregister(b);
@@ -510,6 +510,7 @@ class CudaBackend final : public ModelBackend {
     if (PagedKv()) st.min_bytes = KvPoolsMinBytes();
     st.swap_outs = kv_swap_outs_;
     st.compactions = kv_compactions_;
+    st.growths = kv_growths_;
     st.blocks_moved = kv_blocks_moved_;
     st.max_bytes = int64_t(kv_pool_bound_);
     return st;
@@ -597,10 +598,11 @@ class CudaBackend final : public ModelBackend {
   // in the release order follow, copied in place), the stream drained, and the memory past the
   // blocks kept unmapped. Returns the blocks given back.
   absl::StatusOr<int> CompactKvPool(int kind, bool drop_cached);
-  // Grows pool `kind` in place (doubled, from 64 blocks; fewer within kv_pool_bound_, both pools
-  // counted, and within the device's free memory). RESOURCE_EXHAUSTED at the bound or when the
-  // device refuses the memory (nothing changed). half_the_room: at most half (rounded up) of the
-  // blocks the bound still has room for.
+  // Grows pool `kind` in place (doubled, from 64 blocks, by at most
+  // options_.kv_pool_max_growth_bytes of mapped memory but at least one block; fewer within
+  // kv_pool_bound_, both pools counted, and within the device's free memory). RESOURCE_EXHAUSTED at
+  // the bound or when the device refuses the memory (nothing changed). half_the_room: at most half
+  // (rounded up) of the blocks the bound still has room for.
   absl::Status GrowKvPool(int kind, bool half_the_room = false);
   // Maps or unmaps every array of pool `kind` (reserving their addresses first: for the blocks
   // the bound or, without one, the device's memory could hold) so that it holds `blocks` blocks;
@@ -734,6 +736,7 @@ class CudaBackend final : public ModelBackend {
   uint64_t use_clock_ = 0;
   int64_t kv_swap_outs_ = 0;                          // SwapOutOneMirror's
   int64_t kv_compactions_ = 0, kv_blocks_moved_ = 0;  // CompactKvPool's
+  int64_t kv_growths_ = 0;                            // GrowKvPool's
   uint64_t pass_start_ = 0;  // use_clock_ value of the first mirror use of the current pass
 
   // Scratch activations (grown on demand).

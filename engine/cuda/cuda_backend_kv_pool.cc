@@ -109,6 +109,12 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   const int B = options_.kv_block_size;
   int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
   const int64_t mine = KvPoolBytes(kind, pool.blocks);
+  if (const int64_t step = int64_t(options_.kv_pool_max_growth_bytes); step > 0) {
+    // One growth maps at most `step` bytes (cuda_backend.h: what a mapping costs), a block at
+    // least (a step below a granule of each array still maps one).
+    blocks =
+        std::min(blocks, std::max<int64_t>(pool.blocks + 1, MaxKvPoolBlocks(kind, mine + step)));
+  }
   if (kv_pool_bound_ > 0) {
     // Both pools' bytes stay within the bound: fewer new blocks, or none.
     const int64_t most = MaxKvPoolBlocks(kind, int64_t(kv_pool_bound_) - (KvPoolsBytes() - mine));
@@ -125,9 +131,9 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   // The device's free memory (only the new memory is needed: the arrays grow in place): fewer
   // new blocks, or none, so a refused cuMemCreate is the exception. Without a bound, the pass's
   // other buffers (its activations, a block table, a staging) have no headroom set aside: a
-  // growth takes at most half of the free memory and adds at least an eighth of the pool (else
-  // none), so that the memory left free stays above an eighth of the pool (growths of half of
-  // what is left would otherwise take it all, one block at a time).
+  // growth takes at most half of the free memory, and none once that half holds less than an
+  // eighth of the pool, so that the memory left free stays above an eighth of the pool (growths
+  // of half of what is left would otherwise take it all, one block at a time).
   size_t free_bytes = 0, total_bytes = 0;
   DGSERVE_RETURN_IF_ERROR(CudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
   if (kv_pool_bound_ > 0) {
@@ -142,6 +148,7 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   }
   // Queued work keeps reading and writing the blocks it names: their addresses do not move.
   DGSERVE_RETURN_IF_ERROR(ResizeKvPool(kind, blocks));
+  ++kv_growths_;
   // Popped from the back: the lowest new id first.
   for (int64_t b = blocks - 1; b >= pool.blocks; --b) pool.free_ids.push_back(int32_t(b));
   pool.blocks = int(blocks);
@@ -151,8 +158,10 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
 
 absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   KvBlockPool& pool = kv_pools_[kind];
-  // A free block, else a cached one (KvBlockPool::Take).
-  int32_t b = pool.Take();
+  // A free block. Then, under a bound, the pool grows before a cached block is evicted, so that
+  // cached rows fill the whole bound (as vLLM's prefix cache fills every block it was given);
+  // without a bound a cached block goes first (the device's memory is the passes' buffers' too).
+  int32_t b = pool.Take(/*cached_too=*/kv_pool_bound_ == 0);
   if (b >= 0) return b;
   absl::Status grown = GrowKvPool(kind);
   // Other errors (a failed wait, a device fault) are not for eviction to hide.

@@ -88,6 +88,7 @@ std::optional<DeviceKvStats> GetDeviceKvStats(const ModelBackend& backend) {
   s.shared_blocks_taken = pool->shared_blocks_taken;
   s.swap_outs = pool->swap_outs;
   s.compactions = pool->compactions;
+  s.growths = pool->growths;
   s.blocks_moved = pool->blocks_moved;
   s.max_bytes = pool->max_bytes;
   s.upload_bytes = copies->upload_bytes;

@@ -63,6 +63,7 @@ struct DeviceKvStats {
   // A pool compacted to give the other kind's pool the memory of its unheld blocks (the two share
   // one bound), and the blocks those compactions moved on the device.
   int64_t compactions = 0, blocks_moved = 0;
+  int64_t growths = 0;       // a pool grew (mapped more device memory)
   int64_t max_bytes = 0;     // the pools' bound (0: none but the device's memory)
   int64_t upload_bytes = 0;  // rows uploaded from host caches into the device (as stored there)
   int64_t sync_to_host_bytes = 0;  // rows copied from the device to host caches (SyncKvToHost)
