@@ -458,7 +458,7 @@ const kv: Sized[] = [
     panel: timeseries({
       title: 'Device KV blocks shared and swap-outs/s (CUDA workers)',
       description:
-        'Device K/V blocks per second a sequence took from another sequence or the device cache instead of uploading their rows (a prefix hit or a fork on the device), and idle sequences per second whose device-only rows were copied to the host to free their blocks (the pool at its bound, --cuda_kv_pool_gb, or the device out of memory), pools compacted per second to give the pool of the other layer kind the memory of their unheld blocks (the two share one bound), and encoder passes, denoising steps or commits per second the backend refused for want of K/V memory and the worker ran in smaller passes.',
+        'Device K/V blocks per second a sequence took from another sequence or the device cache instead of uploading their rows (a prefix hit or a fork on the device), and idle sequences per second whose device-only rows were copied to the host to free their blocks (the pool at its bound, --cuda_kv_pool_gb, or the device out of memory), pools compacted per second to give the pool of the other layer kind the memory of their unheld blocks (the two share one bound), pool growths per second (each maps at most 1 GiB of device memory and stalls the pass that makes it), and encoder passes, denoising steps or commits per second the backend refused for want of K/V memory and the worker ran in smaller passes.',
       min: 0,
       queries: [
         { expr: `sum by (instance) (${rate(`${PF}_device_kv_shared_blocks_total`)})`, legend: 'shared prefill {{instance}}' },
@@ -467,6 +467,8 @@ const kv: Sized[] = [
         { expr: `sum by (instance) (${rate(`${DN}_device_kv_swap_outs_total`)})`, legend: 'swap-outs denoise {{instance}}' },
         { expr: `sum by (instance) (${rate(`${PF}_device_kv_compactions_total`)})`, legend: 'pool compactions prefill {{instance}}' },
         { expr: `sum by (instance) (${rate(`${DN}_device_kv_compactions_total`)})`, legend: 'pool compactions denoise {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${PF}_device_kv_growths_total`)})`, legend: 'pool growths prefill {{instance}}' },
+        { expr: `sum by (instance) (${rate(`${DN}_device_kv_growths_total`)})`, legend: 'pool growths denoise {{instance}}' },
         { expr: `sum by (instance) (${rate(`${PF}_passes_in_parts_total`)})`, legend: 'passes run in parts prefill {{instance}}' },
         { expr: `sum by (instance) (${rate(`${DN}_passes_in_parts_total`)})`, legend: 'passes run in parts denoise {{instance}}' },
       ],
