@@ -89,10 +89,27 @@ std::string OpenAiErrorCodeForHttp(int http_status) {
     case 405: return "method_not_allowed";
     case 408: return "request_timeout";
     case 413: return "request_too_large";
+    case 414: return "uri_too_long";
     case 415: return "unsupported_media_type";
     case 431: return "request_header_fields_too_large";
     default: return "";
   }
+}
+
+absl::Status MissingBearerTokenError(absl::string_view authorization, absl::string_view field) {
+  const absl::string_view value = absl::StripAsciiWhitespace(authorization);
+  const std::string expected = absl::StrCat("send '", field, ": Bearer <key>'");
+  const absl::string_view scheme = value.substr(0, value.find_first_of(" \t"));
+  if (value.empty() || absl::EqualsIgnoreCase(scheme, "bearer")) {
+    return absl::UnauthenticatedError(absl::StrCat("missing API key: ", expected));
+  }
+  // A scheme is a token before the credentials (RFC 9110 §11.4); a value without a space (a bare
+  // key, say) has none, and is not echoed.
+  bool named = scheme.size() < value.size() && scheme.size() <= 32;
+  for (char c : scheme) named &= absl::ascii_isalnum(c) || c == '-';
+  return absl::UnauthenticatedError(
+      named ? absl::StrCat(field, " scheme '", scheme, "' is not supported: ", expected)
+            : absl::StrCat(field, " has no 'Bearer' scheme: ", expected));
 }
 
 std::string OpenAiErrorBody(const absl::Status& status, const std::string& param,

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "grpcpp/support/status.h"
 
@@ -66,9 +67,15 @@ std::string OpenAiErrorType(absl::StatusCode code);
 std::string OpenAiErrorBody(const absl::Status& status, const std::string& param = "",
                             const std::string& code = "");
 // The error `code` of an HTTP status that no status code maps to (HttpStatusFor): 405
-// "method_not_allowed", 408 "request_timeout", 413 "request_too_large", 415
+// "method_not_allowed", 408 "request_timeout", 413 "request_too_large", 414 "uri_too_long", 415
 // "unsupported_media_type", 431 "request_header_fields_too_large"; "" for any other status (the
 // body's code then follows the status code).
 std::string OpenAiErrorCodeForHttp(int http_status);
+
+// The refusal (UNAUTHENTICATED) of an API-key check whose `authorization` value (an HTTP header
+// or gRPC metadata, `field` as the protocol writes the name) carries no Bearer token: "missing
+// API key" when the value is empty or a bare "Bearer", else one naming the scheme that is not
+// supported ("Basic"; the value itself is never quoted: it may be a credential).
+absl::Status MissingBearerTokenError(absl::string_view authorization, absl::string_view field);
 
 }  // namespace dgserve

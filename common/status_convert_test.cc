@@ -93,6 +93,23 @@ TEST(StatusConvertTest, CancelledAtTheDeadlineIsRecordedAsTheDeadline) {
 
 // QuotedExcerpt (common/excerpt.h, built by appends since GCC 12 warned -Wrestrict in its
 // operator+ form): quoted whole up to the limit, else cut at a character boundary with the size.
+// A refused Authorization value without a Bearer token says why, never quoting a credential.
+TEST(StatusConvertTest, MissingBearerTokenNamesTheScheme) {
+  auto message = [](absl::string_view value) {
+    absl::Status s = MissingBearerTokenError(value, "Authorization");
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated);
+    return std::string(s.message());
+  };
+  EXPECT_EQ(message(""), "missing API key: send 'Authorization: Bearer <key>'");
+  EXPECT_EQ(message(" bearer "), "missing API key: send 'Authorization: Bearer <key>'");
+  EXPECT_EQ(message("Basic dXNlcjpwYXNz"),
+            "Authorization scheme 'Basic' is not supported: send 'Authorization: Bearer <key>'");
+  EXPECT_EQ(message("sk-secret"),
+            "Authorization has no 'Bearer' scheme: send 'Authorization: Bearer <key>'");
+  EXPECT_EQ(message("sk=secret more"),
+            "Authorization has no 'Bearer' scheme: send 'Authorization: Bearer <key>'");
+}
+
 TEST(QuotedExcerptTest, QuotesWholeOrCutsAtACharacterWithTheSize) {
   EXPECT_EQ(QuotedExcerpt(""), "\"\"");
   EXPECT_EQ(QuotedExcerpt("tool"), "\"tool\"");

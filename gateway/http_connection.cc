@@ -533,6 +533,11 @@ void HttpConnection::OnReadError(error_code ec) {
     code = 413;
     status = absl::InvalidArgumentError(absl::StrCat(
         "request body larger than ", host_->options().max_body_bytes, " bytes"));
+  } else if (ec == http::error::header_limit && parser_ && parser_->get().target().empty()) {
+    // The limit was reached before the request line ended: the URI is what is too long.
+    code = 414;
+    status = absl::InvalidArgumentError(absl::StrCat("request line (method and URI) longer than ",
+                                                     host_->options().max_header_bytes, " bytes"));
   } else if (ec == http::error::header_limit) {
     code = 431;
     status = absl::InvalidArgumentError(absl::StrCat(

@@ -50,7 +50,7 @@ struct HttpResponse {
 };
 
 // An OpenAI error body whose code matches `http_status`: a status no status code maps to (405,
-// 408, 413, 415, 431) names itself, any other follows the status code. 429 adds Retry-After.
+// 408, 413, 414, 415, 431) names itself, any other follows the status code. 429 adds Retry-After.
 HttpResponse ErrorResponse(int http_status, const absl::Status& status,
                            const std::string& param = "");
 // The same, with the HTTP status that `status`'s code maps to.

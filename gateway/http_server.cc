@@ -376,7 +376,11 @@ std::optional<HttpResponse> OpenAiHttpServer::Impl::HeadRefusal(const HttpReques
                                      ? absl::OkStatus()
                                      : core_->CheckApiKey(BearerToken(req));
              !auth.ok()) {
-    refuse(401, auth);
+    // An Authorization header without a Bearer token (a Basic one): the refusal says so.
+    const std::string authorization = HeaderValue(req, http::field::authorization);
+    const bool other_scheme =
+        BearerToken(req).empty() && !absl::StripAsciiWhitespace(authorization).empty();
+    refuse(401, other_scheme ? MissingBearerTokenError(authorization, "Authorization") : auth);
     r.Set("WWW-Authenticate", "Bearer");
   } else if (!post) {
     return std::nullopt;

@@ -45,7 +45,8 @@ struct HttpServerOptions {
   std::string host = "127.0.0.1";
   int port = 0;                     // 0 = any free port (Start returns it)
   size_t max_body_bytes = 4 << 20;  // larger request bodies get 413 (and the connection closes)
-  size_t max_header_bytes = 16 << 10;  // larger request heads get 431 (and the connection closes)
+  // Larger request heads get 431, a longer request line (the URI) 414; the connection closes.
+  size_t max_header_bytes = 16 << 10;
   // The bytes of request bodies held at once across all connections, from the head (its
   // Content-Length; a chunked body counts max_body_bytes) until the body is parsed: a body that
   // does not fit is refused on its head, before it is read, with 503 (Retry-After: 1; the
@@ -83,9 +84,9 @@ struct HttpServerOptions {
 //     and `WWW-Authenticate: Bearer`.
 //   - Unknown path → 404, known path with the wrong method → 405 (with `Allow`), body larger
 //     than max_body_bytes → 413, a body beyond max_buffered_body_bytes (all connections'
-//     bodies not yet parsed) → 503 on its head, head larger than max_header_bytes → 431, a
-//     malformed request → 400; all with OpenAI error bodies (413, 431 and 400 close the
-//     connection). `Expect: 100-continue` is answered.
+//     bodies not yet parsed) → 503 on its head, head larger than max_header_bytes → 431 (414
+//     when the request line alone is), a malformed request → 400; all with OpenAI error bodies
+//     (413, 414, 431 and 400 close the connection). `Expect: 100-continue` is answered.
 //   - A generation body is read as JSON when it has no Content-Type (and no `Origin`: a
 //     browser's untyped post must say application/json), application/json or
 //     application/*+json (parameters ignored); any other type is 415 (code

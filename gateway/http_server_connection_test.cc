@@ -74,6 +74,19 @@ TEST_F(HttpServerTest, HeaderTooLargeIs431) {
   EXPECT_THAT(out, HasSubstr("request head larger than 1024 bytes"));
 }
 
+// A request line longer than the head's limit is 414 URI Too Long, not 431 (which is for header
+// fields).
+TEST_F(HttpServerTest, RequestLineTooLongIs414) {
+  HttpServerOptions options;
+  options.max_header_bytes = 1024;
+  StartServer(options);
+  const std::string out = RawRequest(
+      port_, "GET /v1/models?q=" + std::string(4000, 'a') + " HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_THAT(out, HasSubstr("HTTP/1.1 414 URI Too Long"));
+  EXPECT_THAT(out, HasSubstr("request line (method and URI) longer than 1024 bytes"));
+  EXPECT_THAT(out, HasSubstr(R"("code":"uri_too_long")"));
+}
+
 TEST_F(HttpServerTest, RequestTimeoutHeaderOnlyShortens) {
   std::atomic<double> seen_timeout{0};
   core_.generate = [&](const v1::GenerateRequest&, absl::Time deadline,

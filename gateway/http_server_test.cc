@@ -82,6 +82,14 @@ TEST_F(HttpServerTest, Auth) {
   ExpectErrorBody(cli.Get("/v1/models"), 401, "authentication_error", "invalid API key");
   ExpectErrorBody(cli.Get("/v1/models", {{"Authorization", "Bearer sk-2"}}), 401,
                   "authentication_error", "invalid API key");
+  // A scheme other than Bearer is named (it said "missing API key"); the value is not echoed.
+  auto basic = cli.Get("/v1/models", {{"Authorization", "Basic dXNlcjpzay0x"}});
+  ExpectErrorBody(basic, 401, "authentication_error",
+                  "Authorization scheme 'Basic' is not supported: send 'Authorization: Bearer "
+                  "<key>'");
+  EXPECT_EQ(basic.Header("WWW-Authenticate"), "Bearer");
+  ExpectErrorBody(cli.Get("/v1/models", {{"Authorization", "sk-1"}}), 401, "authentication_error",
+                  "Authorization has no 'Bearer' scheme: send 'Authorization: Bearer <key>'");
   auto ok = cli.Get("/v1/models", {{"Authorization", "bearer  sk-1 "}});
   ASSERT_TRUE(ok);
   EXPECT_EQ(ok.status, 200);

@@ -153,6 +153,18 @@ bool IsKvPoolFull(const absl::Status& s) {
   return absl::IsResourceExhausted(s) && absl::StrContains(s.message(), kKvPoolFull);
 }
 
+absl::Status KvPushLimitError(const std::string& request_id, const std::string& target,
+                              int max_outstanding) {
+  return absl::ResourceExhaustedError(absl::StrCat("KV transfer for ", request_id, " to ", target,
+                                                   ": ", kKvPushLimit, max_outstanding,
+                                                   " transfers to that target are already "
+                                                   "outstanding"));
+}
+
+bool IsKvPushLimit(const absl::Status& s) {
+  return absl::IsResourceExhausted(s) && absl::StrContains(s.message(), kKvPushLimit);
+}
+
 std::string TransferFailureCause(absl::string_view message) {
   constexpr absl::string_view kPrefix = "KV transfer for ";
   for (;;) {

@@ -44,6 +44,13 @@ absl::Status CheckDescriptor(const KvLayout& layout, const v1::KvDescriptor& got
 // hold the KV once requests finish, so a sender may keep the KV and push it again later.
 inline constexpr char kKvPoolFull[] = "KV pool full: ";
 bool IsKvPoolFull(const absl::Status& s);
+// A sender's refusal of its own: `max_outstanding` transfers to `target` are already running
+// (RESOURCE_EXHAUSTED whose message carries kKvPushLimit). Nothing was sent and the target may
+// have room: the KV can be pushed again once one of them ends.
+inline constexpr char kKvPushLimit[] = "KV push limit: ";
+absl::Status KvPushLimitError(const std::string& request_id, const std::string& target,
+                              int max_outstanding);
+bool IsKvPushLimit(const absl::Status& s);
 // The cause of a failed transfer, without the "KV transfer for ID[ to TARGET][ failed]: "
 // prefixes each layer (receiver, stream client, sender) adds: a client sees it once.
 std::string TransferFailureCause(absl::string_view message);

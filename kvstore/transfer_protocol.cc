@@ -108,9 +108,7 @@ void ProtocolSender::Send(const std::string& target, const std::string& request_
     if (!full) ++n;
   }
   if (full) {
-    done(absl::ResourceExhaustedError(absl::StrCat(
-        "KV transfer for ", request_id, " to ", target, ": ", max_outstanding_,
-        " transfers to that target are already outstanding")));
+    done(KvPushLimitError(request_id, target, max_outstanding_));
     return;
   }
   std::thread([outstanding = outstanding_, transport = transport_, target, request_id,

@@ -153,6 +153,8 @@ TEST_F(TransferProtocolTest, OutstandingLimitPerTargetAndReferenceDroppedBeforeD
   ASSERT_TRUE(second->Wait());
   EXPECT_THAT(second->result, StatusIs(absl::StatusCode::kResourceExhausted,
                                        HasSubstr("1 transfers to that target")));
+  EXPECT_TRUE(IsKvPushLimit(second->result.status())) << second->result.status();
+  EXPECT_FALSE(IsKvPoolFull(second->result.status()));
   hold.Notify();
   ASSERT_TRUE(first->Wait());
   EXPECT_THAT(first->result, IsOk());

@@ -437,6 +437,15 @@ void PrefillEngine::Push(std::shared_ptr<Job> job, std::shared_ptr<const kv::Pag
                         ? absl::StrCat("denoise worker KV cache full: ", rest)
                         : absl::StrCat("denoise worker KV cache still full after waiting ",
                                        options_.kv_push_wait_ms, " ms (--kv_push_wait_ms): ", rest);
+          } else if (kv::IsKvPushLimit(st)) {
+            // Not retried: the limit keeps an unresponsive target from holding this worker's
+            // KV pool (its pushes run until their lease ends); the client may retry (429).
+            absl::string_view rest = cause;
+            absl::ConsumePrefix(&rest, kv::kKvPushLimit);
+            cause = absl::StrCat(
+                "this prefill worker's limit of KV pushes to one target "
+                "(--max_kv_pushes_per_target): ",
+                rest);
           }
           // Recorded as the client's end when the client ended it (the transfer may have been
           // cut for that reason before this worker's own call noticed).

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -426,6 +427,48 @@ TEST_F(PrefillEnginePoolFullTest, WaitBoundAndCancelEndAWaitingPush) {
   engine_.reset();
   // Only the unclaimed KV of "held" is on the receiver.
   EXPECT_EQ(receiver_pool_->stats().used[int(kv::LayerKind::kFull)], 3);
+}
+
+// The in-process transport, whose first `refusals` pushes are refused as the TCP and GPU
+// transports refuse one beyond --max_kv_pushes_per_target (kv::KvPushLimitError).
+class PushLimitTransport : public kv::KvTransport {
+ public:
+  explicit PushLimitTransport(int refusals)
+      : inner_(kv::CreateInProcessTransport()), refusals_(refusals) {}
+  std::string name() const override { return inner_->name(); }
+  void Send(const std::string& target, const std::string& request_id,
+            std::shared_ptr<const kv::PagedKvCache> kv, int64_t lease_ms,
+            kv::TransferCallback done) override {
+    if (refusals_.fetch_sub(1) > 0) {
+      done(kv::KvPushLimitError(request_id, target, 64));
+      return;
+    }
+    inner_->Send(target, request_id, std::move(kv), lease_ms, std::move(done));
+  }
+
+ private:
+  std::unique_ptr<kv::KvTransport> inner_;
+  std::atomic<int> refusals_;
+};
+
+// A push refused by this worker's own limit of pushes outstanding to the target fails the
+// request at once with RESOURCE_EXHAUSTED (HTTP 429), not waiting as for a full target pool, its
+// cause naming the flag (it said only "64 transfers to that target are already outstanding").
+TEST_F(PrefillEngineTest, PushRefusedAtTheOutstandingLimitNamesTheFlag) {
+  engine_ = std::make_unique<PrefillEngine>(backend_.get(), pool_.get(),
+                                            std::make_unique<PushLimitTransport>(1),
+                                            PrefillEngineOptions{}, nullptr, nullptr);
+  Pending refused;
+  ASSERT_THAT(Submit(Request("refused", Prompt(20, 4)), &refused), IsOk());
+  ASSERT_TRUE(refused.Wait());
+  EXPECT_EQ(refused.result.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.result.status().message(),
+            "KV transfer to " + target_ +
+                " failed: this prefill worker's limit of KV pushes to one target "
+                "(--max_kv_pushes_per_target): 64 transfers to that target are already "
+                "outstanding");
+  EXPECT_EQ(engine_->stats().kv_push_waits, 0);
+  engine_.reset();
 }
 
 TEST_F(PrefillEngineTest, TransferToAnUnknownTargetFails) {

@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_convert.h"
 #include "grpc/grpc.h"
 #include "grpc/grpc_security.h"
 #include "grpc/slice.h"
@@ -198,9 +199,12 @@ MetadataCheck ApiKeyCheck(std::vector<std::string> keys,
     for (const std::string& k : keys) ok |= !bearer.empty() && ConstantTimeEquals(bearer, k);
     if (ok) return grpc::Status::OK;
     if (on_refused) on_refused(path);
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        bearer.empty() ? "missing API key: send 'authorization: Bearer <key>'"
-                                       : "invalid API key");
+    if (!bearer.empty()) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid API key");
+    auto it = md.find("authorization");
+    return ToGrpcStatus(MissingBearerTokenError(
+        it == md.end() ? absl::string_view()
+                       : absl::string_view(it->second.data(), it->second.size()),
+        "authorization"));
   };
 }
 

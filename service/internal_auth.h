@@ -59,7 +59,8 @@ bool IsHealthCheckMethod(const std::string& path);
 
 // A check requiring "authorization: Bearer <k>" for one of `keys` on every method except the
 // health service's; `on_refused` (may be empty) is called with each refused call's path.
-// Refused calls get UNAUTHENTICATED ("missing API key" / "invalid API key").
+// Refused calls get UNAUTHENTICATED ("missing API key", a scheme that is not Bearer, or
+// "invalid API key").
 MetadataCheck ApiKeyCheck(std::vector<std::string> keys,
                           std::function<void(const std::string& path)> on_refused = {});
 

@@ -261,7 +261,11 @@ TEST(InternalAuthTest, ApiKeyCheckRefusesBeforeParsingAndCountsRefusals) {
   s = RawUnaryCall(plain, kStats, "", {{"authorization", "Bearer key-three"}});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(s.error_message(), "invalid API key");
-  EXPECT_EQ(refused.load(), 2);
+  s = RawUnaryCall(plain, kStats, "", {{"authorization", "Basic a2V5LXR3bw=="}});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(s.error_message(),
+            "authorization scheme 'Basic' is not supported: send 'authorization: Bearer <key>'");
+  EXPECT_EQ(refused.load(), 3);
   EXPECT_EQ(server.service.calls.load(), 0);
   EXPECT_TRUE(RawUnaryCall(plain, kStats, "", {{"authorization", "Bearer key-two"}}).ok());
   EXPECT_TRUE(RawUnaryCall(plain, kHealth, "").ok());

@@ -12,7 +12,8 @@
 //                  [--samples N [--sample_temperature_spread X]] [--check]
 //                  (tools/sudoku/sudoku_cli.h; --check: only check the puzzle)
 //
-// Flags may be spelled with dashes or underscores. A flag only another command reads is refused.
+// Flags may be spelled with dashes or underscores; a bool flag X is turned off by --no-X, --noX or
+// --X=false. A flag only another command reads is refused.
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/marshalling.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
@@ -159,6 +161,31 @@ absl::StatusOr<std::string> ReadPrompt(bool always_chat = false) {
   return prompt;
 }
 
+// The sampler's float32 flags are read as doubles: a set value that is not a finite float32 (1e300
+// would be sent as inf, "nan" as NaN) is refused naming the flag and the value as read. Returns
+// INVALID_ARGUMENT.
+absl::Status CheckFloatFlags() {
+  struct FloatFlag {
+    const char* name;  // as the usage line spells it
+    const absl::Flag<std::optional<double>>* flag;
+  };
+  const FloatFlag kFlags[] = {
+      {"t-min", &FLAGS_t_min},
+      {"t-max", &FLAGS_t_max},
+      {"entropy-bound", &FLAGS_entropy_bound},
+      {"confidence-threshold", &FLAGS_confidence_threshold},
+      {"sample_temperature_spread", &FLAGS_sample_temperature_spread},
+  };
+  for (const FloatFlag& f : kFlags) {
+    const std::optional<double> v = absl::GetFlag(*f.flag);
+    if (!v || std::isfinite(float(*v))) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", f.name, " ", absl::UnparseFlag(*v),
+        ": must be a finite number that fits a 32-bit float (magnitude below 3.4e38)"));
+  }
+  return absl::OkStatus();
+}
+
 // The diffusion control flags that are set, checked by the gateway's own rules
 // (ValidateSamplerParams) before anything is sent, so `dgserve chat` and `dgserve sudoku` report
 // a bad value (e.g. --steps 0) at once instead of after connecting and drawing a grid. Unset flags
@@ -167,6 +194,7 @@ absl::StatusOr<std::string> ReadPrompt(bool always_chat = false) {
 // lenient for the last-step temperature floor), so only the set flags can fail.
 // Returns INVALID_ARGUMENT naming the field.
 absl::Status CheckDiffusionFlags() {
+  DGSERVE_RETURN_IF_ERROR(CheckFloatFlags());
   SamplerParams p;
   p.max_denoising_steps = absl::GetFlag(FLAGS_steps).value_or(1);
   const std::optional<double> t_min = absl::GetFlag(FLAGS_t_min);
@@ -338,6 +366,7 @@ absl::StatusOr<bool> RunSudoku(const std::vector<std::string>& args) {
 absl::Status RunGenerate() {
   DGSERVE_RETURN_IF_ERROR(RefuseSudokuOnlyFlags("generate"));
   DGSERVE_RETURN_IF_ERROR(CheckMaxTokensFlag());
+  DGSERVE_RETURN_IF_ERROR(CheckFloatFlags());
   const std::string dir = absl::GetFlag(FLAGS_model);
   if (dir.empty()) return absl::InvalidArgumentError("--model is required");
   DGSERVE_ASSIGN_OR_RETURN(const BackendSelection selection,
@@ -459,8 +488,8 @@ absl::Status RunGenerate() {
 
 // absl flags are spelled with underscores; accept --max-tokens as well.
 // Only words that name one of our flags are rewritten, so a value such as a file called
-// "--my-prompt.txt" is left alone. `given` receives the names of the flags before "--"
-// (underscore spelling; --noX as X).
+// "--my-prompt.txt" is left alone; --no-X (of a bool flag X) becomes Abseil's --noX. `given`
+// receives the names of the flags before "--" (underscore spelling; --noX and --no-X as X).
 std::vector<char*> NormaliseFlagNames(int argc, char** argv, std::vector<std::string>& storage,
                                       std::vector<std::string>& given) {
   storage.assign(argv, argv + argc);
@@ -472,11 +501,17 @@ std::vector<char*> NormaliseFlagNames(int argc, char** argv, std::vector<std::st
     std::string name = a.substr(2, end - 2);
     std::replace(name.begin(), name.end(), '-', '_');
     const bool known = absl::FindCommandLineFlag(name) != nullptr;
-    const bool negated = !known && absl::StartsWith(name, "no") &&
-                         absl::FindCommandLineFlag(name.substr(2)) != nullptr;  // --noflag
-    if (!known && !negated) continue;
-    a = "--" + name + a.substr(end);
-    given.push_back(negated ? name.substr(2) : name);
+    // --noflag, and --no-flag (--no_flag) as users of other CLIs spell it: Abseil reads only the
+    // first. Only a bool flag can be negated (Abseil names any other in its error).
+    std::string negated;
+    if (!known && absl::StartsWith(name, "no")) {
+      negated = name.substr(absl::StartsWith(name, "no_") ? 3 : 2);
+      const absl::CommandLineFlag* f = absl::FindCommandLineFlag(negated);
+      if (f == nullptr || (name[2] == '_' && !f->IsOfType<bool>())) negated.clear();
+    }
+    if (!known && negated.empty()) continue;
+    a = "--" + (known ? name : "no" + negated) + a.substr(end);
+    given.push_back(known ? name : negated);
   }
   std::vector<char*> out;
   for (std::string& s : storage) out.push_back(s.data());

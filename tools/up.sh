@@ -9,10 +9,11 @@
 #                                      rendered as its canvas converges; exit 2 when the
 #                                      answer does not solve it (the cluster keeps running)
 #   bash tools/up.sh --chat [PROMPT]   the random tiny-g3 model (models/default, generated with
-#                                      the real Gemma tokenizer) answers a chat request
+#                                      the real Gemma tokenizer) answers a chat request (PROMPT
+#                                      left out: a default one; an empty PROMPT is refused)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { sed -n '6,12p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '6,13p' "$0" | sed 's/^# \{0,1\}//'; }
 MODE=sudoku
 case "${1:-}" in
   -h | --help)
@@ -30,6 +31,13 @@ if [ $# -gt 1 ]; then
   echo "up.sh: one PUZZLE or --chat PROMPT, got $# arguments (quote a prompt; more choices, e.g." \
     "--samples: build/tools/dgserve sudoku --help against the running cluster)" >&2
   usage >&2
+  exit 2
+fi
+# PROMPT is optional: left out, the default prompt is sent; an empty one is refused (a chat turn
+# with no text), before anything is built or started.
+if [ "$MODE" = chat ] && [ $# -eq 1 ] && [ -z "${1//[[:space:]]/}" ]; then
+  echo "up.sh: --chat PROMPT: the prompt is empty; give some text, or leave PROMPT out for the" \
+    "default prompt; the running cluster, if any, is left alone" >&2
   exit 2
 fi
 # A puzzle is checked before anything is installed, built, stopped or started: its shape here

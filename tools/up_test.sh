@@ -78,6 +78,11 @@ no_cluster_call() {  # $1: description
   fi
 }
 GOOD=.84561.3.65.7...2...7...15.7.8...3..39..5.2.....37..48.7.6.541..2.4.36...6..87...
+# An explicitly empty prompt is refused (it sent the default prompt) before the cluster is touched.
+rm -f "$T/run/calls"
+expect "an empty --chat prompt exits 2" 2 "^up.sh: --chat PROMPT: the prompt is empty" 0 --chat ""
+no_cluster_call "an empty --chat prompt"
+expect "a blank --chat prompt exits 2" 2 "^up.sh: --chat PROMPT: the prompt is empty" 0 --chat " "
 rm -f "$T/run/calls"
 expect "80 cells are refused" 1 "^up.sh: a puzzle is 81 cells.*\(80 cells after removing" 0 \
   "${GOOD:1}"

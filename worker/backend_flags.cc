@@ -3,8 +3,12 @@
 #include <cstdio>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/private_handle_accessor.h"
+#include "absl/flags/reflection.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "worker/backend_env.h"
 
 namespace {
@@ -50,18 +54,32 @@ ABSL_FLAG(std::string, cpu_gemm_input, "float32",
 
 namespace dgserve {
 
+namespace {
+
+// A flag set to something other than its default, or given on the command line at all (a flag set
+// shared by CPU and GPU deployments spells out the default: it does nothing either).
+bool Set(absl::string_view name, bool changed) {
+  if (changed) return true;
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  return flag != nullptr &&
+         absl::flags_internal::PrivateHandleAccessor::IsSpecifiedOnCommandLine(*flag);
+}
+
+}  // namespace
+
 std::vector<std::string> UnusedBackendFlags(const std::string& device) {
   std::vector<std::string> out;
   const std::string cuda_input = absl::GetFlag(FLAGS_cuda_gemm_input);
-  if (device == "cpu" && cuda_input != "bf16") {
+  if (device == "cpu" && Set("cuda_gemm_input", cuda_input != "bf16")) {
     out.push_back(absl::StrCat("--cuda_gemm_input=", cuda_input,
                                " has no effect with --device cpu (see --cpu_gemm_input)"));
   }
-  if (const double gb = absl::GetFlag(FLAGS_cuda_kv_pool_gb); device == "cpu" && gb != 0) {
+  if (const double gb = absl::GetFlag(FLAGS_cuda_kv_pool_gb);
+      device == "cpu" && Set("cuda_kv_pool_gb", gb != 0)) {
     out.push_back(absl::StrCat("--cuda_kv_pool_gb=", gb, " has no effect with --device cpu"));
   }
   if (const double u = absl::GetFlag(FLAGS_cuda_memory_utilization);
-      u != DefaultMemoryUtilization()) {
+      Set("cuda_memory_utilization", u != DefaultMemoryUtilization())) {
     if (device == "cpu") {
       out.push_back(
           absl::StrCat("--cuda_memory_utilization=", u, " has no effect with --device cpu"));
@@ -71,7 +89,7 @@ std::vector<std::string> UnusedBackendFlags(const std::string& device) {
     }
   }
   const std::string cpu_input = absl::GetFlag(FLAGS_cpu_gemm_input);
-  if (device == "cuda" && cpu_input != "float32") {
+  if (device == "cuda" && Set("cpu_gemm_input", cpu_input != "float32")) {
     out.push_back(absl::StrCat("--cpu_gemm_input=", cpu_input,
                                " has no effect with --device cuda (see --cuda_gemm_input)"));
   }
@@ -110,8 +128,8 @@ absl::StatusOr<BackendSelection> BackendSelectionFromFlags(const std::string& de
   }
   s.cuda_memory_utilization = utilization;
   if (absl::Status st = CheckBackendSelection(s); !st.ok()) return st;
-  for (const std::string& unused : UnusedBackendFlags(device)) {
-    std::fprintf(stderr, "warning: %s\n", unused.c_str());
+  if (const std::vector<std::string> unused = UnusedBackendFlags(device); !unused.empty()) {
+    std::fprintf(stderr, "warning: %s\n", absl::StrJoin(unused, "; ").c_str());
   }
   s.cpu_gemm_isa = GemmIsaFromEnvironment();
   s.cpu_dense_self_conditioning = DenseSelfConditioningFromEnvironment();

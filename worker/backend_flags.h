@@ -19,13 +19,13 @@ namespace dgserve {
 // same for --cuda_gemm_input, "--cuda_kv_pool_gb x: must be a number of GB in [0, 1e6]",
 // "--cuda_memory_utilization x: must be a fraction in [0, 1]", then
 // "--device x: must be 'cpu' or 'cuda'". Loads nothing: call it
-// before a checkpoint load. Logs a warning for each flag UnusedBackendFlags names.
+// before a checkpoint load. Logs one warning naming every flag UnusedBackendFlags names.
 absl::StatusOr<BackendSelection> BackendSelectionFromFlags(const std::string& device);
 
-// The backend flags set to something other than their default that --device `device` does not
-// use (--cuda_gemm_input, --cuda_kv_pool_gb and --cuda_memory_utilization with cpu,
-// --cpu_gemm_input with cuda), one message each naming the flag: they change nothing, and a user
-// who set one expected them to. Empty when none.
+// The backend flags set to something other than their default, or given on the command line at
+// all, that --device `device` does not use (--cuda_gemm_input, --cuda_kv_pool_gb and
+// --cuda_memory_utilization with cpu, --cpu_gemm_input with cuda), one message each naming the
+// flag: they change nothing, and a user who set one expected them to. Empty when none.
 std::vector<std::string> UnusedBackendFlags(const std::string& device);
 
 }  // namespace dgserve

@@ -3,10 +3,15 @@
 // today, but the flag keeps it that way if the formulas ever change.
 #include "engine/model/random_checkpoint.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <bit>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -187,6 +192,18 @@ std::string GenerationConfigToJson(const GenerationConfig& g) {
   return j.dump(2) + "\n";
 }
 
+absl::Status CheckWritableDirectory(const std::string& dir) {
+  const std::string probe = (fs::path(dir) / ".dgserve-write-probe").string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot write to directory ", dir, ": ", std::strerror(errno)));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return absl::OkStatus();
+}
+
 absl::Status WriteRandomCheckpoint(const ModelConfig& config, const GenerationConfig& generation,
                                    uint64_t seed, const std::string& out_dir,
                                    const WriteOptions& options) {
@@ -201,11 +218,24 @@ absl::Status WriteRandomCheckpoint(const ModelConfig& config, const GenerationCo
     tokenizer_config = tokenizer.parent_path() / "tokenizer_config.json";
     if (!fs::is_regular_file(tokenizer_config, ec)) tokenizer_config.clear();
   }
+  // A directory that cannot be made or written to is named with the OS's reason, before the free
+  // space is looked at (a file system such as /sys reports none: it was "only 0.00 GB are free").
+  std::error_code ec;
+  const bool created = fs::create_directories(out_dir, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create directory ", out_dir, ": ", ec.message()));
+  }
+  if (absl::Status writable = CheckWritableDirectory(out_dir); !writable.ok()) {
+    if (created) fs::remove(out_dir, ec);
+    return writable;
+  }
   // Refuse up front what the disk cannot hold, rather than leave a partial checkpoint behind.
   int64_t total_bytes = 0;
   for (const TensorSpec& spec : ExpectedTensors(config)) total_bytes += spec.numel() * 2;
   if (auto free_bytes = FreeDiskBytes(out_dir);
       free_bytes && uint64_t(total_bytes) + (64u << 20) > *free_bytes) {
+    if (created) fs::remove(out_dir, ec);
     return absl::ResourceExhaustedError(
         absl::StrFormat("writing this checkpoint to %s needs %.2f GB of disk (bf16) but only "
                         "%.2f GB are free",

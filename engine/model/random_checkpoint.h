@@ -61,10 +61,16 @@ std::string GenerationConfigToJson(const GenerationConfig& generation);
 // generation_config.json, model.safetensors (BF16, every tensor of ExpectedTensors(config)
 // generated with `seed`; sharded + index above options.max_shard_bytes) and the tokenizer files
 // if options.tokenizer_path is set. Tensors are generated one at a time (peak memory ≈ the
-// largest tensor). Errors: NOT_FOUND if the tokenizer file is missing; INTERNAL on I/O failure.
+// largest tensor). Errors: NOT_FOUND if the tokenizer file is missing; FAILED_PRECONDITION naming
+// `out_dir` and the OS's reason if it cannot be created or written to (CheckWritableDirectory);
+// RESOURCE_EXHAUSTED if its file system has too little free space; INTERNAL on I/O failure.
 absl::Status WriteRandomCheckpoint(const ModelConfig& config, const GenerationConfig& generation,
                                    uint64_t seed, const std::string& out_dir,
                                    const WriteOptions& options = {});
+
+// OK when a file can be created in the existing directory `dir` (one is made and removed), else
+// FAILED_PRECONDITION "cannot write to directory DIR: <the OS's reason>".
+absl::Status CheckWritableDirectory(const std::string& dir);
 
 // The two configs of a model directory (e.g. a golden model dir): config.json (required) and
 // generation_config.json (absent → defaults). Errors as LoadModelConfig / LoadGenerationConfig.
