@@ -20,6 +20,7 @@
 #include "gateway/request_ids.h"
 #include "gateway/request_run.h"
 #include "service/canvas_template_proto.h"
+#include "service/internal_auth.h"
 
 namespace dgserve {
 
@@ -114,9 +115,12 @@ std::string Gateway::NotReadyReason() const {
 
 absl::Status Gateway::CheckApiKey(const std::string& bearer) const {
   if (options_.api_keys.empty()) return absl::OkStatus();
-  for (const std::string& k : options_.api_keys) {
-    if (!bearer.empty() && bearer == k) return absl::OkStatus();
-  }
+  // Every key compared in constant time (as the gRPC interceptor's ApiKeyCheck): how long the
+  // refusal took must not tell how much of a key a guess got right.
+  bool ok = false;
+  for (const std::string& k : options_.api_keys)
+    ok |= !bearer.empty() && ConstantTimeEquals(bearer, k);
+  if (ok) return absl::OkStatus();
   return absl::UnauthenticatedError(
       bearer.empty() ? "missing API key: send 'Authorization: Bearer <key>'" : "invalid API key");
 }
