@@ -337,42 +337,6 @@ TEST_P(CudaKvSharingTest, CompactionMovesRegisteredBlocks) {
   gpu.reset();  // its mirrors name caches of pool_
 }
 
-// Under a bound (the default's) a pool grows before it evicts a cached block: the K/V's memory
-// keeps cached rows until the bound is reached. Growths of one block (kv_pool_max_growth_bytes 1)
-// leave no free block: once the 22-token prompt's cache is gone, a 60-token sequence's blocks
-// come from new memory, not from the prompt's cached blocks (22 / B whole full blocks), so a hit
-// at 16 tokens still uploads nothing. (Where cached blocks went first, the 60 tokens took them
-// and the hit uploaded its rows again.)
-TEST_P(CudaKvSharingTest, UnderABoundThePoolGrowsBeforeEvictingCachedBlocks) {
-  if (!backend_testing::SmallKvGranules())
-    GTEST_SKIP() << "growths of one block: the emulation's granules only";
-  const int B = GetParam().kv_block_size;
-  CudaBackendOptions options = GpuOptions();
-  options.kv_pool_max_growth_bytes = 1;
-  ASSERT_GT(options.memory_utilization, 0);
-  auto created = CreateCudaBackend(config(), checkpoint_->weights, options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  gpu_ = std::move(*created);
-  ASSERT_GT(GetCudaKvPoolStats(*gpu_)->max_bytes, 0);
-  const std::vector<int32_t> a = Tokens(22, 1);
-  std::unique_ptr<PagedKvCache> kv_a = EncodePrompt(a);
-  ASSERT_FALSE(HasFatalFailure());
-  EXPECT_EQ(GetCudaKvPoolStats(*gpu_)->full_blocks, (22 + B - 1) / B);
-  kv_a.reset();  // its registered blocks cached at the next pass
-  ContiguousKvCache filler(config(), kMaxTokens);
-  Encode(*gpu_, filler, Tokens(60, 30));
-  CudaKvPoolStats st = GetCudaKvPoolStats(*gpu_).value();
-  EXPECT_EQ(st.full_blocks_cached, 22 / B);
-  EXPECT_EQ(st.full_blocks_in_use, (60 + B - 1) / B);
-  EXPECT_EQ(st.full_blocks, (60 + B - 1) / B + 22 / B);  // the prompt's partial block reused
-  const std::unique_ptr<PagedKvCache> hit = Hit(SharingPrompt(a, 16), 16);
-  const int64_t uploaded = UploadBytes(), taken = Taken();
-  const std::vector<float> logits = Logits(*gpu_, *hit, canvas_);
-  EXPECT_EQ(UploadBytes() - uploaded, 0);  // 16: a multiple of both block sizes
-  EXPECT_GE(Taken() - taken, 16 / B);
-  ExpectPlainLogits(*hit, logits, "hit after another sequence's growth");
-}
-
 INSTANTIATE_TEST_SUITE_P(Modes, CudaKvSharingTest,
                          ::testing::Values(SharingMode{"bf16_tc_blocks4", cuda::GemmInput::kBf16,
                                                        cpu::GemmInput::kBf16, true, true, 4},

@@ -155,8 +155,6 @@ struct CudaBackendOptions {
   // can show both give the same bits.
   int kv_block_size = 64;
   // The device K/V block pools' bound in bytes (both kinds; 0: none but the device's memory).
-  // Under a bound a pool grows before it evicts a cached block (the bound is a device prefix
-  // cache, as vLLM's blocks are); without one a cached block goes first.
   // A pool at the bound (or refused memory by the device) takes a free or cached block, else the
   // blocks of idle sequences' mirrors, least recently used first (their rows are on the host: a
   // later pass uploads them again), else those of idle sequences whose rows only the device has,

@@ -254,10 +254,10 @@ struct KvBlockPool {
       cached.insert({released_at[b], b});
     }
   }
-  // A free id with one reference: a free one, else (cached_too) the least recently released
-  // cached one (unregistered); −1 when there is neither.
-  int32_t Take(bool cached_too = true) {
-    if (cached_too && free_ids.empty() && !cached.empty()) {
+  // A free id with one reference: a free one, else the least recently released cached one
+  // (unregistered); −1 when there is neither.
+  int32_t Take() {
+    if (free_ids.empty() && !cached.empty()) {
       const int32_t b = cached.begin()->second;
       cached.erase(cached.begin());
       Unregister(b);

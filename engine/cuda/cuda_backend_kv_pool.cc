@@ -109,7 +109,10 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
   const int B = options_.kv_block_size;
   int64_t blocks = std::max<int64_t>(64, 2 * int64_t(pool.blocks));
   const int64_t mine = KvPoolBytes(kind, pool.blocks);
-  if (const int64_t step = int64_t(options_.kv_pool_max_growth_bytes); step > 0) {
+  // (Clamped so that `mine + step` cannot overflow: 2^60 bytes is no limit on any device.)
+  if (const int64_t step =
+          int64_t(std::min<size_t>(options_.kv_pool_max_growth_bytes, size_t(1) << 60));
+      step > 0) {
     // One growth maps at most `step` bytes (cuda_backend.h: what a mapping costs), a block at
     // least (a step below a granule of each array still maps one).
     blocks =
@@ -158,10 +161,8 @@ absl::Status CudaBackend::GrowKvPool(int kind, bool half_the_room) {
 
 absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   KvBlockPool& pool = kv_pools_[kind];
-  // A free block. Then, under a bound, the pool grows before a cached block is evicted, so that
-  // cached rows fill the whole bound (as vLLM's prefix cache fills every block it was given);
-  // without a bound a cached block goes first (the device's memory is the passes' buffers' too).
-  int32_t b = pool.Take(/*cached_too=*/kv_pool_bound_ == 0);
+  // A free block, else a cached one (KvBlockPool::Take).
+  int32_t b = pool.Take();
   if (b >= 0) return b;
   absl::Status grown = GrowKvPool(kind);
   // Other errors (a failed wait, a device fault) are not for eviction to hide.
