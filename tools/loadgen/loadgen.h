@@ -51,7 +51,9 @@ struct Options {
   double timeout_s = 300;
 };
 
-// Splits "HOST:PORT" (an "http://" prefix and a trailing "/" are tolerated; IPv6 as "[::1]:80").
+// Splits "HOST:PORT" (IPv6 as "[::1]:80"). An "http://" prefix and a trailing "/" or "/v1" (the
+// OpenAI base URL, http://HOST:PORT/v1) are tolerated; another scheme, another path or white
+// space is an error naming it.
 absl::StatusOr<std::pair<std::string, int>> ParseHostPort(std::string_view address);
 
 // Checks ranges and combinations of `o` (both the flag values and what they imply). The message

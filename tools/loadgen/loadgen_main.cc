@@ -26,7 +26,8 @@
 #include "tools/loadgen/loadgen.h"
 
 ABSL_FLAG(std::string, target, "", "gRPC gateway HOST:PORT (GenerationService.GenerateStream)");
-ABSL_FLAG(std::string, http, "", "HTTP gateway HOST:PORT (OpenAI API, streaming)");
+ABSL_FLAG(std::string, http, "",
+          "HTTP gateway HOST:PORT or its base URL http://HOST:PORT/v1 (OpenAI API, streaming)");
 ABSL_FLAG(std::optional<std::string>, endpoint, std::nullopt,
           "with --http: chat (/v1/chat/completions, the default) or completions (/v1/completions)");
 ABSL_FLAG(std::string, api_key, "", "sent as 'authorization: Bearer KEY'");

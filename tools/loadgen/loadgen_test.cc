@@ -149,7 +149,12 @@ TEST(PromptsJsonlTest, ErrorsNameTheLineAndTheProblem) {
 TEST(PromptsJsonlTest, LoadFileNamesTheFile) {
   auto missing = LoadPromptsFile("/nonexistent/prompts.jsonl");
   ASSERT_FALSE(missing.ok());
-  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("/nonexistent/prompts.jsonl"));
+  EXPECT_THAT(std::string(missing.status().message()),
+              HasSubstr("/nonexistent/prompts.jsonl: cannot open: No such file or directory"));
+  // A directory is named as one (it read as a file of blank lines: "no prompts").
+  auto dir = LoadPromptsFile(::testing::TempDir());
+  ASSERT_FALSE(dir.ok());
+  EXPECT_THAT(std::string(dir.status().message()), HasSubstr(": is a directory"));
   const std::string path = ::testing::TempDir() + "/loadgen_prompts.jsonl";
   std::ofstream(path) << "{\"prompt\": \"x\"}\n{\"bad\": 1}\n";
   auto bad = LoadPromptsFile(path);
@@ -265,6 +270,26 @@ TEST(OptionsTest, ParseHostPort) {
   auto c = ParseHostPort("[::1]:80");
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->first, "::1");
+  // The OpenAI base URL, as the README gives it and OpenAI clients take it.
+  for (const char* base : {"http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/"}) {
+    auto u = ParseHostPort(base);
+    ASSERT_TRUE(u.ok()) << base << ": " << u.status();
+    EXPECT_EQ(u->first, "127.0.0.1");
+    EXPECT_EQ(u->second, 8000);
+  }
+  // Each refusal names what is wrong (they read "port must be 1..65535" or "write an IPv6 host
+  // in brackets").
+  const std::vector<std::pair<std::string, std::string>> named = {
+      {"https://127.0.0.1:8000", "only http:// is supported (https://"},
+      {"127.0.0.1:8000/v1/completions", "the path '/v1/completions' is not taken"},
+      {"http://127.0.0.1:8000/metrics", "the path '/metrics' is not taken"},
+      {" 127.0.0.1:8000", "holds white space"},
+  };
+  for (const auto& [address, want] : named) {
+    auto r = ParseHostPort(address);
+    ASSERT_FALSE(r.ok()) << address;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(want)) << address;
+  }
   for (const char* bad : {"localhost", ":80", "host:", "host:0", "host:65536", "host:8x", "::1:80"}) {
     EXPECT_FALSE(ParseHostPort(bad).ok()) << bad;
   }
