@@ -195,8 +195,11 @@ absl::StatusOr<Prompt> ParsePromptObject(const json& j) {
         return Bad(absl::StrCat("messages[", i, "] must be {\"role\": string, \"content\": string}"));
       }
       const std::string role = m["role"].get<std::string>();
-      if (role != "system" && role != "user" && role != "assistant") {
-        return Bad(absl::StrCat("messages[", i, "].role must be system, user or assistant"));
+      // The gateway's roles (developer is read as system, model as assistant), sent as written.
+      if (role != "system" && role != "developer" && role != "user" && role != "assistant" &&
+          role != "model") {
+        return Bad(absl::StrCat("messages[", i,
+                                "].role must be system, developer, user, assistant or model"));
       }
       p.messages.push_back({role, m["content"].get<std::string>()});
     }

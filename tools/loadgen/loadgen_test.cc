@@ -112,6 +112,20 @@ TEST(PromptsJsonlTest, ParsesPromptsAndMessages) {
   EXPECT_EQ((*p)[2].text, "last");
 }
 
+// Every role the gateway takes (developer as system, model as assistant: gateway/BEHAVIOUR.md)
+// is taken here too and sent as written; they were refused as not "system, user or assistant".
+TEST(PromptsJsonlTest, TakesTheGatewaysRoles) {
+  auto p = ParsePromptsJsonl(
+      R"({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", )"
+      R"("content": "hi"}, {"role": "model", "content": "hello"}, {"role": "user", )"
+      R"("content": "again"}]})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->size(), 1u);
+  ASSERT_EQ((*p)[0].messages.size(), 4u);
+  EXPECT_EQ((*p)[0].messages[0].role, "developer");
+  EXPECT_EQ((*p)[0].messages[2].role, "model");
+}
+
 TEST(PromptsJsonlTest, ErrorsNameTheLineAndTheProblem) {
   struct Case {
     const char* input;
