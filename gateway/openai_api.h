@@ -45,7 +45,8 @@
 // not), and these harmless defaults that some client libraries always send are accepted and
 // ignored: "logprobs": false, "echo": false, "best_of": 1, "presence_penalty": 0,
 // "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
-// "top_logprobs": 0, "store": false.
+// "top_logprobs": 0, "store": false. OpenAI's "suffix" (insertion) is refused with a pointer to
+// "canvas_template", which is how this server infills.
 //
 // Every error is INVALID_ARGUMENT with a message that starts with the field's name
 // ("max_tokens: must be an integer", "messages[2].content[0].type: ...") or reads
