@@ -7,7 +7,8 @@
 //   both endpoints:
 //     model              string; missing or null → "" (the served model; the core checks it)
 //     max_tokens, max_completion_tokens
-//                        integer in [1, 1000000]; if both are set they must be equal
+//                        integer in [1, 1000000]; if both are set they must be equal; neither:
+//                        the checkpoint's generation_config.json max_new_tokens (the core's)
 //     stream             bool
 //     stream_options     {"include_usage": bool}; only allowed with "stream": true
 //     stop               string, or array of at most 4 strings; every string non-empty
