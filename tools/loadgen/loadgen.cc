@@ -77,6 +77,11 @@ absl::StatusOr<std::pair<std::string, int>> ParseHostPort(std::string_view addre
   return std::make_pair(host, port);
 }
 
+std::string JoinHostPort(const std::string& host, int port) {
+  return host.find(':') != std::string::npos ? absl::StrCat("[", host, "]:", port)
+                                             : absl::StrCat(host, ":", port);
+}
+
 absl::Status ValidateOptions(const Options& o) {
   if (o.host.empty() || o.port < 1 || o.port > 65535) {
     return Bad("give the server with --target HOST:PORT (gRPC) or --http HOST:PORT (OpenAI API)");

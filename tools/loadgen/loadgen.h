@@ -56,6 +56,9 @@ struct Options {
 // space is an error naming it.
 absl::StatusOr<std::pair<std::string, int>> ParseHostPort(std::string_view address);
 
+// "HOST:PORT" as ParseHostPort reads it back: an IPv6 host in brackets ("[::1]:80").
+std::string JoinHostPort(const std::string& host, int port);
+
 // Checks ranges and combinations of `o` (both the flag values and what they imply). The message
 // names the offending flag, e.g. "--rate must be > 0 with --mode open".
 absl::Status ValidateOptions(const Options& o);

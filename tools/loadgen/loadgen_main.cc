@@ -498,7 +498,7 @@ int Main(int argc, char** argv) {
 
   RunInfo info;
   info.protocol = o.protocol == Protocol::kGrpc ? "grpc" : "http";
-  info.target = absl::StrCat(o.host, ":", o.port);
+  info.target = JoinHostPort(o.host, o.port);  // "[::1]:80", as --http and --target take it
   info.endpoint = o.protocol == Protocol::kGrpc ? "GenerateStream"
                   : o.endpoint == Endpoint::kChat ? "/v1/chat/completions"
                                                   : "/v1/completions";

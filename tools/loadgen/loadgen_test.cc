@@ -309,6 +309,16 @@ TEST(OptionsTest, ParseHostPort) {
   }
 }
 
+// The report's target, as ParseHostPort reads it back: an IPv6 host in brackets (the report
+// said "is the gateway running at ::1:8000?").
+TEST(OptionsTest, JoinHostPortBracketsIpv6) {
+  EXPECT_EQ(JoinHostPort("127.0.0.1", 8000), "127.0.0.1:8000");
+  EXPECT_EQ(JoinHostPort("::1", 8000), "[::1]:8000");
+  auto back = ParseHostPort(JoinHostPort("::1", 8000));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->first, "::1");
+}
+
 TEST(OptionsTest, ValidateNamesTheFlag) {
   EXPECT_TRUE(ValidateOptions(GoodOptions()).ok());
   struct Case {
