@@ -441,6 +441,11 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
       return Unsupported(key, "this endpoint takes a prompt; use /v1/chat/completions");
     } else if (key == "prompt") {
       return Unsupported(key, "this endpoint takes messages; use /v1/completions");
+    } else if (key == "suffix") {
+      // OpenAI's insertion: here infilling is a canvas template (README "Infilling").
+      return Unsupported(key,
+                         "for infilling give \"canvas_template\": fixed text with holes the model "
+                         "fills, README \"Infilling\"");
     } else {
       return Unsupported(key);
     }

@@ -7,7 +7,8 @@
 //   both endpoints:
 //     model              string; missing or null → "" (the served model; the core checks it)
 //     max_tokens, max_completion_tokens
-//                        integer in [1, 1000000]; if both are set they must be equal
+//                        integer in [1, 1000000]; if both are set they must be equal; neither:
+//                        the checkpoint's generation_config.json max_new_tokens (the core's)
 //     stream             bool
 //     stream_options     {"include_usage": bool}; only allowed with "stream": true
 //     stop               string, or array of at most 4 strings; every string non-empty
@@ -45,7 +46,8 @@
 // not), and these harmless defaults that some client libraries always send are accepted and
 // ignored: "logprobs": false, "echo": false, "best_of": 1, "presence_penalty": 0,
 // "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
-// "top_logprobs": 0, "store": false.
+// "top_logprobs": 0, "store": false. OpenAI's "suffix" (insertion) is refused with a pointer to
+// "canvas_template", which is how this server infills.
 //
 // Every error is INVALID_ARGUMENT with a message that starts with the field's name
 // ("max_tokens: must be an integer", "messages[2].content[0].type: ...") or reads

@@ -340,6 +340,11 @@ TEST(ParseCompletionsTest, UnsupportedFields) {
     ExpectError(body, "unsupported field: " + name);
   }
   ExpectError(R"({"prompt": "x", "messages": []})", "unsupported field: messages (this endpoint");
+  // OpenAI's suffix (insertion) points to what infills here.
+  ExpectError(R"({"prompt": "x", "suffix": "s"})",
+              "unsupported field: suffix (for infilling give \"canvas_template\"");
+  ExpectError(R"({"messages": [{"role": "user", "content": "x"}], "suffix": "s"})",
+              "unsupported field: suffix (for infilling give \"canvas_template\"", true);
 }
 
 TEST(ParseCompletionsTest, DiffusionControlTypeChecks) {

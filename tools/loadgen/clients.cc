@@ -62,9 +62,7 @@ class GrpcClient : public Client {
  public:
   GrpcClient(const Options& o, int channels, Canceller* canceller)
       : options_(o), canceller_(canceller) {
-    const std::string target = o.host.find(':') != std::string::npos
-                                   ? absl::StrCat("[", o.host, "]:", o.port)
-                                   : absl::StrCat(o.host, ":", o.port);
+    const std::string target = JoinHostPort(o.host, o.port);
     for (int i = 0; i < std::max(1, channels); ++i) {
       grpc::ChannelArguments args;
       // Distinct arguments give each channel its own connection.

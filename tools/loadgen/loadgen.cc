@@ -1,10 +1,13 @@
 #include "tools/loadgen/loadgen.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cctype>
+#include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -31,8 +34,28 @@ std::string_view Strip(std::string_view s) {
 
 absl::StatusOr<std::pair<std::string, int>> ParseHostPort(std::string_view address) {
   std::string_view a = address;
-  if (a.substr(0, 7) == "http://") a.remove_prefix(7);
-  if (!a.empty() && a.back() == '/') a.remove_suffix(1);
+  if (const size_t scheme = a.find("://"); scheme != std::string_view::npos) {
+    if (a.substr(0, scheme) != "http") {
+      return Bad(absl::StrCat("address '", std::string(address), "': only http:// is supported (",
+                              std::string(a.substr(0, scheme)),
+                              "://: dgserve-loadgen speaks plain HTTP and gRPC); give HOST:PORT"));
+    }
+    a.remove_prefix(scheme + 3);
+  }
+  // The OpenAI base URL (http://HOST:PORT/v1, as the README and OpenAI clients write it) names
+  // the same server; any other path is refused rather than dropped.
+  if (const size_t slash = a.find('/'); slash != std::string_view::npos) {
+    const std::string_view path = a.substr(slash);
+    if (path != "/" && path != "/v1" && path != "/v1/") {
+      return Bad(absl::StrCat("address '", std::string(address), "': the path '", std::string(path),
+                              "' is not taken (give HOST:PORT or the base URL "
+                              "http://HOST:PORT/v1; the endpoint is --endpoint's)"));
+    }
+    a = a.substr(0, slash);
+  }
+  if (std::any_of(a.begin(), a.end(), [](char c) { return std::isspace((unsigned char)c); })) {
+    return Bad(absl::StrCat("address '", std::string(address), "' holds white space"));
+  }
   const size_t colon = a.rfind(':');
   if (colon == std::string_view::npos || colon == 0 || colon + 1 == a.size()) {
     return Bad(absl::StrCat("address '", std::string(address), "' is not HOST:PORT"));
@@ -52,6 +75,11 @@ absl::StatusOr<std::pair<std::string, int>> ParseHostPort(std::string_view addre
     return Bad(absl::StrCat("address '", std::string(address), "': port must be 1..65535"));
   }
   return std::make_pair(host, port);
+}
+
+std::string JoinHostPort(const std::string& host, int port) {
+  return host.find(':') != std::string::npos ? absl::StrCat("[", host, "]:", port)
+                                             : absl::StrCat(host, ":", port);
 }
 
 absl::Status ValidateOptions(const Options& o) {
@@ -172,8 +200,11 @@ absl::StatusOr<Prompt> ParsePromptObject(const json& j) {
         return Bad(absl::StrCat("messages[", i, "] must be {\"role\": string, \"content\": string}"));
       }
       const std::string role = m["role"].get<std::string>();
-      if (role != "system" && role != "user" && role != "assistant") {
-        return Bad(absl::StrCat("messages[", i, "].role must be system, user or assistant"));
+      // The gateway's roles (developer is read as system, model as assistant), sent as written.
+      if (role != "system" && role != "developer" && role != "user" && role != "assistant" &&
+          role != "model") {
+        return Bad(absl::StrCat("messages[", i,
+                                "].role must be system, developer, user, assistant or model"));
       }
       p.messages.push_back({role, m["content"].get<std::string>()});
     }
@@ -216,8 +247,17 @@ absl::StatusOr<std::vector<Prompt>> ParsePromptsJsonl(std::string_view content) 
 }
 
 absl::StatusOr<std::vector<Prompt>> LoadPromptsFile(const std::string& path) {
+  // A directory opens, and reads as empty: named as what it is, not as a file of blank lines.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return Bad(absl::StrCat("--prompts ", path, ": is a directory, not a JSONL file"));
+  }
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  if (!in) return Bad(absl::StrCat("--prompts ", path, ": cannot open"));
+  if (!in) {
+    return Bad(absl::StrCat("--prompts ", path, ": cannot open",
+                            errno != 0 ? absl::StrCat(": ", std::strerror(errno)) : ""));
+  }
   std::stringstream ss;
   ss << in.rdbuf();
   if (in.bad()) return Bad(absl::StrCat("--prompts ", path, ": read error"));

@@ -51,8 +51,13 @@ struct Options {
   double timeout_s = 300;
 };
 
-// Splits "HOST:PORT" (an "http://" prefix and a trailing "/" are tolerated; IPv6 as "[::1]:80").
+// Splits "HOST:PORT" (IPv6 as "[::1]:80"). An "http://" prefix and a trailing "/" or "/v1" (the
+// OpenAI base URL, http://HOST:PORT/v1) are tolerated; another scheme, another path or white
+// space is an error naming it.
 absl::StatusOr<std::pair<std::string, int>> ParseHostPort(std::string_view address);
+
+// "HOST:PORT" as ParseHostPort reads it back: an IPv6 host in brackets ("[::1]:80").
+std::string JoinHostPort(const std::string& host, int port);
 
 // Checks ranges and combinations of `o` (both the flag values and what they imply). The message
 // names the offending flag, e.g. "--rate must be > 0 with --mode open".

@@ -26,7 +26,8 @@
 #include "tools/loadgen/loadgen.h"
 
 ABSL_FLAG(std::string, target, "", "gRPC gateway HOST:PORT (GenerationService.GenerateStream)");
-ABSL_FLAG(std::string, http, "", "HTTP gateway HOST:PORT (OpenAI API, streaming)");
+ABSL_FLAG(std::string, http, "",
+          "HTTP gateway HOST:PORT or its base URL http://HOST:PORT/v1 (OpenAI API, streaming)");
 ABSL_FLAG(std::optional<std::string>, endpoint, std::nullopt,
           "with --http: chat (/v1/chat/completions, the default) or completions (/v1/completions)");
 ABSL_FLAG(std::string, api_key, "", "sent as 'authorization: Bearer KEY'");
@@ -497,7 +498,7 @@ int Main(int argc, char** argv) {
 
   RunInfo info;
   info.protocol = o.protocol == Protocol::kGrpc ? "grpc" : "http";
-  info.target = absl::StrCat(o.host, ":", o.port);
+  info.target = JoinHostPort(o.host, o.port);  // "[::1]:80", as --http and --target take it
   info.endpoint = o.protocol == Protocol::kGrpc ? "GenerateStream"
                   : o.endpoint == Endpoint::kChat ? "/v1/chat/completions"
                                                   : "/v1/completions";

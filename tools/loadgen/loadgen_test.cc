@@ -112,6 +112,20 @@ TEST(PromptsJsonlTest, ParsesPromptsAndMessages) {
   EXPECT_EQ((*p)[2].text, "last");
 }
 
+// Every role the gateway takes (developer as system, model as assistant: gateway/BEHAVIOUR.md)
+// is taken here too and sent as written; they were refused as not "system, user or assistant".
+TEST(PromptsJsonlTest, TakesTheGatewaysRoles) {
+  auto p = ParsePromptsJsonl(
+      R"({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", )"
+      R"("content": "hi"}, {"role": "model", "content": "hello"}, {"role": "user", )"
+      R"("content": "again"}]})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->size(), 1u);
+  ASSERT_EQ((*p)[0].messages.size(), 4u);
+  EXPECT_EQ((*p)[0].messages[0].role, "developer");
+  EXPECT_EQ((*p)[0].messages[2].role, "model");
+}
+
 TEST(PromptsJsonlTest, ErrorsNameTheLineAndTheProblem) {
   struct Case {
     const char* input;
@@ -149,7 +163,12 @@ TEST(PromptsJsonlTest, ErrorsNameTheLineAndTheProblem) {
 TEST(PromptsJsonlTest, LoadFileNamesTheFile) {
   auto missing = LoadPromptsFile("/nonexistent/prompts.jsonl");
   ASSERT_FALSE(missing.ok());
-  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("/nonexistent/prompts.jsonl"));
+  EXPECT_THAT(std::string(missing.status().message()),
+              HasSubstr("/nonexistent/prompts.jsonl: cannot open: No such file or directory"));
+  // A directory is named as one (it read as a file of blank lines: "no prompts").
+  auto dir = LoadPromptsFile(::testing::TempDir());
+  ASSERT_FALSE(dir.ok());
+  EXPECT_THAT(std::string(dir.status().message()), HasSubstr(": is a directory"));
   const std::string path = ::testing::TempDir() + "/loadgen_prompts.jsonl";
   std::ofstream(path) << "{\"prompt\": \"x\"}\n{\"bad\": 1}\n";
   auto bad = LoadPromptsFile(path);
@@ -265,9 +284,39 @@ TEST(OptionsTest, ParseHostPort) {
   auto c = ParseHostPort("[::1]:80");
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->first, "::1");
+  // The OpenAI base URL, as the README gives it and OpenAI clients take it.
+  for (const char* base : {"http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/"}) {
+    auto u = ParseHostPort(base);
+    ASSERT_TRUE(u.ok()) << base << ": " << u.status();
+    EXPECT_EQ(u->first, "127.0.0.1");
+    EXPECT_EQ(u->second, 8000);
+  }
+  // Each refusal names what is wrong (they read "port must be 1..65535" or "write an IPv6 host
+  // in brackets").
+  const std::vector<std::pair<std::string, std::string>> named = {
+      {"https://127.0.0.1:8000", "only http:// is supported (https://"},
+      {"127.0.0.1:8000/v1/completions", "the path '/v1/completions' is not taken"},
+      {"http://127.0.0.1:8000/metrics", "the path '/metrics' is not taken"},
+      {" 127.0.0.1:8000", "holds white space"},
+  };
+  for (const auto& [address, want] : named) {
+    auto r = ParseHostPort(address);
+    ASSERT_FALSE(r.ok()) << address;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(want)) << address;
+  }
   for (const char* bad : {"localhost", ":80", "host:", "host:0", "host:65536", "host:8x", "::1:80"}) {
     EXPECT_FALSE(ParseHostPort(bad).ok()) << bad;
   }
+}
+
+// The report's target, as ParseHostPort reads it back: an IPv6 host in brackets (the report
+// said "is the gateway running at ::1:8000?").
+TEST(OptionsTest, JoinHostPortBracketsIpv6) {
+  EXPECT_EQ(JoinHostPort("127.0.0.1", 8000), "127.0.0.1:8000");
+  EXPECT_EQ(JoinHostPort("::1", 8000), "[::1]:8000");
+  auto back = ParseHostPort(JoinHostPort("::1", 8000));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->first, "::1");
 }
 
 TEST(OptionsTest, ValidateNamesTheFlag) {
