@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/excerpt.h"
+#include "common/limits.h"
 #include "common/status_convert.h"
 #include "common/status_macros.h"
 #include "gateway/generation_core.h"
@@ -31,7 +32,7 @@ using json_fields::ReadWhole;
 using json_fields::Unsupported;
 using json_fields::WholeNumber;
 
-constexpr int64_t kMaxTokensLimit = 1'000'000;
+constexpr int64_t kMaxTokensLimit = kMaxTokensPerRequest;  // common/limits.h
 constexpr size_t kMaxStops = 4;
 
 // The harmless defaults of the file comment: accepted and ignored.

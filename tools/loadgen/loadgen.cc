@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/limits.h"
 
 namespace dgserve::loadgen {
 
@@ -111,6 +112,10 @@ absl::Status ValidateOptions(const Options& o) {
   }
   if (!(o.max_tokens_mean >= 1) || !Finite(o.max_tokens_mean)) {
     return Bad("--max_tokens_mean must be >= 1");
+  }
+  if (o.max_tokens_mean > double(kMaxTokensPerRequest)) {
+    return Bad(absl::StrCat("--max_tokens_mean must be <= ", kMaxTokensPerRequest,
+                            " (the gateway refuses a larger max_tokens)"));
   }
   if (!(o.max_tokens_std >= 0) || !Finite(o.max_tokens_std)) {
     return Bad("--max_tokens_std must be >= 0");
@@ -214,6 +219,10 @@ absl::StatusOr<Prompt> ParsePromptObject(const json& j) {
     if (!v.is_number_integer() || v.get<int64_t>() < 1) {
       return Bad("\"max_tokens\" must be a positive integer");
     }
+    if (v.get<int64_t>() > kMaxTokensPerRequest) {
+      return Bad(absl::StrCat("\"max_tokens\" must be at most ", kMaxTokensPerRequest,
+                              " (the gateway refuses more)"));
+    }
     p.max_tokens = v.get<int64_t>();
   }
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -316,7 +325,9 @@ Prompt PromptSource::Get(uint64_t index) const {
     }
   }
   if (p.max_tokens == 0) {
-    p.max_tokens = DrawPositive(rng, options_.max_tokens_mean, options_.max_tokens_std);
+    // A draw past the gateway's limit is the limit (a mean at most the limit is checked).
+    p.max_tokens = std::min<int64_t>(
+        DrawPositive(rng, options_.max_tokens_mean, options_.max_tokens_std), kMaxTokensPerRequest);
   }
   return p;
 }

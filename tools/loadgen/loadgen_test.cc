@@ -146,6 +146,7 @@ TEST(PromptsJsonlTest, ErrorsNameTheLineAndTheProblem) {
       {"{\"prompt\": \"a\", \"max_tokens\": -3}", "positive integer"},
       {"{\"prompt\": \"a\", \"max_tokens\": 2.5}", "positive integer"},
       {"{\"prompt\": \"a\", \"max_tokens\": \"8\"}", "positive integer"},
+      {"{\"prompt\": \"a\", \"max_tokens\": 1000001}", "\"max_tokens\" must be at most 1000000"},
       {"{\"prompt\": \"a\", \"temperature\": 1}", "unknown key \"temperature\""},
       {"\n\n  \n", "no prompts"},
       {"", "no prompts"},
@@ -327,8 +328,16 @@ TEST(OptionsTest, ValidateNamesTheFlag) {
   };
   const std::vector<Case> cases = {
       {[](Options& o) { o.host = ""; }, "--target"},
-      {[](Options& o) { o.mode = Mode::kOpen; o.concurrency = 0; }, "--rate must be > 0"},
-      {[](Options& o) { o.mode = Mode::kOpen; o.rate = 2; }, "--concurrency applies"},
+      {[](Options& o) {
+         o.mode = Mode::kOpen;
+         o.concurrency = 0;
+       },
+       "--rate must be > 0"},
+      {[](Options& o) {
+         o.mode = Mode::kOpen;
+         o.rate = 2;
+       },
+       "--concurrency applies"},
       {[](Options& o) { o.rate = 2; }, "--rate applies to --mode open"},
       {[](Options& o) { o.concurrency = 0; }, "--concurrency must be >= 1"},
       {[](Options& o) { o.requests = 0; }, "--duration_s"},
@@ -340,6 +349,7 @@ TEST(OptionsTest, ValidateNamesTheFlag) {
       {[](Options& o) { o.prompt_tokens_mean = 0; }, "--prompt_tokens_mean"},
       {[](Options& o) { o.prompt_tokens_std = -1; }, "--prompt_tokens_std"},
       {[](Options& o) { o.max_tokens_mean = 0.5; }, "--max_tokens_mean"},
+      {[](Options& o) { o.max_tokens_mean = 1e6 + 1; }, "--max_tokens_mean must be <= 1000000"},
       {[](Options& o) { o.max_tokens_std = -2; }, "--max_tokens_std"},
       {[](Options& o) { o.max_denoising_steps = 2000; }, "--max_denoising_steps"},
       {[](Options& o) { o.canvas_step_interval = -1; }, "--canvas_step_interval"},
