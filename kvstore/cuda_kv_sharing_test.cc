@@ -13,7 +13,9 @@
 //     device block of 8 whose second host block differs is uploaded), and only when every row
 //     of it was written (a sliding block the upload filled from the window's start on is not
 //     registered): each of these, broken on purpose, gives other logits here;
-//   - a registered block moved by a compaction of its pool at the bound is found at its new id.
+//   - a registered block moved by a compaction of its pool at the bound is found at its new id;
+//     a compaction drops only the least recently released cached blocks it needs (counts and a
+//     hit on the prompt released last by hand).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include <ostream>
 #include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -116,12 +119,15 @@ class CudaKvSharingTest : public backend_testing::CpuGpuTest<CudaKvSharingTest, 
   }
   // A prompt of `n` tokens encoded on gpu_ one host block per pass, synced and indexed as its
   // blocks fill (the prefill worker's chunks in small).
-  std::unique_ptr<PagedKvCache> EncodePrompt(const std::vector<int32_t>& prompt) {
+  // (On `gpu`, gpu_ when null.)
+  std::unique_ptr<PagedKvCache> EncodePrompt(const std::vector<int32_t>& prompt,
+                                             ModelBackend* gpu = nullptr) {
+    ModelBackend& b = gpu != nullptr ? *gpu : *gpu_;
     auto kv = std::make_unique<PagedKvCache>(pool_.get(), kMaxTokens);
     for (size_t at = 0; at < prompt.size(); at += kHostBlock) {
       const size_t n = std::min<size_t>(kHostBlock, prompt.size() - at);
-      Encode(*gpu_, *kv, std::vector<int32_t>(prompt.begin() + at, prompt.begin() + at + n));
-      EXPECT_TRUE(gpu_->SyncKvToHost(*kv).ok());
+      Encode(b, *kv, std::vector<int32_t>(prompt.begin() + at, prompt.begin() + at + n));
+      EXPECT_TRUE(b.SyncKvToHost(*kv).ok());
       pool_->InsertPrefix(std::span<const int32_t>(prompt).first(at + n), kv->table());
     }
     return kv;
@@ -334,6 +340,71 @@ TEST_P(CudaKvSharingTest, CompactionMovesRegisteredBlocks) {
   ASSERT_EQ(parent_logits.size(), child_logits.size());
   EXPECT_EQ(std::memcmp(parent_logits.data(), child_logits.data(), 4 * parent_logits.size()), 0);
   ExpectPlainLogits(parent, parent_logits, "parent through its moved blocks");
+  gpu.reset();  // its mirrors name caches of pool_
+}
+
+// At the bound (108 KiB: 64 full-layer blocks of 1 KiB, then 11 sliding ones of 4 KiB), a long
+// sequence needs more full blocks than the full pool holds, and the sliding pool holds only the
+// cached blocks of five gone 8-token prompts (two each, released one prompt at a time, the first
+// prompt first) and one block of a live sequence: none free. Its compaction drops only the least
+// recently released cached blocks that give back the room for an eighth of the full pool (8 KiB:
+// the first prompt's 2 blocks), and the full pool grows into half of it (4 blocks: 68); the long
+// sequence's own 2 sliding blocks are then the second prompt's. It used to drop all 10 (the full
+// pool grew to 84 blocks, and no prompt kept its blocks). A hit on the last prompt released takes
+// its two sliding blocks (window [1, 8)) and uploads only the full layers' rows; one on the first
+// prompt takes none; both with the logits of a backend that shares nothing.
+TEST_P(CudaKvSharingTest, CompactionDropsOnlyTheCachedBlocksItNeeds) {
+  if (!backend_testing::SmallKvGranules())
+    GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
+  if (GetParam().kv_block_size != 4 || !GetParam().tensor_core_attention) {
+    GTEST_SKIP() << "blocks of 4 with bf16 full layers only (the bound's block counts)";
+  }
+  CudaBackendOptions bounded = GpuOptions();
+  bounded.kv_pool_max_bytes = 64 * 1024 + 11 * 4096;
+  auto created = CreateCudaBackend(config(), checkpoint_->weights, bounded);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<ModelBackend> gpu = std::move(*created);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::unique_ptr<PagedKvCache>> kv;
+  for (int i = 0; i < 5; ++i) {
+    prompts.push_back(Tokens(8, 60 + i));
+    kv.push_back(EncodePrompt(prompts.back(), gpu.get()));
+  }
+  ASSERT_FALSE(HasFatalFailure());
+  // A live sequence whose passes release the prompts' blocks, one prompt per pass.
+  ContiguousKvCache q(config(), 64);
+  Encode(*gpu, q, Tokens(4, 70));
+  for (auto& p : kv) {
+    p.reset();
+    Logits(*gpu, q, canvas_);
+  }
+  CudaKvPoolStats st = GetCudaKvPoolStats(*gpu).value();
+  ASSERT_EQ(st.full_blocks, 64);
+  ASSERT_EQ(st.full_blocks_cached, 10);
+  ASSERT_EQ(st.sliding_blocks, 11);
+  ASSERT_EQ(st.sliding_blocks_in_use, 1);
+  ASSERT_EQ(st.sliding_blocks_cached, 10);
+  ContiguousKvCache long_kv(config(), 288);
+  Encode(*gpu, long_kv, Tokens(264, 71));  // 66 full blocks: the free ones, then the cached ones
+  st = GetCudaKvPoolStats(*gpu).value();
+  EXPECT_EQ(st.compactions, 1);
+  EXPECT_EQ(st.full_blocks, 68);
+  EXPECT_EQ(st.full_blocks_in_use, 67);
+  EXPECT_EQ(st.sliding_blocks, 9);
+  EXPECT_EQ(st.sliding_blocks_in_use, 3);
+  EXPECT_EQ(st.sliding_blocks_cached, 6);
+  for (const auto& [i, taken, sliding_rows] : {std::tuple{4, 2, 0}, std::tuple{0, 0, 7}}) {
+    SCOPED_TRACE(i);
+    const std::unique_ptr<PagedKvCache> hit = Hit(SharingPrompt(prompts[i], 8), 8);
+    const int64_t taken_before = GetCudaKvPoolStats(*gpu)->shared_blocks_taken;
+    const int64_t uploaded = GetCudaKvCopyStats(*gpu)->upload_bytes;
+    const std::vector<float> logits = Logits(*gpu, *hit, canvas_);
+    EXPECT_EQ(GetCudaKvPoolStats(*gpu)->shared_blocks_taken - taken_before, taken);
+    EXPECT_EQ(GetCudaKvCopyStats(*gpu)->upload_bytes - uploaded, DeviceBytes(8, sliding_rows));
+    ExpectPlainLogits(*hit, logits, "hit");
+  }
+  ASSERT_TRUE(gpu->SyncKvToHost(long_kv).ok());
+  ExpectPlainLogits(long_kv, Logits(*gpu, long_kv, canvas_), "the long sequence");
   gpu.reset();  // its mirrors name caches of pool_
 }
 

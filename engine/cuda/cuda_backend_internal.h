@@ -586,18 +586,22 @@ class CudaBackend final : public ModelBackend {
   void PublishKvBlocks(const KvCache& kv, KvMirror* m);
   // A free block id of pool `kind`: a free or cached one (KvBlockPool::Take), else the pool
   // grown (GrowKvPool), else (under the bound, kv_pool_bound_) the other pool compacted to the
-  // blocks sequences hold (CompactKvPool) and this one grown into half the memory it gave back,
+  // blocks sequences hold and those it keeps cached (CompactKvPool: its cached blocks dropped,
+  // least recently released first, only where its free ones do not give back the room for a
+  // block, and then as few as give back the room for an eighth of this pool) and this one grown
+  // into half the memory it gave back,
   // else the blocks of idle mirrors evicted (EvictOneMirror), else those of idle mirrors holding
   // rows only the device has, copied to their caches first (SwapOutOneMirror), else the other pool
   // compacted again; RESOURCE_EXHAUSTED when none frees one.
   absl::StatusOr<int32_t> AllocateKvBlock(int kind);
-  // Gives back the device memory of pool `kind`'s free blocks (and of its cached ones with
-  // drop_cached: their rows are on the host): every kept block (held, or cached and kept) at or
+  // Gives back the device memory of pool `kind`'s free blocks and of its `drop_cached` least
+  // recently released cached ones (their rows are on the host): every kept block (held, or
+  // cached and kept) at or
   // past the number kept moves to a free id below it (its rows copied on the device; every
   // mirror's table entry, the table then uploaded whole, and the block's registration and place
   // in the release order follow, copied in place), the stream drained, and the memory past the
   // blocks kept unmapped. Returns the blocks given back.
-  absl::StatusOr<int> CompactKvPool(int kind, bool drop_cached);
+  absl::StatusOr<int> CompactKvPool(int kind, int drop_cached);
   // Grows pool `kind` in place (doubled, from 64 blocks, by at most
   // options_.kv_pool_max_growth_bytes of mapped memory but at least one block; fewer within
   // kv_pool_bound_, both pools counted, and within the device's free memory). RESOURCE_EXHAUSTED at

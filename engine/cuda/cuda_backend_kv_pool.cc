@@ -187,12 +187,34 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
     // (a later prefix hit needs both kinds' blocks) where its free ones are enough. In mapped
     // bytes: giving back fewer blocks than fill a granule of each array gives back nothing.
     const int64_t other_now = KvPoolBytes(1 - kind, other.blocks);
-    const int64_t give_free = other_now - KvPoolBytes(1 - kind, other.blocks - free_ids);
-    const int64_t give_all = other_now - KvPoolBytes(1 - kind, other.blocks - free_ids - cached);
-    const int64_t need = KvPoolBytes(kind, pool.blocks + 1) - KvPoolBytes(kind, pool.blocks);
-    if (room + give_all < need) return -1;
-    const bool drop_cached = room + give_free < need;
-    const absl::StatusOr<int> given = CompactKvPool(1 - kind, drop_cached);
+    // What the other pool gives back with its free blocks and its `drop` least recently
+    // released cached ones.
+    const auto give = [&](int64_t drop) {
+      return other_now - KvPoolBytes(1 - kind, other.blocks - free_ids - drop);
+    };
+    const auto grow_by = [&](int64_t blocks) {
+      return KvPoolBytes(kind, pool.blocks + blocks) - KvPoolBytes(kind, pool.blocks);
+    };
+    const int64_t need = grow_by(1);
+    if (room + give(cached) < need) return -1;
+    int64_t drop = 0;
+    if (room + give(0) < need) {
+      // Cached blocks dropped, least recently released first: as few as give back the room for
+      // an eighth of this pool (a block at least), not all of them (their prefix hits would
+      // upload their rows again) and not one per block (each compaction drains the stream).
+      const int64_t want = std::min(room + give(cached), grow_by(std::max(1, pool.blocks / 8)));
+      int64_t lo = 1, hi = cached;  // the fewest with room + give(drop) ≥ want
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (room + give(mid) >= want) {
+          hi = mid;
+        } else {
+          lo = mid + 1;
+        }
+      }
+      drop = lo;
+    }
+    const absl::StatusOr<int> given = CompactKvPool(1 - kind, int(drop));
     // The device refusing the moves' or a table's small allocation: on to the idle sequences'
     // blocks.
     if (!given.ok() && given.status().code() == absl::StatusCode::kResourceExhausted) return -1;
@@ -226,9 +248,10 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
   return b;
 }
 
-absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, bool drop_cached) {
+absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, int drop_cached) {
   KvBlockPool& pool = kv_pools_[kind];
-  while (drop_cached && !pool.cached.empty()) {  // their rows are on the host (uploaded again)
+  // The least recently released first (their rows are on the host: uploaded again).
+  for (; drop_cached > 0 && !pool.cached.empty(); --drop_cached) {
     const int32_t b = pool.cached.begin()->second;
     pool.cached.erase(pool.cached.begin());
     pool.Unregister(b);
