@@ -138,6 +138,8 @@ class GrpcClient : public Client {
     } else if (!status.ok()) {
       r.error = GrpcCodeName(status.error_code());
       r.error_message = status.error_message();
+      // The gateway's answer when its admission queue is full (it sends no retry hint).
+      r.load_refusal = status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
       // UNAVAILABLE on a channel that is not connected: the call never reached the server (a
       // server that answers UNAVAILABLE itself leaves the channel READY).
       r.connect_failed =
@@ -239,6 +241,9 @@ class HttpLoadClient : public Client {
       r.connect_failed = res.error_kind == "connect";
     } else if (http_status != 200) {
       r.error = absl::StrCat("HTTP ", http_status);
+      const bool has_retry_after = res.HeaderCount("Retry-After") > 0;
+      r.load_refusal = IsHttpLoadRefusal(http_status, has_retry_after);
+      if (r.load_refusal) r.retry_after_s = ParseRetryAfter(res.Header("Retry-After"));
       nlohmann::json j = nlohmann::json::parse(error_body, nullptr, false);
       r.error_message = j.is_object() && j.contains("error") && j["error"].is_object()
                             ? j["error"].value("message", error_body)

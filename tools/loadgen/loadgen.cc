@@ -31,6 +31,14 @@ std::string_view Strip(std::string_view s) {
   return s;
 }
 
+// A generator per request (or worker): depends only on the seed and the index (splitmix64 of both).
+std::mt19937_64 RequestRng(uint64_t seed, uint64_t index) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return std::mt19937_64(z ^ (z >> 31));
+}
+
 }  // namespace
 
 absl::StatusOr<std::pair<std::string, int>> ParseHostPort(std::string_view address) {
@@ -124,6 +132,9 @@ absl::Status ValidateOptions(const Options& o) {
     return Bad("--max_denoising_steps must be 0 (server default) or 1..1024");
   }
   if (o.canvas_step_interval < 0) return Bad("--canvas_step_interval must be >= 0");
+  if (!(o.max_backoff_s >= 0) || !Finite(o.max_backoff_s)) {
+    return Bad("--max_backoff_s must be >= 0 (0: no wait after a refusal)");
+  }
   return absl::OkStatus();
 }
 
@@ -178,6 +189,42 @@ void ConnectBackoff::Finish(double now, bool probe, bool connect_failed) {
     // An attempt that started before the backoff: it moves the next probe, not the delay.
     next_at_ = std::max(next_at_, now + delay_);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+std::optional<double> ParseRetryAfter(std::string_view value) {
+  value = Strip(value);
+  if (value.empty()) return std::nullopt;
+  if (std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    if (value.size() > 9) return 1e9;
+    return static_cast<double>(std::stoll(std::string(value)));
+  }
+  // An HTTP-date: IMF-fixdate "Sun, 06 Nov 1994 08:49:37 GMT", or the obsolete RFC 850
+  // "Sunday, 06-Nov-94 08:49:37 GMT" and asctime "Sun Nov  6 08:49:37 1994" forms.
+  static constexpr std::string_view kDays[] = {"Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"};
+  const bool day = std::any_of(std::begin(kDays), std::end(kDays),
+                               [&](std::string_view d) { return value.substr(0, 3) == d; });
+  const bool digit_at_end = std::isdigit(static_cast<unsigned char>(value.back())) != 0;
+  if (day && value.size() >= 24 && (value.substr(value.size() - 4) == " GMT" || digit_at_end)) {
+    return kRetryAfterDateS;
+  }
+  return std::nullopt;
+}
+
+bool IsHttpLoadRefusal(int http_status, bool has_retry_after) {
+  return http_status == 429 || (http_status == 503 && has_retry_after);
+}
+
+OverloadBackoff::OverloadBackoff(double max_s, uint64_t seed, uint64_t worker)
+    : max_s_(std::max(0.0, max_s)), rng_(RequestRng(seed ^ 0x6F766572'6C6F6164ull, worker)) {}
+
+double OverloadBackoff::OnRefused(std::optional<double> retry_after_s) {
+  if (max_s_ == 0) return 0;
+  if (retry_after_s.has_value()) return std::clamp(*retry_after_s, 0.0, max_s_);
+  refusals_ = std::min(refusals_ + 1, 40);  // 0.05 s * 2^39 is past any cap
+  const double d = std::min(kInitialS * std::ldexp(1.0, refusals_ - 1), max_s_);
+  return d / 2 + std::uniform_real_distribution<double>(0, d / 2)(rng_);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -287,14 +334,6 @@ constexpr const char* kWords[] = {
     "three",  "ideas",  "for",    "simple", "summer", "winter", "book",   "music",  "table",
     "water",  "fire",   "cloud",  "star",   "machine", "learning", "time", "world", "people"};
 constexpr size_t kNumWords = sizeof(kWords) / sizeof(kWords[0]);
-
-// A per-request generator: depends only on the seed and the index (splitmix64 of both).
-std::mt19937_64 RequestRng(uint64_t seed, uint64_t index) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return std::mt19937_64(z ^ (z >> 31));
-}
 
 }  // namespace
 
@@ -457,6 +496,13 @@ std::string FormatReport(const Report& r) {
     if (i.mode == "open") absl::StrAppendFormat(&s, " (%d arrivals held back)", i.held_back);
     s += "\n";
   }
+  if (i.backed_off > 0) {
+    absl::StrAppendFormat(&s,
+                          "  backoff      %d refusals for load waited after, %.2f s in all "
+                          "(Retry-After, else %g ms doubling; at most %g s each)\n",
+                          i.backed_off, i.backoff_wait_s, OverloadBackoff::kInitialS * 1000,
+                          i.max_backoff_s);
+  }
   absl::StrAppendFormat(&s, "  throughput   %.3f req/s  %.1f output tokens/s\n", r.requests_per_s,
                         r.output_tokens_per_s);
   if (r.completed > 0) {
@@ -507,6 +553,9 @@ nlohmann::ordered_json ReportJson(const Report& r) {
       {"unfinished", r.unfinished},
       {"connect_errors", r.connect_errors},
       {"held_back", i.held_back},
+      {"backed_off", i.backed_off},
+      {"backoff_wait_s", i.backoff_wait_s},
+      {"max_backoff_s", i.mode == "closed" ? ojson(i.max_backoff_s) : ojson(nullptr)},
       {"reachable", !r.never_reachable},
       {"requests_per_s", r.requests_per_s},
       {"output_tokens_per_s", r.output_tokens_per_s},

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -49,6 +50,8 @@ struct Options {
   int64_t requests = 0;   // 0 = unbounded
   double drain_s = 30;
   double timeout_s = 300;
+  // Closed loop: the longest wait after a refusal for load (OverloadBackoff); 0 = no wait.
+  double max_backoff_s = 1;
 };
 
 // Splits "HOST:PORT" (IPv6 as "[::1]:80"). An "http://" prefix and a trailing "/" or "/v1" (the
@@ -114,6 +117,45 @@ class ConnectBackoff {
   const double initial_s_, max_s_;
   double delay_ = 0, next_at_ = 0;
   bool probe_in_flight_ = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Backoff after a refusal for load (closed loop)
+
+// Retry-After as an HTTP-date: the client's clock is not compared with the server's, so the
+// date reads as this many seconds.
+inline constexpr double kRetryAfterDateS = 1.0;
+
+// Parses an HTTP Retry-After value (RFC 9110 10.2.3): delta-seconds ("1", "120") are those
+// seconds (at most 1e9); an HTTP-date ("Wed, 21 Oct 2015 07:28:00 GMT") is kRetryAfterDateS;
+// empty (absent) or anything else is no hint (nullopt).
+std::optional<double> ParseRetryAfter(std::string_view value);
+
+// Whether an HTTP answer refuses the request for load: 429 (Too Many Requests), or 503 with a
+// Retry-After field (the gateway's answer when its admission queue, or its budget of request
+// bodies, is full; a 503 without one, e.g. a draining gateway, is not a load refusal).
+bool IsHttpLoadRefusal(int http_status, bool has_retry_after);
+
+// How long a closed-loop worker waits after the server refused its request for load (HTTP 429 or
+// 503 with Retry-After, gRPC RESOURCE_EXHAUSTED), so a full server is not sent the next request
+// at once and the run measures serving, not how fast the server refuses. The wait is the
+// server's Retry-After when it gave one, else a backoff: after the n-th refusal in a row,
+// d = kInitialS * 2^(n-1), and the wait is d/2 plus a jitter uniform in [0, d/2) drawn from a
+// generator seeded with the run's seed and the worker. Either is capped at `max_s`; `max_s` 0
+// never waits (the behaviour before the backoff). One per worker; not thread-safe.
+class OverloadBackoff {
+ public:
+  static constexpr double kInitialS = 0.05;
+  OverloadBackoff(double max_s, uint64_t seed, uint64_t worker);
+  // The wait in seconds after a refusal; `retry_after_s`: the server's hint (ParseRetryAfter).
+  double OnRefused(std::optional<double> retry_after_s);
+  // The server took a request: the next refusal's backoff starts from kInitialS again.
+  void OnServed() { refusals_ = 0; }
+
+ private:
+  const double max_s_;
+  std::mt19937_64 rng_;
+  int refusals_ = 0;  // in a row, without a hint
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -183,6 +225,9 @@ struct RequestResult {
   std::string error;       // error key: gRPC code name ("UNAVAILABLE"), "HTTP 429", "http:Read"
   std::string error_message;
   bool connect_failed = false;  // never reached the server (connection refused, no route, ...)
+  // Refused for load: HTTP 429 or 503 with Retry-After, gRPC RESOURCE_EXHAUSTED.
+  bool load_refusal = false;
+  std::optional<double> retry_after_s;  // the server's Retry-After (ParseRetryAfter), if any
   double start_s = 0;         // issue time since the start of the run
   double ttft_s = -1;         // first committed block
   double first_step_s = -1;   // first CanvasStep event (needs --canvas_step_interval)
@@ -202,6 +247,11 @@ struct RunInfo {
   int64_t sent = 0;     // requests issued to the server
   int64_t dropped = 0;  // open loop: arrivals refused because --max_inflight were in flight
   int64_t held_back = 0;  // open loop: arrivals not sent during a ConnectBackoff
+  // Closed loop: refusals for load a worker waited after (OverloadBackoff), the seconds waited
+  // in all (cut short when the run ended) and --max_backoff_s.
+  int64_t backed_off = 0;
+  double backoff_wait_s = 0;
+  double max_backoff_s = 0;
   double issue_s = 0;   // start of the run until issuing stopped
   double wall_s = 0;    // start of the run until the report
 };

@@ -56,6 +56,10 @@ ABSL_FLAG(int64_t, requests, 0, "stop issuing after this many requests (0: no li
 ABSL_FLAG(double, drain_s, 30, "after issuing stops, wait this long for requests in flight, "
           "then cancel them (reported as unfinished)");
 ABSL_FLAG(double, timeout_s, 300, "deadline of each request, gRPC or HTTP (seconds)");
+ABSL_FLAG(std::optional<double>, max_backoff_s, std::nullopt,
+          "closed loop: after a refusal for load (HTTP 429, 503 with Retry-After, gRPC "
+          "RESOURCE_EXHAUSTED) a worker waits the server's Retry-After, else a backoff from 50 ms "
+          "doubling with jitter, at most this many seconds (default 1; 0: no wait)");
 ABSL_FLAG(bool, progress, true, "print live progress to stderr every second");
 ABSL_FLAG(bool, json, false, "print the report as one JSON object instead of text");
 ABSL_FLAG(bool, fail_on_error, false, "exit with status 1 if any request failed");
@@ -137,6 +141,7 @@ class BoundedPool {
 
 struct Counters {
   std::atomic<int64_t> sent{0}, ok{0}, errors{0}, dropped{0}, held_back{0}, tokens{0}, inflight{0};
+  std::atomic<int64_t> backed_off{0}, backoff_wait_ns{0};  // closed loop: OverloadBackoff
 };
 
 double Since(Clock::time_point t0) {
@@ -159,7 +164,7 @@ class Runner {
       pool = std::make_unique<BoundedPool>(o_.max_inflight);
       Dispatch(pool.get());
     } else {
-      for (int w = 0; w < o_.concurrency; ++w) workers.emplace_back([this] { Worker(); });
+      for (int w = 0; w < o_.concurrency; ++w) workers.emplace_back([this, w] { Worker(w); });
       while (!stop_issuing_.load() && workers_done_.load() < o_.concurrency) {
         if (IssueTimeOver()) StopIssuing();
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -254,24 +259,54 @@ class Runner {
     StopIssuing();
   }
 
-  // Closed loop: one request after another until issuing stops.
-  void Worker() {
+  // Closed loop: one request after another until issuing stops; after a refusal for load the
+  // next one waits (OverloadBackoff).
+  void Worker(int worker) {
+    OverloadBackoff overload(o_.max_backoff_s, o_.seed, static_cast<uint64_t>(worker));
+    double wait_s = 0;
     while (!stop_issuing_.load()) {
       const int64_t i = next_index_.fetch_add(1);
-      if (o_.requests > 0 && i >= o_.requests) {
-        StopIssuing();
-        break;
-      }
+      // Every index of --requests is taken: issuing stops when the last one is sent (another
+      // worker may still wait to send its own, which stopping here would cut off).
+      if (o_.requests > 0 && i >= o_.requests) break;
       bool probe = false;
-      if (!WaitForAdmission(&probe)) {
+      if ((wait_s > 0 && !WaitOut(wait_s)) || !WaitForAdmission(&probe)) {
         StopIssuing();
         break;
       }
       counters_.inflight.fetch_add(1);
-      counters_.sent.fetch_add(1);
-      RunOne(static_cast<uint64_t>(i), probe);
+      if (counters_.sent.fetch_add(1) + 1 == o_.requests) StopIssuing();  // the last request
+      const Outcome out = RunOne(static_cast<uint64_t>(i), probe);
+      wait_s = 0;
+      if (out.load_refusal) {
+        wait_s = overload.OnRefused(out.retry_after_s);
+      } else if (out.reached_server) {
+        overload.OnServed();
+      }
     }
     workers_done_.fetch_add(1);
+  }
+
+  // Closed loop: sleeps `wait_s` after a refusal for load, counting the wait and the time slept
+  // for the report; false when issuing stopped (the duration ended, the request count was
+  // reached, Ctrl-C) first, which ends the wait at once.
+  bool WaitOut(double wait_s) {
+    if (stop_issuing_.load() || IssueTimeOver()) return false;
+    counters_.backed_off.fetch_add(1);
+    const Clock::time_point t0 = Clock::now();
+    const Clock::time_point end =
+        t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wait_s));
+    bool issuing = true;
+    for (Clock::time_point now = t0; now < end; now = Clock::now()) {
+      std::this_thread::sleep_until(std::min(end, now + std::chrono::milliseconds(20)));
+      if (stop_issuing_.load() || IssueTimeOver()) {
+        issuing = false;
+        break;
+      }
+    }
+    counters_.backoff_wait_ns.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    return issuing;
   }
 
   // Closed loop: waits until the ConnectBackoff lets a request start; false when issuing
@@ -294,9 +329,18 @@ class Runner {
     }
   }
 
-  void RunOne(uint64_t index, bool probe) {
+  // What the closed loop needs to know of a request that ended.
+  struct Outcome {
+    bool load_refusal = false;
+    std::optional<double> retry_after_s;
+    bool reached_server = false;  // an answer from the server, and not a refusal for load
+  };
+
+  Outcome RunOne(uint64_t index, bool probe) {
     const Prompt p = prompts_.Get(index);
     RequestResult r = client_->Run(p, p.max_tokens, start_);
+    const Outcome out{r.load_refusal, r.retry_after_s,
+                      !r.load_refusal && !r.connect_failed && !r.cancelled};
     {
       std::lock_guard<std::mutex> lock(backoff_mu_);
       const double delay_before = backoff_.delay();
@@ -326,6 +370,7 @@ class Runner {
       results_.push_back(std::move(r));
     }
     counters_.inflight.fetch_sub(1);
+    return out;
   }
 
   void Progress() {
@@ -431,6 +476,12 @@ Options OptionsFromFlags() {
   o.requests = absl::GetFlag(FLAGS_requests);
   o.drain_s = absl::GetFlag(FLAGS_drain_s);
   o.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  // Open-loop arrivals are the schedule: nothing waits after a refusal there.
+  const std::optional<double> max_backoff = absl::GetFlag(FLAGS_max_backoff_s);
+  if (max_backoff && o.mode == Mode::kOpen) {
+    Usage("--max_backoff_s applies to --mode closed; an open loop's arrivals follow --rate");
+  }
+  o.max_backoff_s = max_backoff.value_or(o.max_backoff_s);
   if (absl::Status s = ValidateOptions(o); !s.ok()) Usage(std::string(s.message()));
   const std::optional<int32_t> channels = absl::GetFlag(FLAGS_grpc_channels);
   if (channels && o.protocol == Protocol::kHttp) {
@@ -508,6 +559,9 @@ int Main(int argc, char** argv) {
   info.sent = runner.counters().sent.load();
   info.dropped = runner.counters().dropped.load();
   info.held_back = runner.counters().held_back.load();
+  info.backed_off = runner.counters().backed_off.load();
+  info.backoff_wait_s = static_cast<double>(runner.counters().backoff_wait_ns.load()) / 1e9;
+  info.max_backoff_s = o.max_backoff_s;
   info.wall_s = runner.wall_s();
   info.issue_s = runner.issue_s();
   const Report report = BuildReport(results, info);

@@ -640,5 +640,149 @@ TEST(ReportTest, SaysWhenTheTargetWasNeverReachable) {
   EXPECT_EQ(ReportJson(r)["reachable"], true);
 }
 
+// --- backoff after a refusal for load (closed loop) ---------------------------------------------
+
+TEST(RetryAfterTest, ParsesDeltaSecondsAndReadsADateAsOneSecond) {
+  EXPECT_EQ(ParseRetryAfter(""), std::nullopt);  // absent (HttpResponse::Header gives "")
+  EXPECT_EQ(ParseRetryAfter("1"), 1.0);
+  EXPECT_EQ(ParseRetryAfter(" 2 "), 2.0);
+  EXPECT_EQ(ParseRetryAfter("0"), 0.0);
+  EXPECT_EQ(ParseRetryAfter("120"), 120.0);
+  EXPECT_EQ(ParseRetryAfter("99999999999999999999"), 1e9);  // no overflow
+  // Garbage: no hint.
+  for (const char* bad : {"soon", "-1", "1.5", "1s", "0x10", "Mon", "Wed, 21 Oct"}) {
+    EXPECT_EQ(ParseRetryAfter(bad), std::nullopt) << bad;
+  }
+  // HTTP-dates (IMF-fixdate and the two obsolete forms) read as kRetryAfterDateS.
+  EXPECT_EQ(ParseRetryAfter("Wed, 21 Oct 2015 07:28:00 GMT"), kRetryAfterDateS);
+  EXPECT_EQ(ParseRetryAfter("Sunday, 06-Nov-94 08:49:37 GMT"), kRetryAfterDateS);
+  EXPECT_EQ(ParseRetryAfter("Sun Nov  6 08:49:37 1994"), kRetryAfterDateS);
+  EXPECT_DOUBLE_EQ(kRetryAfterDateS, 1.0);
+}
+
+TEST(RetryAfterTest, TheWaitIsTheHintCappedByMaxBackoff) {
+  OverloadBackoff b(/*max_s=*/1.0, /*seed=*/1, /*worker=*/0);
+  EXPECT_DOUBLE_EQ(b.OnRefused(ParseRetryAfter("1")), 1.0);    // the gateway's Retry-After: 1
+  EXPECT_DOUBLE_EQ(b.OnRefused(ParseRetryAfter("0")), 0.0);    // the server asks for no wait
+  EXPECT_DOUBLE_EQ(b.OnRefused(ParseRetryAfter("120")), 1.0);  // capped
+  EXPECT_DOUBLE_EQ(b.OnRefused(ParseRetryAfter("Wed, 21 Oct 2015 07:28:00 GMT")), 1.0);
+  OverloadBackoff longer(/*max_s=*/5.0, 1, 0);
+  EXPECT_DOUBLE_EQ(longer.OnRefused(ParseRetryAfter("2")), 2.0);
+  EXPECT_DOUBLE_EQ(longer.OnRefused(ParseRetryAfter("120")), 5.0);
+  // Absent or garbage: the exponential backoff's first step, [25 ms, 50 ms).
+  for (const char* none : {"", "soon"}) {
+    OverloadBackoff fresh(1.0, 1, 0);
+    const double w = fresh.OnRefused(ParseRetryAfter(none));
+    EXPECT_GE(w, OverloadBackoff::kInitialS / 2) << none;
+    EXPECT_LT(w, OverloadBackoff::kInitialS) << none;
+  }
+  // --max_backoff_s 0: never a wait, hint or not.
+  OverloadBackoff off(0, 1, 0);
+  EXPECT_EQ(off.OnRefused(1.0), 0);
+  EXPECT_EQ(off.OnRefused(std::nullopt), 0);
+}
+
+TEST(RetryAfterTest, LoadRefusalsAre429AndA503WithRetryAfter) {
+  EXPECT_TRUE(IsHttpLoadRefusal(429, true));
+  EXPECT_TRUE(IsHttpLoadRefusal(429, false));
+  EXPECT_TRUE(IsHttpLoadRefusal(503, true));    // the gateway's full body budget
+  EXPECT_FALSE(IsHttpLoadRefusal(503, false));  // draining / stopping: not load
+  EXPECT_FALSE(IsHttpLoadRefusal(500, true));
+  EXPECT_FALSE(IsHttpLoadRefusal(400, false));
+}
+
+// Without a hint (gRPC RESOURCE_EXHAUSTED): after the n-th refusal in a row the wait lies in
+// [d/2, d), d = 50 ms * 2^(n-1) up to the cap; the jitter depends only on the seed and the
+// worker; an accepted request starts the schedule again.
+TEST(OverloadBackoffTest, DoublesWithJitterUpToTheCap) {
+  OverloadBackoff b(/*max_s=*/1.0, /*seed=*/7, /*worker=*/3);
+  const std::vector<double> d = {0.05, 0.1, 0.2, 0.4, 0.8, 1, 1, 1};
+  std::vector<double> waits;
+  for (size_t n = 0; n < d.size(); ++n) {
+    const double w = b.OnRefused(std::nullopt);
+    EXPECT_GE(w, d[n] / 2) << "refusal " << n + 1;
+    EXPECT_LE(w, d[n]) << "refusal " << n + 1;
+    waits.push_back(w);
+  }
+  EXPECT_NE(waits[5], waits[6]);  // jitter
+  OverloadBackoff same(1.0, 7, 3);
+  for (size_t n = 0; n < waits.size(); ++n) EXPECT_EQ(same.OnRefused(std::nullopt), waits[n]);
+  bool differs_worker = false, differs_seed = false;
+  OverloadBackoff w4(1.0, 7, 4), s8(1.0, 8, 3);
+  for (size_t n = 0; n < waits.size(); ++n) {
+    differs_worker |= w4.OnRefused(std::nullopt) != waits[n];
+    differs_seed |= s8.OnRefused(std::nullopt) != waits[n];
+  }
+  EXPECT_TRUE(differs_worker);
+  EXPECT_TRUE(differs_seed);
+  // A hint does not advance the schedule; a served request restarts it.
+  EXPECT_EQ(b.OnRefused(0.3), 0.3);
+  b.OnServed();
+  const double first = b.OnRefused(std::nullopt);
+  EXPECT_GE(first, 0.025);
+  EXPECT_LT(first, 0.05);
+  // Many refusals in a row stay at the cap (no overflow): from the 6th on, [0.5 s, 1 s].
+  for (int n = 2; n < 200; ++n) {
+    const double w = b.OnRefused(std::nullopt);
+    ASSERT_LE(w, 1.0) << "refusal " << n;
+    if (n >= 6) ASSERT_GE(w, 0.5) << "refusal " << n;
+  }
+}
+
+TEST(ReportTest, SaysHowManyRefusalsWereBackedOff) {
+  RequestResult refused;
+  refused.error = "HTTP 429";
+  refused.load_refusal = true;
+  refused.retry_after_s = 1;
+  refused.e2e_s = 0.001;
+  RunInfo info;
+  info.protocol = "http";
+  info.mode = "closed";
+  info.concurrency = 2;
+  info.sent = 3;
+  info.wall_s = 2;
+  info.backed_off = 3;
+  info.backoff_wait_s = 2.5;
+  info.max_backoff_s = 1;
+  const Report r = BuildReport({refused, refused, refused}, info);
+  EXPECT_EQ(r.errors, 3);  // refusals stay errors, by their code
+  EXPECT_EQ(r.completed, 0);
+  EXPECT_EQ(r.errors_by_code.at("HTTP 429"), 3);
+  EXPECT_THAT(FormatReport(r), HasSubstr("backoff      3 refusals for load waited after, 2.50 s "
+                                         "in all (Retry-After, else 50 ms doubling; at most 1 s "
+                                         "each)"));
+  const nlohmann::ordered_json j = ReportJson(r);
+  EXPECT_EQ(j["backed_off"], 3);
+  EXPECT_DOUBLE_EQ(j["backoff_wait_s"].get<double>(), 2.5);
+  EXPECT_DOUBLE_EQ(j["max_backoff_s"].get<double>(), 1);
+  EXPECT_EQ(j["errors"], 3);
+  // Nothing backed off: no line; an open loop has no --max_backoff_s.
+  info.backed_off = 0;
+  info.backoff_wait_s = 0;
+  info.mode = "open";
+  info.rate = 5;
+  const Report open = BuildReport({refused}, info);
+  EXPECT_THAT(FormatReport(open), ::testing::Not(HasSubstr("backoff ")));
+  EXPECT_EQ(ReportJson(open)["backed_off"], 0);
+  EXPECT_TRUE(ReportJson(open)["max_backoff_s"].is_null());
+}
+
+TEST(OptionsTest, MaxBackoffMustBeFiniteAndNotNegative) {
+  Options o;
+  o.host = "127.0.0.1";
+  o.port = 1;
+  o.concurrency = 1;
+  o.requests = 1;
+  EXPECT_TRUE(ValidateOptions(o).ok());
+  o.max_backoff_s = 0;
+  EXPECT_TRUE(ValidateOptions(o).ok());
+  for (double bad : {-1.0, std::nan(""), double(INFINITY)}) {
+    o.max_backoff_s = bad;
+    const absl::Status s = ValidateOptions(o);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("--max_backoff_s must be >= 0"));
+  }
+}
+
 }  // namespace
 }  // namespace dgserve::loadgen

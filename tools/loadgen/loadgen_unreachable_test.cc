@@ -2,10 +2,7 @@
 // are errors, the attempts follow ConnectBackoff's schedule instead of spinning, the run ends at
 // its duration or request count, and the report and exit status say the target was never
 // reachable. Runs the real binary (DGSERVE_LOADGEN_BIN) and counts its attempts ("sent").
-#include <sys/wait.h>
-
 #include <algorithm>
-#include <cstdio>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -14,31 +11,15 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tools/loadgen/loadgen.h"
+#include "tools/loadgen/run_loadgen_testing.h"
 
 namespace dgserve::loadgen {
 namespace {
 
+using ::dgserve::loadgen::testing::LoadgenRun;
+using ::dgserve::loadgen::testing::RunLoadgen;
 using ::dgserve::testing::ClosedLoopbackPort;
 using ::testing::HasSubstr;
-
-struct LoadgenRun {
-  int exit_status = -1;
-  std::string out;  // stdout
-};
-
-LoadgenRun RunLoadgen(const std::string& args) {
-  const std::string cmd = absl::StrCat(DGSERVE_LOADGEN_BIN, " --progress=false ", args);
-  LoadgenRun r;
-  FILE* p = popen(cmd.c_str(), "r");
-  EXPECT_NE(p, nullptr) << cmd;
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.exit_status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
 
 // The most attempts a closed loop of `workers` can make in `duration_s` against a dead target:
 // one each at the start, then one probe per step of ConnectBackoff's schedule (50 ms doubling
