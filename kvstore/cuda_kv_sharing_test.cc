@@ -147,6 +147,44 @@ class CudaKvSharingTest : public backend_testing::CpuGpuTest<CudaKvSharingTest, 
     return PagedKvCache::FromPrefix(pool_.get(), std::move(match), kMaxTokens);
   }
 
+  // A backend bounded at 108 KiB (64 full-layer blocks of 1 KiB, then 11 sliding ones of 4 KiB)
+  // holding the cached blocks of five gone 8-token prompts (two of each kind each), released one
+  // prompt per pass in the order 2, 0, 4, 1, 3 (not their ids' order), beside `q`, a live 4-token
+  // sequence: full pool 64 blocks (1 held, 10 cached, 53 free), sliding pool 11 (1 held, 10 cached,
+  // none free). The prompts are indexed in pool_.
+  struct CachedPrompts {
+    std::unique_ptr<ModelBackend> gpu;
+    std::vector<std::vector<int32_t>> prompts;
+    std::unique_ptr<ContiguousKvCache> q;
+  };
+  CachedPrompts CacheFivePrompts() {
+    CachedPrompts c;
+    CudaBackendOptions bounded = GpuOptions();
+    bounded.kv_pool_max_bytes = 64 * 1024 + 11 * 4096;
+    auto created = CreateCudaBackend(config(), checkpoint_->weights, bounded);
+    EXPECT_TRUE(created.ok()) << created.status();
+    if (!created.ok()) return c;
+    c.gpu = std::move(*created);
+    std::vector<std::unique_ptr<PagedKvCache>> kv;
+    for (int i = 0; i < 5; ++i) {
+      c.prompts.push_back(Tokens(8, 60 + i));
+      kv.push_back(EncodePrompt(c.prompts.back(), c.gpu.get()));
+    }
+    c.q = std::make_unique<ContiguousKvCache>(config(), 64);
+    Encode(*c.gpu, *c.q, Tokens(4, 70));
+    for (int i : {2, 0, 4, 1, 3}) {
+      kv[i].reset();
+      Logits(*c.gpu, *c.q, canvas_);  // a pass: the prompt's mirror goes, its blocks cached
+    }
+    const CudaKvPoolStats st = GetCudaKvPoolStats(*c.gpu).value();
+    EXPECT_EQ(st.full_blocks, 64);
+    EXPECT_EQ(st.full_blocks_cached, 10);
+    EXPECT_EQ(st.sliding_blocks, 11);
+    EXPECT_EQ(st.sliding_blocks_in_use, 1);
+    EXPECT_EQ(st.sliding_blocks_cached, 10);
+    return c;
+  }
+
   std::unique_ptr<ModelBackend> plain_;
   KvLayout layout_;
   std::unique_ptr<BlockPool> pool_;
@@ -343,69 +381,75 @@ TEST_P(CudaKvSharingTest, CompactionMovesRegisteredBlocks) {
   gpu.reset();  // its mirrors name caches of pool_
 }
 
-// At the bound (108 KiB: 64 full-layer blocks of 1 KiB, then 11 sliding ones of 4 KiB), a long
-// sequence needs more full blocks than the full pool holds, and the sliding pool holds only the
-// cached blocks of five gone 8-token prompts (two each, released one prompt at a time, the first
-// prompt first) and one block of a live sequence: none free. Its compaction drops only the least
-// recently released cached blocks that give back the room for an eighth of the full pool (8 KiB:
-// the first prompt's 2 blocks), and the full pool grows into half of it (4 blocks: 68); the long
-// sequence's own 2 sliding blocks are then the second prompt's. It used to drop all 10 (the full
-// pool grew to 84 blocks, and no prompt kept its blocks). A hit on the last prompt released takes
-// its two sliding blocks (window [1, 8)) and uploads only the full layers' rows; one on the first
-// prompt takes none; both with the logits of a backend that shares nothing.
+// A long sequence needs more full blocks than the full pool holds (66: the free ones, then the
+// cached ones), so the sliding pool is compacted. It drops only the least recently released
+// cached blocks that give back the room for an eighth of the full pool (8 KiB: prompt 2's 2
+// blocks), and the full pool grows into half of it (4 blocks: 68); the long sequence's own 2
+// sliding blocks are then prompt 0's. It used to drop all 10 (the full pool grew to 84 blocks,
+// and no prompt kept its blocks). A hit on the last prompt released (3) takes its two sliding
+// blocks (window [1, 8)) and uploads only the full layers' rows; one on the first (2) takes none;
+// both with the logits of a backend that shares nothing.
 TEST_P(CudaKvSharingTest, CompactionDropsOnlyTheCachedBlocksItNeeds) {
   if (!backend_testing::SmallKvGranules())
     GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
   if (GetParam().kv_block_size != 4 || !GetParam().tensor_core_attention) {
     GTEST_SKIP() << "blocks of 4 with bf16 full layers only (the bound's block counts)";
   }
-  CudaBackendOptions bounded = GpuOptions();
-  bounded.kv_pool_max_bytes = 64 * 1024 + 11 * 4096;
-  auto created = CreateCudaBackend(config(), checkpoint_->weights, bounded);
-  ASSERT_TRUE(created.ok()) << created.status();
-  std::unique_ptr<ModelBackend> gpu = std::move(*created);
-  std::vector<std::vector<int32_t>> prompts;
-  std::vector<std::unique_ptr<PagedKvCache>> kv;
-  for (int i = 0; i < 5; ++i) {
-    prompts.push_back(Tokens(8, 60 + i));
-    kv.push_back(EncodePrompt(prompts.back(), gpu.get()));
-  }
-  ASSERT_FALSE(HasFatalFailure());
-  // A live sequence whose passes release the prompts' blocks, one prompt per pass.
-  ContiguousKvCache q(config(), 64);
-  Encode(*gpu, q, Tokens(4, 70));
-  for (auto& p : kv) {
-    p.reset();
-    Logits(*gpu, q, canvas_);
-  }
-  CudaKvPoolStats st = GetCudaKvPoolStats(*gpu).value();
-  ASSERT_EQ(st.full_blocks, 64);
-  ASSERT_EQ(st.full_blocks_cached, 10);
-  ASSERT_EQ(st.sliding_blocks, 11);
-  ASSERT_EQ(st.sliding_blocks_in_use, 1);
-  ASSERT_EQ(st.sliding_blocks_cached, 10);
+  CachedPrompts c = CacheFivePrompts();
+  ASSERT_FALSE(HasFailure());
   ContiguousKvCache long_kv(config(), 288);
-  Encode(*gpu, long_kv, Tokens(264, 71));  // 66 full blocks: the free ones, then the cached ones
-  st = GetCudaKvPoolStats(*gpu).value();
+  Encode(*c.gpu, long_kv, Tokens(264, 71));
+  const CudaKvPoolStats st = GetCudaKvPoolStats(*c.gpu).value();
   EXPECT_EQ(st.compactions, 1);
   EXPECT_EQ(st.full_blocks, 68);
   EXPECT_EQ(st.full_blocks_in_use, 67);
   EXPECT_EQ(st.sliding_blocks, 9);
   EXPECT_EQ(st.sliding_blocks_in_use, 3);
   EXPECT_EQ(st.sliding_blocks_cached, 6);
-  for (const auto& [i, taken, sliding_rows] : {std::tuple{4, 2, 0}, std::tuple{0, 0, 7}}) {
+  for (const auto& [i, taken, sliding_rows] : {std::tuple{3, 2, 0}, std::tuple{2, 0, 7}}) {
     SCOPED_TRACE(i);
-    const std::unique_ptr<PagedKvCache> hit = Hit(SharingPrompt(prompts[i], 8), 8);
-    const int64_t taken_before = GetCudaKvPoolStats(*gpu)->shared_blocks_taken;
-    const int64_t uploaded = GetCudaKvCopyStats(*gpu)->upload_bytes;
-    const std::vector<float> logits = Logits(*gpu, *hit, canvas_);
-    EXPECT_EQ(GetCudaKvPoolStats(*gpu)->shared_blocks_taken - taken_before, taken);
-    EXPECT_EQ(GetCudaKvCopyStats(*gpu)->upload_bytes - uploaded, DeviceBytes(8, sliding_rows));
+    const std::unique_ptr<PagedKvCache> hit = Hit(SharingPrompt(c.prompts[i], 8), 8);
+    const int64_t taken_before = GetCudaKvPoolStats(*c.gpu)->shared_blocks_taken;
+    const int64_t uploaded = GetCudaKvCopyStats(*c.gpu)->upload_bytes;
+    const std::vector<float> logits = Logits(*c.gpu, *hit, canvas_);
+    EXPECT_EQ(GetCudaKvPoolStats(*c.gpu)->shared_blocks_taken - taken_before, taken);
+    EXPECT_EQ(GetCudaKvCopyStats(*c.gpu)->upload_bytes - uploaded, DeviceBytes(8, sliding_rows));
     ExpectPlainLogits(*hit, logits, "hit");
   }
-  ASSERT_TRUE(gpu->SyncKvToHost(long_kv).ok());
-  ExpectPlainLogits(long_kv, Logits(*gpu, long_kv, canvas_), "the long sequence");
-  gpu.reset();  // its mirrors name caches of pool_
+  ASSERT_TRUE(c.gpu->SyncKvToHost(long_kv).ok());
+  ExpectPlainLogits(long_kv, Logits(*c.gpu, long_kv, canvas_), "the long sequence");
+  c.gpu.reset();  // its mirrors name caches of pool_
+}
+
+// A hit on the least recently released prompt (2) with 250 tokens of its own encoded in one
+// pass: its mirror takes the prompt's 2 full and 2 sliding blocks before it allocates any (its
+// 63 new full blocks need a growth past the bound, which compacts the sliding pool and drops
+// the least recently released cached blocks). When the sliding blocks were taken after the full
+// ones were allocated, that compaction dropped them first and the hit uploaded their rows: 2
+// blocks taken, not 4.
+TEST_P(CudaKvSharingTest, AHitTakesItsBlocksBeforeACompactionDropsThem) {
+  if (!backend_testing::SmallKvGranules())
+    GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
+  if (GetParam().kv_block_size != 4 || !GetParam().tensor_core_attention) {
+    GTEST_SKIP() << "blocks of 4 with bf16 full layers only (the bound's block counts)";
+  }
+  CachedPrompts c = CacheFivePrompts();
+  ASSERT_FALSE(HasFailure());
+  std::vector<int32_t> prompt = c.prompts[2];
+  const std::vector<int32_t> own = Tokens(250, 72);
+  prompt.insert(prompt.end(), own.begin(), own.end());
+  PrefixMatch match = pool_->MatchPrefix(prompt);
+  ASSERT_EQ(match.num_tokens, 8);
+  auto hit = PagedKvCache::FromPrefix(pool_.get(), std::move(match), 288);
+  const int64_t taken = GetCudaKvPoolStats(*c.gpu)->shared_blocks_taken;
+  Encode(*c.gpu, *hit, own);
+  const CudaKvPoolStats st = GetCudaKvPoolStats(*c.gpu).value();
+  EXPECT_EQ(st.compactions, 1);
+  EXPECT_EQ(st.shared_blocks_taken - taken, 4);
+  ASSERT_TRUE(c.gpu->SyncKvToHost(*hit).ok());
+  ExpectPlainLogits(*hit, Logits(*c.gpu, *hit, canvas_), "the hit");
+  hit.reset();
+  c.gpu.reset();  // its mirrors name caches of pool_
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CudaKvSharingTest,

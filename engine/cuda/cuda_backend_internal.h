@@ -586,10 +586,10 @@ class CudaBackend final : public ModelBackend {
   void PublishKvBlocks(const KvCache& kv, KvMirror* m);
   // A free block id of pool `kind`: a free or cached one (KvBlockPool::Take), else the pool
   // grown (GrowKvPool), else (under the bound, kv_pool_bound_) the other pool compacted to the
-  // blocks sequences hold and those it keeps cached (CompactKvPool: its cached blocks dropped,
-  // least recently released first, only where its free ones do not give back the room for a
-  // block, and then as few as give back the room for an eighth of this pool) and this one grown
-  // into half the memory it gave back,
+  // blocks sequences hold and those it keeps cached (CompactKvPool: its free blocks given back,
+  // and then as few of its cached ones as give the room for an eighth of this pool, a block at
+  // least, least recently released first) and this one grown into half of the room then left
+  // under the bound,
   // else the blocks of idle mirrors evicted (EvictOneMirror), else those of idle mirrors holding
   // rows only the device has, copied to their caches first (SwapOutOneMirror), else the other pool
   // compacted again; RESOURCE_EXHAUSTED when none frees one.

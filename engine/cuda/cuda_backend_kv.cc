@@ -463,16 +463,18 @@ absl::Status CudaBackend::SyncKvBlocks(const KvCache& kv, KvMirror* m, int n, in
     }
   }
   // Whole blocks of rows SyncMirror would upload: taken from another mirror, or the cache, where
-  // registered (before any block is allocated: an allocation may take a cached block).
+  // registered, both kinds before any block is allocated (an allocation may take a cached block,
+  // and one at the bound may compact the other pool, dropping its least recently released cached
+  // blocks). The sliding blocks taken lie in the window, at or past the blocks released below.
   const bool share = options_.share_kv_blocks && m->synced < n;
-  if (has[kKvFull]) {
-    if (share) TakeSharedKvBlocks(kv, m, kKvFull, m->synced, n);
-    DGSERVE_RETURN_IF_ERROR(hold(kKvFull, 0, need));
+  if (share && has[kKvFull]) TakeSharedKvBlocks(kv, m, kKvFull, m->synced, n);
+  if (share && has[kKvSliding]) {
+    TakeSharedKvBlocks(kv, m, kKvSliding, std::max(m->synced, SlidingUploadFrom(n)), n);
   }
+  if (has[kKvFull]) DGSERVE_RETURN_IF_ERROR(hold(kKvFull, 0, need));
   if (has[kKvSliding]) {
     // Behind the window this pass reads (and the rows the host still lacks): back to the pool.
     const int keep = ReleaseSlidingKvBlocks(kv, m, n);
-    if (share) TakeSharedKvBlocks(kv, m, kKvSliding, std::max(m->synced, SlidingUploadFrom(n)), n);
     DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, keep, n));
     // The new rows a later pass or the host reads (the encoder writes only those).
     DGSERVE_RETURN_IF_ERROR(hold(kKvSliding, SlidingWriteFrom(kv, *m, n, need), need));

@@ -183,9 +183,8 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
     const KvBlockPool& other = kv_pools_[1 - kind];
     const int64_t free_ids = int64_t(other.free_ids.size()), cached = int64_t(other.cached.size());
     if (free_ids + cached == 0) return -1;
-    // Worth it only if a block of this kind then fits; the other pool's cached blocks are kept
-    // (a later prefix hit needs both kinds' blocks) where its free ones are enough. In mapped
-    // bytes: giving back fewer blocks than fill a granule of each array gives back nothing.
+    // Worth it only if a block of this kind then fits. In mapped bytes: giving back fewer blocks
+    // than fill a granule of each array gives back nothing.
     const int64_t other_now = KvPoolBytes(1 - kind, other.blocks);
     // What the other pool gives back with its free blocks and its `drop` least recently
     // released cached ones.
@@ -195,24 +194,20 @@ absl::StatusOr<int32_t> CudaBackend::AllocateKvBlock(int kind) {
     const auto grow_by = [&](int64_t blocks) {
       return KvPoolBytes(kind, pool.blocks + blocks) - KvPoolBytes(kind, pool.blocks);
     };
-    const int64_t need = grow_by(1);
-    if (room + give(cached) < need) return -1;
-    int64_t drop = 0;
-    if (room + give(0) < need) {
-      // Cached blocks dropped, least recently released first: as few as give back the room for
-      // an eighth of this pool (a block at least), not all of them (their prefix hits would
-      // upload their rows again) and not one per block (each compaction drains the stream).
-      const int64_t want = std::min(room + give(cached), grow_by(std::max(1, pool.blocks / 8)));
-      int64_t lo = 1, hi = cached;  // the fewest with room + give(drop) ≥ want
-      while (lo < hi) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (room + give(mid) >= want) {
-          hi = mid;
-        } else {
-          lo = mid + 1;
-        }
+    if (room + give(cached) < grow_by(1)) return -1;
+    // The room for an eighth of this pool (a block at least; each compaction drains the stream,
+    // so not one per block), or all there is: the other pool's free blocks, then as few of its
+    // cached ones as that takes, least recently released first (a later prefix hit needs both
+    // kinds' blocks, and dropped ones upload their rows again).
+    const int64_t want = std::min(room + give(cached), grow_by(std::max(1, pool.blocks / 8)));
+    int64_t drop = 0, most = cached;  // the fewest with room + give(drop) ≥ want
+    while (drop < most) {
+      const int64_t mid = drop + (most - drop) / 2;
+      if (room + give(mid) >= want) {
+        most = mid;
+      } else {
+        drop = mid + 1;
       }
-      drop = lo;
     }
     const absl::StatusOr<int> given = CompactKvPool(1 - kind, int(drop));
     // The device refusing the moves' or a table's small allocation: on to the idle sequences'
