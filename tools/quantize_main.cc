@@ -11,7 +11,10 @@
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 --calibration PROMPTS.jsonl
 //   dgserve-quantize --in models/sudoku --out DIR --format nvfp4
 //                    --calibration_sudoku tools/sudoku/data/train.jsonl --calibration_limit 128
+//   dgserve-quantize --in models/sudoku --out DIR --format w4a16 --group_size 32 --gptq
+//                    --calibration_sudoku tools/sudoku/data/train.jsonl --calibration_limit 128
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -80,13 +83,14 @@ std::string AbslUnparseFlag(const CalibrationFileFlag& f) { return f.path; }
 }  // namespace dgserve
 
 ABSL_FLAG(dgserve::CalibrationFileFlag, calibration, {},
-          "--format nvfp4 (W4A4) only: JSONL file of calibration prompts, one {\"prompt\": "
+          "--format nvfp4 (W4A4), or w4a16 with --gptq: JSONL file of calibration prompts, one {\"prompt\": "
           "\"...\"} per line, tokenized with --in's tokenizer.json as the gateway does (<bos> "
           "first). The bf16 model runs each prompt's encoder pass and one canvas of denoising "
           "steps on the CPU backend (float32 GEMM mode) and every quantized Linear's "
           "input_scale (ModelOpt) / input_global_scale (compressed-tensors) is set from the "
-          "amax(|x|) of its inputs: amax / (6 * 448) resp. 448 * 6 / amax. Without it (and "
-          "without --calibration_sudoku) the data-free 1/6 resp. 6");
+          "amax(|x|) of its inputs: amax / (6 * 448) resp. 448 * 6 / amax (with --gptq: the "
+          "input Hessians GPTQ rounds against). Without it (and without --calibration_sudoku) "
+          "the data-free 1/6 resp. 6");
 ABSL_FLAG(dgserve::CalibrationFileFlag, calibration_sudoku, {},
           "as --calibration, with the prompts and canvas templates of a Sudoku JSONL puzzle "
           "file (dgserve-sudoku-gen's {\"puzzle\": ...} lines; use the TRAIN split, "
@@ -99,6 +103,18 @@ ABSL_FLAG(int32_t, calibration_steps, 0,
           "the sampler's max_denoising_steps for the calibration canvases, ≤ 1024 (0: --in's "
           "generation_config.json value). Not only a cap: the step count also sets the noise "
           "schedule, so the default calibrates on the schedule the model is served with");
+ABSL_FLAG(bool, gptq, false,
+          "--format w4a16 only, with --calibration or --calibration_sudoku: quantize each module "
+          "by GPTQ (llm-compressor's GPTQModifier algorithm, actorder off) against the input "
+          "Hessian sum(x x^T) of its inputs over the calibration prompts' encoder passes and "
+          "denoising steps, rather than round-to-nearest; an expert no calibration row reached "
+          "is rounded to nearest");
+ABSL_FLAG(double, gptq_dampening, 0.01,
+          "--gptq: the dampening added to the Hessian's diagonal, as a fraction of its mean "
+          "(llm-compressor's dampening_frac)");
+ABSL_FLAG(double, gptq_max_gb, 16,
+          "--gptq: refuse before calibrating when the Hessians of every module (float64, held "
+          "at once) take more than this many GiB");
 ABSL_FLAG(int64_t, max_shard_bytes, dgserve::kDefaultMaxShardBytes,
           "bytes of tensors per safetensors shard");
 
@@ -232,14 +248,15 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
   return out;
 }
 
-// The --calibration / --calibration_sudoku amax per module; empty without either flag. The
-// flags were checked by CheckCalibrationFlags. The prompts (and, with --calibration_sudoku, the
-// Sudoku layout) are checked from --in's config.json and tokenizer.json before its weights are
-// read: a refused model or file fails without reading gigabytes.
-absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
+// The --calibration / --calibration_sudoku amax per module (options->input_amax), or with --gptq
+// the input Hessians (options->gptq_hessians); nothing without either flag. The flags were
+// checked by CheckCalibrationFlags. The prompts (and, with --calibration_sudoku, the Sudoku
+// layout) are checked from --in's config.json and tokenizer.json before its weights are read: a
+// refused model or file fails without reading gigabytes.
+absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   const std::string prompts_file = absl::GetFlag(FLAGS_calibration).path;
   const std::string sudoku_file = absl::GetFlag(FLAGS_calibration_sudoku).path;
-  if (prompts_file.empty() && sudoku_file.empty()) return std::map<std::string, float>{};
+  if (prompts_file.empty() && sudoku_file.empty()) return absl::OkStatus();
   // The file LoadCheckpoint reads its config from.
   DGSERVE_ASSIGN_OR_RETURN(const ModelConfig config, LoadModelConfig(in + "/config.json"));
   DGSERVE_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::Load(in + "/tokenizer.json"));
@@ -263,10 +280,23 @@ absl::StatusOr<std::map<std::string, float>> Calibrate(const std::string& in) {
   if (!read.ok()) return read.status();
   std::vector<CalibrationPrompt> prompts = *std::move(read);
   if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
+  const auto max_bytes = int64_t(absl::GetFlag(FLAGS_gptq_max_gb) * double(int64_t{1} << 30));
+  if (absl::GetFlag(FLAGS_gptq) && InputHessianBytes(config) > max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "--gptq: the input Hessians of every module of ", in, " take ", InputHessianBytes(config),
+        " bytes (float64, held at once), more than --gptq_max_gb ",
+        absl::GetFlag(FLAGS_gptq_max_gb), " GiB; layer-by-layer GPTQ is not implemented"));
+  }
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   CalibrationOptions options;
   options.max_denoising_steps = absl::GetFlag(FLAGS_calibration_steps);
-  return CalibrateActivationAmax(ck, prompts, options);
+  if (absl::GetFlag(FLAGS_gptq)) {
+    DGSERVE_ASSIGN_OR_RETURN(quantize->gptq_hessians,
+                             CalibrateInputHessians(ck, prompts, options, max_bytes));
+  } else {
+    DGSERVE_ASSIGN_OR_RETURN(quantize->input_amax, CalibrateActivationAmax(ck, prompts, options));
+  }
+  return absl::OkStatus();
 }
 
 // The calibration flags' own checks, before anything is read or run: no empty path given
@@ -287,6 +317,27 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
   }
   const bool prompts = prompts_flag.given;
   const bool sudoku = sudoku_flag.given;
+  const bool gptq = absl::GetFlag(FLAGS_gptq);
+  const double dampening = absl::GetFlag(FLAGS_gptq_dampening);
+  const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb);
+  if (!(dampening >= 0.0) || !std::isfinite(dampening)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gptq_dampening ", dampening, ": must be a finite number ≥ 0"));
+  }
+  if (!(max_gb > 0.0) || !std::isfinite(max_gb) || max_gb > 1e9) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gptq_max_gb ", max_gb, ": must be a finite number of GiB > 0"));
+  }
+  if (gptq && options.format != WeightFormat::kW4A16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gptq applies to --format w4a16 only (--format is ", format,
+                     "; fp8 and nvfp4 are rounded to nearest)"));
+  }
+  if (gptq && !prompts && !sudoku) {
+    return absl::InvalidArgumentError(
+        "--gptq needs calibration inputs: give --calibration PROMPTS.jsonl or "
+        "--calibration_sudoku PUZZLES.jsonl");
+  }
   const int limit = absl::GetFlag(FLAGS_calibration_limit);
   const int steps = absl::GetFlag(FLAGS_calibration_steps);
   if (limit < 0) return absl::InvalidArgumentError("--calibration_limit must be ≥ 0");
@@ -305,6 +356,13 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
   }
   if (prompts && sudoku) {
     return absl::InvalidArgumentError("give --calibration or --calibration_sudoku, not both");
+  }
+  if (gptq) return CheckQuantizePaths(absl::GetFlag(FLAGS_in), absl::GetFlag(FLAGS_out));
+  if (options.format == WeightFormat::kW4A16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        sudoku ? "--calibration_sudoku" : "--calibration",
+        " with --format w4a16 needs --gptq (GPTQ against the calibration inputs); w4a16 has no "
+        "static activation scale"));
   }
   if (options.format != WeightFormat::kNvfp4 ||
       options.nvfp4_activations == Nvfp4Activations::kNone) {
@@ -396,7 +454,8 @@ absl::Status Run() {
         absl::StrCat("--max_shard_bytes ", options.max_shard_bytes, ": must be positive"));
   }
   DGSERVE_RETURN_IF_ERROR(CheckCalibrationFlags(options, format));
-  DGSERVE_ASSIGN_OR_RETURN(options.input_amax, Calibrate(absl::GetFlag(FLAGS_in)));
+  options.gptq_dampening = absl::GetFlag(FLAGS_gptq_dampening);
+  DGSERVE_RETURN_IF_ERROR(Calibrate(absl::GetFlag(FLAGS_in), &options));
   const std::string out = absl::GetFlag(FLAGS_out);
   DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,
                            QuantizeCheckpoint(absl::GetFlag(FLAGS_in), out, options));
@@ -409,6 +468,11 @@ absl::Status Run() {
               : s.quant.channel_groups               ? " (per channel)"
                                        : absl::StrCat(" (group ", s.quant.group_size, ")").c_str(),
               nvfp4_layout, s.quantized, s.kept, s.seconds);
+  if (!options.gptq_hessians.empty()) {
+    std::printf(
+        "gptq: %d modules by GPTQ, %d rounded to nearest (no calibration row reached them)\n",
+        s.gptq, s.rtn_without_hessian);
+  }
   const std::vector<std::string> defaults = DefaultQuantizeIgnore();
   for (const std::string& e : s.unmatched_ignore) {
     // (The default list is for every checkpoint: a tied model has no lm_head.)
@@ -434,6 +498,7 @@ int main(int argc, char** argv) {
       "                   [--nvfp4_layout modelopt|compressed-tensors] [--nvfp4_activations "
       "nvfp4|none]\n"
       "                   [--calibration PROMPTS.jsonl | --calibration_sudoku PUZZLES.jsonl]\n"
-      "                   [--calibration_limit N] [--calibration_steps N]",
+      "                   [--calibration_limit N] [--calibration_steps N]\n"
+      "                   [--gptq [--gptq_dampening F] [--gptq_max_gb G]]  (w4a16, calibrated)",
       "tools/quantize_main.cc", dgserve::Run);
 }

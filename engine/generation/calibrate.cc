@@ -5,7 +5,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -98,15 +101,20 @@ std::map<std::string, float> ActivationAmaxObserver::ModuleAmax() const {
   return out;
 }
 
-absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
-    const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
-    const CalibrationOptions& options) {
+namespace {
+
+// Runs the bf16 `checkpoint` on the CPU backend over `prompts` with `observer` told every
+// Linear's input (CalibrateActivationAmax's loop, shared with CalibrateInputHessians).
+absl::Status RunCalibration(const Checkpoint& checkpoint,
+                            std::span<const CalibrationPrompt> prompts,
+                            const CalibrationOptions& options, LinearInputObserver& observer,
+                            const std::function<int64_t()>& encoder_rows,
+                            const std::function<int64_t()>& decoder_rows) {
   if (checkpoint.quant.format != WeightFormat::kBf16) {
     return absl::InvalidArgumentError(
         absl::StrCat("calibration runs the bf16 model: ", checkpoint.dir, " is already quantized"));
   }
   if (prompts.empty()) return absl::InvalidArgumentError("calibration: no prompts");
-  ActivationAmaxObserver observer(checkpoint.config);
   CpuBackendOptions backend_options;
   backend_options.gemm_input = cpu::GemmInput::kFloat32;
   backend_options.linear_observer = &observer;
@@ -135,17 +143,148 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
                    "calibrate: prompt %zu/%zu: %d prompt tokens, %d denoising steps; rows seen "
                    "%lld encoder, %lld decoder (per layer); %.1f s\n",
                    i + 1, prompts.size(), res.prompt_tokens, steps,
-                   static_cast<long long>(observer.encoder_rows() / checkpoint.config.num_layers),
-                   static_cast<long long>(observer.decoder_rows() / checkpoint.config.num_layers),
+                   static_cast<long long>(encoder_rows() / checkpoint.config.num_layers),
+                   static_cast<long long>(decoder_rows() / checkpoint.config.num_layers),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
+    const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
+    const CalibrationOptions& options) {
+  ActivationAmaxObserver observer(checkpoint.config);
+  DGSERVE_RETURN_IF_ERROR(RunCalibration(
+      checkpoint, prompts, options, observer, [&] { return observer.encoder_rows(); },
+      [&] { return observer.decoder_rows(); }));
   if (options.progress && observer.experts_without_rows() > 0) {
     std::fprintf(stderr,
                  "calibrate: %d experts saw no row; they take their layer's largest expert amax\n",
                  observer.experts_without_rows());
   }
   return observer.ModuleAmax();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Input Hessians (GPTQ)
+
+int64_t InputHessianBytes(const ModelConfig& c) {
+  const auto sq = [](int64_t n) { return n * n * int64_t(sizeof(double)); };
+  int64_t bytes = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    bytes += sq(c.hidden_size);                        // q/k/v
+    bytes += sq(int64_t(c.num_heads) * c.HeadDim(l));  // o_proj
+    if (c.intermediate_size > 0) bytes += sq(c.hidden_size) + sq(c.intermediate_size);
+    bytes += int64_t(c.num_experts) * (sq(c.hidden_size) + sq(c.moe_intermediate_size));
+  }
+  return bytes;
+}
+
+InputHessianObserver::InputHessianObserver(const ModelConfig& config)
+    : config_(config),
+      dense_(size_t(config.num_layers) * 4),
+      expert_(size_t(config.num_layers) * config.num_experts * 2) {}
+
+void InputHessianObserver::Observe(LinearSite site, int layer, int expert, bool encoder,
+                                   const float* x, int rows, int cols) {
+  if (rows <= 0 || cols <= 0 || layer < 0 || layer >= config_.num_layers) return;
+  InputHessian* h = nullptr;
+  switch (site) {
+    case LinearSite::kQkv: (encoder ? encoder_rows_ : decoder_rows_) += rows; [[fallthrough]];
+    case LinearSite::kOProj:
+    case LinearSite::kMlpGateUp:
+    case LinearSite::kMlpDown: h = &dense_[size_t(layer) * 4 + int(site)]; break;
+    case LinearSite::kExpertGateUp:
+    case LinearSite::kExpertDown:
+      if (expert < 0 || expert >= config_.num_experts) return;
+      h = &expert_[(size_t(layer) * config_.num_experts + expert) * 2 +
+                   (site == LinearSite::kExpertDown ? 1 : 0)];
+      break;
+    default:  // the router and the self-conditioning MLP: kept in bf16 by default
+      return;
+  }
+  if (h->cols == 0) {
+    h->cols = cols;
+    h->h.assign(size_t(cols) * cols, 0.0);
+  }
+  if (h->cols != cols) return;  // (one module, one width)
+  h->rows += rows;
+  const int n = cols;
+  // Σ x·xᵀ, the lower triangle (mirrored in ModuleHessians), one output row per thread.
+#pragma omp parallel for schedule(dynamic, 16) if (int64_t(rows) * n * n >= (1 << 22))
+  for (int i = 0; i < n; ++i) {
+    double* hi = h->h.data() + size_t(i) * n;
+    for (int r = 0; r < rows; ++r) {
+      const float* xr = x + size_t(r) * n;
+      const double xi = xr[i];
+      if (xi == 0.0) continue;
+      for (int j = 0; j <= i; ++j) hi[j] += xi * double(xr[j]);
+    }
+  }
+}
+
+int InputHessianObserver::experts_without_rows() const {
+  int n = 0;
+  for (size_t i = 0; i < expert_.size(); i += 2) n += expert_[i].rows == 0;
+  return n;
+}
+
+std::map<std::string, std::shared_ptr<const InputHessian>> InputHessianObserver::ModuleHessians()
+    const {
+  std::map<std::string, std::shared_ptr<const InputHessian>> out;
+  auto full = [](const InputHessian& lower) {
+    auto h = std::make_shared<InputHessian>(lower);
+    const int n = h->cols;
+    for (int i = 0; i < n; ++i) {
+      for (int j = i + 1; j < n; ++j) h->h[size_t(i) * n + j] = h->h[size_t(j) * n + i];
+    }
+    return std::shared_ptr<const InputHessian>(std::move(h));
+  };
+  auto put = [&](std::initializer_list<std::string> names, const InputHessian& h) {
+    if (h.rows == 0) return;
+    std::shared_ptr<const InputHessian> shared = full(h);
+    for (const std::string& name : names) out[name] = shared;
+  };
+  for (int l = 0; l < config_.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.decoder.layers.", l, ".");
+    const InputHessian* d = &dense_[size_t(l) * 4];
+    put({p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"}, d[0]);
+    put({p + "self_attn.o_proj"}, d[1]);
+    put({p + "mlp.gate_proj", p + "mlp.up_proj"}, d[2]);
+    put({p + "mlp.down_proj"}, d[3]);
+    for (int e = 0; e < config_.num_experts; ++e) {
+      const InputHessian* x = &expert_[(size_t(l) * config_.num_experts + e) * 2];
+      const std::string ep = absl::StrCat(p, "experts.", e, ".");
+      put({ep + "gate_proj", ep + "up_proj"}, x[0]);
+      put({ep + "down_proj"}, x[1]);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> CalibrateInputHessians(
+    const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
+    const CalibrationOptions& options, int64_t max_bytes) {
+  const int64_t bytes = InputHessianBytes(checkpoint.config);
+  if (max_bytes > 0 && bytes > max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "GPTQ: the input Hessians of every quantized module of ", checkpoint.dir, " take ", bytes,
+        " bytes (float64, one per module input), more than the limit of ", max_bytes,
+        " bytes; layer-by-layer GPTQ is not implemented"));
+  }
+  InputHessianObserver observer(checkpoint.config);
+  DGSERVE_RETURN_IF_ERROR(RunCalibration(
+      checkpoint, prompts, options, observer, [&] { return observer.encoder_rows(); },
+      [&] { return observer.decoder_rows(); }));
+  if (options.progress && observer.experts_without_rows() > 0) {
+    std::fprintf(stderr,
+                 "calibrate: %d experts saw no row; they are rounded to nearest (no Hessian)\n",
+                 observer.experts_without_rows());
+  }
+  return observer.ModuleHessians();
 }
 
 absl::StatusOr<std::vector<CalibrationPrompt>> ReadCalibrationPrompts(const std::string& path,

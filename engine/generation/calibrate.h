@@ -28,6 +28,7 @@
 #include "engine/model/backend.h"
 #include "engine/model/checkpoint.h"
 #include "engine/model/config.h"
+#include "engine/model/gptq.h"
 #include "engine/tokenizer/tokenizer.h"
 
 namespace dgserve {
@@ -67,6 +68,35 @@ class ActivationAmaxObserver final : public LinearInputObserver {
   int64_t encoder_rows_ = 0, decoder_rows_ = 0;
 };
 
+// Records the input Hessian Σ x·xᵀ (engine/model/gptq.h) of every Linear module dgserve-quantize
+// quantizes by default, for GPTQ: q/k/v_proj share one (one input), so do gate/up_proj of an MLP
+// or expert; an expert's over the rows routed to it only. Encoder and decoder passes' rows both
+// count (a diffusion model's decoder sees other activations than its encoder). The router and the
+// self-conditioning MLP are not observed (kept in bf16 by DefaultQuantizeIgnore). Each Hessian is
+// float64 [cols, cols], allocated at its module's first row: InputHessianBytes in all.
+class InputHessianObserver final : public LinearInputObserver {
+ public:
+  explicit InputHessianObserver(const ModelConfig& config);
+  void Observe(LinearSite site, int layer, int expert, bool encoder, const float* x, int rows,
+               int cols) override;
+  // Module name (decoder names, as ActivationAmaxObserver::ModuleAmax) → its Hessian, shared by
+  // the modules of one input; modules that saw no row (experts no row was routed to) are absent.
+  std::map<std::string, std::shared_ptr<const InputHessian>> ModuleHessians() const;
+  int64_t encoder_rows() const { return encoder_rows_; }
+  int64_t decoder_rows() const { return decoder_rows_; }
+  int experts_without_rows() const;  // over all layers
+
+ private:
+  ModelConfig config_;
+  // Per layer [kQkv, kOProj, kMlpGateUp, kMlpDown] and per layer and expert {gate_up, down}: the
+  // lower triangle only until ModuleHessians.
+  std::vector<InputHessian> dense_, expert_;
+  int64_t encoder_rows_ = 0, decoder_rows_ = 0;
+};
+
+// Bytes of every Hessian InputHessianObserver may hold for `config` (float64).
+int64_t InputHessianBytes(const ModelConfig& config);
+
 struct CalibrationOptions {
   // Denoising steps per canvas at most (SamplerParams::max_denoising_steps: the schedule is
   // spread over them); 0: the checkpoint's generation_config value.
@@ -83,6 +113,14 @@ struct CalibrationOptions {
 absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
     const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
     const CalibrationOptions& options = {});
+
+// As CalibrateActivationAmax, recording InputHessianObserver::ModuleHessians instead (GPTQ,
+// QuantizeOptions::gptq_hessians). RESOURCE_EXHAUSTED, before anything runs, when
+// InputHessianBytes exceeds `max_bytes` (> 0): the Hessians of every module are held at once
+// (GPTQ layer by layer, which real-width models need, is not implemented).
+absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> CalibrateInputHessians(
+    const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
+    const CalibrationOptions& options, int64_t max_bytes);
 
 // Reads a calibration file: JSONL, one object per line with a string "prompt" (blank lines
 // skipped), each prompt tokenized as the gateway tokenizes a text prompt (Tokenizer::EncodeText

@@ -146,6 +146,96 @@ TEST(CalibrateTest, ModuleAmaxBookkeeping) {
   EXPECT_EQ(o.decoder_rows(), 1);
 }
 
+// The input Hessians for GPTQ: Σ x·xᵀ per module by hand, encoder and decoder rows together;
+// q/k/v share one (the same object), gate/up too; an expert's over its own rows; the router and
+// the self-conditioning MLP are not recorded.
+TEST(CalibrateTest, InputHessianBookkeeping) {
+  ModelConfig c = ::dgserve::testing::TinyConfig();  // 2 layers, 4 experts
+  InputHessianObserver o(c);
+  const float x[4] = {1.0f, 2.0f, -1.0f, 0.5f};  // rows (1, 2) and (−1, 0.5)
+  o.Observe(LinearSite::kQkv, 1, -1, true, x, 2, 2);
+  o.Observe(LinearSite::kQkv, 1, -1, false, x + 2, 1, 2);
+  o.Observe(LinearSite::kExpertDown, 0, 3, false, x, 1, 2);
+  o.Observe(LinearSite::kRouter, 0, -1, false, x, 2, 2);
+  o.Observe(LinearSite::kScGateUp, -1, -1, false, x, 2, 2);
+  const auto m = o.ModuleHessians();
+  const std::string l0 = "model.decoder.layers.0.", l1 = "model.decoder.layers.1.";
+  ASSERT_EQ(m.size(), 4u);  // q/k/v of layer 1, the down_proj of expert 3 of layer 0
+  const auto& q = m.at(l1 + "self_attn.q_proj");
+  EXPECT_EQ(q->rows, 3);
+  EXPECT_EQ(q->h, (std::vector<double>{3.0, 1.0, 1.0, 4.5}));
+  EXPECT_EQ(m.at(l1 + "self_attn.k_proj").get(), q.get());
+  EXPECT_EQ(m.at(l1 + "self_attn.v_proj").get(), q.get());
+  const auto& down = m.at(l0 + "experts.3.down_proj");
+  EXPECT_EQ(down->rows, 1);
+  EXPECT_EQ(down->h, (std::vector<double>{1.0, 2.0, 2.0, 4.0}));
+  EXPECT_EQ(m.count(l0 + "experts.3.gate_proj"), 0u);
+  EXPECT_EQ(m.count(l0 + "router.proj"), 0u);
+  EXPECT_EQ(o.experts_without_rows(), 2 * 4);  // no expert's gate/up saw a row
+  EXPECT_EQ(o.encoder_rows(), 2);
+  EXPECT_EQ(o.decoder_rows(), 1);
+}
+
+// GPTQ through QuantizeCheckpoint on tiny-v512 calibrated on two prompts: a module with a
+// Hessian is quantized by GPTQ (some codes differ from round-to-nearest's), one without (an expert
+// no row was routed to) is round-to-nearest bit for bit; the counts add up and the checkpoint
+// loads. GPTQ with another format and Hessians beyond the memory limit are refused.
+TEST(CalibrateTest, GptqCheckpoint) {
+  const std::string dir = ::dgserve::testing::MakeTempDir("calibrate_gptq");
+  const std::string bf16 = WriteTinyV512(dir);
+  auto ck = LoadCheckpoint(bf16);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  std::vector<CalibrationPrompt> prompts(2);
+  prompts[0].prompt = {2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49};
+  prompts[1].prompt = {2, 300, 12, 7};
+  CalibrationOptions co;
+  co.max_denoising_steps = 3;
+  co.progress = false;
+  EXPECT_EQ(CalibrateInputHessians(*ck, prompts, co, 1).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  auto hessians = CalibrateInputHessians(*ck, prompts, co, 0);
+  ASSERT_TRUE(hessians.ok()) << hessians.status();
+  QuantizeOptions q;
+  q.progress = false;
+  q.format = WeightFormat::kW4A16;
+  q.group_size = 32;
+  ASSERT_THAT(QuantizeCheckpoint(bf16, dir + "/rtn", q).status(), IsOk());
+  q.gptq_hessians = *hessians;
+  auto summary = QuantizeCheckpoint(bf16, dir + "/gptq", q);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_GT(summary->gptq, 0);
+  EXPECT_EQ(summary->gptq + summary->rtn_without_hessian, summary->quantized);
+  auto a = SafetensorsReader::OpenDir(dir + "/rtn");
+  auto b = SafetensorsReader::OpenDir(dir + "/gptq");
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->tensors().size(), b->tensors().size());
+  int differ = 0, same_without = 0;
+  for (size_t i = 0; i < a->tensors().size(); ++i) {
+    const TensorView& ta = a->tensors()[i];
+    const TensorView& tb = b->tensors()[i];
+    ASSERT_EQ(ta.name, tb.name);
+    if (!ta.name.ends_with(".weight_packed")) continue;
+    std::string module = ta.name.substr(0, ta.name.size() - std::string(".weight_packed").size());
+    if (module.starts_with("model.encoder.language_model.")) {
+      module = "model.decoder." + module.substr(29);
+    }
+    const bool equal = std::memcmp(ta.data, tb.data, ta.nbytes) == 0;
+    if (hessians->count(module) != 0) {
+      differ += !equal;
+    } else {
+      EXPECT_TRUE(equal) << module << " has no Hessian: round-to-nearest";
+      ++same_without;
+    }
+  }
+  EXPECT_GT(differ, 0);
+  EXPECT_GT(summary->rtn_without_hessian, 0);  // (here: one expert, 3 modules)
+  EXPECT_EQ(same_without, summary->rtn_without_hessian);
+  EXPECT_TRUE(LoadCheckpoint(dir + "/gptq").ok());
+  q.format = WeightFormat::kFp8;
+  EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/fp8", q).status().message(),
+              HasSubstr("for --format w4a16, not fp8"));
+}
+
 // Calibrated checkpoints: every input_scale is amax / (6 · 448) of its module (ModelOpt) and
 // every input_global_scale 448 · 6 / amax (compressed-tensors), all else as uncalibrated.
 TEST(CalibrateTest, WrittenInputScalesAreTheCalibratedAmax) {

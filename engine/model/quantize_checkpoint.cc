@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -28,11 +29,20 @@
 #include "common/fp8.h"
 #include "common/status_macros.h"
 #include "engine/model/config.h"
+#include "engine/model/gptq.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/tensor_names.h"
 
 namespace dgserve {
 namespace {
+
+// The decoder name of a module: the encoder alias of a backbone module shares its decoder
+// module's weights (and the calibration's names are the decoder's).
+std::string DecoderModuleName(const std::string& module) {
+  return absl::StartsWith(module, "model.encoder.language_model.")
+             ? absl::StrCat("model.decoder.", module.substr(29))
+             : module;
+}
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -123,37 +133,39 @@ void AddFp8(const std::string& module, const Rows& r, Progress* progress,
                   }});
 }
 
-void AddW4a16(const std::string& module, const Rows& r, int group_flag, Progress* progress,
+// (With `hessian`: GPTQ against it, engine/model/gptq.h; else round-to-nearest.)
+void AddW4a16(const std::string& module, const Rows& r, int group_flag,
+              std::shared_ptr<const InputHessian> hessian, double dampening, Progress* progress,
               std::vector<TensorSource>* out) {
   const int group = group_flag > 0 ? group_flag : r.cols;
   const int groups = (r.cols + group - 1) / group, words = (r.cols + 7) / 8;
   auto packed = std::make_shared<std::vector<uint32_t>>();
   auto scales = std::make_shared<std::vector<uint16_t>>();
   auto left = std::make_shared<int>(2);
-  auto compute = [r, group, groups, words, packed, scales, progress]() -> absl::Status {
+  auto compute = [module, r, group, words, packed, scales, hessian, dampening,
+                  progress]() -> absl::Status {
     if (!packed->empty()) return absl::OkStatus();
     std::vector<float> w;
     DGSERVE_RETURN_IF_ERROR(ReadRows(r, &w));
+    W4a16Weights q;
+    if (hessian != nullptr) {
+      absl::StatusOr<W4a16Weights> g =
+          QuantizeW4a16Gptq(w, r.rows, r.cols, group, *hessian, dampening);
+      if (!g.ok()) {
+        return absl::Status(g.status().code(), absl::StrCat(module, ": ", g.status().message()));
+      }
+      q = std::move(*g);
+    } else {
+      q = QuantizeW4a16Rtn(w, r.rows, r.cols, group);
+    }
     packed->assign(size_t(r.rows) * words, 0);
-    scales->resize(size_t(r.rows) * groups);
-#pragma omp parallel for schedule(static) if (int64_t(r.rows) * r.cols >= (1 << 18))
     for (int i = 0; i < r.rows; ++i) {
-      const float* row = w.data() + size_t(i) * r.cols;
-      for (int g = 0; g < groups; ++g) {
-        const int c0 = g * group, c1 = std::min(r.cols, c0 + group);
-        float absmax = 0.0f;
-        for (int c = c0; c < c1; ++c) absmax = std::max(absmax, std::fabs(row[c]));
-        uint16_t sb = FloatToBf16(absmax / 7.5f);
-        if (Bf16ToFloat(sb) == 0.0f) sb = FloatToBf16(1.0f);
-        (*scales)[size_t(i) * groups + g] = sb;
-        const float s = Bf16ToFloat(sb);
-        for (int c = c0; c < c1; ++c) {
-          const float q = std::min(7.0f, std::max(-8.0f, std::nearbyint(row[c] / s)));
-          const uint32_t code = uint32_t(int(q) + 8) & 0xfu;
-          (*packed)[size_t(i) * words + c / 8] |= code << (4 * (c % 8));
-        }
+      for (int c = 0; c < r.cols; ++c) {
+        const uint32_t code = uint32_t(q.codes[size_t(i) * r.cols + c] + 8) & 0xfu;
+        (*packed)[size_t(i) * words + c / 8] |= code << (4 * (c % 8));
       }
     }
+    *scales = std::move(q.scales);
     progress->Step(int64_t(w.size()) * int64_t(DTypeSize(r.view->dtype)));
     return absl::OkStatus();
   };
@@ -488,6 +500,14 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
           absl::StrCat("calibration amax of ", module, " is ", amax, ": must be finite and ≥ 0"));
     }
   }
+  if (!options.gptq_hessians.empty() && q.format != WeightFormat::kW4A16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPTQ (a calibrated Hessian per module) is for --format w4a16, not ",
+                     WeightFormatName(q.format)));
+  }
+  if (!(options.gptq_dampening >= 0.0) || !std::isfinite(options.gptq_dampening)) {
+    return absl::InvalidArgumentError("the GPTQ dampening must be a finite number ≥ 0");
+  }
   if (q.format == WeightFormat::kW4A16) {
     if (options.group_size < 0) {
       return absl::InvalidArgumentError("--group_size must be ≥ 0 (0: per channel)");
@@ -545,6 +565,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   progress->print = options.progress;
   std::vector<TensorSource> tensors;
   int quantized = 0, kept = 0;
+  int gptq = 0, rtn_without_hessian = 0;                    // w4a16 with Hessians: modules each way
   std::map<std::string, std::shared_ptr<FusedAmax>> fused;  // compressed-tensors NVFP4's sets
   absl::Status missing_amax;      // a quantized module the calibration did not see
   std::set<std::string> modules;  // every module name an ignore entry may mean
@@ -574,11 +595,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         }
         float amax = -1.0f;  // no calibration
         if (calibrated) {
-          // The encoder alias of a backbone module shares its decoder module's weights.
-          const std::string key = absl::StartsWith(module, "model.encoder.language_model.")
-                                      ? absl::StrCat("model.decoder.", module.substr(29))
-                                      : module;
-          const auto it = options.input_amax.find(key);
+          const auto it = options.input_amax.find(DecoderModuleName(module));
           if (it != options.input_amax.end()) {
             amax = it->second;
           } else if (missing_amax.ok()) {
@@ -590,7 +607,14 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         AddNvfp4(module, r, set, weight_only, Nvfp4InputScale(amax, ct_nvfp4), progress.get(),
                  &tensors);
       } else {
-        AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, progress.get(), &tensors);
+        std::shared_ptr<const InputHessian> hessian;  // none: round-to-nearest
+        if (!options.gptq_hessians.empty()) {
+          const auto it = options.gptq_hessians.find(DecoderModuleName(module));
+          if (it != options.gptq_hessians.end()) hessian = it->second;
+          ++(hessian != nullptr ? gptq : rtn_without_hessian);
+        }
+        AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, std::move(hessian),
+                 options.gptq_dampening, progress.get(), &tensors);
       }
     } else {
       ++kept;
@@ -689,6 +713,8 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   summary.quant = q;
   summary.quantized = quantized;
   summary.kept = kept;
+  summary.gptq = gptq;
+  summary.rtn_without_hessian = rtn_without_hessian;
   for (const std::string& e : options.ignore) {
     if (std::none_of(modules.begin(), modules.end(),
                      [&](const std::string& m) { return IgnoreEntryMatches(e, m); })) {

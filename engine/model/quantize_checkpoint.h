@@ -12,7 +12,8 @@
 //                    --calibration PROMPTS.jsonl | --calibration_sudoku PUZZLES.jsonl
 //                    [--calibration_limit N] [--calibration_steps N]
 //
-// Every Linear module not in the ignore list is quantized with round-to-nearest:
+// Every Linear module not in the ignore list is quantized with round-to-nearest (w4a16 also with
+// GPTQ against calibrated input Hessians: QuantizeOptions::gptq_hessians, --gptq):
 //  * fp8 (compressed-tensors FP8_DYNAMIC, format float-quantized): per output channel
 //    s = absmax(row) / 448 (float32; an all-zero row takes s = 1), w_q = e4m3_rne(w / s)
 //    (saturating at ±448); `M.weight` F8_E4M3 [out, in], `M.weight_scale` F32 [out, 1].
@@ -83,10 +84,12 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/model/gptq.h"
 #include "engine/model/quant_config.h"
 #include "engine/model/safetensors.h"
 
@@ -122,11 +125,21 @@ struct QuantizeOptions {
   // module must have one (INVALID_ARGUMENT naming it otherwise); amax 0 gives the data-free
   // value.
   std::map<std::string, float> input_amax;
+  // w4a16 only (another format is refused): the calibration's input Hessian per module
+  // (engine/generation/calibrate.h: decoder module names; an encoder alias takes its decoder
+  // module's), each module that has one quantized by GPTQ (engine/model/gptq.h) with dampening
+  // gptq_dampening; a module without one (an expert no calibration row reached) by
+  // round-to-nearest. Empty (default): round-to-nearest.
+  std::map<std::string, std::shared_ptr<const InputHessian>> gptq_hessians;
+  double gptq_dampening = 0.01;
 };
 
 struct QuantizeSummary {
   QuantizationConfig quant;  // as written into config.json
   int quantized = 0, kept = 0;  // Linear modules quantized / kept in their dtype
+  // With QuantizeOptions::gptq_hessians: w4a16 modules quantized by GPTQ, and by
+  // round-to-nearest for want of a Hessian.
+  int gptq = 0, rtn_without_hessian = 0;
   // Entries of QuantizeOptions::ignore that name no module of the checkpoint (a tensor's name
   // without its last component, or a Linear module the quantizer visits, experts one by one):
   // most likely a typo, whose modules are then quantized.

@@ -1,0 +1,158 @@
+// W4A16 round-to-nearest and GPTQ (gptq.h): the format's rule and GPTQ's update by hand on small
+// cases, the output error GPTQ minimises against round-to-nearest's on correlated inputs, inputs
+// no row reached, and the refusals.
+#include "engine/model/gptq.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "common/bf16.h"
+
+namespace dgserve {
+namespace {
+
+InputHessian HessianOf(const std::vector<float>& x, int rows, int cols) {
+  InputHessian h;
+  h.cols = cols;
+  h.rows = rows;
+  h.h.assign(size_t(cols) * cols, 0.0);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < cols; ++i) {
+      for (int j = 0; j < cols; ++j) {
+        h.h[size_t(i) * cols + j] += double(x[size_t(r) * cols + i]) * x[size_t(r) * cols + j];
+      }
+    }
+  }
+  return h;
+}
+
+// Σ over calibration rows and output rows of (x·(w − q))², q = code · scale.
+double OutputError(const std::vector<float>& x, int n, const std::vector<float>& w,
+                   const W4a16Weights& q, int rows, int cols, int group) {
+  const int groups = (cols + group - 1) / group;
+  double e = 0.0;
+  for (int r = 0; r < rows; ++r) {
+    for (int t = 0; t < n; ++t) {
+      double d = 0.0;
+      for (int c = 0; c < cols; ++c) {
+        const double s = Bf16ToFloat(q.scales[size_t(r) * groups + c / group]);
+        d += double(x[size_t(t) * cols + c]) *
+             (double(w[size_t(r) * cols + c]) - q.codes[size_t(r) * cols + c] * s);
+      }
+      e += d * d;
+    }
+  }
+  return e;
+}
+
+// absmax 7.5 → scale 1 (exact in bf16): 7.5 rounds to 8 and is clamped to 7, −7.5 to −8, 2.5 to
+// 2 (ties to even), 0.49 to 0; the second group's absmax 0.375 → scale 0.05 rounded to bf16.
+TEST(W4a16Test, RoundToNearestIsTheFormatsRule) {
+  const std::vector<float> w = {7.5f, -7.5f, 2.5f, 0.49f, 0.375f, -0.1f};
+  const W4a16Weights q = QuantizeW4a16Rtn(w, 1, 6, 4);
+  ASSERT_EQ(q.scales.size(), 2u);
+  EXPECT_EQ(Bf16ToFloat(q.scales[0]), 1.0f);
+  EXPECT_EQ(Bf16ToFloat(q.scales[1]), 0.05004882812f);  // bf16(0.05): 0x3D4D
+  EXPECT_EQ(q.codes, (std::vector<int8_t>{7, -8, 2, 0, 7, -2}));
+  // An all-zero group takes scale 1.
+  const W4a16Weights z = QuantizeW4a16Rtn(std::vector<float>(4, 0.0f), 1, 4, 4);
+  EXPECT_EQ(Bf16ToFloat(z.scales[0]), 1.0f);
+}
+
+// Two inputs, H = [[4, 2], [2, 2]], no dampening: rounding w0 = 1.875 to 1.75 (scale 0.25, code
+// 7) leaves e = 0.125, and GPTQ moves w1 by e · H01 / H11 = 0.125 (the least-squares correction
+// of the output for the second input given the first's error): 0.1 → 0.225, code 1, where
+// round-to-nearest gives 0 (0.4).
+TEST(W4a16Test, GptqUpdateByHand) {
+  InputHessian h;
+  h.cols = 2;
+  h.rows = 1;
+  h.h = {4.0, 2.0, 2.0, 2.0};
+  const std::vector<float> w = {1.875f, 0.1f};
+  auto q = QuantizeW4a16Gptq(w, 1, 2, 2, h, 0.0);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(Bf16ToFloat(q->scales[0]), 0.25f);
+  EXPECT_EQ(q->codes, (std::vector<int8_t>{7, 1}));
+  EXPECT_EQ(QuantizeW4a16Rtn(w, 1, 2, 2).codes, (std::vector<int8_t>{7, 0}));
+  // Uncorrelated inputs (H diagonal): nothing to correct, round-to-nearest's codes.
+  h.h = {4.0, 0.0, 0.0, 2.0};
+  q = QuantizeW4a16Gptq(w, 1, 2, 2, h, 0.0);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->codes, (std::vector<int8_t>{7, 0}));
+}
+
+// Correlated inputs (rank-8 mixtures of 64 columns plus a little noise), 16 output rows in groups
+// of 32: GPTQ's output error is well below round-to-nearest's (measured 0.06×; without the error
+// feedback it would be the same codes as round-to-nearest). Every code is in the int4 range.
+TEST(W4a16Test, GptqLowersTheOutputErrorOnCorrelatedInputs) {
+  const int rows = 16, cols = 64, n = 512, rank = 8, group = 32;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> a(size_t(rank) * cols), x(size_t(n) * cols), w(size_t(rows) * cols);
+  for (float& v : a) v = normal(rng);
+  for (int t = 0; t < n; ++t) {
+    float z[rank];
+    for (float& v : z) v = normal(rng);
+    for (int c = 0; c < cols; ++c) {
+      float s = 0.05f * normal(rng);
+      for (int k = 0; k < rank; ++k) s += z[k] * a[size_t(k) * cols + c];
+      x[size_t(t) * cols + c] = s;
+    }
+  }
+  for (float& v : w) v = normal(rng);
+  const InputHessian h = HessianOf(x, n, cols);
+  auto g = QuantizeW4a16Gptq(w, rows, cols, group, h);
+  ASSERT_TRUE(g.ok()) << g.status();
+  const W4a16Weights r = QuantizeW4a16Rtn(w, rows, cols, group);
+  for (int8_t c : g->codes) {
+    ASSERT_GE(c, -8);
+    ASSERT_LE(c, 7);
+  }
+  const double eg = OutputError(x, n, w, *g, rows, cols, group);
+  const double er = OutputError(x, n, w, r, rows, cols, group);
+  std::printf("output error: GPTQ %.4g, round-to-nearest %.4g (ratio %.3f)\n", eg, er, eg / er);
+  EXPECT_LT(eg, 0.5 * er);
+}
+
+// An input no calibration row reached (its column of H is 0) gets weight 0: it never reaches the
+// output, and its error budget goes nowhere.
+TEST(W4a16Test, InputsNoRowReachedGetZeroWeight) {
+  InputHessian h;
+  h.cols = 3;
+  h.rows = 2;
+  h.h = {2.0, 1.0, 0.0, 1.0, 3.0, 0.0, 0.0, 0.0, 0.0};
+  const std::vector<float> w = {0.5f, -0.75f, 3.0f, 1.0f, 0.25f, -2.0f};
+  auto q = QuantizeW4a16Gptq(w, 2, 3, 3, h);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->codes[2], 0);
+  EXPECT_EQ(q->codes[5], 0);
+  EXPECT_NE(q->codes[0], 0);
+}
+
+TEST(W4a16Test, GptqRefusals) {
+  InputHessian h;
+  h.cols = 2;
+  h.rows = 1;
+  h.h = {1.0, 0.0, 0.0, 1.0};
+  const std::vector<float> w = {1.0f, 2.0f};
+  EXPECT_EQ(QuantizeW4a16Gptq(w, 1, 2, 0, h).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(QuantizeW4a16Gptq(w, 1, 2, 2, h, -0.5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(QuantizeW4a16Gptq(w, 2, 2, 2, h).status().code(), absl::StatusCode::kInvalidArgument);
+  InputHessian wide = h;
+  wide.cols = 3;
+  EXPECT_EQ(QuantizeW4a16Gptq(w, 1, 2, 2, wide).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Indefinite ([[1, 2], [2, 1]]: eigenvalues 3 and −1), no dampening.
+  h.h = {1.0, 2.0, 2.0, 1.0};
+  const absl::Status st = QuantizeW4a16Gptq(w, 1, 2, 2, h, 0.0).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("larger dampening"), std::string::npos) << st;
+}
+
+}  // namespace
+}  // namespace dgserve
