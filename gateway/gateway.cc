@@ -285,6 +285,7 @@ absl::StatusOr<PreparedRequest> Gateway::Prepare(const v1::GenerateRequest& requ
     return absl::InvalidArgumentError("canvas_text: requires canvas_step_interval > 0");
   }
   p.canvas_text = request.stream_options().canvas_text();
+  p.continuous_usage = request.stream_options().continuous_usage();
   if (HasCanvasTemplate(request.canvas_template())) {
     absl::StatusOr<v1::CanvasTemplate> t = ResolveTemplate(request.canvas_template());
     if (!t.ok()) return t.status();

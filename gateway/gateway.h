@@ -59,6 +59,8 @@ struct PreparedRequest {
   v1::SamplerSettings sampler;
   int canvas_step_interval = 0;
   bool canvas_text = false;
+  // Every block carries its sample's usage so far (stream_options.continuous_usage).
+  bool continuous_usage = false;
   // Infilling, in the token-id form (validated); unset when the request has no template.
   std::optional<v1::CanvasTemplate> canvas_template;
 };

@@ -577,7 +577,8 @@ void OpenAiHttpServer::Impl::RunGenerate(std::shared_ptr<HttpExchange> ex,
     return;
   }
 
-  StreamFormatter formatter(ctx, include_usage, request.n());
+  StreamFormatter formatter(ctx, include_usage, request.n(),
+                            request.stream_options().continuous_usage());
   // The response head goes out when the core accepts the request (or, failing that, with the
   // first frames): from then on the connection carries SSE keep-alive comments while the
   // request waits for a worker, and an error comes in-stream.

@@ -57,6 +57,9 @@ bool IsToleratedDefault(const std::string& key, const json& v) {
     return w.kind == WholeNumber::kValue && w.value == 0;
   }
   if (key == "store" && v.is_boolean()) return !v.get<bool>();
+  // What clients without tools send: no tools, and the choice not to call any.
+  if (key == "tools" && v.is_array()) return v.empty();
+  if (key == "tool_choice" && v.is_string()) return v.get<std::string>() == "none";
   return false;
 }
 
@@ -231,6 +234,9 @@ absl::Status ParseStreamOptions(const json& v, OpenAiRequest* out) {
     if (it.key() == "include_usage") {
       DGSERVE_ASSIGN_OR_RETURN(out->include_usage,
                                GetBool(it.value(), "stream_options.include_usage"));
+    } else if (it.key() == "continuous_usage_stats") {
+      DGSERVE_ASSIGN_OR_RETURN(out->continuous_usage,
+                               GetBool(it.value(), "stream_options.continuous_usage_stats"));
     } else {
       return Unsupported(absl::StrCat("stream_options.", it.key()));
     }
@@ -469,6 +475,9 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
   }
   req.mutable_stream_options()->set_canvas_step_interval(static_cast<int32_t>(canvas_interval));
   req.mutable_stream_options()->set_canvas_text(canvas_text);
+  // As vLLM: usage in every chunk only when the usage chunk is asked for too.
+  out.continuous_usage = out.continuous_usage && out.include_usage;
+  req.mutable_stream_options()->set_continuous_usage(out.continuous_usage);
   req.set_model(out.model);
   return out;
 }
@@ -519,6 +528,16 @@ json UsageObject(const v1::Usage& u) {
           {"denoise_seconds", t.denoise_seconds()},
           {"commit_seconds", t.commit_seconds()},
           {"total_seconds", t.total_seconds()}}}}},
+  };
+}
+
+// The usage of a chunk with continuous usage: the OpenAI fields of UsageObject.
+json ChunkUsageObject(const v1::Usage& u) {
+  return json{
+      {"prompt_tokens", u.prompt_tokens()},
+      {"completion_tokens", u.completion_tokens()},
+      {"total_tokens", u.total_tokens()},
+      {"prompt_tokens_details", {{"cached_tokens", u.cached_prompt_tokens()}}},
   };
 }
 
@@ -614,7 +633,7 @@ std::string ChatCompletionResponseJson(const ResponseContext& ctx, std::string_v
 }
 
 std::string CompletionChunkJson(const ResponseContext& ctx, std::string_view text,
-                                std::string_view finish_reason, int index) {
+                                std::string_view finish_reason, int index, const v1::Usage* usage) {
   ResponseContext c = ctx;
   c.chat = false;
   json j = Envelope(c, /*chunk=*/true);
@@ -622,11 +641,12 @@ std::string CompletionChunkJson(const ResponseContext& ctx, std::string_view tex
                                    {"text", std::string(text)},
                                    {"logprobs", nullptr},
                                    {"finish_reason", NullOr(finish_reason)}}});
+  if (usage != nullptr) j["usage"] = ChunkUsageObject(*usage);
   return Dump(j);
 }
 
 std::string ChatChunkJson(const ResponseContext& ctx, std::string_view content, bool with_role,
-                          std::string_view finish_reason, int index) {
+                          std::string_view finish_reason, int index, const v1::Usage* usage) {
   ResponseContext c = ctx;
   c.chat = true;
   json j = Envelope(c, /*chunk=*/true);
@@ -637,6 +657,7 @@ std::string ChatChunkJson(const ResponseContext& ctx, std::string_view content, 
                                    {"delta", std::move(delta)},
                                    {"logprobs", nullptr},
                                    {"finish_reason", NullOr(finish_reason)}}});
+  if (usage != nullptr) j["usage"] = ChunkUsageObject(*usage);
   return Dump(j);
 }
 
@@ -728,9 +749,11 @@ std::string ResponseAccumulator::Json(ResponseContext ctx) const {
   return ResponseJson(ctx, choices_, usage_);
 }
 
-StreamFormatter::StreamFormatter(ResponseContext ctx, bool include_usage, int n)
+StreamFormatter::StreamFormatter(ResponseContext ctx, bool include_usage, int n,
+                                 bool continuous_usage)
     : ctx_(std::move(ctx)),
       include_usage_(include_usage),
+      continuous_usage_(continuous_usage),
       n_(std::max(1, n)),
       role_sent_(size_t(n_), false) {}
 
@@ -747,21 +770,25 @@ std::string StreamFormatter::OnEvent(const v1::GenerateEvent& event) {
     case v1::GenerateEvent::kBlock: {
       const std::string& text = event.block().text();
       if (text.empty()) return "";
-      if (!ctx_.chat) return SseEvent(CompletionChunkJson(ctx_, text, {}, index));
+      const v1::Usage* usage = continuous_usage_ ? &event.block().usage() : nullptr;
+      if (!ctx_.chat) return SseEvent(CompletionChunkJson(ctx_, text, {}, index, usage));
       const bool with_role = !role_sent_[index];
       role_sent_[index] = true;
-      return SseEvent(ChatChunkJson(ctx_, text, with_role, {}, index));
+      return SseEvent(ChatChunkJson(ctx_, text, with_role, {}, index, usage));
     }
     case v1::GenerateEvent::kFinished: {
       const std::string& reason = event.finished().finish_reason();
+      // With continuous usage the finish chunk carries the choice's final usage.
+      const v1::Usage* usage = continuous_usage_ ? &event.finished().usage() : nullptr;
       std::string out;
       if (ctx_.chat) {
         const bool with_role = !role_sent_[index];
         role_sent_[index] = true;
         out = SseEvent(
-            ChatChunkJson(ctx_, "", with_role, reason.empty() ? "stop" : reason, index));
+            ChatChunkJson(ctx_, "", with_role, reason.empty() ? "stop" : reason, index, usage));
       } else {
-        out = SseEvent(CompletionChunkJson(ctx_, "", reason.empty() ? "stop" : reason, index));
+        out =
+            SseEvent(CompletionChunkJson(ctx_, "", reason.empty() ? "stop" : reason, index, usage));
       }
       if (finished_samples_ == 0) {
         usage_ = event.finished().usage();

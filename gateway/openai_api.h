@@ -10,7 +10,10 @@
 //                        integer in [1, 1000000]; if both are set they must be equal; neither:
 //                        the checkpoint's generation_config.json max_new_tokens (the core's)
 //     stream             bool
-//     stream_options     {"include_usage": bool}; only allowed with "stream": true
+//     stream_options     {"include_usage": bool, "continuous_usage_stats": bool}; only allowed
+//                        with "stream": true. continuous_usage_stats (vLLM's) takes effect only
+//                        with include_usage: then every chunk of a choice's text and its finish
+//                        chunk carry "usage" with that choice's tokens so far (StreamFormatter)
 //     stop               string, or array of at most 4 strings; every string non-empty
 //     seed               integer in [0, 2^64)
 //     temperature, top_p only null or 1: the diffusion sampler has its own temperature
@@ -46,8 +49,9 @@
 // not), and these harmless defaults that some client libraries always send are accepted and
 // ignored: "logprobs": false, "echo": false, "best_of": 1, "presence_penalty": 0,
 // "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
-// "top_logprobs": 0, "store": false. OpenAI's "suffix" (insertion) is refused with a pointer to
-// "canvas_template", which is how this server infills.
+// "top_logprobs": 0, "store": false, "tools": [] and "tool_choice": "none" (no tools; any other
+// tools or tool_choice is refused as an unsupported field). OpenAI's "suffix" (insertion) is
+// refused with a pointer to "canvas_template", which is how this server infills.
 //
 // Every error is INVALID_ARGUMENT with a message that starts with the field's name
 // ("max_tokens: must be an integer", "messages[2].content[0].type: ...") or reads
@@ -71,6 +75,9 @@ struct OpenAiRequest {
   v1::GenerateRequest request;  // input, max_tokens, stop, seed, diffusion, stream_options
   bool stream = false;          // "stream": true → SSE
   bool include_usage = false;   // stream_options.include_usage: a usage chunk before [DONE]
+  // stream_options.continuous_usage_stats with include_usage: usage in every choice's chunk
+  // (also in request.stream_options.continuous_usage)
+  bool continuous_usage = false;
   bool chat = false;            // parsed from /v1/chat/completions
   std::string model;            // as sent ("" when absent); also in request.model
 };
@@ -114,15 +121,20 @@ std::string ChatCompletionResponseJson(const ResponseContext& ctx, std::string_v
                                        std::string_view finish_reason, const v1::Usage& usage);
 
 // A /v1/completions stream chunk: object "text_completion", choices[0] = {"index": `index`,
-// "text", "logprobs": null, "finish_reason": null or `finish_reason` when non-empty}.
+// "text", "logprobs": null, "finish_reason": null or `finish_reason` when non-empty}. With
+// `usage` (continuous usage) also "usage": {"prompt_tokens", "completion_tokens",
+// "total_tokens", "prompt_tokens_details": {"cached_tokens"}}.
 std::string CompletionChunkJson(const ResponseContext& ctx, std::string_view text,
-                                std::string_view finish_reason = {}, int index = 0);
+                                std::string_view finish_reason = {}, int index = 0,
+                                const v1::Usage* usage = nullptr);
 
 // A /v1/chat/completions stream chunk: object "chat.completion.chunk", choices[0] = {"index":
 // `index`, "delta", "logprobs": null, "finish_reason"}. delta holds "role": "assistant" when
-// `with_role` and "content" when `content` is non-empty or `with_role`; {} otherwise.
+// `with_role` and "content" when `content` is non-empty or `with_role`; {} otherwise. `usage`
+// as for CompletionChunkJson.
 std::string ChatChunkJson(const ResponseContext& ctx, std::string_view content, bool with_role,
-                          std::string_view finish_reason = {}, int index = 0);
+                          std::string_view finish_reason = {}, int index = 0,
+                          const v1::Usage* usage = nullptr);
 
 // The usage chunk sent before [DONE] with stream_options.include_usage: "choices": [] and
 // "usage" (shape as in CompletionResponseJson). Object type follows ctx.chat.
@@ -185,11 +197,16 @@ class ResponseAccumulator {
 // per non-empty committed block (chat: each choice's first chunk carries delta.role), a final
 // chunk with finish_reason per choice, the usage chunk (summed over the choices) when
 // include_usage after the last choice's, then [DONE] — or an error event. With n > 1 the
-// chunks of the choices interleave, each naming its choice's "index".
+// chunks of the choices interleave, each naming its choice's "index". With continuous usage
+// every text chunk carries its block's usage (BlockCommitted.usage: that choice's usage so far)
+// and every finish chunk its choice's final usage (Finished.usage); canvas-step chunks carry
+// none.
 class StreamFormatter {
  public:
-  // `n`: the request's choices (GenerateRequest.n; 0 = 1).
-  StreamFormatter(ResponseContext ctx, bool include_usage, int n = 1);
+  // `n`: the request's choices (GenerateRequest.n; 0 = 1). `continuous_usage`: the request's
+  // stream_options.continuous_usage (its blocks carry usage).
+  StreamFormatter(ResponseContext ctx, bool include_usage, int n = 1,
+                  bool continuous_usage = false);
 
   // SSE frames for one event; "" when the event produces none (an empty block). The first
   // non-empty event request id replaces ctx.request_id.
@@ -206,6 +223,7 @@ class StreamFormatter {
  private:
   ResponseContext ctx_;
   bool include_usage_;
+  bool continuous_usage_;
   int n_;
   bool id_adopted_ = false;
   std::vector<bool> role_sent_;  // per choice

@@ -381,5 +381,83 @@ TEST(StreamFormatterTest, TwoChoicesInterleaveEachWithItsFinishThenOneUsageAndDo
   EXPECT_EQ(frames[6], "[DONE]");
 }
 
+// A block of choice `index` whose usage so far counts `completion` tokens (continuous usage).
+v1::GenerateEvent BlockWithUsage(const std::string& text, int completion, int index = 0) {
+  v1::GenerateEvent e = WithIndex(Block(text), index);
+  v1::Usage* u = e.mutable_block()->mutable_usage();
+  u->set_prompt_tokens(SampleUsage().prompt_tokens());
+  u->set_cached_prompt_tokens(SampleUsage().cached_prompt_tokens());
+  u->set_completion_tokens(completion);
+  u->set_total_tokens(SampleUsage().prompt_tokens() + completion);
+  return e;
+}
+
+// The usage a chunk carries with continuous usage: the OpenAI fields only.
+void ExpectChunkUsage(const json& chunk, int completion) {
+  ASSERT_TRUE(chunk.contains("usage")) << chunk.dump();
+  const json& u = chunk["usage"];
+  EXPECT_EQ(u["prompt_tokens"], SampleUsage().prompt_tokens()) << chunk.dump();
+  EXPECT_EQ(u["completion_tokens"], completion) << chunk.dump();
+  EXPECT_EQ(u["total_tokens"], SampleUsage().prompt_tokens() + completion) << chunk.dump();
+  EXPECT_EQ(u["prompt_tokens_details"]["cached_tokens"], SampleUsage().cached_prompt_tokens())
+      << chunk.dump();
+  EXPECT_FALSE(u.contains("dgserve")) << chunk.dump();
+}
+
+// stream_options.continuous_usage_stats: every text chunk carries its choice's usage so far,
+// the finish chunk the choice's final usage; canvas-step chunks carry none; the usage chunk is
+// as without it.
+TEST(StreamFormatterTest, ContinuousUsageInEveryChoiceChunk) {
+  for (const bool chat : {false, true}) {
+    SCOPED_TRACE(chat ? "chat" : "completions");
+    StreamFormatter f(ResponseContext{"local", "m", 9, chat}, /*include_usage=*/true, 1,
+                      /*continuous_usage=*/true);
+    std::string sse;
+    sse += f.OnEvent(Step(0));
+    sse += f.OnEvent(BlockWithUsage("Hi", 2));
+    EXPECT_EQ(f.OnEvent(BlockWithUsage("", 2)), "");
+    sse += f.OnEvent(BlockWithUsage(" there", 4));
+    sse += f.OnEvent(Finished("length"));  // completion_tokens 5
+    sse += f.OnEnd(absl::OkStatus());
+    std::vector<std::string> frames = Frames(sse);
+    ASSERT_EQ(frames.size(), 6u);
+    EXPECT_FALSE(json::parse(frames[0]).contains("usage"));  // a canvas step is no token chunk
+    ExpectChunkUsage(json::parse(frames[1]), 2);
+    ExpectChunkUsage(json::parse(frames[2]), 4);
+    json last = json::parse(frames[3]);
+    EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+    ExpectChunkUsage(last, SampleUsage().completion_tokens());
+    json usage = json::parse(frames[4]);
+    EXPECT_TRUE(usage["choices"].empty());
+    ExpectUsage(usage["usage"]);
+    EXPECT_EQ(frames[5], "[DONE]");
+  }
+  // Without it no choice chunk carries usage, even when the blocks have one.
+  StreamFormatter g(ResponseContext{"local", "m", 9, false}, /*include_usage=*/true);
+  std::vector<std::string> frames =
+      Frames(g.OnEvent(BlockWithUsage("a", 1)) + g.OnEvent(Finished("stop")));
+  ASSERT_EQ(frames.size(), 3u);
+  EXPECT_FALSE(json::parse(frames[0]).contains("usage"));
+  EXPECT_FALSE(json::parse(frames[1]).contains("usage"));
+  ExpectUsage(json::parse(frames[2])["usage"]);
+}
+
+// With n > 1 each choice's chunks count that choice's tokens (as vLLM); the usage chunk sums.
+TEST(StreamFormatterTest, ContinuousUsageCountsEachChoiceOnItsOwn) {
+  StreamFormatter f(ResponseContext{"local", "m", 9, false}, true, 2, true);
+  std::string sse;
+  sse += f.OnEvent(BlockWithUsage("x", 3, 1));
+  sse += f.OnEvent(BlockWithUsage("y", 1, 0));
+  sse += f.OnEvent(WithIndex(Finished("stop"), 0));
+  sse += f.OnEvent(WithIndex(Finished("stop"), 1));
+  std::vector<std::string> frames = Frames(sse);
+  ASSERT_EQ(frames.size(), 5u);
+  ExpectChunkUsage(json::parse(frames[0]), 3);
+  ExpectChunkUsage(json::parse(frames[1]), 1);
+  ExpectChunkUsage(json::parse(frames[2]), 5);
+  ExpectChunkUsage(json::parse(frames[3]), 5);
+  EXPECT_EQ(json::parse(frames[4])["usage"]["completion_tokens"], 10);
+}
+
 }  // namespace
 }  // namespace dgserve

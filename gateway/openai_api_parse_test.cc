@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/testing/status_matchers.h"
 #include "gateway/openai_api.h"
 
@@ -267,9 +268,83 @@ TEST(ParseCompletionsTest, StreamRejections) {
               "stream_options: must be an object");
   ExpectError(R"({"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}})",
               "stream_options.include_usage: must be a boolean");
+  ExpectError(R"({"prompt": "x", "stream_options": {"continuous_usage_stats": true}})",
+              "stream_options: only allowed when stream is true");
+  ExpectError(R"({"prompt": "x", "stream_options": {"include_usage": true,
+                  "continuous_usage_stats": false}})",
+              "stream_options: only allowed when stream is true");
   ExpectError(
-      R"({"prompt": "x", "stream": true, "stream_options": {"continuous_usage_stats": true}})",
-      "unsupported field: stream_options.continuous_usage_stats");
+      R"({"prompt": "x", "stream": true, "stream_options": {"continuous_usage_stats": "yes"}})",
+      "stream_options.continuous_usage_stats: must be a boolean");
+  ExpectError(R"({"prompt": "x", "stream": true, "stream_options": {"usage_every": true}})",
+              "unsupported field: stream_options.usage_every");
+}
+
+// vLLM's stream_options.continuous_usage_stats: accepted, and on only together with
+// include_usage (as vLLM's should_include_usage); false changes nothing.
+TEST(ParseCompletionsTest, ContinuousUsageStats) {
+  struct Case {
+    const char* options;
+    bool include_usage, continuous;
+  };
+  for (const Case& c : {
+           Case{R"({"include_usage": true, "continuous_usage_stats": true})", true, true},
+           Case{R"({"continuous_usage_stats": true, "include_usage": true})", true, true},
+           Case{R"({"include_usage": true, "continuous_usage_stats": false})", true, false},
+           Case{R"({"include_usage": false, "continuous_usage_stats": true})", false, false},
+           Case{R"({"continuous_usage_stats": true})", false, false},
+           Case{R"({"include_usage": true, "continuous_usage_stats": null})", true, false},
+       }) {
+    for (const bool chat : {false, true}) {
+      const std::string body = absl::StrCat(
+          chat ? R"({"messages": [{"role": "user", "content": "x"}])" : R"({"prompt": "x")",
+          R"(, "stream": true, "stream_options": )", c.options, "}");
+      OpenAiRequest r = ParseOk(body, chat);
+      EXPECT_EQ(r.include_usage, c.include_usage) << body;
+      EXPECT_EQ(r.continuous_usage, c.continuous) << body;
+      EXPECT_EQ(r.request.stream_options().continuous_usage(), c.continuous) << body;
+    }
+  }
+  EXPECT_FALSE(ParseOk(R"({"prompt": "x", "stream": true})").continuous_usage);
+}
+
+// What clients without tools send ("tools": [], "tool_choice": "none", or nulls) is no tools;
+// any real tool or tool choice stays refused.
+TEST(ParseCompletionsTest, NoToolsIsAccepted) {
+  for (const char* fields :
+       {R"("tools": [])", R"("tools": null)", R"("tool_choice": "none")", R"("tool_choice": null)",
+        R"("tools": [], "tool_choice": "none")", R"("tools": null, "tool_choice": "none")",
+        R"("tools": [], "tool_choice": null)"}) {
+    for (const bool chat : {false, true}) {
+      const std::string body = absl::StrCat(
+          chat ? R"({"messages": [{"role": "user", "content": "x"}], )" : R"({"prompt": "x", )",
+          fields, "}");
+      absl::StatusOr<OpenAiRequest> r =
+          chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
+      ASSERT_THAT(r, IsOk()) << body;
+      EXPECT_EQ(chat ? r->request.chat().messages(0).content() : r->request.text(), "x") << body;
+    }
+  }
+  struct Refused {
+    const char* fields;
+    const char* field;  // the one named
+  };
+  for (const Refused& c : {
+           Refused{R"("tools": [{"type": "function", "function": {"name": "f"}}])", "tools"},
+           Refused{R"("tools": {})", "tools"},
+           Refused{R"("tools": [], "tool_choice": "auto")", "tool_choice"},
+           Refused{R"("tool_choice": "required")", "tool_choice"},
+           Refused{R"("tool_choice": "None")", "tool_choice"},
+           Refused{R"("tool_choice": {"type": "function", "function": {"name": "f"}})",
+                   "tool_choice"},
+       }) {
+    for (const bool chat : {false, true}) {
+      const std::string body = absl::StrCat(
+          chat ? R"({"messages": [{"role": "user", "content": "x"}], )" : R"({"prompt": "x", )",
+          c.fields, "}");
+      ExpectError(body, absl::StrCat("unsupported field: ", c.field), chat);
+    }
+  }
 }
 
 TEST(ParseCompletionsTest, StopRejections) {
@@ -330,8 +405,9 @@ TEST(ParseCompletionsTest, UnsupportedFields) {
                             R"("top_logprobs": 1)",
                             R"("top_logprobs": 0.5)",
                             R"("store": true)",
-                            R"("tools": [])",
+                            R"("tools": [{"type": "function"}])",
                             R"("tool_choice": "auto")",
+                            R"("tool_choice": "required")",
                             R"("functions": [])",
                             R"("whatever": 1)",
                             R"("chat_template_kwargs": {"enable_thinking": true})"}) {

@@ -20,6 +20,24 @@
 #include "service/canvas_template_proto.h"
 
 namespace dgserve {
+namespace {
+
+// The fewest of `ids`, at least `lo` and at most `hi`, whose text covers `bytes` bytes of
+// completion text (`hi` when none does): what usage counts as the completion of that text.
+int CoveringTokens(const Tokenizer& tokenizer, const std::vector<int32_t>& ids, size_t bytes,
+                   size_t lo, size_t hi) {
+  while (lo < hi) {
+    const size_t mid = (lo + hi) / 2;
+    if (tokenizer.Decode(std::span<const int32_t>(ids.data(), mid), true).size() >= bytes) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return int(lo);
+}
+
+}  // namespace
 
 using gateway_internal::CancelWatcher;
 using gateway_internal::HideWorkers;
@@ -423,22 +441,23 @@ bool Gateway::RequestRun::OnBlock(int index, const v1::DenoiseBlockEvent& block)
     // so usage and ids account for every returned byte; tokens wholly inside or past the stop
     // text are not (as with OpenAI, the stop text is not returned). Ids already streamed in
     // earlier blocks cannot be taken back; usage and the unary response's ids are cut to it.
-    size_t lo = 0, hi = s.all_ids.size();
-    while (lo < hi) {
-      const size_t mid = (lo + hi) / 2;
-      if (gw_.tokenizer_.Decode(std::span<const int32_t>(s.all_ids.data(), mid), true).size() >=
-          s.emitted_bytes) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    const int keep_total = int(lo);
+    const int keep_total =
+        CoveringTokens(gw_.tokenizer_, s.all_ids, s.emitted_bytes, 0, s.all_ids.size());
     const int before_block = s.completion - int(take.size());
     b->mutable_token_ids()->Truncate(std::max(0, keep_total - before_block));
     s.completion = keep_total;
   }
   b->set_text(text);
+  if (req_.continuous_usage) {
+    // After a stop sequence the completion is already the covering count; otherwise count the
+    // tokens the text emitted so far covers (held-back bytes of a possible stop sequence or an
+    // unfinished character are not returned yet), from the last count on: it never decreases.
+    s.covered =
+        r.stopped ? s.completion
+                  : CoveringTokens(gw_.tokenizer_, s.all_ids, s.emitted_bytes,
+                                   size_t(std::min(s.covered, s.completion)), size_t(s.completion));
+    SetUsageSoFar(s, b->mutable_usage());
+  }
   if (!Emit(out)) return false;
   // The worker ends the sample at this block too (a stop token, max_tokens, or the stop
   // sequence it matches itself): its Finished, with the denoise and commit timings, comes next.
@@ -458,6 +477,15 @@ absl::Status Gateway::RequestRun::FinishSamples() {
   return absl::OkStatus();
 }
 
+void Gateway::RequestRun::SetUsageSoFar(const gateway_internal::SampleStream& s,
+                                        v1::Usage* u) const {
+  const int prompt = int(req_.prompt.size());
+  u->set_prompt_tokens(prompt);
+  u->set_completion_tokens(s.covered);
+  u->set_total_tokens(prompt + s.covered);
+  u->set_cached_prompt_tokens(prefill_.cached_tokens());
+}
+
 bool Gateway::RequestRun::FinishSample(int index) {
   SampleStream& s = *samples_[index];
   if (s.finished_sent) return true;
@@ -471,6 +499,11 @@ bool Gateway::RequestRun::FinishSample(int index) {
       out.set_index(index);
       out.mutable_block()->set_index(s.last_index);
       out.mutable_block()->set_text(tail);
+      if (req_.continuous_usage) {
+        s.covered = CoveringTokens(gw_.tokenizer_, s.all_ids, s.emitted_bytes + tail.size(),
+                                   size_t(std::min(s.covered, s.completion)), size_t(s.completion));
+        SetUsageSoFar(s, out.mutable_block()->mutable_usage());
+      }
       if (!Emit(out)) return false;
     }
   }

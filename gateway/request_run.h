@@ -93,6 +93,8 @@ struct SampleStream {
   // The last CanvasStep sent: a resumed canvas's steps up to it are not sent again.
   int sent_step_canvas = -1, sent_step = -1;
   size_t emitted_bytes = 0;      // completion text emitted so far
+  // The fewest of all_ids whose text covers the text emitted so far (continuous usage only).
+  int covered = 0;
   // The completion ended at a block by max_tokens, a stop token or a stop sequence: the worker
   // ends this sample there too and its Finished (with the denoise and commit timings) comes
   // next.
@@ -184,6 +186,8 @@ class Gateway::RequestRun {
   // its usage (once), so a choice that ends early is reported when it ends, not when the last
   // one does. False when the client went away.
   bool FinishSample(int index);
+  // A block's usage so far (continuous usage): the prompt's tokens and `s.covered`.
+  void SetUsageSoFar(const gateway_internal::SampleStream& s, v1::Usage* usage) const;
   // Sends one event to the client; false (and the denoise call cancelled) when it went away.
   bool Emit(const v1::GenerateEvent& ev);
   void EndSample(gateway_internal::SampleStream& s) {

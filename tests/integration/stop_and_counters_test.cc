@@ -5,8 +5,12 @@
 // exactly the cached tokens that served prefills reused (issue 12 defects 6 and 9, and the
 // reviewer's findings on usage after a stop).
 #include <signal.h>
-#include <chrono>
+
+#include <algorithm>
 #include <cctype>
+#include <chrono>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -14,10 +18,10 @@
 #include "common/http_client.h"
 #include "common/testing/loopback_socket.h"
 #include "engine/tokenizer/tokenizer.h"
-#include "nlohmann/json.hpp"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/integration/test_cluster.h"
 #include "tests/integration/test_helpers.h"
 
@@ -295,6 +299,182 @@ std::vector<std::string> DataLines(const std::string& raw) {
     at = end;
   }
   return out;
+}
+
+// The fewest of `ids` whose text covers `bytes` bytes (ids.size() when none do).
+int CoveringTokens(const Tokenizer& tok, const std::vector<int32_t>& ids, size_t bytes) {
+  for (size_t k = 0; k < ids.size(); ++k) {
+    if (tok.Decode(std::span<const int32_t>(ids.data(), k), true).size() >= bytes) return int(k);
+  }
+  return int(ids.size());
+}
+
+// The chunks of a streamed response with continuous usage, per choice index.
+struct ContinuousUsage {
+  std::map<int, std::vector<nlohmann::json>> text_chunks;  // chunks without finish_reason
+  std::map<int, nlohmann::json> finish_chunk;
+  std::map<int, std::string> text;
+  std::vector<nlohmann::json> usage_chunks;
+  bool done = false;
+};
+ContinuousUsage ReadContinuousUsage(const std::string& sse_body, bool chat) {
+  ContinuousUsage out;
+  std::istringstream in(sse_body);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("data: ", 0) != 0) continue;
+    const std::string data = line.substr(6);
+    EXPECT_FALSE(out.done) << "data after [DONE]: " << data;
+    if (data == "[DONE]") {
+      out.done = true;
+      continue;
+    }
+    const nlohmann::json chunk = nlohmann::json::parse(data);
+    EXPECT_FALSE(chunk.contains("error")) << data;
+    if (chunk["choices"].empty()) {
+      out.usage_chunks.push_back(chunk);
+      continue;
+    }
+    const nlohmann::json& choice = chunk["choices"][0];
+    const int index = choice["index"].get<int>();
+    EXPECT_EQ(out.finish_chunk.count(index), 0u) << "a chunk after the finish: " << data;
+    const nlohmann::json& text = chat ? choice["delta"]["content"] : choice["text"];
+    if (text.is_string()) out.text[index] += text.get<std::string>();
+    if (choice["finish_reason"].is_null()) {
+      out.text_chunks[index].push_back(chunk);
+    } else {
+      out.finish_chunk[index] = chunk;
+    }
+  }
+  return out;
+}
+
+// stream_options.continuous_usage_stats (vLLM's): every chunk of a choice carries usage whose
+// completion_tokens is that choice's tokens so far — the fewest tokens whose text covers the
+// text streamed so far, as the final usage counts them — never decreasing, ending (finish
+// chunk) at the choice's final usage; the usage chunk is unchanged. With and without a stop
+// sequence across a canvas boundary (whose tokens wholly in the stop text are not counted,
+// though a canvas streamed before holds them), and with n = 2 on the chat endpoint.
+TEST_F(StopAndCountersTest, ContinuousUsageCountsTheTokensOfTheTextSoFar) {
+  const int C = CanvasLength();
+  absl::StatusOr<Tokenizer> tok =
+      Tokenizer::Load(*TestModelDirWithoutStopTokens() + "/tokenizer.json");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::string prompt = "Tell me about rivers and the sea.";
+  v1::GenerateRequest req;
+  Streamed full;
+  std::string stop;
+  uint64_t seed = 41;
+  for (; seed <= 50 && stop.empty(); ++seed) {
+    req.set_text(prompt);
+    req.set_seed(seed);
+    req.set_max_tokens(3 * C);
+    full = Stream(req);
+    ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+    ASSERT_EQ(full.blocks.size(), 3u);
+    // A stop sequence across the canvas 0/1 boundary: canvas 0's last token's text, then
+    // canvas 1's first character. At canvas 0's end that token's text is held back (it may
+    // start the stop sequence), so canvas 0's chunk counts the tokens before it; at canvas 1 it
+    // is found wholly in the stop text and never counted. (A count of every token streamed so
+    // far would go from C down to fewer.)
+    const std::string& t0 = full.blocks[0].text();
+    const std::string& t1 = full.blocks[1].text();
+    const std::vector<int32_t> ids0(full.blocks[0].token_ids().begin(),
+                                    full.blocks[0].token_ids().end());
+    const std::string before_last =
+        tok->Decode(std::span<const int32_t>(ids0.data(), ids0.size() - 1), true);
+    if (t0.size() <= before_last.size() || t0.compare(0, before_last.size(), before_last) != 0 ||
+        t1.empty()) {
+      continue;
+    }
+    const std::string candidate = t0.substr(before_last.size()) + t1[0];
+    const bool ascii = std::all_of(candidate.begin(), candidate.end(), [](char ch) {
+      return std::isprint(static_cast<unsigned char>(ch)) != 0;
+    });
+    if (ascii && full.text.find(candidate) == before_last.size()) stop = candidate;
+  }
+  ASSERT_FALSE(stop.empty()) << "no printable ASCII across the first canvas boundary in ten seeds";
+  --seed;
+  std::vector<int32_t> ids;
+  for (const v1::BlockCommitted& b : full.blocks) {
+    ids.insert(ids.end(), b.token_ids().begin(), b.token_ids().end());
+  }
+  HttpClient http("127.0.0.1", c().gateway().http_port);
+  for (const bool with_stop : {false, true}) {
+    SCOPED_TRACE(with_stop ? "stop \"" + stop + "\"" : "no stop");
+    const std::string body = absl::StrCat(
+        R"({"prompt": )", nlohmann::json(prompt).dump(), R"(, "max_tokens": )", 3 * C,
+        R"(, "seed": )", seed,
+        with_stop ? absl::StrCat(R"(, "stop": )", nlohmann::json(stop).dump()) : "",
+        R"(, "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}})");
+    auto res = http.Post("/v1/completions", body);
+    ASSERT_TRUE(res);
+    ASSERT_EQ(res.status, 200) << res.body;
+    const ContinuousUsage got = ReadContinuousUsage(res.body, /*chat=*/false);
+    EXPECT_TRUE(got.done);
+    const std::string want_text = with_stop ? full.text.substr(0, full.text.find(stop)) : full.text;
+    EXPECT_EQ(got.text.at(0), want_text);
+    ASSERT_EQ(got.usage_chunks.size(), 1u);
+    const nlohmann::json& final_usage = got.usage_chunks[0]["usage"];
+    const int prompt_tokens = final_usage["prompt_tokens"].get<int>();
+    const int final_completion = final_usage["completion_tokens"].get<int>();
+    EXPECT_EQ(final_completion, with_stop ? CoveringTokens(*tok, ids, want_text.size()) : 3 * C);
+    if (with_stop) EXPECT_LT(final_completion, C);  // canvas 0's last token is not counted
+    ASSERT_FALSE(got.text_chunks.at(0).empty());
+    std::string so_far;
+    int last = 0;
+    for (const nlohmann::json& chunk : got.text_chunks.at(0)) {
+      ASSERT_TRUE(chunk.contains("usage")) << chunk.dump();
+      const nlohmann::json& u = chunk["usage"];
+      so_far += chunk["choices"][0]["text"].get<std::string>();
+      const int n = u["completion_tokens"].get<int>();
+      EXPECT_EQ(n, CoveringTokens(*tok, ids, so_far.size())) << chunk.dump();
+      EXPECT_GE(n, last) << chunk.dump();
+      EXPECT_LE(n, final_completion) << chunk.dump();
+      EXPECT_EQ(u["prompt_tokens"], prompt_tokens) << chunk.dump();
+      EXPECT_EQ(u["total_tokens"], prompt_tokens + n) << chunk.dump();
+      EXPECT_EQ(u["prompt_tokens_details"]["cached_tokens"],
+                final_usage["prompt_tokens_details"]["cached_tokens"])
+          << chunk.dump();
+      last = n;
+    }
+    // The finish chunk ends the running count at the final usage.
+    const nlohmann::json& fin = got.finish_chunk.at(0);
+    EXPECT_EQ(fin["choices"][0]["finish_reason"], with_stop ? "stop" : "length");
+    ASSERT_TRUE(fin.contains("usage")) << fin.dump();
+    EXPECT_EQ(fin["usage"]["completion_tokens"], final_completion) << fin.dump();
+    EXPECT_EQ(fin["usage"]["total_tokens"], prompt_tokens + final_completion) << fin.dump();
+  }
+
+  // Chat, n = 2: each choice counts its own tokens; the usage chunk sums the choices.
+  const std::string body = absl::StrCat(
+      R"({"messages": [{"role": "user", "content": "Tell me about the sea."}], "n": 2, )",
+      R"("max_tokens": )", 2 * C, R"(, "seed": 3, "stream": true, )",
+      R"("stream_options": {"include_usage": true, "continuous_usage_stats": true}})");
+  auto res = http.Post("/v1/chat/completions", body);
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res.status, 200) << res.body;
+  const ContinuousUsage got = ReadContinuousUsage(res.body, /*chat=*/true);
+  EXPECT_TRUE(got.done);
+  ASSERT_EQ(got.usage_chunks.size(), 1u);
+  int sum = 0;
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE(absl::StrCat("choice ", i));
+    ASSERT_EQ(got.finish_chunk.count(i), 1u);
+    const int final_i = got.finish_chunk.at(i)["usage"]["completion_tokens"].get<int>();
+    EXPECT_EQ(final_i, 2 * C);
+    int last = 0;
+    const auto chunks = got.text_chunks.find(i);
+    ASSERT_NE(chunks, got.text_chunks.end());
+    for (const nlohmann::json& chunk : chunks->second) {
+      ASSERT_TRUE(chunk.contains("usage")) << chunk.dump();
+      const int n = chunk["usage"]["completion_tokens"].get<int>();
+      EXPECT_GE(n, last) << chunk.dump();
+      EXPECT_LE(n, final_i) << chunk.dump();
+      last = n;
+    }
+    sum += final_i;
+  }
+  EXPECT_EQ(got.usage_chunks[0]["usage"]["completion_tokens"], sum);
 }
 
 // A stream cut by its deadline after output ends well-formed for every n: its last events are an
