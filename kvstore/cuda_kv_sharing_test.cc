@@ -147,6 +147,18 @@ class CudaKvSharingTest : public backend_testing::CpuGpuTest<CudaKvSharingTest, 
     return PagedKvCache::FromPrefix(pool_.get(), std::move(match), kMaxTokens);
   }
 
+  // Why a test whose block counts at a bound of a few KiB are written for blocks of 4 with
+  // bf16 full layers skips ("" where it runs).
+  std::string BoundedBlockCountsSkip() const {
+    if (!backend_testing::SmallKvGranules()) {
+      return "K/V pools of a few KiB: the emulation's granules only";
+    }
+    if (GetParam().kv_block_size != 4 || !GetParam().tensor_core_attention) {
+      return "blocks of 4 with bf16 full layers only (the bound's block counts)";
+    }
+    return "";
+  }
+
   // A backend bounded at 108 KiB (64 full-layer blocks of 1 KiB, then 11 sliding ones of 4 KiB)
   // holding the cached blocks of five gone 8-token prompts (two of each kind each), released one
   // prompt per pass in the order 2, 0, 4, 1, 3 (not their ids' order), beside `q`, a live 4-token
@@ -342,11 +354,7 @@ TEST_P(CudaKvSharingTest, ARefusedPassKeepsTheBlocksItTook) {
 // 8 / B − 1 / B sliding), with the parent's logits bit for bit. (Checked by hand: without the
 // registry's update the fork finds only the sliding blocks: 2 taken.)
 TEST_P(CudaKvSharingTest, CompactionMovesRegisteredBlocks) {
-  if (!backend_testing::SmallKvGranules())
-    GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
-  if (GetParam().kv_block_size != 4 || !GetParam().tensor_core_attention) {
-    GTEST_SKIP() << "blocks of 4 with bf16 full layers only (the bound's block counts)";
-  }
+  if (const std::string why = BoundedBlockCountsSkip(); !why.empty()) GTEST_SKIP() << why;
   CudaBackendOptions bounded = GpuOptions();
   bounded.kv_pool_max_bytes = 64 * 1024 + 4 * 4096;
   auto created = CreateCudaBackend(config(), checkpoint_->weights, bounded);
@@ -390,11 +398,7 @@ TEST_P(CudaKvSharingTest, CompactionMovesRegisteredBlocks) {
 // blocks (window [1, 8)) and uploads only the full layers' rows; one on the first (2) takes none;
 // both with the logits of a backend that shares nothing.
 TEST_P(CudaKvSharingTest, CompactionDropsOnlyTheCachedBlocksItNeeds) {
-  if (!backend_testing::SmallKvGranules())
-    GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
-  if (GetParam().kv_block_size != 4 || !GetParam().tensor_core_attention) {
-    GTEST_SKIP() << "blocks of 4 with bf16 full layers only (the bound's block counts)";
-  }
+  if (const std::string why = BoundedBlockCountsSkip(); !why.empty()) GTEST_SKIP() << why;
   CachedPrompts c = CacheFivePrompts();
   ASSERT_FALSE(HasFailure());
   ContiguousKvCache long_kv(config(), 288);
@@ -428,11 +432,7 @@ TEST_P(CudaKvSharingTest, CompactionDropsOnlyTheCachedBlocksItNeeds) {
 // ones were allocated, that compaction dropped them first and the hit uploaded their rows: 2
 // blocks taken, not 4.
 TEST_P(CudaKvSharingTest, AHitTakesItsBlocksBeforeACompactionDropsThem) {
-  if (!backend_testing::SmallKvGranules())
-    GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
-  if (GetParam().kv_block_size != 4 || !GetParam().tensor_core_attention) {
-    GTEST_SKIP() << "blocks of 4 with bf16 full layers only (the bound's block counts)";
-  }
+  if (const std::string why = BoundedBlockCountsSkip(); !why.empty()) GTEST_SKIP() << why;
   CachedPrompts c = CacheFivePrompts();
   ASSERT_FALSE(HasFailure());
   std::vector<int32_t> prompt = c.prompts[2];

@@ -83,7 +83,8 @@ std::string AbslUnparseFlag(const CalibrationFileFlag& f) { return f.path; }
 }  // namespace dgserve
 
 ABSL_FLAG(dgserve::CalibrationFileFlag, calibration, {},
-          "--format nvfp4 (W4A4), or w4a16 with --gptq: JSONL file of calibration prompts, one {\"prompt\": "
+          "--format nvfp4 (W4A4), or w4a16 with --gptq: JSONL file of calibration prompts, one "
+          "{\"prompt\": "
           "\"...\"} per line, tokenized with --in's tokenizer.json as the gateway does (<bos> "
           "first). The bf16 model runs each prompt's encoder pass and one canvas of denoising "
           "steps on the CPU backend (float32 GEMM mode) and every quantized Linear's "

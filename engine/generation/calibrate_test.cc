@@ -45,6 +45,20 @@ std::string WriteTinyV512(const std::string& dir) {
   return bf16;
 }
 
+// Two calibration prompts of tiny-v512 (11 and 4 tokens), and 3 denoising steps each, quietly.
+std::vector<CalibrationPrompt> TwoPrompts() {
+  std::vector<CalibrationPrompt> prompts(2);
+  prompts[0].prompt = {2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49};
+  prompts[1].prompt = {2, 300, 12, 7};
+  return prompts;
+}
+CalibrationOptions ThreeSteps() {
+  CalibrationOptions co;
+  co.max_denoising_steps = 3;
+  co.progress = false;
+  return co;
+}
+
 // W4A4 NVFP4 in groups of 16, ModelOpt's layout or (ct) compressed-tensors', no progress line.
 QuantizeOptions Nvfp4Options(bool ct) {
   QuantizeOptions q;
@@ -185,12 +199,8 @@ TEST(CalibrateTest, GptqCheckpoint) {
   const std::string bf16 = WriteTinyV512(dir);
   auto ck = LoadCheckpoint(bf16);
   ASSERT_TRUE(ck.ok()) << ck.status();
-  std::vector<CalibrationPrompt> prompts(2);
-  prompts[0].prompt = {2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49};
-  prompts[1].prompt = {2, 300, 12, 7};
-  CalibrationOptions co;
-  co.max_denoising_steps = 3;
-  co.progress = false;
+  const std::vector<CalibrationPrompt> prompts = TwoPrompts();
+  const CalibrationOptions co = ThreeSteps();
   EXPECT_EQ(CalibrateInputHessians(*ck, prompts, co, 1).status().code(),
             absl::StatusCode::kResourceExhausted);
   auto hessians = CalibrateInputHessians(*ck, prompts, co, 0);
@@ -243,12 +253,8 @@ TEST(CalibrateTest, WrittenInputScalesAreTheCalibratedAmax) {
   const std::string bf16 = WriteTinyV512(dir);
   auto ck = LoadCheckpoint(bf16);
   ASSERT_TRUE(ck.ok()) << ck.status();
-  std::vector<CalibrationPrompt> prompts(2);
-  prompts[0].prompt = {2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49};
-  prompts[1].prompt = {2, 300, 12, 7};
-  CalibrationOptions co;
-  co.max_denoising_steps = 3;
-  co.progress = false;
+  const std::vector<CalibrationPrompt> prompts = TwoPrompts();
+  const CalibrationOptions co = ThreeSteps();
   auto amax = CalibrateActivationAmax(*ck, prompts, co);
   ASSERT_TRUE(amax.ok()) << amax.status();
   for (bool ct : {false, true}) {
