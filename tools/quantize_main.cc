@@ -106,16 +106,17 @@ ABSL_FLAG(int32_t, calibration_steps, 0,
           "schedule, so the default calibrates on the schedule the model is served with");
 ABSL_FLAG(bool, gptq, false,
           "--format w4a16 only, with --calibration or --calibration_sudoku: quantize each module "
-          "by GPTQ (llm-compressor's GPTQModifier algorithm, actorder off) against the input "
-          "Hessian sum(x x^T) of its inputs over the calibration prompts' encoder passes and "
-          "denoising steps, rather than round-to-nearest; an expert no calibration row reached "
-          "is rounded to nearest");
-ABSL_FLAG(double, gptq_dampening, 0.01,
-          "--gptq: the dampening added to the Hessian's diagonal, as a fraction of its mean "
-          "(llm-compressor's dampening_frac)");
-ABSL_FLAG(double, gptq_max_gb, 16,
-          "--gptq: refuse before calibrating when the Hessians of every module (float64, held "
-          "at once) take more than this many GiB");
+          "by GPTQ (Frantar et al. 2022, no activation reordering; engine/model/gptq.h) against "
+          "the input Hessian sum(x x^T) of its inputs over the calibration prompts' encoder "
+          "passes and denoising steps of the bf16 model, rather than round-to-nearest; an expert "
+          "no calibration row reached is rounded to nearest");
+ABSL_FLAG(std::optional<double>, gptq_dampening, std::nullopt,
+          "--gptq only: the dampening added to the Hessian's diagonal, as a fraction of its mean, "
+          "in [0, 1e6] (default 0.01, llm-compressor's dampening_frac)");
+ABSL_FLAG(std::optional<double>, gptq_max_gb, std::nullopt,
+          "--gptq only: refuse before calibrating when the Hessians of every module and their "
+          "factors (float64, held at once: twice the Hessians' bytes) take more than this many "
+          "GiB (default 16)");
 ABSL_FLAG(int64_t, max_shard_bytes, dgserve::kDefaultMaxShardBytes,
           "bytes of tensors per safetensors shard");
 
@@ -281,19 +282,22 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   if (!read.ok()) return read.status();
   std::vector<CalibrationPrompt> prompts = *std::move(read);
   if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
-  const auto max_bytes = int64_t(absl::GetFlag(FLAGS_gptq_max_gb) * double(int64_t{1} << 30));
-  if (absl::GetFlag(FLAGS_gptq) && InputHessianBytes(config) > max_bytes) {
+  const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb).value_or(16.0);
+  const auto max_bytes = int64_t(max_gb * double(int64_t{1} << 30));
+  // The Hessians, and QuantizeCheckpoint's factor of each beside them.
+  const int64_t gptq_bytes = 2 * InputHessianBytes(config);
+  if (absl::GetFlag(FLAGS_gptq) && gptq_bytes > max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "--gptq: the input Hessians of every module of ", in, " take ", InputHessianBytes(config),
-        " bytes (float64, held at once), more than --gptq_max_gb ",
-        absl::GetFlag(FLAGS_gptq_max_gb), " GiB; layer-by-layer GPTQ is not implemented"));
+        "--gptq: the input Hessians of every module of ", in, " and their factors take ",
+        gptq_bytes, " bytes (float64, held at once), more than --gptq_max_gb ", max_gb,
+        " GiB; layer-by-layer GPTQ is not implemented"));
   }
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   CalibrationOptions options;
   options.max_denoising_steps = absl::GetFlag(FLAGS_calibration_steps);
   if (absl::GetFlag(FLAGS_gptq)) {
     DGSERVE_ASSIGN_OR_RETURN(quantize->gptq_hessians,
-                             CalibrateInputHessians(ck, prompts, options, max_bytes));
+                             CalibrateInputHessians(ck, prompts, options, max_bytes / 2));
   } else {
     DGSERVE_ASSIGN_OR_RETURN(quantize->input_amax, CalibrateActivationAmax(ck, prompts, options));
   }
@@ -319,15 +323,19 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
   const bool prompts = prompts_flag.given;
   const bool sudoku = sudoku_flag.given;
   const bool gptq = absl::GetFlag(FLAGS_gptq);
-  const double dampening = absl::GetFlag(FLAGS_gptq_dampening);
-  const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb);
-  if (!(dampening >= 0.0) || !std::isfinite(dampening)) {
+  const std::optional<double> dampening = absl::GetFlag(FLAGS_gptq_dampening);
+  const std::optional<double> max_gb = absl::GetFlag(FLAGS_gptq_max_gb);
+  if (!gptq && (dampening || max_gb)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--gptq_dampening ", dampening, ": must be a finite number ≥ 0"));
+        absl::StrCat(dampening ? "--gptq_dampening" : "--gptq_max_gb", " applies to --gptq only"));
   }
-  if (!(max_gb > 0.0) || !std::isfinite(max_gb) || max_gb > 1e9) {
+  if (dampening && !(*dampening >= 0.0 && *dampening <= 1e6)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--gptq_max_gb ", max_gb, ": must be a finite number of GiB > 0"));
+        absl::StrCat("--gptq_dampening ", *dampening, ": must be a number in [0, 1e6]"));
+  }
+  if (max_gb && !(*max_gb > 0.0 && *max_gb <= 1e9)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gptq_max_gb ", *max_gb, ": must be a number of GiB in (0, 1e9]"));
   }
   if (gptq && options.format != WeightFormat::kW4A16) {
     return absl::InvalidArgumentError(
@@ -455,7 +463,7 @@ absl::Status Run() {
         absl::StrCat("--max_shard_bytes ", options.max_shard_bytes, ": must be positive"));
   }
   DGSERVE_RETURN_IF_ERROR(CheckCalibrationFlags(options, format));
-  options.gptq_dampening = absl::GetFlag(FLAGS_gptq_dampening);
+  options.gptq_dampening = absl::GetFlag(FLAGS_gptq_dampening).value_or(0.01);
   DGSERVE_RETURN_IF_ERROR(Calibrate(absl::GetFlag(FLAGS_in), &options));
   const std::string out = absl::GetFlag(FLAGS_out);
   DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,
@@ -471,7 +479,8 @@ absl::Status Run() {
               nvfp4_layout, s.quantized, s.kept, s.seconds);
   if (!options.gptq_hessians.empty()) {
     std::printf(
-        "gptq: %d modules by GPTQ, %d rounded to nearest (no calibration row reached them)\n",
+        "gptq: %d modules by GPTQ, %d rounded to nearest (no Hessian: experts no calibration "
+        "row reached, or routers and self-conditioning modules quantized by --ignore)\n",
         s.gptq, s.rtn_without_hessian);
   }
   const std::vector<std::string> defaults = DefaultQuantizeIgnore();

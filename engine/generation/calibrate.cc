@@ -232,31 +232,31 @@ int InputHessianObserver::experts_without_rows() const {
   return n;
 }
 
-std::map<std::string, std::shared_ptr<const InputHessian>> InputHessianObserver::ModuleHessians()
-    const {
+std::map<std::string, std::shared_ptr<const InputHessian>>
+InputHessianObserver::ModuleHessians() && {
   std::map<std::string, std::shared_ptr<const InputHessian>> out;
-  auto full = [](const InputHessian& lower) {
-    auto h = std::make_shared<InputHessian>(lower);
+  auto full = [](InputHessian& lower) {
+    auto h = std::make_shared<InputHessian>(std::move(lower));
     const int n = h->cols;
     for (int i = 0; i < n; ++i) {
       for (int j = i + 1; j < n; ++j) h->h[size_t(i) * n + j] = h->h[size_t(j) * n + i];
     }
     return std::shared_ptr<const InputHessian>(std::move(h));
   };
-  auto put = [&](std::initializer_list<std::string> names, const InputHessian& h) {
+  auto put = [&](std::initializer_list<std::string> names, InputHessian& h) {
     if (h.rows == 0) return;
     std::shared_ptr<const InputHessian> shared = full(h);
     for (const std::string& name : names) out[name] = shared;
   };
   for (int l = 0; l < config_.num_layers; ++l) {
     const std::string p = absl::StrCat("model.decoder.layers.", l, ".");
-    const InputHessian* d = &dense_[size_t(l) * 4];
+    InputHessian* d = &dense_[size_t(l) * 4];
     put({p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"}, d[0]);
     put({p + "self_attn.o_proj"}, d[1]);
     put({p + "mlp.gate_proj", p + "mlp.up_proj"}, d[2]);
     put({p + "mlp.down_proj"}, d[3]);
     for (int e = 0; e < config_.num_experts; ++e) {
-      const InputHessian* x = &expert_[(size_t(l) * config_.num_experts + e) * 2];
+      InputHessian* x = &expert_[(size_t(l) * config_.num_experts + e) * 2];
       const std::string ep = absl::StrCat(p, "experts.", e, ".");
       put({ep + "gate_proj", ep + "up_proj"}, x[0]);
       put({ep + "down_proj"}, x[1]);
@@ -284,7 +284,7 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> Calib
                  "calibrate: %d experts saw no row; they are rounded to nearest (no Hessian)\n",
                  observer.experts_without_rows());
   }
-  return observer.ModuleHessians();
+  return std::move(observer).ModuleHessians();
 }
 
 absl::StatusOr<std::vector<CalibrationPrompt>> ReadCalibrationPrompts(const std::string& path,

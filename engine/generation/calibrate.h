@@ -71,9 +71,12 @@ class ActivationAmaxObserver final : public LinearInputObserver {
 // Records the input Hessian Σ x·xᵀ (engine/model/gptq.h) of every Linear module dgserve-quantize
 // quantizes by default, for GPTQ: q/k/v_proj share one (one input), so do gate/up_proj of an MLP
 // or expert; an expert's over the rows routed to it only. Encoder and decoder passes' rows both
-// count (a diffusion model's decoder sees other activations than its encoder). The router and the
-// self-conditioning MLP are not observed (kept in bf16 by DefaultQuantizeIgnore). Each Hessian is
-// float64 [cols, cols], allocated at its module's first row: InputHessianBytes in all.
+// count (a diffusion model's decoder sees other activations than its encoder). All come from one
+// run of the unquantized model (llm-compressor's sequential pipeline instead calibrates each
+// layer on the outputs of the layers already quantized). The router and the self-conditioning
+// MLP are not observed (DefaultQuantizeIgnore keeps them in bf16; quantized by another --ignore,
+// they are rounded to nearest). Each Hessian is float64 [cols, cols], allocated at its module's
+// first row: InputHessianBytes in all.
 class InputHessianObserver final : public LinearInputObserver {
  public:
   explicit InputHessianObserver(const ModelConfig& config);
@@ -81,7 +84,8 @@ class InputHessianObserver final : public LinearInputObserver {
                int cols) override;
   // Module name (decoder names, as ActivationAmaxObserver::ModuleAmax) → its Hessian, shared by
   // the modules of one input; modules that saw no row (experts no row was routed to) are absent.
-  std::map<std::string, std::shared_ptr<const InputHessian>> ModuleHessians() const;
+  // Consumes the observer (each Hessian moves into the result: no second copy).
+  std::map<std::string, std::shared_ptr<const InputHessian>> ModuleHessians() &&;
   int64_t encoder_rows() const { return encoder_rows_; }
   int64_t decoder_rows() const { return decoder_rows_; }
   int experts_without_rows() const;  // over all layers
@@ -116,8 +120,9 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
 
 // As CalibrateActivationAmax, recording InputHessianObserver::ModuleHessians instead (GPTQ,
 // QuantizeOptions::gptq_hessians). RESOURCE_EXHAUSTED, before anything runs, when
-// InputHessianBytes exceeds `max_bytes` (> 0): the Hessians of every module are held at once
-// (GPTQ layer by layer, which real-width models need, is not implemented).
+// InputHessianBytes exceeds `max_bytes` (> 0): the Hessians of every module are held at once, and
+// QuantizeCheckpoint then holds a factor of each beside it (twice InputHessianBytes at most;
+// GPTQ layer by layer, which real-width models need, is not implemented).
 absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> CalibrateInputHessians(
     const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
     const CalibrationOptions& options, int64_t max_bytes);

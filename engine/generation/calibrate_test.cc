@@ -170,11 +170,16 @@ TEST(CalibrateTest, InputHessianBookkeeping) {
   o.Observe(LinearSite::kQkv, 1, -1, true, x, 2, 2);
   o.Observe(LinearSite::kQkv, 1, -1, false, x + 2, 1, 2);
   o.Observe(LinearSite::kExpertDown, 0, 3, false, x, 1, 2);
+  o.Observe(LinearSite::kMlpGateUp, 0, -1, false, x + 2, 1, 2);
   o.Observe(LinearSite::kRouter, 0, -1, false, x, 2, 2);
   o.Observe(LinearSite::kScGateUp, -1, -1, false, x, 2, 2);
-  const auto m = o.ModuleHessians();
+  EXPECT_EQ(o.encoder_rows(), 2);
+  EXPECT_EQ(o.decoder_rows(), 1);
+  EXPECT_EQ(o.experts_without_rows(), 2 * 4);  // no expert's gate/up saw a row
+  const auto m = std::move(o).ModuleHessians();
   const std::string l0 = "model.decoder.layers.0.", l1 = "model.decoder.layers.1.";
-  ASSERT_EQ(m.size(), 4u);  // q/k/v of layer 1, the down_proj of expert 3 of layer 0
+  // q/k/v of layer 1, the down_proj of expert 3 of layer 0, gate/up of layer 0's MLP.
+  ASSERT_EQ(m.size(), 6u);
   const auto& q = m.at(l1 + "self_attn.q_proj");
   EXPECT_EQ(q->rows, 3);
   EXPECT_EQ(q->h, (std::vector<double>{3.0, 1.0, 1.0, 4.5}));
@@ -185,15 +190,16 @@ TEST(CalibrateTest, InputHessianBookkeeping) {
   EXPECT_EQ(down->h, (std::vector<double>{1.0, 2.0, 2.0, 4.0}));
   EXPECT_EQ(m.count(l0 + "experts.3.gate_proj"), 0u);
   EXPECT_EQ(m.count(l0 + "router.proj"), 0u);
-  EXPECT_EQ(o.experts_without_rows(), 2 * 4);  // no expert's gate/up saw a row
-  EXPECT_EQ(o.encoder_rows(), 2);
-  EXPECT_EQ(o.decoder_rows(), 1);
+  const auto& gate = m.at(l0 + "mlp.gate_proj");
+  EXPECT_EQ(gate->h, (std::vector<double>{1.0, -0.5, -0.5, 0.25}));
+  EXPECT_EQ(m.at(l0 + "mlp.up_proj").get(), gate.get());
 }
 
 // GPTQ through QuantizeCheckpoint on tiny-v512 calibrated on two prompts: a module with a
 // Hessian is quantized by GPTQ (some codes differ from round-to-nearest's), one without (an expert
-// no row was routed to) is round-to-nearest bit for bit; the counts add up and the checkpoint
-// loads. GPTQ with another format and Hessians beyond the memory limit are refused.
+// no row was routed to) is round-to-nearest bit for bit, and only experts lack one; the
+// checkpoint loads. GPTQ with another format, Hessians beyond the memory limit and a null
+// Hessian are refused, the last before anything is written.
 TEST(CalibrateTest, GptqCheckpoint) {
   const std::string dir = ::dgserve::testing::MakeTempDir("calibrate_gptq");
   const std::string bf16 = WriteTinyV512(dir);
@@ -214,7 +220,6 @@ TEST(CalibrateTest, GptqCheckpoint) {
   auto summary = QuantizeCheckpoint(bf16, dir + "/gptq", q);
   ASSERT_TRUE(summary.ok()) << summary.status();
   EXPECT_GT(summary->gptq, 0);
-  EXPECT_EQ(summary->gptq + summary->rtn_without_hessian, summary->quantized);
   auto a = SafetensorsReader::OpenDir(dir + "/rtn");
   auto b = SafetensorsReader::OpenDir(dir + "/gptq");
   ASSERT_TRUE(a.ok() && b.ok());
@@ -233,14 +238,24 @@ TEST(CalibrateTest, GptqCheckpoint) {
     if (hessians->count(module) != 0) {
       differ += !equal;
     } else {
+      // Only experts no calibration row reached lack one (every dense module is observed).
+      EXPECT_NE(module.find(".experts."), std::string::npos) << module;
       EXPECT_TRUE(equal) << module << " has no Hessian: round-to-nearest";
       ++same_without;
     }
   }
   EXPECT_GT(differ, 0);
-  EXPECT_GT(summary->rtn_without_hessian, 0);  // (here: one expert, 3 modules)
+  EXPECT_GT(summary->rtn_without_hessian, 0);      // (here: one expert, 3 modules)
+  EXPECT_EQ(summary->rtn_without_hessian % 3, 0);  // an expert's three projections
   EXPECT_EQ(same_without, summary->rtn_without_hessian);
   EXPECT_TRUE(LoadCheckpoint(dir + "/gptq").ok());
+  auto null_hessian = q;
+  null_hessian.gptq_hessians["model.decoder.layers.0.self_attn.q_proj"] = nullptr;
+  const absl::Status refused = QuantizeCheckpoint(bf16, dir + "/null", null_hessian).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(),
+              HasSubstr("no Hessian for model.decoder.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(fs::exists(dir + "/null"));
   q.format = WeightFormat::kFp8;
   EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/fp8", q).status().message(),
               HasSubstr("for --format w4a16, not fp8"));

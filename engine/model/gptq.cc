@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
+#include "common/status_macros.h"
 
 namespace dgserve {
 namespace {
@@ -61,29 +63,25 @@ W4a16Weights QuantizeW4a16Rtn(std::span<const float> w, int rows, int cols, int 
   return out;
 }
 
-absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int rows, int cols,
-                                               int group, const InputHessian& hessian,
-                                               double dampening) {
-  if (rows < 0 || cols <= 0 || w.size() != size_t(rows) * cols) {
+absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double dampening) {
+  const int n = hessian.cols;
+  if (n <= 0 || hessian.h.size() != size_t(n) * n) {
     return absl::InvalidArgumentError(
-        absl::StrCat("GPTQ: ", w.size(), " weights for a [", rows, ", ", cols, "] matrix"));
+        absl::StrCat("GPTQ: a Hessian of ", hessian.h.size(), " values for ", n, " inputs"));
   }
-  if (hessian.cols != cols || hessian.h.size() != size_t(cols) * cols) {
-    return absl::InvalidArgumentError(absl::StrCat("GPTQ: a Hessian of ", hessian.cols,
-                                                   " inputs for a matrix of ", cols, " inputs"));
+  if (!(dampening >= 0.0 && dampening <= 1e6)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPTQ: the dampening ", dampening, " must be a number in [0, 1e6]"));
   }
-  if (group < 1) return absl::InvalidArgumentError("GPTQ: the group size must be ≥ 1");
-  if (!(dampening >= 0.0) || !std::isfinite(dampening)) {
-    return absl::InvalidArgumentError("GPTQ: the dampening must be a finite number ≥ 0");
-  }
-  const int n = cols, groups = (cols + group - 1) / group;
+  GptqFactor f;
+  f.cols = n;
+  f.dead.assign(n, 0);
   std::vector<double> h = hessian.h;
-  std::vector<double> wd(w.begin(), w.end());
-  // Inputs no calibration row reached: their weights do not matter to the output; 0.
+  // Inputs no calibration row reached: their weights do not matter to the output (set to 0).
   for (int i = 0; i < n; ++i) {
     if (h[size_t(i) * n + i] != 0.0) continue;
     h[size_t(i) * n + i] = 1.0;
-    for (int r = 0; r < rows; ++r) wd[size_t(r) * n + i] = 0.0;
+    f.dead[i] = 1;
   }
   double mean = 0.0;
   for (int i = 0; i < n; ++i) mean += h[size_t(i) * n + i];
@@ -96,33 +94,62 @@ absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int row
                      " calibration rows) is not positive definite; a larger dampening may help"));
   };
   if (!CholeskyLower(h, n)) return not_definite();
-  std::vector<double> linv(size_t(n) * n, 0.0);  // L⁻¹, lower
+  // L⁻¹, lower, stored transposed (column c of L⁻¹ is row c here: the columns are independent).
+  std::vector<double> linv_t(size_t(n) * n, 0.0);
+#pragma omp parallel for schedule(dynamic, 8) if (n >= 256)
   for (int c = 0; c < n; ++c) {
-    linv[size_t(c) * n + c] = 1.0 / h[size_t(c) * n + c];
+    double* col = linv_t.data() + size_t(c) * n;
+    col[c] = 1.0 / h[size_t(c) * n + c];
     for (int i = c + 1; i < n; ++i) {
+      const double* li = h.data() + size_t(i) * n;
       double s = 0.0;
-      for (int k = c; k < i; ++k) s += h[size_t(i) * n + k] * linv[size_t(k) * n + c];
-      linv[size_t(i) * n + c] = -s / h[size_t(i) * n + i];
+      for (int k = c; k < i; ++k) s += li[k] * col[k];
+      col[i] = -s / li[i];
     }
   }
-  std::vector<double> hinv(size_t(n) * n);  // (L⁻¹)ᵀ·L⁻¹
+  std::vector<double> hinv(size_t(n) * n);  // (L⁻¹)ᵀ·L⁻¹: entry (i, j) = column i · column j
+#pragma omp parallel for schedule(dynamic, 8) if (n >= 256)
   for (int i = 0; i < n; ++i) {
+    const double* ci = linv_t.data() + size_t(i) * n;
     for (int j = 0; j <= i; ++j) {
+      const double* cj = linv_t.data() + size_t(j) * n;
       double s = 0.0;
-      for (int k = i; k < n; ++k) s += linv[size_t(k) * n + i] * linv[size_t(k) * n + j];
+      for (int k = i; k < n; ++k) s += ci[k] * cj[k];
       hinv[size_t(i) * n + j] = hinv[size_t(j) * n + i] = s;
     }
   }
   if (!CholeskyLower(hinv, n)) return not_definite();
-  // U[i][j] = M[j][i] for j ≥ i, M the lower factor now in hinv.
-  const auto u = [&](int i, int j) { return hinv[size_t(j) * n + i]; };
+  // U[i][j] = M[j][i] for j ≥ i, M the lower factor now in hinv: row-major, read along rows.
+  f.u.assign(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i) {
+    for (int j = i; j < n; ++j) f.u[size_t(i) * n + j] = hinv[size_t(j) * n + i];
+  }
+  return f;
+}
 
+absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int rows, int cols,
+                                               int group, const GptqFactor& factor) {
+  if (rows < 0 || cols <= 0 || w.size() != size_t(rows) * cols) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPTQ: ", w.size(), " weights for a [", rows, ", ", cols, "] matrix"));
+  }
+  if (factor.cols != cols || factor.u.size() != size_t(cols) * cols ||
+      factor.dead.size() != size_t(cols)) {
+    return absl::InvalidArgumentError(absl::StrCat("GPTQ: a Hessian of ", factor.cols,
+                                                   " inputs for a matrix of ", cols, " inputs"));
+  }
+  if (group < 1) return absl::InvalidArgumentError("GPTQ: the group size must be ≥ 1");
+  const int n = cols, groups = (cols + group - 1) / group;
   W4a16Weights out;
   out.codes.resize(size_t(rows) * cols);
   out.scales.resize(size_t(rows) * groups);
+  // Each row on its own (the updates stay within a row).
 #pragma omp parallel for schedule(static) if (int64_t(rows) * cols * cols >= (1 << 22))
   for (int r = 0; r < rows; ++r) {
-    double* row = wd.data() + size_t(r) * n;
+    std::vector<double> row(w.begin() + size_t(r) * n, w.begin() + size_t(r + 1) * n);
+    for (int i = 0; i < n; ++i) {
+      if (factor.dead[i]) row[i] = 0.0;
+    }
     float s = 1.0f;
     for (int i = 0; i < n; ++i) {
       if (i % group == 0) {  // the group's scale from its weights as updated so far
@@ -137,11 +164,23 @@ absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int row
       const int code = W4a16Code(float(row[i]), s);
       out.codes[size_t(r) * n + i] = int8_t(code);
       // The rounding error, spread over the columns not yet rounded.
-      const double err = (row[i] - double(code) * double(s)) / u(i, i);
-      for (int j = i + 1; j < n; ++j) row[j] -= err * u(i, j);
+      const double* ui = factor.u.data() + size_t(i) * n;
+      const double err = (row[i] - double(code) * double(s)) / ui[i];
+      for (int j = i + 1; j < n; ++j) row[j] -= err * ui[j];
     }
   }
   return out;
+}
+
+absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int rows, int cols,
+                                               int group, const InputHessian& hessian,
+                                               double dampening) {
+  if (hessian.cols != cols) {
+    return absl::InvalidArgumentError(absl::StrCat("GPTQ: a Hessian of ", hessian.cols,
+                                                   " inputs for a matrix of ", cols, " inputs"));
+  }
+  DGSERVE_ASSIGN_OR_RETURN(const GptqFactor factor, FactorGptqHessian(hessian, dampening));
+  return QuantizeW4a16Gptq(w, rows, cols, group, factor);
 }
 
 }  // namespace dgserve

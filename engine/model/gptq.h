@@ -3,13 +3,14 @@
 // Generative Pre-trained Transformers", 2022, Algorithm 1), which rounds a Linear's input columns
 // one at a time and spreads each column's rounding error over the columns not yet rounded, so as
 // to minimise the error of the layer's output ‖X·Wᵀ − X·Qᵀ‖ over calibration inputs X rather than
-// that of the weights themselves. As llm-compressor's GPTQModifier (quantize_weight in
-// src/llmcompressor/modifiers/quantization/gptq/gptq_quantize.py) with actorder off: H = Σ x·xᵀ
-// over the calibration rows; inputs no row ever reached (H_ii = 0) get weight 0; H += λ·mean(diag
-// H)·I (dampening); U = the upper Cholesky factor of H⁻¹; a group's scale is taken from the
-// weights as updated when its first column is reached. Unlike llm-compressor this is the
-// unblocked form (every later column updated after each column, in float64), so the updates of a
-// block reach its groups' scales at once; the result is the same algorithm, not the same bits.
+// that of the weights themselves. H = Σ x·xᵀ over the calibration rows; inputs no row ever reached
+// (H_ii = 0) get weight 0; H += λ·mean(diag H)·I (dampening, llm-compressor's dampening_frac);
+// U = the upper Cholesky factor of H⁻¹; no activation reordering. A group's scale is taken from
+// the weights as updated when its first column is reached, as the reference implementation
+// (IST-DASLab gptq.py, and AutoGPTQ without static groups) does, except that this is the unblocked
+// form in float64 (every later column updated after each column), so no update lags a block;
+// llm-compressor's GPTQModifier instead fixes every group's scale from the original weights
+// first. The same algorithm, not the same bits as either.
 #pragma once
 
 #include <cstdint>
@@ -43,11 +44,27 @@ struct W4a16Weights {
 // cols for one group per row): each group's scale from its absmax, each code rounded alone.
 W4a16Weights QuantizeW4a16Rtn(std::span<const float> w, int rows, int cols, int group);
 
-// GPTQ W4A16 of w [rows, cols] against `hessian` (cols must match), in groups of `group` inputs,
-// dampening λ = `dampening` (llm-compressor's dampening_frac, 0.01 by default). The codes and
-// scales are the format's (each dequantized weight is code · scale). INVALID_ARGUMENT for shapes
-// that disagree, a group < 1 or a dampening < 0; FAILED_PRECONDITION when the dampened Hessian is
-// not positive definite (a larger dampening may help: the message says so).
+// What GPTQ rounds against, once per Hessian (the modules that share an input share it): U, the
+// upper Cholesky factor of (H + λ·mean(diag H)·I)⁻¹ with the inputs no row reached set to 1 on the
+// diagonal, and those inputs.
+struct GptqFactor {
+  int cols = 0;
+  std::vector<double> u;      // [cols, cols] row-major; U[i][j] for j ≥ i (below: 0)
+  std::vector<uint8_t> dead;  // per input: no calibration row reached it (its weight is 0)
+};
+
+// Factors `hessian` with dampening λ = `dampening` (0.01: llm-compressor's default), in float64,
+// O(cols³). INVALID_ARGUMENT for a Hessian whose size is not cols² or a dampening that is not
+// finite and in [0, 1e6]; FAILED_PRECONDITION when the dampened Hessian is not positive definite
+// (a larger dampening may help: the message says so).
+absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double dampening = 0.01);
+
+// GPTQ W4A16 of w [rows, cols] against `factor` (cols must match), in groups of `group` inputs.
+// The codes and scales are the format's (each dequantized weight is code · scale).
+// INVALID_ARGUMENT for shapes that disagree or a group < 1.
+absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int rows, int cols,
+                                               int group, const GptqFactor& factor);
+// FactorGptqHessian, then the above (its errors too).
 absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int rows, int cols,
                                                int group, const InputHessian& hessian,
                                                double dampening = 0.01);

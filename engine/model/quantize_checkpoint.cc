@@ -133,24 +133,22 @@ void AddFp8(const std::string& module, const Rows& r, Progress* progress,
                   }});
 }
 
-// (With `hessian`: GPTQ against it, engine/model/gptq.h; else round-to-nearest.)
+// (With `factor`: GPTQ against it, engine/model/gptq.h; else round-to-nearest.)
 void AddW4a16(const std::string& module, const Rows& r, int group_flag,
-              std::shared_ptr<const InputHessian> hessian, double dampening, Progress* progress,
+              std::shared_ptr<const GptqFactor> factor, Progress* progress,
               std::vector<TensorSource>* out) {
   const int group = group_flag > 0 ? group_flag : r.cols;
   const int groups = (r.cols + group - 1) / group, words = (r.cols + 7) / 8;
   auto packed = std::make_shared<std::vector<uint32_t>>();
   auto scales = std::make_shared<std::vector<uint16_t>>();
   auto left = std::make_shared<int>(2);
-  auto compute = [module, r, group, words, packed, scales, hessian, dampening,
-                  progress]() -> absl::Status {
+  auto compute = [module, r, group, words, packed, scales, factor, progress]() -> absl::Status {
     if (!packed->empty()) return absl::OkStatus();
     std::vector<float> w;
     DGSERVE_RETURN_IF_ERROR(ReadRows(r, &w));
     W4a16Weights q;
-    if (hessian != nullptr) {
-      absl::StatusOr<W4a16Weights> g =
-          QuantizeW4a16Gptq(w, r.rows, r.cols, group, *hessian, dampening);
+    if (factor != nullptr) {
+      absl::StatusOr<W4a16Weights> g = QuantizeW4a16Gptq(w, r.rows, r.cols, group, *factor);
       if (!g.ok()) {
         return absl::Status(g.status().code(), absl::StrCat(module, ": ", g.status().message()));
       }
@@ -505,8 +503,21 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         absl::StrCat("GPTQ (a calibrated Hessian per module) is for --format w4a16, not ",
                      WeightFormatName(q.format)));
   }
-  if (!(options.gptq_dampening >= 0.0) || !std::isfinite(options.gptq_dampening)) {
-    return absl::InvalidArgumentError("the GPTQ dampening must be a finite number ≥ 0");
+  // Every Hessian factored before anything is written (a refusal leaves no --out behind), once
+  // for the modules that share it (q/k/v, gate/up, an encoder alias and its decoder module).
+  std::map<const InputHessian*, std::shared_ptr<const GptqFactor>> factors;
+  for (const auto& [module, hessian] : options.gptq_hessians) {
+    if (hessian == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("GPTQ: no Hessian for ", module));
+    }
+    std::shared_ptr<const GptqFactor>& f = factors[hessian.get()];
+    if (f != nullptr) continue;
+    absl::StatusOr<GptqFactor> factored = FactorGptqHessian(*hessian, options.gptq_dampening);
+    if (!factored.ok()) {
+      return absl::Status(factored.status().code(),
+                          absl::StrCat(module, ": ", factored.status().message()));
+    }
+    f = std::make_shared<const GptqFactor>(*std::move(factored));
   }
   if (q.format == WeightFormat::kW4A16) {
     if (options.group_size < 0) {
@@ -607,14 +618,14 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         AddNvfp4(module, r, set, weight_only, Nvfp4InputScale(amax, ct_nvfp4), progress.get(),
                  &tensors);
       } else {
-        std::shared_ptr<const InputHessian> hessian;  // none: round-to-nearest
+        std::shared_ptr<const GptqFactor> factor;  // none: round-to-nearest
         if (!options.gptq_hessians.empty()) {
           const auto it = options.gptq_hessians.find(DecoderModuleName(module));
-          if (it != options.gptq_hessians.end()) hessian = it->second;
-          ++(hessian != nullptr ? gptq : rtn_without_hessian);
+          if (it != options.gptq_hessians.end()) factor = factors.at(it->second.get());
+          ++(factor != nullptr ? gptq : rtn_without_hessian);
         }
-        AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, std::move(hessian),
-                 options.gptq_dampening, progress.get(), &tensors);
+        AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, std::move(factor), progress.get(),
+                 &tensors);
       }
     } else {
       ++kept;

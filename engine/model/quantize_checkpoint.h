@@ -11,6 +11,8 @@
 //   dgserve-quantize --in DIR --out DIR --format nvfp4 [--nvfp4_layout ...]
 //                    --calibration PROMPTS.jsonl | --calibration_sudoku PUZZLES.jsonl
 //                    [--calibration_limit N] [--calibration_steps N]
+//   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 32 --gptq
+//                    --calibration PROMPTS.jsonl | --calibration_sudoku PUZZLES.jsonl
 //
 // Every Linear module not in the ignore list is quantized with round-to-nearest (w4a16 also with
 // GPTQ against calibrated input Hessians: QuantizeOptions::gptq_hessians, --gptq):
@@ -68,8 +70,9 @@
 //    input_activations null. ModelOpt's layout is refused: ModelOpt's exporter names a
 //    W4A16_NVFP4 algorithm in recent versions (modelopt/torch/export/model_config.py) but its
 //    export layout is not checked here, so dgserve-quantize does not write one.
-// Calibration (both NVFP4 layouts; any other format or NVFP4A16 is refused: no static
-// activation scale): a module whose amax is 0 gets the data-free value; a quantized module with
+// Activation calibration, input_amax (both NVFP4 layouts; any other format or NVFP4A16 is
+// refused: no static activation scale; w4a16 takes calibration as GPTQ's Hessians instead,
+// gptq_hessians): a module whose amax is 0 gets the data-free value; a quantized module with
 // no amax is refused. Measured on the Sudoku model (engine/model/QUANTIZED.md): with per-16
 // dynamic e4m3 block scales the static scale only moves where blocks saturate (448) or go
 // subnormal (2⁻⁶), so calibration changes little there.
@@ -128,8 +131,10 @@ struct QuantizeOptions {
   // w4a16 only (another format is refused): the calibration's input Hessian per module
   // (engine/generation/calibrate.h: decoder module names; an encoder alias takes its decoder
   // module's), each module that has one quantized by GPTQ (engine/model/gptq.h) with dampening
-  // gptq_dampening; a module without one (an expert no calibration row reached) by
-  // round-to-nearest. Empty (default): round-to-nearest.
+  // gptq_dampening; a module without one (an expert no calibration row reached, a module the
+  // calibration does not observe) by round-to-nearest. Empty (default): round-to-nearest. Every
+  // Hessian is factored (FactorGptqHessian) before anything is written: a null one or one that
+  // is refused fails the call naming a module, with no --out written.
   std::map<std::string, std::shared_ptr<const InputHessian>> gptq_hessians;
   double gptq_dampening = 0.01;
 };
@@ -138,7 +143,9 @@ struct QuantizeSummary {
   QuantizationConfig quant;  // as written into config.json
   int quantized = 0, kept = 0;  // Linear modules quantized / kept in their dtype
   // With QuantizeOptions::gptq_hessians: w4a16 modules quantized by GPTQ, and by
-  // round-to-nearest for want of a Hessian.
+  // round-to-nearest for want of a Hessian (experts no calibration row reached; routers and the
+  // self-conditioning MLP, which the calibration does not observe, if --ignore lets them be
+  // quantized).
   int gptq = 0, rtn_without_hessian = 0;
   // Entries of QuantizeOptions::ignore that name no module of the checkpoint (a tensor's name
   // without its last component, or a Linear module the quantizer visits, experts one by one):
