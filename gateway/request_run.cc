@@ -20,15 +20,17 @@
 #include "service/canvas_template_proto.h"
 
 namespace dgserve {
-namespace {
+namespace gateway_internal {
 
-// The fewest of `ids`, at least `lo` and at most `hi`, whose text covers `bytes` bytes of
-// completion text (`hi` when none does): what usage counts as the completion of that text.
 int CoveringTokens(const Tokenizer& tokenizer, const std::vector<int32_t>& ids, size_t bytes,
                    size_t lo, size_t hi) {
   while (lo < hi) {
     const size_t mid = (lo + hi) / 2;
-    if (tokenizer.Decode(std::span<const int32_t>(ids.data(), mid), true).size() >= bytes) {
+    // The prefix's text as it streams: an unfinished character at its end is held back.
+    // Tokenizer::Decode would end it with one U+FFFD (3 bytes) per byte, longer than the
+    // finished character (a 2-byte é), so the search would stop one token short of it.
+    StreamDecoder decoder(tokenizer, /*skip_special=*/true);
+    if (decoder.Push(std::span<const int32_t>(ids.data(), mid)).size() >= bytes) {
       hi = mid;
     } else {
       lo = mid + 1;
@@ -37,9 +39,10 @@ int CoveringTokens(const Tokenizer& tokenizer, const std::vector<int32_t>& ids, 
   return int(lo);
 }
 
-}  // namespace
+}  // namespace gateway_internal
 
 using gateway_internal::CancelWatcher;
+using gateway_internal::CoveringTokens;
 using gateway_internal::HideWorkers;
 using gateway_internal::SampleStream;
 using gateway_internal::ToChrono;

@@ -116,6 +116,12 @@ struct SampleStream {
 absl::Status WorkerCallStatus(absl::Status status, bool client_cancelled, absl::Time deadline,
                               absl::Time now);
 
+// The fewest of `ids`, at least `lo` and at most `hi`, whose streamed text (an unfinished
+// character at the end held back, as StreamDecoder does) covers `bytes` bytes of completion text
+// (`hi` when none does): what usage counts as the completion of that text.
+int CoveringTokens(const Tokenizer& tokenizer, const std::vector<int32_t>& ids, size_t bytes,
+                   size_t lo, size_t hi);
+
 }  // namespace gateway_internal
 
 // One request from its first attempt to its Finished events. An attempt has three phases —
