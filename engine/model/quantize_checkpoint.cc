@@ -394,16 +394,22 @@ absl::Status WriteTextFile(const std::string& path, const std::string& text) {
 }
 
 // The model card (README.md, the Hugging Face card) of the checkpoint quantized from `in` as
-// `q`: --in's `card` with a note naming the format and the source placed first (after the card's
-// YAML front matter, "---" lines, which must stay first), so the copy does not pass for the
-// source's card.
+// `q` with `options`: --in's `card` with a note naming the format (and GPTQ or calibrated
+// activation scales, which config.json does not say) and the source placed first (after the
+// card's YAML front matter, "---" lines, which must stay first), so the copy does not pass for
+// the source's card.
 std::string QuantizedModelCard(const std::string& card, const std::string& in,
-                               const QuantizationConfig& q) {
+                               const QuantizationConfig& q, const QuantizeOptions& options) {
   std::string format = QuantizationName(q);
   if (q.format == WeightFormat::kW4A16) {
     format += q.channel_groups ? " (per channel)" : absl::StrCat(" (group ", q.group_size, ")");
   } else if (q.format == WeightFormat::kNvfp4) {
     format += q.nvfp4_compressed_tensors ? " (compressed-tensors layout)" : " (ModelOpt layout)";
+  }
+  if (!options.gptq_hessians.empty()) {
+    format += ", rounded by GPTQ against calibrated input Hessians";
+  } else if (!options.input_amax.empty()) {
+    format += ", activation scales calibrated";
   }
   const fs::path dir = fs::path(in).lexically_normal();
   const std::string source = (dir.has_filename() ? dir : dir.parent_path()).filename().string();
@@ -699,7 +705,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     if (f == "README.md") {  // the model card: a note on what this checkpoint is first
       DGSERVE_ASSIGN_OR_RETURN(const std::string card, ReadFileToString(e.path().string()));
       DGSERVE_RETURN_IF_ERROR(
-          WriteTextFile((fs::path(out) / f).string(), QuantizedModelCard(card, in, q)));
+          WriteTextFile((fs::path(out) / f).string(), QuantizedModelCard(card, in, q, options)));
       continue;
     }
     fs::copy_file(e.path(), fs::path(out) / f, fs::copy_options::overwrite_existing, ec);
