@@ -412,7 +412,12 @@ absl::Status Run() {
         absl::StrCat("--group_size ", *group_size,
                      ": --format fp8 has one scale per output channel (groups are w4a16's)"));
   } else if (group_size) {
-    options.group_size = *group_size;  // QuantizeCheckpoint refuses a negative one
+    // (Refused here, before a calibration run; QuantizeCheckpoint refuses it too.)
+    if (*group_size < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--group_size must be ≥ 0 (0: per channel); got ", *group_size));
+    }
+    options.group_size = *group_size;
     // Our loader takes any group size (a last partial group included); vLLM's W4A16 kernels
     // (Marlin, Machete) take per-channel scales or groups of 32, 64 or 128 only.
     if (*group_size != 0 && *group_size != 32 && *group_size != 64 && *group_size != 128) {

@@ -133,7 +133,7 @@ absl::Status ValidateOptions(const Options& o) {
   }
   if (o.canvas_step_interval < 0) return Bad("--canvas_step_interval must be >= 0");
   if (!(o.max_backoff_s >= 0) || !Finite(o.max_backoff_s)) {
-    return Bad("--max_backoff_s must be >= 0 (0: no wait after a refusal)");
+    return Bad("--max_backoff_s must be a finite number >= 0 (0: no wait after a refusal)");
   }
   return absl::OkStatus();
 }

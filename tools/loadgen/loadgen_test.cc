@@ -780,7 +780,8 @@ TEST(OptionsTest, MaxBackoffMustBeFiniteAndNotNegative) {
     o.max_backoff_s = bad;
     const absl::Status s = ValidateOptions(o);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(s.message()), HasSubstr("--max_backoff_s must be >= 0"));
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr("--max_backoff_s must be a finite number >= 0"));
   }
 }
 
