@@ -27,6 +27,7 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -80,6 +81,28 @@ bool AbslParseFlag(absl::string_view text, CalibrationFileFlag* f, std::string* 
 }
 std::string AbslUnparseFlag(const CalibrationFileFlag& f) { return f.path; }
 
+// A number flag that knows whether it was given; `--flag=` (empty, given) is refused by
+// CheckCalibrationFlags (absl reads it as not given for a std::optional<double>, which would
+// ignore it silently; and the default must parse from its string form, "").
+struct GivenNumberFlag {
+  double value = 0;
+  bool given = false;
+  bool empty = false;  // given as ""
+  std::optional<double> get() const { return given ? std::optional<double>(value) : std::nullopt; }
+};
+bool AbslParseFlag(absl::string_view text, GivenNumberFlag* f, std::string* error) {
+  f->given = true;
+  f->empty = text.empty();
+  if (!f->empty && !absl::SimpleAtod(text, &f->value)) {
+    *error = "not a number";
+    return false;
+  }
+  return true;
+}
+std::string AbslUnparseFlag(const GivenNumberFlag& f) {
+  return f.given ? absl::StrCat(f.value) : "";
+}
+
 }  // namespace dgserve
 
 ABSL_FLAG(dgserve::CalibrationFileFlag, calibration, {},
@@ -110,10 +133,10 @@ ABSL_FLAG(bool, gptq, false,
           "the input Hessian sum(x x^T) of its inputs over the calibration prompts' encoder "
           "passes and denoising steps of the bf16 model, rather than round-to-nearest; an expert "
           "no calibration row reached is rounded to nearest");
-ABSL_FLAG(std::optional<double>, gptq_dampening, std::nullopt,
+ABSL_FLAG(dgserve::GivenNumberFlag, gptq_dampening, {},
           "--gptq only: the dampening added to the Hessian's diagonal, as a fraction of its mean, "
           "in [0, 1e6] (default 0.01, llm-compressor's dampening_frac)");
-ABSL_FLAG(std::optional<double>, gptq_max_gb, std::nullopt,
+ABSL_FLAG(dgserve::GivenNumberFlag, gptq_max_gb, {},
           "--gptq only: refuse before calibrating when the Hessians of every module and their "
           "factors (float64, held at once: twice the Hessians' bytes) take more than this many "
           "GiB (default 16)");
@@ -282,7 +305,7 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   if (!read.ok()) return read.status();
   std::vector<CalibrationPrompt> prompts = *std::move(read);
   if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
-  const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb).value_or(16.0);
+  const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb).get().value_or(16.0);
   const auto max_bytes = int64_t(max_gb * double(int64_t{1} << 30));
   // The Hessians, and QuantizeCheckpoint's factor of each beside them.
   const int64_t gptq_bytes = 2 * InputHessianBytes(config);
@@ -323,8 +346,15 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
   const bool prompts = prompts_flag.given;
   const bool sudoku = sudoku_flag.given;
   const bool gptq = absl::GetFlag(FLAGS_gptq);
-  const std::optional<double> dampening = absl::GetFlag(FLAGS_gptq_dampening);
-  const std::optional<double> max_gb = absl::GetFlag(FLAGS_gptq_max_gb);
+  for (const auto& [f, name] : {std::pair(absl::GetFlag(FLAGS_gptq_dampening), "--gptq_dampening"),
+                                std::pair(absl::GetFlag(FLAGS_gptq_max_gb), "--gptq_max_gb")}) {
+    if (f.empty) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " \"\": an empty value (give a number, or leave the flag out)"));
+    }
+  }
+  const std::optional<double> dampening = absl::GetFlag(FLAGS_gptq_dampening).get();
+  const std::optional<double> max_gb = absl::GetFlag(FLAGS_gptq_max_gb).get();
   if (!gptq && (dampening || max_gb)) {
     return absl::InvalidArgumentError(
         absl::StrCat(dampening ? "--gptq_dampening" : "--gptq_max_gb", " applies to --gptq only"));
@@ -468,7 +498,7 @@ absl::Status Run() {
         absl::StrCat("--max_shard_bytes ", options.max_shard_bytes, ": must be positive"));
   }
   DGSERVE_RETURN_IF_ERROR(CheckCalibrationFlags(options, format));
-  options.gptq_dampening = absl::GetFlag(FLAGS_gptq_dampening).value_or(0.01);
+  options.gptq_dampening = absl::GetFlag(FLAGS_gptq_dampening).get().value_or(0.01);
   DGSERVE_RETURN_IF_ERROR(Calibrate(absl::GetFlag(FLAGS_in), &options));
   const std::string out = absl::GetFlag(FLAGS_out);
   DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,
@@ -485,7 +515,8 @@ absl::Status Run() {
   if (!options.gptq_hessians.empty()) {
     std::printf(
         "gptq: %d modules by GPTQ, %d rounded to nearest (no Hessian: experts no calibration "
-        "row reached, or routers and self-conditioning modules quantized by --ignore)\n",
+        "row reached, or routers and self-conditioning modules a custom --ignore leaves "
+        "quantized)\n",
         s.gptq, s.rtn_without_hessian);
   }
   const std::vector<std::string> defaults = DefaultQuantizeIgnore();

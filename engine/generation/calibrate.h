@@ -121,8 +121,9 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
 // As CalibrateActivationAmax, recording InputHessianObserver::ModuleHessians instead (GPTQ,
 // QuantizeOptions::gptq_hessians). RESOURCE_EXHAUSTED, before anything runs, when
 // InputHessianBytes exceeds `max_bytes` (> 0): the Hessians of every module are held at once, and
-// QuantizeCheckpoint then holds a factor of each beside it (twice InputHessianBytes at most;
-// GPTQ layer by layer, which real-width models need, is not implemented).
+// QuantizeCheckpoint then holds a factor of each beside it (twice InputHessianBytes, plus the
+// working copies of the one being factored; GPTQ layer by layer, which real-width models need,
+// is not implemented).
 absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> CalibrateInputHessians(
     const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
     const CalibrationOptions& options, int64_t max_bytes);

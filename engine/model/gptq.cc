@@ -107,6 +107,7 @@ absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double
       col[i] = -s / li[i];
     }
   }
+  std::vector<double>().swap(h);            // (the working copies freed as they are done with)
   std::vector<double> hinv(size_t(n) * n);  // (L⁻¹)ᵀ·L⁻¹: entry (i, j) = column i · column j
 #pragma omp parallel for schedule(dynamic, 8) if (n >= 256)
   for (int i = 0; i < n; ++i) {
@@ -118,6 +119,7 @@ absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double
       hinv[size_t(i) * n + j] = hinv[size_t(j) * n + i] = s;
     }
   }
+  std::vector<double>().swap(linv_t);
   if (!CholeskyLower(hinv, n)) return not_definite();
   // U[i][j] = M[j][i] for j ≥ i, M the lower factor now in hinv: row-major, read along rows.
   f.u.assign(size_t(n) * n, 0.0);
@@ -135,8 +137,9 @@ absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int row
   }
   if (factor.cols != cols || factor.u.size() != size_t(cols) * cols ||
       factor.dead.size() != size_t(cols)) {
-    return absl::InvalidArgumentError(absl::StrCat("GPTQ: a Hessian of ", factor.cols,
-                                                   " inputs for a matrix of ", cols, " inputs"));
+    return absl::InvalidArgumentError(absl::StrCat("GPTQ: a factor of ", factor.cols, " inputs (",
+                                                   factor.u.size(), " values) for a matrix of ",
+                                                   cols, " inputs"));
   }
   if (group < 1) return absl::InvalidArgumentError("GPTQ: the group size must be ≥ 1");
   const int n = cols, groups = (cols + group - 1) / group;

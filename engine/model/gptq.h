@@ -54,8 +54,9 @@ struct GptqFactor {
 };
 
 // Factors `hessian` with dampening λ = `dampening` (0.01: llm-compressor's default), in float64,
-// O(cols³). INVALID_ARGUMENT for a Hessian whose size is not cols² or a dampening that is not
-// finite and in [0, 1e6]; FAILED_PRECONDITION when the dampened Hessian is not positive definite
+// O(cols³), with up to three [cols, cols] working copies beside the Hessian at once.
+// INVALID_ARGUMENT for a Hessian whose size is not cols² or a dampening not in [0, 1e6] (NaN
+// included); FAILED_PRECONDITION when the dampened Hessian is not positive definite
 // (a larger dampening may help: the message says so).
 absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double dampening = 0.01);
 

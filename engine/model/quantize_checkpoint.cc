@@ -509,21 +509,15 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         absl::StrCat("GPTQ (a calibrated Hessian per module) is for --format w4a16, not ",
                      WeightFormatName(q.format)));
   }
-  // Every Hessian factored before anything is written (a refusal leaves no --out behind), once
-  // for the modules that share it (q/k/v, gate/up, an encoder alias and its decoder module).
-  std::map<const InputHessian*, std::shared_ptr<const GptqFactor>> factors;
+  if (!options.gptq_hessians.empty() &&
+      !(options.gptq_dampening >= 0.0 && options.gptq_dampening <= 1e6)) {
+    return absl::InvalidArgumentError(absl::StrCat("the GPTQ dampening ", options.gptq_dampening,
+                                                   " must be a number in [0, 1e6]"));
+  }
   for (const auto& [module, hessian] : options.gptq_hessians) {
     if (hessian == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("GPTQ: no Hessian for ", module));
     }
-    std::shared_ptr<const GptqFactor>& f = factors[hessian.get()];
-    if (f != nullptr) continue;
-    absl::StatusOr<GptqFactor> factored = FactorGptqHessian(*hessian, options.gptq_dampening);
-    if (!factored.ok()) {
-      return absl::Status(factored.status().code(),
-                          absl::StrCat(module, ": ", factored.status().message()));
-    }
-    f = std::make_shared<const GptqFactor>(*std::move(factored));
   }
   if (q.format == WeightFormat::kW4A16) {
     if (options.group_size < 0) {
@@ -584,7 +578,12 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   int quantized = 0, kept = 0;
   int gptq = 0, rtn_without_hessian = 0;                    // w4a16 with Hessians: modules each way
   std::map<std::string, std::shared_ptr<FusedAmax>> fused;  // compressed-tensors NVFP4's sets
-  absl::Status missing_amax;      // a quantized module the calibration did not see
+  absl::Status missing_amax;  // a quantized module the calibration did not see
+  // GPTQ: each Hessian a quantized module reads factored once, when its first module is listed
+  // (the modules that share it share the factor: q/k/v, gate/up, an encoder alias and its
+  // decoder module), and the first refusal returned before anything is written.
+  std::map<const InputHessian*, std::shared_ptr<const GptqFactor>> factors;
+  absl::Status gptq_refused;
   std::set<std::string> modules;  // every module name an ignore entry may mean
   for (const TensorView& t : reader.tensors()) {
     const size_t dot = t.name.rfind('.');
@@ -627,7 +626,26 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         std::shared_ptr<const GptqFactor> factor;  // none: round-to-nearest
         if (!options.gptq_hessians.empty()) {
           const auto it = options.gptq_hessians.find(DecoderModuleName(module));
-          if (it != options.gptq_hessians.end()) factor = factors.at(it->second.get());
+          if (it != options.gptq_hessians.end() && gptq_refused.ok()) {
+            const InputHessian& h = *it->second;
+            std::shared_ptr<const GptqFactor>& f = factors[&h];
+            absl::Status st;
+            if (h.cols != r.cols) {
+              st = absl::InvalidArgumentError(
+                  absl::StrCat("GPTQ: a Hessian of ", h.cols, " inputs for ", r.cols, " inputs"));
+            } else if (f == nullptr) {
+              absl::StatusOr<GptqFactor> factored = FactorGptqHessian(h, options.gptq_dampening);
+              if (factored.ok()) {
+                f = std::make_shared<const GptqFactor>(*std::move(factored));
+              } else {
+                st = factored.status();
+              }
+            }
+            if (!st.ok()) {
+              gptq_refused = absl::Status(st.code(), absl::StrCat(module, ": ", st.message()));
+            }
+            factor = f;
+          }
           ++(factor != nullptr ? gptq : rtn_without_hessian);
         }
         AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, std::move(factor), progress.get(),
@@ -684,6 +702,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     tensors.push_back(TensorFromBuffer(v.name, v.dtype, v.shape, v.data));
   }
   DGSERVE_RETURN_IF_ERROR(missing_amax);
+  DGSERVE_RETURN_IF_ERROR(gptq_refused);
   if (q.format == WeightFormat::kNvfp4) {
     root["quantization_config"] = json::parse(QuantizationConfigJson(q));
     if (!not_divisible.empty() && options.progress) {

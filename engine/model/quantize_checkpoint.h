@@ -132,9 +132,10 @@ struct QuantizeOptions {
   // (engine/generation/calibrate.h: decoder module names; an encoder alias takes its decoder
   // module's), each module that has one quantized by GPTQ (engine/model/gptq.h) with dampening
   // gptq_dampening; a module without one (an expert no calibration row reached, a module the
-  // calibration does not observe) by round-to-nearest. Empty (default): round-to-nearest. Every
-  // Hessian is factored (FactorGptqHessian) before anything is written: a null one or one that
-  // is refused fails the call naming a module, with no --out written.
+  // calibration does not observe) by round-to-nearest. Empty (default): round-to-nearest. The
+  // Hessian of every quantized module is factored (FactorGptqHessian, once per Hessian) before
+  // anything is written: a null one, a width that is not the module's or a refused factor fails
+  // the call naming a module, with no --out written.
   std::map<std::string, std::shared_ptr<const InputHessian>> gptq_hessians;
   double gptq_dampening = 0.01;
 };
