@@ -508,30 +508,7 @@ std::string Dump(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-json UsageObject(const v1::Usage& u) {
-  const v1::Timings& t = u.timings();
-  return json{
-      {"prompt_tokens", u.prompt_tokens()},
-      {"completion_tokens", u.completion_tokens()},
-      {"total_tokens", u.total_tokens()},
-      {"prompt_tokens_details", {{"cached_tokens", u.cached_prompt_tokens()}}},
-      {"dgserve",
-       {{"cached_prompt_tokens", u.cached_prompt_tokens()},
-        {"canvases", u.canvases()},
-        {"denoising_steps", u.denoising_steps()},
-        {"timings",
-         {{"queue_seconds", t.queue_seconds()},
-          {"prefill_seconds", t.prefill_seconds()},
-          {"transfer_seconds", t.transfer_seconds()},
-          {"first_step_seconds", t.first_step_seconds()},
-          {"first_block_seconds", t.first_block_seconds()},
-          {"denoise_seconds", t.denoise_seconds()},
-          {"commit_seconds", t.commit_seconds()},
-          {"total_seconds", t.total_seconds()}}}}},
-  };
-}
-
-// The usage of a chunk with continuous usage: the OpenAI fields of UsageObject.
+// The OpenAI fields of a usage: a chunk's with continuous usage, and the start of UsageObject.
 json ChunkUsageObject(const v1::Usage& u) {
   return json{
       {"prompt_tokens", u.prompt_tokens()},
@@ -539,6 +516,24 @@ json ChunkUsageObject(const v1::Usage& u) {
       {"total_tokens", u.total_tokens()},
       {"prompt_tokens_details", {{"cached_tokens", u.cached_prompt_tokens()}}},
   };
+}
+
+json UsageObject(const v1::Usage& u) {
+  const v1::Timings& t = u.timings();
+  json j = ChunkUsageObject(u);
+  j["dgserve"] = {{"cached_prompt_tokens", u.cached_prompt_tokens()},
+                  {"canvases", u.canvases()},
+                  {"denoising_steps", u.denoising_steps()},
+                  {"timings",
+                   {{"queue_seconds", t.queue_seconds()},
+                    {"prefill_seconds", t.prefill_seconds()},
+                    {"transfer_seconds", t.transfer_seconds()},
+                    {"first_step_seconds", t.first_step_seconds()},
+                    {"first_block_seconds", t.first_block_seconds()},
+                    {"denoise_seconds", t.denoise_seconds()},
+                    {"commit_seconds", t.commit_seconds()},
+                    {"total_seconds", t.total_seconds()}}}};
+  return j;
 }
 
 json NullOr(std::string_view s) { return s.empty() ? json(nullptr) : json(std::string(s)); }

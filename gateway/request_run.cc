@@ -459,7 +459,7 @@ bool Gateway::RequestRun::OnBlock(int index, const v1::DenoiseBlockEvent& block)
         r.stopped ? s.completion
                   : CoveringTokens(gw_.tokenizer_, s.all_ids, s.emitted_bytes,
                                    size_t(std::min(s.covered, s.completion)), size_t(s.completion));
-    SetUsageSoFar(s, b->mutable_usage());
+    SetTokenUsage(s.covered, b->mutable_usage());
   }
   if (!Emit(out)) return false;
   // The worker ends the sample at this block too (a stop token, max_tokens, or the stop
@@ -480,12 +480,11 @@ absl::Status Gateway::RequestRun::FinishSamples() {
   return absl::OkStatus();
 }
 
-void Gateway::RequestRun::SetUsageSoFar(const gateway_internal::SampleStream& s,
-                                        v1::Usage* u) const {
+void Gateway::RequestRun::SetTokenUsage(int completion, v1::Usage* u) const {
   const int prompt = int(req_.prompt.size());
   u->set_prompt_tokens(prompt);
-  u->set_completion_tokens(s.covered);
-  u->set_total_tokens(prompt + s.covered);
+  u->set_completion_tokens(completion);
+  u->set_total_tokens(prompt + completion);
   u->set_cached_prompt_tokens(prefill_.cached_tokens());
 }
 
@@ -505,7 +504,7 @@ bool Gateway::RequestRun::FinishSample(int index) {
       if (req_.continuous_usage) {
         s.covered = CoveringTokens(gw_.tokenizer_, s.all_ids, s.emitted_bytes + tail.size(),
                                    size_t(std::min(s.covered, s.completion)), size_t(s.completion));
-        SetUsageSoFar(s, out.mutable_block()->mutable_usage());
+        SetTokenUsage(s.covered, out.mutable_block()->mutable_usage());
       }
       if (!Emit(out)) return false;
     }
@@ -516,10 +515,7 @@ bool Gateway::RequestRun::FinishSample(int index) {
   v1::Finished* f = out.mutable_finished();
   f->set_finish_reason(s.finish_reason.empty() ? "length" : s.finish_reason);
   v1::Usage* u = f->mutable_usage();
-  u->set_prompt_tokens(int(req_.prompt.size()));
-  u->set_completion_tokens(s.completion);
-  u->set_total_tokens(int(req_.prompt.size()) + s.completion);
-  u->set_cached_prompt_tokens(prefill_.cached_tokens());
+  SetTokenUsage(s.completion, u);
   u->set_canvases(s.canvases);
   u->set_denoising_steps(s.steps);
   v1::Timings* t = u->mutable_timings();

@@ -192,8 +192,9 @@ class Gateway::RequestRun {
   // its usage (once), so a choice that ends early is reported when it ends, not when the last
   // one does. False when the client went away.
   bool FinishSample(int index);
-  // A block's usage so far (continuous usage): the prompt's tokens and `s.covered`.
-  void SetUsageSoFar(const gateway_internal::SampleStream& s, v1::Usage* usage) const;
+  // The token counts of `usage`: the prompt's (and its cached ones) and `completion`
+  // (a sample's Finished; a block's usage so far with continuous usage).
+  void SetTokenUsage(int completion, v1::Usage* usage) const;
   // Sends one event to the client; false (and the denoise call cancelled) when it went away.
   bool Emit(const v1::GenerateEvent& ev);
   void EndSample(gateway_internal::SampleStream& s) {

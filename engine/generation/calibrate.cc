@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <utility>
@@ -104,12 +103,12 @@ std::map<std::string, float> ActivationAmaxObserver::ModuleAmax() const {
 namespace {
 
 // Runs the bf16 `checkpoint` on the CPU backend over `prompts` with `observer` told every
-// Linear's input (CalibrateActivationAmax's loop, shared with CalibrateInputHessians).
+// Linear's input (CalibrateActivationAmax's loop, shared with CalibrateInputHessians; the
+// progress line reads the observer's encoder_rows() and decoder_rows()).
+template <typename Observer>
 absl::Status RunCalibration(const Checkpoint& checkpoint,
                             std::span<const CalibrationPrompt> prompts,
-                            const CalibrationOptions& options, LinearInputObserver& observer,
-                            const std::function<int64_t()>& encoder_rows,
-                            const std::function<int64_t()>& decoder_rows) {
+                            const CalibrationOptions& options, Observer& observer) {
   if (checkpoint.quant.format != WeightFormat::kBf16) {
     return absl::InvalidArgumentError(
         absl::StrCat("calibration runs the bf16 model: ", checkpoint.dir, " is already quantized"));
@@ -143,8 +142,8 @@ absl::Status RunCalibration(const Checkpoint& checkpoint,
                    "calibrate: prompt %zu/%zu: %d prompt tokens, %d denoising steps; rows seen "
                    "%lld encoder, %lld decoder (per layer); %.1f s\n",
                    i + 1, prompts.size(), res.prompt_tokens, steps,
-                   static_cast<long long>(encoder_rows() / checkpoint.config.num_layers),
-                   static_cast<long long>(decoder_rows() / checkpoint.config.num_layers),
+                   static_cast<long long>(observer.encoder_rows() / checkpoint.config.num_layers),
+                   static_cast<long long>(observer.decoder_rows() / checkpoint.config.num_layers),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }
@@ -157,9 +156,7 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
     const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
     const CalibrationOptions& options) {
   ActivationAmaxObserver observer(checkpoint.config);
-  DGSERVE_RETURN_IF_ERROR(RunCalibration(
-      checkpoint, prompts, options, observer, [&] { return observer.encoder_rows(); },
-      [&] { return observer.decoder_rows(); }));
+  DGSERVE_RETURN_IF_ERROR(RunCalibration(checkpoint, prompts, options, observer));
   if (options.progress && observer.experts_without_rows() > 0) {
     std::fprintf(stderr,
                  "calibrate: %d experts saw no row; they take their layer's largest expert amax\n",
@@ -276,9 +273,7 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> Calib
         " bytes; layer-by-layer GPTQ is not implemented"));
   }
   InputHessianObserver observer(checkpoint.config);
-  DGSERVE_RETURN_IF_ERROR(RunCalibration(
-      checkpoint, prompts, options, observer, [&] { return observer.encoder_rows(); },
-      [&] { return observer.decoder_rows(); }));
+  DGSERVE_RETURN_IF_ERROR(RunCalibration(checkpoint, prompts, options, observer));
   if (options.progress && observer.experts_without_rows() > 0) {
     std::fprintf(stderr,
                  "calibrate: %d experts saw no row; they are rounded to nearest (no Hessian)\n",
