@@ -13,6 +13,7 @@
 //                    --calibration_sudoku tools/sudoku/data/train.jsonl --calibration_limit 128
 //   dgserve-quantize --in models/sudoku --out DIR --format w4a16 --group_size 32 --gptq
 //                    --calibration_sudoku tools/sudoku/data/train.jsonl --calibration_limit 128
+//                    [--gptq_sequential]   (layer by layer: one layer's Hessians at a time)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -133,13 +134,18 @@ ABSL_FLAG(bool, gptq, false,
           "the input Hessian sum(x x^T) of its inputs over the calibration prompts' encoder "
           "passes and denoising steps of the bf16 model, rather than round-to-nearest; an expert "
           "no calibration row reached is rounded to nearest");
+ABSL_FLAG(bool, gptq_sequential, false,
+          "--gptq only: GPTQ layer by layer (llm-compressor's sequential pipeline): each layer is "
+          "calibrated on the model whose earlier layers are already quantized, then quantized, "
+          "holding one layer's Hessians at a time instead of every layer's (what the real-width "
+          "model needs); one calibration run per layer");
 ABSL_FLAG(dgserve::GivenNumberFlag, gptq_dampening, {},
           "--gptq only: the dampening added to the Hessian's diagonal, as a fraction of its mean, "
           "in [0, 1e6] (default 0.01, llm-compressor's dampening_frac)");
 ABSL_FLAG(dgserve::GivenNumberFlag, gptq_max_gb, {},
           "--gptq only: refuse before calibrating when the Hessians of every module and their "
           "factors (float64, held at once: twice the Hessians' bytes) take more than this many "
-          "GiB (default 16)");
+          "GiB (default 16); with --gptq_sequential, one layer's Hessians and a factor");
 ABSL_FLAG(int64_t, max_shard_bytes, dgserve::kDefaultMaxShardBytes,
           "bytes of tensors per safetensors shard");
 
@@ -307,18 +313,29 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
   const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb).get().value_or(16.0);
   const auto max_bytes = int64_t(max_gb * double(int64_t{1} << 30));
-  // The Hessians, and QuantizeCheckpoint's factor of each beside them.
-  const int64_t gptq_bytes = 2 * InputHessianBytes(config);
+  const bool sequential = absl::GetFlag(FLAGS_gptq_sequential);
+  // The Hessians, and QuantizeCheckpoint's factor of each beside them; layer by layer, one
+  // layer's and the factor being made.
+  const int64_t gptq_bytes = sequential ? LayerGptqBytes(config) : 2 * InputHessianBytes(config);
   if (absl::GetFlag(FLAGS_gptq) && gptq_bytes > max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "--gptq: the input Hessians of every module of ", in, " and their factors take ",
-        gptq_bytes, " bytes (float64, held at once), more than --gptq_max_gb ", max_gb,
-        " GiB; layer-by-layer GPTQ is not implemented"));
+        "--gptq: the input Hessians of ",
+        sequential ? "one layer's modules and a factor take "
+                   : "every module and their factors take ",
+        gptq_bytes, " bytes (float64, held at once) for ", in, ", more than --gptq_max_gb ", max_gb,
+        " GiB", sequential ? "" : " (--gptq_sequential holds one layer's at a time)"));
   }
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   CalibrationOptions options;
   options.max_denoising_steps = absl::GetFlag(FLAGS_calibration_steps);
-  if (absl::GetFlag(FLAGS_gptq)) {
+  if (absl::GetFlag(FLAGS_gptq) && sequential) {
+    LayerGptqOptions layer;
+    layer.group_size = quantize->group_size;
+    layer.dampening = quantize->gptq_dampening;
+    layer.ignore = quantize->ignore;
+    DGSERVE_ASSIGN_OR_RETURN(quantize->w4a16_modules,
+                             QuantizeW4a16GptqByLayer(ck, prompts, options, layer));
+  } else if (absl::GetFlag(FLAGS_gptq)) {
     DGSERVE_ASSIGN_OR_RETURN(quantize->gptq_hessians,
                              CalibrateInputHessians(ck, prompts, options, max_bytes / 2));
   } else {
@@ -355,9 +372,11 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
   }
   const std::optional<double> dampening = absl::GetFlag(FLAGS_gptq_dampening).get();
   const std::optional<double> max_gb = absl::GetFlag(FLAGS_gptq_max_gb).get();
-  if (!gptq && (dampening || max_gb)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(dampening ? "--gptq_dampening" : "--gptq_max_gb", " applies to --gptq only"));
+  if (!gptq && (dampening || max_gb || absl::GetFlag(FLAGS_gptq_sequential))) {
+    return absl::InvalidArgumentError(absl::StrCat(dampening ? "--gptq_dampening"
+                                                   : max_gb  ? "--gptq_max_gb"
+                                                             : "--gptq_sequential",
+                                                   " applies to --gptq only"));
   }
   if (dampening && !(*dampening >= 0.0 && *dampening <= 1e6)) {
     return absl::InvalidArgumentError(
@@ -512,7 +531,7 @@ absl::Status Run() {
               : s.quant.channel_groups               ? " (per channel)"
                                        : absl::StrCat(" (group ", s.quant.group_size, ")").c_str(),
               nvfp4_layout, s.quantized, s.kept, s.seconds);
-  if (!options.gptq_hessians.empty()) {
+  if (!options.gptq_hessians.empty() || !options.w4a16_modules.empty()) {
     std::printf(
         "gptq: %d modules by GPTQ, %d rounded to nearest (no Hessian: experts no calibration "
         "row reached, or routers and self-conditioning modules a custom --ignore leaves "
@@ -545,6 +564,7 @@ int main(int argc, char** argv) {
       "nvfp4|none]\n"
       "                   [--calibration PROMPTS.jsonl | --calibration_sudoku PUZZLES.jsonl]\n"
       "                   [--calibration_limit N] [--calibration_steps N]\n"
-      "                   [--gptq [--gptq_dampening F] [--gptq_max_gb G]]  (w4a16, calibrated)",
+      "                   [--gptq [--gptq_sequential] [--gptq_dampening F] [--gptq_max_gb G]]  "
+      "(w4a16, calibrated)",
       "tools/quantize_main.cc", dgserve::Run);
 }

@@ -7,13 +7,17 @@
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/bf16.h"
 #include "common/jsonl.h"
 #include "common/status_macros.h"
+#include "engine/cpu/gemm_quant.h"
 #include "engine/generation/generator.h"
+#include "engine/model/quant_config.h"
 
 namespace dgserve {
 namespace {
@@ -108,7 +112,8 @@ namespace {
 template <typename Observer>
 absl::Status RunCalibration(const Checkpoint& checkpoint,
                             std::span<const CalibrationPrompt> prompts,
-                            const CalibrationOptions& options, Observer& observer) {
+                            const CalibrationOptions& options, Observer& observer,
+                            const std::string& label = "calibrate") {
   if (checkpoint.quant.format != WeightFormat::kBf16) {
     return absl::InvalidArgumentError(
         absl::StrCat("calibration runs the bf16 model: ", checkpoint.dir, " is already quantized"));
@@ -139,9 +144,9 @@ absl::Status RunCalibration(const Checkpoint& checkpoint,
       int steps = 0;
       for (int s : res.steps_per_canvas) steps += s;
       std::fprintf(stderr,
-                   "calibrate: prompt %zu/%zu: %d prompt tokens, %d denoising steps; rows seen "
+                   "%s: prompt %zu/%zu: %d prompt tokens, %d denoising steps; rows seen "
                    "%lld encoder, %lld decoder (per layer); %.1f s\n",
-                   i + 1, prompts.size(), res.prompt_tokens, steps,
+                   label.c_str(), i + 1, prompts.size(), res.prompt_tokens, steps,
                    static_cast<long long>(observer.encoder_rows() / checkpoint.config.num_layers),
                    static_cast<long long>(observer.decoder_rows() / checkpoint.config.num_layers),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -168,10 +173,11 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
 // ---------------------------------------------------------------------------------------------
 // Input Hessians (GPTQ)
 
-int64_t InputHessianBytes(const ModelConfig& c) {
+int64_t InputHessianBytes(const ModelConfig& c, int layer) {
   const auto sq = [](int64_t n) { return n * n * int64_t(sizeof(double)); };
   int64_t bytes = 0;
   for (int l = 0; l < c.num_layers; ++l) {
+    if (layer >= 0 && l != layer) continue;
     bytes += sq(c.hidden_size);                        // q/k/v
     bytes += sq(int64_t(c.num_heads) * c.HeadDim(l));  // o_proj
     if (c.intermediate_size > 0) bytes += sq(c.hidden_size) + sq(c.intermediate_size);
@@ -180,17 +186,30 @@ int64_t InputHessianBytes(const ModelConfig& c) {
   return bytes;
 }
 
-InputHessianObserver::InputHessianObserver(const ModelConfig& config)
+int64_t LayerGptqBytes(const ModelConfig& c) {
+  int64_t most = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const int64_t widest = std::max<int64_t>({c.hidden_size, int64_t(c.num_heads) * c.HeadDim(l),
+                                              c.intermediate_size, c.moe_intermediate_size});
+    most = std::max(most, InputHessianBytes(c, l) + 4 * widest * widest * int64_t(sizeof(double)));
+  }
+  return most;
+}
+
+InputHessianObserver::InputHessianObserver(const ModelConfig& config, int layer)
     : config_(config),
       dense_(size_t(config.num_layers) * 4),
-      expert_(size_t(config.num_layers) * config.num_experts * 2) {}
+      expert_(size_t(config.num_layers) * config.num_experts * 2),
+      layer_(layer) {}
 
 void InputHessianObserver::Observe(LinearSite site, int layer, int expert, bool encoder,
                                    const float* x, int rows, int cols) {
   if (rows <= 0 || cols <= 0 || layer < 0 || layer >= config_.num_layers) return;
+  if (site == LinearSite::kQkv) (encoder ? encoder_rows_ : decoder_rows_) += rows;
+  if (layer_ >= 0 && layer != layer_) return;
   InputHessian* h = nullptr;
   switch (site) {
-    case LinearSite::kQkv: (encoder ? encoder_rows_ : decoder_rows_) += rows; [[fallthrough]];
+    case LinearSite::kQkv:
     case LinearSite::kOProj:
     case LinearSite::kMlpGateUp:
     case LinearSite::kMlpDown: h = &dense_[size_t(layer) * 4 + int(site)]; break;
@@ -280,6 +299,135 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> Calib
                  observer.experts_without_rows());
   }
   return std::move(observer).ModuleHessians();
+}
+
+namespace {
+
+// The modules of one layer that share one input Hessian: each weight matrix of the backend
+// (`seat`) with the checkpoint modules its rows hold, in order (an expert's fused gate_up: gate,
+// then up).
+struct HessianModules {
+  std::string hessian;  // the module name ModuleHessians files the Hessian under
+  struct Seat {
+    cpu::PackedMatrix* matrix;
+    std::vector<std::string> modules;  // equal row counts, concatenated
+  };
+  std::vector<Seat> seats;
+};
+
+std::vector<HessianModules> LayerModules(const ModelConfig& c, int layer, LayerWeights& w) {
+  const std::string p = absl::StrCat("model.decoder.layers.", layer, ".");
+  std::vector<HessianModules> out = {
+      {p + "self_attn.q_proj",
+       {{&w.q_proj, {p + "self_attn.q_proj"}},
+        {&w.k_proj, {p + "self_attn.k_proj"}},
+        {&w.v_proj, {p + "self_attn.v_proj"}}}},
+      {p + "self_attn.o_proj", {{&w.o_proj, {p + "self_attn.o_proj"}}}},
+      {p + "mlp.gate_proj",
+       {{&w.mlp_gate_proj, {p + "mlp.gate_proj"}}, {&w.mlp_up_proj, {p + "mlp.up_proj"}}}},
+      {p + "mlp.down_proj", {{&w.mlp_down_proj, {p + "mlp.down_proj"}}}},
+  };
+  for (int e = 0; e < c.num_experts && e < int(w.experts_gate_up_proj.size()); ++e) {
+    const std::string ep = absl::StrCat(p, "experts.", e, ".");
+    out.push_back(
+        {ep + "gate_proj", {{&w.experts_gate_up_proj[e], {ep + "gate_proj", ep + "up_proj"}}}});
+    out.push_back({ep + "down_proj", {{&w.experts_down_proj[e], {ep + "down_proj"}}}});
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> QuantizeW4a16GptqByLayer(
+    Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
+    const CalibrationOptions& options, const LayerGptqOptions& gptq) {
+  const ModelConfig& c = checkpoint.config;
+  if (gptq.group_size < 0) {
+    return absl::InvalidArgumentError("--group_size must be ≥ 0 (0: per channel)");
+  }
+  if (!(gptq.dampening >= 0.0 && gptq.dampening <= 1e6)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the GPTQ dampening ", gptq.dampening, " must be a number in [0, 1e6]"));
+  }
+  const int64_t bytes = LayerGptqBytes(c);
+  if (gptq.max_bytes > 0 && bytes > gptq.max_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("GPTQ layer by layer: one layer's input Hessians of ", checkpoint.dir,
+                     " and a factor take ", bytes, " bytes (float64), more than the limit of ",
+                     gptq.max_bytes, " bytes"));
+  }
+  QuantizationConfig q;
+  q.format = WeightFormat::kW4A16;
+  q.targets = {"Linear"};
+  q.ignore = gptq.ignore;
+  std::map<std::string, std::shared_ptr<const W4a16Packed>> out;
+  const auto start = std::chrono::steady_clock::now();
+  for (int l = 0; l < c.num_layers; ++l) {
+    InputHessianObserver observer(c, l);
+    DGSERVE_RETURN_IF_ERROR(RunCalibration(checkpoint, prompts, options, observer,
+                                           absl::StrCat("gptq: layer ", l + 1, "/", c.num_layers)));
+    std::map<std::string, std::shared_ptr<const InputHessian>> hessians =
+        std::move(observer).ModuleHessians();
+    int by_gptq = 0, by_rtn = 0;
+    for (HessianModules& set : LayerModules(c, l, checkpoint.weights.layers[l])) {
+      std::shared_ptr<const InputHessian> hessian;
+      if (const auto it = hessians.find(set.hessian); it != hessians.end()) hessian = it->second;
+      std::optional<GptqFactor> factor;  // made at the first quantized seat
+      for (HessianModules::Seat& seat : set.seats) {
+        cpu::PackedMatrix& m = *seat.matrix;
+        int quantized = 0;
+        for (const std::string& module : seat.modules) quantized += q.Quantizes(module);
+        if (m.empty() || quantized == 0) continue;
+        const int rows = m.rows(), cols = m.cols();
+        const int group = gptq.group_size > 0 ? gptq.group_size : cols;
+        if (hessian != nullptr && !factor) {
+          if (hessian->cols != cols) {
+            return absl::InternalError(absl::StrCat(seat.modules[0], ": a Hessian of ",
+                                                    hessian->cols, " inputs for ", cols));
+          }
+          absl::StatusOr<GptqFactor> f = FactorGptqHessian(*hessian, gptq.dampening);
+          if (!f.ok()) {
+            return absl::Status(f.status().code(),
+                                absl::StrCat(seat.modules[0], ": ", f.status().message()));
+          }
+          factor = *std::move(f);
+        }
+        const std::vector<uint16_t> bits = m.UnpackBf16();
+        std::vector<float> w(bits.size());
+        for (size_t i = 0; i < bits.size(); ++i) w[i] = Bf16ToFloat(bits[i]);
+        W4a16Weights codes;
+        if (factor) {
+          DGSERVE_ASSIGN_OR_RETURN(codes, QuantizeW4a16Gptq(w, rows, cols, group, *factor));
+        } else {
+          codes = QuantizeW4a16Rtn(w, rows, cols, group);
+        }
+        const int each = rows / int(seat.modules.size());
+        for (size_t i = 0; i < seat.modules.size(); ++i) {
+          if (!q.Quantizes(seat.modules[i])) continue;
+          auto packed =
+              std::make_shared<W4a16Packed>(PackW4a16(codes, cols, group, int(i) * each, each));
+          packed->gptq = factor.has_value();
+          out[seat.modules[i]] = std::move(packed);
+          ++(factor ? by_gptq : by_rtn);
+        }
+        if (quantized == int(seat.modules.size())) {
+          std::vector<float> scales(codes.scales.size());
+          for (size_t i = 0; i < scales.size(); ++i) scales[i] = Bf16ToFloat(codes.scales[i]);
+          m = cpu::PackedMatrix::Quantized(
+              cpu::QuantMatrix::FromInt4(codes.codes.data(), scales.data(), rows, cols, group));
+        }
+      }
+    }
+    hessians.clear();  // this layer's Hessians: freed before the next layer's are recorded
+    if (options.progress) {
+      std::fprintf(stderr,
+                   "gptq: layer %d/%d quantized: %d modules by GPTQ, %d rounded to "
+                   "nearest (no Hessian); %.1f s\n",
+                   l + 1, c.num_layers, by_gptq, by_rtn,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<std::vector<CalibrationPrompt>> ReadCalibrationPrompts(const std::string& path,

@@ -29,6 +29,7 @@
 #include "engine/model/checkpoint.h"
 #include "engine/model/config.h"
 #include "engine/model/gptq.h"
+#include "engine/model/quantize_checkpoint.h"
 #include "engine/tokenizer/tokenizer.h"
 
 namespace dgserve {
@@ -79,7 +80,9 @@ class ActivationAmaxObserver final : public LinearInputObserver {
 // first row: InputHessianBytes in all.
 class InputHessianObserver final : public LinearInputObserver {
  public:
-  explicit InputHessianObserver(const ModelConfig& config);
+  // `layer` ≥ 0: records that layer's modules only (layer-by-layer GPTQ; the row counts still
+  // count every layer's); −1: every layer's.
+  explicit InputHessianObserver(const ModelConfig& config, int layer = -1);
   void Observe(LinearSite site, int layer, int expert, bool encoder, const float* x, int rows,
                int cols) override;
   // Module name (decoder names, as ActivationAmaxObserver::ModuleAmax) → its Hessian, shared by
@@ -95,11 +98,18 @@ class InputHessianObserver final : public LinearInputObserver {
   // Per layer [kQkv, kOProj, kMlpGateUp, kMlpDown] and per layer and expert {gate_up, down}: the
   // lower triangle only until ModuleHessians.
   std::vector<InputHessian> dense_, expert_;
+  int layer_ = -1;
   int64_t encoder_rows_ = 0, decoder_rows_ = 0;
 };
 
-// Bytes of every Hessian InputHessianObserver may hold for `config` (float64).
-int64_t InputHessianBytes(const ModelConfig& config);
+// Bytes of every Hessian InputHessianObserver may hold for `config` (float64); with `layer` ≥ 0,
+// of that layer's only.
+int64_t InputHessianBytes(const ModelConfig& config, int layer = -1);
+
+// The most bytes QuantizeW4a16GptqByLayer holds for GPTQ at once: over the layers, a layer's
+// Hessians plus the factor being made and FactorGptqHessian's working copies (four [cols, cols]
+// float64 matrices of the layer's widest input).
+int64_t LayerGptqBytes(const ModelConfig& config);
 
 struct CalibrationOptions {
   // Denoising steps per canvas at most (SamplerParams::max_denoising_steps: the schedule is
@@ -127,6 +137,38 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
 absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> CalibrateInputHessians(
     const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
     const CalibrationOptions& options, int64_t max_bytes);
+
+struct LayerGptqOptions {
+  int group_size = 128;     // inputs per scale group (QuantizeOptions::group_size); 0: per row
+  double dampening = 0.01;  // FactorGptqHessian's, in [0, 1e6]
+  // Which modules are quantized (QuantizationConfig::ignore of --format w4a16).
+  std::vector<std::string> ignore = DefaultQuantizeIgnore();
+  // > 0: RESOURCE_EXHAUSTED before anything runs when LayerGptqBytes exceeds it.
+  int64_t max_bytes = 0;
+};
+
+// Layer-by-layer (sequential) GPTQ for W4A16: for each layer in turn, runs the calibration
+// (as CalibrateInputHessians) on the model whose earlier layers are already quantized,
+// records that layer's input Hessians only, and quantizes the layer's modules by GPTQ
+// against them (round-to-nearest where a module has none: an expert no row reached). Each
+// quantized module's weights in `checkpoint` are replaced by its W4A16 matrix as they are made
+// (cpu::QuantMatrix::FromInt4, which the CPU backend runs), so the next layer's calibration sees
+// the quantized layers' outputs, as the quantized model will serve them: llm-compressor's
+// sequential pipeline, except that here each layer's calibration reruns the whole generation
+// loop (the canvases follow the partly quantized model's samples) where llm-compressor replays
+// the captured inputs of the layer. Costs one calibration run per layer; holds one layer's
+// Hessians at a time (LayerGptqBytes) instead of every layer's. The modules quantized are those
+// of the decoder layers that `gptq.ignore` does not name, with the checkpoint's weights as
+// loaded (bf16; an F16/F32 checkpoint's are rounded to bf16 first, where QuantizeCheckpoint's
+// own GPTQ reads the file's values). Routers and the self-conditioning MLP (outside the layers,
+// and kept in bf16 by the default ignore list) are left to QuantizeCheckpoint. A fused expert
+// gate_up matrix whose gate and up the ignore list splits is quantized for the output but
+// runs unquantized in later calibrations. Returns the modules (decoder names) for
+// QuantizeOptions::w4a16_modules. Errors: CalibrateInputHessians', INVALID_ARGUMENT for a
+// group size < 0 or a dampening not in [0, 1e6], FactorGptqHessian's naming the module.
+absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> QuantizeW4a16GptqByLayer(
+    Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
+    const CalibrationOptions& options, const LayerGptqOptions& gptq);
 
 // Reads a calibration file: JSONL, one object per line with a string "prompt" (blank lines
 // skipped), each prompt tokenized as the gateway tokenizes a text prompt (Tokenizer::EncodeText

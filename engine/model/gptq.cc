@@ -63,6 +63,24 @@ W4a16Weights QuantizeW4a16Rtn(std::span<const float> w, int rows, int cols, int 
   return out;
 }
 
+W4a16Packed PackW4a16(const W4a16Weights& w, int cols, int group, int row0, int rows) {
+  const int groups = (cols + group - 1) / group, words = (cols + 7) / 8;
+  W4a16Packed out;
+  out.rows = rows;
+  out.cols = cols;
+  out.group = group;
+  out.packed.assign(size_t(rows) * words, 0);
+  for (int i = 0; i < rows; ++i) {
+    const int8_t* q = w.codes.data() + size_t(row0 + i) * cols;
+    for (int c = 0; c < cols; ++c) {
+      out.packed[size_t(i) * words + c / 8] |= (uint32_t(q[c] + 8) & 0xfu) << (4 * (c % 8));
+    }
+  }
+  out.scales.assign(w.scales.begin() + ptrdiff_t(row0) * groups,
+                    w.scales.begin() + ptrdiff_t(row0 + rows) * groups);
+  return out;
+}
+
 absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double dampening) {
   const int n = hessian.cols;
   if (n <= 0 || hessian.h.size() != size_t(n) * n) {

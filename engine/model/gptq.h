@@ -40,6 +40,20 @@ struct W4a16Weights {
   std::vector<uint16_t> scales;  // [rows, ceil(cols / group)], bf16 bits
 };
 
+// A module's W4A16 weights in compressed-tensors' pack-quantized layout, as dgserve-quantize
+// writes them: `weight_packed` [rows, ceil(cols / 8)] int32 words, eight codes q + 8 per word
+// (input c in bits 4·(c % 8), pack_to_int32's order), and `weight_scale` [rows, groups] bf16 bits
+// (groups = ceil(cols / group)). `gptq`: made by GPTQ (else round-to-nearest).
+struct W4a16Packed {
+  int rows = 0, cols = 0, group = 0;
+  std::vector<uint32_t> packed;
+  std::vector<uint16_t> scales;
+  bool gptq = false;
+};
+
+// Packs rows [row0, row0 + rows) of `w` (a [·, cols] matrix quantized in groups of `group`).
+W4a16Packed PackW4a16(const W4a16Weights& w, int cols, int group, int row0, int rows);
+
 // Round-to-nearest W4A16 of w [rows, cols] (row-major) in groups of `group` inputs (1 ≤ group;
 // cols for one group per row): each group's scale from its absmax, each code rounded alone.
 W4a16Weights QuantizeW4a16Rtn(std::span<const float> w, int rows, int cols, int group);

@@ -133,52 +133,55 @@ void AddFp8(const std::string& module, const Rows& r, Progress* progress,
                   }});
 }
 
-// (With `factor`: GPTQ against it, engine/model/gptq.h; else round-to-nearest.)
+// (With `factor`: GPTQ against it, engine/model/gptq.h; with `given`, its codes and scales
+// (QuantizeOptions::w4a16_modules: shape and group checked by the caller); else
+// round-to-nearest.)
 void AddW4a16(const std::string& module, const Rows& r, int group_flag,
-              std::shared_ptr<const GptqFactor> factor, Progress* progress,
-              std::vector<TensorSource>* out) {
+              std::shared_ptr<const GptqFactor> factor, std::shared_ptr<const W4a16Packed> given,
+              Progress* progress, std::vector<TensorSource>* out) {
   const int group = group_flag > 0 ? group_flag : r.cols;
   const int groups = (r.cols + group - 1) / group, words = (r.cols + 7) / 8;
-  auto packed = std::make_shared<std::vector<uint32_t>>();
-  auto scales = std::make_shared<std::vector<uint16_t>>();
+  auto q = std::make_shared<W4a16Packed>();
   auto left = std::make_shared<int>(2);
-  auto compute = [module, r, group, words, packed, scales, factor, progress]() -> absl::Status {
-    if (!packed->empty()) return absl::OkStatus();
+  auto compute = [module, r, group, q, factor, given, progress]() -> absl::Status {
+    if (!q->packed.empty()) return absl::OkStatus();
+    if (given != nullptr) {
+      *q = *given;
+      progress->Step(int64_t(r.rows) * r.cols * int64_t(DTypeSize(r.view->dtype)));
+      return absl::OkStatus();
+    }
     std::vector<float> w;
     DGSERVE_RETURN_IF_ERROR(ReadRows(r, &w));
-    W4a16Weights q;
+    W4a16Weights codes;
     if (factor != nullptr) {
       absl::StatusOr<W4a16Weights> g = QuantizeW4a16Gptq(w, r.rows, r.cols, group, *factor);
       if (!g.ok()) {
         return absl::Status(g.status().code(), absl::StrCat(module, ": ", g.status().message()));
       }
-      q = std::move(*g);
+      codes = std::move(*g);
     } else {
-      q = QuantizeW4a16Rtn(w, r.rows, r.cols, group);
+      codes = QuantizeW4a16Rtn(w, r.rows, r.cols, group);
     }
-    packed->assign(size_t(r.rows) * words, 0);
-    for (int i = 0; i < r.rows; ++i) {
-      for (int c = 0; c < r.cols; ++c) {
-        const uint32_t code = uint32_t(q.codes[size_t(i) * r.cols + c] + 8) & 0xfu;
-        (*packed)[size_t(i) * words + c / 8] |= code << (4 * (c % 8));
-      }
-    }
-    *scales = std::move(q.scales);
+    *q = PackW4a16(codes, r.cols, group, 0, r.rows);
     progress->Step(int64_t(w.size()) * int64_t(DTypeSize(r.view->dtype)));
     return absl::OkStatus();
   };
-  out->push_back({module + ".weight_packed", DType::kI32, {r.rows, words},
-                  [compute, packed, scales, left](uint8_t* dst) -> absl::Status {
+  out->push_back({module + ".weight_packed",
+                  DType::kI32,
+                  {r.rows, words},
+                  [compute, q, left](uint8_t* dst) -> absl::Status {
                     DGSERVE_RETURN_IF_ERROR(compute());
-                    std::memcpy(dst, packed->data(), packed->size() * 4);
-                    if (--*left == 0) *packed = {}, *scales = {};
+                    std::memcpy(dst, q->packed.data(), q->packed.size() * 4);
+                    if (--*left == 0) *q = {};
                     return absl::OkStatus();
                   }});
-  out->push_back({module + ".weight_scale", DType::kBF16, {r.rows, groups},
-                  [compute, packed, scales, left](uint8_t* dst) -> absl::Status {
+  out->push_back({module + ".weight_scale",
+                  DType::kBF16,
+                  {r.rows, groups},
+                  [compute, q, left](uint8_t* dst) -> absl::Status {
                     DGSERVE_RETURN_IF_ERROR(compute());
-                    std::memcpy(dst, scales->data(), scales->size() * 2);
-                    if (--*left == 0) *packed = {}, *scales = {};
+                    std::memcpy(dst, q->scales.data(), q->scales.size() * 2);
+                    if (--*left == 0) *q = {};
                     return absl::OkStatus();
                   }});
   const int64_t shape[2] = {r.rows, r.cols};
@@ -514,6 +517,21 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     return absl::InvalidArgumentError(absl::StrCat("the GPTQ dampening ", options.gptq_dampening,
                                                    " must be a number in [0, 1e6]"));
   }
+  if (!options.w4a16_modules.empty() && q.format != WeightFormat::kW4A16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("given W4A16 modules (layer-by-layer GPTQ) are for --format w4a16, not ",
+                     WeightFormatName(q.format)));
+  }
+  if (!options.w4a16_modules.empty() && !options.gptq_hessians.empty()) {
+    return absl::InvalidArgumentError(
+        "GPTQ takes either the calibrated Hessians or the modules quantized layer by layer, not "
+        "both");
+  }
+  for (const auto& [module, given] : options.w4a16_modules) {
+    if (given == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("no W4A16 weights given for ", module));
+    }
+  }
   for (const auto& [module, hessian] : options.gptq_hessians) {
     if (hessian == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("GPTQ: no Hessian for ", module));
@@ -624,6 +642,22 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
                  &tensors);
       } else {
         std::shared_ptr<const GptqFactor> factor;  // none: round-to-nearest
+        std::shared_ptr<const W4a16Packed> given;
+        const int group = q.channel_groups ? r.cols : q.group_size;
+        if (!options.w4a16_modules.empty()) {
+          const auto it = options.w4a16_modules.find(DecoderModuleName(module));
+          if (it != options.w4a16_modules.end()) {
+            given = it->second;
+            if ((given->rows != r.rows || given->cols != r.cols || given->group != group) &&
+                gptq_refused.ok()) {
+              gptq_refused = absl::InvalidArgumentError(
+                  absl::StrCat(module, ": given W4A16 weights of ", given->rows, "×", given->cols,
+                               " in groups of ", given->group, " for a ", r.rows, "×", r.cols,
+                               " module in groups of ", group));
+            }
+          }
+          ++(given != nullptr && given->gptq ? gptq : rtn_without_hessian);
+        }
         if (!options.gptq_hessians.empty()) {
           const auto it = options.gptq_hessians.find(DecoderModuleName(module));
           if (it != options.gptq_hessians.end() && gptq_refused.ok()) {
@@ -648,8 +682,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
           }
           ++(factor != nullptr ? gptq : rtn_without_hessian);
         }
-        AddW4a16(module, r, q.channel_groups ? 0 : q.group_size, std::move(factor), progress.get(),
-                 &tensors);
+        AddW4a16(module, r, group, std::move(factor), std::move(given), progress.get(), &tensors);
       }
     } else {
       ++kept;

@@ -138,12 +138,19 @@ struct QuantizeOptions {
   // the call naming a module, with no --out written.
   std::map<std::string, std::shared_ptr<const InputHessian>> gptq_hessians;
   double gptq_dampening = 0.01;
+  // w4a16 only, not with gptq_hessians: modules already quantized (decoder module names; an
+  // encoder alias takes its decoder module's), written as given — layer-by-layer GPTQ
+  // (QuantizeW4a16GptqByLayer, engine/generation/calibrate.h) makes them. Each must have the
+  // module's shape and the format's group (else INVALID_ARGUMENT naming it, nothing written); a
+  // quantized module not given is rounded to nearest. Counted in QuantizeSummary::gptq or
+  // rtn_without_hessian by W4a16Packed::gptq.
+  std::map<std::string, std::shared_ptr<const W4a16Packed>> w4a16_modules;
 };
 
 struct QuantizeSummary {
   QuantizationConfig quant;  // as written into config.json
   int quantized = 0, kept = 0;  // Linear modules quantized / kept in their dtype
-  // With QuantizeOptions::gptq_hessians: w4a16 modules quantized by GPTQ, and by
+  // With QuantizeOptions::gptq_hessians (or w4a16_modules): w4a16 modules quantized by GPTQ, and by
   // round-to-nearest for want of a Hessian (experts no calibration row reached; routers and the
   // self-conditioning MLP, which the calibration does not observe, if --ignore lets them be
   // quantized).
