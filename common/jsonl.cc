@@ -9,6 +9,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/excerpt.h"
 
 namespace dgserve {
 namespace {
@@ -72,7 +73,8 @@ absl::Status ForEachJsonLine(
     std::string duplicate;
     const nlohmann::json value = ParseNoticingDuplicateKeys(text, &duplicate);
     if (!value.is_discarded() && !duplicate.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", line, ": duplicate key ", duplicate,
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", line, ": duplicate key ",
+                                                     EscapedForTerminal(duplicate),
                                                      " (an object names each key once)"));
     }
     if (absl::Status s = fn(value, line); !s.ok()) {
@@ -80,7 +82,11 @@ absl::Status ForEachJsonLine(
       if (value.is_discarded()) {
         parse_error = absl::StrCat(" (not valid JSON: ", ParseError(text), ")");
       }
-      return absl::Status(s.code(), absl::StrCat(path, ":", line, ": ", s.message(), parse_error));
+      // The parser's message quotes the line's bytes as read (an invalid UTF-8 byte, raw): they
+      // and whatever fn quoted are escaped.
+      return absl::Status(s.code(), absl::StrCat(path, ":", line, ": ",
+                                                 EscapedForTerminal(std::string(s.message())),
+                                                 EscapedForTerminal(parse_error)));
     }
   }
   if (in.bad()) return absl::InternalError(absl::StrCat("error reading ", path));

@@ -20,6 +20,8 @@ namespace dgserve {
 // Returns OK when fn returned OK for every line; else fn's first error, its code kept and its
 // message prefixed with "PATH:LINE: " and, for a line that is not valid JSON, followed by
 // " (not valid JSON: " and the parser's message, e.g. "parse error at line 1, column 2: ...)".
+// After the prefix, the message is EscapedForTerminal (common/excerpt.h): a byte of the line the
+// parser quotes (or fn does) that is not valid, non-control UTF-8 reads "\xff", never raw.
 // A line whose JSON names a key twice in one object (at any depth) is INVALID_ARGUMENT
 // "PATH:LINE: duplicate key \"K\" ..." before fn sees it (a JSON parser keeps one of the values
 // silently). NOT_FOUND "cannot open PATH" for a missing or unreadable file, INVALID_ARGUMENT for

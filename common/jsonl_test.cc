@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/excerpt.h"
+
 namespace dgserve {
 namespace {
 
@@ -93,6 +95,47 @@ TEST(ForEachJsonLineTest, AMalformedLineGetsTheParsersMessageToo) {
                                  "error at line 1, column 17: "));
   EXPECT_THAT(std::string(s.message()), HasSubstr("unexpected end of input"));
   EXPECT_THAT(std::string(s.message()), EndsWith(")"));
+}
+
+// A line whose string holds a byte that is not UTF-8: the parser's message quotes the bytes it
+// read, and the 0xFF is shown as "\xff" (it reached the terminal raw); fn's message is escaped
+// too, valid UTF-8 kept.
+TEST(ForEachJsonLineTest, ABadByteInTheMessageIsEscaped) {
+  const std::string path = Write("bad_utf8.jsonl", "{\"prompt\": \"caf\xc3\xa9 \xff\"}\n");
+  auto want_object = [](const nlohmann::json& v, int) {
+    return v.is_object() ? absl::OkStatus() : absl::InvalidArgumentError("expected an object");
+  };
+  const absl::Status s = ForEachJsonLine(path, 0, want_object);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()),
+              StartsWith(path + ":1: expected an object (not valid JSON: parse error at line 1, "
+                                "column 19: syntax error while parsing value - invalid string: "
+                                "ill-formed UTF-8 byte; last read: '\"caf\xc3\xa9 \\xff'"));
+  EXPECT_EQ(std::string(s.message()).find('\xff'), std::string::npos) << s.message();
+  const std::string ok = Write("escape_fn.jsonl", "\"x\"\n");
+  const absl::Status quoted = ForEachJsonLine(ok, 0, [](const nlohmann::json&, int) {
+    return absl::InvalidArgumentError("bad \x1b[31m\xc2\x9b\x7f\xe2\x89\xa5 \\x");
+  });
+  EXPECT_EQ(quoted.message(), ok + ":1: bad \\x1b[31m\\xc2\\x9b\\x7f\xe2\x89\xa5 \\x");
+}
+
+// The escaping ForEachJsonLine applies (common/excerpt.h): valid UTF-8 other than controls kept,
+// every other byte as \xNN.
+TEST(EscapedForTerminalTest, KeepsValidTextEscapesEveryOtherByte) {
+  EXPECT_EQ(EscapedForTerminal("plain ASCII, caf\xc3\xa9 \xe2\x89\xa5 \xf0\x9f\x98\x80"),
+            "plain ASCII, caf\xc3\xa9 \xe2\x89\xa5 \xf0\x9f\x98\x80");
+  EXPECT_EQ(EscapedForTerminal("a\xff"
+                               "b\t\n\x7f"),
+            "a\\xffb\\x09\\x0a\\x7f");
+  // C1 controls (U+009B, a terminal's CSI); U+00A0 kept.
+  EXPECT_EQ(EscapedForTerminal("\xc2\x9b\xc2\xa0"), "\\xc2\\x9b\xc2\xa0");
+  // Overlong, surrogate, above U+10FFFF, truncated: each byte escaped.
+  EXPECT_EQ(EscapedForTerminal("\xc0\xaf"), "\\xc0\\xaf");
+  EXPECT_EQ(EscapedForTerminal("\xe0\x80\xaf"), "\\xe0\\x80\\xaf");
+  EXPECT_EQ(EscapedForTerminal("\xed\xa0\x80"), "\\xed\\xa0\\x80");
+  EXPECT_EQ(EscapedForTerminal("\xf4\x90\x80\x80"), "\\xf4\\x90\\x80\\x80");
+  EXPECT_EQ(EscapedForTerminal("x\xe2\x89"), "x\\xe2\\x89");
+  EXPECT_EQ(EscapedForTerminal(std::string("\0z", 2)), "\\x00z");
 }
 
 // A key named twice in one object is refused naming the line, before fn sees it (nlohmann kept

@@ -443,6 +443,20 @@ absl::Status CheckQuantizePaths(const std::string& in, const std::string& out) {
   if (fs::exists(out, ec) && fs::equivalent(in, out, ec)) {
     return absl::InvalidArgumentError("--out must differ from --in");
   }
+  // --out inside --in, by any path: out's symlinks and ".." resolved (weakly_canonical: its
+  // missing tail lexically), then each existing directory above it compared with --in as a file
+  // (fs::equivalent: the same device and inode, whatever path or mount reaches it).
+  const fs::path resolved = fs::weakly_canonical(fs::absolute(out, ec), ec);
+  if (!ec) {
+    for (fs::path p = resolved.parent_path(); !p.empty(); p = p.parent_path()) {
+      if (fs::exists(p, ec) && fs::equivalent(p, in, ec)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--out ", out, " is inside --in ", in, " (", resolved.string(),
+                         "): the quantized checkpoint would be written into its source"));
+      }
+      if (p == p.parent_path()) break;
+    }
+  }
   // What fs::create_directories(out) and the writes into it would find only at the end: the
   // nearest existing path of out and its parents must be a directory we can write to (the
   // missing ones below it are created).

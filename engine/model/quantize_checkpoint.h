@@ -163,9 +163,15 @@ struct QuantizeSummary {
 };
 
 // The paths' own checks, before anything is read: both given, `out` is not `in` (the same
-// directory by any path), and `out` can be written: it, or else its nearest existing parent (the
-// missing directories are created), is a directory writable by this process (access(2) W_OK and
-// X_OK). INVALID_ARGUMENT naming --out otherwise. QuantizeCheckpoint runs it first.
+// directory by any path), `out` is not inside `in` (by any path: relative, "..", symlinks; each
+// existing directory above out's resolved path compared with `in` as a file), and `out` can be
+// written: it, or else its nearest existing parent (the missing directories are created), is a
+// directory writable by this process (access(2) W_OK and X_OK). INVALID_ARGUMENT naming --out
+// otherwise. QuantizeCheckpoint runs it first.
+// `in` inside `out` (--in m/bf16 --out m) is allowed: the writer touches only files directly in
+// `out` (config.json, README.md and the other copied files, the safetensors shards and index it
+// replaces, hf_quant_config.json) and never recurses into its subdirectories, so `in` is left
+// as it was.
 absl::Status CheckQuantizePaths(const std::string& in, const std::string& out);
 
 // Reads the bf16 checkpoint `in` and writes the quantized one to `out` (created if needed).
