@@ -57,10 +57,41 @@ bool IsToleratedDefault(const std::string& key, const json& v) {
     return w.kind == WholeNumber::kValue && w.value == 0;
   }
   if (key == "store" && v.is_boolean()) return !v.get<bool>();
-  // What clients without tools send: no tools, and the choice not to call any.
-  if (key == "tools" && v.is_array()) return v.empty();
-  if (key == "tool_choice" && v.is_string()) return v.get<std::string>() == "none";
   return false;
+}
+
+// Tool calling is not supported. What clients without tools send ("tools": [], "tool_choice":
+// "none") asks for nothing and is accepted; a value of the wrong type or an unknown choice is
+// named as such, as any other field's is ("tools: must be an array ..."); a well-formed request
+// for tools is refused as unsupported ("unsupported field: tools (tool calling is not ...)").
+// `key` is tools, tool_choice, or the legacy functions / function_call (refused when well formed,
+// even empty: OpenAI replaced them with tools).
+absl::Status CheckNoTools(const std::string& key, const json& v) {
+  if (key == "tools" || key == "functions") {
+    if (!v.is_array()) {
+      return Invalid(key, key == "tools" ? "must be an array of tool objects"
+                                         : "must be an array of function objects");
+    }
+    if (key == "tools" && v.empty()) return absl::OkStatus();
+    return Unsupported(key, key == "tools"
+                                ? "tool calling is not supported; only [] is accepted"
+                                : "function calling, the legacy form of tools, is not supported");
+  }
+  const bool legacy = key == "function_call";
+  // What a tool choice may be (OpenAI's API); legacy function_call has no "required".
+  const std::string kForms = legacy
+                                 ? R"("none", "auto" or an object naming a function)"
+                                 : R"("none", "auto", "required" or an object naming a function)";
+  if (!v.is_string() && !v.is_object()) return Invalid(key, absl::StrCat("must be ", kForms));
+  if (v.is_string()) {
+    const std::string& s = v.get_ref<const std::string&>();
+    if (s == "none" && !legacy) return absl::OkStatus();
+    if (s != "none" && s != "auto" && (legacy || s != "required")) {
+      return Invalid(key, absl::StrCat("must be ", kForms, " (got ", QuotedExcerpt(s), ")"));
+    }
+  }
+  return Unsupported(key, legacy ? "function calling, the legacy form of tools, is not supported"
+                                 : "tool calling is not supported; only \"none\" is accepted");
 }
 
 absl::Status ParseStop(const json& v, v1::GenerateRequest* req) {
@@ -442,6 +473,9 @@ absl::StatusOr<OpenAiRequest> ParseUnguarded(std::string_view body, bool chat) {
       DGSERVE_ASSIGN_OR_RETURN(canvas_text, GetBool(v, key));
     } else if (key == "canvas_template") {
       DGSERVE_RETURN_IF_ERROR(ParseCanvasTemplate(v, &req));
+    } else if (key == "tools" || key == "tool_choice" || key == "functions" ||
+               key == "function_call") {
+      DGSERVE_RETURN_IF_ERROR(CheckNoTools(key, v));
     } else if (IsToleratedDefault(key, v)) {
       continue;
     } else if (key == "messages") {
