@@ -1,7 +1,7 @@
 // The OpenAI-compatible wire format of the gateway (design §2): request bodies of
 // POST /v1/completions and POST /v1/chat/completions parsed into a v1::GenerateRequest, and the
 // JSON of responses, SSE stream chunks and the models list. No I/O here; http_server.cc does the
-// HTTP side.
+// HTTP side. Parsing is in openai_api_parse.cc, the response formats in openai_api_format.cc.
 //
 // Accepted request fields (anything else is an error, never silently ignored):
 //   both endpoints:
