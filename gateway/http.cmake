@@ -1,6 +1,7 @@
 # The OpenAI-compatible HTTP front end of the gateway (included from gateway/CMakeLists.txt).
 dgserve_cc_library(NAME dgserve_openai_api
-  SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api.cc ${CMAKE_CURRENT_LIST_DIR}/json_fields.cc
+  SRCS ${CMAKE_CURRENT_LIST_DIR}/openai_api_parse.cc ${CMAKE_CURRENT_LIST_DIR}/openai_api_format.cc
+    ${CMAKE_CURRENT_LIST_DIR}/json_fields.cc
   DEPS dgserve_common dgserve_proto dgserve_status_convert dgserve_tokenizer nlohmann_json::nlohmann_json
        absl::flat_hash_set absl::cord absl::status absl::statusor absl::strings)
 

@@ -1,7 +1,7 @@
 // The OpenAI-compatible wire format of the gateway (design §2): request bodies of
 // POST /v1/completions and POST /v1/chat/completions parsed into a v1::GenerateRequest, and the
 // JSON of responses, SSE stream chunks and the models list. No I/O here; http_server.cc does the
-// HTTP side.
+// HTTP side. Parsing is in openai_api_parse.cc, the response formats in openai_api_format.cc.
 //
 // Accepted request fields (anything else is an error, never silently ignored):
 //   both endpoints:
@@ -49,9 +49,13 @@
 // not), and these harmless defaults that some client libraries always send are accepted and
 // ignored: "logprobs": false, "echo": false, "best_of": 1, "presence_penalty": 0,
 // "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
-// "top_logprobs": 0, "store": false, "tools": [] and "tool_choice": "none" (no tools; any other
-// tools or tool_choice is refused as an unsupported field). OpenAI's "suffix" (insertion) is
-// refused with a pointer to "canvas_template", which is how this server infills.
+// "top_logprobs": 0, "store": false, "tools": [] and "tool_choice": "none" (no tools). Tool
+// calling is not supported: a non-empty tools array, "tool_choice" "auto", "required" or an
+// object, and the legacy "functions" / "function_call" (any well-formed value) are refused as
+// unsupported fields with the reason; a tools / functions that is not an array, or a
+// tool_choice / function_call that is neither a known string nor an object, is refused as a
+// wrong type or value ("tools: must be an array of tool objects"). OpenAI's "suffix"
+// (insertion) is refused with a pointer to "canvas_template", which is how this server infills.
 //
 // Every error is INVALID_ARGUMENT with a message that starts with the field's name
 // ("max_tokens: must be an integer", "messages[2].content[0].type: ...") or reads

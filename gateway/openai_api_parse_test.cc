@@ -331,18 +331,94 @@ TEST(ParseCompletionsTest, NoToolsIsAccepted) {
   };
   for (const Refused& c : {
            Refused{R"("tools": [{"type": "function", "function": {"name": "f"}}])", "tools"},
-           Refused{R"("tools": {})", "tools"},
            Refused{R"("tools": [], "tool_choice": "auto")", "tool_choice"},
            Refused{R"("tool_choice": "required")", "tool_choice"},
-           Refused{R"("tool_choice": "None")", "tool_choice"},
            Refused{R"("tool_choice": {"type": "function", "function": {"name": "f"}})",
                    "tool_choice"},
+           Refused{R"("functions": [])", "functions"},
+           Refused{R"("functions": [{"name": "f"}])", "functions"},
+           Refused{R"("function_call": "none")", "function_call"},
+           Refused{R"("function_call": "auto")", "function_call"},
+           Refused{R"("function_call": {"name": "f"})", "function_call"},
        }) {
     for (const bool chat : {false, true}) {
       const std::string body = absl::StrCat(
           chat ? R"({"messages": [{"role": "user", "content": "x"}], )" : R"({"prompt": "x", )",
           c.fields, "}");
       ExpectError(body, absl::StrCat("unsupported field: ", c.field), chat);
+    }
+  }
+}
+
+// A tool field of the wrong type is named as a wrong type, as any other field's is (a non-array
+// "tools" was refused as "unsupported field: tools", as if tools were asked for), and an unknown
+// tool choice is named with what was sent; well-formed requests for tools say why they are
+// refused.
+TEST(ParseCompletionsTest, ToolFieldTypeErrors) {
+  struct Case {
+    const char* fields;
+    const char* field;    // the error's param
+    const char* message;  // the whole message
+  };
+  constexpr char kToolChoice[] =
+      R"(tool_choice: must be "none", "auto", "required" or an object naming a function)";
+  constexpr char kFunctionCall[] =
+      R"(function_call: must be "none", "auto" or an object naming a function)";
+  for (
+      const Case& c : {
+          Case{R"("tools": {})", "tools", "tools: must be an array of tool objects"},
+          Case{R"("tools": {"type": "function"})", "tools",
+               "tools: must be an array of tool objects"},
+          Case{R"("tools": 3)", "tools", "tools: must be an array of tool objects"},
+          Case{R"("tools": "x")", "tools", "tools: must be an array of tool objects"},
+          Case{R"("tools": false)", "tools", "tools: must be an array of tool objects"},
+          Case{R"("tool_choice": 3)", "tool_choice", kToolChoice},
+          Case{R"("tool_choice": [])", "tool_choice", kToolChoice},
+          Case{R"("tool_choice": true)", "tool_choice", kToolChoice},
+          Case{
+              R"("tool_choice": "None")", "tool_choice",
+              R"(tool_choice: must be "none", "auto", "required" or an object naming a function (got "None"))"},
+          Case{
+              R"("tool_choice": "")", "tool_choice",
+              R"(tool_choice: must be "none", "auto", "required" or an object naming a function (got ""))"},
+          Case{R"("functions": {})", "functions",
+               "functions: must be an array of function objects"},
+          Case{R"("functions": "f")", "functions",
+               "functions: must be an array of function objects"},
+          Case{R"("function_call": 1)", "function_call", kFunctionCall},
+          Case{
+              R"("function_call": "required")", "function_call",
+              R"(function_call: must be "none", "auto" or an object naming a function (got "required"))"},
+          // Well formed: refused as unsupported, with the reason.
+          Case{R"("tools": [{"type": "function", "function": {"name": "f"}}])", "tools",
+               "unsupported field: tools (tool calling is not supported; only [] is accepted)"},
+          Case{R"("tools": [3])", "tools",
+               "unsupported field: tools (tool calling is not supported; only [] is accepted)"},
+          Case{
+              R"("tool_choice": "auto")", "tool_choice",
+              R"(unsupported field: tool_choice (tool calling is not supported; only "none" is accepted))"},
+          Case{
+              R"("tool_choice": "required")", "tool_choice",
+              R"(unsupported field: tool_choice (tool calling is not supported; only "none" is accepted))"},
+          Case{
+              R"("tool_choice": {"type": "function", "function": {"name": "f"}})", "tool_choice",
+              R"(unsupported field: tool_choice (tool calling is not supported; only "none" is accepted))"},
+          Case{R"("functions": [])", "functions",
+               "unsupported field: functions (function calling, the legacy form of tools, is not "
+               "supported)"},
+          Case{R"("function_call": "none")", "function_call",
+               "unsupported field: function_call (function calling, the legacy form of tools, is "
+               "not supported)"},
+      }) {
+    for (const bool chat : {false, true}) {
+      const std::string body = absl::StrCat(
+          chat ? R"({"messages": [{"role": "user", "content": "x"}], )" : R"({"prompt": "x", )",
+          c.fields, "}");
+      absl::StatusOr<OpenAiRequest> r =
+          chat ? ParseChatCompletionsRequest(body) : ParseCompletionsRequest(body);
+      ASSERT_THAT(r, StatusIs(absl::StatusCode::kInvalidArgument)) << body;
+      EXPECT_EQ(std::string(r.status().message()), c.message) << body;
+      EXPECT_EQ(ErrorParam(r.status()), c.field) << body;
     }
   }
 }
