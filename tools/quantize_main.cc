@@ -132,8 +132,9 @@ ABSL_FLAG(bool, gptq, false,
           "--format w4a16 only, with --calibration or --calibration_sudoku: quantize each module "
           "by GPTQ (Frantar et al. 2022, no activation reordering; engine/model/gptq.h) against "
           "the input Hessian sum(x x^T) of its inputs over the calibration prompts' encoder "
-          "passes and denoising steps of the bf16 model, rather than round-to-nearest; an expert "
-          "no calibration row reached is rounded to nearest");
+          "passes and denoising steps of the bf16 model (with --gptq_sequential, of the model "
+          "whose earlier layers are quantized), rather than round-to-nearest; an expert no "
+          "calibration row reached is rounded to nearest");
 ABSL_FLAG(bool, gptq_sequential, false,
           "--gptq only: GPTQ layer by layer (llm-compressor's sequential pipeline): each layer is "
           "calibrated on the model whose earlier layers are already quantized, then quantized, "
@@ -280,7 +281,8 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
 }
 
 // The --calibration / --calibration_sudoku amax per module (options->input_amax), or with --gptq
-// the input Hessians (options->gptq_hessians); nothing without either flag. The flags were
+// the input Hessians (options->gptq_hessians), or with --gptq_sequential the modules quantized
+// layer by layer (options->w4a16_modules); nothing without either flag. The flags were
 // checked by CheckCalibrationFlags. The prompts (and, with --calibration_sudoku, the Sudoku
 // layout) are checked from --in's config.json and tokenizer.json before its weights are read: a
 // refused model or file fails without reading gigabytes.
@@ -319,11 +321,10 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   const int64_t gptq_bytes = sequential ? LayerGptqBytes(config) : 2 * InputHessianBytes(config);
   if (absl::GetFlag(FLAGS_gptq) && gptq_bytes > max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "--gptq: the input Hessians of ",
-        sequential ? "one layer's modules and a factor take "
-                   : "every module and their factors take ",
-        gptq_bytes, " bytes (float64, held at once) for ", in, ", more than --gptq_max_gb ", max_gb,
-        " GiB", sequential ? "" : " (--gptq_sequential holds one layer's at a time)"));
+        "--gptq: the input Hessians of ", sequential ? "one layer's modules" : "every module",
+        " of ", in, sequential ? " and a factor take " : " and their factors take ", gptq_bytes,
+        " bytes (float64, held at once), more than --gptq_max_gb ", max_gb, " GiB",
+        sequential ? "" : " (--gptq_sequential holds one layer's at a time)"));
   }
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   CalibrationOptions options;

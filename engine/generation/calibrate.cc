@@ -191,7 +191,7 @@ int64_t LayerGptqBytes(const ModelConfig& c) {
   for (int l = 0; l < c.num_layers; ++l) {
     const int64_t widest = std::max<int64_t>({c.hidden_size, int64_t(c.num_heads) * c.HeadDim(l),
                                               c.intermediate_size, c.moe_intermediate_size});
-    most = std::max(most, InputHessianBytes(c, l) + 4 * widest * widest * int64_t(sizeof(double)));
+    most = std::max(most, InputHessianBytes(c, l) + 3 * widest * widest * int64_t(sizeof(double)));
   }
   return most;
 }
@@ -244,7 +244,10 @@ void InputHessianObserver::Observe(LinearSite site, int layer, int expert, bool 
 
 int InputHessianObserver::experts_without_rows() const {
   int n = 0;
-  for (size_t i = 0; i < expert_.size(); i += 2) n += expert_[i].rows == 0;
+  for (size_t i = 0; i < expert_.size(); i += 2) {
+    const int layer = int(i / 2) / std::max(1, config_.num_experts);
+    if (layer_ < 0 || layer == layer_) n += expert_[i].rows == 0;
+  }
   return n;
 }
 
@@ -289,7 +292,7 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> Calib
     return absl::ResourceExhaustedError(absl::StrCat(
         "GPTQ: the input Hessians of every quantized module of ", checkpoint.dir, " take ", bytes,
         " bytes (float64, one per module input), more than the limit of ", max_bytes,
-        " bytes; layer-by-layer GPTQ is not implemented"));
+        " bytes (GPTQ layer by layer holds one layer's at a time)"));
   }
   InputHessianObserver observer(checkpoint.config);
   DGSERVE_RETURN_IF_ERROR(RunCalibration(checkpoint, prompts, options, observer));
@@ -360,12 +363,29 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> Quanti
   q.format = WeightFormat::kW4A16;
   q.targets = {"Linear"};
   q.ignore = gptq.ignore;
+  for (int l = 0; l < c.num_layers; ++l) {  // before L calibration runs
+    for (HessianModules& set : LayerModules(c, l, checkpoint.weights.layers[l])) {
+      for (const HessianModules::Seat& seat : set.seats) {
+        if (seat.modules.size() == 2 &&
+            q.Quantizes(seat.modules[0]) != q.Quantizes(seat.modules[1])) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "the ignore list quantizes one of ", seat.modules[0], " and ", seat.modules[1],
+              " only: an expert's gate and up are one matrix, both "
+              "quantized or both kept"));
+        }
+      }
+    }
+  }
   std::map<std::string, std::shared_ptr<const W4a16Packed>> out;
   const auto start = std::chrono::steady_clock::now();
   for (int l = 0; l < c.num_layers; ++l) {
     InputHessianObserver observer(c, l);
-    DGSERVE_RETURN_IF_ERROR(RunCalibration(checkpoint, prompts, options, observer,
-                                           absl::StrCat("gptq: layer ", l + 1, "/", c.num_layers)));
+    if (absl::Status s = RunCalibration(checkpoint, prompts, options, observer,
+                                        absl::StrCat("gptq: layer ", l + 1, "/", c.num_layers));
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("GPTQ layer ", l + 1, "/", c.num_layers,
+                                                 ": calibration: ", s.message()));
+    }
     std::map<std::string, std::shared_ptr<const InputHessian>> hessians =
         std::move(observer).ModuleHessians();
     int by_gptq = 0, by_rtn = 0;
@@ -397,7 +417,12 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> Quanti
         for (size_t i = 0; i < bits.size(); ++i) w[i] = Bf16ToFloat(bits[i]);
         W4a16Weights codes;
         if (factor) {
-          DGSERVE_ASSIGN_OR_RETURN(codes, QuantizeW4a16Gptq(w, rows, cols, group, *factor));
+          absl::StatusOr<W4a16Weights> g = QuantizeW4a16Gptq(w, rows, cols, group, *factor);
+          if (!g.ok()) {
+            return absl::Status(g.status().code(),
+                                absl::StrCat(seat.modules[0], ": ", g.status().message()));
+          }
+          codes = *std::move(g);
         } else {
           codes = QuantizeW4a16Rtn(w, rows, cols, group);
         }

@@ -72,12 +72,13 @@ class ActivationAmaxObserver final : public LinearInputObserver {
 // Records the input Hessian Σ x·xᵀ (engine/model/gptq.h) of every Linear module dgserve-quantize
 // quantizes by default, for GPTQ: q/k/v_proj share one (one input), so do gate/up_proj of an MLP
 // or expert; an expert's over the rows routed to it only. Encoder and decoder passes' rows both
-// count (a diffusion model's decoder sees other activations than its encoder). All come from one
-// run of the unquantized model (llm-compressor's sequential pipeline instead calibrates each
-// layer on the outputs of the layers already quantized). The router and the self-conditioning
-// MLP are not observed (DefaultQuantizeIgnore keeps them in bf16; quantized by another --ignore,
-// they are rounded to nearest). Each Hessian is float64 [cols, cols], allocated at its module's
-// first row: InputHessianBytes in all.
+// count (a diffusion model's decoder sees other activations than its encoder). All come from the
+// run of the model the observer is given to: CalibrateInputHessians runs the unquantized model
+// once; QuantizeW4a16GptqByLayer gives one observer per layer (`layer`) to a run of the model
+// whose earlier layers are quantized, as llm-compressor's sequential pipeline does. The router and
+// the self-conditioning MLP are not observed (DefaultQuantizeIgnore keeps them in bf16; quantized
+// by another --ignore, they are rounded to nearest). Each Hessian is float64 [cols, cols],
+// allocated at its module's first row: InputHessianBytes in all.
 class InputHessianObserver final : public LinearInputObserver {
  public:
   // `layer` ≥ 0: records that layer's modules only (layer-by-layer GPTQ; the row counts still
@@ -91,7 +92,7 @@ class InputHessianObserver final : public LinearInputObserver {
   std::map<std::string, std::shared_ptr<const InputHessian>> ModuleHessians() &&;
   int64_t encoder_rows() const { return encoder_rows_; }
   int64_t decoder_rows() const { return decoder_rows_; }
-  int experts_without_rows() const;  // over all layers
+  int experts_without_rows() const;  // over all layers (`layer` ≥ 0: that layer's)
 
  private:
   ModelConfig config_;
@@ -107,8 +108,8 @@ class InputHessianObserver final : public LinearInputObserver {
 int64_t InputHessianBytes(const ModelConfig& config, int layer = -1);
 
 // The most bytes QuantizeW4a16GptqByLayer holds for GPTQ at once: over the layers, a layer's
-// Hessians plus the factor being made and FactorGptqHessian's working copies (four [cols, cols]
-// float64 matrices of the layer's widest input).
+// Hessians plus the factor being made or FactorGptqHessian's working copies (up to three
+// [cols, cols] float64 matrices of the layer's widest input, gptq.h).
 int64_t LayerGptqBytes(const ModelConfig& config);
 
 struct CalibrationOptions {
@@ -132,8 +133,8 @@ absl::StatusOr<std::map<std::string, float>> CalibrateActivationAmax(
 // QuantizeOptions::gptq_hessians). RESOURCE_EXHAUSTED, before anything runs, when
 // InputHessianBytes exceeds `max_bytes` (> 0): the Hessians of every module are held at once, and
 // QuantizeCheckpoint then holds a factor of each beside it (twice InputHessianBytes, plus the
-// working copies of the one being factored; GPTQ layer by layer, which real-width models need,
-// is not implemented).
+// working copies of the one being factored; QuantizeW4a16GptqByLayer holds one layer's at a
+// time, which real-width models need).
 absl::StatusOr<std::map<std::string, std::shared_ptr<const InputHessian>>> CalibrateInputHessians(
     const Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
     const CalibrationOptions& options, int64_t max_bytes);
@@ -160,12 +161,15 @@ struct LayerGptqOptions {
 // Hessians at a time (LayerGptqBytes) instead of every layer's. The modules quantized are those
 // of the decoder layers that `gptq.ignore` does not name, with the checkpoint's weights as
 // loaded (bf16; an F16/F32 checkpoint's are rounded to bf16 first, where QuantizeCheckpoint's
-// own GPTQ reads the file's values). Routers and the self-conditioning MLP (outside the layers,
-// and kept in bf16 by the default ignore list) are left to QuantizeCheckpoint. A fused expert
-// gate_up matrix whose gate and up the ignore list splits is quantized for the output but
-// runs unquantized in later calibrations. Returns the modules (decoder names) for
-// QuantizeOptions::w4a16_modules. Errors: CalibrateInputHessians', INVALID_ARGUMENT for a
-// group size < 0 or a dampening not in [0, 1e6], FactorGptqHessian's naming the module.
+// own GPTQ reads the file's values). The routers (never observed) and the self-conditioning MLP
+// (outside the layers), kept in bf16 by the default ignore list, are left to QuantizeCheckpoint
+// (rounded to nearest if another list quantizes them; the calibration runs them in bf16).
+// Returns the modules (decoder names) for QuantizeOptions::w4a16_modules; the packed modules
+// of the whole model are held until then (about half a byte per quantized weight). Errors:
+// CalibrateInputHessians' (naming the layer), INVALID_ARGUMENT for a group size < 0, a
+// dampening not in [0, 1e6] or an ignore list that quantizes only one of an expert's gate and
+// up (the loader refuses such a checkpoint), and FactorGptqHessian's and QuantizeW4a16Gptq's
+// naming the module.
 absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> QuantizeW4a16GptqByLayer(
     Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
     const CalibrationOptions& options, const LayerGptqOptions& gptq);

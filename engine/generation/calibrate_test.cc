@@ -392,12 +392,18 @@ TEST(CalibrateTest, GptqByLayer) {
     const LayerWeights& b = loaded->weights.layers[l];
     std::vector<std::pair<const cpu::PackedMatrix*, const cpu::PackedMatrix*>> seats = {
         {&a.q_proj, &b.q_proj},
+        {&a.k_proj, &b.k_proj},
+        {&a.v_proj, &b.v_proj},
         {&a.o_proj, &b.o_proj},
+        {&a.mlp_gate_proj, &b.mlp_gate_proj},
         {&a.mlp_up_proj, &b.mlp_up_proj},
-        {&a.mlp_down_proj, &b.mlp_down_proj},
-        {&a.experts_gate_up_proj[1], &b.experts_gate_up_proj[1]},
-        {&a.experts_down_proj[2], &b.experts_down_proj[2]}};
+        {&a.mlp_down_proj, &b.mlp_down_proj}};
+    for (size_t e = 0; e < a.experts_gate_up_proj.size(); ++e) {
+      seats.push_back({&a.experts_gate_up_proj[e], &b.experts_gate_up_proj[e]});
+      seats.push_back({&a.experts_down_proj[e], &b.experts_down_proj[e]});
+    }
     for (const auto& [x, y] : seats) {
+      if (x->empty()) continue;  // v_proj of a full layer
       ASSERT_NE(x->quant(), nullptr);
       ASSERT_EQ(x->rows(), y->rows());
       ASSERT_EQ(x->cols(), y->cols());
@@ -405,15 +411,28 @@ TEST(CalibrateTest, GptqByLayer) {
     }
   }
 
-  // Refusals: a given module of another shape, another format, both kinds of GPTQ input (nothing
-  // written); a memory limit below one layer's Hessians, a negative group.
+  // Refusals: a given module of another group, shape or length, one the checkpoint does not
+  // quantize, another format, both kinds of GPTQ input (nothing written); a memory limit below
+  // one layer's Hessians, a negative group, an expert's gate quantized without its up.
+  const std::string o1 = "model.decoder.layers.1.self_attn.o_proj";
+  for (int kind = 0; kind < 4; ++kind) {
+    auto wrong_q = q;
+    auto wrong = std::make_shared<W4a16Packed>(*by_layer->at(o1));
+    if (kind == 0) wrong->group = 16;
+    if (kind == 1) wrong->rows -= 1;
+    if (kind == 2) wrong->packed.pop_back();
+    if (kind == 3) wrong->scales.push_back(0);
+    wrong_q.w4a16_modules[o1] = wrong;
+    EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/bad", wrong_q).status().message(),
+                HasSubstr(o1 + ": given W4A16 weights"))
+        << kind;
+    EXPECT_FALSE(fs::exists(dir + "/bad"));
+  }
   auto bad = q;
-  auto wrong =
-      std::make_shared<W4a16Packed>(*by_layer->at("model.decoder.layers.1.self_attn.o_proj"));
-  wrong->group = 16;
-  bad.w4a16_modules["model.decoder.layers.1.self_attn.o_proj"] = wrong;
+  bad.ignore.push_back(o1);
   EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/bad", bad).status().message(),
-              HasSubstr("model.decoder.layers.1.self_attn.o_proj: given W4A16 weights"));
+              HasSubstr("given W4A16 weights for " + o1 +
+                        ", which this checkpoint does not have or does not quantize"));
   EXPECT_FALSE(fs::exists(dir + "/bad"));
   bad = q;
   bad.gptq_hessians = *hessians;
@@ -424,6 +443,7 @@ TEST(CalibrateTest, GptqByLayer) {
   EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/fp8", bad).status().message(),
               HasSubstr("for --format w4a16, not fp8"));
   EXPECT_FALSE(fs::exists(dir + "/both"));
+  EXPECT_FALSE(fs::exists(dir + "/fp8"));
   lo.max_bytes = LayerGptqBytes(ck->config) - 1;
   EXPECT_EQ(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().code(),
             absl::StatusCode::kResourceExhausted);
@@ -431,6 +451,49 @@ TEST(CalibrateTest, GptqByLayer) {
   lo.group_size = -1;
   EXPECT_EQ(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().code(),
             absl::StatusCode::kInvalidArgument);
+  lo.group_size = 32;
+  lo.ignore.push_back("re:.*layers[.]3[.]experts[.]5[.]up_proj$");
+  EXPECT_THAT(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().message(),
+              HasSubstr("quantizes one of model.decoder.layers.3.experts.5.gate_proj and "
+                        "model.decoder.layers.3.experts.5.up_proj only"));
+}
+
+// Per channel (group size 0) layer by layer: every given module is a single group per row, the
+// checkpoint loads with them, and a module the ignore list keeps stays bf16 in the run.
+TEST(CalibrateTest, GptqByLayerPerChannel) {
+  const std::string dir = ::dgserve::testing::MakeTempDir("calibrate_gptq_layer_channel");
+  const std::string bf16 = WriteTinyV512(dir);
+  auto ck = LoadCheckpoint(bf16);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  LayerGptqOptions lo;
+  lo.group_size = 0;
+  lo.ignore.push_back("re:.*self_attn[.]o_proj$");
+  auto by_layer = QuantizeW4a16GptqByLayer(*ck, TwoPrompts(), ThreeSteps(), lo);
+  ASSERT_TRUE(by_layer.ok()) << by_layer.status();
+  for (const auto& [module, p] : *by_layer) {
+    EXPECT_EQ(p->group, p->cols) << module;
+    EXPECT_EQ(p->scales.size(), size_t(p->rows)) << module;
+    EXPECT_EQ(module.find("o_proj"), std::string::npos) << module;
+  }
+  for (const LayerWeights& l : ck->weights.layers) {
+    EXPECT_EQ(l.o_proj.quant(), nullptr);
+    EXPECT_NE(l.q_proj.quant(), nullptr);
+  }
+  QuantizeOptions q;
+  q.progress = false;
+  q.format = WeightFormat::kW4A16;
+  q.group_size = 0;
+  q.ignore = lo.ignore;
+  q.w4a16_modules = *by_layer;
+  auto summary = QuantizeCheckpoint(bf16, dir + "/bylayer", q);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  auto loaded = LoadCheckpoint(dir + "/bylayer");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  for (int l = 0; l < ck->config.num_layers; ++l) {
+    EXPECT_TRUE(ck->weights.layers[l].q_proj.UnpackBf16() ==
+                loaded->weights.layers[l].q_proj.UnpackBf16());
+    EXPECT_EQ(loaded->weights.layers[l].o_proj.quant(), nullptr);
+  }
 }
 
 // Calibrated checkpoints: every input_scale is amax / (6 · 448) of its module (ModelOpt) and

@@ -51,7 +51,9 @@ struct W4a16Packed {
   bool gptq = false;
 };
 
-// Packs rows [row0, row0 + rows) of `w` (a [·, cols] matrix quantized in groups of `group`).
+// Packs rows [row0, row0 + rows) of `w` (a [·, cols] matrix quantized in groups of `group`, as
+// QuantizeW4a16Rtn / QuantizeW4a16Gptq return it). Preconditions (the caller's): group ≥ 1 and
+// the rows within w.
 W4a16Packed PackW4a16(const W4a16Weights& w, int cols, int group, int row0, int rows);
 
 // Round-to-nearest W4A16 of w [rows, cols] (row-major) in groups of `group` inputs (1 ≤ group;

@@ -146,7 +146,8 @@ void AddW4a16(const std::string& module, const Rows& r, int group_flag,
   auto compute = [module, r, group, q, factor, given, progress]() -> absl::Status {
     if (!q->packed.empty()) return absl::OkStatus();
     if (given != nullptr) {
-      *q = *given;
+      q->packed = given->packed;  // (each tensor's bytes copied from here, then freed)
+      q->scales = given->scales;
       progress->Step(int64_t(r.rows) * r.cols * int64_t(DTypeSize(r.view->dtype)));
       return absl::OkStatus();
     }
@@ -409,8 +410,12 @@ std::string QuantizedModelCard(const std::string& card, const std::string& in,
   } else if (q.format == WeightFormat::kNvfp4) {
     format += q.nvfp4_compressed_tensors ? " (compressed-tensors layout)" : " (ModelOpt layout)";
   }
+  const bool by_layer = std::any_of(options.w4a16_modules.begin(), options.w4a16_modules.end(),
+                                    [](const auto& m) { return m.second->gptq; });
   if (!options.gptq_hessians.empty()) {
     format += ", rounded by GPTQ against calibrated input Hessians";
+  } else if (by_layer) {
+    format += ", rounded by GPTQ layer by layer against calibrated input Hessians";
   } else if (!options.input_amax.empty()) {
     format += ", activation scales calibrated";
   }
@@ -616,7 +621,8 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   // decoder module), and the first refusal returned before anything is written.
   std::map<const InputHessian*, std::shared_ptr<const GptqFactor>> factors;
   absl::Status gptq_refused;
-  std::set<std::string> modules;  // every module name an ignore entry may mean
+  std::set<std::string> used_given;  // QuantizeOptions::w4a16_modules written
+  std::set<std::string> modules;     // every module name an ignore entry may mean
   for (const TensorView& t : reader.tensors()) {
     const size_t dot = t.name.rfind('.');
     modules.insert(dot == std::string::npos ? t.name : t.name.substr(0, dot));
@@ -626,6 +632,13 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     if (q.format == WeightFormat::kNvfp4 && r.cols % 16 != 0 && q.Quantizes(module)) {
       q.ignore.push_back(module);
       not_divisible.push_back(module);
+    }
+    if (!options.w4a16_modules.empty() && module != DecoderModuleName(module) &&
+        q.Quantizes(module) != q.Quantizes(DecoderModuleName(module)) && gptq_refused.ok()) {
+      // Layer-by-layer GPTQ decided by the decoder name what the later layers were calibrated on.
+      gptq_refused = absl::InvalidArgumentError(absl::StrCat(
+          "the ignore list treats ", module, " and its decoder module ", DecoderModuleName(module),
+          " differently: layer-by-layer GPTQ needs both quantized or both kept"));
     }
     if (q.Quantizes(module)) {
       ++quantized;
@@ -659,15 +672,22 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         std::shared_ptr<const W4a16Packed> given;
         const int group = q.channel_groups ? r.cols : q.group_size;
         if (!options.w4a16_modules.empty()) {
-          const auto it = options.w4a16_modules.find(DecoderModuleName(module));
+          const std::string decoder = DecoderModuleName(module);
+          const auto it = options.w4a16_modules.find(decoder);
           if (it != options.w4a16_modules.end()) {
             given = it->second;
-            if ((given->rows != r.rows || given->cols != r.cols || given->group != group) &&
+            used_given.insert(decoder);
+            const int64_t words = (int64_t(r.cols) + 7) / 8;
+            const int64_t groups = (int64_t(r.cols) + group - 1) / group;
+            if ((given->rows != r.rows || given->cols != r.cols || given->group != group ||
+                 int64_t(given->packed.size()) != r.rows * words ||
+                 int64_t(given->scales.size()) != r.rows * groups) &&
                 gptq_refused.ok()) {
               gptq_refused = absl::InvalidArgumentError(
                   absl::StrCat(module, ": given W4A16 weights of ", given->rows, "×", given->cols,
-                               " in groups of ", given->group, " for a ", r.rows, "×", r.cols,
-                               " module in groups of ", group));
+                               " in groups of ", given->group, " (", given->packed.size(),
+                               " words, ", given->scales.size(), " scales) for a ", r.rows, "×",
+                               r.cols, " module in groups of ", group));
             }
           }
           ++(given != nullptr && given->gptq ? gptq : rtn_without_hessian);
@@ -750,6 +770,13 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   }
   DGSERVE_RETURN_IF_ERROR(missing_amax);
   DGSERVE_RETURN_IF_ERROR(gptq_refused);
+  for (const auto& [module, given] : options.w4a16_modules) {
+    if (used_given.count(module) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("given W4A16 weights for ", module,
+                       ", which this checkpoint does not have or does not quantize"));
+    }
+  }
   if (q.format == WeightFormat::kNvfp4) {
     root["quantization_config"] = json::parse(QuantizationConfigJson(q));
     if (!not_divisible.empty() && options.progress) {

@@ -13,6 +13,7 @@
 //                    [--calibration_limit N] [--calibration_steps N]
 //   dgserve-quantize --in DIR --out DIR --format w4a16 --group_size 32 --gptq
 //                    --calibration PROMPTS.jsonl | --calibration_sudoku PUZZLES.jsonl
+//                    [--gptq_sequential]   (layer by layer: QuantizeOptions::w4a16_modules)
 //
 // Every Linear module not in the ignore list is quantized with round-to-nearest (w4a16 also with
 // GPTQ against calibrated input Hessians: QuantizeOptions::gptq_hessians, --gptq):
