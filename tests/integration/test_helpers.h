@@ -2,7 +2,12 @@
 // status, and a bounded poll.
 #pragma once
 
+#include <signal.h>
+#include <sys/types.h>
+
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 
@@ -48,6 +53,33 @@ bool Eventually(Pred pred, int seconds = 20) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return pred();
+}
+
+// Whether every thread of process `pid` is stopped (state T or t in /proc/<pid>/task/*/stat);
+// false when none can be read (no such process).
+inline bool AllThreadsStopped(pid_t pid) {
+  std::error_code ec;
+  int threads = 0;
+  for (const auto& task :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream in(task.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t paren = stat.rfind(')');  // the state follows the command name: "pid (comm) S"
+    if (paren == std::string::npos || paren + 2 >= stat.size()) return false;
+    const char state = stat[paren + 2];
+    if (state != 'T' && state != 't') return false;
+    ++threads;
+  }
+  return !ec && threads > 0;
+}
+
+// Sends SIGSTOP to `pid` and waits (bounded: 10 s) until every thread of it has stopped. kill()
+// returns before the stop takes effect: the process stops when the thread the signal woke next
+// runs, and until then its other threads go on (on a loaded machine, long enough for a worker to
+// serve a whole KV push). False if kill() failed or the process did not stop in time.
+inline bool StopProcess(pid_t pid) {
+  if (kill(pid, SIGSTOP) != 0) return false;
+  return Eventually([pid] { return AllThreadsStopped(pid); }, 10);
 }
 
 // A fixture whose test suite shares one cluster, started once from Derived::Options()
