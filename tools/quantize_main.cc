@@ -467,6 +467,10 @@ absl::Status Run() {
       return absl::InvalidArgumentError(
           absl::StrCat("--group_size must be ≥ 0 (0: per channel); got ", *group_size));
     }
+    if (*group_size > kMaxW4a16GroupSize) {
+      return absl::InvalidArgumentError(absl::StrCat("--group_size ", *group_size, ": at most ",
+                                                     kMaxW4a16GroupSize, " inputs per group"));
+    }
     options.group_size = *group_size;
     // Our loader takes any group size (a last partial group included); vLLM's W4A16 kernels
     // (Marlin, Machete) take per-channel scales or groups of 32, 64 or 128 only.
@@ -517,6 +521,8 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_shard_bytes ", options.max_shard_bytes, ": must be positive"));
   }
+  // (Before a calibration run, which the ignore list's modules decide.)
+  DGSERVE_RETURN_IF_ERROR(CheckModulePatterns(options.ignore, "--ignore"));
   DGSERVE_RETURN_IF_ERROR(CheckCalibrationFlags(options, format));
   options.gptq_dampening = absl::GetFlag(FLAGS_gptq_dampening).get().value_or(0.01);
   DGSERVE_RETURN_IF_ERROR(Calibrate(absl::GetFlag(FLAGS_in), &options));

@@ -345,9 +345,12 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> Quanti
     Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
     const CalibrationOptions& options, const LayerGptqOptions& gptq) {
   const ModelConfig& c = checkpoint.config;
-  if (gptq.group_size < 0) {
-    return absl::InvalidArgumentError("--group_size must be ≥ 0 (0: per channel)");
+  if (gptq.group_size < 0 || gptq.group_size > kMaxW4a16GroupSize) {
+    return absl::InvalidArgumentError(absl::StrCat("--group_size must be in [0, ",
+                                                   kMaxW4a16GroupSize, "] (0: per channel); got ",
+                                                   gptq.group_size));
   }
+  DGSERVE_RETURN_IF_ERROR(CheckModulePatterns(gptq.ignore, "the ignore list's"));
   if (!(gptq.dampening >= 0.0 && gptq.dampening <= 1e6)) {
     return absl::InvalidArgumentError(
         absl::StrCat("the GPTQ dampening ", gptq.dampening, " must be a number in [0, 1e6]"));

@@ -451,11 +451,26 @@ TEST(CalibrateTest, GptqByLayer) {
   lo.group_size = -1;
   EXPECT_EQ(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().code(),
             absl::StatusCode::kInvalidArgument);
+  lo.group_size = kMaxW4a16GroupSize + 1;
+  EXPECT_THAT(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().message(),
+              HasSubstr("--group_size must be in [0, 1048576]"));
   lo.group_size = 32;
-  lo.ignore.push_back("re:.*layers[.]3[.]experts[.]5[.]up_proj$");
+  lo.ignore.push_back("re:([");
+  EXPECT_THAT(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().message(),
+              HasSubstr("entry 're:([' is not a regular expression"));
+  lo.ignore.back() = "re:.*layers[.]3[.]experts[.]5[.]up_proj$";
   EXPECT_THAT(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().message(),
               HasSubstr("quantizes one of model.decoder.layers.3.experts.5.gate_proj and "
                         "model.decoder.layers.3.experts.5.up_proj only"));
+  // Without GPTQ too: a checkpoint the loader would refuse is not written.
+  QuantizeOptions split;
+  split.progress = false;
+  split.format = WeightFormat::kW4A16;
+  split.ignore.push_back(lo.ignore.back());
+  EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/split", split).status().message(),
+              HasSubstr("quantizes one of model.decoder.layers.3.experts.5.gate_proj and "
+                        "model.decoder.layers.3.experts.5.up_proj only"));
+  EXPECT_FALSE(fs::exists(dir + "/split"));
 }
 
 // Per channel (group size 0) layer by layer: every given module is a single group per row, the

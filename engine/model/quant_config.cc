@@ -275,8 +275,10 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& co
       if (strategy == "group") {
         const json g_size = w.value("group_size", json());
         if (!g_size.is_number_integer() || g_size.get<int64_t>() < 1 ||
-            g_size.get<int64_t>() > (1 << 20)) {
-          return Field(source, wf + ".group_size", "must be a positive integer for strategy group");
+            g_size.get<int64_t>() > kMaxW4a16GroupSize) {
+          return Field(source, wf + ".group_size",
+                       absl::StrCat("must be a positive integer (at most ", kMaxW4a16GroupSize,
+                                    ") for strategy group"));
         }
         gs = int(g_size.get<int64_t>());
       } else if (strategy == "channel") {
@@ -307,6 +309,21 @@ absl::StatusOr<QuantizationConfig> ParseQuantizationConfig(const std::string& co
     }
   }
   return q;
+}
+
+absl::Status CheckModulePatterns(const std::vector<std::string>& patterns,
+                                 const std::string& what) {
+  for (const std::string& e : patterns) {
+    if (!absl::StartsWith(e, "re:")) continue;
+    try {
+      std::regex re(e.substr(3));
+    } catch (const std::regex_error& error) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " entry '", e,
+                       "' is not a regular expression this build compiles: ", error.what()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<QuantizationConfig> ParseHfQuantConfig(const std::string& text,

@@ -140,6 +140,13 @@ struct QuantizationConfig {
   int GroupFor(int in) const { return channel_groups ? in : group_size; }
 };
 
+// The largest W4A16 group size a quantization_config may give (inputs per scale group).
+inline constexpr int kMaxW4a16GroupSize = 1 << 20;
+
+// OK when every "re:" entry of `patterns` (an ignore or targets list) is a regular expression
+// std::regex compiles; else INVALID_ARGUMENT naming `what` (e.g. "--ignore") and the entry.
+absl::Status CheckModulePatterns(const std::vector<std::string>& patterns, const std::string& what);
+
 // Parses the root object's "quantization_config" of config.json text (absent: bf16). `source`
 // names the file. INVALID_ARGUMENT naming the field for malformed JSON, an unsupported
 // quant_method or format, a scheme this build does not run, or bad targets / ignore entries.

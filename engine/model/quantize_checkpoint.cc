@@ -557,8 +557,10 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     }
   }
   if (q.format == WeightFormat::kW4A16) {
-    if (options.group_size < 0) {
-      return absl::InvalidArgumentError("--group_size must be ≥ 0 (0: per channel)");
+    if (options.group_size < 0 || options.group_size > kMaxW4a16GroupSize) {
+      return absl::InvalidArgumentError(absl::StrCat("--group_size must be in [0, ",
+                                                     kMaxW4a16GroupSize, "] (0: per channel); got ",
+                                                     options.group_size));
     }
     q.group_size = options.group_size;
     q.channel_groups = options.group_size == 0;
@@ -753,6 +755,13 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
       }
       for (int e = 0; e < experts; ++e) {
         const std::string prefix = absl::StrCat(base, ".", e, ".");
+        if (gate_up && q.Quantizes(prefix + "gate_proj") != q.Quantizes(prefix + "up_proj")) {
+          // The loader (and vLLM's fused MoE) runs an expert's gate and up as one matrix.
+          return absl::InvalidArgumentError(
+              absl::StrCat("the ignore list quantizes one of ", prefix, "gate_proj and ", prefix,
+                           "up_proj only: an expert's gate and up are one matrix, both quantized "
+                           "or both kept"));
+        }
         if (gate_up) {
           module_rows(prefix + "gate_proj", {&v, int64_t(e) * rows, rows / 2, cols});
           module_rows(prefix + "up_proj", {&v, int64_t(e) * rows + rows / 2, rows / 2, cols});

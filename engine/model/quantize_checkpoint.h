@@ -179,7 +179,8 @@ absl::Status CheckQuantizePaths(const std::string& in, const std::string& out);
 // INVALID_ARGUMENT for a checkpoint that is already quantized or holds non-finite weights, a bad
 // format or group size, an NVFP4 layout or weight-only NVFP4 with another format, weight-only
 // NVFP4 in ModelOpt's layout, an ignore entry the ModelOpt nvfp4 layout cannot write as a
-// pattern; I/O errors name the path.
+// pattern, an ignore list that quantizes one of an expert's gate and up only (the loader runs
+// them as one matrix and refuses such a checkpoint); I/O errors name the path.
 absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
                                                    const QuantizeOptions& options);
 
