@@ -71,6 +71,15 @@ QuantizeOptions Nvfp4Options(bool ct) {
   return q;
 }
 
+// W4A16 in groups of `group` (0: per channel), no progress line.
+QuantizeOptions W4a16Options(int group) {
+  QuantizeOptions q;
+  q.progress = false;
+  q.format = WeightFormat::kW4A16;
+  q.group_size = group;
+  return q;
+}
+
 std::string ReadBytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), {});
@@ -224,10 +233,7 @@ TEST(CalibrateTest, GptqCheckpoint) {
             absl::StatusCode::kResourceExhausted);
   auto hessians = CalibrateInputHessians(*ck, prompts, co, 0);
   ASSERT_TRUE(hessians.ok()) << hessians.status();
-  QuantizeOptions q;
-  q.progress = false;
-  q.format = WeightFormat::kW4A16;
-  q.group_size = 32;
+  QuantizeOptions q = W4a16Options(32);
   ASSERT_THAT(QuantizeCheckpoint(bf16, dir + "/rtn", q).status(), IsOk());
   q.gptq_hessians = *hessians;
   auto summary = QuantizeCheckpoint(bf16, dir + "/gptq", q);
@@ -296,10 +302,7 @@ TEST(CalibrateTest, GptqByLayer) {
   ASSERT_TRUE(bf16_ck.ok());
   auto hessians = CalibrateInputHessians(*bf16_ck, prompts, co, 0);
   ASSERT_TRUE(hessians.ok()) << hessians.status();
-  QuantizeOptions q;
-  q.progress = false;
-  q.format = WeightFormat::kW4A16;
-  q.group_size = 32;
+  QuantizeOptions q = W4a16Options(32);
   q.gptq_hessians = *hessians;
   ASSERT_THAT(QuantizeCheckpoint(bf16, dir + "/oneshot", q).status(), IsOk());
   auto oneshot = LoadCheckpoint(dir + "/oneshot");
@@ -463,9 +466,7 @@ TEST(CalibrateTest, GptqByLayer) {
               HasSubstr("quantizes one of model.decoder.layers.3.experts.5.gate_proj and "
                         "model.decoder.layers.3.experts.5.up_proj only"));
   // Without GPTQ too: a checkpoint the loader would refuse is not written.
-  QuantizeOptions split;
-  split.progress = false;
-  split.format = WeightFormat::kW4A16;
+  QuantizeOptions split = W4a16Options(128);
   split.ignore.push_back(lo.ignore.back());
   EXPECT_THAT(QuantizeCheckpoint(bf16, dir + "/split", split).status().message(),
               HasSubstr("quantizes one of model.decoder.layers.3.experts.5.gate_proj and "
@@ -494,10 +495,7 @@ TEST(CalibrateTest, GptqByLayerPerChannel) {
     EXPECT_EQ(l.o_proj.quant(), nullptr);
     EXPECT_NE(l.q_proj.quant(), nullptr);
   }
-  QuantizeOptions q;
-  q.progress = false;
-  q.format = WeightFormat::kW4A16;
-  q.group_size = 0;
+  QuantizeOptions q = W4a16Options(0);
   q.ignore = lo.ignore;
   q.w4a16_modules = *by_layer;
   auto summary = QuantizeCheckpoint(bf16, dir + "/bylayer", q);

@@ -452,8 +452,12 @@ absl::Status CheckQuantizePaths(const std::string& in, const std::string& out) {
   // missing tail lexically), then each existing directory above it compared with --in as a file
   // (fs::equivalent: the same device and inode, whatever path or mount reaches it).
   const fs::path resolved = fs::weakly_canonical(fs::absolute(out, ec), ec);
-  if (!ec) {
-    for (fs::path p = resolved.parent_path(); !p.empty(); p = p.parent_path()) {
+  if (ec) {  // e.g. a symlink loop (ELOOP) or an unreadable directory on the way
+    return absl::InvalidArgumentError(
+        absl::StrCat("--out ", out, ": cannot resolve the path: ", ec.message()));
+  }
+  {
+    for (fs::path p = resolved; !p.empty(); p = p.parent_path()) {
       if (fs::exists(p, ec) && fs::equivalent(p, in, ec)) {
         return absl::InvalidArgumentError(
             absl::StrCat("--out ", out, " is inside --in ", in, " (", resolved.string(),

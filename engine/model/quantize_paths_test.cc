@@ -69,6 +69,17 @@ TEST_F(QuantizePathsTest, OutInsideInIsRefusedByAnyPath) {
   EXPECT_FALSE(fs::exists(in_ / "a"));
 }
 
+// An --out whose path cannot be resolved (a symlink loop) is refused naming it: the inside-in
+// check was skipped and the run failed only when --out was created, after any calibration.
+TEST_F(QuantizePathsTest, AnOutThatCannotBeResolvedIsRefused) {
+  fs::create_symlink(base_ / "loop2", base_ / "loop1");
+  fs::create_symlink(base_ / "loop1", base_ / "loop2");
+  const std::string out = (base_ / "loop1" / "x").string();
+  EXPECT_THAT(CheckQuantizePaths(in_.string(), out),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--out " + out + ": cannot resolve the path")));
+}
+
 TEST_F(QuantizePathsTest, OutBesideOrAboveInIsAllowed) {
   const std::string in = in_.string();
   // A sibling whose name starts with --in's (not inside it: compared by directory, not text).

@@ -29,6 +29,17 @@
 namespace dgserve::testing {
 namespace {
 
+// Whether denoise worker 0 holds no KV block and no pending transfer within `seconds`.
+bool DenoiseKvFreedWithin(const TestCluster& cluster, int seconds) {
+  return Eventually(
+      [&] {
+        auto s = cluster.DenoiseStats(0);
+        return s.ok() && s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0 &&
+               s->pending_transfers() == 0;
+      },
+      seconds);
+}
+
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
@@ -583,14 +594,7 @@ TEST_F(DeadlineBeforeDenoiseTest, KvOfAnAttemptThatNeverReachedDenoiseIsFreed) {
   EXPECT_GT(held->kv().full_blocks_used(), 0) << held->DebugString();
   // Freed once the gateway's pause ends (4 s after the deadline), well before the lease (30 s
   // from the push, 26 s from now).
-  EXPECT_TRUE(Eventually(
-      [&] {
-        auto s = c().DenoiseStats(0);
-        return s.ok() && s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0 &&
-               s->pending_transfers() == 0;
-      },
-      16))
-      << c().DenoiseStats(0)->DebugString();
+  EXPECT_TRUE(DenoiseKvFreedWithin(c(), 16)) << c().DenoiseStats(0)->DebugString();
 }
 
 // A stream whose request is accepted but waits (here: the gateway's 8 s pause before the denoise
@@ -656,14 +660,7 @@ TEST_F(DeadlineBeforeDenoiseTest, AStreamCutBeforeAnyOutputEndsWellFormed) {
     EXPECT_FALSE(CheckCutByTheDeadline(raw)) << raw;
   }
   // Their KV is freed once the pauses end (the cluster stops with nothing held).
-  EXPECT_TRUE(Eventually(
-      [&] {
-        auto s = c().DenoiseStats(0);
-        return s.ok() && s->kv().full_blocks_used() == 0 && s->kv().sliding_blocks_used() == 0 &&
-               s->pending_transfers() == 0;
-      },
-      16))
-      << c().DenoiseStats(0)->DebugString();
+  EXPECT_TRUE(DenoiseKvFreedWithin(c(), 16)) << c().DenoiseStats(0)->DebugString();
 }
 
 }  // namespace

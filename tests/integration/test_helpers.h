@@ -55,19 +55,20 @@ bool Eventually(Pred pred, int seconds = 20) {
   return pred();
 }
 
-// Whether every thread of process `pid` is stopped (state T or t in /proc/<pid>/task/*/stat);
-// false when none can be read (no such process).
+// Whether every thread of process `pid` is stopped (state T or t in /proc/<pid>/task/*/stat; a
+// thread that exited, Z or X, counts as stopped); false when none can be read (no such process)
+// or the directory cannot be listed.
 inline bool AllThreadsStopped(pid_t pid) {
   std::error_code ec;
   int threads = 0;
-  for (const auto& task :
-       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
-    std::ifstream in(task.path() / "stat");
+  for (std::filesystem::directory_iterator it("/proc/" + std::to_string(pid) + "/task", ec), end;
+       !ec && it != end; it.increment(ec)) {
+    std::ifstream in(it->path() / "stat");
     std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     const size_t paren = stat.rfind(')');  // the state follows the command name: "pid (comm) S"
     if (paren == std::string::npos || paren + 2 >= stat.size()) return false;
     const char state = stat[paren + 2];
-    if (state != 'T' && state != 't') return false;
+    if (state != 'T' && state != 't' && state != 'Z' && state != 'X') return false;
     ++threads;
   }
   return !ec && threads > 0;
