@@ -398,9 +398,8 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> Quanti
       std::optional<GptqFactor> factor;  // made at the first quantized seat
       for (HessianModules::Seat& seat : set.seats) {
         cpu::PackedMatrix& m = *seat.matrix;
-        int quantized = 0;
-        for (const std::string& module : seat.modules) quantized += q.Quantizes(module);
-        if (m.empty() || quantized == 0) continue;
+        // (A seat's modules are all quantized or none: a split gate/up was refused above.)
+        if (m.empty() || !q.Quantizes(seat.modules[0])) continue;
         const int rows = m.rows(), cols = m.cols();
         const int group = gptq.group_size > 0 ? gptq.group_size : cols;
         if (hessian != nullptr && !factor) {
@@ -431,19 +430,16 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> Quanti
         }
         const int each = rows / int(seat.modules.size());
         for (size_t i = 0; i < seat.modules.size(); ++i) {
-          if (!q.Quantizes(seat.modules[i])) continue;
           auto packed =
               std::make_shared<W4a16Packed>(PackW4a16(codes, cols, group, int(i) * each, each));
           packed->gptq = factor.has_value();
           out[seat.modules[i]] = std::move(packed);
           ++(factor ? by_gptq : by_rtn);
         }
-        if (quantized == int(seat.modules.size())) {
-          std::vector<float> scales(codes.scales.size());
-          for (size_t i = 0; i < scales.size(); ++i) scales[i] = Bf16ToFloat(codes.scales[i]);
-          m = cpu::PackedMatrix::Quantized(
-              cpu::QuantMatrix::FromInt4(codes.codes.data(), scales.data(), rows, cols, group));
-        }
+        std::vector<float> scales(codes.scales.size());
+        for (size_t i = 0; i < scales.size(); ++i) scales[i] = Bf16ToFloat(codes.scales[i]);
+        m = cpu::PackedMatrix::Quantized(
+            cpu::QuantMatrix::FromInt4(codes.codes.data(), scales.data(), rows, cols, group));
       }
     }
     hessians.clear();  // this layer's Hessians: freed before the next layer's are recorded
