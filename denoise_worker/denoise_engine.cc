@@ -441,6 +441,7 @@ DenoiseEngineStats DenoiseEngine::stats() const {
   s.active_requests = active_requests_;
   s.passes_in_parts = passes_in_parts_;
   s.device_step_limit = device_step_limit_;
+  s.held_for_kv_memory = held_for_kv_memory_;
   absl::MutexLock lock(&mu_);
   s.queued = int(waiting_.size() + ready_.size());
   return s;
@@ -480,11 +481,19 @@ void DenoiseEngine::Loop() {
       };
       mu_.Await(absl::Condition(&has_work));
       if (stop_) break;
+      int held = 0;
       while (int(running.size()) < options_.max_batch_canvases && !ready_.empty()) {
+        if (!running.empty() && options_.admit_by_kv_memory &&
+            !FitsInKvMemoryBeside(running, *ready_.front())) {
+          held = int(ready_.size());
+          break;
+        }
         running.push_back(std::move(ready_.front()));
         ready_.pop_front();
         running.back()->admitted = absl::Now();
       }
+      held_for_kv_memory_ = held;
+      if (metrics_) metrics_->queued_for_kv_memory.Set(double(held));
       UpdateQueueGauge();
     }
     active_requests_ = CountJobs(running);
@@ -496,6 +505,31 @@ void DenoiseEngine::Loop() {
   for (auto& r : running) r->job->End(absl::UnavailableError("denoise worker shutting down"));
   active_canvases_ = 0;
   active_requests_ = 0;
+}
+
+bool DenoiseEngine::FitsInKvMemoryBeside(const std::vector<std::unique_ptr<Running>>& running,
+                                         const Running& next) const {
+  const int64_t C = backend_->config().canvas_length;
+  const int64_t host_block = pool_->layout().block_size;
+  std::vector<KvSequencePlan> plans;
+  std::unordered_set<const DenoiseJob*> jobs;
+  const auto add = [&](const Running& r) {
+    if (r.finished || r.job->ended() || !r.run.has_value()) return;
+    const int64_t prompt = r.job->request().prompt_tokens();
+    KvSequencePlan p;
+    p.like = r.kv.get();
+    // From the prompt (rows the denoise worker commits stay on the device: the deferred host
+    // copy), through its next commit if one may come.
+    p.plan.first = prompt;
+    p.plan.positions = r.kv->num_tokens() + (r.run->may_commit() ? C : 0);
+    p.plan.pass_tokens = C;
+    // Another sample of the request came first: the whole blocks of the prompt are its fork's.
+    if (!jobs.insert(r.job.get()).second) p.shared_rows = prompt / host_block * host_block;
+    plans.push_back(p);
+  };
+  for (const auto& r : running) add(*r);
+  add(next);
+  return backend_->CheckKvFitsTogether(plans).ok();
 }
 
 void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {

@@ -83,6 +83,13 @@ struct DenoiseEngineOptions {
   // How long a request waits for its prompt KV at most (the KV lease bound, the worker's
   // --max_kv_lease_ms): a request's kv_wait_ms is clamped to it, 0 or less means it.
   int64_t max_kv_wait_ms = 60000;
+  // Admission by K/V memory: a sample joins the running ones only where the backend's K/V
+  // memory holds them all at their next passes (ModelBackend::CheckKvFitsTogether: the CUDA
+  // backend's device block pool at its bound), else it waits at the head of the queue (in order:
+  // later ones wait behind it) until running samples end; alone it always joins. Off: every
+  // sample joins while batch slots are free, and passes the memory refuses run in parts (still the
+  // fallback when running sequences outgrow what their admission counted).
+  bool admit_by_kv_memory = true;
   std::string model_id;
   // The model's tokenizer: with it the worker matches a request's stop_sequences itself and
   // ends a sample at the canvas whose text holds one (finished OK, "stop", no further step or
@@ -100,6 +107,9 @@ struct DenoiseEngineStats {
   // The most canvases a step takes while the device's K/V memory holds no more (the largest part
   // that ran after a refusal; 0: no limit): lifted when a sample ends.
   int device_step_limit = 0;
+  // Samples waiting in the queue because the K/V memory would not hold the first of them beside
+  // the running ones (DenoiseEngineOptions::admit_by_kv_memory), at the last admission.
+  int held_for_kv_memory = 0;
 };
 
 class DenoiseEngine {
@@ -143,6 +153,10 @@ class DenoiseEngine {
   absl::Status CheckFitsInPool(const v1::DenoiseRequest& r) const;
   // Submit's checks and queueing (Submit drops a refused request's KV).
   absl::Status Admit(const std::shared_ptr<DenoiseJob>& job);
+  // Whether the backend's K/V memory holds `next` beside the running samples, each at its next
+  // passes (admit_by_kv_memory).
+  bool FitsInKvMemoryBeside(const std::vector<std::unique_ptr<Running>>& running,
+                            const Running& next) const;
   void UpdateQueueGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Iterate(std::vector<std::unique_ptr<Running>>& running);
   // The commit passes due (spec §4.1 step 3a) as one batched encoder pass.
@@ -179,6 +193,7 @@ class DenoiseEngine {
   std::atomic<int64_t> passes_in_parts_{0};
   // DenoiseEngineStats::device_step_limit: written by the engine thread.
   std::atomic<int> device_step_limit_{0};
+  std::atomic<int> held_for_kv_memory_{0};  // DenoiseEngineStats::held_for_kv_memory
   std::thread thread_;
 };
 

@@ -91,12 +91,13 @@ class DenoiseEngineCudaTest : public ::testing::Test {
     o.kv_pool_max_bytes = pool_bytes;
     return o;
   }
-  void StartEngine(size_t pool_bytes) {
+  void StartEngine(size_t pool_bytes, bool admit_by_kv_memory = true) {
     auto backend = CreateCudaBackend(config(), checkpoint_->weights, Options(pool_bytes));
     ASSERT_THAT(backend.status(), IsOk());
     backend_ = *std::move(backend);
     DenoiseEngineOptions o;
     o.max_batch_canvases = 16;
+    o.admit_by_kv_memory = admit_by_kv_memory;
     o.model_id = "tiny";
     engine_ = std::make_unique<DenoiseEngine>(backend_.get(), pool_.get(), receiver_.get(),
                                               std::move(o), nullptr);
@@ -154,7 +155,8 @@ class DenoiseEngineCudaTest : public ::testing::Test {
 };
 
 TEST_F(DenoiseEngineCudaTest, PoolAtItsBoundRunsTheBatchInParts) {
-  ASSERT_NO_FATAL_FAILURE(StartEngine(96 * 1024));
+  // Admission by K/V memory off: every request joins the batch (on, b would wait for a).
+  ASSERT_NO_FATAL_FAILURE(StartEngine(96 * 1024, /*admit_by_kv_memory=*/false));
   const std::vector<int32_t> pa = Prompt(120, 1), pb = Prompt(120, 2), pc = Prompt(280, 3);
   const v1::DenoiseRequest a = Request("a", 120, 2 * C()), b = Request("b", 120, 2 * C()),
                            c = Request("c", 280, C());
@@ -195,6 +197,30 @@ TEST_F(DenoiseEngineCudaTest, PoolAtItsBoundRunsTheBatchInParts) {
   EXPECT_GE(engine_->stats().passes_in_parts, 1);
   EXPECT_GE(GetCudaKvPoolStats(*backend_)->compactions, 1);
   EXPECT_LE(GetCudaKvPoolStats(*backend_)->device_bytes, 96 * 1024);
+}
+
+TEST_F(DenoiseEngineCudaTest, AdmissionWaitsForKvMemory) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(96 * 1024));
+  // As above, a and b together need more than the bound for their commits and second canvases;
+  // with admission by K/V memory b waits in the queue until a ends, then runs alone: no pass is
+  // refused and nothing is swapped out (both happen whenever the two overlap, as above).
+  const std::vector<int32_t> pa = Prompt(120, 1), pb = Prompt(120, 2);
+  const v1::DenoiseRequest a = Request("a", 120, 2 * C()), b = Request("b", 120, 2 * C());
+  ASSERT_NO_FATAL_FAILURE(SendKv("a", pa));
+  ASSERT_NO_FATAL_FAILURE(SendKv("b", pb));
+  auto ja = std::make_shared<DenoiseJob>(a), jb = std::make_shared<DenoiseJob>(b);
+  ASSERT_THAT(engine_->Submit(ja), IsOk());
+  ASSERT_THAT(engine_->Submit(jb), IsOk());
+  const denoise_testing::JobEvents ga = Collect(*ja), gb = Collect(*jb);
+  ASSERT_THAT(ga.final, IsOk());
+  ASSERT_THAT(gb.final, IsOk());
+  EXPECT_EQ(ga.Tokens(0), Generate(pa, a, a.seed()));
+  EXPECT_EQ(gb.Tokens(0), Generate(pb, b, b.seed()));
+  const CudaKvPoolStats st = GetCudaKvPoolStats(*backend_).value();
+  EXPECT_LE(st.device_bytes, 96 * 1024);
+  EXPECT_EQ(st.swap_outs, 0);
+  EXPECT_EQ(engine_->stats().passes_in_parts, 0);
+  EXPECT_EQ(engine_->stats().held_for_kv_memory, 0);  // nothing waits now
 }
 
 TEST_F(DenoiseEngineCudaTest, OneRequestMayTakeTheWholeBound) {

@@ -63,6 +63,10 @@ DenoiseMetrics::DenoiseMetrics(prometheus::Registry& r)
       active_canvases(
           MakeGauge(r, "dgserve_denoise_active_canvases", "Canvases in the running batch")),
       queue_depth(MakeGauge(r, "dgserve_denoise_queue_depth",
-                            "Requests waiting for their prompt KV or a batch slot")) {}
+                            "Requests waiting for their prompt KV or a batch slot")),
+      queued_for_kv_memory(
+          MakeGauge(r, "dgserve_denoise_queued_for_kv_memory",
+                    "Samples whose KV has arrived waiting to join the batch because the device K/V "
+                    "memory would not hold the first of them beside the running ones")) {}
 
 }  // namespace dgserve

@@ -31,6 +31,8 @@ struct DenoiseMetrics {
   prometheus::Counter& passes_in_parts;
   prometheus::Gauge& active_canvases;
   prometheus::Gauge& queue_depth;
+  // Samples held in the queue by the admission check on K/V memory (admit_by_kv_memory).
+  prometheus::Gauge& queued_for_kv_memory;
 
   prometheus::Counter& RequestsWithStatus(const std::string& status) {
     return requests.Add({{"status", status}});

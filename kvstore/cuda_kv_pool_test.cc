@@ -417,6 +417,65 @@ TEST_P(CudaKvAuthorityTest, AGrowthMapsAtMostTheStep) {
   EXPECT_EQ(one_by_one.sliding_blocks, 2);
   EXPECT_EQ(one_by_one.growths, 24 + 2);
 }
+
+// CheckKvFitsTogether (the denoise worker's admission) at a bound of 80 KiB (full blocks of
+// 1 KiB, sliding ones of 4 KiB, as above). A sequence of P positions in one pass from position 0,
+// on a cache keeping W − 1 = 7 sliding rows (its rows deferred: the host lacks them), holds
+// ⌈P / 4⌉ full blocks and the sliding blocks of [P − 7, P): 128 positions 32 full and 2 sliding
+// (40 KiB), 129 positions 33 and 3 (45 KiB), 100 positions 25 and 2 (33 KiB). Two of 128:
+// exactly the bound; 128 and 129: 87,040 bytes, refused naming the blocks; three of 100:
+// 101,376 bytes; the same three as forks sharing the first 96 rows (24 whole full blocks each
+// for the second and third): 27 full and 6 sliding, 52,224 bytes, fit, unless share_kv_blocks is
+// off.
+TEST_P(CudaKvAuthorityTest, SequencesFitTogetherByTheirLargestPasses) {
+  if (GetParam().kv_block_size != 4) GTEST_SKIP() << "blocks of 4 only";
+  if (!backend_testing::SmallKvGranules())
+    GTEST_SKIP() << "K/V pools of a few KiB: the emulation's granules only";
+  for (const bool share : {true, false}) {
+    CudaBackendOptions bounded = GpuOptions();
+    bounded.kv_pool_max_bytes = 64 * 1024 + 4 * 4096;
+    bounded.share_kv_blocks = share;
+    auto backend = CreateCudaBackend(config(), checkpoint_->weights, bounded);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    const ModelBackend& gpu = **backend;
+    const ContiguousKvCache like(config(), 300);
+    const auto seq = [&](int64_t positions, int64_t shared_rows = 0) {
+      KvSequencePlan p;
+      p.like = &like;
+      p.plan.positions = positions;
+      p.shared_rows = shared_rows;
+      return p;
+    };
+    EXPECT_TRUE(gpu.CheckKvFitsTogether({}).ok());
+    const std::vector<KvSequencePlan> at_bound = {seq(128), seq(128)};
+    EXPECT_TRUE(gpu.CheckKvFitsTogether(at_bound).ok());
+    const std::vector<KvSequencePlan> over = {seq(128), seq(129)};
+    const absl::Status refused = gpu.CheckKvFitsTogether(over);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+    EXPECT_NE(refused.message().find("2 sequences at their largest passes need 87040 bytes of "
+                                     "device K/V blocks at once (65 full-attention and 5 "
+                                     "sliding-window blocks of 4 positions)"),
+              std::string::npos)
+        << refused;
+    EXPECT_NE(refused.message().find("bound is 81920 bytes"), std::string::npos) << refused;
+    // Each alone fits (CheckKvFits agrees).
+    EXPECT_TRUE(gpu.CheckKvFits(like, over[1].plan).ok());
+    const std::vector<KvSequencePlan> three = {seq(100), seq(100), seq(100)};
+    const absl::Status three_refused = gpu.CheckKvFitsTogether(three);
+    EXPECT_EQ(three_refused.code(), absl::StatusCode::kResourceExhausted) << three_refused;
+    EXPECT_NE(three_refused.message().find("need 101376 bytes"), std::string::npos)
+        << three_refused;
+    const std::vector<KvSequencePlan> forks = {seq(100), seq(100, 96), seq(100, 96)};
+    const absl::Status forks_fit = gpu.CheckKvFitsTogether(forks);
+    if (share) {
+      EXPECT_TRUE(forks_fit.ok()) << forks_fit;
+    } else {
+      EXPECT_NE(forks_fit.message().find("need 101376 bytes"), std::string::npos) << forks_fit;
+    }
+    const std::vector<KvSequencePlan> no_cache = {KvSequencePlan{}};
+    EXPECT_EQ(gpu.CheckKvFitsTogether(no_cache).code(), absl::StatusCode::kInvalidArgument);
+  }
+}
 #endif
 
 }  // namespace

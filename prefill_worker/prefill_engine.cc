@@ -176,6 +176,7 @@ PrefillEngineStats PrefillEngine::stats() const {
   s.active = active_;
   s.transferring = transferring_;
   s.passes_in_parts = passes_in_parts_;
+  s.held_for_kv_memory = held_for_kv_memory_;
   s.kv_push_waits = kv_push_waits_;
   absl::MutexLock lock(&mu_);
   s.queued = int(queue_.size());
@@ -228,11 +229,19 @@ void PrefillEngine::Loop() {
         planned += std::min<int>(options_.chunk_tokens,
                                  j->request.tokens_size() - j->kv->num_tokens());
       }
+      int held = 0;
       while (!queue_.empty() && planned < options_.step_token_budget) {
+        // And while the backend's K/V memory holds every running prompt and this one whole.
+        if (!active.empty() && options_.admit_by_kv_memory &&
+            !FitsInKvMemoryBeside(active, *queue_.front())) {
+          held = int(queue_.size());
+          break;
+        }
         active.push_back(queue_.front());
         queue_.pop_front();
         planned += options_.chunk_tokens;
       }
+      held_for_kv_memory_ = held;
     }
     for (Retry& r : due) {
       if (r.job->cancelled) {
@@ -261,6 +270,26 @@ void PrefillEngine::Loop() {
     Step(active);
     active_ = int(active.size());
   }
+}
+
+bool PrefillEngine::FitsInKvMemoryBeside(const std::vector<std::shared_ptr<Job>>& active,
+                                         const Job& next) const {
+  // A prompt not yet looked up in the prefix cache: as a cold one on a cache of this pool.
+  const kv::PagedKvCache cold(pool_, backend_->config().max_position_embeddings);
+  std::vector<KvSequencePlan> plans;
+  const auto add = [&](const Job& j) {
+    KvSequencePlan p;
+    p.like = j.kv != nullptr ? static_cast<const KvCache*>(j.kv.get()) : &cold;
+    p.plan.first = j.kv != nullptr ? j.cached_tokens : 0;
+    p.plan.positions = j.request.tokens_size();
+    p.plan.pass_tokens = options_.chunk_tokens;
+    plans.push_back(p);
+  };
+  for (const auto& j : active) {
+    if (!j->cancelled && !j->finished) add(*j);
+  }
+  add(next);
+  return backend_->CheckKvFitsTogether(plans).ok();
 }
 
 void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {

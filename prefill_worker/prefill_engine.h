@@ -40,6 +40,12 @@ struct PrefillEngineOptions {
   // Checks a request's kv_target before it is queued (the allow-list of denoise workers): an
   // error is returned from Submit and nothing is dialled. Empty: every target is accepted.
   std::function<absl::Status(const std::string& target)> check_kv_target;
+  // Admission by K/V memory: a queued prompt starts only where the backend's K/V memory holds it
+  // whole beside the running prompts, each at its largest chunk
+  // (ModelBackend::CheckKvFitsTogether: the CUDA backend's device block pool at its bound), else
+  // it and those behind it wait until a prompt ships; alone it always starts. Off: prompts start
+  // by the token budget only, and passes the memory refuses run in parts.
+  bool admit_by_kv_memory = true;
 };
 
 struct PrefillEngineStats {
@@ -52,6 +58,9 @@ struct PrefillEngineStats {
   // Prompts whose KV push found the denoise worker's pool full and waited for room (each
   // counted once, however many times it was pushed again), since the engine started.
   int64_t kv_push_waits = 0;
+  // Prompts waiting in the queue because the K/V memory would not hold the first of them beside
+  // the running ones (PrefillEngineOptions::admit_by_kv_memory), at the last admission.
+  int held_for_kv_memory = 0;
 };
 
 class PrefillEngine {
@@ -86,6 +95,9 @@ class PrefillEngine {
   struct Job;
   void Loop();
   void Step(std::vector<std::shared_ptr<Job>>& active);
+  // Whether the backend's K/V memory holds `next`'s whole prompt beside the running prompts'
+  // (admit_by_kv_memory).
+  bool FitsInKvMemoryBeside(const std::vector<std::shared_ptr<Job>>& active, const Job& next) const;
   void Ship(std::shared_ptr<Job> job);
   // One push of the job's KV to its target; a refusal for want of free blocks there schedules
   // another (retries_) while the job's wait allows. `retry`: one from retries_ (its target is
@@ -109,6 +121,7 @@ class PrefillEngine {
   std::atomic<int> active_{0};
   std::atomic<int64_t> passes_in_parts_{0};
   std::atomic<int64_t> kv_push_waits_{0};
+  std::atomic<int> held_for_kv_memory_{0};  // PrefillEngineStats::held_for_kv_memory
   // Engine thread only: after a pass refused for want of K/V memory, the most prompts a step
   // takes (its largest part that ran; 0: no limit) until a prompt leaves (shipped or failed).
   int step_limit_ = 0;

@@ -131,6 +131,10 @@ class PrefillEngineCudaTest : public ::testing::Test {
     }
   }
 
+  // Two 150-token prompts at a 256 KiB bound (below), prefilled with admission by K/V memory on
+  // or off.
+  void TwoPromptsAtTheBound(bool admit_by_kv_memory);
+
   static inline Checkpoint* checkpoint_ = nullptr;
   std::vector<std::unique_ptr<kv::BlockPool>> receiver_pools_;  // outlive the received caches
 };
@@ -170,7 +174,8 @@ TEST_F(PrefillEngineCudaTest, PrefixHitTakesTheFinishedPromptsDeviceBlocks) {
 // The device pool's bound (kv_pool_max_bytes 256 KiB; blocks of 64: a full-layer block 16 KiB, a
 // sliding one 64 KiB). A 150-token prompt holds at most 3 full blocks and the 2 sliding blocks of
 // the rows the host still lacks ([112, 150): W + 2·16 − 2 rows): 176 KiB, so each prompt fits
-// alone and two do not. Submitted together and prefilled in chunks of 32 tokens, their encoder
+// alone and two do not. Submitted together with admission by K/V memory off and prefilled in
+// chunks of 32 tokens, their encoder
 // passes overlap (the second is queued microseconds after the first, whose 5 chunks take far
 // longer); a pass over both is refused and runs as one prompt after the other (PrefillEngine's
 // RunInParts, the other prompt's device-only rows swapped out to its cache), where before every
@@ -181,7 +186,9 @@ TEST_F(PrefillEngineCudaTest, PrefixHitTakesTheFinishedPromptsDeviceBlocks) {
 // host cache's SlidingRetainedFrom(704) on) and of the new rows: blocks 10 and 11, 327,680 bytes
 // (admitted before by the window alone, 256 KiB, it failed in that chunk); 769 tokens, 13 full
 // and 2 sliding blocks, 344,064 bytes.
-TEST_F(PrefillEngineCudaTest, PromptsThatFitOnlyAloneRunInParts) {
+// With admission by K/V memory (the default) the second prompt waits in the queue until the first
+// ships: no pass is refused, nothing is swapped out, the same K/V.
+void PrefillEngineCudaTest::TwoPromptsAtTheBound(bool admit_by_kv_memory) {
   const std::vector<std::vector<int32_t>> prompts = {Prompt(150, 5), Prompt(150, 6)};
   Run plain;
   ASSERT_NO_FATAL_FAILURE(Prefill(true, prompts, &plain));
@@ -199,6 +206,7 @@ TEST_F(PrefillEngineCudaTest, PromptsThatFitOnlyAloneRunInParts) {
   PrefillEngineOptions o;
   o.chunk_tokens = 32;
   o.step_token_budget = 512;
+  o.admit_by_kv_memory = admit_by_kv_memory;
   auto engine = std::make_unique<PrefillEngine>(
       backend->get(), pool->get(), kv::CreateInProcessTransport(), o, nullptr, nullptr);
   v1::PrefillRequest r;
@@ -239,12 +247,26 @@ TEST_F(PrefillEngineCudaTest, PromptsThatFitOnlyAloneRunInParts) {
                     });
     got.WaitForNotification();
   }
-  EXPECT_GE(engine->stats().passes_in_parts, 1);
-  EXPECT_GE(GetCudaKvPoolStats(**backend)->swap_outs, 1);
+  if (admit_by_kv_memory) {
+    EXPECT_EQ(engine->stats().passes_in_parts, 0);
+    EXPECT_EQ(GetCudaKvPoolStats(**backend)->swap_outs, 0);
+    EXPECT_EQ(engine->stats().held_for_kv_memory, 0);  // nothing waits now
+  } else {
+    EXPECT_GE(engine->stats().passes_in_parts, 1);
+    EXPECT_GE(GetCudaKvPoolStats(**backend)->swap_outs, 1);
+  }
   EXPECT_LE(GetCudaKvPoolStats(**backend)->device_bytes, 256 * 1024);
   engine.reset();
   kv::UnregisterInProcessReceiver(target);
   ExpectSameKv(bounded, plain);
+}
+
+TEST_F(PrefillEngineCudaTest, PromptsThatFitOnlyAloneRunInParts) {
+  TwoPromptsAtTheBound(/*admit_by_kv_memory=*/false);
+}
+
+TEST_F(PrefillEngineCudaTest, PromptsThatFitOnlyAloneWaitForKvMemory) {
+  TwoPromptsAtTheBound(/*admit_by_kv_memory=*/true);
 }
 
 }  // namespace

@@ -525,6 +525,7 @@ class CudaBackend final : public ModelBackend {
   int prefill_chunk_tokens() const override { return kGpuPrefillChunkTokens; }
   absl::Status SyncKvToHost(KvCache& kv) override;
   absl::Status CheckKvFits(const KvCache& like, const KvPassPlan& plan) const override;
+  absl::Status CheckKvFitsTogether(std::span<const KvSequencePlan> seqs) const override;
   DecodeTimings last_decode_timings() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return timings_;
@@ -557,6 +558,13 @@ class CudaBackend final : public ModelBackend {
   // keeps (KvCache::SlidingRetainedFrom(n)) and lacks (from host_lacks_from: the deferred copy;
   // n or more: it lacks none); 0 without a window or with sliding_kv_ring off.
   int SlidingKeepFrom(const KvCache& kv, int n, int host_lacks_from) const;
+  // The largest of `plan`'s passes on a cache like `like` in device K/V blocks (CheckKvFits):
+  // its bytes as mapped, its full-attention and sliding-window blocks, and the position it starts
+  // from; zeros without paged K/V or positions.
+  struct KvPassBlocks {
+    int64_t bytes = 0, full = 0, sliding = 0, from = 0;
+  };
+  KvPassBlocks LargestKvPass(const KvCache& like, const KvPassPlan& plan) const;
   // The first position of a sliding layer's new rows an encoder pass from n to `need` positions
   // writes into a paged mirror (and SyncKvBlocks holds): those a later pass or, with the deferred
   // copy, the host reads.

@@ -342,10 +342,10 @@ absl::StatusOr<int> CudaBackend::CompactKvPool(int kind, int drop_cached) {
   return given;
 }
 
-absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& plan) const {
-  if (!PagedKv() || kv_pool_bound_ == 0 || plan.positions <= 0) {
-    return absl::OkStatus();
-  }
+CudaBackend::KvPassBlocks CudaBackend::LargestKvPass(const KvCache& like,
+                                                     const KvPassPlan& plan) const {
+  KvPassBlocks worst;
+  if (!PagedKv() || plan.positions <= 0) return worst;
   const int64_t B = options_.kv_block_size;
   const bool has[2] = {KvPoolBlockBytes(kKvFull) > 0, KvPoolBlockBytes(kKvSliding) > 0};
   // As SyncMirror marks a mirror of `like` and SyncKvBlocks holds its blocks for a pass from n
@@ -357,7 +357,6 @@ absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& pla
   const auto blocks_from = [&](int64_t from, int64_t to) {  // block indices [from / B, ⌈to / B⌉)
     return from < to ? (to + B - 1) / B - from / B : int64_t{0};
   };
-  int64_t worst = 0, worst_full = 0, worst_sliding = 0, worst_n = 0;
   const auto pass = [&](int64_t n, int64_t need) {
     const int64_t full = has[kKvFull] ? (need + B - 1) / B : 0;
     int64_t sliding = 0;
@@ -376,12 +375,7 @@ absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& pla
     }
     // As mapped: each array rounded up to the allocation granularity.
     const int64_t bytes = KvPoolBytes(kKvFull, full) + KvPoolBytes(kKvSliding, sliding);
-    if (bytes > worst) {
-      worst = bytes;
-      worst_full = full;
-      worst_sliding = sliding;
-      worst_n = n;
-    }
+    if (bytes > worst.bytes) worst = {bytes, full, sliding, n};
   };
   const int64_t first = std::clamp<int64_t>(plan.first, 0, plan.positions);
   for (int64_t n = first; n < plan.positions;) {
@@ -391,14 +385,44 @@ absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& pla
     n = need;
   }
   pass(plan.positions, plan.positions);  // the decoder passes over all of them
-  if (worst <= int64_t(kv_pool_bound_)) return absl::OkStatus();
-  return absl::OutOfRangeError(
-      absl::StrCat("a sequence of ", plan.positions, " positions needs ", worst,
-                   " bytes of device K/V blocks in its pass from position ", worst_n, " (",
-                   worst_full, " full-attention and ", worst_sliding, " sliding-window blocks of ",
-                   B, " positions); the device K/V pool's bound is ", kv_pool_bound_,
-                   " bytes (--cuda_kv_pool_gb, else --cuda_memory_utilization's share of the "
-                   "device)"));
+  return worst;
+}
+
+absl::Status CudaBackend::CheckKvFits(const KvCache& like, const KvPassPlan& plan) const {
+  if (!PagedKv() || kv_pool_bound_ == 0 || plan.positions <= 0) {
+    return absl::OkStatus();
+  }
+  const KvPassBlocks worst = LargestKvPass(like, plan);
+  if (worst.bytes <= int64_t(kv_pool_bound_)) return absl::OkStatus();
+  return absl::OutOfRangeError(absl::StrCat(
+      "a sequence of ", plan.positions, " positions needs ", worst.bytes,
+      " bytes of device K/V blocks in its pass from position ", worst.from, " (", worst.full,
+      " full-attention and ", worst.sliding, " sliding-window blocks of ", options_.kv_block_size,
+      " positions); the device K/V pool's bound is ", kv_pool_bound_,
+      " bytes (--cuda_kv_pool_gb, else --cuda_memory_utilization's share of the device)"));
+}
+
+absl::Status CudaBackend::CheckKvFitsTogether(std::span<const KvSequencePlan> seqs) const {
+  if (!PagedKv() || kv_pool_bound_ == 0) return absl::OkStatus();
+  const int64_t B = options_.kv_block_size;
+  int64_t full = 0, sliding = 0;
+  for (const KvSequencePlan& s : seqs) {
+    if (s.like == nullptr) return absl::InvalidArgumentError("CheckKvFitsTogether: no cache");
+    const KvPassBlocks worst = LargestKvPass(*s.like, s.plan);
+    // A fork's whole full-attention blocks of the rows it shares are the other sequence's
+    // (TakeSharedKvBlocks); its sliding blocks are counted (the window is usually past them).
+    const int64_t shared =
+        options_.share_kv_blocks && worst.full > 0 ? std::max<int64_t>(0, s.shared_rows) / B : 0;
+    full += std::max<int64_t>(0, worst.full - shared);
+    sliding += worst.sliding;
+  }
+  const int64_t bytes = KvPoolBytes(kKvFull, full) + KvPoolBytes(kKvSliding, sliding);
+  if (bytes <= int64_t(kv_pool_bound_)) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat(seqs.size(), " sequences at their largest passes need ", bytes,
+                   " bytes of device K/V blocks at once (", full, " full-attention and ", sliding,
+                   " sliding-window blocks of ", B, " positions); the device K/V pool's bound is ",
+                   kv_pool_bound_, " bytes"));
 }
 
 }  // namespace cuda_internal

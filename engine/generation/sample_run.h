@@ -88,6 +88,12 @@ class SampleRun {
   Phase phase() const { return phase_; }
   // The canvas being denoised (or next to be); after the last one, one past its index.
   int canvas() const { return canvas_; }
+  // Whether a commit pass of this run is pending or may still come (kCommit, or a canvas before
+  // the last): the K/V rows it may still add, for a scheduler's memory check. A stop token or
+  // stop sequence may end the run sooner.
+  bool may_commit() const {
+    return phase_ == Phase::kCommit || (phase_ != Phase::kFinished && canvas_ + 1 < num_canvases_);
+  }
 
   // kStartCanvas → kDenoising: a fresh canvas (spec §4.2 Init), clamped by the template when
   // it applies; a template without holes goes to kCanvasDone (no pass). FAILED_PRECONDITION

@@ -95,6 +95,16 @@ struct KvPassPlan {
   int64_t pass_tokens = 0;
 };
 
+// One sequence of ModelBackend::CheckKvFitsTogether: its cache (or one shaped like it), its
+// passes, and `shared_rows`: rows [0, shared_rows) are rows of a sequence before it in the list
+// (a fork of the same prompt: another sample of a request), whose whole blocks a backend that
+// shares them between sequences counts once.
+struct KvSequencePlan {
+  const KvCache* like = nullptr;
+  KvPassPlan plan;
+  int64_t shared_rows = 0;
+};
+
 class ModelBackend {
  public:
   virtual ~ModelBackend() = default;
@@ -156,6 +166,19 @@ class ModelBackend {
   virtual absl::Status CheckKvFits(const KvCache& like, const KvPassPlan& plan) const {
     (void)like;
     (void)plan;
+    return absl::OkStatus();
+  }
+
+  // Whether several sequences' passes can run with all of them resident in the K/V memory this
+  // backend bounds itself, each at the largest pass of its plan at once (CheckKvFits's count per
+  // sequence, summed; blocks of shared_rows counted once where the backend shares them):
+  // RESOURCE_EXHAUSTED, naming the bytes and the bound, when the sum is over the bound; OK
+  // otherwise, and always for a backend without such memory (the CPU backend). A scheduler
+  // admits a sequence only where it fits beside those running (the denoise worker's admission),
+  // rather than have passes refused and run in parts. An upper bound: blocks cached on the
+  // device count as free, sliding-window blocks shared by forks count for each.
+  virtual absl::Status CheckKvFitsTogether(std::span<const KvSequencePlan> seqs) const {
+    (void)seqs;
     return absl::OkStatus();
   }
 };
