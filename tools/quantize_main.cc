@@ -15,6 +15,7 @@
 //                    --calibration_sudoku tools/sudoku/data/train.jsonl --calibration_limit 128
 //                    [--gptq_sequential]   (layer by layer: one layer's Hessians at a time)
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -313,9 +314,12 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   if (!read.ok()) return read.status();
   std::vector<CalibrationPrompt> prompts = *std::move(read);
   if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
+  // The ignore list against --in's modules (its safetensors headers): a list the writer would
+  // refuse is refused before the calibration runs (minutes to hours), not after.
+  const bool sequential = absl::GetFlag(FLAGS_gptq) && absl::GetFlag(FLAGS_gptq_sequential);
+  DGSERVE_RETURN_IF_ERROR(CheckIgnoreList(in, quantize->ignore, /*layer_by_layer=*/sequential));
   const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb).get().value_or(16.0);
   const auto max_bytes = int64_t(max_gb * double(int64_t{1} << 30));
-  const bool sequential = absl::GetFlag(FLAGS_gptq_sequential);
   // The Hessians, and QuantizeCheckpoint's factor of each beside them; layer by layer, one
   // layer's and the factor being made.
   const int64_t gptq_bytes = sequential ? LayerGptqBytes(config) : 2 * InputHessianBytes(config);
@@ -329,7 +333,7 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   CalibrationOptions options;
   options.max_denoising_steps = absl::GetFlag(FLAGS_calibration_steps);
-  if (absl::GetFlag(FLAGS_gptq) && sequential) {
+  if (sequential) {
     LayerGptqOptions layer;
     layer.group_size = quantize->group_size;
     layer.dampening = quantize->gptq_dampening;
@@ -436,6 +440,7 @@ absl::Status CheckCalibrationFlags(const QuantizeOptions& options, const std::st
 }
 
 absl::Status Run() {
+  const auto start = std::chrono::steady_clock::now();
   QuantizeOptions options;
   const std::string format = absl::GetFlag(FLAGS_format);
   if (format == "fp8") {
@@ -523,21 +528,39 @@ absl::Status Run() {
   }
   // (Before a calibration run, which the ignore list's modules decide.)
   DGSERVE_RETURN_IF_ERROR(CheckModulePatterns(options.ignore, "--ignore"));
+  if (options.format == WeightFormat::kNvfp4 && options.nvfp4_layout == Nvfp4Layout::kModelOpt) {
+    for (const std::string& e : options.ignore) {
+      DGSERVE_RETURN_IF_ERROR(ModelOptIgnoreGlob(e).status());  // as the writer makes them
+    }
+  }
   DGSERVE_RETURN_IF_ERROR(CheckCalibrationFlags(options, format));
   options.gptq_dampening = absl::GetFlag(FLAGS_gptq_dampening).get().value_or(0.01);
   DGSERVE_RETURN_IF_ERROR(Calibrate(absl::GetFlag(FLAGS_in), &options));
+  const double calibration_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::string out = absl::GetFlag(FLAGS_out);
   DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,
                            QuantizeCheckpoint(absl::GetFlag(FLAGS_in), out, options));
+  const double total_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const bool calibrated =
+      absl::GetFlag(FLAGS_calibration).given || absl::GetFlag(FLAGS_calibration_sudoku).given;
   const char* nvfp4_layout = s.quant.format != WeightFormat::kNvfp4 ? ""
                              : s.quant.nvfp4_compressed_tensors     ? " (compressed-tensors)"
                                                                     : " (modelopt)";
-  std::printf("wrote %s: format %s%s%s, %d modules quantized, %d kept in their dtype, in %.1f s\n",
-              out.c_str(), QuantizationName(s.quant),
-              s.quant.format != WeightFormat::kW4A16 ? ""
-              : s.quant.channel_groups               ? " (per channel)"
-                                       : absl::StrCat(" (group ", s.quant.group_size, ")").c_str(),
-              nvfp4_layout, s.quantized, s.kept, s.seconds);
+  // The whole run's time; calibrated, also the calibration's and the write's (QuantizeCheckpoint).
+  char times[96] = "";
+  if (calibrated) {
+    std::snprintf(times, sizeof(times), " (calibration %.1f s, write %.1f s)", calibration_s,
+                  s.seconds);
+  }
+  std::printf(
+      "wrote %s: format %s%s%s, %d modules quantized, %d kept in their dtype, in %.1f s%s\n",
+      out.c_str(), QuantizationName(s.quant),
+      s.quant.format != WeightFormat::kW4A16 ? ""
+      : s.quant.channel_groups               ? " (per channel)"
+                               : absl::StrCat(" (group ", s.quant.group_size, ")").c_str(),
+      nvfp4_layout, s.quantized, s.kept, total_s, times);
   if (!options.gptq_hessians.empty() || !options.w4a16_modules.empty()) {
     std::printf(
         "gptq: %d modules by GPTQ, %d rounded to nearest (no Hessian: experts no calibration "

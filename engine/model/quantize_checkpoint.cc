@@ -3,7 +3,6 @@
 #include "engine/model/quantize_checkpoint.h"
 
 #include <algorithm>
-#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -32,14 +31,6 @@
 
 namespace dgserve {
 namespace {
-
-// The decoder name of a module: the encoder alias of a backbone module shares its decoder
-// module's weights (and the calibration's names are the decoder's).
-std::string DecoderModuleName(const std::string& module) {
-  return absl::StartsWith(module, "model.encoder.language_model.")
-             ? absl::StrCat("model.decoder.", module.substr(29))
-             : module;
-}
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -344,36 +335,6 @@ void AddNvfp4(const std::string& module, const Rows& r, std::shared_ptr<FusedAma
                   }});
 }
 
-// A compressed-tensors ignore entry as a ModelOpt exclude pattern (fnmatch): "re:.*X.*" → "*X*",
-// "re:X" → "X*" (compressed-tensors matches from the start), a plain name as it is; regular
-// expressions beyond that are refused.
-absl::StatusOr<std::string> IgnoreToGlob(const std::string& e) {
-  if (!absl::StartsWith(e, "re:")) return e;
-  std::string body = e.substr(3);
-  const bool lead = absl::StartsWith(body, ".*");
-  if (lead) body = body.substr(2);
-  if (absl::EndsWith(body, ".*")) body.resize(body.size() - 2);
-  std::string name;
-  for (size_t i = 0; i < body.size(); ++i) {
-    const char ch = body[i];
-    if (ch == '\\' && i + 1 < body.size() && body[i + 1] == '.') {
-      name += '.';
-      ++i;
-      continue;
-    }
-    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_') {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--format nvfp4 writes ModelOpt exclude_modules (fnmatch patterns): the ignore entry '",
-          e,
-          "' is not of the form re:.*NAME.*, re:NAME or a module name; give a pattern such "
-          "as *NAME* (or write --nvfp4_layout compressed-tensors, whose ignore list takes "
-          "regular expressions)"));
-    }
-    name += ch;
-  }
-  return absl::StrCat(lead ? "*" : "", name, "*");
-}
-
 // An unquantized copy of rows r (an ignored expert module): the source dtype, bytes as they are.
 void AddCopy(const std::string& name, const Rows& r, std::vector<TensorSource>* out) {
   const size_t es = DTypeSize(r.view->dtype);
@@ -530,7 +491,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   if (q.format == WeightFormat::kNvfp4 && !ct_nvfp4) {
     q.ignore.clear();
     for (const std::string& e : options.ignore) {
-      DGSERVE_ASSIGN_OR_RETURN(std::string g, IgnoreToGlob(e));
+      DGSERVE_ASSIGN_OR_RETURN(std::string g, ModelOptIgnoreGlob(e));
       q.ignore.push_back(g);
     }
   }
@@ -555,6 +516,9 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   std::vector<std::string> not_divisible;
 
   DGSERVE_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::OpenDir(in));
+  // (As dgserve-quantize does before calibrating: from the headers, before anything is read.)
+  DGSERVE_RETURN_IF_ERROR(CheckIgnoreList(config, reader.tensors(), options.ignore,
+                                          /*layer_by_layer=*/!options.w4a16_modules.empty()));
   // Linear modules: the 2-D linear weights of the tensor list (not the embedding).
   std::set<std::string> linear;
   for (const TensorSpec& s : ExpectedTensors(config)) {
@@ -587,13 +551,6 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
       q.ignore.push_back(module);
       not_divisible.push_back(module);
     }
-    if (!options.w4a16_modules.empty() && module != DecoderModuleName(module) &&
-        q.Quantizes(module) != q.Quantizes(DecoderModuleName(module)) && gptq_refused.ok()) {
-      // Layer-by-layer GPTQ decided by the decoder name what the later layers were calibrated on.
-      gptq_refused = absl::InvalidArgumentError(absl::StrCat(
-          "the ignore list treats ", module, " and its decoder module ", DecoderModuleName(module),
-          " differently: layer-by-layer GPTQ needs both quantized or both kept"));
-    }
     if (q.Quantizes(module)) {
       ++quantized;
       ++progress->tensors;
@@ -610,7 +567,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         }
         float amax = -1.0f;  // no calibration
         if (calibrated) {
-          const auto it = options.input_amax.find(DecoderModuleName(module));
+          const auto it = options.input_amax.find(QuantizeDecoderModuleName(module));
           if (it != options.input_amax.end()) {
             amax = it->second;
           } else if (missing_amax.ok()) {
@@ -626,7 +583,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
         std::shared_ptr<const W4a16Packed> given;
         const int group = q.channel_groups ? r.cols : q.group_size;
         if (!options.w4a16_modules.empty()) {
-          const std::string decoder = DecoderModuleName(module);
+          const std::string decoder = QuantizeDecoderModuleName(module);
           const auto it = options.w4a16_modules.find(decoder);
           if (it != options.w4a16_modules.end()) {
             given = it->second;
@@ -647,7 +604,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
           ++(given != nullptr && given->gptq ? gptq : rtn_without_hessian);
         }
         if (!options.gptq_hessians.empty()) {
-          const auto it = options.gptq_hessians.find(DecoderModuleName(module));
+          const auto it = options.gptq_hessians.find(QuantizeDecoderModuleName(module));
           if (it != options.gptq_hessians.end() && gptq_refused.ok()) {
             const InputHessian& h = *it->second;
             std::shared_ptr<const GptqFactor>& f = factors[&h];
@@ -707,13 +664,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
       }
       for (int e = 0; e < experts; ++e) {
         const std::string prefix = absl::StrCat(base, ".", e, ".");
-        if (gate_up && q.Quantizes(prefix + "gate_proj") != q.Quantizes(prefix + "up_proj")) {
-          // The loader (and vLLM's fused MoE) runs an expert's gate and up as one matrix.
-          return absl::InvalidArgumentError(
-              absl::StrCat("the ignore list quantizes one of ", prefix, "gate_proj and ", prefix,
-                           "up_proj only: an expert's gate and up are one matrix, both quantized "
-                           "or both kept"));
-        }
+        // (An expert's gate and up are both quantized or both kept: CheckIgnoreList.)
         if (gate_up) {
           module_rows(prefix + "gate_proj", {&v, int64_t(e) * rows, rows / 2, cols});
           module_rows(prefix + "up_proj", {&v, int64_t(e) * rows + rows / 2, rows / 2, cols});

@@ -89,10 +89,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/model/config.h"
 #include "engine/model/gptq.h"
 #include "engine/model/quant_config.h"
 #include "engine/model/safetensors.h"
@@ -175,12 +177,43 @@ struct QuantizeSummary {
 // as it was.
 absl::Status CheckQuantizePaths(const std::string& in, const std::string& out);
 
+// The decoder name of a module: the encoder alias `model.encoder.language_model.X` of a backbone
+// module is `model.decoder.X` (it shares its weights; calibration names are the decoder's).
+std::string QuantizeDecoderModuleName(const std::string& module);
+
+// The Linear modules QuantizeCheckpoint visits in a checkpoint of `config` whose tensors (names
+// and shapes only: no data is read) are `tensors`: each 2-D Linear or router weight's module
+// (an encoder alias as itself), and the fused experts unfused, `BASE.{e}.gate_proj`,
+// `BASE.{e}.up_proj` and `BASE.{e}.down_proj`.
+std::vector<std::string> QuantizableModules(const ModelConfig& config,
+                                            std::span<const TensorView> tensors);
+
+// The ignore list's checks against the checkpoint's modules (QuantizableModules: the headers
+// only), run by dgserve-quantize before any calibration and by QuantizeCheckpoint:
+// INVALID_ARGUMENT when `ignore` (compressed-tensors entries) has an entry that is not a regular
+// expression, quantizes one of an expert's gate_proj and up_proj only (the loader runs them as
+// one matrix), leaves no module to quantize (naming the list), or, with `layer_by_layer`
+// (layer-by-layer GPTQ, which quantizes by decoder name), treats an encoder alias unlike its
+// decoder module.
+absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorView> tensors,
+                             const std::vector<std::string>& ignore, bool layer_by_layer);
+// The same from checkpoint directory `in`: its config.json and safetensors headers (errors as
+// ParseModelConfig and SafetensorsReader::OpenDir).
+absl::Status CheckIgnoreList(const std::string& in, const std::vector<std::string>& ignore,
+                             bool layer_by_layer);
+
+// A compressed-tensors ignore entry as the ModelOpt NVFP4 layout's exclude pattern (fnmatch):
+// "re:.*X.*" → "*X*", "re:X" → "X*" (compressed-tensors matches from the start), a plain name
+// as it is; any other regular expression is INVALID_ARGUMENT naming the entry (dgserve-quantize
+// checks every entry before calibrating).
+absl::StatusOr<std::string> ModelOptIgnoreGlob(const std::string& entry);
+
 // Reads the bf16 checkpoint `in` and writes the quantized one to `out` (created if needed).
 // INVALID_ARGUMENT for a checkpoint that is already quantized or holds non-finite weights, a bad
 // format or group size, an NVFP4 layout or weight-only NVFP4 with another format, weight-only
 // NVFP4 in ModelOpt's layout, an ignore entry the ModelOpt nvfp4 layout cannot write as a
-// pattern, an ignore list that quantizes one of an expert's gate and up only (the loader runs
-// them as one matrix and refuses such a checkpoint); I/O errors name the path.
+// pattern, an ignore list CheckIgnoreList refuses (layer_by_layer when w4a16_modules are given)
+// before anything is quantized; I/O errors name the path.
 absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const std::string& out,
                                                    const QuantizeOptions& options);
 

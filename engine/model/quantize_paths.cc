@@ -1,21 +1,146 @@
-// dgserve-quantize's default ignore list and its --in / --out checks (quantize_checkpoint.h),
-// apart from the checkpoint writer: they read no tensor.
+// dgserve-quantize's default ignore list, its --in / --out checks and its ignore-list checks
+// (quantize_checkpoint.h), apart from the checkpoint writer: they read no tensor.
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <set>
+#include <span>
 #include <string>
 #include <system_error>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "engine/model/config.h"
 #include "engine/model/quantize_checkpoint.h"
+#include "engine/model/tensor_names.h"
 
 namespace dgserve {
 
 namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kEncoderAlias[] = "model.encoder.language_model.";
+
+}  // namespace
+
+std::string QuantizeDecoderModuleName(const std::string& module) {
+  return absl::StartsWith(module, kEncoderAlias)
+             ? absl::StrCat("model.decoder.", module.substr(sizeof(kEncoderAlias) - 1))
+             : module;
+}
+
+std::vector<std::string> QuantizableModules(const ModelConfig& config,
+                                            std::span<const TensorView> tensors) {
+  std::set<std::string> linear;
+  for (const TensorSpec& s : ExpectedTensors(config)) {
+    if (s.shape.size() == 2 && absl::EndsWith(s.name, ".weight") &&
+        (s.family == InitFamily::kLinear || s.family == InitFamily::kRouter)) {
+      linear.insert(s.name);
+    }
+  }
+  std::vector<std::string> out;
+  for (const TensorView& v : tensors) {
+    const bool gate_up = absl::EndsWith(v.name, ".experts.gate_up_proj");
+    const bool down = absl::EndsWith(v.name, ".experts.down_proj");
+    if ((gate_up || down) && v.shape.size() == 3) {
+      const std::string base = v.name.substr(0, v.name.rfind('.'));
+      for (int64_t e = 0; e < v.shape[0]; ++e) {
+        const std::string prefix = absl::StrCat(base, ".", e, ".");
+        if (gate_up) {
+          out.push_back(prefix + "gate_proj");
+          out.push_back(prefix + "up_proj");
+        } else {
+          out.push_back(prefix + "down_proj");
+        }
+      }
+    } else if (v.shape.size() == 2 && linear.count(QuantizeDecoderModuleName(v.name)) != 0) {
+      out.push_back(v.name.substr(0, v.name.size() - 7));  // without ".weight"
+    }
+  }
+  return out;
+}
+
+absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorView> tensors,
+                             const std::vector<std::string>& ignore, bool layer_by_layer) {
+  DGSERVE_RETURN_IF_ERROR(CheckModulePatterns(ignore, "the ignore list's"));
+  QuantizationConfig q;  // compressed-tensors' matching (ModelOpt's patterns are made from it)
+  q.format = WeightFormat::kW4A16;
+  q.targets = {"Linear"};
+  q.ignore = ignore;
+  const std::vector<std::string> modules = QuantizableModules(config, tensors);
+  int quantized = 0;
+  for (const std::string& module : modules) {
+    const bool quantizes = q.Quantizes(module);
+    quantized += quantizes;
+    if (absl::EndsWith(module, ".gate_proj") && absl::StrContains(module, ".experts.")) {
+      // The loader (and vLLM's fused MoE) runs an expert's gate and up as one matrix.
+      const std::string prefix = module.substr(0, module.size() - 9);  // "….experts.E."
+      if (quantizes != q.Quantizes(prefix + "up_proj")) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the ignore list quantizes one of ", prefix, "gate_proj and ", prefix,
+                         "up_proj only: an expert's gate and up are one matrix, both quantized "
+                         "or both kept"));
+      }
+    }
+    const std::string decoder = QuantizeDecoderModuleName(module);
+    if (layer_by_layer && decoder != module && quantizes != q.Quantizes(decoder)) {
+      // Layer-by-layer GPTQ decides by the decoder name what the later layers are calibrated on.
+      return absl::InvalidArgumentError(
+          absl::StrCat("the ignore list treats ", module, " and its decoder module ", decoder,
+                       " differently: layer-by-layer GPTQ needs both quantized or both kept"));
+    }
+  }
+  if (!modules.empty() && quantized == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the ignore list '", absl::StrJoin(ignore, ","), "' leaves no module to quantize: it ",
+        "matches every one of the checkpoint's ", modules.size(), " Linear modules"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ModelOptIgnoreGlob(const std::string& e) {
+  if (!absl::StartsWith(e, "re:")) return e;
+  std::string body = e.substr(3);
+  const bool lead = absl::StartsWith(body, ".*");
+  if (lead) body = body.substr(2);
+  if (absl::EndsWith(body, ".*")) body.resize(body.size() - 2);
+  std::string name;
+  for (size_t i = 0; i < body.size(); ++i) {
+    const char ch = body[i];
+    if (ch == '\\' && i + 1 < body.size() && body[i + 1] == '.') {
+      name += '.';
+      ++i;
+      continue;
+    }
+    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--format nvfp4 writes ModelOpt exclude_modules (fnmatch patterns): the ignore entry '",
+          e,
+          "' is not of the form re:.*NAME.*, re:NAME or a module name; give a pattern such "
+          "as *NAME* (or write --nvfp4_layout compressed-tensors, whose ignore list takes "
+          "regular expressions)"));
+    }
+    name += ch;
+  }
+  return absl::StrCat(lead ? "*" : "", name, "*");
+}
+
+absl::Status CheckIgnoreList(const std::string& in, const std::vector<std::string>& ignore,
+                             bool layer_by_layer) {
+  const std::string config_path = (fs::path(in) / "config.json").string();
+  DGSERVE_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path));
+  DGSERVE_ASSIGN_OR_RETURN(const ModelConfig config, ParseModelConfig(text, config_path));
+  DGSERVE_ASSIGN_OR_RETURN(const SafetensorsReader reader, SafetensorsReader::OpenDir(in));
+  return CheckIgnoreList(config, reader.tensors(), ignore, layer_by_layer);
+}
 
 std::vector<std::string> DefaultQuantizeIgnore() {
   return {"lm_head", "re:.*embed_tokens.*", "re:.*router.*", "re:.*norm.*",

@@ -4,15 +4,18 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "common/testing/status_matchers.h"
 #include "engine/model/checkpoint_testing.h"
 #include "engine/model/quantize_checkpoint.h"
+#include "engine/model/tensor_names.h"
 
 namespace dgserve {
 namespace {
@@ -126,6 +129,117 @@ TEST_F(QuantizePathsTest, InInsideOutIsQuantizedLeavingInUnchanged) {
   text << config.rdbuf();
   EXPECT_THAT(text.str(), HasSubstr("\"quantization_config\""));
   EXPECT_TRUE(fs::exists(base_ / "parent" / "model.safetensors"));
+}
+
+// TinyConfig's tensors as headers only (names and shapes, no data), and with an encoder alias:
+// the decoder tensors of layer 0's attention also under model.encoder.language_model.
+std::vector<TensorView> TinyHeaders(bool encoder_alias) {
+  std::vector<TensorView> out;
+  for (const TensorSpec& s : ExpectedTensors(::dgserve::testing::TinyConfig())) {
+    TensorView v;
+    v.name = s.name;
+    v.shape = s.shape;
+    out.push_back(v);
+    if (encoder_alias && s.name.starts_with("model.decoder.layers.0.self_attn.")) {
+      v.name = "model.encoder.language_model." + s.name.substr(14);
+      out.push_back(v);
+    }
+  }
+  return out;
+}
+
+TEST(CheckIgnoreListTest, ModulesAreTheLinearOnesWithExpertsUnfused) {
+  const ModelConfig c = ::dgserve::testing::TinyConfig();
+  const std::vector<std::string> modules = QuantizableModules(c, TinyHeaders(true));
+  auto has = [&](const std::string& m) {
+    return std::find(modules.begin(), modules.end(), m) != modules.end();
+  };
+  EXPECT_TRUE(has("model.decoder.layers.0.self_attn.q_proj"));
+  EXPECT_TRUE(has("model.encoder.language_model.layers.0.self_attn.q_proj"));
+  EXPECT_TRUE(has("model.decoder.layers.1.experts.3.gate_proj"));
+  EXPECT_TRUE(has("model.decoder.layers.1.experts.3.up_proj"));
+  EXPECT_TRUE(has("model.decoder.layers.1.experts.3.down_proj"));
+  EXPECT_FALSE(has("model.decoder.layers.1.experts.4.gate_proj"));  // 4 experts
+  EXPECT_FALSE(has("model.decoder.embed_tokens"));
+  EXPECT_FALSE(has("model.decoder.layers.0.input_layernorm"));
+  EXPECT_EQ(QuantizeDecoderModuleName("model.encoder.language_model.layers.2.mlp.up_proj"),
+            "model.decoder.layers.2.mlp.up_proj");
+  EXPECT_EQ(QuantizeDecoderModuleName("model.decoder.layers.2.mlp.up_proj"),
+            "model.decoder.layers.2.mlp.up_proj");
+}
+
+// The ignore lists the writer refuses, found from the headers alone.
+TEST(CheckIgnoreListTest, RefusesWhatTheWriterWouldRefuse) {
+  const ModelConfig c = ::dgserve::testing::TinyConfig();
+  const std::vector<TensorView> plain = TinyHeaders(false), alias = TinyHeaders(true);
+  std::vector<std::string> ignore = DefaultQuantizeIgnore();
+  EXPECT_THAT(CheckIgnoreList(c, alias, ignore, true), IsOk());
+  // One of an expert's gate and up only, in either order and by any entry.
+  for (const std::string proj : {"gate_proj", "up_proj"}) {
+    ignore = DefaultQuantizeIgnore();
+    ignore.push_back("model.decoder.layers.1.experts.2." + proj);
+    EXPECT_THAT(CheckIgnoreList(c, plain, ignore, false),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("the ignore list quantizes one of "
+                                   "model.decoder.layers.1.experts.2.gate_proj and "
+                                   "model.decoder.layers.1.experts.2.up_proj only: an expert's "
+                                   "gate and up are one matrix, both quantized or both kept")));
+  }
+  ignore = DefaultQuantizeIgnore();
+  ignore.push_back("re:.*experts[.]2[.](gate|up)_proj$");  // both: allowed
+  EXPECT_THAT(CheckIgnoreList(c, plain, ignore, false), IsOk());
+  // An encoder alias kept and its decoder module quantized: refused layer by layer only.
+  ignore = DefaultQuantizeIgnore();
+  ignore.push_back("re:model[.]encoder[.].*k_proj$");
+  EXPECT_THAT(CheckIgnoreList(c, alias, ignore, false), IsOk());
+  EXPECT_THAT(CheckIgnoreList(c, alias, ignore, true),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the ignore list treats "
+                                 "model.encoder.language_model.layers.0.self_attn.k_proj and its "
+                                 "decoder module model.decoder.layers.0.self_attn.k_proj "
+                                 "differently: layer-by-layer GPTQ needs both quantized")));
+  EXPECT_THAT(CheckIgnoreList(c, plain, ignore, true), IsOk());  // no alias in the checkpoint
+  // Nothing left to quantize, for any caller.
+  for (const std::vector<std::string>& all :
+       {std::vector<std::string>{"re:.*"}, {"re:.*proj.*", "lm_head", "re:.*router.*"}}) {
+    for (bool layer_by_layer : {false, true}) {
+      EXPECT_THAT(CheckIgnoreList(c, alias, all, layer_by_layer),
+                  StatusIs(absl::StatusCode::kInvalidArgument,
+                           AllOf(HasSubstr("the ignore list '" + all[0]),
+                                 HasSubstr("' leaves no module to quantize"))));
+    }
+  }
+  EXPECT_THAT(CheckIgnoreList(c, plain, {"re:(["}, false),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'re:([' is not a regular")));
+}
+
+// QuantizeCheckpoint refuses the same before writing anything; the directory form reads the
+// headers of a checkpoint on disk.
+TEST_F(QuantizePathsTest, QuantizeCheckpointRefusesAnIgnoreListThatLeavesNothing) {
+  ASSERT_THAT(
+      WriteRandomCheckpoint(::dgserve::testing::TinyConfig(), GenerationConfig{}, 7, in_.string()),
+      IsOk());
+  QuantizeOptions options;
+  options.progress = false;
+  options.ignore = {"re:.*"};
+  EXPECT_THAT(CheckIgnoreList(in_.string(), options.ignore, false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the ignore list 're:.*' leaves no module to quantize")));
+  for (WeightFormat f : {WeightFormat::kFp8, WeightFormat::kW4A16, WeightFormat::kNvfp4}) {
+    options.format = f;
+    EXPECT_THAT(QuantizeCheckpoint(in_.string(), (base_ / "out").string(), options).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("the ignore list 're:.*' leaves no module to quantize")));
+    EXPECT_FALSE(fs::exists(base_ / "out"));
+  }
+  options.format = WeightFormat::kFp8;
+  options.ignore = {"model.decoder.layers.0.experts.1.up_proj"};
+  EXPECT_THAT(QuantizeCheckpoint(in_.string(), (base_ / "out").string(), options).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("quantizes one of model.decoder.layers.0.experts.1.gate_proj")));
+  EXPECT_FALSE(fs::exists(base_ / "out"));
+  EXPECT_THAT(CheckIgnoreList((base_ / "missing").string(), options.ignore, false),
+              StatusIs(absl::StatusCode::kNotFound));
 }
 
 }  // namespace
