@@ -12,22 +12,110 @@
 namespace dgserve {
 namespace {
 
+// Every loop below keeps the order of each element's operations of the straightforward
+// column-by-column forms (each sum in the order of its index, from the same start), so the
+// results are bit for bit theirs (gptq_test.cc keeps those forms and compares): only the order
+// in which elements are computed changes, for cache reuse and threads.
+
 // The lower Cholesky factor of the symmetric a [n, n] (row-major) in its lower triangle, in
-// place; false when a pivot is not positive (a not positive definite).
+// place; false when a pivot is not positive (a not positive definite). Blocked right-looking in
+// panels of kPanel columns: element (i, j) starts from a[i][j] and subtracts a[i][k]·a[j][k] for
+// k = 0, 1, …, j − 1 in that order, then is divided by the pivot, as in the column-by-column form.
 bool CholeskyLower(std::vector<double>& a, int n) {
-  for (int j = 0; j < n; ++j) {
-    double d = a[size_t(j) * n + j];
-    for (int k = 0; k < j; ++k) d -= a[size_t(j) * n + k] * a[size_t(j) * n + k];
-    if (!(d > 0.0)) return false;
-    d = std::sqrt(d);
-    a[size_t(j) * n + j] = d;
-    for (int i = j + 1; i < n; ++i) {
-      double s = a[size_t(i) * n + j];
-      for (int k = 0; k < j; ++k) s -= a[size_t(i) * n + k] * a[size_t(j) * n + k];
-      a[size_t(i) * n + j] = s / d;
+  constexpr int kPanel = 32;
+  const bool par = n >= 256;
+  double* const m = a.data();
+  std::vector<double> panel;  // [kPanel, n]: panel[k − k0][j] = a[j][k] (the panel transposed)
+  for (int k0 = 0; k0 < n; k0 += kPanel) {
+    const int k1 = std::min(n, k0 + kPanel), b = k1 - k0;
+    // The diagonal block, column by column (its elements hold the updates of the columns < k0).
+    for (int j = k0; j < k1; ++j) {
+      double* aj = m + size_t(j) * n;
+      double d = aj[j];
+      for (int k = k0; k < j; ++k) d -= aj[k] * aj[k];
+      if (!(d > 0.0)) return false;
+      d = std::sqrt(d);
+      aj[j] = d;
+      for (int i = j + 1; i < k1; ++i) {
+        double* ai = m + size_t(i) * n;
+        double s = ai[j];
+        for (int k = k0; k < j; ++k) s -= ai[k] * aj[k];
+        ai[j] = s / d;
+      }
+    }
+    if (k1 == n) break;
+      // The panel's rows below the block: each row on its own.
+#pragma omp parallel for schedule(static) if (par)
+    for (int i = k1; i < n; ++i) {
+      double* ai = m + size_t(i) * n;
+      for (int j = k0; j < k1; ++j) {
+        const double* aj = m + size_t(j) * n;
+        double s = ai[j];
+        for (int k = k0; k < j; ++k) s -= ai[k] * aj[k];
+        ai[j] = s / aj[j];
+      }
+    }
+    // The trailing lower triangle takes the panel's columns, k in order for each element.
+    panel.resize(size_t(b) * n);
+#pragma omp parallel for schedule(static) if (par)
+    for (int j = k1; j < n; ++j) {
+      for (int k = 0; k < b; ++k) panel[size_t(k) * n + j] = m[size_t(j) * n + k0 + k];
+    }
+#pragma omp parallel for schedule(dynamic, 16) if (par)
+    for (int i = k1; i < n; ++i) {
+      double* ai = m + size_t(i) * n;
+      const double* li = ai + k0;
+      int j = k1;
+      for (; j + 8 <= i + 1; j += 8) {
+        double r[8];
+        for (int t = 0; t < 8; ++t) r[t] = ai[j + t];
+        for (int k = 0; k < b; ++k) {
+          const double l = li[k];
+          const double* p = panel.data() + size_t(k) * n + j;
+          for (int t = 0; t < 8; ++t) r[t] -= l * p[t];
+        }
+        for (int t = 0; t < 8; ++t) ai[j + t] = r[t];
+      }
+      for (; j <= i; ++j) {
+        double r = ai[j];
+        for (int k = 0; k < b; ++k) r -= li[k] * panel[size_t(k) * n + j];
+        ai[j] = r;
+      }
     }
   }
   return true;
+}
+
+// Column c of L⁻¹ (L lower [n, n] row-major), written to col (zero below index c on entry):
+// col[c] = 1 / L[c][c], col[i] = −(Σ_{k=c}^{i−1} L[i][k]·col[k]) / L[i][i], each sum from 0.0 in
+// k's order, for rows [c, end).
+void InverseColumnRows(const double* l, int n, int c, int end, double* col) {
+  col[c] = 1.0 / l[size_t(c) * n + c];
+  for (int i = c + 1; i < end; ++i) {
+    const double* li = l + size_t(i) * n;
+    double s = 0.0;
+    for (int k = c; k < i; ++k) s += li[k] * col[k];
+    col[i] = -s / li[i];
+  }
+}
+
+// Columns c0 … c0 + 3 of L⁻¹ together (as InverseColumnRows each): rows up to c0 + 3 one column
+// at a time, then each row of L read once for the four (four independent sums).
+void InverseFourColumns(const double* l, int n, int c0, double* x0) {
+  double* x[4] = {x0, x0 + n, x0 + 2 * size_t(n), x0 + 3 * size_t(n)};
+  const int end = std::min(n, c0 + 4);
+  for (int t = 0; t < 4; ++t) InverseColumnRows(l, n, c0 + t, end, x[t]);
+  for (int i = c0 + 4; i < n; ++i) {
+    const double* li = l + size_t(i) * n;
+    double s[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int t = 0; t < 3; ++t) {
+      for (int k = c0 + t; k < c0 + 3; ++k) s[t] += li[k] * x[t][k];
+    }
+    for (int k = c0 + 3; k < i; ++k) {
+      for (int t = 0; t < 4; ++t) s[t] += li[k] * x[t][k];
+    }
+    for (int t = 0; t < 4; ++t) x[t][i] = -s[t] / li[i];
+  }
 }
 
 }  // namespace
@@ -114,15 +202,15 @@ absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double
   if (!CholeskyLower(h, n)) return not_definite();
   // L⁻¹, lower, stored transposed (column c of L⁻¹ is row c here: the columns are independent).
   std::vector<double> linv_t(size_t(n) * n, 0.0);
-#pragma omp parallel for schedule(dynamic, 8) if (n >= 256)
-  for (int c = 0; c < n; ++c) {
-    double* col = linv_t.data() + size_t(c) * n;
-    col[c] = 1.0 / h[size_t(c) * n + c];
-    for (int i = c + 1; i < n; ++i) {
-      const double* li = h.data() + size_t(i) * n;
-      double s = 0.0;
-      for (int k = c; k < i; ++k) s += li[k] * col[k];
-      col[i] = -s / li[i];
+  const int quads = n / 4;
+#pragma omp parallel for schedule(dynamic, 2) if (n >= 256)
+  for (int q = 0; q <= quads; ++q) {
+    if (q < quads) {
+      InverseFourColumns(h.data(), n, 4 * q, linv_t.data() + size_t(4 * q) * n);
+    } else {
+      for (int c = 4 * quads; c < n; ++c) {
+        InverseColumnRows(h.data(), n, c, n, linv_t.data() + size_t(c) * n);
+      }
     }
   }
   std::vector<double>().swap(h);            // (the working copies freed as they are done with)
@@ -130,7 +218,16 @@ absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double
 #pragma omp parallel for schedule(dynamic, 8) if (n >= 256)
   for (int i = 0; i < n; ++i) {
     const double* ci = linv_t.data() + size_t(i) * n;
-    for (int j = 0; j <= i; ++j) {
+    int j = 0;
+    for (; j + 4 <= i + 1; j += 4) {  // four entries of the row at once: column i read once
+      const double* cj = linv_t.data() + size_t(j) * n;
+      double s[4] = {0.0, 0.0, 0.0, 0.0};
+      for (int k = i; k < n; ++k) {
+        for (int t = 0; t < 4; ++t) s[t] += ci[k] * cj[size_t(t) * n + k];
+      }
+      for (int t = 0; t < 4; ++t) hinv[size_t(i) * n + j + t] = hinv[size_t(j + t) * n + i] = s[t];
+    }
+    for (; j <= i; ++j) {
       const double* cj = linv_t.data() + size_t(j) * n;
       double s = 0.0;
       for (int k = i; k < n; ++k) s += ci[k] * cj[k];
@@ -141,6 +238,7 @@ absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double
   if (!CholeskyLower(hinv, n)) return not_definite();
   // U[i][j] = M[j][i] for j ≥ i, M the lower factor now in hinv: row-major, read along rows.
   f.u.assign(size_t(n) * n, 0.0);
+#pragma omp parallel for schedule(static) if (n >= 256)
   for (int i = 0; i < n; ++i) {
     for (int j = i; j < n; ++j) f.u[size_t(i) * n + j] = hinv[size_t(j) * n + i];
   }
@@ -164,30 +262,82 @@ absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int row
   W4a16Weights out;
   out.codes.resize(size_t(rows) * cols);
   out.scales.resize(size_t(rows) * groups);
-  // Each row on its own (the updates stay within a row).
-#pragma omp parallel for schedule(static) if (int64_t(rows) * cols * cols >= (1 << 22))
-  for (int r = 0; r < rows; ++r) {
-    std::vector<double> row(w.begin() + size_t(r) * n, w.begin() + size_t(r + 1) * n);
-    for (int i = 0; i < n; ++i) {
-      if (factor.dead[i]) row[i] = 0.0;
-    }
-    float s = 1.0f;
-    for (int i = 0; i < n; ++i) {
-      if (i % group == 0) {  // the group's scale from its weights as updated so far
-        float absmax = 0.0f;
-        for (int c = i; c < std::min(n, i + group); ++c) {
-          absmax = std::max(absmax, float(std::fabs(row[c])));
-        }
-        const uint16_t sb = W4a16GroupScale(absmax);
-        out.scales[size_t(r) * groups + i / group] = sb;
-        s = Bf16ToFloat(sb);
+  // Each row on its own (the updates stay within a row), as the row-by-row form: column i
+  // rounded, then row[j] −= err_i · U[i][j] for every j > i. Here kTile rows at a time, so that
+  // each row of U (the factor is n² doubles, far beyond the caches at real width) is read once
+  // per tile instead of once per row, and in blocks of at most kBlock columns that end at group
+  // starts: within a block the updates reach the block's own columns at once, the columns after
+  // it take the block's kBlock updates together, in i's order, when the block is done. Each
+  // element so takes every update in the order of the row-by-row form, and a group's scale, read
+  // at a block start, sees all of the updates before it: the same bits.
+  constexpr int kTile = 16, kBlock = 32;
+  const int tiles = (rows + kTile - 1) / kTile;
+  const double* const u = factor.u.data();
+#pragma omp parallel if (int64_t(rows) * cols * cols >= (1 << 22) && tiles > 1)
+  {
+    std::vector<double> buf(size_t(kTile) * n);  // the tile's rows as updated so far
+    double errs[kTile][kBlock];                  // each row's errors of the current block
+    float scale[kTile];                          // each row's current group's scale
+#pragma omp for schedule(dynamic, 1)
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int r0 = tile * kTile, nt = std::min(kTile, rows - r0);
+      for (int t = 0; t < nt; ++t) {
+        double* row = buf.data() + size_t(t) * n;
+        const float* src = w.data() + size_t(r0 + t) * n;
+        for (int i = 0; i < n; ++i) row[i] = factor.dead[i] ? 0.0 : double(src[i]);
+        scale[t] = 1.0f;
       }
-      const int code = W4a16Code(float(row[i]), s);
-      out.codes[size_t(r) * n + i] = int8_t(code);
-      // The rounding error, spread over the columns not yet rounded.
-      const double* ui = factor.u.data() + size_t(i) * n;
-      const double err = (row[i] - double(code) * double(s)) / ui[i];
-      for (int j = i + 1; j < n; ++j) row[j] -= err * ui[j];
+      for (int b = 0; b < n;) {
+        const int e = int(
+            std::min<int64_t>({int64_t(n), int64_t(b) + kBlock, (int64_t(b) / group + 1) * group}));
+        for (int i = b; i < e; ++i) {
+          const double* ui = u + size_t(i) * n;
+          for (int t = 0; t < nt; ++t) {
+            double* row = buf.data() + size_t(t) * n;
+            const size_t r = size_t(r0 + t);
+            if (i % group == 0) {  // the group's scale from its weights as updated so far
+              float absmax = 0.0f;
+              const int c1 = int(std::min<int64_t>(n, int64_t(i) + group));
+              for (int c = i; c < c1; ++c) absmax = std::max(absmax, float(std::fabs(row[c])));
+              const uint16_t sb = W4a16GroupScale(absmax);
+              out.scales[r * groups + i / group] = sb;
+              scale[t] = Bf16ToFloat(sb);
+            }
+            const float s = scale[t];
+            const int code = W4a16Code(float(row[i]), s);
+            out.codes[r * n + i] = int8_t(code);
+            // The rounding error, spread over the block's columns not yet rounded.
+            const double err = (row[i] - double(code) * double(s)) / ui[i];
+            errs[t][i - b] = err;
+            for (int j = i + 1; j < e; ++j) row[j] -= err * ui[j];
+          }
+        }
+        // The block's errors, spread over the columns after it (eight at a time per row, the
+        // block's U rows for those columns staying in the cache across the tile's rows).
+        const int nb = e - b;
+        int j = e;
+        for (; j + 8 <= n; j += 8) {
+          for (int t = 0; t < nt; ++t) {
+            double* row = buf.data() + size_t(t) * n + j;
+            double x[8];
+            for (int c = 0; c < 8; ++c) x[c] = row[c];
+            for (int k = 0; k < nb; ++k) {
+              const double ek = errs[t][k];
+              const double* uk = u + size_t(b + k) * n + j;
+              for (int c = 0; c < 8; ++c) x[c] -= ek * uk[c];
+            }
+            for (int c = 0; c < 8; ++c) row[c] = x[c];
+          }
+        }
+        for (; j < n; ++j) {
+          for (int t = 0; t < nt; ++t) {
+            double x = buf[size_t(t) * n + j];
+            for (int k = 0; k < nb; ++k) x -= errs[t][k] * u[size_t(b + k) * n + j];
+            buf[size_t(t) * n + j] = x;
+          }
+        }
+        b = e;
+      }
     }
   }
   return out;
