@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -15,7 +16,44 @@ namespace {
 // Every loop below keeps the order of each element's operations of the straightforward
 // column-by-column forms (each sum in the order of its index, from the same start), so the
 // results are bit for bit theirs (gptq_test.cc keeps those forms and compares): only the order
-// in which elements are computed changes, for cache reuse and threads.
+// in which elements are computed changes, for cache reuse and threads. The kernels below are
+// cloned for AVX-512F, AVX2 and the baseline (an ifunc picks one at load): each element's
+// multiplies and subtractions are the same IEEE operations at any vector width, and gptq.cc is
+// built with -ffp-contract=off (no fused multiply-adds), so every clone gives the same bits.
+#if defined(__clang__)
+#define DGSERVE_GPTQ_CLONES
+#else
+#define DGSERVE_GPTQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+
+// Row i of the Cholesky's trailing update: a[i][j] −= l[k]·panel[k][j] for k = 0 … b − 1 in
+// order, j in [j0, j1) (l: row i's panel columns; panel rows ld doubles apart).
+DGSERVE_GPTQ_CLONES
+void TrailingRow(double* ai, const double* l, const double* panel, int b, size_t ld, int j0,
+                 int j1) {
+  int j = j0;
+  for (; j + 8 <= j1; j += 8) {
+    double r[8];
+    for (int t = 0; t < 8; ++t) r[t] = ai[j + t];
+    for (int k = 0; k < b; ++k) {
+      const double lk = l[k];
+      const double* p = panel + k * ld + j;
+      for (int t = 0; t < 8; ++t) r[t] -= lk * p[t];
+    }
+    for (int t = 0; t < 8; ++t) ai[j + t] = r[t];
+  }
+  for (; j < j1; ++j) {
+    double r = ai[j];
+    for (int k = 0; k < b; ++k) r -= l[k] * panel[k * ld + j];
+    ai[j] = r;
+  }
+}
+
+// acc[c] += x·v[c] for c in [0, w) (the products and sums of LowerInverse and InverseProduct).
+DGSERVE_GPTQ_CLONES
+void AddScaled(double* acc, double x, const double* v, int w) {
+  for (int c = 0; c < w; ++c) acc[c] += x * v[c];
+}
 
 // The lower Cholesky factor of the symmetric a [n, n] (row-major) in its lower triangle, in
 // place; false when a pivot is not positive (a not positive definite). Blocked right-looking in
@@ -64,57 +102,129 @@ bool CholeskyLower(std::vector<double>& a, int n) {
 #pragma omp parallel for schedule(dynamic, 16) if (par)
     for (int i = k1; i < n; ++i) {
       double* ai = m + size_t(i) * n;
-      const double* li = ai + k0;
-      int j = k1;
-      for (; j + 8 <= i + 1; j += 8) {
-        double r[8];
-        for (int t = 0; t < 8; ++t) r[t] = ai[j + t];
-        for (int k = 0; k < b; ++k) {
-          const double l = li[k];
-          const double* p = panel.data() + size_t(k) * n + j;
-          for (int t = 0; t < 8; ++t) r[t] -= l * p[t];
-        }
-        for (int t = 0; t < 8; ++t) ai[j + t] = r[t];
-      }
-      for (; j <= i; ++j) {
-        double r = ai[j];
-        for (int k = 0; k < b; ++k) r -= li[k] * panel[size_t(k) * n + j];
-        ai[j] = r;
-      }
+      TrailingRow(ai, ai + k0, panel.data(), b, size_t(n), k1, i + 1);
     }
   }
   return true;
 }
 
-// Column c of L⁻¹ (L lower [n, n] row-major), written to col (zero below index c on entry):
-// col[c] = 1 / L[c][c], col[i] = −(Σ_{k=c}^{i−1} L[i][k]·col[k]) / L[i][i], each sum from 0.0 in
-// k's order, for rows [c, end).
-void InverseColumnRows(const double* l, int n, int c, int end, double* col) {
-  col[c] = 1.0 / l[size_t(c) * n + c];
-  for (int i = c + 1; i < end; ++i) {
-    const double* li = l + size_t(i) * n;
-    double s = 0.0;
-    for (int k = c; k < i; ++k) s += li[k] * col[k];
-    col[i] = -s / li[i];
+// The row blocks and column chunks of LowerInverse and InverseProduct (acc: [kRows, kCols]
+// doubles, 16 KB, in the L1 cache).
+constexpr int kRows = 32, kCols = 64;
+// QuantizeW4a16Gptq's rows per tile and most columns per block.
+constexpr int kTile = 16, kBlock = 32;
+
+// LowerInverse's terms k in [c0, i0) of rows i0 … i0 + nr − 1, columns [c0, c0 + w), into acc
+// (from 0): acc[r][c] += l[i0 + r][k]·y[k][c0 + c], k in order, c ≤ k only.
+DGSERVE_GPTQ_CLONES
+void InverseChunk(const double* l, int n, const double* y, int i0, int nr, int c0, int w,
+                  double (*acc)[kCols]) {
+  for (int k = c0; k < i0; ++k) {  // (the sum of column c starts at k = c)
+    const double* yk = y + size_t(k) * n + c0;
+    const int cw = std::min(w, k - c0 + 1);
+    for (int r = 0; r < nr; ++r) {
+      const double lk = l[size_t(i0 + r) * n + k];
+      double* a = acc[r];
+      for (int c = 0; c < cw; ++c) a[c] += lk * yk[c];
+    }
   }
 }
 
-// Columns c0 … c0 + 3 of L⁻¹ together (as InverseColumnRows each): rows up to c0 + 3 one column
-// at a time, then each row of L read once for the four (four independent sums).
-void InverseFourColumns(const double* l, int n, int c0, double* x0) {
-  double* x[4] = {x0, x0 + n, x0 + 2 * size_t(n), x0 + 3 * size_t(n)};
-  const int end = std::min(n, c0 + 4);
-  for (int t = 0; t < 4; ++t) InverseColumnRows(l, n, c0 + t, end, x[t]);
-  for (int i = c0 + 4; i < n; ++i) {
-    const double* li = l + size_t(i) * n;
-    double s[4] = {0.0, 0.0, 0.0, 0.0};
-    for (int t = 0; t < 3; ++t) {
-      for (int k = c0 + t; k < c0 + 3; ++k) s[t] += li[k] * x[t][k];
+// InverseProduct's block of rows i0 … i0 + nr − 1 and columns [j0, j1) into acc (from 0):
+// acc[r][c] += y[k][i]·y[k][j0 + c] for k = i … n − 1 in order, j ≤ i only (i = i0 + r).
+DGSERVE_GPTQ_CLONES
+void ProductBlock(const double* y, int n, int i0, int nr, int j0, int j1, double (*acc)[kCols]) {
+  for (int k = i0; k < n; ++k) {
+    const double* yk = y + size_t(k) * n;
+    const int rows = std::min(nr, k - i0 + 1);  // rows i ≤ k
+    for (int r = 0; r < rows; ++r) {
+      const int i = i0 + r, cw = std::min(j1, i + 1) - j0;  // columns j ≤ i
+      const double yi = yk[i];
+      double* a = acc[r];
+      for (int c = 0; c < cw; ++c) a[c] += yi * yk[j0 + c];
     }
-    for (int k = c0 + 3; k < i; ++k) {
-      for (int t = 0; t < 4; ++t) s[t] += li[k] * x[t][k];
+  }
+}
+
+// L⁻¹ (lower, row-major, into y [n, n], whose upper triangle is left as it was) of the lower
+// factor l: y[i][i] = 1 / l[i][i], y[i][c] = −(Σ_{k=c}^{i−1} l[i][k]·y[k][c]) / l[i][i], each
+// sum from 0.0 in k's order, as each column's forward substitution computes it. Rows in blocks
+// of kRows: the terms of the rows above the block (k < i0) in parallel over column chunks, then
+// the block's own rows in order.
+void LowerInverse(const double* l, int n, double* y) {
+  for (int i0 = 0; i0 < n; i0 += kRows) {
+    const int i1 = std::min(n, i0 + kRows), nr = i1 - i0;
+    const int chunks = (i0 + kCols - 1) / kCols;
+#pragma omp parallel for schedule(dynamic, 1) if (n >= 256 && chunks > 1)
+    for (int ch = 0; ch < chunks; ++ch) {
+      const int c0 = ch * kCols, w = std::min(i0, c0 + kCols) - c0;
+      double acc[kRows][kCols] = {};
+      InverseChunk(l, n, y, i0, nr, c0, w, acc);
+      for (int r = 0; r < nr; ++r) std::copy(acc[r], acc[r] + w, y + size_t(i0 + r) * n + c0);
     }
-    for (int t = 0; t < 4; ++t) x[t][i] = -s[t] / li[i];
+    for (int i = i0; i < i1; ++i) {  // the sums so far in y[i][c < i0]; the others start at 0
+      double* yi = y + size_t(i) * n;
+      const double* li = l + size_t(i) * n;
+      for (int c = i0; c < i; ++c) yi[c] = 0.0;
+      for (int k = i0; k < i; ++k) {
+        AddScaled(yi, li[k], y + size_t(k) * n, k + 1);
+      }
+      const double d = li[i];
+      for (int c = 0; c < i; ++c) yi[c] = -yi[c] / d;
+      yi[i] = 1.0 / d;
+    }
+  }
+}
+
+// The lower triangle of (L⁻¹)ᵀ·L⁻¹ into p [n, n] from y = L⁻¹ (LowerInverse's): p[i][j] =
+// Σ_{k=i}^{n−1} y[k][i]·y[k][j] for j ≤ i, from 0.0 in k's order (column i of L⁻¹ · column j).
+// Each block of kRows rows by kCols columns on its own, in parallel.
+void InverseProduct(const double* y, int n, double* p) {
+  std::vector<std::pair<int, int>> tasks;  // (row block start, column chunk start), j0 < i1
+  for (int i0 = 0; i0 < n; i0 += kRows) {
+    for (int j0 = 0; j0 < std::min(n, i0 + kRows); j0 += kCols) tasks.emplace_back(i0, j0);
+  }
+#pragma omp parallel for schedule(dynamic, 1) if (n >= 256)
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const auto [i0, j0] = tasks[t];
+    const int nr = std::min(n, i0 + kRows) - i0, j1 = std::min(n, j0 + kCols);
+    double acc[kRows][kCols] = {};
+    ProductBlock(y, n, i0, nr, j0, j1, acc);
+    for (int r = 0; r < nr; ++r) {
+      const int i = i0 + r, cw = std::min(j1, i + 1) - j0;
+      if (cw > 0) std::copy(acc[r], acc[r] + cw, p + size_t(i) * n + j0);
+    }
+  }
+}
+
+// QuantizeW4a16Gptq's deferred updates: rows t < nt of buf ([·, n]) take the errors errs[t][k]
+// (kBlock apart) of the block's columns b + k < e: row[j] −= errs[t][k]·u[b + k][j] for every
+// j ≥ e, k in order; eight columns at a time per row, the block's U rows for those columns
+// staying in the cache across the tile's rows.
+DGSERVE_GPTQ_CLONES
+void BlockUpdate(double* buf, int nt, int n, const double* errs, const double* u, int b, int e) {
+  const int nb = e - b;
+  int j = e;
+  for (; j + 8 <= n; j += 8) {
+    for (int t = 0; t < nt; ++t) {
+      double* row = buf + size_t(t) * n + j;
+      const double* et = errs + size_t(t) * kBlock;
+      double x[8];
+      for (int c = 0; c < 8; ++c) x[c] = row[c];
+      for (int k = 0; k < nb; ++k) {
+        const double ek = et[k];
+        const double* uk = u + size_t(b + k) * n + j;
+        for (int c = 0; c < 8; ++c) x[c] -= ek * uk[c];
+      }
+      for (int c = 0; c < 8; ++c) row[c] = x[c];
+    }
+  }
+  for (; j < n; ++j) {
+    for (int t = 0; t < nt; ++t) {
+      double x = buf[size_t(t) * n + j];
+      for (int k = 0; k < nb; ++k) x -= errs[size_t(t) * kBlock + k] * u[size_t(b + k) * n + j];
+      buf[size_t(t) * n + j] = x;
+    }
   }
 }
 
@@ -200,53 +310,37 @@ absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double
                      " calibration rows) is not positive definite; a larger dampening may help"));
   };
   if (!CholeskyLower(h, n)) return not_definite();
-  // L⁻¹, lower, stored transposed (column c of L⁻¹ is row c here: the columns are independent).
-  std::vector<double> linv_t(size_t(n) * n, 0.0);
-  const int quads = n / 4;
-#pragma omp parallel for schedule(dynamic, 2) if (n >= 256)
-  for (int q = 0; q <= quads; ++q) {
-    if (q < quads) {
-      InverseFourColumns(h.data(), n, 4 * q, linv_t.data() + size_t(4 * q) * n);
-    } else {
-      for (int c = 4 * quads; c < n; ++c) {
-        InverseColumnRows(h.data(), n, c, n, linv_t.data() + size_t(c) * n);
-      }
-    }
-  }
-  std::vector<double>().swap(h);            // (the working copies freed as they are done with)
-  std::vector<double> hinv(size_t(n) * n);  // (L⁻¹)ᵀ·L⁻¹: entry (i, j) = column i · column j
-#pragma omp parallel for schedule(dynamic, 8) if (n >= 256)
-  for (int i = 0; i < n; ++i) {
-    const double* ci = linv_t.data() + size_t(i) * n;
-    int j = 0;
-    for (; j + 4 <= i + 1; j += 4) {  // four entries of the row at once: column i read once
-      const double* cj = linv_t.data() + size_t(j) * n;
-      double s[4] = {0.0, 0.0, 0.0, 0.0};
-      for (int k = i; k < n; ++k) {
-        for (int t = 0; t < 4; ++t) s[t] += ci[k] * cj[size_t(t) * n + k];
-      }
-      for (int t = 0; t < 4; ++t) hinv[size_t(i) * n + j + t] = hinv[size_t(j + t) * n + i] = s[t];
-    }
-    for (; j <= i; ++j) {
-      const double* cj = linv_t.data() + size_t(j) * n;
-      double s = 0.0;
-      for (int k = i; k < n; ++k) s += ci[k] * cj[k];
-      hinv[size_t(i) * n + j] = hinv[size_t(j) * n + i] = s;
-    }
-  }
-  std::vector<double>().swap(linv_t);
+  // L⁻¹ (lower), then (L⁻¹)ᵀ·L⁻¹ (its lower triangle: all the Cholesky below reads).
+  std::vector<double> linv(size_t(n) * n);
+  LowerInverse(h.data(), n, linv.data());
+  std::vector<double>().swap(h);  // (the working copies freed as they are done with)
+  std::vector<double> hinv(size_t(n) * n);
+  InverseProduct(linv.data(), n, hinv.data());
+  std::vector<double>().swap(linv);
   if (!CholeskyLower(hinv, n)) return not_definite();
-  // U[i][j] = M[j][i] for j ≥ i, M the lower factor now in hinv: row-major, read along rows.
+  // U[i][j] = M[j][i] for j ≥ i, M the lower factor now in hinv.
   f.u.assign(size_t(n) * n, 0.0);
-#pragma omp parallel for schedule(static) if (n >= 256)
-  for (int i = 0; i < n; ++i) {
-    for (int j = i; j < n; ++j) f.u[size_t(i) * n + j] = hinv[size_t(j) * n + i];
+#pragma omp parallel for schedule(dynamic, 1) if (n >= 256)
+  for (int i0 = 0; i0 < n; i0 += 32) {  // in 32 × 32 tiles (both reads and writes stay cached)
+    const int i1 = std::min(n, i0 + 32);
+    for (int j0 = i0; j0 < n; j0 += 32) {
+      const int j1 = std::min(n, j0 + 32);
+      for (int i = i0; i < i1; ++i) {
+        for (int j = std::max(i, j0); j < j1; ++j) f.u[size_t(i) * n + j] = hinv[size_t(j) * n + i];
+      }
+    }
   }
   return f;
 }
 
 absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int rows, int cols,
                                                int group, const GptqFactor& factor) {
+  return QuantizeW4a16GptqTraced(w, rows, cols, group, factor, nullptr);
+}
+
+absl::StatusOr<W4a16Weights> QuantizeW4a16GptqTraced(std::span<const float> w, int rows, int cols,
+                                                     int group, const GptqFactor& factor,
+                                                     std::vector<double>* rounded) {
   if (rows < 0 || cols <= 0 || w.size() != size_t(rows) * cols) {
     return absl::InvalidArgumentError(
         absl::StrCat("GPTQ: ", w.size(), " weights for a [", rows, ", ", cols, "] matrix"));
@@ -262,6 +356,7 @@ absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int row
   W4a16Weights out;
   out.codes.resize(size_t(rows) * cols);
   out.scales.resize(size_t(rows) * groups);
+  if (rounded) rounded->resize(size_t(rows) * cols);
   // Each row on its own (the updates stay within a row), as the row-by-row form: column i
   // rounded, then row[j] −= err_i · U[i][j] for every j > i. Here kTile rows at a time, so that
   // each row of U (the factor is n² doubles, far beyond the caches at real width) is read once
@@ -270,7 +365,6 @@ absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int row
   // it take the block's kBlock updates together, in i's order, when the block is done. Each
   // element so takes every update in the order of the row-by-row form, and a group's scale, read
   // at a block start, sees all of the updates before it: the same bits.
-  constexpr int kTile = 16, kBlock = 32;
   const int tiles = (rows + kTile - 1) / kTile;
   const double* const u = factor.u.data();
 #pragma omp parallel if (int64_t(rows) * cols * cols >= (1 << 22) && tiles > 1)
@@ -306,36 +400,15 @@ absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int row
             const float s = scale[t];
             const int code = W4a16Code(float(row[i]), s);
             out.codes[r * n + i] = int8_t(code);
+            if (rounded) (*rounded)[r * n + i] = row[i];
             // The rounding error, spread over the block's columns not yet rounded.
             const double err = (row[i] - double(code) * double(s)) / ui[i];
             errs[t][i - b] = err;
             for (int j = i + 1; j < e; ++j) row[j] -= err * ui[j];
           }
         }
-        // The block's errors, spread over the columns after it (eight at a time per row, the
-        // block's U rows for those columns staying in the cache across the tile's rows).
-        const int nb = e - b;
-        int j = e;
-        for (; j + 8 <= n; j += 8) {
-          for (int t = 0; t < nt; ++t) {
-            double* row = buf.data() + size_t(t) * n + j;
-            double x[8];
-            for (int c = 0; c < 8; ++c) x[c] = row[c];
-            for (int k = 0; k < nb; ++k) {
-              const double ek = errs[t][k];
-              const double* uk = u + size_t(b + k) * n + j;
-              for (int c = 0; c < 8; ++c) x[c] -= ek * uk[c];
-            }
-            for (int c = 0; c < 8; ++c) row[c] = x[c];
-          }
-        }
-        for (; j < n; ++j) {
-          for (int t = 0; t < nt; ++t) {
-            double x = buf[size_t(t) * n + j];
-            for (int k = 0; k < nb; ++k) x -= errs[t][k] * u[size_t(b + k) * n + j];
-            buf[size_t(t) * n + j] = x;
-          }
-        }
+        // The block's errors, spread over the columns after it.
+        BlockUpdate(buf.data(), nt, n, &errs[0][0], u, b, e);
         b = e;
       }
     }

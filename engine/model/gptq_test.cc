@@ -82,12 +82,14 @@ bool RefFactor(const InputHessian& hessian, double dampening, GptqFactor& f) {
   return true;
 }
 
+// `rounded`: each weight as it was rounded (QuantizeW4a16GptqTraced's).
 W4a16Weights RefQuantize(const std::vector<float>& w, int rows, int n, int group,
-                         const GptqFactor& factor) {
+                         const GptqFactor& factor, std::vector<double>* rounded = nullptr) {
   const int groups = (n + group - 1) / group;
   W4a16Weights out;
   out.codes.resize(size_t(rows) * n);
   out.scales.resize(size_t(rows) * groups);
+  if (rounded) rounded->resize(size_t(rows) * n);
   for (int r = 0; r < rows; ++r) {
     std::vector<double> row(w.begin() + size_t(r) * n, w.begin() + size_t(r + 1) * n);
     for (int i = 0; i < n; ++i) {
@@ -106,6 +108,7 @@ W4a16Weights RefQuantize(const std::vector<float>& w, int rows, int n, int group
       }
       const int code = W4a16Code(float(row[i]), s);
       out.codes[size_t(r) * n + i] = int8_t(code);
+      if (rounded) (*rounded)[size_t(r) * n + i] = row[i];
       const double* ui = factor.u.data() + size_t(i) * n;
       const double err = (row[i] - double(code) * double(s)) / ui[i];
       for (int j = i + 1; j < n; ++j) row[j] -= err * ui[j];
@@ -252,7 +255,8 @@ TEST(W4a16Test, InputsNoRowReachedGetZeroWeight) {
   EXPECT_NE(q->codes[0], 0);
 }
 
-// The factor (U and the dead inputs) and the codes and scales equal the reference's bit for bit:
+// The factor (U and the dead inputs), the codes and scales, and every weight as it was rounded
+// (after its updates: the quantization's arithmetic) equal the reference's bit for bit:
 // widths below and above the threads' threshold (256) and not a multiple of the Cholesky panel
 // (32) or of four, output rows fewer than a tile (16) and not a multiple of it, groups of 7 (the
 // column blocks cut at every group start), 32, 128 and one per row, and inputs no row reached.
@@ -314,9 +318,16 @@ TEST(W4a16Test, GptqIsBitForBitTheColumnByColumnForm) {
       }
       EXPECT_EQ(differ, 0u) << "U entries that differ, cols " << cols << " dampening " << damp;
       for (int group : sh.groups) {
-        const W4a16Weights ref = RefQuantize(w, sh.rows, cols, group, want);
-        absl::StatusOr<W4a16Weights> q = QuantizeW4a16Gptq(w, sh.rows, cols, group, want);
+        std::vector<double> ref_rounded, rounded;
+        const W4a16Weights ref = RefQuantize(w, sh.rows, cols, group, want, &ref_rounded);
+        absl::StatusOr<W4a16Weights> q =
+            QuantizeW4a16GptqTraced(w, sh.rows, cols, group, want, &rounded);
         ASSERT_TRUE(q.ok()) << q.status();
+        ASSERT_EQ(rounded.size(), ref_rounded.size());
+        EXPECT_EQ(std::memcmp(rounded.data(), ref_rounded.data(), rounded.size() * sizeof(double)),
+                  0)
+            << "the weights as rounded differ: cols " << cols << " rows " << sh.rows << " group "
+            << group;
         EXPECT_EQ(q->codes, ref.codes)
             << "cols " << cols << " rows " << sh.rows << " group " << group;
         EXPECT_EQ(q->scales, ref.scales)
