@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -26,6 +28,25 @@ namespace {
 #define DGSERVE_GPTQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 
+// Eight doubles as one value (GCC/Clang vector extensions: element-wise IEEE operations, as wide
+// as the clone's ISA allows), loaded and stored unaligned. (gptq.cc is built with -Wno-psabi: a
+// V8 passed by value would differ between the clones' ABIs, but these helpers have internal
+// linkage and are inlined into each clone.)
+typedef double V8 __attribute__((vector_size(64)));
+inline V8 Load8(const double* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void Store8(double* p, V8 v) { std::memcpy(p, &v, sizeof v); }
+
+// a[c] += x·v[c] for c in [0, w), eight at a time.
+inline void AddScaledInline(double* a, double x, const double* v, int w) {
+  int c = 0;
+  for (; c + 8 <= w; c += 8) Store8(a + c, Load8(a + c) + x * Load8(v + c));
+  for (; c < w; ++c) a[c] += x * v[c];
+}
+
 // Row i of the Cholesky's trailing update: a[i][j] −= l[k]·panel[k][j] for k = 0 … b − 1 in
 // order, j in [j0, j1) (l: row i's panel columns; panel rows ld doubles apart).
 DGSERVE_GPTQ_CLONES
@@ -33,14 +54,9 @@ void TrailingRow(double* ai, const double* l, const double* panel, int b, size_t
                  int j1) {
   int j = j0;
   for (; j + 8 <= j1; j += 8) {
-    double r[8];
-    for (int t = 0; t < 8; ++t) r[t] = ai[j + t];
-    for (int k = 0; k < b; ++k) {
-      const double lk = l[k];
-      const double* p = panel + k * ld + j;
-      for (int t = 0; t < 8; ++t) r[t] -= lk * p[t];
-    }
-    for (int t = 0; t < 8; ++t) ai[j + t] = r[t];
+    V8 r = Load8(ai + j);
+    for (int k = 0; k < b; ++k) r -= l[k] * Load8(panel + k * ld + j);
+    Store8(ai + j, r);
   }
   for (; j < j1; ++j) {
     double r = ai[j];
@@ -51,18 +67,16 @@ void TrailingRow(double* ai, const double* l, const double* panel, int b, size_t
 
 // acc[c] += x·v[c] for c in [0, w) (the products and sums of LowerInverse and InverseProduct).
 DGSERVE_GPTQ_CLONES
-void AddScaled(double* acc, double x, const double* v, int w) {
-  for (int c = 0; c < w; ++c) acc[c] += x * v[c];
-}
+void AddScaled(double* acc, double x, const double* v, int w) { AddScaledInline(acc, x, v, w); }
 
 // The lower Cholesky factor of the symmetric a [n, n] (row-major) in its lower triangle, in
 // place; false when a pivot is not positive (a not positive definite). Blocked right-looking in
 // panels of kPanel columns: element (i, j) starts from a[i][j] and subtracts a[i][k]·a[j][k] for
 // k = 0, 1, …, j − 1 in that order, then is divided by the pivot, as in the column-by-column form.
-bool CholeskyLower(std::vector<double>& a, int n) {
+bool CholeskyLower(double* a, int n) {
   constexpr int kPanel = 32;
   const bool par = n >= 256;
-  double* const m = a.data();
+  double* const m = a;
   std::vector<double> panel;  // [kPanel, n]: panel[k − k0][j] = a[j][k] (the panel transposed)
   for (int k0 = 0; k0 < n; k0 += kPanel) {
     const int k1 = std::min(n, k0 + kPanel), b = k1 - k0;
@@ -125,7 +139,7 @@ void InverseChunk(const double* l, int n, const double* y, int i0, int nr, int c
     for (int r = 0; r < nr; ++r) {
       const double lk = l[size_t(i0 + r) * n + k];
       double* a = acc[r];
-      for (int c = 0; c < cw; ++c) a[c] += lk * yk[c];
+      AddScaledInline(a, lk, yk, cw);
     }
   }
 }
@@ -141,7 +155,7 @@ void ProductBlock(const double* y, int n, int i0, int nr, int j0, int j1, double
       const int i = i0 + r, cw = std::min(j1, i + 1) - j0;  // columns j ≤ i
       const double yi = yk[i];
       double* a = acc[r];
-      for (int c = 0; c < cw; ++c) a[c] += yi * yk[j0 + c];
+      AddScaledInline(a, yi, yk + j0, cw);
     }
   }
 }
@@ -209,14 +223,9 @@ void BlockUpdate(double* buf, int nt, int n, const double* errs, const double* u
     for (int t = 0; t < nt; ++t) {
       double* row = buf + size_t(t) * n + j;
       const double* et = errs + size_t(t) * kBlock;
-      double x[8];
-      for (int c = 0; c < 8; ++c) x[c] = row[c];
-      for (int k = 0; k < nb; ++k) {
-        const double ek = et[k];
-        const double* uk = u + size_t(b + k) * n + j;
-        for (int c = 0; c < 8; ++c) x[c] -= ek * uk[c];
-      }
-      for (int c = 0; c < 8; ++c) row[c] = x[c];
+      V8 x = Load8(row);
+      for (int k = 0; k < nb; ++k) x -= et[k] * Load8(u + size_t(b + k) * n + j);
+      Store8(row, x);
     }
   }
   for (; j < n; ++j) {
@@ -309,15 +318,17 @@ absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double
         absl::StrCat("GPTQ: the dampened Hessian of ", n, " inputs (", hessian.rows,
                      " calibration rows) is not positive definite; a larger dampening may help"));
   };
-  if (!CholeskyLower(h, n)) return not_definite();
+  if (!CholeskyLower(h.data(), n)) return not_definite();
   // L⁻¹ (lower), then (L⁻¹)ᵀ·L⁻¹ (its lower triangle: all the Cholesky below reads).
-  std::vector<double> linv(size_t(n) * n);
-  LowerInverse(h.data(), n, linv.data());
-  std::vector<double>().swap(h);  // (the working copies freed as they are done with)
-  std::vector<double> hinv(size_t(n) * n);
-  InverseProduct(linv.data(), n, hinv.data());
-  std::vector<double>().swap(linv);
-  if (!CholeskyLower(hinv, n)) return not_definite();
+  // (Not zeroed: the upper triangles are never read. The working copies are freed as they are
+  // done with.)
+  std::unique_ptr<double[]> linv(new double[size_t(n) * n]);
+  LowerInverse(h.data(), n, linv.get());
+  std::vector<double>().swap(h);
+  std::unique_ptr<double[]> hinv(new double[size_t(n) * n]);
+  InverseProduct(linv.get(), n, hinv.get());
+  linv.reset();
+  if (!CholeskyLower(hinv.get(), n)) return not_definite();
   // U[i][j] = M[j][i] for j ≥ i, M the lower factor now in hinv.
   f.u.assign(size_t(n) * n, 0.0);
 #pragma omp parallel for schedule(dynamic, 1) if (n >= 256)
