@@ -69,15 +69,15 @@ void TrailingRow(double* ai, const double* l, const double* panel, int b, size_t
 DGSERVE_GPTQ_CLONES
 void AddScaled(double* acc, double x, const double* v, int w) { AddScaledInline(acc, x, v, w); }
 
-// The lower Cholesky factor of the symmetric a [n, n] (row-major) in its lower triangle, in
-// place; false when a pivot is not positive (a not positive definite). Blocked right-looking in
-// panels of kPanel columns: element (i, j) starts from a[i][j] and subtracts a[i][k]·a[j][k] for
-// k = 0, 1, …, j − 1 in that order, then is divided by the pivot, as in the column-by-column form.
-bool CholeskyLower(double* a, int n) {
+// The lower Cholesky factor of the symmetric m [n, n] (row-major; only its lower triangle is
+// read) in its lower triangle, in place; false when a pivot is not positive (a not positive
+// definite). Blocked right-looking in panels of kPanel columns: element (i, j) starts from m[i][j]
+// and subtracts m[i][k]·m[j][k] for k = 0, 1, …, j − 1 in that order, then is divided by the pivot,
+// as in the column-by-column form.
+bool CholeskyLower(double* m, int n) {
   constexpr int kPanel = 32;
   const bool par = n >= 256;
-  double* const m = a;
-  std::vector<double> panel;  // [kPanel, n]: panel[k − k0][j] = a[j][k] (the panel transposed)
+  std::vector<double> panel;  // [kPanel, n]: panel[k − k0][j] = m[j][k] (the panel transposed)
   for (int k0 = 0; k0 < n; k0 += kPanel) {
     const int k1 = std::min(n, k0 + kPanel), b = k1 - k0;
     // The diagonal block, column by column (its elements hold the updates of the columns < k0).
@@ -96,9 +96,8 @@ bool CholeskyLower(double* a, int n) {
       }
     }
     if (k1 == n) break;
-      // The panel's rows below the block: each row on its own.
 #pragma omp parallel for schedule(static) if (par)
-    for (int i = k1; i < n; ++i) {
+    for (int i = k1; i < n; ++i) {  // the panel's rows below the block, each on its own
       double* ai = m + size_t(i) * n;
       for (int j = k0; j < k1; ++j) {
         const double* aj = m + size_t(j) * n;
