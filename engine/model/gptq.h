@@ -70,7 +70,9 @@ struct GptqFactor {
 };
 
 // Factors `hessian` with dampening λ = `dampening` (0.01: llm-compressor's default), in float64,
-// O(cols³), with up to three [cols, cols] working copies beside the Hessian at once.
+// O(cols³), with up to three [cols, cols] working copies beside the Hessian at once. Blocked and
+// parallel (OpenMP), each element's operations in the order of the column-by-column form, so the
+// factor is bit for bit that form's (gptq_test.cc compares).
 // INVALID_ARGUMENT for a Hessian whose size is not cols² or a dampening not in [0, 1e6] (NaN
 // included); FAILED_PRECONDITION when the dampened Hessian is not positive definite
 // (a larger dampening may help: the message says so).
@@ -78,9 +80,17 @@ absl::StatusOr<GptqFactor> FactorGptqHessian(const InputHessian& hessian, double
 
 // GPTQ W4A16 of w [rows, cols] against `factor` (cols must match), in groups of `group` inputs.
 // The codes and scales are the format's (each dequantized weight is code · scale).
+// 16 rows at a time (each read of U serves them all), tiles in parallel (OpenMP); each row's
+// arithmetic is the row-by-row form's, in its order: the same bits.
 // INVALID_ARGUMENT for shapes that disagree or a group < 1.
 absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int rows, int cols,
                                                int group, const GptqFactor& factor);
+// The above, also writing to `rounded` (when not null; resized to [rows, cols]) each weight as it
+// was rounded: its value after the updates of the columns before it. For tests that compare the
+// arithmetic bit for bit.
+absl::StatusOr<W4a16Weights> QuantizeW4a16GptqTraced(std::span<const float> w, int rows, int cols,
+                                                     int group, const GptqFactor& factor,
+                                                     std::vector<double>* rounded);
 // FactorGptqHessian, then the above (its errors too).
 absl::StatusOr<W4a16Weights> QuantizeW4a16Gptq(std::span<const float> w, int rows, int cols,
                                                int group, const InputHessian& hessian,

@@ -1,12 +1,15 @@
 // W4A16 round-to-nearest and GPTQ (gptq.h): the format's rule and GPTQ's update by hand on small
 // cases, the output error GPTQ minimises against round-to-nearest's on correlated inputs, inputs
-// no row reached, and the refusals.
+// no row reached, the refusals, and the factor and codes bit for bit those of the straightforward
+// column-by-column forms (kept below as the reference) on shapes that reach every path.
 #include "engine/model/gptq.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -14,6 +17,105 @@
 
 namespace dgserve {
 namespace {
+
+// The reference: FactorGptqHessian and QuantizeW4a16Gptq as they were written first (2026-12-07),
+// column by column and row by row (serial Cholesky, every row reading all of U). The library's
+// blocked and tiled forms must give the same bits.
+bool RefCholeskyLower(std::vector<double>& a, int n) {
+  for (int j = 0; j < n; ++j) {
+    double d = a[size_t(j) * n + j];
+    for (int k = 0; k < j; ++k) d -= a[size_t(j) * n + k] * a[size_t(j) * n + k];
+    if (!(d > 0.0)) return false;
+    d = std::sqrt(d);
+    a[size_t(j) * n + j] = d;
+    for (int i = j + 1; i < n; ++i) {
+      double s = a[size_t(i) * n + j];
+      for (int k = 0; k < j; ++k) s -= a[size_t(i) * n + k] * a[size_t(j) * n + k];
+      a[size_t(i) * n + j] = s / d;
+    }
+  }
+  return true;
+}
+
+// false where the reference finds the Hessian not positive definite.
+bool RefFactor(const InputHessian& hessian, double dampening, GptqFactor& f) {
+  const int n = hessian.cols;
+  f.cols = n;
+  f.dead.assign(n, 0);
+  std::vector<double> h = hessian.h;
+  for (int i = 0; i < n; ++i) {
+    if (h[size_t(i) * n + i] != 0.0) continue;
+    h[size_t(i) * n + i] = 1.0;
+    f.dead[i] = 1;
+  }
+  double mean = 0.0;
+  for (int i = 0; i < n; ++i) mean += h[size_t(i) * n + i];
+  mean /= n;
+  for (int i = 0; i < n; ++i) h[size_t(i) * n + i] += dampening * mean;
+  if (!RefCholeskyLower(h, n)) return false;
+  std::vector<double> linv_t(size_t(n) * n, 0.0);
+  for (int c = 0; c < n; ++c) {
+    double* col = linv_t.data() + size_t(c) * n;
+    col[c] = 1.0 / h[size_t(c) * n + c];
+    for (int i = c + 1; i < n; ++i) {
+      const double* li = h.data() + size_t(i) * n;
+      double s = 0.0;
+      for (int k = c; k < i; ++k) s += li[k] * col[k];
+      col[i] = -s / li[i];
+    }
+  }
+  std::vector<double> hinv(size_t(n) * n);
+  for (int i = 0; i < n; ++i) {
+    const double* ci = linv_t.data() + size_t(i) * n;
+    for (int j = 0; j <= i; ++j) {
+      const double* cj = linv_t.data() + size_t(j) * n;
+      double s = 0.0;
+      for (int k = i; k < n; ++k) s += ci[k] * cj[k];
+      hinv[size_t(i) * n + j] = hinv[size_t(j) * n + i] = s;
+    }
+  }
+  if (!RefCholeskyLower(hinv, n)) return false;
+  f.u.assign(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i) {
+    for (int j = i; j < n; ++j) f.u[size_t(i) * n + j] = hinv[size_t(j) * n + i];
+  }
+  return true;
+}
+
+// `rounded`: each weight as it was rounded (QuantizeW4a16GptqTraced's).
+W4a16Weights RefQuantize(const std::vector<float>& w, int rows, int n, int group,
+                         const GptqFactor& factor, std::vector<double>* rounded = nullptr) {
+  const int groups = (n + group - 1) / group;
+  W4a16Weights out;
+  out.codes.resize(size_t(rows) * n);
+  out.scales.resize(size_t(rows) * groups);
+  if (rounded) rounded->resize(size_t(rows) * n);
+  for (int r = 0; r < rows; ++r) {
+    std::vector<double> row(w.begin() + size_t(r) * n, w.begin() + size_t(r + 1) * n);
+    for (int i = 0; i < n; ++i) {
+      if (factor.dead[i]) row[i] = 0.0;
+    }
+    float s = 1.0f;
+    for (int i = 0; i < n; ++i) {
+      if (i % group == 0) {
+        float absmax = 0.0f;
+        for (int c = i; c < std::min(n, i + group); ++c) {
+          absmax = std::max(absmax, float(std::fabs(row[c])));
+        }
+        const uint16_t sb = W4a16GroupScale(absmax);
+        out.scales[size_t(r) * groups + i / group] = sb;
+        s = Bf16ToFloat(sb);
+      }
+      const int code = W4a16Code(float(row[i]), s);
+      out.codes[size_t(r) * n + i] = int8_t(code);
+      if (rounded) (*rounded)[size_t(r) * n + i] = row[i];
+      const double* ui = factor.u.data() + size_t(i) * n;
+      const double err = (row[i] - double(code) * double(s)) / ui[i];
+      for (int j = i + 1; j < n; ++j) row[j] -= err * ui[j];
+    }
+  }
+  return out;
+}
 
 InputHessian HessianOf(const std::vector<float>& x, int rows, int cols) {
   InputHessian h;
@@ -151,6 +253,88 @@ TEST(W4a16Test, InputsNoRowReachedGetZeroWeight) {
   EXPECT_EQ(q->codes[2], 0);
   EXPECT_EQ(q->codes[5], 0);
   EXPECT_NE(q->codes[0], 0);
+}
+
+// The factor (U and the dead inputs), the codes and scales, and every weight as it was rounded
+// (after its updates: the quantization's arithmetic) equal the reference's bit for bit:
+// widths below and above the threads' threshold (256) and not a multiple of the Cholesky panel
+// (32) or of four, output rows fewer than a tile (16) and not a multiple of it, groups of 7 (the
+// column blocks cut at every group start), 32, 128 and one per row, and inputs no row reached.
+// Correlated inputs (a rank-16 mixture plus noise, scaled per input) so that the updates matter.
+TEST(W4a16Test, GptqIsBitForBitTheColumnByColumnForm) {
+  struct Shape {
+    int cols, rows;
+    std::vector<int> groups;
+    std::vector<int> dead;
+  };
+  const std::vector<Shape> shapes = {
+      {61, 5, {7, 32, 61}, {}},
+      {300, 37, {32, 128, 300}, {0, 33, 150, 299}},
+      {517, 16, {7, 128}, {5}},
+      {384, 70, {32}, {}},
+  };
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const Shape& sh : shapes) {
+    const int cols = sh.cols, xrows = cols + 64, rank = 16;
+    std::vector<float> a(size_t(rank) * cols), scale(cols), x(size_t(xrows) * cols);
+    for (float& v : a) v = normal(rng);
+    for (float& v : scale) v = std::exp(normal(rng));
+    for (int t = 0; t < xrows; ++t) {
+      float z[rank];
+      for (float& v : z) v = normal(rng);
+      for (int c = 0; c < cols; ++c) {
+        float s = 0.3f * normal(rng);
+        for (int k = 0; k < rank; ++k) s += z[k] * a[size_t(k) * cols + c];
+        x[size_t(t) * cols + c] = s * scale[c];
+      }
+    }
+    for (int c : sh.dead) {
+      for (int t = 0; t < xrows; ++t) x[size_t(t) * cols + c] = 0.0f;
+    }
+    InputHessian h;
+    h.cols = cols;
+    h.rows = xrows;
+    h.h.assign(size_t(cols) * cols, 0.0);
+    for (int t = 0; t < xrows; ++t) {
+      const float* xt = x.data() + size_t(t) * cols;
+      for (int i = 0; i < cols; ++i) {
+        for (int j = 0; j < cols; ++j) h.h[size_t(i) * cols + j] += double(xt[i]) * xt[j];
+      }
+    }
+    std::vector<float> w(size_t(sh.rows) * cols);
+    for (float& v : w) v = 0.05f * normal(rng);
+    for (double damp : {0.01, 0.1}) {
+      GptqFactor want;
+      ASSERT_TRUE(RefFactor(h, damp, want)) << cols;
+      absl::StatusOr<GptqFactor> got = FactorGptqHessian(h, damp);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_EQ(got->cols, cols);
+      EXPECT_EQ(got->dead, want.dead) << cols;
+      ASSERT_EQ(got->u.size(), want.u.size());
+      size_t differ = 0;
+      for (size_t e = 0; e < want.u.size(); ++e) {
+        differ += std::memcmp(&got->u[e], &want.u[e], sizeof(double)) != 0;
+      }
+      EXPECT_EQ(differ, 0u) << "U entries that differ, cols " << cols << " dampening " << damp;
+      for (int group : sh.groups) {
+        std::vector<double> ref_rounded, rounded;
+        const W4a16Weights ref = RefQuantize(w, sh.rows, cols, group, want, &ref_rounded);
+        absl::StatusOr<W4a16Weights> q =
+            QuantizeW4a16GptqTraced(w, sh.rows, cols, group, want, &rounded);
+        ASSERT_TRUE(q.ok()) << q.status();
+        ASSERT_EQ(rounded.size(), ref_rounded.size());
+        EXPECT_EQ(std::memcmp(rounded.data(), ref_rounded.data(), rounded.size() * sizeof(double)),
+                  0)
+            << "the weights as rounded differ: cols " << cols << " rows " << sh.rows << " group "
+            << group;
+        EXPECT_EQ(q->codes, ref.codes)
+            << "cols " << cols << " rows " << sh.rows << " group " << group;
+        EXPECT_EQ(q->scales, ref.scales)
+            << "cols " << cols << " rows " << sh.rows << " group " << group;
+      }
+    }
+  }
 }
 
 TEST(W4a16Test, GptqRefusals) {
