@@ -286,8 +286,9 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
 // layer by layer (options->w4a16_modules); nothing without either flag. The flags were
 // checked by CheckCalibrationFlags. The prompts (and, with --calibration_sudoku, the Sudoku
 // layout) are checked from --in's config.json and tokenizer.json before its weights are read: a
-// refused model or file fails without reading gigabytes.
-absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
+// refused model or file fails without reading gigabytes; then the ignore list (CheckIgnoreList).
+// *calibration_s: the seconds the calibration runs took (not the weight load).
+absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize, double* calibration_s) {
   const std::string prompts_file = absl::GetFlag(FLAGS_calibration).path;
   const std::string sudoku_file = absl::GetFlag(FLAGS_calibration_sudoku).path;
   if (prompts_file.empty() && sudoku_file.empty()) return absl::OkStatus();
@@ -314,10 +315,12 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   if (!read.ok()) return read.status();
   std::vector<CalibrationPrompt> prompts = *std::move(read);
   if (limit > 0 && size_t(limit) < prompts.size()) prompts.resize(limit);
-  // The ignore list against --in's modules (its safetensors headers): a list the writer would
-  // refuse is refused before the calibration runs (minutes to hours), not after.
+  // The ignore list against --in's modules (its safetensors headers), matched as the writer will
+  // match it: a list the writer would refuse is refused before the calibration runs (minutes to
+  // hours), not after. (After the prompts: a refused prompt file or Sudoku layout is named
+  // without reading --in's weights, headers included.)
   const bool sequential = absl::GetFlag(FLAGS_gptq) && absl::GetFlag(FLAGS_gptq_sequential);
-  DGSERVE_RETURN_IF_ERROR(CheckIgnoreList(in, quantize->ignore, /*layer_by_layer=*/sequential));
+  DGSERVE_RETURN_IF_ERROR(CheckIgnoreList(in, *quantize, /*layer_by_layer=*/sequential));
   const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb).get().value_or(16.0);
   const auto max_bytes = int64_t(max_gb * double(int64_t{1} << 30));
   // The Hessians, and QuantizeCheckpoint's factor of each beside them; layer by layer, one
@@ -333,6 +336,7 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   DGSERVE_ASSIGN_OR_RETURN(Checkpoint ck, LoadCheckpoint(in));
   CalibrationOptions options;
   options.max_denoising_steps = absl::GetFlag(FLAGS_calibration_steps);
+  const auto start = std::chrono::steady_clock::now();  // the calibration runs alone
   if (sequential) {
     LayerGptqOptions layer;
     layer.group_size = quantize->group_size;
@@ -346,6 +350,7 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize) {
   } else {
     DGSERVE_ASSIGN_OR_RETURN(quantize->input_amax, CalibrateActivationAmax(ck, prompts, options));
   }
+  *calibration_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return absl::OkStatus();
 }
 
@@ -528,16 +533,13 @@ absl::Status Run() {
   }
   // (Before a calibration run, which the ignore list's modules decide.)
   DGSERVE_RETURN_IF_ERROR(CheckModulePatterns(options.ignore, "--ignore"));
-  if (options.format == WeightFormat::kNvfp4 && options.nvfp4_layout == Nvfp4Layout::kModelOpt) {
-    for (const std::string& e : options.ignore) {
-      DGSERVE_RETURN_IF_ERROR(ModelOptIgnoreGlob(e).status());  // as the writer makes them
-    }
-  }
+  // (Each entry as the writer makes it: ModelOpt's fnmatch patterns. CheckIgnoreList checks the
+  // list against --in's modules before a calibration runs, QuantizeCheckpoint otherwise.)
+  DGSERVE_RETURN_IF_ERROR(WrittenIgnoreList(options).status());
   DGSERVE_RETURN_IF_ERROR(CheckCalibrationFlags(options, format));
   options.gptq_dampening = absl::GetFlag(FLAGS_gptq_dampening).get().value_or(0.01);
-  DGSERVE_RETURN_IF_ERROR(Calibrate(absl::GetFlag(FLAGS_in), &options));
-  const double calibration_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double calibration_s = 0;
+  DGSERVE_RETURN_IF_ERROR(Calibrate(absl::GetFlag(FLAGS_in), &options, &calibration_s));
   const std::string out = absl::GetFlag(FLAGS_out);
   DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,
                            QuantizeCheckpoint(absl::GetFlag(FLAGS_in), out, options));
@@ -548,7 +550,8 @@ absl::Status Run() {
   const char* nvfp4_layout = s.quant.format != WeightFormat::kNvfp4 ? ""
                              : s.quant.nvfp4_compressed_tensors     ? " (compressed-tensors)"
                                                                     : " (modelopt)";
-  // The whole run's time; calibrated, also the calibration's and the write's (QuantizeCheckpoint).
+  // The whole run's time; calibrated, also the calibration's (the calibration runs alone, not the
+  // weight load) and the write's (QuantizeCheckpoint).
   char times[96] = "";
   if (calibrated) {
     std::snprintf(times, sizeof(times), " (calibration %.1f s, write %.1f s)", calibration_s,

@@ -366,6 +366,20 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> Quanti
   q.format = WeightFormat::kW4A16;
   q.targets = {"Linear"};
   q.ignore = gptq.ignore;
+  // A split gate/up from the module names alone, before L calibration runs (QuantizeCheckpoint
+  // would refuse the result only after them).
+  for (int l = 0; l < c.num_layers; ++l) {
+    for (HessianModules& set : LayerModules(c, l, checkpoint.weights.layers[l])) {
+      for (const HessianModules::Seat& seat : set.seats) {
+        if (seat.modules.size() == 2 &&
+            q.Quantizes(seat.modules[0]) != q.Quantizes(seat.modules[1])) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "the ignore list quantizes one of ", seat.modules[0], " and ", seat.modules[1],
+              " only: an expert's gate and up are one matrix, both quantized or both kept"));
+        }
+      }
+    }
+  }
   std::map<std::string, std::shared_ptr<const W4a16Packed>> out;
   const auto start = std::chrono::steady_clock::now();
   for (int l = 0; l < c.num_layers; ++l) {
@@ -385,8 +399,7 @@ absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> Quanti
       std::optional<GptqFactor> factor;  // made at the first quantized seat
       for (HessianModules::Seat& seat : set.seats) {
         cpu::PackedMatrix& m = *seat.matrix;
-        // (A seat's modules are all quantized or none: CheckIgnoreList, which dgserve-quantize
-        // runs before this and QuantizeCheckpoint after, refuses a split gate/up.)
+        // (A seat's modules are all quantized or none: a split gate/up was refused above.)
         if (m.empty() || !q.Quantizes(seat.modules[0])) continue;
         const int rows = m.rows(), cols = m.cols();
         const int group = gptq.group_size > 0 ? gptq.group_size : cols;

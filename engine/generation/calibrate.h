@@ -167,13 +167,13 @@ struct LayerGptqOptions {
 // Returns the modules (decoder names) for QuantizeOptions::w4a16_modules; the packed modules
 // of the whole model are held until then (about half a byte per quantized weight). Errors:
 // CalibrateInputHessians' (naming the layer), INVALID_ARGUMENT for a group size < 0, a
-// dampening not in [0, 1e6] or an ignore entry that is not a regular expression, and
-// FactorGptqHessian's and QuantizeW4a16Gptq's naming the module. The ignore list's checks
-// against the checkpoint (CheckIgnoreList, engine/model/quantize_checkpoint.h, with
-// layer_by_layer: a split expert gate/up, an encoder alias unlike its decoder module, nothing
-// left to quantize) are the caller's, before this: dgserve-quantize runs them, and
-// QuantizeCheckpoint refuses the result otherwise (an expert's seat is quantized by its
-// gate_proj's entry here).
+// dampening not in [0, 1e6], an ignore entry that is not a regular expression or an ignore
+// list that quantizes only one of an expert's gate and up (from the names, before any
+// calibration runs: the loader refuses such a checkpoint), and FactorGptqHessian's and
+// QuantizeW4a16Gptq's naming the module. The ignore list's other checks against the checkpoint
+// (CheckIgnoreList, engine/model/quantize_checkpoint.h, with layer_by_layer: an encoder alias
+// unlike its decoder module, nothing left to quantize) are the caller's, before this:
+// dgserve-quantize runs them, and QuantizeCheckpoint refuses the result otherwise.
 absl::StatusOr<std::map<std::string, std::shared_ptr<const W4a16Packed>>> QuantizeW4a16GptqByLayer(
     Checkpoint& checkpoint, std::span<const CalibrationPrompt> prompts,
     const CalibrationOptions& options, const LayerGptqOptions& gptq);

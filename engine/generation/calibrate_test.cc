@@ -462,8 +462,14 @@ TEST(CalibrateTest, GptqByLayer) {
   EXPECT_THAT(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().message(),
               HasSubstr("entry 're:([' is not a regular expression"));
   lo.ignore.back() = "re:.*layers[.]3[.]experts[.]5[.]up_proj$";
-  // Refused from the headers, before the L calibration runs (dgserve-quantize runs it first).
-  EXPECT_THAT(CheckIgnoreList(bf16, lo.ignore, /*layer_by_layer=*/true).message(),
+  // Refused by the names, before the L calibration runs (a library caller that skips
+  // CheckIgnoreList), and from the headers (dgserve-quantize runs CheckIgnoreList first).
+  EXPECT_THAT(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().message(),
+              HasSubstr("quantizes one of model.decoder.layers.3.experts.5.gate_proj and "
+                        "model.decoder.layers.3.experts.5.up_proj only"));
+  QuantizeOptions split_options = W4a16Options(128);
+  split_options.ignore = lo.ignore;
+  EXPECT_THAT(CheckIgnoreList(bf16, split_options, /*layer_by_layer=*/true).message(),
               HasSubstr("quantizes one of model.decoder.layers.3.experts.5.gate_proj and "
                         "model.decoder.layers.3.experts.5.up_proj only"));
   // Without GPTQ too: a checkpoint the loader would refuse is not written.

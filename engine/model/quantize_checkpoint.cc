@@ -487,14 +487,9 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
     return absl::InvalidArgumentError("the format must be fp8, w4a16 or nvfp4");
   }
   q.targets = {"Linear"};
-  q.ignore = options.ignore;
-  if (q.format == WeightFormat::kNvfp4 && !ct_nvfp4) {
-    q.ignore.clear();
-    for (const std::string& e : options.ignore) {
-      DGSERVE_ASSIGN_OR_RETURN(std::string g, ModelOptIgnoreGlob(e));
-      q.ignore.push_back(g);
-    }
-  }
+  // (ModelOpt: fnmatch patterns; the round trip below reads them back as such, as
+  // CheckIgnoreList matches them.)
+  DGSERVE_ASSIGN_OR_RETURN(q.ignore, WrittenIgnoreList(options));
   // Round-trip the config through the parser: the loader reads exactly what is written.
   const std::string config_path = (fs::path(in) / "config.json").string();
   DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_path));
@@ -517,7 +512,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
 
   DGSERVE_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::OpenDir(in));
   // (As dgserve-quantize does before calibrating: from the headers, before anything is read.)
-  DGSERVE_RETURN_IF_ERROR(CheckIgnoreList(config, reader.tensors(), options.ignore,
+  DGSERVE_RETURN_IF_ERROR(CheckIgnoreList(config, reader.tensors(), options,
                                           /*layer_by_layer=*/!options.w4a16_modules.empty()));
   // Linear modules: the 2-D linear weights of the tensor list (not the embedding).
   std::set<std::string> linear;
@@ -737,10 +732,19 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   summary.kept = kept;
   summary.gptq = gptq;
   summary.rtn_without_hessian = rtn_without_hessian;
-  for (const std::string& e : options.ignore) {
-    if (std::none_of(modules.begin(), modules.end(),
-                     [&](const std::string& m) { return IgnoreEntryMatches(e, m); })) {
-      summary.unmatched_ignore.push_back(e);
+  // Each entry as written (ModelOpt: its fnmatch pattern, matched as the loader matches it).
+  DGSERVE_ASSIGN_OR_RETURN(const std::vector<std::string> written, WrittenIgnoreList(options));
+  for (size_t i = 0; i < options.ignore.size(); ++i) {
+    QuantizationConfig one;  // keeps what written[i] alone matches
+    one.format = WeightFormat::kW4A16;
+    one.targets = {"Linear"};
+    one.ignore = {written[i]};
+    one.glob_ignore = WritesModelOptIgnore(options);
+    auto matches = [&](const std::string& m) {
+      return one.glob_ignore ? !one.Quantizes(m) : IgnoreEntryMatches(options.ignore[i], m);
+    };
+    if (std::none_of(modules.begin(), modules.end(), matches)) {
+      summary.unmatched_ignore.push_back(options.ignore[i]);
     }
   }
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -

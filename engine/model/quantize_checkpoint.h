@@ -188,18 +188,29 @@ std::string QuantizeDecoderModuleName(const std::string& module);
 std::vector<std::string> QuantizableModules(const ModelConfig& config,
                                             std::span<const TensorView> tensors);
 
+// Whether QuantizeCheckpoint writes `options.ignore` as ModelOpt exclude_modules (--format nvfp4
+// in the ModelOpt layout): fnmatch patterns, which the loader matches by fnmatch or as a module
+// prefix followed by '.' (so "model" and "*" keep every module, and "Linear" none).
+bool WritesModelOptIgnore(const QuantizeOptions& options);
+// The ignore list QuantizeCheckpoint writes for `options`: with WritesModelOptIgnore, each
+// entry's ModelOptIgnoreGlob (its error for an entry that has none); otherwise the entries as
+// they are.
+absl::StatusOr<std::vector<std::string>> WrittenIgnoreList(const QuantizeOptions& options);
+
 // The ignore list's checks against the checkpoint's modules (QuantizableModules: the headers
-// only), run by dgserve-quantize before any calibration and by QuantizeCheckpoint:
-// INVALID_ARGUMENT when `ignore` (compressed-tensors entries) has an entry that is not a regular
-// expression, quantizes one of an expert's gate_proj and up_proj only (the loader runs them as
-// one matrix), leaves no module to quantize (naming the list), or, with `layer_by_layer`
-// (layer-by-layer GPTQ, which quantizes by decoder name), treats an encoder alias unlike its
-// decoder module.
+// only), run by dgserve-quantize before any calibration and by QuantizeCheckpoint. The list is
+// `options.ignore` matched as the loader will match the written one (WrittenIgnoreList, by
+// options.format and options.nvfp4_layout: ModelOpt's fnmatch patterns, else compressed-tensors'
+// names and regexes). INVALID_ARGUMENT when an entry is not a regular expression or has no
+// ModelOpt pattern (ModelOptIgnoreGlob), or the list quantizes one of an expert's gate_proj and
+// up_proj only (the loader runs them as one matrix), leaves no module to quantize (naming the
+// list), or, with `layer_by_layer` (layer-by-layer GPTQ, which quantizes by decoder name),
+// treats an encoder alias unlike its decoder module.
 absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorView> tensors,
-                             const std::vector<std::string>& ignore, bool layer_by_layer);
+                             const QuantizeOptions& options, bool layer_by_layer);
 // The same from checkpoint directory `in`: its config.json and safetensors headers (errors as
 // ParseModelConfig and SafetensorsReader::OpenDir).
-absl::Status CheckIgnoreList(const std::string& in, const std::vector<std::string>& ignore,
+absl::Status CheckIgnoreList(const std::string& in, const QuantizeOptions& options,
                              bool layer_by_layer);
 
 // A compressed-tensors ignore entry as the ModelOpt NVFP4 layout's exclude pattern (fnmatch):

@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -68,13 +69,31 @@ std::vector<std::string> QuantizableModules(const ModelConfig& config,
   return out;
 }
 
+absl::StatusOr<std::vector<std::string>> WrittenIgnoreList(const QuantizeOptions& options) {
+  if (!WritesModelOptIgnore(options)) return options.ignore;
+  std::vector<std::string> globs;
+  for (const std::string& e : options.ignore) {
+    DGSERVE_ASSIGN_OR_RETURN(std::string g, ModelOptIgnoreGlob(e));
+    globs.push_back(std::move(g));
+  }
+  return globs;
+}
+
+bool WritesModelOptIgnore(const QuantizeOptions& options) {
+  return options.format == WeightFormat::kNvfp4 && options.nvfp4_layout == Nvfp4Layout::kModelOpt;
+}
+
 absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorView> tensors,
-                             const std::vector<std::string>& ignore, bool layer_by_layer) {
+                             const QuantizeOptions& options, bool layer_by_layer) {
+  const std::vector<std::string>& ignore = options.ignore;
   DGSERVE_RETURN_IF_ERROR(CheckModulePatterns(ignore, "the ignore list's"));
-  QuantizationConfig q;  // compressed-tensors' matching (ModelOpt's patterns are made from it)
+  // Matched as the loader will match the written config.json: ModelOpt's exclude_modules are
+  // fnmatch patterns (or a module prefix), compressed-tensors' entries names or regexes.
+  QuantizationConfig q;
   q.format = WeightFormat::kW4A16;
   q.targets = {"Linear"};
-  q.ignore = ignore;
+  DGSERVE_ASSIGN_OR_RETURN(q.ignore, WrittenIgnoreList(options));
+  q.glob_ignore = WritesModelOptIgnore(options);
   const std::vector<std::string> modules = QuantizableModules(config, tensors);
   int quantized = 0;
   for (const std::string& module : modules) {
@@ -133,13 +152,13 @@ absl::StatusOr<std::string> ModelOptIgnoreGlob(const std::string& e) {
   return absl::StrCat(lead ? "*" : "", name, "*");
 }
 
-absl::Status CheckIgnoreList(const std::string& in, const std::vector<std::string>& ignore,
+absl::Status CheckIgnoreList(const std::string& in, const QuantizeOptions& options,
                              bool layer_by_layer) {
   const std::string config_path = (fs::path(in) / "config.json").string();
   DGSERVE_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path));
   DGSERVE_ASSIGN_OR_RETURN(const ModelConfig config, ParseModelConfig(text, config_path));
   DGSERVE_ASSIGN_OR_RETURN(const SafetensorsReader reader, SafetensorsReader::OpenDir(in));
-  return CheckIgnoreList(config, reader.tensors(), ignore, layer_by_layer);
+  return CheckIgnoreList(config, reader.tensors(), options, layer_by_layer);
 }
 
 std::vector<std::string> DefaultQuantizeIgnore() {

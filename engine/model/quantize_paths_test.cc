@@ -24,6 +24,7 @@ namespace fs = std::filesystem;
 using ::dgserve::testing::IsOk;
 using ::dgserve::testing::StatusIs;
 using ::testing::AllOf;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 class QuantizePathsTest : public ::testing::Test {
@@ -148,6 +149,17 @@ std::vector<TensorView> TinyHeaders(bool encoder_alias) {
   return out;
 }
 
+// `ignore` for --format `format` (nvfp4: in `layout`).
+QuantizeOptions Ignoring(std::vector<std::string> ignore, WeightFormat format = WeightFormat::kFp8,
+                         Nvfp4Layout layout = Nvfp4Layout::kModelOpt) {
+  QuantizeOptions o;
+  o.format = format;
+  o.nvfp4_layout = layout;
+  o.ignore = std::move(ignore);
+  o.progress = false;
+  return o;
+}
+
 TEST(CheckIgnoreListTest, ModulesAreTheLinearOnesWithExpertsUnfused) {
   const ModelConfig c = ::dgserve::testing::TinyConfig();
   const std::vector<std::string> modules = QuantizableModules(c, TinyHeaders(true));
@@ -173,12 +185,12 @@ TEST(CheckIgnoreListTest, RefusesWhatTheWriterWouldRefuse) {
   const ModelConfig c = ::dgserve::testing::TinyConfig();
   const std::vector<TensorView> plain = TinyHeaders(false), alias = TinyHeaders(true);
   std::vector<std::string> ignore = DefaultQuantizeIgnore();
-  EXPECT_THAT(CheckIgnoreList(c, alias, ignore, true), IsOk());
+  EXPECT_THAT(CheckIgnoreList(c, alias, Ignoring(ignore), true), IsOk());
   // One of an expert's gate and up only, in either order and by any entry.
   for (const std::string proj : {"gate_proj", "up_proj"}) {
     ignore = DefaultQuantizeIgnore();
     ignore.push_back("model.decoder.layers.1.experts.2." + proj);
-    EXPECT_THAT(CheckIgnoreList(c, plain, ignore, false),
+    EXPECT_THAT(CheckIgnoreList(c, plain, Ignoring(ignore), false),
                 StatusIs(absl::StatusCode::kInvalidArgument,
                          HasSubstr("the ignore list quantizes one of "
                                    "model.decoder.layers.1.experts.2.gate_proj and "
@@ -187,30 +199,82 @@ TEST(CheckIgnoreListTest, RefusesWhatTheWriterWouldRefuse) {
   }
   ignore = DefaultQuantizeIgnore();
   ignore.push_back("re:.*experts[.]2[.](gate|up)_proj$");  // both: allowed
-  EXPECT_THAT(CheckIgnoreList(c, plain, ignore, false), IsOk());
+  EXPECT_THAT(CheckIgnoreList(c, plain, Ignoring(ignore), false), IsOk());
   // An encoder alias kept and its decoder module quantized: refused layer by layer only.
   ignore = DefaultQuantizeIgnore();
   ignore.push_back("re:model[.]encoder[.].*k_proj$");
-  EXPECT_THAT(CheckIgnoreList(c, alias, ignore, false), IsOk());
-  EXPECT_THAT(CheckIgnoreList(c, alias, ignore, true),
+  EXPECT_THAT(CheckIgnoreList(c, alias, Ignoring(ignore), false), IsOk());
+  EXPECT_THAT(CheckIgnoreList(c, alias, Ignoring(ignore), true),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("the ignore list treats "
                                  "model.encoder.language_model.layers.0.self_attn.k_proj and its "
                                  "decoder module model.decoder.layers.0.self_attn.k_proj "
                                  "differently: layer-by-layer GPTQ needs both quantized")));
-  EXPECT_THAT(CheckIgnoreList(c, plain, ignore, true), IsOk());  // no alias in the checkpoint
+  EXPECT_THAT(CheckIgnoreList(c, plain, Ignoring(ignore), true),
+              IsOk());  // no alias in the checkpoint
   // Nothing left to quantize, for any caller.
   for (const std::vector<std::string>& all :
        {std::vector<std::string>{"re:.*"}, {"re:.*proj.*", "lm_head", "re:.*router.*"}}) {
     for (bool layer_by_layer : {false, true}) {
-      EXPECT_THAT(CheckIgnoreList(c, alias, all, layer_by_layer),
+      EXPECT_THAT(CheckIgnoreList(c, alias, Ignoring(all), layer_by_layer),
                   StatusIs(absl::StatusCode::kInvalidArgument,
                            AllOf(HasSubstr("the ignore list '" + all[0]),
                                  HasSubstr("' leaves no module to quantize"))));
     }
   }
-  EXPECT_THAT(CheckIgnoreList(c, plain, {"re:(["}, false),
+  EXPECT_THAT(CheckIgnoreList(c, plain, Ignoring({"re:(["}), false),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'re:([' is not a regular")));
+}
+
+// --format nvfp4 in the ModelOpt layout writes fnmatch patterns (exclude_modules), which the
+// loader matches by fnmatch or as a module prefix: the list is checked as so matched.
+TEST(CheckIgnoreListTest, ModelOptLayoutMatchesAsTheWrittenPatterns) {
+  const ModelConfig c = ::dgserve::testing::TinyConfig();
+  const std::vector<TensorView> plain = TinyHeaders(false);
+  auto modelopt = [](std::vector<std::string> ignore) {
+    return Ignoring(std::move(ignore), WeightFormat::kNvfp4, Nvfp4Layout::kModelOpt);
+  };
+  auto ct = [](std::vector<std::string> ignore) {
+    return Ignoring(std::move(ignore), WeightFormat::kNvfp4, Nvfp4Layout::kCompressedTensors);
+  };
+  EXPECT_THAT(CheckIgnoreList(c, plain, modelopt(DefaultQuantizeIgnore()), false), IsOk());
+  // A pattern that keeps one of an expert's gate and up (a plain name elsewhere: no module).
+  for (const std::string& e :
+       {std::string("*experts.2.gate_proj"), std::string("re:.*experts\\.2\\.up_proj")}) {
+    EXPECT_THAT(CheckIgnoreList(c, plain, modelopt({e}), false),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("the ignore list quantizes one of model.decoder."),
+                               HasSubstr("experts.2.up_proj only: an expert's gate and up"))))
+        << e;
+  }
+  EXPECT_THAT(CheckIgnoreList(c, plain, ct({"*experts.2.gate_proj"}), false), IsOk());
+  EXPECT_THAT(CheckIgnoreList(c, plain, modelopt({"*experts.2.*_proj"}), false), IsOk());
+  // Every module, by a pattern or by a prefix.
+  for (const std::string& e : {"*", "model", "model.decoder", "re:.*"}) {
+    EXPECT_THAT(CheckIgnoreList(c, plain, modelopt({e}), true),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("the ignore list '" + e + "' leaves no module to quantize")))
+        << e;
+  }
+  EXPECT_THAT(CheckIgnoreList(c, plain, ct({"model"}), false), IsOk());  // an exact name there
+  // "Linear" is every module in compressed-tensors' list, no module as a ModelOpt pattern.
+  EXPECT_THAT(CheckIgnoreList(c, plain, modelopt({"Linear"}), false), IsOk());
+  EXPECT_THAT(CheckIgnoreList(c, plain, ct({"Linear"}), false),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leaves no module")));
+  EXPECT_THAT(CheckIgnoreList(c, plain, Ignoring({"Linear"}), false),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leaves no module")));
+  // An entry with no pattern: ModelOptIgnoreGlob's refusal.
+  EXPECT_THAT(CheckIgnoreList(c, plain, modelopt({"re:.*experts[.][0-9]+[.]down_proj$"}), false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("is not of the form re:.*NAME.*, re:NAME or a module name")));
+  const absl::StatusOr<std::vector<std::string>> globs =
+      WrittenIgnoreList(modelopt({"lm_head", "re:.*norm.*", "re:model\\.x"}));
+  ASSERT_THAT(globs, IsOk());
+  EXPECT_THAT(*globs, ElementsAre("lm_head", "*norm*", "model.x*"));
+  const absl::StatusOr<std::vector<std::string>> entries =
+      WrittenIgnoreList(ct({"lm_head", "re:.*norm.*"}));
+  ASSERT_THAT(entries, IsOk());
+  EXPECT_THAT(*entries, ElementsAre("lm_head", "re:.*norm.*"));
 }
 
 // QuantizeCheckpoint refuses the same before writing anything; the directory form reads the
@@ -222,7 +286,7 @@ TEST_F(QuantizePathsTest, QuantizeCheckpointRefusesAnIgnoreListThatLeavesNothing
   QuantizeOptions options;
   options.progress = false;
   options.ignore = {"re:.*"};
-  EXPECT_THAT(CheckIgnoreList(in_.string(), options.ignore, false),
+  EXPECT_THAT(CheckIgnoreList(in_.string(), options, false),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("the ignore list 're:.*' leaves no module to quantize")));
   for (WeightFormat f : {WeightFormat::kFp8, WeightFormat::kW4A16, WeightFormat::kNvfp4}) {
@@ -238,8 +302,39 @@ TEST_F(QuantizePathsTest, QuantizeCheckpointRefusesAnIgnoreListThatLeavesNothing
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("quantizes one of model.decoder.layers.0.experts.1.gate_proj")));
   EXPECT_FALSE(fs::exists(base_ / "out"));
-  EXPECT_THAT(CheckIgnoreList((base_ / "missing").string(), options.ignore, false),
+  EXPECT_THAT(CheckIgnoreList((base_ / "missing").string(), options, false),
               StatusIs(absl::StatusCode::kNotFound));
+}
+
+// The ModelOpt layout's writer and check agree: a pattern that splits an expert's gate and up or
+// keeps every module is refused with nothing written; "Linear" (no module as a pattern) writes
+// what an empty list writes and is reported as naming no module; a pattern that matches is not.
+TEST_F(QuantizePathsTest, QuantizeCheckpointModelOptPatterns) {
+  ASSERT_THAT(
+      WriteRandomCheckpoint(::dgserve::testing::TinyConfig(), GenerationConfig{}, 7, in_.string()),
+      IsOk());
+  QuantizeOptions options;
+  options.progress = false;
+  options.format = WeightFormat::kNvfp4;
+  for (const std::string& e : {"*experts.1.gate_proj", "*", "model"}) {
+    options.ignore = {e};
+    EXPECT_THAT(QuantizeCheckpoint(in_.string(), (base_ / "out").string(), options).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("the ignore list ")))
+        << e;
+    EXPECT_FALSE(fs::exists(base_ / "out")) << e;
+  }
+  options.ignore = {};
+  const absl::StatusOr<QuantizeSummary> none =
+      QuantizeCheckpoint(in_.string(), (base_ / "none").string(), options);
+  ASSERT_THAT(none, IsOk());
+  options.ignore = {"Linear", "*experts.1.*"};
+  const absl::StatusOr<QuantizeSummary> linear =
+      QuantizeCheckpoint(in_.string(), (base_ / "linear").string(), options);
+  ASSERT_THAT(linear, IsOk());
+  EXPECT_GT(none->quantized, 0);
+  EXPECT_EQ(linear->quantized + linear->kept, none->quantized + none->kept);
+  EXPECT_LT(linear->quantized, none->quantized);  // expert 1's modules kept
+  EXPECT_THAT(linear->unmatched_ignore, ElementsAre("Linear"));
 }
 
 }  // namespace
