@@ -42,9 +42,27 @@ inline std::string QuotedExcerpt(std::string_view s, size_t max_bytes = 64) {
   return out;
 }
 
+// Whether the valid UTF-8 character `ch` changes how the text around it is shown without showing
+// itself: the bidirectional controls (U+061C, U+200E, U+200F, U+202A-U+202E, U+2066-U+2069,
+// which can make a line read in another order, CVE-2021-42574), the line and paragraph
+// separators (U+2028, U+2029) and the byte order mark (U+FEFF).
+inline bool IsInvisibleReordering(std::string_view ch) {
+  const auto b = [&](size_t k) { return static_cast<uint8_t>(ch[k]); };
+  if (ch.size() == 2) return b(0) == 0xD8 && b(1) == 0x9C;  // U+061C
+  if (ch.size() != 3) return false;
+  if (b(0) == 0xEF) return b(1) == 0xBB && b(2) == 0xBF;  // U+FEFF
+  if (b(0) != 0xE2) return false;
+  if (b(1) == 0x80) {
+    return b(2) == 0x8E || b(2) == 0x8F || (b(2) >= 0xA8 && b(2) <= 0xA9) ||
+           (b(2) >= 0xAA && b(2) <= 0xAE);
+  }
+  return b(1) == 0x81 && b(2) >= 0xA6 && b(2) <= 0xA9;  // U+2066-U+2069
+}
+
 // `s` safe to print on a terminal inside an error message: printable ASCII and valid UTF-8
 // characters other than controls kept as they are; every other byte (an invalid or truncated
-// UTF-8 sequence, an overlong or surrogate encoding, a C0 or C1 control such as ESC, DEL) written
+// UTF-8 sequence, an overlong or surrogate encoding, a C0 or C1 control such as ESC, DEL, a
+// bidirectional control or separator: IsInvisibleReordering) written
 // as "\xNN" (lower-case hex), one escape per byte: "a\xffb" for the bytes 'a' 0xFF 'b'. A
 // backslash is kept, so the result is for reading, not for decoding back.
 inline std::string EscapedForTerminal(std::string_view s) {
@@ -70,6 +88,7 @@ inline std::string EscapedForTerminal(std::string_view s) {
       }
       // U+0080-U+009F (C2 80 to C2 9F) are the C1 controls (0x9B is a terminal's CSI).
       if (ok && !(c == 0xC2 && static_cast<uint8_t>(s[i + 1]) <= 0x9F)) len = n;
+      if (len > 0 && IsInvisibleReordering(s.substr(i, len))) len = 0;
     }
     if (len > 0) {
       out.append(s.substr(i, len));

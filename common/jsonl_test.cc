@@ -136,6 +136,19 @@ TEST(EscapedForTerminalTest, KeepsValidTextEscapesEveryOtherByte) {
   EXPECT_EQ(EscapedForTerminal("\xf4\x90\x80\x80"), "\\xf4\\x90\\x80\\x80");
   EXPECT_EQ(EscapedForTerminal("x\xe2\x89"), "x\\xe2\\x89");
   EXPECT_EQ(EscapedForTerminal(std::string("\0z", 2)), "\\x00z");
+  // Bidirectional controls (an RLO U+202E makes "txt.exe" show as "exe.txt"), LRM, RLM, the
+  // isolates, ALM, the line separator, the BOM: escaped byte by byte. Neighbours kept: U+202F
+  // (narrow no-break space), U+2065 (unassigned but not a control here), U+200D (ZWJ).
+  EXPECT_EQ(EscapedForTerminal("a\xe2\x80\xae"
+                               "b"),
+            "a\\xe2\\x80\\xaeb");
+  EXPECT_EQ(EscapedForTerminal("\xe2\x80\x8e\xe2\x80\x8f\xe2\x81\xa6\xe2\x81\xa9"),
+            "\\xe2\\x80\\x8e\\xe2\\x80\\x8f\\xe2\\x81\\xa6\\xe2\\x81\\xa9");
+  EXPECT_EQ(EscapedForTerminal("\xd8\x9c\xe2\x80\xa8\xef\xbb\xbf"),
+            "\\xd8\\x9c\\xe2\\x80\\xa8\\xef\\xbb\\xbf");
+  EXPECT_EQ(EscapedForTerminal("\xe2\x80\xaa\xe2\x80\xac"), "\\xe2\\x80\\xaa\\xe2\\x80\\xac");
+  EXPECT_EQ(EscapedForTerminal("\xe2\x80\xaf\xe2\x81\xa5\xe2\x80\x8d\xd8\x9b"),
+            "\xe2\x80\xaf\xe2\x81\xa5\xe2\x80\x8d\xd8\x9b");
 }
 
 // A key named twice in one object is refused naming the line, before fn sees it (nlohmann kept

@@ -210,6 +210,9 @@ DenoiseEngine::~DenoiseEngine() {
 void DenoiseEngine::UpdateQueueGauge() {
   // Requests waiting for their KV count as queued as much as those waiting for a batch slot.
   if (metrics_) metrics_->queue_depth.Set(double(waiting_.size() + ready_.size()));
+  // Samples dropped from the queue (a cancel, a failed sample's siblings) are held no more.
+  held_for_kv_memory_ = std::min(held_for_kv_memory_.load(), int(ready_.size()));
+  if (metrics_) metrics_->queued_for_kv_memory.Set(double(held_for_kv_memory_));
 }
 
 absl::Status DenoiseEngine::CheckFitsInPool(const v1::DenoiseRequest& r) const {
@@ -424,6 +427,7 @@ bool DenoiseEngine::Cancel(const std::string& request_id, absl::StatusCode code)
       if (!drop.empty()) {
         all_.erase(request_id);
         job->End(job->CancelStatus());
+        UpdateQueueGauge();
       }
     }
     if (metrics_ && (forget || !drop.empty())) {
@@ -469,6 +473,7 @@ void DenoiseEngine::FinishJob(Running& r, absl::Status status) {
       ++q;
     }
   }
+  if (!drop.empty()) UpdateQueueGauge();
 }
 
 void DenoiseEngine::Loop() {
@@ -493,7 +498,6 @@ void DenoiseEngine::Loop() {
         running.back()->admitted = absl::Now();
       }
       held_for_kv_memory_ = held;
-      if (metrics_) metrics_->queued_for_kv_memory.Set(double(held));
       UpdateQueueGauge();
     }
     active_requests_ = CountJobs(running);
@@ -514,7 +518,8 @@ bool DenoiseEngine::FitsInKvMemoryBeside(const std::vector<std::unique_ptr<Runni
   std::vector<KvSequencePlan> plans;
   std::unordered_set<const DenoiseJob*> jobs;
   const auto add = [&](const Running& r) {
-    if (r.finished || r.job->ended() || !r.run.has_value()) return;
+    // A cancelled sample leaves at the next step: its blocks are as good as free.
+    if (r.finished || r.job->ended() || r.job->cancel_requested() || !r.run.has_value()) return;
     const int64_t prompt = r.job->request().prompt_tokens();
     KvSequencePlan p;
     p.like = r.kv.get();
@@ -529,7 +534,13 @@ bool DenoiseEngine::FitsInKvMemoryBeside(const std::vector<std::unique_ptr<Runni
   };
   for (const auto& r : running) add(*r);
   add(next);
-  return backend_->CheckKvFitsTogether(plans).ok();
+  const absl::Status fits = backend_->CheckKvFitsTogether(plans);
+  // Only a want of memory holds the queue; any other answer (a fault in the check) admits.
+  if (!fits.ok() && !absl::IsResourceExhausted(fits)) {
+    DGSERVE_LOG_WARNING("K/V memory admission check failed, admitting: %s",
+                        std::string(fits.message()).c_str());
+  }
+  return !absl::IsResourceExhausted(fits);
 }
 
 void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {

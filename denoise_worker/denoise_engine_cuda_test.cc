@@ -29,6 +29,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/testing/status_matchers.h"
 #include "denoise_worker/denoise_engine.h"
@@ -202,8 +203,9 @@ TEST_F(DenoiseEngineCudaTest, PoolAtItsBoundRunsTheBatchInParts) {
 TEST_F(DenoiseEngineCudaTest, AdmissionWaitsForKvMemory) {
   ASSERT_NO_FATAL_FAILURE(StartEngine(96 * 1024));
   // As above, a and b together need more than the bound for their commits and second canvases;
-  // with admission by K/V memory b waits in the queue until a ends, then runs alone: no pass is
-  // refused and nothing is swapped out (both happen whenever the two overlap, as above).
+  // with admission by K/V memory b waits in the queue until a ends (seen held), then runs alone:
+  // no pass is refused and nothing is swapped out (both happen whenever the two overlap, as
+  // above).
   const std::vector<int32_t> pa = Prompt(120, 1), pb = Prompt(120, 2);
   const v1::DenoiseRequest a = Request("a", 120, 2 * C()), b = Request("b", 120, 2 * C());
   ASSERT_NO_FATAL_FAILURE(SendKv("a", pa));
@@ -211,6 +213,13 @@ TEST_F(DenoiseEngineCudaTest, AdmissionWaitsForKvMemory) {
   auto ja = std::make_shared<DenoiseJob>(a), jb = std::make_shared<DenoiseJob>(b);
   ASSERT_THAT(engine_->Submit(ja), IsOk());
   ASSERT_THAT(engine_->Submit(jb), IsOk());
+  // b is seen held while a runs (its steps take seconds under the emulation; polled every ms).
+  bool held = false;
+  for (int i = 0; i < 300000 && !held && !ja->ended(); ++i) {
+    held = engine_->stats().held_for_kv_memory == 1;
+    if (!held) absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_TRUE(held);
   const denoise_testing::JobEvents ga = Collect(*ja), gb = Collect(*jb);
   ASSERT_THAT(ga.final, IsOk());
   ASSERT_THAT(gb.final, IsOk());

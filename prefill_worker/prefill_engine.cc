@@ -232,7 +232,8 @@ void PrefillEngine::Loop() {
       int held = 0;
       while (!queue_.empty() && planned < options_.step_token_budget) {
         // And while the backend's K/V memory holds every running prompt and this one whole.
-        if (!active.empty() && options_.admit_by_kv_memory &&
+        // (A cancelled prompt joins at once: the next step drops it and replies.)
+        if (!active.empty() && options_.admit_by_kv_memory && !queue_.front()->cancelled &&
             !FitsInKvMemoryBeside(active, *queue_.front())) {
           held = int(queue_.size());
           break;
@@ -242,6 +243,7 @@ void PrefillEngine::Loop() {
         planned += options_.chunk_tokens;
       }
       held_for_kv_memory_ = held;
+      if (metrics_) metrics_->queued_for_kv_memory.Set(double(held));
     }
     for (Retry& r : due) {
       if (r.job->cancelled) {
@@ -289,7 +291,13 @@ bool PrefillEngine::FitsInKvMemoryBeside(const std::vector<std::shared_ptr<Job>>
     if (!j->cancelled && !j->finished) add(*j);
   }
   add(next);
-  return backend_->CheckKvFitsTogether(plans).ok();
+  const absl::Status fits = backend_->CheckKvFitsTogether(plans);
+  // Only a want of memory holds the queue; any other answer (a fault in the check) admits.
+  if (!fits.ok() && !absl::IsResourceExhausted(fits)) {
+    DGSERVE_LOG_WARNING("K/V memory admission check failed, admitting: %s",
+                        std::string(fits.message()).c_str());
+  }
+  return !absl::IsResourceExhausted(fits);
 }
 
 void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {

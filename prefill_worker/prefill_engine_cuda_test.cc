@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/testing/status_matchers.h"
 #include "engine/cuda/cuda_backend.h"
@@ -233,6 +234,15 @@ void PrefillEngineCudaTest::TwoPromptsAtTheBound(bool admit_by_kv_memory) {
                                  done[i].Notify();
                                }),
                 IsOk());
+  }
+  if (admit_by_kv_memory) {
+    // The second prompt is seen held while the first is prefilled (polled every ms).
+    bool held = false;
+    for (int i = 0; i < 300000 && !held && !done[0].HasBeenNotified(); ++i) {
+      held = engine->stats().held_for_kv_memory == 1;
+      if (!held) absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_TRUE(held);
   }
   Run bounded;
   for (int i = 0; i < 2; ++i) {

@@ -28,6 +28,10 @@ PrefillMetrics::PrefillMetrics(prometheus::Registry& r)
       queue_depth(MakeGauge(r, "dgserve_prefill_queue_depth", "Prompts queued or running")),
       tokens_per_second(MakeGauge(r, "dgserve_prefill_tokens_per_second",
                                   "Encoder throughput of the last step (tokens/s)")),
+      queued_for_kv_memory(MakeGauge(
+          r, "dgserve_prefill_queued_for_kv_memory",
+          "Prompts waiting to start because the device K/V memory would not hold the first of "
+          "them beside the running ones")),
       passes_in_parts(MakeCounter(
           r, "dgserve_prefill_passes_in_parts_total",
           "Encoder passes refused for want of K/V memory (RESOURCE_EXHAUSTED: the device block "

@@ -23,6 +23,8 @@ struct PrefillMetrics {
   prometheus::Histogram& request_seconds;  // queue + encode of one prompt
   prometheus::Gauge& queue_depth;
   prometheus::Gauge& tokens_per_second;    // of the last encoder step
+  // Prompts held in the queue by the admission check on K/V memory (admit_by_kv_memory).
+  prometheus::Gauge& queued_for_kv_memory;
   // Encoder passes the backend refused for want of K/V memory and ran in parts (RunInParts).
   prometheus::Counter& passes_in_parts;
   // Prompts whose KV push found the denoise worker's pool full and waited for room.

@@ -343,11 +343,15 @@ const queues: Sized[] = [
     panel: timeseries({
       title: 'Queue depth',
       description:
-        'Prompts queued or running on each prefill worker; requests waiting for their prompt KV or a batch slot on each denoise worker; of those, samples held back because the device K/V memory would not hold them beside the running ones.',
+        'Prompts queued or running on each prefill worker; requests waiting for their prompt KV or a batch slot on each denoise worker; of those, prompts and samples held back because the device K/V memory would not hold them beside the running ones.',
       min: 0,
       queries: [
         { expr: `sum by (instance) (${sel(`${PF}_queue_depth`)})`, legend: 'prefill {{instance}}' },
         { expr: `sum by (instance) (${sel(`${DN}_queue_depth`)})`, legend: 'denoise {{instance}}' },
+        {
+          expr: `sum by (instance) (${sel(`${PF}_queued_for_kv_memory`)})`,
+          legend: 'prefill held for K/V memory {{instance}}',
+        },
         {
           expr: `sum by (instance) (${sel(`${DN}_queued_for_kv_memory`)})`,
           legend: 'denoise held for K/V memory {{instance}}',
