@@ -172,11 +172,6 @@ int Run() {
     std::fprintf(stderr, "--logit_scale must be in (0, 1e6], got %g\n", logit_scale);
     return 2;
   }
-  if (absl::GetFlag(FLAGS_canvas) < 0 || absl::GetFlag(FLAGS_steps) < 1 ||
-      absl::GetFlag(FLAGS_context) < 1) {
-    std::fprintf(stderr, "--canvas must be ≥ 0 (0: the checkpoint's), --steps and --context ≥ 1\n");
-    return 2;
-  }
   if (const int bs = absl::GetFlag(FLAGS_cuda_kv_block_size); bs < 0 || bs > 4096) {
     std::fprintf(stderr, "--cuda_kv_block_size %d: must be 0 (per-sequence arrays) to 4096\n", bs);
     return 2;
@@ -295,11 +290,7 @@ int Run() {
   kvs.emplace_back(c, P);
   std::vector<int32_t> prompt(P);
   for (int i = 0; i < P; ++i) prompt[i] = (i * 7919 + 13) % V;
-  if (absl::GetFlag(FLAGS_prefill_chunk) < 0) {
-    std::fprintf(stderr, "--prefill_chunk %d: must be ≥ 0 (0: the backend's)\n",
-                 absl::GetFlag(FLAGS_prefill_chunk));
-    return 2;
-  }
+  // (--prefill_chunk ≥ 0: CheckEngineBenchNumericFlags.)
   const int chunk = absl::GetFlag(FLAGS_prefill_chunk) > 0 ? absl::GetFlag(FLAGS_prefill_chunk)
                                                            : backend->prefill_chunk_tokens();
   std::printf("prefill chunk: %d tokens per encoder pass%s\n", chunk,

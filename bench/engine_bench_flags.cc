@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/flags/flag.h"
@@ -35,7 +36,9 @@ ABSL_FLAG(std::string, cpu_gemm_inputs, "",
           "--device cpu: comma-separated GEMM input modes to time one after the other on the same "
           "shape (float32, bf16; e.g. 'float32,bf16'), each a whole run with its own prefill and "
           "steps, then the ratio of the steps; empty: the one --cpu_gemm_input names");
-ABSL_FLAG(int, repeats, 1, "with --cpu_gemm_inputs: time the modes this many times in alternation");
+ABSL_FLAG(int, repeats, 1,
+          "with --cpu_gemm_inputs: time the modes this many times in alternation (other than 1 "
+          "without --cpu_gemm_inputs: refused)");
 ABSL_FLAG(double, mem_bandwidth_gbs, 0,
           "device memory bandwidth in GB/s for the share of the bf16 bound (0: not reported)");
 ABSL_FLAG(bool, synthetic, false,
@@ -87,6 +90,25 @@ int CheckEngineBenchNumericFlags() {
   if (const int r = absl::GetFlag(FLAGS_repeats); r < 1) {
     std::fprintf(stderr, "--repeats %d: must be ≥ 1\n", r);
     return 2;
+  } else if (r != 1 && absl::GetFlag(FLAGS_cpu_gemm_inputs).empty()) {
+    // Only the --cpu_gemm_inputs loop repeats; a single run would ignore it.
+    std::fprintf(stderr,
+                 "--repeats %d: repeats the --cpu_gemm_inputs modes only; give --cpu_gemm_inputs "
+                 "(e.g. float32,bf16) or leave out --repeats\n",
+                 r);
+    return 2;
+  }
+  // Each named with its value (the model's bounds are checked once it is known).
+  for (const auto& [name, value, min, what] :
+       {std::tuple<const char*, int, int, const char*>{"--canvas", absl::GetFlag(FLAGS_canvas), 0,
+                                                       " (0: the checkpoint's canvas_length)"},
+        {"--steps", absl::GetFlag(FLAGS_steps), 1, ""},
+        {"--context", absl::GetFlag(FLAGS_context), 1, ""},
+        {"--prefill_chunk", absl::GetFlag(FLAGS_prefill_chunk), 0, " (0: the backend's)"}}) {
+    if (value < min) {
+      std::fprintf(stderr, "%s %d: must be ≥ %d%s\n", name, value, min, what);
+      return 2;
+    }
   }
   for (const auto& [name, value] :
        {std::pair<const char*, double>{"--mem_bandwidth_gbs",

@@ -39,7 +39,9 @@ ABSL_DECLARE_FLAG(bool, calibrate_only);
 namespace dgserve::bench {
 
 // The numeric flags a loop or a ratio would otherwise take silently as something else:
-// --repeats ≥ 1; --mem_bandwidth_gbs, --step_budget_s, --calibrate_copy_mb and
+// --repeats ≥ 1, and 1 without --cpu_gemm_inputs (only that loop repeats); --canvas ≥ 0,
+// --steps ≥ 1, --context ≥ 1, --prefill_chunk ≥ 0 (each message names the flag and its value);
+// --mem_bandwidth_gbs, --step_budget_s, --calibrate_copy_mb and
 // --calibrate_gemm_n finite and ≥ 0. 0 when they are; else the message on stderr and 2 (the
 // exit status).
 int CheckEngineBenchNumericFlags();

@@ -34,6 +34,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "common/cli.h"
 #include "common/jsonl.h"
 #include "common/status_macros.h"
@@ -63,9 +64,11 @@ ABSL_FLAG(std::string, nvfp4_activations, "",
           "time) or none (weight-only NVFP4A16, as llm-compressor's NVFP4A16 preset writes: no "
           "input_global_scale, activations unquantized; needs --nvfp4_layout compressed-tensors)");
 ABSL_FLAG(std::string, ignore, absl::StrJoin(dgserve::DefaultQuantizeIgnore(), ","),
-          "comma-separated compressed-tensors ignore list (module names or re:REGEX): modules "
-          "kept in bf16 (it replaces the default; an entry that names no module of the checkpoint "
-          "is warned about). Default: the LM head and embedding, the MoE router, the norms, and "
+          "comma-separated compressed-tensors ignore list (module names or re:REGEX, an ECMAScript "
+          "regular expression): modules kept in bf16 (it replaces the default; ASCII whitespace "
+          "around each entry is dropped, and an entry given twice is written once; an entry that "
+          "names no module of the checkpoint is warned about before anything runs). Default: the "
+          "LM head and embedding, the MoE router, the norms, and "
           "the self-conditioning MLP");
 namespace dgserve {
 
@@ -281,6 +284,24 @@ absl::StatusOr<std::vector<CalibrationPrompt>> SudokuPrompts(const std::string& 
   return out;
 }
 
+// Warns on stderr of each --ignore entry that names no module of checkpoint `in`
+// (UnmatchedIgnoreEntries, matched as the writer matches it: most likely a typo, whose modules
+// would be quantized), before anything is calibrated or written; not of the default list's
+// entries, meant for every checkpoint (a tied model has no lm_head). A checkpoint whose headers
+// cannot be read gets no warning here: the run refuses it next.
+void WarnUnmatchedIgnore(const std::string& in, const QuantizeOptions& options) {
+  const absl::StatusOr<std::vector<std::string>> unmatched = UnmatchedIgnoreEntries(in, options);
+  if (!unmatched.ok()) return;
+  const std::vector<std::string> defaults = DefaultQuantizeIgnore();
+  for (const std::string& e : *unmatched) {
+    if (std::find(defaults.begin(), defaults.end(), e) != defaults.end()) continue;
+    std::fprintf(stderr,
+                 "warning: --ignore entry '%s' names no module of %s (a typo? the modules it "
+                 "meant will be quantized)\n",
+                 e.c_str(), in.c_str());
+  }
+}
+
 // The --calibration / --calibration_sudoku amax per module (options->input_amax), or with --gptq
 // the input Hessians (options->gptq_hessians), or with --gptq_sequential the modules quantized
 // layer by layer (options->w4a16_modules); nothing without either flag. The flags were
@@ -321,6 +342,7 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize, double*
   // without reading --in's weights, headers included.)
   const bool sequential = absl::GetFlag(FLAGS_gptq) && absl::GetFlag(FLAGS_gptq_sequential);
   DGSERVE_RETURN_IF_ERROR(CheckIgnoreList(in, *quantize, /*layer_by_layer=*/sequential));
+  WarnUnmatchedIgnore(in, *quantize);
   const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb).get().value_or(16.0);
   const auto max_bytes = int64_t(max_gb * double(int64_t{1} << 30));
   // The Hessians, and QuantizeCheckpoint's factor of each beside them; layer by layer, one
@@ -523,8 +545,13 @@ absl::Status Run() {
         absl::StrCat("--nvfp4_activations '", activations, "': must be nvfp4 or none"));
   }
   options.ignore.clear();
-  for (absl::string_view e : absl::StrSplit(absl::GetFlag(FLAGS_ignore), ',', absl::SkipEmpty())) {
-    options.ignore.emplace_back(e);
+  // "lm_head, re:.*norm.*" as "lm_head,re:.*norm.*"; a repeated entry once (the first).
+  for (absl::string_view e : absl::StrSplit(absl::GetFlag(FLAGS_ignore), ',')) {
+    e = absl::StripAsciiWhitespace(e);
+    if (!e.empty() &&
+        std::find(options.ignore.begin(), options.ignore.end(), e) == options.ignore.end()) {
+      options.ignore.emplace_back(e);
+    }
   }
   options.max_shard_bytes = absl::GetFlag(FLAGS_max_shard_bytes);
   if (options.max_shard_bytes <= 0) {  // before anything is written to --out
@@ -536,17 +563,24 @@ absl::Status Run() {
   // (Each entry as the writer makes it: ModelOpt's fnmatch patterns. CheckIgnoreList checks the
   // list against --in's modules before a calibration runs, QuantizeCheckpoint otherwise.)
   DGSERVE_RETURN_IF_ERROR(WrittenIgnoreList(options).status());
+  DGSERVE_RETURN_IF_ERROR(CheckQuantizeInput(absl::GetFlag(FLAGS_in)));
   DGSERVE_RETURN_IF_ERROR(CheckCalibrationFlags(options, format));
+  // --out can be made and written, before any calibration (CheckCalibrationFlags checked it
+  // already when one runs).
+  DGSERVE_RETURN_IF_ERROR(CheckQuantizePaths(absl::GetFlag(FLAGS_in), absl::GetFlag(FLAGS_out)));
   options.gptq_dampening = absl::GetFlag(FLAGS_gptq_dampening).get().value_or(0.01);
   double calibration_s = 0;
+  const bool calibrated =
+      absl::GetFlag(FLAGS_calibration).given || absl::GetFlag(FLAGS_calibration_sudoku).given;
+  // Calibrated, Calibrate warns of the ignore entries that name no module after its checks of
+  // the prompts and the ignore list, before the calibration runs.
+  if (!calibrated) WarnUnmatchedIgnore(absl::GetFlag(FLAGS_in), options);
   DGSERVE_RETURN_IF_ERROR(Calibrate(absl::GetFlag(FLAGS_in), &options, &calibration_s));
   const std::string out = absl::GetFlag(FLAGS_out);
   DGSERVE_ASSIGN_OR_RETURN(QuantizeSummary s,
                            QuantizeCheckpoint(absl::GetFlag(FLAGS_in), out, options));
   const double total_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const bool calibrated =
-      absl::GetFlag(FLAGS_calibration).given || absl::GetFlag(FLAGS_calibration_sudoku).given;
   const char* nvfp4_layout = s.quant.format != WeightFormat::kNvfp4 ? ""
                              : s.quant.nvfp4_compressed_tensors     ? " (compressed-tensors)"
                                                                     : " (modelopt)";
@@ -570,15 +604,6 @@ absl::Status Run() {
         "row reached, or routers and self-conditioning modules a custom --ignore leaves "
         "quantized)\n",
         s.gptq, s.rtn_without_hessian);
-  }
-  const std::vector<std::string> defaults = DefaultQuantizeIgnore();
-  for (const std::string& e : s.unmatched_ignore) {
-    // (The default list is for every checkpoint: a tied model has no lm_head.)
-    if (std::find(defaults.begin(), defaults.end(), e) != defaults.end()) continue;
-    std::fprintf(stderr,
-                 "warning: --ignore entry '%s' names no module of %s (a typo? the modules it "
-                 "meant were quantized)\n",
-                 e.c_str(), absl::GetFlag(FLAGS_in).c_str());
   }
   return absl::OkStatus();
 }

@@ -460,7 +460,7 @@ TEST(CalibrateTest, GptqByLayer) {
   lo.group_size = 32;
   lo.ignore.push_back("re:([");
   EXPECT_THAT(QuantizeW4a16GptqByLayer(*bf16_ck, prompts, co, lo).status().message(),
-              HasSubstr("entry 're:([' is not a regular expression"));
+              HasSubstr("entry 're:([' is not a valid regular expression (ECMAScript): "));
   lo.ignore.back() = "re:.*layers[.]3[.]experts[.]5[.]up_proj$";
   // Refused by the names, before the L calibration runs (a library caller that skips
   // CheckIgnoreList), and from the headers (dgserve-quantize runs CheckIgnoreList first).

@@ -318,9 +318,8 @@ absl::Status CheckModulePatterns(const std::vector<std::string>& patterns,
     try {
       std::regex re(e.substr(3));
     } catch (const std::regex_error& error) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, " entry '", e,
-                       "' is not a regular expression this build compiles: ", error.what()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " entry '", e, "' is not a valid regular expression (ECMAScript): ", error.what()));
     }
   }
   return absl::OkStatus();

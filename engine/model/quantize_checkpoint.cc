@@ -490,6 +490,14 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   // (ModelOpt: fnmatch patterns; the round trip below reads them back as such, as
   // CheckIgnoreList matches them.)
   DGSERVE_ASSIGN_OR_RETURN(q.ignore, WrittenIgnoreList(options));
+  {  // Each entry once, in the order first given (two ModelOpt entries may write one pattern).
+    std::set<std::string> seen;
+    std::vector<std::string> once;
+    for (std::string& e : q.ignore) {
+      if (seen.insert(e).second) once.push_back(std::move(e));
+    }
+    q.ignore = std::move(once);
+  }
   // Round-trip the config through the parser: the loader reads exactly what is written.
   const std::string config_path = (fs::path(in) / "config.json").string();
   DGSERVE_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_path));
@@ -535,13 +543,7 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   std::map<const InputHessian*, std::shared_ptr<const GptqFactor>> factors;
   absl::Status gptq_refused;
   std::set<std::string> used_given;  // QuantizeOptions::w4a16_modules written
-  std::set<std::string> modules;     // every module name an ignore entry may mean
-  for (const TensorView& t : reader.tensors()) {
-    const size_t dot = t.name.rfind('.');
-    modules.insert(dot == std::string::npos ? t.name : t.name.substr(0, dot));
-  }
   auto module_rows = [&](const std::string& module, const Rows& r) {
-    modules.insert(module);
     if (q.format == WeightFormat::kNvfp4 && r.cols % 16 != 0 && q.Quantizes(module)) {
       q.ignore.push_back(module);
       not_divisible.push_back(module);
@@ -732,21 +734,10 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
   summary.kept = kept;
   summary.gptq = gptq;
   summary.rtn_without_hessian = rtn_without_hessian;
-  // Each entry as written (ModelOpt: its fnmatch pattern, matched as the loader matches it).
-  DGSERVE_ASSIGN_OR_RETURN(const std::vector<std::string> written, WrittenIgnoreList(options));
-  for (size_t i = 0; i < options.ignore.size(); ++i) {
-    QuantizationConfig one;  // keeps what written[i] alone matches
-    one.format = WeightFormat::kW4A16;
-    one.targets = {"Linear"};
-    one.ignore = {written[i]};
-    one.glob_ignore = WritesModelOptIgnore(options);
-    auto matches = [&](const std::string& m) {
-      return one.glob_ignore ? !one.Quantizes(m) : IgnoreEntryMatches(options.ignore[i], m);
-    };
-    if (std::none_of(modules.begin(), modules.end(), matches)) {
-      summary.unmatched_ignore.push_back(options.ignore[i]);
-    }
-  }
+  // (The module names as the tensors and the Linear modules visited name them, as
+  // dgserve-quantize warns before calibrating.)
+  DGSERVE_ASSIGN_OR_RETURN(summary.unmatched_ignore,
+                           UnmatchedIgnoreEntries(config, reader.tensors(), options));
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                   progress->start).count();
   return summary;

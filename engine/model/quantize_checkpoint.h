@@ -213,6 +213,25 @@ absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorVi
 absl::Status CheckIgnoreList(const std::string& in, const QuantizeOptions& options,
                              bool layer_by_layer);
 
+// The entries of `options.ignore` that name no module of the checkpoint of `config` whose
+// tensors are `tensors` (headers only): no tensor's name without its last component and no
+// Linear module QuantizableModules lists (experts one by one) matches the entry as written
+// (WrittenIgnoreList: ModelOpt's fnmatch patterns, else names and regexes), in the list's order.
+// QuantizeCheckpoint reports these as QuantizeSummary::unmatched_ignore; dgserve-quantize warns
+// of them before calibrating. Errors as WrittenIgnoreList.
+absl::StatusOr<std::vector<std::string>> UnmatchedIgnoreEntries(const ModelConfig& config,
+                                                                std::span<const TensorView> tensors,
+                                                                const QuantizeOptions& options);
+// The same from checkpoint directory `in`: its config.json and safetensors headers (errors as
+// ParseModelConfig and SafetensorsReader::OpenDir).
+absl::StatusOr<std::vector<std::string>> UnmatchedIgnoreEntries(const std::string& in,
+                                                                const QuantizeOptions& options);
+
+// --in's own check (dgserve-quantize, before anything else reads it): a directory holding
+// config.json. INVALID_ARGUMENT naming --in otherwise (a file, such as a checkpoint's
+// model.safetensors, is told to give its directory).
+absl::Status CheckQuantizeInput(const std::string& in);
+
 // A compressed-tensors ignore entry as the ModelOpt NVFP4 layout's exclude pattern (fnmatch):
 // "re:.*X.*" → "*X*", "re:X" → "X*" (compressed-tensors matches from the start), a plain name
 // as it is; any other regular expression is INVALID_ARGUMENT naming the entry (dgserve-quantize

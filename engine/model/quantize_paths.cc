@@ -2,8 +2,10 @@
 // (quantize_checkpoint.h), apart from the checkpoint writer: they read no tensor.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -29,6 +31,23 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr char kEncoderAlias[] = "model.encoder.language_model.";
+
+// Whether `body` (a ModelOpt-bound regex without its ".*" ends) is a module name but for '.'s
+// left unescaped: letters, digits, '_', "\\." and '.' only, at least one bare '.'.
+bool OnlyUnescapedDots(const std::string& body) {
+  bool bare = false;
+  for (size_t i = 0; i < body.size(); ++i) {
+    const unsigned char ch = static_cast<unsigned char>(body[i]);
+    if (ch == '\\' && i + 1 < body.size() && body[i + 1] == '.') {
+      ++i;
+    } else if (ch == '.') {
+      bare = true;
+    } else if (!std::isalnum(ch) && ch != '_') {
+      return false;
+    }
+  }
+  return bare;
+}
 
 }  // namespace
 
@@ -120,9 +139,47 @@ absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorVi
   if (!modules.empty() && quantized == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the ignore list '", absl::StrJoin(ignore, ","), "' leaves no module to quantize: it ",
-        "matches every one of the checkpoint's ", modules.size(), " Linear modules"));
+        "matches every one of the checkpoint's ", modules.size(),
+        " Linear modules (leave out --ignore for the default list, or name fewer modules)"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> UnmatchedIgnoreEntries(const ModelConfig& config,
+                                                                std::span<const TensorView> tensors,
+                                                                const QuantizeOptions& options) {
+  std::set<std::string> modules;  // every module name an ignore entry may mean
+  for (const TensorView& t : tensors) {
+    const size_t dot = t.name.rfind('.');
+    modules.insert(dot == std::string::npos ? t.name : t.name.substr(0, dot));
+  }
+  for (std::string& m : QuantizableModules(config, tensors)) modules.insert(std::move(m));
+  // Each entry as written (ModelOpt: its fnmatch pattern, matched as the loader matches it).
+  DGSERVE_ASSIGN_OR_RETURN(const std::vector<std::string> written, WrittenIgnoreList(options));
+  std::vector<std::string> unmatched;
+  for (size_t i = 0; i < options.ignore.size(); ++i) {
+    QuantizationConfig one;  // keeps what written[i] alone matches
+    one.format = WeightFormat::kW4A16;
+    one.targets = {"Linear"};
+    one.ignore = {written[i]};
+    one.glob_ignore = WritesModelOptIgnore(options);
+    auto matches = [&](const std::string& m) {
+      return one.glob_ignore ? !one.Quantizes(m) : IgnoreEntryMatches(options.ignore[i], m);
+    };
+    if (std::none_of(modules.begin(), modules.end(), matches)) {
+      unmatched.push_back(options.ignore[i]);
+    }
+  }
+  return unmatched;
+}
+
+absl::StatusOr<std::vector<std::string>> UnmatchedIgnoreEntries(const std::string& in,
+                                                                const QuantizeOptions& options) {
+  const std::string config_path = (fs::path(in) / "config.json").string();
+  DGSERVE_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path));
+  DGSERVE_ASSIGN_OR_RETURN(const ModelConfig config, ParseModelConfig(text, config_path));
+  DGSERVE_ASSIGN_OR_RETURN(const SafetensorsReader reader, SafetensorsReader::OpenDir(in));
+  return UnmatchedIgnoreEntries(config, reader.tensors(), options);
 }
 
 absl::StatusOr<std::string> ModelOptIgnoreGlob(const std::string& e) {
@@ -140,6 +197,23 @@ absl::StatusOr<std::string> ModelOptIgnoreGlob(const std::string& e) {
       continue;
     }
     if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_') {
+      if (ch == '.' && OnlyUnescapedDots(body)) {
+        // A regex '.' is any character, a glob's a dot: the user meant the dots literally.
+        std::string escaped, glob;
+        for (size_t j = 0; j < body.size(); ++j) {
+          if (body[j] == '\\') {
+            escaped += body.substr(j, 2);
+            glob += body[++j];
+          } else {
+            escaped += body[j] == '.' ? "\\." : std::string(1, body[j]);
+            glob += body[j];
+          }
+        }
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--format nvfp4 writes ModelOpt exclude_modules (fnmatch patterns): the ignore entry '",
+            e, "' has an unescaped '.' (in a regular expression, any character): escape the dots (",
+            lead ? "re:.*" : "re:", escaped, ".*) or give a glob (", lead ? "*" : "", glob, "*)"));
+      }
       return absl::InvalidArgumentError(absl::StrCat(
           "--format nvfp4 writes ModelOpt exclude_modules (fnmatch patterns): the ignore entry '",
           e,
@@ -171,7 +245,10 @@ absl::Status CheckQuantizePaths(const std::string& in, const std::string& out) {
     return absl::InvalidArgumentError("--in DIR and --out DIR are required");
   std::error_code ec;
   if (fs::exists(out, ec) && fs::equivalent(in, out, ec)) {
-    return absl::InvalidArgumentError("--out must differ from --in");
+    return absl::InvalidArgumentError(
+        absl::StrCat("--out must differ from --in: ", out,
+                     " is the source checkpoint's directory; give a new directory for the "
+                     "quantized checkpoint"));
   }
   // --out inside --in, by any path: out's symlinks and ".." resolved (weakly_canonical: its
   // missing tail lexically), then each existing directory above it compared with --in as a file
@@ -205,6 +282,39 @@ absl::Status CheckQuantizePaths(const std::string& in, const std::string& out) {
     return absl::InvalidArgumentError(absl::StrCat("--out ", out, ": ",
                                                    p == fs::path(out) ? "" : p.string() + " ",
                                                    "is not writable: ", std::strerror(errno)));
+  }
+  // access(2) passes for root whatever the mode, and on file systems that make no directory
+  // (/proc): a directory made there (and removed) shows it now, not after a calibration.
+  std::string probe = (p / ".dgserve-quantize-probe-XXXXXX").string();
+  if (mkdtemp(probe.data()) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("--out ", out, ": cannot create a directory in ",
+                                                   p.string(), ": ", std::strerror(errno),
+                                                   " (give an --out in a writable directory)"));
+  }
+  rmdir(probe.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status CheckQuantizeInput(const std::string& in) {
+  if (in.empty()) return absl::InvalidArgumentError("--in DIR and --out DIR are required");
+  std::error_code ec;
+  if (fs::is_regular_file(in, ec)) {
+    const fs::path dir = fs::path(in).parent_path();
+    return absl::InvalidArgumentError(
+        absl::StrCat("--in ", in,
+                     ": a file, not a checkpoint directory; give the directory that holds "
+                     "config.json and the safetensors (",
+                     dir.empty() ? "." : dir.string(), "?)"));
+  }
+  if (!fs::is_directory(in, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--in ", in, ": not a checkpoint directory (",
+        fs::exists(in, ec) ? "not a directory" : "no such directory",
+        "; give the bf16 checkpoint's directory, which holds config.json and the safetensors)"));
+  }
+  if (!fs::exists(fs::path(in) / "config.json", ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--in ", in, ": not a checkpoint directory (no config.json)"));
   }
   return absl::OkStatus();
 }

@@ -95,7 +95,9 @@ TEST_F(QuantizePathsTest, OutBesideOrAboveInIsAllowed) {
   EXPECT_THAT(CheckQuantizePaths(in, base_.string()), IsOk());
   // --out equal to --in keeps its own message.
   EXPECT_THAT(CheckQuantizePaths(in, in + "/"),
-              StatusIs(absl::StatusCode::kInvalidArgument, "--out must differ from --in"));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("--out must differ from --in: " + in + "/"),
+                             HasSubstr("give a new directory for the quantized checkpoint"))));
 }
 
 std::map<std::string, std::string> DirContents(const fs::path& dir) {
@@ -223,7 +225,8 @@ TEST(CheckIgnoreListTest, RefusesWhatTheWriterWouldRefuse) {
     }
   }
   EXPECT_THAT(CheckIgnoreList(c, plain, Ignoring({"re:(["}), false),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'re:([' is not a regular")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("'re:([' is not a valid regular expression (ECMAScript): ")));
 }
 
 // --format nvfp4 in the ModelOpt layout writes fnmatch patterns (exclude_modules), which the
@@ -275,6 +278,49 @@ TEST(CheckIgnoreListTest, ModelOptLayoutMatchesAsTheWrittenPatterns) {
       WrittenIgnoreList(ct({"lm_head", "re:.*norm.*"}));
   ASSERT_THAT(entries, IsOk());
   EXPECT_THAT(*entries, ElementsAre("lm_head", "re:.*norm.*"));
+}
+
+// The entries that name no module, found from the headers (dgserve-quantize warns of them
+// before calibrating), matched as written: a plain name is a ModelOpt glob, and a norm (no
+// Linear module) is a module too.
+TEST(CheckIgnoreListTest, UnmatchedEntriesAreFoundFromTheHeaders) {
+  const ModelConfig c = ::dgserve::testing::TinyConfig();
+  const std::vector<TensorView> plain = TinyHeaders(false);
+  const std::vector<std::string> ignore = {"re:.*norm.*", "*experts.1.*", "nosuch", "re:.*typo.*",
+                                           "model.decoder.layers.0.input_layernorm"};
+  const absl::StatusOr<std::vector<std::string>> ct = UnmatchedIgnoreEntries(
+      c, plain, Ignoring(ignore, WeightFormat::kNvfp4, Nvfp4Layout::kCompressedTensors));
+  ASSERT_THAT(ct, IsOk());
+  EXPECT_THAT(*ct, ElementsAre("*experts.1.*", "nosuch", "re:.*typo.*"));
+  const absl::StatusOr<std::vector<std::string>> modelopt = UnmatchedIgnoreEntries(
+      c, plain, Ignoring(ignore, WeightFormat::kNvfp4, Nvfp4Layout::kModelOpt));
+  ASSERT_THAT(modelopt, IsOk());
+  EXPECT_THAT(*modelopt, ElementsAre("nosuch", "re:.*typo.*"));
+  // A name whose dots a regex would read as any character: told to escape them or give a glob.
+  EXPECT_THAT(ModelOptIgnoreGlob("re:.*experts.0.down_proj.*").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("escape the dots (re:.*experts\\.0\\.down_proj.*) or give a "
+                                 "glob (*experts.0.down_proj*)")));
+}
+
+// --in must be a checkpoint directory: a missing path, a file in one, a directory without
+// config.json are refused naming --in.
+TEST_F(QuantizePathsTest, InMustBeACheckpointDirectory) {
+  EXPECT_THAT(CheckQuantizeInput((base_ / "nosuch").string()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--in " + (base_ / "nosuch").string() +
+                                 ": not a checkpoint directory (no such directory")));
+  EXPECT_THAT(CheckQuantizeInput(in_.string()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "--in " + in_.string() + ": not a checkpoint directory (no config.json)"));
+  std::ofstream(in_ / "model.safetensors") << "x";
+  EXPECT_THAT(CheckQuantizeInput((in_ / "model.safetensors").string()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("a file, not a checkpoint directory; give the directory that "
+                                 "holds config.json and the safetensors (" +
+                                 in_.string())));
+  std::ofstream(in_ / "config.json") << "{}";
+  EXPECT_THAT(CheckQuantizeInput(in_.string()), IsOk());
 }
 
 // QuantizeCheckpoint refuses the same before writing anything; the directory form reads the
