@@ -1,9 +1,9 @@
 // GPTQ's cost at real width (engine/model/gptq.h): FactorGptqHessian and QuantizeW4a16Gptq on an
 // expert's gate/up shape ([1408, 2816] by default: 2816 inputs), random weights and the Hessian
 // XᵀX of a random X of --xrows rows (OpenBLAS dsyrk), against the straightforward column-by-column
-// and row-by-row forms they replaced (copied below, as gptq_test.cc keeps them), timed in
-// alternation --reps times each: min and median seconds and the ratio old / new. Checks that
-// both give the same bits (the factor U and the codes and scales).
+// and row-by-row forms they replaced (engine/model/gptq_reference_testing.h, gptq_test.cc's
+// reference), timed in alternation --reps times each: min and median seconds and the ratio old /
+// new. Checks that both give the same bits (the factor U and the codes and scales).
 //
 //   OMP_WAIT_POLICY=passive build/bench/gptq_bench [--rows 1408] [--cols 2816] [--reps 3]
 #include <cblas.h>
@@ -22,6 +22,7 @@
 #include "common/bf16.h"
 #include "common/cli.h"
 #include "engine/model/gptq.h"
+#include "engine/model/gptq_reference_testing.h"
 
 ABSL_FLAG(int, rows, 1408, "output rows of the quantized matrix");
 ABSL_FLAG(int, cols, 2816, "inputs (the Hessian's size)");
@@ -32,104 +33,6 @@ ABSL_FLAG(bool, skip_old, false, "time the library's forms only");
 
 namespace dgserve {
 namespace {
-
-// The forms before 2026-12-08 (FactorGptqHessian's serial Cholesky, QuantizeW4a16Gptq one row
-// at a time), as gptq_test.cc's reference; the parallel loops they had are kept here.
-bool RefCholeskyLower(std::vector<double>& a, int n) {
-  for (int j = 0; j < n; ++j) {
-    double d = a[size_t(j) * n + j];
-    for (int k = 0; k < j; ++k) d -= a[size_t(j) * n + k] * a[size_t(j) * n + k];
-    if (!(d > 0.0)) return false;
-    d = std::sqrt(d);
-    a[size_t(j) * n + j] = d;
-    for (int i = j + 1; i < n; ++i) {
-      double s = a[size_t(i) * n + j];
-      for (int k = 0; k < j; ++k) s -= a[size_t(i) * n + k] * a[size_t(j) * n + k];
-      a[size_t(i) * n + j] = s / d;
-    }
-  }
-  return true;
-}
-
-// false where the reference finds the Hessian not positive definite.
-bool RefFactor(const InputHessian& hessian, double dampening, GptqFactor& f) {
-  const int n = hessian.cols;
-  f.cols = n;
-  f.dead.assign(n, 0);
-  std::vector<double> h = hessian.h;
-  for (int i = 0; i < n; ++i) {
-    if (h[size_t(i) * n + i] != 0.0) continue;
-    h[size_t(i) * n + i] = 1.0;
-    f.dead[i] = 1;
-  }
-  double mean = 0.0;
-  for (int i = 0; i < n; ++i) mean += h[size_t(i) * n + i];
-  mean /= n;
-  for (int i = 0; i < n; ++i) h[size_t(i) * n + i] += dampening * mean;
-  if (!RefCholeskyLower(h, n)) return false;
-  std::vector<double> linv_t(size_t(n) * n, 0.0);
-#pragma omp parallel for schedule(dynamic, 8) if (n >= 256)
-  for (int c = 0; c < n; ++c) {
-    double* col = linv_t.data() + size_t(c) * n;
-    col[c] = 1.0 / h[size_t(c) * n + c];
-    for (int i = c + 1; i < n; ++i) {
-      const double* li = h.data() + size_t(i) * n;
-      double s = 0.0;
-      for (int k = c; k < i; ++k) s += li[k] * col[k];
-      col[i] = -s / li[i];
-    }
-  }
-  std::vector<double> hinv(size_t(n) * n);
-#pragma omp parallel for schedule(dynamic, 8) if (n >= 256)
-  for (int i = 0; i < n; ++i) {
-    const double* ci = linv_t.data() + size_t(i) * n;
-    for (int j = 0; j <= i; ++j) {
-      const double* cj = linv_t.data() + size_t(j) * n;
-      double s = 0.0;
-      for (int k = i; k < n; ++k) s += ci[k] * cj[k];
-      hinv[size_t(i) * n + j] = hinv[size_t(j) * n + i] = s;
-    }
-  }
-  if (!RefCholeskyLower(hinv, n)) return false;
-  f.u.assign(size_t(n) * n, 0.0);
-  for (int i = 0; i < n; ++i) {
-    for (int j = i; j < n; ++j) f.u[size_t(i) * n + j] = hinv[size_t(j) * n + i];
-  }
-  return true;
-}
-
-W4a16Weights RefQuantize(const std::vector<float>& w, int rows, int n, int group,
-                         const GptqFactor& factor) {
-  const int groups = (n + group - 1) / group;
-  W4a16Weights out;
-  out.codes.resize(size_t(rows) * n);
-  out.scales.resize(size_t(rows) * groups);
-#pragma omp parallel for schedule(static) if (int64_t(rows) * n * n >= (1 << 22))
-  for (int r = 0; r < rows; ++r) {
-    std::vector<double> row(w.begin() + size_t(r) * n, w.begin() + size_t(r + 1) * n);
-    for (int i = 0; i < n; ++i) {
-      if (factor.dead[i]) row[i] = 0.0;
-    }
-    float s = 1.0f;
-    for (int i = 0; i < n; ++i) {
-      if (i % group == 0) {
-        float absmax = 0.0f;
-        for (int c = i; c < std::min(n, i + group); ++c) {
-          absmax = std::max(absmax, float(std::fabs(row[c])));
-        }
-        const uint16_t sb = W4a16GroupScale(absmax);
-        out.scales[size_t(r) * groups + i / group] = sb;
-        s = Bf16ToFloat(sb);
-      }
-      const int code = W4a16Code(float(row[i]), s);
-      out.codes[size_t(r) * n + i] = int8_t(code);
-      const double* ui = factor.u.data() + size_t(i) * n;
-      const double err = (row[i] - double(code) * double(s)) / ui[i];
-      for (int j = i + 1; j < n; ++j) row[j] -= err * ui[j];
-    }
-  }
-  return out;
-}
 
 double Seconds(const std::function<void()>& f) {
   const auto t0 = std::chrono::steady_clock::now();

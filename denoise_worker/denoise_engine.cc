@@ -17,6 +17,7 @@
 #include "engine/model/config.h"
 #include "kvstore/paged_kv_cache.h"
 #include "service/canvas_template_proto.h"
+#include "worker/kv_admission.h"
 #include "worker/run_in_parts.h"
 
 namespace dgserve {
@@ -534,13 +535,7 @@ bool DenoiseEngine::FitsInKvMemoryBeside(const std::vector<std::unique_ptr<Runni
   };
   for (const auto& r : running) add(*r);
   add(next);
-  const absl::Status fits = backend_->CheckKvFitsTogether(plans);
-  // Only a want of memory holds the queue; any other answer (a fault in the check) admits.
-  if (!fits.ok() && !absl::IsResourceExhausted(fits)) {
-    DGSERVE_LOG_WARNING("K/V memory admission check failed, admitting: %s",
-                        std::string(fits.message()).c_str());
-  }
-  return !absl::IsResourceExhausted(fits);
+  return KvFitsTogether(*backend_, plans);
 }
 
 void DenoiseEngine::Iterate(std::vector<std::unique_ptr<Running>>& running) {

@@ -9,6 +9,7 @@
 #include "common/logging.h"
 #include "kvstore/paged_kv_cache.h"
 #include "kvstore/transport_selection.h"
+#include "worker/kv_admission.h"
 #include "worker/run_in_parts.h"
 
 namespace dgserve {
@@ -291,13 +292,7 @@ bool PrefillEngine::FitsInKvMemoryBeside(const std::vector<std::shared_ptr<Job>>
     if (!j->cancelled && !j->finished) add(*j);
   }
   add(next);
-  const absl::Status fits = backend_->CheckKvFitsTogether(plans);
-  // Only a want of memory holds the queue; any other answer (a fault in the check) admits.
-  if (!fits.ok() && !absl::IsResourceExhausted(fits)) {
-    DGSERVE_LOG_WARNING("K/V memory admission check failed, admitting: %s",
-                        std::string(fits.message()).c_str());
-  }
-  return !absl::IsResourceExhausted(fits);
+  return KvFitsTogether(*backend_, plans);
 }
 
 void PrefillEngine::Step(std::vector<std::shared_ptr<Job>>& active) {
