@@ -18,11 +18,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -341,7 +343,22 @@ absl::Status Calibrate(const std::string& in, QuantizeOptions* quantize, double*
   // hours), not after. (After the prompts: a refused prompt file or Sudoku layout is named
   // without reading --in's weights, headers included.)
   const bool sequential = absl::GetFlag(FLAGS_gptq) && absl::GetFlag(FLAGS_gptq_sequential);
-  DGSERVE_RETURN_IF_ERROR(CheckIgnoreList(in, *quantize, /*layer_by_layer=*/sequential));
+  // The denoising steps the amax calibration runs per canvas at most (none with --gptq): a list
+  // whose quantized modules one step never observes is refused now, not after calibrating.
+  int amax_steps = 0;
+  if (!absl::GetFlag(FLAGS_gptq)) {
+    amax_steps = absl::GetFlag(FLAGS_calibration_steps);
+    std::error_code ec;
+    const std::string gen = in + "/generation_config.json";
+    if (amax_steps == 0 && std::filesystem::exists(gen, ec)) {  // as LoadCheckpoint reads it
+      DGSERVE_ASSIGN_OR_RETURN(const GenerationConfig g, LoadGenerationConfig(gen));
+      amax_steps = g.max_denoising_steps;
+    } else if (amax_steps == 0) {
+      amax_steps = GenerationConfig().max_denoising_steps;
+    }
+  }
+  DGSERVE_RETURN_IF_ERROR(
+      CheckIgnoreList(in, *quantize, /*layer_by_layer=*/sequential, amax_steps));
   WarnUnmatchedIgnore(in, *quantize);
   const double max_gb = absl::GetFlag(FLAGS_gptq_max_gb).get().value_or(16.0);
   const auto max_bytes = int64_t(max_gb * double(int64_t{1} << 30));

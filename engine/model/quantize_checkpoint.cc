@@ -570,7 +570,12 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
           } else if (missing_amax.ok()) {
             missing_amax = absl::InvalidArgumentError(
                 absl::StrCat("activation calibration: no amax for the quantized module ", module,
-                             " (its input was never observed)"));
+                             " (its input was never observed",
+                             absl::StrContains(module, "self_conditioning.")
+                                 ? ": the self-conditioning MLP runs from a canvas's second "
+                                   "denoising step on. Keep it in bf16 (re:.*self_conditioning.* "
+                                   "in the ignore list) or calibrate with more steps)"
+                                 : ")"));
           }
         }
         AddNvfp4(module, r, set, weight_only, Nvfp4InputScale(amax, ct_nvfp4), progress.get(),

@@ -205,13 +205,20 @@ absl::StatusOr<std::vector<std::string>> WrittenIgnoreList(const QuantizeOptions
 // ModelOpt pattern (ModelOptIgnoreGlob), or the list quantizes one of an expert's gate_proj and
 // up_proj only (the loader runs them as one matrix), leaves no module to quantize (naming the
 // list), or, with `layer_by_layer` (layer-by-layer GPTQ, which quantizes by decoder name),
-// treats an encoder alias unlike its decoder module.
+// treats an encoder alias unlike its decoder module. `amax_calibration_steps` > 0: an
+// activation (amax) calibration of at most that many denoising steps per canvas follows
+// (engine/generation/calibrate.h); with one step and --format nvfp4 W4A4 (nvfp4_activations
+// kNvfp4, whose static input scales need every quantized module's amax), also INVALID_ARGUMENT
+// when the list quantizes the self-conditioning MLP: it runs from a canvas's second step on
+// only (its input is the previous step's probabilities), so such a calibration never observes
+// it and QuantizeCheckpoint would refuse the result after the calibration.
 absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorView> tensors,
-                             const QuantizeOptions& options, bool layer_by_layer);
+                             const QuantizeOptions& options, bool layer_by_layer,
+                             int amax_calibration_steps = 0);
 // The same from checkpoint directory `in`: its config.json and safetensors headers (errors as
 // ParseModelConfig and SafetensorsReader::OpenDir).
 absl::Status CheckIgnoreList(const std::string& in, const QuantizeOptions& options,
-                             bool layer_by_layer);
+                             bool layer_by_layer, int amax_calibration_steps = 0);
 
 // The entries of `options.ignore` that name no module of the checkpoint of `config` whose
 // tensors are `tensors` (headers only): no tensor's name without its last component and no

@@ -103,7 +103,8 @@ bool WritesModelOptIgnore(const QuantizeOptions& options) {
 }
 
 absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorView> tensors,
-                             const QuantizeOptions& options, bool layer_by_layer) {
+                             const QuantizeOptions& options, bool layer_by_layer,
+                             int amax_calibration_steps) {
   const std::vector<std::string>& ignore = options.ignore;
   DGSERVE_RETURN_IF_ERROR(CheckModulePatterns(ignore, "the ignore list's"));
   // Matched as the loader will match the written config.json: ModelOpt's exclude_modules are
@@ -115,9 +116,14 @@ absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorVi
   q.glob_ignore = WritesModelOptIgnore(options);
   const std::vector<std::string> modules = QuantizableModules(config, tensors);
   int quantized = 0;
+  std::string unobserved;  // the first quantized module a one-step calibration never observes
   for (const std::string& module : modules) {
     const bool quantizes = q.Quantizes(module);
     quantized += quantizes;
+    if (quantizes && unobserved.empty() &&
+        absl::StrContains(QuantizeDecoderModuleName(module), "self_conditioning.")) {
+      unobserved = module;
+    }
     if (absl::EndsWith(module, ".gate_proj") && absl::StrContains(module, ".experts.")) {
       // The loader (and vLLM's fused MoE) runs an expert's gate and up as one matrix.
       const std::string prefix = module.substr(0, module.size() - 9);  // "….experts.E."
@@ -141,6 +147,18 @@ absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorVi
         "the ignore list '", absl::StrJoin(ignore, ","), "' leaves no module to quantize: it ",
         "matches every one of the checkpoint's ", modules.size(),
         " Linear modules (leave out --ignore for the default list, or name fewer modules)"));
+  }
+  // The self-conditioning MLP's input is the previous denoising step's probabilities: step 0 of a
+  // canvas runs without it (engine/generation/sample_run.cc), so a one-step calibration never
+  // observes it, and W4A4's static input scale needs its amax.
+  if (amax_calibration_steps == 1 && options.format == WeightFormat::kNvfp4 &&
+      options.nvfp4_activations == Nvfp4Activations::kNvfp4 && !unobserved.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the ignore list quantizes ", unobserved,
+        ", whose input a calibration of 1 denoising step per canvas never observes (the "
+        "self-conditioning MLP runs from a canvas's second step on), and --format nvfp4 needs "
+        "its amax for the static activation scale: add re:.*self_conditioning.* to --ignore (as "
+        "the default list does), or calibrate with --calibration_steps 2 or more"));
   }
   return absl::OkStatus();
 }
@@ -227,12 +245,12 @@ absl::StatusOr<std::string> ModelOptIgnoreGlob(const std::string& e) {
 }
 
 absl::Status CheckIgnoreList(const std::string& in, const QuantizeOptions& options,
-                             bool layer_by_layer) {
+                             bool layer_by_layer, int amax_calibration_steps) {
   const std::string config_path = (fs::path(in) / "config.json").string();
   DGSERVE_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path));
   DGSERVE_ASSIGN_OR_RETURN(const ModelConfig config, ParseModelConfig(text, config_path));
   DGSERVE_ASSIGN_OR_RETURN(const SafetensorsReader reader, SafetensorsReader::OpenDir(in));
-  return CheckIgnoreList(config, reader.tensors(), options, layer_by_layer);
+  return CheckIgnoreList(config, reader.tensors(), options, layer_by_layer, amax_calibration_steps);
 }
 
 std::vector<std::string> DefaultQuantizeIgnore() {

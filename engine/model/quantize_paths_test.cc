@@ -229,6 +229,40 @@ TEST(CheckIgnoreListTest, RefusesWhatTheWriterWouldRefuse) {
                        HasSubstr("'re:([' is not a valid regular expression (ECMAScript): ")));
 }
 
+// The self-conditioning MLP runs from a canvas's second denoising step on: a one-step amax
+// calibration never observes it, so NVFP4 W4A4 (whose static input scale needs its amax) refuses
+// a list that quantizes it before calibrating (it failed after the calibration).
+TEST(CheckIgnoreListTest, RefusesSelfConditioningAOneStepCalibrationNeverObserves) {
+  const ModelConfig c = ::dgserve::testing::TinyConfig();
+  const std::vector<TensorView> plain = TinyHeaders(false);
+  const std::vector<std::string> no_sc = {"lm_head", "re:.*embed_tokens.*", "re:.*router.*",
+                                          "re:.*norm.*"};
+  for (Nvfp4Layout layout : {Nvfp4Layout::kModelOpt, Nvfp4Layout::kCompressedTensors}) {
+    const QuantizeOptions o = Ignoring(no_sc, WeightFormat::kNvfp4, layout);
+    EXPECT_THAT(CheckIgnoreList(c, plain, o, false, /*amax_calibration_steps=*/1),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("the ignore list quantizes "
+                                         "model.decoder.self_conditioning."),
+                               HasSubstr(", whose input a calibration of 1 denoising step per "
+                                         "canvas never observes"),
+                               HasSubstr("add re:.*self_conditioning.* to --ignore"))));
+    // Two steps observe it; no calibration (0) needs no amax; the default list keeps it.
+    EXPECT_THAT(CheckIgnoreList(c, plain, o, false, 2), IsOk());
+    EXPECT_THAT(CheckIgnoreList(c, plain, o, false, 0), IsOk());
+    EXPECT_THAT(
+        CheckIgnoreList(c, plain, Ignoring(DefaultQuantizeIgnore(), WeightFormat::kNvfp4, layout),
+                        false, 1),
+        IsOk());
+  }
+  // Formats without a static activation scale need no amax.
+  QuantizeOptions weight_only =
+      Ignoring(no_sc, WeightFormat::kNvfp4, Nvfp4Layout::kCompressedTensors);
+  weight_only.nvfp4_activations = Nvfp4Activations::kNone;
+  EXPECT_THAT(CheckIgnoreList(c, plain, weight_only, false, 1), IsOk());
+  EXPECT_THAT(CheckIgnoreList(c, plain, Ignoring(no_sc, WeightFormat::kW4A16), false, 1), IsOk());
+  EXPECT_THAT(CheckIgnoreList(c, plain, Ignoring(no_sc, WeightFormat::kFp8), false, 1), IsOk());
+}
+
 // --format nvfp4 in the ModelOpt layout writes fnmatch patterns (exclude_modules), which the
 // loader matches by fnmatch or as a module prefix: the list is checked as so matched.
 TEST(CheckIgnoreListTest, ModelOptLayoutMatchesAsTheWrittenPatterns) {
