@@ -230,10 +230,19 @@ void PrefillEngine::Loop() {
         planned += std::min<int>(options_.chunk_tokens,
                                  j->request.tokens_size() - j->kv->num_tokens());
       }
+      // Cancelled prompts leave the queue at once, wherever they wait (the next step drops them
+      // and replies), not when they reach its head: nothing of theirs is counted.
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        if ((*it)->cancelled) {
+          active.push_back(*it);
+          it = queue_.erase(it);
+        } else {
+          ++it;
+        }
+      }
       int held = 0;
       while (!queue_.empty() && planned < options_.step_token_budget) {
         // And while the backend's K/V memory holds every running prompt and this one whole.
-        // (A cancelled prompt joins at once: the next step drops it and replies.)
         if (!active.empty() && options_.admit_by_kv_memory && !queue_.front()->cancelled &&
             !FitsInKvMemoryBeside(active, *queue_.front())) {
           held = int(queue_.size());
@@ -257,7 +266,7 @@ void PrefillEngine::Loop() {
     due.clear();
     // New jobs: look up the prefix cache and set up their KV.
     for (auto& j : active) {
-      if (j->kv) continue;
+      if (j->kv || j->cancelled) continue;  // a cancelled one leaves in Step without its KV
       j->started = absl::Now();
       const auto& t = j->request.tokens();
       const std::span<const int32_t> tokens(t.data(), size_t(t.size()));

@@ -243,6 +243,26 @@ void PrefillEngineCudaTest::TwoPromptsAtTheBound(bool admit_by_kv_memory) {
       if (!held) absl::SleepFor(absl::Milliseconds(1));
     }
     EXPECT_TRUE(held);
+    // A third prompt queued behind the held one and cancelled there gets its reply at the next
+    // step, while the second still waits in the queue (before, only a cancelled head of the
+    // queue did: this one waited for the first to ship and the second to start).
+    absl::Notification cancelled;
+    absl::Status cancelled_status;
+    int queued_then = -1;
+    r.set_request_id("p2");
+    const std::vector<int32_t> third = Prompt(150, 8);
+    r.mutable_tokens()->Assign(third.begin(), third.end());
+    ASSERT_THAT(engine->Submit(r,
+                               [&](absl::StatusOr<v1::PrefillResponse> res) {
+                                 cancelled_status = res.status();
+                                 queued_then = engine->stats().queued;
+                                 cancelled.Notify();
+                               }),
+                IsOk());
+    EXPECT_TRUE(engine->Cancel("p2"));
+    ASSERT_TRUE(cancelled.WaitForNotificationWithTimeout(absl::Seconds(300)));
+    EXPECT_EQ(cancelled_status.code(), absl::StatusCode::kCancelled) << cancelled_status;
+    EXPECT_EQ(queued_then, 1);  // the second, held
   }
   Run bounded;
   for (int i = 0; i < 2; ++i) {

@@ -573,8 +573,11 @@ absl::StatusOr<QuantizeSummary> QuantizeCheckpoint(const std::string& in, const 
                              " (its input was never observed",
                              absl::StrContains(module, "self_conditioning.")
                                  ? ": the self-conditioning MLP runs from a canvas's second "
-                                   "denoising step on. Keep it in bf16 (re:.*self_conditioning.* "
-                                   "in the ignore list) or calibrate with more steps)"
+                                   "denoising step on, and no calibration canvas took a second "
+                                   "step (one that is done at once, a puzzle without holes, "
+                                   "takes none). Keep it in bf16 (re:.*self_conditioning.* in "
+                                   "the ignore list), or calibrate on prompts whose canvases "
+                                   "take more steps)"
                                  : ")"));
           }
         }

@@ -201,7 +201,19 @@ absl::StatusOr<std::vector<std::string>> UnmatchedIgnoreEntries(const std::strin
 }
 
 absl::StatusOr<std::string> ModelOptIgnoreGlob(const std::string& e) {
-  if (!absl::StartsWith(e, "re:")) return e;
+  if (!absl::StartsWith(e, "re:")) {
+    // fnmatch would read [...] as a character class, which the loader's Glob (and so the
+    // writer's choice of modules) does not: the written list would name other modules than
+    // those kept.
+    if (e.find_first_of("[]") != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--format nvfp4 writes ModelOpt exclude_modules (fnmatch patterns): the ignore entry '",
+          e,
+          "' has a character class ([...]), which this build's pattern matching does not "
+          "support; list the modules one by one or use * and ?"));
+    }
+    return e;
+  }
   std::string body = e.substr(3);
   const bool lead = absl::StartsWith(body, ".*");
   if (lead) body = body.substr(2);
@@ -287,9 +299,18 @@ absl::Status CheckQuantizePaths(const std::string& in, const std::string& out) {
   // What fs::create_directories(out) and the writes into it would find only at the end: the
   // nearest existing path of out and its parents must be a directory we can write to (the
   // missing ones below it are created).
+  // (A symlink counts as present even when its target is missing: fs::exists follows it, and
+  // the walk would go past a dangling link to a writable parent.)
+  const auto present = [&](const fs::path& q) { return fs::exists(fs::symlink_status(q, ec)); };
   fs::path p(out);
-  while (!fs::exists(p, ec) && p.has_parent_path() && p.parent_path() != p) p = p.parent_path();
-  if (!fs::exists(p, ec)) p = ".";  // a relative path none of whose components exist
+  while (!present(p) && p.has_parent_path() && p.parent_path() != p) p = p.parent_path();
+  if (!present(p)) p = ".";  // a relative path none of whose components exist
+  if (fs::is_symlink(fs::symlink_status(p, ec)) && !fs::exists(p, ec)) {
+    const fs::path target = fs::read_symlink(p, ec);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--out ", out, ": ", p == fs::path(out) ? "it" : p.string(), " is a symbolic link to ",
+        target.string(), ", which does not exist (create it, or give another --out)"));
+  }
   if (!fs::is_directory(p, ec)) {
     return absl::InvalidArgumentError(
         p == fs::path(out)

@@ -84,6 +84,26 @@ TEST_F(QuantizePathsTest, AnOutThatCannotBeResolvedIsRefused) {
                        HasSubstr("--out " + out + ": cannot resolve the path")));
 }
 
+// An --out through a dangling symlink (the link itself, or a directory below it) is refused
+// naming the link and its target: the walk to the nearest existing parent followed the link,
+// found nothing, went on to the writable directory above, and the run failed as INTERNAL
+// ("cannot create ...: File exists") only when writing, after any calibration.
+TEST_F(QuantizePathsTest, AnOutThroughADanglingSymlinkIsRefused) {
+  fs::create_symlink(base_ / "nowhere", base_ / "dangling");
+  for (const fs::path& out : {base_ / "dangling", base_ / "dangling" / "q"}) {
+    EXPECT_THAT(CheckQuantizePaths(in_.string(), out.string()),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("--out " + out.string() + ": "),
+                               HasSubstr("is a symbolic link to " + (base_ / "nowhere").string() +
+                                         ", which does not exist"))))
+        << out;
+  }
+  // A link to an existing directory is a directory.
+  fs::create_directories(base_ / "there");
+  fs::create_symlink(base_ / "there", base_ / "alive");
+  EXPECT_THAT(CheckQuantizePaths(in_.string(), (base_ / "alive" / "q").string()), IsOk());
+}
+
 TEST_F(QuantizePathsTest, OutBesideOrAboveInIsAllowed) {
   const std::string in = in_.string();
   // A sibling whose name starts with --in's (not inside it: compared by directory, not text).
@@ -330,6 +350,11 @@ TEST(CheckIgnoreListTest, UnmatchedEntriesAreFoundFromTheHeaders) {
       c, plain, Ignoring(ignore, WeightFormat::kNvfp4, Nvfp4Layout::kModelOpt));
   ASSERT_THAT(modelopt, IsOk());
   EXPECT_THAT(*modelopt, ElementsAre("nosuch", "re:.*typo.*"));
+  // A character class: fnmatch (ModelOpt, vLLM) reads it, the loader's Glob does not.
+  EXPECT_THAT(ModelOptIgnoreGlob("*experts.[0-3].*").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("'*experts.[0-3].*' has a character class")));
+  EXPECT_EQ(ModelOptIgnoreGlob("*experts.1?.*").value_or(""), "*experts.1?.*");
   // A name whose dots a regex would read as any character: told to escape them or give a glob.
   EXPECT_THAT(ModelOptIgnoreGlob("re:.*experts.0.down_proj.*").status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
