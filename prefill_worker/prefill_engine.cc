@@ -232,14 +232,11 @@ void PrefillEngine::Loop() {
       }
       // Cancelled prompts leave the queue at once, wherever they wait (the next step drops them
       // and replies), not when they reach its head: nothing of theirs is counted.
-      for (auto it = queue_.begin(); it != queue_.end();) {
-        if ((*it)->cancelled) {
-          active.push_back(*it);
-          it = queue_.erase(it);
-        } else {
-          ++it;
-        }
-      }
+      std::erase_if(queue_, [&](const std::shared_ptr<Job>& j) {
+        const bool cancelled = j->cancelled;  // read once: set from other threads
+        if (cancelled) active.push_back(j);
+        return cancelled;
+      });
       int held = 0;
       while (!queue_.empty() && planned < options_.step_token_budget) {
         // And while the backend's K/V memory holds every running prompt and this one whole.

@@ -558,9 +558,8 @@ class CudaBackend final : public ModelBackend {
   // keeps (KvCache::SlidingRetainedFrom(n)) and lacks (from host_lacks_from: the deferred copy;
   // n or more: it lacks none); 0 without a window or with sliding_kv_ring off.
   int SlidingKeepFrom(const KvCache& kv, int n, int host_lacks_from) const;
-  // The largest of `plan`'s passes on a cache like `like` in device K/V blocks (CheckKvFits):
-  // its bytes as mapped, its full-attention and sliding-window blocks, and the position it starts
-  // from; zeros without paged K/V or positions.
+  // The largest of `plan`'s passes on a cache like `like` (CheckKvFits): its device K/V bytes as
+  // mapped, full and sliding blocks, first position; zeros without paged K/V or positions.
   struct KvPassBlocks {
     int64_t bytes = 0, full = 0, sliding = 0, from = 0;
   };

@@ -49,6 +49,31 @@ bool OnlyUnescapedDots(const std::string& body) {
   return bare;
 }
 
+// A checkpoint directory's config and safetensors headers (no tensor data read).
+struct CheckpointHeaders {
+  ModelConfig config;
+  SafetensorsReader reader;
+};
+absl::StatusOr<CheckpointHeaders> ReadCheckpointHeaders(const std::string& in) {
+  const std::string config_path = (fs::path(in) / "config.json").string();
+  DGSERVE_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path));
+  DGSERVE_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(text, config_path));
+  DGSERVE_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::OpenDir(in));
+  return CheckpointHeaders{std::move(config), std::move(reader)};
+}
+
+// What a written ignore list keeps, matched as the loader will match the written config.json:
+// `glob` (ModelOpt's exclude_modules) as fnmatch patterns or module prefixes, else
+// (compressed-tensors) as names or regular expressions; every other Linear is quantized.
+QuantizationConfig WrittenIgnoreMatcher(std::vector<std::string> written, bool glob) {
+  QuantizationConfig q;
+  q.format = WeightFormat::kW4A16;
+  q.targets = {"Linear"};
+  q.ignore = std::move(written);
+  q.glob_ignore = glob;
+  return q;
+}
+
 }  // namespace
 
 std::string QuantizeDecoderModuleName(const std::string& module) {
@@ -107,13 +132,9 @@ absl::Status CheckIgnoreList(const ModelConfig& config, std::span<const TensorVi
                              int amax_calibration_steps) {
   const std::vector<std::string>& ignore = options.ignore;
   DGSERVE_RETURN_IF_ERROR(CheckModulePatterns(ignore, "the ignore list's"));
-  // Matched as the loader will match the written config.json: ModelOpt's exclude_modules are
-  // fnmatch patterns (or a module prefix), compressed-tensors' entries names or regexes.
-  QuantizationConfig q;
-  q.format = WeightFormat::kW4A16;
-  q.targets = {"Linear"};
-  DGSERVE_ASSIGN_OR_RETURN(q.ignore, WrittenIgnoreList(options));
-  q.glob_ignore = WritesModelOptIgnore(options);
+  DGSERVE_ASSIGN_OR_RETURN(std::vector<std::string> written, WrittenIgnoreList(options));
+  const QuantizationConfig q =
+      WrittenIgnoreMatcher(std::move(written), WritesModelOptIgnore(options));
   const std::vector<std::string> modules = QuantizableModules(config, tensors);
   int quantized = 0;
   std::string unobserved;  // the first quantized module a one-step calibration never observes
@@ -176,11 +197,9 @@ absl::StatusOr<std::vector<std::string>> UnmatchedIgnoreEntries(const ModelConfi
   DGSERVE_ASSIGN_OR_RETURN(const std::vector<std::string> written, WrittenIgnoreList(options));
   std::vector<std::string> unmatched;
   for (size_t i = 0; i < options.ignore.size(); ++i) {
-    QuantizationConfig one;  // keeps what written[i] alone matches
-    one.format = WeightFormat::kW4A16;
-    one.targets = {"Linear"};
-    one.ignore = {written[i]};
-    one.glob_ignore = WritesModelOptIgnore(options);
+    // Keeps what written[i] alone matches.
+    const QuantizationConfig one =
+        WrittenIgnoreMatcher({written[i]}, WritesModelOptIgnore(options));
     auto matches = [&](const std::string& m) {
       return one.glob_ignore ? !one.Quantizes(m) : IgnoreEntryMatches(options.ignore[i], m);
     };
@@ -193,11 +212,8 @@ absl::StatusOr<std::vector<std::string>> UnmatchedIgnoreEntries(const ModelConfi
 
 absl::StatusOr<std::vector<std::string>> UnmatchedIgnoreEntries(const std::string& in,
                                                                 const QuantizeOptions& options) {
-  const std::string config_path = (fs::path(in) / "config.json").string();
-  DGSERVE_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path));
-  DGSERVE_ASSIGN_OR_RETURN(const ModelConfig config, ParseModelConfig(text, config_path));
-  DGSERVE_ASSIGN_OR_RETURN(const SafetensorsReader reader, SafetensorsReader::OpenDir(in));
-  return UnmatchedIgnoreEntries(config, reader.tensors(), options);
+  DGSERVE_ASSIGN_OR_RETURN(const CheckpointHeaders h, ReadCheckpointHeaders(in));
+  return UnmatchedIgnoreEntries(h.config, h.reader.tensors(), options);
 }
 
 absl::StatusOr<std::string> ModelOptIgnoreGlob(const std::string& e) {
@@ -258,11 +274,9 @@ absl::StatusOr<std::string> ModelOptIgnoreGlob(const std::string& e) {
 
 absl::Status CheckIgnoreList(const std::string& in, const QuantizeOptions& options,
                              bool layer_by_layer, int amax_calibration_steps) {
-  const std::string config_path = (fs::path(in) / "config.json").string();
-  DGSERVE_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path));
-  DGSERVE_ASSIGN_OR_RETURN(const ModelConfig config, ParseModelConfig(text, config_path));
-  DGSERVE_ASSIGN_OR_RETURN(const SafetensorsReader reader, SafetensorsReader::OpenDir(in));
-  return CheckIgnoreList(config, reader.tensors(), options, layer_by_layer, amax_calibration_steps);
+  DGSERVE_ASSIGN_OR_RETURN(const CheckpointHeaders h, ReadCheckpointHeaders(in));
+  return CheckIgnoreList(h.config, h.reader.tensors(), options, layer_by_layer,
+                         amax_calibration_steps);
 }
 
 std::vector<std::string> DefaultQuantizeIgnore() {
